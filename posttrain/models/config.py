@@ -1,0 +1,176 @@
+"""Model configuration: one frozen dataclass per architecture family, plus named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ATTENTION_IMPLS = ("reference", "chunked", "flash", "ring")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  """Rotary embedding settings, in Hugging Face's vocabulary.
+
+  Attributes:
+    theta: base wavelength.
+    type: one of default, linear, llama3, yarn.
+    factor: context extension factor (linear, llama3, yarn).
+    low_freq_factor / high_freq_factor: Llama 3 smoothing band.
+    original_max_position_embeddings: pre-training context (llama3, yarn).
+    beta_fast / beta_slow / mscale / mscale_all_dim / attention_factor / truncate: YaRN.
+  """
+
+  theta: float = 10_000.0
+  type: str = "default"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int | None = None
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  attention_factor: float | None = None
+  truncate: bool = True
+
+  def __post_init__(self):
+    if self.type not in ROPE_TYPES:
+      raise ValueError(f"rope type {self.type!r} is not supported; expected one of {ROPE_TYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and options of a decoder-only transformer (Llama 3, Qwen2.5, Qwen3).
+
+  Attributes:
+    architecture: the HF class name this config maps to (LlamaForCausalLM, ...).
+    qkv_bias: Qwen2-style bias on q/k/v projections.
+    qk_norm: Qwen3-style RMSNorm over head_dim of q and k before RoPE.
+    dtype: compute dtype; param_dtype: storage dtype of parameters.
+    remat: rematerialisation policy per block (none, full, dots, dots_with_no_batch_dims).
+    attention_impl: reference, chunked, flash or ring (kernels/).
+    value_head: add a scalar head on the final hidden state (PPO critic).
+    logprob_chunk: sequence chunk used when computing per-token log-probs.
+  """
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  rope: RopeConfig = RopeConfig()
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  max_position_embeddings: int = 8192
+  architecture: str = "LlamaForCausalLM"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: str = "none"
+  attention_impl: str = "reference"
+  attention_chunk: int = 512
+  value_head: bool = False
+  logprob_chunk: int = 256
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "ffn_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model {name} must be positive, got {getattr(self, name)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(
+          f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{name}={getattr(self, name)!r}; expected float32, bfloat16 or float16")
+
+  def replace(self, **kwargs: Any) -> "ModelConfig":
+    if "rope" in kwargs and isinstance(kwargs["rope"], dict):
+      kwargs["rope"] = RopeConfig(**kwargs["rope"])
+    return dataclasses.replace(self, **kwargs)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown model config keys {unknown}")
+    if isinstance(d.get("rope"), dict):
+      d["rope"] = RopeConfig(**d["rope"])
+    return cls(**d)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embeddings included)."""
+    d, f, h, kv, hd = self.d_model, self.ffn_dim, self.num_heads, self.num_kv_heads, self.head_dim
+    attn = d * h * hd * 2 + d * kv * hd * 2
+    if self.qkv_bias:
+      attn += (h + 2 * kv) * hd
+    if self.qk_norm:
+      attn += 2 * hd
+    per_layer = attn + 3 * d * f + 2 * d
+    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * per_layer + emb + d + (d + 1 if self.value_head else 0)
+
+
+_LLAMA3_ROPE = RopeConfig(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Fits the byte tokenizer (256 bytes + specials); a few seconds per step on CPU.
+    "tiny": ModelConfig(vocab_size=272, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=32, ffn_dim=384, rope=RopeConfig(theta=10_000.0),
+                        max_position_embeddings=2048, tie_embeddings=True),
+    # The side-by-side comparison config used by benchmarks (same as the peer's).
+    "bench": ModelConfig(vocab_size=1024, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_dim=1024, rope=RopeConfig(theta=10_000.0),
+                         max_position_embeddings=2048, tie_embeddings=True,
+                         architecture="Qwen3ForCausalLM", qk_norm=True),
+    "llama3_8b": ModelConfig(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32,
+                             num_kv_heads=8, head_dim=128, ffn_dim=14_336, rope=_LLAMA3_ROPE,
+                             norm_eps=1e-5, max_position_embeddings=131_072,
+                             architecture="LlamaForCausalLM", dtype="bfloat16",
+                             param_dtype="bfloat16", remat="dots_with_no_batch_dims"),
+    "llama3_70b": ModelConfig(vocab_size=128_256, d_model=8192, num_layers=80, num_heads=64,
+                              num_kv_heads=8, head_dim=128, ffn_dim=28_672, rope=_LLAMA3_ROPE,
+                              norm_eps=1e-5, max_position_embeddings=131_072,
+                              architecture="LlamaForCausalLM", dtype="bfloat16",
+                              param_dtype="bfloat16", remat="full"),
+    "qwen2_5_7b": ModelConfig(vocab_size=152_064, d_model=3584, num_layers=28, num_heads=28,
+                              num_kv_heads=4, head_dim=128, ffn_dim=18_944,
+                              rope=RopeConfig(theta=1_000_000.0), norm_eps=1e-6, qkv_bias=True,
+                              max_position_embeddings=32_768, architecture="Qwen2ForCausalLM",
+                              dtype="bfloat16", param_dtype="bfloat16",
+                              remat="dots_with_no_batch_dims"),
+    "qwen3_8b": ModelConfig(vocab_size=151_936, d_model=4096, num_layers=36, num_heads=32,
+                            num_kv_heads=8, head_dim=128, ffn_dim=12_288,
+                            rope=RopeConfig(theta=1_000_000.0), norm_eps=1e-6, qk_norm=True,
+                            max_position_embeddings=40_960, architecture="Qwen3ForCausalLM",
+                            dtype="bfloat16", param_dtype="bfloat16",
+                            remat="dots_with_no_batch_dims"),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+  """Returns a named preset, optionally with fields replaced."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+  return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

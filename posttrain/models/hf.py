@@ -1,0 +1,316 @@
+"""Hugging Face import/export for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+
+`from_pretrained` reads a local folder (config.json + *.safetensors, single file or sharded
+with an index) and streams one tensor at a time onto its sharding. `save_pretrained` writes
+the same layout back, so a round trip is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from posttrain.models.config import ModelConfig, RopeConfig
+from posttrain.models.factory import abstract_model, state_shardings
+from posttrain.models.sharding import DEFAULT_RULES, Rules
+from posttrain.models.transformer import Transformer
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
+_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+
+
+def _rope_from_hf(c: dict[str, Any]) -> RopeConfig:
+  params = c.get("rope_parameters") or {}
+  if params and all(isinstance(v, dict) for v in params.values()):
+    raise ValueError("per-layer-type rope_parameters are not supported")
+  scaling = dict(c.get("rope_scaling") or {})
+  merged = {**scaling, **params}
+  theta = merged.get("rope_theta", c.get("rope_theta", 10_000.0))
+  rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+  if rope_type not in ("default", "linear", "llama3", "yarn"):
+    raise ValueError(f"rope type {rope_type!r} in config.json is not supported")
+  kwargs = {k: merged[k] for k in _ROPE_KEYS if merged.get(k) is not None}
+  if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in kwargs:
+    kwargs["original_max_position_embeddings"] = int(c.get("max_position_embeddings", 8192))
+  if rope_type == "yarn" and "factor" not in kwargs:
+    kwargs["factor"] = c["max_position_embeddings"] / kwargs["original_max_position_embeddings"]
+  return RopeConfig(theta=float(theta), type=rope_type, **kwargs)
+
+
+def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
+  """Maps a config.json dict to a ModelConfig; an unknown architecture is an error."""
+  archs = c.get("architectures") or []
+  arch = next((a for a in archs if a in SUPPORTED), None)
+  if arch is None:
+    raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
+                     f"supported: {list(SUPPORTED)}")
+  if c.get("mlp_bias"):
+    raise ValueError("mlp_bias=true in config.json is not supported")
+  if c.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act={c['hidden_act']!r} is not supported (expected silu)")
+  heads = int(c["num_attention_heads"])
+  head_dim = c.get("head_dim") or c["hidden_size"] // heads
+  dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
+  cfg = ModelConfig(
+      vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
+      num_layers=int(c["num_hidden_layers"]), num_heads=heads,
+      num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(head_dim),
+      ffn_dim=int(c["intermediate_size"]), rope=_rope_from_hf(c),
+      norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+      qkv_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
+      qk_norm=arch == "Qwen3ForCausalLM",
+      max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
+      architecture=arch, dtype=str(dtype), param_dtype=str(dtype))
+  return cfg.replace(**overrides) if overrides else cfg
+
+
+def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  rope = cfg.rope
+  scaling = None
+  if rope.type != "default":
+    scaling = {"rope_type": rope.type, "factor": rope.factor}
+    if rope.type == "llama3":
+      scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                     original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.type == "yarn":
+      scaling.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
+                     original_max_position_embeddings=rope.original_max_position_embeddings)
+      for k in ("mscale", "mscale_all_dim", "attention_factor"):
+        if getattr(rope, k) is not None:
+          scaling[k] = getattr(rope, k)
+  out = {
+      "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[cfg.architecture],
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": rope.theta, "rope_scaling": scaling,
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
+  }
+  if cfg.architecture != "Qwen2ForCausalLM":
+    out["attention_bias"] = cfg.qkv_bias
+  return out
+
+
+# -- parameter name mapping -----------------------------------------------------------------
+
+Transform = Callable[[np.ndarray], np.ndarray]
+
+
+def _mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transform, tuple]]:
+  """(our state path, HF name, hf->ours, ours->hf, our shape) for every parameter."""
+  d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  ident = lambda x: x  # noqa: E731
+
+  def proj_in(heads):  # HF [heads*h, d] <-> ours [d, heads, h]
+    return (lambda x: x.T.reshape(d, heads, h), lambda x: x.reshape(d, heads * h).T)
+
+  def bias(heads):
+    return (lambda x: x.reshape(heads, h), lambda x: x.reshape(heads * h))
+
+  rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
+          (("final_norm", "scale"), "model.norm.weight", ident, ident, (d,))]
+  if not cfg.tie_embeddings:
+    rows.append((("lm_head",), "lm_head.weight", lambda x: x.T, lambda x: x.T,
+                 (d, cfg.vocab_size)))
+  for i in range(cfg.num_layers):
+    p, hf = ("layers", i), f"model.layers.{i}."
+    rows += [
+        (p + ("input_norm", "scale"), hf + "input_layernorm.weight", ident, ident, (d,)),
+        (p + ("post_attn_norm", "scale"), hf + "post_attention_layernorm.weight", ident,
+         ident, (d,)),
+        (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *proj_in(n), (d, n, h)),
+        (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *proj_in(k), (d, k, h)),
+        (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h)),
+        (p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
+         lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
+         lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)),
+        (p + ("mlp", "gate_proj"), hf + "mlp.gate_proj.weight", lambda x: x.T, lambda x: x.T,
+         (d, f)),
+        (p + ("mlp", "up_proj"), hf + "mlp.up_proj.weight", lambda x: x.T, lambda x: x.T,
+         (d, f)),
+        (p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T, lambda x: x.T,
+         (f, d)),
+    ]
+    if cfg.qkv_bias:
+      rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *bias(n), (n, h)),
+               (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *bias(k), (k, h)),
+               (p + ("attn", "v_bias"), hf + "self_attn.v_proj.bias", *bias(k), (k, h))]
+    if cfg.qk_norm:
+      rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", ident, ident,
+                (h,)),
+               (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", ident, ident,
+                (h,))]
+  return rows
+
+
+def _hf_shape(cfg: ModelConfig, name: str, ours: tuple, to_hf: Transform) -> tuple:
+  return to_hf(np.empty(ours, np.int8)).shape
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file, from an index or by scanning the folder."""
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as fh:
+      weight_map = json.load(fh)["weight_map"]
+    return {name: os.path.join(path, f) for name, f in weight_map.items()}
+  from safetensors import safe_open
+  files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors files in {path}")
+  out = {}
+  for f in files:
+    with safe_open(os.path.join(path, f), framework="numpy") as fh:
+      for name in fh.keys():
+        out[name] = os.path.join(path, f)
+  return out
+
+
+def _iter_tensors(files: dict[str, str], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+  """Yields (name, array), opening each file once and reading one tensor at a time."""
+  from safetensors import safe_open
+  by_file: dict[str, list[str]] = {}
+  for name in names:
+    by_file.setdefault(files[name], []).append(name)
+  for f, group in by_file.items():
+    with safe_open(f, framework="numpy") as fh:
+      for name in group:
+        yield name, fh.get_tensor(name)
+
+
+def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = None,
+                    rules: Rules = DEFAULT_RULES, **overrides: Any) -> Transformer:
+  """Loads a local Hugging Face checkpoint folder into a Transformer.
+
+  Args:
+    path: folder with config.json and *.safetensors (optionally sharded with an index).
+    mesh: place each parameter on its shards as it is read (default: the default device).
+    dtype: parameter and compute dtype (default: the checkpoint's).
+    rules: logical-axis rules.
+    **overrides: ModelConfig fields to replace (attention_impl, remat, value_head, ...).
+
+  Raises:
+    ValueError: unknown architecture; missing, unexpected or wrongly shaped tensors.
+  """
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{cfg_path} does not exist")
+  with open(cfg_path) as fh:
+    hf_cfg = json.load(fh)
+  if dtype is not None:
+    overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+  cfg = hf_config_to_model_config(hf_cfg, **overrides)
+  files = _tensor_files(path)
+  rows = _mapping(cfg)
+  wanted = {r[1] for r in rows}
+  present = set(files)
+  # Tied checkpoints sometimes carry a copy of the embedding as lm_head.
+  extra = sorted(present - wanted - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+  missing = sorted(wanted - present)
+  if missing:
+    raise ValueError(f"checkpoint {path} is missing tensors: {missing[:5]}"
+                     f"{' ...' if len(missing) > 5 else ''}")
+  if extra:
+    raise ValueError(f"checkpoint {path} has unexpected tensors: {extra[:5]}"
+                     f"{' ...' if len(extra) > 5 else ''}")
+
+  graphdef, abstract_state = abstract_model(cfg)
+  shardings = state_shardings(abstract_state, mesh, rules) if mesh is not None else None
+  by_name = {r[1]: r for r in rows}
+  values: dict[tuple, jax.Array] = {}
+  pd = jnp.dtype(cfg.param_dtype)
+  for name, arr in _iter_tensors(files, [r[1] for r in rows]):
+    ours, _, to_ours, to_hf, shape = by_name[name]
+    expected = _hf_shape(cfg, name, shape, to_hf)
+    if tuple(arr.shape) != tuple(expected):
+      raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {expected}")
+    arr = np.asarray(to_ours(arr)).astype(pd)
+    if shardings is not None:
+      values[ours] = jax.device_put(arr, _lookup(shardings, ours).value)
+    else:
+      values[ours] = jnp.asarray(arr)
+
+  def fill(path, v):
+    key = tuple(getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path)
+    key = tuple(k for k in key if k != "value")
+    if key not in values:  # e.g. a value head, which HF checkpoints do not have.
+      return _fresh(v, key, cfg, mesh, rules)
+    return values[key]
+
+  state = jax.tree_util.tree_map_with_path(fill, abstract_state)
+  return nnx.merge(graphdef, state)
+
+
+def _lookup(tree, key: tuple):
+  node = tree
+  for k in key:
+    node = node[k]
+  return node
+
+
+def _fresh(v, key, cfg, mesh, rules):
+  """Initialises a parameter that the checkpoint does not hold (the value head)."""
+  if key == ("value_b",):
+    arr = jnp.zeros(v.shape, v.dtype)
+  elif key == ("value_w",):
+    arr = jax.random.normal(jax.random.key(0), v.shape, v.dtype) * cfg.init_std
+  else:
+    raise ValueError(f"no checkpoint tensor for parameter {'/'.join(map(str, key))}")
+  if mesh is not None:
+    arr = jax.device_put(arr, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  return arr
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 << 30,
+                    dtype: str | None = None) -> None:
+  """Writes config.json and model*.safetensors (sharded with an index past max_shard_bytes)."""
+  from safetensors.numpy import save_file
+  cfg = model.cfg
+  os.makedirs(path, exist_ok=True)
+  hf_cfg = model_config_to_hf(cfg)
+  if dtype:
+    hf_cfg["torch_dtype"] = dtype
+  out_dtype = jnp.dtype(dtype or cfg.param_dtype)
+  state = nnx.state(model)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for ours, name, _, to_hf, _ in _mapping(cfg):
+    arr = np.asarray(jax.device_get(_lookup(state, ours)[...])).astype(out_dtype)
+    arr = np.ascontiguousarray(to_hf(arr))
+    if size and size + arr.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = arr
+    size += arr.nbytes
+  if len(shards) == 1:
+    save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+      weight_map.update({name: fname for name in shard})
+    total = sum(a.nbytes for s in shards for a in s.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+  with open(os.path.join(path, "config.json"), "w") as fh:
+    json.dump(hf_cfg, fh, indent=2)

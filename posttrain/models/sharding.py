@@ -1,0 +1,144 @@
+"""Logical-axis sharding: one rules table maps logical names to mesh axes.
+
+Model code names dimensions logically (`batch, length, embed, heads, kv_heads, head_dim,
+mlp, vocab`); only this module knows the mesh axes (`data, fsdp, tensor, sequence`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import jax
+from jax.experimental import mesh_utils
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence")
+
+# (logical name, mesh axes it may shard over, in order of preference).
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", ("sequence",)),
+    ("embed", ("fsdp",)),
+    ("vocab", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("mlp", ("tensor",)),
+    ("norm", ()),
+    ("layers", ()),
+    ("cache_length", ()),
+)
+
+Rules = Sequence[tuple[str, Sequence[str]]]
+
+
+def make_mesh(shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds a mesh; one `-1` entry takes the devices that remain.
+
+  Args:
+    shape: sizes per axis, e.g. (1, -1, 1, 1) for pure FSDP.
+    axis_names: mesh axis names, by default (data, fsdp, tensor, sequence).
+    devices: devices to use (default: all).
+
+  Raises:
+    ValueError: if the product of the sizes does not equal the device count.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = [int(s) for s in shape]
+  if len(shape) != len(axis_names):
+    raise ValueError(f"mesh shape {tuple(shape)} has {len(shape)} entries but axis names "
+                     f"{tuple(axis_names)} have {len(axis_names)}")
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {tuple(shape)} has more than one -1")
+  known = math.prod(s for s in shape if s != -1)
+  if any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f"mesh shape {tuple(shape)} has a non-positive size")
+  if -1 in shape:
+    if len(devices) % known:
+      raise ValueError(f"mesh shape {tuple(shape)} does not divide {len(devices)} devices")
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, "
+                     f"but {len(devices)} are available")
+  try:
+    device_array = mesh_utils.create_device_mesh(shape, devices)
+  except Exception:  # Non-TPU topologies or odd shapes: plain row-major order is fine.
+    device_array = np.asarray(devices).reshape(shape)
+  return Mesh(device_array, tuple(axis_names))
+
+
+def logical_to_spec(names: Iterable[str | None], rules: Rules = DEFAULT_RULES,
+                    mesh: Mesh | None = None, shape: Sequence[int] | None = None) -> PartitionSpec:
+  """Maps logical axis names to a PartitionSpec.
+
+  A mesh axis is used at most once per array. When `mesh` and `shape` are given, mesh axes
+  of size 1 are dropped and an axis that does not divide the dimension is skipped, so a
+  small model (2 kv heads on a 4-way tensor axis) replicates instead of failing.
+  """
+  table = {name: tuple(axes) for name, axes in rules}
+  used: set[str] = set()
+  spec = []
+  names = tuple(names)
+  for i, name in enumerate(names):
+    axes = []
+    for axis in table.get(name, ()) if name is not None else ():
+      if axis in used:
+        continue
+      if mesh is not None:
+        if axis not in mesh.shape:
+          continue
+        size = mesh.shape[axis]
+        if size == 1:
+          continue
+        if shape is not None:
+          done = math.prod(mesh.shape[a] for a in axes)
+          if shape[i] % (done * size):
+            continue
+      axes.append(axis)
+      used.add(axis)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return PartitionSpec(*spec)
+
+
+def named_sharding(mesh: Mesh, names: Iterable[str | None], rules: Rules = DEFAULT_RULES,
+                   shape: Sequence[int] | None = None) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(names, rules, mesh, shape))
+
+
+class ShardingContext:
+  """A mesh plus a rules table; constrains activations by logical names inside jit."""
+
+  def __init__(self, mesh: Mesh | None, rules: Rules = DEFAULT_RULES):
+    self.mesh = mesh
+    self.rules = tuple((n, tuple(a)) for n, a in rules)
+
+  def constrain(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(
+        x, named_sharding(self.mesh, names, self.rules, x.shape))
+
+  def sharding(self, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    assert self.mesh is not None
+    return named_sharding(self.mesh, names, self.rules, shape)
+
+
+def rules_from_config(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """Accepts rules as a list of pairs or a mapping (ConfigDict-friendly)."""
+  if rules is None:
+    return DEFAULT_RULES
+  items = rules.items() if hasattr(rules, "items") else rules
+  out = []
+  for name, axes in items:
+    if isinstance(axes, str):
+      axes = (axes,)
+    axes = tuple(axes or ())
+    bad = [a for a in axes if a not in MESH_AXES]
+    if bad:
+      raise ValueError(f"sharding rule for {name!r} names unknown mesh axes {bad}; "
+                       f"mesh axes are {MESH_AXES}")
+    out.append((str(name), axes))
+  return tuple(out)

@@ -1,0 +1,327 @@
+"""Decoder-only transformer for the Llama 3 / Qwen2.5 / Qwen3 families (Flax NNX).
+
+Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
+H head_dim, F ffn, V vocab. Parameters carry logical axis names (`logical_axes` metadata);
+`posttrain.models.sharding` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.models import rope as rope_lib
+from posttrain.models.config import ModelConfig
+from posttrain.models.sharding import ShardingContext
+
+_NO_SHARDING = ShardingContext(None)
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def _param(rngs: nnx.Rngs | None, shape, names, dtype, init: str = "normal",
+           std: float = 0.02) -> nnx.Param:
+  if init == "normal":
+    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+  elif init == "ones":
+    value = jnp.ones(shape, dtype)
+  else:
+    value = jnp.zeros(shape, dtype)
+  return nnx.Param(value, logical_axes=tuple(names))
+
+
+class KVCache(NamedTuple):
+  """Per-layer key/value cache, slot index = token position. k, v: [B, S, K, H]."""
+
+  k: jax.Array
+  v: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> list[KVCache]:
+  dtype = dtype or _dtype(cfg.dtype)
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+          for _ in range(cfg.num_layers)]
+
+
+CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+
+
+class RMSNorm(nnx.Module):
+  """y = w * x / sqrt(mean(x^2) + eps), normalised in float32."""
+
+  def __init__(self, dim: int, eps: float, param_dtype, names=("norm",)):
+    self.eps = eps
+    self.scale = _param(None, (dim,), names, param_dtype, init="ones")
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
+  """Full (training / prefill) attention through kernels/, selected by cfg.attention_impl."""
+  import kernels  # Deferred: keeps `import posttrain.models` cheap.
+
+  kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  if cfg.attention_impl == "ring":
+    if ctx.mesh is None or ctx.mesh.shape.get("sequence", 1) == 1:
+      return kernels.dot_product_attention(q, k, v, implementation="chunked", **kwargs)
+    return kernels.ring_attention_sharded(q, k, v, mesh=ctx.mesh, axis_name="sequence", **kwargs)
+  if cfg.attention_impl == "flash":
+    return kernels.flash_attention(q, k, v, **kwargs)
+  if cfg.attention_impl == "chunked":
+    return kernels.dot_product_attention(q, k, v, implementation="chunked",
+                                         chunk_size=cfg.attention_chunk, **kwargs)
+  return kernels.dot_product_attention(q, k, v, implementation="reference", **kwargs)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std=std)
+    self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
+    self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
+    self.o_proj = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, std=std)
+    if cfg.qkv_bias:
+      self.q_bias = _param(None, (n, h), ("heads", "head_dim"), pd, init="zeros")
+      self.k_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
+      self.v_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps, pd, names=("head_dim",))
+      self.k_norm = RMSNorm(h, cfg.norm_eps, pd, names=("head_dim",))
+
+  def __call__(self, x_BxTxD, cos, sin, segment_ids_BxT, cache: KVCache | None,
+               positions_BxT, ctx: ShardingContext):
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    x = x_BxTxD.astype(dt)
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
+    if cfg.qkv_bias:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin)
+    q = ctx.constrain(q, ("batch", "length", "heads", "head_dim"))
+    k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+    v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+    new_cache = None
+    if cache is None:
+      out = attend(cfg, q, k, v, segment_ids_BxT, ctx)
+    else:
+      new_cache = write_cache(cache, k, v, positions_BxT)
+      new_cache = KVCache(ctx.constrain(new_cache.k, CACHE_AXES),
+                          ctx.constrain(new_cache.v, CACHE_AXES))
+      import kernels
+      lengths = positions_BxT[:, -1] + 1
+      out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths)
+    out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
+    y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
+    return y, new_cache
+
+
+def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> KVCache:
+  """Writes the new keys/values at their positions (slot = position), row by row."""
+  rows = jnp.arange(k_BxTxKxH.shape[0])[:, None]
+  pos = jnp.clip(positions_BxT, 0, cache.k.shape[1] - 1)
+  return KVCache(cache.k.at[rows, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
+                 cache.v.at[rows, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    self.gate_proj = _param(rngs, (cfg.d_model, cfg.ffn_dim), ("embed", "mlp"), pd, std=std)
+    self.up_proj = _param(rngs, (cfg.d_model, cfg.ffn_dim), ("embed", "mlp"), pd, std=std)
+    self.down_proj = _param(rngs, (cfg.ffn_dim, cfg.d_model), ("mlp", "embed"), pd, std=std)
+
+  def __call__(self, x_BxTxD, ctx: ShardingContext):
+    dt = _dtype(self.cfg.dtype)
+    x = x_BxTxD.astype(dt)
+    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(dt))
+    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(dt))
+    h = ctx.constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    return jnp.einsum("BTF,FD->BTD", h, self.down_proj[...].astype(dt))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    self.input_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.attn = Attention(cfg, rngs)
+    self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx):
+    h, new_cache = self.attn(self.input_norm(x), cos, sin, segment_ids, cache, positions, ctx)
+    x = x + h
+    x = x + self.mlp(self.post_attn_norm(x), ctx)
+    return ctx.constrain(x, ("batch", "length", "embed")), new_cache
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Transformer(nnx.Module):
+  """The policy. `model(tokens)` returns logits [B, T, V]."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = _dtype(cfg.param_dtype)
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd,
+                        std=cfg.init_std)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
+                            std=cfg.init_std)
+    if cfg.value_head:
+      self.value_w = _param(rngs, (cfg.d_model,), ("embed",), jnp.float32, std=cfg.init_std)
+      self.value_b = _param(None, (), (), jnp.float32, init="zeros")
+    inv_freq, scaling = rope_lib.inverse_frequencies(cfg.rope, cfg.head_dim,
+                                                     cfg.max_position_embeddings)
+    self._inv_freq = tuple(float(f) for f in inv_freq)  # Static: not a parameter.
+    self._rope_scaling = scaling
+
+  # -- trunk ------------------------------------------------------------------------------
+
+  def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
+                    cache: list[KVCache] | None = None, ctx: ShardingContext = _NO_SHARDING):
+    """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
+
+    Args:
+      tokens_BxT: int token ids.
+      positions_BxT: per-token positions (default 0..T-1); restart per packed segment.
+      segment_ids_BxT: packed-sequence ids, 0 = padding (default all ones).
+      cache: a KV cache from `init_cache`; new keys are written at `positions`, queries
+        attend to slots <= their position.
+      ctx: mesh + rules for activation constraints.
+    """
+    cfg = self.cfg
+    if tokens_BxT.ndim != 2:
+      raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxT.shape}")
+    b, t = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids_BxT is None:
+      segment_ids_BxT = jnp.ones((b, t), jnp.int32)
+    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(_dtype(cfg.dtype))
+    x = ctx.constrain(x, ("batch", "length", "embed"))
+    cos, sin = rope_lib.rope_tables(positions_BxT, self._inv_freq, self._rope_scaling)
+    new_caches = []
+    for i, block in enumerate(self.layers):
+      layer_cache = None if cache is None else cache[i]
+      if cfg.remat != "none" and cache is None:
+        x, c = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
+                            cfg.remat)
+      else:
+        x, c = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx)
+      new_caches.append(c)
+    h = self.final_norm(x)
+    return (h, new_caches) if cache is not None else h
+
+  def unembed(self) -> jax.Array:
+    """The output projection [D, V]."""
+    if self.cfg.tie_embeddings:
+      return self.embed[...].T
+    return self.lm_head[...]
+
+  def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, cache=None,
+               ctx: ShardingContext = _NO_SHARDING):
+    out = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, cache=cache, ctx=ctx)
+    h, new_cache = out if cache is not None else (out, None)
+    dt = _dtype(self.cfg.dtype)
+    logits = jnp.einsum("BTD,DV->BTV", h.astype(dt), self.unembed().astype(dt))
+    logits = ctx.constrain(logits, ("batch", "length", "vocab"))
+    return (logits, new_cache) if cache is not None else logits
+
+  # -- heads ------------------------------------------------------------------------------
+
+  def token_logprobs(self, tokens_BxT, targets_BxT, positions_BxT=None, segment_ids_BxT=None,
+                     *, chunk: int | None = None, return_entropy: bool = False,
+                     temperature: float = 1.0, ctx: ShardingContext = _NO_SHARDING):
+    """log p(targets[t] | tokens[:t+1]) [B, T] float32, computed chunk by chunk.
+
+    Never materialises float32 [B, T, V] logits: the vocabulary projection, log-softmax and
+    gather run over `chunk` positions at a time, rematerialised in the backward pass.
+    """
+    h = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, ctx=ctx)
+    return chunked_logprobs(h, self.unembed(), targets_BxT, chunk=chunk or self.cfg.logprob_chunk,
+                            return_entropy=return_entropy, temperature=temperature,
+                            compute_dtype=_dtype(self.cfg.dtype))
+
+  def values(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
+             ctx: ShardingContext = _NO_SHARDING):
+    """Scalar value per position [B, T] float32 (requires cfg.value_head)."""
+    if not self.cfg.value_head:
+      raise ValueError("this model has no value head; build it with value_head=True")
+    h = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, ctx=ctx)
+    return jnp.einsum("BTD,D->BT", h.astype(jnp.float32), self.value_w[...]) + self.value_b[...]
+
+
+def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name):
+  def run(block, x, cos, sin, segment_ids, positions):
+    return block(x, cos, sin, segment_ids, None, positions, ctx)
+
+  fn = nnx.remat(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
+  return fn(block, x, cos, sin, segment_ids, positions)
+
+
+def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,
+                     temperature: float = 1.0, compute_dtype=jnp.float32):
+  """Per-token log-probs (and optionally entropies) of targets, `chunk` positions at a time."""
+  b, t, d = h_BxTxD.shape
+  chunk = max(1, min(chunk, t))
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  tg = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+  h = h.reshape(b, n, chunk, d).swapaxes(0, 1)
+  tg = tg.reshape(b, n, chunk).swapaxes(0, 1)
+  w = w_DxV.astype(compute_dtype)
+
+  @jax.checkpoint
+  def one_chunk(h_BxCxD, t_BxC):
+    logits = jnp.einsum("BCD,DV->BCV", h_BxCxD.astype(compute_dtype), w,
+                        preferred_element_type=jnp.float32)
+    if temperature != 1.0:
+      logits = logits / temperature
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t_BxC[..., None], axis=-1)[..., 0]
+    logp = picked - logz
+    if not return_entropy:
+      return logp, jnp.zeros_like(logp)
+    probs = jax.nn.softmax(logits, axis=-1)
+    entropy = logz - jnp.sum(probs * logits, axis=-1)
+    return logp, entropy
+
+  def body(carry, xs):
+    return carry, one_chunk(*xs)
+
+  _, (logp, ent) = jax.lax.scan(body, None, (h, tg))
+  logp = logp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  if return_entropy:
+    return logp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  return logp
