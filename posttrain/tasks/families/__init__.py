@@ -1,0 +1,26 @@
+"""Built-in procedural task families; each module exposes ``domains() -> list[Domain]``."""
+
+from __future__ import annotations
+
+from posttrain.tasks.base import Domain
+
+BUILTIN_FAMILIES = (
+    "arithmetic",
+    "strings",
+    "lists",
+    "logic",
+    "structure",
+    "bases",
+    "sequences",
+    "equations",
+)
+
+
+def builtin_domains() -> list[Domain]:
+    """Every built-in domain, procedural families first."""
+    import importlib
+
+    out: list[Domain] = []
+    for family in BUILTIN_FAMILIES:
+        out.extend(importlib.import_module(f"posttrain.tasks.families.{family}").domains())
+    return out
