@@ -1,0 +1,363 @@
+"""Advantage estimators: small pure jnp functions and one registry.
+
+Token arrays are `[batch, length]` and aligned to *target* tokens (the layout
+`posttrain.rl.packing` produces); `mask` marks the targets that are the model's
+own generated tokens. Values at masked positions are never read: they are
+replaced with `jnp.where` before any arithmetic, so NaN/inf garbage there cannot
+leak into outputs or gradients. Rows may hold several packed sequences; pass
+their `segment_ids` (0 = padding) so recursions restart at every sequence.
+
+Sequence-level estimators (GRPO, RLOO) take one scalar reward per sequence,
+either as `[num_groups, group_size]` or as a flat `[num_sequences]` vector with
+a group-id vector of the same length.
+
+Batch-level normalisation (GAE whitening, REINFORCE++) is over every valid token
+of the arrays passed in: call these once on the whole rollout batch, before
+splitting it into minibatches.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# Added to the standard deviation before dividing (GRPO) and to the variance
+# under the square root (whitening), as in TRL / verl.
+STD_EPS = 1e-6
+VAR_EPS = 1e-8
+
+
+def _check_shapes(**arrays) -> None:
+  shapes = {name: jnp.shape(a) for name, a in arrays.items() if a is not None}
+  first_name, first_shape = next(iter(shapes.items()))
+  if len(first_shape) != 2:
+    raise ValueError(f"{first_name} must be [batch, length], got shape {first_shape}")
+  for name, shape in shapes.items():
+    if shape != first_shape:
+      raise ValueError(f"{name} shape {shape} != {first_name} shape {first_shape}")
+
+
+def _as_mask(mask) -> Array:
+  return jnp.asarray(mask) != 0
+
+
+def _segment_boundary(segment_ids: Array | None, shape) -> Array:
+  """True at the last position of each sequence: position t+1 starts another one."""
+  boundary = jnp.zeros(shape, bool).at[:, -1].set(True)
+  if segment_ids is None:
+    return boundary
+  segment_ids = jnp.asarray(segment_ids)
+  return boundary.at[:, :-1].set(segment_ids[:, :-1] != segment_ids[:, 1:])
+
+
+def _reverse_gae_scan(rewards, values, mask, boundary, gamma, lam):
+  """Reverse scan over valid tokens; masked tokens are skipped, not zeroed."""
+
+  def step(carry, xs):
+    next_adv, next_value = carry
+    reward_t, value_t, valid_t, boundary_t = xs
+    # A new sequence starts after t: nothing downstream of t belongs to it.
+    next_adv = jnp.where(boundary_t, 0.0, next_adv)
+    next_value = jnp.where(boundary_t, 0.0, next_value)
+    delta = reward_t + gamma * next_value - value_t
+    adv_t = delta + gamma * lam * next_adv
+    carry = (jnp.where(valid_t, adv_t, next_adv), jnp.where(valid_t, value_t, next_value))
+    return carry, jnp.where(valid_t, adv_t, 0.0)
+
+  batch = rewards.shape[0]
+  init = (jnp.zeros((batch,), rewards.dtype), jnp.zeros((batch,), rewards.dtype))
+  xs = (rewards.T, values.T, mask.T, boundary.T)
+  _, advantages_TxB = jax.lax.scan(step, init, xs, reverse=True)
+  return advantages_TxB.T
+
+
+def masked_whiten(x: Array, mask: Array) -> Array:
+  """Normalises `x` over the valid tokens of the whole batch.
+
+  `(x - mean) / sqrt(var + 1e-8)` with the unbiased variance over `mask`; 0 at
+  masked positions.
+
+  Args:
+    x: `[batch, length]` values.
+    mask: `[batch, length]`, nonzero where `x` is valid.
+
+  Returns:
+    The whitened `[batch, length]` array.
+  """
+  mask = _as_mask(mask)
+  x = jnp.where(mask, x, 0.0)
+  count = jnp.sum(mask)
+  mean = jnp.sum(x) / jnp.maximum(count, 1)
+  centred = jnp.where(mask, x - mean, 0.0)
+  var = jnp.sum(centred * centred) / jnp.maximum(count - 1, 1)
+  return centred * jax.lax.rsqrt(var + VAR_EPS)
+
+
+def gae_advantages(
+    token_rewards: Array,
+    values: Array,
+    mask: Array,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    segment_ids: Array | None = None,
+    whiten: bool = True,
+) -> tuple[Array, Array]:
+  """Generalised advantage estimation (Schulman et al. 2016) over valid tokens.
+
+  Over the valid tokens of one sequence, in order, with `V_{T} = 0` past the
+  last one:
+
+      delta_t = r_t + gamma * V_{t+1} - V_t
+      A_t     = delta_t + gamma * lam * A_{t+1}
+      R_t     = A_t + V_t                       (value-function target)
+
+  `t+1` is the next *valid* token of the same sequence, so tool-output tokens
+  inside a response (mask 0) are skipped rather than cut the recursion. With
+  `whiten`, advantages are then normalised over all valid tokens (`masked_whiten`).
+
+  Args:
+    token_rewards: `[batch, length]` per-token rewards (typically the sequence
+      reward on its last valid token, minus a per-token KL penalty).
+    values: `[batch, length]` critic values.
+    mask: `[batch, length]`, nonzero on valid (generated) tokens.
+    gamma: discount.
+    lam: GAE lambda.
+    segment_ids: optional `[batch, length]` packed-sequence ids (0 = padding).
+    whiten: normalise the advantages over the batch.
+
+  Returns:
+    `(advantages, returns)`, both `[batch, length]`, 0 at masked positions.
+  """
+  _check_shapes(token_rewards=token_rewards, values=values, mask=mask, segment_ids=segment_ids)
+  mask = _as_mask(mask)
+  rewards = jnp.where(mask, token_rewards, 0.0).astype(jnp.float32)
+  values = jnp.where(mask, values, 0.0).astype(jnp.float32)
+  boundary = _segment_boundary(segment_ids, mask.shape)
+  advantages = _reverse_gae_scan(rewards, values, mask, boundary, gamma, lam)
+  returns = jnp.where(mask, advantages + values, 0.0)
+  if whiten:
+    advantages = masked_whiten(advantages, mask)
+  return advantages, returns
+
+
+def reinforce_plus_plus_advantages(
+    token_rewards: Array,
+    mask: Array,
+    *,
+    gamma: float = 1.0,
+    kl: Array | None = None,
+    kl_coef: float = 0.0,
+    segment_ids: Array | None = None,
+) -> tuple[Array, Array]:
+  """REINFORCE++ (Hu 2025): KL-penalised discounted returns, batch-normalised.
+
+      r'_t = r_t - kl_coef * kl_t
+      G_t  = r'_t + gamma * G_{t+1}             (over valid tokens of a sequence)
+      A_t  = (G_t - mean(G)) / sqrt(var(G) + 1e-8)   over all valid tokens
+
+  Args:
+    token_rewards: `[batch, length]` per-token rewards.
+    mask: `[batch, length]`, nonzero on valid tokens.
+    gamma: discount.
+    kl: optional `[batch, length]` per-token KL estimate to the reference policy
+      (e.g. `posttrain.rl.losses.kl_divergence`).
+    kl_coef: weight of the KL penalty.
+    segment_ids: optional `[batch, length]` packed-sequence ids.
+
+  Returns:
+    `(advantages, returns)`, both `[batch, length]`, 0 at masked positions.
+  """
+  _check_shapes(token_rewards=token_rewards, mask=mask, kl=kl, segment_ids=segment_ids)
+  mask = _as_mask(mask)
+  rewards = jnp.where(mask, token_rewards, 0.0).astype(jnp.float32)
+  if kl is not None:
+    rewards = rewards - kl_coef * jnp.where(mask, kl, 0.0)
+  boundary = _segment_boundary(segment_ids, mask.shape)
+  zeros = jnp.zeros_like(rewards)
+  # GAE with V = 0 and lam = 1 is exactly the discounted return.
+  returns = _reverse_gae_scan(rewards, zeros, mask, boundary, gamma, 1.0)
+  return masked_whiten(returns, mask), returns
+
+
+def _group_layout(rewards, group_ids, valid):
+  """Flattens rewards to `[n]` with dense group ids in `[0, n)` and a valid mask."""
+  rewards = jnp.asarray(rewards)
+  if group_ids is None:
+    if rewards.ndim != 2:
+      raise ValueError(
+          f"rewards must be [num_groups, group_size] when group_ids is None, got shape {rewards.shape}"
+      )
+    num_groups, group_size = rewards.shape
+    dense_ids = jnp.repeat(jnp.arange(num_groups), group_size)
+  else:
+    group_ids = jnp.asarray(group_ids)
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+      raise ValueError(
+          f"with group_ids, rewards and group_ids must both be [num_sequences]; got {rewards.shape} and {group_ids.shape}"
+      )
+    # Arbitrary ids (e.g. prompt indices of the whole run) -> 0..n-1, jit-safe.
+    _, dense_ids = jnp.unique(group_ids, return_inverse=True, size=group_ids.shape[0])
+    dense_ids = dense_ids.reshape(-1)
+  flat = rewards.reshape(-1)
+  if valid is None:
+    valid_flat = jnp.ones(flat.shape, bool)
+  else:
+    if jnp.shape(valid) != rewards.shape:
+      raise ValueError(f"valid shape {jnp.shape(valid)} != rewards shape {rewards.shape}")
+    valid_flat = _as_mask(valid).reshape(-1)
+  flat = jnp.where(valid_flat, flat, 0.0).astype(jnp.float32)
+  return flat, dense_ids, valid_flat
+
+
+def _group_sums(x, dense_ids, n):
+  """Per-element sum of `x` over its group."""
+  return jax.ops.segment_sum(x, dense_ids, num_segments=n)[dense_ids]
+
+
+def group_normalized_advantages(
+    rewards: Array,
+    group_ids: Array | None = None,
+    *,
+    normalize_std: bool = True,
+    valid: Array | None = None,
+) -> Array:
+  """GRPO group-relative advantages (Shao et al. 2024); Dr.GRPO without the std.
+
+      A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)   normalize_std=True  (GRPO)
+      A_i =  r_i - mean_g(r)                        normalize_std=False (Dr.GRPO)
+
+  `mean_g`, `std_g` (unbiased, ddof=1) are over the valid members of sequence
+  i's group. A group with a single valid member has no baseline: its advantage is 0.
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    group_ids: optional `[num_sequences]` integer group of each sequence (any
+      values; equal ids = same prompt).
+    normalize_std: divide by the group standard deviation.
+    valid: optional mask of the same shape as `rewards`; invalid sequences
+      (padding, filtered) take no part and get advantage 0.
+
+  Returns:
+    Advantages with the shape of `rewards`.
+  """
+  flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
+  n = flat.shape[0]
+  count = _group_sums(valid_flat.astype(jnp.float32), ids, n)
+  mean = _group_sums(flat, ids, n) / jnp.maximum(count, 1.0)
+  centred = jnp.where(valid_flat, flat - mean, 0.0)
+  advantages = centred
+  if normalize_std:
+    var = _group_sums(centred * centred, ids, n) / jnp.maximum(count - 1.0, 1.0)
+    advantages = centred / (jnp.sqrt(var) + STD_EPS)
+  advantages = jnp.where(valid_flat & (count > 1), advantages, 0.0)
+  return advantages.reshape(jnp.shape(rewards))
+
+
+def rloo_advantages(
+    rewards: Array,
+    group_ids: Array | None = None,
+    *,
+    valid: Array | None = None,
+) -> Array:
+  """RLOO leave-one-out baseline (Ahmadian et al. 2024).
+
+      A_i = r_i - 1/(n_g - 1) * sum_{j in g, j != i} r_j
+
+  over the `n_g` valid members of sequence i's group; 0 when `n_g < 2`.
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    group_ids: optional `[num_sequences]` integer group of each sequence.
+    valid: optional mask of the same shape as `rewards`.
+
+  Returns:
+    Advantages with the shape of `rewards`.
+  """
+  flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
+  n = flat.shape[0]
+  count = _group_sums(valid_flat.astype(jnp.float32), ids, n)
+  others = (_group_sums(flat, ids, n) - flat) / jnp.maximum(count - 1.0, 1.0)
+  advantages = jnp.where(valid_flat & (count > 1), flat - others, 0.0)
+  return advantages.reshape(jnp.shape(rewards))
+
+
+def dynamic_sampling_mask(
+    rewards: Array,
+    group_ids: Array | None = None,
+    *,
+    valid: Array | None = None,
+) -> Array:
+  """DAPO dynamic sampling: keep only groups whose rewards are not all equal.
+
+  A group where every sample scores the same has zero GRPO advantage and only
+  dilutes the batch; the sampler should draw more prompts instead.
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    group_ids: optional `[num_sequences]` integer group of each sequence.
+    valid: optional mask of the same shape as `rewards`.
+
+  Returns:
+    Boolean mask with the shape of `rewards`: True for valid members of
+    informative groups.
+  """
+  flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
+  n = flat.shape[0]
+  big = jnp.finfo(jnp.float32).max
+  group_max = jax.ops.segment_max(jnp.where(valid_flat, flat, -big), ids, num_segments=n)[ids]
+  group_min = jax.ops.segment_min(jnp.where(valid_flat, flat, big), ids, num_segments=n)[ids]
+  return (valid_flat & (group_max > group_min)).reshape(jnp.shape(rewards))
+
+
+def overlong_penalty(
+    response_lengths: Array,
+    *,
+    max_response_len: int,
+    buffer_len: int,
+    factor: float = 1.0,
+) -> Array:
+  """DAPO soft overlong punishment, added to the sequence reward.
+
+      0                                  if L <= L_max - L_buf
+      factor * ((L_max - L_buf) - L) / L_buf   if L_max - L_buf < L <= L_max
+      -factor                            if L > L_max
+
+  Args:
+    response_lengths: `[num_sequences]` generated lengths in tokens.
+    max_response_len: `L_max`, the sampler's response budget.
+    buffer_len: `L_buf`, length of the linear penalty ramp before `L_max`.
+    factor: penalty at and past `L_max`.
+
+  Returns:
+    `[num_sequences]` float32 penalties (<= 0).
+  """
+  if not 0 < buffer_len <= max_response_len:
+    raise ValueError(f"buffer_len must be in (0, max_response_len={max_response_len}], got {buffer_len}")
+  lengths = jnp.asarray(response_lengths, jnp.float32)
+  start = max_response_len - buffer_len
+  ramp = (start - lengths) / buffer_len
+  penalty = jnp.where(lengths <= start, 0.0, jnp.where(lengths <= max_response_len, ramp, -1.0))
+  return factor * penalty
+
+
+# Registry: estimator name -> pure function. "Dr.GRPO" is "grpo" with
+# normalize_std=False (a preset knob), not a separate estimator.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Array | tuple[Array, Array]]] = {
+    "gae": gae_advantages,
+    "grpo": group_normalized_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_plus_plus_advantages,
+}
+
+# Estimators that need no critic and take one reward per sequence.
+SEQUENCE_LEVEL_ESTIMATORS = frozenset({"grpo", "rloo"})
+
+
+def get_advantage_estimator(name: str) -> Callable[..., Array | tuple[Array, Array]]:
+  """Returns the registered estimator `name`; one-line error if unknown."""
+  if name not in ADVANTAGE_ESTIMATORS:
+    raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+  return ADVANTAGE_ESTIMATORS[name]

@@ -1,0 +1,657 @@
+"""Policy, KL, entropy and value losses for the PPO/GRPO family.
+
+All token arrays are `[batch, length]`, aligned to target tokens (see
+`posttrain.rl.packing`); `loss_mask` marks the model's own generated targets.
+Inputs at masked positions are replaced with `jnp.where` before any arithmetic,
+so NaN/inf garbage there never reaches outputs or gradients.
+
+Exact micro-batch accumulation. Every aggregation is a weighted token sum
+`sum_t w_t * loss_t / D` whose weights `w` and denominator `D` depend only on
+masks (`token_weights`). A train step sums the per-microbatch denominators of
+the whole (mini)batch first, then calls `rl_loss(..., denominator=D_total)` per
+microbatch: the microbatch losses and their gradients then add up to exactly
+the full-batch values. Metrics are `Metric`s holding sums and counts; merge them
+with `merge_metrics` and turn them into numbers with `compute_metrics`.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Array = jax.Array
+
+# Log-ratios are clamped before exp: exp(20) ~ 5e8 is far outside any clip range
+# and keeps one stale token from producing inf * 0 = NaN.
+MAX_LOG_RATIO = 20.0
+
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+# ----------------------------------------------------------------------------
+# Metrics carried as (sum, count) so micro-batch averages stay exact.
+# ----------------------------------------------------------------------------
+
+
+@struct.dataclass
+class Metric:
+  """A metric accumulated over micro-batches.
+
+  `reduce="mean"`: `total / count`. `"max"`: `total` is a running max.
+  `"std"`: standard deviation from `total` (sum), `total_sq` (sum of squares)
+  and `count`.
+  """
+
+  total: Array
+  count: Array
+  total_sq: Array
+  reduce: str = struct.field(pytree_node=False, default="mean")
+
+  @classmethod
+  def mean(cls, total, count) -> "Metric":
+    zero = jnp.zeros((), jnp.float32)
+    return cls(jnp.asarray(total, jnp.float32), jnp.asarray(count, jnp.float32), zero, "mean")
+
+  @classmethod
+  def max(cls, value, count) -> "Metric":
+    zero = jnp.zeros((), jnp.float32)
+    return cls(jnp.asarray(value, jnp.float32), jnp.asarray(count, jnp.float32), zero, "max")
+
+  @classmethod
+  def std(cls, total, total_sq, count) -> "Metric":
+    return cls(
+        jnp.asarray(total, jnp.float32),
+        jnp.asarray(count, jnp.float32),
+        jnp.asarray(total_sq, jnp.float32),
+        "std",
+    )
+
+  def merge(self, other: "Metric") -> "Metric":
+    if self.reduce == "max":
+      total = jnp.maximum(self.total, other.total)
+    else:
+      total = self.total + other.total
+    return Metric(total, self.count + other.count, self.total_sq + other.total_sq, self.reduce)
+
+  def compute(self) -> Array:
+    has_data = self.count > 0
+    count = jnp.maximum(self.count, 1.0)
+    if self.reduce == "max":
+      return jnp.where(has_data, self.total, 0.0)
+    mean = self.total / count
+    if self.reduce == "std":
+      return jnp.sqrt(jnp.maximum(self.total_sq / count - mean * mean, 0.0))
+    return mean
+
+
+def merge_metrics(a: Mapping[str, Metric], b: Mapping[str, Metric]) -> dict[str, Metric]:
+  """Merges two metric dicts (e.g. two micro-batches); keys present in either."""
+  out = dict(a)
+  for name, metric in b.items():
+    out[name] = out[name].merge(metric) if name in out else metric
+  return out
+
+
+def compute_metrics(metrics: Mapping[str, Metric]) -> dict[str, Array]:
+  """Final values of a metric dict, as device scalars (no host sync)."""
+  return {name: metric.compute() for name, metric in metrics.items()}
+
+
+def _masked_mean_metric(x, mask) -> Metric:
+  return Metric.mean(jnp.sum(jnp.where(mask, x, 0.0)), jnp.sum(mask))
+
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+
+def _check_shapes(**arrays) -> None:
+  shapes = {name: jnp.shape(a) for name, a in arrays.items() if a is not None}
+  first_name, first_shape = next(iter(shapes.items()))
+  if len(first_shape) != 2:
+    raise ValueError(f"{first_name} must be [batch, length], got shape {first_shape}")
+  for name, shape in shapes.items():
+    if shape != first_shape:
+      raise ValueError(f"{name} shape {shape} != {first_name} shape {first_shape}")
+
+
+def _as_mask(mask) -> Array:
+  return jnp.asarray(mask) != 0
+
+
+def _clean(x, mask) -> Array:
+  return jnp.where(mask, x, 0.0).astype(jnp.float32)
+
+
+def segment_sum_per_token(x: Array, segment_ids: Array | None) -> Array:
+  """Each token gets the sum of `x` over its sequence (same row, same segment id).
+
+  Args:
+    x: `[batch, length]`; must already be 0 where it should not count.
+    segment_ids: `[batch, length]` packed-sequence ids, or None when each row is
+      one sequence.
+
+  Returns:
+    `[batch, length]` per-token sequence sums.
+  """
+  if segment_ids is None:
+    return jnp.broadcast_to(jnp.sum(x, axis=-1, keepdims=True), x.shape)
+  length = x.shape[-1]
+
+  def one_row(x_row, ids_row):
+    return jax.ops.segment_sum(x_row, ids_row, num_segments=length + 1)[ids_row]
+
+  # vmap keeps the scatter per row, so a batch-sharded input stays sharded.
+  return jax.vmap(one_row)(x, jnp.asarray(segment_ids, jnp.int32))
+
+
+def _num_sequences(mask, segment_ids) -> Array:
+  """Number of sequences with at least one valid token (an exact integer count)."""
+  if segment_ids is None:
+    return jnp.sum(jnp.any(mask, axis=-1))
+  length = mask.shape[-1]
+
+  def one_row(mask_row, ids_row):
+    return jax.ops.segment_max(mask_row, ids_row, num_segments=length + 1)
+
+  has_valid = jax.vmap(one_row)(mask.astype(jnp.int32), jnp.asarray(segment_ids, jnp.int32))
+  return jnp.sum(has_valid > 0)
+
+
+def token_weights(
+    loss_mask: Array,
+    mode: str,
+    *,
+    segment_ids: Array | None = None,
+    max_response_len: int | None = None,
+) -> tuple[Array, Array]:
+  """Per-token weights `w` and denominator `D` of a loss aggregation mode.
+
+  The aggregated loss is `sum_t w_t * loss_t / D`:
+
+      token_mean               w_t = m_t          D = sum_t m_t            (DAPO)
+      seq_mean_token_mean      w_t = m_t / n_i    D = #sequences           (GRPO)
+      seq_mean_token_sum_norm  w_t = m_t / L_max  D = #sequences           (Dr.GRPO)
+
+  `n_i` is the number of valid tokens of token t's sequence, `L_max` a constant
+  (the sampler's maximum response length). Sequences without valid tokens do
+  not count. `D` of a batch is the sum of the `D`s of its micro-batches.
+
+  Args:
+    loss_mask: `[batch, length]`, nonzero on trained targets.
+    mode: one of `AGG_MODES`.
+    segment_ids: optional packed-sequence ids; None = one sequence per row.
+    max_response_len: `L_max`, required for `seq_mean_token_sum_norm`.
+
+  Returns:
+    `(weights [batch, length] float32, denominator scalar float32)`.
+  """
+  if mode not in AGG_MODES:
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(AGG_MODES)}")
+  _check_shapes(loss_mask=loss_mask, segment_ids=segment_ids)
+  mask = _as_mask(loss_mask)
+  maskf = mask.astype(jnp.float32)
+  if mode == "token_mean":
+    return maskf, jnp.sum(maskf)
+  num_sequences = _num_sequences(mask, segment_ids).astype(jnp.float32)
+  if mode == "seq_mean_token_mean":
+    lengths = segment_sum_per_token(maskf, segment_ids)
+    return jnp.where(mask, 1.0 / jnp.maximum(lengths, 1.0), 0.0), num_sequences
+  if not max_response_len or max_response_len <= 0:
+    raise ValueError(f"seq_mean_token_sum_norm needs max_response_len > 0, got {max_response_len}")
+  return maskf / float(max_response_len), num_sequences
+
+
+def aggregate(per_token_loss: Array, weights: Array, denominator: Array) -> Array:
+  """`sum_t w_t * loss_t / D`, 0 when `D == 0`. Masked tokens have `w_t = 0`."""
+  numerator = jnp.sum(jnp.where(weights != 0, per_token_loss * weights, 0.0))
+  return jnp.where(denominator > 0, numerator / jnp.maximum(denominator, 1e-30), 0.0)
+
+
+# ----------------------------------------------------------------------------
+# Policy losses
+# ----------------------------------------------------------------------------
+
+
+def clipped_surrogate(
+    log_ratio: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+) -> tuple[Array, dict[str, Metric]]:
+  """PPO clipped surrogate with asymmetric (clip-higher) and dual clipping.
+
+      r_t = exp(log_ratio_t)
+      L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
+      L_t = min(L_t, -c A_t)          if A_t < 0 and dual_clip c > 1
+
+  The gradient is zero where the ratio is clipped in the direction the
+  advantage pushes: A > 0 and r > 1 + eps_high; A < 0 and r < 1 - eps_low;
+  A < 0 and r > c (dual clip).
+
+  Args:
+    log_ratio: `[batch, length]` log importance ratio (learner / old policy).
+    advantages: `[batch, length]`.
+    mask: `[batch, length]`, nonzero on trained targets.
+    eps_low: lower clip range (ratio floor `1 - eps_low`).
+    eps_high: upper clip range (ratio ceiling `1 + eps_high`; DAPO uses > eps_low).
+    dual_clip: `c > 1` enables dual clipping; 0 disables it.
+
+  Returns:
+    `(per_token_loss, metrics)`; loss is 0 at masked positions. Metrics:
+    clip_fraction/low, clip_fraction/high, clip_fraction/dual, ratio/mean, ratio/max.
+  """
+  mask = _as_mask(mask)
+  log_ratio = jnp.clip(_clean(log_ratio, mask), -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  advantages = _clean(advantages, mask)
+  ratio = jnp.exp(log_ratio)
+  unclipped = -advantages * ratio
+  clipped = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  loss = jnp.maximum(unclipped, clipped)
+  dual_clipped = jnp.zeros(mask.shape, bool)
+  if dual_clip:
+    dual_bound = -dual_clip * advantages
+    dual_clipped = (advantages < 0) & (loss > dual_bound)
+    loss = jnp.where(advantages < 0, jnp.minimum(loss, dual_bound), loss)
+  loss = jnp.where(mask, loss, 0.0)
+
+  count = jnp.sum(mask)
+  high = mask & (advantages > 0) & (ratio > 1.0 + eps_high)
+  low = mask & (advantages < 0) & (ratio < 1.0 - eps_low)
+  ratio_stop = jax.lax.stop_gradient(ratio)
+  metrics = {
+      "clip_fraction/low": Metric.mean(jnp.sum(low), count),
+      "clip_fraction/high": Metric.mean(jnp.sum(high), count),
+      "clip_fraction/dual": Metric.mean(jnp.sum(mask & dual_clipped), count),
+      "ratio/mean": _masked_mean_metric(ratio_stop, mask),
+      "ratio/max": Metric.max(jnp.max(jnp.where(mask, ratio_stop, -jnp.inf)), count),
+  }
+  return loss, metrics
+
+
+def ppo_log_ratio(log_probs, old_log_probs, mask, segment_ids=None) -> Array:
+  """Token-level log ratio `log pi(y_t) - log pi_old(y_t)` (0 at masked tokens)."""
+  del segment_ids
+  mask = _as_mask(mask)
+  return _clean(log_probs, mask) - _clean(old_log_probs, mask)
+
+
+def gspo_log_ratio(log_probs, old_log_probs, mask, segment_ids=None) -> Array:
+  """GSPO-token log ratio (Zheng et al. 2025), sequence-level in value.
+
+      log s_i     = 1/|y_i| sum_t (log pi(y_t) - log pi_old(y_t))
+      log s_{i,t} = sg[log s_i] + log pi(y_t) - sg[log pi(y_t)]
+
+  Its value is the length-normalised sequence ratio `s_i` for every token of
+  sequence i; its gradient is `s_i * grad log pi(y_t)`. With advantages constant
+  over a sequence and `seq_mean_token_mean` aggregation this equals the
+  sequence-level GSPO objective in value and gradient.
+  """
+  mask = _as_mask(mask)
+  log_probs = _clean(log_probs, mask)
+  token_log_ratio = log_probs - _clean(old_log_probs, mask)
+  seq_sum = segment_sum_per_token(jnp.where(mask, token_log_ratio, 0.0), segment_ids)
+  seq_len = segment_sum_per_token(mask.astype(jnp.float32), segment_ids)
+  seq_log_ratio = jax.lax.stop_gradient(seq_sum / jnp.maximum(seq_len, 1.0))
+  log_ratio = seq_log_ratio + log_probs - jax.lax.stop_gradient(log_probs)
+  return jnp.where(mask, log_ratio, 0.0)
+
+
+def _make_policy_loss(log_ratio_fn):
+  def policy_loss(
+      log_probs: Array,
+      old_log_probs: Array,
+      advantages: Array,
+      loss_mask: Array,
+      *,
+      eps_low: float,
+      eps_high: float,
+      dual_clip: float = 0.0,
+      segment_ids: Array | None = None,
+  ) -> tuple[Array, dict[str, Metric]]:
+    _check_shapes(
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        loss_mask=loss_mask,
+        segment_ids=segment_ids,
+    )
+    log_ratio = log_ratio_fn(log_probs, old_log_probs, loss_mask, segment_ids)
+    return clipped_surrogate(
+        log_ratio, advantages, loss_mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
+    )
+
+  return policy_loss
+
+
+ppo_policy_loss = _make_policy_loss(ppo_log_ratio)
+ppo_policy_loss.__name__ = "ppo_policy_loss"
+ppo_policy_loss.__doc__ = """PPO per-token loss: `clipped_surrogate` of `ppo_log_ratio`.
+
+Returns `(per_token_loss [batch, length], metrics)`.
+"""
+
+gspo_policy_loss = _make_policy_loss(gspo_log_ratio)
+gspo_policy_loss.__name__ = "gspo_policy_loss"
+gspo_policy_loss.__doc__ = """GSPO per-token loss: `clipped_surrogate` of `gspo_log_ratio`.
+
+Pass `segment_ids` for packed rows so the sequence ratio is per sequence.
+Returns `(per_token_loss [batch, length], metrics)`.
+"""
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Metric]]]] = {
+    "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+}
+
+
+def get_policy_loss(name: str):
+  """Returns the registered policy loss `name`; one-line error if unknown."""
+  if name not in POLICY_LOSSES:
+    raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}")
+  return POLICY_LOSSES[name]
+
+
+# ----------------------------------------------------------------------------
+# Off-policy correction
+# ----------------------------------------------------------------------------
+
+
+def truncated_importance_weights(
+    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, *, cap: float
+) -> Array:
+  """Truncated importance sampling (TIS) weights between sampler and learner.
+
+      w_t = min(exp(log pi_old(y_t) - log mu(y_t)), cap)
+
+  `mu` is the sampler (behaviour) policy, `pi_old` the learner's copy of the
+  same weights (they differ by numerics, or by policy lag when disaggregated).
+  Multiplies the per-token policy loss; carries no gradient.
+
+  Returns:
+    `[batch, length]` weights, 0 at masked positions.
+  """
+  if cap <= 0:
+    raise ValueError(f"tis cap must be > 0, got {cap}")
+  _check_shapes(old_log_probs=old_log_probs, behaviour_log_probs=behaviour_log_probs, mask=mask)
+  mask = _as_mask(mask)
+  log_w = _clean(old_log_probs, mask) - _clean(behaviour_log_probs, mask)
+  weights = jnp.minimum(jnp.exp(jnp.minimum(log_w, MAX_LOG_RATIO)), cap)
+  return jax.lax.stop_gradient(jnp.where(mask, weights, 0.0))
+
+
+# ----------------------------------------------------------------------------
+# KL to a frozen reference, entropy, value
+# ----------------------------------------------------------------------------
+
+
+def _k1(log_ratio):
+  return -log_ratio
+
+
+def _k2(log_ratio):
+  return 0.5 * log_ratio * log_ratio
+
+
+def _k3(log_ratio):
+  return jnp.expm1(log_ratio) - log_ratio
+
+
+KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_divergence(log_probs: Array, ref_log_probs: Array, mask: Array, *, estimator: str = "k3") -> Array:
+  """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020).
+
+  With `log r = log pi_ref(y_t) - log pi(y_t)` and `y_t ~ pi`:
+
+      k1 = -log r                 unbiased, can be negative
+      k2 = (log r)^2 / 2          biased, >= 0, low variance
+      k3 = (r - 1) - log r        unbiased, >= 0, low variance
+
+  Differentiable in `log_probs` (for use as a loss term).
+
+  Returns:
+    `[batch, length]` estimates, 0 at masked positions.
+  """
+  if estimator not in KL_ESTIMATORS:
+    raise ValueError(f"unknown kl estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+  _check_shapes(log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask)
+  mask = _as_mask(mask)
+  log_r = jnp.clip(_clean(ref_log_probs, mask) - _clean(log_probs, mask), -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  return jnp.where(mask, KL_ESTIMATORS[estimator](log_r), 0.0)
+
+
+def kl_penalized_rewards(
+    token_rewards: Array,
+    log_probs: Array,
+    ref_log_probs: Array,
+    mask: Array,
+    *,
+    kl_coef: float,
+    estimator: str = "k1",
+) -> Array:
+  """Per-token rewards with the KL penalty folded in (`kl_in_reward`).
+
+      r'_t = r_t - kl_coef * k(t)
+
+  Args:
+    token_rewards: `[batch, length]`.
+    log_probs: `[batch, length]` log-probs of the sampled targets under the
+      policy that generated them (no gradient needed).
+    ref_log_probs: `[batch, length]` under the frozen reference.
+    mask: `[batch, length]`.
+    kl_coef: penalty weight.
+    estimator: k1, k2 or k3.
+
+  Returns:
+    `[batch, length]` rewards, 0 at masked positions.
+  """
+  mask = _as_mask(mask)
+  kl = kl_divergence(log_probs, ref_log_probs, mask, estimator=estimator)
+  return jax.lax.stop_gradient(jnp.where(mask, _clean(token_rewards, mask) - kl_coef * kl, 0.0))
+
+
+def clipped_value_loss(
+    values: Array, old_values: Array, returns: Array, mask: Array, *, value_clip: float
+) -> tuple[Array, dict[str, Metric]]:
+  """PPO clipped value loss.
+
+      V^clip_t = V_old_t + clip(V_t - V_old_t, -eps_v, eps_v)
+      L_t = 0.5 * max((V_t - R_t)^2, (V^clip_t - R_t)^2)
+
+  `value_clip <= 0` disables clipping (plain squared error).
+
+  Returns:
+    `(per_token_loss, metrics)`; metrics: clip_fraction/value, value/mean.
+  """
+  _check_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
+  mask = _as_mask(mask)
+  values = _clean(values, mask)
+  old_values = _clean(old_values, mask)
+  returns = _clean(returns, mask)
+  loss_unclipped = jnp.square(values - returns)
+  if value_clip > 0:
+    values_clipped = old_values + jnp.clip(values - old_values, -value_clip, value_clip)
+    loss_clipped = jnp.square(values_clipped - returns)
+    clipped = mask & (loss_clipped > loss_unclipped)
+    loss = jnp.maximum(loss_unclipped, loss_clipped)
+  else:
+    clipped = jnp.zeros(mask.shape, bool)
+    loss = loss_unclipped
+  metrics = {
+      "clip_fraction/value": Metric.mean(jnp.sum(clipped), jnp.sum(mask)),
+      "value/mean": _masked_mean_metric(jax.lax.stop_gradient(values), mask),
+  }
+  return jnp.where(mask, 0.5 * loss, 0.0), metrics
+
+
+# ----------------------------------------------------------------------------
+# The combined objective
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The loss knobs of an algorithm preset (`posttrain.rl.presets`)."""
+
+  policy_loss: str = "ppo"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: float = 0.0
+  loss_agg_mode: str = "token_mean"
+  max_response_len: int = 0
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  kl_in_reward: bool = False
+  entropy_coef: float = 0.0
+  tis_cap: float = 0.0
+  use_critic: bool = False
+  value_coef: float = 0.5
+  value_clip: float = 0.2
+
+  def __post_init__(self):
+    get_policy_loss(self.policy_loss)
+    if self.loss_agg_mode not in AGG_MODES:
+      raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {', '.join(AGG_MODES)}")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    if not 0 <= self.eps_low < 1:
+      raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+    if self.eps_high < 0:
+      raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+    if self.dual_clip and self.dual_clip <= 1:
+      raise ValueError(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+    if self.tis_cap < 0:
+      raise ValueError(f"tis_cap must be 0 (off) or > 0, got {self.tis_cap}")
+    if self.loss_agg_mode == "seq_mean_token_sum_norm" and self.max_response_len <= 0:
+      raise ValueError(f"seq_mean_token_sum_norm needs max_response_len > 0, got {self.max_response_len}")
+
+  @classmethod
+  def from_config(cls, config: Mapping[str, Any], **overrides) -> "LossConfig":
+    """Picks this dataclass's fields from a preset ConfigDict (extra keys ignored)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {name: config[name] for name in names if name in config}
+    values.update(overrides)
+    return cls(**values)
+
+
+def loss_denominator(cfg: LossConfig, batch: Mapping[str, Array]) -> Array:
+  """Denominator `D` of `cfg.loss_agg_mode` for one (micro)batch; sum these over micro-batches."""
+  _, denominator = token_weights(
+      batch["loss_mask"],
+      cfg.loss_agg_mode,
+      segment_ids=batch.get("segment_ids"),
+      max_response_len=cfg.max_response_len,
+  )
+  return denominator
+
+
+def rl_loss(
+    cfg: LossConfig,
+    log_probs: Array,
+    batch: Mapping[str, Array],
+    *,
+    denominator: Array,
+    entropies: Array | None = None,
+    values: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """The full PPO/GRPO-family loss of one micro-batch.
+
+      L = sum_t w_t * ( IS_t * L^pi_t + kl_coef * k(t) - entropy_coef * H_t
+                        + value_coef * L^V_t ) / D
+
+  with `w`, `D` from `token_weights(cfg.loss_agg_mode)` (`D` is the *global*
+  denominator, see the module docstring), `L^pi` the registered policy loss,
+  `IS` the truncated importance weights (when `tis_cap > 0`), the KL term only
+  when `kl_coef > 0` and not `kl_in_reward`, the value term when `use_critic`.
+
+  Args:
+    cfg: loss knobs.
+    log_probs: `[batch, length]` learner log-probs of the targets (differentiable).
+    batch: `loss_mask`, `advantages` and optionally `segment_ids`,
+      `old_logprobs` (default: `stop_gradient(log_probs)`, i.e. on-policy),
+      `behaviour_logprobs` (for TIS), `ref_logprobs` (for KL),
+      `old_values` and `returns` (for the critic).
+    denominator: sum of `loss_denominator` over all micro-batches of the step.
+    entropies: `[batch, length]` per-token policy entropies (entropy bonus/metric).
+    values: `[batch, length]` critic values (differentiable) when `use_critic`.
+
+  Returns:
+    `(loss, metrics)`: summing `loss` over micro-batches gives the batch loss.
+  """
+  mask = _as_mask(batch["loss_mask"])
+  segment_ids = batch.get("segment_ids")
+  weights, local_denominator = token_weights(
+      mask, cfg.loss_agg_mode, segment_ids=segment_ids, max_response_len=cfg.max_response_len
+  )
+  old_log_probs = batch.get("old_logprobs")
+  if old_log_probs is None:
+    old_log_probs = jax.lax.stop_gradient(log_probs)
+  advantages = batch["advantages"]
+  policy_loss, metrics = get_policy_loss(cfg.policy_loss)(
+      log_probs,
+      old_log_probs,
+      advantages,
+      mask,
+      eps_low=cfg.eps_low,
+      eps_high=cfg.eps_high,
+      dual_clip=cfg.dual_clip,
+      segment_ids=segment_ids,
+  )
+  if cfg.tis_cap > 0:
+    is_weights = truncated_importance_weights(
+        old_log_probs, batch["behaviour_logprobs"], mask, cap=cfg.tis_cap
+    )
+    policy_loss = policy_loss * is_weights
+    metrics["is_weight/mean"] = _masked_mean_metric(is_weights, mask)
+
+  def weighted_sum(per_token):
+    return jnp.sum(jnp.where(mask, per_token * weights, 0.0))
+
+  def term(per_token):
+    return jnp.where(denominator > 0, weighted_sum(per_token) / jnp.maximum(denominator, 1e-30), 0.0)
+
+  policy_sum = weighted_sum(policy_loss)
+  metrics["loss/policy"] = Metric.mean(policy_sum, local_denominator)
+  loss = term(policy_loss)
+
+  if "ref_logprobs" in batch:
+    kl = kl_divergence(log_probs, batch["ref_logprobs"], mask, estimator=cfg.kl_estimator)
+    metrics["kl"] = _masked_mean_metric(jax.lax.stop_gradient(kl), mask)
+    if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+      metrics["loss/kl"] = Metric.mean(weighted_sum(kl), local_denominator)
+      loss = loss + cfg.kl_coef * term(kl)
+  elif cfg.kl_coef > 0 and not cfg.kl_in_reward:
+    raise ValueError("kl_coef > 0 with the KL as a loss term needs batch['ref_logprobs']")
+
+  if entropies is not None:
+    entropies = _clean(entropies, mask)
+    metrics["entropy"] = _masked_mean_metric(jax.lax.stop_gradient(entropies), mask)
+    if cfg.entropy_coef:
+      loss = loss - cfg.entropy_coef * term(entropies)
+  elif cfg.entropy_coef:
+    raise ValueError(f"entropy_coef={cfg.entropy_coef} needs per-token entropies")
+
+  if cfg.use_critic:
+    if values is None:
+      raise ValueError("use_critic=True needs critic values")
+    value_loss, value_metrics = clipped_value_loss(
+        values, batch["old_values"], batch["returns"], mask, value_clip=cfg.value_clip
+    )
+    metrics.update(value_metrics)
+    metrics["loss/value"] = Metric.mean(weighted_sum(value_loss), local_denominator)
+    loss = loss + cfg.value_coef * term(value_loss)
+
+  advantages = jax.lax.stop_gradient(_clean(advantages, mask))
+  count = jnp.sum(mask)
+  metrics["advantages/mean"] = Metric.mean(jnp.sum(advantages), count)
+  metrics["advantages/std"] = Metric.std(jnp.sum(advantages), jnp.sum(advantages * advantages), count)
+  return loss, metrics

@@ -1,0 +1,196 @@
+"""Algorithm presets: one registry, every knob in one flat ConfigDict.
+
+A run config names the algorithm and leaves room for overrides:
+
+    config.algorithm = "grpo"
+    config.rl = presets.algorithm_overrides()      # every knob, None = keep preset
+
+and the trainer resolves them with
+
+    rl = presets.algorithm_config(config.algorithm, **config.rl)
+
+so `--config.algorithm=dapo --config.rl.eps_high=0.3` picks DAPO and raises its
+upper clip. Knobs:
+
+    advantage_estimator  gae | grpo | rloo | reinforce_pp (advantages.py)
+    normalize_std        divide group advantages by the group std (off: Dr.GRPO)
+    use_critic, gamma, lam, value_coef, value_clip      PPO critic and GAE
+    policy_loss          ppo | gspo (losses.py)
+    eps_low, eps_high    ratio clip range [1 - eps_low, 1 + eps_high]
+    dual_clip            c > 1 bounds the loss of negative advantages; 0 = off
+    loss_agg_mode        token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    max_response_len     Dr.GRPO's constant normaliser; 0 = the sampler's budget
+    kl_coef, kl_estimator (k1 | k2 | k3), kl_in_reward   KL to the reference
+    entropy_coef         entropy bonus weight
+    tis_cap              truncated importance weight cap; 0 = off
+    group_size           samples per prompt
+    dynamic_sampling     drop groups whose rewards are all equal (DAPO)
+    overlong_penalty, overlong_buffer_len, overlong_penalty_factor   DAPO soft penalty
+    ppo_epochs, num_minibatches   passes and optimizer steps per rollout batch
+"""
+
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from posttrain.rl import advantages as advantages_lib
+from posttrain.rl import losses as losses_lib
+
+# Every knob with its default; a preset states only where it differs.
+_BASE: dict[str, Any] = dict(
+    advantage_estimator="grpo",
+    normalize_std=True,
+    use_critic=False,
+    gamma=1.0,
+    lam=0.95,
+    value_coef=0.5,
+    value_clip=0.2,
+    policy_loss="ppo",
+    eps_low=0.2,
+    eps_high=0.2,
+    dual_clip=0.0,
+    loss_agg_mode="token_mean",
+    max_response_len=0,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    kl_in_reward=False,
+    entropy_coef=0.0,
+    tis_cap=0.0,
+    group_size=8,
+    dynamic_sampling=False,
+    overlong_penalty=False,
+    overlong_buffer_len=1024,
+    overlong_penalty_factor=1.0,
+    ppo_epochs=1,
+    num_minibatches=1,
+)
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # Ouyang et al. 2022 / verl: critic + GAE, per-token KL penalty in the reward.
+    "ppo": dict(
+        advantage_estimator="gae",
+        use_critic=True,
+        group_size=1,
+        kl_coef=0.001,
+        kl_estimator="k1",
+        kl_in_reward=True,
+        num_minibatches=4,
+    ),
+    # Shao et al. 2024 (DeepSeekMath): group baseline, k3 KL as a loss term.
+    "grpo": dict(
+        loss_agg_mode="seq_mean_token_mean",
+        kl_coef=0.04,
+        kl_estimator="k3",
+    ),
+    # Yu et al. 2025: clip-higher, token-level loss, dynamic sampling, overlong shaping, no KL.
+    "dapo": dict(
+        eps_high=0.28,
+        loss_agg_mode="token_mean",
+        group_size=16,
+        dynamic_sampling=True,
+        overlong_penalty=True,
+        overlong_buffer_len=4096,
+    ),
+    # Liu et al. 2025: no std normalisation, constant-length token-sum normaliser.
+    "dr_grpo": dict(
+        normalize_std=False,
+        loss_agg_mode="seq_mean_token_sum_norm",
+    ),
+    # Zheng et al. 2025: sequence-level ratio, tiny clip range.
+    "gspo": dict(
+        policy_loss="gspo",
+        eps_low=3e-4,
+        eps_high=4e-4,
+        loss_agg_mode="seq_mean_token_mean",
+    ),
+    # Ahmadian et al. 2024: leave-one-out baseline.
+    "rloo": dict(
+        advantage_estimator="rloo",
+        group_size=4,
+    ),
+    # Hu 2025: KL-penalised token returns, normalised over the batch.
+    "reinforce_pp": dict(
+        advantage_estimator="reinforce_pp",
+        group_size=1,
+        kl_coef=0.01,
+        kl_estimator="k1",
+        kl_in_reward=True,
+    ),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+KNOBS = tuple(_BASE)
+
+
+def _unknown_preset(name) -> ValueError:
+  return ValueError(f"unknown algorithm {name!r}; known: {', '.join(PRESET_NAMES)}")
+
+
+def get_preset(name: str) -> ml_collections.ConfigDict:
+  """A fresh (mutable) copy of preset `name`, with `algorithm` set to the name."""
+  if name not in _PRESETS:
+    raise _unknown_preset(name)
+  return ml_collections.ConfigDict(dict(algorithm=name, **(_BASE | _PRESETS[name])))
+
+
+def algorithm_overrides() -> ml_collections.ConfigDict:
+  """Every knob as a typed placeholder (None = keep the preset), for run configs."""
+  return ml_collections.ConfigDict({k: config_dict.placeholder(type(v)) for k, v in _BASE.items()})
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Raises a one-line ValueError naming the first inconsistent knob value."""
+  advantages_lib.get_advantage_estimator(cfg.advantage_estimator)
+  # LossConfig checks clip ranges, dual clip, aggregation mode, KL estimator, TIS cap.
+  losses_lib.LossConfig.from_config(cfg, max_response_len=max(cfg.max_response_len, 1))
+
+  def check(ok, knob):
+    if not ok:
+      raise ValueError(f"invalid {knob}={cfg[knob]!r} for algorithm {cfg.algorithm!r}")
+
+  check(0.0 <= cfg.gamma <= 1.0, "gamma")
+  check(0.0 <= cfg.lam <= 1.0, "lam")
+  check(cfg.kl_coef >= 0, "kl_coef")
+  check(cfg.value_coef >= 0, "value_coef")
+  check(cfg.max_response_len >= 0, "max_response_len")
+  check(cfg.group_size >= 1, "group_size")
+  check(cfg.ppo_epochs >= 1, "ppo_epochs")
+  check(cfg.num_minibatches >= 1, "num_minibatches")
+  check(cfg.overlong_buffer_len >= 1, "overlong_buffer_len")
+  check(cfg.overlong_penalty_factor >= 0, "overlong_penalty_factor")
+  if cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS:
+    check(cfg.group_size >= 2, "group_size")
+  check(cfg.use_critic == (cfg.advantage_estimator == "gae"), "use_critic")
+  check(not cfg.dynamic_sampling or cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS,
+        "dynamic_sampling")
+
+
+def algorithm_config(name: str, **overrides) -> ml_collections.ConfigDict:
+  """Preset `name` with knobs overridden; None values keep the preset's value.
+
+  Args:
+    name: one of `PRESET_NAMES`.
+    **overrides: knob=value pairs (e.g. `eps_high=0.3`).
+
+  Returns:
+    A locked ConfigDict (no new keys) that passed `validate`.
+
+  Raises:
+    ValueError: unknown algorithm or knob, wrongly typed or invalid value.
+  """
+  cfg = get_preset(name)
+  for knob, value in overrides.items():
+    if knob not in _BASE:
+      raise ValueError(f"unknown knob {knob!r} for algorithm {name!r}; known: {', '.join(KNOBS)}")
+    if value is None:
+      continue
+    try:
+      cfg[knob] = value
+    except TypeError:
+      raise ValueError(
+          f"knob {knob}={value!r} has type {type(value).__name__}, expected {type(_BASE[knob]).__name__}"
+      ) from None
+  validate(cfg)
+  cfg.lock()
+  return cfg
