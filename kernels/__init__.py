@@ -1,4 +1,29 @@
 """Attention kernels for JAX: reference, chunked, Pallas flash, ring and decode attention.
 
-Imports jax only. Backends are chosen at call time, never at import.
+Imports jax only. Backends are chosen at call time, never at import: `import kernels`
+initialises no device and imports no Pallas GPU / TPU lowering.
+
+    from kernels import dot_product_attention
+    out = dot_product_attention(q, k, v, causal=True, implementation=None)
 """
+from kernels.attention import IMPLEMENTATIONS
+from kernels.attention import default_implementation
+from kernels.attention import dot_product_attention
+from kernels.chunked_attention import chunked_attention
+from kernels.reference import attention_block
+from kernels.reference import attention_block_grad
+from kernels.reference import attention_mask
+from kernels.reference import merge_attention
+from kernels.reference import reference_attention
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "attention_block",
+    "attention_block_grad",
+    "attention_mask",
+    "chunked_attention",
+    "default_implementation",
+    "dot_product_attention",
+    "merge_attention",
+    "reference_attention",
+]
