@@ -1,0 +1,473 @@
+"""One jitted train step for the whole PPO/GRPO family, plus the optimizer and PPO epochs.
+
+    optimizer = make_optimizer(1e-6, warmup=10, total_steps=1000, weight_decay=0.01, clip=1.0)
+    state = init_train_state(model, optimizer, mesh=mesh)
+    reference = frozen_copy(state.params)                  # never donated, never updated
+    compute_logprobs = make_compute_logprobs(model_cfg, mesh=mesh)
+    train_step = make_train_step(model_cfg, presets.algorithm_config("grpo"), optimizer,
+                                 mesh=mesh)
+    batch["ref_logprobs"] = compute_logprobs(reference, batch)["logprobs"]
+    state, metrics = train_step(state, batch)              # metrics: device scalars
+
+A batch is a dict of arrays with a leading micro-batch axis, `[M, B, T]` per token
+(`[M, B]` rows are split across micro-batches, never sequences), the layout
+`posttrain.rl.packing` produces:
+
+    tokens, targets       int32, the model reads `tokens`, is scored on `targets`
+    loss_mask             nonzero on the model's own generated targets
+    advantages            float32
+    positions, segment_ids   optional (default 0..T-1 and one sequence per row)
+    old_logprobs          optional; absent = on-policy (stop_gradient of the current ones)
+    behaviour_logprobs    sampler log-probs, needed when the preset's tis_cap > 0
+    ref_logprobs          needed when the KL is a loss term (kl_coef > 0, not kl_in_reward)
+    old_values, returns   needed by the critic (use_critic)
+
+The step scans over the M micro-batches, summing gradients; every loss term is a
+weighted token sum over a denominator computed from the masks of the whole batch first
+(`losses.loss_denominator`), so the accumulated update equals the one-batch update.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from posttrain import models
+from posttrain.models.sharding import DEFAULT_RULES, Rules
+from posttrain.rl import losses
+
+Batch = Mapping[str, Any]
+
+TOKEN_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "advantages",
+              "old_logprobs", "behaviour_logprobs", "ref_logprobs", "old_values", "returns")
+MODEL_KEYS = ("tokens", "targets", "positions", "segment_ids")
+
+# Every step reports these (0 or 1 where a term is off), so the metric dict has one
+# structure whatever the algorithm and a logger can rely on the names.
+STANDARD_METRICS = ("loss/policy", "loss/value", "loss/kl", "kl", "entropy",
+                    "clip_fraction/low", "clip_fraction/high", "ratio/mean", "ratio/max",
+                    "is_weight/mean", "advantages/mean", "advantages/std", "grad_norm",
+                    "learning_rate")
+_METRIC_DEFAULTS = {"is_weight/mean": 1.0}
+
+
+@struct.dataclass
+class TrainState:
+  """What the learner updates. The reference policy is kept outside (`frozen_copy`).
+
+  Attributes:
+    params: the policy's `nnx.Param` state (value head included when the model has one).
+    opt_state: the optax state of `params`.
+    step: int32 count of applied updates (a skipped non-finite update does not count).
+    rng: PRNG key; fold it with `step` for any randomness inside a step.
+  """
+
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  rng: jax.Array
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer
+# ---------------------------------------------------------------------------------------
+
+
+def _decay_mask(params):
+  # Matrices decay; norm scales and biases do not (the usual AdamW recipe).
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(lr: float, warmup: int, total_steps: int, weight_decay: float = 0.0,
+                   clip: float | None = 1.0, *, b1: float = 0.9, b2: float = 0.999,
+                   eps: float = 1e-8, end_lr_ratio: float = 0.0) -> optax.GradientTransformation:
+  """AdamW with linear warmup then cosine decay, after global-norm clipping.
+
+  The learning rate is injected as a hyperparameter, so the step reports the value it
+  used (`learning_rate` metric).
+
+  Args:
+    lr: peak learning rate.
+    warmup: linear warmup steps from 0 to `lr`.
+    total_steps: schedule length (warmup included); the rate ends at `lr * end_lr_ratio`.
+    weight_decay: decoupled weight decay on matrices (not on norms or biases).
+    clip: global gradient-norm bound; None disables clipping.
+    b1, b2, eps: Adam moments.
+    end_lr_ratio: final rate as a fraction of `lr`.
+  """
+  if not lr > 0:
+    raise ValueError(f"learning rate must be > 0, got {lr}")
+  if total_steps < 1:
+    raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+  if not 0 <= warmup < total_steps:
+    raise ValueError(f"warmup must be in [0, total_steps={total_steps}), got {warmup}")
+  if weight_decay < 0:
+    raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+  if clip is not None and not clip > 0:
+    raise ValueError(f"clip must be > 0 or None, got {clip}")
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=total_steps,
+      end_value=lr * end_lr_ratio)
+  adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+      learning_rate=schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+      mask=_decay_mask)
+  return optax.chain(optax.clip_by_global_norm(clip), adamw) if clip is not None else adamw
+
+
+# ---------------------------------------------------------------------------------------
+# State and shardings
+# ---------------------------------------------------------------------------------------
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _split_abstract(model_cfg: models.ModelConfig):
+  """(graphdef, abstract params, abstract rest) of the model, allocating nothing."""
+  abstract = nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  return nnx.split(abstract, nnx.Param, ...)
+
+
+def train_state_shardings(params, optimizer: optax.GradientTransformation, mesh: Mesh,
+                          rules: Rules = DEFAULT_RULES) -> TrainState:
+  """Shardings of a TrainState: params by their logical axes, optimizer moments alike."""
+  param_shardings = models.state_shardings(params, mesh, rules)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  abstract_opt = jax.eval_shape(optimizer.init, params)
+  opt_shardings = optax.tree_map_params(
+      optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
+      transform_non_params=lambda _: replicated, is_leaf=_is_variable)
+  return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated,
+                    rng=replicated)
+
+
+def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, *,
+                     mesh: Mesh, rules: Rules = DEFAULT_RULES, seed: int = 0) -> TrainState:
+  """A TrainState on `mesh` from a model (its parameters are copied, never aliased)."""
+  params = nnx.state(model, nnx.Param)
+  shardings = train_state_shardings(params, optimizer, mesh, rules)
+
+  @functools.partial(jax.jit, out_shardings=shardings)
+  def init(params):
+    # A copy: the step donates the state, which must not free the caller's model.
+    params = jax.tree.map(jnp.copy, params)
+    return TrainState(params=params, opt_state=optimizer.init(params),
+                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed))
+
+  return init(params)
+
+
+def frozen_copy(params, mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES):
+  """A copy of `params` (e.g. the reference policy) that a donated train step cannot free."""
+  shardings = (models.state_shardings(params, mesh, rules) if mesh is not None
+               else jax.tree.map(lambda x: x.sharding, params))
+  return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
+
+
+def _batch_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+  """Mesh axes the logical `batch` axis is sharded over (those of size > 1)."""
+  spec = models.logical_to_spec(("batch",), rules, mesh)[0]
+  if spec is None:
+    return ()
+  return (spec,) if isinstance(spec, str) else tuple(spec)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """Sharding of every batch array: micro-batch axis replicated, rows by `batch` rules."""
+  axes = _batch_axes(mesh, rules)
+  return NamedSharding(mesh, PartitionSpec(None, axes or None))
+
+
+# ---------------------------------------------------------------------------------------
+# Batch checks (host side, shapes only: no device sync)
+# ---------------------------------------------------------------------------------------
+
+
+def _check_batch(batch: Batch, required: tuple[str, ...], row_multiple: int) -> None:
+  if not isinstance(batch, Mapping):
+    raise ValueError(f"batch must be a dict of arrays, got {type(batch).__name__}")
+  missing = [k for k in required if k not in batch]
+  if missing:
+    raise ValueError(f"batch is missing {missing}; it has {sorted(batch)}")
+  shape = np.shape(batch["tokens"])
+  if len(shape) != 3:
+    raise ValueError(f"batch['tokens'] must be [microbatches, rows, length], got shape {shape}")
+  for key in TOKEN_KEYS:
+    if key in batch and np.shape(batch[key]) != shape:
+      raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected {shape} "
+                       f"like batch['tokens']")
+  if shape[1] % row_multiple:
+    raise ValueError(f"{shape[1]} rows per micro-batch do not divide over the {row_multiple} "
+                     f"devices of the batch mesh axes")
+
+
+# ---------------------------------------------------------------------------------------
+# Forward pass
+# ---------------------------------------------------------------------------------------
+
+
+def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, *,
+             temperature: float, with_values: bool, with_entropy: bool):
+  """(log-probs, entropies or None, values or None) [B, T] from one trunk pass."""
+  cfg = model.cfg
+  h = model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"), ctx=ctx)
+  out = models.chunked_logprobs(h, model.unembed(), mb["targets"], chunk=cfg.logprob_chunk,
+                                return_entropy=with_entropy, temperature=temperature,
+                                compute_dtype=jnp.dtype(cfg.dtype))
+  logprobs, entropies = out if with_entropy else (out, None)
+  values = None
+  if with_values:
+    values = (jnp.einsum("BTD,D->BT", h.astype(jnp.float32), model.value_w[...])
+              + model.value_b[...])
+  return logprobs, entropies, values
+
+
+def _scan_or_call(fn, xs, length: int):
+  """lax.scan of a carry-less `fn` over the leading axis; a plain call when it has one entry."""
+  if length == 1:
+    return jax.tree.map(lambda y: y[None], fn(jax.tree.map(lambda x: x[0], xs)))
+  return jax.lax.scan(lambda _, x: (None, fn(x)), None, xs)[1]
+
+
+# ---------------------------------------------------------------------------------------
+# Log-probs without gradient (old policy, reference, critic values)
+# ---------------------------------------------------------------------------------------
+
+
+def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
+                          rules: Rules = DEFAULT_RULES, temperature: float = 1.0,
+                          with_values: bool | None = None) -> Callable:
+  """`compute_logprobs(params, batch) -> {"logprobs", ["values"]}`, jitted, no gradient.
+
+  One trunk pass per micro-batch gives the target log-probs `[M, B, T]` and, when the
+  model has a value head, the critic's values (the `old_values` GAE needs).
+
+  Args:
+    model_cfg: the policy (or reference) architecture.
+    mesh, rules: where params and batch live.
+    temperature: the sampler's temperature (log-probs of the tempered distribution).
+    with_values: return values too; default: when `model_cfg.value_head`.
+  """
+  with_values = model_cfg.value_head if with_values is None else with_values
+  if with_values and not model_cfg.value_head:
+    raise ValueError("with_values=True needs a model built with value_head=True")
+  graphdef, abstract_params, rest = _split_abstract(model_cfg)
+  ctx = models.ShardingContext(mesh, rules)
+  data_sharding = batch_sharding(mesh, rules)
+  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+
+  def logprobs_fn(params, batch):
+    model = nnx.merge(graphdef, params, rest)
+    inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
+
+    def one(mb):
+      logprobs, _, values = _forward(model, mb, ctx, temperature=temperature,
+                                     with_values=with_values, with_entropy=False)
+      return {"logprobs": logprobs, **({"values": values} if with_values else {})}
+
+    return _scan_or_call(one, inputs, batch["tokens"].shape[0])
+
+  jitted = jax.jit(logprobs_fn, in_shardings=(models.state_shardings(abstract_params, mesh,
+                                                                     rules), data_sharding),
+                   out_shardings=data_sharding)
+
+  def compute_logprobs(params, batch: Batch) -> dict[str, jax.Array]:
+    _check_batch(batch, ("tokens", "targets"), row_multiple)
+    inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
+    # A no-op for arrays already laid out so; reshards e.g. a rollout mesh's output.
+    return jitted(params, jax.device_put(inputs, data_sharding))
+
+  compute_logprobs.jitted = jitted
+  return compute_logprobs
+
+
+# ---------------------------------------------------------------------------------------
+# The train step
+# ---------------------------------------------------------------------------------------
+
+
+def _required_keys(loss_cfg: losses.LossConfig) -> tuple[str, ...]:
+  keys = ["tokens", "targets", "loss_mask", "advantages"]
+  if loss_cfg.tis_cap > 0:
+    keys.append("behaviour_logprobs")
+  if loss_cfg.kl_coef > 0 and not loss_cfg.kl_in_reward:
+    keys.append("ref_logprobs")
+  if loss_cfg.use_critic:
+    keys += ["old_values", "returns"]
+  return tuple(keys)
+
+
+def _learning_rate(opt_state) -> jax.Array:
+  # inject_hyperparams keeps the value it used this step (an array) next to the
+  # schedule's own state under the same key.
+  lr = optax.tree_utils.tree_get(opt_state, "learning_rate",
+                                 filtering=lambda _, value: isinstance(value, jax.Array))
+  return jnp.asarray(jnp.nan if lr is None else lr, jnp.float32)
+
+
+def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
+                    optimizer: optax.GradientTransformation, *, mesh: Mesh,
+                    rules: Rules = DEFAULT_RULES, max_response_len: int | None = None,
+                    temperature: float = 1.0, donate: bool = True) -> Callable:
+  """Builds `train_step(state, batch) -> (state, metrics)`, jitted once for every algorithm.
+
+  The loss is `losses.rl_loss` with the preset's knobs: PPO/GSPO surrogate, TIS weights,
+  KL to the reference, entropy bonus and, with `use_critic`, the clipped value loss on the
+  model's value head (same trunk). A non-finite loss or gradient norm leaves params,
+  optimizer state and step unchanged and sets the `nonfinite` metric to 1.
+
+  Args:
+    model_cfg: the policy architecture (`value_head=True` when the preset uses a critic).
+    algo_cfg: a preset from `posttrain.rl.presets.algorithm_config`, or any mapping with
+      `losses.LossConfig`'s fields.
+    optimizer: e.g. `make_optimizer(...)`; must be the one the state was built with.
+    mesh, rules: where the state and the batch live.
+    max_response_len: Dr.GRPO's constant normaliser when the preset's is 0.
+    temperature: the sampler's temperature.
+    donate: donate the input state's buffers (the caller must not reuse that state).
+
+  Returns:
+    The step; `train_step.jitted` is the underlying `jax.jit` function.
+  """
+  overrides = {}
+  if max_response_len and not algo_cfg.get("max_response_len"):
+    overrides["max_response_len"] = max_response_len
+  loss_cfg = losses.LossConfig.from_config(algo_cfg, **overrides)
+  if loss_cfg.use_critic and not model_cfg.value_head:
+    raise ValueError("the algorithm trains a critic (use_critic=True) but the model has no "
+                     "value head; build it with value_head=True")
+  graphdef, abstract_params, rest = _split_abstract(model_cfg)
+  ctx = models.ShardingContext(mesh, rules)
+  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
+  data_sharding = batch_sharding(mesh, rules)
+  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  required = _required_keys(loss_cfg)
+
+  def microbatch_loss(params, mb, denominator):
+    model = nnx.merge(graphdef, params, rest)
+    logprobs, entropies, values = _forward(model, mb, ctx, temperature=temperature,
+                                           with_values=loss_cfg.use_critic, with_entropy=True)
+    return losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
+                          entropies=entropies, values=values)
+
+  grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+
+  def step_fn(state: TrainState, batch: Batch):
+    num_micro = batch["tokens"].shape[0]
+    # The global denominator first: each micro-batch's loss is then its exact share.
+    denominator = jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
+
+    def accumulate(carry, mb):
+      grads_sum, loss_sum = carry
+      (loss, metrics), grads = grad_fn(state.params, mb, denominator)
+      grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+      return (grads_sum, loss_sum + loss), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    if num_micro == 1:
+      (grads, loss), metrics = accumulate((zeros, 0.0), jax.tree.map(lambda x: x[0], batch))
+      merged = metrics
+    else:
+      (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), batch)
+      # Merge the per-micro-batch (sum, count) metrics: exact token averages.
+      merged = functools.reduce(
+          losses.merge_metrics,
+          [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_micro)])
+
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+
+    def keep_old_if_nonfinite(new, old):
+      return jnp.where(nonfinite, old, new)
+
+    new_state = TrainState(
+        params=jax.tree.map(keep_old_if_nonfinite, params, state.params),
+        opt_state=jax.tree.map(keep_old_if_nonfinite, opt_state, state.opt_state),
+        step=state.step + jnp.where(nonfinite, 0, 1).astype(state.step.dtype),
+        rng=state.rng)
+    values = losses.compute_metrics(merged)
+    metrics = {name: jnp.asarray(values.get(name, _METRIC_DEFAULTS.get(name, 0.0)),
+                                 jnp.float32) for name in STANDARD_METRICS}
+    metrics.update({name: v for name, v in values.items() if name not in metrics})
+    metrics.update({
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "learning_rate": _learning_rate(opt_state),
+        "nonfinite": nonfinite.astype(jnp.float32),
+        "tokens": jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32),
+    })
+    return new_state, metrics
+
+  jitted = jax.jit(step_fn, in_shardings=(state_shardings, data_sharding),
+                   out_shardings=(state_shardings, None),
+                   donate_argnums=(0,) if donate else ())
+
+  def train_step(state: TrainState, batch: Batch):
+    _check_batch(batch, required, row_multiple)
+    inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
+    return jitted(state, jax.device_put(inputs, data_sharding))
+
+  train_step.jitted = jitted
+  return train_step
+
+
+# ---------------------------------------------------------------------------------------
+# PPO epochs and minibatches
+# ---------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _gather_rows(batch, rows, num_micro):
+  """Rows (flat indices into M*B) of `batch`, regrouped as `num_micro` micro-batches."""
+  def take(x):
+    flat = x.reshape((-1,) + x.shape[2:])
+    picked = jnp.take(flat, rows, axis=0)
+    return picked.reshape((num_micro, -1) + x.shape[2:])
+  return jax.tree.map(take, batch)
+
+
+def ppo_update(train_step: Callable, state: TrainState, batch: Batch, *, epochs: int,
+               minibatches: int, shuffle: bool = True, seed: int = 0):
+  """Several optimizer steps over one rollout batch: `epochs` passes of `minibatches` steps.
+
+  Each minibatch takes M / minibatches of the batch's M micro-batches (rows shuffled per
+  epoch on the host, so nothing waits on the device). Call it with `old_logprobs` in the
+  batch (from `compute_logprobs` before the first update) when `epochs * minibatches > 1`.
+
+  Returns:
+    `(state, metrics)`: metrics is a list with one dict of device scalars per step.
+  """
+  num_micro, rows = np.shape(batch["tokens"])[:2]
+  if epochs < 1 or minibatches < 1:
+    raise ValueError(f"epochs and minibatches must be >= 1, got {epochs} and {minibatches}")
+  if num_micro % minibatches:
+    raise ValueError(f"minibatches={minibatches} does not divide the batch's {num_micro} "
+                     f"micro-batches")
+  if epochs * minibatches > 1 and "old_logprobs" not in batch:
+    raise ValueError("several updates per rollout batch need batch['old_logprobs'] "
+                     "(compute_logprobs of the params that sampled it)")
+  per_step = num_micro // minibatches
+  rng = np.random.default_rng(seed)
+  history = []
+  for _ in range(epochs):
+    order = rng.permutation(num_micro * rows) if shuffle else np.arange(num_micro * rows)
+    for k in range(minibatches):
+      if minibatches == 1 and not shuffle:
+        minibatch = batch
+      else:
+        chunk = order[k * per_step * rows:(k + 1) * per_step * rows]
+        minibatch = _gather_rows(dict(batch), jnp.asarray(chunk, jnp.int32), per_step)
+      state, metrics = train_step(state, minibatch)
+      history.append(metrics)
+  return state, history
