@@ -66,7 +66,7 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int,
 def rope_tables(positions_BxT: jnp.ndarray, inv_freq: np.ndarray,
                 scaling: float) -> tuple[jnp.ndarray, jnp.ndarray]:
   """cos and sin [B, T, head_dim] in float32 for integer positions [B, T]."""
-  freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb) * scaling, jnp.sin(emb) * scaling
 

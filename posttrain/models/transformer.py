@@ -63,7 +63,8 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+    scale = self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    return scale * y.astype(x.dtype)
 
 
 def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
@@ -103,16 +104,16 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, cfg.norm_eps, pd, names=("head_dim",))
 
   def __call__(self, x_BxTxD, cos, sin, segment_ids_BxT, cache: KVCache | None,
-               positions_BxT, ctx: ShardingContext):
+               positions_BxT, ctx: ShardingContext, prefill: bool = False):
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
     if cfg.qkv_bias:
-      q = q + self.q_bias[...].astype(dt)
-      k = k + self.k_bias[...].astype(dt)
-      v = v + self.v_bias[...].astype(dt)
+      q = q + self.q_bias[...].astype(dt)[None, None]
+      k = k + self.k_bias[...].astype(dt)[None, None]
+      v = v + self.v_bias[...].astype(dt)[None, None]
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin)
@@ -126,9 +127,14 @@ class Attention(nnx.Module):
       new_cache = write_cache(cache, k, v, positions_BxT)
       new_cache = KVCache(ctx.constrain(new_cache.k, CACHE_AXES),
                           ctx.constrain(new_cache.v, CACHE_AXES))
-      import kernels
-      lengths = positions_BxT[:, -1] + 1
-      out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths)
+      if prefill:
+        # The cache was empty, so the block holds every key: the training kernel (chunked /
+        # flash, causal within segments) is exact and never scores the empty cache slots.
+        out = attend(cfg, q, k, v, segment_ids_BxT, ctx)
+      else:
+        import kernels
+        lengths = positions_BxT[:, -1] + 1
+        out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths)
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache
@@ -170,8 +176,9 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx):
-    h, new_cache = self.attn(self.input_norm(x), cos, sin, segment_ids, cache, positions, ctx)
+  def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False):
+    h, new_cache = self.attn(self.input_norm(x), cos, sin, segment_ids, cache, positions, ctx,
+                             prefill)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x), ctx)
     return ctx.constrain(x, ("batch", "length", "embed")), new_cache
@@ -208,7 +215,8 @@ class Transformer(nnx.Module):
   # -- trunk ------------------------------------------------------------------------------
 
   def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
-                    cache: list[KVCache] | None = None, ctx: ShardingContext = _NO_SHARDING):
+                    cache: list[KVCache] | None = None, ctx: ShardingContext = _NO_SHARDING,
+                    prefill: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
 
     Args:
@@ -218,10 +226,15 @@ class Transformer(nnx.Module):
       cache: a KV cache from `init_cache`; new keys are written at `positions`, queries
         attend to slots <= their position.
       ctx: mesh + rules for activation constraints.
+      prefill: the cache is empty and the block starts at position 0 of every row: attend
+        within the block (segment ids mask right padding) with cfg.attention_impl, and
+        write its keys/values into the cache.
     """
     cfg = self.cfg
     if tokens_BxT.ndim != 2:
       raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxT.shape}")
+    if prefill and cache is None:
+      raise ValueError("prefill=True needs a cache to fill")
     b, t = tokens_BxT.shape
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -237,7 +250,7 @@ class Transformer(nnx.Module):
         x, c = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
                             cfg.remat)
       else:
-        x, c = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx)
+        x, c = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx, prefill)
       new_caches.append(c)
     h = self.final_norm(x)
     return (h, new_caches) if cache is not None else h
@@ -249,8 +262,9 @@ class Transformer(nnx.Module):
     return self.lm_head[...]
 
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, cache=None,
-               ctx: ShardingContext = _NO_SHARDING):
-    out = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, cache=cache, ctx=ctx)
+               ctx: ShardingContext = _NO_SHARDING, prefill: bool = False):
+    out = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, cache=cache, ctx=ctx,
+                             prefill=prefill)
     h, new_cache = out if cache is not None else (out, None)
     dt = _dtype(self.cfg.dtype)
     logits = jnp.einsum("BTD,DV->BTV", h.astype(dt), self.unembed().astype(dt))

@@ -1,0 +1,144 @@
+"""Tokenizers and chat templates that return a loss mask with the token ids.
+
+Two tokenizers share one interface:
+  * `ByteTokenizer`: no files; ids 0..255 are bytes, specials follow (roles, pad, eos).
+    The embedded default and the tests use it.
+  * `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` package, with the
+    Llama 3 or ChatML (Qwen) chat format picked from the vocabulary.
+
+`encode_chat(messages)` returns (ids, mask) where mask[i] = 1 exactly for tokens the model
+itself produced (assistant content and its end-of-turn token): the SFT and RL loss mask.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str}
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatFormat:
+  """A chat layout: per-role header tokens, an end-of-turn token, and plain-text glue."""
+
+  def __init__(self, tok: "Tokenizer", headers: dict[str, list[int]], end_of_turn: list[int],
+               after_end: list[int] = (), bos: list[int] = ()):
+    self.tok, self.headers, self.end_of_turn = tok, headers, list(end_of_turn)
+    self.after_end, self.bos = list(after_end), list(bos)
+
+  def encode(self, messages: Sequence[Message], add_generation_prompt: bool = False
+             ) -> tuple[list[int], list[int]]:
+    ids, mask = list(self.bos), [0] * len(self.bos)
+    for m in messages:
+      role, content = m.get("role"), m.get("content", "")
+      if role not in self.headers:
+        raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
+      if not isinstance(content, str):
+        raise ValueError(f"message content must be a string, got {type(content).__name__}")
+      body = self.tok.encode(content) + self.end_of_turn
+      own = 1 if role == "assistant" else 0
+      ids += self.headers[role] + body + self.after_end
+      mask += [0] * len(self.headers[role]) + [own] * len(body) + [0] * len(self.after_end)
+    if add_generation_prompt:
+      ids += self.headers["assistant"]
+      mask += [0] * len(self.headers["assistant"])
+    return ids, mask
+
+
+class Tokenizer:
+  """Interface: encode/decode text, special ids, and the chat format."""
+
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+  chat: ChatFormat
+
+  def encode(self, text: str) -> list[int]:
+    raise NotImplementedError
+
+  def decode(self, ids: Sequence[int]) -> str:
+    raise NotImplementedError
+
+  def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False
+                  ) -> tuple[list[int], list[int]]:
+    """Token ids and the model-token mask of a conversation."""
+    return self.chat.encode(messages, add_generation_prompt)
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Tokens that end an assistant turn."""
+    return tuple(sorted(set(self.chat.end_of_turn[-1:] + [self.eos_id])))
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes plus 16 special tokens; vocab_size 272."""
+
+  SPECIALS = ("<pad>", "<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
+              "<|end|>") + tuple(f"<|reserved_{i}|>" for i in range(8))
+
+  def __init__(self):
+    self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+    self.vocab_size = 256 + len(self.SPECIALS)
+    self.pad_id = self.special_ids["<pad>"]
+    self.eos_id = self.special_ids["<eos>"]
+    self.bos_id = self.special_ids["<bos>"]
+    headers = {r: [self.special_ids[f"<|{r}|>"]] for r in ROLES}
+    self.chat = ChatFormat(self, headers, [self.special_ids["<|end|>"]])
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+  """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3 or ChatML format."""
+
+  def __init__(self, path: str):
+    from tokenizers import Tokenizer as _HFTok  # Optional extra: posttrain[hf].
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+      raise FileNotFoundError(f"tokenizer file {file} does not exist")
+    self._tok = _HFTok.from_file(file)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+    cfg = json.load(open(cfg_file)) if os.path.exists(cfg_file) else {}
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+
+    def tid(s):
+      return vocab.get(s)
+
+    if tid("<|start_header_id|>") is not None:  # Llama 3.
+      start, end = tid("<|start_header_id|>"), tid("<|end_header_id|>")
+      headers = {r: [start] + self.encode(r) + [end] + self.encode("\n\n") for r in ROLES}
+      headers["tool"] = [start] + self.encode("ipython") + [end] + self.encode("\n\n")
+      eot = tid("<|eot_id|>")
+      bos = [tid("<|begin_of_text|>")] if tid("<|begin_of_text|>") is not None else []
+      self.chat = ChatFormat(self, headers, [eot], bos=bos)
+      self.eos_id = eot
+    elif tid("<|im_start|>") is not None:  # ChatML: Qwen.
+      start, end = tid("<|im_start|>"), tid("<|im_end|>")
+      headers = {r: [start] + self.encode(r + "\n") for r in ROLES}
+      self.chat = ChatFormat(self, headers, [end], after_end=self.encode("\n"))
+      self.eos_id = end
+    else:
+      raise ValueError(f"{file}: no Llama 3 or ChatML special tokens; cannot build a chat format")
+    pad = cfg.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """'byte' for the built-in tokenizer, else a folder or tokenizer.json path."""
+  if spec in ("byte", "", None):
+    return ByteTokenizer()
+  return HFTokenizer(spec)

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posttrain.data import ByteTokenizer, HFTokenizer, load_tokenizer
+
+CONVO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "<answer>4</answer>"},
+         {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "done"}]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_byte_tokenizer_round_trips_any_text(text):
+  tok = ByteTokenizer()
+  ids = tok.encode(text)
+  assert all(0 <= i < 256 for i in ids)
+  assert tok.decode(ids) == text.encode("utf-8", "replace").decode("utf-8", "replace")
+
+
+def test_chat_mask_marks_exactly_the_assistant_tokens():
+  tok = ByteTokenizer()
+  ids, mask = tok.encode_chat(CONVO, add_generation_prompt=True)
+  assert len(ids) == len(mask)
+  own = [i for i, m in zip(ids, mask) if m]
+  end = tok.special_ids["<|end|>"]
+  assert own == tok.encode("<answer>4</answer>") + [end] + tok.encode("done") + [end]
+  assert ids[-1] == tok.special_ids["<|assistant|>"] and mask[-1] == 0
+  assert end in tok.stop_ids and tok.vocab_size == 272
+
+
+def test_unknown_role_is_an_error():
+  with pytest.raises(ValueError, match="unknown chat role 'robot'"):
+    ByteTokenizer().encode_chat([{"role": "robot", "content": "x"}])
+
+
+def _write_hf_tokenizer(tmp_path, specials):
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE(unk_token=None))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(["hello world", "user assistant system tool", "2+2=4"] * 20, trainer)
+  from tokenizers import decoders
+  tok.decoder = decoders.ByteLevel()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": specials[-1]}))
+
+
+@pytest.mark.parametrize("layout", ["chatml", "llama3"])
+def test_hf_tokenizer_chat_formats(tmp_path, layout):
+  if layout == "chatml":
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+  else:
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|finetune_right_pad_id|>"]
+  _write_hf_tokenizer(tmp_path, specials)
+  tok = load_tokenizer(str(tmp_path))
+  assert isinstance(tok, HFTokenizer)
+  ids, mask = tok.encode_chat(CONVO[1:3])
+  own = [i for i, m in zip(ids, mask) if m]
+  eot = "<|im_end|>" if layout == "chatml" else "<|eot_id|>"
+  assert tok.decode(own[:-1]) == "<answer>4</answer>"
+  assert own[-1] == tok.eos_id == tok._tok.token_to_id(eot)
+  assert tok.pad_id == tok._tok.token_to_id(specials[-1])
+  text = tok._tok.decode(ids, skip_special_tokens=False)
+  if layout == "chatml":
+    assert text.startswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+  else:
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n2+2?")

@@ -1,0 +1,195 @@
+"""Model behaviour: sharding equivalence, causality, packing, chunked log-probs, heads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import models
+
+CFG = models.get_preset("tiny").replace(vocab_size=263, d_model=48, num_heads=6, num_kv_heads=3,
+                                        head_dim=8, ffn_dim=80, num_layers=2,
+                                        tie_embeddings=False, qkv_bias=True, qk_norm=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.create_model(CFG, seed=1)
+
+
+def _tokens(b=3, t=13, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.vocab_size, (b, t)))
+
+
+def _forward(model, tokens, mesh=None):
+  ctx = models.ShardingContext(mesh)
+
+  @nnx.jit
+  def f(m, t):
+    return m(t, ctx=ctx)
+
+  return f(model, tokens)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1, 1), (1, 2, 4, 1), (2, 2, 2, 1), (1, 8, 1, 1)])
+def test_sharded_forward_equals_unsharded(model, shape):
+  mesh = models.make_mesh(shape)
+  sharded = models.create_model(CFG, mesh=mesh, seed=1)
+  tokens = _tokens(b=8)
+  np.testing.assert_allclose(_forward(sharded, tokens, mesh), _forward(model, tokens),
+                             atol=2e-5, rtol=2e-5)
+
+
+def test_parameters_are_created_sharded():
+  mesh = models.make_mesh((1, 2, 4, 1))
+  m = models.create_model(CFG.replace(num_kv_heads=2, num_heads=4, ffn_dim=96), mesh=mesh)
+  q = m.layers[0].attn.q_proj[...]
+  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  # Each device holds only its shard, never the full tensor.
+  assert q.addressable_shards[0].data.shape == (48 // 2, 4 // 4, 8)
+  up = m.layers[0].mlp.up_proj[...]
+  assert up.addressable_shards[0].data.shape == (24, 96 // 4)
+  assert len(up.sharding.device_set) == 8
+
+
+def test_indivisible_dimension_replicates_instead_of_failing():
+  mesh = models.make_mesh((1, 1, 8, 1))
+  # 3 kv heads cannot split 8 ways: that dimension replicates, the rest still shards.
+  m = models.create_model(CFG, mesh=mesh)
+  assert all(a is None for a in m.layers[0].attn.k_proj[...].sharding.spec)
+  assert m.layers[0].mlp.up_proj[...].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+
+
+def test_causal_by_gradient(model):
+  tokens = _tokens(b=1, t=9)
+  emb = model.embed[...]
+
+  def loss_at(pos):
+    def f(x):
+      m = nnx.clone(model)
+      m.embed[...] = x
+      return m(tokens)[0, pos].sum()
+    return jax.grad(f)(emb)
+
+  g = loss_at(4)
+  used = np.abs(np.asarray(g)).sum(-1) > 0
+  later = set(np.asarray(tokens[0, 5:]).tolist()) - set(np.asarray(tokens[0, :5]).tolist())
+  assert not any(used[t] for t in later), "position 4 depends on a later token"
+  assert used[int(tokens[0, 0])]
+
+
+def test_packed_segments_do_not_see_each_other(model):
+  a, b = _tokens(1, 5, seed=1), _tokens(1, 7, seed=2)
+  packed = jnp.concatenate([a, b, jnp.zeros((1, 3), a.dtype)], axis=1)
+  seg = jnp.asarray([[1] * 5 + [2] * 7 + [0] * 3])
+  pos = jnp.asarray([list(range(5)) + list(range(7)) + [0] * 3])
+  out = model(packed, pos, seg)
+  np.testing.assert_allclose(out[:, :5], model(a), atol=1e-5)
+  np.testing.assert_allclose(out[:, 5:12], model(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13, 64])
+def test_chunked_logprobs_equal_full_log_softmax(model, chunk):
+  tokens, targets = _tokens(2, 13, seed=3), _tokens(2, 13, seed=4)
+  full = jax.nn.log_softmax(model(tokens), axis=-1)
+  want = jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
+  got, ent = model.token_logprobs(tokens, targets, chunk=chunk, return_entropy=True)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  want_ent = -(jnp.exp(full) * full).sum(-1)
+  np.testing.assert_allclose(ent, want_ent, atol=1e-4)
+
+
+def test_chunked_logprob_gradient_matches_full(model):
+  tokens, targets = _tokens(2, 11, seed=5), _tokens(2, 11, seed=6)
+  graphdef, params = nnx.split(model)
+
+  def chunked(p):
+    return nnx.merge(graphdef, p).token_logprobs(tokens, targets, chunk=3).sum()
+
+  def full(p):
+    lp = jax.nn.log_softmax(nnx.merge(graphdef, p)(tokens), -1)
+    return jnp.take_along_axis(lp, targets[..., None], -1).sum()
+
+  g1, g2 = jax.grad(chunked)(params), jax.grad(full)(params)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_logprobs_never_build_full_float32_logits():
+  cfg = CFG.replace(vocab_size=4099, logprob_chunk=16)
+  m = models.create_model(cfg)
+  tokens = jnp.zeros((2, 256), jnp.int32)
+  graphdef, state = nnx.split(m)
+
+  def f(state):
+    return nnx.merge(graphdef, state).token_logprobs(tokens, tokens).sum()
+
+  hlo = jax.jit(jax.grad(f)).lower(state).compile().as_text()
+  assert "f32[2,256,4099]" not in hlo
+  assert "f32[2,16,4099]" in hlo
+
+
+def test_remat_gives_same_gradients(model):
+  tokens = _tokens(2, 9)
+  for policy in ("full", "dots_with_no_batch_dims"):
+    other = models.create_model(CFG.replace(remat=policy), seed=1)
+    grads = []
+    for m in (model, other):
+      graphdef, params = nnx.split(m)
+      grads.append(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).sum())(params))
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_compute_tracks_float32(model):
+  m16 = models.create_model(CFG.replace(dtype="bfloat16"), seed=1)
+  tokens = _tokens()
+  out = m16(tokens)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(out.astype(jnp.float32), model(tokens), atol=0.05)
+
+
+def test_value_head_shapes_and_gradient():
+  m = models.create_model(CFG.replace(value_head=True))
+  v = m.values(_tokens())
+  assert v.shape == (3, 13) and v.dtype == jnp.float32
+  with pytest.raises(ValueError, match="no value head"):
+    models.create_model(CFG).values(_tokens())
+
+
+def test_kv_cache_decode_matches_full_forward(model):
+  tokens = _tokens(2, 10, seed=7)
+  full = model(tokens)
+  cache = models.init_cache(CFG, 2, 16)
+  logits, cache = model(tokens[:, :6], cache=cache)
+  np.testing.assert_allclose(logits, full[:, :6], atol=1e-5)
+  for t in range(6, 10):
+    pos = jnp.full((2, 1), t)
+    step, cache = model(tokens[:, t:t + 1], pos, cache=cache)
+    np.testing.assert_allclose(step[:, 0], full[:, t], atol=1e-5)
+
+
+def test_bad_inputs_raise_clear_errors():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    CFG.replace(num_kv_heads=4)
+  with pytest.raises(ValueError, match="attention_impl"):
+    CFG.replace(attention_impl="magic")
+  with pytest.raises(ValueError, match="unknown model preset"):
+    models.get_preset("gpt5")
+  with pytest.raises(ValueError, match="tokens must be"):
+    models.create_model(CFG)(jnp.zeros((4,), jnp.int32))
+
+
+def test_presets_have_the_published_sizes():
+  # Published parameter counts: Llama 3 8B ~8.03B, 70B ~70.6B, Qwen2.5 7B ~7.6B, Qwen3 8B ~8.2B.
+  counts = {n: models.get_preset(n).num_params / 1e9 for n in
+            ("llama3_8b", "llama3_70b", "qwen2_5_7b", "qwen3_8b")}
+  assert abs(counts["llama3_8b"] - 8.03) < 0.05
+  assert abs(counts["llama3_70b"] - 70.55) < 0.2
+  assert abs(counts["qwen2_5_7b"] - 7.62) < 0.05
+  assert abs(counts["qwen3_8b"] - 8.19) < 0.05
+  # Abstract init allocates nothing and agrees with the formula.
+  _, state = models.abstract_model(models.get_preset("llama3_8b"))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+  assert n == models.get_preset("llama3_8b").num_params
