@@ -95,6 +95,17 @@ def merge_metrics(a: Mapping[str, Metric], b: Mapping[str, Metric]) -> dict[str,
   return out
 
 
+def merge_stacked_metrics(metrics: Mapping[str, Metric]) -> dict[str, Metric]:
+  """Merges metrics stacked on a leading axis (e.g. the outputs of a `lax.scan`)."""
+
+  def reduce(metric: Metric) -> Metric:
+    fold = jnp.max if metric.reduce == "max" else jnp.sum
+    return Metric(fold(metric.total, 0), jnp.sum(metric.count, 0), jnp.sum(metric.total_sq, 0),
+                  metric.reduce)
+
+  return {name: reduce(metric) for name, metric in metrics.items()}
+
+
 def compute_metrics(metrics: Mapping[str, Metric]) -> dict[str, Array]:
   """Final values of a metric dict, as device scalars (no host sync)."""
   return {name: metric.compute() for name, metric in metrics.items()}

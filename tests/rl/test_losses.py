@@ -1,0 +1,466 @@
+"""Losses against numpy references: values, gradients, masking, exact micro-batching."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.rl import losses
+
+BATCH, LENGTH = 5, 7
+
+
+def _surrogate_ref(log_ratio, adv, mask, eps_low, eps_high, dual_clip):
+  ratio = np.exp(log_ratio)
+  loss = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - eps_low, 1 + eps_high))
+  if dual_clip:
+    loss = np.where(adv < 0, np.minimum(loss, -dual_clip * adv), loss)
+  return np.where(mask, loss, 0.0)
+
+
+def _inputs(seed, batch=BATCH, length=LENGTH, spread=0.5):
+  rng = np.random.default_rng(seed)
+  logp = -rng.random((batch, length)) * 3
+  old = logp + rng.normal(size=(batch, length)) * spread
+  adv = rng.normal(size=(batch, length))
+  mask = rng.random((batch, length)) < 0.7
+  return logp.astype(np.float32), old.astype(np.float32), adv.astype(np.float32), mask
+
+
+def _with_garbage(x, mask, value=np.nan):
+  return np.where(mask, x, value).astype(np.float32)
+
+
+@pytest.mark.parametrize("dual_clip", [0.0, 3.0])
+def test_ppo_surrogate_matches_reference(dual_clip):
+  logp, old, adv, mask = _inputs(0, spread=1.0)
+  got, metrics = losses.ppo_policy_loss(
+      _with_garbage(logp, mask), _with_garbage(old, mask, np.inf), _with_garbage(adv, mask), mask,
+      eps_low=0.2, eps_high=0.28, dual_clip=dual_clip,
+  )
+  want = _surrogate_ref(logp - old, adv, mask, 0.2, 0.28, dual_clip)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  ratio = np.exp(logp - old)
+  n = mask.sum()
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["clip_fraction/high"], (mask & (adv > 0) & (ratio > 1.28)).sum() / n)
+  np.testing.assert_allclose(m["clip_fraction/low"], (mask & (adv < 0) & (ratio < 0.8)).sum() / n)
+  np.testing.assert_allclose(m["ratio/mean"], ratio[mask].mean(), rtol=1e-5)
+  np.testing.assert_allclose(m["ratio/max"], ratio[mask].max(), rtol=1e-5)
+  if dual_clip:
+    want_dual = (mask & (adv < 0) & (ratio > dual_clip)).sum() / n
+    assert want_dual > 0
+    np.testing.assert_allclose(m["clip_fraction/dual"], want_dual)
+
+
+@pytest.mark.parametrize("dual_clip", [0.0, 3.0])
+def test_surrogate_gradient_is_zero_exactly_where_clipped(dual_clip):
+  logp, old, adv, mask = _inputs(1, batch=11, length=13, spread=1.0)
+  eps_low, eps_high = 0.2, 0.28
+
+  def total(lp):
+    loss, _ = losses.ppo_policy_loss(lp, old, adv, mask, eps_low=eps_low, eps_high=eps_high,
+                                     dual_clip=dual_clip)
+    return jnp.sum(loss)
+
+  grad = np.asarray(jax.grad(total)(logp))
+  ratio = np.exp(logp - old)
+  clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+  if dual_clip:
+    clipped |= (adv < 0) & (ratio > dual_clip)
+  assert clipped[mask].any() and (~clipped[mask]).any()
+  assert np.all(grad[mask & clipped] == 0.0)
+  # Unclipped: d/dlogp (-A r) = -A r.
+  live = mask & ~clipped
+  np.testing.assert_allclose(grad[live], (-adv * ratio)[live], rtol=1e-5)
+  assert np.all(grad[~mask] == 0.0)
+
+
+def _segments_and_mask(rng, batch, length):
+  segment_ids = np.zeros((batch, length), np.int32)
+  for b in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, length), size=2, replace=False))
+    segment_ids[b, : cuts[0]] = 1
+    segment_ids[b, cuts[0] : cuts[1]] = 2
+  mask = (rng.random((batch, length)) < 0.8) & (segment_ids > 0)
+  return segment_ids, mask
+
+
+def test_gspo_matches_sequence_level_objective_in_value_and_gradient():
+  rng = np.random.default_rng(2)
+  batch, length = 5, 11
+  segment_ids, mask = _segments_and_mask(rng, batch, length)
+  logp = (-rng.random((batch, length)) * 2).astype(np.float32)
+  old = (logp + rng.normal(size=(batch, length)) * 3e-4).astype(np.float32)
+  seq_adv = rng.normal(size=(batch, 3))
+  adv = np.take_along_axis(seq_adv, segment_ids, axis=1).astype(np.float32)
+  eps_low, eps_high = 3e-4, 4e-4
+
+  def gspo_token(lp):
+    per_token, _ = losses.gspo_policy_loss(
+        lp, _with_garbage(old, mask), _with_garbage(adv, mask), mask,
+        eps_low=eps_low, eps_high=eps_high, segment_ids=segment_ids)
+    w, d = losses.token_weights(mask, "seq_mean_token_mean", segment_ids=segment_ids)
+    return losses.aggregate(per_token, w, d)
+
+  def sequence_level(lp):
+    # 1/N sum_i -min(s_i A_i, clip(s_i) A_i), s_i from the length-normalised log ratio.
+    total, count = 0.0, 0
+    for b in range(batch):
+      for s in (1, 2):
+        sel = (segment_ids[b] == s) & mask[b]
+        if not sel.any():
+          continue
+        log_s = jnp.sum(jnp.where(sel, lp[b] - old[b], 0.0)) / sel.sum()
+        ratio = jnp.exp(log_s)
+        a = seq_adv[b, s]
+        total += -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * a)
+        count += 1
+    return total / count
+
+  np.testing.assert_allclose(gspo_token(logp), sequence_level(logp), rtol=1e-5)
+  g_token = jax.grad(gspo_token)(_with_garbage(logp, mask))
+  g_seq = jax.grad(sequence_level)(logp)
+  np.testing.assert_allclose(g_token, np.where(mask, g_seq, 0.0), rtol=1e-4, atol=1e-7)
+
+  # Every token of a sequence sees the same (sequence) ratio.
+  _, metrics = losses.gspo_policy_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high,
+                                       segment_ids=segment_ids)
+  log_ratio = losses.gspo_log_ratio(logp, old, mask, segment_ids)
+  for b in range(batch):
+    for s in (1, 2):
+      sel = (segment_ids[b] == s) & mask[b]
+      if sel.any():
+        np.testing.assert_allclose(log_ratio[b][sel], (logp - old)[b][sel].mean(), atol=1e-6)
+
+
+def _agg_ref(loss, mask, segment_ids, mode, max_len):
+  if mode == "token_mean":
+    return loss[mask].sum() / mask.sum()
+  per_seq = []
+  for b in range(loss.shape[0]):
+    ids = np.ones(loss.shape[1]) if segment_ids is None else segment_ids[b]
+    for s in np.unique(ids[ids > 0]):
+      sel = (ids == s) & mask[b]
+      if sel.any():
+        per_seq.append(loss[b][sel].sum() / (sel.sum() if mode == "seq_mean_token_mean" else max_len))
+  return np.mean(per_seq)
+
+
+@pytest.mark.parametrize("mode", losses.AGG_MODES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_aggregation_modes_match_reference(mode, packed):
+  rng = np.random.default_rng(3)
+  segment_ids, mask = _segments_and_mask(rng, BATCH, LENGTH)
+  if not packed:
+    segment_ids = None
+  mask[0] = False  # a sequence without valid tokens does not count
+  loss = rng.normal(size=(BATCH, LENGTH)).astype(np.float32)
+  w, d = losses.token_weights(mask, mode, segment_ids=segment_ids, max_response_len=13)
+  got = losses.aggregate(_with_garbage(loss, mask, np.inf), w, d)
+  np.testing.assert_allclose(got, _agg_ref(loss, mask, segment_ids, mode, 13), rtol=1e-5)
+
+
+def test_aggregate_of_empty_batch_is_zero():
+  mask = np.zeros((3, 5), bool)
+  for mode in losses.AGG_MODES:
+    w, d = losses.token_weights(mask, mode, max_response_len=5)
+    assert float(d) == 0 and float(losses.aggregate(np.full((3, 5), np.nan), w, d)) == 0.0
+
+
+# --- the combined objective on a tiny model -------------------------------------------------
+
+VOCAB, EMBED = 11, 5
+
+
+def _model_outputs(params, tokens, targets):
+  logits = params["embed"][tokens] @ params["out"]  # [B, T, V]
+  log_softmax = jax.nn.log_softmax(logits)
+  log_probs = jnp.take_along_axis(log_softmax, targets[..., None], axis=-1)[..., 0]
+  entropies = -jnp.sum(jnp.exp(log_softmax) * log_softmax, axis=-1)
+  values = logits[..., 0]
+  return log_probs, entropies, values
+
+
+def _rollout_batch(seed, rows=12, length=LENGTH):
+  rng = np.random.default_rng(seed)
+  segment_ids, mask = _segments_and_mask(rng, rows, length)
+  shape = (rows, length)
+  batch = {
+      "tokens": rng.integers(0, VOCAB, shape).astype(np.int32),
+      "targets": rng.integers(0, VOCAB, shape).astype(np.int32),
+      "segment_ids": segment_ids,
+      "loss_mask": mask,
+      "advantages": rng.normal(size=shape),
+      "old_logprobs": -rng.random(shape) * 3,
+      "behaviour_logprobs": -rng.random(shape) * 3,
+      "ref_logprobs": -rng.random(shape) * 3,
+      "old_values": rng.normal(size=shape),
+      "returns": rng.normal(size=shape),
+  }
+  return {k: (_with_garbage(v, mask) if v.dtype == np.float64 else v) for k, v in batch.items()}
+
+
+def _params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"embed": jnp.asarray(rng.normal(size=(VOCAB, EMBED)), jnp.float32),
+          "out": jnp.asarray(rng.normal(size=(EMBED, VOCAB)), jnp.float32)}
+
+
+def _loss_fn(cfg, batch, denominator):
+  def fn(params):
+    log_probs, entropies, values = _model_outputs(params, batch["tokens"], batch["targets"])
+    return losses.rl_loss(cfg, log_probs, batch, denominator=denominator, entropies=entropies,
+                          values=values)
+  return fn
+
+
+CONFIGS = {
+    "grpo": losses.LossConfig(loss_agg_mode="seq_mean_token_mean", kl_coef=0.04, kl_estimator="k3",
+                              tis_cap=2.0),
+    "dapo": losses.LossConfig(loss_agg_mode="token_mean", eps_high=0.28, entropy_coef=0.01,
+                              dual_clip=3.0),
+    "dr_grpo": losses.LossConfig(loss_agg_mode="seq_mean_token_sum_norm", max_response_len=7),
+    "gspo_ppo_critic": losses.LossConfig(policy_loss="gspo", loss_agg_mode="seq_mean_token_mean",
+                                         use_critic=True, kl_coef=0.1, kl_estimator="k2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_four_microbatches_equal_one_batch(name):
+  cfg = CONFIGS[name]
+  batch = _rollout_batch(4)
+  params = _params()
+  full_denominator = losses.loss_denominator(cfg, batch)
+  (full_loss, full_metrics), full_grad = jax.value_and_grad(
+      _loss_fn(cfg, batch, full_denominator), has_aux=True)(params)
+
+  micro = [{k: v[i * 3 : (i + 1) * 3] for k, v in batch.items()} for i in range(4)]
+  denominator = sum(losses.loss_denominator(cfg, mb) for mb in micro)
+  np.testing.assert_allclose(denominator, full_denominator, rtol=0, atol=0)
+  loss_sum, grad_sum, metrics = 0.0, jax.tree.map(jnp.zeros_like, params), {}
+  for mb in micro:
+    (loss, m), grad = jax.value_and_grad(_loss_fn(cfg, mb, denominator), has_aux=True)(params)
+    loss_sum += loss
+    grad_sum = jax.tree.map(jnp.add, grad_sum, grad)
+    metrics = losses.merge_metrics(metrics, m)
+  np.testing.assert_allclose(loss_sum, full_loss, rtol=1e-6, atol=1e-6)
+  for key in params:
+    np.testing.assert_allclose(grad_sum[key], full_grad[key], rtol=1e-5, atol=1e-6)
+  full_values = losses.compute_metrics(full_metrics)
+  micro_values = losses.compute_metrics(metrics)
+  assert set(full_values) == set(micro_values)
+  for key in full_values:
+    np.testing.assert_allclose(micro_values[key], full_values[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+  # The same accumulation as a jitted lax.scan over stacked micro-batches.
+  stacked = {k: v.reshape(4, 3, *v.shape[1:]) for k, v in batch.items()}
+
+  @jax.jit
+  def scanned(params, stacked):
+    denominator = jnp.sum(jax.vmap(lambda mb: losses.loss_denominator(cfg, mb))(stacked))
+
+    def step(grad_acc, mb):
+      (loss, m), grad = jax.value_and_grad(_loss_fn(cfg, mb, denominator), has_aux=True)(params)
+      return jax.tree.map(jnp.add, grad_acc, grad), (loss, m)
+
+    grads, (loss, m) = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, params), stacked)
+    return jnp.sum(loss), grads, losses.compute_metrics(losses.merge_stacked_metrics(m))
+
+  scan_loss, scan_grad, scan_values = scanned(params, stacked)
+  np.testing.assert_allclose(scan_loss, full_loss, rtol=1e-6, atol=1e-6)
+  for key in params:
+    np.testing.assert_allclose(scan_grad[key], full_grad[key], rtol=1e-5, atol=1e-6)
+  for key in full_values:
+    np.testing.assert_allclose(scan_values[key], full_values[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_masked_garbage_never_leaks_into_loss_or_gradient():
+  cfg = CONFIGS["gspo_ppo_critic"]
+  cfg = losses.LossConfig(**{**cfg.__dict__, "tis_cap": 2.0, "entropy_coef": 0.01})
+  batch = _rollout_batch(5)
+  mask = batch["loss_mask"]
+  clean = {k: (np.where(mask, v, 0.0).astype(np.float32) if v.dtype == np.float32 else v)
+           for k, v in batch.items()}
+  denominator = losses.loss_denominator(cfg, batch)
+  params = _params(1)
+
+  def fn(b, poison):
+    def inner(p):
+      log_probs, entropies, values = _model_outputs(p, b["tokens"], b["targets"])
+      if poison:  # the model itself emits garbage at masked positions
+        log_probs = jnp.where(mask, log_probs, jnp.nan)
+        entropies = jnp.where(mask, entropies, jnp.inf)
+        values = jnp.where(mask, values, -jnp.inf)
+      return losses.rl_loss(cfg, log_probs, b, denominator=denominator, entropies=entropies,
+                            values=values)
+    return inner
+
+  (loss_garbage, m_garbage), g_garbage = jax.value_and_grad(fn(batch, True), has_aux=True)(params)
+  (loss_clean, m_clean), g_clean = jax.value_and_grad(fn(clean, False), has_aux=True)(params)
+  assert np.isfinite(loss_garbage)
+  assert loss_garbage == loss_clean
+  for key in params:
+    assert np.all(np.isfinite(g_garbage[key]))
+    np.testing.assert_array_equal(g_garbage[key], g_clean[key])
+  for key, value in losses.compute_metrics(m_garbage).items():
+    np.testing.assert_array_equal(value, losses.compute_metrics(m_clean)[key], err_msg=key)
+
+
+def test_on_policy_loss_is_minus_weighted_advantage_with_policy_gradient():
+  cfg = losses.LossConfig(loss_agg_mode="token_mean")
+  batch = _rollout_batch(6)
+  del batch["old_logprobs"]
+  mask = batch["loss_mask"]
+  log_probs = jnp.asarray(-np.random.default_rng(0).random(mask.shape), jnp.float32)
+  d = losses.loss_denominator(cfg, batch)
+
+  def fn(lp):
+    return losses.rl_loss(cfg, lp, batch, denominator=d)[0]
+
+  adv = np.where(mask, batch["advantages"], 0.0)
+  np.testing.assert_allclose(fn(log_probs), -adv.sum() / mask.sum(), rtol=1e-5)
+  np.testing.assert_allclose(jax.grad(fn)(log_probs), -adv / mask.sum(), rtol=1e-5, atol=1e-7)
+
+
+def test_truncated_importance_weights():
+  logp, old, _, mask = _inputs(7, spread=2.0)
+  got = losses.truncated_importance_weights(_with_garbage(logp, mask), _with_garbage(old, mask),
+                                            mask, cap=2.0)
+  want = np.where(mask, np.minimum(np.exp(logp - old), 2.0), 0.0)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert (want == 2.0).any()
+  with pytest.raises(ValueError, match="tis cap must be > 0, got 0"):
+    losses.truncated_importance_weights(logp, old, mask, cap=0)
+
+
+def test_tis_scales_policy_loss_and_reports_mean_weight():
+  cfg = losses.LossConfig(tis_cap=1.5)
+  batch = _rollout_batch(8)
+  mask = batch["loss_mask"]
+  log_probs = jnp.asarray(batch["old_logprobs"])
+  d = losses.loss_denominator(cfg, batch)
+  loss, metrics = losses.rl_loss(cfg, jnp.where(mask, log_probs, 0.0), batch, denominator=d)
+  w = np.minimum(np.exp(batch["old_logprobs"] - batch["behaviour_logprobs"]), 1.5)[mask]
+  # ratio is 1 (log_probs == old), so the loss is -sum(w * A) / n.
+  np.testing.assert_allclose(loss, -(w * batch["advantages"][mask]).sum() / mask.sum(), rtol=1e-5)
+  np.testing.assert_allclose(losses.compute_metrics(metrics)["is_weight/mean"], w.mean(), rtol=1e-5)
+
+
+def test_kl_estimators_on_samples_from_two_categoricals():
+  key_q, key_p, key_x = jax.random.split(jax.random.key(0), 3)
+  log_q = jax.nn.log_softmax(jax.random.normal(key_q, (7,)))
+  log_p = jax.nn.log_softmax(jax.random.normal(key_p, (7,)))
+  exact = float(jnp.sum(jnp.exp(log_q) * (log_q - log_p)))
+  x = jax.random.categorical(key_x, log_q, shape=(200, 1000))  # x ~ q
+  log_probs, ref_log_probs = log_q[x], log_p[x]
+  mask = np.ones(x.shape, bool)
+  est = {k: np.asarray(losses.kl_divergence(log_probs, ref_log_probs, mask, estimator=k), np.float64)
+         for k in losses.KL_ESTIMATORS}
+  for k in ("k1", "k3"):  # unbiased: within 4 standard errors
+    stderr = est[k].std() / np.sqrt(est[k].size)
+    assert abs(est[k].mean() - exact) < 4 * stderr, (k, est[k].mean(), exact)
+  assert (est["k1"] < 0).any()  # k1 is unbiased but not per-sample positive
+  assert (est["k2"] >= 0).all() and (est["k3"] >= 0).all()
+  assert est["k3"].std() < est["k1"].std()
+
+
+def test_kl_estimators_on_samples_from_two_gaussians():
+  rng = np.random.default_rng(9)
+  mu_q, s_q, mu_p, s_p = 0.0, 1.0, 0.3, 1.2
+  x = rng.normal(mu_q, s_q, size=(500, 400))
+
+  def log_normal(x, mu, s):
+    return -0.5 * ((x - mu) / s) ** 2 - np.log(s) - 0.5 * np.log(2 * np.pi)
+
+  exact = np.log(s_p / s_q) + (s_q**2 + (mu_q - mu_p) ** 2) / (2 * s_p**2) - 0.5
+  mask = np.ones(x.shape, bool)
+  for k in ("k1", "k3"):
+    est = np.asarray(losses.kl_divergence(log_normal(x, mu_q, s_q).astype(np.float32),
+                                          log_normal(x, mu_p, s_p).astype(np.float32), mask,
+                                          estimator=k), np.float64)
+    assert abs(est.mean() - exact) < 4 * est.std() / np.sqrt(est.size), k
+
+
+def test_k2_k3_nonnegative_on_extreme_log_ratios_and_masked():
+  rng = np.random.default_rng(10)
+  logp = rng.normal(size=(3, 7)).astype(np.float32) * 30
+  ref = rng.normal(size=(3, 7)).astype(np.float32) * 30
+  mask = rng.random((3, 7)) < 0.6
+  for k in ("k2", "k3"):
+    got = np.asarray(losses.kl_divergence(_with_garbage(logp, mask), ref, mask, estimator=k))
+    assert np.all(np.isfinite(got)) and np.all(got >= 0) and np.all(got[~mask] == 0)
+  with pytest.raises(ValueError, match="unknown kl estimator 'k4'"):
+    losses.kl_divergence(logp, ref, mask, estimator="k4")
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalized_rewards(estimator):
+  logp, ref, _, mask = _inputs(11)
+  rewards = np.random.default_rng(11).normal(size=mask.shape).astype(np.float32)
+  log_r = ref - logp
+  k = {"k1": -log_r, "k2": 0.5 * log_r**2, "k3": np.exp(log_r) - 1 - log_r}[estimator]
+  got = losses.kl_penalized_rewards(_with_garbage(rewards, mask), _with_garbage(logp, mask), ref,
+                                    mask, kl_coef=0.1, estimator=estimator)
+  np.testing.assert_allclose(got, np.where(mask, rewards - 0.1 * k, 0.0), rtol=1e-5, atol=1e-6)
+
+
+def test_clipped_value_loss_value_and_gradient():
+  rng = np.random.default_rng(12)
+  values, old, returns = (rng.normal(size=(BATCH, LENGTH)).astype(np.float32) for _ in range(3))
+  mask = rng.random((BATCH, LENGTH)) < 0.7
+  eps = 0.2
+  clipped = old + np.clip(values - old, -eps, eps)
+  want = np.where(mask, 0.5 * np.maximum((values - returns) ** 2, (clipped - returns) ** 2), 0.0)
+
+  def total(v):
+    loss, _ = losses.clipped_value_loss(v, _with_garbage(old, mask), returns, mask, value_clip=eps)
+    return jnp.sum(loss), loss
+
+  (_, got), grad = jax.value_and_grad(total, has_aux=True)(_with_garbage(values, mask))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  use_clipped = (clipped - returns) ** 2 > (values - returns) ** 2
+  # Where the clipped branch wins and values moved beyond the range, the gradient is 0.
+  frozen = mask & use_clipped & (np.abs(values - old) > eps)
+  assert frozen.any()
+  assert np.all(np.asarray(grad)[frozen] == 0)
+  live = mask & ~use_clipped
+  np.testing.assert_allclose(np.asarray(grad)[live], (values - returns)[live], rtol=1e-5)
+  assert np.all(np.asarray(grad)[~mask] == 0)
+
+
+def test_metric_merge_and_compute():
+  a = {"x": losses.Metric.mean(3.0, 2.0), "m": losses.Metric.max(5.0, 1.0),
+       "s": losses.Metric.std(1.0, 5.0, 2.0)}
+  b = {"x": losses.Metric.mean(1.0, 2.0), "m": losses.Metric.max(7.0, 1.0),
+       "s": losses.Metric.std(-1.0, 5.0, 2.0), "y": losses.Metric.mean(0.0, 0.0)}
+  got = losses.compute_metrics(losses.merge_metrics(a, b))
+  np.testing.assert_allclose(got["x"], 1.0)
+  np.testing.assert_allclose(got["m"], 7.0)
+  np.testing.assert_allclose(got["s"], np.sqrt(10.0 / 4))  # values {2,-1} and {1,-2}: mean 0
+  assert float(got["y"]) == 0.0
+  # Metrics are pytrees: they pass through jit and lax.scan carries.
+  merged = jax.jit(losses.merge_metrics)(a, b)
+  assert merged["m"].reduce == "max"
+
+
+def test_loss_config_errors_are_one_line_and_name_the_value():
+  cases = [
+      (dict(loss_agg_mode="mean"), "unknown loss_agg_mode 'mean'"),
+      (dict(policy_loss="trpo"), "unknown policy loss 'trpo'"),
+      (dict(dual_clip=0.9), "dual_clip must be 0 \\(off\\) or > 1, got 0.9"),
+      (dict(eps_low=1.0), "eps_low must be in \\[0, 1\\), got 1.0"),
+      (dict(loss_agg_mode="seq_mean_token_sum_norm"), "needs max_response_len > 0, got 0"),
+  ]
+  for kwargs, message in cases:
+    with pytest.raises(ValueError, match=message) as info:
+      losses.LossConfig(**kwargs)
+    assert "\n" not in str(info.value)
+  with pytest.raises(ValueError, match="ref_logprobs"):
+    batch = _rollout_batch(13)
+    del batch["ref_logprobs"]
+    losses.rl_loss(losses.LossConfig(kl_coef=0.1), jnp.zeros((12, LENGTH)), batch, denominator=1.0)
+  with pytest.raises(ValueError, match=r"old_log_probs shape \(3, 5\) != log_probs shape \(3, 7\)"):
+    losses.ppo_policy_loss(np.zeros((3, 7)), np.zeros((3, 5)), np.zeros((3, 7)), np.ones((3, 7)),
+                           eps_low=0.2, eps_high=0.2)
