@@ -155,6 +155,7 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
   """A TrainState on `mesh` from a model (its parameters are copied, never aliased)."""
   params = nnx.state(model, nnx.Param)
   shardings = train_state_shardings(params, optimizer, mesh, rules)
+  params = jax.device_put(params, shardings.params)  # No-op when already on `mesh`.
 
   @functools.partial(jax.jit, out_shardings=shardings)
   def init(params):

@@ -1,0 +1,330 @@
+"""The jitted RL train step: exact micro-batch accumulation, sharding, safety, learning."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from posttrain import models
+from posttrain.rl import advantages as advantages_lib
+from posttrain.rl import packing, presets
+from posttrain.rl import train_step as ts
+
+ROW_LEN = 24
+CFG = models.get_preset("tiny", num_layers=1, ffn_dim=128, logprob_chunk=8)
+CRITIC_CFG = CFG.replace(value_head=True)
+
+
+def one_device_mesh():
+  return models.make_mesh((1, 1, 1, 1), devices=jax.devices()[:1])
+
+
+def snapshot(tree):
+  return [np.array(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_trees_close(a, b, atol, rtol=0.0):
+  for x, y in zip(snapshot(a), snapshot(b), strict=True):
+    np.testing.assert_allclose(x, y, atol=atol, rtol=rtol)
+
+
+def packed_rows(seed, num_seqs=16, vocab=CFG.vocab_size, rows=8):
+  """Random trajectories packed into `rows` rows of ROW_LEN (several sequences per row)."""
+  rng = np.random.default_rng(seed)
+  trajectories = []
+  for _ in range(num_seqs):
+    prompt = rng.integers(1, vocab, rng.integers(2, 6))
+    response = rng.integers(1, vocab, rng.integers(2, 8))
+    trajectories.append(dict(
+        prompt_tokens=prompt, response_tokens=response,
+        response_mask=rng.random(len(response)) < 0.85,
+        behaviour_logprobs=-rng.uniform(1.0, 8.0, len(response)),
+        advantages=rng.normal(),
+        rewards=rng.normal()))
+  return packing.pack_trajectories(trajectories, ROW_LEN, num_rows=rows)
+
+
+def microbatched(rows, num_micro):
+  budget = ROW_LEN * len(rows["tokens"]) // num_micro
+  return packing.split_microbatches(rows, budget, num_microbatches=num_micro)
+
+
+def add_learner_logprobs(batch, params, cfg, mesh, seed):
+  """old / ref log-probs near the current ones, so ratios and KL are non-trivial."""
+  out = ts.make_compute_logprobs(cfg, mesh=mesh)(params, batch)
+  rng = np.random.default_rng(seed)
+  logprobs = np.asarray(out["logprobs"])
+  batch = dict(batch)
+  batch["old_logprobs"] = logprobs + rng.normal(0, 0.3, logprobs.shape).astype(np.float32)
+  batch["ref_logprobs"] = logprobs + rng.normal(0, 0.3, logprobs.shape).astype(np.float32)
+  if "values" in out:
+    values = np.asarray(out["values"])
+    batch["old_values"] = values + rng.normal(0, 0.1, values.shape).astype(np.float32)
+    batch["returns"] = rng.normal(size=values.shape).astype(np.float32)
+  return batch
+
+
+def fresh_state(cfg, optimizer, mesh, seed=0):
+  return ts.init_train_state(models.create_model(cfg, seed=seed), optimizer, mesh=mesh)
+
+
+ALGOS = {
+    # seq_mean_token_mean + k3 KL loss, plus TIS and dual clip to cover those terms.
+    "grpo": (CFG, dict(tis_cap=2.0, dual_clip=3.0)),
+    "dr_grpo": (CFG, dict(max_response_len=12, kl_coef=0.1)),
+    "gspo": (CFG, dict(kl_coef=0.1, entropy_coef=0.01)),
+    "ppo": (CRITIC_CFG, {}),  # token_mean, value head.
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGOS))
+def test_four_microbatches_give_the_one_batch_update(algorithm):
+  cfg, overrides = ALGOS[algorithm]
+  algo = presets.algorithm_config(algorithm, **overrides)
+  mesh = one_device_mesh()
+  # SGD with rate 1: the parameter change is the gradient itself, so this compares
+  # gradients directly (Adam's first step would hide them behind g / |g|).
+  optimizer = optax.sgd(1.0)
+  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
+  init = fresh_state(cfg, optimizer, mesh)
+  rows = packed_rows(0)
+  whole = add_learner_logprobs(microbatched(rows, 1), init.params, cfg, mesh, seed=1)
+  split = {k: v.reshape((4, -1) + v.shape[2:]) for k, v in whole.items()}
+
+  state_1, metrics_1 = step(ts.frozen_copy(init), whole)
+  state_4, metrics_4 = step(ts.frozen_copy(init), split)
+
+  delta_1 = jax.tree.map(jnp.subtract, state_1.params, init.params)
+  delta_4 = jax.tree.map(jnp.subtract, state_4.params, init.params)
+  assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(delta_1)) > 1e-4
+  assert_trees_close(delta_4, delta_1, atol=1e-5)
+  assert set(metrics_4) == set(metrics_1)
+  for name in metrics_1:
+    np.testing.assert_allclose(metrics_4[name], metrics_1[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  assert float(metrics_1["clip_fraction/low"]) + float(metrics_1["clip_fraction/high"]) > 0
+
+
+def test_eight_devices_match_one_device():
+  algo = presets.algorithm_config("grpo", tis_cap=2.0)
+  optimizer = optax.sgd(0.5)
+  rows = packed_rows(3)
+  results = []
+  for mesh in (one_device_mesh(), models.make_mesh((1, 2, 4, 1))):
+    step = ts.make_train_step(CFG, algo, optimizer, mesh=mesh)
+    state = fresh_state(CFG, optimizer, mesh)
+    batch = add_learner_logprobs(microbatched(rows, 2), state.params, CFG, mesh, seed=4)
+    history = []
+    for _ in range(2):
+      state, metrics = step(state, batch)
+      history.append(metrics)
+    results.append((state, history, batch["ref_logprobs"]))
+  (state_1, hist_1, ref_1), (state_8, hist_8, ref_8) = results
+  np.testing.assert_allclose(ref_8, ref_1, atol=1e-5)
+  embed = state_8.params["embed"][...]
+  assert len(embed.sharding.device_set) == 8
+  assert_trees_close(state_8.params, state_1.params, atol=1e-5)
+  for m1, m8 in zip(hist_1, hist_8):
+    for name in m1:
+      np.testing.assert_allclose(m8[name], m1[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_reference_params_never_change_and_survive_donation():
+  mesh = models.make_mesh((1, 2, 4, 1))
+  optimizer = ts.make_optimizer(1e-2, warmup=0, total_steps=10)
+  algo = presets.algorithm_config("grpo")
+  state = fresh_state(CFG, optimizer, mesh)
+  reference = ts.frozen_copy(state.params)
+  before = snapshot(reference)
+  policy_before = snapshot(state.params)
+  compute_logprobs = ts.make_compute_logprobs(CFG, mesh=mesh)
+  step = ts.make_train_step(CFG, algo, optimizer, mesh=mesh)
+  for seed in range(3):
+    batch = microbatched(packed_rows(seed), 2)
+    batch["ref_logprobs"] = compute_logprobs(reference, batch)["logprobs"]
+    state, metrics = step(state, batch)
+  assert float(metrics["kl"]) > 0
+  for x, y in zip(snapshot(reference), before, strict=True):
+    np.testing.assert_array_equal(x, y)
+  moved = [not np.array_equal(x, y) for x, y in zip(snapshot(state.params), policy_before)]
+  assert all(moved)
+
+
+def test_nonfinite_loss_is_reported_and_the_update_skipped():
+  mesh = one_device_mesh()
+  optimizer = ts.make_optimizer(1e-2, warmup=0, total_steps=10)
+  step = ts.make_train_step(CFG, presets.algorithm_config("dapo"), optimizer, mesh=mesh)
+  state = fresh_state(CFG, optimizer, mesh)
+  clean = microbatched(packed_rows(5), 2)
+  mask = clean["loss_mask"]
+
+  # Garbage where loss_mask is 0 must not count: the losses never read it.
+  hidden_nan = dict(clean, advantages=np.where(mask, clean["advantages"], np.nan))
+  state, metrics = step(state, hidden_nan)
+  assert float(metrics["nonfinite"]) == 0 and int(state.step) == 1
+
+  params, opt_state = snapshot(state.params), snapshot(state.opt_state)
+  poisoned = dict(clean, advantages=clean["advantages"].copy())
+  m, r, t = np.argwhere(mask)[0]
+  poisoned["advantages"][m, r, t] = np.nan
+  state, metrics = step(state, poisoned)
+  assert float(metrics["nonfinite"]) == 1
+  assert not np.isfinite(float(metrics["loss"]))
+  assert int(state.step) == 1
+  for x, y in zip(snapshot(state.params), params, strict=True):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(snapshot(state.opt_state), opt_state, strict=True):
+    np.testing.assert_array_equal(x, y)
+
+  state, metrics = step(state, clean)  # The skipped step left nothing poisoned behind.
+  assert float(metrics["nonfinite"]) == 0 and int(state.step) == 2
+  assert all(np.isfinite(x).all() for x in snapshot(state.params))
+
+
+def test_step_compiles_once_across_new_data():
+  mesh = models.make_mesh((1, 2, 4, 1))
+  optimizer = ts.make_optimizer(1e-3, warmup=2, total_steps=10, weight_decay=0.1)
+  step = ts.make_train_step(CFG, presets.algorithm_config("grpo"), optimizer, mesh=mesh)
+  compute_logprobs = ts.make_compute_logprobs(CFG, mesh=mesh)
+  state = fresh_state(CFG, optimizer, mesh)
+  reference = ts.frozen_copy(state.params)
+  rates = []
+  for seed in range(4):
+    batch = microbatched(packed_rows(seed), 2)
+    batch["ref_logprobs"] = compute_logprobs(reference, batch)["logprobs"]
+    state, metrics = step(state, batch)
+    rates.append(float(metrics["learning_rate"]))
+  assert step.jitted._cache_size() == 1
+  assert compute_logprobs.jitted._cache_size() == 1
+  assert set(ts.STANDARD_METRICS) <= set(metrics)
+  expected = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)
+  np.testing.assert_allclose(rates, [expected(i) for i in range(4)], rtol=1e-6)
+
+
+def sequence_logprob(logprobs, batch):
+  mask = np.asarray(batch["loss_mask"])
+  return np.where(mask, np.asarray(logprobs), 0.0).sum(-1)
+
+
+def test_grpo_steps_raise_the_logprob_of_rewarded_responses():
+  mesh = one_device_mesh()
+  cfg = CFG
+  good, bad = 7, 11  # Reward 1 for a response of `good` tokens, 0 for `bad` ones.
+  prompt = np.array([3, 4, 5, 6])
+  trajectories, rewards = [], []
+  for i in range(8):
+    token = good if i % 2 == 0 else bad
+    trajectories.append(dict(prompt_tokens=prompt, response_tokens=np.full(6, token)))
+    rewards.append(float(token == good))
+  adv = advantages_lib.group_normalized_advantages(np.array(rewards)[None])[0]
+  for traj, a in zip(trajectories, np.asarray(adv)):
+    traj["advantages"] = float(a)
+  batch = packing.split_microbatches(packing.pack_trajectories(trajectories, 12), 12 * 4)
+
+  optimizer = ts.make_optimizer(1e-2, warmup=0, total_steps=20)
+  algo = presets.algorithm_config("grpo")
+  state = fresh_state(cfg, optimizer, mesh)
+  reference = ts.frozen_copy(state.params)
+  compute_logprobs = ts.make_compute_logprobs(cfg, mesh=mesh)
+  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
+  batch["ref_logprobs"] = compute_logprobs(reference, batch)["logprobs"]
+  before = sequence_logprob(batch["ref_logprobs"], batch)
+  for _ in range(4):
+    state, metrics = step(state, batch)
+  after = sequence_logprob(compute_logprobs(state.params, batch)["logprobs"], batch)
+  # Packing may reorder sequences: tell them apart by their response token.
+  is_good = np.asarray(batch["tokens"])[..., 5] == good
+  assert (after - before)[is_good].min() > 1.0
+  assert (after - before)[~is_good].max() < 0.0
+  assert float(metrics["kl"]) > 0
+
+
+def test_ppo_update_with_value_head_reduces_value_loss():
+  mesh = models.make_mesh((1, 2, 4, 1))
+  cfg = CRITIC_CFG
+  optimizer = ts.make_optimizer(3e-3, warmup=0, total_steps=50)
+  algo = presets.algorithm_config("ppo")
+  state = fresh_state(cfg, optimizer, mesh)
+  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
+  compute_logprobs = ts.make_compute_logprobs(cfg, mesh=mesh)
+  batch = microbatched(packed_rows(7), 4)
+  out = compute_logprobs(state.params, batch)
+  segment_ids = np.asarray(batch["segment_ids"]).reshape(-1, ROW_LEN)
+  mask = np.asarray(batch["loss_mask"]).reshape(-1, ROW_LEN)
+  rewards = np.asarray(batch["rewards"]).reshape(-1, ROW_LEN)
+  values = np.asarray(out["values"]).reshape(-1, ROW_LEN)
+  adv, returns = advantages_lib.gae_advantages(rewards, values, mask, gamma=1.0, lam=0.95,
+                                               segment_ids=segment_ids)
+  batch.update(old_logprobs=out["logprobs"], old_values=out["values"],
+               advantages=np.asarray(adv).reshape(batch["tokens"].shape),
+               returns=np.asarray(returns).reshape(batch["tokens"].shape))
+
+  def value_error(params):
+    v = np.asarray(compute_logprobs(params, batch)["values"])
+    m = np.asarray(batch["loss_mask"])
+    return float(np.sum(m * (v - batch["returns"]) ** 2) / m.sum())
+
+  start = value_error(state.params)
+  history = []
+  for _ in range(3):
+    state, metrics = ts.ppo_update(step, state, batch, epochs=2, minibatches=2)
+    history += metrics
+  assert len(history) == 12 and int(state.step) == 12
+  assert value_error(state.params) < 0.7 * start
+  assert float(history[-1]["loss/value"]) < float(history[0]["loss/value"])
+  assert step.jitted._cache_size() == 1
+
+
+def test_ppo_update_minibatches_are_train_steps_on_the_halves():
+  mesh = one_device_mesh()
+  optimizer = optax.sgd(0.1)
+  algo = presets.algorithm_config("dapo")
+  step = ts.make_train_step(CFG, algo, optimizer, mesh=mesh)
+  init = fresh_state(CFG, optimizer, mesh)
+  batch = add_learner_logprobs(microbatched(packed_rows(9), 4), init.params, CFG, mesh, 2)
+  state, _ = ts.ppo_update(step, ts.frozen_copy(init), batch, epochs=1, minibatches=2,
+                           shuffle=False)
+  manual = ts.frozen_copy(init)
+  for half in (slice(0, 2), slice(2, 4)):
+    manual, _ = step(manual, {k: v[half] for k, v in batch.items()})
+  assert_trees_close(state.params, manual.params, atol=1e-6)
+
+
+# -- user errors: one line, naming the value ----------------------------------------------
+
+
+def test_bad_inputs_fail_early_with_clear_messages():
+  mesh = models.make_mesh((1, 2, 4, 1))
+  optimizer = optax.sgd(0.1)
+  grpo = presets.algorithm_config("grpo")
+  step = ts.make_train_step(CFG, grpo, optimizer, mesh=mesh)
+  batch = microbatched(packed_rows(0), 2)
+  with pytest.raises(ValueError, match="ref_logprobs"):
+    step(None, batch)
+  batch["ref_logprobs"] = np.zeros(batch["tokens"].shape, np.float32)
+  with pytest.raises(ValueError, match=r"advantages.*\(2, 4, 23\)"):
+    step(None, dict(batch, advantages=batch["advantages"][..., :-1]))
+  odd_rows = {k: v[:, :3] for k, v in batch.items()}
+  with pytest.raises(ValueError, match="3 rows"):
+    step(None, odd_rows)
+  with pytest.raises(ValueError, match="value head"):
+    ts.make_train_step(CFG, presets.algorithm_config("ppo"), optimizer, mesh=mesh)
+  with pytest.raises(ValueError, match="max_response_len"):
+    ts.make_train_step(CFG, presets.algorithm_config("dr_grpo"), optimizer, mesh=mesh)
+  with pytest.raises(ValueError, match="warmup"):
+    ts.make_optimizer(1e-3, warmup=10, total_steps=10)
+  with pytest.raises(ValueError, match="-0.1"):
+    ts.make_optimizer(-0.1, warmup=0, total_steps=10)
+  with pytest.raises(ValueError, match="minibatches=3"):
+    ts.ppo_update(step, None, batch, epochs=1, minibatches=3)
+
+
+def test_weight_decay_skips_norms_and_reaches_matrices():
+  params = nnx.state(models.create_model(CFG), nnx.Param)
+  optimizer = ts.make_optimizer(1.0, warmup=0, total_steps=10, weight_decay=0.5, clip=None)
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+  assert float(jnp.abs(updates["final_norm"]["scale"][...]).max()) == 0.0
+  np.testing.assert_allclose(updates["embed"][...], -0.5 * params["embed"][...], rtol=1e-6)
