@@ -25,8 +25,8 @@ def _arith(rng, level):
 
 
 def _geom(rng, level):
-    ratio = rng.randint(2, 1 + level) * (1 if level <= 3 else rng.choice((-1, 1)))
-    start = rng.randint(1, 2 * level)
+    ratio = rng.randint(2, 2 + level) * (1 if level <= 3 else rng.choice((-1, 1)))
+    start = rng.randint(1, 2 * level + 1)
     xs = [start * ratio**i for i in range(5)]
     return _question(xs[:4]), str(xs[4]), {"start": start, "ratio": ratio}
 
@@ -40,9 +40,9 @@ def _fib(rng, level):
 
 
 def _quad(rng, level):
-    span = (1, 3, 5, 9, 20)[level - 1]
+    span = (3, 3, 5, 9, 20)[level - 1]
     a = rng.randint(1, span)
-    b = rng.randint(-span, span) if level > 1 else 0
+    b = rng.randint(-span, span) if level > 1 else rng.randint(0, 2)
     c = rng.randint(-span, span) if level > 1 else 0
     xs = [a * n * n + b * n + c for n in range(1, 7)]
     return _question(xs[:5]), str(xs[5]), {"a": a, "b": b, "c": c}

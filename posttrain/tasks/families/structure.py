@@ -52,7 +52,7 @@ def _brackets(rng, level):
 
 
 def _depth(rng, level):
-    s = balanced_brackets(rng, _LENGTH[level] // 2, _PAIRS[level])
+    s = balanced_brackets(rng, level + 2, _PAIRS[level])
     depth = best = 0
     for ch in s:
         depth += 1 if ch in _CLOSER else -1
