@@ -1,0 +1,862 @@
+"""Pallas flash attention: forward and backward kernels under one `custom_vjp`.
+
+Two kernel families share the masking rules and the block-skipping arithmetic below:
+
+* TPU (Mosaic): grid (batch, heads, q blocks, kv blocks); the kv axis is sequential
+  ("arbitrary") and the running max / sum / output live in VMEM scratch. Blocks that
+  the causal / sliding-window mask hides entirely are skipped by `pl.when`, and their
+  index_map is clamped to a visible block so no DMA is issued for them. Fully visible
+  blocks skip the per-element mask. Layout [batch, heads, len, head_dim].
+* GPU (Triton): grid (q blocks, batch, heads); each program loops over exactly the
+  visible kv blocks with `fori_loop`. Layout [batch, len, heads, head_dim] (no copy).
+
+The backward pass recomputes probabilities from the saved log-sum-exp with one kernel
+for dq (loop over kv blocks) and one for dk/dv (loop over q blocks and over the query
+heads that share a kv head, so GQA needs no repeated k/v). Off TPU/GPU both families
+run in Pallas interpret mode, which is what the CPU tests exercise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels import reference
+
+# Finite, so masked logits never create inf - inf; a row whose running max still equals
+# it after every block saw no key at all.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+NUM_LANES = 128
+NUM_SUBLANES = 8
+_NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims (x @ y.T)
+
+DEFAULT_BLOCKS = {"tpu": (512, 512), "gpu": (64, 64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Everything static about one call: shapes, mask options, blocks, backend."""
+  backend: str  # "tpu" or "gpu": which kernel family
+  interpret: Any  # False, True or a pltpu.InterpretParams
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_kv: int
+  group: int  # query heads per kv head
+  causal: bool
+  sm_scale: float
+  logits_soft_cap: float | None
+  sliding_window: int | None
+  segments: bool
+
+  @property
+  def offset(self) -> int:
+    return self.kv_len - self.q_len
+
+  @property
+  def num_q_blocks(self) -> int:
+    return pl.cdiv(self.q_len, self.block_q)
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return pl.cdiv(self.kv_len, self.block_kv)
+
+  @property
+  def may_mask(self) -> bool:
+    """False when no element of any block can be masked."""
+    return (self.causal or self.sliding_window is not None or self.segments
+            or self.kv_len % self.block_kv != 0)
+
+
+# ----------------------------------------------------------------------------------
+# Block skipping. These run on traced int32 program ids inside kernels and index maps,
+# and on concrete ints in the tests; kernels and tests use the very same functions.
+
+
+def _floor_div(a, b: int, bias: int):
+  """floor(a / b) for a >= -bias * b, with only non-negative integer division."""
+  return lax.div(a + bias * b, b) - bias
+
+
+def _bias(cfg: _Config, block: int) -> int:
+  return (cfg.q_len + cfg.kv_len + (cfg.sliding_window or 0)) // block + 2
+
+
+def kv_block_range(cfg: _Config, qi):
+  """Inclusive range [lo, hi] of kv blocks with a visible key for q block `qi`.
+
+  Exact: block ki is in the range iff some real (query, key) pair in the two blocks
+  passes the causal / sliding-window mask (segment ids are not considered).
+  Empty ranges have lo > hi.
+  """
+  qi = jnp.asarray(qi, jnp.int32)
+  bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
+  q_lo = qi * bq + cfg.offset
+  q_hi = jnp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
+  last = cfg.num_kv_blocks - 1
+  bias = _bias(cfg, bk)
+  lo = jnp.int32(0)
+  hi = jnp.int32(last)
+  if cfg.causal:
+    hi = _floor_div(q_hi, bk, bias)
+  elif w is not None:
+    hi = jnp.minimum(last, _floor_div(q_hi + w - 1, bk, bias))
+  if w is not None:
+    lo = jnp.maximum(0, _floor_div(q_lo - w + 1, bk, bias))
+  return lo, hi
+
+
+def q_block_range(cfg: _Config, ki):
+  """Inclusive range [lo, hi] of q blocks that see kv block `ki`; the exact inverse
+  of `kv_block_range` (qi in q_block_range(ki) iff ki in kv_block_range(qi))."""
+  ki = jnp.asarray(ki, jnp.int32)
+  bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
+  last = cfg.num_q_blocks - 1
+  bias = _bias(cfg, bq)
+  lo = jnp.int32(0)
+  hi = jnp.int32(last)
+  if cfg.causal or w is not None:
+    # Smallest qi with hi(qi) >= ki: the block's last real query reaches key ki * bk.
+    x = ki * bk - cfg.offset - (0 if cfg.causal else w - 1)
+    lo = jnp.where(x > cfg.q_len - 1, last + 1, jnp.maximum(0, _floor_div(x, bq, bias)))
+  if w is not None:
+    # Largest qi with lo(qi) <= ki: the block's first query still reaches key block ki.
+    y = (ki + 1) * bk - cfg.offset + w - 2
+    hi = jnp.minimum(last, _floor_div(y, bq, bias))
+  return lo, hi
+
+
+def _in_range(i, lo_hi):
+  lo, hi = lo_hi
+  return (i >= lo) & (i <= hi)
+
+
+def _clamp(i, lo_hi, n: int):
+  """Index of the block to fetch at step i: i itself when visible, else the nearest
+  visible block, so skipped steps re-use the resident buffer and issue no DMA."""
+  lo, hi = lo_hi
+  return jnp.clip(jnp.minimum(jnp.maximum(i, lo), hi), 0, n - 1)
+
+
+def _block_fully_visible(cfg: _Config, qi, ki):
+  """True when no element of the (qi, ki) block pair is masked (padding rows of q
+  excepted, their outputs are discarded)."""
+  if not cfg.may_mask:
+    return jnp.bool_(True)
+  if cfg.segments:
+    return jnp.bool_(False)
+  bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
+  q_lo = qi * bq + cfg.offset
+  q_hi = jnp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
+  kv_lo, kv_hi = ki * bk, ki * bk + bk - 1
+  full = kv_hi < cfg.kv_len
+  if cfg.causal:
+    full &= kv_hi <= q_lo
+  if w is not None:
+    full &= q_hi - kv_lo < w
+    if not cfg.causal:
+      full &= kv_hi - q_lo < w
+  return full
+
+
+def _element_mask(cfg: _Config, qi, ki, shape, q_seg=None, kv_seg=None):
+  """[block_q, block_kv] bool mask of one block pair (True = visible)."""
+  q_pos = qi * cfg.block_q + cfg.offset + lax.broadcasted_iota(jnp.int32, shape, 0)
+  kv_pos = ki * cfg.block_kv + lax.broadcasted_iota(jnp.int32, shape, 1)
+  mask = jnp.ones(shape, jnp.bool_)
+  if cfg.kv_len % cfg.block_kv:
+    mask &= kv_pos < cfg.kv_len
+  if cfg.causal:
+    mask &= q_pos >= kv_pos
+  if cfg.sliding_window is not None:
+    mask &= q_pos - kv_pos < cfg.sliding_window
+    if not cfg.causal:
+      mask &= kv_pos - q_pos < cfg.sliding_window
+  if q_seg is not None:
+    mask &= (q_seg == kv_seg) & (kv_seg != 0)
+  return mask
+
+
+def _logits(cfg: _Config, q, k):
+  """Scaled, soft-capped f32 logits q @ k.T, and the pre-mask capped values."""
+  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.sm_scale
+  if cfg.logits_soft_cap is not None:
+    s = cfg.logits_soft_cap * jnp.tanh(s / cfg.logits_soft_cap)
+  return s
+
+
+def _soft_cap_grad(cfg: _Config, ds, capped):
+  if cfg.logits_soft_cap is None:
+    return ds
+  return ds * (1.0 - jnp.square(capped / cfg.logits_soft_cap))
+
+
+# ----------------------------------------------------------------------------------
+# TPU kernels. Row statistics are [block, 128] lane-replicated arrays (as in JAX's
+# splash attention) so that Mosaic never relayouts a vector of length block.
+
+
+def _lanes(x, n: int):
+  """[rows, 128] lane-replicated -> [rows, n]."""
+  return jnp.tile(x, (1, pl.cdiv(n, NUM_LANES)))[:, :n]
+
+
+def _tpu_segments(cfg: _Config, q_seg_ref, kv_seg_ref, shape):
+  if not cfg.segments:
+    return None, None
+  q_seg = _lanes(q_seg_ref[...], shape[1])
+  return q_seg, kv_seg_ref[:1, :]
+
+
+def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
+  refs = list(refs)
+  q_ref, k_ref, v_ref = refs[:3]
+  q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
+  rest = refs[5:] if cfg.segments else refs[3:]
+  o_ref, lse_ref = rest[:2]
+  count_ref = rest[2] if counts else None
+  m_sc, l_sc, acc_sc = rest[-3:]
+  qi, ki = pl.program_id(2), pl.program_id(3)
+  bq, bk = cfg.block_q, cfg.block_kv
+
+  @pl.when(ki == 0)
+  def _init():
+    m_sc[...] = jnp.full_like(m_sc, MASK_VALUE)
+    l_sc[...] = jnp.zeros_like(l_sc)
+    acc_sc[...] = jnp.zeros_like(acc_sc)
+    if counts:
+      count_ref[...] = jnp.zeros_like(count_ref)
+
+  def step(masked: bool):
+    s = _logits(cfg, q_ref[...], k_ref[...])
+    if masked:
+      q_seg, kv_seg = _tpu_segments(cfg, q_seg_ref, kv_seg_ref, (bq, bk))
+      s = jnp.where(_element_mask(cfg, qi, ki, (bq, bk), q_seg, kv_seg), s, MASK_VALUE)
+    m_prev, l_prev = m_sc[...], l_sc[...]
+    m_next = jnp.maximum(m_prev, s.max(axis=-1)[:, None])
+    p = jnp.exp(s - _lanes(m_next, bk))
+    alpha = jnp.exp(m_prev - m_next)
+    m_sc[...] = m_next
+    l_sc[...] = alpha * l_prev + p.sum(axis=-1)[:, None]
+    v = v_ref[...]
+    pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_sc[...] = _lanes(alpha, acc_sc.shape[-1]) * acc_sc[...] + pv
+    if counts:
+      count_ref[...] += 1
+
+  visible = _in_range(ki, kv_block_range(cfg, qi))
+  if cfg.may_mask:
+    full = _block_fully_visible(cfg, qi, ki)
+    pl.when(visible & full)(functools.partial(step, False))
+    pl.when(visible & ~full)(functools.partial(step, True))
+  else:
+    pl.when(visible)(functools.partial(step, False))
+
+  @pl.when(ki == cfg.num_kv_blocks - 1)
+  def _finish():
+    m, l = m_sc[...], l_sc[...]
+    empty = m == MASK_VALUE  # no visible key in any block
+    l_safe = jnp.where(empty, 1.0, l)
+    out = acc_sc[...] * _lanes(1.0 / l_safe, acc_sc.shape[-1])
+    o_ref[...] = jnp.where(_lanes(empty, acc_sc.shape[-1]), 0.0, out).astype(o_ref.dtype)
+    # +inf for empty rows makes exp(s - lse) = 0 in the backward pass.
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
+
+
+def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse, di, q_seg, kv_seg):
+  """Shared dq / dk / dv block arithmetic: returns (p, ds) for one block pair."""
+  bq, bk = q.shape[0], k.shape[0]
+  capped = _logits(cfg, q, k)
+  s = capped
+  if masked:
+    s = jnp.where(_element_mask(cfg, qi, ki, (bq, bk), q_seg, kv_seg), s, MASK_VALUE)
+  p = jnp.exp(s - _lanes(lse, bk))
+  dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+  ds = _soft_cap_grad(cfg, p * (dp - _lanes(di, bk)), capped) * cfg.sm_scale
+  return p, ds
+
+
+def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
+  refs = list(refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
+  rest = refs[8:] if cfg.segments else refs[6:]
+  dq_ref = rest[0]
+  count_ref = rest[1] if counts else None
+  dq_sc = rest[-1]
+  qi, ki = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(ki == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros_like(dq_sc)
+    if counts:
+      count_ref[...] = jnp.zeros_like(count_ref)
+
+  def step(masked: bool):
+    k = k_ref[...]
+    q_seg, kv_seg = (_tpu_segments(cfg, q_seg_ref, kv_seg_ref,
+                                   (cfg.block_q, cfg.block_kv)) if masked else (None, None))
+    _, ds = _tpu_grads_block(cfg, qi, ki, masked, q_ref[...], k, v_ref[...], do_ref[...],
+                             lse_ref[...], di_ref[...], q_seg, kv_seg)
+    dq_sc[...] += lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    if counts:
+      count_ref[...] += 1
+
+  visible = _in_range(ki, kv_block_range(cfg, qi))
+  full = _block_fully_visible(cfg, qi, ki)
+  pl.when(visible & full)(functools.partial(step, False))
+  if cfg.may_mask:
+    pl.when(visible & ~full)(functools.partial(step, True))
+
+  @pl.when(ki == cfg.num_kv_blocks - 1)
+  def _finish():
+    dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+
+
+def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
+  refs = list(refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
+  rest = refs[8:] if cfg.segments else refs[6:]
+  dk_ref, dv_ref = rest[:2]
+  count_ref = rest[2] if counts else None
+  dk_sc, dv_sc = rest[-2:]
+  ki, gi, qi = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+  first = (gi == 0) & (qi == 0)
+  last = (gi == cfg.group - 1) & (qi == cfg.num_q_blocks - 1)
+
+  @pl.when(first)
+  def _init():
+    dk_sc[...] = jnp.zeros_like(dk_sc)
+    dv_sc[...] = jnp.zeros_like(dv_sc)
+    if counts:
+      count_ref[...] = jnp.zeros_like(count_ref)
+
+  def step(masked: bool):
+    q, do = q_ref[...], do_ref[...]
+    q_seg, kv_seg = (_tpu_segments(cfg, q_seg_ref, kv_seg_ref,
+                                   (cfg.block_q, cfg.block_kv)) if masked else (None, None))
+    p, ds = _tpu_grads_block(cfg, qi, ki, masked, q, k_ref[...], v_ref[...], do,
+                             lse_ref[...], di_ref[...], q_seg, kv_seg)
+    dv_sc[...] += lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dk_sc[...] += lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    if counts:
+      count_ref[...] += 1
+
+  visible = _in_range(ki, kv_block_range(cfg, qi))
+  full = _block_fully_visible(cfg, qi, ki)
+  pl.when(visible & full)(functools.partial(step, False))
+  if cfg.may_mask:
+    pl.when(visible & ~full)(functools.partial(step, True))
+
+  @pl.when(last)
+  def _finish():
+    dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _tpu_compiler_params(semantics):
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def _vmem(shape):
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.VMEM(shape, jnp.float32)
+
+
+def _tpu_segment_operands(cfg, q_seg, kv_seg):
+  """Segment ids laid out as Mosaic likes them: q [b, Tq, 128], kv [b, 8, Tk]."""
+  q_seg = jnp.broadcast_to(q_seg[:, :, None], q_seg.shape + (NUM_LANES,))
+  kv_seg = jnp.broadcast_to(kv_seg[:, None, :], (kv_seg.shape[0], NUM_SUBLANES,
+                                                 kv_seg.shape[1]))
+  return q_seg, kv_seg
+
+
+def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
+  """q [b, h, Tq, d], k/v [b, kvh, Tk, d] (padded) -> out, lse [b, h, Tq, 128]."""
+  b, h, tq, d = q.shape
+  bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+
+  def kv_index(bi, hi, qi, ki):
+    return bi, hi // g, _clamp(ki, kv_block_range(cfg, qi), nk), 0
+
+  in_specs = [
+      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
+      pl.BlockSpec((None, None, bk, d), kv_index),
+      pl.BlockSpec((None, None, bk, d), kv_index),
+  ]
+  operands = [q, k, v]
+  if cfg.segments:
+    in_specs += [
+        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, qi, 0)),
+        pl.BlockSpec((None, NUM_SUBLANES, bk),
+                     lambda bi, hi, qi, ki: (bi, 0, kv_index(bi, hi, qi, ki)[2])),
+    ]
+    operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
+  out_specs = [
+      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
+      pl.BlockSpec((None, None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
+  ]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((b, h, tq, NUM_LANES), jnp.float32)]
+  if counts:
+    out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda bi, hi, qi, ki: (bi, hi, qi, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, nq, 1), jnp.int32))
+  return pl.pallas_call(
+      functools.partial(_tpu_fwd_kernel, cfg=cfg, counts=counts),
+      grid=(b, h, nq, nk),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      scratch_shapes=[_vmem((bq, NUM_LANES)), _vmem((bq, NUM_LANES)), _vmem((bq, d))],
+      compiler_params=_tpu_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=cfg.interpret,
+      name="flash_attention_fwd",
+  )(*operands)
+
+
+def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
+  """Layouts as in `_tpu_forward`; lse and di are [b, h, Tq, 128]."""
+  b, h, tq, d = q.shape
+  kvh, tk = k.shape[1], k.shape[2]
+  bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  seg_operands = _tpu_segment_operands(cfg, q_seg, kv_seg) if cfg.segments else ()
+
+  # dq: grid (b, h, q blocks, kv blocks), as the forward pass.
+  def kv_index(bi, hi, qi, ki):
+    return bi, hi // g, _clamp(ki, kv_block_range(cfg, qi), nk), 0
+
+  q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki: (bi, hi, qi, 0))
+  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, hi, qi, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, d), kv_index)
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  if cfg.segments:
+    in_specs += [
+        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, qi, 0)),
+        pl.BlockSpec((None, NUM_SUBLANES, bk),
+                     lambda bi, hi, qi, ki: (bi, 0, kv_index(bi, hi, qi, ki)[2])),
+    ]
+  out_specs = [q_spec]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if counts:
+    out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda bi, hi, qi, ki: (bi, hi, qi, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, nq, 1), jnp.int32))
+  dq_out = pl.pallas_call(
+      functools.partial(_tpu_dq_kernel, cfg=cfg, counts=counts),
+      grid=(b, h, nq, nk),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[_vmem((bq, d))],
+      compiler_params=_tpu_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=cfg.interpret,
+      name="flash_attention_dq",
+  )(q, k, v, do, lse, di, *seg_operands)
+
+  # dk, dv: grid (b, kv heads, kv blocks, heads in group, q blocks).
+  def q_index(bi, kh, ki, gi, qi):
+    return bi, kh * g + gi, _clamp(qi, q_block_range(cfg, ki), nq), 0
+
+  q_spec = pl.BlockSpec((None, None, bq, d), q_index)
+  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_index)
+  kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, kh, ki, gi, qi: (bi, kh, ki, 0))
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  if cfg.segments:
+    in_specs += [
+        pl.BlockSpec((None, bq, NUM_LANES),
+                     lambda bi, kh, ki, gi, qi: (bi, q_index(bi, kh, ki, gi, qi)[2], 0)),
+        pl.BlockSpec((None, NUM_SUBLANES, bk), lambda bi, kh, ki, gi, qi: (bi, 0, ki)),
+    ]
+  out_specs = [kv_spec, kv_spec]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  if counts:
+    out_specs.append(pl.BlockSpec((None, None, 1, 1),
+                                  lambda bi, kh, ki, gi, qi: (bi, kh, ki, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, kvh, nk, 1), jnp.int32))
+  dkv_out = pl.pallas_call(
+      functools.partial(_tpu_dkv_kernel, cfg=cfg, counts=counts),
+      grid=(b, kvh, nk, g, nq),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[_vmem((bk, d)), _vmem((bk, d))],
+      compiler_params=_tpu_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+      interpret=cfg.interpret,
+      name="flash_attention_dkv",
+  )(q, k, v, do, lse, di, *seg_operands)
+  del tk
+  return dq_out, dkv_out
+
+
+# ----------------------------------------------------------------------------------
+# GPU (Triton) kernels: one program per (q block | kv block, batch, head), looping over
+# the visible blocks of the other axis. Row statistics are plain [block] vectors.
+
+
+def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref):
+  q_seg = kv_seg = None
+  if cfg.segments:
+    q_seg = q_seg_ref[pl.ds(qi * cfg.block_q, cfg.block_q)][:, None]
+    kv_seg = kv_seg_ref[pl.ds(ki * cfg.block_kv, cfg.block_kv)][None, :]
+  return _element_mask(cfg, qi, ki, shape, q_seg, kv_seg)
+
+
+def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
+  q_ref, k_ref, v_ref = refs[:3]
+  q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
+  rest = refs[5:] if cfg.segments else refs[3:]
+  o_ref, lse_ref = rest[:2]
+  qi = pl.program_id(0)
+  bq, bk = cfg.block_q, cfg.block_kv
+  q = q_ref[...]
+
+  def body(ki, carry):
+    acc, m, l = carry
+    kv_slice = pl.ds(ki * bk, bk)
+    s = _logits(cfg, q, k_ref[kv_slice, :])
+    if cfg.may_mask:
+      s = jnp.where(_gpu_block_mask(cfg, qi, ki, (bq, bk), q_seg_ref, kv_seg_ref), s,
+                    MASK_VALUE)
+    m_next = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp(m - m_next)
+    p = jnp.exp(s - m_next[:, None])
+    v = v_ref[kv_slice, :]
+    pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_next, alpha * l + p.sum(axis=-1)
+
+  lo, hi = kv_block_range(cfg, qi)
+  init = (jnp.zeros((bq, q.shape[-1]), jnp.float32),
+          jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
+  acc, m, l = lax.fori_loop(lo, hi + 1, body, init)
+  empty = m == MASK_VALUE
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
+  if counts:
+    rest[2][...] = jnp.full(rest[2].shape, jnp.maximum(hi - lo + 1, 0), jnp.int32)
+
+
+def _gpu_ds(cfg, qi, ki, q, k, v, do, lse, di, q_seg_ref, kv_seg_ref):
+  capped = _logits(cfg, q, k)
+  s = capped
+  if cfg.may_mask:
+    s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref), s,
+                  MASK_VALUE)
+  p = jnp.exp(s - lse[:, None])
+  dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+  return p, _soft_cap_grad(cfg, p * (dp - di[:, None]), capped) * cfg.sm_scale
+
+
+def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
+  rest = refs[8:] if cfg.segments else refs[6:]
+  qi = pl.program_id(0)
+  bk = cfg.block_kv
+  q, do, lse, di = q_ref[...], do_ref[...], lse_ref[...], di_ref[...]
+
+  def body(ki, dq):
+    kv_slice = pl.ds(ki * bk, bk)
+    k = k_ref[kv_slice, :]
+    _, ds = _gpu_ds(cfg, qi, ki, q, k, v_ref[kv_slice, :], do, lse, di, q_seg_ref,
+                    kv_seg_ref)
+    return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  lo, hi = kv_block_range(cfg, qi)
+  dq = lax.fori_loop(lo, hi + 1, body, jnp.zeros(q.shape, jnp.float32))
+  rest[0][...] = dq.astype(rest[0].dtype)
+  if counts:
+    rest[1][...] = jnp.full(rest[1].shape, jnp.maximum(hi - lo + 1, 0), jnp.int32)
+
+
+def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
+  # q_ref, do_ref: [Tq, group, d]; lse_ref, di_ref: [group, Tq]; k_ref, v_ref: [bk, d].
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
+  rest = refs[8:] if cfg.segments else refs[6:]
+  ki = pl.program_id(0)
+  bq, bk = cfg.block_q, cfg.block_kv
+  k, v = k_ref[...], v_ref[...]
+  lo, hi = q_block_range(cfg, ki)
+
+  def head(gi, dkv):
+    def body(qi, dkv):
+      dk, dv = dkv
+      q_slice = pl.ds(qi * bq, bq)
+      q, do = q_ref[q_slice, gi, :], do_ref[q_slice, gi, :]
+      p, ds = _gpu_ds(cfg, qi, ki, q, k, v, do, lse_ref[gi, q_slice], di_ref[gi, q_slice],
+                      q_seg_ref, kv_seg_ref)
+      dv = dv + lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+      dk = dk + lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+      return dk, dv
+
+    return lax.fori_loop(lo, hi + 1, body, dkv)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, cfg.group, head, (zeros, zeros))
+  rest[0][...] = dk.astype(rest[0].dtype)
+  rest[1][...] = dv.astype(rest[1].dtype)
+  if counts:
+    rest[2][...] = jnp.full(rest[2].shape, cfg.group * jnp.maximum(hi - lo + 1, 0),
+                            jnp.int32)
+
+
+def _gpu_compiler_params(cfg: _Config, d: int):
+  if cfg.interpret:
+    return None
+  from jax.experimental.pallas import triton as plgpu  # only ever imported for GPU runs
+  return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+
+
+def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
+  """q [b, Tq, h, d], k/v [b, Tk, kvh, d] (padded) -> out, lse [b, h, Tq]."""
+  b, tq, h, d = q.shape
+  tk = k.shape[1]
+  bq, g, nq = cfg.block_q, cfg.group, cfg.num_q_blocks
+  in_specs = [
+      pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
+      pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
+      pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
+  ]
+  operands = [q, k, v]
+  if cfg.segments:
+    in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
+                 pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0))]
+    operands += [q_seg, kv_seg]
+  out_specs = [pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
+               pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, qi))]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
+  if counts:
+    out_specs.append(pl.BlockSpec((None, None, 1), lambda qi, bi, hi: (bi, hi, qi)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, nq), jnp.int32))
+  return pl.pallas_call(
+      functools.partial(_gpu_fwd_kernel, cfg=cfg, counts=counts),
+      grid=(nq, b, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_gpu_compiler_params(cfg, d), interpret=cfg.interpret,
+      name="flash_attention_fwd",
+  )(*operands)
+
+
+def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
+  """Layouts as in `_gpu_forward`; lse and di are [b, h, Tq]."""
+  b, tq, h, d = q.shape
+  tk, kvh = k.shape[1], k.shape[2]
+  bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  seg_operands = (q_seg, kv_seg) if cfg.segments else ()
+  params = _gpu_compiler_params(cfg, d)
+
+  q_spec = pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, qi, hi, 0))
+  kv_spec = pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, qi))
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  if cfg.segments:
+    in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
+                 pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0))]
+  out_specs = [q_spec]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if counts:
+    out_specs.append(pl.BlockSpec((None, None, 1), lambda qi, bi, hi: (bi, hi, qi)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, nq), jnp.int32))
+  dq_out = pl.pallas_call(
+      functools.partial(_gpu_dq_kernel, cfg=cfg, counts=counts),
+      grid=(nq, b, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=params, interpret=cfg.interpret, name="flash_attention_dq",
+  )(q, k, v, do, lse, di, *seg_operands)
+
+  group_spec = pl.BlockSpec((None, tq, g, d), lambda ki, bi, kh: (bi, 0, kh, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, d), lambda ki, bi, kh: (bi, ki, kh, 0))
+  rows_spec = pl.BlockSpec((None, g, tq), lambda ki, bi, kh: (bi, kh, 0))
+  in_specs = [group_spec, kv_spec, kv_spec, group_spec, rows_spec, rows_spec]
+  if cfg.segments:
+    in_specs += [pl.BlockSpec((None, tq), lambda ki, bi, kh: (bi, 0)),
+                 pl.BlockSpec((None, tk), lambda ki, bi, kh: (bi, 0))]
+  out_specs = [kv_spec, kv_spec]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  if counts:
+    out_specs.append(pl.BlockSpec((None, None, 1), lambda ki, bi, kh: (bi, kh, ki)))
+    out_shape.append(jax.ShapeDtypeStruct((b, kvh, nk), jnp.int32))
+  dkv_out = pl.pallas_call(
+      functools.partial(_gpu_dkv_kernel, cfg=cfg, counts=counts),
+      grid=(nk, b, kvh), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=params, interpret=cfg.interpret, name="flash_attention_dkv",
+  )(q, k, v, do, lse, di, *seg_operands)
+  return dq_out, dkv_out
+
+
+# ----------------------------------------------------------------------------------
+# Layout, padding and the custom_vjp.
+
+
+def _pad_len(x, axis: int, multiple: int, value=0):
+  pad = (-x.shape[axis]) % multiple
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _head_dim_for(cfg: _Config, d: int) -> int:
+  # Triton tiles need power-of-two dims of at least 16; zero columns change nothing.
+  if cfg.backend == "gpu" and not cfg.interpret:
+    return max(16, pl.next_power_of_2(d))
+  return d
+
+
+def _prepare_rows(cfg: _Config, x, block: int):
+  """Pads a [b, len, heads, d] array to whole blocks (and head_dim for Triton), and
+  transposes it to [b, heads, len, d] for TPU."""
+  d_pad = _head_dim_for(cfg, x.shape[-1]) - x.shape[-1]
+  x = _pad_len(x, 1, block)
+  if d_pad:
+    x = jnp.pad(x, [(0, 0)] * 3 + [(0, d_pad)])
+  return jnp.swapaxes(x, 1, 2) if cfg.backend == "tpu" else x
+
+
+def _prepare(cfg: _Config, q, k, v, q_seg, kv_seg):
+  q = _prepare_rows(cfg, q, cfg.block_q)
+  k = _prepare_rows(cfg, k, cfg.block_kv)
+  v = _prepare_rows(cfg, v, cfg.block_kv)
+  if cfg.segments:
+    q_seg = _pad_len(q_seg.astype(jnp.int32), 1, cfg.block_q)
+    kv_seg = _pad_len(kv_seg.astype(jnp.int32), 1, cfg.block_kv)
+  return q, k, v, q_seg, kv_seg
+
+
+def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
+  """Returns out [b, Tq, h, d] (q.dtype), internal lse [b, h, Tq] (+inf = no key)."""
+  b, tq, h, d = q.shape
+  qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg)
+  if cfg.backend == "tpu":
+    res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
+    out, lse = jnp.swapaxes(res[0], 1, 2), res[1][..., 0]
+  else:
+    res = _gpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
+    out, lse = res[0], res[1]
+  out, lse = out[:, :tq, :, :d], lse[:, :, :tq]
+  return (out, lse, res[2]) if counts else (out, lse)
+
+
+def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
+  """lse (internal convention) and di = sum(do * out, -1) are [b, h, Tq] f32."""
+  tq, tk, d = q.shape[1], k.shape[1], q.shape[-1]
+  qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg)
+  dop = _prepare_rows(cfg, do, cfg.block_q)
+  lse = _pad_len(lse, 2, cfg.block_q, jnp.inf)
+  di = _pad_len(di, 2, cfg.block_q)
+  if cfg.backend == "tpu":
+    lanes = lambda x: jnp.broadcast_to(x[..., None], x.shape + (NUM_LANES,))
+    dq_out, dkv_out = _tpu_backward(cfg, qp, kp, vp, q_seg, kv_seg, dop, lanes(lse),
+                                    lanes(di), counts)
+    dq = jnp.swapaxes(dq_out[0], 1, 2)
+    dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
+  else:
+    dq_out, dkv_out = _gpu_backward(cfg, qp, kp, vp, q_seg, kv_seg, dop, lse, di, counts)
+    dq, dk, dv = dq_out[0], dkv_out[0], dkv_out[1]
+  grads = dq[:, :tq, :, :d], dk[:, :tk, :, :d], dv[:, :tk, :, :d]
+  return (grads, (dq_out[1], dkv_out[2])) if counts else grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, cfg):
+  return _forward(cfg, q, k, v, q_seg, kv_seg)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, cfg):
+  out, lse = _forward(cfg, q, k, v, q_seg, kv_seg)
+  return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(cfg, res, do):
+  q, k, v, q_seg, kv_seg, out, lse = res
+  di = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
+  dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, do.astype(q.dtype), lse, di)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def default_backend() -> str:
+  """Kernel family for the current platform: 'gpu' on GPUs, 'tpu' elsewhere."""
+  return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "tpu"
+
+
+def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
+                logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
+                block_kv=None, interpret=None) -> _Config:
+  """Validates the tuning options and freezes them with the shapes into a config."""
+  backend = default_backend() if backend is None else backend
+  if backend not in DEFAULT_BLOCKS:
+    raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
+  if interpret is None:
+    interpret = jax.default_backend() not in ("tpu", "gpu", "cuda", "rocm")
+  default_q, default_kv = DEFAULT_BLOCKS[backend]
+  q_len, kv_len = q.shape[1], k.shape[1]
+  # Blocks never exceed the (padded) sequence: short inputs use one block.
+  minimum = NUM_LANES if backend == "tpu" else 16
+  fit = lambda block, n: min(block, max(minimum, pl.cdiv(n, minimum) * minimum))
+  block_q = fit(default_q, q_len) if block_q is None else block_q
+  block_kv = fit(default_kv, kv_len) if block_kv is None else block_kv
+  for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+    if int(block) != block or block < 1 or block % minimum:
+      raise ValueError(
+          f"{name} must be a positive multiple of {minimum} for the {backend} kernel, "
+          f"got {block}")
+  return _Config(
+      backend=backend, interpret=interpret, q_len=q_len, kv_len=kv_len,
+      block_q=int(block_q), block_kv=int(block_kv), group=q.shape[2] // k.shape[2],
+      causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
+      logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      sliding_window=None if sliding_window is None else int(sliding_window),
+      segments=segments)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
+                    kv_segment_ids=None, sm_scale: float | None = None,
+                    logits_soft_cap: float | None = None,
+                    sliding_window: int | None = None, backend: str | None = None,
+                    block_q: int | None = None, block_kv: int | None = None,
+                    interpret=None):
+  """Flash attention with Pallas kernels for the forward and backward passes.
+
+  Args:
+    q: [batch, q_len, heads, head_dim].
+    k, v: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0.
+    causal, q_segment_ids, kv_segment_ids, sm_scale, logits_soft_cap, sliding_window:
+      as in `kernels.reference_attention`.
+    backend: kernel family, 'tpu' (Mosaic) or 'gpu' (Triton); default from the platform.
+    block_q, block_kv: block sizes (default 512 on TPU, 64 on GPU, capped at the padded
+      length); multiples of 128 on TPU and 16 on GPU. Lengths need not be multiples.
+    interpret: run in Pallas interpret mode; None = only when not on TPU / GPU.
+
+  Returns:
+    [batch, q_len, heads, head_dim] in q's dtype; differentiable in q, k, v.
+  """
+  reference.check_attention_inputs(
+      q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+  cfg = make_config(q, k, causal=causal, segments=q_segment_ids is not None,
+                    sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                    sliding_window=sliding_window, backend=backend, block_q=block_q,
+                    block_kv=block_kv, interpret=interpret)
+  return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg)
+
+
+def public_lse(lse):
+  """Internal lse [b, h, Tq] (+inf = no key) -> public [b, Tq, h] (-inf = no key)."""
+  return jnp.swapaxes(jnp.where(lse == jnp.inf, -jnp.inf, lse), 1, 2)
+
+
+def internal_lse(lse):
+  """Inverse of `public_lse`."""
+  return jnp.where(lse == -jnp.inf, jnp.inf, jnp.swapaxes(lse, 1, 2))
