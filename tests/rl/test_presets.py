@@ -1,0 +1,103 @@
+"""Algorithm presets: load, validate, override (also through --config flags)."""
+
+import textwrap
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from posttrain.rl import advantages as adv_lib
+from posttrain.rl import losses
+from posttrain.rl import presets
+
+
+@pytest.mark.parametrize("name", presets.PRESET_NAMES)
+def test_every_preset_loads_validates_and_builds_a_loss_config(name):
+  cfg = presets.algorithm_config(name)
+  assert cfg.algorithm == name
+  assert set(cfg.keys()) == set(presets.KNOBS) | {"algorithm"}
+  adv_lib.get_advantage_estimator(cfg.advantage_estimator)
+  loss_cfg = losses.LossConfig.from_config(cfg, max_response_len=64)
+  assert loss_cfg.loss_agg_mode == cfg.loss_agg_mode and loss_cfg.eps_high == cfg.eps_high
+
+
+def test_all_issue_presets_exist():
+  assert set(presets.PRESET_NAMES) == {"ppo", "grpo", "dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp"}
+
+
+def test_presets_encode_their_papers():
+  ppo, grpo, dapo = (presets.get_preset(n) for n in ("ppo", "grpo", "dapo"))
+  dr_grpo, gspo = presets.get_preset("dr_grpo"), presets.get_preset("gspo")
+  rloo, rpp = presets.get_preset("rloo"), presets.get_preset("reinforce_pp")
+  assert ppo.use_critic and ppo.advantage_estimator == "gae" and ppo.kl_in_reward
+  assert grpo.loss_agg_mode == "seq_mean_token_mean" and grpo.kl_coef > 0 and grpo.normalize_std
+  assert dapo.eps_high > dapo.eps_low and dapo.loss_agg_mode == "token_mean" and dapo.kl_coef == 0
+  assert dapo.dynamic_sampling and dapo.overlong_penalty
+  assert not dr_grpo.normalize_std and dr_grpo.loss_agg_mode == "seq_mean_token_sum_norm"
+  assert gspo.policy_loss == "gspo" and gspo.eps_high < 1e-3
+  assert rloo.advantage_estimator == "rloo" and rloo.group_size >= 2
+  assert rpp.advantage_estimator == "reinforce_pp" and rpp.kl_in_reward and not rpp.use_critic
+
+
+def test_get_preset_returns_a_fresh_copy():
+  cfg = presets.get_preset("grpo")
+  cfg.eps_high = 0.9
+  cfg.group_size = 99
+  assert presets.get_preset("grpo").eps_high == 0.2
+  assert presets.get_preset("grpo").group_size == 8
+
+
+def test_overrides_apply_and_none_keeps_the_preset():
+  cfg = presets.algorithm_config("dapo", eps_high=0.3, group_size=4, kl_coef=None)
+  assert cfg.eps_high == 0.3 and cfg.group_size == 4 and cfg.kl_coef == 0.0
+  assert presets.algorithm_config("grpo", eps_high=1).eps_high == 1.0  # int -> float is fine
+  with pytest.raises(AttributeError):
+    cfg.new_knob = 1  # locked: typos cannot add keys
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(eps_hi=0.3), r"^unknown knob 'eps_hi' for algorithm 'grpo'; known: advantage_estimator, "),
+    (dict(eps_high="wide"), r"^knob eps_high='wide' has type str, expected float$"),
+    (dict(loss_agg_mode="mean"), r"^unknown loss_agg_mode 'mean'"),
+    (dict(advantage_estimator="vtrace"), r"^unknown advantage estimator 'vtrace'"),
+    (dict(dual_clip=0.5), r"^dual_clip must be 0 \(off\) or > 1, got 0.5$"),
+    (dict(group_size=1), r"^invalid group_size=1 for algorithm 'grpo'$"),
+    (dict(gamma=1.5), r"^invalid gamma=1.5 for algorithm 'grpo'$"),
+    (dict(use_critic=True), r"^invalid use_critic=True for algorithm 'grpo'$"),
+])
+def test_bad_overrides_are_one_line_errors_naming_the_value(overrides, message):
+  with pytest.raises(ValueError, match=message) as info:
+    presets.algorithm_config("grpo", **overrides)
+  assert "\n" not in str(info.value)
+
+
+def test_unknown_algorithm_lists_known_ones():
+  for call in (presets.get_preset, presets.algorithm_config):
+    with pytest.raises(ValueError) as info:
+      call("ppo2")
+    assert str(info.value) == (
+        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, rloo, reinforce_pp")
+
+
+def test_command_line_picks_and_overrides_an_algorithm(tmp_path):
+  config_file = tmp_path / "run.py"
+  config_file.write_text(textwrap.dedent("""
+      import ml_collections
+      from posttrain.rl import presets
+
+      def get_config():
+        config = ml_collections.ConfigDict()
+        config.algorithm = "grpo"
+        config.rl = presets.algorithm_overrides()
+        return config
+  """))
+  argv = ["train", f"--config={config_file}", "--config.algorithm=dapo",
+          "--config.rl.eps_high=0.35", "--config.rl.dynamic_sampling=False"]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=flag_values, sys_argv=argv)
+  flag_values(argv)
+  config = flag_values.config
+  cfg = presets.algorithm_config(config.algorithm, **config.rl)
+  assert cfg.algorithm == "dapo"
+  assert cfg.eps_high == 0.35 and not cfg.dynamic_sampling
+  assert cfg.loss_agg_mode == "token_mean" and cfg.group_size == 16  # untouched DAPO knobs
