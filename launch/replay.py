@@ -8,7 +8,7 @@ Exits 1 when a replayed reward differs from the recorded one.
 
 from absl import app, flags
 
-from posttrain.tasks import jsonl, registry
+from posttrain.tasks import registry
 from posttrain.tasks.replay import format_trace, read_records, replay
 
 _INDEX = flags.DEFINE_integer("index", None, "Replay only this record (0-based); default: all.")
@@ -20,8 +20,11 @@ _TASK_FILES = flags.DEFINE_multi_string(
 def main(argv):
     if len(argv) != 2:
         raise app.UsageError("usage: python -m launch.replay RECORD_FILE_OR_JSON [--index i]")
-    for path in _TASK_FILES.value:
-        registry.register(jsonl.JsonlDomain.from_file(path), replace=True)
+    if _TASK_FILES.value:
+        from posttrain.tasks.jsonl import JsonlDomain  # grain is slow to import; only when needed
+
+        for path in _TASK_FILES.value:
+            registry.register(JsonlDomain.from_file(path), replace=True)
     records = read_records(argv[1])
     if _INDEX.value is not None:
         if not 0 <= _INDEX.value < len(records):

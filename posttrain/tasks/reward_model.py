@@ -78,7 +78,7 @@ class ModelScoredDomain(Domain):
         """Scores a batch with one scorer call; never raises."""
         verified = [self.inner.score(self._inner_task(t), c) for t, c in zip(tasks, completions)]
         if self.mix == 0.0:
-            return verified
+            return [_with(r, r.value, None, r.verdict) for r in verified]
         try:
             raw = list(self.scorer.score_texts([t.prompt for t in tasks], list(completions)))
             if len(raw) != len(tasks):
