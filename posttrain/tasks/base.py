@@ -219,6 +219,12 @@ class Domain:
             reward = Reward(min(1.0, max(0.0, float(value))), reward.components, reward.verdict)
         return reward
 
+    def score_many(self, tasks: list[Task], completions: list[str]) -> list[Reward]:
+        """Scores a batch; domains that run programs override this to run them in parallel."""
+        if len(tasks) != len(completions):
+            raise ValueError(f"got {len(tasks)} tasks but {len(completions)} completions")
+        return [self.score(t, c) for t, c in zip(tasks, completions)]
+
     def demonstration(self, task: Task) -> str:
         """A completion that scores 1.0 (used for the SFT warm start)."""
         return f"{ANSWER_OPEN}{task.answer}{ANSWER_CLOSE}"

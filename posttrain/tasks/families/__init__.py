@@ -13,11 +13,13 @@ BUILTIN_FAMILIES = (
     "bases",
     "sequences",
     "equations",
+    "code",
+    "tools",
 )
 
 
 def builtin_domains() -> list[Domain]:
-    """Every built-in domain, procedural families first."""
+    """Every built-in domain, procedural families first, then code and tool use."""
     import importlib
 
     out: list[Domain] = []
