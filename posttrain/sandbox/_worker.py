@@ -135,6 +135,9 @@ def _isolate(setup: dict, caps: dict) -> dict:
         caps["mount_ns"] = "failed: needs root or a user namespace"
     for name in sorted(want - {"user", "mount"}):
         # One call per namespace so that the report names exactly what the host refused.
+        if name in setup.get("refuse", ()):
+            caps[f"{name}_ns"] = "failed: refused by the pool's test hook"
+            continue
         _record(caps, f"{name}_ns", _linux.unshare, _linux.NAMESPACE_FLAGS[name])
     # RLIMIT_NPROC is ignored for the global root user; it is counted per user namespace,
     # or per uid, so it needs either a user namespace or a uid of the sandbox's own.

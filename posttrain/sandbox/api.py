@@ -102,9 +102,10 @@ def check_relative_path(path) -> None:
     if not isinstance(path, str) or not path or "\0" in path:
         _fail(f"file path must be a non-empty str without NUL, got {path!r}")
     parts = path.split("/")
-    if path.startswith("/") or ".." in parts or os.path.normpath(path) in (".", ""):
-        _fail(f"file path must be relative and stay inside the working directory, got "
-              f"{path!r}")
+    if (path.startswith("/") or path.endswith("/") or ".." in parts
+            or os.path.normpath(path) == "."):
+        _fail(f"file path must be relative, name a file and stay inside the working "
+              f"directory, got {path!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +236,7 @@ class SandboxConfig:
         required = [f"{n}_ns" for n in self.namespaces]
         if "mount" in self.namespaces:
             required.append("readonly_root")
-        required.append("nproc_limit")
+        required += ["nproc_limit", "no_new_privs"]
         if trainer_is_root:
             required.append("distinct_uid")
         return tuple(required)

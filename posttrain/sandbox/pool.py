@@ -68,7 +68,7 @@ class _UidLease:
 class _WorkerProcess:
     """The trainer's handle on one worker: its shim process and the control pipes."""
 
-    def __init__(self, config: SandboxConfig, uid: int | None):
+    def __init__(self, config: SandboxConfig, uid: int | None, refuse: tuple[str, ...] = ()):
         self.host_dir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
         if uid is not None:
             os.chown(self.host_dir, uid, uid)
@@ -85,7 +85,7 @@ class _WorkerProcess:
             "max_processes": config.max_processes, "max_open_files": config.max_open_files,
             "max_file_mb": config.max_file_mb, "env": dict(config.env),
             "python": config.python, "preload": list(config.preload),
-            "loopback": config.loopback, "host_dir": self.host_dir,
+            "loopback": config.loopback, "host_dir": self.host_dir, "refuse": list(refuse),
         }
         try:
             _protocol.send(self._to, setup)
@@ -193,8 +193,13 @@ def _decode(reply: dict) -> tuple[ExecResult, bytes | None]:
 class LocalBackend(Backend):
     """Pre-forked isolated workers on this host, one run per worker at a time."""
 
-    def __init__(self, config: SandboxConfig):
+    def __init__(self, config: SandboxConfig, _refuse: tuple[str, ...] = ()):
+        """Starts `config.concurrency` workers and checks the isolation they report.
+
+        `_refuse` names namespaces the workers pretend the host refused (tests only).
+        """
         self.config = config
+        self._refuse = tuple(_refuse)
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -272,6 +277,10 @@ class LocalBackend(Backend):
         """Host pids of the live workers (for tests and diagnostics)."""
         return [w.pid for w in self._workers if w is not None and w.pid is not None]
 
+    def shim_pids(self) -> list[int]:
+        """Host pids of the workers' parent processes (the trainer's direct children)."""
+        return [w.proc.pid for w in self._workers if w is not None]
+
     # --------------------------------------------------------------- internals
 
     def _fail_queued(self, detail: str) -> None:
@@ -285,7 +294,7 @@ class LocalBackend(Backend):
 
     def _spawn(self, slot: int) -> _WorkerProcess:
         uid = self._leases[slot].uid if self._leases else None
-        worker = _WorkerProcess(self.config, uid)
+        worker = _WorkerProcess(self.config, uid, self._refuse)
         self._workers[slot] = worker
         return worker
 
