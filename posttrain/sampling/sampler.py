@@ -1,0 +1,385 @@
+"""The rollout engine: one bucketed prefill call, then a jitted KV-cache decode loop.
+
+    sampler = Sampler(model, max_len=1024)
+    out = sampler.generate(prompts, max_new_tokens=256, temperature=1.0, top_p=0.95,
+                           stop_token_ids=(eos,), seed=step)
+    out.tokens[i, :out.lengths[i]], out.logprobs[i, :out.lengths[i]], out.finish_reasons[i]
+
+Prompts are right-padded into a [batch bucket, length bucket] block; each row keeps its own
+positions (slot = position), so short prompts never see shifted positions. Decoding runs in
+one `lax.while_loop` over a donated cache and stops as soon as every row has stopped.
+Programs are compiled ahead of time per shape bucket and counted in `num_compiles`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from posttrain import models
+from posttrain.models.transformer import CACHE_AXES
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+class SamplingMode(NamedTuple):
+  """The static part of a sampling configuration (a new value compiles new programs).
+
+  Temperature and the top-p threshold are runtime values; only whether they apply is static.
+  """
+
+  greedy: bool
+  top_k: int | None
+  top_p: bool
+
+
+def sampling_mode(temperature: float, top_k: int | None, top_p: float | None,
+                  vocab_size: int) -> SamplingMode:
+  """Validates sampling arguments and returns the static mode they select."""
+  if not np.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if top_k is not None and (int(top_k) != top_k or top_k < 1):
+    raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+  if top_p is not None and not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+  if temperature == 0:
+    return SamplingMode(greedy=True, top_k=None, top_p=False)
+  top_k = None if top_k is None or top_k >= vocab_size else int(top_k)
+  return SamplingMode(greedy=False, top_k=top_k, top_p=top_p is not None and top_p < 1.0)
+
+
+def sample_logits(logits_BxV, keys_B, temperature, top_p, mode: SamplingMode):
+  """Draws one token per row and returns (tokens [B] int32, behaviour log-probs [B] f32).
+
+  The log-prob is under the distribution actually sampled from: softmax(logits / T)
+  restricted to the top-k tokens, then to the smallest prefix (by probability) whose mass
+  reaches top_p, renormalised. Greedy (temperature 0) picks the argmax and reports its
+  log-prob under the untempered model distribution, log softmax(logits).
+  """
+  logits = logits_BxV.astype(jnp.float32)
+  if mode.greedy:
+    tokens = jnp.argmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+  scaled = logits / temperature
+  if mode.top_k is None and not mode.top_p:
+    tokens = jax.vmap(jax.random.categorical)(keys_B, scaled)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+  # Sorted candidates: top-k keeps the first k, top-p a prefix of the sorted order.
+  values, indices = jax.lax.top_k(scaled, mode.top_k or scaled.shape[-1])
+  if mode.top_p:
+    probs = jax.nn.softmax(values, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    values = jnp.where(mass_before < top_p, values, -jnp.inf)
+  choice = jax.vmap(jax.random.categorical)(keys_B, values)
+  tokens = jnp.take_along_axis(indices, choice[:, None], -1)[:, 0]
+  logp = jnp.take_along_axis(jax.nn.log_softmax(values, axis=-1), choice[:, None], -1)[:, 0]
+  return tokens.astype(jnp.int32), logp
+
+
+def _row_keys(seed, step, batch: int):
+  """One key per row and step: samples do not depend on the batch bucket or the mesh."""
+  step_key = jax.random.fold_in(jax.random.key(seed), step)
+  return jax.vmap(jax.random.fold_in, (None, 0))(step_key, jnp.arange(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class Completions:
+  """Generated continuations, one row per prompt.
+
+  Attributes:
+    tokens: [rows, max_new_tokens] int32; entries at and after `lengths[i]` are pad_id.
+    logprobs: [rows, max_new_tokens] float32 behaviour log-probs (see `sample_logits`);
+      0.0 after `lengths[i]`.
+    lengths: [rows] number of generated tokens, the stop token included.
+    finish_reasons: "stop" (a stop token was generated; it is the last token) or "length".
+  """
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  lengths: np.ndarray
+  finish_reasons: list[str]
+
+  def token_lists(self) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+  def logprob_lists(self) -> list[list[float]]:
+    return [row[:n].tolist() for row, n in zip(self.logprobs, self.lengths)]
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+  out, n = [], lo
+  while n < hi:
+    out.append(n)
+    n *= 2
+  return tuple(out) + (hi,)
+
+
+def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+  for b in buckets:
+    if b >= n:
+      return b
+  raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
+class Sampler:
+  """Batched autoregressive sampling from a `posttrain.models.Transformer`.
+
+  Args:
+    model: the policy (its current weights are copied into the sampler).
+    mesh: rollout mesh; batch shards over data/fsdp, heads over tensor. None: one device.
+    rules: logical-axis rules (default `models.DEFAULT_RULES`).
+    max_len: longest prompt + completion (default cfg.max_position_embeddings).
+    cache_dtype: None (the model's compute dtype) or "int8" (per-token, per-head scales).
+    batch_buckets: batch sizes to pad to (default powers of two).
+    length_buckets: prompt and cache lengths to pad to (default powers of two from 16,
+      capped at max_len).
+    pad_id: token written after a row stops and into padding.
+  """
+
+  def __init__(self, model: models.Transformer, *, mesh: Mesh | None = None, rules=None,
+               max_len: int | None = None, cache_dtype: str | None = None,
+               batch_buckets: Sequence[int] | None = None,
+               length_buckets: Sequence[int] | None = None, pad_id: int = 0):
+    cfg = model.cfg
+    self.cfg = cfg
+    self.mesh = mesh
+    self.rules = models.rules_from_config(rules)
+    self.max_len = int(max_len or cfg.max_position_embeddings)
+    if self.max_len < 2:
+      raise ValueError(f"max_len must be at least 2, got {self.max_len}")
+    if cache_dtype not in (None, "int8"):
+      raise ValueError(f"cache_dtype must be None or 'int8', got {cache_dtype!r}")
+    self.cache_dtype = cache_dtype
+    if not 0 <= pad_id < cfg.vocab_size:
+      raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    self.pad_id = int(pad_id)
+    self._ctx = models.ShardingContext(mesh, self.rules)
+    self._batch_multiple = self._batch_shards()
+    self.batch_buckets = self._check_buckets(batch_buckets, "batch_buckets")
+    if length_buckets is None:
+      self.length_buckets = _powers_of_two(min(16, self.max_len), self.max_len)
+    else:
+      given = self._check_buckets(length_buckets, "length_buckets")
+      self.length_buckets = tuple(b for b in given if b < self.max_len) + (self.max_len,)
+    self._graphdef, state = nnx.split(model)
+    if mesh is not None:
+      state = jax.device_put(state, models.state_shardings(state, mesh, self.rules))
+    self._treedef = jax.tree.structure(state)
+    self._paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
+    self._state = state
+    self._programs: dict[tuple, Any] = {}
+
+  # -- public -----------------------------------------------------------------------------
+
+  @property
+  def num_compiles(self) -> int:
+    """Programs compiled so far (each shape bucket and sampling mode compiles once)."""
+    return len(self._programs)
+
+  def update_params(self, params) -> None:
+    """Swaps in new weights (a model or its nnx state) without recompiling.
+
+    Leaves are moved to the sampler's shardings (a resharding copy when they live on a
+    different mesh) and cast to the sampler's dtypes.
+    """
+    state = nnx.state(params) if isinstance(params, nnx.Module) else params
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    if paths != self._paths:
+      missing = sorted(set(self._paths) - set(paths)) or sorted(set(paths) - set(self._paths))
+      raise ValueError(f"params do not match the sampler's model; first differing leaf: "
+                       f"{missing[0] if missing else paths[0]}")
+    leaves = []
+    for path, (_, x), (shape, dtype, sharding) in zip(paths, flat, self._specs):
+      if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"param {path} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+      x = jax.device_put(x, sharding)
+      leaves.append(x if x.dtype == dtype else x.astype(dtype))
+    self._state = jax.tree.unflatten(self._treedef, leaves)
+
+  def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+               temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, stop_token_ids: Sequence[int] = (),
+               seed: int = 0) -> Completions:
+    """Samples a continuation of every prompt.
+
+    Args:
+      prompts: token-id lists (may hold earlier turns and tool observations).
+      max_new_tokens: tokens to generate per row at most.
+      temperature: softmax temperature; 0 is greedy.
+      top_k: keep only the k most likely tokens (static: a new k compiles new programs).
+      top_p: nucleus threshold in (0, 1].
+      stop_token_ids: a row ends after generating one of these (it is kept).
+      seed: the same seed gives the same samples.
+    """
+    cfg = self.cfg
+    mode = sampling_mode(temperature, top_k, top_p, cfg.vocab_size)
+    lens = self._check_prompts(prompts)
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens}")
+    max_new_tokens = int(max_new_tokens)
+    longest = int(lens.max())
+    if longest + max_new_tokens > self.max_len:
+      raise ValueError(f"longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} "
+                       f"exceeds max_len={self.max_len}")
+    stop = [int(t) for t in stop_token_ids]
+    bad = [t for t in stop if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+
+    rows = len(prompts)
+    batch = _bucket(rows, self.batch_buckets, "batch of prompts")
+    batch = -(-batch // self._batch_multiple) * self._batch_multiple
+    prompt_len = _bucket(longest, self.length_buckets, "prompt length")
+    cache_len = _bucket(longest + max_new_tokens, self.length_buckets, "sequence length")
+    tokens = np.full((batch, prompt_len), self.pad_id, np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)] = p
+    prompt_lens = np.ones(batch, np.int32)  # Padding rows: one pad token, already done.
+    prompt_lens[:rows] = lens
+    stop_ids = np.full(max(4, 1 << max(len(stop) - 1, 0).bit_length()), -1, np.int32)
+    stop_ids[:len(stop)] = stop
+
+    rowwise = lambda x: self._put(x, ("batch",) + (None,) * (x.ndim - 1))
+    scalar = lambda x, dt: self._put(np.asarray(x, dt), ())
+    seed = scalar(np.uint32(seed % 2**32), np.uint32)
+    temp = scalar(temperature if not mode.greedy else 1.0, np.float32)
+    nucleus = scalar(top_p if mode.top_p else 1.0, np.float32)
+    tokens, prompt_lens = rowwise(tokens), rowwise(prompt_lens)
+    active = rowwise(np.arange(batch) < rows)
+
+    prefill_args = (self._state, tokens, prompt_lens, seed, temp, nucleus)
+    prefill = self._program(("prefill", batch, prompt_len, cache_len, mode),
+                            functools.partial(self._prefill, cache_len=cache_len, mode=mode),
+                            prefill_args, donate=())
+    cache, first, first_logp = prefill(*prefill_args)
+    decode_args = (self._state, cache, first, first_logp, prompt_lens, active,
+                   scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed, temp,
+                   nucleus)
+    decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
+                           functools.partial(self._decode, mode=mode), decode_args,
+                           donate=(1,))
+    out_tokens, out_logp, lengths, stopped = jax.device_get(decode(*decode_args)[1:])
+    return Completions(tokens=out_tokens[:rows, :max_new_tokens],
+                       logprobs=out_logp[:rows, :max_new_tokens],
+                       lengths=lengths[:rows],
+                       finish_reasons=[FINISH_STOP if s else FINISH_LENGTH
+                                       for s in stopped[:rows]])
+
+  # -- jitted bodies (pure functions of arrays) -------------------------------------------
+
+  def _logits(self, model, h_BxD):
+    dt = jnp.dtype(self.cfg.dtype)
+    return jnp.einsum("BD,DV->BV", h_BxD.astype(dt), model.unembed().astype(dt),
+                      preferred_element_type=jnp.float32)
+
+  def _prefill(self, state, tokens_BxL, prompt_lens_B, seed, temperature, top_p, *,
+               cache_len: int, mode: SamplingMode):
+    model = nnx.merge(self._graphdef, state)
+    batch, length = tokens_BxL.shape
+    dtype = jnp.int8 if self.cache_dtype == "int8" else None
+    cache = models.init_cache(self.cfg, batch, cache_len, dtype)
+    cache = jax.tree.map(lambda x: self._ctx.constrain(x, CACHE_AXES[:x.ndim]), cache)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    segment_ids = (positions < prompt_lens_B[:, None]).astype(jnp.int32)
+    h, cache = model.hidden_states(tokens_BxL, positions, segment_ids, cache=cache,
+                                   ctx=self._ctx, prefill=True)
+    h_last = jnp.take_along_axis(h, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
+    keys = _row_keys(seed, 0, batch)
+    tokens, logp = sample_logits(self._logits(model, h_last), keys, temperature, top_p, mode)
+    return cache, tokens, logp
+
+  def _decode(self, state, cache, first_B, first_logp_B, prompt_lens_B, active_B,
+              max_new_tokens, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
+    model = nnx.merge(self._graphdef, state)
+    batch, out_len = first_B.shape[0], cache[0].k.shape[1]
+
+    def is_stop(tok_B):
+      return jnp.any(tok_B[:, None] == stop_ids[None, :], axis=-1)
+
+    out_tokens = jnp.full((batch, out_len), self.pad_id, jnp.int32)
+    out_tokens = out_tokens.at[:, 0].set(jnp.where(active_B, first_B, self.pad_id))
+    out_logp = jnp.zeros((batch, out_len), jnp.float32)
+    out_logp = out_logp.at[:, 0].set(jnp.where(active_B, first_logp_B, 0.0))
+    stopped = active_B & is_stop(first_B)
+    done = ~active_B | stopped | (max_new_tokens <= 1)
+    lengths = active_B.astype(jnp.int32)
+
+    def cond(carry):
+      step, done = carry[1], carry[6]
+      return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+      cache, step, last_B, out_tokens, out_logp, lengths, done, stopped = carry
+      positions = (prompt_lens_B + step - 1)[:, None]  # Position of `last`.
+      h, cache = model.hidden_states(last_B[:, None], positions, cache=cache, ctx=self._ctx)
+      keys = _row_keys(seed, step, batch)
+      tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
+      tok = jnp.where(done, self.pad_id, tok)
+      logp = jnp.where(done, 0.0, logp)
+      out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, tok[:, None], step, 1)
+      out_logp = jax.lax.dynamic_update_slice_in_dim(out_logp, logp[:, None], step, 1)
+      lengths = lengths + (~done).astype(jnp.int32)
+      stopped = stopped | (~done & is_stop(tok))
+      done = done | stopped | (step + 1 >= max_new_tokens)
+      return cache, step + 1, tok, out_tokens, out_logp, lengths, done, stopped
+
+    carry = (cache, jnp.int32(1), first_B, out_tokens, out_logp, lengths, done, stopped)
+    cache, _, _, out_tokens, out_logp, lengths, _, stopped = jax.lax.while_loop(cond, body,
+                                                                                 carry)
+    return cache, out_tokens, out_logp, lengths, stopped
+
+  # -- helpers ----------------------------------------------------------------------------
+
+  def _program(self, key: tuple, fn, args, donate: tuple[int, ...]):
+    """The compiled program for `key`, lowered and compiled ahead of time on first use."""
+    if key not in self._programs:
+      self._programs[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    return self._programs[key]
+
+  def _put(self, x: np.ndarray, names: tuple):
+    if self.mesh is None:
+      return jax.device_put(x)
+    return jax.device_put(x, self._ctx.sharding(names, x.shape))
+
+  def _batch_shards(self) -> int:
+    if self.mesh is None:
+      return 1
+    axes = dict(self.rules).get("batch", ())
+    return int(np.prod([self.mesh.shape.get(a, 1) for a in axes]))
+
+  def _check_buckets(self, buckets, name: str) -> tuple[int, ...]:
+    if buckets is None:
+      return _powers_of_two(1, 2**20)
+    out = tuple(sorted(int(b) for b in buckets))
+    if not out or out[0] < 1:
+      raise ValueError(f"{name} must be positive ints, got {tuple(buckets)}")
+    return out
+
+  def _check_prompts(self, prompts) -> np.ndarray:
+    if isinstance(prompts, (str, bytes)) or not len(prompts):
+      raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
+    lens = []
+    vocab = self.cfg.vocab_size
+    for i, p in enumerate(prompts):
+      if isinstance(p, (int, np.integer)) or not len(p):
+        raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r}")
+      arr = np.asarray(p)
+      if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"prompt {i} must be a flat list of int token ids, got {p!r}")
+      if arr.min() < 0 or arr.max() >= vocab:
+        bad = int(arr[(arr < 0) | (arr >= vocab)][0])
+        raise ValueError(f"prompt {i} holds token id {bad}, outside the vocabulary [0, {vocab})")
+      lens.append(arr.size)
+    return np.asarray(lens, np.int32)

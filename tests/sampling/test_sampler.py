@@ -1,0 +1,304 @@
+"""Sampler against references: full recomputation without a cache, numpy sampling sets."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import models
+from posttrain.sampling import Sampler, SamplingMode, sample_logits
+
+# A larger init scale than the preset makes the random model's next-token distribution peaked
+# and context dependent, so greedy paths and top-k / top-p sets are informative.
+CFG = models.get_preset("tiny", init_std=0.2)
+MAX_LEN = 64
+# Lengths 1 and 16 sit on bucket edges; 17 spills into the next length bucket.
+PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 36)), list(range(40, 57)), [3, 3, 3, 8]]
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.create_model(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+  return Sampler(model, max_len=MAX_LEN)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens_BxT):
+  return nnx.merge(graphdef, state)(tokens_BxT)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _token_logprobs(graphdef, state, tokens_BxT, targets_BxT):
+  return nnx.merge(graphdef, state).token_logprobs(tokens_BxT, targets_BxT)
+
+
+def full_logits(model, seqs):
+  """Logits [len, V] for each sequence from one cache-free forward pass (right padded)."""
+  width = max(len(s) for s in seqs)
+  tokens = np.zeros((len(seqs), width), np.int32)
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s)] = s
+  logits = np.asarray(_forward(*nnx.split(model), jnp.asarray(tokens)), np.float64)
+  return [logits[i, :len(s)] for i, s in enumerate(seqs)]
+
+
+def greedy_by_recomputation(model, prompts, steps):
+  """Argmax decoding that reruns the whole causal model on a fixed buffer every step."""
+  lens = [len(p) for p in prompts]
+  buf = np.zeros((len(prompts), max(lens) + steps), np.int32)
+  for i, p in enumerate(prompts):
+    buf[i, :len(p)] = p
+  graphdef, state = nnx.split(model)
+  for t in range(steps):
+    logits = np.asarray(_forward(graphdef, state, jnp.asarray(buf)))
+    for i, n in enumerate(lens):
+      buf[i, n + t] = int(np.argmax(logits[i, n + t - 1]))
+  return np.stack([buf[i, n:n + steps] for i, n in enumerate(lens)])
+
+
+def reference_policy(logits_V, temperature, top_k, top_p):
+  """(allowed mask, log-probs) of the distribution sample_logits should draw from."""
+  z = logits_V / temperature
+  order = np.argsort(-z, kind="stable")
+  allowed = np.zeros(z.shape, bool)
+  allowed[order[:top_k or z.size]] = True
+  if top_p is not None:
+    p = np.exp(z[order] - z[order].max()) * allowed[order]
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    allowed[order[before >= top_p]] = False
+  logz = np.log(np.sum(np.exp(z[allowed] - z[allowed].max()))) + z[allowed].max()
+  return allowed, np.where(allowed, z - logz, -np.inf)
+
+
+def generated_positions(prompt, length):
+  """Indices into full_logits(prompt + completion) that predict each generated token."""
+  return np.arange(len(prompt) - 1, len(prompt) - 1 + length)
+
+
+# -- greedy and log-probs -----------------------------------------------------------------
+
+
+def test_greedy_equals_argmax_by_full_recomputation(model, sampler):
+  steps = 12
+  out = sampler.generate(PROMPTS, max_new_tokens=steps, temperature=0.0)
+  expected = greedy_by_recomputation(model, PROMPTS, steps)
+  np.testing.assert_array_equal(out.tokens, expected)
+  assert out.tokens.shape == (len(PROMPTS), steps)
+  np.testing.assert_array_equal(out.lengths, steps)
+  assert out.finish_reasons == ["length"] * len(PROMPTS)
+  # Greedy log-probs are under the untempered model distribution.
+  for i, p in enumerate(PROMPTS):
+    logits = full_logits(model, [p + out.tokens[i].tolist()])[0]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ref = logp[generated_positions(p, steps), out.tokens[i]]
+    np.testing.assert_allclose(out.logprobs[i], ref, atol=1e-4)
+
+
+def test_logprobs_equal_model_recomputation_at_temperature_one(model, sampler):
+  out = sampler.generate(PROMPTS, max_new_tokens=10, temperature=1.0, seed=7)
+  seqs = [p + out.token_lists()[i] for i, p in enumerate(PROMPTS)]
+  width = max(len(s) for s in seqs)
+  tokens = np.zeros((len(seqs), width), np.int32)
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s)] = s
+  targets = np.roll(tokens, -1, axis=1)
+  recomputed = np.asarray(_token_logprobs(*nnx.split(model), tokens, targets))
+  for i, p in enumerate(PROMPTS):
+    ref = recomputed[i, generated_positions(p, out.lengths[i])]
+    np.testing.assert_allclose(out.logprobs[i, :out.lengths[i]], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, 0.6), (1.3, 5, 0.9)])
+def test_top_k_top_p_stay_in_allowed_set(model, sampler, temperature, top_k, top_p):
+  prompts = [PROMPTS[0]] * 24 + [PROMPTS[2]] * 24
+  out = sampler.generate(prompts, max_new_tokens=6, temperature=temperature, top_k=top_k,
+                         top_p=top_p, seed=11)
+  seqs = [p + out.token_lists()[i] for i, p in enumerate(prompts)]
+  distinct = set()
+  for i, (p, logits) in enumerate(zip(prompts, full_logits(model, seqs))):
+    for t, pos in enumerate(generated_positions(p, out.lengths[i])):
+      allowed, logp = reference_policy(logits[pos], temperature, top_k, top_p)
+      tok = out.tokens[i, t]
+      assert allowed[tok], f"row {i} step {t}: token {tok} outside the allowed set"
+      np.testing.assert_allclose(out.logprobs[i, t], logp[tok], atol=1e-4)
+      if t == 0:
+        distinct.add((len(p), int(tok)))
+  assert len(distinct) > 2, "sampling collapsed to one token per prompt"
+
+
+def test_sample_logits_matches_its_distribution_over_many_draws():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(1, 37)).astype(np.float32) * 1.5
+  draws = 20_000
+  keys = jax.random.split(jax.random.key(0), draws)
+  batch = jnp.broadcast_to(jnp.asarray(logits), (draws, 37))
+  draw = jax.jit(sample_logits, static_argnums=4)
+  for temperature, top_k, top_p in [(1.0, 4, None), (0.8, None, 0.7), (1.5, 9, 0.5),
+                                    (1.0, None, None)]:
+    mode = SamplingMode(greedy=False, top_k=top_k, top_p=top_p is not None)
+    tokens, logp = draw(batch, keys, temperature, top_p or 1.0, mode)
+    tokens, logp = np.asarray(tokens), np.asarray(logp)
+    allowed, ref_logp = reference_policy(logits[0].astype(np.float64), temperature, top_k,
+                                         top_p)
+    assert allowed[tokens].all(), f"token outside the allowed set for {temperature, top_k, top_p}"
+    np.testing.assert_allclose(logp, ref_logp[tokens], atol=1e-5)
+    freq = np.bincount(tokens, minlength=37) / draws
+    np.testing.assert_allclose(freq, np.exp(ref_logp), atol=0.015)
+
+
+def test_greedy_sample_logits_reports_untempered_logprob():
+  logits = jnp.asarray([[0.1, 2.0, -1.0, 1.9]], jnp.float32)
+  mode = SamplingMode(greedy=True, top_k=None, top_p=False)
+  tok, logp = sample_logits(logits, jax.random.split(jax.random.key(0), 1), 1.0, 1.0, mode)
+  assert int(tok[0]) == 1
+  np.testing.assert_allclose(float(logp[0]), float(jax.nn.log_softmax(logits)[0, 1]),
+                             rtol=1e-6)
+
+
+# -- stopping, seeds, buckets -------------------------------------------------------------
+
+
+def test_stop_tokens_end_rows_and_later_tokens_are_padding(sampler):
+  steps = 12
+  free = sampler.generate(PROMPTS, max_new_tokens=steps, temperature=0.0)
+  row0 = free.tokens[0].tolist()
+  cut = next(j for j in range(2, steps) if row0[j] not in row0[:j])
+  stop = row0[cut]
+  unused = next(t for t in range(CFG.vocab_size) if t not in free.tokens)
+  out = sampler.generate(PROMPTS, max_new_tokens=steps, temperature=0.0,
+                         stop_token_ids=(stop, unused))
+  for i, row in enumerate(free.tokens.tolist()):
+    n = row.index(stop) + 1 if stop in row else steps
+    assert out.lengths[i] == n
+    assert out.finish_reasons[i] == ("stop" if stop in row else "length")
+    np.testing.assert_array_equal(out.tokens[i, :n], row[:n])
+    np.testing.assert_array_equal(out.tokens[i, n:], sampler.pad_id)
+    np.testing.assert_array_equal(out.logprobs[i, n:], 0.0)
+    np.testing.assert_allclose(out.logprobs[i, :n], free.logprobs[i, :n], atol=1e-6)
+  assert out.lengths[0] == cut + 1 and out.finish_reasons[0] == "stop"
+
+
+def test_stop_on_the_first_token_and_max_new_tokens_one(sampler):
+  first = sampler.generate(PROMPTS, max_new_tokens=1, temperature=0.0)
+  np.testing.assert_array_equal(first.lengths, 1)
+  out = sampler.generate(PROMPTS, max_new_tokens=5, temperature=0.0,
+                         stop_token_ids=[int(first.tokens[1, 0])])
+  assert out.lengths[1] == 1 and out.finish_reasons[1] == "stop"
+  np.testing.assert_array_equal(out.tokens[1, 1:], sampler.pad_id)
+
+
+def test_same_seed_same_samples_other_seed_other_samples(sampler):
+  kw = dict(max_new_tokens=8, temperature=1.0, top_p=0.95)
+  a = sampler.generate(PROMPTS, seed=3, **kw)
+  b = sampler.generate(PROMPTS, seed=3, **kw)
+  c = sampler.generate(PROMPTS, seed=4, **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_buckets_reuse_programs_and_padding_rows_change_nothing(sampler):
+  kw = dict(max_new_tokens=6, temperature=0.0)
+  four = sampler.generate(PROMPTS[:4], **kw)
+  compiled = sampler.num_compiles
+  three = sampler.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1]], **kw)  # Same buckets.
+  assert sampler.num_compiles == compiled
+  np.testing.assert_array_equal(three.tokens, four.tokens[[0, 3, 1]])
+  # Prompts in a shorter length bucket, same cache bucket: one new prefill, the same decode.
+  short = sampler.generate([p[:10] for p in PROMPTS[:4]], max_new_tokens=10, temperature=0.0)
+  assert sampler.num_compiles == compiled + 1
+  assert short.tokens.shape == (4, 10)
+
+
+def test_update_params_changes_output_without_recompiling(model, sampler):
+  other = models.create_model(CFG, seed=1)
+  kw = dict(max_new_tokens=8, temperature=0.0)
+  before = sampler.generate(PROMPTS, **kw)
+  expected = greedy_by_recomputation(other, PROMPTS, 8)
+  compiled = sampler.num_compiles
+  events = []
+  listener = lambda event, *a, **k: events.append(event) if event == COMPILE_EVENT else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    sampler.update_params(nnx.state(other))
+    after = sampler.generate(PROMPTS, **kw)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+    sampler.update_params(model)
+  assert sampler.num_compiles == compiled and not events, events
+  assert not np.array_equal(before.tokens, after.tokens)
+  np.testing.assert_array_equal(after.tokens, expected)
+
+
+def test_update_params_rejects_another_architecture(sampler):
+  other = models.create_model(models.get_preset("tiny", num_layers=1))
+  with pytest.raises(ValueError, match="do not match"):
+    sampler.update_params(other)
+  wide = models.create_model(models.get_preset("tiny", ffn_dim=64))
+  with pytest.raises(ValueError, match=r"down_proj.*shape \(64, 128\), expected \(384, 128\)"):
+    sampler.update_params(wide)
+
+
+# -- user errors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompts,kwargs,match", [
+    ([], {}, "non-empty list"),
+    ([[1, 2], []], {}, "prompt 1"),
+    ([[1, CFG.vocab_size]], {}, f"token id {CFG.vocab_size}"),
+    ([[1, -3]], {}, "token id -3"),
+    ([[1.5, 2]], {}, "int token ids"),
+    ([[1] * 60], {"max_new_tokens": 5}, "max_len=64"),
+    ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ([[1]], {"temperature": -1.0}, "temperature"),
+    ([[1]], {"top_p": 0.0}, "top_p"),
+    ([[1]], {"top_k": 0}, "top_k"),
+    ([[1]], {"stop_token_ids": (CFG.vocab_size + 4,)}, f"{CFG.vocab_size + 4}"),
+])
+def test_bad_input_raises_one_line_error(sampler, prompts, kwargs, match):
+  kwargs = {"max_new_tokens": 4, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    sampler.generate(prompts, **kwargs)
+
+
+def test_bad_constructor_arguments(model):
+  with pytest.raises(ValueError, match="cache_dtype"):
+    Sampler(model, cache_dtype="fp8")
+  with pytest.raises(ValueError, match="pad_id"):
+    Sampler(model, pad_id=-1)
+  small = Sampler(model, max_len=32, batch_buckets=(2,))
+  with pytest.raises(ValueError, match="batch of prompts 3"):
+    small.generate([[1]] * 3, max_new_tokens=2)
+
+
+# -- mesh ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 8, 1, 1)])
+def test_mesh_greedy_equals_single_device(model, sampler, shape):
+  mesh = models.make_mesh(shape)
+  meshed = Sampler(model, mesh=mesh, max_len=MAX_LEN)
+  kw = dict(max_new_tokens=8, temperature=0.0)
+  out = meshed.generate(PROMPTS, **kw)
+  single = sampler.generate(PROMPTS, **kw)
+  np.testing.assert_array_equal(out.tokens, single.tokens)
+  np.testing.assert_allclose(out.logprobs, single.logprobs, atol=1e-5)
+  q_proj = meshed._state["layers"][0]["attn"]["q_proj"][...]
+  assert len(q_proj.sharding.device_set) == 8
+  # Weights from a single-device (train) model are resharded onto the rollout mesh.
+  other = models.create_model(CFG, seed=1)
+  compiled = meshed.num_compiles
+  meshed.update_params(other)
+  assert meshed._state["layers"][0]["attn"]["q_proj"][...].sharding == q_proj.sharding
+  np.testing.assert_array_equal(meshed.generate(PROMPTS, **kw).tokens,
+                                greedy_by_recomputation(other, PROMPTS, 8))
+  assert meshed.num_compiles == compiled
