@@ -10,6 +10,8 @@ from kernels.attention import IMPLEMENTATIONS
 from kernels.attention import default_implementation
 from kernels.attention import dot_product_attention
 from kernels.chunked_attention import chunked_attention
+from kernels.decode_attention import decode_attention
+from kernels.decode_attention import quantize_int8
 from kernels.reference import attention_block
 from kernels.reference import attention_block_grad
 from kernels.reference import attention_mask
@@ -22,8 +24,10 @@ __all__ = [
     "attention_block_grad",
     "attention_mask",
     "chunked_attention",
+    "decode_attention",
     "default_implementation",
     "dot_product_attention",
     "merge_attention",
+    "quantize_int8",
     "reference_attention",
 ]
