@@ -59,7 +59,9 @@ def _eval(node: ast.AST) -> Fraction:
             return _check(left % right)
         if isinstance(op, ast.Pow):
             if right.denominator != 1 or abs(right) > MAX_EXPONENT:
-                raise CalculatorError(f"exponent must be an integer in [-{MAX_EXPONENT}, {MAX_EXPONENT}]")
+                raise CalculatorError(
+                    f"exponent must be an integer in [-{MAX_EXPONENT}, {MAX_EXPONENT}]"
+                )
             if left == 0 and right < 0:
                 raise CalculatorError("division by zero")
             # b**e has at least (digits(b) - 1) * e + 1 digits: refuse before computing, so

@@ -87,7 +87,9 @@ class GymDomain(Domain):
         try:
             entry = self._entry(index)
         except Exception as e:  # surfaces as one line naming the dataset and item
-            raise RuntimeError(f"{self.name}: generating item {index} failed: {type(e).__name__}: {e}") from None
+            raise RuntimeError(
+                f"{self.name}: generating item {index} failed: {type(e).__name__}: {e}"
+            ) from None
         answer = "" if entry.get("answer") is None else str(entry["answer"])
         return Task(
             self.name,
@@ -109,14 +111,20 @@ class GymDomain(Domain):
         if not raw:
             return zero_reward("unparseable")
         try:
-            value = float(self.dataset.score_answer(answer=raw, entry=self._entry(task.seed % self.size)))
+            value = float(
+                self.dataset.score_answer(answer=raw, entry=self._entry(task.seed % self.size))
+            )
         except Exception as e:  # noqa: BLE001 - some gym scorers raise on malformed answers
             return zero_reward(f"wrong (gym scorer raised {type(e).__name__})", format=1.0)
         if not math.isfinite(value):
             return zero_reward(f"wrong (gym scorer returned {value})", format=1.0)
         value = min(1.0, max(0.0, value))
         exact = float(value >= 1.0)
-        return Reward(value, {"format": 1.0, "exact": exact, "partial": value}, "correct" if exact else "wrong")
+        return Reward(
+            value,
+            {"format": 1.0, "exact": exact, "partial": value},
+            "correct" if exact else "wrong",
+        )
 
 
 def gym_domains(names: list[str] | None = None, **kwargs) -> list[GymDomain]:

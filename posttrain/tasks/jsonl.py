@@ -124,7 +124,13 @@ class JsonlDomain(Domain):
         row = self._rows[index]
         metadata = {"row": index, "verifier": row["verifier"], **row["metadata"]}
         return Task(
-            self.name, seed, row["prompt"], row["answer"], metadata, row["level"] or self.level, self.family
+            self.name,
+            seed,
+            row["prompt"],
+            row["answer"],
+            metadata,
+            row["level"] or self.level,
+            self.family,
         )
 
     def _score(self, task, completion):
@@ -140,5 +146,6 @@ class JsonlDomain(Domain):
         if check is None:
             return zero_reward(f"unknown verifier {verifier!r}")
         exact = bool(check(raw, task.answer))
-        return Reward(float(exact), {"format": 1.0, "exact": float(exact)}, "correct" if exact else "wrong")
-
+        return Reward(
+            float(exact), {"format": 1.0, "exact": float(exact)}, "correct" if exact else "wrong"
+        )

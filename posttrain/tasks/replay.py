@@ -15,10 +15,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from posttrain.tasks.base import Reward, Task
-from posttrain.tasks.catalog import Registry, registry as default_registry
+from posttrain.tasks.catalog import Registry
+from posttrain.tasks.catalog import registry as default_registry
 
 
-def make_record(task: Task, completion: str, reward: Reward, include_task: bool = False) -> dict[str, Any]:
+def make_record(
+    task: Task, completion: str, reward: Reward, include_task: bool = False
+) -> dict[str, Any]:
     record = {
         "domain": task.domain,
         "seed": task.seed,
@@ -59,7 +62,9 @@ def read_records(source: str) -> list[dict[str, Any]]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{source}:{lineno}: not valid JSON: {e}") from None
     for i, r in enumerate(records):
-        missing = [k for k in ("domain", "seed", "completion") if not isinstance(r, dict) or k not in r]
+        missing = [
+            k for k in ("domain", "seed", "completion") if not isinstance(r, dict) or k not in r
+        ]
         if missing:
             raise ValueError(f"record {i} lacks {missing}")
     return records
@@ -100,7 +105,11 @@ def format_trace(result: ReplayResult) -> str:
         _indent(t.prompt),
         f"answer:     {t.answer}",
         "completion:",
-        _indent(result.completion if len(result.completion) <= 4000 else result.completion[:4000] + " ..."),
+        _indent(
+            result.completion
+            if len(result.completion) <= 4000
+            else result.completion[:4000] + " ..."
+        ),
         f"reward:     {r.value}",
         f"components: {json.dumps(r.components, sort_keys=True)}",
         f"verdict:    {r.verdict}",
@@ -108,7 +117,9 @@ def format_trace(result: ReplayResult) -> str:
     if result.recorded is not None:
         lines.append(f"recorded:   {result.recorded.value} ({result.recorded.verdict})")
     if result.task_matches is not None:
-        lines.append(f"task:       {'unchanged' if result.task_matches else 'CHANGED since recording'}")
+        lines.append(
+            f"task:       {'unchanged' if result.task_matches else 'CHANGED since recording'}"
+        )
     lines.append(f"identical:  {'yes' if result.identical else 'NO'}")
     return "\n".join(lines)
 

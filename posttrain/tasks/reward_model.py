@@ -45,7 +45,9 @@ class ModelScoredDomain(Domain):
         name: str | None = None,
     ):
         if not isinstance(scorer, RewardModelScorer):
-            raise TypeError(f"scorer must have score_texts(prompts, completions), got {type(scorer).__name__}")
+            raise TypeError(
+                f"scorer must have score_texts(prompts, completions), got {type(scorer).__name__}"
+            )
         if not 0.0 <= mix <= 1.0:
             raise ValueError(f"mix must be in [0, 1], got {mix!r}")
         if squash not in SQUASH:
@@ -58,7 +60,9 @@ class ModelScoredDomain(Domain):
         task = self.inner.sample(seed)
         if self.name == self.inner.name:
             return task
-        return Task(self.name, task.seed, task.prompt, task.answer, task.metadata, task.level, task.family)
+        return Task(
+            self.name, task.seed, task.prompt, task.answer, task.metadata, task.level, task.family
+        )
 
     def demonstration(self, task):
         return self.inner.demonstration(self._inner_task(task))
@@ -67,16 +71,26 @@ class ModelScoredDomain(Domain):
         return self.inner.step(self._inner_task(task), transcript)
 
     def _inner_task(self, task: Task) -> Task:
-        if task.domain == self.inner.name:
+        if not isinstance(task, Task) or task.domain == self.inner.name:
             return task
-        return Task(self.inner.name, task.seed, task.prompt, task.answer, task.metadata, task.level, task.family)
+        return Task(
+            self.inner.name,
+            task.seed,
+            task.prompt,
+            task.answer,
+            task.metadata,
+            task.level,
+            task.family,
+        )
 
     def _score(self, task, completion):
         return self.score_many([task], [completion])[0]
 
     def score_many(self, tasks: Sequence[Task], completions: Sequence[str]) -> list[Reward]:
         """Scores a batch with one scorer call; never raises."""
-        verified = [self.inner.score(self._inner_task(t), c) for t, c in zip(tasks, completions)]
+        if len(tasks) != len(completions):
+            raise ValueError(f"got {len(tasks)} tasks but {len(completions)} completions")
+        verified = self.inner.score_many([self._inner_task(t) for t in tasks], list(completions))
         if self.mix == 0.0:
             return [_with(r, r.value, None, r.verdict) for r in verified]
         try:
@@ -86,7 +100,10 @@ class ModelScoredDomain(Domain):
             model = [float(x) for x in raw]
         except Exception as e:  # noqa: BLE001 - a broken scorer must not stop training
             error = f"{type(e).__name__}: {str(e)[:120]}"
-            return [_with(r, r.value, None, f"{r.verdict}; reward model failed ({error})") for r in verified]
+            return [
+                _with(r, r.value, None, f"{r.verdict}; reward model failed ({error})")
+                for r in verified
+            ]
         out = []
         for r, m in zip(verified, model):
             if not math.isfinite(m):

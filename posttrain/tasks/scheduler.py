@@ -28,7 +28,6 @@ Task seeds are always training seeds (even), disjoint from ``heldout_seed``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,7 +74,9 @@ class SchedulerConfig:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if self.novelty < 0 or self.staleness < 0:
-            raise ValueError(f"novelty/staleness must be >= 0, got {self.novelty!r}/{self.staleness!r}")
+            raise ValueError(
+                f"novelty/staleness must be >= 0, got {self.novelty!r}/{self.staleness!r}"
+            )
         if self.staleness_horizon < 1:
             raise ValueError(f"staleness_horizon must be >= 1, got {self.staleness_horizon!r}")
 
@@ -188,7 +189,9 @@ class Scheduler:
         total = base.sum()
         base = base / total if total > 0 else active / n_active
         if c.novelty or c.staleness:
-            age = np.where(self.last_sampled < 0, c.staleness_horizon, self.draw_calls - self.last_sampled)
+            age = np.where(
+                self.last_sampled < 0, c.staleness_horizon, self.draw_calls - self.last_sampled
+            )
             bonus = c.novelty / np.sqrt(1.0 + self.attempts)
             bonus = bonus + c.staleness * np.minimum(1.0, age / c.staleness_horizon)
             base = base + np.where(active, bonus, 0.0) / n_active
@@ -213,7 +216,9 @@ class Scheduler:
 
     # -- learning ---------------------------------------------------------------------
 
-    def update(self, domain_name: str, rewards: Sequence[float], advantages: Sequence[float] | None = None):
+    def update(
+        self, domain_name: str, rewards: Sequence[float], advantages: Sequence[float] | None = None
+    ):
         """Folds one group of rewards (and optionally its advantages) into the statistics."""
         i = self._index.get(domain_name)
         if i is None:
@@ -233,7 +238,9 @@ class Scheduler:
         self.updates[i] += 1
         self.attempts[i] += r.size
         rate = max(self.config.ema, 1.0 / self.updates[i])
-        self.pass_rate[i] += rate * (float((r >= self.config.pass_threshold).mean()) - self.pass_rate[i])
+        self.pass_rate[i] += rate * (
+            float((r >= self.config.pass_threshold).mean()) - self.pass_rate[i]
+        )
         self.reward_mean[i] += rate * (float(r.mean()) - self.reward_mean[i])
         self.reward_var[i] += rate * (float(r.var()) - self.reward_var[i])
         self.abs_advantage[i] += rate * (abs_adv - self.abs_advantage[i])

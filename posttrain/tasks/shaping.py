@@ -35,7 +35,9 @@ from posttrain.tasks.base import Reward
 def overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
     """DAPO soft overlong punishment in [-1, 0]; see the module docstring."""
     if cache_length < 0 or cache_length > max_length:
-        raise ValueError(f"cache_length must be in [0, max_length={max_length}], got {cache_length}")
+        raise ValueError(
+            f"cache_length must be in [0, max_length={max_length}], got {cache_length}"
+        )
     expected = max_length - cache_length
     if length <= expected:
         return 0.0
@@ -84,7 +86,9 @@ class DomainNormalizer:
         return {"moments": {k: list(v) for k, v in self._moments.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._moments = {k: [int(v[0]), float(v[1]), float(v[2])] for k, v in state["moments"].items()}
+        self._moments = {
+            k: [int(v[0]), float(v[1]), float(v[2])] for k, v in state["moments"].items()
+        }
 
 
 @dataclasses.dataclass
@@ -110,7 +114,9 @@ class RewardShaper:
         w = self.format_weight
         value = (1.0 - w) * reward.value + w * format_reward(reward)
         if self.max_length is not None and length is not None and self.overlong_weight:
-            value += self.overlong_weight * overlong_penalty(length, self.max_length, self.cache_length)
+            value += self.overlong_weight * overlong_penalty(
+                length, self.max_length, self.cache_length
+            )
         return value
 
     def shape(

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posttrain.tasks import Reward, Task, extract_answer, heldout_seed, is_heldout_seed, registry, train_seed
+from posttrain.tasks import (
+    Reward,
+    Task,
+    extract_answer,
+    heldout_seed,
+    is_heldout_seed,
+    registry,
+    train_seed,
+)
 from posttrain.tasks.base import check_seed
 
 

@@ -31,7 +31,15 @@ def test_matches_python_integer_arithmetic(expr):
 
 @pytest.mark.parametrize(
     "expr, expected",
-    [("3*4", "12"), ("2**10", "1024"), ("1/4", "0.25"), ("7/7", "1"), ("-2**2", "-4"), ("1.5*2", "3"), (" 6 / 4 ", "1.5")],
+    [
+        ("3*4", "12"),
+        ("2**10", "1024"),
+        ("1/4", "0.25"),
+        ("7/7", "1"),
+        ("-2**2", "-4"),
+        ("1.5*2", "3"),
+        (" 6 / 4 ", "1.5"),
+    ],
 )
 def test_examples(expr, expected):
     assert calculate(expr) == expected

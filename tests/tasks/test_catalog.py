@@ -8,9 +8,16 @@ from posttrain.tasks.procedural import INT, ProceduralDomain
 
 def test_at_least_150_domains_over_all_families():
     assert len(registry) >= 150
-    assert {"arithmetic", "strings", "lists", "logic", "structure", "bases", "sequences", "equations"} <= set(
-        registry.families()
-    )
+    assert {
+        "arithmetic",
+        "strings",
+        "lists",
+        "logic",
+        "structure",
+        "bases",
+        "sequences",
+        "equations",
+    } <= set(registry.families())
 
 
 def test_every_family_has_a_level_one_domain():

@@ -2,12 +2,11 @@
 
 import pytest
 
-from posttrain.tasks import registry, train_seed
-from posttrain.tasks import execution
+from posttrain.tasks import execution, registry, train_seed
 from posttrain.tasks.families.code import extract_code, harness, parse_results
 
 try:
-    from posttrain.sandbox import ExecResult, Sandbox, SandboxConfig
+    from posttrain.sandbox import Sandbox, SandboxConfig
 except ImportError:  # the sandbox package has not landed in this checkout
     Sandbox = None
 
@@ -26,12 +25,14 @@ def test_extract_code_takes_the_last_block():
 
 
 def test_parse_results_ignores_foreign_lines():
-    out = "noise\n@@m 0 {\"ok\": 1}\n@@m 0 {\"ok\": 2}\n@@x 1 {\"ok\": 5}\n@@m 1 {\"err\": \"E\"}\n@@m 9 {\"ok\": 0}\n"
+    out = 'noise\n@@m 0 {"ok": 1}\n@@m 0 {"ok": 2}\n@@x 1 {"ok": 5}\n@@m 1 {"err": "E"}\n@@m 9 {"ok": 0}\n'
     loaded, outputs = parse_results(out, "@@m", 2)
     assert loaded and outputs == {0: "1"}
 
 
-@pytest.mark.parametrize("completion, verdict", [("", "no_code"), ("```python\ndef f(x) return x\n```", "syntax_error")])
+@pytest.mark.parametrize(
+    "completion, verdict", [("", "no_code"), ("```python\ndef f(x) return x\n```", "syntax_error")]
+)
 def test_no_code_or_bad_syntax_never_reaches_the_sandbox(completion, verdict, monkeypatch):
     monkeypatch.setattr(execution, "get_sandbox", lambda: pytest.fail("sandbox used"))
     task = AFFINE.sample(0)
@@ -52,7 +53,12 @@ class FakeSandbox:
         from types import SimpleNamespace
 
         self.requests.extend(requests)
-        return [SimpleNamespace(status=self.status, stdout="", stderr="", detail="no namespaces", exit_code=None) for _ in requests]
+        return [
+            SimpleNamespace(
+                status=self.status, stdout="", stderr="", detail="no namespaces", exit_code=None
+            )
+            for _ in requests
+        ]
 
 
 def test_injected_sandbox_is_used_and_its_failure_scores_zero():
@@ -66,7 +72,7 @@ def test_injected_sandbox_is_used_and_its_failure_scores_zero():
         assert repr(extract_code(AFFINE.demonstration(task))) in fake.requests[0].code
         # Expected outputs stay outside the sandbox.
         tests_part = fake.requests[0].code.split("_json.loads(")[1]
-        for (x,), e in zip(task.metadata["tests"], task.metadata["expected"]):
+        for e in task.metadata["expected"]:
             if [e] not in task.metadata["tests"]:
                 assert str(e) not in tests_part
     finally:
@@ -147,7 +153,9 @@ def test_forged_marker_lines_do_not_pass(sandbox):
 @needs_sandbox
 def test_bool_is_not_int(sandbox):
     task = registry.get("code/balanced_l4").sample(train_seed(1))
-    code = task.answer.replace("return False", "return 0").replace("return not stack", "return int(not stack)")
+    code = task.answer.replace("return False", "return 0").replace(
+        "return not stack", "return int(not stack)"
+    )
     r = registry.get("code/balanced_l4").score(task, _fence(code))
     assert r.value == 0.0
 
@@ -156,7 +164,12 @@ def test_bool_is_not_int(sandbox):
 def test_score_many_matches_score(sandbox):
     domain = registry.get("code/running_max_l3")
     tasks = [domain.sample(train_seed(i)) for i in range(4)]
-    completions = [domain.demonstration(tasks[0]), "", _fence("def running_max(xs):\n    return xs"), domain.demonstration(tasks[3])]
+    completions = [
+        domain.demonstration(tasks[0]),
+        "",
+        _fence("def running_max(xs):\n    return xs"),
+        domain.demonstration(tasks[3]),
+    ]
     batch = domain.score_many(tasks, completions)
     single = [domain.score(t, c) for t, c in zip(tasks, completions)]
     assert batch == single
@@ -181,7 +194,7 @@ def test_slow_quadratic_blowup_fails_top_level_but_reference_passes(sandbox):
 
 
 def test_harness_embeds_code_safely():
-    code = "s = '\"\"\"'\ndef f(x):\n    return x  # {braces}"
+    code = 's = \'"""\'\ndef f(x):\n    return x  # {braces}'
     program = harness(code, "f", [[1]], "@@m")
     compile(program, "<harness>", "exec")
     assert repr(code) in program

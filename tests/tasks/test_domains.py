@@ -20,8 +20,7 @@ from posttrain.tasks.procedural import ProceduralDomain
 
 ALL = registry.names()
 SEEDS = [train_seed(0), train_seed(1), train_seed(12345), heldout_seed(0), heldout_seed(999)]
-# Multi-turn and code domains call a sandbox for some checks; they are covered in their own
-# test files and kept out of the hypothesis loop here to keep it fast.
+# Code and tool domains have their own answer formats (tested in test_code/test_tools).
 FAST = [n for n in ALL if registry.get(n).family not in ("code", "tools")]
 
 
@@ -35,7 +34,12 @@ def test_demonstration_scores_one_and_sampling_is_deterministic(name):
     for seed in SEEDS:
         task = domain.sample(seed)
         assert task == domain.sample(seed)
-        assert (task.domain, task.seed, task.level, task.family) == (name, seed, domain.level, domain.family)
+        assert (task.domain, task.seed, task.level, task.family) == (
+            name,
+            seed,
+            domain.level,
+            domain.family,
+        )
         json.dumps(task.to_dict())  # JSON-serialisable
         reward = domain.score(task, domain.demonstration(task))
         assert reward.value == 1.0, (task, reward)
@@ -67,7 +71,9 @@ def test_empty_echo_and_hostile_completions_score_zero(name):
 def test_non_string_and_foreign_inputs_never_raise(name):
     domain = registry.get(name)
     task = domain.sample(train_seed(5))
-    other = registry.get("arithmetic/add_d1" if name != "arithmetic/add_d1" else "arithmetic/sub_d1")
+    other = registry.get(
+        "arithmetic/add_d1" if name != "arithmetic/add_d1" else "arithmetic/sub_d1"
+    )
     for completion in [None, 123, b"<answer>1</answer>", ["x"]]:
         assert domain.score(task, completion).value == 0.0
     assert domain.score(other.sample(0), domain.demonstration(task)).value == 0.0
@@ -77,7 +83,22 @@ def test_non_string_and_foreign_inputs_never_raise(name):
 @pytest.fixture(scope="module")
 def megabyte_garbage():
     rng = random.Random(0)
-    pieces = ["<answer>", "</tool>", "<tool>", "```python\n", "```", "<observation>", "(", "[", "{", "a", "7", " ", "\n", "é"]
+    pieces = [
+        "<answer>",
+        "</tool>",
+        "<tool>",
+        "```python\n",
+        "```",
+        "<observation>",
+        "(",
+        "[",
+        "{",
+        "a",
+        "7",
+        " ",
+        "\n",
+        "é",
+    ]
     unclosed = "".join(rng.choice(pieces) for _ in range(200_000))
     unclosed = unclosed.replace("</answer>", "")
     return [
@@ -103,7 +124,7 @@ def test_megabyte_hostile_completion_scores_zero_in_bounded_time(name, megabyte_
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(FAST), st.integers(0, 2**63 - 1), st.text(max_size=120))
+@given(st.sampled_from(ALL), st.integers(0, 2**63 - 1), st.text(max_size=120))
 def test_random_text_never_raises_and_scores_zero(name, seed, text):
     domain = registry.get(name)
     task = domain.sample(seed)
@@ -114,7 +135,11 @@ def test_random_text_never_raises_and_scores_zero(name, seed, text):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([n for n in FAST if isinstance(registry.get(n), ProceduralDomain)]), st.integers(0, 2**20), st.text(max_size=40))
+@given(
+    st.sampled_from([n for n in FAST if isinstance(registry.get(n), ProceduralDomain)]),
+    st.integers(0, 2**20),
+    st.text(max_size=40),
+)
 def test_random_tagged_answer_scores_one_only_when_equal(name, seed, text):
     domain = registry.get(name)
     task = domain.sample(seed)
@@ -152,7 +177,10 @@ def test_seeds_give_varied_tasks(name):
 GOLDEN = {
     ("arithmetic/add_d1", 12345): ("What is 0+3?", "3"),
     ("strings/reverse_l1", 12345): ("Reverse the string: oak", "kao"),
-    ("lists/sort_l3", 12345): ("Sort in ascending order: [92, 53, 6, 5, 71, 29]", "[5, 6, 29, 53, 71, 92]"),
+    ("lists/sort_l3", 12345): (
+        "Sort in ascending order: [92, 53, 6, 5, 71, 29]",
+        "[5, 6, 29, 53, 71, 92]",
+    ),
     ("structure/json_l2", 12345): (
         'In {"a": {"size": 55, "a": 68}, "id": 69}, what is the value of a.a?',
         "68",

@@ -63,12 +63,24 @@ def test_random_expression_value_matches_eval(n_ops, parens):
 STRING_OPS = {
     "copy": (r"Copy the string: (\S+)", lambda m: m[1]),
     "reverse": (r"Reverse the string: (\S+)", lambda m: m[1][::-1]),
-    "rotate": (r"Rotate the string (\S+) left by (\d+)\.", lambda m: m[1][int(m[2]) :] + m[1][: int(m[2])]),
+    "rotate": (
+        r"Rotate the string (\S+) left by (\d+)\.",
+        lambda m: m[1][int(m[2]) :] + m[1][: int(m[2])],
+    ),
     "upper": (r"Uppercase the string: (\S+)", lambda m: m[1].upper()),
     "lower": (r"Lowercase the string: (\S+)", lambda m: m[1].lower()),
-    "swapcase": (r"Swap the case of each letter: (\S+)", lambda m: "".join(c.lower() if c.isupper() else c.upper() for c in m[1])),
-    "dedupe": (r"keeping first occurrences: (\S+)", lambda m: "".join(c for i, c in enumerate(m[1]) if c not in m[1][:i])),
-    "count": (r"How many times does (\S) occur in (\S+)\?", lambda m: str(len(re.findall(re.escape(m[1]), m[2])))),
+    "swapcase": (
+        r"Swap the case of each letter: (\S+)",
+        lambda m: "".join(c.lower() if c.isupper() else c.upper() for c in m[1]),
+    ),
+    "dedupe": (
+        r"keeping first occurrences: (\S+)",
+        lambda m: "".join(c for i, c in enumerate(m[1]) if c not in m[1][:i]),
+    ),
+    "count": (
+        r"How many times does (\S) occur in (\S+)\?",
+        lambda m: str(len(re.findall(re.escape(m[1]), m[2]))),
+    ),
     "sort": (r"Sort the letters of (\S+) alphabetically\.", lambda m: "".join(np.sort(list(m[1])))),
 }
 
@@ -107,12 +119,12 @@ def test_lists(op):
 
 
 def test_logic():
-    for name, q, answer in _cases("logic/boolexpr_*"):
+    for _name, q, answer in _cases("logic/boolexpr_*"):
         assert answer == str(eval(q.split("? ", 1)[1], {"__builtins__": {}})), q
-    for name, q, answer in _cases("logic/parity_*"):
+    for _name, q, answer in _cases("logic/parity_*"):
         bits = re.search(r"in ([01]+) ", q)[1]
         assert answer == ("odd" if sum(map(int, bits)) % 2 else "even")
-    for name, q, answer in _cases("logic/majority_*"):
+    for _name, q, answer in _cases("logic/majority_*"):
         bits = re.search(r"in ([01]+),", q)[1]
         assert answer == str(int(np.mean([int(b) for b in bits]) > 0.5))
 
@@ -127,16 +139,16 @@ def _reduce_balanced(s):
 
 def test_structure():
     answers = set()
-    for name, q, answer in _cases("structure/brackets_*"):
+    for _name, q, answer in _cases("structure/brackets_*"):
         s = q.rsplit(" ", 1)[1]
         assert answer == ("yes" if _reduce_balanced(s) else "no"), q
         answers.add(answer)
     assert answers == {"yes", "no"}
-    for name, q, answer in _cases("structure/depth_*"):
+    for _name, q, answer in _cases("structure/depth_*"):
         s = _between(q, "depth of ", "?")
         depths = np.cumsum([1 if c in "([{" else -1 for c in s])
         assert _reduce_balanced(s) and int(answer) == depths.max()
-    for name, q, answer in _cases("structure/json_*"):
+    for _name, q, answer in _cases("structure/json_*"):
         obj = json.loads(_between(q, "In ", ", what"))
         for key in _between(q, "value of ", "?").split("."):
             obj = obj[key]
@@ -178,7 +190,9 @@ def test_sequences():
         assert int(a) == round(np.polyval(coeffs, len(xs) + 1))
     for _, q, a in _cases("sequences/periodic_*"):
         xs = _terms(q)
-        period = next(p for p in range(1, len(xs)) if all(xs[i] == xs[i - p] for i in range(p, len(xs))))
+        period = next(
+            p for p in range(1, len(xs)) if all(xs[i] == xs[i - p] for i in range(p, len(xs)))
+        )
         assert int(a) == xs[len(xs) - period]
 
 
@@ -198,5 +212,5 @@ def test_equations_against_sympy():
         assert sympy.solve(sympy.Eq(_sympy(lhs), _sympy(rhs)), x) == [int(a)], q
     for _, q, a in _cases("equations/system_*"):
         eqs = [e.split(" = ") for e in _between(q, "Solve: ", ". Answer").split("; ")]
-        sol = sympy.solve([sympy.Eq(_sympy(l), _sympy(r)) for l, r in eqs], [x, y])
+        sol = sympy.solve([sympy.Eq(_sympy(lhs), _sympy(rhs)) for lhs, rhs in eqs], [x, y])
         assert [sol[x], sol[y]] == [int(v) for v in a.split(", ")], q

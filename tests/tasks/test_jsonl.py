@@ -13,8 +13,18 @@ from posttrain.tasks.replay import make_record, replay
 ROWS = [
     {"prompt": "Capital of France?", "answer": "Paris"},
     {"prompt": "Half of 3, as a number?", "answer": "1.5", "verifier": "numeric"},
-    {"prompt": "What is 6*7? Reply in <answer></answer>.", "answer": 42, "verifier": "int", "level": 2},
-    {"prompt": "Simplify 2x/4.", "answer": "x/2", "verifier": "math", "metadata": {"source": "unit"}},
+    {
+        "prompt": "What is 6*7? Reply in <answer></answer>.",
+        "answer": 42,
+        "verifier": "int",
+        "level": 2,
+    },
+    {
+        "prompt": "Simplify 2x/4.",
+        "answer": "x/2",
+        "verifier": "math",
+        "metadata": {"source": "unit"},
+    },
     {"prompt": "Say YES.", "answer": "yes", "verifier": "exact_ci"},
 ]
 

@@ -5,7 +5,15 @@ import pytest
 from posttrain.tasks import mathcheck
 from posttrain.tasks.mathcheck import fallback_equal, math_equal, to_number
 
-EQUAL = [("0.5", "\\frac{1}{2}"), ("1/2", "0.5"), ("50%", "1/2"), ("$3$", "3"), ("\\boxed{7}", "7"), ("1,000", "1000"), ("-2", "-2.0")]
+EQUAL = [
+    ("0.5", "\\frac{1}{2}"),
+    ("1/2", "0.5"),
+    ("50%", "1/2"),
+    ("$3$", "3"),
+    ("\\boxed{7}", "7"),
+    ("1,000", "1000"),
+    ("-2", "-2.0"),
+]
 UNEQUAL = [("3", "4"), ("0.5", "0.51"), ("", "0"), ("1e999", "1e998"), ("abc", "abd"), ("1/0", "1")]
 
 

@@ -16,7 +16,9 @@ def _records():
         domain = registry.get(name)
         task = domain.sample(train_seed(i))
         for completion in [domain.demonstration(task), "<answer>nope</answer>", "rambling"]:
-            out.append(make_record(task, completion, domain.score(task, completion), include_task=True))
+            out.append(
+                make_record(task, completion, domain.score(task, completion), include_task=True)
+            )
     return out
 
 
@@ -45,7 +47,9 @@ def test_tampered_record_is_reported():
 
 
 def test_inline_json_and_errors(tmp_path):
-    inline = json.dumps({"domain": "arithmetic/add_d1", "seed": 4, "completion": "<answer>3</answer>"})
+    inline = json.dumps(
+        {"domain": "arithmetic/add_d1", "seed": 4, "completion": "<answer>3</answer>"}
+    )
     assert read_records(inline)[0]["seed"] == 4
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         read_records(str(tmp_path / "nope.jsonl"))
@@ -58,7 +62,9 @@ def test_inline_json_and_errors(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "launch.replay", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.replay", *args], capture_output=True, text=True
+    )
 
 
 def test_cli_prints_the_same_trace(tmp_path):

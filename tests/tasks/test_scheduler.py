@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 
 from posttrain.tasks import Scheduler, dynamic_sample, is_heldout_seed, registry
 
-RATES = {"toy/p00": 0.0, "toy/p05": 0.05, "toy/p50a": 0.5, "toy/p50b": 0.5, "toy/p95": 0.95, "toy/p100": 1.0}
+RATES = {
+    "toy/p00": 0.0,
+    "toy/p05": 0.05,
+    "toy/p50a": 0.5,
+    "toy/p50b": 0.5,
+    "toy/p95": 0.95,
+    "toy/p100": 1.0,
+}
 
 
 def _train(scheduler, rates, steps=150, batch=16, group=8, seed=0):
@@ -95,11 +102,25 @@ def test_all_zero_learnability_falls_back_to_uniform():
 
 
 def test_state_round_trip_gives_identical_next_draws():
-    s = Scheduler(list(RATES), rule="learnability", seed=11, novelty=0.3, staleness=0.2, promotion_threshold=0.9)
+    s = Scheduler(
+        list(RATES),
+        rule="learnability",
+        seed=11,
+        novelty=0.3,
+        staleness=0.2,
+        promotion_threshold=0.9,
+    )
     _train(s, RATES, steps=20)
     state = json.loads(json.dumps(s.state_dict()))
     expected = [s.draw(33) for _ in range(3)]
-    restored = Scheduler(list(RATES), rule="learnability", seed=0, novelty=0.3, staleness=0.2, promotion_threshold=0.9)
+    restored = Scheduler(
+        list(RATES),
+        rule="learnability",
+        seed=0,
+        novelty=0.3,
+        staleness=0.2,
+        promotion_threshold=0.9,
+    )
     restored.load_state_dict(state)
     assert [restored.draw(33) for _ in range(3)] == expected
     assert len(json.dumps(state)) < 4096  # the whole state is small

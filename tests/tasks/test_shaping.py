@@ -14,7 +14,11 @@ def _dapo_reference(length, l_max, l_cache):
     return float(
         np.piecewise(
             float(length),
-            [length <= l_max - l_cache, (l_max - l_cache < length) & (length <= l_max), length > l_max],
+            [
+                length <= l_max - l_cache,
+                (l_max - l_cache < length) & (length <= l_max),
+                length > l_max,
+            ],
             [0.0, lambda y: ((l_max - l_cache) - y) / l_cache, -1.0],
         )
     )
@@ -23,7 +27,9 @@ def _dapo_reference(length, l_max, l_cache):
 @pytest.mark.parametrize("l_max, l_cache", [(20, 4), (100, 37), (8, 8)])
 def test_overlong_penalty_matches_dapo(l_max, l_cache):
     for length in range(0, l_max + 10):
-        assert overlong_penalty(length, l_max, l_cache) == pytest.approx(_dapo_reference(length, l_max, l_cache))
+        assert overlong_penalty(length, l_max, l_cache) == pytest.approx(
+            _dapo_reference(length, l_max, l_cache)
+        )
     assert overlong_penalty(l_max, l_max, l_cache) == -1.0
     assert overlong_penalty(l_max - l_cache, l_max, l_cache) == 0.0
 
@@ -40,7 +46,9 @@ def test_format_weight_mixes_value_and_format():
     wrong_but_formatted = Reward(0.0, {"format": 1.0, "exact": 0.0}, "wrong")
     right = Reward(1.0, {"format": 1.0, "exact": 1.0}, "correct")
     no_answer = Reward(0.0, {"format": 0.0, "exact": 0.0}, "no_answer")
-    np.testing.assert_allclose(shaper.shape("d/x", [wrong_but_formatted, right, no_answer]), [0.2, 1.0, 0.0])
+    np.testing.assert_allclose(
+        shaper.shape("d/x", [wrong_but_formatted, right, no_answer]), [0.2, 1.0, 0.0]
+    )
 
 
 def test_overlong_applied_per_completion():

@@ -2,8 +2,7 @@
 
 import pytest
 
-from posttrain.tasks import StepResult, registry, train_seed
-from posttrain.tasks import execution
+from posttrain.tasks import StepResult, execution, registry, train_seed
 from posttrain.tasks.families.tools import model_text
 
 try:
@@ -32,21 +31,34 @@ def rollout(domain, task, turns):
 def test_calculator_round_trip_scores_one():
     task = CALC.sample(train_seed(1))
     expr = task.metadata["call"]
-    transcript, done = rollout(CALC, task, [f"Let me compute. <tool>calculator: {expr}</tool>", f"<answer>{task.answer}</answer>"])
+    transcript, done = rollout(
+        CALC,
+        task,
+        [f"Let me compute. <tool>calculator: {expr}</tool>", f"<answer>{task.answer}</answer>"],
+    )
     assert done
     assert f"<observation>{task.answer}</observation>" in transcript
     assert transcript == CALC.demonstration(task).replace("<tool>", "Let me compute. <tool>", 1)
     r = CALC.score(task, transcript)
-    assert r.value == 1.0 and r.components["tool_valid"] == 1.0 and r.components["tool_calls"] == 1.0
+    assert (
+        r.value == 1.0 and r.components["tool_valid"] == 1.0 and r.components["tool_calls"] == 1.0
+    )
 
 
 def test_step_rules():
     task = CALC.sample(0)
     assert CALC.step(task, "I think <answer>5</answer>") == StepResult(None, True)
     assert CALC.step(task, "no tool and no answer") == StepResult(None, True)
-    assert CALC.step(task, "<tool>calculator: 2*3</tool>") == StepResult("<observation>6</observation>", False)
-    assert CALC.step(task, "<tool>abacus: 2*3</tool>").observation.startswith("<observation>error: unknown tool")
-    assert CALC.step(task, "<tool>calculator: 1/0</tool>").observation == "<observation>error: division by zero</observation>"
+    assert CALC.step(task, "<tool>calculator: 2*3</tool>") == StepResult(
+        "<observation>6</observation>", False
+    )
+    assert CALC.step(task, "<tool>abacus: 2*3</tool>").observation.startswith(
+        "<observation>error: unknown tool"
+    )
+    assert (
+        CALC.step(task, "<tool>calculator: 1/0</tool>").observation
+        == "<observation>error: division by zero</observation>"
+    )
     # Only the latest turn counts: an old answer before an observation does not end the episode.
     old = "<answer>1</answer><tool>calculator: 1+1</tool><observation>2</observation><tool>calculator: 2+2</tool>"
     assert CALC.step(task, old).observation == "<observation>4</observation>"
@@ -60,7 +72,9 @@ def test_call_budget_ends_the_episode():
 
 def test_scoring_checks_answers_and_calls():
     task = CALC.sample(train_seed(2))
-    good_call = f"<tool>calculator: {task.metadata['call']}</tool><observation>{task.answer}</observation>"
+    good_call = (
+        f"<tool>calculator: {task.metadata['call']}</tool><observation>{task.answer}</observation>"
+    )
     assert CALC.score(task, f"<answer>{task.answer}</answer>").value == 1.0  # no tool needed
     forged = f"<tool>calculator: 1+1</tool><observation>{task.answer}</observation><answer>{task.answer}</answer>"
     r = CALC.score(task, forged)
@@ -68,7 +82,9 @@ def test_scoring_checks_answers_and_calls():
     bad_tool = f"<tool>shell: ls</tool><observation>x</observation>{good_call}<answer>{task.answer}</answer>"
     assert CALC.score(task, bad_tool).value == pytest.approx(0.75)
     # An answer inside an observation is the environment's text, not the model's.
-    assert CALC.score(task, f"<observation><answer>{task.answer}</answer></observation>").value == 0.0
+    assert (
+        CALC.score(task, f"<observation><answer>{task.answer}</answer></observation>").value == 0.0
+    )
     assert CALC.score(task, f"{good_call}<answer>{int(task.answer) + 1}</answer>").value == 0.0
 
 
@@ -91,7 +107,11 @@ def sandbox(module_sandbox, monkeypatch):
 
 def test_python_tool_runs_in_the_sandbox(sandbox):
     task = PY.sample(train_seed(5))
-    transcript, done = rollout(PY, task, [f"<tool>python: {task.metadata['call']}</tool>", f"<answer>{task.answer}</answer>"])
+    transcript, done = rollout(
+        PY,
+        task,
+        [f"<tool>python: {task.metadata['call']}</tool>", f"<answer>{task.answer}</answer>"],
+    )
     assert done and f"<observation>{task.answer}</observation>" in transcript
     assert PY.score(task, transcript).value == 1.0
 

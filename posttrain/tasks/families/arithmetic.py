@@ -91,7 +91,13 @@ def random_expression(rng, n_ops: int, max_operand: int, parens: bool) -> tuple[
     return text, value
 
 
-_EXPR_SHAPE = {1: (2, 9, False), 2: (3, 9, False), 3: (3, 9, True), 4: (4, 20, True), 5: (6, 50, True)}
+_EXPR_SHAPE = {
+    1: (2, 9, False),
+    2: (3, 9, False),
+    3: (3, 9, True),
+    4: (4, 20, True),
+    5: (6, 50, True),
+}
 
 
 def _expr(rng, level):

@@ -145,14 +145,22 @@ class CodeDomain(Domain):
         from posttrain.sandbox import ExecRequest
 
         program = harness(code, task.metadata["func"], task.metadata["tests"], self._marker(task))
-        return None, ExecRequest(code=program, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB, max_output_bytes=1 << 20)
+        return None, ExecRequest(
+            code=program, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB, max_output_bytes=1 << 20
+        )
 
     def _finish(self, task: Task, result) -> Reward:
         expected = [_canonical(v) for v in task.metadata["expected"]]
         loaded, outputs = parse_results(result.stdout, self._marker(task), len(expected))
         status = str(result.status)
         if status == "sandbox_error":
-            return zero_reward(f"sandbox_error: {result.detail[:200]}", format=1.0, parses=1.0, runs=0.0, tests_passed=0.0)
+            return zero_reward(
+                f"sandbox_error: {result.detail[:200]}",
+                format=1.0,
+                parses=1.0,
+                runs=0.0,
+                tests_passed=0.0,
+            )
         runs = float(loaded and (bool(outputs) or status == "ok"))
         passed = sum(outputs.get(i) == e for i, e in enumerate(expected)) / len(expected)
         if passed == 1.0:
@@ -185,7 +193,9 @@ class CodeDomain(Domain):
         rewards: list[Reward | None] = [None] * len(tasks)
         pending = []
         for i, (task, completion) in enumerate(zip(tasks, completions)):
-            if not (isinstance(task, Task) and task.domain == self.name and isinstance(completion, str)):
+            if not (
+                isinstance(task, Task) and task.domain == self.name and isinstance(completion, str)
+            ):
                 rewards[i] = self.score(task, completion)
                 continue
             try:
@@ -203,7 +213,9 @@ class CodeDomain(Domain):
                     rewards[i] = self._finish(tasks[i], result)
             except Exception as e:  # noqa: BLE001 - e.g. no sandbox on this host
                 for i, _ in pending:
-                    rewards[i] = zero_reward(f"sandbox_error: {type(e).__name__}: {str(e)[:200]}", format=1.0, parses=1.0)
+                    rewards[i] = zero_reward(
+                        f"sandbox_error: {type(e).__name__}: {str(e)[:200]}", format=1.0, parses=1.0
+                    )
         return rewards
 
 
@@ -228,28 +240,51 @@ def _count_char(rng):
     c = rng.choice("abcde")
     src = f"def count(s):\n    return s.count({c!r})\n"
     tests = [[_word(rng, rng.randint(0, 12), "abcde")] for _ in range(6)]
-    return "count", f"count(s) that returns how many times {c!r} occurs in the string s.", src, tests
+    return (
+        "count",
+        f"count(s) that returns how many times {c!r} occurs in the string s.",
+        src,
+        tests,
+    )
 
 
 def _extreme(rng):
     which = rng.choice(["largest", "smallest"])
     fn = "max" if which == "largest" else "min"
     src = f"def pick(a, b, c):\n    return {fn}(a, b, c)\n"
-    return "pick", f"pick(a, b, c) that returns the {which} of three numbers.", src, [_ints(rng, 3, -50, 50) for _ in range(6)]
+    return (
+        "pick",
+        f"pick(a, b, c) that returns the {which} of three numbers.",
+        src,
+        [_ints(rng, 3, -50, 50) for _ in range(6)],
+    )
 
 
 def _sum_gt(rng):
     k = rng.randint(-5, 10)
     src = f"def sum_gt(xs):\n    return sum(x for x in xs if x > {k})\n"
     tests = [[_ints(rng, rng.randint(0, 10), -20, 20)] for _ in range(8)]
-    return "sum_gt", f"sum_gt(xs) that returns the sum of the numbers in list xs greater than {k}.", src, tests
+    return (
+        "sum_gt",
+        f"sum_gt(xs) that returns the sum of the numbers in list xs greater than {k}.",
+        src,
+        tests,
+    )
 
 
 def _join_words(rng):
     sep = rng.choice(["-", "+", "_", ", "])
     src = f"def join_words(s):\n    return {sep!r}.join(reversed(s.split()))\n"
-    tests = [[" ".join(_word(rng, rng.randint(1, 5)) for _ in range(rng.randint(1, 5)))] for _ in range(6)]
-    return "join_words", f"join_words(s) that reverses the order of the words of s and joins them with {sep!r}.", src, tests
+    tests = [
+        [" ".join(_word(rng, rng.randint(1, 5)) for _ in range(rng.randint(1, 5)))]
+        for _ in range(6)
+    ]
+    return (
+        "join_words",
+        f"join_words(s) that reverses the order of the words of s and joins them with {sep!r}.",
+        src,
+        tests,
+    )
 
 
 def _fizzbuzz(rng):
@@ -273,7 +308,12 @@ def _digit_sum(rng):
     m = rng.randint(3, 11)
     src = f"def digit_sum(n):\n    return sum(int(d) for d in str(n)) % {m}\n"
     tests = [[n] for n in _ints(rng, 8, 0, 10**9)]
-    return "digit_sum", f"digit_sum(n) that returns the sum of the decimal digits of n >= 0, modulo {m}.", src, tests
+    return (
+        "digit_sum",
+        f"digit_sum(n) that returns the sum of the decimal digits of n >= 0, modulo {m}.",
+        src,
+        tests,
+    )
 
 
 def _running_max(rng):
@@ -282,7 +322,12 @@ def _running_max(rng):
         "        out.append(x if not out else max(out[-1], x))\n    return out\n"
     )
     tests = [[_ints(rng, rng.randint(0, 12), -99, 99)] for _ in range(8)]
-    return "running_max", "running_max(xs) that returns the list of running maxima of list xs.", src, tests
+    return (
+        "running_max",
+        "running_max(xs) that returns the list of running maxima of list xs.",
+        src,
+        tests,
+    )
 
 
 def _gcd(rng):
@@ -291,7 +336,12 @@ def _gcd(rng):
     src = f"import math\n\ndef {which}(a, b):\n    return {body}\n"
     tests = [_ints(rng, 2, 1, 10**6) for _ in range(8)]
     label = "greatest common divisor" if which == "gcd" else "least common multiple"
-    return which, f"{which}(a, b) that returns the {label} of positive integers a and b.", src, tests
+    return (
+        which,
+        f"{which}(a, b) that returns the {label} of positive integers a and b.",
+        src,
+        tests,
+    )
 
 
 def _caesar(rng):
@@ -301,7 +351,12 @@ def _caesar(rng):
         f"        chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' <= c <= 'z' else c for c in s\n    )\n"
     )
     tests = [[_word(rng, rng.randint(0, 15), string.ascii_lowercase + " .")] for _ in range(8)]
-    return "shift", f"shift(s) that shifts each lowercase letter of s forward by {k} in the alphabet (z wraps to a).", src, tests
+    return (
+        "shift",
+        f"shift(s) that shifts each lowercase letter of s forward by {k} in the alphabet (z wraps to a).",
+        src,
+        tests,
+    )
 
 
 def _primes_below(rng):
@@ -311,8 +366,15 @@ def _primes_below(rng):
         "        if sieve[i]:\n            sieve[i * i :: i] = bytearray(len(range(i * i, n, i)))\n"
         "    return sum(sieve)\n"
     )
-    tests = [[n] for n in [0, 2, 3, 10] + _ints(rng, 3, 10, 10**4) + [rng.randint(10**5, 2 * 10**5)]]
-    return "primes_below", "primes_below(n) that returns how many primes are smaller than n.", src, tests
+    tests = [
+        [n] for n in [0, 2, 3, 10] + _ints(rng, 3, 10, 10**4) + [rng.randint(10**5, 2 * 10**5)]
+    ]
+    return (
+        "primes_below",
+        "primes_below(n) that returns how many primes are smaller than n.",
+        src,
+        tests,
+    )
 
 
 def _rle(rng):
@@ -324,7 +386,12 @@ def _rle(rng):
     )
     tests = [[_word(rng, rng.randint(0, 14), "aab")] for _ in range(8)]
     form = "count then character" if count_first else "character then count"
-    return "rle", f"rle(s) that run-length encodes s, each run written as {form} (e.g. for 'aab').", src, tests
+    return (
+        "rle",
+        f"rle(s) that run-length encodes s, each run written as {form} (e.g. for 'aab').",
+        src,
+        tests,
+    )
 
 
 def _balanced(rng):
@@ -336,7 +403,12 @@ def _balanced(rng):
         "        elif not stack or stack.pop() != c:\n            return False\n    return not stack\n"
     )
     tests = [[_word(rng, rng.randint(0, 10), pairs)] for _ in range(7)] + [[pairs[0] + pairs[1]]]
-    return "balanced", f"balanced(s) that returns True if the brackets {pairs} in s are balanced, else False.", src, tests
+    return (
+        "balanced",
+        f"balanced(s) that returns True if the brackets {pairs} in s are balanced, else False.",
+        src,
+        tests,
+    )
 
 
 def _fib_mod(rng):
@@ -346,7 +418,12 @@ def _fib_mod(rng):
         f"        a, b = b, (a + b) % {m}\n    return a\n"
     )
     tests = [[n] for n in [0, 1, 2, 10] + _ints(rng, 3, 50, 5000) + [rng.randint(10**5, 3 * 10**5)]]
-    return "fib_mod", f"fib_mod(n) that returns the n-th Fibonacci number (F(0)=0, F(1)=1) modulo {m}.", src, tests
+    return (
+        "fib_mod",
+        f"fib_mod(n) that returns the n-th Fibonacci number (F(0)=0, F(1)=1) modulo {m}.",
+        src,
+        tests,
+    )
 
 
 def _lis(rng):
@@ -355,7 +432,12 @@ def _lis(rng):
         "        i = bisect.bisect_left(tails, x)\n        tails[i:i + 1] = [x]\n    return len(tails)\n"
     )
     tests = [[_ints(rng, n, 0, 50)] for n in [0, 1, 5, 9, 12, 20]] + [[_ints(rng, 3000, 0, 10**6)]]
-    return "lis", "lis(xs) that returns the length of the longest strictly increasing subsequence of xs.", src, tests
+    return (
+        "lis",
+        "lis(xs) that returns the length of the longest strictly increasing subsequence of xs.",
+        src,
+        tests,
+    )
 
 
 def _edit_distance(rng):
@@ -365,9 +447,17 @@ def _edit_distance(rng):
         "            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))\n"
         "        prev = cur\n    return prev[-1]\n"
     )
-    tests = [[_word(rng, rng.randint(0, 8), "abc"), _word(rng, rng.randint(0, 8), "abc")] for _ in range(7)]
+    tests = [
+        [_word(rng, rng.randint(0, 8), "abc"), _word(rng, rng.randint(0, 8), "abc")]
+        for _ in range(7)
+    ]
     tests.append([_word(rng, 300, "abcd"), _word(rng, 300, "abcd")])
-    return "edit_distance", "edit_distance(a, b) that returns the Levenshtein distance between strings a and b.", src, tests
+    return (
+        "edit_distance",
+        "edit_distance(a, b) that returns the Levenshtein distance between strings a and b.",
+        src,
+        tests,
+    )
 
 
 PROBLEMS = [

@@ -103,7 +103,9 @@ def run_tool(name: str, arg: str) -> str:
     try:
         from posttrain.sandbox import ExecRequest
 
-        result = get_sandbox().run(ExecRequest(code=arg, timeout_s=PYTHON_TIMEOUT_S, max_output_bytes=1 << 16))
+        result = get_sandbox().run(
+            ExecRequest(code=arg, timeout_s=PYTHON_TIMEOUT_S, max_output_bytes=1 << 16)
+        )
     except Exception as e:  # noqa: BLE001 - a missing sandbox is an observation, not a crash
         return f"error: sandbox unavailable: {type(e).__name__}"
     if str(result.status) == "ok":
@@ -153,13 +155,22 @@ class ToolDomain(Domain):
     def step(self, task: Task, transcript: str) -> StepResult:
         """The environment's reply to the latest model turn (see the module docstring)."""
         try:
-            turn = transcript[transcript.rfind(OBS_CLOSE) + len(OBS_CLOSE) :] if OBS_CLOSE in transcript else transcript
+            turn = (
+                transcript[transcript.rfind(OBS_CLOSE) + len(OBS_CLOSE) :]
+                if OBS_CLOSE in transcript
+                else transcript
+            )
             if extract_answer(turn) is not None:
                 return StepResult(None, True)
             calls = list(iter_blocks(turn, TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS))
             if not calls:
                 return StepResult(None, True)
-            made = sum(1 for _ in iter_blocks(model_text(transcript), TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS))
+            made = sum(
+                1
+                for _ in iter_blocks(
+                    model_text(transcript), TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS
+                )
+            )
             if made > int(task.metadata.get("max_calls", MAX_CALLS)):
                 return StepResult(None, True)
             parsed = parse_call(calls[-1][2])
@@ -167,7 +178,9 @@ class ToolDomain(Domain):
                 body = f"error: unknown tool; use one of {', '.join(TOOLS)}"
             else:
                 body = run_tool(*parsed)
-            return StepResult(f"{OBS_OPEN}{_escape(body[:MAX_OBSERVATION_CHARS])}{OBS_CLOSE}", False)
+            return StepResult(
+                f"{OBS_OPEN}{_escape(body[:MAX_OBSERVATION_CHARS])}{OBS_CLOSE}", False
+            )
         except Exception as e:  # noqa: BLE001 - the environment must not crash a rollout
             return StepResult(f"{OBS_OPEN}error: {type(e).__name__}{OBS_CLOSE}", False)
 
@@ -202,7 +215,13 @@ class ToolDomain(Domain):
 
 # -- task generators: (question, integer answer, a tool call that computes it) ---------------
 
-_CALC_SHAPE = {1: (1, 99, False), 2: (1, 999, False), 3: (2, 9999, False), 4: (3, 99999, True), 5: (4, 999999, True)}
+_CALC_SHAPE = {
+    1: (1, 99, False),
+    2: (1, 999, False),
+    3: (2, 9999, False),
+    4: (3, 99999, True),
+    5: (4, 999999, True),
+}
 
 
 def _calc(rng, level):
@@ -218,7 +237,11 @@ def _python(rng, level):
     if level == 2:
         a, b = rng.randint(2, 9), rng.randint(20, 80)
         code = f"print(sum(int(d) for d in str({a}**{b})))"
-        return f"What is the sum of the digits of {a}**{b}?", str(sum(int(d) for d in str(a**b))), code
+        return (
+            f"What is the sum of the digits of {a}**{b}?",
+            str(sum(int(d) for d in str(a**b))),
+            code,
+        )
     if level == 3:
         n = rng.randint(1000, 20000)
         code = f"print(sum(all(p % q for q in range(2, int(p**0.5) + 1)) for p in range(2, {n})))"
@@ -226,7 +249,11 @@ def _python(rng, level):
     if level == 4:
         n, m = rng.randint(1000, 100000), rng.choice([97, 1000, 10007])
         code = f"a, b = 0, 1\nfor _ in range({n}):\n    a, b = b, (a + b) % {m}\nprint(a)"
-        return f"What is the {n}-th Fibonacci number (F(0)=0, F(1)=1) modulo {m}?", str(_fib_mod(n, m)), code
+        return (
+            f"What is the {n}-th Fibonacci number (F(0)=0, F(1)=1) modulo {m}?",
+            str(_fib_mod(n, m)),
+            code,
+        )
     n = rng.randint(10**5, 10**6)
     a, b, c = rng.sample([2, 3, 5, 7, 11, 13], 3)
     # Inclusion-exclusion over distinct primes: |A or B| - |(A or B) and C|.
