@@ -99,7 +99,7 @@ def _isolate(setup: dict, caps: dict) -> dict:
     slot = (setup["uid"], setup["gid"])
     userns = "user" in want
     mount = "mount" in want
-    for name in ("user", "mount"):
+    for name in _linux.NAMESPACE_FLAGS:
         if name not in want:
             caps[f"{name}_ns"] = "not requested"
     if userns and is_root and not _userns_allowed(*slot):

@@ -1,0 +1,126 @@
+"""The pool: replacing dead or hung workers, weak-isolation policy, queueing, shutdown."""
+import logging
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from posttrain.sandbox import (ExecRequest, Sandbox, SandboxConfig,
+                               SandboxUnavailableError, Status)
+from posttrain.sandbox.pool import LocalBackend
+from tests.sandbox.conftest import pid_alive, stray_processes
+
+SLEEP = "import time\ntime.sleep({})\nprint('done')"
+
+
+def host_uid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+
+
+def test_a_worker_killed_from_outside_is_replaced():
+    with Sandbox(SandboxConfig(concurrency=2)) as sb:
+        victim = sb._backend.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        results = sb.run_many([ExecRequest(code=f"print({i})") for i in range(8)])
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+        assert victim not in sb._backend.worker_pids()
+        assert len(sb._backend.worker_pids()) == 2 and stray_processes(sb) == []
+
+
+def test_a_run_in_flight_on_a_killed_worker_is_retried_and_others_are_kept():
+    with Sandbox(SandboxConfig(concurrency=2)) as sb:
+        futures = [sb.submit(ExecRequest(code=SLEEP.format(0.6), timeout_s=10))
+                   for _ in range(4)]
+        time.sleep(0.3)  # both workers are now busy with the first two runs
+        os.kill(sb._backend.worker_pids()[0], signal.SIGKILL)
+        results = [f.result(timeout=30) for f in futures]
+        assert [r.status for r in results] == ["ok"] * 4, results
+        assert stray_processes(sb) == []
+
+
+def test_a_hung_worker_is_reclaimed_at_the_deadline():
+    with Sandbox(SandboxConfig(concurrency=1, grace_s=0.5)) as sb:
+        worker = sb._backend.worker_pids()[0]
+        future = sb.submit(ExecRequest(code=SLEEP.format(0.5), timeout_s=1.0))
+        time.sleep(0.2)
+        os.kill(worker, signal.SIGSTOP)  # the worker can no longer answer
+        res = future.result(timeout=30)
+        assert res.status == Status.TIMEOUT and "replaced" in res.detail
+        assert not pid_alive(worker)
+        assert sb.run(ExecRequest(code="print('fresh')")).stdout == "fresh\n"
+        assert stray_processes(sb) == []
+
+
+def test_weaker_isolation_than_configured_is_refused():
+    config = SandboxConfig(concurrency=1)
+    with pytest.raises(SandboxUnavailableError) as info:
+        LocalBackend(config, _refuse=("net",))
+    message = str(info.value)
+    assert "net_ns" in message and "allow_weak_isolation" in message and "\n" not in message
+
+
+def test_allowed_weak_isolation_warns_and_is_really_weaker(caplog):
+    config = SandboxConfig(concurrency=1, allow_weak_isolation=True)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    with caplog.at_level(logging.WARNING, logger="posttrain.sandbox"):
+        backend = LocalBackend(config, _refuse=("net",))
+    assert "net_ns" in caplog.text
+    with Sandbox(config, backend=backend) as sb:
+        assert sb.capabilities["net_ns"] != True  # noqa: E712 (a string that says why)
+        code = ("import socket, sys\n"
+                "socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=2)\n"
+                "print('connected')\n")
+        # Without a network namespace the loopback test of test_hostile would catch it.
+        res = sb.run(ExecRequest(code=code, argv=[str(server.getsockname()[1])]))
+        assert res.stdout == "connected\n", res
+    server.close()
+
+
+def test_without_a_pid_namespace_descendants_are_still_killed():
+    config = SandboxConfig(concurrency=1, namespaces=("user", "net", "mount", "ipc", "uts"))
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            "        time.sleep(60)\n"
+            "    os._exit(0)\n"
+            "time.sleep(0.2)\n"
+            "print('main done')\n")
+    with Sandbox(config) as sb:
+        assert sb.capabilities["pid_ns"] == "not requested"
+        assert sb.run(ExecRequest(code=code)).stdout == "main done\n"
+        assert stray_processes(sb) == []
+        bomb = ExecRequest(code=":(){ :|:& };:", language="bash", timeout_s=1.0)
+        assert sb.run(bomb).status in ("timeout", "runtime_error", "ok", "killed")
+        assert stray_processes(sb) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="slot uids are only used when root")
+def test_every_worker_slot_runs_as_its_own_unprivileged_uid():
+    with Sandbox(SandboxConfig(concurrency=3)) as a, Sandbox(SandboxConfig(concurrency=2)) as b:
+        uids = [host_uid(pid) for sb in (a, b) for pid in sb._backend.worker_pids()]
+        assert len(set(uids)) == 5 and 0 not in uids
+
+
+def test_a_small_queue_applies_backpressure_without_deadlock():
+    with Sandbox(SandboxConfig(concurrency=2, queue_size=1)) as sb:
+        results = sb.run_many([ExecRequest(code=f"print({i})") for i in range(12)])
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(12)]
+
+
+def test_close_ends_queued_runs_and_every_process():
+    sb = Sandbox(SandboxConfig(concurrency=1, queue_size=16))
+    pids = sb._backend.worker_pids() + sb._backend.shim_pids()
+    futures = [sb.submit(ExecRequest(code=SLEEP.format(0.3))) for _ in range(5)]
+    time.sleep(0.1)
+    sb.close()
+    results = [f.result(timeout=10) for f in futures]
+    assert results[0].status == "ok"
+    assert all(r.status == Status.SANDBOX_ERROR and "closed" in r.detail
+               for r in results[1:])
+    assert not any(pid_alive(pid) for pid in pids)
