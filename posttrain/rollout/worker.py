@@ -1,0 +1,185 @@
+"""Host-side rollouts: task -> chat prompt -> samples -> rewards -> trajectory groups.
+
+Generation runs on the devices in chunks; scoring (pure Python, or the sandbox for code)
+runs on a thread pool, so chunk i is scored while chunk i+1 is generated. Multi-turn
+domains (those with `step(task, transcript)`) get their observations appended as tool
+turns, whose tokens are masked out of the loss.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from posttrain.data.tokenizer import Tokenizer
+from posttrain.tasks import Reward, Task, registry
+
+
+@dataclasses.dataclass
+class Sample:
+  """One completion of one prompt.
+
+  response_tokens holds everything after the prompt (model turns and, in multi-turn
+  domains, tool observations); response_mask is 1 on the model's own tokens.
+  """
+
+  prompt_tokens: list[int]
+  response_tokens: list[int]
+  response_mask: list[int]
+  behaviour_logprobs: list[float]
+  text: str
+  finish_reason: str
+  reward: Reward | None = None
+  tool_calls: int = 0
+  turns: int = 1
+
+  @property
+  def num_generated(self) -> int:
+    return int(sum(self.response_mask))
+
+
+@dataclasses.dataclass
+class TrajectoryGroup:
+  """group_size samples of one task, with the policy version that produced them."""
+
+  domain: str
+  seed: int
+  task: Task
+  samples: list[Sample]
+  policy_version: int
+
+  @property
+  def rewards(self) -> np.ndarray:
+    return np.asarray([s.reward.value if s.reward else 0.0 for s in self.samples], np.float64)
+
+
+class RolloutWorker:
+  """Turns scheduler draws into scored TrajectoryGroups with a Sampler.
+
+  Args:
+    sampler: a posttrain.sampling.Sampler.
+    tokenizer: builds chat prompts and decodes completions.
+    group_size: samples per task.
+    max_new_tokens: generation budget per model turn.
+    temperature, top_p, top_k: sampling settings.
+    chunk_rows: rows generated per sampler call (scoring of one chunk overlaps the next).
+    scoring_threads: threads that score (and run sandboxes) concurrently.
+    max_turns: model turns per sample for multi-turn domains.
+    system_prompt: optional system message.
+  """
+
+  def __init__(self, sampler, tokenizer: Tokenizer, *, group_size: int, max_new_tokens: int,
+               temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
+               chunk_rows: int = 64, scoring_threads: int = 4, max_turns: int = 1,
+               system_prompt: str | None = None):
+    self.sampler, self.tok = sampler, tokenizer
+    self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
+    self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+    self.chunk_rows, self.max_turns = max(int(chunk_rows), 1), max(int(max_turns), 1)
+    self.system_prompt = system_prompt
+    self._pool = cf.ThreadPoolExecutor(max_workers=max(1, scoring_threads),
+                                       thread_name_prefix="score")
+
+  def close(self):
+    self._pool.shutdown(wait=True)
+
+  def messages(self, task: Task) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+    return msgs + [{"role": "user", "content": task.prompt}]
+
+  def prompt_tokens(self, task: Task) -> list[int]:
+    return self.tok.encode_chat(self.messages(task), add_generation_prompt=True)[0]
+
+  def _decode(self, tokens: Sequence[int]) -> str:
+    stops = set(self.tok.stop_ids)
+    return self.tok.decode([t for t in tokens if t not in stops])
+
+  def rollout(self, pairs: Sequence[tuple[str, int]], *, seed: int, policy_version: int = 0,
+              group_size: int | None = None, temperature: float | None = None
+              ) -> list[TrajectoryGroup]:
+    """Samples and scores `group_size` completions for each (domain, seed) pair."""
+    g = self.group_size if group_size is None else int(group_size)
+    temp = self.temperature if temperature is None else temperature
+    tasks = [registry.get(d).sample(s) for d, s in pairs]
+    rows = [(i, self.prompt_tokens(t)) for i, t in enumerate(tasks) for _ in range(g)]
+    samples: list[Sample | None] = [None] * len(rows)
+    futures: list[tuple[int, cf.Future]] = []
+    for start in range(0, len(rows), self.chunk_rows):
+      chunk = rows[start:start + self.chunk_rows]
+      done = self._generate(chunk, tasks, seed=seed * 1_000_003 + start, temperature=temp)
+      for j, sample in enumerate(done):
+        task = tasks[chunk[j][0]]
+        samples[start + j] = sample
+        futures.append((start + j, self._pool.submit(_score, task, sample)))
+    for idx, fut in futures:
+      samples[idx].reward = fut.result()
+    groups = []
+    for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
+      groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
+    return groups
+
+  def _generate(self, chunk, tasks, *, seed: int, temperature: float) -> list[Sample]:
+    """Generates (possibly several turns of) the rows of one chunk."""
+    prompts = [list(p) for _, p in chunk]
+    states = [Sample(prompt_tokens=list(p), response_tokens=[], response_mask=[],
+                     behaviour_logprobs=[], text="", finish_reason="length", turns=0)
+              for p in prompts]
+    active = list(range(len(chunk)))
+    for turn in range(self.max_turns):
+      if not active:
+        break
+      inputs = [states[i].prompt_tokens + states[i].response_tokens for i in active]
+      budget = self.sampler.max_len - max(len(x) for x in inputs)
+      if budget < 1:
+        break
+      out = self.sampler.generate(
+          inputs, max_new_tokens=min(self.max_new_tokens, budget), temperature=temperature,
+          top_k=self.top_k, top_p=self.top_p, stop_token_ids=self.tok.stop_ids,
+          seed=seed + 7919 * turn)
+      still = []
+      for k, i in enumerate(active):
+        st, n = states[i], int(out.lengths[k])
+        toks = out.tokens[k, :n].tolist()
+        st.response_tokens += toks
+        st.response_mask += [1] * n
+        st.behaviour_logprobs += out.logprobs[k, :n].astype(float).tolist()
+        st.finish_reason = out.finish_reasons[k]
+        st.turns += 1
+        st.text += self._decode(toks)
+        domain = registry.get(tasks[chunk[i][0]].domain)
+        if turn + 1 < self.max_turns and hasattr(domain, "step"):
+          step = domain.step(tasks[chunk[i][0]], st.text)
+          if not step.done and step.observation is not None:
+            st.tool_calls += 1
+            obs, _ = self.tok.encode_chat([{"role": "tool", "content": step.observation}],
+                                          add_generation_prompt=True)
+            st.response_tokens += obs
+            st.response_mask += [0] * len(obs)
+            st.behaviour_logprobs += [0.0] * len(obs)
+            st.text += "\n" + step.observation + "\n"
+            still.append(i)
+      active = still
+    return states
+
+
+def _score(task: Task, sample: Sample) -> Reward:
+  return registry.get(task.domain).score(task, sample.text)
+
+
+def group_to_trajectories(group: TrajectoryGroup, advantages: Sequence[float]
+                          ) -> list[dict[str, Any]]:
+  """Packing inputs (posttrain.rl.packing schema) for one group with per-sample advantages."""
+  out = []
+  for sample, adv in zip(group.samples, advantages):
+    out.append({
+        "prompt_tokens": np.asarray(sample.prompt_tokens, np.int32),
+        "response_tokens": np.asarray(sample.response_tokens, np.int32),
+        "response_mask": np.asarray(sample.response_mask, np.int32),
+        "behaviour_logprobs": np.asarray(sample.behaviour_logprobs, np.float32),
+        "advantages": np.float32(adv),
+        "rewards": np.float32(sample.reward.value if sample.reward else 0.0),
+    })
+  return out

@@ -1,0 +1,613 @@
+"""The trainer: an optional SFT warm start, then RL on the scheduler's multi-domain stream.
+
+    summary = trainer.train(config, workdir)
+
+Colocated placement: the sampler and the learner share one mesh and the sampler always
+holds the current weights (on-policy). Everything a run needs to continue exactly lives in
+the checkpoint: params, optimizer state, step, RNG, policy version, scheduler state, the
+grain iterator state of the SFT stream and the config. Restarting with the same workdir
+resumes from the latest complete checkpoint; SIGTERM/SIGINT write one and stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from posttrain import evaluation, models
+from posttrain.checkpoint import CheckpointManager, PreemptionFlag
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.metrics import MetricsWriter, Progress
+from posttrain.rl import advantages as adv_lib
+from posttrain.rl import losses as loss_lib
+from posttrain.rl import packing, presets
+from posttrain.rl import train_step as ts
+from posttrain.rollout import RolloutWorker, group_to_trajectories
+from posttrain.sampling import Sampler
+from posttrain.tasks import Scheduler, registry, train_seed
+from posttrain.tasks.scheduler import dynamic_sample
+
+log = logging.getLogger("posttrain")
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss or gradient became NaN/inf; a checkpoint was written for inspection."""
+
+
+# ----------------------------------------------------------------------------------------
+# Set-up
+# ----------------------------------------------------------------------------------------
+
+
+def build_mesh(config) -> jax.sharding.Mesh:
+  m = config.mesh
+  return models.make_mesh((m.data, m.fsdp, m.tensor, m.sequence))
+
+
+def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
+  """The ModelConfig of a run: a preset plus `config.model.overrides`."""
+  overrides = dict(config.model.get("overrides", {}) or {})
+  if config.model.get("value_head") is not None:
+    overrides["value_head"] = bool(config.model.value_head)
+  cfg = models.get_preset(config.model.preset, **overrides)
+  if vocab_size is not None and cfg.vocab_size < vocab_size:
+    raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                     f"{vocab_size}")
+  return cfg
+
+
+def select_domains(tasks_cfg) -> list[str]:
+  """Domain names from `tasks.domains` (comma-separated globs) and `tasks.levels`."""
+  patterns = [p.strip() for p in str(tasks_cfg.domains).split(",") if p.strip()]
+  levels = [int(x) for x in str(tasks_cfg.get("levels", "") or "").split(",") if x.strip()]
+  names: list[str] = []
+  for pattern in patterns:
+    for name in registry.names(pattern=pattern):
+      if (not levels or registry.get(name).level in levels) and name not in names:
+        names.append(name)
+  limit = int(tasks_cfg.get("max_domains", 0) or 0)
+  if limit:
+    names = names[:limit]
+  if not names:
+    raise ValueError(f"tasks.domains={tasks_cfg.domains!r} (levels {levels or 'any'}) matches "
+                     "no registered domain")
+  return names
+
+
+def algorithm(config) -> ml_collections.ConfigDict:
+  overrides = {k: v for k, v in config.rl.items() if v is not None}
+  return presets.algorithm_config(config.algorithm, **overrides)
+
+
+def _sft_algorithm() -> ml_collections.ConfigDict:
+  # Supervised fine-tuning as the on-policy surrogate with advantage 1: the gradient of
+  # -A * exp(logp - stop_gradient(logp)) is exactly -grad(logp), so one train step serves both.
+  return presets.algorithm_config("grpo", kl_coef=0.0, entropy_coef=0.0,
+                                  loss_agg_mode="token_mean", tis_cap=0.0)
+
+
+@dataclasses.dataclass
+class Progress_:
+  """Where the run is; stored in every checkpoint's extras."""
+
+  stage: str = "sft"            # sft | rl | done
+  sft_step: int = 0
+  rl_step: int = 0
+  policy_version: int = 0
+  sft_iterator: dict | None = None
+  scheduler: dict | None = None
+  sft_eval: dict | None = None
+
+
+def _abstract_state(cfg: models.ModelConfig, optimizer, mesh, rules):
+  graphdef, abs_params, _ = ts._split_abstract(cfg)
+  shardings = ts.train_state_shardings(abs_params, optimizer, mesh, rules)
+  abstract = jax.eval_shape(
+      lambda p: ts.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32),
+                              jax.random.PRNGKey(0)), abs_params)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
+def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
+  src = str(config.get("init_from", "") or "")
+  if not src:
+    return models.create_model(cfg, mesh=mesh, rules=rules, seed=int(config.seed))
+  if os.path.exists(os.path.join(src, "config.json")):
+    return models.from_pretrained(src, mesh=mesh, rules=rules,
+                                  **{k: v for k, v in dict(config.model.get("overrides", {})
+                                                           or {}).items()
+                                     if k in ("attention_impl", "remat", "dtype",
+                                              "param_dtype", "value_head", "logprob_chunk")})
+  # An Orbax checkpoint directory of an earlier run: take its params.
+  opt = ts.make_optimizer(1e-3, 0, 2)
+  restored = CheckpointManager(src, async_save=False).restore(
+      _abstract_state(cfg, opt, mesh, rules))
+  if restored is None:
+    raise ValueError(f"init_from={src!r} is neither a Hugging Face folder (config.json) nor "
+                     "a checkpoint directory with a complete checkpoint")
+  graphdef, _, rest = ts._split_abstract(cfg)
+  return nnx.merge(graphdef, restored[0].params, rest)
+
+
+# ----------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------
+
+
+def _to_batch(trajectories, *, row_len: int, rows_per_mb: int, micro_multiple: int,
+              pad_id: int) -> dict[str, np.ndarray]:
+  """Packs trajectories into [M, rows_per_mb, row_len]; M rounds up to a power of two
+  (times micro_multiple) so a run compiles a handful of step programs."""
+  packed = packing.pack_trajectories(trajectories, row_len, truncate=True, pad_id=pad_id)
+  rows = packed["tokens"].shape[0]
+  needed = max(1, -(-rows // rows_per_mb))
+  micro = 1 << (needed - 1).bit_length()
+  micro = -(-micro // micro_multiple) * micro_multiple
+  return packing.split_microbatches(packed, rows_per_mb * row_len, num_microbatches=micro,
+                                    pad_id=pad_id)
+
+
+def _sft_example(domains: list[str], tok, index: int) -> dict[str, np.ndarray]:
+  """The index-th demonstration: domains round-robin, training seeds in order."""
+  domain = registry.get(domains[index % len(domains)])
+  task = domain.sample(train_seed(index // len(domains)))
+  ids, mask = tok.encode_chat([{"role": "user", "content": task.prompt},
+                               {"role": "assistant", "content": domain.demonstration(task)}])
+  first = mask.index(1)
+  return {"prompt_tokens": np.asarray(ids[:first], np.int32),
+          "response_tokens": np.asarray(ids[first:], np.int32),
+          "response_mask": np.asarray(mask[first:], np.int32),
+          "advantages": np.float32(1.0)}
+
+
+def sft_dataset(domains: list[str], tok, seed: int):
+  """An endless, shuffled grain stream of demonstrations; its iterator state checkpoints."""
+  return (grain.MapDataset.range(1 << 40).shuffle(seed=seed)
+          .map(lambda i: _sft_example(domains, tok, int(i))))
+
+
+# ----------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------
+
+
+class Trainer:
+  """Holds the pieces of one run; `run()` executes the remaining stages."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    self.config, self.workdir = config, workdir
+    os.makedirs(workdir, exist_ok=True)
+    self.seed = int(config.seed)
+    self.mesh = build_mesh(config)
+    self.rules = models.rules_from_config(config.get("sharding_rules") or None)
+    self.tok = load_tokenizer(config.tokenizer)
+    self.cfg = model_config(config, self.tok.vocab_size)
+    self.domains = select_domains(config.tasks)
+    self.algo = algorithm(config)
+    self.eval_domains = self.domains
+    sched = dict(config.scheduler)
+    rule = sched.pop("rule")
+    self.scheduler = Scheduler(self.domains, rule=rule, seed=self.seed, **sched)
+    t = config.train
+    self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
+    batch_devices = math.prod(self.mesh.shape[a] for a in self.mesh.axis_names
+                              if a in ("data", "fsdp"))
+    if self.rows_per_mb % batch_devices:
+      raise ValueError(f"train.rows_per_microbatch={self.rows_per_mb} must be a multiple of "
+                       f"the data x fsdp mesh size {batch_devices}")
+    o = config.optim
+    rl_updates = max(int(t.rl_steps) * self._updates_per_step(), int(o.warmup) + 1)
+    self.rl_optimizer = ts.make_optimizer(float(o.lr), int(o.warmup), rl_updates,
+                                          float(o.weight_decay), float(o.clip) if o.clip else None)
+    s = config.sft
+    self.sft_optimizer = ts.make_optimizer(float(s.lr), int(s.warmup),
+                                           max(int(s.steps), int(s.warmup) + 1),
+                                           float(o.weight_decay),
+                                           float(o.clip) if o.clip else None)
+    self.ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"),
+                                  save_every=int(config.checkpoint.every),
+                                  keep_last=int(config.checkpoint.keep_last),
+                                  keep_every=int(config.checkpoint.keep_every) or None,
+                                  async_save=bool(config.checkpoint.async_save))
+    self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    self.progress = Progress_()
+    self._graphdef, _, self._rest = ts._split_abstract(self.cfg)
+    self._sft_step_fn = None
+    self._rl_step_fn = None
+    self._logprobs_fn = None
+    self._setup_state()
+    self.sampler = Sampler(self._model(), mesh=self.mesh, rules=self.rules,
+                           max_len=int(config.rollout.max_len), pad_id=self.tok.pad_id)
+    r = config.rollout
+    self.worker = RolloutWorker(
+        self.sampler, self.tok, group_size=int(self.algo.group_size),
+        max_new_tokens=int(r.max_new_tokens), temperature=float(r.temperature),
+        top_p=float(r.top_p) if r.get("top_p") else None,
+        top_k=int(r.top_k) if r.get("top_k") else None, chunk_rows=int(r.chunk_rows),
+        scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns))
+
+  # -- state --------------------------------------------------------------------------------
+
+  def _updates_per_step(self) -> int:
+    return int(self.algo.ppo_epochs) * int(self.algo.num_minibatches)
+
+  def _setup_state(self):
+    stage_opt = self.sft_optimizer  # Both optimizers have the same state structure.
+    abstract = _abstract_state(self.cfg, stage_opt, self.mesh, self.rules)
+    restored = self.ckpt.restore(abstract)
+    if restored is not None:
+      state, extras, step = restored
+      self.state = state
+      self.progress = Progress_(**extras["progress"])
+      if self.progress.scheduler:
+        self.scheduler.load_state_dict(self.progress.scheduler)
+      log.info("resumed from checkpoint %d (stage %s, sft step %d, rl step %d)", step,
+               self.progress.stage, self.progress.sft_step, self.progress.rl_step)
+      self.resumed_from = step
+    else:
+      model = _init_params_model(self.config, self.cfg, self.mesh, self.rules)
+      opt = self.sft_optimizer if self._sft_enabled() else self.rl_optimizer
+      self.state = ts.init_train_state(model, opt, mesh=self.mesh, rules=self.rules,
+                                       seed=self.seed)
+      if not self._sft_enabled():
+        self.progress.stage = "rl"
+      self.resumed_from = None
+    self.reference = None
+
+  def _sft_enabled(self) -> bool:
+    return int(self.config.sft.steps) > 0
+
+  def _model(self) -> models.Transformer:
+    return nnx.merge(self._graphdef, self.state.params, self._rest)
+
+  def _extras(self) -> dict[str, Any]:
+    self.progress.scheduler = self.scheduler.state_dict()
+    return {"progress": dataclasses.asdict(self.progress),
+            "config": json.loads(self.config.to_json_best_effort())}
+
+  def _ckpt_step(self) -> int:
+    # One increasing counter across stages: SFT steps, then RL steps after them.
+    return self.progress.sft_step + self.progress.rl_step
+
+  def save(self, force: bool = False) -> float:
+    t0 = time.time()
+    saved = self.ckpt.save(self._ckpt_step(), self.state, self._extras(), force=force)
+    return time.time() - t0 if saved else 0.0
+
+  # -- stages -------------------------------------------------------------------------------
+
+  def run(self) -> dict[str, Any]:
+    flag = PreemptionFlag()
+    try:
+      if self.progress.stage == "sft":
+        if not self._sft_stage(flag):
+          return self._finish("preempted")
+        self.progress.sft_eval = self.evaluate("sft")
+        self._enter_rl()
+        self.save(force=True)
+      if self.progress.stage == "rl":
+        if not self._rl_stage(flag):
+          return self._finish("preempted")
+        self.progress.stage = "done"
+        self.save(force=True)
+      return self._finish("done")
+    finally:
+      flag.close()
+
+  def _enter_rl(self):
+    self.progress.stage = "rl"
+    model = self._model()
+    self.state = ts.init_train_state(model, self.rl_optimizer, mesh=self.mesh, rules=self.rules,
+                                     seed=self.seed + 1)
+    self.sampler.update_params(self.state.params)
+
+  def _finish(self, status: str) -> dict[str, Any]:
+    self.ckpt.wait()
+    summary: dict[str, Any] = {"status": status, "sft_steps": self.progress.sft_step,
+                               "rl_steps": self.progress.rl_step,
+                               "policy_version": self.progress.policy_version}
+    if status == "done":
+      final = self.evaluate("final")
+      summary["eval"] = {"sft": self.progress.sft_eval, "final": final}
+      _print_eval_table(self.progress.sft_eval, final)
+      with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+      export = str(self.config.get("export_hf", "") or "")
+      if export:
+        models.save_pretrained(self._model(), export)
+        log.info("exported the policy to %s", export)
+    self.writer.close()
+    return summary
+
+  def evaluate(self, tag: str) -> dict[str, Any]:
+    e = self.config.eval
+    if int(e.seeds_per_domain) <= 0:
+      return {}
+    self.sampler.update_params(self.state.params)
+    report = evaluation.pass_rates(self.worker, self.eval_domains,
+                                   seeds_per_domain=int(e.seeds_per_domain))
+    with open(os.path.join(self.workdir, f"eval_{tag}.json"), "w") as fh:
+      json.dump(report, fh, indent=2)
+    step = self._ckpt_step()
+    self.writer.write(step, {f"eval_{tag}/pass_rate": report["pass_rate"],
+                             **{f"eval_{tag}/{f}": v for f, v in report["families"].items()}})
+    return report
+
+  def _sft_stage(self, flag: PreemptionFlag) -> bool:
+    s = self.config.sft
+    total = int(s.steps)
+    if self._sft_step_fn is None:
+      self._sft_step_fn = ts.make_train_step(self.cfg, _sft_algorithm(), self.sft_optimizer,
+                                             mesh=self.mesh, rules=self.rules)
+    it = iter(sft_dataset(self.domains, self.tok, self.seed).to_iter_dataset())
+    if self.progress.sft_iterator:
+      it.set_state(self.progress.sft_iterator)
+    progress = Progress(total, "sft")
+    while self.progress.sft_step < total:
+      if flag.is_set():
+        self.save(force=True)
+        return False
+      t0 = time.time()
+      examples = [next(it) for _ in range(int(s.batch_size))]
+      batch = _to_batch(examples, row_len=self.row_len, rows_per_mb=self.rows_per_mb,
+                        micro_multiple=1, pad_id=self.tok.pad_id)
+      self.state, metrics = self._sft_step_fn(self.state, batch)
+      self.progress.sft_step += 1
+      self.progress.sft_iterator = it.get_state()
+      step = self.progress.sft_step
+      if step % int(self.config.train.log_every) == 0 or step == total:
+        nll = self._nll(batch)
+        row = self.writer.write(step, {"sft/nll": nll, "grad_norm": metrics["grad_norm"],
+                                       "learning_rate": metrics["learning_rate"],
+                                       "timing/sft_step_s": time.time() - t0})
+        self._check_finite(row, metrics)
+        progress.line(step, {"nll": row["sft/nll"], "lr": row["learning_rate"]})
+      if self.ckpt.should_save(self._ckpt_step()):
+        self.save()
+    return True
+
+  def _logprobs(self, params, batch):
+    if self._logprobs_fn is None:
+      self._logprobs_fn = ts.make_compute_logprobs(self.cfg, mesh=self.mesh, rules=self.rules,
+                                                   temperature=float(
+                                                       self.config.rollout.temperature) or 1.0)
+    return self._logprobs_fn(params, batch)
+
+  def _nll(self, batch):
+    lp = self._logprobs(self.state.params, batch)["logprobs"]
+    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+  def _check_finite(self, row: dict, metrics):
+    if row.get("nonfinite", 0) or not all(math.isfinite(v) for v in row.values()):
+      path = self.save(force=True)
+      self.ckpt.wait()
+      raise NonFiniteLossError(
+          f"non-finite loss or gradient at step {self._ckpt_step()}: the update was skipped "
+          f"and a checkpoint was written to {self.ckpt.directory} for inspection")
+
+  # -- RL -----------------------------------------------------------------------------------
+
+  def _rl_stage(self, flag: PreemptionFlag) -> bool:
+    total = int(self.config.train.rl_steps)
+    if self._rl_step_fn is None:
+      self._rl_step_fn = ts.make_train_step(self.cfg, self.algo, self.rl_optimizer,
+                                            mesh=self.mesh, rules=self.rules)
+    if float(self.algo.kl_coef) > 0 and self.reference is None:
+      # The reference is the policy RL started from; re-derived on resume from the
+      # checkpoint written when RL began (kept as its own copy, never updated).
+      self.reference = self._reference_params()
+    self.sampler.update_params(self.state.params)
+    progress = Progress(total, self.config.algorithm)
+    while self.progress.rl_step < total:
+      if flag.is_set():
+        self.save(force=True)
+        return False
+      row = self._rl_step()
+      step = self.progress.rl_step
+      if step % int(self.config.train.log_every) == 0 or step == total:
+        progress.line(step, {"reward": row.get("reward/mean", 0.0),
+                             "pass": row.get("pass_rate/mean", 0.0),
+                             "tok/s": row.get("throughput/tokens_per_s", 0.0)})
+      if self.ckpt.should_save(self._ckpt_step()):
+        self.save()
+    return True
+
+  def _reference_params(self):
+    start = self.progress.sft_step
+    if self.progress.rl_step == 0:
+      return ts.frozen_copy(self.state.params, self.mesh, self.rules)
+    abstract = _abstract_state(self.cfg, self.rl_optimizer, self.mesh, self.rules)
+    restored = self.ckpt.restore(abstract, step=start)
+    if restored is None:
+      raise ValueError(f"cannot rebuild the KL reference: checkpoint {start} (start of RL) is "
+                       "gone; keep it with checkpoint.keep_every or set kl_coef=0")
+    return restored[0].params
+
+  def _rollout(self, step_seed: int):
+    algo, r = self.algo, self.config.rollout
+    n = int(r.prompts_per_step)
+    calls = [0]
+
+    def make_groups(pairs):
+      calls[0] += 1
+      return self.worker.rollout(pairs, seed=step_seed * 131 + calls[0],
+                                 policy_version=self.progress.policy_version)
+
+    if algo.dynamic_sampling:
+      batch = dynamic_sample(self.scheduler, make_groups, n, batched=True, update=False,
+                             max_draws=int(r.get("max_draws", 4 * n)))
+      groups = [g for _, _, g in batch.groups]
+      return groups, {"dynamic_sampling/draws": batch.draws,
+                      "dynamic_sampling/dropped": batch.dropped}
+    return make_groups(self.scheduler.draw(n)), {}
+
+  def _rl_step(self) -> dict[str, float]:
+    algo = self.algo
+    timings: dict[str, float] = {}
+    t0 = time.time()
+    groups, extra = self._rollout(self.seed * 1_000_003 + self.progress.rl_step)
+    timings["timing/rollout_s"] = time.time() - t0
+    if not groups:
+      raise RuntimeError("dynamic sampling produced no informative group within max_draws; "
+                         "raise rollout.max_draws or check the domains' difficulty")
+    rewards = [g.rewards for g in groups]
+    shaped = [self._shape(g, r) for g, r in zip(groups, rewards)]
+    seq_adv = self._sequence_advantages(shaped)
+    trajectories = []
+    for g, a in zip(groups, seq_adv):
+      trajectories += group_to_trajectories(g, a)
+    for traj, r in zip(trajectories, np.concatenate(shaped)):
+      traj["rewards"] = np.float32(r)
+    t1 = time.time()
+    batch = _to_batch(trajectories, row_len=self.row_len, rows_per_mb=self.rows_per_mb,
+                      micro_multiple=int(algo.num_minibatches), pad_id=self.tok.pad_id)
+    batch = self._add_learner_inputs(batch)
+    timings["timing/reference_s"] = time.time() - t1
+    t2 = time.time()
+    self.state, history = ts.ppo_update(self._rl_step_fn, self.state, batch,
+                                        epochs=int(algo.ppo_epochs),
+                                        minibatches=int(algo.num_minibatches),
+                                        seed=self.progress.rl_step)
+    self.progress.rl_step += 1
+    self.progress.policy_version += 1
+    self.sampler.update_params(self.state.params)
+    for g, a in zip(groups, seq_adv):
+      self.scheduler.update(g.domain, g.rewards.tolist(), np.abs(a).tolist())
+    metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
+    timings["timing/update_s"] = time.time() - t2
+    gen = sum(s.num_generated for g in groups for s in g.samples)
+    flat_rewards = np.concatenate(rewards)
+    passed = np.asarray([s.reward.value >= 1.0 for g in groups for s in g.samples], np.float64)
+    host = {"reward/mean": float(flat_rewards.mean()), "pass_rate/mean": float(passed.mean()),
+            "response_length/mean": gen / max(len(passed), 1),
+            "throughput/tokens_per_s": gen / max(timings["timing/rollout_s"], 1e-9),
+            "staleness/mean": 0.0, "padding_fraction": packing.padding_fraction(
+                {"segment_ids": np.asarray(batch["segment_ids"])}), **extra, **timings}
+    for dom in sorted({g.domain for g in groups}):
+      host[f"reward/{dom}"] = float(np.mean([g.rewards.mean() for g in groups
+                                             if g.domain == dom]))
+    for k, v in self.scheduler.metrics().items():
+      host[f"scheduler/{k}"] = v
+    step = self._ckpt_step()
+    if self.progress.rl_step % int(self.config.train.log_every) == 0:
+      row = self.writer.write(step, {**metrics, **host})
+      self._check_finite(row, metrics)
+      return row
+    return host
+
+  def _shape(self, group, rewards: np.ndarray) -> np.ndarray:
+    algo = self.algo
+    if not algo.overlong_penalty:
+      return rewards
+    max_len = int(self.config.rollout.max_new_tokens)
+    lengths = np.asarray([s.num_generated for s in group.samples])
+    buffer = min(int(algo.overlong_buffer_len), max_len)
+    pen = adv_lib.overlong_penalty(lengths, max_response_len=max_len, buffer_len=buffer,
+                                   factor=float(algo.overlong_penalty_factor))
+    return rewards + np.asarray(pen, np.float64)
+
+  def _sequence_advantages(self, rewards: list[np.ndarray]) -> list[np.ndarray]:
+    est = self.algo.advantage_estimator
+    if est not in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:
+      return [np.zeros_like(r) for r in rewards]  # Token-level: filled in on the device.
+    flat = np.concatenate(rewards).astype(np.float32)
+    ids = np.concatenate([np.full(len(r), i) for i, r in enumerate(rewards)])
+    if est == "grpo":
+      a = adv_lib.group_normalized_advantages(flat, ids,
+                                              normalize_std=bool(self.algo.normalize_std))
+    else:
+      a = adv_lib.rloo_advantages(flat, ids)
+    a = np.asarray(a)
+    out, i = [], 0
+    for r in rewards:
+      out.append(a[i:i + len(r)])
+      i += len(r)
+    return out
+
+  def _add_learner_inputs(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Old/reference log-probs, critic values and token-level advantages, on the devices."""
+    algo = self.algo
+    out: dict[str, Any] = dict(batch)
+    needs_old = (self._updates_per_step() > 1 or algo.kl_in_reward or algo.use_critic
+                 or float(algo.tis_cap) > 0)
+    if float(algo.tis_cap) > 0:
+      out["behaviour_logprobs"] = batch["behaviour_logprobs"]
+    cur = self._logprobs(self.state.params, batch) if needs_old else None
+    if cur is not None:
+      out["old_logprobs"] = cur["logprobs"]
+    if float(algo.kl_coef) > 0:
+      out["ref_logprobs"] = self._logprobs(self.reference, batch)["logprobs"]
+    est = algo.advantage_estimator
+    if est in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:
+      return out
+    shape = batch["tokens"].shape
+    flat = lambda x: jnp.asarray(x).reshape(-1, shape[-1])  # noqa: E731
+    mask, seg = flat(batch["loss_mask"]), flat(batch["segment_ids"])
+    token_rewards = flat(batch["rewards"]) * _last_token(mask, seg)
+    kl = None
+    if algo.kl_in_reward and float(algo.kl_coef) > 0:
+      kl = loss_lib.kl_divergence(flat(out["old_logprobs"]), flat(out["ref_logprobs"]), mask,
+                                  estimator=str(algo.kl_estimator))
+    if est == "gae":
+      if kl is not None:
+        token_rewards = token_rewards - float(algo.kl_coef) * kl
+      values = flat(cur["values"])
+      a, ret = adv_lib.gae_advantages(token_rewards, values, mask, gamma=float(algo.gamma),
+                                      lam=float(algo.lam), segment_ids=seg)
+      out["old_values"] = cur["values"]
+      out["returns"] = ret.reshape(shape)
+    else:
+      a, ret = adv_lib.reinforce_plus_plus_advantages(
+          token_rewards, mask, gamma=float(algo.gamma), kl=kl,
+          kl_coef=float(algo.kl_coef), segment_ids=seg)
+    out["advantages"] = a.reshape(shape)
+    return out
+
+
+def _last_token(mask, seg):
+  """1.0 on the last trained target of each sequence (where its reward is credited)."""
+  m = mask.astype(bool)
+
+  def row(m_row, s_row):
+    # Right to left, carrying the segment of the nearest masked position seen so far.
+    def body(seen, x):
+      mi, si = x
+      return jnp.where(mi, si, seen), mi & (seen != si)
+    _, last = jax.lax.scan(body, jnp.int32(-1), (m_row[::-1], s_row[::-1]))
+    return last[::-1]
+
+  return jax.vmap(row)(m, seg.astype(jnp.int32)).astype(jnp.float32)
+
+
+def _print_eval_table(before: dict | None, after: dict | None):
+  if not before or not after:
+    return
+  fams = sorted(set(before["families"]) | set(after["families"]))
+  print(f"{'family':<14}{'SFT':>8}{'RL':>8}")
+  for f in fams:
+    print(f"{f:<14}{before['families'].get(f, 0):>8.3f}{after['families'].get(f, 0):>8.3f}")
+  print(f"{'all':<14}{before['pass_rate']:>8.3f}{after['pass_rate']:>8.3f}", flush=True)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs (or resumes) the stages of `config` in `workdir`; returns a summary dict."""
+  trainer = Trainer(config, workdir)
+  try:
+    return trainer.run()
+  finally:
+    trainer.worker.close()
+    trainer.ckpt.close()
