@@ -28,6 +28,7 @@ Task seeds are always training seeds (even), disjoint from ``heldout_seed``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,6 +94,18 @@ def _ladder_of(name: str, promote_by: str) -> tuple[str, int]:
     if promote_by == "family":
         return name.split("/", 1)[0], level
     return (name[: m.start()] if m else name), level
+
+
+def _finite_floats(values, what: str) -> list[float]:
+    if isinstance(values, np.ndarray):
+        out = values.astype(np.float64).reshape(-1).tolist()
+    else:
+        out = [float(v) for v in values]
+    if not out:
+        raise ValueError(f"empty {what}")
+    if not all(math.isfinite(v) for v in out):
+        raise ValueError(f"non-finite value in {what}: {out[:8]}")
+    return out
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -223,27 +236,29 @@ class Scheduler:
         i = self._index.get(domain_name)
         if i is None:
             raise KeyError(f"domain {domain_name!r} is not in this scheduler")
-        r = np.asarray(rewards, dtype=np.float64).reshape(-1)
-        if r.size == 0:
-            raise ValueError(f"empty rewards for domain {domain_name!r}")
-        if not np.isfinite(r).all():
-            raise ValueError(f"non-finite reward for domain {domain_name!r}: {r.tolist()[:8]}")
+        # Plain Python floats: groups are small and numpy's per-call overhead dominated here.
+        r = _finite_floats(rewards, f"rewards for domain {domain_name!r}")
+        n = len(r)
+        mean = math.fsum(r) / n
+        var = math.fsum((x - mean) ** 2 for x in r) / n
         if advantages is None:
-            abs_adv = float(np.abs(r - r.mean()).mean())
+            abs_adv = math.fsum(abs(x - mean) for x in r) / n
         else:
-            a = np.asarray(advantages, dtype=np.float64).reshape(-1)
-            if a.size == 0 or not np.isfinite(a).all():
-                raise ValueError(f"advantages for {domain_name!r} must be finite and non-empty")
-            abs_adv = float(np.abs(a).mean())
-        self.updates[i] += 1
-        self.attempts[i] += r.size
-        rate = max(self.config.ema, 1.0 / self.updates[i])
-        self.pass_rate[i] += rate * (
-            float((r >= self.config.pass_threshold).mean()) - self.pass_rate[i]
-        )
-        self.reward_mean[i] += rate * (float(r.mean()) - self.reward_mean[i])
-        self.reward_var[i] += rate * (float(r.var()) - self.reward_var[i])
-        self.abs_advantage[i] += rate * (abs_adv - self.abs_advantage[i])
+            a = _finite_floats(advantages, f"advantages for domain {domain_name!r}")
+            abs_adv = math.fsum(abs(x) for x in a) / len(a)
+        passed = sum(1 for x in r if x >= self.config.pass_threshold) / n
+        updates = int(self.updates[i]) + 1
+        self.updates[i] = updates
+        self.attempts[i] += n
+        rate = max(self.config.ema, 1.0 / updates)
+        for stats, value in (
+            (self.pass_rate, passed),
+            (self.reward_mean, mean),
+            (self.reward_var, var),
+            (self.abs_advantage, abs_adv),
+        ):
+            old = float(stats[i])
+            stats[i] = old + rate * (value - old)
         self._maybe_promote(self._ladder[i])
 
     def _maybe_promote(self, key: str):
