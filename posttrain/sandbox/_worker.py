@@ -230,6 +230,11 @@ def _loopback_up() -> None:
 
 def _finish_worker_setup(setup: dict, caps: dict, layout: dict) -> None:
     """Runs as the worker: /proc of the new pid namespace, pivot into the new root."""
+    # Without a pid namespace the worker finds a run's processes in the host's /proc,
+    # which the new root does not show: keep a handle on it (children never inherit it).
+    layout["proc_fd"] = None
+    if caps.get("pid_ns") is not True:
+        layout["proc_fd"] = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     if layout["root_built"]:
         try:
             # A bind of the tree onto itself is not locked, so pivot_root accepts it.
@@ -436,8 +441,12 @@ class _Worker:
                 wait_status = self._reaped.get(pid, 9)
         os.close(pidfd)
         for fd in list(open_fds):  # every writer is dead: drain to EOF
+            os.set_blocking(fd, False)  # all the same, never wait on a writer we missed
             while len(buffers[out_r]) + len(buffers[err_r]) <= limit:
-                chunk = os.read(fd, 1 << 16)
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
                 if not chunk:
                     break
                 buffers[fd] += chunk
@@ -467,7 +476,7 @@ class _Worker:
                 except ChildProcessError:
                     return
         while True:
-            victims = _descendants(os.getpid())
+            victims = _descendants(os.getpid(), self.layout["proc_fd"])
             for victim in victims:
                 try:
                     os.kill(victim, signal.SIGKILL)
@@ -650,15 +659,18 @@ def _extract(archive: bytes, root: str) -> None:
             tar.extractall(root)
 
 
-def _descendants(root_pid: int) -> list[int]:
+def _descendants(root_pid: int, proc_fd: int) -> list[int]:
     """Every live process below `root_pid`, from the parent links in /proc."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir(proc_fd):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
+            fd = os.open(f"{entry}/stat", os.O_RDONLY, dir_fd=proc_fd)
+            try:
+                stat = os.read(fd, 4096)
+            finally:
+                os.close(fd)
         except OSError:
             continue
         ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
