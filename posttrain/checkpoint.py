@@ -51,7 +51,15 @@ _STATE, _EXTRAS = "state", "extras"
 _UNREADABLE_SUFFIX = ".unreadable"
 # Orbax's messages for a restore target that does not fit the checkpoint: the
 # caller's abstract state is wrong, the files are fine, so no fallback.
-_MISMATCH_MARKERS = ("tree structures do not match", "is not compatible with the stored shape")
+_MISMATCH_MARKERS = (
+    "tree structures do not match",
+    "Structure mismatch",
+    "is not compatible with the stored shape",
+)
+
+
+class _MismatchError(ValueError):
+  """abstract_state does not fit a checkpoint (never a reason to fall back)."""
 
 
 class CheckpointManager:
@@ -177,6 +185,7 @@ class CheckpointManager:
         `step` is not saved here.
       RuntimeError: checkpoints exist but none can be read.
     """
+    _check_abstract_state(abstract_state)
     self.wait()
     available = self.all_steps()
     if step is not None:
@@ -190,7 +199,7 @@ class CheckpointManager:
       restored, reason = None, None
       try:
         restored = self._restore_step(abstract_state, candidate)
-      except ValueError:
+      except _MismatchError:
         raise
       except Exception as e:  # pylint: disable=broad-except  # tensorstore/json/io errors
         reason = _one_line(e)
@@ -243,12 +252,12 @@ class CheckpointManager:
               **{_STATE: ocp.args.StandardRestore(abstract_state), _EXTRAS: ocp.args.JsonRestore()}
           ),
       )
-    except ValueError as e:
+    except Exception as e:  # pylint: disable=broad-except
       if any(marker in str(e) for marker in _MISMATCH_MARKERS):
-        raise ValueError(
+        raise _MismatchError(
             f"abstract_state does not match checkpoint step {step} in {self.directory}: {_one_line(e)}"
         ) from e
-      raise RuntimeError(_one_line(e)) from e  # a torn file, not the caller's fault
+      raise
     return restored[_STATE], restored[_EXTRAS], step
 
   def _set_aside(self, steps: Iterable[int]) -> None:
@@ -361,6 +370,23 @@ def _check_step(step: Any) -> int:
   if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
     raise ValueError(f"step must be a non-negative int, got {step!r}")
   return int(step)
+
+
+def _check_abstract_state(abstract_state: Any) -> None:
+  """Catches a wrong target before any file is read, so it is not taken for a torn file."""
+  leaves = jax.tree_util.tree_leaves_with_path(abstract_state)
+  if not leaves:
+    raise ValueError("abstract_state has no leaves; pass jax.eval_shape(...) of the state")
+  for path, leaf in leaves:
+    name = jax.tree_util.keystr(path)
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      raise ValueError(f"abstract_state{name} is a {type(leaf).__name__}, not a jax.ShapeDtypeStruct")
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      try:
+        sharding.shard_shape(leaf.shape)
+      except Exception as e:  # pylint: disable=broad-except  # jax raises several types here
+        raise ValueError(f"abstract_state{name}: {_one_line(e)}") from e
 
 
 def _check_json_safe(value: Any, path: str) -> None:
