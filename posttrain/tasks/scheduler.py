@@ -28,8 +28,10 @@ Task seeds are always training seeds (even), disjoint from ``heldout_seed``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,6 +110,17 @@ def _finite_floats(values, what: str) -> list[float]:
     return out
 
 
+def _locked(method):
+    """Rollout worker threads share one scheduler: serialise its public methods."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -157,6 +170,7 @@ class Scheduler:
             self._members.setdefault((key, lvl), [])
             self._members[(key, lvl)].append(i)
         self._members = {k: np.array(v) for k, v in self._members.items()}
+        self._lock = threading.RLock()
         self._reset_stats()
 
     def _reset_stats(self):
@@ -182,6 +196,7 @@ class Scheduler:
         limits = np.array([self.unlocked[key] for key in self._ladder], dtype=np.int64)
         return self._level <= limits
 
+    @_locked
     def probabilities(self) -> np.ndarray:
         """The distribution the next ``draw`` uses, aligned with ``self.domains``."""
         c = self.config
@@ -211,6 +226,7 @@ class Scheduler:
             base = base / base.sum()
         return (1.0 - c.floor) * base + np.where(active, c.floor / n_active, 0.0)
 
+    @_locked
     def draw(self, n: int) -> list[tuple[str, int]]:
         """``n`` (domain name, training seed) pairs; deterministic given the state."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
@@ -229,6 +245,7 @@ class Scheduler:
 
     # -- learning ---------------------------------------------------------------------
 
+    @_locked
     def update(
         self, domain_name: str, rewards: Sequence[float], advantages: Sequence[float] | None = None
     ):
@@ -279,10 +296,12 @@ class Scheduler:
 
     # -- inspection and checkpoints ----------------------------------------------------
 
+    @_locked
     def stats(self, domain_name: str) -> dict[str, float]:
         i = self._index[domain_name]
         return {f: getattr(self, f)[i].item() for f in self._STAT_FIELDS}
 
+    @_locked
     def metrics(self) -> dict[str, float]:
         """Flat scalars for logging: sampling probability and pass rate per domain."""
         probs = self.probabilities()
@@ -292,6 +311,7 @@ class Scheduler:
             out[f"curriculum/pass_rate/{name}"] = float(self.pass_rate[i])
         return out
 
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state: counters, per-domain statistics and unlocked levels."""
         return {
@@ -305,6 +325,7 @@ class Scheduler:
             "config": dataclasses.asdict(self.config),
         }
 
+    @_locked
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a ``state_dict``. Statistics are matched by domain name, so domains
         added since the save start fresh and removed ones are dropped; the sampling

@@ -1,13 +1,19 @@
 """Failure replay: records re-created and re-scored identically, library and CLI."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from posttrain.tasks import registry, train_seed
-from posttrain.tasks.replay import format_trace, make_record, read_records, replay, write_records
+from posttrain.tasks.replay import (
+    format_trace,
+    make_record,
+    read_records,
+    replay,
+    write_records,
+)
+
+from ._subprocess import run_python
 
 
 def _records():
@@ -62,9 +68,7 @@ def test_inline_json_and_errors(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "launch.replay", *args], capture_output=True, text=True
-    )
+    return run_python("-m", "launch.replay", *args)
 
 
 def test_cli_prints_the_same_trace(tmp_path):

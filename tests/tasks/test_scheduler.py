@@ -244,3 +244,21 @@ def test_dynamic_sampling_fills_batch_and_counts_draws_batched():
     assert out.full and len(out.groups) == 10
     assert all(d == "toy/mixed" for d, _, _ in out.groups)
     assert out.draws == 10 + out.dropped and out.dropped > 0
+
+
+def test_concurrent_updates_from_worker_threads_are_all_counted():
+    import threading
+
+    s = Scheduler(list(RATES), seed=0)
+
+    def worker(k):
+        for name, _ in s.draw(200):
+            s.update(name, [float(k % 2)] * 3)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert int(s.attempts.sum()) == 4 * 200 * 3 and int(s.updates.sum()) == 800
+    assert s.samples == 800 and s.draw_calls == 4
