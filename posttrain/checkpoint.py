@@ -349,8 +349,6 @@ def install_preemption_handler(
   if threading.current_thread() is not threading.main_thread():
     raise RuntimeError("install_preemption_handler must be called from the main thread")
   previous = {}
-  for signum in signals:
-    previous[signum] = signal.signal(signum, lambda s, _frame: callback(s))
 
   def uninstall() -> None:
     while previous:
@@ -358,6 +356,12 @@ def install_preemption_handler(
       # None means a handler installed outside Python; the default is the best we can do.
       signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
+  try:
+    for signum in signals:
+      previous[signum] = signal.signal(signum, lambda s, _frame: callback(s))
+  except BaseException:
+    uninstall()
+    raise
   return uninstall
 
 
