@@ -9,8 +9,14 @@
     for name, seed in scheduler.draw(64): ...
     scheduler.update(name, rewards)
 
+Families: arithmetic, strings, lists, logic, structure, bases, sequences, equations
+(single-turn, answer in ``<answer></answer>``), code (a ```python block run against
+hidden tests in the sandbox) and tools (multi-turn: ``domain.step(task, transcript)``).
+Code and tool domains use ``set_sandbox(sandbox)`` or a default sandbox built on first use.
+
 Optional adapters live in submodules: ``posttrain.tasks.jsonl`` (user task files),
-``posttrain.tasks.gym`` (reasoning-gym), ``posttrain.tasks.mathcheck`` (math-verify).
+``posttrain.tasks.gym`` (reasoning-gym), ``posttrain.tasks.mathcheck`` (math-verify);
+``posttrain.tasks.shaping`` (reward shaping), ``posttrain.tasks.replay`` (failure replay).
 """
 
 from posttrain.tasks.base import (
@@ -25,6 +31,7 @@ from posttrain.tasks.base import (
     train_seed,
 )
 from posttrain.tasks.catalog import Registry, registry
+from posttrain.tasks.execution import set_sandbox
 from posttrain.tasks.families import builtin_domains
 from posttrain.tasks.reward_model import ModelScoredDomain, RewardModelScorer
 from posttrain.tasks.scheduler import DynamicBatch, Scheduler, SchedulerConfig, dynamic_sample
@@ -55,5 +62,6 @@ __all__ = [
     "is_heldout_seed",
     "overlong_penalty",
     "registry",
+    "set_sandbox",
     "train_seed",
 ]

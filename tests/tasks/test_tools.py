@@ -134,6 +134,6 @@ def test_python_tool_without_a_sandbox_is_an_observation(monkeypatch):
     def broken():
         raise RuntimeError("no namespaces")
 
-    monkeypatch.setattr("posttrain.tasks.families.tools.get_sandbox", broken)
+    monkeypatch.setattr(execution, "get_sandbox", broken)
     obs = PY.step(PY.sample(0), "<tool>python: print(1)</tool>").observation
     assert obs == "<observation>error: sandbox unavailable: RuntimeError</observation>"

@@ -24,7 +24,7 @@ import string
 from collections.abc import Callable
 
 from posttrain.tasks.base import Domain, Reward, Task, zero_reward
-from posttrain.tasks.execution import get_sandbox
+from posttrain.tasks import execution
 
 MAX_CODE_CHARS = 20_000
 TIMEOUT_S = 5.0
@@ -162,15 +162,14 @@ class CodeDomain(Domain):
                 tests_passed=0.0,
             )
         runs = float(loaded and (bool(outputs) or status == "ok"))
-        passed = sum(outputs.get(i) == e for i, e in enumerate(expected)) / len(expected)
-        if passed == 1.0:
+        n_passed = sum(outputs.get(i) == e for i, e in enumerate(expected))
+        passed = n_passed / len(expected)
+        if n_passed == len(expected):
             verdict = "correct"
         elif not loaded:
             verdict = "load_error"
-        elif status != "ok":
-            verdict = f"{status} ({int(passed * len(expected))}/{len(expected)} passed)"
         else:
-            verdict = f"wrong ({int(round(passed * len(expected)))}/{len(expected)} passed)"
+            verdict = f"{'wrong' if status == 'ok' else status} ({n_passed}/{len(expected)} passed)"
         components = {
             "format": 1.0,
             "parses": 1.0,
@@ -184,7 +183,7 @@ class CodeDomain(Domain):
         final, request = self._prepare(task, completion)
         if final is not None:
             return final
-        return self._finish(task, get_sandbox().run(request))
+        return self._finish(task, execution.get_sandbox().run(request))
 
     def score_many(self, tasks, completions):
         """Scores a batch with one ``run_many`` call; never raises."""
@@ -208,7 +207,7 @@ class CodeDomain(Domain):
                 pending.append((i, request))
         if pending:
             try:
-                results = get_sandbox().run_many([r for _, r in pending])
+                results = execution.get_sandbox().run_many([r for _, r in pending])
                 for (i, _), result in zip(pending, results):
                     rewards[i] = self._finish(tasks[i], result)
             except Exception as e:  # noqa: BLE001 - e.g. no sandbox on this host

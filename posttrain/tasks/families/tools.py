@@ -41,7 +41,7 @@ from posttrain.tasks.base import (
     zero_reward,
 )
 from posttrain.tasks.calculator import calculate
-from posttrain.tasks.execution import get_sandbox
+from posttrain.tasks import execution
 from posttrain.tasks.families.arithmetic import random_expression
 from posttrain.tasks.procedural import parse_int
 
@@ -103,7 +103,7 @@ def run_tool(name: str, arg: str) -> str:
     try:
         from posttrain.sandbox import ExecRequest
 
-        result = get_sandbox().run(
+        result = execution.get_sandbox().run(
             ExecRequest(code=arg, timeout_s=PYTHON_TIMEOUT_S, max_output_bytes=1 << 16)
         )
     except Exception as e:  # noqa: BLE001 - a missing sandbox is an observation, not a crash
