@@ -264,6 +264,28 @@ def _finish_worker_setup(setup: dict, caps: dict, layout: dict) -> None:
     _record(caps, "bounding_set_dropped", _linux.drop_bounding_set)
     # Default disposition: pid 1 then never receives it from processes of its namespace.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    caps["interpreter"] = _interpreter_usable(setup["python"], layout["child_uid"])
+
+
+def _interpreter_usable(python: str, child_uid) -> bool | str:
+    """Whether sandboxed code can run `python` and read its standard library.
+
+    Without a mount namespace it sees the host's files with its own uid, and an
+    interpreter under a private home (e.g. /root/.pyenv) is out of its reach.
+    """
+    stdlib = os.path.dirname(os.__file__)
+    pid = os.fork()
+    if pid == 0:
+        if child_uid:
+            os.setgroups([])
+            os.setresgid(child_uid[1], child_uid[1], child_uid[1])
+            os.setresuid(child_uid[0], child_uid[0], child_uid[0])
+        usable = os.access(python, os.X_OK) and os.access(stdlib, os.R_OK | os.X_OK)
+        os._exit(0 if usable else 1)
+    if os.waitpid(pid, 0)[1] == 0:
+        return True
+    return (f"failed: the sandbox's uid cannot run {python} or read {stdlib}; use the "
+            f"mount namespace or a Python installed where every user can read it")
 
 
 # --------------------------------------------------------------------------- serving

@@ -231,6 +231,10 @@ class LocalBackend(Backend):
         capabilities.update(backend="local", mode=config.mode, trainer_uid=os.geteuid(),
                             bwrap=shutil.which("bwrap") is not None)
         self.capabilities = capabilities
+        if capabilities.get("interpreter") is not True:
+            self.close()
+            raise SandboxUnavailableError(
+                f"sandbox cannot run programs: {capabilities.get('interpreter')}")
         required = config.required_capabilities(trainer_is_root)
         missing = {n: capabilities.get(n, "not reported") for n in required
                    if capabilities.get(n) is not True}

@@ -3,6 +3,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import pytest
@@ -124,3 +125,21 @@ def test_close_ends_queued_runs_and_every_process():
     assert all(r.status == Status.SANDBOX_ERROR and "closed" in r.detail
                for r in results[1:])
     assert not any(pid_alive(pid) for pid in pids)
+
+
+def _world_can_run(path: str) -> bool:
+    path = os.path.realpath(path)
+    parts = path.split("/")
+    dirs = ["/".join(parts[:i]) or "/" for i in range(1, len(parts))]
+    return all(os.stat(d).st_mode & 0o001 for d in dirs) and bool(
+        os.stat(path).st_mode & 0o005 == 0o005)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or _world_can_run(sys.executable),
+                    reason="needs root and an interpreter other users cannot reach")
+def test_an_interpreter_out_of_the_sandboxs_reach_is_a_clear_error():
+    # Without the mount namespace the slot uid sees the host's files as they are.
+    config = SandboxConfig(concurrency=1, namespaces=("user", "net", "pid"),
+                           allow_weak_isolation=True)
+    with pytest.raises(SandboxUnavailableError, match="cannot run .* or read"):
+        Sandbox(config)
