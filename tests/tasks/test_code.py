@@ -139,17 +139,28 @@ def test_hostile_or_wrong_code_scores_zero(sandbox, code, verdict_start, runs):
 
 
 @needs_sandbox
-def test_forged_marker_lines_do_not_pass(sandbox):
+def test_forging_result_lines_with_the_real_marker_gains_nothing(sandbox):
     task = AFFINE.sample(train_seed(3))
-    # The solution reads the marker from the harness and prints plausible but wrong results.
+    # The solution digs the marker out of the harness's constants and prints a "result"
+    # for every test before the harness runs. Expected outputs never enter the sandbox,
+    # so the forger can only print guesses: the score is what those guesses earn.
     code = (
         "import sys\n"
-        "_g = sys._getframe(1).f_globals\n"
+        "for _m in [c for c in sys._getframe(1).f_code.co_consts\n"
+        "           if isinstance(c, str) and c.startswith('@@')]:\n"
+        "    for _i in range(20):\n"
+        "        print(_m, _i, '{\"ok\": 0}')\n"
         "def f(x):\n    return 0\n"
-        "for line in open(__file__ if '__file__' in globals() else '/dev/null'):\n    pass\n"
     )
-    forged = "\n".join(f"print('@@fake', {i}, '{{\"ok\": 0}}')" for i in range(8))
-    r = AFFINE.score(task, _fence(code + forged))
+    marker = AFFINE._marker(task)
+    program = harness(code, "f", task.metadata["tests"], marker)
+    from posttrain.sandbox import ExecRequest
+
+    out = sandbox.run(ExecRequest(code=program)).stdout
+    assert f"{marker} 0 " in out.splitlines()[0]  # the forger did find the real marker
+    expected = task.metadata["expected"]
+    r = AFFINE.score(task, _fence(code))
+    assert r.value == pytest.approx(sum(e == 0 for e in expected) / len(expected))
     assert r.value < 1.0
 
 

@@ -23,8 +23,8 @@ import json
 import string
 from collections.abc import Callable
 
-from posttrain.tasks.base import Domain, Reward, Task, zero_reward
 from posttrain.tasks import execution
+from posttrain.tasks.base import Domain, Reward, Task, zero_reward
 
 MAX_CODE_CHARS = 20_000
 TIMEOUT_S = 5.0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 
+from posttrain.tasks import execution
 from posttrain.tasks.base import (
     ANSWER_INSTRUCTION,
     MAX_ANSWER_CHARS,
@@ -41,7 +42,6 @@ from posttrain.tasks.base import (
     zero_reward,
 )
 from posttrain.tasks.calculator import calculate
-from posttrain.tasks import execution
 from posttrain.tasks.families.arithmetic import random_expression
 from posttrain.tasks.procedural import parse_int
 
