@@ -37,7 +37,8 @@ BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv[1]); "
              "from posttrain.sandbox._worker import main; main()")
 
 SANDBOX_UID = 1000  # identity of sandboxed code inside its user namespace
-NEWROOT = "/tmp"  # where the new root is assembled (inside our private mount namespace)
+# Paths inside the sandbox that are its own, never bound from the host.
+PRIVATE_PATHS = ("/sandbox", "/tmp", "/proc", "/dev")
 _SETUP_FAILED = 125  # child exit status paired with a message on the error pipe
 _DEV_NODES = ("null", "zero", "full", "random", "urandom")
 _MEMORY_SIGNS = ("MemoryError", "Cannot allocate memory", "cannot allocate memory",
@@ -182,14 +183,21 @@ def _bind_readonly(source: str, target: str) -> None:
             _linux.umount(mp, _linux.MNT_DETACH)  # cannot be made read-only: hide it
 
 
+def _new_root(setup: dict) -> str:
+    # Inside the pool's private host directory: mounting there hides no host path.
+    return os.path.join(setup["host_dir"], "root")
+
+
 def _build_root(setup: dict, caps: dict) -> bool:
-    """Assembles a read-only root at NEWROOT: host paths bound read-only, minimal /dev."""
+    """Assembles a read-only root: host paths bound read-only, minimal /dev."""
+    new_root = _new_root(setup)
     try:
-        _linux.mount("tmpfs", NEWROOT, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV,
+        os.makedirs(new_root, exist_ok=True)
+        _linux.mount("tmpfs", new_root, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV,
                      "size=1m,nr_inodes=4096,mode=0755")
         for path in setup["ro_paths"]:
             path = os.path.normpath(path)
-            target = NEWROOT + path
+            target = new_root + path
             if not os.path.lexists(path) or os.path.lexists(target):
                 continue
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -202,8 +210,8 @@ def _build_root(setup: dict, caps: dict) -> bool:
                 open(target, "w").close()
                 _bind_readonly(path, target)
         for name in ("proc", "sandbox", "tmp", "dev"):
-            os.makedirs(NEWROOT + "/" + name, exist_ok=True)
-        dev = NEWROOT + "/dev"
+            os.makedirs(new_root + "/" + name, exist_ok=True)
+        dev = new_root + "/dev"
         _linux.mount("tmpfs", dev, "tmpfs", _linux.MS_NOSUID, "size=64k,mode=0755")
         for node in _DEV_NODES:
             open(f"{dev}/{node}", "w").close()
@@ -214,7 +222,7 @@ def _build_root(setup: dict, caps: dict) -> bool:
             os.symlink(target, f"{dev}/{name}")
         ro = _linux.MS_REMOUNT | _linux.MS_BIND | _linux.MS_RDONLY | _linux.MS_NOSUID
         _linux.mount(None, dev, None, ro)
-        _linux.mount(None, NEWROOT, None, ro | _linux.MS_NODEV)
+        _linux.mount(None, new_root, None, ro | _linux.MS_NODEV)
     except OSError as e:
         caps["readonly_root"] = f"failed: {e}"
         return False
@@ -235,14 +243,15 @@ def _finish_worker_setup(setup: dict, caps: dict, layout: dict) -> None:
     layout["proc_fd"] = None
     if caps.get("pid_ns") is not True:
         layout["proc_fd"] = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    new_root = _new_root(setup)
     if layout["root_built"]:
         try:
             # A bind of the tree onto itself is not locked, so pivot_root accepts it.
-            _linux.mount(NEWROOT, NEWROOT, None, _linux.MS_BIND | _linux.MS_REC)
+            _linux.mount(new_root, new_root, None, _linux.MS_BIND | _linux.MS_REC)
             if caps.get("pid_ns") is True:
-                _record(caps, "proc", _linux.mount, "proc", NEWROOT + "/proc", "proc",
+                _record(caps, "proc", _linux.mount, "proc", new_root + "/proc", "proc",
                         _linux.MS_NOSUID | _linux.MS_NODEV | _linux.MS_NOEXEC)
-            os.chdir(NEWROOT)
+            os.chdir(new_root)
             _linux.pivot_root(".", ".")
             _linux.umount(".", _linux.MNT_DETACH)
             os.chdir("/")

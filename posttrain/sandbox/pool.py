@@ -24,7 +24,7 @@ import time
 
 import posttrain
 from posttrain.sandbox import _protocol
-from posttrain.sandbox._worker import BOOTSTRAP
+from posttrain.sandbox._worker import BOOTSTRAP, PRIVATE_PATHS
 from posttrain.sandbox.api import (ExecRequest, ExecResult, SandboxConfig,
                                    SandboxUnavailableError, Status, default_ro_paths)
 from posttrain.sandbox.backend import Backend, sandbox_error
@@ -69,6 +69,13 @@ class _WorkerProcess:
     """The trainer's handle on one worker: its shim process and the control pipes."""
 
     def __init__(self, config: SandboxConfig, uid: int | None, refuse: tuple[str, ...] = ()):
+        ro_paths = list(config.ro_paths or default_ro_paths())
+        for path in ro_paths:
+            hidden = [p for p in PRIVATE_PATHS if path == p or path.startswith(p + "/")]
+            if hidden and "mount" in config.namespaces:
+                raise SandboxUnavailableError(
+                    f"read-only path {path} lies under {hidden[0]}, which the sandbox "
+                    f"replaces with its own; install Python elsewhere or change ro_paths")
         self.host_dir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
         if uid is not None:
             os.chown(self.host_dir, uid, uid)
@@ -80,7 +87,7 @@ class _WorkerProcess:
         self.pid = None
         setup = {
             "uid": uid, "gid": uid, "namespaces": list(config.namespaces),
-            "ro_paths": list(config.ro_paths or default_ro_paths()),
+            "ro_paths": ro_paths,
             "mode": config.mode, "disk_mb": config.disk_mb,
             "max_processes": config.max_processes, "max_open_files": config.max_open_files,
             "max_file_mb": config.max_file_mb, "env": dict(config.env),

@@ -143,3 +143,8 @@ def test_an_interpreter_out_of_the_sandboxs_reach_is_a_clear_error():
                            allow_weak_isolation=True)
     with pytest.raises(SandboxUnavailableError, match="cannot run .* or read"):
         Sandbox(config)
+
+
+def test_a_read_only_path_the_sandbox_would_hide_is_a_clear_error():
+    with pytest.raises(SandboxUnavailableError, match="/tmp/venv lies under /tmp"):
+        Sandbox(SandboxConfig(concurrency=1, ro_paths=("/usr", "/tmp/venv")))
