@@ -74,6 +74,8 @@ class CheckpointManager:
       `keep_every` (must be a multiple of `save_every`).
     async_save: write in a background thread; `save` returns after the device
       to host copy, so the caller may donate or overwrite `state` right away.
+    read_only: for readers of a live run (evaluation): never writes, and leaves
+      the writer's in-progress tmp folders alone. One writer per directory.
   """
 
   def __init__(
@@ -84,6 +86,7 @@ class CheckpointManager:
       keep_last: int | None = 3,
       keep_every: int | None = None,
       async_save: bool = True,
+      read_only: bool = False,
   ):
     _check_positive("save_every", save_every)
     if keep_last is not None:
@@ -114,11 +117,13 @@ class CheckpointManager:
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(preserve),
             enable_async_checkpointing=async_save,
             # Leftovers of a killed save would otherwise pile up forever.
-            cleanup_tmp_directories=True,
-            create=True,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
         ),
     )
     self._pending_step: int | None = None
+    self._read_only = read_only
 
   def should_save(self, step: int) -> bool:
     """True on the save cadence or a multi-host preemption sync point.
@@ -141,6 +146,8 @@ class CheckpointManager:
       already saved (a forced final save right after a periodic one).
     """
     step = _check_step(step)
+    if self._read_only:
+      raise ValueError(f"cannot save step {step}: {self.directory} was opened read_only")
     if not isinstance(extras, Mapping):
       raise TypeError(f"extras must be a dict of JSON values, got {type(extras).__name__}")
     _check_json_safe(extras, "extras")
@@ -264,6 +271,8 @@ class CheckpointManager:
     """Renames unreadable steps so that new saves of those step numbers can land."""
     steps = list(steps)
     if not steps:
+      return
+    if self._read_only:
       return
     if jax.process_index() == 0:
       for step in steps:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag, install_preemption_handler
@@ -90,6 +91,19 @@ def test_save_on_8_devices_restore_bitwise_on_another_mesh(tmp_path, mesh_shape)
   _assert_bitwise_equal(restored, state)
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(_abstract_on(state, sharding_for))):
     assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+
+
+def test_nnx_model_optimizer_and_rngs_round_trip(tmp_path):
+  mesh = _mesh((2, 4), jax.devices())
+  model = nnx.Linear(4, 12, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  _, state = nnx.split((model, optimizer, nnx.Rngs(dropout=3)))
+  state = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, _spec(x.ndim))), state)
+  with CheckpointManager(tmp_path) as ckpt:
+    ckpt.save(3, state, {}, force=True)
+    one = SingleDeviceSharding(jax.devices()[1])
+    restored, _, _ = ckpt.restore(_abstract_on(state, lambda x: one))
+  _assert_bitwise_equal(restored, state)
 
 
 def test_extras_round_trip_and_bad_extras_are_named(tmp_path):
@@ -175,11 +189,22 @@ def test_latest_step_ignores_unfinished_saves(tmp_path):
     ckpt.wait()
     assert ckpt.latest_step() == 2
 
-  # A save killed half way leaves a tmp folder: never listed, never restored.
+  # A save killed half way (or still running in the writer) leaves a tmp folder:
+  # never listed, never restored; a reader leaves it alone, the next writer removes it.
   os.rename(tmp_path / "2", tmp_path / "3.orbax-checkpoint-tmp")
-  with CheckpointManager(tmp_path) as ckpt:
-    assert ckpt.latest_step() == 1
-    assert ckpt.restore(jax.eval_shape(lambda: big))[2] == 1
+  with CheckpointManager(tmp_path, read_only=True) as reader:
+    assert reader.latest_step() == 1
+    assert reader.restore(jax.eval_shape(lambda: big))[2] == 1
+    with pytest.raises(ValueError, match="opened read_only"):
+      reader.save(4, big, {}, force=True)
+  assert (tmp_path / "3.orbax-checkpoint-tmp").is_dir()
+  with CheckpointManager(tmp_path) as writer:
+    assert writer.latest_step() == 1
+    for _ in range(100):  # Orbax removes it in a background thread
+      if not (tmp_path / "3.orbax-checkpoint-tmp").exists():
+        break
+      time.sleep(0.05)
+  assert not (tmp_path / "3.orbax-checkpoint-tmp").exists()
 
 
 # A failed read leaves TensorStore callbacks aimed at Orbax's closed event loop (harmless).
