@@ -10,6 +10,7 @@ from kernels.attention import IMPLEMENTATIONS
 from kernels.attention import default_implementation
 from kernels.attention import dot_product_attention
 from kernels.chunked_attention import chunked_attention
+from kernels.flash_attention import flash_attention
 from kernels.decode_attention import decode_attention
 from kernels.decode_attention import quantize_int8
 from kernels.reference import attention_block
@@ -17,6 +18,16 @@ from kernels.reference import attention_block_grad
 from kernels.reference import attention_mask
 from kernels.reference import merge_attention
 from kernels.reference import reference_attention
+from kernels.ring_attention import BlockKernel
+from kernels.ring_attention import chunked_block_kernel
+from kernels.ring_attention import flash_block_kernel
+from kernels.ring_attention import from_zigzag
+from kernels.ring_attention import reference_block_kernel
+from kernels.ring_attention import ring_attention
+from kernels.ring_attention import ring_attention_sharded
+from kernels.ring_attention import shard_from_zigzag
+from kernels.ring_attention import shard_to_zigzag
+from kernels.ring_attention import to_zigzag
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -35,7 +35,8 @@ NUM_LANES = 128
 NUM_SUBLANES = 8
 _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims (x @ y.T)
 
-DEFAULT_BLOCKS = {"tpu": (512, 512), "gpu": (64, 64)}
+# (block_q, block_kv, block_q_bwd, block_kv_bwd) per kernel family.
+DEFAULT_BLOCKS = {"tpu": (512, 512, 512, 512), "gpu": (128, 64, 64, 64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +48,17 @@ class _Config:
   kv_len: int
   block_q: int
   block_kv: int
+  block_q_bwd: int
+  block_kv_bwd: int
   group: int  # query heads per kv head
   causal: bool
   sm_scale: float
   logits_soft_cap: float | None
   sliding_window: int | None
   segments: bool
+
+  def for_backward(self) -> _Config:
+    return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd)
 
   @property
   def offset(self) -> int:
@@ -378,6 +384,16 @@ def _tpu_segment_operands(cfg, q_seg, kv_seg):
   return q_seg, kv_seg
 
 
+def _count_spec(index):
+  """Debug counters: one (8, 128) int32 tile per block, a shape Mosaic accepts."""
+  return pl.BlockSpec((None, None, None, NUM_SUBLANES, NUM_LANES),
+                      lambda *ids: (*index(*ids), 0, 0))
+
+
+def _count_shape(b, h, n):
+  return jax.ShapeDtypeStruct((b, h, n, NUM_SUBLANES, NUM_LANES), jnp.int32)
+
+
 def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   """q [b, h, Tq, d], k/v [b, kvh, Tk, d] (padded) -> out, lse [b, h, Tq, 128]."""
   b, h, tq, d = q.shape
@@ -407,8 +423,8 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, h, tq, NUM_LANES), jnp.float32)]
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda bi, hi, qi, ki: (bi, hi, qi, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((b, h, nq, 1), jnp.int32))
+    out_specs.append(_count_spec(lambda bi, hi, qi, ki: (bi, hi, qi)))
+    out_shape.append(_count_shape(b, h, nq))
   return pl.pallas_call(
       functools.partial(_tpu_fwd_kernel, cfg=cfg, counts=counts),
       grid=(b, h, nq, nk),
@@ -448,8 +464,8 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   out_specs = [q_spec]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda bi, hi, qi, ki: (bi, hi, qi, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((b, h, nq, 1), jnp.int32))
+    out_specs.append(_count_spec(lambda bi, hi, qi, ki: (bi, hi, qi)))
+    out_shape.append(_count_shape(b, h, nq))
   dq_out = pl.pallas_call(
       functools.partial(_tpu_dq_kernel, cfg=cfg, counts=counts),
       grid=(b, h, nq, nk),
@@ -478,9 +494,8 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   out_specs = [kv_spec, kv_spec]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1, 1),
-                                  lambda bi, kh, ki, gi, qi: (bi, kh, ki, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((b, kvh, nk, 1), jnp.int32))
+    out_specs.append(_count_spec(lambda bi, kh, ki, gi, qi: (bi, kh, ki)))
+    out_shape.append(_count_shape(b, kvh, nk))
   dkv_out = pl.pallas_call(
       functools.partial(_tpu_dkv_kernel, cfg=cfg, counts=counts),
       grid=(b, kvh, nk, g, nq),
@@ -508,6 +523,16 @@ def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref):
   return _element_mask(cfg, qi, ki, shape, q_seg, kv_seg)
 
 
+def _visible_loop(lo_hi, body, init, counts: bool):
+  """fori_loop over the visible blocks [lo, hi]; with `counts` it also counts the
+  iterations it ran (the debug counter of the block-skipping tests)."""
+  lo, hi = lo_hi
+  if not counts:
+    return lax.fori_loop(lo, hi + 1, body, init), None
+  return lax.fori_loop(lo, hi + 1, lambda i, c: (body(i, c[0]), c[1] + 1),
+                       (init, jnp.int32(0)))
+
+
 def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   q_ref, k_ref, v_ref = refs[:3]
   q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
@@ -531,16 +556,15 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_next, alpha * l + p.sum(axis=-1)
 
-  lo, hi = kv_block_range(cfg, qi)
   init = (jnp.zeros((bq, q.shape[-1]), jnp.float32),
           jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
-  acc, m, l = lax.fori_loop(lo, hi + 1, body, init)
+  (acc, m, l), visited = _visible_loop(kv_block_range(cfg, qi), body, init, counts)
   empty = m == MASK_VALUE
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
   if counts:
-    rest[2][...] = jnp.full(rest[2].shape, jnp.maximum(hi - lo + 1, 0), jnp.int32)
+    rest[2][...] = jnp.full(rest[2].shape, visited, jnp.int32)
 
 
 def _gpu_ds(cfg, qi, ki, q, k, v, do, lse, di, q_seg_ref, kv_seg_ref):
@@ -569,11 +593,11 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
                     kv_seg_ref)
     return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  lo, hi = kv_block_range(cfg, qi)
-  dq = lax.fori_loop(lo, hi + 1, body, jnp.zeros(q.shape, jnp.float32))
+  dq, visited = _visible_loop(kv_block_range(cfg, qi), body,
+                              jnp.zeros(q.shape, jnp.float32), counts)
   rest[0][...] = dq.astype(rest[0].dtype)
   if counts:
-    rest[1][...] = jnp.full(rest[1].shape, jnp.maximum(hi - lo + 1, 0), jnp.int32)
+    rest[1][...] = jnp.full(rest[1].shape, visited, jnp.int32)
 
 
 def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
@@ -584,9 +608,9 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   ki = pl.program_id(0)
   bq, bk = cfg.block_q, cfg.block_kv
   k, v = k_ref[...], v_ref[...]
-  lo, hi = q_block_range(cfg, ki)
+  q_range = q_block_range(cfg, ki)
 
-  def head(gi, dkv):
+  def head(gi, carry):
     def body(qi, dkv):
       dk, dv = dkv
       q_slice = pl.ds(qi * bq, bq)
@@ -597,15 +621,15 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
       dk = dk + lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
       return dk, dv
 
-    return lax.fori_loop(lo, hi + 1, body, dkv)
+    dkv, visited = _visible_loop(q_range, body, carry[0], counts)
+    return dkv, (carry[1] + visited if counts else carry[1])
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, cfg.group, head, (zeros, zeros))
+  (dk, dv), visited = lax.fori_loop(0, cfg.group, head, ((zeros, zeros), jnp.int32(0)))
   rest[0][...] = dk.astype(rest[0].dtype)
   rest[1][...] = dv.astype(rest[1].dtype)
   if counts:
-    rest[2][...] = jnp.full(rest[2].shape, cfg.group * jnp.maximum(hi - lo + 1, 0),
-                            jnp.int32)
+    rest[2][...] = jnp.full(rest[2].shape, visited, jnp.int32)
 
 
 def _gpu_compiler_params(cfg: _Config, d: int):
@@ -739,6 +763,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
   if cfg.backend == "tpu":
     res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
     out, lse = jnp.swapaxes(res[0], 1, 2), res[1][..., 0]
+    res = (*res[:2], res[2][..., 0, 0]) if counts else res
   else:
     res = _gpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
     out, lse = res[0], res[1]
@@ -759,6 +784,8 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
                                     lanes(di), counts)
     dq = jnp.swapaxes(dq_out[0], 1, 2)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
+    if counts:
+      dq_out, dkv_out = (dq_out[0], dq_out[1][..., 0, 0]), (*dkv_out[:2], dkv_out[2][..., 0, 0])
   else:
     dq_out, dkv_out = _gpu_backward(cfg, qp, kp, vp, q_seg, kv_seg, dop, lse, di, counts)
     dq, dk, dv = dq_out[0], dkv_out[0], dkv_out[1]
@@ -779,7 +806,8 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, cfg):
 def _flash_bwd(cfg, res, do):
   q, k, v, q_seg, kv_seg, out, lse = res
   di = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
-  dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, do.astype(q.dtype), lse, di)
+  dq, dk, dv = _backward(cfg.for_backward(), q, k, v, q_seg, kv_seg, do.astype(q.dtype),
+                         lse, di)
   return dq, dk, dv, None, None
 
 
@@ -793,28 +821,35 @@ def default_backend() -> str:
 
 def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
-                block_kv=None, interpret=None) -> _Config:
+                block_kv=None, block_q_bwd=None, block_kv_bwd=None,
+                interpret=None) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config."""
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
   if interpret is None:
     interpret = jax.default_backend() not in ("tpu", "gpu", "cuda", "rocm")
-  default_q, default_kv = DEFAULT_BLOCKS[backend]
   q_len, kv_len = q.shape[1], k.shape[1]
   # Blocks never exceed the (padded) sequence: short inputs use one block.
   minimum = NUM_LANES if backend == "tpu" else 16
   fit = lambda block, n: min(block, max(minimum, pl.cdiv(n, minimum) * minimum))
-  block_q = fit(default_q, q_len) if block_q is None else block_q
-  block_kv = fit(default_kv, kv_len) if block_kv is None else block_kv
-  for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+  # Explicit forward blocks also apply to the backward pass unless it has its own.
+  given = (block_q, block_kv, block_q if block_q_bwd is None else block_q_bwd,
+           block_kv if block_kv_bwd is None else block_kv_bwd)
+  names = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
+  blocks = []
+  for name, block, default, n in zip(names, given, DEFAULT_BLOCKS[backend],
+                                     (q_len, kv_len) * 2):
+    block = fit(default, n) if block is None else block
     if int(block) != block or block < 1 or block % minimum:
       raise ValueError(
           f"{name} must be a positive multiple of {minimum} for the {backend} kernel, "
           f"got {block}")
+    blocks.append(int(block))
   return _Config(
       backend=backend, interpret=interpret, q_len=q_len, kv_len=kv_len,
-      block_q=int(block_q), block_kv=int(block_kv), group=q.shape[2] // k.shape[2],
+      block_q=blocks[0], block_kv=blocks[1], block_q_bwd=blocks[2],
+      block_kv_bwd=blocks[3], group=q.shape[2] // k.shape[2],
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
@@ -826,6 +861,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     logits_soft_cap: float | None = None,
                     sliding_window: int | None = None, backend: str | None = None,
                     block_q: int | None = None, block_kv: int | None = None,
+                    block_q_bwd: int | None = None, block_kv_bwd: int | None = None,
                     interpret=None):
   """Flash attention with Pallas kernels for the forward and backward passes.
 
@@ -835,8 +871,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
     causal, q_segment_ids, kv_segment_ids, sm_scale, logits_soft_cap, sliding_window:
       as in `kernels.reference_attention`.
     backend: kernel family, 'tpu' (Mosaic) or 'gpu' (Triton); default from the platform.
-    block_q, block_kv: block sizes (default 512 on TPU, 64 on GPU, capped at the padded
-      length); multiples of 128 on TPU and 16 on GPU. Lengths need not be multiples.
+    block_q, block_kv: forward block sizes (default 512 on TPU, 128 x 64 on GPU, capped
+      at the padded length); multiples of 128 on TPU and 16 on GPU. Lengths need not
+      be multiples of them.
+    block_q_bwd, block_kv_bwd: the same for the backward kernels (default: the forward
+      blocks if given, else 512 on TPU and 64 on GPU).
     interpret: run in Pallas interpret mode; None = only when not on TPU / GPU.
 
   Returns:
@@ -848,7 +887,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
   cfg = make_config(q, k, causal=causal, segments=q_segment_ids is not None,
                     sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
-                    block_kv=block_kv, interpret=interpret)
+                    block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
+                    interpret=interpret)
   return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg)
 
 
@@ -859,4 +899,5 @@ def public_lse(lse):
 
 def internal_lse(lse):
   """Inverse of `public_lse`."""
-  return jnp.where(lse == -jnp.inf, jnp.inf, jnp.swapaxes(lse, 1, 2))
+  lse = jnp.swapaxes(lse, 1, 2)
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse)

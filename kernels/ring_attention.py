@@ -1,0 +1,474 @@
+"""Ring attention: sequence parallelism over one mesh axis with shard_map + ppermute.
+
+Each device keeps its query shard and passes its key/value shard around the ring. At
+step s device i holds the kv shard of device (i - s) mod n, attends to it with a
+pluggable block kernel, and merges the partial result by log-sum-exp. The next
+transfer is issued before the block is computed, so the collective can overlap the
+compute. The backward pass is a second ring: dq stays home while dk / dv accumulate on
+the travelling kv shard and arrive back at their owner after the last hop.
+
+Causal masking is decided per block pair, not per element: a kv shard entirely in the
+past is attended without a mask, the diagonal shard causally, and a future shard is
+skipped. With the contiguous layout that leaves device 0 idle most of the time; the
+zig-zag layout (`to_zigzag`) gives device i the chunks i and 2n-1-i of the sequence, so
+every off-diagonal step costs each device exactly half a block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from kernels import reference
+from kernels.chunked_attention import DEFAULT_CHUNK_SIZE
+from kernels.chunked_attention import MaskParams
+from kernels.chunked_attention import blockwise_attention_bwd
+from kernels.chunked_attention import blockwise_attention_fwd
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+class BlockKernel(NamedTuple):
+  """The inner kernel of the ring, for equal-position-origin q and kv blocks.
+
+  fwd(q, k, v, q_seg, kv_seg, causal) -> (out [b, tq, h, d] f32, lse [b, tq, h] f32)
+  bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal) -> f32 (dq, dk, dv), where lse
+    and delta = sum(dout * out, -1) come from the final (merged) output.
+  Positions start at 0 in both blocks; `causal` masks q_pos < kv_pos.
+  """
+  fwd: Callable[..., Any]
+  bwd: Callable[..., Any]
+
+
+def chunked_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> BlockKernel:
+  """Plain-JAX blockwise kernel: runs everywhere, O(shard x chunk) memory."""
+  def params(causal):
+    return MaskParams(causal=causal, sm_scale=sm_scale,
+                                  logits_soft_cap=logits_soft_cap, sliding_window=None)
+
+  def pos(q, k):
+    return (jnp.arange(q.shape[1], dtype=jnp.int32)[None],
+            jnp.arange(k.shape[1], dtype=jnp.int32)[None])
+
+  def fwd(q, k, v, q_seg, kv_seg, causal):
+    return blockwise_attention_fwd(q, k, v, q_seg, kv_seg, *pos(q, k),
+                                               params(causal), chunk_size, chunk_size)
+
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
+    return blockwise_attention_bwd(q, k, v, q_seg, kv_seg, *pos(q, k), dout,
+                                               lse, delta, params(causal), chunk_size,
+                                               chunk_size)
+
+  return BlockKernel(fwd, bwd)
+
+
+def reference_block_kernel(sm_scale: float,
+                           logits_soft_cap: float | None = None) -> BlockKernel:
+  """Materialises each block's scores; for small shards and tests."""
+  def kw(q, k, causal):
+    return dict(q_positions=jnp.arange(q.shape[1], dtype=jnp.int32)[None],
+                kv_positions=jnp.arange(k.shape[1], dtype=jnp.int32)[None],
+                causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+
+  def fwd(q, k, v, q_seg, kv_seg, causal):
+    return reference.attention_block(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                     **kw(q, k, causal))
+
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
+    return reference.attention_block_grad(q, k, v, dout, lse, delta, q_segment_ids=q_seg,
+                                          kv_segment_ids=kv_seg, **kw(q, k, causal))
+
+  return BlockKernel(fwd, bwd)
+
+
+def flash_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
+                       **flash_options) -> BlockKernel:
+  """Pallas flash kernels (`backend`, `block_q`, `block_kv`, `interpret`, ...)."""
+  fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
+
+  def config(q, k, q_seg, causal):
+    return fa.make_config(q, k, causal=causal,
+                          segments=q_seg is not None, sm_scale=sm_scale,
+                          logits_soft_cap=logits_soft_cap, **flash_options)
+
+  def check(q, k, causal):
+    # Positions start at 0 in both blocks, so causal blocks must have the kernel's
+    # causal offset kv_len - q_len = 0.
+    if causal and q.shape[1] != k.shape[1]:
+      raise ValueError("causal flash ring blocks need equal q and kv lengths")
+
+  def fwd(q, k, v, q_seg, kv_seg, causal):
+    check(q, k, causal)
+    cfg = config(q, k, q_seg, causal)
+    out, lse = fa._forward(cfg, q, k, v, q_seg, kv_seg)
+    return out.astype(jnp.float32), fa.public_lse(lse)
+
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
+    check(q, k, causal)
+    cfg = config(q, k, q_seg, causal).for_backward()
+    grads = fa._backward(cfg, q, k, v, q_seg, kv_seg, dout.astype(q.dtype),
+                         fa.internal_lse(lse), jnp.swapaxes(delta, 1, 2))
+    return tuple(g.astype(jnp.float32) for g in grads)
+
+  return BlockKernel(fwd, bwd)
+
+
+def default_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
+                         **options) -> BlockKernel:
+  """Flash on TPU / GPU, chunked elsewhere."""
+  if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm"):
+    return flash_block_kernel(sm_scale, logits_soft_cap, **options)
+  return chunked_block_kernel(sm_scale, logits_soft_cap, **options)
+
+
+# ----------------------------------------------------------------------------------
+# Zig-zag layout.
+
+
+def _zigzag_order(num_shards: int):
+  """Chunk order that gives shard i the chunks i and 2n-1-i (of 2n equal chunks)."""
+  return [c for i in range(num_shards) for c in (i, 2 * num_shards - 1 - i)]
+
+
+def _reorder_chunks(x, order, axis):
+  n = len(order)
+  if x.shape[axis] % n:
+    raise ValueError(
+        f"sequence length {x.shape[axis]} must be divisible by 2 * num_shards = {n}")
+  shape = x.shape[:axis] + (n, x.shape[axis] // n) + x.shape[axis + 1:]
+  x = jnp.take(x.reshape(shape), jnp.asarray(order), axis=axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def to_zigzag(x, num_shards: int, axis: int = 1):
+  """Permutes a sequence axis so that contiguous sharding over `num_shards` devices
+  balances causal attention: shard i holds chunks i and 2*num_shards-1-i."""
+  return _reorder_chunks(x, _zigzag_order(num_shards), axis)
+
+
+def from_zigzag(x, num_shards: int, axis: int = 1):
+  """Inverse of `to_zigzag`."""
+  order = _zigzag_order(num_shards)
+  inverse = sorted(range(len(order)), key=order.__getitem__)
+  return _reorder_chunks(x, inverse, axis)
+
+
+def _zigzag_perms(n: int):
+  """ppermute pairs moving each contiguous shard's first / second half (chunks 2i and
+  2i+1) to the device that holds it in the zig-zag layout."""
+  first = [(i, 2 * i if 2 * i < n else 2 * n - 1 - 2 * i) for i in range(n)]
+  second = [(i, 2 * i + 1 if 2 * i + 1 < n else 2 * n - 2 - 2 * i) for i in range(n)]
+  return first, second
+
+
+def _split_halves(x, axis):
+  c = x.shape[axis] // 2
+  return lax.slice_in_dim(x, 0, c, axis=axis), lax.slice_in_dim(x, c, 2 * c, axis=axis)
+
+
+def shard_to_zigzag(x, axis_name, axis: int = 1):
+  """Inside shard_map: turns contiguous sequence shards into zig-zag shards with two
+  ppermutes (each device sends and receives exactly its own shard's worth)."""
+  if x.shape[axis] % 2:
+    raise ValueError(f"zigzag layout needs an even local length, got {x.shape[axis]}")
+  first, second = _split_halves(x, axis)
+  perm_first, perm_second = _zigzag_perms(lax.axis_size(axis_name))
+  got_first = lax.ppermute(first, axis_name, perm_first)
+  got_second = lax.ppermute(second, axis_name, perm_second)
+  # Even devices receive their early chunk from the "first" transfer, odd ones from
+  # the "second".
+  even = lax.axis_index(axis_name) % 2 == 0
+  early = jnp.where(even, got_first, got_second)
+  late = jnp.where(even, got_second, got_first)
+  return jnp.concatenate([early, late], axis)
+
+
+def shard_from_zigzag(x, axis_name, axis: int = 1):
+  """Inverse of `shard_to_zigzag`."""
+  early, late = _split_halves(x, axis)
+  even = lax.axis_index(axis_name) % 2 == 0
+  got_first = jnp.where(even, early, late)
+  got_second = jnp.where(even, late, early)
+  perm_first, perm_second = _zigzag_perms(lax.axis_size(axis_name))
+  invert = lambda perm: [(dst, src) for src, dst in perm]
+  first = lax.ppermute(got_first, axis_name, invert(perm_first))
+  second = lax.ppermute(got_second, axis_name, invert(perm_second))
+  return jnp.concatenate([first, second], axis)
+
+
+# ----------------------------------------------------------------------------------
+# The ring.
+
+_SKIP, _FULL, _DIAG, _KV_FIRST, _Q_SECOND = range(5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  axis_name: Any
+  causal: bool
+  layout: str
+  kernel: BlockKernel
+
+
+def _step_mode(ring: _Ring, me, src):
+  """Which part of the (local q, kv shard of device src) pair is visible."""
+  if not ring.causal:
+    return jnp.int32(_FULL)
+  if ring.layout == "contiguous":
+    return jnp.where(src == me, _DIAG, jnp.where(src < me, _FULL, _SKIP))
+  # Zig-zag: local chunks are (me, 2n-1-me); kv chunks (src, 2n-1-src).
+  return jnp.where(src == me, _DIAG, jnp.where(src < me, _KV_FIRST, _Q_SECOND))
+
+
+def _halves(x):
+  if x is None:
+    return None, None
+  c = x.shape[1] // 2
+  return x[:, :c], x[:, c:]
+
+
+def _empty_partial(q):
+  b, t, h, d = q.shape
+  return jnp.zeros((b, t, h, d), jnp.float32), jnp.full((b, t, h), reference.NEG_INF)
+
+
+def _block_fwd(ring: _Ring, mode, q, k, v, q_seg, kv_seg):
+  fwd = ring.kernel.fwd
+
+  def skip():
+    return _empty_partial(q)
+
+  def full():
+    return fwd(q, k, v, q_seg, kv_seg, False)
+
+  def diag():
+    return fwd(q, k, v, q_seg, kv_seg, True)
+
+  def kv_first():
+    return fwd(q, _halves(k)[0], _halves(v)[0], q_seg, _halves(kv_seg)[0], False)
+
+  def q_second():
+    out, lse = fwd(_halves(q)[1], k, v, _halves(q_seg)[1], kv_seg, False)
+    empty_out, empty_lse = _empty_partial(_halves(q)[0])
+    return (jnp.concatenate([empty_out, out], 1), jnp.concatenate([empty_lse, lse], 1))
+
+  return lax.switch(mode, [skip, full, diag, kv_first, q_second])
+
+
+def _block_bwd(ring: _Ring, mode, q, k, v, q_seg, kv_seg, do, lse, delta):
+  bwd = ring.kernel.bwd
+  f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+
+  def skip():
+    return f32(q), f32(k), f32(v)
+
+  def full():
+    return bwd(q, k, v, q_seg, kv_seg, do, lse, delta, False)
+
+  def diag():
+    return bwd(q, k, v, q_seg, kv_seg, do, lse, delta, True)
+
+  def kv_first():
+    (k1, k2), (v1, _) = _halves(k), _halves(v)
+    dq, dk, dv = bwd(q, k1, v1, q_seg, _halves(kv_seg)[0], do, lse, delta, False)
+    return dq, jnp.concatenate([dk, f32(k2)], 1), jnp.concatenate([dv, f32(k2)], 1)
+
+  def q_second():
+    q1, q2 = _halves(q)
+    dq, dk, dv = bwd(q2, k, v, _halves(q_seg)[1], kv_seg, _halves(do)[1],
+                     _halves(lse)[1], _halves(delta)[1], False)
+    return jnp.concatenate([f32(q1), dq], 1), dk, dv
+
+  return lax.switch(mode, [skip, full, diag, kv_first, q_second])
+
+
+def _rotate(ring: _Ring, xs):
+  n = lax.axis_size(ring.axis_name)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), xs)
+
+
+def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+  n = lax.axis_size(ring.axis_name)
+  me = lax.axis_index(ring.axis_name)
+
+  def step(s, carry, rotate=True):
+    out, lse, kv = carry
+    # Issue the transfer first: it does not depend on this step's compute.
+    next_kv = _rotate(ring, kv) if rotate else kv
+    mode = _step_mode(ring, me, (me - s) % n)
+    k_s, v_s, kv_seg_s = kv
+    out_s, lse_s = _block_fwd(ring, mode, q, k_s, v_s, q_seg, kv_seg_s)
+    out, lse = reference.merge_attention(out, lse, out_s, lse_s)
+    return out, lse, next_kv
+
+  carry = (*_empty_partial(q), (k, v, kv_seg))
+  carry = lax.fori_loop(0, n - 1, step, carry)
+  out, lse, _ = step(n - 1, carry, rotate=False)
+  return out, lse
+
+
+def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
+  n = lax.axis_size(ring.axis_name)
+  me = lax.axis_index(ring.axis_name)
+
+  def step(s, carry, last=False):
+    dq, kv, dkv = carry
+    mode = _step_mode(ring, me, (me - s) % n)
+    k_s, v_s, kv_seg_s = kv
+    dq_s, dk_s, dv_s = _block_bwd(ring, mode, q, k_s, v_s, q_seg, kv_seg_s, do, lse, delta)
+    dkv = (dkv[0] + dk_s, dkv[1] + dv_s)
+    # dk / dv travel with their kv shard; after n hops they are home.
+    return dq + dq_s, (kv if last else _rotate(ring, kv)), _rotate(ring, dkv)
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  carry = (zeros(q), (k, v, kv_seg), (zeros(k), zeros(v)))
+  carry = lax.fori_loop(0, n - 1, step, carry)
+  dq, _, (dk, dv) = step(n - 1, carry, last=True)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, q_seg, kv_seg, ring):
+  out, _ = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+  return out.astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, q_seg, kv_seg, ring):
+  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+  out = out.astype(q.dtype)
+  return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _ring_bwd(ring, res, do):
+  q, k, v, q_seg, kv_seg, out, lse = res
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
+                     logits_soft_cap, sliding_window):
+  reference.check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids,
+                                   sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+  if sliding_window is not None:
+    raise ValueError(f"sliding_window is not supported by ring attention, got "
+                     f"{sliding_window}; use chunked or flash attention")
+  if q.shape[1] != k.shape[1]:
+    raise ValueError(f"ring attention needs q_len == kv_len, got {q.shape[1]} and "
+                     f"{k.shape[1]}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=None,
+                   kv_segment_ids=None, sm_scale: float | None = None,
+                   logits_soft_cap: float | None = None, sliding_window=None,
+                   layout: str = "contiguous", block_kernel: BlockKernel | str | None = None,
+                   **kernel_options):
+  """Attention over a sequence sharded along `axis_name`; call inside `shard_map`.
+
+  Args:
+    q: local shard [batch, len / n, heads, head_dim]; k, v: [batch, len / n, kv_heads,
+      head_dim], for the same positions (self-attention: equal q and kv lengths).
+    axis_name: the mesh axis the sequence is split over (n devices, in order).
+    causal, q_segment_ids, kv_segment_ids, sm_scale, logits_soft_cap: as in
+      `kernels.reference_attention` (segment ids are local shards too).
+    sliding_window: not supported (raises ValueError if set).
+    layout: 'contiguous' (shard i holds positions [i * len / n, (i + 1) * len / n)) or
+      'zigzag' (the sequence was permuted with `to_zigzag`; balances causal work).
+    block_kernel: a `BlockKernel`, or 'flash', 'chunked', 'reference'; default flash on
+      TPU / GPU and chunked elsewhere. `kernel_options` go to its factory (e.g.
+      `interpret`, `block_q` for flash, `chunk_size` for chunked).
+
+  Returns:
+    The local output shard [batch, len / n, heads, head_dim] in q's dtype.
+  """
+  _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
+                   logits_soft_cap, sliding_window)
+  if layout == "zigzag" and q.shape[1] % 2:
+    raise ValueError(f"zigzag layout needs an even local length, got {q.shape[1]}")
+  scale = reference.default_sm_scale(q.shape[-1], sm_scale)
+  factories = {"flash": flash_block_kernel, "chunked": chunked_block_kernel,
+               "reference": reference_block_kernel, None: default_block_kernel}
+  if not isinstance(block_kernel, BlockKernel):
+    if block_kernel not in factories:
+      raise ValueError(f"block_kernel must be a BlockKernel or one of "
+                       f"{list(factories)[:3]}, got {block_kernel!r}")
+    block_kernel = factories[block_kernel](scale, logits_soft_cap, **kernel_options)
+  ring = _Ring(axis_name=axis_name, causal=bool(causal), layout=layout,
+               kernel=block_kernel)
+  return _ring(q, k, v, q_segment_ids, kv_segment_ids, ring)
+
+
+def _place(x, mesh, spec):
+  """Shards x as shard_map expects, on meshes with explicit or automatic axes."""
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return jax.reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
+                           q_segment_ids=None, kv_segment_ids=None,
+                           sm_scale: float | None = None,
+                           logits_soft_cap: float | None = None, sliding_window=None,
+                           layout: str = "zigzag", batch_axis=None, head_axis=None,
+                           block_kernel: BlockKernel | str | None = None,
+                           **kernel_options):
+  """Ring attention on global arrays: shards the sequence over `axis_name` of `mesh`.
+
+  Args:
+    q, k, v, causal, segment ids, sm_scale, logits_soft_cap, sliding_window,
+      block_kernel, kernel_options: as in `ring_attention`, but global
+      ([batch, len, heads, head_dim]; len divisible by the axis size, by twice it
+      for zig-zag).
+    mesh: a `jax.sharding.Mesh`; axis_name: its axis that splits the sequence.
+    layout: 'zigzag' (default) re-deals the contiguous shards into the zig-zag layout
+      inside the map (two ppermutes each way), balancing causal work; 'contiguous'
+      runs the ring on the contiguous shards.
+    batch_axis, head_axis: optional mesh axes that also split batch / heads.
+
+  Returns:
+    [batch, len, heads, head_dim] in q's dtype, in the original order.
+  """
+  _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
+                   logits_soft_cap, sliding_window)
+  n = mesh.shape[axis_name]
+  zig = layout == "zigzag"
+  if q.shape[1] % (2 * n if zig else n):
+    raise ValueError(f"sequence length {q.shape[1]} must be divisible by "
+                     f"{'2 * ' if zig else ''}the '{axis_name}' axis size {n}")
+  segments = q_segment_ids is not None
+  seq = P(batch_axis, axis_name, head_axis, None)
+  seg_spec = P(batch_axis, axis_name)
+
+  def local(q, k, v, q_seg=None, kv_seg=None):
+    # Arrive contiguous; the zig-zag permutation is two ppermutes inside the map.
+    to_zig = (lambda x: shard_to_zigzag(x, axis_name)) if zig else (lambda x: x)
+    q, k, v = to_zig(q), to_zig(k), to_zig(v)
+    if segments:
+      q_seg, kv_seg = to_zig(q_seg), to_zig(kv_seg)
+    out = ring_attention(q, k, v, axis_name=axis_name, causal=causal,
+                         q_segment_ids=q_seg, kv_segment_ids=kv_seg, sm_scale=sm_scale,
+                         logits_soft_cap=logits_soft_cap, layout=layout,
+                         block_kernel=block_kernel, **kernel_options)
+    return shard_from_zigzag(out, axis_name) if zig else out
+
+  args, specs = [q, k, v], [seq, seq, seq]
+  if segments:
+    args += [q_segment_ids, kv_segment_ids]
+    specs += [seg_spec, seg_spec]
+  args = [_place(x, mesh, spec) for x, spec in zip(args, specs)]
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=seq,
+                       check_vma=False)(*args)

@@ -1,0 +1,233 @@
+"""Pallas flash attention: both kernel families against the reference, block skipping,
+and lowering for TPU (Mosaic) and GPU (Triton) without the hardware."""
+import functools
+import importlib
+import subprocess
+import sys
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from kernel_test_utils import (BF16_CASES, CASES, Case, check_against_reference,
+                               make_inputs)
+
+fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
+ON = jax.default_backend()
+
+
+class FlashAttentionTest:
+  """Cases shared by every kernel family; subclasses pick the family and the mode."""
+  BACKEND = "tpu"
+  INTERPRET = False
+  BLOCKS = (128, 128)  # the smallest TPU blocks: lengths 128-512 span 1-4 blocks
+  CASES = CASES
+  BF16_CASES = BF16_CASES[:1]
+
+  @pytest.fixture(autouse=True)
+  def _needs_hardware(self):
+    if not self.INTERPRET and ON != self.BACKEND:
+      pytest.skip(f"needs a {self.BACKEND} device")
+
+  def flash(self, *args, **kwargs):
+    return fa.flash_attention(*args, backend=self.BACKEND, interpret=self.INTERPRET,
+                              block_q=self.BLOCKS[0], block_kv=self.BLOCKS[1], **kwargs)
+
+  def test_matches_reference_f32(self, case):
+    check_against_reference(self.flash, case, jnp.float32)
+
+  def test_matches_reference_bf16(self, bf16_case):
+    check_against_reference(self.flash, bf16_case, jnp.bfloat16)
+
+  @pytest.mark.parametrize("window", [None, 100])
+  def test_visits_only_visible_blocks(self, window):
+    """The kernels' own counters: fully masked block pairs are never computed."""
+    case = Case("count", batch=1, q_len=384, kv_len=512, heads=4, kv_heads=2)
+    x = make_inputs(case)
+    cfg = fa.make_config(x["q"], x["k"], causal=True, sliding_window=window,
+                         backend=self.BACKEND, block_q=self.BLOCKS[0],
+                         block_kv=self.BLOCKS[1], interpret=self.INTERPRET)
+    out, lse, fwd_counts = fa._forward(cfg, x["q"], x["k"], x["v"], None, None, counts=True)
+    di = jnp.einsum("bqhd,bqhd->bhq", x["dout"], out)
+    _, (dq_counts, dkv_counts) = fa._backward(
+        cfg.for_backward(), x["q"], x["k"], x["v"], None, None, x["dout"], lse, di,
+        counts=True)
+    visible = brute_force_visible(cfg)
+    total = cfg.num_q_blocks * cfg.num_kv_blocks
+    assert visible.sum() < total  # the case does have blocks to skip
+    per_q_block = np.broadcast_to(visible.sum(axis=1), (1, 4, cfg.num_q_blocks))
+    np.testing.assert_array_equal(np.asarray(fwd_counts), per_q_block)
+    np.testing.assert_array_equal(np.asarray(dq_counts), per_q_block)
+    # Each kv block is visited once per query head of its group (2 heads per kv head).
+    per_kv_block = np.broadcast_to(2 * visible.sum(axis=0), (1, 2, cfg.num_kv_blocks))
+    np.testing.assert_array_equal(np.asarray(dkv_counts), per_kv_block)
+
+  def test_fully_masked_rows_are_zero_with_finite_grads(self):
+    case = Case("pad", segments=True, q_len=128, kv_len=128)
+    x = make_inputs(case)
+    kw = case.mask_kwargs(x)
+    out, vjp = jax.vjp(lambda q, k, v: self.flash(q, k, v, **kw), x["q"], x["k"], x["v"])
+    grads = vjp(x["dout"])
+    padded = np.asarray(x["q_seg"] == 0)
+    np.testing.assert_array_equal(np.asarray(out)[padded], 0.0)
+    for g in grads:
+      assert np.all(np.isfinite(np.asarray(g)))
+    np.testing.assert_array_equal(np.asarray(grads[0])[padded], 0.0)
+
+
+def _parametrize(cls):
+  """Attaches each subclass's own case lists to the shared test methods."""
+  ids = lambda c: c.name
+  for name, cases, arg in (("test_matches_reference_f32", cls.CASES, "case"),
+                           ("test_matches_reference_bf16", cls.BF16_CASES, "bf16_case")):
+    method = getattr(FlashAttentionTest, name)
+
+    @functools.wraps(method)
+    def test(self, _m=method, **kw):
+      return _m(self, **kw)
+
+    setattr(cls, name, pytest.mark.parametrize(arg, cases, ids=ids)(test))
+  return cls
+
+
+@_parametrize
+class TestFlashTPU(FlashAttentionTest):
+  BACKEND = "tpu"
+
+
+@_parametrize
+class TestFlashTPUInterpret(TestFlashTPU):
+  INTERPRET = True
+
+
+@_parametrize
+class TestFlashGPU(FlashAttentionTest):
+  BACKEND = "gpu"
+  BLOCKS = (64, 32)
+
+
+@_parametrize
+class TestFlashGPUInterpret(TestFlashGPU):
+  INTERPRET = True
+  # The block logic is shared with the TPU family; a subset keeps the suite fast.
+  CASES = tuple(c for c in CASES if c.name in (
+      "causal_gqa_ragged", "segments_q_shorter", "soft_cap_sliding"))
+
+
+def brute_force_visible(cfg):
+  """[q blocks, kv blocks] bool: does any real (query, key) pair pass the mask."""
+  q_pos = np.arange(cfg.q_len) + cfg.kv_len - cfg.q_len
+  kv_pos = np.arange(cfg.kv_len)
+  mask = np.ones((cfg.q_len, cfg.kv_len), bool)
+  diff = q_pos[:, None] - kv_pos[None, :]
+  if cfg.causal:
+    mask &= diff >= 0
+  if cfg.sliding_window is not None:
+    mask &= diff < cfg.sliding_window
+    if not cfg.causal:
+      mask &= -diff < cfg.sliding_window
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  padded = np.zeros((nq * cfg.block_q, nk * cfg.block_kv), bool)
+  padded[:cfg.q_len, :cfg.kv_len] = mask
+  return padded.reshape(nq, cfg.block_q, nk, cfg.block_kv).any(axis=(1, 3))
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(q_len=st.integers(1, 700), kv_len=st.integers(1, 700),
+                  block_q=st.sampled_from([16, 32, 48, 128]),
+                  block_kv=st.sampled_from([16, 64, 96]), causal=st.booleans(),
+                  window=st.one_of(st.none(), st.integers(1, 300)))
+def test_block_ranges_are_exact(q_len, kv_len, block_q, block_kv, causal, window):
+  """kv_block_range / q_block_range (used by the kernels' loops, pl.when and index
+  maps) select exactly the block pairs with a visible (query, key) pair."""
+  q = jax.ShapeDtypeStruct((1, q_len, 1, 8), jnp.float32)
+  k = jax.ShapeDtypeStruct((1, kv_len, 1, 8), jnp.float32)
+  cfg = fa.make_config(q, k, causal=causal, sliding_window=window, backend="gpu",
+                       block_q=block_q, block_kv=block_kv)
+  want = brute_force_visible(cfg)
+  nq, nk = want.shape
+  got_kv = np.zeros_like(want)
+  for qi in range(nq):
+    lo, hi = (int(x) for x in fa.kv_block_range(cfg, qi))
+    got_kv[qi] = (np.arange(nk) >= lo) & (np.arange(nk) <= hi)
+  np.testing.assert_array_equal(got_kv, want)
+  got_q = np.zeros_like(want)
+  for ki in range(nk):
+    lo, hi = (int(x) for x in fa.q_block_range(cfg, ki))
+    got_q[:, ki] = (np.arange(nq) >= lo) & (np.arange(nq) <= hi)
+  np.testing.assert_array_equal(got_q, want)
+
+
+@pytest.mark.slow
+def test_tpu_simulator_checks_scratch_and_dma():
+  """The TPU interpreter models VMEM scratch, DMAs and the grid's semantics."""
+  from jax.experimental.pallas import tpu as pltpu
+  fn = functools.partial(fa.flash_attention, backend="tpu", block_q=128, block_kv=128,
+                         interpret=pltpu.InterpretParams())
+  check_against_reference(
+      fn, Case("sim", batch=1, q_len=256, kv_len=256, heads=2, kv_heads=1, segments=True),
+      jnp.float32)
+
+
+def _lower(backend, platform, **kwargs):
+  def f(q, k, v, seg):
+    fn = lambda q, k, v: fa.flash_attention(
+        q, k, v, q_segment_ids=seg, kv_segment_ids=seg, backend=backend,
+        interpret=False, logits_soft_cap=30.0, sliding_window=300, **kwargs)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(out)
+
+  q = jax.ShapeDtypeStruct((1, 1000, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
+  return jax.jit(f).trace(q, k, k, seg).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_lowers_for_gpu_with_triton():
+  assert "triton" in _lower("gpu", "cuda").lower()
+
+
+def test_lowers_for_tpu_with_mosaic(monkeypatch):
+  from jax._src.pallas.mosaic import tpu_info
+  if not hasattr(tpu_info, "registry") or ON == "tpu":
+    pytest.skip("needs jax's TPU info registry to describe a TPU from a CPU host")
+  # Lowering asks the (absent) device for its generation; describe a v5p.
+  monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                      lambda: tpu_info._get_tpu_info_impl(tpu_info.ChipVersion.TPU_V5P, 1))
+  assert "tpu_custom_call" in _lower("tpu", "tpu")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(block_q=100), "block_q must be a positive multiple of 128 for the tpu kernel"),
+    (dict(block_kv_bwd=0), "block_kv_bwd must be a positive multiple of 128"),
+    (dict(backend="cuda"), "backend must be 'tpu' or 'gpu', got 'cuda'"),
+])
+def test_bad_options(kwargs, message):
+  x = jnp.zeros((1, 128, 2, 16))
+  with pytest.raises(ValueError, match=message):
+    fa.flash_attention(x, x, x, **({"backend": "tpu"} | kwargs))
+
+
+def test_front_door_runs_both_pallas_implementations():
+  x = make_inputs(Case("door", batch=1, q_len=128, kv_len=128, heads=2, kv_heads=1))
+  want = kernels.reference_attention(x["q"], x["k"], x["v"])
+  for impl in ("pallas_tpu", "pallas_gpu"):
+    got = kernels.dot_product_attention(x["q"], x["k"], x["v"], implementation=impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+def test_import_is_cheap():
+  """`import kernels` initialises no backend and imports no Pallas lowering."""
+  code = (
+      "import sys, kernels\n"
+      "from jax._src import xla_bridge\n"
+      "assert not xla_bridge._backends, 'a backend was initialised'\n"
+      "bad = [m for m in sys.modules if m.startswith(('jax.experimental.pallas.triton',"
+      " 'jax.experimental.pallas.tpu', 'jax.experimental.pallas.mosaic_gpu',"
+      " 'jax._src.pallas.triton', 'jax._src.pallas.mosaic_gpu'))]\n"
+      "assert not bad, bad\n")
+  subprocess.run([sys.executable, "-c", code], check=True)
