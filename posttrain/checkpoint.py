@@ -172,7 +172,9 @@ class CheckpointManager:
   def latest_step(self) -> int | None:
     """The newest complete checkpoint step; None if there is none.
 
-    A save still being written (here, or killed in another process) does not count.
+    A save still being written (here, or killed in another process) does not
+    count. A committed step whose files were damaged later is only found out by
+    `restore`, which then falls back past it.
     """
     return max(self.all_steps(), default=None)
 
@@ -291,7 +293,7 @@ class CheckpointManager:
 class PreemptionFlag:
   """Turns SIGTERM / SIGINT into a flag the training loop polls.
 
-  Single process: the first SIGTERM or SIGINT sets the flag; a second SIGINT
+  Single process: SIGTERM or SIGINT sets the flag; a SIGINT once the flag is up
   raises KeyboardInterrupt (Ctrl-C twice aborts without the final save).
   Several processes (`jax.distributed`): no handler is installed by default,
   since JAX's preemption service owns SIGTERM and all hosts must save at the same
