@@ -37,15 +37,26 @@ def _param(rngs: nnx.Rngs | None, shape, names, dtype, init: str = "normal",
 
 
 class KVCache(NamedTuple):
-  """Per-layer key/value cache, slot index = token position. k, v: [B, S, K, H]."""
+  """Per-layer key/value cache, slot index = token position. k, v: [B, S, K, H].
+
+  An int8 cache also holds float32 scales per slot and head, k_scale / v_scale: [B, S, K].
+  """
 
   k: jax.Array
   v: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> list[KVCache]:
-  dtype = dtype or _dtype(cfg.dtype)
+  """Zeroed cache per layer; dtype int8 stores quantized keys/values with scales."""
+  dtype = jnp.dtype(dtype or _dtype(cfg.dtype))
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  if dtype == jnp.int8:
+    scales = shape[:3]
+    return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                    jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
+            for _ in range(cfg.num_layers)]
   return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
           for _ in range(cfg.num_layers)]
 
@@ -125,8 +136,7 @@ class Attention(nnx.Module):
       out = attend(cfg, q, k, v, segment_ids_BxT, ctx)
     else:
       new_cache = write_cache(cache, k, v, positions_BxT)
-      new_cache = KVCache(ctx.constrain(new_cache.k, CACHE_AXES),
-                          ctx.constrain(new_cache.v, CACHE_AXES))
+      new_cache = jax.tree.map(lambda x: ctx.constrain(x, CACHE_AXES[:x.ndim]), new_cache)
       if prefill:
         # The cache was empty, so the block holds every key: the training kernel (chunked /
         # flash, causal within segments) is exact and never scores the empty cache slots.
@@ -134,7 +144,8 @@ class Attention(nnx.Module):
       else:
         import kernels
         lengths = positions_BxT[:, -1] + 1
-        out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths)
+        out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
+                                       k_scale=new_cache.k_scale, v_scale=new_cache.v_scale)
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache
@@ -144,8 +155,15 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> KVCache:
   """Writes the new keys/values at their positions (slot = position), row by row."""
   rows = jnp.arange(k_BxTxKxH.shape[0])[:, None]
   pos = jnp.clip(positions_BxT, 0, cache.k.shape[1] - 1)
-  return KVCache(cache.k.at[rows, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
-                 cache.v.at[rows, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
+  if cache.k_scale is None:
+    return KVCache(cache.k.at[rows, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
+                   cache.v.at[rows, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
+  import kernels
+  k, k_scale = kernels.quantize_int8(k_BxTxKxH)
+  v, v_scale = kernels.quantize_int8(v_BxTxKxH)
+  return KVCache(cache.k.at[rows, pos].set(k), cache.v.at[rows, pos].set(v),
+                 cache.k_scale.at[rows, pos].set(k_scale),
+                 cache.v_scale.at[rows, pos].set(v_scale))
 
 
 class MLP(nnx.Module):

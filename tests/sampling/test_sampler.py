@@ -1,7 +1,5 @@
 """Sampler against references: full recomputation without a cache, numpy sampling sets."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,78 +8,10 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.sampling import Sampler, SamplingMode, sample_logits
+from sampling_refs import (CFG, MAX_LEN, PROMPTS, full_logits, generated_positions,
+                           greedy_by_recomputation, reference_policy, token_logprobs)
 
-# A larger init scale than the preset makes the random model's next-token distribution peaked
-# and context dependent, so greedy paths and top-k / top-p sets are informative.
-CFG = models.get_preset("tiny", init_std=0.2)
-MAX_LEN = 64
-# Lengths 1 and 16 sit on bucket edges; 17 spills into the next length bucket.
-PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 36)), list(range(40, 57)), [3, 3, 3, 8]]
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@pytest.fixture(scope="module")
-def model():
-  return models.create_model(CFG, seed=0)
-
-
-@pytest.fixture(scope="module")
-def sampler(model):
-  return Sampler(model, max_len=MAX_LEN)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, tokens_BxT):
-  return nnx.merge(graphdef, state)(tokens_BxT)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _token_logprobs(graphdef, state, tokens_BxT, targets_BxT):
-  return nnx.merge(graphdef, state).token_logprobs(tokens_BxT, targets_BxT)
-
-
-def full_logits(model, seqs):
-  """Logits [len, V] for each sequence from one cache-free forward pass (right padded)."""
-  width = max(len(s) for s in seqs)
-  tokens = np.zeros((len(seqs), width), np.int32)
-  for i, s in enumerate(seqs):
-    tokens[i, :len(s)] = s
-  logits = np.asarray(_forward(*nnx.split(model), jnp.asarray(tokens)), np.float64)
-  return [logits[i, :len(s)] for i, s in enumerate(seqs)]
-
-
-def greedy_by_recomputation(model, prompts, steps):
-  """Argmax decoding that reruns the whole causal model on a fixed buffer every step."""
-  lens = [len(p) for p in prompts]
-  buf = np.zeros((len(prompts), max(lens) + steps), np.int32)
-  for i, p in enumerate(prompts):
-    buf[i, :len(p)] = p
-  graphdef, state = nnx.split(model)
-  for t in range(steps):
-    logits = np.asarray(_forward(graphdef, state, jnp.asarray(buf)))
-    for i, n in enumerate(lens):
-      buf[i, n + t] = int(np.argmax(logits[i, n + t - 1]))
-  return np.stack([buf[i, n:n + steps] for i, n in enumerate(lens)])
-
-
-def reference_policy(logits_V, temperature, top_k, top_p):
-  """(allowed mask, log-probs) of the distribution sample_logits should draw from."""
-  z = logits_V / temperature
-  order = np.argsort(-z, kind="stable")
-  allowed = np.zeros(z.shape, bool)
-  allowed[order[:top_k or z.size]] = True
-  if top_p is not None:
-    p = np.exp(z[order] - z[order].max()) * allowed[order]
-    p /= p.sum()
-    before = np.cumsum(p) - p
-    allowed[order[before >= top_p]] = False
-  logz = np.log(np.sum(np.exp(z[allowed] - z[allowed].max()))) + z[allowed].max()
-  return allowed, np.where(allowed, z - logz, -np.inf)
-
-
-def generated_positions(prompt, length):
-  """Indices into full_logits(prompt + completion) that predict each generated token."""
-  return np.arange(len(prompt) - 1, len(prompt) - 1 + length)
 
 
 # -- greedy and log-probs -----------------------------------------------------------------
@@ -106,14 +36,8 @@ def test_greedy_equals_argmax_by_full_recomputation(model, sampler):
 def test_logprobs_equal_model_recomputation_at_temperature_one(model, sampler):
   out = sampler.generate(PROMPTS, max_new_tokens=10, temperature=1.0, seed=7)
   seqs = [p + out.token_lists()[i] for i, p in enumerate(PROMPTS)]
-  width = max(len(s) for s in seqs)
-  tokens = np.zeros((len(seqs), width), np.int32)
-  for i, s in enumerate(seqs):
-    tokens[i, :len(s)] = s
-  targets = np.roll(tokens, -1, axis=1)
-  recomputed = np.asarray(_token_logprobs(*nnx.split(model), tokens, targets))
-  for i, p in enumerate(PROMPTS):
-    ref = recomputed[i, generated_positions(p, out.lengths[i])]
+  for i, (p, logp) in enumerate(zip(PROMPTS, token_logprobs(model, seqs))):
+    ref = logp[generated_positions(p, out.lengths[i])]
     np.testing.assert_allclose(out.logprobs[i, :out.lengths[i]], ref, atol=1e-4, rtol=0)
 
 
@@ -302,3 +226,25 @@ def test_mesh_greedy_equals_single_device(model, sampler, shape):
   np.testing.assert_array_equal(meshed.generate(PROMPTS, **kw).tokens,
                                 greedy_by_recomputation(other, PROMPTS, 8))
   assert meshed.num_compiles == compiled
+
+
+# -- int8 cache ---------------------------------------------------------------------------
+
+# Per-slot, per-head absmax int8 keeps each cached k/v within 1/254 of its row's largest entry;
+# on this deliberately peaked model that moves a token's log-prob by ~0.02 nats on average.
+INT8_MAX_LOGPROB_ERROR = 0.25
+INT8_MEAN_LOGPROB_ERROR = 0.05
+
+
+def test_int8_cache_stays_within_stated_tolerance(model, sampler):
+  int8 = Sampler(model, max_len=MAX_LEN, cache_dtype="int8")
+  out = int8.generate(PROMPTS, max_new_tokens=12, temperature=1.0, seed=5)
+  seqs = [p + out.token_lists()[i] for i, p in enumerate(PROMPTS)]
+  errors = np.concatenate([
+      np.abs(out.logprobs[i, :out.lengths[i]] - logp[generated_positions(p, out.lengths[i])])
+      for i, (p, logp) in enumerate(zip(PROMPTS, token_logprobs(model, seqs)))])
+  assert 0 < errors.max() < INT8_MAX_LOGPROB_ERROR, errors.max()  # > 0: it did quantize.
+  assert errors.mean() < INT8_MEAN_LOGPROB_ERROR, errors.mean()
+  greedy8 = int8.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
+  greedy = sampler.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
+  assert np.mean(greedy8.tokens == greedy.tokens) >= 0.9
