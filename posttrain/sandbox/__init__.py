@@ -35,7 +35,8 @@ _EXPORTS = {
     "SandboxConfig": "api", "SandboxUnavailableError": "api", "Session": "sandbox",
     "Snapshot": "api", "Status": "api",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["Backend", "ExecRequest", "ExecResult", "Sandbox", "SandboxConfig",
+           "SandboxUnavailableError", "Session", "Snapshot", "Status"]
 
 if TYPE_CHECKING:
     from posttrain.sandbox.api import (ExecRequest, ExecResult, SandboxConfig,

@@ -24,7 +24,8 @@ import time
 
 import posttrain
 from posttrain.sandbox import _protocol
-from posttrain.sandbox._worker import BOOTSTRAP, PRIVATE_PATHS
+from posttrain.sandbox._isolation import PRIVATE_PATHS
+from posttrain.sandbox._worker import BOOTSTRAP
 from posttrain.sandbox.api import (ExecRequest, ExecResult, SandboxConfig,
                                    SandboxUnavailableError, Status, default_ro_paths)
 from posttrain.sandbox.backend import Backend, sandbox_error
