@@ -37,7 +37,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import jax
 import numpy as np
@@ -237,7 +237,7 @@ class CheckpointManager:
     """Waits for pending saves and releases Orbax's threads."""
     self._manager.close()
 
-  def __enter__(self) -> CheckpointManager:
+  def __enter__(self) -> Self:
     return self
 
   def __exit__(self, *exc_info) -> None:
@@ -341,7 +341,7 @@ class PreemptionFlag:
     """Restores the signal handlers that were there before."""
     self._uninstall()
 
-  def __enter__(self) -> PreemptionFlag:
+  def __enter__(self) -> Self:
     return self
 
   def __exit__(self, *exc_info) -> None:

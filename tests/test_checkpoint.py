@@ -15,9 +15,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
-from posttrain.checkpoint import CheckpointManager, PreemptionFlag, install_preemption_handler
+from posttrain.checkpoint import (
+  CheckpointManager,
+  PreemptionFlag,
+  install_preemption_handler,
+)
 
 
 def _mesh(shape, devices):
@@ -219,16 +224,15 @@ def test_torn_latest_checkpoint_is_skipped_with_warning(tmp_path, caplog, damage
   _damage_data_files(tmp_path, 3, damage)
 
   abstract = jax.eval_shape(lambda: states[1])
-  with caplog.at_level(logging.WARNING, logger="posttrain.checkpoint"):
-    with CheckpointManager(tmp_path, save_every=1) as ckpt:
-      restored, extras, step = ckpt.restore(abstract)
-      assert (step, extras) == (2, {"step": 2})
-      _assert_bitwise_equal(restored, states[2])
-      assert ckpt.latest_step() == 2
-      # The run continues and saves step 3 again where the torn one was.
-      assert ckpt.save(3, states[3], {"step": 3}, force=True)
-      ckpt.wait()
-      assert ckpt.restore(abstract)[2] == 3
+  with caplog.at_level(logging.WARNING, logger="posttrain.checkpoint"), CheckpointManager(tmp_path, save_every=1) as ckpt:
+    restored, extras, step = ckpt.restore(abstract)
+    assert (step, extras) == (2, {"step": 2})
+    _assert_bitwise_equal(restored, states[2])
+    assert ckpt.latest_step() == 2
+    # The run continues and saves step 3 again where the torn one was.
+    assert ckpt.save(3, states[3], {"step": 3}, force=True)
+    ckpt.wait()
+    assert ckpt.restore(abstract)[2] == 3
   assert any("step 3" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
   assert (tmp_path / "3.unreadable").is_dir()
 
@@ -250,9 +254,8 @@ def test_nothing_readable_raises_and_wrong_tree_is_not_torn(tmp_path):
   assert (tmp_path / "1").is_dir()  # a caller mistake never moves a checkpoint aside
 
   _damage_data_files(tmp_path, 1, "delete")
-  with CheckpointManager(tmp_path) as ckpt:
-    with pytest.raises(RuntimeError, match="no readable checkpoint .* step 1: "):
-      ckpt.restore(abstract)
+  with CheckpointManager(tmp_path) as ckpt, pytest.raises(RuntimeError, match="no readable checkpoint .* step 1: "):
+    ckpt.restore(abstract)
 
 
 def _python(code, *args):
