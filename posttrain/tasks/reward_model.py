@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from posttrain.tasks.base import Domain, Reward, Task
+from posttrain.tasks.base import Domain, Reward, StepResult, Task
 
 SQUASH = ("clip", "sigmoid")
 
@@ -68,6 +68,8 @@ class ModelScoredDomain(Domain):
         return self.inner.demonstration(self._inner_task(task))
 
     def step(self, task, transcript):
+        if not hasattr(self.inner, "step"):
+            return StepResult(None, True)  # single-turn: the first reply is final
         return self.inner.step(self._inner_task(task), transcript)
 
     def _inner_task(self, task: Task) -> Task:

@@ -92,3 +92,13 @@ def test_renamed_wrapper_is_a_separate_registered_domain():
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         ModelScoredDomain(BASE, ConstantScorer(0.0), **kwargs)
+
+
+def test_wrapped_single_turn_domain_ends_after_one_turn():
+    domain = ModelScoredDomain(BASE, ConstantScorer(0.0))
+    step = domain.step(domain.sample(0), "<tool>calculator: 1+1</tool>")
+    assert step.done and step.observation is None
+    tools = ModelScoredDomain(registry.get("tools/calc_l1"), ConstantScorer(0.0))
+    assert tools.step(tools.sample(0), "<tool>calculator: 1+1</tool>").observation == (
+        "<observation>2</observation>"
+    )

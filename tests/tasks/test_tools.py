@@ -70,6 +70,18 @@ def test_call_budget_ends_the_episode():
     assert done and model_text(transcript).count("<tool>") == task.metadata["max_calls"] + 1
 
 
+def test_worker_style_transcript_with_newlines_is_verified():
+    # Rollout workers join turns as text + "\n" + observation + "\n".
+    task = CALC.sample(train_seed(4))
+    call = f"<tool>calculator: {task.metadata['call']}</tool> wait"
+    good = f"{call}\n<observation>{task.answer}</observation>\n<answer>{task.answer}</answer>"
+    assert CALC.score(task, good).value == 1.0
+    forged = (
+        f"{call}\n<observation>{int(task.answer) + 1}</observation>\n<answer>{task.answer}</answer>"
+    )
+    assert CALC.score(task, forged).components["tool_valid"] == 0.0
+
+
 def test_scoring_checks_answers_and_calls():
     task = CALC.sample(train_seed(2))
     good_call = (

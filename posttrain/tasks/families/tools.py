@@ -130,6 +130,19 @@ def _call_is_valid(name: str, arg: str, observation: str | None) -> bool:
     return True
 
 
+def _observation_after(transcript: str, end: int) -> str | None:
+    """The observation answering the call that ends at ``end``: the next observation block,
+    unless another tool call starts first (rollout workers put newlines around it)."""
+    start = transcript.find(OBS_OPEN, end)
+    if start < 0:
+        return None
+    next_call = transcript.find(TOOL_OPEN, end, start)
+    close = transcript.find(OBS_CLOSE, start)
+    if next_call >= 0 or close < 0:
+        return None
+    return transcript[start + len(OBS_OPEN) : close]
+
+
 class ToolDomain(Domain):
     """A multi-turn domain whose tasks are meant to be solved with a tool."""
 
@@ -190,10 +203,7 @@ class ToolDomain(Domain):
         calls, valid = 0, 0
         for _, end, content in iter_blocks(completion, TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS):
             calls += 1
-            observation = None
-            if completion.startswith(OBS_OPEN, end):
-                close = completion.find(OBS_CLOSE, end)
-                observation = completion[end + len(OBS_OPEN) : close] if close >= 0 else None
+            observation = _observation_after(completion, end)
             parsed = parse_call(content)
             valid += parsed is not None and _call_is_valid(*parsed, observation)
         tool_valid = valid / calls if calls else 1.0
