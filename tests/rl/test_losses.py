@@ -64,7 +64,9 @@ def test_surrogate_gradient_is_zero_exactly_where_clipped(dual_clip):
                                      dual_clip=dual_clip)
     return jnp.sum(loss)
 
-  grad = np.asarray(jax.grad(total)(logp))
+  # Garbage at masked positions of the differentiated input must not reach the gradient.
+  old, adv = _with_garbage(old, mask, np.inf), _with_garbage(adv, mask)
+  grad = np.asarray(jax.grad(total)(_with_garbage(logp, mask)))
   ratio = np.exp(logp - old)
   clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
   if dual_clip:
@@ -119,9 +121,10 @@ def test_gspo_matches_sequence_level_objective_in_value_and_gradient():
         count += 1
     return total / count
 
+  gspo_token, sequence_level = jax.jit(gspo_token), jax.jit(sequence_level)
   np.testing.assert_allclose(gspo_token(logp), sequence_level(logp), rtol=1e-5)
-  g_token = jax.grad(gspo_token)(_with_garbage(logp, mask))
-  g_seq = jax.grad(sequence_level)(logp)
+  g_token = jax.jit(jax.grad(gspo_token))(_with_garbage(logp, mask))
+  g_seq = jax.jit(jax.grad(sequence_level))(logp)
   np.testing.assert_allclose(g_token, np.where(mask, g_seq, 0.0), rtol=1e-4, atol=1e-7)
 
   # Every token of a sequence sees the same (sequence) ratio.
@@ -232,33 +235,17 @@ def test_four_microbatches_equal_one_batch(name):
   cfg = CONFIGS[name]
   batch = _rollout_batch(4)
   params = _params()
-  full_denominator = losses.loss_denominator(cfg, batch)
-  (full_loss, full_metrics), full_grad = jax.value_and_grad(
-      _loss_fn(cfg, batch, full_denominator), has_aux=True)(params)
-
-  micro = [{k: v[i * 3 : (i + 1) * 3] for k, v in batch.items()} for i in range(4)]
-  denominator = sum(losses.loss_denominator(cfg, mb) for mb in micro)
-  np.testing.assert_allclose(denominator, full_denominator, rtol=0, atol=0)
-  loss_sum, grad_sum, metrics = 0.0, jax.tree.map(jnp.zeros_like, params), {}
-  for mb in micro:
-    (loss, m), grad = jax.value_and_grad(_loss_fn(cfg, mb, denominator), has_aux=True)(params)
-    loss_sum += loss
-    grad_sum = jax.tree.map(jnp.add, grad_sum, grad)
-    metrics = losses.merge_metrics(metrics, m)
-  np.testing.assert_allclose(loss_sum, full_loss, rtol=1e-6, atol=1e-6)
-  for key in params:
-    np.testing.assert_allclose(grad_sum[key], full_grad[key], rtol=1e-5, atol=1e-6)
-  full_values = losses.compute_metrics(full_metrics)
-  micro_values = losses.compute_metrics(metrics)
-  assert set(full_values) == set(micro_values)
-  for key in full_values:
-    np.testing.assert_allclose(micro_values[key], full_values[key], rtol=1e-5, atol=1e-6, err_msg=key)
-
-  # The same accumulation as a jitted lax.scan over stacked micro-batches.
-  stacked = {k: v.reshape(4, 3, *v.shape[1:]) for k, v in batch.items()}
 
   @jax.jit
-  def scanned(params, stacked):
+  def full_batch(params, batch):
+    denominator = losses.loss_denominator(cfg, batch)
+    (loss, metrics), grad = jax.value_and_grad(_loss_fn(cfg, batch, denominator),
+                                               has_aux=True)(params)
+    return loss, grad, losses.compute_metrics(metrics)
+
+  @jax.jit
+  def accumulated(params, stacked):
+    # What a train step does: global denominator first, then a scan over micro-batches.
     denominator = jnp.sum(jax.vmap(lambda mb: losses.loss_denominator(cfg, mb))(stacked))
 
     def step(grad_acc, mb):
@@ -266,14 +253,23 @@ def test_four_microbatches_equal_one_batch(name):
       return jax.tree.map(jnp.add, grad_acc, grad), (loss, m)
 
     grads, (loss, m) = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, params), stacked)
-    return jnp.sum(loss), grads, losses.compute_metrics(losses.merge_stacked_metrics(m))
+    merged = losses.merge_stacked_metrics(m)
+    # Pairwise merging gives the same as merging the stack at once.
+    pairwise = {}
+    for i in range(4):
+      pairwise = losses.merge_metrics(pairwise, jax.tree.map(lambda x, i=i: x[i], m))
+    return jnp.sum(loss), grads, losses.compute_metrics(merged), losses.compute_metrics(pairwise)
 
-  scan_loss, scan_grad, scan_values = scanned(params, stacked)
-  np.testing.assert_allclose(scan_loss, full_loss, rtol=1e-6, atol=1e-6)
+  full_loss, full_grad, full_values = full_batch(params, batch)
+  stacked = {k: v.reshape(4, 3, *v.shape[1:]) for k, v in batch.items()}
+  loss, grad, values, pairwise = accumulated(params, stacked)
+  np.testing.assert_allclose(loss, full_loss, rtol=1e-6, atol=1e-6)
   for key in params:
-    np.testing.assert_allclose(scan_grad[key], full_grad[key], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad[key], full_grad[key], rtol=1e-5, atol=1e-6)
+  assert set(values) == set(full_values) == set(pairwise)
   for key in full_values:
-    np.testing.assert_allclose(scan_values[key], full_values[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(values[key], full_values[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(pairwise[key], full_values[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_masked_garbage_never_leaks_into_loss_or_gradient():
@@ -289,23 +285,25 @@ def test_masked_garbage_never_leaks_into_loss_or_gradient():
   def fn(b, poison):
     def inner(p):
       log_probs, entropies, values = _model_outputs(p, b["tokens"], b["targets"])
-      if poison:  # the model itself emits garbage at masked positions
-        log_probs = jnp.where(mask, log_probs, jnp.nan)
-        entropies = jnp.where(mask, entropies, jnp.inf)
-        values = jnp.where(mask, values, -jnp.inf)
+      if poison:  # the model emits garbage at masked positions, on a live gradient path
+        log_probs = log_probs + jnp.where(mask, 0.0, jnp.nan)
+        entropies = entropies + jnp.where(mask, 0.0, jnp.inf)
+        values = values + jnp.where(mask, 0.0, -jnp.inf)
       return losses.rl_loss(cfg, log_probs, b, denominator=denominator, entropies=entropies,
                             values=values)
     return inner
 
-  (loss_garbage, m_garbage), g_garbage = jax.value_and_grad(fn(batch, True), has_aux=True)(params)
-  (loss_clean, m_clean), g_clean = jax.value_and_grad(fn(clean, False), has_aux=True)(params)
+  (loss_garbage, m_garbage), g_garbage = jax.jit(
+      jax.value_and_grad(fn(batch, True), has_aux=True))(params)
+  (loss_clean, m_clean), g_clean = jax.jit(
+      jax.value_and_grad(fn(clean, False), has_aux=True))(params)
   assert np.isfinite(loss_garbage)
-  assert loss_garbage == loss_clean
+  np.testing.assert_allclose(loss_garbage, loss_clean, rtol=1e-6)
   for key in params:
     assert np.all(np.isfinite(g_garbage[key]))
-    np.testing.assert_array_equal(g_garbage[key], g_clean[key])
+    np.testing.assert_allclose(g_garbage[key], g_clean[key], rtol=1e-6, atol=1e-7)
   for key, value in losses.compute_metrics(m_garbage).items():
-    np.testing.assert_array_equal(value, losses.compute_metrics(m_clean)[key], err_msg=key)
+    np.testing.assert_allclose(value, losses.compute_metrics(m_clean)[key], rtol=1e-6, err_msg=key)
 
 
 def test_on_policy_loss_is_minus_weighted_advantage_with_policy_gradient():
@@ -391,6 +389,10 @@ def test_k2_k3_nonnegative_on_extreme_log_ratios_and_masked():
   for k in ("k2", "k3"):
     got = np.asarray(losses.kl_divergence(_with_garbage(logp, mask), ref, mask, estimator=k))
     assert np.all(np.isfinite(got)) and np.all(got >= 0) and np.all(got[~mask] == 0)
+  for k in losses.KL_ESTIMATORS:
+    grad = jax.grad(lambda lp: jnp.sum(losses.kl_divergence(lp, ref, mask, estimator=k)))(
+        _with_garbage(logp, mask))
+    assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[~mask] == 0), k
   with pytest.raises(ValueError, match="unknown kl estimator 'k4'"):
     losses.kl_divergence(logp, ref, mask, estimator="k4")
 
