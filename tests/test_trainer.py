@@ -1,0 +1,151 @@
+"""The trainer end to end: a few RL steps, resume after kill -9, bitwise resume, SIGTERM,
+torn checkpoints, a different mesh on restore, and one-line errors from the launcher."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default
+from posttrain import trainer
+from posttrain.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Small enough that a run compiles and finishes in seconds on 2 cores.
+OVERRIDES = {
+    "model.overrides.num_layers": 1, "model.overrides.d_model": 32,
+    "model.overrides.ffn_dim": 64, "sft.steps": 2, "sft.batch_size": 8,
+    "train.rl_steps": 3, "train.rows_per_microbatch": 8, "train.row_len": 128,
+    "rollout.prompts_per_step": 4, "rollout.max_new_tokens": 8, "rollout.max_len": 128,
+    "rl.group_size": 4, "eval.seeds_per_domain": 1, "checkpoint.every": 1,
+    "checkpoint.async_save": False, "tasks.domains": "arithmetic/add_d1,strings/copy_l1",
+    "tasks.levels": "1",
+}
+
+
+def _config(**extra):
+  c = default.get_config()
+  for key, value in {**OVERRIDES, **extra}.items():
+    node = c
+    *path, leaf = key.split(".")
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def _flags(**extra):
+  return [f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
+
+
+def _launch(workdir, *args, **kwargs):
+  cmd = [sys.executable, "-m", "launch.train", f"--config={ROOT}/configs/default.py",
+         f"--workdir={workdir}", *args]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}
+  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def _final_params(workdir, cfg_extra=None):
+  """Params of the newest checkpoint, on one device, as numpy."""
+  c = _config(**(cfg_extra or {}))
+  model_cfg = trainer.model_config(c)
+  from posttrain.checkpoint import CheckpointManager
+  from posttrain.models import make_mesh
+  mesh = make_mesh((1, 1, 1, 1), devices=jax.devices()[:1])
+  opt = trainer.ts.make_optimizer(1e-3, 0, 2)
+  abstract = trainer._abstract_state(model_cfg, opt, mesh, ())
+  state, extras, step = CheckpointManager(os.path.join(workdir, "checkpoints")).restore(abstract)
+  return jax.tree.map(np.asarray, state.params), extras, step
+
+
+def test_few_step_rl_run_end_to_end(tmp_path):
+  summary = trainer.train(_config(), str(tmp_path))
+  assert summary["status"] == "done" and summary["rl_steps"] == 3
+  rows = read_metrics(str(tmp_path))
+  rl_rows = [r for r in rows if "reward/mean" in r]
+  assert len(rl_rows) == 3
+  for key in ("reward/mean", "response_length/mean", "kl", "entropy", "grad_norm",
+              "learning_rate", "timing/rollout_s", "timing/update_s",
+              "throughput/tokens_per_s", "staleness/mean", "clip_fraction/high"):
+    assert key in rl_rows[-1], key
+  assert any(k.startswith("reward/arithmetic/") for k in rl_rows[-1])
+  assert os.listdir(tmp_path / "tb")
+  assert json.loads((tmp_path / "summary.json").read_text())["eval"]["final"]["samples"] == 2
+  # Running again in a finished workdir resumes at the end and does no more steps.
+  again = trainer.train(_config(), str(tmp_path))
+  assert again["rl_steps"] == 3 and len([r for r in read_metrics(str(tmp_path))
+                                         if "reward/mean" in r]) == 3
+
+
+def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  proc = _launch(straight, *_flags())
+  assert proc.wait(timeout=600) == 0, proc.stdout.read()
+  proc = _launch(killed, *_flags())
+  # Kill -9 once the first RL step has been checkpointed (sft 2 + rl 1 = step 3).
+  deadline = time.time() + 600
+  while not (killed / "checkpoints" / "3").exists():
+    assert proc.poll() is None, proc.stdout.read()
+    assert time.time() < deadline
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  out = _launch(killed, *_flags())
+  text = out.communicate(timeout=600)[0]
+  assert out.returncode == 0, text
+  assert "resumed from checkpoint" in text
+  a, extras_a, step_a = _final_params(straight)
+  b, extras_b, step_b = _final_params(killed)
+  assert step_a == step_b == 5 and extras_b["progress"]["stage"] == "done"
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+  proc = _launch(tmp_path, *_flags(**{"train.rl_steps": 50, "checkpoint.every": 1000}))
+  deadline = time.time() + 600
+  while not any("reward/mean" in r for r in read_metrics(str(tmp_path))):
+    assert proc.poll() is None and time.time() < deadline
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=300) == 0
+  steps = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+  assert steps and max(steps) >= 3  # sft (2) + at least one RL step, saved on SIGTERM
+
+
+def test_torn_checkpoint_is_skipped_and_different_mesh_restores(tmp_path):
+  trainer.train(_config(**{"train.rl_steps": 2, "mesh.fsdp": 8}), str(tmp_path))
+  ckpts = tmp_path / "checkpoints"
+  newest = max(int(d) for d in os.listdir(ckpts) if d.isdigit())
+  # Tear the newest checkpoint: truncate every data file in it.
+  for root, _, files in os.walk(ckpts / str(newest) / "state"):
+    for f in files:
+      open(os.path.join(root, f), "w").close()
+  t = trainer.Trainer(_config(**{"train.rl_steps": 2, "mesh.fsdp": 2, "mesh.tensor": 4}),
+                      str(tmp_path))
+  try:
+    assert t.resumed_from == newest - 1
+    spec = t.state.params["layers"][0]["mlp"]["up_proj"].value.sharding.spec
+    assert tuple(spec) == ("fsdp", "tensor")
+  finally:
+    t.worker.close()
+    t.ckpt.close()
+
+
+def test_launcher_errors_are_one_line(tmp_path):
+  proc = _launch(tmp_path, "--config.no_such_key=1")
+  out = proc.communicate(timeout=300)[0]
+  assert proc.returncode != 0 and "no_such_key" in out and "Traceback" not in out
+  proc = _launch(tmp_path, "--config.mesh.fsdp=3")
+  out = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 2 and "error: mesh shape (1, 3, 1, 1) needs 3 devices" in out
+  assert "Traceback" not in out
