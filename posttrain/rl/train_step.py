@@ -373,11 +373,11 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
       return (grads_sum, loss_sum + loss), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
     if num_micro == 1:
-      (grads, loss), metrics = accumulate((zeros, 0.0), jax.tree.map(lambda x: x[0], batch))
-      merged = metrics
+      (loss, merged), grads = grad_fn(state.params, jax.tree.map(lambda x: x[0], batch),
+                                      denominator)
     else:
+      zeros = jax.tree.map(jnp.zeros_like, state.params)
       (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), batch)
       # Merge the per-micro-batch (sum, count) metrics: exact token averages.
       merged = functools.reduce(
