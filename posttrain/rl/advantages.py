@@ -188,7 +188,8 @@ def _group_layout(rewards, group_ids, valid):
   if group_ids is None:
     if rewards.ndim != 2:
       raise ValueError(
-          f"rewards must be [num_groups, group_size] when group_ids is None, got shape {rewards.shape}"
+          "rewards must be [num_groups, group_size] when group_ids is None, "
+          f"got shape {rewards.shape}"
       )
     num_groups, group_size = rewards.shape
     dense_ids = jnp.repeat(jnp.arange(num_groups), group_size)
@@ -196,7 +197,8 @@ def _group_layout(rewards, group_ids, valid):
     group_ids = jnp.asarray(group_ids)
     if rewards.ndim != 1 or group_ids.shape != rewards.shape:
       raise ValueError(
-          f"with group_ids, rewards and group_ids must both be [num_sequences]; got {rewards.shape} and {group_ids.shape}"
+          "with group_ids, rewards and group_ids must both be [num_sequences]; "
+          f"got {rewards.shape} and {group_ids.shape}"
       )
     # Arbitrary ids (e.g. prompt indices of the whole run) -> 0..n-1, jit-safe.
     _, dense_ids = jnp.unique(group_ids, return_inverse=True, size=group_ids.shape[0])
@@ -335,7 +337,8 @@ def overlong_penalty(
     `[num_sequences]` float32 penalties (<= 0).
   """
   if not 0 < buffer_len <= max_response_len:
-    raise ValueError(f"buffer_len must be in (0, max_response_len={max_response_len}], got {buffer_len}")
+    raise ValueError(
+        f"buffer_len must be in (0, max_response_len={max_response_len}], got {buffer_len}")
   lengths = jnp.asarray(response_lengths, jnp.float32)
   start = max_response_len - buffer_len
   ramp = (start - lengths) / buffer_len
@@ -359,5 +362,6 @@ SEQUENCE_LEVEL_ESTIMATORS = frozenset({"grpo", "rloo"})
 def get_advantage_estimator(name: str) -> Callable[..., Array | tuple[Array, Array]]:
   """Returns the registered estimator `name`; one-line error if unknown."""
   if name not in ADVANTAGE_ESTIMATORS:
-    raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+    raise ValueError(f"unknown advantage estimator {name!r}; known: {known}")
   return ADVANTAGE_ESTIMATORS[name]

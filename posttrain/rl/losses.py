@@ -315,47 +315,56 @@ def gspo_log_ratio(log_probs, old_log_probs, mask, segment_ids=None) -> Array:
   return jnp.where(mask, log_ratio, 0.0)
 
 
-def _make_policy_loss(log_ratio_fn):
-  def policy_loss(
-      log_probs: Array,
-      old_log_probs: Array,
-      advantages: Array,
-      loss_mask: Array,
-      *,
-      eps_low: float,
-      eps_high: float,
-      dual_clip: float = 0.0,
-      segment_ids: Array | None = None,
-  ) -> tuple[Array, dict[str, Metric]]:
-    _check_shapes(
-        log_probs=log_probs,
-        old_log_probs=old_log_probs,
-        advantages=advantages,
-        loss_mask=loss_mask,
-        segment_ids=segment_ids,
-    )
-    log_ratio = log_ratio_fn(log_probs, old_log_probs, loss_mask, segment_ids)
-    return clipped_surrogate(
-        log_ratio, advantages, loss_mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
-    )
-
-  return policy_loss
+def _policy_loss(log_ratio_fn, log_probs, old_log_probs, advantages, loss_mask, eps_low,
+                 eps_high, dual_clip, segment_ids):
+  _check_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                loss_mask=loss_mask, segment_ids=segment_ids)
+  log_ratio = log_ratio_fn(log_probs, old_log_probs, loss_mask, segment_ids)
+  return clipped_surrogate(log_ratio, advantages, loss_mask, eps_low=eps_low,
+                           eps_high=eps_high, dual_clip=dual_clip)
 
 
-ppo_policy_loss = _make_policy_loss(ppo_log_ratio)
-ppo_policy_loss.__name__ = "ppo_policy_loss"
-ppo_policy_loss.__doc__ = """PPO per-token loss: `clipped_surrogate` of `ppo_log_ratio`.
+def ppo_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """PPO per-token loss: `clipped_surrogate` of the token ratio (`ppo_log_ratio`).
 
-Returns `(per_token_loss [batch, length], metrics)`.
-"""
+  Returns:
+    `(per_token_loss [batch, length], metrics)`.
+  """
+  return _policy_loss(ppo_log_ratio, log_probs, old_log_probs, advantages, loss_mask,
+                      eps_low, eps_high, dual_clip, segment_ids)
 
-gspo_policy_loss = _make_policy_loss(gspo_log_ratio)
-gspo_policy_loss.__name__ = "gspo_policy_loss"
-gspo_policy_loss.__doc__ = """GSPO per-token loss: `clipped_surrogate` of `gspo_log_ratio`.
 
-Pass `segment_ids` for packed rows so the sequence ratio is per sequence.
-Returns `(per_token_loss [batch, length], metrics)`.
-"""
+def gspo_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """GSPO per-token loss: `clipped_surrogate` of the sequence ratio (`gspo_log_ratio`).
+
+  Pass `segment_ids` for packed rows so the ratio is per sequence, not per row.
+
+  Returns:
+    `(per_token_loss [batch, length], metrics)`.
+  """
+  return _policy_loss(gspo_log_ratio, log_probs, old_log_probs, advantages, loss_mask,
+                      eps_low, eps_high, dual_clip, segment_ids)
+
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Metric]]]] = {
     "ppo": ppo_policy_loss,
@@ -418,7 +427,9 @@ def _k3(log_ratio):
 KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
-def kl_divergence(log_probs: Array, ref_log_probs: Array, mask: Array, *, estimator: str = "k3") -> Array:
+def kl_divergence(
+    log_probs: Array, ref_log_probs: Array, mask: Array, *, estimator: str = "k3"
+) -> Array:
   """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020).
 
   With `log r = log pi_ref(y_t) - log pi(y_t)` and `y_t ~ pi`:
@@ -427,7 +438,8 @@ def kl_divergence(log_probs: Array, ref_log_probs: Array, mask: Array, *, estima
       k2 = (log r)^2 / 2          biased, >= 0, low variance
       k3 = (r - 1) - log r        unbiased, >= 0, low variance
 
-  Differentiable in `log_probs` (for use as a loss term).
+  Differentiable in `log_probs` (for use as a loss term). `log r` is clamped to
+  [-20, 20] so one stale token cannot overflow `exp`.
 
   Returns:
     `[batch, length]` estimates, 0 at masked positions.
@@ -436,7 +448,8 @@ def kl_divergence(log_probs: Array, ref_log_probs: Array, mask: Array, *, estima
     raise ValueError(f"unknown kl estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
   _check_shapes(log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask)
   mask = _as_mask(mask)
-  log_r = jnp.clip(_clean(ref_log_probs, mask) - _clean(log_probs, mask), -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  log_r = _clean(ref_log_probs, mask) - _clean(log_probs, mask)
+  log_r = jnp.clip(log_r, -MAX_LOG_RATIO, MAX_LOG_RATIO)
   return jnp.where(mask, KL_ESTIMATORS[estimator](log_r), 0.0)
 
 
@@ -531,9 +544,11 @@ class LossConfig:
   def __post_init__(self):
     get_policy_loss(self.policy_loss)
     if self.loss_agg_mode not in AGG_MODES:
-      raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {', '.join(AGG_MODES)}")
+      known = ", ".join(AGG_MODES)
+      raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {known}")
     if self.kl_estimator not in KL_ESTIMATORS:
-      raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+      known = ", ".join(KL_ESTIMATORS)
+      raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; known: {known}")
     if not 0 <= self.eps_low < 1:
       raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
     if self.eps_high < 0:
@@ -543,7 +558,8 @@ class LossConfig:
     if self.tis_cap < 0:
       raise ValueError(f"tis_cap must be 0 (off) or > 0, got {self.tis_cap}")
     if self.loss_agg_mode == "seq_mean_token_sum_norm" and self.max_response_len <= 0:
-      raise ValueError(f"seq_mean_token_sum_norm needs max_response_len > 0, got {self.max_response_len}")
+      raise ValueError(
+          f"seq_mean_token_sum_norm needs max_response_len > 0, got {self.max_response_len}")
 
   @classmethod
   def from_config(cls, config: Mapping[str, Any], **overrides) -> "LossConfig":
@@ -628,7 +644,8 @@ def rl_loss(
     return jnp.sum(jnp.where(mask, per_token * weights, 0.0))
 
   def term(per_token):
-    return jnp.where(denominator > 0, weighted_sum(per_token) / jnp.maximum(denominator, 1e-30), 0.0)
+    safe_denominator = jnp.maximum(denominator, 1e-30)
+    return jnp.where(denominator > 0, weighted_sum(per_token) / safe_denominator, 0.0)
 
   policy_sum = weighted_sum(policy_loss)
   metrics["loss/policy"] = Metric.mean(policy_sum, local_denominator)
@@ -664,5 +681,6 @@ def rl_loss(
   advantages = jax.lax.stop_gradient(_clean(advantages, mask))
   count = jnp.sum(mask)
   metrics["advantages/mean"] = Metric.mean(jnp.sum(advantages), count)
-  metrics["advantages/std"] = Metric.std(jnp.sum(advantages), jnp.sum(advantages * advantages), count)
+  metrics["advantages/std"] = Metric.std(
+      jnp.sum(advantages), jnp.sum(advantages * advantages), count)
   return loss, metrics

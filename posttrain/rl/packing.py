@@ -61,17 +61,20 @@ def _response_array(index, traj, key, num_response, default):
     return value
   if value.shape != (num_response,):
     raise ValueError(
-        f"trajectory {index}: {key} has shape {value.shape}, response_tokens has {num_response} tokens"
+        f"trajectory {index}: {key} has shape {value.shape}, "
+        f"response_tokens has {num_response} tokens"
     )
   return value
 
 
-def _sequence(index: int, traj: Mapping[str, Any], row_len: int, truncate: bool) -> dict[str, np.ndarray]:
+def _sequence(index: int, traj: Mapping[str, Any], row_len: int,
+              truncate: bool) -> dict[str, np.ndarray]:
   """One trajectory as per-position arrays aligned to targets, cut to row_len."""
   unknown = sorted(set(traj) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
   if unknown:
     raise ValueError(
-        f"trajectory {index}: unknown key(s) {unknown}; known: {', '.join(REQUIRED_KEYS + OPTIONAL_KEYS)}"
+        f"trajectory {index}: unknown key(s) {unknown}; "
+        f"known: {', '.join(REQUIRED_KEYS + OPTIONAL_KEYS)}"
     )
   for key in REQUIRED_KEYS:
     if key not in traj:
@@ -80,7 +83,8 @@ def _sequence(index: int, traj: Mapping[str, Any], row_len: int, truncate: bool)
   response = np.asarray(traj["response_tokens"]).reshape(-1)
   num_prompt, num_response = len(prompt), len(response)
   if num_prompt == 0:
-    raise ValueError(f"trajectory {index}: empty prompt_tokens (the first response token needs a context)")
+    raise ValueError(
+        f"trajectory {index}: empty prompt_tokens (the first response token needs a context)")
   length = num_prompt + num_response
   if length > row_len:
     if not truncate:
@@ -90,7 +94,8 @@ def _sequence(index: int, traj: Mapping[str, Any], row_len: int, truncate: bool)
       )
     if num_prompt + 1 > row_len:
       raise ValueError(
-          f"trajectory {index}: prompt of {num_prompt} tokens leaves no response token in row_len {row_len}"
+          f"trajectory {index}: prompt of {num_prompt} tokens leaves no response token "
+          f"in row_len {row_len}"
       )
 
   response_mask = _response_array(index, traj, "response_mask", num_response, 1) != 0
@@ -197,7 +202,8 @@ def pack_trajectories(
   if num_rows is None:
     num_rows = needed
   elif needed > num_rows:
-    raise ValueError(f"trajectories need {needed} rows of {row_len} tokens, but num_rows={num_rows}")
+    raise ValueError(
+        f"trajectories need {needed} rows of {row_len} tokens, but num_rows={num_rows}")
 
   batch = _empty_rows(num_rows, row_len, pad_id)
   fill = np.zeros(num_rows, np.int64)
@@ -281,7 +287,8 @@ def split_microbatches(
     num_microbatches = needed
   elif needed > num_microbatches:
     raise ValueError(
-        f"{num_rows} rows need {needed} micro-batches of {rows_per_mb} rows, but num_microbatches={num_microbatches}"
+        f"{num_rows} rows need {needed} micro-batches of {rows_per_mb} rows, "
+        f"but num_microbatches={num_microbatches}"
     )
   total_rows = num_microbatches * rows_per_mb
   empty = _empty_rows(total_rows - num_rows, row_len, pad_id)

@@ -162,8 +162,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   if cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS:
     check(cfg.group_size >= 2, "group_size")
   check(cfg.use_critic == (cfg.advantage_estimator == "gae"), "use_critic")
-  check(not cfg.dynamic_sampling or cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS,
-        "dynamic_sampling")
+  sequence_level = cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS
+  check(not cfg.dynamic_sampling or sequence_level, "dynamic_sampling")
 
 
 def algorithm_config(name: str, **overrides) -> ml_collections.ConfigDict:
@@ -189,7 +189,8 @@ def algorithm_config(name: str, **overrides) -> ml_collections.ConfigDict:
       cfg[knob] = value
     except TypeError:
       raise ValueError(
-          f"knob {knob}={value!r} has type {type(value).__name__}, expected {type(_BASE[knob]).__name__}"
+          f"knob {knob}={value!r} has type {type(value).__name__}, "
+          f"expected {type(_BASE[knob]).__name__}"
       ) from None
   validate(cfg)
   cfg.lock()

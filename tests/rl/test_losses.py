@@ -147,7 +147,8 @@ def _agg_ref(loss, mask, segment_ids, mode, max_len):
     for s in np.unique(ids[ids > 0]):
       sel = (ids == s) & mask[b]
       if sel.any():
-        per_seq.append(loss[b][sel].sum() / (sel.sum() if mode == "seq_mean_token_mean" else max_len))
+        norm = sel.sum() if mode == "seq_mean_token_mean" else max_len
+        per_seq.append(loss[b][sel].sum() / norm)
   return np.mean(per_seq)
 
 
@@ -354,7 +355,8 @@ def test_kl_estimators_on_samples_from_two_categoricals():
   x = jax.random.categorical(key_x, log_q, shape=(200, 1000))  # x ~ q
   log_probs, ref_log_probs = log_q[x], log_p[x]
   mask = np.ones(x.shape, bool)
-  est = {k: np.asarray(losses.kl_divergence(log_probs, ref_log_probs, mask, estimator=k), np.float64)
+  est = {k: np.asarray(losses.kl_divergence(log_probs, ref_log_probs, mask, estimator=k),
+                       np.float64)
          for k in losses.KL_ESTIMATORS}
   for k in ("k1", "k3"):  # unbiased: within 4 standard errors
     stderr = est[k].std() / np.sqrt(est[k].size)

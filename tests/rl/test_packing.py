@@ -18,7 +18,8 @@ def _trajectories(rng, n, max_prompt=9, max_response=13, scalar_advantage=True):
         "response_tokens": rng.integers(1, 1000, r),
         "response_mask": rng.random(r) < 0.8,
         "behaviour_logprobs": -rng.random(r).astype(np.float32),
-        "advantages": float(rng.normal()) if scalar_advantage else rng.normal(size=r).astype(np.float32),
+        "advantages": (float(rng.normal()) if scalar_advantage
+                       else rng.normal(size=r).astype(np.float32)),
         "rewards": float(rng.normal()),
     })
   return out
@@ -180,14 +181,16 @@ def test_microbatches_by_token_budget_with_static_count():
   assert default["tokens"].shape[0] == -(-num_rows // 3)
   with pytest.raises(ValueError, match="token_budget 22 is smaller than one row of 23 tokens"):
     packing.split_microbatches(batch, 22)
-  with pytest.raises(ValueError, match=rf"{num_rows} rows need \d+ micro-batches of 3 rows, but num_microbatches=1"):
+  message = rf"{num_rows} rows need \d+ micro-batches of 3 rows, but num_microbatches=1"
+  with pytest.raises(ValueError, match=message):
     packing.split_microbatches(batch, budget, num_microbatches=1)
 
 
 def test_learner_arrays_ride_along():
   trajectories = _trajectories(np.random.default_rng(4), 6)
   batch = packing.pack_trajectories(trajectories, row_len=32)
-  batch["old_logprobs"] = np.arange(batch["tokens"].size, dtype=np.float32).reshape(batch["tokens"].shape)
+  shape = batch["tokens"].shape
+  batch["old_logprobs"] = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
   micro = packing.split_microbatches(batch, 64)
   seqs = packing.unpack(micro)
   for i, seq in enumerate(seqs):
