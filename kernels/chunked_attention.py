@@ -123,8 +123,9 @@ def blockwise_attention_fwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
       visible = _chunk_visible(lo, hi, kv_lo_c, kv_hi_c, params)
       return jax.lax.cond(visible, attend, lambda c_: c_, carry), None
 
-    init = (jnp.zeros((b, cq, h, d), jnp.float32),
-            jnp.full((b, cq, h), reference.NEG_INF, jnp.float32))
+    # full_like keeps q's shard_map axes, so the carry type matches under shard_map.
+    init = (jax.lax.full_like(qc, 0.0, jnp.float32, (b, cq, h, d)),
+            jax.lax.full_like(qc, reference.NEG_INF, jnp.float32, (b, cq, h)))
     (out, lse), _ = jax.lax.scan(kv_step, init, (c.k, c.v, c.kv_seg, c.kv_pos, kv_lo, kv_hi))
     return out, lse
 
@@ -159,18 +160,18 @@ def blockwise_attention_bwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
             sliding_window=params.sliding_window)
 
       def skip(_):
-        zeros_kv = jnp.zeros(kc.shape, jnp.float32)
-        return jnp.zeros(qc.shape, jnp.float32), zeros_kv, zeros_kv
+        zeros_kv = jax.lax.full_like(kc, 0.0, jnp.float32)
+        return jax.lax.full_like(qc, 0.0, jnp.float32), zeros_kv, zeros_kv
 
       visible = _chunk_visible(lo, hi, kv_lo_c, kv_hi_c, params)
       dq_c, dk_c, dv_c = jax.lax.cond(visible, grads, skip, None)
       return dq + dq_c, (dk_c, dv_c)
 
-    dq, (dk, dv) = jax.lax.scan(kv_step, jnp.zeros(qc.shape, jnp.float32),
+    dq, (dk, dv) = jax.lax.scan(kv_step, jax.lax.full_like(qc, 0.0, jnp.float32),
                                 (c.k, c.v, c.kv_seg, c.kv_pos, kv_lo, kv_hi))
     return (dkv[0] + dk, dkv[1] + dv), dq
 
-  zeros = jnp.zeros(c.k.shape, jnp.float32)
+  zeros = jax.lax.full_like(c.k, 0.0, jnp.float32)
   (dk, dv), dq = jax.lax.scan(
       q_step, (zeros, zeros),
       (c.q, c.q_seg, c.q_pos, dout_c, lse_c, delta_c, q_lo, q_hi))

@@ -384,14 +384,23 @@ def _tpu_segment_operands(cfg, q_seg, kv_seg):
   return q_seg, kv_seg
 
 
+def _struct(shape, dtype, like):
+  """Output type varying over the same shard_map axes as `like`, which
+  shard_map(check_vma=True) requires of pallas_call outputs."""
+  mat = getattr(jax.typeof(like), "manual_axis_type", None)
+  if mat is None:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
 def _count_spec(index):
   """Debug counters: one (8, 128) int32 tile per block, a shape Mosaic accepts."""
   return pl.BlockSpec((None, None, None, NUM_SUBLANES, NUM_LANES),
                       lambda *ids: (*index(*ids), 0, 0))
 
 
-def _count_shape(b, h, n):
-  return jax.ShapeDtypeStruct((b, h, n, NUM_SUBLANES, NUM_LANES), jnp.int32)
+def _count_shape(b, h, n, like):
+  return _struct((b, h, n, NUM_SUBLANES, NUM_LANES), jnp.int32, like)
 
 
 def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
@@ -420,11 +429,11 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
       pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
       pl.BlockSpec((None, None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
   ]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((b, h, tq, NUM_LANES), jnp.float32)]
+  out_shape = [_struct(q.shape, q.dtype, q),
+               _struct((b, h, tq, NUM_LANES), jnp.float32, q)]
   if counts:
     out_specs.append(_count_spec(lambda bi, hi, qi, ki: (bi, hi, qi)))
-    out_shape.append(_count_shape(b, h, nq))
+    out_shape.append(_count_shape(b, h, nq, q))
   return pl.pallas_call(
       functools.partial(_tpu_fwd_kernel, cfg=cfg, counts=counts),
       grid=(b, h, nq, nk),
@@ -462,10 +471,10 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
                      lambda bi, hi, qi, ki: (bi, 0, kv_index(bi, hi, qi, ki)[2])),
     ]
   out_specs = [q_spec]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
     out_specs.append(_count_spec(lambda bi, hi, qi, ki: (bi, hi, qi)))
-    out_shape.append(_count_shape(b, h, nq))
+    out_shape.append(_count_shape(b, h, nq, q))
   dq_out = pl.pallas_call(
       functools.partial(_tpu_dq_kernel, cfg=cfg, counts=counts),
       grid=(b, h, nq, nk),
@@ -492,10 +501,10 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
         pl.BlockSpec((None, NUM_SUBLANES, bk), lambda bi, kh, ki, gi, qi: (bi, 0, ki)),
     ]
   out_specs = [kv_spec, kv_spec]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if counts:
     out_specs.append(_count_spec(lambda bi, kh, ki, gi, qi: (bi, kh, ki)))
-    out_shape.append(_count_shape(b, kvh, nk))
+    out_shape.append(_count_shape(b, kvh, nk, q))
   dkv_out = pl.pallas_call(
       functools.partial(_tpu_dkv_kernel, cfg=cfg, counts=counts),
       grid=(b, kvh, nk, g, nq),
@@ -556,8 +565,9 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_next, alpha * l + p.sum(axis=-1)
 
-  init = (jnp.zeros((bq, q.shape[-1]), jnp.float32),
-          jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
+  # full_like keeps the loaded values' shard_map axes (interpret mode under shard_map).
+  init = (lax.full_like(q, 0.0, jnp.float32), lax.full_like(q, MASK_VALUE, jnp.float32, (bq,)),
+          lax.full_like(q, 0.0, jnp.float32, (bq,)))
   (acc, m, l), visited = _visible_loop(kv_block_range(cfg, qi), body, init, counts)
   empty = m == MASK_VALUE
   l_safe = jnp.where(empty, 1.0, l)
@@ -594,7 +604,7 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
     return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   dq, visited = _visible_loop(kv_block_range(cfg, qi), body,
-                              jnp.zeros(q.shape, jnp.float32), counts)
+                              lax.full_like(q, 0.0, jnp.float32), counts)
   rest[0][...] = dq.astype(rest[0].dtype)
   if counts:
     rest[1][...] = jnp.full(rest[1].shape, visited, jnp.int32)
@@ -624,7 +634,7 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
     dkv, visited = _visible_loop(q_range, body, carry[0], counts)
     return dkv, (carry[1] + visited if counts else carry[1])
 
-  zeros = jnp.zeros(k.shape, jnp.float32)
+  zeros = lax.full_like(k, 0.0, jnp.float32)
   (dk, dv), visited = lax.fori_loop(0, cfg.group, head, ((zeros, zeros), jnp.int32(0)))
   rest[0][...] = dk.astype(rest[0].dtype)
   rest[1][...] = dv.astype(rest[1].dtype)
@@ -656,11 +666,11 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
     operands += [q_seg, kv_seg]
   out_specs = [pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
                pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, qi))]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
+  out_shape = [_struct(q.shape, q.dtype, q),
+               _struct((b, h, tq), jnp.float32, q)]
   if counts:
     out_specs.append(pl.BlockSpec((None, None, 1), lambda qi, bi, hi: (bi, hi, qi)))
-    out_shape.append(jax.ShapeDtypeStruct((b, h, nq), jnp.int32))
+    out_shape.append(_struct((b, h, nq), jnp.int32, q))
   return pl.pallas_call(
       functools.partial(_gpu_fwd_kernel, cfg=cfg, counts=counts),
       grid=(nq, b, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -686,10 +696,10 @@ def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0))]
   out_specs = [q_spec]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
     out_specs.append(pl.BlockSpec((None, None, 1), lambda qi, bi, hi: (bi, hi, qi)))
-    out_shape.append(jax.ShapeDtypeStruct((b, h, nq), jnp.int32))
+    out_shape.append(_struct((b, h, nq), jnp.int32, q))
   dq_out = pl.pallas_call(
       functools.partial(_gpu_dq_kernel, cfg=cfg, counts=counts),
       grid=(nq, b, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -704,10 +714,10 @@ def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
     in_specs += [pl.BlockSpec((None, tq), lambda ki, bi, kh: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda ki, bi, kh: (bi, 0))]
   out_specs = [kv_spec, kv_spec]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if counts:
     out_specs.append(pl.BlockSpec((None, None, 1), lambda ki, bi, kh: (bi, kh, ki)))
-    out_shape.append(jax.ShapeDtypeStruct((b, kvh, nk), jnp.int32))
+    out_shape.append(_struct((b, kvh, nk), jnp.int32, q))
   dkv_out = pl.pallas_call(
       functools.partial(_gpu_dkv_kernel, cfg=cfg, counts=counts),
       grid=(nk, b, kvh), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

@@ -207,6 +207,8 @@ def shard_from_zigzag(x, axis_name, axis: int = 1):
 # The ring.
 
 _SKIP, _FULL, _DIAG, _KV_FIRST, _Q_SECOND = range(5)
+# The block pairs that can occur in each layout, in lax.switch order.
+_MODES = {"contiguous": (_SKIP, _FULL, _DIAG), "zigzag": (_DIAG, _KV_FIRST, _Q_SECOND)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +220,19 @@ class _Ring:
 
 
 def _step_mode(ring: _Ring, me, src):
-  """Which part of the (local q, kv shard of device src) pair is visible."""
-  if not ring.causal:
-    return jnp.int32(_FULL)
+  """Index into `_MODES[layout]`: which part of (local q, kv shard of device src) is
+  visible. Non-causal rings always attend the full block and need no switch."""
   if ring.layout == "contiguous":
-    return jnp.where(src == me, _DIAG, jnp.where(src < me, _FULL, _SKIP))
+    return jnp.where(src == me, 2, jnp.where(src < me, 1, 0))
   # Zig-zag: local chunks are (me, 2n-1-me); kv chunks (src, 2n-1-src).
-  return jnp.where(src == me, _DIAG, jnp.where(src < me, _KV_FIRST, _Q_SECOND))
+  return jnp.where(src == me, 0, jnp.where(src < me, 1, 2))
+
+
+def _switch(ring: _Ring, me, src, branches):
+  if not ring.causal:
+    return branches[_FULL]()
+  return lax.switch(_step_mode(ring, me, src),
+                    [branches[mode] for mode in _MODES[ring.layout]])
 
 
 def _halves(x):
@@ -234,12 +242,17 @@ def _halves(x):
   return x[:, :c], x[:, c:]
 
 
+def _zeros(x):
+  # full_like keeps x's shard_map axes, so loop carries and switch branches type-check
+  # under shard_map(check_vma=True).
+  return lax.full_like(x, 0.0, jnp.float32)
+
+
 def _empty_partial(q):
-  b, t, h, d = q.shape
-  return jnp.zeros((b, t, h, d), jnp.float32), jnp.full((b, t, h), reference.NEG_INF)
+  return _zeros(q), lax.full_like(q, reference.NEG_INF, jnp.float32, q.shape[:3])
 
 
-def _block_fwd(ring: _Ring, mode, q, k, v, q_seg, kv_seg):
+def _block_fwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg):
   fwd = ring.kernel.fwd
 
   def skip():
@@ -259,12 +272,13 @@ def _block_fwd(ring: _Ring, mode, q, k, v, q_seg, kv_seg):
     empty_out, empty_lse = _empty_partial(_halves(q)[0])
     return (jnp.concatenate([empty_out, out], 1), jnp.concatenate([empty_lse, lse], 1))
 
-  return lax.switch(mode, [skip, full, diag, kv_first, q_second])
+  return _switch(ring, me, src, {_SKIP: skip, _FULL: full, _DIAG: diag,
+                                 _KV_FIRST: kv_first, _Q_SECOND: q_second})
 
 
-def _block_bwd(ring: _Ring, mode, q, k, v, q_seg, kv_seg, do, lse, delta):
+def _block_bwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg, do, lse, delta):
   bwd = ring.kernel.bwd
-  f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+  f32 = _zeros
 
   def skip():
     return f32(q), f32(k), f32(v)
@@ -286,7 +300,8 @@ def _block_bwd(ring: _Ring, mode, q, k, v, q_seg, kv_seg, do, lse, delta):
                      _halves(lse)[1], _halves(delta)[1], False)
     return jnp.concatenate([f32(q1), dq], 1), dk, dv
 
-  return lax.switch(mode, [skip, full, diag, kv_first, q_second])
+  return _switch(ring, me, src, {_SKIP: skip, _FULL: full, _DIAG: diag,
+                                 _KV_FIRST: kv_first, _Q_SECOND: q_second})
 
 
 def _rotate(ring: _Ring, xs):
@@ -303,9 +318,8 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
     out, lse, kv = carry
     # Issue the transfer first: it does not depend on this step's compute.
     next_kv = _rotate(ring, kv) if rotate else kv
-    mode = _step_mode(ring, me, (me - s) % n)
     k_s, v_s, kv_seg_s = kv
-    out_s, lse_s = _block_fwd(ring, mode, q, k_s, v_s, q_seg, kv_seg_s)
+    out_s, lse_s = _block_fwd(ring, me, (me - s) % n, q, k_s, v_s, q_seg, kv_seg_s)
     out, lse = reference.merge_attention(out, lse, out_s, lse_s)
     return out, lse, next_kv
 
@@ -321,15 +335,14 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
 
   def step(s, carry, last=False):
     dq, kv, dkv = carry
-    mode = _step_mode(ring, me, (me - s) % n)
     k_s, v_s, kv_seg_s = kv
-    dq_s, dk_s, dv_s = _block_bwd(ring, mode, q, k_s, v_s, q_seg, kv_seg_s, do, lse, delta)
+    dq_s, dk_s, dv_s = _block_bwd(ring, me, (me - s) % n, q, k_s, v_s, q_seg, kv_seg_s,
+                                  do, lse, delta)
     dkv = (dkv[0] + dk_s, dkv[1] + dv_s)
     # dk / dv travel with their kv shard; after n hops they are home.
     return dq + dq_s, (kv if last else _rotate(ring, kv)), _rotate(ring, dkv)
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  carry = (zeros(q), (k, v, kv_seg), (zeros(k), zeros(v)))
+  carry = (_zeros(q), (k, v, kv_seg), (_zeros(k), _zeros(v)))
   carry = lax.fori_loop(0, n - 1, step, carry)
   dq, _, (dk, dv) = step(n - 1, carry, last=True)
   return dq, dk, dv

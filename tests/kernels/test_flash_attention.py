@@ -221,13 +221,15 @@ def test_front_door_runs_both_pallas_implementations():
 
 
 def test_import_is_cheap():
-  """`import kernels` initialises no backend and imports no Pallas lowering."""
+  """`import kernels` initialises no backend and imports no TPU / GPU lowering."""
   code = (
       "import sys, kernels\n"
       "from jax._src import xla_bridge\n"
       "assert not xla_bridge._backends, 'a backend was initialised'\n"
-      "bad = [m for m in sys.modules if m.startswith(('jax.experimental.pallas.triton',"
-      " 'jax.experimental.pallas.tpu', 'jax.experimental.pallas.mosaic_gpu',"
-      " 'jax._src.pallas.triton', 'jax._src.pallas.mosaic_gpu'))]\n"
+      "bad = [m for m in sys.modules if m.startswith(("
+      "'jax.experimental.pallas.triton', 'jax.experimental.pallas.tpu',"
+      " 'jax.experimental.pallas.mosaic_gpu', 'jax._src.pallas.triton',"
+      " 'jax._src.pallas.mosaic.lowering', 'jax._src.pallas.mosaic_gpu.lowering',"
+      " 'jaxlib.triton'))]\n"
       "assert not bad, bad\n")
   subprocess.run([sys.executable, "-c", code], check=True)
