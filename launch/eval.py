@@ -1,0 +1,75 @@
+"""Evaluate a checkpoint on held-out seeds and write DIR/eval/step_N/ (report.json, report.md,
+timing.json, plots):
+
+    python -m launch.eval --config=configs/default.py --workdir=DIR [--step=N]
+        [--domains=GLOB,...] [--samples=K] [--seeds_per_domain=N] [--baseline_step=M]
+        [--seed=S] [--confidence=0.95] [--config.k=v]
+"""
+
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (checkpoints/ inside).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+_DOMAINS = flags.DEFINE_string("domains", None, "Comma-separated domain globs (default: the "
+                               "config's tasks.domains and tasks.levels).")
+_SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per task at the rollout temperature, "
+                                "for pass@k (0: greedy only).")
+_SEEDS = flags.DEFINE_integer("seeds_per_domain", None, "Held-out seeds per domain (default: "
+                              "config.eval.seeds_per_domain).")
+_BASELINE = flags.DEFINE_integer("baseline_step", None, "Compare with this checkpoint and flag "
+                                 "domains that got worse beyond noise.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Level of the regression intervals.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _fail(e: BaseException):
+  lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+  if isinstance(e, KeyError):
+    msg = f"unknown config key {lines[-1] if lines else e}"
+  else:
+    msg = next((ln for ln in lines if "No such file" in ln), lines[-1] if lines else repr(e))
+  print(f"error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv):
+  """absl flag parsing with config errors (unknown key, bad value) as one line."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # noqa: BLE001 - config_flags raises several kinds.
+    _fail(e.__cause__ or e)
+
+
+def main(argv):
+  del argv
+  import jax
+
+  from posttrain import evaluation
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+  log = logging.getLogger("posttrain")
+  try:
+    log.info("devices: %s", jax.devices())
+    report, timing = evaluation.evaluate_checkpoint(
+        _CONFIG.value, _WORKDIR.value, step=_STEP.value, domains=_DOMAINS.value,
+        samples=_SAMPLES.value, seeds_per_domain=_SEEDS.value, baseline_step=_BASELINE.value,
+        seed=_SEED.value, confidence=_CONFIDENCE.value)
+  except (ValueError, OSError, KeyError) as e:
+    _fail(e)
+  o = report["overall"]
+  log.info("step %d: %d tasks, greedy pass@1 %.3f%s; %.1f s; wrote %s/eval/step_%d",
+           report["step"], o["tasks"], o["greedy_pass_rate"],
+           "".join(f", pass@{k} {v:.3f}" for k, v in o.get("pass_at_k", {}).items()),
+           timing["total_s"], _WORKDIR.value, report["step"])
+  if "regression" in report:
+    log.info("regressed vs step %d: %s", _BASELINE.value,
+             ", ".join(report["regression"]["regressed"]) or "none")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)
