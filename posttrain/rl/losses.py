@@ -614,6 +614,17 @@ def rl_loss(
   Returns:
     `(loss, metrics)`: summing `loss` over micro-batches gives the batch loss.
   """
+  needed = ["loss_mask", "advantages"]
+  needed += ["behaviour_logprobs"] if cfg.tis_cap > 0 else []
+  needed += ["ref_logprobs"] if cfg.kl_coef > 0 and not cfg.kl_in_reward else []
+  needed += ["old_values", "returns"] if cfg.use_critic else []
+  missing = [key for key in needed if key not in batch]
+  if missing:
+    raise ValueError(f"batch lacks {missing} needed by this loss config")
+  if cfg.use_critic and values is None:
+    raise ValueError("use_critic=True needs critic values")
+  if cfg.entropy_coef and entropies is None:
+    raise ValueError(f"entropy_coef={cfg.entropy_coef} needs per-token entropies")
   mask = _as_mask(batch["loss_mask"])
   segment_ids = batch.get("segment_ids")
   weights, local_denominator = token_weights(
@@ -657,20 +668,14 @@ def rl_loss(
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
       metrics["loss/kl"] = Metric.mean(weighted_sum(kl), local_denominator)
       loss = loss + cfg.kl_coef * term(kl)
-  elif cfg.kl_coef > 0 and not cfg.kl_in_reward:
-    raise ValueError("kl_coef > 0 with the KL as a loss term needs batch['ref_logprobs']")
 
   if entropies is not None:
     entropies = _clean(entropies, mask)
     metrics["entropy"] = _masked_mean_metric(jax.lax.stop_gradient(entropies), mask)
     if cfg.entropy_coef:
       loss = loss - cfg.entropy_coef * term(entropies)
-  elif cfg.entropy_coef:
-    raise ValueError(f"entropy_coef={cfg.entropy_coef} needs per-token entropies")
 
   if cfg.use_critic:
-    if values is None:
-      raise ValueError("use_critic=True needs critic values")
     value_loss, value_metrics = clipped_value_loss(
         values, batch["old_values"], batch["returns"], mask, value_clip=cfg.value_clip
     )

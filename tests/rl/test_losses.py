@@ -461,10 +461,14 @@ def test_loss_config_errors_are_one_line_and_name_the_value():
     with pytest.raises(ValueError, match=message) as info:
       losses.LossConfig(**kwargs)
     assert "\n" not in str(info.value)
-  with pytest.raises(ValueError, match="ref_logprobs"):
-    batch = _rollout_batch(13)
-    del batch["ref_logprobs"]
-    losses.rl_loss(losses.LossConfig(kl_coef=0.1), jnp.zeros((12, LENGTH)), batch, denominator=1.0)
+  batch = _rollout_batch(13)
+  del batch["ref_logprobs"], batch["behaviour_logprobs"]
+  with pytest.raises(ValueError, match=r"^batch lacks \['behaviour_logprobs', 'ref_logprobs'\]"):
+    losses.rl_loss(losses.LossConfig(kl_coef=0.1, tis_cap=2.0), jnp.zeros((12, LENGTH)), batch,
+                   denominator=1.0)
+  with pytest.raises(ValueError, match="use_critic=True needs critic values"):
+    losses.rl_loss(losses.LossConfig(use_critic=True), jnp.zeros((12, LENGTH)), batch,
+                   denominator=1.0)
   with pytest.raises(ValueError, match=r"old_log_probs shape \(3, 5\) != log_probs shape \(3, 7\)"):
     losses.ppo_policy_loss(np.zeros((3, 7)), np.zeros((3, 5)), np.zeros((3, 7)), np.ones((3, 7)),
                            eps_low=0.2, eps_high=0.2)
