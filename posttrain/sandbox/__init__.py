@@ -39,8 +39,14 @@ __all__ = ["Backend", "ExecRequest", "ExecResult", "Sandbox", "SandboxConfig",
            "SandboxUnavailableError", "Session", "Snapshot", "Status"]
 
 if TYPE_CHECKING:
-    from posttrain.sandbox.api import (ExecRequest, ExecResult, SandboxConfig,
-                                       SandboxUnavailableError, Snapshot, Status)
+    from posttrain.sandbox.api import (
+        ExecRequest,
+        ExecResult,
+        SandboxConfig,
+        SandboxUnavailableError,
+        Snapshot,
+        Status,
+    )
     from posttrain.sandbox.backend import Backend
     from posttrain.sandbox.sandbox import Sandbox, Session
 

@@ -118,6 +118,9 @@ def classify(outcome: dict, setup_error: str, language: str) -> dict:
     elif outcome["overflow"]:
         status = "output_limit"
         detail = f"output exceeded {outcome['max_output_bytes']} bytes"
+    elif outcome["over_memory"]:
+        status = "memory_limit"
+        detail = f"its processes together held more than {outcome['memory_mb']} MB"
     elif exit_code == -signal.SIGXCPU:
         status, detail = "timeout", "CPU time limit exceeded"
     elif memory_sign and exit_code != 0:

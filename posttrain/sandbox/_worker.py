@@ -25,6 +25,9 @@ import traceback
 
 from posttrain.sandbox import _isolation, _linux, _program, _protocol
 
+_MEMORY_CHECK_S = 0.05  # how often a running program's total memory is measured
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
 BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv[1]); "
              "from posttrain.sandbox._worker import main; main()")
 
@@ -81,6 +84,9 @@ class _Worker:
             io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8",
             errors="backslashreplace", line_buffering=True)
         self._scratch_ready = False
+        self._proc_dir = layout["proc_fd"]
+        if self.pid_ns and caps.get("proc") is True:
+            self._proc_dir = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         # RLIMIT_NPROC counts the shim and the worker when they share the sandbox's uid.
         self.nproc_base = 0 if self.child_uid else 2 if layout["userns"] else None
 
@@ -188,13 +194,23 @@ class _Worker:
             poller.register(fd, select.POLLIN)
         open_fds = {out_r, err_r}
         wait_status = None
-        timed_out = overflow = False
+        timed_out = overflow = over_memory = False
+        memory_limit = req["memory_mb"] << 20
+        next_check = start + _MEMORY_CHECK_S
         while wait_status is None:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 timed_out = True
                 break
-            for fd, _ in poller.poll(left * 1000):
+            if self._proc_dir is not None and now >= next_check:
+                # RLIMIT_AS bounds each process; this bounds all of them together.
+                next_check = now + _MEMORY_CHECK_S
+                if self._run_memory(memory_limit) > memory_limit:
+                    over_memory = True
+                    break
+            wait = left if self._proc_dir is None else min(left, next_check - now)
+            for fd, _ in poller.poll(wait * 1000):
                 if fd == pidfd:
                     wait_status = os.waitpid(pid, 0)[1]
                     break
@@ -218,7 +234,7 @@ class _Worker:
             except ChildProcessError:
                 wait_status = self._reaped.get(pid, 9)
         os.close(pidfd)
-        for fd in list(open_fds):  # every writer is dead: drain to EOF
+        for fd in open_fds:  # every writer is dead: drain to EOF
             os.set_blocking(fd, False)  # all the same, never wait on a writer we missed
             while len(buffers[out_r]) + len(buffers[err_r]) <= limit:
                 try:
@@ -235,9 +251,25 @@ class _Worker:
         os.close(out_r)
         os.close(err_r)
         return {"wait_status": wait_status, "timed_out": timed_out, "overflow": overflow,
+                "over_memory": over_memory,
                 "wall_s": wall, "stdout": stdout, "stderr": stderr,
                 "memory_mb": req["memory_mb"], "timeout_s": req["timeout_s"],
                 "max_output_bytes": limit}
+
+    def _run_pids(self) -> list[int]:
+        if self.pid_ns:  # our own /proc: only the run's processes and us (pid 1)
+            return [int(p) for p in os.listdir(self._proc_dir) if p.isdigit() and p != "1"]
+        return _descendants(os.getpid(), self._proc_dir)
+
+    def _run_memory(self, limit: int) -> int:
+        """Bytes of memory the run's processes hold: resident, or if that is over the
+        limit, proportional (copy-on-write pages shared with siblings counted once)."""
+        pids = self._run_pids()
+        resident = sum(_read_proc(self._proc_dir, pid, "statm", 1) for pid in pids)
+        if resident * _PAGE <= limit:
+            return resident * _PAGE
+        return sum(_read_proc(self._proc_dir, pid, "smaps_rollup", "Pss:") for pid in pids
+                   ) << 10
 
     def _kill_all(self) -> None:
         """SIGKILLs and reaps every process started for the current request."""
@@ -371,3 +403,21 @@ def _descendants(root_pid: int, proc_fd: int) -> list[int]:
             found.append(child)
             stack.append(child)
     return found
+
+
+def _read_proc(proc_dir: int, pid: int, name: str, field) -> int:
+    """A number from /proc/PID/NAME: the `field`-th word, or the line starting `field`."""
+    try:
+        fd = os.open(f"{pid}/{name}", os.O_RDONLY, dir_fd=proc_dir)
+        try:
+            text = os.read(fd, 8192).decode()
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0  # the process is gone
+    if isinstance(field, int):
+        return int(text.split()[field])
+    for line in text.splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    return 0

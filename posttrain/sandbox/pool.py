@@ -26,8 +26,14 @@ import posttrain
 from posttrain.sandbox import _protocol
 from posttrain.sandbox._isolation import PRIVATE_PATHS
 from posttrain.sandbox._worker import BOOTSTRAP
-from posttrain.sandbox.api import (ExecRequest, ExecResult, SandboxConfig,
-                                   SandboxUnavailableError, Status, default_ro_paths)
+from posttrain.sandbox.api import (
+    ExecRequest,
+    ExecResult,
+    SandboxConfig,
+    SandboxUnavailableError,
+    Status,
+    default_ro_paths,
+)
 from posttrain.sandbox.backend import Backend, sandbox_error
 
 logger = logging.getLogger("posttrain.sandbox")
@@ -85,7 +91,7 @@ class _WorkerProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=_WORKER_ENV, close_fds=True, start_new_session=True)
         self._to, self._from = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        self.pid = None
+        self.pid = self._pidfd = None
         setup = {
             "uid": uid, "gid": uid, "namespaces": list(config.namespaces),
             "ro_paths": ro_paths,
@@ -104,6 +110,8 @@ class _WorkerProcess:
             raise SandboxUnavailableError(f"sandbox worker failed to start ({e}): {reason}")
         self.capabilities = hello["capabilities"]
         self.pid = _only_child(self.proc.pid)
+        if self.pid is not None:
+            self._pidfd = os.pidfd_open(self.pid)  # signals and waits cannot hit a reused pid
 
     def run(self, message: bytes, deadline: float, max_bytes: int) -> dict:
         _write_all(self._to, message)
@@ -124,12 +132,13 @@ class _WorkerProcess:
         return f"worker exit status {status}" + (": " + " | ".join(tail) if tail else "")
 
     def kill(self) -> None:
-        for pid in (self.pid, self.proc.pid):
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)  # the worker first: it is pid 1 of its ns
-                except ProcessLookupError:
-                    pass
+        """SIGKILLs the worker (pid 1 of its namespace: every run process dies with it)."""
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
         self._finish()
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -142,6 +151,11 @@ class _WorkerProcess:
 
     def _finish(self) -> None:
         self.proc.wait()
+        if self._pidfd is not None:
+            # A pid namespace's init exits only once all its processes have died.
+            select.select([self._pidfd], [], [], 10.0)
+            os.close(self._pidfd)
+            self._pidfd = None
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 stream.close()

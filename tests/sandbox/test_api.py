@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import posttrain
-
 from posttrain.sandbox import ExecRequest, ExecResult, SandboxConfig, Status
 from posttrain.sandbox.api import check_relative_path
 

@@ -2,6 +2,7 @@
 import os
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -100,6 +101,20 @@ def test_memory_bomb_hits_the_memory_limit(sandbox, code):
     assert "MemoryError" in res.stderr
 
 
+def test_memory_spread_over_many_processes_hits_the_limit_of_the_whole_run(sandbox):
+    # Each process stays far below the per-process limit; together they are far above.
+    code = ("import os, time\n"
+            "for _ in range(16):\n"
+            "    if os.fork() == 0:\n"
+            "        block = bytearray(100 << 20)\n"
+            "        time.sleep(30)\n"
+            "        os._exit(0)\n"
+            "time.sleep(30)\n")
+    res = sandbox.run(py(code, memory_mb=512, timeout_s=15))
+    assert res.status == Status.MEMORY_LIMIT and res.exit_code == -9, res
+    assert res.wall_s < 10.0
+
+
 @pytest.mark.parametrize("code, stream", [
     ("import os\nchunk = b'x' * (1 << 16)\nfor _ in range(1 << 14):\n    os.write(1, chunk)",
      "stdout"),
@@ -188,6 +203,10 @@ def test_cannot_connect_to_a_server_on_the_host(sandbox, loopback_server):
     host_ip = socket.gethostbyname(socket.gethostname())
     # The server is reachable from outside the sandbox.
     socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    deadline = time.monotonic() + 5
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(accepted) == 1
     code = ("import socket, sys\n"
             "for host in sys.argv[2:]:\n"
             "    try:\n"

@@ -77,6 +77,17 @@ def test_stdin_argv_files_and_environment(sandbox):
                                        "/sandbox /sandbox", "42"]
 
 
+def test_multiprocessing_works_inside(sandbox):
+    code = ("import multiprocessing as mp\n"
+            "def square(x):\n"
+            "    return x * x\n"
+            "if __name__ == '__main__':\n"
+            "    with mp.Pool(4) as pool:\n"
+            "        print(sum(pool.map(square, range(100))))\n")
+    res = sandbox.run(py(code, timeout_s=20))
+    assert (res.status, res.stdout) == ("ok", "328350\n"), res
+
+
 def test_cpu_and_wall_time_are_measured(sandbox):
     res = sandbox.run(py("import time\nt = time.process_time()\n"
                          "while time.process_time() - t < 0.2: pass\n"))

@@ -73,8 +73,8 @@ def _python_for_nobody() -> str | None:
     for python in (sys.executable, "/usr/bin/python3"):
         probe = subprocess.run(
             ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-             python, "-c", "import posttrain.sandbox, os, sys; os.pidfd_open; "
-                           "assert os.access(sys.executable, os.X_OK)"],
+             python, "-c", ("import posttrain.sandbox, os, sys; os.pidfd_open; "
+                            "assert os.access(sys.executable, os.X_OK)")],
             env={"PYTHONPATH": PACKAGE_PARENT, "PATH": "/usr/bin:/bin"}, cwd="/",
             capture_output=True)
         if probe.returncode == 0:
