@@ -86,10 +86,13 @@ class _WorkerProcess:
         self.host_dir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
         if uid is not None:
             os.chown(self.host_dir, uid, uid)
-        self.proc = subprocess.Popen(
-            [config.python, "-S", "-I", "-c", BOOTSTRAP, _PACKAGE_PARENT],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=_WORKER_ENV, close_fds=True, start_new_session=True)
+        # The worker's own stderr goes to a file: a pipe nobody drains could block it.
+        self._log = os.path.join(self.host_dir, "worker.log")
+        with open(self._log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [config.python, "-S", "-I", "-c", BOOTSTRAP, _PACKAGE_PARENT],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                env=_WORKER_ENV, close_fds=True, start_new_session=True)
         self._to, self._from = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         self.pid = self._pidfd = None
         setup = {
@@ -125,9 +128,12 @@ class _WorkerProcess:
             status = self.proc.wait(1.0)  # the shim exits right after its worker
         except subprocess.TimeoutExpired:
             status = None
-        stderr = b""
-        if status is not None and select.select([self.proc.stderr], [], [], 0.5)[0]:
-            stderr = os.read(self.proc.stderr.fileno(), 8192)
+        try:
+            with open(self._log, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+                stderr = f.read()
+        except OSError:
+            stderr = b""
         tail = stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
         return f"worker exit status {status}" + (": " + " | ".join(tail) if tail else "")
 
@@ -156,7 +162,7 @@ class _WorkerProcess:
             select.select([self._pidfd], [], [], 10.0)
             os.close(self._pidfd)
             self._pidfd = None
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for stream in (self.proc.stdin, self.proc.stdout):
             try:
                 stream.close()
             except OSError:
@@ -250,8 +256,7 @@ class LocalBackend(Backend):
             self.close()
             raise
         capabilities = dict(reports[0])
-        capabilities.update(backend="local", mode=config.mode, trainer_uid=os.geteuid(),
-                            bwrap=shutil.which("bwrap") is not None)
+        capabilities.update(backend="local", mode=config.mode, trainer_uid=os.geteuid())
         self.capabilities = capabilities
         if capabilities.get("interpreter") is not True:
             self.close()

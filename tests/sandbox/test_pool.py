@@ -153,3 +153,8 @@ def test_an_interpreter_out_of_the_sandboxs_reach_is_a_clear_error():
 def test_a_read_only_path_the_sandbox_would_hide_is_a_clear_error():
     with pytest.raises(SandboxUnavailableError, match="/tmp/venv lies under /tmp"):
         Sandbox(SandboxConfig(concurrency=1, ro_paths=("/usr", "/tmp/venv")))
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error():
+    with pytest.raises(SandboxUnavailableError, match="No module named 'no_such_module_xyz'"):
+        Sandbox(SandboxConfig(concurrency=1, preload=("no_such_module_xyz",)))
