@@ -100,6 +100,9 @@ def isolate(setup: dict, caps: dict) -> dict:
                            "failed: needs root or a user namespace")
     caps["distinct_uid"] = (True if is_root and (layout["userns"] or layout["child_uid"])
                             else "failed: only root can switch to a slot uid")
+    # Armed last: a uid change clears it. The pool's slot thread that started us lives
+    # as long as the slot, so this ends the shim (and with it the worker) on shutdown.
+    _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     shim = os.getpid()
     pid = os.fork()
     if pid:
@@ -239,12 +242,15 @@ def _interpreter_usable(python: str, child_uid) -> bool | str:
     stdlib = os.path.dirname(os.__file__)
     pid = os.fork()
     if pid == 0:
-        if child_uid:
-            os.setgroups([])
-            os.setresgid(child_uid[1], child_uid[1], child_uid[1])
-            os.setresuid(child_uid[0], child_uid[0], child_uid[0])
-        usable = os.access(python, os.X_OK) and os.access(stdlib, os.R_OK | os.X_OK)
-        os._exit(0 if usable else 1)
+        usable = False
+        try:
+            if child_uid:
+                os.setgroups([])
+                os.setresgid(child_uid[1], child_uid[1], child_uid[1])
+                os.setresuid(child_uid[0], child_uid[0], child_uid[0])
+            usable = os.access(python, os.X_OK) and os.access(stdlib, os.R_OK | os.X_OK)
+        finally:
+            os._exit(0 if usable else 1)
     if os.waitpid(pid, 0)[1] == 0:
         return True
     return (f"failed: the sandbox's uid cannot run {python} or read {stdlib}; use the "

@@ -4,7 +4,6 @@ Only the standard library is used here (it runs inside the sandbox worker).
 """
 import atexit
 import builtins
-import gc
 import io
 import os
 import signal
@@ -26,7 +25,7 @@ def command(req: dict, program: str | None, python: str) -> list[str]:
 
 
 def run_python(code_obj, program: str, argv: list[str], workdir: str,
-                base_sys_path: list[str]) -> None:
+               base_sys_path: list[str]) -> None:
     """Runs compiled code in this forked interpreter as `python program argv...` would."""
     atexit._clear()
     module = types.ModuleType("__main__")
@@ -36,7 +35,6 @@ def run_python(code_obj, program: str, argv: list[str], workdir: str,
     sys.argv = [program, *argv]
     sys.path[:] = [os.path.dirname(program), workdir, *base_sys_path]
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    gc.unfreeze()
     code = 0
     try:
         exec(code_obj, module.__dict__)

@@ -346,8 +346,8 @@ class _Worker:
             os.closerange(status_w + 1, 1 << 16)
             if code_obj is not None and self.setup["mode"] == "fork":
                 os.close(status_w)
-                _program.run_python(code_obj, program, req.get("argv") or [], self.workdir,
-                            self.base_sys_path)
+                _program.run_python(code_obj, program, req.get("argv") or [],
+                                    self.workdir, self.base_sys_path)
             argv = _program.command(req, program, self.setup["python"])
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             try:
