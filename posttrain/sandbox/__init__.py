@@ -16,9 +16,18 @@ fresh tmpfs working directory (/sandbox) and /tmp, a scrubbed environment, no
 capabilities, no_new_privs, and rlimits on CPU, address space, file size, open files and
 processes. As root the trainer gives each worker slot its own unprivileged uid. The
 worker is pid 1 of its namespace, so every process of a run, setsid() grandchildren
-included, is killed at the deadline. What the host allowed is in `sb.capabilities`; the
+included, is killed when the run ends (its main program exits, or the deadline passes). What the host allowed is in `sb.capabilities`; the
 constructor raises SandboxUnavailableError when that is weaker than configured, unless
 `SandboxConfig(allow_weak_isolation=True)`.
+
+What a program sees: cwd and HOME /sandbox (holding `files`, and a session's files),
+its source at /tmp/main.py (or main.sh), PATH with this Python first, no network but its
+own loopback, only its own processes in /proc, uid 1000. In fork mode python programs run
+in a copy of the warm interpreter with the site-packages directories on sys.path (no .pth
+processing); mode="exec" starts a fresh interpreter instead. memory_mb bounds each
+process's address space (the interpreter's ~20 MB included) and, checked every 50 ms,
+the memory of all the run's processes together. Sessions keep files between runs, not
+processes or interpreter state.
 
 Ray backend (`pip install 'posttrain[ray]'`) for when one host is not enough: start a
 cluster (`ray start --head` on one node, `ray start --address=HEAD_IP:6379` on the
