@@ -93,10 +93,20 @@ def _grouped(q, kv_heads):
   return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
-def _logits(q, k, mask, sm_scale, logits_soft_cap):
+def _per_key(scale):
+  """Scale [b or 1, kv_len or 1, kv_heads] -> [b or 1, kv_heads, 1, 1, kv_len or 1]."""
+  return jnp.moveaxis(scale.astype(jnp.float32), 2, 1)[:, :, None, None, :]
+
+
+def _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale=None):
   """Masked f32 logits [b, kv_heads, group, q_len, kv_len] (masked entries -inf)."""
   qg = _grouped(q, k.shape[2])
+  # int8 values are exact in q's dtype; their scale is applied to the logits instead of
+  # dequantising the keys.
+  k = k.astype(q.dtype) if k.dtype != q.dtype else k
   s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+  if k_scale is not None:
+    s = s * _per_key(k_scale)
   s = soft_cap(s * sm_scale, logits_soft_cap)
   return jnp.where(mask[:, None, None], s, NEG_INF)
 
@@ -104,8 +114,12 @@ def _logits(q, k, mask, sm_scale, logits_soft_cap):
 def attention_block(q, k, v, *, q_positions, kv_positions, q_segment_ids=None,
                     kv_segment_ids=None, causal: bool, sm_scale: float,
                     logits_soft_cap: float | None = None,
-                    sliding_window: int | None = None):
+                    sliding_window: int | None = None, k_scale=None, v_scale=None):
   """Attention of a query block against one key/value block.
+
+  Args:
+    k_scale, v_scale: optional dequantisation scales [b or 1, kv_len or 1, kv_heads]
+      for integer k / v (value = int * scale).
 
   Returns:
     (out, lse): out [batch, q_len, heads, head_dim] f32, normalised over this block only;
@@ -114,14 +128,16 @@ def attention_block(q, k, v, *, q_positions, kv_positions, q_segment_ids=None,
   """
   mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                         causal=causal, sliding_window=sliding_window)
-  s = _logits(q, k, mask, sm_scale, logits_soft_cap)
+  s = _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale)
   # The max only stabilises exp; stopping its gradient keeps fully masked rows NaN-free.
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
   l_safe = jnp.where(l == 0.0, 1.0, l)
-  o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
+  pv = p if v_scale is None else p * _per_key(v_scale)
+  dtype = q.dtype if v.dtype != q.dtype else v.dtype
+  o = jnp.einsum("bkgqs,bskd->bqkgd", pv.astype(dtype), v.astype(dtype),
                  preferred_element_type=jnp.float32)
   b, tq, h, d = q.shape
   inv_l = jnp.moveaxis(1.0 / l_safe[..., 0], 3, 1)  # [b, tq, kvh, g]

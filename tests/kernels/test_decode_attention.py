@@ -1,4 +1,5 @@
 """decode_attention against the reference on each row's cached prefix."""
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +7,12 @@ import numpy as np
 import pytest
 
 import kernels
+from kernel_test_utils import assert_close, numpy_attention
+
+LENGTHS = (5, 37, 9)  # max_len 37 with 8-slot chunks: 5 chunks, the last one overlaps
 
 
-def _case(b=3, s=17, kvh=2, h=6, d=8, t=1, seed=0):
+def _case(b=3, s=37, kvh=2, h=6, d=8, t=1, seed=0):
   ks = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(ks[0], (b, t, h, d))
   k = jax.random.normal(ks[1], (b, s, kvh, d))
@@ -16,33 +20,106 @@ def _case(b=3, s=17, kvh=2, h=6, d=8, t=1, seed=0):
   return q, k, v
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_matches_reference_on_each_prefix(t):
+def _with_garbage(k, v, lengths):
+  """Slots past a row's length hold anything; they must not matter."""
+  slots = jnp.arange(k.shape[1])[None, :, None, None]
+  past = slots >= jnp.asarray(lengths)[:, None, None, None]
+  return jnp.where(past, 1e4, k), jnp.where(past, jnp.nan, v)
+
+
+def _per_row_reference(q, k, v, lengths, **kw):
+  """Each row attends to exactly its prefix: the independent numpy oracle."""
+  return np.concatenate([
+      numpy_attention(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], **kw)
+      for i, n in enumerate(lengths)])
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logits_soft_cap"))
+def _decode(q, k, v, lengths, k_scale=None, v_scale=None, **kw):
+  return kernels.decode_attention(q, k, v, lengths=lengths, k_scale=k_scale,
+                                  v_scale=v_scale, chunk_size=8, **kw)
+
+
+@pytest.mark.parametrize("t,kw", [
+    (1, {}),
+    (3, dict(sliding_window=6, logits_soft_cap=5.0)),
+    (2, dict(causal=False)),
+])
+def test_matches_reference_on_each_prefix(t, kw):
   q, k, v = _case(t=t)
-  lengths = jnp.array([5, 17, 9])
-  # Garbage past each row's length must not matter.
-  k = k.at[0, 5:].set(1e4)
-  v = v.at[2, 9:].set(jnp.nan)
-  out = kernels.decode_attention(q, k, v, lengths=lengths)
-  for i, n in enumerate(lengths.tolist()):
-    want = kernels.reference_attention(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=True)
-    np.testing.assert_allclose(out[i:i + 1], want, atol=1e-5)
+  out = _decode(q, *_with_garbage(k, v, LENGTHS), jnp.array(LENGTHS), **kw)
+  assert_close(out, _per_row_reference(q, k, v, LENGTHS, **kw), 2e-5)
 
 
-def test_int8_cache_within_tolerance():
-  q, k, v = _case()
-  lengths = jnp.array([4, 17, 11])
+def test_default_chunking_and_bf16():
+  q, k, v = (x.astype(jnp.bfloat16) for x in _case(t=2))
+  out = kernels.decode_attention(q, k, v, lengths=jnp.array(LENGTHS))
+  assert out.dtype == jnp.bfloat16
+  assert_close(out, _per_row_reference(q, k, v, LENGTHS), 2e-2)
+
+
+def test_gradients_match_reference():
+  q, k, v = _case(t=2)
+  lengths = jnp.array(LENGTHS)
+  dout = jax.random.normal(jax.random.key(1), q.shape)
+  got = jax.vjp(lambda q, k, v: _decode(q, k, v, lengths), q, k, v)[1](dout)
+  per_row = jax.jit(lambda q, k, v: jnp.concatenate([
+      kernels.reference_attention(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n])
+      for i, n in enumerate(LENGTHS)]))
+  want = jax.vjp(per_row, q, k, v)[1](dout)
+  assert_close(got[0], want[0], 1e-4, "dq")
+  for name, g, w in (("dk", got[1], want[1]), ("dv", got[2], want[2])):
+    for i, n in enumerate(LENGTHS):  # the reference only saw each row's prefix
+      assert_close(g[i, :n], w[i, :n], 1e-4, name)
+      np.testing.assert_array_equal(np.asarray(g[i, n:]), 0.0)
+
+
+# Symmetric int8 with a scale per (row, slot, head): each element is off by at most
+# max|x| / 254, which for unit-normal inputs keeps the output within 0.03 absolute.
+INT8_TOLERANCE = 0.03
+
+
+def test_int8_cache_per_slot_scales_within_tolerance():
+  q, k, v = _case(t=2)
+  lengths = jnp.array(LENGTHS)
   k8, ks = kernels.quantize_int8(k)
   v8, vs = kernels.quantize_int8(v)
-  out = kernels.decode_attention(q, k8, v8, lengths=lengths, k_scale=ks, v_scale=vs)
-  want = kernels.decode_attention(q, k, v, lengths=lengths)
-  # Per-slot symmetric int8: relative error ~ 1/254 per element.
-  assert float(jnp.max(jnp.abs(out - want))) < 0.03
+  # Garbage scales past each row's length must not leak either.
+  past = jnp.arange(37)[None, :, None] >= lengths[:, None, None]
+  vs = jnp.where(past, jnp.nan, vs)
+  out = _decode(q, k8, v8, lengths, ks, vs)
+  want = _per_row_reference(q, k, v, LENGTHS)
+  assert float(np.max(np.abs(np.asarray(out) - want))) < INT8_TOLERANCE
+  # And it is the quantised cache, exactly dequantised, that is attended.
+  exact = _per_row_reference(q, k8 * ks[..., None], v8 * jnp.where(past, 0, vs)[..., None],
+                             LENGTHS)
+  assert_close(out, exact, 2e-5)
 
 
-def test_bad_shapes_name_the_argument():
+def test_int8_cache_per_head_scales():
   q, k, v = _case()
-  with pytest.raises(ValueError, match="lengths"):
+  k_scale = jnp.max(jnp.abs(k), axis=(0, 1, 3)) / 127  # [kv_heads]
+  v_scale = jnp.max(jnp.abs(v), axis=(0, 1, 3)) / 127
+  per_head = lambda s: s[None, None, :, None]
+  k8 = jnp.round(k / per_head(k_scale)).astype(jnp.int8)
+  v8 = jnp.round(v / per_head(v_scale)).astype(jnp.int8)
+  out = _decode(q, k8, v8, jnp.array(LENGTHS), k_scale, v_scale)
+  exact = _per_row_reference(q, k8 * per_head(k_scale), v8 * per_head(v_scale), LENGTHS)
+  assert_close(out, exact, 2e-5)
+  assert float(np.max(np.abs(np.asarray(out) - _per_row_reference(q, k, v, LENGTHS)))) < 0.05
+
+
+def test_bad_inputs_name_the_argument():
+  q, k, v = _case()
+  with pytest.raises(ValueError, match="lengths must be \\[batch\\]"):
     kernels.decode_attention(q, k, v, lengths=jnp.array([1, 2]))
-  with pytest.raises(ValueError, match="k_scale"):
+  with pytest.raises(ValueError, match="k_scale is required"):
     kernels.decode_attention(q, k.astype(jnp.int8), v.astype(jnp.int8), lengths=jnp.ones(3))
+  with pytest.raises(ValueError, match="v_scale must be"):
+    kernels.decode_attention(q, k.astype(jnp.int8), v.astype(jnp.int8), lengths=jnp.ones(3),
+                             k_scale=jnp.ones(2), v_scale=jnp.ones(5))
+  with pytest.raises(ValueError, match="v_cache must have the shape of k_cache"):
+    kernels.decode_attention(q, k, v[:, :5], lengths=jnp.ones(3))
+  with pytest.raises(ValueError, match="q heads 6 must be a multiple of k kv_heads 4"):
+    kernels.decode_attention(q, jnp.zeros((3, 37, 4, 8)), jnp.zeros((3, 37, 4, 8)),
+                             lengths=jnp.ones(3))
