@@ -73,7 +73,7 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 5) -> float:
   return 2 * n**3 / float(np.median(times)) / 1e9
 
 
-def machine(peak_fn: Callable[[], float] = matmul_peak_gflops) -> dict[str, Any]:
+def machine(peak_fn: Callable[[], float]) -> dict[str, Any]:
   """Cores, memory, CPU model, jax version and devices, load, measured matmul peak."""
   import jax
 
@@ -96,9 +96,14 @@ def machine(peak_fn: Callable[[], float] = matmul_peak_gflops) -> dict[str, Any]
 
 
 def run_all(names: Sequence[str], quick: bool, *,
-            peak_fn: Callable[[], float] = matmul_peak_gflops,
-            tunix_fn: Callable[[], str] = ensure_tunix_venv) -> dict[str, Any]:
+            peak_fn: Callable[[], float] | None = None,
+            tunix_fn: Callable[[], str] | None = None) -> dict[str, Any]:
   """Imports and runs each benchmark; never raises for a missing or failing one.
+
+  Args:
+    names: benchmark module names under benchmarks/.
+    quick: passed to each `run`.
+    peak_fn, tunix_fn: default `matmul_peak_gflops` and `ensure_tunix_venv`.
 
   Returns:
     {"machine": ..., "date": ..., "quick": ..., "results": [{"name", "status" ("ok" |
@@ -118,10 +123,10 @@ def run_all(names: Sequence[str], quick: bool, *,
   if any(n in TUNIX_USERS and not isinstance(modules.get(n), Exception | None)
          for n in names):
     try:
-      tunix_fn()
+      (tunix_fn or ensure_tunix_venv)()
     except Exception as e:  # noqa: BLE001 - the benchmark itself will say what it lacks
       tunix_error = f"Tunix venv set-up failed: {_one_line(e)}"
-  info = machine(peak_fn)
+  info = machine(peak_fn or matmul_peak_gflops)
   for name in names:
     mod = modules.get(name)
     doc = (getattr(mod, "__doc__", None) or "").strip().splitlines()
