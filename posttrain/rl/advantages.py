@@ -21,26 +21,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from posttrain.rl import losses
+
 Array = jax.Array
 
 # Added to the standard deviation before dividing (GRPO) and to the variance
 # under the square root (whitening), as in TRL / verl.
 STD_EPS = 1e-6
 VAR_EPS = 1e-8
-
-
-def _check_shapes(**arrays) -> None:
-  shapes = {name: jnp.shape(a) for name, a in arrays.items() if a is not None}
-  first_name, first_shape = next(iter(shapes.items()))
-  if len(first_shape) != 2:
-    raise ValueError(f"{first_name} must be [batch, length], got shape {first_shape}")
-  for name, shape in shapes.items():
-    if shape != first_shape:
-      raise ValueError(f"{name} shape {shape} != {first_name} shape {first_shape}")
-
-
-def _as_mask(mask) -> Array:
-  return jnp.asarray(mask) != 0
 
 
 def _segment_boundary(segment_ids: Array | None, shape) -> Array:
@@ -86,7 +74,7 @@ def masked_whiten(x: Array, mask: Array) -> Array:
   Returns:
     The whitened `[batch, length]` array.
   """
-  mask = _as_mask(mask)
+  mask = losses.as_mask(mask)
   x = jnp.where(mask, x, 0.0)
   count = jnp.sum(mask)
   mean = jnp.sum(x) / jnp.maximum(count, 1)
@@ -131,8 +119,9 @@ def gae_advantages(
   Returns:
     `(advantages, returns)`, both `[batch, length]`, 0 at masked positions.
   """
-  _check_shapes(token_rewards=token_rewards, values=values, mask=mask, segment_ids=segment_ids)
-  mask = _as_mask(mask)
+  losses.check_token_shapes(token_rewards=token_rewards, values=values, mask=mask,
+                            segment_ids=segment_ids)
+  mask = losses.as_mask(mask)
   rewards = jnp.where(mask, token_rewards, 0.0).astype(jnp.float32)
   values = jnp.where(mask, values, 0.0).astype(jnp.float32)
   boundary = _segment_boundary(segment_ids, mask.shape)
@@ -170,8 +159,8 @@ def reinforce_plus_plus_advantages(
   Returns:
     `(advantages, returns)`, both `[batch, length]`, 0 at masked positions.
   """
-  _check_shapes(token_rewards=token_rewards, mask=mask, kl=kl, segment_ids=segment_ids)
-  mask = _as_mask(mask)
+  losses.check_token_shapes(token_rewards=token_rewards, mask=mask, kl=kl, segment_ids=segment_ids)
+  mask = losses.as_mask(mask)
   rewards = jnp.where(mask, token_rewards, 0.0).astype(jnp.float32)
   if kl is not None:
     rewards = rewards - kl_coef * jnp.where(mask, kl, 0.0)
@@ -209,7 +198,7 @@ def _group_layout(rewards, group_ids, valid):
   else:
     if jnp.shape(valid) != rewards.shape:
       raise ValueError(f"valid shape {jnp.shape(valid)} != rewards shape {rewards.shape}")
-    valid_flat = _as_mask(valid).reshape(-1)
+    valid_flat = losses.as_mask(valid).reshape(-1)
   flat = jnp.where(valid_flat, flat, 0.0).astype(jnp.float32)
   return flat, dense_ids, valid_flat
 

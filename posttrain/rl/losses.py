@@ -120,7 +120,8 @@ def _masked_mean_metric(x, mask) -> Metric:
 # ----------------------------------------------------------------------------
 
 
-def _check_shapes(**arrays) -> None:
+def check_token_shapes(**arrays) -> None:
+  """One-line ValueError unless all non-None arrays share one `[batch, length]` shape."""
   shapes = {name: jnp.shape(a) for name, a in arrays.items() if a is not None}
   first_name, first_shape = next(iter(shapes.items()))
   if len(first_shape) != 2:
@@ -130,7 +131,8 @@ def _check_shapes(**arrays) -> None:
       raise ValueError(f"{name} shape {shape} != {first_name} shape {first_shape}")
 
 
-def _as_mask(mask) -> Array:
+def as_mask(mask) -> Array:
+  """Any-dtype mask as bool."""
   return jnp.asarray(mask) != 0
 
 
@@ -203,8 +205,8 @@ def token_weights(
   """
   if mode not in AGG_MODES:
     raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(AGG_MODES)}")
-  _check_shapes(loss_mask=loss_mask, segment_ids=segment_ids)
-  mask = _as_mask(loss_mask)
+  check_token_shapes(loss_mask=loss_mask, segment_ids=segment_ids)
+  mask = as_mask(loss_mask)
   maskf = mask.astype(jnp.float32)
   if mode == "token_mean":
     return maskf, jnp.sum(maskf)
@@ -259,7 +261,7 @@ def clipped_surrogate(
     `(per_token_loss, metrics)`; loss is 0 at masked positions. Metrics:
     clip_fraction/low, clip_fraction/high, clip_fraction/dual, ratio/mean, ratio/max.
   """
-  mask = _as_mask(mask)
+  mask = as_mask(mask)
   log_ratio = jnp.clip(_clean(log_ratio, mask), -MAX_LOG_RATIO, MAX_LOG_RATIO)
   advantages = _clean(advantages, mask)
   ratio = jnp.exp(log_ratio)
@@ -290,7 +292,7 @@ def clipped_surrogate(
 def ppo_log_ratio(log_probs, old_log_probs, mask, segment_ids=None) -> Array:
   """Token-level log ratio `log pi(y_t) - log pi_old(y_t)` (0 at masked tokens)."""
   del segment_ids
-  mask = _as_mask(mask)
+  mask = as_mask(mask)
   return _clean(log_probs, mask) - _clean(old_log_probs, mask)
 
 
@@ -305,7 +307,7 @@ def gspo_log_ratio(log_probs, old_log_probs, mask, segment_ids=None) -> Array:
   over a sequence and `seq_mean_token_mean` aggregation this equals the
   sequence-level GSPO objective in value and gradient.
   """
-  mask = _as_mask(mask)
+  mask = as_mask(mask)
   log_probs = _clean(log_probs, mask)
   token_log_ratio = log_probs - _clean(old_log_probs, mask)
   seq_sum = segment_sum_per_token(jnp.where(mask, token_log_ratio, 0.0), segment_ids)
@@ -317,7 +319,7 @@ def gspo_log_ratio(log_probs, old_log_probs, mask, segment_ids=None) -> Array:
 
 def _policy_loss(log_ratio_fn, log_probs, old_log_probs, advantages, loss_mask, eps_low,
                  eps_high, dual_clip, segment_ids):
-  _check_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                 loss_mask=loss_mask, segment_ids=segment_ids)
   log_ratio = log_ratio_fn(log_probs, old_log_probs, loss_mask, segment_ids)
   return clipped_surrogate(log_ratio, advantages, loss_mask, eps_low=eps_low,
@@ -400,8 +402,9 @@ def truncated_importance_weights(
   """
   if cap <= 0:
     raise ValueError(f"tis cap must be > 0, got {cap}")
-  _check_shapes(old_log_probs=old_log_probs, behaviour_log_probs=behaviour_log_probs, mask=mask)
-  mask = _as_mask(mask)
+  check_token_shapes(old_log_probs=old_log_probs, behaviour_log_probs=behaviour_log_probs,
+                     mask=mask)
+  mask = as_mask(mask)
   log_w = _clean(old_log_probs, mask) - _clean(behaviour_log_probs, mask)
   weights = jnp.minimum(jnp.exp(jnp.minimum(log_w, MAX_LOG_RATIO)), cap)
   return jax.lax.stop_gradient(jnp.where(mask, weights, 0.0))
@@ -446,8 +449,8 @@ def kl_divergence(
   """
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"unknown kl estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
-  _check_shapes(log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask)
-  mask = _as_mask(mask)
+  check_token_shapes(log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask)
+  mask = as_mask(mask)
   log_r = _clean(ref_log_probs, mask) - _clean(log_probs, mask)
   log_r = jnp.clip(log_r, -MAX_LOG_RATIO, MAX_LOG_RATIO)
   return jnp.where(mask, KL_ESTIMATORS[estimator](log_r), 0.0)
@@ -478,7 +481,7 @@ def kl_penalized_rewards(
   Returns:
     `[batch, length]` rewards, 0 at masked positions.
   """
-  mask = _as_mask(mask)
+  mask = as_mask(mask)
   kl = kl_divergence(log_probs, ref_log_probs, mask, estimator=estimator)
   return jax.lax.stop_gradient(jnp.where(mask, _clean(token_rewards, mask) - kl_coef * kl, 0.0))
 
@@ -496,8 +499,8 @@ def clipped_value_loss(
   Returns:
     `(per_token_loss, metrics)`; metrics: clip_fraction/value, value/mean.
   """
-  _check_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
-  mask = _as_mask(mask)
+  check_token_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
+  mask = as_mask(mask)
   values = _clean(values, mask)
   old_values = _clean(old_values, mask)
   returns = _clean(returns, mask)
@@ -625,7 +628,7 @@ def rl_loss(
     raise ValueError("use_critic=True needs critic values")
   if cfg.entropy_coef and entropies is None:
     raise ValueError(f"entropy_coef={cfg.entropy_coef} needs per-token entropies")
-  mask = _as_mask(batch["loss_mask"])
+  mask = as_mask(batch["loss_mask"])
   segment_ids = batch.get("segment_ids")
   weights, local_denominator = token_weights(
       mask, cfg.loss_agg_mode, segment_ids=segment_ids, max_response_len=cfg.max_response_len
