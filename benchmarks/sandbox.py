@@ -62,9 +62,12 @@ def _own_cpu() -> float:
     return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
 
 
-def _drive(run_one, runs: int) -> tuple[float, list[float], int]:
-    """Runs `run_one` `runs` times from CLIENTS threads; (seconds, latencies, failures)."""
-    latencies, failures, lock = [], [0], threading.Lock()
+def _drive(run_one, runs: int) -> tuple[float, list[float], list[str]]:
+    """Runs `run_one` `runs` times from CLIENTS threads; (seconds, latencies, failures).
+
+    `run_one` returns None on success, else what went wrong.
+    """
+    latencies, failures, lock = [], [], threading.Lock()
     remaining = [runs]
 
     def client():
@@ -74,26 +77,27 @@ def _drive(run_one, runs: int) -> tuple[float, list[float], int]:
                     return
                 remaining[0] -= 1
             start = time.perf_counter()
-            ok = run_one()
+            failure = run_one()
             elapsed = time.perf_counter() - start
             with lock:
                 latencies.append(elapsed)
-                failures[0] += not ok
+                if failure is not None:
+                    failures.append(failure)
     threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - start, latencies, failures[0]
+    return time.perf_counter() - start, latencies, failures
 
 
 def _measure(name: str, config: SandboxConfig | None, runs: int, repeats: int) -> dict:
-    rates, latencies, cpu_per_run, failures = [], [], [], 0
+    rates, latencies, cpu_per_run, failures = [], [], [], []
     if config is None:
         def run_one():
             out = subprocess.run([sys.executable, "-c", CODE], capture_output=True)
-            return out.returncode == 0 and out.stdout == b"1\n"
+            return None if out.stdout == b"1\n" else f"exit {out.returncode}"
 
         def cpu():
             return _own_cpu()
@@ -104,7 +108,7 @@ def _measure(name: str, config: SandboxConfig | None, runs: int, repeats: int) -
 
         def run_one():
             res = sb.run(request)
-            return res.status == "ok" and res.stdout == "1\n"
+            return None if res.stdout == "1\n" else f"{res.status} {res.detail}".strip()
 
         def cpu():
             return _own_cpu() + sum(_cpu_of(pid) for pid in sb._backend.worker_pids())
@@ -128,7 +132,8 @@ def _measure(name: str, config: SandboxConfig | None, runs: int, repeats: int) -
         "p50_ms": latencies[len(latencies) // 2] * 1e3,
         "p95_ms": latencies[int(len(latencies) * 0.95)] * 1e3,
         "cpu_ms_per_run": cpu_ms, "two_core_bound_per_s": 2e3 / cpu_ms,
-        "ratio": rate / GOAL_PER_S, "failures": failures, "runs": runs * repeats,
+        "ratio": rate / GOAL_PER_S, "failures": len(failures), "runs": runs * repeats,
+        "failure_kinds": sorted(set(failures)),
     }
 
 
@@ -151,7 +156,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['case']:>32} | {r['runs_per_s']:>7.0f} | {r['p50_ms']:>7.1f} | "
               f"{r['p95_ms']:>7.1f} | {r['cpu_ms_per_run']:>10.2f} | "
               f"{r['two_core_bound_per_s']:>14.0f} | {r['ratio']:>5.2f} | "
-              f"{r['failures']}/{r['runs']}")
+              f"{r['failures']}/{r['runs']} {'; '.join(r['failure_kinds'])}")
 
 
 def main() -> None:

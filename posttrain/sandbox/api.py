@@ -181,7 +181,7 @@ class SandboxConfig:
     mode: str = "fork"
     namespaces: tuple[str, ...] = NAMESPACES
     allow_weak_isolation: bool = False
-    uid_base: int = 61000
+    uid_base: int = 2_000_000_000  # above systemd's dynamic and container uid ranges
     uid_count: int = 1024
     max_processes: int = 64
     max_open_files: int = 256

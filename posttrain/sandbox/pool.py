@@ -235,9 +235,8 @@ class LocalBackend(Backend):
         self._leases: list[_UidLease] = []
         trainer_is_root = os.geteuid() == 0
         try:
-            if trainer_is_root:
-                self._leases = [_UidLease(config.uid_base, config.uid_count)
-                                for _ in range(config.concurrency)]
+            for _ in range(config.concurrency if trainer_is_root else 0):
+                self._leases.append(_UidLease(config.uid_base, config.uid_count))
         except SandboxUnavailableError:
             for lease in self._leases:
                 lease.release()

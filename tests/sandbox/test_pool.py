@@ -158,3 +158,14 @@ def test_a_read_only_path_the_sandbox_would_hide_is_a_clear_error():
 def test_a_worker_that_cannot_start_is_a_clear_error():
     with pytest.raises(SandboxUnavailableError, match="No module named 'no_such_module_xyz'"):
         Sandbox(SandboxConfig(concurrency=1, preload=("no_such_module_xyz",)))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="slot uids are only used when root")
+def test_running_out_of_slot_uids_is_a_clear_error_and_releases_the_rest():
+    base = 2_100_000_000  # a range no other test uses
+    with Sandbox(SandboxConfig(concurrency=2, uid_base=base, uid_count=3)):
+        with pytest.raises(SandboxUnavailableError, match="uid_count"):
+            Sandbox(SandboxConfig(concurrency=2, uid_base=base, uid_count=3))
+        # The one uid the failed sandbox took was given back.
+        with Sandbox(SandboxConfig(concurrency=1, uid_base=base, uid_count=3)) as sb:
+            assert sb.run(ExecRequest(code="print(1)")).ok
