@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import math
 import os
 import pathlib
 import platform
@@ -25,7 +26,8 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The side-by-side benchmarks, in the order BENCHMARKS.md shows them; any other module in
@@ -47,7 +49,7 @@ def ensure_tunix_venv(venv: str = TUNIX_VENV) -> str:
   """The venv's python with tunix importable; creates the venv when missing."""
   python = os.path.join(venv, "bin", "python")
   if os.path.exists(python) and subprocess.run([python, "-c", "import tunix"],
-                                               capture_output=True).returncode == 0:
+                                               capture_output=True, check=False).returncode == 0:
     return python
   print(f"creating {venv} with {' '.join(TUNIX_PACKAGES)} ...", file=sys.stderr, flush=True)
   subprocess.run(["python3", "-m", "venv", venv], check=True)
@@ -168,7 +170,7 @@ def _cell(v: Any) -> str:
   if isinstance(v, bool):
     return str(v)
   if isinstance(v, float):
-    if v != v:
+    if math.isnan(v):
       return "nan"
     return f"{v:,.0f}" if abs(v) >= 10_000 else f"{v:.4g}"
   return str(v).replace("|", "\\|").replace("\n", " ")
@@ -189,9 +191,9 @@ def render(outcome: dict[str, Any]) -> str:
   m, flag = outcome["machine"], " --quick" if outcome["quick"] else ""
   names = ",".join(r["name"] for r in outcome["results"])
   out = ["# Benchmarks", "",
-         f"Measured {outcome['date']} with `python -m benchmarks.run{flag} --only={names}` "
-         "(all tables in one run, on one machine). Ratios compare sides measured in the "
-         "same run; absolute figures depend on the machine and its load.", "",
+         (f"Measured {outcome['date']} with `python -m benchmarks.run{flag} --only={names}` "
+          "(all tables in one run, on one machine). Ratios compare sides measured in the "
+          "same run; absolute figures depend on the machine and its load."), "",
          "## Machine", "",
          table([{"cpu": m["cpu"], "cores": m["cores"], "memory GiB": m["memory_gib"],
                  "python": m["python"], "jax": m["jax"], "devices": m["devices"],

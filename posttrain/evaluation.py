@@ -33,10 +33,13 @@ import statistics
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from posttrain import models
 from posttrain.checkpoint import CheckpointManager
@@ -279,8 +282,8 @@ def _tool_calls(sample) -> tuple[int, int | None]:
   """(calls, valid calls): from the reward when the domain scores calls, else the worker's."""
   comps = sample.reward.components if sample.reward else {}
   if "tool_calls" in comps:
-    calls = int(round(float(comps["tool_calls"])))
-    return calls, int(round(float(comps.get("tool_valid", 1.0)) * calls))
+    calls = round(float(comps["tool_calls"]))
+    return calls, round(float(comps.get("tool_valid", 1.0)) * calls)
   return int(sample.tool_calls), None
 
 
@@ -522,7 +525,11 @@ def _model_config(config, vocab_size: int) -> models.ModelConfig:
 
 
 class Policy:
-  """A run's checkpoints opened read-only, restored onto the run's mesh on demand."""
+  """A run's checkpoints opened read-only, restored onto the run's mesh on demand.
+
+  Restores the whole train state (optimizer moments included: the checkpoint layer
+  restores complete trees) and keeps only the params.
+  """
 
   def __init__(self, config, workdir: str):
     m = config.mesh
@@ -540,7 +547,7 @@ class Policy:
     self._graphdef = graphdef
     shardings = ts.train_state_shardings(abs_params, opt, self.mesh, self.rules)
     abstract = jax.eval_shape(
-        lambda p: ts.TrainState(p, opt.init(p), jax.numpy.zeros((), jax.numpy.int32),
+        lambda p: ts.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32),
                                 jax.random.PRNGKey(0)), abs_params)
     self._abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -560,7 +567,6 @@ class Policy:
     return state.params, step
 
   def model(self, params) -> models.Transformer:
-    from flax import nnx
     return nnx.merge(self._graphdef, params, self._rest)
 
   def close(self):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from posttrain.metrics import read_metrics
 
@@ -165,8 +166,8 @@ def markdown(report: Mapping[str, Any], timing: Mapping[str, Any],
               f"[{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]", _flag(v)]
              for d, v in reg["domains"].items()]
     out += ["", f"## Regression vs checkpoint {reg['baseline_step']}", "",
-            f"{reg['method']}; {pct} intervals for (this - baseline), each domain on its "
-            f"own. Regressed: {', '.join(reg['regressed']) or 'none'}.", "",
+            (f"{reg['method']}; {pct} intervals for (this - baseline), each domain on its "
+             f"own. Regressed: {', '.join(reg['regressed']) or 'none'}."), "",
             table(["domain", "tasks", f"step {reg['baseline_step']}", f"step {report['step']}",
                    "difference", f"{pct} CI", "flag"], rows)]
   plots = plots or {}
