@@ -13,7 +13,8 @@ as a subprocess from its own venv through ../shared/peers/tunix_grpo_cpu.py; its
 
 Figures are medians of warm steps (the first, compiling, step excluded). MFU is model
 FLOPs (6N per trained token + attention, 2N per reference token; no rematerialisation
-counted) over this machine's float32 matmul peak, measured here with a large jnp matmul.
+counted) over this machine's float32 matmul peak: the best of a large jnp matmul timed before
+and after the comparison. Our side is timed before and after Tunix's and the samples pooled.
 """
 
 from __future__ import annotations
@@ -80,34 +81,39 @@ def _median(xs) -> float:
   return float(np.median(xs))
 
 
-def bench_posttrain(steps: int) -> dict:
+def posttrain_runner():
+  """Builds the GRPO learner once; returns `measure(steps) -> (ref_s list, update_s list)`."""
   cfg = models.get_preset("bench")
   mesh = models.make_mesh((1, 1, 1, 1), devices=jax.devices()[:1])
   optimizer = ts.make_optimizer(1e-5, warmup=0, total_steps=1000)
   algo = presets.algorithm_config("grpo", kl_coef=KL_COEF, eps_low=0.2, eps_high=0.2)
-  state = ts.init_train_state(models.create_model(cfg, mesh=mesh), optimizer, mesh=mesh)
-  reference = ts.frozen_copy(state.params)
+  box = {"state": ts.init_train_state(models.create_model(cfg, mesh=mesh), optimizer, mesh=mesh)}
+  reference = ts.frozen_copy(box["state"].params)
   compute_logprobs = ts.make_compute_logprobs(cfg, mesh=mesh)
   train_step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
-  ref_s, update_s = [], []
-  for i in range(steps + 1):
-    batch = grpo_batch(cfg, seed=i)
+  seeds = iter(range(1_000_000))
+
+  def one_step():
+    batch = grpo_batch(cfg, seed=next(seeds))
     start = time.perf_counter()
     batch["ref_logprobs"] = compute_logprobs(reference, batch)["logprobs"]
     jax.block_until_ready(batch["ref_logprobs"])
     mid = time.perf_counter()
-    state, metrics = train_step(state, batch)
-    jax.block_until_ready((state.params, metrics))
-    end = time.perf_counter()
-    if i:  # Step 0 compiles.
-      ref_s.append(mid - start)
-      update_s.append(end - mid)
-  return dict(framework="posttrain", ref_logprobs_s=_median(ref_s), update_s=_median(update_s),
-              step_s=_median(np.add(ref_s, update_s)), steps=steps,
-              kl=float(metrics["kl"]), loss=float(metrics["loss"]))
+    box["state"], metrics = train_step(box["state"], batch)
+    jax.block_until_ready((box["state"].params, metrics))
+    return mid - start, time.perf_counter() - mid
+
+  one_step()  # Compiles.
+
+  def measure(steps: int):
+    times = [one_step() for _ in range(steps)]
+    return [t[0] for t in times], [t[1] for t in times]
+
+  return measure
 
 
-def bench_tunix(steps: int, python: str, script: pathlib.Path) -> dict | None:
+def bench_tunix(steps: int, python: str, script: pathlib.Path):
+  """Tunix's warm (ref_s list, update_s list) from the peer script, or None."""
   if not (os.path.exists(python) and script.exists()):
     print(f"Tunix side skipped: {python} or {script} is missing (see the module docstring)")
     return None
@@ -126,35 +132,46 @@ def bench_tunix(steps: int, python: str, script: pathlib.Path) -> dict | None:
   phases = result["phase_s"]
   ref_s = phases["get_ref_per_token_logps"][1:]
   update_s = phases["update_actor"][1:]
-  return dict(framework="tunix 0.1.7", ref_logprobs_s=_median(ref_s),
-              update_s=_median(update_s), step_s=_median(np.add(ref_s, update_s)),
-              steps=len(update_s), kl=float("nan"), loss=float("nan"))
+  return ref_s, update_s
+
+
+def _summary(framework: str, ref_s, update_s) -> dict:
+  return dict(framework=framework, ref_logprobs_s=_median(ref_s), update_s=_median(update_s),
+              step_s=_median(np.add(ref_s, update_s)), steps=len(update_s))
 
 
 def run(quick: bool, tunix_python: str = TUNIX_PYTHON,
         tunix_script: pathlib.Path = TUNIX_SCRIPT) -> list[dict]:
-  """Both sides on the comparison config; one dict per framework (plus the ratio)."""
+  """Both sides on the comparison config; one dict per framework.
+
+  Ours is measured before and after Tunix's run and the samples pooled, so a load change
+  on a shared machine during the run does not favour either side.
+  """
   cfg = models.get_preset("bench")
   steps = 3 if quick else 8
   peak = matmul_peak_flops(reps=3 if quick else 5)
+  measure = posttrain_runner()
+  ref_a, update_a = measure(-(-steps // 2))
+  tunix = bench_tunix(steps, tunix_python, tunix_script)
+  ref_b, update_b = measure(steps // 2)
+  peak = max(peak, matmul_peak_flops(reps=3 if quick else 5))
+  results = [_summary("posttrain", ref_a + ref_b, update_a + update_b)]
+  if tunix is not None:
+    results.append(_summary("tunix 0.1.7", *tunix))
   seq_len = PROMPT_LEN + RESPONSE_LEN
   tokens = NUM_SEQS * seq_len
   train_flops, forward_flops = model_flops(cfg, tokens, seq_len)
-  rows = []
-  for result in (bench_posttrain(steps), bench_tunix(steps, tunix_python, tunix_script)):
-    if result is None:
-      continue
+  for result in results:
     result.update(
         tokens_per_s=tokens / result["step_s"],
         response_tokens_per_s=NUM_SEQS * RESPONSE_LEN / result["step_s"],
         mfu=(train_flops + forward_flops) / result["step_s"] / peak,
         update_mfu=train_flops / result["update_s"] / peak,
         peak_gflops=peak / 1e9, load_avg=os.getloadavg()[0])
-    rows.append(result)
-  if len(rows) == 2:
-    rows[0]["speedup_vs_tunix"] = rows[1]["step_s"] / rows[0]["step_s"]
-    rows[1]["speedup_vs_tunix"] = 1.0
-  return rows
+  if len(results) == 2:
+    results[0]["speedup_vs_tunix"] = results[1]["step_s"] / results[0]["step_s"]
+    results[1]["speedup_vs_tunix"] = 1.0
+  return results
 
 
 def print_table(rows: list[dict]) -> None:

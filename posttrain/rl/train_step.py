@@ -25,6 +25,14 @@ A batch is a dict of arrays with a leading micro-batch axis, `[M, B, T]` per tok
 The step scans over the M micro-batches, summing gradients; every loss term is a
 weighted token sum over a denominator computed from the masks of the whole batch first
 (`losses.loss_denominator`), so the accumulated update equals the one-batch update.
+
+PPO (critic on the policy's value head, `value_head=True`):
+
+    out = compute_logprobs(state.params, batch)            # log-probs and values, one pass
+    batch.update(old_logprobs=out["logprobs"],
+                 ref_logprobs=compute_logprobs(reference, batch)["logprobs"])
+    batch = add_gae_advantages(batch, out["values"], algo_cfg)
+    state, metrics = ppo_update(train_step, state, batch, epochs=2, minibatches=4)
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import models
 from posttrain.models.sharding import DEFAULT_RULES, Rules
+from posttrain.rl import advantages as advantages_lib
 from posttrain.rl import losses
 
 Batch = Mapping[str, Any]
@@ -421,6 +430,57 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 
   train_step.jitted = jitted
   return train_step
+
+
+# ---------------------------------------------------------------------------------------
+# Critic advantages (PPO)
+# ---------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "lam", "kl_coef", "kl_estimator"))
+def _gae(rewards, values, mask, segment_ids, old_logprobs, ref_logprobs, *, gamma, lam,
+         kl_coef, kl_estimator):
+  shape = rewards.shape
+
+  def rows(x):  # [M, B, T] -> [M*B, T]: GAE runs per row, whitening over the whole batch.
+    return None if x is None else x.reshape(-1, shape[-1])
+
+  token_rewards = rows(rewards)
+  if kl_coef > 0:
+    token_rewards = losses.kl_penalized_rewards(
+        token_rewards, rows(old_logprobs), rows(ref_logprobs), rows(mask), kl_coef=kl_coef,
+        estimator=kl_estimator)
+  adv, returns = advantages_lib.gae_advantages(token_rewards, rows(values), rows(mask),
+                                               gamma=gamma, lam=lam,
+                                               segment_ids=rows(segment_ids))
+  return adv.reshape(shape), returns.reshape(shape)
+
+
+def add_gae_advantages(batch: Batch, values, algo_cfg: Mapping[str, Any]) -> dict:
+  """PPO: the batch plus GAE `advantages`, `returns` and `old_values` from critic values.
+
+  Rewards are the per-target `rewards` (packing puts a sequence's reward on its last
+  trained target), minus `kl_coef * KL(old policy || reference)` per token when the preset
+  puts the KL in the reward (needs `old_logprobs` and `ref_logprobs`). Call it once on the
+  whole rollout batch: advantages are whitened over all of its tokens.
+
+  Args:
+    batch: `[M, B, T]` arrays with `rewards`, `loss_mask` and optionally `segment_ids`.
+    values: `[M, B, T]` critic values, e.g. `compute_logprobs(params, batch)["values"]`.
+    algo_cfg: the preset (`gamma`, `lam`, `kl_coef`, `kl_estimator`, `kl_in_reward`).
+  """
+  for key in ("rewards", "loss_mask"):
+    if key not in batch:
+      raise ValueError(f"GAE needs batch[{key!r}]; the batch has {sorted(batch)}")
+  kl_coef = float(algo_cfg["kl_coef"]) if algo_cfg.get("kl_in_reward") else 0.0
+  if kl_coef > 0 and not {"old_logprobs", "ref_logprobs"} <= set(batch):
+    raise ValueError("a KL penalty in the reward needs batch['old_logprobs'] and "
+                     "batch['ref_logprobs']")
+  adv, returns = _gae(batch["rewards"], values, batch["loss_mask"], batch.get("segment_ids"),
+                      batch.get("old_logprobs"), batch.get("ref_logprobs"),
+                      gamma=float(algo_cfg["gamma"]), lam=float(algo_cfg["lam"]),
+                      kl_coef=kl_coef, kl_estimator=str(algo_cfg["kl_estimator"]))
+  return {**batch, "advantages": adv, "returns": returns, "old_values": values}
 
 
 # ---------------------------------------------------------------------------------------
