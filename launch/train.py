@@ -1,4 +1,10 @@
-"""Train: `python -m launch.train --config=configs/default.py --workdir=DIR [--config.k=v]`."""
+"""Train: `python -m launch.train --config=configs/default.py --workdir=DIR [--config.k=v]`.
+
+Several processes (one per host): the same command on every host, plus either
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`, the environment
+variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or nothing on a
+TPU pod slice or SLURM job (detected); see posttrain/distributed.py.
+"""
 
 import logging
 import sys
@@ -8,6 +14,12 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 (default $JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Processes in the run (default $JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "This process's index (default $JAX_PROCESS_ID).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -33,10 +45,12 @@ def main(argv):
   del argv
   import jax
 
-  from posttrain import trainer
+  from posttrain import distributed, trainer
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   log = logging.getLogger("posttrain")
   try:
+    # Before anything touches the devices: the mesh then spans every host's devices.
+    distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     config = _CONFIG.value
     log.info("devices: %s", jax.devices())
     log.info("config:\n%s", config)

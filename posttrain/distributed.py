@@ -1,0 +1,193 @@
+"""Multi-process start-up: one process per host, one global mesh over every device.
+
+    from posttrain import distributed
+    layout = distributed.maybe_initialize()   # before anything touches jax devices
+
+Where the process layout comes from, first match wins:
+
+1. arguments (the launcher's --coordinator_address / --num_processes / --process_id);
+2. environment variables, the same names on every host:
+     JAX_COORDINATOR_ADDRESS   host:port of process 0 (JAX reads this one itself too)
+     JAX_NUM_PROCESSES         how many processes take part
+     JAX_PROCESS_ID            this process's index in [0, JAX_NUM_PROCESSES)
+3. a cluster JAX knows (Cloud TPU pod slice, GKE TPU, SLURM, Open MPI): when it reports
+   more than one process, `jax.distributed.initialize()` is called with no arguments and
+   fills everything in (on a TPU pod slice: one process per TPU VM host).
+
+One process (no variables, a single TPU VM or GPU host, a laptop) initialises nothing.
+With explicit values JAX's cluster detection is switched off, so every local accelerator
+stays visible to the one process of its host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+
+log = logging.getLogger("posttrain")
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessLayout:
+  """Where this process sits in the run.
+
+  Attributes:
+    process_id / num_processes: `jax.process_index()` / `jax.process_count()`.
+    local_devices / global_devices: devices this process drives / the mesh can span.
+    platform: cpu, gpu or tpu.
+    coordinator: host:port of process 0, None for a single process.
+    source: what decided the layout: single, arguments, environment, a cluster name,
+      or already (initialised earlier in this process).
+  """
+
+  process_id: int
+  num_processes: int
+  local_devices: int
+  global_devices: int
+  platform: str
+  coordinator: str | None
+  source: str
+
+
+def _env_int(name: str) -> int | None:
+  raw = os.environ.get(name, "").strip()
+  if not raw:
+    return None
+  try:
+    return int(raw)
+  except ValueError:
+    raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def _check_coordinator(address: str, origin: str) -> str:
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"{origin}={address!r} must be host:port, e.g. 10.0.0.2:8476")
+  return address
+
+
+def detected_cluster() -> tuple[str, int] | None:
+  """(name, process count) of the cluster JAX would auto-detect, or None.
+
+  Uses JAX's own cluster registry (the code `jax.distributed.initialize()` runs with no
+  arguments); opt-in methods such as mpi4py are skipped, as JAX skips them.
+  """
+  try:
+    from jax._src import clusters  # Private, but the only source of JAX's own detection.
+    candidates = [c for c in clusters.ClusterEnv._cluster_types if not c.opt_in_only_method]
+  except (ImportError, AttributeError):
+    return None
+  for env in candidates:
+    try:
+      if env.is_env_present():
+        return env.name or env.__name__, int(env.get_process_count())
+    except Exception as e:  # noqa: BLE001 - a half-configured cluster is "no cluster".
+      log.warning("cluster detection %s failed: %s", env.__name__, e)
+  return None
+
+
+_joined: dict[str, str | None] = {"coordinator": None}
+
+
+def _layout(source: str) -> ProcessLayout:
+  return ProcessLayout(process_id=jax.process_index(), num_processes=jax.process_count(),
+                       local_devices=jax.local_device_count(),
+                       global_devices=jax.device_count(), platform=jax.default_backend(),
+                       coordinator=_joined["coordinator"], source=source)
+
+
+def _initialize(source: str, timeout_s: int, **kwargs) -> ProcessLayout:
+  what = (f"process {kwargs['process_id']} of {kwargs['num_processes']} at "
+          f"{kwargs['coordinator_address']}" if "process_id" in kwargs else f"the {source} run")
+  try:
+    jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
+    _joined["coordinator"] = kwargs.get("coordinator_address") or os.environ.get(
+        ENV_COORDINATOR) or "auto-detected"
+  except RuntimeError as e:
+    if "must be called before" in str(e):
+      raise ValueError("jax.distributed must start before anything touches the devices: "
+                       "call posttrain.distributed.maybe_initialize() first") from None
+    raise ConnectionError(f"could not start {what} within {timeout_s} s: "
+                          f"{str(e).strip().splitlines()[0]}") from None
+  except Exception as e:  # noqa: BLE001 - the runtime raises its own error types.
+    raise ConnectionError(f"could not start {what} within {timeout_s} s: "
+                          f"{str(e).strip().splitlines()[0]}") from None
+  return _layout(source)
+
+
+def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, *, timeout_s: int = 300) -> ProcessLayout:
+  """Joins a multi-process run when one was launched; a no-op for a single process.
+
+  Idempotent: a second call returns the layout of the first. Call it before anything
+  touches jax devices (`jax.devices()`, a jit, a device_put).
+
+  Args:
+    coordinator: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS).
+    num_processes: processes in the run (default: $JAX_NUM_PROCESSES).
+    process_id: this process's index (default: $JAX_PROCESS_ID).
+    timeout_s: how long to wait for every process to reach the coordinator.
+
+  Returns:
+    The ProcessLayout, also logged.
+
+  Raises:
+    ValueError: an inconsistent or malformed layout (the message names the value).
+    ConnectionError: the processes could not reach each other within `timeout_s`.
+  """
+  if jax.distributed.is_initialized():
+    return _log(_layout("already"))
+  source = "arguments"
+  if coordinator is None and num_processes is None and process_id is None:
+    source = "environment"
+  coordinator = coordinator or os.environ.get(ENV_COORDINATOR, "").strip() or None
+  num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+  process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"num_processes={num_processes} must be >= 1")
+  if process_id is not None and process_id < 0:
+    raise ValueError(f"process_id={process_id} must be >= 0")
+  if coordinator is not None:
+    coordinator = _check_coordinator(coordinator, "coordinator address")
+
+  if num_processes == 1:
+    if process_id not in (None, 0):
+      raise ValueError(f"process_id={process_id} is out of range for num_processes=1")
+    return _log(_layout("single"))
+  if num_processes is not None:
+    missing = [name for name, value in (("coordinator address", coordinator),
+                                        ("process_id", process_id)) if value is None]
+    if missing:
+      raise ValueError(f"num_processes={num_processes} also needs {' and '.join(missing)} "
+                       f"(flags, or ${ENV_COORDINATOR} / ${ENV_PROCESS_ID})")
+    if process_id >= num_processes:
+      raise ValueError(f"process_id={process_id} is out of range for "
+                       f"num_processes={num_processes}")
+    return _log(_initialize(source, timeout_s, coordinator_address=coordinator,
+                            num_processes=num_processes, process_id=process_id,
+                            cluster_detection_method="deactivate"))
+
+  cluster = detected_cluster()
+  if cluster is not None and cluster[1] > 1:
+    # JAX fills in what was not given (an explicit coordinator or id still wins).
+    kwargs = {k: v for k, v in (("coordinator_address", coordinator),
+                                ("process_id", process_id)) if v is not None}
+    return _log(_initialize(cluster[0], timeout_s, **kwargs))
+  if process_id not in (None, 0):
+    raise ValueError(f"process_id={process_id} given but num_processes is not "
+                     f"(flag or ${ENV_NUM_PROCESSES}) and no multi-process cluster was detected")
+  return _log(_layout("single"))
+
+
+def _log(layout: ProcessLayout) -> ProcessLayout:
+  log.info("process %d of %d (%s): %d local of %d %s devices%s", layout.process_id,
+           layout.num_processes, layout.source, layout.local_devices, layout.global_devices,
+           layout.platform, f", coordinator {layout.coordinator}" if layout.coordinator else "")
+  return layout

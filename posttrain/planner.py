@@ -1,0 +1,444 @@
+"""Memory planner: bytes per device of a run config, from shapes and sharding rules alone.
+
+    plan = planner.plan(config, device_memory_gb=95, num_devices=32)
+    print(planner.format_plan(plan))
+
+Nothing is allocated and no device is needed: parameters and optimizer state come from
+`jax.eval_shape`, their PartitionSpecs from the config's sharding rules
+(`models.state_shardings`, `logical_to_spec`) on a `jax.sharding.AbstractMesh`, so a
+v5p-256 mesh plans on a laptop. Per-device bytes of an array = the bytes of its shard,
+`prod(NamedSharding.shard_shape(shape)) * itemsize` (global bytes divided by the sizes of
+the mesh axes its spec uses).
+
+Components (all per device):
+  params       the policy's parameters (param_dtype).
+  optimizer    AdamW moments and counters (`make_optimizer`'s state, sharded like params).
+  reference    a frozen copy of the params when the algorithm has a KL term (kl_coef > 0).
+  gradients    one params-sized tree, two when a step accumulates over micro-batches.
+  activations  what the backward pass keeps for one micro-batch (see `activation_bytes`).
+  batch        the rollout batch on device: [M, rows, row_len] token arrays.
+  kv_cache     the sampler's cache for one generate call (see `kv_cache_bytes`).
+
+Colocated placement runs rollout and update one after the other, so
+peak = params + optimizer + reference + max(gradients + activations + batch, kv_cache).
+Estimates of activations are formulas (XLA may fuse or rematerialise differently);
+parameter and optimizer bytes are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, NamedSharding
+
+from posttrain import models
+from posttrain.models.config import REMAT_POLICIES
+from posttrain.models.transformer import CACHE_AXES
+from posttrain.rl import presets
+from posttrain.rl import train_step as ts
+
+GIB = 1 << 30
+# XLA needs room beyond the live arrays (fragmentation, program buffers, collectives).
+USABLE_FRACTION = 0.9
+# Stronger to weaker: the order in which the planner suggests a remat policy.
+_REMAT_ORDER = ("none", "dots", "dots_with_no_batch_dims", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+  """One line of the plan: bytes per device and how they were counted."""
+
+  name: str
+  bytes: int
+  formula: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The per-device memory of one config on one mesh.
+
+  Attributes:
+    mesh: axis sizes, e.g. {"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1}.
+    components: by name (params, optimizer, reference, gradients, activations, batch,
+      kv_cache).
+    peak: bytes per device at the fullest moment (see the module docstring).
+    capacity: bytes per device the plan may use (`USABLE_FRACTION` of the memory), or None.
+    advice: knobs that make it fit (or how much room is left).
+  """
+
+  mesh: dict[str, int]
+  components: dict[str, Component]
+  peak: int
+  capacity: int | None
+  advice: tuple[str, ...] = ()
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.capacity is None else self.peak <= self.capacity
+
+  def __getitem__(self, name: str) -> int:
+    return self.components[name].bytes
+
+
+# ----------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------
+
+
+def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
+  """The run's ModelConfig: `model.preset` with `model.overrides` (as the trainer builds it)."""
+  overrides = dict(config.model.get("overrides", {}) or {})
+  if config.model.get("value_head") is not None:
+    overrides["value_head"] = bool(config.model.value_head)
+  return models.get_preset(config.model.preset, **overrides)
+
+
+def mesh_shape(config: ml_collections.ConfigDict, num_devices: int | None = None
+               ) -> dict[str, int]:
+  """The config's mesh sizes with a `-1` axis filled from `num_devices`.
+
+  Without `num_devices`, a fully specified mesh plans as given and a `-1` mesh takes the
+  local device count.
+  """
+  sizes = [int(config.mesh[a]) for a in models.MESH_AXES]
+  if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+    raise ValueError(f"mesh {tuple(sizes)} must hold positive sizes and at most one -1")
+  known = math.prod(s for s in sizes if s != -1)
+  if num_devices is None:
+    num_devices = known if -1 not in sizes else jax.device_count()
+  if num_devices < 1:
+    raise ValueError(f"num_devices={num_devices} must be >= 1")
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(f"mesh {tuple(sizes)} does not divide num_devices={num_devices}")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f"mesh {tuple(sizes)} needs {math.prod(sizes)} devices, "
+                     f"but num_devices={num_devices}")
+  return dict(zip(models.MESH_AXES, sizes))
+
+
+def abstract_mesh(shape: dict[str, int]) -> AbstractMesh:
+  return AbstractMesh(tuple(shape.values()), tuple(shape))
+
+
+def shard_bytes(shape, dtype, sharding: NamedSharding) -> int:
+  """Bytes of one device's shard of an array."""
+  return int(np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def tree_bytes(abstract_tree, sharding_tree) -> int:
+  """Per-device bytes of a tree of ShapeDtypeStructs under a matching tree of shardings."""
+  leaves, shardings = jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree)
+  if len(leaves) != len(shardings):
+    raise ValueError(f"{len(leaves)} arrays but {len(shardings)} shardings")
+  return sum(shard_bytes(x.shape, x.dtype, s) for x, s in zip(leaves, shardings))
+
+
+def _logical_shard(mesh: AbstractMesh, rules, names, shape) -> tuple[int, ...]:
+  spec = models.logical_to_spec(names, rules, mesh, shape)
+  return NamedSharding(mesh, spec).shard_shape(tuple(shape))
+
+
+def state_bytes(model_cfg: models.ModelConfig, optimizer, mesh: AbstractMesh,
+                rules=models.DEFAULT_RULES) -> tuple[int, int]:
+  """(params, optimizer state) bytes per device, from eval_shape and the rules."""
+  abstract = nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  _, params, _ = nnx.split(abstract, nnx.Param, ...)
+  shardings = ts.train_state_shardings(params, optimizer, mesh, rules)
+  opt_state = jax.eval_shape(optimizer.init, params)
+  return tree_bytes(params, shardings.params), tree_bytes(opt_state, shardings.opt_state)
+
+
+def activation_elements_per_token(model_cfg: models.ModelConfig, remat: str, *,
+                                  heads: int, kv_heads: int, mlp: int, kv_len: int) -> float:
+  """Elements one layer keeps per token for the backward pass, by remat policy.
+
+  With D = d_model and the per-device head / kv-head / mlp widths NH = heads * head_dim,
+  KH = kv_heads * head_dim, F = mlp (tensor-sharded where the rules shard them):
+
+    none                     6D + 3NH + 3KH + 4F  (norms, q/k/v before and after RoPE,
+                                                   attention out, projections, SwiGLU)
+    dots                     3D + 2NH + 2KH + 2F  (every matmul output + the block input)
+    dots_with_no_batch_dims  3D +  NH + 2KH + 2F  (weight matmuls only + the block input)
+    full                     D                    (the block input)
+
+  The "reference" attention also keeps its scores and probabilities, 2 * heads * kv_len
+  (1x under dots, 0 under the others); chunked / flash / ring attention keep O(1) per token.
+  """
+  d, hd = model_cfg.d_model, model_cfg.head_dim
+  nh, kh = heads * hd, kv_heads * hd
+  scores = heads * kv_len if model_cfg.attention_impl == "reference" else 0
+  if remat == "none":
+    return 6 * d + 3 * nh + 3 * kh + 4 * mlp + 2 * scores
+  if remat == "dots":
+    return 3 * d + 2 * nh + 2 * kh + 2 * mlp + scores
+  if remat == "dots_with_no_batch_dims":
+    return 3 * d + nh + 2 * kh + 2 * mlp
+  if remat == "full":
+    return d
+  raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
+def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
+                     mesh: AbstractMesh, rules=models.DEFAULT_RULES,
+                     remat: str | None = None) -> tuple[int, str]:
+  """Bytes per device the backward pass of one micro-batch [rows, row_len] holds.
+
+    layers * tokens * activation_elements_per_token(remat) * dtype bytes
+    + (remat != none) 2 * one layer at "none"        the layer being recomputed + its grads
+    + 3 * rows * logprob_chunk * vocab * 4            float32 logits, softmax, their grad
+    + 2 * tokens * d_model * 4                        final hidden state and its gradient
+
+  tokens = the micro-batch's tokens on one device (rows over the batch axes, row_len over
+  `sequence`); head, kv-head, mlp and vocab widths are those of one device's shard.
+  """
+  cfg = model_cfg
+  remat = remat or cfg.remat
+  b, t, _ = _logical_shard(mesh, rules, ("batch", "length", "embed"), (rows, row_len, cfg.d_model))
+  heads = _logical_shard(mesh, rules, ("batch", "length", "heads", "head_dim"),
+                         (rows, row_len, cfg.num_heads, cfg.head_dim))[2]
+  kv_heads = _logical_shard(mesh, rules, ("batch", "length", "kv_heads", "head_dim"),
+                            (rows, row_len, cfg.num_kv_heads, cfg.head_dim))[2]
+  mlp = _logical_shard(mesh, rules, ("batch", "length", "mlp"), (rows, row_len, cfg.ffn_dim))[2]
+  vocab = _logical_shard(mesh, rules, ("embed", "vocab"), (cfg.d_model, cfg.vocab_size))[1]
+  tokens = b * t
+  size = np.dtype(cfg.dtype).itemsize
+  widths = dict(heads=heads, kv_heads=kv_heads, mlp=mlp, kv_len=row_len)
+  kept = cfg.num_layers * tokens * activation_elements_per_token(cfg, remat, **widths) * size
+  recompute = 0 if remat == "none" else (
+      2 * tokens * activation_elements_per_token(cfg, "none", **widths) * size)
+  chunk = max(1, min(cfg.logprob_chunk, t))
+  logits = 3 * b * chunk * vocab * 4
+  hidden = 2 * tokens * cfg.d_model * 4
+  total = int(kept + recompute + logits + hidden)
+  note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
+          f"{cfg.attention_impl} attention")
+  return total, note
+
+
+def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
+                   mesh: AbstractMesh, rules=models.DEFAULT_RULES,
+                   dtype: str | None = None) -> int:
+  """Per-device bytes of the sampler's cache: k and v [batch, max_len, kv_heads, head_dim]
+  per layer (`batch` over the batch axes, kv heads over `tensor` where they divide), plus
+  float32 scales [batch, max_len, kv_heads] per k and v for an int8 cache."""
+  cfg = model_cfg
+  dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  spec = models.logical_to_spec(CACHE_AXES, rules, mesh, shape)
+  one = shard_bytes(shape, dtype, NamedSharding(mesh, spec))
+  if dtype == np.int8:
+    scale_spec = models.logical_to_spec(CACHE_AXES[:3], rules, mesh, shape[:3])
+    one += shard_bytes(shape[:3], np.float32, NamedSharding(mesh, scale_spec))
+  return 2 * cfg.num_layers * one
+
+
+def batch_mesh_size(mesh: AbstractMesh, rules=models.DEFAULT_RULES) -> int:
+  """Devices the logical batch axis spreads over (the data x fsdp axes by default)."""
+  spec = models.logical_to_spec(("batch",), rules, mesh)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def sampler_batch(config: ml_collections.ConfigDict, group_size: int, batch_shards: int) -> int:
+  """Rows of one generate call: a chunk of prompts x group_size, padded to its bucket."""
+  r = config.rollout
+  rows = min(int(r.chunk_rows), int(r.prompts_per_step) * group_size)
+  return -(-_next_pow2(rows) // batch_shards) * batch_shards
+
+
+def microbatches_per_update(config: ml_collections.ConfigDict, algo) -> tuple[int, int]:
+  """(micro-batches one optimizer step scans over, micro-batches of the whole rollout
+  batch), for a worst-case rollout: every sequence rollout.max_len long."""
+  r, t = config.rollout, config.train
+  row_len, max_len = int(t.row_len), int(r.max_len)
+  sequences = int(r.prompts_per_step) * int(algo.group_size)
+  per_row = max(1, row_len // max_len)
+  rows = -(-sequences // per_row)
+  micro = _next_pow2(max(1, -(-rows // int(t.rows_per_microbatch))))
+  minibatches = int(algo.num_minibatches)
+  micro = -(-micro // minibatches) * minibatches
+  return micro // minibatches, micro
+
+
+# ----------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------
+
+
+def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = None,
+         num_devices: int | None = None, kv_cache_dtype: str | None = None,
+         advise: bool = True) -> Plan:
+  """Bytes per device of every component of `config`'s run on its mesh.
+
+  Args:
+    config: a run config (configs/*.py get_config()).
+    device_memory_gb: memory of one device in GiB (v5p 95, v5e 16, H100 80); None: no
+      verdict.
+    num_devices: devices in the run (fills a `-1` mesh axis; default: the mesh product).
+    kv_cache_dtype: "int8" for a quantized sampler cache; default the model's dtype.
+    advise: compute the knobs that make it fit.
+  """
+  if device_memory_gb is not None and not device_memory_gb > 0:
+    raise ValueError(f"device_memory_gb={device_memory_gb} must be > 0")
+  if kv_cache_dtype not in (None, "int8", "bfloat16", "float32", "float16"):
+    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected int8, bfloat16, float16 "
+                     "or float32")
+  shape = mesh_shape(config, num_devices)
+  mesh = abstract_mesh(shape)
+  rules = models.rules_from_config(config.get("sharding_rules") or None)
+  cfg = model_config(config)
+  algo = presets.algorithm_config(config.algorithm,
+                                  **{k: v for k, v in config.rl.items() if v is not None})
+  o, t, r = config.optim, config.train, config.rollout
+  optimizer = ts.make_optimizer(float(o.lr), int(o.warmup), int(o.warmup) + 1,
+                                float(o.weight_decay), float(o.clip) if o.clip else None)
+  rows, row_len = int(t.rows_per_microbatch), int(t.row_len)
+  batch_shards = batch_mesh_size(mesh, rules)
+  if rows % batch_shards:
+    raise ValueError(f"train.rows_per_microbatch={rows} must be a multiple of the batch "
+                     f"mesh axes' size {batch_shards}")
+
+  params, opt = state_bytes(cfg, optimizer, mesh, rules)
+  reference = params if float(algo.kl_coef) > 0 else 0
+  per_update, micro = microbatches_per_update(config, algo)
+  grads = params * (2 if per_update > 1 else 1)
+  acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
+  b, tt = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
+  batch = micro * b * tt * 4 * 10  # ~10 int32 / float32 arrays per token
+  group = int(algo.group_size)
+  s_batch = sampler_batch(config, group, batch_shards)
+  cache_dtype = kv_cache_dtype or r.get("cache_dtype", None)
+  kv = kv_cache_bytes(cfg, batch=s_batch, max_len=int(r.max_len), mesh=mesh, rules=rules,
+                      dtype=cache_dtype)
+  size = np.dtype(cfg.param_dtype).itemsize
+  comps = [
+      Component("params", params, f"{cfg.num_params / 1e9:.2f}B x {size} bytes, sharded by "
+                "the rules"),
+      Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"),
+      Component("reference", reference,
+                f"frozen params copy (kl_coef={float(algo.kl_coef):g})" if reference
+                else "none (kl_coef=0)"),
+      Component("gradients", grads, f"{'2' if per_update > 1 else '1'} x params "
+                f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
+      Component("activations", acts, act_note),
+      Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
+      Component("kv_cache", kv, f"{s_batch} rows x {int(r.max_len)} x {cfg.num_layers} layers "
+                f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, "
+                f"{np.dtype('int8' if cache_dtype == 'int8' else (cache_dtype or cfg.dtype))}"),
+  ]
+  components = {c.name: c for c in comps}
+  peak = params + opt + reference + max(grads + acts + batch, kv)
+  capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
+  result = Plan(shape, components, peak, capacity)
+  if advise and capacity is not None:
+    result = dataclasses.replace(result, advice=tuple(_advice(
+        config, result, device_memory_gb=device_memory_gb, num_devices=math.prod(shape.values()),
+        kv_cache_dtype=cache_dtype)))
+  return result
+
+
+def _with(config: ml_collections.ConfigDict, **changes: Any) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict(config.to_dict())
+  for key, value in changes.items():
+    node = c
+    *path, leaf = key.split(".")
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def _advice(config, current: Plan, *, device_memory_gb: float, num_devices: int,
+            kv_cache_dtype: str | None) -> list[str]:
+  """One line per knob that would make the run fit, cheapest first, with the new peak."""
+  gib = human_bytes
+  if current.fits:
+    return [f"fits: peak {gib(current.peak)} of {gib(current.capacity)} usable "
+            f"({USABLE_FRACTION:.0%} of {device_memory_gb:g} GiB)"]
+
+  def try_plan(changes: dict[str, Any], kv: str | None = kv_cache_dtype) -> Plan | None:
+    try:
+      return plan(_with(config, **changes), device_memory_gb=device_memory_gb,
+                  num_devices=num_devices, kv_cache_dtype=kv, advise=False)
+    except ValueError:
+      return None
+
+  out = [f"does not fit: peak {gib(current.peak)} > {gib(current.capacity)} usable "
+         f"({USABLE_FRACTION:.0%} of {device_memory_gb:g} GiB)"]
+  train_side = current["gradients"] + current["activations"] + current["batch"]
+  cfg = model_config(config)
+  if train_side >= current["kv_cache"]:
+    for policy in _REMAT_ORDER[_REMAT_ORDER.index(cfg.remat) + 1:]:
+      p = try_plan({"model.overrides.remat": policy})
+      if p is not None and p.fits:
+        out.append(f"--config.model.overrides.remat={policy}: peak {gib(p.peak)}")
+        break
+    rows = int(config.train.rows_per_microbatch) // 2
+    while rows >= 1:
+      p = try_plan({"train.rows_per_microbatch": rows})
+      if p is None:
+        break
+      if p.fits:
+        out.append(f"--config.train.rows_per_microbatch={rows} (more micro-batches, same "
+                   f"update): peak {gib(p.peak)}")
+        break
+      rows //= 2
+  else:
+    chunk = int(config.rollout.chunk_rows) // 2
+    while chunk >= 1:
+      p = try_plan({"rollout.chunk_rows": chunk})
+      if p is not None and p.fits:
+        out.append(f"--config.rollout.chunk_rows={chunk} (smaller generate calls): "
+                   f"peak {gib(p.peak)}")
+        break
+      chunk //= 2
+    if kv_cache_dtype != "int8":
+      p = try_plan({}, kv="int8")
+      if p is not None and p.fits:
+        out.append(f"int8 KV cache (Sampler(cache_dtype='int8')): peak {gib(p.peak)}")
+  # Parameters and optimizer state shrink with a wider fsdp axis (data -> fsdp).
+  shape = current.mesh
+  if shape["data"] > 1:
+    p = try_plan({"mesh.data": 1, "mesh.fsdp": shape["fsdp"] * shape["data"]})
+    if p is not None and p.fits:
+      out.append(f"--config.mesh.data=1 --config.mesh.fsdp={shape['fsdp'] * shape['data']}: "
+                 f"peak {gib(p.peak)}")
+  static = current["params"] + current["optimizer"] + current["reference"]
+  if static > current.capacity:
+    need = -(-static * num_devices // current.capacity)
+    out.append(f"params + optimizer alone need {gib(static)} per device: use at least "
+               f"{_next_pow2(need)} devices (fsdp), or a smaller model")
+  if len(out) == 1:
+    out.append("no single knob fits it: combine them, or use more devices")
+  return out
+
+
+def human_bytes(n: float) -> str:
+  for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if n >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+def format_plan(p: Plan) -> str:
+  """A table: component, bytes per device, how it was counted; then peak and verdict."""
+  lines = [f"mesh: {p.mesh} ({math.prod(p.mesh.values())} devices)",
+           f"{'component':<12}{'per device':>12}  formula"]
+  for c in p.components.values():
+    lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
+  lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
+               "max(gradients + activations + batch, kv_cache)")
+  lines += list(p.advice)
+  return "\n".join(lines)
