@@ -88,11 +88,15 @@ class _WorkerProcess:
             os.chown(self.host_dir, uid, uid)
         # The worker's own stderr goes to a file: a pipe nobody drains could block it.
         self._log = os.path.join(self.host_dir, "worker.log")
-        with open(self._log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [config.python, "-S", "-I", "-c", BOOTSTRAP, _PACKAGE_PARENT],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                env=_WORKER_ENV, close_fds=True, start_new_session=True)
+        try:
+            with open(self._log, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [config.python, "-S", "-I", "-c", BOOTSTRAP, _PACKAGE_PARENT],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                    env=_WORKER_ENV, close_fds=True, start_new_session=True)
+        except OSError as e:
+            shutil.rmtree(self.host_dir, ignore_errors=True)
+            raise SandboxUnavailableError(f"cannot start {config.python}: {e}") from e
         self._to, self._from = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         self.pid = self._pidfd = None
         setup = {

@@ -4,6 +4,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 import pytest
@@ -169,3 +170,13 @@ def test_running_out_of_slot_uids_is_a_clear_error_and_releases_the_rest():
         # The one uid the failed sandbox took was given back.
         with Sandbox(SandboxConfig(concurrency=1, uid_base=base, uid_count=3)) as sb:
             assert sb.run(ExecRequest(code="print(1)")).ok
+
+
+def test_an_interpreter_that_cannot_be_started_is_a_clear_error_and_leaves_nothing(
+        tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where workers' dirs go
+    with pytest.raises(SandboxUnavailableError, match="cannot start"):
+        Sandbox(SandboxConfig(concurrency=2, python=str(tmp_path / "no-python")))
+    assert [p for p in os.listdir(scratch) if p != "posttrain-sandbox-uids"] == []
