@@ -6,9 +6,10 @@
     out.tokens[i, :out.lengths[i]], out.logprobs[i, :out.lengths[i]], out.finish_reasons[i]
 
 Prompts are right-padded into a [batch bucket, length bucket] block; each row keeps its own
-positions (slot = position), so short prompts never see shifted positions. Decoding runs in
-one `lax.while_loop` over a donated cache and stops as soon as every row has stopped.
-Programs are compiled ahead of time per shape bucket and counted in `num_compiles`.
+positions (slot = position), so short prompts never see shifted positions. Identical prompts
+(a GRPO group) are prefilled once and their cache rows copied. Decoding runs in one
+`lax.while_loop` over a donated cache and stops as soon as every row has stopped. Programs
+are compiled ahead of time per shape bucket and counted in `num_compiles`.
 """
 
 from __future__ import annotations
@@ -102,12 +103,16 @@ class Completions:
       0.0 after `lengths[i]`.
     lengths: [rows] number of generated tokens, the stop token included.
     finish_reasons: "stop" (a stop token was generated; it is the last token) or "length".
+    stats: how the call ran (not per row): `batch` and `prefill_rows` (padded; identical
+      prompts share a prefill row), the `prompt_len` and `cache_len` buckets, and `steps`,
+      the token steps run (below max_new_tokens when every row stopped early).
   """
 
   tokens: np.ndarray
   logprobs: np.ndarray
   lengths: np.ndarray
   finish_reasons: list[str]
+  stats: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def token_lists(self) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
@@ -116,12 +121,19 @@ class Completions:
     return [row[:n].tolist() for row, n in zip(self.logprobs, self.lengths)]
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+def _powers_of_two(lo: int, hi: int, *, halves: bool = False) -> tuple[int, ...]:
+  """lo, 2 lo, 4 lo, ... below hi, then hi; with halves also 1.5x each (at most 25% padding)."""
   out, n = [], lo
   while n < hi:
-    out.append(n)
+    out += [n, n + n // 2] if halves and n >= 2 else [n]
     n *= 2
-  return tuple(out) + (hi,)
+  return tuple(b for b in out if b < hi) + (hi,)
+
+
+def _param_path(path) -> str:
+  """A leaf's path without nnx's Variable `.value`, so State and pure dicts compare equal."""
+  return jax.tree_util.keystr(tuple(
+      k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -141,8 +153,8 @@ class Sampler:
     max_len: longest prompt + completion (default cfg.max_position_embeddings).
     cache_dtype: None (the model's compute dtype) or "int8" (per-token, per-head scales).
     batch_buckets: batch sizes to pad to (default powers of two).
-    length_buckets: prompt and cache lengths to pad to (default powers of two from 16,
-      capped at max_len).
+    length_buckets: prompt and cache lengths to pad to (default 16, 24, 32, 48, 64, ...:
+      powers of two and their midpoints, capped at max_len).
     pad_id: token written after a row stops and into padding.
   """
 
@@ -167,7 +179,7 @@ class Sampler:
     self._batch_multiple = self._batch_shards()
     self.batch_buckets = self._check_buckets(batch_buckets, "batch_buckets")
     if length_buckets is None:
-      self.length_buckets = _powers_of_two(min(16, self.max_len), self.max_len)
+      self.length_buckets = _powers_of_two(min(16, self.max_len), self.max_len, halves=True)
     else:
       given = self._check_buckets(length_buckets, "length_buckets")
       self.length_buckets = tuple(b for b in given if b < self.max_len) + (self.max_len,)
@@ -175,7 +187,7 @@ class Sampler:
     if mesh is not None:
       state = jax.device_put(state, models.state_shardings(state, mesh, self.rules))
     self._treedef = jax.tree.structure(state)
-    self._paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    self._paths = [_param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
     self._state = state
     self._programs: dict[tuple, Any] = {}
@@ -188,14 +200,16 @@ class Sampler:
     return len(self._programs)
 
   def update_params(self, params) -> None:
-    """Swaps in new weights (a model or its nnx state) without recompiling.
+    """Swaps in new weights without recompiling.
 
-    Leaves are moved to the sampler's shardings (a resharding copy when they live on a
-    different mesh) and cast to the sampler's dtypes.
+    Args:
+      params: a model of the same architecture, its `nnx.state` (e.g. a learner's
+        `nnx.Param` state) or that state as a pure dict. Leaves are moved to the sampler's
+        shardings (a resharding copy when they live on another mesh) and cast to its dtypes.
     """
     state = nnx.state(params) if isinstance(params, nnx.Module) else params
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    paths = [_param_path(p) for p, _ in flat]
     if paths != self._paths:
       missing = sorted(set(self._paths) - set(paths)) or sorted(set(paths) - set(self._paths))
       raise ValueError(f"params do not match the sampler's model; first differing leaf: "
@@ -239,15 +253,19 @@ class Sampler:
       raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
 
     rows = len(prompts)
-    batch = _bucket(rows, self.batch_buckets, "batch of prompts")
-    batch = -(-batch // self._batch_multiple) * self._batch_multiple
+    batch = self._batch_bucket(rows)
     prompt_len = _bucket(longest, self.length_buckets, "prompt length")
     cache_len = _bucket(longest + max_new_tokens, self.length_buckets, "sequence length")
-    tokens = np.full((batch, prompt_len), self.pad_id, np.int32)
-    for i, p in enumerate(prompts):
+    # Each distinct prompt is prefilled once; rows gather their cache from `row_source`.
+    distinct: dict[tuple[int, ...], int] = {}
+    row_source = np.zeros(batch, np.int32)  # Padding rows copy row 0 and stay inactive.
+    row_source[:rows] = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    prefill_rows = self._batch_bucket(len(distinct))
+    tokens = np.full((prefill_rows, prompt_len), self.pad_id, np.int32)
+    distinct_lens = np.ones(prefill_rows, np.int32)
+    for p, i in distinct.items():
       tokens[i, :len(p)] = p
-    prompt_lens = np.ones(batch, np.int32)  # Padding rows: one pad token, already done.
-    prompt_lens[:rows] = lens
+      distinct_lens[i] = len(p)
     stop_ids = np.full(max(4, 1 << max(len(stop) - 1, 0).bit_length()), -1, np.int32)
     stop_ids[:len(stop)] = stop
 
@@ -256,11 +274,12 @@ class Sampler:
     seed = scalar(np.uint32(seed % 2**32), np.uint32)
     temp = scalar(temperature if not mode.greedy else 1.0, np.float32)
     nucleus = scalar(top_p if mode.top_p else 1.0, np.float32)
-    tokens, prompt_lens = rowwise(tokens), rowwise(prompt_lens)
+    prompt_lens = rowwise(distinct_lens[row_source])
     active = rowwise(np.arange(batch) < rows)
 
-    prefill_args = (self._state, tokens, prompt_lens, seed, temp, nucleus)
-    prefill = self._program(("prefill", batch, prompt_len, cache_len, mode),
+    prefill_args = (self._state, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
+                    seed, temp, nucleus)
+    prefill = self._program(("prefill", prefill_rows, batch, prompt_len, cache_len, mode),
                             functools.partial(self._prefill, cache_len=cache_len, mode=mode),
                             prefill_args, donate=())
     cache, first, first_logp = prefill(*prefill_args)
@@ -270,12 +289,15 @@ class Sampler:
     decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
                            functools.partial(self._decode, mode=mode), decode_args,
                            donate=(1,))
-    out_tokens, out_logp, lengths, stopped = jax.device_get(decode(*decode_args)[1:])
+    out_tokens, out_logp, lengths, stopped, steps = jax.device_get(decode(*decode_args)[1:])
     return Completions(tokens=out_tokens[:rows, :max_new_tokens],
                        logprobs=out_logp[:rows, :max_new_tokens],
                        lengths=lengths[:rows],
                        finish_reasons=[FINISH_STOP if s else FINISH_LENGTH
-                                       for s in stopped[:rows]])
+                                       for s in stopped[:rows]],
+                       stats=dict(batch=batch, prefill_rows=prefill_rows,
+                                  prompt_len=prompt_len, cache_len=cache_len,
+                                  steps=int(steps)))
 
   # -- jitted bodies (pure functions of arrays) -------------------------------------------
 
@@ -284,20 +306,24 @@ class Sampler:
     return jnp.einsum("BD,DV->BV", h_BxD.astype(dt), model.unembed().astype(dt),
                       preferred_element_type=jnp.float32)
 
-  def _prefill(self, state, tokens_BxL, prompt_lens_B, seed, temperature, top_p, *,
-               cache_len: int, mode: SamplingMode):
+  def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, seed, temperature,
+               top_p, *, cache_len: int, mode: SamplingMode):
+    """Prefills the U distinct prompts, gives each of the B rows its prompt's cache."""
     model = nnx.merge(self._graphdef, state)
-    batch, length = tokens_BxL.shape
+    distinct, length = tokens_UxL.shape
     dtype = jnp.int8 if self.cache_dtype == "int8" else None
-    cache = models.init_cache(self.cfg, batch, cache_len, dtype)
-    cache = jax.tree.map(lambda x: self._ctx.constrain(x, CACHE_AXES[:x.ndim]), cache)
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    segment_ids = (positions < prompt_lens_B[:, None]).astype(jnp.int32)
-    h, cache = model.hidden_states(tokens_BxL, positions, segment_ids, cache=cache,
+    constrain = lambda tree: jax.tree.map(
+        lambda x: self._ctx.constrain(x, CACHE_AXES[:x.ndim]), tree)
+    cache = constrain(models.init_cache(self.cfg, distinct, cache_len, dtype))
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
+    segment_ids = (positions < prompt_lens_U[:, None]).astype(jnp.int32)
+    h, cache = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache,
                                    ctx=self._ctx, prefill=True)
-    h_last = jnp.take_along_axis(h, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
-    keys = _row_keys(seed, 0, batch)
-    tokens, logp = sample_logits(self._logits(model, h_last), keys, temperature, top_p, mode)
+    h_last = jnp.take_along_axis(h, (prompt_lens_U - 1)[:, None, None], axis=1)[:, 0]
+    logits = self._logits(model, h_last)[row_source_B]
+    cache = constrain(jax.tree.map(lambda x: x[row_source_B], cache))
+    keys = _row_keys(seed, 0, row_source_B.shape[0])
+    tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp
 
   def _decode(self, state, cache, first_B, first_logp_B, prompt_lens_B, active_B,
@@ -336,9 +362,9 @@ class Sampler:
       return cache, step + 1, tok, out_tokens, out_logp, lengths, done, stopped
 
     carry = (cache, jnp.int32(1), first_B, out_tokens, out_logp, lengths, done, stopped)
-    cache, _, _, out_tokens, out_logp, lengths, _, stopped = jax.lax.while_loop(cond, body,
-                                                                                 carry)
-    return cache, out_tokens, out_logp, lengths, stopped
+    cache, steps, _, out_tokens, out_logp, lengths, _, stopped = jax.lax.while_loop(
+        cond, body, carry)
+    return cache, out_tokens, out_logp, lengths, stopped, steps
 
   # -- helpers ----------------------------------------------------------------------------
 
@@ -352,6 +378,10 @@ class Sampler:
     if self.mesh is None:
       return jax.device_put(x)
     return jax.device_put(x, self._ctx.sharding(names, x.shape))
+
+  def _batch_bucket(self, rows: int) -> int:
+    batch = _bucket(rows, self.batch_buckets, "batch of prompts")
+    return -(-batch // self._batch_multiple) * self._batch_multiple
 
   def _batch_shards(self) -> int:
     if self.mesh is None:

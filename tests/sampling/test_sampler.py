@@ -120,6 +120,29 @@ def test_stop_on_the_first_token_and_max_new_tokens_one(sampler):
   np.testing.assert_array_equal(out.tokens[1, 1:], sampler.pad_id)
 
 
+def test_loop_ends_early_once_every_row_has_stopped(sampler):
+  free = sampler.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
+  stops = sorted({int(row[min(2, len(row) - 1)]) for row in free.tokens})
+  out = sampler.generate(PROMPTS, max_new_tokens=12, temperature=0.0, stop_token_ids=stops)
+  expected = [next(j for j, t in enumerate(row) if t in stops) + 1 for row in free.tokens]
+  np.testing.assert_array_equal(out.lengths, expected)
+  assert out.stats["steps"] == max(expected) <= 3
+  assert free.stats["steps"] == 12
+
+
+def test_identical_prompts_are_prefilled_once(model, sampler):
+  a, b, c = PROMPTS[0], PROMPTS[2], PROMPTS[4]
+  prompts = [a, b, a, a, c, b]
+  greedy = sampler.generate(prompts, max_new_tokens=6, temperature=0.0)
+  assert greedy.stats["prefill_rows"] == 4 and greedy.stats["batch"] == 8
+  np.testing.assert_array_equal(greedy.tokens, greedy_by_recomputation(model, prompts, 6))
+  sampled = sampler.generate(prompts, max_new_tokens=6, temperature=1.0, seed=9)
+  seqs = [p + sampled.token_lists()[i] for i, p in enumerate(prompts)]
+  for i, (p, logp) in enumerate(zip(prompts, token_logprobs(model, seqs))):
+    np.testing.assert_allclose(sampled.logprobs[i], logp[generated_positions(p, 6)], atol=1e-4)
+  assert len({tuple(sampled.tokens[i]) for i in (0, 2, 3)}) > 1  # Each row draws its own.
+
+
 def test_same_seed_same_samples_other_seed_other_samples(sampler):
   kw = dict(max_new_tokens=8, temperature=1.0, top_p=0.95)
   a = sampler.generate(PROMPTS, seed=3, **kw)
@@ -153,7 +176,7 @@ def test_update_params_changes_output_without_recompiling(model, sampler):
   listener = lambda event, *a, **k: events.append(event) if event == COMPILE_EVENT else None
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    sampler.update_params(nnx.state(other))
+    sampler.update_params(nnx.state(other, nnx.Param))  # What a learner holds.
     after = sampler.generate(PROMPTS, **kw)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
@@ -161,6 +184,8 @@ def test_update_params_changes_output_without_recompiling(model, sampler):
   assert sampler.num_compiles == compiled and not events, events
   assert not np.array_equal(before.tokens, after.tokens)
   np.testing.assert_array_equal(after.tokens, expected)
+  sampler.update_params(nnx.state(model).to_pure_dict())
+  np.testing.assert_array_equal(sampler.generate(PROMPTS, **kw).tokens, before.tokens)
 
 
 def test_update_params_rejects_another_architecture(sampler):
