@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import posttrain
@@ -71,6 +71,7 @@ def test_request_normalises_argv_and_files():
     assert req.argv == ("a", "b") and req.files == {"d/x.txt": "hi"}
 
 
+@settings(deadline=None)  # a loaded shared machine must not make this flaky
 @given(st.lists(st.sampled_from(["a", "b", ".", "..", "", "c.txt"]), min_size=1,
                 max_size=5))
 def test_relative_path_check_accepts_exactly_paths_inside(parts):
