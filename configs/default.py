@@ -24,6 +24,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.overrides = ml_collections.ConfigDict(dict(num_layers=2, d_model=128, ffn_dim=384))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, sequence=1))
   c.sharding_rules = ()
+  # colocated: sampler and learner share the mesh (on-policy). disaggregated: the first
+  # rollout_devices devices sample while the rest train, at most max_policy_lag versions
+  # apart; weights move every sync_every steps; segment_tokens > 0 lets generation resume
+  # under new weights (partial rollouts; "drop" discards groups that spanned a change).
+  c.placement = ml_collections.ConfigDict(dict(
+      mode="colocated", devices=0, rollout_devices=0, rollout_mesh=(1, -1, 1, 1),
+      sync_every=1, max_policy_lag=1, segment_tokens=0, partial="resume"))
 
   c.tasks = ml_collections.ConfigDict(dict(
       domains="arithmetic/add_d*,arithmetic/sub_d*,strings/*,lists/max_*,lists/min_*,"

@@ -16,6 +16,8 @@ import json
 import logging
 import math
 import os
+import queue
+import threading
 import time
 from typing import Any
 
@@ -51,9 +53,39 @@ class NonFiniteLossError(RuntimeError):
 # ----------------------------------------------------------------------------------------
 
 
-def build_mesh(config) -> jax.sharding.Mesh:
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """(train mesh, rollout mesh). Colocated: one mesh over the devices. Disaggregated: the
+  first `placement.rollout_devices` devices form the rollout mesh, the rest the train mesh."""
+  p = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
+  mode = p.get("mode", "colocated")
+  if mode not in PLACEMENTS:
+    raise ValueError(f"placement.mode={mode!r}; expected one of {PLACEMENTS}")
+  devices = jax.devices()
+  n = int(p.get("devices", 0) or 0)
+  if n:
+    if n > len(devices):
+      raise ValueError(f"placement.devices={n} but only {len(devices)} devices exist")
+    devices = devices[:n]
   m = config.mesh
-  return models.make_mesh((m.data, m.fsdp, m.tensor, m.sequence))
+  shape = (m.data, m.fsdp, m.tensor, m.sequence)
+  if mode == "colocated":
+    mesh = models.make_mesh(shape, devices=devices)
+    return mesh, mesh
+  r = int(p.get("rollout_devices", 0) or 0)
+  if not 0 < r < len(devices):
+    raise ValueError(f"placement.rollout_devices={r} must leave devices for training "
+                     f"(1..{len(devices) - 1})")
+  rollout_shape = tuple(p.get("rollout_mesh", (1, -1, 1, 1)))
+  return (models.make_mesh(shape, devices=devices[r:]),
+          models.make_mesh(rollout_shape, devices=devices[:r]))
+
+
+def build_mesh(config) -> jax.sharding.Mesh:
+  """The train mesh of `config`."""
+  return build_meshes(config)[0]
 
 
 def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
@@ -191,12 +223,25 @@ class Trainer:
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
     self.seed = int(config.seed)
-    self.mesh = build_mesh(config)
+    self.mesh, self.rollout_mesh = build_meshes(config)
+    placement = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
+    self.disaggregated = placement.get("mode", "colocated") == "disaggregated"
+    self.sync_every = max(int(placement.get("sync_every", 1) or 1), 1)
+    self.max_policy_lag = int(placement.get("max_policy_lag", 0) or 0)
+    self.partial = str(placement.get("partial", "resume"))
+    if self.partial not in ("resume", "drop"):
+      raise ValueError(f"placement.partial={self.partial!r}; expected resume or drop")
+    self._sampler_lock = threading.Lock()
+    self.sampler_version = 0
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
     self.tok = load_tokenizer(config.tokenizer)
     self.cfg = model_config(config, self.tok.vocab_size)
     self.domains = select_domains(config.tasks)
     self.algo = algorithm(config)
+    if self.disaggregated and self.max_policy_lag > 0 and float(self.algo.tis_cap) == 0:
+      # Stale samples are corrected with truncated importance weights (Yao et al. 2025).
+      self.algo.tis_cap = 2.0
+      log.info("disaggregated with max_policy_lag>0: truncated importance weights, cap 2")
     self.eval_domains = self.domains
     sched = dict(config.scheduler)
     rule = sched.pop("rule")
@@ -229,15 +274,18 @@ class Trainer:
     self._rl_step_fn = None
     self._logprobs_fn = None
     self._setup_state()
-    self.sampler = Sampler(self._model(), mesh=self.mesh, rules=self.rules,
+    self.sampler = Sampler(self._model(), mesh=self.rollout_mesh, rules=self.rules,
                            max_len=int(config.rollout.max_len), pad_id=self.tok.pad_id)
+    self.sampler_version = self.progress.policy_version
     r = config.rollout
     self.worker = RolloutWorker(
         self.sampler, self.tok, group_size=int(self.algo.group_size),
         max_new_tokens=int(r.max_new_tokens), temperature=float(r.temperature),
         top_p=float(r.top_p) if r.get("top_p") else None,
         top_k=int(r.top_k) if r.get("top_k") else None, chunk_rows=int(r.chunk_rows),
-        scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns))
+        scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns),
+        segment_tokens=int(placement.get("segment_tokens", 0) or 0), lock=self._sampler_lock,
+        version_fn=lambda: self.sampler_version)
 
   # -- state --------------------------------------------------------------------------------
 
@@ -266,6 +314,14 @@ class Trainer:
         self.progress.stage = "rl"
       self.resumed_from = None
     self.reference = None
+
+  def sync_weights(self) -> float:
+    """Copies the learner's params to the sampler (a resharding put across meshes)."""
+    t0 = time.time()
+    with self._sampler_lock:
+      self.sampler.update_params(self.state.params)
+      self.sampler_version = self.progress.policy_version
+    return time.time() - t0
 
   def _sft_enabled(self) -> bool:
     return int(self.config.sft.steps) > 0
@@ -312,7 +368,7 @@ class Trainer:
     model = self._model()
     self.state = ts.init_train_state(model, self.rl_optimizer, mesh=self.mesh, rules=self.rules,
                                      seed=self.seed + 1)
-    self.sampler.update_params(self.state.params)
+    self.sync_weights()
 
   def _finish(self, status: str) -> dict[str, Any]:
     self.ckpt.wait()
@@ -336,7 +392,7 @@ class Trainer:
     e = self.config.eval
     if int(e.seeds_per_domain) <= 0:
       return {}
-    self.sampler.update_params(self.state.params)
+    self.sync_weights()
     report = evaluation.pass_rates(self.worker, self.eval_domains,
                                    seeds_per_domain=int(e.seeds_per_domain))
     with open(os.path.join(self.workdir, f"eval_{tag}.json"), "w") as fh:
@@ -410,20 +466,25 @@ class Trainer:
       # The reference is the policy RL started from; re-derived on resume from the
       # checkpoint written when RL began (kept as its own copy, never updated).
       self.reference = self._reference_params()
-    self.sampler.update_params(self.state.params)
+    self.sync_weights()
     progress = Progress(total, self.config.algorithm)
-    while self.progress.rl_step < total:
-      if flag.is_set():
-        self.save(force=True)
-        return False
-      row = self._rl_step()
-      step = self.progress.rl_step
-      if step % int(self.config.train.log_every) == 0 or step == total:
-        progress.line(step, {"reward": row.get("reward/mean", 0.0),
-                             "pass": row.get("pass_rate/mean", 0.0),
-                             "tok/s": row.get("throughput/tokens_per_s", 0.0)})
-      if self.ckpt.should_save(self._ckpt_step()):
-        self.save()
+    source = AsyncRollouts(self, total) if self.disaggregated else None
+    try:
+      while self.progress.rl_step < total:
+        if flag.is_set():
+          self.save(force=True)
+          return False
+        row = self._rl_step(source)
+        step = self.progress.rl_step
+        if step % int(self.config.train.log_every) == 0 or step == total:
+          progress.line(step, {"reward": row.get("reward/mean", 0.0),
+                               "pass": row.get("pass_rate/mean", 0.0),
+                               "tok/s": row.get("throughput/tokens_per_s", 0.0)})
+        if self.ckpt.should_save(self._ckpt_step()):
+          self.save()
+    finally:
+      if source is not None:
+        source.close()
     return True
 
   def _reference_params(self):
@@ -437,6 +498,9 @@ class Trainer:
                        "gone; keep it with checkpoint.keep_every or set kl_coef=0")
     return restored[0].params
 
+  def _step_seed(self, rl_step: int) -> int:
+    return self.seed * 1_000_003 + rl_step
+
   def _rollout(self, step_seed: int):
     algo, r = self.algo, self.config.rollout
     n = int(r.prompts_per_step)
@@ -445,7 +509,7 @@ class Trainer:
     def make_groups(pairs):
       calls[0] += 1
       return self.worker.rollout(pairs, seed=step_seed * 131 + calls[0],
-                                 policy_version=self.progress.policy_version)
+                                 policy_version=self.sampler_version)
 
     if algo.dynamic_sampling:
       batch = dynamic_sample(self.scheduler, make_groups, n, batched=True, update=False,
@@ -455,12 +519,21 @@ class Trainer:
                       "dynamic_sampling/dropped": batch.dropped}
     return make_groups(self.scheduler.draw(n)), {}
 
-  def _rl_step(self) -> dict[str, float]:
+  def _rl_step(self, source: "AsyncRollouts | None" = None) -> dict[str, float]:
     algo = self.algo
     timings: dict[str, float] = {}
     t0 = time.time()
-    groups, extra = self._rollout(self.seed * 1_000_003 + self.progress.rl_step)
-    timings["timing/rollout_s"] = time.time() - t0
+    if source is None:
+      groups, extra = self._rollout(self._step_seed(self.progress.rl_step))
+      timings["timing/rollout_s"] = time.time() - t0
+    else:
+      groups, extra, gen_s = source.get()
+      timings["timing/rollout_s"] = gen_s
+      timings["timing/wait_for_rollout_s"] = time.time() - t0
+    staleness = [self.progress.policy_version - min(s.oldest_version for s in g.samples)
+                 for g in groups]
+    extra = {**extra, "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
+             "staleness/max": float(max(staleness, default=0))}
     if not groups:
       raise RuntimeError("dynamic sampling produced no informative group within max_draws; "
                          "raise rollout.max_draws or check the domains' difficulty")
@@ -482,11 +555,14 @@ class Trainer:
                                         epochs=int(algo.ppo_epochs),
                                         minibatches=int(algo.num_minibatches),
                                         seed=self.progress.rl_step)
-    self.progress.rl_step += 1
-    self.progress.policy_version += 1
-    self.sampler.update_params(self.state.params)
     for g, a in zip(groups, seq_adv):
       self.scheduler.update(g.domain, g.rewards.tolist(), np.abs(a).tolist())
+    self.progress.rl_step += 1
+    self.progress.policy_version += 1
+    if not self.disaggregated or self.progress.rl_step % self.sync_every == 0:
+      timings["timing/weight_sync_s"] = self.sync_weights()
+    if source is not None:
+      source.publish(self.progress.rl_step)
     metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
     timings["timing/update_s"] = time.time() - t2
     gen = sum(s.num_generated for g in groups for s in g.samples)
@@ -495,7 +571,7 @@ class Trainer:
     host = {"reward/mean": float(flat_rewards.mean()), "pass_rate/mean": float(passed.mean()),
             "response_length/mean": gen / max(len(passed), 1),
             "throughput/tokens_per_s": gen / max(timings["timing/rollout_s"], 1e-9),
-            "staleness/mean": 0.0, "padding_fraction": packing.padding_fraction(
+            "padding_fraction": packing.padding_fraction(
                 {"segment_ids": np.asarray(batch["segment_ids"])}), **extra, **timings}
     for dom in sorted({g.domain for g in groups}):
       host[f"reward/{dom}"] = float(np.mean([g.rewards.mean() for g in groups
@@ -576,6 +652,91 @@ class Trainer:
           kl_coef=float(algo.kl_coef), segment_ids=seg)
     out["advantages"] = a.reshape(shape)
     return out
+
+
+class AsyncRollouts:
+  """Disaggregated rollouts: a host thread generates step k's groups on the rollout mesh
+  while the learner trains, at most `max_policy_lag` steps ahead of it.
+
+  Groups whose oldest token came from a policy more than `max_policy_lag` versions behind
+  the learner are dropped (dropped_stale) and the thread's next batch is used instead.
+  With max_policy_lag=0 the thread waits for each update, which reproduces the colocated
+  run exactly.
+  """
+
+  def __init__(self, trainer: Trainer, total_steps: int):
+    self.t, self.total = trainer, total_steps
+    self.lag = trainer.max_policy_lag
+    self._queue: queue.Queue = queue.Queue(maxsize=self.lag + 1)
+    self._cv = threading.Condition()
+    self._done_steps = trainer.progress.rl_step
+    self._next = trainer.progress.rl_step
+    self._stop = False
+    self._error: BaseException | None = None
+    self._allowance = 0  # Extra batches owed for batches dropped whole.
+    self._thread = threading.Thread(target=self._loop, name="rollouts", daemon=True)
+    self._thread.start()
+
+  def publish(self, done_steps: int):
+    with self._cv:
+      self._done_steps = done_steps
+      self._cv.notify_all()
+
+  def _loop(self):
+    try:
+      while True:
+        with self._cv:
+          self._cv.wait_for(lambda: self._stop or (
+              self._next - self._done_steps - self._allowance <= self.lag))
+          if self._stop:
+            return
+          k = self._next
+          self._next += 1
+        t0 = time.time()
+        groups, extra = self.t._rollout(self.t._step_seed(k))
+        item = (groups, extra, time.time() - t0)
+        while not self._stop:
+          try:
+            self._queue.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+    except BaseException as e:  # noqa: BLE001 - re-raised in the learner thread.
+      self._error = e
+
+  def get(self):
+    """The next batch within the staleness bound: (groups, extra metrics, generation s)."""
+    dropped = 0
+    while True:
+      while True:
+        if self._error is not None:
+          raise self._error
+        try:
+          groups, extra, gen_s = self._queue.get(timeout=0.1)
+          break
+        except queue.Empty:
+          continue
+      version = self.t.progress.policy_version
+      fresh = [g for g in groups
+               if version - min(s.oldest_version for s in g.samples) <= self.lag]
+      if self.t.partial == "drop":
+        fresh = [g for g in fresh if len({v for s in g.samples for v in s.versions}) <= 1]
+      dropped += len(groups) - len(fresh)
+      if fresh:
+        return fresh, {**extra, "dropped_stale": dropped}, gen_s
+      # A whole batch was stale: the sampler's weights are too old to ever produce a fresh
+      # one, so sync now (the bound wins over sync_every) and let the thread make another.
+      if self.t.progress.policy_version - self.t.sampler_version > self.lag:
+        self.t.sync_weights()
+      with self._cv:
+        self._allowance += 1
+        self._cv.notify_all()
+
+  def close(self):
+    with self._cv:
+      self._stop = True
+      self._cv.notify_all()
+    self._thread.join(timeout=60)
 
 
 def _last_token(mask, seg):

@@ -9,6 +9,7 @@ turns, whose tokens are masked out of the loss.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 from typing import Any, Sequence
 
@@ -35,6 +36,11 @@ class Sample:
   reward: Reward | None = None
   tool_calls: int = 0
   turns: int = 1
+  versions: list[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def oldest_version(self) -> int:
+    return min(self.versions) if self.versions else 0
 
   @property
   def num_generated(self) -> int:
@@ -69,17 +75,26 @@ class RolloutWorker:
     scoring_threads: threads that score (and run sandboxes) concurrently.
     max_turns: model turns per sample for multi-turn domains.
     system_prompt: optional system message.
+    segment_tokens: generate at most this many tokens per sampler call, releasing the
+      sampler lock between calls so weights can change mid-generation (partial rollouts);
+      0 = the whole turn in one call.
+    lock: guards the sampler against a concurrent `update_params` (disaggregated runs).
+    version_fn: returns the policy version the sampler currently holds.
   """
 
   def __init__(self, sampler, tokenizer: Tokenizer, *, group_size: int, max_new_tokens: int,
                temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
                chunk_rows: int = 64, scoring_threads: int = 4, max_turns: int = 1,
-               system_prompt: str | None = None):
+               system_prompt: str | None = None, segment_tokens: int = 0, lock=None,
+               version_fn=None):
     self.sampler, self.tok = sampler, tokenizer
     self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
     self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
     self.chunk_rows, self.max_turns = max(int(chunk_rows), 1), max(int(max_turns), 1)
     self.system_prompt = system_prompt
+    self.segment_tokens = max(int(segment_tokens), 0)
+    self._lock = lock if lock is not None else contextlib.nullcontext()
+    self._version_fn = version_fn or (lambda: 0)
     self._pool = cf.ThreadPoolExecutor(max_workers=max(1, scoring_threads),
                                        thread_name_prefix="score")
 
@@ -123,32 +138,21 @@ class RolloutWorker:
 
   def _generate(self, chunk, tasks, *, seed: int, temperature: float) -> list[Sample]:
     """Generates (possibly several turns of) the rows of one chunk."""
-    prompts = [list(p) for _, p in chunk]
     states = [Sample(prompt_tokens=list(p), response_tokens=[], response_mask=[],
                      behaviour_logprobs=[], text="", finish_reason="length", turns=0)
-              for p in prompts]
+              for _, p in chunk]
     active = list(range(len(chunk)))
     for turn in range(self.max_turns):
       if not active:
         break
-      inputs = [states[i].prompt_tokens + states[i].response_tokens for i in active]
-      budget = self.sampler.max_len - max(len(x) for x in inputs)
-      if budget < 1:
-        break
-      out = self.sampler.generate(
-          inputs, max_new_tokens=min(self.max_new_tokens, budget), temperature=temperature,
-          top_k=self.top_k, top_p=self.top_p, stop_token_ids=self.tok.stop_ids,
-          seed=seed + 7919 * turn)
+      ended = self._generate_turn(states, active, seed=seed + 7919 * turn,
+                                  temperature=temperature)
       still = []
-      for k, i in enumerate(active):
-        st, n = states[i], int(out.lengths[k])
-        toks = out.tokens[k, :n].tolist()
-        st.response_tokens += toks
-        st.response_mask += [1] * n
-        st.behaviour_logprobs += out.logprobs[k, :n].astype(float).tolist()
-        st.finish_reason = out.finish_reasons[k]
+      for i in active:
+        st = states[i]
         st.turns += 1
-        st.text += self._decode(toks)
+        if not ended[i]:
+          continue
         domain = registry.get(tasks[chunk[i][0]].domain)
         if turn + 1 < self.max_turns and hasattr(domain, "step"):
           step = domain.step(tasks[chunk[i][0]], st.text)
@@ -163,6 +167,49 @@ class RolloutWorker:
             still.append(i)
       active = still
     return states
+
+  def _generate_turn(self, states, rows, *, seed: int, temperature: float) -> dict[int, bool]:
+    """One model turn for `rows`, in segments of `segment_tokens` when set.
+
+    Between segments the sampler lock is released, so the learner can swap in new weights;
+    unfinished rows then resume under the new policy (their behaviour log-probs record
+    what actually sampled each token). Returns row -> whether the turn ended in budget.
+    """
+    budget_left = {i: self.max_new_tokens for i in rows}
+    ended = {i: False for i in rows}
+    active, segment = list(rows), 0
+    while active:
+      inputs = [states[i].prompt_tokens + states[i].response_tokens for i in active]
+      room = self.sampler.max_len - max(len(x) for x in inputs)
+      if room < 1:
+        break
+      want = max(budget_left[i] for i in active)
+      n_new = min(want, room, self.segment_tokens or want)
+      with self._lock:
+        version = self._version_fn()
+        out = self.sampler.generate(
+            inputs, max_new_tokens=n_new, temperature=temperature, top_k=self.top_k,
+            top_p=self.top_p, stop_token_ids=self.tok.stop_ids, seed=seed + 104_729 * segment)
+      segment += 1
+      still = []
+      for k, i in enumerate(active):
+        st = states[i]
+        n = min(int(out.lengths[k]), budget_left[i])
+        toks = out.tokens[k, :n].tolist()
+        st.response_tokens += toks
+        st.response_mask += [1] * n
+        st.behaviour_logprobs += out.logprobs[k, :n].astype(float).tolist()
+        st.text += self._decode(toks)
+        st.versions.append(version)
+        budget_left[i] -= n
+        stopped = out.finish_reasons[k] == "stop" and n == int(out.lengths[k])
+        st.finish_reason = "stop" if stopped else "length"
+        if stopped or budget_left[i] <= 0:
+          ended[i] = True
+        else:
+          still.append(i)
+      active = still
+    return ended
 
 
 def _score(task: Task, sample: Sample) -> Reward:
