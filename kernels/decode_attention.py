@@ -9,7 +9,6 @@ value scale the probabilities.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -450,8 +450,8 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
 
 def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
   """Layouts as in `_tpu_forward`; lse and di are [b, h, Tq, 128]."""
-  b, h, tq, d = q.shape
-  kvh, tk = k.shape[1], k.shape[2]
+  b, h, _, d = q.shape
+  kvh = k.shape[1]
   bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
   seg_operands = _tpu_segment_operands(cfg, q_seg, kv_seg) if cfg.segments else ()
@@ -515,7 +515,6 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
       interpret=cfg.interpret,
       name="flash_attention_dkv",
   )(q, k, v, do, lse, di, *seg_operands)
-  del tk
   return dq_out, dkv_out
 
 
@@ -616,7 +615,7 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
   rest = refs[8:] if cfg.segments else refs[6:]
   ki = pl.program_id(0)
-  bq, bk = cfg.block_q, cfg.block_kv
+  bq = cfg.block_q
   k, v = k_ref[...], v_ref[...]
   q_range = q_block_range(cfg, ki)
 
@@ -768,7 +767,7 @@ def _prepare(cfg: _Config, q, k, v, q_seg, kv_seg):
 
 def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
   """Returns out [b, Tq, h, d] (q.dtype), internal lse [b, h, Tq] (+inf = no key)."""
-  b, tq, h, d = q.shape
+  tq, d = q.shape[1], q.shape[3]
   qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg)
   if cfg.backend == "tpu":
     res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)

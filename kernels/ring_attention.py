@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kernels import reference
-from kernels.chunked_attention import DEFAULT_CHUNK_SIZE
-from kernels.chunked_attention import MaskParams
-from kernels.chunked_attention import blockwise_attention_bwd
-from kernels.chunked_attention import blockwise_attention_fwd
+from kernels.chunked_attention import (
+  DEFAULT_CHUNK_SIZE,
+  MaskParams,
+  blockwise_attention_bwd,
+  blockwise_attention_fwd,
+)
 
 LAYOUTS = ("contiguous", "zigzag")
 

@@ -5,10 +5,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_test_utils import (
+  BF16_CASES,
+  CASES,
+  Case,
+  assert_close,
+  check_against_reference,
+  make_inputs,
+)
 
 import kernels
-from kernel_test_utils import (BF16_CASES, CASES, Case, assert_close,
-                               check_against_reference, make_inputs)
 
 # Chunks of 64 keys and 48 queries: neither divides 200 or 320, and causal cases skip
 # whole chunk pairs.

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_test_utils import assert_close, numpy_attention
 
 import kernels
-from kernel_test_utils import assert_close, numpy_attention
 
 LENGTHS = (5, 37, 9)  # max_len 37 with 8-slot chunks: 5 chunks, the last one overlaps
 

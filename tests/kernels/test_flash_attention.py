@@ -11,10 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_test_utils import (
+  BF16_CASES,
+  CASES,
+  Case,
+  check_against_reference,
+  make_inputs,
+)
 
 import kernels
-from kernel_test_utils import (BF16_CASES, CASES, Case, check_against_reference,
-                               make_inputs)
 
 fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
 ON = jax.default_backend()

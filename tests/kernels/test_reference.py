@@ -3,10 +3,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_test_utils import CASES, Case, assert_close, make_inputs, numpy_attention
 
 import kernels
 from kernels import reference
-from kernel_test_utils import CASES, Case, assert_close, make_inputs, numpy_attention
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from kernel_test_utils import Case, assert_close, check_against_reference, make_inputs
 
 import kernels
-from kernel_test_utils import (Case, assert_close, check_against_reference, make_inputs)
 
 ring_lib = importlib.import_module("kernels.ring_attention")
 
