@@ -156,71 +156,107 @@ def state_bytes(model_cfg: models.ModelConfig, optimizer, mesh: AbstractMesh,
   return tree_bytes(params, shardings.params), tree_bytes(opt_state, shardings.opt_state)
 
 
-def activation_elements_per_token(model_cfg: models.ModelConfig, remat: str, *,
-                                  heads: int, kv_heads: int, mlp: int, kv_len: int) -> float:
-  """Elements one layer keeps per token for the backward pass, by remat policy.
+def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: int,
+                           kv_heads: int, mlp: int, kv_len: int) -> float:
+  """Bytes one layer keeps per token for the backward pass, by remat policy.
 
-  With D = d_model and the per-device head / kv-head / mlp widths NH = heads * head_dim,
-  KH = kv_heads * head_dim, F = mlp (tensor-sharded where the rules shard them):
+  s = bytes of the compute dtype; D = d_model; NH = heads * head_dim, KH = kv_heads *
+  head_dim, F = mlp, with heads / kv_heads / mlp the widths of one device's shard; N =
+  heads, H = head_dim, T = kv_len, c = attention_chunk. Norm internals, RoPE tables and
+  attention scores are float32 (4 bytes) whatever the compute dtype:
 
-    none                     6D + 3NH + 3KH + 4F  (norms, q/k/v before and after RoPE,
-                                                   attention out, projections, SwiGLU)
-    dots                     3D + 2NH + 2KH + 2F  (every matmul output + the block input)
-    dots_with_no_batch_dims  3D +  NH + 2KH + 2F  (weight matmuls only + the block input)
-    full                     D                    (the block input)
+    none                     s(4D + 2NH + 2KH + 6F) + 4(4D + 4H + N) + attention
+                               attention: reference 4(2NT) + NT (scores, probs, mask)
+    dots                     s(2D + NH + 2KH + 2F) + batched attention matmuls:
+                               reference 4NT + s NH, chunked 4(NT + NH T/c)
+    dots_with_no_batch_dims  s(2D + NH + 2KH + 2F)    (the weight matmuls + block input)
+    full                     s D                       (the block input)
 
-  The "reference" attention also keeps its scores and probabilities, 2 * heads * kv_len
-  (1x under dots, 0 under the others); chunked / flash / ring attention keep O(1) per token.
+  Fitted to what JAX saves (`jax.ad_checkpoint.print_saved_residuals`); flash and ring
+  attention keep O(N) per token.
   """
   d, hd = model_cfg.d_model, model_cfg.head_dim
-  nh, kh = heads * hd, kv_heads * hd
-  scores = heads * kv_len if model_cfg.attention_impl == "reference" else 0
+  nh, kh, n, t = heads * hd, kv_heads * hd, heads, kv_len
+  s = np.dtype(model_cfg.dtype).itemsize
+  impl = model_cfg.attention_impl
   if remat == "none":
-    return 6 * d + 3 * nh + 3 * kh + 4 * mlp + 2 * scores
+    attn = 4 * 2 * n * t + n * t if impl == "reference" else 0
+    return s * (4 * d + 2 * nh + 2 * kh + 6 * mlp) + 4 * (4 * d + 4 * hd + n) + attn
+  weight_matmuls = s * (2 * d + nh + 2 * kh + 2 * mlp)
   if remat == "dots":
-    return 3 * d + 2 * nh + 2 * kh + 2 * mlp + scores
+    if impl == "reference":
+      return weight_matmuls + 4 * n * t + s * nh
+    if impl == "chunked":
+      return weight_matmuls + 4 * (n * t + nh * -(-t // model_cfg.attention_chunk))
+    return weight_matmuls
   if remat == "dots_with_no_batch_dims":
-    return 3 * d + nh + 2 * kh + 2 * mlp
+    return weight_matmuls
   if remat == "full":
-    return d
+    return s * d
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
 
 
-def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
-                     mesh: AbstractMesh, rules=models.DEFAULT_RULES,
-                     remat: str | None = None) -> tuple[int, str]:
-  """Bytes per device the backward pass of one micro-batch [rows, row_len] holds.
-
-    layers * tokens * activation_elements_per_token(remat) * dtype bytes
-    + (remat != none) 2 * one layer at "none"        the layer being recomputed + its grads
-    + 3 * rows * logprob_chunk * vocab * 4            float32 logits, softmax, their grad
-    + 2 * tokens * d_model * 4                        final hidden state and its gradient
-
-  tokens = the micro-batch's tokens on one device (rows over the batch axes, row_len over
-  `sequence`); head, kv-head, mlp and vocab widths are those of one device's shard.
-  """
-  cfg = model_cfg
-  remat = remat or cfg.remat
-  b, t, _ = _logical_shard(mesh, rules, ("batch", "length", "embed"), (rows, row_len, cfg.d_model))
+def _activation_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh, rules):
+  """(rows, length, heads, kv_heads, mlp, vocab) of one device's activation shard."""
+  b, t, _ = _logical_shard(mesh, rules, ("batch", "length", "embed"),
+                           (rows, row_len, cfg.d_model))
   heads = _logical_shard(mesh, rules, ("batch", "length", "heads", "head_dim"),
                          (rows, row_len, cfg.num_heads, cfg.head_dim))[2]
   kv_heads = _logical_shard(mesh, rules, ("batch", "length", "kv_heads", "head_dim"),
                             (rows, row_len, cfg.num_kv_heads, cfg.head_dim))[2]
   mlp = _logical_shard(mesh, rules, ("batch", "length", "mlp"), (rows, row_len, cfg.ffn_dim))[2]
   vocab = _logical_shard(mesh, rules, ("embed", "vocab"), (cfg.d_model, cfg.vocab_size))[1]
-  tokens = b * t
-  size = np.dtype(cfg.dtype).itemsize
-  widths = dict(heads=heads, kv_heads=kv_heads, mlp=mlp, kv_len=row_len)
-  kept = cfg.num_layers * tokens * activation_elements_per_token(cfg, remat, **widths) * size
-  recompute = 0 if remat == "none" else (
-      2 * tokens * activation_elements_per_token(cfg, "none", **widths) * size)
-  chunk = max(1, min(cfg.logprob_chunk, t))
-  logits = 3 * b * chunk * vocab * 4
-  hidden = 2 * tokens * cfg.d_model * 4
-  total = int(kept + recompute + logits + hidden)
+  return b, t, heads, kv_heads, mlp, vocab
+
+
+def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
+                           mesh: AbstractMesh, rules=models.DEFAULT_RULES,
+                           remat: str | None = None) -> int:
+  """What the backward pass of one micro-batch [rows, row_len] keeps, per device:
+
+    tokens * (layers * layer_activation_bytes + 2sD + 4(2D + H) + 8) [+ s D V if tied]
+
+  the second term outside the layers: embedding output, final norm, the hidden state the
+  chunked log-prob pass reads, RoPE tables, int32 positions and targets; tied embeddings
+  also keep the transposed output projection. tokens = one device's share of the
+  micro-batch (rows over the batch axes, row_len over `sequence`).
+  """
+  cfg = model_cfg
+  b, t, heads, kv_heads, mlp, _ = _activation_shards(cfg, rows, row_len, mesh, rules)
+  per_layer = layer_activation_bytes(cfg, remat or cfg.remat, heads=heads, kv_heads=kv_heads,
+                                     mlp=mlp, kv_len=row_len)
+  s = np.dtype(cfg.dtype).itemsize
+  outside = 2 * s * cfg.d_model + 4 * (2 * cfg.d_model + cfg.head_dim) + 8
+  # Tied embeddings: the transposed [D, V] output projection is a residual of its own.
+  vocab = _activation_shards(cfg, rows, row_len, mesh, rules)[5]
+  unembed = s * cfg.d_model * vocab if cfg.tie_embeddings else 0
+  return int(b * t * (cfg.num_layers * per_layer + outside) + unembed)
+
+
+def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
+                     mesh: AbstractMesh, rules=models.DEFAULT_RULES,
+                     remat: str | None = None) -> tuple[int, str]:
+  """Peak activation bytes per device of one micro-batch's forward + backward:
+
+    saved_activation_bytes
+    + (1 if remat == none else 2) * tokens * layer_activation_bytes(none)
+                                  the layer being differentiated (recomputed) + cotangents
+    + 3 * rows * logprob_chunk * vocab * 4       float32 logits, softmax and their grad
+
+  Returns (bytes, a one-line description).
+  """
+  cfg = model_cfg
+  remat = remat or cfg.remat
+  b, t, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
+  saved = saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
+                                 remat=remat)
+  one_layer = b * t * layer_activation_bytes(cfg, "none", heads=heads, kv_heads=kv_heads,
+                                             mlp=mlp, kv_len=row_len)
+  transient = (1 if remat == "none" else 2) * one_layer
+  logits = 3 * b * max(1, min(cfg.logprob_chunk, t)) * vocab * 4
   note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
           f"{cfg.attention_impl} attention")
-  return total, note
+  return int(saved + transient + logits), note
 
 
 def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
