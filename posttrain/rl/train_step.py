@@ -77,12 +77,16 @@ class TrainState:
     opt_state: the optax state of `params`.
     step: int32 count of applied updates (a skipped non-finite update does not count).
     rng: PRNG key; fold it with `step` for any randomness inside a step.
+    critic_params / critic_opt_state: a separate value model and its optimizer state
+      (PPO with `critic_cfg`); None when the critic is the policy's value head or absent.
   """
 
   params: Any
   opt_state: Any
   step: jax.Array
   rng: jax.Array
+  critic_params: Any = None
+  critic_opt_state: Any = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,34 +150,67 @@ def _split_abstract(model_cfg: models.ModelConfig):
   return nnx.split(abstract, nnx.Param, ...)
 
 
-def train_state_shardings(params, optimizer: optax.GradientTransformation, mesh: Mesh,
-                          rules: Rules = DEFAULT_RULES) -> TrainState:
-  """Shardings of a TrainState: params by their logical axes, optimizer moments alike."""
+def _param_and_opt_shardings(params, optimizer, mesh, rules):
+  """Params by their logical axes; optimizer moments like their params, the rest replicated."""
   param_shardings = models.state_shardings(params, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
   abstract_opt = jax.eval_shape(optimizer.init, params)
   opt_shardings = optax.tree_map_params(
       optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
       transform_non_params=lambda _: replicated, is_leaf=_is_variable)
+  return param_shardings, opt_shardings
+
+
+def train_state_shardings(params, optimizer: optax.GradientTransformation, mesh: Mesh,
+                          rules: Rules = DEFAULT_RULES, *, critic_params=None,
+                          critic_optimizer: optax.GradientTransformation | None = None
+                          ) -> TrainState:
+  """Shardings of a TrainState (params may be abstract)."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  param_shardings, opt_shardings = _param_and_opt_shardings(params, optimizer, mesh, rules)
+  critic_shardings = critic_opt_shardings = None
+  if critic_params is not None:
+    critic_shardings, critic_opt_shardings = _param_and_opt_shardings(
+        critic_params, critic_optimizer, mesh, rules)
   return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated,
-                    rng=replicated)
+                    rng=replicated, critic_params=critic_shardings,
+                    critic_opt_state=critic_opt_shardings)
 
 
 def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, *,
-                     mesh: Mesh, rules: Rules = DEFAULT_RULES, seed: int = 0) -> TrainState:
-  """A TrainState on `mesh` from a model (its parameters are copied, never aliased)."""
+                     mesh: Mesh, rules: Rules = DEFAULT_RULES, seed: int = 0,
+                     critic: nnx.Module | None = None,
+                     critic_optimizer: optax.GradientTransformation | None = None
+                     ) -> TrainState:
+  """A TrainState on `mesh` from a model (its parameters are copied, never aliased).
+
+  Args:
+    model: the policy.
+    optimizer: the policy's optimizer (e.g. `make_optimizer`).
+    mesh, rules: where the state lives.
+    seed: seeds `state.rng`.
+    critic: a separate value model (built with `value_head=True`) for PPO, or None.
+    critic_optimizer: its optimizer (default: `optimizer`).
+  """
+  critic_optimizer = critic_optimizer or optimizer
   params = nnx.state(model, nnx.Param)
-  shardings = train_state_shardings(params, optimizer, mesh, rules)
-  params = jax.device_put(params, shardings.params)  # No-op when already on `mesh`.
+  critic_params = None if critic is None else nnx.state(critic, nnx.Param)
+  shardings = train_state_shardings(params, optimizer, mesh, rules, critic_params=critic_params,
+                                    critic_optimizer=critic_optimizer)
+  # No-ops when already on `mesh`.
+  params = jax.device_put(params, shardings.params)
+  critic_params = jax.device_put(critic_params, shardings.critic_params)
 
   @functools.partial(jax.jit, out_shardings=shardings)
-  def init(params):
-    # A copy: the step donates the state, which must not free the caller's model.
-    params = jax.tree.map(jnp.copy, params)
-    return TrainState(params=params, opt_state=optimizer.init(params),
-                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed))
+  def init(params, critic_params):
+    # Copies: the step donates the state, which must not free the caller's models.
+    params, critic_params = jax.tree.map(jnp.copy, (params, critic_params))
+    return TrainState(
+        params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+        rng=jax.random.PRNGKey(seed), critic_params=critic_params,
+        critic_opt_state=None if critic is None else critic_optimizer.init(critic_params))
 
-  return init(params)
+  return init(params, critic_params)
 
 
 def frozen_copy(params, mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES):
@@ -225,19 +262,24 @@ def _check_batch(batch: Batch, required: tuple[str, ...], row_multiple: int) -> 
 # ---------------------------------------------------------------------------------------
 
 
+def _hidden(model: models.Transformer, mb: Batch, ctx: models.ShardingContext):
+  return model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"), ctx=ctx)
+
+
+def _value_head(model: models.Transformer, h_BxTxD):
+  return jnp.einsum("BTD,D->BT", h_BxTxD.astype(jnp.float32), model.value_w[...]) + model.value_b[...]
+
+
 def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, *,
              temperature: float, with_values: bool, with_entropy: bool):
   """(log-probs, entropies or None, values or None) [B, T] from one trunk pass."""
   cfg = model.cfg
-  h = model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"), ctx=ctx)
+  h = _hidden(model, mb, ctx)
   out = models.chunked_logprobs(h, model.unembed(), mb["targets"], chunk=cfg.logprob_chunk,
                                 return_entropy=with_entropy, temperature=temperature,
                                 compute_dtype=jnp.dtype(cfg.dtype))
   logprobs, entropies = out if with_entropy else (out, None)
-  values = None
-  if with_values:
-    values = (jnp.einsum("BTD,D->BT", h.astype(jnp.float32), model.value_w[...])
-              + model.value_b[...])
+  values = _value_head(model, h) if with_values else None
   return logprobs, entropies, values
 
 
@@ -327,22 +369,27 @@ def _learning_rate(opt_state) -> jax.Array:
 def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                     optimizer: optax.GradientTransformation, *, mesh: Mesh,
                     rules: Rules = DEFAULT_RULES, max_response_len: int | None = None,
-                    temperature: float = 1.0, donate: bool = True) -> Callable:
+                    temperature: float = 1.0, critic_cfg: models.ModelConfig | None = None,
+                    critic_optimizer: optax.GradientTransformation | None = None,
+                    donate: bool = True) -> Callable:
   """Builds `train_step(state, batch) -> (state, metrics)`, jitted once for every algorithm.
 
   The loss is `losses.rl_loss` with the preset's knobs: PPO/GSPO surrogate, TIS weights,
   KL to the reference, entropy bonus and, with `use_critic`, the clipped value loss on the
-  model's value head (same trunk). A non-finite loss or gradient norm leaves params,
-  optimizer state and step unchanged and sets the `nonfinite` metric to 1.
+  policy's value head (same trunk) or on a separate critic (`critic_cfg`). A non-finite loss
+  or gradient norm leaves params, optimizer states and step unchanged and sets the
+  `nonfinite` metric to 1.
 
   Args:
-    model_cfg: the policy architecture (`value_head=True` when the preset uses a critic).
+    model_cfg: the policy architecture (`value_head=True` for a critic on the same trunk).
     algo_cfg: a preset from `posttrain.rl.presets.algorithm_config`, or any mapping with
       `losses.LossConfig`'s fields.
     optimizer: e.g. `make_optimizer(...)`; must be the one the state was built with.
     mesh, rules: where the state and the batch live.
     max_response_len: Dr.GRPO's constant normaliser when the preset's is 0.
     temperature: the sampler's temperature.
+    critic_cfg: a separate value model (`value_head=True`) trained on the value loss.
+    critic_optimizer: the critic's optimizer (default: `optimizer`).
     donate: donate the input state's buffers (the caller must not reuse that state).
 
   Returns:
@@ -352,20 +399,36 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   if max_response_len and not algo_cfg.get("max_response_len"):
     overrides["max_response_len"] = max_response_len
   loss_cfg = losses.LossConfig.from_config(algo_cfg, **overrides)
-  if loss_cfg.use_critic and not model_cfg.value_head:
+  separate_critic = critic_cfg is not None
+  if separate_critic and not loss_cfg.use_critic:
+    raise ValueError(f"critic_cfg is given but algorithm {algo_cfg.get('algorithm')!r} "
+                     "trains no critic (use_critic=False)")
+  if separate_critic and not critic_cfg.value_head:
+    raise ValueError("critic_cfg must have value_head=True")
+  if loss_cfg.use_critic and not separate_critic and not model_cfg.value_head:
     raise ValueError("the algorithm trains a critic (use_critic=True) but the model has no "
-                     "value head; build it with value_head=True")
+                     "value head; build it with value_head=True or pass critic_cfg")
+  critic_optimizer = critic_optimizer or optimizer
   graphdef, abstract_params, rest = _split_abstract(model_cfg)
+  critic_graphdef, abstract_critic, critic_rest = (
+      _split_abstract(critic_cfg) if separate_critic else (None, None, None))
   ctx = models.ShardingContext(mesh, rules)
-  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
+  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules,
+                                          critic_params=abstract_critic,
+                                          critic_optimizer=critic_optimizer)
   data_sharding = batch_sharding(mesh, rules)
   row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
   required = _required_keys(loss_cfg)
 
-  def microbatch_loss(params, mb, denominator):
+  def microbatch_loss(trainable, mb, denominator):
+    params, critic_params = trainable
     model = nnx.merge(graphdef, params, rest)
-    logprobs, entropies, values = _forward(model, mb, ctx, temperature=temperature,
-                                           with_values=loss_cfg.use_critic, with_entropy=True)
+    logprobs, entropies, values = _forward(
+        model, mb, ctx, temperature=temperature,
+        with_values=loss_cfg.use_critic and not separate_critic, with_entropy=True)
+    if separate_critic:
+      critic = nnx.merge(critic_graphdef, critic_params, critic_rest)
+      values = _value_head(critic, _hidden(critic, mb, ctx))
     return losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
                           entropies=entropies, values=values)
 
@@ -373,39 +436,51 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 
   def step_fn(state: TrainState, batch: Batch):
     num_micro = batch["tokens"].shape[0]
+    trainable = (state.params, state.critic_params)
     # The global denominator first: each micro-batch's loss is then its exact share.
     denominator = jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
 
     def accumulate(carry, mb):
       grads_sum, loss_sum = carry
-      (loss, metrics), grads = grad_fn(state.params, mb, denominator)
+      (loss, metrics), grads = grad_fn(trainable, mb, denominator)
       grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
       return (grads_sum, loss_sum + loss), metrics
 
     if num_micro == 1:
-      (loss, merged), grads = grad_fn(state.params, jax.tree.map(lambda x: x[0], batch),
+      (loss, merged), grads = grad_fn(trainable, jax.tree.map(lambda x: x[0], batch),
                                       denominator)
     else:
-      zeros = jax.tree.map(jnp.zeros_like, state.params)
+      zeros = jax.tree.map(jnp.zeros_like, trainable)
       (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), batch)
       # Merge the per-micro-batch (sum, count) metrics: exact token averages.
       merged = functools.reduce(
           losses.merge_metrics,
           [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_micro)])
+    grads, critic_grads = grads
 
     grad_norm = optax.global_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
+    if separate_critic:
+      critic_grad_norm = optax.global_norm(critic_grads)
+      critic_updates, critic_opt_state = critic_optimizer.update(
+          critic_grads, state.critic_opt_state, state.critic_params)
+      critic_params = optax.apply_updates(state.critic_params, critic_updates)
+      finite &= jnp.isfinite(critic_grad_norm)
+    nonfinite = ~finite
 
     def keep_old_if_nonfinite(new, old):
-      return jnp.where(nonfinite, old, new)
+      return jax.tree.map(lambda n, o: jnp.where(nonfinite, o, n), new, old)
 
     new_state = TrainState(
-        params=jax.tree.map(keep_old_if_nonfinite, params, state.params),
-        opt_state=jax.tree.map(keep_old_if_nonfinite, opt_state, state.opt_state),
+        params=keep_old_if_nonfinite(params, state.params),
+        opt_state=keep_old_if_nonfinite(opt_state, state.opt_state),
         step=state.step + jnp.where(nonfinite, 0, 1).astype(state.step.dtype),
-        rng=state.rng)
+        rng=state.rng,
+        critic_params=keep_old_if_nonfinite(critic_params, state.critic_params),
+        critic_opt_state=keep_old_if_nonfinite(critic_opt_state, state.critic_opt_state))
     values = losses.compute_metrics(merged)
     metrics = {name: jnp.asarray(values.get(name, _METRIC_DEFAULTS.get(name, 0.0)),
                                  jnp.float32) for name in STANDARD_METRICS}
@@ -417,6 +492,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
         "nonfinite": nonfinite.astype(jnp.float32),
         "tokens": jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32),
     })
+    if separate_critic:
+      metrics["critic/grad_norm"] = critic_grad_norm
     return new_state, metrics
 
   jitted = jax.jit(step_fn, in_shardings=(state_shardings, data_sharding),

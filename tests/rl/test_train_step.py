@@ -70,40 +70,48 @@ def fresh_state(cfg, optimizer, mesh, seed=0):
   return ts.init_train_state(models.create_model(cfg, seed=seed), optimizer, mesh=mesh)
 
 
-ALGOS = {
+ALGOS = {  # name: (preset, overrides, policy config, separate critic config)
     # seq_mean_token_mean + k3 KL loss, plus TIS and dual clip to cover those terms.
-    "grpo": (CFG, dict(tis_cap=2.0, dual_clip=3.0)),
-    "dr_grpo": (CFG, dict(max_response_len=12, kl_coef=0.1)),
-    "gspo": (CFG, dict(kl_coef=0.1, entropy_coef=0.01)),
-    "ppo": (CRITIC_CFG, {}),  # token_mean, value head.
+    "grpo": ("grpo", dict(tis_cap=2.0, dual_clip=3.0), CFG, None),
+    "dr_grpo": ("dr_grpo", dict(max_response_len=12, kl_coef=0.1), CFG, None),
+    "gspo": ("gspo", dict(kl_coef=0.1, entropy_coef=0.01), CFG, None),
+    "ppo": ("ppo", {}, CRITIC_CFG, None),  # token_mean, value head.
+    "ppo_separate_critic": ("ppo", {}, CFG, CRITIC_CFG),
 }
 
 
 @pytest.mark.parametrize("algorithm", [
     "grpo", "ppo",
-    # Covered by the same weighting code as grpo; kept out of the default run for time.
+    # Covered by the same weighting code as the two above; out of the default run for time.
     pytest.param("dr_grpo", marks=pytest.mark.slow),
     pytest.param("gspo", marks=pytest.mark.slow),
+    pytest.param("ppo_separate_critic", marks=pytest.mark.slow),
 ])
 def test_four_microbatches_give_the_one_batch_update(algorithm):
-  cfg, overrides = ALGOS[algorithm]
-  algo = presets.algorithm_config(algorithm, **overrides)
+  preset, overrides, cfg, critic_cfg = ALGOS[algorithm]
+  algo = presets.algorithm_config(preset, **overrides)
   mesh = one_device_mesh()
   # SGD with rate 1: the parameter change is the gradient itself, so this compares
   # gradients directly (Adam's first step would hide them behind g / |g|).
   optimizer = optax.sgd(1.0)
-  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
-  init = fresh_state(cfg, optimizer, mesh)
+  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, critic_cfg=critic_cfg)
+  critic = None if critic_cfg is None else models.create_model(critic_cfg, seed=1)
+  init = ts.init_train_state(models.create_model(cfg), optimizer, mesh=mesh, critic=critic)
   rows = packed_rows(0)
   whole = add_learner_logprobs(microbatched(rows, 1), init.params, cfg, mesh, seed=1)
+  if critic_cfg is not None:
+    values = add_learner_logprobs(microbatched(rows, 1), init.critic_params, critic_cfg, mesh,
+                                  seed=2)
+    whole.update(old_values=values["old_values"], returns=values["returns"])
   split = {k: v.reshape((4, -1) + v.shape[2:]) for k, v in whole.items()}
 
   state_1, metrics_1 = step(ts.frozen_copy(init), whole)
   state_4, metrics_4 = step(ts.frozen_copy(init), split)
 
-  delta_1 = jax.tree.map(jnp.subtract, state_1.params, init.params)
-  delta_4 = jax.tree.map(jnp.subtract, state_4.params, init.params)
-  assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(delta_1)) > 1e-4
+  trainable = lambda s: (s.params, s.critic_params)  # noqa: E731
+  delta_1 = jax.tree.map(jnp.subtract, trainable(state_1), trainable(init))
+  delta_4 = jax.tree.map(jnp.subtract, trainable(state_4), trainable(init))
+  assert min(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(delta_1)) > 1e-6
   assert_trees_close(delta_4, delta_1, atol=1e-5)
   assert set(metrics_4) == set(metrics_1)
   for name in metrics_1:
@@ -246,43 +254,58 @@ def test_grpo_steps_raise_the_logprob_of_rewarded_responses():
   assert float(metrics["kl"]) > 0
 
 
-def test_ppo_update_with_value_head_reduces_value_loss():
+@pytest.mark.parametrize("critic", ["value_head", "separate"])
+def test_ppo_update_reduces_value_loss(critic):
   mesh = models.make_mesh((1, 2, 4, 1))
-  cfg = CRITIC_CFG
   optimizer = ts.make_optimizer(3e-3, warmup=0, total_steps=50)
   algo = presets.algorithm_config("ppo", kl_coef=0.5)  # k1 KL in the reward.
-  state = fresh_state(cfg, optimizer, mesh)
-  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
-  compute_logprobs = ts.make_compute_logprobs(cfg, mesh=mesh)
+  if critic == "separate":
+    policy_cfg, critic_cfg = CFG, CRITIC_CFG
+    state = ts.init_train_state(models.create_model(CFG, seed=0), optimizer, mesh=mesh,
+                                critic=models.create_model(CRITIC_CFG, seed=1))
+    step = ts.make_train_step(CFG, algo, optimizer, mesh=mesh, critic_cfg=CRITIC_CFG)
+  else:
+    policy_cfg = critic_cfg = CRITIC_CFG
+    state = fresh_state(CRITIC_CFG, optimizer, mesh)
+    step = ts.make_train_step(CRITIC_CFG, algo, optimizer, mesh=mesh)
+  compute_logprobs = ts.make_compute_logprobs(policy_cfg, mesh=mesh)
+  compute_values = ts.make_compute_logprobs(critic_cfg, mesh=mesh)
+
+  def critic_params(state):
+    return state.params if critic == "value_head" else state.critic_params
+
   batch = microbatched(packed_rows(7), 4)
-  out = compute_logprobs(state.params, batch)
+  old_logprobs = compute_logprobs(state.params, batch)["logprobs"]
+  values = compute_values(critic_params(state), batch)["values"]
   noise = np.random.default_rng(0).normal(0, 0.5, batch["tokens"].shape)
-  batch.update(old_logprobs=out["logprobs"], ref_logprobs=out["logprobs"] + noise)
-  batch = ts.add_gae_advantages(batch, out["values"], algo)
+  batch.update(old_logprobs=old_logprobs, ref_logprobs=old_logprobs + noise)
+  batch = ts.add_gae_advantages(batch, values, algo)
 
   # Reference: numpy k1 penalty, then GAE row by row over the flattened micro-batches.
   def rows(x):
     return np.asarray(x).reshape(-1, ROW_LEN)
   mask = rows(batch["loss_mask"])
   penalised = np.where(mask, rows(batch["rewards"]) + 0.5 * rows(noise), 0.0)
-  adv, returns = advantages_lib.gae_advantages(penalised, rows(out["values"]), mask,
+  adv, returns = advantages_lib.gae_advantages(penalised, rows(values), mask,
                                                gamma=1.0, lam=0.95,
                                                segment_ids=rows(batch["segment_ids"]))
   np.testing.assert_allclose(rows(batch["advantages"]), adv, atol=1e-5)
   np.testing.assert_allclose(rows(batch["returns"]), returns, atol=1e-5)
 
-  def value_error(params):
-    v = np.asarray(compute_logprobs(params, batch)["values"])
+  def value_error(state):
+    v = np.asarray(compute_values(critic_params(state), batch)["values"])
     m = np.asarray(batch["loss_mask"])
     return float(np.sum(m * (v - np.asarray(batch["returns"])) ** 2) / m.sum())
 
-  start = value_error(state.params)
+  policy_before = snapshot(state.params)
+  start = value_error(state)
   history = []
   for _ in range(3):
     state, metrics = ts.ppo_update(step, state, batch, epochs=2, minibatches=2)
     history += metrics
   assert len(history) == 12 and int(state.step) == 12
-  assert value_error(state.params) < 0.7 * start
+  assert value_error(state) < 0.7 * start
+  assert all(not np.array_equal(x, y) for x, y in zip(snapshot(state.params), policy_before))
   assert float(history[-1]["loss/value"]) < float(history[0]["loss/value"])
   assert step.jitted._cache_size() == 1
 
