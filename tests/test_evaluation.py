@@ -433,17 +433,24 @@ def run(tmp_path_factory):
   finally:
     Domain.sample = sample
   assert summary["status"] == "done"
+  return workdir, seen
+
+
+@pytest.fixture
+def fixed():
+  """Two model-independent domains, registered for one test only (the registry is global
+  and other modules' tests may run in this process between ours)."""
   domains = [_FixedDomain("evaltest/always_l1", 1, lambda s: True),
              _FixedDomain("evaltest/half_l2", 2, lambda s: s % 4 == 1)]
   for d in domains:
     registry.register(d)
-  yield workdir, seen, {d.name: d for d in domains}
+  yield {d.name: d for d in domains}
   for d in domains:
     registry.unregister(d.name)
 
 
-def test_report_on_a_trained_checkpoint(run):
-  workdir, train_seen, _ = run
+def test_report_on_a_trained_checkpoint(run, fixed):
+  workdir, train_seen = run
   seen = []
   sample = Domain.sample
 
@@ -497,8 +504,8 @@ def test_report_on_a_trained_checkpoint(run):
     assert fh.read() == first
 
 
-def test_regression_flags_a_domain_broken_on_purpose(run, monkeypatch):
-  workdir, _, fixed = run
+def test_regression_flags_a_domain_broken_on_purpose(run, fixed, monkeypatch):
+  workdir, _ = run
   params = evaluation.Policy.params
 
   def params_breaking_the_newest(self, step):
@@ -524,7 +531,7 @@ def test_regression_flags_a_domain_broken_on_purpose(run, monkeypatch):
 
 
 def test_bad_arguments_are_one_line_errors(run):
-  workdir, _, _ = run
+  workdir, _ = run
   with pytest.raises(ValueError, match="step=9 is not a checkpoint .* have \\[1, 2\\]"):
     evaluation.evaluate_checkpoint(_config(), workdir, step=9, seeds_per_domain=1)
   with pytest.raises(ValueError, match="baseline_step=7 is not a checkpoint"):
@@ -540,7 +547,7 @@ def test_bad_arguments_are_one_line_errors(run):
 
 
 def test_launcher_error_is_one_line(run):
-  workdir, _, _ = run
+  workdir, _ = run
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
          "JAX_PLATFORMS": "cpu"}
   flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
