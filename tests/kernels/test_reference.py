@@ -9,25 +9,29 @@ import kernels
 from kernels import reference
 
 
+# One compiled program per configuration instead of many eagerly dispatched ops.
+reference_attention = jax.jit(kernels.reference_attention, static_argnames=(
+    "causal", "sm_scale", "logits_soft_cap", "sliding_window", "return_lse"))
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_reference_matches_numpy(case):
   inputs = make_inputs(case)
   kw = case.mask_kwargs(inputs)
-  out = kernels.reference_attention(inputs["q"], inputs["k"], inputs["v"], **kw)
+  out = reference_attention(inputs["q"], inputs["k"], inputs["v"], **kw)
   assert out.shape == inputs["q"].shape and out.dtype == jnp.float32
   assert_close(out, numpy_attention(inputs["q"], inputs["k"], inputs["v"], **kw), 1e-5)
 
 
 def test_reference_bf16_returns_bf16_computed_in_f32():
   inputs = make_inputs(CASES[0], jnp.bfloat16)
-  out = kernels.reference_attention(inputs["q"], inputs["k"], inputs["v"])
+  out = reference_attention(inputs["q"], inputs["k"], inputs["v"])
   assert out.dtype == jnp.bfloat16
   assert_close(out, numpy_attention(inputs["q"], inputs["k"], inputs["v"]), 1e-2)
 
 
 def test_sm_scale_is_applied():
   inputs = make_inputs(Case("s", q_len=32, kv_len=32))
-  out = kernels.reference_attention(inputs["q"], inputs["k"], inputs["v"], sm_scale=0.3)
+  out = reference_attention(inputs["q"], inputs["k"], inputs["v"], sm_scale=0.3)
   assert_close(out, numpy_attention(inputs["q"], inputs["k"], inputs["v"], sm_scale=0.3),
                1e-5)
 
@@ -37,7 +41,7 @@ def test_lse_and_fully_masked_rows():
   inputs = make_inputs(case)
   q, k, v = inputs["q"], inputs["k"], inputs["v"]
   kw = case.mask_kwargs(inputs)
-  out, lse = kernels.reference_attention(q, k, v, return_lse=True, **kw)
+  out, lse = reference_attention(q, k, v, return_lse=True, **kw)
   padded = np.asarray(inputs["q_seg"] == 0)
   assert padded.any()
   np.testing.assert_array_equal(np.asarray(out)[padded], 0.0)
@@ -52,8 +56,8 @@ def test_lse_and_fully_masked_rows():
     expected = np.log(np.exp(s).sum(-1))
   np.testing.assert_allclose(np.asarray(lse)[~padded], expected[~padded], rtol=1e-5)
   # Gradients through fully masked rows stay finite.
-  grads = jax.grad(lambda q, k, v: jnp.sum(
-      kernels.reference_attention(q, k, v, **kw) ** 2), (0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+      kernels.reference_attention(q, k, v, **kw) ** 2), (0, 1, 2)))(q, k, v)
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
   np.testing.assert_array_equal(np.asarray(grads[0])[padded], 0.0)
@@ -74,8 +78,9 @@ def test_reference_gradients_match_naive_autodiff():
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), vv)
 
   kw = dict(logits_soft_cap=5.0, sliding_window=20)
-  got = jax.vjp(lambda *a: kernels.reference_attention(*a, **kw), q, k, v)[1](dout)
-  want = jax.vjp(naive, q, k, v)[1](dout)
+  got = jax.jit(lambda *a: jax.vjp(
+      lambda *a: kernels.reference_attention(*a, **kw), *a)[1](dout))(q, k, v)
+  want = jax.jit(lambda *a: jax.vjp(naive, *a)[1](dout))(q, k, v)
   for name, g, w in zip("qkv", got, want):
     assert_close(g, w, 1e-5, "d" + name)
 
@@ -86,14 +91,18 @@ def test_merge_of_blocks_equals_full_attention():
   q, k, v = inputs["q"], inputs["k"], inputs["v"]
   q_pos, kv_pos = reference.default_positions(64, 96)
   kw = dict(causal=True, sm_scale=0.25, logits_soft_cap=4.0)
-  full = reference.attention_block(
-      q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=inputs["q_seg"],
-      kv_segment_ids=inputs["kv_seg"], **kw)
-  parts = [reference.attention_block(
-      q, k[:, sl], v[:, sl], q_positions=q_pos, kv_positions=kv_pos[:, sl],
-      q_segment_ids=inputs["q_seg"], kv_segment_ids=inputs["kv_seg"][:, sl], **kw)
-      for sl in (slice(0, 40), slice(40, 96))]
-  out, lse = reference.merge_attention(*parts[0], *parts[1])
+
+  @jax.jit
+  def full_and_merged(q, k, v, q_seg, kv_seg):
+    full = reference.attention_block(q, k, v, q_positions=q_pos, kv_positions=kv_pos,
+                                     q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kw)
+    parts = [reference.attention_block(
+        q, k[:, sl], v[:, sl], q_positions=q_pos, kv_positions=kv_pos[:, sl],
+        q_segment_ids=q_seg, kv_segment_ids=kv_seg[:, sl], **kw)
+        for sl in (slice(0, 40), slice(40, 96))]
+    return full, reference.merge_attention(*parts[0], *parts[1])
+
+  full, (out, lse) = full_and_merged(q, k, v, inputs["q_seg"], inputs["kv_seg"])
   assert_close(out, full[0], 1e-5, "out")
   finite = np.isfinite(np.asarray(full[1]))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
@@ -114,25 +123,29 @@ def test_block_grads_sum_to_full_gradient():
   case = Case("bg", q_len=64, kv_len=64, segments=True, sliding_window=30)
   inputs = make_inputs(case)
   q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
-  kw = case.mask_kwargs(inputs)
-  out, lse = kernels.reference_attention(q, k, v, return_lse=True, **kw)
-  want = jax.vjp(lambda *a: kernels.reference_attention(*a, **kw), q, k, v)[1](dout)
-  delta = jnp.sum(dout * out, -1)
+  q_seg, kv_seg = inputs["q_seg"], inputs["kv_seg"]
   q_pos, kv_pos = reference.default_positions(64, 64)
-  dq = 0
-  dks, dvs = [], []
-  for sl in (slice(0, 24), slice(24, 64)):
-    g = reference.attention_block_grad(
+
+  @jax.jit
+  def blockwise_and_autodiff(q, k, v, dout):
+    attention = lambda q, k, v: kernels.reference_attention(
+        q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, sliding_window=30)
+    out, lse = kernels.reference_attention(q, k, v, q_segment_ids=q_seg,
+                                           kv_segment_ids=kv_seg, sliding_window=30,
+                                           return_lse=True)
+    delta = jnp.sum(dout * out, -1)
+    blocks = [reference.attention_block_grad(
         q, k[:, sl], v[:, sl], dout, lse, delta, q_positions=q_pos,
-        kv_positions=kv_pos[:, sl], q_segment_ids=inputs["q_seg"],
-        kv_segment_ids=inputs["kv_seg"][:, sl], causal=True, sm_scale=32 ** -0.5,
-        sliding_window=30)
-    dq = dq + g[0]
-    dks.append(g[1])
-    dvs.append(g[2])
-  assert_close(dq, want[0], 1e-5, "dq")
-  assert_close(jnp.concatenate(dks, 1), want[1], 1e-5, "dk")
-  assert_close(jnp.concatenate(dvs, 1), want[2], 1e-5, "dv")
+        kv_positions=kv_pos[:, sl], q_segment_ids=q_seg, kv_segment_ids=kv_seg[:, sl],
+        causal=True, sm_scale=32 ** -0.5, sliding_window=30)
+        for sl in (slice(0, 24), slice(24, 64))]
+    got = (blocks[0][0] + blocks[1][0], jnp.concatenate([b[1] for b in blocks], 1),
+           jnp.concatenate([b[2] for b in blocks], 1))
+    return got, jax.vjp(attention, q, k, v)[1](dout)
+
+  got, want = blockwise_and_autodiff(q, k, v, dout)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert_close(g, w, 1e-5, name)
 
 
 BAD_INPUTS = [
