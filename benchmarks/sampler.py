@@ -14,7 +14,9 @@ rollout) runs in its own venv as a subprocess; the venv is created on first use:
 Tunix is called with its defaults for log-probs (off); posttrain always returns behaviour
 log-probs. Naive recomputation reruns the whole causal model over a fixed [batch, prompt +
 new] buffer for every new token (jitted, no cache). Figures are medians over warm repeats
-(the compiling call excluded); tokens/s counts generated tokens.
+(the compiling call excluded), the engines taking turns within each repeat; tokens/s counts
+generated tokens per wall second, cpu ms/tok the process CPU time (all threads) per
+generated token, the steadier figure on a shared machine.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ TUNIX_VENV = "/tmp/tunix-venv"
 TUNIX_PACKAGES = ("google-tunix==0.1.7", "sentencepiece")
 # (prompts, samples per prompt, new tokens, run naive recomputation)
 CASES = ((4, 4, 64, True), (16, 4, 128, False))
+# Pause between engines: XLA's CPU worker threads keep spinning briefly after a call, which
+# would otherwise slow whichever engine runs next.
+SETTLE_S = 0.5
 
 _TUNIX_SCRIPT = r"""
 import json, os, sys, time
@@ -76,17 +81,18 @@ prompts = [" ".join(map(str, p)) for p in a["prompts"]]
 
 
 def once(seed):
-  start = time.perf_counter()
+  wall, cpu = time.perf_counter(), time.process_time()
   out = sampler(input_strings=prompts, max_generation_steps=a["new"],
                 max_prompt_length=a["prompt_len"], temperature=a["temperature"],
                 top_k=a["top_k"], top_p=1.0, seed=seed, eos_tokens=[-1])
-  return time.perf_counter() - start, sum(len(t) for t in out.tokens)
+  return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu,
+          "tokens": sum(len(t) for t in out.tokens)}
 
 
 once(0)
-runs = [once(i + 1) for i in range(a["repeats"])]
-print("RESULT " + json.dumps({"seconds": [r[0] for r in runs], "tokens": [r[1] for r in runs],
-                              "jax": jax.__version__}))
+print("READY " + jax.__version__, flush=True)
+for line in sys.stdin:  # One timed call per seed received, so runs interleave with ours.
+  print("RESULT " + json.dumps(once(int(line))), flush=True)
 """
 
 
@@ -102,25 +108,20 @@ def make_prompts(num_prompts: int, samples: int, seed: int = 0) -> list[list[int
   return [row.tolist() for row in base for _ in range(samples)]
 
 
-def _median_rate(fn, repeats: int, tokens: int) -> tuple[float, float]:
-  fn(0)  # Compiles.
-  seconds = []
-  for i in range(repeats):
-    start = time.perf_counter()
-    fn(i + 1)
-    seconds.append(time.perf_counter() - start)
-  median = float(np.median(seconds))
-  return median, tokens / median
+def _timed(fn, seed: int) -> dict:
+  wall, cpu = time.perf_counter(), time.process_time()
+  fn(seed)
+  return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
 
 
-def time_posttrain(model, prompts, new_tokens: int, repeats: int):
+def posttrain_runner(model, prompts, new_tokens: int):
   sampler = Sampler(model)
 
   def once(seed):
     out = sampler.generate(prompts, max_new_tokens=new_tokens, temperature=TEMPERATURE,
                            top_k=TOP_K, seed=seed)
     assert int(out.lengths.sum()) == len(prompts) * new_tokens
-  return _median_rate(once, repeats, len(prompts) * new_tokens)
+  return once
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
@@ -142,14 +143,14 @@ def _naive_generate(graphdef, state, prompts_BxP, seed, new_tokens: int, mode):
   return jax.lax.fori_loop(0, new_tokens, step, buf)
 
 
-def time_naive(model, prompts, new_tokens: int, repeats: int):
+def naive_runner(model, prompts, new_tokens: int):
   graphdef, state = nnx.split(model)
   tokens = jnp.asarray(prompts, jnp.int32)
   mode = sampling_mode(TEMPERATURE, TOP_K, None, model.cfg.vocab_size)
 
   def once(seed):
     _naive_generate(graphdef, state, tokens, seed, new_tokens, mode).block_until_ready()
-  return _median_rate(once, repeats, len(prompts) * new_tokens)
+  return once
 
 
 def ensure_tunix_venv() -> str:
@@ -163,42 +164,78 @@ def ensure_tunix_venv() -> str:
   return python
 
 
-def time_tunix(cfg: models.ModelConfig, prompts, new_tokens: int, repeats: int):
-  args = dict(layers=cfg.num_layers, vocab=cfg.vocab_size, d_model=cfg.d_model,
-              ffn=cfg.ffn_dim, heads=cfg.num_heads, head_dim=cfg.head_dim,
-              kv_heads=cfg.num_kv_heads, prompt_len=PROMPT_LEN, new=new_tokens,
-              temperature=TEMPERATURE, top_k=TOP_K, prompts=prompts, repeats=repeats)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-  proc = subprocess.run([ensure_tunix_venv(), "-c", _TUNIX_SCRIPT, json.dumps(args)],
-                        capture_output=True, text=True, env=env)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  if proc.returncode or not lines:
-    raise RuntimeError(f"tunix run failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-  result = json.loads(lines[-1][len("RESULT "):])
-  if set(result["tokens"]) != {len(prompts) * new_tokens}:
-    raise RuntimeError(f"tunix generated {result['tokens']} tokens, expected "
-                       f"{len(prompts) * new_tokens} per run")
-  median = float(np.median(result["seconds"]))
-  return median, len(prompts) * new_tokens / median
+class TunixRunner:
+  """Tunix's sampler in its own venv; each call times one generate there."""
+
+  def __init__(self, cfg: models.ModelConfig, prompts, new_tokens: int):
+    args = dict(layers=cfg.num_layers, vocab=cfg.vocab_size, d_model=cfg.d_model,
+                ffn=cfg.ffn_dim, heads=cfg.num_heads, head_dim=cfg.head_dim,
+                kv_heads=cfg.num_kv_heads, prompt_len=PROMPT_LEN, new=new_tokens,
+                temperature=TEMPERATURE, top_k=TOP_K, prompts=prompts)
+    self.expected_tokens = len(prompts) * new_tokens
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    self.proc = subprocess.Popen([ensure_tunix_venv(), "-c", _TUNIX_SCRIPT, json.dumps(args)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env)
+    self._read("READY ")
+
+  def _read(self, prefix: str) -> str:
+    for line in self.proc.stdout:
+      if line.startswith(prefix):
+        return line[len(prefix):]
+    raise RuntimeError(f"tunix run failed (exit {self.proc.wait()}): "
+                       f"{self.proc.stderr.read()[-2000:]}")
+
+  def __call__(self, seed: int) -> dict:
+    self.proc.stdin.write(f"{seed}\n")
+    self.proc.stdin.flush()
+    result = json.loads(self._read("RESULT "))
+    if result["tokens"] != self.expected_tokens:
+      raise RuntimeError(f"tunix generated {result['tokens']} tokens, expected "
+                         f"{self.expected_tokens}")
+    return result
+
+  def close(self):
+    self.proc.stdin.close()
+    self.proc.wait()
 
 
 def run(quick: bool = False) -> list[dict]:
-  """One row per (case, engine): median seconds per generate call and tokens/s."""
+  """One row per (case, engine): medians of wall seconds, tokens/s and CPU ms per token.
+
+  Engines run in turn within each repeat, so a busy machine slows them alike; CPU time
+  (process time, all threads) is the steadier figure on a shared machine.
+  """
   cfg = bench_config()
   model = models.create_model(cfg, seed=0)
-  repeats = 3 if quick else 5
+  repeats = 3 if quick else 7
   rows = []
   for num_prompts, samples, new_tokens, with_naive in CASES[:1] if quick else CASES:
     prompts = make_prompts(num_prompts, samples)
-    case = f"{len(prompts)} seqs x {new_tokens} new"
-    timings = {"tunix": time_tunix(cfg, prompts, new_tokens, repeats),
-               "posttrain": time_posttrain(model, prompts, new_tokens, repeats)}
+    tokens = len(prompts) * new_tokens
+    tunix = TunixRunner(cfg, prompts, new_tokens)
+    engines = {"tunix": tunix, "posttrain": posttrain_runner(model, prompts, new_tokens)}
     if with_naive:
-      timings["naive (no cache)"] = time_naive(model, prompts, new_tokens, max(2, repeats - 2))
-    tunix_rate = timings["tunix"][1]
-    for engine, (seconds, rate) in timings.items():
-      rows.append(dict(case=case, engine=engine, median_s=round(seconds, 4),
-                       tokens_per_s=round(rate, 1), vs_tunix=round(rate / tunix_rate, 2)))
+      engines["naive (no cache)"] = naive_runner(model, prompts, new_tokens)
+    for name, fn in engines.items():
+      if name != "tunix":
+        fn(0)  # Compiles.
+    runs = {name: [] for name in engines}
+    try:
+      for seed in range(1, repeats + 1):
+        for name, fn in engines.items():
+          time.sleep(SETTLE_S)
+          runs[name].append(fn(seed) if name == "tunix" else _timed(fn, seed))
+    finally:
+      tunix.close()
+    medians = {name: (float(np.median([r["wall"] for r in rs])),
+                      float(np.median([r["cpu"] for r in rs]))) for name, rs in runs.items()}
+    for name, (wall, cpu) in medians.items():
+      rows.append(dict(case=f"{len(prompts)} seqs x {new_tokens} new", engine=name,
+                       median_s=round(wall, 4), tokens_per_s=round(tokens / wall, 1),
+                       vs_tunix=round(medians["tunix"][0] / wall, 2),
+                       cpu_ms_per_token=round(1000 * cpu / tokens, 3),
+                       cpu_vs_tunix=round(medians["tunix"][1] / cpu, 2)))
   return rows
 
 
@@ -209,10 +246,11 @@ def main():
   rows = run(args.quick)
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cpus, "
         f"load {os.getloadavg()[0]:.1f}")
-  print(f"{'case':<22}{'engine':<20}{'median s':>10}{'tokens/s':>12}{'vs tunix':>10}")
+  print(f"{'case':<22}{'engine':<18}{'median s':>9}{'tokens/s':>10}{'vs tunix':>9}"
+        f"{'cpu ms/tok':>11}{'vs tunix':>9}")
   for r in rows:
-    print(f"{r['case']:<22}{r['engine']:<20}{r['median_s']:>10.4f}{r['tokens_per_s']:>12.1f}"
-          f"{r['vs_tunix']:>9.2f}x")
+    print(f"{r['case']:<22}{r['engine']:<18}{r['median_s']:>9.4f}{r['tokens_per_s']:>10.1f}"
+          f"{r['vs_tunix']:>8.2f}x{r['cpu_ms_per_token']:>11.3f}{r['cpu_vs_tunix']:>8.2f}x")
 
 
 if __name__ == "__main__":
