@@ -7,10 +7,11 @@ timing.json, plots):
 """
 
 import logging
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from launch import common
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (checkpoints/ inside).")
@@ -28,24 +29,6 @@ _CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Level of the regression in
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _fail(e: BaseException):
-  lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-  if isinstance(e, KeyError):
-    msg = f"unknown config key {lines[-1] if lines else e}"
-  else:
-    msg = next((ln for ln in lines if "No such file" in ln), lines[-1] if lines else repr(e))
-  print(f"error: {msg}", file=sys.stderr)
-  sys.exit(2)
-
-
-def _parse_flags(argv):
-  """absl flag parsing with config errors (unknown key, bad value) as one line."""
-  try:
-    return flags.FLAGS(argv)
-  except Exception as e:  # noqa: BLE001 - config_flags raises several kinds.
-    _fail(e.__cause__ or e)
-
-
 def main(argv):
   del argv
   import jax
@@ -60,7 +43,7 @@ def main(argv):
         samples=_SAMPLES.value, seeds_per_domain=_SEEDS.value, baseline_step=_BASELINE.value,
         seed=_SEED.value, confidence=_CONFIDENCE.value)
   except (ValueError, OSError, KeyError) as e:
-    _fail(e)
+    common.fail(e)
   o = report["overall"]
   log.info("step %d: %d tasks, greedy pass@1 %.3f%s; %.1f s; wrote %s/eval/step_%d",
            report["step"], o["tasks"], o["greedy_pass_rate"],
@@ -72,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=common.parse_flags)

@@ -24,7 +24,6 @@ uses the unbiased estimator of Chen et al. (2021).
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import logging
 import math
@@ -37,11 +36,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain import models
+from posttrain import experiment, models
 from posttrain.checkpoint import CheckpointManager
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.rl import train_step as ts
@@ -497,33 +495,6 @@ class SandboxRecorder:
 # ----------------------------------------------------------------------------------------
 
 
-def select_domains(patterns: str, levels: str | Sequence[int] = "") -> list[str]:
-  """Registered domain names matching comma-separated globs (and levels, if given)."""
-  globs = [p.strip() for p in str(patterns).split(",") if p.strip()]
-  if isinstance(levels, str):
-    levels = [int(x) for x in levels.split(",") if x.strip()]
-  names: list[str] = []
-  for name in registry.names():
-    if any(fnmatch.fnmatchcase(name, g) for g in globs) and (
-        not levels or registry.get(name).level in levels):
-      names.append(name)
-  if not names:
-    raise ValueError(f"domains={patterns!r} (levels {list(levels) or 'any'}) matches no "
-                     "registered domain")
-  return names
-
-
-def _model_config(config, vocab_size: int) -> models.ModelConfig:
-  overrides = dict(config.model.get("overrides", {}) or {})
-  if config.model.get("value_head") is not None:
-    overrides["value_head"] = bool(config.model.value_head)
-  cfg = models.get_preset(config.model.preset, **overrides)
-  if cfg.vocab_size < vocab_size:
-    raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                     f"{vocab_size}")
-  return cfg
-
-
 class Policy:
   """A run's checkpoints opened read-only, restored onto the run's mesh on demand.
 
@@ -532,25 +503,17 @@ class Policy:
   """
 
   def __init__(self, config, workdir: str):
-    m = config.mesh
-    self.mesh = models.make_mesh((m.data, m.fsdp, m.tensor, m.sequence))
+    self.mesh = experiment.build_meshes(config)[1]
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
     self.tok = load_tokenizer(config.tokenizer)
-    self.cfg = _model_config(config, self.tok.vocab_size)
+    self.cfg = experiment.model_config(config, self.tok.vocab_size)
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
       raise ValueError(f"workdir={workdir!r} has no checkpoints/ folder")
     self.ckpt = CheckpointManager(directory, read_only=True)
-    # Only the optimizer's tree structure matters for restoring; clipping adds a node.
-    opt = ts.make_optimizer(1.0, 0, 2, 0.0, 1.0 if config.optim.get("clip") else None)
-    graphdef, abs_params, self._rest = ts._split_abstract(self.cfg)
-    self._graphdef = graphdef
-    shardings = ts.train_state_shardings(abs_params, opt, self.mesh, self.rules)
-    abstract = jax.eval_shape(
-        lambda p: ts.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32),
-                                jax.random.PRNGKey(0)), abs_params)
-    self._abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    self._graphdef, _, self._rest = ts._split_abstract(self.cfg)
+    self._abstract = experiment.abstract_checkpoint(
+        self.cfg, experiment.optimizer_like(config), self.mesh, self.rules)
 
   def steps(self) -> list[int]:
     return self.ckpt.all_steps()
@@ -564,7 +527,7 @@ class Policy:
     if restored is None:
       raise ValueError(f"no complete checkpoint in {self.ckpt.directory}")
     state, _, step = restored
-    return state.params, step
+    return state["params"], step
 
   def model(self, params) -> models.Transformer:
     return nnx.merge(self._graphdef, params, self._rest)
@@ -633,8 +596,7 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
     (report, timing): the contents of report.json and timing.json.
   """
   t_start = time.perf_counter()
-  names = (select_domains(domains) if domains else
-           select_domains(config.tasks.domains, str(config.tasks.get("levels", "") or "")))
+  names = (experiment.select_domains(domains) if domains else experiment.run_domains(config))
   if domains is None and int(config.tasks.get("max_domains", 0) or 0):
     names = names[:int(config.tasks.max_domains)]
   n_seeds = int(config.eval.seeds_per_domain if seeds_per_domain is None else seeds_per_domain)

@@ -29,6 +29,8 @@ import numpy as np
 from flax import nnx
 
 from posttrain import evaluation, models
+from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, from_checkpoint,
+                                  model_config, optimizer_like, run_domains, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.metrics import MetricsWriter, Progress
@@ -53,76 +55,6 @@ class NonFiniteLossError(RuntimeError):
 # ----------------------------------------------------------------------------------------
 
 
-PLACEMENTS = ("colocated", "disaggregated")
-
-
-def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
-  """(train mesh, rollout mesh). Colocated: one mesh over the devices. Disaggregated: the
-  first `placement.rollout_devices` devices form the rollout mesh, the rest the train mesh."""
-  p = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
-  mode = p.get("mode", "colocated")
-  if mode not in PLACEMENTS:
-    raise ValueError(f"placement.mode={mode!r}; expected one of {PLACEMENTS}")
-  devices = jax.devices()
-  n = int(p.get("devices", 0) or 0)
-  if n:
-    if n > len(devices):
-      raise ValueError(f"placement.devices={n} but only {len(devices)} devices exist")
-    devices = devices[:n]
-  m = config.mesh
-  shape = (m.data, m.fsdp, m.tensor, m.sequence)
-  if mode == "colocated":
-    mesh = models.make_mesh(shape, devices=devices)
-    return mesh, mesh
-  r = int(p.get("rollout_devices", 0) or 0)
-  if not 0 < r < len(devices):
-    raise ValueError(f"placement.rollout_devices={r} must leave devices for training "
-                     f"(1..{len(devices) - 1})")
-  rollout_shape = tuple(p.get("rollout_mesh", (1, -1, 1, 1)))
-  return (models.make_mesh(shape, devices=devices[r:]),
-          models.make_mesh(rollout_shape, devices=devices[:r]))
-
-
-def build_mesh(config) -> jax.sharding.Mesh:
-  """The train mesh of `config`."""
-  return build_meshes(config)[0]
-
-
-def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
-  """The ModelConfig of a run: a preset plus `config.model.overrides`."""
-  overrides = dict(config.model.get("overrides", {}) or {})
-  if config.model.get("value_head") is not None:
-    overrides["value_head"] = bool(config.model.value_head)
-  cfg = models.get_preset(config.model.preset, **overrides)
-  if vocab_size is not None and cfg.vocab_size < vocab_size:
-    raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                     f"{vocab_size}")
-  return cfg
-
-
-def select_domains(tasks_cfg) -> list[str]:
-  """Domain names from `tasks.domains` (comma-separated globs) and `tasks.levels`."""
-  patterns = [p.strip() for p in str(tasks_cfg.domains).split(",") if p.strip()]
-  levels = [int(x) for x in str(tasks_cfg.get("levels", "") or "").split(",") if x.strip()]
-  names: list[str] = []
-  for pattern in patterns:
-    for name in registry.names(pattern=pattern):
-      if (not levels or registry.get(name).level in levels) and name not in names:
-        names.append(name)
-  limit = int(tasks_cfg.get("max_domains", 0) or 0)
-  if limit:
-    names = names[:limit]
-  if not names:
-    raise ValueError(f"tasks.domains={tasks_cfg.domains!r} (levels {levels or 'any'}) matches "
-                     "no registered domain")
-  return names
-
-
-def algorithm(config) -> ml_collections.ConfigDict:
-  overrides = {k: v for k, v in config.rl.items() if v is not None}
-  return presets.algorithm_config(config.algorithm, **overrides)
-
-
 def _sft_algorithm() -> ml_collections.ConfigDict:
   # Supervised fine-tuning as the on-policy surrogate with advantage 1: the gradient of
   # -A * exp(logp - stop_gradient(logp)) is exactly -grad(logp), so one train step serves both.
@@ -143,16 +75,6 @@ class Progress_:
   sft_eval: dict | None = None
 
 
-def _abstract_state(cfg: models.ModelConfig, optimizer, mesh, rules):
-  graphdef, abs_params, _ = ts._split_abstract(cfg)
-  shardings = ts.train_state_shardings(abs_params, optimizer, mesh, rules)
-  abstract = jax.eval_shape(
-      lambda p: ts.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32),
-                              jax.random.PRNGKey(0)), abs_params)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      abstract, shardings)
-
-
 def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
   src = str(config.get("init_from", "") or "")
   if not src:
@@ -164,14 +86,15 @@ def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
                                      if k in ("attention_impl", "remat", "dtype",
                                               "param_dtype", "value_head", "logprob_chunk")})
   # An Orbax checkpoint directory of an earlier run: take its params.
-  opt = ts.make_optimizer(1e-3, 0, 2)
-  restored = CheckpointManager(src, async_save=False).restore(
-      _abstract_state(cfg, opt, mesh, rules))
+  ckpt_dir = os.path.join(src, "checkpoints") if os.path.isdir(
+      os.path.join(src, "checkpoints")) else src
+  restored = CheckpointManager(ckpt_dir, read_only=True).restore(
+      abstract_checkpoint(cfg, optimizer_like(config), mesh, rules))
   if restored is None:
     raise ValueError(f"init_from={src!r} is neither a Hugging Face folder (config.json) nor "
                      "a checkpoint directory with a complete checkpoint")
   graphdef, _, rest = ts._split_abstract(cfg)
-  return nnx.merge(graphdef, restored[0].params, rest)
+  return nnx.merge(graphdef, restored[0]["params"], rest)
 
 
 # ----------------------------------------------------------------------------------------
@@ -236,7 +159,7 @@ class Trainer:
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
     self.tok = load_tokenizer(config.tokenizer)
     self.cfg = model_config(config, self.tok.vocab_size)
-    self.domains = select_domains(config.tasks)
+    self.domains = run_domains(config)
     self.algo = algorithm(config)
     if self.disaggregated and self.max_policy_lag > 0 and float(self.algo.tis_cap) == 0:
       # Stale samples are corrected with truncated importance weights (Yao et al. 2025).
@@ -294,11 +217,11 @@ class Trainer:
 
   def _setup_state(self):
     stage_opt = self.sft_optimizer  # Both optimizers have the same state structure.
-    abstract = _abstract_state(self.cfg, stage_opt, self.mesh, self.rules)
+    abstract = abstract_checkpoint(self.cfg, stage_opt, self.mesh, self.rules)
     restored = self.ckpt.restore(abstract)
     if restored is not None:
       state, extras, step = restored
-      self.state = state
+      self.state = from_checkpoint(state)
       self.progress = Progress_(**extras["progress"])
       if self.progress.scheduler:
         self.scheduler.load_state_dict(self.progress.scheduler)
@@ -340,7 +263,8 @@ class Trainer:
 
   def save(self, force: bool = False) -> float:
     t0 = time.time()
-    saved = self.ckpt.save(self._ckpt_step(), self.state, self._extras(), force=force)
+    saved = self.ckpt.save(self._ckpt_step(), to_checkpoint(self.state), self._extras(),
+                           force=force)
     return time.time() - t0 if saved else 0.0
 
   # -- stages -------------------------------------------------------------------------------
@@ -449,7 +373,7 @@ class Trainer:
 
   def _check_finite(self, row: dict, metrics):
     if row.get("nonfinite", 0) or not all(math.isfinite(v) for v in row.values()):
-      path = self.save(force=True)
+      self.save(force=True)
       self.ckpt.wait()
       raise NonFiniteLossError(
           f"non-finite loss or gradient at step {self._ckpt_step()}: the update was skipped "
@@ -481,7 +405,7 @@ class Trainer:
                                "pass": row.get("pass_rate/mean", 0.0),
                                "tok/s": row.get("throughput/tokens_per_s", 0.0)})
         if self.ckpt.should_save(self._ckpt_step()):
-          self.save()
+          self.writer.write(self._ckpt_step(), {"timing/checkpoint_s": self.save()})
     finally:
       if source is not None:
         source.close()
@@ -491,12 +415,12 @@ class Trainer:
     start = self.progress.sft_step
     if self.progress.rl_step == 0:
       return ts.frozen_copy(self.state.params, self.mesh, self.rules)
-    abstract = _abstract_state(self.cfg, self.rl_optimizer, self.mesh, self.rules)
+    abstract = abstract_checkpoint(self.cfg, self.rl_optimizer, self.mesh, self.rules)
     restored = self.ckpt.restore(abstract, step=start)
     if restored is None:
       raise ValueError(f"cannot rebuild the KL reference: checkpoint {start} (start of RL) is "
                        "gone; keep it with checkpoint.keep_every or set kl_coef=0")
-    return restored[0].params
+    return restored[0]["params"]
 
   def _step_seed(self, rl_step: int) -> int:
     return self.seed * 1_000_003 + rl_step
@@ -526,6 +450,7 @@ class Trainer:
     if source is None:
       groups, extra = self._rollout(self._step_seed(self.progress.rl_step))
       timings["timing/rollout_s"] = time.time() - t0
+      timings["timing/scoring_s"] = self.worker.last_stats.get("scoring_wait_s", 0.0)
     else:
       groups, extra, gen_s = source.get()
       timings["timing/rollout_s"] = gen_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import time
 import dataclasses
 from typing import Any, Sequence
 
@@ -95,6 +96,7 @@ class RolloutWorker:
     self.segment_tokens = max(int(segment_tokens), 0)
     self._lock = lock if lock is not None else contextlib.nullcontext()
     self._version_fn = version_fn or (lambda: 0)
+    self.last_stats: dict[str, float] = {}
     self._pool = cf.ThreadPoolExecutor(max_workers=max(1, scoring_threads),
                                        thread_name_prefix="score")
 
@@ -129,8 +131,11 @@ class RolloutWorker:
         task = tasks[chunk[j][0]]
         samples[start + j] = sample
         futures.append((start + j, self._pool.submit(_score, task, sample)))
+    t_wait = time.perf_counter()
     for idx, fut in futures:
       samples[idx].reward = fut.result()
+    # Scoring overlaps generation; what is left after the last chunk is the scoring stall.
+    self.last_stats = {"scoring_wait_s": time.perf_counter() - t_wait}
     groups = []
     for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
       groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))

@@ -1,0 +1,125 @@
+"""What a run config means, shared by the trainer and the evaluator: meshes, the model
+config, the domain list, the algorithm, and the checkpointed train-state layout."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from posttrain import models
+from posttrain.rl import presets
+from posttrain.rl import train_step as ts
+from posttrain.tasks import registry
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """(train mesh, rollout mesh). Colocated: one mesh over the devices. Disaggregated: the
+  first `placement.rollout_devices` devices form the rollout mesh, the rest the train mesh."""
+  p = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
+  mode = p.get("mode", "colocated")
+  if mode not in PLACEMENTS:
+    raise ValueError(f"placement.mode={mode!r}; expected one of {PLACEMENTS}")
+  devices = jax.devices()
+  n = int(p.get("devices", 0) or 0)
+  if n:
+    if n > len(devices):
+      raise ValueError(f"placement.devices={n} but only {len(devices)} devices exist")
+    devices = devices[:n]
+  m = config.mesh
+  shape = (m.data, m.fsdp, m.tensor, m.sequence)
+  if mode == "colocated":
+    mesh = models.make_mesh(shape, devices=devices)
+    return mesh, mesh
+  r = int(p.get("rollout_devices", 0) or 0)
+  if not 0 < r < len(devices):
+    raise ValueError(f"placement.rollout_devices={r} must leave devices for training "
+                     f"(1..{len(devices) - 1})")
+  rollout_shape = tuple(p.get("rollout_mesh", (1, -1, 1, 1)))
+  return (models.make_mesh(shape, devices=devices[r:]),
+          models.make_mesh(rollout_shape, devices=devices[:r]))
+
+
+def build_mesh(config) -> jax.sharding.Mesh:
+  """The train mesh of `config`."""
+  return build_meshes(config)[0]
+
+
+def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
+  """The ModelConfig of a run: a preset plus `config.model.overrides`."""
+  overrides = dict(config.model.get("overrides", {}) or {})
+  if config.model.get("value_head") is not None:
+    overrides["value_head"] = bool(config.model.value_head)
+  cfg = models.get_preset(config.model.preset, **overrides)
+  if vocab_size is not None and cfg.vocab_size < vocab_size:
+    raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                     f"{vocab_size}")
+  return cfg
+
+
+def select_domains(patterns: str, levels: str | Sequence[int] = "", limit: int = 0
+                   ) -> list[str]:
+  """Registered domains matching comma-separated globs (and levels), in pattern order."""
+  globs = [p.strip() for p in str(patterns).split(",") if p.strip()]
+  if isinstance(levels, str):
+    levels = [int(x) for x in levels.split(",") if x.strip()]
+  names: list[str] = []
+  for glob in globs:
+    for name in registry.names():
+      if (fnmatch.fnmatchcase(name, glob) and name not in names
+          and (not levels or registry.get(name).level in levels)):
+        names.append(name)
+  if limit:
+    names = names[:limit]
+  if not names:
+    raise ValueError(f"domains={patterns!r} (levels {list(levels) or 'any'}) matches no "
+                     "registered domain")
+  return names
+
+
+def run_domains(config) -> list[str]:
+  t = config.tasks
+  return select_domains(t.domains, str(t.get("levels", "") or ""),
+                        int(t.get("max_domains", 0) or 0))
+
+
+def algorithm(config) -> ml_collections.ConfigDict:
+  overrides = {k: v for k, v in config.rl.items() if v is not None}
+  return presets.algorithm_config(config.algorithm, **overrides)
+
+
+# -- the checkpointed state ---------------------------------------------------------------
+# Saved as a plain dict, so the on-disk layout does not depend on optional TrainState fields.
+
+
+def to_checkpoint(state: ts.TrainState) -> dict[str, Any]:
+  d = {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+       "rng": state.rng}
+  if state.critic_params is not None:
+    d.update(critic_params=state.critic_params, critic_opt_state=state.critic_opt_state)
+  return d
+
+
+def from_checkpoint(d: dict[str, Any]) -> ts.TrainState:
+  return ts.TrainState(**d)
+
+
+def abstract_checkpoint(cfg: models.ModelConfig, optimizer, mesh, rules) -> dict[str, Any]:
+  """The checkpoint dict as ShapeDtypeStructs with shardings on `mesh` (nothing allocated)."""
+  _, abs_params, _ = ts._split_abstract(cfg)
+  shardings = ts.train_state_shardings(abs_params, optimizer, mesh, rules)
+  abstract = jax.eval_shape(
+      lambda p: ts.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32),
+                              jax.random.PRNGKey(0)), abs_params)
+  return to_checkpoint(jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings))
+
+
+def optimizer_like(config) -> Any:
+  """An optimizer with the run's state structure (only the structure matters to restore)."""
+  return ts.make_optimizer(1.0, 0, 2, 0.0, 1.0 if config.optim.get("clip") else None)
