@@ -836,8 +836,14 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
+  platform = jax.default_backend()
   if interpret is None:
-    interpret = jax.default_backend() not in ("tpu", "gpu", "cuda", "rocm")
+    interpret = platform not in ("tpu", "gpu", "cuda", "rocm")
+  # (A CPU host may still lower either family for another platform, ahead of time.)
+  family = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
+  if not interpret and family is not None and family != backend:
+    raise ValueError(f"backend {backend!r} kernels cannot be compiled on a {platform} "
+                     f"device; pass interpret=True to emulate them")
   q_len, kv_len = q.shape[1], k.shape[1]
   # Blocks never exceed the (padded) sequence: short inputs use one block.
   minimum = NUM_LANES if backend == "tpu" else 16

@@ -217,6 +217,13 @@ def test_bad_options(kwargs, message):
     fa.flash_attention(x, x, x, **({"backend": "tpu"} | kwargs))
 
 
+def test_wrong_accelerator_family_is_a_clear_error(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  x = jnp.zeros((1, 128, 2, 16))
+  with pytest.raises(ValueError, match="backend 'tpu' kernels cannot be compiled on a gpu"):
+    fa.flash_attention(x, x, x, backend="tpu", interpret=False)
+
+
 def test_front_door_runs_both_pallas_implementations():
   x = make_inputs(Case("door", batch=1, q_len=128, kv_len=128, heads=2, kv_heads=1))
   want = kernels.reference_attention(x["q"], x["k"], x["v"])
