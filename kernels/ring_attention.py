@@ -10,8 +10,9 @@ the travelling kv shard and arrive back at their owner after the last hop.
 Causal masking is decided per block pair, not per element: a kv shard entirely in the
 past is attended without a mask, the diagonal shard causally, and a future shard is
 skipped. With the contiguous layout that leaves device 0 idle most of the time; the
-zig-zag layout (`to_zigzag`) gives device i the chunks i and 2n-1-i of the sequence, so
-every off-diagonal step costs each device exactly half a block.
+zig-zag layout (`to_zigzag` on global arrays, `shard_to_zigzag` inside shard_map) gives
+device i the chunks i and 2n-1-i of the sequence, so every off-diagonal step costs each
+device exactly half a block.
 """
 from __future__ import annotations
 
@@ -53,21 +54,20 @@ def chunked_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> BlockKernel:
   """Plain-JAX blockwise kernel: runs everywhere, O(shard x chunk) memory."""
   def params(causal):
-    return MaskParams(causal=causal, sm_scale=sm_scale,
-                                  logits_soft_cap=logits_soft_cap, sliding_window=None)
+    return MaskParams(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                      sliding_window=None)
 
   def pos(q, k):
     return (jnp.arange(q.shape[1], dtype=jnp.int32)[None],
             jnp.arange(k.shape[1], dtype=jnp.int32)[None])
 
   def fwd(q, k, v, q_seg, kv_seg, causal):
-    return blockwise_attention_fwd(q, k, v, q_seg, kv_seg, *pos(q, k),
-                                               params(causal), chunk_size, chunk_size)
+    return blockwise_attention_fwd(q, k, v, q_seg, kv_seg, *pos(q, k), params(causal),
+                                   chunk_size, chunk_size)
 
   def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
-    return blockwise_attention_bwd(q, k, v, q_seg, kv_seg, *pos(q, k), dout,
-                                               lse, delta, params(causal), chunk_size,
-                                               chunk_size)
+    return blockwise_attention_bwd(q, k, v, q_seg, kv_seg, *pos(q, k), dout, lse, delta,
+                                   params(causal), chunk_size, chunk_size)
 
   return BlockKernel(fwd, bwd)
 
