@@ -96,6 +96,7 @@ def _measure(name, attention, args, repeats, **row):
     row.update(time_ms=None, note=f"does not fit: needs {peak / 2**30:.1f} GiB")
   else:
     row.update(time_ms=round(1e3 * _median_seconds(compiled, args, repeats), 1), note="")
+  print(f"  {row}", file=sys.stderr, flush=True)  # progress: long lengths take minutes
   return row
 
 
