@@ -9,7 +9,8 @@ as a subprocess from its own venv through ../shared/peers/tunix_grpo_cpu.py; its
 `get_ref_per_token_logps` and `update_actor` phases are the counterparts of our
 `compute_logprobs` and `train_step`. Tunix venv set-up:
 
-    python3 -m venv /tmp/tunix-venv && /tmp/tunix-venv/bin/pip install google-tunix==0.1.7 sentencepiece
+    python3 -m venv /tmp/tunix-venv
+    /tmp/tunix-venv/bin/pip install google-tunix==0.1.7 sentencepiece
 
 Figures are medians of warm steps (the first, compiling, step excluded). MFU is model
 FLOPs (6N per trained token + attention, 2N per reference token; no rematerialisation
@@ -32,6 +33,7 @@ import numpy as np
 
 from posttrain import models
 from posttrain.rl import packing, presets
+from posttrain.rl import state as state_lib
 from posttrain.rl import train_step as ts
 
 PROMPT_LEN, RESPONSE_LEN, NUM_SEQS, GROUP = 32, 64, 16, 4
@@ -85,10 +87,11 @@ def posttrain_runner():
   """Builds the GRPO learner once; returns `measure(steps) -> (ref_s list, update_s list)`."""
   cfg = models.get_preset("bench")
   mesh = models.make_mesh((1, 1, 1, 1), devices=jax.devices()[:1])
-  optimizer = ts.make_optimizer(1e-5, warmup=0, total_steps=1000)
+  optimizer = state_lib.make_optimizer(1e-5, warmup=0, total_steps=1000)
   algo = presets.algorithm_config("grpo", kl_coef=KL_COEF, eps_low=0.2, eps_high=0.2)
-  box = {"state": ts.init_train_state(models.create_model(cfg, mesh=mesh), optimizer, mesh=mesh)}
-  reference = ts.frozen_copy(box["state"].params)
+  model = models.create_model(cfg, mesh=mesh)
+  box = {"state": state_lib.init_train_state(model, optimizer, mesh=mesh)}
+  reference = state_lib.frozen_copy(box["state"].params)
   compute_logprobs = ts.make_compute_logprobs(cfg, mesh=mesh)
   train_step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
   seeds = iter(range(1_000_000))

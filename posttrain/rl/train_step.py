@@ -1,8 +1,9 @@
-"""One jitted train step for the whole PPO/GRPO family, plus the optimizer and PPO epochs.
+"""One jitted train step for the whole PPO/GRPO family, log-probs without gradient, PPO epochs.
 
-    optimizer = make_optimizer(1e-6, warmup=10, total_steps=1000, weight_decay=0.01, clip=1.0)
-    state = init_train_state(model, optimizer, mesh=mesh)
-    reference = frozen_copy(state.params)                  # never donated, never updated
+    from posttrain.rl import state as state_lib
+    optimizer = state_lib.make_optimizer(1e-6, warmup=10, total_steps=1000, clip=1.0)
+    state = state_lib.init_train_state(model, optimizer, mesh=mesh)
+    reference = state_lib.frozen_copy(state.params)        # never donated, never updated
     compute_logprobs = make_compute_logprobs(model_cfg, mesh=mesh)
     train_step = make_train_step(model_cfg, presets.algorithm_config("grpo"), optimizer,
                                  mesh=mesh)
@@ -45,13 +46,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import models
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.rl import advantages as advantages_lib
 from posttrain.rl import losses
+from posttrain.rl.state import TrainState, train_state_shardings
 
 Batch = Mapping[str, Any]
 
@@ -68,156 +70,15 @@ STANDARD_METRICS = ("loss/policy", "loss/value", "loss/kl", "kl", "entropy",
 _METRIC_DEFAULTS = {"is_weight/mean": 1.0}
 
 
-@struct.dataclass
-class TrainState:
-  """What the learner updates. The reference policy is kept outside (`frozen_copy`).
-
-  Attributes:
-    params: the policy's `nnx.Param` state (value head included when the model has one).
-    opt_state: the optax state of `params`.
-    step: int32 count of applied updates (a skipped non-finite update does not count).
-    rng: PRNG key; fold it with `step` for any randomness inside a step.
-    critic_params / critic_opt_state: a separate value model and its optimizer state
-      (PPO with `critic_cfg`); None when the critic is the policy's value head or absent.
-  """
-
-  params: Any
-  opt_state: Any
-  step: jax.Array
-  rng: jax.Array
-  critic_params: Any = None
-  critic_opt_state: Any = None
-
-
 # ---------------------------------------------------------------------------------------
-# Optimizer
+# Shardings
 # ---------------------------------------------------------------------------------------
-
-
-def _decay_mask(params):
-  # Matrices decay; norm scales and biases do not (the usual AdamW recipe).
-  return jax.tree.map(lambda x: x.ndim >= 2, params)
-
-
-def make_optimizer(lr: float, warmup: int, total_steps: int, weight_decay: float = 0.0,
-                   clip: float | None = 1.0, *, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8, end_lr_ratio: float = 0.0) -> optax.GradientTransformation:
-  """AdamW with linear warmup then cosine decay, after global-norm clipping.
-
-  The learning rate is injected as a hyperparameter, so the step reports the value it
-  used (`learning_rate` metric).
-
-  Args:
-    lr: peak learning rate.
-    warmup: linear warmup steps from 0 to `lr`.
-    total_steps: schedule length (warmup included); the rate ends at `lr * end_lr_ratio`.
-    weight_decay: decoupled weight decay on matrices (not on norms or biases).
-    clip: global gradient-norm bound; None disables clipping.
-    b1, b2, eps: Adam moments.
-    end_lr_ratio: final rate as a fraction of `lr`.
-  """
-  if not lr > 0:
-    raise ValueError(f"learning rate must be > 0, got {lr}")
-  if total_steps < 1:
-    raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-  if not 0 <= warmup < total_steps:
-    raise ValueError(f"warmup must be in [0, total_steps={total_steps}), got {warmup}")
-  if weight_decay < 0:
-    raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-  if clip is not None and not clip > 0:
-    raise ValueError(f"clip must be > 0 or None, got {clip}")
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=total_steps,
-      end_value=lr * end_lr_ratio)
-  adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-      learning_rate=schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-      mask=_decay_mask)
-  return optax.chain(optax.clip_by_global_norm(clip), adamw) if clip is not None else adamw
-
-
-# ---------------------------------------------------------------------------------------
-# State and shardings
-# ---------------------------------------------------------------------------------------
-
-
-def _is_variable(x) -> bool:
-  return isinstance(x, nnx.Variable)
 
 
 def _split_abstract(model_cfg: models.ModelConfig):
   """(graphdef, abstract params, abstract rest) of the model, allocating nothing."""
   abstract = nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0)))
   return nnx.split(abstract, nnx.Param, ...)
-
-
-def _param_and_opt_shardings(params, optimizer, mesh, rules):
-  """Params by their logical axes; optimizer moments like their params, the rest replicated."""
-  param_shardings = models.state_shardings(params, mesh, rules)
-  replicated = NamedSharding(mesh, PartitionSpec())
-  abstract_opt = jax.eval_shape(optimizer.init, params)
-  opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
-      transform_non_params=lambda _: replicated, is_leaf=_is_variable)
-  return param_shardings, opt_shardings
-
-
-def train_state_shardings(params, optimizer: optax.GradientTransformation, mesh: Mesh,
-                          rules: Rules = DEFAULT_RULES, *, critic_params=None,
-                          critic_optimizer: optax.GradientTransformation | None = None
-                          ) -> TrainState:
-  """Shardings of a TrainState (params may be abstract)."""
-  replicated = NamedSharding(mesh, PartitionSpec())
-  param_shardings, opt_shardings = _param_and_opt_shardings(params, optimizer, mesh, rules)
-  critic_shardings = critic_opt_shardings = None
-  if critic_params is not None:
-    critic_shardings, critic_opt_shardings = _param_and_opt_shardings(
-        critic_params, critic_optimizer, mesh, rules)
-  return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated,
-                    rng=replicated, critic_params=critic_shardings,
-                    critic_opt_state=critic_opt_shardings)
-
-
-def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, *,
-                     mesh: Mesh, rules: Rules = DEFAULT_RULES, seed: int = 0,
-                     critic: nnx.Module | None = None,
-                     critic_optimizer: optax.GradientTransformation | None = None
-                     ) -> TrainState:
-  """A TrainState on `mesh` from a model (its parameters are copied, never aliased).
-
-  Args:
-    model: the policy.
-    optimizer: the policy's optimizer (e.g. `make_optimizer`).
-    mesh, rules: where the state lives.
-    seed: seeds `state.rng`.
-    critic: a separate value model (built with `value_head=True`) for PPO, or None.
-    critic_optimizer: its optimizer (default: `optimizer`).
-  """
-  critic_optimizer = critic_optimizer or optimizer
-  params = nnx.state(model, nnx.Param)
-  critic_params = None if critic is None else nnx.state(critic, nnx.Param)
-  shardings = train_state_shardings(params, optimizer, mesh, rules, critic_params=critic_params,
-                                    critic_optimizer=critic_optimizer)
-  # No-ops when already on `mesh`.
-  params = jax.device_put(params, shardings.params)
-  critic_params = jax.device_put(critic_params, shardings.critic_params)
-
-  @functools.partial(jax.jit, out_shardings=shardings)
-  def init(params, critic_params):
-    # Copies: the step donates the state, which must not free the caller's models.
-    params, critic_params = jax.tree.map(jnp.copy, (params, critic_params))
-    return TrainState(
-        params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
-        rng=jax.random.PRNGKey(seed), critic_params=critic_params,
-        critic_opt_state=None if critic is None else critic_optimizer.init(critic_params))
-
-  return init(params, critic_params)
-
-
-def frozen_copy(params, mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES):
-  """A copy of `params` (e.g. the reference policy) that a donated train step cannot free."""
-  shardings = (models.state_shardings(params, mesh, rules) if mesh is not None
-               else jax.tree.map(lambda x: x.sharding, params))
-  return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
 
 
 def _batch_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
@@ -267,7 +128,8 @@ def _hidden(model: models.Transformer, mb: Batch, ctx: models.ShardingContext):
 
 
 def _value_head(model: models.Transformer, h_BxTxD):
-  return jnp.einsum("BTD,D->BT", h_BxTxD.astype(jnp.float32), model.value_w[...]) + model.value_b[...]
+  h = h_BxTxD.astype(jnp.float32)
+  return jnp.einsum("BTD,D->BT", h, model.value_w[...]) + model.value_b[...]
 
 
 def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, *,
