@@ -33,9 +33,11 @@ def get_config() -> ml_collections.ConfigDict:
       sync_every=1, max_policy_lag=1, segment_tokens=0, partial="resume"))
 
   c.tasks = ml_collections.ConfigDict(dict(
-      domains="arithmetic/add_d*,arithmetic/sub_d*,strings/*,lists/max_*,lists/min_*,"
-              "lists/reverse_*,logic/parity_*,logic/majority_*,sequences/arith_*,"
-              "sequences/periodic_*,bases/dec2bin_*",
+      # 25 level-1/2 domains in the band a 2-layer byte model can learn on a CPU.
+      domains="arithmetic/add_d1,arithmetic/sub_d1,arithmetic/mul_d1,bases/dec2bin_*,"
+              "bases/bin2dec_*,lists/max_*,lists/min_*,lists/count_gt_*,logic/majority_*,"
+              "logic/parity_*,logic/boolexpr_*,strings/count_*,sequences/periodic_*,"
+              "structure/brackets_*",
       levels="1,2", max_domains=0))
   c.scheduler = ml_collections.ConfigDict(dict(rule="learnability", floor=0.2, ema=0.2))
 

@@ -12,6 +12,7 @@ import ml_collections
 
 from posttrain import models
 from posttrain.rl import presets
+from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
 from posttrain.tasks import registry
 
@@ -122,4 +123,4 @@ def abstract_checkpoint(cfg: models.ModelConfig, optimizer, mesh, rules) -> dict
 
 def optimizer_like(config) -> Any:
   """An optimizer with the run's state structure (only the structure matters to restore)."""
-  return ts.make_optimizer(1.0, 0, 2, 0.0, 1.0 if config.optim.get("clip") else None)
+  return rl_state.make_optimizer(1.0, 0, 2, 0.0, 1.0 if config.optim.get("clip") else None)

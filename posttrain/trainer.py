@@ -37,6 +37,7 @@ from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import advantages as adv_lib
 from posttrain.rl import losses as loss_lib
 from posttrain.rl import packing, presets
+from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
 from posttrain.rollout import RolloutWorker, group_to_trajectories
 from posttrain.sampling import Sampler
@@ -178,10 +179,10 @@ class Trainer:
                        f"the data x fsdp mesh size {batch_devices}")
     o = config.optim
     rl_updates = max(int(t.rl_steps) * self._updates_per_step(), int(o.warmup) + 1)
-    self.rl_optimizer = ts.make_optimizer(float(o.lr), int(o.warmup), rl_updates,
+    self.rl_optimizer = rl_state.make_optimizer(float(o.lr), int(o.warmup), rl_updates,
                                           float(o.weight_decay), float(o.clip) if o.clip else None)
     s = config.sft
-    self.sft_optimizer = ts.make_optimizer(float(s.lr), int(s.warmup),
+    self.sft_optimizer = rl_state.make_optimizer(float(s.lr), int(s.warmup),
                                            max(int(s.steps), int(s.warmup) + 1),
                                            float(o.weight_decay),
                                            float(o.clip) if o.clip else None)
@@ -231,7 +232,7 @@ class Trainer:
     else:
       model = _init_params_model(self.config, self.cfg, self.mesh, self.rules)
       opt = self.sft_optimizer if self._sft_enabled() else self.rl_optimizer
-      self.state = ts.init_train_state(model, opt, mesh=self.mesh, rules=self.rules,
+      self.state = rl_state.init_train_state(model, opt, mesh=self.mesh, rules=self.rules,
                                        seed=self.seed)
       if not self._sft_enabled():
         self.progress.stage = "rl"
@@ -290,7 +291,7 @@ class Trainer:
   def _enter_rl(self):
     self.progress.stage = "rl"
     model = self._model()
-    self.state = ts.init_train_state(model, self.rl_optimizer, mesh=self.mesh, rules=self.rules,
+    self.state = rl_state.init_train_state(model, self.rl_optimizer, mesh=self.mesh, rules=self.rules,
                                      seed=self.seed + 1)
     self.sync_weights()
 
@@ -414,7 +415,7 @@ class Trainer:
   def _reference_params(self):
     start = self.progress.sft_step
     if self.progress.rl_step == 0:
-      return ts.frozen_copy(self.state.params, self.mesh, self.rules)
+      return rl_state.frozen_copy(self.state.params, self.mesh, self.rules)
     abstract = abstract_checkpoint(self.cfg, self.rl_optimizer, self.mesh, self.rules)
     restored = self.ckpt.restore(abstract, step=start)
     if restored is None:
