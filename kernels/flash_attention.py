@@ -268,8 +268,10 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     m, l = m_sc[...], l_sc[...]
     empty = m == MASK_VALUE  # no visible key in any block
     l_safe = jnp.where(empty, 1.0, l)
-    out = acc_sc[...] * _lanes(1.0 / l_safe, acc_sc.shape[-1])
-    o_ref[...] = jnp.where(_lanes(empty, acc_sc.shape[-1]), 0.0, out).astype(o_ref.dtype)
+    # Empty rows accumulated exp(0) garbage; a zero scale (not a tiled bool mask, which
+    # Mosaic handles poorly) clears them.
+    inv_l = jnp.where(empty, 0.0, 1.0 / l_safe)
+    o_ref[...] = (acc_sc[...] * _lanes(inv_l, acc_sc.shape[-1])).astype(o_ref.dtype)
     # +inf for empty rows makes exp(s - lse) = 0 in the backward pass.
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
 
