@@ -458,6 +458,7 @@ def ppo_update(train_step: Callable, state: TrainState, batch: Batch, *, epochs:
     raise ValueError("several updates per rollout batch need batch['old_logprobs'] "
                      "(compute_logprobs of the params that sampled it)")
   per_step = num_micro // minibatches
+  batch = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
   rng = np.random.default_rng(seed)
   history = []
   for _ in range(epochs):
@@ -467,7 +468,7 @@ def ppo_update(train_step: Callable, state: TrainState, batch: Batch, *, epochs:
         minibatch = batch
       else:
         chunk = order[k * per_step * rows:(k + 1) * per_step * rows]
-        minibatch = _gather_rows(dict(batch), jnp.asarray(chunk, jnp.int32), per_step)
+        minibatch = _gather_rows(batch, jnp.asarray(chunk, jnp.int32), per_step)
       state, metrics = train_step(state, minibatch)
       history.append(metrics)
   return state, history

@@ -346,6 +346,11 @@ def test_bad_inputs_fail_early_with_clear_messages():
     step(None, odd_rows)
   with pytest.raises(ValueError, match="value head"):
     ts.make_train_step(CFG, presets.algorithm_config("ppo"), optimizer, mesh=mesh)
+  with pytest.raises(ValueError, match="trains no critic"):
+    ts.make_train_step(CFG, grpo, optimizer, mesh=mesh, critic_cfg=CRITIC_CFG)
+  with pytest.raises(ValueError, match="critic_cfg must have value_head"):
+    ts.make_train_step(CFG, presets.algorithm_config("ppo"), optimizer, mesh=mesh,
+                       critic_cfg=CFG)
   with pytest.raises(ValueError, match="max_response_len"):
     ts.make_train_step(CFG, presets.algorithm_config("dr_grpo"), optimizer, mesh=mesh)
   with pytest.raises(ValueError, match="warmup"):
