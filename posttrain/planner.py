@@ -12,42 +12,45 @@ the mesh axes its spec uses).
 
 Components (all per device):
   params       the policy's parameters (param_dtype).
-  optimizer    AdamW moments and counters (`make_optimizer`'s state, sharded like params).
+  optimizer    AdamW moments and counters (the run's optimizer state, sharded like params).
   reference    a frozen copy of the params when the algorithm has a KL term (kl_coef > 0).
   gradients    one params-sized tree, two when a step accumulates over micro-batches.
-  activations  what the backward pass keeps for one micro-batch (see `activation_bytes`).
+  activations  what the backward pass of one micro-batch holds (see `activation_bytes`).
   batch        the rollout batch on device: [M, rows, row_len] token arrays.
+  sampler      the sampler's own weights (disaggregated only; colocated it shares params).
   kv_cache     the sampler's cache for one generate call (see `kv_cache_bytes`).
 
-Colocated placement runs rollout and update one after the other, so
-peak = params + optimizer + reference + max(gradients + activations + batch, kv_cache).
-Estimates of activations are formulas (XLA may fuse or rematerialise differently);
-parameter and optimizer bytes are exact.
+Colocated placement samples and updates one after the other on the same devices:
+  peak = params + optimizer + reference + max(gradients + activations + batch, kv_cache).
+Disaggregated placement puts them on different devices:
+  peak = max(params + optimizer + reference + gradients + activations + batch,   (train)
+             sampler + kv_cache)                                                 (rollout)
+Parameter and optimizer bytes are exact; activations are formulas fitted to what JAX
+saves for the backward pass (XLA may fuse or free some earlier).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
-from posttrain import models
+from posttrain import experiment, models
 from posttrain.models.config import REMAT_POLICIES
 from posttrain.models.transformer import CACHE_AXES
-from posttrain.rl import presets
-from posttrain.rl import train_step as ts
 
 GIB = 1 << 30
 # XLA needs room beyond the live arrays (fragmentation, program buffers, collectives).
 USABLE_FRACTION = 0.9
-# Stronger to weaker: the order in which the planner suggests a remat policy.
+# Cheapest to strongest: the order in which the planner suggests a remat policy.
 _REMAT_ORDER = ("none", "dots", "dots_with_no_batch_dims", "full")
+_KV_DTYPES = ("int8", "bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,22 +64,31 @@ class Component:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The per-device memory of one config on one mesh.
+  """The per-device memory of one config.
 
   Attributes:
-    mesh: axis sizes, e.g. {"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1}.
+    mesh: train mesh axis sizes, e.g. {"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1}.
+    rollout_mesh: the sampler's mesh (the same as `mesh` when colocated).
+    placement: colocated or disaggregated.
     components: by name (params, optimizer, reference, gradients, activations, batch,
-      kv_cache).
-    peak: bytes per device at the fullest moment (see the module docstring).
+      sampler, kv_cache).
+    train_peak / rollout_peak: the fullest moment of a train device / a sampling device.
     capacity: bytes per device the plan may use (`USABLE_FRACTION` of the memory), or None.
-    advice: knobs that make it fit (or how much room is left).
+    advice: the verdict, then knobs that make it fit.
   """
 
   mesh: dict[str, int]
+  rollout_mesh: dict[str, int]
+  placement: str
   components: dict[str, Component]
-  peak: int
+  train_peak: int
+  rollout_peak: int
   capacity: int | None
   advice: tuple[str, ...] = ()
+
+  @property
+  def peak(self) -> int:
+    return max(self.train_peak, self.rollout_peak)
 
   @property
   def fits(self) -> bool | None:
@@ -87,41 +99,57 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------------------
-# Building blocks
+# Meshes and sharded bytes
 # ----------------------------------------------------------------------------------------
 
 
-def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
-  """The run's ModelConfig: `model.preset` with `model.overrides` (as the trainer builds it)."""
-  overrides = dict(config.model.get("overrides", {}) or {})
-  if config.model.get("value_head") is not None:
-    overrides["value_head"] = bool(config.model.value_head)
-  return models.get_preset(config.model.preset, **overrides)
+def _fill(sizes, num_devices: int, what: str) -> dict[str, int]:
+  sizes = [int(s) for s in sizes]
+  if len(sizes) != len(models.MESH_AXES):
+    raise ValueError(f"{what} {tuple(sizes)} needs {len(models.MESH_AXES)} sizes "
+                     f"{models.MESH_AXES}")
+  if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+    raise ValueError(f"{what} {tuple(sizes)} must hold positive sizes and at most one -1")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(f"{what} {tuple(sizes)} does not divide num_devices={num_devices}")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f"{what} {tuple(sizes)} needs {math.prod(sizes)} devices, "
+                     f"but num_devices={num_devices}")
+  return dict(zip(models.MESH_AXES, sizes))
 
 
-def mesh_shape(config: ml_collections.ConfigDict, num_devices: int | None = None
-               ) -> dict[str, int]:
-  """The config's mesh sizes with a `-1` axis filled from `num_devices`.
+def mesh_shapes(config: ml_collections.ConfigDict, num_devices: int | None = None
+                ) -> tuple[dict[str, int], dict[str, int]]:
+  """(train mesh, rollout mesh) sizes of `config` on `num_devices` devices.
 
-  Without `num_devices`, a fully specified mesh plans as given and a `-1` mesh takes the
-  local device count.
+  The device count defaults to `placement.devices`, else the mesh product (plus the
+  rollout devices), else, for a `-1` mesh, the local device count. Disaggregated runs
+  give the first `placement.rollout_devices` devices to the sampler, as the trainer does.
   """
+  p = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
+  mode = p.get("mode", "colocated")
+  if mode not in experiment.PLACEMENTS:
+    raise ValueError(f"placement.mode={mode!r}; expected one of {experiment.PLACEMENTS}")
   sizes = [int(config.mesh[a]) for a in models.MESH_AXES]
   if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
     raise ValueError(f"mesh {tuple(sizes)} must hold positive sizes and at most one -1")
-  known = math.prod(s for s in sizes if s != -1)
+  rollout = int(p.get("rollout_devices", 0) or 0) if mode == "disaggregated" else 0
   if num_devices is None:
-    num_devices = known if -1 not in sizes else jax.device_count()
+    num_devices = int(p.get("devices", 0) or 0) or (
+        math.prod(sizes) + rollout if -1 not in sizes else jax.device_count())
   if num_devices < 1:
     raise ValueError(f"num_devices={num_devices} must be >= 1")
-  if -1 in sizes:
-    if num_devices % known:
-      raise ValueError(f"mesh {tuple(sizes)} does not divide num_devices={num_devices}")
-    sizes[sizes.index(-1)] = num_devices // known
-  if math.prod(sizes) != num_devices:
-    raise ValueError(f"mesh {tuple(sizes)} needs {math.prod(sizes)} devices, "
-                     f"but num_devices={num_devices}")
-  return dict(zip(models.MESH_AXES, sizes))
+  if mode == "colocated":
+    shape = _fill(sizes, num_devices, "mesh")
+    return shape, shape
+  if not 0 < rollout < num_devices:
+    raise ValueError(f"placement.rollout_devices={rollout} must leave devices for training "
+                     f"(1..{num_devices - 1})")
+  return (_fill(sizes, num_devices - rollout, "mesh"),
+          _fill(p.get("rollout_mesh", (1, -1, 1, 1)), rollout, "placement.rollout_mesh"))
 
 
 def abstract_mesh(shape: dict[str, int]) -> AbstractMesh:
@@ -146,14 +174,34 @@ def _logical_shard(mesh: AbstractMesh, rules, names, shape) -> tuple[int, ...]:
   return NamedSharding(mesh, spec).shard_shape(tuple(shape))
 
 
-def state_bytes(model_cfg: models.ModelConfig, optimizer, mesh: AbstractMesh,
-                rules=models.DEFAULT_RULES) -> tuple[int, int]:
-  """(params, optimizer state) bytes per device, from eval_shape and the rules."""
-  abstract = nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0)))
-  _, params, _ = nnx.split(abstract, nnx.Param, ...)
-  shardings = ts.train_state_shardings(params, optimizer, mesh, rules)
-  opt_state = jax.eval_shape(optimizer.init, params)
-  return tree_bytes(params, shardings.params), tree_bytes(opt_state, shardings.opt_state)
+def _sharded_bytes(tree) -> int:
+  """Per-device bytes of a tree of ShapeDtypeStructs that carry their shardings."""
+  return sum(shard_bytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(tree))
+
+
+@functools.lru_cache(maxsize=256)
+def _state_bytes(model_cfg, shape: tuple, rules: tuple, clip: bool) -> tuple[int, int]:
+  # The trainer's own checkpoint layout (eval_shape + shardings), on an abstract mesh.
+  optimizer = experiment.optimizer_like(ml_collections.ConfigDict({"optim": {"clip": clip}}))
+  state = experiment.abstract_checkpoint(model_cfg, optimizer, abstract_mesh(dict(shape)),
+                                         rules)
+  return _sharded_bytes(state["params"]), _sharded_bytes(state["opt_state"])
+
+
+def state_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
+                rules=models.DEFAULT_RULES, *, clip: bool = True) -> tuple[int, int]:
+  """(params, AdamW state) bytes per device, from eval_shape and the rules (cached: the
+  advice re-plans the same model many times)."""
+  rules = tuple((n, tuple(a)) for n, a in rules)
+  # Fields that change no parameter share one cache entry (the advice varies remat).
+  shapes_only = model_cfg.replace(remat="none", attention_impl="reference", dtype="float32",
+                                  attention_chunk=512, logprob_chunk=256)
+  return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))
+
+
+# ----------------------------------------------------------------------------------------
+# Activations and the KV cache
+# ----------------------------------------------------------------------------------------
 
 
 def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: int,
@@ -294,14 +342,13 @@ def sampler_batch(config: ml_collections.ConfigDict, group_size: int, batch_shar
   return -(-_next_pow2(rows) // batch_shards) * batch_shards
 
 
-def microbatches_per_update(config: ml_collections.ConfigDict, algo) -> tuple[int, int]:
-  """(micro-batches one optimizer step scans over, micro-batches of the whole rollout
-  batch), for a worst-case rollout: every sequence rollout.max_len long."""
+def microbatches(config: ml_collections.ConfigDict, algo) -> tuple[int, int]:
+  """(micro-batches one optimizer step scans over, micro-batches of the rollout batch)
+  for a worst-case rollout: every sequence rollout.max_len long (as the trainer packs)."""
   r, t = config.rollout, config.train
   row_len, max_len = int(t.row_len), int(r.max_len)
   sequences = int(r.prompts_per_step) * int(algo.group_size)
-  per_row = max(1, row_len // max_len)
-  rows = -(-sequences // per_row)
+  rows = -(-sequences // max(1, row_len // max_len))
   micro = _next_pow2(max(1, -(-rows // int(t.rows_per_microbatch))))
   minibatches = int(algo.num_minibatches)
   micro = -(-micro // minibatches) * minibatches
@@ -316,51 +363,52 @@ def microbatches_per_update(config: ml_collections.ConfigDict, algo) -> tuple[in
 def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = None,
          num_devices: int | None = None, kv_cache_dtype: str | None = None,
          advise: bool = True) -> Plan:
-  """Bytes per device of every component of `config`'s run on its mesh.
+  """Bytes per device of every component of `config`'s run.
 
   Args:
     config: a run config (configs/*.py get_config()).
-    device_memory_gb: memory of one device in GiB (v5p 95, v5e 16, H100 80); None: no
+    device_memory_gb: memory of one device in GiB (v5p 95, v5e 16, H100 ~79); None: no
       verdict.
-    num_devices: devices in the run (fills a `-1` mesh axis; default: the mesh product).
+    num_devices: devices in the run (see `mesh_shapes` for the default).
     kv_cache_dtype: "int8" for a quantized sampler cache; default the model's dtype.
-    advise: compute the knobs that make it fit.
+    advise: work out the knobs that make it fit.
+
+  Raises:
+    ValueError: a mesh that does not fit the device count, or an inconsistent config.
   """
   if device_memory_gb is not None and not device_memory_gb > 0:
     raise ValueError(f"device_memory_gb={device_memory_gb} must be > 0")
-  if kv_cache_dtype not in (None, "int8", "bfloat16", "float32", "float16"):
-    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected int8, bfloat16, float16 "
-                     "or float32")
-  shape = mesh_shape(config, num_devices)
-  mesh = abstract_mesh(shape)
+  if kv_cache_dtype not in (None, *_KV_DTYPES):
+    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {_KV_DTYPES}")
+  shape, rollout_shape = mesh_shapes(config, num_devices)
+  placement = "colocated" if shape is rollout_shape else "disaggregated"
+  mesh, rollout_mesh = abstract_mesh(shape), abstract_mesh(rollout_shape)
   rules = models.rules_from_config(config.get("sharding_rules") or None)
-  cfg = model_config(config)
-  algo = presets.algorithm_config(config.algorithm,
-                                  **{k: v for k, v in config.rl.items() if v is not None})
-  o, t, r = config.optim, config.train, config.rollout
-  optimizer = ts.make_optimizer(float(o.lr), int(o.warmup), int(o.warmup) + 1,
-                                float(o.weight_decay), float(o.clip) if o.clip else None)
+  cfg = experiment.model_config(config)
+  algo = experiment.algorithm(config)
+  t, r = config.train, config.rollout
   rows, row_len = int(t.rows_per_microbatch), int(t.row_len)
   batch_shards = batch_mesh_size(mesh, rules)
   if rows % batch_shards:
     raise ValueError(f"train.rows_per_microbatch={rows} must be a multiple of the batch "
                      f"mesh axes' size {batch_shards}")
 
-  params, opt = state_bytes(cfg, optimizer, mesh, rules)
+  params, opt = state_bytes(cfg, shape, rules, clip=bool(config.optim.get("clip")))
   reference = params if float(algo.kl_coef) > 0 else 0
-  per_update, micro = microbatches_per_update(config, algo)
+  per_update, micro = microbatches(config, algo)
   grads = params * (2 if per_update > 1 else 1)
   acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
-  b, tt = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
-  batch = micro * b * tt * 4 * 10  # ~10 int32 / float32 arrays per token
-  group = int(algo.group_size)
-  s_batch = sampler_batch(config, group, batch_shards)
+  b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
+  batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
+  sampler = 0 if placement == "colocated" else state_bytes(cfg, rollout_shape, rules)[0]
+  s_rows = sampler_batch(config, int(algo.group_size), batch_mesh_size(rollout_mesh, rules))
   cache_dtype = kv_cache_dtype or r.get("cache_dtype", None)
-  kv = kv_cache_bytes(cfg, batch=s_batch, max_len=int(r.max_len), mesh=mesh, rules=rules,
-                      dtype=cache_dtype)
+  kv = kv_cache_bytes(cfg, batch=s_rows, max_len=int(r.max_len), mesh=rollout_mesh,
+                      rules=rules, dtype=cache_dtype)
+  kv_dtype = np.dtype("int8" if cache_dtype == "int8" else (cache_dtype or cfg.dtype))
   size = np.dtype(cfg.param_dtype).itemsize
   comps = [
-      Component("params", params, f"{cfg.num_params / 1e9:.2f}B x {size} bytes, sharded by "
+      Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
                 "the rules"),
       Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"),
       Component("reference", reference,
@@ -370,22 +418,29 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
-      Component("kv_cache", kv, f"{s_batch} rows x {int(r.max_len)} x {cfg.num_layers} layers "
-                f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, "
-                f"{np.dtype('int8' if cache_dtype == 'int8' else (cache_dtype or cfg.dtype))}"),
+      Component("sampler", sampler, "shares params (colocated)" if not sampler
+                else f"its own weights on the rollout mesh {rollout_shape}"),
+      Component("kv_cache", kv, f"{s_rows} rows x {int(r.max_len)} x {cfg.num_layers} layers "
+                f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
   ]
-  components = {c.name: c for c in comps}
-  peak = params + opt + reference + max(grads + acts + batch, kv)
+  static = params + opt + reference
+  train_peak = static + grads + acts + batch
+  rollout_peak = (static if placement == "colocated" else sampler) + kv
   capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
-  result = Plan(shape, components, peak, capacity)
+  result = Plan(shape, rollout_shape, placement, {c.name: c for c in comps}, train_peak,
+                rollout_peak, capacity)
   if advise and capacity is not None:
+    total = math.prod(shape.values()) + (
+        0 if placement == "colocated" else math.prod(rollout_shape.values()))
     result = dataclasses.replace(result, advice=tuple(_advice(
-        config, result, device_memory_gb=device_memory_gb, num_devices=math.prod(shape.values()),
+        config, result, device_memory_gb=device_memory_gb, num_devices=total,
         kv_cache_dtype=cache_dtype)))
   return result
 
 
-def _with(config: ml_collections.ConfigDict, **changes: Any) -> ml_collections.ConfigDict:
+def override(config: ml_collections.ConfigDict, changes: dict[str, Any]
+             ) -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted keys replaced, e.g. {"train.row_len": 4096}."""
   c = ml_collections.ConfigDict(config.to_dict())
   for key, value in changes.items():
     node = c
@@ -398,67 +453,66 @@ def _with(config: ml_collections.ConfigDict, **changes: Any) -> ml_collections.C
 
 def _advice(config, current: Plan, *, device_memory_gb: float, num_devices: int,
             kv_cache_dtype: str | None) -> list[str]:
-  """One line per knob that would make the run fit, cheapest first, with the new peak."""
-  gib = human_bytes
+  """The verdict, then one line per knob that alone makes the run fit, with its peak."""
+  cap = current.capacity
+  usable = f"{human_bytes(cap)} usable ({USABLE_FRACTION:.0%} of {device_memory_gb:g} GiB)"
   if current.fits:
-    return [f"fits: peak {gib(current.peak)} of {gib(current.capacity)} usable "
-            f"({USABLE_FRACTION:.0%} of {device_memory_gb:g} GiB)"]
+    return [f"fits: peak {human_bytes(current.peak)} of {usable}"]
+  out = [f"does not fit: peak {human_bytes(current.peak)} > {usable}"]
 
-  def try_plan(changes: dict[str, Any], kv: str | None = kv_cache_dtype) -> Plan | None:
+  def fitting(changes: dict[str, Any], kv: str | None = kv_cache_dtype) -> Plan | None:
     try:
-      return plan(_with(config, **changes), device_memory_gb=device_memory_gb,
-                  num_devices=num_devices, kv_cache_dtype=kv, advise=False)
+      p = plan(override(config, changes), device_memory_gb=device_memory_gb,
+               num_devices=num_devices, kv_cache_dtype=kv, advise=False)
     except ValueError:
       return None
+    return p if p.fits else None
 
-  out = [f"does not fit: peak {gib(current.peak)} > {gib(current.capacity)} usable "
-         f"({USABLE_FRACTION:.0%} of {device_memory_gb:g} GiB)"]
-  train_side = current["gradients"] + current["activations"] + current["batch"]
-  cfg = model_config(config)
-  if train_side >= current["kv_cache"]:
-    for policy in _REMAT_ORDER[_REMAT_ORDER.index(cfg.remat) + 1:]:
-      p = try_plan({"model.overrides.remat": policy})
-      if p is not None and p.fits:
-        out.append(f"--config.model.overrides.remat={policy}: peak {gib(p.peak)}")
+  def suggest(flags: str, p: Plan, why: str = ""):
+    out.append(f"{flags}{why}: peak {human_bytes(p.peak)}")
+
+  if current.train_peak > cap:
+    remat = experiment.model_config(config).remat
+    for policy in _REMAT_ORDER[_REMAT_ORDER.index(remat) + 1:]:
+      if p := fitting({"model.overrides.remat": policy}):
+        suggest(f"--config.model.overrides.remat={policy}", p)
         break
     rows = int(config.train.rows_per_microbatch) // 2
     while rows >= 1:
-      p = try_plan({"train.rows_per_microbatch": rows})
-      if p is None:
-        break
-      if p.fits:
-        out.append(f"--config.train.rows_per_microbatch={rows} (more micro-batches, same "
-                   f"update): peak {gib(p.peak)}")
+      if p := fitting({"train.rows_per_microbatch": rows}):
+        suggest(f"--config.train.rows_per_microbatch={rows}", p,
+                " (more micro-batches, the same update)")
         break
       rows //= 2
-  else:
+    shape = current.mesh
+    if shape["data"] > 1:
+      fsdp = shape["fsdp"] * shape["data"]
+      if p := fitting({"mesh.data": 1, "mesh.fsdp": fsdp}):
+        suggest(f"--config.mesh.data=1 --config.mesh.fsdp={fsdp}", p,
+                " (shard params and optimizer state over the data axis too)")
+  if current.rollout_peak > cap:
     chunk = int(config.rollout.chunk_rows) // 2
     while chunk >= 1:
-      p = try_plan({"rollout.chunk_rows": chunk})
-      if p is not None and p.fits:
-        out.append(f"--config.rollout.chunk_rows={chunk} (smaller generate calls): "
-                   f"peak {gib(p.peak)}")
+      if p := fitting({"rollout.chunk_rows": chunk}):
+        suggest(f"--config.rollout.chunk_rows={chunk}", p, " (smaller generate calls)")
         break
       chunk //= 2
-    if kv_cache_dtype != "int8":
-      p = try_plan({}, kv="int8")
-      if p is not None and p.fits:
-        out.append(f"int8 KV cache (Sampler(cache_dtype='int8')): peak {gib(p.peak)}")
-  # Parameters and optimizer state shrink with a wider fsdp axis (data -> fsdp).
-  shape = current.mesh
-  if shape["data"] > 1:
-    p = try_plan({"mesh.data": 1, "mesh.fsdp": shape["fsdp"] * shape["data"]})
-    if p is not None and p.fits:
-      out.append(f"--config.mesh.data=1 --config.mesh.fsdp={shape['fsdp'] * shape['data']}: "
-                 f"peak {gib(p.peak)}")
+    if kv_cache_dtype != "int8" and (p := fitting({}, kv="int8")):
+      suggest("--kv_cache_dtype=int8", p, " (an int8 KV cache: Sampler(cache_dtype='int8'))")
   static = current["params"] + current["optimizer"] + current["reference"]
-  if static > current.capacity:
-    need = -(-static * num_devices // current.capacity)
-    out.append(f"params + optimizer alone need {gib(static)} per device: use at least "
-               f"{_next_pow2(need)} devices (fsdp), or a smaller model")
+  if static > cap:
+    devices = num_devices * static / cap
+    out.append(f"params + optimizer{' + reference' if current['reference'] else ''} alone "
+               f"need {human_bytes(static)} per device: use at least {_next_pow2(math.ceil(devices))} "
+               "devices (a wider fsdp axis), or a smaller model")
   if len(out) == 1:
-    out.append("no single knob fits it: combine them, or use more devices")
+    out.append("no single knob fits it: combine them (remat, rows_per_microbatch, "
+               "chunk_rows) or use more devices")
   return out
+
+
+def _count(n: int) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def human_bytes(n: float) -> str:
@@ -469,12 +523,20 @@ def human_bytes(n: float) -> str:
 
 
 def format_plan(p: Plan) -> str:
-  """A table: component, bytes per device, how it was counted; then peak and verdict."""
-  lines = [f"mesh: {p.mesh} ({math.prod(p.mesh.values())} devices)",
-           f"{'component':<12}{'per device':>12}  formula"]
+  """A table: component, bytes per device, how it was counted; then peaks and verdict."""
+  devices = math.prod(p.mesh.values())
+  lines = [f"placement: {p.placement}; train mesh {p.mesh} ({devices} devices)"]
+  if p.placement != "colocated":
+    lines[0] += f"; rollout mesh {p.rollout_mesh} ({math.prod(p.rollout_mesh.values())})"
+  lines.append(f"{'component':<12}{'per device':>12}  formula")
   for c in p.components.values():
     lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
-  lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
-               "max(gradients + activations + batch, kv_cache)")
+  if p.placement == "colocated":
+    lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
+                 "max(gradients + activations + batch, kv_cache)")
+  else:
+    lines.append(f"{'train peak':<12}{human_bytes(p.train_peak):>12}  params + optimizer + "
+                 "reference + gradients + activations + batch")
+    lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + kv_cache")
   lines += list(p.advice)
   return "\n".join(lines)

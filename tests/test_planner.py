@@ -1,0 +1,272 @@
+"""The memory planner against real arrays on 8 fake devices, JAX's own count of saved
+residuals, hand arithmetic for the KV cache, and the shipped real-scale configs."""
+
+import glob
+import importlib
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals  # The oracle of what backward keeps.
+
+from configs import default
+from posttrain import experiment, models, planner
+from posttrain.rl import state as rl_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Configs for real hardware carry the plan command (and the device memory) in their docstring.
+REAL_CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                      if "python -m launch.plan" in open(p).read())
+
+
+def _config(**changes):
+  return planner.override(default.get_config(), changes)
+
+
+def _real_per_device_bytes(tree) -> int:
+  """Bytes on the fullest device, summed over every array's addressable shards."""
+  per_device: dict = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values())
+
+
+# Odd widths: 6 heads, 2 kv heads and ffn 160 divide some mesh axes and not others, so
+# some weights shard and some replicate.
+TINY = {"model.overrides.num_layers": 2, "model.overrides.d_model": 96,
+        "model.overrides.ffn_dim": 160, "model.overrides.num_heads": 6,
+        "model.overrides.num_kv_heads": 2, "model.overrides.head_dim": 16}
+
+
+@pytest.mark.parametrize("mesh, param_dtype", [
+    ((1, 8, 1, 1), "float32"),
+    ((2, 2, 2, 1), "float32"),
+    ((1, 2, 4, 1), "bfloat16"),   # 2 kv heads on 4-way tensor: replicated
+    ((8, 1, 1, 1), "float32"),    # data parallel only: everything replicated
+])
+def test_params_and_optimizer_bytes_match_real_arrays_on_8_devices(mesh, param_dtype):
+  config = _config(**TINY, **{"model.overrides.param_dtype": param_dtype,
+                              **dict(zip(("mesh.data", "mesh.fsdp", "mesh.tensor",
+                                          "mesh.sequence"), mesh))})
+  p = planner.plan(config)
+  assert p.mesh == dict(zip(models.MESH_AXES, mesh))
+  # What the trainer builds: a sharded model, then the train state on the same mesh.
+  real_mesh = models.make_mesh(mesh)
+  cfg = experiment.model_config(config)
+  o = config.optim
+  optimizer = rl_state.make_optimizer(o.lr, o.warmup, 100, o.weight_decay, o.clip)
+  state = rl_state.init_train_state(models.create_model(cfg, mesh=real_mesh), optimizer,
+                              mesh=real_mesh)
+  real_params = _real_per_device_bytes(state.params)
+  real_opt = _real_per_device_bytes(state.opt_state)
+  assert p["params"] == pytest.approx(real_params, rel=0.05)
+  assert p["optimizer"] == pytest.approx(real_opt, rel=0.05)
+  if mesh[1] == 8:  # pure FSDP divides every matrix: exact, and 1/8 of the total
+    assert p["params"] == real_params
+    total = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    assert total / 8 <= p["params"] < total / 8 * 1.05
+
+
+def test_disaggregated_sampler_weights_match_real_arrays_on_the_rollout_mesh():
+  config = _config(**TINY, **{"placement.mode": "disaggregated", "placement.rollout_devices": 2,
+                              "train.rows_per_microbatch": 6})
+  p = planner.plan(config, num_devices=8)
+  assert p.placement == "disaggregated"
+  assert p.mesh["fsdp"] == 6 and p.rollout_mesh["fsdp"] == 2
+  train_mesh, rollout_mesh = experiment.build_meshes(config)
+  model = models.create_model(experiment.model_config(config), mesh=train_mesh)
+  # What the Sampler holds: the model's state resharded onto the rollout mesh.
+  on_rollout = nnx.state(models.shard_model(model, rollout_mesh))
+  assert p["sampler"] == pytest.approx(_real_per_device_bytes(on_rollout), rel=0.05)
+  assert p["params"] == pytest.approx(
+      _real_per_device_bytes(nnx.state(model, nnx.Param)), rel=0.05)
+  # Each side peaks on its own devices; the KV cache is not on the train devices.
+  assert p.rollout_peak == p["sampler"] + p["kv_cache"]
+  assert p.train_peak == sum(p[k] for k in ("params", "optimizer", "reference", "gradients",
+                                            "activations", "batch"))
+
+
+def test_a_mesh_bigger_than_the_machine_plans_without_devices():
+  p = planner.plan(_config(**{"model.preset": "llama3_8b", "model.overrides": {},
+                             "train.rows_per_microbatch": 512}), num_devices=512)
+  assert p.mesh["fsdp"] == 512 and len(jax.devices()) == 8
+  # Matrices split 512 ways; the replicated norm scales add under 2%.
+  assert 16.06e9 / 512 <= p["params"] < 16.06e9 / 512 * 1.02
+
+
+@pytest.mark.parametrize("dtype, impl, remat", [
+    ("float32", "reference", "none"),
+    ("bfloat16", "chunked", "dots"),
+    ("float32", "chunked", "dots_with_no_batch_dims"),
+    ("bfloat16", "reference", "dots"),
+    ("bfloat16", "flash", "full"),
+    ("float32", "flash", "none"),
+])
+def test_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, remat):
+  cfg = models.get_preset("tiny", num_layers=3, d_model=96, ffn_dim=160, num_heads=6,
+                          num_kv_heads=2, head_dim=16, remat=remat, attention_impl=impl,
+                          attention_chunk=32, logprob_chunk=64, dtype=dtype, param_dtype=dtype)
+  graphdef, params, rest = nnx.split(
+      nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  rows, length = 4, 128
+
+  def loss(params, tokens):
+    model = nnx.merge(graphdef, params, rest)
+    return model.token_logprobs(tokens, tokens).sum()
+
+  kept = sum(math.prod(aval.shape) * aval.dtype.itemsize
+             for aval, src in saved_residuals(loss, params,
+                                              jax.ShapeDtypeStruct((rows, length), jnp.int32))
+             if "from the argument" not in src)
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  estimate = planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=one_device)
+  assert estimate == pytest.approx(kept, rel=0.1)
+
+
+def test_activations_follow_the_remat_policy_and_the_mesh():
+  cfg = models.get_preset("llama3_8b")
+  mesh = lambda **s: planner.abstract_mesh({**dict.fromkeys(models.MESH_AXES, 1), **s})  # noqa: E731
+  by_policy = [planner.activation_bytes(cfg, rows=8, row_len=2048, mesh=mesh(), remat=r)[0]
+               for r in ("none", "dots", "dots_with_no_batch_dims", "full")]
+  assert by_policy == sorted(by_policy, reverse=True) and by_policy[0] > 3 * by_policy[-1]
+  # Rows spread over fsdp: 8 rows on 4 devices keep what 2 rows keep on one.
+  assert (planner.saved_activation_bytes(cfg, rows=8, row_len=2048, mesh=mesh(fsdp=4))
+          == planner.saved_activation_bytes(cfg, rows=2, row_len=2048, mesh=mesh()))
+  # Tensor parallelism splits heads and MLP, never the block input (full remat).
+  assert (planner.saved_activation_bytes(cfg, rows=8, row_len=2048, mesh=mesh(tensor=4),
+                                         remat="dots_with_no_batch_dims")
+          < planner.saved_activation_bytes(cfg, rows=8, row_len=2048, mesh=mesh(),
+                                           remat="dots_with_no_batch_dims"))
+
+
+def test_kv_cache_bytes_by_hand():
+  cfg = models.get_preset("llama3_8b")  # 32 layers, 8 kv heads of 128, bfloat16
+  fsdp32 = planner.abstract_mesh({"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1})
+  # 64 rows over 32 devices = 2 rows of 4096 slots, k and v, every layer, 2 bytes.
+  assert planner.kv_cache_bytes(cfg, batch=64, max_len=4096, mesh=fsdp32) == (
+      2 * 4096 * 8 * 128 * 2 * 2 * 32) == 1 << 30
+  # int8: one byte per value plus a float32 scale per slot and head.
+  assert planner.kv_cache_bytes(cfg, batch=64, max_len=4096, mesh=fsdp32, dtype="int8") == (
+      2 * 32 * (2 * 4096 * 8 * 128 + 2 * 4096 * 8 * 4))
+  # kv heads split over tensor=8; tensor=16 does not divide 8 heads, so they replicate.
+  tp8 = planner.abstract_mesh({"data": 1, "fsdp": 4, "tensor": 8, "sequence": 1})
+  tp16 = planner.abstract_mesh({"data": 1, "fsdp": 2, "tensor": 16, "sequence": 1})
+  assert planner.kv_cache_bytes(cfg, batch=64, max_len=4096, mesh=tp8) == (1 << 30)
+  assert planner.kv_cache_bytes(cfg, batch=64, max_len=4096, mesh=tp16) == 16 * (1 << 30)
+
+
+def test_real_scale_presets_give_sane_numbers():
+  def state(preset, param_dtype, fsdp):
+    config = _config(**{"model.preset": preset, "model.overrides": {"param_dtype": param_dtype},
+                        "mesh.fsdp": fsdp, "train.rows_per_microbatch": fsdp})
+    p = planner.plan(config)
+    return experiment.model_config(config).num_params, p["params"], p["optimizer"]
+
+  n, params, opt = state("llama3_8b", "bfloat16", 32)
+  assert 8.0e9 < n < 8.1e9
+  assert params * 32 == pytest.approx(16.06e9, rel=0.01)  # ~16 GB of bf16 weights
+  assert opt == pytest.approx(2 * params, rel=0.01)        # Adam mu and nu, param dtype
+  n, params, opt = state("llama3_70b", "float32", 128)
+  assert params * 128 == pytest.approx(4 * 70.55e9, rel=0.01)  # ~282 GB in float32
+
+
+@pytest.mark.parametrize("path", REAL_CONFIGS, ids=os.path.basename)
+def test_shipped_configs_fit_the_hardware_their_docstring_names(path):
+  text = open(path).read()
+  command = re.search(r"python -m launch\.plan --config=(configs/\S+\.py) "
+                      r"--device_memory_gb=(\d+)", text)
+  assert command and command.group(1) == os.path.relpath(path, ROOT), "no plan command"
+  assert "python -m launch.train" in text or "launch/tpu_pod.sh train" in text
+  config = importlib.import_module(f"configs.{os.path.basename(path)[:-3]}").get_config()
+  # The same keys as the default config, so every --config.* flag means the same thing.
+  assert _keys(config, skip=("model.overrides",)) == _keys(default.get_config(),
+                                                           skip=("model.overrides",))
+  p = planner.plan(config, device_memory_gb=float(command.group(2)))
+  assert p.fits, planner.format_plan(p)
+  assert p["params"] > 0 and p["kv_cache"] > 0 and p["activations"] > 0
+
+
+def _keys(config, prefix="", skip=()):
+  out = set()
+  for k, v in config.items():
+    name = f"{prefix}{k}"
+    if hasattr(v, "items") and name not in skip:
+      out |= _keys(v, f"{name}.", skip)
+    else:
+      out.add(name)
+  return out
+
+
+def test_advice_names_a_knob_that_makes_it_fit():
+  config = _config(**{"model.preset": "llama3_8b", "model.overrides": {"remat": "none"},
+                      "mesh.fsdp": 8, "train.rows_per_microbatch": 64, "train.row_len": 1024,
+                      "rollout.max_len": 1024, "rollout.chunk_rows": 64})
+  p = planner.plan(config, device_memory_gb=80)
+  assert not p.fits and p.advice[0].startswith("does not fit")
+  knobs = [re.findall(r"--config\.(\S+?)=([^\s:]+)", line) for line in p.advice[1:]]
+  knobs = [k for k in knobs if k]
+  assert len(knobs) >= 2, p.advice  # remat and rows_per_microbatch
+  for knob in knobs:
+    changes = {k: int(v) if v.isdigit() else v for k, v in knob}
+    assert planner.plan(planner.override(config, changes), device_memory_gb=80).fits, knob
+
+
+def test_params_that_cannot_fit_ask_for_more_devices():
+  # bf16 8B: 16 GB of weights + 32 GB of Adam moments; 2 x 16 GiB devices cannot hold them.
+  config = _config(**{"model.preset": "llama3_8b", "model.overrides": {}, "mesh.fsdp": 2,
+                      "rl.kl_coef": 0.0, "train.rows_per_microbatch": 4})
+  p = planner.plan(config, device_memory_gb=16)
+  assert not p.fits
+  line = next(a for a in p.advice if "params + optimizer alone" in a)
+  devices = int(re.search(r"at least (\d+) devices", line).group(1))
+  assert devices == 4
+  bigger = planner.plan(planner.override(config, {"mesh.fsdp": devices}), device_memory_gb=16,
+                        advise=False)
+  assert bigger["params"] + bigger["optimizer"] <= bigger.capacity
+
+
+@pytest.mark.parametrize("changes, num_devices, message", [
+    ({"mesh.fsdp": -1}, 12, None),
+    ({"mesh.fsdp": -1, "mesh.tensor": 8}, 12, "does not divide num_devices=12"),
+    ({"mesh.fsdp": 4}, 8, "mesh (1, 4, 1, 1) needs 4 devices, but num_devices=8"),
+    ({"mesh.fsdp": 0}, None, "must hold positive sizes"),
+    ({"mesh.fsdp": 4, "train.rows_per_microbatch": 6}, None,
+     "train.rows_per_microbatch=6 must be a multiple of the batch mesh axes' size 4"),
+])
+def test_bad_meshes_are_one_line_errors(changes, num_devices, message):
+  config = _config(**{"train.rows_per_microbatch": 12, **changes})
+  if message is None:
+    assert planner.plan(config, num_devices=num_devices).mesh["fsdp"] == 12
+    return
+  with pytest.raises(ValueError, match=re.escape(message)):
+    planner.plan(config, num_devices=num_devices)
+
+
+def _plan_cli(*args):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_plan_command_prints_the_table_and_exits_by_verdict():
+  ok = _plan_cli("--config=configs/llama3_70b_grpo_v5p256.py", "--device_memory_gb=95")
+  assert ok.returncode == 0, ok.stderr
+  for word in ("params", "optimizer", "gradients", "activations", "kv_cache", "fits: peak"):
+    assert word in ok.stdout
+  assert "(128 devices)" in ok.stdout
+  too_small = _plan_cli("--config=configs/default.py", "--num_devices=8",
+                        "--device_memory_gb=0.0003", "--kv_cache_dtype=int8")
+  assert too_small.returncode == 1 and "does not fit" in too_small.stdout
+  assert "x 2 x 32, int8" in too_small.stdout and "use at least" in too_small.stdout
+  bad = _plan_cli("--config=configs/default.py", "--num_devices=3", "--config.mesh.tensor=2")
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+      "error: mesh (1, -1, 2, 1) does not divide num_devices=3")
+  assert "Traceback" not in bad.stderr
