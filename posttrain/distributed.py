@@ -80,7 +80,9 @@ def detected_cluster() -> tuple[str, int] | None:
   arguments); opt-in methods such as mpi4py are skipped, as JAX skips them.
   """
   try:
-    from jax._src import clusters  # Private, but the only source of JAX's own detection.
+    # Private, but the only source of JAX's own detection.
+    from jax._src import clusters
+
     candidates = [c for c in clusters.ClusterEnv._cluster_types if not c.opt_in_only_method]
   except (ImportError, AttributeError):
     return None

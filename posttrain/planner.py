@@ -129,7 +129,7 @@ def mesh_shapes(config: ml_collections.ConfigDict, num_devices: int | None = Non
   rollout devices), else, for a `-1` mesh, the local device count. Disaggregated runs
   give the first `placement.rollout_devices` devices to the sampler, as the trainer does.
   """
-  p = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
+  p = config.get("placement") or ml_collections.ConfigDict({"mode": "colocated"})
   mode = p.get("mode", "colocated")
   if mode not in experiment.PLACEMENTS:
     raise ValueError(f"placement.mode={mode!r}; expected one of {experiment.PLACEMENTS}")

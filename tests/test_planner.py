@@ -5,13 +5,13 @@ import glob
 import importlib
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # The oracle of what backward keeps.
@@ -23,7 +23,7 @@ from posttrain.rl import state as rl_state
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Configs for real hardware carry the plan command (and the device memory) in their docstring.
 REAL_CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
-                      if "python -m launch.plan" in open(p).read())
+                      if "python -m launch.plan" in pathlib.Path(p).read_text())
 
 
 def _config(**changes):
@@ -133,7 +133,9 @@ def test_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, remat)
 
 def test_activations_follow_the_remat_policy_and_the_mesh():
   cfg = models.get_preset("llama3_8b")
-  mesh = lambda **s: planner.abstract_mesh({**dict.fromkeys(models.MESH_AXES, 1), **s})  # noqa: E731
+  def mesh(**sizes):
+    return planner.abstract_mesh({**dict.fromkeys(models.MESH_AXES, 1), **sizes})
+
   by_policy = [planner.activation_bytes(cfg, rows=8, row_len=2048, mesh=mesh(), remat=r)[0]
                for r in ("none", "dots", "dots_with_no_batch_dims", "full")]
   assert by_policy == sorted(by_policy, reverse=True) and by_policy[0] > 3 * by_policy[-1]
@@ -180,7 +182,7 @@ def test_real_scale_presets_give_sane_numbers():
 
 @pytest.mark.parametrize("path", REAL_CONFIGS, ids=os.path.basename)
 def test_shipped_configs_fit_the_hardware_their_docstring_names(path):
-  text = open(path).read()
+  text = pathlib.Path(path).read_text()
   command = re.search(r"python -m launch\.plan --config=(configs/\S+\.py) "
                       r"--device_memory_gb=(\d+)", text)
   assert command and command.group(1) == os.path.relpath(path, ROOT), "no plan command"
@@ -253,7 +255,7 @@ def test_bad_meshes_are_one_line_errors(changes, num_devices, message):
 def _plan_cli(*args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_plan_command_prints_the_table_and_exits_by_verdict():
