@@ -103,13 +103,18 @@ class Plan:
 # ----------------------------------------------------------------------------------------
 
 
-def _fill(sizes, num_devices: int, what: str) -> dict[str, int]:
-  sizes = [int(s) for s in sizes]
+def _sizes(raw, what: str) -> list[int]:
+  sizes = [int(s) for s in raw]
   if len(sizes) != len(models.MESH_AXES):
     raise ValueError(f"{what} {tuple(sizes)} needs {len(models.MESH_AXES)} sizes "
                      f"{models.MESH_AXES}")
   if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
     raise ValueError(f"{what} {tuple(sizes)} must hold positive sizes and at most one -1")
+  return sizes
+
+
+def _fill(raw, num_devices: int, what: str) -> dict[str, int]:
+  sizes = _sizes(raw, what)
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
@@ -133,9 +138,7 @@ def mesh_shapes(config: ml_collections.ConfigDict, num_devices: int | None = Non
   mode = p.get("mode", "colocated")
   if mode not in experiment.PLACEMENTS:
     raise ValueError(f"placement.mode={mode!r}; expected one of {experiment.PLACEMENTS}")
-  sizes = [int(config.mesh[a]) for a in models.MESH_AXES]
-  if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
-    raise ValueError(f"mesh {tuple(sizes)} must hold positive sizes and at most one -1")
+  sizes = _sizes([config.mesh[a] for a in models.MESH_AXES], "mesh")
   rollout = int(p.get("rollout_devices", 0) or 0) if mode == "disaggregated" else 0
   if num_devices is None:
     num_devices = int(p.get("devices", 0) or 0) or (
@@ -159,14 +162,6 @@ def abstract_mesh(shape: dict[str, int]) -> AbstractMesh:
 def shard_bytes(shape, dtype, sharding: NamedSharding) -> int:
   """Bytes of one device's shard of an array."""
   return int(np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64)) * np.dtype(dtype).itemsize
-
-
-def tree_bytes(abstract_tree, sharding_tree) -> int:
-  """Per-device bytes of a tree of ShapeDtypeStructs under a matching tree of shardings."""
-  leaves, shardings = jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree)
-  if len(leaves) != len(shardings):
-    raise ValueError(f"{len(leaves)} arrays but {len(shardings)} shardings")
-  return sum(shard_bytes(x.shape, x.dtype, s) for x, s in zip(leaves, shardings))
 
 
 def _logical_shard(mesh: AbstractMesh, rules, names, shape) -> tuple[int, ...]:

@@ -188,8 +188,13 @@ def test_two_processes_form_one_eight_device_mesh():
     assert line.split()[1:] == [str(pid), "2", "4", "8", "8", str(expected)]
 
 
+# The trainer tests' tiny run, with the counts the assertions below rely on pinned.
+_PINNED = {"sft.steps": 2, "train.rl_steps": 2, "checkpoint.every": 1,
+           "checkpoint.async_save": False, "train.log_every": 1}
+
+
 def _train_args(workdir, **extra):
-  flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, "train.rl_steps": 2, **extra}.items()]
+  flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **_PINNED, **extra}.items()]
   return ["-m", "launch.train", f"--config={ROOT}/configs/default.py", f"--workdir={workdir}",
           *flags]
 
