@@ -86,7 +86,13 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
   if cfg.attention_impl == "ring":
     if ctx.mesh is None or ctx.mesh.shape.get("sequence", 1) == 1:
       return kernels.dot_product_attention(q, k, v, implementation="chunked", **kwargs)
-    return kernels.ring_attention_sharded(q, k, v, mesh=ctx.mesh, axis_name="sequence", **kwargs)
+    from posttrain.models.sharding import logical_to_spec
+    q_spec = logical_to_spec(("batch", None, "heads", None), ctx.rules, ctx.mesh, q.shape)
+    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), ctx.rules, ctx.mesh, k.shape)
+    # Batch and heads stay sharded inside the ring instead of gathering on each device.
+    head_axis = q_spec[2] if q_spec[2] == kv_spec[2] else None
+    return kernels.ring_attention_sharded(q, k, v, mesh=ctx.mesh, axis_name="sequence",
+                                          batch_axis=q_spec[0], head_axis=head_axis, **kwargs)
   if cfg.attention_impl == "flash":
     return kernels.flash_attention(q, k, v, **kwargs)
   if cfg.attention_impl == "chunked":
@@ -144,8 +150,10 @@ class Attention(nnx.Module):
       else:
         import kernels
         lengths = positions_BxT[:, -1] + 1
+        # Keys per block, as in chunked attention; blocks past the longest row are skipped.
         out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
-                                       k_scale=new_cache.k_scale, v_scale=new_cache.v_scale)
+                                       k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
+                                       chunk_size=cfg.attention_chunk)
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache
@@ -178,11 +186,15 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxTxD, ctx: ShardingContext):
     dt = _dtype(self.cfg.dtype)
-    x = x_BxTxD.astype(dt)
-    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(dt))
-    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(dt))
-    h = ctx.constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    return jnp.einsum("BTF,FD->BTD", h, self.down_proj[...].astype(dt))
+    b, t, d = x_BxTxD.shape
+    # 2-D matmuls over [B*T, D]: XLA:CPU's backward of the 3-D einsums transposes every
+    # activation (about 2x slower train step); on TPU/GPU both lower to the same dots.
+    x_NxD = x_BxTxD.astype(dt).reshape(b * t, d)
+    gate_NxF = x_NxD @ self.gate_proj[...].astype(dt)
+    up_NxF = x_NxD @ self.up_proj[...].astype(dt)
+    h = ctx.constrain((jax.nn.silu(gate_NxF) * up_NxF).reshape(b, t, -1),
+                      ("batch", "length", "mlp"))
+    return (h.reshape(b * t, -1) @ self.down_proj[...].astype(dt)).reshape(b, t, d)
 
 
 class Block(nnx.Module):

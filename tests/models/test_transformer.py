@@ -193,3 +193,12 @@ def test_presets_have_the_published_sizes():
   _, state = models.abstract_model(models.get_preset("llama3_8b"))
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
   assert n == models.get_preset("llama3_8b").num_params
+
+
+@pytest.mark.parametrize("impl", ["chunked", "ring"])
+def test_attention_impls_match_reference(model, impl):
+  mesh = models.make_mesh((1, 2, 1, 4) if impl == "ring" else (1, 8, 1, 1))
+  other = models.create_model(CFG.replace(attention_impl=impl, attention_chunk=8), mesh=mesh,
+                              seed=1)
+  tokens = _tokens(b=2, t=16)
+  np.testing.assert_allclose(_forward(other, tokens, mesh), model(tokens), atol=2e-5)
