@@ -304,8 +304,9 @@ class Trainer:
       final = self.evaluate("final")
       summary["eval"] = {"sft": self.progress.sft_eval, "final": final}
       _print_eval_table(self.progress.sft_eval, final)
-      with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
+      if jax.process_index() == 0:
+        with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
+          json.dump(summary, fh, indent=2)
       export = str(self.config.get("export_hf", "") or "")
       if export:
         models.save_pretrained(self._model(), export)
@@ -320,8 +321,9 @@ class Trainer:
     self.sync_weights()
     report = evaluation.pass_rates(self.worker, self.eval_domains,
                                    seeds_per_domain=int(e.seeds_per_domain))
-    with open(os.path.join(self.workdir, f"eval_{tag}.json"), "w") as fh:
-      json.dump(report, fh, indent=2)
+    if jax.process_index() == 0:
+      with open(os.path.join(self.workdir, f"eval_{tag}.json"), "w") as fh:
+        json.dump(report, fh, indent=2)
     step = self._ckpt_step()
     self.writer.write(step, {f"eval_{tag}/pass_rate": report["pass_rate"],
                              **{f"eval_{tag}/{f}": v for f, v in report["families"].items()}})
@@ -338,7 +340,7 @@ class Trainer:
       it.set_state(self.progress.sft_iterator)
     progress = Progress(total, "sft")
     while self.progress.sft_step < total:
-      if flag.is_set():
+      if flag.reached(self._ckpt_step()):
         self.save(force=True)
         return False
       t0 = time.time()
@@ -396,7 +398,7 @@ class Trainer:
     source = AsyncRollouts(self, total) if self.disaggregated else None
     try:
       while self.progress.rl_step < total:
-        if flag.is_set():
+        if flag.reached(self._ckpt_step()):  # All processes stop at the same step.
           self.save(force=True)
           return False
         row = self._rl_step(source)
