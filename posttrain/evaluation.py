@@ -60,22 +60,34 @@ _DIGITS = 6
 
 
 def pass_rates(worker, domains: Sequence[str], *, seeds_per_domain: int,
-               first_seed_index: int = 0) -> dict[str, Any]:
-  """Greedy pass rate (reward value 1) on `seeds_per_domain` held-out seeds of each domain.
+               first_seed_index: int = 0, samples: int = 0,
+               temperature: float = 1.0) -> dict[str, Any]:
+  """Greedy pass rate (reward value 1) on `seeds_per_domain` held-out seeds of each domain,
+  and with `samples` > 0 the mean pass rate of that many samples at `temperature`.
 
   Returns:
     {"pass_rate": overall, "families": {family: rate}, "domains": {domain: rate},
-     "reward": mean reward, "samples": count}
+     "reward": mean reward, "samples": count, and with samples > 0
+     "sampled": {"pass_rate", "families", "domains"}}
   """
   pairs = [(d, heldout_seed(first_seed_index + i)) for d in domains
            for i in range(seeds_per_domain)]
-  groups = worker.rollout(pairs, seed=0, group_size=1, temperature=0.0)
+  report = _summarise(worker.rollout(pairs, seed=0, group_size=1, temperature=0.0))
+  if samples > 0:
+    sampled = _summarise(worker.rollout(pairs, seed=1, group_size=samples,
+                                        temperature=temperature))
+    report["sampled"] = {k: sampled[k] for k in ("pass_rate", "families", "domains")}
+  return report
+
+
+def _summarise(groups) -> dict[str, Any]:
   by_domain: dict[str, list[float]] = defaultdict(list)
   rewards = []
   for g in groups:
-    r = float(g.samples[0].reward.value)
-    rewards.append(r)
-    by_domain[g.domain].append(1.0 if r >= 1.0 else 0.0)
+    for sample in g.samples:
+      r = float(sample.reward.value)
+      rewards.append(r)
+      by_domain[g.domain].append(1.0 if r >= 1.0 else 0.0)
   by_family: dict[str, list[float]] = defaultdict(list)
   for d, v in by_domain.items():
     by_family[registry.get(d).family] += v

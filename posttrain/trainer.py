@@ -320,13 +320,18 @@ class Trainer:
       return {}
     self.sync_weights()
     report = evaluation.pass_rates(self.worker, self.eval_domains,
-                                   seeds_per_domain=int(e.seeds_per_domain))
+                                   seeds_per_domain=int(e.seeds_per_domain),
+                                   samples=int(e.get("samples", 0) or 0),
+                                   temperature=float(self.config.rollout.temperature) or 1.0)
     if jax.process_index() == 0:
       with open(os.path.join(self.workdir, f"eval_{tag}.json"), "w") as fh:
         json.dump(report, fh, indent=2)
     step = self._ckpt_step()
-    self.writer.write(step, {f"eval_{tag}/pass_rate": report["pass_rate"],
-                             **{f"eval_{tag}/{f}": v for f, v in report["families"].items()}})
+    row = {f"eval_{tag}/pass_rate": report["pass_rate"],
+           **{f"eval_{tag}/{f}": v for f, v in report["families"].items()}}
+    if "sampled" in report:
+      row[f"eval_{tag}/sampled_pass_rate"] = report["sampled"]["pass_rate"]
+    self.writer.write(step, row)
     return report
 
   def _sft_stage(self, flag: PreemptionFlag) -> bool:
@@ -683,13 +688,28 @@ def _last_token(mask, seg):
 
 
 def _print_eval_table(before: dict | None, after: dict | None):
+  """Held-out pass rates per family after SFT and after RL (greedy, and sampled if run)."""
   if not before or not after:
     return
+  sampled = "sampled" in before and "sampled" in after
   fams = sorted(set(before["families"]) | set(after["families"]))
-  print(f"{'family':<14}{'SFT':>8}{'RL':>8}")
+  head = f"{'family':<14}{'SFT':>8}{'RL':>8}"
+  print(head + (f"{'SFT@T':>8}{'RL@T':>8}" if sampled else ""))
+
+  def row(name, key):
+    line = f"{name:<14}"
+    for rep in (before, after):
+      line += f"{(rep['families'].get(key, 0) if key else rep['pass_rate']):>8.3f}"
+    if sampled:
+      for rep in (before["sampled"], after["sampled"]):
+        line += f"{(rep['families'].get(key, 0) if key else rep['pass_rate']):>8.3f}"
+    print(line)
+
   for f in fams:
-    print(f"{f:<14}{before['families'].get(f, 0):>8.3f}{after['families'].get(f, 0):>8.3f}")
-  print(f"{'all':<14}{before['pass_rate']:>8.3f}{after['pass_rate']:>8.3f}", flush=True)
+    row(f, f)
+  row("all", None)
+  print("(greedy pass@1; @T: mean pass rate of samples at the rollout temperature)",
+        flush=True)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:

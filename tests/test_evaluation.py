@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import default
-from posttrain import evaluation, report, trainer
+from posttrain import evaluation, experiment, report, trainer
 from posttrain.rollout import Sample, TrajectoryGroup
 from posttrain.sandbox import ExecResult
 from posttrain.tasks import (
@@ -294,10 +294,10 @@ def test_eval_pairs_are_heldout_and_validated():
 
 
 def test_select_domains_errors_name_the_pattern():
-  assert evaluation.select_domains("arithmetic/add_d1,strings/copy_l*", "1") == [
+  assert experiment.select_domains("arithmetic/add_d1,strings/copy_l*", "1") == [
       "arithmetic/add_d1", "strings/copy_l1"]
   with pytest.raises(ValueError, match="'nope/\\*'"):
-    evaluation.select_domains("nope/*")
+    experiment.select_domains("nope/*")
 
 
 # ----------------------------------------------------------------------------------------
