@@ -498,6 +498,7 @@ class Trainer:
       source.publish(self.progress.rl_step)
     metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
     timings["timing/update_s"] = time.time() - t2
+    timings["timing/step_s"] = time.time() - t0
     gen = sum(s.num_generated for g in groups for s in g.samples)
     flat_rewards = np.concatenate(rewards)
     passed = np.asarray([s.reward.value >= 1.0 for g in groups for s in g.samples], np.float64)
