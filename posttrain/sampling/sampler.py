@@ -184,8 +184,10 @@ class Sampler:
       given = self._check_buckets(length_buckets, "length_buckets")
       self.length_buckets = tuple(b for b in given if b < self.max_len) + (self.max_len,)
     self._graphdef, state = nnx.split(model)
-    if mesh is not None:
-      state = jax.device_put(state, models.state_shardings(state, mesh, self.rules))
+    shardings = (models.state_shardings(state, mesh, self.rules) if mesh is not None
+                 else jax.tree.map(lambda x: x.sharding, state))
+    # A copy, never an alias: a learner that donates its params must not free the sampler's.
+    state = jax.device_put(state, shardings, may_alias=False)
     self._treedef = jax.tree.structure(state)
     self._paths = [_param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
@@ -204,8 +206,9 @@ class Sampler:
 
     Args:
       params: a model of the same architecture, its `nnx.state` (e.g. a learner's
-        `nnx.Param` state) or that state as a pure dict. Leaves are moved to the sampler's
-        shardings (a resharding copy when they live on another mesh) and cast to its dtypes.
+        `nnx.Param` state) or that state as a pure dict. Leaves are copied to the sampler's
+        shardings (resharding when they live on another mesh) and cast to its dtypes; the
+        sampler never aliases them, so the caller may donate or delete its own.
     """
     state = nnx.state(params) if isinstance(params, nnx.Module) else params
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
@@ -218,7 +221,7 @@ class Sampler:
     for path, (_, x), (shape, dtype, sharding) in zip(paths, flat, self._specs):
       if tuple(x.shape) != tuple(shape):
         raise ValueError(f"param {path} has shape {tuple(x.shape)}, expected {tuple(shape)}")
-      x = jax.device_put(x, sharding)
+      x = jax.device_put(x, sharding, may_alias=False)
       leaves.append(x if x.dtype == dtype else x.astype(dtype))
     self._state = jax.tree.unflatten(self._treedef, leaves)
 

@@ -188,6 +188,21 @@ def test_update_params_changes_output_without_recompiling(model, sampler):
   np.testing.assert_array_equal(sampler.generate(PROMPTS, **kw).tokens, before.tokens)
 
 
+def test_sampler_owns_copies_of_the_weights(model, sampler):
+  """A learner donates its params every step; the sampler's weights must survive that."""
+  owner = models.create_model(CFG, seed=3)
+  expected = greedy_by_recomputation(owner, PROMPTS[:2], 3)
+  fresh = Sampler(owner, max_len=MAX_LEN)
+  try:
+    sampler.update_params(owner)
+    jax.tree.map(lambda x: x.delete(), nnx.state(owner))
+    for s in (fresh, sampler):
+      np.testing.assert_array_equal(
+          s.generate(PROMPTS[:2], max_new_tokens=3, temperature=0.0).tokens, expected)
+  finally:
+    sampler.update_params(model)
+
+
 def test_update_params_rejects_another_architecture(sampler):
   other = models.create_model(models.get_preset("tiny", num_layers=1))
   with pytest.raises(ValueError, match="do not match"):
