@@ -29,10 +29,11 @@ import ml_collections
 # The mix. Expected after the warm start (measured and printed by every run, not assumed):
 # lookups over a handful of cases the policy memorises; multi-digit arithmetic whose
 # answers fit the token budget but not the model; and short arithmetic in between.
-SOLVED = ("logic/boolexpr_l1", "bases/hex2dec_l1", "bases/bin2dec_l1", "arithmetic/mod_d1")
+SOLVED = ("logic/boolexpr_l1", "logic/boolexpr_l2", "bases/hex2dec_l1", "bases/bin2dec_l1")
 UNSOLVED = ("arithmetic/add_d5", "arithmetic/sub_d5", "arithmetic/div_d5",
             "bases/hex2dec_l5", "sequences/quad_l5", "lists/sum_l5")
-IN_BETWEEN = ("arithmetic/add_d1", "arithmetic/sub_d1", "bases/dec2bin_l2", "lists/min_l2")
+IN_BETWEEN = ("arithmetic/add_d1", "arithmetic/div_d1", "bases/dec2bin_l1", "lists/min_l1",
+              "equations/linear_l1", "sequences/arith_l1")
 DOMAINS = SOLVED + UNSOLVED + IN_BETWEEN
 
 
@@ -73,6 +74,18 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any
   return summary["eval"]["sft"]
 
 
+def sampled_pass_rate(worker, domains: Sequence[str], *, seeds_per_domain: int, samples: int,
+                      temperature: float, seed: int = 0) -> float:
+  """Mean pass rate of `samples` completions at `temperature` per held-out task (the
+  expected held-out reward RL maximises). A fixed `seed` gives every arm the same draws."""
+  from posttrain.tasks import heldout_seed
+
+  pairs = [(d, heldout_seed(i)) for d in domains for i in range(seeds_per_domain)]
+  groups = worker.rollout(pairs, seed=seed, group_size=samples, temperature=temperature)
+  passed = [s.reward.value >= 1.0 for g in groups for s in g.samples]
+  return sum(passed) / max(len(passed), 1)
+
+
 class _NeverPreempted:
   """The trainer's preemption flag, minus the signal handlers (the benchmark owns Ctrl-C)."""
 
@@ -82,14 +95,16 @@ class _NeverPreempted:
 
 
 def rl_arm(config: ml_collections.ConfigDict, init_from: str, workdir: str, *,
-           eval_every: int, log=print) -> dict[str, Any]:
+           eval_every: int, samples: int = 4, log=print) -> dict[str, Any]:
   """GRPO from the checkpoint in `init_from`, evaluated every `eval_every` steps.
 
   The trainer's own RL stage runs in chunks of `eval_every` steps (its step budget, and so
   its learning-rate schedule, is the full `train.rl_steps` from the start).
 
   Returns:
-    {"curve": [(rl_step, held-out pass rate)], "seconds": RL wall time without the
+    {"curve": [(rl_step, greedy held-out pass rate)], "sampled_curve": [(rl_step, held-out
+     pass rate of `samples` completions per task at the rollout temperature)] (empty when
+     samples=0), "seconds": RL wall time without the
      evaluations, "eval_seconds": ..., "final": the last evaluation report,
      "draws": {domain: times drawn}}
   """
@@ -102,16 +117,21 @@ def rl_arm(config: ml_collections.ConfigDict, init_from: str, workdir: str, *,
   t = trainer.Trainer(c, workdir)
   try:
     seeds = int(c.eval.seeds_per_domain)
-    curve, train_s, eval_s, report = [], 0.0, 0.0, None
+    curve, sampled_curve, train_s, eval_s, report = [], [], 0.0, 0.0, None
     step = 0
     while True:
       start = time.perf_counter()
       t.sync_weights()
       report = evaluation.pass_rates(t.worker, t.domains, seeds_per_domain=seeds)
-      eval_s += time.perf_counter() - start
       curve.append((step, report["pass_rate"]))
-      log(f"  [{c.scheduler.rule}] step {step:3d}  held-out pass {report['pass_rate']:.3f}  "
-          f"RL {train_s:6.1f}s")
+      line = f"  step {step:3d}  held-out pass greedy {report['pass_rate']:.3f}"
+      if samples:
+        sampled_curve.append((step, sampled_pass_rate(
+            t.worker, t.domains, seeds_per_domain=seeds, samples=samples,
+            temperature=float(c.rollout.temperature))))
+        line += f"  sampled {sampled_curve[-1][1]:.3f}"
+      eval_s += time.perf_counter() - start
+      log(f"{line}  (RL {train_s:.0f}s, eval {eval_s:.0f}s)")
       if step >= total:
         break
       step = min(step + eval_every, total)
@@ -120,7 +140,7 @@ def rl_arm(config: ml_collections.ConfigDict, init_from: str, workdir: str, *,
       t._rl_stage(_NeverPreempted())
       train_s += time.perf_counter() - start
     draws = dict(zip(t.scheduler.domains, t.scheduler.times_drawn.tolist()))
-    return {"curve": curve, "seconds": train_s, "eval_seconds": eval_s, "final": report,
+    return {"curve": curve, "sampled_curve": sampled_curve, "seconds": train_s, "eval_seconds": eval_s, "final": report,
             "draws": draws}
   finally:
     t.worker.close()
@@ -149,46 +169,62 @@ def _curve_text(curve: Sequence[tuple[int, float]]) -> str:
   return " ".join(f"{s}:{r:.3f}" for s, r in curve)
 
 
-def summarize(arms: Sequence[dict[str, Any]], *, sft_pass: float, margin: float,
+# Held-out metrics, each a curve key of rl_arm's result and its target margin over the
+# warm start: greedy pass rate (as the trainer's evaluation) and the pass rate of sampled
+# completions at the rollout temperature (what RL maximises; lower variance).
+METRICS = (("greedy", "curve", 0.05), ("sampled", "sampled_curve", 0.05))
+
+
+def _ratio(steps: int | None, base: int | None, name: str, baseline: str) -> Any:
+  if steps is not None and base:
+    return round(steps / base, 2)
+  if steps is None and base is None:
+    return "neither reached"
+  return f"only {baseline} reached" if steps is None else f"only {name} reached"
+
+
+def summarize(arms: Sequence[dict[str, Any]], *, metrics=METRICS,
               baseline: str = "uniform") -> list[dict[str, Any]]:
-  """Table rows: one per arm, then each arm's steps-to-target ratio over `baseline`.
+  """Table rows: one per arm and metric, then the steps-to-target ratios over `baseline`.
 
   Args:
-    arms: dicts with "name", "curve" [(step, pass rate)], "seconds", "eval_seconds" and
-      "focus" (the share of drawn prompts from in-between domains).
-    sft_pass: held-out pass rate of the warm start (the curves' step 0).
-    margin: target = sft_pass + margin.
+    arms: dicts with "name", one curve [(step, pass rate)] per metric (step 0 = the warm
+      start, the same for every arm), "seconds", "eval_seconds", "load" (load average
+      while the arm ran) and "focus" (the share of drawn prompts from in-between domains).
+    metrics: (metric name, curve key, margin); target = warm-start value + margin.
     baseline: the arm name the ratios divide by.
   """
-  if not margin > 0:
-    raise ValueError(f"margin={margin} must be > 0: the warm start would meet the target")
-  target = sft_pass + margin
-  rows, reached = [], {}
-  for arm in arms:
-    steps = steps_to_target(arm["curve"], target)
-    reached[arm["name"]] = steps
-    rows.append({"arm": arm["name"], "SFT pass": round(sft_pass, 3), "target": round(target, 3),
-                 "steps to target": steps if steps is not None else "not reached",
-                 "final pass": round(arm["curve"][-1][1], 3),
-                 "best pass": round(max(r for _, r in arm["curve"]), 3),
-                 "in-between share": round(arm["focus"], 2),
-                 "RL wall s": round(arm["seconds"], 1), "eval wall s": round(arm["eval_seconds"], 1),
-                 "curve (step:pass)": _curve_text(arm["curve"])})
-  base = reached.get(baseline)
-  for arm in arms:
-    if arm["name"] == baseline:
+  rows, ratios = [], []
+  for metric, key, margin in metrics:
+    if not margin > 0:
+      raise ValueError(f"margin={margin} for {metric} must be > 0: the warm start would "
+                       "meet the target")
+    curves = [a[key] for a in arms if a.get(key)]
+    if not curves:
       continue
-    steps = reached[arm["name"]]
-    if steps is not None and base:
-      ratio: Any = round(steps / base, 2)
-    elif steps is None and base is None:
-      ratio = "neither reached"
-    elif steps is None:
-      ratio = f"only {baseline} reached"
-    else:
-      ratio = f"only {arm['name']} reached"
-    rows.append({"arm": f"{arm['name']} / {baseline}", "steps to target": ratio})
-  return rows
+    start = curves[0][0][1]
+    target = start + margin
+    reached = {}
+    for arm in arms:
+      curve = arm.get(key)
+      if not curve:
+        continue
+      steps = steps_to_target(curve, target)
+      reached[arm["name"]] = steps
+      rows.append({"arm": arm["name"], "metric": metric, "SFT": round(start, 3),
+                   "target": round(target, 3),
+                   "steps to target": steps if steps is not None else "not reached",
+                   "final": round(curve[-1][1], 3), "best": round(max(r for _, r in curve), 3),
+                   "in-between share": round(arm["focus"], 2),
+                   "RL wall s": round(arm["seconds"], 1),
+                   "eval wall s": round(arm["eval_seconds"], 1),
+                   "load avg": round(arm.get("load", float("nan")), 1),
+                   "curve (step:pass)": _curve_text(curve)})
+    for name, steps in reached.items():
+      if name != baseline:
+        ratios.append({"arm": f"{name} / {baseline}", "metric": metric,
+                       "steps to target": _ratio(steps, reached.get(baseline), name, baseline)})
+  return rows + ratios
 
 
 # (name, config overrides) per RL arm; every arm shares the warm start, seed and budget.
@@ -197,7 +233,6 @@ ARMS = (("uniform", {"scheduler.rule": "uniform"}),
 # Full runs also try a lower floor (more of the batch on the in-between domains).
 EXTRA_ARMS = (("learnability floor=0.05", {"scheduler.rule": "learnability",
                                            "scheduler.floor": 0.05}),)
-MARGIN = 0.05  # Target: SFT pass rate + MARGIN on the whole mix.
 
 
 def run(quick: bool, *, workdir: str | None = None, log=print) -> list[dict[str, Any]]:
@@ -211,8 +246,8 @@ def run(quick: bool, *, workdir: str | None = None, log=print) -> list[dict[str,
     sft_dir = os.path.join(root, "sft")
     report = warm_start(config, sft_dir)
     log(f"warm start: {config.sft.steps} SFT steps in {time.perf_counter() - start:.0f}s, "
-        f"held-out pass {report['pass_rate']:.3f} ({config.eval.seeds_per_domain} seeds per "
-        f"domain, load avg {os.getloadavg()[0]:.1f})")
+        f"greedy held-out pass {report['pass_rate']:.3f} ({config.eval.seeds_per_domain} "
+        f"seeds per domain), load avg {os.getloadavg()[0]:.1f}")
     groups = classify(report["domains"])
     for key, names in groups.items():
       log(f"  {key:10s} " + ", ".join(f"{n} {report['domains'][n]:.2f}" for n in names))
@@ -221,17 +256,15 @@ def run(quick: bool, *, workdir: str | None = None, log=print) -> list[dict[str,
       c = ml_collections.ConfigDict(config.to_dict())
       _set(c, overrides)
       log(f"{name}: {c.train.rl_steps} GRPO steps of {c.rollout.prompts_per_step} prompts x "
-          f"{c.rl.group_size} (load avg {os.getloadavg()[0]:.1f})")
+          f"{c.rl.group_size}, lr {c.optim.lr}")
+      load = [os.getloadavg()[0]]
       out = rl_arm(c, sft_dir, os.path.join(root, name.replace(" ", "_")),
                    eval_every=eval_every, log=log)
+      load.append(os.getloadavg()[0])
       drawn = sum(out["draws"].values())
       focus = sum(out["draws"][n] for n in groups["in_between"]) / max(drawn, 1)
-      arms.append({"name": name, **out, "focus": focus})
-    rows = summarize(arms, sft_pass=report["pass_rate"], margin=MARGIN)
-    for row in rows:
-      row["load avg"] = round(os.getloadavg()[0], 1)
-      break
-    return rows
+      arms.append({"name": name, **out, "focus": focus, "load": sum(load) / len(load)})
+    return summarize(arms)
   finally:
     if workdir is None:
       shutil.rmtree(root, ignore_errors=True)
