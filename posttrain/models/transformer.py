@@ -153,7 +153,7 @@ class Attention(nnx.Module):
         # Keys per block, as in chunked attention; blocks past the longest row are skipped.
         out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
                                        k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
-                                       chunk_size=cfg.attention_chunk)
+                                       chunk_size=cfg.decode_chunk)
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache

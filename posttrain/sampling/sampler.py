@@ -292,7 +292,11 @@ class Sampler:
     decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
                            functools.partial(self._decode, mode=mode), decode_args,
                            donate=(1,))
-    out_tokens, out_logp, lengths, stopped, steps = jax.device_get(decode(*decode_args)[1:])
+    outputs = decode(*decode_args)[1:]
+    if jax.process_count() > 1:  # Rows live on every host's devices: gather them here.
+      from jax.experimental import multihost_utils
+      outputs = multihost_utils.process_allgather(outputs, tiled=True)
+    out_tokens, out_logp, lengths, stopped, steps = jax.device_get(outputs)
     return Completions(tokens=out_tokens[:rows, :max_new_tokens],
                        logprobs=out_logp[:rows, :max_new_tokens],
                        lengths=lengths[:rows],

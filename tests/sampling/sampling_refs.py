@@ -12,7 +12,7 @@ from posttrain import models
 # A larger init scale than the preset makes the random model's next-token distribution peaked
 # and context dependent, so greedy paths and top-k / top-p sets are informative. Decode
 # attention reads the cache in blocks of 16 keys, so rows span several blocks and skip some.
-CFG = models.get_preset("tiny", init_std=0.2, attention_chunk=16)
+CFG = models.get_preset("tiny", init_std=0.2, attention_chunk=16, decode_chunk=16)
 MAX_LEN = 64
 # Lengths 1 and 16 sit on bucket edges; 17 spills into the next length bucket.
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 36)), list(range(40, 57)), [3, 3, 3, 8]]
