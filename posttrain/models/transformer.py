@@ -7,8 +7,7 @@ H head_dim, F ffn, V vocab. Parameters carry logical axis names (`logical_axes` 
 
 from __future__ import annotations
 
-import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
