@@ -25,61 +25,73 @@ def test_classify_splits_solved_unsolved_and_in_between():
                     "unsolved": ["b/z"]}
 
 
-GREEDY = (("greedy", "curve", 0.05),)
+GREEDY = (("greedy", "curve"),)
 
 
-def _arm(name, curve, focus=0.5, sampled=None):
-  return {"name": name, "curve": curve, "sampled_curve": sampled or [], "seconds": 12.0,
-          "eval_seconds": 3.0, "focus": focus, "load": 2.5}
+def _arm(name, curve, focus=0.5, sampled=None, seed=0):
+  return {"name": name, "seed": seed, "curve": curve, "sampled_curve": sampled or [],
+          "seconds": 12.0, "eval_seconds": 3.0, "focus": focus, "load": 2.5}
 
 
-def test_summarize_reports_steps_and_the_ratio_over_uniform():
+def test_summarize_reports_steps_per_margin_and_the_ratio_over_uniform():
   arms = [_arm("uniform", [(0, 0.2), (10, 0.22), (20, 0.26), (30, 0.27)], focus=0.3),
           _arm("learnability", [(0, 0.2), (10, 0.25), (20, 0.28), (30, 0.28)], focus=0.8)]
-  rows = curriculum.summarize(arms, metrics=GREEDY)
+  rows = curriculum.summarize(arms, metrics=GREEDY, margins=(0.02, 0.05, 0.07))
   assert [r["arm"] for r in rows] == ["uniform", "learnability", "learnability / uniform"]
-  assert rows[0]["target"] == pytest.approx(0.25)
-  assert rows[0]["steps to target"] == 20 and rows[1]["steps to target"] == 10
-  assert rows[2]["steps to target"] == 0.5
-  assert rows[0]["final"] == 0.27 and rows[1]["best"] == 0.28
-  assert rows[1]["in-between share"] == 0.8
-  assert "10:0.250" in rows[1]["curve (step:pass)"]
+  uni, learn, ratio = rows
+  assert (uni["+0.02"], uni["+0.05"], uni["+0.07"]) == (10, 20, 30)
+  assert (learn["+0.02"], learn["+0.05"], learn["+0.07"]) == (10, 10, 20)
+  assert (ratio["+0.02"], ratio["+0.05"], ratio["+0.07"]) == (1.0, 0.5, 0.67)
+  assert uni["SFT"] == 0.2 and uni["final"] == 0.27 and learn["best"] == 0.28
+  assert learn["in-between share"] == 0.8
+  assert "10:0.250" in learn["curve (step:pass)"]
   assert "| learnability / uniform |" in table(rows)
 
 
-def test_summarize_has_rows_per_metric_with_their_own_targets():
-  arms = [_arm("uniform", [(0, 0.2), (10, 0.3)], sampled=[(0, 0.1), (10, 0.12)]),
-          _arm("learnability", [(0, 0.2), (10, 0.3)], sampled=[(0, 0.1), (10, 0.2)])]
-  rows = curriculum.summarize(arms, metrics=(("greedy", "curve", 0.05),
-                                             ("sampled", "sampled_curve", 0.05)))
-  by = {(r["arm"], r["metric"]): r for r in rows}
-  assert by[("uniform", "sampled")]["target"] == pytest.approx(0.15)
-  assert by[("uniform", "sampled")]["steps to target"] == "not reached"
-  assert by[("learnability", "sampled")]["steps to target"] == 10
-  assert by[("learnability / uniform", "greedy")]["steps to target"] == 1.0
-  assert by[("learnability / uniform", "sampled")]["steps to target"] == (
-      "only learnability reached")
-  # Without sampled curves (samples=0) the metric has no rows at all.
-  rows = curriculum.summarize([_arm("uniform", [(0, 0.2)])])
-  assert {r["metric"] for r in rows} == {"greedy"}
-
-
-def test_summarize_says_which_arm_reached_when_one_did_not():
+def test_summarize_marks_targets_never_reached():
   never = _arm("uniform", [(0, 0.2), (10, 0.21)])
   fast = _arm("learnability", [(0, 0.2), (10, 0.3)])
   slow = _arm("learnability", [(0, 0.2), (10, 0.22)])
-  rows = curriculum.summarize([never, fast], metrics=GREEDY)
-  assert rows[0]["steps to target"] == "not reached"
-  assert rows[-1]["steps to target"] == "only learnability reached"
-  rows = curriculum.summarize([never, slow], metrics=GREEDY)
-  assert rows[-1]["steps to target"] == "neither reached"
-  rows = curriculum.summarize([fast | {"name": "uniform"}, slow], metrics=GREEDY)
-  assert rows[-1]["steps to target"] == "only uniform reached"
+  rows = curriculum.summarize([never, fast], metrics=GREEDY, margins=(0.05,))
+  assert rows[0]["+0.05"] == "-"
+  assert rows[-1]["+0.05"] == "only this arm"
+  rows = curriculum.summarize([never, slow], metrics=GREEDY, margins=(0.05,))
+  assert rows[-1]["+0.05"] == "neither"
+  rows = curriculum.summarize([fast | {"name": "uniform"}, slow], metrics=GREEDY,
+                              margins=(0.05,))
+  assert rows[-1]["+0.05"] == "only uniform"
+
+
+def test_summarize_pairs_ratios_by_seed_and_keeps_metrics_apart():
+  arms = [_arm("uniform", [(0, 0.2), (10, 0.2), (20, 0.3)], sampled=[(0, 0.1), (10, 0.2)]),
+          _arm("learnability", [(0, 0.2), (10, 0.3)], sampled=[(0, 0.1), (10, 0.2)]),
+          _arm("uniform", [(0, 0.2), (10, 0.3)], seed=1),
+          _arm("learnability", [(0, 0.2), (10, 0.3)], seed=1),
+          _arm("learnability floor=0.05", [(0, 0.2), (10, 0.3)])]
+  rows = curriculum.summarize(arms, margins=(0.05,))
+  by = {(r["arm"], r["seed"], r["metric"]): r for r in rows}
+  assert by[("learnability / uniform", 0, "greedy")]["+0.05"] == 0.5
+  assert by[("learnability / uniform", 1, "greedy")]["+0.05"] == 1.0
+  assert by[("learnability floor=0.05 / uniform", 0, "greedy")]["+0.05"] == 0.5
+  assert by[("learnability / uniform", 0, "sampled")]["+0.05"] == 1.0
+  # Seed 1 ran without sampled evaluation: no sampled rows for it.
+  assert ("uniform", 1, "sampled") not in by
+  assert ("learnability / uniform", 1, "sampled") not in by
+  medians = curriculum.median_ratios(rows)
+  assert medians[("learnability / uniform", "greedy", "+0.05")] == 0.75
+  assert medians[("learnability / uniform", "sampled", "+0.05")] == 1.0
+
+
+def test_median_ratios_leave_a_cell_with_an_unreached_seed_open():
+  rows = [{"arm": "learnability / uniform", "seed": 0, "metric": "greedy", "+0.03": 0.5},
+          {"arm": "learnability / uniform", "seed": 1, "metric": "greedy",
+           "+0.03": "only this arm"}]
+  assert curriculum.median_ratios(rows) == {("learnability / uniform", "greedy", "+0.03"): None}
 
 
 def test_summarize_rejects_a_target_the_warm_start_already_meets():
   with pytest.raises(ValueError, match="margin=0"):
-    curriculum.summarize([_arm("uniform", [(0, 0.2)])], metrics=(("greedy", "curve", 0.0),))
+    curriculum.summarize([_arm("uniform", [(0, 0.2)])], margins=(0.03, 0.0))
 
 
 def test_the_mix_names_registered_domains_once():
@@ -94,8 +106,12 @@ def test_the_config_resolves_to_the_mix_and_equal_budgets():
   quick, full = curriculum.base_config(True), curriculum.base_config(False)
   assert experiment.run_domains(quick) == list(curriculum.DOMAINS)
   assert quick.train.rl_steps < full.train.rl_steps
+  assert full.eval.samples > 0  # The sampled metric is the primary one.
   for name, overrides in curriculum.ARMS + curriculum.EXTRA_ARMS:
     c = curriculum.base_config(False)
     curriculum._set(c, overrides)
     assert c.scheduler.rule in ("uniform", "learnability"), name
+    # Arms differ only in the scheduler: same budget, batch, optimiser and seed.
     assert c.train.rl_steps == full.train.rl_steps and c.seed == full.seed
+    assert c.rollout.prompts_per_step == full.rollout.prompts_per_step
+    assert c.optim.to_dict() == full.optim.to_dict()
