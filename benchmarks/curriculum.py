@@ -65,7 +65,7 @@ def base_config(quick: bool) -> ml_collections.ConfigDict:
   c.tasks.domains = ",".join(DOMAINS)
   c.tasks.levels = ""
   c.sft.steps = 300
-  c.train.rl_steps = 40 if quick else 60
+  c.train.rl_steps = 40 if quick else 100
   c.rollout.prompts_per_step = 32
   c.rollout.max_new_tokens = 32  # Room for every answer of the mix: failures are wrong.
   # A fresh Adam moves every weight by ~lr per step whatever the gradient's size; at
@@ -183,12 +183,14 @@ def _curve_text(curve: Sequence[tuple[int, float]]) -> str:
   return " ".join(f"{s}:{r:.3f}" for s, r in curve)
 
 
-def _ratio(steps: int | None, base: int | None) -> Any:
+def _ratio(steps: int | None, base: int | None, budget: int) -> Any:
+  """steps / base; when only this arm reached the target within `budget` steps the
+  baseline needs more than `budget`, so the ratio is below steps / budget."""
   if steps is not None and base:
     return round(steps / base, 2)
   if steps is None and base is None:
     return "neither"
-  return "only uniform" if steps is None else "only this arm"
+  return "only uniform" if steps is None else f"<{steps / budget:.2f}"
 
 
 def summarize(arms: Sequence[dict[str, Any]], *, metrics=METRICS, margins=MARGINS,
@@ -205,8 +207,9 @@ def summarize(arms: Sequence[dict[str, Any]], *, metrics=METRICS, margins=MARGIN
 
   Returns:
     Rows whose "+m" columns hold steps to reach warm start + m ("-" when never), then
-    rows "<arm> / <baseline>" whose "+m" columns hold step ratios, or which arm alone
-    reached the target ("only this arm", "only uniform") or "neither".
+    rows "<arm> / <baseline>" whose "+m" columns hold step ratios: a number, "<x" when
+    only the arm reached the target (the baseline needs more than its whole budget),
+    "only uniform" or "neither".
   """
   bad = [m for m in margins if not m > 0]
   if bad:
@@ -215,11 +218,13 @@ def summarize(arms: Sequence[dict[str, Any]], *, metrics=METRICS, margins=MARGIN
   rows, ratios = [], []
   for metric, key in metrics:
     reached: dict[tuple[str, int], list[int | None]] = {}
+    budgets: dict[tuple[str, int], int] = {}
     for arm in arms:
       curve = arm.get(key)
       if not curve:
         continue
       start = curve[0][1]
+      budgets[(arm["name"], arm["seed"])] = curve[-1][0]
       steps = [steps_to_target(curve, start + m) for m in margins]
       reached[(arm["name"], arm["seed"])] = steps
       rows.append({"arm": arm["name"], "seed": arm["seed"], "metric": metric,
@@ -235,14 +240,15 @@ def summarize(arms: Sequence[dict[str, Any]], *, metrics=METRICS, margins=MARGIN
       base = reached.get((baseline, seed))
       if name == baseline or base is None:
         continue
+      budget = budgets[(baseline, seed)]
       ratios.append({"arm": f"{name} / {baseline}", "seed": seed, "metric": metric,
-                     **{c: _ratio(s, b) for c, s, b in zip(cols, steps, base)}})
+                     **{c: _ratio(s, b, budget) for c, s, b in zip(cols, steps, base)}})
   return rows + ratios
 
 
-def median_ratios(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str], Any]:
-  """{(arm, metric, margin column): median step ratio over seeds} from summarize's ratio
-  rows; a cell with any non-numeric seed (a target one side never reached) stays None."""
+def ratios_over_seeds(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str], str]:
+  """{(arm, metric, margin column): text} from summarize's ratio rows: the median over
+  seeds when every seed has a number, else the per-seed values."""
   cells: dict[tuple[str, str, str], list[Any]] = {}
   for row in rows:
     if " / " not in str(row["arm"]):
@@ -250,7 +256,9 @@ def median_ratios(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str], 
     for col, value in row.items():
       if col.startswith("+"):
         cells.setdefault((row["arm"], row["metric"], col), []).append(value)
-  return {k: statistics.median(v) if all(isinstance(x, (int, float)) for x in v) else None
+  return {k: (f"median {statistics.median(v):g}"
+              if all(isinstance(x, (int, float)) for x in v)
+              else "per seed " + ", ".join(map(str, v)))
           for k, v in cells.items()}
 
 
@@ -289,8 +297,8 @@ def run(quick: bool, *, workdir: str | None = None, log=print) -> list[dict[str,
       arms.append({"name": name, "seed": seed, **out, "focus": focus,
                    "load": sum(load) / len(load)})
     rows = summarize(arms)
-    for (arm, metric, col), ratio in median_ratios(rows).items():
-      log(f"median over seeds, {arm}, {metric} {col}: {ratio}")
+    for (arm, metric, col), text in ratios_over_seeds(rows).items():
+      log(f"steps to warm start {col}, {metric}, {arm}: {text}")
     return rows
   finally:
     if workdir is None:

@@ -54,7 +54,8 @@ def test_summarize_marks_targets_never_reached():
   slow = _arm("learnability", [(0, 0.2), (10, 0.22)])
   rows = curriculum.summarize([never, fast], metrics=GREEDY, margins=(0.05,))
   assert rows[0]["+0.05"] == "-"
-  assert rows[-1]["+0.05"] == "only this arm"
+  # Uniform needs more than its 10-step budget, learnability took 10: ratio below 1.
+  assert rows[-1]["+0.05"] == "<1.00"
   rows = curriculum.summarize([never, slow], metrics=GREEDY, margins=(0.05,))
   assert rows[-1]["+0.05"] == "neither"
   rows = curriculum.summarize([fast | {"name": "uniform"}, slow], metrics=GREEDY,
@@ -77,16 +78,16 @@ def test_summarize_pairs_ratios_by_seed_and_keeps_metrics_apart():
   # Seed 1 ran without sampled evaluation: no sampled rows for it.
   assert ("uniform", 1, "sampled") not in by
   assert ("learnability / uniform", 1, "sampled") not in by
-  medians = curriculum.median_ratios(rows)
-  assert medians[("learnability / uniform", "greedy", "+0.05")] == 0.75
-  assert medians[("learnability / uniform", "sampled", "+0.05")] == 1.0
+  text = curriculum.ratios_over_seeds(rows)
+  assert text[("learnability / uniform", "greedy", "+0.05")] == "median 0.75"
+  assert text[("learnability / uniform", "sampled", "+0.05")] == "median 1"
 
 
-def test_median_ratios_leave_a_cell_with_an_unreached_seed_open():
+def test_ratios_over_seeds_list_the_seeds_when_one_is_not_a_number():
   rows = [{"arm": "learnability / uniform", "seed": 0, "metric": "greedy", "+0.03": 0.5},
-          {"arm": "learnability / uniform", "seed": 1, "metric": "greedy",
-           "+0.03": "only this arm"}]
-  assert curriculum.median_ratios(rows) == {("learnability / uniform", "greedy", "+0.03"): None}
+          {"arm": "learnability / uniform", "seed": 1, "metric": "greedy", "+0.03": "<0.40"}]
+  assert curriculum.ratios_over_seeds(rows) == {
+      ("learnability / uniform", "greedy", "+0.03"): "per seed 0.5, <0.40"}
 
 
 def test_summarize_rejects_a_target_the_warm_start_already_meets():
