@@ -56,9 +56,15 @@ class _Config:
   logits_soft_cap: float | None
   sliding_window: int | None
   segments: bool
+  num_warps: int | None = None  # GPU only; None = by head_dim
+  num_stages: int | None = None  # GPU only; None = 2
+  num_warps_bwd: int | None = None
+  num_stages_bwd: int | None = None
 
   def for_backward(self) -> _Config:
-    return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd)
+    return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd,
+                               num_warps=self.num_warps_bwd,
+                               num_stages=self.num_stages_bwd)
 
   @property
   def offset(self) -> int:
@@ -168,6 +174,57 @@ def _block_fully_visible(cfg: _Config, qi, ki):
     if not cfg.causal:
       full &= kv_hi - q_lo < w
   return full
+
+
+def kv_full_range(cfg: _Config, qi):
+  """Inclusive range [lo, hi] of kv blocks that `qi` sees with no element masked:
+  a sub-range of `kv_block_range(cfg, qi)` that loops may run without the mask
+  (exactly the blocks of `_block_fully_visible`). Empty ranges have lo > hi."""
+  qi = jnp.asarray(qi, jnp.int32)
+  lo, hi = kv_block_range(cfg, qi)
+  if not cfg.may_mask:
+    return lo, hi
+  if cfg.segments:
+    return hi + 1, hi
+  bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
+  bias = _bias(cfg, bk)
+  q_lo = qi * bq + cfg.offset
+  q_hi = jnp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
+  full_hi = jnp.minimum(hi, cfg.kv_len // bk - 1)  # the last partial block is masked
+  if cfg.causal:  # key block ends at or before the first query
+    full_hi = jnp.minimum(full_hi, _floor_div(q_lo + 1, bk, bias) - 1)
+  full_lo = lo
+  if w is not None:  # the last query still sees the block's first key
+    full_lo = jnp.maximum(full_lo, _floor_div(q_hi - w, bk, bias) + 1)
+    if not cfg.causal:  # the first query sees the block's last key
+      full_hi = jnp.minimum(full_hi, _floor_div(q_lo + w - bk, bk, bias))
+  return full_lo, full_hi
+
+
+def q_full_range(cfg: _Config, ki):
+  """Inclusive range [lo, hi] of q blocks that see kv block `ki` with no element
+  masked (a sub-range of `q_block_range`; with a sliding window the last q block,
+  whose padding rows are never masked, may be left out)."""
+  ki = jnp.asarray(ki, jnp.int32)
+  lo, hi = q_block_range(cfg, ki)
+  if not cfg.may_mask:
+    return lo, hi
+  if cfg.segments:
+    return hi + 1, hi
+  bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
+  bias = _bias(cfg, bq)
+  kv_lo, kv_hi = ki * bk, ki * bk + bk - 1
+  full_lo, full_hi = lo, hi
+  if cfg.causal:  # the block's first query sees the last key
+    full_lo = jnp.maximum(full_lo, _floor_div(kv_hi - cfg.offset + bq - 1, bq, bias))
+  if w is not None:
+    # Every row of the q block (padding included) still sees the first key.
+    full_hi = jnp.minimum(full_hi, _floor_div(w + kv_lo - cfg.offset - bq, bq, bias))
+    if not cfg.causal:
+      full_lo = jnp.maximum(full_lo, _floor_div(kv_hi - cfg.offset - w, bq, bias) + 1)
+  if cfg.kv_len % bk:
+    full_hi = jnp.where(kv_hi >= cfg.kv_len, full_lo - 1, full_hi)
+  return full_lo, full_hi
 
 
 def _element_mask(cfg: _Config, qi, ki, shape, q_seg=None, kv_seg=None):
@@ -525,6 +582,12 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
 # the visible blocks of the other axis. Row statistics are plain [block] vectors.
 
 
+def _gpu_q_block(cfg: _Config, program: Any):
+  """q block of a grid program: with a causal mask the last (longest-running) q blocks
+  are launched first, so short blocks fill the tail of the launch."""
+  return cfg.num_q_blocks - 1 - program if cfg.causal else program
+
+
 def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref):
   q_seg = kv_seg = None
   if cfg.segments:
@@ -533,14 +596,27 @@ def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref):
   return _element_mask(cfg, qi, ki, shape, q_seg, kv_seg)
 
 
-def _visible_loop(lo_hi, body, init, counts: bool):
-  """fori_loop over the visible blocks [lo, hi]; with `counts` it also counts the
-  iterations it ran (the debug counter of the block-skipping tests)."""
+def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
+  """Runs `body(i, carry, masked)` over the visible blocks [lo, hi]: the fully visible
+  sub-range [full_lo, full_hi] without the element mask, the blocks before and after
+  it with the mask. With `counts` it also counts the iterations it ran (the debug
+  counter of the block-skipping tests)."""
   lo, hi = lo_hi
-  if not counts:
-    return lax.fori_loop(lo, hi + 1, body, init), None
-  return lax.fori_loop(lo, hi + 1, lambda i, c: (body(i, c[0]), c[1] + 1),
-                       (init, jnp.int32(0)))
+  full_lo, full_hi = full_lo_hi
+  empty = full_lo > full_hi
+  full_lo = jnp.where(empty, hi + 1, full_lo)
+  full_hi = jnp.where(empty, hi, full_hi)
+  spans = ((lo, jnp.minimum(hi, full_lo - 1), True), (full_lo, full_hi, False),
+           (jnp.maximum(lo, full_hi + 1), hi, True))
+  carry = (init, jnp.int32(0))
+  for start, stop, masked in spans:
+    step = functools.partial(body, masked=masked)
+    if counts:
+      carry = lax.fori_loop(start, stop + 1, lambda i, c, f=step: (f(i, c[0]), c[1] + 1),
+                            carry)
+    else:
+      carry = (lax.fori_loop(start, stop + 1, step, carry[0]), None)
+  return carry
 
 
 def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
@@ -548,15 +624,15 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
   rest = refs[5:] if cfg.segments else refs[3:]
   o_ref, lse_ref = rest[:2]
-  qi = pl.program_id(0)
+  qi = _gpu_q_block(cfg, pl.program_id(0))
   bq, bk = cfg.block_q, cfg.block_kv
   q = q_ref[...]
 
-  def body(ki, carry):
+  def body(ki, carry, masked):
     acc, m, l = carry
     kv_slice = pl.ds(ki * bk, bk)
     s = _logits(cfg, q, k_ref[kv_slice, :])
-    if cfg.may_mask:
+    if masked:
       s = jnp.where(_gpu_block_mask(cfg, qi, ki, (bq, bk), q_seg_ref, kv_seg_ref), s,
                     MASK_VALUE)
     m_next = jnp.maximum(m, s.max(axis=-1))
@@ -569,7 +645,8 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   # full_like keeps the loaded values' shard_map axes (interpret mode under shard_map).
   init = (lax.full_like(q, 0.0, jnp.float32), lax.full_like(q, MASK_VALUE, jnp.float32, (bq,)),
           lax.full_like(q, 0.0, jnp.float32, (bq,)))
-  (acc, m, l), visited = _visible_loop(kv_block_range(cfg, qi), body, init, counts)
+  (acc, m, l), visited = _visible_loop(kv_block_range(cfg, qi), kv_full_range(cfg, qi),
+                                       body, init, counts)
   empty = m == MASK_VALUE
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -578,10 +655,10 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     rest[2][...] = jnp.full(rest[2].shape, visited, jnp.int32)
 
 
-def _gpu_ds(cfg, qi, ki, q, k, v, do, lse, di, q_seg_ref, kv_seg_ref):
+def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse, di, q_seg_ref, kv_seg_ref):
   capped = _logits(cfg, q, k)
   s = capped
-  if cfg.may_mask:
+  if masked:
     s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref), s,
                   MASK_VALUE)
   p = jnp.exp(s - lse[:, None])
@@ -593,18 +670,18 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
   rest = refs[8:] if cfg.segments else refs[6:]
-  qi = pl.program_id(0)
+  qi = _gpu_q_block(cfg, pl.program_id(0))
   bk = cfg.block_kv
   q, do, lse, di = q_ref[...], do_ref[...], lse_ref[...], di_ref[...]
 
-  def body(ki, dq):
+  def body(ki, dq, masked):
     kv_slice = pl.ds(ki * bk, bk)
     k = k_ref[kv_slice, :]
-    _, ds = _gpu_ds(cfg, qi, ki, q, k, v_ref[kv_slice, :], do, lse, di, q_seg_ref,
+    _, ds = _gpu_ds(cfg, qi, ki, masked, q, k, v_ref[kv_slice, :], do, lse, di, q_seg_ref,
                     kv_seg_ref)
     return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  dq, visited = _visible_loop(kv_block_range(cfg, qi), body,
+  dq, visited = _visible_loop(kv_block_range(cfg, qi), kv_full_range(cfg, qi), body,
                               lax.full_like(q, 0.0, jnp.float32), counts)
   rest[0][...] = dq.astype(rest[0].dtype)
   if counts:
@@ -619,20 +696,20 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   ki = pl.program_id(0)
   bq = cfg.block_q
   k, v = k_ref[...], v_ref[...]
-  q_range = q_block_range(cfg, ki)
+  q_range, q_full = q_block_range(cfg, ki), q_full_range(cfg, ki)
 
   def head(gi, carry):
-    def body(qi, dkv):
+    def body(qi, dkv, masked):
       dk, dv = dkv
       q_slice = pl.ds(qi * bq, bq)
       q, do = q_ref[q_slice, gi, :], do_ref[q_slice, gi, :]
-      p, ds = _gpu_ds(cfg, qi, ki, q, k, v, do, lse_ref[gi, q_slice], di_ref[gi, q_slice],
+      p, ds = _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse_ref[gi, q_slice], di_ref[gi, q_slice],
                       q_seg_ref, kv_seg_ref)
       dv = dv + lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
       dk = dk + lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
       return dk, dv
 
-    dkv, visited = _visible_loop(q_range, body, carry[0], counts)
+    dkv, visited = _visible_loop(q_range, q_full, body, carry[0], counts)
     return dkv, (carry[1] + visited if counts else carry[1])
 
   zeros = lax.full_like(k, 0.0, jnp.float32)
@@ -647,7 +724,8 @@ def _gpu_compiler_params(cfg: _Config, d: int):
   if cfg.interpret:
     return None
   from jax.experimental.pallas import triton as plgpu  # only ever imported for GPU runs
-  return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+  return plgpu.CompilerParams(
+      num_warps=cfg.num_warps or (4 if d <= 64 else 8), num_stages=cfg.num_stages or 2)
 
 
 def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
@@ -655,8 +733,9 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   b, tq, h, d = q.shape
   tk = k.shape[1]
   bq, g, nq = cfg.block_q, cfg.group, cfg.num_q_blocks
+  qb = functools.partial(_gpu_q_block, cfg)
   in_specs = [
-      pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
+      pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qb(i), hi, 0)),
       pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
       pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
   ]
@@ -665,12 +744,12 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0))]
     operands += [q_seg, kv_seg]
-  out_specs = [pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
-               pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, qi))]
+  out_specs = [pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qb(i), hi, 0)),
+               pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qb(i)))]
   out_shape = [_struct(q.shape, q.dtype, q),
                _struct((b, h, tq), jnp.float32, q)]
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1), lambda qi, bi, hi: (bi, hi, qi)))
+    out_specs.append(pl.BlockSpec((None, None, 1), lambda i, bi, hi: (bi, hi, qb(i))))
     out_shape.append(_struct((b, h, nq), jnp.int32, q))
   return pl.pallas_call(
       functools.partial(_gpu_fwd_kernel, cfg=cfg, counts=counts),
@@ -688,10 +767,11 @@ def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
   seg_operands = (q_seg, kv_seg) if cfg.segments else ()
   params = _gpu_compiler_params(cfg, d)
+  qb = functools.partial(_gpu_q_block, cfg)
 
-  q_spec = pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, qi, hi, 0))
+  q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qb(i), hi, 0))
   kv_spec = pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, qi))
+  row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qb(i)))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   if cfg.segments:
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
@@ -699,7 +779,7 @@ def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1), lambda qi, bi, hi: (bi, hi, qi)))
+    out_specs.append(pl.BlockSpec((None, None, 1), lambda i, bi, hi: (bi, hi, qb(i))))
     out_shape.append(_struct((b, h, nq), jnp.int32, q))
   dq_out = pl.pallas_call(
       functools.partial(_gpu_dq_kernel, cfg=cfg, counts=counts),
@@ -833,7 +913,8 @@ def default_backend() -> str:
 def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None,
-                interpret=None) -> _Config:
+                num_warps=None, num_stages=None, num_warps_bwd=None,
+                num_stages_bwd=None, interpret=None) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config."""
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
@@ -863,6 +944,15 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
           f"{name} must be a positive multiple of {minimum} for the {backend} kernel, "
           f"got {block}")
     blocks.append(int(block))
+  # Explicit forward launch options also apply to the backward kernels.
+  num_warps_bwd = num_warps if num_warps_bwd is None else num_warps_bwd
+  num_stages_bwd = num_stages if num_stages_bwd is None else num_stages_bwd
+  launch = dict(num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
+                num_stages_bwd=num_stages_bwd)
+  for name, value in launch.items():
+    if value is not None and (int(value) != value or value < 1):
+      raise ValueError(f"{name} must be a positive integer, got {value}")
+    launch[name] = None if value is None else int(value)
   return _Config(
       backend=backend, interpret=interpret, q_len=q_len, kv_len=kv_len,
       block_q=blocks[0], block_kv=blocks[1], block_q_bwd=blocks[2],
@@ -870,7 +960,7 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
-      segments=segments)
+      segments=segments, **launch)
 
 
 def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
@@ -879,6 +969,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sliding_window: int | None = None, backend: str | None = None,
                     block_q: int | None = None, block_kv: int | None = None,
                     block_q_bwd: int | None = None, block_kv_bwd: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret=None):
   """Flash attention with Pallas kernels for the forward and backward passes.
 
@@ -893,6 +985,10 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       be multiples of them.
     block_q_bwd, block_kv_bwd: the same for the backward kernels (default: the forward
       blocks if given, else 512 on TPU and 64 on GPU).
+    num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
+      warps for head_dim > 64, else 4; 2 pipeline stages); ignored by the TPU family.
+    num_warps_bwd, num_stages_bwd: the same for the backward kernels (default: the
+      forward options if given).
     interpret: run in Pallas interpret mode; None = only when not on TPU / GPU.
 
   Returns:
@@ -905,7 +1001,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
                     block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
-                    interpret=interpret)
+                    num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
+                    num_stages_bwd=num_stages_bwd, interpret=interpret)
   return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg)
 
 

@@ -325,11 +325,16 @@ class Transformer(nnx.Module):
 
 
 def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name):
-  def run(block, x, cos, sin, segment_ids, positions):
-    return block(x, cos, sin, segment_ids, None, positions, ctx)
+  # The block is split into a pure pytree and merged inside the checkpointed function,
+  # so it also works when the caller merged the model outside an enclosing trace (a
+  # lax.scan over micro-batches): nnx.remat would refuse to touch such variables.
+  graphdef, state = nnx.split(block)
 
-  fn = nnx.remat(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
-  return fn(block, x, cos, sin, segment_ids, positions)
+  def run(state, x, cos, sin, segment_ids, positions):
+    return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, None, positions, ctx)
+
+  fn = jax.checkpoint(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
+  return fn(state, x, cos, sin, segment_ids, positions)
 
 
 def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,

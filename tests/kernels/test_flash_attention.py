@@ -167,6 +167,64 @@ def test_block_ranges_are_exact(q_len, kv_len, block_q, block_kv, causal, window
   np.testing.assert_array_equal(got_q, want)
 
 
+def brute_force_fully_visible(cfg):
+  """[q blocks, kv blocks] bool: every real query of the q block sees every key slot
+  of the kv block (slots past kv_len count as masked)."""
+  q_pos = np.arange(cfg.num_q_blocks * cfg.block_q) + cfg.kv_len - cfg.q_len
+  kv_pos = np.arange(cfg.num_kv_blocks * cfg.block_kv)
+  diff = q_pos[:, None] - kv_pos[None, :]
+  mask = np.broadcast_to(kv_pos[None, :] < cfg.kv_len, diff.shape).copy()
+  if cfg.causal:
+    mask &= diff >= 0
+  if cfg.sliding_window is not None:
+    mask &= diff < cfg.sliding_window
+    if not cfg.causal:
+      mask &= -diff < cfg.sliding_window
+  mask[cfg.q_len:] = True  # padding rows of q are discarded
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  return mask.reshape(nq, cfg.block_q, nk, cfg.block_kv).all(axis=(1, 3))
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(q_len=st.integers(1, 700), kv_len=st.integers(1, 700),
+                  block_q=st.sampled_from([16, 32, 48, 128]),
+                  block_kv=st.sampled_from([16, 64, 96]), causal=st.booleans(),
+                  window=st.one_of(st.none(), st.integers(1, 300)))
+def test_full_ranges_never_skip_a_mask(q_len, kv_len, block_q, block_kv, causal, window):
+  """The GPU loops run kv_full_range / q_full_range without the element mask: those
+  ranges hold only fully visible block pairs. The kv range is exact, and so is the q
+  range without a sliding window (a loose range would only cost speed)."""
+  q = jax.ShapeDtypeStruct((1, q_len, 1, 8), jnp.float32)
+  k = jax.ShapeDtypeStruct((1, kv_len, 1, 8), jnp.float32)
+  cfg = fa.make_config(q, k, causal=causal, sliding_window=window, backend="gpu",
+                       block_q=block_q, block_kv=block_kv)
+  want = brute_force_fully_visible(cfg) & brute_force_visible(cfg)
+  nq, nk = want.shape
+  got_kv = np.zeros_like(want)
+  for qi in range(nq):
+    lo, hi = (int(x) for x in fa.kv_full_range(cfg, qi))
+    got_kv[qi] = (np.arange(nk) >= lo) & (np.arange(nk) <= hi)
+  np.testing.assert_array_equal(got_kv, want)
+  got_q = np.zeros_like(want)
+  for ki in range(nk):
+    lo, hi = (int(x) for x in fa.q_full_range(cfg, ki))
+    got_q[:, ki] = (np.arange(nq) >= lo) & (np.arange(nq) <= hi)
+  assert not (got_q & ~want).any(), "an unmasked q range holds a masked block"
+  if window is None:
+    np.testing.assert_array_equal(got_q, want)
+
+
+def test_full_ranges_ignore_segments():
+  q = jax.ShapeDtypeStruct((1, 256, 1, 8), jnp.float32)
+  cfg = fa.make_config(q, q, causal=True, segments=True, backend="gpu", block_q=64,
+                       block_kv=64)
+  for i in range(4):
+    lo, hi = (int(x) for x in fa.kv_full_range(cfg, i))
+    assert lo > hi
+    lo, hi = (int(x) for x in fa.q_full_range(cfg, i))
+    assert lo > hi
+
+
 @pytest.mark.slow
 def test_tpu_simulator_checks_scratch_and_dma():
   """The TPU interpreter models VMEM scratch, DMAs and the grid's semantics."""
@@ -196,6 +254,19 @@ def test_lowers_for_gpu_with_triton():
   assert "triton" in _lower("gpu", "cuda").lower()
 
 
+def test_gpu_launch_options_reach_the_kernels():
+  """num_warps / num_stages (and their _bwd forms) become the Triton launch options."""
+  text = _lower("gpu", "cuda", num_warps=4, num_stages=3, num_warps_bwd=8,
+                num_stages_bwd=1)
+  calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+  assert len(calls) == 3, calls
+  fwd = [c for c in calls if "flash_attention_fwd" in c]
+  bwd = [c for c in calls if "flash_attention_d" in c]
+  assert len(fwd) == 1 and len(bwd) == 2
+  assert "num_warps = 4" in fwd[0] and "num_stages = 3" in fwd[0]
+  assert all("num_warps = 8" in c and "num_stages = 1" in c for c in bwd)
+
+
 def test_lowers_for_tpu_with_mosaic(monkeypatch):
   from jax._src.pallas.mosaic import tpu_info
   if not hasattr(tpu_info, "registry") or ON == "tpu":
@@ -210,6 +281,8 @@ def test_lowers_for_tpu_with_mosaic(monkeypatch):
     (dict(block_q=100), "block_q must be a positive multiple of 128 for the tpu kernel"),
     (dict(block_kv_bwd=0), "block_kv_bwd must be a positive multiple of 128"),
     (dict(backend="cuda"), "backend must be 'tpu' or 'gpu', got 'cuda'"),
+    (dict(num_warps=0), "num_warps must be a positive integer, got 0"),
+    (dict(num_stages_bwd=2.5), "num_stages_bwd must be a positive integer, got 2.5"),
 ])
 def test_bad_options(kwargs, message):
   x = jnp.zeros((1, 128, 2, 16))
