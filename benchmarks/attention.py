@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -148,41 +149,213 @@ def _ring_rows(length: int) -> list[dict]:
   return json.loads(out.strip().splitlines()[-1])
 
 
-def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768) -> list[dict]:
-  """Flash vs jax.nn.dot_product_attention on the current GPU / TPU."""
+# Flash launch options tried at one length before the table: forward (block_q, block_kv,
+# num_warps, num_stages) timed alone, then backward options with the best forward.
+GPU_FWD_SWEEP = ((128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+                 (64, 64, 4, 2))
+GPU_BWD_SWEEP = ((64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
+                 (64, 128, 8, 2), (128, 128, 8, 2))
+ACCEL_LENGTHS = (4096, 8192, 16384, 32768)
+XLA_MAX_LENGTH = 16384  # beyond this the materialised scores take most of the card
+
+
+def _attention_inputs(key, batch, length, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
+  """q, k, v and a random output cotangent (timing on ones or zeros flatters kernels)."""
+  ks = jax.random.split(key, 4)
+  q = jax.random.normal(ks[0], (batch, length, heads, head_dim), dtype)
+  k = jax.random.normal(ks[1], (batch, length, kv_heads, head_dim), dtype)
+  v = jax.random.normal(ks[2], (batch, length, kv_heads, head_dim), dtype)
+  do = jax.random.normal(ks[3], q.shape, dtype)
+  return q, k, v, do
+
+
+def _fwd_and_bwd(attention):
+  """(jitted forward, jitted forward + backward with a given cotangent)."""
+  fwd = jax.jit(lambda q, k, v, do: attention(q, k, v))
+
+  def both(q, k, v, do):
+    out, vjp = jax.vjp(attention, q, k, v)
+    return out, vjp(do)
+  return fwd, jax.jit(both)
+
+
+def _time_or_error(fn, args, repeats: int):
+  """Median seconds of warm runs, or a one-line failure (e.g. no cuDNN configuration)."""
+  try:
+    jax.block_until_ready(fn(*args))  # compiles
+    return _median_seconds(fn, args, repeats)
+  except Exception as e:  # pylint: disable=broad-except
+    return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
+
+
+def _flash(**options):
+  return lambda q, k, v: kernels.flash_attention(q, k, v, causal=True, **options)
+
+
+def _rel_err(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim), options
+    ("causal gqa ragged", (2, 1000, 8, 2, 128), dict(causal=True)),
+    ("non-causal mqa d64", (1, 777, 4, 1, 64), dict(causal=False)),
+    ("segments", (2, 640, 4, 4, 128), dict(causal=True, segments=True)),
+    ("window + soft cap", (1, 1536, 4, 2, 128),
+     dict(causal=True, sliding_window=300, logits_soft_cap=30.0)),
+)
+
+
+def accelerator_check(options=None) -> list[dict]:
+  """Flash (bf16) vs the f32 reference on the device: ||x - ref|| / ||ref|| of the
+  output and of dq, dk, dv, on fresh random inputs. bf16 lands near 1e-2 at most."""
+  rows = []
+  for i, (name, (b, t, h, kvh, d), opts) in enumerate(ACCEL_CHECKS):
+    opts = dict(opts)
+    q, k, v, do = _attention_inputs(jax.random.key(100 + i), b, t, h, kvh, d)
+    seg = None
+    if opts.pop("segments", False):
+      seg = jnp.asarray(np.repeat(np.arange(1, 6), -(-t // 5))[:t][None].repeat(b, 0))
+      seg = seg.at[:, -37:].set(0)
+      opts.update(q_segment_ids=seg, kv_segment_ids=seg)
+
+    def run(fn, *args):
+      out, vjp = jax.vjp(fn, *args)
+      return (out, *vjp(do.astype(out.dtype)))
+    flash = lambda q, k, v: kernels.flash_attention(q, k, v, **opts, **(options or {}))
+    ref = lambda q, k, v: kernels.reference_attention(q, k, v, **opts)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    try:
+      got = jax.jit(functools.partial(run, flash))(q, k, v)
+      want = jax.jit(functools.partial(run, ref))(*f32)
+      errs = [_rel_err(g, w) for g, w in zip(got, want)]
+      ok = all(np.isfinite(errs)) and max(errs) < 2e-2
+      row = dict(benchmark="accuracy bf16 vs f32 reference", implementation=name,
+                 out=round(errs[0], 5), dq=round(errs[1], 5), dk=round(errs[2], 5),
+                 dv=round(errs[3], 5), note="ok" if ok else "FAIL")
+    except Exception as e:  # pylint: disable=broad-except
+      row = dict(benchmark="accuracy bf16 vs f32 reference", implementation=name,
+                 note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    print(f"  {row}", file=sys.stderr, flush=True)
+    rows.append(row)
+  return rows
+
+
+def _flops(batch, heads, length, head_dim) -> tuple[float, float]:
+  """Causal (forward, forward + backward) FLOPs: 2 matmuls forward, 5 backward."""
+  fwd = 4 * batch * heads * length**2 * head_dim / 2
+  return fwd, 3.5 * fwd
+
+
+def accelerator_sweep(repeats: int, length: int = 8192, heads: int = 16,
+                      head_dim: int = 128, tokens: int = 32768, fwd_sweep=GPU_FWD_SWEEP,
+                      bwd_sweep=GPU_BWD_SWEEP):
+  """Times flash's launch options at one length; returns (rows, best options)."""
+  batch = max(1, tokens // length)
+  args = _attention_inputs(jax.random.key(1), batch, length, heads, heads, head_dim)
+  fwd_flops, all_flops = _flops(batch, heads, length, head_dim)
+  rows, best_fwd, best = [], None, None
+  for bq, bk, warps, stages in fwd_sweep:
+    opts = dict(block_q=bq, block_kv=bk, num_warps=warps, num_stages=stages)
+    seconds = _time_or_error(_fwd_and_bwd(_flash(**opts))[0], args, repeats)
+    rows.append(_sweep_row("sweep fwd", opts, length, batch, seconds, fwd_flops))
+    if isinstance(seconds, float) and (best_fwd is None or seconds < best_fwd[0]):
+      best_fwd = (seconds, opts)
+  fwd_opts = best_fwd[1] if best_fwd else {}
+  for bq, bk, warps, stages in bwd_sweep:
+    opts = dict(fwd_opts, block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps,
+                num_stages_bwd=stages)
+    seconds = _time_or_error(_fwd_and_bwd(_flash(**opts))[1], args, repeats)
+    rows.append(_sweep_row("sweep fwd+bwd", opts, length, batch, seconds, all_flops))
+    if isinstance(seconds, float) and (best is None or seconds < best[0]):
+      best = (seconds, opts)
+  return rows, (best[1] if best else fwd_opts)
+
+
+def _sweep_row(benchmark, opts, length, batch, seconds, flops) -> dict:
+  row = dict(benchmark=benchmark, implementation="flash " + ",".join(
+      f"{k}={v}" for k, v in opts.items()), length=length, batch=batch)
+  if isinstance(seconds, float):
+    row.update(time_ms=round(1e3 * seconds, 2), tflops=round(flops / seconds / 1e12, 1),
+               note="")
+  else:
+    row.update(time_ms=None, tflops=None, note=seconds)
+  print(f"  {row}", file=sys.stderr, flush=True)
+  return row
+
+
+def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
+                      flash_options=None, kv_heads=None) -> list[dict]:
+  """Flash vs jax.nn.dot_product_attention ('xla', and 'cudnn' on GPU), causal, bf16,
+  forward alone and forward + backward, batch * length = `tokens`."""
   backend = jax.default_backend()
-  impls = [("flash (pallas)", lambda q, k, v: kernels.flash_attention(q, k, v, causal=True)),
-           ("jax xla", lambda q, k, v: jax.nn.dot_product_attention(
-               q, k, v, is_causal=True, implementation="xla"))]
+  kv_heads = heads if kv_heads is None else kv_heads
+  impls = [("flash (pallas)", _flash(**(flash_options or {})))]
+  impls.append(("jax xla", lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="xla")))
   if backend == "gpu":
     impls.append(("jax cudnn", lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")))
   rows = []
   for length in lengths:
     batch = max(1, tokens // length)
-    args = _inputs(length, batch, heads, heads, head_dim, jnp.bfloat16)
-    fwd_flops = 4 * batch * heads * length**2 * head_dim / 2
-    flops = 3.5 * fwd_flops
+    args = _attention_inputs(jax.random.key(length), batch, length, heads, kv_heads,
+                             head_dim)
+    fwd_flops, all_flops = _flops(batch, heads, length, head_dim)
     results = {}
     for name, attention in impls:
-      try:
-        fn = jax.jit(jax.grad(lambda q, k, v, f=attention: jnp.sum(f(q, k, v).astype(
-            jnp.float32)), argnums=(0, 1, 2)))
-        results[name] = _median_seconds(fn, args, repeats)
-      except Exception as e:  # e.g. cuDNN without a supported configuration
-        results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    jax_times = [t for n, t in results.items() if n != "flash (pallas)" and
-                 isinstance(t, float)]
-    for name, seconds in results.items():
-      row = dict(benchmark=f"{backend} fwd+bwd", implementation=name, length=length,
-                 batch=batch, time_ms=None, tflops=None, note="")
-      if isinstance(seconds, float):
-        row.update(time_ms=round(1e3 * seconds, 2), tflops=round(flops / seconds / 1e12, 1))
-        if name == "flash (pallas)" and jax_times:
-          row["flash_vs_best_jax"] = round(min(jax_times) / seconds, 2)
-      else:
-        row["note"] = seconds
-      rows.append(row)
+      if name == "jax xla" and length > XLA_MAX_LENGTH:
+        results[name] = (f"skipped: materialises {batch * heads * length**2 * 4 / 2**30:.0f}"
+                         " GiB of f32 scores",) * 2
+        continue
+      fwd, both = _fwd_and_bwd(attention)
+      results[name] = (_time_or_error(fwd, args, repeats), _time_or_error(both, args, repeats))
+    for mode, idx, flops in (("fwd", 0, fwd_flops), ("fwd+bwd", 1, all_flops)):
+      others = {n: r[idx] for n, r in results.items() if n != "flash (pallas)"}
+      for name, res in results.items():
+        seconds = res[idx]
+        row = dict(benchmark=f"{backend} {mode}" + (f" gqa {heads}:{kv_heads}"
+                                                    if kv_heads != heads else ""),
+                   implementation=name, length=length, batch=batch, time_ms=None,
+                   tflops=None, note="")
+        if isinstance(seconds, float):
+          row.update(time_ms=round(1e3 * seconds, 2), tflops=round(flops / seconds / 1e12, 1))
+          if name == "flash (pallas)":
+            for other, t in others.items():
+              if isinstance(t, float):
+                row[f"flash_vs_{other.split()[-1]}"] = round(t / seconds, 2)
+        else:
+          row["note"] = seconds
+        print(f"  {row}", file=sys.stderr, flush=True)
+        rows.append(row)
+  return rows
+
+
+def accelerator(quick: bool = False, sweep: bool = True, out: str | None = None,
+                repeats: int = 5, lengths=None, fwd_sweep=GPU_FWD_SWEEP,
+                bwd_sweep=GPU_BWD_SWEEP) -> list[dict]:
+  """The accelerator section: accuracy on the device, the launch-option sweep (GPU),
+  then the TFLOP/s table with the best options. `out`: a JSON file rewritten after
+  each part, so a run cut short keeps what it measured."""
+  rows: list[dict] = []
+
+  def save(new):
+    rows.extend(new)
+    if out:
+      with open(out, "w") as f:
+        json.dump(rows, f)
+
+  gpu = jax.default_backend() == "gpu"
+  save(accelerator_check())
+  options = None
+  if gpu and sweep:
+    sweep_rows, options = accelerator_sweep(repeats, length=1024 if quick else 8192,
+                                            fwd_sweep=fwd_sweep, bwd_sweep=bwd_sweep)
+    save(sweep_rows)
+    save([dict(benchmark="chosen flash options", implementation=str(options))])
+  lengths = tuple(lengths or ((512, 1024) if quick else ACCEL_LENGTHS))
+  save(accelerator_flops(lengths, repeats, flash_options=options))
+  save(accelerator_flops(lengths[1:2], repeats, flash_options=options, kv_heads=4))
   return rows
 
 
@@ -193,8 +366,7 @@ def run(quick: bool = False, lengths=None) -> list[dict]:
   rows = chunked_vs_reference(lengths, repeats)
   rows += _ring_rows(max(lengths))
   if jax.default_backend() in ("gpu", "tpu"):
-    rows += accelerator_flops((4096, 8192) if quick else (4096, 8192, 16384, 32768),
-                              repeats)
+    rows += accelerator(quick)
   return rows
 
 
@@ -219,9 +391,27 @@ def main(argv=None) -> None:
   parser.add_argument("--ring-only", action="store_true")
   parser.add_argument("--ring-length", type=int, default=FULL_LENGTHS[-1])
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--accelerator-only", action="store_true",
+                      help="only the device section: accuracy, option sweep, TFLOP/s")
+  parser.add_argument("--no-sweep", action="store_true")
+  options = lambda text: tuple(tuple(int(x) for x in item.split("x"))  # noqa: E731
+                               for item in text.split(","))
+  parser.add_argument("--fwd-sweep", type=options, default=GPU_FWD_SWEEP,
+                      help="forward options to try, e.g. 128x64x8x3,128x128x8x2 "
+                      "(block_q x block_kv x num_warps x num_stages)")
+  parser.add_argument("--bwd-sweep", type=options, default=GPU_BWD_SWEEP,
+                      help="backward options to try, same form")
+  parser.add_argument("--out", help="JSON file for the accelerator rows (rewritten as "
+                      "each part finishes)")
   args = parser.parse_args(argv)
-  rows = (ring_memory(args.ring_length) if args.ring_only
-          else run(args.quick, args.lengths))
+  if args.ring_only:
+    rows = ring_memory(args.ring_length)
+  elif args.accelerator_only:
+    rows = accelerator(args.quick, sweep=not args.no_sweep, out=args.out,
+                       lengths=args.lengths, fwd_sweep=args.fwd_sweep,
+                       bwd_sweep=args.bwd_sweep)
+  else:
+    rows = run(args.quick, args.lengths)
   if args.json:
     print(json.dumps(rows))
   else:

@@ -186,8 +186,23 @@ def table(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
-def render(outcome: dict[str, Any]) -> str:
-  """BENCHMARKS.md from run_all's outcome."""
+KEPT_BEGIN = "<!-- kept by benchmarks.run: accelerator figures -->"
+KEPT_END = "<!-- end of kept figures -->"
+
+
+def kept_sections(text: str) -> list[str]:
+  """The blocks of an existing page between KEPT_BEGIN and KEPT_END (markers included):
+  figures measured on a lent accelerator, which a CPU run cannot reproduce."""
+  blocks, rest = [], text
+  while KEPT_BEGIN in rest and KEPT_END in rest.split(KEPT_BEGIN, 1)[1]:
+    rest = rest.split(KEPT_BEGIN, 1)[1]
+    body, rest = rest.split(KEPT_END, 1)
+    blocks.append(KEPT_BEGIN + body + KEPT_END)
+  return blocks
+
+
+def render(outcome: dict[str, Any], kept: Sequence[str] = ()) -> str:
+  """BENCHMARKS.md from run_all's outcome, then the `kept` blocks of the old page."""
   m, flag = outcome["machine"], " --quick" if outcome["quick"] else ""
   names = ",".join(r["name"] for r in outcome["results"])
   out = ["# Benchmarks", "",
@@ -209,6 +224,8 @@ def render(outcome: dict[str, Any]) -> str:
               f"({r['seconds']:.0f} s)"]
     else:
       out += ["", f"**{r['status']}**: {r['error']}"]
+  for block in kept:
+    out += ["", block]
   return "\n".join(out) + "\n"
 
 
@@ -225,8 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
       parser.error(f"unknown benchmark {unknown[0]!r}; known: {', '.join(names)}")
     names = wanted
+  output = pathlib.Path(args.output)
+  kept = kept_sections(output.read_text()) if output.exists() else []
   outcome = run_all(names, args.quick)
-  text = render(outcome)
+  text = render(outcome, kept)
   pathlib.Path(args.output).write_text(text)
   print(text)
   failed = [r["name"] for r in outcome["results"] if r["status"] == "failed"]

@@ -37,6 +37,11 @@ _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims (x @ y.T)
 
 # (block_q, block_kv, block_q_bwd, block_kv_bwd) per kernel family.
 DEFAULT_BLOCKS = {"tpu": (512, 512, 512, 512), "gpu": (128, 64, 64, 64)}
+# GPU (Triton) launch options (num_warps, num_stages) per direction; None warps = 8 for
+# head_dim > 64, else 4. The best of a sweep on an H200 at length 8k, head_dim 128
+# (`python -m benchmarks.attention --accelerator-only`): forward 351 TFLOP/s vs 264 with
+# 2 stages; forward + backward 331 vs 172 with 8 backward warps.
+DEFAULT_GPU_LAUNCH = {"fwd": (None, 3), "bwd": (4, 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +62,7 @@ class _Config:
   sliding_window: int | None
   segments: bool
   num_warps: int | None = None  # GPU only; None = by head_dim
-  num_stages: int | None = None  # GPU only; None = 2
+  num_stages: int | None = None  # GPU only
   num_warps_bwd: int | None = None
   num_stages_bwd: int | None = None
 
@@ -724,8 +729,8 @@ def _gpu_compiler_params(cfg: _Config, d: int):
   if cfg.interpret:
     return None
   from jax.experimental.pallas import triton as plgpu  # only ever imported for GPU runs
-  return plgpu.CompilerParams(
-      num_warps=cfg.num_warps or (4 if d <= 64 else 8), num_stages=cfg.num_stages or 2)
+  return plgpu.CompilerParams(num_warps=cfg.num_warps or (4 if d <= 64 else 8),
+                              num_stages=cfg.num_stages)
 
 
 def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
@@ -944,15 +949,15 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
           f"{name} must be a positive multiple of {minimum} for the {backend} kernel, "
           f"got {block}")
     blocks.append(int(block))
-  # Explicit forward launch options also apply to the backward kernels.
-  num_warps_bwd = num_warps if num_warps_bwd is None else num_warps_bwd
-  num_stages_bwd = num_stages if num_stages_bwd is None else num_stages_bwd
+  # Launch options are per direction (unlike blocks): the best forward and backward
+  # options differ, and carrying one over slowed the backward kernels 2x.
   launch = dict(num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
                 num_stages_bwd=num_stages_bwd)
+  defaults = dict(zip(launch, DEFAULT_GPU_LAUNCH["fwd"] + DEFAULT_GPU_LAUNCH["bwd"]))
   for name, value in launch.items():
     if value is not None and (int(value) != value or value < 1):
       raise ValueError(f"{name} must be a positive integer, got {value}")
-    launch[name] = None if value is None else int(value)
+    launch[name] = defaults[name] if value is None else int(value)
   return _Config(
       backend=backend, interpret=interpret, q_len=q_len, kv_len=kv_len,
       block_q=blocks[0], block_kv=blocks[1], block_q_bwd=blocks[2],
@@ -986,9 +991,9 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
     block_q_bwd, block_kv_bwd: the same for the backward kernels (default: the forward
       blocks if given, else 512 on TPU and 64 on GPU).
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
-      warps for head_dim > 64, else 4; 2 pipeline stages); ignored by the TPU family.
-    num_warps_bwd, num_stages_bwd: the same for the backward kernels (default: the
-      forward options if given).
+      warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
+    num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
+      2 stages; independent of the forward options).
     interpret: run in Pallas interpret mode; None = only when not on TPU / GPU.
 
   Returns:

@@ -98,6 +98,21 @@ def test_main_writes_the_page_and_rejects_unknown_names(fakes, monkeypatch, tmp_
   assert "unknown benchmark 'nope'" in capsys.readouterr().err
 
 
+def test_rewriting_the_page_keeps_the_accelerator_figures(fakes, monkeypatch, tmp_path):
+  """A CPU re-run cannot measure the GPU tables, so it carries them over verbatim."""
+  monkeypatch.setattr(runner, "discover", lambda: ["fake_good"])
+  monkeypatch.setattr(runner, "matmul_peak_gflops", lambda: 1.0)
+  output = tmp_path / "BENCHMARKS.md"
+  block = f"{runner.KEPT_BEGIN}\n## GPU\n\n| flash | 331 TFLOP/s |\n{runner.KEPT_END}"
+  output.write_text(f"# Old page\n\nstale table\n\n{block}\n")
+  assert runner.main(["--only=fake_good", f"--output={output}"]) == 0
+  text = output.read_text()
+  assert "stale table" not in text and "| a | 0.5 |" in text
+  assert text.count(block) == 1
+  assert runner.main(["--only=fake_good", f"--output={output}"]) == 0  # idempotent
+  assert output.read_text().count(block) == 1
+
+
 def test_discover_lists_known_benchmarks_first_then_the_rest():
   names = runner.discover()
   assert names[:len(runner.KNOWN)] == list(runner.KNOWN)

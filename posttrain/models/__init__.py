@@ -3,7 +3,7 @@
 from posttrain.models import get_preset, create_model, from_pretrained, save_pretrained
 """
 
-from posttrain.models.config import PRESETS, ModelConfig, RopeConfig, get_preset
+from posttrain.models.config import PRESETS, ModelConfig, RopeConfig, decode_chunk_for, get_preset
 from posttrain.models.factory import abstract_model, create_model, shard_model, state_shardings
 from posttrain.models.hf import from_pretrained, hf_config_to_model_config, save_pretrained
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
@@ -12,7 +12,7 @@ from posttrain.models.transformer import (KVCache, Transformer, chunked_logprobs
                                           write_cache)
 
 __all__ = [
-    "PRESETS", "ModelConfig", "RopeConfig", "get_preset", "abstract_model", "create_model",
+    "PRESETS", "ModelConfig", "RopeConfig", "decode_chunk_for", "get_preset", "abstract_model", "create_model",
     "shard_model", "state_shardings", "from_pretrained", "hf_config_to_model_config",
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
     "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",

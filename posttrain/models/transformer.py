@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models import rope as rope_lib
-from posttrain.models.config import ModelConfig
+from posttrain.models.config import ModelConfig, decode_chunk_for
 from posttrain.models.sharding import ShardingContext
 
 _NO_SHARDING = ShardingContext(None)
@@ -152,7 +152,7 @@ class Attention(nnx.Module):
         # Keys per block, as in chunked attention; blocks past the longest row are skipped.
         out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
                                        k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
-                                       chunk_size=cfg.decode_chunk)
+                                       chunk_size=decode_chunk_for(cfg))
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache

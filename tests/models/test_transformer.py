@@ -179,6 +179,17 @@ def test_bad_inputs_raise_clear_errors():
     models.get_preset("gpt5")
   with pytest.raises(ValueError, match="tokens must be"):
     models.create_model(CFG)(jnp.zeros((4,), jnp.int32))
+  with pytest.raises(ValueError, match="decode_chunk must be a positive int or None, got 0"):
+    CFG.replace(decode_chunk=0)
+
+
+def test_decode_chunk_follows_the_backend_unless_set():
+  """Small decode blocks on CPU, large ones on accelerators; an explicit value wins."""
+  auto = CFG.replace(decode_chunk=None)
+  assert models.decode_chunk_for(auto, "cpu") == 32
+  assert models.decode_chunk_for(auto, "gpu") == models.decode_chunk_for(auto, "tpu") == 1024
+  assert models.decode_chunk_for(auto) == 32  # the tests run on CPU
+  assert models.decode_chunk_for(CFG.replace(decode_chunk=48), "gpu") == 48
 
 
 def test_presets_have_the_published_sizes():
