@@ -77,11 +77,6 @@ def base_config(quick: bool) -> ml_collections.ConfigDict:
   c.checkpoint.every = 10_000
   c.checkpoint.async_save = False
   c.train.log_every = 1_000_000  # The benchmark prints its own lines.
-  # One decode-attention block per row: at 863e9a4, kernels.decode_attention with
-  # chunk_size below the cache length skips the blocks before the newest query (its
-  # visibility bound uses the queries' position even without a sliding window), so
-  # every prompt longer than one block decodes wrongly. Drop once that is fixed.
-  c.model.overrides.decode_chunk = 512
   return c
 
 

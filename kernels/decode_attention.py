@@ -108,7 +108,9 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   params = dict(causal=causal, sm_scale=reference.default_sm_scale(d, sm_scale),
                 logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
   newest = jnp.max(lengths) - 1
-  oldest = jnp.min(q_pos) - (sliding_window - 1 if sliding_window else 0)
+  # Without a sliding window every query sees the whole prefix from slot 0; with one,
+  # nothing before the earliest query's window.
+  oldest = jnp.min(q_pos) - (sliding_window - 1) if sliding_window else jnp.int32(0)
 
   def step(carry, i):
     nominal = i * ck

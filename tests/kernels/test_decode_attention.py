@@ -51,6 +51,16 @@ def test_matches_reference_on_each_prefix(t, kw):
   assert_close(out, _per_row_reference(q, k, v, LENGTHS, **kw), 2e-5)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(causal=False), dict(sliding_window=20)])
+def test_long_rows_see_every_chunk_of_their_prefix(kw):
+  """Every row well past the first chunks: the early chunks still hold visible keys
+  (only a sliding window may skip them)."""
+  lengths = (30, 37, 25)
+  q, k, v = _case(t=2, seed=3)
+  out = _decode(q, *_with_garbage(k, v, lengths), jnp.array(lengths), **kw)
+  assert_close(out, _per_row_reference(q, k, v, lengths, **kw), 2e-5)
+
+
 def test_default_chunking_and_bf16():
   q, k, v = (x.astype(jnp.bfloat16) for x in _case(t=2))
   out = kernels.decode_attention(q, k, v, lengths=jnp.array(LENGTHS))

@@ -33,6 +33,13 @@ def test_greedy_equals_argmax_by_full_recomputation(model, sampler):
     np.testing.assert_allclose(out.logprobs[i], ref, atol=1e-4)
 
 
+def test_greedy_rows_all_longer_than_a_decode_block(model, sampler):
+  """No short row in the batch: every row's early cache blocks must still be read."""
+  prompts = [list(range(20, 56)), list(range(60, 93))]  # 36 and 33 > decode_chunk 16
+  out = sampler.generate(prompts, max_new_tokens=10, temperature=0.0)
+  np.testing.assert_array_equal(out.tokens, greedy_by_recomputation(model, prompts, 10))
+
+
 def test_logprobs_equal_model_recomputation_at_temperature_one(model, sampler):
   out = sampler.generate(PROMPTS, max_new_tokens=10, temperature=1.0, seed=7)
   seqs = [p + out.token_lists()[i] for i, p in enumerate(PROMPTS)]
