@@ -31,6 +31,8 @@ from posttrain.rl import state as state_lib
 from posttrain.rl import train_step as ts
 from posttrain.sampling.sampler import Sampler
 
+from benchmarks.train_step import matmul_peak_flops
+
 KL_COEF = 0.04
 
 
@@ -47,16 +49,7 @@ def model_config(tiny: bool, attention_impl: str) -> models.ModelConfig:
 
 def matmul_peak(n: int = 8192, reps: int = 10) -> float:
   """bf16 FLOP/s of one large matmul on the default device (median of reps)."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-  mm = jax.jit(jnp.matmul)
-  mm(a, b).block_until_ready()
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    mm(a, b).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / float(np.median(times))
+  return matmul_peak_flops(n, reps, jnp.bfloat16)
 
 
 def grpo_batch(cfg, rows: int, row_len: int, microbatch: int, seed: int):

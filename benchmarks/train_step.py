@@ -42,10 +42,10 @@ TUNIX_PYTHON = "/tmp/tunix-venv/bin/python"
 TUNIX_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "shared/peers/tunix_grpo_cpu.py"
 
 
-def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
-  """Float32 FLOP/s of one large jitted matmul on the default device (median of reps)."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+def matmul_peak_flops(n: int = 2048, reps: int = 5, dtype=jnp.float32) -> float:
+  """FLOP/s of one large jitted matmul on the default device (median of reps)."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+  b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
   matmul = jax.jit(jnp.matmul)
   matmul(a, b).block_until_ready()
   times = []

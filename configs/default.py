@@ -2,11 +2,17 @@
 
     python -m launch.train --config=configs/default.py --workdir=/tmp/posttrain_default
 
-What to expect on 2 CPU cores: a tiny policy (byte tokenizer) learns the answer format and
-the easiest domains from demonstrations, then GRPO with the learnability scheduler raises
-the held-out pass rate above the SFT-only one. The run prints one line per step, then a
-table of held-out pass rates per family after SFT and after RL, and finishes in about
-10 minutes. Restarting the same command resumes from the last checkpoint.
+What to expect on 2 CPU cores (about 4 minutes on an idle machine, 10 under heavy load):
+a tiny policy (byte tokenizer, 2 layers, d_model 128) learns the answer format and the
+easiest domains from demonstrations (100 SFT steps), then 100 GRPO steps with the
+learnability scheduler. The run prints one line per step, then held-out pass rates per
+family after SFT and after RL. Measured (2026-11-30, idle machine): held-out pass@1
+(mean of 4 samples per task at T=1) 0.210 after SFT -> 0.255 after RL, up in every
+family (strings 0.31 -> 0.46, logic 0.38 -> 0.46, arithmetic 0.09 -> 0.14); greedy
+0.288 -> 0.280, flat: this policy's greedy answers are mostly the per-domain mode (the
+same digit for every one-digit sum), so RL sharpens its sampling distribution towards
+what it already prefers more than it changes its argmax. Restarting the same command
+resumes from the last checkpoint.
 """
 
 import ml_collections
@@ -41,13 +47,15 @@ def get_config() -> ml_collections.ConfigDict:
       levels="1,2", max_domains=0))
   c.scheduler = ml_collections.ConfigDict(dict(rule="learnability", floor=0.2, ema=0.2))
 
-  c.sft = ml_collections.ConfigDict(dict(steps=150, batch_size=64, lr=3e-3, warmup=10))
+  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, warmup=10))
   c.algorithm = "grpo"
   c.rl = presets.algorithm_overrides()
   c.rl.group_size = 8
   c.rl.kl_coef = 0.0
-  c.optim = ml_collections.ConfigDict(dict(lr=5e-4, warmup=2, weight_decay=0.0, clip=1.0))
-  c.train = ml_collections.ConfigDict(dict(rl_steps=40, row_len=192, rows_per_microbatch=32,
+  # A fresh Adam moves every weight by about lr per step whatever the gradient's size:
+  # at 5e-4 with 2 warmup steps the held-out pass rate of the warm start fell.
+  c.optim = ml_collections.ConfigDict(dict(lr=3e-4, warmup=10, weight_decay=0.0, clip=1.0))
+  c.train = ml_collections.ConfigDict(dict(rl_steps=100, row_len=192, rows_per_microbatch=32,
                                            log_every=1))
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,

@@ -36,7 +36,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import jax
@@ -72,6 +72,8 @@ class CheckpointManager:
     keep_last: keep the newest `keep_last` checkpoints; None keeps all.
     keep_every: also keep, forever, every checkpoint whose step is a multiple of
       `keep_every` (must be a multiple of `save_every`).
+    keep_steps: also keep, forever, the checkpoints of these steps (e.g. the one a KL
+      reference is rebuilt from on resume).
     async_save: write in a background thread; `save` returns after the device
       to host copy, so the caller may donate or overwrite `state` right away.
     read_only: for readers of a live run (evaluation): never writes, and leaves
@@ -85,6 +87,7 @@ class CheckpointManager:
       save_every: int = 100,
       keep_last: int | None = 3,
       keep_every: int | None = None,
+      keep_steps: Sequence[int] = (),
       async_save: bool = True,
       read_only: bool = False,
   ):
@@ -103,6 +106,8 @@ class CheckpointManager:
     preserve: list[Any] = [ocp.checkpoint_managers.LatestN(keep_last)]
     if keep_every is not None:
       preserve.append(ocp.checkpoint_managers.EveryNSteps(keep_every))
+    if keep_steps:
+      preserve.append(ocp.checkpoint_managers.CustomSteps([int(s) for s in keep_steps]))
     self._manager = ocp.CheckpointManager(
         self.directory,
         item_handlers={

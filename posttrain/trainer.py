@@ -190,6 +190,10 @@ class Trainer:
                                   save_every=int(config.checkpoint.every),
                                   keep_last=int(config.checkpoint.keep_last),
                                   keep_every=int(config.checkpoint.keep_every) or None,
+                                  # The KL reference is rebuilt from the checkpoint
+                                  # written when RL began: retention must not delete it.
+                                  keep_steps=((int(config.sft.steps),)
+                                              if float(self.algo.kl_coef) > 0 else ()),
                                   async_save=bool(config.checkpoint.async_save))
     self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     self.progress = Progress_()
@@ -689,28 +693,32 @@ def _last_token(mask, seg):
 
 
 def _print_eval_table(before: dict | None, after: dict | None):
-  """Held-out pass rates per family after SFT and after RL (greedy, and sampled if run)."""
+  """Held-out pass rates per family after SFT and after RL: pass@1 over the sampled
+  completions at the rollout temperature when they were run (what RL maximises), and
+  greedy."""
   if not before or not after:
     return
   sampled = "sampled" in before and "sampled" in after
   fams = sorted(set(before["families"]) | set(after["families"]))
-  head = f"{'family':<14}{'SFT':>8}{'RL':>8}"
-  print(head + (f"{'SFT@T':>8}{'RL@T':>8}" if sampled else ""))
+  reports = ([("pass@1", before["sampled"], after["sampled"])] if sampled else []) + [
+      ("greedy", before, after)]
+  print(f"{'':<14}" + "".join(f"{name:>16}" for name, _, _ in reports))
+  print(f"{'family':<14}" + f"{'SFT':>8}{'RL':>8}" * len(reports))
 
   def row(name, key):
     line = f"{name:<14}"
-    for rep in (before, after):
-      line += f"{(rep['families'].get(key, 0) if key else rep['pass_rate']):>8.3f}"
-    if sampled:
-      for rep in (before["sampled"], after["sampled"]):
+    for _, *reps in reports:
+      for rep in reps:
         line += f"{(rep['families'].get(key, 0) if key else rep['pass_rate']):>8.3f}"
     print(line)
 
   for f in fams:
     row(f, f)
   row("all", None)
-  print("(greedy pass@1; @T: mean pass rate of samples at the rollout temperature)",
-        flush=True)
+  if sampled:
+    print("(pass@1: mean reward of eval.samples samples per held-out task at the rollout "
+          "temperature, the quantity RL maximises; greedy: one temperature-0 answer)",
+          flush=True)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:

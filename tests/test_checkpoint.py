@@ -158,6 +158,17 @@ def test_keep_last_plus_every_kth(tmp_path):
   assert on_disk == want
 
 
+def test_keep_steps_survive_retention(tmp_path):
+  """A pinned step (the trainer's RL start, its KL reference) outlives keep_last."""
+  state = {"w": jnp.zeros(3)}
+  with CheckpointManager(tmp_path, save_every=1, keep_last=2, keep_steps=(3,),
+                         async_save=False) as ckpt:
+    for step in range(1, 9):
+      ckpt.save(step, state, {})
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 7, 8]
+
+
 def test_state_may_be_donated_as_soon_as_save_returns(tmp_path):
   mesh = _mesh((2, 4), jax.devices())
   state = _train_state(4, mesh)

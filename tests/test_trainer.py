@@ -85,6 +85,19 @@ def test_few_step_rl_run_end_to_end(tmp_path):
                                          if "reward/mean" in r]) == 3
 
 
+def test_kl_reference_survives_retention_and_resume(tmp_path):
+  """With a KL term the RL-start checkpoint (the reference) is kept past keep_last, so
+  a resumed run rebuilds the same reference."""
+  extra = {"rl.kl_coef": 0.1, "checkpoint.keep_last": 1, "train.rl_steps": 2}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  steps = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+  assert steps == [2, 4]  # sft end / RL start (pinned) and the newest
+  resumed = trainer.train(_config(**{**extra, "train.rl_steps": 3}), str(tmp_path))
+  assert resumed["status"] == "done" and resumed["rl_steps"] == 3
+  rl_rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rl_rows) == 3 and np.isfinite(rl_rows[-1]["kl"])
+
+
 def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _launch(straight, *_flags())
