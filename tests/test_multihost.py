@@ -199,7 +199,6 @@ def _train_args(workdir, **extra):
           *flags]
 
 
-@pytest.mark.slow
 def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   first = _run_two(_train_args(tmp_path), timeout=900)
   for code, out in first:
