@@ -123,22 +123,47 @@ class TestFlashGPUInterpret(TestFlashGPU):
       "causal_gqa_ragged", "segments_q_shorter", "soft_cap_sliding"))
 
 
-def brute_force_visible(cfg):
-  """[q blocks, kv blocks] bool: does any real (query, key) pair pass the mask."""
-  q_pos = np.arange(cfg.q_len) + cfg.kv_len - cfg.q_len
-  kv_pos = np.arange(cfg.kv_len)
-  mask = np.ones((cfg.q_len, cfg.kv_len), bool)
+def _padded_mask(cfg):
+  """[nq * block_q, nk * block_kv] bool element mask over the padded blocks: True where
+  a real query sees a real key."""
+  q_pos = np.arange(cfg.num_q_blocks * cfg.block_q) + cfg.kv_len - cfg.q_len
+  kv_pos = np.arange(cfg.num_kv_blocks * cfg.block_kv)
   diff = q_pos[:, None] - kv_pos[None, :]
+  mask = np.broadcast_to(kv_pos[None, :] < cfg.kv_len, diff.shape).copy()
+  mask[cfg.q_len:] = False
   if cfg.causal:
     mask &= diff >= 0
   if cfg.sliding_window is not None:
     mask &= diff < cfg.sliding_window
     if not cfg.causal:
       mask &= -diff < cfg.sliding_window
+  return mask
+
+
+def _per_block(cfg, mask, reduce):
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
-  padded = np.zeros((nq * cfg.block_q, nk * cfg.block_kv), bool)
-  padded[:cfg.q_len, :cfg.kv_len] = mask
-  return padded.reshape(nq, cfg.block_q, nk, cfg.block_kv).any(axis=(1, 3))
+  return reduce(mask.reshape(nq, cfg.block_q, nk, cfg.block_kv), axis=(1, 3))
+
+
+def brute_force_visible(cfg):
+  """[q blocks, kv blocks] bool: does any real (query, key) pair pass the mask."""
+  return _per_block(cfg, _padded_mask(cfg), np.any)
+
+
+def _range_config(q_len, kv_len, block_q, block_kv, causal, window):
+  q = jax.ShapeDtypeStruct((1, q_len, 1, 8), jnp.float32)
+  k = jax.ShapeDtypeStruct((1, kv_len, 1, 8), jnp.float32)
+  return fa.make_config(q, k, causal=causal, sliding_window=window, backend="gpu",
+                        block_q=block_q, block_kv=block_kv)
+
+
+def _range_tables(cfg, kv_range, q_range):
+  """[q blocks, kv blocks] bool tables of the pairs inside kv_range(qi) / q_range(ki)."""
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  inside = lambda lo_hi, n: (np.arange(n) >= int(lo_hi[0])) & (np.arange(n) <= int(lo_hi[1]))
+  by_kv = np.stack([inside(kv_range(cfg, qi), nk) for qi in range(nq)])
+  by_q = np.stack([inside(q_range(cfg, ki), nq) for ki in range(nk)], axis=1)
+  return by_kv, by_q
 
 
 @hypothesis.settings(max_examples=150, deadline=None)
@@ -149,40 +174,20 @@ def brute_force_visible(cfg):
 def test_block_ranges_are_exact(q_len, kv_len, block_q, block_kv, causal, window):
   """kv_block_range / q_block_range (used by the kernels' loops, pl.when and index
   maps) select exactly the block pairs with a visible (query, key) pair."""
-  q = jax.ShapeDtypeStruct((1, q_len, 1, 8), jnp.float32)
-  k = jax.ShapeDtypeStruct((1, kv_len, 1, 8), jnp.float32)
-  cfg = fa.make_config(q, k, causal=causal, sliding_window=window, backend="gpu",
-                       block_q=block_q, block_kv=block_kv)
+  cfg = _range_config(q_len, kv_len, block_q, block_kv, causal, window)
   want = brute_force_visible(cfg)
-  nq, nk = want.shape
-  got_kv = np.zeros_like(want)
-  for qi in range(nq):
-    lo, hi = (int(x) for x in fa.kv_block_range(cfg, qi))
-    got_kv[qi] = (np.arange(nk) >= lo) & (np.arange(nk) <= hi)
+  got_kv, got_q = _range_tables(cfg, fa.kv_block_range, fa.q_block_range)
   np.testing.assert_array_equal(got_kv, want)
-  got_q = np.zeros_like(want)
-  for ki in range(nk):
-    lo, hi = (int(x) for x in fa.q_block_range(cfg, ki))
-    got_q[:, ki] = (np.arange(nq) >= lo) & (np.arange(nq) <= hi)
   np.testing.assert_array_equal(got_q, want)
 
 
 def brute_force_fully_visible(cfg):
   """[q blocks, kv blocks] bool: every real query of the q block sees every key slot
-  of the kv block (slots past kv_len count as masked)."""
-  q_pos = np.arange(cfg.num_q_blocks * cfg.block_q) + cfg.kv_len - cfg.q_len
-  kv_pos = np.arange(cfg.num_kv_blocks * cfg.block_kv)
-  diff = q_pos[:, None] - kv_pos[None, :]
-  mask = np.broadcast_to(kv_pos[None, :] < cfg.kv_len, diff.shape).copy()
-  if cfg.causal:
-    mask &= diff >= 0
-  if cfg.sliding_window is not None:
-    mask &= diff < cfg.sliding_window
-    if not cfg.causal:
-      mask &= -diff < cfg.sliding_window
-  mask[cfg.q_len:] = True  # padding rows of q are discarded
-  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
-  return mask.reshape(nq, cfg.block_q, nk, cfg.block_kv).all(axis=(1, 3))
+  of the kv block (slots past kv_len count as masked; padding rows of q are
+  discarded, so they never mask)."""
+  mask = _padded_mask(cfg)
+  mask[cfg.q_len:] = True
+  return _per_block(cfg, mask, np.all)
 
 
 @hypothesis.settings(max_examples=150, deadline=None)
@@ -194,21 +199,10 @@ def test_full_ranges_never_skip_a_mask(q_len, kv_len, block_q, block_kv, causal,
   """The GPU loops run kv_full_range / q_full_range without the element mask: those
   ranges hold only fully visible block pairs. The kv range is exact, and so is the q
   range without a sliding window (a loose range would only cost speed)."""
-  q = jax.ShapeDtypeStruct((1, q_len, 1, 8), jnp.float32)
-  k = jax.ShapeDtypeStruct((1, kv_len, 1, 8), jnp.float32)
-  cfg = fa.make_config(q, k, causal=causal, sliding_window=window, backend="gpu",
-                       block_q=block_q, block_kv=block_kv)
+  cfg = _range_config(q_len, kv_len, block_q, block_kv, causal, window)
   want = brute_force_fully_visible(cfg) & brute_force_visible(cfg)
-  nq, nk = want.shape
-  got_kv = np.zeros_like(want)
-  for qi in range(nq):
-    lo, hi = (int(x) for x in fa.kv_full_range(cfg, qi))
-    got_kv[qi] = (np.arange(nk) >= lo) & (np.arange(nk) <= hi)
+  got_kv, got_q = _range_tables(cfg, fa.kv_full_range, fa.q_full_range)
   np.testing.assert_array_equal(got_kv, want)
-  got_q = np.zeros_like(want)
-  for ki in range(nk):
-    lo, hi = (int(x) for x in fa.q_full_range(cfg, ki))
-    got_q[:, ki] = (np.arange(nq) >= lo) & (np.arange(nq) <= hi)
   assert not (got_q & ~want).any(), "an unmasked q range holds a masked block"
   if window is None:
     np.testing.assert_array_equal(got_q, want)
