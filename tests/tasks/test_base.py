@@ -46,6 +46,7 @@ def test_reward_round_trip():
         ("no tags", None),
         ("", None),
         ("<answer></answer>", ""),
+        ("<answer><answer></answer>", ""),  # nested: the innermost (last) opening tag
     ],
 )
 def test_extract_answer(completion, expected):

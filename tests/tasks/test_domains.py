@@ -153,7 +153,8 @@ def test_random_text_never_raises_and_scores_zero(name, seed, text):
 @given(
     st.sampled_from([n for n in FAST if isinstance(registry.get(n), ProceduralDomain)]),
     st.integers(0, 2**20),
-    st.text(max_size=40),
+    # Answer tags inside the content make a different (nested) answer: test_base covers it.
+    st.text(max_size=40).filter(lambda t: "<answer>" not in t and "</answer>" not in t),
 )
 def test_random_tagged_answer_scores_one_only_when_equal(name, seed, text):
     domain = registry.get(name)
