@@ -56,8 +56,8 @@ def _available_bytes() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _inputs(length, batch, heads, kv_heads, head_dim, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.key(0), 3)
+def _inputs(length, batch, heads, kv_heads, head_dim, dtype=jnp.float32, key=None):
+  ks = jax.random.split(jax.random.key(0) if key is None else key, 3)
   q = jax.random.normal(ks[0], (batch, length, heads, head_dim), dtype)
   k = jax.random.normal(ks[1], (batch, length, kv_heads, head_dim), dtype)
   v = jax.random.normal(ks[2], (batch, length, kv_heads, head_dim), dtype)
@@ -161,12 +161,9 @@ XLA_MAX_LENGTH = 16384  # beyond this the materialised scores take most of the c
 
 def _attention_inputs(key, batch, length, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
   """q, k, v and a random output cotangent (timing on ones or zeros flatters kernels)."""
-  ks = jax.random.split(key, 4)
-  q = jax.random.normal(ks[0], (batch, length, heads, head_dim), dtype)
-  k = jax.random.normal(ks[1], (batch, length, kv_heads, head_dim), dtype)
-  v = jax.random.normal(ks[2], (batch, length, kv_heads, head_dim), dtype)
-  do = jax.random.normal(ks[3], q.shape, dtype)
-  return q, k, v, do
+  key, do_key = jax.random.split(key)
+  q, k, v = _inputs(length, batch, heads, kv_heads, head_dim, dtype, key)
+  return q, k, v, jax.random.normal(do_key, q.shape, dtype)
 
 
 def _fwd_and_bwd(attention):

@@ -31,7 +31,7 @@ from posttrain.rl import state as state_lib
 from posttrain.rl import train_step as ts
 from posttrain.sampling.sampler import Sampler
 
-from benchmarks.train_step import matmul_peak_flops
+from benchmarks.train_step import matmul_peak_flops, model_flops
 
 KL_COEF = 0.04
 
@@ -65,19 +65,8 @@ def grpo_batch(cfg, rows: int, row_len: int, microbatch: int, seed: int):
                        behaviour_logprobs=-rng.uniform(1, 8, seq - prompt),
                        advantages=float(a)) for a in adv.reshape(-1)]
   packed = packing.pack_trajectories(trajectories, row_len, num_rows=rows)
-  batch = packing.split_microbatches(packed, microbatch * row_len,
-                                     num_microbatches=rows // microbatch)
-  trained = int(packed["loss_mask"].sum()) if "loss_mask" in packed else rows * row_len
-  return batch, trained
-
-
-def model_flops(cfg, tokens: int, seq_len: int) -> tuple[float, float]:
-  """(training, forward) model FLOPs for `tokens` tokens in sequences of `seq_len`."""
-  matmul_params = cfg.num_params - cfg.vocab_size * cfg.d_model * (
-      1 if cfg.tie_embeddings else 2) + cfg.vocab_size * cfg.d_model
-  attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len / 2  # causal
-  forward = tokens * (2 * matmul_params + attention)
-  return 3 * forward, forward
+  return packing.split_microbatches(packed, microbatch * row_len,
+                                    num_microbatches=rows // microbatch)
 
 
 def bench_step(cfg, rows, row_len, microbatch, steps, peak: float) -> dict:
@@ -93,7 +82,7 @@ def bench_step(cfg, rows, row_len, microbatch, steps, peak: float) -> dict:
   ref_t, upd_t, metrics = [], [], {}
   start = time.perf_counter()
   for i in range(steps + 1):
-    batch, _ = grpo_batch(cfg, rows, row_len, microbatch, seed=i)
+    batch = grpo_batch(cfg, rows, row_len, microbatch, seed=i)
     t0 = time.perf_counter()
     batch["ref_logprobs"] = logprobs(reference, batch)["logprobs"]
     jax.block_until_ready(batch["ref_logprobs"])
@@ -107,7 +96,8 @@ def bench_step(cfg, rows, row_len, microbatch, steps, peak: float) -> dict:
       ref_t.append(t1 - t0)
       upd_t.append(t2 - t1)
   tokens = rows * row_len
-  train_flops, fwd_flops = model_flops(cfg, tokens, row_len // 2)
+  # Two sequences per row, causal: attention sees half of each on average.
+  train_flops, fwd_flops = model_flops(cfg, tokens, row_len // 4)
   ref_s, upd_s = float(np.median(ref_t)), float(np.median(upd_t))
   loss = float(metrics.get("loss/policy", jnp.nan)) if hasattr(metrics, "get") else None
   flops_per_s = (train_flops + fwd_flops) / (ref_s + upd_s)
@@ -175,7 +165,6 @@ def main(argv=None) -> None:
   rows: list[dict] = []
 
   def save(row):
-    row = {k: v for k, v in row.items()}
     print(json.dumps(row), file=sys.stderr, flush=True)
     rows.append(row)
     if args.out:
