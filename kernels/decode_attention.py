@@ -1,14 +1,17 @@
 """Decode attention: a few new query tokens against a KV cache with per-row lengths.
 
 The cache already holds the new tokens: row b's valid keys are positions
-[0, lengths[b]) and its q_len queries are the last q_len of them. The cache is read in
-chunks; chunks past the longest row (or before every query's sliding window) are
-skipped with `lax.cond`, so a step costs O(max(lengths)), not O(max_len). Optional
-int8 K / V are never dequantised in memory: the key scale multiplies the logits and the
-value scale the probabilities.
+[0, lengths[b]) and its q_len queries are the last q_len of them. A cache longer than one
+block is read block by block; blocks past the longest row (or before every query's sliding
+window) are skipped with `lax.cond`, so a step costs O(max(lengths)), not O(max_len).
+The cache may be slot-major [batch, max_len, kv_heads, head_dim] (the kernels' contract)
+or heads-major [batch, kv_heads, max_len, head_dim], which a decode step reads without
+transposing it. Optional int8 K / V are never dequantised in memory: the key scale
+multiplies the logits and the value scale the probabilities.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -34,30 +37,44 @@ def quantize_int8(x):
   return values.astype(jnp.int8), scale
 
 
-def _normalise_scale(scale, name, cache):
-  """Accepts [kv_heads] (per head) or [batch, max_len, kv_heads] (per token and head)."""
-  b, t, kvh, _ = cache.shape
+KV_LAYOUTS = ("bskh", "bksh")
+
+
+def _slot_axis(kv_layout: str) -> int:
+  return 1 if kv_layout == "bskh" else 2
+
+
+def _normalise_scale(scale, name, cache, kv_layout):
+  """[kv_heads] (per head) or per slot and head -> f32 [b or 1, kv_heads, slots or 1]."""
+  b = cache.shape[0]
+  kvh, slots = (cache.shape[2], cache.shape[1]) if kv_layout == "bskh" else cache.shape[1:3]
+  per_slot = (b, slots, kvh) if kv_layout == "bskh" else (b, kvh, slots)
   scale = jnp.asarray(scale, jnp.float32)
   if scale.shape == (kvh,):
-    return scale[None, None, :]
-  if scale.shape == (b, t, kvh):
-    return scale
-  raise ValueError(f"{name} must be [kv_heads] = ({kvh},) or [batch, max_len, kv_heads] = "
-                   f"{(b, t, kvh)}, got {scale.shape}")
+    return scale[None, :, None]
+  if scale.shape == per_slot:
+    return jnp.swapaxes(scale, 1, 2) if kv_layout == "bskh" else scale
+  raise ValueError(f"{name} must be [kv_heads] = ({kvh},) or per slot and head {per_slot}, "
+                   f"got {scale.shape}")
 
 
-def _check(q, k_cache, v_cache, lengths, k_scale, v_scale):
+def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout):
+  if kv_layout not in KV_LAYOUTS:
+    raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, q_len, heads, head_dim], got shape {q.shape}")
+  dims = ("[batch, max_len, kv_heads, head_dim]" if kv_layout == "bskh"
+          else "[batch, kv_heads, max_len, head_dim]")
   if k_cache.ndim != 4:
-    raise ValueError(
-        f"k_cache must be [batch, max_len, kv_heads, head_dim], got shape {k_cache.shape}")
+    raise ValueError(f"k_cache must be {dims}, got shape {k_cache.shape}")
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache must have the shape of k_cache {k_cache.shape}, got "
                      f"{v_cache.shape}")
-  reference.check_attention_inputs(q, k_cache, v_cache)
-  if q.shape[1] > k_cache.shape[1]:
-    raise ValueError(f"q_len {q.shape[1]} exceeds the cache length {k_cache.shape[1]}")
+  as_bskh = (lambda x: x) if kv_layout == "bskh" else (lambda x: jnp.swapaxes(x[:, :, :0], 1, 2))
+  reference.check_attention_inputs(q, as_bskh(k_cache), as_bskh(v_cache))
+  if q.shape[1] > k_cache.shape[_slot_axis(kv_layout)]:
+    raise ValueError(f"q_len {q.shape[1]} exceeds the cache length "
+                     f"{k_cache.shape[_slot_axis(kv_layout)]}")
   if lengths.shape != (q.shape[0],):
     raise ValueError(f"lengths must be [batch] = ({q.shape[0]},), got {lengths.shape}")
   for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
@@ -65,48 +82,142 @@ def _check(q, k_cache, v_cache, lengths, k_scale, v_scale):
       raise ValueError(f"{name} is required for an integer ({cache.dtype}) cache")
 
 
+def _elementwise_default() -> bool:
+  # On CPU a query against a block is a multiply-reduce over a handful of rows: XLA:CPU runs
+  # it as one fused loop, while a batched dot over (batch, kv head) with 1-8 query rows
+  # runs per-batch GEMM calls. Accelerators take the dot (MXU / tensor cores).
+  return jax.default_backend() == "cpu"
+
+
+def _block(q, k, v, valid, *, sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout,
+           elementwise):
+  """One cache block: q [b, tq, h, d] against k, v in `kv_layout` with `ck` slots.
+
+  valid [b, tq, ck] says which (query, slot) pairs attend; scales are f32
+  [b or 1, kv_heads, ck or 1] or None. Returns (out [b, tq, h, d] f32 normalised over this
+  block, lse [b, tq, h] f32, -inf where a query sees no slot of the block).
+  """
+  b, tq, h, d = q.shape
+  heads_major = kv_layout == "bksh"
+  kvh = k.shape[1] if heads_major else k.shape[2]
+  g = h // kvh
+  # int8 values are exact in q's dtype; their scales multiply the logits and the
+  # probabilities instead of dequantising the block.
+  dtype = q.dtype if jnp.issubdtype(k.dtype, jnp.integer) else jnp.promote_types(q.dtype, k.dtype)
+  qg = q.reshape(b, tq, kvh, g, d).astype(dtype)
+  k = k.astype(dtype)
+  if elementwise:
+    qf, kf = qg.astype(jnp.float32), k.astype(jnp.float32)
+    if heads_major:  # scores [b, kvh, g, tq, ck]
+      s = jnp.sum(jnp.moveaxis(qf, 1, 3)[:, :, :, :, None, :] * kf[:, :, None, None], -1)
+    else:
+      s = jnp.sum(qf[:, :, None] * kf[:, None, :, :, None, :], -1)  # [b, tq, ck, kvh, g]
+      s = jnp.transpose(s, (0, 3, 4, 1, 2))
+  else:
+    spec = "bqkgd,bksd->bkgqs" if heads_major else "bqkgd,bskd->bkgqs"
+    s = jnp.einsum(spec, qg, k, preferred_element_type=jnp.float32)
+  if k_scale is not None:
+    s = s * k_scale[:, :, None, None, :]
+  s = reference.soft_cap(s * sm_scale, logits_soft_cap)
+  s = jnp.where(valid[:, None, None], s, reference.NEG_INF)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1)  # [b, kvh, g, tq]
+  if v_scale is not None:
+    p = p * v_scale[:, :, None, None, :]
+  if elementwise:
+    vf = v.astype(jnp.float32)
+    if heads_major:
+      o = jnp.sum(p[..., None] * vf[:, :, None, None], axis=-2)  # [b, kvh, g, tq, d]
+      o = jnp.moveaxis(o, 3, 1)
+    else:
+      pt = jnp.transpose(p, (0, 3, 4, 1, 2))  # [b, tq, ck, kvh, g]
+      o = jnp.sum(pt[..., None] * vf[:, None, :, :, None, :], axis=2)  # [b, tq, kvh, g, d]
+  else:
+    spec = "bkgqs,bksd->bqkgd" if heads_major else "bkgqs,bskd->bqkgd"
+    pv_dtype = q.dtype if jnp.issubdtype(v.dtype, jnp.integer) else v.dtype
+    o = jnp.einsum(spec, p.astype(pv_dtype), v.astype(pv_dtype),
+                   preferred_element_type=jnp.float32)
+  l = jnp.moveaxis(l, 3, 1)  # [b, tq, kvh, g]
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  out = (o / l_safe[..., None]).reshape(b, tq, h, d)
+  lse = jnp.where(l == 0.0, reference.NEG_INF, jnp.moveaxis(m[..., 0], 3, 1) + jnp.log(l_safe))
+  return out, lse.reshape(b, tq, h)
+
+
 def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None,
                      causal: bool = True, sm_scale: float | None = None,
                      logits_soft_cap: float | None = None,
                      sliding_window: int | None = None,
-                     chunk_size: int = DEFAULT_CHUNK_SIZE):
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, kv_layout: str = "bskh",
+                     elementwise: bool | None = None):
   """Attention of the newest tokens of each row against its KV cache.
 
   Args:
     q: [batch, q_len, heads, head_dim], the last q_len tokens of each row (q_len is
       small: 1 for plain decoding, more for speculative or chunked prefill).
-    k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; float, or int8 with scales.
-      heads % kv_heads == 0.
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim] (kv_layout "bskh", the
+      contract of every kernel here) or [batch, kv_heads, max_len, head_dim] ("bksh":
+      each head's slots contiguous, which a decode step reads without a transpose);
+      float, or int8 with scales. heads % kv_heads == 0.
     lengths: int [batch], valid cache entries per row, INCLUDING the q_len new tokens;
       query i of row b sits at position lengths[b] - q_len + i.
-    k_scale, v_scale: dequantisation scales for int8 caches, [kv_heads] (per head) or
-      [batch, max_len, kv_heads] (per slot and head, see `quantize_int8`).
+    k_scale, v_scale: dequantisation scales for int8 caches, [kv_heads] (per head) or per
+      slot and head in the cache's order without head_dim ([batch, max_len, kv_heads] for
+      "bskh", [batch, kv_heads, max_len] for "bksh"; see `quantize_int8`).
     causal: queries see only keys at or before their position (False: the whole valid
       prefix [0, lengths[b])).
     sm_scale, logits_soft_cap, sliding_window: as in `kernels.reference_attention`.
-    chunk_size: cache entries per chunk.
+    chunk_size: cache entries per block; a cache no longer than one block is read in one
+      piece, a longer one block by block, skipping blocks past the longest row (and, with a
+      sliding window, before every query's window).
+    elementwise: score blocks with a multiply-reduce instead of a dot (None: on CPU only).
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
   """
   lengths = jnp.asarray(lengths, jnp.int32)
-  _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
-  reference.check_attention_inputs(q[:, :0], k_cache[:, :0], v_cache[:, :0],
+  _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout)
+  reference.check_attention_inputs(q[:, :0], q[:, :0, :1], q[:, :0, :1],
                                    sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                                    sliding_window=sliding_window)
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
   b, tq, h, d = q.shape
-  max_len = k_cache.shape[1]
+  axis = _slot_axis(kv_layout)
+  max_len = k_cache.shape[axis]
   ck = min(int(chunk_size), max_len)
-  scales = [None if s is None else _normalise_scale(s, n, k_cache)
+  scales = [None if s is None else _normalise_scale(s, n, k_cache, kv_layout)
             for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
   q_pos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None]  # [b, tq]
-  # Every query sees only its row's valid prefix; a segment mask says so even when
-  # the causal mask is off.
-  q_seg = jnp.ones((b, tq), jnp.int32)
-  params = dict(causal=causal, sm_scale=reference.default_sm_scale(d, sm_scale),
-                logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+  params = dict(sm_scale=reference.default_sm_scale(d, sm_scale),
+                logits_soft_cap=logits_soft_cap, kv_layout=kv_layout,
+                elementwise=_elementwise_default() if elementwise is None else elementwise)
+
+  def attend_block(start, nominal):
+    """The block of ck slots from `start`; slots before `nominal` belong to the previous
+    block (the last block may overlap it) and are masked here."""
+    cut = lambda x: lax.dynamic_slice_in_dim(x, start, ck, axis=axis)
+    kv_pos = start + jnp.arange(ck, dtype=jnp.int32)
+    # Every query sees only its row's valid prefix, whether or not the mask is causal.
+    slot_ok = (kv_pos[None] >= nominal) & (kv_pos[None] < lengths[:, None])  # [b, ck]
+    valid = slot_ok[:, None] & reference.attention_mask(
+        q_pos, kv_pos[None], causal=causal, sliding_window=sliding_window)
+    # Slots past a row's length may hold anything, NaN included; p = 0 times NaN would
+    # still leak, so zero the values (and their scales) there.
+    slot_ok_v = slot_ok[:, :, None, None] if kv_layout == "bskh" else slot_ok[:, None, :, None]
+    v = jnp.where(slot_ok_v, cut(v_cache), 0)
+    k_s, v_s = [None if s is None else (lax.dynamic_slice_in_dim(s, start, ck, axis=2)
+                                        if s.shape[2] > 1 else s) for s in scales]
+    if v_s is not None:
+      v_s = jnp.where(slot_ok[:, None, :], v_s, 0.0)
+    return _block(q, cut(k_cache), v, valid, k_scale=k_s, v_scale=v_s, **params)
+
+  if ck == max_len:  # one block: no loop, no per-block branch
+    out, _ = attend_block(0, 0)
+    return out.astype(q.dtype)
+
   newest = jnp.max(lengths) - 1
   # Without a sliding window every query sees the whole prefix from slot 0; with one,
   # nothing before the earliest query's window.
@@ -114,26 +225,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
 
   def step(carry, i):
     nominal = i * ck
-    start = jnp.minimum(nominal, max_len - ck)  # the last chunk may overlap the previous
-
-    def attend(carry):
-      cut = lambda x: lax.dynamic_slice_in_dim(x, start, ck, axis=1)
-      kv_pos = start + jnp.arange(ck, dtype=jnp.int32)[None]
-      valid = (kv_pos >= nominal) & (kv_pos < lengths[:, None])  # [b, ck]
-      kv_seg = valid.astype(jnp.int32)
-      # Slots past a row's length may hold anything, NaN included; p = 0 times NaN
-      # would still leak, so zero the values (and their scales) there.
-      v = jnp.where(valid[:, :, None, None], cut(v_cache), 0)
-      chunk_scales = [None if s is None else (cut(s) if s.shape[1] > 1 else s)
-                      for s in scales]
-      if chunk_scales[1] is not None:
-        chunk_scales[1] = jnp.where(valid[:, :, None], chunk_scales[1], 0.0)
-      out, lse = reference.attention_block(
-          q, cut(k_cache), v, q_positions=q_pos, kv_positions=kv_pos,
-          q_segment_ids=q_seg, kv_segment_ids=kv_seg, k_scale=chunk_scales[0],
-          v_scale=chunk_scales[1], **params)
-      return reference.merge_attention(*carry, out, lse)
-
+    start = jnp.minimum(nominal, max_len - ck)  # the last block may overlap the previous
+    attend = lambda c: reference.merge_attention(*c, *attend_block(start, nominal))
     visible = (nominal <= newest) & (nominal + ck - 1 >= oldest)
     return lax.cond(visible, attend, lambda c: c, carry), None
 

@@ -305,12 +305,12 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
 def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
                    mesh: AbstractMesh, rules=models.DEFAULT_RULES,
                    dtype: str | None = None) -> int:
-  """Per-device bytes of the sampler's cache: k and v [batch, max_len, kv_heads, head_dim]
+  """Per-device bytes of the sampler's cache: k and v [batch, kv_heads, max_len, head_dim]
   per layer (`batch` over the batch axes, kv heads over `tensor` where they divide), plus
-  float32 scales [batch, max_len, kv_heads] per k and v for an int8 cache."""
+  float32 scales [batch, kv_heads, max_len] per k and v for an int8 cache."""
   cfg = model_cfg
   dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   spec = models.logical_to_spec(CACHE_AXES, rules, mesh, shape)
   one = shard_bytes(shape, dtype, NamedSharding(mesh, spec))
   if dtype == np.int8:

@@ -9,8 +9,10 @@ ATTENTION_IMPLS = ("reference", "chunked", "flash", "ring")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
-# kernels per layer and token (BENCHMARKS.md, rollout on GPU).
-DECODE_CHUNK_BY_BACKEND = {"cpu": 32, "gpu": 1024, "tpu": 1024}
+# kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU, with the
+# heads-major cache, one block per step is as fast as 32-slot blocks or faster
+# (benchmarks/sampler.py, BENCHMARKS.md).
+DECODE_CHUNK_BY_BACKEND = {"cpu": 1024, "gpu": 1024, "tpu": 1024}
 
 
 def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
@@ -91,9 +93,8 @@ class ModelConfig:
   attention_impl: str = "reference"
   attention_chunk: int = 512
   # Cache slots read per block in decode attention; None = by backend at trace time
-  # (`decode_chunk_for`): small blocks on CPU avoid copying and transposing the whole
-  # cache every step (2-3x faster CPU decode than 512), large ones on GPU / TPU avoid a
-  # loop of tiny kernels per layer and token (measured: DECODE_CHUNK_BY_BACKEND).
+  # (`decode_chunk_for`, measured: DECODE_CHUNK_BY_BACKEND). Large blocks avoid a loop of
+  # tiny kernels per layer and token; blocks past the longest row are skipped.
   decode_chunk: int | None = None
   value_head: bool = False
   logprob_chunk: int = 256

@@ -36,9 +36,11 @@ def _param(rngs: nnx.Rngs | None, shape, names, dtype, init: str = "normal",
 
 
 class KVCache(NamedTuple):
-  """Per-layer key/value cache, slot index = token position. k, v: [B, S, K, H].
+  """Per-layer key/value cache, slot index = token position. k, v: [B, K, S, H].
 
-  An int8 cache also holds float32 scales per slot and head, k_scale / v_scale: [B, S, K].
+  Heads-major: a decode step reads each kv head's slots as one contiguous block, with no
+  transpose (`kernels.decode_attention(..., kv_layout="bksh")`). An int8 cache also holds
+  float32 scales per head and slot, k_scale / v_scale: [B, K, S].
   """
 
   k: jax.Array
@@ -50,7 +52,7 @@ class KVCache(NamedTuple):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> list[KVCache]:
   """Zeroed cache per layer; dtype int8 stores quantized keys/values with scales."""
   dtype = jnp.dtype(dtype or _dtype(cfg.dtype))
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   if dtype == jnp.int8:
     scales = shape[:3]
     return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
@@ -60,7 +62,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> list[K
           for _ in range(cfg.num_layers)]
 
 
-CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+# Logical axes of a cache array; the scales of an int8 cache take the first three.
+CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
 class RMSNorm(nnx.Module):
@@ -152,25 +155,29 @@ class Attention(nnx.Module):
         # Keys per block, as in chunked attention; blocks past the longest row are skipped.
         out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
                                        k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
-                                       chunk_size=decode_chunk_for(cfg))
+                                       chunk_size=decode_chunk_for(cfg), kv_layout="bksh")
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache
 
 
 def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> KVCache:
-  """Writes the new keys/values at their positions (slot = position), row by row."""
+  """Writes the new keys/values at their positions (slot = position), row by row.
+
+  `cache.k[rows, :, pos]` indexes [B, T, K, H] (numpy puts the broadcast row/position
+  dims first), so the [B, T, K, H] keys go in without a transpose.
+  """
   rows = jnp.arange(k_BxTxKxH.shape[0])[:, None]
-  pos = jnp.clip(positions_BxT, 0, cache.k.shape[1] - 1)
+  pos = jnp.clip(positions_BxT, 0, cache.k.shape[2] - 1)
   if cache.k_scale is None:
-    return KVCache(cache.k.at[rows, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
-                   cache.v.at[rows, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
+    return KVCache(cache.k.at[rows, :, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
+                   cache.v.at[rows, :, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
   import kernels
   k, k_scale = kernels.quantize_int8(k_BxTxKxH)
   v, v_scale = kernels.quantize_int8(v_BxTxKxH)
-  return KVCache(cache.k.at[rows, pos].set(k), cache.v.at[rows, pos].set(v),
-                 cache.k_scale.at[rows, pos].set(k_scale),
-                 cache.v_scale.at[rows, pos].set(v_scale))
+  return KVCache(cache.k.at[rows, :, pos].set(k), cache.v.at[rows, :, pos].set(v),
+                 cache.k_scale.at[rows, :, pos].set(k_scale),
+                 cache.v_scale.at[rows, :, pos].set(v_scale))
 
 
 class MLP(nnx.Module):

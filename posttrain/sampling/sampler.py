@@ -336,7 +336,7 @@ class Sampler:
   def _decode(self, state, cache, first_B, first_logp_B, prompt_lens_B, active_B,
               max_new_tokens, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
     model = nnx.merge(self._graphdef, state)
-    batch, out_len = first_B.shape[0], cache[0].k.shape[1]
+    batch, out_len = first_B.shape[0], cache[0].k.shape[2]
 
     def is_stop(tok_B):
       return jnp.any(tok_B[:, None] == stop_ids[None, :], axis=-1)

@@ -34,30 +34,46 @@ def _per_row_reference(q, k, v, lengths, **kw):
       for i, n in enumerate(lengths)])
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logits_soft_cap"))
-def _decode(q, k, v, lengths, k_scale=None, v_scale=None, **kw):
+# (kv_layout, elementwise, chunk_size): slot-major and heads-major caches, dot and
+# multiply-reduce scoring, several blocks (the last one overlapping) and one whole block.
+WAYS = [("bskh", None, 8), ("bksh", None, 8), ("bskh", False, 8), ("bksh", False, 8),
+        ("bksh", True, 64), ("bskh", False, 64)]
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logits_soft_cap",
+                                             "way"))
+def _decode(q, k, v, lengths, k_scale=None, v_scale=None, way=WAYS[0], **kw):
+  """decode_attention on a slot-major test cache, laid out and scored as `way` says."""
+  layout, elementwise, chunk = way
+  if layout == "bksh":
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    per_slot = lambda s: s if s is None or s.ndim == 1 else jnp.swapaxes(s, 1, 2)
+    k_scale, v_scale = per_slot(k_scale), per_slot(v_scale)
   return kernels.decode_attention(q, k, v, lengths=lengths, k_scale=k_scale,
-                                  v_scale=v_scale, chunk_size=8, **kw)
+                                  v_scale=v_scale, chunk_size=chunk, kv_layout=layout,
+                                  elementwise=elementwise, **kw)
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("t,kw", [
     (1, {}),
     (3, dict(sliding_window=6, logits_soft_cap=5.0)),
     (2, dict(causal=False)),
 ])
-def test_matches_reference_on_each_prefix(t, kw):
+def test_matches_reference_on_each_prefix(t, kw, way):
   q, k, v = _case(t=t)
-  out = _decode(q, *_with_garbage(k, v, LENGTHS), jnp.array(LENGTHS), **kw)
+  out = _decode(q, *_with_garbage(k, v, LENGTHS), jnp.array(LENGTHS), way=way, **kw)
   assert_close(out, _per_row_reference(q, k, v, LENGTHS, **kw), 2e-5)
 
 
+@pytest.mark.parametrize("way", WAYS[:2])
 @pytest.mark.parametrize("kw", [{}, dict(causal=False), dict(sliding_window=20)])
-def test_long_rows_see_every_chunk_of_their_prefix(kw):
+def test_long_rows_see_every_chunk_of_their_prefix(kw, way):
   """Every row well past the first chunks: the early chunks still hold visible keys
   (only a sliding window may skip them)."""
   lengths = (30, 37, 25)
   q, k, v = _case(t=2, seed=3)
-  out = _decode(q, *_with_garbage(k, v, lengths), jnp.array(lengths), **kw)
+  out = _decode(q, *_with_garbage(k, v, lengths), jnp.array(lengths), way=way, **kw)
   assert_close(out, _per_row_reference(q, k, v, lengths, **kw), 2e-5)
 
 
@@ -68,11 +84,12 @@ def test_default_chunking_and_bf16():
   assert_close(out, _per_row_reference(q, k, v, LENGTHS), 2e-2)
 
 
-def test_gradients_match_reference():
+@pytest.mark.parametrize("way", [WAYS[0], WAYS[3]])
+def test_gradients_match_reference(way):
   q, k, v = _case(t=2)
   lengths = jnp.array(LENGTHS)
   dout = jax.random.normal(jax.random.key(1), q.shape)
-  got = jax.vjp(lambda q, k, v: _decode(q, k, v, lengths), q, k, v)[1](dout)
+  got = jax.vjp(lambda q, k, v: _decode(q, k, v, lengths, way=way), q, k, v)[1](dout)
   per_row = jax.jit(lambda q, k, v: jnp.concatenate([
       kernels.reference_attention(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n])
       for i, n in enumerate(LENGTHS)]))
@@ -89,7 +106,8 @@ def test_gradients_match_reference():
 INT8_TOLERANCE = 0.03
 
 
-def test_int8_cache_per_slot_scales_within_tolerance():
+@pytest.mark.parametrize("way", WAYS)
+def test_int8_cache_per_slot_scales_within_tolerance(way):
   q, k, v = _case(t=2)
   lengths = jnp.array(LENGTHS)
   k8, ks = kernels.quantize_int8(k)
@@ -97,7 +115,7 @@ def test_int8_cache_per_slot_scales_within_tolerance():
   # Garbage scales past each row's length must not leak either.
   past = jnp.arange(37)[None, :, None] >= lengths[:, None, None]
   vs = jnp.where(past, jnp.nan, vs)
-  out = _decode(q, k8, v8, lengths, ks, vs)
+  out = _decode(q, k8, v8, lengths, ks, vs, way=way)
   want = _per_row_reference(q, k, v, LENGTHS)
   assert float(np.max(np.abs(np.asarray(out) - want))) < INT8_TOLERANCE
   # And it is the quantised cache, exactly dequantised, that is attended.
@@ -106,14 +124,15 @@ def test_int8_cache_per_slot_scales_within_tolerance():
   assert_close(out, exact, 2e-5)
 
 
-def test_int8_cache_per_head_scales():
+@pytest.mark.parametrize("way", [WAYS[1], WAYS[2]])
+def test_int8_cache_per_head_scales(way):
   q, k, v = _case()
   k_scale = jnp.max(jnp.abs(k), axis=(0, 1, 3)) / 127  # [kv_heads]
   v_scale = jnp.max(jnp.abs(v), axis=(0, 1, 3)) / 127
   per_head = lambda s: s[None, None, :, None]
   k8 = jnp.round(k / per_head(k_scale)).astype(jnp.int8)
   v8 = jnp.round(v / per_head(v_scale)).astype(jnp.int8)
-  out = _decode(q, k8, v8, jnp.array(LENGTHS), k_scale, v_scale)
+  out = _decode(q, k8, v8, jnp.array(LENGTHS), k_scale, v_scale, way=way)
   exact = _per_row_reference(q, k8 * per_head(k_scale), v8 * per_head(v_scale), LENGTHS)
   assert_close(out, exact, 2e-5)
   assert float(np.max(np.abs(np.asarray(out) - _per_row_reference(q, k, v, LENGTHS)))) < 0.05
@@ -133,3 +152,13 @@ def test_bad_inputs_name_the_argument():
   with pytest.raises(ValueError, match="q heads 6 must be a multiple of k kv_heads 4"):
     kernels.decode_attention(q, jnp.zeros((3, 37, 4, 8)), jnp.zeros((3, 37, 4, 8)),
                              lengths=jnp.ones(3))
+  with pytest.raises(ValueError, match="q heads 6 must be a multiple of k kv_heads 4"):
+    kernels.decode_attention(q, jnp.zeros((3, 4, 37, 8)), jnp.zeros((3, 4, 37, 8)),
+                             lengths=jnp.ones(3), kv_layout="bksh")
+  with pytest.raises(ValueError, match="kv_layout must be one of"):
+    kernels.decode_attention(q, k, v, lengths=jnp.ones(3), kv_layout="sbkh")
+  with pytest.raises(ValueError, match="k_scale must be .* per slot and head \\(3, 2, 37\\)"):
+    kernels.decode_attention(q, jnp.swapaxes(k, 1, 2).astype(jnp.int8),
+                             jnp.swapaxes(v, 1, 2).astype(jnp.int8), lengths=jnp.ones(3),
+                             k_scale=jnp.ones((3, 37, 2)), v_scale=jnp.ones(2),
+                             kv_layout="bksh")
