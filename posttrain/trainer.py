@@ -12,6 +12,7 @@ resumes from the latest complete checkpoint; SIGTERM/SIGINT write one and stop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -220,6 +221,12 @@ class Trainer:
   def _updates_per_step(self) -> int:
     return int(self.algo.ppo_epochs) * int(self.algo.num_minibatches)
 
+  def _reference_in_step(self) -> bool:
+    """The KL reference's log-probs are computed inside the update program (one program
+    per step) when they only feed a loss term of a single update."""
+    return (float(self.algo.kl_coef) > 0 and not self.algo.kl_in_reward
+            and self._updates_per_step() == 1)
+
   def _setup_state(self):
     stage_opt = self.sft_optimizer  # Both optimizers have the same state structure.
     abstract = abstract_checkpoint(self.cfg, stage_opt, self.mesh, self.rules)
@@ -397,7 +404,8 @@ class Trainer:
     total = int(self.config.train.rl_steps)
     if self._rl_step_fn is None:
       self._rl_step_fn = ts.make_train_step(self.cfg, self.algo, self.rl_optimizer,
-                                            mesh=self.mesh, rules=self.rules)
+                                            mesh=self.mesh, rules=self.rules,
+                                            reference_in_step=self._reference_in_step())
     if float(self.algo.kl_coef) > 0 and self.reference is None:
       # The reference is the policy RL started from; re-derived on resume from the
       # checkpoint written when RL began (kept as its own copy, never updated).
@@ -488,7 +496,10 @@ class Trainer:
     batch = self._add_learner_inputs(batch)
     timings["timing/reference_s"] = time.time() - t1
     t2 = time.time()
-    self.state, history = ts.ppo_update(self._rl_step_fn, self.state, batch,
+    step_fn = self._rl_step_fn
+    if self._reference_in_step():
+      step_fn = functools.partial(step_fn, reference=self.reference)
+    self.state, history = ts.ppo_update(step_fn, self.state, batch,
                                         epochs=int(algo.ppo_epochs),
                                         minibatches=int(algo.num_minibatches),
                                         seed=self.progress.rl_step)
@@ -563,7 +574,7 @@ class Trainer:
     cur = self._logprobs(self.state.params, batch) if needs_old else None
     if cur is not None:
       out["old_logprobs"] = cur["logprobs"]
-    if float(algo.kl_coef) > 0:
+    if float(algo.kl_coef) > 0 and not self._reference_in_step():
       out["ref_logprobs"] = self._logprobs(self.reference, batch)["logprobs"]
     est = algo.advantage_estimator
     if est in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:

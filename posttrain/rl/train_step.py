@@ -233,7 +233,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                     rules: Rules = DEFAULT_RULES, max_response_len: int | None = None,
                     temperature: float = 1.0, critic_cfg: models.ModelConfig | None = None,
                     critic_optimizer: optax.GradientTransformation | None = None,
-                    donate: bool = True) -> Callable:
+                    donate: bool = True, reference_in_step: bool = False) -> Callable:
   """Builds `train_step(state, batch) -> (state, metrics)`, jitted once for every algorithm.
 
   The loss is `losses.rl_loss` with the preset's knobs: PPO/GSPO surrogate, TIS weights,
@@ -253,6 +253,12 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     critic_cfg: a separate value model (`value_head=True`) trained on the value loss.
     critic_optimizer: the critic's optimizer (default: `optimizer`).
     donate: donate the input state's buffers (the caller must not reuse that state).
+    reference_in_step: the step computes `ref_logprobs` itself, micro-batch by micro-batch
+      in the same program, from the frozen reference params it is given:
+      `train_step(state, batch, reference)`. One program instead of two per update (no
+      second dispatch, no `[M, B, T]` log-prob array between them); for a single update
+      per rollout batch, as GRPO/DAPO run by default (with several PPO epochs, compute the
+      reference log-probs once with `make_compute_logprobs` instead).
 
   Returns:
     The step; `train_step.jitted` is the underlying `jax.jit` function.
@@ -267,6 +273,9 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                      "trains no critic (use_critic=False)")
   if separate_critic and not critic_cfg.value_head:
     raise ValueError("critic_cfg must have value_head=True")
+  if reference_in_step and not (loss_cfg.kl_coef > 0 and not loss_cfg.kl_in_reward):
+    raise ValueError("reference_in_step needs a KL loss term (kl_coef > 0, kl_in_reward "
+                     f"False); algorithm {algo_cfg.get('algorithm')!r} reads no reference")
   if loss_cfg.use_critic and not separate_critic and not model_cfg.value_head:
     raise ValueError("the algorithm trains a critic (use_critic=True) but the model has no "
                      "value head; build it with value_head=True or pass critic_cfg")
@@ -281,6 +290,14 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   data_sharding = batch_sharding(mesh, rules)
   row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
   required = _required_keys(loss_cfg)
+  if reference_in_step:
+    required = tuple(k for k in required if k != "ref_logprobs")
+
+  def reference_logprobs(reference, mb):
+    model = nnx.merge(graphdef, reference, rest)
+    logprobs, _, _ = _forward(model, mb, ctx, temperature=temperature, with_values=False,
+                              with_entropy=False)
+    return jax.lax.stop_gradient(logprobs)
 
   def microbatch_loss(trainable, mb, denominator):
     params, critic_params = trainable
@@ -296,21 +313,25 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 
   grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
-  def step_fn(state: TrainState, batch: Batch):
+  def step_fn(state: TrainState, batch: Batch, reference=None):
     num_micro = batch["tokens"].shape[0]
     trainable = (state.params, state.critic_params)
     # The global denominator first: each micro-batch's loss is then its exact share.
     denominator = jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
 
+    def micro_grad(mb):
+      if reference is not None:
+        mb = {**mb, "ref_logprobs": reference_logprobs(reference, mb)}
+      return grad_fn(trainable, mb, denominator)
+
     def accumulate(carry, mb):
       grads_sum, loss_sum = carry
-      (loss, metrics), grads = grad_fn(trainable, mb, denominator)
+      (loss, metrics), grads = micro_grad(mb)
       grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
       return (grads_sum, loss_sum + loss), metrics
 
     if num_micro == 1:
-      (loss, merged), grads = grad_fn(trainable, jax.tree.map(lambda x: x[0], batch),
-                                      denominator)
+      (loss, merged), grads = micro_grad(jax.tree.map(lambda x: x[0], batch))
     else:
       zeros = jax.tree.map(jnp.zeros_like, trainable)
       (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), batch)
@@ -358,13 +379,28 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       metrics["critic/grad_norm"] = critic_grad_norm
     return new_state, metrics
 
-  jitted = jax.jit(step_fn, in_shardings=(state_shardings, data_sharding),
-                   out_shardings=(state_shardings, None),
-                   donate_argnums=(0,) if donate else ())
+  if reference_in_step:
+    jitted = jax.jit(step_fn, in_shardings=(
+        state_shardings, data_sharding, models.state_shardings(abstract_params, mesh, rules)),
+                     out_shardings=(state_shardings, None),
+                     donate_argnums=(0,) if donate else ())
+  else:
+    jitted = jax.jit(step_fn, in_shardings=(state_shardings, data_sharding),
+                     out_shardings=(state_shardings, None),
+                     donate_argnums=(0,) if donate else ())
 
-  def train_step(state: TrainState, batch: Batch):
+  def train_step(state: TrainState, batch: Batch, reference=None):
+    if reference_in_step and reference is None:
+      raise ValueError("this train step computes ref_logprobs in the step "
+                       "(reference_in_step=True): call train_step(state, batch, reference)")
+    if reference is not None and not reference_in_step:
+      raise ValueError("reference params given to a train step built without "
+                       "reference_in_step=True; pass batch['ref_logprobs'] instead")
     _check_batch(batch, required, row_multiple)
     inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
+    if reference_in_step:
+      inputs.pop("ref_logprobs", None)  # computed in the step
+      return jitted(state, jax.device_put(inputs, data_sharding), reference)
     return jitted(state, jax.device_put(inputs, data_sharding))
 
   train_step.jitted = jitted

@@ -186,6 +186,49 @@ def test_reference_params_never_change_and_survive_donation():
   assert all(moved)
 
 
+@pytest.mark.parametrize("num_micro,mesh_shape", [(1, (1, 1, 1, 1)), (2, (1, 1, 1, 1)),
+                                                  (2, (1, 2, 2, 1))])
+def test_reference_in_step_matches_precomputed_reference_logprobs(num_micro, mesh_shape):
+  """The fused program (reference pass inside the step) makes the update the two-program
+  path makes, and leaves the reference untouched."""
+  mesh = models.make_mesh(mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape))])
+  optimizer = optax.sgd(1.0)
+  algo = presets.algorithm_config("grpo", kl_coef=0.5)
+  init = fresh_state(CFG, optimizer, mesh)
+  reference = state_lib.frozen_copy(fresh_state(CFG, optimizer, mesh, seed=1).params)
+  before = snapshot(reference)
+  batch = microbatched(packed_rows(5), num_micro)
+  two_programs = dict(batch, ref_logprobs=ts.make_compute_logprobs(CFG, mesh=mesh)(
+      reference, batch)["logprobs"])
+  state_2, metrics_2 = ts.make_train_step(CFG, algo, optimizer, mesh=mesh)(
+      state_lib.frozen_copy(init), two_programs)
+  fused = ts.make_train_step(CFG, algo, optimizer, mesh=mesh, reference_in_step=True)
+  state_1, metrics_1 = fused(state_lib.frozen_copy(init), batch, reference)
+  assert float(metrics_1["kl"]) > 1e-3  # a reference other than the policy
+  assert_trees_close(state_1.params, state_2.params, atol=1e-5)
+  for name in metrics_2:
+    np.testing.assert_allclose(metrics_1[name], metrics_2[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  for x, y in zip(snapshot(reference), before, strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_reference_in_step_misuse_raises():
+  mesh = one_device_mesh()
+  optimizer = optax.sgd(1.0)
+  state = fresh_state(CFG, optimizer, mesh)
+  batch = microbatched(packed_rows(0), 1)
+  grpo = presets.algorithm_config("grpo")
+  fused = ts.make_train_step(CFG, grpo, optimizer, mesh=mesh, reference_in_step=True)
+  with pytest.raises(ValueError, match="call train_step\\(state, batch, reference\\)"):
+    fused(state, batch)
+  with pytest.raises(ValueError, match="built without reference_in_step=True"):
+    ts.make_train_step(CFG, grpo, optimizer, mesh=mesh)(state, batch, state.params)
+  with pytest.raises(ValueError, match="reference_in_step needs a KL loss term"):
+    ts.make_train_step(CFG, presets.algorithm_config("grpo", kl_coef=0.0), optimizer,
+                       mesh=mesh, reference_in_step=True)
+
+
 def test_nonfinite_loss_is_reported_and_the_update_skipped():
   mesh = one_device_mesh()
   optimizer = state_lib.make_optimizer(1e-2, warmup=0, total_steps=10)
