@@ -9,10 +9,11 @@ ATTENTION_IMPLS = ("reference", "chunked", "flash", "ring")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
-# kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU, with the
-# heads-major cache, one block per step is as fast as 32-slot blocks or faster
-# (benchmarks/sampler.py, BENCHMARKS.md).
-DECODE_CHUNK_BY_BACKEND = {"cpu": 1024, "gpu": 1024, "tpu": 1024}
+# kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU (heads-major cache,
+# multiply-reduce scoring) 64-slot blocks: as fast as one whole-cache block for 16 rows and
+# a 96-slot cache, 6% faster for 64 rows and 192 slots, where skipping the blocks past
+# the longest row saves reading them; 32-slot blocks were 4-5% slower in both.
+DECODE_CHUNK_BY_BACKEND = {"cpu": 64, "gpu": 1024, "tpu": 1024}
 
 
 def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
