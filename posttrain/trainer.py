@@ -471,6 +471,8 @@ class Trainer:
       groups, extra = self._rollout(self._step_seed(self.progress.rl_step))
       timings["timing/rollout_s"] = time.time() - t0
       timings["timing/scoring_s"] = self.worker.last_stats.get("scoring_wait_s", 0.0)
+      # Each process scores its share of the samples (1.0 with one process).
+      timings["rollout/scored_fraction"] = self.worker.last_stats.get("scored_fraction", 1.0)
     else:
       groups, extra, gen_s = source.get()
       timings["timing/rollout_s"] = gen_s

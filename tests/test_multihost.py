@@ -212,6 +212,8 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   assert set(os.listdir(state_dir / "array_metadatas")) == {"process_0", "process_1"}
   rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "reward/mean" in r] == [3, 4]  # Process 0 only, once.
+  # Each process scored half the samples; the rewards were exchanged, not recomputed.
+  assert [r["rollout/scored_fraction"] for r in rows if "reward/mean" in r] == [0.5, 0.5]
 
   second = _run_two(_train_args(tmp_path, **{"train.rl_steps": 3}), timeout=900)
   for code, out in second:

@@ -4,15 +4,21 @@ Generation runs on the devices in chunks; scoring (pure Python, or the sandbox f
 runs on a thread pool, so chunk i is scored while chunk i+1 is generated. Multi-turn
 domains (those with `step(task, transcript)`) get their observations appended as tool
 turns, whose tokens are masked out of the loss.
+
+With several processes (one per host) every process holds every completion (the sampler
+gathers them); each process scores only the samples i with i % num_processes ==
+process_index, on its own host's threads and sandbox, and the rewards are then exchanged
+so that every process builds the same batch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import time
 import dataclasses
-from typing import Any, Sequence
+import json
+import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -81,13 +87,18 @@ class RolloutWorker:
       0 = the whole turn in one call.
     lock: guards the sampler against a concurrent `update_params` (disaggregated runs).
     version_fn: returns the policy version the sampler currently holds.
+    process: (index, count) of this process among those sharing the scoring (default:
+      `jax.process_index()`, `jax.process_count()`).
+    exchange: gathers one JSON-able object from every process, in process order (default:
+      `allgather_json`, through the devices); only called with several processes.
   """
 
   def __init__(self, sampler, tokenizer: Tokenizer, *, group_size: int, max_new_tokens: int,
                temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
                chunk_rows: int = 64, scoring_threads: int = 4, max_turns: int = 1,
                system_prompt: str | None = None, segment_tokens: int = 0, lock=None,
-               version_fn=None):
+               version_fn=None, process: tuple[int, int] | None = None,
+               exchange: Callable[[Any], list[Any]] | None = None):
     self.sampler, self.tok = sampler, tokenizer
     self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
     self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
@@ -99,6 +110,14 @@ class RolloutWorker:
     self.last_stats: dict[str, float] = {}
     self._pool = cf.ThreadPoolExecutor(max_workers=max(1, scoring_threads),
                                        thread_name_prefix="score")
+    if process is None:
+      import jax
+      process = (jax.process_index(), jax.process_count())
+    self.process_index, self.process_count = (int(x) for x in process)
+    if not 0 <= self.process_index < self.process_count:
+      raise ValueError(f"process index {self.process_index} is out of range for "
+                       f"{self.process_count} processes")
+    self._exchange = exchange or allgather_json
 
   def close(self):
     self._pool.shutdown(wait=True)
@@ -124,18 +143,29 @@ class RolloutWorker:
     rows = [(i, self.prompt_tokens(t)) for i, t in enumerate(tasks) for _ in range(g)]
     samples: list[Sample | None] = [None] * len(rows)
     futures: list[tuple[int, cf.Future]] = []
+    mine = lambda idx: idx % self.process_count == self.process_index  # noqa: E731
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
       done = self._generate(chunk, tasks, seed=seed * 1_000_003 + start, temperature=temp)
       for j, sample in enumerate(done):
         task = tasks[chunk[j][0]]
         samples[start + j] = sample
-        futures.append((start + j, self._pool.submit(_score, task, sample)))
+        if mine(start + j):
+          futures.append((start + j, self._pool.submit(_score, task, sample)))
     t_wait = time.perf_counter()
     for idx, fut in futures:
       samples[idx].reward = fut.result()
+    if self.process_count > 1:
+      local = {str(idx): samples[idx].reward.to_dict() for idx, _ in futures}
+      for part in self._exchange(local):
+        for idx, reward in part.items():
+          samples[int(idx)].reward = Reward.from_dict(reward)
+      missing = [i for i, smp in enumerate(samples) if smp.reward is None]
+      if missing:
+        raise RuntimeError(f"rewards of samples {missing[:5]} came back from no process")
     # Scoring overlaps generation; what is left after the last chunk is the scoring stall.
-    self.last_stats = {"scoring_wait_s": time.perf_counter() - t_wait}
+    self.last_stats = {"scoring_wait_s": time.perf_counter() - t_wait,
+                       "scored_fraction": len(futures) / max(len(samples), 1)}
     groups = []
     for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
       groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
@@ -219,6 +249,19 @@ class RolloutWorker:
 
 def _score(task: Task, sample: Sample) -> Reward:
   return registry.get(task.domain).score(task, sample.text)
+
+
+def allgather_json(obj: Any) -> list[Any]:
+  """`obj` from every process, in process order: JSON bytes gathered through the devices
+  (lengths first, then the bytes padded to the longest)."""
+  from jax.experimental import multihost_utils
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  gathered = np.asarray(multihost_utils.process_allgather(padded))
+  return [json.loads(bytes(row[:int(n)]).decode()) for row, n in
+          zip(gathered.reshape(len(sizes), -1), sizes.reshape(-1))]
 
 
 def group_to_trajectories(group: TrajectoryGroup, advantages: Sequence[float]

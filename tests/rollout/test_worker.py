@@ -1,0 +1,87 @@
+"""RolloutWorker: groups of scored samples; with several processes each scores its share."""
+import threading
+
+import pytest
+
+from posttrain import models
+from posttrain.data.tokenizer import ByteTokenizer
+from posttrain.rollout import worker as worker_lib
+from posttrain.sampling import Sampler
+from posttrain.tasks import Reward
+
+PAIRS = [("arithmetic/add_d1", 3), ("arithmetic/mod_d2", 4), ("arithmetic/add_d3", 5)]
+CFG = models.get_preset("tiny", vocab_size=ByteTokenizer().vocab_size)
+
+
+def _fake_score(calls):
+  """A reward that depends on the text, so a reward landing on the wrong sample shows."""
+  lock = threading.Lock()
+
+  def score(task, sample):
+    with lock:
+      calls.append(sample.text)
+    n = len(sample.text)
+    return Reward(value=(n % 7) / 7, components={"chars": float(n)}, verdict=f"{n} chars")
+  return score
+
+
+class _ThreadExchange:
+  """allgather between threads standing in for processes."""
+
+  def __init__(self, n):
+    self.barrier, self.slots = threading.Barrier(n, timeout=300), [None] * n
+
+  def for_process(self, i):
+    def exchange(obj):
+      self.slots[i] = obj
+      self.barrier.wait()
+      out = list(self.slots)
+      self.barrier.wait()
+      return out
+    return exchange
+
+
+def _worker(**kw):
+  sampler = Sampler(models.create_model(CFG, seed=0), max_len=256)
+  return worker_lib.RolloutWorker(sampler, ByteTokenizer(), group_size=2, max_new_tokens=12,
+                                  temperature=1.0, chunk_rows=4, **kw)
+
+
+def _rewards(groups):
+  return [(s.text, s.reward) for g in groups for s in g.samples]
+
+
+def test_two_processes_score_half_each_and_agree_with_one(monkeypatch):
+  calls = []
+  monkeypatch.setattr(worker_lib, "_score", _fake_score(calls))
+  single = _worker(process=(0, 1))
+  want = _rewards(single.rollout(PAIRS, seed=7))
+  assert single.last_stats["scored_fraction"] == 1.0 and len(calls) == 6
+  assert len({r.value for _, r in want}) > 1  # the texts differ, so do the rewards
+
+  calls.clear()
+  exchange = _ThreadExchange(2)
+  workers = [_worker(process=(i, 2), exchange=exchange.for_process(i)) for i in range(2)]
+  results = [None, None]
+
+  def run(i):
+    results[i] = _rewards(workers[i].rollout(PAIRS, seed=7))
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=600)
+  assert results[0] == results[1] == want
+  assert len(calls) == 6  # every sample scored exactly once, by one of the two
+  assert [w.last_stats["scored_fraction"] for w in workers] == [0.5, 0.5]
+
+
+def test_allgather_json_in_one_process_returns_the_object():
+  obj = {"3": {"value": 0.5, "components": {"a": 1.0}, "verdict": "ünïcode ✓"}}
+  assert worker_lib.allgather_json(obj) == [obj]
+
+
+def test_bad_process_layout_is_a_clear_error():
+  with pytest.raises(ValueError, match="process index 2 is out of range for 2 processes"):
+    _worker(process=(2, 2))
