@@ -45,6 +45,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from posttrain import distributed
+
 log = logging.getLogger(__name__)
 
 _STATE, _EXTRAS = "state", "extras"
@@ -435,8 +437,13 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
+_agreements = [0]
+
+
 def _all_processes_agree(ok: bool) -> bool:
-  """True iff `ok` on every process (a collective: all processes must call it)."""
+  """True iff `ok` on every process (all processes must call it, in the same order)."""
   if jax.process_count() == 1:
     return ok
-  return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+  _agreements[0] += 1
+  tag = f"posttrain/checkpoint_agree/{_agreements[0]}"
+  return all(distributed.allgather_json(bool(ok), tag))

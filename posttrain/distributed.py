@@ -22,8 +22,10 @@ stays visible to the one process of its host.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+from typing import Any
 
 import jax
 
@@ -193,3 +195,62 @@ def _log(layout: ProcessLayout) -> ProcessLayout:
            layout.num_processes, layout.source, layout.local_devices, layout.global_devices,
            layout.platform, f", coordinator {layout.coordinator}" if layout.coordinator else "")
   return layout
+
+
+# ----------------------------------------------------------------------------------------
+# Host-side exchanges through the coordination service
+# ----------------------------------------------------------------------------------------
+#
+# A disaggregated run issues device programs from two threads (rollouts on the rollout
+# mesh, updates on the train mesh). A collective over *every* device, such as
+# `multihost_utils.process_allgather` of a host value or a device barrier, issued from one
+# thread while the other runs programs would be ordered differently on different hosts
+# and hang. Host values therefore travel through the coordination service's key-value
+# store, and barriers use it too (`use_coordination_barriers`).
+
+EXCHANGE_TIMEOUT_S = 3600
+
+
+def _client():
+  from jax._src import distributed as jax_distributed  # the client JAX joined with
+  return jax_distributed.global_state.client
+
+
+def allgather_json(obj: Any, tag: str, timeout_s: float = EXCHANGE_TIMEOUT_S) -> list[Any]:
+  """`obj` from every process, in process order; one process: `[obj]`.
+
+  `tag` names this exchange: unique within the run and the same on every process.
+  """
+  client = _client()
+  if client is None or jax.process_count() == 1:
+    return [obj]
+  client.key_value_set(f"{tag}/{jax.process_index()}", json.dumps(obj))
+  out = []
+  for p in range(jax.process_count()):
+    try:
+      out.append(json.loads(client.blocking_key_value_get(f"{tag}/{p}",
+                                                         int(timeout_s * 1000))))
+    except Exception as e:  # noqa: BLE001 - the client raises its runtime's own type.
+      raise TimeoutError(f"no answer from process {p} for {tag} within {timeout_s:g} s: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+  return out
+
+
+def delete_key(key: str) -> None:
+  """Drops `key` from the store (every process must have read it)."""
+  client = _client()
+  if client is not None:
+    client.key_value_delete(key)
+
+
+def use_coordination_barriers() -> bool:
+  """Makes Orbax synchronise processes through the coordination service instead of a
+  collective over every device (its `experimental_orbax_use_distributed_barrier` flag).
+  Needs parsed absl flags (the launchers have them); False when they are not."""
+  from absl import flags
+  import orbax.checkpoint  # noqa: F401 - defines the flag
+  name = "experimental_orbax_use_distributed_barrier"
+  if name not in flags.FLAGS or not flags.FLAGS.is_parsed():
+    return False
+  flags.FLAGS[name].value = True
+  return True

@@ -19,9 +19,36 @@ from posttrain.tasks import registry
 PLACEMENTS = ("colocated", "disaggregated")
 
 
+def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list[Any], list[Any]]:
+  """(rollout devices, train devices) of a disaggregated run.
+
+  One process: the first `rollout` devices roll out. Several processes (hosts): every
+  process gives the same number, rollout / processes, of its own devices (its first ones)
+  to the rollout mesh, so every host takes part in both meshes and host-to-host traffic is
+  balanced; `rollout` must then be a multiple of the process count.
+  """
+  by_process: dict[int, list[Any]] = {}
+  for d in devices:
+    by_process.setdefault(int(getattr(d, "process_index", 0)), []).append(d)
+  if len(by_process) == 1:
+    return list(devices[:rollout]), list(devices[rollout:])
+  counts = {len(v) for v in by_process.values()}
+  if len(counts) > 1:
+    raise ValueError(f"processes hold different numbers of devices ({sorted(counts)}); "
+                     "a disaggregated split needs the same number on every host")
+  if rollout % len(by_process):
+    raise ValueError(f"placement.rollout_devices={rollout} must be a multiple of the "
+                     f"{len(by_process)} processes (each host gives the same share)")
+  share = rollout // len(by_process)
+  roll = [d for _, ds in sorted(by_process.items()) for d in ds[:share]]
+  train = [d for _, ds in sorted(by_process.items()) for d in ds[share:]]
+  return roll, train
+
+
 def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
-  """(train mesh, rollout mesh). Colocated: one mesh over the devices. Disaggregated: the
-  first `placement.rollout_devices` devices form the rollout mesh, the rest the train mesh."""
+  """(train mesh, rollout mesh). Colocated: one mesh over the devices. Disaggregated:
+  `placement.rollout_devices` devices form the rollout mesh (the first ones; with several
+  hosts, the same share of each host's, see `split_devices`), the rest the train mesh."""
   p = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
   mode = p.get("mode", "colocated")
   if mode not in PLACEMENTS:
@@ -42,8 +69,9 @@ def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
     raise ValueError(f"placement.rollout_devices={r} must leave devices for training "
                      f"(1..{len(devices) - 1})")
   rollout_shape = tuple(p.get("rollout_mesh", (1, -1, 1, 1)))
-  return (models.make_mesh(shape, devices=devices[r:]),
-          models.make_mesh(rollout_shape, devices=devices[:r]))
+  rollout_devices, train_devices = split_devices(devices, r)
+  return (models.make_mesh(shape, devices=train_devices),
+          models.make_mesh(rollout_shape, devices=rollout_devices))
 
 
 def build_mesh(config) -> jax.sharding.Mesh:

@@ -132,7 +132,7 @@ def mesh_shapes(config: ml_collections.ConfigDict, num_devices: int | None = Non
 
   The device count defaults to `placement.devices`, else the mesh product (plus the
   rollout devices), else, for a `-1` mesh, the local device count. Disaggregated runs
-  give the first `placement.rollout_devices` devices to the sampler, as the trainer does.
+  give `placement.rollout_devices` devices to the sampler, as the trainer does.
   """
   p = config.get("placement") or ml_collections.ConfigDict({"mode": "colocated"})
   mode = p.get("mode", "colocated")

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from posttrain import evaluation, models
+from posttrain import distributed, evaluation, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, from_checkpoint,
                                   model_config, optimizer_like, run_domains, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
@@ -149,6 +149,9 @@ class Trainer:
     os.makedirs(workdir, exist_ok=True)
     self.seed = int(config.seed)
     self.mesh, self.rollout_mesh = build_meshes(config)
+    if jax.process_count() > 1 and not distributed.use_coordination_barriers():
+      log.warning("absl flags are not parsed: Orbax synchronises processes with device "
+                  "collectives, which can hang a disaggregated multi-host run")
     placement = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
     self.disaggregated = placement.get("mode", "colocated") == "disaggregated"
     self.sync_every = max(int(placement.get("sync_every", 1) or 1), 1)

@@ -66,3 +66,34 @@ def test_stale_groups_beyond_the_bound_are_dropped_and_counted(tmp_path):
   # Off-policy samples are corrected with truncated importance weights.
   assert any(abs(r["is_weight/mean"] - 1.0) > 1e-6 for r in rows)
   assert all(np.isfinite(r["loss/policy"]) for r in rows)
+
+
+class _Dev:
+  def __init__(self, process_index, i):
+    self.process_index, self.id = process_index, i
+
+  def __repr__(self):
+    return f"d{self.process_index}.{self.id}"
+
+
+def test_one_process_rolls_out_on_its_first_devices():
+  from posttrain import experiment
+  devices = [_Dev(0, i) for i in range(8)]
+  roll, train = experiment.split_devices(devices, 3)
+  assert roll == devices[:3] and train == devices[3:]
+
+
+def test_several_hosts_each_give_the_same_share_of_their_devices():
+  """Every host takes part in both meshes: 2 rollout devices from each of 4 hosts, in
+  device order, not the first 8 devices (which would be hosts 0 and 1 only)."""
+  from posttrain import experiment
+  devices = [_Dev(p, p * 4 + i) for p in range(4) for i in range(4)]
+  roll, train = experiment.split_devices(devices, 8)
+  assert [(d.process_index, d.id % 4) for d in roll] == [(p, i) for p in range(4)
+                                                         for i in range(2)]
+  assert [(d.process_index, d.id % 4) for d in train] == [(p, i) for p in range(4)
+                                                          for i in range(2, 4)]
+  with pytest.raises(ValueError, match="rollout_devices=6 must be a multiple of the 4 "):
+    experiment.split_devices(devices, 6)
+  with pytest.raises(ValueError, match="different numbers of devices"):
+    experiment.split_devices(devices[:-1], 8)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from posttrain import distributed
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.tasks import Reward, Task, registry
 
@@ -90,8 +91,11 @@ class RolloutWorker:
     process: (index, count) of this process among those sharing the scoring (default:
       `jax.process_index()`, `jax.process_count()`).
     exchange: gathers one JSON-able object from every process, in process order (default:
-      `allgather_json`, through the devices); only called with several processes.
+      `distributed.allgather_json`, through the coordination service); only called with
+      several processes.
   """
+
+  _instances = 0  # Workers are built in the same order on every process: tags match.
 
   def __init__(self, sampler, tokenizer: Tokenizer, *, group_size: int, max_new_tokens: int,
                temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
@@ -117,7 +121,19 @@ class RolloutWorker:
     if not 0 <= self.process_index < self.process_count:
       raise ValueError(f"process index {self.process_index} is out of range for "
                        f"{self.process_count} processes")
-    self._exchange = exchange or allgather_json
+    self._exchange = exchange or self._store_exchange
+    RolloutWorker._instances += 1
+    self._tag = f"posttrain/rollout_worker_{RolloutWorker._instances}"
+    self._exchanges = 0
+
+  def _store_exchange(self, obj: Any) -> list[Any]:
+    self._exchanges += 1
+    out = distributed.allgather_json(obj, f"{self._tag}/{self._exchanges}")
+    # Every process has read exchange n-2 once this one is complete (each wrote its part
+    # of n-1 only after reading all of n-2), so this process's key there can go.
+    if self._exchanges > 2:
+      distributed.delete_key(f"{self._tag}/{self._exchanges - 2}/{self.process_index}")
+    return out
 
   def close(self):
     self._pool.shutdown(wait=True)
@@ -249,19 +265,6 @@ class RolloutWorker:
 
 def _score(task: Task, sample: Sample) -> Reward:
   return registry.get(task.domain).score(task, sample.text)
-
-
-def allgather_json(obj: Any) -> list[Any]:
-  """`obj` from every process, in process order: JSON bytes gathered through the devices
-  (lengths first, then the bytes padded to the longest)."""
-  from jax.experimental import multihost_utils
-  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  gathered = np.asarray(multihost_utils.process_allgather(padded))
-  return [json.loads(bytes(row[:int(n)]).decode()) for row, n in
-          zip(gathered.reshape(len(sizes), -1), sizes.reshape(-1))]
 
 
 def group_to_trajectories(group: TrajectoryGroup, advantages: Sequence[float]

@@ -77,11 +77,6 @@ def test_two_processes_score_half_each_and_agree_with_one(monkeypatch):
   assert [w.last_stats["scored_fraction"] for w in workers] == [0.5, 0.5]
 
 
-def test_allgather_json_in_one_process_returns_the_object():
-  obj = {"3": {"value": 0.5, "components": {"a": 1.0}, "verdict": "ünïcode ✓"}}
-  assert worker_lib.allgather_json(obj) == [obj]
-
-
 def test_bad_process_layout_is_a_clear_error():
   with pytest.raises(ValueError, match="process index 2 is out of range for 2 processes"):
     _worker(process=(2, 2))
