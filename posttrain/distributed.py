@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 log = logging.getLogger("posttrain")
 
@@ -254,3 +255,28 @@ def use_coordination_barriers() -> bool:
     return False
   flags.FLAGS[name].value = True
   return True
+
+
+def put(tree: Any, sharding) -> Any:
+  """`jax.device_put(tree, sharding)` for step inputs, safe from any thread.
+
+  With several processes, `device_put` of a host value onto devices of every host first
+  checks that all processes passed the same value, with a collective over every device;
+  issued from a rollout thread while the learner runs, that collective can hang (see
+  above). Host values are laid out from this process's shards instead
+  (`jax.make_array_from_callback`, no communication): every process must pass the same
+  values, as SPMD requires anyway. Arrays already spread over several hosts are resharded
+  with `device_put`. `sharding` is one sharding for every leaf or a matching tree.
+  """
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+
+  def one(x, s):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, s)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: one(x, sharding), tree)
+  return jax.tree.map(one, tree, sharding)

@@ -49,7 +49,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from posttrain import models
+from posttrain import distributed, models
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.rl import advantages as advantages_lib
 from posttrain.rl import losses
@@ -198,7 +198,7 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
     _check_batch(batch, ("tokens", "targets"), row_multiple)
     inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
     # A no-op for arrays already laid out so; reshards e.g. a rollout mesh's output.
-    return jitted(params, jax.device_put(inputs, data_sharding))
+    return jitted(params, distributed.put(inputs, data_sharding))
 
   compute_logprobs.jitted = jitted
   return compute_logprobs
@@ -400,8 +400,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
     if reference_in_step:
       inputs.pop("ref_logprobs", None)  # computed in the step
-      return jitted(state, jax.device_put(inputs, data_sharding), reference)
-    return jitted(state, jax.device_put(inputs, data_sharding))
+      return jitted(state, distributed.put(inputs, data_sharding), reference)
+    return jitted(state, distributed.put(inputs, data_sharding))
 
   train_step.jitted = jitted
   return train_step

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from posttrain import models
+from posttrain import distributed, models
 from posttrain.models.transformer import CACHE_AXES
 
 FINISH_STOP = "stop"
@@ -409,7 +409,7 @@ class Sampler:
   def _put(self, x: np.ndarray, names: tuple):
     if self.mesh is None:
       return jax.device_put(x)
-    return jax.device_put(x, self._ctx.sharding(names, x.shape))
+    return distributed.put(x, self._ctx.sharding(names, x.shape))
 
   def _batch_bucket(self, rows: int) -> int:
     batch = _bucket(rows, self.batch_buckets, "batch of prompts")
