@@ -208,7 +208,7 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   heads, H = head_dim, T = kv_len, c = attention_chunk. Norm internals, RoPE tables and
   attention scores are float32 (4 bytes) whatever the compute dtype:
 
-    none                     s(4D + 2NH + 2KH + 6F) + 4(4D + 4H + N) + attention
+    none                     s(4D + 2NH + 2KH + 3F) + 4(4D + 4H + N) + attention
                                attention: reference 4(2NT) + NT (scores, probs, mask)
     dots                     s(2D + NH + 2KH + 2F) + batched attention matmuls:
                                reference 4NT + s NH, chunked 4(NT + NH T/c)
@@ -216,7 +216,8 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
     full                     s D                       (the block input)
 
   Fitted to what JAX saves (`jax.ad_checkpoint.print_saved_residuals`); flash and ring
-  attention keep O(N) per token.
+  attention keep O(N) per token. The MLP keeps gate, up and their SwiGLU product (3F):
+  `models.transformer.swiglu` recomputes the sigmoid in its backward.
   """
   d, hd = model_cfg.d_model, model_cfg.head_dim
   nh, kh, n, t = heads * hd, kv_heads * hd, heads, kv_len
@@ -224,7 +225,7 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   impl = model_cfg.attention_impl
   if remat == "none":
     attn = 4 * 2 * n * t + n * t if impl == "reference" else 0
-    return s * (4 * d + 2 * nh + 2 * kh + 6 * mlp) + 4 * (4 * d + 4 * hd + n) + attn
+    return s * (4 * d + 2 * nh + 2 * kh + 3 * mlp) + 4 * (4 * d + 4 * hd + n) + attn
   weight_matmuls = s * (2 * d + nh + 2 * kh + 2 * mlp)
   if remat == "dots":
     if impl == "reference":
