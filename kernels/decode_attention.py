@@ -58,7 +58,7 @@ def _normalise_scale(scale, name, cache, kv_layout):
                    f"got {scale.shape}")
 
 
-def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout):
+def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, **params):
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
   if q.ndim != 4:
@@ -70,8 +70,10 @@ def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout):
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache must have the shape of k_cache {k_cache.shape}, got "
                      f"{v_cache.shape}")
-  as_bskh = (lambda x: x) if kv_layout == "bskh" else (lambda x: jnp.swapaxes(x[:, :, :0], 1, 2))
-  reference.check_attention_inputs(q, as_bskh(k_cache), as_bskh(v_cache))
+  # The shared checks (batch, head_dim, head grouping, scalars) on empty slot-major views.
+  no_slots = ((lambda x: x[:, :0]) if kv_layout == "bskh"
+              else (lambda x: jnp.swapaxes(x[:, :, :0], 1, 2)))
+  reference.check_attention_inputs(q, no_slots(k_cache), no_slots(v_cache), **params)
   if q.shape[1] > k_cache.shape[_slot_axis(kv_layout)]:
     raise ValueError(f"q_len {q.shape[1]} exceeds the cache length "
                      f"{k_cache.shape[_slot_axis(kv_layout)]}")
@@ -178,10 +180,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
     [batch, q_len, heads, head_dim] in q's dtype.
   """
   lengths = jnp.asarray(lengths, jnp.int32)
-  _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout)
-  reference.check_attention_inputs(q[:, :0], q[:, :0, :1], q[:, :0, :1],
-                                   sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                                   sliding_window=sliding_window)
+  _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, sm_scale=sm_scale,
+         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
   b, tq, h, d = q.shape
