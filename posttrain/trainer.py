@@ -141,6 +141,13 @@ def sft_dataset(domains: list[str], tok, seed: int):
 # ----------------------------------------------------------------------------------------
 
 
+def reference_in_step(algo) -> bool:
+  """Whether the KL reference's log-probs are computed inside the update program (one
+  program per step): when they only feed a loss term of a single update per batch."""
+  return (float(algo.kl_coef) > 0 and not algo.kl_in_reward
+          and int(algo.ppo_epochs) * int(algo.num_minibatches) == 1)
+
+
 class Trainer:
   """Holds the pieces of one run; `run()` executes the remaining stages."""
 
@@ -225,10 +232,7 @@ class Trainer:
     return int(self.algo.ppo_epochs) * int(self.algo.num_minibatches)
 
   def _reference_in_step(self) -> bool:
-    """The KL reference's log-probs are computed inside the update program (one program
-    per step) when they only feed a loss term of a single update."""
-    return (float(self.algo.kl_coef) > 0 and not self.algo.kl_in_reward
-            and self._updates_per_step() == 1)
+    return reference_in_step(self.algo)
 
   def _setup_state(self):
     stage_opt = self.sft_optimizer  # Both optimizers have the same state structure.

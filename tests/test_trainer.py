@@ -10,9 +10,11 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from configs import default
 from posttrain import experiment, trainer
+from posttrain.rl import presets
 from posttrain.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,3 +163,15 @@ def test_launcher_errors_are_one_line(tmp_path):
   out = proc.communicate(timeout=300)[0]
   assert proc.returncode == 2 and "error: mesh shape (1, 3, 1, 1) needs 3 devices" in out
   assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("preset,overrides,fused", [
+    ("grpo", {}, True),                              # KL loss term, one update per batch
+    ("grpo", {"kl_coef": 0.0}, False),               # no reference at all
+    ("grpo", {"ppo_epochs": 2}, False),              # computed once for both epochs instead
+    ("ppo", {}, False),                              # KL in the reward, before GAE
+    ("reinforce_pp", {}, False),
+])
+def test_reference_pass_runs_in_the_update_only_for_a_single_kl_loss_update(
+    preset, overrides, fused):
+  assert trainer.reference_in_step(presets.algorithm_config(preset, **overrides)) is fused
