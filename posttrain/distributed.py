@@ -280,3 +280,19 @@ def put(tree: Any, sharding) -> Any:
   if isinstance(sharding, jax.sharding.Sharding):
     return jax.tree.map(lambda x: one(x, sharding), tree)
   return jax.tree.map(one, tree, sharding)
+
+
+def copy_to(x: jax.Array, sharding) -> jax.Array:
+  """A copy of x on `sharding` (never an alias), resharding across meshes.
+
+  With several processes, XLA moves an array between two different device sets that span
+  hosts only on TPU, experimentally; such a leaf goes through host memory instead: every
+  process gathers it whole (over x's own devices) and places the shards its devices of
+  `sharding` hold.
+  """
+  if (jax.process_count() > 1 and isinstance(x, jax.Array) and not x.is_fully_addressable
+      and x.sharding.device_set != sharding.device_set):
+    from jax.experimental import multihost_utils
+    whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+  return jax.device_put(x, sharding, may_alias=False)

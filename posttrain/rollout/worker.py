@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import json
 import time
 from typing import Any, Callable, Sequence
 

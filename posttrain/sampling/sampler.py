@@ -136,28 +136,6 @@ def _param_path(path) -> str:
       k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
 
 
-def _across_hosts(x, sharding) -> bool:
-  """A multi-process array bound for another device set than its own."""
-  return (jax.process_count() > 1 and isinstance(x, jax.Array)
-          and not x.is_fully_addressable and x.sharding.device_set != sharding.device_set)
-
-
-def _copy_to(x, sharding):
-  """A copy of x on `sharding`, resharding across meshes (through host memory only where
-  XLA cannot move it device to device, see `_across_hosts`)."""
-  if _across_hosts(x, sharding):
-    return _host_reshard(x, sharding)
-  return jax.device_put(x, sharding, may_alias=False)
-
-
-def _host_reshard(x: jax.Array, sharding):
-  """x on `sharding` through host memory: every process gathers the whole leaf (over x's
-  own devices), then places the shards its devices of `sharding` hold."""
-  from jax.experimental import multihost_utils
-  whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
-
-
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
   for b in buckets:
     if b >= n:
@@ -209,7 +187,7 @@ class Sampler:
     shardings = (models.state_shardings(state, mesh, self.rules) if mesh is not None
                  else jax.tree.map(lambda x: x.sharding, state))
     # A copy, never an alias: a learner that donates its params must not free the sampler's.
-    state = jax.tree.map(_copy_to, state, shardings)
+    state = jax.tree.map(distributed.copy_to, state, shardings)
     self._treedef = jax.tree.structure(state)
     self._paths = [_param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
@@ -246,7 +224,7 @@ class Sampler:
     for path, (_, x), (shape, dtype, sharding) in zip(paths, flat, self._specs):
       if tuple(x.shape) != tuple(shape):
         raise ValueError(f"param {path} has shape {tuple(x.shape)}, expected {tuple(shape)}")
-      x = _copy_to(x, sharding)
+      x = distributed.copy_to(x, sharding)
       leaves.append(x if x.dtype == dtype else x.astype(dtype))
     self._state = jax.tree.unflatten(self._treedef, leaves)
 
