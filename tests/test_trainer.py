@@ -72,6 +72,11 @@ def test_few_step_rl_run_end_to_end(tmp_path):
   summary = trainer.train(_config(), str(tmp_path))
   assert summary["status"] == "done" and summary["rl_steps"] == 3
   rows = read_metrics(str(tmp_path))
+  # The SFT nll comes from the step's own log-probs: a fresh policy's is about ln(vocab).
+  sft_rows = [r for r in rows if "sft/nll" in r]
+  assert len(sft_rows) == 2
+  vocab = trainer.model_config(_config()).vocab_size
+  assert abs(sft_rows[0]["sft/nll"] - np.log(vocab)) < 0.3, (sft_rows[0], vocab)
   rl_rows = [r for r in rows if "reward/mean" in r]
   assert len(rl_rows) == 3
   for key in ("reward/mean", "response_length/mean", "kl", "entropy", "grad_norm",

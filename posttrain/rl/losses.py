@@ -663,6 +663,8 @@ def rl_loss(
 
   policy_sum = weighted_sum(policy_loss)
   metrics["loss/policy"] = Metric.mean(policy_sum, local_denominator)
+  # The learner's mean log-prob of the trained tokens before the update: -nll for SFT.
+  metrics["logprob/mean"] = _masked_mean_metric(jax.lax.stop_gradient(log_probs), mask)
   loss = term(policy_loss)
 
   if "ref_logprobs" in batch:

@@ -321,6 +321,12 @@ def test_on_policy_loss_is_minus_weighted_advantage_with_policy_gradient():
   adv = np.where(mask, batch["advantages"], 0.0)
   np.testing.assert_allclose(fn(log_probs), -adv.sum() / mask.sum(), rtol=1e-5)
   np.testing.assert_allclose(jax.grad(fn)(log_probs), -adv / mask.sum(), rtol=1e-5, atol=1e-7)
+  # The mean log-prob of the trained tokens (the SFT stage logs its negative as the nll);
+  # garbage past the mask does not count.
+  poisoned = jnp.where(mask, log_probs, -jnp.inf)
+  metrics = losses.compute_metrics(losses.rl_loss(cfg, poisoned, batch, denominator=d)[1])
+  np.testing.assert_allclose(metrics["logprob/mean"],
+                             np.asarray(log_probs)[mask.astype(bool)].mean(), rtol=1e-5)
 
 
 def test_truncated_importance_weights():
