@@ -153,7 +153,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                      logits_soft_cap: float | None = None,
                      sliding_window: int | None = None,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, kv_layout: str = "bskh",
-                     elementwise: bool | None = None):
+                     elementwise: bool | None = None, finite_tail: bool = False):
   """Attention of the newest tokens of each row against its KV cache.
 
   Args:
@@ -175,6 +175,11 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
       piece, a longer one block by block, skipping blocks past the longest row (and, with a
       sliding window, before every query's window).
     elementwise: score blocks with a multiply-reduce instead of a dot (None: on CPU only).
+    finite_tail: the caller guarantees that every slot past a row's length holds a finite
+      value (a zero-initialised cache written only with finite keys and values, as the
+      sampler's). Masked slots then get probability exactly 0 and contribute exactly 0,
+      so the pass that zeroes their values is skipped. With False (the default) those
+      slots may hold anything, NaN included.
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
@@ -206,8 +211,10 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
         q_pos, kv_pos[None], causal=causal, sliding_window=sliding_window)
     # Slots past a row's length may hold anything, NaN included; p = 0 times NaN would
     # still leak, so zero the values (and their scales) there.
-    slot_ok_v = slot_ok[:, :, None, None] if kv_layout == "bskh" else slot_ok[:, None, :, None]
-    v = jnp.where(slot_ok_v, cut(v_cache), 0)
+    v = cut(v_cache)
+    if not finite_tail:
+      slot_ok_v = slot_ok[:, :, None, None] if kv_layout == "bskh" else slot_ok[:, None, :, None]
+      v = jnp.where(slot_ok_v, v, 0)
     k_s, v_s = [None if s is None else (lax.dynamic_slice_in_dim(s, start, ck, axis=2)
                                         if s.shape[2] > 1 else s) for s in scales]
     if v_s is not None:

@@ -153,9 +153,12 @@ class Attention(nnx.Module):
         import kernels
         lengths = positions_BxT[:, -1] + 1
         # Keys per block, as in chunked attention; blocks past the longest row are skipped.
+        # The cache starts zeroed and is written only with the model's keys and values, so
+        # slots past a row's length are finite and the kernel need not zero them.
         out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
                                        k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
-                                       chunk_size=decode_chunk_for(cfg), kv_layout="bksh")
+                                       chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
+                                       finite_tail=True)
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache

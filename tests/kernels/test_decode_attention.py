@@ -41,7 +41,7 @@ WAYS = [("bskh", None, 8), ("bksh", None, 8), ("bskh", False, 8), ("bksh", False
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logits_soft_cap",
-                                             "way"))
+                                             "way", "finite_tail"))
 def _decode(q, k, v, lengths, k_scale=None, v_scale=None, way=WAYS[0], **kw):
   """decode_attention on a slot-major test cache, laid out and scored as `way` says."""
   layout, elementwise, chunk = way
@@ -63,6 +63,19 @@ def _decode(q, k, v, lengths, k_scale=None, v_scale=None, way=WAYS[0], **kw):
 def test_matches_reference_on_each_prefix(t, kw, way):
   q, k, v = _case(t=t)
   out = _decode(q, *_with_garbage(k, v, LENGTHS), jnp.array(LENGTHS), way=way, **kw)
+  assert_close(out, _per_row_reference(q, k, v, LENGTHS, **kw), 2e-5)
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("t,kw", [(1, {}), (3, dict(sliding_window=6, logits_soft_cap=5.0))])
+def test_finite_tail_skips_zeroing_and_keeps_the_result(t, kw, way):
+  """finite_tail=True: slots past each row's length hold large finite garbage (as a reused
+  zero-initialised cache may); the result is the per-row reference all the same."""
+  q, k, v = _case(t=t, seed=5)
+  slots = jnp.arange(k.shape[1])[None, :, None, None]
+  past = slots >= jnp.asarray(LENGTHS)[:, None, None, None]
+  k_bad, v_bad = jnp.where(past, 1e4, k), jnp.where(past, -3e4, v)
+  out = _decode(q, k_bad, v_bad, jnp.array(LENGTHS), way=way, finite_tail=True, **kw)
   assert_close(out, _per_row_reference(q, k, v, LENGTHS, **kw), 2e-5)
 
 

@@ -184,12 +184,12 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_decode_chunk_follows_the_backend_unless_set():
-  """Small decode blocks on CPU, large ones on accelerators; an explicit value wins."""
+  """Smaller decode blocks on CPU, large ones on accelerators; an explicit value wins."""
   auto = CFG.replace(decode_chunk=None)
-  assert models.decode_chunk_for(auto, "cpu") == 64
+  assert models.decode_chunk_for(auto, "cpu") == 256
   assert models.decode_chunk_for(auto, "gpu") == models.decode_chunk_for(auto, "tpu") == 1024
   assert models.decode_chunk_for(auto, "metal") == 1024  # unknown backends: the default
-  assert models.decode_chunk_for(auto) == 64  # the tests run on CPU
+  assert models.decode_chunk_for(auto) == 256  # the tests run on CPU
   assert models.decode_chunk_for(CFG.replace(decode_chunk=48), "gpu") == 48
 
 
