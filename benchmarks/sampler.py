@@ -255,10 +255,10 @@ def main():
   rows = run(args.quick)
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cpus, "
         f"load {os.getloadavg()[0]:.1f}")
-  print(f"{'case':<22}{'engine':<22}{'median s':>9}{'tokens/s':>10}{'vs tunix':>9}"
+  print(f"{'case':<22}{'engine':<26}{'median s':>9}{'tokens/s':>10}{'vs tunix':>9}"
         f"{'cpu ms/tok':>11}{'vs tunix':>9}")
   for r in rows:
-    print(f"{r['case']:<22}{r['engine']:<22}{r['median_s']:>9.4f}{r['tokens_per_s']:>10.1f}"
+    print(f"{r['case']:<22}{r['engine']:<26}{r['median_s']:>9.4f}{r['tokens_per_s']:>10.1f}"
           f"{r['vs_tunix']:>8.2f}x{r['cpu_ms_per_token']:>11.3f}{r['cpu_vs_tunix']:>8.2f}x")
 
 
