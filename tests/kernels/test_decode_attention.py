@@ -34,10 +34,12 @@ def _per_row_reference(q, k, v, lengths, **kw):
       for i, n in enumerate(lengths)])
 
 
-# (kv_layout, elementwise, chunk_size): slot-major and heads-major caches, dot and
-# multiply-reduce scoring, several blocks (the last one overlapping) and one whole block.
+# (kv_layout, elementwise, chunk_size): slot-major and heads-major caches; dots,
+# multiply-reduces, and dot scores with a multiply-reduce over the values ("values");
+# several blocks (the last one overlapping) and one whole block.
 WAYS = [("bskh", None, 8), ("bksh", None, 8), ("bskh", False, 8), ("bksh", False, 8),
-        ("bksh", True, 64), ("bskh", False, 64)]
+        ("bksh", True, 64), ("bskh", False, 64), ("bskh", True, 8), ("bskh", "values", 8),
+        ("bksh", "values", 64)]
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logits_soft_cap",
@@ -170,6 +172,8 @@ def test_bad_inputs_name_the_argument():
                              lengths=jnp.ones(3), kv_layout="bksh")
   with pytest.raises(ValueError, match="kv_layout must be one of"):
     kernels.decode_attention(q, k, v, lengths=jnp.ones(3), kv_layout="sbkh")
+  with pytest.raises(ValueError, match="elementwise must be None, True, False or 'values'"):
+    kernels.decode_attention(q, k, v, lengths=jnp.ones(3), elementwise="scores")
   with pytest.raises(ValueError, match="k_scale must be .* per slot and head \\(3, 2, 37\\)"):
     kernels.decode_attention(q, jnp.swapaxes(k, 1, 2).astype(jnp.int8),
                              jnp.swapaxes(v, 1, 2).astype(jnp.int8), lengths=jnp.ones(3),
