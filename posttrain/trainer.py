@@ -152,6 +152,12 @@ class Trainer:
   """Holds the pieces of one run; `run()` executes the remaining stages."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    if "://" in str(workdir):
+      # os.makedirs("gs://b/run") would make a local "gs:" folder and split the run between
+      # it (metrics, evaluations) and the bucket (Orbax's checkpoints).
+      raise ValueError(f"workdir {workdir!r} is a URL; the trainer writes through the local "
+                       "filesystem: mount the bucket (gcsfuse, see launch/tpu_pod.sh) and "
+                       "pass the mount path")
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
     self.seed = int(config.seed)

@@ -160,6 +160,14 @@ def test_torn_checkpoint_is_skipped_and_different_mesh_restores(tmp_path):
     t.ckpt.close()
 
 
+def test_url_workdir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError,
+                     match=r"workdir 'gs://bucket/run' is a URL; .*mount the bucket \(gcsfuse"):
+    trainer.Trainer(_config(), "gs://bucket/run")
+  assert not os.listdir(tmp_path)  # no local "gs:" folder
+
+
 def test_launcher_errors_are_one_line(tmp_path):
   proc = _launch(tmp_path, "--config.no_such_key=1")
   out = proc.communicate(timeout=300)[0]
