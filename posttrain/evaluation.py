@@ -72,12 +72,54 @@ def pass_rates(worker, domains: Sequence[str], *, seeds_per_domain: int,
   """
   pairs = [(d, heldout_seed(first_seed_index + i)) for d in domains
            for i in range(seeds_per_domain)]
-  report = _summarise(worker.rollout(pairs, seed=0, group_size=1, temperature=0.0))
+  greedy = worker.rollout(pairs, seed=0, group_size=1, temperature=0.0)
+  report = _summarise(greedy)
+  tasks = [{"domain": g.domain, "seed": int(g.seed), "passed": _passed(g.samples[0])}
+           for g in greedy]
   if samples > 0:
-    sampled = _summarise(worker.rollout(pairs, seed=1, group_size=samples,
-                                        temperature=temperature))
+    sampled_groups = worker.rollout(pairs, seed=1, group_size=samples, temperature=temperature)
+    sampled = _summarise(sampled_groups)
     report["sampled"] = {k: sampled[k] for k in ("pass_rate", "families", "domains")}
+    for t, g in zip(tasks, sampled_groups):
+      t["sampled_passed"] = sum(_passed(x) for x in g.samples)
+      t["samples"] = len(g.samples)
+  report["tasks"] = tasks
   return report
+
+
+def pass_rate_change(before: Mapping[str, Any], after: Mapping[str, Any], *,
+                     confidence: float = 0.95) -> dict[str, Any]:
+  """How much two `pass_rates` reports on the same held-out tasks differ, with intervals.
+
+  Tasks pair up by (domain, seed). Greedy: Newcombe's paired interval on pass/fail.
+  Sampled pass@1 (when both reports sampled): the mean over tasks of the per-task change
+  in the fraction of samples that passed, with a normal interval on that mean (the tasks
+  are the independent units; samples of one task are not).
+
+  Returns:
+    {"tasks": n, "greedy": {"difference", "ci_low", "ci_high"}, and "pass@1" alike},
+    after minus before; {} when either report has no per-task outcomes.
+  """
+  if "tasks" not in before or "tasks" not in after:
+    return {}
+  b = {(t["domain"], t["seed"]): t for t in before["tasks"]}
+  a = {(t["domain"], t["seed"]): t for t in after["tasks"]}
+  keys = sorted(set(b) & set(a))
+  if not keys:
+    raise ValueError("the two reports share no (domain, seed) task; evaluate both on the "
+                     "same domains and seeds")
+  out: dict[str, Any] = {"tasks": len(keys), "confidence": confidence}
+  g = compare_outcomes({"all": [b[k]["passed"] for k in keys]},
+                       {"all": [a[k]["passed"] for k in keys]}, confidence=confidence)["all"]
+  out["greedy"] = {k: g[k] for k in ("difference", "ci_low", "ci_high")}
+  if all("samples" in b[k] and "samples" in a[k] for k in keys):
+    d = np.asarray([a[k]["sampled_passed"] / a[k]["samples"]
+                    - b[k]["sampled_passed"] / b[k]["samples"] for k in keys], np.float64)
+    mean = float(d.mean())
+    half = _z(confidence) * float(d.std(ddof=1)) / math.sqrt(len(d)) if len(d) > 1 else math.inf
+    out["pass@1"] = {"difference": _r(mean), "ci_low": _r(max(-1.0, mean - half)),
+                     "ci_high": _r(min(1.0, mean + half))}
+  return out
 
 
 def _summarise(groups) -> dict[str, Any]:

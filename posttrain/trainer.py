@@ -327,7 +327,9 @@ class Trainer:
     if status == "done":
       final = self.evaluate("final")
       summary["eval"] = {"sft": self.progress.sft_eval, "final": final}
-      _print_eval_table(self.progress.sft_eval, final)
+      if self.progress.sft_eval and final:
+        summary["eval"]["change"] = evaluation.pass_rate_change(self.progress.sft_eval, final)
+      _print_eval_table(self.progress.sft_eval, final, summary["eval"].get("change"))
       if jax.process_index() == 0:
         with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
           json.dump(summary, fh, indent=2)
@@ -714,10 +716,10 @@ def _last_token(mask, seg):
   return jax.vmap(row)(m, seg.astype(jnp.int32)).astype(jnp.float32)
 
 
-def _print_eval_table(before: dict | None, after: dict | None):
+def _print_eval_table(before: dict | None, after: dict | None, change: dict | None = None):
   """Held-out pass rates per family after SFT and after RL: pass@1 over the sampled
   completions at the rollout temperature when they were run (what RL maximises), and
-  greedy."""
+  greedy; then the change over the paired tasks with its interval."""
   if not before or not after:
     return
   sampled = "sampled" in before and "sampled" in after
@@ -737,6 +739,11 @@ def _print_eval_table(before: dict | None, after: dict | None):
   for f in fams:
     row(f, f)
   row("all", None)
+  if change:
+    parts = [f"{name} {c['difference']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]"
+             for name in ("pass@1", "greedy") if (c := change.get(name))]
+    print(f"RL - SFT over {change['tasks']} paired held-out tasks, "
+          f"{round(100 * change['confidence'])}% interval: " + "; ".join(parts))
   if sampled:
     print("(pass@1: mean reward of eval.samples samples per held-out task at the rollout "
           "temperature, the quantity RL maximises; greedy: one temperature-0 answer)",

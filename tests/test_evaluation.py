@@ -286,6 +286,44 @@ def test_sandbox_runs_are_counted_against_their_domain(fake_sandbox):
   assert seconds == {"runs": 9, "wall_s": 9 * 0.25, "cpu_s": 9 * 0.125}
 
 
+def test_pass_rates_keep_per_task_outcomes_and_the_change_pairs_them():
+  add, sub = "arithmetic/add_d1", "arithmetic/sub_d1"
+  before = evaluation.pass_rates(_DemoWorker({sub: "<answer>no</answer>"}), [add, sub],
+                                 seeds_per_domain=4, samples=3)
+  after = evaluation.pass_rates(_DemoWorker(), [add, sub], seeds_per_domain=4, samples=3)
+  assert [(t["domain"], t["passed"], t["sampled_passed"], t["samples"])
+          for t in before["tasks"]] == [(add, True, 3, 3)] * 4 + [(sub, False, 0, 3)] * 4
+  assert before["pass_rate"] == before["sampled"]["pass_rate"] == 0.5
+  change = evaluation.pass_rate_change(before, after)
+  assert change["tasks"] == 8
+  for kind in ("greedy", "pass@1"):
+    c = change[kind]
+    assert c["difference"] == 0.5 and 0 < c["ci_low"] < 0.5 < c["ci_high"] <= 1.0, kind
+  # Reversed, the change mirrors; reports without per-task outcomes give no change.
+  back = evaluation.pass_rate_change(after, before)
+  assert back["pass@1"] == {"difference": -0.5, "ci_low": -change["pass@1"]["ci_high"],
+                            "ci_high": -change["pass@1"]["ci_low"]}
+  assert evaluation.pass_rate_change({"pass_rate": 0.5}, after) == {}
+  with pytest.raises(ValueError, match="share no"):
+    evaluation.pass_rate_change(before, {"tasks": [{"domain": add, "seed": -1,
+                                                    "passed": True}]})
+
+
+def test_pass_at_one_change_is_the_mean_paired_difference_with_a_normal_interval():
+  rng = np.random.default_rng(0)
+  n, k = 200, 4
+  b, a = rng.integers(0, k + 1, n), rng.integers(0, k + 1, n)
+  rep = lambda c: {"tasks": [{"domain": "d", "seed": i, "passed": bool(x == k),
+                              "sampled_passed": int(x), "samples": k}
+                             for i, x in enumerate(c)]}
+  c = evaluation.pass_rate_change(rep(b), rep(a), confidence=0.9)["pass@1"]
+  d = (a - b) / k
+  half = 1.6448536269514722 * d.std(ddof=1) / math.sqrt(n)
+  assert c["difference"] == pytest.approx(d.mean(), abs=1e-6)
+  assert (c["ci_low"], c["ci_high"]) == pytest.approx((d.mean() - half, d.mean() + half),
+                                                      abs=1e-6)
+
+
 def test_eval_pairs_are_heldout_and_validated():
   pairs = evaluation.eval_pairs(["a", "b"], 3, first_seed_index=2)
   assert pairs == [("a", 5), ("a", 7), ("a", 9), ("b", 5), ("b", 7), ("b", 9)]

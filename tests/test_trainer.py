@@ -68,7 +68,7 @@ def _final_params(workdir, cfg_extra=None):
   return jax.tree.map(np.asarray, state["params"]), extras, step
 
 
-def test_few_step_rl_run_end_to_end(tmp_path):
+def test_few_step_rl_run_end_to_end(tmp_path, capsys):
   summary = trainer.train(_config(), str(tmp_path))
   assert summary["status"] == "done" and summary["rl_steps"] == 3
   rows = read_metrics(str(tmp_path))
@@ -85,7 +85,16 @@ def test_few_step_rl_run_end_to_end(tmp_path):
     assert key in rl_rows[-1], key
   assert any(k.startswith("reward/arithmetic/") for k in rl_rows[-1])
   assert os.listdir(tmp_path / "tb")
-  assert json.loads((tmp_path / "summary.json").read_text())["eval"]["final"]["samples"] == 2
+  ev = json.loads((tmp_path / "summary.json").read_text())["eval"]
+  assert ev["final"]["samples"] == 2 and len(ev["final"]["tasks"]) == 2
+  # The SFT -> RL change pairs the two evaluations' tasks and agrees with their rates.
+  change = ev["change"]
+  assert change["tasks"] == 2
+  assert change["greedy"]["difference"] == pytest.approx(
+      ev["final"]["pass_rate"] - ev["sft"]["pass_rate"], abs=1e-6)
+  assert change["pass@1"]["difference"] == pytest.approx(
+      ev["final"]["sampled"]["pass_rate"] - ev["sft"]["sampled"]["pass_rate"], abs=1e-6)
+  assert "RL - SFT over 2 paired held-out tasks, 95% interval: pass@1 " in capsys.readouterr().out
   # Running again in a finished workdir resumes at the end and does no more steps.
   again = trainer.train(_config(), str(tmp_path))
   assert again["rl_steps"] == 3 and len([r for r in read_metrics(str(tmp_path))
