@@ -23,7 +23,7 @@ import numpy as np
 
 from posttrain import distributed
 from posttrain.data.tokenizer import Tokenizer
-from posttrain.tasks import Reward, Task, registry
+from posttrain.tasks import Reward, StepResult, Task, registry
 
 
 @dataclasses.dataclass
@@ -159,9 +159,11 @@ class RolloutWorker:
     samples: list[Sample | None] = [None] * len(rows)
     futures: list[tuple[int, cf.Future]] = []
     mine = lambda idx: idx % self.process_count == self.process_index  # noqa: E731
+    self._tool_steps = [0, 0]
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
-      done = self._generate(chunk, tasks, seed=seed * 1_000_003 + start, temperature=temp)
+      done = self._generate(chunk, tasks, seed=seed * 1_000_003 + start, temperature=temp,
+                            offset=start)
       for j, sample in enumerate(done):
         task = tasks[chunk[j][0]]
         samples[start + j] = sample
@@ -181,13 +183,17 @@ class RolloutWorker:
     # Scoring overlaps generation; what is left after the last chunk is the scoring stall.
     self.last_stats = {"scoring_wait_s": time.perf_counter() - t_wait,
                        "scored_fraction": len(futures) / max(len(samples), 1)}
+    if self._tool_steps[1]:
+      self.last_stats["tool_step_fraction"] = self._tool_steps[0] / self._tool_steps[1]
     groups = []
     for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
       groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
     return groups
 
-  def _generate(self, chunk, tasks, *, seed: int, temperature: float) -> list[Sample]:
-    """Generates (possibly several turns of) the rows of one chunk."""
+  def _generate(self, chunk, tasks, *, seed: int, temperature: float,
+                offset: int = 0) -> list[Sample]:
+    """Generates (possibly several turns of) the rows of one chunk (rows `offset`... of
+    the rollout)."""
     states = [Sample(prompt_tokens=list(p), response_tokens=[], response_mask=[],
                      behaviour_logprobs=[], text="", finish_reason="length", turns=0)
               for _, p in chunk]
@@ -197,26 +203,56 @@ class RolloutWorker:
         break
       ended = self._generate_turn(states, active, seed=seed + 7919 * turn,
                                   temperature=temperature)
+      steps = {}
+      if turn + 1 < self.max_turns:
+        stepping = [i for i in active if ended[i]
+                    and hasattr(registry.get(tasks[chunk[i][0]].domain), "step")]
+        steps = self._environment_steps(stepping, [tasks[c[0]] for c in chunk], states,
+                                        offset)
       still = []
       for i in active:
         st = states[i]
         st.turns += 1
         if not ended[i]:
           continue
-        domain = registry.get(tasks[chunk[i][0]].domain)
-        if turn + 1 < self.max_turns and hasattr(domain, "step"):
-          step = domain.step(tasks[chunk[i][0]], st.text)
-          if not step.done and step.observation is not None:
-            st.tool_calls += 1
-            obs, _ = self.tok.encode_chat([{"role": "tool", "content": step.observation}],
-                                          add_generation_prompt=True)
-            st.response_tokens += obs
-            st.response_mask += [0] * len(obs)
-            st.behaviour_logprobs += [0.0] * len(obs)
-            st.text += "\n" + step.observation + "\n"
-            still.append(i)
+        step = steps.get(i)
+        if step is not None and not step.done and step.observation is not None:
+          st.tool_calls += 1
+          obs, _ = self.tok.encode_chat([{"role": "tool", "content": step.observation}],
+                                        add_generation_prompt=True)
+          st.response_tokens += obs
+          st.response_mask += [0] * len(obs)
+          st.behaviour_logprobs += [0.0] * len(obs)
+          st.text += "\n" + step.observation + "\n"
+          still.append(i)
       active = still
     return states
+
+  def _environment_steps(self, rows: list[int], tasks: list[Task], states: list[Sample],
+                         offset: int) -> dict[int, StepResult]:
+    """The environment's answer to the latest turn of each of `rows` (tool calls run here).
+
+    Each process runs the steps of rows with (offset + row) % processes == its index,
+    concurrently on the scoring threads, and the processes exchange the results, so a
+    tool call runs once and every process continues the transcript with the same
+    observation (a sandbox timeout on one host cannot make the hosts' inputs diverge).
+    Called by every process at the same points: the exchange is a collective.
+    """
+    mine = [i for i in rows if (offset + i) % self.process_count == self.process_index]
+    futures = {i: self._pool.submit(_step, tasks[i], states[i].text) for i in mine}
+    results = {i: f.result() for i, f in futures.items()}
+    self._tool_steps[0] += len(mine)
+    self._tool_steps[1] += len(rows)
+    if self.process_count > 1:
+      local = {str(i): [r.observation, r.done] for i, r in results.items()}
+      for part in self._exchange(local):
+        for i, (obs, done) in part.items():
+          results[int(i)] = StepResult(observation=obs, done=bool(done))
+      missing = sorted(set(rows) - set(results))
+      if missing:
+        raise RuntimeError(f"environment steps of rows {missing[:5]} came back from no "
+                           "process")
+    return results
 
   def _generate_turn(self, states, rows, *, seed: int, temperature: float) -> dict[int, bool]:
     """One model turn for `rows`, in segments of `segment_tokens` when set.
@@ -264,6 +300,10 @@ class RolloutWorker:
 
 def _score(task: Task, sample: Sample) -> Reward:
   return registry.get(task.domain).score(task, sample.text)
+
+
+def _step(task: Task, text: str) -> StepResult:
+  return registry.get(task.domain).step(task, text)
 
 
 def group_to_trajectories(group: TrajectoryGroup, advantages: Sequence[float]

@@ -1,4 +1,5 @@
-"""RolloutWorker: groups of scored samples; with several processes each scores its share."""
+"""RolloutWorker: groups of scored samples; with several processes each scores its share
+and runs its share of the tool steps."""
 import threading
 
 import pytest
@@ -7,7 +8,7 @@ from posttrain import models
 from posttrain.data.tokenizer import ByteTokenizer
 from posttrain.rollout import worker as worker_lib
 from posttrain.sampling import Sampler
-from posttrain.tasks import Reward
+from posttrain.tasks import Reward, StepResult
 
 PAIRS = [("arithmetic/add_d1", 3), ("arithmetic/mod_d2", 4), ("arithmetic/add_d3", 5)]
 CFG = models.get_preset("tiny", vocab_size=ByteTokenizer().vocab_size)
@@ -80,3 +81,57 @@ def test_two_processes_score_half_each_and_agree_with_one(monkeypatch):
 def test_bad_process_layout_is_a_clear_error():
   with pytest.raises(ValueError, match="process index 2 is out of range for 2 processes"):
     _worker(process=(2, 2))
+
+
+def _fake_step(calls):
+  """A tool environment: two tool calls per sample, the observation depends on the text."""
+  lock = threading.Lock()
+
+  def step(task, text):
+    with lock:
+      calls.append(text)
+    if text.count("\n=") >= 2:
+      return StepResult(observation=None, done=True)
+    return StepResult(observation=f"={len(text)}", done=False)
+  return step
+
+
+TOOL_PAIRS = [("tools/calc_l1", 3), ("tools/calc_l1", 5), ("arithmetic/add_d1", 7)]
+
+
+def _transcripts(groups):
+  return [(s.text, s.tool_calls, s.turns, s.response_mask, s.reward) for g in groups
+          for s in g.samples]
+
+
+def test_two_processes_split_the_tool_steps_and_continue_identically(monkeypatch):
+  calls = []
+  monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
+  monkeypatch.setattr(worker_lib, "_step", _fake_step(calls))
+  single = _worker(process=(0, 1), max_turns=4)
+  want = _transcripts(single.rollout(TOOL_PAIRS, seed=3))
+  # Only the tools domain steps: 4 samples x (2 tool calls + the final done check).
+  assert len(calls) == 12 and single.last_stats["tool_step_fraction"] == 1.0
+  assert [t[1] for t in want] == [2, 2, 2, 2, 0, 0]
+  assert [t[2] for t in want] == [3, 3, 3, 3, 1, 1]
+  assert all("\n=" in t[0] for t in want[:4])
+  # Observation tokens are not the model's: masked out of the loss.
+  assert all(0 in t[3] for t in want[:4]) and all(set(t[3]) == {1} for t in want[4:])
+
+  calls.clear()
+  exchange = _ThreadExchange(2)
+  workers = [_worker(process=(i, 2), exchange=exchange.for_process(i), max_turns=4)
+             for i in range(2)]
+  results = [None, None]
+
+  def run(i):
+    results[i] = _transcripts(workers[i].rollout(TOOL_PAIRS, seed=3))
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=600)
+  assert results[0] == results[1] == want
+  assert len(calls) == 12  # every step ran once, on one of the two processes
+  assert [w.last_stats["tool_step_fraction"] for w in workers] == [0.5, 0.5]
