@@ -484,6 +484,8 @@ class Trainer:
       timings["timing/scoring_s"] = self.worker.last_stats.get("scoring_wait_s", 0.0)
       # Each process scores its share of the samples (1.0 with one process).
       timings["rollout/scored_fraction"] = self.worker.last_stats.get("scored_fraction", 1.0)
+      if "tool_step_fraction" in self.worker.last_stats:
+        timings["rollout/tool_step_fraction"] = self.worker.last_stats["tool_step_fraction"]
     else:
       groups, extra, gen_s = source.get()
       timings["timing/rollout_s"] = gen_s

@@ -111,6 +111,7 @@ class RolloutWorker:
     self._lock = lock if lock is not None else contextlib.nullcontext()
     self._version_fn = version_fn or (lambda: 0)
     self.last_stats: dict[str, float] = {}
+    self._tool_steps = [0, 0]  # environment steps run here, and in all, this rollout
     self._pool = cf.ThreadPoolExecutor(max_workers=max(1, scoring_threads),
                                        thread_name_prefix="score")
     if process is None:
