@@ -384,6 +384,8 @@ class Trainer:
       step = self.progress.sft_step
       if step % int(self.config.train.log_every) == 0 or step == total:
         # The step's mean log-prob of the batch before its update: no extra forward pass.
+        # Fetched first, so the step time covers the step's compute, not just its dispatch.
+        metrics = jax.device_get(metrics)
         row = self.writer.write(step, {"sft/nll": -metrics["logprob/mean"],
                                        "grad_norm": metrics["grad_norm"],
                                        "learning_rate": metrics["learning_rate"],

@@ -114,6 +114,36 @@ def test_kl_reference_survives_retention_and_resume(tmp_path):
   assert len(rl_rows) == 3 and np.isfinite(rl_rows[-1]["kl"])
 
 
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, monkeypatch):
+  """DAPO dynamic sampling in the trainer: all-equal groups are dropped and replaced by new
+  draws until the step's prompts are full, and the scheduler learns only from kept groups."""
+  from posttrain.rollout import worker as worker_lib
+  from posttrain.tasks import Reward, scheduler as scheduler_lib
+  # A reward the untrained policy varies on: the parity of the completion's length.
+  monkeypatch.setattr(worker_lib, "_score", lambda task, sample: Reward(
+      value=float(len(sample.text) % 2), components={}, verdict=""))
+  seen = []
+  update = scheduler_lib.Scheduler.update
+
+  def spy(self, domain, rewards, advantages=None):
+    seen.append(list(rewards))
+    return update(self, domain, rewards, advantages)
+
+  monkeypatch.setattr(scheduler_lib.Scheduler, "update", spy)
+  summary = trainer.train(_config(**{"rl.dynamic_sampling": True, "rl.group_size": 2,
+                                     "train.rl_steps": 3}), str(tmp_path))
+  assert summary["status"] == "done"
+  rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rows) == 3
+  for r in rows:
+    # 4 prompts kept per step; groups of 2 agree half the time, so some were replaced.
+    assert r["dynamic_sampling/draws"] - r["dynamic_sampling/dropped"] == 4, r
+  assert sum(r["dynamic_sampling/dropped"] for r in rows) > 0
+  assert len(seen) == 12 and all(len(set(g)) == 2 for g in seen)
+  # Every kept group has one pass and one fail: the batch's pass rate is exactly 1/2.
+  assert all(r["pass_rate/mean"] == 0.5 for r in rows)
+
+
 def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _launch(straight, *_flags())
