@@ -48,6 +48,23 @@ def _worker(**kw):
                                   temperature=1.0, chunk_rows=4, **kw)
 
 
+def _as_two_processes(fn, **kw):
+  """Two workers as processes 0 and 1 of 2 (threads sharing an exchange) each run fn."""
+  exchange = _ThreadExchange(2)
+  workers = [_worker(process=(i, 2), exchange=exchange.for_process(i), **kw) for i in range(2)]
+  results = [None, None]
+
+  def run(i):
+    results[i] = fn(workers[i])
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=600)
+  return workers, results
+
+
 def _rewards(groups):
   return [(s.text, s.reward) for g in groups for s in g.samples]
 
@@ -61,18 +78,7 @@ def test_two_processes_score_half_each_and_agree_with_one(monkeypatch):
   assert len({r.value for _, r in want}) > 1  # the texts differ, so do the rewards
 
   calls.clear()
-  exchange = _ThreadExchange(2)
-  workers = [_worker(process=(i, 2), exchange=exchange.for_process(i)) for i in range(2)]
-  results = [None, None]
-
-  def run(i):
-    results[i] = _rewards(workers[i].rollout(PAIRS, seed=7))
-
-  threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(timeout=600)
+  workers, results = _as_two_processes(lambda w: _rewards(w.rollout(PAIRS, seed=7)))
   assert results[0] == results[1] == want
   assert len(calls) == 6  # every sample scored exactly once, by one of the two
   assert [w.last_stats["scored_fraction"] for w in workers] == [0.5, 0.5]
@@ -119,19 +125,8 @@ def test_two_processes_split_the_tool_steps_and_continue_identically(monkeypatch
   assert all(0 in t[3] for t in want[:4]) and all(set(t[3]) == {1} for t in want[4:])
 
   calls.clear()
-  exchange = _ThreadExchange(2)
-  workers = [_worker(process=(i, 2), exchange=exchange.for_process(i), max_turns=4)
-             for i in range(2)]
-  results = [None, None]
-
-  def run(i):
-    results[i] = _transcripts(workers[i].rollout(TOOL_PAIRS, seed=3))
-
-  threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(timeout=600)
+  workers, results = _as_two_processes(
+      lambda w: _transcripts(w.rollout(TOOL_PAIRS, seed=3)), max_turns=4)
   assert results[0] == results[1] == want
   assert len(calls) == 12  # every step ran once, on one of the two processes
   assert [w.last_stats["tool_step_fraction"] for w in workers] == [0.5, 0.5]
