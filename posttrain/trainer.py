@@ -749,7 +749,7 @@ def _print_eval_table(before: dict | None, after: dict | None, change: dict | No
     print(f"RL - SFT over {change['tasks']} paired held-out tasks, "
           f"{round(100 * change['confidence'])}% interval: " + "; ".join(parts))
   if sampled:
-    print("(pass@1: mean reward of eval.samples samples per held-out task at the rollout "
+    print("(pass@1: mean pass rate of eval.samples samples per held-out task at the rollout "
           "temperature, the quantity RL maximises; greedy: one temperature-0 answer)",
           flush=True)
 
