@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -280,6 +281,51 @@ def put(tree: Any, sharding) -> Any:
   if isinstance(sharding, jax.sharding.Sharding):
     return jax.tree.map(lambda x: one(x, sharding), tree)
   return jax.tree.map(one, tree, sharding)
+
+
+def process_row_spans(sharding, shape: Sequence[int], axis: int = 1
+                      ) -> list[tuple[int, int]] | None:
+  """The [start, stop) ranges of `axis` that this process's devices hold under `sharding`,
+  in order, when the processes split that axis evenly (each holds 1 / process_count of it,
+  as when the batch mesh axes span every host); None when they do not, e.g. when every
+  process holds all of it."""
+  spans = sorted({index[axis].indices(shape[axis])[:2]
+                  for index in sharding.addressable_devices_indices_map(tuple(shape)).values()})
+  overlapping = any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
+  if overlapping or sum(b - a for a, b in spans) * jax.process_count() != shape[axis]:
+    return None
+  return spans
+
+
+def assemble_rows(local: Mapping[str, np.ndarray], sharding, spans: Sequence[tuple[int, int]],
+                  rows: int, axis: int = 1) -> dict[str, jax.Array]:
+  """Global arrays with `rows` along `axis` from this process's part of them.
+
+  `local[k]` holds, along `axis`, the rows of `spans` (from `process_row_spans`) one after
+  the other; every process passes its own part, so each loads and packs only the data its
+  devices hold (no communication). The other axes are whole on every process.
+  """
+  offsets = np.cumsum([0] + [b - a for a, b in spans])
+
+  def one(x):
+    x = np.asarray(x)
+    if x.shape[axis] != offsets[-1]:
+      raise ValueError(f"local part has {x.shape[axis]} rows along axis {axis}; this "
+                       f"process holds {int(offsets[-1])}")
+    shape = x.shape[:axis] + (rows,) + x.shape[axis + 1:]
+
+    def block(index):
+      start, stop, _ = index[axis].indices(rows)
+      for (a, b), off in zip(spans, offsets):
+        if a <= start and stop <= b:
+          local_index = list(index)
+          local_index[axis] = slice(int(off) + start - a, int(off) + stop - a)
+          return x[tuple(local_index)]
+      raise ValueError(f"rows {start}:{stop} are not among this process's rows {spans}")
+
+    return jax.make_array_from_callback(shape, sharding, block)
+
+  return {k: one(v) for k, v in local.items()}
 
 
 def copy_to(x: jax.Array, sharding) -> jax.Array:

@@ -130,10 +130,19 @@ def _sft_example(domains: list[str], tok, index: int) -> dict[str, np.ndarray]:
           "advantages": np.float32(1.0)}
 
 
-def sft_dataset(domains: list[str], tok, seed: int):
-  """An endless, shuffled grain stream of demonstrations; its iterator state checkpoints."""
-  return (grain.MapDataset.range(1 << 40).shuffle(seed=seed)
-          .map(lambda i: _sft_example(domains, tok, int(i))))
+def sft_dataset(domains: list[str], tok, seed: int, shard: tuple[int, int] = (0, 1)):
+  """An endless, shuffled grain stream of demonstrations; its iterator state checkpoints.
+
+  With `shard=(i, n)` the stream is every n-th element from the i-th: process i of n
+  loads only its share, and the n shards interleaved are the unsharded stream.
+  """
+  index, count = shard
+  if not 0 <= index < count:
+    raise ValueError(f"shard index {index} is out of range for {count} shards")
+  ds = grain.MapDataset.range(1 << 40).shuffle(seed=seed)
+  if count > 1:
+    ds = ds[index::count]
+  return ds.map(lambda i: _sft_example(domains, tok, int(i)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -194,6 +203,19 @@ class Trainer:
     if self.rows_per_mb % batch_devices:
       raise ValueError(f"train.rows_per_microbatch={self.rows_per_mb} must be a multiple of "
                        f"the data x fsdp mesh size {batch_devices}")
+    # With several processes whose devices split the batch rows, each loads and packs only
+    # its share of the SFT demonstrations (None: every process loads the whole batch).
+    self._sft_spans = None
+    processes = jax.process_count()
+    if processes > 1 and int(config.sft.steps) > 0:
+      spans = distributed.process_row_spans(ts.batch_sharding(self.mesh, self.rules),
+                                            (1, self.rows_per_mb, self.row_len))
+      if spans is not None and int(config.sft.batch_size) % processes == 0:
+        self._sft_spans = spans
+      else:
+        log.warning("every process loads the whole SFT batch: the batch rows are not split "
+                    "evenly over the %d processes, or sft.batch_size=%d is not a multiple "
+                    "of them", processes, int(config.sft.batch_size))
     o = config.optim
     rl_updates = max(int(t.rl_steps) * self._updates_per_step(), int(o.warmup) + 1)
     self.rl_optimizer = rl_state.make_optimizer(float(o.lr), int(o.warmup), rl_updates,
@@ -366,7 +388,13 @@ class Trainer:
     if self._sft_step_fn is None:
       self._sft_step_fn = ts.make_train_step(self.cfg, _sft_algorithm(), self.sft_optimizer,
                                              mesh=self.mesh, rules=self.rules)
-    it = iter(sft_dataset(self.domains, self.tok, self.seed).to_iter_dataset())
+    shard = (jax.process_index(), jax.process_count()) if self._sft_spans else (0, 1)
+    per_step = int(s.batch_size) // shard[1]
+    if shard[1] > 1:
+      log.info("SFT data: process %d of %d loads %d of the %d demonstrations of each step",
+               shard[0], shard[1], per_step, int(s.batch_size))
+    # Every shard advances by the same count, so process 0's saved state fits them all.
+    it = iter(sft_dataset(self.domains, self.tok, self.seed, shard).to_iter_dataset())
     if self.progress.sft_iterator:
       it.set_state(self.progress.sft_iterator)
     progress = Progress(total, "sft")
@@ -375,10 +403,8 @@ class Trainer:
         self.save(force=True)
         return False
       t0 = time.time()
-      examples = [next(it) for _ in range(int(s.batch_size))]
-      batch = _to_batch(examples, row_len=self.row_len, rows_per_mb=self.rows_per_mb,
-                        micro_multiple=1, pad_id=self.tok.pad_id)
-      self.state, metrics = self._sft_step_fn(self.state, batch)
+      examples = [next(it) for _ in range(per_step)]
+      self.state, metrics = self._sft_step_fn(self.state, self._sft_batch(examples))
       self.progress.sft_step += 1
       self.progress.sft_iterator = it.get_state()
       step = self.progress.sft_step
@@ -395,6 +421,32 @@ class Trainer:
       if self.ckpt.should_save(self._ckpt_step()):
         self.save()
     return True
+
+  def _sft_batch(self, examples: list[dict[str, np.ndarray]]):
+    """The step's batch: packed here from every example, or, with SFT data sharded by
+    process, from this process's examples into its rows of the global batch."""
+    if not self._sft_spans:
+      return _to_batch(examples, row_len=self.row_len, rows_per_mb=self.rows_per_mb,
+                       micro_multiple=1, pad_id=self.tok.pad_id)
+    index, count = jax.process_index(), jax.process_count()
+    local_rows = self.rows_per_mb // count
+    packed = packing.pack_trajectories(examples, self.row_len, truncate=True,
+                                       pad_id=self.tok.pad_id)
+    # Sequence ids unique over the global batch: each process numbers its own from 0.
+    packed["seq_ids"] = np.where(packed["seq_ids"] >= 0,
+                                 packed["seq_ids"] + index * len(examples), -1)
+    needed = max(1, -(-packed["tokens"].shape[0] // local_rows))
+    micro = 1 << (needed - 1).bit_length()
+    # Every process runs the same number of micro-batches: the most any of them needs.
+    step = self.progress.sft_step
+    micro = max(int(m) for m in distributed.allgather_json(
+        micro, f"posttrain/sft_microbatches/{step}"))
+    if step >= 2:  # every process has read step - 2's answers before writing step - 1's
+      distributed.delete_key(f"posttrain/sft_microbatches/{step - 2}/{index}")
+    local = packing.split_microbatches(packed, local_rows * self.row_len,
+                                       num_microbatches=micro, pad_id=self.tok.pad_id)
+    return distributed.assemble_rows(local, ts.batch_sharding(self.mesh, self.rules),
+                                     self._sft_spans, self.rows_per_mb)
 
   def _logprobs(self, params, batch):
     if self._logprobs_fn is None:

@@ -217,6 +217,24 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   assert set(os.listdir(state_dir / "array_metadatas")) == {"process_0", "process_1"}
   rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "reward/mean" in r] == [3, 4]  # Process 0 only, once.
+  # Each process loaded and packed half of each SFT batch; together they trained on the
+  # same demonstrations as one process with all 8 devices: the same nll, step by step.
+  for pid, (_, out) in enumerate(first):
+    assert f"SFT data: process {pid} of 2 loads 4 of the 8 demonstrations" in out
+  from configs import default
+  from posttrain import trainer
+  single = default.get_config()
+  for key, value in {**OVERRIDES, **_PINNED, "train.rl_steps": 0}.items():
+    node = single
+    *path, leaf = key.split(".")
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  trainer.train(single, str(tmp_path / "single"))
+  want = [json.loads(ln) for ln in (tmp_path / "single" / "metrics.jsonl").read_text()
+          .splitlines()]
+  nll = lambda rs: [r["sft/nll"] for r in rs if "sft/nll" in r]  # noqa: E731
+  assert len(nll(rows)) == 2 and nll(rows) == pytest.approx(nll(want), rel=1e-5, abs=1e-6)
   # Each process scored half the samples; the rewards were exchanged, not recomputed.
   assert [r["rollout/scored_fraction"] for r in rows if "reward/mean" in r] == [0.5, 0.5]
 
@@ -244,3 +262,45 @@ def test_two_process_disaggregated_training_runs_rollouts_and_updates_concurrent
   rl_rows = [r for r in rows if "reward/mean" in r]
   assert [r["step"] for r in rl_rows] == [3, 4]
   assert all(r["timing/weight_sync_s"] > 0 and np.isfinite(r["grad_norm"]) for r in rl_rows)
+
+
+class _HalfSharding:
+  """The device -> index map one process of two would see."""
+
+  def __init__(self, indices):
+    self.indices = indices
+
+  def addressable_devices_indices_map(self, shape):
+    return {i: index for i, index in enumerate(self.indices)}
+
+
+def test_process_row_spans_find_an_even_split_and_refuse_anything_else(monkeypatch):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from posttrain import models
+  mesh = models.make_mesh((1, -1, 1, 1))
+  rows = NamedSharding(mesh, P(None, "fsdp"))
+  # One process holds every row, one per device.
+  assert distributed.process_row_spans(rows, (1, 8, 16)) == [(i, i + 1) for i in range(8)]
+  assert distributed.process_row_spans(NamedSharding(mesh, P()), (1, 8, 16)) == [(0, 8)]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  full = slice(None)
+  half = _HalfSharding([(full, slice(4, 6), full), (full, slice(6, 8), full)])
+  assert distributed.process_row_spans(half, (1, 8, 16)) == [(4, 6), (6, 8)]
+  # Replicated over the processes (each holds all 8 rows), or overlapping: no split.
+  assert distributed.process_row_spans(rows, (1, 8, 16)) is None
+  overlap = _HalfSharding([(full, slice(0, 3), full), (full, slice(2, 4), full)])
+  assert distributed.process_row_spans(overlap, (1, 8, 16)) is None
+
+
+def test_assemble_rows_places_each_local_row_at_its_global_index():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from posttrain import models
+  mesh = models.make_mesh((1, -1, 1, 1))
+  sharding = NamedSharding(mesh, P(None, "fsdp"))
+  spans = distributed.process_row_spans(sharding, (2, 8, 3))
+  local = {"x": np.arange(48).reshape(2, 8, 3)}
+  out = distributed.assemble_rows(local, sharding, spans, 8)
+  np.testing.assert_array_equal(np.asarray(out["x"]), local["x"])
+  assert out["x"].sharding == sharding
+  with pytest.raises(ValueError, match="local part has 7 rows along axis 1"):
+    distributed.assemble_rows({"x": np.zeros((2, 7, 3))}, sharding, spans, 8)

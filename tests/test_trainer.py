@@ -144,6 +144,19 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
   assert all(r["pass_rate/mean"] == 0.5 for r in rows)
 
 
+def test_sft_shards_interleave_into_the_unsharded_stream():
+  from posttrain.data.tokenizer import load_tokenizer
+  tok, domains = load_tokenizer("byte"), ["arithmetic/add_d1", "strings/copy_l1"]
+  whole = [trainer.sft_dataset(domains, tok, 3)[i] for i in range(6)]
+  shards = [trainer.sft_dataset(domains, tok, 3, shard=(i, 2)) for i in range(2)]
+  interleaved = [shards[i % 2][i // 2] for i in range(6)]
+  for a, b in zip(whole, interleaved):
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+  assert not np.array_equal(whole[0]["prompt_tokens"], whole[1]["prompt_tokens"])
+  with pytest.raises(ValueError, match="shard index 2 is out of range for 2 shards"):
+    trainer.sft_dataset(domains, tok, 3, shard=(2, 2))
+
+
 def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _launch(straight, *_flags())
