@@ -285,13 +285,18 @@ class Trainer:
       self.resumed_from = None
     self.reference = None
 
-  def sync_weights(self) -> float:
-    """Copies the learner's params to the sampler (a resharding put across meshes)."""
+  def sync_weights(self) -> tuple[float, float]:
+    """Copies the learner's params to the sampler (a resharding put across meshes).
+
+    Returns (copy seconds, seconds waiting for the sampler: a disaggregated rollout
+    thread holds it for one generation call, or one segment with placement.segment_tokens).
+    """
     t0 = time.time()
     with self._sampler_lock:
+      t1 = time.time()
       self.sampler.update_params(self.state.params)
       self.sampler_version = self.progress.policy_version
-    return time.time() - t0
+    return time.time() - t1, t1 - t0
 
   def _sft_enabled(self) -> bool:
     return int(self.config.sft.steps) > 0
@@ -577,7 +582,8 @@ class Trainer:
     self.progress.rl_step += 1
     self.progress.policy_version += 1
     if not self.disaggregated or self.progress.rl_step % self.sync_every == 0:
-      timings["timing/weight_sync_s"] = self.sync_weights()
+      timings["timing/weight_sync_s"], timings["timing/weight_sync_wait_s"] = (
+          self.sync_weights())
     if source is not None:
       source.publish(self.progress.rl_step)
     metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
