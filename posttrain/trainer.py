@@ -145,6 +145,16 @@ def sft_dataset(domains: list[str], tok, seed: int, shard: tuple[int, int] = (0,
   return ds.map(lambda i: _sft_example(domains, tok, int(i)))
 
 
+def sft_iterator_state(saved: dict, shards: int) -> dict:
+  """A saved SFT iterator state (`{"next_index": k, "shards": n}`: k demonstrations into
+  each of n shards) as the state of one of `shards` shards at the same global position."""
+  state = dict(saved)
+  saved_shards = int(state.pop("shards", 1))
+  if saved_shards != shards:
+    state["next_index"] = int(state["next_index"]) * saved_shards // shards
+  return state
+
+
 # ----------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------
@@ -398,10 +408,11 @@ class Trainer:
     if shard[1] > 1:
       log.info("SFT data: process %d of %d loads %d of the %d demonstrations of each step",
                shard[0], shard[1], per_step, int(s.batch_size))
-    # Every shard advances by the same count, so process 0's saved state fits them all.
+    # Every shard advances by the same count, so process 0's saved state fits them all; a
+    # run resumed with another process count converts the position through the global one.
     it = iter(sft_dataset(self.domains, self.tok, self.seed, shard).to_iter_dataset())
     if self.progress.sft_iterator:
-      it.set_state(self.progress.sft_iterator)
+      it.set_state(sft_iterator_state(self.progress.sft_iterator, shard[1]))
     progress = Progress(total, "sft")
     while self.progress.sft_step < total:
       if flag.reached(self._ckpt_step()):
@@ -411,7 +422,7 @@ class Trainer:
       examples = [next(it) for _ in range(per_step)]
       self.state, metrics = self._sft_step_fn(self.state, self._sft_batch(examples))
       self.progress.sft_step += 1
-      self.progress.sft_iterator = it.get_state()
+      self.progress.sft_iterator = {**it.get_state(), "shards": shard[1]}
       step = self.progress.sft_step
       if step % int(self.config.train.log_every) == 0 or step == total:
         # The step's mean log-prob of the batch before its update: no extra forward pass.

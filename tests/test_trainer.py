@@ -157,6 +157,31 @@ def test_sft_shards_interleave_into_the_unsharded_stream():
     trainer.sft_dataset(domains, tok, 3, shard=(2, 2))
 
 
+def test_sft_position_survives_a_change_of_process_count():
+  """Saved by 2 processes 3 demonstrations into each shard: 1 process (or 3) resumes at
+  the 7th demonstration of the unsharded stream."""
+  from posttrain.data.tokenizer import load_tokenizer
+  tok, domains = load_tokenizer("byte"), ["arithmetic/add_d1", "strings/copy_l1"]
+  whole = [trainer.sft_dataset(domains, tok, 3)[i] for i in range(9)]
+  its = [iter(trainer.sft_dataset(domains, tok, 3, shard=(i, 2)).to_iter_dataset())
+         for i in range(2)]
+  for it in its:
+    for _ in range(3):
+      next(it)
+  saved = {**its[0].get_state(), "shards": 2}
+  one = iter(trainer.sft_dataset(domains, tok, 3).to_iter_dataset())
+  one.set_state(trainer.sft_iterator_state(saved, 1))
+  assert np.array_equal(next(one)["prompt_tokens"], whole[6]["prompt_tokens"])
+  three = [iter(trainer.sft_dataset(domains, tok, 3, shard=(i, 3)).to_iter_dataset())
+           for i in range(3)]
+  for i, it in enumerate(three):
+    it.set_state(trainer.sft_iterator_state(saved, 3))
+    assert np.array_equal(next(it)["prompt_tokens"], whole[6 + i]["prompt_tokens"])
+  # Same count, or a state saved before shards were recorded: unchanged.
+  assert trainer.sft_iterator_state(saved, 2) == its[0].get_state()
+  assert trainer.sft_iterator_state({"next_index": 5}, 1) == {"next_index": 5}
+
+
 def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
   straight, killed = tmp_path / "straight", tmp_path / "killed"
   proc = _launch(straight, *_flags())
