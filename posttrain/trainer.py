@@ -215,7 +215,7 @@ class Trainer:
                        f"the data x fsdp mesh size {batch_devices}")
     # With several processes whose devices split the batch rows, each loads and packs only
     # its share of the SFT demonstrations (None: every process loads the whole batch).
-    self._sft_spans = None
+    self._sft_spans, self._sft_tags = None, []
     processes = jax.process_count()
     if processes > 1 and int(config.sft.steps) > 0:
       spans = distributed.process_row_spans(ts.batch_sharding(self.mesh, self.rules),
@@ -454,11 +454,12 @@ class Trainer:
     needed = max(1, -(-packed["tokens"].shape[0] // local_rows))
     micro = 1 << (needed - 1).bit_length()
     # Every process runs the same number of micro-batches: the most any of them needs.
-    step = self.progress.sft_step
-    micro = max(int(m) for m in distributed.allgather_json(
-        micro, f"posttrain/sft_microbatches/{step}"))
-    if step >= 2:  # every process has read step - 2's answers before writing step - 1's
-      distributed.delete_key(f"posttrain/sft_microbatches/{step - 2}/{index}")
+    tag = f"posttrain/sft_microbatches/{self.progress.sft_step}"
+    micro = max(int(m) for m in distributed.allgather_json(micro, tag))
+    # Every process has read the answers two exchanges back before writing the last ones.
+    self._sft_tags.append(tag)
+    if len(self._sft_tags) > 2:
+      distributed.delete_key(f"{self._sft_tags.pop(0)}/{index}")
     local = packing.split_microbatches(packed, local_rows * self.row_len,
                                        num_microbatches=micro, pad_id=self.tok.pad_id)
     return distributed.assemble_rows(local, ts.batch_sharding(self.mesh, self.rules),
