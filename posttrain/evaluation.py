@@ -87,6 +87,17 @@ def pass_rates(worker, domains: Sequence[str], *, seeds_per_domain: int,
   return report
 
 
+def _paired_tasks(before: Mapping[str, Any], after: Mapping[str, Any]):
+  """Both reports' task records by (domain, seed), and the sorted keys they share."""
+  b = {(t["domain"], t["seed"]): t for t in before["tasks"]}
+  a = {(t["domain"], t["seed"]): t for t in after["tasks"]}
+  keys = sorted(set(b) & set(a))
+  if not keys:
+    raise ValueError("the two reports share no (domain, seed) task; evaluate both on the "
+                     "same domains and seeds")
+  return b, a, keys
+
+
 def pass_rate_change(before: Mapping[str, Any], after: Mapping[str, Any], *,
                      confidence: float = 0.95) -> dict[str, Any]:
   """How much two `pass_rates` reports on the same held-out tasks differ, with intervals.
@@ -102,12 +113,7 @@ def pass_rate_change(before: Mapping[str, Any], after: Mapping[str, Any], *,
   """
   if "tasks" not in before or "tasks" not in after:
     return {}
-  b = {(t["domain"], t["seed"]): t for t in before["tasks"]}
-  a = {(t["domain"], t["seed"]): t for t in after["tasks"]}
-  keys = sorted(set(b) & set(a))
-  if not keys:
-    raise ValueError("the two reports share no (domain, seed) task; evaluate both on the "
-                     "same domains and seeds")
+  b, a, keys = _paired_tasks(before, after)
   out: dict[str, Any] = {"tasks": len(keys), "confidence": confidence}
   g = compare_outcomes({"all": [b[k]["passed"] for k in keys]},
                        {"all": [a[k]["passed"] for k in keys]}, confidence=confidence)["all"]
@@ -258,12 +264,7 @@ def compare_reports(baseline: Mapping[str, Any], current: Mapping[str, Any], *,
   Returns the `regression` block of a report: per domain, per family and overall
   differences with intervals, and the list of regressed domains.
   """
-  base = {(t["domain"], t["seed"]): t for t in baseline["tasks"]}
-  cur = {(t["domain"], t["seed"]): t for t in current["tasks"]}
-  keys = sorted(set(base) & set(cur))
-  if not keys:
-    raise ValueError("the two reports share no (domain, seed) task; evaluate both on the "
-                     "same domains and seeds")
+  base, cur, keys = _paired_tasks(baseline, current)
   groups: dict[str, dict[str, tuple[list, list]]] = {"domains": {}, "families": {}}
   for key in keys:
     for kind, name in (("domains", key[0]), ("families", cur[key]["family"])):
