@@ -22,6 +22,7 @@ stays visible to the one process of its host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -332,13 +333,80 @@ def copy_to(x: jax.Array, sharding) -> jax.Array:
   """A copy of x on `sharding` (never an alias), resharding across meshes.
 
   With several processes, XLA moves an array between two different device sets that span
-  hosts only on TPU, experimentally; such a leaf goes through host memory instead: every
-  process gathers it whole (over x's own devices) and places the shards its devices of
-  `sharding` hold.
+  hosts only on TPU, experimentally. When every process holds devices of both sets, and
+  its share of x's devices is a whole multiple of its share of `sharding`'s (what
+  `experiment.split_devices` gives a disaggregated run), the copy stays on the devices:
+  one resharding program over x's own devices lays out, on a device of each host, the
+  shards that host's devices of `sharding` hold, then each host copies them device to
+  device (`cross_host_path` says which path a pair takes). Any other pair goes through
+  host memory: every process gathers the array whole and places its shards.
   """
   if (jax.process_count() > 1 and isinstance(x, jax.Array) and not x.is_fully_addressable
       and x.sharding.device_set != sharding.device_set):
+    plan = _staging_plan(tuple(sorted(d.id for d in x.sharding.device_set)), sharding)
+    if plan is not None:
+      staging, source_of = plan
+      staged = jax.device_put(x, staging, may_alias=False)
+      local = {s.device.id: s.data for s in staged.addressable_shards}
+      targets = list(sharding.addressable_devices)
+      shards = jax.device_put([local[source_of[d.id]] for d in targets], targets)
+      return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
     from jax.experimental import multihost_utils
     whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
   return jax.device_put(x, sharding, may_alias=False)
+
+
+def cross_host_path(src, dst) -> str:
+  """How `copy_to` moves an array from sharding `src` to sharding `dst`: "device" (one
+  program on src's devices, then copies between devices of the same host), "host" (through
+  host memory) or "direct" (one `jax.device_put`: one process, or the same device set)."""
+  if jax.process_count() == 1 or src.is_fully_addressable or src.device_set == dst.device_set:
+    return "direct"
+  plan = _staging_plan(tuple(sorted(d.id for d in src.device_set)), dst)
+  return "host" if plan is None else "device"
+
+
+@functools.lru_cache(maxsize=64)
+def _staging_plan(src_ids: tuple[int, ...], dst):
+  """(staging sharding over exactly the src devices, {dst device id: src device id}) or None.
+
+  The staging mesh is dst's mesh with one more leading axis, over which the shards are
+  replicated; position i of dst's mesh is filled, along that axis, by src devices of the
+  same process as dst's device i. A src device at position (j, i) then holds the shard dst's
+  device i holds, on the same host.
+  """
+  if not isinstance(dst, jax.sharding.NamedSharding):
+    return None
+  by_id = {d.id: d for d in jax.devices()}
+  src_by_process: dict[int, list[Any]] = {}
+  for i in src_ids:
+    src_by_process.setdefault(by_id[i].process_index, []).append(by_id[i])
+  flat = list(dst.mesh.devices.flat)
+  positions: dict[int, list[int]] = {}
+  for pos, d in enumerate(flat):
+    positions.setdefault(d.process_index, []).append(pos)
+  if set(src_by_process) != set(positions):
+    return None
+  ratios = {len(src_by_process[p]) / len(positions[p]) for p in positions}
+  if len(ratios) != 1 or not float(next(iter(ratios))).is_integer():
+    return None
+  k = int(ratios.pop())
+  mirror = np.empty((k, len(flat)), dtype=object)
+  for p, pos_list in positions.items():
+    devices = src_by_process[p]
+    for c, pos in enumerate(pos_list):
+      for j in range(k):
+        mirror[j, pos] = devices[j * len(pos_list) + c]
+  names = tuple(dst.mesh.axis_names)
+  extra = "copy"
+  while extra in names:
+    extra += "_"
+  kwargs = {}
+  axis_types = getattr(dst.mesh, "axis_types", None)
+  if axis_types is not None:
+    kwargs["axis_types"] = (jax.sharding.AxisType.Auto, *axis_types)
+  mesh = jax.sharding.Mesh(mirror.reshape((k, *dst.mesh.devices.shape)), (extra, *names),
+                           **kwargs)
+  staging = jax.sharding.NamedSharding(mesh, dst.spec)
+  return staging, {flat[pos].id: mirror[0, pos].id for pos in range(len(flat))}

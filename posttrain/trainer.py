@@ -167,6 +167,11 @@ def reference_in_step(algo) -> bool:
           and int(algo.ppo_epochs) * int(algo.num_minibatches) == 1)
 
 
+def _process_cpu_s() -> float:
+  t = os.times()
+  return t.user + t.system
+
+
 class Trainer:
   """Holds the pieces of one run; `run()` executes the remaining stages."""
 
@@ -192,6 +197,7 @@ class Trainer:
     if self.partial not in ("resume", "drop"):
       raise ValueError(f"placement.partial={self.partial!r}; expected resume or drop")
     self._sampler_lock = threading.Lock()
+    self._sync_path_logged = False
     self.sampler_version = 0
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
     self.tok = load_tokenizer(config.tokenizer)
@@ -301,6 +307,12 @@ class Trainer:
     Returns (copy seconds, seconds waiting for the sampler: a disaggregated rollout
     thread holds it for one generation call, or one segment with placement.segment_tokens).
     """
+    if self.disaggregated and jax.process_count() > 1 and not self._sync_path_logged:
+      self._sync_path_logged = True
+      src = jax.tree.leaves(self.state.params)[0].sharding
+      log.info("weight sync train mesh -> rollout mesh across %d processes: %s path",
+               jax.process_count(),
+               distributed.cross_host_path(src, self.sampler.param_shardings()[0]))
     t0 = time.time()
     with self._sampler_lock:
       t1 = time.time()
@@ -548,7 +560,7 @@ class Trainer:
   def _rl_step(self, source: "AsyncRollouts | None" = None) -> dict[str, float]:
     algo = self.algo
     timings: dict[str, float] = {}
-    t0 = time.time()
+    t0, cpu0 = time.time(), _process_cpu_s()
     if source is None:
       groups, extra = self._rollout(self._step_seed(self.progress.rl_step))
       timings["timing/rollout_s"] = time.time() - t0
@@ -601,6 +613,10 @@ class Trainer:
     metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
     timings["timing/update_s"] = time.time() - t2
     timings["timing/step_s"] = time.time() - t0
+    # CPU seconds of the whole process during the step (every thread: XLA:CPU compute,
+    # sampling, scoring, a concurrent rollout thread). cpu_s / step_s is the number of host
+    # cores kept busy: near the core count, the host is the bottleneck.
+    timings["host/cpu_s"] = _process_cpu_s() - cpu0
     gen = sum(s.num_generated for g in groups for s in g.samples)
     flat_rewards = np.concatenate(rewards)
     passed = np.asarray([s.reward.value >= 1.0 for g in groups for s in g.samples], np.float64)

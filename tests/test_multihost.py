@@ -250,14 +250,16 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
 
 
 def test_two_process_disaggregated_training_runs_rollouts_and_updates_concurrently(tmp_path):
-  """Each host gives 2 of its 4 devices to the rollout mesh; weights cross meshes through
-  host memory and rewards through the coordination service, so the rollout thread and the
-  learner never issue a collective over every device and nothing hangs."""
+  """Each host gives 2 of its 4 devices to the rollout mesh; weights cross meshes device to
+  device (each host's train devices stage its rollout devices' shards) and rewards through
+  the coordination service, so the rollout thread and the learner never issue a collective
+  over every device and nothing hangs."""
   results = _run_two(_train_args(tmp_path, **{"placement.mode": "disaggregated",
                                                "placement.rollout_devices": 4}), timeout=900)
   for code, out in results:
     assert code == 0, out[-3000:]
     assert "'rl_steps': 2" in out
+    assert "weight sync train mesh -> rollout mesh across 2 processes: device path" in out
   rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   rl_rows = [r for r in rows if "reward/mean" in r]
   assert [r["step"] for r in rl_rows] == [3, 4]
@@ -304,3 +306,58 @@ def test_assemble_rows_places_each_local_row_at_its_global_index():
   assert out["x"].sharding == sharding
   with pytest.raises(ValueError, match="local part has 7 rows along axis 1"):
     distributed.assemble_rows({"x": np.zeros((2, 7, 3))}, sharding, spans, 8)
+
+
+_COPY_SCRIPT = r"""
+import sys
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
+from posttrain import distributed, models
+from posttrain.experiment import split_devices
+
+distributed.maybe_initialize()
+gathers = []
+real_allgather = multihost_utils.process_allgather
+def counting_allgather(*args, **kwargs):
+  gathers.append(1)
+  return real_allgather(*args, **kwargs)
+multihost_utils.process_allgather = counting_allgather
+whole = np.arange(12 * 24, dtype=np.float32).reshape(12, 24)
+for rollout in (4, 2, 6):
+  roll, train = split_devices(jax.devices(), rollout)
+  src = NamedSharding(models.make_mesh((1, -1, 1, 1), devices=train), P("fsdp", None))
+  x = jax.make_array_from_callback(whole.shape, src, lambda index: whole[index])
+  rollout_mesh = models.make_mesh((1, -1, 1, 1), devices=roll)
+  for spec in (P(), P("fsdp", None), P(None, "fsdp")):
+    if spec == P(None, "fsdp") and 24 % len(roll):
+      continue
+    dst = NamedSharding(rollout_mesh, spec)
+    path = distributed.cross_host_path(x.sharding, dst)
+    before = len(gathers)
+    y = distributed.copy_to(x, dst)
+    assert y.sharding == dst, (y.sharding, dst)
+    for shard in y.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), whole[shard.index])
+    print(f"copy rollout={rollout} spec={tuple(spec)} path={path} "
+          f"gathered={len(gathers) - before}", flush=True)
+"""
+
+
+def test_two_process_weight_copy_stays_on_devices_when_each_host_holds_both_meshes():
+  """Train mesh -> rollout mesh across 2 processes: with every host's train devices a whole
+  multiple of its rollout devices (2+2 and 3+1 per host) each shard is laid out on a train
+  device of its own host and copied device to device, with no host gather; a 1+3 split
+  falls back to host memory. Every process's shards equal the source array's."""
+  results = _run_two(["-c", _COPY_SCRIPT], timeout=300)
+  for code, out in results:
+    assert code == 0, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith("copy ")]
+    assert len(lines) == 9, out[-3000:]
+    for ln in lines:
+      rollout = int(ln.split("rollout=")[1].split()[0])
+      if rollout in (4, 2):
+        assert "path=device gathered=0" in ln, ln
+      else:
+        assert "path=host gathered=1" in ln, ln

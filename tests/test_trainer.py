@@ -84,6 +84,9 @@ def test_few_step_rl_run_end_to_end(tmp_path, capsys):
               "throughput/tokens_per_s", "staleness/mean", "clip_fraction/high"):
     assert key in rl_rows[-1], key
   assert any(k.startswith("reward/arithmetic/") for k in rl_rows[-1])
+  # The process's CPU seconds in a step: positive, and at most every core for the step.
+  for r in rl_rows:
+    assert 0 < r["host/cpu_s"] <= os.cpu_count() * r["timing/step_s"] + 0.05, r
   assert os.listdir(tmp_path / "tb")
   ev = json.loads((tmp_path / "summary.json").read_text())["eval"]
   assert ev["final"]["samples"] == 2 and len(ev["final"]["tasks"]) == 2

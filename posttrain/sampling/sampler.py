@@ -201,6 +201,10 @@ class Sampler:
     """Programs compiled so far (each shape bucket and sampling mode compiles once)."""
     return len(self._programs)
 
+  def param_shardings(self) -> list:
+    """The sampler's sharding of each parameter leaf, in `jax.tree.leaves` order."""
+    return [sharding for _, _, sharding in self._specs]
+
   def update_params(self, params) -> None:
     """Swaps in new weights without recompiling.
 
@@ -210,8 +214,9 @@ class Sampler:
         shardings (resharding when they live on another mesh) and cast to its dtypes; the
         sampler never aliases them, so the caller may donate or delete its own. With
         several processes and a rollout mesh on other devices than the params' (a
-        disaggregated multi-host run), each leaf goes through host memory: XLA moves
-        arrays between different multi-host device sets only on TPU, experimentally.
+        disaggregated multi-host run), see `distributed.copy_to`: device to device when
+        every host holds a whole multiple of its rollout devices for training, otherwise
+        through host memory.
     """
     state = nnx.state(params) if isinstance(params, nnx.Module) else params
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
