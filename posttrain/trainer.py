@@ -306,6 +306,8 @@ class Trainer:
 
     Returns (copy seconds, seconds waiting for the sampler: a disaggregated rollout
     thread holds it for one generation call, or one segment with placement.segment_tokens).
+    The copy seconds are what the learner spends; a copy that stays on the devices is
+    dispatched asynchronously and finishes before the sampler's next program reads it.
     """
     if self.disaggregated and jax.process_count() > 1 and not self._sync_path_logged:
       self._sync_path_logged = True
