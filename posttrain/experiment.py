@@ -19,6 +19,65 @@ from posttrain.tasks import registry
 PLACEMENTS = ("colocated", "disaggregated")
 
 
+# (dotted key, lowest allowed value, "int" or "float"); a key the config lacks is skipped.
+_RANGES = (
+    ("seed", 0, "int"), ("sft.steps", 0, "int"), ("sft.warmup", 0, "int"),
+    ("train.rl_steps", 0, "int"), ("train.row_len", 1, "int"),
+    ("train.rows_per_microbatch", 1, "int"), ("train.log_every", 1, "int"),
+    ("optim.warmup", 0, "int"), ("optim.lr", 0.0, "float"), ("optim.weight_decay", 0.0, "float"),
+    ("optim.clip", 0.0, "float"), ("rollout.prompts_per_step", 1, "int"),
+    ("rollout.max_new_tokens", 1, "int"), ("rollout.max_len", 2, "int"),
+    ("rollout.temperature", 0.0, "float"), ("rollout.top_p", 0.0, "float"),
+    ("rollout.top_k", 0, "int"), ("rollout.chunk_rows", 1, "int"),
+    ("rollout.scoring_threads", 1, "int"), ("rollout.max_turns", 1, "int"),
+    ("rollout.max_draws", 1, "int"), ("eval.seeds_per_domain", 0, "int"),
+    ("eval.samples", 0, "int"), ("checkpoint.every", 1, "int"),
+    ("checkpoint.keep_last", 1, "int"), ("checkpoint.keep_every", 0, "int"),
+    ("placement.devices", 0, "int"), ("placement.rollout_devices", 0, "int"),
+    ("placement.sync_every", 1, "int"), ("placement.max_policy_lag", 0, "int"),
+    ("placement.segment_tokens", 0, "int"),
+)
+
+
+def _lookup(config, key: str) -> Any:
+  node = config
+  for part in key.split("."):
+    node = node.get(part) if hasattr(node, "get") else None
+    if node is None:
+      return None
+  return node
+
+
+def check_config(config) -> None:
+  """Raises ValueError naming the first out-of-range number in a run config.
+
+  Run before anything is built, so a bad value fails in a second rather than after the SFT
+  stage (the sampler, say, would only reject max_new_tokens=0 at the first rollout).
+  """
+  for key, low, kind in _RANGES:
+    node = _lookup(config, key)
+    if node is None or isinstance(node, bool):
+      continue
+    try:
+      value = float(node) if kind == "float" else int(node)
+    except (TypeError, ValueError):
+      raise ValueError(f"{key}={node!r} is not a{'n int' if kind == 'int' else ' number'}"
+                       ) from None
+    if kind == "int" and value != node:
+      raise ValueError(f"{key}={node!r} must be a whole number")
+    if not value >= low:  # also catches NaN
+      raise ValueError(f"{key}={node!r} must be >= {low}")
+  lr, top_p = _lookup(config, "optim.lr"), _lookup(config, "rollout.top_p")
+  if lr is not None and not float(lr) > 0:
+    raise ValueError(f"optim.lr={lr!r} must be > 0")
+  if top_p is not None and float(top_p) > 1:
+    raise ValueError(f"rollout.top_p={top_p!r} must be in [0, 1] (0 turns it off)")
+  new, max_len = _lookup(config, "rollout.max_new_tokens"), _lookup(config, "rollout.max_len")
+  if new is not None and max_len is not None and int(new) >= int(max_len):
+    raise ValueError(f"rollout.max_new_tokens={new} leaves no room for a prompt in "
+                     f"rollout.max_len={max_len}")
+
+
 def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list[Any], list[Any]]:
   """(rollout devices, train devices) of a disaggregated run.
 
@@ -65,6 +124,9 @@ def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
     mesh = models.make_mesh(shape, devices=devices)
     return mesh, mesh
   r = int(p.get("rollout_devices", 0) or 0)
+  if len(devices) < 2:
+    raise ValueError(f"placement.mode=disaggregated needs at least 2 devices (one to sample, "
+                     f"one to train); {len(devices)} available")
   if not 0 < r < len(devices):
     raise ValueError(f"placement.rollout_devices={r} must leave devices for training "
                      f"(1..{len(devices) - 1})")

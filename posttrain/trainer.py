@@ -30,8 +30,9 @@ import numpy as np
 from flax import nnx
 
 from posttrain import distributed, evaluation, models
-from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, from_checkpoint,
-                                  model_config, optimizer_like, run_domains, to_checkpoint)
+from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
+                                  from_checkpoint, model_config, optimizer_like, run_domains,
+                                  to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.metrics import MetricsWriter, Progress
@@ -182,6 +183,7 @@ class Trainer:
       raise ValueError(f"workdir {workdir!r} is a URL; the trainer writes through the local "
                        "filesystem: mount the bucket (gcsfuse, see launch/tpu_pod.sh) and "
                        "pass the mount path")
+    check_config(config)
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
     self.seed = int(config.seed)

@@ -99,3 +99,17 @@ def test_several_hosts_each_give_the_same_share_of_their_devices():
     experiment.split_devices(devices, 6)
   with pytest.raises(ValueError, match="different numbers of devices"):
     experiment.split_devices(devices[:-1], 8)
+
+
+@pytest.mark.parametrize("devices, rollout, message", [
+    (1, 1, "placement.mode=disaggregated needs at least 2 devices .*; 1 available"),
+    (8, 8, r"placement.rollout_devices=8 must leave devices for training \(1..7\)"),
+    (8, 0, r"placement.rollout_devices=0 must leave devices for training \(1..7\)"),
+])
+def test_disaggregated_placement_without_devices_for_both_sides_is_refused(
+    devices, rollout, message):
+  from posttrain import experiment
+  c = _config(**{"placement.mode": "disaggregated", "placement.devices": devices,
+                 "placement.rollout_devices": rollout})
+  with pytest.raises(ValueError, match=message):
+    experiment.build_meshes(c)

@@ -248,6 +248,44 @@ def test_url_workdir_is_refused_before_anything_is_written(tmp_path, monkeypatch
   assert not os.listdir(tmp_path)  # no local "gs:" folder
 
 
+@pytest.mark.parametrize("override, message", [
+    ({"train.rl_steps": -1}, "train.rl_steps=-1 must be >= 0"),
+    ({"rollout.max_new_tokens": 0}, "rollout.max_new_tokens=0 must be >= 1"),
+    ({"optim.lr": 0.0}, "optim.lr=0.0 must be > 0"),
+    ({"optim.lr": float("nan")}, "optim.lr=nan must be >= 0.0"),
+    ({"rollout.top_p": 1.5}, r"rollout.top_p=1.5 must be in \[0, 1\]"),
+    ({"rollout.max_new_tokens": 128}, "rollout.max_new_tokens=128 leaves no room for a prompt"),
+    ({"checkpoint.every": 0}, "checkpoint.every=0 must be >= 1"),
+])
+def test_out_of_range_config_fails_before_anything_is_built(tmp_path, override, message):
+  with pytest.raises(ValueError, match=message):
+    trainer.Trainer(_config(**override), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+def test_range_check_names_wrong_types_a_config_file_can_hold():
+  import ml_collections
+  # A config file is Python: its fields can hold what a flag override could not.
+  for fields, message in [({"train": {"row_len": 2.5}}, "train.row_len=2.5 must be a whole"),
+                          ({"sft": {"steps": "many"}}, "sft.steps='many' is not an int"),
+                          ({"optim": {"lr": None}}, None)]:
+    c = ml_collections.ConfigDict(fields)
+    if message is None:
+      experiment.check_config(c)  # absent (None) fields are the defaults: skipped
+    else:
+      with pytest.raises(ValueError, match=message):
+        experiment.check_config(c)
+
+
+def test_every_shipped_config_passes_the_range_check():
+  import importlib
+  names = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
+                 if f.endswith(".py") and not f.startswith("_"))
+  assert "default" in names and len(names) >= 7
+  for name in names:
+    experiment.check_config(importlib.import_module(f"configs.{name}").get_config())
+
+
 def test_launcher_errors_are_one_line(tmp_path):
   proc = _launch(tmp_path, "--config.no_such_key=1")
   out = proc.communicate(timeout=300)[0]
