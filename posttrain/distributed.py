@@ -333,24 +333,39 @@ def copy_to(x: jax.Array, sharding) -> jax.Array:
   """A copy of x on `sharding` (never an alias), resharding across meshes.
 
   With several processes, XLA moves an array between two different device sets that span
-  hosts only on TPU, experimentally. When every process holds devices of both sets, and
-  its share of x's devices is a whole multiple of its share of `sharding`'s (what
-  `experiment.split_devices` gives a disaggregated run), the copy stays on the devices:
-  one resharding program over x's own devices lays out, on a device of each host, the
-  shards that host's devices of `sharding` hold, then each host copies them device to
-  device (`cross_host_path` says which path a pair takes). Any other pair goes through
-  host memory: every process gathers the array whole and places its shards.
+  hosts only on TPU, experimentally. `copy_to` keeps such a copy on the devices whenever
+  every process that holds devices of `sharding` also holds devices of x (always true of
+  `experiment.split_devices`), by one of two routes (`cross_host_path` names the one a pair
+  takes):
+
+  - "device": each process's share of x's devices is a whole multiple of its share of
+    `sharding`'s (e.g. half and half). One resharding program over x's own devices lays
+    out, on devices of each host, the shards that host's devices of `sharding` hold; each
+    host then copies them device to device.
+  - "gathered": otherwise (e.g. more rollout than train devices on a host). One program
+    over x's devices replicates x on all of them; each host then copies its shards' slices
+    from one of its own devices. Costs one whole copy of x per source device while it runs.
+
+  A process that holds devices of `sharding` but none of x's would need x through host
+  memory: every process gathers it whole and places its shards.
   """
-  if (jax.process_count() > 1 and isinstance(x, jax.Array) and not x.is_fully_addressable
-      and x.sharding.device_set != sharding.device_set):
-    plan = _staging_plan(tuple(sorted(d.id for d in x.sharding.device_set)), sharding)
-    if plan is not None:
-      staging, source_of = plan
-      staged = jax.device_put(x, staging, may_alias=False)
-      local = {s.device.id: s.data for s in staged.addressable_shards}
-      targets = list(sharding.addressable_devices)
-      shards = jax.device_put([local[source_of[d.id]] for d in targets], targets)
-      return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+  path = (cross_host_path(x.sharding, sharding) if isinstance(x, jax.Array) else "direct")
+  if path == "device":
+    staging, source_of = _staging_plan(_ids(x.sharding), sharding)
+    staged = jax.device_put(x, staging, may_alias=False)
+    local = {s.device.id: s.data for s in staged.addressable_shards}
+    targets = list(sharding.addressable_devices)
+    shards = jax.device_put([local[source_of[d.id]] for d in targets], targets)
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+  if path == "gathered":
+    whole = jax.device_put(x, jax.sharding.NamedSharding(x.sharding.mesh,
+                                                         jax.sharding.PartitionSpec()))
+    local = whole.addressable_shards[0].data
+    index_of = sharding.addressable_devices_indices_map(x.shape)
+    targets = list(index_of)
+    shards = jax.device_put([local[index_of[d]] for d in targets], targets)
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+  if path == "host":
     from jax.experimental import multihost_utils
     whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
@@ -358,13 +373,23 @@ def copy_to(x: jax.Array, sharding) -> jax.Array:
 
 
 def cross_host_path(src, dst) -> str:
-  """How `copy_to` moves an array from sharding `src` to sharding `dst`: "device" (one
-  program on src's devices, then copies between devices of the same host), "host" (through
-  host memory) or "direct" (one `jax.device_put`: one process, or the same device set)."""
-  if jax.process_count() == 1 or src.is_fully_addressable or src.device_set == dst.device_set:
+  """How `copy_to` moves an array from sharding `src` to sharding `dst`: "direct" (one
+  `jax.device_put`: one process, or the same device set), "device" or "gathered" (on the
+  devices, see `copy_to`), or "host" (through host memory)."""
+  # Decided from the device sets alone, so every process takes the same path.
+  src_processes = {d.process_index for d in src.device_set}
+  dst_processes = {d.process_index for d in dst.device_set}
+  if len(src_processes | dst_processes) == 1 or src.device_set == dst.device_set:
     return "direct"
-  plan = _staging_plan(tuple(sorted(d.id for d in src.device_set)), dst)
-  return "host" if plan is None else "device"
+  if _staging_plan(_ids(src), dst) is not None:
+    return "device"
+  if isinstance(src, jax.sharding.NamedSharding) and dst_processes <= src_processes:
+    return "gathered"
+  return "host"
+
+
+def _ids(sharding) -> tuple[int, ...]:
+  return tuple(sorted(d.id for d in sharding.device_set))
 
 
 @functools.lru_cache(maxsize=64)

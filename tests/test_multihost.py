@@ -342,14 +342,21 @@ for rollout in (4, 2, 6):
       np.testing.assert_array_equal(np.asarray(shard.data), whole[shard.index])
     print(f"copy rollout={rollout} spec={tuple(spec)} path={path} "
           f"gathered={len(gathers) - before}", flush=True)
+# Rollout devices on a host that holds none of the source's: only host memory can serve it.
+by_process = [[d for d in jax.devices() if d.process_index == p] for p in (0, 1)]
+only_first = NamedSharding(models.make_mesh((1, -1, 1, 1), devices=by_process[0]), P())
+on_second = NamedSharding(models.make_mesh((1, -1, 1, 1), devices=by_process[1]), P())
+print("path without a local source:", distributed.cross_host_path(only_first, on_second))
 """
 
 
 def test_two_process_weight_copy_stays_on_devices_when_each_host_holds_both_meshes():
-  """Train mesh -> rollout mesh across 2 processes: with every host's train devices a whole
-  multiple of its rollout devices (2+2 and 3+1 per host) each shard is laid out on a train
-  device of its own host and copied device to device, with no host gather; a 1+3 split
-  falls back to host memory. Every process's shards equal the source array's."""
+  """Train mesh -> rollout mesh across 2 processes, never through host memory: with every
+  host's train devices a whole multiple of its rollout devices (2+2 and 3+1 per host) each
+  shard is laid out on a train device of its own host and copied device to device; with
+  more rollout than train devices (1+3) the array is replicated over the train devices and
+  each host copies slices of its own replica. Every process's shards equal the source
+  array's. A host with rollout devices but no train devices would need host memory."""
   results = _run_two(["-c", _COPY_SCRIPT], timeout=300)
   for code, out in results:
     assert code == 0, out[-3000:]
@@ -360,4 +367,5 @@ def test_two_process_weight_copy_stays_on_devices_when_each_host_holds_both_mesh
       if rollout in (4, 2):
         assert "path=device gathered=0" in ln, ln
       else:
-        assert "path=host gathered=1" in ln, ln
+        assert "path=gathered gathered=0" in ln, ln
+    assert "path without a local source: host" in out
