@@ -12,15 +12,21 @@
    same total length. The fake devices share this machine's cores, so only the memory
    column is meaningful there. Runs in a subprocess when jax is already initialised
    with fewer than 8 CPU devices.
-3. Only on a GPU / TPU: flash (Pallas) forward + backward TFLOP/s vs
+3. Packed rows: the block pairs the causal flash kernels compute for one 16k-token row
+   holding 1-16 equal sequences, counted from the kernels' range functions (segment ids
+   let a q block skip the other sequences' kv blocks).
+4. Only on a GPU / TPU: flash (Pallas) forward + backward TFLOP/s vs
    `jax.nn.dot_product_attention` with implementation 'xla' and (GPU) 'cudnn', causal,
    head_dim 128, 16 heads, bf16, batch * length = 32k tokens. FLOPs count the causal
-   half: forward 2 * 2 * b * h * T^2 * d / 2, backward 2.5x the forward.
+   half: forward 2 * 2 * b * h * T^2 * d / 2, backward 2.5x the forward. Then packed
+   rows timed: one 16k row of 8 sequences without segment ids, with them, and as 16
+   separate 2k sequences.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import subprocess
@@ -328,6 +334,65 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
   return rows
 
 
+def _packed_segments(rows: int, length: int, sequences: int):
+  """[rows, length] int32 ids: `sequences` equal sequences per row, as packing lays them."""
+  ids = np.repeat(np.arange(1, sequences + 1, dtype=np.int32), length // sequences)
+  return jnp.asarray(np.broadcast_to(np.pad(ids, (0, length - ids.size)), (rows, length)))
+
+
+def packed_blocks(length: int = 16384, sequences=(1, 2, 4, 8, 16)) -> list[dict]:
+  """Block pairs the causal flash kernels compute for one packed row (counted from the
+  kernels' own range functions, no kernel run): with segment ids each q block visits
+  only the kv blocks of its own sequences."""
+  fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
+  rows = []
+  for backend in ("tpu", "gpu"):
+    q = jax.ShapeDtypeStruct((1, length, 1, 128), jnp.bfloat16)
+    cfg = fa.make_config(q, q, causal=True, segments=True, backend=backend, interpret=True)
+    causal = sum(int(hi) - int(lo) + 1 for lo, hi in
+                 (fa.kv_block_range(cfg, qi) for qi in range(cfg.num_q_blocks)))
+    for n in sequences:
+      seg = _packed_segments(1, length, n)
+      ranges = np.asarray(fa.segment_block_ranges(seg, seg, cfg.block_q, cfg.block_kv)[0][0])
+      visited = 0
+      for qi in range(cfg.num_q_blocks):
+        lo, hi = (int(x) for x in fa.kv_block_range(cfg, qi))
+        visited += max(0, min(hi, ranges[qi, 1]) - max(lo, ranges[qi, 0]) + 1)
+      rows.append(dict(benchmark=f"packed row, {backend} blocks {cfg.block_q}x{cfg.block_kv}",
+                       length=length, sequences=n, causal_blocks=causal,
+                       visited_blocks=visited, fraction=round(visited / causal, 3)))
+  return rows
+
+
+def accelerator_packed(repeats: int, length: int = 16384, sequences: int = 8, heads=16,
+                       head_dim=128, flash_options=None) -> list[dict]:
+  """Causal flash forward + backward on rows packing `sequences` sequences each: without
+  segment ids (attends across sequences, every causal block), with them (skips the
+  other sequences' blocks), and the same tokens as separate unpadded sequences (the
+  work segment skipping can at best match)."""
+  opts = flash_options or {}
+  seg = _packed_segments(2, length, sequences)
+  with_ids = lambda q, k, v: kernels.flash_attention(  # noqa: E731
+      q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, **opts)
+  arms = (("one row, no segment ids", 2, length, _flash(**opts)),
+          (f"{sequences} packed sequences per row", 2, length, with_ids),
+          (f"{2 * sequences} separate sequences", 2 * sequences, length // sequences,
+           _flash(**opts)))
+  rows = []
+  for name, batch, seq_len, attention in arms:
+    args = _attention_inputs(jax.random.key(seq_len), batch, seq_len, heads, heads, head_dim)
+    seconds = _time_or_error(_fwd_and_bwd(attention)[1], args, repeats)
+    row = dict(benchmark=f"{jax.default_backend()} packed fwd+bwd", implementation=name,
+               length=seq_len, batch=batch, time_ms=None, note="")
+    if isinstance(seconds, float):
+      row["time_ms"] = round(1e3 * seconds, 2)
+    else:
+      row["note"] = seconds
+    print(f"  {row}", file=sys.stderr, flush=True)
+    rows.append(row)
+  return rows
+
+
 def accelerator(quick: bool = False, sweep: bool = True, out: str | None = None,
                 repeats: int = 5, lengths=None, fwd_sweep=GPU_FWD_SWEEP,
                 bwd_sweep=GPU_BWD_SWEEP) -> list[dict]:
@@ -353,6 +418,7 @@ def accelerator(quick: bool = False, sweep: bool = True, out: str | None = None,
   lengths = tuple(lengths or ((512, 1024) if quick else ACCEL_LENGTHS))
   save(accelerator_flops(lengths, repeats, flash_options=options))
   save(accelerator_flops(lengths[1:2], repeats, flash_options=options, kv_heads=4))
+  save(accelerator_packed(repeats, length=2048 if quick else 16384, flash_options=options))
   return rows
 
 
@@ -362,6 +428,7 @@ def run(quick: bool = False, lengths=None) -> list[dict]:
   repeats = 2 if quick else 3
   rows = chunked_vs_reference(lengths, repeats)
   rows += _ring_rows(max(lengths))
+  rows += packed_blocks()
   if jax.default_backend() in ("gpu", "tpu"):
     rows += accelerator(quick)
   return rows

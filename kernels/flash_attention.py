@@ -10,6 +10,12 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
 * GPU (Triton): grid (q blocks, batch, heads); each program loops over exactly the
   visible kv blocks with `fori_loop`. Layout [batch, len, heads, head_dim] (no copy).
 
+With segment ids (packed rows), `segment_block_ranges` narrows each q block's kv range
+(and each kv block's q range) to the blocks that hold its own sequences, so a row packing
+n equal sequences computes about 1/n of the causal blocks: the GPU loops take the narrowed
+bounds from a small input, the TPU kernels from a scalar-prefetched SMEM table that their
+index maps also read, so skipped blocks issue no DMA.
+
 The backward pass recomputes probabilities from the saved log-sum-exp with one kernel
 for dq (loop over kv blocks) and one for dk/dv (loop over q blocks and over the query
 heads that share a kv head, so GQA needs no repeated k/v). Off TPU/GPU both families
@@ -160,6 +166,48 @@ def _clamp(i, lo_hi, n: int):
   return jnp.clip(jnp.minimum(jnp.maximum(i, lo), hi), 0, n - 1)
 
 
+def segment_block_ranges(q_seg, kv_seg, block_q: int, block_kv: int):
+  """Block ranges that segment ids leave visible (packed rows skip other sequences).
+
+  Args:
+    q_seg, kv_seg: [b, Tq], [b, Tk] int32 segment ids (0 = padding), lengths whole
+      multiples of block_q and block_kv.
+
+  Returns:
+    (kv_ranges [b, nq, 2], q_ranges [b, nk, 2]) int32: for each q block, the first and
+    last kv block whose non-zero ids overlap the q block's [min, max] non-zero id; for each
+    kv block, the same over q blocks. Empty ranges are (n, -1). A block pair outside them
+    holds no query and key of one segment; inside, the element mask still applies. For
+    packed rows (ids never decrease along the row, then padding) the ranges hold exactly
+    the blocks with a query and a key of one segment.
+  """
+  def bounds(seg, block):
+    b, t = seg.shape
+    s = seg.reshape(b, t // block, block)
+    real = s != 0
+    lo = jnp.where(real, s, jnp.iinfo(jnp.int32).max).min(axis=-1)
+    hi = jnp.where(real, s, jnp.iinfo(jnp.int32).min).max(axis=-1)
+    return lo, hi
+
+  def hull(hit):  # [b, m, n] -> first / last true along n, (n, -1) when none
+    n = hit.shape[-1]
+    first = jnp.argmax(hit, axis=-1)
+    last = n - 1 - jnp.argmax(hit[..., ::-1], axis=-1)
+    some = hit.any(axis=-1)
+    return jnp.stack([jnp.where(some, first, n), jnp.where(some, last, -1)],
+                     axis=-1).astype(jnp.int32)
+
+  q_lo, q_hi = bounds(q_seg.astype(jnp.int32), block_q)
+  kv_lo, kv_hi = bounds(kv_seg.astype(jnp.int32), block_kv)
+  hit = (q_lo[:, :, None] <= kv_hi[:, None, :]) & (kv_lo[:, None, :] <= q_hi[:, :, None])
+  return hull(hit), hull(jnp.swapaxes(hit, 1, 2))
+
+
+def _and_range(lo_hi, lo, hi):
+  """Intersection of two inclusive block ranges."""
+  return jnp.maximum(lo_hi[0], lo), jnp.minimum(lo_hi[1], hi)
+
+
 def _block_fully_visible(cfg: _Config, qi, ki):
   """True when no element of the (qi, ki) block pair is masked (padding rows of q
   excepted, their outputs are discarded)."""
@@ -281,8 +329,32 @@ def _tpu_segments(cfg: _Config, q_seg_ref, kv_seg_ref, shape):
   return q_seg, kv_seg_ref[:1, :]
 
 
+def _tpu_seg_range(cfg: _Config, range_ref, bi, i, n: int):
+  """Entry (bi, i) of a flattened [b, n, 2] `segment_block_ranges` array in SMEM."""
+  del cfg
+  at = (bi * n + i) * 2
+  return range_ref[at], range_ref[at + 1]
+
+
+def _tpu_kv_range(cfg: _Config, bi, qi, range_ref):
+  """kv blocks q block `qi` of batch row `bi` visits (index maps and kernels agree)."""
+  lo_hi = kv_block_range(cfg, qi)
+  if range_ref is not None:
+    lo_hi = _and_range(lo_hi, *_tpu_seg_range(cfg, range_ref, bi, qi, cfg.num_q_blocks))
+  return lo_hi
+
+
+def _tpu_q_range(cfg: _Config, bi, ki, range_ref):
+  """q blocks that see kv block `ki` of batch row `bi`."""
+  lo_hi = q_block_range(cfg, ki)
+  if range_ref is not None:
+    lo_hi = _and_range(lo_hi, *_tpu_seg_range(cfg, range_ref, bi, ki, cfg.num_kv_blocks))
+  return lo_hi
+
+
 def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   refs = list(refs)
+  range_ref = refs.pop(0) if cfg.segments else None
   q_ref, k_ref, v_ref = refs[:3]
   q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
   rest = refs[5:] if cfg.segments else refs[3:]
@@ -317,7 +389,7 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     if counts:
       count_ref[...] += 1
 
-  visible = _in_range(ki, kv_block_range(cfg, qi))
+  visible = _in_range(ki, _tpu_kv_range(cfg, pl.program_id(0), qi, range_ref))
   if cfg.may_mask:
     full = _block_fully_visible(cfg, qi, ki)
     pl.when(visible & full)(functools.partial(step, False))
@@ -353,6 +425,7 @@ def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse, di, q_seg, 
 
 def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
   refs = list(refs)
+  range_ref = refs.pop(0) if cfg.segments else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
   rest = refs[8:] if cfg.segments else refs[6:]
@@ -377,7 +450,7 @@ def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
     if counts:
       count_ref[...] += 1
 
-  visible = _in_range(ki, kv_block_range(cfg, qi))
+  visible = _in_range(ki, _tpu_kv_range(cfg, pl.program_id(0), qi, range_ref))
   full = _block_fully_visible(cfg, qi, ki)
   pl.when(visible & full)(functools.partial(step, False))
   if cfg.may_mask:
@@ -390,6 +463,7 @@ def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
 
 def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   refs = list(refs)
+  range_ref = refs.pop(0) if cfg.segments else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
   rest = refs[8:] if cfg.segments else refs[6:]
@@ -419,6 +493,8 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
       count_ref[...] += 1
 
   visible = _in_range(ki, kv_block_range(cfg, qi))
+  if cfg.segments:
+    visible &= _in_range(qi, _tpu_q_range(cfg, pl.program_id(0), ki, range_ref))
   full = _block_fully_visible(cfg, qi, ki)
   pl.when(visible & full)(functools.partial(step, False))
   if cfg.may_mask:
@@ -467,49 +543,60 @@ def _count_shape(b, h, n, like):
   return _struct((b, h, n, NUM_SUBLANES, NUM_LANES), jnp.int32, like)
 
 
+def _tpu_call(cfg: _Config, kernel, grid, in_specs, out_specs, out_shape, scratch,
+              semantics, name: str, operands, ranges):
+  """pallas_call of a TPU kernel; with segment ids the flattened block ranges are
+  prefetched into SMEM, where index maps (trailing argument) and kernels (first) read
+  them."""
+  from jax.experimental.pallas import tpu as pltpu
+  prefetch = () if ranges is None else (ranges.reshape(-1),)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      scratch_shapes=scratch)
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg), grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=_tpu_compiler_params(semantics), interpret=cfg.interpret, name=name,
+  )(*prefetch, *operands)
+
+
 def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   """q [b, h, Tq, d], k/v [b, kvh, Tk, d] (padded) -> out, lse [b, h, Tq, 128]."""
   b, h, tq, d = q.shape
   bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)[0] if cfg.segments else None
 
-  def kv_index(bi, hi, qi, ki):
-    return bi, hi // g, _clamp(ki, kv_block_range(cfg, qi), nk), 0
+  # Index maps take the prefetched ranges as a trailing argument when there are any.
+  def kv_index(bi, hi, qi, ki, *r):
+    return bi, hi // g, _clamp(ki, _tpu_kv_range(cfg, bi, qi, r[0] if r else None), nk), 0
 
   in_specs = [
-      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
+      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)),
       pl.BlockSpec((None, None, bk, d), kv_index),
       pl.BlockSpec((None, None, bk, d), kv_index),
   ]
   operands = [q, k, v]
   if cfg.segments:
     in_specs += [
-        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, qi, 0)),
+        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki, *_: (bi, qi, 0)),
         pl.BlockSpec((None, NUM_SUBLANES, bk),
-                     lambda bi, hi, qi, ki: (bi, 0, kv_index(bi, hi, qi, ki)[2])),
+                     lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2])),
     ]
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
   out_specs = [
-      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
-      pl.BlockSpec((None, None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, hi, qi, 0)),
+      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)),
+      pl.BlockSpec((None, None, bq, NUM_LANES), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)),
   ]
   out_shape = [_struct(q.shape, q.dtype, q),
                _struct((b, h, tq, NUM_LANES), jnp.float32, q)]
   if counts:
-    out_specs.append(_count_spec(lambda bi, hi, qi, ki: (bi, hi, qi)))
+    out_specs.append(_count_spec(lambda bi, hi, qi, ki, *_: (bi, hi, qi)))
     out_shape.append(_count_shape(b, h, nq, q))
-  return pl.pallas_call(
-      functools.partial(_tpu_fwd_kernel, cfg=cfg, counts=counts),
-      grid=(b, h, nq, nk),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      scratch_shapes=[_vmem((bq, NUM_LANES)), _vmem((bq, NUM_LANES)), _vmem((bq, d))],
-      compiler_params=_tpu_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret,
-      name="flash_attention_fwd",
-  )(*operands)
+  return _tpu_call(
+      cfg, functools.partial(_tpu_fwd_kernel, counts=counts), (b, h, nq, nk), in_specs,
+      out_specs, out_shape, [_vmem((bq, NUM_LANES)), _vmem((bq, NUM_LANES)), _vmem((bq, d))],
+      ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_fwd", operands,
+      ranges)
 
 
 def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
@@ -519,66 +606,60 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
   seg_operands = _tpu_segment_operands(cfg, q_seg, kv_seg) if cfg.segments else ()
+  kv_ranges = q_ranges = None
+  if cfg.segments:
+    kv_ranges, q_ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)
 
   # dq: grid (b, h, q blocks, kv blocks), as the forward pass.
-  def kv_index(bi, hi, qi, ki):
-    return bi, hi // g, _clamp(ki, kv_block_range(cfg, qi), nk), 0
+  def kv_index(bi, hi, qi, ki, *r):
+    return bi, hi // g, _clamp(ki, _tpu_kv_range(cfg, bi, qi, r[0] if r else None), nk), 0
 
-  q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki: (bi, hi, qi, 0))
-  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, hi, qi, 0))
+  q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
+  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES),
+                          lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
   kv_spec = pl.BlockSpec((None, None, bk, d), kv_index)
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   if cfg.segments:
     in_specs += [
-        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki: (bi, qi, 0)),
+        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki, *_: (bi, qi, 0)),
         pl.BlockSpec((None, NUM_SUBLANES, bk),
-                     lambda bi, hi, qi, ki: (bi, 0, kv_index(bi, hi, qi, ki)[2])),
+                     lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2])),
     ]
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
-    out_specs.append(_count_spec(lambda bi, hi, qi, ki: (bi, hi, qi)))
+    out_specs.append(_count_spec(lambda bi, hi, qi, ki, *_: (bi, hi, qi)))
     out_shape.append(_count_shape(b, h, nq, q))
-  dq_out = pl.pallas_call(
-      functools.partial(_tpu_dq_kernel, cfg=cfg, counts=counts),
-      grid=(b, h, nq, nk),
-      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[_vmem((bq, d))],
-      compiler_params=_tpu_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret,
-      name="flash_attention_dq",
-  )(q, k, v, do, lse, di, *seg_operands)
+  dq_out = _tpu_call(
+      cfg, functools.partial(_tpu_dq_kernel, counts=counts), (b, h, nq, nk), in_specs,
+      out_specs, out_shape, [_vmem((bq, d))],
+      ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_dq",
+      (q, k, v, do, lse, di, *seg_operands), kv_ranges)
 
   # dk, dv: grid (b, kv heads, kv blocks, heads in group, q blocks).
-  def q_index(bi, kh, ki, gi, qi):
-    return bi, kh * g + gi, _clamp(qi, q_block_range(cfg, ki), nq), 0
+  def q_index(bi, kh, ki, gi, qi, *r):
+    return bi, kh * g + gi, _clamp(qi, _tpu_q_range(cfg, bi, ki, r[0] if r else None), nq), 0
 
   q_spec = pl.BlockSpec((None, None, bq, d), q_index)
   row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_index)
-  kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, kh, ki, gi, qi: (bi, kh, ki, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki, 0))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   if cfg.segments:
     in_specs += [
         pl.BlockSpec((None, bq, NUM_LANES),
-                     lambda bi, kh, ki, gi, qi: (bi, q_index(bi, kh, ki, gi, qi)[2], 0)),
-        pl.BlockSpec((None, NUM_SUBLANES, bk), lambda bi, kh, ki, gi, qi: (bi, 0, ki)),
+                     lambda bi, kh, ki, gi, qi, *r: (bi, q_index(bi, kh, ki, gi, qi, *r)[2], 0)),
+        pl.BlockSpec((None, NUM_SUBLANES, bk), lambda bi, kh, ki, gi, qi, *_: (bi, 0, ki)),
     ]
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if counts:
-    out_specs.append(_count_spec(lambda bi, kh, ki, gi, qi: (bi, kh, ki)))
+    out_specs.append(_count_spec(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki)))
     out_shape.append(_count_shape(b, kvh, nk, q))
-  dkv_out = pl.pallas_call(
-      functools.partial(_tpu_dkv_kernel, cfg=cfg, counts=counts),
-      grid=(b, kvh, nk, g, nq),
-      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[_vmem((bk, d)), _vmem((bk, d))],
-      compiler_params=_tpu_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-      interpret=cfg.interpret,
-      name="flash_attention_dkv",
-  )(q, k, v, do, lse, di, *seg_operands)
+  dkv_out = _tpu_call(
+      cfg, functools.partial(_tpu_dkv_kernel, counts=counts), (b, kvh, nk, g, nq), in_specs,
+      out_specs, out_shape, [_vmem((bk, d)), _vmem((bk, d))],
+      ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"), "flash_attention_dkv",
+      (q, k, v, do, lse, di, *seg_operands), q_ranges)
   return dq_out, dkv_out
 
 
@@ -599,6 +680,14 @@ def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref):
     q_seg = q_seg_ref[pl.ds(qi * cfg.block_q, cfg.block_q)][:, None]
     kv_seg = kv_seg_ref[pl.ds(ki * cfg.block_kv, cfg.block_kv)][None, :]
   return _element_mask(cfg, qi, ki, shape, q_seg, kv_seg)
+
+
+def _gpu_kv_range(cfg: _Config, qi, range_ref):
+  """kv blocks q block `qi` visits: the mask's range, narrowed by the segment ids'."""
+  lo_hi = kv_block_range(cfg, qi)
+  if cfg.segments:
+    lo_hi = _and_range(lo_hi, range_ref[0], range_ref[1])
+  return lo_hi
 
 
 def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
@@ -626,8 +715,8 @@ def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
 
 def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   q_ref, k_ref, v_ref = refs[:3]
-  q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
-  rest = refs[5:] if cfg.segments else refs[3:]
+  q_seg_ref, kv_seg_ref, range_ref = refs[3:6] if cfg.segments else (None, None, None)
+  rest = refs[6:] if cfg.segments else refs[3:]
   o_ref, lse_ref = rest[:2]
   qi = _gpu_q_block(cfg, pl.program_id(0))
   bq, bk = cfg.block_q, cfg.block_kv
@@ -650,8 +739,8 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   # full_like keeps the loaded values' shard_map axes (interpret mode under shard_map).
   init = (lax.full_like(q, 0.0, jnp.float32), lax.full_like(q, MASK_VALUE, jnp.float32, (bq,)),
           lax.full_like(q, 0.0, jnp.float32, (bq,)))
-  (acc, m, l), visited = _visible_loop(kv_block_range(cfg, qi), kv_full_range(cfg, qi),
-                                       body, init, counts)
+  (acc, m, l), visited = _visible_loop(_gpu_kv_range(cfg, qi, range_ref),
+                                       kv_full_range(cfg, qi), body, init, counts)
   empty = m == MASK_VALUE
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -673,8 +762,8 @@ def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse, di, q_seg_ref, kv_seg_ref):
 
 def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
-  rest = refs[8:] if cfg.segments else refs[6:]
+  q_seg_ref, kv_seg_ref, range_ref = refs[6:9] if cfg.segments else (None, None, None)
+  rest = refs[9:] if cfg.segments else refs[6:]
   qi = _gpu_q_block(cfg, pl.program_id(0))
   bk = cfg.block_kv
   q, do, lse, di = q_ref[...], do_ref[...], lse_ref[...], di_ref[...]
@@ -686,8 +775,8 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
                     kv_seg_ref)
     return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  dq, visited = _visible_loop(kv_block_range(cfg, qi), kv_full_range(cfg, qi), body,
-                              lax.full_like(q, 0.0, jnp.float32), counts)
+  dq, visited = _visible_loop(_gpu_kv_range(cfg, qi, range_ref), kv_full_range(cfg, qi),
+                              body, lax.full_like(q, 0.0, jnp.float32), counts)
   rest[0][...] = dq.astype(rest[0].dtype)
   if counts:
     rest[1][...] = jnp.full(rest[1].shape, visited, jnp.int32)
@@ -696,12 +785,14 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
 def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   # q_ref, do_ref: [Tq, group, d]; lse_ref, di_ref: [group, Tq]; k_ref, v_ref: [bk, d].
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
-  rest = refs[8:] if cfg.segments else refs[6:]
+  q_seg_ref, kv_seg_ref, range_ref = refs[6:9] if cfg.segments else (None, None, None)
+  rest = refs[9:] if cfg.segments else refs[6:]
   ki = pl.program_id(0)
   bq = cfg.block_q
   k, v = k_ref[...], v_ref[...]
   q_range, q_full = q_block_range(cfg, ki), q_full_range(cfg, ki)
+  if cfg.segments:
+    q_range = _and_range(q_range, range_ref[0], range_ref[1])
 
   def head(gi, carry):
     def body(qi, dkv, masked):
@@ -746,9 +837,11 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   ]
   operands = [q, k, v]
   if cfg.segments:
+    kv_ranges, _ = segment_block_ranges(q_seg, kv_seg, bq, cfg.block_kv)
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
-                 pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0))]
-    operands += [q_seg, kv_seg]
+                 pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
+                 pl.BlockSpec((None, None, 2), lambda i, bi, hi: (bi, qb(i), 0))]
+    operands += [q_seg, kv_seg, kv_ranges]
   out_specs = [pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qb(i), hi, 0)),
                pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qb(i)))]
   out_shape = [_struct(q.shape, q.dtype, q),
@@ -770,7 +863,9 @@ def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   tk, kvh = k.shape[1], k.shape[2]
   bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
-  seg_operands = (q_seg, kv_seg) if cfg.segments else ()
+  kv_ranges = q_ranges = None
+  if cfg.segments:
+    kv_ranges, q_ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)
   params = _gpu_compiler_params(cfg, d)
   qb = functools.partial(_gpu_q_block, cfg)
 
@@ -778,9 +873,12 @@ def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   kv_spec = pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0))
   row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qb(i)))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  seg_operands = ()
   if cfg.segments:
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
-                 pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0))]
+                 pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
+                 pl.BlockSpec((None, None, 2), lambda i, bi, hi: (bi, qb(i), 0))]
+    seg_operands = (q_seg, kv_seg, kv_ranges)
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
@@ -798,7 +896,9 @@ def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   in_specs = [group_spec, kv_spec, kv_spec, group_spec, rows_spec, rows_spec]
   if cfg.segments:
     in_specs += [pl.BlockSpec((None, tq), lambda ki, bi, kh: (bi, 0)),
-                 pl.BlockSpec((None, tk), lambda ki, bi, kh: (bi, 0))]
+                 pl.BlockSpec((None, tk), lambda ki, bi, kh: (bi, 0)),
+                 pl.BlockSpec((None, None, 2), lambda ki, bi, kh: (bi, ki, 0))]
+    seg_operands = (q_seg, kv_seg, q_ranges)
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if counts:

@@ -15,8 +15,11 @@ from kernel_test_utils import (
   BF16_CASES,
   CASES,
   Case,
+  assert_close,
   check_against_reference,
+  f32_reference,
   make_inputs,
+  value_and_vjp,
 )
 
 import kernels
@@ -70,6 +73,43 @@ class FlashAttentionTest:
     # Each kv block is visited once per query head of its group (2 heads per kv head).
     per_kv_block = np.broadcast_to(2 * visible.sum(axis=0), (1, 2, cfg.num_kv_blocks))
     np.testing.assert_array_equal(np.asarray(dkv_counts), per_kv_block)
+
+  def test_packed_rows_skip_blocks_of_other_sequences(self):
+    """Segment ids narrow the visited blocks to those holding a query and a key of one
+    sequence (the kernels' counters equal a brute-force element mask), and the output
+    and gradients still match the reference."""
+    lengths = ([128, 200, 60, 100], [300, 150, 24])  # then padding (id 0)
+    t = 512
+    seg = np.zeros((2, t), np.int32)
+    for row, parts in enumerate(lengths):
+      seg[row, :sum(parts)] = np.repeat(np.arange(1, len(parts) + 1), parts)
+    seg = jnp.asarray(seg)
+    case = Case("packed", batch=2, q_len=t, kv_len=t, heads=4, kv_heads=2)
+    x = make_inputs(case)
+    cfg = fa.make_config(x["q"], x["k"], causal=True, segments=True, backend=self.BACKEND,
+                         block_q=self.BLOCKS[0], block_kv=self.BLOCKS[1],
+                         interpret=self.INTERPRET)
+    out, lse, fwd_counts = fa._forward(cfg, x["q"], x["k"], x["v"], seg, seg, counts=True)
+    di = jnp.einsum("bqhd,bqhd->bhq", x["dout"], out)
+    _, (dq_counts, dkv_counts) = fa._backward(
+        cfg.for_backward(), x["q"], x["k"], x["v"], seg, seg, x["dout"], lse, di,
+        counts=True)
+    for row in range(2):
+      visible = brute_force_visible(cfg, np.asarray(seg[row]), np.asarray(seg[row]))
+      assert visible.sum() < brute_force_visible(cfg).sum()  # segments do skip blocks
+      np.testing.assert_array_equal(np.asarray(fwd_counts[row]),
+                                    np.broadcast_to(visible.sum(axis=1), (4, cfg.num_q_blocks)))
+      np.testing.assert_array_equal(np.asarray(dq_counts[row]),
+                                    np.broadcast_to(visible.sum(axis=1), (4, cfg.num_q_blocks)))
+      np.testing.assert_array_equal(np.asarray(dkv_counts[row]),
+                                    np.broadcast_to(2 * visible.sum(axis=0),
+                                                    (2, cfg.num_kv_blocks)))
+    kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+    got, got_grads = value_and_vjp(self.flash, x, **kw)
+    want, want_grads = f32_reference(x, **kw)
+    assert_close(got, want, 2e-5, "packed out")
+    for name, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+      assert_close(g, w, 1e-4, f"packed {name}")
 
   def test_fully_masked_rows_are_zero_with_finite_grads(self):
     case = Case("pad", segments=True, q_len=128, kv_len=128)
@@ -145,9 +185,62 @@ def _per_block(cfg, mask, reduce):
   return reduce(mask.reshape(nq, cfg.block_q, nk, cfg.block_kv), axis=(1, 3))
 
 
-def brute_force_visible(cfg):
-  """[q blocks, kv blocks] bool: does any real (query, key) pair pass the mask."""
-  return _per_block(cfg, _padded_mask(cfg), np.any)
+def brute_force_visible(cfg, q_seg=None, kv_seg=None):
+  """[q blocks, kv blocks] bool: does any real (query, key) pair pass the mask (and,
+  given one row's segment ids, share a non-zero id)."""
+  mask = _padded_mask(cfg)
+  if q_seg is not None:
+    qs = np.zeros(mask.shape[0], np.int64)
+    ks = np.zeros(mask.shape[1], np.int64)
+    qs[:len(q_seg)], ks[:len(kv_seg)] = q_seg, kv_seg
+    mask = mask & (qs[:, None] == ks[None, :]) & (ks[None, :] != 0)
+  return _per_block(cfg, mask, np.any)
+
+
+def _block_hull(table):
+  """[m, n] bool -> [m, 2] first / last true column, (n, -1) for an empty row."""
+  n = table.shape[1]
+  out = np.tile([n, -1], (table.shape[0], 1))
+  for i, row in enumerate(table):
+    cols = np.flatnonzero(row)
+    if cols.size:
+      out[i] = cols[0], cols[-1]
+  return out
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(data=st.data(), block_q=st.sampled_from([16, 32, 48]),
+                  block_kv=st.sampled_from([16, 32, 80]), packed=st.booleans())
+def test_segment_block_ranges(data, block_q, block_kv, packed):
+  """Every block pair holding a query and a key of one segment lies inside both ranges;
+  for packed rows (ids non-decreasing, then padding) the ranges are exactly the hull of
+  those pairs."""
+  nq, nk = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 6))
+  ids = st.integers(0, 4)
+  if packed:
+    t = nq * block_q
+    cuts = sorted(data.draw(st.lists(st.integers(0, t), min_size=3, max_size=3)))
+    row = np.zeros(t, np.int32)
+    for i, (a, b) in enumerate(zip([0] + cuts[:2], cuts)):
+      row[a:b] = i + 1
+    q_seg = kv_seg = row[None]
+    block_kv = block_q
+    nk = nq
+  else:
+    q_seg = np.asarray([data.draw(st.lists(ids, min_size=nq * block_q,
+                                           max_size=nq * block_q))], np.int32)
+    kv_seg = np.asarray([data.draw(st.lists(ids, min_size=nk * block_kv,
+                                            max_size=nk * block_kv))], np.int32)
+  kv_ranges, q_ranges = (np.asarray(r[0]) for r in fa.segment_block_ranges(
+      jnp.asarray(q_seg), jnp.asarray(kv_seg), block_q, block_kv))
+  share = (q_seg[0][:, None] == kv_seg[0][None, :]) & (kv_seg[0][None, :] != 0)
+  pairs = share.reshape(nq, block_q, nk, block_kv).any(axis=(1, 3))
+  for qi, ki in zip(*np.nonzero(pairs)):
+    assert kv_ranges[qi, 0] <= ki <= kv_ranges[qi, 1]
+    assert q_ranges[ki, 0] <= qi <= q_ranges[ki, 1]
+  if packed:
+    np.testing.assert_array_equal(kv_ranges, _block_hull(pairs))
+    np.testing.assert_array_equal(q_ranges, _block_hull(pairs.T))
 
 
 def _range_config(q_len, kv_len, block_q, block_kv, causal, window):

@@ -1,0 +1,19 @@
+"""The packed-row block count of benchmarks/attention.py, against the closed form."""
+
+from benchmarks import attention
+
+
+def test_packed_rows_visit_only_each_sequences_causal_blocks():
+  rows = attention.packed_blocks(length=4096, sequences=(1, 2, 4, 8))
+  assert len(rows) == 8
+  for row in rows:
+    n = row["sequences"]
+    if "tpu" in row["benchmark"]:  # 512 x 512 blocks: m blocks a sequence, m(m+1)/2 pairs
+      m = 4096 // n // 512
+      want = n * m * (m + 1) // 2
+    else:  # 128 x 64: q block i of a sequence sees 2(i + 1) kv blocks
+      m = 4096 // n // 128
+      want = n * m * (m + 1)
+    assert row["visited_blocks"] == want, row
+    assert row["fraction"] == round(want / row["causal_blocks"], 3)
+  assert [r["fraction"] for r in rows[:4]] == [1.0, 0.556, 0.333, 0.222]
