@@ -559,7 +559,11 @@ class Trainer:
       groups = [g for _, _, g in batch.groups]
       return groups, {"dynamic_sampling/draws": batch.draws,
                       "dynamic_sampling/dropped": batch.dropped}
-    return make_groups(self.scheduler.draw(n)), {}
+    groups = make_groups(self.scheduler.draw(n))
+    extra = {}
+    if "resumed_fraction" in self.worker.last_stats:  # partial rollouts (segment_tokens)
+      extra["rollout/resumed_fraction"] = self.worker.last_stats["resumed_fraction"]
+    return groups, extra
 
   def _rl_step(self, source: "AsyncRollouts | None" = None) -> dict[str, float]:
     algo = self.algo
@@ -610,8 +614,19 @@ class Trainer:
     self.progress.rl_step += 1
     self.progress.policy_version += 1
     if not self.disaggregated or self.progress.rl_step % self.sync_every == 0:
+      waited = 0.0
+      if source is not None and jax.process_count() > 1:
+        # Every process must swap the rollout weights between the same two sampler calls,
+        # or one host samples with other weights (or other programs) than the rest. Swap
+        # only between batches, after the last batch the old version may still produce
+        # (max_policy_lag ahead of this step) and before the next starts (it waits for the
+        # publish below): batch j then uses version j - max_policy_lag on every host.
+        t_wait = time.time()
+        source.wait_generated(self.progress.rl_step + self.max_policy_lag)
+        waited = time.time() - t_wait
       timings["timing/weight_sync_s"], timings["timing/weight_sync_wait_s"] = (
           self.sync_weights())
+      timings["timing/weight_sync_wait_s"] += waited
     if source is not None:
       source.publish(self.progress.rl_step)
     metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
@@ -730,6 +745,7 @@ class AsyncRollouts:
     self._stop = False
     self._error: BaseException | None = None
     self._allowance = 0  # Extra batches owed for batches dropped whole.
+    self._finished = trainer.progress.rl_step  # batches generated in full so far
     self._thread = threading.Thread(target=self._loop, name="rollouts", daemon=True)
     self._thread.start()
 
@@ -751,6 +767,9 @@ class AsyncRollouts:
         t0 = time.time()
         groups, extra = self.t._rollout(self.t._step_seed(k))
         item = (groups, extra, time.time() - t0)
+        with self._cv:
+          self._finished = k + 1
+          self._cv.notify_all()
         while not self._stop:
           try:
             self._queue.put(item, timeout=0.1)
@@ -759,6 +778,13 @@ class AsyncRollouts:
             continue
     except BaseException as e:  # noqa: BLE001 - re-raised in the learner thread.
       self._error = e
+
+  def wait_generated(self, n: int):
+    """Blocks until the first `n` batches are generated in full (or the thread stopped)."""
+    with self._cv:
+      self._cv.wait_for(lambda: self._finished >= n or self._stop or self._error is not None)
+    if self._error is not None:
+      raise self._error
 
   def get(self):
     """The next batch within the staleness bound: (groups, extra metrics, generation s)."""

@@ -125,6 +125,7 @@ class RolloutWorker:
     RolloutWorker._instances += 1
     self._tag = f"posttrain/rollout_worker_{RolloutWorker._instances}"
     self._exchanges = 0
+    self._segments = [0, 0]  # continued segments: resumed from the kept cache, all
 
   def _store_exchange(self, obj: Any) -> list[Any]:
     self._exchanges += 1
@@ -161,6 +162,7 @@ class RolloutWorker:
     futures: list[tuple[int, cf.Future]] = []
     mine = lambda idx: idx % self.process_count == self.process_index  # noqa: E731
     self._tool_steps = [0, 0]
+    self._segments = [0, 0]
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
       done = self._generate(chunk, tasks, seed=seed * 1_000_003 + start, temperature=temp,
@@ -186,6 +188,10 @@ class RolloutWorker:
                        "scored_fraction": len(futures) / max(len(samples), 1)}
     if self._tool_steps[1]:
       self.last_stats["tool_step_fraction"] = self._tool_steps[0] / self._tool_steps[1]
+    if self._segments[1]:
+      # Continued segments that resumed from the kept KV cache (the rest ran under new
+      # weights and prefilled prompt + response again).
+      self.last_stats["resumed_fraction"] = self._segments[0] / self._segments[1]
     groups = []
     for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
       groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
@@ -265,6 +271,9 @@ class RolloutWorker:
     budget_left = {i: self.max_new_tokens for i in rows}
     ended = {i: False for i in rows}
     active, segment = list(rows), 0
+    # Between segments the KV cache is kept; a segment under unchanged weights resumes
+    # from it instead of prefilling prompt + response again.
+    paused, paused_row = None, {}
     while active:
       inputs = [states[i].prompt_tokens + states[i].response_tokens for i in active]
       room = self.sampler.max_len - max(len(x) for x in inputs)
@@ -274,9 +283,19 @@ class RolloutWorker:
       n_new = min(want, room, self.segment_tokens or want)
       with self._lock:
         version = self._version_fn()
-        out = self.sampler.generate(
-            inputs, max_new_tokens=n_new, temperature=temperature, top_k=self.top_k,
-            top_p=self.top_p, stop_token_ids=self.tok.stop_ids, seed=seed + 104_729 * segment)
+        if paused is not None and paused.params_version == self.sampler.params_version:
+          out = self.sampler.resume(paused, [paused_row[i] for i in active],
+                                    max_new_tokens=n_new)
+          self._segments[0] += 1
+        else:
+          out = self.sampler.generate(
+              inputs, max_new_tokens=n_new, temperature=temperature, top_k=self.top_k,
+              top_p=self.top_p, stop_token_ids=self.tok.stop_ids,
+              seed=seed + 104_729 * segment, keep_cache=n_new < min(want, room),
+              reserve_tokens=min(want, room))
+          paused_row = {i: k for k, i in enumerate(active)}
+        paused = out.resume_state
+      self._segments[1] += segment > 0  # continuations of paused rows
       segment += 1
       still = []
       for k, i in enumerate(active):

@@ -10,6 +10,11 @@ positions (slot = position), so short prompts never see shifted positions. Ident
 (a GRPO group) are prefilled once and their cache rows copied. Decoding runs in one
 `lax.while_loop` over a donated cache and stops as soon as every row has stopped. Programs
 are compiled ahead of time per shape bucket and counted in `num_compiles`.
+
+A generation can pause and continue (partial rollouts): `generate(..., keep_cache=True,
+reserve_tokens=total)` keeps the KV cache, and `resume(out.resume_state, rows,
+max_new_tokens=n)` continues the rows that did not stop, drawing the same samples one
+uninterrupted call would, as long as the weights have not changed in between.
 """
 
 from __future__ import annotations
@@ -113,12 +118,38 @@ class Completions:
   lengths: np.ndarray
   finish_reasons: list[str]
   stats: dict[str, int] = dataclasses.field(default_factory=dict)
+  # With generate(..., keep_cache=True): what `Sampler.resume` continues from.
+  resume_state: "ResumeState | None" = None
 
   def token_lists(self) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
 
   def logprob_lists(self) -> list[list[float]]:
     return [row[:n].tolist() for row, n in zip(self.logprobs, self.lengths)]
+
+
+@dataclasses.dataclass
+class ResumeState:
+  """A paused generation: its KV cache on the devices and where each row stands.
+
+  Made by `Sampler.generate(..., keep_cache=True)`, consumed by `Sampler.resume`, valid
+  while the sampler's weights are those that filled the cache (`params_version`).
+  """
+
+  cache: Any
+  rows: int  # prompts of the original call (the first `rows` of the batch)
+  batch: int
+  cache_len: int
+  positions: np.ndarray  # [batch] position of each row's last token
+  last: np.ndarray  # [batch] each row's last token
+  generated: np.ndarray  # [batch] tokens generated so far
+  open: np.ndarray  # [batch] bool: may continue (did not stop)
+  mode: SamplingMode
+  stop_ids: np.ndarray
+  seed: int
+  temperature: float
+  top_p: float | None
+  params_version: int
 
 
 def _powers_of_two(lo: int, hi: int, *, halves: bool = False) -> tuple[int, ...]:
@@ -193,6 +224,7 @@ class Sampler:
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
     self._state = state
     self._programs: dict[tuple, Any] = {}
+    self.params_version = 0  # bumped by update_params; a ResumeState needs the same
 
   # -- public -----------------------------------------------------------------------------
 
@@ -232,11 +264,13 @@ class Sampler:
       x = distributed.copy_to(x, sharding)
       leaves.append(x if x.dtype == dtype else x.astype(dtype))
     self._state = jax.tree.unflatten(self._treedef, leaves)
+    self.params_version += 1
 
   def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, stop_token_ids: Sequence[int] = (),
-               seed: int = 0) -> Completions:
+               seed: int = 0, keep_cache: bool = False,
+               reserve_tokens: int | None = None) -> Completions:
     """Samples a continuation of every prompt.
 
     Args:
@@ -247,6 +281,10 @@ class Sampler:
       top_p: nucleus threshold in (0, 1].
       stop_token_ids: a row ends after generating one of these (it is kept).
       seed: the same seed gives the same samples.
+      keep_cache: keep the KV cache in `Completions.resume_state`, so `resume` can
+        continue the rows that did not stop without prefilling them again.
+      reserve_tokens: size the cache for this many new tokens in all (>= max_new_tokens),
+        the room later `resume` calls can use.
     """
     cfg = self.cfg
     mode = sampling_mode(temperature, top_k, top_p, cfg.vocab_size)
@@ -258,6 +296,11 @@ class Sampler:
     if longest + max_new_tokens > self.max_len:
       raise ValueError(f"longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} "
                        f"exceeds max_len={self.max_len}")
+    reserve = max_new_tokens if reserve_tokens is None else int(reserve_tokens)
+    if reserve < max_new_tokens or longest + reserve > self.max_len:
+      raise ValueError(f"reserve_tokens={reserve_tokens} must be at least max_new_tokens="
+                       f"{max_new_tokens} and fit max_len={self.max_len} after the longest "
+                       f"prompt ({longest} tokens)")
     stop = [int(t) for t in stop_token_ids]
     bad = [t for t in stop if not 0 <= t < cfg.vocab_size]
     if bad:
@@ -266,7 +309,7 @@ class Sampler:
     rows = len(prompts)
     batch = self._batch_bucket(rows)
     prompt_len = _bucket(longest, self.length_buckets, "prompt length")
-    cache_len = _bucket(longest + max_new_tokens, self.length_buckets, "sequence length")
+    cache_len = _bucket(longest + reserve, self.length_buckets, "sequence length")
     # Each distinct prompt is prefilled once; rows gather their cache from `row_source`.
     distinct: dict[tuple[int, ...], int] = {}
     row_source = np.zeros(batch, np.int32)  # Padding rows copy row 0 and stay inactive.
@@ -282,7 +325,8 @@ class Sampler:
 
     rowwise = lambda x: self._put(x, ("batch",) + (None,) * (x.ndim - 1))
     scalar = lambda x, dt: self._put(np.asarray(x, dt), ())
-    seed = scalar(np.uint32(seed % 2**32), np.uint32)
+    seed_value = np.uint32(seed % 2**32)
+    seed = scalar(seed_value, np.uint32)
     temp = scalar(temperature if not mode.greedy else 1.0, np.float32)
     nucleus = scalar(top_p if mode.top_p else 1.0, np.float32)
     prompt_lens = rowwise(distinct_lens[row_source])
@@ -294,17 +338,19 @@ class Sampler:
                             functools.partial(self._prefill, cache_len=cache_len, mode=mode),
                             prefill_args, donate=())
     cache, first, first_logp = prefill(*prefill_args)
-    decode_args = (self._state, cache, first, first_logp, prompt_lens, active,
-                   scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed, temp,
-                   nucleus)
-    decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
-                           functools.partial(self._decode, mode=mode), decode_args,
-                           donate=(1,))
-    outputs = decode(*decode_args)[1:]
-    if jax.process_count() > 1:  # Rows live on every host's devices: gather them here.
-      from jax.experimental import multihost_utils
-      outputs = multihost_utils.process_allgather(outputs, tiled=True)
-    out_tokens, out_logp, lengths, stopped, steps = jax.device_get(outputs)
+    cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
+        cache, first, first_logp, prompt_lens, active, max_new_tokens, stop_ids, seed, temp,
+        nucleus, step0=0, batch=batch, cache_len=cache_len, mode=mode)
+    resume = None
+    if keep_cache:
+      ends = np.maximum(lengths - 1, 0)
+      base = np.asarray(distinct_lens[row_source], np.int64)
+      resume = ResumeState(
+          cache=cache, rows=rows, batch=batch, cache_len=cache_len,
+          positions=base + ends, last=out_tokens[np.arange(batch), ends],
+          generated=lengths.astype(np.int64), open=(np.arange(batch) < rows) & ~stopped,
+          mode=mode, stop_ids=stop_ids, seed=int(seed_value), temperature=float(temperature),
+          top_p=top_p, params_version=self.params_version)
     return Completions(tokens=out_tokens[:rows, :max_new_tokens],
                        logprobs=out_logp[:rows, :max_new_tokens],
                        lengths=lengths[:rows],
@@ -312,7 +358,87 @@ class Sampler:
                                        for s in stopped[:rows]],
                        stats=dict(batch=batch, prefill_rows=prefill_rows,
                                   prompt_len=prompt_len, cache_len=cache_len,
-                                  steps=int(steps)))
+                                  steps=int(steps)),
+                       resume_state=resume)
+
+  def resume(self, state: ResumeState, rows: Sequence[int], *,
+             max_new_tokens: int) -> Completions:
+    """Continues a paused generation for some of its rows, from the kept KV cache.
+
+    Args:
+      state: `Completions.resume_state` of the call being continued (or of an earlier
+        `resume`); the sampler's weights must not have changed since (`update_params`
+        invalidates it: prefill the sequences again under the new weights instead).
+      rows: indices into the original prompts, each of a row that has not stopped.
+      max_new_tokens: tokens to generate per row at most, within the reserved room.
+
+    Returns:
+      Completions for `rows`, in that order, with `resume_state` for the next segment.
+      Sampling settings are the original call's; when every resumed row has generated as
+      many tokens as the others, the samples are those one uninterrupted call would draw.
+    """
+    if state.params_version != self.params_version:
+      raise ValueError("the sampler's weights changed since this generation paused; "
+                       "its KV cache is stale: generate again from the tokens so far")
+    rows = [int(r) for r in rows]
+    if not rows or any(not 0 <= r < state.rows or not state.open[r] for r in rows):
+      raise ValueError(f"rows must be non-empty indices of rows that did not stop, got {rows}")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens}")
+    max_new_tokens = int(max_new_tokens)
+    # Fed tokens fill slots up to positions + max_new_tokens - 1 (the last drawn is not fed).
+    room = state.cache_len - int(state.positions[rows].max())
+    if max_new_tokens > room:
+      raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the {room} tokens left in "
+                       f"the reserved cache; pass a larger reserve_tokens to generate")
+    batch = state.batch
+    active_np = np.zeros(batch, bool)
+    active_np[rows] = True
+    rowwise = lambda x: self._put(x, ("batch",) + (None,) * (x.ndim - 1))
+    scalar = lambda x, dt: self._put(np.asarray(x, dt), ())
+    mode = state.mode
+    # The decode loop treats each row's last token as its step-0 token: it is fed first
+    # (its K/V was never written) at position prompt_lens_B, i.e. `positions`.
+    cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
+        state.cache, rowwise(state.last.astype(np.int32)), rowwise(np.zeros(batch, np.float32)),
+        rowwise(state.positions.astype(np.int32)), rowwise(active_np),
+        max_new_tokens + 1, state.stop_ids, scalar(np.uint32(state.seed), np.uint32),
+        scalar(state.temperature if not mode.greedy else 1.0, np.float32),
+        scalar(state.top_p if mode.top_p else 1.0, np.float32),
+        step0=int(state.generated[rows[0]]) - 1, batch=batch, cache_len=state.cache_len,
+        mode=mode)
+    state.cache = None  # donated to the decode program
+    new = np.where(active_np, lengths - 1, 0)
+    ends = np.maximum(lengths - 1, 0)
+    last = np.where(active_np & (new > 0), out_tokens[np.arange(batch), ends], state.last)
+    nxt = dataclasses.replace(
+        state, cache=cache, positions=state.positions + new, last=last,
+        generated=state.generated + new, open=active_np & ~stopped)
+    idx = np.asarray(rows)
+    return Completions(tokens=out_tokens[idx, 1:max_new_tokens + 1],
+                       logprobs=out_logp[idx, 1:max_new_tokens + 1], lengths=new[idx],
+                       finish_reasons=[FINISH_STOP if s else FINISH_LENGTH
+                                       for s in stopped[idx]],
+                       stats=dict(batch=batch, prefill_rows=0, prompt_len=0,
+                                  cache_len=state.cache_len, steps=int(steps) - 1),
+                       resume_state=nxt)
+
+  def _run_decode(self, cache, first, first_logp, prompt_lens, active, max_new_tokens: int,
+                  stop_ids: np.ndarray, seed, temp, nucleus, *, step0: int, batch: int,
+                  cache_len: int, mode: SamplingMode):
+    """Runs the decode program; returns (cache, host outputs)."""
+    scalar = lambda x, dt: self._put(np.asarray(x, dt), ())
+    decode_args = (self._state, cache, first, first_logp, prompt_lens, active,
+                   scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed, temp,
+                   nucleus, scalar(step0, np.int32))
+    decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
+                           functools.partial(self._decode, mode=mode), decode_args,
+                           donate=(1,))
+    cache, *outputs = decode(*decode_args)
+    if jax.process_count() > 1:  # Rows live on every host's devices: gather them here.
+      from jax.experimental import multihost_utils
+      outputs = multihost_utils.process_allgather(outputs, tiled=True)
+    return cache, jax.device_get(outputs)
 
   # -- jitted bodies (pure functions of arrays) -------------------------------------------
 
@@ -342,7 +468,8 @@ class Sampler:
     return cache, tokens, logp
 
   def _decode(self, state, cache, first_B, first_logp_B, prompt_lens_B, active_B,
-              max_new_tokens, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
+              max_new_tokens, stop_ids, seed, temperature, top_p, step0, *,
+              mode: SamplingMode):
     model = nnx.merge(self._graphdef, state)
     batch, out_len = first_B.shape[0], cache[0].k.shape[2]
 
@@ -365,7 +492,7 @@ class Sampler:
       cache, step, last_B, out_tokens, out_logp, lengths, done, stopped = carry
       positions = (prompt_lens_B + step - 1)[:, None]  # Position of `last`.
       h, cache = model.hidden_states(last_B[:, None], positions, cache=cache, ctx=self._ctx)
-      keys = _row_keys(seed, step, batch)
+      keys = _row_keys(seed, step + step0, batch)
       tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
       tok = jnp.where(done, self.pad_id, tok)
       logp = jnp.where(done, 0.0, logp)

@@ -45,7 +45,7 @@ class _ThreadExchange:
 def _worker(**kw):
   sampler = Sampler(models.create_model(CFG, seed=0), max_len=256)
   return worker_lib.RolloutWorker(sampler, ByteTokenizer(), group_size=2, max_new_tokens=12,
-                                  temperature=1.0, chunk_rows=4, **kw)
+                                  temperature=1.0, **{"chunk_rows": 4, **kw})
 
 
 def _as_two_processes(fn, **kw):
@@ -130,3 +130,57 @@ def test_two_processes_split_the_tool_steps_and_continue_identically(monkeypatch
   assert results[0] == results[1] == want
   assert len(calls) == 12  # every step ran once, on one of the two processes
   assert [w.last_stats["tool_step_fraction"] for w in workers] == [0.5, 0.5]
+
+
+def _samples(groups):
+  return [(s.response_tokens, s.behaviour_logprobs, s.finish_reason, s.versions)
+          for g in groups for s in g.samples]
+
+
+def test_segments_under_unchanged_weights_resume_and_equal_one_call(monkeypatch):
+  """Partial rollouts (segment_tokens) with no weight change in between: every continued
+  segment resumes from the kept KV cache and the samples are exactly those of one
+  uninterrupted call per chunk (tokens, behaviour log-probs, finish reasons)."""
+  monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
+  whole = _worker().rollout(PAIRS, seed=5)
+  segmented = _worker(segment_tokens=5)
+  calls = {"generate": 0, "resume": 0}
+  for name in calls:
+    real = getattr(segmented.sampler, name)
+    monkeypatch.setattr(segmented.sampler, name,
+                        lambda *a, _real=real, _name=name, **k: (
+                            calls.__setitem__(_name, calls[_name] + 1), _real(*a, **k))[1])
+  groups = segmented.rollout(PAIRS, seed=5)
+  assert [(t, lp, f) for t, lp, f, _ in _samples(groups)] == [
+      (t, lp, f) for t, lp, f, _ in _samples(whole)]
+  # 6 rows in chunks of 4 and 2, 12 tokens in segments of 5: 1 generate + up to 2 resumes.
+  assert calls["generate"] == 2 and calls["resume"] >= 2
+  assert segmented.last_stats["resumed_fraction"] == 1.0
+
+
+def test_segments_after_a_weight_change_prefill_again_under_the_new_weights(monkeypatch):
+  """When the weights change between two segments the kept cache is stale: the next
+  segment prefills prompt + response again under the new weights, and each sample
+  records the policy version of every segment it spans."""
+  monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
+  version = [0]
+  worker = _worker(segment_tokens=4, version_fn=lambda: version[0], chunk_rows=8)
+  sampler = worker.sampler
+  real_generate, real_resume = sampler.generate, sampler.resume
+  calls = []
+
+  def new_weights_after(result):
+    version[0] += 1
+    sampler.update_params(models.create_model(CFG, seed=version[0]))  # the learner
+    return result
+
+  monkeypatch.setattr(sampler, "generate", lambda *a, **k: (
+      calls.append("generate"), new_weights_after(real_generate(*a, **k)))[1])
+  monkeypatch.setattr(sampler, "resume", lambda *a, **k: (
+      calls.append("resume"), real_resume(*a, **k))[1])
+  groups = worker.rollout(PAIRS, seed=5)
+  assert "resume" not in calls and calls.count("generate") >= 2
+  assert worker.last_stats["resumed_fraction"] == 0.0
+  for _, logprobs, _, versions in _samples(groups):
+    assert versions[0] == 0 and versions == sorted(versions)
+  assert any(len(v) > 1 and v[-1] > v[0] for *_, v in _samples(groups))

@@ -295,3 +295,57 @@ def test_int8_cache_stays_within_stated_tolerance(model, sampler):
   greedy8 = int8.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
   greedy = sampler.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
   assert np.mean(greedy8.tokens == greedy.tokens) >= 0.9
+
+
+# -- pausing and resuming a generation ----------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, None), (1.0, None), (0.9, 0.95)])
+def test_resume_from_the_kept_cache_equals_one_uninterrupted_call(sampler, temperature,
+                                                                 top_p):
+  """Generating 5 tokens, then resuming twice (4 + 3) from the kept KV cache, draws the
+  same tokens with the same behaviour log-probs as one call of 12."""
+  kw = dict(temperature=temperature, top_p=top_p, seed=7)
+  whole = sampler.generate(PROMPTS, max_new_tokens=12, **kw)
+  first = sampler.generate(PROMPTS, max_new_tokens=5, keep_cache=True, reserve_tokens=12, **kw)
+  assert first.stats["cache_len"] >= whole.stats["cache_len"]
+  rows = list(range(len(PROMPTS)))
+  second = sampler.resume(first.resume_state, rows, max_new_tokens=4)
+  third = sampler.resume(second.resume_state, rows, max_new_tokens=3)
+  assert second.stats["prefill_rows"] == 0
+  tokens = np.concatenate([first.tokens, second.tokens, third.tokens], axis=1)
+  logprobs = np.concatenate([first.logprobs, second.logprobs, third.logprobs], axis=1)
+  np.testing.assert_array_equal(tokens, whole.tokens)
+  np.testing.assert_allclose(logprobs, whole.logprobs, atol=1e-5)
+  np.testing.assert_array_equal(second.lengths, 4)
+
+
+def test_resume_continues_only_the_rows_asked_and_stopped_rows_stay_stopped(sampler):
+  free = sampler.generate(PROMPTS, max_new_tokens=10, temperature=0.0)
+  stop = int(free.tokens[0, 2])  # row 0 stops within the first segment
+  first = sampler.generate(PROMPTS, max_new_tokens=4, temperature=0.0, stop_token_ids=[stop],
+                           keep_cache=True, reserve_tokens=10)
+  assert first.finish_reasons[0] == "stop"
+  with pytest.raises(ValueError, match="rows that did not stop"):
+    sampler.resume(first.resume_state, [0, 1], max_new_tokens=2)
+  open_rows = [i for i, r in enumerate(first.finish_reasons) if r == "length"][1:3]
+  more = sampler.resume(first.resume_state, open_rows, max_new_tokens=6)
+  assert more.tokens.shape == (2, 6)
+  for k, i in enumerate(open_rows):
+    n = int(more.lengths[k])
+    joined = first.tokens[i].tolist() + more.tokens[k, :n].tolist()
+    want = free.tokens[i, :4 + n].tolist()
+    if stop in free.tokens[i, 4:].tolist():  # the resumed row stops where the free one
+      want = free.tokens[i, :free.tokens[i, 4:].tolist().index(stop) + 5].tolist()
+    assert joined == want and more.finish_reasons[k] == ("stop" if joined[-1] == stop
+                                                         else "length")
+  with pytest.raises(ValueError, match="exceeds the .* tokens left in the reserved cache"):
+    sampler.resume(more.resume_state, open_rows[:1], max_new_tokens=50)
+
+
+def test_resume_refuses_a_cache_filled_by_other_weights(model, sampler):
+  first = sampler.generate(PROMPTS, max_new_tokens=3, temperature=0.0, keep_cache=True,
+                           reserve_tokens=6)
+  sampler.update_params(model)  # the same values, but new weights as far as it knows
+  with pytest.raises(ValueError, match="weights changed since this generation paused"):
+    sampler.resume(first.resume_state, [0], max_new_tokens=3)
