@@ -246,9 +246,8 @@ class Sampler:
         shardings (resharding when they live on another mesh) and cast to its dtypes; the
         sampler never aliases them, so the caller may donate or delete its own. With
         several processes and a rollout mesh on other devices than the params' (a
-        disaggregated multi-host run), see `distributed.copy_to`: device to device when
-        every host holds a whole multiple of its rollout devices for training, otherwise
-        through host memory.
+        disaggregated multi-host run), `distributed.copy_to` keeps the copy on the
+        devices whenever each host with rollout devices also holds train devices.
     """
     state = nnx.state(params) if isinstance(params, nnx.Module) else params
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
@@ -377,6 +376,9 @@ class Sampler:
       Sampling settings are the original call's; when every resumed row has generated as
       many tokens as the others, the samples are those one uninterrupted call would draw.
     """
+    if state.cache is None:
+      raise ValueError("this generation was already resumed: continue from the "
+                       "resume_state that call returned")
     if state.params_version != self.params_version:
       raise ValueError("the sampler's weights changed since this generation paused; "
                        "its KV cache is stale: generate again from the tokens so far")

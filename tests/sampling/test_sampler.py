@@ -313,6 +313,8 @@ def test_resume_from_the_kept_cache_equals_one_uninterrupted_call(sampler, tempe
   second = sampler.resume(first.resume_state, rows, max_new_tokens=4)
   third = sampler.resume(second.resume_state, rows, max_new_tokens=3)
   assert second.stats["prefill_rows"] == 0
+  with pytest.raises(ValueError, match="already resumed"):
+    sampler.resume(first.resume_state, rows, max_new_tokens=1)
   tokens = np.concatenate([first.tokens, second.tokens, third.tokens], axis=1)
   logprobs = np.concatenate([first.logprobs, second.logprobs, third.logprobs], axis=1)
   np.testing.assert_array_equal(tokens, whole.tokens)
