@@ -31,7 +31,7 @@ def main(argv):
   try:
     p = planner.plan(_CONFIG.value, device_memory_gb=_MEMORY.value, num_devices=_DEVICES.value,
                      kv_cache_dtype=_KV_DTYPE.value)
-  except (ValueError, KeyError) as e:
+  except (ValueError, KeyError, OSError) as e:
     common.fail(e)
   print(planner.format_plan(p), flush=True)
   sys.exit(0 if p.fits else 1)

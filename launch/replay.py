@@ -8,6 +8,7 @@ Exits 1 when a replayed reward differs from the recorded one.
 
 from absl import app, flags
 
+from launch import common
 from posttrain.tasks import registry
 from posttrain.tasks.replay import format_trace, read_records, replay
 
@@ -20,12 +21,21 @@ _TASK_FILES = flags.DEFINE_multi_string(
 def main(argv):
     if len(argv) != 2:
         raise app.UsageError("usage: python -m launch.replay RECORD_FILE_OR_JSON [--index i]")
+    try:
+        return _replay(argv[1])
+    except KeyError as e:  # an unknown domain: the message, not "unknown config key"
+        common.fail(ValueError(e.args[0] if e.args else str(e)))
+    except (ValueError, OSError) as e:
+        common.fail(e)
+
+
+def _replay(source: str) -> int:
     if _TASK_FILES.value:
         from posttrain.tasks.jsonl import JsonlDomain  # grain is slow to import; only when needed
 
         for path in _TASK_FILES.value:
             registry.register(JsonlDomain.from_file(path), replace=True)
-    records = read_records(argv[1])
+    records = read_records(source)
     if _INDEX.value is not None:
         if not 0 <= _INDEX.value < len(records):
             raise app.UsageError(f"--index {_INDEX.value} out of range: {len(records)} record(s)")

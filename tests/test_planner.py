@@ -272,3 +272,7 @@ def test_plan_command_prints_the_table_and_exits_by_verdict():
   assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
       "error: mesh (1, -1, 2, 1) does not divide num_devices=3")
   assert "Traceback" not in bad.stderr
+  missing = _plan_cli("--config=configs/no_such_config.py")
+  assert missing.returncode == 2 and "Traceback" not in missing.stderr
+  assert missing.stderr.strip().splitlines()[-1] == (
+      "error: [Errno 2] No such file or directory: 'configs/no_such_config.py'")

@@ -87,7 +87,11 @@ class ReplayResult:
 def replay(record: dict[str, Any], registry: Registry = default_registry) -> ReplayResult:
     """Re-creates the task from (domain, seed) and re-scores the recorded completion."""
     domain = registry.get(record["domain"])
-    task = domain.sample(int(record["seed"]))
+    seed = record["seed"]
+    whole = isinstance(seed, int) or (isinstance(seed, str) and seed.lstrip("-").isdigit())
+    if isinstance(seed, bool) or not whole:
+        raise ValueError(f"record seed must be an integer, got {seed!r}")
+    task = domain.sample(int(seed))
     reward = domain.score(task, record["completion"])
     recorded = Reward.from_dict(record["reward"]) if "reward" in record else None
     task_matches = None

@@ -93,3 +93,16 @@ def test_cli_exit_code_flags_mismatch_and_bad_index(tmp_path):
     write_records(path, [_records()[0]])
     bad = _cli(str(path), "--index", "7")
     assert bad.returncode != 0 and "out of range" in bad.stderr
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("/no/such/records.jsonl", "error: record file not found: '/no/such/records.jsonl'"),
+    ('{"domain": "nope/x", "seed": 1, "completion": "a"}', "error: unknown domain 'nope/x'"),
+    ('{"domain": "arithmetic/add_d1", "seed": "x", "completion": "a"}',
+     "error: record seed must be an integer, got 'x'"),
+    ('{"domain": "arithmetic/add_d1", "completion": "a"}', "error: record 0 lacks ['seed']"),
+])
+def test_cli_bad_records_are_one_line_errors(arg, message):
+    proc = _cli(arg)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
