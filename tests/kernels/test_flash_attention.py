@@ -323,11 +323,12 @@ def test_tpu_simulator_checks_scratch_and_dma():
       jnp.float32)
 
 
-def _lower(backend, platform, **kwargs):
+def _lower(backend, platform, segments=True, **kwargs):
   def f(q, k, v, seg):
+    ids = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
     fn = lambda q, k, v: fa.flash_attention(
-        q, k, v, q_segment_ids=seg, kv_segment_ids=seg, backend=backend,
-        interpret=False, logits_soft_cap=30.0, sliding_window=300, **kwargs)
+        q, k, v, backend=backend, interpret=False, logits_soft_cap=30.0,
+        sliding_window=300, **ids, **kwargs)
     out, vjp = jax.vjp(fn, q, k, v)
     return out, vjp(out)
 
@@ -339,6 +340,7 @@ def _lower(backend, platform, **kwargs):
 
 def test_lowers_for_gpu_with_triton():
   assert "triton" in _lower("gpu", "cuda").lower()
+  assert "triton" in _lower("gpu", "cuda", segments=False).lower()
 
 
 def test_gpu_launch_options_reach_the_kernels():
@@ -361,7 +363,9 @@ def test_lowers_for_tpu_with_mosaic(monkeypatch):
   # Lowering asks the (absent) device for its generation; describe a v5p.
   monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
                       lambda: tpu_info._get_tpu_info_impl(tpu_info.ChipVersion.TPU_V5P, 1))
-  assert "tpu_custom_call" in _lower("tpu", "tpu")
+  # With segment ids the block ranges are scalar-prefetched; without, a plain grid.
+  assert _lower("tpu", "tpu").count("tpu_custom_call") == 3
+  assert _lower("tpu", "tpu", segments=False).count("tpu_custom_call") == 3
 
 
 @pytest.mark.parametrize("kwargs,message", [
