@@ -35,7 +35,7 @@ _RANGES = (
     ("checkpoint.keep_last", 1, "int"), ("checkpoint.keep_every", 0, "int"),
     ("placement.devices", 0, "int"), ("placement.rollout_devices", 0, "int"),
     ("placement.sync_every", 1, "int"), ("placement.max_policy_lag", 0, "int"),
-    ("placement.segment_tokens", 0, "int"),
+    ("placement.segment_tokens", 0, "int"), ("placement.step_tokens", 0, "int"),
 )
 
 

@@ -196,6 +196,9 @@ class Trainer:
     self.sync_every = max(int(placement.get("sync_every", 1) or 1), 1)
     self.max_policy_lag = int(placement.get("max_policy_lag", 0) or 0)
     self.partial = str(placement.get("partial", "resume"))
+    # Partial rollouts across steps: each rollout generates at most this many tokens per
+    # row; unfinished groups continue in the next step's rollout (0 = off).
+    self.step_tokens = int(placement.get("step_tokens", 0) or 0)
     if self.partial not in ("resume", "drop"):
       raise ValueError(f"placement.partial={self.partial!r}; expected resume or drop")
     self._sampler_lock = threading.Lock()
@@ -206,10 +209,18 @@ class Trainer:
     self.cfg = model_config(config, self.tok.vocab_size)
     self.domains = run_domains(config)
     self.algo = algorithm(config)
-    if self.disaggregated and self.max_policy_lag > 0 and float(self.algo.tis_cap) == 0:
+    if self.step_tokens and self.algo.dynamic_sampling:
+      raise ValueError("placement.step_tokens (partial rollouts across steps) cannot be "
+                       "combined with dynamic sampling")
+    if self.step_tokens and int(config.rollout.max_turns) != 1:
+      raise ValueError("placement.step_tokens (partial rollouts across steps) needs "
+                       f"rollout.max_turns=1, got {config.rollout.max_turns}")
+    off_policy = (self.disaggregated and self.max_policy_lag > 0) or self.step_tokens > 0
+    if off_policy and float(self.algo.tis_cap) == 0:
       # Stale samples are corrected with truncated importance weights (Yao et al. 2025).
       self.algo.tis_cap = 2.0
-      log.info("disaggregated with max_policy_lag>0: truncated importance weights, cap 2")
+      log.info("samples from older policies (disaggregated with max_policy_lag>0, or "
+               "partial rollouts across steps): truncated importance weights, cap 2")
     self.eval_domains = self.domains
     sched = dict(config.scheduler)
     rule = sched.pop("rule")
@@ -551,7 +562,8 @@ class Trainer:
     def make_groups(pairs):
       calls[0] += 1
       return self.worker.rollout(pairs, seed=step_seed * 131 + calls[0],
-                                 policy_version=self.sampler_version)
+                                 policy_version=self.sampler_version,
+                                 token_budget=self.step_tokens)
 
     if algo.dynamic_sampling:
       batch = dynamic_sample(self.scheduler, make_groups, n, batched=True, update=False,
@@ -559,6 +571,17 @@ class Trainer:
       groups = [g for _, _, g in batch.groups]
       return groups, {"dynamic_sampling/draws": batch.draws,
                       "dynamic_sampling/dropped": batch.dropped}
+    if self.step_tokens:
+      # Groups still generating from earlier steps count toward this step's prompts; keep
+      # generating (without new prompts) until at least one group is complete.
+      fresh = n - self.worker.carried
+      groups = make_groups(self.scheduler.draw(fresh) if fresh > 0 else [])
+      while not groups:
+        groups = make_groups([])
+      return groups, {"rollout/carried_groups": self.worker.last_stats["carried_groups"],
+                      "rollout/calls": float(calls[0]),
+                      **({"rollout/resumed_fraction": self.worker.last_stats["resumed_fraction"]}
+                         if "resumed_fraction" in self.worker.last_stats else {})}
     groups = make_groups(self.scheduler.draw(n))
     extra = {}
     if "resumed_fraction" in self.worker.last_stats:  # partial rollouts (segment_tokens)

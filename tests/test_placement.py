@@ -70,6 +70,61 @@ def test_stale_groups_beyond_the_bound_are_dropped_and_counted(tmp_path):
   assert all(np.isfinite(r["loss/policy"]) for r in rows)
 
 
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_partial_rollouts_across_steps_train_on_complete_groups(tmp_path, mode):
+  """placement.step_tokens=5 with 12 new tokens: an untrained policy's groups take three
+  rollout calls, so each step keeps generating until groups complete, then trains on
+  whole groups only."""
+  placement = ({"placement.mode": "disaggregated", "placement.rollout_devices": 4}
+               if mode == "disaggregated" else {})
+  cfg = _config(**{**RUN, "train.rl_steps": 3, "rollout.prompts_per_step": 4},
+                **placement, **{"placement.step_tokens": 5})
+  trainer.train(cfg, str(tmp_path))
+  rows = _rl_rows(tmp_path)
+  assert len(rows) == 3
+  assert all(r["rollout/calls"] == 3 and r["rollout/carried_groups"] == 0 for r in rows)
+  assert all(r["response_length/mean"] > 5 and np.isfinite(r["loss/policy"]) for r in rows)
+
+
+class _CarryingWorker:
+  """Stands in for RolloutWorker: records the pairs asked for; completes one group per
+  call and carries the rest."""
+
+  def __init__(self, carried):
+    self.carried, self.asked, self.last_stats = carried, [], {}
+
+  def rollout(self, pairs, **kw):
+    self.asked.append(list(pairs))
+    self.carried += len(pairs) - 1
+    self.last_stats = {"carried_groups": float(self.carried)}
+    return ["group"]
+
+
+def test_partial_rollouts_draw_new_prompts_only_for_free_places(tmp_path):
+  t = trainer.Trainer(_config(**RUN, **{"placement.step_tokens": 4,
+                                        "rollout.prompts_per_step": 4}), str(tmp_path))
+  try:
+    t.worker.close()
+    t.worker = _CarryingWorker(carried=3)
+    groups, extra = t._rollout(step_seed=1)
+    assert len(t.worker.asked[0]) == 1  # 4 places, 3 taken by groups in flight
+    t.worker.carried = 6
+    groups, extra = t._rollout(step_seed=2)
+    assert t.worker.asked[-1] == []  # more in flight than places: no new prompts
+    assert extra["rollout/carried_groups"] == 5 and extra["rollout/calls"] == 1
+  finally:
+    t.ckpt.close()
+
+
+def test_partial_rollouts_across_steps_refuse_dynamic_sampling_and_multi_turn(tmp_path):
+  with pytest.raises(ValueError, match="cannot be combined with dynamic sampling"):
+    trainer.Trainer(_config(**RUN, **{"placement.step_tokens": 4,
+                                      "rl.dynamic_sampling": True}), str(tmp_path / "a"))
+  with pytest.raises(ValueError, match="needs rollout.max_turns=1, got 2"):
+    trainer.Trainer(_config(**RUN, **{"placement.step_tokens": 4, "rollout.max_turns": 2}),
+                    str(tmp_path / "b"))
+
+
 class _Dev:
   def __init__(self, process_index, i):
     self.process_index, self.id = process_index, i

@@ -126,6 +126,9 @@ class RolloutWorker:
     self._tag = f"posttrain/rollout_worker_{RolloutWorker._instances}"
     self._exchanges = 0
     self._segments = [0, 0]  # continued segments: resumed from the kept cache, all
+    # Partial rollouts across calls (rollout(..., token_budget=N)): groups with a sample
+    # still generating, as (domain, seed, task, samples); they continue in the next call.
+    self._carry: list[tuple[str, int, Task, list[Sample]]] = []
 
   def _store_exchange(self, obj: Any) -> list[Any]:
     self._exchanges += 1
@@ -150,12 +153,27 @@ class RolloutWorker:
     stops = set(self.tok.stop_ids)
     return self.tok.decode([t for t in tokens if t not in stops])
 
+  @property
+  def carried(self) -> int:
+    """Groups paused by the token budget of earlier `rollout` calls, still generating."""
+    return len(self._carry)
+
   def rollout(self, pairs: Sequence[tuple[str, int]], *, seed: int, policy_version: int = 0,
-              group_size: int | None = None, temperature: float | None = None
-              ) -> list[TrajectoryGroup]:
-    """Samples and scores `group_size` completions for each (domain, seed) pair."""
+              group_size: int | None = None, temperature: float | None = None,
+              token_budget: int = 0) -> list[TrajectoryGroup]:
+    """Samples and scores `group_size` completions for each (domain, seed) pair.
+
+    With `token_budget` > 0 (partial rollouts, single-turn domains): every row generates
+    at most that many tokens in this call. Groups whose samples have all ended are scored
+    and returned; the others are kept (`carried`) and continue in the next call, under the
+    sampler's weights of that call, ahead of that call's new pairs. A long straggler then
+    holds back only its own group, not the step.
+    """
     g = self.group_size if group_size is None else int(group_size)
     temp = self.temperature if temperature is None else temperature
+    if token_budget:
+      return self._rollout_partial(pairs, seed=seed, policy_version=policy_version, g=g,
+                                   temperature=temp, budget=int(token_budget))
     tasks = [registry.get(d).sample(s) for d, s in pairs]
     rows = [(i, self.prompt_tokens(t)) for i, t in enumerate(tasks) for _ in range(g)]
     samples: list[Sample | None] = [None] * len(rows)
@@ -196,6 +214,52 @@ class RolloutWorker:
     for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
       groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
     return groups
+
+  def _rollout_partial(self, pairs, *, seed: int, policy_version: int, g: int,
+                       temperature: float, budget: int) -> list[TrajectoryGroup]:
+    if self.max_turns != 1:
+      raise ValueError("partial rollouts across steps (a token budget) need max_turns=1")
+    groups = list(self._carry)
+    for domain, s in pairs:
+      task = registry.get(domain).sample(s)
+      prompt = self.prompt_tokens(task)
+      groups.append((domain, s, task, [
+          Sample(prompt_tokens=list(prompt), response_tokens=[], response_mask=[],
+                 behaviour_logprobs=[], text="", finish_reason="length", turns=0)
+          for _ in range(g)]))
+    # Rows still generating (turns == 0), carried groups first: the oldest finish first.
+    rows = [smp for *_, samples in groups for smp in samples if not smp.turns]
+    self._segments = [0, 0]
+    for start in range(0, len(rows), self.chunk_rows):
+      chunk = rows[start:start + self.chunk_rows]
+      ended = self._generate_turn(chunk, list(range(len(chunk))),
+                                  seed=seed * 1_000_003 + start, temperature=temperature,
+                                  cap=budget)
+      for k, smp in enumerate(chunk):
+        # A row with no room left in the sampler's max_len cannot continue: it ends here.
+        full = len(smp.prompt_tokens) + len(smp.response_tokens) >= self.sampler.max_len
+        smp.turns = int(ended[k] or full)
+    done = [grp for grp in groups if all(smp.turns for smp in grp[3])]
+    self._carry = [grp for grp in groups if not all(smp.turns for smp in grp[3])]
+    samples = [smp for *_, smps in done for smp in smps]
+    tasks = [grp[2] for grp in done for _ in grp[3]]
+    mine = [i for i in range(len(samples)) if i % self.process_count == self.process_index]
+    t_wait = time.perf_counter()
+    futures = [(i, self._pool.submit(_score, tasks[i], samples[i])) for i in mine]
+    for i, fut in futures:
+      samples[i].reward = fut.result()
+    if self.process_count > 1:
+      local = {str(i): samples[i].reward.to_dict() for i in mine}
+      for part in self._exchange(local):
+        for i, reward in part.items():
+          samples[int(i)].reward = Reward.from_dict(reward)
+    self.last_stats = {"scoring_wait_s": time.perf_counter() - t_wait,
+                       "scored_fraction": len(mine) / max(len(samples), 1),
+                       "carried_groups": float(len(self._carry))}
+    if self._segments[1]:
+      self.last_stats["resumed_fraction"] = self._segments[0] / self._segments[1]
+    return [TrajectoryGroup(domain, s, task, smps, policy_version)
+            for domain, s, task, smps in done]
 
   def _generate(self, chunk, tasks, *, seed: int, temperature: float,
                 offset: int = 0) -> list[Sample]:
@@ -261,14 +325,19 @@ class RolloutWorker:
                            "process")
     return results
 
-  def _generate_turn(self, states, rows, *, seed: int, temperature: float) -> dict[int, bool]:
+  def _generate_turn(self, states, rows, *, seed: int, temperature: float,
+                     cap: int = 0) -> dict[int, bool]:
     """One model turn for `rows`, in segments of `segment_tokens` when set.
 
     Between segments the sampler lock is released, so the learner can swap in new weights;
     unfinished rows then resume under the new policy (their behaviour log-probs record
     what actually sampled each token). Returns row -> whether the turn ended in budget.
+    With `cap` (partial rollouts, single turn) at most `cap` tokens are generated in this
+    call, continuing rows that earlier calls paused; rows not ended are paused again.
     """
-    budget_left = {i: self.max_new_tokens for i in rows}
+    budget_left = {i: self.max_new_tokens - (len(states[i].response_tokens) if cap else 0)
+                   for i in rows}
+    spent = 0
     ended = {i: False for i in rows}
     active, segment = list(rows), 0
     # Between segments the KV cache is kept; a segment under unchanged weights resumes
@@ -280,7 +349,10 @@ class RolloutWorker:
       if room < 1:
         break
       want = max(budget_left[i] for i in active)
-      n_new = min(want, room, self.segment_tokens or want)
+      if cap and spent >= cap:
+        break
+      n_new = min(want, room, self.segment_tokens or want, (cap - spent) if cap else want)
+      spent += n_new
       with self._lock:
         version = self._version_fn()
         if paused is not None and paused.params_version == self.sampler.params_version:

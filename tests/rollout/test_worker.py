@@ -2,6 +2,8 @@
 and runs its share of the tool steps."""
 import threading
 
+import numpy as np
+
 import pytest
 
 from posttrain import models
@@ -184,3 +186,62 @@ def test_segments_after_a_weight_change_prefill_again_under_the_new_weights(monk
   for _, logprobs, _, versions in _samples(groups):
     assert versions[0] == 0 and versions == sorted(versions)
   assert any(len(v) > 1 and v[-1] > v[0] for *_, v in _samples(groups))
+
+
+def _recomputed_logprobs(model, sample):
+  """log p(token | prefix) of each response token under `model`, without a cache."""
+  import jax
+  import jax.numpy as jnp
+  seq = sample.prompt_tokens + sample.response_tokens
+  tokens = jnp.asarray([seq], jnp.int32)
+  logp = jax.nn.log_softmax(model(tokens)[0].astype(jnp.float32), axis=-1)
+  n = len(sample.prompt_tokens)
+  return [float(logp[n - 1 + t, tok]) for t, tok in enumerate(sample.response_tokens)]
+
+
+def test_token_budget_carries_unfinished_groups_to_later_calls(monkeypatch):
+  """Partial rollouts across steps: each call generates at most 4 tokens per row; a
+  group comes back only when all its samples have ended, carried groups continue first
+  (under the weights of that call, which each token's behaviour log-prob and the
+  sample's versions record) and no group is lost or returned twice."""
+  calls = []
+  monkeypatch.setattr(worker_lib, "_score", _fake_score(calls))
+  version = [0]
+  worker = _worker(version_fn=lambda: version[0])
+  models_by_version = {0: models.create_model(CFG, seed=0)}
+  returned = []
+  for step, pairs in enumerate([PAIRS[:2], PAIRS[2:], [], []]):
+    groups = worker.rollout(pairs, seed=step, policy_version=step, token_budget=5)
+    returned += groups
+    for g in groups:
+      assert all(s.turns == 1 and s.reward is not None for s in g.samples)
+    # After each call: rows still in flight have generated exactly 5 more tokens.
+    for *_, samples in worker._carry:
+      assert all(len(s.response_tokens) in (5, 10) for s in samples if not s.turns)
+    assert worker.last_stats["carried_groups"] == worker.carried
+    version[0] += 1
+    models_by_version[version[0]] = models.create_model(CFG, seed=version[0])
+    worker.sampler.update_params(models_by_version[version[0]])
+  # 12 new tokens in calls of 5: a random policy rarely stops, so groups take 3 calls.
+  assert worker.carried == 0
+  assert sorted((g.domain, g.seed) for g in returned) == sorted(PAIRS)
+  assert len(calls) == 2 * len(PAIRS)  # every sample scored exactly once
+  assert [g.policy_version for g in returned][:2] == [2, 2]
+  for g in returned:
+    for s in g.samples:
+      assert 1 <= len(s.response_tokens) <= 12 and len(s.versions) in (1, 2, 3)
+      assert s.versions == sorted(s.versions)
+      # Each call's tokens were drawn from the weights of that call.
+      start = 0
+      for v in s.versions:
+        want = _recomputed_logprobs(models_by_version[v], s)
+        n = min(5, len(s.response_tokens) - start)
+        np.testing.assert_allclose(s.behaviour_logprobs[start:start + n],
+                                   want[start:start + n], atol=2e-4)
+        start += n
+
+
+def test_token_budget_needs_single_turn_domains():
+  worker = _worker(max_turns=2)
+  with pytest.raises(ValueError, match="need max_turns=1"):
+    worker.rollout(PAIRS, seed=0, token_budget=4)
