@@ -38,8 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
   # apart; weights move every sync_every steps; segment_tokens > 0 lets generation resume
   # under new weights (partial rollouts; "drop" discards groups that spanned a change).
   # step_tokens > 0: a rollout generates at most that many tokens per row; groups not
-  # finished continue in the next step's rollout (single-turn domains; in-flight groups
-  # are not checkpointed: a resumed run starts them afresh from new prompts).
+  # finished continue in the next step's rollout, or with partial="drop" are discarded
+  # (single-turn domains; in-flight groups are not checkpointed: a resumed run starts
+  # afresh from new prompts).
   c.placement = ml_collections.ConfigDict(dict(
       mode="colocated", devices=0, rollout_devices=0, rollout_mesh=(1, -1, 1, 1),
       sync_every=1, max_policy_lag=1, segment_tokens=0, step_tokens=0, partial="resume"))

@@ -573,15 +573,26 @@ class Trainer:
                       "dynamic_sampling/dropped": batch.dropped}
     if self.step_tokens:
       # Groups still generating from earlier steps count toward this step's prompts; keep
-      # generating (without new prompts) until at least one group is complete.
+      # generating until at least one group is complete. With placement.partial=drop the
+      # groups not complete within the step's tokens are discarded instead of carried.
+      drop = self.partial == "drop"
       fresh = n - self.worker.carried
       groups = make_groups(self.scheduler.draw(fresh) if fresh > 0 else [])
+      dropped = self.worker.drop_carried() if drop else 0
       while not groups:
-        groups = make_groups([])
-      return groups, {"rollout/carried_groups": self.worker.last_stats["carried_groups"],
-                      "rollout/calls": float(calls[0]),
-                      **({"rollout/resumed_fraction": self.worker.last_stats["resumed_fraction"]}
-                         if "resumed_fraction" in self.worker.last_stats else {})}
+        if drop and calls[0] >= 8:
+          raise RuntimeError(f"no group finished within placement.step_tokens="
+                             f"{self.step_tokens} in {calls[0]} tries with "
+                             "placement.partial=drop; raise step_tokens or use resume")
+        groups = make_groups(self.scheduler.draw(n) if drop else [])
+        dropped += self.worker.drop_carried() if drop else 0
+      extra = {"rollout/carried_groups": self.worker.last_stats["carried_groups"],
+               "rollout/calls": float(calls[0])}
+      if drop:
+        extra["rollout/dropped_partial"] = float(dropped)
+      if "resumed_fraction" in self.worker.last_stats:
+        extra["rollout/resumed_fraction"] = self.worker.last_stats["resumed_fraction"]
+      return groups, extra
     groups = make_groups(self.scheduler.draw(n))
     extra = {}
     if "resumed_fraction" in self.worker.last_stats:  # partial rollouts (segment_tokens)

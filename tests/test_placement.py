@@ -99,6 +99,10 @@ class _CarryingWorker:
     self.last_stats = {"carried_groups": float(self.carried)}
     return ["group"]
 
+  def drop_carried(self):
+    n, self.carried = self.carried, 0
+    return n
+
 
 def test_partial_rollouts_draw_new_prompts_only_for_free_places(tmp_path):
   t = trainer.Trainer(_config(**RUN, **{"placement.step_tokens": 4,
@@ -114,6 +118,27 @@ def test_partial_rollouts_draw_new_prompts_only_for_free_places(tmp_path):
     assert extra["rollout/carried_groups"] == 5 and extra["rollout/calls"] == 1
   finally:
     t.ckpt.close()
+
+
+def test_partial_rollouts_dropped_by_config_are_counted_and_replaced(tmp_path):
+  """placement.partial=drop: groups not complete within the step's tokens are discarded
+  (rollout/dropped_partial) and the next step draws all its prompts anew; a budget no
+  group can finish in is a clear error, not an endless loop."""
+  t = trainer.Trainer(_config(**RUN, **{"placement.step_tokens": 4, "placement.partial": "drop",
+                                        "rollout.prompts_per_step": 4}), str(tmp_path / "a"))
+  try:
+    t.worker.close()
+    t.worker = _CarryingWorker(carried=0)
+    _, extra = t._rollout(step_seed=1)
+    assert extra["rollout/dropped_partial"] == 3 and t.worker.carried == 0
+    _, extra = t._rollout(step_seed=2)
+    assert len(t.worker.asked[-1]) == 4  # nothing in flight: every place is new
+  finally:
+    t.ckpt.close()
+  cfg = _config(**{**RUN, "train.rl_steps": 1}, **{"placement.step_tokens": 5,
+                                                  "placement.partial": "drop"})
+  with pytest.raises(RuntimeError, match="no group finished within placement.step_tokens=5"):
+    trainer.train(cfg, str(tmp_path / "b"))
 
 
 def test_partial_rollouts_across_steps_refuse_dynamic_sampling_and_multi_turn(tmp_path):

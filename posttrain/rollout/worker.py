@@ -158,6 +158,12 @@ class RolloutWorker:
     """Groups paused by the token budget of earlier `rollout` calls, still generating."""
     return len(self._carry)
 
+  def drop_carried(self) -> int:
+    """Discards the groups still in flight (partial rollouts with placement.partial=drop);
+    returns how many."""
+    n, self._carry = len(self._carry), []
+    return n
+
   def rollout(self, pairs: Sequence[tuple[str, int]], *, seed: int, policy_version: int = 0,
               group_size: int | None = None, temperature: float | None = None,
               token_budget: int = 0) -> list[TrajectoryGroup]:
