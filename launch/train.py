@@ -40,7 +40,8 @@ def main(argv):
     mesh = experiment.build_mesh(config)
     log.info("mesh: %s", dict(mesh.shape))
     summary = trainer.train(config, _WORKDIR.value)
-  except (ValueError, OSError, KeyError, trainer.NonFiniteLossError) as e:
+  except (ValueError, OSError, KeyError, trainer.NonFiniteLossError,
+          trainer.RolloutStalledError) as e:
     common.fail(e)
   log.info("finished: %s", {k: v for k, v in summary.items() if k != "eval"})
 

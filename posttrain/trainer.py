@@ -49,6 +49,11 @@ from posttrain.tasks.scheduler import dynamic_sample
 log = logging.getLogger("posttrain")
 
 
+class RolloutStalledError(RuntimeError):
+  """The rollouts cannot produce a trainable batch with this config (a budget no group
+  finishes in, or no informative group within max_draws)."""
+
+
 class NonFiniteLossError(RuntimeError):
   """The loss or gradient became NaN/inf; a checkpoint was written for inspection."""
 
@@ -581,7 +586,7 @@ class Trainer:
       dropped = self.worker.drop_carried() if drop else 0
       while not groups:
         if drop and calls[0] >= 8:
-          raise RuntimeError(f"no group finished within placement.step_tokens="
+          raise RolloutStalledError(f"no group finished within placement.step_tokens="
                              f"{self.step_tokens} in {calls[0]} tries with "
                              "placement.partial=drop; raise step_tokens or use resume")
         groups = make_groups(self.scheduler.draw(n) if drop else [])
@@ -620,8 +625,9 @@ class Trainer:
     extra = {**extra, "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
              "staleness/max": float(max(staleness, default=0))}
     if not groups:
-      raise RuntimeError("dynamic sampling produced no informative group within max_draws; "
-                         "raise rollout.max_draws or check the domains' difficulty")
+      raise RolloutStalledError("dynamic sampling produced no informative group within "
+                                "max_draws; raise rollout.max_draws or check the domains' "
+                                "difficulty")
     rewards = [g.rewards for g in groups]
     shaped = [self._shape(g, r) for g, r in zip(groups, rewards)]
     seq_adv = self._sequence_advantages(shaped)

@@ -137,7 +137,8 @@ def test_partial_rollouts_dropped_by_config_are_counted_and_replaced(tmp_path):
     t.ckpt.close()
   cfg = _config(**{**RUN, "train.rl_steps": 1}, **{"placement.step_tokens": 5,
                                                   "placement.partial": "drop"})
-  with pytest.raises(RuntimeError, match="no group finished within placement.step_tokens=5"):
+  with pytest.raises(trainer.RolloutStalledError,
+                     match="no group finished within placement.step_tokens=5"):
     trainer.train(cfg, str(tmp_path / "b"))
 
 
