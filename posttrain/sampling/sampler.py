@@ -322,12 +322,9 @@ class Sampler:
     stop_ids = np.full(max(4, 1 << max(len(stop) - 1, 0).bit_length()), -1, np.int32)
     stop_ids[:len(stop)] = stop
 
-    rowwise = lambda x: self._put(x, ("batch",) + (None,) * (x.ndim - 1))
-    scalar = lambda x, dt: self._put(np.asarray(x, dt), ())
-    seed_value = np.uint32(seed % 2**32)
-    seed = scalar(seed_value, np.uint32)
-    temp = scalar(temperature if not mode.greedy else 1.0, np.float32)
-    nucleus = scalar(top_p if mode.top_p else 1.0, np.float32)
+    rowwise = self._rowwise
+    seed_value = int(seed % 2**32)
+    seed, temp, nucleus = self._sampling_scalars(seed_value, temperature, top_p, mode)
     prompt_lens = rowwise(distinct_lens[row_source])
     active = rowwise(np.arange(batch) < rows)
 
@@ -348,7 +345,7 @@ class Sampler:
           cache=cache, rows=rows, batch=batch, cache_len=cache_len,
           positions=base + ends, last=out_tokens[np.arange(batch), ends],
           generated=lengths.astype(np.int64), open=(np.arange(batch) < rows) & ~stopped,
-          mode=mode, stop_ids=stop_ids, seed=int(seed_value), temperature=float(temperature),
+          mode=mode, stop_ids=stop_ids, seed=seed_value, temperature=float(temperature),
           top_p=top_p, params_version=self.params_version)
     return Completions(tokens=out_tokens[:rows, :max_new_tokens],
                        logprobs=out_logp[:rows, :max_new_tokens],
@@ -396,17 +393,15 @@ class Sampler:
     batch = state.batch
     active_np = np.zeros(batch, bool)
     active_np[rows] = True
-    rowwise = lambda x: self._put(x, ("batch",) + (None,) * (x.ndim - 1))
-    scalar = lambda x, dt: self._put(np.asarray(x, dt), ())
+    rowwise = self._rowwise
     mode = state.mode
     # The decode loop treats each row's last token as its step-0 token: it is fed first
     # (its K/V was never written) at position prompt_lens_B, i.e. `positions`.
     cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
         state.cache, rowwise(state.last.astype(np.int32)), rowwise(np.zeros(batch, np.float32)),
         rowwise(state.positions.astype(np.int32)), rowwise(active_np),
-        max_new_tokens + 1, state.stop_ids, scalar(np.uint32(state.seed), np.uint32),
-        scalar(state.temperature if not mode.greedy else 1.0, np.float32),
-        scalar(state.top_p if mode.top_p else 1.0, np.float32),
+        max_new_tokens + 1, state.stop_ids,
+        *self._sampling_scalars(state.seed, state.temperature, state.top_p, mode),
         step0=int(state.generated[rows[0]]) - 1, batch=batch, cache_len=state.cache_len,
         mode=mode)
     state.cache = None  # donated to the decode program
@@ -429,10 +424,9 @@ class Sampler:
                   stop_ids: np.ndarray, seed, temp, nucleus, *, step0: int, batch: int,
                   cache_len: int, mode: SamplingMode):
     """Runs the decode program; returns (cache, host outputs)."""
-    scalar = lambda x, dt: self._put(np.asarray(x, dt), ())
     decode_args = (self._state, cache, first, first_logp, prompt_lens, active,
-                   scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed, temp,
-                   nucleus, scalar(step0, np.int32))
+                   self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed,
+                   temp, nucleus, self._scalar(step0, np.int32))
     decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
                            functools.partial(self._decode, mode=mode), decode_args,
                            donate=(1,))
@@ -517,6 +511,19 @@ class Sampler:
     if key not in self._programs:
       self._programs[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     return self._programs[key]
+
+  def _rowwise(self, x: np.ndarray):
+    return self._put(x, ("batch",) + (None,) * (x.ndim - 1))
+
+  def _scalar(self, x, dtype):
+    return self._put(np.asarray(x, dtype), ())
+
+  def _sampling_scalars(self, seed: int, temperature: float, top_p: float | None,
+                        mode: SamplingMode):
+    """(seed, temperature, top-p threshold) as the device scalars the programs take."""
+    return (self._scalar(np.uint32(seed), np.uint32),
+            self._scalar(temperature if not mode.greedy else 1.0, np.float32),
+            self._scalar(top_p if mode.top_p else 1.0, np.float32))
 
   def _put(self, x: np.ndarray, names: tuple):
     if self.mesh is None:
