@@ -196,6 +196,16 @@ class RolloutWorker:
         samples[start + j] = sample
         if mine(start + j):
           futures.append((start + j, self._pool.submit(_score, task, sample)))
+    # Scoring overlaps generation; what is left after the last chunk is the scoring stall.
+    self._collect_rewards(samples, futures)
+    groups = []
+    for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
+      groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
+    return groups
+
+  def _collect_rewards(self, samples: list[Sample], futures: list[tuple[int, cf.Future]]):
+    """Waits for this process's scoring `futures` ((sample index, future)), exchanges the
+    rewards with the other processes, and sets `last_stats` for the rollout."""
     t_wait = time.perf_counter()
     for idx, fut in futures:
       samples[idx].reward = fut.result()
@@ -207,7 +217,6 @@ class RolloutWorker:
       missing = [i for i, smp in enumerate(samples) if smp.reward is None]
       if missing:
         raise RuntimeError(f"rewards of samples {missing[:5]} came back from no process")
-    # Scoring overlaps generation; what is left after the last chunk is the scoring stall.
     self.last_stats = {"scoring_wait_s": time.perf_counter() - t_wait,
                        "scored_fraction": len(futures) / max(len(samples), 1)}
     if self._tool_steps[1]:
@@ -216,10 +225,6 @@ class RolloutWorker:
       # Continued segments that resumed from the kept KV cache (the rest ran under new
       # weights and prefilled prompt + response again).
       self.last_stats["resumed_fraction"] = self._segments[0] / self._segments[1]
-    groups = []
-    for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
-      groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
-    return groups
 
   def _rollout_partial(self, pairs, *, seed: int, policy_version: int, g: int,
                        temperature: float, budget: int) -> list[TrajectoryGroup]:
@@ -235,7 +240,7 @@ class RolloutWorker:
           for _ in range(g)]))
     # Rows still generating (turns == 0), carried groups first: the oldest finish first.
     rows = [smp for *_, samples in groups for smp in samples if not smp.turns]
-    self._segments = [0, 0]
+    self._tool_steps, self._segments = [0, 0], [0, 0]
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
       ended = self._generate_turn(chunk, list(range(len(chunk))),
@@ -249,21 +254,10 @@ class RolloutWorker:
     self._carry = [grp for grp in groups if not all(smp.turns for smp in grp[3])]
     samples = [smp for *_, smps in done for smp in smps]
     tasks = [grp[2] for grp in done for _ in grp[3]]
-    mine = [i for i in range(len(samples)) if i % self.process_count == self.process_index]
-    t_wait = time.perf_counter()
-    futures = [(i, self._pool.submit(_score, tasks[i], samples[i])) for i in mine]
-    for i, fut in futures:
-      samples[i].reward = fut.result()
-    if self.process_count > 1:
-      local = {str(i): samples[i].reward.to_dict() for i in mine}
-      for part in self._exchange(local):
-        for i, reward in part.items():
-          samples[int(i)].reward = Reward.from_dict(reward)
-    self.last_stats = {"scoring_wait_s": time.perf_counter() - t_wait,
-                       "scored_fraction": len(mine) / max(len(samples), 1),
-                       "carried_groups": float(len(self._carry))}
-    if self._segments[1]:
-      self.last_stats["resumed_fraction"] = self._segments[0] / self._segments[1]
+    self._collect_rewards(samples, [
+        (i, self._pool.submit(_score, tasks[i], samples[i])) for i in range(len(samples))
+        if i % self.process_count == self.process_index])
+    self.last_stats["carried_groups"] = float(len(self._carry))
     return [TrajectoryGroup(domain, s, task, smps, policy_version)
             for domain, s, task, smps in done]
 
@@ -349,14 +343,12 @@ class RolloutWorker:
     # Between segments the KV cache is kept; a segment under unchanged weights resumes
     # from it instead of prefilling prompt + response again.
     paused, paused_row = None, {}
-    while active:
+    while active and not (cap and spent >= cap):
       inputs = [states[i].prompt_tokens + states[i].response_tokens for i in active]
       room = self.sampler.max_len - max(len(x) for x in inputs)
       if room < 1:
         break
       want = max(budget_left[i] for i in active)
-      if cap and spent >= cap:
-        break
       n_new = min(want, room, self.segment_tokens or want, (cap - spent) if cap else want)
       spent += n_new
       with self._lock:
