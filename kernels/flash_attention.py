@@ -329,9 +329,8 @@ def _tpu_segments(cfg: _Config, q_seg_ref, kv_seg_ref, shape):
   return q_seg, kv_seg_ref[:1, :]
 
 
-def _tpu_seg_range(cfg: _Config, range_ref, bi, i, n: int):
+def _tpu_seg_range(range_ref, bi, i, n: int):
   """Entry (bi, i) of a flattened [b, n, 2] `segment_block_ranges` array in SMEM."""
-  del cfg
   at = (bi * n + i) * 2
   return range_ref[at], range_ref[at + 1]
 
@@ -340,7 +339,7 @@ def _tpu_kv_range(cfg: _Config, bi, qi, range_ref):
   """kv blocks q block `qi` of batch row `bi` visits (index maps and kernels agree)."""
   lo_hi = kv_block_range(cfg, qi)
   if range_ref is not None:
-    lo_hi = _and_range(lo_hi, *_tpu_seg_range(cfg, range_ref, bi, qi, cfg.num_q_blocks))
+    lo_hi = _and_range(lo_hi, *_tpu_seg_range(range_ref, bi, qi, cfg.num_q_blocks))
   return lo_hi
 
 
@@ -348,8 +347,15 @@ def _tpu_q_range(cfg: _Config, bi, ki, range_ref):
   """q blocks that see kv block `ki` of batch row `bi`."""
   lo_hi = q_block_range(cfg, ki)
   if range_ref is not None:
-    lo_hi = _and_range(lo_hi, *_tpu_seg_range(cfg, range_ref, bi, ki, cfg.num_kv_blocks))
+    lo_hi = _and_range(lo_hi, *_tpu_seg_range(range_ref, bi, ki, cfg.num_kv_blocks))
   return lo_hi
+
+
+def _tpu_kv_index(cfg: _Config, bi, hi, qi, ki, *r):
+  """Index map of k / v blocks (grid b, h, q blocks, kv blocks): a skipped step fetches
+  the nearest visible block, already resident. `r`: the prefetched ranges, if any."""
+  lo_hi = _tpu_kv_range(cfg, bi, qi, r[0] if r else None)
+  return bi, hi // cfg.group, _clamp(ki, lo_hi, cfg.num_kv_blocks), 0
 
 
 def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
@@ -562,13 +568,12 @@ def _tpu_call(cfg: _Config, kernel, grid, in_specs, out_specs, out_shape, scratc
 def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   """q [b, h, Tq, d], k/v [b, kvh, Tk, d] (padded) -> out, lse [b, h, Tq, 128]."""
   b, h, tq, d = q.shape
-  bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
+  bq, bk = cfg.block_q, cfg.block_kv
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
   ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)[0] if cfg.segments else None
 
   # Index maps take the prefetched ranges as a trailing argument when there are any.
-  def kv_index(bi, hi, qi, ki, *r):
-    return bi, hi // g, _clamp(ki, _tpu_kv_range(cfg, bi, qi, r[0] if r else None), nk), 0
+  kv_index = functools.partial(_tpu_kv_index, cfg)
 
   in_specs = [
       pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)),
@@ -611,8 +616,7 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
     kv_ranges, q_ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)
 
   # dq: grid (b, h, q blocks, kv blocks), as the forward pass.
-  def kv_index(bi, hi, qi, ki, *r):
-    return bi, hi // g, _clamp(ki, _tpu_kv_range(cfg, bi, qi, r[0] if r else None), nk), 0
+  kv_index = functools.partial(_tpu_kv_index, cfg)
 
   q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
   row_spec = pl.BlockSpec((None, None, bq, NUM_LANES),

@@ -570,13 +570,13 @@ class Trainer:
                                  policy_version=self.sampler_version,
                                  token_budget=self.step_tokens)
 
+    extra: dict[str, float] = {}
     if algo.dynamic_sampling:
       batch = dynamic_sample(self.scheduler, make_groups, n, batched=True, update=False,
                              max_draws=int(r.get("max_draws", 4 * n)))
       groups = [g for _, _, g in batch.groups]
-      return groups, {"dynamic_sampling/draws": batch.draws,
-                      "dynamic_sampling/dropped": batch.dropped}
-    if self.step_tokens:
+      extra = {"dynamic_sampling/draws": batch.draws, "dynamic_sampling/dropped": batch.dropped}
+    elif self.step_tokens:
       # Groups still generating from earlier steps count toward this step's prompts; keep
       # generating until at least one group is complete. With placement.partial=drop the
       # groups not complete within the step's tokens are discarded instead of carried.
@@ -587,20 +587,17 @@ class Trainer:
       while not groups:
         if drop and calls[0] >= 8:
           raise RolloutStalledError(f"no group finished within placement.step_tokens="
-                             f"{self.step_tokens} in {calls[0]} tries with "
-                             "placement.partial=drop; raise step_tokens or use resume")
+                                    f"{self.step_tokens} in {calls[0]} tries with "
+                                    "placement.partial=drop; raise step_tokens or use resume")
         groups = make_groups(self.scheduler.draw(n) if drop else [])
         dropped += self.worker.drop_carried() if drop else 0
       extra = {"rollout/carried_groups": self.worker.last_stats["carried_groups"],
                "rollout/calls": float(calls[0])}
       if drop:
         extra["rollout/dropped_partial"] = float(dropped)
-      if "resumed_fraction" in self.worker.last_stats:
-        extra["rollout/resumed_fraction"] = self.worker.last_stats["resumed_fraction"]
-      return groups, extra
-    groups = make_groups(self.scheduler.draw(n))
-    extra = {}
-    if "resumed_fraction" in self.worker.last_stats:  # partial rollouts (segment_tokens)
+    else:
+      groups = make_groups(self.scheduler.draw(n))
+    if "resumed_fraction" in self.worker.last_stats:  # segments resumed from the KV cache
       extra["rollout/resumed_fraction"] = self.worker.last_stats["resumed_fraction"]
     return groups, extra
 
