@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -40,6 +41,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 NUM_LANES = 128
 NUM_SUBLANES = 8
 _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims (x @ y.T)
+LOG2E = math.log2(math.e)
 
 # (block_q, block_kv, block_q_bwd, block_kv_bwd) per kernel family.
 DEFAULT_BLOCKS = {"tpu": (512, 512, 512, 512), "gpu": (128, 64, 64, 64)}
@@ -71,11 +73,21 @@ class _Config:
   num_stages: int | None = None  # GPU only
   num_warps_bwd: int | None = None
   num_stages_bwd: int | None = None
+  # The dq kernel's blocks (a q block per program, kv blocks per step); None = the
+  # backward blocks, which then belong to the dk/dv kernel alone.
+  block_q_dq: int | None = None
+  block_kv_dq: int | None = None
+  dq_atomic: bool = False  # GPU: dq by atomic adds in the dk/dv kernel (no dq kernel)
 
   def for_backward(self) -> _Config:
     return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd,
                                num_warps=self.num_warps_bwd,
                                num_stages=self.num_stages_bwd)
+
+  def for_dq(self) -> _Config:
+    """The dq kernel's config, from a backward config."""
+    return dataclasses.replace(self, block_q=self.block_q_dq or self.block_q,
+                               block_kv=self.block_kv_dq or self.block_kv)
 
   @property
   def offset(self) -> int:
@@ -310,6 +322,18 @@ def _soft_cap_grad(cfg: _Config, ds, capped):
   if cfg.logits_soft_cap is None:
     return ds
   return ds * (1.0 - jnp.square(capped / cfg.logits_soft_cap))
+
+
+def _logits_base2(cfg: _Config, q, k):
+  """GPU logits in base 2 (the natural logits times log2 e) and the capped natural
+  logits (None without a soft cap). exp2 of them is the softmax's exp, and lowers to a
+  single ex2 instruction where jnp.exp lowers to libdevice's exact expf; without a soft
+  cap log2 e folds into the one scale multiply."""
+  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+  if cfg.logits_soft_cap is None:
+    return s * (cfg.sm_scale * LOG2E), None
+  capped = cfg.logits_soft_cap * jnp.tanh(s * (cfg.sm_scale / cfg.logits_soft_cap))
+  return capped * LOG2E, capped
 
 
 # ----------------------------------------------------------------------------------
@@ -570,7 +594,7 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   b, h, tq, d = q.shape
   bq, bk = cfg.block_q, cfg.block_kv
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
-  ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)[0] if cfg.segments else None
+  ranges = _segment_ranges(cfg, q_seg, kv_seg)[0] if cfg.segments else None
 
   # Index maps take the prefetched ranges as a trailing argument when there are any.
   kv_index = functools.partial(_tpu_kv_index, cfg)
@@ -604,43 +628,53 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
       ranges)
 
 
-def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
-  """Layouts as in `_tpu_forward`; lse and di are [b, h, Tq, 128]."""
+def _segment_ranges(cfg: _Config, q_seg, kv_seg):
+  """`segment_block_ranges` over the config's blocks (ids padded to at least them)."""
+  return segment_block_ranges(q_seg[:, :cfg.num_q_blocks * cfg.block_q],
+                              kv_seg[:, :cfg.num_kv_blocks * cfg.block_kv],
+                              cfg.block_q, cfg.block_kv)
+
+
+def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
+  """Layouts as in `_tpu_forward`; lse and di are [b, h, Tq, 128]. Grid (b, h, q
+  blocks, kv blocks), as the forward pass."""
   b, h, _, d = q.shape
-  kvh = k.shape[1]
-  bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
-  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
-  seg_operands = _tpu_segment_operands(cfg, q_seg, kv_seg) if cfg.segments else ()
-  kv_ranges = q_ranges = None
-  if cfg.segments:
-    kv_ranges, q_ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)
-
-  # dq: grid (b, h, q blocks, kv blocks), as the forward pass.
+  bq, bk, nq, nk = cfg.block_q, cfg.block_kv, cfg.num_q_blocks, cfg.num_kv_blocks
+  kv_ranges = _segment_ranges(cfg, q_seg, kv_seg)[0] if cfg.segments else None
   kv_index = functools.partial(_tpu_kv_index, cfg)
-
   q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
   row_spec = pl.BlockSpec((None, None, bq, NUM_LANES),
                           lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
   kv_spec = pl.BlockSpec((None, None, bk, d), kv_index)
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  operands = [q, k, v, do, lse, di]
   if cfg.segments:
     in_specs += [
         pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki, *_: (bi, qi, 0)),
         pl.BlockSpec((None, NUM_SUBLANES, bk),
                      lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2])),
     ]
+    operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
     out_specs.append(_count_spec(lambda bi, hi, qi, ki, *_: (bi, hi, qi)))
     out_shape.append(_count_shape(b, h, nq, q))
-  dq_out = _tpu_call(
+  return _tpu_call(
       cfg, functools.partial(_tpu_dq_kernel, counts=counts), (b, h, nq, nk), in_specs,
       out_specs, out_shape, [_vmem((bq, d))],
-      ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_dq",
-      (q, k, v, do, lse, di, *seg_operands), kv_ranges)
+      ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_dq", operands,
+      kv_ranges)
 
-  # dk, dv: grid (b, kv heads, kv blocks, heads in group, q blocks).
+
+def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
+  """dk, dv; grid (b, kv heads, kv blocks, heads in group, q blocks)."""
+  b, kvh = k.shape[:2]
+  d = q.shape[-1]
+  bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  q_ranges = _segment_ranges(cfg, q_seg, kv_seg)[1] if cfg.segments else None
+
   def q_index(bi, kh, ki, gi, qi, *r):
     return bi, kh * g + gi, _clamp(qi, _tpu_q_range(cfg, bi, ki, r[0] if r else None), nq), 0
 
@@ -648,23 +682,24 @@ def _tpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: boo
   row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_index)
   kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki, 0))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  operands = [q, k, v, do, lse, di]
   if cfg.segments:
     in_specs += [
         pl.BlockSpec((None, bq, NUM_LANES),
                      lambda bi, kh, ki, gi, qi, *r: (bi, q_index(bi, kh, ki, gi, qi, *r)[2], 0)),
         pl.BlockSpec((None, NUM_SUBLANES, bk), lambda bi, kh, ki, gi, qi, *_: (bi, 0, ki)),
     ]
+    operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if counts:
     out_specs.append(_count_spec(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki)))
     out_shape.append(_count_shape(b, kvh, nk, q))
-  dkv_out = _tpu_call(
+  return _tpu_call(
       cfg, functools.partial(_tpu_dkv_kernel, counts=counts), (b, kvh, nk, g, nq), in_specs,
       out_specs, out_shape, [_vmem((bk, d)), _vmem((bk, d))],
       ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"), "flash_attention_dkv",
-      (q, k, v, do, lse, di, *seg_operands), q_ranges)
-  return dq_out, dkv_out
+      operands, q_ranges)
 
 
 # ----------------------------------------------------------------------------------
@@ -729,13 +764,13 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   def body(ki, carry, masked):
     acc, m, l = carry
     kv_slice = pl.ds(ki * bk, bk)
-    s = _logits(cfg, q, k_ref[kv_slice, :])
+    s, _ = _logits_base2(cfg, q, k_ref[kv_slice, :])
     if masked:
       s = jnp.where(_gpu_block_mask(cfg, qi, ki, (bq, bk), q_seg_ref, kv_seg_ref), s,
                     MASK_VALUE)
-    m_next = jnp.maximum(m, s.max(axis=-1))
-    alpha = jnp.exp(m - m_next)
-    p = jnp.exp(s - m_next[:, None])
+    m_next = jnp.maximum(m, s.max(axis=-1))  # running max and lse in base 2
+    alpha = jnp.exp2(m - m_next)
+    p = jnp.exp2(s - m_next[:, None])
     v = v_ref[kv_slice, :]
     pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_next, alpha * l + p.sum(axis=-1)
@@ -748,18 +783,18 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   empty = m == MASK_VALUE
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
+  lse_ref[...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l_safe)) * (1.0 / LOG2E))
   if counts:
     rest[2][...] = jnp.full(rest[2].shape, visited, jnp.int32)
 
 
-def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse, di, q_seg_ref, kv_seg_ref):
-  capped = _logits(cfg, q, k)
-  s = capped
+def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref):
+  """(p, ds) of one block pair; `lse2` is the log-sum-exp in base 2."""
+  s, capped = _logits_base2(cfg, q, k)
   if masked:
     s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref), s,
                   MASK_VALUE)
-  p = jnp.exp(s - lse[:, None])
+  p = jnp.exp2(s - lse2[:, None])
   dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
   return p, _soft_cap_grad(cfg, p * (dp - di[:, None]), capped) * cfg.sm_scale
 
@@ -787,11 +822,16 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
 
 
 def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
-  # q_ref, do_ref: [Tq, group, d]; lse_ref, di_ref: [group, Tq]; k_ref, v_ref: [bk, d].
+  # q_ref, do_ref: [Tq, group, d]; lse_ref (base 2), di_ref: [group, Tq]; k_ref, v_ref:
+  # [bk, d]. With dq_atomic, refs end in the [b, Tq, h, d] f32 dq buffer (input aliased
+  # to output), which each step adds its ds @ k to.
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref, range_ref = refs[6:9] if cfg.segments else (None, None, None)
   rest = refs[9:] if cfg.segments else refs[6:]
-  ki = pl.program_id(0)
+  if cfg.dq_atomic:
+    rest = rest[1:]  # the aliased input; the output ref is the one written
+    dq_ref = rest[2]
+  ki, bi, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bq = cfg.block_q
   k, v = k_ref[...], v_ref[...]
   q_range, q_full = q_block_range(cfg, ki), q_full_range(cfg, ki)
@@ -807,6 +847,11 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
                       q_seg_ref, kv_seg_ref)
       dv = dv + lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
       dk = dk + lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+      if cfg.dq_atomic:
+        from jax.experimental.pallas import triton as pltriton
+        pltriton.atomic_add(
+            dq_ref, (bi, q_slice, kh * cfg.group + gi, slice(None)),
+            lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32))
       return dk, dv
 
     dkv, visited = _visible_loop(q_range, q_full, body, carry[0], counts)
@@ -817,7 +862,7 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   rest[0][...] = dk.astype(rest[0].dtype)
   rest[1][...] = dv.astype(rest[1].dtype)
   if counts:
-    rest[2][...] = jnp.full(rest[2].shape, visited, jnp.int32)
+    rest[-1][...] = jnp.full(rest[-1].shape, visited, jnp.int32)
 
 
 def _gpu_compiler_params(cfg: _Config, d: int):
@@ -841,7 +886,7 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   ]
   operands = [q, k, v]
   if cfg.segments:
-    kv_ranges, _ = segment_block_ranges(q_seg, kv_seg, bq, cfg.block_kv)
+    kv_ranges = _segment_ranges(cfg, q_seg, kv_seg)[0]
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, None, 2), lambda i, bi, hi: (bi, qb(i), 0))]
@@ -861,59 +906,71 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   )(*operands)
 
 
-def _gpu_backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
-  """Layouts as in `_gpu_forward`; lse and di are [b, h, Tq]."""
+def _gpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
+  """Layouts as in `_gpu_forward`; lse2 (base 2) and di are [b, h, Tq]. Grid (q
+  blocks, b, h), as the forward pass."""
   b, tq, h, d = q.shape
-  tk, kvh = k.shape[1], k.shape[2]
-  bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
-  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
-  kv_ranges = q_ranges = None
-  if cfg.segments:
-    kv_ranges, q_ranges = segment_block_ranges(q_seg, kv_seg, bq, bk)
-  params = _gpu_compiler_params(cfg, d)
+  tk = k.shape[1]
+  bq, g, nq = cfg.block_q, cfg.group, cfg.num_q_blocks
   qb = functools.partial(_gpu_q_block, cfg)
-
   q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qb(i), hi, 0))
   kv_spec = pl.BlockSpec((None, tk, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0))
   row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qb(i)))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-  seg_operands = ()
+  operands = [q, k, v, do, lse2, di]
   if cfg.segments:
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, None, 2), lambda i, bi, hi: (bi, qb(i), 0))]
-    seg_operands = (q_seg, kv_seg, kv_ranges)
+    operands += [q_seg, kv_seg, _segment_ranges(cfg, q_seg, kv_seg)[0]]
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
     out_specs.append(pl.BlockSpec((None, None, 1), lambda i, bi, hi: (bi, hi, qb(i))))
     out_shape.append(_struct((b, h, nq), jnp.int32, q))
-  dq_out = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_gpu_dq_kernel, cfg=cfg, counts=counts),
       grid=(nq, b, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=params, interpret=cfg.interpret, name="flash_attention_dq",
-  )(q, k, v, do, lse, di, *seg_operands)
+      compiler_params=_gpu_compiler_params(cfg, d), interpret=cfg.interpret,
+      name="flash_attention_dq",
+  )(*operands)
 
+
+def _gpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
+  """dk, dv (and with dq_atomic, dq in f32 last): grid (kv blocks, b, kv heads)."""
+  b, tq, h, d = q.shape
+  tk, kvh = k.shape[1], k.shape[2]
+  bk, g, nk = cfg.block_kv, cfg.group, cfg.num_kv_blocks
   group_spec = pl.BlockSpec((None, tq, g, d), lambda ki, bi, kh: (bi, 0, kh, 0))
   kv_spec = pl.BlockSpec((None, bk, None, d), lambda ki, bi, kh: (bi, ki, kh, 0))
   rows_spec = pl.BlockSpec((None, g, tq), lambda ki, bi, kh: (bi, kh, 0))
   in_specs = [group_spec, kv_spec, kv_spec, group_spec, rows_spec, rows_spec]
+  operands = [q, k, v, do, lse2, di]
   if cfg.segments:
     in_specs += [pl.BlockSpec((None, tq), lambda ki, bi, kh: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda ki, bi, kh: (bi, 0)),
                  pl.BlockSpec((None, None, 2), lambda ki, bi, kh: (bi, ki, 0))]
-    seg_operands = (q_seg, kv_seg, q_ranges)
+    operands += [q_seg, kv_seg, _segment_ranges(cfg, q_seg, kv_seg)[1]]
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
+  aliases = {}
+  if cfg.dq_atomic:
+    # Programs of different kv blocks add to the same dq rows, so dq stays whole in
+    # global memory (no block copy-in / copy-out) and starts from zeros.
+    aliases = {len(operands): len(out_shape)}
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    operands.append(jnp.zeros(q.shape, jnp.float32))
+    out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    out_shape.append(_struct(q.shape, jnp.float32, q))
   if counts:
     out_specs.append(pl.BlockSpec((None, None, 1), lambda ki, bi, kh: (bi, kh, ki)))
     out_shape.append(_struct((b, kvh, nk), jnp.int32, q))
-  dkv_out = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_gpu_dkv_kernel, cfg=cfg, counts=counts),
       grid=(nk, b, kvh), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=params, interpret=cfg.interpret, name="flash_attention_dkv",
-  )(q, k, v, do, lse, di, *seg_operands)
-  return dq_out, dkv_out
+      input_output_aliases=aliases, compiler_params=_gpu_compiler_params(cfg, d),
+      interpret=cfg.interpret, name="flash_attention_dkv",
+  )(*operands)
 
 
 # ----------------------------------------------------------------------------------
@@ -946,13 +1003,15 @@ def _prepare_rows(cfg: _Config, x, block: int):
   return jnp.swapaxes(x, 1, 2) if cfg.backend == "tpu" else x
 
 
-def _prepare(cfg: _Config, q, k, v, q_seg, kv_seg):
-  q = _prepare_rows(cfg, q, cfg.block_q)
-  k = _prepare_rows(cfg, k, cfg.block_kv)
-  v = _prepare_rows(cfg, v, cfg.block_kv)
+def _prepare(cfg: _Config, q, k, v, q_seg, kv_seg, q_multiple=None, kv_multiple=None):
+  """Pads lengths to whole blocks (or the given multiples of them) for the kernels."""
+  q_multiple, kv_multiple = q_multiple or cfg.block_q, kv_multiple or cfg.block_kv
+  q = _prepare_rows(cfg, q, q_multiple)
+  k = _prepare_rows(cfg, k, kv_multiple)
+  v = _prepare_rows(cfg, v, kv_multiple)
   if cfg.segments:
-    q_seg = _pad_len(q_seg.astype(jnp.int32), 1, cfg.block_q)
-    kv_seg = _pad_len(kv_seg.astype(jnp.int32), 1, cfg.block_kv)
+    q_seg = _pad_len(q_seg.astype(jnp.int32), 1, q_multiple)
+    kv_seg = _pad_len(kv_seg.astype(jnp.int32), 1, kv_multiple)
   return q, k, v, q_seg, kv_seg
 
 
@@ -972,25 +1031,39 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
 
 
 def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
-  """lse (internal convention) and di = sum(do * out, -1) are [b, h, Tq] f32."""
+  """lse (internal convention) and di = sum(do * out, -1) are [b, h, Tq] f32. `cfg` is
+  a backward config: its blocks are the dk/dv kernel's, `for_dq()` the dq kernel's.
+  With `counts`, also returns the kernels' visit counters (dq's None with dq_atomic)."""
   tq, tk, d = q.shape[1], k.shape[1], q.shape[-1]
-  qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg)
-  dop = _prepare_rows(cfg, do, cfg.block_q)
-  lse = _pad_len(lse, 2, cfg.block_q, jnp.inf)
-  di = _pad_len(di, 2, cfg.block_q)
+  dq_cfg = cfg.for_dq()
+  q_multiple = math.lcm(cfg.block_q, dq_cfg.block_q)
+  kv_multiple = math.lcm(cfg.block_kv, dq_cfg.block_kv)
+  qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg, q_multiple, kv_multiple)
+  dop = _prepare_rows(cfg, do, q_multiple)
+  lse = _pad_len(lse, 2, q_multiple, jnp.inf)
+  di = _pad_len(di, 2, q_multiple)
+  dq_counts = None
   if cfg.backend == "tpu":
     lanes = lambda x: jnp.broadcast_to(x[..., None], x.shape + (NUM_LANES,))
-    dq_out, dkv_out = _tpu_backward(cfg, qp, kp, vp, q_seg, kv_seg, dop, lanes(lse),
-                                    lanes(di), counts)
+    args = (qp, kp, vp, q_seg, kv_seg, dop, lanes(lse), lanes(di), counts)
+    dq_out, dkv_out = _tpu_dq(dq_cfg, *args), _tpu_dkv(cfg, *args)
     dq = jnp.swapaxes(dq_out[0], 1, 2)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
     if counts:
-      dq_out, dkv_out = (dq_out[0], dq_out[1][..., 0, 0]), (*dkv_out[:2], dkv_out[2][..., 0, 0])
+      dq_counts, dkv_counts = dq_out[1][..., 0, 0], dkv_out[2][..., 0, 0]
   else:
-    dq_out, dkv_out = _gpu_backward(cfg, qp, kp, vp, q_seg, kv_seg, dop, lse, di, counts)
-    dq, dk, dv = dq_out[0], dkv_out[0], dkv_out[1]
+    args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
+    dkv_out = _gpu_dkv(cfg, *args)
+    dk, dv = dkv_out[:2]
+    if cfg.dq_atomic:
+      dq = dkv_out[2].astype(q.dtype)
+    else:
+      dq_out = _gpu_dq(dq_cfg, *args)
+      dq = dq_out[0]
+      dq_counts = dq_out[1] if counts else None
+    dkv_counts = dkv_out[-1] if counts else None
   grads = dq[:, :tq, :, :d], dk[:, :tk, :, :d], dv[:, :tk, :, :d]
-  return (grads, (dq_out[1], dkv_out[2])) if counts else grads
+  return (grads, (dq_counts, dkv_counts)) if counts else grads
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -1021,9 +1094,9 @@ def default_backend() -> str:
 
 def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
-                block_kv=None, block_q_bwd=None, block_kv_bwd=None,
-                num_warps=None, num_stages=None, num_warps_bwd=None,
-                num_stages_bwd=None, interpret=None) -> _Config:
+                block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
+                block_kv_dq=None, dq_atomic=False, num_warps=None, num_stages=None,
+                num_warps_bwd=None, num_stages_bwd=None, interpret=None) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config."""
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
@@ -1040,19 +1113,26 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
   # Blocks never exceed the (padded) sequence: short inputs use one block.
   minimum = NUM_LANES if backend == "tpu" else 16
   fit = lambda block, n: min(block, max(minimum, pl.cdiv(n, minimum) * minimum))
-  # Explicit forward blocks also apply to the backward pass unless it has its own.
+  # Explicit forward blocks also apply to the backward pass unless it has its own, and
+  # the backward blocks to the dq kernel unless it has its own.
   given = (block_q, block_kv, block_q if block_q_bwd is None else block_q_bwd,
            block_kv if block_kv_bwd is None else block_kv_bwd)
-  names = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
+  names = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_q_dq",
+           "block_kv_dq")
   blocks = []
   for name, block, default, n in zip(names, given, DEFAULT_BLOCKS[backend],
                                      (q_len, kv_len) * 2):
-    block = fit(default, n) if block is None else block
+    blocks.append(fit(default, n) if block is None else block)
+  blocks += [blocks[2] if block_q_dq is None else block_q_dq,
+             blocks[3] if block_kv_dq is None else block_kv_dq]
+  for name, block in zip(names, blocks):
     if int(block) != block or block < 1 or block % minimum:
       raise ValueError(
           f"{name} must be a positive multiple of {minimum} for the {backend} kernel, "
           f"got {block}")
-    blocks.append(int(block))
+  blocks = [int(block) for block in blocks]
+  if dq_atomic and backend != "gpu":
+    raise ValueError("dq_atomic is an option of the gpu (Triton) kernels")
   # Launch options are per direction (unlike blocks): the best forward and backward
   # options differ, and carrying one over slowed the backward kernels 2x.
   launch = dict(num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
@@ -1065,7 +1145,8 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
   return _Config(
       backend=backend, interpret=interpret, q_len=q_len, kv_len=kv_len,
       block_q=blocks[0], block_kv=blocks[1], block_q_bwd=blocks[2],
-      block_kv_bwd=blocks[3], group=q.shape[2] // k.shape[2],
+      block_kv_bwd=blocks[3], block_q_dq=blocks[4], block_kv_dq=blocks[5],
+      dq_atomic=bool(dq_atomic), group=q.shape[2] // k.shape[2],
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
@@ -1078,6 +1159,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sliding_window: int | None = None, backend: str | None = None,
                     block_q: int | None = None, block_kv: int | None = None,
                     block_q_bwd: int | None = None, block_kv_bwd: int | None = None,
+                    block_q_dq: int | None = None, block_kv_dq: int | None = None,
+                    dq_atomic: bool = False,
                     num_warps: int | None = None, num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret=None):
@@ -1094,6 +1177,13 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       be multiples of them.
     block_q_bwd, block_kv_bwd: the same for the backward kernels (default: the forward
       blocks if given, else 512 on TPU and 64 on GPU).
+    block_q_dq, block_kv_dq: the dq kernel's own blocks (default: the backward blocks,
+      which then set only the dk / dv kernel's). The dk / dv kernel holds a kv block
+      and steps over q blocks, the dq kernel the reverse, so their best shapes differ.
+    dq_atomic: GPU only. The dk / dv kernel also adds each step's ds @ k to an f32 dq
+      with atomic adds, and no dq kernel runs: the backward computes 5 block matmuls
+      instead of 7. Summation order then varies from run to run (not bitwise
+      deterministic).
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
@@ -1110,6 +1200,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
                     block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
+                    block_q_dq=block_q_dq, block_kv_dq=block_kv_dq, dq_atomic=dq_atomic,
                     num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
                     num_stages_bwd=num_stages_bwd, interpret=interpret)
   return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg)

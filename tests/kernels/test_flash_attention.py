@@ -56,9 +56,12 @@ class FlashAttentionTest:
     """The kernels' own counters: fully masked block pairs are never computed."""
     case = Case("count", batch=1, q_len=384, kv_len=512, heads=4, kv_heads=2)
     x = make_inputs(case)
+    # The dq kernel runs on its own blocks (twice the others'), the dk / dv kernel on
+    # the backward blocks.
+    bq, bk = self.BLOCKS
     cfg = fa.make_config(x["q"], x["k"], causal=True, sliding_window=window,
-                         backend=self.BACKEND, block_q=self.BLOCKS[0],
-                         block_kv=self.BLOCKS[1], interpret=self.INTERPRET)
+                         backend=self.BACKEND, block_q=bq, block_kv=bk,
+                         block_q_dq=2 * bq, block_kv_dq=2 * bk, interpret=self.INTERPRET)
     out, lse, fwd_counts = fa._forward(cfg, x["q"], x["k"], x["v"], None, None, counts=True)
     di = jnp.einsum("bqhd,bqhd->bhq", x["dout"], out)
     _, (dq_counts, dkv_counts) = fa._backward(
@@ -69,7 +72,12 @@ class FlashAttentionTest:
     assert visible.sum() < total  # the case does have blocks to skip
     per_q_block = np.broadcast_to(visible.sum(axis=1), (1, 4, cfg.num_q_blocks))
     np.testing.assert_array_equal(np.asarray(fwd_counts), per_q_block)
-    np.testing.assert_array_equal(np.asarray(dq_counts), per_q_block)
+    dq_cfg = cfg.for_backward().for_dq()
+    assert (dq_cfg.block_q, dq_cfg.block_kv) == (2 * bq, 2 * bk)
+    dq_visible = brute_force_visible(dq_cfg)
+    np.testing.assert_array_equal(
+        np.asarray(dq_counts), np.broadcast_to(dq_visible.sum(axis=1),
+                                               (1, 4, dq_cfg.num_q_blocks)))
     # Each kv block is visited once per query head of its group (2 heads per kv head).
     per_kv_block = np.broadcast_to(2 * visible.sum(axis=0), (1, 2, cfg.num_kv_blocks))
     np.testing.assert_array_equal(np.asarray(dkv_counts), per_kv_block)
@@ -122,6 +130,26 @@ class FlashAttentionTest:
     for g in grads:
       assert np.all(np.isfinite(np.asarray(g)))
     np.testing.assert_array_equal(np.asarray(grads[0])[padded], 0.0)
+
+
+BACKWARD_OPTIONS = (  # (backend, options, case names)
+    ("gpu", dict(block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=64, block_q_dq=64,
+                 block_kv_dq=16), ("causal_gqa_ragged", "segments_q_shorter")),
+    ("gpu", dict(block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=48, dq_atomic=True),
+     ("causal_gqa_ragged", "segments_q_shorter", "soft_cap_sliding")),
+    ("tpu", dict(block_q=128, block_kv=128, block_q_dq=256, block_kv_dq=128),
+     ("segments_q_shorter",)),
+)
+
+
+@pytest.mark.parametrize("backend,options,case", [
+    pytest.param(backend, options, case, id=f"{backend}-{sorted(options)[-1]}-{case.name}")
+    for backend, options, names in BACKWARD_OPTIONS for case in CASES if case.name in names])
+def test_backward_options_match_reference(backend, options, case):
+  """dq kernel blocks other than the dk / dv kernel's (lengths padded to both), and dq
+  by atomic adds in the dk / dv kernel, keep the gradients exact."""
+  fn = functools.partial(fa.flash_attention, backend=backend, interpret=True, **options)
+  check_against_reference(fn, case, jnp.float32)
 
 
 def _parametrize(cls):
@@ -339,8 +367,21 @@ def _lower(backend, platform, segments=True, **kwargs):
 
 
 def test_lowers_for_gpu_with_triton():
-  assert "triton" in _lower("gpu", "cuda").lower()
-  assert "triton" in _lower("gpu", "cuda", segments=False).lower()
+  for segments in (True, False):
+    text = _lower("gpu", "cuda", segments=segments)
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    # The softmax runs in base 2: one ex2 instruction, not libdevice's exact expf.
+    assert "__nv_exp2f" in text and "__nv_expf" not in text
+
+
+def test_dq_atomic_lowers_to_one_backward_kernel():
+  """dq_atomic: no dq kernel; the dk / dv kernel adds to dq with atomics, in place of a
+  zero-filled buffer it aliases."""
+  text = _lower("gpu", "cuda", dq_atomic=True)
+  calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+  assert len(calls) == 2, calls
+  assert "flash_attention_dq" not in text and "atomic_rmw" in text
+  assert "output_operand_alias" in text
 
 
 def test_gpu_launch_options_reach_the_kernels():
@@ -374,6 +415,8 @@ def test_lowers_for_tpu_with_mosaic(monkeypatch):
     (dict(backend="cuda"), "backend must be 'tpu' or 'gpu', got 'cuda'"),
     (dict(num_warps=0), "num_warps must be a positive integer, got 0"),
     (dict(num_stages_bwd=2.5), "num_stages_bwd must be a positive integer, got 2.5"),
+    (dict(block_kv_dq=64), "block_kv_dq must be a positive multiple of 128"),
+    (dict(dq_atomic=True), "dq_atomic is an option of the gpu"),
 ])
 def test_bad_options(kwargs, message):
   x = jnp.zeros((1, 128, 2, 16))
