@@ -343,7 +343,8 @@ def _packed_segments(rows: int, length: int, sequences: int):
 def packed_blocks(length: int = 16384, sequences=(1, 2, 4, 8, 16)) -> list[dict]:
   """Block pairs the causal flash kernels compute for one packed row (counted from the
   kernels' own range functions, no kernel run): with segment ids each q block visits
-  only the kv blocks of its own sequences."""
+  only the kv blocks of its own sequences, and only the pairs a sequence boundary or
+  the diagonal cuts through apply the element mask (before, every visited pair did)."""
   fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
   rows = []
   for backend in ("tpu", "gpu"):
@@ -354,13 +355,16 @@ def packed_blocks(length: int = 16384, sequences=(1, 2, 4, 8, 16)) -> list[dict]
     for n in sequences:
       seg = _packed_segments(1, length, n)
       ranges = np.asarray(fa.segment_block_ranges(seg, seg, cfg.block_q, cfg.block_kv)[0][0])
-      visited = 0
+      visited = unmasked = 0
       for qi in range(cfg.num_q_blocks):
         lo, hi = (int(x) for x in fa.kv_block_range(cfg, qi))
         visited += max(0, min(hi, ranges[qi, 1]) - max(lo, ranges[qi, 0]) + 1)
+        lo, hi = (int(x) for x in fa.kv_full_range(cfg, qi, tuple(ranges[qi, 2:])))
+        unmasked += max(0, hi - lo + 1)
       rows.append(dict(benchmark=f"packed row, {backend} blocks {cfg.block_q}x{cfg.block_kv}",
                        length=length, sequences=n, causal_blocks=causal,
-                       visited_blocks=visited, fraction=round(visited / causal, 3)))
+                       visited_blocks=int(visited), fraction=round(float(visited / causal), 3),
+                       masked_blocks=int(visited - unmasked)))
   return rows
 
 

@@ -8,17 +8,21 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
   index_map is clamped to a visible block so no DMA is issued for them. Fully visible
   blocks skip the per-element mask. Layout [batch, heads, len, head_dim].
 * GPU (Triton): grid (q blocks, batch, heads); each program loops over exactly the
-  visible kv blocks with `fori_loop`. Layout [batch, len, heads, head_dim] (no copy).
+  visible kv blocks with `fori_loop`, the fully visible ones in an unmasked loop.
+  Layout [batch, len, heads, head_dim] (no copy). The softmax runs in base 2 (exp2 is
+  one ex2 instruction; jnp.exp lowers to libdevice's exact expf).
 
 With segment ids (packed rows), `segment_block_ranges` narrows each q block's kv range
 (and each kv block's q range) to the blocks that hold its own sequences, so a row packing
 n equal sequences computes about 1/n of the causal blocks: the GPU loops take the narrowed
 bounds from a small input, the TPU kernels from a scalar-prefetched SMEM table that their
-index maps also read, so skipped blocks issue no DMA.
+index maps also read, so skipped blocks issue no DMA. Block pairs that lie inside one
+sequence (and below the diagonal) skip the element mask as well.
 
 The backward pass recomputes probabilities from the saved log-sum-exp with one kernel
-for dq (loop over kv blocks) and one for dk/dv (loop over q blocks and over the query
-heads that share a kv head, so GQA needs no repeated k/v). Off TPU/GPU both families
+for dq (loop over kv blocks, on blocks of its own) and one for dk/dv (loop over q blocks
+and over the query heads that share a kv head, so GQA needs no repeated k/v). On GPU,
+`dq_atomic` folds dq into the dk/dv kernel with atomic adds. Off TPU/GPU both families
 run in Pallas interpret mode, which is what the CPU tests exercise.
 """
 from __future__ import annotations
@@ -186,12 +190,14 @@ def segment_block_ranges(q_seg, kv_seg, block_q: int, block_kv: int):
       multiples of block_q and block_kv.
 
   Returns:
-    (kv_ranges [b, nq, 2], q_ranges [b, nk, 2]) int32: for each q block, the first and
-    last kv block whose non-zero ids overlap the q block's [min, max] non-zero id; for each
-    kv block, the same over q blocks. Empty ranges are (n, -1). A block pair outside them
+    (kv_ranges [b, nq, 4], q_ranges [b, nk, 4]) int32. Columns 0-1: for each q block,
+    the first and last kv block whose non-zero ids overlap the q block's [min, max]
+    non-zero id; for each kv block, the same over q blocks. A block pair outside them
     holds no query and key of one segment; inside, the element mask still applies. For
     packed rows (ids never decrease along the row, then padding) the ranges hold exactly
-    the blocks with a query and a key of one segment.
+    the blocks with a query and a key of one segment. Columns 2-3: the sub-range whose
+    blocks the ids mask nowhere: both blocks hold one non-zero id, the same (exact for
+    packed rows; empty when such blocks do not form one run). Empty ranges are (n, -1).
   """
   def bounds(seg, block):
     b, t = seg.shape
@@ -199,20 +205,29 @@ def segment_block_ranges(q_seg, kv_seg, block_q: int, block_kv: int):
     real = s != 0
     lo = jnp.where(real, s, jnp.iinfo(jnp.int32).max).min(axis=-1)
     hi = jnp.where(real, s, jnp.iinfo(jnp.int32).min).max(axis=-1)
-    return lo, hi
+    return lo, hi, real.all(axis=-1) & (lo == hi)
 
   def hull(hit):  # [b, m, n] -> first / last true along n, (n, -1) when none
     n = hit.shape[-1]
     first = jnp.argmax(hit, axis=-1)
     last = n - 1 - jnp.argmax(hit[..., ::-1], axis=-1)
     some = hit.any(axis=-1)
-    return jnp.stack([jnp.where(some, first, n), jnp.where(some, last, -1)],
-                     axis=-1).astype(jnp.int32)
+    return jnp.where(some, first, n), jnp.where(some, last, -1)
 
-  q_lo, q_hi = bounds(q_seg.astype(jnp.int32), block_q)
-  kv_lo, kv_hi = bounds(kv_seg.astype(jnp.int32), block_kv)
+  def run(full):  # the hull, kept only when every block inside it is full
+    first, last = hull(full)
+    whole = full.sum(axis=-1) == last - first + 1
+    return jnp.where(whole, first, full.shape[-1]), jnp.where(whole, last, -1)
+
+  def table(hit, full):
+    return jnp.stack([*hull(hit), *run(full)], axis=-1).astype(jnp.int32)
+
+  q_lo, q_hi, q_one = bounds(q_seg.astype(jnp.int32), block_q)
+  kv_lo, kv_hi, kv_one = bounds(kv_seg.astype(jnp.int32), block_kv)
   hit = (q_lo[:, :, None] <= kv_hi[:, None, :]) & (kv_lo[:, None, :] <= q_hi[:, :, None])
-  return hull(hit), hull(jnp.swapaxes(hit, 1, 2))
+  full = q_one[:, :, None] & kv_one[:, None, :] & (q_lo[:, :, None] == kv_lo[:, None, :])
+  return (table(hit, full),
+          table(jnp.swapaxes(hit, 1, 2), jnp.swapaxes(full, 1, 2)))
 
 
 def _and_range(lo_hi, lo, hi):
@@ -220,13 +235,20 @@ def _and_range(lo_hi, lo, hi):
   return jnp.maximum(lo_hi[0], lo), jnp.minimum(lo_hi[1], hi)
 
 
-def _block_fully_visible(cfg: _Config, qi, ki):
+def _without_segments(cfg: _Config) -> _Config:
+  return dataclasses.replace(cfg, segments=False)
+
+
+def _block_fully_visible(cfg: _Config, qi, ki, ids_full=None):
   """True when no element of the (qi, ki) block pair is masked (padding rows of q
-  excepted, their outputs are discarded)."""
+  excepted, their outputs are discarded). With segment ids, `ids_full` says whether
+  the ids mask none of the pair (from `segment_block_ranges`); without it, False."""
+  if cfg.segments:
+    if ids_full is None:
+      return jnp.bool_(False)
+    return _block_fully_visible(_without_segments(cfg), qi, ki) & ids_full
   if not cfg.may_mask:
     return jnp.bool_(True)
-  if cfg.segments:
-    return jnp.bool_(False)
   bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
   q_lo = qi * bq + cfg.offset
   q_hi = jnp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
@@ -241,16 +263,21 @@ def _block_fully_visible(cfg: _Config, qi, ki):
   return full
 
 
-def kv_full_range(cfg: _Config, qi):
+def kv_full_range(cfg: _Config, qi, segment_full=None):
   """Inclusive range [lo, hi] of kv blocks that `qi` sees with no element masked:
   a sub-range of `kv_block_range(cfg, qi)` that loops may run without the mask
-  (exactly the blocks of `_block_fully_visible`). Empty ranges have lo > hi."""
+  (exactly the blocks of `_block_fully_visible`). With segment ids it is cut to
+  `segment_full` (columns 2-3 of `segment_block_ranges`), or empty without it.
+  Empty ranges have lo > hi."""
   qi = jnp.asarray(qi, jnp.int32)
+  if cfg.segments:
+    if segment_full is None:
+      hi = kv_block_range(cfg, qi)[1]
+      return hi + 1, hi
+    return _and_range(kv_full_range(_without_segments(cfg), qi), *segment_full)
   lo, hi = kv_block_range(cfg, qi)
   if not cfg.may_mask:
     return lo, hi
-  if cfg.segments:
-    return hi + 1, hi
   bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
   bias = _bias(cfg, bk)
   q_lo = qi * bq + cfg.offset
@@ -266,16 +293,20 @@ def kv_full_range(cfg: _Config, qi):
   return full_lo, full_hi
 
 
-def q_full_range(cfg: _Config, ki):
+def q_full_range(cfg: _Config, ki, segment_full=None):
   """Inclusive range [lo, hi] of q blocks that see kv block `ki` with no element
   masked (a sub-range of `q_block_range`; with a sliding window the last q block,
-  whose padding rows are never masked, may be left out)."""
+  whose padding rows are never masked, may be left out). Segment ids as in
+  `kv_full_range`."""
   ki = jnp.asarray(ki, jnp.int32)
+  if cfg.segments:
+    if segment_full is None:
+      hi = q_block_range(cfg, ki)[1]
+      return hi + 1, hi
+    return _and_range(q_full_range(_without_segments(cfg), ki), *segment_full)
   lo, hi = q_block_range(cfg, ki)
   if not cfg.may_mask:
     return lo, hi
-  if cfg.segments:
-    return hi + 1, hi
   bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
   bias = _bias(cfg, bq)
   kv_lo, kv_hi = ki * bk, ki * bk + bk - 1
@@ -353,10 +384,17 @@ def _tpu_segments(cfg: _Config, q_seg_ref, kv_seg_ref, shape):
   return q_seg, kv_seg_ref[:1, :]
 
 
-def _tpu_seg_range(range_ref, bi, i, n: int):
-  """Entry (bi, i) of a flattened [b, n, 2] `segment_block_ranges` array in SMEM."""
-  at = (bi * n + i) * 2
+def _tpu_seg_range(range_ref, bi, i, n: int, full: bool = False):
+  """Entry (bi, i) of a flattened [b, n, 4] `segment_block_ranges` array in SMEM: the
+  visible range, or with `full` the range the ids mask nowhere."""
+  at = (bi * n + i) * 4 + (2 if full else 0)
   return range_ref[at], range_ref[at + 1]
+
+
+def _tpu_count(count_ref, masked: bool):
+  """Debug counters: lane 0 counts the visited block pairs, lane 1 the masked ones."""
+  lane = lax.broadcasted_iota(jnp.int32, count_ref.shape, 1)
+  count_ref[...] += jnp.where(lane == 0, 1, jnp.where(lane == 1, int(masked), 0))
 
 
 def _tpu_kv_range(cfg: _Config, bi, qi, range_ref):
@@ -373,6 +411,16 @@ def _tpu_q_range(cfg: _Config, bi, ki, range_ref):
   if range_ref is not None:
     lo_hi = _and_range(lo_hi, *_tpu_seg_range(range_ref, bi, ki, cfg.num_kv_blocks))
   return lo_hi
+
+
+def _tpu_ids_full(cfg: _Config, bi, qi, ki, range_ref, by_kv_block: bool = False):
+  """Whether the segment ids mask none of the (qi, ki) block pair (None without ids);
+  the table is indexed by q block, or with `by_kv_block` by kv block."""
+  if range_ref is None:
+    return None
+  if by_kv_block:
+    return _in_range(qi, _tpu_seg_range(range_ref, bi, ki, cfg.num_kv_blocks, full=True))
+  return _in_range(ki, _tpu_seg_range(range_ref, bi, qi, cfg.num_q_blocks, full=True))
 
 
 def _tpu_kv_index(cfg: _Config, bi, hi, qi, ki, *r):
@@ -417,11 +465,12 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     acc_sc[...] = _lanes(alpha, acc_sc.shape[-1]) * acc_sc[...] + pv
     if counts:
-      count_ref[...] += 1
+      _tpu_count(count_ref, masked)
 
-  visible = _in_range(ki, _tpu_kv_range(cfg, pl.program_id(0), qi, range_ref))
+  bi = pl.program_id(0)
+  visible = _in_range(ki, _tpu_kv_range(cfg, bi, qi, range_ref))
   if cfg.may_mask:
-    full = _block_fully_visible(cfg, qi, ki)
+    full = _block_fully_visible(cfg, qi, ki, _tpu_ids_full(cfg, bi, qi, ki, range_ref))
     pl.when(visible & full)(functools.partial(step, False))
     pl.when(visible & ~full)(functools.partial(step, True))
   else:
@@ -478,10 +527,11 @@ def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
                              lse_ref[...], di_ref[...], q_seg, kv_seg)
     dq_sc[...] += lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
     if counts:
-      count_ref[...] += 1
+      _tpu_count(count_ref, masked)
 
-  visible = _in_range(ki, _tpu_kv_range(cfg, pl.program_id(0), qi, range_ref))
-  full = _block_fully_visible(cfg, qi, ki)
+  bi = pl.program_id(0)
+  visible = _in_range(ki, _tpu_kv_range(cfg, bi, qi, range_ref))
+  full = _block_fully_visible(cfg, qi, ki, _tpu_ids_full(cfg, bi, qi, ki, range_ref))
   pl.when(visible & full)(functools.partial(step, False))
   if cfg.may_mask:
     pl.when(visible & ~full)(functools.partial(step, True))
@@ -520,12 +570,14 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
     dv_sc[...] += lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dk_sc[...] += lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
     if counts:
-      count_ref[...] += 1
+      _tpu_count(count_ref, masked)
 
+  bi = pl.program_id(0)
   visible = _in_range(ki, kv_block_range(cfg, qi))
   if cfg.segments:
-    visible &= _in_range(qi, _tpu_q_range(cfg, pl.program_id(0), ki, range_ref))
-  full = _block_fully_visible(cfg, qi, ki)
+    visible &= _in_range(qi, _tpu_q_range(cfg, bi, ki, range_ref))
+  full = _block_fully_visible(cfg, qi, ki, _tpu_ids_full(cfg, bi, qi, ki, range_ref,
+                                                         by_kv_block=True))
   pl.when(visible & full)(functools.partial(step, False))
   if cfg.may_mask:
     pl.when(visible & ~full)(functools.partial(step, True))
@@ -721,19 +773,11 @@ def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref):
   return _element_mask(cfg, qi, ki, shape, q_seg, kv_seg)
 
 
-def _gpu_kv_range(cfg: _Config, qi, range_ref):
-  """kv blocks q block `qi` visits: the mask's range, narrowed by the segment ids'."""
-  lo_hi = kv_block_range(cfg, qi)
-  if cfg.segments:
-    lo_hi = _and_range(lo_hi, range_ref[0], range_ref[1])
-  return lo_hi
-
-
 def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
   """Runs `body(i, carry, masked)` over the visible blocks [lo, hi]: the fully visible
   sub-range [full_lo, full_hi] without the element mask, the blocks before and after
-  it with the mask. With `counts` it also counts the iterations it ran (the debug
-  counter of the block-skipping tests)."""
+  it with the mask. With `counts` it also counts the iterations it ran, and the masked
+  ones (the debug counters of the block-skipping tests)."""
   lo, hi = lo_hi
   full_lo, full_hi = full_lo_hi
   empty = full_lo > full_hi
@@ -741,15 +785,64 @@ def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
   full_hi = jnp.where(empty, hi, full_hi)
   spans = ((lo, jnp.minimum(hi, full_lo - 1), True), (full_lo, full_hi, False),
            (jnp.maximum(lo, full_hi + 1), hi, True))
-  carry = (init, jnp.int32(0))
+  carry, visits, masked_visits = init, jnp.int32(0), jnp.int32(0)
   for start, stop, masked in spans:
-    step = functools.partial(body, masked=masked)
+    carry = lax.fori_loop(start, stop + 1, functools.partial(body, masked=masked), carry)
     if counts:
-      carry = lax.fori_loop(start, stop + 1, lambda i, c, f=step: (f(i, c[0]), c[1] + 1),
-                            carry)
-    else:
-      carry = (lax.fori_loop(start, stop + 1, step, carry[0]), None)
-  return carry
+      n = jnp.maximum(stop + 1 - start, 0)
+      visits += n
+      masked_visits += n if masked else 0
+  return carry, ((visits, masked_visits) if counts else None)
+
+
+def _gpu_counts(count_ref, visits):
+  """Writes (visited block pairs, masked ones) to a [2] counter block."""
+  count_ref[...] = jnp.where(lax.iota(jnp.int32, 2) == 0, visits[0], visits[1])
+
+
+def _gpu_ranges(cfg: _Config, block_range, full_range, i, range_ref):
+  """(visible, fully visible) block ranges of the other axis for block `i`: the mask's,
+  narrowed by the segment ids' (`range_ref`: one row of `segment_block_ranges`)."""
+  if not cfg.segments:
+    return block_range(cfg, i), full_range(cfg, i)
+  return (_and_range(block_range(cfg, i), range_ref[0], range_ref[1]),
+          full_range(cfg, i, (range_ref[2], range_ref[3])))
+
+
+def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
+  """Runs `body(i, carry, masked)` over the visible blocks [lo, hi]: the fully visible
+  sub-range [full_lo, full_hi] without the element mask, the blocks before and after
+  it with the mask. With `counts` it also counts the iterations it ran, and the masked
+  ones (the debug counters of the block-skipping tests)."""
+  lo, hi = lo_hi
+  full_lo, full_hi = full_lo_hi
+  empty = full_lo > full_hi
+  full_lo = jnp.where(empty, hi + 1, full_lo)
+  full_hi = jnp.where(empty, hi, full_hi)
+  spans = ((lo, jnp.minimum(hi, full_lo - 1), True), (full_lo, full_hi, False),
+           (jnp.maximum(lo, full_hi + 1), hi, True))
+  carry, visits, masked_visits = init, jnp.int32(0), jnp.int32(0)
+  for start, stop, masked in spans:
+    carry = lax.fori_loop(start, stop + 1, functools.partial(body, masked=masked), carry)
+    if counts:
+      n = jnp.maximum(stop + 1 - start, 0)
+      visits += n
+      masked_visits += n if masked else 0
+  return carry, ((visits, masked_visits) if counts else None)
+
+
+def _gpu_counts(count_ref, visits):
+  """Writes (visited block pairs, masked ones) to a [2] counter block."""
+  count_ref[...] = jnp.where(lax.iota(jnp.int32, 2) == 0, visits[0], visits[1])
+
+
+def _gpu_ranges(cfg: _Config, block_range, full_range, i, range_ref):
+  """(visible, fully visible) block ranges of the other axis for block `i`: the mask's,
+  narrowed by the segment ids' (`range_ref`: one row of `segment_block_ranges`)."""
+  if not cfg.segments:
+    return block_range(cfg, i), full_range(cfg, i)
+  return (_and_range(block_range(cfg, i), range_ref[0], range_ref[1]),
+          full_range(cfg, i, (range_ref[2], range_ref[3])))
 
 
 def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
@@ -778,14 +871,14 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   # full_like keeps the loaded values' shard_map axes (interpret mode under shard_map).
   init = (lax.full_like(q, 0.0, jnp.float32), lax.full_like(q, MASK_VALUE, jnp.float32, (bq,)),
           lax.full_like(q, 0.0, jnp.float32, (bq,)))
-  (acc, m, l), visited = _visible_loop(_gpu_kv_range(cfg, qi, range_ref),
-                                       kv_full_range(cfg, qi), body, init, counts)
+  (acc, m, l), visited = _visible_loop(
+      *_gpu_ranges(cfg, kv_block_range, kv_full_range, qi, range_ref), body, init, counts)
   empty = m == MASK_VALUE
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l_safe)) * (1.0 / LOG2E))
   if counts:
-    rest[2][...] = jnp.full(rest[2].shape, visited, jnp.int32)
+    _gpu_counts(rest[2], visited)
 
 
 def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref):
@@ -814,11 +907,12 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
                     kv_seg_ref)
     return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  dq, visited = _visible_loop(_gpu_kv_range(cfg, qi, range_ref), kv_full_range(cfg, qi),
-                              body, lax.full_like(q, 0.0, jnp.float32), counts)
+  dq, visited = _visible_loop(
+      *_gpu_ranges(cfg, kv_block_range, kv_full_range, qi, range_ref), body,
+      lax.full_like(q, 0.0, jnp.float32), counts)
   rest[0][...] = dq.astype(rest[0].dtype)
   if counts:
-    rest[1][...] = jnp.full(rest[1].shape, visited, jnp.int32)
+    _gpu_counts(rest[1], visited)
 
 
 def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
@@ -834,9 +928,7 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   ki, bi, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bq = cfg.block_q
   k, v = k_ref[...], v_ref[...]
-  q_range, q_full = q_block_range(cfg, ki), q_full_range(cfg, ki)
-  if cfg.segments:
-    q_range = _and_range(q_range, range_ref[0], range_ref[1])
+  q_range, q_full = _gpu_ranges(cfg, q_block_range, q_full_range, ki, range_ref)
 
   def head(gi, carry):
     def body(qi, dkv, masked):
@@ -855,14 +947,15 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
       return dk, dv
 
     dkv, visited = _visible_loop(q_range, q_full, body, carry[0], counts)
-    return dkv, (carry[1] + visited if counts else carry[1])
+    return dkv, (tuple(a + b for a, b in zip(carry[1], visited)) if counts else carry[1])
 
   zeros = lax.full_like(k, 0.0, jnp.float32)
-  (dk, dv), visited = lax.fori_loop(0, cfg.group, head, ((zeros, zeros), jnp.int32(0)))
+  (dk, dv), visited = lax.fori_loop(0, cfg.group, head,
+                                    ((zeros, zeros), (jnp.int32(0), jnp.int32(0))))
   rest[0][...] = dk.astype(rest[0].dtype)
   rest[1][...] = dv.astype(rest[1].dtype)
   if counts:
-    rest[-1][...] = jnp.full(rest[-1].shape, visited, jnp.int32)
+    _gpu_counts(rest[-1], visited)
 
 
 def _gpu_compiler_params(cfg: _Config, d: int):
@@ -889,15 +982,15 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
     kv_ranges = _segment_ranges(cfg, q_seg, kv_seg)[0]
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
-                 pl.BlockSpec((None, None, 2), lambda i, bi, hi: (bi, qb(i), 0))]
+                 pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bi, qb(i), 0))]
     operands += [q_seg, kv_seg, kv_ranges]
   out_specs = [pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qb(i), hi, 0)),
                pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qb(i)))]
   out_shape = [_struct(q.shape, q.dtype, q),
                _struct((b, h, tq), jnp.float32, q)]
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1), lambda i, bi, hi: (bi, hi, qb(i))))
-    out_shape.append(_struct((b, h, nq), jnp.int32, q))
+    out_specs.append(pl.BlockSpec((None, None, None, 2), lambda i, bi, hi: (bi, hi, qb(i), 0)))
+    out_shape.append(_struct((b, h, nq, 2), jnp.int32, q))
   return pl.pallas_call(
       functools.partial(_gpu_fwd_kernel, cfg=cfg, counts=counts),
       grid=(nq, b, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -921,13 +1014,13 @@ def _gpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
   if cfg.segments:
     in_specs += [pl.BlockSpec((None, tq), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
-                 pl.BlockSpec((None, None, 2), lambda i, bi, hi: (bi, qb(i), 0))]
+                 pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bi, qb(i), 0))]
     operands += [q_seg, kv_seg, _segment_ranges(cfg, q_seg, kv_seg)[0]]
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1), lambda i, bi, hi: (bi, hi, qb(i))))
-    out_shape.append(_struct((b, h, nq), jnp.int32, q))
+    out_specs.append(pl.BlockSpec((None, None, None, 2), lambda i, bi, hi: (bi, hi, qb(i), 0)))
+    out_shape.append(_struct((b, h, nq, 2), jnp.int32, q))
   return pl.pallas_call(
       functools.partial(_gpu_dq_kernel, cfg=cfg, counts=counts),
       grid=(nq, b, h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -949,7 +1042,7 @@ def _gpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
   if cfg.segments:
     in_specs += [pl.BlockSpec((None, tq), lambda ki, bi, kh: (bi, 0)),
                  pl.BlockSpec((None, tk), lambda ki, bi, kh: (bi, 0)),
-                 pl.BlockSpec((None, None, 2), lambda ki, bi, kh: (bi, ki, 0))]
+                 pl.BlockSpec((None, None, 4), lambda ki, bi, kh: (bi, ki, 0))]
     operands += [q_seg, kv_seg, _segment_ranges(cfg, q_seg, kv_seg)[1]]
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
@@ -963,8 +1056,8 @@ def _gpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
     out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     out_shape.append(_struct(q.shape, jnp.float32, q))
   if counts:
-    out_specs.append(pl.BlockSpec((None, None, 1), lambda ki, bi, kh: (bi, kh, ki)))
-    out_shape.append(_struct((b, kvh, nk), jnp.int32, q))
+    out_specs.append(pl.BlockSpec((None, None, None, 2), lambda ki, bi, kh: (bi, kh, ki, 0)))
+    out_shape.append(_struct((b, kvh, nk, 2), jnp.int32, q))
   return pl.pallas_call(
       functools.partial(_gpu_dkv_kernel, cfg=cfg, counts=counts),
       grid=(nk, b, kvh), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -1022,7 +1115,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
   if cfg.backend == "tpu":
     res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
     out, lse = jnp.swapaxes(res[0], 1, 2), res[1][..., 0]
-    res = (*res[:2], res[2][..., 0, 0]) if counts else res
+    res = (*res[:2], res[2][..., 0, :2]) if counts else res
   else:
     res = _gpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
     out, lse = res[0], res[1]
@@ -1050,7 +1143,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
     dq = jnp.swapaxes(dq_out[0], 1, 2)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
     if counts:
-      dq_counts, dkv_counts = dq_out[1][..., 0, 0], dkv_out[2][..., 0, 0]
+      dq_counts, dkv_counts = dq_out[1][..., 0, :2], dkv_out[2][..., 0, :2]
   else:
     args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
     dkv_out = _gpu_dkv(cfg, *args)

@@ -71,22 +71,28 @@ class FlashAttentionTest:
     total = cfg.num_q_blocks * cfg.num_kv_blocks
     assert visible.sum() < total  # the case does have blocks to skip
     per_q_block = np.broadcast_to(visible.sum(axis=1), (1, 4, cfg.num_q_blocks))
-    np.testing.assert_array_equal(np.asarray(fwd_counts), per_q_block)
+    np.testing.assert_array_equal(np.asarray(fwd_counts[..., 0]), per_q_block)
     dq_cfg = cfg.for_backward().for_dq()
     assert (dq_cfg.block_q, dq_cfg.block_kv) == (2 * bq, 2 * bk)
     dq_visible = brute_force_visible(dq_cfg)
     np.testing.assert_array_equal(
-        np.asarray(dq_counts), np.broadcast_to(dq_visible.sum(axis=1),
-                                               (1, 4, dq_cfg.num_q_blocks)))
+        np.asarray(dq_counts[..., 0]), np.broadcast_to(dq_visible.sum(axis=1),
+                                                       (1, 4, dq_cfg.num_q_blocks)))
     # Each kv block is visited once per query head of its group (2 heads per kv head).
     per_kv_block = np.broadcast_to(2 * visible.sum(axis=0), (1, 2, cfg.num_kv_blocks))
-    np.testing.assert_array_equal(np.asarray(dkv_counts), per_kv_block)
+    np.testing.assert_array_equal(np.asarray(dkv_counts[..., 0]), per_kv_block)
+    # Only block pairs the mask cuts through pay for the element mask.
+    masked = visible & ~brute_force_full(cfg)
+    assert masked.any() and (window is not None or masked.sum() < visible.sum())
+    np.testing.assert_array_equal(
+        np.asarray(fwd_counts[..., 1]),
+        np.broadcast_to(masked.sum(axis=1), (1, 4, cfg.num_q_blocks)))
 
   def test_packed_rows_skip_blocks_of_other_sequences(self):
     """Segment ids narrow the visited blocks to those holding a query and a key of one
     sequence (the kernels' counters equal a brute-force element mask), and the output
     and gradients still match the reference."""
-    lengths = ([128, 200, 60, 100], [300, 150, 24])  # then padding (id 0)
+    lengths = ([300, 150, 24], [260, 60, 100, 40])  # then padding (id 0)
     t = 512
     seg = np.zeros((2, t), np.int32)
     for row, parts in enumerate(lengths):
@@ -103,15 +109,22 @@ class FlashAttentionTest:
         cfg.for_backward(), x["q"], x["k"], x["v"], seg, seg, x["dout"], lse, di,
         counts=True)
     for row in range(2):
-      visible = brute_force_visible(cfg, np.asarray(seg[row]), np.asarray(seg[row]))
+      ids = np.asarray(seg[row])
+      visible = brute_force_visible(cfg, ids, ids)
       assert visible.sum() < brute_force_visible(cfg).sum()  # segments do skip blocks
-      np.testing.assert_array_equal(np.asarray(fwd_counts[row]),
-                                    np.broadcast_to(visible.sum(axis=1), (4, cfg.num_q_blocks)))
-      np.testing.assert_array_equal(np.asarray(dq_counts[row]),
-                                    np.broadcast_to(visible.sum(axis=1), (4, cfg.num_q_blocks)))
-      np.testing.assert_array_equal(np.asarray(dkv_counts[row]),
-                                    np.broadcast_to(2 * visible.sum(axis=0),
-                                                    (2, cfg.num_kv_blocks)))
+      # Block pairs inside one sequence (and below the diagonal) skip the element mask.
+      masked = visible & ~brute_force_full(cfg, ids, ids)
+      assert 0 < masked.sum() < visible.sum()
+      for counts, table in ((fwd_counts, visible), (fwd_counts, masked),
+                            (dq_counts, visible), (dq_counts, masked)):
+        column = 0 if table is visible else 1
+        np.testing.assert_array_equal(
+            np.asarray(counts[row, ..., column]),
+            np.broadcast_to(table.sum(axis=1), (4, cfg.num_q_blocks)))
+      for column, table in enumerate((visible, masked)):
+        np.testing.assert_array_equal(
+            np.asarray(dkv_counts[row, ..., column]),
+            np.broadcast_to(2 * table.sum(axis=0), (2, cfg.num_kv_blocks)))
     kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg)
     got, got_grads = value_and_vjp(self.flash, x, **kw)
     want, want_grads = f32_reference(x, **kw)
@@ -225,6 +238,20 @@ def brute_force_visible(cfg, q_seg=None, kv_seg=None):
   return _per_block(cfg, mask, np.any)
 
 
+def brute_force_full(cfg, q_seg=None, kv_seg=None):
+  """[q blocks, kv blocks] bool: no element of the block pair is masked (rows past
+  q_len do not count without segment ids; with them, their id 0 masks them)."""
+  mask = _padded_mask(cfg)
+  if q_seg is None:
+    mask[cfg.q_len:] = True
+  else:
+    qs = np.zeros(mask.shape[0], np.int64)
+    ks = np.zeros(mask.shape[1], np.int64)
+    qs[:len(q_seg)], ks[:len(kv_seg)] = q_seg, kv_seg
+    mask = mask & (qs[:, None] == ks[None, :]) & (ks[None, :] != 0)
+  return _per_block(cfg, mask, np.all)
+
+
 def _block_hull(table):
   """[m, n] bool -> [m, 2] first / last true column, (n, -1) for an empty row."""
   n = table.shape[1]
@@ -242,7 +269,7 @@ def _block_hull(table):
 def test_segment_block_ranges(data, block_q, block_kv, packed):
   """Every block pair holding a query and a key of one segment lies inside both ranges;
   for packed rows (ids non-decreasing, then padding) the ranges are exactly the hull of
-  those pairs."""
+  those pairs. The fully visible sub-ranges hold only pairs the ids mask nowhere."""
   nq, nk = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 6))
   ids = st.integers(0, 4)
   if packed:
@@ -266,9 +293,20 @@ def test_segment_block_ranges(data, block_q, block_kv, packed):
   for qi, ki in zip(*np.nonzero(pairs)):
     assert kv_ranges[qi, 0] <= ki <= kv_ranges[qi, 1]
     assert q_ranges[ki, 0] <= qi <= q_ranges[ki, 1]
+  # Columns 2-3: pairs the ids mask nowhere. Never a pair with a masked element (the
+  # kernels skip the mask there), and for packed rows every such pair.
+  full = share.reshape(nq, block_q, nk, block_kv).all(axis=(1, 3))
+  for qi in range(nq):
+    for ki in range(kv_ranges[qi, 2], kv_ranges[qi, 3] + 1):
+      assert full[qi, ki]
+  for ki in range(nk):
+    for qi in range(q_ranges[ki, 2], q_ranges[ki, 3] + 1):
+      assert full[qi, ki]
   if packed:
-    np.testing.assert_array_equal(kv_ranges, _block_hull(pairs))
-    np.testing.assert_array_equal(q_ranges, _block_hull(pairs.T))
+    np.testing.assert_array_equal(kv_ranges[:, :2], _block_hull(pairs))
+    np.testing.assert_array_equal(q_ranges[:, :2], _block_hull(pairs.T))
+    np.testing.assert_array_equal(kv_ranges[:, 2:], _block_hull(full))
+    np.testing.assert_array_equal(q_ranges[:, 2:], _block_hull(full.T))
 
 
 def _range_config(q_len, kv_len, block_q, block_kv, causal, window):
