@@ -156,11 +156,29 @@ def _ring_rows(length: int) -> list[dict]:
 
 
 # Flash launch options tried at one length before the table: forward (block_q, block_kv,
-# num_warps, num_stages) timed alone, then backward options with the best forward.
-GPU_FWD_SWEEP = ((128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
-                 (64, 64, 4, 2))
-GPU_BWD_SWEEP = ((64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
-                 (64, 128, 8, 2), (128, 128, 8, 2))
+# num_warps, num_stages) timed alone, then backward options with the best forward. The
+# first arm of each is the current default. Backward arms: the dk/dv kernel's blocks
+# (block_q_bwd = q rows a step, block_kv_bwd = kv rows a program), the dq kernel's own
+# blocks (q rows a program, kv rows a step; default the same), or dq by atomic adds.
+GPU_FWD_SWEEP = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3))
+
+
+def _bwd_arm(bq, bk, warps, stages, dq=None, atomic=False):
+  arm = dict(block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps, num_stages_bwd=stages)
+  if dq:
+    arm.update(block_q_dq=dq[0], block_kv_dq=dq[1])
+  return dict(arm, dq_atomic=True) if atomic else arm
+
+
+GPU_BWD_SWEEP = (
+    _bwd_arm(64, 64, 4, 2),
+    _bwd_arm(32, 128, 4, 2, dq=(128, 32)),  # the Triton tutorial's shapes
+    _bwd_arm(32, 128, 4, 3, dq=(128, 32)),
+    _bwd_arm(64, 128, 8, 2, dq=(128, 64)),
+    _bwd_arm(64, 64, 4, 2, atomic=True),
+    _bwd_arm(32, 128, 4, 2, atomic=True),
+    _bwd_arm(64, 128, 8, 2, atomic=True),
+)
 ACCEL_LENGTHS = (4096, 8192, 16384, 32768)
 XLA_MAX_LENGTH = 16384  # beyond this the materialised scores take most of the card
 
@@ -200,12 +218,17 @@ def _rel_err(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim), options
+ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim), mask options
     ("causal gqa ragged", (2, 1000, 8, 2, 128), dict(causal=True)),
     ("non-causal mqa d64", (1, 777, 4, 1, 64), dict(causal=False)),
     ("segments", (2, 640, 4, 4, 128), dict(causal=True, segments=True)),
     ("window + soft cap", (1, 1536, 4, 2, 128),
      dict(causal=True, sliding_window=300, logits_soft_cap=30.0)),
+    # The backward variants the sweep may pick (flash-only options after the mask's).
+    ("causal gqa ragged, dq atomic", (2, 1000, 8, 2, 128), dict(causal=True),
+     dict(dq_atomic=True)),
+    ("segments, dq blocks 128x32", (2, 640, 4, 4, 128), dict(causal=True, segments=True),
+     dict(block_q_bwd=32, block_kv_bwd=128, block_q_dq=128, block_kv_dq=32)),
 )
 
 
@@ -213,8 +236,9 @@ def accelerator_check(options=None) -> list[dict]:
   """Flash (bf16) vs the f32 reference on the device: ||x - ref|| / ||ref|| of the
   output and of dq, dk, dv, on fresh random inputs. bf16 lands near 1e-2 at most."""
   rows = []
-  for i, (name, (b, t, h, kvh, d), opts) in enumerate(ACCEL_CHECKS):
+  for i, (name, (b, t, h, kvh, d), opts, *flash_opts) in enumerate(ACCEL_CHECKS):
     opts = dict(opts)
+    flash_opts = dict(options or {}, **(flash_opts[0] if flash_opts else {}))
     q, k, v, do = _attention_inputs(jax.random.key(100 + i), b, t, h, kvh, d)
     seg = None
     if opts.pop("segments", False):
@@ -225,7 +249,7 @@ def accelerator_check(options=None) -> list[dict]:
     def run(fn, *args):
       out, vjp = jax.vjp(fn, *args)
       return (out, *vjp(do.astype(out.dtype)))
-    flash = lambda q, k, v: kernels.flash_attention(q, k, v, **opts, **(options or {}))
+    flash = lambda q, k, v: kernels.flash_attention(q, k, v, **opts, **flash_opts)
     ref = lambda q, k, v: kernels.reference_attention(q, k, v, **opts)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     try:
@@ -265,9 +289,8 @@ def accelerator_sweep(repeats: int, length: int = 8192, heads: int = 16,
     if isinstance(seconds, float) and (best_fwd is None or seconds < best_fwd[0]):
       best_fwd = (seconds, opts)
   fwd_opts = best_fwd[1] if best_fwd else {}
-  for bq, bk, warps, stages in bwd_sweep:
-    opts = dict(fwd_opts, block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps,
-                num_stages_bwd=stages)
+  for arm in bwd_sweep:
+    opts = dict(fwd_opts, **arm)
     seconds = _time_or_error(_fwd_and_bwd(_flash(**opts))[1], args, repeats)
     rows.append(_sweep_row("sweep fwd+bwd", opts, length, batch, seconds, all_flops))
     if isinstance(seconds, float) and (best is None or seconds < best[0]):
@@ -452,6 +475,19 @@ def print_table(rows) -> None:
     print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
+def _bwd_arms(text: str) -> tuple[dict, ...]:
+  """--bwd-sweep items: 4 or 6 numbers joined by x, optionally ending in x atomic."""
+  arms = []
+  for item in text.split(","):
+    parts = item.split("x")
+    atomic = parts[-1] == "atomic"
+    numbers = [int(x) for x in (parts[:-1] if atomic else parts)]
+    if len(numbers) not in (4, 6):
+      raise argparse.ArgumentTypeError(f"bad backward arm {item!r}: want 4 or 6 numbers")
+    arms.append(_bwd_arm(*numbers[:4], dq=numbers[4:] or None, atomic=atomic))
+  return tuple(arms)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
@@ -467,8 +503,10 @@ def main(argv=None) -> None:
   parser.add_argument("--fwd-sweep", type=options, default=GPU_FWD_SWEEP,
                       help="forward options to try, e.g. 128x64x8x3,128x128x8x2 "
                       "(block_q x block_kv x num_warps x num_stages)")
-  parser.add_argument("--bwd-sweep", type=options, default=GPU_BWD_SWEEP,
-                      help="backward options to try, same form")
+  parser.add_argument("--bwd-sweep", type=_bwd_arms, default=GPU_BWD_SWEEP,
+                      help="backward options to try, e.g. 64x64x4x2,32x128x4x2x128x32,"
+                      "64x64x4x2xatomic (block_q_bwd x block_kv_bwd x num_warps_bwd x "
+                      "num_stages_bwd [x block_q_dq x block_kv_dq] [x atomic: dq_atomic])")
   parser.add_argument("--out", help="JSON file for the accelerator rows (rewritten as "
                       "each part finishes)")
   args = parser.parse_args(argv)

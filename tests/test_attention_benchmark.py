@@ -1,4 +1,8 @@
-"""The packed-row block count of benchmarks/attention.py, against the closed form."""
+"""The packed-row block count of benchmarks/attention.py, against the closed form, and
+the device sweep's backward arms."""
+import argparse
+
+import pytest
 
 from benchmarks import attention
 
@@ -20,3 +24,16 @@ def test_packed_rows_visit_only_each_sequences_causal_blocks():
     # element mask: one per q block (TPU), two per 128-row q block of 64-key blocks.
     assert row["masked_blocks"] == (4096 // 512 if "tpu" in row["benchmark"] else 2 * 4096 // 128)
   assert [r["fraction"] for r in rows[:4]] == [1.0, 0.556, 0.333, 0.222]
+
+
+def test_backward_sweep_arms_parse_into_flash_options():
+  arms = attention._bwd_arms("64x64x4x2,32x128x4x3x128x32,64x128x8x2xatomic")
+  assert arms == (
+      dict(block_q_bwd=64, block_kv_bwd=64, num_warps_bwd=4, num_stages_bwd=2),
+      dict(block_q_bwd=32, block_kv_bwd=128, num_warps_bwd=4, num_stages_bwd=3,
+           block_q_dq=128, block_kv_dq=32),
+      dict(block_q_bwd=64, block_kv_bwd=128, num_warps_bwd=8, num_stages_bwd=2,
+           dq_atomic=True))
+  assert attention.GPU_BWD_SWEEP[0] == arms[0]  # the default comes first
+  with pytest.raises(argparse.ArgumentTypeError, match="want 4 or 6 numbers"):
+    attention._bwd_arms("64x64x4")
