@@ -45,6 +45,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 NUM_LANES = 128
 NUM_SUBLANES = 8
 _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims (x @ y.T)
+_TN = (((0,), (0,)), ((), ()))  # dot_general: contract the first dims (x.T @ y)
 LOG2E = math.log2(math.e)
 
 # (block_q, block_kv, block_q_bwd, block_kv_bwd) per kernel family.
@@ -323,10 +324,13 @@ def q_full_range(cfg: _Config, ki, segment_full=None):
   return full_lo, full_hi
 
 
-def _element_mask(cfg: _Config, qi, ki, shape, q_seg=None, kv_seg=None):
-  """[block_q, block_kv] bool mask of one block pair (True = visible)."""
-  q_pos = qi * cfg.block_q + cfg.offset + lax.broadcasted_iota(jnp.int32, shape, 0)
-  kv_pos = ki * cfg.block_kv + lax.broadcasted_iota(jnp.int32, shape, 1)
+def _element_mask(cfg: _Config, qi, ki, shape, q_seg=None, kv_seg=None,
+                  kv_major: bool = False):
+  """[block_q, block_kv] bool mask of one block pair (True = visible); [block_kv,
+  block_q] with `kv_major`. q_seg / kv_seg broadcast against it."""
+  q_axis = 1 if kv_major else 0
+  q_pos = qi * cfg.block_q + cfg.offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+  kv_pos = ki * cfg.block_kv + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
   mask = jnp.ones(shape, jnp.bool_)
   if cfg.kv_len % cfg.block_kv:
     mask &= kv_pos < cfg.kv_len
@@ -765,12 +769,14 @@ def _gpu_q_block(cfg: _Config, program: Any):
   return cfg.num_q_blocks - 1 - program if cfg.causal else program
 
 
-def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref):
+def _gpu_block_mask(cfg, qi, ki, shape, q_seg_ref, kv_seg_ref, kv_major: bool = False):
   q_seg = kv_seg = None
   if cfg.segments:
-    q_seg = q_seg_ref[pl.ds(qi * cfg.block_q, cfg.block_q)][:, None]
-    kv_seg = kv_seg_ref[pl.ds(ki * cfg.block_kv, cfg.block_kv)][None, :]
-  return _element_mask(cfg, qi, ki, shape, q_seg, kv_seg)
+    q_seg = q_seg_ref[pl.ds(qi * cfg.block_q, cfg.block_q)]
+    kv_seg = kv_seg_ref[pl.ds(ki * cfg.block_kv, cfg.block_kv)]
+    q_seg, kv_seg = ((q_seg[None, :], kv_seg[:, None]) if kv_major
+                     else (q_seg[:, None], kv_seg[None, :]))
+  return _element_mask(cfg, qi, ki, shape, q_seg, kv_seg, kv_major)
 
 
 def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
@@ -915,6 +921,19 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
     _gpu_counts(rest[1], visited)
 
 
+def _gpu_ds_kv_major(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref):
+  """(p.T, ds.T) [block_kv, block_q] of one block pair, computed kv-major (k @ q.T) so
+  that dv += p.T @ do and dk += ds.T @ q need no transpose of a computed tile (each
+  costs a trip through shared memory in Triton); `lse2` is the log-sum-exp in base 2."""
+  s, capped = _logits_base2(cfg, k, q)
+  if masked:
+    s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref, True), s,
+                  MASK_VALUE)
+  p = jnp.exp2(s - lse2[None, :])
+  dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+  return p, _soft_cap_grad(cfg, p * (dp - di[None, :]), capped) * cfg.sm_scale
+
+
 def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   # q_ref, do_ref: [Tq, group, d]; lse_ref (base 2), di_ref: [group, Tq]; k_ref, v_ref:
   # [bk, d]. With dq_atomic, refs end in the [b, Tq, h, d] f32 dq buffer (input aliased
@@ -935,15 +954,16 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
       dk, dv = dkv
       q_slice = pl.ds(qi * bq, bq)
       q, do = q_ref[q_slice, gi, :], do_ref[q_slice, gi, :]
-      p, ds = _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse_ref[gi, q_slice], di_ref[gi, q_slice],
-                      q_seg_ref, kv_seg_ref)
-      dv = dv + lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-      dk = dk + lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
-      if cfg.dq_atomic:
+      p_t, ds_t = _gpu_ds_kv_major(cfg, qi, ki, masked, q, k, v, do, lse_ref[gi, q_slice],
+                                   di_ref[gi, q_slice], q_seg_ref, kv_seg_ref)
+      dv = dv + lax.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+      ds_t = ds_t.astype(q.dtype)
+      dk = dk + lax.dot(ds_t, q, preferred_element_type=jnp.float32)
+      if cfg.dq_atomic:  # dq rows of this q block += ds @ k
         from jax.experimental.pallas import triton as pltriton
         pltriton.atomic_add(
             dq_ref, (bi, q_slice, kh * cfg.group + gi, slice(None)),
-            lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32))
+            lax.dot_general(ds_t, k, _TN, preferred_element_type=jnp.float32))
       return dk, dv
 
     dkv, visited = _visible_loop(q_range, q_full, body, carry[0], counts)

@@ -412,6 +412,30 @@ def test_lowers_for_gpu_with_triton():
     assert "__nv_exp2f" in text and "__nv_expf" not in text
 
 
+def _triton_ops(monkeypatch, capsys, **kwargs):
+  """{kernel name: {op: count}} of the Triton IR each GPU kernel lowers to."""
+  import collections
+  import re
+  monkeypatch.setattr(fa.pl, "pallas_call",
+                      functools.partial(fa.pl.pallas_call, debug=True))
+  capsys.readouterr()
+  _lower("gpu", "cuda", segments=False, **kwargs)
+  kernels_ir = capsys.readouterr().out.split("The Triton module for pallas_call")[1:]
+  return {re.search(r"tt.func public @(\w+)", ir).group(1):
+          collections.Counter(re.findall(r"= \"?(tt\.\w+)", ir)) for ir in kernels_ir}
+
+
+def test_dkv_kernel_transposes_only_loaded_tiles(monkeypatch, capsys):
+  """The dk / dv kernel works kv-major (k @ q.T): its only transposes are of the q and
+  do tiles fed to a matmul, one per two matmuls, never of a computed p or ds tile (a
+  round trip through shared memory each)."""
+  ops = _triton_ops(monkeypatch, capsys)
+  dkv = ops["flash_attention_dkv"]
+  assert dkv["tt.dot"] == 12 and dkv["tt.trans"] == 6, dkv  # 3 loops x (4 dots, 2 trans)
+  atomic = _triton_ops(monkeypatch, capsys, dq_atomic=True)["flash_attention_dkv"]
+  assert atomic["tt.atomic_rmw"] == 3 and atomic["tt.trans"] == 9, atomic  # + ds.T for dq
+
+
 def test_dq_atomic_lowers_to_one_backward_kernel():
   """dq_atomic: no dq kernel; the dk / dv kernel adds to dq with atomics, in place of a
   zero-filled buffer it aliases."""
