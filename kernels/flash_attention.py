@@ -21,7 +21,8 @@ sequence (and below the diagonal) skip the element mask as well.
 
 The backward pass recomputes probabilities from the saved log-sum-exp with one kernel
 for dq (loop over kv blocks, on blocks of its own) and one for dk/dv (loop over q blocks
-and over the query heads that share a kv head, so GQA needs no repeated k/v). On GPU,
+and over the query heads that share a kv head, so GQA needs no repeated k/v; it works
+kv-major, k @ q.T, so no computed tile is ever transposed). On GPU,
 `dq_atomic` folds dq into the dk/dv kernel with atomic adds. Off TPU/GPU both families
 run in Pallas interpret mode, which is what the CPU tests exercise.
 """
@@ -494,7 +495,7 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
 
 
 def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse, di, q_seg, kv_seg):
-  """Shared dq / dk / dv block arithmetic: returns (p, ds) for one block pair."""
+  """The dq kernel's block arithmetic: returns (p, ds) for one block pair."""
   bq, bk = q.shape[0], k.shape[0]
   capped = _logits(cfg, q, k)
   s = capped
@@ -566,13 +567,25 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
       count_ref[...] = jnp.zeros_like(count_ref)
 
   def step(masked: bool):
-    q, do = q_ref[...], do_ref[...]
-    q_seg, kv_seg = (_tpu_segments(cfg, q_seg_ref, kv_seg_ref,
-                                   (cfg.block_q, cfg.block_kv)) if masked else (None, None))
-    p, ds = _tpu_grads_block(cfg, qi, ki, masked, q, k_ref[...], v_ref[...], do,
-                             lse_ref[...], di_ref[...], q_seg, kv_seg)
-    dv_sc[...] += lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dk_sc[...] += lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    # kv-major, as splash attention's dk/dv kernel: p.T and ds.T come out of k @ q.T
+    # directly, so the accumulating matmuls need no [bk, bq] transpose on the XLU.
+    # lse, di and the q ids arrive sublane-replicated ([8, bq]); the kv ids
+    # lane-replicated ([bk, 128]).
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    bq, bk = q.shape[0], k.shape[0]
+    capped = _logits(cfg, k, q)
+    s = capped
+    if masked:
+      q_seg = kv_seg = None
+      if cfg.segments:
+        q_seg, kv_seg = q_seg_ref[:1, :], _lanes(kv_seg_ref[...], bq)
+      s = jnp.where(_element_mask(cfg, qi, ki, (bk, bq), q_seg, kv_seg, kv_major=True), s,
+                    MASK_VALUE)
+    p = jnp.exp(s - lse_ref[:1, :])
+    dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+    ds = _soft_cap_grad(cfg, p * (dp - di_ref[:1, :]), capped) * cfg.sm_scale
+    dv_sc[...] += lax.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dk_sc[...] += lax.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
     if counts:
       _tpu_count(count_ref, masked)
 
@@ -602,12 +615,22 @@ def _vmem(shape):
   return pltpu.VMEM(shape, jnp.float32)
 
 
-def _tpu_segment_operands(cfg, q_seg, kv_seg):
-  """Segment ids laid out as Mosaic likes them: q [b, Tq, 128], kv [b, 8, Tk]."""
-  q_seg = jnp.broadcast_to(q_seg[:, :, None], q_seg.shape + (NUM_LANES,))
-  kv_seg = jnp.broadcast_to(kv_seg[:, None, :], (kv_seg.shape[0], NUM_SUBLANES,
-                                                 kv_seg.shape[1]))
-  return q_seg, kv_seg
+def _lane_rows(x):
+  """[..., T] -> [..., T, 128]: each value replicated along the lanes (a column)."""
+  return jnp.broadcast_to(x[..., None], x.shape + (NUM_LANES,))
+
+
+def _sublane_rows(x):
+  """[..., T] -> [..., 8, T]: replicated along the sublanes (a row)."""
+  return jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (NUM_SUBLANES, x.shape[-1]))
+
+
+def _tpu_segment_operands(cfg, q_seg, kv_seg, kv_major: bool = False):
+  """Segment ids laid out as Mosaic likes them: q [b, Tq, 128], kv [b, 8, Tk]; kv-major
+  (the dk/dv kernel) q [b, 8, Tq], kv [b, Tk, 128]."""
+  if kv_major:
+    return _sublane_rows(q_seg), _lane_rows(kv_seg)
+  return _lane_rows(q_seg), _sublane_rows(kv_seg)
 
 
 def _struct(shape, dtype, like):
@@ -724,7 +747,8 @@ def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
 
 
 def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
-  """dk, dv; grid (b, kv heads, kv blocks, heads in group, q blocks)."""
+  """dk, dv; grid (b, kv heads, kv blocks, heads in group, q blocks). lse and di are
+  [b, h, 8, Tq] (sublane rows: the kernel works kv-major)."""
   b, kvh = k.shape[:2]
   d = q.shape[-1]
   bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
@@ -734,18 +758,22 @@ def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
   def q_index(bi, kh, ki, gi, qi, *r):
     return bi, kh * g + gi, _clamp(qi, _tpu_q_range(cfg, bi, ki, r[0] if r else None), nq), 0
 
+  def row_index(*ids):  # [b, h, 8, Tq] rows of lse / di
+    bi, hi, qi, _ = q_index(*ids)
+    return bi, hi, 0, qi
+
   q_spec = pl.BlockSpec((None, None, bq, d), q_index)
-  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_index)
+  row_spec = pl.BlockSpec((None, None, NUM_SUBLANES, bq), row_index)
   kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki, 0))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   operands = [q, k, v, do, lse, di]
   if cfg.segments:
     in_specs += [
-        pl.BlockSpec((None, bq, NUM_LANES),
-                     lambda bi, kh, ki, gi, qi, *r: (bi, q_index(bi, kh, ki, gi, qi, *r)[2], 0)),
-        pl.BlockSpec((None, NUM_SUBLANES, bk), lambda bi, kh, ki, gi, qi, *_: (bi, 0, ki)),
+        pl.BlockSpec((None, NUM_SUBLANES, bq),
+                     lambda bi, kh, ki, gi, qi, *r: (bi, 0, q_index(bi, kh, ki, gi, qi, *r)[2])),
+        pl.BlockSpec((None, bk, NUM_LANES), lambda bi, kh, ki, gi, qi, *_: (bi, ki, 0)),
     ]
-    operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
+    operands += _tpu_segment_operands(cfg, q_seg, kv_seg, kv_major=True)
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if counts:
@@ -1157,9 +1185,9 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   di = _pad_len(di, 2, q_multiple)
   dq_counts = None
   if cfg.backend == "tpu":
-    lanes = lambda x: jnp.broadcast_to(x[..., None], x.shape + (NUM_LANES,))
-    args = (qp, kp, vp, q_seg, kv_seg, dop, lanes(lse), lanes(di), counts)
-    dq_out, dkv_out = _tpu_dq(dq_cfg, *args), _tpu_dkv(cfg, *args)
+    args = (qp, kp, vp, q_seg, kv_seg, dop)
+    dq_out = _tpu_dq(dq_cfg, *args, _lane_rows(lse), _lane_rows(di), counts)
+    dkv_out = _tpu_dkv(cfg, *args, _sublane_rows(lse), _sublane_rows(di), counts)
     dq = jnp.swapaxes(dq_out[0], 1, 2)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
     if counts:

@@ -459,16 +459,39 @@ def test_gpu_launch_options_reach_the_kernels():
   assert all("num_warps = 8" in c and "num_stages = 1" in c for c in bwd)
 
 
-def test_lowers_for_tpu_with_mosaic(monkeypatch):
+def _describe_a_tpu(monkeypatch):
   from jax._src.pallas.mosaic import tpu_info
   if not hasattr(tpu_info, "registry") or ON == "tpu":
     pytest.skip("needs jax's TPU info registry to describe a TPU from a CPU host")
   # Lowering asks the (absent) device for its generation; describe a v5p.
   monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
                       lambda: tpu_info._get_tpu_info_impl(tpu_info.ChipVersion.TPU_V5P, 1))
+
+
+def test_lowers_for_tpu_with_mosaic(monkeypatch):
+  _describe_a_tpu(monkeypatch)
   # With segment ids the block ranges are scalar-prefetched; without, a plain grid.
   assert _lower("tpu", "tpu").count("tpu_custom_call") == 3
   assert _lower("tpu", "tpu", segments=False).count("tpu_custom_call") == 3
+
+
+def test_tpu_kernels_transpose_nothing(monkeypatch, capsys):
+  """In the Mosaic IR, no kernel transposes a tile (an XLU pass over [block, block]):
+  the dk/dv kernel works kv-major, as splash attention's does, and the MXU takes the
+  transposed operands of q @ k.T and k @ q.T itself."""
+  import collections
+  import re
+  _describe_a_tpu(monkeypatch)
+  monkeypatch.setattr(fa.pl, "pallas_call",
+                      functools.partial(fa.pl.pallas_call, debug=True))
+  capsys.readouterr()
+  _lower("tpu", "tpu")
+  modules = capsys.readouterr().out.split("The Mosaic module for pallas_call")[1:]
+  ops = {re.search(r"func.func @(\w+)", m).group(1):
+         collections.Counter(re.findall(r"= (tpu\.\w+)", m)) for m in modules}
+  assert sorted(ops) == ["flash_attention_dkv", "flash_attention_dq", "flash_attention_fwd"]
+  for name, counts in ops.items():
+    assert counts["tpu.matmul"] > 0 and counts["tpu.transpose"] == 0, (name, counts)
 
 
 @pytest.mark.parametrize("kwargs,message", [
