@@ -40,10 +40,14 @@ def get_config() -> ml_collections.ConfigDict:
   # step_tokens > 0: a rollout generates at most that many tokens per row; groups not
   # finished continue in the next step's rollout, or with partial="drop" are discarded
   # (single-turn domains; in-flight groups are not checkpointed: a resumed run starts
-  # afresh from new prompts).
+  # afresh from new prompts). weight_swap: between_batches swaps rollout weights only
+  # between batches (batch j samples with version j - max_policy_lag: the run repeats
+  # exactly); in_flight as soon as the learner syncs (fresher, timing-dependent; one
+  # process only); auto = between_batches on several processes, else in_flight.
   c.placement = ml_collections.ConfigDict(dict(
       mode="colocated", devices=0, rollout_devices=0, rollout_mesh=(1, -1, 1, 1),
-      sync_every=1, max_policy_lag=1, segment_tokens=0, step_tokens=0, partial="resume"))
+      sync_every=1, max_policy_lag=1, segment_tokens=0, step_tokens=0, partial="resume",
+      weight_swap="auto"))
 
   c.tasks = ml_collections.ConfigDict(dict(
       # 25 level-1/2 domains in the band a 2-layer byte model can learn on a CPU.

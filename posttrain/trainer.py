@@ -206,6 +206,21 @@ class Trainer:
     self.step_tokens = int(placement.get("step_tokens", 0) or 0)
     if self.partial not in ("resume", "drop"):
       raise ValueError(f"placement.partial={self.partial!r}; expected resume or drop")
+    # When rollout weights change in a disaggregated run. between_batches: only between
+    # two batches, at a fixed point (batch j samples with version j - max_policy_lag), so
+    # a run repeats exactly; several processes need it (every host swaps at the same
+    # point). in_flight: as soon as the learner syncs, mid-batch too (fresher samples,
+    # timing-dependent). auto: between_batches on several processes, else in_flight.
+    self.weight_swap = str(placement.get("weight_swap", "auto"))
+    if self.weight_swap not in ("auto", "between_batches", "in_flight"):
+      raise ValueError(f"placement.weight_swap={self.weight_swap!r}; expected auto, "
+                       "between_batches or in_flight")
+    if self.weight_swap == "in_flight" and jax.process_count() > 1:
+      raise ValueError("placement.weight_swap=in_flight needs a single process: with "
+                       f"{jax.process_count()} every host must swap weights at the same "
+                       "point (use between_batches or auto)")
+    if self.weight_swap == "auto":
+      self.weight_swap = "between_batches" if jax.process_count() > 1 else "in_flight"
     self._sampler_lock = threading.Lock()
     self._sync_path_logged = False
     self.sampler_version = 0
@@ -652,12 +667,13 @@ class Trainer:
     self.progress.policy_version += 1
     if not self.disaggregated or self.progress.rl_step % self.sync_every == 0:
       waited = 0.0
-      if source is not None and jax.process_count() > 1:
-        # Every process must swap the rollout weights between the same two sampler calls,
-        # or one host samples with other weights (or other programs) than the rest. Swap
-        # only between batches, after the last batch the old version may still produce
-        # (max_policy_lag ahead of this step) and before the next starts (it waits for the
-        # publish below): batch j then uses version j - max_policy_lag on every host.
+      if source is not None and self.weight_swap == "between_batches":
+        # Swap the rollout weights only between batches, after the last batch the old
+        # version may still produce (max_policy_lag ahead of this step) and before the next
+        # starts (it waits for the publish below): batch j then uses version
+        # j - max_policy_lag, whatever the timing, and on every host (with several
+        # processes each must swap between the same two sampler calls, or one host samples
+        # with other weights, or other programs, than the rest).
         t_wait = time.time()
         source.wait_generated(self.progress.rl_step + self.max_policy_lag)
         waited = time.time() - t_wait

@@ -52,6 +52,33 @@ def test_disaggregated_with_zero_lag_equals_colocated_exactly(tmp_path):
     assert rb["staleness/max"] == 0 and "timing/wait_for_rollout_s" in rb
 
 
+def test_swapping_weights_between_batches_repeats_a_disaggregated_run_exactly(tmp_path):
+  """placement.weight_swap=between_batches on one process: generation pauses every 3
+  tokens, yet weights change only between batches (every segment resumes from its
+  cache), batch j samples with version j - 1 (max_policy_lag=1), and a second run
+  repeats the first exactly. (With in_flight, 48 tokens take long enough that the
+  learner's sync lands mid-batch: some segments prefill under new weights.)"""
+  cfg = _config(**{**RUN, "rollout.max_new_tokens": 48}, **{
+      "placement.mode": "disaggregated", "placement.rollout_devices": 4,
+      "placement.max_policy_lag": 1, "placement.segment_tokens": 3,
+      "placement.weight_swap": "between_batches"})
+  trainer.train(cfg, str(tmp_path / "a"))
+  trainer.train(cfg, str(tmp_path / "b"))
+  a, b = _rl_rows(tmp_path / "a"), _rl_rows(tmp_path / "b")
+  assert len(a) == len(b) == 3
+  for i, (ra, rb) in enumerate(zip(a, b)):
+    assert ra["staleness/max"] == rb["staleness/max"] == min(i, 1)
+    assert ra["rollout/resumed_fraction"] == 1.0
+    for key in ("reward/mean", "loss/policy", "grad_norm", "entropy", "kl"):
+      assert ra[key] == rb[key], (i, key, ra[key], rb[key])
+
+
+def test_unknown_weight_swap_is_a_clear_error(tmp_path):
+  cfg = _config(**RUN, **{"placement.weight_swap": "sometimes"})
+  with pytest.raises(ValueError, match="placement.weight_swap='sometimes'; expected auto"):
+    trainer.Trainer(cfg, str(tmp_path))
+
+
 def test_stale_groups_beyond_the_bound_are_dropped_and_counted(tmp_path):
   # Weights reach the sampler only every 3 steps, so batches fall > 1 version behind.
   cfg = _config(**{**RUN, "train.rl_steps": 5}, **{
