@@ -843,42 +843,6 @@ def _gpu_ranges(cfg: _Config, block_range, full_range, i, range_ref):
           full_range(cfg, i, (range_ref[2], range_ref[3])))
 
 
-def _visible_loop(lo_hi, full_lo_hi, body, init, counts: bool):
-  """Runs `body(i, carry, masked)` over the visible blocks [lo, hi]: the fully visible
-  sub-range [full_lo, full_hi] without the element mask, the blocks before and after
-  it with the mask. With `counts` it also counts the iterations it ran, and the masked
-  ones (the debug counters of the block-skipping tests)."""
-  lo, hi = lo_hi
-  full_lo, full_hi = full_lo_hi
-  empty = full_lo > full_hi
-  full_lo = jnp.where(empty, hi + 1, full_lo)
-  full_hi = jnp.where(empty, hi, full_hi)
-  spans = ((lo, jnp.minimum(hi, full_lo - 1), True), (full_lo, full_hi, False),
-           (jnp.maximum(lo, full_hi + 1), hi, True))
-  carry, visits, masked_visits = init, jnp.int32(0), jnp.int32(0)
-  for start, stop, masked in spans:
-    carry = lax.fori_loop(start, stop + 1, functools.partial(body, masked=masked), carry)
-    if counts:
-      n = jnp.maximum(stop + 1 - start, 0)
-      visits += n
-      masked_visits += n if masked else 0
-  return carry, ((visits, masked_visits) if counts else None)
-
-
-def _gpu_counts(count_ref, visits):
-  """Writes (visited block pairs, masked ones) to a [2] counter block."""
-  count_ref[...] = jnp.where(lax.iota(jnp.int32, 2) == 0, visits[0], visits[1])
-
-
-def _gpu_ranges(cfg: _Config, block_range, full_range, i, range_ref):
-  """(visible, fully visible) block ranges of the other axis for block `i`: the mask's,
-  narrowed by the segment ids' (`range_ref`: one row of `segment_block_ranges`)."""
-  if not cfg.segments:
-    return block_range(cfg, i), full_range(cfg, i)
-  return (_and_range(block_range(cfg, i), range_ref[0], range_ref[1]),
-          full_range(cfg, i, (range_ref[2], range_ref[3])))
-
-
 def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   q_ref, k_ref, v_ref = refs[:3]
   q_seg_ref, kv_seg_ref, range_ref = refs[3:6] if cfg.segments else (None, None, None)
