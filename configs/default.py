@@ -30,7 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.init_from = ""          # "" = random; a Hugging Face folder; or a posttrain checkpoint dir
   c.export_hf = ""          # write the final policy as a Hugging Face folder here
   c.model = ml_collections.ConfigDict(dict(preset="tiny", value_head=None))
-  c.model.overrides = ml_collections.ConfigDict(dict(num_layers=2, d_model=128, ffn_dim=384))
+  # attention_impl / attention_options: see ModelConfig (options: flash kernel keywords,
+  # "name=value,...", e.g. a device sweep's best blocks).
+  c.model.overrides = ml_collections.ConfigDict(dict(
+      num_layers=2, d_model=128, ffn_dim=384, attention_impl="reference", attention_options=""))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, sequence=1))
   c.sharding_rules = ()
   # colocated: sampler and learner share the mesh (on-policy). disaggregated: the first

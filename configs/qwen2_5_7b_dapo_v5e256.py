@@ -45,7 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.preset = "qwen2_5_7b"
   # float32 master weights (and Adam moments): a 1e-6 step is below bfloat16's resolution.
   c.model.overrides = ml_collections.ConfigDict(dict(
-      attention_impl="flash", remat="full", dtype="bfloat16", param_dtype="float32"))
+      attention_impl="flash", attention_options="", remat="full", dtype="bfloat16",
+      param_dtype="float32"))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=64, tensor=4, sequence=1))
 
   c.tasks.domains = "*"

@@ -189,8 +189,8 @@ def state_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
   advice re-plans the same model many times)."""
   rules = tuple((n, tuple(a)) for n, a in rules)
   # Fields that change no parameter share one cache entry (the advice varies remat).
-  shapes_only = model_cfg.replace(remat="none", attention_impl="reference", dtype="float32",
-                                  attention_chunk=512, logprob_chunk=256)
+  shapes_only = model_cfg.replace(remat="none", attention_impl="reference", attention_options="",
+                                  dtype="float32", attention_chunk=512, logprob_chunk=256)
   return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))
 
 

@@ -6,6 +6,37 @@ import dataclasses
 from typing import Any
 
 ATTENTION_IMPLS = ("reference", "chunked", "flash", "ring")
+# Keyword options of kernels.flash_attention a run may set (ModelConfig.attention_options).
+FLASH_OPTIONS = {
+    "backend": str, "block_q": int, "block_kv": int, "block_q_bwd": int, "block_kv_bwd": int,
+    "block_q_dq": int, "block_kv_dq": int, "dq_atomic": bool, "num_warps": int,
+    "num_stages": int, "num_warps_bwd": int, "num_stages_bwd": int}
+
+
+def parse_attention_options(text: str) -> dict[str, Any]:
+  """"name=value,..." -> flash_attention keywords: ints, true / false, or (backend) text.
+  Raises ValueError naming the bad entry."""
+  options: dict[str, Any] = {}
+  for item in filter(None, (part.strip() for part in str(text or "").split(","))):
+    name, sep, value = (x.strip() for x in item.partition("="))
+    if not sep or name not in FLASH_OPTIONS:
+      raise ValueError(f"attention_options entry {item!r}: expected name=value with a name "
+                       f"in {sorted(FLASH_OPTIONS)}")
+    kind = FLASH_OPTIONS[name]
+    if kind is bool:
+      if value.lower() not in ("true", "false"):
+        raise ValueError(f"attention_options {name}={value!r}: expected true or false")
+      options[name] = value.lower() == "true"
+    elif kind is int:
+      try:
+        options[name] = int(value)
+      except ValueError:
+        raise ValueError(f"attention_options {name}={value!r}: expected an integer") from None
+    else:
+      options[name] = value
+  return options
+
+
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
@@ -69,6 +100,10 @@ class ModelConfig:
     dtype: compute dtype; param_dtype: storage dtype of parameters.
     remat: rematerialisation policy per block (none, full, dots, dots_with_no_batch_dims).
     attention_impl: reference, chunked, flash or ring (kernels/).
+    attention_options: flash kernel options, "name=value,..." (e.g. "block_q=128,
+      num_warps_bwd=4,dq_atomic=true"; names in FLASH_OPTIONS), for attention_impl flash
+      and for ring attention's inner flash kernel: a device sweep's best options
+      (benchmarks/attention.py --accelerator-only) go here.
     attention_chunk / decode_chunk: kv block of chunked attention / of decode attention.
     value_head: add a scalar head on the final hidden state (PPO critic).
     logprob_chunk: sequence chunk used when computing per-token log-probs.
@@ -92,6 +127,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   attention_impl: str = "reference"
+  attention_options: str = ""
   attention_chunk: int = 512
   # Cache slots read per block in decode attention; None = by backend at trace time
   # (`decode_chunk_for`, measured: DECODE_CHUNK_BY_BACKEND). Large blocks avoid a loop of
@@ -114,6 +150,9 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(
           f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    if self.flash_options and self.attention_impl not in ("flash", "ring"):
+      raise ValueError(f"attention_options={self.attention_options!r} are flash kernel "
+                       f"options; attention_impl={self.attention_impl!r} takes none")
     if self.decode_chunk is not None and (int(self.decode_chunk) != self.decode_chunk
                                           or self.decode_chunk < 1):
       raise ValueError(f"decode_chunk must be a positive int or None, got {self.decode_chunk}")
@@ -122,6 +161,11 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{name}={getattr(self, name)!r}; expected float32, bfloat16 or float16")
+
+  @property
+  def flash_options(self) -> dict[str, Any]:
+    """attention_options parsed into kernels.flash_attention keywords."""
+    return parse_attention_options(self.attention_options)
 
   def replace(self, **kwargs: Any) -> "ModelConfig":
     if "rope" in kwargs and isinstance(kwargs["rope"], dict):
@@ -199,3 +243,4 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+

@@ -85,9 +85,14 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
   import kernels  # Deferred: keeps `import posttrain.models` cheap.
 
   kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  flash_options = cfg.flash_options
   if cfg.attention_impl == "ring":
     if ctx.mesh is None or ctx.mesh.shape.get("sequence", 1) == 1:
+      if flash_options:  # options name the flash kernel: one device runs it alone
+        return kernels.flash_attention(q, k, v, **kwargs, **flash_options)
       return kernels.dot_product_attention(q, k, v, implementation="chunked", **kwargs)
+    if flash_options:
+      kwargs.update(block_kernel="flash", **flash_options)
     from posttrain.models.sharding import logical_to_spec
     q_spec = logical_to_spec(("batch", None, "heads", None), ctx.rules, ctx.mesh, q.shape)
     kv_spec = logical_to_spec(("batch", None, "kv_heads", None), ctx.rules, ctx.mesh, k.shape)
@@ -96,7 +101,7 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
     return kernels.ring_attention_sharded(q, k, v, mesh=ctx.mesh, axis_name="sequence",
                                           batch_axis=q_spec[0], head_axis=head_axis, **kwargs)
   if cfg.attention_impl == "flash":
-    return kernels.flash_attention(q, k, v, **kwargs)
+    return kernels.flash_attention(q, k, v, **kwargs, **flash_options)
   if cfg.attention_impl == "chunked":
     return kernels.dot_product_attention(q, k, v, implementation="chunked",
                                          chunk_size=cfg.attention_chunk, **kwargs)

@@ -216,6 +216,47 @@ def test_attention_impls_match_reference(model, impl):
   np.testing.assert_allclose(_forward(other, tokens, mesh), model(tokens), atol=2e-5)
 
 
+@pytest.mark.parametrize("impl,shape,entry", [
+    ("flash", (1, 8, 1, 1), "flash_attention"),
+    ("ring", (1, 2, 1, 4), "ring_attention_sharded")])
+def test_attention_options_reach_the_flash_kernel(model, monkeypatch, impl, shape, entry):
+  """attention_options (a device sweep's best flash options) go to the flash kernel,
+  directly or as ring attention's inner kernel, and the logits still match."""
+  import kernels
+  seen = []
+  original = getattr(kernels, entry)
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(kernels, entry, spy)
+  cfg = CFG.replace(attention_impl=impl,
+                    attention_options="backend=gpu, block_q=16,block_kv=16,dq_atomic=true")
+  mesh = models.make_mesh(shape)
+  tokens = _tokens(b=2, t=16)
+  got = _forward(models.create_model(cfg, mesh=mesh, seed=1), tokens, mesh)
+  np.testing.assert_allclose(got, model(tokens), atol=2e-5)
+  want = dict(backend="gpu", block_q=16, block_kv=16, dq_atomic=True)
+  assert seen and all(kw.items() >= want.items() for kw in seen)
+  if impl == "ring":
+    assert all(kw["block_kernel"] == "flash" for kw in seen)
+
+
+def test_attention_options_are_checked():
+  assert models.config.parse_attention_options(" block_q=128 ,dq_atomic=False,backend=tpu") == (
+      dict(block_q=128, dq_atomic=False, backend="tpu"))
+  assert models.config.parse_attention_options("") == {}
+  for text, message in (("block_z=1", "entry 'block_z=1': expected name=value with a name in"),
+                        ("block_q", "entry 'block_q': expected name=value"),
+                        ("block_q=big", "block_q='big': expected an integer"),
+                        ("dq_atomic=yes", "dq_atomic='yes': expected true or false")):
+    with pytest.raises(ValueError, match=message):
+      CFG.replace(attention_impl="flash", attention_options=text)
+  with pytest.raises(ValueError, match="are flash kernel options; attention_impl='chunked'"):
+    CFG.replace(attention_impl="chunked", attention_options="block_q=128")
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
 def test_swiglu_matches_autodiff_of_silu_times_up(dtype, tol):
   """The hand-written backward equals autodiff of silu(gate) * up, saturated gates too."""
