@@ -13,5 +13,5 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | 
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee -a "$OUT/env.txt"
 timeout "${ATTN_TIMEOUT:-300}" python3 -m benchmarks.attention --accelerator-only \
   --out "$OUT/attention.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention.log"
-timeout "${STEP_TIMEOUT:-220}" python3 -m benchmarks.gpu_step --steps 2 \
-  --out "$OUT/step.json" ${STEP_ARGS:---impls=flash,reference} 2>&1 | tee "$OUT/step.log"
+timeout "${STEP_TIMEOUT:-220}" python3 -m benchmarks.gpu_step --steps 2 --tuned "$OUT/attention.json" \
+  --out "$OUT/step.json" ${STEP_ARGS:---impls=flash} 2>&1 | tee "$OUT/step.log"

@@ -1,6 +1,7 @@
 """A real-size GRPO learner step and rollout on one accelerator, per attention kernel.
 
-    python -m benchmarks.gpu_step [--tiny] [--impls=flash,chunked,reference] [--out=F]
+    python -m benchmarks.gpu_step [--tiny] [--impls=flash,chunked,reference] [--tuned=SWEEP.json]
+        [--out=F]
 
 Model: a 1.2B Llama-3-style transformer with head_dim 128 (d_model 2048, 16 layers,
 16 query / 4 kv heads, ffn 8192, vocab 128256, tied embeddings), bf16 compute, f32
@@ -45,6 +46,20 @@ def model_config(tiny: bool, attention_impl: str) -> models.ModelConfig:
       head_dim=128, ffn_dim=8192, tie_embeddings=True, max_position_embeddings=8192,
       rope=models.RopeConfig(theta=500_000.0), dtype="bfloat16", param_dtype="float32",
       remat="full", attention_impl=attention_impl, logprob_chunk=1024)
+
+
+def best_sweep_options(path: str) -> str | None:
+  """The fastest forward + backward arm of a device sweep (`benchmarks.attention
+  --accelerator-only --out=PATH`) as ModelConfig.attention_options, or None."""
+  try:
+    with open(path) as f:
+      rows = json.load(f)
+  except (OSError, ValueError):
+    return None
+  timed = [r for r in rows if r.get("benchmark") == "sweep fwd+bwd" and r.get("time_ms")]
+  if not timed:
+    return None
+  return min(timed, key=lambda r: r["time_ms"])["implementation"].removeprefix("flash ")
 
 
 def matmul_peak(n: int = 8192, reps: int = 10) -> float:
@@ -158,6 +173,8 @@ def main(argv=None) -> None:
   parser.add_argument("--no-rollout", action="store_true")
   parser.add_argument("--rollouts", default="auto:float32",
                       help="decode_chunk:param_dtype variants, e.g. 32:float32,auto:bfloat16")
+  parser.add_argument("--tuned", help="a device sweep's JSON (benchmarks.attention --out): "
+                      "also time flash with its fastest forward + backward options")
   parser.add_argument("--out")
   args = parser.parse_args(argv)
   if args.tiny:
@@ -174,13 +191,17 @@ def main(argv=None) -> None:
   peak = matmul_peak(1024 if args.tiny else 8192)
   save(dict(benchmark="bf16 matmul peak", tflops=round(peak / 1e12, 1),
             device=str(jax.devices()[0].device_kind), jax=jax.__version__))
-  for impl in args.impls.split(","):
-    cfg = model_config(args.tiny, impl)
+  arms = [(impl, model_config(args.tiny, impl)) for impl in args.impls.split(",")]
+  tuned = best_sweep_options(args.tuned) if args.tuned else None
+  if tuned:
+    arms.insert(1, (f"flash {tuned}", model_config(args.tiny, "flash").replace(
+        attention_options=tuned)))
+  for name, cfg in arms:
     try:
       res = bench_step(cfg, args.rows, args.row_len, args.microbatch, args.steps, peak)
     except Exception as e:  # pylint: disable=broad-except
       res = dict(note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    save(dict(benchmark="grpo step", attention=impl, params=cfg.num_params,
+    save(dict(benchmark="grpo step", attention=name, params=cfg.num_params,
               rows=args.rows, row_len=args.row_len, **res))
   for variant in ([] if args.no_rollout else args.rollouts.split(",")):
     chunk, param_dtype = variant.split(":")

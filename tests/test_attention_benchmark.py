@@ -37,3 +37,30 @@ def test_backward_sweep_arms_parse_into_flash_options():
   assert attention.GPU_BWD_SWEEP[0] == arms[0]  # the default comes first
   with pytest.raises(argparse.ArgumentTypeError, match="want 4 or 6 numbers"):
     attention._bwd_arms("64x64x4")
+
+
+def test_the_step_benchmark_takes_the_sweeps_fastest_backward_options(tmp_path):
+  """benchmarks.gpu_step --tuned: the fastest forward + backward arm of a device sweep,
+  as attention_options a ModelConfig accepts."""
+  import json
+
+  from benchmarks import gpu_step
+  from posttrain import models
+  rows = [dict(benchmark="sweep fwd", implementation="flash block_q=64", time_ms=1.0),
+          dict(benchmark="sweep fwd+bwd", implementation="flash block_q=128,dq_atomic=True",
+               time_ms=9.5),
+          dict(benchmark="sweep fwd+bwd", implementation="flash block_q=128,block_q_bwd=32,"
+               "block_kv_bwd=128,block_q_dq=128,block_kv_dq=32", time_ms=8.25),
+          dict(benchmark="sweep fwd+bwd", implementation="flash num_warps_bwd=2",
+               time_ms=None, note="failed: out of shared memory")]
+  path = tmp_path / "attention.json"
+  path.write_text(json.dumps(rows))
+  options = gpu_step.best_sweep_options(str(path))
+  assert options == "block_q=128,block_q_bwd=32,block_kv_bwd=128,block_q_dq=128,block_kv_dq=32"
+  cfg = gpu_step.model_config(True, "flash").replace(attention_options=options)
+  assert cfg.flash_options["block_kv_dq"] == 32
+  rows[1]["time_ms"] = 1.5  # dq_atomic=True (Python's spelling) parses too
+  path.write_text(json.dumps(rows))
+  assert models.config.parse_attention_options(gpu_step.best_sweep_options(str(path))) == dict(
+      block_q=128, dq_atomic=True)
+  assert gpu_step.best_sweep_options(str(tmp_path / "missing.json")) is None
