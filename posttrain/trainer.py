@@ -221,6 +221,16 @@ class Trainer:
                        "point (use between_batches or auto)")
     if self.weight_swap == "auto":
       self.weight_swap = "between_batches" if jax.process_count() > 1 else "in_flight"
+    # On the CPU backend a process's devices share its host threads, and two programs that
+    # span processes, dispatched in opposite orders on two hosts (the learner's update and
+    # the rollout thread's sampling), deadlock even on disjoint devices. There the learner
+    # and the rollout thread take turns on the devices, in the same order on every host
+    # (no overlap); accelerators run both at once.
+    self.alternate = (self.disaggregated and jax.process_count() > 1
+                      and jax.default_backend() == "cpu")
+    if self.alternate:
+      log.info("disaggregated on CPU across %d processes: the learner and the rollouts take "
+               "turns on the devices", jax.process_count())
     self._sampler_lock = threading.Lock()
     self._sync_path_logged = False
     self.sampler_version = 0
@@ -629,7 +639,11 @@ class Trainer:
       if "tool_step_fraction" in self.worker.last_stats:
         timings["rollout/tool_step_fraction"] = self.worker.last_stats["tool_step_fraction"]
     else:
+      if self.alternate:  # the rollout thread's turn: every batch it may make until then
+        source.publish(self.progress.rl_step)
       groups, extra, gen_s = source.get()
+      if self.alternate:
+        source.wait_generated(self.progress.rl_step + 1 + self.max_policy_lag)
       timings["timing/rollout_s"] = gen_s
       timings["timing/wait_for_rollout_s"] = time.time() - t0
     staleness = [self.progress.policy_version - min(s.oldest_version for s in g.samples)
@@ -680,7 +694,7 @@ class Trainer:
       timings["timing/weight_sync_s"], timings["timing/weight_sync_wait_s"] = (
           self.sync_weights())
       timings["timing/weight_sync_wait_s"] += waited
-    if source is not None:
+    if source is not None and not self.alternate:
       source.publish(self.progress.rl_step)
     metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
     timings["timing/update_s"] = time.time() - t2
@@ -811,8 +825,12 @@ class AsyncRollouts:
     try:
       while True:
         with self._cv:
+          # Never past the run's last batch (plus one for each batch dropped whole): an
+          # extra batch would be generated for nothing, and on several hosts the final
+          # weight sync would wait for it.
           self._cv.wait_for(lambda: self._stop or (
-              self._next - self._done_steps - self._allowance <= self.lag))
+              self._next < self.total + self._allowance
+              and self._next - self._done_steps - self._allowance <= self.lag))
           if self._stop:
             return
           k = self._next
@@ -833,9 +851,11 @@ class AsyncRollouts:
       self._error = e
 
   def wait_generated(self, n: int):
-    """Blocks until the first `n` batches are generated in full (or the thread stopped)."""
+    """Blocks until the first `n` batches are generated in full, or all the run will
+    generate (or the thread stopped)."""
     with self._cv:
-      self._cv.wait_for(lambda: self._finished >= n or self._stop or self._error is not None)
+      self._cv.wait_for(lambda: self._finished >= min(n, self.total + self._allowance)
+                        or self._stop or self._error is not None)
     if self._error is not None:
       raise self._error
 

@@ -73,6 +73,43 @@ def test_swapping_weights_between_batches_repeats_a_disaggregated_run_exactly(tm
       assert ra[key] == rb[key], (i, key, ra[key], rb[key])
 
 
+def test_rollout_thread_generates_no_batch_past_the_last_step():
+  """AsyncRollouts makes exactly the run's batches: the final weight sync does not wait
+  for (and the rollout devices do not compute) a batch nobody will train on."""
+  import threading
+  import types
+  made = []
+
+  class Learner:
+    max_policy_lag, partial, sampler_version = 1, "resume", 0
+    progress = types.SimpleNamespace(rl_step=0, policy_version=0)
+
+    def _step_seed(self, k):
+      return k
+
+    def _rollout(self, k):
+      made.append(k)
+      sample = types.SimpleNamespace(oldest_version=self.progress.policy_version,
+                                     versions=[self.progress.policy_version])
+      return [types.SimpleNamespace(samples=[sample])], {}
+
+  learner = Learner()
+  source = trainer.AsyncRollouts(learner, total_steps=3)
+  try:
+    for _ in range(3):
+      source.get()
+      learner.progress.rl_step += 1
+      learner.progress.policy_version += 1
+      done = threading.Event()
+      threading.Thread(target=lambda: (source.wait_generated(
+          learner.progress.rl_step + learner.max_policy_lag), done.set())).start()
+      assert done.wait(30), "the learner waited for a batch past the last step"
+      source.publish(learner.progress.rl_step)
+  finally:
+    source.close()
+  assert made == [0, 1, 2]
+
+
 def test_unknown_weight_swap_is_a_clear_error(tmp_path):
   cfg = _config(**RUN, **{"placement.weight_swap": "sometimes"})
   with pytest.raises(ValueError, match="placement.weight_swap='sometimes'; expected auto"):
