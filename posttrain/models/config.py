@@ -243,4 +243,3 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
-
