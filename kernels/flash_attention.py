@@ -494,17 +494,21 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
 
 
-def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse, di, q_seg, kv_seg):
-  """The dq kernel's block arithmetic: returns (p, ds) for one block pair."""
-  bq, bk = q.shape[0], k.shape[0]
-  capped = _logits(cfg, q, k)
+def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse, di, q_seg, kv_seg,
+                     kv_major: bool = False):
+  """(p, ds) [block_q, block_kv] of one block pair (the dq kernel), or with `kv_major`
+  (p.T, ds.T) [block_kv, block_q] from k @ q.T (the dk/dv kernel, as splash attention's:
+  its accumulating matmuls then need no XLU transpose). lse, di and the ids come already
+  broadcastable against the block."""
+  capped = _logits(cfg, k, q) if kv_major else _logits(cfg, q, k)
   s = capped
   if masked:
-    s = jnp.where(_element_mask(cfg, qi, ki, (bq, bk), q_seg, kv_seg), s, MASK_VALUE)
-  p = jnp.exp(s - _lanes(lse, bk))
-  dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-  ds = _soft_cap_grad(cfg, p * (dp - _lanes(di, bk)), capped) * cfg.sm_scale
-  return p, ds
+    s = jnp.where(_element_mask(cfg, qi, ki, s.shape, q_seg, kv_seg, kv_major), s,
+                  MASK_VALUE)
+  p = jnp.exp(s - lse)
+  dp = (lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32) if kv_major
+        else lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32))
+  return p, _soft_cap_grad(cfg, p * (dp - di), capped) * cfg.sm_scale
 
 
 def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
@@ -528,8 +532,9 @@ def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
     k = k_ref[...]
     q_seg, kv_seg = (_tpu_segments(cfg, q_seg_ref, kv_seg_ref,
                                    (cfg.block_q, cfg.block_kv)) if masked else (None, None))
+    bk = cfg.block_kv
     _, ds = _tpu_grads_block(cfg, qi, ki, masked, q_ref[...], k, v_ref[...], do_ref[...],
-                             lse_ref[...], di_ref[...], q_seg, kv_seg)
+                             _lanes(lse_ref[...], bk), _lanes(di_ref[...], bk), q_seg, kv_seg)
     dq_sc[...] += lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
     if counts:
       _tpu_count(count_ref, masked)
@@ -567,23 +572,14 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
       count_ref[...] = jnp.zeros_like(count_ref)
 
   def step(masked: bool):
-    # kv-major, as splash attention's dk/dv kernel: p.T and ds.T come out of k @ q.T
-    # directly, so the accumulating matmuls need no [bk, bq] transpose on the XLU.
-    # lse, di and the q ids arrive sublane-replicated ([8, bq]); the kv ids
-    # lane-replicated ([bk, 128]).
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    bq, bk = q.shape[0], k.shape[0]
-    capped = _logits(cfg, k, q)
-    s = capped
-    if masked:
-      q_seg = kv_seg = None
-      if cfg.segments:
-        q_seg, kv_seg = q_seg_ref[:1, :], _lanes(kv_seg_ref[...], bq)
-      s = jnp.where(_element_mask(cfg, qi, ki, (bk, bq), q_seg, kv_seg, kv_major=True), s,
-                    MASK_VALUE)
-    p = jnp.exp(s - lse_ref[:1, :])
-    dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
-    ds = _soft_cap_grad(cfg, p * (dp - di_ref[:1, :]), capped) * cfg.sm_scale
+    # kv-major: lse, di and the q ids arrive sublane-replicated ([8, bq] rows), the kv ids
+    # lane-replicated ([bk, 128] columns).
+    q, do = q_ref[...], do_ref[...]
+    q_seg = kv_seg = None
+    if masked and cfg.segments:
+      q_seg, kv_seg = q_seg_ref[:1, :], _lanes(kv_seg_ref[...], q.shape[0])
+    p, ds = _tpu_grads_block(cfg, qi, ki, masked, q, k_ref[...], v_ref[...], do,
+                             lse_ref[:1, :], di_ref[:1, :], q_seg, kv_seg, kv_major=True)
     dv_sc[...] += lax.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dk_sc[...] += lax.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
     if counts:
@@ -879,15 +875,21 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     _gpu_counts(rest[2], visited)
 
 
-def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref):
-  """(p, ds) of one block pair; `lse2` is the log-sum-exp in base 2."""
-  s, capped = _logits_base2(cfg, q, k)
+def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref,
+            kv_major: bool = False):
+  """(p, ds) [block_q, block_kv] of one block pair; `lse2` is the log-sum-exp in base 2.
+  With `kv_major`, (p.T, ds.T) [block_kv, block_q] from k @ q.T, so that the dk/dv
+  kernel's dv += p.T @ do and dk += ds.T @ q need no transpose of a computed tile (each
+  costs a trip through shared memory in Triton)."""
+  s, capped = _logits_base2(cfg, k, q) if kv_major else _logits_base2(cfg, q, k)
   if masked:
-    s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref), s,
+    s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref, kv_major), s,
                   MASK_VALUE)
-  p = jnp.exp2(s - lse2[:, None])
-  dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-  return p, _soft_cap_grad(cfg, p * (dp - di[:, None]), capped) * cfg.sm_scale
+  row = (lambda x: x[None, :]) if kv_major else (lambda x: x[:, None])  # per query
+  p = jnp.exp2(s - row(lse2))
+  dp = (lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32) if kv_major
+        else lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32))
+  return p, _soft_cap_grad(cfg, p * (dp - row(di)), capped) * cfg.sm_scale
 
 
 def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
@@ -913,19 +915,6 @@ def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
     _gpu_counts(rest[1], visited)
 
 
-def _gpu_ds_kv_major(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref):
-  """(p.T, ds.T) [block_kv, block_q] of one block pair, computed kv-major (k @ q.T) so
-  that dv += p.T @ do and dk += ds.T @ q need no transpose of a computed tile (each
-  costs a trip through shared memory in Triton); `lse2` is the log-sum-exp in base 2."""
-  s, capped = _logits_base2(cfg, k, q)
-  if masked:
-    s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref, True), s,
-                  MASK_VALUE)
-  p = jnp.exp2(s - lse2[None, :])
-  dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
-  return p, _soft_cap_grad(cfg, p * (dp - di[None, :]), capped) * cfg.sm_scale
-
-
 def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   # q_ref, do_ref: [Tq, group, d]; lse_ref (base 2), di_ref: [group, Tq]; k_ref, v_ref:
   # [bk, d]. With dq_atomic, refs end in the [b, Tq, h, d] f32 dq buffer (input aliased
@@ -946,8 +935,8 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
       dk, dv = dkv
       q_slice = pl.ds(qi * bq, bq)
       q, do = q_ref[q_slice, gi, :], do_ref[q_slice, gi, :]
-      p_t, ds_t = _gpu_ds_kv_major(cfg, qi, ki, masked, q, k, v, do, lse_ref[gi, q_slice],
-                                   di_ref[gi, q_slice], q_seg_ref, kv_seg_ref)
+      p_t, ds_t = _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse_ref[gi, q_slice],
+                          di_ref[gi, q_slice], q_seg_ref, kv_seg_ref, kv_major=True)
       dv = dv + lax.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
       ds_t = ds_t.astype(q.dtype)
       dk = dk + lax.dot(ds_t, q, preferred_element_type=jnp.float32)
