@@ -10,6 +10,8 @@ from kernels.attention import (
     IMPLEMENTATIONS,
     default_implementation,
     dot_product_attention,
+    sharded_attention,
+    target_platform,
 )
 from kernels.chunked_attention import chunked_attention
 from kernels.decode_attention import decode_attention, quantize_int8
@@ -55,6 +57,8 @@ __all__ = [
     "ring_attention",
     "ring_attention_sharded",
     "shard_from_zigzag",
+    "sharded_attention",
     "shard_to_zigzag",
+    "target_platform",
     "to_zigzag",
 ]

@@ -6,9 +6,17 @@ import jax
 IMPLEMENTATIONS = ("pallas_tpu", "pallas_gpu", "chunked", "reference")
 
 
+def target_platform() -> str:
+  """The platform being compiled for: that of the mesh set with `jax.set_mesh`, whose
+  devices may be another platform's (a CPU host compiling for TPU ahead of time), else
+  the default backend."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return jax.default_backend() if device is None else device.platform
+
+
 def default_implementation(backend: str | None = None) -> str:
-  """Best implementation for a backend ('tpu', 'gpu', 'cpu'; default: the current one)."""
-  backend = jax.default_backend() if backend is None else backend
+  """Best implementation for a backend ('tpu', 'gpu', 'cpu'; default: the target one)."""
+  backend = target_platform() if backend is None else backend
   if backend == "tpu":
     return "pallas_tpu"
   if backend in ("gpu", "cuda"):
@@ -59,3 +67,85 @@ def dot_product_attention(q, k, v, *, implementation: str | None = None,
     return flash_attention(q, k, v, backend=backend, **kwargs)
   raise ValueError(
       f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+
+
+def place(x, mesh, spec):
+  """Lays x out as `spec` on `mesh` (as shard_map expects), with explicit or auto axes."""
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return jax.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _axis_size(mesh, axes) -> int:
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  size = 1
+  for axis in axes:
+    size *= mesh.shape[axis]
+  return size
+
+
+def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attention=None,
+                      q_segment_ids=None, kv_segment_ids=None, **kwargs):
+  """Attention on global arrays, each device running the kernel on its own shard.
+
+  XLA cannot partition a Pallas kernel: under `jit` on a multi-device mesh a Mosaic (TPU)
+  call is refused ("cannot be automatically partitioned") and a Triton (GPU) call runs
+  on the whole batch on every device. This wraps the call in `shard_map`, batch split
+  over `batch_axis` and heads over `head_axis`. Keys and values are split with the
+  heads when the axis divides kv_heads; otherwise every device holds all of them and
+  takes the kv heads its query heads read (GQA / MQA with fewer kv heads than devices),
+  or, when a device's query heads would straddle two kv groups, heads are not split.
+
+  Args:
+    q, k, v, q_segment_ids, kv_segment_ids, **kwargs: as in `dot_product_attention`
+      (global shapes; the length is never split: use `ring_attention_sharded` for that).
+    mesh: a `jax.sharding.Mesh`.
+    batch_axis, head_axis: mesh axes (a name, a tuple of names or None) that split the
+      batch and the query heads; they must divide batch and heads.
+    attention: the per-shard function, `fn(q, k, v, **kwargs)`; default
+      `dot_product_attention`.
+
+  Returns:
+    [batch, q_len, heads, head_dim], sharded like q.
+  """
+  from jax.sharding import PartitionSpec as P
+  attention = dot_product_attention if attention is None else attention
+  if mesh is None or mesh.size == 1:
+    return attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                     **kwargs)
+  from kernels.reference import check_attention_inputs
+  check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids)
+  heads, kv_heads = q.shape[2], k.shape[2]
+  n_batch, n_heads = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
+  if q.shape[0] % n_batch:
+    raise ValueError(f"batch {q.shape[0]} is not divisible by the {batch_axis!r} axes "
+                     f"({n_batch} devices)")
+  if heads % n_heads:
+    raise ValueError(f"heads {heads} is not divisible by the {head_axis!r} axes "
+                     f"({n_heads} devices)")
+  local_heads, group = heads // n_heads, heads // kv_heads
+  kv_split = kv_heads % n_heads == 0
+  if not kv_split and local_heads % group and group % local_heads:
+    # A device's query heads would read parts of two kv heads' groups: keep heads whole.
+    head_axis, local_heads, kv_split = None, heads, True
+  q_spec = P(batch_axis, None, head_axis, None)
+  kv_spec = P(batch_axis, None, head_axis if kv_split else None, None)
+  seg_spec = P(batch_axis, None)
+
+  def local(q, k, v, *segments):
+    if not kv_split:  # the kv heads this device's query heads read
+      first = jax.lax.axis_index(head_axis) * local_heads // group
+      size = max(local_heads // group, 1)
+      k = jax.lax.dynamic_slice_in_dim(k, first, size, axis=2)
+      v = jax.lax.dynamic_slice_in_dim(v, first, size, axis=2)
+    q_seg, kv_seg = segments if segments else (None, None)
+    return attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
+
+  args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+  if q_segment_ids is not None:
+    args += [q_segment_ids, kv_segment_ids]
+    specs += [seg_spec, seg_spec]
+  args = [place(x, mesh, spec) for x, spec in zip(args, specs)]
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec,
+                       check_vma=False)(*args)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels import reference
+from kernels.attention import target_platform
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -90,7 +91,7 @@ def _elementwise_default() -> bool | str:
   # 137-187 us with dots for both (per-(batch, kv head) GEMM calls of 1-8 query rows); in
   # the sampler "values" is 9-13% faster than True. Accelerators take dots (MXU / tensor
   # cores).
-  return "values" if jax.default_backend() == "cpu" else False
+  return "values" if target_platform() == "cpu" else False
 
 
 def _block(q, k, v, valid, *, sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout,

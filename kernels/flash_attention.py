@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels import reference
+from kernels.attention import target_platform
 
 # Finite, so masked logits never create inf - inf; a row whose running max still equals
 # it after every block saw no key at all.
@@ -1182,8 +1183,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def default_backend() -> str:
-  """Kernel family for the current platform: 'gpu' on GPUs, 'tpu' elsewhere."""
-  return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "tpu"
+  """Kernel family for the target platform: 'gpu' on GPUs, 'tpu' elsewhere."""
+  return "gpu" if target_platform() in ("gpu", "cuda", "rocm") else "tpu"
 
 
 def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
@@ -1195,7 +1196,7 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
-  platform = jax.default_backend()
+  platform = target_platform()
   if interpret is None:
     interpret = platform not in ("tpu", "gpu", "cuda", "rocm")
   # (A CPU host may still lower either family for another platform, ahead of time.)

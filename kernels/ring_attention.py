@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kernels import reference
+from kernels.attention import place, target_platform
 from kernels.chunked_attention import (
   DEFAULT_CHUNK_SIZE,
   MaskParams,
@@ -126,7 +127,7 @@ def flash_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
 def default_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
                          **options) -> BlockKernel:
   """Flash on TPU / GPU, chunked elsewhere."""
-  if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm"):
+  if target_platform() in ("tpu", "gpu", "cuda", "rocm"):
     return flash_block_kernel(sm_scale, logits_soft_cap, **options)
   return chunked_block_kernel(sm_scale, logits_soft_cap, **options)
 
@@ -427,14 +428,6 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
   return _ring(q, k, v, q_segment_ids, kv_segment_ids, ring)
 
 
-def _place(x, mesh, spec):
-  """Shards x as shard_map expects, on meshes with explicit or automatic axes."""
-  sharding = jax.sharding.NamedSharding(mesh, spec)
-  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-    return jax.reshard(x, sharding)
-  return lax.with_sharding_constraint(x, sharding)
-
-
 def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
                            q_segment_ids=None, kv_segment_ids=None,
                            sm_scale: float | None = None,
@@ -485,6 +478,6 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
   if segments:
     args += [q_segment_ids, kv_segment_ids]
     specs += [seg_spec, seg_spec]
-  args = [_place(x, mesh, spec) for x, spec in zip(args, specs)]
+  args = [place(x, mesh, spec) for x, spec in zip(args, specs)]
   return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=seq,
                        check_vma=False)(*args)

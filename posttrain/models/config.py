@@ -48,12 +48,12 @@ DECODE_CHUNK_BY_BACKEND = {"cpu": 256, "gpu": 1024, "tpu": 1024}
 
 
 def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
-  """The decode attention block of `cfg` on `backend` (default: JAX's current one)."""
+  """The decode attention block of `cfg` on `backend` (default: the target platform)."""
   if cfg.decode_chunk is not None:
     return int(cfg.decode_chunk)
   if backend is None:
-    import jax  # deferred: importing the config must not initialise a backend
-    backend = jax.default_backend()
+    import kernels  # deferred: importing the config must not initialise a backend
+    backend = kernels.target_platform()
   return DECODE_CHUNK_BY_BACKEND.get(backend, 1024)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -81,31 +81,43 @@ class RMSNorm(nnx.Module):
 
 
 def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
-  """Full (training / prefill) attention through kernels/, selected by cfg.attention_impl."""
+  """Full (training / prefill) attention through kernels/, selected by cfg.attention_impl.
+
+  Pallas kernels (flash, and ring's flash blocks) run inside `shard_map` on a mesh: XLA
+  cannot partition them (TPU refuses to compile, GPU would run the whole batch on every
+  device).
+  """
   import kernels  # Deferred: keeps `import posttrain.models` cheap.
 
   kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
   flash_options = cfg.flash_options
-  if cfg.attention_impl == "ring":
-    if ctx.mesh is None or ctx.mesh.shape.get("sequence", 1) == 1:
-      if flash_options:  # options name the flash kernel: one device runs it alone
-        return kernels.flash_attention(q, k, v, **kwargs, **flash_options)
-      return kernels.dot_product_attention(q, k, v, implementation="chunked", **kwargs)
-    if flash_options:
-      kwargs.update(block_kernel="flash", **flash_options)
+  if ctx.mesh is not None:
     from posttrain.models.sharding import logical_to_spec
     q_spec = logical_to_spec(("batch", None, "heads", None), ctx.rules, ctx.mesh, q.shape)
-    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), ctx.rules, ctx.mesh, k.shape)
-    # Batch and heads stay sharded inside the ring instead of gathering on each device.
-    head_axis = q_spec[2] if q_spec[2] == kv_spec[2] else None
-    return kernels.ring_attention_sharded(q, k, v, mesh=ctx.mesh, axis_name="sequence",
-                                          batch_axis=q_spec[0], head_axis=head_axis, **kwargs)
-  if cfg.attention_impl == "flash":
-    return kernels.flash_attention(q, k, v, **kwargs, **flash_options)
-  if cfg.attention_impl == "chunked":
+    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), ctx.rules, ctx.mesh,
+                              k.shape)
+    batch_axis, head_axis = q_spec[0], q_spec[2]
+  if cfg.attention_impl == "ring":
+    if ctx.mesh is not None and ctx.mesh.shape.get("sequence", 1) > 1:
+      if flash_options:
+        kwargs.update(block_kernel="flash", **flash_options)
+      # Batch and heads stay sharded inside the ring instead of gathering on each device.
+      return kernels.ring_attention_sharded(
+          q, k, v, mesh=ctx.mesh, axis_name="sequence", batch_axis=batch_axis,
+          head_axis=head_axis if head_axis == kv_spec[2] else None, **kwargs)
+    if not flash_options:
+      return kernels.dot_product_attention(q, k, v, implementation="chunked", **kwargs)
+    # Options name the flash kernel: without a sequence axis, one device runs it alone.
+  elif cfg.attention_impl == "chunked":
     return kernels.dot_product_attention(q, k, v, implementation="chunked",
                                          chunk_size=cfg.attention_chunk, **kwargs)
-  return kernels.dot_product_attention(q, k, v, implementation="reference", **kwargs)
+  elif cfg.attention_impl != "flash":
+    return kernels.dot_product_attention(q, k, v, implementation="reference", **kwargs)
+  if ctx.mesh is None:
+    return kernels.flash_attention(q, k, v, **kwargs, **flash_options)
+  return kernels.sharded_attention(q, k, v, mesh=ctx.mesh, batch_axis=batch_axis,
+                                   head_axis=head_axis, attention=kernels.flash_attention,
+                                   **kwargs, **flash_options)
 
 
 class Attention(nnx.Module):

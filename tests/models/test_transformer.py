@@ -207,13 +207,35 @@ def test_presets_have_the_published_sizes():
   assert n == models.get_preset("llama3_8b").num_params
 
 
-@pytest.mark.parametrize("impl", ["chunked", "ring"])
-def test_attention_impls_match_reference(model, impl):
-  mesh = models.make_mesh((1, 2, 1, 4) if impl == "ring" else (1, 8, 1, 1))
+@pytest.mark.parametrize("impl,shape", [
+    ("chunked", (1, 8, 1, 1)), ("ring", (1, 2, 1, 4)),
+    # flash runs per shard: batch over data x fsdp, heads over tensor (3 divides the 3 kv
+    # heads; with 2 a device's 3 query heads would straddle kv groups: heads stay whole).
+    ("flash", (1, 2, 3, 1)), ("flash", (2, 1, 2, 1))])
+def test_attention_impls_match_reference(model, impl, shape):
+  mesh = models.make_mesh(shape, devices=jax.devices()[:int(np.prod(shape))])
   other = models.create_model(CFG.replace(attention_impl=impl, attention_chunk=8), mesh=mesh,
                               seed=1)
   tokens = _tokens(b=2, t=16)
   np.testing.assert_allclose(_forward(other, tokens, mesh), model(tokens), atol=2e-5)
+
+
+def test_flash_runs_on_each_devices_shard(monkeypatch):
+  """XLA cannot partition a Pallas call (TPU refuses it, a GPU would run the whole batch
+  on every device): on a mesh the model hands the kernel its local batch and heads."""
+  import kernels
+  seen = []
+  original = kernels.flash_attention
+
+  def spy(q, k, v, **kwargs):
+    seen.append((q.shape, k.shape))
+    return original(q, k, v, **kwargs)
+
+  monkeypatch.setattr(kernels, "flash_attention", spy)
+  mesh = models.make_mesh((2, 1, 3, 1), devices=jax.devices()[:6])
+  model = models.create_model(CFG.replace(attention_impl="flash"), mesh=mesh, seed=1)
+  _forward(model, _tokens(b=4, t=16), mesh)
+  assert seen and set(seen) == {((2, 16, 2, 8), (2, 16, 1, 8))}
 
 
 @pytest.mark.parametrize("impl,shape,entry", [

@@ -1,0 +1,88 @@
+"""The TPU (Mosaic) kernels compile for real TPUs: libtpu's compiler, no TPU needed.
+
+Interpret mode and the TPU simulator check the kernels' arithmetic; only the Mosaic
+compiler checks what a TPU accepts (layouts, tiling, VMEM, the ops each generation
+has). These tests compile the forward and backward kernels ahead of time for TPU
+generations, and ring attention's flash blocks inside shard_map on a 4-chip slice.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import kernels
+from tests.tpu_aot import compile_for, requires_libtpu, spec, tpu_mesh
+
+pytestmark = requires_libtpu
+
+# name: (q_len, kv_len, heads, kv_heads, head_dim, dtype, segments, options)
+CASES = {
+    "gqa_segments_bf16": (1024, 1024, 8, 2, 128, jnp.bfloat16, True, {}),
+    "mqa_ragged_q_shorter": (200, 1000, 4, 1, 128, jnp.bfloat16, False, {}),
+    "soft_cap_window_f32": (512, 512, 4, 4, 64, jnp.float32, False,
+                            dict(logits_soft_cap=30.0, sliding_window=200)),
+    "head_dim_256_non_causal": (512, 512, 2, 2, 256, jnp.bfloat16, False,
+                                dict(causal=False)),
+    "own_dq_blocks": (1024, 1024, 4, 2, 128, jnp.bfloat16, True,
+                      dict(block_q=256, block_kv=512, block_q_dq=512, block_kv_dq=256)),
+}
+
+
+def _grad_program(mesh, q_len, kv_len, heads, kv_heads, head_dim, dtype, segments, options):
+  def loss(q, k, v, *segment_ids):
+    seg = dict(zip(("q_segment_ids", "kv_segment_ids"), segment_ids))
+    out = kernels.flash_attention(q, k, v, backend="tpu", interpret=False, **seg, **options)
+    return out.astype(jnp.float32).sum()
+
+  args = [spec(mesh, (2, q_len, heads, head_dim), dtype),
+          spec(mesh, (2, kv_len, kv_heads, head_dim), dtype),
+          spec(mesh, (2, kv_len, kv_heads, head_dim), dtype)]
+  if segments:
+    args += [spec(mesh, (2, q_len), jnp.int32), spec(mesh, (2, kv_len), jnp.int32)]
+  return compile_for(mesh, jax.grad(loss, argnums=(0, 1, 2)), *args)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flash_forward_and_backward_compile_for_v5e(case):
+  compiled = _grad_program(tpu_mesh("v5e", (1,), ("x",)), *CASES[case])
+  text = compiled.as_text()
+  # The three Mosaic kernels are in the program, not an emulation of them.
+  for name in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+    assert name in text, name
+  assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("chip", ["v4", "v5p", "v6e"])
+def test_default_blocks_compile_for_each_generation(chip):
+  _grad_program(tpu_mesh(chip, (1,), ("x",)), *CASES["gqa_segments_bf16"])
+
+
+def test_pallas_outside_shard_map_is_refused_on_a_mesh():
+  """Why the model wraps flash in shard_map: XLA cannot partition a Mosaic call."""
+  mesh = tpu_mesh("v5e", (4,), ("data",))
+  q = spec(mesh, (4, 256, 2, 128), jnp.bfloat16, P("data"))
+  flash = functools.partial(kernels.flash_attention, backend="tpu", interpret=False)
+  with pytest.raises(NotImplementedError, match="cannot be automatically partitioned"):
+    compile_for(mesh, flash, q, q, q)
+  sharded = functools.partial(kernels.sharded_attention, mesh=mesh, batch_axis="data",
+                              attention=flash)
+  compile_for(mesh, sharded, q, q, q)
+
+
+def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice():
+  mesh = tpu_mesh("v5e", (4,), ("sequence",))
+  q = spec(mesh, (1, 2048, 4, 128), jnp.bfloat16)
+  k = spec(mesh, (1, 2048, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = kernels.ring_attention_sharded(q, k, v, mesh=mesh, axis_name="sequence",
+                                         block_kernel="flash", backend="tpu",
+                                         interpret=False)
+    return out.astype(jnp.float32).sum()
+
+  text = compile_for(mesh, jax.grad(loss, argnums=(0, 1, 2)), q, k, k).as_text()
+  assert "collective-permute" in text and "tpu_custom_call" in text
