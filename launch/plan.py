@@ -1,9 +1,15 @@
 """Plan memory: `python -m launch.plan --config=configs/x.py [--device_memory_gb=95]
-[--num_devices=N] [--kv_cache_dtype=int8] [--config.k=v]`.
+[--num_devices=N] [--kv_cache_dtype=int8] [--compile_for=v5p:2x4x4] [--config.k=v]`.
 
 Prints bytes per device of params, optimizer state, gradients, activations and the KV
 cache for the config's mesh, whether they fit, and which knob to turn. Allocates nothing
 and needs no accelerator: a v5p-256 mesh plans on a laptop. Exits 1 when it does not fit.
+
+`--compile_for=TOPOLOGY` (needs libtpu: `pip install -e '.[tpu]'`) also compiles the RL
+update for that TPU slice on this host, as the trainer builds it, and prints what XLA
+says one device needs beside the plan; it fails here if the program cannot compile
+for the slice. Topologies are named generation:chips, e.g. v5p:2x4x4 (32 chips),
+v5e:16x16 (256), v6e:4x4.
 """
 
 import sys
@@ -21,6 +27,9 @@ _DEVICES = flags.DEFINE_integer("num_devices", None,
                                 "mesh product, else the local device count for a -1 axis).")
 _KV_DTYPE = flags.DEFINE_enum("kv_cache_dtype", None, ["int8", "bfloat16", "float16", "float32"],
                               "Sampler cache dtype (default: the model's compute dtype).")
+_COMPILE_FOR = flags.DEFINE_string(
+    "compile_for", None, "A TPU topology (e.g. v5p:2x4x4) to compile the RL update for, "
+    "ahead of time on this host; needs libtpu.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -34,7 +43,24 @@ def main(argv):
   except (ValueError, KeyError, OSError) as e:
     common.fail(e)
   print(planner.format_plan(p), flush=True)
-  sys.exit(0 if p.fits else 1)
+  fits = p.fits
+  if _COMPILE_FOR.value:
+    from posttrain import aot
+    topology = _COMPILE_FOR.value
+    try:
+      report = aot.compile_rl_step(_CONFIG.value, aot.tpu_devices(topology),
+                                   topology=topology)
+    except aot.CompileError as e:
+      print(f"does not compile for {topology}: {e}", flush=True)
+      sys.exit(1)
+    except (ValueError, KeyError) as e:
+      common.fail(e)
+    print(aot.format_report(report, p.train_peak), flush=True)
+    if p.capacity is not None and report.peak > p.capacity:
+      print(f"does not fit: the compiled peak exceeds the {planner.human_bytes(p.capacity)} "
+            "a device may use", flush=True)
+      fits = False
+  sys.exit(0 if fits else 1)
 
 
 if __name__ == "__main__":

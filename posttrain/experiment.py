@@ -104,15 +104,17 @@ def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list[Any], list
   return roll, train
 
 
-def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+def build_meshes(config, devices=None) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
   """(train mesh, rollout mesh). Colocated: one mesh over the devices. Disaggregated:
   `placement.rollout_devices` devices form the rollout mesh (the first ones; with several
-  hosts, the same share of each host's, see `split_devices`), the rest the train mesh."""
+  hosts, the same share of each host's, see `split_devices`), the rest the train mesh.
+  `devices` defaults to all of JAX's (another set, e.g. a TPU topology's, to compile for
+  it)."""
   p = config.get("placement") or ml_collections.ConfigDict(dict(mode="colocated"))
   mode = p.get("mode", "colocated")
   if mode not in PLACEMENTS:
     raise ValueError(f"placement.mode={mode!r}; expected one of {PLACEMENTS}")
-  devices = jax.devices()
+  devices = list(jax.devices() if devices is None else devices)
   n = int(p.get("devices", 0) or 0)
   if n:
     if n > len(devices):

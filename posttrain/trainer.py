@@ -166,13 +166,6 @@ def sft_iterator_state(saved: dict, shards: int) -> dict:
 # ----------------------------------------------------------------------------------------
 
 
-def reference_in_step(algo) -> bool:
-  """Whether the KL reference's log-probs are computed inside the update program (one
-  program per step): when they only feed a loss term of a single update per batch."""
-  return (float(algo.kl_coef) > 0 and not algo.kl_in_reward
-          and int(algo.ppo_epochs) * int(algo.num_minibatches) == 1)
-
-
 def _process_cpu_s() -> float:
   t = os.times()
   return t.user + t.system
@@ -319,7 +312,7 @@ class Trainer:
     return int(self.algo.ppo_epochs) * int(self.algo.num_minibatches)
 
   def _reference_in_step(self) -> bool:
-    return reference_in_step(self.algo)
+    return ts.reference_in_step(self.algo)
 
   def _setup_state(self):
     stage_opt = self.sft_optimizer  # Both optimizers have the same state structure.

@@ -15,6 +15,7 @@ import pytest
 from configs import default
 from posttrain import experiment, trainer
 from posttrain.rl import presets
+from posttrain.rl import train_step as ts
 from posttrain.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -305,4 +306,4 @@ def test_launcher_errors_are_one_line(tmp_path):
 ])
 def test_reference_pass_runs_in_the_update_only_for_a_single_kl_loss_update(
     preset, overrides, fused):
-  assert trainer.reference_in_step(presets.algorithm_config(preset, **overrides)) is fused
+  assert ts.reference_in_step(presets.algorithm_config(preset, **overrides)) is fused

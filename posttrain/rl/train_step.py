@@ -228,6 +228,13 @@ def _learning_rate(opt_state) -> jax.Array:
   return jnp.asarray(jnp.nan if lr is None else lr, jnp.float32)
 
 
+def reference_in_step(algo) -> bool:
+  """Whether the KL reference's log-probs are computed inside the update program (one
+  program per step): when they only feed a loss term of a single update per batch."""
+  return (float(algo.kl_coef) > 0 and not algo.kl_in_reward
+          and int(algo.ppo_epochs) * int(algo.num_minibatches) == 1)
+
+
 def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                     optimizer: optax.GradientTransformation, *, mesh: Mesh,
                     rules: Rules = DEFAULT_RULES, max_response_len: int | None = None,
@@ -261,7 +268,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       reference log-probs once with `make_compute_logprobs` instead).
 
   Returns:
-    The step; `train_step.jitted` is the underlying `jax.jit` function.
+    The step; `train_step.jitted` is the underlying `jax.jit` function and
+    `train_step.required` the batch keys the loss reads.
   """
   overrides = {}
   if max_response_len and not algo_cfg.get("max_response_len"):
@@ -404,6 +412,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     return jitted(state, distributed.put(inputs, data_sharding))
 
   train_step.jitted = jitted
+  train_step.required = required  # the batch keys it reads (besides the model's)
   return train_step
 
 

@@ -1,0 +1,137 @@
+"""Compile a run's RL update for a TPU slice on any host, ahead of time (no TPU needed).
+
+    report = aot.compile_rl_step(config, aot.tpu_devices("v5p:2x4x4"))
+    print(aot.format_report(report))
+
+libtpu (`pip install -e '.[tpu]'`) compiles for a described TPU topology on a CPU host,
+Pallas kernels included. The update program is built exactly as the trainer builds it
+(`rl.train_step.make_train_step` on the config's mesh and rules, the checkpoint's state
+layout, a worst-case batch), lowered with abstract arrays and compiled; XLA's memory
+analysis then gives the bytes one device needs, which `launch.plan` sets beside its own
+estimate. A program that XLA or Mosaic cannot compile for the slice fails here, on a
+laptop, rather than after the slice is provisioned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from posttrain import experiment, models, planner
+from posttrain.rl import packing
+from posttrain.rl import train_step as ts
+
+
+def tpu_devices(topology: str) -> list:
+  """The devices of a TPU topology described by name, e.g. 'v5p:2x4x4' (32 chips) or
+  'v5e:16x16'; no TPU needs to be attached."""
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    raise ValueError(f"compiling for TPU topology {topology!r} needs libtpu: "
+                     "pip install -e '.[tpu]'") from None
+  # Nothing runs on the devices, so several processes may load libtpu at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(topology, "tpu").devices)
+  except Exception as e:  # libtpu's errors are long; the first line names the problem
+    raise ValueError(f"TPU topology {topology!r}: {_first_line(e)}") from None
+
+
+class CompileError(ValueError):
+  """XLA or Mosaic could not compile the program for the slice (e.g. it needs more
+  memory than a device has)."""
+
+
+def _first_line(e: BaseException) -> str:
+  lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+  return lines[0] if lines else type(e).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What one device of the compiled update program needs, in bytes."""
+  topology: str
+  mesh: dict[str, int]
+  batch_shape: tuple[int, int, int]
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  code: int
+  mosaic_kernels: int  # Pallas TPU kernel calls in the program (flash attention's)
+  compile_s: float
+
+  @property
+  def peak(self) -> int:
+    """Arguments + outputs + temporaries, less outputs that reuse donated arguments."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def abstract_rl_batch(config: ml_collections.ConfigDict, algo, required: tuple[str, ...],
+                      sharding) -> dict[str, jax.ShapeDtypeStruct]:
+  """The trainer's packed batch for one update, worst case (every sequence
+  rollout.max_len long): [micro-batches, rows per micro-batch, row_len]."""
+  per_update, _ = planner.microbatches(config, algo)
+  shape = (per_update, int(config.train.rows_per_microbatch), int(config.train.row_len))
+  packed = packing._empty_rows(1, 1, 0)
+  keys = [k for k in ts.TOKEN_KEYS if k in packed or k in required]
+  return {k: jax.ShapeDtypeStruct(shape, packed[k].dtype if k in packed else jnp.float32,
+                                  sharding=sharding) for k in keys}
+
+
+def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str = ""
+                    ) -> Report:
+  """Compiles the RL update of `config` for `devices` (e.g. `tpu_devices(...)`); the
+  train mesh is laid out over them as the trainer would."""
+  experiment.check_config(config)
+  mesh, _ = experiment.build_meshes(config, devices=devices)
+  rules = models.rules_from_config(config.get("sharding_rules") or None)
+  cfg = experiment.model_config(config)
+  algo = experiment.algorithm(config)
+  optimizer = experiment.optimizer_like(config)
+  in_step = ts.reference_in_step(algo)
+  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, rules=rules,
+                            reference_in_step=in_step)
+  state = experiment.from_checkpoint(experiment.abstract_checkpoint(cfg, optimizer, mesh,
+                                                                    rules))
+  batch = abstract_rl_batch(config, algo, step.required, ts.batch_sharding(mesh, rules))
+  args = (state, batch) + ((state.params,) if in_step else ())
+  start = time.perf_counter()
+  try:
+    with jax.set_mesh(mesh):  # Pallas picks the kernels of the mesh's platform
+      compiled = step.jitted.lower(*args).compile()
+  except (jax.errors.JaxRuntimeError, NotImplementedError) as e:
+    raise CompileError(_first_line(e)) from e
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  return Report(
+      topology=topology, mesh=dict(mesh.shape),
+      batch_shape=tuple(batch["tokens"].shape), arguments=memory.argument_size_in_bytes,
+      outputs=memory.output_size_in_bytes, aliased=memory.alias_size_in_bytes,
+      temporaries=memory.temp_size_in_bytes, code=memory.generated_code_size_in_bytes,
+      mosaic_kernels=compiled.as_text().count("custom_call_target=\"tpu_custom_call\""),
+      compile_s=seconds)
+
+
+def format_report(report: Report, planned_peak: int | None = None) -> str:
+  h = planner.human_bytes
+  mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
+  micro, rows, length = report.batch_shape
+  lines = [
+      f"compiled for {report.topology or 'the given devices'} in {report.compile_s:.1f} s: "
+      f"the RL update on mesh ({mesh}), {micro} x {rows} x {length} tokens, "
+      f"{report.mosaic_kernels} Mosaic kernel calls",
+      f"  per device: arguments {h(report.arguments)}, outputs {h(report.outputs)} "
+      f"({h(report.aliased)} reuse donated arguments), temporaries {h(report.temporaries)}",
+      f"  peak per device (XLA): {h(report.peak)}",
+  ]
+  if planned_peak:
+    lines.append(f"  the plan's train peak: {h(planned_peak)} "
+                 f"(compiled / planned = {report.peak / planned_peak:.2f})")
+  return "\n".join(lines)

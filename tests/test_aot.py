@@ -1,0 +1,75 @@
+"""aot: the trainer's RL update compiled for a TPU slice on this CPU host (libtpu)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import default
+from posttrain import aot, experiment, planner
+from tests.tpu_aot import requires_libtpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLASH_FSDP4 = {"model.overrides.attention_impl": "flash", "mesh.fsdp": 4}
+
+
+def _config():
+  c = default.get_config()
+  c.update_from_flattened_dict(FLASH_FSDP4)
+  return c
+
+
+def _plan(*args):
+  return subprocess.run(
+      [sys.executable, "-m", "launch.plan", "--config=configs/default.py", "--num_devices=4",
+       "--device_memory_gb=16", *[f"--config.{k}={v}" for k, v in FLASH_FSDP4.items()],
+       *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@requires_libtpu
+def test_rl_update_compiles_for_a_v5e_slice_with_flash_kernels():
+  config = _config()
+  report = aot.compile_rl_step(config, aot.tpu_devices("v5e:2x2"), topology="v5e:2x2")
+  assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1, "sequence": 1}
+  layers = int(config.model.overrides.num_layers)
+  # forward, dq and dk/dv kernels per layer, all in the program (not interpreted)
+  assert report.mosaic_kernels >= 3 * layers
+  # The arguments are the sharded train state and the batch: at least their logical
+  # bytes per device (TPU tiles pad small arrays, so not exactly).
+  params, opt = planner.state_bytes(experiment.model_config(config),
+                                    report.mesh, clip=bool(config.optim.get("clip")))
+  assert params + opt <= report.arguments <= 4 * (params + opt) + (1 << 20)
+  assert report.aliased > 0  # the donated state is updated in place
+  assert report.peak == (report.arguments + report.outputs - report.aliased
+                         + report.temporaries)
+
+
+@requires_libtpu
+def test_plan_compile_for_prints_the_compiled_peak():
+  done = _plan("--compile_for=v5e:2x2")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "compiled for v5e:2x2" in done.stdout
+  assert "peak per device (XLA)" in done.stdout and "compiled / planned" in done.stdout
+
+
+@requires_libtpu
+def test_plan_compile_for_reports_a_program_too_big_for_the_chip():
+  done = _plan("--compile_for=v5e:2x2", "--config.train.rows_per_microbatch=4096",
+               "--config.train.row_len=4096", "--config.rollout.max_len=4096")
+  assert done.returncode == 1
+  assert "does not compile for v5e:2x2: RESOURCE_EXHAUSTED" in done.stdout
+
+
+@requires_libtpu
+def test_unknown_topology_is_one_line_error():
+  done = _plan("--compile_for=v9z:2x2")
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines()[-1].startswith("error: TPU topology 'v9z:2x2':")
+
+
+def test_without_libtpu_the_error_says_what_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu -> ImportError
+  with pytest.raises(ValueError, match=r"needs libtpu: pip install -e '\.\[tpu\]'"):
+    aot.tpu_devices("v5e:2x2")
