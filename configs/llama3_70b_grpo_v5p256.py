@@ -4,6 +4,10 @@ Plan the memory first (no TPU needed):
 
     python -m launch.plan --config=configs/llama3_70b_grpo_v5p256.py --device_memory_gb=95
 
+and compile its RL update for the slice on this host (libtpu: `pip install -e '.[tpu]'`):
+
+    python -m launch.plan --config=configs/llama3_70b_grpo_v5p256.py --compile_for=v5p:4x4x8
+
 Weights and tokenizer come from a Hugging Face folder present on every host (HF_DIR
 below; `--config.init_from=DIR --config.tokenizer=DIR` points elsewhere). From a
 checkout with gcloud configured (see launch/tpu_pod.sh):

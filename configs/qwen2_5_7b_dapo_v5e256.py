@@ -4,6 +4,10 @@ Plan the memory first (no TPU needed):
 
     python -m launch.plan --config=configs/qwen2_5_7b_dapo_v5e256.py --device_memory_gb=16
 
+and compile its RL update for the slice on this host (libtpu: `pip install -e '.[tpu]'`):
+
+    python -m launch.plan --config=configs/qwen2_5_7b_dapo_v5e256.py --compile_for=v5e:16x16
+
 Weights and tokenizer come from a Hugging Face folder present on every host (HF_DIR
 below; `--config.init_from=DIR --config.tokenizer=DIR` points elsewhere). From a
 checkout with gcloud configured (see launch/tpu_pod.sh):
