@@ -52,6 +52,12 @@ LOG2E = math.log2(math.e)
 
 # (block_q, block_kv, block_q_bwd, block_kv_bwd) per kernel family.
 DEFAULT_BLOCKS = {"tpu": (512, 512, 512, 512), "gpu": (128, 64, 64, 64)}
+# TPU blocks for 16-bit inputs with head_dim <= 128 (LLM training). A TPU grid step costs
+# ~210-310 bundles besides its block's work, and 1024 blocks spread that over 4x the
+# work: libtpu's schedules model forward + backward 3-12% faster on v5e, 8-18% on v5p
+# and 28-41% on v6e at 4k-16k (`python -m benchmarks.tpu_static`, BENCHMARKS.md; no TPU
+# has run them). Wider heads or f32 at 1024 overflow VMEM on v4 / v5e / v5p.
+TPU_BLOCKS_16BIT = (1024, 1024, 1024, 1024)
 # GPU (Triton) launch options (num_warps, num_stages) per direction; None warps = 8 for
 # head_dim > 64, else 4. The best of a sweep on an H200 at length 8k, head_dim 128
 # (`python -m benchmarks.attention --accelerator-only`): forward 351 TFLOP/s vs 264 with
@@ -1187,6 +1193,14 @@ def default_backend() -> str:
   return "gpu" if target_platform() in ("gpu", "cuda", "rocm") else "tpu"
 
 
+def supported_inputs(backend: str, *xs):
+  """TPUs have no float16 vectors (Mosaic refuses the loads): there float16 inputs run
+  in float32."""
+  if backend == "tpu" and any(x.dtype == jnp.float16 for x in xs):
+    return tuple(x.astype(jnp.float32) for x in xs)
+  return xs
+
+
 def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
@@ -1214,9 +1228,11 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
            block_kv if block_kv_bwd is None else block_kv_bwd)
   names = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_q_dq",
            "block_kv_dq")
+  defaults = DEFAULT_BLOCKS[backend]
+  if backend == "tpu" and q.dtype.itemsize <= 2 and q.shape[-1] <= 128:
+    defaults = TPU_BLOCKS_16BIT
   blocks = []
-  for name, block, default, n in zip(names, given, DEFAULT_BLOCKS[backend],
-                                     (q_len, kv_len) * 2):
+  for name, block, default, n in zip(names, given, defaults, (q_len, kv_len) * 2):
     blocks.append(fit(default, n) if block is None else block)
   blocks += [blocks[2] if block_q_dq is None else block_q_dq,
              blocks[3] if block_kv_dq is None else block_kv_dq]
@@ -1267,11 +1283,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
     causal, q_segment_ids, kv_segment_ids, sm_scale, logits_soft_cap, sliding_window:
       as in `kernels.reference_attention`.
     backend: kernel family, 'tpu' (Mosaic) or 'gpu' (Triton); default from the platform.
-    block_q, block_kv: forward block sizes (default 512 on TPU, 128 x 64 on GPU, capped
-      at the padded length); multiples of 128 on TPU and 16 on GPU. Lengths need not
-      be multiples of them.
+    block_q, block_kv: forward block sizes (default on TPU 1024 for 16-bit inputs with
+      head_dim <= 128, else 512; 128 x 64 on GPU; capped at the padded length);
+      multiples of 128 on TPU and 16 on GPU. Lengths need not be multiples of them.
     block_q_bwd, block_kv_bwd: the same for the backward kernels (default: the forward
-      blocks if given, else 512 on TPU and 64 on GPU).
+      blocks if given, else the TPU default above and 64 on GPU).
     block_q_dq, block_kv_dq: the dq kernel's own blocks (default: the backward blocks,
       which then set only the dk / dv kernel's). The dk / dv kernel holds a kv block
       and steps over q blocks, the dq kernel the reverse, so their best shapes differ.
@@ -1291,6 +1307,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
   reference.check_attention_inputs(
       q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+  out_dtype = q.dtype
+  q, k, v = supported_inputs(default_backend() if backend is None else backend, q, k, v)
   cfg = make_config(q, k, causal=causal, segments=q_segment_ids is not None,
                     sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
@@ -1298,7 +1316,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     block_q_dq=block_q_dq, block_kv_dq=block_kv_dq, dq_atomic=dq_atomic,
                     num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
                     num_stages_bwd=num_stages_bwd, interpret=interpret)
-  return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg)
+  return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg).astype(out_dtype)
 
 
 def public_lse(lse):

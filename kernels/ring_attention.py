@@ -108,14 +108,19 @@ def flash_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
     if causal and q.shape[1] != k.shape[1]:
       raise ValueError("causal flash ring blocks need equal q and kv lengths")
 
+  def backend():
+    return flash_options.get("backend") or fa.default_backend()
+
   def fwd(q, k, v, q_seg, kv_seg, causal):
     check(q, k, causal)
+    q, k, v = fa.supported_inputs(backend(), q, k, v)
     cfg = config(q, k, q_seg, causal)
     out, lse = fa._forward(cfg, q, k, v, q_seg, kv_seg)
     return out.astype(jnp.float32), fa.public_lse(lse)
 
   def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
     check(q, k, causal)
+    q, k, v = fa.supported_inputs(backend(), q, k, v)
     cfg = config(q, k, q_seg, causal).for_backward()
     grads = fa._backward(cfg, q, k, v, q_seg, kv_seg, dout.astype(q.dtype),
                          fa.internal_lse(lse), jnp.swapaxes(delta, 1, 2))

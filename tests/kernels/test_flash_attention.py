@@ -537,3 +537,19 @@ def test_import_is_cheap():
       " 'jaxlib.triton'))]\n"
       "assert not bad, bad\n")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tpu_kernels_take_float16_in_float32_and_default_blocks_follow_the_dtype():
+  """TPUs have no float16 vectors (Mosaic refuses them; tests/kernels/test_tpu_compile.py
+  compiles it): float16 runs in float32 and comes back as float16. 16-bit inputs with
+  head_dim <= 128 take 1024 blocks; float32 or wider heads 512 (VMEM)."""
+  x = make_inputs(Case("f16", batch=1, q_len=128, kv_len=128, heads=2, kv_heads=1))
+  q, k, v = (x[n].astype(jnp.float16) for n in "qkv")
+  out = kernels.flash_attention(q, k, v, backend="tpu", interpret=True)
+  assert out.dtype == jnp.float16
+  want = kernels.reference_attention(*(a.astype(jnp.float32) for a in (q, k, v)))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-3)
+  long = lambda dtype, d: jnp.zeros((1, 4096, 2, d), dtype)
+  blocks = lambda q: fa.make_config(q, q, backend="tpu").block_q
+  assert blocks(long(jnp.bfloat16, 128)) == 1024
+  assert blocks(long(jnp.float32, 128)) == blocks(long(jnp.bfloat16, 256)) == 512

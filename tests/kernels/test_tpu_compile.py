@@ -29,6 +29,11 @@ CASES = {
                                 dict(causal=False)),
     "own_dq_blocks": (1024, 1024, 4, 2, 128, jnp.bfloat16, True,
                       dict(block_q=256, block_kv=512, block_q_dq=512, block_kv_dq=256)),
+    # TPUs have no float16 vectors: the kernels run such inputs in float32.
+    "float16_inputs": (1024, 1024, 4, 2, 128, jnp.float16, False, {}),
+    # 1024 blocks (the 16-bit default) would overflow VMEM here: defaults fall to 512.
+    "f32_head_dim_256_window_at_4k": (4096, 4096, 2, 2, 256, jnp.float32, True,
+                                      dict(logits_soft_cap=30.0, sliding_window=1000)),
 }
 
 
@@ -57,8 +62,9 @@ def test_flash_forward_and_backward_compile_for_v5e(case):
 
 
 @pytest.mark.parametrize("chip", ["v4", "v5p", "v6e"])
-def test_default_blocks_compile_for_each_generation(chip):
-  _grad_program(tpu_mesh(chip, (1,), ("x",)), *CASES["gqa_segments_bf16"])
+@pytest.mark.parametrize("case", ["gqa_segments_bf16", "f32_head_dim_256_window_at_4k"])
+def test_default_blocks_compile_for_each_generation(chip, case):
+  _grad_program(tpu_mesh(chip, (1,), ("x",)), *CASES[case])
 
 
 def test_pallas_outside_shard_map_is_refused_on_a_mesh():

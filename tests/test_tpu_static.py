@@ -1,0 +1,233 @@
+"""benchmarks/tpu_static.py without libtpu: the bundle-dump parser on a synthetic dump,
+the block-count model against a brute-force causal mask, the cycle model's arithmetic
+and the command line."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from benchmarks import tpu_static as ts
+
+
+def _dump(bundles) -> str:
+  """A final_bundles dump: (markers, ops, trailing comment) per bundle."""
+  lines = ["= control target key start", "LB: loop body",
+           "PF: predicated region fallthrough", "= control target key end", ""]
+  for i, (markers, ops, comment) in enumerate(bundles):
+    addr = f"{i:#x}" if i else "0"
+    mark = " ".join(m + ":" for m in markers.split()) or "  :"
+    tail = f" /* {comment} */" if comment else ""
+    lines.append(f"  {addr:>5} {mark} > {{ {ops} }}{tail}")
+  return "\n".join(lines) + "\n"
+
+
+def _delay(n=3, start=None):
+  """Delay slots; `start` opens a region in one of them (hoisted code of the next
+  region, as libtpu schedules it), which must not end the slots."""
+  slots = [("", "", "")] * n
+  if start is not None:
+    slots[1] = ("", "", f"Start region {start}")
+  return slots
+
+
+MATMUL = "%v1 = vmatmul.bf16.gmra.mxu0 %v0  ;;  %v2 = vpop.f32.mrf.mxu0"
+MASK = "%vm3 = vcmp.lt.s32.totalorder %v4, %v5  ;;  %v6 = vsel /*vm=*/%vm3, %v2, -2.38e+38"
+SPILLS = ("%7 = vst [vmem:[#allocation9_spill] sm:$0xff] /*vst_source=*/%v2  ;;  "
+          "%v8 = vld [vmem:[#allocation9_spill] sm:$0xff]")
+
+
+def _kernel_bundles(unmasked_ops=MATMUL, masked_ops=MASK + "  ;;  " + MATMUL):
+  """A grid-step loop as libtpu lays it out: an outer guard around init (2 bundles),
+  the unmasked step (5), the masked step (7) and finish (3); every branch followed by 4
+  bundles that run either way, the last of them closing the branch's region."""
+  return [
+      ("", "%1 = smov 0", "Start region 1"),
+      ("LB", "%2 = sadd.s32 1, %s1", "Start region 30 :: Start region 31"),
+      ("", "%3 = sbr.rel (%p0) target = $region40", ""),  # pipeline guard: not a leaf
+      *_delay(start=50), ("", "", "End region 31"),
+      ("", "%4 = sbr.rel (%p1) target = $region33", "Start region 32"),  # init
+      *_delay(start=51), ("", "", "End region 32"),
+      ("", "%5 = vst [vmem:[#allocation2] sm:$0xff] %v0", "Start region 34"),
+      ("", "%5 = vst [vmem:[#allocation2 + $0x8] sm:$0xff] %v0", "End region 34"),
+      ("PF", "%6 = sbr.rel (%p2) target = $region37",
+       "Start/End empty region 33 :: Start region 35"),  # unmasked step
+      *_delay(), ("", "", "End region 35"),
+      ("", unmasked_ops, "Start region 36"), ("", SPILLS, ""), ("", unmasked_ops, ""),
+      ("", "%9 = vadd.f32 %v1, %v2", ""), ("", unmasked_ops, "End region 36"),
+      ("PF", "", "Start/End empty region 37 :: Start region 38"),
+      ("", "%7 = sbr.rel (%p3) target = $region41", ""),  # masked step
+      *_delay(start=52), ("", "", "End region 38"),
+      ("", masked_ops, "Start region 39"), *[("", masked_ops, "")] * 5,
+      ("", masked_ops, "End region 39"),
+      ("CT PF", "%8 = sbr.rel (%p4) target = $region43",
+       "Start/End empty region 41 :: Start region 42"),  # finish
+      *_delay(start=53), ("", "", "End region 42"),
+      ("", "%v10 = vrcp.f32 %v9", ""), ("", "", ""),
+      ("", "%11 = vst [vmem:[%s3] sm:$0xff] %v10", ""),
+      ("PF", "", "Start/End empty region 43"),
+      ("", "%12 = sst [smem:[#allocation5]] %s2", ""),
+      ("PF", "", "Start/End empty region 40 :: End region 30"),
+      ("", "%13 = sbr.rel (!%p5) target = $region30", ""),  # back to the loop body
+      *_delay(), ("", "", "End region 1"),
+      ("", "%14 = vsyncpa [#allocation6], 1", ""),
+  ]
+
+
+def test_parse_bundles_reads_markers_events_and_branches():
+  bundles = ts.parse_bundles(_dump(_kernel_bundles()))
+  assert len(bundles) == 54  # the key lines at the top are no bundles
+  assert bundles[1].markers == ("LB",)
+  assert bundles[1].events == (("start", 30), ("start", 31))
+  assert bundles[14].markers == ("PF",)
+  assert bundles[14].events == (("empty", 33), ("start", 35))
+  assert bundles[14].target == 37
+  assert bundles[37].markers == ("CT", "PF") and bundles[37].target == 43
+  assert bundles[48].target == 30 and bundles[47].events == (("empty", 40), ("end", 30))
+  assert [b.target for b in bundles if b.target is not None] == [40, 33, 37, 41, 43, 30]
+
+
+def test_kernel_regions_maps_the_guarded_bodies():
+  regions = ts.kernel_regions(_dump(_kernel_bundles()))
+  # The loop runs from the LB bundle to the back branch's last delay slot (1..52).
+  assert regions == dict(loop=52, init=2, unmasked=5, masked=7, finish=3, spills=2,
+                         unmapped=0, overhead=52 - 2 - 5 - 7 - 3, mask_checked=True)
+
+
+def test_kernel_regions_flags_a_masked_step_without_the_mask():
+  # The second MXU body is taken as the masked step; here it holds fewer selects.
+  regions = ts.kernel_regions(_dump(_kernel_bundles(unmasked_ops=MASK + " ;; " + MATMUL,
+                                                     masked_ops=MATMUL)))
+  assert not regions["mask_checked"]
+
+
+def test_kernel_regions_rejects_dumps_it_cannot_map():
+  bundles = _kernel_bundles()
+  with pytest.raises(ValueError, match="no loop body"):
+    ts.kernel_regions(_dump([(m.replace("LB", ""), o, c) for m, o, c in bundles]))
+  with pytest.raises(ValueError, match="use the MXU"):
+    ts.kernel_regions(_dump(_kernel_bundles(unmasked_ops="%9 = vadd.f32 %v1, %v2",
+                                            masked_ops="%9 = vadd.f32 %v1, %v2")))
+
+
+def _brute_force(cfg):
+  """Steps, fully visible and partly masked block pairs of the causal mask, element by
+  element (real queries only; keys past kv_len are masked)."""
+  nq, nk, bq, bk = cfg.num_q_blocks, cfg.num_kv_blocks, cfg.block_q, cfg.block_kv
+  q = np.arange(nq * bq)[:, None] + cfg.kv_len - cfg.q_len
+  k = np.arange(nk * bk)[None, :]
+  mask = (q >= k) & (k < cfg.kv_len)
+  unmasked = masked = 0
+  for qi in range(nq):
+    rows = slice(qi * bq, min(qi * bq + bq, cfg.q_len))
+    for ki in range(nk):
+      block = mask[rows, ki * bk:(ki + 1) * bk]
+      unmasked += bool(block.all())
+      masked += bool(block.any() and not block.all())
+  return dict(steps=nq * nk, unmasked=unmasked, masked=masked)
+
+
+@pytest.mark.parametrize("q_len, kv_len, bq, bk", [
+    (2048, 2048, 512, 512),
+    (2048, 2048, 256, 1024),
+    (1000, 1000, 256, 128),  # ragged: the last blocks are partly padding
+    (384, 1000, 128, 256),  # fewer queries than keys: the diagonal is offset
+])
+def test_grid_counts_match_a_brute_force_causal_mask(q_len, kv_len, bq, bk):
+  options = ts.arm_options((bq, bk), (bq, bk), (bq, bk))
+  cfgs = ts.configs(options, q_len, kv_len)
+  want = _brute_force(cfgs["fwd"])
+  assert want["masked"] and want["unmasked"]  # the shapes do exercise both bodies
+  fwd = ts.grid_counts(cfgs["fwd"], "fwd")
+  assert fwd == dict(want, rows=cfgs["fwd"].num_q_blocks)
+  # The dk/dv kernel visits the same pairs kv-major; init / finish once per kv head.
+  dkv = ts.grid_counts(cfgs["dkv"], "dkv")
+  assert dkv == dict(want, rows=cfgs["dkv"].num_kv_blocks / (ts.HEADS // ts.KV_HEADS))
+
+
+def test_grid_counts_follow_each_kernels_own_blocks():
+  cfgs = ts.configs(ts.arm_options((512, 512), (256, 1024), (1024, 256)), 4096)
+  assert [(c.block_q, c.block_kv) for c in cfgs.values()] == [(512, 512), (256, 1024),
+                                                             (1024, 256)]
+  for kernel, cfg in cfgs.items():
+    counts = ts.grid_counts(cfg, kernel)
+    assert {k: counts[k] for k in ("steps", "unmasked", "masked")} == _brute_force(cfg)
+
+
+REGIONS = dict(loop=0, init=20, unmasked=1000, masked=1200, finish=30, overhead=100,
+               spills=0, unmapped=0, mask_checked=True)
+
+
+def test_kernel_cycles_sum_over_the_grid():
+  cfg = ts.configs(ts.arm_options((512, 512), (512, 512), (512, 512)), 2048)["fwd"]
+  counts = ts.grid_counts(cfg, "fwd")  # 4 x 4 blocks: 6 unmasked, 4 masked, 6 skipped
+  assert counts == dict(steps=16, unmasked=6, masked=4, rows=4)
+  free = ts.Chip("none", peak=1e30, hbm=1e30, mxu_flops=10**30)  # no MXU / HBM limits
+  one = 6 * 100 + 6 * 1100 + 4 * 1300 + 4 * 50
+  assert ts.kernel_cycles(REGIONS, cfg, "fwd", free, batch=1, heads=1) == pytest.approx(one)
+  assert ts.kernel_cycles(REGIONS, cfg, "fwd", free, 2, 3) == pytest.approx(6 * one)
+  megacore = dataclasses.replace(free, cores=2)
+  assert ts.kernel_cycles(REGIONS, cfg, "fwd", megacore, 1, 1) == pytest.approx(one / 2)
+  # An MXU slower than the bodies: every visited step takes overhead + MXU time.
+  slow_mxu = dataclasses.replace(free, mxu_flops=2 * 2 * 512 * 512 * 128 // 4096)
+  assert ts.kernel_cycles(REGIONS, cfg, "fwd", slow_mxu, 1, 1) == pytest.approx(
+      6 * 100 + 10 * (100 + 4096) + 4 * 50)
+  # HBM slower still: a visited step takes its blocks' fetch time (k and v, plus its
+  # share of the rows' q, out and lse).
+  slow_hbm = dataclasses.replace(free, hbm=free.clock / 8)  # 1/8 byte a cycle
+  per_step, per_row = ts.step_bytes(cfg, "fwd")
+  hbm = 8 * (per_step + 4 * per_row / 10)
+  assert ts.kernel_cycles(REGIONS, cfg, "fwd", slow_hbm, 1, 1) == pytest.approx(
+      6 * 100 + 10 * hbm + 4 * 50)
+
+
+def test_kernel_rows_and_summary_from_a_worker_result():
+  kernels = dict(fwd=dict(REGIONS, estimated_cycles=10**6), dq=dict(REGIONS, masked=None),
+                 dkv=dict(error="RESOURCE_EXHAUSTED: scoped vmem"))
+  result = dict(chip="v5e", arm="512x512", options=ts.arm_options(*[(512, 512)] * 3),
+                kernels=kernels)
+  rows = ts.kernel_rows(result, [4096, 8192], 4096)
+  assert [r["kernel"] for r in rows] == ["fwd", "dq", "dkv"]
+  fwd, dq, dkv = rows
+  assert fwd["blocks"] == "512x512" and fwd["mxu_bound"] == 1024
+  assert fwd["static_mcycles"] == 1
+  assert fwd["note"] == ""  # bodies of 1000 / 1200 bundles vs 1024 MXU cycles
+  assert dq["mxu_bound"] == 1536 and dq["note"] == "MXU-bound"
+  assert fwd["tflops@8192"] > fwd["tflops@4096"] > 0  # fewer skipped steps per visit
+  assert dkv == dict(chip="v5e", arm="512x512", kernel="dkv",
+                     note="RESOURCE_EXHAUSTED: scoped vmem")
+  good = dict(result, arm="other", kernels=dict(fwd=REGIONS, dq=REGIONS, dkv=REGIONS))
+  summary = ts.summary_rows(rows + ts.kernel_rows(good, [4096, 8192], 4096), [4096, 8192])
+  assert summary[0] == dict(chip="v5e", arm="512x512",
+                            note="RESOURCE_EXHAUSTED: scoped vmem")
+  assert summary[1]["rank"] == 1 and summary[1]["fwd@4096"] == fwd["tflops@4096"]
+  table = ts.markdown(summary).splitlines()
+  assert table[0].startswith("| chip | arm | note |") and len(table) == 4
+
+
+def test_parse_args_defaults_and_arms():
+  args = ts.parse_args([])
+  assert args.chips == ["v5e", "v6e", "v5p"] and args.lengths == [4096, 16384]
+  assert args.arms == [("1024x1024", ts.default_options())]
+  sweep = ts.parse_args(["--arms=sweep,default", "--chips=v6e"]).arms
+  assert [name for name, _ in sweep] == [f"{q}x{k}" for q, k in ts.SWEEP_BLOCKS]
+  assert len(sweep) <= 8 and ("1024x1024", ts.default_options()) in sweep
+  (name, options), = ts.parse_args(["--arms=256x512/512x1024/1024x256"]).arms
+  assert name == "256x512/512x1024/1024x256"
+  assert options == dict(block_q=256, block_kv=512, block_q_bwd=512, block_kv_bwd=1024,
+                         block_q_dq=1024, block_kv_dq=256)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chips=v5e,v7"], "unknown chip"),
+    (["--arms=512"], "expected default, sweep"),
+    (["--arms=512x512/256x256"], "expected default, sweep"),
+    (["--arms=100x512"], "multiples of 128"),
+    (["--lengths=4096,abc"], "comma-separated integers"),
+    (["--lengths=64"], "at least 128"),
+    (["--compile-length=3000"], "not a multiple of the blocks"),
+])
+def test_parse_args_errors(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    ts.parse_args(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
