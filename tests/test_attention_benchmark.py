@@ -1,28 +1,34 @@
 """The packed-row block count of benchmarks/attention.py, against the closed form, and
 the device sweep's backward arms."""
 import argparse
+import importlib
 
 import pytest
 
 from benchmarks import attention
 
+fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
+
 
 def test_packed_rows_visit_only_each_sequences_causal_blocks():
-  rows = attention.packed_blocks(length=4096, sequences=(1, 2, 4, 8))
+  length, tpu_block = 8192, fa.TPU_BLOCKS_16BIT[0]  # bf16, head_dim 128: 1024 blocks
+  rows = attention.packed_blocks(length=length, sequences=(1, 2, 4, 8))
   assert len(rows) == 8
   for row in rows:
     n = row["sequences"]
-    if "tpu" in row["benchmark"]:  # 512 x 512 blocks: m blocks a sequence, m(m+1)/2 pairs
-      m = 4096 // n // 512
+    if "tpu" in row["benchmark"]:  # square blocks: m blocks a sequence, m(m+1)/2 pairs
+      assert f"blocks {tpu_block}x{tpu_block}" in row["benchmark"]
+      m = length // n // tpu_block
       want = n * m * (m + 1) // 2
     else:  # 128 x 64: q block i of a sequence sees 2(i + 1) kv blocks
-      m = 4096 // n // 128
+      m = length // n // 128
       want = n * m * (m + 1)
     assert row["visited_blocks"] == want, row
     assert row["fraction"] == round(want / row["causal_blocks"], 3)
     # Sequences start on block boundaries here, so only the diagonal's pairs need the
     # element mask: one per q block (TPU), two per 128-row q block of 64-key blocks.
-    assert row["masked_blocks"] == (4096 // 512 if "tpu" in row["benchmark"] else 2 * 4096 // 128)
+    assert row["masked_blocks"] == (length // tpu_block if "tpu" in row["benchmark"]
+                                    else 2 * length // 128)
   assert [r["fraction"] for r in rows[:4]] == [1.0, 0.556, 0.333, 0.222]
 
 
