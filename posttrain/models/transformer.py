@@ -107,7 +107,7 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
           head_axis=head_axis if head_axis == kv_spec[2] else None, **kwargs)
     if not flash_options:
       return kernels.dot_product_attention(q, k, v, implementation="chunked", **kwargs)
-    # Options name the flash kernel: without a sequence axis, one device runs it alone.
+    # Options name the flash kernel: without a sequence axis it runs on each shard.
   elif cfg.attention_impl == "chunked":
     return kernels.dot_product_attention(q, k, v, implementation="chunked",
                                          chunk_size=cfg.attention_chunk, **kwargs)
