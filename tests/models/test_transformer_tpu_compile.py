@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -44,16 +45,18 @@ def test_flash_model_gradient_compiles_on_a_sharded_tpu_mesh():
   assert text.count("tpu_custom_call") >= 3 * CFG.num_layers
 
 
-def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh():
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dtype):
   """The sampler's two programs: flash prefill into the KV cache, then one decode step
-  (decode attention over the cache)."""
+  (decode attention over the cache, bf16 or int8 with scales)."""
   from posttrain.models.transformer import CACHE_AXES
   mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
   graphdef, state = _state_specs(mesh)
   ctx = models.ShardingContext(mesh)
   tokens = spec(mesh, (4, 512), jnp.int32, P("data"))
   step_tokens = spec(mesh, (4, 1), jnp.int32, P("data"))
-  cache = jax.eval_shape(lambda: models.init_cache(CFG, 4, 1024))
+  dtype = jnp.int8 if cache_dtype else None
+  cache = jax.eval_shape(lambda: models.init_cache(CFG, 4, 1024, dtype))
   cache = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.sharding(
           CACHE_AXES[:x.ndim], x.shape)), cache)
