@@ -4,7 +4,8 @@ Plan the memory first (no TPU needed):
 
     python -m launch.plan --config=configs/llama3_8b_grpo_v5p64.py --device_memory_gb=95
 
-and compile its RL update for the slice on this host (libtpu: `pip install -e '.[tpu]'`):
+and compile its RL update and rollout for the slice on this host (libtpu,
+`pip install -e '.[tpu]'`):
 
     python -m launch.plan --config=configs/llama3_8b_grpo_v5p64.py --compile_for=v5p:2x4x4
 

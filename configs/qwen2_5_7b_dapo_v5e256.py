@@ -4,7 +4,8 @@ Plan the memory first (no TPU needed):
 
     python -m launch.plan --config=configs/qwen2_5_7b_dapo_v5e256.py --device_memory_gb=16
 
-and compile its RL update for the slice on this host (libtpu: `pip install -e '.[tpu]'`):
+and compile its RL update and rollout for the slice on this host (libtpu,
+`pip install -e '.[tpu]'`):
 
     python -m launch.plan --config=configs/qwen2_5_7b_dapo_v5e256.py --compile_for=v5e:16x16
 

@@ -6,9 +6,9 @@ cache for the config's mesh, whether they fit, and which knob to turn. Allocates
 and needs no accelerator: a v5p-256 mesh plans on a laptop. Exits 1 when it does not fit.
 
 `--compile_for=TOPOLOGY` (needs libtpu: `pip install -e '.[tpu]'`) also compiles the RL
-update for that TPU slice on this host, as the trainer builds it, and prints what XLA
-says one device needs beside the plan; it fails here if the program cannot compile
-for the slice. Topologies are named generation:chips, e.g. v5p:2x4x4 (32 chips),
+update and the sampler's prefill and decode for that TPU slice on this host, as the
+trainer builds them, and prints what XLA says one device needs beside the plan; it fails
+here if a program cannot compile for the slice. Topologies are named generation:chips, e.g. v5p:2x4x4 (32 chips),
 v5e:16x16 (256), v6e:4x4.
 """
 
@@ -48,15 +48,18 @@ def main(argv):
     from posttrain import aot
     topology = _COMPILE_FOR.value
     try:
-      report = aot.compile_rl_step(_CONFIG.value, aot.tpu_devices(topology),
-                                   topology=topology)
+      devices = aot.tpu_devices(topology)
+      report = aot.compile_rl_step(_CONFIG.value, devices, topology=topology)
+      print(aot.format_report(report, p.train_peak), flush=True)
+      rollout = aot.compile_rollout(_CONFIG.value, devices)
+      print(aot.format_rollout(rollout, p.rollout_peak), flush=True)
     except aot.CompileError as e:
       print(f"does not compile for {topology}: {e}", flush=True)
       sys.exit(1)
     except (ValueError, KeyError) as e:
       common.fail(e)
-    print(aot.format_report(report, p.train_peak), flush=True)
-    if p.capacity is not None and report.peak > p.capacity:
+    peak = max(report.peak, rollout.prefill_peak, rollout.decode_peak)
+    if p.capacity is not None and peak > p.capacity:
       print(f"does not fit: the compiled peak exceeds the {planner.human_bytes(p.capacity)} "
             "a device may use", flush=True)
       fits = False

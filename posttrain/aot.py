@@ -119,6 +119,75 @@ def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str
       compile_s=seconds)
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutReport:
+  """Bytes one device of the rollout programs needs (prefill, then the decode loop)."""
+  mesh: dict[str, int]
+  rows: int
+  prompt_len: int
+  max_new_tokens: int
+  prefill_peak: int
+  decode_peak: int
+  compile_s: float
+
+
+def _peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+
+
+def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport:
+  """Compiles the sampler's prefill and decode programs for one generate call of the
+  run (`rollout.chunk_rows` rows, padded as the planner counts them, one prefill per
+  group, prompts as long as rollout.max_len leaves) on the rollout mesh over `devices`."""
+  from flax import nnx
+
+  from posttrain.sampling.sampler import Sampler
+  experiment.check_config(config)
+  _, mesh = experiment.build_meshes(config, devices=devices)
+  rules = models.rules_from_config(config.get("sharding_rules") or None)
+  cfg = experiment.model_config(config)
+  algo = experiment.algorithm(config)
+  r = config.rollout
+  model = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  sampler = Sampler(model, mesh=mesh, rules=rules, max_len=int(r.max_len),
+                    cache_dtype=r.get("cache_dtype", None))
+  group = int(algo.group_size)
+  rows = planner.sampler_batch(config, group, planner.batch_mesh_size(mesh.abstract_mesh,
+                                                                      rules))
+  new = int(r.max_new_tokens)
+  prompt_len = int(r.max_len) - new
+  start = time.perf_counter()
+  try:
+    with jax.set_mesh(mesh):
+      prefill, decode = sampler.compile(
+          rows, prompt_len, new, distinct_prompts=-(-rows // group),
+          temperature=float(r.temperature),
+          top_k=int(r.top_k) if r.get("top_k") else None,
+          top_p=float(r.top_p) if r.get("top_p") else None)
+  except (jax.errors.JaxRuntimeError, NotImplementedError) as e:
+    raise CompileError(_first_line(e)) from e
+  return RolloutReport(mesh=dict(mesh.shape), rows=rows, prompt_len=prompt_len,
+                       max_new_tokens=new, prefill_peak=_peak(prefill),
+                       decode_peak=_peak(decode), compile_s=time.perf_counter() - start)
+
+
+def format_rollout(report: RolloutReport, planned_peak: int | None = None) -> str:
+  h = planner.human_bytes
+  mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
+  lines = [f"compiled the rollout in {report.compile_s:.1f} s on mesh ({mesh}): "
+           f"{report.rows} rows, prompts up to {report.prompt_len} + "
+           f"{report.max_new_tokens} new tokens",
+           f"  peak per device (XLA): prefill {h(report.prefill_peak)}, decode "
+           f"{h(report.decode_peak)}"]
+  if planned_peak:
+    peak = max(report.prefill_peak, report.decode_peak)
+    lines.append(f"  the plan's rollout peak: {h(planned_peak)} "
+                 f"(compiled / planned = {peak / planned_peak:.2f})")
+  return "\n".join(lines)
+
+
 def format_report(report: Report, planned_peak: int | None = None) -> str:
   h = planner.human_bytes
   mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())

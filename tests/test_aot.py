@@ -47,11 +47,27 @@ def test_rl_update_compiles_for_a_v5e_slice_with_flash_kernels():
 
 
 @requires_libtpu
+def test_rollout_programs_compile_for_a_v5e_slice():
+  config = _config()
+  report = aot.compile_rollout(config, aot.tpu_devices("v5e:2x2"))
+  r = config.rollout
+  assert report.rows == planner.sampler_batch(config, int(config.rl.group_size), 4)
+  assert report.prompt_len + report.max_new_tokens == int(r.max_len)
+  # The decode program holds the KV cache (donated, updated in place) and the params.
+  cache = planner.kv_cache_bytes(experiment.model_config(config), batch=report.rows,
+                                 max_len=int(r.max_len), mesh=planner.abstract_mesh(
+                                     report.mesh))
+  assert cache <= report.decode_peak <= 4 * cache + (16 << 20)
+  assert report.prefill_peak > 0
+
+
+@requires_libtpu
 def test_plan_compile_for_prints_the_compiled_peak():
   done = _plan("--compile_for=v5e:2x2")
   assert done.returncode == 0, done.stderr[-2000:]
   assert "compiled for v5e:2x2" in done.stdout
   assert "peak per device (XLA)" in done.stdout and "compiled / planned" in done.stdout
+  assert "compiled the rollout" in done.stdout and "the plan's rollout peak" in done.stdout
 
 
 @requires_libtpu

@@ -215,10 +215,16 @@ class Sampler:
       given = self._check_buckets(length_buckets, "length_buckets")
       self.length_buckets = tuple(b for b in given if b < self.max_len) + (self.max_len,)
     self._graphdef, state = nnx.split(model)
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+    if abstract and mesh is None:
+      raise ValueError("a sampler of an abstract model (nnx.eval_shape) needs a mesh")
     shardings = (models.state_shardings(state, mesh, self.rules) if mesh is not None
                  else jax.tree.map(lambda x: x.sharding, state))
-    # A copy, never an alias: a learner that donates its params must not free the sampler's.
-    state = jax.tree.map(distributed.copy_to, state, shardings)
+    if abstract:  # compile-only (`compile`), e.g. for devices this host does not have
+      state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                           state, shardings)
+    else:  # A copy, never an alias: a learner that donates its params must not free ours.
+      state = jax.tree.map(distributed.copy_to, state, shardings)
     self._treedef = jax.tree.structure(state)
     self._paths = [_param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
@@ -356,6 +362,48 @@ class Sampler:
                                   prompt_len=prompt_len, cache_len=cache_len,
                                   steps=int(steps)),
                        resume_state=resume)
+
+  def compile(self, rows: int, prompt_len: int, max_new_tokens: int, *,
+              distinct_prompts: int | None = None, temperature: float = 1.0,
+              top_k: int | None = None, top_p: float | None = None,
+              num_stop_ids: int = 1):
+    """Compiles, without running, the programs `generate` runs for `rows` prompts
+    (`distinct_prompts` of them different, default all: a GRPO group shares one prefill)
+    of up to `prompt_len` tokens and `max_new_tokens` new ones; later calls of the same
+    shapes reuse them. A sampler of an abstract model (`nnx.eval_shape`) on another
+    platform's mesh compiles for those devices.
+
+    Returns:
+      (prefill, decode): the compiled programs (`memory_analysis()` says what they need).
+    """
+    mode = sampling_mode(temperature, top_k, top_p, self.cfg.vocab_size)
+    if prompt_len < 1 or max_new_tokens < 1 or prompt_len + max_new_tokens > self.max_len:
+      raise ValueError(f"prompt_len={prompt_len} + max_new_tokens={max_new_tokens} must be "
+                       f"positive and fit max_len={self.max_len}")
+    batch = self._batch_bucket(rows)
+    prefill_rows = self._batch_bucket(min(rows, distinct_prompts or rows))
+    cache_len = _bucket(prompt_len + max_new_tokens, self.length_buckets, "sequence length")
+    prompt_len = _bucket(prompt_len, self.length_buckets, "prompt length")
+
+    def row(dtype, *shape, rows=batch):
+      return self._abstract((rows, *shape), dtype, ("batch",) + (None,) * len(shape))
+
+    scalar = lambda dtype: self._abstract((), dtype, ())  # noqa: E731
+    stop_ids = 1 << max(num_stop_ids - 1, 0).bit_length()
+    prefill_args = (self._state, row(jnp.int32, prompt_len, rows=prefill_rows),
+                    row(jnp.int32, rows=prefill_rows), row(jnp.int32),
+                    scalar(jnp.uint32), scalar(jnp.float32), scalar(jnp.float32))
+    prefill = self._program(("prefill", prefill_rows, batch, prompt_len, cache_len, mode),
+                            functools.partial(self._prefill, cache_len=cache_len, mode=mode),
+                            prefill_args, donate=())
+    cache, first, first_logp = prefill.out_info
+    decode_args = (self._state, cache, first, first_logp, row(jnp.int32), row(jnp.bool_),
+                   scalar(jnp.int32), self._abstract((max(4, stop_ids),), jnp.int32, ()),
+                   *prefill_args[4:], scalar(jnp.int32))
+    decode = self._program(("decode", batch, cache_len, max(4, stop_ids), mode),
+                           functools.partial(self._decode, mode=mode), decode_args,
+                           donate=(1,))
+    return prefill, decode
 
   def resume(self, state: ResumeState, rows: Sequence[int], *,
              max_new_tokens: int) -> Completions:
@@ -524,6 +572,11 @@ class Sampler:
     return (self._scalar(np.uint32(seed), np.uint32),
             self._scalar(temperature if not mode.greedy else 1.0, np.float32),
             self._scalar(top_p if mode.top_p else 1.0, np.float32))
+
+  def _abstract(self, shape: tuple, dtype, names: tuple) -> jax.ShapeDtypeStruct:
+    """What `_put` would place, as an abstract array (for compiling only)."""
+    sharding = None if self.mesh is None else self._ctx.sharding(names, shape)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
   def _put(self, x: np.ndarray, names: tuple):
     if self.mesh is None:

@@ -351,3 +351,28 @@ def test_resume_refuses_a_cache_filled_by_other_weights(model, sampler):
   sampler.update_params(model)  # the same values, but new weights as far as it knows
   with pytest.raises(ValueError, match="weights changed since this generation paused"):
     sampler.resume(first.resume_state, [0], max_new_tokens=3)
+
+
+def test_compile_builds_the_programs_generate_then_runs(model):
+  """`compile` makes exactly the prefill and decode programs a generate of those shapes
+  uses (no new compile after it), grouped prompts sharing one prefill row each."""
+  mesh = models.make_mesh((1, 2, 1, 1), devices=jax.devices()[:2])
+  sampler = Sampler(model, mesh=mesh, max_len=MAX_LEN)
+  prompts = [p[:9] for p in PROMPTS[:2] for _ in range(4)]  # 2 groups of 4
+  prefill, decode = sampler.compile(8, 9, 5, distinct_prompts=2, temperature=1.0, top_k=7)
+  assert sampler.num_compiles == 2
+  assert prefill.memory_analysis() is not None and decode.memory_analysis() is not None
+  out = sampler.generate(prompts, max_new_tokens=5, temperature=1.0, top_k=7, seed=3)
+  assert sampler.num_compiles == 2 and out.tokens.shape == (8, 5)
+  with pytest.raises(ValueError, match="must be positive and fit max_len"):
+    sampler.compile(8, MAX_LEN, 1)
+
+
+def test_a_sampler_of_an_abstract_model_only_compiles():
+  abstract = nnx.eval_shape(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
+  mesh = models.make_mesh((1, 2, 1, 1), devices=jax.devices()[:2])
+  sampler = Sampler(abstract, mesh=mesh, max_len=MAX_LEN)
+  prefill, decode = sampler.compile(4, 8, 4, temperature=0.0)
+  assert decode.memory_analysis().argument_size_in_bytes > 0
+  with pytest.raises(ValueError, match="abstract model .* needs a mesh"):
+    Sampler(abstract, max_len=MAX_LEN)
