@@ -1,15 +1,18 @@
-"""Compile a run's RL update for a TPU slice on any host, ahead of time (no TPU needed).
+"""Compile a run's programs for a TPU slice on any host, ahead of time (no TPU needed).
 
-    report = aot.compile_rl_step(config, aot.tpu_devices("v5p:2x4x4"))
-    print(aot.format_report(report))
+    devices = aot.tpu_devices("v5p:2x4x4")
+    print(aot.format_report(aot.compile_rl_step(config, devices)))
+    print(aot.format_rollout(aot.compile_rollout(config, devices)))
 
 libtpu (`pip install -e '.[tpu]'`) compiles for a described TPU topology on a CPU host,
-Pallas kernels included. The update program is built exactly as the trainer builds it
-(`rl.train_step.make_train_step` on the config's mesh and rules, the checkpoint's state
-layout, a worst-case batch), lowered with abstract arrays and compiled; XLA's memory
-analysis then gives the bytes one device needs, which `launch.plan` sets beside its own
-estimate. A program that XLA or Mosaic cannot compile for the slice fails here, on a
-laptop, rather than after the slice is provisioned.
+Pallas kernels included. The programs are built exactly as the trainer builds them: the
+RL update (`rl.train_step.make_train_step` on the config's mesh and rules, the
+checkpoint's state layout, a worst-case batch) and the sampler's prefill and decode for
+one generate call (`Sampler.compile` on an abstract model). They are lowered with
+abstract arrays and compiled; XLA's memory analysis then gives the bytes one device
+needs, which `launch.plan` sets beside its own estimate. A program that XLA or Mosaic
+cannot compile for the slice fails here, on a laptop, rather than after the slice is
+provisioned.
 """
 from __future__ import annotations
 
