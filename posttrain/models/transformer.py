@@ -184,20 +184,26 @@ class Attention(nnx.Module):
 def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> KVCache:
   """Writes the new keys/values at their positions (slot = position), row by row.
 
-  `cache.k[rows, :, pos]` indexes [B, T, K, H] (numpy puts the broadcast row/position
-  dims first), so the [B, T, K, H] keys go in without a transpose.
+  Indexed by (row, kv head, position), each [B, T, K] triple writing one head_dim vector:
+  `cache.k[rows, heads, pos]` is [B, T, K, H], the keys' own layout, so they go in
+  without a transpose. Updating one head's slot at a time, not a slot's [K, H] window,
+  lets XLA:TPU keep the heads-major cache layout attention reads, in place; with [K, H]
+  windows it copied every layer's whole cache into a slot-major layout and back at each
+  decode step (`tests/models/test_transformer_tpu_compile.py` counts such copies).
   """
-  rows = jnp.arange(k_BxTxKxH.shape[0])[:, None]
-  pos = jnp.clip(positions_BxT, 0, cache.k.shape[2] - 1)
+  b, t, kv_heads, _ = k_BxTxKxH.shape
+  rows = jnp.arange(b)[:, None, None]
+  heads = jnp.arange(kv_heads)[None, None, :]
+  pos = jnp.clip(positions_BxT, 0, cache.k.shape[2] - 1)[:, :, None]
   if cache.k_scale is None:
-    return KVCache(cache.k.at[rows, :, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
-                   cache.v.at[rows, :, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
+    return KVCache(cache.k.at[rows, heads, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
+                   cache.v.at[rows, heads, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
   import kernels
   k, k_scale = kernels.quantize_int8(k_BxTxKxH)
   v, v_scale = kernels.quantize_int8(v_BxTxKxH)
-  return KVCache(cache.k.at[rows, :, pos].set(k), cache.v.at[rows, :, pos].set(v),
-                 cache.k_scale.at[rows, :, pos].set(k_scale),
-                 cache.v_scale.at[rows, :, pos].set(v_scale))
+  return KVCache(cache.k.at[rows, heads, pos].set(k), cache.v.at[rows, heads, pos].set(v),
+                 cache.k_scale.at[rows, heads, pos].set(k_scale),
+                 cache.v_scale.at[rows, heads, pos].set(v_scale))
 
 
 @jax.custom_vjp

@@ -75,3 +75,24 @@ def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dty
 
   assert "tpu_custom_call" in compile_for(mesh, prefill, state, tokens, cache).as_text()
   compile_for(mesh, decode, state, step_tokens, cache)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_decode_updates_the_kv_cache_in_place_on_tpu(cache_dtype):
+  """The sampler's decode loop writes each step's keys into the cache without copying
+  any layer's whole cache (head_dim 128). Written as [K, H] windows per slot, XLA:TPU
+  copied every layer's k and v cache to a slot-major layout and back at every step."""
+  import re
+
+  from flax import nnx
+
+  from posttrain.sampling.sampler import Sampler
+  mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
+  abstract = nnx.eval_shape(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
+  sampler = Sampler(abstract, mesh=mesh, max_len=2048, cache_dtype=cache_dtype)
+  with jax.set_mesh(mesh):
+    _, decode = sampler.compile(64, 1024, 1024, distinct_prompts=8, temperature=1.0)
+  local = f"[16,{CFG.num_kv_heads},2048,{CFG.head_dim}]"
+  copies = [line for line in decode.as_text().splitlines()
+            if re.search(re.escape(local) + r"\{[^}]*\} copy\(", line)]
+  assert not copies, copies[:2]
