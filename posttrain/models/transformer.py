@@ -188,8 +188,8 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> KVCache:
   `cache.k[rows, heads, pos]` is [B, T, K, H], the keys' own layout, so they go in
   without a transpose. Updating one head's slot at a time, not a slot's [K, H] window,
   lets XLA:TPU keep the heads-major cache layout attention reads, in place; with [K, H]
-  windows it copied every layer's whole cache into a slot-major layout and back at each
-  decode step (`tests/models/test_transformer_tpu_compile.py` counts such copies).
+  windows it copied every layer's whole cache between a slot-major and that layout at
+  each decode step (`tests/models/test_transformer_tpu_compile.py` counts such copies).
   """
   b, t, kv_heads, _ = k_BxTxKxH.shape
   rows = jnp.arange(b)[:, None, None]
