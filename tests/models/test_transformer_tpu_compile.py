@@ -81,7 +81,7 @@ def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dty
 def test_decode_updates_the_kv_cache_in_place_on_tpu(cache_dtype):
   """The sampler's decode loop writes each step's keys into the cache without copying
   any layer's whole cache (head_dim 128). Written as [K, H] windows per slot, XLA:TPU
-  copied every layer's k and v cache to a slot-major layout and back at every step."""
+  copied every layer's k and v cache between two layouts at every step."""
   import re
 
   from flax import nnx
