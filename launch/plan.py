@@ -8,8 +8,8 @@ and needs no accelerator: a v5p-256 mesh plans on a laptop. Exits 1 when it does
 `--compile_for=TOPOLOGY` (needs libtpu: `pip install -e '.[tpu]'`) also compiles the RL
 update and the sampler's prefill and decode for that TPU slice on this host, as the
 trainer builds them, and prints what XLA says one device needs beside the plan; it fails
-here if a program cannot compile for the slice. Topologies are named generation:chips, e.g. v5p:2x4x4 (32 chips),
-v5e:16x16 (256), v6e:4x4.
+here if a program cannot compile for the slice. Topologies are named generation:chips,
+e.g. v5p:2x4x4 (32 chips), v5e:16x16 (256), v6e:4x4.
 """
 
 import sys
@@ -28,8 +28,8 @@ _DEVICES = flags.DEFINE_integer("num_devices", None,
 _KV_DTYPE = flags.DEFINE_enum("kv_cache_dtype", None, ["int8", "bfloat16", "float16", "float32"],
                               "Sampler cache dtype (default: the model's compute dtype).")
 _COMPILE_FOR = flags.DEFINE_string(
-    "compile_for", None, "A TPU topology (e.g. v5p:2x4x4) to compile the RL update for, "
-    "ahead of time on this host; needs libtpu.")
+    "compile_for", None, "A TPU topology (e.g. v5p:2x4x4) to compile the RL update and the "
+    "rollout for, ahead of time on this host; needs libtpu.")
 flags.mark_flags_as_required(["config"])
 
 

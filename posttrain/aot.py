@@ -16,6 +16,7 @@ provisioned.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -56,6 +57,33 @@ def _first_line(e: BaseException) -> str:
   return lines[0] if lines else type(e).__name__
 
 
+@contextlib.contextmanager
+def _compiling(mesh):
+  """Lowers and compiles under `mesh` (Pallas picks the kernels of its platform); XLA's
+  and Mosaic's refusals become a one-line `CompileError`."""
+  try:
+    with jax.set_mesh(mesh):
+      yield
+  except (jax.errors.JaxRuntimeError, NotImplementedError) as e:
+    raise CompileError(_first_line(e)) from e
+
+
+def _run(config: ml_collections.ConfigDict, devices):
+  """(train mesh, rollout mesh, rules, model config, algorithm) of `config` over
+  `devices`, as the trainer lays them out."""
+  experiment.check_config(config)
+  mesh, rollout_mesh = experiment.build_meshes(config, devices=devices)
+  rules = models.rules_from_config(config.get("sharding_rules") or None)
+  return (mesh, rollout_mesh, rules, experiment.model_config(config),
+          experiment.algorithm(config))
+
+
+def _peak(memory) -> int:
+  """Arguments + outputs + temporaries, less outputs that reuse donated arguments."""
+  return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
   """What one device of the compiled update program needs, in bytes."""
@@ -67,13 +95,9 @@ class Report:
   aliased: int
   temporaries: int
   code: int
+  peak: int  # arguments + outputs + temporaries, less outputs reusing donated arguments
   mosaic_kernels: int  # Pallas TPU kernel calls in the program (flash attention's)
   compile_s: float
-
-  @property
-  def peak(self) -> int:
-    """Arguments + outputs + temporaries, less outputs that reuse donated arguments."""
-    return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
 def abstract_rl_batch(config: ml_collections.ConfigDict, algo, required: tuple[str, ...],
@@ -92,11 +116,7 @@ def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str
                     ) -> Report:
   """Compiles the RL update of `config` for `devices` (e.g. `tpu_devices(...)`); the
   train mesh is laid out over them as the trainer would."""
-  experiment.check_config(config)
-  mesh, _ = experiment.build_meshes(config, devices=devices)
-  rules = models.rules_from_config(config.get("sharding_rules") or None)
-  cfg = experiment.model_config(config)
-  algo = experiment.algorithm(config)
+  mesh, _, rules, cfg, algo = _run(config, devices)
   optimizer = experiment.optimizer_like(config)
   in_step = ts.reference_in_step(algo)
   step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, rules=rules,
@@ -106,11 +126,8 @@ def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str
   batch = abstract_rl_batch(config, algo, step.required, ts.batch_sharding(mesh, rules))
   args = (state, batch) + ((state.params,) if in_step else ())
   start = time.perf_counter()
-  try:
-    with jax.set_mesh(mesh):  # Pallas picks the kernels of the mesh's platform
-      compiled = step.jitted.lower(*args).compile()
-  except (jax.errors.JaxRuntimeError, NotImplementedError) as e:
-    raise CompileError(_first_line(e)) from e
+  with _compiling(mesh):
+    compiled = step.jitted.lower(*args).compile()
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   return Report(
@@ -118,7 +135,7 @@ def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str
       batch_shape=tuple(batch["tokens"].shape), arguments=memory.argument_size_in_bytes,
       outputs=memory.output_size_in_bytes, aliased=memory.alias_size_in_bytes,
       temporaries=memory.temp_size_in_bytes, code=memory.generated_code_size_in_bytes,
-      mosaic_kernels=compiled.as_text().count("custom_call_target=\"tpu_custom_call\""),
+      peak=_peak(memory), mosaic_kernels=compiled.as_text().count("custom_call_target=\"tpu_custom_call\""),
       compile_s=seconds)
 
 
@@ -134,12 +151,6 @@ class RolloutReport:
   compile_s: float
 
 
-def _peak(compiled) -> int:
-  m = compiled.memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
-
-
 def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport:
   """Compiles the sampler's prefill and decode programs for one generate call of the
   run (`rollout.chunk_rows` rows, padded as the planner counts them, one prefill per
@@ -147,11 +158,7 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
   from flax import nnx
 
   from posttrain.sampling.sampler import Sampler
-  experiment.check_config(config)
-  _, mesh = experiment.build_meshes(config, devices=devices)
-  rules = models.rules_from_config(config.get("sharding_rules") or None)
-  cfg = experiment.model_config(config)
-  algo = experiment.algorithm(config)
+  _, mesh, rules, cfg, algo = _run(config, devices)
   r = config.rollout
   model = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   sampler = Sampler(model, mesh=mesh, rules=rules, max_len=int(r.max_len),
@@ -162,18 +169,15 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
   new = int(r.max_new_tokens)
   prompt_len = int(r.max_len) - new
   start = time.perf_counter()
-  try:
-    with jax.set_mesh(mesh):
-      prefill, decode = sampler.compile(
-          rows, prompt_len, new, distinct_prompts=-(-rows // group),
-          temperature=float(r.temperature),
-          top_k=int(r.top_k) if r.get("top_k") else None,
-          top_p=float(r.top_p) if r.get("top_p") else None)
-  except (jax.errors.JaxRuntimeError, NotImplementedError) as e:
-    raise CompileError(_first_line(e)) from e
+  with _compiling(mesh):
+    prefill, decode = sampler.compile(
+        rows, prompt_len, new, distinct_prompts=-(-rows // group),
+        temperature=float(r.temperature), top_k=int(r.top_k) if r.get("top_k") else None,
+        top_p=float(r.top_p) if r.get("top_p") else None)
   return RolloutReport(mesh=dict(mesh.shape), rows=rows, prompt_len=prompt_len,
-                       max_new_tokens=new, prefill_peak=_peak(prefill),
-                       decode_peak=_peak(decode), compile_s=time.perf_counter() - start)
+                       max_new_tokens=new, prefill_peak=_peak(prefill.memory_analysis()),
+                       decode_peak=_peak(decode.memory_analysis()),
+                       compile_s=time.perf_counter() - start)
 
 
 def format_rollout(report: RolloutReport, planned_peak: int | None = None) -> str:

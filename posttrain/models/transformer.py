@@ -91,6 +91,11 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
 
   kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
   flash_options = cfg.flash_options
+  if cfg.attention_impl == "chunked":
+    return kernels.dot_product_attention(q, k, v, implementation="chunked",
+                                         chunk_size=cfg.attention_chunk, **kwargs)
+  if cfg.attention_impl not in ("flash", "ring"):
+    return kernels.dot_product_attention(q, k, v, implementation="reference", **kwargs)
   if ctx.mesh is not None:
     from posttrain.models.sharding import logical_to_spec
     q_spec = logical_to_spec(("batch", None, "heads", None), ctx.rules, ctx.mesh, q.shape)
@@ -108,11 +113,6 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
     if not flash_options:
       return kernels.dot_product_attention(q, k, v, implementation="chunked", **kwargs)
     # Options name the flash kernel: without a sequence axis it runs on each shard.
-  elif cfg.attention_impl == "chunked":
-    return kernels.dot_product_attention(q, k, v, implementation="chunked",
-                                         chunk_size=cfg.attention_chunk, **kwargs)
-  elif cfg.attention_impl != "flash":
-    return kernels.dot_product_attention(q, k, v, implementation="reference", **kwargs)
   if ctx.mesh is None:
     return kernels.flash_attention(q, k, v, **kwargs, **flash_options)
   return kernels.sharded_attention(q, k, v, mesh=ctx.mesh, batch_axis=batch_axis,
