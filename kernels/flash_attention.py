@@ -353,14 +353,6 @@ def _element_mask(cfg: _Config, qi, ki, shape, q_seg=None, kv_seg=None,
   return mask
 
 
-def _logits(cfg: _Config, q, k):
-  """Scaled, soft-capped f32 logits q @ k.T, and the pre-mask capped values."""
-  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.sm_scale
-  if cfg.logits_soft_cap is not None:
-    s = cfg.logits_soft_cap * jnp.tanh(s / cfg.logits_soft_cap)
-  return s
-
-
 def _soft_cap_grad(cfg: _Config, ds, capped):
   if cfg.logits_soft_cap is None:
     return ds
@@ -368,7 +360,7 @@ def _soft_cap_grad(cfg: _Config, ds, capped):
 
 
 def _logits_base2(cfg: _Config, q, k):
-  """GPU logits in base 2 (the natural logits times log2 e) and the capped natural
+  """Logits in base 2 (the natural logits times log2 e) and the capped natural
   logits (None without a soft cap). exp2 of them is the softmax's exp, and lowers to a
   single ex2 instruction where jnp.exp lowers to libdevice's exact expf; without a soft
   cap log2 e folds into the one scale multiply."""
@@ -387,6 +379,17 @@ def _logits_base2(cfg: _Config, q, k):
 def _lanes(x, n: int):
   """[rows, 128] lane-replicated -> [rows, n]."""
   return jnp.tile(x, (1, pl.cdiv(n, NUM_LANES)))[:, :n]
+
+
+def _lane_partial_sums(x):
+  """[rows, n * 128] -> [rows, 128]: the sum of x's lane-aligned column slices, each
+  lane a partial row sum (VPU adds only; no cross-lane reduction). TPU blocks are
+  multiples of 128."""
+  n = x.shape[-1]
+  parts = [x[:, i:i + NUM_LANES] for i in range(0, n, NUM_LANES)]
+  while len(parts) > 1:  # a tree: log-depth adds
+    parts = [a + b for a, b in zip(parts[::2], parts[1::2])] + parts[len(parts) & ~1:]
+  return parts[0]
 
 
 def _tpu_segments(cfg: _Config, q_seg_ref, kv_seg_ref, shape):
@@ -463,16 +466,18 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
       count_ref[...] = jnp.zeros_like(count_ref)
 
   def step(masked: bool):
-    s = _logits(cfg, q_ref[...], k_ref[...])
+    s, _ = _logits_base2(cfg, q_ref[...], k_ref[...])
     if masked:
       q_seg, kv_seg = _tpu_segments(cfg, q_seg_ref, kv_seg_ref, (bq, bk))
       s = jnp.where(_element_mask(cfg, qi, ki, (bq, bk), q_seg, kv_seg), s, MASK_VALUE)
     m_prev, l_prev = m_sc[...], l_sc[...]
-    m_next = jnp.maximum(m_prev, s.max(axis=-1)[:, None])
-    p = jnp.exp(s - _lanes(m_next, bk))
-    alpha = jnp.exp(m_prev - m_next)
+    m_next = jnp.maximum(m_prev, s.max(axis=-1)[:, None])  # running max in base 2
+    p = jnp.exp2(s - _lanes(m_next, bk))
+    alpha = jnp.exp2(m_prev - m_next)
     m_sc[...] = m_next
-    l_sc[...] = alpha * l_prev + p.sum(axis=-1)[:, None]
+    # l is kept as per-lane partial sums (lane-aligned slices of p added up): the one
+    # cross-lane sum a row needs is left to _finish.
+    l_sc[...] = alpha * l_prev + _lane_partial_sums(p)
     v = v_ref[...]
     pv = lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     acc_sc[...] = _lanes(alpha, acc_sc.shape[-1]) * acc_sc[...] + pv
@@ -490,7 +495,8 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
 
   @pl.when(ki == cfg.num_kv_blocks - 1)
   def _finish():
-    m, l = m_sc[...], l_sc[...]
+    m = m_sc[...]
+    l = _lanes(l_sc[...].sum(axis=-1, keepdims=True), NUM_LANES)
     empty = m == MASK_VALUE  # no visible key in any block
     l_safe = jnp.where(empty, 1.0, l)
     # Empty rows accumulated exp(0) garbage; a zero scale (not a tiled bool mask, which
@@ -498,24 +504,24 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     inv_l = jnp.where(empty, 0.0, 1.0 / l_safe)
     o_ref[...] = (acc_sc[...] * _lanes(inv_l, acc_sc.shape[-1])).astype(o_ref.dtype)
     # +inf for empty rows makes exp(s - lse) = 0 in the backward pass.
-    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
+    lse_ref[...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l_safe)) * (1.0 / LOG2E))
 
 
-def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse, di, q_seg, kv_seg,
+def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse2, di, q_seg, kv_seg,
                      kv_major: bool = False):
-  """(p, ds) [block_q, block_kv] of one block pair (the dq kernel), or with `kv_major`
-  (p.T, ds.T) [block_kv, block_q] from k @ q.T (the dk/dv kernel, as splash attention's:
-  its accumulating matmuls then need no XLU transpose). lse, di and the ids come already
-  broadcastable against the block."""
-  capped = _logits(cfg, k, q) if kv_major else _logits(cfg, q, k)
-  s = capped
+  """(p, ds / sm_scale) [block_q, block_kv] of one block pair (the dq kernel), or with
+  `kv_major` (p.T, ds.T / sm_scale) [block_kv, block_q] from k @ q.T (the dk/dv kernel,
+  as splash attention's: its accumulating matmuls then need no XLU transpose). The
+  kernels apply sm_scale once to the accumulated dq / dk. lse2 (the log-sum-exp in base
+  2), di and the ids come already broadcastable against the block."""
+  s, capped = _logits_base2(cfg, k, q) if kv_major else _logits_base2(cfg, q, k)
   if masked:
     s = jnp.where(_element_mask(cfg, qi, ki, s.shape, q_seg, kv_seg, kv_major), s,
                   MASK_VALUE)
-  p = jnp.exp(s - lse)
+  p = jnp.exp2(s - lse2)
   dp = (lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32) if kv_major
         else lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32))
-  return p, _soft_cap_grad(cfg, p * (dp - di), capped) * cfg.sm_scale
+  return p, _soft_cap_grad(cfg, p * (dp - di), capped)
 
 
 def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
@@ -555,7 +561,7 @@ def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
 
   @pl.when(ki == cfg.num_kv_blocks - 1)
   def _finish():
-    dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+    dq_ref[...] = (dq_sc[...] * cfg.sm_scale).astype(dq_ref.dtype)
 
 
 def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
@@ -604,7 +610,7 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
 
   @pl.when(last)
   def _finish():
-    dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+    dk_ref[...] = (dk_sc[...] * cfg.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
@@ -1145,9 +1151,9 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   di = _pad_len(di, 2, q_multiple)
   dq_counts = None
   if cfg.backend == "tpu":
-    args = (qp, kp, vp, q_seg, kv_seg, dop)
-    dq_out = _tpu_dq(dq_cfg, *args, _lane_rows(lse), _lane_rows(di), counts)
-    dkv_out = _tpu_dkv(cfg, *args, _sublane_rows(lse), _sublane_rows(di), counts)
+    args, lse2 = (qp, kp, vp, q_seg, kv_seg, dop), lse * LOG2E
+    dq_out = _tpu_dq(dq_cfg, *args, _lane_rows(lse2), _lane_rows(di), counts)
+    dkv_out = _tpu_dkv(cfg, *args, _sublane_rows(lse2), _sublane_rows(di), counts)
     dq = jnp.swapaxes(dq_out[0], 1, 2)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
     if counts:
