@@ -2,7 +2,7 @@
 generations with libtpu on this CPU host and count the bundles of their machine code.
 
     python -m benchmarks.tpu_static --tpu-python=/path/to/venv/bin/python \
-        [--chips=v5e,v6e,v5p] [--arms=default|sweep|BQxBK[/BQxBK/BQxBK][,...]] \
+        [--chips=v5e,v6e,v5p] [--arms=default|sweep|BQxBK[/BQxBK/BQxBK][+fused][,...]] \
         [--lengths=4096,16384] [--json FILE]
 
 A TPU core issues one VLIW bundle per cycle, in order and statically scheduled, so the
@@ -14,7 +14,9 @@ its own venv; the worker runs there). In each kernel's grid-step loop the `pl.wh
 bodies are the regions a branch skips; in source order: init, the unmasked step, the
 masked step (the one with more compares and selects: the element mask) and finish. The
 rest of the loop is the per-step overhead, what a skipped step costs (index maps, DMA
-issue and waits, pipeline bookkeeping).
+issue and waits, pipeline bookkeeping). An arm ending in `+fused` runs the fused
+backward (`fused_bwd=True`): no dq kernel, a dk/dv kernel with a fifth matmul that
+writes an f32 dq block a step, and XLA's sum of those partials, modelled as HBM-bound.
 
 The model of a whole causal kernel sums over its grid: each step pays the overhead; a
 visited step its body, or the MXU time of its matmuls if longer (libtpu issues matmuls
@@ -78,6 +80,7 @@ CHIPS = {
 }
 KERNELS = ("fwd", "dq", "dkv")
 MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # block matmuls each kernel executes a step
+FUSED = "+fused"  # arm suffix: flash_attention(fused_bwd=True), dq from the dk/dv kernel
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
 TOKENS = 32768  # batch * length, as benchmarks/attention.py times them
 COMPILE_BATCH = 2  # even: v5p splits the batch over its two cores
@@ -105,7 +108,18 @@ def arm_options(fwd, dkv, dq) -> dict:
 def arm_name(options: dict) -> str:
   names = zip(_OPTION_NAMES[::2], _OPTION_NAMES[1::2], strict=True)
   pairs = [f"{options[q]}x{options[k]}" for q, k in names]
+  if options.get("fused_bwd"):  # no dq kernel: its blocks do not matter
+    return "/".join(dict.fromkeys(pairs[:2])) + FUSED
   return pairs[0] if len(set(pairs)) == 1 else "/".join(pairs)
+
+
+def blocks_of(options: dict) -> list[int]:
+  return [options[name] for name in _OPTION_NAMES]
+
+
+def kernels_of(options: dict) -> tuple[str, ...]:
+  """The Pallas kernels an arm runs: a fused backward has no dq kernel."""
+  return ("fwd", "dkv") if options.get("fused_bwd") else KERNELS
 
 
 def default_options() -> dict:
@@ -116,10 +130,13 @@ def default_options() -> dict:
 
 def parse_arms(text: str) -> list[tuple[str, dict]]:
   """`default`, `sweep` or BQxBK (every kernel) / BQxBK/BQxBK/BQxBK (forward, dk/dv, dq),
-  comma-separated -> [(name, make_config options)], duplicates dropped."""
+  each optionally with `+fused` (the fused backward), comma-separated -> [(name,
+  make_config options)], duplicates dropped."""
   arms = {}
   for item in text.split(","):
     item = item.strip()
+    fused = item.endswith(FUSED)
+    item = item[:-len(FUSED)] if fused else item
     if item == "default":
       found = [default_options()]
     elif item == "sweep":
@@ -135,6 +152,7 @@ def parse_arms(text: str) -> list[tuple[str, dict]]:
         raise ValueError(f"arm {item!r}: TPU blocks are positive multiples of 128")
       found = [arm_options(*blocks)]
     for options in found:
+      options = dict(options, fused_bwd=True) if fused else options
       arms.setdefault(arm_name(options), options)
   return list(arms.items())
 
@@ -148,7 +166,10 @@ def configs(options: dict, length: int, kv_length: int | None = None, heads=HEAD
   q = jax.ShapeDtypeStruct((1, length, heads, HEAD_DIM), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, kv_length or length, kv_heads, HEAD_DIM), jnp.bfloat16)
   cfg = _fa().make_config(q, k, causal=True, backend="tpu", interpret=False, **options)
-  return {"fwd": cfg, "dkv": cfg.for_backward(), "dq": cfg.for_backward().for_dq()}
+  out = {"fwd": cfg, "dkv": cfg.for_backward(), "dq": cfg.for_backward().for_dq()}
+  if cfg.fused_bwd:
+    del out["dq"]
+  return out
 
 
 def grid_counts(cfg, kernel: str) -> dict:
@@ -182,13 +203,26 @@ def step_bytes(cfg, kernel: str) -> tuple[int, int]:
     return 2 * bk * d * 2, 2 * bq * d * 2 + bq * 128 * 4
   if kernel == "dq":  # k, v a step; q, do, lse, di in and dq out a row
     return 2 * bk * d * 2, 3 * bq * d * 2 + 2 * bq * 128 * 4
-  # dk/dv: q, do, lse [8, bq], di a step; k, v in and dk, dv out a kv row
-  return 2 * bq * d * 2 + 2 * 8 * bq * 4, 4 * bk * d * 2
+  # dk/dv: q, do, lse [8, bq], di a step (fused: its f32 dq block out); k, v in and dk,
+  # dv out a kv row
+  dq_out = bq * d * 4 if cfg.fused_bwd else 0
+  return 2 * bq * d * 2 + 2 * 8 * bq * 4 + dq_out, 4 * bk * d * 2
+
+
+def matmuls(cfg, kernel: str) -> int:
+  return MATMULS[kernel] + (kernel == "dkv" and cfg.fused_bwd)
 
 
 def mxu_cycles(cfg, kernel: str, chip: Chip) -> float:
   """Cycles one step's block matmuls keep the MXUs busy at peak."""
-  return MATMULS[kernel] * 2 * cfg.block_q * cfg.block_kv * HEAD_DIM / chip.mxu_flops
+  return matmuls(cfg, kernel) * 2 * cfg.block_q * cfg.block_kv * HEAD_DIM / chip.mxu_flops
+
+
+def dq_sum_seconds(cfg, chip: Chip, batch: int, heads=HEADS) -> float:
+  """The fused backward's XLA sum of the f32 dq partials, HBM-bound: it reads one
+  [Tq, d] partial per kv block and writes dq in bf16, per (batch row, head)."""
+  per_head = cfg.num_kv_blocks * cfg.q_len * HEAD_DIM * 4 + cfg.q_len * HEAD_DIM * 2
+  return batch * heads * per_head / (chip.hbm * chip.cores)
 
 
 def kernel_cycles(regions: dict, cfg, kernel: str, chip: Chip, batch: int,
@@ -395,7 +429,7 @@ def worker(spec: dict) -> None:
     mesh = Mesh(devices[:1], ("x",))
     for name, options in spec["arms"]:
       row = dict(chip=chip, arm=name, options=options, kernels={})
-      for kernel in KERNELS:
+      for kernel in kernels_of(options):
         for d in (dump_dir, profile_dir):  # ~6 MB a compile; profiles keep one name per op
           shutil.rmtree(d, ignore_errors=True)
           os.makedirs(d)
@@ -444,7 +478,7 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
   base = dict(chip=result["chip"], arm=result["arm"])
   options = result["options"]
   rows = []
-  for kernel in KERNELS:
+  for kernel in kernels_of(options):
     regions = result["kernels"][kernel]
     row = dict(base, kernel=kernel)
     if "error" in regions:
@@ -468,7 +502,7 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
       seconds = kernel_cycles(regions, cfg, kernel, chip, batch) / chip.clock
       row[f"ms@{length}"] = round(seconds * 1e3, 3)
       row[f"tflops@{length}"] = round(
-          MATMULS[kernel] / 2 * causal_flops(length, batch) / seconds / 1e12, 1)
+          matmuls(cfg, kernel) / 2 * causal_flops(length, batch) / seconds / 1e12, 1)
     notes = []
     if row["mxu_bound"] > body:
       notes.append("MXU-bound")
@@ -477,6 +511,13 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
     if not regions["mask_checked"] or regions["unmapped"]:
       notes.append("regions unverified")
     row["note"] = ", ".join(notes)
+    rows.append(row)
+  if options.get("fused_bwd"):
+    row = dict(base, kernel="dq_sum", note="XLA, HBM-bound")
+    for length in lengths:
+      seconds = dq_sum_seconds(configs(options, length)["dkv"], chip,
+                               max(1, TOKENS // length))
+      row[f"ms@{length}"] = round(seconds * 1e3, 3)
     rows.append(row)
   return rows
 
@@ -491,13 +532,14 @@ def summary_rows(rows: list[dict], lengths) -> list[dict]:
   for (chip, arm), kernels in by_arm.items():
     row = dict(chip=chip, arm=arm)
     failed = [r["note"] for r in kernels.values() if f"ms@{lengths[0]}" not in r]
-    if failed or len(kernels) < len(KERNELS):
+    backward = ("dq_sum" if "dq_sum" in kernels else "dq", "dkv")
+    if failed or any(k not in kernels for k in ("fwd", *backward)):
       out.append(dict(row, note="; ".join(failed)))
       continue
     for length in lengths:
       batch = max(1, TOKENS // length)
       fwd = kernels["fwd"][f"ms@{length}"] / 1e3
-      total = fwd + sum(kernels[k][f"ms@{length}"] for k in ("dq", "dkv")) / 1e3
+      total = fwd + sum(kernels[k][f"ms@{length}"] for k in backward) / 1e3
       flops = causal_flops(length, batch)
       row[f"fwd@{length}"] = round(flops / fwd / 1e12, 1)
       row[f"fwd+bwd@{length}"] = round(3.5 * flops / total / 1e12, 1)
@@ -556,7 +598,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   except ValueError as e:
     parser.error(str(e))
   for name, options in args.arms:
-    if args.compile_length % math.lcm(*options.values()):
+    if args.compile_length % math.lcm(*blocks_of(options)):
       parser.error(f"--compile-length {args.compile_length} is not a multiple of the "
                    f"blocks of arm {name}")
   return args

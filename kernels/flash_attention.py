@@ -23,7 +23,8 @@ The backward pass recomputes probabilities from the saved log-sum-exp with one k
 for dq (loop over kv blocks, on blocks of its own) and one for dk/dv (loop over q blocks
 and over the query heads that share a kv head, so GQA needs no repeated k/v; it works
 kv-major, k @ q.T, so no computed tile is ever transposed). On GPU,
-`dq_atomic` folds dq into the dk/dv kernel with atomic adds. Off TPU/GPU both families
+`dq_atomic` folds dq into the dk/dv kernel with atomic adds; on TPU `fused_bwd` has the
+dk/dv kernel write one dq partial per kv block, which XLA sums. Off TPU/GPU both families
 run in Pallas interpret mode, which is what the CPU tests exercise.
 """
 from __future__ import annotations
@@ -91,6 +92,9 @@ class _Config:
   block_q_dq: int | None = None
   block_kv_dq: int | None = None
   dq_atomic: bool = False  # GPU: dq by atomic adds in the dk/dv kernel (no dq kernel)
+  # TPU: the dk/dv kernel also writes each step's ds @ k, summed over kv blocks by XLA
+  # (no dq kernel)
+  fused_bwd: bool = False
 
   def for_backward(self) -> _Config:
     return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd,
@@ -571,7 +575,9 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
   rest = refs[8:] if cfg.segments else refs[6:]
   dk_ref, dv_ref = rest[:2]
-  count_ref = rest[2] if counts else None
+  rest = rest[2:]
+  dq_ref = rest.pop(0) if cfg.fused_bwd else None
+  count_ref = rest[0] if counts else None
   dk_sc, dv_sc = rest[-2:]
   ki, gi, qi = pl.program_id(2), pl.program_id(3), pl.program_id(4)
   first = (gi == 0) & (qi == 0)
@@ -594,7 +600,10 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
     p, ds = _tpu_grads_block(cfg, qi, ki, masked, q, k_ref[...], v_ref[...], do,
                              lse_ref[:1, :], di_ref[:1, :], q_seg, kv_seg, kv_major=True)
     dv_sc[...] += lax.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dk_sc[...] += lax.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    ds = ds.astype(q.dtype)
+    dk_sc[...] += lax.dot(ds, q, preferred_element_type=jnp.float32)
+    if dq_ref is not None:  # this kv block's share of dq (ds is kv-major: ds.T @ k)
+      dq_ref[...] = lax.dot_general(ds, k_ref[...], _TN, preferred_element_type=jnp.float32)
     if counts:
       _tpu_count(count_ref, masked)
 
@@ -716,6 +725,31 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
       ranges)
 
 
+def visited_pairs(cfg: _Config, ranges=None):
+  """bool [kv blocks, b or 1, q blocks]: the block pairs the dk/dv kernel computes, by
+  the kernel's own block ranges (`ranges`: the q ranges of `_segment_ranges`)."""
+  ki = jnp.arange(cfg.num_kv_blocks)[:, None, None]
+  qi = jnp.arange(cfg.num_q_blocks)[None, None, :]
+  visible = _in_range(ki, kv_block_range(cfg, qi))
+  if ranges is not None:  # [b, kv blocks, 4]: (lo, hi) of q blocks first
+    seg = (jnp.swapaxes(ranges[..., 0], 0, 1)[..., None],
+           jnp.swapaxes(ranges[..., 1], 0, 1)[..., None])
+    visible &= _in_range(qi, _and_range(q_block_range(cfg, ki), *seg))
+  return visible
+
+
+def _fused_dq(cfg: _Config, parts, q_seg, kv_seg):
+  """dq [b, h, Tq, d] f32 from the fused dk/dv kernel's per-kv-block partials
+  [kv blocks, b, h, Tq, d]: blocks no step wrote (skipped pairs) hold garbage and are
+  masked out, not multiplied."""
+  nk, b, h, tq, d = parts.shape
+  ranges = _segment_ranges(cfg, q_seg, kv_seg)[1] if cfg.segments else None
+  visited = visited_pairs(cfg, ranges)[:, :, None, :, None, None]
+  parts = parts.reshape(nk, b, h, cfg.num_q_blocks, cfg.block_q, d)
+  dq = jnp.where(visited, parts, 0.0).sum(axis=0) * cfg.sm_scale
+  return dq.reshape(b, h, tq, d)
+
+
 def _segment_ranges(cfg: _Config, q_seg, kv_seg):
   """`segment_block_ranges` over the config's blocks (ids padded to at least them)."""
   return segment_block_ranges(q_seg[:, :cfg.num_q_blocks * cfg.block_q],
@@ -785,6 +819,15 @@ def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg, kv_major=True)
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
+  if cfg.fused_bwd:
+    # dq partials [kv blocks, b, h, Tq, d]: a skipped step maps to the block its
+    # neighbour writes (as q_index does), so it writes nothing back; `_fused_dq` masks
+    # the blocks no step wrote.
+    def dq_index(bi, kh, ki, gi, qi, *r):
+      _, hi, qb, _ = q_index(bi, kh, ki, gi, qi, *r)
+      return ki, bi, hi, qb, 0
+    out_specs.append(pl.BlockSpec((None, None, None, bq, d), dq_index))
+    out_shape.append(_struct((nk, *q.shape), jnp.float32, q))
   if counts:
     out_specs.append(_count_spec(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki)))
     out_shape.append(_count_shape(b, kvh, nk, q))
@@ -1142,7 +1185,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   a backward config: its blocks are the dk/dv kernel's, `for_dq()` the dq kernel's.
   With `counts`, also returns the kernels' visit counters (dq's None with dq_atomic)."""
   tq, tk, d = q.shape[1], k.shape[1], q.shape[-1]
-  dq_cfg = cfg.for_dq()
+  dq_cfg = cfg if cfg.fused_bwd else cfg.for_dq()  # fused: no dq kernel
   q_multiple = math.lcm(cfg.block_q, dq_cfg.block_q)
   kv_multiple = math.lcm(cfg.block_kv, dq_cfg.block_kv)
   qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg, q_multiple, kv_multiple)
@@ -1152,12 +1195,16 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   dq_counts = None
   if cfg.backend == "tpu":
     args, lse2 = (qp, kp, vp, q_seg, kv_seg, dop), lse * LOG2E
-    dq_out = _tpu_dq(dq_cfg, *args, _lane_rows(lse2), _lane_rows(di), counts)
     dkv_out = _tpu_dkv(cfg, *args, _sublane_rows(lse2), _sublane_rows(di), counts)
-    dq = jnp.swapaxes(dq_out[0], 1, 2)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
+    if cfg.fused_bwd:
+      dq = jnp.swapaxes(_fused_dq(cfg, dkv_out[2], q_seg, kv_seg), 1, 2).astype(q.dtype)
+    else:
+      dq_out = _tpu_dq(dq_cfg, *args, _lane_rows(lse2), _lane_rows(di), counts)
+      dq = jnp.swapaxes(dq_out[0], 1, 2)
+      dq_counts = dq_out[1][..., 0, :2] if counts else None
     if counts:
-      dq_counts, dkv_counts = dq_out[1][..., 0, :2], dkv_out[2][..., 0, :2]
+      dkv_counts = dkv_out[-1][..., 0, :2]
   else:
     args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
     dkv_out = _gpu_dkv(cfg, *args)
@@ -1210,7 +1257,8 @@ def supported_inputs(backend: str, *xs):
 def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
-                block_kv_dq=None, dq_atomic=False, num_warps=None, num_stages=None,
+                block_kv_dq=None, dq_atomic=False, fused_bwd=False, num_warps=None,
+                num_stages=None,
                 num_warps_bwd=None, num_stages_bwd=None, interpret=None) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config."""
   backend = default_backend() if backend is None else backend
@@ -1249,7 +1297,11 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
           f"got {block}")
   blocks = [int(block) for block in blocks]
   if dq_atomic and backend != "gpu":
-    raise ValueError("dq_atomic is an option of the gpu (Triton) kernels")
+    raise ValueError("dq_atomic is an option of the gpu (Triton) kernels; the tpu "
+                     "kernels' counterpart is fused_bwd")
+  if fused_bwd and backend != "tpu":
+    raise ValueError("fused_bwd is an option of the tpu (Mosaic) kernels; the gpu "
+                     "kernels' counterpart is dq_atomic")
   # Launch options are per direction (unlike blocks): the best forward and backward
   # options differ, and carrying one over slowed the backward kernels 2x.
   launch = dict(num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
@@ -1263,7 +1315,7 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
       backend=backend, interpret=interpret, q_len=q_len, kv_len=kv_len,
       block_q=blocks[0], block_kv=blocks[1], block_q_bwd=blocks[2],
       block_kv_bwd=blocks[3], block_q_dq=blocks[4], block_kv_dq=blocks[5],
-      dq_atomic=bool(dq_atomic), group=q.shape[2] // k.shape[2],
+      dq_atomic=bool(dq_atomic), fused_bwd=bool(fused_bwd), group=q.shape[2] // k.shape[2],
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
@@ -1277,7 +1329,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     block_q: int | None = None, block_kv: int | None = None,
                     block_q_bwd: int | None = None, block_kv_bwd: int | None = None,
                     block_q_dq: int | None = None, block_kv_dq: int | None = None,
-                    dq_atomic: bool = False,
+                    dq_atomic: bool = False, fused_bwd: bool = False,
                     num_warps: int | None = None, num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret=None):
@@ -1301,6 +1353,12 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       with atomic adds, and no dq kernel runs: the backward computes 5 block matmuls
       instead of 7. Summation order then varies from run to run (not bitwise
       deterministic).
+    fused_bwd: TPU only. The dk / dv kernel also computes each step's ds @ k and writes
+      it to a float32 buffer of one dq per kv block ([kv blocks, batch, heads, q_len,
+      head_dim]), which XLA sums; no dq kernel runs, so the backward computes 5 block
+      matmuls instead of 7 and the softmax once instead of twice. Costs that buffer's
+      memory and HBM traffic, which grow with kv_len / block_kv_bwd: best at short and
+      medium lengths. Deterministic.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
@@ -1320,7 +1378,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
                     block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
                     block_q_dq=block_q_dq, block_kv_dq=block_kv_dq, dq_atomic=dq_atomic,
-                    num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
+                    fused_bwd=fused_bwd, num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
                     num_stages_bwd=num_stages_bwd, interpret=interpret)
   return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg).astype(out_dtype)
 

@@ -204,6 +204,34 @@ def test_kernel_rows_and_summary_from_a_worker_result():
   assert table[0].startswith("| chip | arm | note |") and len(table) == 4
 
 
+def test_fused_arm_rows_replace_the_dq_kernel_by_the_xla_sum():
+  """A fused-backward arm compiles no dq kernel; its dk/dv kernel counts 5 matmuls and
+  writes an f32 dq block a step, and an HBM-bound row models XLA's sum of the partials
+  (one [Tq, d] f32 read per kv block, a bf16 dq written)."""
+  (name, options), = ts.parse_arms("512x512+fused")
+  assert name == "512x512+fused" and options["fused_bwd"] is True
+  assert ts.kernels_of(options) == ("fwd", "dkv") and "dq" not in ts.configs(options, 4096)
+  result = dict(chip="v5e", arm=name, options=options,
+                kernels=dict(fwd=REGIONS, dkv=REGIONS))
+  rows = ts.kernel_rows(result, [4096], 4096)
+  assert [r["kernel"] for r in rows] == ["fwd", "dkv", "dq_sum"]
+  fwd, dkv, dq_sum = rows
+  assert dkv["mxu_bound"] == 5 * 2 * 512 * 512 * 128 // (4 * 128 * 128 * 2)
+  cfg = ts.configs(options, 4096)["dkv"]
+  assert ts.step_bytes(cfg, "dkv")[0] == 2 * 512 * 128 * 2 + 2 * 8 * 512 * 4 + 512 * 128 * 4
+  chip, batch = ts.CHIPS["v5e"], ts.TOKENS // 4096
+  read = 8 * 4096 * 128 * 4  # 8 kv blocks of f32 partials, per (batch row, head)
+  want = batch * ts.HEADS * (read + 4096 * 128 * 2) / chip.hbm
+  assert dq_sum["ms@4096"] == pytest.approx(want * 1e3, abs=1e-3)
+  (summary,) = ts.summary_rows(rows, [4096])
+  total = (fwd["ms@4096"] + dkv["ms@4096"] + dq_sum["ms@4096"]) / 1e3
+  assert summary["fwd+bwd@4096"] == pytest.approx(
+      3.5 * ts.causal_flops(4096, batch) / total / 1e12, abs=0.1)
+  # The split backward's arm of the same blocks is another arm.
+  assert [n for n, _ in ts.parse_arms("512x512,512x512+fused,default+fused")] == [
+      "512x512", "512x512+fused", "1024x1024+fused"]
+
+
 def test_parse_args_defaults_and_arms():
   args = ts.parse_args([])
   assert args.chips == ["v5e", "v6e", "v5p"] and args.lengths == [4096, 16384]
@@ -222,6 +250,7 @@ def test_parse_args_defaults_and_arms():
     (["--arms=512"], "expected default, sweep"),
     (["--arms=512x512/256x256"], "expected default, sweep"),
     (["--arms=100x512"], "multiples of 128"),
+    (["--arms=fused"], "expected default, sweep"),
     (["--lengths=4096,abc"], "comma-separated integers"),
     (["--lengths=64"], "at least 128"),
     (["--compile-length=3000"], "not a multiple of the blocks"),

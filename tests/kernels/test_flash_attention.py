@@ -152,6 +152,9 @@ BACKWARD_OPTIONS = (  # (backend, options, case names)
      ("causal_gqa_ragged", "segments_q_shorter", "soft_cap_sliding")),
     ("tpu", dict(block_q=128, block_kv=128, block_q_dq=256, block_kv_dq=128),
      ("segments_q_shorter",)),
+    ("tpu", dict(block_q=128, block_kv=128, fused_bwd=True),
+     ("causal_gqa_ragged", "noncausal_mqa_segments", "segments_q_shorter",
+      "soft_cap_sliding")),
 )
 
 
@@ -159,8 +162,9 @@ BACKWARD_OPTIONS = (  # (backend, options, case names)
     pytest.param(backend, options, case, id=f"{backend}-{sorted(options)[-1]}-{case.name}")
     for backend, options, names in BACKWARD_OPTIONS for case in CASES if case.name in names])
 def test_backward_options_match_reference(backend, options, case):
-  """dq kernel blocks other than the dk / dv kernel's (lengths padded to both), and dq
-  by atomic adds in the dk / dv kernel, keep the gradients exact."""
+  """dq kernel blocks other than the dk / dv kernel's (lengths padded to both), dq by
+  atomic adds in the dk / dv kernel (GPU), and dq from per-kv-block partials of the
+  dk / dv kernel (TPU's fused backward) keep the gradients exact."""
   fn = functools.partial(fa.flash_attention, backend=backend, interpret=True, **options)
   check_against_reference(fn, case, jnp.float32)
 
@@ -389,6 +393,38 @@ def test_tpu_simulator_checks_scratch_and_dma():
       jnp.float32)
 
 
+def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch):
+  """The fused backward's dq partials are written at visited block pairs only; the TPU
+  simulator starts the buffer as NaN (uninitialised memory), and the sum must mask the
+  rest out: every pair `visited_pairs` names holds a written value, pairs outside it do
+  hold NaN garbage, and dq is exact. (A skipped step maps to a neighbour's block, so a
+  block outside the visited pairs may also receive a copy of a neighbour's values.)"""
+  from jax.experimental.pallas import tpu as pltpu
+  seen = {}
+  fused_dq = fa._fused_dq
+
+  def spy(cfg, parts, q_seg, kv_seg):
+    ranges = fa._segment_ranges(cfg, q_seg, kv_seg)[1] if cfg.segments else None
+    seen["cfg"] = cfg
+    jax.debug.callback(lambda p, v: seen.update(parts=np.asarray(p), visited=np.asarray(v)),
+                       parts, fa.visited_pairs(cfg, ranges))
+    return fused_dq(cfg, parts, q_seg, kv_seg)
+
+  monkeypatch.setattr(fa, "_fused_dq", spy)
+  fn = functools.partial(fa.flash_attention, backend="tpu", block_q=128, block_kv=128,
+                         fused_bwd=True, interpret=pltpu.InterpretParams())
+  case = Case("fused_sim", batch=2, q_len=384, kv_len=384, heads=2, kv_heads=1,
+              segments=True)
+  check_against_reference(fn, case, jnp.float32)
+  cfg, visited = seen["cfg"], np.asarray(seen["visited"])
+  parts = np.asarray(seen["parts"]).reshape(cfg.num_kv_blocks, 2, 2, cfg.num_q_blocks, -1)
+  written = ~np.isnan(parts).any(axis=-1)  # [kv blocks, b, h, q blocks]
+  visited = np.broadcast_to(visited[:, :, None], written.shape)
+  assert visited.any() and (~visited).any()  # the case skips pairs and computes some
+  assert written[visited].all()
+  assert not written.all()  # garbage the sum had to mask
+
+
 def _lower(backend, platform, segments=True, **kwargs):
   def f(q, k, v, seg):
     ids = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
@@ -502,6 +538,7 @@ def test_tpu_kernels_transpose_nothing(monkeypatch, capsys):
     (dict(num_stages_bwd=2.5), "num_stages_bwd must be a positive integer, got 2.5"),
     (dict(block_kv_dq=64), "block_kv_dq must be a positive multiple of 128"),
     (dict(dq_atomic=True), "dq_atomic is an option of the gpu"),
+    (dict(backend="gpu", fused_bwd=True), "fused_bwd is an option of the tpu"),
 ])
 def test_bad_options(kwargs, message):
   x = jnp.zeros((1, 128, 2, 16))
