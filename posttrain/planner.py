@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 from typing import Any
 
@@ -240,6 +241,28 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
 
 
+def fused_dq_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
+                   heads: int) -> int:
+  """The TPU fused flash backward's (attention option fused_bwd=true) float32 dq
+  partials while one layer is differentiated: one [rows, row_len, heads, head_dim] per
+  kv block of the backward's blocks (`block_kv_bwd`, else `block_kv`, else the kernel's
+  TPU default). `row_len` is one device's share (ring attention runs the kernel on each
+  device's chunk). 0 for any other attention."""
+  cfg = model_cfg
+  if cfg.attention_impl not in ("flash", "ring"):
+    return 0
+  options = models.config.parse_attention_options(cfg.attention_options)
+  if not options.get("fused_bwd"):
+    return 0
+  fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
+  block = options.get("block_kv_bwd") or options.get("block_kv")
+  if block is None:
+    sixteen_bit = np.dtype(cfg.dtype).itemsize <= 2 and cfg.head_dim <= 128
+    block = (fa.TPU_BLOCKS_16BIT if sixteen_bit else fa.DEFAULT_BLOCKS["tpu"])[3]
+  kv_blocks = -(-row_len // min(block, -(-row_len // fa.NUM_LANES) * fa.NUM_LANES))
+  return rows * row_len * heads * cfg.head_dim * 4 * kv_blocks
+
+
 def _activation_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh, rules):
   """(rows, length, heads, kv_heads, mlp, vocab) of one device's activation shard."""
   b, t, _ = _logical_shard(mesh, rules, ("batch", "length", "embed"),
@@ -285,6 +308,7 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     saved_activation_bytes
     + (1 if remat == none else 2) * tokens * layer_activation_bytes(none)
                                   the layer being differentiated (recomputed) + cotangents
+    + fused_dq_bytes              the fused flash backward's dq partials, if on
     + 3 * rows * logprob_chunk * vocab * 4       float32 logits, softmax and their grad
 
   Returns (bytes, a one-line description).
@@ -297,6 +321,7 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   one_layer = b * t * layer_activation_bytes(cfg, "none", heads=heads, kv_heads=kv_heads,
                                              mlp=mlp, kv_len=row_len)
   transient = (1 if remat == "none" else 2) * one_layer
+  transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
   logits = 3 * b * max(1, min(cfg.logprob_chunk, t)) * vocab * 4
   note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
           f"{cfg.attention_impl} attention")

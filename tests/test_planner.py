@@ -149,6 +149,29 @@ def test_activations_follow_the_remat_policy_and_the_mesh():
                                            remat="dots_with_no_batch_dims"))
 
 
+def test_fused_flash_backward_adds_its_dq_partials():
+  """fused_bwd keeps one f32 dq per kv block of the backward while a layer is
+  differentiated: rows x length x heads x head_dim x 4 bytes x kv blocks."""
+  base = models.get_preset("llama3_8b").replace(attention_impl="flash")
+  mesh = planner.abstract_mesh({**dict.fromkeys(models.MESH_AXES, 1), "tensor": 4})
+  plain = planner.activation_bytes(base, rows=2, row_len=4096, mesh=mesh)[0]
+  for options, kv_blocks in (("fused_bwd=true", 4),  # bf16, head_dim 128: 1024 blocks
+                             ("fused_bwd=true,block_kv=512", 8),
+                             ("fused_bwd=true,block_kv=512,block_kv_bwd=2048", 2)):
+    cfg = base.replace(attention_options=options)
+    got = planner.activation_bytes(cfg, rows=2, row_len=4096, mesh=mesh)[0]
+    assert got - plain == 2 * 4096 * (32 // 4) * 128 * 4 * kv_blocks, options
+  assert planner.fused_dq_bytes(base.replace(attention_options="dq_atomic=false"), rows=2,
+                                row_len=4096, heads=8) == 0
+  # Ring attention runs the kernel on each device's chunk of the row.
+  ring = base.replace(attention_impl="ring", attention_options="fused_bwd=true")
+  assert planner.fused_dq_bytes(ring, rows=2, row_len=4096, heads=8) == (
+      2 * 4096 * 8 * 128 * 4 * 4)
+  # Short rows: the kernel's blocks shrink to the padded length (one kv block).
+  cfg = base.replace(attention_options="fused_bwd=true")
+  assert planner.fused_dq_bytes(cfg, rows=1, row_len=300, heads=1) == 300 * 128 * 4
+
+
 def test_kv_cache_bytes_by_hand():
   cfg = models.get_preset("llama3_8b")  # 32 layers, 8 kv heads of 128, bfloat16
   fsdp32 = planner.abstract_mesh({"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1})
