@@ -493,20 +493,34 @@ class Sampler:
 
   def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, seed, temperature,
                top_p, *, cache_len: int, mode: SamplingMode):
-    """Prefills the U distinct prompts, gives each of the B rows its prompt's cache."""
+    """Prefills the U distinct prompts, gives each of the B rows its prompt's cache.
+
+    The prompts fill a cache of their own length L; each row gathers its prompt's and
+    extends it to cache_len (as `models.init_cache` would have it). Gathering the full
+    cache_len cache instead made XLA replicate U rows of it on every device of the batch
+    axes: 7.9 GiB a device for a 7B model's 64 prompts at 9,216 slots."""
     model = nnx.merge(self._graphdef, state)
     distinct, length = tokens_UxL.shape
     dtype = jnp.int8 if self.cache_dtype == "int8" else None
     constrain = lambda tree: jax.tree.map(
         lambda x: self._ctx.constrain(x, CACHE_AXES[:x.ndim]), tree)
-    cache = constrain(models.init_cache(self.cfg, distinct, cache_len, dtype))
+    cache = constrain(models.init_cache(self.cfg, distinct, length, dtype))
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
     segment_ids = (positions < prompt_lens_U[:, None]).astype(jnp.int32)
     h, cache = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache,
                                    ctx=self._ctx, prefill=True)
     h_last = jnp.take_along_axis(h, (prompt_lens_U - 1)[:, None, None], axis=1)[:, 0]
     logits = self._logits(model, h_last)[row_source_B]
-    cache = constrain(jax.tree.map(lambda x: x[row_source_B], cache))
+    empty = models.init_cache(self.cfg, 1, cache_len - length, dtype)[0]
+
+    def extend(x, fill):  # [B, kv_heads, L(, head_dim)] -> [B, kv_heads, cache_len(, ...)]
+      rows = x[row_source_B]
+      tail = jnp.broadcast_to(fill[:1], (rows.shape[0], *fill.shape[1:]))
+      return jnp.concatenate([rows, tail], axis=2)
+
+    cache = constrain([type(layer)(*(None if x is None else extend(x, f)
+                                     for x, f in zip(layer, empty)))
+                       for layer in cache])
     keys = _row_keys(seed, 0, row_source_B.shape[0])
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp
