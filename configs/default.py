@@ -75,7 +75,8 @@ def get_config() -> ml_collections.ConfigDict:
                                            log_every=1))
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,
-      max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128))
+      max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128,
+      gather_weights=True))
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=2, keep_every=0,
                                                 async_save=True))

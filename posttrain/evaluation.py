@@ -672,7 +672,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
       raise ValueError(f"baseline_step={baseline_step} is not a checkpoint in "
                        f"{policy.ckpt.directory}; have {policy.steps()}")
     sampler = Sampler(policy.model(params), mesh=policy.mesh, rules=policy.rules,
-                      max_len=int(r.max_len), pad_id=policy.tok.pad_id)
+                      max_len=int(r.max_len), pad_id=policy.tok.pad_id,
+                      gather_weights=bool(r.get("gather_weights", True)))
     timing["restore_s"] = time.perf_counter() - t0
     worker = RolloutWorker(
         sampler, policy.tok, group_size=1, max_new_tokens=int(r.max_new_tokens),

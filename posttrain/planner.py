@@ -18,13 +18,16 @@ Components (all per device):
   activations  what the backward pass of one micro-batch holds (see `activation_bytes`).
   batch        the rollout batch on device: [M, rows, row_len] token arrays.
   sampler      the sampler's own weights (disaggregated only; colocated it shares params).
+  gathered     the weights the sampler gathers over the batch axes for one generate call
+               (rollout.gather_weights; see `decode_weight_bytes`).
   kv_cache     the sampler's cache for one generate call (see `kv_cache_bytes`).
 
 Colocated placement samples and updates one after the other on the same devices:
-  peak = params + optimizer + reference + max(gradients + activations + batch, kv_cache).
+  peak = params + optimizer + reference
+         + max(gradients + activations + batch, gathered + kv_cache).
 Disaggregated placement puts them on different devices:
   peak = max(params + optimizer + reference + gradients + activations + batch,   (train)
-             sampler + kv_cache)                                                 (rollout)
+             sampler + gathered + kv_cache)                                      (rollout)
 Parameter and optimizer bytes are exact; activations are formulas fitted to what JAX
 saves for the backward pass (XLA may fuse or free some earlier).
 """
@@ -193,6 +196,18 @@ def state_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
   shapes_only = model_cfg.replace(remat="none", attention_impl="reference", attention_options="",
                                   dtype="float32", attention_chunk=512, logprob_chunk=256)
   return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))
+
+
+def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
+                        rules=models.DEFAULT_RULES) -> int:
+  """Per-device bytes of the copy of the weights the sampler gathers for each generate
+  call (`Sampler(gather_weights=True)`): sharded by the rules without the batch mesh
+  axes, floating weights in the compute dtype when that is narrower."""
+  batch_axes = set(dict(models.rules_from_config(rules)).get("batch", ()))
+  shape = {a: (1 if a in batch_axes else n) for a, n in mesh_shape.items()}
+  params = state_bytes(model_cfg, shape, rules)[0]
+  ratio = min(1.0, np.dtype(model_cfg.dtype).itemsize / np.dtype(model_cfg.param_dtype).itemsize)
+  return int(params * ratio)
 
 
 # ----------------------------------------------------------------------------------------
@@ -429,6 +444,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                       rules=rules, dtype=cache_dtype)
   kv_dtype = np.dtype("int8" if cache_dtype == "int8" else (cache_dtype or cfg.dtype))
   size = np.dtype(cfg.param_dtype).itemsize
+  gathered = decode_weight_bytes(cfg, rollout_shape, rules) if r.get("gather_weights", True) else 0
   comps = [
       Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
                 "the rules"),
@@ -442,12 +458,15 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
       Component("sampler", sampler, "shares params (colocated)" if not sampler
                 else f"its own weights on the rollout mesh {rollout_shape}"),
+      Component("gathered", gathered,
+                "the sampler's weights gathered over the batch axes for a generate call, "
+                f"{np.dtype(cfg.dtype)}" if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {int(r.max_len)} x {cfg.num_layers} layers "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
   ]
   static = params + opt + reference
   train_peak = static + grads + acts + batch
-  rollout_peak = (static if placement == "colocated" else sampler) + kv
+  rollout_peak = (static if placement == "colocated" else sampler) + gathered + kv
   capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
   result = Plan(shape, rollout_shape, placement, {c.name: c for c in comps}, train_peak,
                 rollout_peak, capacity)
@@ -555,10 +574,11 @@ def format_plan(p: Plan) -> str:
     lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
   if p.placement == "colocated":
     lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
-                 "max(gradients + activations + batch, kv_cache)")
+                 "max(gradients + activations + batch, gathered + kv_cache)")
   else:
     lines.append(f"{'train peak':<12}{human_bytes(p.train_peak):>12}  params + optimizer + "
                  "reference + gradients + activations + batch")
-    lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + kv_cache")
+    lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + gathered + "
+                 "kv_cache")
   lines += list(p.advice)
   return "\n".join(lines)

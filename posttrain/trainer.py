@@ -294,7 +294,8 @@ class Trainer:
     self._logprobs_fn = None
     self._setup_state()
     self.sampler = Sampler(self._model(), mesh=self.rollout_mesh, rules=self.rules,
-                           max_len=int(config.rollout.max_len), pad_id=self.tok.pad_id)
+                           max_len=int(config.rollout.max_len), pad_id=self.tok.pad_id,
+                           gather_weights=bool(config.rollout.get("gather_weights", True)))
     self.sampler_version = self.progress.policy_version
     r = config.rollout
     self.worker = RolloutWorker(

@@ -19,6 +19,7 @@ from jax._src.ad_checkpoint import saved_residuals  # The oracle of what backwar
 from configs import default
 from posttrain import experiment, models, planner
 from posttrain.rl import state as rl_state
+from posttrain.sampling import Sampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Configs for real hardware carry the plan command (and the device memory) in their docstring.
@@ -88,8 +89,12 @@ def test_disaggregated_sampler_weights_match_real_arrays_on_the_rollout_mesh():
   assert p["sampler"] == pytest.approx(_real_per_device_bytes(on_rollout), rel=0.05)
   assert p["params"] == pytest.approx(
       _real_per_device_bytes(nnx.state(model, nnx.Param)), rel=0.05)
+  # The copy a generate call gathers over the batch axes, as the Sampler makes it.
+  sampler = Sampler(models.shard_model(model, rollout_mesh), mesh=rollout_mesh, max_len=64)
+  assert p["gathered"] == pytest.approx(_real_per_device_bytes(sampler._weights()), rel=0.05)
+  assert p["gathered"] > p["sampler"]  # replicated over the rollout mesh's fsdp axis
   # Each side peaks on its own devices; the KV cache is not on the train devices.
-  assert p.rollout_peak == p["sampler"] + p["kv_cache"]
+  assert p.rollout_peak == p["sampler"] + p["gathered"] + p["kv_cache"]
   assert p.train_peak == sum(p[k] for k in ("params", "optimizer", "reference", "gradients",
                                             "activations", "batch"))
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed, models
 from posttrain.models.transformer import CACHE_AXES
@@ -187,12 +187,18 @@ class Sampler:
     length_buckets: prompt and cache lengths to pad to (default 16, 24, 32, 48, 64, ...:
       powers of two and their midpoints, capped at max_len).
     pad_id: token written after a row stops and into padding.
+    gather_weights: at the start of each generate / resume call, gather the weights over
+      the batch mesh axes (data, fsdp) in the compute dtype, once, for the whole call
+      (freed after it). Otherwise (False) an FSDP-sharded model gathers every layer's
+      weights inside every decode step. Costs the model's compute-dtype bytes over the
+      tensor axis per device during sampling.
   """
 
   def __init__(self, model: models.Transformer, *, mesh: Mesh | None = None, rules=None,
                max_len: int | None = None, cache_dtype: str | None = None,
                batch_buckets: Sequence[int] | None = None,
-               length_buckets: Sequence[int] | None = None, pad_id: int = 0):
+               length_buckets: Sequence[int] | None = None, pad_id: int = 0,
+               gather_weights: bool = True):
     cfg = model.cfg
     self.cfg = cfg
     self.mesh = mesh
@@ -229,6 +235,15 @@ class Sampler:
     self._paths = [_param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
     self._state = state
+    # The layout prefill and decode read the weights in (`_weights`): without the batch
+    # mesh axes, floating leaves in the compute dtype (the model casts them to it anyway).
+    compute = jnp.dtype(cfg.dtype)
+    self.gather_weights = bool(gather_weights) and mesh is not None
+    self._weight_specs = [
+        (shape, compute if jnp.issubdtype(dtype, jnp.floating)
+         and jnp.dtype(dtype).itemsize > compute.itemsize else dtype,
+         self._without_batch_axes(sharding))
+        for shape, dtype, sharding in self._specs] if self.gather_weights else self._specs
     self._programs: dict[tuple, Any] = {}
     self.params_version = 0  # bumped by update_params; a ResumeState needs the same
 
@@ -334,15 +349,17 @@ class Sampler:
     prompt_lens = rowwise(distinct_lens[row_source])
     active = rowwise(np.arange(batch) < rows)
 
-    prefill_args = (self._state, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
+    weights = self._weights()
+    prefill_args = (weights, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
                     seed, temp, nucleus)
     prefill = self._program(("prefill", prefill_rows, batch, prompt_len, cache_len, mode),
                             functools.partial(self._prefill, cache_len=cache_len, mode=mode),
                             prefill_args, donate=())
     cache, first, first_logp = prefill(*prefill_args)
     cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
-        cache, first, first_logp, prompt_lens, active, max_new_tokens, stop_ids, seed, temp,
-        nucleus, step0=0, batch=batch, cache_len=cache_len, mode=mode)
+        weights, cache, first, first_logp, prompt_lens, active, max_new_tokens, stop_ids,
+        seed, temp, nucleus, step0=0, batch=batch, cache_len=cache_len, mode=mode)
+    del weights, prefill_args
     resume = None
     if keep_cache:
       ends = np.maximum(lengths - 1, 0)
@@ -390,14 +407,19 @@ class Sampler:
 
     scalar = lambda dtype: self._abstract((), dtype, ())  # noqa: E731
     stop_ids = 1 << max(num_stop_ids - 1, 0).bit_length()
-    prefill_args = (self._state, row(jnp.int32, prompt_len, rows=prefill_rows),
+    if self.gather_weights:
+      self._gather_program()
+    weights = jax.tree.unflatten(self._treedef, [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for shape, dtype, sharding in self._weight_specs])
+    prefill_args = (weights, row(jnp.int32, prompt_len, rows=prefill_rows),
                     row(jnp.int32, rows=prefill_rows), row(jnp.int32),
                     scalar(jnp.uint32), scalar(jnp.float32), scalar(jnp.float32))
     prefill = self._program(("prefill", prefill_rows, batch, prompt_len, cache_len, mode),
                             functools.partial(self._prefill, cache_len=cache_len, mode=mode),
                             prefill_args, donate=())
     cache, first, first_logp = prefill.out_info
-    decode_args = (self._state, cache, first, first_logp, row(jnp.int32), row(jnp.bool_),
+    decode_args = (weights, cache, first, first_logp, row(jnp.int32), row(jnp.bool_),
                    scalar(jnp.int32), self._abstract((max(4, stop_ids),), jnp.int32, ()),
                    *prefill_args[4:], scalar(jnp.int32))
     decode = self._program(("decode", batch, cache_len, max(4, stop_ids), mode),
@@ -446,7 +468,7 @@ class Sampler:
     # The decode loop treats each row's last token as its step-0 token: it is fed first
     # (its K/V was never written) at position prompt_lens_B, i.e. `positions`.
     cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
-        state.cache, rowwise(state.last.astype(np.int32)), rowwise(np.zeros(batch, np.float32)),
+        self._weights(), state.cache, rowwise(state.last.astype(np.int32)), rowwise(np.zeros(batch, np.float32)),
         rowwise(state.positions.astype(np.int32)), rowwise(active_np),
         max_new_tokens + 1, state.stop_ids,
         *self._sampling_scalars(state.seed, state.temperature, state.top_p, mode),
@@ -468,11 +490,11 @@ class Sampler:
                                   cache_len=state.cache_len, steps=int(steps) - 1),
                        resume_state=nxt)
 
-  def _run_decode(self, cache, first, first_logp, prompt_lens, active, max_new_tokens: int,
-                  stop_ids: np.ndarray, seed, temp, nucleus, *, step0: int, batch: int,
-                  cache_len: int, mode: SamplingMode):
+  def _run_decode(self, weights, cache, first, first_logp, prompt_lens, active,
+                  max_new_tokens: int, stop_ids: np.ndarray, seed, temp, nucleus, *,
+                  step0: int, batch: int, cache_len: int, mode: SamplingMode):
     """Runs the decode program; returns (cache, host outputs)."""
-    decode_args = (self._state, cache, first, first_logp, prompt_lens, active,
+    decode_args = (weights, cache, first, first_logp, prompt_lens, active,
                    self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed,
                    temp, nucleus, self._scalar(step0, np.int32))
     decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
@@ -568,11 +590,45 @@ class Sampler:
 
   # -- helpers ----------------------------------------------------------------------------
 
-  def _program(self, key: tuple, fn, args, donate: tuple[int, ...]):
+  def _program(self, key: tuple, fn, args, donate: tuple[int, ...], out_shardings=None):
     """The compiled program for `key`, lowered and compiled ahead of time on first use."""
     if key not in self._programs:
-      self._programs[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+      jitted = (jax.jit(fn, donate_argnums=donate) if out_shardings is None else
+                jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings))
+      self._programs[key] = jitted.lower(*args).compile()
     return self._programs[key]
+
+  def _without_batch_axes(self, sharding):
+    """`sharding` with the mesh axes the batch spreads over (data, fsdp) removed."""
+    batch_axes = set(dict(self.rules).get("batch", ()))
+
+    def keep(entry):
+      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      names = tuple(n for n in names if n not in batch_axes)
+      return None if not names else names[0] if len(names) == 1 else names
+
+    return NamedSharding(sharding.mesh, PartitionSpec(*(keep(e) for e in sharding.spec)))
+
+  def _weights(self):
+    """The weights prefill and decode read: the sampler's own, or (gather_weights) a
+    copy gathered over the batch axes in the compute dtype, made once per call."""
+    if not self.gather_weights:
+      return self._state
+    return self._gather_program()(self._state)
+
+  def _gather_program(self):
+    """The program that makes `_weights`' gathered copy (compiled once)."""
+    dtypes = [dtype for _, dtype, _ in self._weight_specs]
+    shardings = jax.tree.unflatten(
+        self._treedef, [sharding for _, _, sharding in self._weight_specs])
+
+    def gather(state):
+      leaves = jax.tree.leaves(state)
+      return jax.tree.unflatten(self._treedef,
+                                [x.astype(d) for x, d in zip(leaves, dtypes)])
+
+    return self._program(("weights",), gather, (self._state,), donate=(),
+                         out_shardings=shardings)
 
   def _rowwise(self, x: np.ndarray):
     return self._put(x, ("batch",) + (None,) * (x.ndim - 1))

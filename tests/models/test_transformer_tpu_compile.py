@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -96,3 +97,36 @@ def test_decode_updates_the_kv_cache_in_place_on_tpu(cache_dtype):
   copies = [line for line in decode.as_text().splitlines()
             if re.search(re.escape(local) + r"\{[^}]*\} copy\(", line)]
   assert not copies, copies[:2]
+
+
+def _all_gather_bytes_in_loops(text: str) -> int:
+  """Bytes all-gathered per iteration by the while loops of a compiled program."""
+  import re
+  bodies = set(re.findall(r"while\([^)]*\)[^\n]*body=%?([\w.\-]+)", text))
+  size = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "pred": 1}
+  total, current = 0, None
+  for line in text.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+    elif current in bodies and re.search(r" all-gather(-start)?\(", line):
+      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]\{", line.split(" all-gather")[0]):
+        total += size.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total
+
+
+def test_decode_gathers_no_weights_inside_its_loop_on_tpu():
+  """FSDP-sharded weights: XLA:TPU gathered each layer's weights inside the decode loop,
+  at every step. The sampler gathers them once per call (gather_weights, the default),
+  so the loop's all-gathers move activations only."""
+  from posttrain.sampling.sampler import Sampler
+  mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
+  abstract = nnx.eval_shape(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
+  weights = sum(x.size * 2 for x in jax.tree.leaves(nnx.state(abstract)))  # bf16
+  per_step = {}
+  for gather in (True, False):
+    sampler = Sampler(abstract, mesh=mesh, max_len=2048, gather_weights=gather)
+    with jax.set_mesh(mesh):
+      _, decode = sampler.compile(64, 1024, 1024, distinct_prompts=8, temperature=1.0)
+    per_step[gather] = _all_gather_bytes_in_loops(decode.as_text())
+  assert per_step[False] > weights / 10, per_step  # weights, at every step
+  assert per_step[True] < per_step[False] / 10, per_step

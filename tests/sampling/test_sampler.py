@@ -354,16 +354,17 @@ def test_resume_refuses_a_cache_filled_by_other_weights(model, sampler):
 
 
 def test_compile_builds_the_programs_generate_then_runs(model):
-  """`compile` makes exactly the prefill and decode programs a generate of those shapes
-  uses (no new compile after it), grouped prompts sharing one prefill row each."""
+  """`compile` makes exactly the programs a generate of those shapes uses (no new
+  compile after it): the weights gather, prefill and decode, grouped prompts sharing one
+  prefill row each."""
   mesh = models.make_mesh((1, 2, 1, 1), devices=jax.devices()[:2])
   sampler = Sampler(model, mesh=mesh, max_len=MAX_LEN)
   prompts = [p[:9] for p in PROMPTS[:2] for _ in range(4)]  # 2 groups of 4
   prefill, decode = sampler.compile(8, 9, 5, distinct_prompts=2, temperature=1.0, top_k=7)
-  assert sampler.num_compiles == 2
+  assert sampler.num_compiles == 3
   assert prefill.memory_analysis() is not None and decode.memory_analysis() is not None
   out = sampler.generate(prompts, max_new_tokens=5, temperature=1.0, top_k=7, seed=3)
-  assert sampler.num_compiles == 2 and out.tokens.shape == (8, 5)
+  assert sampler.num_compiles == 3 and out.tokens.shape == (8, 5)
   with pytest.raises(ValueError, match="must be positive and fit max_len"):
     sampler.compile(8, MAX_LEN, 1)
 
@@ -381,6 +382,24 @@ def test_prefill_gathers_prompt_long_caches_not_the_whole_cache():
   assert memory.output_size_in_bytes >= 8 * CFG.num_layers * 2 * CFG.num_kv_heads * 2048 * (
       CFG.head_dim * 4)
   assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 8
+
+
+def test_decode_reads_weights_gathered_once_per_call(model):
+  """Weights gathered once per generate call over the batch axes (in the compute dtype,
+  freed after it) sample exactly what the FSDP-sharded weights do. (That XLA:TPU then
+  gathers no weights inside the decode loop is checked by a TPU compile test.)"""
+  mesh = models.make_mesh((1, 4, 1, 1), devices=jax.devices()[:4])
+  prompts = [p[:9] for p in PROMPTS[:2] for _ in range(4)]
+  outs = {}
+  for gather in (True, False):
+    sampler = Sampler(model, mesh=mesh, max_len=MAX_LEN, gather_weights=gather)
+    outs[gather] = sampler.generate(prompts, max_new_tokens=6, temperature=1.0, seed=5)
+    if gather:  # the gathered copy: no batch axis in its shardings, the compute dtype
+      weights = jax.tree.leaves(sampler._weights())
+      assert all("fsdp" not in str(w.sharding.spec) for w in weights)
+      assert {w.dtype for w in weights} == {jnp.dtype(CFG.dtype)}
+  np.testing.assert_array_equal(outs[True].tokens, outs[False].tokens)
+  np.testing.assert_allclose(outs[True].logprobs, outs[False].logprobs, atol=1e-5)
 
 
 def test_a_sampler_of_an_abstract_model_only_compiles():
