@@ -1378,8 +1378,9 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
                     block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
                     block_q_dq=block_q_dq, block_kv_dq=block_kv_dq, dq_atomic=dq_atomic,
-                    fused_bwd=fused_bwd, num_warps=num_warps, num_stages=num_stages, num_warps_bwd=num_warps_bwd,
-                    num_stages_bwd=num_stages_bwd, interpret=interpret)
+                    fused_bwd=fused_bwd, num_warps=num_warps, num_stages=num_stages,
+                    num_warps_bwd=num_warps_bwd, num_stages_bwd=num_stages_bwd,
+                    interpret=interpret)
   return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg).astype(out_dtype)
 
 

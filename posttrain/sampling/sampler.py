@@ -468,8 +468,9 @@ class Sampler:
     # The decode loop treats each row's last token as its step-0 token: it is fed first
     # (its K/V was never written) at position prompt_lens_B, i.e. `positions`.
     cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
-        self._weights(), state.cache, rowwise(state.last.astype(np.int32)), rowwise(np.zeros(batch, np.float32)),
-        rowwise(state.positions.astype(np.int32)), rowwise(active_np),
+        self._weights(), state.cache, rowwise(state.last.astype(np.int32)),
+        rowwise(np.zeros(batch, np.float32)), rowwise(state.positions.astype(np.int32)),
+        rowwise(active_np),
         max_new_tokens + 1, state.stop_ids,
         *self._sampling_scalars(state.seed, state.temperature, state.top_p, mode),
         step0=int(state.generated[rows[0]]) - 1, batch=batch, cache_len=state.cache_len,

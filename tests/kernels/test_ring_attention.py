@@ -137,3 +137,13 @@ def test_bad_lengths(mesh8):
   x = jnp.zeros((1, 72, 2, 8))
   with pytest.raises(ValueError, match="sequence length 72 must be divisible by 2 \\* "):
     kernels.ring_attention_sharded(x, x, x, mesh=mesh8, axis_name="sp")
+
+
+def test_ring_with_tpu_flash_blocks_and_the_fused_backward():
+  """Ring's flash blocks take the kernel options, the TPU fused backward included."""
+  mesh = jax.make_mesh((2,), ("sp",))
+  case = Case("ring_fused", batch=1, q_len=256, kv_len=256, heads=2, kv_heads=1,
+              head_dim=16, segments=True)
+  fn = sharded(mesh, layout="contiguous", block_kernel="flash", backend="tpu",
+               block_q=128, block_kv=128, fused_bwd=True, interpret=True)
+  check_against_reference(fn, case, jnp.float32)
