@@ -47,18 +47,20 @@ def main(argv):
   if _COMPILE_FOR.value:
     from posttrain import aot
     topology = _COMPILE_FOR.value
+    train_resident, rollout_resident = planner.resident_outside_programs(p, _CONFIG.value)
     try:
       devices = aot.tpu_devices(topology)
       report = aot.compile_rl_step(_CONFIG.value, devices, topology=topology)
-      print(aot.format_report(report, p.train_peak), flush=True)
+      print(aot.format_report(report, p.train_peak, train_resident), flush=True)
       rollout = aot.compile_rollout(_CONFIG.value, devices)
-      print(aot.format_rollout(rollout, p.rollout_peak), flush=True)
+      print(aot.format_rollout(rollout, p.rollout_peak, rollout_resident), flush=True)
     except aot.CompileError as e:
       print(f"does not compile for {topology}: {e}", flush=True)
       sys.exit(1)
     except (ValueError, KeyError) as e:
       common.fail(e)
-    peak = max(report.peak, rollout.prefill_peak, rollout.decode_peak)
+    peak = max(report.peak + train_resident[0],
+               max(rollout.prefill_peak, rollout.decode_peak) + rollout_resident[0])
     if p.capacity is not None and peak > p.capacity:
       print(f"does not fit: the compiled peak exceeds the {planner.human_bytes(p.capacity)} "
             "a device may use", flush=True)

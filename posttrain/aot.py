@@ -181,7 +181,20 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
                        compile_s=time.perf_counter() - start)
 
 
-def format_rollout(report: RolloutReport, planned_peak: int | None = None) -> str:
+def _against_plan(lines: list[str], peak: int, planned_peak: int | None, what: str,
+                  resident: tuple[int, str]) -> None:
+  """Appends the resident bytes outside the program and the comparison with the plan."""
+  h = planner.human_bytes
+  extra, about = resident
+  if extra:
+    lines.append(f"  + {h(extra)} held outside this program ({about}) = {h(peak + extra)}")
+  if planned_peak:
+    lines.append(f"  the plan's {what} peak: {h(planned_peak)} "
+                 f"(compiled / planned = {(peak + extra) / planned_peak:.2f})")
+
+
+def format_rollout(report: RolloutReport, planned_peak: int | None = None,
+                   resident: tuple[int, str] = (0, "")) -> str:
   h = planner.human_bytes
   mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
   lines = [f"compiled the rollout in {report.compile_s:.1f} s on mesh ({mesh}): "
@@ -189,14 +202,13 @@ def format_rollout(report: RolloutReport, planned_peak: int | None = None) -> st
            f"{report.max_new_tokens} new tokens",
            f"  peak per device (XLA): prefill {h(report.prefill_peak)}, decode "
            f"{h(report.decode_peak)}"]
-  if planned_peak:
-    peak = max(report.prefill_peak, report.decode_peak)
-    lines.append(f"  the plan's rollout peak: {h(planned_peak)} "
-                 f"(compiled / planned = {peak / planned_peak:.2f})")
+  _against_plan(lines, max(report.prefill_peak, report.decode_peak), planned_peak,
+                "rollout", resident)
   return "\n".join(lines)
 
 
-def format_report(report: Report, planned_peak: int | None = None) -> str:
+def format_report(report: Report, planned_peak: int | None = None,
+                  resident: tuple[int, str] = (0, "")) -> str:
   h = planner.human_bytes
   mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
   micro, rows, length = report.batch_shape
@@ -208,7 +220,5 @@ def format_report(report: Report, planned_peak: int | None = None) -> str:
       f"({h(report.aliased)} reuse donated arguments), temporaries {h(report.temporaries)}",
       f"  peak per device (XLA): {h(report.peak)}",
   ]
-  if planned_peak:
-    lines.append(f"  the plan's train peak: {h(planned_peak)} "
-                 f"(compiled / planned = {report.peak / planned_peak:.2f})")
+  _against_plan(lines, report.peak, planned_peak, "train", resident)
   return "\n".join(lines)

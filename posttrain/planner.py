@@ -17,13 +17,14 @@ Components (all per device):
   gradients    one params-sized tree, two when a step accumulates over micro-batches.
   activations  what the backward pass of one micro-batch holds (see `activation_bytes`).
   batch        the rollout batch on device: [M, rows, row_len] token arrays.
-  sampler      the sampler's own weights (disaggregated only; colocated it shares params).
+  sampler      the sampler's own copy of the weights (colocated: params-sized, on the same
+               devices; disaggregated: on the rollout mesh).
   gathered     the weights the sampler gathers over the batch axes for one generate call
                (rollout.gather_weights; see `decode_weight_bytes`).
   kv_cache     the sampler's cache for one generate call (see `kv_cache_bytes`).
 
 Colocated placement samples and updates one after the other on the same devices:
-  peak = params + optimizer + reference
+  peak = params + optimizer + reference + sampler
          + max(gradients + activations + batch, gathered + kv_cache).
 Disaggregated placement puts them on different devices:
   peak = max(params + optimizer + reference + gradients + activations + batch,   (train)
@@ -437,7 +438,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
-  sampler = 0 if placement == "colocated" else state_bytes(cfg, rollout_shape, rules)[0]
+  # The Sampler copies the weights it is given (never an alias), colocated or not.
+  sampler = params if placement == "colocated" else state_bytes(cfg, rollout_shape, rules)[0]
   s_rows = sampler_batch(config, int(algo.group_size), batch_mesh_size(rollout_mesh, rules))
   cache_dtype = kv_cache_dtype or r.get("cache_dtype", None)
   kv = kv_cache_bytes(cfg, batch=s_rows, max_len=int(r.max_len), mesh=rollout_mesh,
@@ -456,7 +458,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
-      Component("sampler", sampler, "shares params (colocated)" if not sampler
+      Component("sampler", sampler, "its own copy of params (colocated)"
+                if placement == "colocated"
                 else f"its own weights on the rollout mesh {rollout_shape}"),
       Component("gathered", gathered,
                 "the sampler's weights gathered over the batch axes for a generate call, "
@@ -464,7 +467,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("kv_cache", kv, f"{s_rows} rows x {int(r.max_len)} x {cfg.num_layers} layers "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
   ]
-  static = params + opt + reference
+  static = params + opt + reference + (sampler if placement == "colocated" else 0)
   train_peak = static + grads + acts + batch
   rollout_peak = (static if placement == "colocated" else sampler) + gathered + kv
   capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
@@ -477,6 +480,23 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
         config, result, device_memory_gb=device_memory_gb, num_devices=total,
         kv_cache_dtype=cache_dtype)))
   return result
+
+
+def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
+                              ) -> tuple[tuple[int, str], tuple[int, str]]:
+  """Bytes a device holds outside the compiled update and outside the compiled sampling
+  programs (what `launch.plan --compile_for` adds to XLA's figures), with what they are:
+  colocated, the sampler's copy of the weights during the update, and the learner's
+  state (params, optimizer, reference) and that copy while sampling. A sampler that
+  gathers its weights (rollout.gather_weights) reads the gathered copy, so its own copy
+  lies outside its programs on a rollout mesh too."""
+  gather = bool(config.rollout.get("gather_weights", True))
+  if p.placement == "colocated":
+    learner = p["params"] + p["optimizer"] + p["reference"]
+    return ((p["sampler"], "the sampler's copy of the weights"),
+            (learner + p["sampler"], "the learner's params, optimizer and reference, and "
+             "the sampler's copy of the weights"))
+  return (0, ""), ((p["sampler"], "the sampler's own weights") if gather else (0, ""))
 
 
 def override(config: ml_collections.ConfigDict, changes: dict[str, Any]
@@ -574,7 +594,7 @@ def format_plan(p: Plan) -> str:
     lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
   if p.placement == "colocated":
     lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
-                 "max(gradients + activations + batch, gathered + kv_cache)")
+                 "sampler + max(gradients + activations + batch, gathered + kv_cache)")
   else:
     lines.append(f"{'train peak':<12}{human_bytes(p.train_peak):>12}  params + optimizer + "
                  "reference + gradients + activations + batch")

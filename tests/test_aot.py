@@ -68,6 +68,8 @@ def test_plan_compile_for_prints_the_compiled_peak():
   assert "compiled for v5e:2x2" in done.stdout
   assert "peak per device (XLA)" in done.stdout and "compiled / planned" in done.stdout
   assert "compiled the rollout" in done.stdout and "the plan's rollout peak" in done.stdout
+  # Colocated: what the device holds outside each program is added before comparing.
+  assert done.stdout.count("held outside this program") == 2
 
 
 @requires_libtpu

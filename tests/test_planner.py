@@ -70,6 +70,12 @@ def test_params_and_optimizer_bytes_match_real_arrays_on_8_devices(mesh, param_d
   real_opt = _real_per_device_bytes(state.opt_state)
   assert p["params"] == pytest.approx(real_params, rel=0.05)
   assert p["optimizer"] == pytest.approx(real_opt, rel=0.05)
+  # Colocated, the trainer's Sampler holds its own copy (never an alias), in both peaks.
+  model = models.create_model(cfg, mesh=real_mesh)
+  sampler = Sampler(model, mesh=real_mesh, max_len=64)
+  assert p["sampler"] == pytest.approx(_real_per_device_bytes(sampler._state), rel=0.05)
+  assert p.train_peak == sum(p[k] for k in ("params", "optimizer", "reference", "sampler",
+                                            "gradients", "activations", "batch"))
   if mesh[1] == 8:  # pure FSDP divides every matrix: exact, and 1/8 of the total
     assert p["params"] == real_params
     total = sum(x.nbytes for x in jax.tree.leaves(state.params))
@@ -175,6 +181,23 @@ def test_fused_flash_backward_adds_its_dq_partials():
   # Short rows: the kernel's blocks shrink to the padded length (one kv block).
   cfg = base.replace(attention_options="fused_bwd=true")
   assert planner.fused_dq_bytes(cfg, rows=1, row_len=300, heads=1) == 300 * 128 * 4
+
+
+def test_what_lies_outside_the_compiled_programs():
+  """launch.plan --compile_for adds to XLA's figures what a device holds outside each
+  program: colocated, the sampler's copy during the update, the learner's state and
+  that copy while sampling; on a rollout mesh, the sampler's own (ungathered) weights."""
+  p = planner.plan(_config(**TINY))
+  (train, _), (rollout, _) = planner.resident_outside_programs(p, _config(**TINY))
+  assert p.placement == "colocated" and train == p["sampler"] > 0
+  assert rollout == p["params"] + p["optimizer"] + p["reference"] + p["sampler"]
+  config = _config(**TINY, **{"placement.mode": "disaggregated",
+                              "placement.rollout_devices": 2, "train.rows_per_microbatch": 6})
+  p = planner.plan(config, num_devices=8)
+  assert planner.resident_outside_programs(p, config)[0] == (0, "")
+  assert planner.resident_outside_programs(p, config)[1][0] == p["sampler"]
+  config.rollout.gather_weights = False  # the programs read the sampler's own weights
+  assert planner.resident_outside_programs(p, config)[1] == (0, "")
 
 
 def test_kv_cache_bytes_by_hand():
