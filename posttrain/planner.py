@@ -206,9 +206,10 @@ def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int
   axes, floating weights in the compute dtype when that is narrower."""
   batch_axes = set(dict(models.rules_from_config(rules)).get("batch", ()))
   shape = {a: (1 if a in batch_axes else n) for a, n in mesh_shape.items()}
-  params = state_bytes(model_cfg, shape, rules)[0]
   ratio = min(1.0, np.dtype(model_cfg.dtype).itemsize / np.dtype(model_cfg.param_dtype).itemsize)
-  return int(params * ratio)
+  if shape == dict(mesh_shape) and ratio == 1.0:
+    return 0  # nothing to gather or cast: the sampler reads its own weights
+  return int(state_bytes(model_cfg, shape, rules)[0] * ratio)
 
 
 # ----------------------------------------------------------------------------------------

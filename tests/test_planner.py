@@ -183,6 +183,17 @@ def test_fused_flash_backward_adds_its_dq_partials():
   assert planner.fused_dq_bytes(cfg, rows=1, row_len=300, heads=1) == 300 * 128 * 4
 
 
+def test_gathered_weights_only_when_there_is_something_to_gather():
+  cfg = models.get_preset("llama3_8b").replace(dtype="bfloat16", param_dtype="float32")
+  rules = models.DEFAULT_RULES
+  one = dict.fromkeys(models.MESH_AXES, 1)
+  f32 = cfg.replace(dtype="float32")
+  assert planner.decode_weight_bytes(f32, {**one, "tensor": 4}, rules) == 0
+  params = planner.state_bytes(f32, {**one, "tensor": 4}, rules)[0]
+  assert planner.decode_weight_bytes(cfg, {**one, "tensor": 4}, rules) == params // 2
+  assert planner.decode_weight_bytes(f32, {**one, "fsdp": 8, "tensor": 4}, rules) == params
+
+
 def test_what_lies_outside_the_compiled_programs():
   """launch.plan --compile_for adds to XLA's figures what a device holds outside each
   program: colocated, the sampler's copy during the update, the learner's state and

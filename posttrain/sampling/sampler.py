@@ -191,7 +191,8 @@ class Sampler:
       the batch mesh axes (data, fsdp) in the compute dtype, once, for the whole call
       (freed after it). Otherwise (False) an FSDP-sharded model gathers every layer's
       weights inside every decode step. Costs the model's compute-dtype bytes over the
-      tensor axis per device during sampling.
+      tensor axis per device during sampling. Skipped when there is nothing to gather or
+      cast (one device on the batch axes, weights already in the compute dtype).
   """
 
   def __init__(self, model: models.Transformer, *, mesh: Mesh | None = None, rules=None,
@@ -237,13 +238,18 @@ class Sampler:
     self._state = state
     # The layout prefill and decode read the weights in (`_weights`): without the batch
     # mesh axes, floating leaves in the compute dtype (the model casts them to it anyway).
+    # Nothing to gather or cast (no batch axis over several devices, weights already in
+    # the compute dtype): the programs read the sampler's own weights.
     compute = jnp.dtype(cfg.dtype)
-    self.gather_weights = bool(gather_weights) and mesh is not None
-    self._weight_specs = [
+    specs = [] if mesh is None else [
         (shape, compute if jnp.issubdtype(dtype, jnp.floating)
          and jnp.dtype(dtype).itemsize > compute.itemsize else dtype,
          self._without_batch_axes(sharding))
-        for shape, dtype, sharding in self._specs] if self.gather_weights else self._specs
+        for shape, dtype, sharding in self._specs]
+    spread = self._batch_multiple > 1
+    narrower = any(new[1] != old[1] for new, old in zip(specs, self._specs))
+    self.gather_weights = bool(gather_weights) and mesh is not None and (spread or narrower)
+    self._weight_specs = specs if self.gather_weights else self._specs
     self._programs: dict[tuple, Any] = {}
     self.params_version = 0  # bumped by update_params; a ResumeState needs the same
 

@@ -400,6 +400,14 @@ def test_decode_reads_weights_gathered_once_per_call(model):
       assert {w.dtype for w in weights} == {jnp.dtype(CFG.dtype)}
   np.testing.assert_array_equal(outs[True].tokens, outs[False].tokens)
   np.testing.assert_allclose(outs[True].logprobs, outs[False].logprobs, atol=1e-5)
+  # Nothing to gather or cast (one device on the batch axes, float32 weights and compute):
+  # no copy; bfloat16 compute still reads a bfloat16 copy.
+  one = models.make_mesh((1, 1, 2, 1), devices=jax.devices()[:2])
+  sampler = Sampler(model, mesh=one, max_len=MAX_LEN)
+  assert not sampler.gather_weights and sampler._weights() is sampler._state
+  bf16 = nnx.eval_shape(lambda: models.Transformer(CFG.replace(dtype="bfloat16"),
+                                                   rngs=nnx.Rngs(0)))
+  assert Sampler(bf16, mesh=one, max_len=MAX_LEN).gather_weights
 
 
 def test_a_sampler_of_an_abstract_model_only_compiles():
