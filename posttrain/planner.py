@@ -271,12 +271,12 @@ def fused_dq_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   options = models.config.parse_attention_options(cfg.attention_options)
   if not options.get("fused_bwd"):
     return 0
+  # The kernel's own config: its default blocks and their fit to short rows.
   fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
-  block = options.get("block_kv_bwd") or options.get("block_kv")
-  if block is None:
-    sixteen_bit = np.dtype(cfg.dtype).itemsize <= 2 and cfg.head_dim <= 128
-    block = (fa.TPU_BLOCKS_16BIT if sixteen_bit else fa.DEFAULT_BLOCKS["tpu"])[3]
-  kv_blocks = -(-row_len // min(block, -(-row_len // fa.NUM_LANES) * fa.NUM_LANES))
+  options = {k: v for k, v in options.items() if k != "backend"}
+  q = jax.ShapeDtypeStruct((rows, row_len, 1, cfg.head_dim), np.dtype(cfg.dtype))
+  kv_blocks = fa.make_config(q, q, backend="tpu", interpret=True,  # any host
+                             **options).for_backward().num_kv_blocks
   return rows * row_len * heads * cfg.head_dim * 4 * kv_blocks
 
 
@@ -491,7 +491,7 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
   state (params, optimizer, reference) and that copy while sampling. A sampler that
   gathers its weights (rollout.gather_weights) reads the gathered copy, so its own copy
   lies outside its programs on a rollout mesh too."""
-  gather = bool(config.rollout.get("gather_weights", True))
+  gather = bool(config.rollout.get("gather_weights", True)) and p["gathered"] > 0
   if p.placement == "colocated":
     learner = p["params"] + p["optimizer"] + p["reference"]
     return ((p["sampler"], "the sampler's copy of the weights"),
