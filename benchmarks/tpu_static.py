@@ -81,6 +81,11 @@ CHIPS = {
 KERNELS = ("fwd", "dq", "dkv")
 MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # block matmuls each kernel executes a step
 FUSED = "+fused"  # arm suffix: flash_attention(fused_bwd=True), dq from the dk/dv kernel
+# Arm suffixes for the grids: flash_attention(compact_grid=False) or (compact_grid=True);
+# without either, the default (compact_grid=None) picks per kernel.
+RECT, COMPACT = "+rect", "+compact"
+SUFFIXES = {FUSED: ("fused_bwd", True), RECT: ("compact_grid", False),
+            COMPACT: ("compact_grid", True)}  # suffix: the option it sets
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
 TOKENS = 32768  # batch * length, as benchmarks/attention.py times them
 COMPILE_BATCH = 2  # even: v5p splits the batch over its two cores
@@ -108,9 +113,10 @@ def arm_options(fwd, dkv, dq) -> dict:
 def arm_name(options: dict) -> str:
   names = zip(_OPTION_NAMES[::2], _OPTION_NAMES[1::2], strict=True)
   pairs = [f"{options[q]}x{options[k]}" for q, k in names]
+  grid = {None: "", False: RECT, True: COMPACT}[options.get("compact_grid")]
   if options.get("fused_bwd"):  # no dq kernel: its blocks do not matter
-    return "/".join(dict.fromkeys(pairs[:2])) + FUSED
-  return pairs[0] if len(set(pairs)) == 1 else "/".join(pairs)
+    return "/".join(dict.fromkeys(pairs[:2])) + FUSED + grid
+  return (pairs[0] if len(set(pairs)) == 1 else "/".join(pairs)) + grid
 
 
 def blocks_of(options: dict) -> list[int]:
@@ -130,13 +136,17 @@ def default_options() -> dict:
 
 def parse_arms(text: str) -> list[tuple[str, dict]]:
   """`default`, `sweep` or BQxBK (every kernel) / BQxBK/BQxBK/BQxBK (forward, dk/dv, dq),
-  each optionally with `+fused` (the fused backward), comma-separated -> [(name,
-  make_config options)], duplicates dropped."""
+  each optionally with `+fused` (the fused backward) and / or `+rect` or `+compact`
+  (the grids), comma-separated -> [(name, make_config options)], duplicates dropped."""
   arms = {}
   for item in text.split(","):
     item = item.strip()
-    fused = item.endswith(FUSED)
-    item = item[:-len(FUSED)] if fused else item
+    flags = {}
+    while any(item.endswith(suffix) for suffix in SUFFIXES):
+      suffix = next(suffix for suffix in SUFFIXES if item.endswith(suffix))
+      name, value = SUFFIXES[suffix]
+      flags[name] = value
+      item = item[:-len(suffix)]
     if item == "default":
       found = [default_options()]
     elif item == "sweep":
@@ -152,7 +162,7 @@ def parse_arms(text: str) -> list[tuple[str, dict]]:
         raise ValueError(f"arm {item!r}: TPU blocks are positive multiples of 128")
       found = [arm_options(*blocks)]
     for options in found:
-      options = dict(options, fused_bwd=True) if fused else options
+      options = dict(options, **flags)
       arms.setdefault(arm_name(options), options)
   return list(arms.items())
 
@@ -175,8 +185,10 @@ def configs(options: dict, length: int, kv_length: int | None = None, heads=HEAD
 def grid_counts(cfg, kernel: str) -> dict:
   """Grid steps of one (batch row, query head) of a kernel, and how many run the
   unmasked / masked body and init + finish (rows; dk/dv's are per kv head, shared by
-  the group's heads). From the kernels' own block ranges."""
+  the group's heads). From the kernels' own block ranges and grids (compact: the
+  visible pairs, and a step for each row that sees none)."""
   fa = _fa()
+  compact = fa.compact_steps(cfg, kernel)
   if kernel == "dkv":  # kv-major: each kv block visits a range of q blocks
     own, other = cfg.num_kv_blocks, cfg.num_q_blocks
     lo, hi = fa.q_block_range(cfg, np.arange(own))
@@ -192,7 +204,9 @@ def grid_counts(cfg, kernel: str) -> dict:
   full_hi = np.minimum(np.asarray(full_hi), hi)
   visited = int(np.maximum(hi - lo + 1, 0).sum())
   full = int(np.maximum(full_hi - full_lo + 1, 0).sum())
-  return dict(steps=own * other, unmasked=full, masked=visited - full, rows=rows)
+  steps = own * other if compact is None else len(compact) / (
+      cfg.group if kernel == "dkv" else 1)
+  return dict(steps=steps, unmasked=full, masked=visited - full, rows=rows)
 
 
 def step_bytes(cfg, kernel: str) -> tuple[int, int]:
@@ -246,9 +260,13 @@ def kernel_cycles(regions: dict, cfg, kernel: str, chip: Chip, batch: int,
   return cycles * batch * heads / chip.cores
 
 
-def causal_flops(length: int, batch: int, heads=HEADS) -> float:
-  """benchmarks/attention.py's forward count: 2 matmuls over the causal half."""
-  return 4 * batch * heads * length**2 * HEAD_DIM / 2
+def causal_flops(length: int, batch: int, heads=HEADS, window: int | None = None) -> float:
+  """benchmarks/attention.py's forward count: 2 matmuls over the causal half, or with a
+  sliding window over the (query, key) pairs it keeps."""
+  if window is None or window >= length:
+    return 4 * batch * heads * length**2 * HEAD_DIM / 2
+  pairs = window * length - window * (window - 1) / 2
+  return 4 * batch * heads * pairs * HEAD_DIM
 
 
 # ----------------------------------------------------------------------------------
@@ -481,6 +499,8 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
   for kernel in kernels_of(options):
     regions = result["kernels"][kernel]
     row = dict(base, kernel=kernel)
+    if options.get("sliding_window"):
+      row["window"] = options["sliding_window"]
     if "error" in regions:
       rows.append(dict(row, note=regions["error"]))
       continue
@@ -502,7 +522,9 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
       seconds = kernel_cycles(regions, cfg, kernel, chip, batch) / chip.clock
       row[f"ms@{length}"] = round(seconds * 1e3, 3)
       row[f"tflops@{length}"] = round(
-          matmuls(cfg, kernel) / 2 * causal_flops(length, batch) / seconds / 1e12, 1)
+          matmuls(cfg, kernel) / 2 * causal_flops(length, batch,
+                                                  window=cfg.sliding_window)
+          / seconds / 1e12, 1)
     notes = []
     if row["mxu_bound"] > body:
       notes.append("MXU-bound")
@@ -540,7 +562,7 @@ def summary_rows(rows: list[dict], lengths) -> list[dict]:
       batch = max(1, TOKENS // length)
       fwd = kernels["fwd"][f"ms@{length}"] / 1e3
       total = fwd + sum(kernels[k][f"ms@{length}"] for k in backward) / 1e3
-      flops = causal_flops(length, batch)
+      flops = causal_flops(length, batch, window=kernels["fwd"].get("window"))
       row[f"fwd@{length}"] = round(flops / fwd / 1e12, 1)
       row[f"fwd+bwd@{length}"] = round(3.5 * flops / total / 1e12, 1)
     out.append(row)
@@ -583,6 +605,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="modelled lengths (batch * length = 32k tokens)")
   parser.add_argument("--compile-length", type=int, default=4096,
                       help="length compiled (and statically profiled), batch 2")
+  parser.add_argument("--window", type=int, default=None,
+                      help="a sliding window for every arm (causal within it)")
   parser.add_argument("--json", metavar="FILE", help="also write the rows to FILE")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -597,6 +621,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.arms = parse_arms(args.arms)
   except ValueError as e:
     parser.error(str(e))
+  if args.window is not None:
+    if args.window < 1:
+      parser.error(f"--window must be positive, got {args.window}")
+    args.arms = [(f"{name} w{args.window}", dict(options, sliding_window=args.window))
+                 for name, options in args.arms]
   for name, options in args.arms:
     if args.compile_length % math.lcm(*blocks_of(options)):
       parser.error(f"--compile-length {args.compile_length} is not a multiple of the "

@@ -5,8 +5,11 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
 * TPU (Mosaic): grid (batch, heads, q blocks, kv blocks); the kv axis is sequential
   ("arbitrary") and the running max / sum / output live in VMEM scratch. Blocks that
   the causal / sliding-window mask hides entirely are skipped by `pl.when`, and their
-  index_map is clamped to a visible block so no DMA is issued for them. Fully visible
-  blocks skip the per-element mask. Layout [batch, heads, len, head_dim].
+  index_map is clamped to a visible block so no DMA is issued for them. Where the mask
+  hides most pairs (a sliding window over long rows) a compact grid (batch, heads,
+  steps) steps through the visible pairs only, their block ids read from a table in
+  SMEM. Fully visible blocks skip the per-element mask. Layout [batch, heads, len,
+  head_dim].
 * GPU (Triton): grid (q blocks, batch, heads); each program loops over exactly the
   visible kv blocks with `fori_loop`, the fully visible ones in an unmasked loop.
   Layout [batch, len, heads, head_dim] (no copy). The softmax runs in base 2 (exp2 is
@@ -95,6 +98,9 @@ class _Config:
   # TPU: the dk/dv kernel also writes each step's ds @ k, summed over kv blocks by XLA
   # (no dq kernel)
   fused_bwd: bool = False
+  # TPU: grids that step through the visible block pairs only (`compact_steps`), not
+  # the whole rectangle: True, False, or None = where they skip most of it
+  compact_grid: bool | None = None
 
   def for_backward(self) -> _Config:
     return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd,
@@ -132,54 +138,73 @@ class _Config:
 
 def _floor_div(a, b: int, bias: int):
   """floor(a / b) for a >= -bias * b, with only non-negative integer division."""
+  if isinstance(a, int):
+    return (a + bias * b) // b - bias
   return lax.div(a + bias * b, b) - bias
+
+
+class _Ints:
+  """Python-int stand-ins for the jnp ops of the block-range functions (`xp=_Ints`), so
+  that trace-time tables need no device, not even under a TPU mesh."""
+  int32 = int
+  minimum = min
+  maximum = max
+
+  @staticmethod
+  def asarray(x, dtype=None):
+    del dtype
+    return int(x)
+
+  @staticmethod
+  def where(c, a, b):
+    return a if c else b
 
 
 def _bias(cfg: _Config, block: int) -> int:
   return (cfg.q_len + cfg.kv_len + (cfg.sliding_window or 0)) // block + 2
 
 
-def kv_block_range(cfg: _Config, qi):
+def kv_block_range(cfg: _Config, qi, xp=jnp):
   """Inclusive range [lo, hi] of kv blocks with a visible key for q block `qi`.
 
   Exact: block ki is in the range iff some real (query, key) pair in the two blocks
   passes the causal / sliding-window mask (segment ids are not considered).
-  Empty ranges have lo > hi.
+  Empty ranges have lo > hi. `xp=_Ints` computes on a Python int.
   """
-  qi = jnp.asarray(qi, jnp.int32)
+  qi = xp.asarray(qi, xp.int32)
   bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
   q_lo = qi * bq + cfg.offset
-  q_hi = jnp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
+  q_hi = xp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
   last = cfg.num_kv_blocks - 1
   bias = _bias(cfg, bk)
-  lo = jnp.int32(0)
-  hi = jnp.int32(last)
+  lo = xp.int32(0)
+  hi = xp.int32(last)
   if cfg.causal:
     hi = _floor_div(q_hi, bk, bias)
   elif w is not None:
-    hi = jnp.minimum(last, _floor_div(q_hi + w - 1, bk, bias))
+    hi = xp.minimum(last, _floor_div(q_hi + w - 1, bk, bias))
   if w is not None:
-    lo = jnp.maximum(0, _floor_div(q_lo - w + 1, bk, bias))
+    lo = xp.maximum(0, _floor_div(q_lo - w + 1, bk, bias))
   return lo, hi
 
 
-def q_block_range(cfg: _Config, ki):
+def q_block_range(cfg: _Config, ki, xp=jnp):
   """Inclusive range [lo, hi] of q blocks that see kv block `ki`; the exact inverse
   of `kv_block_range` (qi in q_block_range(ki) iff ki in kv_block_range(qi))."""
-  ki = jnp.asarray(ki, jnp.int32)
+  ki = xp.asarray(ki, xp.int32)
   bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
   last = cfg.num_q_blocks - 1
   bias = _bias(cfg, bq)
-  lo = jnp.int32(0)
-  hi = jnp.int32(last)
+  lo = xp.int32(0)
+  hi = xp.int32(last)
   if cfg.causal or w is not None:
     # Smallest qi with hi(qi) >= ki: the block's last real query reaches key ki * bk.
     x = ki * bk - cfg.offset - (0 if cfg.causal else w - 1)
-    lo = jnp.where(x > cfg.q_len - 1, last + 1, jnp.maximum(0, _floor_div(x, bq, bias)))
+    lo = xp.where(x > cfg.q_len - 1, last + 1, xp.maximum(0, _floor_div(x, bq, bias)))
   if w is not None:
     # Largest qi with lo(qi) <= ki: the block's first query still reaches key block ki.
     y = (ki + 1) * bk - cfg.offset + w - 2
-    hi = jnp.minimum(last, _floor_div(y, bq, bias))
+    hi = xp.minimum(last, _floor_div(y, bq, bias))
   return lo, hi
 
 
@@ -252,7 +277,7 @@ def _without_segments(cfg: _Config) -> _Config:
   return dataclasses.replace(cfg, segments=False)
 
 
-def _block_fully_visible(cfg: _Config, qi, ki, ids_full=None):
+def _block_fully_visible(cfg: _Config, qi, ki, ids_full=None, xp=jnp):
   """True when no element of the (qi, ki) block pair is masked (padding rows of q
   excepted, their outputs are discarded). With segment ids, `ids_full` says whether
   the ids mask none of the pair (from `segment_block_ranges`); without it, False."""
@@ -264,7 +289,7 @@ def _block_fully_visible(cfg: _Config, qi, ki, ids_full=None):
     return jnp.bool_(True)
   bq, bk, w = cfg.block_q, cfg.block_kv, cfg.sliding_window
   q_lo = qi * bq + cfg.offset
-  q_hi = jnp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
+  q_hi = xp.minimum(qi * bq + bq - 1, cfg.q_len - 1) + cfg.offset
   kv_lo, kv_hi = ki * bk, ki * bk + bk - 1
   full = kv_hi < cfg.kv_len
   if cfg.causal:
@@ -376,6 +401,158 @@ def _logits_base2(cfg: _Config, q, k):
 
 
 # ----------------------------------------------------------------------------------
+# TPU grids. A rectangular grid steps through every block pair and skips the hidden ones
+# in `pl.when`, but a skipped step still pays the step overhead (index maps, DMA
+# bookkeeping: 210-390 bundles). A compact grid steps through the pairs the causal /
+# sliding-window mask leaves visible, listed row by row in a table prefetched into SMEM.
+
+# Steps of a compact grid (8 bytes each in SMEM; TPU v4 and later have 1 MiB). Longer
+# tables fall back to the rectangular grid.
+MAX_COMPACT_STEPS = 1 << 15
+# A compact step reads its block ids from SMEM, and libtpu's schedule of its pipeline
+# bookkeeping is longer: 293 / 392 / 474 bundles of overhead a step against 207 / 212 /
+# 208 for the rectangle's forward / dq / dk/dv on v5e (v6e 320 / 430 / 510 vs 238 / 262
+# / 266; v5p 308 / 417 / 504 vs 237 / 285 / 313; `python -m benchmarks.tpu_static
+# --arms=1024x1024+compact,1024x1024+rect`). A compact grid wins when its steps are
+# fewer than that ratio of the rectangle's; by default (compact_grid=None) a kernel
+# steps compactly below these fractions (under every chip's ratio): the forward for a
+# causal triangle of 4+ blocks a side, all three kernels for long sliding windows.
+COMPACT_AUTO_FRACTION = {"fwd": 0.7, "dq": 0.5, "dkv": 0.4}
+
+
+@functools.lru_cache(maxsize=256)
+def compact_steps(cfg: _Config, kernel: str = "fwd") -> tuple[tuple, ...] | None:
+  """The block ids of a compact grid's steps for `kernel` ("fwd", "dq" or "dkv"): (qi,
+  ki) row by row over q blocks, or for the dk/dv kernel, kv-major, (ki, gi, qi) over kv
+  blocks and the group's heads. Only
+  pairs `kv_block_range` keeps; a row that sees none gets one step at its first block,
+  outside the range (it visits nothing, but init and finish run). None when the
+  rectangular grid is used: no causal or window mask, `compact_grid` False, a table
+  no shorter than the rectangle or longer than MAX_COMPACT_STEPS, or (compact_grid
+  None) longer than the kernel's COMPACT_AUTO_FRACTION of the rectangle."""
+  if cfg.compact_grid is False or not (cfg.causal or cfg.sliding_window is not None):
+    return None
+  kv_major = kernel == "dkv"
+  nq, nk, g = cfg.num_q_blocks, cfg.num_kv_blocks, cfg.group
+  rows, other = (nk, nq) if kv_major else (nq, nk)
+  block_range = q_block_range if kv_major else kv_block_range
+  inner = []
+  for row in range(rows):
+    a, b = block_range(cfg, row, xp=_Ints)
+    inner.append(range(a, b + 1) if a <= b else [min(a, other - 1)])
+  heads = g if kv_major else 1
+  n, rectangle = heads * sum(len(ids) for ids in inner), nq * nk * heads
+  if n >= rectangle or n > MAX_COMPACT_STEPS or (
+      cfg.compact_grid is None and n > COMPACT_AUTO_FRACTION[kernel] * rectangle):
+    return None
+  if kv_major:
+    return tuple((row, gi, i) for row, ids in enumerate(inner) for gi in range(g)
+                 for i in ids)
+  return tuple((row, i) for row, ids in enumerate(inner) for i in ids)
+
+
+# Flags of a compact step (its table's second word; bits 8 and up: the head in group).
+_FIRST, _LAST, _VISIBLE, _FULL = 1, 2, 4, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _TpuGrid:
+  """A TPU kernel's grid after its (batch, heads) dims: rectangular (q blocks, kv
+  blocks), kv-major (kv blocks, heads in group, q blocks), or compact, one dim over
+  `compact_steps`. A compact step is two int32 words in SMEM: (row << 16 | inner block
+  id) and flags (first / last step of its row, pair visible, pair unmasked; segment ids
+  not considered) | head in group << 8, so the scalar core decodes a step with shifts
+  and masks, no division. Index maps and kernels see block ids either way."""
+  cfg: _Config
+  kv_major: bool
+  steps: tuple | None
+
+  @classmethod
+  def make(cls, cfg: _Config, kernel: str) -> _TpuGrid:
+    kv_major = kernel == "dkv"
+    steps = compact_steps(cfg, kernel)
+    if steps is not None and max(cfg.num_q_blocks, cfg.num_kv_blocks) >= 1 << 15:
+      steps = None  # ids do not fit 16 bits (lengths of millions of tokens)
+    return cls(cfg, kv_major, steps)
+
+  @property
+  def dims(self) -> tuple[int, ...]:
+    cfg = self.cfg
+    if self.steps is not None:
+      return (len(self.steps),)
+    if self.kv_major:
+      return cfg.num_kv_blocks, cfg.group, cfg.num_q_blocks
+    return cfg.num_q_blocks, cfg.num_kv_blocks
+
+  @property
+  def semantics(self) -> tuple[str, ...]:
+    """Batch, heads (and a rectangle's rows) are independent; the steps of a row run in
+    order over its accumulators."""
+    inner = ("arbitrary",) if self.steps is not None else (
+        ("parallel", "arbitrary", "arbitrary") if self.kv_major
+        else ("parallel", "arbitrary"))
+    return ("parallel", "parallel") + inner
+
+  def table(self):
+    """The steps' words, a scalar-prefetch operand (None for a rectangular grid)."""
+    if self.steps is None:
+      return None
+    cfg, plain = self.cfg, _without_segments(self.cfg)
+    words, previous = [], None
+    for n, step in enumerate(self.steps):
+      row, gi, inner = step if self.kv_major else (step[0], 0, step[1])
+      qi, ki = (inner, row) if self.kv_major else (row, inner)
+      nxt = self.steps[n + 1] if n + 1 < len(self.steps) else None
+      flags = ((_FIRST if previous is None or previous[0] != row else 0)
+               | (_LAST if nxt is None or nxt[0] != row else 0))
+      if _in_range(ki, kv_block_range(cfg, qi, xp=_Ints)):
+        flags |= _VISIBLE | (_FULL if _block_fully_visible(plain, qi, ki, xp=_Ints) else 0)
+      words += [row << 16 | inner, flags | gi << 8]
+      previous = step
+    return jnp.asarray(words, jnp.int32)
+
+  def _decode(self, table_ref, s):
+    """Block ids of compact step `s`, (qi, ki) or kv-major (ki, gi, qi), and its flags."""
+    word, flags = table_ref[2 * s], table_ref[2 * s + 1]
+    row, inner = word >> 16, word & 0xFFFF
+    if self.kv_major:
+      return (row, flags >> 8, inner), flags
+    return (row, inner), flags
+
+  def kernel_step(self, table_ref):
+    """(block ids, first, last, visible, full) of the running grid step: whether it
+    starts its row (init), ends it (finish), and whether the causal / window mask
+    leaves its block pair visible, and wholly unmasked (segment ids not considered)."""
+    cfg = self.cfg
+    if self.steps is not None:
+      ids, flags = self._decode(table_ref, pl.program_id(2))
+      bit = lambda b: (flags & b) != 0  # noqa: E731
+      return ids, bit(_FIRST), bit(_LAST), bit(_VISIBLE), bit(_FULL)
+    ids = tuple(pl.program_id(2 + i) for i in range(len(self.dims)))
+    if self.kv_major:
+      ki, gi, qi = ids
+      first = (gi == 0) & (qi == 0)
+      last = (gi == cfg.group - 1) & (qi == cfg.num_q_blocks - 1)
+    else:
+      qi, ki = ids
+      first, last = ki == 0, ki == cfg.num_kv_blocks - 1
+    visible = _in_range(ki, kv_block_range(cfg, qi))
+    return ids, first, last, visible, _block_fully_visible(_without_segments(cfg), qi, ki)
+
+  def index_map(self, fn):
+    """An index map from fn(bi, hi, *block ids, *prefetched ranges)."""
+    n = len(self.dims)
+
+    def index(bi, hi, *rest):
+      refs = rest[n:]
+      if self.steps is None:
+        return fn(bi, hi, *rest[:n], *refs)
+      ids, _ = self._decode(refs[0], rest[0])
+      return fn(bi, hi, *ids, *refs[1:])
+    return index
+
+
+# ----------------------------------------------------------------------------------
 # TPU kernels. Row statistics are [block, 128] lane-replicated arrays (as in JAX's
 # splash attention) so that Mosaic never relayouts a vector of length block.
 
@@ -442,15 +619,37 @@ def _tpu_ids_full(cfg: _Config, bi, qi, ki, range_ref, by_kv_block: bool = False
   return _in_range(ki, _tpu_seg_range(range_ref, bi, qi, cfg.num_q_blocks, full=True))
 
 
-def _tpu_kv_index(cfg: _Config, bi, hi, qi, ki, *r):
-  """Index map of k / v blocks (grid b, h, q blocks, kv blocks): a skipped step fetches
-  the nearest visible block, already resident. `r`: the prefetched ranges, if any."""
-  lo_hi = _tpu_kv_range(cfg, bi, qi, r[0] if r else None)
+def _tpu_segment_mask(cfg: _Config, qi, ki, visible, full, range_ref,
+                      kv_major: bool = False):
+  """A step's (visible, full) with the segment ids' block ranges applied (the causal /
+  window mask's, as `_TpuGrid.kernel_step` gives them, unchanged without ids)."""
+  if range_ref is None:
+    return visible, full
+  bi = pl.program_id(0)
+  if kv_major:
+    visible &= _in_range(qi, _tpu_seg_range(range_ref, bi, ki, cfg.num_kv_blocks))
+  else:
+    visible &= _in_range(ki, _tpu_seg_range(range_ref, bi, qi, cfg.num_q_blocks))
+  return visible, full & _tpu_ids_full(cfg, bi, qi, ki, range_ref, by_kv_block=kv_major)
+
+
+def _tpu_kv_index(cfg: _Config, grid: _TpuGrid, bi, hi, qi, ki, *r):
+  """Index map of k / v blocks (q-major grids): a skipped step fetches the nearest
+  visible block, already resident. `r`: the prefetched ranges, if any. A compact grid
+  has no step outside the causal / window range to clamp (but for the one step of a
+  row that sees nothing): only segment ids skip steps there."""
+  if grid.steps is None:
+    lo_hi = _tpu_kv_range(cfg, bi, qi, r[0] if r else None)
+  elif r:
+    lo_hi = _tpu_seg_range(r[0], bi, qi, cfg.num_q_blocks)
+  else:
+    return bi, hi // cfg.group, ki, 0
   return bi, hi // cfg.group, _clamp(ki, lo_hi, cfg.num_kv_blocks), 0
 
 
-def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
+def _tpu_fwd_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   refs = list(refs)
+  table_ref = refs.pop(0) if grid.steps is not None else None
   range_ref = refs.pop(0) if cfg.segments else None
   q_ref, k_ref, v_ref = refs[:3]
   q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
@@ -458,10 +657,10 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   o_ref, lse_ref = rest[:2]
   count_ref = rest[2] if counts else None
   m_sc, l_sc, acc_sc = rest[-3:]
-  qi, ki = pl.program_id(2), pl.program_id(3)
+  (qi, ki), first, last, visible, full = grid.kernel_step(table_ref)
   bq, bk = cfg.block_q, cfg.block_kv
 
-  @pl.when(ki == 0)
+  @pl.when(first)
   def _init():
     m_sc[...] = jnp.full_like(m_sc, MASK_VALUE)
     l_sc[...] = jnp.zeros_like(l_sc)
@@ -488,16 +687,14 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
     if counts:
       _tpu_count(count_ref, masked)
 
-  bi = pl.program_id(0)
-  visible = _in_range(ki, _tpu_kv_range(cfg, bi, qi, range_ref))
+  visible, full = _tpu_segment_mask(cfg, qi, ki, visible, full, range_ref)
   if cfg.may_mask:
-    full = _block_fully_visible(cfg, qi, ki, _tpu_ids_full(cfg, bi, qi, ki, range_ref))
     pl.when(visible & full)(functools.partial(step, False))
     pl.when(visible & ~full)(functools.partial(step, True))
   else:
     pl.when(visible)(functools.partial(step, False))
 
-  @pl.when(ki == cfg.num_kv_blocks - 1)
+  @pl.when(last)
   def _finish():
     m = m_sc[...]
     l = _lanes(l_sc[...].sum(axis=-1, keepdims=True), NUM_LANES)
@@ -528,8 +725,9 @@ def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse2, di, q_seg,
   return p, _soft_cap_grad(cfg, p * (dp - di), capped)
 
 
-def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
+def _tpu_dq_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   refs = list(refs)
+  table_ref = refs.pop(0) if grid.steps is not None else None
   range_ref = refs.pop(0) if cfg.segments else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
@@ -537,9 +735,9 @@ def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
   dq_ref = rest[0]
   count_ref = rest[1] if counts else None
   dq_sc = rest[-1]
-  qi, ki = pl.program_id(2), pl.program_id(3)
+  (qi, ki), first, last, visible, full = grid.kernel_step(table_ref)
 
-  @pl.when(ki == 0)
+  @pl.when(first)
   def _init():
     dq_sc[...] = jnp.zeros_like(dq_sc)
     if counts:
@@ -556,20 +754,19 @@ def _tpu_dq_kernel(*refs, cfg: _Config, counts: bool):
     if counts:
       _tpu_count(count_ref, masked)
 
-  bi = pl.program_id(0)
-  visible = _in_range(ki, _tpu_kv_range(cfg, bi, qi, range_ref))
-  full = _block_fully_visible(cfg, qi, ki, _tpu_ids_full(cfg, bi, qi, ki, range_ref))
+  visible, full = _tpu_segment_mask(cfg, qi, ki, visible, full, range_ref)
   pl.when(visible & full)(functools.partial(step, False))
   if cfg.may_mask:
     pl.when(visible & ~full)(functools.partial(step, True))
 
-  @pl.when(ki == cfg.num_kv_blocks - 1)
+  @pl.when(last)
   def _finish():
     dq_ref[...] = (dq_sc[...] * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
+def _tpu_dkv_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   refs = list(refs)
+  table_ref = refs.pop(0) if grid.steps is not None else None
   range_ref = refs.pop(0) if cfg.segments else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
@@ -579,9 +776,7 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   dq_ref = rest.pop(0) if cfg.fused_bwd else None
   count_ref = rest[0] if counts else None
   dk_sc, dv_sc = rest[-2:]
-  ki, gi, qi = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-  first = (gi == 0) & (qi == 0)
-  last = (gi == cfg.group - 1) & (qi == cfg.num_q_blocks - 1)
+  (ki, gi, qi), first, last, visible, full = grid.kernel_step(table_ref)
 
   @pl.when(first)
   def _init():
@@ -607,12 +802,7 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
     if counts:
       _tpu_count(count_ref, masked)
 
-  bi = pl.program_id(0)
-  visible = _in_range(ki, kv_block_range(cfg, qi))
-  if cfg.segments:
-    visible &= _in_range(qi, _tpu_q_range(cfg, bi, ki, range_ref))
-  full = _block_fully_visible(cfg, qi, ki, _tpu_ids_full(cfg, bi, qi, ki, range_ref,
-                                                         by_kv_block=True))
+  visible, full = _tpu_segment_mask(cfg, qi, ki, visible, full, range_ref, kv_major=True)
   pl.when(visible & full)(functools.partial(step, False))
   if cfg.may_mask:
     pl.when(visible & ~full)(functools.partial(step, True))
@@ -670,19 +860,22 @@ def _count_shape(b, h, n, like):
   return _struct((b, h, n, NUM_SUBLANES, NUM_LANES), jnp.int32, like)
 
 
-def _tpu_call(cfg: _Config, kernel, grid, in_specs, out_specs, out_shape, scratch,
-              semantics, name: str, operands, ranges):
-  """pallas_call of a TPU kernel; with segment ids the flattened block ranges are
-  prefetched into SMEM, where index maps (trailing argument) and kernels (first) read
-  them."""
+def _tpu_call(cfg: _Config, grid: _TpuGrid, lead, kernel, in_specs, out_specs, out_shape,
+              scratch, name: str, operands, ranges):
+  """pallas_call of a TPU kernel over (*lead, *grid.dims): `lead` is (batch, heads). A
+  compact grid's step table and, with segment ids, the
+  flattened block ranges are prefetched into SMEM, in that order, where index maps
+  (trailing arguments) and kernels (first) read them."""
   from jax.experimental.pallas import tpu as pltpu
-  prefetch = () if ranges is None else (ranges.reshape(-1),)
+  prefetch = tuple(x for x in (grid.table(), None if ranges is None else ranges.reshape(-1))
+                   if x is not None)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=scratch)
+      num_scalar_prefetch=len(prefetch), grid=(*lead, *grid.dims),
+      in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
   return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid_spec=grid_spec, out_shape=out_shape,
-      compiler_params=_tpu_compiler_params(semantics), interpret=cfg.interpret, name=name,
+      functools.partial(kernel, cfg=cfg, grid=grid), grid_spec=grid_spec,
+      out_shape=out_shape, compiler_params=_tpu_compiler_params(grid.semantics),
+      interpret=cfg.interpret, name=name,
   )(*prefetch, *operands)
 
 
@@ -690,39 +883,39 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   """q [b, h, Tq, d], k/v [b, kvh, Tk, d] (padded) -> out, lse [b, h, Tq, 128]."""
   b, h, tq, d = q.shape
   bq, bk = cfg.block_q, cfg.block_kv
-  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
   ranges = _segment_ranges(cfg, q_seg, kv_seg)[0] if cfg.segments else None
-
-  # Index maps take the prefetched ranges as a trailing argument when there are any.
-  kv_index = functools.partial(_tpu_kv_index, cfg)
+  grid = _TpuGrid.make(cfg, "fwd")
+  # Index maps take (bi, hi, qi, ki) and the prefetched ranges, if any.
+  kv_index = functools.partial(_tpu_kv_index, cfg, grid)
+  q_index = lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)  # noqa: E731
 
   in_specs = [
-      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)),
-      pl.BlockSpec((None, None, bk, d), kv_index),
-      pl.BlockSpec((None, None, bk, d), kv_index),
+      pl.BlockSpec((None, None, bq, d), grid.index_map(q_index)),
+      pl.BlockSpec((None, None, bk, d), grid.index_map(kv_index)),
+      pl.BlockSpec((None, None, bk, d), grid.index_map(kv_index)),
   ]
   operands = [q, k, v]
   if cfg.segments:
     in_specs += [
-        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki, *_: (bi, qi, 0)),
-        pl.BlockSpec((None, NUM_SUBLANES, bk),
-                     lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2])),
+        pl.BlockSpec((None, bq, NUM_LANES),
+                     grid.index_map(lambda bi, hi, qi, ki, *_: (bi, qi, 0))),
+        pl.BlockSpec((None, NUM_SUBLANES, bk), grid.index_map(
+            lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2]))),
     ]
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
   out_specs = [
-      pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)),
-      pl.BlockSpec((None, None, bq, NUM_LANES), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0)),
+      pl.BlockSpec((None, None, bq, d), grid.index_map(q_index)),
+      pl.BlockSpec((None, None, bq, NUM_LANES), grid.index_map(q_index)),
   ]
   out_shape = [_struct(q.shape, q.dtype, q),
                _struct((b, h, tq, NUM_LANES), jnp.float32, q)]
   if counts:
-    out_specs.append(_count_spec(lambda bi, hi, qi, ki, *_: (bi, hi, qi)))
-    out_shape.append(_count_shape(b, h, nq, q))
+    out_specs.append(_count_spec(grid.index_map(lambda bi, hi, qi, ki, *_: (bi, hi, qi))))
+    out_shape.append(_count_shape(b, h, cfg.num_q_blocks, q))
   return _tpu_call(
-      cfg, functools.partial(_tpu_fwd_kernel, counts=counts), (b, h, nq, nk), in_specs,
+      cfg, grid, (b, h), functools.partial(_tpu_fwd_kernel, counts=counts), in_specs,
       out_specs, out_shape, [_vmem((bq, NUM_LANES)), _vmem((bq, NUM_LANES)), _vmem((bq, d))],
-      ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_fwd", operands,
-      ranges)
+      "flash_attention_fwd", operands, ranges)
 
 
 def visited_pairs(cfg: _Config, ranges=None):
@@ -761,32 +954,32 @@ def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
   """Layouts as in `_tpu_forward`; lse and di are [b, h, Tq, 128]. Grid (b, h, q
   blocks, kv blocks), as the forward pass."""
   b, h, _, d = q.shape
-  bq, bk, nq, nk = cfg.block_q, cfg.block_kv, cfg.num_q_blocks, cfg.num_kv_blocks
+  bq, bk = cfg.block_q, cfg.block_kv
   kv_ranges = _segment_ranges(cfg, q_seg, kv_seg)[0] if cfg.segments else None
-  kv_index = functools.partial(_tpu_kv_index, cfg)
-  q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
-  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES),
-                          lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
-  kv_spec = pl.BlockSpec((None, None, bk, d), kv_index)
+  grid = _TpuGrid.make(cfg, "dq")
+  kv_index = functools.partial(_tpu_kv_index, cfg, grid)
+  q_index = grid.index_map(lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
+  q_spec = pl.BlockSpec((None, None, bq, d), q_index)
+  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_index)
+  kv_spec = pl.BlockSpec((None, None, bk, d), grid.index_map(kv_index))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   operands = [q, k, v, do, lse, di]
   if cfg.segments:
     in_specs += [
-        pl.BlockSpec((None, bq, NUM_LANES), lambda bi, hi, qi, ki, *_: (bi, qi, 0)),
-        pl.BlockSpec((None, NUM_SUBLANES, bk),
-                     lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2])),
+        pl.BlockSpec((None, bq, NUM_LANES),
+                     grid.index_map(lambda bi, hi, qi, ki, *_: (bi, qi, 0))),
+        pl.BlockSpec((None, NUM_SUBLANES, bk), grid.index_map(
+            lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2]))),
     ]
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
-    out_specs.append(_count_spec(lambda bi, hi, qi, ki, *_: (bi, hi, qi)))
-    out_shape.append(_count_shape(b, h, nq, q))
+    out_specs.append(_count_spec(grid.index_map(lambda bi, hi, qi, ki, *_: (bi, hi, qi))))
+    out_shape.append(_count_shape(b, h, cfg.num_q_blocks, q))
   return _tpu_call(
-      cfg, functools.partial(_tpu_dq_kernel, counts=counts), (b, h, nq, nk), in_specs,
-      out_specs, out_shape, [_vmem((bq, d))],
-      ("parallel", "parallel", "parallel", "arbitrary"), "flash_attention_dq", operands,
-      kv_ranges)
+      cfg, grid, (b, h), functools.partial(_tpu_dq_kernel, counts=counts), in_specs,
+      out_specs, out_shape, [_vmem((bq, d))], "flash_attention_dq", operands, kv_ranges)
 
 
 def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
@@ -797,24 +990,32 @@ def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
   bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
   nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
   q_ranges = _segment_ranges(cfg, q_seg, kv_seg)[1] if cfg.segments else None
+  grid = _TpuGrid.make(cfg, "dkv")
 
-  def q_index(bi, kh, ki, gi, qi, *r):
-    return bi, kh * g + gi, _clamp(qi, _tpu_q_range(cfg, bi, ki, r[0] if r else None), nq), 0
+  # Index maps from (bi, kh, ki, gi, qi) and the prefetched ranges, if any.
+  def q_index(bi, kh, ki, gi, qi, *r):  # a skipped step: as `_tpu_kv_index`
+    if grid.steps is None:
+      qi = _clamp(qi, _tpu_q_range(cfg, bi, ki, r[0] if r else None), nq)
+    elif r:
+      qi = _clamp(qi, _tpu_seg_range(r[0], bi, ki, nk), nq)
+    return bi, kh * g + gi, qi, 0
 
   def row_index(*ids):  # [b, h, 8, Tq] rows of lse / di
     bi, hi, qi, _ = q_index(*ids)
     return bi, hi, 0, qi
 
-  q_spec = pl.BlockSpec((None, None, bq, d), q_index)
-  row_spec = pl.BlockSpec((None, None, NUM_SUBLANES, bq), row_index)
-  kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki, 0))
+  q_spec = pl.BlockSpec((None, None, bq, d), grid.index_map(q_index))
+  row_spec = pl.BlockSpec((None, None, NUM_SUBLANES, bq), grid.index_map(row_index))
+  kv_spec = pl.BlockSpec((None, None, bk, d),
+                         grid.index_map(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki, 0)))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   operands = [q, k, v, do, lse, di]
   if cfg.segments:
     in_specs += [
-        pl.BlockSpec((None, NUM_SUBLANES, bq),
-                     lambda bi, kh, ki, gi, qi, *r: (bi, 0, q_index(bi, kh, ki, gi, qi, *r)[2])),
-        pl.BlockSpec((None, bk, NUM_LANES), lambda bi, kh, ki, gi, qi, *_: (bi, ki, 0)),
+        pl.BlockSpec((None, NUM_SUBLANES, bq), grid.index_map(
+            lambda bi, kh, ki, gi, qi, *r: (bi, 0, q_index(bi, kh, ki, gi, qi, *r)[2]))),
+        pl.BlockSpec((None, bk, NUM_LANES),
+                     grid.index_map(lambda bi, kh, ki, gi, qi, *_: (bi, ki, 0))),
     ]
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg, kv_major=True)
   out_specs = [kv_spec, kv_spec]
@@ -826,15 +1027,14 @@ def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
     def dq_index(bi, kh, ki, gi, qi, *r):
       _, hi, qb, _ = q_index(bi, kh, ki, gi, qi, *r)
       return ki, bi, hi, qb, 0
-    out_specs.append(pl.BlockSpec((None, None, None, bq, d), dq_index))
+    out_specs.append(pl.BlockSpec((None, None, None, bq, d), grid.index_map(dq_index)))
     out_shape.append(_struct((nk, *q.shape), jnp.float32, q))
   if counts:
-    out_specs.append(_count_spec(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki)))
+    out_specs.append(_count_spec(grid.index_map(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki))))
     out_shape.append(_count_shape(b, kvh, nk, q))
   return _tpu_call(
-      cfg, functools.partial(_tpu_dkv_kernel, counts=counts), (b, kvh, nk, g, nq), in_specs,
-      out_specs, out_shape, [_vmem((bk, d)), _vmem((bk, d))],
-      ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"), "flash_attention_dkv",
+      cfg, grid, (b, kvh), functools.partial(_tpu_dkv_kernel, counts=counts), in_specs,
+      out_specs, out_shape, [_vmem((bk, d)), _vmem((bk, d))], "flash_attention_dkv",
       operands, q_ranges)
 
 
@@ -1257,9 +1457,9 @@ def supported_inputs(backend: str, *xs):
 def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
-                block_kv_dq=None, dq_atomic=False, fused_bwd=False, num_warps=None,
-                num_stages=None,
-                num_warps_bwd=None, num_stages_bwd=None, interpret=None) -> _Config:
+                block_kv_dq=None, dq_atomic=False, fused_bwd=False, compact_grid=None,
+                num_warps=None, num_stages=None, num_warps_bwd=None, num_stages_bwd=None,
+                interpret=None) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config."""
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
@@ -1315,7 +1515,9 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
       backend=backend, interpret=interpret, q_len=q_len, kv_len=kv_len,
       block_q=blocks[0], block_kv=blocks[1], block_q_bwd=blocks[2],
       block_kv_bwd=blocks[3], block_q_dq=blocks[4], block_kv_dq=blocks[5],
-      dq_atomic=bool(dq_atomic), fused_bwd=bool(fused_bwd), group=q.shape[2] // k.shape[2],
+      dq_atomic=bool(dq_atomic), fused_bwd=bool(fused_bwd),
+      compact_grid=None if compact_grid is None else bool(compact_grid),
+      group=q.shape[2] // k.shape[2],
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
@@ -1330,7 +1532,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     block_q_bwd: int | None = None, block_kv_bwd: int | None = None,
                     block_q_dq: int | None = None, block_kv_dq: int | None = None,
                     dq_atomic: bool = False, fused_bwd: bool = False,
-                    num_warps: int | None = None, num_stages: int | None = None,
+                    compact_grid: bool | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret=None):
   """Flash attention with Pallas kernels for the forward and backward passes.
@@ -1359,6 +1562,13 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       matmuls instead of 7 and the softmax once instead of twice. Costs that buffer's
       memory and HBM traffic, which grow with kv_len / block_kv_bwd: best at short and
       medium lengths. Deterministic.
+    compact_grid: TPU only. With a causal or sliding-window mask, True makes the
+      kernels' grids step through the visible block pairs only (a table in SMEM), not
+      through every pair with the hidden ones skipped; False keeps the rectangle. A
+      skipped step still costs the step overhead, which over a long sliding-window row
+      is most of the work, but a compact step's overhead is larger. None (default):
+      compact where it drops most of the rectangle's steps (long windows), not for a
+      causal triangle.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
@@ -1378,7 +1588,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
                     block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
                     block_q_dq=block_q_dq, block_kv_dq=block_kv_dq, dq_atomic=dq_atomic,
-                    fused_bwd=fused_bwd, num_warps=num_warps, num_stages=num_stages,
+                    fused_bwd=fused_bwd, compact_grid=compact_grid, num_warps=num_warps,
+                    num_stages=num_stages,
                     num_warps_bwd=num_warps_bwd, num_stages_bwd=num_stages_bwd,
                     interpret=interpret)
   return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg).astype(out_dtype)

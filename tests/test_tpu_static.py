@@ -8,6 +8,8 @@ import pytest
 
 from benchmarks import tpu_static as ts
 
+fa = ts._fa()
+
 
 def _dump(bundles) -> str:
   """A final_bundles dump: (markers, ops, trailing comment) per bundle."""
@@ -109,39 +111,51 @@ def test_kernel_regions_rejects_dumps_it_cannot_map():
                                             masked_ops="%9 = vadd.f32 %v1, %v2")))
 
 
-def _brute_force(cfg):
+def _brute_force(cfg, kernel="fwd"):
   """Steps, fully visible and partly masked block pairs of the causal mask, element by
-  element (real queries only; keys past kv_len are masked)."""
+  element (real queries only; keys past kv_len are masked). Steps: the whole rectangle,
+  or with a compact grid (compact_grid True, or None and under the kernel's fraction)
+  the visible pairs and one for each row (q block, or kv block for dk/dv) that sees
+  none."""
   nq, nk, bq, bk = cfg.num_q_blocks, cfg.num_kv_blocks, cfg.block_q, cfg.block_kv
   q = np.arange(nq * bq)[:, None] + cfg.kv_len - cfg.q_len
   k = np.arange(nk * bk)[None, :]
   mask = (q >= k) & (k < cfg.kv_len)
   unmasked = masked = 0
+  visible = np.zeros((nq, nk), bool)
   for qi in range(nq):
     rows = slice(qi * bq, min(qi * bq + bq, cfg.q_len))
     for ki in range(nk):
       block = mask[rows, ki * bk:(ki + 1) * bk]
       unmasked += bool(block.all())
       masked += bool(block.any() and not block.all())
-  return dict(steps=nq * nk, unmasked=unmasked, masked=masked)
+      visible[qi, ki] = block.any()
+  compact = int(np.maximum(visible.sum(axis=0 if kernel == "dkv" else 1), 1).sum())
+  auto = compact <= fa.COMPACT_AUTO_FRACTION[kernel] * nq * nk
+  use = cfg.compact_grid or (cfg.compact_grid is None and auto)
+  return dict(steps=compact if use else nq * nk, unmasked=unmasked, masked=masked)
 
 
+@pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("q_len, kv_len, bq, bk", [
     (2048, 2048, 512, 512),
     (2048, 2048, 256, 1024),
     (1000, 1000, 256, 128),  # ragged: the last blocks are partly padding
     (384, 1000, 128, 256),  # fewer queries than keys: the diagonal is offset
 ])
-def test_grid_counts_match_a_brute_force_causal_mask(q_len, kv_len, bq, bk):
-  options = ts.arm_options((bq, bk), (bq, bk), (bq, bk))
+def test_grid_counts_match_a_brute_force_causal_mask(q_len, kv_len, bq, bk, compact):
+  options = dict(ts.arm_options((bq, bk), (bq, bk), (bq, bk)), compact_grid=compact)
   cfgs = ts.configs(options, q_len, kv_len)
   want = _brute_force(cfgs["fwd"])
   assert want["masked"] and want["unmasked"]  # the shapes do exercise both bodies
+  # A compact grid drops the skipped steps: what is left is the visible pairs.
+  assert (want["steps"] == want["masked"] + want["unmasked"]) == compact
   fwd = ts.grid_counts(cfgs["fwd"], "fwd")
   assert fwd == dict(want, rows=cfgs["fwd"].num_q_blocks)
   # The dk/dv kernel visits the same pairs kv-major; init / finish once per kv head.
   dkv = ts.grid_counts(cfgs["dkv"], "dkv")
-  assert dkv == dict(want, rows=cfgs["dkv"].num_kv_blocks / (ts.HEADS // ts.KV_HEADS))
+  assert dkv == dict(_brute_force(cfgs["dkv"], "dkv"),
+                     rows=cfgs["dkv"].num_kv_blocks / (ts.HEADS // ts.KV_HEADS))
 
 
 def test_grid_counts_follow_each_kernels_own_blocks():
@@ -150,7 +164,8 @@ def test_grid_counts_follow_each_kernels_own_blocks():
                                                              (1024, 256)]
   for kernel, cfg in cfgs.items():
     counts = ts.grid_counts(cfg, kernel)
-    assert {k: counts[k] for k in ("steps", "unmasked", "masked")} == _brute_force(cfg)
+    assert {k: counts[k] for k in ("steps", "unmasked", "masked")} == _brute_force(
+        cfg, kernel)
 
 
 REGIONS = dict(loop=0, init=20, unmasked=1000, masked=1200, finish=30, overhead=100,
@@ -158,12 +173,17 @@ REGIONS = dict(loop=0, init=20, unmasked=1000, masked=1200, finish=30, overhead=
 
 
 def test_kernel_cycles_sum_over_the_grid():
-  cfg = ts.configs(ts.arm_options((512, 512), (512, 512), (512, 512)), 2048)["fwd"]
+  options = ts.arm_options((512, 512), (512, 512), (512, 512))
+  compact = ts.configs(dict(options, compact_grid=True), 2048)["fwd"]
+  cfg = ts.configs(dict(options, compact_grid=False), 2048)["fwd"]
   counts = ts.grid_counts(cfg, "fwd")  # 4 x 4 blocks: 6 unmasked, 4 masked, 6 skipped
   assert counts == dict(steps=16, unmasked=6, masked=4, rows=4)
+  assert ts.grid_counts(compact, "fwd") == dict(counts, steps=10)  # no skipped steps
   free = ts.Chip("none", peak=1e30, hbm=1e30, mxu_flops=10**30)  # no MXU / HBM limits
   one = 6 * 100 + 6 * 1100 + 4 * 1300 + 4 * 50
   assert ts.kernel_cycles(REGIONS, cfg, "fwd", free, batch=1, heads=1) == pytest.approx(one)
+  assert ts.kernel_cycles(REGIONS, compact, "fwd", free, 1, 1) == pytest.approx(
+      one - 6 * 100)
   assert ts.kernel_cycles(REGIONS, cfg, "fwd", free, 2, 3) == pytest.approx(6 * one)
   megacore = dataclasses.replace(free, cores=2)
   assert ts.kernel_cycles(REGIONS, cfg, "fwd", megacore, 1, 1) == pytest.approx(one / 2)
@@ -230,6 +250,40 @@ def test_fused_arm_rows_replace_the_dq_kernel_by_the_xla_sum():
   # The split backward's arm of the same blocks is another arm.
   assert [n for n, _ in ts.parse_arms("512x512,512x512+fused,default+fused")] == [
       "512x512", "512x512+fused", "1024x1024+fused"]
+
+
+def test_grid_arms_set_compact_grid():
+  """`+rect` / `+compact` (either order with `+fused`) compile and model
+  compact_grid=False / True; without either, flash_attention's default picks."""
+  arms = dict(ts.parse_arms("512x512+rect,512x512+fused+rect,512x512+rect+fused,512x512,"
+                            "512x512+compact"))
+  assert list(arms) == ["512x512+rect", "512x512+fused+rect", "512x512", "512x512+compact"]
+  assert arms["512x512+rect"]["compact_grid"] is False
+  assert arms["512x512+compact"]["compact_grid"] is True
+  assert arms["512x512+fused+rect"] == dict(arms["512x512+rect"], fused_bwd=True)
+  assert "compact_grid" not in arms["512x512"]
+  steps = {(n, k): ts.grid_counts(cfg, k)["steps"] for n in ("512x512+rect",
+                                                             "512x512+compact", "512x512")
+           for k, cfg in ts.configs(arms[n], 4096).items()}
+  # 8 x 8 blocks, 36 visible. The default: the forward compact (36 / 64 steps is under
+  # its 0.7), the backward kernels rectangular; dk/dv per query head.
+  assert steps == {
+      ("512x512+rect", "fwd"): 64, ("512x512+rect", "dq"): 64, ("512x512+rect", "dkv"): 64,
+      ("512x512+compact", "fwd"): 36, ("512x512+compact", "dq"): 36,
+      ("512x512+compact", "dkv"): 36,
+      ("512x512", "fwd"): 36, ("512x512", "dq"): 64, ("512x512", "dkv"): 64}
+  # With a long sliding window the default steps compactly: 15 visible pairs.
+  for kernel, cfg in ts.configs(dict(arms["512x512"], sliding_window=512), 4096).items():
+    assert ts.grid_counts(cfg, kernel)["steps"] == 15, kernel
+
+
+def test_window_flag_sets_every_arm_and_the_flop_count():
+  args = ts.parse_args(["--arms=512x512,512x512+rect", "--window=1024"])
+  assert [n for n, _ in args.arms] == ["512x512 w1024", "512x512+rect w1024"]
+  assert all(o["sliding_window"] == 1024 for _, o in args.arms)
+  # Visible pairs: 1024 * 4096 - 1024 * 1023 / 2 (the first 1023 rows see fewer).
+  assert ts.causal_flops(4096, 1, 1, window=1024) == 4 * (1024 * 4096 - 1024 * 1023 / 2) * 128
+  assert ts.causal_flops(4096, 1, 1, window=8192) == ts.causal_flops(4096, 1, 1)
 
 
 def test_parse_args_defaults_and_arms():

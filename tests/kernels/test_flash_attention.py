@@ -1,5 +1,6 @@
 """Pallas flash attention: both kernel families against the reference, block skipping,
 and lowering for TPU (Mosaic) and GPU (Triton) without the hardware."""
+import dataclasses
 import functools
 import importlib
 import subprocess
@@ -344,6 +345,101 @@ def test_block_ranges_are_exact(q_len, kv_len, block_q, block_kv, causal, window
   np.testing.assert_array_equal(got_q, want)
 
 
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(q_len=st.integers(1, 700), kv_len=st.integers(1, 700),
+                  block_q=st.sampled_from([16, 32, 48, 128]),
+                  block_kv=st.sampled_from([16, 64, 96]), causal=st.booleans(),
+                  window=st.one_of(st.none(), st.integers(1, 300)),
+                  group=st.sampled_from([1, 3]))
+def test_compact_steps_list_the_visible_pairs(q_len, kv_len, block_q, block_kv, causal,
+                                              window, group):
+  """A compact grid's steps: each row's visible pairs in order (kv-major: for each head
+  of the group), and one step at an invisible block for a row that sees none, so its
+  init and finish run; none at all when it would not be shorter than the rectangle, and
+  by default (compact_grid=None) unless it drops most of the rectangle's steps."""
+  cfg = dataclasses.replace(_range_config(q_len, kv_len, block_q, block_kv, causal, window),
+                            group=group, compact_grid=True)
+  visible = brute_force_visible(cfg)
+  nq, nk = visible.shape
+  for kernel, table, heads in (("fwd", visible, [0]), ("dq", visible, [0]),
+                                ("dkv", visible.T, range(group))):
+    kv_major = kernel == "dkv"
+    steps = fa.compact_steps(cfg, kernel)
+    if not causal and window is None:
+      assert steps is None
+      continue
+    want = [(row, gi, col) for row, hits in enumerate(table) for gi in heads
+            for col in (list(np.flatnonzero(hits)) or [None])]
+    auto = fa.compact_steps(dataclasses.replace(cfg, compact_grid=None), kernel)
+    fraction = fa.COMPACT_AUTO_FRACTION[kernel]
+    assert auto == (steps if len(want) <= fraction * nq * nk * len(heads) else None)
+    if len(want) >= nq * nk * len(heads):
+      assert steps is None
+      continue
+    got = [s if kv_major else (s[0], 0, s[1]) for s in steps]
+    assert len(got) == len(want)
+    for (row, gi, col), (want_row, want_gi, want_col) in zip(got, want):
+      assert (row, gi) == (want_row, want_gi)
+      if want_col is None:
+        assert 0 <= col < table.shape[1] and not table[row, col]
+      else:
+        assert col == want_col
+  assert fa.compact_steps(dataclasses.replace(cfg, compact_grid=False)) is None
+
+
+def test_compact_grid_falls_back_to_the_rectangle_past_its_smem_budget(monkeypatch):
+  q = jax.ShapeDtypeStruct((1, 2048, 2, 8), jnp.float32)
+  cfg = fa.make_config(q, q, causal=True, backend="tpu", block_q=128, block_kv=128,
+                       compact_grid=True)
+  assert len(fa.compact_steps(cfg)) == 136 and fa._TpuGrid.make(cfg, "fwd").dims == (136,)
+  monkeypatch.setattr(fa, "MAX_COMPACT_STEPS", 135)
+  fa.compact_steps.cache_clear()
+  try:
+    assert fa.compact_steps(cfg) is None and fa._TpuGrid.make(cfg, "fwd").dims == (16, 16)
+  finally:
+    fa.compact_steps.cache_clear()
+
+
+# Rows that see no key at all (the compact grid's one-step rows): q rows before the
+# first key (q_len > kv_len, causal), kv blocks no query reaches (a window, q shorter).
+EMPTY_ROW_CASES = [
+    Case("causal_q_longer", q_len=400, kv_len=200, heads=2, kv_heads=1),
+    Case("window_q_shorter", q_len=130, kv_len=600, heads=4, kv_heads=2, causal=False,
+         sliding_window=100),
+    Case("window_segments", q_len=384, kv_len=384, heads=2, kv_heads=1, segments=True,
+         sliding_window=90, logits_soft_cap=5.0),
+]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", EMPTY_ROW_CASES, ids=lambda c: c.name)
+def test_compact_and_rectangular_grids_agree_bitwise(case, fused):
+  """Both grids run the same steps in the same order: identical outputs and gradients,
+  and both match the reference (rows that see no key: zero output, zero gradients)."""
+  x = make_inputs(case)
+  kw = case.mask_kwargs(x)
+  results = []
+  for compact in (True, False):
+    fn = functools.partial(fa.flash_attention, backend="tpu", interpret=True,
+                           block_q=128, block_kv=128, fused_bwd=fused,
+                           compact_grid=compact)
+    q = jax.ShapeDtypeStruct(x["q"].shape, x["q"].dtype)
+    k = jax.ShapeDtypeStruct(x["k"].shape, x["k"].dtype)
+    cfg = fa.make_config(q, k, causal=case.causal, segments=case.segments,
+                         sliding_window=case.sliding_window, backend="tpu",
+                         block_q=128, block_kv=128, compact_grid=compact)
+    assert (fa.compact_steps(cfg) is not None) == compact
+    results.append(value_and_vjp(fn, x, **kw))
+  (out, grads), (rect_out, rect_grads) = results
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(rect_out))
+  for g, r in zip(grads, rect_grads):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  want, want_grads = f32_reference(x, **kw)
+  assert_close(out, want, 2e-5, f"{case.name} out")
+  for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+    assert_close(g, w, 1e-4, f"{case.name} {name}")
+
+
 def brute_force_fully_visible(cfg):
   """[q blocks, kv blocks] bool: every real query of the q block sees every key slot
   of the kv block (slots past kv_len count as masked; padding rows of q are
@@ -383,17 +479,24 @@ def test_full_ranges_ignore_segments():
 
 
 @pytest.mark.slow
-def test_tpu_simulator_checks_scratch_and_dma():
-  """The TPU interpreter models VMEM scratch, DMAs and the grid's semantics."""
+@pytest.mark.parametrize("case,compact", [
+    (Case("sim", batch=1, q_len=256, kv_len=256, heads=2, kv_heads=1, segments=True),
+     None),
+    # A compact grid with one-step rows: kv blocks no query reaches.
+    (Case("sim_window", batch=1, q_len=130, kv_len=600, heads=2, kv_heads=1,
+          causal=False, sliding_window=100), True),
+], ids=lambda c: getattr(c, "name", str(c)))
+def test_tpu_simulator_checks_scratch_and_dma(case, compact):
+  """The TPU interpreter models VMEM scratch, DMAs and the grid's semantics (an output
+  block is written back when the next step maps elsewhere)."""
   from jax.experimental.pallas import tpu as pltpu
   fn = functools.partial(fa.flash_attention, backend="tpu", block_q=128, block_kv=128,
-                         interpret=pltpu.InterpretParams())
-  check_against_reference(
-      fn, Case("sim", batch=1, q_len=256, kv_len=256, heads=2, kv_heads=1, segments=True),
-      jnp.float32)
+                         compact_grid=compact, interpret=pltpu.InterpretParams())
+  check_against_reference(fn, case, jnp.float32)
 
 
-def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch):
+@pytest.mark.parametrize("compact", [None, True])
+def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch, compact):
   """The fused backward's dq partials are written at visited block pairs only; the TPU
   simulator starts the buffer as NaN (uninitialised memory), and the sum must mask the
   rest out: every pair `visited_pairs` names holds a written value, pairs outside it do
@@ -412,7 +515,8 @@ def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch):
 
   monkeypatch.setattr(fa, "_fused_dq", spy)
   fn = functools.partial(fa.flash_attention, backend="tpu", block_q=128, block_kv=128,
-                         fused_bwd=True, interpret=pltpu.InterpretParams())
+                         fused_bwd=True, compact_grid=compact,
+                         interpret=pltpu.InterpretParams())
   case = Case("fused_sim", batch=2, q_len=384, kv_len=384, heads=2, kv_heads=1,
               segments=True)
   check_against_reference(fn, case, jnp.float32)

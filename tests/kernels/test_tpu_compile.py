@@ -36,6 +36,12 @@ CASES = {
     # 1024 blocks (the 16-bit default) would overflow VMEM here: defaults fall to 512.
     "f32_head_dim_256_window_at_4k": (4096, 4096, 2, 2, 256, jnp.float32, True,
                                       dict(logits_soft_cap=30.0, sliding_window=1000)),
+    # Compact grids (step tables in SMEM): a long window picks them by default; a causal
+    # triangle when asked, with the fused backward and segment ids.
+    "window_at_16k_compact": (16384, 16384, 4, 2, 128, jnp.bfloat16, False,
+                              dict(sliding_window=2048)),
+    "compact_causal_fused": (2048, 2048, 8, 2, 128, jnp.bfloat16, True,
+                             dict(compact_grid=True, fused_bwd=True)),
 }
 
 
@@ -67,7 +73,7 @@ def test_flash_forward_and_backward_compile_for_v5e(case):
 
 @pytest.mark.parametrize("chip", ["v4", "v5p", "v6e"])
 @pytest.mark.parametrize("case", ["gqa_segments_bf16", "f32_head_dim_256_window_at_4k",
-                                  "fused_backward"])
+                                  "fused_backward", "compact_causal_fused"])
 def test_default_blocks_compile_for_each_generation(chip, case):
   _grad_program(tpu_mesh(chip, (1,), ("x",)), *CASES[case])
 
