@@ -234,8 +234,10 @@ def mxu_cycles(cfg, kernel: str, chip: Chip) -> float:
 
 def dq_sum_seconds(cfg, chip: Chip, batch: int, heads=HEADS) -> float:
   """The fused backward's XLA sum of the f32 dq partials, HBM-bound: it reads one
-  [Tq, d] partial per kv block and writes dq in bf16, per (batch row, head)."""
-  per_head = cfg.num_kv_blocks * cfg.q_len * HEAD_DIM * 4 + cfg.q_len * HEAD_DIM * 2
+  [Tq, d] partial per slot (`fused_dq_slots`: per kv block, or per kv block a window
+  reaches) and writes dq in bf16, per (batch row, head)."""
+  slots, _ = _fa().fused_dq_slots(cfg)
+  per_head = slots * cfg.q_len * HEAD_DIM * 4 + cfg.q_len * HEAD_DIM * 2
   return batch * heads * per_head / (chip.hbm * chip.cores)
 
 

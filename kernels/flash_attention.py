@@ -918,29 +918,59 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
       "flash_attention_fwd", operands, ranges)
 
 
-def visited_pairs(cfg: _Config, ranges=None):
-  """bool [kv blocks, b or 1, q blocks]: the block pairs the dk/dv kernel computes, by
-  the kernel's own block ranges (`ranges`: the q ranges of `_segment_ranges`)."""
-  ki = jnp.arange(cfg.num_kv_blocks)[:, None, None]
+@functools.lru_cache(maxsize=256)
+def fused_dq_slots(cfg: _Config) -> tuple[int, bool]:
+  """(slots, windowed): the fused backward writes its f32 dq partials to [slots, b, h,
+  rows, d]. One slot per kv block (slot ki; rows = Tq), unless a sliding window leaves
+  each q block fewer kv blocks than that: then (windowed) pair (qi, ki) writes slot
+  ki - lo(qi), lo the first kv block qi sees, and a kv block's steps that visit nothing
+  write block ki of a last, spare slot (rows = max(Tq, kv blocks x block_q): under a
+  window another kv block's pair may own their slot ki - lo(qi), and an output block
+  must not be revisited once left). A window of w tokens keeps ~w / block_kv_bwd + 2
+  slots however long the row."""
+  nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
+  if cfg.sliding_window is None:
+    return nk, False
+  widest = 0
+  for qi in range(nq):
+    lo, hi = kv_block_range(cfg, qi, xp=_Ints)
+    widest = max(widest, hi - lo + 1)
+  if (widest + 1) * max(nq, nk) < nk * nq:
+    return widest + 1, True
+  return nk, False
+
+
+def fused_visited(cfg: _Config, ranges=None):
+  """bool [slots, b or 1, q blocks] (the spare slot left out): whether a step of the
+  dk/dv kernel wrote that slot of the q block's dq partials (`fused_dq_slots`), by the
+  kernel's own block ranges (`ranges`: the q ranges of `_segment_ranges`)."""
+  slots, windowed = fused_dq_slots(cfg)
   qi = jnp.arange(cfg.num_q_blocks)[None, None, :]
-  visible = _in_range(ki, kv_block_range(cfg, qi))
+  if windowed:
+    lo, hi = kv_block_range(cfg, qi)
+    ki = lo + jnp.arange(slots - 1)[:, None, None]
+    visible = ki <= hi
+  else:
+    ki = jnp.arange(cfg.num_kv_blocks)[:, None, None]
+    visible = _in_range(ki, kv_block_range(cfg, qi))
   if ranges is not None:  # [b, kv blocks, 4]: (lo, hi) of q blocks first
-    seg = (jnp.swapaxes(ranges[..., 0], 0, 1)[..., None],
-           jnp.swapaxes(ranges[..., 1], 0, 1)[..., None])
-    visible &= _in_range(qi, _and_range(q_block_range(cfg, ki), *seg))
+    at = jnp.clip(ki, 0, cfg.num_kv_blocks - 1)[..., 0, :]  # [slots, q blocks]
+    seg_lo, seg_hi = (jnp.moveaxis(ranges[:, at, c], 0, 1) for c in (0, 1))
+    visible &= _in_range(qi, (seg_lo, seg_hi))  # [slots, b, q blocks]
   return visible
 
 
 def _fused_dq(cfg: _Config, parts, q_seg, kv_seg):
-  """dq [b, h, Tq, d] f32 from the fused dk/dv kernel's per-kv-block partials
-  [kv blocks, b, h, Tq, d]: blocks no step wrote (skipped pairs) hold garbage and are
-  masked out, not multiplied."""
-  nk, b, h, tq, d = parts.shape
+  """dq [b, h, Tq, d] f32 from the fused dk/dv kernel's partials [slots, b, h, Tq, d]
+  (`fused_dq_slots`): blocks no step wrote (skipped pairs) hold garbage and are masked
+  out, not multiplied."""
+  _, b, h, _, d = parts.shape
   ranges = _segment_ranges(cfg, q_seg, kv_seg)[1] if cfg.segments else None
-  visited = visited_pairs(cfg, ranges)[:, :, None, :, None, None]
-  parts = parts.reshape(nk, b, h, cfg.num_q_blocks, cfg.block_q, d)
-  dq = jnp.where(visited, parts, 0.0).sum(axis=0) * cfg.sm_scale
-  return dq.reshape(b, h, tq, d)
+  visited = fused_visited(cfg, ranges)
+  nq, bq = cfg.num_q_blocks, cfg.block_q
+  parts = parts[:visited.shape[0], :, :, :nq * bq].reshape(-1, b, h, nq, bq, d)
+  dq = jnp.where(visited[:, :, None, :, None, None], parts, 0.0).sum(axis=0)
+  return (dq * cfg.sm_scale).reshape(b, h, nq * bq, d)
 
 
 def _segment_ranges(cfg: _Config, q_seg, kv_seg):
@@ -1021,14 +1051,25 @@ def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if cfg.fused_bwd:
-    # dq partials [kv blocks, b, h, Tq, d]: a skipped step maps to the block its
-    # neighbour writes (as q_index does), so it writes nothing back; `_fused_dq` masks
-    # the blocks no step wrote.
+    # dq partials (`fused_dq_slots`). A skipped step maps to the block its neighbour
+    # writes (q_index clamps qi to a visited q block), so it writes nothing back; a
+    # step whose whole row visits nothing, windowed, to its kv block's spare block.
+    # `_fused_dq` masks the blocks no step wrote.
+    slots, windowed = fused_dq_slots(cfg)
+    rows = max(nq, nk) * bq if windowed else q.shape[2]
+
     def dq_index(bi, kh, ki, gi, qi, *r):
-      _, hi, qb, _ = q_index(bi, kh, ki, gi, qi, *r)
-      return ki, bi, hi, qb, 0
+      _, head, qb, _ = q_index(bi, kh, ki, gi, qi, *r)
+      if not windowed:
+        return ki, bi, head, qb, 0
+      lo, hi = kv_block_range(cfg, qb)
+      visible = _in_range(ki, (lo, hi))
+      if r:
+        visible &= _in_range(qb, _tpu_seg_range(r[0], bi, ki, nk))
+      return (jnp.where(visible, ki - lo, slots - 1), bi, head,
+              jnp.where(visible, qb, ki), 0)
     out_specs.append(pl.BlockSpec((None, None, None, bq, d), grid.index_map(dq_index)))
-    out_shape.append(_struct((nk, *q.shape), jnp.float32, q))
+    out_shape.append(_struct((slots, b, q.shape[1], rows, d), jnp.float32, q))
   if counts:
     out_specs.append(_count_spec(grid.index_map(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki))))
     out_shape.append(_count_shape(b, kvh, nk, q))

@@ -275,9 +275,9 @@ def fused_dq_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
   options = {k: v for k, v in options.items() if k != "backend"}
   q = jax.ShapeDtypeStruct((rows, row_len, 1, cfg.head_dim), np.dtype(cfg.dtype))
-  kv_blocks = fa.make_config(q, q, backend="tpu", interpret=True,  # any host
-                             **options).for_backward().num_kv_blocks
-  return rows * row_len * heads * cfg.head_dim * 4 * kv_blocks
+  slots, _ = fa.fused_dq_slots(fa.make_config(q, q, backend="tpu", interpret=True,  # any host
+                                             **options).for_backward())
+  return rows * row_len * heads * cfg.head_dim * 4 * slots
 
 
 def _activation_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh, rules):

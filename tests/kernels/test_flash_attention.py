@@ -495,13 +495,29 @@ def test_tpu_simulator_checks_scratch_and_dma(case, compact):
   check_against_reference(fn, case, jnp.float32)
 
 
-@pytest.mark.parametrize("compact", [None, True])
-def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch, compact):
+FUSED_SIM_CASES = [  # (case, compact_grid)
+    (Case("fused_sim", batch=2, q_len=384, kv_len=384, heads=2, kv_heads=1, segments=True),
+     None),
+    (Case("fused_sim", batch=2, q_len=384, kv_len=384, heads=2, kv_heads=1, segments=True),
+     True),
+    # A window: pair (qi, ki) writes slot ki - lo(qi) of 2 (+ the spare), not 6.
+    (Case("fused_sim_window", batch=2, q_len=768, kv_len=768, heads=2, kv_heads=1,
+          segments=True, sliding_window=100), None),
+    # Kv block 0 is out of every query's window: its steps write its spare block (the
+    # spare slot has a block per kv block: 8, more than the 6 q blocks).
+    (Case("fused_sim_window_q_shorter", batch=2, q_len=768, kv_len=1024, heads=2,
+          kv_heads=1, causal=False, sliding_window=100), None),
+]
+
+
+@pytest.mark.parametrize("case,compact", FUSED_SIM_CASES,
+                         ids=lambda c: getattr(c, "name", str(c)))
+def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch, case, compact):
   """The fused backward's dq partials are written at visited block pairs only; the TPU
   simulator starts the buffer as NaN (uninitialised memory), and the sum must mask the
-  rest out: every pair `visited_pairs` names holds a written value, pairs outside it do
-  hold NaN garbage, and dq is exact. (A skipped step maps to a neighbour's block, so a
-  block outside the visited pairs may also receive a copy of a neighbour's values.)"""
+  rest out: every slot `fused_visited` names holds a written value, others do hold NaN
+  garbage, and dq is exact. (A skipped step maps to a neighbour's block or to the spare
+  slot, so a block outside the visited pairs may also receive a copy of values.)"""
   from jax.experimental.pallas import tpu as pltpu
   seen = {}
   fused_dq = fa._fused_dq
@@ -510,19 +526,23 @@ def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch, compact):
     ranges = fa._segment_ranges(cfg, q_seg, kv_seg)[1] if cfg.segments else None
     seen["cfg"] = cfg
     jax.debug.callback(lambda p, v: seen.update(parts=np.asarray(p), visited=np.asarray(v)),
-                       parts, fa.visited_pairs(cfg, ranges))
+                       parts, fa.fused_visited(cfg, ranges))
     return fused_dq(cfg, parts, q_seg, kv_seg)
 
   monkeypatch.setattr(fa, "_fused_dq", spy)
   fn = functools.partial(fa.flash_attention, backend="tpu", block_q=128, block_kv=128,
                          fused_bwd=True, compact_grid=compact,
                          interpret=pltpu.InterpretParams())
-  case = Case("fused_sim", batch=2, q_len=384, kv_len=384, heads=2, kv_heads=1,
-              segments=True)
   check_against_reference(fn, case, jnp.float32)
   cfg, visited = seen["cfg"], np.asarray(seen["visited"])
-  parts = np.asarray(seen["parts"]).reshape(cfg.num_kv_blocks, 2, 2, cfg.num_q_blocks, -1)
-  written = ~np.isnan(parts).any(axis=-1)  # [kv blocks, b, h, q blocks]
+  slots, windowed = fa.fused_dq_slots(cfg)
+  assert windowed == (case.sliding_window is not None)
+  assert slots == ({"fused_sim_window": 3, "fused_sim_window_q_shorter": 4}[case.name]
+                   if windowed else cfg.num_kv_blocks)
+  assert seen["parts"].shape[0] == slots
+  parts = np.asarray(seen["parts"])[:visited.shape[0], :, :, :cfg.q_len].reshape(
+      visited.shape[0], 2, 2, cfg.num_q_blocks, -1)
+  written = ~np.isnan(parts).any(axis=-1)  # [slots, b, h, q blocks]
   visited = np.broadcast_to(visited[:, :, None], written.shape)
   assert visited.any() and (~visited).any()  # the case skips pairs and computes some
   assert written[visited].all()

@@ -269,6 +269,8 @@ def test_attention_options_are_checked():
   assert models.config.parse_attention_options(" block_q=128 ,dq_atomic=False,backend=tpu") == (
       dict(block_q=128, dq_atomic=False, backend="tpu"))
   assert models.config.parse_attention_options("fused_bwd=true") == dict(fused_bwd=True)
+  assert models.config.parse_attention_options("compact_grid=false") == dict(
+      compact_grid=False)
   assert models.config.parse_attention_options("") == {}
   for text, message in (("block_z=1", "entry 'block_z=1': expected name=value with a name in"),
                         ("block_q", "entry 'block_q': expected name=value"),
