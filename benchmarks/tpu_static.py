@@ -507,6 +507,7 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
       rows.append(dict(row, note=regions["error"]))
       continue
     cfg = configs(options, compile_length)[kernel]
+    compiled_compact = _fa().compact_steps(cfg, kernel) is not None
     per_step, _ = step_bytes(cfg, kernel)
     model = kernel_cycles(regions, cfg, kernel, chip, COMPILE_BATCH)
     est = regions.get("estimated_cycles")
@@ -518,8 +519,11 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
                hbm_bound=round(per_step * chip.clock / chip.hbm), spills=regions["spills"],
                model_mcycles=round(model / 1e6, 3),
                static_mcycles=None if est is None else round(est / 1e6, 3))
+    other_grid = []  # lengths whose grid is not the compiled one's kind (its overhead)
     for length in lengths:
       cfg = configs(options, length)[kernel]
+      if (_fa().compact_steps(cfg, kernel) is not None) != compiled_compact:
+        other_grid.append(str(length))
       batch = max(1, TOKENS // length)
       seconds = kernel_cycles(regions, cfg, kernel, chip, batch) / chip.clock
       row[f"ms@{length}"] = round(seconds * 1e3, 3)
@@ -534,6 +538,9 @@ def kernel_rows(result: dict, lengths, compile_length: int) -> list[dict]:
       notes.append("HBM-bound")
     if not regions["mask_checked"] or regions["unmapped"]:
       notes.append("regions unverified")
+    if other_grid:
+      notes.append(f"compiled grid {'compact' if compiled_compact else 'rectangular'}, "
+                   f"not at {'/'.join(other_grid)}")
     row["note"] = ", ".join(notes)
     rows.append(row)
   if options.get("fused_bwd"):

@@ -314,3 +314,18 @@ def test_parse_args_errors(argv, message, capsys):
     ts.parse_args(argv)
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_rows_note_lengths_whose_grid_is_not_the_compiled_ones():
+  """The per-step overhead comes from the compiled kernel: a modelled length whose
+  default grid is of the other kind (compact vs rectangular) is flagged."""
+  options = dict(ts.default_options(), sliding_window=2048)
+  result = dict(chip="v5e", arm="1024x1024 w2048", options=options,
+                kernels=dict(fwd=REGIONS, dq=REGIONS, dkv=REGIONS))
+  rows = {r["kernel"]: r for r in ts.kernel_rows(result, [4096, 16384], 4096)}
+  # At 4k the window keeps 9 of 16 pairs: compact for the forward (under 0.7), not
+  # for dq (0.5) or dk/dv (0.4); at 16k 45 of 256: compact for all three.
+  assert "compiled grid" not in rows["fwd"]["note"]
+  for kernel in ("dq", "dkv"):
+    assert "compiled grid rectangular, not at 16384" in rows[kernel]["note"]
+  assert rows["fwd"]["window"] == 2048
