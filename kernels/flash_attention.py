@@ -98,6 +98,9 @@ class _Config:
   # TPU: the dk/dv kernel also writes each step's ds @ k, summed over kv blocks by XLA
   # (no dq kernel)
   fused_bwd: bool = False
+  # Position of q's first token counted from kv's first; None = kv_len - q_len (the
+  # queries are the last positions). Ring attention's windowed blocks set it.
+  q_offset: int | None = None
   # TPU: grids that step through the visible block pairs only (`compact_steps`), not
   # the whole rectangle: True, False, or None = where they skip most of it
   compact_grid: bool | None = None
@@ -114,7 +117,7 @@ class _Config:
 
   @property
   def offset(self) -> int:
-    return self.kv_len - self.q_len
+    return self.kv_len - self.q_len if self.q_offset is None else self.q_offset
 
   @property
   def num_q_blocks(self) -> int:
@@ -161,7 +164,7 @@ class _Ints:
 
 
 def _bias(cfg: _Config, block: int) -> int:
-  return (cfg.q_len + cfg.kv_len + (cfg.sliding_window or 0)) // block + 2
+  return (cfg.q_len + cfg.kv_len + abs(cfg.offset) + (cfg.sliding_window or 0)) // block + 2
 
 
 def kv_block_range(cfg: _Config, qi, xp=jnp):
@@ -180,11 +183,13 @@ def kv_block_range(cfg: _Config, qi, xp=jnp):
   lo = xp.int32(0)
   hi = xp.int32(last)
   if cfg.causal:
-    hi = _floor_div(q_hi, bk, bias)
+    hi = xp.minimum(last, _floor_div(q_hi, bk, bias))
   elif w is not None:
     hi = xp.minimum(last, _floor_div(q_hi + w - 1, bk, bias))
   if w is not None:
-    lo = xp.maximum(0, _floor_div(q_lo - w + 1, bk, bias))
+    first = q_lo - w + 1  # the first query's first visible key: past the last, none
+    lo = xp.where(first > cfg.kv_len - 1, last + 1,
+                  xp.maximum(0, _floor_div(first, bk, bias)))
   return lo, hi
 
 
@@ -202,8 +207,9 @@ def q_block_range(cfg: _Config, ki, xp=jnp):
     x = ki * bk - cfg.offset - (0 if cfg.causal else w - 1)
     lo = xp.where(x > cfg.q_len - 1, last + 1, xp.maximum(0, _floor_div(x, bq, bias)))
   if w is not None:
-    # Largest qi with lo(qi) <= ki: the block's first query still reaches key block ki.
-    y = (ki + 1) * bk - cfg.offset + w - 2
+    # Largest qi with lo(qi) <= ki: the block's first query still reaches the block's
+    # last real key.
+    y = xp.minimum((ki + 1) * bk, cfg.kv_len) - 1 - cfg.offset + w - 1
     hi = xp.minimum(last, _floor_div(y, bq, bias))
   return lo, hi
 
@@ -1495,13 +1501,15 @@ def supported_inputs(backend: str, *xs):
   return xs
 
 
-def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
+def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=None,
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
                 block_kv_dq=None, dq_atomic=False, fused_bwd=False, compact_grid=None,
                 num_warps=None, num_stages=None, num_warps_bwd=None, num_stages_bwd=None,
                 interpret=None) -> _Config:
-  """Validates the tuning options and freezes them with the shapes into a config."""
+  """Validates the tuning options and freezes them with the shapes into a config.
+  `q_offset`: the position of q's first token counted from kv's first (default kv_len -
+  q_len, the contract's), for blocks cut from a longer sequence (ring attention)."""
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
@@ -1557,6 +1565,7 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None,
       block_q=blocks[0], block_kv=blocks[1], block_q_bwd=blocks[2],
       block_kv_bwd=blocks[3], block_q_dq=blocks[4], block_kv_dq=blocks[5],
       dq_atomic=bool(dq_atomic), fused_bwd=bool(fused_bwd),
+      q_offset=None if q_offset is None else int(q_offset),
       compact_grid=None if compact_grid is None else bool(compact_grid),
       group=q.shape[2] // k.shape[2],
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),

@@ -13,6 +13,12 @@ skipped. With the contiguous layout that leaves device 0 idle most of the time; 
 zig-zag layout (`to_zigzag` on global arrays, `shard_to_zigzag` inside shard_map) gives
 device i the chunks i and 2n-1-i of the sequence, so every off-diagonal step costs each
 device exactly half a block.
+
+A causal sliding window of w tokens (contiguous layout) reaches only the shards at most
+(w + L - 2) // L behind a query shard of L positions: the ring stops after those steps
+(kv travels that many hops less one, not n - 1), each step's block kernel masks the
+window at the kv shard's distance, and the dk / dv that travelled are sent home by one
+final shift. Every device then does the same work, so no zig-zag is needed.
 """
 from __future__ import annotations
 
@@ -45,7 +51,9 @@ class BlockKernel(NamedTuple):
   fwd(q, k, v, q_seg, kv_seg, causal) -> (out [b, tq, h, d] f32, lse [b, tq, h] f32)
   bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal) -> f32 (dq, dk, dv), where lse
     and delta = sum(dout * out, -1) come from the final (merged) output.
-  Positions start at 0 in both blocks; `causal` masks q_pos < kv_pos.
+  Positions start at 0 in both blocks; `causal` masks q_pos < kv_pos. Rings with a
+  sliding window also pass the keywords `window` (mask q_pos - kv_pos >= window) and
+  `q_offset` (q's positions start there instead: the kv shard's distance).
   """
   fwd: Callable[..., Any]
   bwd: Callable[..., Any]
@@ -54,21 +62,22 @@ class BlockKernel(NamedTuple):
 def chunked_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> BlockKernel:
   """Plain-JAX blockwise kernel: runs everywhere, O(shard x chunk) memory."""
-  def params(causal):
+  def params(causal, window):
     return MaskParams(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                      sliding_window=None)
+                      sliding_window=window)
 
-  def pos(q, k):
-    return (jnp.arange(q.shape[1], dtype=jnp.int32)[None],
+  def pos(q, k, q_offset):
+    return (q_offset + jnp.arange(q.shape[1], dtype=jnp.int32)[None],
             jnp.arange(k.shape[1], dtype=jnp.int32)[None])
 
-  def fwd(q, k, v, q_seg, kv_seg, causal):
-    return blockwise_attention_fwd(q, k, v, q_seg, kv_seg, *pos(q, k), params(causal),
-                                   chunk_size, chunk_size)
+  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0):
+    return blockwise_attention_fwd(q, k, v, q_seg, kv_seg, *pos(q, k, q_offset),
+                                   params(causal, window), chunk_size, chunk_size)
 
-  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
-    return blockwise_attention_bwd(q, k, v, q_seg, kv_seg, *pos(q, k), dout, lse, delta,
-                                   params(causal), chunk_size, chunk_size)
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0):
+    return blockwise_attention_bwd(q, k, v, q_seg, kv_seg, *pos(q, k, q_offset), dout,
+                                   lse, delta, params(causal, window), chunk_size,
+                                   chunk_size)
 
   return BlockKernel(fwd, bwd)
 
@@ -76,18 +85,20 @@ def chunked_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
 def reference_block_kernel(sm_scale: float,
                            logits_soft_cap: float | None = None) -> BlockKernel:
   """Materialises each block's scores; for small shards and tests."""
-  def kw(q, k, causal):
-    return dict(q_positions=jnp.arange(q.shape[1], dtype=jnp.int32)[None],
+  def kw(q, k, causal, window, q_offset):
+    return dict(q_positions=q_offset + jnp.arange(q.shape[1], dtype=jnp.int32)[None],
                 kv_positions=jnp.arange(k.shape[1], dtype=jnp.int32)[None],
-                causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+                causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                sliding_window=window)
 
-  def fwd(q, k, v, q_seg, kv_seg, causal):
+  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0):
     return reference.attention_block(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                                     **kw(q, k, causal))
+                                     **kw(q, k, causal, window, q_offset))
 
-  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0):
     return reference.attention_block_grad(q, k, v, dout, lse, delta, q_segment_ids=q_seg,
-                                          kv_segment_ids=kv_seg, **kw(q, k, causal))
+                                          kv_segment_ids=kv_seg,
+                                          **kw(q, k, causal, window, q_offset))
 
   return BlockKernel(fwd, bwd)
 
@@ -97,31 +108,24 @@ def flash_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
   """Pallas flash kernels (`backend`, `block_q`, `block_kv`, `interpret`, ...)."""
   fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
 
-  def config(q, k, q_seg, causal):
-    return fa.make_config(q, k, causal=causal,
+  def config(q, k, q_seg, causal, window=None, q_offset=0):
+    # Positions start at 0 in both blocks (or q's at the kv shard's distance).
+    return fa.make_config(q, k, causal=causal, sliding_window=window, q_offset=q_offset,
                           segments=q_seg is not None, sm_scale=sm_scale,
                           logits_soft_cap=logits_soft_cap, **flash_options)
-
-  def check(q, k, causal):
-    # Positions start at 0 in both blocks, so causal blocks must have the kernel's
-    # causal offset kv_len - q_len = 0.
-    if causal and q.shape[1] != k.shape[1]:
-      raise ValueError("causal flash ring blocks need equal q and kv lengths")
 
   def backend():
     return flash_options.get("backend") or fa.default_backend()
 
-  def fwd(q, k, v, q_seg, kv_seg, causal):
-    check(q, k, causal)
+  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0):
     q, k, v = fa.supported_inputs(backend(), q, k, v)
-    cfg = config(q, k, q_seg, causal)
+    cfg = config(q, k, q_seg, causal, window, q_offset)
     out, lse = fa._forward(cfg, q, k, v, q_seg, kv_seg)
     return out.astype(jnp.float32), fa.public_lse(lse)
 
-  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal):
-    check(q, k, causal)
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0):
     q, k, v = fa.supported_inputs(backend(), q, k, v)
-    cfg = config(q, k, q_seg, causal).for_backward()
+    cfg = config(q, k, q_seg, causal, window, q_offset).for_backward()
     grads = fa._backward(cfg, q, k, v, q_seg, kv_seg, dout.astype(q.dtype),
                          fa.internal_lse(lse), jnp.swapaxes(delta, 1, 2))
     return tuple(g.astype(jnp.float32) for g in grads)
@@ -226,6 +230,14 @@ class _Ring:
   causal: bool
   layout: str
   kernel: BlockKernel
+  window: int | None = None  # a causal sliding window (contiguous layout)
+
+
+def window_steps(window: int, shard_len: int, n: int) -> int:
+  """Ring steps a causal window of `window` tokens needs over shards of `shard_len`
+  positions on n devices: kv shards up to (window + shard_len - 2) // shard_len behind
+  hold a key some query of the shard sees."""
+  return min(n, (window + shard_len - 2) // shard_len + 1)
 
 
 def _step_mode(ring: _Ring, me, src):
@@ -313,13 +325,55 @@ def _block_bwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg, do, lse, delta):
                                  _KV_FIRST: kv_first, _Q_SECOND: q_second})
 
 
-def _rotate(ring: _Ring, xs):
+def _rotate(ring: _Ring, xs, shift: int = 1):
   n = lax.axis_size(ring.axis_name)
-  perm = [(i, (i + 1) % n) for i in range(n)]
+  perm = [(i, (i + shift) % n) for i in range(n)]
   return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), xs)
 
 
+def _window_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+  """The windowed ring: step s attends the kv shard s behind (q positions start s *
+  shard_len after its keys); devices before it (me < s: the shard wrapped round from
+  the end) skip. The steps unroll: their offsets are static."""
+  n, me, shard = lax.axis_size(ring.axis_name), lax.axis_index(ring.axis_name), q.shape[1]
+  steps = window_steps(ring.window, shard, n)
+  out, lse = _empty_partial(q)
+  kv = (k, v, kv_seg)
+  for s in range(steps):
+    next_kv = _rotate(ring, kv) if s + 1 < steps else None  # issued before the compute
+    k_s, v_s, kv_seg_s = kv
+    block = functools.partial(ring.kernel.fwd, q, k_s, v_s, q_seg, kv_seg_s, True,
+                              window=ring.window, q_offset=s * shard)
+    out_s, lse_s = block() if s == 0 else lax.cond(me >= s, block,
+                                                   lambda: _empty_partial(q))
+    out, lse = reference.merge_attention(out, lse, out_s, lse_s)
+    kv = next_kv
+  return out, lse
+
+
+def _window_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
+  """The backward of `_window_forward`: dk / dv travel with their kv shard for the same
+  steps, then one shift sends them home."""
+  n, me, shard = lax.axis_size(ring.axis_name), lax.axis_index(ring.axis_name), q.shape[1]
+  steps = window_steps(ring.window, shard, n)
+  dq, kv, dkv = _zeros(q), (k, v, kv_seg), (_zeros(k), _zeros(v))
+  for s in range(steps):
+    k_s, v_s, kv_seg_s = kv
+    block = functools.partial(ring.kernel.bwd, q, k_s, v_s, q_seg, kv_seg_s, do, lse,
+                              delta, True, window=ring.window, q_offset=s * shard)
+    dq_s, dk_s, dv_s = block() if s == 0 else lax.cond(
+        me >= s, block, lambda: (_zeros(q), _zeros(k), _zeros(v)))
+    dq, dkv = dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
+    if s + 1 < steps:
+      kv, dkv = _rotate(ring, kv), _rotate(ring, dkv)
+  # The dk / dv of shard c are on device c + steps - 1.
+  dk, dv = _rotate(ring, dkv, -(steps - 1)) if steps > 1 else dkv
+  return dq, dk, dv
+
+
 def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+  if ring.window is not None:
+    return _window_forward(ring, q, k, v, q_seg, kv_seg)
   n = lax.axis_size(ring.axis_name)
   me = lax.axis_index(ring.axis_name)
 
@@ -339,6 +393,8 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
 
 
 def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
+  if ring.window is not None:
+    return _window_backward(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
   n = lax.axis_size(ring.axis_name)
   me = lax.axis_index(ring.axis_name)
 
@@ -380,12 +436,16 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                     logits_soft_cap, sliding_window):
+                     logits_soft_cap, sliding_window, causal):
   reference.check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids,
-                                   sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
-  if sliding_window is not None:
-    raise ValueError(f"sliding_window is not supported by ring attention, got "
-                     f"{sliding_window}; use chunked or flash attention")
+                                   sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                                   sliding_window=sliding_window)
+  if sliding_window is not None and not causal:
+    raise ValueError(f"ring attention takes a sliding_window ({sliding_window}) only "
+                     f"with causal=True; use chunked or flash attention")
+  if sliding_window is not None and layout == "zigzag":
+    raise ValueError("ring attention with a sliding_window runs the contiguous layout "
+                     "(a window balances the ring by itself), got layout='zigzag'")
   if q.shape[1] != k.shape[1]:
     raise ValueError(f"ring attention needs q_len == kv_len, got {q.shape[1]} and "
                      f"{k.shape[1]}")
@@ -406,7 +466,8 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
     axis_name: the mesh axis the sequence is split over (n devices, in order).
     causal, q_segment_ids, kv_segment_ids, sm_scale, logits_soft_cap: as in
       `kernels.reference_attention` (segment ids are local shards too).
-    sliding_window: not supported (raises ValueError if set).
+    sliding_window: a causal sliding window (contiguous layout only): the ring runs only
+      the `window_steps` steps whose kv shards the window reaches.
     layout: 'contiguous' (shard i holds positions [i * len / n, (i + 1) * len / n)) or
       'zigzag' (the sequence was permuted with `to_zigzag`; balances causal work).
     block_kernel: a `BlockKernel`, or 'flash', 'chunked', 'reference'; default flash on
@@ -417,7 +478,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
     The local output shard [batch, len / n, heads, head_dim] in q's dtype.
   """
   _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                   logits_soft_cap, sliding_window)
+                   logits_soft_cap, sliding_window, causal)
   if layout == "zigzag" and q.shape[1] % 2:
     raise ValueError(f"zigzag layout needs an even local length, got {q.shape[1]}")
   scale = reference.default_sm_scale(q.shape[-1], sm_scale)
@@ -429,7 +490,8 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
                        f"{list(factories)[:3]}, got {block_kernel!r}")
     block_kernel = factories[block_kernel](scale, logits_soft_cap, **kernel_options)
   ring = _Ring(axis_name=axis_name, causal=bool(causal), layout=layout,
-               kernel=block_kernel)
+               kernel=block_kernel,
+               window=None if sliding_window is None else int(sliding_window))
   return _ring(q, k, v, q_segment_ids, kv_segment_ids, ring)
 
 
@@ -437,7 +499,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
                            q_segment_ids=None, kv_segment_ids=None,
                            sm_scale: float | None = None,
                            logits_soft_cap: float | None = None, sliding_window=None,
-                           layout: str = "zigzag", batch_axis=None, head_axis=None,
+                           layout: str | None = None, batch_axis=None, head_axis=None,
                            block_kernel: BlockKernel | str | None = None,
                            **kernel_options):
   """Ring attention on global arrays: shards the sequence over `axis_name` of `mesh`.
@@ -448,16 +510,19 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
       ([batch, len, heads, head_dim]; len divisible by the axis size, by twice it
       for zig-zag).
     mesh: a `jax.sharding.Mesh`; axis_name: its axis that splits the sequence.
-    layout: 'zigzag' (default) re-deals the contiguous shards into the zig-zag layout
-      inside the map (two ppermutes each way), balancing causal work; 'contiguous'
-      runs the ring on the contiguous shards.
+    layout: 'zigzag' (the default without a window) re-deals the contiguous shards into
+      the zig-zag layout inside the map (two ppermutes each way), balancing causal work;
+      'contiguous' (the default, and the only layout, with a sliding window) runs the
+      ring on the contiguous shards.
     batch_axis, head_axis: optional mesh axes that also split batch / heads.
 
   Returns:
     [batch, len, heads, head_dim] in q's dtype, in the original order.
   """
+  if layout is None:
+    layout = "zigzag" if sliding_window is None else "contiguous"
   _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                   logits_soft_cap, sliding_window)
+                   logits_soft_cap, sliding_window, causal)
   n = mesh.shape[axis_name]
   zig = layout == "zigzag"
   if q.shape[1] % (2 * n if zig else n):
@@ -475,7 +540,8 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
       q_seg, kv_seg = to_zig(q_seg), to_zig(kv_seg)
     out = ring_attention(q, k, v, axis_name=axis_name, causal=causal,
                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, sm_scale=sm_scale,
-                         logits_soft_cap=logits_soft_cap, layout=layout,
+                         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                         layout=layout,
                          block_kernel=block_kernel, **kernel_options)
     return shard_from_zigzag(out, axis_name) if zig else out
 

@@ -212,7 +212,8 @@ class TestFlashGPUInterpret(TestFlashGPU):
 def _padded_mask(cfg):
   """[nq * block_q, nk * block_kv] bool element mask over the padded blocks: True where
   a real query sees a real key."""
-  q_pos = np.arange(cfg.num_q_blocks * cfg.block_q) + cfg.kv_len - cfg.q_len
+  offset = cfg.kv_len - cfg.q_len if cfg.q_offset is None else cfg.q_offset
+  q_pos = np.arange(cfg.num_q_blocks * cfg.block_q) + offset
   kv_pos = np.arange(cfg.num_kv_blocks * cfg.block_kv)
   diff = q_pos[:, None] - kv_pos[None, :]
   mask = np.broadcast_to(kv_pos[None, :] < cfg.kv_len, diff.shape).copy()
@@ -314,11 +315,11 @@ def test_segment_block_ranges(data, block_q, block_kv, packed):
     np.testing.assert_array_equal(q_ranges[:, 2:], _block_hull(full.T))
 
 
-def _range_config(q_len, kv_len, block_q, block_kv, causal, window):
+def _range_config(q_len, kv_len, block_q, block_kv, causal, window, q_offset=None):
   q = jax.ShapeDtypeStruct((1, q_len, 1, 8), jnp.float32)
   k = jax.ShapeDtypeStruct((1, kv_len, 1, 8), jnp.float32)
   return fa.make_config(q, k, causal=causal, sliding_window=window, backend="gpu",
-                        block_q=block_q, block_kv=block_kv)
+                        block_q=block_q, block_kv=block_kv, q_offset=q_offset)
 
 
 def _range_tables(cfg, kv_range, q_range):
@@ -334,11 +335,13 @@ def _range_tables(cfg, kv_range, q_range):
 @hypothesis.given(q_len=st.integers(1, 700), kv_len=st.integers(1, 700),
                   block_q=st.sampled_from([16, 32, 48, 128]),
                   block_kv=st.sampled_from([16, 64, 96]), causal=st.booleans(),
-                  window=st.one_of(st.none(), st.integers(1, 300)))
-def test_block_ranges_are_exact(q_len, kv_len, block_q, block_kv, causal, window):
+                  window=st.one_of(st.none(), st.integers(1, 300)),
+                  q_offset=st.one_of(st.none(), st.integers(-200, 1500)))
+def test_block_ranges_are_exact(q_len, kv_len, block_q, block_kv, causal, window, q_offset):
   """kv_block_range / q_block_range (used by the kernels' loops, pl.when and index
-  maps) select exactly the block pairs with a visible (query, key) pair."""
-  cfg = _range_config(q_len, kv_len, block_q, block_kv, causal, window)
+  maps) select exactly the block pairs with a visible (query, key) pair, whatever the
+  queries' position (`q_offset`: ring attention's windowed blocks)."""
+  cfg = _range_config(q_len, kv_len, block_q, block_kv, causal, window, q_offset)
   want = brute_force_visible(cfg)
   got_kv, got_q = _range_tables(cfg, fa.kv_block_range, fa.q_block_range)
   np.testing.assert_array_equal(got_kv, want)
@@ -453,12 +456,14 @@ def brute_force_fully_visible(cfg):
 @hypothesis.given(q_len=st.integers(1, 700), kv_len=st.integers(1, 700),
                   block_q=st.sampled_from([16, 32, 48, 128]),
                   block_kv=st.sampled_from([16, 64, 96]), causal=st.booleans(),
-                  window=st.one_of(st.none(), st.integers(1, 300)))
-def test_full_ranges_never_skip_a_mask(q_len, kv_len, block_q, block_kv, causal, window):
+                  window=st.one_of(st.none(), st.integers(1, 300)),
+                  q_offset=st.one_of(st.none(), st.integers(-200, 1500)))
+def test_full_ranges_never_skip_a_mask(q_len, kv_len, block_q, block_kv, causal, window,
+                                       q_offset):
   """The GPU loops run kv_full_range / q_full_range without the element mask: those
   ranges hold only fully visible block pairs. The kv range is exact, and so is the q
   range without a sliding window (a loose range would only cost speed)."""
-  cfg = _range_config(q_len, kv_len, block_q, block_kv, causal, window)
+  cfg = _range_config(q_len, kv_len, block_q, block_kv, causal, window, q_offset)
   want = brute_force_fully_visible(cfg) & brute_force_visible(cfg)
   got_kv, got_q = _range_tables(cfg, fa.kv_full_range, fa.q_full_range)
   np.testing.assert_array_equal(got_kv, want)

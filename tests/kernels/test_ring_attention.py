@@ -1,4 +1,5 @@
 """Ring attention on 8 fake CPU devices against the reference on the gathered arrays."""
+import dataclasses
 import functools
 import importlib
 
@@ -119,8 +120,44 @@ def test_zigzag_balances_causal_work():
   assert contiguous == [i + 0.5 for i in range(n)]
 
 
+# Windows over 8 shards of 16: 5 reaches 1 shard back (2 steps), 40 reaches 3 back (4
+# steps), 200 every shard (8 steps: the full ring, whose dk / dv go home by the shift).
+@pytest.mark.parametrize("window,steps,block_kernel,options", [
+    (5, 2, "reference", {}),
+    (40, 4, "chunked", dict(chunk_size=8)),
+    (200, 8, "reference", {}),
+    (40, 4, "flash", dict(backend="gpu", block_q=16, block_kv=16, interpret=True)),
+])
+def test_sliding_window_ring_matches_reference(mesh8, window, steps, block_kernel,
+                                               options):
+  """A causal window runs only the steps whose kv shards it reaches (the forward's
+  ppermutes count them) and equals the reference, gradients included."""
+  assert ring_lib.window_steps(window, 16, 8) == steps
+  case = dataclasses.replace(RING_CASE, name=f"ring_window_{window}",
+                             sliding_window=window, logits_soft_cap=4.0)
+  fn = sharded(mesh8, block_kernel=block_kernel, **options)  # contiguous by default
+  check_against_reference(fn, case, jnp.float32)
+  x = make_inputs(case)
+  text = jax.jit(lambda q, k, v: fn(q, k, v, **case.mask_kwargs(x))).lower(
+      x["q"], x["k"], x["v"]).as_text()
+  # k, v and the kv segment ids travel steps - 1 hops (a hop is a ppermute each).
+  assert text.count("collective_permute") == 3 * (steps - 1)
+
+
+def test_sliding_window_ring_with_tpu_flash_blocks():
+  """TPU flash blocks at the kv shard's distance (q_offset), the fused backward too."""
+  mesh = jax.make_mesh((4,), ("sp",))
+  case = Case("ring_window_tpu", batch=1, q_len=1024, kv_len=1024, heads=2, kv_heads=1,
+              head_dim=16, segments=True, sliding_window=300)
+  fn = sharded(mesh, block_kernel="flash", backend="tpu", block_q=128, block_kv=128,
+               fused_bwd=True, interpret=True)
+  check_against_reference(fn, case, jnp.float32)
+
+
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(sliding_window=8), "sliding_window is not supported by ring attention, got 8"),
+    (dict(sliding_window=8, causal=False), "sliding_window \(8\) only with causal=True"),
+    (dict(sliding_window=8, layout="zigzag"), "runs the contiguous layout"),
+    (dict(sliding_window=0), "sliding_window"),
     (dict(layout="striped"), "layout must be one of"),
     (dict(block_kernel="splash"), "block_kernel must be"),
 ])
