@@ -141,7 +141,24 @@ def ring_memory(length: int) -> list[dict]:
   for row in rows[1:]:
     row["ring_memory_ratio"] = round(rows[0]["peak_mib"] / row["peak_mib"], 3)
   rows[0]["note"] = (rows[0]["note"] + " 8 fake devices share the CPU").strip()
-  return rows
+  # A causal sliding window of 1/16 of the length: the ring stops after the shards it
+  # reaches (2 of 8 steps), against the same window on one device.
+  window = length // 16
+  ring_lib = importlib.import_module("kernels.ring_attention")
+  windowed = lambda q, k, v: kernels.ring_attention_sharded(  # noqa: E731
+      q, k, v, mesh=mesh, axis_name="sp", sliding_window=window, block_kernel="chunked",
+      chunk_size=512)
+  pair = [_measure(f"ring x8 window {window} (per device)", windowed, args, 1,
+                   benchmark="ring fwd+bwd", length=length),
+          _measure(f"chunked x1 window {window}", lambda q, k, v: kernels.chunked_attention(
+              q, k, v, chunk_size=512, sliding_window=window), args, 1,
+                   benchmark="ring fwd+bwd", length=length)]
+  pair[0].update(ring_steps=ring_lib.window_steps(window, length // 8, 8),
+                 ring_memory_ratio=round(pair[0]["peak_mib"] / pair[1]["peak_mib"], 3),
+                 note="8 fake devices share the CPU")
+  if pair[0]["time_ms"] and rows[0]["time_ms"]:
+    pair[0]["time_vs_full_ring"] = round(pair[0]["time_ms"] / rows[0]["time_ms"], 2)
+  return rows + pair
 
 
 def _ring_rows(length: int) -> list[dict]:

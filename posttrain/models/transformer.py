@@ -160,7 +160,7 @@ class Attention(nnx.Module):
     if cache is None:
       out = attend(cfg, q, k, v, segment_ids_BxT, ctx)
     else:
-      new_cache = write_cache(cache, k, v, positions_BxT)
+      new_cache = write_cache(cache, k, v, positions_BxT, prefill=prefill)
       new_cache = jax.tree.map(lambda x: ctx.constrain(x, CACHE_AXES[:x.ndim]), new_cache)
       if prefill:
         # The cache was empty, so the block holds every key: the training kernel (chunked /
@@ -181,8 +181,14 @@ class Attention(nnx.Module):
     return y, new_cache
 
 
-def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> KVCache:
+def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
+                prefill: bool = False) -> KVCache:
   """Writes the new keys/values at their positions (slot = position), row by row.
+
+  With `prefill` the block's keys fill slots 0..T-1 of every row (their positions): one
+  slice update of the cache, which XLA keeps on each row's device. Scattered by row and
+  position, it all-gathered every row's keys across the batch axes first (the prompt
+  cache of every row on every device, at each layer).
 
   Indexed by (row, kv head, position), each [B, T, K] triple writing one head_dim vector:
   `cache.k[rows, heads, pos]` is [B, T, K, H], the keys' own layout, so they go in
@@ -191,6 +197,17 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT) -> KVCache:
   windows it copied every layer's whole cache between a slot-major and that layout at
   each decode step (`tests/models/test_transformer_tpu_compile.py` counts such copies).
   """
+  if prefill:
+    def put(c, x):  # x [B, T, K(, H)] into c [B, K, S(, H)] at slot 0
+      x = jnp.swapaxes(x, 1, 2).astype(c.dtype)
+      return jax.lax.dynamic_update_slice(c, x, (0,) * c.ndim)
+    if cache.k_scale is None:
+      return KVCache(put(cache.k, k_BxTxKxH), put(cache.v, v_BxTxKxH))
+    import kernels
+    k, k_scale = kernels.quantize_int8(k_BxTxKxH)
+    v, v_scale = kernels.quantize_int8(v_BxTxKxH)
+    return KVCache(put(cache.k, k), put(cache.v, v), put(cache.k_scale, k_scale),
+                   put(cache.v_scale, v_scale))
   b, t, kv_heads, _ = k_BxTxKxH.shape
   rows = jnp.arange(b)[:, None, None]
   heads = jnp.arange(kv_heads)[None, None, :]
@@ -315,9 +332,9 @@ class Transformer(nnx.Module):
       cache: a KV cache from `init_cache`; new keys are written at `positions`, queries
         attend to slots <= their position.
       ctx: mesh + rules for activation constraints.
-      prefill: the cache is empty and the block starts at position 0 of every row: attend
-        within the block (segment ids mask right padding) with cfg.attention_impl, and
-        write its keys/values into the cache.
+      prefill: the cache is empty and the block holds positions 0..T-1 of every row:
+        attend within the block (segment ids mask right padding) with
+        cfg.attention_impl, and write its keys/values into slots 0..T-1 of the cache.
     """
     cfg = self.cfg
     if tokens_BxT.ndim != 2:

@@ -167,6 +167,18 @@ def _param_path(path) -> str:
       k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
 
 
+def _grouping(row_source: np.ndarray, prefill_rows: int, batch: int) -> int | None:
+  """g when the rows' prompts (row_source, the real rows') are prompt 0 g times, then
+  prompt 1 g times, ... with g = batch / prefill_rows, so that repeating each prefilled
+  row g times gives every row its prompt's cache (padding rows, inactive, take what the
+  repeat gives them); else None."""
+  if batch % prefill_rows:
+    return None
+  g = batch // prefill_rows
+  want = np.repeat(np.arange(prefill_rows, dtype=np.int64), g)[:len(row_source)]
+  return g if np.array_equal(np.asarray(row_source), want) else None
+
+
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
   for b in buckets:
     if b >= n:
@@ -354,13 +366,15 @@ class Sampler:
     seed, temp, nucleus = self._sampling_scalars(seed_value, temperature, top_p, mode)
     prompt_lens = rowwise(distinct_lens[row_source])
     active = rowwise(np.arange(batch) < rows)
+    group = _grouping(row_source[:rows], prefill_rows, batch)
 
     weights = self._weights()
     prefill_args = (weights, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
                     seed, temp, nucleus)
-    prefill = self._program(("prefill", prefill_rows, batch, prompt_len, cache_len, mode),
-                            functools.partial(self._prefill, cache_len=cache_len, mode=mode),
-                            prefill_args, donate=())
+    prefill = self._program(
+        ("prefill", prefill_rows, batch, prompt_len, cache_len, mode, group),
+        functools.partial(self._prefill, cache_len=cache_len, mode=mode, group=group),
+        prefill_args, donate=())
     cache, first, first_logp = prefill(*prefill_args)
     cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
         weights, cache, first, first_logp, prompt_lens, active, max_new_tokens, stop_ids,
@@ -404,7 +418,14 @@ class Sampler:
       raise ValueError(f"prompt_len={prompt_len} + max_new_tokens={max_new_tokens} must be "
                        f"positive and fit max_len={self.max_len}")
     batch = self._batch_bucket(rows)
-    prefill_rows = self._batch_bucket(min(rows, distinct_prompts or rows))
+    distinct = min(rows, distinct_prompts or rows)
+    prefill_rows = self._batch_bucket(distinct)
+    # The program `generate` runs for rows that repeat each distinct prompt in turn (a
+    # GRPO group's samples side by side, as the rollout worker lays them out).
+    group = None
+    if rows % distinct == 0:
+      group = _grouping(np.repeat(np.arange(distinct), rows // distinct), prefill_rows,
+                        batch)
     cache_len = _bucket(prompt_len + max_new_tokens, self.length_buckets, "sequence length")
     prompt_len = _bucket(prompt_len, self.length_buckets, "prompt length")
 
@@ -421,9 +442,10 @@ class Sampler:
     prefill_args = (weights, row(jnp.int32, prompt_len, rows=prefill_rows),
                     row(jnp.int32, rows=prefill_rows), row(jnp.int32),
                     scalar(jnp.uint32), scalar(jnp.float32), scalar(jnp.float32))
-    prefill = self._program(("prefill", prefill_rows, batch, prompt_len, cache_len, mode),
-                            functools.partial(self._prefill, cache_len=cache_len, mode=mode),
-                            prefill_args, donate=())
+    prefill = self._program(
+        ("prefill", prefill_rows, batch, prompt_len, cache_len, mode, group),
+        functools.partial(self._prefill, cache_len=cache_len, mode=mode, group=group),
+        prefill_args, donate=())
     cache, first, first_logp = prefill.out_info
     decode_args = (weights, cache, first, first_logp, row(jnp.int32), row(jnp.bool_),
                    scalar(jnp.int32), self._abstract((max(4, stop_ids),), jnp.int32, ()),
@@ -521,13 +543,17 @@ class Sampler:
                       preferred_element_type=jnp.float32)
 
   def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, seed, temperature,
-               top_p, *, cache_len: int, mode: SamplingMode):
+               top_p, *, cache_len: int, mode: SamplingMode, group: int | None = None):
     """Prefills the U distinct prompts, gives each of the B rows its prompt's cache.
 
     The prompts fill a cache of their own length L; each row gathers its prompt's and
     extends it to cache_len (as `models.init_cache` would have it). Gathering the full
     cache_len cache instead made XLA replicate U rows of it on every device of the batch
-    axes: 7.9 GiB a device for a 7B model's 64 prompts at 9,216 slots."""
+    axes: 7.9 GiB a device for a 7B model's 64 prompts at 9,216 slots. With `group`
+    (`_grouping`: row b's prompt is b // group) rows repeat their prompts' caches in
+    place, which leaves each device's rows on the device of their prompts: a gather by
+    row_source would copy the L-long cache of all U prompts to every device of the
+    batch axes (0.88 GiB a device for that 7B model)."""
     model = nnx.merge(self._graphdef, state)
     distinct, length = tokens_UxL.shape
     dtype = jnp.int8 if self.cache_dtype == "int8" else None
@@ -539,11 +565,15 @@ class Sampler:
     h, cache = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache,
                                    ctx=self._ctx, prefill=True)
     h_last = jnp.take_along_axis(h, (prompt_lens_U - 1)[:, None, None], axis=1)[:, 0]
-    logits = self._logits(model, h_last)[row_source_B]
+    if group is None:
+      take = lambda x: x[row_source_B]  # noqa: E731
+    else:
+      take = lambda x: jnp.repeat(x, group, axis=0)  # noqa: E731
+    logits = take(self._logits(model, h_last))
     empty = models.init_cache(self.cfg, 1, cache_len - length, dtype)[0]
 
     def extend(x, fill):  # [B, kv_heads, L(, head_dim)] -> [B, kv_heads, cache_len(, ...)]
-      rows = x[row_source_B]
+      rows = take(x)
       tail = jnp.broadcast_to(fill[:1], (rows.shape[0], *fill.shape[1:]))
       return jnp.concatenate([rows, tail], axis=2)
 

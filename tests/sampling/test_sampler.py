@@ -8,6 +8,7 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.sampling import Sampler, SamplingMode, sample_logits
+from posttrain.sampling import sampler as sampler_lib
 from sampling_refs import (CFG, MAX_LEN, PROMPTS, full_logits, generated_positions,
                            greedy_by_recomputation, reference_policy, token_logprobs)
 
@@ -382,6 +383,37 @@ def test_prefill_gathers_prompt_long_caches_not_the_whole_cache():
   assert memory.output_size_in_bytes >= 8 * CFG.num_layers * 2 * CFG.num_kv_heads * 2048 * (
       CFG.head_dim * 4)
   assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 8
+  # 8 prompts x 8 samples, side by side: each row's prompt is on its own device, so
+  # the rows repeat their prompts' caches in place and the prompts' keys fill slots
+  # 0..15 by a slice: nothing crosses devices (a gather by row and a scatter by
+  # position each all-gathered the prompts' caches over the batch axis).
+  assert "all-gather" not in prefill.as_text()
+
+
+def test_grouping_of_rows_onto_prefilled_prompts():
+  grouping = sampler_lib._grouping
+  assert grouping(np.repeat(np.arange(3), 4), 4, 16) == 4  # 3 of 4 prompt rows used
+  assert grouping(np.arange(6), 8, 8) == 1  # every prompt distinct: rows are prompts
+  assert grouping(np.tile(np.arange(3), 4), 4, 16) is None  # interleaved samples
+  assert grouping(np.repeat(np.arange(3), 4), 4, 24) is None  # 6 a prompt, 4 given
+  assert grouping(np.repeat(np.arange(3), 4), 3, 16) is None  # buckets do not divide
+
+
+def test_grouped_prefill_samples_what_the_gathering_one_does(model, monkeypatch):
+  """Rows repeating their prompt's cache in place (a GRPO group side by side) sample
+  exactly what rows gathering it by index do, on a mesh that splits the batch."""
+  mesh = models.make_mesh((1, 4, 1, 1), devices=jax.devices()[:4])
+  prompts = [p[:9] for p in PROMPTS[:3] for _ in range(4)]
+  outs = []
+  for grouped in (True, False):
+    if not grouped:
+      monkeypatch.setattr(sampler_lib, "_grouping", lambda *args: None)
+    sampler = Sampler(model, mesh=mesh, max_len=MAX_LEN)
+    outs.append(sampler.generate(prompts, max_new_tokens=6, temperature=1.0, seed=3))
+    keys = [k for k in sampler._programs if k[0] == "prefill"]
+    assert [k[-1] for k in keys] == [4 if grouped else None]
+  np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+  np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-6)
 
 
 def test_decode_reads_weights_gathered_once_per_call(model):
