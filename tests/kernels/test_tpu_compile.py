@@ -90,15 +90,17 @@ def test_pallas_outside_shard_map_is_refused_on_a_mesh():
   compile_for(mesh, sharded, q, q, q)
 
 
-def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice():
+@pytest.mark.parametrize("window", [None, 700])
+def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice(window):
+  """The ring's flash blocks; with a window, at the kv shard's distance (q_offset)."""
   mesh = tpu_mesh("v5e", (4,), ("sequence",))
-  q = spec(mesh, (1, 2048, 4, 128), jnp.bfloat16)
-  k = spec(mesh, (1, 2048, 2, 128), jnp.bfloat16)
+  q = spec(mesh, (1, 8192 if window else 2048, 4, 128), jnp.bfloat16)
+  k = spec(mesh, (1, 8192 if window else 2048, 2, 128), jnp.bfloat16)
 
   def loss(q, k, v):
     out = kernels.ring_attention_sharded(q, k, v, mesh=mesh, axis_name="sequence",
                                          block_kernel="flash", backend="tpu",
-                                         interpret=False)
+                                         interpret=False, sliding_window=window)
     return out.astype(jnp.float32).sum()
 
   text = compile_for(mesh, jax.grad(loss, argnums=(0, 1, 2)), q, k, k).as_text()
