@@ -409,7 +409,7 @@ def _logits_base2(cfg: _Config, q, k):
 # ----------------------------------------------------------------------------------
 # TPU grids. A rectangular grid steps through every block pair and skips the hidden ones
 # in `pl.when`, but a skipped step still pays the step overhead (index maps, DMA
-# bookkeeping: 210-390 bundles). A compact grid steps through the pairs the causal /
+# bookkeeping: 207-375 bundles). A compact grid steps through the pairs the causal /
 # sliding-window mask leaves visible, listed row by row in a table prefetched into SMEM.
 
 # Steps of a compact grid (8 bytes each in SMEM; TPU v4 and later have 1 MiB). Longer
@@ -430,9 +430,9 @@ COMPACT_AUTO_FRACTION = {"fwd": 0.7, "dq": 0.5, "dkv": 0.4}
 def compact_steps(cfg: _Config, kernel: str = "fwd") -> tuple[tuple, ...] | None:
   """The block ids of a compact grid's steps for `kernel` ("fwd", "dq" or "dkv"): (qi,
   ki) row by row over q blocks, or for the dk/dv kernel, kv-major, (ki, gi, qi) over kv
-  blocks and the group's heads. Only
-  pairs `kv_block_range` keeps; a row that sees none gets one step at its first block,
-  outside the range (it visits nothing, but init and finish run). None when the
+  blocks and the group's heads. Only pairs `kv_block_range` keeps; a row that sees none
+  gets one step at its first block, outside the range (it visits nothing, but init and
+  finish run). None when the
   rectangular grid is used: no causal or window mask, `compact_grid` False, a table
   no shorter than the rectangle or longer than MAX_COMPACT_STEPS, or (compact_grid
   None) longer than the kernel's COMPACT_AUTO_FRACTION of the rectangle."""
@@ -869,9 +869,9 @@ def _count_shape(b, h, n, like):
 def _tpu_call(cfg: _Config, grid: _TpuGrid, lead, kernel, in_specs, out_specs, out_shape,
               scratch, name: str, operands, ranges):
   """pallas_call of a TPU kernel over (*lead, *grid.dims): `lead` is (batch, heads). A
-  compact grid's step table and, with segment ids, the
-  flattened block ranges are prefetched into SMEM, in that order, where index maps
-  (trailing arguments) and kernels (first) read them."""
+  compact grid's step table and, with segment ids, the flattened block ranges are
+  prefetched into SMEM, in that order, where index maps (trailing arguments) and
+  kernels (first) read them."""
   from jax.experimental.pallas import tpu as pltpu
   prefetch = tuple(x for x in (grid.table(), None if ranges is None else ranges.reshape(-1))
                    if x is not None)
