@@ -782,7 +782,7 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   dq_ref = rest.pop(0) if cfg.fused_bwd else None
   count_ref = rest[0] if counts else None
   dk_sc, dv_sc = rest[-2:]
-  (ki, gi, qi), first, last, visible, full = grid.kernel_step(table_ref)
+  (ki, _, qi), first, last, visible, full = grid.kernel_step(table_ref)
 
   @pl.when(first)
   def _init():

@@ -155,7 +155,7 @@ def test_sliding_window_ring_with_tpu_flash_blocks():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(sliding_window=8, causal=False), "sliding_window \(8\) only with causal=True"),
+    (dict(sliding_window=8, causal=False), r"sliding_window \(8\) only with causal=True"),
     (dict(sliding_window=8, layout="zigzag"), "runs the contiguous layout"),
     (dict(sliding_window=0), "sliding_window"),
     (dict(layout="striped"), "layout must be one of"),
