@@ -461,6 +461,24 @@ def compact_steps(cfg: _Config, kernel: str = "fwd") -> tuple[tuple, ...] | None
 _FIRST, _LAST, _VISIBLE, _FULL = 1, 2, 4, 8
 
 
+@functools.lru_cache(maxsize=256)
+def _compact_words(cfg: _Config, kernel: str) -> tuple[int, ...]:
+  """`compact_steps` as two int32 words a step (`_TpuGrid`): (row << 16 | inner block
+  id), and the flags | head in group << 8."""
+  steps, kv_major = compact_steps(cfg, kernel), kernel == "dkv"
+  plain = _without_segments(cfg)
+  words = []
+  for n, step in enumerate(steps):
+    row, gi, inner = step if kv_major else (step[0], 0, step[1])
+    qi, ki = (inner, row) if kv_major else (row, inner)
+    flags = ((_FIRST if n == 0 or steps[n - 1][0] != row else 0)
+             | (_LAST if n + 1 == len(steps) or steps[n + 1][0] != row else 0))
+    if _in_range(ki, kv_block_range(cfg, qi, xp=_Ints)):
+      flags |= _VISIBLE | (_FULL if _block_fully_visible(plain, qi, ki, xp=_Ints) else 0)
+    words += [row << 16 | inner, flags | gi << 8]
+  return tuple(words)
+
+
 @dataclasses.dataclass(frozen=True)
 class _TpuGrid:
   """A TPU kernel's grid after its (batch, heads) dims: rectangular (q blocks, kv
@@ -470,16 +488,19 @@ class _TpuGrid:
   not considered) | head in group << 8, so the scalar core decodes a step with shifts
   and masks, no division. Index maps and kernels see block ids either way."""
   cfg: _Config
-  kv_major: bool
+  kernel: str  # "fwd", "dq" or "dkv"
   steps: tuple | None
 
   @classmethod
   def make(cls, cfg: _Config, kernel: str) -> _TpuGrid:
-    kv_major = kernel == "dkv"
     steps = compact_steps(cfg, kernel)
     if steps is not None and max(cfg.num_q_blocks, cfg.num_kv_blocks) >= 1 << 15:
       steps = None  # ids do not fit 16 bits (lengths of millions of tokens)
-    return cls(cfg, kv_major, steps)
+    return cls(cfg, kernel, steps)
+
+  @property
+  def kv_major(self) -> bool:
+    return self.kernel == "dkv"
 
   @property
   def dims(self) -> tuple[int, ...]:
@@ -503,19 +524,7 @@ class _TpuGrid:
     """The steps' words, a scalar-prefetch operand (None for a rectangular grid)."""
     if self.steps is None:
       return None
-    cfg, plain = self.cfg, _without_segments(self.cfg)
-    words, previous = [], None
-    for n, step in enumerate(self.steps):
-      row, gi, inner = step if self.kv_major else (step[0], 0, step[1])
-      qi, ki = (inner, row) if self.kv_major else (row, inner)
-      nxt = self.steps[n + 1] if n + 1 < len(self.steps) else None
-      flags = ((_FIRST if previous is None or previous[0] != row else 0)
-               | (_LAST if nxt is None or nxt[0] != row else 0))
-      if _in_range(ki, kv_block_range(cfg, qi, xp=_Ints)):
-        flags |= _VISIBLE | (_FULL if _block_fully_visible(plain, qi, ki, xp=_Ints) else 0)
-      words += [row << 16 | inner, flags | gi << 8]
-      previous = step
-    return jnp.asarray(words, jnp.int32)
+    return jnp.asarray(_compact_words(self.cfg, self.kernel), jnp.int32)
 
   def _decode(self, table_ref, s):
     """Block ids of compact step `s`, (qi, ki) or kv-major (ki, gi, qi), and its flags."""
