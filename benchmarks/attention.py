@@ -237,8 +237,17 @@ def _rel_err(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim), mask options
+ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_length]),
+    # mask options[, flash options]. On an H200 the forward runs the Mosaic GPU kernel
+    # wherever it can (no segment ids), the Triton one where asked or it cannot.
     ("causal gqa ragged", (2, 1000, 8, 2, 128), dict(causal=True)),
+    ("causal gqa ragged, triton forward", (2, 1000, 8, 2, 128), dict(causal=True),
+     dict(gpu_forward="triton")),
+    ("causal, q shorter than kv", (2, 300, 4, 2, 128, 1000), dict(causal=True)),
+    ("causal, q longer than kv (rows with no key)", (1, 1000, 4, 2, 128, 300),
+     dict(causal=True)),
+    ("non-causal window", (1, 1100, 4, 4, 128), dict(causal=False, sliding_window=200)),
+    ("causal d256", (1, 640, 4, 2, 256), dict(causal=True)),
     ("non-causal mqa d64", (1, 777, 4, 1, 64), dict(causal=False)),
     ("segments", (2, 640, 4, 4, 128), dict(causal=True, segments=True)),
     ("window + soft cap", (1, 1536, 4, 2, 128),
@@ -255,10 +264,12 @@ def accelerator_check(options=None) -> list[dict]:
   """Flash (bf16) vs the f32 reference on the device: ||x - ref|| / ||ref|| of the
   output and of dq, dk, dv, on fresh random inputs. bf16 lands near 1e-2 at most."""
   rows = []
-  for i, (name, (b, t, h, kvh, d), opts, *flash_opts) in enumerate(ACCEL_CHECKS):
+  for i, (name, (b, t, h, kvh, d, *tk), opts, *flash_opts) in enumerate(ACCEL_CHECKS):
     opts = dict(opts)
     flash_opts = dict(options or {}, **(flash_opts[0] if flash_opts else {}))
     q, k, v, do = _attention_inputs(jax.random.key(100 + i), b, t, h, kvh, d)
+    if tk:  # another kv length
+      _, k, v, _ = _attention_inputs(jax.random.key(200 + i), b, tk[0], h, kvh, d)
     seg = None
     if opts.pop("segments", False):
       seg = jnp.asarray(np.repeat(np.arange(1, 6), -(-t // 5))[:t][None].repeat(b, 0))
@@ -281,7 +292,7 @@ def accelerator_check(options=None) -> list[dict]:
                  dv=round(errs[3], 5), note="ok" if ok else "FAIL")
     except Exception as e:  # pylint: disable=broad-except
       row = dict(benchmark="accuracy bf16 vs f32 reference", implementation=name,
-                 note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                 note=f"failed: {type(e).__name__}: {' | '.join(str(e).splitlines())[:600]}")
     print(f"  {row}", file=sys.stderr, flush=True)
     rows.append(row)
   return rows
@@ -336,6 +347,9 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
   backend = jax.default_backend()
   kv_heads = heads if kv_heads is None else kv_heads
   impls = [("flash (pallas)", _flash(**(flash_options or {})))]
+  if backend == "gpu":  # the default forward (Mosaic on Hopper) against the Triton one
+    impls.append(("flash triton-fwd", _flash(**dict(flash_options or {},
+                                                     gpu_forward="triton"))))
   impls.append(("jax xla", lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="xla")))
   if backend == "gpu":

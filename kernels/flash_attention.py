@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 from typing import Any
 
@@ -104,6 +105,10 @@ class _Config:
   # TPU: grids that step through the visible block pairs only (`compact_steps`), not
   # the whole rectangle: True, False, or None = where they skip most of it
   compact_grid: bool | None = None
+  # GPU forward kernel: "mosaic" (Hopper wgmma + TMA, `kernels.flash_mosaic_gpu`),
+  # "triton", or None = Mosaic where it runs (an sm_90 device, no segment ids, 16-bit
+  # inputs, head_dim a multiple of 64 up to 256), else Triton
+  gpu_forward: str | None = None
 
   def for_backward(self) -> _Config:
     return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd,
@@ -1421,9 +1426,24 @@ def _prepare(cfg: _Config, q, k, v, q_seg, kv_seg, q_multiple=None, kv_multiple=
   return q, k, v, q_seg, kv_seg
 
 
+def _mosaic_forward(cfg: _Config, q, k) -> bool:
+  """Whether the GPU forward runs the Mosaic GPU (Hopper) kernel."""
+  if cfg.backend != "gpu" or cfg.interpret or cfg.gpu_forward == "triton":
+    return False
+  mosaic = importlib.import_module("kernels.flash_mosaic_gpu")
+  reason = mosaic.unsupported(cfg, q, k)
+  if cfg.gpu_forward == "mosaic":
+    if reason:
+      raise ValueError(f"gpu_forward='mosaic' cannot run this call: {reason}")
+    return True
+  return reason is None and mosaic.hopper_device()
+
+
 def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
   """Returns out [b, Tq, h, d] (q.dtype), internal lse [b, h, Tq] (+inf = no key)."""
   tq, d = q.shape[1], q.shape[3]
+  if not counts and _mosaic_forward(cfg, q, k):
+    return importlib.import_module("kernels.flash_mosaic_gpu").forward(cfg, q, k, v)
   qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg)
   if cfg.backend == "tpu":
     res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
@@ -1514,7 +1534,8 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
                 block_kv_dq=None, dq_atomic=False, fused_bwd=False, compact_grid=None,
-                num_warps=None, num_stages=None, num_warps_bwd=None, num_stages_bwd=None,
+                gpu_forward=None, num_warps=None, num_stages=None, num_warps_bwd=None,
+                num_stages_bwd=None,
                 interpret=None) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config.
   `q_offset`: the position of q's first token counted from kv's first (default kv_len -
@@ -1557,6 +1578,10 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
   if dq_atomic and backend != "gpu":
     raise ValueError("dq_atomic is an option of the gpu (Triton) kernels; the tpu "
                      "kernels' counterpart is fused_bwd")
+  if gpu_forward not in (None, "mosaic", "triton"):
+    raise ValueError(f"gpu_forward must be 'mosaic', 'triton' or None, got {gpu_forward!r}")
+  if gpu_forward is not None and backend != "gpu":
+    raise ValueError("gpu_forward is an option of the gpu kernels")
   if fused_bwd and backend != "tpu":
     raise ValueError("fused_bwd is an option of the tpu (Mosaic) kernels; the gpu "
                      "kernels' counterpart is dq_atomic")
@@ -1576,7 +1601,7 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
       dq_atomic=bool(dq_atomic), fused_bwd=bool(fused_bwd),
       q_offset=None if q_offset is None else int(q_offset),
       compact_grid=None if compact_grid is None else bool(compact_grid),
-      group=q.shape[2] // k.shape[2],
+      gpu_forward=gpu_forward, group=q.shape[2] // k.shape[2],
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
@@ -1591,7 +1616,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     block_q_bwd: int | None = None, block_kv_bwd: int | None = None,
                     block_q_dq: int | None = None, block_kv_dq: int | None = None,
                     dq_atomic: bool = False, fused_bwd: bool = False,
-                    compact_grid: bool | None = None, num_warps: int | None = None,
+                    compact_grid: bool | None = None, gpu_forward: str | None = None,
+                    num_warps: int | None = None,
                     num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret=None):
@@ -1628,6 +1654,12 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       is most of the work, but a compact step's overhead is larger. None (default):
       compact where it drops most of the rectangle's steps (long windows), not for a
       causal triangle.
+    gpu_forward: GPU only. 'mosaic': the forward runs the Hopper kernel of
+      `kernels.flash_mosaic_gpu` (Pallas Mosaic GPU: wgmma, TMA, warp-specialised
+      producer and two consumer warpgroups); 'triton': the Triton kernel. None
+      (default): Mosaic on an sm_90 device when the call has no segment ids, 16-bit
+      inputs and a head_dim that is a multiple of 64 up to 256, else Triton. The
+      backward pass always runs the Triton kernels, from either forward's lse.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
@@ -1647,7 +1679,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     sliding_window=sliding_window, backend=backend, block_q=block_q,
                     block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
                     block_q_dq=block_q_dq, block_kv_dq=block_kv_dq, dq_atomic=dq_atomic,
-                    fused_bwd=fused_bwd, compact_grid=compact_grid, num_warps=num_warps,
+                    fused_bwd=fused_bwd, compact_grid=compact_grid,
+                    gpu_forward=gpu_forward, num_warps=num_warps,
                     num_stages=num_stages,
                     num_warps_bwd=num_warps_bwd, num_stages_bwd=num_stages_bwd,
                     interpret=interpret)

@@ -1,0 +1,325 @@
+"""Flash attention forward for NVIDIA Hopper (sm_90) in Pallas Mosaic GPU.
+
+One CTA per (head, pair of 64-row q tiles, batch) runs three warpgroups:
+
+* two consumer warpgroups, one q tile each: S = Q K^T and O += P V on the tensor cores
+  with wgmma, the online softmax in base 2 in registers. A shared "schedule" barrier
+  makes them take turns, so one warpgroup's softmax overlaps the other's matmuls;
+* one producer warpgroup that streams K and V blocks into a ring of shared-memory
+  slots with the TMA engine, each slot guarded by a "loaded" barrier (TMA arrives)
+  and a "consumed" barrier (both consumers arrive).
+
+The producer streams the union of the two tiles' visible kv blocks (causal or
+sliding-window masks skip the rest). A consumer runs every step of that union so the
+barrier phases stay in step: blocks its own tile cannot see are skipped without
+compute, fully visible blocks run without the element mask, and the others are
+masked. Masked logits are -inf while the running max starts finite, so a row that
+sees no key at all ends with l = 0, output 0 and lse = +inf (no NaN).
+
+Same masking contract as `kernels.flash_attention` (causal, sliding window, soft cap,
+GQA, q shorter or longer than kv, any lengths, `q_offset`); segment ids are left to
+the Triton kernels. Returns the output and the internal log-sum-exp [b, h, Tq]
+(natural log, +inf for rows with no key), which the Triton backward kernels consume.
+Imports jax only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
+
+LOG2E = math.log2(math.e)
+TILE_Q = 64  # rows per consumer warpgroup: one wgmma M tile
+CONSUMERS = 2
+# Start of the running max: finite, so a row that has seen only masked (-inf) logits
+# keeps alpha = exp2(m - m) = 1 and p = 0 instead of NaN.
+M_INIT = -1e30
+SMEM_BYTES = 227 * 1024
+
+
+def kv_block_and_slots(head_dim: int, itemsize: int = 2) -> tuple[int, int]:
+  """(block_kv, ring slots) that fit Hopper's shared memory next to the two q tiles:
+  128-key blocks in two slots up to head_dim 128 (the fastest shape on an H200),
+  64-key blocks beyond."""
+  q_bytes = CONSUMERS * TILE_Q * head_dim * itemsize
+  for block_kv, slots in ((128, 2), (64, 2)):
+    if q_bytes + 2 * slots * block_kv * head_dim * itemsize + 4096 <= SMEM_BYTES:
+      return block_kv, slots
+  raise ValueError(f"head_dim {head_dim} does not fit the Mosaic GPU kernel's shared "
+                   f"memory")
+
+
+def unsupported(cfg, q, k) -> str | None:
+  """Why the Mosaic GPU forward cannot run this call (None: it can)."""
+  if cfg.segments:
+    return "segment ids"
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+    return f"dtype {q.dtype} (bfloat16 and float16 only)"
+  d = q.shape[-1]
+  if d % 64 or d > 256:
+    return f"head_dim {d} (a multiple of 64 up to 256 only)"
+  try:  # ptxas 12.8 - 12.9.0 miscompiles such kernels (as JAX's own notes)
+    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+    version = cuda_versions.cuda_runtime_get_version() if cuda_versions else None
+  except Exception:  # pylint: disable=broad-except
+    version = None
+  if version is not None and 12080 <= version < 12091:
+    return f"CUDA runtime {version} (ptxas 12.8 - 12.9.0 miscompile)"
+  return None
+
+
+def hopper_device() -> bool:
+  """True when the default device is an sm_90 GPU (wgmma exists on Hopper only)."""
+  try:
+    device = jax.devices()[0]
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return (device.platform == "gpu"
+          and str(getattr(device, "compute_capability", "")).startswith("9."))
+
+
+def _tile_config(cfg, block_kv: int):
+  return dataclasses.replace(cfg, block_q=TILE_Q, block_kv=block_kv, segments=False)
+
+
+def _spans(u_lo, u_hi, lo_hi, full_lo_hi):
+  """The union [u_lo, u_hi] cut into (start, stop, kind) runs for one tile: skipped
+  blocks before its own range, masked, fully visible, masked, skipped after."""
+  lo, hi = lo_hi
+  empty = lo > hi
+  lo = jnp.where(empty, u_hi + 1, lo)
+  hi = jnp.where(empty, u_hi, hi)
+  full_lo, full_hi = full_lo_hi
+  no_full = full_lo > full_hi
+  full_lo = jnp.where(no_full, hi + 1, full_lo)
+  full_hi = jnp.where(no_full, hi, full_hi)
+  return ((u_lo, lo, "skip"), (lo, full_lo, "masked"), (full_lo, full_hi + 1, "full"),
+          (full_hi + 1, hi + 1, "masked"), (hi + 1, u_hi + 1, "skip"))
+
+
+def _union(cfg, first_tile):
+  """kv blocks the producer streams for the tiles first_tile and first_tile + 1:
+  (first block, number of blocks)."""
+  los, his = [], []
+  for t in range(CONSUMERS):
+    lo, hi = fa.kv_block_range(cfg, first_tile + t)
+    empty = lo > hi
+    los.append(jnp.where(empty, cfg.num_kv_blocks, lo))
+    his.append(jnp.where(empty, -1, hi))
+  u_lo, u_hi = jnp.minimum(*los), jnp.maximum(*his)
+  n = jnp.maximum(u_hi - u_lo + 1, 0)
+  return jnp.where(n > 0, u_lo, 0), n
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, cfg, block_kv, slots,
+            num_pairs, head_dim):
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  (q_smem2, k_smem, v_smem, lse_smem2), (k_loaded, v_loaded, q_loaded), \
+      (k_used, v_used), schedule = scoped
+  batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  pair = lax.axis_index("q_seq")
+  if cfg.causal:  # the longest rows first, so short ones fill the tail of the launch
+    pair = num_pairs - 1 - pair
+  first_tile = pair * CONSUMERS
+  u_lo, n = _union(cfg, first_tile)
+  dtype = q_ref.dtype
+
+  def schedule_turn():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    qo_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+    tile = first_tile + wg
+    q_base = tile * TILE_Q
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, TILE_Q), head], qo_smem,
+                            q_loaded.at[wg])
+    plgpu.barrier_wait(q_loaded.at[wg])
+    row = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((TILE_Q,), M_INIT, jnp.float32), row)
+    l = plgpu.layout_cast(jnp.full((TILE_Q,), 0.0, jnp.float32), row)
+    acc = plgpu.layout_cast(jnp.full((TILE_Q, head_dim), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA)
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.barrier_wait(k_loaded.at[0])
+    pl.when(wg == 1)(schedule_turn)  # the two consumers take turns from here on
+
+    def slot_of(ki):
+      return lax.rem(ki - u_lo, jnp.int32(slots))
+
+    def wait_next(ki):
+      @pl.when(ki + 1 < u_lo + n)
+      def _():
+        plgpu.barrier_wait(k_loaded.at[slot_of(ki + 1)])
+
+    def skip(ki, carry):
+      slot = slot_of(ki)
+      schedule_turn()
+      plgpu.barrier_arrive(k_used.at[slot])
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(schedule)
+      wait_next(ki)
+      plgpu.barrier_arrive(v_used.at[slot])
+      return carry
+
+    def step(ki, carry, masked: bool):
+      acc, m, l = carry
+      slot = slot_of(ki)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+        schedule_turn()
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((TILE_Q, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_used.at[slot])
+      if cfg.logits_soft_cap is not None:
+        cap = cfg.logits_soft_cap
+        s = cap * jnp.tanh(s * (cfg.sm_scale / cap))
+        scale = LOG2E
+      else:
+        scale = cfg.sm_scale * LOG2E
+      if masked:
+        shape = (TILE_Q, block_kv)
+        iota = lambda dim: plgpu.broadcasted_iota(  # noqa: E731
+            jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+        q_pos = iota(0) + (q_base + cfg.offset)
+        kv_pos = iota(1) + ki * block_kv
+        visible = None
+
+        def both(a, b):
+          return b if a is None else a & b
+        if cfg.kv_len % block_kv:
+          visible = both(visible, kv_pos < cfg.kv_len)
+        if cfg.causal:
+          visible = both(visible, q_pos >= kv_pos)
+        if cfg.sliding_window is not None:
+          visible = both(visible, q_pos - kv_pos < cfg.sliding_window)
+          if not cfg.causal:
+            visible = both(visible, kv_pos - q_pos < cfg.sliding_window)
+        if visible is not None:
+          s = jnp.where(visible, s, -jnp.inf)
+      # Base-2 softmax with m kept in scaled units, so p = exp2(s * scale - m) is an FMA.
+      m_next = jnp.maximum(m, s.max(axis=1) * scale)
+      alpha = jnp.exp2(m - m_next)
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+      plgpu.barrier_arrive(schedule)  # softmax done: the other consumer's turn
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(schedule)
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        wait_next(ki)
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_used.at[slot])
+      return acc, m_next, l
+
+    tile_cfg = _tile_config(cfg, block_kv)
+    spans = _spans(u_lo, u_lo + n - 1, fa.kv_block_range(tile_cfg, tile),
+                   fa.kv_full_range(tile_cfg, tile))
+    carry = (acc, m, l)
+    for start, stop, kind in spans:
+      if kind == "skip":
+        body = skip
+      else:
+        body = (lambda ki, c, masked=(kind == "masked"): step(ki, c, masked))
+      carry = lax.fori_loop(start, stop, body, carry)
+    acc, m, l = carry
+    pl.when(wg == 0)(schedule_turn)
+
+    # l >= 1 on any row that saw a key (its max contributes exp2(0)); 0 on a row that
+    # saw none, whose acc is 0 too: dividing by max(l, 1) leaves such rows 0.
+    inv = 1.0 / jnp.maximum(l, 1.0)
+    qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+    lse_smem[...] = m + jnp.log(l) * LOG2E  # base 2; -inf where l == 0
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[batch, pl.ds(q_base, TILE_Q), head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, TILE_Q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(head, jnp.int32(cfg.group))
+
+    def load(ki, slot):
+      rows = (batch, pl.ds(ki * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+    for i in range(slots):
+      pl.when(i < n)(lambda i=i: load(u_lo + i, i))
+
+    @pl.loop(0, jnp.maximum(n - slots, 0))
+    def _(j):
+      slot = lax.rem(j, jnp.int32(slots))
+      rows = (batch, pl.ds((u_lo + j + slots) * block_kv, block_kv), kv_head)
+      plgpu.barrier_wait(k_used.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.barrier_wait(v_used.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+
+def forward(cfg, q, k, v):
+  """q [b, Tq, h, d], k / v [b, Tk, kvh, d] (any lengths) -> (out [b, Tq, h, d],
+  internal lse [b, h, Tq]: natural log, +inf for rows that see no key).
+
+  `cfg` is the flash `_Config` (its blocks are ignored: the kernel tiles q by 64 rows
+  per warpgroup and picks its kv block by head_dim). Runs on a GPU only (the Mosaic
+  GPU interpreter of jax 0.10 lacks wgmma accumulators, layouts and transposed refs)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  b, tq, h, d = q.shape
+  block_kv, slots = kv_block_and_slots(d, q.dtype.itemsize)
+  cfg = _tile_config(cfg, block_kv)
+  pair_rows = CONSUMERS * TILE_Q
+  qp = fa._pad_len(q, 1, pair_rows)  # pylint: disable=protected-access
+  kp = fa._pad_len(k, 1, block_kv)  # pylint: disable=protected-access
+  vp = fa._pad_len(v, 1, block_kv)  # pylint: disable=protected-access
+  num_pairs = qp.shape[1] // pair_rows
+  dtype = q.dtype
+
+  def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=transforms)  # noqa: E731
+    scratch = [smem((CONSUMERS, TILE_Q, d)), smem((slots, block_kv, d)),
+               smem((slots, block_kv, d)), plgpu.SMEM((CONSUMERS, TILE_Q), jnp.float32)]
+    pl.run_scoped(
+        lambda *scoped: _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, cfg=cfg,
+                                block_kv=block_kv, slots=slots, num_pairs=num_pairs,
+                                head_dim=d),
+        scratch,
+        (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
+         plgpu.Barrier(num_barriers=CONSUMERS)),
+        (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),) * 2,
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+        collective_axes="wg",
+    )
+
+  out, lse2 = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct(qp.shape, dtype),
+                jax.ShapeDtypeStruct((b, h, qp.shape[1]), jnp.float32)),
+      grid=(h, num_pairs, b),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(qp, kp, vp)
+  lse2 = lse2[:, :, :tq]
+  lse = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2 * (1.0 / LOG2E))
+  return out[:, :tq], lse
