@@ -14,6 +14,10 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
   visible kv blocks with `fori_loop`, the fully visible ones in an unmasked loop.
   Layout [batch, len, heads, head_dim] (no copy). The softmax runs in base 2 (exp2 is
   one ex2 instruction; jnp.exp lowers to libdevice's exact expf).
+* GPU forward on Hopper (sm_90): `kernels.flash_mosaic_gpu`, a Pallas Mosaic GPU
+  kernel (TMA producer warpgroup, two wgmma consumer warpgroups) that the forward runs
+  wherever it can (no segment ids, 16-bit inputs, head_dim a multiple of 64 up to 256;
+  `gpu_forward` forces either); its lse feeds the same Triton backward kernels.
 
 With segment ids (packed rows), `segment_block_ranges` narrows each q block's kv range
 (and each kv block's q range) to the blocks that hold its own sequences, so a row packing
