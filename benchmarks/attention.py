@@ -239,7 +239,8 @@ def _rel_err(x, ref) -> float:
 
 ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_length]),
     # mask options[, flash options]. On an H200 the forward runs the Mosaic GPU kernel
-    # wherever it can (no segment ids), the Triton one where asked or it cannot.
+    # by default wherever it can (no segment ids), the Triton one where asked or it
+    # cannot; segment ids run Mosaic where asked.
     ("causal gqa ragged", (2, 1000, 8, 2, 128), dict(causal=True)),
     ("causal gqa ragged, triton forward", (2, 1000, 8, 2, 128), dict(causal=True),
      dict(gpu_forward="triton")),
@@ -250,6 +251,10 @@ ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_l
     ("causal d256", (1, 640, 4, 2, 256), dict(causal=True)),
     ("non-causal mqa d64", (1, 777, 4, 1, 64), dict(causal=False)),
     ("segments", (2, 640, 4, 4, 128), dict(causal=True, segments=True)),
+    ("segments, mosaic forward", (2, 640, 4, 4, 128), dict(causal=True, segments=True),
+     dict(gpu_forward="mosaic")),
+    ("segments + window, mosaic forward", (1, 1100, 4, 2, 128),
+     dict(causal=True, segments=True, sliding_window=150), dict(gpu_forward="mosaic")),
     ("window + soft cap", (1, 1536, 4, 2, 128),
      dict(causal=True, sliding_window=300, logits_soft_cap=30.0)),
     # The backward variants the sweep may pick (flash-only options after the mask's).

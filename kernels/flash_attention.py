@@ -16,8 +16,9 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
   one ex2 instruction; jnp.exp lowers to libdevice's exact expf).
 * GPU forward on Hopper (sm_90): `kernels.flash_mosaic_gpu`, a Pallas Mosaic GPU
   kernel (TMA producer warpgroup, two wgmma consumer warpgroups) that the forward runs
-  wherever it can (no segment ids, 16-bit inputs, head_dim a multiple of 64 up to 256;
-  `gpu_forward` forces either); its lse feeds the same Triton backward kernels.
+  wherever it can (16-bit inputs, head_dim a multiple of 64 up to 256; calls with
+  segment ids only when asked; `gpu_forward` forces either); its lse feeds the same
+  Triton backward kernels.
 
 With segment ids (packed rows), `segment_block_ranges` narrows each q block's kv range
 (and each kv block's q range) to the blocks that hold its own sequences, so a row packing
@@ -110,8 +111,8 @@ class _Config:
   # the whole rectangle: True, False, or None = where they skip most of it
   compact_grid: bool | None = None
   # GPU forward kernel: "mosaic" (Hopper wgmma + TMA, `kernels.flash_mosaic_gpu`),
-  # "triton", or None = Mosaic where it runs (an sm_90 device, no segment ids, 16-bit
-  # inputs, head_dim a multiple of 64 up to 256), else Triton
+  # "triton", or None = Mosaic where it runs (an sm_90 device, 16-bit inputs, head_dim a
+  # multiple of 64 up to 256) and the call has no segment ids, else Triton
   gpu_forward: str | None = None
 
   def for_backward(self) -> _Config:
@@ -1440,14 +1441,16 @@ def _mosaic_forward(cfg: _Config, q, k) -> bool:
     if reason:
       raise ValueError(f"gpu_forward='mosaic' cannot run this call: {reason}")
     return True
-  return reason is None and mosaic.hopper_device()
+  # Segment ids run it only when asked until a device has checked that path.
+  return reason is None and not cfg.segments and mosaic.hopper_device()
 
 
 def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
   """Returns out [b, Tq, h, d] (q.dtype), internal lse [b, h, Tq] (+inf = no key)."""
   tq, d = q.shape[1], q.shape[3]
   if not counts and _mosaic_forward(cfg, q, k):
-    return importlib.import_module("kernels.flash_mosaic_gpu").forward(cfg, q, k, v)
+    return importlib.import_module("kernels.flash_mosaic_gpu").forward(cfg, q, k, v, q_seg,
+                                                                       kv_seg)
   qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg)
   if cfg.backend == "tpu":
     res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
@@ -1660,10 +1663,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       causal triangle.
     gpu_forward: GPU only. 'mosaic': the forward runs the Hopper kernel of
       `kernels.flash_mosaic_gpu` (Pallas Mosaic GPU: wgmma, TMA, warp-specialised
-      producer and two consumer warpgroups); 'triton': the Triton kernel. None
-      (default): Mosaic on an sm_90 device when the call has no segment ids, 16-bit
-      inputs and a head_dim that is a multiple of 64 up to 256, else Triton. The
-      backward pass always runs the Triton kernels, from either forward's lse.
+      producer and two consumer warpgroups); it takes 16-bit inputs with a head_dim
+      that is a multiple of 64 up to 256. 'triton': the Triton kernel. None (default):
+      Mosaic on an sm_90 device for calls it takes without segment ids (with them,
+      not yet measured on a device, only when asked), else Triton. The backward pass
+      always runs the Triton kernels, from either forward's lse.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,

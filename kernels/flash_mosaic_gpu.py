@@ -17,8 +17,11 @@ masked. Masked logits are -inf while the running max starts finite, so a row tha
 sees no key at all ends with l = 0, output 0 and lse = +inf (no NaN).
 
 Same masking contract as `kernels.flash_attention` (causal, sliding window, soft cap,
-GQA, q shorter or longer than kv, any lengths, `q_offset`); segment ids are left to
-the Triton kernels. Returns the output and the internal log-sum-exp [b, h, Tq]
+GQA, q shorter or longer than kv, any lengths, `q_offset`, segment ids). With segment
+ids each tile's kv range is narrowed by `segment_block_ranges` (a table the kernel
+reads from global memory), the producer also streams each kv block's ids (one more
+barrier per slot, tied to the V slot's release), and each consumer keeps its tile's
+q ids. Returns the output and the internal log-sum-exp [b, h, Tq]
 (natural log, +inf for rows with no key), which the Triton backward kernels consume.
 Imports jax only.
 """
@@ -58,8 +61,7 @@ def kv_block_and_slots(head_dim: int, itemsize: int = 2) -> tuple[int, int]:
 
 def unsupported(cfg, q, k) -> str | None:
   """Why the Mosaic GPU forward cannot run this call (None: it can)."""
-  if cfg.segments:
-    return "segment ids"
+  del cfg  # every mask option runs
   if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
     return f"dtype {q.dtype} (bfloat16 and float16 only)"
   d = q.shape[-1]
@@ -86,7 +88,18 @@ def hopper_device() -> bool:
 
 
 def _tile_config(cfg, block_kv: int):
-  return dataclasses.replace(cfg, block_q=TILE_Q, block_kv=block_kv, segments=False)
+  return dataclasses.replace(cfg, block_q=TILE_Q, block_kv=block_kv)
+
+
+def _ranges(cfg, tile, seg=None):
+  """(visible, fully visible) kv block ranges of q tile `tile`; with segment ids
+  narrowed by `seg`, the tile's row (lo, hi, full_lo, full_hi) of
+  `segment_block_ranges`."""
+  if seg is None:
+    return fa.kv_block_range(cfg, tile), fa.kv_full_range(cfg, tile)
+  visible = fa._and_range(  # pylint: disable=protected-access
+      fa.kv_block_range(cfg, tile), seg[0], seg[1])
+  return visible, fa.kv_full_range(cfg, tile, (seg[2], seg[3]))
 
 
 def _spans(u_lo, u_hi, lo_hi, full_lo_hi):
@@ -104,12 +117,12 @@ def _spans(u_lo, u_hi, lo_hi, full_lo_hi):
           (full_hi + 1, hi + 1, "masked"), (hi + 1, u_hi + 1, "skip"))
 
 
-def _union(cfg, first_tile):
-  """kv blocks the producer streams for the tiles first_tile and first_tile + 1:
-  (first block, number of blocks)."""
+def _union(cfg, first_tile, segs=(None, None)):
+  """kv blocks the producer streams for the tiles first_tile and first_tile + 1 (`segs`:
+  their `_ranges` segment rows): (first block, number of blocks)."""
   los, his = [], []
   for t in range(CONSUMERS):
-    lo, hi = fa.kv_block_range(cfg, first_tile + t)
+    lo, hi = _ranges(cfg, first_tile + t, segs[t])[0]
     empty = lo > hi
     los.append(jnp.where(empty, cfg.num_kv_blocks, lo))
     his.append(jnp.where(empty, -1, hi))
@@ -118,17 +131,26 @@ def _union(cfg, first_tile):
   return jnp.where(n > 0, u_lo, 0), n
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, cfg, block_kv, slots,
-            num_pairs, head_dim):
+def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_ref, scoped,
+            *, cfg, block_kv, slots, num_pairs, head_dim):
+  """`q_seg_ref`, `kv_seg_ref`, `table_ref` (segment ids and their block ranges) and
+  the scratch's id buffers and barriers are None without segment ids."""
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  (q_smem2, k_smem, v_smem, lse_smem2), (k_loaded, v_loaded, q_loaded), \
+  (q_smem2, k_smem, v_smem, lse_smem2, q_ids2, kv_ids), \
+      (k_loaded, v_loaded, q_loaded, ids_loaded, q_ids_loaded), \
       (k_used, v_used), schedule = scoped
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   pair = lax.axis_index("q_seq")
   if cfg.causal:  # the longest rows first, so short ones fill the tail of the launch
     pair = num_pairs - 1 - pair
   first_tile = pair * CONSUMERS
-  u_lo, n = _union(cfg, first_tile)
+
+  def segment_row(tile):
+    if not cfg.segments:
+      return None
+    return tuple(table_ref[batch, tile, j] for j in range(4))
+  u_lo, n = _union(cfg, first_tile, tuple(segment_row(first_tile + t)
+                                          for t in range(CONSUMERS)))
   dtype = q_ref.dtype
 
   def schedule_turn():
@@ -145,6 +167,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, cfg, block_kv, slots
                             q_loaded.at[wg])
     plgpu.barrier_wait(q_loaded.at[wg])
     row = plgpu.Layout.WGMMA.reduce(1)
+    q_ids = None
+    if cfg.segments:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_base, TILE_Q)], q_ids2.at[wg],
+                              q_ids_loaded.at[wg])
+      plgpu.barrier_wait(q_ids_loaded.at[wg])
+      q_ids = plgpu.load(q_ids2.at[wg], (), layout=row)
     m = plgpu.layout_cast(jnp.full((TILE_Q,), M_INIT, jnp.float32), row)
     l = plgpu.layout_cast(jnp.full((TILE_Q,), 0.0, jnp.float32), row)
     acc = plgpu.layout_cast(jnp.full((TILE_Q, head_dim), 0.0, jnp.float32),
@@ -163,10 +191,15 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, cfg, block_kv, slots
       def _():
         plgpu.barrier_wait(k_loaded.at[slot_of(ki + 1)])
 
+    def wait_ids(slot):  # every step waits, so the barrier phases stay in step
+      if cfg.segments:
+        plgpu.barrier_wait(ids_loaded.at[slot])
+
     def skip(ki, carry):
       slot = slot_of(ki)
       schedule_turn()
       plgpu.barrier_arrive(k_used.at[slot])
+      wait_ids(slot)
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_wait(schedule)
@@ -208,8 +241,17 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, cfg, block_kv, slots
           visible = both(visible, q_pos - kv_pos < cfg.sliding_window)
           if not cfg.causal:
             visible = both(visible, kv_pos - q_pos < cfg.sliding_window)
+        if cfg.segments:  # the ids the V slot's release frees (read before it)
+          plgpu.barrier_wait(ids_loaded.at[slot])
+          key_ids = lax.broadcast_in_dim(
+              plgpu.load(kv_ids.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0)),
+              shape, [1])
+          visible = both(visible, (lax.broadcast_in_dim(q_ids, shape, [0]) == key_ids)
+                         & (key_ids != 0))
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
+      else:
+        wait_ids(slot)
       # Base-2 softmax with m kept in scaled units, so p = exp2(s * scale - m) is an FMA.
       m_next = jnp.maximum(m, s.max(axis=1) * scale)
       alpha = jnp.exp2(m - m_next)
@@ -229,9 +271,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, cfg, block_kv, slots
       plgpu.barrier_arrive(v_used.at[slot])
       return acc, m_next, l
 
-    tile_cfg = _tile_config(cfg, block_kv)
-    spans = _spans(u_lo, u_lo + n - 1, fa.kv_block_range(tile_cfg, tile),
-                   fa.kv_full_range(tile_cfg, tile))
+    spans = _spans(u_lo, u_lo + n - 1, *_ranges(cfg, tile, segment_row(tile)))
     carry = (acc, m, l)
     for start, stop, kind in spans:
       if kind == "skip":
@@ -257,26 +297,36 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, cfg, block_kv, slots
     plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(head, jnp.int32(cfg.group))
 
-    def load(ki, slot):
+    def load_k(ki, slot):
       rows = (batch, pl.ds(ki * block_kv, block_kv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+
+    def load_v(ki, slot):  # and the block's segment ids: a consumer reads both before
+      rows = (batch, pl.ds(ki * block_kv, block_kv), kv_head)  # releasing the V slot
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+      if cfg.segments:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(ki * block_kv, block_kv)],
+                                kv_ids.at[slot], ids_loaded.at[slot])
 
     for i in range(slots):
-      pl.when(i < n)(lambda i=i: load(u_lo + i, i))
+      @pl.when(i < n)
+      def _(i=i):
+        load_k(u_lo + i, i)
+        load_v(u_lo + i, i)
 
     @pl.loop(0, jnp.maximum(n - slots, 0))
     def _(j):
       slot = lax.rem(j, jnp.int32(slots))
-      rows = (batch, pl.ds((u_lo + j + slots) * block_kv, block_kv), kv_head)
+      ki = u_lo + j + slots
       plgpu.barrier_wait(k_used.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+      load_k(ki, slot)
       plgpu.barrier_wait(v_used.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+      load_v(ki, slot)
 
 
-def forward(cfg, q, k, v):
-  """q [b, Tq, h, d], k / v [b, Tk, kvh, d] (any lengths) -> (out [b, Tq, h, d],
+def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
+  """q [b, Tq, h, d], k / v [b, Tk, kvh, d] (any lengths), with `cfg.segments` also
+  q_seg [b, Tq], kv_seg [b, Tk] int ids (0 = padding) -> (out [b, Tq, h, d],
   internal lse [b, h, Tq]: natural log, +inf for rows that see no key).
 
   `cfg` is the flash `_Config` (its blocks are ignored: the kernel tiles q by 64 rows
@@ -292,19 +342,33 @@ def forward(cfg, q, k, v):
   vp = fa._pad_len(v, 1, block_kv)  # pylint: disable=protected-access
   num_pairs = qp.shape[1] // pair_rows
   dtype = q.dtype
+  operands = [qp, kp, vp]
+  if cfg.segments:
+    q_seg = fa._pad_len(q_seg.astype(jnp.int32), 1, pair_rows)  # pylint: disable=protected-access
+    kv_seg = fa._pad_len(kv_seg.astype(jnp.int32), 1, block_kv)  # pylint: disable=protected-access
+    table = fa.segment_block_ranges(q_seg, kv_seg, TILE_Q, block_kv)[0]
+    operands += [q_seg, kv_seg, table]
 
-  def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def entry(*refs):
+    q_ref, k_ref, v_ref = refs[:3]
+    seg_refs = refs[3:6] if cfg.segments else (None, None, None)
+    o_ref, lse_ref = refs[-2:]
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=transforms)  # noqa: E731
+    ids = lambda shape: plgpu.SMEM(shape, jnp.int32) if cfg.segments else None  # noqa: E731
+    ids_barrier = (lambda n: plgpu.Barrier(num_barriers=n)  # noqa: E731
+                   if cfg.segments else None)
     scratch = [smem((CONSUMERS, TILE_Q, d)), smem((slots, block_kv, d)),
-               smem((slots, block_kv, d)), plgpu.SMEM((CONSUMERS, TILE_Q), jnp.float32)]
+               smem((slots, block_kv, d)), plgpu.SMEM((CONSUMERS, TILE_Q), jnp.float32),
+               ids((CONSUMERS, TILE_Q)), ids((slots, block_kv))]
     pl.run_scoped(
-        lambda *scoped: _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, cfg=cfg,
-                                block_kv=block_kv, slots=slots, num_pairs=num_pairs,
-                                head_dim=d),
+        lambda *scoped: _kernel(q_ref, k_ref, v_ref, *seg_refs, o_ref, lse_ref, scoped,
+                                cfg=cfg, block_kv=block_kv, slots=slots,
+                                num_pairs=num_pairs, head_dim=d),
         scratch,
         (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
-         plgpu.Barrier(num_barriers=CONSUMERS)),
+         plgpu.Barrier(num_barriers=CONSUMERS), ids_barrier(slots),
+         ids_barrier(CONSUMERS)),
         (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),) * 2,
         plgpu.Barrier(num_arrivals=CONSUMERS),
         collective_axes="wg",
@@ -319,7 +383,7 @@ def forward(cfg, q, k, v):
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(qp, kp, vp)
+  )(*operands)
   lse2 = lse2[:, :, :tq]
   lse = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2 * (1.0 / LOG2E))
   return out[:, :tq], lse

@@ -15,11 +15,15 @@ fa = importlib.import_module("kernels.flash_attention")  # the module, not the f
 fm = importlib.import_module("kernels.flash_mosaic_gpu")
 
 
-def _visible(cfg, q_rows, kv_block, block_kv):
-  """Brute force: [rows, keys] visibility of real query rows against one kv block."""
+def _visible(cfg, q_rows, kv_block, block_kv, q_seg=None, kv_seg=None):
+  """Brute force: [rows, keys] visibility of real query rows against one kv block
+  (segment ids padded to whole blocks)."""
   q_pos = np.asarray(q_rows)[:, None] + cfg.offset
   kv_pos = kv_block * block_kv + np.arange(block_kv)[None, :]
   mask = np.broadcast_to(kv_pos < cfg.kv_len, (len(q_rows), block_kv)).copy()
+  if q_seg is not None:
+    q_ids, kv_ids = q_seg[np.asarray(q_rows)][:, None], kv_seg[kv_pos]
+    mask &= (q_ids == kv_ids) & (kv_ids != 0)
   if cfg.causal:
     mask &= q_pos >= kv_pos
   if cfg.sliding_window is not None:
@@ -29,32 +33,51 @@ def _visible(cfg, q_rows, kv_block, block_kv):
   return mask
 
 
-@hypothesis.settings(max_examples=60, deadline=None)
+def _packed_ids(draw, length, pad_to):
+  """Packed-row ids: runs of 1, 2, ... then padding (0), padded to `pad_to`."""
+  sizes = draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+  ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(sizes)])[:length]
+  ids = np.pad(ids, (0, length - len(ids)))
+  if draw(st.booleans()):  # arbitrary ids instead: the ranges only bound them
+    ids = np.asarray(draw(st.lists(st.integers(0, 3), min_size=length, max_size=length)))
+  return np.pad(ids, (0, -length % pad_to)).astype(np.int32)
+
+
+@hypothesis.settings(max_examples=80, deadline=None)
 @hypothesis.given(
     q_len=st.integers(1, 700), kv_len=st.integers(1, 700), causal=st.booleans(),
     window=st.one_of(st.none(), st.integers(1, 400)), head_dim=st.sampled_from([128, 256]),
-    offset=st.one_of(st.none(), st.integers(-300, 300)))
+    offset=st.one_of(st.none(), st.integers(-300, 300)), segments=st.booleans(),
+    data=st.data())
 def test_schedule_runs_exactly_the_visible_blocks(q_len, kv_len, causal, window, head_dim,
-                                                  offset):
+                                                  offset, segments, data):
   """Per pair of q tiles: both consumers run the same steps (the producer's union, in
-  order, so barrier phases match); each computes exactly the kv blocks a real row of its
-  tile sees, and skips the element mask only where no element is masked."""
+  order, so barrier phases match); each computes every kv block a real row of its tile
+  sees (exactly those without segment ids: with them the segment and causal ranges are
+  each exact for packed rows, their intersection a bound), and skips the element mask
+  only where no element is masked."""
   hypothesis.assume(causal or window is None or offset is None)
   q = jax.ShapeDtypeStruct((1, q_len, 1, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, kv_len, 1, head_dim), jnp.bfloat16)
   cfg = fa.make_config(q, k, causal=causal, sliding_window=window, q_offset=offset,
-                       backend="gpu", interpret=True)
+                       segments=segments, backend="gpu", interpret=True)
   block_kv, _ = fm.kv_block_and_slots(head_dim)
   cfg = fm._tile_config(cfg, block_kv)
   pairs = -(-q_len // (fm.CONSUMERS * fm.TILE_Q))
+  q_seg = kv_seg = table = None
+  if segments:  # padded as `forward` pads them
+    q_seg = _packed_ids(data.draw, q_len, fm.CONSUMERS * fm.TILE_Q)
+    kv_seg = _packed_ids(data.draw, kv_len, block_kv)
+    table = np.asarray(fa.segment_block_ranges(q_seg[None], kv_seg[None], fm.TILE_Q,
+                                               block_kv)[0][0])
+  row = lambda tile: None if table is None else tuple(table[tile])  # noqa: E731
   for pair in range(pairs):
     first = pair * fm.CONSUMERS
-    u_lo, n = (int(x) for x in fm._union(cfg, first))
+    u_lo, n = (int(x) for x in fm._union(cfg, first, (row(first), row(first + 1))))
     if n:
       assert 0 <= u_lo and u_lo + n <= cfg.num_kv_blocks
     for tile in (first, first + 1):
-      spans = fm._spans(u_lo, u_lo + n - 1, fa.kv_block_range(cfg, tile),
-                        fa.kv_full_range(cfg, tile))
+      spans = fm._spans(u_lo, u_lo + n - 1, *fm._ranges(cfg, tile, row(tile)))
       spans = [(int(a), int(b), kind) for a, b, kind in spans]
       assert spans[0][0] == u_lo and spans[-1][1] == u_lo + n
       for (_, stop, _), (start, _, _) in zip(spans, spans[1:]):
@@ -66,10 +89,12 @@ def test_schedule_runs_exactly_the_visible_blocks(q_len, kv_len, causal, window,
       if not len(rows):  # a tile of padding rows: whatever it computes is dropped
         continue
       want = {i for i in range(cfg.num_kv_blocks)
-              if _visible(cfg, rows, i, block_kv).any()}
-      assert computed == want, (tile, spans, sorted(want))
+              if _visible(cfg, rows, i, block_kv, q_seg, kv_seg).any()}
+      if not segments:
+        assert computed == want, (tile, spans, sorted(want))
+      assert computed >= want, (tile, spans, sorted(want))
       for i in unmasked:
-        assert _visible(cfg, rows, i, block_kv).all(), (tile, i)
+        assert _visible(cfg, rows, i, block_kv, q_seg, kv_seg).all(), (tile, i)
 
 
 def _lower(gpu_forward="mosaic", q_len=1000, kv_len=1000, heads=4, kv_heads=2, d=128,
@@ -92,6 +117,8 @@ def _lower(gpu_forward="mosaic", q_len=1000, kv_len=1000, heads=4, kv_heads=2, d
     dict(causal=False, d=64, kv_heads=1, dtype=jnp.float16),
     dict(causal=True, q_len=300, d=256),
     dict(causal=True, q_len=1000, kv_len=300, d=192),
+    dict(causal=True, segments=True),
+    dict(causal=True, segments=True, sliding_window=200, kv_heads=4),
 ])
 def test_lowers_for_cuda_with_mosaic_forward(kwargs):
   """Forward: one Mosaic GPU kernel; backward: the Triton dq and dk / dv kernels."""
@@ -101,18 +128,19 @@ def test_lowers_for_cuda_with_mosaic_forward(kwargs):
   assert len(triton) == 2 and not any("flash_attention_fwd" in c for c in triton)
 
 
-def test_triton_forward_when_asked_or_unsupported():
-  for text in (_lower(gpu_forward="triton", causal=True),
-               _lower(gpu_forward=None, causal=True, segments=True),
-               _lower(gpu_forward=None, causal=True, d=96)):
-    assert "custom_call @mosaic_gpu" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 3
-
-
-def test_auto_needs_a_hopper_device(monkeypatch):
+def test_default_forward_on_hopper(monkeypatch):
+  """Off Hopper: Triton. On it: Mosaic, except where asked for Triton, for inputs it
+  cannot take, and (until a device has checked them) for segment ids."""
   assert not fm.hopper_device()  # the CPU test host
+  assert "custom_call @mosaic_gpu" not in _lower(gpu_forward=None, causal=True)
   monkeypatch.setattr(fm, "hopper_device", lambda: True)
   assert "custom_call @mosaic_gpu" in _lower(gpu_forward=None, causal=True)
+  for text in (_lower(gpu_forward="triton", causal=True),
+               _lower(gpu_forward=None, causal=True, segments=True),
+               _lower(gpu_forward=None, causal=True, d=96),
+               _lower(gpu_forward=None, causal=True, dtype=jnp.float32)):
+    assert "custom_call @mosaic_gpu" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 3
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -120,14 +148,10 @@ def test_auto_needs_a_hopper_device(monkeypatch):
     (dict(backend="tpu", gpu_forward="mosaic"), "gpu_forward is an option of the gpu"),
     (dict(gpu_forward="mosaic", d=96), "cannot run this call: head_dim 96"),
     (dict(gpu_forward="mosaic", dtype=jnp.float32), "cannot run this call: dtype float32"),
-    (dict(gpu_forward="mosaic", segments=True), "cannot run this call: segment ids"),
 ])
 def test_bad_mosaic_options(kwargs, message):
   d, dtype = kwargs.pop("d", 128), kwargs.pop("dtype", jnp.bfloat16)
   x = jnp.zeros((1, 128, 2, d), dtype)
-  if kwargs.pop("segments", False):
-    kwargs.update(q_segment_ids=jnp.ones((1, 128), jnp.int32),
-                  kv_segment_ids=jnp.ones((1, 128), jnp.int32))
   with pytest.raises(ValueError, match=message):
     fa.flash_attention(x, x, x, **({"backend": "gpu", "interpret": False} | kwargs))
 
