@@ -18,7 +18,8 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
   kernel (TMA producer warpgroup, two wgmma consumer warpgroups) that the forward runs
   wherever it can (16-bit inputs, head_dim a multiple of 64 up to 256; calls with
   segment ids only when asked; `gpu_forward` forces either); its lse feeds the same
-  Triton backward kernels.
+  Triton backward kernels. The module also has a Hopper dk / dv kernel, run with
+  `gpu_backward='mosaic'` (dq stays Triton).
 
 With segment ids (packed rows), `segment_block_ranges` narrows each q block's kv range
 (and each kv block's q range) to the blocks that hold its own sequences, so a row packing
@@ -114,6 +115,9 @@ class _Config:
   # "triton", or None = Mosaic where it runs (an sm_90 device, 16-bit inputs, head_dim a
   # multiple of 64 up to 256) and the call has no segment ids, else Triton
   gpu_forward: str | None = None
+  # GPU dk / dv kernel: "mosaic" (Hopper, `kernels.flash_mosaic_gpu.dkv`; dq stays
+  # Triton) or "triton"; None = Triton (the Mosaic one awaits a device check)
+  gpu_backward: str | None = None
 
   def for_backward(self) -> _Config:
     return dataclasses.replace(self, block_q=self.block_q_bwd, block_kv=self.block_kv_bwd,
@@ -1488,6 +1492,14 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
       dq_counts = dq_out[1][..., 0, :2] if counts else None
     if counts:
       dkv_counts = dkv_out[-1][..., 0, :2]
+  elif cfg.gpu_backward == "mosaic" and not counts:
+    mosaic = importlib.import_module("kernels.flash_mosaic_gpu")
+    reason = mosaic.unsupported_backward(cfg, q, k)
+    if reason:
+      raise ValueError(f"gpu_backward='mosaic' cannot run this call: {reason}")
+    dk, dv = mosaic.dkv(cfg, q, k, v, do, lse[..., :tq], di[..., :tq])
+    args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
+    dq = _gpu_dq(dq_cfg, *args)[0]
   else:
     args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
     dkv_out = _gpu_dkv(cfg, *args)
@@ -1541,9 +1553,8 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
                 logits_soft_cap=None, sliding_window=None, backend=None, block_q=None,
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
                 block_kv_dq=None, dq_atomic=False, fused_bwd=False, compact_grid=None,
-                gpu_forward=None, num_warps=None, num_stages=None, num_warps_bwd=None,
-                num_stages_bwd=None,
-                interpret=None) -> _Config:
+                gpu_forward=None, gpu_backward=None, num_warps=None, num_stages=None,
+                num_warps_bwd=None, num_stages_bwd=None, interpret=None) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config.
   `q_offset`: the position of q's first token counted from kv's first (default kv_len -
   q_len, the contract's), for blocks cut from a longer sequence (ring attention)."""
@@ -1587,8 +1598,12 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
                      "kernels' counterpart is fused_bwd")
   if gpu_forward not in (None, "mosaic", "triton"):
     raise ValueError(f"gpu_forward must be 'mosaic', 'triton' or None, got {gpu_forward!r}")
-  if gpu_forward is not None and backend != "gpu":
-    raise ValueError("gpu_forward is an option of the gpu kernels")
+  if gpu_backward not in (None, "mosaic", "triton"):
+    raise ValueError(
+        f"gpu_backward must be 'mosaic', 'triton' or None, got {gpu_backward!r}")
+  for name, value in (("gpu_forward", gpu_forward), ("gpu_backward", gpu_backward)):
+    if value is not None and backend != "gpu":
+      raise ValueError(f"{name} is an option of the gpu kernels")
   if fused_bwd and backend != "tpu":
     raise ValueError("fused_bwd is an option of the tpu (Mosaic) kernels; the gpu "
                      "kernels' counterpart is dq_atomic")
@@ -1608,7 +1623,7 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
       dq_atomic=bool(dq_atomic), fused_bwd=bool(fused_bwd),
       q_offset=None if q_offset is None else int(q_offset),
       compact_grid=None if compact_grid is None else bool(compact_grid),
-      gpu_forward=gpu_forward, group=q.shape[2] // k.shape[2],
+      gpu_forward=gpu_forward, gpu_backward=gpu_backward, group=q.shape[2] // k.shape[2],
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
@@ -1624,7 +1639,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     block_q_dq: int | None = None, block_kv_dq: int | None = None,
                     dq_atomic: bool = False, fused_bwd: bool = False,
                     compact_grid: bool | None = None, gpu_forward: str | None = None,
-                    num_warps: int | None = None,
+                    gpu_backward: str | None = None, num_warps: int | None = None,
                     num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
                     interpret=None):
@@ -1667,7 +1682,12 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       that is a multiple of 64 up to 256. 'triton': the Triton kernel. None (default):
       Mosaic on an sm_90 device for calls it takes without segment ids (with them,
       not yet measured on a device, only when asked), else Triton. The backward pass
-      always runs the Triton kernels, from either forward's lse.
+      runs the Triton kernels unless `gpu_backward` says otherwise.
+    gpu_backward: GPU only. 'mosaic': the dk / dv kernel is the Hopper one of
+      `kernels.flash_mosaic_gpu` (kv-major wgmma steps over streamed q tiles, GQA
+      heads summed in registers; 16-bit inputs, head_dim a multiple of 64 up to 128,
+      no segment ids); dq stays the Triton kernel. 'triton' or None (default): Triton,
+      until a device run has checked the Mosaic kernel.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
@@ -1688,7 +1708,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     block_kv=block_kv, block_q_bwd=block_q_bwd, block_kv_bwd=block_kv_bwd,
                     block_q_dq=block_q_dq, block_kv_dq=block_kv_dq, dq_atomic=dq_atomic,
                     fused_bwd=fused_bwd, compact_grid=compact_grid,
-                    gpu_forward=gpu_forward, num_warps=num_warps,
+                    gpu_forward=gpu_forward, gpu_backward=gpu_backward,
+                    num_warps=num_warps,
                     num_stages=num_stages,
                     num_warps_bwd=num_warps_bwd, num_stages_bwd=num_stages_bwd,
                     interpret=interpret)

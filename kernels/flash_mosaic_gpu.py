@@ -77,6 +77,20 @@ def unsupported(cfg, q, k) -> str | None:
   return None
 
 
+def unsupported_backward(cfg, q, k) -> str | None:
+  """Why the Mosaic GPU dk / dv kernel cannot run this call (None: it can)."""
+  reason = unsupported(cfg, q, k)
+  if reason:
+    return reason
+  if cfg.segments:
+    return "segment ids"
+  if q.shape[-1] > 128:  # two f32 [64, head_dim] accumulators per thread
+    return f"head_dim {q.shape[-1]} (up to 128 in the backward)"
+  if cfg.dq_atomic:
+    return "dq_atomic (a Triton dk / dv kernel option)"
+  return None
+
+
 def hopper_device() -> bool:
   """True when the default device is an sm_90 GPU (wgmma exists on Hopper only)."""
   try:
@@ -387,3 +401,241 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
   lse2 = lse2[:, :, :tq]
   lse = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2 * (1.0 / LOG2E))
   return out[:, :tq], lse
+
+
+# ----------------------------------------------------------------------------------
+# dk / dv. One CTA per (kv head, pair of 64-row kv tiles, batch): each consumer holds
+# its kv tile's K and V in shared memory and steps over the q tiles that see it, for
+# every query head of its group (GQA sums in registers); the producer streams q, dO
+# and the rows' lse and di. Per step, kv-major as the Triton kernel: S^T = K Q^T and
+# dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, each pair one wgmma group. dq
+# stays with the Triton dq kernel.
+
+TILE_Q_BWD = 64  # q rows per streamed step
+
+
+def _q_ranges(cfg, kv_tile):
+  return fa.q_block_range(cfg, kv_tile), fa.q_full_range(cfg, kv_tile)
+
+
+def _q_union(cfg, first_tile):
+  """q blocks the producer streams (per query head) for kv tiles first_tile and
+  first_tile + 1: (first block, number of blocks)."""
+  los, his = [], []
+  for t in range(CONSUMERS):
+    lo, hi = fa.q_block_range(cfg, first_tile + t)
+    empty = lo > hi
+    los.append(jnp.where(empty, cfg.num_q_blocks, lo))
+    his.append(jnp.where(empty, -1, hi))
+  u_lo, u_hi = jnp.minimum(*los), jnp.maximum(*his)
+  n = jnp.maximum(u_hi - u_lo + 1, 0)
+  return jnp.where(n > 0, u_lo, 0), n
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, scoped, *,
+                cfg, num_pairs, head_dim):
+  del num_pairs
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  (k_smem2, v_smem2, q_smem, do_smem, lse_smem, di_smem), \
+      (q_loaded, do_loaded, lse_loaded, di_loaded, kv_loaded), used, schedule = scoped
+  batch, kv_head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
+                        lax.axis_index("wg"))
+  first_tile = lax.axis_index("kv_seq") * CONSUMERS
+  u_lo, n = _q_union(cfg, first_tile)
+  slots = q_smem.shape[0]
+  bq, bk = cfg.block_q, cfg.block_kv
+  group = cfg.group
+  dtype = q_ref.dtype
+
+  def schedule_turn():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    tile = first_tile + wg
+    kv_base = tile * bk
+    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+    rows = (batch, pl.ds(kv_base, bk), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_loaded.at[CONSUMERS + wg])
+    plgpu.barrier_wait(kv_loaded.at[wg])
+    plgpu.barrier_wait(kv_loaded.at[CONSUMERS + wg])
+    zeros = plgpu.layout_cast(jnp.full((bk, head_dim), 0.0, jnp.float32),
+                              plgpu.Layout.WGMMA)
+    col = plgpu.Layout.WGMMA.reduce(0)  # one value per query (a column of S^T)
+    pl.when(wg == 1)(schedule_turn)
+
+    def slot_of(step):
+      return lax.rem(step, jnp.int32(slots))
+
+    def wait_rows(slot):
+      plgpu.barrier_wait(lse_loaded.at[slot])
+      plgpu.barrier_wait(di_loaded.at[slot])
+
+    def skip(step):
+      slot = slot_of(step)
+      plgpu.barrier_wait(q_loaded.at[slot])
+      plgpu.barrier_wait(do_loaded.at[slot])
+      schedule_turn()
+      wait_rows(slot)
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+      plgpu.barrier_arrive(used.at[slot])
+
+    def compute(step, qi, carry, masked: bool):
+      dk, dv = carry
+      slot = slot_of(step)
+      plgpu.barrier_wait(q_loaded.at[slot])
+      plgpu.barrier_wait(do_loaded.at[slot])
+
+      def scores(refs):
+        s_ref, dp_ref = refs
+        plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+        schedule_turn()
+        return s_ref[...], dp_ref[...]
+      s, dp = pl.run_scoped(scores, (plgpu.ACC((bk, bq), jnp.float32),
+                                     plgpu.ACC((bk, bq), jnp.float32)))
+      wait_rows(slot)
+      lse2 = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], (), layout=col), s.shape,
+                                  [1])
+      di = lax.broadcast_in_dim(plgpu.load(di_smem.at[slot], (), layout=col), s.shape, [1])
+      capped = None
+      if cfg.logits_soft_cap is not None:
+        capped = cfg.logits_soft_cap * jnp.tanh(s * (cfg.sm_scale / cfg.logits_soft_cap))
+        s = capped * LOG2E
+      else:
+        s = s * (cfg.sm_scale * LOG2E)
+      if masked:
+        iota = lambda dim: plgpu.broadcasted_iota(  # noqa: E731
+            jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
+        kv_pos = iota(0) + kv_base
+        q_pos = iota(1) + (qi * bq + cfg.offset)
+        visible = kv_pos < cfg.kv_len
+        if cfg.causal:
+          visible = visible & (q_pos >= kv_pos)
+        if cfg.sliding_window is not None:
+          visible = visible & (q_pos - kv_pos < cfg.sliding_window)
+          if not cfg.causal:
+            visible = visible & (kv_pos - q_pos < cfg.sliding_window)
+        s = jnp.where(visible, s, -jnp.inf)
+      p = jnp.exp2(s - lse2)  # padding rows have lse +inf: p = 0
+      ds = p * (dp - di)
+      if capped is not None:
+        ds = ds * (1.0 - jnp.square(capped * (1.0 / cfg.logits_soft_cap)))
+      ds = ds * cfg.sm_scale
+      p16, ds16 = p.astype(dtype), ds.astype(dtype)
+      dk, dv, p16, ds16 = lax.optimization_barrier((dk, dv, p16, ds16))
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+      def grads(refs):
+        dv_ref, dk_ref = refs
+        plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
+        plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])
+      dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+      plgpu.barrier_arrive(used.at[slot])
+      return dk, dv
+
+    lo_hi, full = _q_ranges(cfg, tile)
+    spans = _spans(u_lo, u_lo + n - 1, lo_hi, full)
+
+    def head(gi, carry):
+      base = gi * n - u_lo  # step of (gi, qi) = base + qi
+      for start, stop, kind in spans:
+        if kind == "skip":
+          def body(qi, c):
+            skip(base + qi)
+            return c
+        else:
+          def body(qi, c, masked=(kind == "masked")):
+            return compute(base + qi, qi, c, masked)
+        carry = lax.fori_loop(start, stop, body, carry)
+      return carry
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    pl.when(wg == 0)(schedule_turn)
+
+    k_smem[...] = dk.astype(dtype)  # K and V are done with: their buffers stage dk, dv
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(step, slot):
+      gi = lax.div(step, jnp.maximum(n, 1))
+      qi = u_lo + step - gi * n
+      head = kv_head * group + gi
+      rows = (batch, pl.ds(qi * bq, bq), head)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
+      cols = (batch, head, pl.ds(qi * bq, bq))
+      plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(di_ref.at[cols], di_smem.at[slot], di_loaded.at[slot])
+
+    total = n * group
+    for i in range(slots):
+      pl.when(i < total)(lambda i=i: load(jnp.int32(i), i))
+
+    @pl.loop(0, jnp.maximum(total - slots, 0))
+    def _(j):
+      slot = lax.rem(j, jnp.int32(slots))
+      plgpu.barrier_wait(used.at[slot])
+      load(j + slots, slot)
+
+
+def dkv(cfg, q, k, v, do, lse, di):
+  """dk, dv of flash attention on Hopper. q, do [b, Tq, h, d], k, v [b, Tk, kvh, d]
+  (any lengths), lse (internal: natural log, +inf for rows that see no key) and
+  di = sum(do * out, -1) [b, h, Tq] f32 -> dk, dv [b, Tk, kvh, d] in k's dtype.
+  `cfg` as for `forward`; segment ids are not taken (`unsupported_backward`)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  b, tq, h, d = q.shape
+  tk, kvh = k.shape[1], k.shape[2]
+  cfg = dataclasses.replace(cfg, block_q=TILE_Q_BWD, block_kv=TILE_Q)
+  pair_rows = CONSUMERS * TILE_Q
+  pad = fa._pad_len  # pylint: disable=protected-access
+  qp, dop = pad(q, 1, TILE_Q_BWD), pad(do.astype(q.dtype), 1, TILE_Q_BWD)
+  kp, vp = pad(k, 1, pair_rows), pad(v, 1, pair_rows)
+  lse2 = pad(lse * LOG2E, 2, TILE_Q_BWD, jnp.inf)
+  dip = pad(di, 2, TILE_Q_BWD)
+  num_pairs = kp.shape[1] // pair_rows
+  slots = 2
+  dtype = q.dtype
+
+  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref):
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=transforms)  # noqa: E731
+    rows = lambda: plgpu.SMEM((slots, TILE_Q_BWD), jnp.float32)  # noqa: E731
+    scratch = [smem((CONSUMERS, TILE_Q, d)), smem((CONSUMERS, TILE_Q, d)),
+               smem((slots, TILE_Q_BWD, d)), smem((slots, TILE_Q_BWD, d)), rows(), rows()]
+    loaded = tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4))
+    pl.run_scoped(
+        lambda *scoped: _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref,
+                                    dv_ref, scoped, cfg=cfg, num_pairs=num_pairs,
+                                    head_dim=d),
+        scratch,
+        loaded + (plgpu.Barrier(num_barriers=2 * CONSUMERS),),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+        collective_axes="wg",
+    )
+
+  dk, dv = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct(kp.shape, k.dtype),
+                jax.ShapeDtypeStruct(vp.shape, v.dtype)),
+      grid=(kvh, num_pairs, b),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(qp, kp, vp, dop, lse2, dip)
+  return dk[:, :tk], dv[:, :tk]

@@ -2,6 +2,7 @@
 lowering for CUDA without a GPU, and the choice between it and the Triton forward.
 Its numbers are checked on an H200 by `python -m benchmarks.attention --accelerator-only`
 (the Mosaic GPU interpreter of this jax cannot run wgmma kernels on CPU)."""
+import dataclasses
 import importlib
 
 import hypothesis
@@ -97,12 +98,56 @@ def test_schedule_runs_exactly_the_visible_blocks(q_len, kv_len, causal, window,
         assert _visible(cfg, rows, i, block_kv, q_seg, kv_seg).all(), (tile, i)
 
 
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    q_len=st.integers(1, 700), kv_len=st.integers(1, 700), causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 400)),
+    offset=st.one_of(st.none(), st.integers(-300, 300)))
+def test_dkv_schedule_runs_exactly_the_blocks_that_see_each_kv_tile(q_len, kv_len, causal,
+                                                                    window, offset):
+  """The dk / dv kernel's steps per pair of kv tiles: the q blocks in the producer's
+  union for both consumers, computed exactly where a real query sees a real key of
+  the tile, unmasked only where nothing is masked."""
+  hypothesis.assume(causal or window is None or offset is None)
+  q = jax.ShapeDtypeStruct((1, q_len, 1, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, kv_len, 1, 128), jnp.bfloat16)
+  cfg = fa.make_config(q, k, causal=causal, sliding_window=window, q_offset=offset,
+                       backend="gpu", interpret=True)
+  cfg = dataclasses.replace(cfg, block_q=fm.TILE_Q_BWD, block_kv=fm.TILE_Q)
+  for pair in range(-(-kv_len // (fm.CONSUMERS * fm.TILE_Q))):
+    first = pair * fm.CONSUMERS
+    u_lo, n = (int(x) for x in fm._q_union(cfg, first))
+    if n:
+      assert 0 <= u_lo and u_lo + n <= cfg.num_q_blocks
+    for tile in (first, first + 1):
+      spans = [(int(a), int(b), kind) for a, b, kind in
+               fm._spans(u_lo, u_lo + n - 1, *fm._q_ranges(cfg, tile))]
+      assert spans[0][0] == u_lo and spans[-1][1] == u_lo + n
+      assert all(a <= b for a, b, _ in spans) and all(
+          x[1] == y[0] for x, y in zip(spans, spans[1:])), spans
+      keys = np.arange(tile * fm.TILE_Q, min((tile + 1) * fm.TILE_Q, kv_len))
+      if not len(keys):
+        continue
+      computed = {i for a, b, kind in spans if kind != "skip" for i in range(a, b)}
+      unmasked = {i for a, b, kind in spans if kind == "full" for i in range(a, b)}
+
+      def visible(qi):  # [keys, rows of q block qi] (padding rows: never masked)
+        rows = np.arange(qi * fm.TILE_Q_BWD, (qi + 1) * fm.TILE_Q_BWD)
+        return _visible(cfg, rows, 0, kv_len)[:, keys].T, rows < q_len
+      want = {qi for qi in range(cfg.num_q_blocks)
+              if (visible(qi)[0] & visible(qi)[1][None]).any()}
+      assert computed == want, (tile, spans, sorted(want))
+      for qi in unmasked:
+        assert visible(qi)[0][:, visible(qi)[1]].all(), (tile, qi)
+
+
 def _lower(gpu_forward="mosaic", q_len=1000, kv_len=1000, heads=4, kv_heads=2, d=128,
-           dtype=jnp.bfloat16, segments=False, **mask):
+           dtype=jnp.bfloat16, segments=False, gpu_backward=None, **mask):
   def f(q, k, v, seg):
     ids = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
     fn = lambda q, k, v: fa.flash_attention(  # noqa: E731
-        q, k, v, backend="gpu", interpret=False, gpu_forward=gpu_forward, **ids, **mask)
+        q, k, v, backend="gpu", interpret=False, gpu_forward=gpu_forward,
+        gpu_backward=gpu_backward, **ids, **mask)
     out, vjp = jax.vjp(fn, q, k, v)
     return out, vjp(out)
   q = jax.ShapeDtypeStruct((1, q_len, heads, d), dtype)
@@ -128,6 +173,20 @@ def test_lowers_for_cuda_with_mosaic_forward(kwargs):
   assert len(triton) == 2 and not any("flash_attention_fwd" in c for c in triton)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True),
+    dict(causal=True, sliding_window=300, logits_soft_cap=30.0),
+    dict(causal=False, d=64, kv_heads=1, dtype=jnp.float16),
+    dict(causal=True, q_len=300, kv_heads=4),
+])
+def test_lowers_for_cuda_with_mosaic_dkv(kwargs):
+  """gpu_backward='mosaic': Mosaic forward and dk / dv kernels, the Triton dq kernel."""
+  text = _lower(gpu_backward="mosaic", **kwargs)
+  assert text.count("custom_call @mosaic_gpu") == 2
+  triton = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+  assert len(triton) == 1 and "flash_attention_dq" in triton[0]
+
+
 def test_default_forward_on_hopper(monkeypatch):
   """Off Hopper: Triton. On it: Mosaic, except where asked for Triton, for inputs it
   cannot take, and (until a device has checked them) for segment ids."""
@@ -148,12 +207,23 @@ def test_default_forward_on_hopper(monkeypatch):
     (dict(backend="tpu", gpu_forward="mosaic"), "gpu_forward is an option of the gpu"),
     (dict(gpu_forward="mosaic", d=96), "cannot run this call: head_dim 96"),
     (dict(gpu_forward="mosaic", dtype=jnp.float32), "cannot run this call: dtype float32"),
+    (dict(gpu_backward="both"), "gpu_backward must be 'mosaic', 'triton' or None"),
+    (dict(backend="tpu", gpu_backward="mosaic"), "gpu_backward is an option of the gpu"),
+    (dict(gpu_backward="mosaic", d=256), "gpu_backward='mosaic' cannot run this call: "
+     "head_dim 256"),
+    (dict(gpu_backward="mosaic", dq_atomic=True), "cannot run this call: dq_atomic"),
+    (dict(gpu_backward="mosaic", segments=True), "cannot run this call: segment ids"),
 ])
 def test_bad_mosaic_options(kwargs, message):
   d, dtype = kwargs.pop("d", 128), kwargs.pop("dtype", jnp.bfloat16)
-  x = jnp.zeros((1, 128, 2, d), dtype)
-  with pytest.raises(ValueError, match=message):
-    fa.flash_attention(x, x, x, **({"backend": "gpu", "interpret": False} | kwargs))
+  x = jax.ShapeDtypeStruct((1, 128, 2, d), dtype)
+  if kwargs.pop("segments", False):
+    ids = jnp.ones((1, 128), jnp.int32)
+    kwargs.update(q_segment_ids=ids, kv_segment_ids=ids)
+  opts = {"backend": "gpu", "interpret": False} | kwargs
+  with pytest.raises(ValueError, match=message):  # the backward's errors come on jax.grad
+    jax.eval_shape(jax.grad(lambda q, k, v: fa.flash_attention(
+        q, k, v, **opts).astype(jnp.float32).sum()), x, x, x)
 
 
 def test_shared_memory_plan():
