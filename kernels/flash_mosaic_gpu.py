@@ -499,9 +499,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
       s, dp = pl.run_scoped(scores, (plgpu.ACC((bk, bq), jnp.float32),
                                      plgpu.ACC((bk, bq), jnp.float32)))
       wait_rows(slot)
-      lse2 = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], (), layout=col), s.shape,
-                                  [1])
-      di = lax.broadcast_in_dim(plgpu.load(di_smem.at[slot], (), layout=col), s.shape, [1])
+
+      def per_query(ref):  # [bq] row statistics broadcast over the tile's keys
+        return lax.broadcast_in_dim(plgpu.load(ref.at[slot], (), layout=col), s.shape, [1])
       capped = None
       if cfg.logits_soft_cap is not None:
         capped = cfg.logits_soft_cap * jnp.tanh(s * (cfg.sm_scale / cfg.logits_soft_cap))
@@ -521,8 +521,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
           if not cfg.causal:
             visible = visible & (kv_pos - q_pos < cfg.sliding_window)
         s = jnp.where(visible, s, -jnp.inf)
-      p = jnp.exp2(s - lse2)  # padding rows have lse +inf: p = 0
-      ds = p * (dp - di)
+      p = jnp.exp2(s - per_query(lse_smem))  # padding rows have lse +inf: p = 0
+      ds = p * (dp - per_query(di_smem))
       if capped is not None:
         ds = ds * (1.0 - jnp.square(capped * (1.0 / cfg.logits_soft_cap)))
       ds = ds * cfg.sm_scale
