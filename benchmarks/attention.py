@@ -256,6 +256,8 @@ ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_l
      dict(gpu_backward="mosaic")),
     ("non-causal mqa d64, mosaic dk/dv", (1, 777, 4, 1, 64), dict(causal=False),
      dict(gpu_backward="mosaic")),
+    ("segments, mosaic forward + dk/dv", (2, 640, 8, 2, 128),
+     dict(causal=True, segments=True), dict(gpu_forward="mosaic", gpu_backward="mosaic")),
     ("non-causal mqa d64", (1, 777, 4, 1, 64), dict(causal=False)),
     ("segments", (2, 640, 4, 4, 128), dict(causal=True, segments=True)),
     ("segments, mosaic forward", (2, 640, 4, 4, 128), dict(causal=True, segments=True),

@@ -14,4 +14,5 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 timeout "${ATTN_TIMEOUT:-300}" python3 -m benchmarks.attention --accelerator-only \
   --out "$OUT/attention.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention.log"
 timeout "${STEP_TIMEOUT:-220}" python3 -m benchmarks.gpu_step --steps 2 --tuned "$OUT/attention.json" \
-  --out "$OUT/step.json" ${STEP_ARGS:---impls=flash} 2>&1 | tee "$OUT/step.log"
+  --out "$OUT/step.json" ${STEP_ARGS:---impls=flash --no-rollout \
+  --flash-arms=gpu_forward=mosaic,gpu_backward=mosaic} 2>&1 | tee "$OUT/step.log"

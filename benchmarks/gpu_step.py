@@ -1,6 +1,7 @@
 """A real-size GRPO learner step and rollout on one accelerator, per attention kernel.
 
     python -m benchmarks.gpu_step [--tiny] [--impls=flash,chunked,reference] [--tuned=SWEEP.json]
+        [--flash-arms='gpu_forward=mosaic,gpu_backward=mosaic']
         [--out=F]
 
 Model: a 1.2B Llama-3-style transformer with head_dim 128 (d_model 2048, 16 layers,
@@ -175,6 +176,9 @@ def main(argv=None) -> None:
                       help="decode_chunk:param_dtype variants, e.g. 32:float32,auto:bfloat16")
   parser.add_argument("--tuned", help="a device sweep's JSON (benchmarks.attention --out): "
                       "also time flash with its fastest forward + backward options")
+  parser.add_argument("--flash-arms", default="",
+                      help="more flash arms, each ModelConfig.attention_options, separated "
+                      "by ';' (e.g. 'gpu_forward=mosaic,gpu_backward=mosaic')")
   parser.add_argument("--out")
   args = parser.parse_args(argv)
   if args.tiny:
@@ -193,9 +197,10 @@ def main(argv=None) -> None:
             device=str(jax.devices()[0].device_kind), jax=jax.__version__))
   arms = [(impl, model_config(args.tiny, impl)) for impl in args.impls.split(",")]
   tuned = best_sweep_options(args.tuned) if args.tuned else None
-  if tuned:
-    arms.insert(1, (f"flash {tuned}", model_config(args.tiny, "flash").replace(
-        attention_options=tuned)))
+  extra = ([tuned] if tuned else []) + [a for a in args.flash_arms.split(";") if a.strip()]
+  for i, options in enumerate(extra):
+    arms.insert(1 + i, (f"flash {options}", model_config(args.tiny, "flash").replace(
+        attention_options=options)))
   for name, cfg in arms:
     try:
       res = bench_step(cfg, args.rows, args.row_len, args.microbatch, args.steps, peak)

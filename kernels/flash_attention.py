@@ -1497,7 +1497,8 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
     reason = mosaic.unsupported_backward(cfg, q, k)
     if reason:
       raise ValueError(f"gpu_backward='mosaic' cannot run this call: {reason}")
-    dk, dv = mosaic.dkv(cfg, q, k, v, do, lse[..., :tq], di[..., :tq])
+    dk, dv = mosaic.dkv(cfg, q, k, v, do, lse[..., :tq], di[..., :tq], q_seg[:, :tq]
+                        if cfg.segments else None, kv_seg[:, :tk] if cfg.segments else None)
     args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
     dq = _gpu_dq(dq_cfg, *args)[0]
   else:
@@ -1685,8 +1686,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       runs the Triton kernels unless `gpu_backward` says otherwise.
     gpu_backward: GPU only. 'mosaic': the dk / dv kernel is the Hopper one of
       `kernels.flash_mosaic_gpu` (kv-major wgmma steps over streamed q tiles, GQA
-      heads summed in registers; 16-bit inputs, head_dim a multiple of 64 up to 128,
-      no segment ids); dq stays the Triton kernel. 'triton' or None (default): Triton,
+      heads summed in registers; 16-bit inputs, head_dim a multiple of 64 up to 128);
+      dq stays the Triton kernel. 'triton' or None (default): Triton,
       until a device run has checked the Mosaic kernel.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.

@@ -82,8 +82,6 @@ def unsupported_backward(cfg, q, k) -> str | None:
   reason = unsupported(cfg, q, k)
   if reason:
     return reason
-  if cfg.segments:
-    return "segment ids"
   if q.shape[-1] > 128:  # two f32 [64, head_dim] accumulators per thread
     return f"head_dim {q.shape[-1]} (up to 128 in the backward)"
   if cfg.dq_atomic:
@@ -405,25 +403,31 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
 
 # ----------------------------------------------------------------------------------
 # dk / dv. One CTA per (kv head, pair of 64-row kv tiles, batch): each consumer holds
-# its kv tile's K and V in shared memory and steps over the q tiles that see it, for
-# every query head of its group (GQA sums in registers); the producer streams q, dO
-# and the rows' lse and di. Per step, kv-major as the Triton kernel: S^T = K Q^T and
+# its kv tile's K and V (and key ids) in shared memory and steps over the q tiles that
+# see it, for every query head of its group (GQA sums in registers); the producer
+# streams q, dO, the rows' lse and di (and query ids). Per step, kv-major as the Triton kernel: S^T = K Q^T and
 # dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, each pair one wgmma group. dq
 # stays with the Triton dq kernel.
 
 TILE_Q_BWD = 64  # q rows per streamed step
 
 
-def _q_ranges(cfg, kv_tile):
-  return fa.q_block_range(cfg, kv_tile), fa.q_full_range(cfg, kv_tile)
+def _q_ranges(cfg, kv_tile, seg=None):
+  """(visible, fully visible) q block ranges of kv tile `kv_tile`; with segment ids
+  narrowed by `seg`, the tile's row of `segment_block_ranges(...)[1]`."""
+  if seg is None:
+    return fa.q_block_range(cfg, kv_tile), fa.q_full_range(cfg, kv_tile)
+  visible = fa._and_range(  # pylint: disable=protected-access
+      fa.q_block_range(cfg, kv_tile), seg[0], seg[1])
+  return visible, fa.q_full_range(cfg, kv_tile, (seg[2], seg[3]))
 
 
-def _q_union(cfg, first_tile):
+def _q_union(cfg, first_tile, segs=(None, None)):
   """q blocks the producer streams (per query head) for kv tiles first_tile and
-  first_tile + 1: (first block, number of blocks)."""
+  first_tile + 1 (`segs`: their segment rows): (first block, number of blocks)."""
   los, his = [], []
   for t in range(CONSUMERS):
-    lo, hi = fa.q_block_range(cfg, first_tile + t)
+    lo, hi = _q_ranges(cfg, first_tile + t, segs[t])[0]
     empty = lo > hi
     los.append(jnp.where(empty, cfg.num_q_blocks, lo))
     his.append(jnp.where(empty, -1, hi))
@@ -432,16 +436,23 @@ def _q_union(cfg, first_tile):
   return jnp.where(n > 0, u_lo, 0), n
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, scoped, *,
-                cfg, num_pairs, head_dim):
-  del num_pairs
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref,
+                table_ref, dk_ref, dv_ref, scoped, *, cfg, head_dim):
+  """Segment refs, id buffers and their barriers are None without segment ids."""
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  (k_smem2, v_smem2, q_smem, do_smem, lse_smem, di_smem), \
-      (q_loaded, do_loaded, lse_loaded, di_loaded, kv_loaded), used, schedule = scoped
+  (k_smem2, v_smem2, q_smem, do_smem, lse_smem, di_smem, q_ids, kv_ids2), \
+      (q_loaded, do_loaded, lse_loaded, di_loaded, kv_loaded, ids_loaded), used, \
+      schedule = scoped
   batch, kv_head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
                         lax.axis_index("wg"))
   first_tile = lax.axis_index("kv_seq") * CONSUMERS
-  u_lo, n = _q_union(cfg, first_tile)
+
+  def segment_row(tile):
+    if not cfg.segments:
+      return None
+    return tuple(table_ref[batch, tile, j] for j in range(4))
+  u_lo, n = _q_union(cfg, first_tile, tuple(segment_row(first_tile + t)
+                                            for t in range(CONSUMERS)))
   slots = q_smem.shape[0]
   bq, bk = cfg.block_q, cfg.block_kv
   group = cfg.group
@@ -462,6 +473,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_loaded.at[CONSUMERS + wg])
     plgpu.barrier_wait(kv_loaded.at[wg])
     plgpu.barrier_wait(kv_loaded.at[CONSUMERS + wg])
+    key_ids = None
+    if cfg.segments:  # one id per key: a row of S^T
+      plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(kv_base, bk)], kv_ids2.at[wg],
+                              kv_loaded.at[2 * CONSUMERS + wg])
+      plgpu.barrier_wait(kv_loaded.at[2 * CONSUMERS + wg])
+      key_ids = plgpu.load(kv_ids2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
     zeros = plgpu.layout_cast(jnp.full((bk, head_dim), 0.0, jnp.float32),
                               plgpu.Layout.WGMMA)
     col = plgpu.Layout.WGMMA.reduce(0)  # one value per query (a column of S^T)
@@ -470,9 +487,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
     def slot_of(step):
       return lax.rem(step, jnp.int32(slots))
 
-    def wait_rows(slot):
+    def wait_rows(slot):  # every step waits, so the barrier phases stay in step
       plgpu.barrier_wait(lse_loaded.at[slot])
       plgpu.barrier_wait(di_loaded.at[slot])
+      if cfg.segments:
+        plgpu.barrier_wait(ids_loaded.at[slot])
 
     def skip(step):
       slot = slot_of(step)
@@ -520,6 +539,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
           visible = visible & (q_pos - kv_pos < cfg.sliding_window)
           if not cfg.causal:
             visible = visible & (kv_pos - q_pos < cfg.sliding_window)
+        if cfg.segments:
+          keys = lax.broadcast_in_dim(key_ids, s.shape, [0])
+          queries = lax.broadcast_in_dim(
+              plgpu.load(q_ids.at[slot], (), layout=col), s.shape, [1])
+          visible = visible & (queries == keys) & (keys != 0)
         s = jnp.where(visible, s, -jnp.inf)
       p = jnp.exp2(s - per_query(lse_smem))  # padding rows have lse +inf: p = 0
       ds = p * (dp - per_query(di_smem))
@@ -539,7 +563,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
       plgpu.barrier_arrive(used.at[slot])
       return dk, dv
 
-    lo_hi, full = _q_ranges(cfg, tile)
+    lo_hi, full = _q_ranges(cfg, tile, segment_row(tile))
     spans = _spans(u_lo, u_lo + n - 1, lo_hi, full)
 
     def head(gi, carry):
@@ -579,6 +603,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
       cols = (batch, head, pl.ds(qi * bq, bq))
       plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_loaded.at[slot])
       plgpu.copy_gmem_to_smem(di_ref.at[cols], di_smem.at[slot], di_loaded.at[slot])
+      if cfg.segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(qi * bq, bq)], q_ids.at[slot],
+                                ids_loaded.at[slot])
 
     total = n * group
     for i in range(slots):
@@ -591,11 +618,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, sc
       load(j + slots, slot)
 
 
-def dkv(cfg, q, k, v, do, lse, di):
+def dkv(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
   """dk, dv of flash attention on Hopper. q, do [b, Tq, h, d], k, v [b, Tk, kvh, d]
   (any lengths), lse (internal: natural log, +inf for rows that see no key) and
-  di = sum(do * out, -1) [b, h, Tq] f32 -> dk, dv [b, Tk, kvh, d] in k's dtype.
-  `cfg` as for `forward`; segment ids are not taken (`unsupported_backward`)."""
+  di = sum(do * out, -1) [b, h, Tq] f32, with `cfg.segments` q_seg [b, Tq] and
+  kv_seg [b, Tk] -> dk, dv [b, Tk, kvh, d] in k's dtype. `cfg` as for `forward`."""
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   b, tq, h, d = q.shape
   tk, kvh = k.shape[1], k.shape[2]
@@ -609,20 +636,29 @@ def dkv(cfg, q, k, v, do, lse, di):
   num_pairs = kp.shape[1] // pair_rows
   slots = 2
   dtype = q.dtype
+  operands = [qp, kp, vp, dop, lse2, dip]
+  if cfg.segments:
+    q_seg = pad(q_seg.astype(jnp.int32), 1, TILE_Q_BWD)
+    kv_seg = pad(kv_seg.astype(jnp.int32), 1, pair_rows)
+    operands += [q_seg, kv_seg,
+                 fa.segment_block_ranges(q_seg, kv_seg, TILE_Q_BWD, TILE_Q)[1]]
 
-  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref):
+  def entry(*refs):
+    seg_refs = refs[6:9] if cfg.segments else (None, None, None)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=transforms)  # noqa: E731
     rows = lambda: plgpu.SMEM((slots, TILE_Q_BWD), jnp.float32)  # noqa: E731
+    ids = lambda shape: plgpu.SMEM(shape, jnp.int32) if cfg.segments else None  # noqa: E731
     scratch = [smem((CONSUMERS, TILE_Q, d)), smem((CONSUMERS, TILE_Q, d)),
-               smem((slots, TILE_Q_BWD, d)), smem((slots, TILE_Q_BWD, d)), rows(), rows()]
+               smem((slots, TILE_Q_BWD, d)), smem((slots, TILE_Q_BWD, d)), rows(), rows(),
+               ids((slots, TILE_Q_BWD)), ids((CONSUMERS, TILE_Q))]
     loaded = tuple(plgpu.Barrier(num_barriers=slots) for _ in range(4))
     pl.run_scoped(
-        lambda *scoped: _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref,
-                                    dv_ref, scoped, cfg=cfg, num_pairs=num_pairs,
+        lambda *scoped: _dkv_kernel(*refs[:6], *seg_refs, *refs[-2:], scoped, cfg=cfg,
                                     head_dim=d),
         scratch,
-        loaded + (plgpu.Barrier(num_barriers=2 * CONSUMERS),),
+        loaded + (plgpu.Barrier(num_barriers=3 * CONSUMERS),
+                  plgpu.Barrier(num_barriers=slots) if cfg.segments else None),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),
         plgpu.Barrier(num_arrivals=CONSUMERS),
         collective_axes="wg",
@@ -637,5 +673,5 @@ def dkv(cfg, q, k, v, do, lse, di):
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(qp, kp, vp, dop, lse2, dip)
+  )(*operands)
   return dk[:, :tk], dv[:, :tk]

@@ -102,26 +102,34 @@ def test_schedule_runs_exactly_the_visible_blocks(q_len, kv_len, causal, window,
 @hypothesis.given(
     q_len=st.integers(1, 700), kv_len=st.integers(1, 700), causal=st.booleans(),
     window=st.one_of(st.none(), st.integers(1, 400)),
-    offset=st.one_of(st.none(), st.integers(-300, 300)))
-def test_dkv_schedule_runs_exactly_the_blocks_that_see_each_kv_tile(q_len, kv_len, causal,
-                                                                    window, offset):
+    offset=st.one_of(st.none(), st.integers(-300, 300)), segments=st.booleans(),
+    data=st.data())
+def test_dkv_schedule_runs_exactly_the_blocks_that_see_each_kv_tile(
+    q_len, kv_len, causal, window, offset, segments, data):
   """The dk / dv kernel's steps per pair of kv tiles: the q blocks in the producer's
-  union for both consumers, computed exactly where a real query sees a real key of
-  the tile, unmasked only where nothing is masked."""
+  union for both consumers, computed wherever a real query sees a real key of the tile
+  (exactly there without segment ids), unmasked only where nothing is masked."""
   hypothesis.assume(causal or window is None or offset is None)
   q = jax.ShapeDtypeStruct((1, q_len, 1, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, kv_len, 1, 128), jnp.bfloat16)
   cfg = fa.make_config(q, k, causal=causal, sliding_window=window, q_offset=offset,
-                       backend="gpu", interpret=True)
+                       segments=segments, backend="gpu", interpret=True)
   cfg = dataclasses.replace(cfg, block_q=fm.TILE_Q_BWD, block_kv=fm.TILE_Q)
+  q_seg = kv_seg = table = None
+  if segments:  # padded as `dkv` pads them
+    q_seg = _packed_ids(data.draw, q_len, fm.TILE_Q_BWD)
+    kv_seg = _packed_ids(data.draw, kv_len, fm.CONSUMERS * fm.TILE_Q)
+    table = np.asarray(fa.segment_block_ranges(q_seg[None], kv_seg[None], fm.TILE_Q_BWD,
+                                               fm.TILE_Q)[1][0])
+  row = lambda tile: None if table is None else tuple(table[tile])  # noqa: E731
   for pair in range(-(-kv_len // (fm.CONSUMERS * fm.TILE_Q))):
     first = pair * fm.CONSUMERS
-    u_lo, n = (int(x) for x in fm._q_union(cfg, first))
+    u_lo, n = (int(x) for x in fm._q_union(cfg, first, (row(first), row(first + 1))))
     if n:
       assert 0 <= u_lo and u_lo + n <= cfg.num_q_blocks
     for tile in (first, first + 1):
       spans = [(int(a), int(b), kind) for a, b, kind in
-               fm._spans(u_lo, u_lo + n - 1, *fm._q_ranges(cfg, tile))]
+               fm._spans(u_lo, u_lo + n - 1, *fm._q_ranges(cfg, tile, row(tile)))]
       assert spans[0][0] == u_lo and spans[-1][1] == u_lo + n
       assert all(a <= b for a, b, _ in spans) and all(
           x[1] == y[0] for x, y in zip(spans, spans[1:])), spans
@@ -133,10 +141,15 @@ def test_dkv_schedule_runs_exactly_the_blocks_that_see_each_kv_tile(q_len, kv_le
 
       def visible(qi):  # [keys, rows of q block qi] (padding rows: never masked)
         rows = np.arange(qi * fm.TILE_Q_BWD, (qi + 1) * fm.TILE_Q_BWD)
-        return _visible(cfg, rows, 0, kv_len)[:, keys].T, rows < q_len
+        padded_kv = -(-kv_len // (fm.CONSUMERS * fm.TILE_Q)) * fm.CONSUMERS * fm.TILE_Q
+        ids = {} if q_seg is None else dict(
+            q_seg=np.pad(q_seg, (0, fm.TILE_Q_BWD)), kv_seg=kv_seg)
+        return _visible(cfg, rows, 0, padded_kv, **ids)[:, keys].T, rows < q_len
       want = {qi for qi in range(cfg.num_q_blocks)
               if (visible(qi)[0] & visible(qi)[1][None]).any()}
-      assert computed == want, (tile, spans, sorted(want))
+      if not segments:
+        assert computed == want, (tile, spans, sorted(want))
+      assert computed >= want, (tile, spans, sorted(want))
       for qi in unmasked:
         assert visible(qi)[0][:, visible(qi)[1]].all(), (tile, qi)
 
@@ -178,6 +191,7 @@ def test_lowers_for_cuda_with_mosaic_forward(kwargs):
     dict(causal=True, sliding_window=300, logits_soft_cap=30.0),
     dict(causal=False, d=64, kv_heads=1, dtype=jnp.float16),
     dict(causal=True, q_len=300, kv_heads=4),
+    dict(causal=True, segments=True, sliding_window=200),
 ])
 def test_lowers_for_cuda_with_mosaic_dkv(kwargs):
   """gpu_backward='mosaic': Mosaic forward and dk / dv kernels, the Triton dq kernel."""
@@ -212,7 +226,6 @@ def test_default_forward_on_hopper(monkeypatch):
     (dict(gpu_backward="mosaic", d=256), "gpu_backward='mosaic' cannot run this call: "
      "head_dim 256"),
     (dict(gpu_backward="mosaic", dq_atomic=True), "cannot run this call: dq_atomic"),
-    (dict(gpu_backward="mosaic", segments=True), "cannot run this call: segment ids"),
 ])
 def test_bad_mosaic_options(kwargs, message):
   d, dtype = kwargs.pop("d", 128), kwargs.pop("dtype", jnp.bfloat16)
