@@ -28,6 +28,7 @@ Imports jax only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 
@@ -129,18 +130,39 @@ def _spans(u_lo, u_hi, lo_hi, full_lo_hi):
           (full_hi + 1, hi + 1, "masked"), (hi + 1, u_hi + 1, "skip"))
 
 
-def _union(cfg, first_tile, segs=(None, None)):
-  """kv blocks the producer streams for the tiles first_tile and first_tile + 1 (`segs`:
-  their `_ranges` segment rows): (first block, number of blocks)."""
+def _hull(ranges, num_blocks: int):
+  """(first block, number of blocks) of the smallest run holding the inclusive
+  (lo, hi) ranges (empty ones, lo > hi, count for nothing)."""
   los, his = [], []
-  for t in range(CONSUMERS):
-    lo, hi = _ranges(cfg, first_tile + t, segs[t])[0]
+  for lo, hi in ranges:
     empty = lo > hi
-    los.append(jnp.where(empty, cfg.num_kv_blocks, lo))
+    los.append(jnp.where(empty, num_blocks, lo))
     his.append(jnp.where(empty, -1, hi))
   u_lo, u_hi = jnp.minimum(*los), jnp.maximum(*his)
   n = jnp.maximum(u_hi - u_lo + 1, 0)
   return jnp.where(n > 0, u_lo, 0), n
+
+
+def _union(cfg, first_tile, segs=(None, None)):
+  """kv blocks the producer streams for the tiles first_tile and first_tile + 1 (`segs`:
+  their `_ranges` segment rows): (first block, number of blocks)."""
+  return _hull([_ranges(cfg, first_tile + t, segs[t])[0] for t in range(CONSUMERS)],
+               cfg.num_kv_blocks)
+
+
+def _segment_row(cfg, table_ref, batch, tile):
+  """A tile's (lo, hi, full_lo, full_hi) row of the segment block-range table, read
+  from global memory; None without segment ids."""
+  if not cfg.segments:
+    return None
+  return tuple(table_ref[batch, tile, j] for j in range(4))
+
+
+def _take_turn(schedule):
+  """Arrive at and wait on the barrier the two consumer warpgroups take turns on."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  plgpu.barrier_arrive(schedule)
+  plgpu.barrier_wait(schedule)
 
 
 def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_ref, scoped,
@@ -156,18 +178,11 @@ def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_re
   if cfg.causal:  # the longest rows first, so short ones fill the tail of the launch
     pair = num_pairs - 1 - pair
   first_tile = pair * CONSUMERS
-
-  def segment_row(tile):
-    if not cfg.segments:
-      return None
-    return tuple(table_ref[batch, tile, j] for j in range(4))
+  segment_row = functools.partial(_segment_row, cfg, table_ref, batch)
   u_lo, n = _union(cfg, first_tile, tuple(segment_row(first_tile + t)
                                           for t in range(CONSUMERS)))
   dtype = q_ref.dtype
-
-  def schedule_turn():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+  schedule_turn = functools.partial(_take_turn, schedule)
 
   @pl.when(wg < CONSUMERS)
   def _consumer():
@@ -336,6 +351,16 @@ def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_re
       load_v(ki, slot)
 
 
+def _launch(entry, out_type, grid, tiles_axis: str, operands):
+  """Runs `entry` on a (heads, tiles, batch) grid of CTAs of three warpgroups ("wg")."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=grid, grid_names=("heads", tiles_axis, "batch"),
+      num_threads=CONSUMERS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*operands)
+
+
 def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
   """q [b, Tq, h, d], k / v [b, Tk, kvh, d] (any lengths), with `cfg.segments` also
   q_seg [b, Tq], kv_seg [b, Tk] int ids (0 = padding) -> (out [b, Tq, h, d],
@@ -386,16 +411,9 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
         collective_axes="wg",
     )
 
-  out, lse2 = plgpu.kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct(qp.shape, dtype),
-                jax.ShapeDtypeStruct((b, h, qp.shape[1]), jnp.float32)),
-      grid=(h, num_pairs, b),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*operands)
+  out, lse2 = _launch(entry, (jax.ShapeDtypeStruct(qp.shape, dtype),
+                              jax.ShapeDtypeStruct((b, h, qp.shape[1]), jnp.float32)),
+                      (h, num_pairs, b), "q_seq", operands)
   lse2 = lse2[:, :, :tq]
   lse = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2 * (1.0 / LOG2E))
   return out[:, :tq], lse
@@ -405,9 +423,9 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
 # dk / dv. One CTA per (kv head, pair of 64-row kv tiles, batch): each consumer holds
 # its kv tile's K and V (and key ids) in shared memory and steps over the q tiles that
 # see it, for every query head of its group (GQA sums in registers); the producer
-# streams q, dO, the rows' lse and di (and query ids). Per step, kv-major as the Triton kernel: S^T = K Q^T and
-# dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, each pair one wgmma group. dq
-# stays with the Triton dq kernel.
+# streams q, dO, the rows' lse and di (and query ids). Per step, kv-major as the Triton
+# kernel: S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, each pair
+# one wgmma group. dq stays with the Triton dq kernel.
 
 TILE_Q_BWD = 64  # q rows per streamed step
 
@@ -425,15 +443,8 @@ def _q_ranges(cfg, kv_tile, seg=None):
 def _q_union(cfg, first_tile, segs=(None, None)):
   """q blocks the producer streams (per query head) for kv tiles first_tile and
   first_tile + 1 (`segs`: their segment rows): (first block, number of blocks)."""
-  los, his = [], []
-  for t in range(CONSUMERS):
-    lo, hi = _q_ranges(cfg, first_tile + t, segs[t])[0]
-    empty = lo > hi
-    los.append(jnp.where(empty, cfg.num_q_blocks, lo))
-    his.append(jnp.where(empty, -1, hi))
-  u_lo, u_hi = jnp.minimum(*los), jnp.maximum(*his)
-  n = jnp.maximum(u_hi - u_lo + 1, 0)
-  return jnp.where(n > 0, u_lo, 0), n
+  return _hull([_q_ranges(cfg, first_tile + t, segs[t])[0] for t in range(CONSUMERS)],
+               cfg.num_q_blocks)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref,
@@ -446,21 +457,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_
   batch, kv_head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
                         lax.axis_index("wg"))
   first_tile = lax.axis_index("kv_seq") * CONSUMERS
-
-  def segment_row(tile):
-    if not cfg.segments:
-      return None
-    return tuple(table_ref[batch, tile, j] for j in range(4))
+  segment_row = functools.partial(_segment_row, cfg, table_ref, batch)
   u_lo, n = _q_union(cfg, first_tile, tuple(segment_row(first_tile + t)
                                             for t in range(CONSUMERS)))
   slots = q_smem.shape[0]
   bq, bk = cfg.block_q, cfg.block_kv
   group = cfg.group
   dtype = q_ref.dtype
-
-  def schedule_turn():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+  schedule_turn = functools.partial(_take_turn, schedule)
 
   @pl.when(wg < CONSUMERS)
   def _consumer():
@@ -664,14 +668,7 @@ def dkv(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
         collective_axes="wg",
     )
 
-  dk, dv = plgpu.kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct(kp.shape, k.dtype),
-                jax.ShapeDtypeStruct(vp.shape, v.dtype)),
-      grid=(kvh, num_pairs, b),
-      grid_names=("heads", "kv_seq", "batch"),
-      num_threads=CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*operands)
+  dk, dv = _launch(entry, (jax.ShapeDtypeStruct(kp.shape, k.dtype),
+                           jax.ShapeDtypeStruct(vp.shape, v.dtype)),
+                   (kvh, num_pairs, b), "kv_seq", operands)
   return dk[:, :tk], dv[:, :tk]
