@@ -249,14 +249,14 @@ ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_l
      dict(causal=True)),
     ("non-causal window", (1, 1100, 4, 4, 128), dict(causal=False, sliding_window=200)),
     ("causal d256", (1, 640, 4, 2, 256), dict(causal=True)),
-    ("causal gqa ragged, mosaic dk/dv", (2, 1000, 8, 2, 128), dict(causal=True),
+    ("causal gqa ragged, mosaic backward", (2, 1000, 8, 2, 128), dict(causal=True),
      dict(gpu_backward="mosaic")),
-    ("q shorter than kv, window + soft cap, mosaic dk/dv", (1, 700, 4, 2, 128, 1500),
+    ("q shorter than kv, window + soft cap, mosaic backward", (1, 700, 4, 2, 128, 1500),
      dict(causal=True, sliding_window=300, logits_soft_cap=30.0),
      dict(gpu_backward="mosaic")),
-    ("non-causal mqa d64, mosaic dk/dv", (1, 777, 4, 1, 64), dict(causal=False),
+    ("non-causal mqa d64, mosaic backward", (1, 777, 4, 1, 64), dict(causal=False),
      dict(gpu_backward="mosaic")),
-    ("segments, mosaic forward + dk/dv", (2, 640, 8, 2, 128),
+    ("segments, mosaic forward + backward", (2, 640, 8, 2, 128),
      dict(causal=True, segments=True), dict(gpu_forward="mosaic", gpu_backward="mosaic")),
     ("non-causal mqa d64", (1, 777, 4, 1, 64), dict(causal=False)),
     ("segments", (2, 640, 4, 4, 128), dict(causal=True, segments=True)),
@@ -362,10 +362,10 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
   kv_heads = heads if kv_heads is None else kv_heads
   impls = [("flash (pallas)", _flash(**(flash_options or {})))]
   if backend == "gpu":  # the default forward (Mosaic on Hopper) against the Triton one,
-    # and the Mosaic dk / dv kernel against the Triton one
+    # and the Mosaic backward kernels against the Triton ones
     impls.append(("flash triton-fwd", _flash(**dict(flash_options or {},
                                                      gpu_forward="triton"))))
-    impls.append(("flash mosaic-dkv", _flash(**dict(flash_options or {},
+    impls.append(("flash mosaic-bwd", _flash(**dict(flash_options or {},
                                                      gpu_backward="mosaic"))))
   impls.append(("jax xla", lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="xla")))

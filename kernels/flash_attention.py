@@ -18,8 +18,8 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
   kernel (TMA producer warpgroup, two wgmma consumer warpgroups) that the forward runs
   wherever it can (16-bit inputs, head_dim a multiple of 64 up to 256; calls with
   segment ids only when asked; `gpu_forward` forces either); its lse feeds the same
-  Triton backward kernels. The module also has a Hopper dk / dv kernel, run with
-  `gpu_backward='mosaic'` (dq stays Triton).
+  Triton backward kernels. The module also has Hopper dq and dk / dv kernels, run with
+  `gpu_backward='mosaic'`.
 
 With segment ids (packed rows), `segment_block_ranges` narrows each q block's kv range
 (and each kv block's q range) to the blocks that hold its own sequences, so a row packing
@@ -115,8 +115,8 @@ class _Config:
   # "triton", or None = Mosaic where it runs (an sm_90 device, 16-bit inputs, head_dim a
   # multiple of 64 up to 256) and the call has no segment ids, else Triton
   gpu_forward: str | None = None
-  # GPU dk / dv kernel: "mosaic" (Hopper, `kernels.flash_mosaic_gpu.dkv`; dq stays
-  # Triton) or "triton"; None = Triton (the Mosaic one awaits a device check)
+  # GPU backward kernels: "mosaic" (Hopper dq and dk / dv, `kernels.flash_mosaic_gpu`)
+  # or "triton"; None = Triton (the Mosaic ones await a device check)
   gpu_backward: str | None = None
 
   def for_backward(self) -> _Config:
@@ -1497,10 +1497,10 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
     reason = mosaic.unsupported_backward(cfg, q, k)
     if reason:
       raise ValueError(f"gpu_backward='mosaic' cannot run this call: {reason}")
-    dk, dv = mosaic.dkv(cfg, q, k, v, do, lse[..., :tq], di[..., :tq], q_seg[:, :tq]
-                        if cfg.segments else None, kv_seg[:, :tk] if cfg.segments else None)
-    args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
-    dq = _gpu_dq(dq_cfg, *args)[0]
+    args = (cfg, q, k, v, do, lse[..., :tq], di[..., :tq],
+            q_seg[:, :tq] if cfg.segments else None, kv_seg[:, :tk] if cfg.segments else None)
+    dk, dv = mosaic.dkv(*args)
+    dq = mosaic.dq(*args)
   else:
     args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
     dkv_out = _gpu_dkv(cfg, *args)
@@ -1684,11 +1684,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       Mosaic on an sm_90 device for calls it takes without segment ids (with them,
       not yet measured on a device, only when asked), else Triton. The backward pass
       runs the Triton kernels unless `gpu_backward` says otherwise.
-    gpu_backward: GPU only. 'mosaic': the dk / dv kernel is the Hopper one of
-      `kernels.flash_mosaic_gpu` (kv-major wgmma steps over streamed q tiles, GQA
-      heads summed in registers; 16-bit inputs, head_dim a multiple of 64 up to 128);
-      dq stays the Triton kernel. 'triton' or None (default): Triton,
-      until a device run has checked the Mosaic kernel.
+    gpu_backward: GPU only. 'mosaic': the backward runs the Hopper kernels of
+      `kernels.flash_mosaic_gpu`: dk / dv (kv-major wgmma steps over streamed q tiles,
+      GQA heads summed in registers) and dq (the forward's layout); 16-bit inputs,
+      head_dim a multiple of 64 up to 128. 'triton' or None (default): Triton, until
+      a device run has checked the Mosaic kernels.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,

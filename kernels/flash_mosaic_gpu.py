@@ -86,7 +86,7 @@ def unsupported_backward(cfg, q, k) -> str | None:
   if q.shape[-1] > 128:  # two f32 [64, head_dim] accumulators per thread
     return f"head_dim {q.shape[-1]} (up to 128 in the backward)"
   if cfg.dq_atomic:
-    return "dq_atomic (a Triton dk / dv kernel option)"
+    return "dq_atomic (an option of the Triton dk / dv kernel)"
   return None
 
 
@@ -163,6 +163,61 @@ def _take_turn(schedule):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   plgpu.barrier_arrive(schedule)
   plgpu.barrier_wait(schedule)
+
+
+def _logits(cfg, s):
+  """Raw scores -> (logits to exp2 once multiplied by the returned scale, the capped
+  natural logits or None): with a soft cap the scale is log2 e, else sm_scale log2 e."""
+  if cfg.logits_soft_cap is None:
+    return s, cfg.sm_scale * LOG2E, None
+  capped = cfg.logits_soft_cap * jnp.tanh(s * (cfg.sm_scale / cfg.logits_soft_cap))
+  return capped, LOG2E, capped
+
+
+def _mask(cfg, s, q_pos, kv_pos, q_ids=None, kv_ids=None):
+  """s with -inf where the mask hides a (query, key) pair; positions and ids are
+  arrays broadcast to s's shape, or None."""
+  visible = []
+  if cfg.kv_len % cfg.block_kv:
+    visible.append(kv_pos < cfg.kv_len)
+  if cfg.causal:
+    visible.append(q_pos >= kv_pos)
+  if cfg.sliding_window is not None:
+    visible.append(q_pos - kv_pos < cfg.sliding_window)
+    if not cfg.causal:
+      visible.append(kv_pos - q_pos < cfg.sliding_window)
+  if q_ids is not None:
+    visible.append((q_ids == kv_ids) & (kv_ids != 0))
+  if not visible:
+    return s
+  return jnp.where(functools.reduce(lambda a, b: a & b, visible), s, -jnp.inf)
+
+
+def _ds(cfg, p, dp, di, capped):
+  """dS (already times sm_scale) from P, dP, the rows' di and the capped logits."""
+  ds = p * (dp - di)
+  if capped is not None:
+    ds = ds * (1.0 - jnp.square(capped * (1.0 / cfg.logits_soft_cap)))
+  return ds * cfg.sm_scale
+
+
+def _scores(a, b, c, d, shape, while_in_flight):
+  """(a @ b.T, c @ d.T) in f32 [shape], issued as one wgmma group (b, d transposed in
+  shared memory); `while_in_flight` runs before their results are read."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+
+  def body(refs):
+    s_ref, dp_ref = refs
+    plgpu.wgmma(s_ref, a, b.transpose((1, 0)))
+    plgpu.wgmma(dp_ref, c, d.transpose((1, 0)))
+    while_in_flight()
+    return s_ref[...], dp_ref[...]
+  return pl.run_scoped(body, (plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)))
+
+
+def _iota(shape, dim):
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_ref, scoped,
@@ -244,39 +299,16 @@ def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_re
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((TILE_Q, block_kv), jnp.float32))
       plgpu.barrier_arrive(k_used.at[slot])
-      if cfg.logits_soft_cap is not None:
-        cap = cfg.logits_soft_cap
-        s = cap * jnp.tanh(s * (cfg.sm_scale / cap))
-        scale = LOG2E
-      else:
-        scale = cfg.sm_scale * LOG2E
+      s, scale, _ = _logits(cfg, s)
       if masked:
-        shape = (TILE_Q, block_kv)
-        iota = lambda dim: plgpu.broadcasted_iota(  # noqa: E731
-            jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-        q_pos = iota(0) + (q_base + cfg.offset)
-        kv_pos = iota(1) + ki * block_kv
-        visible = None
-
-        def both(a, b):
-          return b if a is None else a & b
-        if cfg.kv_len % block_kv:
-          visible = both(visible, kv_pos < cfg.kv_len)
-        if cfg.causal:
-          visible = both(visible, q_pos >= kv_pos)
-        if cfg.sliding_window is not None:
-          visible = both(visible, q_pos - kv_pos < cfg.sliding_window)
-          if not cfg.causal:
-            visible = both(visible, kv_pos - q_pos < cfg.sliding_window)
+        ids = (None, None)
         if cfg.segments:  # the ids the V slot's release frees (read before it)
           plgpu.barrier_wait(ids_loaded.at[slot])
-          key_ids = lax.broadcast_in_dim(
+          ids = (lax.broadcast_in_dim(q_ids, s.shape, [0]), lax.broadcast_in_dim(
               plgpu.load(kv_ids.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0)),
-              shape, [1])
-          visible = both(visible, (lax.broadcast_in_dim(q_ids, shape, [0]) == key_ids)
-                         & (key_ids != 0))
-        if visible is not None:
-          s = jnp.where(visible, s, -jnp.inf)
+              s.shape, [1]))
+        s = _mask(cfg, s, _iota(s.shape, 0) + (q_base + cfg.offset),
+                  _iota(s.shape, 1) + ki * block_kv, *ids)
       else:
         wait_ids(slot)
       # Base-2 softmax with m kept in scaled units, so p = exp2(s * scale - m) is an FMA.
@@ -321,34 +353,47 @@ def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_re
 
   @pl.when(wg == CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-    kv_head = lax.div(head, jnp.int32(cfg.group))
+    _stream_kv(cfg, k_ref, v_ref, kv_seg_ref, (k_smem, v_smem, kv_ids),
+               (k_loaded, v_loaded, ids_loaded), (k_used, v_used), batch, head, u_lo, n)
 
-    def load_k(ki, slot):
-      rows = (batch, pl.ds(ki * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
 
-    def load_v(ki, slot):  # and the block's segment ids: a consumer reads both before
-      rows = (batch, pl.ds(ki * block_kv, block_kv), kv_head)  # releasing the V slot
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
-      if cfg.segments:
-        plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(ki * block_kv, block_kv)],
-                                kv_ids.at[slot], ids_loaded.at[slot])
+def _stream_kv(cfg, k_ref, v_ref, kv_seg_ref, buffers, loaded, used, batch, head, u_lo, n):
+  """The producer warpgroup of the forward and dq kernels: streams kv blocks u_lo ..
+  u_lo + n - 1 (K, V and with segment ids the keys' ids) of `head`'s kv head into the
+  ring of slots, each refilled once both consumers have released it. A block's ids
+  travel with its V, which consumers release after reading both."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  plgpu.set_max_registers(40, action="decrease")
+  (k_smem, v_smem, kv_ids), (k_loaded, v_loaded, ids_loaded), (k_used, v_used) = \
+      buffers, loaded, used
+  slots, block_kv = k_smem.shape[0], k_smem.shape[1]
+  kv_head = lax.div(head, jnp.int32(cfg.group))
 
-    for i in range(slots):
-      @pl.when(i < n)
-      def _(i=i):
-        load_k(u_lo + i, i)
-        load_v(u_lo + i, i)
+  def load_k(ki, slot):
+    rows = (batch, pl.ds(ki * block_kv, block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
 
-    @pl.loop(0, jnp.maximum(n - slots, 0))
-    def _(j):
-      slot = lax.rem(j, jnp.int32(slots))
-      ki = u_lo + j + slots
-      plgpu.barrier_wait(k_used.at[slot])
-      load_k(ki, slot)
-      plgpu.barrier_wait(v_used.at[slot])
-      load_v(ki, slot)
+  def load_v(ki, slot):
+    rows = (batch, pl.ds(ki * block_kv, block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+    if cfg.segments:
+      plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(ki * block_kv, block_kv)],
+                              kv_ids.at[slot], ids_loaded.at[slot])
+
+  for i in range(slots):
+    @pl.when(i < n)
+    def _(i=i):
+      load_k(u_lo + i, i)
+      load_v(u_lo + i, i)
+
+  @pl.loop(0, jnp.maximum(n - slots, 0))
+  def _(j):
+    slot = lax.rem(j, jnp.int32(slots))
+    ki = u_lo + j + slots
+    plgpu.barrier_wait(k_used.at[slot])
+    load_k(ki, slot)
+    plgpu.barrier_wait(v_used.at[slot])
+    load_v(ki, slot)
 
 
 def _launch(entry, out_type, grid, tiles_axis: str, operands):
@@ -425,7 +470,7 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
 # see it, for every query head of its group (GQA sums in registers); the producer
 # streams q, dO, the rows' lse and di (and query ids). Per step, kv-major as the Triton
 # kernel: S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, each pair
-# one wgmma group. dq stays with the Triton dq kernel.
+# one wgmma group.
 
 TILE_Q_BWD = 64  # q rows per streamed step
 
@@ -513,47 +558,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(do_loaded.at[slot])
 
-      def scores(refs):
-        s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
-        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
-        schedule_turn()
-        return s_ref[...], dp_ref[...]
-      s, dp = pl.run_scoped(scores, (plgpu.ACC((bk, bq), jnp.float32),
-                                     plgpu.ACC((bk, bq), jnp.float32)))
+      s, dp = _scores(k_smem, q_smem.at[slot], v_smem, do_smem.at[slot], (bk, bq),
+                      schedule_turn)
       wait_rows(slot)
 
       def per_query(ref):  # [bq] row statistics broadcast over the tile's keys
         return lax.broadcast_in_dim(plgpu.load(ref.at[slot], (), layout=col), s.shape, [1])
-      capped = None
-      if cfg.logits_soft_cap is not None:
-        capped = cfg.logits_soft_cap * jnp.tanh(s * (cfg.sm_scale / cfg.logits_soft_cap))
-        s = capped * LOG2E
-      else:
-        s = s * (cfg.sm_scale * LOG2E)
+      s, scale, capped = _logits(cfg, s)
       if masked:
-        iota = lambda dim: plgpu.broadcasted_iota(  # noqa: E731
-            jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
-        kv_pos = iota(0) + kv_base
-        q_pos = iota(1) + (qi * bq + cfg.offset)
-        visible = kv_pos < cfg.kv_len
-        if cfg.causal:
-          visible = visible & (q_pos >= kv_pos)
-        if cfg.sliding_window is not None:
-          visible = visible & (q_pos - kv_pos < cfg.sliding_window)
-          if not cfg.causal:
-            visible = visible & (kv_pos - q_pos < cfg.sliding_window)
+        ids = (None, None)
         if cfg.segments:
-          keys = lax.broadcast_in_dim(key_ids, s.shape, [0])
-          queries = lax.broadcast_in_dim(
-              plgpu.load(q_ids.at[slot], (), layout=col), s.shape, [1])
-          visible = visible & (queries == keys) & (keys != 0)
-        s = jnp.where(visible, s, -jnp.inf)
-      p = jnp.exp2(s - per_query(lse_smem))  # padding rows have lse +inf: p = 0
-      ds = p * (dp - per_query(di_smem))
-      if capped is not None:
-        ds = ds * (1.0 - jnp.square(capped * (1.0 / cfg.logits_soft_cap)))
-      ds = ds * cfg.sm_scale
+          ids = (per_query(q_ids), lax.broadcast_in_dim(key_ids, s.shape, [0]))
+        s = _mask(cfg, s, _iota(s.shape, 1) + (qi * bq + cfg.offset),
+                  _iota(s.shape, 0) + kv_base, *ids)
+      p = jnp.exp2(s * scale - per_query(lse_smem))  # padding rows: lse +inf, p = 0
+      ds = _ds(cfg, p, dp, per_query(di_smem), capped)
       p16, ds16 = p.astype(dtype), ds.astype(dtype)
       dk, dv, p16, ds16 = lax.optimization_barrier((dk, dv, p16, ds16))
       plgpu.barrier_arrive(schedule)
@@ -672,3 +691,161 @@ def dkv(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
                            jax.ShapeDtypeStruct(vp.shape, v.dtype)),
                    (kvh, num_pairs, b), "kv_seq", operands)
   return dk[:, :tk], dv[:, :tk]
+
+
+# ----------------------------------------------------------------------------------
+# dq. The forward's layout: one CTA per (head, pair of 64-row q tiles, batch); each
+# consumer keeps its tile's q, dO, lse, di (and ids) and steps over the visible kv
+# blocks the producer streams: S = Q K^T and dP = dO V^T, then dQ += dS K.
+
+BLOCK_KV_DQ = 64  # keys per streamed step: S, dP and dQ fit the registers at 64
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref,
+               table_ref, dq_ref, scoped, *, cfg, num_pairs, head_dim):
+  """Segment refs, id buffers and their barriers are None without segment ids."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  (q_smem2, do_smem2, lse_smem2, di_smem2, q_ids2, k_smem, v_smem, kv_ids), \
+      (k_loaded, v_loaded, ids_loaded, tile_loaded), (k_used, v_used), schedule = scoped
+  batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  pair = lax.axis_index("q_seq")
+  if cfg.causal:  # the longest rows first
+    pair = num_pairs - 1 - pair
+  first_tile = pair * CONSUMERS
+  segment_row = functools.partial(_segment_row, cfg, table_ref, batch)
+  u_lo, n = _union(cfg, first_tile, tuple(segment_row(first_tile + t)
+                                          for t in range(CONSUMERS)))
+  slots, bk = k_smem.shape[0], cfg.block_kv
+  dtype = q_ref.dtype
+  schedule_turn = functools.partial(_take_turn, schedule)
+
+  @pl.when(wg < CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    tile = first_tile + wg
+    q_base = tile * TILE_Q
+    rows, cols = (batch, pl.ds(q_base, TILE_Q), head), (batch, head, pl.ds(q_base, TILE_Q))
+    loads = [(q_ref.at[rows], q_smem2), (do_ref.at[rows], do_smem2),
+             (lse_ref.at[cols], lse_smem2), (di_ref.at[cols], di_smem2)]
+    if cfg.segments:
+      loads.append((q_seg_ref.at[batch, pl.ds(q_base, TILE_Q)], q_ids2))
+    for i, (src, dst) in enumerate(loads):
+      plgpu.copy_gmem_to_smem(src, dst.at[wg], tile_loaded.at[i * CONSUMERS + wg])
+    for i in range(len(loads)):
+      plgpu.barrier_wait(tile_loaded.at[i * CONSUMERS + wg])
+    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    row = plgpu.Layout.WGMMA.reduce(1)  # one value per query (a row of S)
+    per_query = lambda ref: lax.broadcast_in_dim(  # noqa: E731
+        plgpu.load(ref.at[wg], (), layout=row), (TILE_Q, bk), [0])
+    dq = plgpu.layout_cast(jnp.full((TILE_Q, head_dim), 0.0, jnp.float32),
+                           plgpu.Layout.WGMMA)
+    pl.when(wg == 1)(schedule_turn)
+
+    def slot_of(ki):
+      return lax.rem(ki - u_lo, jnp.int32(slots))
+
+    def wait_ids(slot):  # every step waits, so the barrier phases stay in step
+      if cfg.segments:
+        plgpu.barrier_wait(ids_loaded.at[slot])
+
+    def skip(ki, carry):
+      slot = slot_of(ki)
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+      schedule_turn()
+      wait_ids(slot)
+      plgpu.barrier_arrive(v_used.at[slot])
+      schedule_turn()
+      plgpu.barrier_arrive(k_used.at[slot])
+      return carry
+
+    def step(ki, dq, masked: bool):
+      slot = slot_of(ki)
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+
+      s, dp = _scores(q_smem, k_smem.at[slot], do_smem, v_smem.at[slot], (TILE_Q, bk),
+                      schedule_turn)
+      wait_ids(slot)
+      s, scale, capped = _logits(cfg, s)
+      if masked:
+        ids = (None, None)
+        if cfg.segments:
+          ids = (per_query(q_ids2), lax.broadcast_in_dim(
+              plgpu.load(kv_ids.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0)),
+              s.shape, [1]))
+        s = _mask(cfg, s, _iota(s.shape, 0) + (q_base + cfg.offset),
+                  _iota(s.shape, 1) + ki * bk, *ids)
+      plgpu.barrier_arrive(v_used.at[slot])  # V and the key ids are done with
+      p = jnp.exp2(s * scale - per_query(lse_smem2))  # padding rows: lse +inf, p = 0
+      ds16 = _ds(cfg, p, dp, per_query(di_smem2), capped).astype(dtype)
+      dq, ds16 = lax.optimization_barrier((dq, ds16))
+      schedule_turn()
+
+      def grad(dq_ref):
+        plgpu.wgmma(dq_ref, ds16, k_smem.at[slot])
+      dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(k_used.at[slot])
+      return dq
+
+    spans = _spans(u_lo, u_lo + n - 1, *_ranges(cfg, tile, segment_row(tile)))
+    for start, stop, kind in spans:
+      body = skip if kind == "skip" else (
+          lambda ki, c, masked=(kind == "masked"): step(ki, c, masked))
+      dq = lax.fori_loop(start, stop, body, dq)
+    pl.when(wg == 0)(schedule_turn)
+
+    q_smem[...] = dq.astype(dtype)  # q is done with: its buffer stages dq
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == CONSUMERS)
+  def _producer():
+    _stream_kv(cfg, k_ref, v_ref, kv_seg_ref, (k_smem, v_smem, kv_ids),
+               (k_loaded, v_loaded, ids_loaded), (k_used, v_used), batch, head, u_lo, n)
+
+
+def dq(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
+  """dq of flash attention on Hopper; arguments as for `dkv` -> dq [b, Tq, h, d] in
+  q's dtype."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  b, tq, h, d = q.shape
+  cfg = _tile_config(cfg, BLOCK_KV_DQ)
+  pair_rows = CONSUMERS * TILE_Q
+  pad = fa._pad_len  # pylint: disable=protected-access
+  qp, dop = pad(q, 1, pair_rows), pad(do.astype(q.dtype), 1, pair_rows)
+  kp, vp = pad(k, 1, BLOCK_KV_DQ), pad(v, 1, BLOCK_KV_DQ)
+  operands = [qp, kp, vp, dop, pad(lse * LOG2E, 2, pair_rows, jnp.inf), pad(di, 2, pair_rows)]
+  if cfg.segments:
+    q_seg = pad(q_seg.astype(jnp.int32), 1, pair_rows)
+    kv_seg = pad(kv_seg.astype(jnp.int32), 1, BLOCK_KV_DQ)
+    operands += [q_seg, kv_seg,
+                 fa.segment_block_ranges(q_seg, kv_seg, TILE_Q, BLOCK_KV_DQ)[0]]
+  num_pairs = qp.shape[1] // pair_rows
+  slots, dtype = 2, q.dtype
+
+  def entry(*refs):
+    seg_refs = refs[6:9] if cfg.segments else (None, None, None)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=transforms)  # noqa: E731
+    rows = lambda: plgpu.SMEM((CONSUMERS, TILE_Q), jnp.float32)  # noqa: E731
+    ids = lambda shape: plgpu.SMEM(shape, jnp.int32) if cfg.segments else None  # noqa: E731
+    scratch = [smem((CONSUMERS, TILE_Q, d)), smem((CONSUMERS, TILE_Q, d)), rows(), rows(),
+               ids((CONSUMERS, TILE_Q)), smem((slots, BLOCK_KV_DQ, d)),
+               smem((slots, BLOCK_KV_DQ, d)), ids((slots, BLOCK_KV_DQ))]
+    pl.run_scoped(
+        lambda *scoped: _dq_kernel(*refs[:6], *seg_refs, refs[-1], scoped, cfg=cfg,
+                                   num_pairs=num_pairs, head_dim=d),
+        scratch,
+        (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
+         plgpu.Barrier(num_barriers=slots) if cfg.segments else None,
+         plgpu.Barrier(num_barriers=5 * CONSUMERS)),
+        (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),) * 2,
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+        collective_axes="wg",
+    )
+
+  out = _launch(entry, jax.ShapeDtypeStruct(qp.shape, dtype), (h, num_pairs, b), "q_seq",
+                operands)
+  return out[:, :tq]
