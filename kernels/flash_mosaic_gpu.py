@@ -1,6 +1,8 @@
-"""Flash attention forward for NVIDIA Hopper (sm_90) in Pallas Mosaic GPU.
+"""Flash attention kernels for NVIDIA Hopper (sm_90) in Pallas Mosaic GPU: the forward
+(what `kernels.flash_attention` runs on Hopper by default) and the backward's dq and
+dk / dv kernels (`gpu_backward='mosaic'`).
 
-One CTA per (head, pair of 64-row q tiles, batch) runs three warpgroups:
+Forward: one CTA per (head, pair of 64-row q tiles, batch) runs three warpgroups:
 
 * two consumer warpgroups, one q tile each: S = Q K^T and O += P V on the tensor cores
   with wgmma, the online softmax in base 2 in registers. A shared "schedule" barrier
@@ -22,8 +24,11 @@ ids each tile's kv range is narrowed by `segment_block_ranges` (a table the kern
 reads from global memory), the producer also streams each kv block's ids (one more
 barrier per slot, tied to the V slot's release), and each consumer keeps its tile's
 q ids. Returns the output and the internal log-sum-exp [b, h, Tq]
-(natural log, +inf for rows with no key), which the Triton backward kernels consume.
-Imports jax only.
+(natural log, +inf for rows with no key), which either family's backward consumes.
+
+The backward kernels follow the same plan (a producer streaming one operand family
+through a ring of slots, two consumers taking turns, every step of the union run by
+both), see `dkv` and `dq`. Imports jax only.
 """
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ def unsupported(cfg, q, k) -> str | None:
 
 
 def unsupported_backward(cfg, q, k) -> str | None:
-  """Why the Mosaic GPU dk / dv kernel cannot run this call (None: it can)."""
+  """Why the Mosaic GPU backward kernels cannot run this call (None: they can)."""
   reason = unsupported(cfg, q, k)
   if reason:
     return reason
