@@ -39,6 +39,7 @@ run in Pallas interpret mode, which is what the CPU tests exercise.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
 import importlib
 import math
@@ -437,7 +438,8 @@ MAX_COMPACT_STEPS = 1 << 15
 # fewer than that ratio of the rectangle's; by default (compact_grid=None) a kernel
 # steps compactly below these fractions (under every chip's ratio): the forward for a
 # causal triangle of 4+ blocks a side, all three kernels for long sliding windows.
-COMPACT_AUTO_FRACTION = {"fwd": 0.7, "dq": 0.5, "dkv": 0.4}
+COMPACT_AUTO_FRACTION = {"fwd": fractions.Fraction(7, 10), "dq": fractions.Fraction(1, 2),
+                         "dkv": fractions.Fraction(2, 5)}  # exact: no rounding at the edge
 
 
 @functools.lru_cache(maxsize=256)

@@ -354,6 +354,9 @@ def test_block_ranges_are_exact(q_len, kv_len, block_q, block_kv, causal, window
                   block_kv=st.sampled_from([16, 64, 96]), causal=st.booleans(),
                   window=st.one_of(st.none(), st.integers(1, 300)),
                   group=st.sampled_from([1, 3]))
+# 63 steps of a 90-step rectangle: exactly the forward's 0.7 (0.7 * 90 rounds below 63)
+@hypothesis.example(q_len=273, kv_len=402, block_q=16, block_kv=96, causal=True,
+                    window=None, group=1)
 def test_compact_steps_list_the_visible_pairs(q_len, kv_len, block_q, block_kv, causal,
                                               window, group):
   """A compact grid's steps: each row's visible pairs in order (kv-major: for each head
