@@ -1473,6 +1473,15 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   """lse (internal convention) and di = sum(do * out, -1) are [b, h, Tq] f32. `cfg` is
   a backward config: its blocks are the dk/dv kernel's, `for_dq()` the dq kernel's.
   With `counts`, also returns the kernels' visit counters (dq's None with dq_atomic)."""
+  if (cfg.backend == "gpu" and cfg.gpu_backward == "mosaic" and not cfg.interpret
+      and not counts):
+    mosaic = importlib.import_module("kernels.flash_mosaic_gpu")  # pads for itself
+    reason = mosaic.unsupported_backward(cfg, q, k)
+    if reason:
+      raise ValueError(f"gpu_backward='mosaic' cannot run this call: {reason}")
+    args = (cfg, q, k, v, do, lse, di, q_seg, kv_seg)
+    dk, dv = mosaic.dkv(*args)
+    return mosaic.dq(*args), dk, dv
   tq, tk, d = q.shape[1], k.shape[1], q.shape[-1]
   dq_cfg = cfg if cfg.fused_bwd else cfg.for_dq()  # fused: no dq kernel
   q_multiple = math.lcm(cfg.block_q, dq_cfg.block_q)
@@ -1494,15 +1503,6 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
       dq_counts = dq_out[1][..., 0, :2] if counts else None
     if counts:
       dkv_counts = dkv_out[-1][..., 0, :2]
-  elif cfg.gpu_backward == "mosaic" and not counts:
-    mosaic = importlib.import_module("kernels.flash_mosaic_gpu")
-    reason = mosaic.unsupported_backward(cfg, q, k)
-    if reason:
-      raise ValueError(f"gpu_backward='mosaic' cannot run this call: {reason}")
-    args = (cfg, q, k, v, do, lse[..., :tq], di[..., :tq],
-            q_seg[:, :tq] if cfg.segments else None, kv_seg[:, :tk] if cfg.segments else None)
-    dk, dv = mosaic.dkv(*args)
-    dq = mosaic.dq(*args)
   else:
     args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
     dkv_out = _gpu_dkv(cfg, *args)
@@ -1690,7 +1690,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       `kernels.flash_mosaic_gpu`: dk / dv (kv-major wgmma steps over streamed q tiles,
       GQA heads summed in registers) and dq (the forward's layout); 16-bit inputs,
       head_dim a multiple of 64 up to 128. 'triton' or None (default): Triton, until
-      a device run has checked the Mosaic kernels.
+      a device run has checked the Mosaic kernels. Interpret mode runs the Triton
+      kernels whatever `gpu_forward` and `gpu_backward` say.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
