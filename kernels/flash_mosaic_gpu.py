@@ -109,15 +109,20 @@ def _tile_config(cfg, block_kv: int):
   return dataclasses.replace(cfg, block_q=TILE_Q, block_kv=block_kv)
 
 
-def _ranges(cfg, tile, seg=None):
-  """(visible, fully visible) kv block ranges of q tile `tile`; with segment ids
-  narrowed by `seg`, the tile's row (lo, hi, full_lo, full_hi) of
-  `segment_block_ranges`."""
-  if seg is None:
-    return fa.kv_block_range(cfg, tile), fa.kv_full_range(cfg, tile)
-  visible = fa._and_range(  # pylint: disable=protected-access
-      fa.kv_block_range(cfg, tile), seg[0], seg[1])
-  return visible, fa.kv_full_range(cfg, tile, (seg[2], seg[3]))
+def _ranges(cfg, tile, seg=None, kv_major: bool = False, full: bool = True):
+  """(visible, fully visible) block ranges of the other axis for a q tile (kv_major: a
+  kv tile); with segment ids narrowed by `seg`, the tile's row (lo, hi, full_lo,
+  full_hi) of `segment_block_ranges` ([0] for q tiles, [1] for kv tiles). With
+  `full=False` the visible range alone."""
+  block_range, full_range = ((fa.q_block_range, fa.q_full_range) if kv_major
+                             else (fa.kv_block_range, fa.kv_full_range))
+  visible = block_range(cfg, tile)
+  if seg is not None:
+    visible = fa._and_range(visible, seg[0], seg[1])  # pylint: disable=protected-access
+  if not full:
+    return visible
+  return visible, (full_range(cfg, tile) if seg is None
+                   else full_range(cfg, tile, (seg[2], seg[3])))
 
 
 def _spans(u_lo, u_hi, lo_hi, full_lo_hi):
@@ -148,11 +153,13 @@ def _hull(ranges, num_blocks: int):
   return jnp.where(n > 0, u_lo, 0), n
 
 
-def _union(cfg, first_tile, segs=(None, None)):
-  """kv blocks the producer streams for the tiles first_tile and first_tile + 1 (`segs`:
-  their `_ranges` segment rows): (first block, number of blocks)."""
-  return _hull([_ranges(cfg, first_tile + t, segs[t])[0] for t in range(CONSUMERS)],
-               cfg.num_kv_blocks)
+def _union(cfg, first_tile, segment_row=lambda tile: None, kv_major: bool = False):
+  """Blocks the producer streams for tiles first_tile and first_tile + 1 (kv blocks
+  for q tiles, q blocks for kv tiles with `kv_major`; `segment_row(tile)`: the tile's
+  segment row or None): (first block, number of blocks)."""
+  tiles = [first_tile + t for t in range(CONSUMERS)]
+  return _hull([_ranges(cfg, t, segment_row(t), kv_major, full=False) for t in tiles],
+               cfg.num_q_blocks if kv_major else cfg.num_kv_blocks)
 
 
 def _segment_row(cfg, table_ref, batch, tile):
@@ -239,8 +246,7 @@ def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_re
     pair = num_pairs - 1 - pair
   first_tile = pair * CONSUMERS
   segment_row = functools.partial(_segment_row, cfg, table_ref, batch)
-  u_lo, n = _union(cfg, first_tile, tuple(segment_row(first_tile + t)
-                                          for t in range(CONSUMERS)))
+  u_lo, n = _union(cfg, first_tile, segment_row)
   dtype = q_ref.dtype
   schedule_turn = functools.partial(_take_turn, schedule)
 
@@ -480,23 +486,6 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
 TILE_Q_BWD = 64  # q rows per streamed step
 
 
-def _q_ranges(cfg, kv_tile, seg=None):
-  """(visible, fully visible) q block ranges of kv tile `kv_tile`; with segment ids
-  narrowed by `seg`, the tile's row of `segment_block_ranges(...)[1]`."""
-  if seg is None:
-    return fa.q_block_range(cfg, kv_tile), fa.q_full_range(cfg, kv_tile)
-  visible = fa._and_range(  # pylint: disable=protected-access
-      fa.q_block_range(cfg, kv_tile), seg[0], seg[1])
-  return visible, fa.q_full_range(cfg, kv_tile, (seg[2], seg[3]))
-
-
-def _q_union(cfg, first_tile, segs=(None, None)):
-  """q blocks the producer streams (per query head) for kv tiles first_tile and
-  first_tile + 1 (`segs`: their segment rows): (first block, number of blocks)."""
-  return _hull([_q_ranges(cfg, first_tile + t, segs[t])[0] for t in range(CONSUMERS)],
-               cfg.num_q_blocks)
-
-
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref,
                 table_ref, dk_ref, dv_ref, scoped, *, cfg, head_dim):
   """Segment refs, id buffers and their barriers are None without segment ids."""
@@ -508,8 +497,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_
                         lax.axis_index("wg"))
   first_tile = lax.axis_index("kv_seq") * CONSUMERS
   segment_row = functools.partial(_segment_row, cfg, table_ref, batch)
-  u_lo, n = _q_union(cfg, first_tile, tuple(segment_row(first_tile + t)
-                                            for t in range(CONSUMERS)))
+  u_lo, n = _union(cfg, first_tile, segment_row, kv_major=True)
   slots = q_smem.shape[0]
   bq, bk = cfg.block_q, cfg.block_kv
   group = cfg.group
@@ -591,7 +579,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_
       plgpu.barrier_arrive(used.at[slot])
       return dk, dv
 
-    lo_hi, full = _q_ranges(cfg, tile, segment_row(tile))
+    lo_hi, full = _ranges(cfg, tile, segment_row(tile), kv_major=True)
     spans = _spans(u_lo, u_lo + n - 1, lo_hi, full)
 
     def head(gi, carry):
@@ -718,8 +706,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_r
     pair = num_pairs - 1 - pair
   first_tile = pair * CONSUMERS
   segment_row = functools.partial(_segment_row, cfg, table_ref, batch)
-  u_lo, n = _union(cfg, first_tile, tuple(segment_row(first_tile + t)
-                                          for t in range(CONSUMERS)))
+  u_lo, n = _union(cfg, first_tile, segment_row)
   slots, bk = k_smem.shape[0], cfg.block_kv
   dtype = q_ref.dtype
   schedule_turn = functools.partial(_take_turn, schedule)

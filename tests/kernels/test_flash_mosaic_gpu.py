@@ -74,7 +74,7 @@ def test_schedule_runs_exactly_the_visible_blocks(q_len, kv_len, causal, window,
   row = lambda tile: None if table is None else tuple(table[tile])  # noqa: E731
   for pair in range(pairs):
     first = pair * fm.CONSUMERS
-    u_lo, n = (int(x) for x in fm._union(cfg, first, (row(first), row(first + 1))))
+    u_lo, n = (int(x) for x in fm._union(cfg, first, row))
     if n:
       assert 0 <= u_lo and u_lo + n <= cfg.num_kv_blocks
     for tile in (first, first + 1):
@@ -124,12 +124,12 @@ def test_dkv_schedule_runs_exactly_the_blocks_that_see_each_kv_tile(
   row = lambda tile: None if table is None else tuple(table[tile])  # noqa: E731
   for pair in range(-(-kv_len // (fm.CONSUMERS * fm.TILE_Q))):
     first = pair * fm.CONSUMERS
-    u_lo, n = (int(x) for x in fm._q_union(cfg, first, (row(first), row(first + 1))))
+    u_lo, n = (int(x) for x in fm._union(cfg, first, row, kv_major=True))
     if n:
       assert 0 <= u_lo and u_lo + n <= cfg.num_q_blocks
     for tile in (first, first + 1):
       spans = [(int(a), int(b), kind) for a, b, kind in
-               fm._spans(u_lo, u_lo + n - 1, *fm._q_ranges(cfg, tile, row(tile)))]
+               fm._spans(u_lo, u_lo + n - 1, *fm._ranges(cfg, tile, row(tile), True))]
       assert spans[0][0] == u_lo and spans[-1][1] == u_lo + n
       assert all(a <= b for a, b, _ in spans) and all(
           x[1] == y[0] for x, y in zip(spans, spans[1:])), spans
