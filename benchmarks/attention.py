@@ -274,11 +274,14 @@ ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_l
 )
 
 
-def accelerator_check(options=None) -> list[dict]:
+def accelerator_check(options=None, only=None) -> list[dict]:
   """Flash (bf16) vs the f32 reference on the device: ||x - ref|| / ||ref|| of the
-  output and of dq, dk, dv, on fresh random inputs. bf16 lands near 1e-2 at most."""
+  output and of dq, dk, dv, on fresh random inputs. bf16 lands near 1e-2 at most.
+  `only`: substrings; the checks whose names contain none of them are left out."""
   rows = []
   for i, (name, (b, t, h, kvh, d, *tk), opts, *flash_opts) in enumerate(ACCEL_CHECKS):
+    if only is not None and not any(part in name for part in only):
+      continue
     opts = dict(opts)
     flash_opts = dict(options or {}, **(flash_opts[0] if flash_opts else {}))
     q, k, v, do = _attention_inputs(jax.random.key(100 + i), b, t, h, kvh, d)
@@ -354,10 +357,14 @@ def _sweep_row(benchmark, opts, length, batch, seconds, flops) -> dict:
   return row
 
 
+ARMS = ("flash (pallas)", "flash triton-fwd", "flash mosaic-bwd", "jax xla", "jax cudnn")
+
+
 def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
-                      flash_options=None, kv_heads=None) -> list[dict]:
+                      flash_options=None, kv_heads=None, arms=ARMS) -> list[dict]:
   """Flash vs jax.nn.dot_product_attention ('xla', and 'cudnn' on GPU), causal, bf16,
-  forward alone and forward + backward, batch * length = `tokens`."""
+  forward alone and forward + backward, batch * length = `tokens`. `arms`: the names
+  (of ARMS) to time; the GPU-only ones are left out elsewhere."""
   backend = jax.default_backend()
   kv_heads = heads if kv_heads is None else kv_heads
   impls = [("flash (pallas)", _flash(**(flash_options or {})))]
@@ -372,6 +379,7 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
   if backend == "gpu":
     impls.append(("jax cudnn", lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")))
+  impls = [(name, fn) for name, fn in impls if name in arms]
   rows = []
   for length in lengths:
     batch = max(1, tokens // length)
@@ -396,10 +404,11 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
                    tflops=None, note="")
         if isinstance(seconds, float):
           row.update(time_ms=round(1e3 * seconds, 2), tflops=round(flops / seconds / 1e12, 1))
-          if name == "flash (pallas)":
-            for other, t in others.items():
-              if isinstance(t, float):
-                row[f"flash_vs_{other.split()[-1]}"] = round(t / seconds, 2)
+          for other, t in others.items():  # every flash arm against the peers
+            if name.startswith("flash") and other.startswith("jax") and isinstance(t, float):
+              row[f"flash_vs_{other.split()[-1]}"] = round(t / seconds, 2)
+            elif name == "flash (pallas)" and isinstance(t, float):  # and the other arms
+              row[f"flash_vs_{other.split()[-1]}"] = round(t / seconds, 2)
         else:
           row["note"] = seconds
         print(f"  {row}", file=sys.stderr, flush=True)
@@ -472,7 +481,7 @@ def accelerator_packed(repeats: int, length: int = 16384, sequences: int = 8, he
 
 def accelerator(quick: bool = False, sweep: bool = True, out: str | None = None,
                 repeats: int = 5, lengths=None, fwd_sweep=GPU_FWD_SWEEP,
-                bwd_sweep=GPU_BWD_SWEEP) -> list[dict]:
+                bwd_sweep=GPU_BWD_SWEEP, checks=None, arms=ARMS) -> list[dict]:
   """The accelerator section: accuracy on the device, the launch-option sweep (GPU),
   then the TFLOP/s table with the best options. `out`: a JSON file rewritten after
   each part, so a run cut short keeps what it measured."""
@@ -485,7 +494,7 @@ def accelerator(quick: bool = False, sweep: bool = True, out: str | None = None,
         json.dump(rows, f)
 
   gpu = jax.default_backend() == "gpu"
-  save(accelerator_check())
+  save(accelerator_check(only=checks))
   options = None
   if gpu and sweep:
     sweep_rows, options = accelerator_sweep(repeats, length=1024 if quick else 8192,
@@ -493,8 +502,9 @@ def accelerator(quick: bool = False, sweep: bool = True, out: str | None = None,
     save(sweep_rows)
     save([dict(benchmark="chosen flash options", implementation=str(options))])
   lengths = tuple(lengths or ((512, 1024) if quick else ACCEL_LENGTHS))
-  save(accelerator_flops(lengths, repeats, flash_options=options))
-  save(accelerator_flops(lengths[1:2], repeats, flash_options=options, kv_heads=4))
+  save(accelerator_flops(lengths, repeats, flash_options=options, arms=arms))
+  save(accelerator_flops(lengths[1:2], repeats, flash_options=options, kv_heads=4,
+                         arms=arms))
   save(accelerator_packed(repeats, length=2048 if quick else 16384, flash_options=options))
   return rows
 
@@ -557,15 +567,22 @@ def main(argv=None) -> None:
                       help="backward options to try, e.g. 64x64x4x2,32x128x4x2x128x32,"
                       "64x64x4x2xatomic (block_q_bwd x block_kv_bwd x num_warps_bwd x "
                       "num_stages_bwd [x block_q_dq x block_kv_dq] [x atomic: dq_atomic])")
+  parser.add_argument("--checks", type=lambda s: [x for x in s.split(",") if x],
+                      help="only the accuracy checks whose names contain one of these "
+                      "comma-separated substrings ('' for none)")
+  parser.add_argument("--arms", type=lambda s: s.split(","), default=ARMS,
+                      help=f"TFLOP/s table arms, comma-separated, of {', '.join(ARMS)}")
   parser.add_argument("--out", help="JSON file for the accelerator rows (rewritten as "
                       "each part finishes)")
   args = parser.parse_args(argv)
+  if set(args.arms) - set(ARMS):
+    parser.error(f"--arms: unknown {sorted(set(args.arms) - set(ARMS))}; known: {ARMS}")
   if args.ring_only:
     rows = ring_memory(args.ring_length)
   elif args.accelerator_only:
     rows = accelerator(args.quick, sweep=not args.no_sweep, out=args.out,
                        lengths=args.lengths, fwd_sweep=args.fwd_sweep,
-                       bwd_sweep=args.bwd_sweep)
+                       bwd_sweep=args.bwd_sweep, checks=args.checks, arms=args.arms)
   else:
     rows = run(args.quick, args.lengths)
   if args.json:
