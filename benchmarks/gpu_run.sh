@@ -2,8 +2,8 @@
 # One device session, in three parts, each in its own process under its own timeout so
 # a kernel that hangs or crashes costs only its part: (1) accuracy of the flash kernels
 # against the f32 reference, (2) the TFLOP/s table (and the Triton launch-option sweep
-# with ATTN_ARGS=" "), (3) when every check passed, a real-size GRPO step with the default flash kernels and with
-# both Mosaic GPU kernels. Results land in $OUT (JSON + logs).
+# with ATTN_ARGS=" "), (3) when every check passed, a real-size GRPO step with the
+# default flash kernels (Mosaic GPU on Hopper) and with the Triton ones. Results land in $OUT (JSON + logs).
 #   bash benchmarks/gpu_run.sh   (on a machine with a GPU; wheels in .whl/ if carried)
 # Knobs: CHECKS (substrings of the accuracy checks' names, "" = all), ARMS (table arms,
 # see `python -m benchmarks.attention --help`), CHECK/ATTN/STEP_TIMEOUT (seconds),
@@ -26,7 +26,7 @@ json.dump(attention.accelerator_check(only=only), open(sys.argv[2], 'w'))" \
   "$CHECKS" "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log"
 echo "checks exit ${PIPESTATUS[0]}" | tee -a "$OUT/checks.log"
 timeout "${ATTN_TIMEOUT:-240}" python3 -m benchmarks.attention --accelerator-only --checks "" \
-  --arms "${ARMS:-flash (pallas),flash triton-fwd,flash mosaic-bwd,jax xla,jax cudnn}" \
+  --arms "${ARMS:-flash (pallas),flash triton,jax xla,jax cudnn}" \
   --out "$OUT/attention.json" ${ATTN_ARGS:---no-sweep} 2>&1 | tee "$OUT/attention.log"
 echo "table exit ${PIPESTATUS[0]}" | tee -a "$OUT/attention.log"
 if [ ! -s "$OUT/checks.json" ] || grep -qE '"FAIL"|failed' "$OUT/checks.json"; then
@@ -35,5 +35,5 @@ if [ ! -s "$OUT/checks.json" ] || grep -qE '"FAIL"|failed' "$OUT/checks.json"; t
 fi
 timeout "${STEP_TIMEOUT:-220}" python3 -m benchmarks.gpu_step --steps 2 --tuned "$OUT/attention.json" \
   --out "$OUT/step.json" ${STEP_ARGS:---impls=flash --no-rollout \
-  --flash-arms=gpu_forward=mosaic,gpu_backward=mosaic} 2>&1 | tee "$OUT/step.log"
+  --flash-arms=gpu_forward=triton,gpu_backward=triton} 2>&1 | tee "$OUT/step.log"
 echo "step exit ${PIPESTATUS[0]}" | tee -a "$OUT/step.log"

@@ -14,12 +14,10 @@ Two kernel families share the masking rules and the block-skipping arithmetic be
   visible kv blocks with `fori_loop`, the fully visible ones in an unmasked loop.
   Layout [batch, len, heads, head_dim] (no copy). The softmax runs in base 2 (exp2 is
   one ex2 instruction; jnp.exp lowers to libdevice's exact expf).
-* GPU forward on Hopper (sm_90): `kernels.flash_mosaic_gpu`, a Pallas Mosaic GPU
-  kernel (TMA producer warpgroup, two wgmma consumer warpgroups) that the forward runs
-  wherever it can (16-bit inputs, head_dim a multiple of 64 up to 256; calls with
-  segment ids only when asked; `gpu_forward` forces either); its lse feeds the same
-  Triton backward kernels. The module also has Hopper dq and dk / dv kernels, run with
-  `gpu_backward='mosaic'`.
+* GPU on Hopper (sm_90): `kernels.flash_mosaic_gpu`, Pallas Mosaic GPU kernels (a TMA
+  producer warpgroup, two wgmma consumer warpgroups) for the forward, dq and dk / dv,
+  run wherever they can (16-bit inputs, head_dim a multiple of 64 up to 256 forward,
+  up to 128 backward); `gpu_forward` and `gpu_backward` force either family.
 
 With segment ids (packed rows), `segment_block_ranges` narrows each q block's kv range
 (and each kv block's q range) to the blocks that hold its own sequences, so a row packing
@@ -114,10 +112,11 @@ class _Config:
   compact_grid: bool | None = None
   # GPU forward kernel: "mosaic" (Hopper wgmma + TMA, `kernels.flash_mosaic_gpu`),
   # "triton", or None = Mosaic where it runs (an sm_90 device, 16-bit inputs, head_dim a
-  # multiple of 64 up to 256) and the call has no segment ids, else Triton
+  # multiple of 64 up to 256), else Triton
   gpu_forward: str | None = None
-  # GPU backward kernels: "mosaic" (Hopper dq and dk / dv, `kernels.flash_mosaic_gpu`)
-  # or "triton"; None = Triton (the Mosaic ones await a device check)
+  # GPU backward kernels: "mosaic" (Hopper dq and dk / dv, `kernels.flash_mosaic_gpu`),
+  # "triton", or None = Mosaic where it runs (as the forward, head_dim up to 128, no
+  # dq_atomic), else Triton
   gpu_backward: str | None = None
 
   def for_backward(self) -> _Config:
@@ -1447,8 +1446,20 @@ def _mosaic_forward(cfg: _Config, q, k) -> bool:
     if reason:
       raise ValueError(f"gpu_forward='mosaic' cannot run this call: {reason}")
     return True
-  # Segment ids run it only when asked until a device has checked that path.
-  return reason is None and not cfg.segments and mosaic.hopper_device()
+  return reason is None and mosaic.hopper_device()
+
+
+def _mosaic_backward(cfg: _Config, q, k) -> bool:
+  """Whether the GPU backward runs the Mosaic GPU (Hopper) dq and dk / dv kernels."""
+  if cfg.backend != "gpu" or cfg.interpret or cfg.gpu_backward == "triton":
+    return False
+  mosaic = importlib.import_module("kernels.flash_mosaic_gpu")
+  reason = mosaic.unsupported_backward(cfg, q, k)
+  if cfg.gpu_backward == "mosaic":
+    if reason:
+      raise ValueError(f"gpu_backward='mosaic' cannot run this call: {reason}")
+    return True
+  return reason is None and mosaic.hopper_device()
 
 
 def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
@@ -1473,12 +1484,8 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   """lse (internal convention) and di = sum(do * out, -1) are [b, h, Tq] f32. `cfg` is
   a backward config: its blocks are the dk/dv kernel's, `for_dq()` the dq kernel's.
   With `counts`, also returns the kernels' visit counters (dq's None with dq_atomic)."""
-  if (cfg.backend == "gpu" and cfg.gpu_backward == "mosaic" and not cfg.interpret
-      and not counts):
+  if not counts and _mosaic_backward(cfg, q, k):
     mosaic = importlib.import_module("kernels.flash_mosaic_gpu")  # pads for itself
-    reason = mosaic.unsupported_backward(cfg, q, k)
-    if reason:
-      raise ValueError(f"gpu_backward='mosaic' cannot run this call: {reason}")
     args = (cfg, q, k, v, do, lse, di, q_seg, kv_seg)
     dk, dv = mosaic.dkv(*args)
     return mosaic.dq(*args), dk, dv
@@ -1683,15 +1690,16 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       `kernels.flash_mosaic_gpu` (Pallas Mosaic GPU: wgmma, TMA, warp-specialised
       producer and two consumer warpgroups); it takes 16-bit inputs with a head_dim
       that is a multiple of 64 up to 256. 'triton': the Triton kernel. None (default):
-      Mosaic on an sm_90 device for calls it takes without segment ids (with them,
-      not yet measured on a device, only when asked), else Triton. The backward pass
-      runs the Triton kernels unless `gpu_backward` says otherwise.
+      Mosaic on an sm_90 device for the calls it takes, else Triton. The Triton
+      launch options (`num_warps`, `num_stages`, blocks) apply to Triton only.
     gpu_backward: GPU only. 'mosaic': the backward runs the Hopper kernels of
       `kernels.flash_mosaic_gpu`: dk / dv (kv-major wgmma steps over streamed q tiles,
       GQA heads summed in registers) and dq (the forward's layout); 16-bit inputs,
-      head_dim a multiple of 64 up to 128. 'triton' or None (default): Triton, until
-      a device run has checked the Mosaic kernels. Interpret mode runs the Triton
-      kernels whatever `gpu_forward` and `gpu_backward` say.
+      head_dim a multiple of 64 up to 128, no `dq_atomic`. 'triton': the Triton
+      kernels. None (default): Mosaic on an sm_90 device for the calls they take,
+      else Triton (set 'triton' to tune the Triton backward's launch options).
+      Interpret mode runs the Triton kernels whatever `gpu_forward` and
+      `gpu_backward` say.
     num_warps, num_stages: Triton launch options of the GPU forward kernel (default 8
       warps for head_dim > 64, else 4; 3 pipeline stages); ignored by the TPU family.
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,

@@ -180,7 +180,7 @@ def _lower(gpu_forward="mosaic", q_len=1000, kv_len=1000, heads=4, kv_heads=2, d
 ])
 def test_lowers_for_cuda_with_mosaic_forward(kwargs):
   """Forward: one Mosaic GPU kernel; backward: the Triton dq and dk / dv kernels."""
-  text = _lower(**kwargs)
+  text = _lower(gpu_backward="triton", **kwargs)
   assert text.count("custom_call @mosaic_gpu") == 1, text.count("mosaic_gpu")
   triton = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
   assert len(triton) == 2 and not any("flash_attention_fwd" in c for c in triton)
@@ -200,19 +200,28 @@ def test_lowers_for_cuda_with_mosaic_backward(kwargs):
   assert "__gpu$xla.gpu.triton" not in text
 
 
-def test_default_forward_on_hopper(monkeypatch):
-  """Off Hopper: Triton. On it: Mosaic, except where asked for Triton, for inputs it
-  cannot take, and (until a device has checked them) for segment ids."""
+def _kernels(text) -> tuple[int, int]:
+  """(Mosaic GPU, Triton) kernel calls in lowered text."""
+  return text.count("custom_call @mosaic_gpu"), text.count("__gpu$xla.gpu.triton")
+
+
+def test_default_kernels_on_hopper(monkeypatch):
+  """Off Hopper: Triton. On it: the Mosaic forward, dq and dk / dv kernels, except
+  where asked for Triton and for inputs they cannot take (then that direction runs
+  Triton)."""
   assert not fm.hopper_device()  # the CPU test host
-  assert "custom_call @mosaic_gpu" not in _lower(gpu_forward=None, causal=True)
+  auto = dict(gpu_forward=None, causal=True)
+  assert _kernels(_lower(**auto)) == (0, 3)
   monkeypatch.setattr(fm, "hopper_device", lambda: True)
-  assert "custom_call @mosaic_gpu" in _lower(gpu_forward=None, causal=True)
-  for text in (_lower(gpu_forward="triton", causal=True),
-               _lower(gpu_forward=None, causal=True, segments=True),
-               _lower(gpu_forward=None, causal=True, d=96),
-               _lower(gpu_forward=None, causal=True, dtype=jnp.float32)):
-    assert "custom_call @mosaic_gpu" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 3
+  assert _kernels(_lower(**auto)) == (3, 0)
+  assert _kernels(_lower(**auto, segments=True)) == (3, 0)
+  assert _kernels(_lower(**auto, sliding_window=300, logits_soft_cap=30.0)) == (3, 0)
+  assert _kernels(_lower(gpu_forward="triton", causal=True)) == (2, 1)
+  assert _kernels(_lower(**auto, gpu_backward="triton")) == (1, 2)
+  assert _kernels(_lower(**auto, d=256)) == (1, 2)  # the Mosaic backward: d <= 128
+  assert _kernels(_lower(**auto, dq_atomic=True)) == (1, 1)  # Triton's option
+  assert _kernels(_lower(**auto, d=96)) == (0, 3)
+  assert _kernels(_lower(**auto, dtype=jnp.float32)) == (0, 3)
 
 
 @pytest.mark.parametrize("kwargs,message", [
