@@ -183,8 +183,7 @@ GPU_FWD_SWEEP = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4,
 
 
 def _bwd_arm(bq, bk, warps, stages, dq=None, atomic=False):
-  arm = dict(block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps, num_stages_bwd=stages,
-             gpu_backward="triton")  # Hopper's default is the Mosaic backward
+  arm = dict(block_q_bwd=bq, block_kv_bwd=bk, num_warps_bwd=warps, num_stages_bwd=stages)
   if dq:
     arm.update(block_q_dq=dq[0], block_kv_dq=dq[1])
   return dict(arm, dq_atomic=True) if atomic else arm
@@ -239,9 +238,9 @@ def _rel_err(x, ref) -> float:
 
 
 ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_length]),
-    # mask options[, flash options]. On an H200 the Mosaic GPU kernels run by default
-    # wherever they can (backward: head_dim up to 128), the Triton ones where asked or
-    # where the Mosaic ones cannot.
+    # mask options[, flash options]. On an H200 the forward runs the Mosaic GPU kernel
+    # by default wherever it can (no segment ids), the backward the Triton kernels; the
+    # Mosaic backward and Mosaic with segment ids where asked.
     ("causal gqa ragged", (2, 1000, 8, 2, 128), dict(causal=True)),
     ("causal gqa ragged, triton forward", (2, 1000, 8, 2, 128), dict(causal=True),
      dict(gpu_forward="triton")),
@@ -275,8 +274,7 @@ ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_l
     ("causal gqa ragged, dq atomic", (2, 1000, 8, 2, 128), dict(causal=True),
      dict(dq_atomic=True)),
     ("segments, dq blocks 128x32", (2, 640, 4, 4, 128), dict(causal=True, segments=True),
-     dict(block_q_bwd=32, block_kv_bwd=128, block_q_dq=128, block_kv_dq=32,
-          gpu_backward="triton")),
+     dict(block_q_bwd=32, block_kv_bwd=128, block_q_dq=128, block_kv_dq=32)),
 )
 
 
@@ -363,7 +361,7 @@ def _sweep_row(benchmark, opts, length, batch, seconds, flops) -> dict:
   return row
 
 
-ARMS = ("flash (pallas)", "flash triton", "jax xla", "jax cudnn")
+ARMS = ("flash (pallas)", "flash mosaic", "flash triton", "jax xla", "jax cudnn")
 
 
 def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
@@ -374,7 +372,10 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
   backend = jax.default_backend()
   kv_heads = heads if kv_heads is None else kv_heads
   impls = [("flash (pallas)", _flash(**(flash_options or {})))]
-  if backend == "gpu":  # the default (Mosaic GPU kernels on Hopper) against Triton's
+  if backend == "gpu":  # the default (on Hopper: the Mosaic forward, the Triton
+    # backward) against all-Mosaic and all-Triton
+    impls.append(("flash mosaic", _flash(**dict(flash_options or {}, gpu_forward="mosaic",
+                                                gpu_backward="mosaic", dq_atomic=False))))
     impls.append(("flash triton", _flash(**dict(flash_options or {}, gpu_forward="triton",
                                                 gpu_backward="triton"))))
   impls.append(("jax xla", lambda q, k, v: jax.nn.dot_product_attention(
@@ -407,10 +408,10 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
                    tflops=None, note="")
         if isinstance(seconds, float):
           row.update(time_ms=round(1e3 * seconds, 2), tflops=round(flops / seconds / 1e12, 1))
-          for other, t in others.items():  # every flash arm against the peers
-            if name.startswith("flash") and other.startswith("jax") and isinstance(t, float):
-              row[f"flash_vs_{other.split()[-1]}"] = round(t / seconds, 2)
-            elif name == "flash (pallas)" and isinstance(t, float):  # and the other arms
+          for other, t in others.items():  # the default against every other arm,
+            # each flash arm against the peers
+            if isinstance(t, float) and (name == "flash (pallas)" or (
+                name.startswith("flash") and other.startswith("jax"))):
               row[f"flash_vs_{other.split()[-1]}"] = round(t / seconds, 2)
         else:
           row["note"] = seconds
@@ -467,11 +468,11 @@ def accelerator_packed(repeats: int, length: int = 16384, sequences: int = 8, he
           (f"{sequences} packed sequences per row", 2, length, with_ids),
           (f"{2 * sequences} separate sequences", 2 * sequences, length // sequences,
            _flash(**opts)))
-  if jax.default_backend() == "gpu":  # the Triton kernels on the same packed rows
-    triton = dict(opts, gpu_forward="triton", gpu_backward="triton")
-    arms += ((f"{sequences} packed sequences per row, triton", 2, length,
+  if jax.default_backend() == "gpu":  # the Mosaic GPU kernels on the same packed rows
+    mosaic = dict(opts, gpu_forward="mosaic", gpu_backward="mosaic")
+    arms += ((f"{sequences} packed sequences per row, mosaic", 2, length,
               lambda q, k, v: kernels.flash_attention(
-                  q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, **triton)),)
+                  q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, **mosaic)),)
   rows = []
   for name, batch, seq_len, attention in arms:
     args = _attention_inputs(jax.random.key(seq_len), batch, seq_len, heads, heads, head_dim)

@@ -3,7 +3,8 @@
 # a kernel that hangs or crashes costs only its part: (1) accuracy of the flash kernels
 # against the f32 reference, (2) the TFLOP/s table (and the Triton launch-option sweep
 # with ATTN_ARGS=" "), (3) when every check passed, a real-size GRPO step with the
-# default flash kernels (Mosaic GPU on Hopper) and with the Triton ones. Results land in $OUT (JSON + logs).
+# default flash kernels and with all three Mosaic GPU kernels. Results land in $OUT
+# (JSON + logs).
 #   bash benchmarks/gpu_run.sh   (on a machine with a GPU; wheels in .whl/ if carried)
 # Knobs: CHECKS (substrings of the accuracy checks' names, "" = all), ARMS (table arms,
 # see `python -m benchmarks.attention --help`), CHECK/ATTN/STEP_TIMEOUT (seconds),
@@ -18,7 +19,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$OUT/env.txt"
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee -a "$OUT/env.txt"
 CHECKS=${CHECKS-}
-timeout "${CHECK_TIMEOUT:-150}" python3 -c "
+timeout "${CHECK_TIMEOUT:-240}" python3 -c "
 import json, sys
 from benchmarks import attention
 only = [x for x in sys.argv[1].split(',') if x] or None
@@ -26,7 +27,7 @@ json.dump(attention.accelerator_check(only=only), open(sys.argv[2], 'w'))" \
   "$CHECKS" "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log"
 echo "checks exit ${PIPESTATUS[0]}" | tee -a "$OUT/checks.log"
 timeout "${ATTN_TIMEOUT:-240}" python3 -m benchmarks.attention --accelerator-only --checks "" \
-  --arms "${ARMS:-flash (pallas),flash triton,jax xla,jax cudnn}" \
+  --arms "${ARMS:-flash (pallas),flash mosaic,flash triton,jax xla,jax cudnn}" \
   --out "$OUT/attention.json" ${ATTN_ARGS:---no-sweep} 2>&1 | tee "$OUT/attention.log"
 echo "table exit ${PIPESTATUS[0]}" | tee -a "$OUT/attention.log"
 if [ ! -s "$OUT/checks.json" ] || grep -qE '"FAIL"|failed' "$OUT/checks.json"; then
@@ -35,5 +36,5 @@ if [ ! -s "$OUT/checks.json" ] || grep -qE '"FAIL"|failed' "$OUT/checks.json"; t
 fi
 timeout "${STEP_TIMEOUT:-220}" python3 -m benchmarks.gpu_step --steps 2 --tuned "$OUT/attention.json" \
   --out "$OUT/step.json" ${STEP_ARGS:---impls=flash --no-rollout \
-  --flash-arms=gpu_forward=triton,gpu_backward=triton} 2>&1 | tee "$OUT/step.log"
+  --flash-arms=gpu_forward=mosaic,gpu_backward=mosaic} 2>&1 | tee "$OUT/step.log"
 echo "step exit ${PIPESTATUS[0]}" | tee -a "$OUT/step.log"

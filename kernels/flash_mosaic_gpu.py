@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib
+import inspect
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +230,20 @@ def _scores(a, b, c, d, shape, while_in_flight):
   return pl.run_scoped(body, (plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)))
 
 
+@functools.cache
+def _load_takes_index() -> bool:
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def _load(ref, *, layout):
+  """A whole SMEM ref into registers (jax 0.10 wants an empty index, 0.11 deprecates
+  passing one)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu.load(ref, (), layout=layout) if _load_takes_index() else plgpu.load(
+      ref, layout=layout)
+
+
 def _iota(shape, dim):
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
@@ -265,7 +282,7 @@ def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_re
       plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_base, TILE_Q)], q_ids2.at[wg],
                               q_ids_loaded.at[wg])
       plgpu.barrier_wait(q_ids_loaded.at[wg])
-      q_ids = plgpu.load(q_ids2.at[wg], (), layout=row)
+      q_ids = _load(q_ids2.at[wg], layout=row)
     m = plgpu.layout_cast(jnp.full((TILE_Q,), M_INIT, jnp.float32), row)
     l = plgpu.layout_cast(jnp.full((TILE_Q,), 0.0, jnp.float32), row)
     acc = plgpu.layout_cast(jnp.full((TILE_Q, head_dim), 0.0, jnp.float32),
@@ -316,7 +333,7 @@ def _kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, table_ref, o_ref, lse_re
         if cfg.segments:  # the ids the V slot's release frees (read before it)
           plgpu.barrier_wait(ids_loaded.at[slot])
           ids = (lax.broadcast_in_dim(q_ids, s.shape, [0]), lax.broadcast_in_dim(
-              plgpu.load(kv_ids.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0)),
+              _load(kv_ids.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)),
               s.shape, [1]))
         s = _mask(cfg, s, _iota(s.shape, 0) + (q_base + cfg.offset),
                   _iota(s.shape, 1) + ki * block_kv, *ids)
@@ -407,9 +424,60 @@ def _stream_kv(cfg, k_ref, v_ref, kv_seg_ref, buffers, loaded, used, batch, head
     load_v(ki, slot)
 
 
+KERNEL_PREFIX = "flash_attention_"  # this module's kernel (and MLIR module) names
+BASENAME = "mosaic_gpu.dump_basename"
+
+
+def stable_basename(module) -> bool:
+  """Names one of this module's lowered MLIR modules by its contents, not by a counter.
+
+  jax 0.11's Mosaic GPU lowering tags each module with a fresh `mosaic_gpu.dump_basename`
+  (entry_0, entry_1, ...). The compiled-kernel cache is keyed by a hash of the whole
+  module, so the same kernel at another call site (each layer of a model, the remat
+  recomputation) hashes differently and is compiled again: a 16-layer training step
+  then builds about 80 attention kernels instead of 3 or 4, which kept a 1.2B step on
+  an H200 compiling for minutes. Deriving the name from the contents keeps it unique
+  per kernel, so dumps still get one file per kernel. Returns whether it renamed:
+  modules not of this file, and runs that dump (MOSAIC_GPU_DUMP_* set), keep theirs."""
+  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  attrs = module.operation.attributes
+  if "sym_name" not in attrs or BASENAME not in attrs:
+    return False
+  name = ir.StringAttr(attrs["sym_name"]).value
+  if (not name.startswith(KERNEL_PREFIX)
+      or any(key.startswith("MOSAIC_GPU_DUMP") for key in os.environ)):
+    return False
+  with module.context:
+    del attrs[BASENAME]
+    digest = hashlib.sha256(module.operation.get_asm(binary=True)).hexdigest()[:16]
+    attrs[BASENAME] = ir.StringAttr.get(f"{name}_{digest}")
+  return True
+
+
+@functools.cache
+def stable_kernel_names() -> None:
+  """Applies `stable_basename` to every module the Mosaic GPU lowering finishes (once
+  per process; a no-op on jax versions without the counter)."""
+  try:
+    from jax.experimental.mosaic.gpu import core  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  lower = getattr(core, "lower_mgpu_module", None)
+  if lower is None:
+    return
+
+  @functools.wraps(lower)
+  def lower_then_rename(module, *args, **kwargs):
+    result = lower(module, *args, **kwargs)
+    stable_basename(module)
+    return result
+  core.lower_mgpu_module = lower_then_rename
+
+
 def _launch(entry, out_type, grid, tiles_axis: str, operands):
   """Runs `entry` on a (heads, tiles, batch) grid of CTAs of three warpgroups ("wg")."""
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  stable_kernel_names()
   return plgpu.kernel(
       entry, out_type=out_type, grid=grid, grid_names=("heads", tiles_axis, "batch"),
       num_threads=CONSUMERS + 1, thread_name="wg",
@@ -424,7 +492,8 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
 
   `cfg` is the flash `_Config` (its blocks are ignored: the kernel tiles q by 64 rows
   per warpgroup and picks its kv block by head_dim). Runs on a GPU only (the Mosaic
-  GPU interpreter of jax 0.10 lacks wgmma accumulators, layouts and transposed refs)."""
+  GPU interpreter of jax 0.10 lacks wgmma accumulators, layouts and transposed refs;
+  that of jax 0.11 cannot lower the wgmma pipeline effect)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   b, tq, h, d = q.shape
   block_kv, slots = kv_block_and_slots(d, q.dtype.itemsize)
@@ -442,7 +511,7 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
     table = fa.segment_block_ranges(q_seg, kv_seg, TILE_Q, block_kv)[0]
     operands += [q_seg, kv_seg, table]
 
-  def entry(*refs):
+  def flash_attention_fwd(*refs):
     q_ref, k_ref, v_ref = refs[:3]
     seg_refs = refs[3:6] if cfg.segments else (None, None, None)
     o_ref, lse_ref = refs[-2:]
@@ -467,7 +536,7 @@ def forward(cfg, q, k, v, q_seg=None, kv_seg=None):
         collective_axes="wg",
     )
 
-  out, lse2 = _launch(entry, (jax.ShapeDtypeStruct(qp.shape, dtype),
+  out, lse2 = _launch(flash_attention_fwd, (jax.ShapeDtypeStruct(qp.shape, dtype),
                               jax.ShapeDtypeStruct((b, h, qp.shape[1]), jnp.float32)),
                       (h, num_pairs, b), "q_seq", operands)
   lse2 = lse2[:, :, :tq]
@@ -520,7 +589,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_
       plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(kv_base, bk)], kv_ids2.at[wg],
                               kv_loaded.at[2 * CONSUMERS + wg])
       plgpu.barrier_wait(kv_loaded.at[2 * CONSUMERS + wg])
-      key_ids = plgpu.load(kv_ids2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      key_ids = _load(kv_ids2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
     zeros = plgpu.layout_cast(jnp.full((bk, head_dim), 0.0, jnp.float32),
                               plgpu.Layout.WGMMA)
     col = plgpu.Layout.WGMMA.reduce(0)  # one value per query (a column of S^T)
@@ -556,7 +625,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_
       wait_rows(slot)
 
       def per_query(ref):  # [bq] row statistics broadcast over the tile's keys
-        return lax.broadcast_in_dim(plgpu.load(ref.at[slot], (), layout=col), s.shape, [1])
+        return lax.broadcast_in_dim(_load(ref.at[slot], layout=col), s.shape, [1])
       s, scale, capped = _logits(cfg, s)
       if masked:
         ids = (None, None)
@@ -659,7 +728,7 @@ def dkv(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
     operands += [q_seg, kv_seg,
                  fa.segment_block_ranges(q_seg, kv_seg, TILE_Q_BWD, TILE_Q)[1]]
 
-  def entry(*refs):
+  def flash_attention_dkv(*refs):
     seg_refs = refs[6:9] if cfg.segments else (None, None, None)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=transforms)  # noqa: E731
@@ -680,7 +749,7 @@ def dkv(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
         collective_axes="wg",
     )
 
-  dk, dv = _launch(entry, (jax.ShapeDtypeStruct(kp.shape, k.dtype),
+  dk, dv = _launch(flash_attention_dkv, (jax.ShapeDtypeStruct(kp.shape, k.dtype),
                            jax.ShapeDtypeStruct(vp.shape, v.dtype)),
                    (kvh, num_pairs, b), "kv_seq", operands)
   return dk[:, :tk], dv[:, :tk]
@@ -728,7 +797,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_r
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     row = plgpu.Layout.WGMMA.reduce(1)  # one value per query (a row of S)
     per_query = lambda ref: lax.broadcast_in_dim(  # noqa: E731
-        plgpu.load(ref.at[wg], (), layout=row), (TILE_Q, bk), [0])
+        _load(ref.at[wg], layout=row), (TILE_Q, bk), [0])
     dq = plgpu.layout_cast(jnp.full((TILE_Q, head_dim), 0.0, jnp.float32),
                            plgpu.Layout.WGMMA)
     pl.when(wg == 1)(schedule_turn)
@@ -764,7 +833,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_r
         ids = (None, None)
         if cfg.segments:
           ids = (per_query(q_ids2), lax.broadcast_in_dim(
-              plgpu.load(kv_ids.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0)),
+              _load(kv_ids.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)),
               s.shape, [1]))
         s = _mask(cfg, s, _iota(s.shape, 0) + (q_base + cfg.offset),
                   _iota(s.shape, 1) + ki * bk, *ids)
@@ -817,7 +886,7 @@ def dq(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
   num_pairs = qp.shape[1] // pair_rows
   slots, dtype = 2, q.dtype
 
-  def entry(*refs):
+  def flash_attention_dq(*refs):
     seg_refs = refs[6:9] if cfg.segments else (None, None, None)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda shape: plgpu.SMEM(shape, dtype, transforms=transforms)  # noqa: E731
@@ -838,6 +907,7 @@ def dq(cfg, q, k, v, do, lse, di, q_seg=None, kv_seg=None):
         collective_axes="wg",
     )
 
-  out = _launch(entry, jax.ShapeDtypeStruct(qp.shape, dtype), (h, num_pairs, b), "q_seq",
+  out = _launch(flash_attention_dq, jax.ShapeDtypeStruct(qp.shape, dtype),
+                (h, num_pairs, b), "q_seq",
                 operands)
   return out[:, :tq]

@@ -1,5 +1,6 @@
-"""The Hopper (Mosaic GPU) flash forward: its block schedule against a brute-force mask,
-lowering for CUDA without a GPU, and the choice between it and the Triton forward.
+"""The Hopper (Mosaic GPU) flash kernels: their block schedules against a brute-force
+mask, lowering for CUDA without a GPU, one compile per distinct kernel, and the choice
+between them and the Triton kernels.
 Its numbers are checked on an H200 by `python -m benchmarks.attention --accelerator-only`
 (the Mosaic GPU interpreter of this jax cannot run wgmma kernels on CPU)."""
 import dataclasses
@@ -206,22 +207,90 @@ def _kernels(text) -> tuple[int, int]:
 
 
 def test_default_kernels_on_hopper(monkeypatch):
-  """Off Hopper: Triton. On it: the Mosaic forward, dq and dk / dv kernels, except
-  where asked for Triton and for inputs they cannot take (then that direction runs
-  Triton)."""
+  """Off Hopper: Triton. On it: the Mosaic forward for calls without segment ids and
+  inputs it takes; the Mosaic backward kernels only when asked."""
   assert not fm.hopper_device()  # the CPU test host
   auto = dict(gpu_forward=None, causal=True)
   assert _kernels(_lower(**auto)) == (0, 3)
   monkeypatch.setattr(fm, "hopper_device", lambda: True)
-  assert _kernels(_lower(**auto)) == (3, 0)
-  assert _kernels(_lower(**auto, segments=True)) == (3, 0)
-  assert _kernels(_lower(**auto, sliding_window=300, logits_soft_cap=30.0)) == (3, 0)
-  assert _kernels(_lower(gpu_forward="triton", causal=True)) == (2, 1)
-  assert _kernels(_lower(**auto, gpu_backward="triton")) == (1, 2)
-  assert _kernels(_lower(**auto, d=256)) == (1, 2)  # the Mosaic backward: d <= 128
-  assert _kernels(_lower(**auto, dq_atomic=True)) == (1, 1)  # Triton's option
+  assert _kernels(_lower(**auto)) == (1, 2)
+  assert _kernels(_lower(**auto, sliding_window=300, logits_soft_cap=30.0)) == (1, 2)
+  assert _kernels(_lower(**auto, segments=True)) == (0, 3)
+  assert _kernels(_lower(**auto, gpu_backward="mosaic")) == (3, 0)
+  assert _kernels(_lower(**auto, segments=True, gpu_backward="mosaic")) == (2, 1)
+  assert _kernels(_lower(gpu_forward="triton", causal=True)) == (0, 3)
+  assert _kernels(_lower(**auto, d=256)) == (1, 2)
+  assert _kernels(_lower(**auto, dq_atomic=True)) == (1, 1)  # no dq kernel
   assert _kernels(_lower(**auto, d=96)) == (0, 3)
   assert _kernels(_lower(**auto, dtype=jnp.float32)) == (0, 3)
+
+
+def _module(name="flash_attention_fwd", counter=0, body=""):
+  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  with mlir.make_ir_context():
+    return ir.Module.parse(f'module @{name} attributes {{{fm.BASENAME} = "{name}_{counter}"'
+                           f'{body}}} {{}}')
+
+
+def _basename(module) -> str:
+  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  return ir.StringAttr(module.operation.attributes[fm.BASENAME]).value
+
+
+def test_stable_basename(monkeypatch):
+  """The same kernel lowered twice (counter 0 and 7) gets one name, so one hash and one
+  compile; another kernel gets another; other modules and dumping runs are untouched."""
+  monkeypatch.delenv("MOSAIC_GPU_DUMP_PTX", raising=False)
+  a, b, c = _module(counter=0), _module(counter=7), _module(counter=1, body=", x.y = 3")
+  assert fm.stable_basename(a) and fm.stable_basename(b) and fm.stable_basename(c)
+  assert _basename(a) == _basename(b) != _basename(c)
+  assert _basename(a).startswith("flash_attention_fwd_") and _basename(a) != "flash_attention_fwd_0"
+  other = _module(name="entry", counter=3)
+  assert not fm.stable_basename(other) and _basename(other) == "entry_3"
+  monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+  dumping = _module(counter=5)
+  assert not fm.stable_basename(dumping) and _basename(dumping) == "flash_attention_fwd_5"
+
+
+def test_stable_kernel_names_wraps_the_lowering(monkeypatch):
+  """Where the Mosaic GPU lowering has `lower_mgpu_module` (jax 0.11+), every module it
+  finishes is renamed by its contents."""
+  from jax.experimental.mosaic.gpu import core  # pylint: disable=g-import-not-at-top
+  seen = []
+  monkeypatch.setattr(core, "lower_mgpu_module", lambda module, *a, **k: seen.append(a),
+                      raising=False)
+  fm.stable_kernel_names.cache_clear()
+  try:
+    fm.stable_kernel_names()
+    modules = [_module(counter=0), _module(counter=9)]
+    for module in modules:
+      core.lower_mgpu_module(module, "ctx", semantics="wg")
+    assert seen == [("ctx",), ("ctx",)]
+    assert _basename(modules[0]) == _basename(modules[1])
+  finally:
+    monkeypatch.undo()
+    fm.stable_kernel_names.cache_clear()
+
+
+def test_one_compile_per_distinct_kernel():
+  """Three layers' attention (forward and both backward kernels) lower to three distinct
+  kernel hashes, not nine: the compiled-kernel cache is keyed by them."""
+  import re  # pylint: disable=g-import-not-at-top
+
+  def loss(q, k, v):
+    x = q
+    for i in range(3):
+      with jax.named_scope(f"layer{i}"):
+        x = fa.flash_attention(x, k, v, backend="gpu", interpret=False, causal=True,
+                               gpu_forward="mosaic", gpu_backward="mosaic") * 1.5
+    return x.astype(jnp.float32).sum()
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k).lower(
+      lowering_platforms=("cuda",)).as_text()
+  hashes = re.findall(r'kernel_hash = "([^"]*)"', text)
+  assert len(hashes) == 9 and len(set(hashes)) == 3
 
 
 @pytest.mark.parametrize("kwargs,message", [
