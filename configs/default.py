@@ -80,4 +80,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=2, keep_every=0,
                                                 async_save=True))
+  # JAX's persistent compilation cache ("" = off), e.g. ~/.cache/posttrain/jax: a restart
+  # or resume loads compiled programs instead of compiling them again.
+  c.compile_cache_dir = ""
+  c.compile_cache_min_secs = 0.0  # store programs that took at least this long to compile
   return c

@@ -33,10 +33,13 @@ def main(argv):
   del argv
   import jax
 
-  from posttrain import evaluation
+  from posttrain import evaluation, experiment
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   log = logging.getLogger("posttrain")
   try:
+    cache = experiment.enable_compile_cache(_CONFIG.value)
+    if cache:
+      log.info("compilation cache: %s", cache)
     log.info("devices: %s", jax.devices())
     report, timing = evaluation.evaluate_checkpoint(
         _CONFIG.value, _WORKDIR.value, step=_STEP.value, domains=_DOMAINS.value,

@@ -35,6 +35,10 @@ def main(argv):
     # Before anything touches the devices: the mesh then spans every host's devices.
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     config = _CONFIG.value
+    experiment.check_config(config)
+    cache = experiment.enable_compile_cache(config)
+    if cache:
+      log.info("compilation cache: %s", cache)
     log.info("devices: %s", jax.devices())
     log.info("config:\n%s", config)
     mesh = experiment.build_mesh(config)

@@ -4,6 +4,7 @@ config, the domain list, the algorithm, and the checkpointed train-state layout.
 from __future__ import annotations
 
 import fnmatch
+import os
 from typing import Any, Sequence
 
 import jax
@@ -36,6 +37,7 @@ _RANGES = (
     ("placement.devices", 0, "int"), ("placement.rollout_devices", 0, "int"),
     ("placement.sync_every", 1, "int"), ("placement.max_policy_lag", 0, "int"),
     ("placement.segment_tokens", 0, "int"), ("placement.step_tokens", 0, "int"),
+    ("compile_cache_min_secs", 0.0, "float"),
 )
 
 
@@ -76,6 +78,25 @@ def check_config(config) -> None:
   if new is not None and max_len is not None and int(new) >= int(max_len):
     raise ValueError(f"rollout.max_new_tokens={new} leaves no room for a prompt in "
                      f"rollout.max_len={max_len}")
+
+
+def enable_compile_cache(config) -> str | None:
+  """Turns on JAX's persistent compilation cache in `config.compile_cache_dir` ("" = off;
+  `~` expands; a gs:// path works where JAX's file layer reaches it): a restarted,
+  preempted or resumed run, or a later run of the same programs, loads its executables
+  instead of compiling them again (only process 0 writes). Programs that compiled in
+  under `compile_cache_min_secs` (default 0: all) are not stored. Call before anything
+  compiles: JAX reads the setting at its first compile. Returns the directory, or None."""
+  path = str(config.get("compile_cache_dir", "") or "")
+  if not path:
+    return None
+  if "://" not in path:
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(config.get("compile_cache_min_secs", 0.0)))
+  return path
 
 
 def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list[Any], list[Any]]:

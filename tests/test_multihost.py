@@ -205,7 +205,8 @@ def _train_args(workdir, **extra):
 
 
 def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
-  first = _run_two(_train_args(tmp_path), timeout=900)
+  cache = {"compile_cache_dir": tmp_path / "cache"}  # process 0 writes, both read
+  first = _run_two(_train_args(tmp_path, **cache), timeout=900)
   for code, out in first:
     assert code == 0, out[-3000:]
   ckpts = tmp_path / "checkpoints"
@@ -238,7 +239,8 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   # Each process scored half the samples; the rewards were exchanged, not recomputed.
   assert [r["rollout/scored_fraction"] for r in rows if "reward/mean" in r] == [0.5, 0.5]
 
-  second = _run_two(_train_args(tmp_path, **{"train.rl_steps": 3}), timeout=900)
+  assert os.listdir(tmp_path / "cache")
+  second = _run_two(_train_args(tmp_path, **cache, **{"train.rl_steps": 3}), timeout=900)
   for code, out in second:
     assert code == 0, out[-3000:]
     assert "resumed from checkpoint 4 (stage rl, sft step 2, rl step 2)" in out

@@ -187,10 +187,15 @@ def test_sft_position_survives_a_change_of_process_count():
 
 
 def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
-  straight, killed = tmp_path / "straight", tmp_path / "killed"
-  proc = _launch(straight, *_flags())
-  assert proc.wait(timeout=600) == 0, proc.stdout.read()
-  proc = _launch(killed, *_flags())
+  """The three launches share a compilation cache (`compile_cache_dir`), as restarts of a
+  job would: the later ones load the first one's programs, and still match bitwise."""
+  straight, killed, cache = tmp_path / "straight", tmp_path / "killed", tmp_path / "cache"
+  flags = _flags(compile_cache_dir=cache)
+  proc = _launch(straight, *flags)
+  text = proc.communicate(timeout=600)[0]
+  assert proc.returncode == 0, text
+  assert f"compilation cache: {cache}" in text and len(os.listdir(cache)) > 10
+  proc = _launch(killed, *flags)
   # Kill -9 once the first RL step has been checkpointed (sft 2 + rl 1 = step 3).
   deadline = time.time() + 600
   while not (killed / "checkpoints" / "3").exists():
@@ -199,7 +204,7 @@ def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
     time.sleep(0.2)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  out = _launch(killed, *_flags())
+  out = _launch(killed, *flags)
   text = out.communicate(timeout=600)[0]
   assert out.returncode == 0, text
   assert "resumed from checkpoint" in text
@@ -257,6 +262,7 @@ def test_url_workdir_is_refused_before_anything_is_written(tmp_path, monkeypatch
     ({"rollout.top_p": 1.5}, r"rollout.top_p=1.5 must be in \[0, 1\]"),
     ({"rollout.max_new_tokens": 128}, "rollout.max_new_tokens=128 leaves no room for a prompt"),
     ({"checkpoint.every": 0}, "checkpoint.every=0 must be >= 1"),
+    ({"compile_cache_min_secs": -1.0}, "compile_cache_min_secs=-1.0 must be >= 0.0"),
 ])
 def test_out_of_range_config_fails_before_anything_is_built(tmp_path, override, message):
   with pytest.raises(ValueError, match=message):
@@ -295,6 +301,10 @@ def test_launcher_errors_are_one_line(tmp_path):
   out = proc.communicate(timeout=300)[0]
   assert proc.returncode == 2 and "error: mesh shape (1, 3, 1, 1) needs 3 devices" in out
   assert "Traceback" not in out
+  (tmp_path / "file").write_text("")  # a cache directory that cannot be made
+  proc = _launch(tmp_path, f"--config.compile_cache_dir={tmp_path / 'file' / 'cache'}")
+  out = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 2 and "Not a directory" in out and "Traceback" not in out
 
 
 @pytest.mark.parametrize("preset,overrides,fused", [
