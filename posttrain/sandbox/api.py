@@ -4,7 +4,6 @@ import enum
 import math
 import os
 import sys
-import sysconfig
 from collections.abc import Mapping, Sequence
 
 LANGUAGES = ("python", "bash")
@@ -140,6 +139,7 @@ class Snapshot:
 
 def default_ro_paths() -> tuple[str, ...]:
     """Host paths visible (read-only) inside the sandbox: system dirs and this Python."""
+    import sysconfig  # here: on Python 3.12 it imports threading, which the package avoids
     paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
     for prefix in (sys.base_prefix, sys.prefix, sysconfig.get_paths()["purelib"],
                    sysconfig.get_paths()["platlib"]):
