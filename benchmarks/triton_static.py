@@ -38,6 +38,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from kernels import gpu_target
+
 SASS_OPS = ("HGMMA", "HMMA", "MUFU", "STS", "STSM", "LDS", "BAR", "ATOMG", "STL", "LDL")
 HOPPER_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
@@ -96,7 +98,8 @@ def kernel_ir(options: dict, shape=(4, 8192, 16, 128), causal: bool = True) -> l
   fa.pl.pallas_call = functools.partial(original, debug=True)
   try:
     with contextlib.redirect_stdout(printed):
-      hlo = jax.jit(fwd_bwd).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+      with gpu_target("NVIDIA H200"):
+        hlo = jax.jit(fwd_bwd).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
   finally:
     fa.pl.pallas_call = original
   launch = {m.group(1): (int(m.group(3)), int(m.group(2))) for m in re.finditer(

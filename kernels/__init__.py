@@ -10,6 +10,7 @@ from kernels.attention import (
     IMPLEMENTATIONS,
     default_implementation,
     dot_product_attention,
+    gpu_target,
     sharded_attention,
     target_platform,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "flash_attention",
     "flash_block_kernel",
     "from_zigzag",
+    "gpu_target",
     "merge_attention",
     "quantize_int8",
     "reference_attention",

@@ -14,6 +14,22 @@ def target_platform() -> str:
   return jax.default_backend() if device is None else device.platform
 
 
+def gpu_target(device_kind: str = "NVIDIA H100 80GB HBM3"):
+  """A context for lowering the GPU kernels where no GPU is present (ahead of time, e.g.
+  `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` on a CPU host): an abstract
+  mesh whose device is `device_kind`, which `target_platform()` then reports and from
+  which jax 0.11's Triton lowering reads the target's limits (it refuses to lower
+  without one). A no-op context on jax versions without abstract devices (0.10 lowers
+  Triton kernels for CUDA as they are)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+  if abstract_device is None or not hasattr(jax.sharding, "use_abstract_mesh"):
+    return contextlib.nullcontext()
+  device = abstract_device(device_kind=device_kind, num_cores=None, platform="gpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
+
+
 def default_implementation(backend: str | None = None) -> str:
   """Best implementation for a backend ('tpu', 'gpu', 'cpu'; default: the target one)."""
   backend = target_platform() if backend is None else backend

@@ -25,7 +25,6 @@ from kernel_test_utils import (
 )
 
 import kernels
-from tests.cuda_aot import cuda_target
 
 fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
 ON = jax.default_backend()
@@ -571,7 +570,7 @@ def _lower(backend, platform, segments=True, **kwargs):
   q = jax.ShapeDtypeStruct((1, 1000, 4, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
-  with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+  with kernels.gpu_target() if platform == "cuda" else contextlib.nullcontext():
     return jax.jit(f).trace(q, k, k, seg).lower(lowering_platforms=(platform,)).as_text()
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.cuda_aot import cuda_target
+import kernels
 
 fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
 fm = importlib.import_module("kernels.flash_mosaic_gpu")
@@ -169,7 +169,7 @@ def _lower(gpu_forward="mosaic", q_len=1000, kv_len=1000, heads=4, kv_heads=2, d
   q = jax.ShapeDtypeStruct((1, q_len, heads, d), dtype)
   k = jax.ShapeDtypeStruct((1, kv_len, kv_heads, d), dtype)
   seg = jax.ShapeDtypeStruct((1, q_len), jnp.int32)
-  with cuda_target():
+  with kernels.gpu_target():
     return jax.jit(f).trace(q, k, k, seg).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -291,7 +291,7 @@ def test_one_compile_per_distinct_kernel():
     return x.astype(jnp.float32).sum()
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-  with cuda_target():
+  with kernels.gpu_target():
     text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k).lower(
         lowering_platforms=("cuda",)).as_text()
   hashes = re.findall(r'kernel_hash = "([^"]*)"', text)
