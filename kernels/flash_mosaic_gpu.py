@@ -39,6 +39,7 @@ import importlib
 import inspect
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -98,8 +99,23 @@ def unsupported_backward(cfg, q, k) -> str | None:
   return None
 
 
+# Device kinds of the sm_90 parts: H100 (SXM, PCIe, NVL), H200, H800, H20, GH200.
+_HOPPER_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def hopper_kind(device_kind: str) -> bool:
+  """Whether a device kind string ('NVIDIA H100 80GB HBM3', ...) names a Hopper GPU."""
+  return bool(_HOPPER_KIND.search(device_kind))
+
+
 def hopper_device() -> bool:
-  """True when the default device is an sm_90 GPU (wgmma exists on Hopper only)."""
+  """True when the target is an sm_90 GPU (wgmma exists on Hopper only): the abstract
+  device of the mesh set with `jax.sharding.use_abstract_mesh` (`kernels.gpu_target`:
+  lowering ahead of time on a host without the GPU) when it is a GPU, else the default
+  device."""
+  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if abstract is not None and abstract.platform in ("gpu", "cuda"):
+    return hopper_kind(abstract.device_kind)
   try:
     device = jax.devices()[0]
   except Exception:  # pylint: disable=broad-except

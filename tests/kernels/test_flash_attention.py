@@ -559,6 +559,9 @@ def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch, case, comp
 
 
 def _lower(backend, platform, segments=True, **kwargs):
+  if backend == "gpu":  # the Triton kernels, whichever GPU `gpu_target` names
+    kwargs.setdefault("gpu_forward", "triton")
+
   def f(q, k, v, seg):
     ids = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
     fn = lambda q, k, v: fa.flash_attention(

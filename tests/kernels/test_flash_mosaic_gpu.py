@@ -209,11 +209,30 @@ def _kernels(text) -> tuple[int, int]:
   return text.count("custom_call @mosaic_gpu"), text.count("__gpu$xla.gpu.triton")
 
 
+def test_hopper_device_reads_the_lowering_target():
+  """A CPU host lowering for a GPU ahead of time picks the kernels the GPU named by
+  `gpu_target` would run (jax versions with abstract devices; on others the context
+  names no device, and the host is what counts)."""
+  assert not fm.hopper_device()  # the CPU test host
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe",
+               "NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA H20", "NVIDIA H100 NVL"):
+    assert fm.hopper_kind(kind), kind
+  for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA L40S", "NVIDIA B200", "NVIDIA H", "Tesla T4",
+               "NVIDIA RTX 2000 Ada Generation", "TPU v5 lite"):
+    assert not fm.hopper_kind(kind), kind
+  abstract = hasattr(jax.sharding, "AbstractDevice")
+  with kernels.gpu_target("NVIDIA H200"):
+    assert fm.hopper_device() == abstract
+  with kernels.gpu_target("NVIDIA A100-SXM4-80GB"):
+    assert not fm.hopper_device()
+  assert not fm.hopper_device()
+
+
 def test_default_kernels_on_hopper(monkeypatch):
   """Off Hopper: Triton. On it: the Mosaic forward for calls without segment ids and
   inputs it takes; the Mosaic backward kernels only when asked."""
-  assert not fm.hopper_device()  # the CPU test host
   auto = dict(gpu_forward=None, causal=True)
+  monkeypatch.setattr(fm, "hopper_device", lambda: False)
   assert _kernels(_lower(**auto)) == (0, 3)
   monkeypatch.setattr(fm, "hopper_device", lambda: True)
   assert _kernels(_lower(**auto)) == (1, 2)
