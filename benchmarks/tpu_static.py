@@ -394,7 +394,8 @@ def dump_flags(dump_dir: str, profile_dir: str) -> str:
 def _compile(mesh, options: dict, length: int, kernel: str) -> None:
   """One of the three pallas_calls of a causal flash_attention forward + backward, with
   its operands laid out as _forward / _backward pass them ([b, h, T, d]; lse and di
-  lane rows for dq, sublane rows for dk/dv), compiled for the mesh's TPU."""
+  packed by `_tpu_stats`: lane rows for dq, sublane rows for dk/dv), compiled for the
+  mesh's TPU."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -409,11 +410,11 @@ def _compile(mesh, options: dict, length: int, kernel: str) -> None:
   if kernel == "fwd":
     fn, args = lambda q, k, v: fa._tpu_forward(cfg, q, k, v, None, None, False), (q, kv, kv)
   else:
-    rows = (b, h, length, 128) if kernel == "dq" else (b, h, 8, length)
+    stats = (b, h, length, 256) if kernel == "dq" else (b, h, 8, length)
     call = fa._tpu_dq if kernel == "dq" else fa._tpu_dkv
-    fn = lambda q, k, v, do, lse, di: call(  # noqa: E731
-        cfg, q, k, v, None, None, do, lse, di, False)
-    args = (q, kv, kv, q, spec(rows, jnp.float32), spec(rows, jnp.float32))
+    fn = lambda q, k, v, do, stats: call(  # noqa: E731
+        cfg, q, k, v, None, None, do, stats, False)
+    args = (q, kv, kv, q, spec(stats, jnp.float32))
   with jax.set_mesh(mesh):  # Pallas reads the TPU generation from the abstract mesh
     jax.jit(fn).lower(*args).compile()
 

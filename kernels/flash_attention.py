@@ -760,9 +760,9 @@ def _tpu_dq_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   refs = list(refs)
   table_ref = refs.pop(0) if grid.steps is not None else None
   range_ref = refs.pop(0) if cfg.segments else None
-  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
-  rest = refs[8:] if cfg.segments else refs[6:]
+  q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
+  q_seg_ref, kv_seg_ref = refs[5:7] if cfg.segments else (None, None)
+  rest = refs[7:] if cfg.segments else refs[5:]
   dq_ref = rest[0]
   count_ref = rest[1] if counts else None
   dq_sc = rest[-1]
@@ -779,8 +779,9 @@ def _tpu_dq_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
     q_seg, kv_seg = (_tpu_segments(cfg, q_seg_ref, kv_seg_ref,
                                    (cfg.block_q, cfg.block_kv)) if masked else (None, None))
     bk = cfg.block_kv
+    lse2, di = stats_ref[:, :NUM_LANES], stats_ref[:, NUM_LANES:]
     _, ds = _tpu_grads_block(cfg, qi, ki, masked, q_ref[...], k, v_ref[...], do_ref[...],
-                             _lanes(lse_ref[...], bk), _lanes(di_ref[...], bk), q_seg, kv_seg)
+                             _lanes(lse2, bk), _lanes(di, bk), q_seg, kv_seg)
     dq_sc[...] += lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
     if counts:
       _tpu_count(count_ref, masked)
@@ -799,9 +800,9 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   refs = list(refs)
   table_ref = refs.pop(0) if grid.steps is not None else None
   range_ref = refs.pop(0) if cfg.segments else None
-  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-  q_seg_ref, kv_seg_ref = refs[6:8] if cfg.segments else (None, None)
-  rest = refs[8:] if cfg.segments else refs[6:]
+  q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
+  q_seg_ref, kv_seg_ref = refs[5:7] if cfg.segments else (None, None)
+  rest = refs[7:] if cfg.segments else refs[5:]
   dk_ref, dv_ref = rest[:2]
   rest = rest[2:]
   dq_ref = rest.pop(0) if cfg.fused_bwd else None
@@ -817,14 +818,16 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
       count_ref[...] = jnp.zeros_like(count_ref)
 
   def step(masked: bool):
-    # kv-major: lse, di and the q ids arrive sublane-replicated ([8, bq] rows), the kv ids
-    # lane-replicated ([bk, 128] columns).
+    # kv-major: lse and di arrive as one [8, bq] block (`_tpu_stats`: rows 0-3 lse, 4-7
+    # di), the q ids sublane-replicated ([8, bq] rows), the kv ids lane-replicated
+    # ([bk, 128] columns).
     q, do = q_ref[...], do_ref[...]
     q_seg = kv_seg = None
     if masked and cfg.segments:
       q_seg, kv_seg = q_seg_ref[:1, :], _lanes(kv_seg_ref[...], q.shape[0])
     p, ds = _tpu_grads_block(cfg, qi, ki, masked, q, k_ref[...], v_ref[...], do,
-                             lse_ref[:1, :], di_ref[:1, :], q_seg, kv_seg, kv_major=True)
+                             stats_ref[:1, :], stats_ref[_DI_ROW:_DI_ROW + 1, :], q_seg,
+                             kv_seg, kv_major=True)
     dv_sc[...] += lax.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     ds = ds.astype(q.dtype)
     dk_sc[...] += lax.dot(ds, q, preferred_element_type=jnp.float32)
@@ -862,6 +865,21 @@ def _lane_rows(x):
 def _sublane_rows(x):
   """[..., T] -> [..., 8, T]: replicated along the sublanes (a row)."""
   return jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (NUM_SUBLANES, x.shape[-1]))
+
+
+_DI_ROW = NUM_SUBLANES // 2
+
+
+def _tpu_stats(lse2, di, kv_major: bool = False):
+  """lse (base 2) and di [b, h, T] as the backward kernels' one row-statistics operand,
+  one block fetch a step instead of two: [b, h, T, 256], lse replicated along lanes
+  0-127 and di along 128-255 (the dq kernel); kv-major (the dk / dv kernel)
+  [b, h, 8, T], lse in sublanes 0-3 and di in 4-7."""
+  if kv_major:
+    shape = lse2.shape[:-1] + (_DI_ROW, lse2.shape[-1])
+    return jnp.concatenate([jnp.broadcast_to(lse2[..., None, :], shape),
+                            jnp.broadcast_to(di[..., None, :], shape)], axis=-2)
+  return jnp.concatenate([_lane_rows(lse2), _lane_rows(di)], axis=-1)
 
 
 def _tpu_segment_operands(cfg, q_seg, kv_seg, kv_major: bool = False):
@@ -1011,9 +1029,9 @@ def _segment_ranges(cfg: _Config, q_seg, kv_seg):
                               cfg.block_q, cfg.block_kv)
 
 
-def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
-  """Layouts as in `_tpu_forward`; lse and di are [b, h, Tq, 128]. Grid (b, h, q
-  blocks, kv blocks), as the forward pass."""
+def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool):
+  """Layouts as in `_tpu_forward`; stats: lse (base 2) and di packed by `_tpu_stats`,
+  [b, h, Tq, 256]. Grid (b, h, q blocks, kv blocks), as the forward pass."""
   b, h, _, d = q.shape
   bq, bk = cfg.block_q, cfg.block_kv
   kv_ranges = _segment_ranges(cfg, q_seg, kv_seg)[0] if cfg.segments else None
@@ -1021,10 +1039,10 @@ def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
   kv_index = functools.partial(_tpu_kv_index, cfg, grid)
   q_index = grid.index_map(lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
   q_spec = pl.BlockSpec((None, None, bq, d), q_index)
-  row_spec = pl.BlockSpec((None, None, bq, NUM_LANES), q_index)
+  stats_spec = pl.BlockSpec((None, None, bq, 2 * NUM_LANES), q_index)
   kv_spec = pl.BlockSpec((None, None, bk, d), grid.index_map(kv_index))
-  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-  operands = [q, k, v, do, lse, di]
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, stats_spec]
+  operands = [q, k, v, do, stats]
   if cfg.segments:
     in_specs += [
         pl.BlockSpec((None, bq, NUM_LANES),
@@ -1043,9 +1061,9 @@ def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
       out_specs, out_shape, [_vmem((bq, d))], "flash_attention_dq", operands, kv_ranges)
 
 
-def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
-  """dk, dv; grid (b, kv heads, kv blocks, heads in group, q blocks). lse and di are
-  [b, h, 8, Tq] (sublane rows: the kernel works kv-major)."""
+def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool):
+  """dk, dv; grid (b, kv heads, kv blocks, heads in group, q blocks). stats: lse (base
+  2) and di packed by `_tpu_stats`, [b, h, 8, Tq] (rows: the kernel works kv-major)."""
   b, kvh = k.shape[:2]
   d = q.shape[-1]
   bq, bk, g = cfg.block_q, cfg.block_kv, cfg.group
@@ -1061,16 +1079,16 @@ def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts: bool):
       qi = _clamp(qi, _tpu_seg_range(r[0], bi, ki, nk), nq)
     return bi, kh * g + gi, qi, 0
 
-  def row_index(*ids):  # [b, h, 8, Tq] rows of lse / di
+  def stats_index(*ids):  # [b, h, 8, Tq] rows of lse and di
     bi, hi, qi, _ = q_index(*ids)
     return bi, hi, 0, qi
 
   q_spec = pl.BlockSpec((None, None, bq, d), grid.index_map(q_index))
-  row_spec = pl.BlockSpec((None, None, NUM_SUBLANES, bq), grid.index_map(row_index))
+  stats_spec = pl.BlockSpec((None, None, NUM_SUBLANES, bq), grid.index_map(stats_index))
   kv_spec = pl.BlockSpec((None, None, bk, d),
                          grid.index_map(lambda bi, kh, ki, gi, qi, *_: (bi, kh, ki, 0)))
-  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-  operands = [q, k, v, do, lse, di]
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, stats_spec]
+  operands = [q, k, v, do, stats]
   if cfg.segments:
     in_specs += [
         pl.BlockSpec((None, NUM_SUBLANES, bq), grid.index_map(
@@ -1505,12 +1523,12 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   dq_counts = None
   if cfg.backend == "tpu":
     args, lse2 = (qp, kp, vp, q_seg, kv_seg, dop), lse * LOG2E
-    dkv_out = _tpu_dkv(cfg, *args, _sublane_rows(lse2), _sublane_rows(di), counts)
+    dkv_out = _tpu_dkv(cfg, *args, _tpu_stats(lse2, di, kv_major=True), counts)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
     if cfg.fused_bwd:
       dq = jnp.swapaxes(_fused_dq(cfg, dkv_out[2], q_seg, kv_seg), 1, 2).astype(q.dtype)
     else:
-      dq_out = _tpu_dq(dq_cfg, *args, _lane_rows(lse2), _lane_rows(di), counts)
+      dq_out = _tpu_dq(dq_cfg, *args, _tpu_stats(lse2, di), counts)
       dq = jnp.swapaxes(dq_out[0], 1, 2)
       dq_counts = dq_out[1][..., 0, :2] if counts else None
     if counts:
