@@ -11,7 +11,10 @@ FLASH_OPTIONS = {
     "backend": str, "block_q": int, "block_kv": int, "block_q_bwd": int, "block_kv_bwd": int,
     "block_q_dq": int, "block_kv_dq": int, "dq_atomic": bool, "fused_bwd": bool,
     "compact_grid": bool, "gpu_forward": str, "gpu_backward": str, "num_warps": int,
-    "num_stages": int, "num_warps_bwd": int, "num_stages_bwd": int}
+    "num_stages": int, "num_warps_bwd": int, "num_stages_bwd": int,
+    # false: the compiled kernels even where the target is not a TPU or GPU (lowering
+    # for a GPU ahead of time on a CPU host); true: interpret mode anywhere.
+    "interpret": bool}
 
 
 def parse_attention_options(text: str) -> dict[str, Any]:
