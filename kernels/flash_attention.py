@@ -1474,8 +1474,9 @@ def _mosaic_backward(cfg: _Config, q, k) -> bool:
   """Whether the GPU backward runs the Mosaic GPU (Hopper) dq and dk / dv kernels: only
   when asked. On an H200 they are correct and 1.1-1.2x faster than the Triton ones at
   4k-32k, but a 1.2B model step with them did not finish compiling there (jax 0.11
-  compiled every call site anew; `flash_mosaic_gpu.stable_basename` now prevents that,
-  not yet confirmed on a device), so None keeps Triton."""
+  compiled every call site anew: 64 kernels for that step, lowered on a CPU host;
+  `flash_mosaic_gpu.stable_basename` brings it to 4, not yet timed on a device), so None
+  keeps Triton."""
   if cfg.backend != "gpu" or cfg.interpret or cfg.gpu_backward != "mosaic":
     return False
   reason = importlib.import_module("kernels.flash_mosaic_gpu").unsupported_backward(
