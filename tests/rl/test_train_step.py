@@ -1,5 +1,7 @@
 """The jitted RL train step: exact micro-batch accumulation, sharding, safety, learning."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
+import kernels
 from posttrain import models
 from posttrain.rl import advantages as advantages_lib
 from posttrain.rl import packing, presets
@@ -438,8 +441,6 @@ def test_grpo_step_lowers_one_mosaic_kernel_per_shape_for_hopper():
   GPU kernels, so a GPU compiles three, not one per call site (jax 0.11 stamped each
   call site's module with a fresh name: a 16-layer 1.2B step held 64 distinct kernels,
   and did not finish compiling on an H200 in minutes). Lowered for CUDA on this host."""
-  import re  # pylint: disable=g-import-not-at-top
-  import kernels  # pylint: disable=g-import-not-at-top
   cfg = CFG.replace(num_layers=3, head_dim=64, dtype="bfloat16", remat="full",
                     attention_impl="flash", attention_options=(
                         "backend=gpu,interpret=false,gpu_forward=mosaic,gpu_backward=mosaic"))
