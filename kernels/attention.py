@@ -6,11 +6,16 @@ import jax
 IMPLEMENTATIONS = ("pallas_tpu", "pallas_gpu", "chunked", "reference")
 
 
+def target_device():
+  """The abstract device of the mesh set with `jax.set_mesh` / `use_abstract_mesh`
+  (platform, device_kind), which may be another platform's (a CPU host compiling for a
+  TPU or GPU ahead of time), or None."""
+  return getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+
+
 def target_platform() -> str:
-  """The platform being compiled for: that of the mesh set with `jax.set_mesh`, whose
-  devices may be another platform's (a CPU host compiling for TPU ahead of time), else
-  the default backend."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  """The platform being compiled for: `target_device()`'s, else the default backend."""
+  device = target_device()
   return jax.default_backend() if device is None else device.platform
 
 

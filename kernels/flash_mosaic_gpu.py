@@ -113,7 +113,7 @@ def hopper_device() -> bool:
   device of the mesh set with `jax.sharding.use_abstract_mesh` (`kernels.gpu_target`:
   lowering ahead of time on a host without the GPU) when it is a GPU, else the default
   device."""
-  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  abstract = importlib.import_module("kernels.attention").target_device()
   if abstract is not None and abstract.platform in ("gpu", "cuda"):
     return hopper_kind(abstract.device_kind)
   try:
