@@ -33,7 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
   # attention_impl / attention_options: see ModelConfig (options: flash kernel keywords,
   # "name=value,...", e.g. a device sweep's best blocks).
   c.model.overrides = ml_collections.ConfigDict(dict(
-      num_layers=2, d_model=128, ffn_dim=384, attention_impl="reference", attention_options=""))
+      num_layers=2, d_model=128, ffn_dim=384, attention_impl="reference", attention_options="",
+      scan_layers=False))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, sequence=1))
   c.sharding_rules = ()
   # colocated: sampler and learner share the mesh (on-policy). disaggregated: the first

@@ -49,7 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
   # float32 master weights (and Adam moments): a 5e-7 step is below bfloat16's resolution.
   c.model.overrides = ml_collections.ConfigDict(dict(
       attention_impl="flash", attention_options="", remat="full", dtype="bfloat16",
-      param_dtype="float32"))
+      param_dtype="float32", scan_layers=False))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=32, tensor=4, sequence=1))
 
   c.tasks.domains = "*"

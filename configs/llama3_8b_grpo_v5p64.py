@@ -51,7 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 7); its f32 dq partials are counted by the plan (BENCHMARKS.md, TPU kernels).
   c.model.overrides = ml_collections.ConfigDict(dict(
       attention_impl="flash", attention_options="fused_bwd=true", remat="dots_with_no_batch_dims",
-      dtype="bfloat16", param_dtype="float32"))
+      dtype="bfloat16", param_dtype="float32", scan_layers=False))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=32, tensor=1, sequence=1))
 
   c.tasks.domains = "*"

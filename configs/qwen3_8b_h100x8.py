@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   # float32 master weights (and Adam moments): a 1e-6 step is below bfloat16's resolution.
   c.model.overrides = ml_collections.ConfigDict(dict(
       attention_impl="flash", attention_options="", remat="dots_with_no_batch_dims",
-      dtype="bfloat16", param_dtype="float32"))
+      dtype="bfloat16", param_dtype="float32", scan_layers=False))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=8, tensor=1, sequence=1))
 
   c.tasks.domains = "*"

@@ -45,39 +45,43 @@ def _slot_axis(kv_layout: str) -> int:
   return 1 if kv_layout == "bskh" else 2
 
 
-def _normalise_scale(scale, name, cache, kv_layout):
-  """[kv_heads] (per head) or per slot and head -> f32 [b or 1, kv_heads, slots or 1]."""
-  b = cache.shape[0]
-  kvh, slots = (cache.shape[2], cache.shape[1]) if kv_layout == "bskh" else cache.shape[1:3]
-  per_slot = (b, slots, kvh) if kv_layout == "bskh" else (b, kvh, slots)
+def _normalise_scale(scale, name, cache, kv_layout, stacked=False):
+  """[kv_heads] (per head) or per slot and head -> f32 [b or 1, kv_heads, slots or 1]
+  (with a leading layer axis for a per-slot scale of a stacked cache)."""
+  layers, shape = (cache.shape[:1], cache.shape[1:]) if stacked else ((), cache.shape)
+  b = shape[0]
+  kvh, slots = (shape[2], shape[1]) if kv_layout == "bskh" else shape[1:3]
+  per_slot = (*layers, b, slots, kvh) if kv_layout == "bskh" else (*layers, b, kvh, slots)
   scale = jnp.asarray(scale, jnp.float32)
   if scale.shape == (kvh,):
     return scale[None, :, None]
   if scale.shape == per_slot:
-    return jnp.swapaxes(scale, 1, 2) if kv_layout == "bskh" else scale
+    return jnp.swapaxes(scale, -1, -2) if kv_layout == "bskh" else scale
   raise ValueError(f"{name} must be [kv_heads] = ({kvh},) or per slot and head {per_slot}, "
                    f"got {scale.shape}")
 
 
-def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, **params):
+def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, **params):
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, q_len, heads, head_dim], got shape {q.shape}")
   dims = ("[batch, max_len, kv_heads, head_dim]" if kv_layout == "bskh"
           else "[batch, kv_heads, max_len, head_dim]")
-  if k_cache.ndim != 4:
+  if stacked:
+    dims = "[layers, " + dims[1:] + " (with layer=)"
+  if k_cache.ndim != 4 + int(stacked):
     raise ValueError(f"k_cache must be {dims}, got shape {k_cache.shape}")
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache must have the shape of k_cache {k_cache.shape}, got "
                      f"{v_cache.shape}")
   # The shared checks (batch, head_dim, head grouping, scalars) on empty slot-major views.
-  no_slots = ((lambda x: x[:, :0]) if kv_layout == "bskh"
-              else (lambda x: jnp.swapaxes(x[:, :, :0], 1, 2)))
-  reference.check_attention_inputs(q, no_slots(k_cache), no_slots(v_cache), **params)
-  if q.shape[1] > k_cache.shape[_slot_axis(kv_layout)]:
-    raise ValueError(f"q_len {q.shape[1]} exceeds the cache length "
-                     f"{k_cache.shape[_slot_axis(kv_layout)]}")
+  b, a1, a2, d = k_cache.shape[int(stacked):]
+  no_slots = jax.ShapeDtypeStruct((b, 0, a2 if kv_layout == "bskh" else a1, d), k_cache.dtype)
+  reference.check_attention_inputs(q, no_slots, no_slots, **params)
+  max_len = k_cache.shape[_slot_axis(kv_layout) + int(stacked)]
+  if q.shape[1] > max_len:
+    raise ValueError(f"q_len {q.shape[1]} exceeds the cache length {max_len}")
   if lengths.shape != (q.shape[0],):
     raise ValueError(f"lengths must be [batch] = ({q.shape[0]},), got {lengths.shape}")
   for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
@@ -156,7 +160,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                      logits_soft_cap: float | None = None,
                      sliding_window: int | None = None,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, kv_layout: str = "bskh",
-                     elementwise: bool | str | None = None, finite_tail: bool = False):
+                     elementwise: bool | str | None = None, finite_tail: bool = False,
+                     layer=None):
   """Attention of the newest tokens of each row against its KV cache.
 
   Args:
@@ -185,23 +190,39 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
       sampler's). Masked slots then get probability exactly 0 and contribute exactly 0,
       so the pass that zeroes their values is skipped. With False (the default) those
       slots may hold anything, NaN included.
+    layer: an int (or int32 scalar) when k_cache, v_cache and per-slot scales stack the
+      caches of several layers on a leading axis ([layers, ...] of the shapes above): the
+      layer to attend over. Each block is sliced from the stacked arrays, so a model
+      that scans over its layers never copies a layer's whole cache out of the stack.
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
   """
   lengths = jnp.asarray(lengths, jnp.int32)
-  _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, sm_scale=sm_scale,
-         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+  stacked = layer is not None
+  _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked,
+         sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
   if not (elementwise is None or isinstance(elementwise, bool) or elementwise == "values"):
     raise ValueError(f"elementwise must be None, True, False or 'values', got {elementwise!r}")
   b, tq, h, d = q.shape
   axis = _slot_axis(kv_layout)
-  max_len = k_cache.shape[axis]
+  max_len = k_cache.shape[axis + int(stacked)]
   ck = min(int(chunk_size), max_len)
-  scales = [None if s is None else _normalise_scale(s, n, k_cache, kv_layout)
+  scales = [None if s is None else _normalise_scale(s, n, k_cache, kv_layout, stacked)
             for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
+
+  def cut(x, start, size, axis):
+    """x[..., start:start + size, ...] on `axis` of one layer's array (of layer `layer`
+    of a stacked one, sliced in one piece)."""
+    if not stacked or x.ndim < 4:  # A per-head scale is shared by the layers.
+      return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+    starts = [jnp.int32(0)] * x.ndim
+    starts[0], starts[axis + 1] = jnp.asarray(layer, jnp.int32), start
+    sizes = list(x.shape)
+    sizes[0], sizes[axis + 1] = 1, size
+    return lax.dynamic_slice(x, starts, sizes)[0]
   q_pos = lengths[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None]  # [b, tq]
   params = dict(sm_scale=reference.default_sm_scale(d, sm_scale),
                 logits_soft_cap=logits_soft_cap, kv_layout=kv_layout,
@@ -210,7 +231,6 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   def attend_block(start, nominal):
     """The block of ck slots from `start`; slots before `nominal` belong to the previous
     block (the last block may overlap it) and are masked here."""
-    cut = lambda x: lax.dynamic_slice_in_dim(x, start, ck, axis=axis)
     kv_pos = start + jnp.arange(ck, dtype=jnp.int32)
     # Every query sees only its row's valid prefix, whether or not the mask is causal.
     slot_ok = (kv_pos[None] >= nominal) & (kv_pos[None] < lengths[:, None])  # [b, ck]
@@ -219,15 +239,16 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
     # Unless the caller vouches for a finite tail, slots past a row's length may hold
     # anything, NaN included; p = 0 times NaN would still leak, so zero the values there
     # (and, always, their scales).
-    v = cut(v_cache)
+    v = cut(v_cache, start, ck, axis)
     if not finite_tail:
       slot_ok_v = slot_ok[:, :, None, None] if kv_layout == "bskh" else slot_ok[:, None, :, None]
       v = jnp.where(slot_ok_v, v, 0)
-    k_s, v_s = [None if s is None else (lax.dynamic_slice_in_dim(s, start, ck, axis=2)
-                                        if s.shape[2] > 1 else s) for s in scales]
+    k_s, v_s = [None if s is None else (cut(s, start, ck, 2) if s.shape[-1] > 1 else s)
+                for s in scales]
     if v_s is not None:
       v_s = jnp.where(slot_ok[:, None, :], v_s, 0.0)
-    return _block(q, cut(k_cache), v, valid, k_scale=k_s, v_scale=v_s, **params)
+    return _block(q, cut(k_cache, start, ck, axis), v, valid, k_scale=k_s, v_scale=v_s,
+                  **params)
 
   if ck == max_len:  # one block: no loop, no per-block branch
     out, _ = attend_block(0, 0)

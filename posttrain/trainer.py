@@ -92,17 +92,31 @@ def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
                                   **{k: v for k, v in dict(config.model.get("overrides", {})
                                                            or {}).items()
                                      if k in ("attention_impl", "remat", "dtype",
-                                              "param_dtype", "value_head", "logprob_chunk")})
-  # An Orbax checkpoint directory of an earlier run: take its params.
+                                              "param_dtype", "value_head", "logprob_chunk",
+                                              "scan_layers")})
+  # An Orbax checkpoint directory of an earlier run: take its params, whichever layout of
+  # the layers (scan_layers or not) that run had.
   ckpt_dir = os.path.join(src, "checkpoints") if os.path.isdir(
       os.path.join(src, "checkpoints")) else src
-  restored = CheckpointManager(ckpt_dir, read_only=True).restore(
-      abstract_checkpoint(cfg, optimizer_like(config), mesh, rules))
+  manager = CheckpointManager(ckpt_dir, read_only=True)
+  saved_cfg = cfg
+  try:
+    restored = manager.restore(abstract_checkpoint(cfg, optimizer_like(config), mesh, rules))
+  except ValueError as e:
+    saved_cfg = cfg.replace(scan_layers=not cfg.scan_layers)
+    try:
+      restored = manager.restore(
+          abstract_checkpoint(saved_cfg, optimizer_like(config), mesh, rules))
+    except ValueError:
+      raise e from None
   if restored is None:
     raise ValueError(f"init_from={src!r} is neither a Hugging Face folder (config.json) nor "
                      "a checkpoint directory with a complete checkpoint")
-  graphdef, _, rest = ts._split_abstract(cfg)
-  return nnx.merge(graphdef, restored[0]["params"], rest)
+  graphdef, _, rest = ts._split_abstract(saved_cfg)
+  model = nnx.merge(graphdef, restored[0]["params"], rest)
+  if saved_cfg is not cfg:
+    model = models.relayout(model, scan_layers=cfg.scan_layers, mesh=mesh, rules=rules)
+  return model
 
 
 # ----------------------------------------------------------------------------------------

@@ -69,6 +69,40 @@ def _final_params(workdir, cfg_extra=None):
   return jax.tree.map(np.asarray, state["params"]), extras, step
 
 
+@pytest.mark.parametrize("scan_before,scan_now", [(False, True), (True, False)])
+def test_init_from_an_earlier_run_in_either_layout_of_the_layers(tmp_path, scan_before,
+                                                                  scan_now):
+  """init_from a checkpoint of a run whose scan_layers differs takes its params, relaid
+  out; init_from a Hugging Face folder takes scan_layers from the overrides."""
+  from flax import nnx
+
+  from posttrain import models
+  from posttrain.checkpoint import CheckpointManager
+  from posttrain.rl import state as state_lib
+  before = _config(**{"model.overrides.num_layers": 2, "model.overrides.scan_layers": scan_before})
+  now = _config(**{"model.overrides.num_layers": 2, "model.overrides.scan_layers": scan_now,
+                   "init_from": str(tmp_path)})
+  mesh = models.make_mesh((1, 2, 1, 1), devices=jax.devices()[:2])
+  saved = models.create_model(trainer.model_config(before), seed=5)
+  optimizer = experiment.optimizer_like(before)
+  state = state_lib.init_train_state(saved, optimizer, mesh=mesh)
+  with CheckpointManager(str(tmp_path / "checkpoints")) as manager:
+    manager.save(3, experiment.to_checkpoint(state), {}, force=True)
+  cfg = trainer.model_config(now)
+  loaded = trainer._init_params_model(now, cfg, mesh, models.DEFAULT_RULES)
+  assert loaded.cfg.scan_layers == scan_now
+  want = models.relayout(saved, scan_layers=scan_now)
+  got_params, want_params = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (loaded, want))
+  for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  models.save_pretrained(saved, str(tmp_path / "hf"))
+  now.init_from = str(tmp_path / "hf")
+  from_hf = trainer._init_params_model(now, cfg, mesh, models.DEFAULT_RULES)
+  assert from_hf.cfg.scan_layers == scan_now
+  np.testing.assert_array_equal(np.asarray(nnx.state(from_hf, nnx.Param)["embed"][...]),
+                                np.asarray(saved.embed[...]))
+
+
 def test_few_step_rl_run_end_to_end(tmp_path, capsys):
   summary = trainer.train(_config(), str(tmp_path))
   assert summary["status"] == "done" and summary["rl_steps"] == 3

@@ -4,17 +4,19 @@ from posttrain.models import get_preset, create_model, from_pretrained, save_pre
 """
 
 from posttrain.models.config import PRESETS, ModelConfig, RopeConfig, decode_chunk_for, get_preset
-from posttrain.models.factory import abstract_model, create_model, shard_model, state_shardings
+from posttrain.models.factory import (abstract_model, create_model, relayout, shard_model,
+                                      state_shardings)
 from posttrain.models.hf import from_pretrained, hf_config_to_model_config, save_pretrained
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
                                        make_mesh, named_sharding, rules_from_config)
-from posttrain.models.transformer import (KVCache, Transformer, chunked_logprobs, init_cache,
-                                          write_cache)
+from posttrain.models.transformer import (KVCache, Transformer, cache_slots, chunked_logprobs,
+                                          constrain_cache, init_cache, map_cache, write_cache)
 
 __all__ = [
     "PRESETS", "ModelConfig", "RopeConfig", "decode_chunk_for", "get_preset", "abstract_model", "create_model",
-    "shard_model", "state_shardings", "from_pretrained", "hf_config_to_model_config",
+    "relayout", "shard_model", "state_shardings", "from_pretrained", "hf_config_to_model_config",
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
     "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",
-    "chunked_logprobs", "init_cache", "write_cache",
+    "cache_slots", "chunked_logprobs", "constrain_cache", "init_cache", "map_cache",
+    "write_cache",
 ]

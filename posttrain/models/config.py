@@ -103,6 +103,10 @@ class ModelConfig:
     qk_norm: Qwen3-style RMSNorm over head_dim of q and k before RoPE.
     dtype: compute dtype; param_dtype: storage dtype of parameters.
     remat: rematerialisation policy per block (none, full, dots, dots_with_no_batch_dims).
+    scan_layers: stack the layers' parameters on a leading "layers" axis and run them as
+      one `lax.scan`: compile time and program size stay those of one layer at any depth
+      (what an 80-layer model needs on a pod); the KV cache stacks the layers too. The
+      parameter tree differs (layers/attn/q_proj is [L, D, N, H]), HF files do not.
     attention_impl: reference, chunked, flash or ring (kernels/).
     attention_options: flash kernel options, "name=value,..." (e.g. "block_q=128,
       num_warps_bwd=4,dq_atomic=true"; names in FLASH_OPTIONS), for attention_impl flash
@@ -130,6 +134,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: str = "none"
+  scan_layers: bool = False
   attention_impl: str = "reference"
   attention_options: str = ""
   attention_chunk: int = 512

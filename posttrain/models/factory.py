@@ -54,3 +54,25 @@ def shard_model(model: Transformer, mesh: Mesh, rules: Rules = DEFAULT_RULES) ->
   graphdef, state = nnx.split(model)
   state = jax.device_put(state, state_shardings(state, mesh, rules))
   return nnx.merge(graphdef, state)
+
+
+def relayout(model: Transformer, *, scan_layers: bool, mesh: Mesh | None = None,
+             rules: Rules = DEFAULT_RULES) -> Transformer:
+  """The same model with its layers stacked for a scan (`scan_layers=True`) or split
+  into a list per layer: how a checkpoint saved in one layout serves the other. With a
+  mesh the result's parameters are placed by the rules."""
+  cfg = model.cfg
+  if cfg.scan_layers == scan_layers:
+    return model if mesh is None else shard_model(model, mesh, rules)
+  graphdef, abstract = abstract_model(cfg.replace(scan_layers=scan_layers))
+  pure = nnx.to_pure_dict(nnx.state(model))
+  layers = pure.pop("layers")
+  if scan_layers:
+    pure["layers"] = jax.tree.map(lambda *xs: jax.numpy.stack(xs),
+                                  *(layers[i] for i in range(cfg.num_layers)))
+  else:
+    pure["layers"] = {i: jax.tree.map(lambda x, i=i: x[i], layers)
+                      for i in range(cfg.num_layers)}
+  nnx.replace_by_pure_dict(abstract, pure)
+  out = nnx.merge(graphdef, abstract)
+  return out if mesh is None else shard_model(out, mesh, rules)

@@ -242,9 +242,11 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {expected}")
     arr = np.asarray(to_ours(arr)).astype(pd)
     if shardings is not None:
-      values[ours] = jax.device_put(arr, _lookup(shardings, ours).value)
+      values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
     else:
       values[ours] = jnp.asarray(arr)
+  if cfg.scan_layers:
+    values = _stack_layers(values, cfg.num_layers, shardings)
 
   def fill(path, v):
     key = tuple(getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path)
@@ -262,6 +264,45 @@ def _lookup(tree, key: tuple):
   for k in key:
     node = node[k]
   return node
+
+
+def _stacked_key(key: tuple) -> tuple:
+  """("layers", i, *rest) -> ("layers", *rest): the path in a scan_layers model."""
+  return key[:1] + key[2:]
+
+
+def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):
+  """Where a tensor read from the checkpoint goes: one layer of a stacked parameter
+  takes the stacked parameter's sharding without its layer axis."""
+  if not (cfg.scan_layers and ours[0] == "layers"):
+    return _lookup(shardings, ours).value
+  stacked = _lookup(shardings, _stacked_key(ours)).value
+  return jax.sharding.NamedSharding(stacked.mesh,
+                                    jax.sharding.PartitionSpec(*stacked.spec[1:]))
+
+
+def _stack_layers(values: dict, num_layers: int, shardings) -> dict:
+  """Stacks each per-layer tensor into its scan_layers parameter, one kind at a time
+  (the per-layer copies of a kind are dropped as soon as it is stacked)."""
+  out = {k: v for k, v in values.items() if k[0] != "layers"}
+  kinds = sorted({k[2:] for k in values if k[0] == "layers"})
+  for rest in kinds:
+    parts = [values.pop(("layers", i) + rest) for i in range(num_layers)]
+    key = ("layers",) + rest
+    if shardings is None:
+      out[key] = jnp.stack(parts)
+    else:
+      out[key] = jax.jit(lambda *xs: jnp.stack(xs),
+                         out_shardings=_lookup(shardings, key).value)(*parts)
+    del parts
+  return out
+
+
+def _read_param(state, ours: tuple, cfg: ModelConfig) -> jax.Array:
+  """Our parameter at an unstacked path; one layer's slice of a scan_layers parameter."""
+  if cfg.scan_layers and ours[0] == "layers":
+    return _lookup(state, _stacked_key(ours))[...][ours[1]]
+  return _lookup(state, ours)[...]
 
 
 def _fresh(v, key, cfg, mesh, rules):
@@ -294,7 +335,7 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for ours, name, _, to_hf, _ in _mapping(cfg):
-    arr = np.asarray(jax.device_get(_lookup(state, ours)[...])).astype(out_dtype)
+    arr = np.asarray(jax.device_get(_read_param(state, ours, cfg))).astype(out_dtype)
     arr = np.ascontiguousarray(to_hf(arr))
     if size and size + arr.nbytes > max_shard_bytes:
       shards.append({})

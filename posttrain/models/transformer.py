@@ -49,21 +49,55 @@ class KVCache(NamedTuple):
   v_scale: jax.Array | None = None
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> list[KVCache]:
-  """Zeroed cache per layer; dtype int8 stores quantized keys/values with scales."""
+def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
+                     layers: tuple[int, ...] = ()) -> KVCache:
+  """One zeroed KVCache; `layers=(L,)` gives each array a leading layer axis."""
   dtype = jnp.dtype(dtype or _dtype(cfg.dtype))
-  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  shape = (*layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   if dtype == jnp.int8:
-    scales = shape[:3]
-    return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                    jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
-            for _ in range(cfg.num_layers)]
-  return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-          for _ in range(cfg.num_layers)]
+    scales = shape[:-1]
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-# Logical axes of a cache array; the scales of an int8 cache take the first three.
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
+  """Zeroed cache: a list of per-layer KVCaches, or with `cfg.scan_layers` one KVCache
+  whose arrays stack the layers ([L, B, K, S, H]). dtype int8 stores quantized keys and
+  values with scales."""
+  if cfg.scan_layers:
+    return init_layer_cache(cfg, batch, max_len, dtype, layers=(cfg.num_layers,))
+  return [init_layer_cache(cfg, batch, max_len, dtype) for _ in range(cfg.num_layers)]
+
+
+# Logical axes of a cache array; the scales of an int8 cache take the first three. A
+# stacked cache (scan_layers) puts "layers" first.
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
+
+
+def _is_stacked(layer: KVCache) -> bool:
+  return layer.k.ndim == 5
+
+
+def map_cache(fn, cache):
+  """Applies fn(array, logical axes) to every array of a cache, keeping its structure."""
+  def one(layer):
+    prefix = ("layers",) if _is_stacked(layer) else ()
+    return KVCache(*(None if x is None else
+                     fn(x, prefix + (CACHE_AXES if i < 2 else CACHE_AXES[:3]))
+                     for i, x in enumerate(layer)))
+  return one(cache) if isinstance(cache, KVCache) else [one(layer) for layer in cache]
+
+
+def constrain_cache(cache, ctx: ShardingContext):
+  """Constrains every cache array to its logical axes (a no-op without a mesh)."""
+  return map_cache(ctx.constrain, cache)
+
+
+def cache_slots(cache) -> int:
+  """Slots (token positions) per row of a cache from `init_cache`."""
+  layer = cache if isinstance(cache, KVCache) else cache[0]
+  return layer.k.shape[-2]
 
 
 class RMSNorm(nnx.Module):
@@ -140,7 +174,10 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, cfg.norm_eps, pd, names=("head_dim",))
 
   def __call__(self, x_BxTxD, cos, sin, segment_ids_BxT, cache: KVCache | None,
-               positions_BxT, ctx: ShardingContext, prefill: bool = False):
+               positions_BxT, ctx: ShardingContext, prefill: bool = False, layer=None):
+    """With `layer` (an int32 scalar), `cache` stacks every layer's arrays ([L, ...]):
+    this layer's keys and values are written in place at that index, and the whole
+    stacked cache is returned."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
@@ -160,8 +197,8 @@ class Attention(nnx.Module):
     if cache is None:
       out = attend(cfg, q, k, v, segment_ids_BxT, ctx)
     else:
-      new_cache = write_cache(cache, k, v, positions_BxT, prefill=prefill)
-      new_cache = jax.tree.map(lambda x: ctx.constrain(x, CACHE_AXES[:x.ndim]), new_cache)
+      new_cache = constrain_cache(
+          write_cache(cache, k, v, positions_BxT, prefill=prefill, layer=layer), ctx)
       if prefill:
         # The cache was empty, so the block holds every key: the training kernel (chunked /
         # flash, causal within segments) is exact and never scores the empty cache slots.
@@ -172,17 +209,18 @@ class Attention(nnx.Module):
         # Keys per block, as in chunked attention; blocks past the longest row are skipped.
         # The cache starts zeroed and is written only with the model's keys and values, so
         # slots past a row's length are finite and the kernel need not zero them.
+        # A stacked cache (scan_layers) is read block by block at this layer, in place.
         out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
                                        k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
                                        chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
-                                       finite_tail=True)
+                                       finite_tail=True, layer=layer)
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
     return y, new_cache
 
 
 def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
-                prefill: bool = False) -> KVCache:
+                prefill: bool = False, layer=None) -> KVCache:
   """Writes the new keys/values at their positions (slot = position), row by row.
 
   With `prefill` the block's keys fill slots 0..T-1 of every row (their positions): one
@@ -196,11 +234,18 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
   lets XLA:TPU keep the heads-major cache layout attention reads, in place; with [K, H]
   windows it copied every layer's whole cache between a slot-major and that layout at
   each decode step (`tests/models/test_transformer_tpu_compile.py` counts such copies).
+
+  With `layer` (an int32 scalar) the cache stacks the layers ([L, B, K, S(, H)]) and the
+  writes go to that layer's slots, in place in the stacked arrays: a scan over layers
+  carries the whole cache and never copies a layer of it out and back.
   """
+  at = () if layer is None else (layer,)
   if prefill:
-    def put(c, x):  # x [B, T, K(, H)] into c [B, K, S(, H)] at slot 0
+    def put(c, x):  # x [B, T, K(, H)] into c [(L,) B, K, S(, H)] at slot 0
       x = jnp.swapaxes(x, 1, 2).astype(c.dtype)
-      return jax.lax.dynamic_update_slice(c, x, (0,) * c.ndim)
+      if layer is not None:
+        x = x[None]
+      return jax.lax.dynamic_update_slice(c, x, at + (0,) * (c.ndim - len(at)))
     if cache.k_scale is None:
       return KVCache(put(cache.k, k_BxTxKxH), put(cache.v, v_BxTxKxH))
     import kernels
@@ -211,16 +256,16 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
   b, t, kv_heads, _ = k_BxTxKxH.shape
   rows = jnp.arange(b)[:, None, None]
   heads = jnp.arange(kv_heads)[None, None, :]
-  pos = jnp.clip(positions_BxT, 0, cache.k.shape[2] - 1)[:, :, None]
+  pos = jnp.clip(positions_BxT, 0, cache.k.shape[-2] - 1)[:, :, None]
+  idx = (*at, rows, heads, pos)
   if cache.k_scale is None:
-    return KVCache(cache.k.at[rows, heads, pos].set(k_BxTxKxH.astype(cache.k.dtype)),
-                   cache.v.at[rows, heads, pos].set(v_BxTxKxH.astype(cache.v.dtype)))
+    return KVCache(cache.k.at[idx].set(k_BxTxKxH.astype(cache.k.dtype)),
+                   cache.v.at[idx].set(v_BxTxKxH.astype(cache.v.dtype)))
   import kernels
   k, k_scale = kernels.quantize_int8(k_BxTxKxH)
   v, v_scale = kernels.quantize_int8(v_BxTxKxH)
-  return KVCache(cache.k.at[rows, heads, pos].set(k), cache.v.at[rows, heads, pos].set(v),
-                 cache.k_scale.at[rows, heads, pos].set(k_scale),
-                 cache.v_scale.at[rows, heads, pos].set(v_scale))
+  return KVCache(cache.k.at[idx].set(k), cache.v.at[idx].set(v),
+                 cache.k_scale.at[idx].set(k_scale), cache.v_scale.at[idx].set(v_scale))
 
 
 @jax.custom_vjp
@@ -282,9 +327,10 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False):
+  def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
+               layer=None):
     h, new_cache = self.attn(self.input_norm(x), cos, sin, segment_ids, cache, positions, ctx,
-                             prefill)
+                             prefill, layer)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x), ctx)
     return ctx.constrain(x, ("batch", "length", "embed")), new_cache
@@ -305,7 +351,10 @@ class Transformer(nnx.Module):
     pd = _dtype(cfg.param_dtype)
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd,
                         std=cfg.init_std)
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    if cfg.scan_layers:
+      self.layers = _stacked_blocks(cfg, rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
@@ -341,6 +390,10 @@ class Transformer(nnx.Module):
       raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxT.shape}")
     if prefill and cache is None:
       raise ValueError("prefill=True needs a cache to fill")
+    if cache is not None and cfg.scan_layers != isinstance(cache, KVCache):
+      raise ValueError(
+          "cache layout does not match the model: scan_layers models take one KVCache "
+          "stacking the layers, others a list per layer (build it with init_cache(cfg, ...))")
     b, t = tokens_BxT.shape
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -349,6 +402,11 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(_dtype(cfg.dtype))
     x = ctx.constrain(x, ("batch", "length", "embed"))
     cos, sin = rope_lib.rope_tables(positions_BxT, self._inv_freq, self._rope_scaling)
+    if cfg.scan_layers:
+      x, new_caches = _scan_blocks(self.layers, x, cos, sin, segment_ids_BxT, cache,
+                                   positions_BxT, ctx, prefill, cfg.remat)
+      h = self.final_norm(x)
+      return (h, new_caches) if cache is not None else h
     new_caches = []
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else cache[i]
@@ -412,6 +470,57 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name):
 
   fn = jax.checkpoint(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
   return fn(state, x, cos, sin, segment_ids, positions)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """One Block whose parameters stack all layers' on a leading "layers" axis.
+
+  Each layer draws from its own key, split off one draw of `rngs.params`; the layer
+  axis is named "layers" in every parameter's logical axes (replicated by the default
+  rules)."""
+  keys = jax.random.split(rngs.params(), cfg.num_layers)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))))
+  state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(params=key))))(keys)
+
+  def name_axis(v):
+    return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))
+
+  return nnx.merge(graphdef, jax.tree.map(name_axis, state,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx, prefill,
+                 remat: str):
+  """Runs the stacked layers as one `lax.scan`: the program holds one layer's body,
+  whatever the depth, so compile time and program size do not grow with layers.
+
+  The cache, when given, stacks the layers and travels in the carry: each layer writes
+  its slots in place (`write_cache(..., layer=i)`).
+  """
+  graphdef, state = nnx.split(blocks)
+
+  def run(state, x, cache, i):
+    return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, cache, positions, ctx,
+                                      prefill, i)
+
+  if cache is None:
+    if remat != "none":
+      # No prevent_cse: a scan body is not merged with its neighbours.
+      run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+
+    def body(x, layer_state):
+      return run(layer_state, x, None, None)[0], None
+
+    x, _ = jax.lax.scan(body, x, state)
+    return x, None
+
+  def body_cached(carry, layer_state):
+    x, cache, i = carry
+    x, cache = run(layer_state, x, cache, i)
+    return (x, cache, i + 1), None
+
+  (x, cache, _), _ = jax.lax.scan(body_cached, (x, cache, jnp.int32(0)), state)
+  return x, cache
 
 
 def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed, models
-from posttrain.models.transformer import CACHE_AXES
+from posttrain.models.transformer import cache_slots, constrain_cache, init_layer_cache
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -557,8 +557,7 @@ class Sampler:
     model = nnx.merge(self._graphdef, state)
     distinct, length = tokens_UxL.shape
     dtype = jnp.int8 if self.cache_dtype == "int8" else None
-    constrain = lambda tree: jax.tree.map(
-        lambda x: self._ctx.constrain(x, CACHE_AXES[:x.ndim]), tree)
+    constrain = functools.partial(constrain_cache, ctx=self._ctx)
     cache = constrain(models.init_cache(self.cfg, distinct, length, dtype))
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
     segment_ids = (positions < prompt_lens_U[:, None]).astype(jnp.int32)
@@ -570,16 +569,21 @@ class Sampler:
     else:
       take = lambda x: jnp.repeat(x, group, axis=0)  # noqa: E731
     logits = take(self._logits(model, h_last))
-    empty = models.init_cache(self.cfg, 1, cache_len - length, dtype)[0]
+    empty = init_layer_cache(self.cfg, 1, cache_len - length, dtype)
 
     def extend(x, fill):  # [B, kv_heads, L(, head_dim)] -> [B, kv_heads, cache_len(, ...)]
       rows = take(x)
       tail = jnp.broadcast_to(fill[:1], (rows.shape[0], *fill.shape[1:]))
       return jnp.concatenate([rows, tail], axis=2)
 
-    cache = constrain([type(layer)(*(None if x is None else extend(x, f)
-                                     for x, f in zip(layer, empty)))
-                       for layer in cache])
+    def extend_layer(layer):
+      return type(layer)(*(None if x is None else extend(x, f) for x, f in zip(layer, empty)))
+
+    if isinstance(cache, models.KVCache):  # Layers stacked (scan_layers): one per layer.
+      cache = jax.vmap(extend_layer)(cache)
+    else:
+      cache = [extend_layer(layer) for layer in cache]
+    cache = constrain(cache)
     keys = _row_keys(seed, 0, row_source_B.shape[0])
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp
@@ -588,7 +592,7 @@ class Sampler:
               max_new_tokens, stop_ids, seed, temperature, top_p, step0, *,
               mode: SamplingMode):
     model = nnx.merge(self._graphdef, state)
-    batch, out_len = first_B.shape[0], cache[0].k.shape[2]
+    batch, out_len = first_B.shape[0], cache_slots(cache)
 
     def is_stop(tok_B):
       return jnp.any(tok_B[:, None] == stop_ids[None, :], axis=-1)

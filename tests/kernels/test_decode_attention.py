@@ -179,3 +179,43 @@ def test_bad_inputs_name_the_argument():
                              jnp.swapaxes(v, 1, 2).astype(jnp.int8), lengths=jnp.ones(3),
                              k_scale=jnp.ones((3, 37, 2)), v_scale=jnp.ones(2),
                              kv_layout="bksh")
+
+
+@pytest.mark.parametrize("layout,chunk", [("bksh", 8), ("bskh", 8), ("bksh", 64)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_stacked_cache_attends_over_the_layer_it_is_told(layout, chunk, int8):
+  """A cache stacking three layers, read at a traced layer index (as inside a scan over
+  layers): each layer's result is that of its own unstacked cache (to float32 rounding:
+  one jitted program against eager calls)."""
+  q, _, _ = _case(t=2)
+  lengths = jnp.array(LENGTHS)
+  caches = [_case(seed=s)[1:] for s in (1, 2, 3)]
+  if int8:
+    caches = [(*kernels.quantize_int8(k), *kernels.quantize_int8(v)) for k, v in caches]
+  else:
+    caches = [(k, None, v, None) for k, v in caches]
+  if layout == "bksh":
+    caches = [tuple(None if x is None else jnp.swapaxes(x, 1, 2) for x in c) for c in caches]
+  stack = [None if caches[0][i] is None else jnp.stack([c[i] for c in caches])
+           for i in range(4)]
+
+  @jax.jit
+  def at(layer):
+    return kernels.decode_attention(q, stack[0], stack[2], lengths=lengths,
+                                    k_scale=stack[1], v_scale=stack[3], chunk_size=chunk,
+                                    kv_layout=layout, layer=layer)
+
+  for i, (k, ks, v, vs) in enumerate(caches):
+    alone = kernels.decode_attention(q, k, v, lengths=lengths, k_scale=ks, v_scale=vs,
+                                     chunk_size=chunk, kv_layout=layout)
+    assert_close(at(jnp.int32(i)), alone, 1e-6)
+
+
+def test_stacked_cache_shapes_are_checked():
+  q, k, v = _case()
+  with pytest.raises(ValueError, match=r"k_cache must be \[layers, batch, max_len"):
+    kernels.decode_attention(q, k, v, lengths=jnp.ones(3), layer=0)
+  k8 = jnp.stack([k, k]).astype(jnp.int8)
+  with pytest.raises(ValueError, match=r"k_scale must be .* \(2, 3, 37, 2\)"):
+    kernels.decode_attention(q, k8, k8, lengths=jnp.ones(3), layer=1,
+                             k_scale=jnp.ones((3, 37, 2)), v_scale=jnp.ones(2))

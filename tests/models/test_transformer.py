@@ -70,7 +70,7 @@ def test_causal_by_gradient(model):
       m = nnx.clone(model)
       m.embed[...] = x
       return m(tokens)[0, pos].sum()
-    return jax.grad(f)(emb)
+    return jax.jit(jax.grad(f))(emb)
 
   g = loss_at(4)
   used = np.abs(np.asarray(g)).sum(-1) > 0
@@ -84,9 +84,9 @@ def test_packed_segments_do_not_see_each_other(model):
   packed = jnp.concatenate([a, b, jnp.zeros((1, 3), a.dtype)], axis=1)
   seg = jnp.asarray([[1] * 5 + [2] * 7 + [0] * 3])
   pos = jnp.asarray([list(range(5)) + list(range(7)) + [0] * 3])
-  out = model(packed, pos, seg)
-  np.testing.assert_allclose(out[:, :5], model(a), atol=1e-5)
-  np.testing.assert_allclose(out[:, 5:12], model(b), atol=1e-5)
+  out = nnx.jit(lambda m: m(packed, pos, seg))(model)
+  np.testing.assert_allclose(out[:, :5], _forward(model, a), atol=1e-5)
+  np.testing.assert_allclose(out[:, 5:12], _forward(model, b), atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 13, 64])
@@ -111,7 +111,7 @@ def test_chunked_logprob_gradient_matches_full(model):
     lp = jax.nn.log_softmax(nnx.merge(graphdef, p)(tokens), -1)
     return jnp.take_along_axis(lp, targets[..., None], -1).sum()
 
-  g1, g2 = jax.grad(chunked)(params), jax.grad(full)(params)
+  g1, g2 = jax.jit(jax.grad(chunked))(params), jax.jit(jax.grad(full))(params)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
@@ -137,7 +137,7 @@ def test_remat_gives_same_gradients(model):
     grads = []
     for m in (model, other):
       graphdef, params = nnx.split(m)
-      grads.append(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).sum())(params))
+      grads.append(jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).sum()))(params))
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -160,13 +160,14 @@ def test_value_head_shapes_and_gradient():
 
 def test_kv_cache_decode_matches_full_forward(model):
   tokens = _tokens(2, 10, seed=7)
-  full = model(tokens)
+  full = _forward(model, tokens)
   cache = models.init_cache(CFG, 2, 16)
-  logits, cache = model(tokens[:, :6], cache=cache)
+  call = nnx.jit(lambda m, t, p, c: m(t, p, cache=c))
+  logits, cache = call(model, tokens[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)), cache)
   np.testing.assert_allclose(logits, full[:, :6], atol=1e-5)
   for t in range(6, 10):
     pos = jnp.full((2, 1), t)
-    step, cache = model(tokens[:, t:t + 1], pos, cache=cache)
+    step, cache = call(model, tokens[:, t:t + 1], pos, cache)
     np.testing.assert_allclose(step[:, 0], full[:, t], atol=1e-5)
 
 

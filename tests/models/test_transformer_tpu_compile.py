@@ -78,25 +78,37 @@ def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dty
   compile_for(mesh, decode, state, step_tokens, cache)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, "int8"])
-def test_decode_updates_the_kv_cache_in_place_on_tpu(cache_dtype):
+@pytest.mark.parametrize("cache_dtype,scan", [(None, False), ("int8", False), (None, True),
+                                             ("int8", True)])
+def test_decode_updates_the_kv_cache_in_place_on_tpu(cache_dtype, scan):
   """The sampler's decode loop writes each step's keys into the cache without copying
   any layer's whole cache (head_dim 128). Written as [K, H] windows per slot, XLA:TPU
-  copied every layer's k and v cache between two layouts at every step."""
+  copied every layer's k and v cache between two layouts at every step. With the layers
+  scanned the stacked cache rides in the scan's carry and is written in place too, and
+  decode attention slices its blocks from the stack (sliced out whole, each layer's k
+  and v were copied at every step)."""
   import re
 
   from flax import nnx
 
   from posttrain.sampling.sampler import Sampler
+  cfg = CFG.replace(scan_layers=scan)
   mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
-  abstract = nnx.eval_shape(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   sampler = Sampler(abstract, mesh=mesh, max_len=2048, cache_dtype=cache_dtype)
   with jax.set_mesh(mesh):
     _, decode = sampler.compile(64, 1024, 1024, distinct_prompts=8, temperature=1.0)
-  local = f"[16,{CFG.num_kv_heads},2048,{CFG.head_dim}]"
-  copies = [line for line in decode.as_text().splitlines()
-            if re.search(re.escape(local) + r"\{[^}]*\} copy\(", line)]
+  text = decode.as_text()
+  local = f"16,{CFG.num_kv_heads},2048,{CFG.head_dim}]"
+  stacked = f"[{CFG.num_layers},{local}"
+  assert (stacked in text) == scan
+  copies = [line for line in text.splitlines()
+            if re.search(r"\[(\d+,)?" + re.escape(local) + r"\{[^}]*\} copy\(", line)]
   assert not copies, copies[:2]
+  if scan:  # Decode attention reads its blocks from the stack: no layer is sliced out.
+    layers = [line for line in text.splitlines()
+              if re.search(r"= \w+\[" + re.escape(local) + r"\{", line)]
+    assert not layers, layers[:2]
 
 
 def _all_gather_bytes_in_loops(text: str) -> int:
@@ -114,13 +126,16 @@ def _all_gather_bytes_in_loops(text: str) -> int:
   return total
 
 
-def test_decode_gathers_no_weights_inside_its_loop_on_tpu():
+@pytest.mark.parametrize("scan", [False, True])
+def test_decode_gathers_no_weights_inside_its_loop_on_tpu(scan):
   """FSDP-sharded weights: XLA:TPU gathered each layer's weights inside the decode loop,
   at every step. The sampler gathers them once per call (gather_weights, the default),
-  so the loop's all-gathers move activations only."""
+  so the loop's all-gathers move activations only (also when the layers are scanned:
+  the layer scan is a loop inside the decode loop)."""
   from posttrain.sampling.sampler import Sampler
+  cfg = CFG.replace(scan_layers=scan)
   mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
-  abstract = nnx.eval_shape(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   weights = sum(x.size * 2 for x in jax.tree.leaves(nnx.state(abstract)))  # bf16
   per_step = {}
   for gather in (True, False):

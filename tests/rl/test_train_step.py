@@ -144,6 +144,31 @@ def test_rematerialised_model_gives_the_same_microbatched_step(remat):
   assert_trees_close(results[1][1], results[0][1], atol=1e-5)
 
 
+def test_scanned_layers_give_the_same_sharded_step():
+  """scan_layers: log-probs and one AdamW step (weight decay on the stacked matrices,
+  none on the stacked norms and biases), on 8 devices, equal the layer list's."""
+  cfg = CFG.replace(num_layers=2, qkv_bias=True, remat="full")
+  algo = presets.algorithm_config("grpo")
+  mesh = models.make_mesh((1, 4, 2, 1))
+  optimizer = state_lib.make_optimizer(1e-2, warmup=0, total_steps=10, weight_decay=0.1)
+  plain = models.create_model(cfg, seed=0)
+  results = []
+  for m in (plain, models.relayout(plain, scan_layers=True)):
+    init = state_lib.init_train_state(m, optimizer, mesh=mesh)
+    batch = add_learner_logprobs(microbatched(packed_rows(3), 2), init.params, m.cfg, mesh,
+                                 seed=4)
+    logprobs = ts.make_compute_logprobs(m.cfg, mesh=mesh)(init.params, batch)["logprobs"]
+    new_state, metrics = ts.make_train_step(m.cfg, algo, optimizer, mesh=mesh)(init, batch)
+    results.append((logprobs, nnx.to_pure_dict(new_state.params), metrics["loss"]))
+  (lp_a, pa, loss_a), (lp_b, pb, loss_b) = results
+  np.testing.assert_allclose(lp_b, lp_a, atol=1e-5)
+  np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
+  assert pb["layers"]["attn"]["q_proj"].sharding.spec[:2] == (None, "fsdp")
+  for i in range(cfg.num_layers):
+    assert_trees_close(jax.tree.map(lambda x: x[i], pb["layers"]), pa["layers"][i], atol=1e-5)
+  assert_trees_close(pb["embed"], pa["embed"], atol=1e-5)
+
+
 def test_eight_devices_match_one_device():
   algo = presets.algorithm_config("grpo", tis_cap=2.0)
   optimizer = optax.sgd(0.5)
@@ -427,13 +452,24 @@ def test_bad_inputs_fail_early_with_clear_messages():
     ts.ppo_update(step, None, batch, epochs=1, minibatches=3)
 
 
-def test_weight_decay_skips_norms_and_reaches_matrices():
-  params = nnx.state(models.create_model(CFG), nnx.Param)
+@pytest.mark.parametrize("scan", [False, True])
+def test_weight_decay_skips_norms_and_biases_and_reaches_matrices(scan):
+  """Also with the layers stacked (scan_layers), where a norm scale is [L, D] and a
+  bias [L, N, H]: the layer axis does not make them matrices."""
+  cfg = CFG.replace(qkv_bias=True, scan_layers=scan)
+  # Shifted so that biases (zero at init) would show a decay.
+  params = jax.tree.map(lambda x: x + 0.1, nnx.state(models.create_model(cfg), nnx.Param))
   optimizer = state_lib.make_optimizer(1.0, warmup=0, total_steps=10, weight_decay=0.5, clip=None)
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
-  assert float(jnp.abs(updates["final_norm"]["scale"][...]).max()) == 0.0
+  layer = updates["layers"] if scan else updates["layers"][0]
+  params_layer = params["layers"] if scan else params["layers"][0]
+  for leaf in (updates["final_norm"]["scale"], layer["input_norm"]["scale"],
+               layer["attn"]["q_bias"], layer["attn"]["k_bias"]):
+    assert float(jnp.abs(leaf[...]).max()) == 0.0
   np.testing.assert_allclose(updates["embed"][...], -0.5 * params["embed"][...], rtol=1e-6)
+  np.testing.assert_allclose(layer["mlp"]["up_proj"][...],
+                             -0.5 * params_layer["mlp"]["up_proj"][...], rtol=1e-6)
 
 
 def test_grpo_step_lowers_one_mosaic_kernel_per_shape_for_hopper():

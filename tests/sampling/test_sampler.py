@@ -450,3 +450,26 @@ def test_a_sampler_of_an_abstract_model_only_compiles():
   assert decode.memory_analysis().argument_size_in_bytes > 0
   with pytest.raises(ValueError, match="abstract model .* needs a mesh"):
     Sampler(abstract, max_len=MAX_LEN)
+
+
+# -- a model whose layers are scanned -----------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_scanned_layers_sample_what_the_layer_list_samples(model, sampler, cache_dtype):
+  """scan_layers: the stacked KV cache is prefilled, copied to each row, decoded and
+  kept for a resume; the draws are the layer list's, token for token."""
+  scanned = models.relayout(model, scan_layers=True)
+  plain = sampler if cache_dtype is None else Sampler(model, max_len=MAX_LEN,
+                                                      cache_dtype=cache_dtype)
+  ours = Sampler(scanned, max_len=MAX_LEN, cache_dtype=cache_dtype)
+  prompts = [p for p in PROMPTS for _ in range(2)]  # each prompt's cache serves two rows
+  kw = dict(temperature=1.0, seed=3)
+  whole = plain.generate(prompts, max_new_tokens=9, **kw)
+  first = ours.generate(prompts, max_new_tokens=5, keep_cache=True, reserve_tokens=9, **kw)
+  assert isinstance(first.resume_state.cache, models.KVCache)
+  rows = list(range(len(prompts)))
+  second = ours.resume(first.resume_state, rows, max_new_tokens=4)
+  np.testing.assert_array_equal(np.concatenate([first.tokens, second.tokens], 1), whole.tokens)
+  np.testing.assert_allclose(np.concatenate([first.logprobs, second.logprobs], 1),
+                             whole.logprobs, atol=1e-5)
