@@ -38,7 +38,7 @@ def _cpu_rows(quick: bool) -> list[dict]:
   from posttrain.rl import packing, presets
   from posttrain.rl import state as state_lib
   from posttrain.rl import train_step as ts
-  mesh = models.make_mesh((1, 8, 1, 1))
+  mesh = models.make_mesh((1, -1, 1, 1))
   rng = np.random.default_rng(0)
   trajectories = [dict(prompt_tokens=rng.integers(1, 1000, 32),
                        response_tokens=rng.integers(1, 1000, 64),
@@ -55,21 +55,21 @@ def _cpu_rows(quick: bool) -> list[dict]:
     plain = models.create_model(base, mesh=mesh)
     arms = {"layer list": plain, "scan_layers": models.relayout(plain, scan_layers=True,
                                                                 mesh=mesh)}
-    steps, states, first = {}, {}, {}
+    steps, states, refs, first = {}, {}, {}, {}
     for name, model in arms.items():
       steps[name] = ts.make_train_step(model.cfg, algo, optimizer, mesh=mesh,
                                        reference_in_step=True)
       states[name] = state_lib.init_train_state(model, optimizer, mesh=mesh)
-      ref = states[name].params
+      refs[name] = state_lib.frozen_copy(states[name].params)
       start = time.perf_counter()
-      states[name], _ = steps[name](states[name], batch, ref)
+      states[name], _ = steps[name](states[name], batch, refs[name])
       jax.block_until_ready(states[name].params)
       first[name] = time.perf_counter() - start
     warm = {name: [] for name in arms}
     for _ in range(STEPS):
       for name in arms:  # interleaved, so load drifts hit both arms alike
         start = time.perf_counter()
-        states[name], _ = steps[name](states[name], batch, states[name].params)
+        states[name], _ = steps[name](states[name], batch, refs[name])
         jax.block_until_ready(states[name].params)
         warm[name].append(time.perf_counter() - start)
     for name in arms:

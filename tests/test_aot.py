@@ -22,10 +22,12 @@ def _config():
 
 
 def _plan(*args):
+  # Layers scanned, as the shipped TPU configs run them.
   return subprocess.run(
       [sys.executable, "-m", "launch.plan", "--config=configs/default.py", "--num_devices=4",
        "--device_memory_gb=16", *[f"--config.{k}={v}" for k, v in FLASH_FSDP4.items()],
-       *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+       "--config.model.overrides.scan_layers=true", *args], cwd=ROOT, capture_output=True,
+      text=True, timeout=600)
 
 
 @requires_libtpu
