@@ -178,3 +178,27 @@ def test_hugging_face_files_are_the_same_from_either_layout(tmp_path, pair):
   k = on_mesh.layers.attn.k_proj[...]
   assert k.sharding.spec[:2] == (None, "fsdp")
   np.testing.assert_array_equal(np.asarray(k), np.asarray(scanned.layers.attn.k_proj[...]))
+
+
+@pytest.mark.parametrize("impl,shape", [("ring", (1, 2, 1, 4)), ("flash", (1, 2, 3, 1))])
+def test_sharded_kernels_run_inside_the_scan(pair, impl, shape):
+  """Ring attention (ppermute around the sequence axis) and per-shard flash attention
+  (shard_map) inside the layer scan, on a mesh, with their gradients."""
+  plain, _ = pair
+  mesh = models.make_mesh(shape, devices=jax.devices()[:int(np.prod(shape))])
+  cfg = SCAN.replace(attention_impl=impl, attention_chunk=8)
+  scanned = models.relayout(plain, scan_layers=True, mesh=mesh)
+  graphdef, state = nnx.split(scanned)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))))
+  tokens = _tokens(b=2, t=16)
+  ctx = models.ShardingContext(mesh)
+
+  def loss(state, m_graphdef):
+    return jnp.mean(nnx.merge(m_graphdef, state)(tokens, ctx=ctx) ** 2)
+
+  got, got_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)(state, graphdef)
+  want, want_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)(
+      state, nnx.graphdef(scanned))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
