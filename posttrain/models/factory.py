@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -68,7 +69,7 @@ def relayout(model: Transformer, *, scan_layers: bool, mesh: Mesh | None = None,
   pure = nnx.to_pure_dict(nnx.state(model))
   layers = pure.pop("layers")
   if scan_layers:
-    pure["layers"] = jax.tree.map(lambda *xs: jax.numpy.stack(xs),
+    pure["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs),
                                   *(layers[i] for i in range(cfg.num_layers)))
   else:
     pure["layers"] = {i: jax.tree.map(lambda x, i=i: x[i], layers)
