@@ -179,6 +179,9 @@ def main(argv=None) -> None:
   parser.add_argument("--flash-arms", default="",
                       help="more flash arms, each ModelConfig.attention_options, separated "
                       "by ';' (e.g. 'gpu_forward=mosaic,gpu_backward=mosaic')")
+  parser.add_argument("--scan-layers", action="store_true",
+                      help="every arm with ModelConfig.scan_layers (one lax.scan over the "
+                      "layers: each kernel has one call site)")
   parser.add_argument("--out")
   args = parser.parse_args(argv)
   if args.tiny:
@@ -195,22 +198,25 @@ def main(argv=None) -> None:
   peak = matmul_peak(1024 if args.tiny else 8192)
   save(dict(benchmark="bf16 matmul peak", tflops=round(peak / 1e12, 1),
             device=str(jax.devices()[0].device_kind), jax=jax.__version__))
-  arms = [(impl, model_config(args.tiny, impl)) for impl in args.impls.split(",")]
+  config = lambda impl: model_config(args.tiny, impl).replace(  # noqa: E731
+      scan_layers=args.scan_layers)
+  arms = [(impl, config(impl)) for impl in args.impls.split(",")]
   tuned = best_sweep_options(args.tuned) if args.tuned else None
   extra = ([tuned] if tuned else []) + [a for a in args.flash_arms.split(";") if a.strip()]
   for i, options in enumerate(extra):
-    arms.insert(1 + i, (f"flash {options}", model_config(args.tiny, "flash").replace(
+    arms.insert(1 + i, (f"flash {options}", config("flash").replace(
         attention_options=options)))
   for name, cfg in arms:
     try:
       res = bench_step(cfg, args.rows, args.row_len, args.microbatch, args.steps, peak)
     except Exception as e:  # pylint: disable=broad-except
       res = dict(note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    save(dict(benchmark="grpo step", attention=name, params=cfg.num_params,
+    save(dict(benchmark="grpo step", attention=name, scan_layers=cfg.scan_layers,
+              params=cfg.num_params,
               rows=args.rows, row_len=args.row_len, **res))
   for variant in ([] if args.no_rollout else args.rollouts.split(",")):
     chunk, param_dtype = variant.split(":")
-    cfg = model_config(args.tiny, "flash").replace(
+    cfg = config("flash").replace(
         decode_chunk=None if chunk == "auto" else int(chunk), param_dtype=param_dtype)
     try:
       res = bench_rollout(cfg, args.prompts, 256 if not args.tiny else 16,
