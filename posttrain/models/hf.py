@@ -294,7 +294,6 @@ def _stack_layers(values: dict, num_layers: int, shardings) -> dict:
     else:
       out[key] = jax.jit(lambda *xs: jnp.stack(xs),
                          out_shardings=_lookup(shardings, key).value)(*parts)
-    del parts
   return out
 
 

@@ -405,17 +405,17 @@ class Transformer(nnx.Module):
     if cfg.scan_layers:
       x, new_caches = _scan_blocks(self.layers, x, cos, sin, segment_ids_BxT, cache,
                                    positions_BxT, ctx, prefill, cfg.remat)
-      h = self.final_norm(x)
-      return (h, new_caches) if cache is not None else h
-    new_caches = []
-    for i, block in enumerate(self.layers):
-      layer_cache = None if cache is None else cache[i]
-      if cfg.remat != "none" and cache is None:
-        x, c = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
-                            cfg.remat)
-      else:
-        x, c = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx, prefill)
-      new_caches.append(c)
+    else:
+      new_caches = []
+      for i, block in enumerate(self.layers):
+        layer_cache = None if cache is None else cache[i]
+        if cfg.remat != "none" and cache is None:
+          x, c = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
+                              cfg.remat)
+        else:
+          x, c = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
+                       prefill)
+        new_caches.append(c)
     h = self.final_norm(x)
     return (h, new_caches) if cache is not None else h
 
