@@ -10,7 +10,8 @@ from posttrain.models.hf import from_pretrained, hf_config_to_model_config, save
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
                                        make_mesh, named_sharding, rules_from_config)
 from posttrain.models.transformer import (KVCache, Transformer, cache_slots, chunked_logprobs,
-                                          constrain_cache, init_cache, map_cache, write_cache)
+                                          constrain_cache, init_cache, map_cache, merge_lora,
+                                          without_lora, write_cache)
 
 __all__ = [
     "PRESETS", "ModelConfig", "RopeConfig", "decode_chunk_for", "get_preset", "abstract_model", "create_model",
@@ -18,5 +19,5 @@ __all__ = [
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
     "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",
     "cache_slots", "chunked_logprobs", "constrain_cache", "init_cache", "map_cache",
-    "write_cache",
+    "write_cache", "merge_lora", "without_lora",
 ]

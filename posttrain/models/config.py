@@ -42,6 +42,8 @@ def parse_attention_options(text: str) -> dict[str, Any]:
 
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+# Projections a LoRA adapter may wrap (Hugging Face / PEFT module names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
 # kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU (heads-major cache,
@@ -115,6 +117,11 @@ class ModelConfig:
     attention_chunk / decode_chunk: kv block of chunked attention / of decode attention.
     value_head: add a scalar head on the final hidden state (PPO critic).
     logprob_chunk: sequence chunk used when computing per-token log-probs.
+    lora_rank: rank of the LoRA adapters (0: none). With adapters, the train step updates
+      only them (optimizer state for them alone) and the KL reference is the base
+      weights, the adapters switched off (no second copy of the model).
+    lora_alpha: the adapters' output is scaled by lora_alpha / lora_rank (PEFT's rule).
+    lora_targets: comma-separated projections given adapters (names in LORA_TARGETS).
   """
 
   vocab_size: int
@@ -145,6 +152,9 @@ class ModelConfig:
   value_head: bool = False
   logprob_chunk: int = 256
   init_std: float = 0.02
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: str = ",".join(LORA_TARGETS)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -170,6 +180,37 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{name}={getattr(self, name)!r}; expected float32, bfloat16 or float16")
+    if int(self.lora_rank) != self.lora_rank or self.lora_rank < 0:
+      raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {self.lora_rank}")
+    if self.lora_rank:
+      if not self.lora_alpha > 0:
+        raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+      names = [t.strip() for t in str(self.lora_targets).split(",") if t.strip()]
+      bad = [t for t in names if t not in LORA_TARGETS]
+      if bad or not names:
+        raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
+                         f"subset of {LORA_TARGETS}")
+
+  @property
+  def lora_target_names(self) -> tuple[str, ...]:
+    """The projections with LoRA adapters, in LORA_TARGETS order (empty at rank 0)."""
+    if not self.lora_rank:
+      return ()
+    names = {t.strip() for t in str(self.lora_targets).split(",")}
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+  @property
+  def lora_scale(self) -> float:
+    return float(self.lora_alpha) / float(self.lora_rank) if self.lora_rank else 0.0
+
+  @property
+  def num_lora_params(self) -> int:
+    """Parameter count of the LoRA adapters (0 without)."""
+    d, f, n, k, h = (self.d_model, self.ffn_dim, self.num_heads, self.num_kv_heads,
+                     self.head_dim)
+    sizes = {"q_proj": d + n * h, "k_proj": d + k * h, "v_proj": d + k * h,
+             "o_proj": n * h + d, "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+    return self.num_layers * self.lora_rank * sum(sizes[t] for t in self.lora_target_names)
 
   @property
   def flash_options(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mlp", ("tensor",)),
     ("norm", ()),
     ("layers", ()),
+    ("lora", ()),
     ("cache_length", ()),
 )
 

@@ -11,10 +11,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from posttrain.models import rope as rope_lib
-from posttrain.models.config import ModelConfig, decode_chunk_for
+from posttrain.models.config import LORA_TARGETS, ModelConfig, decode_chunk_for
 from posttrain.models.sharding import ShardingContext
 
 _NO_SHARDING = ShardingContext(None)
@@ -154,6 +155,101 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
                                    **kwargs, **flash_options)
 
 
+# -- LoRA adapters --------------------------------------------------------------------------
+
+_ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _lora_axes(cfg: ModelConfig, target: str):
+  """(input shape, input axes, output shape, output axes) of a wrapped projection."""
+  d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  return {"q_proj": ((d,), ("embed",), (n, h), ("heads", "head_dim")),
+          "k_proj": ((d,), ("embed",), (k, h), ("kv_heads", "head_dim")),
+          "v_proj": ((d,), ("embed",), (k, h), ("kv_heads", "head_dim")),
+          "o_proj": ((n, h), ("heads", "head_dim"), (d,), ("embed",)),
+          "gate_proj": ((d,), ("embed",), (f,), ("mlp",)),
+          "up_proj": ((d,), ("embed",), (f,), ("mlp",)),
+          "down_proj": ((f,), ("mlp",), (d,), ("embed",))}[target]
+
+
+def _lora_init(cfg: ModelConfig, target: str, key):
+  """(A [in..., r], B [r, out...]): A as PEFT draws it (kaiming-uniform, a=sqrt(5):
+  U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero, so a new adapter changes nothing."""
+  in_shape, _, out_shape, _ = _lora_axes(cfg, target)
+  bound = 1.0 / float(np.sqrt(np.prod(in_shape)))
+  pd = _dtype(cfg.param_dtype)
+  a = jax.random.uniform(key, (*in_shape, cfg.lora_rank), jnp.float32, -bound, bound)
+  return a.astype(pd), jnp.zeros((cfg.lora_rank, *out_shape), pd)
+
+
+def _attach_lora(model: "Transformer", key) -> None:
+  """Gives every layer's target projections their adapters: `<target>_lora_a` / `_b`
+  (nnx.LoRAParam). Layer i's target t draws from fold_in(fold_in(key, i), t's index);
+  the base weights, drawn before, are those of the same model without adapters."""
+  cfg = model.cfg
+  for t in cfg.lora_target_names:
+    in_shape, in_names, out_shape, out_names = _lora_axes(cfg, t)
+    index = LORA_TARGETS.index(t)
+
+    def init(i, t=t, index=index):
+      return _lora_init(cfg, t, jax.random.fold_in(jax.random.fold_in(key, i), index))
+
+    owners = ([(model.layers, ("layers",), jax.vmap(init)(jnp.arange(cfg.num_layers)))]
+              if cfg.scan_layers else
+              [(block, (), init(i)) for i, block in enumerate(model.layers)])
+    for block, lead, (a, b) in owners:
+      owner = block.attn if t in _ATTN_TARGETS else block.mlp
+      setattr(owner, f"{t}_lora_a", nnx.LoRAParam(a, logical_axes=(*lead, *in_names, "lora")))
+      setattr(owner, f"{t}_lora_b", nnx.LoRAParam(b, logical_axes=(*lead, "lora", *out_names)))
+
+
+def _add_lora(module, target: str, y, x, down: str, up: str):
+  """y + scale * (x A) B when `module` has an adapter on `target`, else y."""
+  a = getattr(module, f"{target}_lora_a", None)
+  if a is None:
+    return y
+  b = getattr(module, f"{target}_lora_b")
+  dt = y.dtype
+  xa = jnp.einsum(down, x.astype(dt), a[...].astype(dt))
+  return y + (module.cfg.lora_scale * jnp.einsum(up, xa, b[...].astype(dt))).astype(dt)
+
+
+def merge_lora(model: "Transformer") -> "Transformer":
+  """The model with each adapter folded into its projection (W + scale * A B) and no
+  adapters: what Hugging Face export and plain inference use. A model without adapters
+  is returned as it is."""
+  cfg = model.cfg
+  if not cfg.lora_rank:
+    return model
+  plain_cfg = cfg.replace(lora_rank=0)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(plain_cfg,
+                                                                    rngs=nnx.Rngs(0))))
+  pure = nnx.to_pure_dict(nnx.state(model))
+  owners = [pure["layers"]] if cfg.scan_layers else [pure["layers"][i]
+                                                     for i in range(cfg.num_layers)]
+  for layer in owners:
+    for t in cfg.lora_target_names:
+      owner = layer["attn" if t in _ATTN_TARGETS else "mlp"]
+      a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
+      w = owner[t]
+      r = cfg.lora_rank
+      a2 = a.reshape(*a.shape[:-len(_lora_axes(cfg, t)[0]) - 1], -1, r)  # [(L,) in, r]
+      b2 = b.reshape(*b.shape[:-len(_lora_axes(cfg, t)[2]) - 1], r, -1)  # [(L,) r, out]
+      delta = jnp.matmul(a2.astype(jnp.float32), b2.astype(jnp.float32)) * cfg.lora_scale
+      owner[t] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+  nnx.replace_by_pure_dict(abstract, pure)
+  return nnx.merge(graphdef, abstract)
+
+
+def without_lora(params):
+  """`params` (an nnx.State of the model's parameters) with every adapter zeroed: the
+  base model, sharing the base arrays (the KL reference of a LoRA run)."""
+  def zero(v):
+    return v.replace(jnp.zeros_like(v[...])) if isinstance(v, nnx.LoRAParam) else v
+
+  return jax.tree.map(zero, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 class Attention(nnx.Module):
   """Grouped-query attention with optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
 
@@ -183,6 +279,9 @@ class Attention(nnx.Module):
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
+    q = _add_lora(self, "q_proj", q, x, "BTD,DR->BTR", "BTR,RNH->BTNH")
+    k = _add_lora(self, "k_proj", k, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
+    v = _add_lora(self, "v_proj", v, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)[None, None]
       k = k + self.k_bias[...].astype(dt)[None, None]
@@ -214,8 +313,9 @@ class Attention(nnx.Module):
                                        k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
                                        chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
                                        finite_tail=True, layer=layer)
-    out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
-    y = jnp.einsum("BTNH,NHD->BTD", out.astype(dt), self.o_proj[...].astype(dt))
+    out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
+    y = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
+    y = _add_lora(self, "o_proj", y, out, "BTNH,NHR->BTR", "BTR,RD->BTD")
     return y, new_cache
 
 
@@ -311,11 +411,16 @@ class MLP(nnx.Module):
     # 2-D matmuls over [B*T, D]: XLA:CPU's backward of the 3-D einsums transposes every
     # activation (about 2x slower train step); on TPU/GPU both lower to the same dots.
     x_NxD = x_BxTxD.astype(dt).reshape(b * t, d)
-    gate_NxF = x_NxD @ self.gate_proj[...].astype(dt)
-    up_NxF = x_NxD @ self.up_proj[...].astype(dt)
+    gate_NxF = _add_lora(self, "gate_proj", x_NxD @ self.gate_proj[...].astype(dt), x_NxD,
+                         "ND,DR->NR", "NR,RF->NF")
+    up_NxF = _add_lora(self, "up_proj", x_NxD @ self.up_proj[...].astype(dt), x_NxD,
+                       "ND,DR->NR", "NR,RF->NF")
     h = ctx.constrain(swiglu(gate_NxF, up_NxF).reshape(b, t, -1),
                       ("batch", "length", "mlp"))
-    return (h.reshape(b * t, -1) @ self.down_proj[...].astype(dt)).reshape(b, t, d)
+    h_NxF = h.reshape(b * t, -1)
+    y_NxD = _add_lora(self, "down_proj", h_NxF @ self.down_proj[...].astype(dt), h_NxF,
+                      "NF,FR->NR", "NR,RD->ND")
+    return y_NxD.reshape(b, t, d)
 
 
 class Block(nnx.Module):
@@ -366,6 +471,8 @@ class Transformer(nnx.Module):
                                                      cfg.max_position_embeddings)
     self._inv_freq = tuple(float(f) for f in inv_freq)  # Static: not a parameter.
     self._rope_scaling = scaling
+    if cfg.lora_rank:  # Drawn last: the base weights are those of the model without.
+      _attach_lora(self, rngs.params())
 
   # -- trunk ------------------------------------------------------------------------------
 
