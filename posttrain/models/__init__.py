@@ -6,7 +6,8 @@ from posttrain.models import get_preset, create_model, from_pretrained, save_pre
 from posttrain.models.config import PRESETS, ModelConfig, RopeConfig, decode_chunk_for, get_preset
 from posttrain.models.factory import (abstract_model, create_model, relayout, shard_model,
                                       state_shardings)
-from posttrain.models.hf import from_pretrained, hf_config_to_model_config, save_pretrained
+from posttrain.models.hf import (from_pretrained, hf_config_to_model_config, save_lora_adapter,
+                                 save_pretrained)
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
                                        make_mesh, named_sharding, rules_from_config)
 from posttrain.models.transformer import (KVCache, Transformer, cache_slots, chunked_logprobs,
@@ -16,6 +17,7 @@ from posttrain.models.transformer import (KVCache, Transformer, cache_slots, chu
 __all__ = [
     "PRESETS", "ModelConfig", "RopeConfig", "decode_chunk_for", "get_preset", "abstract_model", "create_model",
     "relayout", "shard_model", "state_shardings", "from_pretrained", "hf_config_to_model_config",
+    "save_lora_adapter",
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
     "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",
     "cache_slots", "chunked_logprobs", "constrain_cache", "init_cache", "map_cache",

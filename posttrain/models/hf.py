@@ -2,7 +2,8 @@
 
 `from_pretrained` reads a local folder (config.json + *.safetensors, single file or sharded
 with an index) and streams one tensor at a time onto its sharding. `save_pretrained` writes
-the same layout back, so a round trip is exact.
+the same layout back, so a round trip is exact. LoRA adapters travel in PEFT's format:
+`from_pretrained(..., adapter=folder)` reads one, `save_lora_adapter` writes one.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from posttrain.models.config import ModelConfig, RopeConfig
+from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
-from posttrain.models.transformer import Transformer
+from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _lora_axes, _lora_init,
+                                          merge_lora)
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -160,6 +162,108 @@ def _hf_shape(cfg: ModelConfig, name: str, ours: tuple, to_hf: Transform) -> tup
   return to_hf(np.empty(ours, np.int8)).shape
 
 
+def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transform, tuple]]:
+  """(our state path, PEFT name, peft->ours, ours->peft, our shape) for every adapter tensor.
+
+  PEFT keeps torch's Linear layout, lora_A.weight [r, in] and lora_B.weight [out, r]; our
+  A [*in, r] and B [r, *out] flatten their head axes row-major (n * H + h), as `_mapping`
+  flattens q/k/v/o, so an adapter's update lines up with its base weight's rows.
+  """
+  r = cfg.lora_rank
+  rows = []
+  for t in cfg.lora_target_names:
+    in_shape, _, out_shape, _ = _lora_axes(cfg, t)
+    fan_in, fan_out = int(np.prod(in_shape)), int(np.prod(out_shape))
+    owner, module = ("attn", "self_attn") if t in _ATTN_TARGETS else ("mlp", "mlp")
+    a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
+    b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
+    for i in range(cfg.num_layers):
+      ours, peft = ("layers", i, owner), f"base_model.model.model.layers.{i}.{module}.{t}."
+      rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
+               (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
+  return rows
+
+
+# PEFT LoraConfig fields that change what the adapter computes (or which weights it holds)
+# beyond y += lora_alpha / r * x A B on the targeted projections; any truthy value is refused.
+_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out", "modules_to_save",
+                     "layers_to_transform", "rank_pattern", "alpha_pattern", "lora_bias",
+                     "exclude_modules", "target_parameters", "trainable_token_indices",
+                     "layer_replication", "alora_invocation_tokens", "use_qalora",
+                     "use_bdlora", "kasa_config", "monteclora_config", "arrow_config",
+                     "megatron_config")
+
+
+def _adapter_targets(where: str, targets: Any, num_layers: int) -> tuple[str, ...]:
+  """The projections a PEFT target_modules list puts adapters on, in LORA_TARGETS order.
+
+  PEFT matches an entry to a module whose dotted name equals it or ends in "." + it; its
+  own "all-linear" is saved as full names (model.layers.0.self_attn.q_proj, ...). We hold
+  one adapter per projection kind for every layer, so each kind must cover all layers.
+  """
+  if targets == "all-linear":  # Every Linear but the output layer: all seven here.
+    return LORA_TARGETS
+  if not targets or isinstance(targets, str):
+    raise ValueError(f"{where} target_modules={targets!r} is not supported; expected a list "
+                     f"of names in {LORA_TARGETS}")
+  modules = {(i, t): f"model.layers.{i}.{'self_attn' if t in _ATTN_TARGETS else 'mlp'}.{t}"
+             for i in range(num_layers) for t in LORA_TARGETS}
+
+  def matches(name, entry):
+    return name == entry or name.endswith("." + entry)
+
+  bad = sorted(e for e in targets if not any(matches(n, e) for n in modules.values()))
+  if bad:
+    raise ValueError(f"{where} target_modules {bad[:5]} are not supported; expected names in "
+                     f"{LORA_TARGETS}")
+  covered = {m for m, n in modules.items() if any(matches(n, e) for e in targets)}
+  kinds = tuple(t for t in LORA_TARGETS if any((i, t) in covered for i in range(num_layers)))
+  partial = [t for t in kinds if not all((i, t) in covered for i in range(num_layers))]
+  if partial:
+    raise ValueError(f"{where} target_modules wrap {partial} in only some layers; adapters "
+                     f"on every layer are supported")
+  return kinds
+
+
+def _read_adapter_config(path: str, num_layers: int) -> dict[str, Any]:
+  """lora_rank, lora_alpha and lora_targets of a PEFT LoRA adapter folder."""
+  cfg_path = os.path.join(path, "adapter_config.json")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{cfg_path} does not exist")
+  with open(cfg_path) as fh:
+    c = json.load(fh)
+  where = f"adapter {cfg_path}:"
+  if c.get("peft_type", "LORA") != "LORA":
+    raise ValueError(f"{where} peft_type={c['peft_type']!r} is not supported (expected LORA)")
+  for key in _PEFT_UNSUPPORTED:
+    if c.get(key):
+      raise ValueError(f"{where} {key}={c[key]!r} is not supported")
+  if c.get("bias", "none") != "none":
+    raise ValueError(f"{where} bias={c['bias']!r} is not supported (expected 'none')")
+  targets = _adapter_targets(where, c.get("target_modules"), num_layers)
+  r, alpha = c.get("r"), c.get("lora_alpha")
+  if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+    raise ValueError(f"{where} r={r!r}; expected an int >= 1")
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+    raise ValueError(f"{where} lora_alpha={alpha!r}; expected a number > 0")
+  return {"lora_rank": r, "lora_alpha": float(alpha), "lora_targets": ",".join(targets)}
+
+
+def _check_adapter_overrides(path: str, adapter: dict[str, Any],
+                             overrides: dict[str, Any]) -> None:
+  """An adapter fixes the LoRA fields; an override may only repeat them."""
+  for key, value in adapter.items():
+    if key not in overrides:
+      continue
+    given = overrides[key]
+    if key == "lora_targets":
+      same = {t.strip() for t in str(given).split(",") if t.strip()} == set(value.split(","))
+    else:
+      same = given == value
+    if not same:
+      raise ValueError(f"{key}={given!r} disagrees with the adapter in {path} ({value!r})")
+
+
 # -- reading --------------------------------------------------------------------------------
 
 
@@ -194,8 +298,27 @@ def _iter_tensors(files: dict[str, str], names: list[str]) -> Iterator[tuple[str
         yield name, fh.get_tensor(name)
 
 
+def _check_names(where: str, present: set[str], wanted: set[str],
+                 tolerated: set[str] | frozenset[str] = frozenset()) -> None:
+  missing, extra = sorted(wanted - present), sorted(present - wanted - tolerated)
+  for what, names in (("is missing", missing), ("has unexpected", extra)):
+    if names:
+      raise ValueError(f"{where} {what} tensors: {names[:5]}{' ...' if len(names) > 5 else ''}")
+
+
+def _adapter_files(path: str) -> dict[str, str]:
+  """PEFT tensor name -> file, from the folder's adapter_model.safetensors."""
+  from safetensors import safe_open
+  f = os.path.join(path, "adapter_model.safetensors")
+  if not os.path.exists(f):
+    raise FileNotFoundError(f"{f} does not exist (only safetensors adapters are read)")
+  with safe_open(f, framework="numpy") as fh:
+    return {name: f for name in fh.keys()}
+
+
 def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = None,
-                    rules: Rules = DEFAULT_RULES, **overrides: Any) -> Transformer:
+                    rules: Rules = DEFAULT_RULES, adapter: str | None = None, seed: int = 0,
+                    **overrides: Any) -> Transformer:
   """Loads a local Hugging Face checkpoint folder into a Transformer.
 
   Args:
@@ -203,10 +326,17 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     mesh: place each parameter on its shards as it is read (default: the default device).
     dtype: parameter and compute dtype (default: the checkpoint's).
     rules: logical-axis rules.
-    **overrides: ModelConfig fields to replace (attention_impl, remat, value_head, ...).
+    adapter: a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors)
+      to load onto the base; its r, lora_alpha and target_modules set the LoRA fields.
+    seed: draws what the files do not hold: the value head, and new LoRA adapters (A of
+      layer i, target t from fold_in(fold_in(key(seed), i), LORA_TARGETS.index(t)); B zero,
+      so the model starts as the base).
+    **overrides: ModelConfig fields to replace (attention_impl, remat, value_head,
+      lora_rank, ...).
 
   Raises:
-    ValueError: unknown architecture; missing, unexpected or wrongly shaped tensors.
+    ValueError: unknown architecture; missing, unexpected or wrongly shaped tensors; an
+      adapter config this model cannot run, or overrides that disagree with it.
   """
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
@@ -215,44 +345,46 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     hf_cfg = json.load(fh)
   if dtype is not None:
     overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+  if adapter is not None:
+    lora = _read_adapter_config(adapter, int(hf_cfg["num_hidden_layers"]))
+    _check_adapter_overrides(adapter, lora, overrides)
+    overrides = {**overrides, **lora}
   cfg = hf_config_to_model_config(hf_cfg, **overrides)
   files = _tensor_files(path)
   rows = _mapping(cfg)
-  wanted = {r[1] for r in rows}
-  present = set(files)
   # Tied checkpoints sometimes carry a copy of the embedding as lm_head.
-  extra = sorted(present - wanted - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
-  missing = sorted(wanted - present)
-  if missing:
-    raise ValueError(f"checkpoint {path} is missing tensors: {missing[:5]}"
-                     f"{' ...' if len(missing) > 5 else ''}")
-  if extra:
-    raise ValueError(f"checkpoint {path} has unexpected tensors: {extra[:5]}"
-                     f"{' ...' if len(extra) > 5 else ''}")
+  _check_names(f"checkpoint {path}", set(files), {r[1] for r in rows},
+               {"lm_head.weight"} if cfg.tie_embeddings else set())
+  sources = [(files, rows)]
+  if adapter is not None:
+    adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
+    _check_names(f"adapter {adapter}", set(adapter_files), {r[1] for r in lora_rows})
+    sources.append((adapter_files, lora_rows))
 
   graphdef, abstract_state = abstract_model(cfg)
   shardings = state_shardings(abstract_state, mesh, rules) if mesh is not None else None
-  by_name = {r[1]: r for r in rows}
   values: dict[tuple, jax.Array] = {}
   pd = jnp.dtype(cfg.param_dtype)
-  for name, arr in _iter_tensors(files, [r[1] for r in rows]):
-    ours, _, to_ours, to_hf, shape = by_name[name]
-    expected = _hf_shape(cfg, name, shape, to_hf)
-    if tuple(arr.shape) != tuple(expected):
-      raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {expected}")
-    arr = np.asarray(to_ours(arr)).astype(pd)
-    if shardings is not None:
-      values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
-    else:
-      values[ours] = jnp.asarray(arr)
+  for source_files, source_rows in sources:
+    by_name = {r[1]: r for r in source_rows}
+    for name, arr in _iter_tensors(source_files, list(by_name)):
+      ours, _, to_ours, to_hf, shape = by_name[name]
+      expected = _hf_shape(cfg, name, shape, to_hf)
+      if tuple(arr.shape) != tuple(expected):
+        raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {expected}")
+      arr = np.asarray(to_ours(arr)).astype(pd)
+      if shardings is not None:
+        values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
+      else:
+        values[ours] = jnp.asarray(arr)
   if cfg.scan_layers:
     values = _stack_layers(values, cfg.num_layers, shardings)
 
   def fill(path, v):
     key = tuple(getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path)
     key = tuple(k for k in key if k != "value")
-    if key not in values:  # e.g. a value head, which HF checkpoints do not have.
-      return _fresh(v, key, cfg, mesh, rules)
+    if key not in values:  # A value head or new adapters: HF checkpoints do not have them.
+      return _fresh(v, key, cfg, shardings, seed)
     return values[key]
 
   state = jax.tree_util.tree_map_with_path(fill, abstract_state)
@@ -304,17 +436,32 @@ def _read_param(state, ours: tuple, cfg: ModelConfig) -> jax.Array:
   return _lookup(state, ours)[...]
 
 
-def _fresh(v, key, cfg, mesh, rules):
-  """Initialises a parameter that the checkpoint does not hold (the value head)."""
-  if key == ("value_b",):
-    arr = jnp.zeros(v.shape, v.dtype)
-  elif key == ("value_w",):
-    arr = jax.random.normal(jax.random.key(0), v.shape, v.dtype) * cfg.init_std
-  else:
+def _fresh(v, key: tuple, cfg: ModelConfig, shardings, seed: int):
+  """Initialises a parameter that the checkpoint does not hold (the value head, LoRA
+  adapters), born on its sharding when there is a mesh."""
+  name = key[-1]
+  is_lora = key[0] == "layers" and name.endswith(("_lora_a", "_lora_b"))
+  if key not in (("value_w",), ("value_b",)) and not is_lora:
     raise ValueError(f"no checkpoint tensor for parameter {'/'.join(map(str, key))}")
-  if mesh is not None:
-    arr = jax.device_put(arr, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  return arr
+
+  def lora_part(layer):
+    target = name[:-len("_lora_a")]
+    k = jax.random.fold_in(jax.random.key(seed), layer)
+    a_b = _lora_init(cfg, target, jax.random.fold_in(k, LORA_TARGETS.index(target)))
+    return a_b[int(name.endswith("_b"))]
+
+  def make():
+    if key == ("value_b",):
+      return jnp.zeros(v.shape, v.dtype)
+    if key == ("value_w",):
+      return jax.random.normal(jax.random.key(seed), v.shape, v.dtype) * cfg.init_std
+    if cfg.scan_layers:
+      return jax.vmap(lora_part)(jnp.arange(cfg.num_layers))
+    return lora_part(key[1])
+
+  if shardings is None:
+    return make()
+  return jax.jit(make, out_shardings=_lookup(shardings, key).value)()
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -322,8 +469,13 @@ def _fresh(v, key, cfg, mesh, rules):
 
 def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 << 30,
                     dtype: str | None = None) -> None:
-  """Writes config.json and model*.safetensors (sharded with an index past max_shard_bytes)."""
+  """Writes config.json and model*.safetensors (sharded with an index past max_shard_bytes).
+
+  A model with LoRA adapters is written merged (see `merge_lora`); `save_lora_adapter`
+  writes the adapters alone.
+  """
   from safetensors.numpy import save_file
+  model = merge_lora(model)  # HF checkpoints hold no adapters: W + scale * A B.
   cfg = model.cfg
   os.makedirs(path, exist_ok=True)
   hf_cfg = model_config_to_hf(cfg)
@@ -354,3 +506,36 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
   with open(os.path.join(path, "config.json"), "w") as fh:
     json.dump(hf_cfg, fh, indent=2)
+
+
+def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path: str = "") -> None:
+  """Writes the model's LoRA adapters as a PEFT adapter folder (adapter_config.json +
+  adapter_model.safetensors in the adapters' dtype), which
+  `peft.PeftModel.from_pretrained(base, path)` puts on the base checkpoint the model was
+  loaded from (or on `save_pretrained` of the model with its adapters zeroed).
+
+  Raises:
+    ValueError: the model has no adapters.
+  """
+  from safetensors.numpy import save_file
+  cfg = model.cfg
+  if not cfg.lora_rank:
+    raise ValueError("the model has no LoRA adapters (lora_rank=0); nothing to save")
+  os.makedirs(path, exist_ok=True)
+  state = nnx.state(model)
+  tensors = {}
+  for ours, name, _, to_peft, _ in _lora_mapping(cfg):
+    arr = np.asarray(jax.device_get(_read_param(state, ours, cfg)))
+    tensors[name] = np.ascontiguousarray(to_peft(arr))
+  save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+  alpha = float(cfg.lora_alpha)
+  config = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank,
+      "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
+      "target_modules": list(cfg.lora_target_names), "lora_dropout": 0.0, "bias": "none",
+      "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+      "base_model_name_or_path": base_model_name_or_path or None, "inference_mode": True,
+      "init_lora_weights": True,
+  }
+  with open(os.path.join(path, "adapter_config.json"), "w") as fh:
+    json.dump(config, fh, indent=2)
