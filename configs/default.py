@@ -32,9 +32,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(preset="tiny", value_head=None))
   # attention_impl / attention_options: see ModelConfig (options: flash kernel keywords,
   # "name=value,...", e.g. a device sweep's best blocks).
+  # lora_rank > 0: train LoRA adapters of that rank on lora_targets (the KL reference is
+  # the base weights; SFT's adapters are folded into them when RL starts).
   c.model.overrides = ml_collections.ConfigDict(dict(
       num_layers=2, d_model=128, ffn_dim=384, attention_impl="reference", attention_options="",
-      scan_layers=False))
+      scan_layers=False, lora_rank=0, lora_alpha=16.0,
+      lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, sequence=1))
   c.sharding_rules = ()
   # colocated: sampler and learner share the mesh (on-policy). disaggregated: the first

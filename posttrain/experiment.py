@@ -228,7 +228,8 @@ def abstract_checkpoint(cfg: models.ModelConfig, optimizer, mesh, rules) -> dict
   _, abs_params, _ = ts._split_abstract(cfg)
   shardings = ts.train_state_shardings(abs_params, optimizer, mesh, rules)
   abstract = jax.eval_shape(
-      lambda p: ts.TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32),
+      lambda p: ts.TrainState(p, optimizer.init(rl_state.split_trainable(p)[0]),
+                              jnp.zeros((), jnp.int32),
                               jax.random.PRNGKey(0)), abs_params)
   return to_checkpoint(jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings))

@@ -13,8 +13,10 @@ the mesh axes its spec uses).
 Components (all per device):
   params       the policy's parameters (param_dtype).
   optimizer    AdamW moments and counters (the run's optimizer state, sharded like params).
-  reference    a frozen copy of the params when the algorithm has a KL term (kl_coef > 0).
-  gradients    one params-sized tree, two when a step accumulates over micro-batches.
+  reference    a frozen copy of the params when the algorithm has a KL term (kl_coef > 0);
+               none with LoRA adapters (the reference is the base weights in params).
+  gradients    one tree the size of the trained params (all of them, or the LoRA
+               adapters), two when a step accumulates over micro-batches.
   activations  what the backward pass of one micro-batch holds (see `activation_bytes`).
   batch        the rollout batch on device: [M, rows, row_len] token arrays.
   sampler      the sampler's own copy of the weights (colocated: params-sized, on the same
@@ -47,6 +49,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from posttrain import experiment, models
+from posttrain.rl import state as rl_state
 from posttrain.models.config import REMAT_POLICIES
 from posttrain.models.transformer import CACHE_AXES
 
@@ -180,12 +183,14 @@ def _sharded_bytes(tree) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _state_bytes(model_cfg, shape: tuple, rules: tuple, clip: bool) -> tuple[int, int]:
+def _state_bytes(model_cfg, shape: tuple, rules: tuple, clip: bool) -> tuple[int, int, int]:
   # The trainer's own checkpoint layout (eval_shape + shardings), on an abstract mesh.
   optimizer = experiment.optimizer_like(ml_collections.ConfigDict({"optim": {"clip": clip}}))
   state = experiment.abstract_checkpoint(model_cfg, optimizer, abstract_mesh(dict(shape)),
                                          rules)
-  return _sharded_bytes(state["params"]), _sharded_bytes(state["opt_state"])
+  trainable = rl_state.split_trainable(state["params"])[0]
+  return (_sharded_bytes(state["params"]), _sharded_bytes(state["opt_state"]),
+          _sharded_bytes(trainable))
 
 
 def state_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
@@ -196,7 +201,16 @@ def state_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
   # Fields that change no parameter share one cache entry (the advice varies remat).
   shapes_only = model_cfg.replace(remat="none", attention_impl="reference", attention_options="",
                                   dtype="float32", attention_chunk=512, logprob_chunk=256)
-  return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))
+  return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))[:2]
+
+
+def trainable_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
+                    rules=models.DEFAULT_RULES) -> int:
+  """Bytes per device of the params the optimizer updates: all, or the LoRA adapters."""
+  rules = tuple((n, tuple(a)) for n, a in rules)
+  shapes_only = model_cfg.replace(remat="none", attention_impl="reference", attention_options="",
+                                  dtype="float32", attention_chunk=512, logprob_chunk=256)
+  return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, True)[2]
 
 
 def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
@@ -433,9 +447,10 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                      f"mesh axes' size {batch_shards}")
 
   params, opt = state_bytes(cfg, shape, rules, clip=bool(config.optim.get("clip")))
-  reference = params if float(algo.kl_coef) > 0 else 0
+  reference = params if float(algo.kl_coef) > 0 and not cfg.lora_rank else 0
   per_update, micro = microbatches(config, algo)
-  grads = params * (2 if per_update > 1 else 1)
+  trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
+  grads = trained * (2 if per_update > 1 else 1)
   acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
@@ -450,12 +465,16 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   gathered = decode_weight_bytes(cfg, rollout_shape, rules) if r.get("gather_weights", True) else 0
   comps = [
       Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
-                "the rules"),
-      Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"),
+                "the rules" + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
+                               f"{cfg.lora_rank}" if cfg.lora_rank else "")),
+      Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"
+                + (" of the LoRA adapters" if cfg.lora_rank else "")),
       Component("reference", reference,
                 f"frozen params copy (kl_coef={float(algo.kl_coef):g})" if reference
-                else "none (kl_coef=0)"),
-      Component("gradients", grads, f"{'2' if per_update > 1 else '1'} x params "
+                else "none: the base weights, adapters off (LoRA)" if cfg.lora_rank
+                and float(algo.kl_coef) > 0 else "none (kl_coef=0)"),
+      Component("gradients", grads, f"{'2' if per_update > 1 else '1'} x "
+                f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
                 f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),

@@ -88,34 +88,43 @@ def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
   if not src:
     return models.create_model(cfg, mesh=mesh, rules=rules, seed=int(config.seed))
   if os.path.exists(os.path.join(src, "config.json")):
-    return models.from_pretrained(src, mesh=mesh, rules=rules,
+    return models.from_pretrained(src, mesh=mesh, rules=rules, seed=int(config.seed),
                                   **{k: v for k, v in dict(config.model.get("overrides", {})
                                                            or {}).items()
                                      if k in ("attention_impl", "remat", "dtype",
                                               "param_dtype", "value_head", "logprob_chunk",
-                                              "scan_layers")})
+                                              "scan_layers", "lora_rank", "lora_alpha",
+                                              "lora_targets")})
   # An Orbax checkpoint directory of an earlier run: take its params, whichever layout of
-  # the layers (scan_layers or not) that run had.
+  # the layers (scan_layers or not) that run had; a run without adapters may seed a LoRA
+  # run (fresh adapters on its weights).
   ckpt_dir = os.path.join(src, "checkpoints") if os.path.isdir(
       os.path.join(src, "checkpoints")) else src
   manager = CheckpointManager(ckpt_dir, read_only=True)
-  saved_cfg = cfg
-  try:
-    restored = manager.restore(abstract_checkpoint(cfg, optimizer_like(config), mesh, rules))
-  except ValueError as e:
-    saved_cfg = cfg.replace(scan_layers=not cfg.scan_layers)
+  layouts = [cfg, cfg.replace(scan_layers=not cfg.scan_layers)]
+  candidates = layouts + ([c.replace(lora_rank=0) for c in layouts] if cfg.lora_rank else [])
+  first_error = None
+  for saved_cfg in candidates:
     try:
-      restored = manager.restore(
-          abstract_checkpoint(saved_cfg, optimizer_like(config), mesh, rules))
-    except ValueError:
-      raise e from None
+      restored = manager.restore(abstract_checkpoint(saved_cfg, optimizer_like(config), mesh,
+                                                     rules))
+      break
+    except ValueError as e:
+      first_error = first_error or e
+  else:
+    raise first_error
   if restored is None:
     raise ValueError(f"init_from={src!r} is neither a Hugging Face folder (config.json) nor "
                      "a checkpoint directory with a complete checkpoint")
   graphdef, _, rest = ts._split_abstract(saved_cfg)
   model = nnx.merge(graphdef, restored[0]["params"], rest)
-  if saved_cfg is not cfg:
+  if saved_cfg.scan_layers != cfg.scan_layers:
     model = models.relayout(model, scan_layers=cfg.scan_layers, mesh=mesh, rules=rules)
+  if saved_cfg.lora_rank != cfg.lora_rank:
+    model = models.shard_model(
+        models.with_lora(model, cfg.lora_rank, jax.random.key(int(config.seed)),
+                         lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets),
+        mesh, rules)
   return model
 
 
@@ -417,6 +426,10 @@ class Trainer:
   def _enter_rl(self):
     self.progress.stage = "rl"
     model = self._model()
+    if self.cfg.lora_rank:
+      # SFT's adapters go into the base weights and RL trains fresh ones: the base (the
+      # KL reference, adapters off) is then the policy RL starts from.
+      model = models.fold_lora(model, jax.random.key(self.seed + 1))
     self.state = rl_state.init_train_state(model, self.rl_optimizer, mesh=self.mesh, rules=self.rules,
                                      seed=self.seed + 1)
     self.sync_weights()
@@ -553,9 +566,10 @@ class Trainer:
       self._rl_step_fn = ts.make_train_step(self.cfg, self.algo, self.rl_optimizer,
                                             mesh=self.mesh, rules=self.rules,
                                             reference_in_step=self._reference_in_step())
-    if float(self.algo.kl_coef) > 0 and self.reference is None:
+    if float(self.algo.kl_coef) > 0 and self.reference is None and not self.cfg.lora_rank:
       # The reference is the policy RL started from; re-derived on resume from the
-      # checkpoint written when RL began (kept as its own copy, never updated).
+      # checkpoint written when RL began (kept as its own copy, never updated). With LoRA
+      # it is the state's base weights, adapters off (`_enter_rl` folds SFT's in).
       self.reference = self._reference_params()
     self.sync_weights()
     progress = Progress(total, self.config.algorithm)
@@ -677,7 +691,7 @@ class Trainer:
     timings["timing/reference_s"] = time.time() - t1
     t2 = time.time()
     step_fn = self._rl_step_fn
-    if self._reference_in_step():
+    if self._reference_in_step() and not self.cfg.lora_rank:
       step_fn = functools.partial(step_fn, reference=self.reference)
     self.state, history = ts.ppo_update(step_fn, self.state, batch,
                                         epochs=int(algo.ppo_epochs),
@@ -772,7 +786,9 @@ class Trainer:
     if cur is not None:
       out["old_logprobs"] = cur["logprobs"]
     if float(algo.kl_coef) > 0 and not self._reference_in_step():
-      out["ref_logprobs"] = self._logprobs(self.reference, batch)["logprobs"]
+      reference = (models.without_lora(self.state.params) if self.cfg.lora_rank
+                   else self.reference)
+      out["ref_logprobs"] = self._logprobs(reference, batch)["logprobs"]
     est = algo.advantage_estimator
     if est in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:
       return out

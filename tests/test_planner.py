@@ -338,3 +338,23 @@ def test_plan_command_prints_the_table_and_exits_by_verdict():
   assert missing.returncode == 2 and "Traceback" not in missing.stderr
   assert missing.stderr.strip().splitlines()[-1] == (
       "error: [Errno 2] No such file or directory: 'configs/no_such_config.py'")
+
+
+def test_lora_plan_counts_adapters_for_the_optimizer_and_gradients_and_no_reference():
+  config = _config(**TINY, **{"model.overrides.lora_rank": 4, "rl.kl_coef": 0.1})
+  p = planner.plan(config)
+  real_mesh = models.make_mesh((1, 8, 1, 1))
+  cfg = experiment.model_config(config)
+  o = config.optim
+  optimizer = rl_state.make_optimizer(o.lr, o.warmup, 100, o.weight_decay, o.clip)
+  state = rl_state.init_train_state(models.create_model(cfg, mesh=real_mesh), optimizer,
+                                    mesh=real_mesh)
+  adapters = rl_state.split_trainable(state.params)[0]
+  assert p["params"] == pytest.approx(_real_per_device_bytes(state.params), rel=0.05)
+  assert p["optimizer"] == pytest.approx(_real_per_device_bytes(state.opt_state), rel=0.05)
+  assert p["reference"] == 0
+  per_update = planner.microbatches(config, experiment.algorithm(config))[0]
+  assert p["gradients"] == pytest.approx(
+      _real_per_device_bytes(adapters) * (2 if per_update > 1 else 1), rel=0.05)
+  full = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.1}))
+  assert full["reference"] == full["params"] and full["gradients"] > 3 * p["gradients"]

@@ -351,3 +351,50 @@ def test_launcher_errors_are_one_line(tmp_path):
 def test_reference_pass_runs_in_the_update_only_for_a_single_kl_loss_update(
     preset, overrides, fused):
   assert ts.reference_in_step(presets.algorithm_config(preset, **overrides)) is fused
+
+
+LORA = {"model.overrides.lora_rank": 4, "model.overrides.lora_alpha": 8.0}
+
+
+def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path):
+  """SFT then RL with LoRA adapters: RL starts on fresh adapters over a base that holds
+  SFT's (so its first KL to the base is 0), and export_hf writes the adapted policy
+  merged into plain Hugging Face weights."""
+  from flax import nnx
+
+  from posttrain import models
+  extra = {**LORA, "rl.kl_coef": 0.1, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
+           "eval.seeds_per_domain": 0}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  rl_rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rl_rows) == 2 and rl_rows[0]["kl"] == 0.0
+  params, _, step = _final_params(str(tmp_path), extra)
+  assert step == 4
+  cfg = trainer.model_config(_config(**extra))
+  model = models.create_model(cfg)
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
+  nnx.update(model, state)
+  exported = models.from_pretrained(str(tmp_path / "hf"))
+  assert exported.cfg.lora_rank == 0
+  tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
+  np.testing.assert_allclose(exported(tokens), model(tokens), atol=1e-4)
+
+
+def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_path):
+  from flax import nnx
+
+  from posttrain import models
+  from posttrain.checkpoint import CheckpointManager
+  from posttrain.rl import state as state_lib
+  before, now = _config(), _config(**LORA, init_from=str(tmp_path))
+  mesh = models.make_mesh((1, 2, 1, 1), devices=jax.devices()[:2])
+  saved = models.create_model(trainer.model_config(before), seed=5)
+  state = state_lib.init_train_state(saved, experiment.optimizer_like(before), mesh=mesh)
+  with CheckpointManager(str(tmp_path / "checkpoints")) as manager:
+    manager.save(3, experiment.to_checkpoint(state), {}, force=True)
+  loaded = trainer._init_params_model(now, trainer.model_config(now), mesh,
+                                      models.DEFAULT_RULES)
+  assert loaded.cfg.lora_rank == 4 and nnx.state(loaded, nnx.LoRAParam)
+  tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
+  np.testing.assert_allclose(loaded(tokens), saved(tokens), atol=1e-5)

@@ -11,8 +11,9 @@ from posttrain.models.hf import (from_pretrained, hf_config_to_model_config, sav
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
                                        make_mesh, named_sharding, rules_from_config)
 from posttrain.models.transformer import (KVCache, Transformer, cache_slots, chunked_logprobs,
-                                          constrain_cache, init_cache, map_cache, merge_lora,
-                                          without_lora, write_cache)
+                                          constrain_cache, fold_lora, init_cache, map_cache,
+                                          merge_lora,
+                                          with_lora, without_lora, write_cache)
 
 __all__ = [
     "PRESETS", "ModelConfig", "RopeConfig", "decode_chunk_for", "get_preset", "abstract_model", "create_model",
@@ -21,5 +22,5 @@ __all__ = [
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
     "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",
     "cache_slots", "chunked_logprobs", "constrain_cache", "init_cache", "map_cache",
-    "write_cache", "merge_lora", "without_lora",
+    "write_cache", "fold_lora", "merge_lora", "with_lora", "without_lora",
 ]

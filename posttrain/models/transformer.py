@@ -214,31 +214,70 @@ def _add_lora(module, target: str, y, x, down: str, up: str):
   return y + (module.cfg.lora_scale * jnp.einsum(up, xa, b[...].astype(dt))).astype(dt)
 
 
+def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) -> dict:
+  """The model's state as a pure dict, each adapter folded into its projection
+  (W + scale * A B, in float32); with `key`, fresh adapters of `cfg` (default: the
+  model's; `_attach_lora`'s draws, B zero) in their place, else none."""
+  old = model.cfg
+  cfg = cfg or old
+  pure = nnx.to_pure_dict(nnx.state(model))
+  stacked = old.scan_layers
+  layers = [pure["layers"]] if stacked else [pure["layers"][i] for i in range(old.num_layers)]
+  for i, layer in enumerate(layers):
+    for t in old.lora_target_names:
+      owner = layer["attn" if t in _ATTN_TARGETS else "mlp"]
+      a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
+      w, r = owner[t], old.lora_rank
+      lead = a.shape[:1] if stacked else ()
+      delta = jnp.matmul(a.reshape(*lead, -1, r).astype(jnp.float32),
+                         b.reshape(*lead, r, -1).astype(jnp.float32)) * old.lora_scale
+      owner[t] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+    if key is None:
+      continue
+    for t in cfg.lora_target_names:
+      index = LORA_TARGETS.index(t)
+
+      def init(j, t=t, index=index):
+        return _lora_init(cfg, t, jax.random.fold_in(jax.random.fold_in(key, j), index))
+
+      owner = layer["attn" if t in _ATTN_TARGETS else "mlp"]
+      owner[f"{t}_lora_a"], owner[f"{t}_lora_b"] = (
+          jax.vmap(init)(jnp.arange(cfg.num_layers)) if stacked else init(i))
+  return pure
+
+
+def _rebuild(cfg: ModelConfig, pure: dict) -> "Transformer":
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(abstract, pure)
+  return nnx.merge(graphdef, abstract)
+
+
 def merge_lora(model: "Transformer") -> "Transformer":
   """The model with each adapter folded into its projection (W + scale * A B) and no
   adapters: what Hugging Face export and plain inference use. A model without adapters
   is returned as it is."""
-  cfg = model.cfg
-  if not cfg.lora_rank:
+  if not model.cfg.lora_rank:
     return model
-  plain_cfg = cfg.replace(lora_rank=0)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(plain_cfg,
-                                                                    rngs=nnx.Rngs(0))))
-  pure = nnx.to_pure_dict(nnx.state(model))
-  owners = [pure["layers"]] if cfg.scan_layers else [pure["layers"][i]
-                                                     for i in range(cfg.num_layers)]
-  for layer in owners:
-    for t in cfg.lora_target_names:
-      owner = layer["attn" if t in _ATTN_TARGETS else "mlp"]
-      a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
-      w = owner[t]
-      r = cfg.lora_rank
-      a2 = a.reshape(*a.shape[:-len(_lora_axes(cfg, t)[0]) - 1], -1, r)  # [(L,) in, r]
-      b2 = b.reshape(*b.shape[:-len(_lora_axes(cfg, t)[2]) - 1], r, -1)  # [(L,) r, out]
-      delta = jnp.matmul(a2.astype(jnp.float32), b2.astype(jnp.float32)) * cfg.lora_scale
-      owner[t] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
-  nnx.replace_by_pure_dict(abstract, pure)
-  return nnx.merge(graphdef, abstract)
+  return _rebuild(model.cfg.replace(lora_rank=0), _fold_adapters(model, None))
+
+
+def fold_lora(model: "Transformer", key) -> "Transformer":
+  """The same function as `model`: its adapters folded into the base weights, fresh
+  adapters (A drawn from `key`, B zero) on top. Where a second LoRA stage starts (RL
+  after SFT), so that its base, the KL reference, is the policy it starts from."""
+  if not model.cfg.lora_rank:
+    return model
+  return _rebuild(model.cfg, _fold_adapters(model, key))
+
+
+def with_lora(model: "Transformer", lora_rank: int, key, **lora: object) -> "Transformer":
+  """The same function as `model` with fresh adapters of `lora_rank` (and optionally
+  lora_alpha / lora_targets) on top; any adapters it had are folded in first. Rank 0
+  returns `merge_lora(model)`. The layer layout is the model's."""
+  cfg = model.cfg.replace(lora_rank=int(lora_rank), **lora)
+  if not cfg.lora_rank:
+    return merge_lora(model)
+  return _rebuild(cfg, _fold_adapters(model, key, cfg))
 
 
 def without_lora(params):

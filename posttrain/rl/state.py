@@ -6,6 +6,11 @@
 
 The train step (`posttrain.rl.train_step`) donates the state; everything built here is a
 copy, so neither the caller's model nor the reference is ever freed or updated by it.
+
+A model with LoRA adapters (`ModelConfig.lora_rank`) trains only them: `split_trainable`
+separates the adapters from the frozen base weights, the optimizer's state covers the
+adapters alone, and the KL reference is the base (`models.without_lora(state.params)`),
+not a copy.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ class TrainState:
   """What the learner updates. The reference policy is kept outside (`frozen_copy`).
 
   Attributes:
-    params: the policy's `nnx.Param` state (value head included when the model has one).
-    opt_state: the optax state of `params`.
+    params: the policy's `nnx.Param` state (value head included when the model has one;
+      with LoRA, the adapters and the frozen base weights).
+    opt_state: the optax state of the trainable params (`split_trainable(params)[0]`).
     step: int32 count of applied updates (a skipped non-finite update does not count).
     rng: PRNG key; fold it with `step` for any randomness inside a step.
     critic_params / critic_opt_state: a separate value model and its optimizer state
@@ -110,13 +116,33 @@ def make_optimizer(lr: float, warmup: int, total_steps: int, weight_decay: float
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
+
+def has_lora(params) -> bool:
+  """Whether `params` (an nnx.State) holds LoRA adapters."""
+  return any(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(params, is_leaf=_is_variable))
+
+
+def split_trainable(params):
+  """(trainable, frozen): with LoRA adapters, the adapters and the base weights; without,
+  every parameter and None."""
+  if not has_lora(params):
+    return params, None
+  return nnx.split_state(params, nnx.LoRAParam, ...)
+
+
+def join_trainable(trainable, frozen):
+  """The inverse of `split_trainable`."""
+  return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
 def _param_and_opt_shardings(params, optimizer, mesh, rules):
   """Params by their logical axes; optimizer moments like their params, the rest replicated."""
   param_shardings = models.state_shardings(params, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
-  abstract_opt = jax.eval_shape(optimizer.init, params)
+  trainable = split_trainable(params)[0]
+  abstract_opt = jax.eval_shape(optimizer.init, trainable)
   opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
+      optimizer, lambda _, sharding: sharding, abstract_opt,
+      split_trainable(param_shardings)[0],
       transform_non_params=lambda _: replicated, is_leaf=_is_variable)
   return param_shardings, opt_shardings
 
@@ -166,7 +192,8 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
     # Copies: the step donates the state, which must not free the caller's models.
     params, critic_params = jax.tree.map(jnp.copy, (params, critic_params))
     return TrainState(
-        params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+        params=params, opt_state=optimizer.init(split_trainable(params)[0]),
+        step=jnp.zeros((), jnp.int32),
         rng=jax.random.PRNGKey(seed), critic_params=critic_params,
         critic_opt_state=None if critic is None else critic_optimizer.init(critic_params))
 

@@ -53,7 +53,7 @@ from posttrain import distributed, models
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.rl import advantages as advantages_lib
 from posttrain.rl import losses
-from posttrain.rl.state import TrainState, train_state_shardings
+from posttrain.rl.state import TrainState, join_trainable, split_trainable, train_state_shardings
 
 Batch = Mapping[str, Any]
 
@@ -265,7 +265,12 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       `train_step(state, batch, reference)`. One program instead of two per update (no
       second dispatch, no `[M, B, T]` log-prob array between them); for a single update
       per rollout batch, as GRPO/DAPO run by default (with several PPO epochs, compute the
-      reference log-probs once with `make_compute_logprobs` instead).
+      reference log-probs once with `make_compute_logprobs` instead). With LoRA
+      adapters (`model_cfg.lora_rank`) the reference is the base weights already in the
+      state, adapters off: call `train_step(state, batch)`, no copy of the model.
+
+  With LoRA adapters only they are differentiated and updated (`state.opt_state` covers
+  them alone); the base weights pass through the step unchanged.
 
   Returns:
     The step; `train_step.jitted` is the underlying `jax.jit` function and
@@ -300,6 +305,9 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   required = _required_keys(loss_cfg)
   if reference_in_step:
     required = tuple(k for k in required if k != "ref_logprobs")
+  lora = bool(model_cfg.lora_rank)
+  # With LoRA the reference is the state's own base weights (adapters zeroed).
+  reference_arg = reference_in_step and not lora
 
   def reference_logprobs(reference, mb):
     model = nnx.merge(graphdef, reference, rest)
@@ -307,9 +315,9 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                               with_entropy=False)
     return jax.lax.stop_gradient(logprobs)
 
-  def microbatch_loss(trainable, mb, denominator):
+  def microbatch_loss(trainable, mb, denominator, frozen):
     params, critic_params = trainable
-    model = nnx.merge(graphdef, params, rest)
+    model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
     logprobs, entropies, values = _forward(
         model, mb, ctx, temperature=temperature,
         with_values=loss_cfg.use_critic and not separate_critic, with_entropy=True)
@@ -323,14 +331,19 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 
   def step_fn(state: TrainState, batch: Batch, reference=None):
     num_micro = batch["tokens"].shape[0]
-    trainable = (state.params, state.critic_params)
+    # Only the trainable params are differentiated: with LoRA, the adapters (XLA then
+    # drops the base weights' gradients); the frozen base passes through.
+    policy_params, frozen = split_trainable(state.params)
+    trainable = (policy_params, state.critic_params)
+    if reference_in_step and lora:
+      reference = models.without_lora(state.params)
     # The global denominator first: each micro-batch's loss is then its exact share.
     denominator = jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
 
     def micro_grad(mb):
       if reference is not None:
         mb = {**mb, "ref_logprobs": reference_logprobs(reference, mb)}
-      return grad_fn(trainable, mb, denominator)
+      return grad_fn(trainable, mb, denominator, frozen)
 
     def accumulate(carry, mb):
       grads_sum, loss_sum = carry
@@ -350,8 +363,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     grads, critic_grads = grads
 
     grad_norm = optax.global_norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = optimizer.update(grads, state.opt_state, policy_params)
+    new_policy = optax.apply_updates(policy_params, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
     if separate_critic:
@@ -366,7 +379,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       return jax.tree.map(lambda n, o: jnp.where(nonfinite, o, n), new, old)
 
     new_state = TrainState(
-        params=keep_old_if_nonfinite(params, state.params),
+        params=join_trainable(keep_old_if_nonfinite(new_policy, policy_params), frozen),
         opt_state=keep_old_if_nonfinite(opt_state, state.opt_state),
         step=state.step + jnp.where(nonfinite, 0, 1).astype(state.step.dtype),
         rng=state.rng,
@@ -387,7 +400,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       metrics["critic/grad_norm"] = critic_grad_norm
     return new_state, metrics
 
-  if reference_in_step:
+  if reference_arg:
     jitted = jax.jit(step_fn, in_shardings=(
         state_shardings, data_sharding, models.state_shardings(abstract_params, mesh, rules)),
                      out_shardings=(state_shardings, None),
@@ -398,7 +411,10 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                      donate_argnums=(0,) if donate else ())
 
   def train_step(state: TrainState, batch: Batch, reference=None):
-    if reference_in_step and reference is None:
+    if lora and reference is not None:
+      raise ValueError("a LoRA model's KL reference is its base weights, already in the "
+                       "state: call train_step(state, batch) without reference params")
+    if reference_arg and reference is None:
       raise ValueError("this train step computes ref_logprobs in the step "
                        "(reference_in_step=True): call train_step(state, batch, reference)")
     if reference is not None and not reference_in_step:
@@ -408,6 +424,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
     if reference_in_step:
       inputs.pop("ref_logprobs", None)  # computed in the step
+    if reference_arg:
       return jitted(state, distributed.put(inputs, data_sharding), reference)
     return jitted(state, distributed.put(inputs, data_sharding))
 

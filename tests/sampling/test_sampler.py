@@ -473,3 +473,22 @@ def test_scanned_layers_sample_what_the_layer_list_samples(model, sampler, cache
   np.testing.assert_array_equal(np.concatenate([first.tokens, second.tokens], 1), whole.tokens)
   np.testing.assert_allclose(np.concatenate([first.logprobs, second.logprobs], 1),
                              whole.logprobs, atol=1e-5)
+
+
+def test_lora_model_samples_what_its_merged_weights_sample(model):
+  """The sampler runs the adapters unmerged (the learner's exact function, so behaviour
+  log-probs match it): the draws are those of the adapters folded into the weights."""
+  from flax import nnx
+  adapted = models.with_lora(model, 4, jax.random.key(0))
+  rng = np.random.default_rng(1)
+  for _, v in nnx.iter_graph(adapted):
+    if isinstance(v, nnx.LoRAParam):
+      v[...] = v[...] + rng.normal(0, 0.3, v.shape).astype(np.float32)
+  merged = models.merge_lora(adapted)
+  kw = dict(max_new_tokens=6, temperature=1.0, seed=5)
+  ours = Sampler(adapted, max_len=MAX_LEN).generate(PROMPTS, **kw)
+  want = Sampler(merged, max_len=MAX_LEN).generate(PROMPTS, **kw)
+  base = Sampler(model, max_len=MAX_LEN).generate(PROMPTS, **kw)
+  assert not np.array_equal(base.tokens, want.tokens)
+  np.testing.assert_array_equal(ours.tokens, want.tokens)
+  np.testing.assert_allclose(ours.logprobs, want.logprobs, atol=1e-4)

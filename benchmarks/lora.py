@@ -1,0 +1,98 @@
+"""LoRA: a GRPO step training rank-r adapters against the full fine-tune, side by side.
+
+    python -m benchmarks.lora [--quick]
+
+A GRPO step (the KL reference's log-probs and the update in one program, AdamW, remat
+"full") of the "bench" widths on 8 fake CPU devices (fsdp 8), arms interleaved in one
+process: the first step (compile included), the median warm step, the learner's
+resident bytes (params, optimizer state and the KL reference: a frozen copy for the full
+fine-tune, none with adapters, whose reference is the base weights) and XLA's temporary
+bytes of the compiled update, per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+STEPS = 5
+
+
+def _bytes_per_device(tree) -> int:
+  import jax
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == x.addressable_shards[0].device)
+
+
+def run(quick: bool = False) -> list[dict]:
+  import jax
+
+  from posttrain import models
+  from posttrain.rl import packing, presets
+  from posttrain.rl import state as state_lib
+  from posttrain.rl import train_step as ts
+  mesh = models.make_mesh((1, -1, 1, 1))
+  rng = np.random.default_rng(0)
+  trajectories = [dict(prompt_tokens=rng.integers(1, 1000, 32),
+                       response_tokens=rng.integers(1, 1000, 64),
+                       response_mask=np.ones(64, bool),
+                       behaviour_logprobs=-rng.uniform(1, 8, 64), advantages=rng.normal(),
+                       rewards=rng.normal()) for _ in range(16)]
+  batch = packing.split_microbatches(packing.pack_trajectories(trajectories, 96, num_rows=16),
+                                     96 * 16, num_microbatches=1)
+  inputs = {k: v for k, v in batch.items() if k in ts.TOKEN_KEYS and k != "ref_logprobs"}
+  algo = presets.algorithm_config("grpo", kl_coef=0.04)
+  optimizer = state_lib.make_optimizer(1e-5, warmup=0, total_steps=100)
+  base = models.get_preset("bench", num_layers=4 if quick else 8, remat="full")
+  arms = {"full fine-tune": base, "LoRA r=8": base.replace(lora_rank=8, lora_alpha=16.0),
+          "LoRA r=64": base.replace(lora_rank=64, lora_alpha=128.0)}
+  steps, states, refs, first, rows = {}, {}, {}, {}, []
+  for name, cfg in arms.items():
+    model = models.create_model(cfg, mesh=mesh)
+    steps[name] = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, reference_in_step=True)
+    states[name] = state_lib.init_train_state(model, optimizer, mesh=mesh)
+    refs[name] = None if cfg.lora_rank else state_lib.frozen_copy(states[name].params)
+    start = time.perf_counter()
+    states[name], _ = steps[name](states[name], batch, refs[name])
+    jax.block_until_ready(states[name].params)
+    first[name] = time.perf_counter() - start
+  warm = {name: [] for name in arms}
+  for _ in range(STEPS):
+    for name in arms:  # interleaved, so load drifts hit both arms alike
+      start = time.perf_counter()
+      states[name], _ = steps[name](states[name], batch, refs[name])
+      jax.block_until_ready(states[name].params)
+      warm[name].append(time.perf_counter() - start)
+  for name, cfg in arms.items():
+    state = states[name]
+    args = (state, inputs) + ((refs[name],) if refs[name] is not None else ())
+    temp = steps[name].jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    learner = (_bytes_per_device(state.params) + _bytes_per_device(state.opt_state)
+               + (_bytes_per_device(refs[name]) if refs[name] is not None else 0))
+    rows.append({"arm": name, "trained params": cfg.num_lora_params or cfg.num_params,
+                 "first step s": round(first[name], 2),
+                 "warm step s (median)": round(statistics.median(warm[name]), 3),
+                 "learner MiB/device": round(learner / 2**20, 2),
+                 "update temporaries MiB/device": round(temp / 2**20, 2)})
+  full = rows[0]
+  for row in rows:
+    row["warm / full"] = round(row["warm step s (median)"] / full["warm step s (median)"], 2)
+    row["learner / full"] = round(row["learner MiB/device"] / full["learner MiB/device"], 2)
+  return rows
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args()
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  for row in run(args.quick):
+    print(row)
+
+
+if __name__ == "__main__":
+  main()
