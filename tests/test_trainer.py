@@ -379,6 +379,13 @@ def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path
   assert exported.cfg.lora_rank == 0
   tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
   np.testing.assert_allclose(exported(tokens), model(tokens), atol=1e-4)
+  # Resuming restores the adapters' optimizer state and goes on from the same base.
+  again = trainer.train(_config(**{**extra, "train.rl_steps": 3}), str(tmp_path))
+  assert again["status"] == "done" and again["rl_steps"] == 3
+  resumed, _, _ = _final_params(str(tmp_path), extra)
+  frozen = lambda p: jax.tree.leaves(nnx.split_state(p, nnx.LoRAParam, ...)[1])  # noqa: E731
+  for a, b in zip(frozen(params), frozen(resumed), strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_path):
