@@ -28,7 +28,9 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mlp", ("tensor",)),
     ("norm", ()),
     ("layers", ()),
-    ("lora", ()),
+    # LoRA's rank axis: FSDP-sharded where the other axis of the adapter leaves fsdp free
+    # (B [r, out], and A of o_proj / down_proj), so no adapter is replicated whole.
+    ("lora", ("fsdp",)),
     ("cache_length", ()),
 )
 
