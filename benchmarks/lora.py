@@ -14,12 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-
-import numpy as np
-
-STEPS = 5
 
 
 def _bytes_per_device(tree) -> int:
@@ -29,44 +23,26 @@ def _bytes_per_device(tree) -> int:
 
 
 def run(quick: bool = False) -> list[dict]:
-  import jax
-
+  from benchmarks.scan_layers import grpo_batch, time_steps
   from posttrain import models
-  from posttrain.rl import packing, presets
+  from posttrain.rl import presets
   from posttrain.rl import state as state_lib
   from posttrain.rl import train_step as ts
   mesh = models.make_mesh((1, -1, 1, 1))
-  rng = np.random.default_rng(0)
-  trajectories = [dict(prompt_tokens=rng.integers(1, 1000, 32),
-                       response_tokens=rng.integers(1, 1000, 64),
-                       response_mask=np.ones(64, bool),
-                       behaviour_logprobs=-rng.uniform(1, 8, 64), advantages=rng.normal(),
-                       rewards=rng.normal()) for _ in range(16)]
-  batch = packing.split_microbatches(packing.pack_trajectories(trajectories, 96, num_rows=16),
-                                     96 * 16, num_microbatches=1)
+  batch = grpo_batch()
   inputs = {k: v for k, v in batch.items() if k in ts.TOKEN_KEYS and k != "ref_logprobs"}
   algo = presets.algorithm_config("grpo", kl_coef=0.04)
   optimizer = state_lib.make_optimizer(1e-5, warmup=0, total_steps=100)
   base = models.get_preset("bench", num_layers=4 if quick else 8, remat="full")
   arms = {"full fine-tune": base, "LoRA r=8": base.replace(lora_rank=8, lora_alpha=16.0),
           "LoRA r=64": base.replace(lora_rank=64, lora_alpha=128.0)}
-  steps, states, refs, first, rows = {}, {}, {}, {}, []
+  steps, states, refs, rows = {}, {}, {}, []
   for name, cfg in arms.items():
-    model = models.create_model(cfg, mesh=mesh)
     steps[name] = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, reference_in_step=True)
-    states[name] = state_lib.init_train_state(model, optimizer, mesh=mesh)
+    states[name] = state_lib.init_train_state(models.create_model(cfg, mesh=mesh), optimizer,
+                                              mesh=mesh)
     refs[name] = None if cfg.lora_rank else state_lib.frozen_copy(states[name].params)
-    start = time.perf_counter()
-    states[name], _ = steps[name](states[name], batch, refs[name])
-    jax.block_until_ready(states[name].params)
-    first[name] = time.perf_counter() - start
-  warm = {name: [] for name in arms}
-  for _ in range(STEPS):
-    for name in arms:  # interleaved, so load drifts hit both arms alike
-      start = time.perf_counter()
-      states[name], _ = steps[name](states[name], batch, refs[name])
-      jax.block_until_ready(states[name].params)
-      warm[name].append(time.perf_counter() - start)
+  first, warm = time_steps(steps, states, refs, batch)
   for name, cfg in arms.items():
     state = states[name]
     args = (state, inputs) + ((refs[name],) if refs[name] is not None else ())
@@ -75,13 +51,13 @@ def run(quick: bool = False) -> list[dict]:
                + (_bytes_per_device(refs[name]) if refs[name] is not None else 0))
     rows.append({"arm": name, "trained params": cfg.num_lora_params or cfg.num_params,
                  "first step s": round(first[name], 2),
-                 "warm step s (median)": round(statistics.median(warm[name]), 3),
+                 "warm step s (median)": round(warm[name], 3),
                  "learner MiB/device": round(learner / 2**20, 2),
-                 "update temporaries MiB/device": round(temp / 2**20, 2)})
-  full = rows[0]
+                 "update temporaries MiB/device": round(temp / 2**20, 2),
+                 "warm / full": round(warm[name] / warm["full fine-tune"], 2)})
+  full = rows[0]["learner MiB/device"]
   for row in rows:
-    row["warm / full"] = round(row["warm step s (median)"] / full["warm step s (median)"], 2)
-    row["learner / full"] = round(row["learner MiB/device"] / full["learner MiB/device"], 2)
+    row["learner / full"] = round(row["learner MiB/device"] / full, 2)
   return rows
 
 

@@ -31,22 +31,47 @@ import numpy as np
 STEPS = 5
 
 
-def _cpu_rows(quick: bool) -> list[dict]:
-  import jax
-
-  from posttrain import models
-  from posttrain.rl import packing, presets
-  from posttrain.rl import state as state_lib
-  from posttrain.rl import train_step as ts
-  mesh = models.make_mesh((1, -1, 1, 1))
+def grpo_batch():
+  """The CPU arms' batch: 16 rows of 96 tokens (32 prompt + 64 response), one micro-batch."""
+  from posttrain.rl import packing
   rng = np.random.default_rng(0)
   trajectories = [dict(prompt_tokens=rng.integers(1, 1000, 32),
                        response_tokens=rng.integers(1, 1000, 64),
                        response_mask=np.ones(64, bool),
                        behaviour_logprobs=-rng.uniform(1, 8, 64), advantages=rng.normal(),
                        rewards=rng.normal()) for _ in range(16)]
-  batch = packing.split_microbatches(packing.pack_trajectories(trajectories, 96, num_rows=16),
-                                     96 * 16, num_microbatches=1)
+  return packing.split_microbatches(packing.pack_trajectories(trajectories, 96, num_rows=16),
+                                    96 * 16, num_microbatches=1)
+
+
+def time_steps(steps: dict, states: dict, refs: dict, batch) -> tuple[dict, dict]:
+  """(first step s, median warm step s) per arm: one step each (compile included), then
+  STEPS warm steps with the arms interleaved, so load drifts hit them alike. `states`
+  is updated in place."""
+  import jax
+  first, warm = {}, {name: [] for name in steps}
+
+  def one(name):
+    start = time.perf_counter()
+    states[name], _ = steps[name](states[name], batch, refs[name])
+    jax.block_until_ready(states[name].params)
+    return time.perf_counter() - start
+
+  for name in steps:
+    first[name] = one(name)
+  for _ in range(STEPS):
+    for name in steps:
+      warm[name].append(one(name))
+  return first, {name: statistics.median(times) for name, times in warm.items()}
+
+
+def _cpu_rows(quick: bool) -> list[dict]:
+  from posttrain import models
+  from posttrain.rl import presets
+  from posttrain.rl import state as state_lib
+  from posttrain.rl import train_step as ts
+  mesh = models.make_mesh((1, -1, 1, 1))
+  batch = grpo_batch()
   algo = presets.algorithm_config("grpo", kl_coef=0.04)
   optimizer = state_lib.make_optimizer(1e-5, warmup=0, total_steps=100)
   rows = []
@@ -55,29 +80,18 @@ def _cpu_rows(quick: bool) -> list[dict]:
     plain = models.create_model(base, mesh=mesh)
     arms = {"layer list": plain, "scan_layers": models.relayout(plain, scan_layers=True,
                                                                 mesh=mesh)}
-    steps, states, refs, first = {}, {}, {}, {}
+    steps, states, refs = {}, {}, {}
     for name, model in arms.items():
       steps[name] = ts.make_train_step(model.cfg, algo, optimizer, mesh=mesh,
                                        reference_in_step=True)
       states[name] = state_lib.init_train_state(model, optimizer, mesh=mesh)
       refs[name] = state_lib.frozen_copy(states[name].params)
-      start = time.perf_counter()
-      states[name], _ = steps[name](states[name], batch, refs[name])
-      jax.block_until_ready(states[name].params)
-      first[name] = time.perf_counter() - start
-    warm = {name: [] for name in arms}
-    for _ in range(STEPS):
-      for name in arms:  # interleaved, so load drifts hit both arms alike
-        start = time.perf_counter()
-        states[name], _ = steps[name](states[name], batch, refs[name])
-        jax.block_until_ready(states[name].params)
-        warm[name].append(time.perf_counter() - start)
+    first, warm = time_steps(steps, states, refs, batch)
     for name in arms:
       rows.append({"layers": layers, "arm": name, "first step s": round(first[name], 2),
-                   "warm step s (median)": round(statistics.median(warm[name]), 3),
+                   "warm step s (median)": round(warm[name], 3),
                    "first / list": round(first[name] / first["layer list"], 2),
-                   "warm / list": round(statistics.median(warm[name])
-                                        / statistics.median(warm["layer list"]), 2)})
+                   "warm / list": round(warm[name] / warm["layer list"], 2)})
   return rows
 
 
