@@ -197,20 +197,21 @@ def state_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
                 rules=models.DEFAULT_RULES, *, clip: bool = True) -> tuple[int, int]:
   """(params, AdamW state) bytes per device, from eval_shape and the rules (cached: the
   advice re-plans the same model many times)."""
-  rules = tuple((n, tuple(a)) for n, a in rules)
-  # Fields that change no parameter share one cache entry (the advice varies remat).
-  shapes_only = model_cfg.replace(remat="none", attention_impl="reference", attention_options="",
-                                  dtype="float32", attention_chunk=512, logprob_chunk=256)
-  return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))[:2]
+  return _cached_state_bytes(model_cfg, mesh_shape, rules, clip)[:2]
 
 
 def trainable_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
                     rules=models.DEFAULT_RULES) -> int:
   """Bytes per device of the params the optimizer updates: all, or the LoRA adapters."""
+  return _cached_state_bytes(model_cfg, mesh_shape, rules, True)[2]
+
+
+def _cached_state_bytes(model_cfg, mesh_shape, rules, clip) -> tuple[int, int, int]:
   rules = tuple((n, tuple(a)) for n, a in rules)
+  # Fields that change no parameter share one cache entry (the advice varies remat).
   shapes_only = model_cfg.replace(remat="none", attention_impl="reference", attention_options="",
                                   dtype="float32", attention_chunk=512, logprob_chunk=256)
-  return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, True)[2]
+  return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))
 
 
 def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
-from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _lora_axes, _lora_init,
+from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter, _lora_axes,
                                           merge_lora)
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -444,20 +444,14 @@ def _fresh(v, key: tuple, cfg: ModelConfig, shardings, seed: int):
   if key not in (("value_w",), ("value_b",)) and not is_lora:
     raise ValueError(f"no checkpoint tensor for parameter {'/'.join(map(str, key))}")
 
-  def lora_part(layer):
-    target = name[:-len("_lora_a")]
-    k = jax.random.fold_in(jax.random.key(seed), layer)
-    a_b = _lora_init(cfg, target, jax.random.fold_in(k, LORA_TARGETS.index(target)))
-    return a_b[int(name.endswith("_b"))]
-
   def make():
     if key == ("value_b",):
       return jnp.zeros(v.shape, v.dtype)
     if key == ("value_w",):
       return jax.random.normal(jax.random.key(seed), v.shape, v.dtype) * cfg.init_std
-    if cfg.scan_layers:
-      return jax.vmap(lora_part)(jnp.arange(cfg.num_layers))
-    return lora_part(key[1])
+    a_b = _fresh_adapter(cfg, name[:-len("_lora_a")], jax.random.key(seed),
+                         None if cfg.scan_layers else key[1])
+    return a_b[int(name.endswith("_b"))]
 
   if shardings is None:
     return make()

@@ -182,23 +182,35 @@ def _lora_init(cfg: ModelConfig, target: str, key):
   return a.astype(pd), jnp.zeros((cfg.lora_rank, *out_shape), pd)
 
 
+def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None):
+  """(A, B) of a new adapter on `target`: layer `layer`'s, or with `layer` None every
+  layer's stacked on a leading axis. Layer i draws from fold_in(fold_in(key, i), the
+  target's index in LORA_TARGETS)."""
+  index = LORA_TARGETS.index(target)
+
+  def one(i):
+    return _lora_init(cfg, target, jax.random.fold_in(jax.random.fold_in(key, i), index))
+
+  return jax.vmap(one)(jnp.arange(cfg.num_layers)) if layer is None else one(layer)
+
+
+def _owner(target: str) -> str:
+  """The block's submodule holding `target`."""
+  return "attn" if target in _ATTN_TARGETS else "mlp"
+
+
 def _attach_lora(model: "Transformer", key) -> None:
   """Gives every layer's target projections their adapters: `<target>_lora_a` / `_b`
-  (nnx.LoRAParam). Layer i's target t draws from fold_in(fold_in(key, i), t's index);
-  the base weights, drawn before, are those of the same model without adapters."""
+  (nnx.LoRAParam), drawn by `_fresh_adapter`; the base weights, drawn before, are those
+  of the same model without adapters."""
   cfg = model.cfg
   for t in cfg.lora_target_names:
-    in_shape, in_names, out_shape, out_names = _lora_axes(cfg, t)
-    index = LORA_TARGETS.index(t)
-
-    def init(i, t=t, index=index):
-      return _lora_init(cfg, t, jax.random.fold_in(jax.random.fold_in(key, i), index))
-
-    owners = ([(model.layers, ("layers",), jax.vmap(init)(jnp.arange(cfg.num_layers)))]
-              if cfg.scan_layers else
-              [(block, (), init(i)) for i, block in enumerate(model.layers)])
+    _, in_names, _, out_names = _lora_axes(cfg, t)
+    owners = ([(model.layers, ("layers",), _fresh_adapter(cfg, t, key))] if cfg.scan_layers
+              else [(block, (), _fresh_adapter(cfg, t, key, i))
+                    for i, block in enumerate(model.layers)])
     for block, lead, (a, b) in owners:
-      owner = block.attn if t in _ATTN_TARGETS else block.mlp
+      owner = getattr(block, _owner(t))
       setattr(owner, f"{t}_lora_a", nnx.LoRAParam(a, logical_axes=(*lead, *in_names, "lora")))
       setattr(owner, f"{t}_lora_b", nnx.LoRAParam(b, logical_axes=(*lead, "lora", *out_names)))
 
@@ -217,7 +229,7 @@ def _add_lora(module, target: str, y, x, down: str, up: str):
 def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) -> dict:
   """The model's state as a pure dict, each adapter folded into its projection
   (W + scale * A B, in float32); with `key`, fresh adapters of `cfg` (default: the
-  model's; `_attach_lora`'s draws, B zero) in their place, else none."""
+  model's; `_fresh_adapter`'s draws, B zero) in their place, else none."""
   old = model.cfg
   cfg = cfg or old
   pure = nnx.to_pure_dict(nnx.state(model))
@@ -225,7 +237,7 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
   layers = [pure["layers"]] if stacked else [pure["layers"][i] for i in range(old.num_layers)]
   for i, layer in enumerate(layers):
     for t in old.lora_target_names:
-      owner = layer["attn" if t in _ATTN_TARGETS else "mlp"]
+      owner = layer[_owner(t)]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
       w, r = owner[t], old.lora_rank
       lead = a.shape[:1] if stacked else ()
@@ -235,14 +247,8 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
     if key is None:
       continue
     for t in cfg.lora_target_names:
-      index = LORA_TARGETS.index(t)
-
-      def init(j, t=t, index=index):
-        return _lora_init(cfg, t, jax.random.fold_in(jax.random.fold_in(key, j), index))
-
-      owner = layer["attn" if t in _ATTN_TARGETS else "mlp"]
-      owner[f"{t}_lora_a"], owner[f"{t}_lora_b"] = (
-          jax.vmap(init)(jnp.arange(cfg.num_layers)) if stacked else init(i))
+      layer[_owner(t)][f"{t}_lora_a"], layer[_owner(t)][f"{t}_lora_b"] = _fresh_adapter(
+          cfg, t, key, None if stacked else i)
   return pure
 
 
