@@ -24,13 +24,18 @@ Components (all per device):
   gathered     the weights the sampler gathers over the batch axes for one generate call
                (rollout.gather_weights; see `decode_weight_bytes`).
   kv_cache     the sampler's cache for one generate call (see `kv_cache_bytes`).
+  prefill      what the call's prefill holds beside it: the prompts' own cache and one
+               layer's forward over them (see `prefill_bytes`).
+  decode_step  what one decode step holds beside it: the logits, and one layer's weights
+               gathered when the sampler leaves them sharded (see `decode_step_bytes`).
 
 Colocated placement samples and updates one after the other on the same devices:
   peak = params + optimizer + reference + sampler
-         + max(gradients + activations + batch, gathered + kv_cache).
+         + max(gradients + activations + batch,
+               gathered + kv_cache + max(prefill, decode_step)).
 Disaggregated placement puts them on different devices:
   peak = max(params + optimizer + reference + gradients + activations + batch,   (train)
-             sampler + gathered + kv_cache)                                      (rollout)
+             sampler + gathered + kv_cache + max(prefill, decode_step))          (rollout)
 Parameter and optimizer bytes are exact; activations are formulas fitted to what JAX
 saves for the backward pass (XLA may fuse or free some earlier).
 """
@@ -52,6 +57,7 @@ from posttrain import experiment, models
 from posttrain.rl import state as rl_state
 from posttrain.models.config import REMAT_POLICIES
 from posttrain.models.transformer import CACHE_AXES
+from posttrain.sampling.sampler import default_length_bucket
 
 GIB = 1 << 30
 # XLA needs room beyond the live arrays (fragmentation, program buffers, collectives).
@@ -79,7 +85,7 @@ class Plan:
     rollout_mesh: the sampler's mesh (the same as `mesh` when colocated).
     placement: colocated or disaggregated.
     components: by name (params, optimizer, reference, gradients, activations, batch,
-      sampler, kv_cache).
+      sampler, gathered, kv_cache, prefill, decode_step).
     train_peak / rollout_peak: the fullest moment of a train device / a sampling device.
     capacity: bytes per device the plan may use (`USABLE_FRACTION` of the memory), or None.
     advice: the verdict, then knobs that make it fit.
@@ -377,6 +383,54 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
   return 2 * cfg.num_layers * one
 
 
+def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: int, rows: int,
+                  mesh: AbstractMesh, rules=models.DEFAULT_RULES,
+                  dtype: str | None = None) -> int:
+  """Per-device bytes a generate call's prefill holds beside the cache it fills:
+
+    kv_cache_bytes(prompts, prompt_len)   the distinct prompts' own cache, live until
+                                          every row has copied its prompt's
+    + max(tokens * (s(2D + NH + 2KH + 5F) + attention),   one layer's forward
+          2 * rows * prompt_len * KH * s)                 one layer's rows copied out
+
+  tokens = one device's share of prompts x prompt_len. XLA:TPU keeps about five
+  [tokens, F] MLP arrays live in a layer's forward (gate, up, their product and the
+  partial sums of the down projection); attention is the reference's float32 scores
+  4(2NT) + NT a token, O(N) for the others. Compiled for a v5e-8 (Llama 3 8B, 16 prompts
+  of 1,024), XLA's prefill needs 1.10 GiB beyond the weights and the cache; this counts
+  0.60 GiB of it."""
+  cfg = model_cfg
+  b, t, heads, kv_heads, mlp, _ = _activation_shards(cfg, prompts, prompt_len, mesh, rules)
+  s = np.dtype(cfg.dtype).itemsize
+  nh, kh = heads * cfg.head_dim, kv_heads * cfg.head_dim
+  attn = 4 * 2 * heads * prompt_len + heads * prompt_len if cfg.attention_impl == "reference" else 0
+  forward = b * t * (s * (2 * cfg.d_model + nh + 2 * kh + 5 * mlp) + attn)
+  rows_local = _logical_shard(mesh, rules, ("batch",), (rows,))[0]
+  kv_dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
+  copied = 2 * rows_local * prompt_len * kh * kv_dtype.itemsize
+  prompt_cache = kv_cache_bytes(cfg, batch=prompts, max_len=prompt_len, mesh=mesh,
+                                rules=rules, dtype=dtype)
+  return int(prompt_cache + max(forward, copied))
+
+
+def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: AbstractMesh,
+                      rules=models.DEFAULT_RULES, gathered: bool = True) -> int:
+  """Per-device bytes one decode step holds beyond the weights and the cache: the float32
+  logits [rows, V] (every row's, over a slice of D, when the weights are left sharded;
+  see `Sampler._logits`) and, with weights left sharded over the batch axes
+  (`gathered=False`), one layer's weights gathered in the compute dtype:
+  s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis. XLA:TPU needed 0.54 GiB
+  for a Llama 3 8B layer (0.41 GiB) and 128 rows' logits (0.06 GiB) on a v5e-8."""
+  cfg = model_cfg
+  _, _, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, 1, mesh, rules)
+  if gathered:
+    return int(_logical_shard(mesh, rules, ("batch",), (rows,))[0] * cfg.vocab_size * 4)
+  s = np.dtype(cfg.dtype).itemsize
+  d, nh, kh = cfg.d_model, heads * cfg.head_dim, kv_heads * cfg.head_dim
+  layer = s * (2 * d * nh + 2 * d * kh + 3 * d * mlp)
+  return int(rows * vocab * 4 + layer)
+
+
 def batch_mesh_size(mesh: AbstractMesh, rules=models.DEFAULT_RULES) -> int:
   """Devices the logical batch axis spreads over (the data x fsdp axes by default)."""
   spec = models.logical_to_spec(("batch",), rules, mesh)[0]
@@ -464,6 +518,17 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   kv_dtype = np.dtype("int8" if cache_dtype == "int8" else (cache_dtype or cfg.dtype))
   size = np.dtype(cfg.param_dtype).itemsize
   gathered = decode_weight_bytes(cfg, rollout_shape, rules) if r.get("gather_weights", True) else 0
+  # The Sampler reads its own weights when it gathers nothing: left sharded if they are.
+  sharded = batch_mesh_size(rollout_mesh, rules) > 1 and not gathered
+  prompts = -(-s_rows // int(algo.group_size))
+  prompts = -(-_next_pow2(prompts) // batch_mesh_size(rollout_mesh, rules)) * batch_mesh_size(
+      rollout_mesh, rules)
+  new = int(r.max_new_tokens)
+  prompt_len = default_length_bucket(int(r.max_len) - new, int(r.max_len))
+  prefill = prefill_bytes(cfg, prompts=prompts, prompt_len=prompt_len, rows=s_rows,
+                          mesh=rollout_mesh, rules=rules, dtype=cache_dtype)
+  step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
+                           gathered=not sharded)
   comps = [
       Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
                 "the rules" + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
@@ -487,10 +552,15 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"{np.dtype(cfg.dtype)}" if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {int(r.max_len)} x {cfg.num_layers} layers "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
+      Component("prefill", prefill, f"{prompts} prompts' cache of {prompt_len} and one "
+                "layer's forward over them"),
+      Component("decode_step", step, "the logits" + (", one layer's weights gathered "
+                                                    "(left sharded)" if sharded else "")),
   ]
   static = params + opt + reference + (sampler if placement == "colocated" else 0)
   train_peak = static + grads + acts + batch
-  rollout_peak = (static if placement == "colocated" else sampler) + gathered + kv
+  rollout_peak = ((static if placement == "colocated" else sampler) + gathered + kv
+                  + max(prefill, step))
   capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
   result = Plan(shape, rollout_shape, placement, {c.name: c for c in comps}, train_peak,
                 rollout_peak, capacity)
@@ -510,10 +580,15 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
   colocated, the sampler's copy of the weights during the update, and the learner's
   state (params, optimizer, reference) and that copy while sampling. A sampler that
   gathers its weights (rollout.gather_weights) reads the gathered copy, so its own copy
-  lies outside its programs on a rollout mesh too."""
+  lies outside its programs; one that does not takes its own copy as an argument, inside
+  XLA's figures (counted twice before: compiled / planned 1.43 for an 8B LoRA run on a
+  v5e-8, of which 1.91 GiB was that copy)."""
   gather = bool(config.rollout.get("gather_weights", True)) and p["gathered"] > 0
   if p.placement == "colocated":
     learner = p["params"] + p["optimizer"] + p["reference"]
+    if not gather:  # the sampling programs take the sampler's own weights as arguments
+      return ((p["sampler"], "the sampler's copy of the weights"),
+              (learner, "the learner's params, optimizer and reference"))
     return ((p["sampler"], "the sampler's copy of the weights"),
             (learner + p["sampler"], "the learner's params, optimizer and reference, and "
              "the sampler's copy of the weights"))
@@ -615,11 +690,12 @@ def format_plan(p: Plan) -> str:
     lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
   if p.placement == "colocated":
     lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
-                 "sampler + max(gradients + activations + batch, gathered + kv_cache)")
+                 "sampler + max(gradients + activations + batch, gathered + kv_cache + "
+                 "max(prefill, decode_step))")
   else:
     lines.append(f"{'train peak':<12}{human_bytes(p.train_peak):>12}  params + optimizer + "
                  "reference + gradients + activations + batch")
     lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + gathered + "
-                 "kv_cache")
+                 "kv_cache + max(prefill, decode_step)")
   lines += list(p.advice)
   return "\n".join(lines)

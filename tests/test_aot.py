@@ -61,6 +61,12 @@ def test_rollout_programs_compile_for_a_v5e_slice():
                                      report.mesh))
   assert cache <= report.decode_peak <= 4 * cache + (16 << 20)
   assert report.prefill_peak > 0
+  # The plan does not undercount the compiled rollout: with what the device holds
+  # outside the programs, XLA's peak is within the planned one (before the plan counted
+  # the prefill, XLA needed 1.27x it here).
+  plan = planner.plan(config, num_devices=4)
+  resident = planner.resident_outside_programs(plan, config)[1][0]
+  assert max(report.prefill_peak, report.decode_peak) + resident <= plan.rollout_peak
 
 
 @requires_libtpu

@@ -100,7 +100,8 @@ def test_disaggregated_sampler_weights_match_real_arrays_on_the_rollout_mesh():
   assert p["gathered"] == pytest.approx(_real_per_device_bytes(sampler._weights()), rel=0.05)
   assert p["gathered"] > p["sampler"]  # replicated over the rollout mesh's fsdp axis
   # Each side peaks on its own devices; the KV cache is not on the train devices.
-  assert p.rollout_peak == p["sampler"] + p["gathered"] + p["kv_cache"]
+  assert p.rollout_peak == p["sampler"] + p["gathered"] + p["kv_cache"] + max(
+      p["prefill"], p["decode_step"])
   assert p.train_peak == sum(p[k] for k in ("params", "optimizer", "reference", "gradients",
                                             "activations", "batch"))
 
@@ -197,11 +198,19 @@ def test_gathered_weights_only_when_there_is_something_to_gather():
 def test_what_lies_outside_the_compiled_programs():
   """launch.plan --compile_for adds to XLA's figures what a device holds outside each
   program: colocated, the sampler's copy during the update, the learner's state and
-  that copy while sampling; on a rollout mesh, the sampler's own (ungathered) weights."""
+  (gathered for sampling) that copy while sampling; on a rollout mesh, the sampler's own
+  weights when the programs read a gathered copy."""
   p = planner.plan(_config(**TINY))
   (train, _), (rollout, _) = planner.resident_outside_programs(p, _config(**TINY))
   assert p.placement == "colocated" and train == p["sampler"] > 0
+  assert p["gathered"] > 0
   assert rollout == p["params"] + p["optimizer"] + p["reference"] + p["sampler"]
+  # Left sharded, the sampler's own weights are the sampling programs' argument: inside
+  # XLA's figure, not outside it.
+  config = _config(**TINY, **{"rollout.gather_weights": False})
+  p = planner.plan(config)
+  assert planner.resident_outside_programs(p, config)[1][0] == (
+      p["params"] + p["optimizer"] + p["reference"])
   config = _config(**TINY, **{"placement.mode": "disaggregated",
                               "placement.rollout_devices": 2, "train.rows_per_microbatch": 6})
   p = planner.plan(config, num_devices=8)
@@ -225,6 +234,36 @@ def test_kv_cache_bytes_by_hand():
   tp16 = planner.abstract_mesh({"data": 1, "fsdp": 2, "tensor": 16, "sequence": 1})
   assert planner.kv_cache_bytes(cfg, batch=64, max_len=4096, mesh=tp8) == (1 << 30)
   assert planner.kv_cache_bytes(cfg, batch=64, max_len=4096, mesh=tp16) == 16 * (1 << 30)
+
+
+def test_prefill_and_decode_step_bytes_by_hand():
+  """What a generate call holds beside the weights and its cache: the prompts' own cache
+  and one layer's forward over them (prefill); the logits and, weights left sharded, one
+  layer's weights gathered (a decode step)."""
+  cfg = models.get_preset("llama3_8b").replace(dtype="bfloat16", attention_impl="flash")
+  fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  d, f, nh, kh = 4096, 14336, 32 * 128, 8 * 128
+  # 16 prompts of 1,024 over 8 devices: 2 a device.
+  prompt_cache = 2 * 1024 * kh * 2 * 2 * 32
+  assert planner.kv_cache_bytes(cfg, batch=16, max_len=1024, mesh=fsdp8) == prompt_cache
+  forward = 2 * 1024 * 2 * (2 * d + nh + 2 * kh + 5 * f)
+  assert planner.prefill_bytes(cfg, prompts=16, prompt_len=1024, rows=128,
+                               mesh=fsdp8) == prompt_cache + forward
+  # Reference attention adds its float32 scores and mask: 9 bytes per head per key.
+  ref = cfg.replace(attention_impl="reference")
+  assert planner.prefill_bytes(ref, prompts=16, prompt_len=1024, rows=128, mesh=fsdp8) == (
+      prompt_cache + forward + 2 * 1024 * 9 * 32 * 1024)
+  # Gathered weights: this device's 16 rows' logits. Left sharded: every row's logits
+  # (over a slice of D) and one layer's weights, 0.41 GiB for this model.
+  assert planner.decode_step_bytes(cfg, rows=128, mesh=fsdp8) == 16 * cfg.vocab_size * 4
+  layer = 2 * (2 * d * nh + 2 * d * kh + 3 * d * f)
+  assert planner.decode_step_bytes(cfg, rows=128, mesh=fsdp8, gathered=False) == (
+      128 * cfg.vocab_size * 4 + layer)
+  assert 0.40 < layer / 2**30 < 0.42
+  # tensor=8 splits the heads, the MLP and the vocabulary.
+  tp8 = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 8, "sequence": 1})
+  assert planner.decode_step_bytes(cfg, rows=128, mesh=tp8, gathered=False) == (
+      128 * cfg.vocab_size // 8 * 4 + layer // 8)
 
 
 def test_real_scale_presets_give_sane_numbers():

@@ -161,6 +161,11 @@ def _powers_of_two(lo: int, hi: int, *, halves: bool = False) -> tuple[int, ...]
   return tuple(b for b in out if b < hi) + (hi,)
 
 
+def default_length_bucket(n: int, max_len: int) -> int:
+  """The length a Sampler with the default length_buckets pads `n` tokens to."""
+  return _bucket(n, _powers_of_two(min(16, max_len), max_len, halves=True), "length")
+
+
 def _param_path(path) -> str:
   """A leaf's path without nnx's Variable `.value`, so State and pure dicts compare equal."""
   return jax.tree_util.keystr(tuple(
@@ -538,9 +543,23 @@ class Sampler:
   # -- jitted bodies (pure functions of arrays) -------------------------------------------
 
   def _logits(self, model, h_BxD):
+    """[B, V] float32 logits of the last hidden states.
+
+    With the weights left sharded (gather_weights=False), the output projection's D axis
+    is split over the batch axes, and XLA gathered all of it onto every device to
+    project the batch's rows (1 GiB a device for Llama 3's 128K vocabulary, in prefill
+    and again in every decode step). Splitting the rows' D the same way instead, each
+    device projects every row through its own slice of D and the partial logits are
+    summed and scattered back by row: [B, V] float32 a device, never [D, V]."""
     dt = jnp.dtype(self.cfg.dtype)
-    return jnp.einsum("BD,DV->BV", h_BxD.astype(dt), model.unembed().astype(dt),
-                      preferred_element_type=jnp.float32)
+    h_BxD, w_DxV = h_BxD.astype(dt), model.unembed().astype(dt)
+    split = self.mesh is not None and not self.gather_weights and self._batch_multiple > 1
+    if split:
+      d_axes = self._ctx.sharding(("embed", "vocab"), w_DxV.shape).spec[0]
+      h_BxD = jax.lax.with_sharding_constraint(
+          h_BxD, NamedSharding(self.mesh, PartitionSpec(None, d_axes)))
+    logits = jnp.einsum("BD,DV->BV", h_BxD, w_DxV, preferred_element_type=jnp.float32)
+    return self._ctx.constrain(logits, ("batch", "vocab")) if split else logits
 
   def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, seed, temperature,
                top_p, *, cache_len: int, mode: SamplingMode, group: int | None = None):

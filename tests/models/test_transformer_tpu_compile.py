@@ -145,3 +145,30 @@ def test_decode_gathers_no_weights_inside_its_loop_on_tpu(scan):
     per_step[gather] = _all_gather_bytes_in_loops(decode.as_text())
   assert per_step[False] > weights / 10, per_step  # weights, at every step
   assert per_step[True] < per_step[False] / 10, per_step
+
+
+def test_sharded_weights_never_gather_the_whole_output_projection_on_tpu():
+  """Weights left FSDP-sharded (gather_weights=False): XLA:TPU gathered the whole [D, V]
+  output projection onto every device for the logits, in prefill and in every decode
+  step (1 GiB a device for Llama 3's 128K vocabulary, most of the rollout's memory
+  beyond the weights and the cache). The sampler splits the rows' D as the projection's
+  is split and sums the partial logits instead."""
+  import re
+
+  from posttrain.sampling.sampler import Sampler
+  # A vocabulary no other weight's shape shares, wide enough that XLA would not gather
+  # the shards for their small size alone.
+  # (A tied projection is the embedding table transposed: the same sharding.)
+  cfg = CFG.replace(d_model=1024, num_heads=8, ffn_dim=2048, vocab_size=8192,
+                    tie_embeddings=False)
+  mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  sampler = Sampler(abstract, mesh=mesh, max_len=2048, gather_weights=False)
+  with jax.set_mesh(mesh):
+    programs = sampler.compile(64, 1024, 1024, distinct_prompts=8, temperature=1.0)
+  whole = {f"[{cfg.d_model},{cfg.vocab_size}]", f"[{cfg.vocab_size},{cfg.d_model}]"}
+  for program in programs:
+    gathered = [line for line in program.as_text().splitlines()
+                if re.search(r" all-gather(-start)?\(", line)
+                and any(w in line.split(" all-gather")[0] for w in whole)]
+    assert not gathered, gathered[:2]
