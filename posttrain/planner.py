@@ -398,7 +398,7 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   partial sums of the down projection); attention is the reference's float32 scores
   4(2NT) + NT a token, O(N) for the others. Compiled for a v5e-8 (Llama 3 8B, 16 prompts
   of 1,024), XLA's prefill needs 1.10 GiB beyond the weights and the cache; this counts
-  0.60 GiB of it."""
+  0.58 GiB of it."""
   cfg = model_cfg
   b, t, heads, kv_heads, mlp, _ = _activation_shards(cfg, prompts, prompt_len, mesh, rules)
   s = np.dtype(cfg.dtype).itemsize
@@ -416,7 +416,8 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
 def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: AbstractMesh,
                       rules=models.DEFAULT_RULES, gathered: bool = True) -> int:
   """Per-device bytes one decode step holds beyond the weights and the cache: the float32
-  logits [rows, V] (every row's, over a slice of D, when the weights are left sharded;
+  logits [rows, V] (V over the tensor axis; every row's, over a slice of D, when the
+  weights are left sharded;
   see `Sampler._logits`) and, with weights left sharded over the batch axes
   (`gathered=False`), one layer's weights gathered in the compute dtype:
   s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis. XLA:TPU needed 0.54 GiB
@@ -424,7 +425,7 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   cfg = model_cfg
   _, _, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, 1, mesh, rules)
   if gathered:
-    return int(_logical_shard(mesh, rules, ("batch",), (rows,))[0] * cfg.vocab_size * 4)
+    return int(_logical_shard(mesh, rules, ("batch",), (rows,))[0] * vocab * 4)
   s = np.dtype(cfg.dtype).itemsize
   d, nh, kh = cfg.d_model, heads * cfg.head_dim, kv_heads * cfg.head_dim
   layer = s * (2 * d * nh + 2 * d * kh + 3 * d * mlp)
