@@ -251,6 +251,9 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   assert all(np.isfinite(r["grad_norm"]) for r in rl_rows)
 
 
+# About three minutes on two cores (two processes, each compiling both meshes' programs):
+# runs with -m slow. Disaggregated placement runs in one process in tests/test_placement.py.
+@pytest.mark.slow
 def test_two_process_disaggregated_training_runs_rollouts_and_updates(tmp_path):
   """Each host gives 2 of its 4 devices to the rollout mesh; weights cross meshes device to
   device (each host's train devices stage its rollout devices' shards) and rewards through
