@@ -512,7 +512,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
   # The Sampler copies the weights it is given (never an alias), colocated or not.
   sampler = params if placement == "colocated" else state_bytes(cfg, rollout_shape, rules)[0]
-  s_rows = sampler_batch(config, int(algo.group_size), batch_mesh_size(rollout_mesh, rules))
+  rollout_shards = batch_mesh_size(rollout_mesh, rules)
+  s_rows = sampler_batch(config, int(algo.group_size), rollout_shards)
   cache_dtype = kv_cache_dtype or r.get("cache_dtype", None)
   kv = kv_cache_bytes(cfg, batch=s_rows, max_len=int(r.max_len), mesh=rollout_mesh,
                       rules=rules, dtype=cache_dtype)
@@ -520,10 +521,10 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   size = np.dtype(cfg.param_dtype).itemsize
   gathered = decode_weight_bytes(cfg, rollout_shape, rules) if r.get("gather_weights", True) else 0
   # The Sampler reads its own weights when it gathers nothing: left sharded if they are.
-  sharded = batch_mesh_size(rollout_mesh, rules) > 1 and not gathered
-  prompts = -(-s_rows // int(algo.group_size))
-  prompts = -(-_next_pow2(prompts) // batch_mesh_size(rollout_mesh, rules)) * batch_mesh_size(
-      rollout_mesh, rules)
+  sharded = rollout_shards > 1 and not gathered
+  # One prefill per group, its rows padded as the Sampler pads them.
+  prompts = _next_pow2(-(-s_rows // int(algo.group_size)))
+  prompts = -(-prompts // rollout_shards) * rollout_shards
   new = int(r.max_new_tokens)
   prompt_len = default_length_bucket(int(r.max_len) - new, int(r.max_len))
   prefill = prefill_bytes(cfg, prompts=prompts, prompt_len=prompt_len, rows=s_rows,
