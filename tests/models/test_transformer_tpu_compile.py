@@ -157,8 +157,8 @@ def test_sharded_weights_never_gather_the_whole_output_projection_on_tpu():
 
   from posttrain.sampling.sampler import Sampler
   # A vocabulary no other weight's shape shares, wide enough that XLA would not gather
-  # the shards for their small size alone.
-  # (A tied projection is the embedding table transposed: the same sharding.)
+  # the shards for their small size alone. (A tied projection is the embedding table
+  # transposed, sharded the same way.)
   cfg = CFG.replace(d_model=1024, num_heads=8, ffn_dim=2048, vocab_size=8192,
                     tie_embeddings=False)
   mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
