@@ -6,9 +6,9 @@ with a compilation cache shared by the whole run.
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.xla_flags import xla_flags  # plain Python: imports no jax
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, its xdist workers and the processes
 # tests launch (they inherit the environment): most tests compile the same tiny models'

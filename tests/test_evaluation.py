@@ -28,6 +28,7 @@ from posttrain.tasks import (
   registry,
   set_sandbox,
 )
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -586,7 +587,7 @@ def test_bad_arguments_are_one_line_errors(run):
 
 def test_launcher_error_is_one_line(run):
   workdir, _ = run
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  env = {**os.environ, "XLA_FLAGS": xla_flags(8),
          "JAX_PLATFORMS": "cpu"}
   flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
   proc = subprocess.run(

@@ -14,6 +14,7 @@ import pytest
 
 from posttrain import distributed
 from tests.test_trainer import OVERRIDES
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENV_KEYS = (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
@@ -28,7 +29,7 @@ def _free_port() -> int:
 
 def _env(port: int, process_id: int) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k not in _ENV_KEYS}
-  env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+  env.update({"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
               distributed.ENV_COORDINATOR: f"localhost:{port}",
               distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: str(process_id)})
   return env

@@ -17,6 +17,7 @@ from posttrain import experiment, trainer
 from posttrain.rl import presets
 from posttrain.rl import train_step as ts
 from posttrain.metrics import read_metrics
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +51,7 @@ def _flags(**extra):
 def _launch(workdir, *args, **kwargs):
   cmd = [sys.executable, "-m", "launch.train", f"--config={ROOT}/configs/default.py",
          f"--workdir={workdir}", *args]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  env = {**os.environ, "XLA_FLAGS": xla_flags(8),
          "JAX_PLATFORMS": "cpu"}
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, **kwargs)

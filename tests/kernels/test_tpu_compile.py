@@ -71,10 +71,16 @@ def test_flash_forward_and_backward_compile_for_v5e(case):
   assert "tpu_custom_call" in text
 
 
-@pytest.mark.parametrize("chip", ["v4", "v5p", "v6e"])
-@pytest.mark.parametrize("case", ["gqa_segments_bf16", "f32_head_dim_256_window_at_4k",
-                                  "fused_backward", "compact_causal_fused"])
-def test_default_blocks_compile_for_each_generation(chip, case):
+_GENERATION_CASES = ["gqa_segments_bf16", "f32_head_dim_256_window_at_4k", "fused_backward",
+                     "compact_causal_fused"]
+_CHIPS = ["v4", "v5p", "v6e"]
+
+
+# Each case on one generation by default (every generation in turn), the rest with -m slow.
+@pytest.mark.parametrize("case, chip", [
+    pytest.param(case, chip, marks=() if (i - j) % len(_CHIPS) == 0 else pytest.mark.slow)
+    for i, case in enumerate(_GENERATION_CASES) for j, chip in enumerate(_CHIPS)])
+def test_default_blocks_compile_for_each_generation(case, chip):
   _grad_program(tpu_mesh(chip, (1,), ("x",)), *CASES[case])
 
 

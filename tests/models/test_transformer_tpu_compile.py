@@ -78,8 +78,10 @@ def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dty
   compile_for(mesh, decode, state, step_tokens, cache)
 
 
-@pytest.mark.parametrize("cache_dtype,scan", [(None, False), ("int8", False), (None, True),
-                                             ("int8", True)])
+@pytest.mark.parametrize("cache_dtype,scan", [
+    (None, False), ("int8", True),
+    pytest.param("int8", False, marks=pytest.mark.slow),
+    pytest.param(None, True, marks=pytest.mark.slow)])
 def test_decode_updates_the_kv_cache_in_place_on_tpu(cache_dtype, scan):
   """The sampler's decode loop writes each step's keys into the cache without copying
   any layer's whole cache (head_dim 128). Written as [K, H] windows per slot, XLA:TPU
@@ -126,7 +128,7 @@ def _all_gather_bytes_in_loops(text: str) -> int:
   return total
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_decode_gathers_no_weights_inside_its_loop_on_tpu(scan):
   """FSDP-sharded weights: XLA:TPU gathered each layer's weights inside the decode loop,
   at every step. The sampler gathers them once per call (gather_weights, the default),

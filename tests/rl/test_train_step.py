@@ -214,8 +214,9 @@ def test_reference_params_never_change_and_survive_donation():
   assert all(moved)
 
 
-@pytest.mark.parametrize("num_micro,mesh_shape", [(1, (1, 1, 1, 1)), (2, (1, 1, 1, 1)),
-                                                  (2, (1, 2, 2, 1))])
+@pytest.mark.parametrize("num_micro,mesh_shape", [
+    (1, (1, 1, 1, 1)), (2, (1, 2, 2, 1)),
+    pytest.param(2, (1, 1, 1, 1), marks=pytest.mark.slow)])
 def test_reference_in_step_matches_precomputed_reference_logprobs(num_micro, mesh_shape):
   """The fused program (reference pass inside the step) makes the update the two-program
   path makes, and leaves the reference untouched."""

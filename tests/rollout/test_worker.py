@@ -1,8 +1,12 @@
 """RolloutWorker: groups of scored samples; with several processes each scores its share
 and runs its share of the tool steps."""
+import functools
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import pytest
 
@@ -188,13 +192,19 @@ def test_segments_after_a_weight_change_prefill_again_under_the_new_weights(monk
   assert any(len(v) > 1 and v[-1] > v[0] for *_, v in _samples(groups))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_logprobs(graphdef, state, tokens_1xT):
+  logits = nnx.merge(graphdef, state)(tokens_1xT)[0]
+  return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
 def _recomputed_logprobs(model, sample):
-  """log p(token | prefix) of each response token under `model`, without a cache."""
-  import jax
-  import jax.numpy as jnp
+  """log p(token | prefix) of each response token under `model`, without a cache: one
+  causal forward over the sequence right-padded to the sampler's max_len (one compile)."""
   seq = sample.prompt_tokens + sample.response_tokens
-  tokens = jnp.asarray([seq], jnp.int32)
-  logp = jax.nn.log_softmax(model(tokens)[0].astype(jnp.float32), axis=-1)
+  tokens = np.zeros((1, 256), np.int32)
+  tokens[0, :len(seq)] = seq
+  logp = np.asarray(_forward_logprobs(*nnx.split(model), tokens))
   n = len(sample.prompt_tokens)
   return [float(logp[n - 1 + t, tok]) for t, tok in enumerate(sample.response_tokens)]
 
