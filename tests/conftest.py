@@ -6,9 +6,12 @@ with a compilation cache shared by the whole run.
 import os
 import tempfile
 
-from tests.xla_flags import xla_flags  # plain Python: imports no jax
+from tests.xla_flags import FAST_COMPILE  # plain Python: imports no jax
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
+# XLA takes a flag's last value: the caller's XLA_FLAGS override the fast compile (as
+# benchmarks/test_compile_flags.py does), never the 8 devices.
+os.environ["XLA_FLAGS"] = " ".join(
+    [FAST_COMPILE, os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, its xdist workers and the processes
 # tests launch (they inherit the environment): most tests compile the same tiny models'
@@ -22,3 +25,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Files whose tests launch processes and run the longest: first, so the xdist workers do
+# not end the run waiting on one of them (the scheduler hands out tests in this order).
+LONGEST_FIRST = ("tests/test_multihost.py", "tests/test_trainer.py", "tests/test_placement.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

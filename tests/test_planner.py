@@ -51,7 +51,8 @@ TINY = {"model.overrides.num_layers": 2, "model.overrides.d_model": 96,
     ((1, 8, 1, 1), "float32"),
     ((2, 2, 2, 1), "float32"),
     ((1, 2, 4, 1), "bfloat16"),   # 2 kv heads on 4-way tensor: replicated
-    ((8, 1, 1, 1), "float32"),    # data parallel only: everything replicated
+    pytest.param((8, 1, 1, 1), "float32",  # data parallel only: everything replicated
+                 marks=pytest.mark.slow),
 ])
 def test_params_and_optimizer_bytes_match_real_arrays_on_8_devices(mesh, param_dtype):
   config = _config(**TINY, **{"model.overrides.param_dtype": param_dtype,
