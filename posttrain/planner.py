@@ -25,7 +25,8 @@ Components (all per device):
                (rollout.gather_weights; see `decode_weight_bytes`).
   kv_cache     the sampler's cache for one generate call (see `kv_cache_bytes`).
   prefill      what the call's prefill holds beside it: the prompts' own cache and one
-               layer's forward over them (see `prefill_bytes`).
+               layer's forward over them, that layer's weights gathered when the sampler
+               leaves them sharded (see `prefill_bytes`).
   decode_step  what one decode step holds beside it: the logits, and one layer's weights
                gathered when the sampler leaves them sharded (see `decode_step_bytes`).
 
@@ -385,20 +386,25 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
 
 def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: int, rows: int,
                   mesh: AbstractMesh, rules=models.DEFAULT_RULES,
-                  dtype: str | None = None) -> int:
+                  dtype: str | None = None, gathered: bool = True) -> int:
   """Per-device bytes a generate call's prefill holds beside the cache it fills:
 
     kv_cache_bytes(prompts, prompt_len)   the distinct prompts' own cache, live until
                                           every row has copied its prompt's
-    + max(tokens * (s(2D + NH + 2KH + 5F) + attention),   one layer's forward
+    + max(tokens * (s(2D + NH + 2KH + 5F) + attention)    one layer's forward
+          [+ layer],                                       (weights left sharded: that
+                                                            layer's weights gathered)
           2 * rows * prompt_len * KH * s)                 one layer's rows copied out
 
   tokens = one device's share of prompts x prompt_len. XLA:TPU keeps about five
   [tokens, F] MLP arrays live in a layer's forward (gate, up, their product and the
   partial sums of the down projection); attention is the reference's float32 scores
-  4(2NT) + NT a token, O(N) for the others. Compiled for a v5e-8 (Llama 3 8B, 16 prompts
-  of 1,024), XLA's prefill needs 1.10 GiB beyond the weights and the cache; this counts
-  0.58 GiB of it."""
+  4(2NT) + NT a token, O(N) for the others. With `gathered=False` (the sampler leaves
+  its weights sharded over the batch axes) each layer's forward gathers that layer's
+  weights, s(2 D NH + 2 D KH + 3 D F), as a decode step does (`decode_step_bytes`).
+  Compiled for a v5e-8 (Llama 3 8B, 16 prompts of 1,024, weights left sharded), XLA's
+  prefill needs 1.10 GiB beyond the weights and the cache; this counts 0.98 GiB of it
+  (0.58 GiB before the gathered layer was counted)."""
   cfg = model_cfg
   b, t, heads, kv_heads, mlp, _ = _activation_shards(cfg, prompts, prompt_len, mesh, rules)
   s = np.dtype(cfg.dtype).itemsize
@@ -410,7 +416,17 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   copied = 2 * rows_local * prompt_len * kh * kv_dtype.itemsize
   prompt_cache = kv_cache_bytes(cfg, batch=prompts, max_len=prompt_len, mesh=mesh,
                                 rules=rules, dtype=dtype)
+  if not gathered:
+    forward += _gathered_layer_bytes(cfg, heads, kv_heads, mlp)
   return int(prompt_cache + max(forward, copied))
+
+
+def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int, mlp: int) -> int:
+  """One layer's weights in the compute dtype, gathered over the batch axes (heads, kv
+  heads and the MLP as the tensor axis leaves them on one device)."""
+  s = np.dtype(cfg.dtype).itemsize
+  d, nh, kh = cfg.d_model, heads * cfg.head_dim, kv_heads * cfg.head_dim
+  return s * (2 * d * nh + 2 * d * kh + 3 * d * mlp)
 
 
 def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: AbstractMesh,
@@ -426,10 +442,7 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   _, _, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, 1, mesh, rules)
   if gathered:
     return int(_logical_shard(mesh, rules, ("batch",), (rows,))[0] * vocab * 4)
-  s = np.dtype(cfg.dtype).itemsize
-  d, nh, kh = cfg.d_model, heads * cfg.head_dim, kv_heads * cfg.head_dim
-  layer = s * (2 * d * nh + 2 * d * kh + 3 * d * mlp)
-  return int(rows * vocab * 4 + layer)
+  return int(rows * vocab * 4 + _gathered_layer_bytes(cfg, heads, kv_heads, mlp))
 
 
 def batch_mesh_size(mesh: AbstractMesh, rules=models.DEFAULT_RULES) -> int:
@@ -528,7 +541,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   new = int(r.max_new_tokens)
   prompt_len = default_length_bucket(int(r.max_len) - new, int(r.max_len))
   prefill = prefill_bytes(cfg, prompts=prompts, prompt_len=prompt_len, rows=s_rows,
-                          mesh=rollout_mesh, rules=rules, dtype=cache_dtype)
+                          mesh=rollout_mesh, rules=rules, dtype=cache_dtype,
+                          gathered=not sharded)
   step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
                            gathered=not sharded)
   comps = [
@@ -555,7 +569,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("kv_cache", kv, f"{s_rows} rows x {int(r.max_len)} x {cfg.num_layers} layers "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
       Component("prefill", prefill, f"{prompts} prompts' cache of {prompt_len} and one "
-                "layer's forward over them"),
+                "layer's forward over them" + (", its weights gathered (left sharded)"
+                                               if sharded else "")),
       Component("decode_step", step, "the logits" + (", one layer's weights gathered "
                                                     "(left sharded)" if sharded else "")),
   ]

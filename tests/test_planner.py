@@ -261,6 +261,9 @@ def test_prefill_and_decode_step_bytes_by_hand():
   assert planner.decode_step_bytes(cfg, rows=128, mesh=fsdp8, gathered=False) == (
       128 * cfg.vocab_size * 4 + layer)
   assert 0.40 < layer / 2**30 < 0.42
+  # Left sharded, the prefill's layer forward gathers that layer's weights too.
+  assert planner.prefill_bytes(cfg, prompts=16, prompt_len=1024, rows=128, mesh=fsdp8,
+                               gathered=False) == prompt_cache + forward + layer
   # tensor=8 splits the heads, the MLP and the vocabulary.
   tp8 = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 8, "sequence": 1})
   assert planner.decode_step_bytes(cfg, rows=128, mesh=tp8, gathered=False) == (
