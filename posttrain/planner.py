@@ -18,6 +18,8 @@ Components (all per device):
   gradients    one tree the size of the trained params (all of them, or the LoRA
                adapters), two when a step accumulates over micro-batches.
   activations  what the backward pass of one micro-batch holds (see `activation_bytes`).
+  head         the output projection gathered for the log-prob head when its D axis is
+               split over the mesh (fsdp), and its gradient when trained (see `head_bytes`).
   batch        the rollout batch on device: [M, rows, row_len] token arrays.
   sampler      the sampler's own copy of the weights (colocated: params-sized, on the same
                devices; disaggregated: on the rollout mesh).
@@ -32,13 +34,16 @@ Components (all per device):
 
 Colocated placement samples and updates one after the other on the same devices:
   peak = params + optimizer + reference + sampler
-         + max(gradients + activations + batch,
+         + max(gradients + max(activations, saved + logits + head) + batch,
                gathered + kv_cache + max(prefill, decode_step)).
 Disaggregated placement puts them on different devices:
-  peak = max(params + optimizer + reference + gradients + activations + batch,   (train)
+  peak = max(params + optimizer + reference + gradients
+             + max(activations, saved + logits + head) + batch,                (train)
              sampler + gathered + kv_cache + max(prefill, decode_step))          (rollout)
-Parameter and optimizer bytes are exact; activations are formulas fitted to what JAX
-saves for the backward pass (XLA may fuse or free some earlier).
+saved and logits are the saved activations and one log-prob chunk's logits within
+`activations` (the head's phase: no layer is being differentiated). Parameter and
+optimizer bytes are exact; activations are formulas fitted to what JAX saves for the
+backward pass (XLA may fuse or free some earlier).
 """
 
 from __future__ import annotations
@@ -85,8 +90,8 @@ class Plan:
     mesh: train mesh axis sizes, e.g. {"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1}.
     rollout_mesh: the sampler's mesh (the same as `mesh` when colocated).
     placement: colocated or disaggregated.
-    components: by name (params, optimizer, reference, gradients, activations, batch,
-      sampler, gathered, kv_cache, prefill, decode_step).
+    components: by name (params, optimizer, reference, gradients, activations, head,
+      batch, sampler, gathered, kv_cache, prefill, decode_step).
     train_peak / rollout_peak: the fullest moment of a train device / a sampling device.
     capacity: bytes per device the plan may use (`USABLE_FRACTION` of the memory), or None.
     advice: the verdict, then knobs that make it fit.
@@ -361,10 +366,39 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                              mlp=mlp, kv_len=row_len)
   transient = (1 if remat == "none" else 2) * one_layer
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
-  logits = 3 * b * max(1, min(cfg.logprob_chunk, t)) * vocab * 4
+  logits = _logit_chunk_bytes(cfg, b, t, vocab)
   note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
           f"{cfg.attention_impl} attention")
   return int(saved + transient + logits), note
+
+
+def _logit_chunk_bytes(cfg: models.ModelConfig, rows: int, length: int, vocab: int) -> int:
+  """float32 logits, softmax and their gradient of one log-prob chunk."""
+  return 3 * rows * max(1, min(cfg.logprob_chunk, length)) * vocab * 4
+
+
+def head_bytes(model_cfg: models.ModelConfig, *, mesh: AbstractMesh,
+               rules=models.DEFAULT_RULES) -> int:
+  """Per-device bytes the train step's log-prob head holds for the output projection
+  [D, V] (V over the tensor axis) when the rules split its D (fsdp):
+
+    2 * s * D * V                 two gathered copies in the compute dtype
+    + (4 + s) * D * V             trained (no LoRA): its whole float32 gradient, summed
+                                  over the chunks, and a compute-dtype copy of it, before
+                                  they are reduce-scattered
+
+  Every device projects its own rows through all of D. XLA:TPU's buffers, compiled for
+  Llama 3 8B (D 4096, V 128256): two bf16 [D, V] (2.0 GiB) with LoRA on a v5e-8; three
+  and a float32 [D, V] (4.9 GiB) for full fine-tuning on a v5e-16. The head runs after
+  the layers' forward and its backward before theirs, so `plan` counts it beside the
+  saved activations and a chunk's logits, not beside a layer's backward."""
+  cfg = model_cfg
+  d_shard, vocab = _logical_shard(mesh, rules, ("embed", "vocab"), (cfg.d_model, cfg.vocab_size))
+  if d_shard == cfg.d_model:
+    return 0  # D whole on each device: the head reads its own shard of the projection
+  s = np.dtype(cfg.dtype).itemsize
+  trained = 0 if cfg.lora_rank else 4 + s
+  return int((2 * s + trained) * cfg.d_model * vocab)
 
 
 def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
@@ -521,6 +555,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
   grads = trained * (2 if per_update > 1 else 1)
   acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
+  head = head_bytes(cfg, mesh=mesh, rules=rules)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
   # The Sampler copies the weights it is given (never an alias), colocated or not.
@@ -559,6 +594,10 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
                 f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
+      Component("head", head, "the output projection gathered for the log-prob head"
+                + ("" if not head else " (2 copies)" if cfg.lora_rank
+                   else " (2 copies) and its gradient (float32 + a copy)")
+                if head else "none: the head reads its own shard of the projection"),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
       Component("sampler", sampler, "its own copy of params (colocated)"
                 if placement == "colocated"
@@ -575,7 +614,11 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                                                     "(left sharded)" if sharded else "")),
   ]
   static = params + opt + reference + (sampler if placement == "colocated" else 0)
-  train_peak = static + grads + acts + batch
+  # The head's gathered projection is live while no layer is differentiated.
+  b_tok, t_tok, _, _, _, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
+  head_phase = (saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
+                + _logit_chunk_bytes(cfg, b_tok, t_tok, vocab) + head)
+  train_peak = static + grads + max(acts, head_phase) + batch
   rollout_peak = ((static if placement == "colocated" else sampler) + gathered + kv
                   + max(prefill, step))
   capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
@@ -707,11 +750,11 @@ def format_plan(p: Plan) -> str:
     lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
   if p.placement == "colocated":
     lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
-                 "sampler + max(gradients + activations + batch, gathered + kv_cache + "
+                 "sampler + max(gradients + max(activations, head phase) + batch, gathered + kv_cache + "
                  "max(prefill, decode_step))")
   else:
     lines.append(f"{'train peak':<12}{human_bytes(p.train_peak):>12}  params + optimizer + "
-                 "reference + gradients + activations + batch")
+                 "reference + gradients + max(activations, head phase) + batch")
     lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + gathered + "
                  "kv_cache + max(prefill, decode_step)")
   lines += list(p.advice)

@@ -270,6 +270,32 @@ def test_prefill_and_decode_step_bytes_by_hand():
       128 * cfg.vocab_size // 8 * 4 + layer // 8)
 
 
+def test_head_bytes_by_hand_and_in_the_train_peak():
+  """The log-prob head, the projection's D split over fsdp: two gathered compute-dtype
+  copies of [D, V], and when trained its float32 gradient and a copy of it."""
+  cfg = models.get_preset("llama3_8b").replace(dtype="bfloat16", param_dtype="bfloat16")
+  d, v = 4096, cfg.vocab_size
+  fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  tp8 = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 8, "sequence": 1})
+  dp8 = planner.abstract_mesh({"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1})
+  assert planner.head_bytes(cfg, mesh=fsdp8) == (2 * 2 + 4 + 2) * d * v  # 4.89 GiB
+  assert planner.head_bytes(cfg.replace(lora_rank=8), mesh=fsdp8) == 2 * 2 * d * v
+  assert planner.head_bytes(cfg, mesh=tp8) == 0 and planner.head_bytes(cfg, mesh=dp8) == 0
+  # In the plan: the head's phase (saved activations + a logits chunk + head) against a
+  # layer's backward (all of activations), whichever is fuller.
+  config = _config(**{"model.preset": "llama3_8b", "model.overrides": {"remat": "full"},
+                      "mesh.fsdp": 8, "train.rows_per_microbatch": 8})
+  p = planner.plan(config)
+  cfg8 = experiment.model_config(config)
+  saved = planner.saved_activation_bytes(cfg8, rows=8, row_len=int(config.train.row_len),
+                                         mesh=fsdp8)
+  chunk = 3 * min(cfg8.logprob_chunk, int(config.train.row_len)) * v * 4
+  assert p["head"] == planner.head_bytes(cfg8, mesh=fsdp8) > p["activations"]
+  assert p.placement == "colocated"  # the sampler's copy of the weights is resident too
+  assert p.train_peak == (p["params"] + p["optimizer"] + p["reference"] + p["sampler"]
+                          + p["gradients"] + saved + chunk + p["head"] + p["batch"])
+
+
 def test_real_scale_presets_give_sane_numbers():
   def state(preset, param_dtype, fsdp):
     config = _config(**{"model.preset": preset, "model.overrides": {"param_dtype": param_dtype},
