@@ -9,7 +9,7 @@ import tempfile
 from tests.xla_flags import FAST_COMPILE  # plain Python: imports no jax
 
 # XLA takes a flag's last value: the caller's XLA_FLAGS override the fast compile (as
-# benchmarks/test_compile_flags.py does), never the 8 devices.
+# benchmarks/suite_flags.py does), never the 8 devices.
 os.environ["XLA_FLAGS"] = " ".join(
     [FAST_COMPILE, os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -18,6 +18,7 @@ from posttrain.tasks import Reward, StepResult
 
 PAIRS = [("arithmetic/add_d1", 3), ("arithmetic/mod_d2", 4), ("arithmetic/add_d3", 5)]
 CFG = models.get_preset("tiny", vocab_size=ByteTokenizer().vocab_size)
+MAX_LEN = 256  # the sampler's
 
 
 def _fake_score(calls):
@@ -49,7 +50,7 @@ class _ThreadExchange:
 
 
 def _worker(**kw):
-  sampler = Sampler(models.create_model(CFG, seed=0), max_len=256)
+  sampler = Sampler(models.create_model(CFG, seed=0), max_len=MAX_LEN)
   return worker_lib.RolloutWorker(sampler, ByteTokenizer(), group_size=2, max_new_tokens=12,
                                   temperature=1.0, **{"chunk_rows": 4, **kw})
 
@@ -202,7 +203,7 @@ def _recomputed_logprobs(model, sample):
   """log p(token | prefix) of each response token under `model`, without a cache: one
   causal forward over the sequence right-padded to the sampler's max_len (one compile)."""
   seq = sample.prompt_tokens + sample.response_tokens
-  tokens = np.zeros((1, 256), np.int32)
+  tokens = np.zeros((1, MAX_LEN), np.int32)
   tokens[0, :len(seq)] = seq
   logp = np.asarray(_forward_logprobs(*nnx.split(model), tokens))
   n = len(sample.prompt_tokens)
