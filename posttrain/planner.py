@@ -594,10 +594,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
                 f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
-      Component("head", head, "the output projection gathered for the log-prob head"
-                + ("" if not head else " (2 copies)" if cfg.lora_rank
-                   else " (2 copies) and its gradient (float32 + a copy)")
-                if head else "none: the head reads its own shard of the projection"),
+      Component("head", head, "none: the head reads its own shard of the projection"
+                if not head else "the output projection gathered for the log-prob head "
+                "(2 copies)" + ("" if cfg.lora_rank else " and its gradient (float32 + a copy)")),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
       Component("sampler", sampler, "its own copy of params (colocated)"
                 if placement == "colocated"
