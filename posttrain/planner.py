@@ -18,8 +18,9 @@ Components (all per device):
   gradients    one tree the size of the trained params (all of them, or the LoRA
                adapters), two when a step accumulates over micro-batches.
   activations  what the backward pass of one micro-batch holds (see `activation_bytes`).
-  head         the output projection gathered for the log-prob head when its D axis is
-               split over the mesh (fsdp), and its gradient when trained (see `head_bytes`).
+  head         the log-prob head's slice of the output projection when its D axis is split
+               over the mesh (fsdp), its gradient when trained, and one chunk's hidden
+               states gathered over fsdp (see `head_bytes`).
   batch        the rollout batch on device: [M, rows, row_len] token arrays.
   sampler      the sampler's own copy of the weights (colocated: params-sized, on the same
                devices; disaggregated: on the rollout mesh).
@@ -57,7 +58,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from posttrain import experiment, models
 from posttrain.rl import state as rl_state
@@ -353,6 +354,10 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     + (1 if remat == none else 2) * tokens * layer_activation_bytes(none)
                                   the layer being differentiated (recomputed) + cotangents
     + fused_dq_bytes              the fused flash backward's dq partials, if on
+    + 2 * gathered layer          with D split over fsdp: two layers' weights gathered in
+                                  the compute dtype (the layer differentiated and the
+                                  next); XLA:TPU held 0.8 GiB beyond the rest of this
+                                  formula for Llama 3 8B, LoRA and full fine-tune alike
     + 3 * rows * logprob_chunk * vocab * 4       float32 logits, softmax and their grad
 
   Returns (bytes, a one-line description).
@@ -366,6 +371,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                              mlp=mlp, kv_len=row_len)
   transient = (1 if remat == "none" else 2) * one_layer
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
+  if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
+    transient += 2 * _gathered_layer_bytes(cfg, heads, kv_heads, mlp)
   logits = _logit_chunk_bytes(cfg, b, t, vocab)
   note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
           f"{cfg.attention_impl} attention")
@@ -378,27 +385,49 @@ def _logit_chunk_bytes(cfg: models.ModelConfig, rows: int, length: int, vocab: i
 
 
 def head_bytes(model_cfg: models.ModelConfig, *, mesh: AbstractMesh,
-               rules=models.DEFAULT_RULES) -> int:
-  """Per-device bytes the train step's log-prob head holds for the output projection
-  [D, V] (V over the tensor axis) when the rules split its D (fsdp):
+               rules=models.DEFAULT_RULES, rows: int = 1, row_len: int = 1) -> int:
+  """Per-device bytes the train step's log-prob head holds beside one chunk's logits, for
+  `rows` x `row_len` tokens a micro-batch, when the rules split the output projection's
+  D (fsdp). The head then splits the vocabulary over those axes instead
+  (`ShardingContext.vocab_parallel_head`), V' = V / (tensor x fsdp):
 
-    2 * s * D * V                 two gathered copies in the compute dtype
-    + (4 + s) * D * V             trained (no LoRA): its whole float32 gradient, summed
-                                  over the chunks, and a compute-dtype copy of it, before
-                                  they are reduce-scattered
+    2 * s * D * V'                two compute-dtype copies of its slice of the projection
+    + (4 + s) * D * V'            trained (no LoRA): the slice's float32 gradient, summed
+                                  over the chunks, and a compute-dtype copy of it
+    + 2 * s * R * C * D           one chunk's hidden states gathered over fsdp (R rows of
+                                  C positions) and their gradient
 
-  Every device projects its own rows through all of D. XLA:TPU's buffers, compiled for
-  Llama 3 8B (D 4096, V 128256): two bf16 [D, V] (2.0 GiB) with LoRA on a v5e-8; three
-  and a float32 [D, V] (4.9 GiB) for full fine-tuning on a v5e-16. The head runs after
-  the layers' forward and its backward before theirs, so `plan` counts it beside the
-  saved activations and a chunk's logits, not beside a layer's backward."""
+  Where the vocabulary does not divide over fsdp, every device gathers the whole [D, V /
+  tensor] instead, V' = V / tensor, and projects only its own rows (no gather term).
+  Compiled by XLA:TPU for Llama 3 8B (D 4096, V 128256), a full fine-tune on a v5e-16:
+  0.37 GiB here, where the gathered projection and its float32 gradient took 4.9 GiB.
+  The head runs after the layers' forward and its backward before theirs, so `plan`
+  counts it beside the saved activations and a chunk's logits, not beside a layer's
+  backward."""
   cfg = model_cfg
   d_shard, vocab = _logical_shard(mesh, rules, ("embed", "vocab"), (cfg.d_model, cfg.vocab_size))
   if d_shard == cfg.d_model:
     return 0  # D whole on each device: the head reads its own shard of the projection
   s = np.dtype(cfg.dtype).itemsize
   trained = 0 if cfg.lora_rank else 4 + s
-  return int((2 * s + trained) * cfg.d_model * vocab)
+  layout = models.ShardingContext(mesh, rules).vocab_parallel_head(
+      rows, cfg.d_model, cfg.vocab_size)
+  if layout is None:
+    return int((2 * s + trained) * cfg.d_model * vocab)
+  w_spec, logits_spec = layout
+  vocab = NamedSharding(mesh, w_spec).shard_shape((cfg.d_model, cfg.vocab_size))[1]
+  gathered_rows = NamedSharding(mesh, PartitionSpec(logits_spec[0])).shard_shape((rows,))[0]
+  chunk = max(1, min(cfg.logprob_chunk, row_len))
+  return int((2 * s + trained) * cfg.d_model * vocab + 2 * s * gathered_rows * chunk * cfg.d_model)
+
+
+def _head_note(cfg: models.ModelConfig, mesh: AbstractMesh, rules, rows: int) -> str:
+  grad = "" if cfg.lora_rank else " and its gradient (float32 + a copy)"
+  if models.ShardingContext(mesh, rules).vocab_parallel_head(
+      rows, cfg.d_model, cfg.vocab_size) is None:
+    return f"the output projection gathered for the log-prob head (2 copies){grad}"
+  return (f"the log-prob head's vocabulary slice of the projection (2 copies){grad}, "
+          "a chunk's rows gathered")
 
 
 def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
@@ -555,7 +584,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
   grads = trained * (2 if per_update > 1 else 1)
   acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
-  head = head_bytes(cfg, mesh=mesh, rules=rules)
+  head = head_bytes(cfg, mesh=mesh, rules=rules, rows=rows, row_len=row_len)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
   # The Sampler copies the weights it is given (never an alias), colocated or not.
@@ -594,9 +623,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
                 f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
-      Component("head", head, "none: the head reads its own shard of the projection"
-                if not head else "the output projection gathered for the log-prob head "
-                "(2 copies)" + ("" if cfg.lora_rank else " and its gradient (float32 + a copy)")),
+      Component("head", head, _head_note(cfg, mesh, rules, rows) if head else
+                "none: the head reads its own shard of the projection"),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
       Component("sampler", sampler, "its own copy of params (colocated)"
                 if placement == "colocated"

@@ -271,15 +271,27 @@ def test_prefill_and_decode_step_bytes_by_hand():
 
 
 def test_head_bytes_by_hand_and_in_the_train_peak():
-  """The log-prob head, the projection's D split over fsdp: two gathered compute-dtype
-  copies of [D, V], and when trained its float32 gradient and a copy of it."""
+  """The log-prob head, the projection's D split over fsdp: the vocabulary splits over
+  fsdp instead, two compute-dtype copies of the [D, V / fsdp] slice, when trained its
+  float32 gradient and a copy, and one chunk's rows gathered over fsdp with their
+  gradient. A vocabulary that fsdp does not divide gathers the whole [D, V]."""
   cfg = models.get_preset("llama3_8b").replace(dtype="bfloat16", param_dtype="bfloat16")
-  d, v = 4096, cfg.vocab_size
+  d, v, chunk = 4096, cfg.vocab_size, cfg.logprob_chunk
   fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  dp2_fsdp4 = planner.abstract_mesh({"data": 2, "fsdp": 4, "tensor": 1, "sequence": 1})
   tp8 = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 8, "sequence": 1})
   dp8 = planner.abstract_mesh({"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1})
-  assert planner.head_bytes(cfg, mesh=fsdp8) == (2 * 2 + 4 + 2) * d * v  # 4.89 GiB
-  assert planner.head_bytes(cfg.replace(lora_rank=8), mesh=fsdp8) == 2 * 2 * d * v
+  rows = dict(rows=16, row_len=2048)
+  gathered_rows = 2 * 2 * 16 * chunk * d
+  assert planner.head_bytes(cfg, mesh=fsdp8, **rows) == (
+      (2 * 2 + 4 + 2) * d * v // 8 + gathered_rows)  # 0.67 GiB, not 4.89 GiB
+  assert planner.head_bytes(cfg.replace(lora_rank=8), mesh=fsdp8, **rows) == (
+      2 * 2 * d * v // 8 + gathered_rows)
+  # The rows gather over fsdp only: each data replica keeps its own half.
+  assert planner.head_bytes(cfg, mesh=dp2_fsdp4, **rows) == (
+      (2 * 2 + 4 + 2) * d * v // 4 + gathered_rows // 2)
+  odd = cfg.replace(vocab_size=v + 1)
+  assert planner.head_bytes(odd, mesh=fsdp8, **rows) == (2 * 2 + 4 + 2) * d * (v + 1)
   assert planner.head_bytes(cfg, mesh=tp8) == 0 and planner.head_bytes(cfg, mesh=dp8) == 0
   # In the plan: the head's phase (saved activations + a logits chunk + head) against a
   # layer's backward (all of activations), whichever is fuller.
@@ -290,10 +302,22 @@ def test_head_bytes_by_hand_and_in_the_train_peak():
   saved = planner.saved_activation_bytes(cfg8, rows=8, row_len=int(config.train.row_len),
                                          mesh=fsdp8)
   chunk = 3 * min(cfg8.logprob_chunk, int(config.train.row_len)) * v * 4
-  assert p["head"] == planner.head_bytes(cfg8, mesh=fsdp8) > p["activations"]
+  assert p["head"] == planner.head_bytes(cfg8, mesh=fsdp8, rows=8,
+                                         row_len=int(config.train.row_len))
+  head_phase = saved + chunk + p["head"]
+  assert p["activations"] > head_phase  # the split vocabulary: a layer's backward is fuller
   assert p.placement == "colocated"  # the sampler's copy of the weights is resident too
-  assert p.train_peak == (p["params"] + p["optimizer"] + p["reference"] + p["sampler"]
-                          + p["gradients"] + saved + chunk + p["head"] + p["batch"])
+  static = p["params"] + p["optimizer"] + p["reference"] + p["sampler"]
+  assert p.train_peak == static + p["gradients"] + p["activations"] + p["batch"]
+  # A vocabulary fsdp does not divide gathers the projection: its phase is the fuller.
+  odd = planner.plan(_config(**{"model.preset": "llama3_8b", "mesh.fsdp": 8,
+                                "model.overrides": {"remat": "full", "vocab_size": v + 1},
+                                "train.rows_per_microbatch": 8}))
+  assert odd["head"] > odd["activations"]
+  assert odd.train_peak == (odd["params"] + odd["optimizer"] + odd["reference"]
+                            + odd["sampler"] + odd["gradients"] + odd["batch"] + saved
+                            + 3 * min(cfg8.logprob_chunk, int(config.train.row_len))
+                            * (v + 1) * 4 + odd["head"])
 
 
 def test_real_scale_presets_give_sane_numbers():

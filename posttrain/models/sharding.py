@@ -128,6 +128,42 @@ class ShardingContext:
     assert self.mesh is not None
     return named_sharding(self.mesh, names, self.rules, shape)
 
+  def vocab_parallel_head(self, rows: int, d_model: int,
+                          vocab: int) -> tuple[PartitionSpec, PartitionSpec] | None:
+    """Specs for a log-prob head that splits the vocabulary where the rules split D.
+
+    The output projection [D, V] is stored with D over the embed axes (fsdp). A head that
+    kept that layout would gather all of [D, V] on every device (and, when trained, sum
+    its whole float32 gradient there). Instead the projection moves to [D, V / (vocab
+    axes x embed axes)] and the rows gather over the embed axes, Megatron's vocab-parallel
+    cross-entropy: each device scores every row against its slice of the vocabulary,
+    and the log-sum-exp is reduced across the slices.
+
+    Returns (projection spec [D, V], logits spec [rows, positions, V]), or None when D is
+    whole on each device or the vocabulary does not divide over the embed axes: the
+    plain layout then gathers nothing large.
+    """
+    if self.mesh is None:
+      return None
+    embed = _spec_axes(logical_to_spec(("embed",), self.rules, self.mesh, (d_model,))[0])
+    if not embed:
+      return None
+    table = dict(self.rules)
+    head_vocab = tuple(table.get("vocab", ())) + tuple(a for a in embed
+                                                      if a not in table.get("vocab", ()))
+    rules = self.rules + (("head_vocab", head_vocab),)
+    vocab_spec, rows_spec = logical_to_spec(("head_vocab", "batch"), rules, self.mesh,
+                                            (vocab, rows))
+    if not set(embed) <= set(_spec_axes(vocab_spec)):
+      return None
+    return (PartitionSpec(None, vocab_spec),
+            PartitionSpec(rows_spec, PartitionSpec.UNCONSTRAINED, vocab_spec))
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
 
 def rules_from_config(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """Accepts rules as a list of pairs or a mapping (ConfigDict-friendly)."""

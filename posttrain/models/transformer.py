@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 from flax import nnx
 
@@ -600,7 +601,7 @@ class Transformer(nnx.Module):
     h = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, ctx=ctx)
     return chunked_logprobs(h, self.unembed(), targets_BxT, chunk=chunk or self.cfg.logprob_chunk,
                             return_entropy=return_entropy, temperature=temperature,
-                            compute_dtype=_dtype(self.cfg.dtype))
+                            compute_dtype=_dtype(self.cfg.dtype), ctx=ctx)
 
   def values(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
              ctx: ShardingContext = _NO_SHARDING):
@@ -676,9 +677,16 @@ def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx,
 
 
 def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,
-                     temperature: float = 1.0, compute_dtype=jnp.float32):
-  """Per-token log-probs (and optionally entropies) of targets, `chunk` positions at a time."""
+                     temperature: float = 1.0, compute_dtype=jnp.float32,
+                     ctx: ShardingContext = _NO_SHARDING):
+  """Per-token log-probs (and optionally entropies) of targets, `chunk` positions at a time.
+
+  Under a mesh whose rules split D (fsdp), the vocabulary is split instead
+  (`ShardingContext.vocab_parallel_head`): no device holds the whole [D, V] projection
+  or its gradient, only [rows, chunk, V / devices] logits.
+  """
   b, t, d = h_BxTxD.shape
+  layout = ctx.vocab_parallel_head(b, d, w_DxV.shape[1])
   chunk = max(1, min(chunk, t))
   n = -(-t // chunk)
   pad = n * chunk - t
@@ -687,15 +695,27 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
   h = h.reshape(b, n, chunk, d).swapaxes(0, 1)
   tg = tg.reshape(b, n, chunk).swapaxes(0, 1)
   w = w_DxV.astype(compute_dtype)
+  if layout is not None:
+    w_spec, logits_spec = layout
+    w = jax.lax.with_sharding_constraint(w, NamedSharding(ctx.mesh, w_spec))
+    rows_spec = PartitionSpec(logits_spec[0], PartitionSpec.UNCONSTRAINED, None)
 
   @jax.checkpoint
   def one_chunk(h_BxCxD, t_BxC):
-    logits = jnp.einsum("BCD,DV->BCV", h_BxCxD.astype(compute_dtype), w,
-                        preferred_element_type=jnp.float32)
+    h_BxCxD = h_BxCxD.astype(compute_dtype)
+    if layout is not None:
+      h_BxCxD = jax.lax.with_sharding_constraint(h_BxCxD, NamedSharding(ctx.mesh, rows_spec))
+    logits = jnp.einsum("BCD,DV->BCV", h_BxCxD, w, preferred_element_type=jnp.float32)
+    if layout is not None:
+      logits = jax.lax.with_sharding_constraint(logits, NamedSharding(ctx.mesh, logits_spec))
     if temperature != 1.0:
       logits = logits / temperature
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, t_BxC[..., None], axis=-1)[..., 0]
+    if layout is None:
+      picked = jnp.take_along_axis(logits, t_BxC[..., None], axis=-1)[..., 0]
+    else:  # A reduction over the split vocabulary, where a gather would collect it.
+      vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+      picked = jnp.sum(jnp.where(vocab_ids == t_BxC[..., None], logits, 0.0), axis=-1)
     logp = picked - logz
     if not return_entropy:
       return logp, jnp.zeros_like(logp)

@@ -139,7 +139,7 @@ def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, 
   h = _hidden(model, mb, ctx)
   out = models.chunked_logprobs(h, model.unembed(), mb["targets"], chunk=cfg.logprob_chunk,
                                 return_entropy=with_entropy, temperature=temperature,
-                                compute_dtype=jnp.dtype(cfg.dtype))
+                                compute_dtype=jnp.dtype(cfg.dtype), ctx=ctx)
   logprobs, entropies = out if with_entropy else (out, None)
   values = _value_head(model, h) if with_values else None
   return logprobs, entropies, values

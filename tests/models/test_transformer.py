@@ -1,5 +1,7 @@
 """Model behaviour: sharding equivalence, causality, packing, chunked log-probs, heads."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +131,44 @@ def test_chunked_logprobs_never_build_full_float32_logits():
   hlo = jax.jit(jax.grad(f)).lower(state).compile().as_text()
   assert "f32[2,256,4099]" not in hlo
   assert "f32[2,16,4099]" in hlo
+
+
+@pytest.mark.parametrize("shape,vocab,parallel", [
+    ((2, 4, 1, 1), 1024, True),    # V over fsdp; the rows gather over fsdp, stay on data
+    ((1, 4, 2, 1), 1024, True),    # V over tensor x fsdp
+    ((1, 8, 1, 1), 1001, False),   # V does not divide: the projection is gathered whole
+])
+def test_vocab_parallel_head_equals_the_unsharded_head(shape, vocab, parallel):
+  """With D split over fsdp, the log-prob head splits the vocabulary instead: the same
+  log-probs, entropies and gradients as on one device, and no device gathers [D, V]."""
+  mesh = models.make_mesh(shape)
+  ctx = models.ShardingContext(mesh)
+  b, t, d = 8, 24, 64
+  assert (ctx.vocab_parallel_head(b, d, vocab) is not None) == parallel
+  rng = np.random.default_rng(0)
+  h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(d, vocab)) * 0.1, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, vocab, (b, t)))
+  h_sharded = jax.device_put(h, ctx.sharding(("batch", "length", None), h.shape))
+  w_sharded = jax.device_put(w, ctx.sharding(("embed", "vocab"), w.shape))
+
+  def objective(c):
+    def f(h, w):
+      logp, ent = models.chunked_logprobs(h, w, targets, chunk=8, return_entropy=True, ctx=c)
+      return jnp.sum(logp * jnp.arange(t)[None, :]) + jnp.sum(ent), (logp, ent)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+  (_, (logp, ent)), grads = objective(ctx)(h_sharded, w_sharded)
+  full = jax.nn.log_softmax(h @ w, axis=-1)
+  np.testing.assert_allclose(
+      logp, jnp.take_along_axis(full, targets[..., None], -1)[..., 0], atol=1e-5)
+  np.testing.assert_allclose(ent, -(jnp.exp(full) * full).sum(-1), atol=1e-4)
+  (_, _), want = objective(models.ShardingContext(None))(h, w)
+  for got, ref in zip(grads, want):
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-4)
+  hlo = objective(ctx).lower(h_sharded, w_sharded).compile().as_text()
+  gathered = re.search(rf"f32\[{d},{vocab}\]\S* all-gather", hlo)
+  assert (gathered is None) == parallel
 
 
 def test_remat_gives_same_gradients(model):
