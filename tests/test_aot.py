@@ -30,10 +30,19 @@ def _plan(*args):
       text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def rl_report():
+  return aot.compile_rl_step(_config(), aot.tpu_devices("v5e:2x2"), topology="v5e:2x2")
+
+
+@pytest.fixture(scope="module")
+def rollout_report():
+  return aot.compile_rollout(_config(), aot.tpu_devices("v5e:2x2"))
+
+
 @requires_libtpu
-def test_rl_update_compiles_for_a_v5e_slice_with_flash_kernels():
-  config = _config()
-  report = aot.compile_rl_step(config, aot.tpu_devices("v5e:2x2"), topology="v5e:2x2")
+def test_rl_update_compiles_for_a_v5e_slice_with_flash_kernels(rl_report):
+  config, report = _config(), rl_report
   assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1, "sequence": 1}
   layers = int(config.model.overrides.num_layers)
   # forward, dq and dk/dv kernels per layer, all in the program (not interpreted)
@@ -49,9 +58,8 @@ def test_rl_update_compiles_for_a_v5e_slice_with_flash_kernels():
 
 
 @requires_libtpu
-def test_rollout_programs_compile_for_a_v5e_slice():
-  config = _config()
-  report = aot.compile_rollout(config, aot.tpu_devices("v5e:2x2"))
+def test_rollout_programs_compile_for_a_v5e_slice(rollout_report):
+  config, report = _config(), rollout_report
   r = config.rollout
   assert report.rows == planner.sampler_batch(config, int(config.rl.group_size), 4)
   assert report.prompt_len + report.max_new_tokens == int(r.max_len)
@@ -70,14 +78,21 @@ def test_rollout_programs_compile_for_a_v5e_slice():
 
 
 @requires_libtpu
-def test_plan_compile_for_prints_the_compiled_peak():
-  done = _plan("--compile_for=v5e:2x2")
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert "compiled for v5e:2x2" in done.stdout
-  assert "peak per device (XLA)" in done.stdout and "compiled / planned" in done.stdout
-  assert "compiled the rollout" in done.stdout and "the plan's rollout peak" in done.stdout
+def test_compiled_peaks_print_against_the_plan(rl_report, rollout_report):
+  """What `launch.plan --compile_for` prints after the table (the command itself runs in
+  the test below, on a program too big for the chip)."""
+  config = _config()
+  p = planner.plan(config, num_devices=4)
+  train_resident, rollout_resident = planner.resident_outside_programs(p, config)
+  out = "\n".join([aot.format_report(rl_report, p.train_peak, train_resident),
+                   aot.format_rollout(rollout_report, p.rollout_peak, rollout_resident)])
+  assert "compiled for v5e:2x2" in out
+  assert "peak per device (XLA)" in out and "compiled / planned" in out
+  assert "compiled the rollout" in out and "the plan's rollout peak" in out
   # Colocated: what the device holds outside each program is added before comparing.
-  assert done.stdout.count("held outside this program") == 2
+  assert out.count("held outside this program") == 2
+  ratio = (rl_report.peak + train_resident[0]) / p.train_peak
+  assert f"compiled / planned = {ratio:.2f}" in out
 
 
 @requires_libtpu

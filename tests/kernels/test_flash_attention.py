@@ -270,6 +270,10 @@ def _block_hull(table):
   return out
 
 
+# One program per shape (the kernels call it inside theirs), not one dispatch per op.
+_segment_block_ranges = jax.jit(fa.segment_block_ranges, static_argnums=(2, 3))
+
+
 @hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(data=st.data(), block_q=st.sampled_from([16, 32, 48]),
                   block_kv=st.sampled_from([16, 32, 80]), packed=st.booleans())
@@ -293,7 +297,7 @@ def test_segment_block_ranges(data, block_q, block_kv, packed):
                                            max_size=nq * block_q))], np.int32)
     kv_seg = np.asarray([data.draw(st.lists(ids, min_size=nk * block_kv,
                                             max_size=nk * block_kv))], np.int32)
-  kv_ranges, q_ranges = (np.asarray(r[0]) for r in fa.segment_block_ranges(
+  kv_ranges, q_ranges = (np.asarray(r[0]) for r in _segment_block_ranges(
       jnp.asarray(q_seg), jnp.asarray(kv_seg), block_q, block_kv))
   share = (q_seg[0][:, None] == kv_seg[0][None, :]) & (kv_seg[0][None, :] != 0)
   pairs = share.reshape(nq, block_q, nk, block_kv).any(axis=(1, 3))
