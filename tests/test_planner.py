@@ -322,8 +322,10 @@ def test_head_bytes_by_hand_and_in_the_train_peak():
 
 def test_real_scale_presets_give_sane_numbers():
   def state(preset, param_dtype, fsdp):
-    config = _config(**{"model.preset": preset, "model.overrides": {"param_dtype": param_dtype},
-                        "mesh.fsdp": fsdp, "train.rows_per_microbatch": fsdp})
+    # Layers scanned: the abstract model traces one layer, not 32 or 80 (same bytes).
+    config = _config(**{"model.preset": preset, "mesh.fsdp": fsdp,
+                        "model.overrides": {"param_dtype": param_dtype, "scan_layers": True},
+                        "train.rows_per_microbatch": fsdp})
     p = planner.plan(config)
     return experiment.model_config(config).num_params, p["params"], p["optimizer"]
 

@@ -139,9 +139,9 @@ class ShardingContext:
     cross-entropy: each device scores every row against its slice of the vocabulary,
     and the log-sum-exp is reduced across the slices.
 
-    Returns (projection spec [D, V], logits spec [rows, positions, V]), or None when D is
-    whole on each device or the vocabulary does not divide over the embed axes: the
-    plain layout then gathers nothing large.
+    Returns (projection spec [D, V], logits spec [rows, positions, V]), or None for the
+    plain layout: when D is whole on each device (nothing to gather), or when the
+    vocabulary does not divide over the embed axes (the projection is then gathered).
     """
     if self.mesh is None:
       return None

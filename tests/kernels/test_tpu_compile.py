@@ -96,7 +96,7 @@ def test_pallas_outside_shard_map_is_refused_on_a_mesh():
   compile_for(mesh, sharded, q, q, q)
 
 
-@pytest.mark.parametrize("window", [None, 700])
+@pytest.mark.parametrize("window", [None, pytest.param(700, marks=pytest.mark.slow)])
 def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice(window):
   """The ring's flash blocks; with a window, at the kv shard's distance (q_offset)."""
   mesh = tpu_mesh("v5e", (4,), ("sequence",))

@@ -79,7 +79,8 @@ def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dty
 
 
 @pytest.mark.parametrize("cache_dtype,scan", [
-    (None, False), ("int8", True),
+    ("int8", True),  # The default run's case; the rest run with -m slow.
+    pytest.param(None, False, marks=pytest.mark.slow),
     pytest.param("int8", False, marks=pytest.mark.slow),
     pytest.param(None, True, marks=pytest.mark.slow)])
 def test_decode_updates_the_kv_cache_in_place_on_tpu(cache_dtype, scan):
@@ -128,7 +129,10 @@ def _all_gather_bytes_in_loops(text: str) -> int:
   return total
 
 
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])
+# Two samplers compiled for TPU (about 50 s): runs with -m slow. The default run keeps
+# the sampler's sharded-weights compile below.
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
 def test_decode_gathers_no_weights_inside_its_loop_on_tpu(scan):
   """FSDP-sharded weights: XLA:TPU gathered each layer's weights inside the decode loop,
   at every step. The sampler gathers them once per call (gather_weights, the default),
