@@ -492,3 +492,25 @@ def test_grpo_step_lowers_one_mosaic_kernel_per_shape_for_hopper():
   assert text.count("custom_call @mosaic_gpu") == 3 * 4  # fwd, remat fwd, dk/dv, dq
   hashes = re.findall(r'kernel_hash = "([^"]*)"', text)
   assert len(hashes) == 12 and len(set(hashes)) == 3
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_step_never_gathers_the_output_projection(tied):
+  """With D split over fsdp the step's log-prob head splits the vocabulary instead of
+  gathering the [D, V] projection (and, trained, its whole gradient) on every device:
+  4.9 GiB a device for Llama 3 8B before (BENCHMARKS.md, log-prob head)."""
+  cfg = CFG.replace(vocab_size=1024, tie_embeddings=tied)
+  mesh = models.make_mesh((1, 8, 1, 1))
+  optimizer = state_lib.make_optimizer(1e-3, warmup=2, total_steps=10)
+  step = ts.make_train_step(cfg, presets.algorithm_config("grpo"), optimizer, mesh=mesh)
+  state = fresh_state(cfg, optimizer, mesh)
+  batch = add_learner_logprobs(microbatched(packed_rows(0, vocab=1024, rows=16), 2),
+                               state.params, cfg, mesh, seed=0)
+  state, metrics = step(state, batch)
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+  text = step.jitted.lower(state, {k: batch[k] for k in batch if k in ts.TOKEN_KEYS}
+                           ).compile().as_text()
+  whole = rf"\[({cfg.d_model},{cfg.vocab_size}|{cfg.vocab_size},{cfg.d_model})\]"
+  gathers = [ln for ln in text.splitlines()
+             if re.search(whole + r"\S* all-gather(-start)?\(", ln)]
+  assert not gathers, gathers[:2]
