@@ -108,8 +108,9 @@ def test_disaggregated_sampler_weights_match_real_arrays_on_the_rollout_mesh():
 
 
 def test_a_mesh_bigger_than_the_machine_plans_without_devices():
-  p = planner.plan(_config(**{"model.preset": "llama3_8b", "model.overrides": {},
-                             "train.rows_per_microbatch": 512}), num_devices=512)
+  p = planner.plan(_config(**{"model.preset": "llama3_8b",
+                              "model.overrides": {"scan_layers": True},  # traces one layer
+                              "train.rows_per_microbatch": 512}), num_devices=512)
   assert p.mesh["fsdp"] == 512 and len(jax.devices()) == 8
   # Matrices split 512 ways; the replicated norm scales add under 2%.
   assert 16.06e9 / 512 <= p["params"] < 16.06e9 / 512 * 1.02
@@ -295,8 +296,10 @@ def test_head_bytes_by_hand_and_in_the_train_peak():
   assert planner.head_bytes(cfg, mesh=tp8) == 0 and planner.head_bytes(cfg, mesh=dp8) == 0
   # In the plan: the head's phase (saved activations + a logits chunk + head) against a
   # layer's backward (all of activations), whichever is fuller.
-  config = _config(**{"model.preset": "llama3_8b", "model.overrides": {"remat": "full"},
-                      "mesh.fsdp": 8, "train.rows_per_microbatch": 8})
+  # Layers scanned: the abstract model traces one layer (the same bytes as a list).
+  config = _config(**{"model.preset": "llama3_8b", "mesh.fsdp": 8,
+                      "model.overrides": {"remat": "full", "scan_layers": True},
+                      "train.rows_per_microbatch": 8})
   p = planner.plan(config)
   cfg8 = experiment.model_config(config)
   saved = planner.saved_activation_bytes(cfg8, rows=8, row_len=int(config.train.row_len),
@@ -311,7 +314,8 @@ def test_head_bytes_by_hand_and_in_the_train_peak():
   assert p.train_peak == static + p["gradients"] + p["activations"] + p["batch"]
   # A vocabulary fsdp does not divide gathers the projection: its phase is the fuller.
   odd = planner.plan(_config(**{"model.preset": "llama3_8b", "mesh.fsdp": 8,
-                                "model.overrides": {"remat": "full", "vocab_size": v + 1},
+                                "model.overrides": {"remat": "full", "scan_layers": True,
+                                                    "vocab_size": v + 1},
                                 "train.rows_per_microbatch": 8}))
   assert odd["head"] > odd["activations"]
   assert odd.train_peak == (odd["params"] + odd["optimizer"] + odd["reference"]
@@ -380,8 +384,8 @@ def test_advice_names_a_knob_that_makes_it_fit():
 
 def test_params_that_cannot_fit_ask_for_more_devices():
   # bf16 8B: 16 GB of weights + 32 GB of Adam moments; 2 x 16 GiB devices cannot hold them.
-  config = _config(**{"model.preset": "llama3_8b", "model.overrides": {}, "mesh.fsdp": 2,
-                      "rl.kl_coef": 0.0, "train.rows_per_microbatch": 4})
+  config = _config(**{"model.preset": "llama3_8b", "model.overrides": {"scan_layers": True},
+                      "mesh.fsdp": 2, "rl.kl_coef": 0.0, "train.rows_per_microbatch": 4})
   p = planner.plan(config, device_memory_gb=16)
   assert not p.fits
   line = next(a for a in p.advice if "params + optimizer alone" in a)
