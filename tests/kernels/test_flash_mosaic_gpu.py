@@ -47,6 +47,10 @@ def _packed_ids(draw, length, pad_to):
   return np.pad(ids, (0, -length % pad_to)).astype(np.int32)
 
 
+# One program per shape, not one dispatch per op.
+_segment_block_ranges = jax.jit(fa.segment_block_ranges, static_argnums=(2, 3))
+
+
 @hypothesis.settings(max_examples=80, deadline=None)
 @hypothesis.given(
     q_len=st.integers(1, 700), kv_len=st.integers(1, 700), causal=st.booleans(),
@@ -72,8 +76,8 @@ def test_schedule_runs_exactly_the_visible_blocks(q_len, kv_len, causal, window,
   if segments:  # padded as `forward` pads them
     q_seg = _packed_ids(data.draw, q_len, fm.CONSUMERS * fm.TILE_Q)
     kv_seg = _packed_ids(data.draw, kv_len, block_kv)
-    table = np.asarray(fa.segment_block_ranges(q_seg[None], kv_seg[None], fm.TILE_Q,
-                                               block_kv)[0][0])
+    table = np.asarray(_segment_block_ranges(q_seg[None], kv_seg[None], fm.TILE_Q,
+                                             block_kv)[0][0])
   row = lambda tile: None if table is None else tuple(table[tile])  # noqa: E731
   for pair in range(pairs):
     first = pair * fm.CONSUMERS
