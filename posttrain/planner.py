@@ -397,7 +397,8 @@ def head_bytes(model_cfg: models.ModelConfig, *, mesh: AbstractMesh,
     + 2 * s * R * C * D           one chunk's hidden states gathered over fsdp (R rows of
                                   C positions) and their gradient
 
-  Where the vocabulary does not divide over fsdp, every device gathers the whole [D, V /
+  Where the vocabulary does not divide over fsdp, or a chunk's R x C outnumber V / tensor
+  (the rows would outweigh the projection), every device gathers the whole [D, V /
   tensor] instead, V' = V / tensor, and projects only its own rows (no gather term).
   Compiled by XLA:TPU for Llama 3 8B (D 4096, V 128256), a full fine-tune on a v5e-16:
   0.37 GiB here, where the gathered projection and its float32 gradient took 4.9 GiB.
@@ -410,21 +411,22 @@ def head_bytes(model_cfg: models.ModelConfig, *, mesh: AbstractMesh,
     return 0  # D whole on each device: the head reads its own shard of the projection
   s = np.dtype(cfg.dtype).itemsize
   trained = 0 if cfg.lora_rank else 4 + s
+  chunk = max(1, min(cfg.logprob_chunk, row_len))
   layout = models.ShardingContext(mesh, rules).vocab_parallel_head(
-      rows, cfg.d_model, cfg.vocab_size)
+      rows, chunk, cfg.d_model, cfg.vocab_size)
   if layout is None:
     return int((2 * s + trained) * cfg.d_model * vocab)
   w_spec, logits_spec = layout
   vocab = NamedSharding(mesh, w_spec).shard_shape((cfg.d_model, cfg.vocab_size))[1]
   gathered_rows = NamedSharding(mesh, PartitionSpec(logits_spec[0])).shard_shape((rows,))[0]
-  chunk = max(1, min(cfg.logprob_chunk, row_len))
   return int((2 * s + trained) * cfg.d_model * vocab + 2 * s * gathered_rows * chunk * cfg.d_model)
 
 
-def _head_note(cfg: models.ModelConfig, mesh: AbstractMesh, rules, rows: int) -> str:
+def _head_note(cfg: models.ModelConfig, mesh: AbstractMesh, rules, rows: int,
+               row_len: int) -> str:
   grad = "" if cfg.lora_rank else " and its gradient (float32 + a copy)"
   if models.ShardingContext(mesh, rules).vocab_parallel_head(
-      rows, cfg.d_model, cfg.vocab_size) is None:
+      rows, max(1, min(cfg.logprob_chunk, row_len)), cfg.d_model, cfg.vocab_size) is None:
     return f"the output projection gathered for the log-prob head (2 copies){grad}"
   return (f"the log-prob head's vocabulary slice of the projection (2 copies){grad}, "
           "a chunk's rows gathered")
@@ -623,7 +625,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
                 f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
-      Component("head", head, _head_note(cfg, mesh, rules, rows) if head else
+      Component("head", head, _head_note(cfg, mesh, rules, rows, row_len) if head else
                 "none: the head reads its own shard of the projection"),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
       Component("sampler", sampler, "its own copy of params (colocated)"

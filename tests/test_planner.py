@@ -275,7 +275,8 @@ def test_head_bytes_by_hand_and_in_the_train_peak():
   """The log-prob head, the projection's D split over fsdp: the vocabulary splits over
   fsdp instead, two compute-dtype copies of the [D, V / fsdp] slice, when trained its
   float32 gradient and a copy, and one chunk's rows gathered over fsdp with their
-  gradient. A vocabulary that fsdp does not divide gathers the whole [D, V]."""
+  gradient. A vocabulary that fsdp does not divide, or fewer vocabulary entries than a
+  chunk's rows x positions, gathers the whole [D, V]."""
   cfg = models.get_preset("llama3_8b").replace(dtype="bfloat16", param_dtype="bfloat16")
   d, v, chunk = 4096, cfg.vocab_size, cfg.logprob_chunk
   fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
@@ -293,6 +294,8 @@ def test_head_bytes_by_hand_and_in_the_train_peak():
       (2 * 2 + 4 + 2) * d * v // 4 + gathered_rows // 2)
   odd = cfg.replace(vocab_size=v + 1)
   assert planner.head_bytes(odd, mesh=fsdp8, **rows) == (2 * 2 + 4 + 2) * d * (v + 1)
+  # 1024 rows x 256 positions outnumber the vocabulary: gathering [D, V] holds less.
+  assert planner.head_bytes(cfg, mesh=fsdp8, rows=1024, row_len=2048) == (2 * 2 + 4 + 2) * d * v
   assert planner.head_bytes(cfg, mesh=tp8) == 0 and planner.head_bytes(cfg, mesh=dp8) == 0
   # In the plan: the head's phase (saved activations + a logits chunk + head) against a
   # layer's backward (all of activations), whichever is fuller.

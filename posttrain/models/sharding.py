@@ -128,20 +128,22 @@ class ShardingContext:
     assert self.mesh is not None
     return named_sharding(self.mesh, names, self.rules, shape)
 
-  def vocab_parallel_head(self, rows: int, d_model: int,
+  def vocab_parallel_head(self, rows: int, positions: int, d_model: int,
                           vocab: int) -> tuple[PartitionSpec, PartitionSpec] | None:
     """Specs for a log-prob head that splits the vocabulary where the rules split D.
 
     The output projection [D, V] is stored with D over the embed axes (fsdp). A head that
     kept that layout would gather all of [D, V] on every device (and, when trained, sum
     its whole float32 gradient there). Instead the projection moves to [D, V / (vocab
-    axes x embed axes)] and the rows gather over the embed axes, Megatron's vocab-parallel
-    cross-entropy: each device scores every row against its slice of the vocabulary,
-    and the log-sum-exp is reduced across the slices.
+    axes x embed axes)] and each chunk's hidden states [rows, positions, D] gather over
+    the embed axes, Megatron's vocab-parallel cross-entropy: each device scores every
+    row against its slice of the vocabulary, and the log-sum-exp is reduced across the
+    slices.
 
     Returns (projection spec [D, V], logits spec [rows, positions, V]), or None for the
-    plain layout: when D is whole on each device (nothing to gather), or when the
-    vocabulary does not divide over the embed axes (the projection is then gathered).
+    plain layout: when D is whole on each device (nothing to gather), when the
+    vocabulary does not divide over the embed axes, or when a chunk's rows x positions
+    outnumber the vocabulary a device holds (gathering the projection then holds less).
     """
     if self.mesh is None:
       return None
@@ -155,6 +157,9 @@ class ShardingContext:
     vocab_spec, rows_spec = logical_to_spec(("head_vocab", "batch"), rules, self.mesh,
                                             (vocab, rows))
     if not set(embed) <= set(_spec_axes(vocab_spec)):
+      return None
+    plain = _spec_axes(logical_to_spec(("vocab",), self.rules, self.mesh, (vocab,))[0])
+    if rows * positions > vocab // math.prod(self.mesh.shape[a] for a in plain):
       return None
     return (PartitionSpec(None, vocab_spec),
             PartitionSpec(rows_spec, PartitionSpec.UNCONSTRAINED, vocab_spec))

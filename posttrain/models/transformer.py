@@ -686,8 +686,8 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
   or its gradient, only [rows, chunk, V / devices] logits.
   """
   b, t, d = h_BxTxD.shape
-  layout = ctx.vocab_parallel_head(b, d, w_DxV.shape[1])
   chunk = max(1, min(chunk, t))
+  layout = ctx.vocab_parallel_head(b, chunk, d, w_DxV.shape[1])
   n = -(-t // chunk)
   pad = n * chunk - t
   h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))

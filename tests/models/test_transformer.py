@@ -137,14 +137,16 @@ def test_chunked_logprobs_never_build_full_float32_logits():
     ((2, 4, 1, 1), 1024, True),    # V over fsdp; the rows gather over fsdp, stay on data
     ((1, 4, 2, 1), 1024, True),    # V over tensor x fsdp
     ((1, 8, 1, 1), 1001, False),   # V does not divide: the projection is gathered whole
+    ((1, 8, 1, 1), 48, False),     # 8 rows x 8 positions outnumber V: gathered whole too
 ])
 def test_vocab_parallel_head_equals_the_unsharded_head(shape, vocab, parallel):
   """With D split over fsdp, the log-prob head splits the vocabulary instead: the same
-  log-probs, entropies and gradients as on one device, and no device gathers [D, V]."""
+  log-probs, entropies and gradients as on one device, and no device gathers [D, V]
+  (unless that holds less than the rows it would gather instead)."""
   mesh = models.make_mesh(shape)
   ctx = models.ShardingContext(mesh)
   b, t, d = 8, 24, 64
-  assert (ctx.vocab_parallel_head(b, d, vocab) is not None) == parallel
+  assert (ctx.vocab_parallel_head(b, 8, d, vocab) is not None) == parallel
   rng = np.random.default_rng(0)
   h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(d, vocab)) * 0.1, jnp.float32)
