@@ -411,22 +411,28 @@ def head_bytes(model_cfg: models.ModelConfig, *, mesh: AbstractMesh,
     return 0  # D whole on each device: the head reads its own shard of the projection
   s = np.dtype(cfg.dtype).itemsize
   trained = 0 if cfg.lora_rank else 4 + s
-  chunk = max(1, min(cfg.logprob_chunk, row_len))
-  layout = models.ShardingContext(mesh, rules).vocab_parallel_head(
-      rows, chunk, cfg.d_model, cfg.vocab_size)
+  chunk, layout = _head_layout(cfg, mesh, rules, rows, row_len)
   if layout is None:
     return int((2 * s + trained) * cfg.d_model * vocab)
   w_spec, logits_spec = layout
   vocab = NamedSharding(mesh, w_spec).shard_shape((cfg.d_model, cfg.vocab_size))[1]
   gathered_rows = NamedSharding(mesh, PartitionSpec(logits_spec[0])).shard_shape((rows,))[0]
-  return int((2 * s + trained) * cfg.d_model * vocab + 2 * s * gathered_rows * chunk * cfg.d_model)
+  return int((2 * s + trained) * cfg.d_model * vocab
+             + 2 * s * gathered_rows * chunk * cfg.d_model)
+
+
+def _head_layout(cfg: models.ModelConfig, mesh: AbstractMesh, rules, rows: int, row_len: int):
+  """(positions a log-prob chunk holds, the head's split-vocabulary specs or None), as
+  `chunked_logprobs` picks them for a micro-batch of rows x row_len."""
+  chunk = max(1, min(cfg.logprob_chunk, row_len))
+  return chunk, models.ShardingContext(mesh, rules).vocab_parallel_head(
+      rows, chunk, cfg.d_model, cfg.vocab_size)
 
 
 def _head_note(cfg: models.ModelConfig, mesh: AbstractMesh, rules, rows: int,
                row_len: int) -> str:
   grad = "" if cfg.lora_rank else " and its gradient (float32 + a copy)"
-  if models.ShardingContext(mesh, rules).vocab_parallel_head(
-      rows, max(1, min(cfg.logprob_chunk, row_len)), cfg.d_model, cfg.vocab_size) is None:
+  if _head_layout(cfg, mesh, rules, rows, row_len)[1] is None:
     return f"the output projection gathered for the log-prob head (2 copies){grad}"
   return (f"the log-prob head's vocabulary slice of the projection (2 copies){grad}, "
           "a chunk's rows gathered")
