@@ -65,6 +65,34 @@ def compile_head(mesh: Mesh, cfg: models.ModelConfig, rows: int, row_len: int, *
     return jax.jit(fn).lower(h, w, targets).compile()
 
 
+def measure(topology: str = "v5e:4x4", preset: str = "llama3_8b", rows: int = 16,
+            row_len: int = 2048) -> list[dict]:
+  """One row per (projection, arm): XLA's per-device temporaries and all-gathered bytes."""
+  devices = aot.tpu_devices(topology)
+  mesh = Mesh(np.array(devices).reshape(1, len(devices), 1, 1), models.MESH_AXES)
+  cfg = models.get_preset(preset).replace(dtype="bfloat16", param_dtype="bfloat16")
+  out = []
+  for trained in (True, False):
+    temps = {}
+    for split in (False, True):
+      compiled = compile_head(mesh, cfg, rows, row_len, split=split, trained=trained)
+      temps[split] = compiled.memory_analysis().temp_size_in_bytes
+      out.append({
+          "projection": "trained" if trained else "frozen (LoRA)",
+          "arm": "split" if split else "gathered",
+          "temporaries MiB": round(temps[split] / MIB, 1),
+          "all-gathered MiB": round(_all_gather_bytes(compiled.as_text()) / MIB, 1),
+          "temporaries split / gathered": (round(temps[True] / temps[False], 2)
+                                           if split else ""),
+      })
+  return out
+
+
+def run(quick: bool) -> list[dict]:
+  """benchmarks.run's entry: the 8B head on a v5e-16 (a v5e-4 and 8 rows when quick)."""
+  return measure("v5e:2x2", rows=8) if quick else measure()
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--topology", default="v5e:4x4")
@@ -72,25 +100,16 @@ def main(argv=None) -> None:
   parser.add_argument("--rows", type=int, default=16, help="rows of one micro-batch")
   parser.add_argument("--row_len", type=int, default=2048)
   args = parser.parse_args(argv)
-  devices = aot.tpu_devices(args.topology)
-  mesh = Mesh(np.array(devices).reshape(1, len(devices), 1, 1), models.MESH_AXES)
-  cfg = models.get_preset(args.preset).replace(dtype="bfloat16", param_dtype="bfloat16")
+  cfg = models.get_preset(args.preset)
   print(f"{args.preset} head (D {cfg.d_model}, V {cfg.vocab_size}, chunk "
-        f"{cfg.logprob_chunk}), {args.rows} x {args.row_len} tokens, fsdp "
-        f"{len(devices)} on {args.topology}; per device:")
-  print("| projection | arm | temporaries MiB | all-gathered MiB | temporaries split / gathered |")
-  print("|---|---|---|---|---|")
-  for trained in (True, False):
-    temps = {}
-    for split in (False, True):
-      compiled = compile_head(mesh, cfg, args.rows, args.row_len, split=split,
-                              trained=trained)
-      temps[split] = compiled.memory_analysis().temp_size_in_bytes
-      gathered = _all_gather_bytes(compiled.as_text())
-      ratio = f"{temps[True] / temps[False]:.2f}" if split else ""
-      print(f"| {'trained' if trained else 'frozen (LoRA)'} | "
-            f"{'split' if split else 'gathered'} | {temps[split] / MIB:,.1f} | "
-            f"{gathered / MIB:,.1f} | {ratio} |", flush=True)
+        f"{cfg.logprob_chunk}), {args.rows} x {args.row_len} tokens, pure fsdp on "
+        f"{args.topology}; per device:")
+  rows = measure(args.topology, args.preset, args.rows, args.row_len)
+  print("| " + " | ".join(rows[0]) + " |")
+  print("|" + "---|" * len(rows[0]))
+  for row in rows:
+    print("| " + " | ".join(f"{v:,}" if isinstance(v, float) else str(v)
+                            for v in row.values()) + " |")
 
 
 if __name__ == "__main__":
