@@ -20,11 +20,12 @@ split / gathered ratios. Compiled, not run: the figures are XLA:TPU's buffer ass
 from __future__ import annotations
 
 import argparse
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from posttrain import aot, models
 
@@ -32,7 +33,6 @@ MIB = 1 << 20
 
 
 def _all_gather_bytes(hlo: str) -> int:
-  import re
   size = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "pred": 1}
   total = 0
   for line in hlo.splitlines():
@@ -68,8 +68,7 @@ def compile_head(mesh: Mesh, cfg: models.ModelConfig, rows: int, row_len: int, *
 def measure(topology: str = "v5e:4x4", preset: str = "llama3_8b", rows: int = 16,
             row_len: int = 2048) -> list[dict]:
   """One row per (projection, arm): XLA's per-device temporaries and all-gathered bytes."""
-  devices = aot.tpu_devices(topology)
-  mesh = Mesh(np.array(devices).reshape(1, len(devices), 1, 1), models.MESH_AXES)
+  mesh = models.make_mesh((1, -1, 1, 1), devices=aot.tpu_devices(topology))
   cfg = models.get_preset(preset).replace(dtype="bfloat16", param_dtype="bfloat16")
   out = []
   for trained in (True, False):
