@@ -328,7 +328,8 @@ class Trainer:
         top_k=int(r.top_k) if r.get("top_k") else None, chunk_rows=int(r.chunk_rows),
         scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns),
         segment_tokens=int(placement.get("segment_tokens", 0) or 0), lock=self._sampler_lock,
-        version_fn=lambda: self.sampler_version)
+        version_fn=lambda: self.sampler_version,
+        continuous=bool(r.get("continuous_batching", True)))
 
   # -- state --------------------------------------------------------------------------------
 
@@ -646,6 +647,8 @@ class Trainer:
       groups = make_groups(self.scheduler.draw(n))
     if "resumed_fraction" in self.worker.last_stats:  # segments resumed from the KV cache
       extra["rollout/resumed_fraction"] = self.worker.last_stats["resumed_fraction"]
+    if "decode_occupancy" in self.worker.last_stats:  # decode work spent on live rows
+      extra["rollout/decode_occupancy"] = self.worker.last_stats["decode_occupancy"]
     return groups, extra
 
   def _rl_step(self, source: "AsyncRollouts | None" = None) -> dict[str, float]:

@@ -1,7 +1,9 @@
 """Host-side rollouts: task -> chat prompt -> samples -> rewards -> trajectory groups.
 
-Generation runs on the devices in chunks; scoring (pure Python, or the sandbox for code)
-runs on a thread pool, so chunk i is scored while chunk i+1 is generated. Multi-turn
+Generation runs on the devices; scoring (pure Python, or the sandbox for code) runs on a
+thread pool. Single-turn rollouts are continuously batched: every row streams through the
+sampler's cache rows in one call and is scored as soon as it stops, while the others
+decode. Otherwise rows run in chunks, and chunk i is scored while chunk i+1 is generated. Multi-turn
 domains (those with `step(task, transcript)`) get their observations appended as tool
 turns, whose tokens are masked out of the loss.
 
@@ -78,7 +80,12 @@ class RolloutWorker:
     group_size: samples per task.
     max_new_tokens: generation budget per model turn.
     temperature, top_p, top_k: sampling settings.
-    chunk_rows: rows generated per sampler call (scoring of one chunk overlaps the next).
+    chunk_rows: rows the sampler decodes at once (the KV cache's rows).
+    continuous: single-turn rollouts without segments stream every row through
+      `chunk_rows` cache rows in one sampler call (continuous batching): a row that stops
+      hands its cache row to the next, and is scored while the others decode. Otherwise
+      (False, multi-turn, segment_tokens) the rows run in chunks of `chunk_rows`, each
+      chunk as long as its longest row, scored while the next chunk generates.
     scoring_threads: threads that score (and run sandboxes) concurrently.
     max_turns: model turns per sample for multi-turn domains.
     system_prompt: optional system message.
@@ -101,13 +108,14 @@ class RolloutWorker:
                chunk_rows: int = 64, scoring_threads: int = 4, max_turns: int = 1,
                system_prompt: str | None = None, segment_tokens: int = 0, lock=None,
                version_fn=None, process: tuple[int, int] | None = None,
-               exchange: Callable[[Any], list[Any]] | None = None):
+               exchange: Callable[[Any], list[Any]] | None = None, continuous: bool = True):
     self.sampler, self.tok = sampler, tokenizer
     self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
     self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
     self.chunk_rows, self.max_turns = max(int(chunk_rows), 1), max(int(max_turns), 1)
     self.system_prompt = system_prompt
     self.segment_tokens = max(int(segment_tokens), 0)
+    self.continuous = bool(continuous)
     self._lock = lock if lock is not None else contextlib.nullcontext()
     self._version_fn = version_fn or (lambda: 0)
     self.last_stats: dict[str, float] = {}
@@ -126,6 +134,7 @@ class RolloutWorker:
     self._tag = f"posttrain/rollout_worker_{RolloutWorker._instances}"
     self._exchanges = 0
     self._segments = [0, 0]  # continued segments: resumed from the kept cache, all
+    self._decode_rows = [0, 0]  # tokens generated, row-steps decoded (slots x steps)
     # Partial rollouts across calls (rollout(..., token_budget=N)): groups with a sample
     # still generating, as (domain, seed, task, samples); they continue in the next call.
     self._carry: list[tuple[str, int, Task, list[Sample]]] = []
@@ -187,21 +196,66 @@ class RolloutWorker:
     mine = lambda idx: idx % self.process_count == self.process_index  # noqa: E731
     self._tool_steps = [0, 0]
     self._segments = [0, 0]
+    self._decode_rows = [0, 0]
+    room = self.sampler.max_len - max(len(p) for _, p in rows)
+    if self.continuous and self.max_turns == 1 and not self.segment_tokens and room >= 1:
+      self._stream(rows, tasks, samples, futures, mine, seed=seed * 1_000_003,
+                   temperature=temp, max_new_tokens=min(self.max_new_tokens, room))
+    else:
+      self._chunks(rows, tasks, samples, futures, mine, seed=seed, temperature=temp)
+    # Scoring overlaps generation; what is left after the last row is the scoring stall.
+    self._collect_rewards(samples, futures)
+    groups = []
+    for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
+      groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
+    return groups
+
+  def _stream(self, rows, tasks, samples, futures, mine, *, seed: int, temperature: float,
+              max_new_tokens: int) -> None:
+    """Generates every row in one continuously batched sampler call; each row is scored
+    (on this process's share) as soon as it stops, while the others decode."""
+    version = 0
+
+    def finished(i: int, tokens: np.ndarray, logprobs: np.ndarray, reason: str) -> None:
+      toks = tokens.tolist()
+      sample = Sample(prompt_tokens=list(rows[i][1]), response_tokens=toks,
+                      response_mask=[1] * len(toks),
+                      behaviour_logprobs=logprobs.astype(float).tolist(),
+                      text=self._decode(toks), finish_reason=reason, turns=1,
+                      versions=[version])
+      samples[i] = sample
+      if mine(i):
+        futures.append((i, self._pool.submit(_score, tasks[rows[i][0]], sample)))
+
+    with self._lock:
+      version = self._version_fn()
+      out = self.sampler.generate(
+          [p for _, p in rows], max_new_tokens=max_new_tokens, temperature=temperature,
+          top_k=self.top_k, top_p=self.top_p, stop_token_ids=self.tok.stop_ids, seed=seed,
+          slots=self.chunk_rows, on_finish=finished)
+    self._count_decode(out)
+
+  def _chunks(self, rows, tasks, samples, futures, mine, *, seed: int,
+              temperature: float) -> None:
+    """Generates the rows `chunk_rows` at a time; a chunk is scored while the next one
+    generates."""
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
-      done = self._generate(chunk, tasks, seed=seed * 1_000_003 + start, temperature=temp,
+      # One seed for every chunk, rows keyed by their index in the rollout: single-turn
+      # chunks draw what the continuously batched call draws.
+      done = self._generate(chunk, tasks, seed=seed * 1_000_003, temperature=temperature,
                             offset=start)
       for j, sample in enumerate(done):
         task = tasks[chunk[j][0]]
         samples[start + j] = sample
         if mine(start + j):
           futures.append((start + j, self._pool.submit(_score, task, sample)))
-    # Scoring overlaps generation; what is left after the last chunk is the scoring stall.
-    self._collect_rewards(samples, futures)
-    groups = []
-    for i, ((domain, s), task) in enumerate(zip(pairs, tasks)):
-      groups.append(TrajectoryGroup(domain, s, task, samples[i * g:(i + 1) * g], policy_version))
-    return groups
+
+  def _count_decode(self, out) -> None:
+    """Adds a sampler call's generated tokens and decoded row-steps to the occupancy."""
+    self._decode_rows[0] += int(out.stats.get("decoded", 0))
+    self._decode_rows[1] += (int(out.stats.get("decode_steps", 0))
+                             * int(out.stats.get("batch", 0)))
 
   def _collect_rewards(self, samples: list[Sample], futures: list[tuple[int, cf.Future]]):
     """Waits for this process's scoring `futures` ((sample index, future)), exchanges the
@@ -221,6 +275,10 @@ class RolloutWorker:
                        "scored_fraction": len(futures) / max(len(samples), 1)}
     if self._tool_steps[1]:
       self.last_stats["tool_step_fraction"] = self._tool_steps[0] / self._tool_steps[1]
+    if self._decode_rows[1]:
+      # Generated tokens per decoded row-step: the share of decode work that was not spent
+      # on rows that had already stopped (or padding rows).
+      self.last_stats["decode_occupancy"] = self._decode_rows[0] / self._decode_rows[1]
     if self._segments[1]:
       # Continued segments that resumed from the kept KV cache (the rest ran under new
       # weights and prefilled prompt + response again).
@@ -240,7 +298,7 @@ class RolloutWorker:
           for _ in range(g)]))
     # Rows still generating (turns == 0), carried groups first: the oldest finish first.
     rows = [smp for *_, samples in groups for smp in samples if not smp.turns]
-    self._tool_steps, self._segments = [0, 0], [0, 0]
+    self._tool_steps, self._segments, self._decode_rows = [0, 0], [0, 0], [0, 0]
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
       ended = self._generate_turn(chunk, list(range(len(chunk))),
@@ -273,7 +331,7 @@ class RolloutWorker:
       if not active:
         break
       ended = self._generate_turn(states, active, seed=seed + 7919 * turn,
-                                  temperature=temperature)
+                                  temperature=temperature, row_offset=offset)
       steps = {}
       if turn + 1 < self.max_turns:
         stepping = [i for i in active if ended[i]
@@ -326,7 +384,7 @@ class RolloutWorker:
     return results
 
   def _generate_turn(self, states, rows, *, seed: int, temperature: float,
-                     cap: int = 0) -> dict[int, bool]:
+                     cap: int = 0, row_offset: int = 0) -> dict[int, bool]:
     """One model turn for `rows`, in segments of `segment_tokens` when set.
 
     Between segments the sampler lock is released, so the learner can swap in new weights;
@@ -362,9 +420,10 @@ class RolloutWorker:
               inputs, max_new_tokens=n_new, temperature=temperature, top_k=self.top_k,
               top_p=self.top_p, stop_token_ids=self.tok.stop_ids,
               seed=seed + 104_729 * segment, keep_cache=n_new < min(want, room),
-              reserve_tokens=min(want, room))
+              reserve_tokens=min(want, room), row_offset=row_offset)
           paused_row = {i: k for k, i in enumerate(active)}
         paused = out.resume_state
+      self._count_decode(out)
       self._segments[1] += segment > 0  # continuations of paused rows
       segment += 1
       still = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,9 @@ from posttrain.models.transformer import cache_slots, constrain_cache, init_laye
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+# Continuous batching refills once this fraction of the slots has stopped: a prefill call
+# per stopped row would cost more than the rows idle meanwhile.
+_REFILL_FRACTION = 1 / 8
 
 
 class SamplingMode(NamedTuple):
@@ -92,10 +95,14 @@ def sample_logits(logits_BxV, keys_B, temperature, top_p, mode: SamplingMode):
   return tokens.astype(jnp.int32), logp
 
 
-def _row_keys(seed, step, batch: int):
-  """One key per row and step: samples do not depend on the batch bucket or the mesh."""
-  step_key = jax.random.fold_in(jax.random.key(seed), step)
-  return jax.vmap(jax.random.fold_in, (None, 0))(step_key, jnp.arange(batch))
+def _row_keys(seed, step, row_ids):
+  """One key per row and step: samples do not depend on the batch bucket, the mesh or the
+  cache row a row runs in. `step` is the token's index in its row (a scalar or one per
+  row), `row_ids` each row's index among the prompts."""
+  steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), row_ids.shape)
+  base = jax.random.key(seed)
+  return jax.vmap(lambda s, r: jax.random.fold_in(jax.random.fold_in(base, s), r))(steps,
+                                                                                     row_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +116,13 @@ class Completions:
     lengths: [rows] number of generated tokens, the stop token included.
     finish_reasons: "stop" (a stop token was generated; it is the last token) or "length".
     stats: how the call ran (not per row): `batch` and `prefill_rows` (padded; identical
-      prompts share a prefill row), the `prompt_len` and `cache_len` buckets, and `steps`,
-      the token steps run (below max_new_tokens when every row stopped early).
+      prompts share a prefill row), the `prompt_len` and `cache_len` buckets, `steps`,
+      the token steps run (below max_new_tokens when every row stopped early; the
+      prefill's token counts as one), `decode_steps` of them run by the decode loop
+      over all `batch` rows, and `decoded`, the tokens those steps generated:
+      decoded / (decode_steps x batch) is the share of decode work spent on live rows.
+      With `slots` (continuous batching) also `inserts`, the prefill calls that filled
+      freed cache rows (`prefill_rows` then sums theirs, `prompt_len` is the longest).
   """
 
   tokens: np.ndarray
@@ -146,6 +158,7 @@ class ResumeState:
   open: np.ndarray  # [batch] bool: may continue (did not stop)
   mode: SamplingMode
   stop_ids: np.ndarray
+  row_ids: np.ndarray  # [batch] each row's sampling-key index
   seed: int
   temperature: float
   top_p: float | None
@@ -313,7 +326,9 @@ class Sampler:
                temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, stop_token_ids: Sequence[int] = (),
                seed: int = 0, keep_cache: bool = False,
-               reserve_tokens: int | None = None) -> Completions:
+               reserve_tokens: int | None = None, slots: int | None = None,
+               on_finish: Callable[[int, np.ndarray, np.ndarray, str], Any] | None = None,
+               row_offset: int = 0) -> Completions:
     """Samples a continuation of every prompt.
 
     Args:
@@ -328,6 +343,18 @@ class Sampler:
         continue the rows that did not stop without prefilling them again.
       reserve_tokens: size the cache for this many new tokens in all (>= max_new_tokens),
         the room later `resume` calls can use.
+      slots: continuous batching: at most this many rows decode at once (the cache holds
+        `slots` rows), and a row that stops hands its slot to the next waiting prompt
+        while the others go on, so short completions never wait for the longest. The
+        samples are those of one call over all the prompts (a row's sampling key is its
+        prompt's index and its token's). None, or at least as many slots as prompts:
+        every row at once.
+      on_finish: called as `on_finish(i, tokens, logprobs, finish_reason)` for each
+        prompt i as its row ends (with `slots`, while others still decode; else after the
+        call), e.g. to score it.
+      row_offset: the index of prompts[0] in a longer list of prompts: row i samples
+        with that list's key for row_offset + i, so calls over consecutive slices of the
+        list draw what one call over all of it draws.
     """
     cfg = self.cfg
     mode = sampling_mode(temperature, top_k, top_p, cfg.vocab_size)
@@ -335,6 +362,9 @@ class Sampler:
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens}")
     max_new_tokens = int(max_new_tokens)
+    if isinstance(row_offset, bool) or int(row_offset) != row_offset or row_offset < 0:
+      raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r}")
+    row_offset = int(row_offset)
     longest = int(lens.max())
     if longest + max_new_tokens > self.max_len:
       raise ValueError(f"longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} "
@@ -348,6 +378,19 @@ class Sampler:
     bad = [t for t in stop if not 0 <= t < cfg.vocab_size]
     if bad:
       raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    stop_ids = np.full(max(4, 1 << max(len(stop) - 1, 0).bit_length()), -1, np.int32)
+    stop_ids[:len(stop)] = stop
+    if slots is not None:
+      if isinstance(slots, bool) or int(slots) != slots or slots < 1:
+        raise ValueError(f"slots must be a positive int or None, got {slots!r}")
+      if keep_cache:
+        raise ValueError("keep_cache cannot be combined with slots: continuous batching "
+                         "reuses a row's cache slot once the row stops")
+      if int(slots) < len(prompts):
+        return self._generate_slots(
+            prompts, lens, slots=int(slots), max_new_tokens=max_new_tokens, mode=mode,
+            stop_ids=stop_ids, seed=int(seed % 2**32), temperature=temperature,
+            top_p=top_p, on_finish=on_finish, row_offset=row_offset)
 
     rows = len(prompts)
     batch = self._batch_bucket(rows)
@@ -363,8 +406,6 @@ class Sampler:
     for p, i in distinct.items():
       tokens[i, :len(p)] = p
       distinct_lens[i] = len(p)
-    stop_ids = np.full(max(4, 1 << max(len(stop) - 1, 0).bit_length()), -1, np.int32)
-    stop_ids[:len(stop)] = stop
 
     rowwise = self._rowwise
     seed_value = int(seed % 2**32)
@@ -372,18 +413,20 @@ class Sampler:
     prompt_lens = rowwise(distinct_lens[row_source])
     active = rowwise(np.arange(batch) < rows)
     group = _grouping(row_source[:rows], prefill_rows, batch)
+    row_ids = np.arange(batch, dtype=np.int32) + row_offset
+    ids = rowwise(row_ids)
 
     weights = self._weights()
     prefill_args = (weights, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
-                    seed, temp, nucleus)
+                    ids, seed, temp, nucleus)
     prefill = self._program(
         ("prefill", prefill_rows, batch, prompt_len, cache_len, mode, group),
         functools.partial(self._prefill, cache_len=cache_len, mode=mode, group=group),
         prefill_args, donate=())
     cache, first, first_logp = prefill(*prefill_args)
     cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
-        weights, cache, first, first_logp, prompt_lens, active, max_new_tokens, stop_ids,
-        seed, temp, nucleus, step0=0, batch=batch, cache_len=cache_len, mode=mode)
+        weights, cache, first, first_logp, prompt_lens, active, ids, max_new_tokens,
+        stop_ids, seed, temp, nucleus, step0=0, batch=batch, cache_len=cache_len, mode=mode)
     del weights, prefill_args
     resume = None
     if keep_cache:
@@ -393,17 +436,127 @@ class Sampler:
           cache=cache, rows=rows, batch=batch, cache_len=cache_len,
           positions=base + ends, last=out_tokens[np.arange(batch), ends],
           generated=lengths.astype(np.int64), open=(np.arange(batch) < rows) & ~stopped,
-          mode=mode, stop_ids=stop_ids, seed=seed_value, temperature=float(temperature),
+          mode=mode, stop_ids=stop_ids, row_ids=row_ids, seed=seed_value,
+          temperature=float(temperature),
           top_p=top_p, params_version=self.params_version)
-    return Completions(tokens=out_tokens[:rows, :max_new_tokens],
-                       logprobs=out_logp[:rows, :max_new_tokens],
-                       lengths=lengths[:rows],
+    out = Completions(tokens=out_tokens[:rows, :max_new_tokens],
+                      logprobs=out_logp[:rows, :max_new_tokens],
+                      lengths=lengths[:rows],
+                      finish_reasons=[FINISH_STOP if s else FINISH_LENGTH
+                                      for s in stopped[:rows]],
+                      stats=dict(batch=batch, prefill_rows=prefill_rows,
+                                 prompt_len=prompt_len, cache_len=cache_len,
+                                 steps=int(steps), decode_steps=int(steps) - 1,
+                                 decoded=int(np.maximum(lengths[:rows] - 1, 0).sum())),
+                      resume_state=resume)
+    if on_finish is not None:
+      for i in range(rows):
+        n = int(out.lengths[i])
+        on_finish(i, out.tokens[i, :n], out.logprobs[i, :n], out.finish_reasons[i])
+    return out
+
+  def _generate_slots(self, prompts, lens: np.ndarray, *, slots: int, max_new_tokens: int,
+                      mode: SamplingMode, stop_ids: np.ndarray, seed: int,
+                      temperature: float, top_p: float | None, on_finish,
+                      row_offset: int) -> Completions:
+    """`generate` with continuous batching: the prompts wait in order for one of `slots`
+    cache rows; each round prefills waiting prompts into the free rows, then decodes until
+    enough rows have stopped to be worth refilling (`_REFILL_FRACTION` of the slots, or
+    every row once no prompt waits)."""
+    rows = len(prompts)
+    batch = self._batch_bucket(slots)
+    cache_len = _bucket(int(lens.max()) + max_new_tokens, self.length_buckets,
+                        "sequence length")
+    seed_arr, temp, nucleus = self._sampling_scalars(seed, temperature, top_p, mode)
+    max_new = self._scalar(max_new_tokens, np.int32)
+    stops = self._put(stop_ids, ())
+    weights = self._weights()
+    state = self._program(("slots", batch, cache_len),
+                          functools.partial(self._empty_slots, batch=batch,
+                                            cache_len=cache_len), (), donate=())()
+    refill = max(1, int(batch * _REFILL_FRACTION))
+    tokens = np.full((rows, max_new_tokens), self.pad_id, np.int32)
+    logprobs = np.zeros((rows, max_new_tokens), np.float32)
+    lengths = np.zeros(rows, np.int32)
+    stopped_rows = np.zeros(rows, bool)
+    waiting = list(range(rows))[::-1]  # popped from the end: prompt order
+    free = list(range(batch))[::-1]
+    slot_row = np.full(batch, -1, np.int64)
+    steps = inserts = prefilled = longest_bucket = 0
+    while waiting or (slot_row >= 0).any():
+      if waiting and free:
+        take = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
+        into = [free.pop() for _ in take]
+        state, used, bucket = self._insert_slots(
+            weights, state, [prompts[i] for i in take], [row_offset + i for i in take], into,
+            lens[take], min_rows=refill, batch=batch, cache_len=cache_len, mode=mode,
+            max_new=max_new, stops=stops, sampling=(seed_arr, temp, nucleus))
+        slot_row[into] = take
+        inserts, prefilled = inserts + 1, prefilled + used
+        longest_bucket = max(longest_bucket, bucket)
+      return_at = min(refill, len(waiting)) if waiting else batch
+      args = (weights, state, max_new, stops, seed_arr, temp, nucleus,
+              self._scalar(return_at, np.int32))
+      decode = self._program(("decode_slots", batch, cache_len, stop_ids.size, mode),
+                             functools.partial(self._decode_slots, mode=mode), args,
+                             donate=(1,))
+      state, ran = decode(*args)
+      del args
+      done, stopped, gen, out_tok, out_logp, ran = self._fetch(
+          (state["done"], state["stopped"], state["gen"], state["tokens"], state["logp"],
+           ran))
+      steps += int(ran)
+      for slot in np.flatnonzero(done & (slot_row >= 0)):
+        i, n = int(slot_row[slot]), int(gen[slot])
+        tokens[i, :n], logprobs[i, :n] = out_tok[slot, :n], out_logp[slot, :n]
+        lengths[i], stopped_rows[i] = n, bool(stopped[slot])
+        slot_row[slot] = -1
+        free.append(int(slot))
+        if on_finish is not None:
+          on_finish(i, tokens[i, :n], logprobs[i, :n],
+                    FINISH_STOP if stopped_rows[i] else FINISH_LENGTH)
+    del state, weights
+    return Completions(tokens=tokens, logprobs=logprobs, lengths=lengths,
                        finish_reasons=[FINISH_STOP if s else FINISH_LENGTH
-                                       for s in stopped[:rows]],
-                       stats=dict(batch=batch, prefill_rows=prefill_rows,
-                                  prompt_len=prompt_len, cache_len=cache_len,
-                                  steps=int(steps)),
-                       resume_state=resume)
+                                       for s in stopped_rows],
+                       stats=dict(batch=batch, prefill_rows=prefilled,
+                                  prompt_len=longest_bucket, cache_len=cache_len,
+                                  steps=steps + 1, decode_steps=steps,
+                                  decoded=int(np.maximum(lengths - 1, 0).sum()),
+                                  inserts=inserts))
+
+  def _insert_slots(self, weights, state, prompts, prompt_ids, slot_ids, lens, *,
+                    min_rows: int, batch: int, cache_len: int, mode: SamplingMode, max_new,
+                    stops, sampling):
+    """Prefills `prompts` (prompt indices `prompt_ids`) into the cache rows `slot_ids`;
+    returns (state, prefill rows run, prompt-length bucket). Inserts pad to at least
+    `min_rows` rows (the refill size), so few insert programs compile: padding rows
+    repeat prompt 0 (no extra prefill row) and are dropped."""
+    n = len(prompts)
+    rows = self._batch_bucket(max(n, min_rows))
+    distinct: dict[tuple[int, ...], int] = {}
+    row_source = np.zeros(rows, np.int32)
+    row_source[:n] = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    prefill_rows = self._batch_bucket(len(distinct))
+    prompt_len = _bucket(int(lens.max()), self.length_buckets, "prompt length")
+    tokens = np.full((prefill_rows, prompt_len), self.pad_id, np.int32)
+    distinct_lens = np.ones(prefill_rows, np.int32)
+    for p, i in distinct.items():
+      tokens[i, :len(p)] = p
+      distinct_lens[i] = len(p)
+    where = np.full(rows, batch, np.int32)  # padding rows land out of range: dropped
+    where[:n] = slot_ids
+    ids = np.zeros(rows, np.int32)
+    ids[:n] = prompt_ids
+    group = _grouping(row_source[:n], prefill_rows, rows)
+    rowwise = self._rowwise
+    args = (weights, state, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
+            rowwise(where), rowwise(ids), max_new, stops, *sampling)
+    insert = self._program(
+        ("insert", prefill_rows, rows, prompt_len, batch, cache_len, mode, group),
+        functools.partial(self._insert, cache_len=cache_len, mode=mode, group=group),
+        args, donate=(1,))
+    return insert(*args), prefill_rows, prompt_len
 
   def compile(self, rows: int, prompt_len: int, max_new_tokens: int, *,
               distinct_prompts: int | None = None, temperature: float = 1.0,
@@ -445,7 +598,7 @@ class Sampler:
         jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         for shape, dtype, sharding in self._weight_specs])
     prefill_args = (weights, row(jnp.int32, prompt_len, rows=prefill_rows),
-                    row(jnp.int32, rows=prefill_rows), row(jnp.int32),
+                    row(jnp.int32, rows=prefill_rows), row(jnp.int32), row(jnp.int32),
                     scalar(jnp.uint32), scalar(jnp.float32), scalar(jnp.float32))
     prefill = self._program(
         ("prefill", prefill_rows, batch, prompt_len, cache_len, mode, group),
@@ -453,8 +606,9 @@ class Sampler:
         prefill_args, donate=())
     cache, first, first_logp = prefill.out_info
     decode_args = (weights, cache, first, first_logp, row(jnp.int32), row(jnp.bool_),
-                   scalar(jnp.int32), self._abstract((max(4, stop_ids),), jnp.int32, ()),
-                   *prefill_args[4:], scalar(jnp.int32))
+                   row(jnp.int32), scalar(jnp.int32),
+                   self._abstract((max(4, stop_ids),), jnp.int32, ()), *prefill_args[5:],
+                   scalar(jnp.int32))
     decode = self._program(("decode", batch, cache_len, max(4, stop_ids), mode),
                            functools.partial(self._decode, mode=mode), decode_args,
                            donate=(1,))
@@ -503,8 +657,7 @@ class Sampler:
     cache, (out_tokens, out_logp, lengths, stopped, steps) = self._run_decode(
         self._weights(), state.cache, rowwise(state.last.astype(np.int32)),
         rowwise(np.zeros(batch, np.float32)), rowwise(state.positions.astype(np.int32)),
-        rowwise(active_np),
-        max_new_tokens + 1, state.stop_ids,
+        rowwise(active_np), rowwise(state.row_ids), max_new_tokens + 1, state.stop_ids,
         *self._sampling_scalars(state.seed, state.temperature, state.top_p, mode),
         step0=int(state.generated[rows[0]]) - 1, batch=batch, cache_len=state.cache_len,
         mode=mode)
@@ -521,24 +674,22 @@ class Sampler:
                        finish_reasons=[FINISH_STOP if s else FINISH_LENGTH
                                        for s in stopped[idx]],
                        stats=dict(batch=batch, prefill_rows=0, prompt_len=0,
-                                  cache_len=state.cache_len, steps=int(steps) - 1),
+                                  cache_len=state.cache_len, steps=int(steps) - 1,
+                                  decode_steps=int(steps) - 1, decoded=int(new[idx].sum())),
                        resume_state=nxt)
 
-  def _run_decode(self, weights, cache, first, first_logp, prompt_lens, active,
+  def _run_decode(self, weights, cache, first, first_logp, prompt_lens, active, row_ids,
                   max_new_tokens: int, stop_ids: np.ndarray, seed, temp, nucleus, *,
                   step0: int, batch: int, cache_len: int, mode: SamplingMode):
     """Runs the decode program; returns (cache, host outputs)."""
-    decode_args = (weights, cache, first, first_logp, prompt_lens, active,
+    decode_args = (weights, cache, first, first_logp, prompt_lens, active, row_ids,
                    self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed,
                    temp, nucleus, self._scalar(step0, np.int32))
     decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
                            functools.partial(self._decode, mode=mode), decode_args,
                            donate=(1,))
     cache, *outputs = decode(*decode_args)
-    if jax.process_count() > 1:  # Rows live on every host's devices: gather them here.
-      from jax.experimental import multihost_utils
-      outputs = multihost_utils.process_allgather(outputs, tiled=True)
-    return cache, jax.device_get(outputs)
+    return cache, self._fetch(outputs)
 
   # -- jitted bodies (pure functions of arrays) -------------------------------------------
 
@@ -561,8 +712,9 @@ class Sampler:
     logits = jnp.einsum("BD,DV->BV", h_BxD, w_DxV, preferred_element_type=jnp.float32)
     return self._ctx.constrain(logits, ("batch", "vocab")) if split else logits
 
-  def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, seed, temperature,
-               top_p, *, cache_len: int, mode: SamplingMode, group: int | None = None):
+  def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed,
+               temperature, top_p, *, cache_len: int, mode: SamplingMode,
+               group: int | None = None):
     """Prefills the U distinct prompts, gives each of the B rows its prompt's cache.
 
     The prompts fill a cache of their own length L; each row gathers its prompt's and
@@ -572,7 +724,8 @@ class Sampler:
     (`_grouping`: row b's prompt is b // group) rows repeat their prompts' caches in
     place, which leaves each device's rows on the device of their prompts: a gather by
     row_source would copy the L-long cache of all U prompts to every device of the
-    batch axes (0.88 GiB a device for that 7B model)."""
+    batch axes (0.88 GiB a device for that 7B model). `row_ids_B`: each row's index
+    among the prompts, for its sampling key."""
     model = nnx.merge(self._graphdef, state)
     distinct, length = tokens_UxL.shape
     dtype = jnp.int8 if self.cache_dtype == "int8" else None
@@ -606,11 +759,82 @@ class Sampler:
     else:
       cache = [extend_layer(layer) for layer in cache]
     cache = constrain(cache)
-    keys = _row_keys(seed, 0, row_source_B.shape[0])
+    keys = _row_keys(seed, 0, row_ids_B)
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp
 
-  def _decode(self, state, cache, first_B, first_logp_B, prompt_lens_B, active_B,
+  def _empty_slots(self, *, batch: int, cache_len: int):
+    """The state of `batch` empty cache rows for continuous batching (every row done)."""
+    dtype = jnp.int8 if self.cache_dtype == "int8" else None
+    cache = constrain_cache(models.init_cache(self.cfg, batch, cache_len, dtype), self._ctx)
+    row = lambda dtype, *shape: self._ctx.constrain(  # noqa: E731
+        jnp.zeros((batch, *shape), dtype), ("batch",) + (None,) * len(shape))
+    return dict(cache=cache, last=row(jnp.int32), pos=row(jnp.int32), gen=row(jnp.int32),
+                ids=row(jnp.int32), done=~row(jnp.bool_), stopped=row(jnp.bool_),
+                tokens=row(jnp.int32, cache_len) + self.pad_id,
+                logp=row(jnp.float32, cache_len))
+
+  def _insert(self, weights, slots, tokens_UxL, prompt_lens_U, row_source_N, where_N, ids_N,
+              max_new_tokens, stop_ids, seed, temperature, top_p, *, cache_len: int,
+              mode: SamplingMode, group: int | None):
+    """Prefills the new rows and writes them into the slot rows `where_N` (rows at an
+    index past the slots are padding and dropped): each row's cache, its first token at
+    its prompt's length, nothing generated after it."""
+    cache, first_N, logp_N = self._prefill(
+        weights, tokens_UxL, prompt_lens_U, row_source_N, ids_N, seed, temperature, top_p,
+        cache_len=cache_len, mode=mode, group=group)
+    stacked = isinstance(cache, models.KVCache)  # [L, B, ...]: rows on axis 1
+
+    def put(old, new, axis=0):
+      index = (slice(None),) * axis + (where_N,)
+      return old.at[index].set(new.astype(old.dtype), mode="drop")
+
+    width = slots["tokens"].shape[1]
+    first_col = jnp.arange(width)[None, :] == 0
+    stopped = jnp.any(first_N[:, None] == stop_ids[None, :], axis=-1)
+    return dict(
+        cache=constrain_cache(jax.tree.map(lambda o, n: put(o, n, int(stacked)),
+                                           slots["cache"], cache), self._ctx),
+        last=put(slots["last"], first_N), pos=put(slots["pos"], prompt_lens_U[row_source_N]),
+        gen=put(slots["gen"], jnp.ones_like(first_N)), ids=put(slots["ids"], ids_N),
+        done=put(slots["done"], stopped | (max_new_tokens <= 1)),
+        stopped=put(slots["stopped"], stopped),
+        tokens=put(slots["tokens"], jnp.where(first_col, first_N[:, None], self.pad_id)),
+        logp=put(slots["logp"], jnp.where(first_col, logp_N[:, None], 0.0)))
+
+  def _decode_slots(self, state, slots, max_new_tokens, stop_ids, seed, temperature, top_p,
+                    return_at, *, mode: SamplingMode):
+    """Decodes every live slot row until `return_at` rows are done (empty rows count) or
+    none is live; returns (slots, steps run). Each row feeds its last token at its own
+    position and samples with its prompt's key at its own token index."""
+    model = nnx.merge(self._graphdef, state)
+    width = slots["tokens"].shape[1]
+    columns = jnp.arange(width)[None, :]
+
+    def cond(carry):
+      done = carry[0]["done"]
+      return jnp.any(~done) & (jnp.sum(done.astype(jnp.int32)) < return_at)
+
+    def body(carry):
+      st, steps = carry
+      live = ~st["done"]
+      h, cache = model.hidden_states(st["last"][:, None], st["pos"][:, None],
+                                     cache=st["cache"], ctx=self._ctx)
+      keys = _row_keys(seed, st["gen"], st["ids"])
+      tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
+      here = live[:, None] & (columns == st["gen"][:, None])
+      gen = st["gen"] + live.astype(jnp.int32)
+      stopped = st["stopped"] | (live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1))
+      return dict(
+          st, cache=cache, last=jnp.where(live, tok, st["last"]),
+          pos=st["pos"] + live.astype(jnp.int32), gen=gen, stopped=stopped,
+          done=st["done"] | stopped | (gen >= max_new_tokens),
+          tokens=jnp.where(here, tok[:, None], st["tokens"]),
+          logp=jnp.where(here, logp[:, None], st["logp"])), steps + 1
+
+    return jax.lax.while_loop(cond, body, (slots, jnp.int32(0)))
+
+  def _decode(self, state, cache, first_B, first_logp_B, prompt_lens_B, active_B, row_ids_B,
               max_new_tokens, stop_ids, seed, temperature, top_p, step0, *,
               mode: SamplingMode):
     model = nnx.merge(self._graphdef, state)
@@ -635,7 +859,7 @@ class Sampler:
       cache, step, last_B, out_tokens, out_logp, lengths, done, stopped = carry
       positions = (prompt_lens_B + step - 1)[:, None]  # Position of `last`.
       h, cache = model.hidden_states(last_B[:, None], positions, cache=cache, ctx=self._ctx)
-      keys = _row_keys(seed, step + step0, batch)
+      keys = _row_keys(seed, step + step0, row_ids_B)
       tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
       tok = jnp.where(done, self.pad_id, tok)
       logp = jnp.where(done, 0.0, logp)
@@ -692,6 +916,13 @@ class Sampler:
 
     return self._program(("weights",), gather, (self._state,), donate=(),
                          out_shardings=shardings)
+
+  def _fetch(self, outputs):
+    """Device outputs to host numpy (gathered from every process's devices)."""
+    if jax.process_count() > 1:  # Rows live on every host's devices: gather them here.
+      from jax.experimental import multihost_utils
+      outputs = multihost_utils.process_allgather(outputs, tiled=True)
+    return jax.device_get(outputs)
 
   def _rowwise(self, x: np.ndarray):
     return self._put(x, ("batch",) + (None,) * (x.ndim - 1))

@@ -91,6 +91,30 @@ def test_two_processes_score_half_each_and_agree_with_one(monkeypatch):
   assert [w.last_stats["scored_fraction"] for w in workers] == [0.5, 0.5]
 
 
+def test_continuous_batching_draws_what_the_chunks_draw_and_scores_every_row(monkeypatch):
+  """Continuous batching is a throughput switch: every row streams through 2 cache rows
+  in one sampler call and draws what chunks of 2 rows draw (rows keyed by their index in
+  the rollout), each sample scored exactly once with its own text."""
+  calls = []
+  monkeypatch.setattr(worker_lib, "_score", _fake_score(calls))
+  stream = _worker(chunk_rows=2)
+  seen = []
+  real = stream.sampler.generate
+  monkeypatch.setattr(stream.sampler, "generate",
+                      lambda *a, **k: (seen.append(k.get("slots")), real(*a, **k))[1])
+  streamed = stream.rollout(PAIRS, seed=9)
+  assert seen == [2]  # one call for all six rows, two at a time
+  chunked = _worker(chunk_rows=2, continuous=False).rollout(PAIRS, seed=9)
+  assert _samples(streamed) == _samples(chunked)
+  assert _rewards(streamed) == _rewards(chunked)
+  assert sorted(calls) == sorted([s.text for g in streamed for s in g.samples] * 2)
+  for g in streamed:
+    for s in g.samples:
+      assert s.reward.verdict == f"{len(s.text)} chars" and s.turns == 1
+      assert s.response_mask == [1] * len(s.response_tokens) and s.versions == [0]
+  assert 0 < stream.last_stats["decode_occupancy"] <= 1
+
+
 def test_bad_process_layout_is_a_clear_error():
   with pytest.raises(ValueError, match="process index 2 is out of range for 2 processes"):
     _worker(process=(2, 2))

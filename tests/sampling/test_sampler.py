@@ -492,3 +492,89 @@ def test_lora_model_samples_what_its_merged_weights_sample(model):
   assert not np.array_equal(base.tokens, want.tokens)
   np.testing.assert_array_equal(ours.tokens, want.tokens)
   np.testing.assert_allclose(ours.logprobs, want.logprobs, atol=1e-4)
+
+
+# -- continuous batching ------------------------------------------------------------------
+
+# Rows of every prompt length of PROMPTS, a GRPO group of a repeated prompt among them.
+MANY = PROMPTS * 2 + [[7, 7, 2]] * 3 + PROMPTS[::-1]
+
+
+def _stops_for(out, cut: int = 3):
+  """Stop ids that end the rows of `out` (a stop-free call) at uneven lengths."""
+  return sorted({int(row[min(cut + i % 5, len(row) - 1)]) for i, row in enumerate(out.tokens)
+                 if i % 3})
+
+
+def test_continuous_batching_samples_what_one_call_samples(sampler):
+  """Rows stream through 3 cache rows (4 after rounding to the batch bucket), a stopped
+  row's slot taking the next prompt (into a cache row a longer row used before); every row
+  draws what one call over all prompts draws, and on_finish reports each row once, as it
+  ends."""
+  kw = dict(max_new_tokens=14, temperature=1.0, top_p=0.9, seed=11)
+  stops = _stops_for(sampler.generate(MANY, **kw))
+  whole = sampler.generate(MANY, stop_token_ids=stops, **kw)
+  assert 1 < len(set(whole.lengths.tolist())) and "stop" in whole.finish_reasons
+  seen = {}
+  out = sampler.generate(MANY, stop_token_ids=stops, slots=3,
+                         on_finish=lambda i, t, lp, r: seen.setdefault(i, (t.copy(), r)),
+                         **kw)
+  np.testing.assert_array_equal(out.lengths, whole.lengths)
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+  assert out.finish_reasons == whole.finish_reasons
+  assert sorted(seen) == list(range(len(MANY)))
+  for i, (tokens, reason) in seen.items():
+    np.testing.assert_array_equal(tokens, whole.tokens[i, :whole.lengths[i]])
+    assert reason == whole.finish_reasons[i]
+  assert out.stats["batch"] == 4 and out.stats["inserts"] > len(MANY) // 4
+  # Rows that stop early hand their slot on: fewer row-steps than static chunks of 4 rows.
+  chunks = [sampler.generate(MANY[i:i + 4], stop_token_ids=stops, **kw)
+            for i in range(0, len(MANY), 4)]
+  static_row_steps = sum(c.stats["decode_steps"] * c.stats["batch"] for c in chunks)
+  assert out.stats["decode_steps"] * out.stats["batch"] < static_row_steps
+  assert out.stats["decoded"] == whole.stats["decoded"] == int((whole.lengths - 1).sum())
+
+
+def test_continuous_batching_with_enough_slots_is_one_call(sampler):
+  kw = dict(max_new_tokens=6, temperature=1.0, seed=2)
+  out = sampler.generate(PROMPTS, slots=len(PROMPTS), **kw)
+  np.testing.assert_array_equal(out.tokens, sampler.generate(PROMPTS, **kw).tokens)
+  assert "inserts" not in out.stats
+
+
+def test_continuous_batching_of_scanned_layers_and_an_int8_cache(model):
+  """A stacked cache (scan_layers, rows on axis 1), int8 with its scales: rows written
+  into their slots decode what one call decodes (the layer list and a float cache are
+  the other tests')."""
+  ours = Sampler(models.relayout(model, scan_layers=True), max_len=MAX_LEN,
+                 cache_dtype="int8")
+  kw = dict(max_new_tokens=10, temperature=1.0, seed=4)
+  stops = _stops_for(ours.generate(MANY, **kw))
+  whole = ours.generate(MANY, stop_token_ids=stops, **kw)
+  out = ours.generate(MANY, stop_token_ids=stops, slots=4, **kw)
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+
+
+def test_continuous_batching_on_a_mesh_equals_one_device(model, sampler):
+  mesh = models.make_mesh((2, 2, 2, 1))
+  meshed = Sampler(model, mesh=mesh, max_len=MAX_LEN)
+  kw = dict(max_new_tokens=8, temperature=1.0, seed=6)
+  stops = _stops_for(sampler.generate(MANY, **kw), cut=2)
+  single = sampler.generate(MANY, stop_token_ids=stops, **kw)
+  out = meshed.generate(MANY, stop_token_ids=stops, slots=5, **kw)
+  assert out.stats["batch"] == 8  # slots round up to the batch bucket the mesh divides
+  np.testing.assert_array_equal(out.tokens, single.tokens)
+  np.testing.assert_allclose(out.logprobs, single.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"slots": 0}, "slots must be a positive int"),
+    ({"slots": True}, "slots must be a positive int"),
+    ({"slots": 2.5}, "slots must be a positive int"),
+    ({"slots": 2, "keep_cache": True}, "keep_cache cannot be combined with slots"),
+])
+def test_continuous_batching_rejects_bad_slots(sampler, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sampler.generate(PROMPTS, max_new_tokens=4, **kwargs)
