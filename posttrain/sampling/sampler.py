@@ -30,7 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed, models
-from posttrain.models.transformer import cache_slots, constrain_cache, init_layer_cache
+from posttrain.models.transformer import (CACHE_AXES, KVCache, cache_slots, constrain_cache,
+                                          init_layer_cache)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -386,33 +387,26 @@ class Sampler:
       if keep_cache:
         raise ValueError("keep_cache cannot be combined with slots: continuous batching "
                          "reuses a row's cache slot once the row stops")
-      if int(slots) < len(prompts):
+      if self._batch_bucket(int(slots)) < len(prompts):
         return self._generate_slots(
-            prompts, lens, slots=int(slots), max_new_tokens=max_new_tokens, mode=mode,
+            prompts, lens, batch=self._batch_bucket(int(slots)),
+            max_new_tokens=max_new_tokens, mode=mode,
             stop_ids=stop_ids, seed=int(seed % 2**32), temperature=temperature,
             top_p=top_p, on_finish=on_finish, row_offset=row_offset)
 
     rows = len(prompts)
     batch = self._batch_bucket(rows)
-    prompt_len = _bucket(longest, self.length_buckets, "prompt length")
     cache_len = _bucket(longest + reserve, self.length_buckets, "sequence length")
-    # Each distinct prompt is prefilled once; rows gather their cache from `row_source`.
-    distinct: dict[tuple[int, ...], int] = {}
-    row_source = np.zeros(batch, np.int32)  # Padding rows copy row 0 and stay inactive.
-    row_source[:rows] = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    prefill_rows = self._batch_bucket(len(distinct))
-    tokens = np.full((prefill_rows, prompt_len), self.pad_id, np.int32)
-    distinct_lens = np.ones(prefill_rows, np.int32)
-    for p, i in distinct.items():
-      tokens[i, :len(p)] = p
-      distinct_lens[i] = len(p)
+    # Each distinct prompt is prefilled once; rows gather their cache from `row_source`
+    # (padding rows copy prompt 0 and stay inactive).
+    tokens, distinct_lens, row_source, group = self._distinct(prompts, lens, batch)
+    prefill_rows, prompt_len = tokens.shape
 
     rowwise = self._rowwise
     seed_value = int(seed % 2**32)
     seed, temp, nucleus = self._sampling_scalars(seed_value, temperature, top_p, mode)
     prompt_lens = rowwise(distinct_lens[row_source])
     active = rowwise(np.arange(batch) < rows)
-    group = _grouping(row_source[:rows], prefill_rows, batch)
     row_ids = np.arange(batch, dtype=np.int32) + row_offset
     ids = rowwise(row_ids)
 
@@ -455,48 +449,45 @@ class Sampler:
         on_finish(i, out.tokens[i, :n], out.logprobs[i, :n], out.finish_reasons[i])
     return out
 
-  def _generate_slots(self, prompts, lens: np.ndarray, *, slots: int, max_new_tokens: int,
+  def _generate_slots(self, prompts, lens: np.ndarray, *, batch: int, max_new_tokens: int,
                       mode: SamplingMode, stop_ids: np.ndarray, seed: int,
                       temperature: float, top_p: float | None, on_finish,
                       row_offset: int) -> Completions:
-    """`generate` with continuous batching: the prompts wait in order for one of `slots`
-    cache rows; each round prefills waiting prompts into the free rows, then decodes until
-    enough rows have stopped to be worth refilling (`_REFILL_FRACTION` of the slots, or
-    every row once no prompt waits)."""
+    """`generate` with continuous batching over `batch` cache rows (slots).
+
+    The first `batch` prompts fill every slot in one prefill, laid out as `generate`
+    lays out its rows. Then the decode loop runs until `_REFILL_FRACTION` of the slots
+    have stopped (every slot once no prompt waits); their rows are handed to `on_finish`
+    and the next waiting prompts are prefilled into those slots. A slot lives on one
+    device of the batch axes, and a refill gives each device the prompts for its own free
+    slots (round robin, padded to the same count), so writing them is local to each
+    device: no device ever holds another's cache rows.
+    """
     rows = len(prompts)
-    batch = self._batch_bucket(slots)
+    devices = self._batch_multiple
+    per_device = batch // devices
     cache_len = _bucket(int(lens.max()) + max_new_tokens, self.length_buckets,
                         "sequence length")
-    seed_arr, temp, nucleus = self._sampling_scalars(seed, temperature, top_p, mode)
-    max_new = self._scalar(max_new_tokens, np.int32)
-    stops = self._put(stop_ids, ())
+    sampling = self._sampling_scalars(seed, temperature, top_p, mode)
+    fixed = (self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), *sampling)
     weights = self._weights()
-    state = self._program(("slots", batch, cache_len),
-                          functools.partial(self._empty_slots, batch=batch,
-                                            cache_len=cache_len), (), donate=())()
     refill = max(1, int(batch * _REFILL_FRACTION))
     tokens = np.full((rows, max_new_tokens), self.pad_id, np.int32)
     logprobs = np.zeros((rows, max_new_tokens), np.float32)
     lengths = np.zeros(rows, np.int32)
     stopped_rows = np.zeros(rows, bool)
-    waiting = list(range(rows))[::-1]  # popped from the end: prompt order
-    free = list(range(batch))[::-1]
+    first = min(rows, batch)
+    state, prefilled, longest = self._fill_slots(
+        weights, prompts[:first], lens[:first], fixed, row_offset=row_offset, batch=batch,
+        cache_len=cache_len, mode=mode)
     slot_row = np.full(batch, -1, np.int64)
-    steps = inserts = prefilled = longest_bucket = 0
-    while waiting or (slot_row >= 0).any():
-      if waiting and free:
-        take = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
-        into = [free.pop() for _ in take]
-        state, used, bucket = self._insert_slots(
-            weights, state, [prompts[i] for i in take], [row_offset + i for i in take], into,
-            lens[take], min_rows=refill, batch=batch, cache_len=cache_len, mode=mode,
-            max_new=max_new, stops=stops, sampling=(seed_arr, temp, nucleus))
-        slot_row[into] = take
-        inserts, prefilled = inserts + 1, prefilled + used
-        longest_bucket = max(longest_bucket, bucket)
+    slot_row[:first] = np.arange(first)
+    waiting = list(range(rows - 1, first - 1, -1))  # popped from the end: prompt order
+    free: list[list[int]] = [[] for _ in range(devices)]  # free slots of each device
+    steps = inserts = 0
+    while True:
       return_at = min(refill, len(waiting)) if waiting else batch
-      args = (weights, state, max_new, stops, seed_arr, temp, nucleus,
-              self._scalar(return_at, np.int32))
+      args = (weights, state, *fixed, self._scalar(return_at, np.int32))
       decode = self._program(("decode_slots", batch, cache_len, stop_ids.size, mode),
                              functools.partial(self._decode_slots, mode=mode), args,
                              donate=(1,))
@@ -511,32 +502,85 @@ class Sampler:
         tokens[i, :n], logprobs[i, :n] = out_tok[slot, :n], out_logp[slot, :n]
         lengths[i], stopped_rows[i] = n, bool(stopped[slot])
         slot_row[slot] = -1
-        free.append(int(slot))
+        free[slot // per_device].append(int(slot))
         if on_finish is not None:
           on_finish(i, tokens[i, :n], logprobs[i, :n],
                     FINISH_STOP if stopped_rows[i] else FINISH_LENGTH)
+      if not waiting:
+        if (slot_row < 0).all():
+          break
+        continue
+      # Round robin over the devices with free slots, in prompt order.
+      placed: list[list[tuple[int, int]]] = [[] for _ in range(devices)]
+      while waiting and any(free):
+        for d in range(devices):
+          if waiting and free[d]:
+            placed[d].append((free[d].pop(), waiting.pop()))
+      state, used, bucket = self._refill_slots(
+          weights, state, prompts, lens, placed, fixed, row_offset=row_offset,
+          min_rows=-(-refill // devices), batch=batch, cache_len=cache_len, mode=mode)
+      for pairs in placed:
+        for slot, i in pairs:
+          slot_row[slot] = i
+      inserts, prefilled, longest = inserts + 1, prefilled + used, max(longest, bucket)
     del state, weights
     return Completions(tokens=tokens, logprobs=logprobs, lengths=lengths,
                        finish_reasons=[FINISH_STOP if s else FINISH_LENGTH
                                        for s in stopped_rows],
-                       stats=dict(batch=batch, prefill_rows=prefilled,
-                                  prompt_len=longest_bucket, cache_len=cache_len,
-                                  steps=steps + 1, decode_steps=steps,
+                       stats=dict(batch=batch, prefill_rows=prefilled, prompt_len=longest,
+                                  cache_len=cache_len, steps=steps + 1, decode_steps=steps,
                                   decoded=int(np.maximum(lengths - 1, 0).sum()),
                                   inserts=inserts))
 
-  def _insert_slots(self, weights, state, prompts, prompt_ids, slot_ids, lens, *,
-                    min_rows: int, batch: int, cache_len: int, mode: SamplingMode, max_new,
-                    stops, sampling):
-    """Prefills `prompts` (prompt indices `prompt_ids`) into the cache rows `slot_ids`;
-    returns (state, prefill rows run, prompt-length bucket). Inserts pad to at least
-    `min_rows` rows (the refill size), so few insert programs compile: padding rows
-    repeat prompt 0 (no extra prefill row) and are dropped."""
-    n = len(prompts)
-    rows = self._batch_bucket(max(n, min_rows))
+  def _fill_slots(self, weights, prompts, lens, fixed, *, row_offset: int, batch: int,
+                  cache_len: int, mode: SamplingMode):
+    """The slot state with prompts 0.. in slots 0.. (the rest empty, done); returns
+    (state, prefill rows, prompt-length bucket)."""
+    tokens, distinct_lens, row_source, group = self._distinct(prompts, lens, batch)
+    rowwise = self._rowwise
+    ids = np.arange(batch, dtype=np.int32) + row_offset
+    active = np.arange(batch) < len(prompts)
+    args = (weights, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
+            rowwise(ids), rowwise(active), *fixed)
+    fill = self._program(
+        ("fill", tokens.shape[0], batch, tokens.shape[1], cache_len, mode, group),
+        functools.partial(self._fill, cache_len=cache_len, mode=mode, group=group), args,
+        donate=())
+    return fill(*args), tokens.shape[0], tokens.shape[1]
+
+  def _refill_slots(self, weights, state, prompts, lens, placed, fixed, *, row_offset: int,
+                    min_rows: int, batch: int, cache_len: int, mode: SamplingMode):
+    """Prefills the prompts `placed[d]` lists ((slot, prompt index) pairs on device d)
+    into their slots. Each device's rows are padded to the same count, a power of two
+    and at least `min_rows` (so few programs compile); padding rows are dropped. Returns
+    (state, prefill rows, prompt-length bucket)."""
+    devices, per_device = len(placed), batch // len(placed)
+    k = min(per_device, 1 << (max(max(map(len, placed)), min_rows) - 1).bit_length())
+    prompt_len = _bucket(max(int(lens[i]) for pairs in placed for _, i in pairs),
+                         self.length_buckets, "prompt length")
+    tokens = np.full((devices * k, prompt_len), self.pad_id, np.int32)
+    prompt_lens = np.ones(devices * k, np.int32)
+    local = np.full(devices * k, per_device, np.int32)  # past the device's slots: dropped
+    ids = np.zeros(devices * k, np.int32)
+    for d, pairs in enumerate(placed):
+      for j, (slot, i) in enumerate(pairs):
+        r = d * k + j
+        tokens[r, :lens[i]] = prompts[i]
+        prompt_lens[r], local[r], ids[r] = lens[i], slot - d * per_device, row_offset + i
+    rowwise = self._rowwise
+    args = (weights, state, rowwise(tokens), rowwise(prompt_lens), rowwise(local),
+            rowwise(ids), *fixed)
+    refill = self._program(("refill", devices * k, prompt_len, batch, cache_len, mode),
+                           functools.partial(self._refill, mode=mode), args, donate=(1,))
+    return refill(*args), devices * k, prompt_len
+
+  def _distinct(self, prompts, lens: np.ndarray, batch: int):
+    """Each distinct prompt once, for one prefill serving `batch` rows: (tokens [U, L]
+    and lengths [U] of the U distinct prompts, padded to their buckets; row_source [batch],
+    the distinct prompt of each row (padding rows take prompt 0); group, see `_grouping`)."""
     distinct: dict[tuple[int, ...], int] = {}
-    row_source = np.zeros(rows, np.int32)
-    row_source[:n] = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    row_source = np.zeros(batch, np.int32)
+    row_source[:len(prompts)] = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     prefill_rows = self._batch_bucket(len(distinct))
     prompt_len = _bucket(int(lens.max()), self.length_buckets, "prompt length")
     tokens = np.full((prefill_rows, prompt_len), self.pad_id, np.int32)
@@ -544,19 +588,8 @@ class Sampler:
     for p, i in distinct.items():
       tokens[i, :len(p)] = p
       distinct_lens[i] = len(p)
-    where = np.full(rows, batch, np.int32)  # padding rows land out of range: dropped
-    where[:n] = slot_ids
-    ids = np.zeros(rows, np.int32)
-    ids[:n] = prompt_ids
-    group = _grouping(row_source[:n], prefill_rows, rows)
-    rowwise = self._rowwise
-    args = (weights, state, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
-            rowwise(where), rowwise(ids), max_new, stops, *sampling)
-    insert = self._program(
-        ("insert", prefill_rows, rows, prompt_len, batch, cache_len, mode, group),
-        functools.partial(self._insert, cache_len=cache_len, mode=mode, group=group),
-        args, donate=(1,))
-    return insert(*args), prefill_rows, prompt_len
+    return tokens, distinct_lens, row_source, _grouping(row_source[:len(prompts)],
+                                                        prefill_rows, batch)
 
   def compile(self, rows: int, prompt_len: int, max_new_tokens: int, *,
               distinct_prompts: int | None = None, temperature: float = 1.0,
@@ -712,6 +745,19 @@ class Sampler:
     logits = jnp.einsum("BD,DV->BV", h_BxD, w_DxV, preferred_element_type=jnp.float32)
     return self._ctx.constrain(logits, ("batch", "vocab")) if split else logits
 
+  def _prompt_cache(self, model, tokens_UxL, prompt_lens_U):
+    """Runs the U prompts (right-padded to L) through the model: their cache of L slots
+    and the float32 logits [U, V] after each prompt's last token."""
+    distinct, length = tokens_UxL.shape
+    dtype = jnp.int8 if self.cache_dtype == "int8" else None
+    cache = constrain_cache(models.init_cache(self.cfg, distinct, length, dtype), self._ctx)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
+    segment_ids = (positions < prompt_lens_U[:, None]).astype(jnp.int32)
+    h, cache = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache,
+                                   ctx=self._ctx, prefill=True)
+    h_last = jnp.take_along_axis(h, (prompt_lens_U - 1)[:, None, None], axis=1)[:, 0]
+    return cache, self._logits(model, h_last)
+
   def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed,
                temperature, top_p, *, cache_len: int, mode: SamplingMode,
                group: int | None = None):
@@ -727,20 +773,15 @@ class Sampler:
     batch axes (0.88 GiB a device for that 7B model). `row_ids_B`: each row's index
     among the prompts, for its sampling key."""
     model = nnx.merge(self._graphdef, state)
-    distinct, length = tokens_UxL.shape
+    length = tokens_UxL.shape[1]
     dtype = jnp.int8 if self.cache_dtype == "int8" else None
     constrain = functools.partial(constrain_cache, ctx=self._ctx)
-    cache = constrain(models.init_cache(self.cfg, distinct, length, dtype))
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
-    segment_ids = (positions < prompt_lens_U[:, None]).astype(jnp.int32)
-    h, cache = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache,
-                                   ctx=self._ctx, prefill=True)
-    h_last = jnp.take_along_axis(h, (prompt_lens_U - 1)[:, None, None], axis=1)[:, 0]
+    cache, logits = self._prompt_cache(model, tokens_UxL, prompt_lens_U)
     if group is None:
       take = lambda x: x[row_source_B]  # noqa: E731
     else:
       take = lambda x: jnp.repeat(x, group, axis=0)  # noqa: E731
-    logits = take(self._logits(model, h_last))
+    logits = take(logits)
     empty = init_layer_cache(self.cfg, 1, cache_len - length, dtype)
 
     def extend(x, fill):  # [B, kv_heads, L(, head_dim)] -> [B, kv_heads, cache_len(, ...)]
@@ -763,44 +804,79 @@ class Sampler:
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp
 
-  def _empty_slots(self, *, batch: int, cache_len: int):
-    """The state of `batch` empty cache rows for continuous batching (every row done)."""
-    dtype = jnp.int8 if self.cache_dtype == "int8" else None
-    cache = constrain_cache(models.init_cache(self.cfg, batch, cache_len, dtype), self._ctx)
-    row = lambda dtype, *shape: self._ctx.constrain(  # noqa: E731
-        jnp.zeros((batch, *shape), dtype), ("batch",) + (None,) * len(shape))
-    return dict(cache=cache, last=row(jnp.int32), pos=row(jnp.int32), gen=row(jnp.int32),
-                ids=row(jnp.int32), done=~row(jnp.bool_), stopped=row(jnp.bool_),
-                tokens=row(jnp.int32, cache_len) + self.pad_id,
-                logp=row(jnp.float32, cache_len))
-
-  def _insert(self, weights, slots, tokens_UxL, prompt_lens_U, row_source_N, where_N, ids_N,
-              max_new_tokens, stop_ids, seed, temperature, top_p, *, cache_len: int,
-              mode: SamplingMode, group: int | None):
-    """Prefills the new rows and writes them into the slot rows `where_N` (rows at an
-    index past the slots are padding and dropped): each row's cache, its first token at
-    its prompt's length, nothing generated after it."""
-    cache, first_N, logp_N = self._prefill(
-        weights, tokens_UxL, prompt_lens_U, row_source_N, ids_N, seed, temperature, top_p,
-        cache_len=cache_len, mode=mode, group=group)
-    stacked = isinstance(cache, models.KVCache)  # [L, B, ...]: rows on axis 1
-
-    def put(old, new, axis=0):
-      index = (slice(None),) * axis + (where_N,)
-      return old.at[index].set(new.astype(old.dtype), mode="drop")
-
-    width = slots["tokens"].shape[1]
-    first_col = jnp.arange(width)[None, :] == 0
-    stopped = jnp.any(first_N[:, None] == stop_ids[None, :], axis=-1)
+  def _fill(self, weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, active_B,
+            max_new_tokens, stop_ids, seed, temperature, top_p, *, cache_len: int,
+            mode: SamplingMode, group: int | None):
+    """The slot state of `generate`'s first prefill: row b holds its prompt's cache and
+    first token at its prompt's length; inactive rows are done."""
+    cache, first, logp = self._prefill(
+        weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed, temperature,
+        top_p, cache_len=cache_len, mode=mode, group=group)
+    stopped = active_B & jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
+    head = (jnp.arange(cache_len)[None, :] == 0) & active_B[:, None]
+    row = lambda x: self._ctx.constrain(x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     return dict(
-        cache=constrain_cache(jax.tree.map(lambda o, n: put(o, n, int(stacked)),
-                                           slots["cache"], cache), self._ctx),
-        last=put(slots["last"], first_N), pos=put(slots["pos"], prompt_lens_U[row_source_N]),
-        gen=put(slots["gen"], jnp.ones_like(first_N)), ids=put(slots["ids"], ids_N),
-        done=put(slots["done"], stopped | (max_new_tokens <= 1)),
-        stopped=put(slots["stopped"], stopped),
-        tokens=put(slots["tokens"], jnp.where(first_col, first_N[:, None], self.pad_id)),
-        logp=put(slots["logp"], jnp.where(first_col, logp_N[:, None], 0.0)))
+        cache=cache, last=row(first), pos=row(prompt_lens_U[row_source_B]),
+        gen=row(jnp.ones_like(first)), ids=row(row_ids_B),
+        done=row(~active_B | stopped | (max_new_tokens <= 1)), stopped=row(stopped),
+        tokens=row(jnp.where(head, first[:, None], self.pad_id)),
+        logp=row(jnp.where(head, logp[:, None], 0.0)))
+
+  def _refill(self, weights, slots, tokens_NxL, prompt_lens_N, local_N, row_ids_N,
+              max_new_tokens, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
+    """Prefills N new rows and writes each into its slot: rows d*k.. (k = N / devices)
+    into slots `local_N` of device d's block of the slots, on that device. A row's
+    cache is written over its prompt's slots only; the slots after it keep the previous
+    row's (finite) keys, which decode attention masks by length and overwrites as the
+    new row grows."""
+    model = nnx.merge(self._graphdef, weights)
+    cache, logits = self._prompt_cache(model, tokens_NxL, prompt_lens_N)
+    first, logp = sample_logits(logits, _row_keys(seed, 0, row_ids_N), temperature, top_p,
+                                mode)
+    stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
+    width = slots["tokens"].shape[1]
+    head = jnp.arange(width)[None, :] == 0
+    put = functools.partial(self._local_put, local_N=local_N)
+
+    def put_layer(old, new):
+      lead = old.k.ndim - 4  # 1 with the layers stacked
+      return KVCache(*(None if o is None else put(
+          o, n, ("layers",) * lead + (CACHE_AXES if i < 2 else CACHE_AXES[:3]),
+          axis=lead, length=n.shape[lead + 2])
+          for i, (o, n) in enumerate(zip(old, new))))
+
+    old = slots["cache"]
+    row = lambda name, x: put(slots[name], x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
+    return dict(
+        cache=(put_layer(old, cache) if isinstance(old, KVCache) else
+               [put_layer(o, n) for o, n in zip(old, cache)]),
+        last=row("last", first), pos=row("pos", prompt_lens_N),
+        gen=row("gen", jnp.ones_like(first)), ids=row("ids", row_ids_N),
+        done=row("done", stopped | (max_new_tokens <= 1)), stopped=row("stopped", stopped),
+        tokens=row("tokens", jnp.where(head, first[:, None], self.pad_id)),
+        logp=row("logp", jnp.where(head, logp[:, None], 0.0)))
+
+  def _local_put(self, old, new, names: tuple, *, local_N, axis: int = 0,
+                 length: int | None = None):
+    """Writes new's rows (along `axis`) into old's: row d*k + j into row local_N[d*k + j]
+    of device d's block of old (indices past the block are dropped), and with `length`
+    only old's first `length` cache slots. Both arrays are viewed as [devices, rows of a
+    device] along the batch axis, so each device writes its own rows."""
+    devices = self._batch_multiple
+    split = lambda x: x.reshape(x.shape[:axis] + (devices, -1) + x.shape[axis + 1:])  # noqa: E731
+    blocked = names[:axis + 1] + (None,) + names[axis + 1:]
+    old_b = self._ctx.constrain(split(old), blocked)
+    new_b = self._ctx.constrain(split(new.astype(old.dtype)), blocked)
+    local = self._ctx.constrain(local_N.reshape(devices, -1), ("batch", None))
+
+    def one(o, n, idx):  # the device axis removed: rows at `axis`
+      index = (slice(None),) * axis + (idx,)
+      if length is not None:
+        index += (slice(None), slice(0, length))
+      return o.at[index].set(n, mode="drop")
+
+    out = jax.vmap(one, in_axes=(axis, axis, 0), out_axes=axis)(old_b, new_b, local)
+    return self._ctx.constrain(out.reshape(old.shape), names)
 
   def _decode_slots(self, state, slots, max_new_tokens, stop_ids, seed, temperature, top_p,
                     return_at, *, mode: SamplingMode):

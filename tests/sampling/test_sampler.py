@@ -1,5 +1,7 @@
 """Sampler against references: full recomputation without a cache, numpy sampling sets."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -528,9 +530,11 @@ def test_continuous_batching_samples_what_one_call_samples(sampler):
     np.testing.assert_array_equal(tokens, whole.tokens[i, :whole.lengths[i]])
     assert reason == whole.finish_reasons[i]
   assert out.stats["batch"] == 4 and out.stats["inserts"] > len(MANY) // 4
-  # Rows that stop early hand their slot on: fewer row-steps than static chunks of 4 rows.
-  chunks = [sampler.generate(MANY[i:i + 4], stop_token_ids=stops, **kw)
+  # Static chunks of 4 rows, each keyed from its first row's index, draw the same rows;
+  # rows that stop early hand their slot on, so streaming decodes fewer row-steps.
+  chunks = [sampler.generate(MANY[i:i + 4], stop_token_ids=stops, row_offset=i, **kw)
             for i in range(0, len(MANY), 4)]
+  np.testing.assert_array_equal(np.concatenate([c.tokens for c in chunks]), whole.tokens)
   static_row_steps = sum(c.stats["decode_steps"] * c.stats["batch"] for c in chunks)
   assert out.stats["decode_steps"] * out.stats["batch"] < static_row_steps
   assert out.stats["decoded"] == whole.stats["decoded"] == int((whole.lengths - 1).sum())
@@ -557,9 +561,11 @@ def test_continuous_batching_of_scanned_layers_and_an_int8_cache(model):
   np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
 
 
-def test_continuous_batching_on_a_mesh_equals_one_device(model, sampler):
-  mesh = models.make_mesh((2, 2, 2, 1))
-  meshed = Sampler(model, mesh=mesh, max_len=MAX_LEN)
+@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 8, 1, 1)])
+def test_continuous_batching_on_a_mesh_equals_one_device(model, sampler, shape):
+  """Slots spread over the batch axes; a refill hands each device the prompts of its own
+  free slots, so on a batch-only mesh writing them moves nothing between devices."""
+  meshed = Sampler(model, mesh=models.make_mesh(shape), max_len=MAX_LEN)
   kw = dict(max_new_tokens=8, temperature=1.0, seed=6)
   stops = _stops_for(sampler.generate(MANY, **kw), cut=2)
   single = sampler.generate(MANY, stop_token_ids=stops, **kw)
@@ -567,6 +573,12 @@ def test_continuous_batching_on_a_mesh_equals_one_device(model, sampler):
   assert out.stats["batch"] == 8  # slots round up to the batch bucket the mesh divides
   np.testing.assert_array_equal(out.tokens, single.tokens)
   np.testing.assert_allclose(out.logprobs, single.logprobs, atol=1e-4)
+  refills = [p for key, p in meshed._programs.items() if key[0] == "refill"]
+  assert refills and out.stats["inserts"] >= 2
+  if shape == (1, 8, 1, 1):
+    for program in refills:
+      hlo = program.as_text()
+      assert not re.findall(r"(all-gather|all-to-all|collective-permute|all-reduce)\(", hlo)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -574,7 +586,8 @@ def test_continuous_batching_on_a_mesh_equals_one_device(model, sampler):
     ({"slots": True}, "slots must be a positive int"),
     ({"slots": 2.5}, "slots must be a positive int"),
     ({"slots": 2, "keep_cache": True}, "keep_cache cannot be combined with slots"),
+    ({"row_offset": -1}, "row_offset must be a non-negative int"),
 ])
-def test_continuous_batching_rejects_bad_slots(sampler, kwargs, match):
+def test_continuous_batching_rejects_bad_slots_and_offsets(sampler, kwargs, match):
   with pytest.raises(ValueError, match=match):
     sampler.generate(PROMPTS, max_new_tokens=4, **kwargs)
