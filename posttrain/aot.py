@@ -149,12 +149,16 @@ class RolloutReport:
   prefill_peak: int
   decode_peak: int
   compile_s: float
+  continuous: bool = False  # the programs of continuous batching over `rows` slots
 
 
 def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport:
   """Compiles the sampler's prefill and decode programs for one generate call of the
   run (`rollout.chunk_rows` rows, padded as the planner counts them, one prefill per
-  group, prompts as long as rollout.max_len leaves) on the rollout mesh over `devices`."""
+  group, prompts as long as rollout.max_len leaves) on the rollout mesh over `devices`.
+  When the worker streams the step's rows through those rows (continuous batching), the
+  programs are the first fill, the decode loop and a refill; the prefill peak is the
+  larger of the fill's and the refill's."""
   from flax import nnx
 
   from posttrain.sampling.sampler import Sampler
@@ -169,16 +173,24 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
                                                                       rules))
   new = int(r.max_new_tokens)
   prompt_len = int(r.max_len) - new
+  # The worker streams single-turn rollouts without segments through `rows` slots.
+  total = int(r.prompts_per_step) * group
+  streams = (bool(r.get("continuous_batching", True)) and int(r.get("max_turns", 1)) == 1
+             and not int(config.get("placement", {}).get("segment_tokens", 0) or 0)
+             and total > rows)
   start = time.perf_counter()
   with _compiling(mesh):
-    prefill, decode = sampler.compile(
-        rows, prompt_len, new, distinct_prompts=-(-rows // group),
+    programs = sampler.compile(
+        total if streams else rows, prompt_len, new,
+        distinct_prompts=-(-(total if streams else rows) // group),
         temperature=float(r.temperature), top_k=int(r.top_k) if r.get("top_k") else None,
-        top_p=float(r.top_p) if r.get("top_p") else None)
+        top_p=float(r.top_p) if r.get("top_p") else None, slots=rows if streams else None)
+  prefill, decode = programs[0], programs[1]
+  prefill_peak = max(_peak(p.memory_analysis()) for p in programs[:1] + programs[2:])
   return RolloutReport(mesh=dict(mesh.shape), rows=rows, prompt_len=prompt_len,
-                       max_new_tokens=new, prefill_peak=_peak(prefill.memory_analysis()),
+                       max_new_tokens=new, prefill_peak=prefill_peak,
                        decode_peak=_peak(decode.memory_analysis()),
-                       compile_s=time.perf_counter() - start)
+                       compile_s=time.perf_counter() - start, continuous=streams)
 
 
 def _against_plan(lines: list[str], peak: int, planned_peak: int | None, what: str,
@@ -198,8 +210,8 @@ def format_rollout(report: RolloutReport, planned_peak: int | None = None,
   h = planner.human_bytes
   mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
   lines = [f"compiled the rollout in {report.compile_s:.1f} s on mesh ({mesh}): "
-           f"{report.rows} rows, prompts up to {report.prompt_len} + "
-           f"{report.max_new_tokens} new tokens",
+           f"{report.rows} {'slots (continuous batching)' if report.continuous else 'rows'}, "
+           f"prompts up to {report.prompt_len} + {report.max_new_tokens} new tokens",
            f"  peak per device (XLA): prefill {h(report.prefill_peak)}, decode "
            f"{h(report.decode_peak)}"]
   _against_plan(lines, max(report.prefill_peak, report.decode_peak), planned_peak,

@@ -679,7 +679,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
         sampler, policy.tok, group_size=1, max_new_tokens=int(r.max_new_tokens),
         temperature=temperature, top_p=float(r.top_p) if r.get("top_p") else None,
         top_k=int(r.top_k) if r.get("top_k") else None, chunk_rows=int(r.chunk_rows),
-        scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns))
+        scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns),
+        continuous=bool(r.get("continuous_batching", True)))
     recorder = SandboxRecorder()
     try:
       with recorder.installed():

@@ -197,8 +197,9 @@ class RolloutWorker:
     self._tool_steps = [0, 0]
     self._segments = [0, 0]
     self._decode_rows = [0, 0]
-    room = self.sampler.max_len - max(len(p) for _, p in rows)
-    if self.continuous and self.max_turns == 1 and not self.segment_tokens and room >= 1:
+    room = self.sampler.max_len - max((len(p) for _, p in rows), default=0)
+    if (rows and self.continuous and self.max_turns == 1 and not self.segment_tokens
+        and room >= 1):
       self._stream(rows, tasks, samples, futures, mine, seed=seed * 1_000_003,
                    temperature=temp, max_new_tokens=min(self.max_new_tokens, room))
     else:

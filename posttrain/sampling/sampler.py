@@ -594,7 +594,7 @@ class Sampler:
   def compile(self, rows: int, prompt_len: int, max_new_tokens: int, *,
               distinct_prompts: int | None = None, temperature: float = 1.0,
               top_k: int | None = None, top_p: float | None = None,
-              num_stop_ids: int = 1):
+              num_stop_ids: int = 1, slots: int | None = None):
     """Compiles, without running, the programs `generate` runs for `rows` prompts
     (`distinct_prompts` of them different, default all: a GRPO group shares one prefill)
     of up to `prompt_len` tokens and `max_new_tokens` new ones; later calls of the same
@@ -603,6 +603,9 @@ class Sampler:
 
     Returns:
       (prefill, decode): the compiled programs (`memory_analysis()` says what they need).
+      With `slots` fewer than the rows (continuous batching): (fill, decode, refill), the
+      prefill of the first `slots` rows, the decode loop over the slots, and a refill
+      of the smallest size (its prompts as long as `prompt_len`).
     """
     mode = sampling_mode(temperature, top_k, top_p, self.cfg.vocab_size)
     if prompt_len < 1 or max_new_tokens < 1 or prompt_len + max_new_tokens > self.max_len:
@@ -610,6 +613,9 @@ class Sampler:
                        f"positive and fit max_len={self.max_len}")
     batch = self._batch_bucket(rows)
     distinct = min(rows, distinct_prompts or rows)
+    if slots is not None and self._batch_bucket(slots) < rows:
+      return self._compile_slots(rows, distinct, prompt_len, max_new_tokens, mode=mode,
+                                 batch=self._batch_bucket(slots), num_stop_ids=num_stop_ids)
     prefill_rows = self._batch_bucket(distinct)
     # The program `generate` runs for rows that repeat each distinct prompt in turn (a
     # GRPO group's samples side by side, as the rollout worker lays them out).
@@ -646,6 +652,50 @@ class Sampler:
                            functools.partial(self._decode, mode=mode), decode_args,
                            donate=(1,))
     return prefill, decode
+
+  def _compile_slots(self, rows: int, distinct: int, prompt_len: int, max_new_tokens: int, *,
+                     mode: SamplingMode, batch: int, num_stop_ids: int):
+    """`compile` for continuous batching over `batch` slots."""
+    per = rows // distinct if rows % distinct == 0 else 1  # rows of a prompt, side by side
+    row_source = np.arange(batch) // per
+    prefill_rows = self._batch_bucket(int(row_source[-1]) + 1)
+    group = _grouping(row_source, prefill_rows, batch)
+    cache_len = _bucket(prompt_len + max_new_tokens, self.length_buckets, "sequence length")
+    prompt_len = _bucket(prompt_len, self.length_buckets, "prompt length")
+    devices = self._batch_multiple
+    refill = max(1, int(batch * _REFILL_FRACTION))
+    k = min(batch // devices, 1 << (-(-refill // devices) - 1).bit_length())
+
+    def row(dtype, *shape, rows=batch):
+      return self._abstract((rows, *shape), dtype, ("batch",) + (None,) * len(shape))
+
+    scalar = lambda dtype: self._abstract((), dtype, ())  # noqa: E731
+    if self.gather_weights:
+      self._gather_program()
+    weights = jax.tree.unflatten(self._treedef, [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for shape, dtype, sharding in self._weight_specs])
+    stops = max(4, 1 << max(num_stop_ids - 1, 0).bit_length())
+    fixed = (scalar(jnp.int32), self._abstract((stops,), jnp.int32, ()), scalar(jnp.uint32),
+             scalar(jnp.float32), scalar(jnp.float32))
+    fill_args = (weights, row(jnp.int32, prompt_len, rows=prefill_rows),
+                 row(jnp.int32, rows=prefill_rows), row(jnp.int32), row(jnp.int32),
+                 row(jnp.bool_), *fixed)
+    fill = self._program(
+        ("fill", prefill_rows, batch, prompt_len, cache_len, mode, group),
+        functools.partial(self._fill, cache_len=cache_len, mode=mode, group=group),
+        fill_args, donate=())
+    state = fill.out_info
+    decode = self._program(("decode_slots", batch, cache_len, stops, mode),
+                           functools.partial(self._decode_slots, mode=mode),
+                           (weights, state, *fixed, scalar(jnp.int32)), donate=(1,))
+    n = devices * k
+    refill_args = (weights, state, row(jnp.int32, prompt_len, rows=n), row(jnp.int32, rows=n),
+                   row(jnp.int32, rows=n), row(jnp.int32, rows=n), *fixed)
+    refill_program = self._program(("refill", n, prompt_len, batch, cache_len, mode),
+                                   functools.partial(self._refill, mode=mode), refill_args,
+                                   donate=(1,))
+    return fill, decode, refill_program
 
   def resume(self, state: ResumeState, rows: Sequence[int], *,
              max_new_tokens: int) -> Completions:
