@@ -493,13 +493,14 @@ class Sampler:
                              donate=(1,))
       state, ran = decode(*args)
       del args
-      done, stopped, gen, out_tok, out_logp, ran = self._fetch(
-          (state["done"], state["stopped"], state["gen"], state["tokens"], state["logp"],
-           ran))
+      done, stopped, gen, ran = self._fetch(
+          (state["done"], state["stopped"], state["gen"], ran))
       steps += int(ran)
-      for slot in np.flatnonzero(done & (slot_row >= 0)):
+      ended = np.flatnonzero(done & (slot_row >= 0))
+      out_tok, out_logp = self._take_rows(state, ended, batch=batch, cache_len=cache_len)
+      for k, slot in enumerate(ended):
         i, n = int(slot_row[slot]), int(gen[slot])
-        tokens[i, :n], logprobs[i, :n] = out_tok[slot, :n], out_logp[slot, :n]
+        tokens[i, :n], logprobs[i, :n] = out_tok[k, :n], out_logp[k, :n]
         lengths[i], stopped_rows[i] = n, bool(stopped[slot])
         slot_row[slot] = -1
         free[slot // per_device].append(int(slot))
@@ -531,6 +532,19 @@ class Sampler:
                                   cache_len=cache_len, steps=steps + 1, decode_steps=steps,
                                   decoded=int(np.maximum(lengths - 1, 0).sum()),
                                   inserts=inserts))
+
+  def _take_rows(self, state, slots: np.ndarray, *, batch: int, cache_len: int):
+    """The generated tokens and log-probs of `slots` ([n, cache_len] each, on the host),
+    copied off the devices for those rows only (the index padded to a power of two)."""
+    if not slots.size:
+      return np.zeros((0, cache_len), np.int32), np.zeros((0, cache_len), np.float32)
+    index = np.zeros(1 << (slots.size - 1).bit_length(), np.int32)
+    index[:slots.size] = slots
+    args = (state["tokens"], state["logp"], self._put(index, ()))
+    take = self._program(("take_rows", index.size, batch, cache_len),
+                         lambda t, lp, idx: (t[idx], lp[idx]), args, donate=())
+    out_tok, out_logp = self._fetch(take(*args))
+    return out_tok[:slots.size], out_logp[:slots.size]
 
   def _fill_slots(self, weights, prompts, lens, fixed, *, row_offset: int, batch: int,
                   cache_len: int, mode: SamplingMode):
