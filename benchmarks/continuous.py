@@ -13,9 +13,8 @@ most short and a few running to the cap. Three ways to run the same rows:
 - continuous: one `generate(..., slots=slots)`: a stopped row's slot takes the next prompt;
 - one batch: every row at once (a cache `rows / slots` times larger: the bound).
 
-Continuous and one batch draw the same samples (a row's keys are its prompt's index and its
-token's); the static chunks draw others of the same distribution, so each arm reports the
-tokens it generated. `row-steps` is slots x decode steps; `occupancy` = generated tokens /
+Every arm draws the same samples (a row's keys are its prompt's index and its token's; the
+chunks pass `row_offset`), so they generate the same tokens. `row-steps` is slots x decode steps; `occupancy` = generated tokens /
 row-steps. Figures are medians of warm repeats (the compiling call excluded), the arms
 taking turns within each repeat.
 """
@@ -47,7 +46,7 @@ def measure(prompts: int, samples: int, slots: int, new_tokens: int, repeats: in
   kw = dict(max_new_tokens=new_tokens, temperature=TEMPERATURE, stop_token_ids=STOP_IDS)
 
   def static(seed):
-    outs = [sampler.generate(rows[i:i + slots], seed=seed, **kw)
+    outs = [sampler.generate(rows[i:i + slots], seed=seed, row_offset=i, **kw)
             for i in range(0, len(rows), slots)]
     return (sum(int(o.lengths.sum()) for o in outs),
             sum(o.stats["steps"] * o.stats["batch"] for o in outs))

@@ -175,9 +175,8 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
   prompt_len = int(r.max_len) - new
   # The worker streams single-turn rollouts without segments through `rows` slots.
   total = int(r.prompts_per_step) * group
-  streams = (bool(r.get("continuous_batching", True)) and int(r.get("max_turns", 1)) == 1
-             and not int(config.get("placement", {}).get("segment_tokens", 0) or 0)
-             and total > rows)
+  streams = planner.continuous_rollout(
+      config, group, planner.batch_mesh_size(mesh.abstract_mesh, rules))
   start = time.perf_counter()
   with _compiling(mesh):
     programs = sampler.compile(

@@ -64,7 +64,7 @@ from posttrain import experiment, models
 from posttrain.rl import state as rl_state
 from posttrain.models.config import REMAT_POLICIES
 from posttrain.models.transformer import CACHE_AXES
-from posttrain.sampling.sampler import default_length_bucket
+from posttrain.sampling.sampler import default_length_bucket, refill_rows
 
 GIB = 1 << 30
 # XLA needs room beyond the live arrays (fragmentation, program buffers, collectives).
@@ -534,6 +534,19 @@ def sampler_batch(config: ml_collections.ConfigDict, group_size: int, batch_shar
   return -(-_next_pow2(rows) // batch_shards) * batch_shards
 
 
+def continuous_rollout(config: ml_collections.ConfigDict, group_size: int,
+                       batch_shards: int) -> bool:
+  """Whether the rollout worker streams the step's rows through the sampler's
+  `sampler_batch` cache rows (continuous batching: single-turn, no segments, more rows
+  than the cache holds) rather than generating them in chunks."""
+  r = config.rollout
+  placement = config.get("placement") or {}
+  return (bool(r.get("continuous_batching", True)) and int(r.get("max_turns", 1)) == 1
+          and not int(placement.get("segment_tokens", 0) or 0)
+          and int(r.prompts_per_step) * group_size
+          > sampler_batch(config, group_size, batch_shards))
+
+
 def microbatches(config: ml_collections.ConfigDict, algo) -> tuple[int, int]:
   """(micro-batches one optimizer step scans over, micro-batches of the rollout batch)
   for a worst-case rollout: every sequence rollout.max_len long (as the trainer packs)."""
@@ -615,6 +628,19 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   prefill = prefill_bytes(cfg, prompts=prompts, prompt_len=prompt_len, rows=s_rows,
                           mesh=rollout_mesh, rules=rules, dtype=cache_dtype,
                           gathered=not sharded)
+  prefill_note = (f"{prompts} prompts' cache of {prompt_len} and one layer's forward over "
+                  "them")
+  if continuous_rollout(config, int(algo.group_size), rollout_shards):
+    # A refill prefills its rows one by one (no group shares a prefill) beside the full
+    # cache of the slots.
+    refill = refill_rows(s_rows, rollout_shards)
+    refill_bytes = prefill_bytes(cfg, prompts=refill, prompt_len=prompt_len, rows=refill,
+                                 mesh=rollout_mesh, rules=rules, dtype=cache_dtype,
+                                 gathered=not sharded)
+    if refill_bytes > prefill:
+      prefill = refill_bytes
+      prefill_note = (f"a refill of {refill} slots (continuous batching): their prompts' "
+                      f"cache of {prompt_len} and one layer's forward over them")
   step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
                            gathered=not sharded)
   comps = [
@@ -642,9 +668,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 f"{np.dtype(cfg.dtype)}" if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {int(r.max_len)} x {cfg.num_layers} layers "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
-      Component("prefill", prefill, f"{prompts} prompts' cache of {prompt_len} and one "
-                "layer's forward over them" + (", its weights gathered (left sharded)"
-                                               if sharded else "")),
+      Component("prefill", prefill, prefill_note + (", its weights gathered (left sharded)"
+                                                     if sharded else "")),
       Component("decode_step", step, "the logits" + (", one layer's weights gathered "
                                                     "(left sharded)" if sharded else "")),
   ]

@@ -78,6 +78,30 @@ def test_rollout_programs_compile_for_a_v5e_slice(rollout_report):
 
 
 @requires_libtpu
+def test_streamed_rollout_programs_compile_within_the_plan():
+  """With fewer cache rows than the step's rows, the worker streams them (continuous
+  batching): the fill, decode loop and refill compile for the slice, the decode holds
+  the slots' cache, and the plan (which counts chunk_rows rows of cache) covers them.
+  head_dim 128, as real models have it: the preset's 32 pads 4x in TPU tiles, which the
+  plan (logical bytes) does not count."""
+  config = _config()
+  config.rollout.chunk_rows = 64
+  config.model.overrides.head_dim = 128
+  report = aot.compile_rollout(config, aot.tpu_devices("v5e:2x2"))
+  assert report.continuous and report.rows == 64
+  cache = planner.kv_cache_bytes(experiment.model_config(config), batch=64,
+                                 max_len=int(config.rollout.max_len),
+                                 mesh=planner.abstract_mesh(report.mesh))
+  assert cache <= report.decode_peak <= 4 * cache + (16 << 20)
+  plan = planner.plan(config, num_devices=4)
+  resident = planner.resident_outside_programs(plan, config)[1][0]
+  assert max(report.prefill_peak, report.decode_peak) + resident <= plan.rollout_peak
+  assert "64 slots (continuous batching)" in aot.format_rollout(report)
+  config.rollout.continuous_batching = False
+  assert not aot.compile_rollout(config, aot.tpu_devices("v5e:2x2")).continuous
+
+
+@requires_libtpu
 def test_compiled_peaks_print_against_the_plan(rl_report, rollout_report):
   """What `launch.plan --compile_for` prints after the table (the command itself runs in
   the test below, on a program too big for the chip)."""

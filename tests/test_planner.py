@@ -20,6 +20,8 @@ from configs import default
 from posttrain import experiment, models, planner
 from posttrain.rl import state as rl_state
 from posttrain.sampling import Sampler
+from posttrain.sampling import sampler as sampler_lib
+from posttrain.sampling.sampler import default_length_bucket
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Configs for real hardware carry the plan command (and the device memory) in their docstring.
@@ -269,6 +271,28 @@ def test_prefill_and_decode_step_bytes_by_hand():
   tp8 = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 8, "sequence": 1})
   assert planner.decode_step_bytes(cfg, rows=128, mesh=tp8, gathered=False) == (
       128 * cfg.vocab_size // 8 * 4 + layer // 8)
+
+
+def test_streamed_rollouts_plan_the_larger_of_the_fill_and_a_refill():
+  """Continuous batching fills the slots with one prefill per group, then refills an
+  eighth of them at a time, one prefill a row: with groups of 16 the refill's 8 rows
+  outnumber the fill's 4 prompts, and the plan's prefill is the refill's."""
+  streamed = _config(**{"rl.group_size": 16, "rollout.chunk_rows": 64,
+                        "rollout.prompts_per_step": 8, "mesh.fsdp": 1})
+  assert planner.continuous_rollout(streamed, 16, 1)
+  assert sampler_lib.refill_rows(64) == 8 and sampler_lib.refill_rows(64, 4) == 8
+  assert sampler_lib.refill_rows(64, 16) == 16  # one row on every device at least
+  p = planner.plan(streamed, num_devices=1)
+  cfg, prompt_len = experiment.model_config(streamed), default_length_bucket(168, 192)
+  one = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1})
+  assert p.components["prefill"].bytes == planner.prefill_bytes(
+      cfg, prompts=8, prompt_len=prompt_len, rows=8, mesh=one) > planner.prefill_bytes(
+      cfg, prompts=4, prompt_len=prompt_len, rows=64, mesh=one)
+  assert "a refill of 8 slots" in p.components["prefill"].formula
+  # Chunks instead: the cache holds every row of a chunk, no refill.
+  for change in ({"rollout.continuous_batching": False}, {"rollout.chunk_rows": 128},
+                 {"rollout.max_turns": 2}, {"placement.segment_tokens": 8}):
+    assert not planner.continuous_rollout(planner.override(streamed, change), 16, 1), change
 
 
 def test_head_bytes_by_hand_and_in_the_train_peak():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -164,6 +165,14 @@ class ResumeState:
   temperature: float
   top_p: float | None
   params_version: int
+
+
+def refill_rows(batch: int, devices: int = 1) -> int:
+  """The fewest rows a continuous-batching refill prefills, over `batch` slots spread
+  over `devices` (the batch axes): `_REFILL_FRACTION` of the slots, the same power of two
+  on every device."""
+  per_device = max(1, int(batch * _REFILL_FRACTION)) / devices
+  return devices * min(batch // devices, 1 << (math.ceil(per_device) - 1).bit_length())
 
 
 def _powers_of_two(lo: int, hi: int, *, halves: bool = False) -> tuple[int, ...]:
@@ -519,7 +528,8 @@ class Sampler:
             placed[d].append((free[d].pop(), waiting.pop()))
       state, used, bucket = self._refill_slots(
           weights, state, prompts, lens, placed, fixed, row_offset=row_offset,
-          min_rows=-(-refill // devices), batch=batch, cache_len=cache_len, mode=mode)
+          min_rows=refill_rows(batch, devices) // devices, batch=batch, cache_len=cache_len,
+          mode=mode)
       for pairs in placed:
         for slot, i in pairs:
           slot_row[slot] = i
@@ -676,9 +686,7 @@ class Sampler:
     group = _grouping(row_source, prefill_rows, batch)
     cache_len = _bucket(prompt_len + max_new_tokens, self.length_buckets, "sequence length")
     prompt_len = _bucket(prompt_len, self.length_buckets, "prompt length")
-    devices = self._batch_multiple
-    refill = max(1, int(batch * _REFILL_FRACTION))
-    k = min(batch // devices, 1 << (-(-refill // devices) - 1).bit_length())
+    n = refill_rows(batch, self._batch_multiple)
 
     def row(dtype, *shape, rows=batch):
       return self._abstract((rows, *shape), dtype, ("batch",) + (None,) * len(shape))
@@ -703,7 +711,6 @@ class Sampler:
     decode = self._program(("decode_slots", batch, cache_len, stops, mode),
                            functools.partial(self._decode_slots, mode=mode),
                            (weights, state, *fixed, scalar(jnp.int32)), donate=(1,))
-    n = devices * k
     refill_args = (weights, state, row(jnp.int32, prompt_len, rows=n), row(jnp.int32, rows=n),
                    row(jnp.int32, rows=n), row(jnp.int32, rows=n), *fixed)
     refill_program = self._program(("refill", n, prompt_len, batch, cache_len, mode),
@@ -924,23 +931,30 @@ class Sampler:
                  length: int | None = None):
     """Writes new's rows (along `axis`) into old's: row d*k + j into row local_N[d*k + j]
     of device d's block of old (indices past the block are dropped), and with `length`
-    only old's first `length` cache slots. Both arrays are viewed as [devices, rows of a
-    device] along the batch axis, so each device writes its own rows."""
-    devices = self._batch_multiple
-    split = lambda x: x.reshape(x.shape[:axis] + (devices, -1) + x.shape[axis + 1:])  # noqa: E731
-    blocked = names[:axis + 1] + (None,) + names[axis + 1:]
-    old_b = self._ctx.constrain(split(old), blocked)
-    new_b = self._ctx.constrain(split(new.astype(old.dtype)), blocked)
-    local = self._ctx.constrain(local_N.reshape(devices, -1), ("batch", None))
+    only old's first `length` cache slots. Under a mesh each device scatters its own rows
+    into its own block (`shard_map`), in place: no device sees another's rows, and XLA
+    needs no copy of the cache (a batched scatter over a [devices, rows] view of it
+    copied the whole cache on TPU)."""
+    new = new.astype(old.dtype)
 
-    def one(o, n, idx):  # the device axis removed: rows at `axis`
+    def scatter(o, n, idx):
       index = (slice(None),) * axis + (idx,)
       if length is not None:
         index += (slice(None), slice(0, length))
       return o.at[index].set(n, mode="drop")
 
-    out = jax.vmap(one, in_axes=(axis, axis, 0), out_axes=axis)(old_b, new_b, local)
-    return self._ctx.constrain(out.reshape(old.shape), names)
+    if self.mesh is None or self._batch_multiple == 1:
+      return scatter(old, new, local_N)
+    spec = self._ctx.sharding(names, old.shape).spec
+    new_spec = self._ctx.sharding(names, new.shape).spec
+    if length is not None and (tuple(spec)[axis + 2:axis + 3] != (None,)
+                               or tuple(new_spec)[axis + 2:axis + 3] != (None,)):
+      raise ValueError("continuous batching needs the cache_length axis unsharded; the "
+                       f"rules shard it as {spec}")
+    index_spec = self._ctx.sharding(("batch",), local_N.shape).spec
+    return jax.shard_map(scatter, mesh=self.mesh, in_specs=(spec, new_spec, index_spec),
+                         out_specs=spec, check_vma=False)(
+        self._ctx.constrain(old, names), self._ctx.constrain(new, names), local_N)
 
   def _decode_slots(self, state, slots, max_new_tokens, stop_ids, seed, temperature, top_p,
                     return_at, *, mode: SamplingMode):
