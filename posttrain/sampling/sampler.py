@@ -11,6 +11,11 @@ positions (slot = position), so short prompts never see shifted positions. Ident
 `lax.while_loop` over a donated cache and stops as soon as every row has stopped. Programs
 are compiled ahead of time per shape bucket and counted in `num_compiles`.
 
+With `generate(..., slots=N)` (continuous batching) at most N rows decode at once: a row
+that stops hands its cache row to the next waiting prompt while the others go on, and
+`on_finish` hears of each row as it ends. Rows sample from keys of their prompt's index
+and their token's, so the samples are those of one call over every prompt.
+
 A generation can pause and continue (partial rollouts): `generate(..., keep_cache=True,
 reserve_tokens=total)` keeps the KV cache, and `resume(out.resume_state, rows,
 max_new_tokens=n)` continues the rows that did not stop, drawing the same samples one
