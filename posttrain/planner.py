@@ -631,8 +631,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   prefill_note = (f"{prompts} prompts' cache of {prompt_len} and one layer's forward over "
                   "them")
   if continuous_rollout(config, int(algo.group_size), rollout_shards):
-    # A refill prefills its rows one by one (no group shares a prefill) beside the full
-    # cache of the slots.
+    # A refill prefills its rows beside the full cache of the slots; at worst (groups
+    # split across devices, or finishing apart) every row is a prompt of its own.
     refill = refill_rows(s_rows, rollout_shards)
     refill_bytes = prefill_bytes(cfg, prompts=refill, prompt_len=prompt_len, rows=refill,
                                  mesh=rollout_mesh, rules=rules, dtype=cache_dtype,

@@ -473,9 +473,9 @@ class Sampler:
     lays out its rows. Then the decode loop runs until `_REFILL_FRACTION` of the slots
     have stopped (every slot once no prompt waits); their rows are handed to `on_finish`
     and the next waiting prompts are prefilled into those slots. A slot lives on one
-    device of the batch axes, and a refill gives each device the prompts for its own free
-    slots (round robin, padded to the same count), so writing them is local to each
-    device: no device ever holds another's cache rows.
+    device of the batch axes, and a refill gives each device the next prompts for its
+    own free slots (padded to the same count), which it prefills and writes itself: no
+    device ever holds another's cache rows.
     """
     rows = len(prompts)
     devices = self._batch_multiple
@@ -525,12 +525,12 @@ class Sampler:
         if (slot_row < 0).all():
           break
         continue
-      # Round robin over the devices with free slots, in prompt order.
+      # Each device takes the next prompts for its free slots, in prompt order: a
+      # group's rows land together and share a prefill on their device.
       placed: list[list[tuple[int, int]]] = [[] for _ in range(devices)]
-      while waiting and any(free):
-        for d in range(devices):
-          if waiting and free[d]:
-            placed[d].append((free[d].pop(), waiting.pop()))
+      for d in range(devices):
+        while waiting and free[d]:
+          placed[d].append((free[d].pop(), waiting.pop()))
       state, used, bucket = self._refill_slots(
           weights, state, prompts, lens, placed, fixed, row_offset=row_offset,
           min_rows=refill_rows(batch, devices) // devices, batch=batch, cache_len=cache_len,
@@ -580,28 +580,38 @@ class Sampler:
   def _refill_slots(self, weights, state, prompts, lens, placed, fixed, *, row_offset: int,
                     min_rows: int, batch: int, cache_len: int, mode: SamplingMode):
     """Prefills the prompts `placed[d]` lists ((slot, prompt index) pairs on device d)
-    into their slots. Each device's rows are padded to the same count, a power of two
-    and at least `min_rows` (so few programs compile); padding rows are dropped. Returns
-    (state, prefill rows, prompt-length bucket)."""
+    into their slots. Each device prefills its distinct prompts once (a GRPO group's rows
+    share one prefill) and copies them to its rows. Every device's rows are padded to
+    the same count, a power of two and at least `min_rows`, and its distinct prompts to
+    a power of two (so few programs compile); padding rows are dropped. Returns (state,
+    prefill rows, prompt-length bucket)."""
     devices, per_device = len(placed), batch // len(placed)
     k = min(per_device, 1 << (max(max(map(len, placed)), min_rows) - 1).bit_length())
+    sources = []
+    for pairs in placed:
+      seen: dict[tuple[int, ...], int] = {}
+      sources.append([seen.setdefault(tuple(prompts[i]), len(seen)) for _, i in pairs])
+    u = min(k, 1 << (max(max(src, default=0) for src in sources)).bit_length())
     prompt_len = _bucket(max(int(lens[i]) for pairs in placed for _, i in pairs),
                          self.length_buckets, "prompt length")
-    tokens = np.full((devices * k, prompt_len), self.pad_id, np.int32)
-    prompt_lens = np.ones(devices * k, np.int32)
+    tokens = np.full((devices * u, prompt_len), self.pad_id, np.int32)
+    prompt_lens = np.ones(devices * u, np.int32)
+    source = np.zeros(devices * k, np.int32)  # each row's distinct prompt on its device
     local = np.full(devices * k, per_device, np.int32)  # past the device's slots: dropped
     ids = np.zeros(devices * k, np.int32)
-    for d, pairs in enumerate(placed):
-      for j, (slot, i) in enumerate(pairs):
-        r = d * k + j
-        tokens[r, :lens[i]] = prompts[i]
-        prompt_lens[r], local[r], ids[r] = lens[i], slot - d * per_device, row_offset + i
+    for d, (pairs, src) in enumerate(zip(placed, sources)):
+      for j, ((slot, i), p) in enumerate(zip(pairs, src)):
+        tokens[d * u + p, :lens[i]] = prompts[i]
+        prompt_lens[d * u + p] = lens[i]
+        source[d * k + j], local[d * k + j] = p, slot - d * per_device
+        ids[d * k + j] = row_offset + i
     rowwise = self._rowwise
-    args = (weights, state, rowwise(tokens), rowwise(prompt_lens), rowwise(local),
-            rowwise(ids), *fixed)
-    refill = self._program(("refill", devices * k, prompt_len, batch, cache_len, mode),
-                           functools.partial(self._refill, mode=mode), args, donate=(1,))
-    return refill(*args), devices * k, prompt_len
+    args = (weights, state, rowwise(tokens), rowwise(prompt_lens), rowwise(source),
+            rowwise(local), rowwise(ids), *fixed)
+    refill = self._program(("refill", devices * u, devices * k, prompt_len, batch, cache_len,
+                            mode), functools.partial(self._refill, mode=mode), args,
+                           donate=(1,))
+    return refill(*args), devices * u, prompt_len
 
   def _distinct(self, prompts, lens: np.ndarray, batch: int):
     """Each distinct prompt once, for one prefill serving `batch` rows: (tokens [U, L]
@@ -634,7 +644,7 @@ class Sampler:
       (prefill, decode): the compiled programs (`memory_analysis()` says what they need).
       With `slots` fewer than the rows (continuous batching): (fill, decode, refill), the
       prefill of the first `slots` rows, the decode loop over the slots, and a refill
-      of the smallest size (its prompts as long as `prompt_len`).
+      of the smallest size (its prompts as long as `prompt_len`, all different).
     """
     mode = sampling_mode(temperature, top_k, top_p, self.cfg.vocab_size)
     if prompt_len < 1 or max_new_tokens < 1 or prompt_len + max_new_tokens > self.max_len:
@@ -716,9 +726,11 @@ class Sampler:
     decode = self._program(("decode_slots", batch, cache_len, stops, mode),
                            functools.partial(self._decode_slots, mode=mode),
                            (weights, state, *fixed, scalar(jnp.int32)), donate=(1,))
+    # The fullest refill of that size: every row a prompt of its own.
     refill_args = (weights, state, row(jnp.int32, prompt_len, rows=n), row(jnp.int32, rows=n),
-                   row(jnp.int32, rows=n), row(jnp.int32, rows=n), *fixed)
-    refill_program = self._program(("refill", n, prompt_len, batch, cache_len, mode),
+                   row(jnp.int32, rows=n), row(jnp.int32, rows=n), row(jnp.int32, rows=n),
+                   *fixed)
+    refill_program = self._program(("refill", n, n, prompt_len, batch, cache_len, mode),
                                    functools.partial(self._refill, mode=mode), refill_args,
                                    donate=(1,))
     return fill, decode, refill_program
@@ -898,15 +910,17 @@ class Sampler:
         tokens=row(jnp.where(head, first[:, None], self.pad_id)),
         logp=row(jnp.where(head, logp[:, None], 0.0)))
 
-  def _refill(self, weights, slots, tokens_NxL, prompt_lens_N, local_N, row_ids_N,
+  def _refill(self, weights, slots, tokens_UxL, prompt_lens_U, source_N, local_N, row_ids_N,
               max_new_tokens, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
-    """Prefills N new rows and writes each into its slot: rows d*k.. (k = N / devices)
-    into slots `local_N` of device d's block of the slots, on that device. A row's
-    cache is written over its prompt's slots only; the slots after it keep the previous
-    row's (finite) keys, which decode attention masks by length and overwrites as the
-    new row grows."""
+    """Prefills the U distinct prompts (u = U / devices on each device) and writes N new
+    rows into their slots: row d*k + j (k = N / devices) takes distinct prompt
+    source_N[d*k + j] of device d and goes to slot local_N[d*k + j] of device d's block
+    of the slots, all on device d. A row's cache is written over its prompt's slots
+    only; the slots after it keep the previous row's (finite) keys, which decode
+    attention masks by length and overwrites as the new row grows."""
     model = nnx.merge(self._graphdef, weights)
-    cache, logits = self._prompt_cache(model, tokens_NxL, prompt_lens_N)
+    cache, logits = self._prompt_cache(model, tokens_UxL, prompt_lens_U)
+    logits = self._local_take(logits, source_N, ("batch", None))
     first, logp = sample_logits(logits, _row_keys(seed, 0, row_ids_N), temperature, top_p,
                                 mode)
     stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
@@ -918,7 +932,7 @@ class Sampler:
       lead = old.k.ndim - 4  # 1 with the layers stacked
       return KVCache(*(None if o is None else put(
           o, n, ("layers",) * lead + (CACHE_AXES if i < 2 else CACHE_AXES[:3]),
-          axis=lead, length=n.shape[lead + 2])
+          axis=lead, length=n.shape[lead + 2], source_N=source_N)
           for i, (o, n) in enumerate(zip(old, new))))
 
     old = slots["cache"]
@@ -926,30 +940,46 @@ class Sampler:
     return dict(
         cache=(put_layer(old, cache) if isinstance(old, KVCache) else
                [put_layer(o, n) for o, n in zip(old, cache)]),
-        last=row("last", first), pos=row("pos", prompt_lens_N),
+        last=row("last", first),
+        pos=row("pos", self._local_take(prompt_lens_U, source_N, ("batch",))),
         gen=row("gen", jnp.ones_like(first)), ids=row("ids", row_ids_N),
         done=row("done", stopped | (max_new_tokens <= 1)), stopped=row("stopped", stopped),
         tokens=row("tokens", jnp.where(head, first[:, None], self.pad_id)),
         logp=row("logp", jnp.where(head, logp[:, None], 0.0)))
 
+  def _local_take(self, x, source_N, names: tuple):
+    """Rows of x ([U, ...], u a device) for N rows (k a device): row d*k + j is row
+    source_N[d*k + j] of device d's block of x, taken on device d."""
+    take = lambda a, src: a[src]  # noqa: E731
+    if self.mesh is None or self._batch_multiple == 1:
+      return take(x, source_N)
+    spec = self._ctx.sharding(names, x.shape).spec
+    out_spec = self._ctx.sharding(names, (source_N.shape[0],) + x.shape[1:]).spec
+    index_spec = self._ctx.sharding(("batch",), source_N.shape).spec
+    return jax.shard_map(take, mesh=self.mesh, in_specs=(spec, index_spec),
+                         out_specs=out_spec, check_vma=False)(
+        self._ctx.constrain(x, names), source_N)
+
   def _local_put(self, old, new, names: tuple, *, local_N, axis: int = 0,
-                 length: int | None = None):
-    """Writes new's rows (along `axis`) into old's: row d*k + j into row local_N[d*k + j]
-    of device d's block of old (indices past the block are dropped), and with `length`
-    only old's first `length` cache slots. Under a mesh each device scatters its own rows
-    into its own block (`shard_map`), in place: no device sees another's rows, and XLA
-    needs no copy of the cache (a batched scatter over a [devices, rows] view of it
-    copied the whole cache on TPU)."""
+                 length: int | None = None, source_N=None):
+    """Writes rows of new (along `axis`) into old's: row d*k + j (or with `source_N`,
+    row source_N[d*k + j] of device d's block of new) into row local_N[d*k + j] of device
+    d's block of old (indices past the block are dropped), and with `length` only old's
+    first `length` cache slots. Under a mesh each device takes and writes its own rows
+    (`shard_map`): no device sees another's rows, whatever slots are free."""
     new = new.astype(old.dtype)
 
-    def scatter(o, n, idx):
+    def scatter(o, n, idx, src=None):
+      if src is not None:
+        n = jnp.take(n, src, axis=axis)
       index = (slice(None),) * axis + (idx,)
       if length is not None:
         index += (slice(None), slice(0, length))
       return o.at[index].set(n, mode="drop")
 
+    args = (old, new, local_N) + (() if source_N is None else (source_N,))
     if self.mesh is None or self._batch_multiple == 1:
-      return scatter(old, new, local_N)
+      return scatter(*args)
     spec = self._ctx.sharding(names, old.shape).spec
     new_spec = self._ctx.sharding(names, new.shape).spec
     if length is not None and (tuple(spec)[axis + 2:axis + 3] != (None,)
@@ -957,9 +987,10 @@ class Sampler:
       raise ValueError("continuous batching needs the cache_length axis unsharded; the "
                        f"rules shard it as {spec}")
     index_spec = self._ctx.sharding(("batch",), local_N.shape).spec
-    return jax.shard_map(scatter, mesh=self.mesh, in_specs=(spec, new_spec, index_spec),
+    return jax.shard_map(scatter, mesh=self.mesh,
+                         in_specs=(spec, new_spec) + (index_spec,) * (len(args) - 2),
                          out_specs=spec, check_vma=False)(
-        self._ctx.constrain(old, names), self._ctx.constrain(new, names), local_N)
+        self._ctx.constrain(old, names), self._ctx.constrain(new, names), *args[2:])
 
   def _decode_slots(self, state, slots, max_new_tokens, stop_ids, seed, temperature, top_p,
                     return_at, *, mode: SamplingMode):

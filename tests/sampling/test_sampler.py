@@ -552,6 +552,18 @@ def test_continuous_batching_samples_what_one_call_samples(sampler):
   assert out.stats["decoded"] == whole.stats["decoded"] == int((whole.lengths - 1).sum())
 
 
+def test_continuous_batching_prefills_a_group_once_per_refill(sampler):
+  """GRPO rows (4 prompts x 4 samples) through 4 slots, every row as long as the others:
+  each refill takes one whole group and prefills its prompt once."""
+  groups = [p for p in PROMPTS[:4] for _ in range(4)]
+  kw = dict(max_new_tokens=6, temperature=1.0, seed=8)
+  out = sampler.generate(groups, slots=4, **kw)
+  assert out.stats["inserts"] == 3 and out.stats["prefill_rows"] == 4  # fill + 3 refills
+  whole = sampler.generate(groups, **kw)
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+
+
 def test_continuous_batching_with_enough_slots_is_one_call(sampler):
   kw = dict(max_new_tokens=6, temperature=1.0, seed=2)
   out = sampler.generate(PROMPTS, slots=len(PROMPTS), **kw)
