@@ -11,12 +11,12 @@ most short and a few running to the cap. Three ways to run the same rows:
 - static chunks: `generate` on `slots` rows at a time, each call running as long as its
   longest row (`RolloutWorker` with `continuous=False`);
 - continuous: one `generate(..., slots=slots)`: a stopped row's slot takes the next prompt;
-- one batch: every row at once (a cache `rows / slots` times larger: the bound).
+- one batch: every row at once (a cache `rows / slots` times larger).
 
 Every arm draws the same samples (a row's keys are its prompt's index and its token's; the
-chunks pass `row_offset`), so they generate the same tokens. `row-steps` is slots x decode steps; `occupancy` = generated tokens /
-row-steps. Figures are medians of warm repeats (the compiling call excluded), the arms
-taking turns within each repeat.
+chunks pass `row_offset`), so they generate the same tokens. `row-steps` is cache rows x
+token steps; `occupancy` = generated tokens / row-steps. Figures are medians of warm
+repeats (the compiling call excluded), the arms taking turns within each repeat.
 """
 
 from __future__ import annotations

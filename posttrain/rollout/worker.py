@@ -3,9 +3,9 @@
 Generation runs on the devices; scoring (pure Python, or the sandbox for code) runs on a
 thread pool. Single-turn rollouts are continuously batched: every row streams through the
 sampler's cache rows in one call and is scored as soon as it stops, while the others
-decode. Otherwise rows run in chunks, and chunk i is scored while chunk i+1 is generated. Multi-turn
-domains (those with `step(task, transcript)`) get their observations appended as tool
-turns, whose tokens are masked out of the loss.
+decode. Otherwise rows run in chunks, and chunk i is scored while chunk i+1 is generated.
+Multi-turn domains (those with `step(task, transcript)`) get their observations appended
+as tool turns, whose tokens are masked out of the loss.
 
 With several processes (one per host) every process holds every completion (the sampler
 gathers them); each process scores only the samples i with i % num_processes ==
