@@ -490,13 +490,11 @@ class Sampler:
     logprobs = np.zeros((rows, max_new_tokens), np.float32)
     lengths = np.zeros(rows, np.int32)
     stopped_rows = np.zeros(rows, bool)
-    first = min(rows, batch)
-    state, prefilled, longest = self._fill_slots(
-        weights, prompts[:first], lens[:first], fixed, row_offset=row_offset, batch=batch,
+    state, prefilled, longest = self._fill_slots(  # more prompts than slots: all full
+        weights, prompts[:batch], lens[:batch], fixed, row_offset=row_offset, batch=batch,
         cache_len=cache_len, mode=mode)
-    slot_row = np.full(batch, -1, np.int64)
-    slot_row[:first] = np.arange(first)
-    waiting = list(range(rows - 1, first - 1, -1))  # popped from the end: prompt order
+    slot_row = np.arange(batch, dtype=np.int64)
+    waiting = list(range(rows - 1, batch - 1, -1))  # popped from the end: prompt order
     free: list[list[int]] = [[] for _ in range(devices)]  # free slots of each device
     steps = inserts = 0
     while True:
@@ -563,14 +561,13 @@ class Sampler:
 
   def _fill_slots(self, weights, prompts, lens, fixed, *, row_offset: int, batch: int,
                   cache_len: int, mode: SamplingMode):
-    """The slot state with prompts 0.. in slots 0.. (the rest empty, done); returns
-    (state, prefill rows, prompt-length bucket)."""
+    """The slot state with the `batch` prompts in slots 0..batch-1; returns (state,
+    prefill rows, prompt-length bucket)."""
     tokens, distinct_lens, row_source, group = self._distinct(prompts, lens, batch)
     rowwise = self._rowwise
     ids = np.arange(batch, dtype=np.int32) + row_offset
-    active = np.arange(batch) < len(prompts)
     args = (weights, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
-            rowwise(ids), rowwise(active), *fixed)
+            rowwise(ids), *fixed)
     fill = self._program(
         ("fill", tokens.shape[0], batch, tokens.shape[1], cache_len, mode, group),
         functools.partial(self._fill, cache_len=cache_len, mode=mode, group=group), args,
@@ -670,11 +667,7 @@ class Sampler:
 
     scalar = lambda dtype: self._abstract((), dtype, ())  # noqa: E731
     stop_ids = 1 << max(num_stop_ids - 1, 0).bit_length()
-    if self.gather_weights:
-      self._gather_program()
-    weights = jax.tree.unflatten(self._treedef, [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        for shape, dtype, sharding in self._weight_specs])
+    weights = self._abstract_weights()
     prefill_args = (weights, row(jnp.int32, prompt_len, rows=prefill_rows),
                     row(jnp.int32, rows=prefill_rows), row(jnp.int32), row(jnp.int32),
                     scalar(jnp.uint32), scalar(jnp.float32), scalar(jnp.float32))
@@ -707,17 +700,13 @@ class Sampler:
       return self._abstract((rows, *shape), dtype, ("batch",) + (None,) * len(shape))
 
     scalar = lambda dtype: self._abstract((), dtype, ())  # noqa: E731
-    if self.gather_weights:
-      self._gather_program()
-    weights = jax.tree.unflatten(self._treedef, [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        for shape, dtype, sharding in self._weight_specs])
+    weights = self._abstract_weights()
     stops = max(4, 1 << max(num_stop_ids - 1, 0).bit_length())
     fixed = (scalar(jnp.int32), self._abstract((stops,), jnp.int32, ()), scalar(jnp.uint32),
              scalar(jnp.float32), scalar(jnp.float32))
     fill_args = (weights, row(jnp.int32, prompt_len, rows=prefill_rows),
                  row(jnp.int32, rows=prefill_rows), row(jnp.int32), row(jnp.int32),
-                 row(jnp.bool_), *fixed)
+                 *fixed)
     fill = self._program(
         ("fill", prefill_rows, batch, prompt_len, cache_len, mode, group),
         functools.partial(self._fill, cache_len=cache_len, mode=mode, group=group),
@@ -892,21 +881,21 @@ class Sampler:
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp
 
-  def _fill(self, weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, active_B,
+  def _fill(self, weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B,
             max_new_tokens, stop_ids, seed, temperature, top_p, *, cache_len: int,
             mode: SamplingMode, group: int | None):
     """The slot state of `generate`'s first prefill: row b holds its prompt's cache and
-    first token at its prompt's length; inactive rows are done."""
+    first token at its prompt's length."""
     cache, first, logp = self._prefill(
         weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed, temperature,
         top_p, cache_len=cache_len, mode=mode, group=group)
-    stopped = active_B & jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
-    head = (jnp.arange(cache_len)[None, :] == 0) & active_B[:, None]
+    stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
+    head = jnp.arange(cache_len)[None, :] == 0
     row = lambda x: self._ctx.constrain(x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     return dict(
         cache=cache, last=row(first), pos=row(prompt_lens_U[row_source_B]),
         gen=row(jnp.ones_like(first)), ids=row(row_ids_B),
-        done=row(~active_B | stopped | (max_new_tokens <= 1)), stopped=row(stopped),
+        done=row(stopped | (max_new_tokens <= 1)), stopped=row(stopped),
         tokens=row(jnp.where(head, first[:, None], self.pad_id)),
         logp=row(jnp.where(head, logp[:, None], 0.0)))
 
@@ -1113,6 +1102,14 @@ class Sampler:
       from jax.experimental import multihost_utils
       outputs = multihost_utils.process_allgather(outputs, tiled=True)
     return jax.device_get(outputs)
+
+  def _abstract_weights(self):
+    """The weights the programs read, as abstract arrays (compiling the gather first)."""
+    if self.gather_weights:
+      self._gather_program()
+    return jax.tree.unflatten(self._treedef, [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for shape, dtype, sharding in self._weight_specs])
 
   def _rowwise(self, x: np.ndarray):
     return self._put(x, ("batch",) + (None,) * (x.ndim - 1))
