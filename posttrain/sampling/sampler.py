@@ -172,11 +172,16 @@ class ResumeState:
   params_version: int
 
 
+def _refill_at(batch: int) -> int:
+  """Stopped slots, of `batch`, at which continuous batching refills."""
+  return max(1, int(batch * _REFILL_FRACTION))
+
+
 def refill_rows(batch: int, devices: int = 1) -> int:
   """The fewest rows a continuous-batching refill prefills, over `batch` slots spread
   over `devices` (the batch axes): `_REFILL_FRACTION` of the slots, the same power of two
   on every device."""
-  per_device = max(1, int(batch * _REFILL_FRACTION)) / devices
+  per_device = _refill_at(batch) / devices
   return devices * min(batch // devices, 1 << (math.ceil(per_device) - 1).bit_length())
 
 
@@ -485,7 +490,7 @@ class Sampler:
     sampling = self._sampling_scalars(seed, temperature, top_p, mode)
     fixed = (self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), *sampling)
     weights = self._weights()
-    refill = max(1, int(batch * _REFILL_FRACTION))
+    refill = _refill_at(batch)
     tokens = np.full((rows, max_new_tokens), self.pad_id, np.int32)
     logprobs = np.zeros((rows, max_new_tokens), np.float32)
     lengths = np.zeros(rows, np.int32)
