@@ -42,8 +42,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.sharding_rules = ()
   # colocated: sampler and learner share the mesh (on-policy). disaggregated: the first
   # rollout_devices devices sample while the rest train, at most max_policy_lag versions
-  # apart; weights move every sync_every steps; segment_tokens > 0 lets generation resume
-  # under new weights (partial rollouts; "drop" discards groups that spanned a change).
+  # apart; weights move every sync_every steps; new weights land between a streamed
+  # rollout's rounds (segment_tokens > 0 caps a round at that many decode steps; chunked
+  # rollouts pause every segment_tokens tokens), and the rows go on under them (partial
+  # rollouts; "drop" discards groups that spanned a change).
   # step_tokens > 0: a rollout generates at most that many tokens per row; groups not
   # finished continue in the next step's rollout, or with partial="drop" are discarded
   # (single-turn domains; in-flight groups are not checkpointed: a resumed run starts
@@ -77,7 +79,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the update was padding.
   c.train = ml_collections.ConfigDict(dict(rl_steps=200, row_len=256, rows_per_microbatch=32,
                                            log_every=1))
-  # chunk_rows: the KV cache's rows. With continuous_batching (single-turn, no segments)
+  # chunk_rows: the KV cache's rows. With continuous_batching (single-turn, no step_tokens)
   # the step's rows stream through them, a stopped row's cache row taking the next prompt;
   # otherwise rows run in chunks of chunk_rows, each as long as its longest row.
   c.rollout = ml_collections.ConfigDict(dict(

@@ -173,7 +173,7 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
                                                                       rules))
   new = int(r.max_new_tokens)
   prompt_len = int(r.max_len) - new
-  # The worker streams single-turn rollouts without segments through `rows` slots.
+  # The worker streams single-turn rollouts of more rows than that through `rows` slots.
   total = int(r.prompts_per_step) * group
   streams = planner.continuous_rollout(
       config, group, planner.batch_mesh_size(mesh.abstract_mesh, rules))

@@ -537,12 +537,12 @@ def sampler_batch(config: ml_collections.ConfigDict, group_size: int, batch_shar
 def continuous_rollout(config: ml_collections.ConfigDict, group_size: int,
                        batch_shards: int) -> bool:
   """Whether the rollout worker streams the step's rows through the sampler's
-  `sampler_batch` cache rows (continuous batching: single-turn, no segments, more rows
-  than the cache holds) rather than generating them in chunks."""
+  `sampler_batch` cache rows (continuous batching: single-turn, no partial rollouts
+  across steps, more rows than the cache holds) rather than generating them in chunks."""
   r = config.rollout
   placement = config.get("placement") or {}
   return (bool(r.get("continuous_batching", True)) and int(r.get("max_turns", 1)) == 1
-          and not int(placement.get("segment_tokens", 0) or 0)
+          and not int(placement.get("step_tokens", 0) or 0)
           and int(r.prompts_per_step) * group_size
           > sampler_batch(config, group_size, batch_shards))
 

@@ -41,7 +41,7 @@ from posttrain.rl import losses as loss_lib
 from posttrain.rl import packing, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
-from posttrain.rollout import RolloutWorker, group_to_trajectories
+from posttrain.rollout import FairLock, RolloutWorker, group_to_trajectories
 from posttrain.sampling import Sampler
 from posttrain.tasks import Scheduler, registry, train_seed
 from posttrain.tasks.scheduler import dynamic_sample
@@ -247,7 +247,8 @@ class Trainer:
     if self.alternate:
       log.info("disaggregated on CPU across %d processes: the learner and the rollouts take "
                "turns on the devices", jax.process_count())
-    self._sampler_lock = threading.Lock()
+    # Fair: the learner waiting to sync gets it whenever the rollout thread lets go.
+    self._sampler_lock = FairLock()
     self._sync_path_logged = False
     self.sampler_version = 0
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
@@ -366,7 +367,8 @@ class Trainer:
     """Copies the learner's params to the sampler (a resharding put across meshes).
 
     Returns (copy seconds, seconds waiting for the sampler: a disaggregated rollout
-    thread holds it for one generation call, or one segment with placement.segment_tokens).
+    thread holds it for one round of a streamed rollout, one chunk's generation call, or
+    one segment with placement.segment_tokens).
     The copy seconds are what the learner spends; a copy that stays on the devices is
     dispatched asynchronously and finishes before the sampler's next program reads it.
     """
@@ -649,6 +651,8 @@ class Trainer:
       extra["rollout/resumed_fraction"] = self.worker.last_stats["resumed_fraction"]
     if "decode_occupancy" in self.worker.last_stats:  # decode work spent on live rows
       extra["rollout/decode_occupancy"] = self.worker.last_stats["decode_occupancy"]
+    if "weight_swaps" in self.worker.last_stats:  # new weights landed mid-rollout
+      extra["rollout/weight_swaps"] = self.worker.last_stats["weight_swaps"]
     return groups, extra
 
   def _rl_step(self, source: "AsyncRollouts | None" = None) -> dict[str, float]:

@@ -52,23 +52,31 @@ def test_disaggregated_with_zero_lag_equals_colocated_exactly(tmp_path):
     assert rb["staleness/max"] == 0 and "timing/wait_for_rollout_s" in rb
 
 
-def test_swapping_weights_between_batches_repeats_a_disaggregated_run_exactly(tmp_path):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_swapping_weights_between_batches_repeats_a_disaggregated_run_exactly(tmp_path,
+                                                                              streamed):
   """placement.weight_swap=between_batches on one process: generation pauses every 3
-  tokens, yet weights change only between batches (every segment resumes from its
-  cache), batch j samples with version j - 1 (max_policy_lag=1), and a second run
-  repeats the first exactly. (With in_flight, 48 tokens take long enough that the
-  learner's sync lands mid-batch: some segments prefill under new weights.)"""
+  tokens (chunks: segments; streamed through 8 cache rows: rounds, the sampler lock let
+  go after each), yet weights change only between batches (every segment resumes from
+  its cache; no streamed rollout sees a swap), batch j samples with version j - 1
+  (max_policy_lag=1), and a second run repeats the first exactly. (With in_flight, 48
+  tokens take long enough that the learner's sync lands mid-batch.)"""
   cfg = _config(**{**RUN, "rollout.max_new_tokens": 48}, **{
       "placement.mode": "disaggregated", "placement.rollout_devices": 4,
       "placement.max_policy_lag": 1, "placement.segment_tokens": 3,
-      "placement.weight_swap": "between_batches"})
+      "placement.weight_swap": "between_batches"},
+      **({"rollout.chunk_rows": 8} if streamed else {}))
   trainer.train(cfg, str(tmp_path / "a"))
   trainer.train(cfg, str(tmp_path / "b"))
   a, b = _rl_rows(tmp_path / "a"), _rl_rows(tmp_path / "b")
   assert len(a) == len(b) == 3
   for i, (ra, rb) in enumerate(zip(a, b)):
     assert ra["staleness/max"] == rb["staleness/max"] == min(i, 1)
-    assert ra["rollout/resumed_fraction"] == 1.0
+    if streamed:
+      assert "rollout/resumed_fraction" not in ra and "rollout/weight_swaps" not in ra
+      assert 0 < ra["rollout/decode_occupancy"] <= 1
+    else:
+      assert ra["rollout/resumed_fraction"] == 1.0
     for key in ("reward/mean", "loss/policy", "grad_norm", "entropy", "kl"):
       assert ra[key] == rb[key], (i, key, ra[key], rb[key])
 

@@ -291,8 +291,11 @@ def test_streamed_rollouts_plan_the_larger_of_the_fill_and_a_refill():
   assert "a refill of 8 slots" in p.components["prefill"].formula
   # Chunks instead: the cache holds every row of a chunk, no refill.
   for change in ({"rollout.continuous_batching": False}, {"rollout.chunk_rows": 128},
-                 {"rollout.max_turns": 2}, {"placement.segment_tokens": 8}):
+                 {"rollout.max_turns": 2}, {"placement.step_tokens": 8}):
     assert not planner.continuous_rollout(planner.override(streamed, change), 16, 1), change
+  # Segments cap a streamed rollout's rounds (the lock let go between them); it streams.
+  assert planner.continuous_rollout(
+      planner.override(streamed, {"placement.segment_tokens": 8}), 16, 1)
 
 
 def test_head_bytes_by_hand_and_in_the_train_peak():

@@ -1,5 +1,7 @@
 """Host-side rollout workers: tasks -> prompts -> samples -> rewards -> trajectories."""
 
-from posttrain.rollout.worker import RolloutWorker, Sample, TrajectoryGroup, group_to_trajectories
+from posttrain.rollout.worker import (FairLock, RolloutWorker, Sample, TrajectoryGroup,
+                                      group_to_trajectories)
 
-__all__ = ["RolloutWorker", "Sample", "TrajectoryGroup", "group_to_trajectories"]
+__all__ = ["FairLock", "RolloutWorker", "Sample", "TrajectoryGroup",
+           "group_to_trajectories"]

@@ -15,9 +15,11 @@ so that every process builds the same batch.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -81,10 +83,13 @@ class RolloutWorker:
     max_new_tokens: generation budget per model turn.
     temperature, top_p, top_k: sampling settings.
     chunk_rows: rows the sampler decodes at once (the KV cache's rows).
-    continuous: single-turn rollouts without segments stream every row through
-      `chunk_rows` cache rows in one sampler call (continuous batching): a row that stops
-      hands its cache row to the next, and is scored while the others decode. Otherwise
-      (False, multi-turn, segment_tokens) the rows run in chunks of `chunk_rows`, each
+    continuous: single-turn rollouts stream every row through `chunk_rows` cache rows
+      in one sampler call (continuous batching): a row that stops hands its cache row to
+      the next, and is scored while the others decode. Between two rounds of decode steps
+      (at most `segment_tokens` steps each, when set) the sampler lock is released, so
+      new weights land mid-rollout: the rows that follow are prefilled under them and
+      the live rows go on under them. Otherwise (False, multi-turn, or segment_tokens
+      with no more rows than `chunk_rows`) the rows run in chunks of `chunk_rows`, each
       chunk as long as its longest row, scored while the next chunk generates.
     scoring_threads: threads that score (and run sandboxes) concurrently.
     max_turns: model turns per sample for multi-turn domains.
@@ -92,7 +97,8 @@ class RolloutWorker:
     segment_tokens: generate at most this many tokens per sampler call, releasing the
       sampler lock between calls so weights can change mid-generation (partial rollouts);
       0 = the whole turn in one call.
-    lock: guards the sampler against a concurrent `update_params` (disaggregated runs).
+    lock: guards the sampler against a concurrent `update_params` (disaggregated runs);
+      a `FairLock`, so the learner waiting on it gets it whenever the worker lets go.
     version_fn: returns the policy version the sampler currently holds.
     process: (index, count) of this process among those sharing the scoring (default:
       `jax.process_index()`, `jax.process_count()`).
@@ -117,6 +123,7 @@ class RolloutWorker:
     self.segment_tokens = max(int(segment_tokens), 0)
     self.continuous = bool(continuous)
     self._lock = lock if lock is not None else contextlib.nullcontext()
+    self._shared = lock is not None  # another thread may swap the sampler's weights
     self._version_fn = version_fn or (lambda: 0)
     self.last_stats: dict[str, float] = {}
     self._tool_steps = [0, 0]  # environment steps run here, and in all, this rollout
@@ -135,6 +142,7 @@ class RolloutWorker:
     self._exchanges = 0
     self._segments = [0, 0]  # continued segments: resumed from the kept cache, all
     self._decode_rows = [0, 0]  # tokens generated, row-steps decoded (slots x steps)
+    self._swaps = 0  # weight swaps while a streamed rollout decoded
     # Partial rollouts across calls (rollout(..., token_budget=N)): groups with a sample
     # still generating, as (domain, seed, task, samples); they continue in the next call.
     self._carry: list[tuple[str, int, Task, list[Sample]]] = []
@@ -197,9 +205,13 @@ class RolloutWorker:
     self._tool_steps = [0, 0]
     self._segments = [0, 0]
     self._decode_rows = [0, 0]
+    self._swaps = 0
     room = self.sampler.max_len - max((len(p) for _, p in rows), default=0)
-    if (rows and self.continuous and self.max_turns == 1 and not self.segment_tokens
-        and room >= 1):
+    # With segments, streaming keeps its promise (the lock released every segment_tokens
+    # steps) only when the rows stream; rows that fit the slots at once run as segments.
+    streams = len(rows) > self.sampler.slot_rows(self.chunk_rows)
+    if (rows and self.continuous and self.max_turns == 1 and room >= 1
+        and (streams or not self.segment_tokens)):
       self._stream(rows, tasks, samples, futures, mine, seed=seed * 1_000_003,
                    temperature=temp, max_new_tokens=min(self.max_new_tokens, room))
     else:
@@ -214,27 +226,50 @@ class RolloutWorker:
   def _stream(self, rows, tasks, samples, futures, mine, *, seed: int, temperature: float,
               max_new_tokens: int) -> None:
     """Generates every row in one continuously batched sampler call; each row is scored
-    (on this process's share) as soon as it stops, while the others decode."""
-    version = 0
+    (on this process's share) as soon as it stops, while the others decode.
+
+    Between rounds the sampler lock is let go (a learner waiting for it swaps in its
+    weights); each sample's `versions` are those its tokens were drawn under: the version
+    when its row was prefilled, then each one swapped in while it decoded."""
+    current = 0  # the version of the sampler's weights: rows prefilled next draw under it
+    spans: dict[int, list[int]] = {}  # versions of rows seen decoding between rounds
 
     def finished(i: int, tokens: np.ndarray, logprobs: np.ndarray, reason: str) -> None:
       toks = tokens.tolist()
+      # A row never seen between rounds began and ended within the current version's.
       sample = Sample(prompt_tokens=list(rows[i][1]), response_tokens=toks,
                       response_mask=[1] * len(toks),
                       behaviour_logprobs=logprobs.astype(float).tolist(),
                       text=self._decode(toks), finish_reason=reason, turns=1,
-                      versions=[version])
+                      versions=spans.pop(i, [current]))
       samples[i] = sample
       if mine(i):
         futures.append((i, self._pool.submit(_score, tasks[rows[i][0]], sample)))
 
-    with self._lock:
+    def between_rounds(live: np.ndarray) -> None:
+      nonlocal current
+      live = live.tolist()
+      for i in live:  # first seen now: prefilled after the previous round, under `current`
+        spans.setdefault(i, [current])
+      self._lock.release()  # the learner's sync, if it waits, runs here
+      self._lock.acquire()
       version = self._version_fn()
+      if version != current:
+        current = version
+        for i in live:
+          spans[i].append(version)
+
+    shared = self._shared
+    with self._lock:
+      current = self._version_fn()
       out = self.sampler.generate(
           [p for _, p in rows], max_new_tokens=max_new_tokens, temperature=temperature,
           top_k=self.top_k, top_p=self.top_p, stop_token_ids=self.tok.stop_ids, seed=seed,
-          slots=self.chunk_rows, on_finish=finished)
+          slots=self.chunk_rows, on_finish=finished,
+          between_rounds=between_rounds if shared else None,
+          round_steps=(self.segment_tokens or None) if shared else None)
     self._count_decode(out)
+    self._swaps += int(out.stats.get("weight_swaps", 0))
 
   def _chunks(self, rows, tasks, samples, futures, mine, *, seed: int,
               temperature: float) -> None:
@@ -280,6 +315,8 @@ class RolloutWorker:
       # Generated tokens per decoded row-step: the share of decode work that was not spent
       # on rows that had already stopped (or padding rows).
       self.last_stats["decode_occupancy"] = self._decode_rows[0] / self._decode_rows[1]
+    if self._swaps:  # weights swapped in while a streamed rollout decoded
+      self.last_stats["weight_swaps"] = float(self._swaps)
     if self._segments[1]:
       # Continued segments that resumed from the kept KV cache (the rest ran under new
       # weights and prefilled prompt + response again).
@@ -300,6 +337,7 @@ class RolloutWorker:
     # Rows still generating (turns == 0), carried groups first: the oldest finish first.
     rows = [smp for *_, samples in groups for smp in samples if not smp.turns]
     self._tool_steps, self._segments, self._decode_rows = [0, 0], [0, 0], [0, 0]
+    self._swaps = 0
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
       ended = self._generate_turn(chunk, list(range(len(chunk))),
@@ -446,6 +484,48 @@ class RolloutWorker:
           still.append(i)
       active = still
     return ended
+
+
+class FairLock:
+  """A lock that goes to the threads waiting for it in the order they came.
+
+  `threading.Lock` lets the thread that releases it take it straight back, so a rollout
+  thread that lets go between rounds could starve a learner waiting to swap weights.
+  Here an `acquire` queues behind every thread already waiting.
+  """
+
+  def __init__(self):
+    self._cv = threading.Condition(threading.Lock())
+    self._queue: collections.deque = collections.deque()
+    self._held = False
+
+  @property
+  def waiting(self) -> int:
+    """Threads waiting to acquire."""
+    with self._cv:
+      return len(self._queue)
+
+  def acquire(self) -> bool:
+    me = object()
+    with self._cv:
+      self._queue.append(me)
+      self._cv.wait_for(lambda: not self._held and self._queue[0] is me)
+      self._queue.popleft()
+      self._held = True
+    return True
+
+  def release(self) -> None:
+    with self._cv:
+      if not self._held:
+        raise RuntimeError("release of an unheld FairLock")
+      self._held = False
+      self._cv.notify_all()
+
+  def __enter__(self):
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
 
 
 def _score(task: Task, sample: Sample) -> Reward:

@@ -314,6 +314,11 @@ class Sampler:
     """The sampler's sharding of each parameter leaf, in `jax.tree.leaves` order."""
     return [sharding for _, _, sharding in self._specs]
 
+  def slot_rows(self, slots: int) -> int:
+    """The cache rows `generate(..., slots=slots)` decodes at once: `slots` rounded up to
+    a batch bucket. Continuous batching runs for more prompts than that."""
+    return self._batch_bucket(int(slots))
+
   def update_params(self, params) -> None:
     """Swaps in new weights without recompiling.
 
@@ -348,7 +353,9 @@ class Sampler:
                seed: int = 0, keep_cache: bool = False,
                reserve_tokens: int | None = None, slots: int | None = None,
                on_finish: Callable[[int, np.ndarray, np.ndarray, str], Any] | None = None,
-               row_offset: int = 0) -> Completions:
+               row_offset: int = 0,
+               between_rounds: Callable[[np.ndarray], Any] | None = None,
+               round_steps: int | None = None) -> Completions:
     """Samples a continuation of every prompt.
 
     Args:
@@ -375,6 +382,18 @@ class Sampler:
       row_offset: the index of prompts[0] in a longer list of prompts: row i samples
         with that list's key for row_offset + i, so calls over consecutive slices of the
         list draw what one call over all of it draws.
+      between_rounds: with continuous batching (`slots` fewer than the prompts), called
+        as `between_rounds(live)` on the host after each round of decode steps, once its
+        finished rows went to `on_finish` and before the next prompts are prefilled;
+        `live` holds the indices of the prompts whose rows are still decoding. It may call
+        `update_params`: the rows that follow are prefilled under the new weights, and the
+        live rows go on under them with the cache their earlier tokens built (their
+        log-probs are those of the distribution that drew each token, as importance
+        sampling needs). A disaggregated run's rollout thread releases the sampler lock
+        here, so the learner's weights land mid-generation.
+      round_steps: with continuous batching, at most this many decode steps per round
+        (default: a round ends only when `_REFILL_FRACTION` of the slots are done), so
+        `between_rounds` runs at least that often.
     """
     cfg = self.cfg
     mode = sampling_mode(temperature, top_k, top_p, cfg.vocab_size)
@@ -400,6 +419,9 @@ class Sampler:
       raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     stop_ids = np.full(max(4, 1 << max(len(stop) - 1, 0).bit_length()), -1, np.int32)
     stop_ids[:len(stop)] = stop
+    if round_steps is not None and (isinstance(round_steps, bool)
+                                    or int(round_steps) != round_steps or round_steps < 1):
+      raise ValueError(f"round_steps must be a positive int or None, got {round_steps!r}")
     if slots is not None:
       if isinstance(slots, bool) or int(slots) != slots or slots < 1:
         raise ValueError(f"slots must be a positive int or None, got {slots!r}")
@@ -411,7 +433,8 @@ class Sampler:
             prompts, lens, batch=self._batch_bucket(int(slots)),
             max_new_tokens=max_new_tokens, mode=mode,
             stop_ids=stop_ids, seed=int(seed % 2**32), temperature=temperature,
-            top_p=top_p, on_finish=on_finish, row_offset=row_offset)
+            top_p=top_p, on_finish=on_finish, row_offset=row_offset,
+            between_rounds=between_rounds, round_steps=round_steps)
 
     rows = len(prompts)
     batch = self._batch_bucket(rows)
@@ -471,7 +494,8 @@ class Sampler:
   def _generate_slots(self, prompts, lens: np.ndarray, *, batch: int, max_new_tokens: int,
                       mode: SamplingMode, stop_ids: np.ndarray, seed: int,
                       temperature: float, top_p: float | None, on_finish,
-                      row_offset: int) -> Completions:
+                      row_offset: int, between_rounds=None,
+                      round_steps: int | None = None) -> Completions:
     """`generate` with continuous batching over `batch` cache rows (slots).
 
     The first `batch` prompts fill every slot in one prefill, laid out as `generate`
@@ -480,7 +504,9 @@ class Sampler:
     and the next waiting prompts are prefilled into those slots. A slot lives on one
     device of the batch axes, and a refill gives each device the next prompts for its
     own free slots (padded to the same count), which it prefills and writes itself: no
-    device ever holds another's cache rows.
+    device ever holds another's cache rows. A round also ends after `round_steps` decode
+    steps; `between_rounds` runs after each, and new weights it swaps in are read from
+    the next round on.
     """
     rows = len(prompts)
     devices = self._batch_multiple
@@ -489,8 +515,9 @@ class Sampler:
                         "sequence length")
     sampling = self._sampling_scalars(seed, temperature, top_p, mode)
     fixed = (self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), *sampling)
-    weights = self._weights()
+    weights, version = self._weights(), self.params_version
     refill = _refill_at(batch)
+    max_steps = self._scalar(int(round_steps or np.iinfo(np.int32).max), np.int32)
     tokens = np.full((rows, max_new_tokens), self.pad_id, np.int32)
     logprobs = np.zeros((rows, max_new_tokens), np.float32)
     lengths = np.zeros(rows, np.int32)
@@ -501,10 +528,10 @@ class Sampler:
     slot_row = np.arange(batch, dtype=np.int64)
     waiting = list(range(rows - 1, batch - 1, -1))  # popped from the end: prompt order
     free: list[list[int]] = [[] for _ in range(devices)]  # free slots of each device
-    steps = inserts = 0
+    steps = inserts = swaps = 0
     while True:
       return_at = min(refill, len(waiting)) if waiting else batch
-      args = (weights, state, *fixed, self._scalar(return_at, np.int32))
+      args = (weights, state, *fixed, self._scalar(return_at, np.int32), max_steps)
       decode = self._program(("decode_slots", batch, cache_len, stop_ids.size, mode),
                              functools.partial(self._decode_slots, mode=mode), args,
                              donate=(1,))
@@ -524,6 +551,10 @@ class Sampler:
         if on_finish is not None:
           on_finish(i, tokens[i, :n], logprobs[i, :n],
                     FINISH_STOP if stopped_rows[i] else FINISH_LENGTH)
+      if between_rounds is not None:
+        between_rounds(slot_row[slot_row >= 0].copy())
+        if self.params_version != version:  # new weights: every later program reads them
+          weights, version, swaps = self._weights(), self.params_version, swaps + 1
       if not waiting:
         if (slot_row < 0).all():
           break
@@ -534,6 +565,8 @@ class Sampler:
       for d in range(devices):
         while waiting and free[d]:
           placed[d].append((free[d].pop(), waiting.pop()))
+      if not any(placed):  # a round cut short by round_steps freed no slot
+        continue
       state, used, bucket = self._refill_slots(
           weights, state, prompts, lens, placed, fixed, row_offset=row_offset,
           min_rows=refill_rows(batch, devices) // devices, batch=batch, cache_len=cache_len,
@@ -549,7 +582,7 @@ class Sampler:
                        stats=dict(batch=batch, prefill_rows=prefilled, prompt_len=longest,
                                   cache_len=cache_len, steps=steps + 1, decode_steps=steps,
                                   decoded=int(np.maximum(lengths - 1, 0).sum()),
-                                  inserts=inserts))
+                                  inserts=inserts, weight_swaps=swaps))
 
   def _take_rows(self, state, slots: np.ndarray, *, batch: int, cache_len: int):
     """The generated tokens and log-probs of `slots` ([n, cache_len] each, on the host),
@@ -719,7 +752,8 @@ class Sampler:
     state = fill.out_info
     decode = self._program(("decode_slots", batch, cache_len, stops, mode),
                            functools.partial(self._decode_slots, mode=mode),
-                           (weights, state, *fixed, scalar(jnp.int32)), donate=(1,))
+                           (weights, state, *fixed, scalar(jnp.int32), scalar(jnp.int32)),
+                           donate=(1,))
     # The fullest refill of that size: every row a prompt of its own.
     refill_args = (weights, state, row(jnp.int32, prompt_len, rows=n), row(jnp.int32, rows=n),
                    row(jnp.int32, rows=n), row(jnp.int32, rows=n), row(jnp.int32, rows=n),
@@ -987,17 +1021,19 @@ class Sampler:
         self._ctx.constrain(old, names), self._ctx.constrain(new, names), *args[2:])
 
   def _decode_slots(self, state, slots, max_new_tokens, stop_ids, seed, temperature, top_p,
-                    return_at, *, mode: SamplingMode):
-    """Decodes every live slot row until `return_at` rows are done (empty rows count) or
-    none is live; returns (slots, steps run). Each row feeds its last token at its own
-    position and samples with its prompt's key at its own token index."""
+                    return_at, max_steps, *, mode: SamplingMode):
+    """Decodes every live slot row until `return_at` rows are done (empty rows count),
+    none is live or `max_steps` steps ran; returns (slots, steps run). Each row feeds its
+    last token at its own position and samples with its prompt's key at its own token
+    index."""
     model = nnx.merge(self._graphdef, state)
     width = slots["tokens"].shape[1]
     columns = jnp.arange(width)[None, :]
 
     def cond(carry):
       done = carry[0]["done"]
-      return jnp.any(~done) & (jnp.sum(done.astype(jnp.int32)) < return_at)
+      return (jnp.any(~done) & (jnp.sum(done.astype(jnp.int32)) < return_at)
+              & (carry[1] < max_steps))
 
     def body(carry):
       st, steps = carry

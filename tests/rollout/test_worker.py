@@ -2,6 +2,7 @@
 and runs its share of the tool steps."""
 import functools
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +120,66 @@ def test_continuous_batching_draws_what_the_chunks_draw_and_scores_every_row(mon
   assert 0 < stream.last_stats["decode_occupancy"] <= 1
 
 
+def test_streamed_rollout_lets_the_learner_swap_weights_between_rounds(monkeypatch):
+  """A streamed rollout with a lock lets go of it between rounds of at most
+  segment_tokens steps. A learner waiting on the lock gets it at the first round's end
+  and swaps in new weights: rows prefilled after it draw what a rollout under the new
+  weights draws, rows decoding through it record both versions, and the next rounds go
+  on (the worker takes the lock back)."""
+  monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
+  lock, version = worker_lib.FairLock(), [0]
+  worker = _worker(chunk_rows=2, segment_tokens=3, lock=lock, version_fn=lambda: version[0])
+  sampler, new_model = worker.sampler, models.create_model(CFG, seed=1)
+  real, learner, calls = sampler.generate, [], []
+
+  def sync():  # the learner's Trainer.sync_weights
+    with lock:
+      sampler.update_params(new_model)
+      version[0] = 1
+
+  def generate(*a, **k):  # the learner comes to sync while the rollout holds the lock
+    calls.append(k.get("round_steps"))
+    learner.append(threading.Thread(target=sync))
+    learner[0].start()
+    while lock.waiting < 1:
+      time.sleep(0.001)
+    return real(*a, **k)
+
+  monkeypatch.setattr(sampler, "generate", generate)
+  groups = worker.rollout(PAIRS, seed=9)
+  learner[0].join()
+  assert calls == [3] and worker.last_stats["weight_swaps"] == 1.0
+  spans = [s.versions for g in groups for s in g.samples]
+  assert all(v in ([0], [1], [0, 1]) for v in spans), spans
+  assert [0, 1] in spans and [1] in spans
+  fresh = _worker(chunk_rows=2)
+  fresh.sampler.update_params(new_model)
+  for got, want in zip(_samples(groups), _samples(fresh.rollout(PAIRS, seed=9)), strict=True):
+    if got[3] == [1]:
+      assert (got[0], got[2]) == (want[0], want[2])  # tokens, finish reason
+      np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+
+
+def test_fair_lock_goes_to_the_waiting_thread_first():
+  """The holder that lets go and takes the lock back queues behind a waiting thread
+  (threading.Lock may hand it straight back to the holder)."""
+  lock, order = worker_lib.FairLock(), []
+  lock.acquire()
+  waiter = threading.Thread(target=lambda: (lock.acquire(), order.append("waiter"),
+                                            lock.release()))
+  waiter.start()
+  while lock.waiting < 1:
+    time.sleep(0.001)
+  lock.release()
+  lock.acquire()
+  order.append("holder")
+  lock.release()
+  waiter.join()
+  assert order == ["waiter", "holder"]
+  with pytest.raises(RuntimeError, match="release of an unheld FairLock"):
+    lock.release()
+
+
 def test_bad_process_layout_is_a_clear_error():
   with pytest.raises(ValueError, match="process index 2 is out of range for 2 processes"):
     _worker(process=(2, 2))
@@ -178,7 +239,7 @@ def test_segments_under_unchanged_weights_resume_and_equal_one_call(monkeypatch)
   uninterrupted call per chunk (tokens, behaviour log-probs, finish reasons)."""
   monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
   whole = _worker(continuous=False).rollout(PAIRS, seed=5)
-  segmented = _worker(segment_tokens=5)
+  segmented = _worker(segment_tokens=5, continuous=False)
   calls = {"generate": 0, "resume": 0}
   for name in calls:
     real = getattr(segmented.sampler, name)

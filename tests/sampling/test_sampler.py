@@ -605,8 +605,71 @@ def test_continuous_batching_on_a_mesh_equals_one_device(model, sampler, shape):
       assert not re.findall(r"(all-gather|all-to-all|collective-permute|all-reduce)\(", hlo)
 
 
+def test_rounds_cut_short_sample_what_one_call_samples(sampler):
+  """Rounds of at most 2 decode steps: between_rounds runs after each with the prompts
+  still decoding (started, not finished), and the samples are those of one call."""
+  kw = dict(max_new_tokens=12, temperature=1.0, seed=3)
+  stops = _stops_for(sampler.generate(MANY, **kw))
+  whole = sampler.generate(MANY, stop_token_ids=stops, **kw)
+  finished, lives = [], []
+  out = sampler.generate(MANY, stop_token_ids=stops, slots=4, round_steps=2,
+                         on_finish=lambda i, *_: finished.append(i),
+                         between_rounds=lambda live: lives.append((live, len(finished))),
+                         **kw)
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+  assert len(lives) >= out.stats["decode_steps"] // 2 and out.stats["weight_swaps"] == 0
+  for live, n_done in lives:
+    assert len(live) <= 4 and not set(live.tolist()) & set(finished[:n_done])
+  assert not lives[-1][0].size  # the last round ends with every row
+  # Prompts take slots in order: a later prompt is never first seen in an earlier round.
+  first_seen = {}
+  for k, (live, _) in enumerate(lives):
+    for i in live.tolist():
+      first_seen.setdefault(i, k)
+  rounds = [first_seen[i] for i in sorted(first_seen)]
+  assert rounds == sorted(rounds) and len(first_seen) > 4
+
+
+def test_weights_swapped_between_rounds_reach_the_rows_that_follow(model, sampler):
+  """`update_params` between two rounds: rows that ended before it drew what the old
+  weights draw, rows prefilled after it what the new weights draw (the keys are the
+  prompt's and token's, so each equals one call under its weights), and rows that span
+  the swap continue under the new weights from their cache (their log-probs are those
+  of the distribution that drew each token)."""
+  other = models.create_model(CFG, seed=99)
+  kw = dict(max_new_tokens=10, temperature=1.0, seed=5)
+  old = sampler.generate(MANY, **kw)
+  new = Sampler(other, max_len=MAX_LEN).generate(MANY, **kw)
+  assert not np.array_equal(old.tokens, new.tokens)
+  ours = Sampler(model, max_len=MAX_LEN)
+  before, at_swap = set(), {}
+
+  def swap(live):
+    if not at_swap:
+      at_swap.update(live=set(live.tolist()), done=set(before))
+      ours.update_params(other)
+
+  out = ours.generate(MANY, slots=4, round_steps=3, between_rounds=swap,
+                      on_finish=lambda i, *_: None if at_swap else before.add(i), **kw)
+  assert out.stats["weight_swaps"] == 1 and at_swap["live"]
+  after = set(range(len(MANY))) - at_swap["live"] - at_swap["done"]
+  assert after
+  for i in at_swap["done"]:
+    np.testing.assert_array_equal(out.tokens[i], old.tokens[i])
+  for i in after:
+    np.testing.assert_array_equal(out.tokens[i], new.tokens[i])
+    np.testing.assert_allclose(out.logprobs[i], new.logprobs[i], atol=1e-4)
+  # A row that spans the swap: its first 3 tokens came from the old weights.
+  spans = sorted(at_swap["live"])
+  for i in spans:
+    np.testing.assert_array_equal(out.tokens[i, :3], old.tokens[i, :3])
+  assert any(not np.array_equal(out.tokens[i], old.tokens[i]) for i in spans)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"slots": 0}, "slots must be a positive int"),
+    ({"slots": 2, "round_steps": 0}, "round_steps must be a positive int"),
     ({"slots": True}, "slots must be a positive int"),
     ({"slots": 2.5}, "slots must be a positive int"),
     ({"slots": 2, "keep_cache": True}, "keep_cache cannot be combined with slots"),
