@@ -79,9 +79,10 @@ def get_config() -> ml_collections.ConfigDict:
   # the update was padding.
   c.train = ml_collections.ConfigDict(dict(rl_steps=200, row_len=256, rows_per_microbatch=32,
                                            log_every=1))
-  # chunk_rows: the KV cache's rows. With continuous_batching (single-turn, no step_tokens)
-  # the step's rows stream through them, a stopped row's cache row taking the next prompt;
-  # otherwise rows run in chunks of chunk_rows, each as long as its longest row.
+  # chunk_rows: the KV cache's rows. With continuous_batching (more rows than that, no
+  # step_tokens) the step's rows stream through them, a stopped row's cache row taking the
+  # next prompt (or a multi-turn row's next turn); otherwise rows run in chunks of
+  # chunk_rows, each as long as its longest row.
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,
       max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128,

@@ -173,7 +173,8 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
                                                                       rules))
   new = int(r.max_new_tokens)
   prompt_len = int(r.max_len) - new
-  # The worker streams single-turn rollouts of more rows than that through `rows` slots.
+  # The worker streams rollouts of more rows than that through `rows` slots (multi-turn:
+  # later turns are refilled as transcripts up to max_len - 1 tokens).
   total = int(r.prompts_per_step) * group
   streams = planner.continuous_rollout(
       config, group, planner.batch_mesh_size(mesh.abstract_mesh, rules))
@@ -183,7 +184,9 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
         total if streams else rows, prompt_len, new,
         distinct_prompts=-(-(total if streams else rows) // group),
         temperature=float(r.temperature), top_k=int(r.top_k) if r.get("top_k") else None,
-        top_p=float(r.top_p) if r.get("top_p") else None, slots=rows if streams else None)
+        top_p=float(r.top_p) if r.get("top_p") else None, slots=rows if streams else None,
+        max_prompt_len=(int(r.max_len) - 1 if streams and int(r.get("max_turns", 1)) > 1
+                        else None))
   prefill, decode = programs[0], programs[1]
   prefill_peak = max(_peak(p.memory_analysis()) for p in programs[:1] + programs[2:])
   return RolloutReport(mesh=dict(mesh.shape), rows=rows, prompt_len=prompt_len,

@@ -537,11 +537,11 @@ def sampler_batch(config: ml_collections.ConfigDict, group_size: int, batch_shar
 def continuous_rollout(config: ml_collections.ConfigDict, group_size: int,
                        batch_shards: int) -> bool:
   """Whether the rollout worker streams the step's rows through the sampler's
-  `sampler_batch` cache rows (continuous batching: single-turn, no partial rollouts
-  across steps, more rows than the cache holds) rather than generating them in chunks."""
+  `sampler_batch` cache rows (continuous batching: no partial rollouts across steps,
+  more rows than the cache holds) rather than generating them in chunks."""
   r = config.rollout
   placement = config.get("placement") or {}
-  return (bool(r.get("continuous_batching", True)) and int(r.get("max_turns", 1)) == 1
+  return (bool(r.get("continuous_batching", True))
           and not int(placement.get("step_tokens", 0) or 0)
           and int(r.prompts_per_step) * group_size
           > sampler_batch(config, group_size, batch_shards))
@@ -632,15 +632,18 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                   "them")
   if continuous_rollout(config, int(algo.group_size), rollout_shards):
     # A refill prefills its rows beside the full cache of the slots; at worst (groups
-    # split across devices, or finishing apart) every row is a prompt of its own.
+    # split across devices, or finishing apart) every row is a prompt of its own. Later
+    # turns come back as transcripts of up to max_len - 1 tokens.
     refill = refill_rows(s_rows, rollout_shards)
-    refill_bytes = prefill_bytes(cfg, prompts=refill, prompt_len=prompt_len, rows=refill,
+    refill_len = (default_length_bucket(int(r.max_len) - 1, int(r.max_len))
+                  if int(r.get("max_turns", 1)) > 1 else prompt_len)
+    refill_bytes = prefill_bytes(cfg, prompts=refill, prompt_len=refill_len, rows=refill,
                                  mesh=rollout_mesh, rules=rules, dtype=cache_dtype,
                                  gathered=not sharded)
     if refill_bytes > prefill:
       prefill = refill_bytes
       prefill_note = (f"a refill of {refill} slots (continuous batching): their prompts' "
-                      f"cache of {prompt_len} and one layer's forward over them")
+                      f"cache of {refill_len} and one layer's forward over them")
   step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
                            gathered=not sharded)
   comps = [

@@ -79,14 +79,17 @@ def test_rollout_programs_compile_for_a_v5e_slice(rollout_report):
 
 
 @requires_libtpu
-def test_streamed_rollout_programs_compile_within_the_plan():
+@pytest.mark.parametrize("turns", [1, 3])
+def test_streamed_rollout_programs_compile_within_the_plan(turns):
   """With fewer cache rows than the step's rows, the worker streams them (continuous
-  batching): the fill, decode loop and refill compile for the slice, the decode holds
-  the slots' cache, and the plan (which counts chunk_rows rows of cache) covers them.
-  head_dim 128, as real models have it: the preset's 32 pads 4x in TPU tiles, which the
-  plan (logical bytes) does not count."""
+  batching): the fill, decode loop and refill compile for the slice (multi-turn: a
+  refill of transcripts up to max_len - 1 tokens), the decode holds the slots' cache,
+  and the plan (which counts chunk_rows rows of cache) covers them. head_dim 128, as
+  real models have it: the preset's 32 pads 4x in TPU tiles, which the plan (logical
+  bytes) does not count."""
   config = _config()
   config.rollout.chunk_rows = 64
+  config.rollout.max_turns = turns
   config.model.overrides.head_dim = 128
   report = aot.compile_rollout(config, aot.tpu_devices("v5e:2x2"))
   assert report.continuous and report.rows == 64

@@ -289,13 +289,19 @@ def test_streamed_rollouts_plan_the_larger_of_the_fill_and_a_refill():
       cfg, prompts=8, prompt_len=prompt_len, rows=8, mesh=one) > planner.prefill_bytes(
       cfg, prompts=4, prompt_len=prompt_len, rows=64, mesh=one)
   assert "a refill of 8 slots" in p.components["prefill"].formula
+  # Multi-turn: later turns are refilled as transcripts up to max_len - 1 tokens.
+  turns = planner.plan(planner.override(streamed, {"rollout.max_turns": 3}), num_devices=1)
+  assert turns.components["prefill"].bytes == planner.prefill_bytes(
+      cfg, prompts=8, prompt_len=default_length_bucket(191, 192), rows=8, mesh=one)
+  assert f"cache of {default_length_bucket(191, 192)}" in turns.components["prefill"].formula
   # Chunks instead: the cache holds every row of a chunk, no refill.
   for change in ({"rollout.continuous_batching": False}, {"rollout.chunk_rows": 128},
-                 {"rollout.max_turns": 2}, {"placement.step_tokens": 8}):
+                 {"placement.step_tokens": 8}):
     assert not planner.continuous_rollout(planner.override(streamed, change), 16, 1), change
-  # Segments cap a streamed rollout's rounds (the lock let go between them); it streams.
-  assert planner.continuous_rollout(
-      planner.override(streamed, {"placement.segment_tokens": 8}), 16, 1)
+  # Segments cap a streamed rollout's rounds (the lock let go between them); later turns
+  # come back between rounds: both stream.
+  for change in ({"placement.segment_tokens": 8}, {"rollout.max_turns": 2}):
+    assert planner.continuous_rollout(planner.override(streamed, change), 16, 1), change
 
 
 def test_head_bytes_by_hand_and_in_the_train_peak():

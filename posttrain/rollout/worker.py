@@ -83,14 +83,17 @@ class RolloutWorker:
     max_new_tokens: generation budget per model turn.
     temperature, top_p, top_k: sampling settings.
     chunk_rows: rows the sampler decodes at once (the KV cache's rows).
-    continuous: single-turn rollouts stream every row through `chunk_rows` cache rows
-      in one sampler call (continuous batching): a row that stops hands its cache row to
-      the next, and is scored while the others decode. Between two rounds of decode steps
-      (at most `segment_tokens` steps each, when set) the sampler lock is released, so
-      new weights land mid-rollout: the rows that follow are prefilled under them and
-      the live rows go on under them. Otherwise (False, multi-turn, or segment_tokens
-      with no more rows than `chunk_rows`) the rows run in chunks of `chunk_rows`, each
-      chunk as long as its longest row, scored while the next chunk generates.
+    continuous: rollouts of more rows than `chunk_rows` stream every row through
+      `chunk_rows` cache rows in one sampler call (continuous batching): a row that stops
+      hands its cache row to the next, and is scored while the others decode. Between
+      two rounds of decode steps (at most `segment_tokens` steps each, when set) the
+      environment answers the rows whose turn ended (multi-turn domains; the answered
+      transcript is the row's next turn, prefilled ahead of the waiting prompts) and the
+      sampler lock is released, so new weights land mid-rollout: the rows that follow
+      are prefilled under them and the live rows go on under them. Otherwise (False, or
+      rows that fit `chunk_rows`, single-turn without segments apart) the rows run in
+      chunks of `chunk_rows`, each chunk as long as its longest row, scored while the
+      next chunk generates.
     scoring_threads: threads that score (and run sandboxes) concurrently.
     max_turns: model turns per sample for multi-turn domains.
     system_prompt: optional system message.
@@ -207,11 +210,11 @@ class RolloutWorker:
     self._decode_rows = [0, 0]
     self._swaps = 0
     room = self.sampler.max_len - max((len(p) for _, p in rows), default=0)
-    # With segments, streaming keeps its promise (the lock released every segment_tokens
-    # steps) only when the rows stream; rows that fit the slots at once run as segments.
+    # Rows that fit the cache at once run as one sampler call without rounds: a chunk.
+    # Turns after the first, and the lock let go every segment_tokens steps, need rounds.
     streams = len(rows) > self.sampler.slot_rows(self.chunk_rows)
-    if (rows and self.continuous and self.max_turns == 1 and room >= 1
-        and (streams or not self.segment_tokens)):
+    if (rows and self.continuous and room >= 1
+        and (streams or (self.max_turns == 1 and not self.segment_tokens))):
       self._stream(rows, tasks, samples, futures, mine, seed=seed * 1_000_003,
                    temperature=temp, max_new_tokens=min(self.max_new_tokens, room))
     else:
@@ -226,48 +229,99 @@ class RolloutWorker:
   def _stream(self, rows, tasks, samples, futures, mine, *, seed: int, temperature: float,
               max_new_tokens: int) -> None:
     """Generates every row in one continuously batched sampler call; each row is scored
-    (on this process's share) as soon as it stops, while the others decode.
+    (on this process's share) as soon as its transcript ends, while the others decode.
 
-    Between rounds the sampler lock is let go (a learner waiting for it swaps in its
-    weights); each sample's `versions` are those its tokens were drawn under: the version
-    when its row was prefilled, then each one swapped in while it decoded."""
+    Multi-turn domains: a row whose turn ended goes to the environment between two
+    rounds (every process runs its share of the steps and they exchange the
+    results, at the same point on every process); a tool's answer is appended (masked
+    out of the loss) and the transcript comes back to the sampler as the row's next
+    turn, ahead of the prompts still waiting. The environment runs while the sampler
+    lock is let go.
+
+    Between rounds the lock is let go (a learner waiting for it swaps in its weights);
+    each sample's `versions` are those its tokens were drawn under: per turn, the
+    version when it was prefilled, then each one swapped in while it decoded.
+    """
     current = 0  # the version of the sampler's weights: rows prefilled next draw under it
-    spans: dict[int, list[int]] = {}  # versions of rows seen decoding between rounds
+    spans: dict[int, list[int]] = {}  # versions of sampler rows seen decoding
+    owner = list(range(len(rows)))  # the sampler's prompt j is a turn of rollout row owner[j]
+    states = [Sample(prompt_tokens=list(p), response_tokens=[], response_mask=[],
+                     behaviour_logprobs=[], text="", finish_reason="length", turns=0)
+              for _, p in rows]
+    stepping: list[int] = []  # rows whose turn ended: the environment's turn
+    stepper = lambda i: hasattr(registry.get(tasks[rows[i][0]].domain), "step")  # noqa: E731
 
-    def finished(i: int, tokens: np.ndarray, logprobs: np.ndarray, reason: str) -> None:
-      toks = tokens.tolist()
-      # A row never seen between rounds began and ended within the current version's.
-      sample = Sample(prompt_tokens=list(rows[i][1]), response_tokens=toks,
-                      response_mask=[1] * len(toks),
-                      behaviour_logprobs=logprobs.astype(float).tolist(),
-                      text=self._decode(toks), finish_reason=reason, turns=1,
-                      versions=spans.pop(i, [current]))
-      samples[i] = sample
+    def done(i: int) -> None:
+      samples[i] = states[i]
       if mine(i):
-        futures.append((i, self._pool.submit(_score, tasks[rows[i][0]], sample)))
+        futures.append((i, self._pool.submit(_score, tasks[rows[i][0]], states[i])))
 
-    def between_rounds(live: np.ndarray) -> None:
+    def finished(j: int, tokens: np.ndarray, logprobs: np.ndarray, reason: str) -> None:
+      i, toks = owner[j], tokens.tolist()
+      st = states[i]
+      st.response_tokens += toks
+      st.response_mask += [1] * len(toks)
+      st.behaviour_logprobs += logprobs.astype(float).tolist()
+      st.text += self._decode(toks)
+      st.finish_reason, st.turns = reason, st.turns + 1
+      # A row never seen between rounds began and ended within the current version's.
+      st.versions += spans.pop(j, [current])
+      room = self.sampler.max_len - len(st.prompt_tokens) - len(st.response_tokens)
+      if st.turns < self.max_turns and room > 0 and stepper(i):
+        stepping.append(i)  # the turn ended (a stop, or max_new_tokens): the tool's turn
+      else:
+        done(i)
+
+    def between_rounds(live: np.ndarray):
       nonlocal current
       live = live.tolist()
-      for i in live:  # first seen now: prefilled after the previous round, under `current`
-        spans.setdefault(i, [current])
-      self._lock.release()  # the learner's sync, if it waits, runs here
-      self._lock.acquire()
+      for j in live:  # first seen now: prefilled after the previous round, under `current`
+        spans.setdefault(j, [current])
+      if shared:
+        self._lock.release()  # the learner's sync, if it waits, runs here
+      try:
+        steps = self._environment_steps(stepping, [tasks[r[0]] for r in rows], states, 0)
+      finally:
+        if shared:
+          self._lock.acquire()
       version = self._version_fn()
       if version != current:
         current = version
-        for i in live:
-          spans[i].append(version)
+        for j in live:
+          spans[j].append(version)
+      turns = []
+      for i in sorted(stepping):
+        st, step = states[i], steps.get(i)
+        if step is None or step.done or step.observation is None:
+          done(i)
+          continue
+        st.tool_calls += 1
+        obs, _ = self.tok.encode_chat([{"role": "tool", "content": step.observation}],
+                                      add_generation_prompt=True)
+        st.response_tokens += obs
+        st.response_mask += [0] * len(obs)
+        st.behaviour_logprobs += [0.0] * len(obs)
+        st.text += "\n" + step.observation + "\n"
+        transcript = st.prompt_tokens + st.response_tokens
+        if len(transcript) >= self.sampler.max_len:  # no room left for another turn
+          done(i)
+          continue
+        owner.append(i)
+        turns.append(transcript)
+      stepping.clear()
+      return turns
 
     shared = self._shared
+    multi = self.max_turns > 1
     with self._lock:
       current = self._version_fn()
       out = self.sampler.generate(
           [p for _, p in rows], max_new_tokens=max_new_tokens, temperature=temperature,
           top_k=self.top_k, top_p=self.top_p, stop_token_ids=self.tok.stop_ids, seed=seed,
           slots=self.chunk_rows, on_finish=finished,
-          between_rounds=between_rounds if shared else None,
-          round_steps=(self.segment_tokens or None) if shared else None)
+          between_rounds=between_rounds if shared or multi else None,
+          round_steps=(self.segment_tokens or None) if shared else None,
+          max_prompt_len=self.sampler.max_len - 1 if multi else None)
     self._count_decode(out)
     self._swaps += int(out.stats.get("weight_swaps", 0))
 

@@ -355,7 +355,8 @@ class Sampler:
                on_finish: Callable[[int, np.ndarray, np.ndarray, str], Any] | None = None,
                row_offset: int = 0,
                between_rounds: Callable[[np.ndarray], Any] | None = None,
-               round_steps: int | None = None) -> Completions:
+               round_steps: int | None = None,
+               max_prompt_len: int | None = None) -> Completions:
     """Samples a continuation of every prompt.
 
     Args:
@@ -390,10 +391,18 @@ class Sampler:
         live rows go on under them with the cache their earlier tokens built (their
         log-probs are those of the distribution that drew each token, as importance
         sampling needs). A disaggregated run's rollout thread releases the sampler lock
-        here, so the learner's weights land mid-generation.
+        here, so the learner's weights land mid-generation. It may return more prompts
+        (token-id lists, e.g. a finished row's transcript with a tool's answer: its next
+        turn); they are prefilled ahead of the prompts still waiting, take the indices
+        after the last prompt so far in the order returned (their sampling keys and
+        `on_finish` use those), and each generates at most max_new_tokens, fewer where
+        max_len leaves less room. `Completions` then has a row for each.
       round_steps: with continuous batching, at most this many decode steps per round
         (default: a round ends only when `_REFILL_FRACTION` of the slots are done), so
         `between_rounds` runs at least that often.
+      max_prompt_len: with continuous batching, the longest prompt the call may prefill
+        (those `between_rounds` returns included; default: the longest of `prompts`),
+        which sizes the cache.
     """
     cfg = self.cfg
     mode = sampling_mode(temperature, top_k, top_p, cfg.vocab_size)
@@ -429,12 +438,19 @@ class Sampler:
         raise ValueError("keep_cache cannot be combined with slots: continuous batching "
                          "reuses a row's cache slot once the row stops")
       if self._batch_bucket(int(slots)) < len(prompts):
+        room = longest if max_prompt_len is None else max_prompt_len
+        if (isinstance(room, bool) or int(room) != room or not longest <= room
+            or room >= self.max_len):
+          raise ValueError(f"max_prompt_len must be an int from the longest prompt "
+                           f"({longest}) to max_len - 1 ({self.max_len - 1}), got "
+                           f"{max_prompt_len!r}")
         return self._generate_slots(
             prompts, lens, batch=self._batch_bucket(int(slots)),
             max_new_tokens=max_new_tokens, mode=mode,
             stop_ids=stop_ids, seed=int(seed % 2**32), temperature=temperature,
             top_p=top_p, on_finish=on_finish, row_offset=row_offset,
-            between_rounds=between_rounds, round_steps=round_steps)
+            between_rounds=between_rounds, round_steps=round_steps,
+            max_prompt_len=int(room))
 
     rows = len(prompts)
     batch = self._batch_bucket(rows)
@@ -495,7 +511,8 @@ class Sampler:
                       mode: SamplingMode, stop_ids: np.ndarray, seed: int,
                       temperature: float, top_p: float | None, on_finish,
                       row_offset: int, between_rounds=None,
-                      round_steps: int | None = None) -> Completions:
+                      round_steps: int | None = None,
+                      max_prompt_len: int | None = None) -> Completions:
     """`generate` with continuous batching over `batch` cache rows (slots).
 
     The first `batch` prompts fill every slot in one prefill, laid out as `generate`
@@ -506,15 +523,19 @@ class Sampler:
     own free slots (padded to the same count), which it prefills and writes itself: no
     device ever holds another's cache rows. A round also ends after `round_steps` decode
     steps; `between_rounds` runs after each, and new weights it swaps in are read from
-    the next round on.
+    the next round on, as are the prompts it returns. Each row generates at most
+    max_new_tokens, and no further than max_len.
     """
+    prompts, lens = list(prompts), np.asarray(lens, np.int32)
     rows = len(prompts)
     devices = self._batch_multiple
     per_device = batch // devices
-    cache_len = _bucket(int(lens.max()) + max_new_tokens, self.length_buckets,
+    room = int(lens.max()) if max_prompt_len is None else int(max_prompt_len)
+    cache_len = _bucket(min(room + max_new_tokens, self.max_len), self.length_buckets,
                         "sequence length")
+    limits = lambda ix: np.minimum(max_new_tokens, self.max_len - lens[ix])  # noqa: E731
     sampling = self._sampling_scalars(seed, temperature, top_p, mode)
-    fixed = (self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), *sampling)
+    fixed = (self._put(stop_ids, ()), *sampling)
     weights, version = self._weights(), self.params_version
     refill = _refill_at(batch)
     max_steps = self._scalar(int(round_steps or np.iinfo(np.int32).max), np.int32)
@@ -523,8 +544,8 @@ class Sampler:
     lengths = np.zeros(rows, np.int32)
     stopped_rows = np.zeros(rows, bool)
     state, prefilled, longest = self._fill_slots(  # more prompts than slots: all full
-        weights, prompts[:batch], lens[:batch], fixed, row_offset=row_offset, batch=batch,
-        cache_len=cache_len, mode=mode)
+        weights, prompts[:batch], lens[:batch], limits(np.arange(batch)), fixed,
+        row_offset=row_offset, batch=batch, cache_len=cache_len, mode=mode)
     slot_row = np.arange(batch, dtype=np.int64)
     waiting = list(range(rows - 1, batch - 1, -1))  # popped from the end: prompt order
     free: list[list[int]] = [[] for _ in range(devices)]  # free slots of each device
@@ -552,9 +573,24 @@ class Sampler:
           on_finish(i, tokens[i, :n], logprobs[i, :n],
                     FINISH_STOP if stopped_rows[i] else FINISH_LENGTH)
       if between_rounds is not None:
-        between_rounds(slot_row[slot_row >= 0].copy())
+        more = between_rounds(slot_row[slot_row >= 0].copy())
         if self.params_version != version:  # new weights: every later program reads them
           weights, version, swaps = self._weights(), self.params_version, swaps + 1
+        if more:  # next turns: queued ahead of the waiting prompts, in the order given
+          more = list(more)
+          new_lens = self._check_prompts(more, first=len(prompts))
+          if new_lens.max() > room:
+            raise ValueError(f"a prompt between_rounds returned holds {new_lens.max()} "
+                             f"tokens, more than max_prompt_len={room}")
+          start, n = len(prompts), len(more)
+          prompts += more
+          lens = np.concatenate([lens, new_lens])
+          waiting += range(start + n - 1, start - 1, -1)
+          tokens = np.concatenate([tokens, np.full((n, max_new_tokens), self.pad_id,
+                                                   np.int32)])
+          logprobs = np.concatenate([logprobs, np.zeros((n, max_new_tokens), np.float32)])
+          lengths = np.concatenate([lengths, np.zeros(n, np.int32)])
+          stopped_rows = np.concatenate([stopped_rows, np.zeros(n, bool)])
       if not waiting:
         if (slot_row < 0).all():
           break
@@ -568,7 +604,7 @@ class Sampler:
       if not any(placed):  # a round cut short by round_steps freed no slot
         continue
       state, used, bucket = self._refill_slots(
-          weights, state, prompts, lens, placed, fixed, row_offset=row_offset,
+          weights, state, prompts, lens, limits, placed, fixed, row_offset=row_offset,
           min_rows=refill_rows(batch, devices) // devices, batch=batch, cache_len=cache_len,
           mode=mode)
       for pairs in placed:
@@ -597,25 +633,26 @@ class Sampler:
     out_tok, out_logp = self._fetch(take(*args))
     return out_tok[:slots.size], out_logp[:slots.size]
 
-  def _fill_slots(self, weights, prompts, lens, fixed, *, row_offset: int, batch: int,
-                  cache_len: int, mode: SamplingMode):
+  def _fill_slots(self, weights, prompts, lens, limits, fixed, *, row_offset: int,
+                  batch: int, cache_len: int, mode: SamplingMode):
     """The slot state with the `batch` prompts in slots 0..batch-1; returns (state,
     prefill rows, prompt-length bucket)."""
     tokens, distinct_lens, row_source, group = self._distinct(prompts, lens, batch)
     rowwise = self._rowwise
     ids = np.arange(batch, dtype=np.int32) + row_offset
     args = (weights, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
-            rowwise(ids), *fixed)
+            rowwise(ids), rowwise(np.asarray(limits, np.int32)), *fixed)
     fill = self._program(
         ("fill", tokens.shape[0], batch, tokens.shape[1], cache_len, mode, group),
         functools.partial(self._fill, cache_len=cache_len, mode=mode, group=group), args,
         donate=())
     return fill(*args), tokens.shape[0], tokens.shape[1]
 
-  def _refill_slots(self, weights, state, prompts, lens, placed, fixed, *, row_offset: int,
-                    min_rows: int, batch: int, cache_len: int, mode: SamplingMode):
+  def _refill_slots(self, weights, state, prompts, lens, limits, placed, fixed, *,
+                    row_offset: int, min_rows: int, batch: int, cache_len: int,
+                    mode: SamplingMode):
     """Prefills the prompts `placed[d]` lists ((slot, prompt index) pairs on device d)
-    into their slots. Each device prefills its distinct prompts once (a GRPO group's rows
+    into their slots, prompt i to generate at most limits([i]) tokens. Each device prefills its distinct prompts once (a GRPO group's rows
     share one prefill) and copies them to its rows. Every device's rows are padded to
     the same count, a power of two and at least `min_rows`, and its distinct prompts to
     a power of two (so few programs compile); padding rows are dropped. Returns (state,
@@ -634,15 +671,16 @@ class Sampler:
     source = np.zeros(devices * k, np.int32)  # each row's distinct prompt on its device
     local = np.full(devices * k, per_device, np.int32)  # past the device's slots: dropped
     ids = np.zeros(devices * k, np.int32)
+    limit = np.ones(devices * k, np.int32)
     for d, (pairs, src) in enumerate(zip(placed, sources)):
       for j, ((slot, i), p) in enumerate(zip(pairs, src)):
         tokens[d * u + p, :lens[i]] = prompts[i]
         prompt_lens[d * u + p] = lens[i]
         source[d * k + j], local[d * k + j] = p, slot - d * per_device
-        ids[d * k + j] = row_offset + i
+        ids[d * k + j], limit[d * k + j] = row_offset + i, limits([i])[0]
     rowwise = self._rowwise
     args = (weights, state, rowwise(tokens), rowwise(prompt_lens), rowwise(source),
-            rowwise(local), rowwise(ids), *fixed)
+            rowwise(local), rowwise(ids), rowwise(limit), *fixed)
     refill = self._program(("refill", devices * u, devices * k, prompt_len, batch, cache_len,
                             mode), functools.partial(self._refill, mode=mode), args,
                            donate=(1,))
@@ -668,7 +706,8 @@ class Sampler:
   def compile(self, rows: int, prompt_len: int, max_new_tokens: int, *,
               distinct_prompts: int | None = None, temperature: float = 1.0,
               top_k: int | None = None, top_p: float | None = None,
-              num_stop_ids: int = 1, slots: int | None = None):
+              num_stop_ids: int = 1, slots: int | None = None,
+              max_prompt_len: int | None = None):
     """Compiles, without running, the programs `generate` runs for `rows` prompts
     (`distinct_prompts` of them different, default all: a GRPO group shares one prefill)
     of up to `prompt_len` tokens and `max_new_tokens` new ones; later calls of the same
@@ -679,7 +718,8 @@ class Sampler:
       (prefill, decode): the compiled programs (`memory_analysis()` says what they need).
       With `slots` fewer than the rows (continuous batching): (fill, decode, refill), the
       prefill of the first `slots` rows, the decode loop over the slots, and a refill
-      of the smallest size (its prompts as long as `prompt_len`, all different).
+      of the smallest size (its prompts as long as `prompt_len`, or `max_prompt_len`
+      for the later turns `generate`'s between_rounds returns; all different).
     """
     mode = sampling_mode(temperature, top_k, top_p, self.cfg.vocab_size)
     if prompt_len < 1 or max_new_tokens < 1 or prompt_len + max_new_tokens > self.max_len:
@@ -688,8 +728,13 @@ class Sampler:
     batch = self._batch_bucket(rows)
     distinct = min(rows, distinct_prompts or rows)
     if slots is not None and self._batch_bucket(slots) < rows:
+      room = prompt_len if max_prompt_len is None else int(max_prompt_len)
+      if not prompt_len <= room < self.max_len:
+        raise ValueError(f"max_prompt_len={max_prompt_len} must be from prompt_len="
+                         f"{prompt_len} to max_len - 1 ({self.max_len - 1})")
       return self._compile_slots(rows, distinct, prompt_len, max_new_tokens, mode=mode,
-                                 batch=self._batch_bucket(slots), num_stop_ids=num_stop_ids)
+                                 batch=self._batch_bucket(slots), num_stop_ids=num_stop_ids,
+                                 max_prompt_len=room)
     prefill_rows = self._batch_bucket(distinct)
     # The program `generate` runs for rows that repeat each distinct prompt in turn (a
     # GRPO group's samples side by side, as the rollout worker lays them out).
@@ -724,13 +769,15 @@ class Sampler:
     return prefill, decode
 
   def _compile_slots(self, rows: int, distinct: int, prompt_len: int, max_new_tokens: int, *,
-                     mode: SamplingMode, batch: int, num_stop_ids: int):
+                     mode: SamplingMode, batch: int, num_stop_ids: int, max_prompt_len: int):
     """`compile` for continuous batching over `batch` slots."""
     per = rows // distinct if rows % distinct == 0 else 1  # rows of a prompt, side by side
     row_source = np.arange(batch) // per
     prefill_rows = self._batch_bucket(int(row_source[-1]) + 1)
     group = _grouping(row_source, prefill_rows, batch)
-    cache_len = _bucket(prompt_len + max_new_tokens, self.length_buckets, "sequence length")
+    cache_len = _bucket(min(max_prompt_len + max_new_tokens, self.max_len),
+                        self.length_buckets, "sequence length")
+    refill_len = _bucket(max_prompt_len, self.length_buckets, "prompt length")
     prompt_len = _bucket(prompt_len, self.length_buckets, "prompt length")
     n = refill_rows(batch, self._batch_multiple)
 
@@ -740,11 +787,11 @@ class Sampler:
     scalar = lambda dtype: self._abstract((), dtype, ())  # noqa: E731
     weights = self._abstract_weights()
     stops = max(4, 1 << max(num_stop_ids - 1, 0).bit_length())
-    fixed = (scalar(jnp.int32), self._abstract((stops,), jnp.int32, ()), scalar(jnp.uint32),
+    fixed = (self._abstract((stops,), jnp.int32, ()), scalar(jnp.uint32),
              scalar(jnp.float32), scalar(jnp.float32))
     fill_args = (weights, row(jnp.int32, prompt_len, rows=prefill_rows),
                  row(jnp.int32, rows=prefill_rows), row(jnp.int32), row(jnp.int32),
-                 *fixed)
+                 row(jnp.int32), *fixed)
     fill = self._program(
         ("fill", prefill_rows, batch, prompt_len, cache_len, mode, group),
         functools.partial(self._fill, cache_len=cache_len, mode=mode, group=group),
@@ -755,10 +802,9 @@ class Sampler:
                            (weights, state, *fixed, scalar(jnp.int32), scalar(jnp.int32)),
                            donate=(1,))
     # The fullest refill of that size: every row a prompt of its own.
-    refill_args = (weights, state, row(jnp.int32, prompt_len, rows=n), row(jnp.int32, rows=n),
-                   row(jnp.int32, rows=n), row(jnp.int32, rows=n), row(jnp.int32, rows=n),
-                   *fixed)
-    refill_program = self._program(("refill", n, n, prompt_len, batch, cache_len, mode),
+    refill_args = (weights, state, row(jnp.int32, refill_len, rows=n),
+                   *(row(jnp.int32, rows=n) for _ in range(5)), *fixed)
+    refill_program = self._program(("refill", n, n, refill_len, batch, cache_len, mode),
                                    functools.partial(self._refill, mode=mode), refill_args,
                                    donate=(1,))
     return fill, decode, refill_program
@@ -920,11 +966,11 @@ class Sampler:
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp
 
-  def _fill(self, weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B,
-            max_new_tokens, stop_ids, seed, temperature, top_p, *, cache_len: int,
+  def _fill(self, weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, limit_B,
+            stop_ids, seed, temperature, top_p, *, cache_len: int,
             mode: SamplingMode, group: int | None):
     """The slot state of `generate`'s first prefill: row b holds its prompt's cache and
-    first token at its prompt's length."""
+    first token at its prompt's length, and generates at most limit_B[b] tokens."""
     cache, first, logp = self._prefill(
         weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed, temperature,
         top_p, cache_len=cache_len, mode=mode, group=group)
@@ -933,13 +979,13 @@ class Sampler:
     row = lambda x: self._ctx.constrain(x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     return dict(
         cache=cache, last=row(first), pos=row(prompt_lens_U[row_source_B]),
-        gen=row(jnp.ones_like(first)), ids=row(row_ids_B),
-        done=row(stopped | (max_new_tokens <= 1)), stopped=row(stopped),
+        gen=row(jnp.ones_like(first)), ids=row(row_ids_B), limit=row(limit_B),
+        done=row(stopped | (limit_B <= 1)), stopped=row(stopped),
         tokens=row(jnp.where(head, first[:, None], self.pad_id)),
         logp=row(jnp.where(head, logp[:, None], 0.0)))
 
   def _refill(self, weights, slots, tokens_UxL, prompt_lens_U, source_N, local_N, row_ids_N,
-              max_new_tokens, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
+              limit_N, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
     """Prefills the U distinct prompts (u = U / devices on each device) and writes N new
     rows into their slots: row d*k + j (k = N / devices) takes distinct prompt
     source_N[d*k + j] of device d and goes to slot local_N[d*k + j] of device d's block
@@ -971,7 +1017,8 @@ class Sampler:
         last=row("last", first),
         pos=row("pos", self._local_take(prompt_lens_U, source_N, ("batch",))),
         gen=row("gen", jnp.ones_like(first)), ids=row("ids", row_ids_N),
-        done=row("done", stopped | (max_new_tokens <= 1)), stopped=row("stopped", stopped),
+        limit=row("limit", limit_N),
+        done=row("done", stopped | (limit_N <= 1)), stopped=row("stopped", stopped),
         tokens=row("tokens", jnp.where(head, first[:, None], self.pad_id)),
         logp=row("logp", jnp.where(head, logp[:, None], 0.0)))
 
@@ -1020,8 +1067,8 @@ class Sampler:
                          out_specs=spec, check_vma=False)(
         self._ctx.constrain(old, names), self._ctx.constrain(new, names), *args[2:])
 
-  def _decode_slots(self, state, slots, max_new_tokens, stop_ids, seed, temperature, top_p,
-                    return_at, max_steps, *, mode: SamplingMode):
+  def _decode_slots(self, state, slots, stop_ids, seed, temperature, top_p, return_at,
+                    max_steps, *, mode: SamplingMode):
     """Decodes every live slot row until `return_at` rows are done (empty rows count),
     none is live or `max_steps` steps ran; returns (slots, steps run). Each row feeds its
     last token at its own position and samples with its prompt's key at its own token
@@ -1048,7 +1095,7 @@ class Sampler:
       return dict(
           st, cache=cache, last=jnp.where(live, tok, st["last"]),
           pos=st["pos"] + live.astype(jnp.int32), gen=gen, stopped=stopped,
-          done=st["done"] | stopped | (gen >= max_new_tokens),
+          done=st["done"] | stopped | (gen >= st["limit"]),
           tokens=jnp.where(here, tok[:, None], st["tokens"]),
           logp=jnp.where(here, logp[:, None], st["logp"])), steps + 1
 
@@ -1193,12 +1240,13 @@ class Sampler:
       raise ValueError(f"{name} must be positive ints, got {tuple(buckets)}")
     return out
 
-  def _check_prompts(self, prompts) -> np.ndarray:
+  def _check_prompts(self, prompts, first: int = 0) -> np.ndarray:
+    """Each prompt's length; a clear error for a bad one (numbered from `first`)."""
     if isinstance(prompts, (str, bytes)) or not len(prompts):
       raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
     lens = []
     vocab = self.cfg.vocab_size
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts, first):
       if isinstance(p, (int, np.integer)) or not len(p):
         raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r}")
       arr = np.asarray(p)

@@ -228,6 +228,34 @@ def test_two_processes_split_the_tool_steps_and_continue_identically(monkeypatch
   assert [w.last_stats["tool_step_fraction"] for w in workers] == [0.5, 0.5]
 
 
+def test_multi_turn_rows_stream_their_turns_through_one_sampler_call(monkeypatch):
+  """Multi-turn rows stream too: a row whose turn ended goes to the environment between
+  rounds and its transcript (tool answer included) comes back as its next turn, in the
+  same sampler call. Each model token's behaviour log-prob is the model's given the
+  whole transcript before it; tool tokens are masked out of the loss."""
+  calls = []
+  monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
+  monkeypatch.setattr(worker_lib, "_step", _fake_step(calls))
+  worker = _worker(max_turns=4, chunk_rows=2)
+  real, seen = worker.sampler.generate, []
+  monkeypatch.setattr(worker.sampler, "generate",
+                      lambda *a, **k: (seen.append(len(a[0])), real(*a, **k))[1])
+  groups = worker.rollout(TOOL_PAIRS, seed=3)
+  assert seen == [6]  # one call: the 8 later turns were returned between rounds
+  samples = [s for g in groups for s in g.samples]
+  assert [s.tool_calls for s in samples] == [2, 2, 2, 2, 0, 0]
+  assert [s.turns for s in samples] == [3, 3, 3, 3, 1, 1] and len(calls) == 12
+  model = models.create_model(CFG, seed=0)
+  for s in samples:
+    mask = np.asarray(s.response_mask, bool)
+    assert len(mask) == len(s.response_tokens) == len(s.behaviour_logprobs)
+    assert mask.all() == (s.tool_calls == 0)
+    want = np.asarray(_recomputed_logprobs(model, s))
+    np.testing.assert_allclose(np.asarray(s.behaviour_logprobs)[mask], want[mask], atol=2e-4)
+    assert not np.asarray(s.behaviour_logprobs)[~mask].any()
+  assert 0 < worker.last_stats["decode_occupancy"] <= 1
+
+
 def _samples(groups):
   return [(s.response_tokens, s.behaviour_logprobs, s.finish_reason, s.versions)
           for g in groups for s in g.samples]

@@ -667,6 +667,49 @@ def test_weights_swapped_between_rounds_reach_the_rows_that_follow(model, sample
   assert any(not np.array_equal(out.tokens[i], old.tokens[i]) for i in spans)
 
 
+def test_prompts_returned_between_rounds_run_as_next_turns(sampler):
+  """Prompts between_rounds returns (two finished rows' transcripts with an answer after
+  them, and one that leaves 3 tokens of room in max_len) take the indices after the
+  prompts and draw what one call of each with that row index draws, no further than
+  max_len; the first prompts' rows are unchanged."""
+  kw = dict(max_new_tokens=8, temperature=1.0, seed=12)
+  finished, added = {}, []
+
+  def next_turns(live):
+    if added or len(finished) < 2:
+      return None
+    added.extend([MANY[i] + finished[i].tolist() + [9, 9] for i in sorted(finished)[:2]]
+                 + [[4] * (MAX_LEN - 3)])
+    return added
+
+  out = sampler.generate(MANY, slots=4, between_rounds=next_turns, max_prompt_len=MAX_LEN - 3,
+                         on_finish=lambda i, t, *_: finished.setdefault(i, t.copy()), **kw)
+  n = len(MANY)
+  assert len(added) == 3 and len(out.lengths) == len(out.finish_reasons) == n + 3
+  assert sorted(finished) == list(range(n + 3))
+  whole = sampler.generate(MANY, **kw)
+  np.testing.assert_array_equal(out.tokens[:n], whole.tokens)
+  for k, prompt in enumerate(added):
+    one = sampler.generate([prompt], row_offset=n + k, **{
+        **kw, "max_new_tokens": min(8, MAX_LEN - len(prompt))})
+    assert out.lengths[n + k] == one.lengths[0]
+    np.testing.assert_array_equal(out.tokens[n + k, :one.lengths[0]],
+                                  one.tokens[0, :one.lengths[0]])
+    np.testing.assert_allclose(out.logprobs[n + k, :one.lengths[0]],
+                               one.logprobs[0, :one.lengths[0]], atol=1e-4)
+  assert out.lengths[-1] <= 3
+
+
+def test_prompts_between_rounds_must_fit_max_prompt_len(sampler):
+  kw = dict(max_new_tokens=4, slots=2)
+  with pytest.raises(ValueError, match="more than max_prompt_len=17"):
+    sampler.generate(MANY, between_rounds=lambda live: [[1] * 18], **kw)
+  with pytest.raises(ValueError, match="prompt 18 holds token id -1"):
+    sampler.generate(MANY, between_rounds=lambda live: [[-1]], **kw)
+  with pytest.raises(ValueError, match="max_prompt_len must be an int from the longest"):
+    sampler.generate(MANY, max_prompt_len=MAX_LEN, **kw)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"slots": 0}, "slots must be a positive int"),
     ({"slots": 2, "round_steps": 0}, "round_steps must be a positive int"),
