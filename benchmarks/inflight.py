@@ -74,6 +74,9 @@ def _measure(name: str, steps: int, *, hold: bool, segment_tokens: int = 0) -> d
   return {"arm": name, "steps_timed": len(rows),
           "step_s_median": round(median("timing/step_s"), 3),
           "sync_wait_s_median": round(median("timing/weight_sync_wait_s"), 3),
+          "sync_copy_s_median": round(median("timing/weight_sync_s"), 3),
+          "update_s_median": round(median("timing/update_s"), 3),
+          "cpu_s_median": round(median("host/cpu_s"), 3),
           "rollout_s_median": round(median("timing/rollout_s"), 3),
           "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 3),
           "swaps_per_rollout": round(statistics.mean(r.get("rollout/weight_swaps", 0.0)

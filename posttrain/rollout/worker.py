@@ -249,12 +249,13 @@ class RolloutWorker:
                      behaviour_logprobs=[], text="", finish_reason="length", turns=0)
               for _, p in rows]
     stepping: list[int] = []  # rows whose turn ended: the environment's turn
-    stepper = lambda i: hasattr(registry.get(tasks[rows[i][0]].domain), "step")  # noqa: E731
+    row_tasks = [tasks[t] for t, _ in rows]
+    stepper = lambda i: hasattr(registry.get(row_tasks[i].domain), "step")  # noqa: E731
 
     def done(i: int) -> None:
       samples[i] = states[i]
       if mine(i):
-        futures.append((i, self._pool.submit(_score, tasks[rows[i][0]], states[i])))
+        futures.append((i, self._pool.submit(_score, row_tasks[i], states[i])))
 
     def finished(j: int, tokens: np.ndarray, logprobs: np.ndarray, reason: str) -> None:
       i, toks = owner[j], tokens.tolist()
@@ -279,8 +280,8 @@ class RolloutWorker:
         spans.setdefault(j, [current])
       if shared:
         self._lock.release()  # the learner's sync, if it waits, runs here
-      try:
-        steps = self._environment_steps(stepping, [tasks[r[0]] for r in rows], states, 0)
+      try:  # every process has the same rows stepping: the exchange runs on all or none
+        steps = self._environment_steps(stepping, row_tasks, states, 0) if stepping else {}
       finally:
         if shared:
           self._lock.acquire()

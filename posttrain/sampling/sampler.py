@@ -551,7 +551,16 @@ class Sampler:
     free: list[list[int]] = [[] for _ in range(devices)]  # free slots of each device
     steps = inserts = swaps = 0
     while True:
-      return_at = min(refill, len(waiting)) if waiting else batch
+      # Slots count as done once their row ended (until a refill): the round ends when
+      # `refill` more rows end. With nothing waiting every slot runs to its end, unless
+      # between_rounds may bring next turns (or waits to let the learner in).
+      live = int((slot_row >= 0).sum())
+      if waiting:  # every free slot was refilled
+        return_at = min(refill, len(waiting))
+      elif between_rounds is not None:
+        return_at = batch - live + min(refill, live)
+      else:
+        return_at = batch
       args = (weights, state, *fixed, self._scalar(return_at, np.int32), max_steps)
       decode = self._program(("decode_slots", batch, cache_len, stop_ids.size, mode),
                              functools.partial(self._decode_slots, mode=mode), args,
