@@ -129,7 +129,8 @@ class Completions:
       over all `batch` rows, and `decoded`, the tokens those steps generated:
       decoded / (decode_steps x batch) is the share of decode work spent on live rows.
       With `slots` (continuous batching) also `inserts`, the prefill calls that filled
-      freed cache rows (`prefill_rows` then sums theirs, `prompt_len` is the longest).
+      freed cache rows (`prefill_rows` then sums theirs, `prompt_len` is the longest),
+      and `weight_swaps`, how often `between_rounds` swapped in new weights.
   """
 
   tokens: np.ndarray
