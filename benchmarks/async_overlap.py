@@ -83,13 +83,17 @@ def run(quick: bool = False, max_new_tokens: int = 128) -> list[dict]:
   return [co, dis]
 
 
-def main(argv):
-  tokens = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--max_new_tokens=")]
-  rows = run(quick="--quick" in argv, max_new_tokens=tokens[-1] if tokens else 128)
+def print_rows(rows: list[dict]) -> None:
+  """One line of keys, then one of values per row, separated by ' | '."""
   keys = list(dict.fromkeys(k for r in rows for k in r))
   print(" | ".join(keys))
   for r in rows:
     print(" | ".join(str(r.get(k)) for k in keys))
+
+
+def main(argv):
+  tokens = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--max_new_tokens=")]
+  print_rows(run(quick="--quick" in argv, max_new_tokens=tokens[-1] if tokens else 128))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,15 @@ def run(quick: bool) -> list[dict]:
   return measure(*(QUICK_CASE if quick else CASE), repeats=3 if quick else 5)
 
 
+def print_markdown(rows: list[dict]) -> None:
+  """The rows as a markdown table (numbers with thousands separators)."""
+  print("| " + " | ".join(rows[0]) + " |")
+  print("|" + "---|" * len(rows[0]))
+  for row in rows:
+    print("| " + " | ".join(f"{v:,}" if isinstance(v, (int, float)) else str(v)
+                            for v in row.values()) + " |")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true")
@@ -92,12 +101,7 @@ def main(argv=None) -> None:
   prompts, samples, slots, new = QUICK_CASE if args.quick else CASE
   print(f"{prompts * samples} rows ({prompts} prompts x {samples}), {slots} cache rows, "
         f"up to {new} new tokens, stop ids {len(STOP_IDS)}/1024, T={TEMPERATURE}:")
-  rows = run(args.quick)
-  print("| " + " | ".join(rows[0]) + " |")
-  print("|" + "---|" * len(rows[0]))
-  for row in rows:
-    print("| " + " | ".join(f"{v:,}" if isinstance(v, (int, float)) else str(v)
-                            for v in row.values()) + " |")
+  print_markdown(run(args.quick))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
-from configs import default  # noqa: E402
+from benchmarks import async_overlap  # noqa: E402
 from posttrain import trainer  # noqa: E402
 from posttrain.metrics import read_metrics  # noqa: E402
 from posttrain.rollout import worker as worker_lib  # noqa: E402
@@ -36,20 +36,8 @@ WARMUP = 2
 
 
 def _config(steps: int, segment_tokens: int):
-  c = default.get_config()
-  c.sft.steps = 0
-  c.train.rl_steps = steps
-  c.eval.seeds_per_domain = 0
-  c.checkpoint.every = 1000
-  c.tasks.domains = "arithmetic/add_d1,strings/count_l1,logic/parity_l1"
-  c.rollout.prompts_per_step = 16
-  c.rollout.max_new_tokens = 128
+  c = async_overlap._config(steps, disaggregated=True, max_new_tokens=128)
   c.rollout.chunk_rows = 32  # 128 rows stream through 32 cache rows
-  c.train.row_len = 192
-  c.train.log_every = 1
-  c.placement.mode = "disaggregated"
-  c.placement.rollout_devices = 4
-  c.placement.max_policy_lag = 1
   c.placement.weight_swap = "in_flight"
   c.placement.segment_tokens = segment_tokens
   return c
@@ -98,11 +86,7 @@ def run(quick: bool = False, steps: int = 0) -> list[dict]:
 
 def main(argv):
   steps = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--steps=")]
-  rows = run(quick="--quick" in argv, steps=steps[-1] if steps else 0)
-  keys = list(dict.fromkeys(k for r in rows for k in r))
-  print(" | ".join(keys))
-  for r in rows:
-    print(" | ".join(str(r.get(k)) for k in keys))
+  async_overlap.print_rows(run(quick="--quick" in argv, steps=steps[-1] if steps else 0))
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ and decode occupancy (generated tokens / decoded row-steps).
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 
+from benchmarks.continuous import print_markdown
 from benchmarks.sampler import bench_config
 from posttrain import models, tasks
 from posttrain.data.tokenizer import ByteTokenizer
@@ -121,19 +122,13 @@ def run(quick: bool) -> list[dict]:
   return measure(*(QUICK_CASE if quick else CASE), repeats=2 if quick else 3)
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true")
-  args = parser.parse_args(argv)
-  prompts, samples, slots, new = QUICK_CASE if args.quick else CASE
+def main(argv: list[str]) -> None:
+  quick = "--quick" in argv
+  prompts, samples, slots, new = QUICK_CASE if quick else CASE
   print(f"{prompts * samples} rows ({prompts} prompts x {samples}), {slots} cache rows, "
         f"{TURNS} turns of up to {new} new tokens:")
-  rows = run(args.quick)
-  print("| " + " | ".join(rows[0]) + " |")
-  print("|" + "---|" * len(rows[0]))
-  for row in rows:
-    print("| " + " | ".join(str(v) for v in row.values()) + " |")
+  print_markdown(run(quick))
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1:])

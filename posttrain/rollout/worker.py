@@ -296,13 +296,7 @@ class RolloutWorker:
         if step is None or step.done or step.observation is None:
           done(i)
           continue
-        st.tool_calls += 1
-        obs, _ = self.tok.encode_chat([{"role": "tool", "content": step.observation}],
-                                      add_generation_prompt=True)
-        st.response_tokens += obs
-        st.response_mask += [0] * len(obs)
-        st.behaviour_logprobs += [0.0] * len(obs)
-        st.text += "\n" + step.observation + "\n"
+        self._answer(st, step.observation)
         transcript = st.prompt_tokens + st.response_tokens
         if len(transcript) >= self.sampler.max_len:  # no room left for another turn
           done(i)
@@ -440,16 +434,20 @@ class RolloutWorker:
           continue
         step = steps.get(i)
         if step is not None and not step.done and step.observation is not None:
-          st.tool_calls += 1
-          obs, _ = self.tok.encode_chat([{"role": "tool", "content": step.observation}],
-                                        add_generation_prompt=True)
-          st.response_tokens += obs
-          st.response_mask += [0] * len(obs)
-          st.behaviour_logprobs += [0.0] * len(obs)
-          st.text += "\n" + step.observation + "\n"
+          self._answer(st, step.observation)
           still.append(i)
       active = still
     return states
+
+  def _answer(self, sample: Sample, observation: str) -> None:
+    """Appends a tool's answer to a sample's transcript, masked out of the loss."""
+    sample.tool_calls += 1
+    obs, _ = self.tok.encode_chat([{"role": "tool", "content": observation}],
+                                  add_generation_prompt=True)
+    sample.response_tokens += obs
+    sample.response_mask += [0] * len(obs)
+    sample.behaviour_logprobs += [0.0] * len(obs)
+    sample.text += "\n" + observation + "\n"
 
   def _environment_steps(self, rows: list[int], tasks: list[Task], states: list[Sample],
                          offset: int) -> dict[int, StepResult]:
