@@ -399,7 +399,7 @@ class Sampler:
         `on_finish` use those), and each generates at most max_new_tokens, fewer where
         max_len leaves less room. `Completions` then has a row for each.
       round_steps: with continuous batching, at most this many decode steps per round
-        (default: a round ends only when `_REFILL_FRACTION` of the slots are done), so
+        (default: a round ends only when an eighth of the slots' rows have ended), so
         `between_rounds` runs at least that often.
       max_prompt_len: with continuous batching, the longest prompt the call may prefill
         (those `between_rounds` returns included; default: the longest of `prompts`),
