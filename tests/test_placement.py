@@ -21,11 +21,23 @@ class LowercaseDomain(tasks.Domain):
     return tasks.Reward(value, {"exact": value}, "scored")
 
 
+class LowercaseToolDomain(LowercaseDomain):
+  """The lowercase reward, and a tool that answers a sample's first turn once."""
+
+  def step(self, task, text):
+    if "=" in text:
+      return tasks.StepResult(observation=None, done=True)
+    return tasks.StepResult(observation=f"={len(text)}", done=False)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def dense_domain():
   tasks.registry.register(LowercaseDomain("testing/lowercase_l1", "testing", 1), replace=True)
+  tasks.registry.register(LowercaseToolDomain("testing/lowercasetool_l1", "testing", 1),
+                          replace=True)
   yield
   tasks.registry.unregister("testing/lowercase_l1")
+  tasks.registry.unregister("testing/lowercasetool_l1")
 
 
 RUN = {"sft.steps": 0, "train.rl_steps": 3, "eval.seeds_per_domain": 0,
@@ -79,6 +91,28 @@ def test_swapping_weights_between_batches_repeats_a_disaggregated_run_exactly(tm
       assert ra["rollout/resumed_fraction"] == 1.0
     for key in ("reward/mean", "loss/policy", "grad_norm", "entropy", "kl"):
       assert ra[key] == rb[key], (i, key, ra[key], rb[key])
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_multi_turn_rollouts_stream_through_a_training_run(tmp_path, mode):
+  """Two-turn rows (a tool answers each first turn) streamed through 8 cache rows train,
+  colocated and disaggregated with in-flight swaps every 3 decode steps at most: every
+  row gets the tool's turn, the staleness bound holds, the updates are finite."""
+  extra = {"placement.devices": 4} if mode == "colocated" else {
+      "placement.mode": "disaggregated", "placement.rollout_devices": 4,
+      "placement.max_policy_lag": 1, "placement.segment_tokens": 3,
+      "placement.weight_swap": "in_flight"}
+  cfg = _config(**{**RUN, "tasks.domains": "testing/lowercasetool_l1"},
+                **{"rollout.max_turns": 2, "rollout.chunk_rows": 8}, **extra)
+  trainer.train(cfg, str(tmp_path))
+  rows = _rl_rows(tmp_path)
+  assert len(rows) == 3
+  for r in rows:
+    assert r["staleness/max"] <= (0 if mode == "colocated" else 1)
+    assert np.isfinite(r["grad_norm"]) and np.isfinite(r["loss/policy"])
+    assert 0 < r["rollout/decode_occupancy"] <= 1 and "rollout/resumed_fraction" not in r
+    if mode == "colocated":
+      assert r["rollout/tool_step_fraction"] == 1.0
 
 
 def test_rollout_thread_generates_no_batch_past_the_last_step():
