@@ -328,7 +328,9 @@ class Trainer:
         top_p=float(r.top_p) if r.get("top_p") else None,
         top_k=int(r.top_k) if r.get("top_k") else None, chunk_rows=int(r.chunk_rows),
         scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns),
-        segment_tokens=int(placement.get("segment_tokens", 0) or 0), lock=self._sampler_lock,
+        segment_tokens=int(placement.get("segment_tokens", 0) or 0),
+        # Only a disaggregated run's learner swaps weights while the worker generates.
+        lock=self._sampler_lock if self.disaggregated else None,
         version_fn=lambda: self.sampler_version,
         continuous=bool(r.get("continuous_batching", True)))
 
