@@ -534,7 +534,8 @@ class Sampler:
     room = int(lens.max()) if max_prompt_len is None else int(max_prompt_len)
     cache_len = _bucket(min(room + max_new_tokens, self.max_len), self.length_buckets,
                         "sequence length")
-    limits = lambda ix: np.minimum(max_new_tokens, self.max_len - lens[ix])  # noqa: E731
+    limit = lambda n: np.minimum(max_new_tokens, self.max_len - n)  # noqa: E731
+    limits = limit(lens)  # each prompt's most new tokens
     sampling = self._sampling_scalars(seed, temperature, top_p, mode)
     fixed = (self._put(stop_ids, ()), *sampling)
     weights, version = self._weights(), self.params_version
@@ -545,7 +546,7 @@ class Sampler:
     lengths = np.zeros(rows, np.int32)
     stopped_rows = np.zeros(rows, bool)
     state, prefilled, longest = self._fill_slots(  # more prompts than slots: all full
-        weights, prompts[:batch], lens[:batch], limits(np.arange(batch)), fixed,
+        weights, prompts[:batch], lens[:batch], limits[:batch], fixed,
         row_offset=row_offset, batch=batch, cache_len=cache_len, mode=mode)
     slot_row = np.arange(batch, dtype=np.int64)
     waiting = list(range(rows - 1, batch - 1, -1))  # popped from the end: prompt order
@@ -595,6 +596,7 @@ class Sampler:
           start, n = len(prompts), len(more)
           prompts += more
           lens = np.concatenate([lens, new_lens])
+          limits = np.concatenate([limits, limit(new_lens)])
           waiting += range(start + n - 1, start - 1, -1)
           tokens = np.concatenate([tokens, np.full((n, max_new_tokens), self.pad_id,
                                                    np.int32)])
@@ -662,8 +664,9 @@ class Sampler:
                     row_offset: int, min_rows: int, batch: int, cache_len: int,
                     mode: SamplingMode):
     """Prefills the prompts `placed[d]` lists ((slot, prompt index) pairs on device d)
-    into their slots, prompt i to generate at most limits([i]) tokens. Each device prefills its distinct prompts once (a GRPO group's rows
-    share one prefill) and copies them to its rows. Every device's rows are padded to
+    into their slots, prompt i to generate at most limits[i] tokens. Each device
+    prefills its distinct prompts once (a GRPO group's rows share one prefill) and
+    copies them to its rows. Every device's rows are padded to
     the same count, a power of two and at least `min_rows`, and its distinct prompts to
     a power of two (so few programs compile); padding rows are dropped. Returns (state,
     prefill rows, prompt-length bucket)."""
@@ -687,7 +690,7 @@ class Sampler:
         tokens[d * u + p, :lens[i]] = prompts[i]
         prompt_lens[d * u + p] = lens[i]
         source[d * k + j], local[d * k + j] = p, slot - d * per_device
-        ids[d * k + j], limit[d * k + j] = row_offset + i, limits([i])[0]
+        ids[d * k + j], limit[d * k + j] = row_offset + i, limits[i]
     rowwise = self._rowwise
     args = (weights, state, rowwise(tokens), rowwise(prompt_lens), rowwise(source),
             rowwise(local), rowwise(ids), rowwise(limit), *fixed)
