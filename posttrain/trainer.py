@@ -655,6 +655,8 @@ class Trainer:
       extra["rollout/decode_occupancy"] = self.worker.last_stats["decode_occupancy"]
     if "weight_swaps" in self.worker.last_stats:  # new weights landed mid-rollout
       extra["rollout/weight_swaps"] = self.worker.last_stats["weight_swaps"]
+    if "reused_prefix_fraction" in self.worker.last_stats:  # later turns not prefilled again
+      extra["rollout/reused_prefix_fraction"] = self.worker.last_stats["reused_prefix_fraction"]
     return groups, extra
 
   def _rl_step(self, source: "AsyncRollouts | None" = None) -> dict[str, float]:

@@ -146,6 +146,7 @@ class RolloutWorker:
     self._segments = [0, 0]  # continued segments: resumed from the kept cache, all
     self._decode_rows = [0, 0]  # tokens generated, row-steps decoded (slots x steps)
     self._swaps = 0  # weight swaps while a streamed rollout decoded
+    self._reuse = [0, 0]  # later turns' prompt tokens: read from the KV cache, all
     # Partial rollouts across calls (rollout(..., token_budget=N)): groups with a sample
     # still generating, as (domain, seed, task, samples); they continue in the next call.
     self._carry: list[tuple[str, int, Task, list[Sample]]] = []
@@ -209,6 +210,7 @@ class RolloutWorker:
     self._segments = [0, 0]
     self._decode_rows = [0, 0]
     self._swaps = 0
+    self._reuse = [0, 0]
     room = self.sampler.max_len - max((len(p) for _, p in rows), default=0)
     # Rows that fit the cache at once run as one sampler call without rounds: a chunk.
     # Turns after the first, and the lock let go every segment_tokens steps, need rounds.
@@ -236,7 +238,8 @@ class RolloutWorker:
     results, at the same point on every process); a tool's answer is appended (masked
     out of the loss) and the transcript comes back to the sampler as the row's next
     turn, ahead of the prompts still waiting. The environment runs while the sampler
-    lock is let go.
+    lock is let go. A next turn goes on in its row's slot, from the KV cache the turn
+    built (the sampler's `reuse_cache`), unless new weights landed since the row began.
 
     Between rounds the lock is let go (a learner waiting for it swaps in its weights);
     each sample's `versions` are those its tokens were drawn under: per turn, the
@@ -303,6 +306,7 @@ class RolloutWorker:
           continue
         owner.append(i)
         turns.append(transcript)
+        self._reuse[1] += len(transcript)
       stepping.clear()
       return turns
 
@@ -319,6 +323,7 @@ class RolloutWorker:
           max_prompt_len=self.sampler.max_len - 1 if multi else None)
     self._count_decode(out)
     self._swaps += int(out.stats.get("weight_swaps", 0))
+    self._reuse[0] += int(out.stats.get("reused_tokens", 0))
 
   def _chunks(self, rows, tasks, samples, futures, mine, *, seed: int,
               temperature: float) -> None:
@@ -366,6 +371,10 @@ class RolloutWorker:
       self.last_stats["decode_occupancy"] = self._decode_rows[0] / self._decode_rows[1]
     if self._swaps:  # weights swapped in while a streamed rollout decoded
       self.last_stats["weight_swaps"] = float(self._swaps)
+    if self._reuse[1]:
+      # Later turns' prompt tokens that went on from the row's KV cache in its slot
+      # (the rest were prefilled again: after a weight swap, or with no slot to go on in).
+      self.last_stats["reused_prefix_fraction"] = self._reuse[0] / self._reuse[1]
     if self._segments[1]:
       # Continued segments that resumed from the kept KV cache (the rest ran under new
       # weights and prefilled prompt + response again).
@@ -386,7 +395,7 @@ class RolloutWorker:
     # Rows still generating (turns == 0), carried groups first: the oldest finish first.
     rows = [smp for *_, samples in groups for smp in samples if not smp.turns]
     self._tool_steps, self._segments, self._decode_rows = [0, 0], [0, 0], [0, 0]
-    self._swaps = 0
+    self._swaps, self._reuse = 0, [0, 0]
     for start in range(0, len(rows), self.chunk_rows):
       chunk = rows[start:start + self.chunk_rows]
       ended = self._generate_turn(chunk, list(range(len(chunk))),

@@ -44,6 +44,9 @@ FINISH_LENGTH = "length"
 # Continuous batching refills once this fraction of the slots has stopped: a prefill call
 # per stopped row would cost more than the rows idle meanwhile.
 _REFILL_FRACTION = 1 / 8
+# A prompt continued in its slot (`reuse_cache`) is prefilled in chunks of at most this
+# many tokens (a power of two from 16 up), so its programs never depend on its length.
+_EXTEND_CHUNK = 512
 
 
 class SamplingMode(NamedTuple):
@@ -218,6 +221,30 @@ def _grouping(row_source: np.ndarray, prefill_rows: int, batch: int) -> int | No
   return g if np.array_equal(np.asarray(row_source), want) else None
 
 
+def _continuations(prompts, lens: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
+                   held: dict[int, int], first: int):
+  """Which of prompts[first:] go on in a freed slot: ([(slot, prompt j, tokens cached)],
+  [the other prompt indices]). Slot s holds the cache of prompt held[s] and of its
+  generated tokens but the last (the last was sampled, never fed back); prompt j goes on
+  there when that sequence is a proper prefix of it (the longest one, when several are)."""
+  by_len: dict[int, dict[tuple, list[int]]] = {}
+  for slot, i in held.items():
+    n = int(lengths[i])
+    seq = tuple(int(t) for t in prompts[i]) + tuple(tokens[i, :n - 1].tolist())
+    by_len.setdefault(len(seq), {}).setdefault(seq, []).append(slot)
+  extend, fresh = [], []
+  for j in range(first, len(prompts)):
+    p = [int(t) for t in prompts[j]]
+    for cached in sorted((c for c in by_len if c < lens[j]), reverse=True):
+      slots = by_len[cached].get(tuple(p[:cached]))
+      if slots:
+        extend.append((slots.pop(), j, cached))
+        break
+    else:
+      fresh.append(j)
+  return extend, fresh
+
+
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
   for b in buckets:
     if b >= n:
@@ -357,7 +384,8 @@ class Sampler:
                row_offset: int = 0,
                between_rounds: Callable[[np.ndarray], Any] | None = None,
                round_steps: int | None = None,
-               max_prompt_len: int | None = None) -> Completions:
+               max_prompt_len: int | None = None,
+               reuse_cache: bool = True) -> Completions:
     """Samples a continuation of every prompt.
 
     Args:
@@ -404,6 +432,14 @@ class Sampler:
       max_prompt_len: with continuous batching, the longest prompt the call may prefill
         (those `between_rounds` returns included; default: the longest of `prompts`),
         which sizes the cache.
+      reuse_cache: with continuous batching, a prompt `between_rounds` returns that
+        extends a row ended since its slot was last refilled (that row's prompt and its
+        tokens but the last, all drawn under the current weights) goes on in that slot:
+        only its tokens after them are prefilled, in chunks of at most 512 that attend to
+        the cache the row built (a tool's answer after a turn, not the whole transcript
+        again). It samples what a prefill of the whole prompt samples. False: every
+        returned prompt is prefilled whole. Stats count the `continued` rows and their
+        `reused_tokens`.
     """
     cfg = self.cfg
     mode = sampling_mode(temperature, top_k, top_p, cfg.vocab_size)
@@ -451,7 +487,7 @@ class Sampler:
             stop_ids=stop_ids, seed=int(seed % 2**32), temperature=temperature,
             top_p=top_p, on_finish=on_finish, row_offset=row_offset,
             between_rounds=between_rounds, round_steps=round_steps,
-            max_prompt_len=int(room))
+            max_prompt_len=int(room), reuse_cache=bool(reuse_cache))
 
     rows = len(prompts)
     batch = self._batch_bucket(rows)
@@ -513,7 +549,8 @@ class Sampler:
                       temperature: float, top_p: float | None, on_finish,
                       row_offset: int, between_rounds=None,
                       round_steps: int | None = None,
-                      max_prompt_len: int | None = None) -> Completions:
+                      max_prompt_len: int | None = None,
+                      reuse_cache: bool = True) -> Completions:
     """`generate` with continuous batching over `batch` cache rows (slots).
 
     The first `batch` prompts fill every slot in one prefill, laid out as `generate`
@@ -525,7 +562,9 @@ class Sampler:
     device ever holds another's cache rows. A round also ends after `round_steps` decode
     steps; `between_rounds` runs after each, and new weights it swaps in are read from
     the next round on, as are the prompts it returns. Each row generates at most
-    max_new_tokens, and no further than max_len.
+    max_new_tokens, and no further than max_len. With `reuse_cache`, a returned prompt
+    that extends the sequence an ended row's slot still holds goes on in that slot
+    (`_extend_slots`) instead of waiting for a refill.
     """
     prompts, lens = list(prompts), np.asarray(lens, np.int32)
     rows = len(prompts)
@@ -551,7 +590,10 @@ class Sampler:
     slot_row = np.arange(batch, dtype=np.int64)
     waiting = list(range(rows - 1, batch - 1, -1))  # popped from the end: prompt order
     free: list[list[int]] = [[] for _ in range(devices)]  # free slots of each device
-    steps = inserts = swaps = 0
+    # A freed slot keeps its row's cache until a refill: held[slot] = that prompt's index.
+    held: dict[int, int] = {}
+    began = np.full(batch, version, np.int64)  # the weights each slot's row began under
+    steps = inserts = swaps = continued = reused = 0
     while True:
       # Slots count as done once their row ended (until a refill): the round ends when
       # `refill` more rows end. With nothing waiting every slot runs to its end, unless
@@ -580,6 +622,7 @@ class Sampler:
         lengths[i], stopped_rows[i] = n, bool(stopped[slot])
         slot_row[slot] = -1
         free[slot // per_device].append(int(slot))
+        held[int(slot)] = i
         if on_finish is not None:
           on_finish(i, tokens[i, :n], logprobs[i, :n],
                     FINISH_STOP if stopped_rows[i] else FINISH_LENGTH)
@@ -597,12 +640,26 @@ class Sampler:
           prompts += more
           lens = np.concatenate([lens, new_lens])
           limits = np.concatenate([limits, limit(new_lens)])
-          waiting += range(start + n - 1, start - 1, -1)
+          # Rows whose slot still holds the start of their prompt go on there.
+          current = {s: i for s, i in held.items() if began[s] == version}
+          extend, fresh = (_continuations(prompts, lens, tokens, lengths, current, start)
+                           if reuse_cache and current else ([], range(start, start + n)))
+          waiting += reversed(fresh)
           tokens = np.concatenate([tokens, np.full((n, max_new_tokens), self.pad_id,
                                                    np.int32)])
           logprobs = np.concatenate([logprobs, np.zeros((n, max_new_tokens), np.float32)])
           lengths = np.concatenate([lengths, np.zeros(n, np.int32)])
           stopped_rows = np.concatenate([stopped_rows, np.zeros(n, bool)])
+          if extend:
+            state = self._extend_slots(
+                weights, state, prompts, limits, extend, fixed, row_offset=row_offset,
+                rows=refill_rows(batch, devices) // devices, batch=batch,
+                cache_len=cache_len, mode=mode)
+            for slot, j, cached in extend:
+              slot_row[slot], began[slot] = j, version
+              free[slot // per_device].remove(slot)
+              del held[slot]
+            continued, reused = continued + len(extend), reused + sum(c for *_, c in extend)
       if not waiting:
         if (slot_row < 0).all():
           break
@@ -621,7 +678,8 @@ class Sampler:
           mode=mode)
       for pairs in placed:
         for slot, i in pairs:
-          slot_row[slot] = i
+          slot_row[slot], began[slot] = i, version
+          held.pop(slot, None)
       inserts, prefilled, longest = inserts + 1, prefilled + used, max(longest, bucket)
     del state, weights
     return Completions(tokens=tokens, logprobs=logprobs, lengths=lengths,
@@ -630,7 +688,8 @@ class Sampler:
                        stats=dict(batch=batch, prefill_rows=prefilled, prompt_len=longest,
                                   cache_len=cache_len, steps=steps + 1, decode_steps=steps,
                                   decoded=int(np.maximum(lengths - 1, 0).sum()),
-                                  inserts=inserts, weight_swaps=swaps))
+                                  inserts=inserts, weight_swaps=swaps,
+                                  continued=continued, reused_tokens=reused))
 
   def _take_rows(self, state, slots: np.ndarray, *, batch: int, cache_len: int):
     """The generated tokens and log-probs of `slots` ([n, cache_len] each, on the host),
@@ -699,6 +758,45 @@ class Sampler:
                            donate=(1,))
     return refill(*args), devices * u, prompt_len
 
+  def _extend_slots(self, weights, state, prompts, limits, items, fixed, *, row_offset: int,
+                    rows: int, batch: int, cache_len: int, mode: SamplingMode):
+    """Goes on with prompt j in the slot that holds its first `cached` tokens' cache, for
+    each (slot, j, cached) of `items`: its other tokens are written on into the slot's
+    cache and its first new token sampled, as `_refill` would after prefilling all of
+    it. Each call takes `rows` slots a device (padded) and at most `_EXTEND_CHUNK` tokens
+    of each, a power of two from 16 up: a longer remainder goes on in the next call."""
+    devices = self._batch_multiple
+    per_device = batch // devices
+    todo: list[list[list[int]]] = [[] for _ in range(devices)]
+    for slot, j, cached in items:
+      todo[slot // per_device].append([slot, j, cached])
+    rowwise = self._rowwise
+    while any(todo):
+      now = [t[:rows] for t in todo]
+      longest = max(len(prompts[j]) - at for t in now for _, j, at in t)
+      width = min(_EXTEND_CHUNK, 1 << max(4, (longest - 1).bit_length()), cache_len)
+      n = devices * rows
+      tokens = np.full((n, width), self.pad_id, np.int32)
+      start, count = np.zeros(n, np.int32), np.ones(n, np.int32)
+      local = np.full(n, per_device, np.int32)  # past the device's slots: dropped
+      ids, limit, final = np.zeros(n, np.int32), np.ones(n, np.int32), np.zeros(n, bool)
+      for d, t in enumerate(now):
+        for r, item in enumerate(t):
+          slot, j, at = item
+          m = min(width, len(prompts[j]) - at)
+          x = d * rows + r
+          tokens[x, :m] = prompts[j][at:at + m]
+          start[x], count[x], local[x] = at, m, slot - d * per_device
+          ids[x], limit[x], final[x] = row_offset + j, limits[j], at + m == len(prompts[j])
+          item[2] = at + m
+      todo = [[item for item in t if item[2] < len(prompts[item[1]])] for t in todo]
+      args = (weights, state, rowwise(tokens), rowwise(start), rowwise(count), rowwise(local),
+              rowwise(ids), rowwise(limit), rowwise(final), *fixed)
+      program = self._program(("extend", n, width, batch, cache_len, mode),
+                              functools.partial(self._extend, mode=mode), args, donate=(1,))
+      state = program(*args)
+    return state
+
   def _distinct(self, prompts, lens: np.ndarray, batch: int):
     """Each distinct prompt once, for one prefill serving `batch` rows: (tokens [U, L]
     and lengths [U] of the U distinct prompts, padded to their buckets; row_source [batch],
@@ -732,7 +830,9 @@ class Sampler:
       With `slots` fewer than the rows (continuous batching): (fill, decode, refill), the
       prefill of the first `slots` rows, the decode loop over the slots, and a refill
       of the smallest size (its prompts as long as `prompt_len`, or `max_prompt_len`
-      for the later turns `generate`'s between_rounds returns; all different).
+      for the later turns `generate`'s between_rounds returns; all different). With a
+      `max_prompt_len` beyond `prompt_len` also the widest call that continues later
+      turns in their slots (`reuse_cache`), as many rows as that refill.
     """
     mode = sampling_mode(temperature, top_k, top_p, self.cfg.vocab_size)
     if prompt_len < 1 or max_new_tokens < 1 or prompt_len + max_new_tokens > self.max_len:
@@ -784,6 +884,7 @@ class Sampler:
   def _compile_slots(self, rows: int, distinct: int, prompt_len: int, max_new_tokens: int, *,
                      mode: SamplingMode, batch: int, num_stop_ids: int, max_prompt_len: int):
     """`compile` for continuous batching over `batch` slots."""
+    later_turns = max_prompt_len > prompt_len
     per = rows // distinct if rows % distinct == 0 else 1  # rows of a prompt, side by side
     row_source = np.arange(batch) // per
     prefill_rows = self._batch_bucket(int(row_source[-1]) + 1)
@@ -820,7 +921,17 @@ class Sampler:
     refill_program = self._program(("refill", n, n, refill_len, batch, cache_len, mode),
                                    functools.partial(self._refill, mode=mode), refill_args,
                                    donate=(1,))
-    return fill, decode, refill_program
+    if not later_turns:
+      return fill, decode, refill_program
+    # Later turns go on in their slots (reuse_cache): the widest chunk they write.
+    width = min(_EXTEND_CHUNK, 1 << max(4, (max_prompt_len - 2).bit_length()), cache_len)
+    extend_args = (weights, state, row(jnp.int32, width, rows=n),
+                   *(row(jnp.int32, rows=n) for _ in range(5)), row(jnp.bool_, rows=n),
+                   *fixed)
+    extend = self._program(("extend", n, width, batch, cache_len, mode),
+                           functools.partial(self._extend, mode=mode), extend_args,
+                           donate=(1,))
+    return fill, decode, refill_program, extend
 
   def resume(self, state: ResumeState, rows: Sequence[int], *,
              max_new_tokens: int) -> Completions:
@@ -1035,14 +1146,66 @@ class Sampler:
         tokens=row("tokens", jnp.where(head, first[:, None], self.pad_id)),
         logp=row("logp", jnp.where(head, logp[:, None], 0.0)))
 
-  def _local_take(self, x, source_N, names: tuple):
-    """Rows of x ([U, ...], u a device) for N rows (k a device): row d*k + j is row
-    source_N[d*k + j] of device d's block of x, taken on device d."""
-    take = lambda a, src: a[src]  # noqa: E731
+  def _extend(self, weights, slots, tokens_NxC, start_N, count_N, local_N, row_ids_N,
+              limit_N, final_N, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
+    """Runs count_N[r] tokens of row r (of tokens_NxC, from position start_N[r]) against
+    the cache of slot local_N[r] of its device's block (as `_refill` places rows), and
+    writes their keys and values there. Rows with final_N set (their prompt's last
+    token is among them) become live: their first token is sampled with their prompt's
+    key. Padding tokens after a row's count write keys past its length, which decode
+    attention masks and the row overwrites as it grows."""
+    model = nnx.merge(self._graphdef, weights)
+    old = slots["cache"]
+
+    def names(i, lead):
+      return ("layers",) * lead + (CACHE_AXES if i < 2 else CACHE_AXES[:3])
+
+    def take_layer(layer):
+      lead = layer.k.ndim - 4  # 1 with the layers stacked
+      return KVCache(*(None if x is None else self._local_take(
+          x, local_N, names(i, lead), axis=lead) for i, x in enumerate(layer)))
+
+    def put_layer(old_layer, new_layer):
+      lead = old_layer.k.ndim - 4
+      return KVCache(*(None if o is None else self._local_put(
+          o, n, names(i, lead), local_N=local_N, axis=lead)
+          for i, (o, n) in enumerate(zip(old_layer, new_layer))))
+
+    stacked = isinstance(old, KVCache)
+    cache = constrain_cache(take_layer(old) if stacked else [take_layer(x) for x in old],
+                            self._ctx)
+    width = tokens_NxC.shape[1]
+    positions = start_N[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+    h, cache = model.hidden_states(tokens_NxC, positions, cache=cache, ctx=self._ctx)
+    h_last = jnp.take_along_axis(h, (count_N - 1)[:, None, None], axis=1)[:, 0]
+    first, logp = sample_logits(self._logits(model, h_last), _row_keys(seed, 0, row_ids_N),
+                                temperature, top_p, mode)
+    stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
+    head = jnp.arange(slots["tokens"].shape[1])[None, :] == 0
+    # Rows whose prompt goes on in a later call leave the slot's state as it is.
+    live_at = jnp.where(final_N, local_N, slots["last"].shape[0] // self._batch_multiple)
+    row = lambda name, x: self._local_put(  # noqa: E731
+        slots[name], x, ("batch",) + (None,) * (x.ndim - 1), local_N=live_at)
+    return dict(
+        cache=(put_layer(old, cache) if stacked else
+               [put_layer(o, n) for o, n in zip(old, cache)]),
+        last=row("last", first), pos=row("pos", start_N + count_N),
+        gen=row("gen", jnp.ones_like(first)), ids=row("ids", row_ids_N),
+        limit=row("limit", limit_N), done=row("done", stopped | (limit_N <= 1)),
+        stopped=row("stopped", stopped),
+        tokens=row("tokens", jnp.where(head, first[:, None], self.pad_id)),
+        logp=row("logp", jnp.where(head, logp[:, None], 0.0)))
+
+  def _local_take(self, x, source_N, names: tuple, axis: int = 0):
+    """Rows of x ([U, ...] along `axis`, u a device) for N rows (k a device): row d*k + j
+    is row source_N[d*k + j] of device d's block of x, taken on device d (an index past
+    the block takes its last row)."""
+    take = lambda a, src: jnp.take(a, src, axis=axis, mode="clip")  # noqa: E731
     if self.mesh is None or self._batch_multiple == 1:
       return take(x, source_N)
     spec = self._ctx.sharding(names, x.shape).spec
-    out_spec = self._ctx.sharding(names, (source_N.shape[0],) + x.shape[1:]).spec
+    out_shape = x.shape[:axis] + (source_N.shape[0],) + x.shape[axis + 1:]
+    out_spec = self._ctx.sharding(names, out_shape).spec
     index_spec = self._ctx.sharding(("batch",), source_N.shape).spec
     return jax.shard_map(take, mesh=self.mesh, in_specs=(spec, index_spec),
                          out_specs=out_spec, check_vma=False)(

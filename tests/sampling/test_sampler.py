@@ -382,6 +382,13 @@ def test_compile_builds_the_programs_generate_then_runs(model):
   assert out.stats["inserts"] >= 1
   assert {key[0] for key in set(sampler._programs) - before} <= {"refill", "take_rows"}
   assert {key[0] for key in before} >= {"fill", "decode_slots", "refill"}
+  # Later turns (prompts up to max_prompt_len): also the widest call that continues them
+  # in their slots, as many rows as the smallest refill.
+  *_, refill, extend = sampler.compile(16, 9, 5, distinct_prompts=4, temperature=1.0,
+                                       top_k=7, slots=4, max_prompt_len=MAX_LEN - 2)
+  assert extend.memory_analysis() is not None
+  assert ("extend", 2, 64, 4, 64, sampler_lib.sampling_mode(1.0, 7, None, CFG.vocab_size)
+          ) in sampler._programs
 
 
 def test_prefill_gathers_prompt_long_caches_not_the_whole_cache():
@@ -698,6 +705,96 @@ def test_prompts_returned_between_rounds_run_as_next_turns(sampler):
     np.testing.assert_allclose(out.logprobs[n + k, :one.lengths[0]],
                                one.logprobs[0, :one.lengths[0]], atol=1e-4)
   assert out.lengths[-1] <= 3
+
+
+def _next_turns_run(sampler, *, slots: int, reuse: bool, swap=None, **kw):
+  """MANY through `slots` slots; each even prompt's row, once ended, comes back in the
+  same round as its transcript with an answer of 1-4 tokens (prompt 4's: 20, more than
+  one chunk). With `swap`, the weights are swapped in the round the first turns come
+  back. Returns (completions, the next turns in index order, how many came back in the
+  swap's round)."""
+  turns, ended, at_swap = [], [], []
+
+  def between_rounds(live):
+    more = [MANY[i] + t.tolist() + [9] * (20 if i == 4 else 1 + i % 4)
+            for i, t in ended if i < len(MANY) and i % 2 == 0]
+    more = [p for p in more if len(p) < MAX_LEN - 1]
+    ended.clear()
+    if more and swap is not None and not turns:
+      sampler.update_params(swap)
+      at_swap.append(len(more))
+    turns.extend(more)
+    return more
+
+  out = sampler.generate(MANY, slots=slots, between_rounds=between_rounds,
+                         max_prompt_len=MAX_LEN - 2, reuse_cache=reuse,
+                         on_finish=lambda i, t, *_: ended.append((i, t.copy())), **kw)
+  return out, turns, sum(at_swap)
+
+
+@pytest.mark.parametrize("layout", ["layers", "scanned", "mesh"])
+def test_next_turns_go_on_in_their_slots_from_the_cache(model, sampler, layout, monkeypatch):
+  """A returned transcript that extends a row just ended goes on in that row's slot:
+  only its answer (and the turn's last token) is prefilled, in chunks (16 tokens here,
+  so the 20-token answer takes two) attending to the cache the turn built. It samples
+  what one call over the whole transcript samples, and what prefilling it whole does.
+  On a batch-only mesh no cache row moves between devices: the only collectives are
+  those of a decode step (the new tokens' keys, the longest length)."""
+  monkeypatch.setattr(sampler_lib, "_EXTEND_CHUNK", 16)
+  ours = {"layers": sampler,
+          "scanned": Sampler(models.relayout(model, scan_layers=True), max_len=MAX_LEN),
+          "mesh": Sampler(model, mesh=models.make_mesh((1, 8, 1, 1)), max_len=MAX_LEN)}[layout]
+  kw = dict(max_new_tokens=8, temperature=1.0, seed=12)
+  slots = 5 if layout == "mesh" else 4
+  out, turns, _ = _next_turns_run(ours, slots=slots, reuse=True, **kw)
+  whole, same_turns, _ = _next_turns_run(ours, slots=slots, reuse=False, **kw)
+  assert turns == same_turns and len(turns) >= 5 and any(
+      len(t) - len(MANY[4]) > 20 for t in turns)
+  assert out.stats["continued"] == len(turns) and whole.stats["continued"] == 0
+  # Each turn reads from the cache its prompt and the tokens before the turn's last.
+  n = len(MANY)
+  assert out.stats["reused_tokens"] == sum(
+      len(MANY[i]) + int(out.lengths[i]) - 1 for i in range(0, n, 2)
+      if len(MANY[i]) + int(out.lengths[i]) < MAX_LEN - 2)
+  assert out.stats["prefill_rows"] < whole.stats["prefill_rows"]
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+  for k, prompt in enumerate(turns):
+    one = sampler.generate([prompt], row_offset=n + k, **{
+        **kw, "max_new_tokens": min(8, MAX_LEN - len(prompt))})
+    m = int(one.lengths[0])
+    assert out.lengths[n + k] == m
+    np.testing.assert_array_equal(out.tokens[n + k, :m], one.tokens[0, :m])
+    np.testing.assert_allclose(out.logprobs[n + k, :m], one.logprobs[0, :m], atol=1e-4)
+  if layout == "mesh":
+    extends = [p for key, p in ours._programs.items() if key[0] == "extend"]
+    assert extends
+    for program in extends:
+      moved = [line for line in program.as_text().splitlines()
+               if re.search(r"(all-gather|all-to-all|collective-permute|all-reduce)\(", line)]
+      # [rows, width 16, kv heads, ...] of the new tokens or scalars; never [.., 64, ..].
+      assert moved and not [line for line in moved if re.search(r"\[[^\]]*\b64\b", line)]
+
+
+def test_next_turns_after_a_weight_swap_are_prefilled_whole(model):
+  """Turns that come back in the round new weights land are prefilled whole under them
+  (their slots' caches were built under the old weights): each draws what the new
+  weights draw over its whole transcript. Rows that began after the swap go on in their
+  slots again."""
+  other = models.create_model(CFG, seed=99)
+  kw = dict(max_new_tokens=8, temperature=1.0, seed=12)
+  ours = Sampler(model, max_len=MAX_LEN)
+  out, turns, at_swap = _next_turns_run(ours, slots=4, reuse=True, swap=other, **kw)
+  assert out.stats["weight_swaps"] == 1 and at_swap
+  new = Sampler(other, max_len=MAX_LEN)
+  n = len(MANY)
+  for k in range(at_swap):
+    one = new.generate([turns[k]], row_offset=n + k, **{
+        **kw, "max_new_tokens": min(8, MAX_LEN - len(turns[k]))})
+    m = int(one.lengths[0])
+    np.testing.assert_array_equal(out.tokens[n + k, :m], one.tokens[0, :m])
+    np.testing.assert_allclose(out.logprobs[n + k, :m], one.logprobs[0, :m], atol=1e-4)
+  assert 0 < out.stats["continued"] <= len(turns) - at_swap
 
 
 def test_prompts_between_rounds_must_fit_max_prompt_len(sampler):
