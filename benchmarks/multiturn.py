@@ -12,9 +12,11 @@ spread. GRPO rows (prompts x 4 samples) run through a KV cache of `slots` rows i
 - chunks (`continuous=False`): `slots` rows at a time, turn by turn; each turn's call runs
   as long as its longest row, then the environment answers and the next turn prefills
   every transcript again;
-- streamed (the default): one sampler call; a row whose turn ended gets the answer
-  between two rounds of decode steps and its transcript comes back as its next turn in
-  the first free slot, while the others decode.
+- streamed, prefilled whole (`reuse_cache=False`): one sampler call; a row whose turn
+  ended gets the answer between two rounds of decode steps and its transcript comes back
+  as its next turn, prefilled whole into the first free slot, while the others decode;
+- streamed (the default): the same, but the next turn goes on in its row's slot: only
+  the answer is prefilled, against the cache the turn built.
 
 Reports the first rollout's wall time (it compiles) and the programs compiled by the
 end, then the median rollout wall time over repeats after `WARMUP` rollouts (the arms
@@ -25,6 +27,7 @@ and decode occupancy (generated tokens / decoded row-steps).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -40,6 +43,7 @@ CASE = (32, 4, 32, 48)  # prompts, samples each, slots, new tokens a turn at mos
 QUICK_CASE = (8, 4, 8, 24)
 TURNS = 3
 WARMUP = 4
+ARMS = ("chunks", "streamed, prefilled whole", "streamed")
 
 
 class _StopRich(ByteTokenizer):
@@ -74,14 +78,16 @@ def measure(prompts: int, samples: int, slots: int, new: int, repeats: int = 3) 
   try:
     cfg = bench_config().replace(vocab_size=tok.vocab_size)
     calls = {"n": 0}
-    for name in ("chunks", "streamed"):  # a sampler each: their own compiled programs
+    for name in ARMS:  # a sampler each: their own compiled programs
       sampler = Sampler(models.create_model(cfg, seed=0), max_len=64 + TURNS * (new + 8))
       real = sampler.generate
+      if name == "streamed, prefilled whole":
+        real = functools.partial(real, reuse_cache=False)
       sampler.generate = lambda *a, _real=real, **k: (
           calls.__setitem__("n", calls["n"] + 1), _real(*a, **k))[1]
       workers[name] = RolloutWorker(sampler, tok, group_size=samples, max_new_tokens=new,
                                     temperature=1.0, chunk_rows=slots, max_turns=TURNS,
-                                    continuous=name == "streamed")
+                                    continuous=name != "chunks")
     pairs = [(domain.name, s) for s in range(prompts)]
     runs = {name: [] for name in workers}
     first = {}
@@ -97,7 +103,8 @@ def measure(prompts: int, samples: int, slots: int, new: int, repeats: int = 3) 
         turns = statistics.mean(s.turns for s in samples_)
         if rep >= WARMUP:
           runs[name].append((wall, tokens, calls["n"], turns,
-                             worker.last_stats.get("decode_occupancy", 0.0)))
+                             worker.last_stats.get("decode_occupancy", 0.0),
+                             worker.last_stats.get("reused_prefix_fraction", 0.0)))
   finally:
     for worker in workers.values():
       worker.close()
@@ -114,7 +121,8 @@ def measure(prompts: int, samples: int, slots: int, new: int, repeats: int = 3) 
                 "tokens/s": round(tokens / wall), "model tokens": int(tokens),
                 "turns/sample": round(statistics.median(r[3] for r in rs), 2),
                 "sampler calls": int(statistics.median(r[2] for r in rs)),
-                "occupancy": f"{statistics.median(r[4] for r in rs):.0%}"})
+                "occupancy": f"{statistics.median(r[4] for r in rs):.0%}",
+                "later turns from cache": f"{statistics.median(r[5] for r in rs):.0%}"})
   return out
 
 
