@@ -1160,20 +1160,22 @@ class Sampler:
     def names(i, lead):
       return ("layers",) * lead + (CACHE_AXES if i < 2 else CACHE_AXES[:3])
 
-    def take_layer(layer):
-      lead = layer.k.ndim - 4  # 1 with the layers stacked
-      return KVCache(*(None if x is None else self._local_take(
-          x, local_N, names(i, lead), axis=lead) for i, x in enumerate(layer)))
+    def take_layer(layer):  # one layer's [B, ...] arrays
+      return KVCache(*(None if x is None else self._local_take(x, local_N, names(i, 0))
+                       for i, x in enumerate(layer)))
 
     def put_layer(old_layer, new_layer):
-      lead = old_layer.k.ndim - 4
+      lead = old_layer.k.ndim - 4  # 1 with the layers stacked
       return KVCache(*(None if o is None else self._local_put(
           o, n, names(i, lead), local_N=local_N, axis=lead)
           for i, (o, n) in enumerate(zip(old_layer, new_layer))))
 
     stacked = isinstance(old, KVCache)
-    cache = constrain_cache(take_layer(old) if stacked else [take_layer(x) for x in old],
-                            self._ctx)
+    # Layers stacked (scan_layers): taken one layer at a time into the stacked copy. All
+    # at once along the rows' axis, the program needed 2.91 GiB of temporaries a device
+    # against 1.36 GiB (an 8B model's 16 of 128 slots of 2,048 on a v5e-8).
+    cache = constrain_cache(jax.lax.map(take_layer, old) if stacked else
+                            [take_layer(x) for x in old], self._ctx)
     width = tokens_NxC.shape[1]
     positions = start_N[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
     h, cache = model.hidden_states(tokens_NxC, positions, cache=cache, ctx=self._ctx)

@@ -254,6 +254,17 @@ def test_multi_turn_rows_stream_their_turns_through_one_sampler_call(monkeypatch
     np.testing.assert_allclose(np.asarray(s.behaviour_logprobs)[mask], want[mask], atol=2e-4)
     assert not np.asarray(s.behaviour_logprobs)[~mask].any()
   assert 0 < worker.last_stats["decode_occupancy"] <= 1
+  # Each next turn went on in its row's slot: the transcript up to the turn's last token
+  # came from the cache, only that token and the tool's answer were prefilled.
+  reused = total = 0
+  for s in samples:
+    mask = s.response_mask
+    for a in range(1, len(mask)):
+      if mask[a - 1] and not mask[a]:  # a tool's answer starts at a
+        e = a + mask[a:].index(1) if 1 in mask[a:] else len(mask)
+        reused += len(s.prompt_tokens) + a - 1
+        total += len(s.prompt_tokens) + e
+  assert worker.last_stats["reused_prefix_fraction"] == pytest.approx(reused / total)
 
 
 def _samples(groups):
