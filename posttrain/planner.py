@@ -633,7 +633,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   if continuous_rollout(config, int(algo.group_size), rollout_shards):
     # A refill prefills its rows beside the full cache of the slots; at worst (groups
     # split across devices, or finishing apart) every row is a prompt of its own. Later
-    # turns come back as transcripts of up to max_len - 1 tokens.
+    # turns come back as transcripts of up to max_len - 1 tokens; one that goes on in
+    # its slot holds a copy of as many rows' cache, and a shorter forward.
     refill = refill_rows(s_rows, rollout_shards)
     refill_len = (default_length_bucket(int(r.max_len) - 1, int(r.max_len))
                   if int(r.get("max_turns", 1)) > 1 else prompt_len)

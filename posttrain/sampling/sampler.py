@@ -437,7 +437,8 @@ class Sampler:
         tokens but the last, all drawn under the current weights) goes on in that slot:
         only its tokens after them are prefilled, in chunks of at most 512 that attend to
         the cache the row built (a tool's answer after a turn, not the whole transcript
-        again). It samples what a prefill of the whole prompt samples. False: every
+        again). It samples what a prefill of the whole prompt samples (with an int8
+        cache, up to its rounding: the earlier keys are read quantized). False: every
         returned prompt is prefilled whole. Stats count the `continued` rows and their
         `reused_tokens`.
     """
