@@ -212,11 +212,11 @@ class RolloutWorker:
     self._swaps = 0
     self._reuse = [0, 0]
     room = self.sampler.max_len - max((len(p) for _, p in rows), default=0)
-    # Rows that fit the cache at once run as one sampler call without rounds: a chunk.
-    # Turns after the first, and the lock let go every segment_tokens steps, need rounds.
+    # Rows that fit the cache at once run as one sampler call: without rounds (a chunk)
+    # when single-turn, in rounds when later turns come back between them. Rows that fit
+    # and pause every segment_tokens steps run as segments (`_chunks`).
     streams = len(rows) > self.sampler.slot_rows(self.chunk_rows)
-    if (rows and self.continuous and room >= 1
-        and (streams or (self.max_turns == 1 and not self.segment_tokens))):
+    if rows and self.continuous and room >= 1 and (streams or not self.segment_tokens):
       self._stream(rows, tasks, samples, futures, mine, seed=seed * 1_000_003,
                    temperature=temp, max_new_tokens=min(self.max_new_tokens, room))
     else:
@@ -312,13 +312,14 @@ class RolloutWorker:
 
     shared = self._shared
     multi = self.max_turns > 1
+    streams = len(rows) > self.sampler.slot_rows(self.chunk_rows)  # else a chunk: no rounds
     with self._lock:
       current = self._version_fn()
       out = self.sampler.generate(
           [p for _, p in rows], max_new_tokens=max_new_tokens, temperature=temperature,
           top_k=self.top_k, top_p=self.top_p, stop_token_ids=self.tok.stop_ids, seed=seed,
           slots=self.chunk_rows, on_finish=finished,
-          between_rounds=between_rounds if shared or multi else None,
+          between_rounds=between_rounds if multi or (shared and streams) else None,
           round_steps=(self.segment_tokens or None) if shared else None,
           max_prompt_len=self.sampler.max_len - 1 if multi else None)
     self._count_decode(out)

@@ -404,15 +404,16 @@ class Sampler:
         `slots` rows), and a row that stops hands its slot to the next waiting prompt
         while the others go on, so short completions never wait for the longest. The
         samples are those of one call over all the prompts (a row's sampling key is its
-        prompt's index and its token's). None, or at least as many slots as prompts:
-        every row at once.
+        prompt's index and its token's). None, or at least as many slots as prompts
+        and no `between_rounds`: every row at once (with `between_rounds`, the cache
+        holds as many rows as the prompts, rounded up to a bucket, and runs in rounds).
       on_finish: called as `on_finish(i, tokens, logprobs, finish_reason)` for each
         prompt i as its row ends (with `slots`, while others still decode; else after the
         call), e.g. to score it.
       row_offset: the index of prompts[0] in a longer list of prompts: row i samples
         with that list's key for row_offset + i, so calls over consecutive slices of the
         list draw what one call over all of it draws.
-      between_rounds: with continuous batching (`slots` fewer than the prompts), called
+      between_rounds: with continuous batching (`slots` given), called
         as `between_rounds(live)` on the host after each round of decode steps, once its
         finished rows went to `on_finish` and before the next prompts are prefilled;
         `live` holds the indices of the prompts whose rows are still decoding. It may call
@@ -475,7 +476,9 @@ class Sampler:
       if keep_cache:
         raise ValueError("keep_cache cannot be combined with slots: continuous batching "
                          "reuses a row's cache slot once the row stops")
-      if self._batch_bucket(int(slots)) < len(prompts):
+      # With between_rounds the rows run in rounds even when every prompt has a slot
+      # (next turns come back between them).
+      if self._batch_bucket(int(slots)) < len(prompts) or between_rounds is not None:
         room = longest if max_prompt_len is None else max_prompt_len
         if (isinstance(room, bool) or int(room) != room or not longest <= room
             or room >= self.max_len):
@@ -483,7 +486,7 @@ class Sampler:
                            f"({longest}) to max_len - 1 ({self.max_len - 1}), got "
                            f"{max_prompt_len!r}")
         return self._generate_slots(
-            prompts, lens, batch=self._batch_bucket(int(slots)),
+            prompts, lens, batch=self._batch_bucket(min(int(slots), len(prompts))),
             max_new_tokens=max_new_tokens, mode=mode,
             stop_ids=stop_ids, seed=int(seed % 2**32), temperature=temperature,
             top_p=top_p, on_finish=on_finish, row_offset=row_offset,
@@ -585,12 +588,14 @@ class Sampler:
     logprobs = np.zeros((rows, max_new_tokens), np.float32)
     lengths = np.zeros(rows, np.int32)
     stopped_rows = np.zeros(rows, bool)
-    state, prefilled, longest = self._fill_slots(  # more prompts than slots: all full
-        weights, prompts[:batch], lens[:batch], limits[:batch], fixed,
+    first = min(rows, batch)  # fewer prompts than slots: the others start free
+    state, prefilled, longest = self._fill_slots(
+        weights, prompts[:first], lens[:first], limits[:first], fixed,
         row_offset=row_offset, batch=batch, cache_len=cache_len, mode=mode)
-    slot_row = np.arange(batch, dtype=np.int64)
+    slot_row = np.where(np.arange(batch) < first, np.arange(batch), -1)
     waiting = list(range(rows - 1, batch - 1, -1))  # popped from the end: prompt order
-    free: list[list[int]] = [[] for _ in range(devices)]  # free slots of each device
+    free: list[list[int]] = [[int(s) for s in range(d * per_device, (d + 1) * per_device)
+                              if s >= first] for d in range(devices)]  # of each device
     # A freed slot keeps its row's cache until a refill: held[slot] = that prompt's index.
     held: dict[int, int] = {}
     began = np.full(batch, version, np.int64)  # the weights each slot's row began under
@@ -707,13 +712,16 @@ class Sampler:
 
   def _fill_slots(self, weights, prompts, lens, limits, fixed, *, row_offset: int,
                   batch: int, cache_len: int, mode: SamplingMode):
-    """The slot state with the `batch` prompts in slots 0..batch-1; returns (state,
-    prefill rows, prompt-length bucket)."""
+    """The slot state with the prompts in slots 0, 1, ... (at most `batch`; slots past
+    them are empty: done, nothing to generate); returns (state, prefill rows,
+    prompt-length bucket)."""
     tokens, distinct_lens, row_source, group = self._distinct(prompts, lens, batch)
     rowwise = self._rowwise
     ids = np.arange(batch, dtype=np.int32) + row_offset
+    limit = np.zeros(batch, np.int32)
+    limit[:len(prompts)] = limits
     args = (weights, rowwise(tokens), rowwise(distinct_lens), rowwise(row_source),
-            rowwise(ids), rowwise(np.asarray(limits, np.int32)), *fixed)
+            rowwise(ids), rowwise(limit), *fixed)
     fill = self._program(
         ("fill", tokens.shape[0], batch, tokens.shape[1], cache_len, mode, group),
         functools.partial(self._fill, cache_len=cache_len, mode=mode, group=group), args,

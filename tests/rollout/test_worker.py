@@ -228,15 +228,18 @@ def test_two_processes_split_the_tool_steps_and_continue_identically(monkeypatch
   assert [w.last_stats["tool_step_fraction"] for w in workers] == [0.5, 0.5]
 
 
-def test_multi_turn_rows_stream_their_turns_through_one_sampler_call(monkeypatch):
-  """Multi-turn rows stream too: a row whose turn ended goes to the environment between
-  rounds and its transcript (tool answer included) comes back as its next turn, in the
-  same sampler call. Each model token's behaviour log-prob is the model's given the
-  whole transcript before it; tool tokens are masked out of the loss."""
+@pytest.mark.parametrize("chunk_rows", [2, 8])
+def test_multi_turn_rows_stream_their_turns_through_one_sampler_call(monkeypatch,
+                                                                      chunk_rows):
+  """Multi-turn rows stream too (through 2 cache rows, or 8: a row for each): a row
+  whose turn ended goes to the environment between rounds and its transcript (tool
+  answer included) comes back as its next turn, in the same sampler call. Each model
+  token's behaviour log-prob is the model's given the whole transcript before it; tool
+  tokens are masked out of the loss."""
   calls = []
   monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
   monkeypatch.setattr(worker_lib, "_step", _fake_step(calls))
-  worker = _worker(max_turns=4, chunk_rows=2)
+  worker = _worker(max_turns=4, chunk_rows=chunk_rows)
   real, seen = worker.sampler.generate, []
   monkeypatch.setattr(worker.sampler, "generate",
                       lambda *a, **k: (seen.append(len(a[0])), real(*a, **k))[1])

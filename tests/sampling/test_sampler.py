@@ -732,22 +732,25 @@ def _next_turns_run(sampler, *, slots: int, reuse: bool, swap=None, **kw):
   return out, turns, sum(at_swap)
 
 
-@pytest.mark.parametrize("layout", ["layers", "scanned", "mesh"])
+@pytest.mark.parametrize("layout", ["layers", "scanned", "mesh", "a slot each"])
 def test_next_turns_go_on_in_their_slots_from_the_cache(model, sampler, layout, monkeypatch):
   """A returned transcript that extends a row just ended goes on in that row's slot:
   only its answer (and the turn's last token) is prefilled, in chunks (16 tokens here,
   so the 20-token answer takes two) attending to the cache the turn built. It samples
   what one call over the whole transcript samples, and what prefilling it whole does.
   On a batch-only mesh no cache row moves between devices: the only collectives are
-  those of a decode step (the new tokens' keys, the longest length)."""
+  those of a decode step (the new tokens' keys, the longest length). With a slot for
+  every prompt, between_rounds still makes the call run in rounds (32 slots, 14 empty)."""
   monkeypatch.setattr(sampler_lib, "_EXTEND_CHUNK", 16)
-  ours = {"layers": sampler,
-          "scanned": Sampler(models.relayout(model, scan_layers=True), max_len=MAX_LEN),
-          "mesh": Sampler(model, mesh=models.make_mesh((1, 8, 1, 1)), max_len=MAX_LEN)}[layout]
+  ours = {"scanned": Sampler(models.relayout(model, scan_layers=True), max_len=MAX_LEN),
+          "mesh": Sampler(model, mesh=models.make_mesh((1, 8, 1, 1)), max_len=MAX_LEN),
+          }.get(layout, sampler)
   kw = dict(max_new_tokens=8, temperature=1.0, seed=12)
-  slots = 5 if layout == "mesh" else 4
+  slots = {"mesh": 5, "a slot each": 64}.get(layout, 4)
   out, turns, _ = _next_turns_run(ours, slots=slots, reuse=True, **kw)
   whole, same_turns, _ = _next_turns_run(ours, slots=slots, reuse=False, **kw)
+  assert out.stats["batch"] == (32 if layout == "a slot each" else 8 if layout == "mesh"
+                                else 4)
   assert turns == same_turns and len(turns) >= 5 and any(
       len(t) - len(MANY[4]) > 20 for t in turns)
   assert out.stats["continued"] == len(turns) and whole.stats["continued"] == 0
