@@ -186,7 +186,7 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
         temperature=float(r.temperature), top_k=int(r.top_k) if r.get("top_k") else None,
         top_p=float(r.top_p) if r.get("top_p") else None, slots=rows if streams else None,
         max_prompt_len=(int(r.max_len) - 1 if streams and int(r.get("max_turns", 1)) > 1
-                        else None))
+                        else None), rounds=streams and int(r.get("max_turns", 1)) > 1)
   prefill, decode = programs[0], programs[1]
   prefill_peak = max(_peak(p.memory_analysis()) for p in programs[:1] + programs[2:])
   return RolloutReport(mesh=dict(mesh.shape), rows=rows, prompt_len=prompt_len,

@@ -538,13 +538,15 @@ def continuous_rollout(config: ml_collections.ConfigDict, group_size: int,
                        batch_shards: int) -> bool:
   """Whether the rollout worker streams the step's rows through the sampler's
   `sampler_batch` cache rows (continuous batching: no partial rollouts across steps,
-  more rows than the cache holds) rather than generating them in chunks."""
+  more rows than the cache holds, or multi-turn rows that fit it without pausing every
+  placement.segment_tokens) rather than generating them in chunks."""
   r = config.rollout
   placement = config.get("placement") or {}
+  fit = (int(r.prompts_per_step) * group_size
+         <= sampler_batch(config, group_size, batch_shards))
+  turns = int(r.get("max_turns", 1)) > 1 and not int(placement.get("segment_tokens", 0) or 0)
   return (bool(r.get("continuous_batching", True))
-          and not int(placement.get("step_tokens", 0) or 0)
-          and int(r.prompts_per_step) * group_size
-          > sampler_batch(config, group_size, batch_shards))
+          and not int(placement.get("step_tokens", 0) or 0) and (not fit or turns))
 
 
 def microbatches(config: ml_collections.ConfigDict, algo) -> tuple[int, int]:

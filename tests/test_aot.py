@@ -79,28 +79,29 @@ def test_rollout_programs_compile_for_a_v5e_slice(rollout_report):
 
 
 @requires_libtpu
-@pytest.mark.parametrize("turns", [1, 3])
-def test_streamed_rollout_programs_compile_within_the_plan(turns):
+@pytest.mark.parametrize("turns,slots", [(1, 64), (3, 64), (3, 256)])
+def test_streamed_rollout_programs_compile_within_the_plan(turns, slots):
   """With fewer cache rows than the step's rows, the worker streams them (continuous
   batching): the fill, decode loop and refill compile for the slice (multi-turn: a
-  refill of transcripts up to max_len - 1 tokens), the decode holds the slots' cache,
-  and the plan (which counts chunk_rows rows of cache) covers them. head_dim 128, as
-  real models have it: the preset's 32 pads 4x in TPU tiles, which the plan (logical
-  bytes) does not count."""
+  refill of transcripts up to max_len - 1 tokens, and the widest call that continues
+  a turn in its slot), the decode holds the slots' cache, and the plan (which counts
+  chunk_rows rows of cache) covers them. Multi-turn rows that fit the cache (256 of
+  256) run in rounds too. head_dim 128, as real models have it: the preset's 32 pads 4x
+  in TPU tiles, which the plan (logical bytes) does not count."""
   config = _config()
-  config.rollout.chunk_rows = 64
+  config.rollout.chunk_rows = slots
   config.rollout.max_turns = turns
   config.model.overrides.head_dim = 128
   report = aot.compile_rollout(config, aot.tpu_devices("v5e:2x2"))
-  assert report.continuous and report.rows == 64
-  cache = planner.kv_cache_bytes(experiment.model_config(config), batch=64,
+  assert report.continuous and report.rows == slots
+  cache = planner.kv_cache_bytes(experiment.model_config(config), batch=slots,
                                  max_len=int(config.rollout.max_len),
                                  mesh=planner.abstract_mesh(report.mesh))
   assert cache <= report.decode_peak <= 4 * cache + (16 << 20)
   plan = planner.plan(config, num_devices=4)
   resident = planner.resident_outside_programs(plan, config)[1][0]
   assert max(report.prefill_peak, report.decode_peak) + resident <= plan.rollout_peak
-  assert "64 slots (continuous batching)" in aot.format_rollout(report)
+  assert f"{slots} slots (continuous batching)" in aot.format_rollout(report)
 
 
 @requires_libtpu

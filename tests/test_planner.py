@@ -302,6 +302,12 @@ def test_streamed_rollouts_plan_the_larger_of_the_fill_and_a_refill():
   # come back between rounds: both stream.
   for change in ({"placement.segment_tokens": 8}, {"rollout.max_turns": 2}):
     assert planner.continuous_rollout(planner.override(streamed, change), 16, 1), change
+  # Multi-turn rows that fit the cache run in rounds too (next turns come back between
+  # them), unless they pause every segment_tokens (segments, as chunks).
+  fit = planner.override(streamed, {"rollout.chunk_rows": 128, "rollout.max_turns": 3})
+  assert planner.continuous_rollout(fit, 16, 1)
+  assert not planner.continuous_rollout(
+      planner.override(fit, {"placement.segment_tokens": 8}), 16, 1)
 
 
 def test_head_bytes_by_hand_and_in_the_train_peak():

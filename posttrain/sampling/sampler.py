@@ -827,7 +827,7 @@ class Sampler:
               distinct_prompts: int | None = None, temperature: float = 1.0,
               top_k: int | None = None, top_p: float | None = None,
               num_stop_ids: int = 1, slots: int | None = None,
-              max_prompt_len: int | None = None):
+              max_prompt_len: int | None = None, rounds: bool = False):
     """Compiles, without running, the programs `generate` runs for `rows` prompts
     (`distinct_prompts` of them different, default all: a GRPO group shares one prefill)
     of up to `prompt_len` tokens and `max_new_tokens` new ones; later calls of the same
@@ -841,7 +841,9 @@ class Sampler:
       of the smallest size (its prompts as long as `prompt_len`, or `max_prompt_len`
       for the later turns `generate`'s between_rounds returns; all different). With a
       `max_prompt_len` beyond `prompt_len` also the widest call that continues later
-      turns in their slots (`reuse_cache`), as many rows as that refill.
+      turns in their slots (`reuse_cache`), as many rows as that refill. `rounds`: the
+      programs of a call with `between_rounds`, which runs in rounds over the slots even
+      when they outnumber the rows.
     """
     mode = sampling_mode(temperature, top_k, top_p, self.cfg.vocab_size)
     if prompt_len < 1 or max_new_tokens < 1 or prompt_len + max_new_tokens > self.max_len:
@@ -849,14 +851,14 @@ class Sampler:
                        f"positive and fit max_len={self.max_len}")
     batch = self._batch_bucket(rows)
     distinct = min(rows, distinct_prompts or rows)
-    if slots is not None and self._batch_bucket(slots) < rows:
+    if slots is not None and (self._batch_bucket(slots) < rows or rounds):
       room = prompt_len if max_prompt_len is None else int(max_prompt_len)
       if not prompt_len <= room < self.max_len:
         raise ValueError(f"max_prompt_len={max_prompt_len} must be from prompt_len="
                          f"{prompt_len} to max_len - 1 ({self.max_len - 1})")
       return self._compile_slots(rows, distinct, prompt_len, max_new_tokens, mode=mode,
-                                 batch=self._batch_bucket(slots), num_stop_ids=num_stop_ids,
-                                 max_prompt_len=room)
+                                 batch=self._batch_bucket(min(slots, rows)),
+                                 num_stop_ids=num_stop_ids, max_prompt_len=room)
     prefill_rows = self._batch_bucket(distinct)
     # The program `generate` runs for rows that repeat each distinct prompt in turn (a
     # GRPO group's samples side by side, as the rollout worker lays them out).
@@ -895,9 +897,10 @@ class Sampler:
     """`compile` for continuous batching over `batch` slots."""
     later_turns = max_prompt_len > prompt_len
     per = rows // distinct if rows % distinct == 0 else 1  # rows of a prompt, side by side
-    row_source = np.arange(batch) // per
-    prefill_rows = self._batch_bucket(int(row_source[-1]) + 1)
-    group = _grouping(row_source, prefill_rows, batch)
+    first = min(rows, batch)  # slots past the prompts start empty, as prompt 0's rows
+    row_source = np.where(np.arange(batch) < first, np.arange(batch) // per, 0)
+    prefill_rows = self._batch_bucket(int(row_source[first - 1]) + 1)
+    group = _grouping(row_source[:first], prefill_rows, batch)
     cache_len = _bucket(min(max_prompt_len + max_new_tokens, self.max_len),
                         self.length_buckets, "sequence length")
     refill_len = _bucket(max_prompt_len, self.length_buckets, "prompt length")
