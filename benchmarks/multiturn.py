@@ -1,6 +1,8 @@
 """Multi-turn rollouts streamed through the cache against the chunks they ran in before.
 
-    python -m benchmarks.multiturn [--quick]
+    python -m benchmarks.multiturn [--quick] [--fit]
+
+(`--fit`: a cache row for every row, so nothing waits for a slot.)
 
 A tool domain answers each of a sample's turns twice ("=<n>", masked out of the loss),
 then ends it: 3 model turns a sample. The policy is the sampler benchmark's model shape
@@ -126,16 +128,21 @@ def measure(prompts: int, samples: int, slots: int, new: int, repeats: int = 3) 
   return out
 
 
-def run(quick: bool) -> list[dict]:
-  return measure(*(QUICK_CASE if quick else CASE), repeats=2 if quick else 3)
+def run(quick: bool, fit: bool = False) -> list[dict]:
+  return measure(*_case(quick, fit), repeats=2 if quick else 3)
+
+
+def _case(quick: bool, fit: bool) -> tuple[int, int, int, int]:
+  prompts, samples, slots, new = QUICK_CASE if quick else CASE
+  return prompts, samples, prompts * samples if fit else slots, new
 
 
 def main(argv: list[str]) -> None:
-  quick = "--quick" in argv
-  prompts, samples, slots, new = QUICK_CASE if quick else CASE
+  quick, fit = "--quick" in argv, "--fit" in argv
+  prompts, samples, slots, new = _case(quick, fit)
   print(f"{prompts * samples} rows ({prompts} prompts x {samples}), {slots} cache rows, "
         f"{TURNS} turns of up to {new} new tokens:")
-  print_markdown(run(quick))
+  print_markdown(run(quick, fit))
 
 
 if __name__ == "__main__":
