@@ -24,6 +24,7 @@ uninterrupted call would, as long as the weights have not changed in between.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -221,28 +222,48 @@ def _grouping(row_source: np.ndarray, prefill_rows: int, batch: int) -> int | No
   return g if np.array_equal(np.asarray(row_source), want) else None
 
 
-def _continuations(prompts, lens: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
-                   held: dict[int, int], first: int):
-  """Which of prompts[first:] go on in a freed slot: ([(slot, prompt j, tokens cached)],
-  [the other prompt indices]). Slot s holds the cache of prompt held[s] and of its
-  generated tokens but the last (the last was sampled, never fed back); prompt j goes on
-  there when that sequence is a proper prefix of it (the longest one, when several are)."""
-  by_len: dict[int, dict[tuple, list[int]]] = {}
-  for slot, i in held.items():
-    n = int(lengths[i])
-    seq = tuple(int(t) for t in prompts[i]) + tuple(tokens[i, :n - 1].tolist())
-    by_len.setdefault(len(seq), {}).setdefault(seq, []).append(slot)
-  extend, fresh = [], []
-  for j in range(first, len(prompts)):
-    p = [int(t) for t in prompts[j]]
-    for cached in sorted((c for c in by_len if c < lens[j]), reverse=True):
-      slots = by_len[cached].get(tuple(p[:cached]))
-      if slots:
-        extend.append((slots.pop(), j, cached))
-        break
-    else:
-      fresh.append(j)
-  return extend, fresh
+class _HeldCaches:
+  """Freed slots whose cache still holds the sequence their last row ran (its prompt and
+  its tokens but the last: the last was sampled, never fed back), indexed by length and
+  last tokens so that finding the one a prompt extends costs a lookup per length held,
+  not a comparison with every held sequence."""
+
+  _TAIL = 8
+
+  def __init__(self):
+    self.seqs: dict[int, np.ndarray] = {}
+    self._index: dict[tuple, list[int]] = {}
+    self._lengths: collections.Counter = collections.Counter()
+
+  def _key(self, seq: np.ndarray, length: int) -> tuple:
+    return length, tuple(seq[max(0, length - self._TAIL):length].tolist())
+
+  def add(self, slot: int, seq: np.ndarray) -> None:
+    self.drop(slot)
+    self.seqs[slot] = seq
+    self._index.setdefault(self._key(seq, seq.size), []).append(slot)
+    self._lengths[seq.size] += 1
+
+  def drop(self, slot: int) -> None:
+    seq = self.seqs.pop(slot, None)
+    if seq is None:
+      return
+    key = self._key(seq, seq.size)
+    self._index[key].remove(slot)
+    if not self._index[key]:
+      del self._index[key]
+    self._lengths[seq.size] -= 1
+    if not self._lengths[seq.size]:
+      del self._lengths[seq.size]
+
+  def match(self, prompt: np.ndarray, usable) -> tuple[int, int] | None:
+    """(slot, tokens cached) of a held sequence that is a proper prefix of `prompt`
+    (the longest), among the slots `usable(slot)` accepts; None if none is."""
+    for length in sorted((n for n in self._lengths if n < prompt.size), reverse=True):
+      for slot in self._index.get(self._key(prompt, length), ()):
+        if usable(slot) and np.array_equal(self.seqs[slot], prompt[:length]):
+          return slot, length
+    return None
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -596,8 +617,8 @@ class Sampler:
     waiting = list(range(rows - 1, batch - 1, -1))  # popped from the end: prompt order
     free: list[list[int]] = [[int(s) for s in range(d * per_device, (d + 1) * per_device)
                               if s >= first] for d in range(devices)]  # of each device
-    # A freed slot keeps its row's cache until a refill: held[slot] = that prompt's index.
-    held: dict[int, int] = {}
+    # A freed slot keeps its row's cache until a refill: a next turn may go on there.
+    held = _HeldCaches() if reuse_cache and between_rounds is not None else None
     began = np.full(batch, version, np.int64)  # the weights each slot's row began under
     steps = inserts = swaps = continued = reused = 0
     while True:
@@ -628,7 +649,9 @@ class Sampler:
         lengths[i], stopped_rows[i] = n, bool(stopped[slot])
         slot_row[slot] = -1
         free[slot // per_device].append(int(slot))
-        held[int(slot)] = i
+        if held is not None:
+          held.add(int(slot), np.concatenate([np.asarray(prompts[i], np.int64),
+                                              out_tok[k, :n - 1].astype(np.int64)]))
         if on_finish is not None:
           on_finish(i, tokens[i, :n], logprobs[i, :n],
                     FINISH_STOP if stopped_rows[i] else FINISH_LENGTH)
@@ -646,10 +669,17 @@ class Sampler:
           prompts += more
           lens = np.concatenate([lens, new_lens])
           limits = np.concatenate([limits, limit(new_lens)])
-          # Rows whose slot still holds the start of their prompt go on there.
-          current = {s: i for s, i in held.items() if began[s] == version}
-          extend, fresh = (_continuations(prompts, lens, tokens, lengths, current, start)
-                           if reuse_cache and current else ([], range(start, start + n)))
+          # Rows whose slot still holds the start of their prompt (drawn under the
+          # current weights) go on there.
+          extend, fresh = [], []
+          for j in range(start, start + n):
+            found = held is not None and held.match(np.asarray(prompts[j], np.int64),
+                                        lambda slot: began[slot] == version)
+            if found:
+              held.drop(found[0])
+              extend.append((found[0], j, found[1]))
+            else:
+              fresh.append(j)
           waiting += reversed(fresh)
           tokens = np.concatenate([tokens, np.full((n, max_new_tokens), self.pad_id,
                                                    np.int32)])
@@ -664,7 +694,6 @@ class Sampler:
             for slot, j, cached in extend:
               slot_row[slot], began[slot] = j, version
               free[slot // per_device].remove(slot)
-              del held[slot]
             continued, reused = continued + len(extend), reused + sum(c for *_, c in extend)
       if not waiting:
         if (slot_row < 0).all():
@@ -685,7 +714,8 @@ class Sampler:
       for pairs in placed:
         for slot, i in pairs:
           slot_row[slot], began[slot] = i, version
-          held.pop(slot, None)
+          if held is not None:
+            held.drop(slot)
       inserts, prefilled, longest = inserts + 1, prefilled + used, max(longest, bucket)
     del state, weights
     return Completions(tokens=tokens, logprobs=logprobs, lengths=lengths,

@@ -779,6 +779,26 @@ def test_next_turns_go_on_in_their_slots_from_the_cache(model, sampler, layout, 
       assert moved and not [line for line in moved if re.search(r"\[[^\]]*\b64\b", line)]
 
 
+def test_held_caches_find_the_longest_held_prefix_of_a_prompt():
+  """The slot a next turn goes on in holds a proper prefix of it: the longest such, never
+  one that only shares its length and last tokens, nor one the caller cannot use."""
+  held = sampler_lib._HeldCaches()
+  a = np.arange(20)
+  held.add(0, a[:12])
+  held.add(1, a[:5])
+  held.add(2, np.concatenate([[99], a[1:12]]))  # a[:12]'s length and last 8 tokens
+  held.add(3, a[:3])
+  assert held.match(a, lambda s: True) == (0, 12)
+  assert held.match(a, lambda s: s != 0) == (1, 5)
+  assert held.match(a[:12], lambda s: True) == (1, 5)  # a prefix, not the whole prompt
+  held.drop(1)
+  assert held.match(a[:12], lambda s: True) == (3, 3)
+  assert held.match(np.concatenate([[99], a[1:15]]), lambda s: True) == (2, 12)
+  assert held.match(np.arange(50, 70), lambda s: True) is None
+  held.add(0, a[:2])  # a slot's new row replaces its old sequence
+  assert held.match(a, lambda s: s != 3) == (0, 2)
+
+
 def test_next_turns_after_a_weight_swap_are_prefilled_whole(model):
   """Turns that come back in the round new weights land are prefilled whole under them
   (their slots' caches were built under the old weights): each draws what the new
