@@ -712,24 +712,25 @@ def _next_turns_run(sampler, *, slots: int, reuse: bool, swap=None, **kw):
   same round as its transcript with an answer of 1-4 tokens (prompt 4's: 20, more than
   one chunk). With `swap`, the weights are swapped in the round the first turns come
   back. Returns (completions, the next turns in index order, how many came back in the
-  swap's round)."""
-  turns, ended, at_swap = [], [], []
+  swap's round, the prompt each turn continues)."""
+  turns, ended, at_swap, sources = [], [], [], []
 
   def between_rounds(live):
-    more = [MANY[i] + t.tolist() + [9] * (20 if i == 4 else 1 + i % 4)
+    more = [(i, MANY[i] + t.tolist() + [9] * (20 if i == 4 else 1 + i % 4))
             for i, t in ended if i < len(MANY) and i % 2 == 0]
-    more = [p for p in more if len(p) < MAX_LEN - 1]
+    more = [(i, p) for i, p in more if len(p) < MAX_LEN - 1]
     ended.clear()
     if more and swap is not None and not turns:
       sampler.update_params(swap)
       at_swap.append(len(more))
-    turns.extend(more)
-    return more
+    sources.extend(i for i, _ in more)
+    turns.extend(p for _, p in more)
+    return [p for _, p in more]
 
   out = sampler.generate(MANY, slots=slots, between_rounds=between_rounds,
                          max_prompt_len=MAX_LEN - 2, reuse_cache=reuse,
                          on_finish=lambda i, t, *_: ended.append((i, t.copy())), **kw)
-  return out, turns, sum(at_swap)
+  return out, turns, sum(at_swap), sources
 
 
 @pytest.mark.parametrize("layout", ["layers", "scanned", "mesh", "a slot each"])
@@ -747,8 +748,8 @@ def test_next_turns_go_on_in_their_slots_from_the_cache(model, sampler, layout, 
           }.get(layout, sampler)
   kw = dict(max_new_tokens=8, temperature=1.0, seed=12)
   slots = {"mesh": 5, "a slot each": 64}.get(layout, 4)
-  out, turns, _ = _next_turns_run(ours, slots=slots, reuse=True, **kw)
-  whole, same_turns, _ = _next_turns_run(ours, slots=slots, reuse=False, **kw)
+  out, turns, _, sources = _next_turns_run(ours, slots=slots, reuse=True, **kw)
+  whole, same_turns, _, _ = _next_turns_run(ours, slots=slots, reuse=False, **kw)
   assert out.stats["batch"] == (32 if layout == "a slot each" else 8 if layout == "mesh"
                                 else 4)
   assert turns == same_turns and len(turns) >= 5 and any(
@@ -757,8 +758,7 @@ def test_next_turns_go_on_in_their_slots_from_the_cache(model, sampler, layout, 
   # Each turn reads from the cache its prompt and the tokens before the turn's last.
   n = len(MANY)
   assert out.stats["reused_tokens"] == sum(
-      len(MANY[i]) + int(out.lengths[i]) - 1 for i in range(0, n, 2)
-      if len(MANY[i]) + int(out.lengths[i]) < MAX_LEN - 2)
+      len(MANY[i]) + int(out.lengths[i]) - 1 for i in sources)
   assert out.stats["prefill_rows"] < whole.stats["prefill_rows"]
   np.testing.assert_array_equal(out.tokens, whole.tokens)
   np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
@@ -807,7 +807,7 @@ def test_next_turns_after_a_weight_swap_are_prefilled_whole(model):
   other = models.create_model(CFG, seed=99)
   kw = dict(max_new_tokens=8, temperature=1.0, seed=12)
   ours = Sampler(model, max_len=MAX_LEN)
-  out, turns, at_swap = _next_turns_run(ours, slots=4, reuse=True, swap=other, **kw)
+  out, turns, at_swap, _ = _next_turns_run(ours, slots=4, reuse=True, swap=other, **kw)
   assert out.stats["weight_swaps"] == 1 and at_swap
   new = Sampler(other, max_len=MAX_LEN)
   n = len(MANY)
