@@ -113,6 +113,8 @@ def test_multi_turn_rollouts_stream_through_a_training_run(tmp_path, mode):
     assert 0 < r["rollout/decode_occupancy"] <= 1 and "rollout/resumed_fraction" not in r
     if mode == "colocated":
       assert r["rollout/tool_step_fraction"] == 1.0
+      # No weights land mid-rollout: every second turn goes on in its row's slot.
+      assert 0 < r["rollout/reused_prefix_fraction"] < 1
 
 
 def test_rollout_thread_generates_no_batch_past_the_last_step():
