@@ -460,9 +460,12 @@ class Sampler:
         only its tokens after them are prefilled, in chunks of at most 512 that attend to
         the cache the row built (a tool's answer after a turn, not the whole transcript
         again). It samples what a prefill of the whole prompt samples (with an int8
-        cache, up to its rounding: the earlier keys are read quantized). False: every
-        returned prompt is prefilled whole. Stats count the `continued` rows and their
-        `reused_tokens`.
+        cache, up to its rounding: the earlier keys are read quantized). A returned
+        prompt with no such slot (it went to another prompt, or new weights landed
+        since) is written into a free slot the same way from its first token, so later
+        turns never compile a prefill per transcript length. False: every returned
+        prompt is prefilled whole. Stats count the `continued` rows, their
+        `reused_tokens`, and the returned prompts `rewritten` from the first token.
     """
     cfg = self.cfg
     mode = sampling_mode(temperature, top_k, top_p, cfg.vocab_size)
@@ -620,7 +623,7 @@ class Sampler:
     # A freed slot keeps its row's cache until a refill: a next turn may go on there.
     held = _HeldCaches() if reuse_cache and between_rounds is not None else None
     began = np.full(batch, version, np.int64)  # the weights each slot's row began under
-    steps = inserts = swaps = continued = reused = 0
+    steps = inserts = swaps = continued = reused = rewritten = 0
     while True:
       # Slots count as done once their row ended (until a refill): the round ends when
       # `refill` more rows end. With nothing waiting every slot runs to its end, unless
@@ -707,6 +710,23 @@ class Sampler:
           placed[d].append((free[d].pop(), waiting.pop()))
       if not any(placed):  # a round cut short by round_steps freed no slot
         continue
+      if held is not None:
+        # Later turns with no cache to go on from (their slot was refilled, or new
+        # weights landed) are written into their slots in chunks too, from position 0:
+        # a refill would compile a program for every transcript length bucket.
+        chunked = [(slot, i, 0) for pairs in placed for slot, i in pairs if i >= rows]
+        if chunked:
+          placed = [[(slot, i) for slot, i in pairs if i < rows] for pairs in placed]
+          state = self._extend_slots(
+              weights, state, prompts, limits, chunked, fixed, row_offset=row_offset,
+              rows=refill_rows(batch, devices) // devices, batch=batch,
+              cache_len=cache_len, mode=mode)
+          for slot, i, _ in chunked:
+            slot_row[slot], began[slot] = i, version
+            held.drop(slot)
+          rewritten += len(chunked)
+        if not any(placed):
+          continue
       state, used, bucket = self._refill_slots(
           weights, state, prompts, lens, limits, placed, fixed, row_offset=row_offset,
           min_rows=refill_rows(batch, devices) // devices, batch=batch, cache_len=cache_len,
@@ -725,7 +745,8 @@ class Sampler:
                                   cache_len=cache_len, steps=steps + 1, decode_steps=steps,
                                   decoded=int(np.maximum(lengths - 1, 0).sum()),
                                   inserts=inserts, weight_swaps=swaps,
-                                  continued=continued, reused_tokens=reused))
+                                  continued=continued, reused_tokens=reused,
+                                  rewritten=rewritten))
 
   def _take_rows(self, state, slots: np.ndarray, *, batch: int, cache_len: int):
     """The generated tokens and log-probs of `slots` ([n, cache_len] each, on the host),

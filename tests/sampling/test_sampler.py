@@ -693,6 +693,7 @@ def test_prompts_returned_between_rounds_run_as_next_turns(sampler):
                          on_finish=lambda i, t, *_: finished.setdefault(i, t.copy()), **kw)
   n = len(MANY)
   assert len(added) == 3 and len(out.lengths) == len(out.finish_reasons) == n + 3
+  assert out.stats["continued"] + out.stats["rewritten"] == 3  # none refilled
   assert sorted(finished) == list(range(n + 3))
   whole = sampler.generate(MANY, **kw)
   np.testing.assert_array_equal(out.tokens[:n], whole.tokens)
@@ -818,6 +819,10 @@ def test_next_turns_after_a_weight_swap_are_prefilled_whole(model):
     np.testing.assert_array_equal(out.tokens[n + k, :m], one.tokens[0, :m])
     np.testing.assert_allclose(out.logprobs[n + k, :m], one.logprobs[0, :m], atol=1e-4)
   assert 0 < out.stats["continued"] <= len(turns) - at_swap
+  # The others are written into free slots from their first token, in chunks: no
+  # refill (a program per transcript length bucket) ever prefills a later turn.
+  assert out.stats["rewritten"] >= at_swap
+  assert out.stats["continued"] + out.stats["rewritten"] == len(turns)
 
 
 def test_prompts_between_rounds_must_fit_max_prompt_len(sampler):
