@@ -624,6 +624,18 @@ class Sampler:
     held = _HeldCaches() if reuse_cache and between_rounds is not None else None
     began = np.full(batch, version, np.int64)  # the weights each slot's row began under
     steps = inserts = swaps = continued = reused = rewritten = 0
+
+    def write_on(state, items):
+      """`_extend_slots` of items (slot, prompt, tokens cached), under the current
+      weights; those prompts' rows then live in their slots."""
+      state = self._extend_slots(
+          weights, state, prompts, limits, items, fixed, row_offset=row_offset,
+          rows=refill_rows(batch, devices) // devices, batch=batch, cache_len=cache_len,
+          mode=mode)
+      for slot, j, _ in items:
+        slot_row[slot], began[slot] = j, version
+      return state
+
     while True:
       # Slots count as done once their row ended (until a refill): the round ends when
       # `refill` more rows end. With nothing waiting every slot runs to its end, unless
@@ -690,12 +702,8 @@ class Sampler:
           lengths = np.concatenate([lengths, np.zeros(n, np.int32)])
           stopped_rows = np.concatenate([stopped_rows, np.zeros(n, bool)])
           if extend:
-            state = self._extend_slots(
-                weights, state, prompts, limits, extend, fixed, row_offset=row_offset,
-                rows=refill_rows(batch, devices) // devices, batch=batch,
-                cache_len=cache_len, mode=mode)
-            for slot, j, cached in extend:
-              slot_row[slot], began[slot] = j, version
+            state = write_on(state, extend)
+            for slot, *_ in extend:
               free[slot // per_device].remove(slot)
             continued, reused = continued + len(extend), reused + sum(c for *_, c in extend)
       if not waiting:
@@ -717,12 +725,8 @@ class Sampler:
         chunked = [(slot, i, 0) for pairs in placed for slot, i in pairs if i >= rows]
         if chunked:
           placed = [[(slot, i) for slot, i in pairs if i < rows] for pairs in placed]
-          state = self._extend_slots(
-              weights, state, prompts, limits, chunked, fixed, row_offset=row_offset,
-              rows=refill_rows(batch, devices) // devices, batch=batch,
-              cache_len=cache_len, mode=mode)
-          for slot, i, _ in chunked:
-            slot_row[slot], began[slot] = i, version
+          state = write_on(state, chunked)
+          for slot, *_ in chunked:
             held.drop(slot)
           rewritten += len(chunked)
         if not any(placed):
@@ -820,10 +824,10 @@ class Sampler:
 
   def _extend_slots(self, weights, state, prompts, limits, items, fixed, *, row_offset: int,
                     rows: int, batch: int, cache_len: int, mode: SamplingMode):
-    """Goes on with prompt j in the slot that holds its first `cached` tokens' cache, for
-    each (slot, j, cached) of `items`: its other tokens are written on into the slot's
-    cache and its first new token sampled, as `_refill` would after prefilling all of
-    it. Each call takes `rows` slots a device (padded) and at most `_EXTEND_CHUNK` tokens
+    """Goes on with prompt j in the slot that holds its first `cached` tokens' cache
+    (0: any free slot), for each (slot, j, cached) of `items`: its other tokens are
+    written on into the slot's cache and its first new token sampled, as `_refill`
+    would after prefilling all of it. Each call takes `rows` slots a device (padded) and at most `_EXTEND_CHUNK` tokens
     of each, a power of two from 16 up: a longer remainder goes on in the next call."""
     devices = self._batch_multiple
     per_device = batch // devices
