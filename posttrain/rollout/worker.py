@@ -218,7 +218,8 @@ class RolloutWorker:
     streams = len(rows) > self.sampler.slot_rows(self.chunk_rows)
     if rows and self.continuous and room >= 1 and (streams or not self.segment_tokens):
       self._stream(rows, tasks, samples, futures, mine, seed=seed * 1_000_003,
-                   temperature=temp, max_new_tokens=min(self.max_new_tokens, room))
+                   temperature=temp, max_new_tokens=min(self.max_new_tokens, room),
+                   streams=streams)
     else:
       self._chunks(rows, tasks, samples, futures, mine, seed=seed, temperature=temp)
     # Scoring overlaps generation; what is left after the last row is the scoring stall.
@@ -229,7 +230,7 @@ class RolloutWorker:
     return groups
 
   def _stream(self, rows, tasks, samples, futures, mine, *, seed: int, temperature: float,
-              max_new_tokens: int) -> None:
+              max_new_tokens: int, streams: bool) -> None:
     """Generates every row in one continuously batched sampler call; each row is scored
     (on this process's share) as soon as its transcript ends, while the others decode.
 
@@ -241,7 +242,8 @@ class RolloutWorker:
     lock is let go. A next turn goes on in its row's slot, from the KV cache the turn
     built (the sampler's `reuse_cache`), unless new weights landed since the row began.
 
-    Between rounds the lock is let go (a learner waiting for it swaps in its weights);
+    `streams`: more rows than the cache holds (else, single-turn, one call without
+    rounds). Between rounds the lock is let go (a learner waiting for it swaps in its weights);
     each sample's `versions` are those its tokens were drawn under: per turn, the
     version when it was prefilled, then each one swapped in while it decoded.
     """
@@ -312,7 +314,6 @@ class RolloutWorker:
 
     shared = self._shared
     multi = self.max_turns > 1
-    streams = len(rows) > self.sampler.slot_rows(self.chunk_rows)  # else a chunk: no rounds
     with self._lock:
       current = self._version_fn()
       out = self.sampler.generate(

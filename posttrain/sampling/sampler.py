@@ -266,6 +266,12 @@ class _HeldCaches:
     return None
 
 
+def _extend_width(tokens: int, cache_len: int) -> int:
+  """Tokens a row a continuing call (`Sampler._extend`) takes, for at most `tokens` left
+  in its longest row: a power of two from 16 up, at most `_EXTEND_CHUNK`."""
+  return min(_EXTEND_CHUNK, 1 << max(4, (tokens - 1).bit_length()), cache_len)
+
+
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
   for b in buckets:
     if b >= n:
@@ -827,8 +833,8 @@ class Sampler:
     """Goes on with prompt j in the slot that holds its first `cached` tokens' cache
     (0: any free slot), for each (slot, j, cached) of `items`: its other tokens are
     written on into the slot's cache and its first new token sampled, as `_refill`
-    would after prefilling all of it. Each call takes `rows` slots a device (padded) and at most `_EXTEND_CHUNK` tokens
-    of each, a power of two from 16 up: a longer remainder goes on in the next call."""
+    would after prefilling all of it. Each call takes `rows` slots a device (padded) and
+    `_extend_width` tokens of each: a longer remainder goes on in the next call."""
     devices = self._batch_multiple
     per_device = batch // devices
     todo: list[list[list[int]]] = [[] for _ in range(devices)]
@@ -838,7 +844,7 @@ class Sampler:
     while any(todo):
       now = [t[:rows] for t in todo]
       longest = max(len(prompts[j]) - at for t in now for _, j, at in t)
-      width = min(_EXTEND_CHUNK, 1 << max(4, (longest - 1).bit_length()), cache_len)
+      width = _extend_width(longest, cache_len)
       n = devices * rows
       tokens = np.full((n, width), self.pad_id, np.int32)
       start, count = np.zeros(n, np.int32), np.ones(n, np.int32)
@@ -991,7 +997,7 @@ class Sampler:
     if not later_turns:
       return fill, decode, refill_program
     # Later turns go on in their slots (reuse_cache): the widest chunk they write.
-    width = min(_EXTEND_CHUNK, 1 << max(4, (max_prompt_len - 2).bit_length()), cache_len)
+    width = _extend_width(max_prompt_len - 1, cache_len)
     extend_args = (weights, state, row(jnp.int32, width, rows=n),
                    *(row(jnp.int32, rows=n) for _ in range(5)), row(jnp.bool_, rows=n),
                    *fixed)
@@ -1188,28 +1194,40 @@ class Sampler:
     logits = self._local_take(logits, source_N, ("batch", None))
     first, logp = sample_logits(logits, _row_keys(seed, 0, row_ids_N), temperature, top_p,
                                 mode)
-    stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
-    width = slots["tokens"].shape[1]
-    head = jnp.arange(width)[None, :] == 0
-    put = functools.partial(self._local_put, local_N=local_N)
+    return dict(self._new_rows(slots, first, logp, stop_ids, local_N=local_N,
+                               pos=self._local_take(prompt_lens_U, source_N, ("batch",)),
+                               ids=row_ids_N, limit=limit_N),
+                cache=self._put_cache(slots["cache"], cache, local_N=local_N,
+                                      source_N=source_N))
 
-    def put_layer(old, new):
-      lead = old.k.ndim - 4  # 1 with the layers stacked
-      return KVCache(*(None if o is None else put(
+  def _put_cache(self, old, new, *, local_N, source_N=None):
+    """`_local_put` of every cache array (a layer list, or one KVCache stacking them):
+    with `source_N` a prompt cache's first slots into the rows' slots, else whole rows."""
+
+    def put_layer(old_layer, new_layer):
+      lead = old_layer.k.ndim - 4  # 1 with the layers stacked
+      return KVCache(*(None if o is None else self._local_put(
           o, n, ("layers",) * lead + (CACHE_AXES if i < 2 else CACHE_AXES[:3]),
-          axis=lead, length=n.shape[lead + 2], source_N=source_N)
-          for i, (o, n) in enumerate(zip(old, new))))
+          local_N=local_N, axis=lead, source_N=source_N,
+          length=None if source_N is None else n.shape[lead + 2])
+          for i, (o, n) in enumerate(zip(old_layer, new_layer))))
 
-    old = slots["cache"]
-    row = lambda name, x: put(slots[name], x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
+    if isinstance(old, KVCache):
+      return put_layer(old, new)
+    return [put_layer(o, n) for o, n in zip(old, new)]
+
+  def _new_rows(self, slots, first, logp, stop_ids, *, local_N, pos, ids, limit):
+    """The slots' state (but the cache) with N new rows written into slots local_N (as
+    `_local_put` places them; past a device's block: dropped): each has sampled `first`
+    (log-prob `logp`) at position `pos` and generates at most `limit` tokens."""
+    stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
+    head = jnp.arange(slots["tokens"].shape[1])[None, :] == 0
+    row = lambda name, x: self._local_put(  # noqa: E731
+        slots[name], x, ("batch",) + (None,) * (x.ndim - 1), local_N=local_N)
     return dict(
-        cache=(put_layer(old, cache) if isinstance(old, KVCache) else
-               [put_layer(o, n) for o, n in zip(old, cache)]),
-        last=row("last", first),
-        pos=row("pos", self._local_take(prompt_lens_U, source_N, ("batch",))),
-        gen=row("gen", jnp.ones_like(first)), ids=row("ids", row_ids_N),
-        limit=row("limit", limit_N),
-        done=row("done", stopped | (limit_N <= 1)), stopped=row("stopped", stopped),
+        last=row("last", first), pos=row("pos", pos), gen=row("gen", jnp.ones_like(first)),
+        ids=row("ids", ids), limit=row("limit", limit),
+        done=row("done", stopped | (limit <= 1)), stopped=row("stopped", stopped),
         tokens=row("tokens", jnp.where(head, first[:, None], self.pad_id)),
         logp=row("logp", jnp.where(head, logp[:, None], 0.0)))
 
@@ -1224,24 +1242,14 @@ class Sampler:
     model = nnx.merge(self._graphdef, weights)
     old = slots["cache"]
 
-    def names(i, lead):
-      return ("layers",) * lead + (CACHE_AXES if i < 2 else CACHE_AXES[:3])
-
     def take_layer(layer):  # one layer's [B, ...] arrays
-      return KVCache(*(None if x is None else self._local_take(x, local_N, names(i, 0))
-                       for i, x in enumerate(layer)))
+      return KVCache(*(None if x is None else self._local_take(
+          x, local_N, CACHE_AXES if i < 2 else CACHE_AXES[:3]) for i, x in enumerate(layer)))
 
-    def put_layer(old_layer, new_layer):
-      lead = old_layer.k.ndim - 4  # 1 with the layers stacked
-      return KVCache(*(None if o is None else self._local_put(
-          o, n, names(i, lead), local_N=local_N, axis=lead)
-          for i, (o, n) in enumerate(zip(old_layer, new_layer))))
-
-    stacked = isinstance(old, KVCache)
     # Layers stacked (scan_layers): taken one layer at a time into the stacked copy. All
     # at once along the rows' axis, the program needed 2.91 GiB of temporaries a device
     # against 1.36 GiB (an 8B model's 16 of 128 slots of 2,048 on a v5e-8).
-    cache = constrain_cache(jax.lax.map(take_layer, old) if stacked else
+    cache = constrain_cache(jax.lax.map(take_layer, old) if isinstance(old, KVCache) else
                             [take_layer(x) for x in old], self._ctx)
     width = tokens_NxC.shape[1]
     positions = start_N[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
@@ -1249,32 +1257,21 @@ class Sampler:
     h_last = jnp.take_along_axis(h, (count_N - 1)[:, None, None], axis=1)[:, 0]
     first, logp = sample_logits(self._logits(model, h_last), _row_keys(seed, 0, row_ids_N),
                                 temperature, top_p, mode)
-    stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
-    head = jnp.arange(slots["tokens"].shape[1])[None, :] == 0
     # Rows whose prompt goes on in a later call leave the slot's state as it is.
     live_at = jnp.where(final_N, local_N, slots["last"].shape[0] // self._batch_multiple)
-    row = lambda name, x: self._local_put(  # noqa: E731
-        slots[name], x, ("batch",) + (None,) * (x.ndim - 1), local_N=live_at)
-    return dict(
-        cache=(put_layer(old, cache) if stacked else
-               [put_layer(o, n) for o, n in zip(old, cache)]),
-        last=row("last", first), pos=row("pos", start_N + count_N),
-        gen=row("gen", jnp.ones_like(first)), ids=row("ids", row_ids_N),
-        limit=row("limit", limit_N), done=row("done", stopped | (limit_N <= 1)),
-        stopped=row("stopped", stopped),
-        tokens=row("tokens", jnp.where(head, first[:, None], self.pad_id)),
-        logp=row("logp", jnp.where(head, logp[:, None], 0.0)))
+    return dict(self._new_rows(slots, first, logp, stop_ids, local_N=live_at,
+                               pos=start_N + count_N, ids=row_ids_N, limit=limit_N),
+                cache=self._put_cache(old, cache, local_N=local_N))
 
-  def _local_take(self, x, source_N, names: tuple, axis: int = 0):
-    """Rows of x ([U, ...] along `axis`, u a device) for N rows (k a device): row d*k + j
-    is row source_N[d*k + j] of device d's block of x, taken on device d (an index past
-    the block takes its last row)."""
-    take = lambda a, src: jnp.take(a, src, axis=axis, mode="clip")  # noqa: E731
+  def _local_take(self, x, source_N, names: tuple):
+    """Rows of x ([U, ...], u a device) for N rows (k a device): row d*k + j is row
+    source_N[d*k + j] of device d's block of x, taken on device d (an index past the
+    block takes its last row)."""
+    take = lambda a, src: jnp.take(a, src, axis=0, mode="clip")  # noqa: E731
     if self.mesh is None or self._batch_multiple == 1:
       return take(x, source_N)
     spec = self._ctx.sharding(names, x.shape).spec
-    out_shape = x.shape[:axis] + (source_N.shape[0],) + x.shape[axis + 1:]
-    out_spec = self._ctx.sharding(names, out_shape).spec
+    out_spec = self._ctx.sharding(names, (source_N.shape[0],) + x.shape[1:]).spec
     index_spec = self._ctx.sharding(("batch",), source_N.shape).spec
     return jax.shard_map(take, mesh=self.mesh, in_specs=(spec, index_spec),
                          out_specs=out_spec, check_vma=False)(
