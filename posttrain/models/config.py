@@ -44,6 +44,8 @@ def parse_attention_options(text: str) -> dict[str, Any]:
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 # Projections a LoRA adapter may wrap (Hugging Face / PEFT module names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_LORA_TARGETS = LORA_TARGETS[:4]
+DEFAULT_LORA_TARGETS = ",".join(LORA_TARGETS)
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
 # kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU (heads-major cache,
@@ -97,7 +99,8 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and options of a decoder-only transformer (Llama 3, Qwen2.5, Qwen3).
+  """Shapes and options of a decoder-only transformer (Llama 3, Qwen2.5, Qwen3, and the
+  mixture-of-experts Qwen3-MoE and Mixtral).
 
   Attributes:
     architecture: the HF class name this config maps to (LlamaForCausalLM, ...).
@@ -121,7 +124,15 @@ class ModelConfig:
       only them (optimizer state for them alone) and the KL reference is the base
       weights, the adapters switched off (no second copy of the model).
     lora_alpha: the adapters' output is scaled by lora_alpha / lora_rank (PEFT's rule).
-    lora_targets: comma-separated projections given adapters (names in LORA_TARGETS).
+    lora_targets: comma-separated projections given adapters (names in LORA_TARGETS). A
+      mixture-of-experts model takes adapters on the attention projections only: left at
+      its default, the MLP names are dropped; named explicitly, they are an error.
+    num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP is that
+      many SwiGLU experts of width ffn_dim, and a router sends each token to
+      `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
+    num_experts_per_tok: experts each token runs (top-k of the router's softmax).
+    norm_topk_prob: rescale the top-k router probabilities to sum to one (Mixtral always
+      does; Qwen3-MoE says so in its config.json).
   """
 
   vocab_size: int
@@ -154,7 +165,10 @@ class ModelConfig:
   init_std: float = 0.02
   lora_rank: int = 0
   lora_alpha: float = 16.0
-  lora_targets: str = ",".join(LORA_TARGETS)
+  lora_targets: str = DEFAULT_LORA_TARGETS
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  norm_topk_prob: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -180,6 +194,16 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{name}={getattr(self, name)!r}; expected float32, bfloat16 or float16")
+    for name in ("num_experts", "num_experts_per_tok"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if self.num_experts:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                         f"[1, num_experts={self.num_experts}]")
+    elif self.num_experts_per_tok:
+      raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} needs num_experts > 0")
     if int(self.lora_rank) != self.lora_rank or self.lora_rank < 0:
       raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {self.lora_rank}")
     if self.lora_rank:
@@ -190,6 +214,11 @@ class ModelConfig:
       if bad or not names:
         raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
                          f"subset of {LORA_TARGETS}")
+      mlp = [t for t in names if t not in ATTENTION_LORA_TARGETS]
+      if self.num_experts and mlp and self.lora_targets != DEFAULT_LORA_TARGETS:
+        raise ValueError(f"lora_targets {mlp} are MLP projections, but this model's MLPs "
+                         f"are {self.num_experts} experts, which take no adapters; use "
+                         f"attention projections ({','.join(ATTENTION_LORA_TARGETS)})")
 
   @property
   def lora_target_names(self) -> tuple[str, ...]:
@@ -197,7 +226,8 @@ class ModelConfig:
     if not self.lora_rank:
       return ()
     names = {t.strip() for t in str(self.lora_targets).split(",")}
-    return tuple(t for t in LORA_TARGETS if t in names)
+    allowed = ATTENTION_LORA_TARGETS if self.num_experts else LORA_TARGETS
+    return tuple(t for t in allowed if t in names)
 
   @property
   def lora_scale(self) -> float:
@@ -236,18 +266,28 @@ class ModelConfig:
       d["rope"] = RopeConfig(**d["rope"])
     return cls(**d)
 
-  @property
-  def num_params(self) -> int:
-    """Parameter count (embeddings included)."""
+  def _count_params(self, experts: int) -> int:
     d, f, h, kv, hd = self.d_model, self.ffn_dim, self.num_heads, self.num_kv_heads, self.head_dim
     attn = d * h * hd * 2 + d * kv * hd * 2
     if self.qkv_bias:
       attn += (h + 2 * kv) * hd
     if self.qk_norm:
       attn += 2 * hd
-    per_layer = attn + 3 * d * f + 2 * d
+    router = d * self.num_experts
+    per_layer = attn + experts * 3 * d * f + router + 2 * d
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * per_layer + emb + d + (d + 1 if self.value_head else 0)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embeddings included; every expert of a mixture-of-experts)."""
+    return self._count_params(self.num_experts or 1)
+
+  @property
+  def num_active_params(self) -> int:
+    """Parameters one token runs through: num_params with only the top-k experts of each
+    layer counted (the same as num_params for a dense model)."""
+    return self._count_params(self.num_experts_per_tok or 1)
 
 
 _LLAMA3_ROPE = RopeConfig(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -285,6 +325,22 @@ PRESETS: dict[str, ModelConfig] = {
                             max_position_embeddings=40_960, architecture="Qwen3ForCausalLM",
                             dtype="bfloat16", param_dtype="bfloat16",
                             remat="dots_with_no_batch_dims"),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token (30.5B parameters, 3.3B active).
+    "qwen3_30b_a3b": ModelConfig(vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
+                                 num_kv_heads=4, head_dim=128, ffn_dim=768, num_experts=128,
+                                 num_experts_per_tok=8, norm_topk_prob=True,
+                                 rope=RopeConfig(theta=1_000_000.0), norm_eps=1e-6,
+                                 qk_norm=True, max_position_embeddings=40_960,
+                                 architecture="Qwen3MoeForCausalLM", dtype="bfloat16",
+                                 param_dtype="bfloat16", remat="dots_with_no_batch_dims",
+                                 scan_layers=True),
+    # Mixtral 8x7B: 8 experts of width 14336, 2 per token (46.7B parameters, 12.9B active).
+    "mixtral_8x7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
+                                num_kv_heads=8, head_dim=128, ffn_dim=14_336, num_experts=8,
+                                num_experts_per_tok=2, rope=RopeConfig(theta=1_000_000.0),
+                                norm_eps=1e-5, max_position_embeddings=32_768,
+                                architecture="MixtralForCausalLM", dtype="bfloat16",
+                                param_dtype="bfloat16", remat="full"),
 }
 
 

@@ -1,8 +1,11 @@
-"""Hugging Face import/export for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+"""Hugging Face import/export for LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
+the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM.
 
 `from_pretrained` reads a local folder (config.json + *.safetensors, single file or sharded
 with an index) and streams one tensor at a time onto its sharding. `save_pretrained` writes
-the same layout back, so a round trip is exact. LoRA adapters travel in PEFT's format:
+the same layout back, so a round trip is exact. A mixture's experts are one tensor per
+expert in the files (as published, and as `transformers` saves them) and one [E, ...]
+parameter here. LoRA adapters travel in PEFT's format:
 `from_pretrained(..., adapter=folder)` reads one, `save_lora_adapter` writes one.
 """
 
@@ -24,9 +27,17 @@ from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter, _lora_axes,
                                           merge_lora)
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "MixtralForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}
+                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                "MixtralForCausalLM": "mixtral"}
+# HF module names of a mixture's router and of expert j's gate, up and down projections.
+_MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
+                                      "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
+              "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
+                                     "block_sparse_moe.experts.{j}.w3",
+                                     "block_sparse_moe.experts.{j}.w2")}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
@@ -63,18 +74,43 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   heads = int(c["num_attention_heads"])
   head_dim = c.get("head_dim") or c["hidden_size"] // heads
   dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
+  moe = _moe_from_hf(arch, c)
+  moe.setdefault("ffn_dim", int(c["intermediate_size"]))
   cfg = ModelConfig(
       vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
       num_layers=int(c["num_hidden_layers"]), num_heads=heads,
       num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(head_dim),
-      ffn_dim=int(c["intermediate_size"]), rope=_rope_from_hf(c),
-      norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+      rope=_rope_from_hf(c), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
       qkv_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-      qk_norm=arch == "Qwen3ForCausalLM",
+      qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
       max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
-      architecture=arch, dtype=str(dtype), param_dtype=str(dtype))
+      architecture=arch, dtype=str(dtype), param_dtype=str(dtype), **moe)
   return cfg.replace(**overrides) if overrides else cfg
+
+
+def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a mixture-of-experts config.json ({} for dense ones)."""
+  if arch == "Qwen3MoeForCausalLM":
+    if c.get("mlp_only_layers") or int(c.get("decoder_sparse_step", 1)) != 1:
+      raise ValueError("dense layers in a Qwen3-MoE model (mlp_only_layers="
+                       f"{c.get('mlp_only_layers')!r}, decoder_sparse_step="
+                       f"{c.get('decoder_sparse_step')!r}) are not supported; every layer "
+                       "must be a mixture")
+    if c.get("use_sliding_window"):
+      raise ValueError("use_sliding_window=true in config.json is not supported")
+    # The published files say num_experts; transformers 5 writes num_local_experts.
+    return {"num_experts": int(c.get("num_experts") or c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
+            "ffn_dim": int(c["moe_intermediate_size"])}
+  if arch == "MixtralForCausalLM":
+    if c.get("sliding_window") is not None:
+      raise ValueError(f"sliding_window={c['sliding_window']!r} in config.json is not "
+                       "supported (expected null)")
+    return {"num_experts": int(c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True}
+  return {}
 
 
 def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -103,6 +139,14 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   }
   if cfg.architecture != "Qwen2ForCausalLM":
     out["attention_bias"] = cfg.qkv_bias
+  if cfg.architecture == "Qwen3MoeForCausalLM":
+    out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
+               decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+               output_router_logits=False)
+  elif cfg.architecture == "MixtralForCausalLM":
+    out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               sliding_window=None, output_router_logits=False)
   return out
 
 
@@ -139,13 +183,27 @@ def _mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transform, t
         (p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
          lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
          lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)),
-        (p + ("mlp", "gate_proj"), hf + "mlp.gate_proj.weight", lambda x: x.T, lambda x: x.T,
-         (d, f)),
-        (p + ("mlp", "up_proj"), hf + "mlp.up_proj.weight", lambda x: x.T, lambda x: x.T,
-         (d, f)),
-        (p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T, lambda x: x.T,
-         (f, d)),
     ]
+    if cfg.num_experts:
+      # One HF tensor per expert; ours stack them: ("layers", i, "mlp", name, j) is the
+      # expert-j slice of the [E, ...] parameter.
+      router, gate, up, down = _MOE_NAMES[cfg.architecture]
+      rows.append((p + ("mlp", "router"), hf + router + ".weight", lambda x: x.T,
+                   lambda x: x.T, (d, cfg.num_experts)))
+      for j in range(cfg.num_experts):
+        rows += [(p + ("mlp", ours, j), hf + name.format(j=j) + ".weight", lambda x: x.T,
+                  lambda x: x.T, shape)
+                 for ours, name, shape in (("gate_proj", gate, (d, f)),
+                                           ("up_proj", up, (d, f)),
+                                           ("down_proj", down, (f, d)))]
+    else:
+      rows += [
+          (p + ("mlp", "gate_proj"), hf + "mlp.gate_proj.weight", lambda x: x.T,
+           lambda x: x.T, (d, f)),
+          (p + ("mlp", "up_proj"), hf + "mlp.up_proj.weight", lambda x: x.T, lambda x: x.T,
+           (d, f)),
+          (p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T,
+           lambda x: x.T, (f, d))]
     if cfg.qkv_bias:
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *bias(n), (n, h)),
                (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *bias(k), (k, h)),
@@ -377,6 +435,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
         values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
       else:
         values[ours] = jnp.asarray(arr)
+  if cfg.num_experts:
+    values = _stack_experts(values, cfg, shardings)
   if cfg.scan_layers:
     values = _stack_layers(values, cfg.num_layers, shardings)
 
@@ -403,14 +463,39 @@ def _stacked_key(key: tuple) -> tuple:
   return key[:1] + key[2:]
 
 
+def _is_expert(ours: tuple) -> bool:
+  """An expert's slice of a mixture's parameter: ("layers", i, "mlp", name, j)."""
+  return len(ours) == 5 and ours[0] == "layers" and isinstance(ours[-1], int)
+
+
 def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):
   """Where a tensor read from the checkpoint goes: one layer of a stacked parameter
-  takes the stacked parameter's sharding without its layer axis."""
-  if not (cfg.scan_layers and ours[0] == "layers"):
-    return _lookup(shardings, ours).value
-  stacked = _lookup(shardings, _stacked_key(ours)).value
-  return jax.sharding.NamedSharding(stacked.mesh,
-                                    jax.sharding.PartitionSpec(*stacked.spec[1:]))
+  (one expert of a mixture's) takes the stacked parameter's sharding without its layer
+  (expert) axis."""
+  drop = 0
+  if _is_expert(ours):
+    ours, drop = ours[:-1], 1
+  if cfg.scan_layers and ours[0] == "layers":
+    ours, drop = _stacked_key(ours), drop + 1
+  sharding = _lookup(shardings, ours).value
+  if not drop:
+    return sharding
+  return jax.sharding.NamedSharding(sharding.mesh,
+                                    jax.sharding.PartitionSpec(*sharding.spec[drop:]))
+
+
+def _stack_experts(values: dict, cfg: ModelConfig, shardings) -> dict:
+  """Stacks each layer's per-expert tensors into its [E, ...] parameter (a layer's slice
+  of it with scan_layers), one parameter at a time."""
+  out = {k: v for k, v in values.items() if not _is_expert(k)}
+  for key in sorted({k[:-1] for k in values if _is_expert(k)}):
+    parts = [values.pop(key + (j,)) for j in range(cfg.num_experts)]
+    if shardings is None:
+      out[key] = jnp.stack(parts)
+    else:
+      out[key] = jax.jit(lambda *xs: jnp.stack(xs),
+                         out_shardings=_target_sharding(shardings, key, cfg))(*parts)
+  return out
 
 
 def _stack_layers(values: dict, num_layers: int, shardings) -> dict:
@@ -430,10 +515,15 @@ def _stack_layers(values: dict, num_layers: int, shardings) -> dict:
 
 
 def _read_param(state, ours: tuple, cfg: ModelConfig) -> jax.Array:
-  """Our parameter at an unstacked path; one layer's slice of a scan_layers parameter."""
+  """Our parameter at an unstacked path; one layer's slice of a scan_layers parameter;
+  one expert's slice of a mixture's."""
+  index = ()
+  if _is_expert(ours):
+    ours, index = ours[:-1], (ours[-1],)
   if cfg.scan_layers and ours[0] == "layers":
-    return _lookup(state, _stacked_key(ours))[...][ours[1]]
-  return _lookup(state, ours)[...]
+    ours, index = _stacked_key(ours), (ours[1], *index)
+  value = _lookup(state, ours)[...]
+  return value[index] if index else value
 
 
 def _fresh(v, key: tuple, cfg: ModelConfig, shardings, seed: int):

@@ -26,6 +26,9 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kv_heads", ("tensor",)),
     ("head_dim", ()),
     ("mlp", ("tensor",)),
+    # A mixture's expert axis: whole on each device by default (the experts' D splits over
+    # fsdp as a dense MLP's does, gathered a layer at a time).
+    ("experts", ()),
     ("norm", ()),
     ("layers", ()),
     # LoRA's rank axis: FSDP-sharded where the other axis of the adapter leaves fsdp free

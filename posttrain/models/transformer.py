@@ -1,7 +1,8 @@
-"""Decoder-only transformer for the Llama 3 / Qwen2.5 / Qwen3 families (Flax NNX).
+"""Decoder-only transformer for the Llama 3 / Qwen2.5 / Qwen3 families and the
+mixture-of-experts Qwen3-MoE / Mixtral (Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
-H head_dim, F ffn, V vocab. Parameters carry logical axis names (`logical_axes` metadata);
+H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names (`logical_axes` metadata);
 `posttrain.models.sharding` maps them to mesh axes.
 """
 
@@ -469,6 +470,102 @@ class MLP(nnx.Module):
     return y_NxD.reshape(b, t, d)
 
 
+def route(x_NxD, router_DxE, top_k: int, normalize: bool):
+  """(weights [N, k] float32, experts [N, k] int32): each token's top-k experts by the
+  router's softmax (in float32), the weights rescaled to sum to one with `normalize`."""
+  logits = jnp.einsum("ND,DE->NE", x_NxD, router_DxE.astype(x_NxD.dtype),
+                      preferred_element_type=jnp.float32)
+  weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts.astype(jnp.int32)
+
+
+def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD):
+  """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) [N, D] float32, dropless.
+
+  The N * k (token, expert) pairs are sorted by expert and each expert's run goes through
+  its weights with `jax.lax.ragged_dot` (a grouped matmul on TPU and GPU; XLA:CPU expands
+  it densely). No capacity: no token is dropped, whatever the routing. With F split
+  (each device holding a slice of every expert), the result is that slice's share.
+  """
+  n, k = experts_NxK.shape
+  flat = experts_NxK.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=gate_ExDxF.shape[0]).astype(jnp.int32)
+  x_sorted = jnp.take(x_NxD, order // k, axis=0)
+  gate = jax.lax.ragged_dot(x_sorted, gate_ExDxF, sizes)
+  up = jax.lax.ragged_dot(x_sorted, up_ExDxF, sizes)
+  y_sorted = jax.lax.ragged_dot(swiglu(gate, up), down_ExFxD, sizes,
+                                preferred_element_type=jnp.float32)
+  # Back to token order (a gather by the inverse permutation; its gradient is a gather too).
+  y = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, k, -1)
+  return jnp.einsum("NKD,NK->ND", y, weights_NxK.astype(jnp.float32))
+
+
+class MoE(nnx.Module):
+  """A sparse mixture of SwiGLU experts (Qwen3-MoE, Mixtral): a router [D, E] picks each
+  token's `num_experts_per_tok` experts; their outputs are summed, weighted by the
+  router's probabilities. Experts [E, D, F] / [E, F, D].
+
+  On a mesh the layer runs in `shard_map`: each device routes and runs its own tokens
+  through every expert (the experts' D gathered over fsdp like a dense layer's, F split
+  over the "mlp" axes with the partial outputs summed there). Tokens never leave their
+  device, whatever the routing; no expert parallelism (all-to-all) yet.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    e, d, f = cfg.num_experts, cfg.d_model, cfg.ffn_dim
+    self.router = _param(rngs, (d, e), ("embed", "experts"), pd, std=std)
+    self.gate_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
+    self.up_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
+    self.down_proj = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, std=std)
+
+  def __call__(self, x_BxTxD, ctx: ShardingContext):
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    b, t, d = x_BxTxD.shape
+    weights = [w[...].astype(dt) for w in (self.router, self.gate_proj, self.up_proj,
+                                           self.down_proj)]
+    mesh = ctx.mesh
+    if mesh is not None and mesh.size > 1:
+      from posttrain.models.sharding import logical_to_spec
+      tokens = logical_to_spec(("batch", "length"), ctx.rules, mesh, (b, t))
+      used = {a for entry in tokens if entry for a in ((entry,) if isinstance(entry, str)
+                                                       else entry)}
+      f_entry = logical_to_spec(("mlp",), ctx.rules, mesh, (cfg.ffn_dim,))[0]
+      f_axes = tuple(a for a in ((f_entry,) if isinstance(f_entry, str) else f_entry or ())
+                     if a not in used)
+    else:
+      f_axes = ()
+
+    def local(x, router, gate, up, down):
+      lb, lt, _ = x.shape
+      x_NxD = x.reshape(lb * lt, d).astype(dt)
+      if f_axes:
+        # Each device runs its slice of F from here on: marked so, the backward sums the
+        # slices' input gradients once, over [N, D] tokens, not over the sorted [N k, D]
+        # rows of each projection.
+        x_NxD = jax.lax.pcast(x_NxD, f_axes, to="varying")
+      w, e = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+      y = expert_mlps(x_NxD, w, e, gate, up, down)
+      if f_axes:
+        y = jax.lax.psum(y, f_axes)
+      return y.astype(dt).reshape(lb, lt, d)
+
+    if mesh is None or mesh.size == 1:
+      return local(x_BxTxD, *weights)
+    from jax.sharding import PartitionSpec as P
+    from kernels.attention import place
+    f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
+    x_spec = P(*tokens, None)
+    specs = (x_spec, P(), P(None, None, f_spec), P(None, None, f_spec), P(None, f_spec, None))
+    args = [place(a, mesh, spec) for a, spec in zip([x_BxTxD, *weights], specs)]
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec,
+                         check_vma=True)(*args)
+
+
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -476,7 +573,7 @@ class Block(nnx.Module):
     self.input_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.attn = Attention(cfg, rngs)
     self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
 
   def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
                layer=None):
