@@ -254,6 +254,8 @@ class Trainer:
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
     self.tok = load_tokenizer(config.tokenizer)
     self.cfg = model_config(config, self.tok.vocab_size)
+    if config.get("export_hf"):  # at the start, not after the run
+      models.hf.check_exportable(self.cfg)
     self.domains = run_domains(config)
     self.algo = algorithm(config)
     if self.step_tokens and self.algo.dynamic_sampling:

@@ -406,3 +406,39 @@ def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_pat
   assert loaded.cfg.lora_rank == 4 and nnx.state(loaded, nnx.LoRAParam)
   tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
   np.testing.assert_allclose(loaded(tokens), saved(tokens), atol=1e-5)
+
+
+MOE = {"model.overrides.num_experts": 4, "model.overrides.num_experts_per_tok": 2,
+       "model.overrides.architecture": "MixtralForCausalLM"}
+
+
+def test_mixture_of_experts_run_trains_and_exports_per_expert_files(tmp_path):
+  """SFT then RL on a mixture-of-experts policy over the 8-device mesh; export_hf writes
+  Mixtral files that load back as the trained policy."""
+  from flax import nnx
+
+  from posttrain import models
+  extra = {**MOE, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
+           "eval.seeds_per_domain": 0}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  rl_rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rl_rows) == 2 and all(np.isfinite(r["grad_norm"]) for r in rl_rows)
+  params, _, _ = _final_params(str(tmp_path), extra)
+  assert params["layers"][0]["mlp"]["gate_proj"].shape == (4, 32, 64)
+  cfg = trainer.model_config(_config(**extra))
+  model = models.create_model(cfg)
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
+  nnx.update(model, state)
+  exported = models.from_pretrained(str(tmp_path / "hf"))
+  assert exported.cfg.num_experts == 4 and exported.cfg.architecture == "MixtralForCausalLM"
+  tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
+  np.testing.assert_allclose(exported(tokens), model(tokens), atol=1e-4)
+
+
+def test_an_export_the_architecture_cannot_hold_fails_first(tmp_path):
+  extra = {**MOE, "model.overrides.architecture": "LlamaForCausalLM",
+           "export_hf": str(tmp_path / "hf")}
+  with pytest.raises(ValueError, match="a mixture of experts is written as one of"):
+    trainer.train(_config(**extra), str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints")

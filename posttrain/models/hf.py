@@ -113,7 +113,35 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   return {}
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+  """Raises ValueError when `cfg.architecture`'s Hugging Face class cannot hold the model
+  (the class implies q/k norms, q/k/v biases and whether the MLPs are experts), so that
+  `save_pretrained` never writes files that load as another function."""
+  arch = cfg.architecture
+  if arch not in SUPPORTED:
+    raise ValueError(f"architecture={arch!r} cannot be written; expected one of "
+                     f"{list(SUPPORTED)}")
+  moe = arch in _MOE_NAMES
+  if moe != bool(cfg.num_experts):
+    raise ValueError(
+        f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
+        f"written as one of {sorted(_MOE_NAMES)}, a dense model as one of "
+        f"{[a for a in SUPPORTED if a not in _MOE_NAMES]}")
+  qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+  if qk_norm != cfg.qk_norm:
+    raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
+                     f"{'always has' if qk_norm else 'has no'} q/k norms")
+  if arch == "Qwen2ForCausalLM" and not cfg.qkv_bias:
+    raise ValueError("qkv_bias=False cannot be written as Qwen2ForCausalLM, which always "
+                     "has q/k/v biases")
+  if arch == "MixtralForCausalLM" and (cfg.qkv_bias or not cfg.norm_topk_prob):
+    raise ValueError("MixtralForCausalLM has no q/k/v biases and always renormalises the "
+                     f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="
+                     f"{cfg.norm_topk_prob})")
+
+
 def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  check_exportable(cfg)
   rope = cfg.rope
   scaling = None
   if rope.type != "default":
