@@ -1,4 +1,5 @@
-"""Attention kernels for JAX: reference, chunked, Pallas flash, ring and decode attention.
+"""Attention kernels for JAX: reference, chunked, Pallas flash, ring and decode attention;
+and the grouped matmul of a mixture of experts.
 
 Imports jax only. Backends are chosen at call time, never at import: `import kernels`
 initialises no device and imports no Pallas GPU / TPU lowering.
@@ -17,6 +18,7 @@ from kernels.attention import (
 from kernels.chunked_attention import chunked_attention
 from kernels.decode_attention import decode_attention, quantize_int8
 from kernels.flash_attention import flash_attention
+from kernels.grouped_matmul import grouped_matmul, grouped_weight_grad
 from kernels.reference import (
     attention_block,
     attention_block_grad,
@@ -51,6 +53,8 @@ __all__ = [
     "flash_attention",
     "flash_block_kernel",
     "from_zigzag",
+    "grouped_matmul",
+    "grouped_weight_grad",
     "gpu_target",
     "merge_attention",
     "quantize_int8",

@@ -485,19 +485,20 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) [N, D] float32, dropless.
 
   The N * k (token, expert) pairs are sorted by expert and each expert's run goes through
-  its weights with `jax.lax.ragged_dot` (a grouped matmul on TPU and GPU; XLA:CPU expands
-  it densely). No capacity: no token is dropped, whatever the routing. With F split
+  its weights with `kernels.grouped_matmul` (`jax.lax.ragged_dot`, a grouped-matmul
+  kernel on TPU, and a Pallas kernel for the weight gradient there; XLA:CPU expands it
+  densely). No capacity: no token is dropped, whatever the routing. With F split
   (each device holding a slice of every expert), the result is that slice's share.
   """
+  import kernels
   n, k = experts_NxK.shape
   flat = experts_NxK.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=gate_ExDxF.shape[0]).astype(jnp.int32)
   x_sorted = jnp.take(x_NxD, order // k, axis=0)
-  gate = jax.lax.ragged_dot(x_sorted, gate_ExDxF, sizes)
-  up = jax.lax.ragged_dot(x_sorted, up_ExDxF, sizes)
-  y_sorted = jax.lax.ragged_dot(swiglu(gate, up), down_ExFxD, sizes,
-                                preferred_element_type=jnp.float32)
+  gate = kernels.grouped_matmul(x_sorted, gate_ExDxF, sizes)
+  up = kernels.grouped_matmul(x_sorted, up_ExDxF, sizes)
+  y_sorted = kernels.grouped_matmul(swiglu(gate, up), down_ExFxD, sizes, jnp.float32)
   # Back to token order (a gather by the inverse permutation; its gradient is a gather too).
   y = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, k, -1)
   return jnp.einsum("NKD,NK->ND", y, weights_NxK.astype(jnp.float32))
