@@ -2,8 +2,8 @@
 mixture-of-experts Qwen3-MoE / Mixtral (Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
-H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names (`logical_axes` metadata);
-`posttrain.models.sharding` maps them to mesh axes.
+H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names
+(`logical_axes` metadata); `posttrain.models.sharding` maps them to mesh axes.
 """
 
 from __future__ import annotations
