@@ -133,6 +133,9 @@ class ModelConfig:
     num_experts_per_tok: experts each token runs (top-k of the router's softmax).
     norm_topk_prob: rescale the top-k router probabilities to sum to one (Mixtral always
       does; Qwen3-MoE says so in its config.json).
+    router_aux_loss_coef: weight of the load-balancing loss the train step adds for a
+      mixture (`transformers`' aux loss over every layer's tokens; 0: none). Read from
+      config.json when it has output_router_logits=true, as `transformers` trains.
   """
 
   vocab_size: int
@@ -169,6 +172,7 @@ class ModelConfig:
   num_experts: int = 0
   num_experts_per_tok: int = 0
   norm_topk_prob: bool = True
+  router_aux_loss_coef: float = 0.0
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -204,6 +208,12 @@ class ModelConfig:
                          f"[1, num_experts={self.num_experts}]")
     elif self.num_experts_per_tok:
       raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} needs num_experts > 0")
+    if not 0.0 <= self.router_aux_loss_coef < float("inf"):
+      raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got "
+                       f"{self.router_aux_loss_coef!r}")
+    if self.router_aux_loss_coef and not self.num_experts:
+      raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} needs a mixture of "
+                       "experts (num_experts > 0)")
     if int(self.lora_rank) != self.lora_rank or self.lora_rank < 0:
       raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {self.lora_rank}")
     if self.lora_rank:

@@ -103,14 +103,22 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     return {"num_experts": int(c.get("num_experts") or c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]),
             "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
-            "ffn_dim": int(c["moe_intermediate_size"])}
+            "ffn_dim": int(c["moe_intermediate_size"]), **_aux_loss_from_hf(c)}
   if arch == "MixtralForCausalLM":
     if c.get("sliding_window") is not None:
       raise ValueError(f"sliding_window={c['sliding_window']!r} in config.json is not "
                        "supported (expected null)")
     return {"num_experts": int(c["num_local_experts"]),
-            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True}
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
+            **_aux_loss_from_hf(c)}
   return {}
+
+
+def _aux_loss_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+  """`transformers` adds router_aux_loss_coef x the aux loss only with output_router_logits."""
+  if not c.get("output_router_logits"):
+    return {}
+  return {"router_aux_loss_coef": float(c.get("router_aux_loss_coef", 0.001))}
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -170,11 +178,13 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   if cfg.architecture == "Qwen3MoeForCausalLM":
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
-               decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
-               output_router_logits=False)
+               decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
   elif cfg.architecture == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-               sliding_window=None, output_router_logits=False)
+               sliding_window=None)
+  if cfg.num_experts:
+    out.update(output_router_logits=cfg.router_aux_loss_coef > 0,
+               router_aux_loss_coef=cfg.router_aux_loss_coef)
   return out
 
 

@@ -470,15 +470,34 @@ class MLP(nnx.Module):
     return y_NxD.reshape(b, t, d)
 
 
-def route(x_NxD, router_DxE, top_k: int, normalize: bool):
+def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = False):
   """(weights [N, k] float32, experts [N, k] int32): each token's top-k experts by the
-  router's softmax (in float32), the weights rescaled to sum to one with `normalize`."""
+  router's softmax (in float32), the weights rescaled to sum to one with `normalize`;
+  with `return_probs` also the softmax [N, E]."""
   logits = jnp.einsum("ND,DE->NE", x_NxD, router_DxE.astype(x_NxD.dtype),
                       preferred_element_type=jnp.float32)
-  weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+  probs = jax.nn.softmax(logits, axis=-1)
+  weights, experts = jax.lax.top_k(probs, top_k)
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, experts.astype(jnp.int32)
+  return (weights, experts.astype(jnp.int32)) + ((probs,) if return_probs else ())
+
+
+class RouterStats(NamedTuple):
+  """Sums over a layer's (or layers') tokens for the load-balancing loss: assignments
+  per expert [E] (each token counts its k experts), router probabilities per expert [E],
+  and tokens []. Padding tokens count nothing."""
+
+  assigned: jax.Array
+  probs: jax.Array
+  tokens: jax.Array
+
+
+def load_balancing_loss(stats: RouterStats, num_experts: int) -> jax.Array:
+  """E * sum_e (assigned_e / tokens) (probs_e / tokens), over every layer's tokens pooled,
+  as `transformers` computes a mixture's aux loss (uniform routing gives k)."""
+  n = jnp.maximum(stats.tokens, 1.0)
+  return num_experts * jnp.sum((stats.assigned / n) * (stats.probs / n))
 
 
 def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD):
@@ -524,46 +543,61 @@ class MoE(nnx.Module):
     self.up_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
     self.down_proj = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, std=std)
 
-  def __call__(self, x_BxTxD, ctx: ShardingContext):
+  def __call__(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT=None,
+               router_stats: bool = False):
+    """[B, T, D]; with `router_stats`, also this layer's `RouterStats` over every
+    device's tokens (segment id 0 = padding, not counted)."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     b, t, d = x_BxTxD.shape
     weights = [w[...].astype(dt) for w in (self.router, self.gate_proj, self.up_proj,
                                            self.down_proj)]
+    if segment_ids_BxT is None:
+      segment_ids_BxT = jnp.ones((b, t), jnp.int32)
     mesh = ctx.mesh
+    token_axes, f_axes = (), ()
     if mesh is not None and mesh.size > 1:
       from posttrain.models.sharding import logical_to_spec
       tokens = logical_to_spec(("batch", "length"), ctx.rules, mesh, (b, t))
-      used = {a for entry in tokens if entry for a in ((entry,) if isinstance(entry, str)
-                                                       else entry)}
+      token_axes = tuple(a for entry in tokens if entry
+                         for a in ((entry,) if isinstance(entry, str) else entry))
       f_entry = logical_to_spec(("mlp",), ctx.rules, mesh, (cfg.ffn_dim,))[0]
       f_axes = tuple(a for a in ((f_entry,) if isinstance(f_entry, str) else f_entry or ())
-                     if a not in used)
-    else:
-      f_axes = ()
+                     if a not in token_axes)
 
-    def local(x, router, gate, up, down):
+    def local(x, segment_ids, router, gate, up, down):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
+      w, e, probs = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                          return_probs=True)
       if f_axes:
         # Each device runs its slice of F from here on: marked so, the backward sums the
         # slices' input gradients once, over [N, D] tokens, not over the sorted [N k, D]
         # rows of each projection.
         x_NxD = jax.lax.pcast(x_NxD, f_axes, to="varying")
-      w, e = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
       y = expert_mlps(x_NxD, w, e, gate, up, down)
       if f_axes:
         y = jax.lax.psum(y, f_axes)
-      return y.astype(dt).reshape(lb, lt, d)
+      y = y.astype(dt).reshape(lb, lt, d)
+      if not router_stats:
+        return y
+      keep = (segment_ids.reshape(-1) > 0).astype(jnp.float32)
+      stats = RouterStats(
+          jnp.einsum("NKE,N->E", jax.nn.one_hot(e, cfg.num_experts, dtype=jnp.float32), keep),
+          jnp.einsum("NE,N->E", probs, keep), jnp.sum(keep))
+      return y, (jax.lax.psum(stats, token_axes) if token_axes else stats)
 
     if mesh is None or mesh.size == 1:
-      return local(x_BxTxD, *weights)
+      return local(x_BxTxD, segment_ids_BxT, *weights)
     from jax.sharding import PartitionSpec as P
     from kernels.attention import place
     f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
     x_spec = P(*tokens, None)
-    specs = (x_spec, P(), P(None, None, f_spec), P(None, None, f_spec), P(None, f_spec, None))
-    args = [place(a, mesh, spec) for a, spec in zip([x_BxTxD, *weights], specs)]
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec,
+    specs = (x_spec, P(*tokens), P(), P(None, None, f_spec), P(None, None, f_spec),
+             P(None, f_spec, None))
+    args = [place(a, mesh, spec)
+            for a, spec in zip([x_BxTxD, segment_ids_BxT, *weights], specs)]
+    out_specs = (x_spec, RouterStats(P(), P(), P())) if router_stats else x_spec
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
                          check_vma=True)(*args)
 
 
@@ -577,10 +611,14 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
 
   def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
-               layer=None):
+               layer=None, router_stats: bool = False):
+    """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats)."""
     h, new_cache = self.attn(self.input_norm(x), cos, sin, segment_ids, cache, positions, ctx,
                              prefill, layer)
     x = x + h
+    if router_stats:
+      h, stats = self.mlp(self.post_attn_norm(x), ctx, segment_ids, router_stats=True)
+      return ctx.constrain(x + h, ("batch", "length", "embed")), new_cache, stats
     x = x + self.mlp(self.post_attn_norm(x), ctx)
     return ctx.constrain(x, ("batch", "length", "embed")), new_cache
 
@@ -622,8 +660,9 @@ class Transformer(nnx.Module):
 
   def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
                     cache: list[KVCache] | None = None, ctx: ShardingContext = _NO_SHARDING,
-                    prefill: bool = False):
-    """Final-normed hidden states [B, T, D] (and the updated cache when one is given).
+                    prefill: bool = False, router_loss: bool = False):
+    """Final-normed hidden states [B, T, D] (and the updated cache when one is given; or
+    with `router_loss`, a mixture's `load_balancing_loss` over every layer and token).
 
     Args:
       tokens_BxT: int token ids.
@@ -641,6 +680,9 @@ class Transformer(nnx.Module):
       raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxT.shape}")
     if prefill and cache is None:
       raise ValueError("prefill=True needs a cache to fill")
+    if router_loss and (cache is not None or not cfg.num_experts):
+      raise ValueError("router_loss=True needs a mixture of experts (num_experts > 0) and "
+                       "no cache")
     if cache is not None and cfg.scan_layers != isinstance(cache, KVCache):
       raise ValueError(
           "cache layout does not match the model: scan_layers models take one KVCache "
@@ -653,21 +695,27 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(_dtype(cfg.dtype))
     x = ctx.constrain(x, ("batch", "length", "embed"))
     cos, sin = rope_lib.rope_tables(positions_BxT, self._inv_freq, self._rope_scaling)
+    stats = None
     if cfg.scan_layers:
-      x, new_caches = _scan_blocks(self.layers, x, cos, sin, segment_ids_BxT, cache,
-                                   positions_BxT, ctx, prefill, cfg.remat)
+      x, new_caches, stats = _scan_blocks(self.layers, x, cos, sin, segment_ids_BxT, cache,
+                                          positions_BxT, ctx, prefill, cfg.remat, router_loss)
     else:
       new_caches = []
       for i, block in enumerate(self.layers):
         layer_cache = None if cache is None else cache[i]
         if cfg.remat != "none" and cache is None:
-          x, c = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
-                              cfg.remat)
+          out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
+                             cfg.remat, router_loss)
         else:
-          x, c = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
-                       prefill)
+          out = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
+                      prefill, router_stats=router_loss)
+        x, c = out[:2]
+        if router_loss:
+          stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
         new_caches.append(c)
     h = self.final_norm(x)
+    if router_loss:
+      return h, load_balancing_loss(stats, cfg.num_experts)
     return (h, new_caches) if cache is not None else h
 
   def unembed(self) -> jax.Array:
@@ -710,14 +758,16 @@ class Transformer(nnx.Module):
     return jnp.einsum("BTD,D->BT", h.astype(jnp.float32), self.value_w[...]) + self.value_b[...]
 
 
-def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name):
+def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
+                 router_stats: bool = False):
   # The block is split into a pure pytree and merged inside the checkpointed function,
   # so it also works when the caller merged the model outside an enclosing trace (a
   # lax.scan over micro-batches): nnx.remat would refuse to touch such variables.
   graphdef, state = nnx.split(block)
 
   def run(state, x, cos, sin, segment_ids, positions):
-    return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, None, positions, ctx)
+    return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, None, positions, ctx,
+                                      router_stats=router_stats)
 
   fn = jax.checkpoint(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
   return fn(state, x, cos, sin, segment_ids, positions)
@@ -741,9 +791,10 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
 
 def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx, prefill,
-                 remat: str):
+                 remat: str, router_stats: bool = False):
   """Runs the stacked layers as one `lax.scan`: the program holds one layer's body,
   whatever the depth, so compile time and program size do not grow with layers.
+  Returns (x, cache, the layers' RouterStats summed with `router_stats`, else None).
 
   The cache, when given, stacks the layers and travels in the carry: each layer writes
   its slots in place (`write_cache(..., layer=i)`).
@@ -752,7 +803,7 @@ def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx,
 
   def run(state, x, cache, i):
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, cache, positions, ctx,
-                                      prefill, i)
+                                      prefill, i, router_stats=router_stats and cache is None)
 
   if cache is None:
     if remat != "none":
@@ -760,10 +811,12 @@ def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx,
       run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat], prevent_cse=False)
 
     def body(x, layer_state):
-      return run(layer_state, x, None, None)[0], None
+      out = run(layer_state, x, None, None)
+      return out[0], (out[2] if router_stats else None)
 
-    x, _ = jax.lax.scan(body, x, state)
-    return x, None
+    x, stats = jax.lax.scan(body, x, state)
+    return x, None, (jax.tree.map(lambda s: jnp.sum(s, axis=0), stats) if router_stats
+                     else None)
 
   def body_cached(carry, layer_state):
     x, cache, i = carry
@@ -771,7 +824,7 @@ def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx,
     return (x, cache, i + 1), None
 
   (x, cache, _), _ = jax.lax.scan(body_cached, (x, cache, jnp.int32(0)), state)
-  return x, cache
+  return x, cache, None
 
 
 def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,

@@ -133,15 +133,24 @@ def _value_head(model: models.Transformer, h_BxTxD):
 
 
 def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, *,
-             temperature: float, with_values: bool, with_entropy: bool):
-  """(log-probs, entropies or None, values or None) [B, T] from one trunk pass."""
+             temperature: float, with_values: bool, with_entropy: bool,
+             with_router_loss: bool = False):
+  """(log-probs, entropies or None, values or None) [B, T] from one trunk pass; with
+  `with_router_loss`, a fourth entry: the mixture's load-balancing loss (else None)."""
   cfg = model.cfg
-  h = _hidden(model, mb, ctx)
+  aux = None
+  if with_router_loss:
+    h, aux = model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"),
+                                 ctx=ctx, router_loss=True)
+  else:
+    h = _hidden(model, mb, ctx)
   out = models.chunked_logprobs(h, model.unembed(), mb["targets"], chunk=cfg.logprob_chunk,
                                 return_entropy=with_entropy, temperature=temperature,
                                 compute_dtype=jnp.dtype(cfg.dtype), ctx=ctx)
   logprobs, entropies = out if with_entropy else (out, None)
   values = _value_head(model, h) if with_values else None
+  if with_router_loss:
+    return logprobs, entropies, values, aux
   return logprobs, entropies, values
 
 
@@ -315,17 +324,26 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                               with_entropy=False)
     return jax.lax.stop_gradient(logprobs)
 
-  def microbatch_loss(trainable, mb, denominator, frozen):
+  aux_coef = float(model_cfg.router_aux_loss_coef)
+
+  def microbatch_loss(trainable, mb, denominator, frozen, micro_share):
     params, critic_params = trainable
     model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
-    logprobs, entropies, values = _forward(
-        model, mb, ctx, temperature=temperature,
-        with_values=loss_cfg.use_critic and not separate_critic, with_entropy=True)
+    out = _forward(model, mb, ctx, temperature=temperature,
+                   with_values=loss_cfg.use_critic and not separate_critic, with_entropy=True,
+                   with_router_loss=aux_coef > 0)
+    logprobs, entropies, values = out[:3]
+    aux = out[3] if aux_coef > 0 else None
     if separate_critic:
       critic = nnx.merge(critic_graphdef, critic_params, critic_rest)
       values = _value_head(critic, _hidden(critic, mb, ctx))
-    return losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
-                          entropies=entropies, values=values)
+    loss, metrics = losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
+                                   entropies=entropies, values=values)
+    if aux is None:
+      return loss, metrics
+    # A mixture's load-balancing loss, averaged over the micro-batches.
+    return (loss + aux_coef * micro_share * aux,
+            {**metrics, "loss/router_aux": losses.Metric.mean(aux, 1.0)})
 
   grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
@@ -343,7 +361,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     def micro_grad(mb):
       if reference is not None:
         mb = {**mb, "ref_logprobs": reference_logprobs(reference, mb)}
-      return grad_fn(trainable, mb, denominator, frozen)
+      return grad_fn(trainable, mb, denominator, frozen, 1.0 / num_micro)
 
     def accumulate(carry, mb):
       grads_sum, loss_sum = carry

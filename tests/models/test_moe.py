@@ -254,3 +254,40 @@ def test_sampler_draws_what_the_model_computes(model, shape):
     seq = np.asarray([p + out.token_lists()[i]])
     ref = logprobs(state, seq, np.roll(seq, -1, axis=1))[0, len(p) - 1:-1]
     np.testing.assert_allclose(out.logprobs[i, :out.lengths[i]], ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [None, (1, 2, 4, 1), (2, 2, 2, 1)])
+def test_load_balancing_loss_and_its_gradient_on_a_mesh_and_scanned(model, shape):
+  """The router loss pools every layer's and every device's tokens (padding excluded):
+  the same value and router gradients sharded, and with the layers scanned."""
+  tokens = _tokens(4, 10, seed=3)
+  segments = jnp.ones((4, 10), jnp.int32).at[1, 6:].set(0)
+
+  def loss_and_grad(m, mesh):
+    graphdef, state = nnx.split(m)
+    ctx = models.ShardingContext(mesh)
+
+    def loss(state):
+      return nnx.merge(graphdef, state).hidden_states(tokens, segment_ids_BxT=segments,
+                                                      ctx=ctx, router_loss=True)[1]
+    value, grads = jax.jit(jax.value_and_grad(loss))(state)
+    return value, nnx.to_pure_dict(grads)
+
+  want, want_grads = loss_and_grad(model, None)
+  assert 1.9 < float(want) < 3.0  # k = 2 for uniform routing, more when lopsided
+  mesh = None if shape is None else models.make_mesh(shape)
+  placed = model if mesh is None else models.create_model(CFG, mesh=mesh, seed=1)
+  got, grads = loss_and_grad(models.relayout(placed, scan_layers=True), mesh)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for i in range(CFG.num_layers):
+    np.testing.assert_allclose(grads["layers"]["mlp"]["router"][i],
+                               want_grads["layers"][i]["mlp"]["router"], atol=1e-6, rtol=1e-4)
+  # Padding counts nothing: the loss of the unpadded tokens alone.
+  _, alone = model.hidden_states(tokens[1:2, :6], router_loss=True)
+  _, padded = model.hidden_states(tokens[1:2], segment_ids_BxT=segments[1:2], router_loss=True)
+  np.testing.assert_allclose(padded, alone, rtol=1e-5)
+  with pytest.raises(ValueError, match="router_loss=True needs a mixture of experts"):
+    models.create_model(CFG.replace(num_experts=0, num_experts_per_tok=0)).hidden_states(
+        tokens, router_loss=True)
+  with pytest.raises(ValueError, match="router_aux_loss_coef=0.1 needs a mixture"):
+    CFG.replace(num_experts=0, num_experts_per_tok=0, router_aux_loss_coef=0.1)

@@ -119,3 +119,26 @@ def test_a_missing_expert_is_named(tmp_path):
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
   with pytest.raises(ValueError, match=r"is missing tensors.*experts\.3\.w1"):
     models.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_load_balancing_loss_matches_transformers_aux_loss(tmp_path, family):
+  """The train step's router loss is `transformers`' aux_loss, padding masked out; a
+  config.json that trains with it (output_router_logits) sets router_aux_loss_coef."""
+  hf = _hf_model(family, output_router_logits=True, router_aux_loss_coef=0.02)
+  hf.save_pretrained(tmp_path)
+  ours = models.from_pretrained(str(tmp_path))
+  assert ours.cfg.router_aux_loss_coef == 0.02
+  mask = np.ones(TOKENS.shape, np.int64)
+  mask[1, 11:] = 0
+  for attention_mask in (None, mask):
+    with torch.no_grad():
+      want = float(hf(torch.tensor(TOKENS), attention_mask=None if attention_mask is None
+                      else torch.tensor(attention_mask)).aux_loss)
+    segments = None if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
+    _, got = ours.hidden_states(jnp.asarray(TOKENS), segment_ids_BxT=segments,
+                                router_loss=True)
+    assert abs(float(got) - want) <= 1e-5 * want
+  models.save_pretrained(ours, str(tmp_path / "b"))
+  again = json.loads((tmp_path / "b" / "config.json").read_text())
+  assert again["output_router_logits"] and again["router_aux_loss_coef"] == 0.02
