@@ -57,6 +57,21 @@ def _launch(workdir, *args, **kwargs):
                           stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
+def _assert_export_is_the_policy(workdir, cfg_extra, params):
+  """The model export_hf wrote to WORKDIR/hf computes what `params` (a checkpoint's) do."""
+  from flax import nnx
+
+  from posttrain import models
+  model = models.create_model(trainer.model_config(_config(**cfg_extra)))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
+  nnx.update(model, state)
+  exported = models.from_pretrained(str(workdir / "hf"))
+  tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
+  np.testing.assert_allclose(exported(tokens), model(tokens), atol=1e-4)
+  return exported
+
+
 def _final_params(workdir, cfg_extra=None):
   """Params of the newest checkpoint, on one device, as numpy."""
   c = _config(**(cfg_extra or {}))
@@ -363,7 +378,6 @@ def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path
   merged into plain Hugging Face weights."""
   from flax import nnx
 
-  from posttrain import models
   extra = {**LORA, "rl.kl_coef": 0.1, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
            "eval.seeds_per_domain": 0}
   assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
@@ -371,15 +385,8 @@ def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path
   assert len(rl_rows) == 2 and rl_rows[0]["kl"] == 0.0
   params, _, step = _final_params(str(tmp_path), extra)
   assert step == 4
-  cfg = trainer.model_config(_config(**extra))
-  model = models.create_model(cfg)
-  state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
-  nnx.update(model, state)
-  exported = models.from_pretrained(str(tmp_path / "hf"))
+  exported = _assert_export_is_the_policy(tmp_path, extra, params)
   assert exported.cfg.lora_rank == 0
-  tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
-  np.testing.assert_allclose(exported(tokens), model(tokens), atol=1e-4)
   # Resuming restores the adapters' optimizer state and goes on from the same base.
   again = trainer.train(_config(**{**extra, "train.rl_steps": 3}), str(tmp_path))
   assert again["status"] == "done" and again["rl_steps"] == 3
@@ -415,9 +422,6 @@ MOE = {"model.overrides.num_experts": 4, "model.overrides.num_experts_per_tok": 
 def test_mixture_of_experts_run_trains_and_exports_per_expert_files(tmp_path):
   """SFT then RL on a mixture-of-experts policy over the 8-device mesh; export_hf writes
   Mixtral files that load back as the trained policy."""
-  from flax import nnx
-
-  from posttrain import models
   extra = {**MOE, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
            "eval.seeds_per_domain": 0}
   assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
@@ -425,15 +429,8 @@ def test_mixture_of_experts_run_trains_and_exports_per_expert_files(tmp_path):
   assert len(rl_rows) == 2 and all(np.isfinite(r["grad_norm"]) for r in rl_rows)
   params, _, _ = _final_params(str(tmp_path), extra)
   assert params["layers"][0]["mlp"]["gate_proj"].shape == (4, 32, 64)
-  cfg = trainer.model_config(_config(**extra))
-  model = models.create_model(cfg)
-  state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
-  nnx.update(model, state)
-  exported = models.from_pretrained(str(tmp_path / "hf"))
+  exported = _assert_export_is_the_policy(tmp_path, extra, params)
   assert exported.cfg.num_experts == 4 and exported.cfg.architecture == "MixtralForCausalLM"
-  tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
-  np.testing.assert_allclose(exported(tokens), model(tokens), atol=1e-4)
 
 
 def test_an_export_the_architecture_cannot_hold_fails_first(tmp_path):

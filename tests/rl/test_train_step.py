@@ -169,21 +169,26 @@ def test_scanned_layers_give_the_same_sharded_step():
   assert_trees_close(pb["embed"], pa["embed"], atol=1e-5)
 
 
-def test_eight_devices_match_one_device():
+def two_sgd_steps(cfg, mesh, rows):
+  """(start params, state after two GRPO + TIS steps of SGD 0.5, their metrics, batch)."""
   algo = presets.algorithm_config("grpo", tis_cap=2.0)
   optimizer = optax.sgd(0.5)
-  rows = packed_rows(3)
-  results = []
-  for mesh in (one_device_mesh(), models.make_mesh((1, 2, 4, 1))):
-    step = ts.make_train_step(CFG, algo, optimizer, mesh=mesh)
-    state = fresh_state(CFG, optimizer, mesh)
-    batch = add_learner_logprobs(microbatched(rows, 2), state.params, CFG, mesh, seed=4)
-    history = []
-    for _ in range(2):
-      state, metrics = step(state, batch)
-      history.append(metrics)
-    results.append((state, history, batch["ref_logprobs"]))
-  (state_1, hist_1, ref_1), (state_8, hist_8, ref_8) = results
+  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh)
+  state = fresh_state(cfg, optimizer, mesh)
+  start = state_lib.frozen_copy(state.params)  # the step donates the state
+  batch = add_learner_logprobs(microbatched(rows, 2), state.params, cfg, mesh, seed=4)
+  history = []
+  for _ in range(2):
+    state, metrics = step(state, batch)
+    history.append(metrics)
+  return start, state, history, batch
+
+
+def test_eight_devices_match_one_device():
+  results = [two_sgd_steps(CFG, mesh, packed_rows(3))
+             for mesh in (one_device_mesh(), models.make_mesh((1, 2, 4, 1)))]
+  (_, state_1, hist_1, batch_1), (_, state_8, hist_8, batch_8) = results
+  ref_1, ref_8 = batch_1["ref_logprobs"], batch_8["ref_logprobs"]
   np.testing.assert_allclose(ref_8, ref_1, atol=1e-5)
   embed = state_8.params["embed"][...]
   assert len(embed.sharding.device_set) == 8
