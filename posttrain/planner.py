@@ -16,7 +16,8 @@ Components (all per device):
   reference    a frozen copy of the params when the algorithm has a KL term (kl_coef > 0);
                none with LoRA adapters (the reference is the base weights in params).
   gradients    one tree the size of the trained params (all of them, or the LoRA
-               adapters), two when a step accumulates over micro-batches.
+               adapters), two when a step accumulates over micro-batches; then a
+               mixture's trained experts once more, as XLA:TPU holds them.
   activations  what the backward pass of one micro-batch holds (see `activation_bytes`).
   head         the log-prob head's slice of the output projection when its D axis is split
                over the mesh (fsdp), its gradient when trained, and one chunk's hidden
@@ -62,6 +63,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from posttrain import experiment, models
 from posttrain.rl import state as rl_state
+from posttrain.rl import train_step as rl_train_step
 from posttrain.models.config import REMAT_POLICIES
 from posttrain.models.transformer import CACHE_AXES
 from posttrain.sampling.sampler import default_length_bucket, refill_rows
@@ -254,16 +256,27 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   heads, H = head_dim, T = kv_len, c = attention_chunk. Norm internals, RoPE tables and
   attention scores are float32 (4 bytes) whatever the compute dtype:
 
-    none                     s(4D + 2NH + 2KH + 3F) + 4(4D + 4H + N) + attention
+    none                     s(4D + 2NH + 2KH) + MLP + 4(4D + 4H + N) + attention
                                attention: reference 4(2NT) + NT (scores, probs, mask)
-    dots                     s(2D + NH + 2KH + 2F) + batched attention matmuls:
+    dots                     s(2D + NH + 2KH) + MLP dots + batched attention matmuls:
                                reference 4NT + s NH, chunked 4(NT + NH T/c)
-    dots_with_no_batch_dims  s(2D + NH + 2KH + 2F)    (the weight matmuls + block input)
-    full                     s D                       (the block input)
+    dots_with_no_batch_dims  s(2D + NH + 2KH) + MLP dots   (the weight matmuls + block input)
+    full                     s D                            (the block input)
 
   Fitted to what JAX saves (`jax.ad_checkpoint.print_saved_residuals`); flash and ring
-  attention keep O(N) per token. The MLP keeps gate, up and their SwiGLU product (3F):
-  `models.transformer.swiglu` recomputes the sigmoid in its backward.
+  attention keep O(N) per token. A dense MLP keeps gate, up and their SwiGLU product,
+  MLP = 3sF (`models.transformer.swiglu` recomputes the sigmoid in its backward), and its
+  dots gate and up, MLP dots = 2sF. A mixture of E experts, k a token, F each expert's
+  shard (`models.transformer.expert_mlps`) keeps per token
+
+    MLP = s(kD + 3kF) + 4(kD + E + 5k + 4)
+      the k sorted input rows and each row's gate, up and product; the float32 expert
+      outputs back in token order; the float32 router probabilities; the top-k weights
+      (before and after normalising), expert ids and the two permutations (4 bytes each);
+      four float32 softmax / normaliser columns
+    MLP dots = 4E   the router's float32 logits only: the experts' grouped matmuls
+      (`kernels.grouped_matmul`, `ragged_dot`) are no dot_general, so the dots policies
+      save none of them: the backward reruns the experts' forward (sort, gate / up / down).
   """
   d, hd = model_cfg.d_model, model_cfg.head_dim
   nh, kh, n, t = heads * hd, kv_heads * hd, heads, kv_len
@@ -271,8 +284,9 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   impl = model_cfg.attention_impl
   if remat == "none":
     attn = 4 * 2 * n * t + n * t if impl == "reference" else 0
-    return s * (4 * d + 2 * nh + 2 * kh + 3 * mlp) + 4 * (4 * d + 4 * hd + n) + attn
-  weight_matmuls = s * (2 * d + nh + 2 * kh + 2 * mlp)
+    return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
+            + 4 * (4 * d + 4 * hd + n) + attn)
+  weight_matmuls = s * (2 * d + nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
   if remat == "dots":
     if impl == "reference":
       return weight_matmuls + 4 * n * t + s * nh
@@ -284,6 +298,17 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   if remat == "full":
     return s * d
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
+def _mlp_kept(cfg: models.ModelConfig, remat: str, mlp: int) -> int:
+  """The MLP's share of `layer_activation_bytes` (remat none or a dots policy)."""
+  s = np.dtype(cfg.dtype).itemsize
+  if not cfg.num_experts:
+    return s * (3 if remat == "none" else 2) * mlp
+  e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.d_model
+  if remat == "none":
+    return s * (k * d + 3 * k * mlp) + 4 * (k * d + e + 5 * k + 4)
+  return 4 * e
 
 
 def fused_dq_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -328,21 +353,31 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
 
     tokens * (layers * layer_activation_bytes + 2sD + 4(2D + H) + 8) [+ s D V if tied]
 
+    [+ layers * (4E [+ s(3EDF + DE) on a mesh])    a mixture without remat]
+
   the second term outside the layers: embedding output, final norm, the hidden state the
   chunked log-prob pass reads, RoPE tables, int32 positions and targets; tied embeddings
   also keep the transposed output projection. tokens = one device's share of the
-  micro-batch (rows over the batch axes, row_len over `sequence`).
+  micro-batch (rows over the batch axes, row_len over `sequence`). Without remat, a
+  mixture keeps each layer's int32 group sizes [E] and, on a mesh, the experts and
+  router its `shard_map` was given (D gathered over fsdp, F split): 1.1 GiB a layer for
+  Qwen3-30B-A3B on one tensor shard, which any remat policy gathers again in the
+  backward instead.
   """
   cfg = model_cfg
-  b, t, heads, kv_heads, mlp, _ = _activation_shards(cfg, rows, row_len, mesh, rules)
-  per_layer = layer_activation_bytes(cfg, remat or cfg.remat, heads=heads, kv_heads=kv_heads,
-                                     mlp=mlp, kv_len=row_len)
+  remat = remat or cfg.remat
+  b, t, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
+  per_layer = layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads, mlp=mlp,
+                                     kv_len=row_len)
   s = np.dtype(cfg.dtype).itemsize
   outside = 2 * s * cfg.d_model + 4 * (2 * cfg.d_model + cfg.head_dim) + 8
   # Tied embeddings: the transposed [D, V] output projection is a residual of its own.
-  vocab = _activation_shards(cfg, rows, row_len, mesh, rules)[5]
   unembed = s * cfg.d_model * vocab if cfg.tie_embeddings else 0
-  return int(b * t * (cfg.num_layers * per_layer + outside) + unembed)
+  experts = 0
+  if cfg.num_experts and remat == "none":
+    weights = _mlp_weight_bytes(cfg, mlp) if mesh.size > 1 else 0
+    experts = cfg.num_layers * (4 * cfg.num_experts + weights)
+  return int(b * t * (cfg.num_layers * per_layer + outside) + unembed + experts)
 
 
 def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -357,8 +392,24 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     + 2 * gathered layer          with D split over fsdp: two layers' weights gathered in
                                   the compute dtype (the layer differentiated and the
                                   next); XLA:TPU held 0.8 GiB beyond the rest of this
-                                  formula for Llama 3 8B, LoRA and full fine-tune alike
+                                  formula for Llama 3 8B, LoRA and full fine-tune alike;
+                                  a mixture's layer is every expert (`_mlp_weight_bytes`)
+                                  and it holds three: one more for the experts' weight
+                                  gradients in full D, before their reduce-scatter
+    + 2 * experts in compute dtype    a mixture whose params are wider: XLA:TPU hoists
+                                  the cast of every layer's experts out of the layer
+                                  loop; against bfloat16 params the update held two such
+                                  copies (`expert_bytes`; 2 x 1.69 GiB for Qwen3-30B-A3B
+                                  in float32 on a v5p-64 at fsdp 16 x tensor 2)
     + 3 * rows * logprob_chunk * vocab * 4       float32 logits, softmax and their grad
+
+  The mixture's terms (and its extra gradient in `plan`) are fitted to XLA:TPU's update
+  for Qwen3-30B-A3B at fsdp 16 x tensor 2 (libtpu 0.0.42.1; `kernels.grouped_matmul`):
+  8K and 16K tokens a chip, dots or full remat, float32 or bfloat16 params, one or four
+  micro-batches an update, all within -0.7 / +0.3 GiB of the compiled temporaries. Bytes
+  are logical: an expert slice whose F is not a multiple of TPU's 128 lanes (tensor 4:
+  192) is padded, and XLA:TPU then relays every layer's gate and up experts for the
+  decode loop, none of which this counts (+12 GiB in that decode).
 
   Returns (bytes, a one-line description).
   """
@@ -372,11 +423,29 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   transient = (1 if remat == "none" else 2) * one_layer
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
   if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
-    transient += 2 * _gathered_layer_bytes(cfg, heads, kv_heads, mlp)
+    transient += (3 if cfg.num_experts else 2) * _gathered_layer_bytes(cfg, heads, kv_heads,
+                                                                       mlp)
+  if np.dtype(cfg.dtype).itemsize < np.dtype(cfg.param_dtype).itemsize:
+    transient += 2 * expert_bytes(cfg, mesh, rules, cfg.dtype)
   logits = _logit_chunk_bytes(cfg, b, t, vocab)
   note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
           f"{cfg.attention_impl} attention")
+  if cfg.num_experts:
+    note += f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok})"
   return int(saved + transient + logits), note
+
+
+def expert_bytes(model_cfg: models.ModelConfig, mesh: AbstractMesh, rules=models.DEFAULT_RULES,
+                 dtype: str | None = None) -> int:
+  """Per-device bytes of every layer's experts (gate, up, down; the router aside) in
+  `dtype` (default param_dtype), sharded by the rules; 0 for a dense model."""
+  cfg = model_cfg
+  if not cfg.num_experts:
+    return 0
+  shard = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),
+                         (cfg.num_experts, cfg.d_model, cfg.ffn_dim))
+  return (cfg.num_layers * 3 * math.prod(shard)
+          * np.dtype(dtype or cfg.param_dtype).itemsize)
 
 
 def _logit_chunk_bytes(cfg: models.ModelConfig, rows: int, length: int, vocab: int) -> int:
@@ -469,10 +538,13 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
 
   tokens = one device's share of prompts x prompt_len. XLA:TPU keeps about five
   [tokens, F] MLP arrays live in a layer's forward (gate, up, their product and the
-  partial sums of the down projection); attention is the reference's float32 scores
-  4(2NT) + NT a token, O(N) for the others. With `gathered=False` (the sampler leaves
-  its weights sharded over the batch axes) each layer's forward gathers that layer's
-  weights, s(2 D NH + 2 D KH + 3 D F), as a decode step does (`decode_step_bytes`).
+  partial sums of the down projection); a mixture, k experts a token, keeps
+  s(kD + 5kF) + 4(2kD + 2E) in place of 5sF (the k sorted input rows, five [k, F] rows,
+  the float32 expert outputs sorted and back in token order, the router's float32
+  logits and probabilities). Attention is the reference's float32 scores 4(2NT) + NT a
+  token, O(N) for the others. With `gathered=False` (the sampler leaves its weights
+  sharded over the batch axes) each layer's forward gathers that layer's weights,
+  s(2 D NH + 2 D KH) + `_mlp_weight_bytes`, as a decode step does (`decode_step_bytes`).
   Compiled for a v5e-8 (Llama 3 8B, 16 prompts of 1,024, weights left sharded), XLA's
   prefill needs 1.10 GiB beyond the weights and the cache; this counts 0.98 GiB of it
   (0.58 GiB before the gathered layer was counted)."""
@@ -481,7 +553,9 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   s = np.dtype(cfg.dtype).itemsize
   nh, kh = heads * cfg.head_dim, kv_heads * cfg.head_dim
   attn = 4 * 2 * heads * prompt_len + heads * prompt_len if cfg.attention_impl == "reference" else 0
-  forward = b * t * (s * (2 * cfg.d_model + nh + 2 * kh + 5 * mlp) + attn)
+  d, e, k = cfg.d_model, cfg.num_experts, cfg.num_experts_per_tok
+  ffn = s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) if e else s * 5 * mlp
+  forward = b * t * (s * (2 * d + nh + 2 * kh) + ffn + attn)
   rows_local = _logical_shard(mesh, rules, ("batch",), (rows,))[0]
   kv_dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
   copied = 2 * rows_local * prompt_len * kh * kv_dtype.itemsize
@@ -497,7 +571,16 @@ def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int, ml
   heads and the MLP as the tensor axis leaves them on one device)."""
   s = np.dtype(cfg.dtype).itemsize
   d, nh, kh = cfg.d_model, heads * cfg.head_dim, kv_heads * cfg.head_dim
-  return s * (2 * d * nh + 2 * d * kh + 3 * d * mlp)
+  return s * (2 * d * nh + 2 * d * kh) + _mlp_weight_bytes(cfg, mlp)
+
+
+def _mlp_weight_bytes(cfg: models.ModelConfig, mlp: int) -> int:
+  """One layer's MLP weights in the compute dtype, D whole and F the device's shard:
+  s 3DF, or for a mixture every expert and the router, s(3EDF + DE) (Qwen3-30B-A3B:
+  1.1 GiB, 32x its attention weights)."""
+  s = np.dtype(cfg.dtype).itemsize
+  e, d = cfg.num_experts, cfg.d_model
+  return s * (3 * d * mlp * e + d * e) if e else s * 3 * d * mlp
 
 
 def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: AbstractMesh,
@@ -507,7 +590,8 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   weights are left sharded;
   see `Sampler._logits`) and, with weights left sharded over the batch axes
   (`gathered=False`), one layer's weights gathered in the compute dtype:
-  s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis. XLA:TPU needed 0.54 GiB
+  s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis (a mixture: all E
+  experts and the router, `_mlp_weight_bytes`, whatever the routing). XLA:TPU needed 0.54 GiB
   for a Llama 3 8B layer (0.41 GiB) and 128 rows' logits (0.06 GiB) on a v5e-8."""
   cfg = model_cfg
   _, _, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, 1, mesh, rules)
@@ -606,6 +690,10 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   per_update, micro = microbatches(config, algo)
   trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
   grads = trained * (2 if per_update > 1 else 1)
+  # Accumulating micro-batches, XLA:TPU keeps the experts' gradient once more (measured
+  # for Qwen3-30B-A3B: 3.37 GiB a chip in float32, 1.69 in bfloat16; none with one).
+  expert_grads = expert_bytes(cfg, mesh, rules) if per_update > 1 and not cfg.lora_rank else 0
+  grads += expert_grads
   acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
   head = head_bytes(cfg, mesh=mesh, rules=rules, rows=rows, row_len=row_len)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
@@ -661,7 +749,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 and float(algo.kl_coef) > 0 else "none (kl_coef=0)"),
       Component("gradients", grads, f"{'2' if per_update > 1 else '1'} x "
                 f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
-                f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
+                + ("+ 1 x the experts " if expert_grads else "")
+                + f"({per_update} micro-batch{'es' if per_update > 1 else ''} per update)"),
       Component("activations", acts, act_note),
       Component("head", head, _head_note(cfg, mesh, rules, rows, row_len) if head else
                 "none: the head reads its own shard of the projection"),
@@ -708,17 +797,23 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
   gathers its weights (rollout.gather_weights) reads the gathered copy, so its own copy
   lies outside its programs; one that does not takes its own copy as an argument, inside
   XLA's figures (counted twice before: compiled / planned 1.43 for an 8B LoRA run on a
-  v5e-8, of which 1.91 GiB was that copy)."""
+  v5e-8, of which 1.91 GiB was that copy). The KL reference is an argument of the update
+  only when the update computes its log-probs (`train_step.reference_in_step`: one
+  update per batch); otherwise it waits on the train devices beside the update (left
+  out before: 3.56 GiB a chip for Qwen3-30B-A3B on a v5p-64)."""
   gather = bool(config.rollout.get("gather_weights", True)) and p["gathered"] > 0
+  in_step = rl_train_step.reference_in_step(experiment.algorithm(config))
+  reference = 0 if in_step else p["reference"]
   if p.placement == "colocated":
+    train = (p["sampler"] + reference, "the sampler's copy of the weights"
+             + (" and the KL reference" if reference else ""))
     learner = p["params"] + p["optimizer"] + p["reference"]
     if not gather:  # the sampling programs take the sampler's own weights as arguments
-      return ((p["sampler"], "the sampler's copy of the weights"),
-              (learner, "the learner's params, optimizer and reference"))
-    return ((p["sampler"], "the sampler's copy of the weights"),
-            (learner + p["sampler"], "the learner's params, optimizer and reference, and "
-             "the sampler's copy of the weights"))
-  return (0, ""), ((p["sampler"], "the sampler's own weights") if gather else (0, ""))
+      return train, (learner, "the learner's params, optimizer and reference")
+    return train, (learner + p["sampler"], "the learner's params, optimizer and reference, "
+                   "and the sampler's copy of the weights")
+  train = (reference, "the KL reference") if reference else (0, "")
+  return train, ((p["sampler"], "the sampler's own weights") if gather else (0, ""))
 
 
 def override(config: ml_collections.ConfigDict, changes: dict[str, Any]

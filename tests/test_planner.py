@@ -147,6 +147,137 @@ def test_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, remat)
   assert estimate == pytest.approx(kept, rel=0.1)
 
 
+# A mixture: 5 experts of width 40, 2 a token (a prime E catches a transposed axis).
+MOE = dict(num_layers=2, d_model=96, ffn_dim=40, num_heads=6, num_kv_heads=2, head_dim=16,
+           num_experts=5, num_experts_per_tok=2, logprob_chunk=64)
+
+
+def _residuals(cfg, rows, length, mesh=None):
+  """(bytes, source, shape) of what the backward of token_logprobs keeps, less its
+  arguments; under a mesh, shard_map's residuals stack every device's on their first
+  axis."""
+  graphdef, params, rest = nnx.split(
+      nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  ctx = models.ShardingContext(mesh)
+
+  def loss(params, tokens):
+    return nnx.merge(graphdef, params, rest).token_logprobs(tokens, tokens, ctx=ctx).sum()
+
+  tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+  if mesh is None:
+    found = saved_residuals(loss, params, tokens)
+  else:
+    with jax.set_mesh(mesh):
+      found = saved_residuals(loss, params, tokens)
+  return [(math.prod(aval.shape) * aval.dtype.itemsize, src, aval.shape)
+          for aval, src in found if "from the argument" not in src]
+
+
+@pytest.mark.parametrize("dtype, impl, remat", [
+    ("float32", "reference", "none"),
+    ("bfloat16", "flash", "none"),
+    ("bfloat16", "chunked", "dots"),
+    ("float32", "flash", "dots_with_no_batch_dims"),
+    ("bfloat16", "flash", "dots_with_no_batch_dims"),
+    ("bfloat16", "flash", "full"),
+])
+def test_mixture_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, remat):
+  """A mixture's layer keeps per token its k sorted input rows, their gate, up and
+  product, float32 expert outputs, router probabilities, top-k weights, ids and
+  permutations; the dots policies only the router's float32 logits (its grouped
+  matmuls are no dot_general). The mixture's share is exact: against a dense model of the same widths."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  kept, planned = {}, {}
+  for experts in (5, 0):
+    cfg = models.get_preset("tiny", **{**MOE, "num_experts": experts,
+                                       "num_experts_per_tok": 2 if experts else 0},
+                            remat=remat, attention_impl=impl, attention_chunk=32,
+                            dtype=dtype, param_dtype=dtype)
+    kept[experts] = sum(n for n, _, _ in _residuals(cfg, 4, 128))
+    planned[experts] = planner.saved_activation_bytes(cfg, rows=4, row_len=128,
+                                                      mesh=one_device)
+  assert planned[5] == pytest.approx(kept[5], rel=0.1)
+  assert planned[5] - planned[0] == kept[5] - kept[0]
+  if remat != "full":  # the dense MLP keeps 2-3 [tokens, F]; the mixture far more or less
+    assert (planned[5] > planned[0]) == (remat == "none")
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1, 1), (2, 4, 1, 1)])
+@pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims"])
+def test_mixture_on_a_mesh_keeps_its_shard_of_the_experts(shape, remat):
+  """Inside shard_map each device keeps its own tokens' rows; without remat also the
+  router and, outside it, the experts it was given: in the compute dtype, D gathered."""
+  cfg = models.get_preset("tiny", **MOE, remat=remat, attention_impl="flash",
+                          dtype="bfloat16", param_dtype="float32")
+  mesh = models.make_mesh(shape)
+  rows, length, (e, k, d, f, s) = 8, 128, (5, 2, 96, 40, 2)
+  tokens = rows // (shape[0] * shape[1]) * length  # rows over data x fsdp
+  if remat == "none":
+    per_token = s * (d + k * d + 3 * k * f) + 4 * (k * d + e + 5 * k + 4)
+    per_layer, experts = 4 * e + s * d * e, s * 3 * e * d * f
+  else:
+    per_token, per_layer, experts = 4 * e, 0, 0
+  found = _residuals(cfg, rows, length, mesh)
+  # shard_map's residuals stack all 8 devices' (each varies over data x fsdp here).
+  inside = sum(n for n, src, _ in found if "MoE.__call__" in src) / mesh.size
+  assert inside == cfg.num_layers * (tokens * per_token + per_layer)
+  gathered = sum(n for n, src, shape in found if "(place)" in src and shape[0] == e)
+  assert gathered == cfg.num_layers * experts  # replicated: every device holds them whole
+  # The planner counts the same, in place of a dense MLP's gate, up (and product).
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, shape)))
+  dense = cfg.replace(num_experts=0, num_experts_per_tok=0)
+  dense_mlp = s * (3 if remat == "none" else 2) * f
+  assert (planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=abstract)
+          - planner.saved_activation_bytes(dense, rows=rows, row_len=length, mesh=abstract)
+          == cfg.num_layers * (tokens * (per_token - (s * d if remat == "none" else 0)
+                                         - dense_mlp) + per_layer + experts))
+
+
+def test_mixture_plan_counts_every_expert():
+  """A mixture's params are all num_params (every expert), on real arrays too; a layer
+  gathered for a decode step or a backward holds all E experts, whatever the routing."""
+  config = _config(**TINY, **{"model.overrides.num_experts": 5,
+                              "model.overrides.num_experts_per_tok": 2})
+  cfg = experiment.model_config(config)
+  assert planner.plan(config, num_devices=1)["params"] == cfg.num_params * 4
+  p = planner.plan(config)  # fsdp 8
+  real_mesh = models.make_mesh((1, 8, 1, 1))
+  model = models.create_model(cfg, mesh=real_mesh)
+  assert p["params"] == _real_per_device_bytes(nnx.state(model, nnx.Param))
+  for preset in ("qwen3_30b_a3b", "mixtral_8x7b"):
+    big = models.get_preset(preset, scan_layers=True)  # traces one layer
+    whole = dict.fromkeys(models.MESH_AXES, 1)
+    assert planner.state_bytes(big, whole)[0] == big.num_params * 2  # bfloat16
+  # Qwen3-30B-A3B over fsdp 8 x tensor 4: a decode step with weights left sharded
+  # gathers 8 heads, 1 kv head and all 128 experts at F 768 / 4, 1.1 GiB / 4 of them.
+  big = models.get_preset("qwen3_30b_a3b")
+  mesh = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 4, "sequence": 1})
+  d, nh, kh, e, f = 2048, 8 * 128, 1 * 128, 128, 768 // 4
+  experts = 2 * (3 * e * d * f + d * e)
+  assert 0.28 < experts / 2**30 < 0.29
+  assert planner.decode_step_bytes(big, rows=64, mesh=mesh, gathered=False) == (
+      64 * big.vocab_size // 4 * 4 + 2 * (2 * d * nh + 2 * d * kh) + experts)
+  # The shipped v5p-64 run (fsdp 16 x tensor 2, float32 params, micro-batches
+  # accumulated): the update holds the experts' float32 gradient once more than the
+  # params' (as XLA:TPU compiles it), and two bfloat16 copies of every layer's experts.
+  config = importlib.import_module("configs.qwen3_30b_a3b_grpo_v5p64").get_config()
+  p = planner.plan(config)
+  cfg = experiment.model_config(config)
+  fsdp16 = planner.abstract_mesh(p.mesh)
+  f32 = planner.expert_bytes(cfg, fsdp16)
+  assert f32 == 48 * 3 * 128 * (2048 // 16) * (768 // 2) * 4  # 3.375 GiB
+  assert planner.microbatches(config, experiment.algorithm(config))[0] > 1
+  assert p["gradients"] == 2 * p["params"] + f32
+  one = planner.plan(planner.override(config, {"rl.num_minibatches": 16}))  # 1 per update
+  assert one["gradients"] == one["params"]
+  bf16 = planner.override(config, {"model.overrides.param_dtype": "bfloat16"})
+  rows, row_len = int(config.train.rows_per_microbatch), int(config.train.row_len)
+  assert (planner.activation_bytes(cfg, rows=rows, row_len=row_len, mesh=fsdp16)[0]
+          - planner.activation_bytes(experiment.model_config(bf16), rows=rows,
+                                     row_len=row_len, mesh=fsdp16)[0]) == f32
+  assert planner.expert_bytes(models.get_preset("llama3_8b"), fsdp16) == 0
+
+
 def test_activations_follow_the_remat_policy_and_the_mesh():
   cfg = models.get_preset("llama3_8b")
   def mesh(**sizes):
@@ -222,6 +353,25 @@ def test_what_lies_outside_the_compiled_programs():
   assert planner.resident_outside_programs(p, config)[1][0] == p["sampler"]
   config.rollout.gather_weights = False  # the programs read the sampler's own weights
   assert planner.resident_outside_programs(p, config)[1] == (0, "")
+
+
+def test_a_reference_outside_the_update_is_resident_beside_it():
+  """With several updates per batch the KL reference's log-probs are computed before the
+  update, not in it: its copy of the weights waits on the train devices, outside the
+  compiled update (colocated and disaggregated); with one update per batch it is the
+  update's argument, inside XLA's figure."""
+  beside = _config(**TINY, **{"rl.kl_coef": 0.1, "rl.num_minibatches": 4})
+  p = planner.plan(beside)
+  assert p["reference"] == p["params"] > 0
+  assert planner.resident_outside_programs(p, beside)[0][0] == p["sampler"] + p["reference"]
+  inside = _config(**TINY, **{"rl.kl_coef": 0.1, "rl.num_minibatches": 1})
+  p = planner.plan(inside)
+  assert planner.resident_outside_programs(p, inside)[0][0] == p["sampler"]
+  apart = planner.override(beside, {"placement.mode": "disaggregated",
+                                    "placement.rollout_devices": 2,
+                                    "train.rows_per_microbatch": 6})
+  p = planner.plan(apart, num_devices=8)
+  assert planner.resident_outside_programs(p, apart)[0][0] == p["reference"] > 0
 
 
 def test_kv_cache_bytes_by_hand():
