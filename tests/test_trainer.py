@@ -347,6 +347,9 @@ def test_launcher_errors_are_one_line(tmp_path):
   proc = _launch(tmp_path, "--config.no_such_key=1")
   out = proc.communicate(timeout=300)[0]
   assert proc.returncode != 0 and "no_such_key" in out and "Traceback" not in out
+  proc = _launch(tmp_path, "--config.model.overrides.no_such_field=1")  # a nested dict's
+  out = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 2 and "error: unknown config key 'no_such_field'" in out
   proc = _launch(tmp_path, "--config.mesh.fsdp=3")
   out = proc.communicate(timeout=300)[0]
   assert proc.returncode == 2 and "error: mesh shape (1, 3, 1, 1) needs 3 devices" in out
