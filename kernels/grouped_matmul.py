@@ -5,9 +5,10 @@
 Rows of x come in G groups of consecutive rows (group_sizes sum to M); each group is
 multiplied by its own matrix. The forward and the input gradient are `jax.lax.ragged_dot`
 (XLA:TPU lowers it to a grouped-matmul kernel). The weight gradient, one [K, N] sum per
-group, is `grouped_weight_grad`: on TPU a Pallas kernel that visits each tile of rows once
-(XLA:TPU expands the transpose of `ragged_dot` into a dense product over every group, G
-times the work); elsewhere that transpose. Works inside `shard_map` (check_vma=True).
+group, is `grouped_weight_grad`: on TPU a Pallas kernel that steps through the row tiles
+group by group, at most M / tm + G tiles (XLA:TPU expands the transpose of `ragged_dot`
+into a dense product over every group, G times the work); elsewhere that transpose.
+Works inside `shard_map` (check_vma=True).
 """
 from __future__ import annotations
 
@@ -20,17 +21,17 @@ from jax.experimental import pallas as pl
 
 from kernels.attention import target_platform
 
-ROW_TILES = (512, 256, 128)  # rows a weight-gradient step may read
+TILES = (512, 256, 128)  # block sizes of the weight-gradient kernel, largest first
 
 
 def row_tile(m: int, groups: int) -> int | None:
-  """The weight-gradient kernel's row tile: the largest of ROW_TILES that divides M and
+  """The weight-gradient kernel's row tile: the largest of TILES that divides M and
   is at most a group's mean rows (128 at least), or None when none divides M. A group
   ending mid-tile costs a tile more, so M / tm + G steps at most: large tiles pay off
   only when groups are long (128 experts over 8192 rows: 64 rows each, 128-row tiles,
   192 steps of 128 rows at most against 144 of 512)."""
   cap = max(128, m // max(groups, 1))
-  return next((t for t in ROW_TILES if m % t == 0 and t <= cap), None)
+  return next((t for t in TILES if m % t == 0 and t <= cap), None)
 
 
 def _vma(x) -> frozenset:
@@ -51,8 +52,8 @@ def _like_vma(value, like):
 
 
 def _tile(dim: int) -> int:
-  """A block along K or N: the largest of 512 / 256 / 128 dividing it, else all of it."""
-  return next((t for t in (512, 256, 128) if dim % t == 0), dim)
+  """A block along K or N: the largest of TILES dividing it, else all of it."""
+  return next((t for t in TILES if dim % t == 0), dim)
 
 
 def _visits(group_sizes, m: int, tm: int):
@@ -138,9 +139,9 @@ def grouped_weight_grad(x_MxK, g_MxN, group_sizes, w_GxKxN, *, backend: str | No
   of `grouped_matmul(x, w, group_sizes)` with output cotangent g.
 
   backend "tpu" (default: the target platform's) runs the Pallas kernel when a row tile
-  divides M (`row_tile`; `interpret`: default unless compiling for a TPU), each step one tile's
-  [tk, tm] x [tm, tn] product, masked to its group, accumulated in float32 until the
-  group changes: M / tm + G steps at most. Otherwise the transpose of `ragged_dot`.
+  divides M (`row_tile`; `interpret`: default unless compiling for a TPU), each step one
+  tile's [tk, tm] x [tm, tn] product, masked to its group, accumulated in float32 until
+  the group changes: M / tm + G steps at most. Otherwise the transpose of `ragged_dot`.
   """
   backend = target_platform() if backend is None else backend
   tm = row_tile(x_MxK.shape[0], group_sizes.shape[0])

@@ -185,7 +185,8 @@ def test_mixture_saved_activations_match_what_jax_keeps_for_backward(dtype, impl
   """A mixture's layer keeps per token its k sorted input rows, their gate, up and
   product, float32 expert outputs, router probabilities, top-k weights, ids and
   permutations; the dots policies only the router's float32 logits (its grouped
-  matmuls are no dot_general). The mixture's share is exact: against a dense model of the same widths."""
+  matmuls are no dot_general). The mixture's share is exact: against a dense model of
+  the same widths."""
   one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
   kept, planned = {}, {}
   for experts in (5, 0):
