@@ -142,3 +142,25 @@ def test_load_balancing_loss_matches_transformers_aux_loss(tmp_path, family):
   models.save_pretrained(ours, str(tmp_path / "b"))
   again = json.loads((tmp_path / "b" / "config.json").read_text())
   assert again["output_router_logits"] and again["router_aux_loss_coef"] == 0.02
+
+
+def test_attention_adapters_on_a_mixture_round_trip_through_peft(tmp_path):
+  """LoRA on a mixture adapts the attention projections: the adapter files load in
+  `peft` onto the published base and compute what ours does, and load back here."""
+  peft = pytest.importorskip("peft")
+  from flax import nnx
+  hf = _hf_model("qwen3_moe")
+  hf.save_pretrained(tmp_path / "base")
+  ours = models.from_pretrained(str(tmp_path / "base"), lora_rank=4, seed=3)
+  adapters = nnx.state(ours, nnx.LoRAParam)
+  nnx.update(ours, jax.tree.map(
+      lambda v: v + 0.05 * jax.random.normal(jax.random.key(1), v.shape), adapters))
+  models.save_lora_adapter(ours, str(tmp_path / "adapter"))
+  config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").float().eval()
+  adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  want = _hf_logits(adapted, TOKENS)
+  assert np.abs(np.asarray(ours(jnp.asarray(TOKENS))) - want).max() <= 1e-4
+  back = models.from_pretrained(str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
+  assert np.abs(np.asarray(back(jnp.asarray(TOKENS))) - want).max() <= 1e-4
