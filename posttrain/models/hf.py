@@ -522,17 +522,21 @@ def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):
                                     jax.sharding.PartitionSpec(*sharding.spec[drop:]))
 
 
+def _stack(parts: list, sharding) -> jax.Array:
+  """The arrays stacked on a new leading axis, laid out as `sharding` (None: default)."""
+  if sharding is None:
+    return jnp.stack(parts)
+  return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*parts)
+
+
 def _stack_experts(values: dict, cfg: ModelConfig, shardings) -> dict:
   """Stacks each layer's per-expert tensors into its [E, ...] parameter (a layer's slice
   of it with scan_layers), one parameter at a time."""
   out = {k: v for k, v in values.items() if not _is_expert(k)}
   for key in sorted({k[:-1] for k in values if _is_expert(k)}):
     parts = [values.pop(key + (j,)) for j in range(cfg.num_experts)]
-    if shardings is None:
-      out[key] = jnp.stack(parts)
-    else:
-      out[key] = jax.jit(lambda *xs: jnp.stack(xs),
-                         out_shardings=_target_sharding(shardings, key, cfg))(*parts)
+    out[key] = _stack(parts, None if shardings is None else
+                      _target_sharding(shardings, key, cfg))
   return out
 
 
@@ -544,11 +548,7 @@ def _stack_layers(values: dict, num_layers: int, shardings) -> dict:
   for rest in kinds:
     parts = [values.pop(("layers", i) + rest) for i in range(num_layers)]
     key = ("layers",) + rest
-    if shardings is None:
-      out[key] = jnp.stack(parts)
-    else:
-      out[key] = jax.jit(lambda *xs: jnp.stack(xs),
-                         out_shardings=_lookup(shardings, key).value)(*parts)
+    out[key] = _stack(parts, None if shardings is None else _lookup(shardings, key).value)
   return out
 
 

@@ -803,7 +803,7 @@ def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx,
 
   def run(state, x, cache, i):
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, cache, positions, ctx,
-                                      prefill, i, router_stats=router_stats and cache is None)
+                                      prefill, i, router_stats=router_stats)
 
   if cache is None:
     if remat != "none":

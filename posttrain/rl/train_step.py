@@ -135,8 +135,8 @@ def _value_head(model: models.Transformer, h_BxTxD):
 def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, *,
              temperature: float, with_values: bool, with_entropy: bool,
              with_router_loss: bool = False):
-  """(log-probs, entropies or None, values or None) [B, T] from one trunk pass; with
-  `with_router_loss`, a fourth entry: the mixture's load-balancing loss (else None)."""
+  """(log-probs, entropies or None, values or None) [B, T] and the mixture's
+  load-balancing loss (None without `with_router_loss`), from one trunk pass."""
   cfg = model.cfg
   aux = None
   if with_router_loss:
@@ -149,9 +149,7 @@ def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, 
                                 compute_dtype=jnp.dtype(cfg.dtype), ctx=ctx)
   logprobs, entropies = out if with_entropy else (out, None)
   values = _value_head(model, h) if with_values else None
-  if with_router_loss:
-    return logprobs, entropies, values, aux
-  return logprobs, entropies, values
+  return logprobs, entropies, values, aux
 
 
 def _scan_or_call(fn, xs, length: int):
@@ -193,8 +191,8 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
     inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
 
     def one(mb):
-      logprobs, _, values = _forward(model, mb, ctx, temperature=temperature,
-                                     with_values=with_values, with_entropy=False)
+      logprobs, _, values, _ = _forward(model, mb, ctx, temperature=temperature,
+                                        with_values=with_values, with_entropy=False)
       return {"logprobs": logprobs, **({"values": values} if with_values else {})}
 
     return _scan_or_call(one, inputs, batch["tokens"].shape[0])
@@ -320,8 +318,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 
   def reference_logprobs(reference, mb):
     model = nnx.merge(graphdef, reference, rest)
-    logprobs, _, _ = _forward(model, mb, ctx, temperature=temperature, with_values=False,
-                              with_entropy=False)
+    logprobs, _, _, _ = _forward(model, mb, ctx, temperature=temperature, with_values=False,
+                                 with_entropy=False)
     return jax.lax.stop_gradient(logprobs)
 
   aux_coef = float(model_cfg.router_aux_loss_coef)
@@ -329,11 +327,10 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   def microbatch_loss(trainable, mb, denominator, frozen, micro_share):
     params, critic_params = trainable
     model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
-    out = _forward(model, mb, ctx, temperature=temperature,
-                   with_values=loss_cfg.use_critic and not separate_critic, with_entropy=True,
-                   with_router_loss=aux_coef > 0)
-    logprobs, entropies, values = out[:3]
-    aux = out[3] if aux_coef > 0 else None
+    logprobs, entropies, values, aux = _forward(
+        model, mb, ctx, temperature=temperature,
+        with_values=loss_cfg.use_critic and not separate_critic, with_entropy=True,
+        with_router_loss=aux_coef > 0)
     if separate_critic:
       critic = nnx.merge(critic_graphdef, critic_params, critic_rest)
       values = _value_head(critic, _hidden(critic, mb, ctx))
