@@ -72,7 +72,12 @@ def get_config() -> ml_collections.ConfigDict:
       levels="1,2", max_domains=0))
   c.scheduler = ml_collections.ConfigDict(dict(rule="learnability", floor=0.2, ema=0.2))
 
-  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, warmup=10))
+  # SFT trains on the domains' demonstrations, or with data set on JSON-lines files
+  # (comma-separated; rows {"messages": [...]} or {"prompt", "completion"}, see
+  # posttrain.data.sft); eval_data: held-out files whose NLL is logged after SFT and every
+  # eval_every steps (0: after SFT only).
+  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, warmup=10,
+                                         data="", eval_data="", eval_every=0))
   c.algorithm = "grpo"
   c.rl = presets.algorithm_overrides()
   c.rl.group_size = 8

@@ -34,6 +34,7 @@ from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, 
                                   from_checkpoint, model_config, optimizer_like, run_domains,
                                   to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
+from posttrain.data.sft import SFTData
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import advantages as adv_lib
@@ -81,6 +82,7 @@ class Progress_:
   sft_iterator: dict | None = None
   scheduler: dict | None = None
   sft_eval: dict | None = None
+  sft_nll: float | None = None  # held-out NLL per token after SFT (sft.eval_data)
 
 
 def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
@@ -258,6 +260,9 @@ class Trainer:
       models.hf.check_exportable(self.cfg)
     self.domains = run_domains(config)
     self.algo = algorithm(config)
+    t = config.train
+    self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
+    self.sft_data, self.sft_eval_data = self._load_sft_data(config.sft)
     if self.step_tokens and self.algo.dynamic_sampling:
       raise ValueError("placement.step_tokens (partial rollouts across steps) cannot be "
                        "combined with dynamic sampling")
@@ -274,8 +279,6 @@ class Trainer:
     sched = dict(config.scheduler)
     rule = sched.pop("rule")
     self.scheduler = Scheduler(self.domains, rule=rule, seed=self.seed, **sched)
-    t = config.train
-    self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
     batch_devices = math.prod(self.mesh.shape[a] for a in self.mesh.axis_names
                               if a in ("data", "fsdp"))
     if self.rows_per_mb % batch_devices:
@@ -317,7 +320,8 @@ class Trainer:
     self._graphdef, _, self._rest = ts._split_abstract(self.cfg)
     self._sft_step_fn = None
     self._rl_step_fn = None
-    self._logprobs_fn = None
+    self._logprobs_fns = {}
+    self._nll_sum_fn = None
     self._setup_state()
     self.sampler = Sampler(self._model(), mesh=self.rollout_mesh, rules=self.rules,
                            max_len=int(config.rollout.max_len), pad_id=self.tok.pad_id,
@@ -335,6 +339,19 @@ class Trainer:
         lock=self._sampler_lock if self.disaggregated else None,
         version_fn=lambda: self.sampler_version,
         continuous=bool(r.get("continuous_batching", True)))
+
+  def _load_sft_data(self, s) -> tuple[SFTData | None, SFTData | None]:
+    """The SFT stage's files (sft.data) and held-out files (sft.eval_data), tokenized;
+    None where not given (SFT then trains on the domains' own demonstrations)."""
+    train = eval_ = None
+    if int(s.steps) > 0 and s.get("data"):
+      train = SFTData.from_files(s.data, self.tok, row_len=self.row_len)
+      log.info("SFT data: %d conversations, %d trained tokens; %d steps of %d are %.2f "
+               "epochs", len(train), train.trained_tokens, int(s.steps), int(s.batch_size),
+               int(s.steps) * int(s.batch_size) / len(train))
+    if int(s.steps) > 0 and s.get("eval_data"):
+      eval_ = SFTData.from_files(s.eval_data, self.tok, row_len=self.row_len)
+    return train, eval_
 
   # -- state --------------------------------------------------------------------------------
 
@@ -446,6 +463,8 @@ class Trainer:
     summary: dict[str, Any] = {"status": status, "sft_steps": self.progress.sft_step,
                                "rl_steps": self.progress.rl_step,
                                "policy_version": self.progress.policy_version}
+    if self.progress.sft_nll is not None:
+      summary["sft_heldout_nll"] = self.progress.sft_nll
     if status == "done":
       final = self.evaluate("final")
       summary["eval"] = {"sft": self.progress.sft_eval, "final": final}
@@ -495,7 +514,11 @@ class Trainer:
                shard[0], shard[1], per_step, int(s.batch_size))
     # Every shard advances by the same count, so process 0's saved state fits them all; a
     # run resumed with another process count converts the position through the global one.
-    it = iter(sft_dataset(self.domains, self.tok, self.seed, shard).to_iter_dataset())
+    if self.sft_data is not None:
+      ds = self.sft_data.dataset(self.seed, shard)
+    else:
+      ds = sft_dataset(self.domains, self.tok, self.seed, shard)
+    it = iter(ds.to_iter_dataset())
     if self.progress.sft_iterator:
       it.set_state(sft_iterator_state(self.progress.sft_iterator, shard[1]))
     progress = Progress(total, "sft")
@@ -519,9 +542,35 @@ class Trainer:
                                        "timing/sft_step_s": time.time() - t0})
         self._check_finite(row, metrics)
         progress.line(step, {"nll": row["sft/nll"], "lr": row["learning_rate"]})
+      every = int(s.get("eval_every", 0) or 0)
+      if self.sft_eval_data is not None and every and step % every == 0 and step < total:
+        self.heldout_nll()
       if self.ckpt.should_save(self._ckpt_step()):
         self.save()
+    if self.sft_eval_data is not None:
+      self.progress.sft_nll = self.heldout_nll()
     return True
+
+  def heldout_nll(self) -> float:
+    """The policy's mean negative log-likelihood per trained token of sft.eval_data, in
+    file order, one forward pass per micro-batch; written as eval_sft/nll."""
+    data = self.sft_eval_data
+    if self._nll_sum_fn is None:
+      self._nll_sum_fn = jax.jit(lambda lp, m: jnp.sum(jnp.where(m, -lp, 0.0)))
+    sharding = ts.batch_sharding(self.mesh, self.rules)
+    total, count = 0.0, 0
+    per_call = self.rows_per_mb * 4
+    for start in range(0, len(data), per_call):
+      batch = _to_batch(data.examples[start:start + per_call], row_len=self.row_len,
+                        rows_per_mb=self.rows_per_mb, micro_multiple=1, pad_id=self.tok.pad_id)
+      logprobs = self._logprobs(self.state.params, batch, temperature=1.0)["logprobs"]
+      mask = distributed.put(batch["loss_mask"], sharding)
+      total += float(self._nll_sum_fn(logprobs, mask))
+      count += int(np.count_nonzero(batch["loss_mask"]))
+    nll = total / max(count, 1)
+    self.writer.write(self._ckpt_step(), {"eval_sft/nll": nll, "eval_sft/tokens": count})
+    log.info("held-out SFT NLL %.4f over %d tokens", nll, count)
+    return nll
 
   def _sft_batch(self, examples: list[dict[str, np.ndarray]]):
     """The step's batch: packed here from every example, or, with SFT data sharded by
@@ -550,12 +599,14 @@ class Trainer:
     return distributed.assemble_rows(local, ts.batch_sharding(self.mesh, self.rules),
                                      self._sft_spans, self.rows_per_mb)
 
-  def _logprobs(self, params, batch):
-    if self._logprobs_fn is None:
-      self._logprobs_fn = ts.make_compute_logprobs(self.cfg, mesh=self.mesh, rules=self.rules,
-                                                   temperature=float(
-                                                       self.config.rollout.temperature) or 1.0)
-    return self._logprobs_fn(params, batch)
+  def _logprobs(self, params, batch, temperature: float | None = None):
+    """Log-probs without gradient at the sampler's temperature, or at `temperature`."""
+    if temperature is None:
+      temperature = float(self.config.rollout.temperature) or 1.0
+    if temperature not in self._logprobs_fns:
+      self._logprobs_fns[temperature] = ts.make_compute_logprobs(
+          self.cfg, mesh=self.mesh, rules=self.rules, temperature=temperature)
+    return self._logprobs_fns[temperature](params, batch)
 
   def _check_finite(self, row: dict, metrics):
     if row.get("nonfinite", 0) or not all(math.isfinite(v) for v in row.values()):

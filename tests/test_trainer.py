@@ -442,3 +442,80 @@ def test_an_export_the_architecture_cannot_hold_fails_first(tmp_path):
   with pytest.raises(ValueError, match="a mixture of experts is written as one of"):
     trainer.train(_config(**extra), str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def _write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def _sft_file_config(tmp_path, **extra):
+  words = ["apple", "pear", "plum", "fig", "kiwi", "lime", "date", "peach", "grape", "melon",
+           "mango", "guava"]
+  train = _write_jsonl(tmp_path / "train.jsonl",
+                       [{"prompt": f"Repeat: {w}", "completion": w} for w in words[:10]] +
+                       [{"messages": [{"role": "user", "content": "Say hi"},
+                                      {"role": "assistant", "content": "hi"},
+                                      {"role": "user", "content": "Again"},
+                                      {"role": "assistant", "content": "hi"}]}])
+  held = _write_jsonl(tmp_path / "heldout.jsonl",
+                      [{"prompt": f"Repeat: {w}", "completion": w} for w in words[10:]])
+  return _config(**{"sft.data": train, "sft.eval_data": held, "sft.steps": 6,
+                    "sft.eval_every": 3, "sft.warmup": 1, "train.rl_steps": 0,
+                    "eval.seeds_per_domain": 0,
+                    **extra})
+
+
+def test_sft_on_files_learns_logs_heldout_nll_and_resumes_exactly(tmp_path, monkeypatch):
+  from flax import nnx
+
+  from posttrain import models
+  from posttrain.data import ByteTokenizer
+  from posttrain.data.sft import SFTData
+  straight = trainer.train(_sft_file_config(tmp_path), str(tmp_path / "straight"))
+  rows = read_metrics(str(tmp_path / "straight"))
+  nll = [r["sft/nll"] for r in rows if "sft/nll" in r]
+  held = [r["eval_sft/nll"] for r in rows if "eval_sft/nll" in r]
+  assert len(nll) == 6 and nll[-1] < nll[0] - 0.5  # it learns the file
+  assert len(held) == 2 and held[-1] == straight["sft_heldout_nll"]
+
+  # The held-out figure is the mean NLL per trained token of the file, by hand.
+  params, _, _ = _final_params(tmp_path / "straight", {"sft.steps": 6, "train.rl_steps": 0})
+  model = models.create_model(trainer.model_config(_config()))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
+  nnx.update(model, state)
+  total = count = 0
+  for ex in SFTData.from_files(str(tmp_path / "heldout.jsonl"), ByteTokenizer(),
+                               row_len=128).examples:
+    tokens = np.concatenate([ex["prompt_tokens"], ex["response_tokens"]])[None]
+    logp = jax.nn.log_softmax(np.asarray(model(tokens), np.float64)[0, :-1], axis=-1)
+    picked = logp[np.arange(tokens.shape[1] - 1), tokens[0, 1:]][len(ex["prompt_tokens"]) - 1:]
+    total -= float(np.sum(picked * ex["response_mask"]))
+    count += int(ex["response_mask"].sum())
+  np.testing.assert_allclose(straight["sft_heldout_nll"], total / count, rtol=1e-4)
+
+  # Preempted after step 4 and resumed: the same weights, bit for bit, and the data stream
+  # picks up where it stopped.
+  class StopAt4(trainer.PreemptionFlag):
+    def reached(self, step):
+      return step == 4 or super().reached(step)
+
+  monkeypatch.setattr(trainer, "PreemptionFlag", StopAt4)
+  assert trainer.train(_sft_file_config(tmp_path), str(tmp_path / "cut"))["status"] == \
+      "preempted"
+  monkeypatch.undo()
+  resumed = trainer.train(_sft_file_config(tmp_path), str(tmp_path / "cut"))
+  assert resumed["status"] == "done" and resumed["sft_steps"] == 6
+  b, _, _ = _final_params(tmp_path / "cut", {"sft.steps": 6, "train.rl_steps": 0})
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  assert resumed["sft_heldout_nll"] == straight["sft_heldout_nll"]
+
+
+def test_sft_data_errors_fail_before_anything_is_built(tmp_path):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+  with pytest.raises(ValueError, match=f"^{bad}:2: a row needs"):
+    trainer.Trainer(_config(**{"sft.data": str(bad)}), str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "checkpoints").exists()

@@ -7,7 +7,9 @@ Two tokenizers share one interface:
     Llama 3 or ChatML (Qwen) chat format picked from the vocabulary.
 
 `encode_chat(messages)` returns (ids, mask) where mask[i] = 1 exactly for tokens the model
-itself produced (assistant content and its end-of-turn token): the SFT and RL loss mask.
+itself produced (assistant content and its end-of-turn token): the SFT and RL loss mask. An
+assistant message with `"weight": 0` (the OpenAI fine-tuning format's flag) is context,
+masked like a user turn.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class ChatFormat:
       if not isinstance(content, str):
         raise ValueError(f"message content must be a string, got {type(content).__name__}")
       body = self.tok.encode(content) + self.end_of_turn
-      own = 1 if role == "assistant" else 0
+      own = 1 if role == "assistant" and m.get("weight", 1) else 0
       ids += self.headers[role] + body + self.after_end
       mask += [0] * len(self.headers[role]) + [own] * len(body) + [0] * len(self.after_end)
     if add_generation_prompt:
