@@ -114,65 +114,68 @@ def encode_conversation(messages: Sequence[dict], tok: Tokenizer) -> dict[str, n
 
 
 @dataclasses.dataclass
-class SFTData:
-  """Tokenized SFT examples of one or more files, with what loading found."""
+class JsonlExamples:
+  """Tokenized examples of one or more JSON-lines files, with what loading found.
+
+  A subclass says how a line becomes an example (`encode_line`) and what the stream
+  yields for one (`item`)."""
 
   examples: list[dict[str, np.ndarray]]
   sources: list[str]          # "path:line" of each example
   dropped: int = 0            # rows whose first trained token lies beyond row_len
   truncated: int = 0          # rows longer than row_len (their tails are cut)
 
+  KIND = "JSON-lines"
+
   @classmethod
-  def from_files(cls, paths: str | Sequence[str], tok: Tokenizer, *, row_len: int
-                 ) -> "SFTData":
+  def encode_line(cls, line: str, where: str, tok: Tokenizer
+                  ) -> tuple[dict[str, np.ndarray], int, int]:
+    """(example, tokens before its first trained token, its longest sequence's length)."""
+    raise NotImplementedError
+
+  def item(self, example: dict[str, np.ndarray]) -> dict[str, Any]:
+    return example
+
+  @classmethod
+  def from_files(cls, paths: str | Sequence[str], tok: Tokenizer, *, row_len: int):
     """Reads, validates and tokenizes every row of `paths` (comma-separated or a list)."""
     files = split_paths(paths)
     if not files:
-      raise ValueError("no SFT data files given")
+      raise ValueError(f"no {cls.KIND} data files given")
     examples, sources = [], []
     dropped, first_dropped, truncated = 0, None, 0
     for path in files:
       if not os.path.isfile(path):
-        raise FileNotFoundError(f"SFT data file not found: {path!r}")
+        raise FileNotFoundError(f"{cls.KIND} data file not found: {path!r}")
       with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
           if not line.strip():
             continue
           where = f"{path}:{number}"
-          messages = parse_row(line, where)
-          try:
-            example = encode_conversation(messages, tok)
-          except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-          prompt = len(example["prompt_tokens"])
+          example, prompt, length = cls.encode_line(line, where, tok)
           if prompt + 1 > row_len:
             dropped += 1
             first_dropped = first_dropped or where
             continue
-          truncated += prompt + len(example["response_tokens"]) > row_len
+          truncated += length > row_len
           examples.append(example)
           sources.append(where)
     if not examples and not dropped:
-      raise ValueError(f"SFT data {','.join(files)} holds no rows")
+      raise ValueError(f"{cls.KIND} data {','.join(files)} holds no rows")
     if not examples:
-      raise ValueError(f"every SFT row's first trained token lies beyond row_len={row_len} "
-                       f"(first: {first_dropped}); raise train.row_len")
+      raise ValueError(f"every {cls.KIND} row's first trained token lies beyond "
+                       f"row_len={row_len} (first: {first_dropped}); raise train.row_len")
     if dropped:
-      log.warning("SFT data: dropped %d of %d rows whose first trained token lies beyond "
-                  "row_len=%d (first: %s)", dropped, dropped + len(examples), row_len,
-                  first_dropped)
+      log.warning("%s data: dropped %d of %d rows whose first trained token lies beyond "
+                  "row_len=%d (first: %s)", cls.KIND, dropped, dropped + len(examples),
+                  row_len, first_dropped)
     if truncated:
-      log.warning("SFT data: %d of %d rows are longer than row_len=%d; their tails are cut",
-                  truncated, len(examples), row_len)
+      log.warning("%s data: %d of %d rows are longer than row_len=%d; their tails are cut",
+                  cls.KIND, truncated, len(examples), row_len)
     return cls(examples, sources, dropped, truncated)
 
   def __len__(self) -> int:
     return len(self.examples)
-
-  @property
-  def trained_tokens(self) -> int:
-    """Loss tokens over all examples (before any truncation)."""
-    return int(sum(int(np.count_nonzero(e["response_mask"])) for e in self.examples))
 
   def dataset(self, seed: int, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     """An endless stream of the examples, each epoch in a new order; with `shard=(i, n)`
@@ -183,4 +186,28 @@ class SFTData:
     ds = grain.MapDataset.range(len(self.examples)).shuffle(seed=seed).repeat()
     if count > 1:
       ds = ds[index::count]
-    return ds.map(lambda i: {**self.examples[int(i)], "advantages": np.float32(1.0)})
+    return ds.map(lambda i: self.item(self.examples[int(i)]))
+
+
+class SFTData(JsonlExamples):
+  """SFT conversations: packer trajectories with the assistant turns' loss mask."""
+
+  KIND = "SFT"
+
+  @classmethod
+  def encode_line(cls, line, where, tok):
+    messages = parse_row(line, where)
+    try:
+      example = encode_conversation(messages, tok)
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
+    prompt = len(example["prompt_tokens"])
+    return example, prompt, prompt + len(example["response_tokens"])
+
+  def item(self, example):
+    return {**example, "advantages": np.float32(1.0)}
+
+  @property
+  def trained_tokens(self) -> int:
+    """Loss tokens over all examples (before any truncation)."""
+    return int(sum(int(np.count_nonzero(e["response_mask"])) for e in self.examples))

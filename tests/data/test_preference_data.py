@@ -1,0 +1,97 @@
+"""Preference pair files: both TRL formats, the shared prompt, masks, hostile rows."""
+
+import json
+
+import numpy as np
+import pytest
+
+from posttrain.data import ByteTokenizer
+from posttrain.data.preference import PreferenceData, encode_pair, parse_pair
+
+TOK = ByteTokenizer()
+END = TOK.special_ids["<|end|>"]
+
+
+def _write(path, rows):
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+  return str(path)
+
+
+def _trained(tokens, mask):
+  return [int(t) for t, m in zip(tokens, mask) if m]
+
+
+def test_explicit_and_implicit_prompts_give_the_same_pair():
+  user = {"role": "user", "content": "2+2?"}
+  explicit = parse_pair(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}), "f:1")
+  implicit = parse_pair(json.dumps({
+      "chosen": [user, {"role": "assistant", "content": "4"}],
+      "rejected": [user, {"role": "assistant", "content": "5"}]}), "f:2")
+  assert explicit == implicit
+  pair = encode_pair(*explicit, TOK)
+  ids, mask = TOK.encode_chat([user, {"role": "assistant", "content": "4"}])
+  first = mask.index(1)
+  np.testing.assert_array_equal(pair["prompt_tokens"], ids[:first])
+  assert _trained(pair["chosen_tokens"], pair["chosen_mask"]) == TOK.encode("4") + [END]
+  assert _trained(pair["rejected_tokens"], pair["rejected_mask"]) == TOK.encode("5") + [END]
+
+
+def test_multi_turn_pairs_split_at_the_last_shared_user_turn_and_train_only_answers():
+  turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+           {"role": "user", "content": "2+2?"}]
+  prompt, chosen, rejected = parse_pair(json.dumps({
+      "chosen": turns + [{"role": "assistant", "content": "calc"},
+                         {"role": "tool", "content": "4"},
+                         {"role": "assistant", "content": "4"}],
+      "rejected": turns + [{"role": "assistant", "content": "5"}]}), "f:1")
+  assert prompt == [dict(t, weight=1) for t in turns]
+  pair = encode_pair(prompt, chosen, rejected, TOK)
+  # The earlier assistant turn is context; the tool turn inside the answer is untrained.
+  assert TOK.encode("hello")[0] in pair["prompt_tokens"].tolist()
+  assert _trained(pair["chosen_tokens"], pair["chosen_mask"]) == (
+      TOK.encode("calc") + [END] + TOK.encode("4") + [END])
+  # Answers sharing their first assistant turn keep it in each answer, not in the prompt.
+  p2, c2, r2 = parse_pair(json.dumps({
+      "chosen": turns + [{"role": "assistant", "content": "x"}],
+      "rejected": turns + [{"role": "assistant", "content": "x"}]}), "f:2")
+  assert p2 == prompt and c2 == r2
+  data_identical = encode_pair(p2, c2, r2, TOK)
+  np.testing.assert_array_equal(data_identical["chosen_tokens"], data_identical["rejected_tokens"])
+
+
+@pytest.mark.parametrize("row, message", [
+    ("{oops", "not valid JSON"),
+    ({"prompt": "q", "chosen": "a"}, "a pair needs 'chosen' and 'rejected'"),
+    ({"prompt": "q", "chosen": "a", "rejected": [{"role": "user", "content": "b"}]},
+     "'rejected' must be assistant turns"),
+    ({"prompt": "q", "chosen": [{"role": "tool", "content": "t"},
+                                {"role": "assistant", "content": "a"}], "rejected": "b"},
+     "starting with an assistant turn"),
+    ({"prompt": "q", "chosen": [{"role": "assistant", "content": "a", "weight": 0}],
+      "rejected": "b"}, "'chosen' has no assistant message to train on"),
+    ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+      "rejected": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]},
+     "must share their first turns"),
+    ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "chosen": "b", "rejected": "c"}, "prompt must not end with an assistant turn"),
+    ({"prompt": "q", "chosen": "a", "rejected": 3}, "'rejected' must be a non-empty list"),
+])
+def test_hostile_pairs_fail_naming_file_and_line(tmp_path, row, message):
+  path = _write(tmp_path / "p.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, row])
+  with pytest.raises(ValueError, match=f"^{tmp_path / 'p.jsonl'}:2: ") as e:
+    PreferenceData.from_files(path, TOK, row_len=64)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_long_pairs_are_cut_or_dropped_and_the_stream_covers_each_epoch(tmp_path, caplog):
+  rows = [{"prompt": f"q{i}", "chosen": f"a{i}", "rejected": f"b{i}"} for i in range(5)]
+  rows += [{"prompt": "q", "chosen": "a" * 80, "rejected": "b"},       # cut
+           {"prompt": "p" * 80, "chosen": "a", "rejected": "b"},       # dropped
+           {"prompt": "q", "chosen": "same", "rejected": "same"}]
+  data = PreferenceData.from_files(_write(tmp_path / "p.jsonl", rows), TOK, row_len=64)
+  assert (len(data), data.dropped, data.truncated, data.identical) == (7, 1, 1, 1)
+  assert "preference data: dropped 1 of 8 rows" in caplog.text
+  ds = data.dataset(seed=3)
+  for epoch in range(2):
+    seen = sorted(tuple(ds[epoch * 7 + i]["chosen_tokens"].tolist()) for i in range(7))
+    assert seen == sorted(tuple(p["chosen_tokens"].tolist()) for p in data.examples)
