@@ -5,5 +5,8 @@ losses      PPO / GSPO surrogates, aggregation modes as (sum, count), TIS, KL k1
             entropy, clipped value loss, `rl_loss` combining them
 presets     ppo, grpo, dapo, dr_grpo, gspo, rloo, reinforce_pp; `algorithm_config`
 packing     host-side packing of trajectories into rows and micro-batches
-train_step  the one jitted `(state, batch) -> (state, metrics)`
+preference  offline preference losses (DPO, cDPO, IPO, SLiC hinge, SimPO, RPO's NLL term)
+            and packing of (prompt, chosen, rejected) pairs
+train_step  the jitted `(state, batch) -> (state, metrics)`: RL and preference steps
+            share one update
 """

@@ -1,4 +1,4 @@
-"""One jitted train step for the whole PPO/GRPO family, log-probs without gradient, PPO epochs.
+"""One jitted update for the PPO/GRPO family and for DPO, log-probs without gradient, PPO epochs.
 
     from posttrain.rl import state as state_lib
     optimizer = state_lib.make_optimizer(1e-6, warmup=10, total_steps=1000, clip=1.0)
@@ -34,6 +34,15 @@ PPO (critic on the policy's value head, `value_head=True`):
                  ref_logprobs=compute_logprobs(reference, batch)["logprobs"])
     batch = add_gae_advantages(batch, out["values"], algo_cfg)
     state, metrics = ppo_update(train_step, state, batch, epochs=2, minibatches=4)
+
+Preference optimisation (DPO and variants, `posttrain.rl.preference`) runs the same update
+on packed pairs:
+
+    batch = preference.pack_pairs(pairs, row_len, rows_per_microbatch=8)
+    batch["ref_logprobs"] = compute_logprobs(reference, batch)["logprobs"]
+    dpo_step = make_preference_step(model_cfg, preference.PreferenceConfig(beta=0.1),
+                                    optimizer, mesh=mesh)
+    state, metrics = dpo_step(state, batch)
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from posttrain import distributed, models
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.rl import advantages as advantages_lib
-from posttrain.rl import losses
+from posttrain.rl import losses, preference
 from posttrain.rl.state import TrainState, join_trainable, split_trainable, train_state_shardings
 
 Batch = Mapping[str, Any]
@@ -242,6 +251,152 @@ def reference_in_step(algo) -> bool:
           and int(algo.ppo_epochs) * int(algo.num_minibatches) == 1)
 
 
+def _reference_logprobs_fn(graphdef, rest, ctx: models.ShardingContext, temperature: float):
+  """`(reference params, mb) -> [B, T]` log-probs of the targets, without gradient."""
+  def reference_logprobs(reference, mb):
+    model = nnx.merge(graphdef, reference, rest)
+    logprobs, _, _, _ = _forward(model, mb, ctx, temperature=temperature, with_values=False,
+                                 with_entropy=False)
+    return jax.lax.stop_gradient(logprobs)
+
+  return reference_logprobs
+
+
+def _with_router_aux(loss, metrics, aux, coef: float, micro_share: float):
+  """A mixture's load-balancing loss joins the loss, averaged over the micro-batches."""
+  if aux is None:
+    return loss, metrics
+  return (loss + coef * micro_share * aux,
+          {**metrics, "loss/router_aux": losses.Metric.mean(aux, 1.0)})
+
+
+def _check_reference_arg(reference, *, lora: bool, reference_in_step: bool) -> None:
+  if lora and reference is not None:
+    raise ValueError("a LoRA model's KL reference is its base weights, already in the "
+                     "state: call train_step(state, batch) without reference params")
+  if reference_in_step and not lora and reference is None:
+    raise ValueError("this train step computes ref_logprobs in the step "
+                     "(reference_in_step=True): call train_step(state, batch, reference)")
+  if reference is not None and not reference_in_step:
+    raise ValueError("reference params given to a train step built without "
+                     "reference_in_step=True; pass batch['ref_logprobs'] instead")
+
+
+def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
+                batch_totals: Callable, finish_metrics: Callable,
+                reference_logprobs: Callable, lora: bool, reference_in_step: bool,
+                state_shardings, batch_shardings, reference_shardings, donate: bool,
+                critic_optimizer: optax.GradientTransformation | None = None):
+  """The update every train step shares, jitted: gradients summed over the micro-batches,
+  the optimizer step, a guard that keeps the old state when anything is non-finite.
+
+  Args:
+    loss_fn: `(trainable, mb, totals, frozen, micro_share) -> (loss, metrics)` of one
+      micro-batch: `trainable` is (policy params, critic params or None), `frozen` the
+      LoRA base or None, `metrics` a dict of `losses.Metric`.
+    optimizer: the policy's optimizer.
+    batch_totals: `batch -> totals`, the whole batch's denominators, computed before the
+      micro-batches so that their losses add up to the batch loss.
+    finish_metrics: `(metric values, batch) -> metrics`, the step's own metric dict.
+    reference_logprobs: `(reference params, mb) -> [B, T]`, for `reference_in_step`.
+    lora: the policy has LoRA adapters (with `reference_in_step`, the base is the
+      reference).
+    reference_in_step: each micro-batch gets `ref_logprobs` computed in the step.
+    state_shardings, batch_shardings: the jit's input shardings.
+    reference_shardings: those of a reference argument (`reference_in_step`, no LoRA).
+    donate: donate the input state.
+    critic_optimizer: a separate critic's optimizer (its params in `state.critic_params`).
+
+  Returns:
+    `(jitted, run)`: the `jax.jit` function and `run(state, inputs, reference)`, which
+    lays the inputs out and calls it.
+  """
+  separate_critic = critic_optimizer is not None
+  reference_arg = reference_in_step and not lora
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def step_fn(state: TrainState, batch: Batch, reference=None):
+    num_micro = batch["tokens"].shape[0]
+    # Only the trainable params are differentiated: with LoRA, the adapters (XLA then
+    # drops the base weights' gradients); the frozen base passes through.
+    policy_params, frozen = split_trainable(state.params)
+    trainable = (policy_params, state.critic_params)
+    if reference_in_step and lora:
+      reference = models.without_lora(state.params)
+    # The global denominators first: each micro-batch's loss is then its exact share.
+    totals = batch_totals(batch)
+
+    def micro_grad(mb):
+      if reference is not None:
+        mb = {**mb, "ref_logprobs": reference_logprobs(reference, mb)}
+      return grad_fn(trainable, mb, totals, frozen, 1.0 / num_micro)
+
+    def accumulate(carry, mb):
+      grads_sum, loss_sum = carry
+      (loss, metrics), grads = micro_grad(mb)
+      grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+      return (grads_sum, loss_sum + loss), metrics
+
+    if num_micro == 1:
+      (loss, merged), grads = micro_grad(jax.tree.map(lambda x: x[0], batch))
+    else:
+      zeros = jax.tree.map(jnp.zeros_like, trainable)
+      (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), batch)
+      # Merge the per-micro-batch (sum, count) metrics: exact token averages.
+      merged = functools.reduce(
+          losses.merge_metrics,
+          [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_micro)])
+    grads, critic_grads = grads
+
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, policy_params)
+    new_policy = optax.apply_updates(policy_params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
+    if separate_critic:
+      critic_grad_norm = optax.global_norm(critic_grads)
+      critic_updates, critic_opt_state = critic_optimizer.update(
+          critic_grads, state.critic_opt_state, state.critic_params)
+      critic_params = optax.apply_updates(state.critic_params, critic_updates)
+      finite &= jnp.isfinite(critic_grad_norm)
+    nonfinite = ~finite
+
+    def keep_old_if_nonfinite(new, old):
+      return jax.tree.map(lambda n, o: jnp.where(nonfinite, o, n), new, old)
+
+    new_state = TrainState(
+        params=join_trainable(keep_old_if_nonfinite(new_policy, policy_params), frozen),
+        opt_state=keep_old_if_nonfinite(opt_state, state.opt_state),
+        step=state.step + jnp.where(nonfinite, 0, 1).astype(state.step.dtype),
+        rng=state.rng,
+        critic_params=keep_old_if_nonfinite(critic_params, state.critic_params),
+        critic_opt_state=keep_old_if_nonfinite(critic_opt_state, state.critic_opt_state))
+    metrics = finish_metrics(losses.compute_metrics(merged), batch)
+    metrics.update({
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "learning_rate": _learning_rate(opt_state),
+        "nonfinite": nonfinite.astype(jnp.float32),
+    })
+    if separate_critic:
+      metrics["critic/grad_norm"] = critic_grad_norm
+    return new_state, metrics
+
+  in_shardings = (state_shardings, batch_shardings)
+  if reference_arg:
+    in_shardings += (reference_shardings,)
+  jitted = jax.jit(step_fn, in_shardings=in_shardings, out_shardings=(state_shardings, None),
+                   donate_argnums=(0,) if donate else ())
+
+  def run(state: TrainState, inputs: Batch, reference=None):
+    inputs = distributed.put(inputs, batch_shardings)
+    if reference_arg:
+      return jitted(state, inputs, reference)
+    return jitted(state, inputs)
+
+  return jitted, run
+
+
 def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                     optimizer: optax.GradientTransformation, *, mesh: Mesh,
                     rules: Rules = DEFAULT_RULES, max_response_len: int | None = None,
@@ -313,15 +468,6 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   if reference_in_step:
     required = tuple(k for k in required if k != "ref_logprobs")
   lora = bool(model_cfg.lora_rank)
-  # With LoRA the reference is the state's own base weights (adapters zeroed).
-  reference_arg = reference_in_step and not lora
-
-  def reference_logprobs(reference, mb):
-    model = nnx.merge(graphdef, reference, rest)
-    logprobs, _, _, _ = _forward(model, mb, ctx, temperature=temperature, with_values=False,
-                                 with_entropy=False)
-    return jax.lax.stop_gradient(logprobs)
-
   aux_coef = float(model_cfg.router_aux_loss_coef)
 
   def microbatch_loss(trainable, mb, denominator, frozen, micro_share):
@@ -336,116 +482,130 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       values = _value_head(critic, _hidden(critic, mb, ctx))
     loss, metrics = losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
                                    entropies=entropies, values=values)
-    if aux is None:
-      return loss, metrics
-    # A mixture's load-balancing loss, averaged over the micro-batches.
-    return (loss + aux_coef * micro_share * aux,
-            {**metrics, "loss/router_aux": losses.Metric.mean(aux, 1.0)})
+    return _with_router_aux(loss, metrics, aux, aux_coef, micro_share)
 
-  grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+  def denominator(batch):
+    return jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
 
-  def step_fn(state: TrainState, batch: Batch, reference=None):
-    num_micro = batch["tokens"].shape[0]
-    # Only the trainable params are differentiated: with LoRA, the adapters (XLA then
-    # drops the base weights' gradients); the frozen base passes through.
-    policy_params, frozen = split_trainable(state.params)
-    trainable = (policy_params, state.critic_params)
-    if reference_in_step and lora:
-      reference = models.without_lora(state.params)
-    # The global denominator first: each micro-batch's loss is then its exact share.
-    denominator = jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
-
-    def micro_grad(mb):
-      if reference is not None:
-        mb = {**mb, "ref_logprobs": reference_logprobs(reference, mb)}
-      return grad_fn(trainable, mb, denominator, frozen, 1.0 / num_micro)
-
-    def accumulate(carry, mb):
-      grads_sum, loss_sum = carry
-      (loss, metrics), grads = micro_grad(mb)
-      grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
-      return (grads_sum, loss_sum + loss), metrics
-
-    if num_micro == 1:
-      (loss, merged), grads = micro_grad(jax.tree.map(lambda x: x[0], batch))
-    else:
-      zeros = jax.tree.map(jnp.zeros_like, trainable)
-      (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), batch)
-      # Merge the per-micro-batch (sum, count) metrics: exact token averages.
-      merged = functools.reduce(
-          losses.merge_metrics,
-          [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_micro)])
-    grads, critic_grads = grads
-
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, policy_params)
-    new_policy = optax.apply_updates(policy_params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
-    if separate_critic:
-      critic_grad_norm = optax.global_norm(critic_grads)
-      critic_updates, critic_opt_state = critic_optimizer.update(
-          critic_grads, state.critic_opt_state, state.critic_params)
-      critic_params = optax.apply_updates(state.critic_params, critic_updates)
-      finite &= jnp.isfinite(critic_grad_norm)
-    nonfinite = ~finite
-
-    def keep_old_if_nonfinite(new, old):
-      return jax.tree.map(lambda n, o: jnp.where(nonfinite, o, n), new, old)
-
-    new_state = TrainState(
-        params=join_trainable(keep_old_if_nonfinite(new_policy, policy_params), frozen),
-        opt_state=keep_old_if_nonfinite(opt_state, state.opt_state),
-        step=state.step + jnp.where(nonfinite, 0, 1).astype(state.step.dtype),
-        rng=state.rng,
-        critic_params=keep_old_if_nonfinite(critic_params, state.critic_params),
-        critic_opt_state=keep_old_if_nonfinite(critic_opt_state, state.critic_opt_state))
-    values = losses.compute_metrics(merged)
+  def finish_metrics(values, batch):
     metrics = {name: jnp.asarray(values.get(name, _METRIC_DEFAULTS.get(name, 0.0)),
                                  jnp.float32) for name in STANDARD_METRICS}
     metrics.update({name: v for name, v in values.items() if name not in metrics})
-    metrics.update({
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "learning_rate": _learning_rate(opt_state),
-        "nonfinite": nonfinite.astype(jnp.float32),
-        "tokens": jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32),
-    })
-    if separate_critic:
-      metrics["critic/grad_norm"] = critic_grad_norm
-    return new_state, metrics
+    metrics["tokens"] = jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32)
+    return metrics
 
-  if reference_arg:
-    jitted = jax.jit(step_fn, in_shardings=(
-        state_shardings, data_sharding, models.state_shardings(abstract_params, mesh, rules)),
-                     out_shardings=(state_shardings, None),
-                     donate_argnums=(0,) if donate else ())
-  else:
-    jitted = jax.jit(step_fn, in_shardings=(state_shardings, data_sharding),
-                     out_shardings=(state_shardings, None),
-                     donate_argnums=(0,) if donate else ())
+  jitted, run = _jit_update(
+      microbatch_loss, optimizer, batch_totals=denominator, finish_metrics=finish_metrics,
+      reference_logprobs=_reference_logprobs_fn(graphdef, rest, ctx, temperature),
+      lora=lora, reference_in_step=reference_in_step, state_shardings=state_shardings,
+      batch_shardings=data_sharding,
+      reference_shardings=models.state_shardings(abstract_params, mesh, rules),
+      donate=donate, critic_optimizer=critic_optimizer if separate_critic else None)
 
   def train_step(state: TrainState, batch: Batch, reference=None):
-    if lora and reference is not None:
-      raise ValueError("a LoRA model's KL reference is its base weights, already in the "
-                       "state: call train_step(state, batch) without reference params")
-    if reference_arg and reference is None:
-      raise ValueError("this train step computes ref_logprobs in the step "
-                       "(reference_in_step=True): call train_step(state, batch, reference)")
-    if reference is not None and not reference_in_step:
-      raise ValueError("reference params given to a train step built without "
-                       "reference_in_step=True; pass batch['ref_logprobs'] instead")
+    _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)
     _check_batch(batch, required, row_multiple)
     inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
     if reference_in_step:
       inputs.pop("ref_logprobs", None)  # computed in the step
-    if reference_arg:
-      return jitted(state, distributed.put(inputs, data_sharding), reference)
-    return jitted(state, distributed.put(inputs, data_sharding))
+    return run(state, inputs, reference)
 
   train_step.jitted = jitted
   train_step.required = required  # the batch keys it reads (besides the model's)
   return train_step
+
+
+# ---------------------------------------------------------------------------------------
+# The preference step (DPO and variants)
+# ---------------------------------------------------------------------------------------
+
+
+def make_preference_step(model_cfg: models.ModelConfig,
+                         pref_cfg: preference.PreferenceConfig,
+                         optimizer: optax.GradientTransformation, *, mesh: Mesh,
+                         rules: Rules = DEFAULT_RULES, donate: bool = True,
+                         reference_in_step: bool = False) -> Callable:
+  """Builds `step(state, batch) -> (state, metrics)` for offline preference optimisation.
+
+  The batch is `preference.pack_pairs`'s (both sequences of a pair in one micro-batch)
+  plus, for the losses with a reference (all but simpo), `ref_logprobs` `[M, B, T]`, e.g.
+  `make_compute_logprobs(model_cfg, mesh=mesh)(reference, batch)["logprobs"]`. The loss
+  is `preference.microbatch_preference_loss` normalised by the whole batch's pairs, plus
+  the router's load-balancing loss of a mixture; the update is the RL step's (micro-batch
+  accumulation, LoRA adapters alone trained, a non-finite update skipped and reported).
+
+  Args:
+    model_cfg: the policy architecture.
+    pref_cfg: the loss.
+    optimizer: the one the state was built with.
+    mesh, rules: where the state and the batch live.
+    donate: donate the input state's buffers.
+    reference_in_step: compute the reference log-probs in the step from the reference
+      params it is given, `step(state, batch, reference)`; with LoRA adapters the
+      reference is the base weights in the state, `step(state, batch)`.
+
+  Returns:
+    The step; `step.jitted` is the `jax.jit` function, `step.required` the batch keys.
+  """
+  if reference_in_step and not pref_cfg.needs_reference:
+    raise ValueError(f"reference_in_step: the {pref_cfg.loss} loss reads no reference")
+  graphdef, abstract_params, rest = _split_abstract(model_cfg)
+  ctx = models.ShardingContext(mesh, rules)
+  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
+  data_sharding = batch_sharding(mesh, rules)
+  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  lora = bool(model_cfg.lora_rank)
+  aux_coef = float(model_cfg.router_aux_loss_coef)
+  reads_ref = pref_cfg.needs_reference and not reference_in_step
+  required = preference.TOKEN_KEYS + ("pair_mask",) + (("ref_logprobs",) if reads_ref else ())
+  # Pair slots are few: replicated, whatever the rows' layout.
+  batch_shardings = {key: data_sharding for key in required}
+  batch_shardings["pair_mask"] = NamedSharding(mesh, PartitionSpec())
+
+  def microbatch_loss(trainable, mb, denominators, frozen, micro_share):
+    params, _ = trainable
+    model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
+    logprobs, _, _, aux = _forward(model, mb, ctx, temperature=1.0, with_values=False,
+                                   with_entropy=False, with_router_loss=aux_coef > 0)
+    loss, metrics = preference.microbatch_preference_loss(pref_cfg, logprobs, mb,
+                                                          denominators=denominators)
+    return _with_router_aux(loss, metrics, aux, aux_coef, micro_share)
+
+  def finish_metrics(values, batch):
+    return {**values,
+            "pairs": jnp.sum(batch["pair_mask"]).astype(jnp.float32),
+            "tokens": jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32)}
+
+  jitted, run = _jit_update(
+      microbatch_loss, optimizer, batch_totals=preference.batch_denominators,
+      finish_metrics=finish_metrics,
+      reference_logprobs=_reference_logprobs_fn(graphdef, rest, ctx, 1.0),
+      lora=lora, reference_in_step=reference_in_step, state_shardings=state_shardings,
+      batch_shardings=batch_shardings,
+      reference_shardings=models.state_shardings(abstract_params, mesh, rules),
+      donate=donate)
+
+  def step(state: TrainState, batch: Batch, reference=None):
+    _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)
+    _check_preference_batch(batch, required, row_multiple)
+    return run(state, {key: batch[key] for key in required}, reference)
+
+  step.jitted = jitted
+  step.required = required
+  return step
+
+
+def _check_preference_batch(batch: Batch, required: tuple[str, ...], row_multiple: int):
+  _check_batch(batch, required, row_multiple)
+  shape = np.shape(batch["tokens"])
+  for key in preference.TOKEN_KEYS:
+    if np.shape(batch[key]) != shape:
+      raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected {shape} "
+                       "like batch['tokens']")
+  pair_shape = np.shape(batch["pair_mask"])
+  if len(pair_shape) != 2 or pair_shape[0] != shape[0]:
+    raise ValueError(f"batch['pair_mask'] must be [microbatches, pairs] with {shape[0]} "
+                     f"micro-batches like batch['tokens'], got shape {pair_shape}")
 
 
 # ---------------------------------------------------------------------------------------

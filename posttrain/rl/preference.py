@@ -1,0 +1,436 @@
+"""Offline preference optimisation: DPO and its variants, and packing preference pairs.
+
+    batch = pack_pairs(pairs, row_len=2048, rows_per_microbatch=8, pad_id=tok.pad_id)
+    batch["ref_logprobs"] = compute_logprobs(reference, batch)["logprobs"]
+    step = train_step.make_preference_step(model_cfg, PreferenceConfig(beta=0.1), optimizer,
+                                           mesh=mesh)
+    state, metrics = step(state, batch)
+
+A pair is a mapping
+
+    prompt_tokens     int [P]   (P >= 1)
+    chosen_tokens     int [Rc]  the preferred response (Rc >= 1)
+    rejected_tokens   int [Rr]  the dispreferred response (Rr >= 1)
+    chosen_mask       [Rc] optional, nonzero = scored (0 for tool output of a multi-turn
+                      response); default all 1. Likewise rejected_mask.
+
+and its two sequences, prompt + chosen and prompt + rejected, are packed into rows with
+`posttrain.rl.packing`. `pack_pairs` returns the usual per-token arrays `[M, B, T]`
+(`tokens, targets, positions, segment_ids, loss_mask`) plus
+
+    pair_ids     int32 [M, B, T]  the pair's slot within its micro-batch, -1 in padding
+    chosen       bool  [M, B, T]  True on the chosen sequence's tokens
+    pair_mask    bool  [M, P]     which of the P pair slots of a micro-batch hold a pair
+    pair_index   int32 [M, P]     the slot's pair in the input list, -1 for empty slots
+    truncated    int   scalar     sequences whose response tail was cut to fit row_len
+
+Both sequences of a pair share a micro-batch: the loss is nonlinear in the pair's two
+log-probs, so a pair's gradient needs both in one forward pass.
+
+Losses. With `pi_c, pi_r` the policy's log-probs of the chosen and rejected responses
+summed over their scored tokens, `ref_c, ref_r` the reference's, and `n_c, n_r` the
+numbers of scored tokens, each loss compares per-pair rewards `r_c, r_r` through their
+margin `h = r_c - r_r`:
+
+    sigmoid  r = beta * (pi - ref)         -(1-eps) log s(h) - eps log s(-h)   DPO, cDPO
+    ipo      r = beta * (pi - ref) / n     (h / beta - 1 / (2 beta))^2         IPO
+    hinge    r = beta * (pi - ref)         max(0, 1 - h)                       SLiC
+    simpo    r = beta * pi / n             -(1-eps) log s(h - gamma)           SimPO
+                                             - eps log s(gamma - h)
+
+(s the logistic sigmoid, eps the label smoothing, gamma SimPO's target margin; IPO and
+SimPO average the log-probs per token, as their papers and TRL do; SimPO reads no
+reference). An optional NLL term on the chosen responses (RPO, TRL's `rpo_alpha`) adds
+`sft_coef * sum(-log p(chosen tokens)) / #chosen tokens`.
+
+Exact micro-batch accumulation, as in `posttrain.rl.losses`: the preference loss is a sum
+over pairs divided by the number of pairs of the whole batch, the NLL term a sum over
+tokens divided by the chosen tokens of the whole batch, so the micro-batch losses and
+gradients add up to the one-batch values.
+"""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain.rl import packing
+from posttrain.rl.losses import Metric
+
+Array = jax.Array
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
+# The losses that compare the policy with a reference (all but SimPO).
+REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+# The logistic losses, the ones label smoothing applies to.
+_LOGISTIC_LOSSES = ("sigmoid", "simpo")
+
+PAIR_KEYS = ("prompt_tokens", "chosen_tokens", "rejected_tokens")
+OPTIONAL_PAIR_KEYS = ("chosen_mask", "rejected_mask")
+
+# The per-token arrays of a packed preference batch; pair_mask is per pair slot.
+TOKEN_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "pair_ids",
+              "chosen")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+  """The knobs of a preference loss (the equations are in the module docstring).
+
+  Attributes:
+    loss: one of `PREFERENCE_LOSSES`.
+    beta: the reward scale (DPO's KL strength); > 0.
+    label_smoothing: cDPO's assumed fraction of flipped labels, in [0, 0.5); sigmoid
+      and simpo only.
+    simpo_gamma: SimPO's target reward margin.
+    sft_coef: weight of the NLL term on the chosen responses (RPO); 0 = off.
+  """
+
+  loss: str = "sigmoid"
+  beta: float = 0.1
+  label_smoothing: float = 0.0
+  simpo_gamma: float = 0.5
+  sft_coef: float = 0.0
+
+  def __post_init__(self):
+    if self.loss not in PREFERENCE_LOSSES:
+      raise ValueError(f"unknown preference loss {self.loss!r}; known: "
+                       f"{', '.join(PREFERENCE_LOSSES)}")
+    if not self.beta > 0:
+      raise ValueError(f"beta must be > 0, got {self.beta}")
+    if not 0 <= self.label_smoothing < 0.5:
+      raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+    if self.label_smoothing and self.loss not in _LOGISTIC_LOSSES:
+      raise ValueError(f"label_smoothing={self.label_smoothing} applies to the "
+                       f"{' and '.join(_LOGISTIC_LOSSES)} losses, not {self.loss!r}")
+    if self.sft_coef < 0:
+      raise ValueError(f"sft_coef must be >= 0, got {self.sft_coef}")
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.loss in REFERENCE_LOSSES
+
+
+# ---------------------------------------------------------------------------------------
+# Losses of per-pair log-probs
+# ---------------------------------------------------------------------------------------
+
+
+def _logistic(h, eps):
+  return -(1.0 - eps) * jax.nn.log_sigmoid(h) - eps * jax.nn.log_sigmoid(-h)
+
+
+def pair_rewards(cfg: PreferenceConfig, policy_chosen, policy_rejected, ref_chosen=None,
+                 ref_rejected=None, chosen_tokens=None, rejected_tokens=None
+                 ) -> tuple[Array, Array]:
+  """The implicit rewards `(r_c, r_r)` the loss compares, per pair (module docstring).
+
+  Args:
+    cfg: the loss.
+    policy_chosen, policy_rejected: `[P]` the policy's summed response log-probs.
+    ref_chosen, ref_rejected: `[P]` the reference's; unused by simpo.
+    chosen_tokens, rejected_tokens: `[P]` scored tokens per response (ipo, simpo), >= 1.
+  """
+  if cfg.needs_reference and (ref_chosen is None or ref_rejected is None):
+    raise ValueError(f"the {cfg.loss} loss needs the reference's log-probs")
+  if cfg.loss in ("ipo", "simpo") and (chosen_tokens is None or rejected_tokens is None):
+    raise ValueError(f"the {cfg.loss} loss needs the responses' token counts")
+  if cfg.loss == "simpo":
+    return (cfg.beta * policy_chosen / chosen_tokens,
+            cfg.beta * policy_rejected / rejected_tokens)
+  chosen = cfg.beta * (policy_chosen - ref_chosen)
+  rejected = cfg.beta * (policy_rejected - ref_rejected)
+  if cfg.loss == "ipo":
+    return chosen / chosen_tokens, rejected / rejected_tokens
+  return chosen, rejected
+
+
+def pair_losses(cfg: PreferenceConfig, margin: Array) -> Array:
+  """Per-pair loss of the reward margin `h = r_c - r_r` (module docstring)."""
+  if cfg.loss == "sigmoid":
+    return _logistic(margin, cfg.label_smoothing)
+  if cfg.loss == "ipo":
+    return (margin / cfg.beta - 1.0 / (2.0 * cfg.beta)) ** 2
+  if cfg.loss == "hinge":
+    return jax.nn.relu(1.0 - margin)
+  return _logistic(margin - cfg.simpo_gamma, cfg.label_smoothing)
+
+
+def preference_loss(cfg: PreferenceConfig, policy_chosen, policy_rejected, ref_chosen=None,
+                    ref_rejected=None, chosen_tokens=None, rejected_tokens=None, *,
+                    pair_mask=None, denominator=None) -> tuple[Array, dict[str, Metric]]:
+  """The preference loss of a set of pairs: `sum_p mask_p * loss_p / D`.
+
+  Args:
+    cfg: the loss.
+    policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens,
+      rejected_tokens: `[P]` per-pair values as in `pair_rewards`.
+    pair_mask: `[P]` the real pairs (default all); the others' values may be garbage.
+    denominator: `D`, the number of real pairs of the whole batch (default: of these).
+
+  Returns:
+    `(loss, metrics)` with `loss/preference`, `rewards/{chosen,rejected,margin,accuracy}`
+    and `logps/{chosen,rejected}` as per-pair means.
+  """
+  policy_chosen = jnp.asarray(policy_chosen, jnp.float32)
+  mask = (jnp.ones(policy_chosen.shape, bool) if pair_mask is None
+          else jnp.asarray(pair_mask) != 0)
+
+  # Slots without a pair hold zeros (and one token) before any arithmetic, so that
+  # nothing there reaches the loss or its gradient.
+  def clean(x, fill=0.0):
+    return None if x is None else jnp.where(mask, jnp.asarray(x, jnp.float32), fill)
+
+  pc, pr = clean(policy_chosen), clean(policy_rejected)
+  rc, rr = clean(ref_chosen), clean(ref_rejected)
+  nc, nr = clean(chosen_tokens, 1.0), clean(rejected_tokens, 1.0)
+  reward_chosen, reward_rejected = pair_rewards(cfg, pc, pr, rc, rr, nc, nr)
+  margin = reward_chosen - reward_rejected
+  losses = jnp.where(mask, pair_losses(cfg, margin), 0.0)
+  count = jnp.sum(mask)
+  if denominator is None:
+    denominator = count
+  loss = jnp.sum(losses) / jnp.maximum(denominator, 1)
+
+  def mean(x):
+    return Metric.mean(jnp.sum(jnp.where(mask, jax.lax.stop_gradient(x), 0.0)), count)
+
+  metrics = {
+      "loss/preference": mean(losses),
+      "rewards/chosen": mean(reward_chosen),
+      "rewards/rejected": mean(reward_rejected),
+      "rewards/margin": mean(margin),
+      "rewards/accuracy": mean((reward_chosen > reward_rejected).astype(jnp.float32)),
+      "logps/chosen": mean(pc),
+      "logps/rejected": mean(pr),
+  }
+  return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------
+# From per-token log-probs of a packed micro-batch
+# ---------------------------------------------------------------------------------------
+
+
+def pair_sums(x_BxT: Array, pair_ids_BxT: Array, chosen_BxT: Array, num_pairs: int
+              ) -> tuple[Array, Array]:
+  """Sums of `x` over each pair's chosen and over its rejected tokens, `([P], [P])`.
+
+  `x` must already be 0 where it should not count (outside the loss mask).
+  """
+  pair_ids = jnp.asarray(pair_ids_BxT, jnp.int32)
+  # Slots 0..P-1 chosen, P..2P-1 rejected, 2P the padding (dropped).
+  slot = jnp.where(pair_ids >= 0, pair_ids + jnp.where(chosen_BxT, 0, num_pairs),
+                   2 * num_pairs)
+
+  def one_row(x_row, slot_row):
+    return jax.ops.segment_sum(x_row, slot_row, num_segments=2 * num_pairs + 1)
+
+  # vmap keeps the scatter per row, so a batch-sharded input stays sharded.
+  sums = jnp.sum(jax.vmap(one_row)(x_BxT, slot), axis=0)
+  return sums[:num_pairs], sums[num_pairs:2 * num_pairs]
+
+
+def batch_denominators(batch: Mapping[str, Array]) -> dict[str, Array]:
+  """The whole batch's pair count and chosen-token count (sum them over micro-batches)."""
+  chosen_scored = (jnp.asarray(batch["loss_mask"]) != 0) & jnp.asarray(batch["chosen"])
+  return {"pairs": jnp.sum(jnp.asarray(batch["pair_mask"]) != 0).astype(jnp.float32),
+          "chosen_tokens": jnp.sum(chosen_scored).astype(jnp.float32)}
+
+
+def microbatch_preference_loss(cfg: PreferenceConfig, logprobs_BxT: Array,
+                               mb: Mapping[str, Array], *, denominators: Mapping[str, Array]
+                               ) -> tuple[Array, dict[str, Metric]]:
+  """The loss of one packed micro-batch from the policy's per-target log-probs.
+
+  Args:
+    cfg: the loss.
+    logprobs_BxT: the policy's log-probs of the targets (differentiable).
+    mb: `loss_mask, pair_ids, chosen` `[B, T]`, `pair_mask` `[P]` and, for the losses
+      with a reference, `ref_logprobs` `[B, T]`.
+    denominators: `batch_denominators` of the whole batch.
+
+  Returns:
+    `(loss, metrics)`: summing `loss` over the micro-batches gives the batch loss.
+  """
+  mask = jnp.asarray(mb["loss_mask"]) != 0
+  pair_mask = jnp.asarray(mb["pair_mask"]) != 0
+  num_pairs = pair_mask.shape[-1]
+  chosen = jnp.asarray(mb["chosen"])
+
+  def sums(x):
+    return pair_sums(jnp.where(mask, x, 0.0).astype(jnp.float32), mb["pair_ids"], chosen,
+                     num_pairs)
+
+  policy_chosen, policy_rejected = sums(logprobs_BxT)
+  ref_chosen = ref_rejected = None
+  if cfg.needs_reference:
+    ref_chosen, ref_rejected = sums(jax.lax.stop_gradient(mb["ref_logprobs"]))
+  chosen_tokens, rejected_tokens = sums(jnp.ones(mask.shape, jnp.float32))
+  loss, metrics = preference_loss(cfg, policy_chosen, policy_rejected, ref_chosen,
+                                  ref_rejected, chosen_tokens, rejected_tokens,
+                                  pair_mask=pair_mask, denominator=denominators["pairs"])
+  if cfg.sft_coef > 0:
+    nll = jnp.sum(jnp.where(mask & chosen, -logprobs_BxT, 0.0))
+    metrics["loss/sft"] = Metric.mean(jax.lax.stop_gradient(nll), jnp.sum(mask & chosen))
+    loss = loss + cfg.sft_coef * nll / jnp.maximum(denominators["chosen_tokens"], 1)
+  return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------
+# Packing pairs on the host
+# ---------------------------------------------------------------------------------------
+
+
+def _token_array(index: int, pair: Mapping[str, Any], key: str) -> np.ndarray:
+  value = np.asarray(pair[key])
+  if value.ndim != 1:
+    raise ValueError(f"pair {index}: {key} must be a 1-D token array, got shape {value.shape}")
+  if value.size and not np.issubdtype(value.dtype, np.integer):
+    raise ValueError(f"pair {index}: {key} must hold integer token ids, got {value.dtype}")
+  return value.astype(np.int32)
+
+
+def _pair_sequences(index: int, pair: Mapping[str, Any], row_len: int, truncate: bool
+                    ) -> tuple[list[dict[str, np.ndarray]], int]:
+  """The pair's two trajectories (chosen first) cut to row_len, and how many were cut."""
+  if not isinstance(pair, Mapping):
+    raise ValueError(f"pair {index}: expected a mapping with keys {', '.join(PAIR_KEYS)}, "
+                     f"got {type(pair).__name__}")
+  unknown = sorted(set(pair) - set(PAIR_KEYS) - set(OPTIONAL_PAIR_KEYS))
+  if unknown:
+    raise ValueError(f"pair {index}: unknown key(s) {unknown}; known: "
+                     f"{', '.join(PAIR_KEYS + OPTIONAL_PAIR_KEYS)}")
+  missing = [key for key in PAIR_KEYS if key not in pair]
+  if missing:
+    raise ValueError(f"pair {index}: missing {missing}")
+  prompt = _token_array(index, pair, "prompt_tokens")
+  if not len(prompt):
+    raise ValueError(f"pair {index}: empty prompt_tokens (the first response token needs a "
+                     "context)")
+  if len(prompt) + 1 > row_len:
+    raise ValueError(f"pair {index}: prompt of {len(prompt)} tokens leaves no response token "
+                     f"in row_len {row_len}")
+  sequences, truncated = [], 0
+  for side in ("chosen", "rejected"):
+    response = _token_array(index, pair, f"{side}_tokens")
+    if not len(response):
+      raise ValueError(f"pair {index}: empty {side}_tokens")
+    mask = pair.get(f"{side}_mask")
+    mask = np.ones(len(response), bool) if mask is None else np.asarray(mask) != 0
+    if mask.shape != response.shape:
+      raise ValueError(f"pair {index}: {side}_mask has shape {mask.shape}, {side}_tokens "
+                       f"has {len(response)} tokens")
+    if len(prompt) + len(response) > row_len:
+      if not truncate:
+        raise ValueError(f"pair {index}: the {side} sequence has "
+                         f"{len(prompt) + len(response)} tokens > row_len {row_len}; raise "
+                         "row_len or pass truncate=True")
+      # A cut sequence keeps the response tokens some position still predicts.
+      keep = row_len - len(prompt)
+      response, mask = response[:keep], mask[:keep]
+      truncated += 1
+    if not mask.any():
+      raise ValueError(f"pair {index}: no scored {side} token"
+                       + (f" within row_len {row_len}" if truncated else
+                          f" ({side}_mask is all 0)"))
+    sequences.append({"prompt_tokens": prompt, "response_tokens": response,
+                      "response_mask": mask})
+  return sequences, truncated
+
+
+def _assign_microbatches(pair_lengths: Sequence[tuple[int, int]], row_len: int,
+                         rows_per_microbatch: int) -> list[list[int]]:
+  """The pairs of each micro-batch: longest pairs first, each into the first micro-batch
+  whose rows (filled first-fit-decreasing, as `pack_trajectories` fills them) take both."""
+  order = sorted(range(len(pair_lengths)), key=lambda i: -sum(pair_lengths[i]))
+  capacity = rows_per_microbatch * row_len
+  microbatches: list[list[int]] = []
+  lengths: list[list[int]] = []
+  for index in order:
+    chosen_len, rejected_len = pair_lengths[index]
+    for members, sizes in zip(microbatches, lengths):
+      if sum(sizes) + chosen_len + rejected_len > capacity:
+        continue
+      trial = sizes + [chosen_len, rejected_len]
+      if packing.first_fit_decreasing(trial, row_len).max() < rows_per_microbatch:
+        members.append(index)
+        sizes.extend((chosen_len, rejected_len))
+        break
+    else:
+      if packing.first_fit_decreasing([chosen_len, rejected_len], row_len).max() >= \
+          rows_per_microbatch:
+        raise ValueError(f"pair {index}: its sequences of {chosen_len} and {rejected_len} "
+                         f"tokens do not fit {rows_per_microbatch} row(s) of {row_len}")
+      microbatches.append([index])
+      lengths.append([chosen_len, rejected_len])
+  # Input order within a micro-batch, so packing is deterministic and readable.
+  return [sorted(members) for members in microbatches]
+
+
+def _power_of_two(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def pack_pairs(pairs: Sequence[Mapping[str, Any]], row_len: int, *, rows_per_microbatch: int,
+               pad_id: int = 0, truncate: bool = True) -> dict[str, np.ndarray]:
+  """Packs preference pairs into micro-batches (layout in the module docstring).
+
+  Pairs go longest first into the first micro-batch with room for both their sequences;
+  within a micro-batch `packing.pack_trajectories` fills the rows first-fit-decreasing.
+  The micro-batch count M and the pair slots per micro-batch P are rounded up to powers
+  of two, so a jitted step sees few shapes.
+
+  Args:
+    pairs: mappings with the keys of the module docstring.
+    row_len: tokens per row.
+    rows_per_microbatch: rows B of each micro-batch (a multiple of the devices the
+      batch is split over).
+    pad_id: token id of padding and of the last positions' targets.
+    truncate: cut the response tail of a sequence longer than `row_len` (counted in
+      `truncated`) instead of raising.
+
+  Returns:
+    Dict of numpy arrays: the per-token keys `[M, B, T]`, `pair_mask` and `pair_index`
+    `[M, P]`, `truncated` a scalar.
+  """
+  if row_len < 2:
+    raise ValueError(f"row_len must be >= 2, got {row_len}")
+  if rows_per_microbatch < 1:
+    raise ValueError(f"rows_per_microbatch must be >= 1, got {rows_per_microbatch}")
+  if isinstance(pairs, Mapping) or not len(pairs):
+    raise ValueError("pack_pairs needs a non-empty sequence of pairs")
+  sequences, truncated = [], 0
+  for index, pair in enumerate(pairs):
+    seqs, cut = _pair_sequences(index, pair, row_len, truncate)
+    sequences.append(seqs)
+    truncated += cut
+  pair_lengths = [tuple(len(s["prompt_tokens"]) + len(s["response_tokens"]) for s in seqs)
+                  for seqs in sequences]
+  assignment = _assign_microbatches(pair_lengths, row_len, rows_per_microbatch)
+
+  # One pack per micro-batch, its trajectories chosen, rejected, chosen, ...: the
+  # sequence index s of the micro-batch is pair slot s // 2, chosen when s is even.
+  rows = [packing.pack_trajectories([seq for i in members for seq in sequences[i]], row_len,
+                                    num_rows=rows_per_microbatch, pad_id=pad_id)
+          for members in assignment]
+  rows = {key: np.concatenate([r[key] for r in rows])
+          for key in TOKEN_KEYS[:5] + ("seq_ids",)}
+  num_micro = _power_of_two(len(assignment))
+  batch = packing.split_microbatches(rows, rows_per_microbatch * row_len,
+                                     num_microbatches=num_micro, pad_id=pad_id)
+  seq_ids = batch.pop("seq_ids")
+  batch["pair_ids"] = np.where(seq_ids >= 0, seq_ids // 2, -1).astype(np.int32)
+  batch["chosen"] = (seq_ids >= 0) & (seq_ids % 2 == 0)
+
+  slots = _power_of_two(max(len(members) for members in assignment))
+  batch["pair_mask"] = np.zeros((num_micro, slots), bool)
+  batch["pair_index"] = np.full((num_micro, slots), -1, np.int32)
+  for micro, members in enumerate(assignment):
+    batch["pair_mask"][micro, :len(members)] = True
+    batch["pair_index"][micro, :len(members)] = members
+  batch["truncated"] = np.asarray(truncated)
+  return batch
