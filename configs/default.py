@@ -78,6 +78,16 @@ def get_config() -> ml_collections.ConfigDict:
   # eval_every steps (0: after SFT only).
   c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, warmup=10,
                                          data="", eval_data="", eval_every=0))
+  # Preference optimisation between SFT and RL (steps > 0): DPO and its variants on
+  # JSON-lines pair files (rows {"prompt", "chosen", "rejected"}, see
+  # posttrain.data.preference). loss: sigmoid (DPO; label_smoothing > 0 is cDPO) | ipo |
+  # hinge | simpo (no reference; simpo_gamma its margin); sft_coef adds an NLL term on the
+  # chosen answers (RPO). The reference is the policy the stage starts from. batch_size
+  # counts pairs; eval_data's held-out accuracy and margin are logged after the stage and
+  # every eval_every steps.
+  c.preference = ml_collections.ConfigDict(dict(
+      steps=0, data="", eval_data="", eval_every=0, batch_size=16, lr=1e-4, warmup=5,
+      loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, sft_coef=0.0))
   c.algorithm = "grpo"
   c.rl = presets.algorithm_overrides()
   c.rl.group_size = 8

@@ -23,7 +23,7 @@ PLACEMENTS = ("colocated", "disaggregated")
 # (dotted key, lowest allowed value, "int" or "float"); a key the config lacks is skipped.
 _RANGES = (
     ("seed", 0, "int"), ("sft.steps", 0, "int"), ("sft.warmup", 0, "int"),
-    ("sft.batch_size", 1, "int"), ("sft.eval_every", 0, "int"),
+    ("sft.batch_size", 1, "int"), ("sft.eval_every", 0, "int"), ("preference.steps", 0, "int"),
     ("train.rl_steps", 0, "int"), ("train.row_len", 1, "int"),
     ("train.rows_per_microbatch", 1, "int"), ("train.log_every", 1, "int"),
     ("optim.warmup", 0, "int"), ("optim.lr", 0.0, "float"), ("optim.weight_decay", 0.0, "float"),

@@ -1,11 +1,12 @@
-"""The trainer: an optional SFT warm start, then RL on the scheduler's multi-domain stream.
+"""The trainer: an optional SFT warm start, optional preference optimisation (DPO and its
+variants on pair files), then RL on the scheduler's multi-domain stream.
 
     summary = trainer.train(config, workdir)
 
 Colocated placement: the sampler and the learner share one mesh and the sampler always
 holds the current weights (on-policy). Everything a run needs to continue exactly lives in
 the checkpoint: params, optimizer state, step, RNG, policy version, scheduler state, the
-grain iterator state of the SFT stream and the config. Restarting with the same workdir
+grain iterator states of the SFT and preference streams and the config. Restarting with the same workdir
 resumes from the latest complete checkpoint; SIGTERM/SIGINT write one and stop.
 """
 
@@ -34,12 +35,13 @@ from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, 
                                   from_checkpoint, model_config, optimizer_like, run_domains,
                                   to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
+from posttrain.data.preference import PreferenceData
 from posttrain.data.sft import SFTData
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import advantages as adv_lib
 from posttrain.rl import losses as loss_lib
-from posttrain.rl import packing, presets
+from posttrain.rl import packing, preference, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
 from posttrain.rollout import FairLock, RolloutWorker, group_to_trajectories
@@ -75,14 +77,18 @@ def _sft_algorithm() -> ml_collections.ConfigDict:
 class Progress_:
   """Where the run is; stored in every checkpoint's extras."""
 
-  stage: str = "sft"            # sft | rl | done
+  stage: str = "sft"            # sft | preference | rl | done
   sft_step: int = 0
+  pref_step: int = 0
   rl_step: int = 0
   policy_version: int = 0
   sft_iterator: dict | None = None
   scheduler: dict | None = None
   sft_eval: dict | None = None
   sft_nll: float | None = None  # held-out NLL per token after SFT (sft.eval_data)
+  pref_iterator: dict | None = None
+  pref_eval: dict | None = None     # pass rates after the preference stage
+  pref_heldout: dict | None = None  # held-out pair metrics (preference.eval_data)
 
 
 def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
@@ -263,6 +269,7 @@ class Trainer:
     t = config.train
     self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
     self.sft_data, self.sft_eval_data = self._load_sft_data(config.sft)
+    self.pref_cfg, self.pref_data, self.pref_eval_data = self._load_preference(config)
     if self.step_tokens and self.algo.dynamic_sampling:
       raise ValueError("placement.step_tokens (partial rollouts across steps) cannot be "
                        "combined with dynamic sampling")
@@ -306,19 +313,33 @@ class Trainer:
                                            max(int(s.steps), int(s.warmup) + 1),
                                            float(o.weight_decay),
                                            float(o.clip) if o.clip else None)
+    self.pref_optimizer = None
+    if self.pref_cfg is not None:
+      p = config.preference
+      self.pref_optimizer = rl_state.make_optimizer(float(p.lr), int(p.warmup),
+                                                    max(int(p.steps), int(p.warmup) + 1),
+                                                    float(o.weight_decay),
+                                                    float(o.clip) if o.clip else None)
+    # Checkpoints the frozen references are rebuilt from on resume: the start of the
+    # preference stage and the start of RL. Retention must not delete them.
+    keep = set()
+    if self._pref_enabled() and self.pref_cfg.needs_reference:
+      keep.add(int(config.sft.steps))
+    if float(self.algo.kl_coef) > 0:
+      keep.add(self._rl_start())
     self.ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"),
                                   save_every=int(config.checkpoint.every),
                                   keep_last=int(config.checkpoint.keep_last),
                                   keep_every=int(config.checkpoint.keep_every) or None,
-                                  # The KL reference is rebuilt from the checkpoint
-                                  # written when RL began: retention must not delete it.
-                                  keep_steps=((int(config.sft.steps),)
-                                              if float(self.algo.kl_coef) > 0 else ()),
+                                  keep_steps=tuple(sorted(keep)),
                                   async_save=bool(config.checkpoint.async_save))
     self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     self.progress = Progress_()
     self._graphdef, _, self._rest = ts._split_abstract(self.cfg)
     self._sft_step_fn = None
+    self._pref_step_fn = None
+    self._pref_metrics_fn = None
+    self.pref_reference = None
     self._rl_step_fn = None
     self._logprobs_fns = {}
     self._nll_sum_fn = None
@@ -353,6 +374,39 @@ class Trainer:
       eval_ = SFTData.from_files(s.eval_data, self.tok, row_len=self.row_len)
     return train, eval_
 
+  def _load_preference(self, config):
+    """(loss config, pair files, held-out pair files) of the preference stage; Nones
+    when it is off (preference.steps=0)."""
+    p = config.get("preference")
+    if p is None or int(p.get("steps", 0) or 0) <= 0:
+      return None, None, None
+    cfg = preference.PreferenceConfig(
+        loss=str(p.loss), beta=float(p.beta), label_smoothing=float(p.label_smoothing),
+        simpo_gamma=float(p.simpo_gamma), sft_coef=float(p.sft_coef))
+    for key, low in (("batch_size", 1), ("eval_every", 0), ("warmup", 0)):
+      if int(p[key]) < low:
+        raise ValueError(f"preference.{key}={p[key]!r} must be >= {low}")
+    if not float(p.lr) > 0:
+      raise ValueError(f"preference.lr={p.lr!r} must be > 0")
+    if not p.get("data"):
+      raise ValueError("preference.steps > 0 needs preference.data: JSON-lines files of "
+                       "pairs (posttrain.data.preference)")
+    data = PreferenceData.from_files(p.data, self.tok, row_len=self.row_len)
+    held = (PreferenceData.from_files(p.eval_data, self.tok, row_len=self.row_len)
+            if p.get("eval_data") else None)
+    log.info("preference data: %d pairs (%d with identical answers); %d steps of %d are "
+             "%.2f epochs of %s", len(data), data.identical, int(p.steps), int(p.batch_size),
+             int(p.steps) * int(p.batch_size) / len(data), cfg.loss)
+    return cfg, data, held
+
+  def _pref_enabled(self) -> bool:
+    return self.pref_cfg is not None
+
+  def _rl_start(self) -> int:
+    """The checkpoint step at which RL begins."""
+    return int(self.config.sft.steps) + (int(self.config.preference.steps)
+                                         if self._pref_enabled() else 0)
+
   # -- state --------------------------------------------------------------------------------
 
   def _updates_per_step(self) -> int:
@@ -371,16 +425,20 @@ class Trainer:
       self.progress = Progress_(**extras["progress"])
       if self.progress.scheduler:
         self.scheduler.load_state_dict(self.progress.scheduler)
-      log.info("resumed from checkpoint %d (stage %s, sft step %d, rl step %d)", step,
-               self.progress.stage, self.progress.sft_step, self.progress.rl_step)
+      log.info("resumed from checkpoint %d (stage %s, sft step %d, preference step %d, "
+               "rl step %d)", step, self.progress.stage, self.progress.sft_step,
+               self.progress.pref_step, self.progress.rl_step)
       self.resumed_from = step
     else:
       model = _init_params_model(self.config, self.cfg, self.mesh, self.rules)
-      opt = self.sft_optimizer if self._sft_enabled() else self.rl_optimizer
+      if self._sft_enabled():
+        opt = self.sft_optimizer
+      elif self._pref_enabled():
+        opt, self.progress.stage = self.pref_optimizer, "preference"
+      else:
+        opt, self.progress.stage = self.rl_optimizer, "rl"
       self.state = rl_state.init_train_state(model, opt, mesh=self.mesh, rules=self.rules,
                                        seed=self.seed)
-      if not self._sft_enabled():
-        self.progress.stage = "rl"
       self.resumed_from = None
     self.reference = None
 
@@ -418,8 +476,8 @@ class Trainer:
             "config": json.loads(self.config.to_json_best_effort())}
 
   def _ckpt_step(self) -> int:
-    # One increasing counter across stages: SFT steps, then RL steps after them.
-    return self.progress.sft_step + self.progress.rl_step
+    # One increasing counter across stages: SFT, preference, then RL steps.
+    return self.progress.sft_step + self.progress.pref_step + self.progress.rl_step
 
   def save(self, force: bool = False) -> float:
     t0 = time.time()
@@ -436,6 +494,15 @@ class Trainer:
         if not self._sft_stage(flag):
           return self._finish("preempted")
         self.progress.sft_eval = self.evaluate("sft")
+        if self._pref_enabled():
+          self._enter_stage("preference", self.pref_optimizer, seed_offset=2)
+        else:
+          self._enter_rl()
+        self.save(force=True)
+      if self.progress.stage == "preference":
+        if not self._preference_stage(flag):
+          return self._finish("preempted")
+        self.progress.pref_eval = self.evaluate("preference")
         self._enter_rl()
         self.save(force=True)
       if self.progress.stage == "rl":
@@ -447,15 +514,19 @@ class Trainer:
     finally:
       flag.close()
 
-  def _enter_rl(self):
-    self.progress.stage = "rl"
+  def _enter_stage(self, stage: str, optimizer, seed_offset: int):
+    """A fresh optimizer state on the current policy for the next stage. With LoRA the
+    previous stage's adapters go into the base weights and the stage trains fresh ones:
+    the base (the stage's reference, adapters off) is then the policy it starts from."""
+    self.progress.stage = stage
     model = self._model()
     if self.cfg.lora_rank:
-      # SFT's adapters go into the base weights and RL trains fresh ones: the base (the
-      # KL reference, adapters off) is then the policy RL starts from.
-      model = models.fold_lora(model, jax.random.key(self.seed + 1))
-    self.state = rl_state.init_train_state(model, self.rl_optimizer, mesh=self.mesh, rules=self.rules,
-                                     seed=self.seed + 1)
+      model = models.fold_lora(model, jax.random.key(self.seed + seed_offset))
+    self.state = rl_state.init_train_state(model, optimizer, mesh=self.mesh, rules=self.rules,
+                                           seed=self.seed + seed_offset)
+
+  def _enter_rl(self):
+    self._enter_stage("rl", self.rl_optimizer, seed_offset=1)
     self.sync_weights()
 
   def _finish(self, status: str) -> dict[str, Any]:
@@ -465,12 +536,20 @@ class Trainer:
                                "policy_version": self.progress.policy_version}
     if self.progress.sft_nll is not None:
       summary["sft_heldout_nll"] = self.progress.sft_nll
+    if self._pref_enabled():
+      summary["preference_steps"] = self.progress.pref_step
+    if self.progress.pref_heldout is not None:
+      summary["preference_heldout"] = self.progress.pref_heldout
     if status == "done":
       final = self.evaluate("final")
       summary["eval"] = {"sft": self.progress.sft_eval, "final": final}
-      if self.progress.sft_eval and final:
-        summary["eval"]["change"] = evaluation.pass_rate_change(self.progress.sft_eval, final)
-      _print_eval_table(self.progress.sft_eval, final, summary["eval"].get("change"))
+      # RL's change is measured from the policy it started from.
+      before = self.progress.sft_eval
+      if self.progress.pref_eval is not None:
+        summary["eval"]["preference"] = before = self.progress.pref_eval
+      if before and final:
+        summary["eval"]["change"] = evaluation.pass_rate_change(before, final)
+      _print_eval_table(before, final, summary["eval"].get("change"))
       if jax.process_index() == 0:
         with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
           json.dump(summary, fh, indent=2)
@@ -551,6 +630,105 @@ class Trainer:
       self.progress.sft_nll = self.heldout_nll()
     return True
 
+  # -- preference optimisation ---------------------------------------------------------------
+
+  def _preference_stage(self, flag: PreemptionFlag) -> bool:
+    p = self.config.preference
+    total = int(p.steps)
+    # The reference (all losses but simpo) is the policy the stage started from: a frozen
+    # copy, rebuilt on resume from the checkpoint written when the stage began; with LoRA
+    # the base weights in the state, adapters off.
+    in_step = self.pref_cfg.needs_reference
+    if self._pref_step_fn is None:
+      self._pref_step_fn = ts.make_preference_step(self.cfg, self.pref_cfg,
+                                                   self.pref_optimizer, mesh=self.mesh,
+                                                   rules=self.rules, reference_in_step=in_step)
+    if in_step and not self.cfg.lora_rank and self.pref_reference is None:
+      self.pref_reference = self._reference_params("preference")
+    if in_step and self.progress.pref_step == 0:
+      self._save_stage_start()
+    step_fn = self._pref_step_fn
+    if in_step and not self.cfg.lora_rank:
+      step_fn = functools.partial(step_fn, reference=self.pref_reference)
+    it = iter(self.pref_data.dataset(self.seed).to_iter_dataset())
+    if self.progress.pref_iterator:
+      it.set_state(self.progress.pref_iterator)
+    progress = Progress(total, self.pref_cfg.loss)
+    every = int(p.eval_every)
+    while self.progress.pref_step < total:
+      if flag.reached(self._ckpt_step()):
+        self.save(force=True)
+        return False
+      t0 = time.time()
+      pairs = [next(it) for _ in range(int(p.batch_size))]
+      batch = preference.pack_pairs(pairs, self.row_len, rows_per_microbatch=self.rows_per_mb,
+                                    pad_id=self.tok.pad_id)
+      self.state, metrics = step_fn(self.state, batch)
+      self.progress.pref_step += 1
+      self.progress.pref_iterator = it.get_state()
+      step = self.progress.pref_step
+      if step % int(self.config.train.log_every) == 0 or step == total:
+        metrics = jax.device_get(metrics)
+        row = self.writer.write(self._ckpt_step(), {
+            **{f"preference/{k}": v for k, v in metrics.items() if k.startswith(
+                ("loss/", "rewards/", "logps/"))},
+            "grad_norm": metrics["grad_norm"], "learning_rate": metrics["learning_rate"],
+            "preference/truncated": int(batch["truncated"]),
+            "timing/preference_step_s": time.time() - t0})
+        self._check_finite(row, metrics)
+        progress.line(step, {"loss": row["preference/loss/preference"],
+                             "acc": row["preference/rewards/accuracy"],
+                             "margin": row["preference/rewards/margin"]})
+      if self.pref_eval_data is not None and every and step % every == 0 and step < total:
+        self.preference_heldout()
+      if self.ckpt.should_save(self._ckpt_step()):
+        self.save()
+    if self.pref_eval_data is not None:
+      self.progress.pref_heldout = self.preference_heldout()
+    return True
+
+  def preference_heldout(self) -> dict[str, float]:
+    """The preference loss, rewards and accuracy of preference.eval_data's pairs under the
+    current policy (and the stage's reference), one forward pass each per micro-batch;
+    written as eval_preference/<name>."""
+    cfg = self.pref_cfg
+    if self._pref_metrics_fn is None:
+
+      def metrics_fn(logprobs, ref_logprobs, batch):
+        def one(lp, ref, mb):
+          mb = dict(mb) if ref is None else {**mb, "ref_logprobs": ref}
+          ones = {"pairs": jnp.float32(1), "chosen_tokens": jnp.float32(1)}
+          return preference.microbatch_preference_loss(cfg, lp, mb, denominators=ones)[1]
+
+        return loss_lib.merge_stacked_metrics(jax.vmap(one)(logprobs, ref_logprobs, batch))
+
+      self._pref_metrics_fn = jax.jit(metrics_fn, out_shardings=jax.sharding.NamedSharding(
+          self.mesh, jax.sharding.PartitionSpec()))
+    reference = (models.without_lora(self.state.params) if self.cfg.lora_rank
+                 else self.pref_reference)
+    sharding = ts.batch_sharding(self.mesh, self.rules)
+    data, merged = self.pref_eval_data.examples, None
+    per_call = self.rows_per_mb * 2
+    for start in range(0, len(data), per_call):
+      batch = preference.pack_pairs(data[start:start + per_call], self.row_len,
+                                    rows_per_microbatch=self.rows_per_mb,
+                                    pad_id=self.tok.pad_id)
+      logprobs = self._logprobs(self.state.params, batch, temperature=1.0)["logprobs"]
+      ref = (self._logprobs(reference, batch, temperature=1.0)["logprobs"]
+             if cfg.needs_reference else None)
+      inputs = distributed.put({k: batch[k] for k in ("loss_mask", "pair_ids", "chosen")},
+                               sharding)
+      inputs["pair_mask"] = batch["pair_mask"]
+      metrics = self._pref_metrics_fn(logprobs, ref, inputs)
+      merged = metrics if merged is None else loss_lib.merge_metrics(merged, metrics)
+    report = {k: float(v) for k, v in loss_lib.compute_metrics(merged).items()}
+    report["pairs"] = len(data)
+    self.writer.write(self._ckpt_step(), {f"eval_preference/{k}": v for k, v in report.items()})
+    log.info("held-out preference: accuracy %.3f, margin %.4f, loss %.4f over %d pairs",
+             report["rewards/accuracy"], report["rewards/margin"], report["loss/preference"],
+             len(data))
+    return report
+
   def heldout_nll(self) -> float:
     """The policy's mean negative log-likelihood per trained token of sft.eval_data, in
     file order, one forward pass per micro-batch; written as eval_sft/nll."""
@@ -629,6 +807,8 @@ class Trainer:
       # checkpoint written when RL began (kept as its own copy, never updated). With LoRA
       # it is the state's base weights, adapters off (`_enter_rl` folds SFT's in).
       self.reference = self._reference_params()
+      if self.progress.rl_step == 0:
+        self._save_stage_start()
     self.sync_weights()
     progress = Progress(total, self.config.algorithm)
     source = AsyncRollouts(self, total) if self.disaggregated else None
@@ -650,15 +830,27 @@ class Trainer:
         source.close()
     return True
 
-  def _reference_params(self):
-    start = self.progress.sft_step
-    if self.progress.rl_step == 0:
+  def _save_stage_start(self):
+    """Writes the checkpoint a stage's frozen reference is rebuilt from on resume (a no-op
+    when the previous stage's end wrote it; a run starting at this stage has none)."""
+    self.save(force=True)
+
+  def _reference_params(self, stage: str = "rl"):
+    """The frozen policy a stage started from: a copy of the current params before its
+    first step, else the params of the checkpoint written when it began."""
+    if stage == "rl":
+      start = self.progress.sft_step + self.progress.pref_step
+      steps_done, what, way_out = self.progress.rl_step, "the KL reference", " or set kl_coef=0"
+    else:
+      start, steps_done = self.progress.sft_step, self.progress.pref_step
+      what, way_out = "the preference reference", ""
+    if steps_done == 0:
       return rl_state.frozen_copy(self.state.params, self.mesh, self.rules)
     abstract = abstract_checkpoint(self.cfg, self.rl_optimizer, self.mesh, self.rules)
     restored = self.ckpt.restore(abstract, step=start)
     if restored is None:
-      raise ValueError(f"cannot rebuild the KL reference: checkpoint {start} (start of RL) is "
-                       "gone; keep it with checkpoint.keep_every or set kl_coef=0")
+      raise ValueError(f"cannot rebuild {what}: checkpoint {start} (start of {stage}) is "
+                       f"gone; keep it with checkpoint.keep_every{way_out}")
     return restored[0]["params"]
 
   def _step_seed(self, rl_step: int) -> int:

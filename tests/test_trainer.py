@@ -519,3 +519,105 @@ def test_sft_data_errors_fail_before_anything_is_built(tmp_path):
   with pytest.raises(ValueError, match=f"^{bad}:2: a row needs"):
     trainer.Trainer(_config(**{"sft.data": str(bad)}), str(tmp_path / "run"))
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _pairs_config(tmp_path, **extra):
+  words = ["apple", "pear", "plum", "fig", "kiwi", "lime", "date", "peach", "grape", "melon",
+           "mango", "guava", "olive", "lemon"]
+  pairs = [{"prompt": f"Repeat: {w}", "chosen": w, "rejected": w[::-1] + "?"} for w in words]
+  train = _write_jsonl(tmp_path / "pairs.jsonl", pairs[:10])
+  held = _write_jsonl(tmp_path / "heldout_pairs.jsonl", pairs[10:])
+  return _config(**{"sft.steps": 0, "preference.steps": 6, "preference.data": train,
+                    "preference.eval_data": held, "preference.batch_size": 8,
+                    "preference.warmup": 1, "preference.lr": 3e-3, "preference.beta": 0.5,
+                    "train.rl_steps": 0, "eval.seeds_per_domain": 0, **extra})
+
+
+def test_dpo_stage_learns_the_pairs_logs_heldout_metrics_and_resumes_exactly(tmp_path,
+                                                                             monkeypatch):
+  from flax import nnx
+
+  from posttrain import models
+  from posttrain.data import ByteTokenizer
+  from posttrain.data.preference import PreferenceData
+  straight = trainer.train(_pairs_config(tmp_path), str(tmp_path / "straight"))
+  assert straight["status"] == "done" and straight["preference_steps"] == 6
+  rows = read_metrics(str(tmp_path / "straight"))
+  margin = [r["preference/rewards/margin"] for r in rows if "preference/rewards/margin" in r]
+  loss = [r["preference/loss/preference"] for r in rows if "preference/loss/preference" in r]
+  assert len(margin) == 6 and margin[0] == 0.0 and abs(loss[0] - np.log(2)) < 1e-5
+  assert margin[-1] > 0.1 and loss[-1] < loss[0]  # it learns to prefer the chosen answers
+  held = straight["preference_heldout"]
+  assert held["pairs"] == 4 and 0 <= held["rewards/accuracy"] <= 1
+
+  # The held-out chosen log-probs are the policy's summed log-probs of each answer.
+  params, extras, step = _final_params(tmp_path / "straight", {"sft.steps": 0,
+                                                               "train.rl_steps": 0})
+  assert step == 6 and extras["progress"]["pref_step"] == 6
+  model = models.create_model(trainer.model_config(_config()))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
+  nnx.update(model, state)
+  sums = []
+  for pair in PreferenceData.from_files(str(tmp_path / "heldout_pairs.jsonl"),
+                                        ByteTokenizer(), row_len=128).examples:
+    tokens = np.concatenate([pair["prompt_tokens"], pair["chosen_tokens"]])[None]
+    logp = jax.nn.log_softmax(np.asarray(model(tokens), np.float64)[0, :-1], axis=-1)
+    picked = logp[np.arange(tokens.shape[1] - 1), tokens[0, 1:]][len(pair["prompt_tokens"]) - 1:]
+    sums.append(float(np.sum(picked * pair["chosen_mask"])))
+  np.testing.assert_allclose(held["logps/chosen"], np.mean(sums), rtol=1e-4)
+
+  # Preempted after step 3: the reference comes back from the stage's first checkpoint and
+  # the pair stream from its saved position, so the weights match bit for bit.
+  class StopAt3(trainer.PreemptionFlag):
+    def reached(self, step):
+      return step == 3 or super().reached(step)
+
+  monkeypatch.setattr(trainer, "PreemptionFlag", StopAt3)
+  assert trainer.train(_pairs_config(tmp_path, **{"checkpoint.keep_last": 1}),
+                       str(tmp_path / "cut"))["status"] == "preempted"
+  monkeypatch.undo()
+  resumed = trainer.train(_pairs_config(tmp_path, **{"checkpoint.keep_last": 1}),
+                          str(tmp_path / "cut"))
+  b, _, _ = _final_params(tmp_path / "cut", {"sft.steps": 0, "train.rl_steps": 0})
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  assert resumed["preference_heldout"] == held
+
+
+@pytest.mark.parametrize("loss", ["simpo", "ipo"])
+def test_sft_then_lora_preference_then_rl_with_a_kl_reference(tmp_path, loss):
+  """Every stage in one run, LoRA adapters folded into the base between them; the KL
+  reference of RL is the policy after the preference stage."""
+  c = _pairs_config(tmp_path, **{"sft.steps": 2, "preference.steps": 2, "preference.loss": loss,
+                                 "train.rl_steps": 2, "rl.kl_coef": 0.01,
+                                 "model.overrides.lora_rank": 4, "eval.seeds_per_domain": 1})
+  summary = trainer.train(c, str(tmp_path / "run"))
+  assert (summary["sft_steps"], summary["preference_steps"], summary["rl_steps"]) == (2, 2, 2)
+  assert set(summary["eval"]) >= {"sft", "preference", "final", "change"}
+  rows = read_metrics(str(tmp_path / "run"))
+  assert [r["step"] for r in rows if "preference/loss/preference" in r] == [3, 4]
+  assert [r["step"] for r in rows if "kl" in r and "reward/mean" in r] == [5, 6]
+
+
+def test_rl_without_sft_rebuilds_its_kl_reference_on_resume(tmp_path, monkeypatch):
+  """A run that starts at RL writes the checkpoint its KL reference is rebuilt from."""
+  extra = {"sft.steps": 0, "train.rl_steps": 3, "rl.kl_coef": 0.01, "checkpoint.keep_last": 1}
+
+  class StopAt2(trainer.PreemptionFlag):
+    def reached(self, step):
+      return step == 2 or super().reached(step)
+
+  monkeypatch.setattr(trainer, "PreemptionFlag", StopAt2)
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "preempted"
+  monkeypatch.undo()
+  assert trainer.train(_config(**extra), str(tmp_path))["rl_steps"] == 3
+
+
+def test_preference_config_errors_fail_before_anything_is_built(tmp_path):
+  for extra, message in [({"preference.data": ""}, "preference.steps > 0 needs preference.data"),
+                         ({"preference.loss": "kto"}, "unknown preference loss"),
+                         ({"preference.batch_size": 0}, "preference.batch_size=0 must be >= 1")]:
+    with pytest.raises(ValueError, match=message):
+      trainer.Trainer(_pairs_config(tmp_path, **extra), str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "checkpoints").exists()
