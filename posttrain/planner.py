@@ -686,7 +686,12 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                      f"mesh axes' size {batch_shards}")
 
   params, opt = state_bytes(cfg, shape, rules, clip=bool(config.optim.get("clip")))
-  reference = params if float(algo.kl_coef) > 0 and not cfg.lora_rank else 0
+  # A frozen copy for RL's KL term, or for a preference stage (DPO) before RL: the same
+  # params + optimizer + reference + update on the train devices.
+  pref = config.get("preference")
+  pref_ref = bool(pref is not None and int(pref.get("steps", 0) or 0) > 0
+                  and str(pref.get("loss", "sigmoid")) != "simpo")
+  reference = params if (float(algo.kl_coef) > 0 or pref_ref) and not cfg.lora_rank else 0
   per_update, micro = microbatches(config, algo)
   trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
   grads = trained * (2 if per_update > 1 else 1)
@@ -744,9 +749,11 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"
                 + (" of the LoRA adapters" if cfg.lora_rank else "")),
       Component("reference", reference,
-                f"frozen params copy (kl_coef={float(algo.kl_coef):g})" if reference
-                else "none: the base weights, adapters off (LoRA)" if cfg.lora_rank
-                and float(algo.kl_coef) > 0 else "none (kl_coef=0)"),
+                (f"frozen params copy (kl_coef={float(algo.kl_coef):g})"
+                 if float(algo.kl_coef) > 0 else "frozen params copy (preference stage)")
+                if reference else "none: the base weights, adapters off (LoRA)"
+                if cfg.lora_rank and (float(algo.kl_coef) > 0 or pref_ref)
+                else "none (kl_coef=0)"),
       Component("gradients", grads, f"{'2' if per_update > 1 else '1'} x "
                 f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
                 + ("+ 1 x the experts " if expert_grads else "")

@@ -650,3 +650,19 @@ def test_lora_plan_counts_adapters_for_the_optimizer_and_gradients_and_no_refere
       _real_per_device_bytes(adapters) * (2 if per_update > 1 else 1), rel=0.05)
   full = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.1}))
   assert full["reference"] == full["params"] and full["gradients"] > 3 * p["gradients"]
+
+
+def test_a_preference_stage_counts_its_frozen_reference():
+  """DPO before RL holds a frozen copy of the params beside the update even when RL has
+  no KL term; SimPO reads no reference, and with LoRA the reference is the base."""
+  none = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.0}))
+  assert none["reference"] == 0
+  dpo = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.0, "preference.steps": 10}))
+  assert dpo["reference"] == dpo["params"] > 0
+  assert "preference stage" in dpo.components["reference"].formula
+  simpo = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.0, "preference.steps": 10,
+                                          "preference.loss": "simpo"}))
+  assert simpo["reference"] == 0
+  lora = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.0, "preference.steps": 10,
+                                         "model.overrides.lora_rank": 4}))
+  assert lora["reference"] == 0
