@@ -62,6 +62,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from posttrain import experiment, models
+from posttrain.rl import preference as rl_preference
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as rl_train_step
 from posttrain.models.config import REMAT_POLICIES
@@ -690,7 +691,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   # params + optimizer + reference + update on the train devices.
   pref = config.get("preference")
   pref_ref = bool(pref is not None and int(pref.get("steps", 0) or 0) > 0
-                  and str(pref.get("loss", "sigmoid")) != "simpo")
+                  and str(pref.get("loss", "sigmoid")) in rl_preference.REFERENCE_LOSSES
+                  or algo.get("preference_loss") in rl_preference.REFERENCE_LOSSES)
   reference = params if (float(algo.kl_coef) > 0 or pref_ref) and not cfg.lora_rank else 0
   per_update, micro = microbatches(config, algo)
   trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
@@ -750,7 +752,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 + (" of the LoRA adapters" if cfg.lora_rank else "")),
       Component("reference", reference,
                 (f"frozen params copy (kl_coef={float(algo.kl_coef):g})"
-                 if float(algo.kl_coef) > 0 else "frozen params copy (preference stage)")
+                 if float(algo.kl_coef) > 0 else "frozen params copy (preference loss)")
                 if reference else "none: the base weights, adapters off (LoRA)"
                 if cfg.lora_rank and (float(algo.kl_coef) > 0 or pref_ref)
                 else "none (kl_coef=0)"),

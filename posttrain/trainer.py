@@ -276,8 +276,11 @@ class Trainer:
     if self.step_tokens and int(config.rollout.max_turns) != 1:
       raise ValueError("placement.step_tokens (partial rollouts across steps) needs "
                        f"rollout.max_turns=1, got {config.rollout.max_turns}")
+    # Online preference optimisation (algorithm online_dpo): pairs from each group, the
+    # preference step instead of the policy-gradient one.
+    self.online_pref = presets.preference_config(self.algo)
     off_policy = (self.disaggregated and self.max_policy_lag > 0) or self.step_tokens > 0
-    if off_policy and float(self.algo.tis_cap) == 0:
+    if off_policy and float(self.algo.tis_cap) == 0 and self.online_pref is None:
       # Stale samples are corrected with truncated importance weights (Yao et al. 2025).
       self.algo.tis_cap = 2.0
       log.info("samples from older policies (disaggregated with max_policy_lag>0, or "
@@ -325,7 +328,7 @@ class Trainer:
     keep = set()
     if self._pref_enabled() and self.pref_cfg.needs_reference:
       keep.add(int(config.sft.steps))
-    if float(self.algo.kl_coef) > 0:
+    if self._rl_needs_reference():
       keep.add(self._rl_start())
     self.ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"),
                                   save_every=int(config.checkpoint.every),
@@ -398,6 +401,11 @@ class Trainer:
              "%.2f epochs of %s", len(data), data.identical, int(p.steps), int(p.batch_size),
              int(p.steps) * int(p.batch_size) / len(data), cfg.loss)
     return cfg, data, held
+
+  def _rl_needs_reference(self) -> bool:
+    """RL keeps the policy it started from: for a KL term, or an online preference loss."""
+    return float(self.algo.kl_coef) > 0 or bool(self.online_pref
+                                                and self.online_pref.needs_reference)
 
   def _pref_enabled(self) -> bool:
     return self.pref_cfg is not None
@@ -798,11 +806,15 @@ class Trainer:
 
   def _rl_stage(self, flag: PreemptionFlag) -> bool:
     total = int(self.config.train.rl_steps)
-    if self._rl_step_fn is None:
+    if self._rl_step_fn is None and self.online_pref is not None:
+      self._rl_step_fn = ts.make_preference_step(self.cfg, self.online_pref, self.rl_optimizer,
+                                                 mesh=self.mesh, rules=self.rules,
+                                                 reference_in_step=self._reference_in_step())
+    elif self._rl_step_fn is None:
       self._rl_step_fn = ts.make_train_step(self.cfg, self.algo, self.rl_optimizer,
                                             mesh=self.mesh, rules=self.rules,
                                             reference_in_step=self._reference_in_step())
-    if float(self.algo.kl_coef) > 0 and self.reference is None and not self.cfg.lora_rank:
+    if self._rl_needs_reference() and self.reference is None and not self.cfg.lora_rank:
       # The reference is the policy RL started from; re-derived on resume from the
       # checkpoint written when RL began (kept as its own copy, never updated). With LoRA
       # it is the state's base weights, adapters off (`_enter_rl` folds SFT's in).
@@ -940,19 +952,24 @@ class Trainer:
       trajectories += group_to_trajectories(g, a)
     for traj, r in zip(trajectories, np.concatenate(shaped)):
       traj["rewards"] = np.float32(r)
-    t1 = time.time()
-    batch = _to_batch(trajectories, row_len=self.row_len, rows_per_mb=self.rows_per_mb,
-                      micro_multiple=int(algo.num_minibatches), pad_id=self.tok.pad_id)
-    batch = self._add_learner_inputs(batch)
-    timings["timing/reference_s"] = time.time() - t1
-    t2 = time.time()
     step_fn = self._rl_step_fn
     if self._reference_in_step() and not self.cfg.lora_rank:
       step_fn = functools.partial(step_fn, reference=self.reference)
-    self.state, history = ts.ppo_update(step_fn, self.state, batch,
-                                        epochs=int(algo.ppo_epochs),
-                                        minibatches=int(algo.num_minibatches),
-                                        seed=self.progress.rl_step)
+    t1 = t2 = time.time()
+    if self.online_pref is not None:
+      batch, history, pair_stats = self._online_preference_update(step_fn, groups,
+                                                                  trajectories, shaped)
+      extra.update(pair_stats)
+    else:
+      batch = _to_batch(trajectories, row_len=self.row_len, rows_per_mb=self.rows_per_mb,
+                        micro_multiple=int(algo.num_minibatches), pad_id=self.tok.pad_id)
+      batch = self._add_learner_inputs(batch)
+      timings["timing/reference_s"] = time.time() - t1
+      t2 = time.time()
+      self.state, history = ts.ppo_update(step_fn, self.state, batch,
+                                          epochs=int(algo.ppo_epochs),
+                                          minibatches=int(algo.num_minibatches),
+                                          seed=self.progress.rl_step)
     for g, a in zip(groups, seq_adv):
       self.scheduler.update(g.domain, g.rewards.tolist(), np.abs(a).tolist())
     self.progress.rl_step += 1
@@ -974,7 +991,8 @@ class Trainer:
       timings["timing/weight_sync_wait_s"] += waited
     if source is not None and not self.alternate:
       source.publish(self.progress.rl_step)
-    metrics = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
+    metrics = ({k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
+               if history else {})
     timings["timing/update_s"] = time.time() - t2
     timings["timing/step_s"] = time.time() - t0
     # CPU seconds of the whole process during the step (every thread: XLA:CPU compute,
@@ -1000,6 +1018,30 @@ class Trainer:
       self._check_finite(row, metrics)
       return row
     return host
+
+  def _online_preference_update(self, step_fn, groups, trajectories, rewards):
+    """Online preference optimisation: each group's best samples against its worst
+    (`algorithm.pairs_per_group`), one preference update on all the pairs. Returns the
+    packed batch, the step's metrics (none when no group had a pair: every reward tied)
+    and the pair counts."""
+    pairs, start = [], 0
+    for g, r in zip(groups, rewards):
+      samples = trajectories[start:start + len(g.samples)]
+      start += len(g.samples)
+      pairs += preference.pairs_from_group(samples, r,
+                                           pairs_per_group=int(self.algo.pairs_per_group))
+    stats = {"preference/pairs": float(len(pairs))}
+    if not pairs:
+      log.info("rl step %d: no group has a better and a worse sample; no update",
+               self.progress.rl_step + 1)
+      return {"segment_ids": np.zeros((1, self.row_len), np.int32)}, [], stats
+    batch = preference.pack_pairs(pairs, self.row_len, rows_per_microbatch=self.rows_per_mb,
+                                  pad_id=self.tok.pad_id)
+    stats["preference/truncated"] = float(batch["truncated"])
+    self.state, metrics = step_fn(self.state, batch)
+    renamed = {(f"preference/{k}" if k.startswith(("rewards/", "logps/")) else k): v
+               for k, v in metrics.items()}
+    return batch, [renamed], stats
 
   def _shape(self, group, rewards: np.ndarray) -> np.ndarray:
     algo = self.algo

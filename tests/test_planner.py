@@ -659,10 +659,15 @@ def test_a_preference_stage_counts_its_frozen_reference():
   assert none["reference"] == 0
   dpo = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.0, "preference.steps": 10}))
   assert dpo["reference"] == dpo["params"] > 0
-  assert "preference stage" in dpo.components["reference"].formula
+  assert "preference loss" in dpo.components["reference"].formula
   simpo = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.0, "preference.steps": 10,
                                           "preference.loss": "simpo"}))
   assert simpo["reference"] == 0
   lora = planner.plan(_config(**TINY, **{"rl.kl_coef": 0.0, "preference.steps": 10,
                                          "model.overrides.lora_rank": 4}))
   assert lora["reference"] == 0
+  online = _config(**TINY, **{"algorithm": "online_dpo"})
+  p = planner.plan(online)
+  assert p["reference"] == p["params"]
+  # Its log-probs are computed in the update: the copy is the update's argument.
+  assert planner.resident_outside_programs(p, online)[0][0] == p["sampler"]

@@ -621,3 +621,26 @@ def test_preference_config_errors_fail_before_anything_is_built(tmp_path):
     with pytest.raises(ValueError, match=message):
       trainer.Trainer(_pairs_config(tmp_path, **extra), str(tmp_path / "run"))
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_online_dpo_pairs_each_groups_best_and_worst_sample(tmp_path, monkeypatch):
+  """algorithm=online_dpo: dynamic sampling keeps groups whose rewards differ, each gives
+  its best sample against its worst, one preference update; the reference is the policy
+  RL started from, so the first update's loss is log 2."""
+  from posttrain.rollout import worker as worker_lib
+  from posttrain.tasks import Reward
+  # A reward the untrained policy varies on: the parity of the completion's length.
+  monkeypatch.setattr(worker_lib, "_score", lambda task, sample: Reward(
+      value=float(len(sample.text) % 2), components={}, verdict=""))
+  c = _config(**{"algorithm": "online_dpo", "train.rl_steps": 2, "rl.group_size": 4,
+                 "rl.sft_coef": 0.5, "eval.seeds_per_domain": 0})
+  summary = trainer.train(c, str(tmp_path))
+  assert summary["rl_steps"] == 2
+  rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rows) == 2
+  for r in rows:
+    # 4 informative groups a step, one pair each.
+    assert r["preference/pairs"] == 4 and r["nonfinite"] == 0 and r["loss/sft"] > 0
+    assert 0 <= r["preference/rewards/accuracy"] <= 1
+  assert abs(rows[0]["loss/preference"] - np.log(2)) < 1e-5
+  assert rows[0]["preference/rewards/margin"] == 0.0

@@ -434,3 +434,46 @@ def pack_pairs(pairs: Sequence[Mapping[str, Any]], row_len: int, *, rows_per_mic
     batch["pair_index"][micro, :len(members)] = members
   batch["truncated"] = np.asarray(truncated)
   return batch
+
+
+# ---------------------------------------------------------------------------------------
+# Online pairs from scored groups
+# ---------------------------------------------------------------------------------------
+
+
+def pairs_from_group(samples: Sequence[Mapping[str, Any]], rewards: Sequence[float], *,
+                     pairs_per_group: int = 1) -> list[dict[str, np.ndarray]]:
+  """Preference pairs from one prompt's scored samples: the i-th best against the i-th
+  worst, for i < pairs_per_group, while the better one's reward is strictly higher.
+
+  Args:
+    samples: packer trajectories of one prompt (`prompt_tokens`, `response_tokens`,
+      optionally `response_mask`), e.g. `rollout.group_to_trajectories`'s.
+    rewards: their rewards, in the same order.
+    pairs_per_group: at most this many pairs, no sample in two of them.
+
+  Returns:
+    Pairs in `pack_pairs`'s format. Ties keep the samples' order (the earlier sample
+    ranks higher), so the result is deterministic; samples with no response token are
+    left out.
+  """
+  if len(samples) != len(rewards):
+    raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
+  kept = [i for i, s in enumerate(samples) if len(np.asarray(s["response_tokens"]))]
+  # Stable: best first; equal rewards keep the samples' order.
+  order = sorted(kept, key=lambda i: -float(rewards[i]))
+  pairs = []
+  for rank in range(min(pairs_per_group, len(order) // 2)):
+    best, worst = order[rank], order[len(order) - 1 - rank]
+    if not float(rewards[best]) > float(rewards[worst]):
+      break
+    chosen, rejected = samples[best], samples[worst]
+    if not np.array_equal(chosen["prompt_tokens"], rejected["prompt_tokens"]):
+      raise ValueError("a group's samples must share their prompt tokens")
+    pair = {"prompt_tokens": np.asarray(chosen["prompt_tokens"], np.int32)}
+    for name, s in (("chosen", chosen), ("rejected", rejected)):
+      pair[f"{name}_tokens"] = np.asarray(s["response_tokens"], np.int32)
+      pair[f"{name}_mask"] = np.asarray(s.get("response_mask",
+                                              np.ones(len(s["response_tokens"]))), np.int32)
+    pairs.append(pair)
+  return pairs

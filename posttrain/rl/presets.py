@@ -27,6 +27,12 @@ upper clip. Knobs:
     dynamic_sampling     drop groups whose rewards are all equal (DAPO)
     overlong_penalty, overlong_buffer_len, overlong_penalty_factor   DAPO soft penalty
     ppo_epochs, num_minibatches   passes and optimizer steps per rollout batch
+    preference_loss      "" = the policy-gradient update above; sigmoid | ipo | hinge | simpo
+                         = online preference optimisation: each group's best sample against
+                         its worst (by verified reward) as a DPO-family pair
+                         (posttrain.rl.preference), the reference the policy RL started from
+    beta, label_smoothing, simpo_gamma, sft_coef   that loss's knobs (PreferenceConfig)
+    pairs_per_group      pairs a group gives: its i-th best against its i-th worst
 """
 
 from typing import Any
@@ -36,6 +42,7 @@ from ml_collections import config_dict
 
 from posttrain.rl import advantages as advantages_lib
 from posttrain.rl import losses as losses_lib
+from posttrain.rl import preference as preference_lib
 
 # Every knob with its default; a preset states only where it differs.
 _BASE: dict[str, Any] = dict(
@@ -64,6 +71,12 @@ _BASE: dict[str, Any] = dict(
     overlong_penalty_factor=1.0,
     ppo_epochs=1,
     num_minibatches=1,
+    preference_loss="",
+    beta=0.1,
+    label_smoothing=0.0,
+    simpo_gamma=0.5,
+    sft_coef=0.0,
+    pairs_per_group=1,
 )
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -108,6 +121,13 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "rloo": dict(
         advantage_estimator="rloo",
         group_size=4,
+    ),
+    # Online DPO on verified rewards (Guo et al. 2024; with sft_coef=1, iterative RPO, Pang
+    # et al. 2024): each informative group's best sample is preferred over its worst.
+    "online_dpo": dict(
+        preference_loss="sigmoid",
+        dynamic_sampling=True,
+        beta=0.1,
     ),
     # Hu 2025: KL-penalised token returns, normalised over the batch.
     "reinforce_pp": dict(
@@ -164,6 +184,24 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   check(cfg.use_critic == (cfg.advantage_estimator == "gae"), "use_critic")
   sequence_level = cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS
   check(not cfg.dynamic_sampling or sequence_level, "dynamic_sampling")
+  check(cfg.pairs_per_group >= 1, "pairs_per_group")
+  if cfg.preference_loss:
+    preference_config(cfg)  # checks the loss name and its knobs
+    check(cfg.group_size >= 2, "group_size")
+    check(sequence_level, "advantage_estimator")
+    check(cfg.kl_coef == 0, "kl_coef")  # the preference loss's reference plays that part
+    check(cfg.ppo_epochs == 1, "ppo_epochs")
+    check(cfg.num_minibatches == 1, "num_minibatches")
+    check(2 * cfg.pairs_per_group <= cfg.group_size, "pairs_per_group")
+
+
+def preference_config(cfg) -> "preference_lib.PreferenceConfig | None":
+  """The online preference loss of an algorithm config; None for a policy-gradient one."""
+  if not cfg.preference_loss:
+    return None
+  return preference_lib.PreferenceConfig(
+      loss=cfg.preference_loss, beta=float(cfg.beta), label_smoothing=float(cfg.label_smoothing),
+      simpo_gamma=float(cfg.simpo_gamma), sft_coef=float(cfg.sft_coef))
 
 
 def algorithm_config(name: str, **overrides) -> ml_collections.ConfigDict:

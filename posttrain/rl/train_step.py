@@ -247,6 +247,8 @@ def _learning_rate(opt_state) -> jax.Array:
 def reference_in_step(algo) -> bool:
   """Whether the KL reference's log-probs are computed inside the update program (one
   program per step): when they only feed a loss term of a single update per batch."""
+  if algo.get("preference_loss"):  # online preference optimisation: always in the step
+    return algo.preference_loss in preference.REFERENCE_LOSSES
   return (float(algo.kl_coef) > 0 and not algo.kl_in_reward
           and int(algo.ppo_epochs) * int(algo.num_minibatches) == 1)
 

@@ -521,3 +521,50 @@ def test_step_misuse_raises():
     step(state, dict(batch, pair_ids=batch["pair_ids"][..., :-1]))
   with pytest.raises(ValueError, match="pair_mask'\\] must be \\[microbatches, pairs\\]"):
     step(state, dict(batch, pair_mask=batch["pair_mask"][0]))
+
+
+# ---------------------------------------------------------------------------------------
+# Online pairs from scored groups
+# ---------------------------------------------------------------------------------------
+
+
+def _samples(responses, prompt=(7, 8)):
+  return [{"prompt_tokens": np.asarray(prompt), "response_tokens": np.asarray(r),
+           "response_mask": np.ones(len(r), np.int32)} for r in responses]
+
+
+def test_pairs_from_group_prefers_the_best_over_the_worst_deterministically():
+  samples = _samples([[1], [2], [3], [4], [5], [6]])
+  rewards = [0.5, 1.0, 0.0, 1.0, 0.0, 0.5]
+  (pair,) = preference.pairs_from_group(samples, rewards)
+  # Best: the first of the two 1.0s; worst: the last of the two 0.0s.
+  assert pair["chosen_tokens"].tolist() == [2] and pair["rejected_tokens"].tolist() == [5]
+  assert pair["prompt_tokens"].tolist() == [7, 8] and pair["chosen_mask"].tolist() == [1]
+  two = preference.pairs_from_group(samples, rewards, pairs_per_group=2)
+  assert [(p["chosen_tokens"][0], p["rejected_tokens"][0]) for p in two] == [(2, 5), (4, 3)]
+  # The third pair would tie (0.5 against 0.5): no pair.
+  assert len(preference.pairs_from_group(samples, rewards, pairs_per_group=3)) == 2
+  assert preference.pairs_from_group(samples, [1.0] * 6) == []
+  # A sample with no response token takes no part.
+  empty = _samples([[1], [], [3]])
+  (p,) = preference.pairs_from_group(empty, [1.0, 0.0, 0.5])
+  assert (p["chosen_tokens"].tolist(), p["rejected_tokens"].tolist()) == ([1], [3])
+  with pytest.raises(ValueError, match="share their prompt tokens"):
+    preference.pairs_from_group(_samples([[1]]) + _samples([[2]], prompt=(9,)), [1.0, 0.0])
+  with pytest.raises(ValueError, match="2 samples but 1 rewards"):
+    preference.pairs_from_group(_samples([[1], [2]]), [1.0])
+
+
+@pytest.mark.parametrize("knobs, bad", [
+    (dict(kl_coef=0.1), "kl_coef"), (dict(group_size=1), "group_size"),
+    (dict(pairs_per_group=5), "pairs_per_group"), (dict(num_minibatches=2), "num_minibatches"),
+])
+def test_online_dpo_preset_refuses_knobs_it_cannot_honour(knobs, bad):
+  from posttrain.rl import presets
+  cfg = presets.algorithm_config("online_dpo")
+  assert presets.preference_config(cfg) == preference.PreferenceConfig(loss="sigmoid", beta=0.1)
+  assert presets.preference_config(presets.algorithm_config("grpo")) is None
+  with pytest.raises(ValueError, match=f"invalid {bad}="):
+    presets.algorithm_config("online_dpo", **knobs)
+  with pytest.raises(ValueError, match="unknown preference loss"):
+    presets.algorithm_config("grpo", preference_loss="kto")
