@@ -534,6 +534,7 @@ class Trainer:
                                            seed=self.seed + seed_offset)
 
   def _enter_rl(self):
+    self.pref_reference = None  # the preference stage's frozen copy is done with
     self._enter_stage("rl", self.rl_optimizer, seed_offset=1)
     self.sync_weights()
 
