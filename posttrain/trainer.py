@@ -6,8 +6,9 @@ variants on pair files), then RL on the scheduler's multi-domain stream.
 Colocated placement: the sampler and the learner share one mesh and the sampler always
 holds the current weights (on-policy). Everything a run needs to continue exactly lives in
 the checkpoint: params, optimizer state, step, RNG, policy version, scheduler state, the
-grain iterator states of the SFT and preference streams and the config. Restarting with the same workdir
-resumes from the latest complete checkpoint; SIGTERM/SIGINT write one and stop.
+grain iterator states of the SFT and preference streams and the config. Restarting with
+the same workdir resumes from the latest complete checkpoint; SIGTERM/SIGINT write one and
+stop.
 """
 
 from __future__ import annotations
