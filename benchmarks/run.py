@@ -32,8 +32,9 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The side-by-side benchmarks, in the order BENCHMARKS.md shows them; any other module in
 # benchmarks/ with a `run` function is appended after them.
-KNOWN = ("attention", "sampler", "train_step", "sandbox", "tasks", "async_overlap")
-TUNIX_USERS = ("sampler", "train_step")
+KNOWN = ("attention", "sampler", "train_step", "preference", "sandbox", "tasks",
+         "async_overlap")
+TUNIX_USERS = ("sampler", "train_step", "preference")
 TUNIX_VENV = "/tmp/tunix-venv"
 TUNIX_PACKAGES = ("google-tunix==0.1.7", "sentencepiece")
 _NOT_BENCHMARKS = ("__init__", "run")
