@@ -244,7 +244,7 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   second = _run_two(_train_args(tmp_path, **cache, **{"train.rl_steps": 3}), timeout=900)
   for code, out in second:
     assert code == 0, out[-3000:]
-    assert "resumed from checkpoint 4 (stage rl, sft step 2, rl step 2)" in out
+    assert "resumed from checkpoint 4 (stage rl, sft step 2, preference step 0, rl step 2)" in out
     assert "'rl_steps': 3" in out
   rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   rl_rows = [r for r in rows if "reward/mean" in r]
