@@ -24,7 +24,6 @@ reference, attention included) over the float32 matmul peak measured in the same
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -172,27 +171,12 @@ def run(quick: bool, tunix_python: str = TUNIX_PYTHON,
   return results
 
 
-def print_table(rows: list[dict]) -> None:
-  columns = ("framework", "ref_logprobs_s", "update_s", "step_s", "step_min_s",
-             "step_max_s", "pack_ms", "tokens_per_s", "mfu", "speedup_vs_tunix", "steps",
-             "load_avg")
-  print(f"float32 matmul peak: {rows[0]['peak_gflops']:.1f} GFLOP/s")
-  print(" | ".join(f"{c:>14}" for c in columns))
-  for row in rows:
-    cells = []
-    for c in columns:
-      value = row.get(c, "")
-      cells.append(f"{value:>14.4g}" if isinstance(value, float) else f"{value!s:>14}")
-    print(" | ".join(cells))
+COLUMNS = ("framework", "ref_logprobs_s", "update_s", "step_s", "step_min_s", "step_max_s",
+           "pack_ms", "tokens_per_s", "mfu", "speedup_vs_tunix", "steps", "load_avg")
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="fewer steps and matmul reps")
-  parser.add_argument("--tunix_python", default=TUNIX_PYTHON)
-  parser.add_argument("--tunix_script", default=str(TUNIX_SCRIPT))
-  args = parser.parse_args()
-  print_table(run(args.quick, args.tunix_python, pathlib.Path(args.tunix_script)))
+  grpo_bench.cli(run, __doc__.splitlines()[0], TUNIX_SCRIPT, COLUMNS)
 
 
 if __name__ == "__main__":

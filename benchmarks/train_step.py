@@ -191,10 +191,12 @@ def run(quick: bool, tunix_python: str = TUNIX_PYTHON,
   return results
 
 
-def print_table(rows: list[dict]) -> None:
-  columns = ("framework", "ref_logprobs_s", "update_s", "step_s", "tokens_per_s",
-             "response_tokens_per_s", "mfu", "update_mfu", "speedup_vs_tunix", "steps",
-             "load_avg")
+COLUMNS = ("framework", "ref_logprobs_s", "update_s", "step_s", "tokens_per_s",
+           "response_tokens_per_s", "mfu", "update_mfu", "speedup_vs_tunix", "steps",
+           "load_avg")
+
+
+def print_table(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> None:
   print(f"float32 matmul peak: {rows[0]['peak_gflops']:.1f} GFLOP/s")
   print(" | ".join(f"{c:>14}" for c in columns))
   for row in rows:
@@ -205,13 +207,20 @@ def print_table(rows: list[dict]) -> None:
     print(" | ".join(cells))
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(run_fn, description: str, tunix_script: pathlib.Path,
+        columns: tuple[str, ...] = COLUMNS) -> None:
+  """The command line of a benchmark against a Tunix peer script: --quick, the venv's
+  python and the script; prints `run_fn(quick, python, script)`'s table."""
+  parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--quick", action="store_true", help="fewer steps and matmul reps")
   parser.add_argument("--tunix_python", default=TUNIX_PYTHON)
-  parser.add_argument("--tunix_script", default=str(TUNIX_SCRIPT))
+  parser.add_argument("--tunix_script", default=str(tunix_script))
   args = parser.parse_args()
-  print_table(run(args.quick, args.tunix_python, pathlib.Path(args.tunix_script)))
+  print_table(run_fn(args.quick, args.tunix_python, pathlib.Path(args.tunix_script)), columns)
+
+
+def main() -> None:
+  cli(run, __doc__.splitlines()[0], TUNIX_SCRIPT)
 
 
 if __name__ == "__main__":

@@ -24,19 +24,18 @@ a pair whose prompt leaves no answer token in `row_len` is dropped with a warnin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import numpy as np
 
-from posttrain.data.sft import JsonlExamples, _messages
+from posttrain.data.sft import JsonlExamples, json_object, parse_messages
 from posttrain.data.tokenizer import Tokenizer
 
 
 def _answer(value, where: str, key: str) -> list[dict]:
   if isinstance(value, str):
     value = [{"role": "assistant", "content": value}]
-  messages = _messages(value, where, key)
+  messages = parse_messages(value, where, key)
   roles = {m["role"] for m in messages}
   if roles - {"assistant", "tool"} or messages[0]["role"] != "assistant":
     raise ValueError(f"{where}: {key!r} must be assistant turns (tool turns between them), "
@@ -48,12 +47,7 @@ def _answer(value, where: str, key: str) -> list[dict]:
 
 def parse_pair(line: str, where: str) -> tuple[list[dict], list[dict], list[dict]]:
   """One JSON line as (prompt, chosen, rejected) message lists; ValueError naming `where`."""
-  try:
-    row = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{where}: not valid JSON: {e}") from None
-  if not isinstance(row, dict):
-    raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+  row = json_object(line, where)
   if "chosen" not in row or "rejected" not in row:
     raise ValueError(f"{where}: a pair needs 'chosen' and 'rejected' (and 'prompt' unless "
                      f"they are conversations sharing their first turns); it has {sorted(row)}")
@@ -61,10 +55,10 @@ def parse_pair(line: str, where: str) -> tuple[list[dict], list[dict], list[dict
     prompt = row["prompt"]
     if isinstance(prompt, str):
       prompt = [{"role": "user", "content": prompt}]
-    prompt = _messages(prompt, where, "prompt")
+    prompt = parse_messages(prompt, where, "prompt")
     chosen, rejected = row["chosen"], row["rejected"]
   else:
-    whole = {k: _messages(row[k], where, k) for k in ("chosen", "rejected")}
+    whole = {k: parse_messages(row[k], where, k) for k in ("chosen", "rejected")}
     shared = 0
     for a, b in zip(whole["chosen"], whole["rejected"]):
       if a != b:

@@ -46,7 +46,7 @@ def split_paths(paths: str | Sequence[str]) -> list[str]:
   return [os.path.expanduser(p.strip()) for p in paths if p and p.strip()]
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict]:
+def parse_messages(value: Any, where: str, key: str) -> list[dict]:
   if not isinstance(value, list) or not value:
     raise ValueError(f"{where}: {key!r} must be a non-empty list of messages")
   out = []
@@ -68,25 +68,32 @@ def _messages(value: Any, where: str, key: str) -> list[dict]:
   return out
 
 
-def parse_row(line: str, where: str) -> list[dict]:
-  """One JSON line as the conversation it trains on; ValueError naming `where`."""
+def json_object(line: str, where: str) -> dict:
+  """One JSON line as a dict; ValueError naming `where` otherwise."""
   try:
     row = json.loads(line)
   except json.JSONDecodeError as e:
     raise ValueError(f"{where}: not valid JSON: {e}") from None
   if not isinstance(row, dict):
     raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+  return row
+
+
+def parse_row(line: str, where: str) -> list[dict]:
+  """One JSON line as the conversation it trains on; ValueError naming `where`."""
+  row = json_object(line, where)
   if "messages" in row:
     if "prompt" in row or "completion" in row:
       raise ValueError(f"{where}: give 'messages' or 'prompt' and 'completion', not both")
-    messages = _messages(row["messages"], where, "messages")
+    messages = parse_messages(row["messages"], where, "messages")
   elif "prompt" in row and "completion" in row:
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str):
       prompt = [{"role": "user", "content": prompt}]
     if isinstance(completion, str):
       completion = [{"role": "assistant", "content": completion}]
-    messages = _messages(prompt, where, "prompt") + _messages(completion, where, "completion")
+    messages = (parse_messages(prompt, where, "prompt")
+                + parse_messages(completion, where, "completion"))
     roles = {m["role"] for m in messages[len(prompt):]}
     if roles - {"assistant", "tool"}:
       raise ValueError(f"{where}: 'completion' holds {sorted(roles - {'assistant', 'tool'})} "
