@@ -23,7 +23,7 @@ def test_every_preset_loads_validates_and_builds_a_loss_config(name):
 
 def test_all_issue_presets_exist():
   assert set(presets.PRESET_NAMES) == {
-      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp"}
+      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "rloo", "online_dpo", "reinforce_pp"}
 
 
 def test_presets_encode_their_papers():
@@ -77,7 +77,7 @@ def test_unknown_algorithm_lists_known_ones():
     with pytest.raises(ValueError) as info:
       call("ppo2")
     assert str(info.value) == (
-        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, rloo, reinforce_pp")
+        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, rloo, online_dpo, reinforce_pp")
 
 
 def test_command_line_picks_and_overrides_an_algorithm(tmp_path):
