@@ -132,10 +132,10 @@ def bench_tunix(steps: int, python: str, script: pathlib.Path):
 
 def _row(framework: str, ref_s, update_s, pack_s=None) -> dict:
   step_s = np.add(ref_s, update_s)
-  row = grpo_bench._summary(framework, ref_s, update_s)  # pylint: disable=protected-access
+  row = grpo_bench.summary(framework, ref_s, update_s)
   row.update(step_min_s=float(step_s.min()), step_max_s=float(step_s.max()))
   if pack_s is not None:
-    row["pack_ms"] = 1e3 * grpo_bench._median(pack_s)  # pylint: disable=protected-access
+    row["pack_ms"] = 1e3 * grpo_bench.median(pack_s)
   return row
 
 

@@ -81,7 +81,7 @@ def grpo_batch(cfg: models.ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
   return packing.split_microbatches(rows, NUM_SEQS * (PROMPT_LEN + RESPONSE_LEN))
 
 
-def _median(xs) -> float:
+def median(xs) -> float:
   return float(np.median(xs))
 
 
@@ -150,9 +150,9 @@ def bench_tunix(steps: int, python: str, script: pathlib.Path):
   return ref_s, update_s
 
 
-def _summary(framework: str, ref_s, update_s) -> dict:
-  return dict(framework=framework, ref_logprobs_s=_median(ref_s), update_s=_median(update_s),
-              step_s=_median(np.add(ref_s, update_s)), steps=len(update_s))
+def summary(framework: str, ref_s, update_s) -> dict:
+  return dict(framework=framework, ref_logprobs_s=median(ref_s), update_s=median(update_s),
+              step_s=median(np.add(ref_s, update_s)), steps=len(update_s))
 
 
 def run(quick: bool, tunix_python: str = TUNIX_PYTHON,
@@ -171,10 +171,10 @@ def run(quick: bool, tunix_python: str = TUNIX_PYTHON,
   tunix = bench_tunix(steps, tunix_python, tunix_script)
   fused_b, two_b = measure(steps // 2), measure_two(steps // 2)
   peak = max(peak, matmul_peak_flops(reps=3 if quick else 5))
-  results = [_summary("posttrain", *(a + b for a, b in zip(fused_a, fused_b))),
-             _summary("posttrain 2 programs", *(a + b for a, b in zip(two_a, two_b)))]
+  results = [summary("posttrain", *(a + b for a, b in zip(fused_a, fused_b))),
+             summary("posttrain 2 programs", *(a + b for a, b in zip(two_a, two_b)))]
   if tunix is not None:
-    results.append(_summary("tunix 0.1.7", *tunix))
+    results.append(summary("tunix 0.1.7", *tunix))
   seq_len = PROMPT_LEN + RESPONSE_LEN
   tokens = NUM_SEQS * seq_len
   train_flops, forward_flops = model_flops(cfg, tokens, seq_len)

@@ -753,9 +753,9 @@ class Trainer:
                         rows_per_mb=self.rows_per_mb, micro_multiple=1, pad_id=self.tok.pad_id)
       logprobs = self._logprobs(self.state.params, batch, temperature=1.0)["logprobs"]
       mask = distributed.put(batch["loss_mask"], sharding)
-      total += float(self._nll_sum_fn(logprobs, mask))
+      total = total + self._nll_sum_fn(logprobs, mask)  # on the device: one fetch at the end
       count += int(np.count_nonzero(batch["loss_mask"]))
-    nll = total / max(count, 1)
+    nll = float(total) / max(count, 1)
     self.writer.write(self._ckpt_step(), {"eval_sft/nll": nll, "eval_sft/tokens": count})
     log.info("held-out SFT NLL %.4f over %d tokens", nll, count)
     return nll
