@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from posttrain import models
-from posttrain.rl import presets
+from posttrain.rl import preference, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
 from posttrain.tasks import registry
@@ -206,6 +206,17 @@ def run_domains(config) -> list[str]:
 def algorithm(config) -> ml_collections.ConfigDict:
   overrides = {k: v for k, v in config.rl.items() if v is not None}
   return presets.algorithm_config(config.algorithm, **overrides)
+
+
+def frozen_references(config, algo) -> tuple[bool, bool]:
+  """Whether (the preference stage, RL) keep a frozen copy of the policy they started
+  from: a preference loss other than simpo, or RL's KL term or online preference loss.
+  With LoRA the copy is the base weights, not a second one."""
+  pref = config.get("preference")
+  stage = bool(pref is not None and int(pref.get("steps", 0) or 0) > 0
+               and str(pref.get("loss", "sigmoid")) in preference.REFERENCE_LOSSES)
+  rl = float(algo.kl_coef) > 0 or algo.get("preference_loss") in preference.REFERENCE_LOSSES
+  return stage, rl
 
 
 # -- the checkpointed state ---------------------------------------------------------------

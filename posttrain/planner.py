@@ -62,7 +62,6 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from posttrain import experiment, models
-from posttrain.rl import preference as rl_preference
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as rl_train_step
 from posttrain.models.config import REMAT_POLICIES
@@ -689,11 +688,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   params, opt = state_bytes(cfg, shape, rules, clip=bool(config.optim.get("clip")))
   # A frozen copy for RL's KL term, or for a preference stage (DPO) before RL: the same
   # params + optimizer + reference + update on the train devices.
-  pref = config.get("preference")
-  pref_ref = bool(pref is not None and int(pref.get("steps", 0) or 0) > 0
-                  and str(pref.get("loss", "sigmoid")) in rl_preference.REFERENCE_LOSSES
-                  or algo.get("preference_loss") in rl_preference.REFERENCE_LOSSES)
-  reference = params if (float(algo.kl_coef) > 0 or pref_ref) and not cfg.lora_rank else 0
+  stage_ref, rl_ref = experiment.frozen_references(config, algo)
+  pref_ref = stage_ref or (rl_ref and float(algo.kl_coef) == 0)
+  reference = params if (stage_ref or rl_ref) and not cfg.lora_rank else 0
   per_update, micro = microbatches(config, algo)
   trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
   grads = trained * (2 if per_update > 1 else 1)

@@ -33,8 +33,8 @@ from flax import nnx
 
 from posttrain import distributed, evaluation, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
-                                  from_checkpoint, model_config, optimizer_like, run_domains,
-                                  to_checkpoint)
+                                  from_checkpoint, frozen_references, model_config,
+                                  optimizer_like, run_domains, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData
 from posttrain.data.sft import SFTData
@@ -326,10 +326,11 @@ class Trainer:
                                                     float(o.clip) if o.clip else None)
     # Checkpoints the frozen references are rebuilt from on resume: the start of the
     # preference stage and the start of RL. Retention must not delete them.
+    stage_ref, rl_ref = frozen_references(config, self.algo)
     keep = set()
-    if self._pref_enabled() and self.pref_cfg.needs_reference:
+    if stage_ref:
       keep.add(int(config.sft.steps))
-    if self._rl_needs_reference():
+    if rl_ref:
       keep.add(self._rl_start())
     self.ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"),
                                   save_every=int(config.checkpoint.every),
@@ -405,8 +406,7 @@ class Trainer:
 
   def _rl_needs_reference(self) -> bool:
     """RL keeps the policy it started from: for a KL term, or an online preference loss."""
-    return float(self.algo.kl_coef) > 0 or bool(self.online_pref
-                                                and self.online_pref.needs_reference)
+    return frozen_references(self.config, self.algo)[1]
 
   def _pref_enabled(self) -> bool:
     return self.pref_cfg is not None
