@@ -17,6 +17,10 @@ assistant turns (with tool turns between them); the loss falls on their assistan
     chosen_tokens, chosen_mask  int32 [C]  the preferred answer and its loss mask
     rejected_tokens, rejected_mask
 
+A row may carry a `"margin"` (a number, TRL's column): the reward model's Bradley-Terry
+loss then asks its chosen answer to score at least that much above the rejected one
+(`posttrain.rl.reward_model`); the DPO losses ignore it.
+
 Rows are validated and tokenized when the files load: a bad row fails naming file and
 line. A pair longer than `row_len` keeps its head (the packer cuts each answer's tail);
 a pair whose prompt leaves no answer token in `row_len` is dropped with a warning.
@@ -24,6 +28,7 @@ a pair whose prompt leaves no answer token in `row_len` is dropped with a warnin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,9 +50,16 @@ def _answer(value, where: str, key: str) -> list[dict]:
   return messages
 
 
-def parse_pair(line: str, where: str) -> tuple[list[dict], list[dict], list[dict]]:
-  """One JSON line as (prompt, chosen, rejected) message lists; ValueError naming `where`."""
-  row = json_object(line, where)
+def _margin(value, where: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ValueError(f"{where}: 'margin' must be a finite number, got {value!r}")
+  return float(value)
+
+
+def parse_pair(line: str | dict, where: str) -> tuple[list[dict], list[dict], list[dict]]:
+  """One JSON line (or its parsed object) as (prompt, chosen, rejected) message lists;
+  ValueError naming `where`."""
+  row = json_object(line, where) if isinstance(line, str) else line
   if "chosen" not in row or "rejected" not in row:
     raise ValueError(f"{where}: a pair needs 'chosen' and 'rejected' (and 'prompt' unless "
                      f"they are conversations sharing their first turns); it has {sorted(row)}")
@@ -104,7 +116,10 @@ class PreferenceData(JsonlExamples):
   @classmethod
   def encode_line(cls, line, where, tok):
     try:
-      pair = encode_pair(*parse_pair(line, where), tok)
+      row = json_object(line, where)
+      pair = encode_pair(*parse_pair(row, where), tok)
+      if "margin" in row:
+        pair["margin"] = _margin(row["margin"], where)
     except ValueError as e:
       message = str(e)
       raise ValueError(message if message.startswith(where) else f"{where}: {message}"

@@ -43,6 +43,14 @@ on packed pairs:
     dpo_step = make_preference_step(model_cfg, preference.PreferenceConfig(beta=0.1),
                                     optimizer, mesh=mesh)
     state, metrics = dpo_step(state, batch)
+
+A reward model (`posttrain.rl.reward_model`: a score head, the Bradley-Terry loss) trains
+on the same packed pairs:
+
+    batch["pair_margin"] = reward_model.pair_margins(pairs, batch)
+    rm_step = make_reward_model_step(rm_cfg, reward_model.RewardLossConfig(), optimizer,
+                                     mesh=mesh)
+    state, metrics = rm_step(state, batch)
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from posttrain import distributed, models
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.rl import advantages as advantages_lib
-from posttrain.rl import losses, preference
+from posttrain.rl import losses, preference, reward_model
 from posttrain.rl.state import TrainState, join_trainable, split_trainable, train_state_shardings
 
 Batch = Mapping[str, Any]
@@ -595,6 +603,93 @@ def make_preference_step(model_cfg: models.ModelConfig,
   step.jitted = jitted
   step.required = required
   return step
+
+
+def make_reward_model_step(model_cfg: models.ModelConfig,
+                           loss_cfg: reward_model.RewardLossConfig,
+                           optimizer: optax.GradientTransformation, *, mesh: Mesh,
+                           rules: Rules = DEFAULT_RULES, donate: bool = True) -> Callable:
+  """Builds `step(state, batch) -> (state, metrics)` training a reward model on pairs.
+
+  The model is a score-head transformer (`value_head=True`, usually `lm_head=False`);
+  the batch is `preference.pack_pairs`'s plus `pair_margin` `[M, P]`
+  (`reward_model.pair_margins`; zeros for the plain Bradley-Terry loss). The loss is
+  `reward_model.microbatch_reward_loss` on the head's values `h . w` (no bias: Hugging
+  Face's score layer has none, so the bias stays as it is), plus the router's
+  load-balancing loss of a mixture; the update is the RL step's (micro-batch
+  accumulation, LoRA adapters alone trained, a non-finite update skipped and reported).
+
+  Args:
+    model_cfg: the reward model's architecture.
+    loss_cfg: the loss.
+    optimizer: the one the state was built with.
+    mesh, rules: where the state and the batch live.
+    donate: donate the input state's buffers.
+
+  Returns:
+    The step; `step.jitted` is the `jax.jit` function, `step.required` the batch keys.
+  """
+  if not model_cfg.value_head:
+    raise ValueError("a reward model needs a score head: build it with value_head=True")
+  graphdef, abstract_params, rest = _split_abstract(model_cfg)
+  ctx = models.ShardingContext(mesh, rules)
+  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
+  data_sharding = batch_sharding(mesh, rules)
+  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  aux_coef = float(model_cfg.router_aux_loss_coef)
+  required = reward_model.TOKEN_KEYS + reward_model.PAIR_KEYS
+  batch_shardings = {key: data_sharding for key in reward_model.TOKEN_KEYS}
+  # Pair slots are few: replicated, whatever the rows' layout.
+  batch_shardings.update({key: NamedSharding(mesh, PartitionSpec())
+                          for key in reward_model.PAIR_KEYS})
+
+  def microbatch_loss(trainable, mb, denominators, frozen, micro_share):
+    params, _ = trainable
+    model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
+    aux = None
+    if aux_coef > 0:
+      h, aux = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"], ctx=ctx,
+                                   router_loss=True)
+    else:
+      h = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"], ctx=ctx)
+    values = jnp.einsum("BTD,D->BT", h.astype(jnp.float32), model.value_w[...])
+    loss, metrics = reward_model.microbatch_reward_loss(loss_cfg, values, mb,
+                                                        denominators=denominators)
+    return _with_router_aux(loss, metrics, aux, aux_coef, micro_share)
+
+  def finish_metrics(values, batch):
+    return {**values, "pairs": jnp.sum(batch["pair_mask"]).astype(jnp.float32)}
+
+  jitted, run = _jit_update(
+      microbatch_loss, optimizer, batch_totals=reward_model.batch_denominators,
+      finish_metrics=finish_metrics, reference_logprobs=None, lora=bool(model_cfg.lora_rank),
+      reference_in_step=False, state_shardings=state_shardings,
+      batch_shardings=batch_shardings, reference_shardings=None, donate=donate)
+
+  def step(state: TrainState, batch: Batch):
+    _check_reward_batch(batch, row_multiple)
+    return run(state, {key: batch[key] for key in required})
+
+  step.jitted = jitted
+  step.required = required
+  return step
+
+
+def _check_reward_batch(batch: Batch, row_multiple: int):
+  _check_batch(batch, reward_model.TOKEN_KEYS + reward_model.PAIR_KEYS, row_multiple)
+  shape = np.shape(batch["tokens"])
+  for key in reward_model.TOKEN_KEYS:
+    if np.shape(batch[key]) != shape:
+      raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected {shape} "
+                       "like batch['tokens']")
+  pair_shape = np.shape(batch["pair_mask"])
+  if len(pair_shape) != 2 or pair_shape[0] != shape[0]:
+    raise ValueError(f"batch['pair_mask'] must be [microbatches, pairs] with {shape[0]} "
+                     f"micro-batches like batch['tokens'], got shape {pair_shape}")
+  if np.shape(batch["pair_margin"]) != pair_shape:
+    raise ValueError(f"batch['pair_margin'] has shape {np.shape(batch['pair_margin'])}, "
+                     f"expected {pair_shape} like batch['pair_mask'] "
+                     "(reward_model.pair_margins)")
 
 
 def _check_preference_batch(batch: Batch, required: tuple[str, ...], row_multiple: int):

@@ -75,6 +75,12 @@ def test_multi_turn_pairs_split_at_the_last_shared_user_turn_and_train_only_answ
     ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
       "chosen": "b", "rejected": "c"}, "prompt must not end with an assistant turn"),
     ({"prompt": "q", "chosen": "a", "rejected": 3}, "'rejected' must be a non-empty list"),
+    ('{"prompt": "q", "chosen": "a", "rejected": "b", "margin": NaN}',
+     "'margin' must be a finite number"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "1"},
+     "'margin' must be a finite number"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": True},
+     "'margin' must be a finite number"),
 ])
 def test_hostile_pairs_fail_naming_file_and_line(tmp_path, row, message):
   path = _write(tmp_path / "p.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, row])
@@ -95,3 +101,10 @@ def test_long_pairs_are_cut_or_dropped_and_the_stream_covers_each_epoch(tmp_path
   for epoch in range(2):
     seen = sorted(tuple(ds[epoch * 7 + i]["chosen_tokens"].tolist()) for i in range(7))
     assert seen == sorted(tuple(p["chosen_tokens"].tolist()) for p in data.examples)
+
+
+def test_a_rows_margin_travels_with_its_pair(tmp_path):
+  rows = [{"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1.5},
+          {"prompt": "q", "chosen": "c", "rejected": "d"}]
+  data = PreferenceData.from_files(_write(tmp_path / "p.jsonl", rows), TOK, row_len=64)
+  assert data.examples[0]["margin"] == 1.5 and "margin" not in data.examples[1]
