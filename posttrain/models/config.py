@@ -118,7 +118,15 @@ class ModelConfig:
       and for ring attention's inner flash kernel: a device sweep's best options
       (benchmarks/attention.py --accelerator-only) go here.
     attention_chunk / decode_chunk: kv block of chunked attention / of decode attention.
-    value_head: add a scalar head on the final hidden state (PPO critic).
+    value_head: add a scalar head on the final hidden state (PPO critic; a reward model's
+      score head).
+    lm_head: the output projection to the vocabulary. False (needs value_head=True): a
+      reward model, the trunk and its score head alone, with no parameter for the head
+      (with tie_embeddings the embedding stays, as the input table only); it has no logits
+      or log-probs (Hugging Face's *ForSequenceClassification).
+    pad_token_id: the pad token config.json records (Hugging Face's sequence classifiers
+      find each row's last token by it; export writes it back). Nothing here reads it:
+      segment ids mark padding.
     logprob_chunk: sequence chunk used when computing per-token log-probs.
     lora_rank: rank of the LoRA adapters (0: none). With adapters, the train step updates
       only them (optimizer state for them alone) and the KL reference is the base
@@ -164,6 +172,8 @@ class ModelConfig:
   # tiny kernels per layer and token; blocks past the longest row are skipped.
   decode_chunk: int | None = None
   value_head: bool = False
+  lm_head: bool = True
+  pad_token_id: int | None = None
   logprob_chunk: int = 256
   init_std: float = 0.02
   lora_rank: int = 0
@@ -193,6 +203,12 @@ class ModelConfig:
     if self.decode_chunk is not None and (int(self.decode_chunk) != self.decode_chunk
                                           or self.decode_chunk < 1):
       raise ValueError(f"decode_chunk must be a positive int or None, got {self.decode_chunk}")
+    if not self.lm_head and not self.value_head:
+      raise ValueError("lm_head=False needs value_head=True: a model without a language-model "
+                       "head is a reward model, scored by its value head")
+    if self.pad_token_id is not None and (isinstance(self.pad_token_id, bool)
+                                          or not isinstance(self.pad_token_id, int)):
+      raise ValueError(f"pad_token_id must be an int or None, got {self.pad_token_id!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
     for name in ("dtype", "param_dtype"):
@@ -285,7 +301,7 @@ class ModelConfig:
       attn += 2 * hd
     router = d * self.num_experts
     per_layer = attn + experts * 3 * d * f + router + 2 * d
-    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     return self.num_layers * per_layer + emb + d + (d + 1 if self.value_head else 0)
 
   @property

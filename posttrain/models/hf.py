@@ -1,5 +1,7 @@
 """Hugging Face import/export for LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
-the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM.
+the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, and for the reward
+models on the same trunks, their *ForSequenceClassification (`score.weight` [1, D] is the
+value head, there is no lm_head: `lm_head=False, value_head=True`).
 
 `from_pretrained` reads a local folder (config.json + *.safetensors, single file or sharded
 with an index) and streams one tensor at a time onto its sharding. `save_pretrained` writes
@@ -25,10 +27,14 @@ from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter, _lora_axes,
-                                          merge_lora)
+                                          merge_lora, value_head_std)
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-             "MixtralForCausalLM")
+CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+              "MixtralForCausalLM")
+# A reward model: the causal LM's trunk with a [1, D] score layer in place of lm_head.
+SEQUENCE_CLASSIFIERS = {lm.replace("ForCausalLM", "ForSequenceClassification"): lm
+                        for lm in CAUSAL_LMS}
+SUPPORTED = CAUSAL_LMS + tuple(SEQUENCE_CLASSIFIERS)
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                 "MixtralForCausalLM": "mixtral"}
@@ -40,6 +46,24 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
                                      "block_sparse_moe.experts.{j}.w2")}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+
+
+def _causal_lm(arch: str) -> str:
+  """The causal-LM class with the trunk of `arch` (itself for a causal LM)."""
+  return SEQUENCE_CLASSIFIERS.get(arch, arch)
+
+
+def _sequence_classifier(arch: str) -> str:
+  """The *ForSequenceClassification class on the trunk of `arch`."""
+  return _causal_lm(arch).replace("ForCausalLM", "ForSequenceClassification")
+
+
+def _num_labels(c: dict[str, Any]) -> int:
+  """Outputs of a sequence classifier's score layer, read as `transformers` does: the
+  length of id2label, else num_labels, else its default of 2."""
+  if c.get("id2label"):
+    return len(c["id2label"])
+  return int(c["num_labels"]) if c.get("num_labels") is not None else 2
 
 
 def _rope_from_hf(c: dict[str, Any]) -> RopeConfig:
@@ -60,13 +84,26 @@ def _rope_from_hf(c: dict[str, Any]) -> RopeConfig:
   return RopeConfig(theta=float(theta), type=rope_type, **kwargs)
 
 
-def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
-  """Maps a config.json dict to a ModelConfig; an unknown architecture is an error."""
+def _architecture(c: dict[str, Any]) -> str:
+  """The supported class a config.json names; an unknown architecture is an error."""
   archs = c.get("architectures") or []
   arch = next((a for a in archs if a in SUPPORTED), None)
   if arch is None:
     raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
                      f"supported: {list(SUPPORTED)}")
+  return arch
+
+
+def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
+  """Maps a config.json dict to a ModelConfig; an unknown architecture is an error. A
+  *ForSequenceClassification is a reward model (lm_head=False, value_head=True) of one
+  label; another num_labels is an error."""
+  arch = _architecture(c)
+  lm = _causal_lm(arch)
+  reward_model = arch != lm
+  if reward_model and _num_labels(c) != 1:
+    raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
+                     "model has one label (num_labels=1), one score per sequence")
   if c.get("mlp_bias"):
     raise ValueError("mlp_bias=true in config.json is not supported")
   if c.get("hidden_act", "silu") != "silu":
@@ -74,7 +111,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   heads = int(c["num_attention_heads"])
   head_dim = c.get("head_dim") or c["hidden_size"] // heads
   dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
-  moe = _moe_from_hf(arch, c)
+  pad = c.get("pad_token_id")
+  pad = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+  moe = _moe_from_hf(lm, c)
   moe.setdefault("ffn_dim", int(c["intermediate_size"]))
   cfg = ModelConfig(
       vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
@@ -82,10 +121,11 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(head_dim),
       rope=_rope_from_hf(c), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-      qkv_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-      qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+      qkv_bias=lm == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
+      qk_norm=lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
       max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
-      architecture=arch, dtype=str(dtype), param_dtype=str(dtype), **moe)
+      architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
+      lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe)
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -123,33 +163,46 @@ def _aux_loss_from_hf(c: dict[str, Any]) -> dict[str, Any]:
 
 def check_exportable(cfg: ModelConfig) -> None:
   """Raises ValueError when `cfg.architecture`'s Hugging Face class cannot hold the model
-  (the class implies q/k norms, q/k/v biases and whether the MLPs are experts), so that
-  `save_pretrained` never writes files that load as another function."""
+  (the class implies q/k norms, q/k/v biases, whether the MLPs are experts, and the head:
+  a *ForCausalLM has lm_head, its value head if any is not written; a
+  *ForSequenceClassification is a reward model, value_head=True and lm_head=False), so
+  that `save_pretrained` never writes files that load as another function."""
   arch = cfg.architecture
   if arch not in SUPPORTED:
     raise ValueError(f"architecture={arch!r} cannot be written; expected one of "
                      f"{list(SUPPORTED)}")
-  moe = arch in _MOE_NAMES
+  lm = _causal_lm(arch)
+  if arch != lm and (cfg.lm_head or not cfg.value_head):
+    raise ValueError(f"architecture={arch} is a reward model (a score head, no "
+                     f"language-model head), but value_head={cfg.value_head}, lm_head="
+                     f"{cfg.lm_head}; write a language model as {lm}")
+  if arch == lm and not cfg.lm_head:
+    raise ValueError(f"lm_head=False (a reward model) cannot be written as {arch}, a "
+                     f"language model; set architecture={_sequence_classifier(arch)}")
+  kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
+  moe = lm in _MOE_NAMES
   if moe != bool(cfg.num_experts):
     raise ValueError(
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
-        f"written as one of {sorted(_MOE_NAMES)}, a dense model as one of "
-        f"{[a for a in SUPPORTED if a not in _MOE_NAMES]}")
-  qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        f"written as one of {[a for a in kind if _causal_lm(a) in _MOE_NAMES]}, a dense "
+        f"model as one of {[a for a in kind if _causal_lm(a) not in _MOE_NAMES]}")
+  qk_norm = lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
   if qk_norm != cfg.qk_norm:
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
                      f"{'always has' if qk_norm else 'has no'} q/k norms")
-  if arch == "Qwen2ForCausalLM" and not cfg.qkv_bias:
-    raise ValueError("qkv_bias=False cannot be written as Qwen2ForCausalLM, which always "
+  if lm == "Qwen2ForCausalLM" and not cfg.qkv_bias:
+    raise ValueError(f"qkv_bias=False cannot be written as {arch}, which always "
                      "has q/k/v biases")
-  if arch == "MixtralForCausalLM" and (cfg.qkv_bias or not cfg.norm_topk_prob):
-    raise ValueError("MixtralForCausalLM has no q/k/v biases and always renormalises the "
+  if lm == "MixtralForCausalLM" and (cfg.qkv_bias or not cfg.norm_topk_prob):
+    raise ValueError(f"{arch} has no q/k/v biases and always renormalises the "
                      f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="
                      f"{cfg.norm_topk_prob})")
 
 
-def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dict[str, Any]:
+  """config.json of `cfg` (see `save_pretrained` for pad_token_id)."""
   check_exportable(cfg)
+  lm = _causal_lm(cfg.architecture)
   rope = cfg.rope
   scaling = None
   if rope.type != "default":
@@ -164,7 +217,7 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         if getattr(rope, k) is not None:
           scaling[k] = getattr(rope, k)
   out = {
-      "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[cfg.architecture],
+      "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[lm],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
       "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -173,18 +226,24 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       "max_position_embeddings": cfg.max_position_embeddings,
       "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
   }
-  if cfg.architecture != "Qwen2ForCausalLM":
+  if lm != "Qwen2ForCausalLM":
     out["attention_bias"] = cfg.qkv_bias
-  if cfg.architecture == "Qwen3MoeForCausalLM":
+  if lm == "Qwen3MoeForCausalLM":
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
                decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
-  elif cfg.architecture == "MixtralForCausalLM":
+  elif lm == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                sliding_window=None)
   if cfg.num_experts:
     out.update(output_router_logits=cfg.router_aux_loss_coef > 0,
                router_aux_loss_coef=cfg.router_aux_loss_coef)
+  pad = cfg.pad_token_id if pad_token_id is None else pad_token_id
+  if cfg.architecture != lm:  # A reward model: one label, and the pad id it finds rows by.
+    out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    pad = 0 if pad is None else pad
+  if pad is not None:
+    out["pad_token_id"] = int(pad)
   return out
 
 
@@ -193,8 +252,13 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 Transform = Callable[[np.ndarray], np.ndarray]
 
 
-def _mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transform, tuple]]:
-  """(our state path, HF name, hf->ours, ours->hf, our shape) for every parameter."""
+def _mapping(cfg: ModelConfig, score: bool | None = None
+             ) -> list[tuple[tuple, str, Transform, Transform, tuple]]:
+  """(our state path, HF name, hf->ours, ours->hf, our shape) for every parameter in the
+  files: with `score` (default: cfg.architecture is a sequence classifier) the value head
+  as `score.weight` [1, D]."""
+  if score is None:
+    score = cfg.architecture in SEQUENCE_CLASSIFIERS
   d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
   ident = lambda x: x  # noqa: E731
 
@@ -206,9 +270,11 @@ def _mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transform, t
 
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
           (("final_norm", "scale"), "model.norm.weight", ident, ident, (d,))]
-  if not cfg.tie_embeddings:
+  if cfg.lm_head and not cfg.tie_embeddings:
     rows.append((("lm_head",), "lm_head.weight", lambda x: x.T, lambda x: x.T,
                  (d, cfg.vocab_size)))
+  if score:
+    rows.append((("value_w",), "score.weight", lambda x: x[0], lambda x: x[None, :], (d,)))
   for i in range(cfg.num_layers):
     p, hf = ("layers", i), f"model.layers.{i}."
     rows += [
@@ -225,7 +291,7 @@ def _mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transform, t
     if cfg.num_experts:
       # One HF tensor per expert; ours stack them: ("layers", i, "mlp", name, j) is the
       # expert-j slice of the [E, ...] parameter.
-      router, gate, up, down = _MOE_NAMES[cfg.architecture]
+      router, gate, up, down = _MOE_NAMES[_causal_lm(cfg.architecture)]
       rows.append((p + ("mlp", "router"), hf + router + ".weight", lambda x: x.T,
                    lambda x: x.T, (d, cfg.num_experts)))
       for j in range(cfg.num_experts):
@@ -424,15 +490,23 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     rules: logical-axis rules.
     adapter: a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors)
       to load onto the base; its r, lora_alpha and target_modules set the LoRA fields.
-    seed: draws what the files do not hold: the value head, and new LoRA adapters (A of
-      layer i, target t from fold_in(fold_in(key(seed), i), LORA_TARGETS.index(t)); B zero,
-      so the model starts as the base).
+    seed: draws what the files do not hold: a value head (value_w normal from key(seed),
+      std `value_head_std`: 1 / sqrt(D + 1) for a reward model, init_std beside an
+      lm_head; value_b zero), and new LoRA adapters (A of layer i, target t from
+      fold_in(fold_in(key(seed), i), LORA_TARGETS.index(t)); B zero, so the model starts
+      as the base).
     **overrides: ModelConfig fields to replace (attention_impl, remat, value_head,
-      lora_rank, ...).
+      lora_rank, ...). A reward model from a causal LM's folder: value_head=True,
+      lm_head=False, architecture="<Family>ForSequenceClassification" (its lm_head is
+      not read; the score head is new).
+
+  A *ForSequenceClassification folder loads as a reward model: score.weight [1, D] is
+  value_w, value_b is 0 (HF's score layer has no bias), there is no lm_head.
 
   Raises:
-    ValueError: unknown architecture; missing, unexpected or wrongly shaped tensors; an
-      adapter config this model cannot run, or overrides that disagree with it.
+    ValueError: unknown architecture; a sequence classifier of more than one label;
+      missing, unexpected or wrongly shaped tensors; an adapter config this model cannot
+      run, or overrides that disagree with it.
   """
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
@@ -447,10 +521,12 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     overrides = {**overrides, **lora}
   cfg = hf_config_to_model_config(hf_cfg, **overrides)
   files = _tensor_files(path)
-  rows = _mapping(cfg)
-  # Tied checkpoints sometimes carry a copy of the embedding as lm_head.
+  # A sequence classifier's score is the value head; a causal LM's files hold none.
+  rows = _mapping(cfg, score=_architecture(hf_cfg) in SEQUENCE_CLASSIFIERS and cfg.value_head)
+  # Tied checkpoints sometimes carry a copy of the embedding as lm_head; a reward model
+  # started from a causal LM does not read its lm_head.
   _check_names(f"checkpoint {path}", set(files), {r[1] for r in rows},
-               {"lm_head.weight"} if cfg.tie_embeddings else set())
+               {"lm_head.weight"} if cfg.tie_embeddings or not cfg.lm_head else set())
   sources = [(files, rows)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
@@ -468,7 +544,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       expected = _hf_shape(cfg, name, shape, to_hf)
       if tuple(arr.shape) != tuple(expected):
         raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {expected}")
-      arr = np.asarray(to_ours(arr)).astype(pd)
+      # The value head is float32 whatever param_dtype is (as the model creates it).
+      arr = np.asarray(to_ours(arr)).astype(np.float32 if ours == ("value_w",) else pd)
       if shardings is not None:
         values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
       else:
@@ -576,7 +653,7 @@ def _fresh(v, key: tuple, cfg: ModelConfig, shardings, seed: int):
     if key == ("value_b",):
       return jnp.zeros(v.shape, v.dtype)
     if key == ("value_w",):
-      return jax.random.normal(jax.random.key(seed), v.shape, v.dtype) * cfg.init_std
+      return jax.random.normal(jax.random.key(seed), v.shape, v.dtype) * value_head_std(cfg)
     a_b = _fresh_adapter(cfg, name[:-len("_lora_a")], jax.random.key(seed),
                          None if cfg.scan_layers else key[1])
     return a_b[int(name.endswith("_b"))]
@@ -590,21 +667,45 @@ def _fresh(v, key: tuple, cfg: ModelConfig, shardings, seed: int):
 
 
 def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 << 30,
-                    dtype: str | None = None) -> None:
+                    dtype: str | None = None, pad_token_id: int | None = None) -> None:
   """Writes config.json and model*.safetensors (sharded with an index past max_shard_bytes).
+
+  The class is cfg.architecture (`check_exportable`). A *ForCausalLM is written without
+  a value head; a *ForSequenceClassification (a reward model) writes the value head as
+  score.weight [1, D] in the export dtype, with num_labels 1.
 
   A model with LoRA adapters is written merged (see `merge_lora`); `save_lora_adapter`
   writes the adapters alone.
+
+  Args:
+    model: the model to write.
+    path: the folder (created if missing).
+    max_shard_bytes: the largest safetensors file; more tensors go to further files.
+    dtype: the tensors' dtype (default: cfg.param_dtype).
+    pad_token_id: config.json's pad_token_id, by which a `transformers` sequence
+      classifier finds each row's last token (the tokenizer's pad id). None: cfg's (as
+      read from the folder the model came from), else nothing for a causal LM and 0 for
+      a sequence classifier.
+
+  Raises:
+    ValueError: the class cannot hold the model (`check_exportable`), or a sequence
+      classifier's value_b is not 0 (HF's score layer has no bias).
   """
   from safetensors.numpy import save_file
+  hf_cfg = model_config_to_hf(model.cfg, pad_token_id)
+  if model.cfg.architecture in SEQUENCE_CLASSIFIERS:
+    bias = float(jax.device_get(model.value_b[...]))
+    if bias != 0.0:
+      raise ValueError(f"value_b={bias:g} cannot be written as {model.cfg.architecture}, whose "
+                       "score layer has no bias; set value_b to 0 first (a Bradley-Terry "
+                       "reward is unchanged by a constant shift)")
   model = merge_lora(model)  # HF checkpoints hold no adapters: W + scale * A B.
   cfg = model.cfg
+  state = nnx.state(model)
   os.makedirs(path, exist_ok=True)
-  hf_cfg = model_config_to_hf(cfg)
   if dtype:
     hf_cfg["torch_dtype"] = dtype
   out_dtype = jnp.dtype(dtype or cfg.param_dtype)
-  state = nnx.state(model)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for ours, name, _, to_hf, _ in _mapping(cfg):

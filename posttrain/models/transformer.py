@@ -630,8 +630,17 @@ _REMAT_POLICIES = {
 }
 
 
+def value_head_std(cfg: ModelConfig) -> float:
+  """Standard deviation of a new value head's weights: a reward model's score head
+  (lm_head=False) draws 1 / sqrt(D + 1), as TRL and OpenAI's lm-human-preferences
+  initialise the reward head, so a new model's scores have about unit scale; a value
+  head beside a language-model head (PPO critic) draws cfg.init_std."""
+  return cfg.init_std if cfg.lm_head else 1.0 / float(np.sqrt(cfg.d_model + 1))
+
+
 class Transformer(nnx.Module):
-  """The policy. `model(tokens)` returns logits [B, T, V]."""
+  """The policy: `model(tokens)` returns logits [B, T, V]. With cfg.lm_head=False, a
+  reward model: `scores(tokens, segment_ids)` returns one scalar per row [B]."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -643,11 +652,12 @@ class Transformer(nnx.Module):
     else:
       self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
-    if not cfg.tie_embeddings:
+    if cfg.lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
                             std=cfg.init_std)
     if cfg.value_head:
-      self.value_w = _param(rngs, (cfg.d_model,), ("embed",), jnp.float32, std=cfg.init_std)
+      self.value_w = _param(rngs, (cfg.d_model,), ("embed",), jnp.float32,
+                            std=value_head_std(cfg))
       self.value_b = _param(None, (), (), jnp.float32, init="zeros")
     inv_freq, scaling = rope_lib.inverse_frequencies(cfg.rope, cfg.head_dim,
                                                      cfg.max_position_embeddings)
@@ -718,14 +728,21 @@ class Transformer(nnx.Module):
       return h, load_balancing_loss(stats, cfg.num_experts)
     return (h, new_caches) if cache is not None else h
 
+  def _require_lm_head(self) -> None:
+    if not self.cfg.lm_head:
+      raise ValueError("this model has no language-model head (lm_head=False): it has no "
+                       "logits or log-probs, only values and scores (a reward model)")
+
   def unembed(self) -> jax.Array:
     """The output projection [D, V]."""
+    self._require_lm_head()
     if self.cfg.tie_embeddings:
       return self.embed[...].T
     return self.lm_head[...]
 
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, cache=None,
                ctx: ShardingContext = _NO_SHARDING, prefill: bool = False):
+    self._require_lm_head()
     out = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, cache=cache, ctx=ctx,
                              prefill=prefill)
     h, new_cache = out if cache is not None else (out, None)
@@ -744,6 +761,7 @@ class Transformer(nnx.Module):
     Never materialises float32 [B, T, V] logits: the vocabulary projection, log-softmax and
     gather run over `chunk` positions at a time, rematerialised in the backward pass.
     """
+    self._require_lm_head()
     h = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, ctx=ctx)
     return chunked_logprobs(h, self.unembed(), targets_BxT, chunk=chunk or self.cfg.logprob_chunk,
                             return_entropy=return_entropy, temperature=temperature,
@@ -756,6 +774,23 @@ class Transformer(nnx.Module):
       raise ValueError("this model has no value head; build it with value_head=True")
     h = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, ctx=ctx)
     return jnp.einsum("BTD,D->BT", h.astype(jnp.float32), self.value_w[...]) + self.value_b[...]
+
+  def scores(self, tokens_BxT, segment_ids_BxT=None, positions_BxT=None, *,
+             ctx: ShardingContext = _NO_SHARDING):
+    """One scalar per row [B] float32: the value at the row's last position whose
+    segment id is > 0 (requires cfg.value_head).
+
+    Rows hold one right-padded sequence each (segment id 0 = padding; default: no
+    padding, the last position): Hugging Face's sequence-classification rule, the score
+    of the last non-pad token. A row without a real token scores 0.
+    """
+    values_BxT = self.values(tokens_BxT, positions_BxT, segment_ids_BxT, ctx=ctx)
+    if segment_ids_BxT is None:
+      return values_BxT[:, -1]
+    index_BxT = jax.lax.broadcasted_iota(jnp.int32, values_BxT.shape, 1)
+    last_B = jnp.max(jnp.where(segment_ids_BxT > 0, index_BxT, -1), axis=1)
+    picked_B = jnp.take_along_axis(values_BxT, jnp.maximum(last_B, 0)[:, None], axis=1)[:, 0]
+    return jnp.where(last_B >= 0, picked_B, 0.0)
 
 
 def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
