@@ -28,7 +28,7 @@ def main(argv):
   del argv
   import jax
 
-  from posttrain import distributed, experiment, trainer
+  from posttrain import distributed, experiment, reward_trainer, trainer
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   log = logging.getLogger("posttrain")
   try:
@@ -43,7 +43,10 @@ def main(argv):
     log.info("config:\n%s", config)
     mesh = experiment.build_mesh(config)
     log.info("mesh: %s", dict(mesh.shape))
-    summary = trainer.train(config, _WORKDIR.value)
+    if reward_trainer.objective(config) == "reward_model":
+      summary = reward_trainer.train(config, _WORKDIR.value)
+    else:
+      summary = trainer.train(config, _WORKDIR.value)
   except (ValueError, OSError, KeyError, trainer.NonFiniteLossError,
           trainer.RolloutStalledError) as e:
     common.fail(e)
