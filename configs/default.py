@@ -107,6 +107,17 @@ def get_config() -> ml_collections.ConfigDict:
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,
       max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128,
       gather_weights=True, continuous_batching=True))
+  # A learned reward model scoring the RL rollouts, on the rollout devices, right after
+  # they are generated (dynamic sampling, the scheduler and the advantages see the mixed
+  # rewards; pass rates and the held-out evaluation stay the verifiers').
+  c.reward_model = ml_collections.ConfigDict(dict(
+      path="",           # a *ForSequenceClassification folder (one label); "" = off
+      mix=1.0,           # reward = (1 - mix) * verifier + mix * squash(score)
+      squash="sigmoid",  # score -> [0, 1]: sigmoid (logits) or clip (already in [0, 1])
+      domains="*",       # comma-separated globs of the domains whose rewards it scores
+      batch_size=32,     # rows per scoring call on the devices
+      max_len=0,         # tokens scored per conversation (the head); 0 = rollout.max_len
+      tokenizer=""))     # "" = the folder's tokenizer.json if it has one, else the run's
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=2, keep_every=0,
                                                 async_save=True))

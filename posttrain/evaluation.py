@@ -16,7 +16,9 @@ writes DIR/eval/step_N/:
 Held-out seeds (`posttrain.tasks.heldout_seed`, odd) never meet the training seeds (even),
 by construction; `evaluate_checkpoint` checks every seed it uses.
 
-A task passes when its reward value is 1 (the trainer's `pass_rate` too). Greedy pass@1
+A task passes when its verifier's value is 1 (the trainer's `pass_rate` too): the reward's
+`verifier` component where a reward model's score was mixed in, else its value. The
+rollouts here never go through the trainer's reward model. Greedy pass@1
 decodes at temperature 0; pass@k draws `samples` completions at the rollout temperature and
 uses the unbiased estimator of Chen et al. (2021).
 """
@@ -47,6 +49,7 @@ from posttrain.rollout import RolloutWorker
 from posttrain.sampling import Sampler
 from posttrain.tasks import execution, heldout_seed, is_heldout_seed, registry
 from posttrain.tasks.families.tools import OBS_CLOSE, OBS_OPEN, TOOL_OPEN
+from posttrain.tasks.reward_model import verifier_value
 
 log = logging.getLogger("posttrain")
 
@@ -62,7 +65,7 @@ _DIGITS = 6
 def pass_rates(worker, domains: Sequence[str], *, seeds_per_domain: int,
                first_seed_index: int = 0, samples: int = 0,
                temperature: float = 1.0) -> dict[str, Any]:
-  """Greedy pass rate (reward value 1) on `seeds_per_domain` held-out seeds of each domain,
+  """Greedy pass rate (verifier value 1) on `seeds_per_domain` held-out seeds of each domain,
   and with `samples` > 0 the mean pass rate of that many samples at `temperature`.
 
   Returns:
@@ -133,9 +136,8 @@ def _summarise(groups) -> dict[str, Any]:
   rewards = []
   for g in groups:
     for sample in g.samples:
-      r = float(sample.reward.value)
-      rewards.append(r)
-      by_domain[g.domain].append(1.0 if r >= 1.0 else 0.0)
+      rewards.append(float(sample.reward.value))
+      by_domain[g.domain].append(1.0 if verifier_value(sample.reward) >= 1.0 else 0.0)
   by_family: dict[str, list[float]] = defaultdict(list)
   for d, v in by_domain.items():
     by_family[registry.get(d).family] += v
@@ -341,7 +343,7 @@ def _tool_calls(sample) -> tuple[int, int | None]:
 
 
 def _passed(sample) -> bool:
-  return bool(sample.reward is not None and sample.reward.value >= 1.0)
+  return bool(sample.reward is not None and verifier_value(sample.reward) >= 1.0)
 
 
 def task_records(greedy_groups, sampled_groups=None) -> list[dict[str, Any]]:

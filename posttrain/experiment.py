@@ -16,6 +16,7 @@ from posttrain.rl import preference, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
 from posttrain.tasks import registry
+from posttrain.tasks.reward_model import SQUASH
 
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -38,7 +39,8 @@ _RANGES = (
     ("placement.devices", 0, "int"), ("placement.rollout_devices", 0, "int"),
     ("placement.sync_every", 1, "int"), ("placement.max_policy_lag", 0, "int"),
     ("placement.segment_tokens", 0, "int"), ("placement.step_tokens", 0, "int"),
-    ("compile_cache_min_secs", 0.0, "float"),
+    ("compile_cache_min_secs", 0.0, "float"), ("reward_model.mix", 0.0, "float"),
+    ("reward_model.batch_size", 1, "int"), ("reward_model.max_len", 0, "int"),
 )
 
 
@@ -79,6 +81,22 @@ def check_config(config) -> None:
   if new is not None and max_len is not None and int(new) >= int(max_len):
     raise ValueError(f"rollout.max_new_tokens={new} leaves no room for a prompt in "
                      f"rollout.max_len={max_len}")
+  _check_reward_model(config)
+
+
+def _check_reward_model(config) -> None:
+  """The reward_model section: mix in [0, 1], a known squash and, with a path, domain
+  patterns that each match one of the run's domains."""
+  rm = config.get("reward_model")
+  if rm is None:
+    return
+  mix, squash = rm.get("mix"), rm.get("squash")
+  if mix is not None and float(mix) > 1:
+    raise ValueError(f"reward_model.mix={mix!r} must be in [0, 1]")
+  if squash is not None and squash not in SQUASH:
+    raise ValueError(f"reward_model.squash={squash!r}; expected one of {SQUASH}")
+  if rm.get("path") and _lookup(config, "tasks.domains") is not None:
+    reward_model_domains(config, run_domains(config))
 
 
 def enable_compile_cache(config) -> str | None:
@@ -201,6 +219,26 @@ def run_domains(config) -> list[str]:
   t = config.tasks
   return select_domains(t.domains, str(t.get("levels", "") or ""),
                         int(t.get("max_domains", 0) or 0))
+
+
+def reward_model_domains(config, domains: Sequence[str]) -> list[str]:
+  """The domains of `domains` whose rewards the reward model scores: those matching one of
+  reward_model.domains' comma-separated globs.
+
+  Raises:
+    ValueError: naming the key, when it holds no pattern or a pattern matches no domain.
+  """
+  raw = config.reward_model.get("domains", "*")
+  globs = [p.strip() for p in str(raw).split(",") if p.strip()]
+  if not globs:
+    raise ValueError(f"reward_model.domains={raw!r} holds no pattern (\"*\" scores every "
+                     "domain)")
+  for glob in globs:
+    if not any(fnmatch.fnmatchcase(d, glob) for d in domains):
+      raise ValueError(f"reward_model.domains={raw!r}: {glob!r} matches none of the run's "
+                       f"{len(domains)} domains ({', '.join(list(domains)[:3])}"
+                       f"{', ...' if len(domains) > 3 else ''})")
+  return [d for d in domains if any(fnmatch.fnmatchcase(d, g) for g in globs)]
 
 
 def algorithm(config) -> ml_collections.ConfigDict:

@@ -33,15 +33,19 @@ Components (all per device):
                leaves them sharded (see `prefill_bytes`).
   decode_step  what one decode step holds beside it: the logits, and one layer's weights
                gathered when the sampler leaves them sharded (see `decode_step_bytes`).
+  reward_model a learned reward model's parameters on the rollout devices
+               (reward_model.path, counted from its config.json; the forward pass of a
+               scoring call is not counted: it runs after sampling, whose cache is gone).
 
 Colocated placement samples and updates one after the other on the same devices:
-  peak = params + optimizer + reference + sampler
+  peak = params + optimizer + reference + sampler + reward_model
          + max(gradients + max(activations, saved + logits + head) + batch,
                gathered + kv_cache + max(prefill, decode_step)).
 Disaggregated placement puts them on different devices:
   peak = max(params + optimizer + reference + gradients
              + max(activations, saved + logits + head) + batch,                (train)
-             sampler + gathered + kv_cache + max(prefill, decode_step))          (rollout)
+             sampler + reward_model + gathered + kv_cache
+             + max(prefill, decode_step))                                         (rollout)
 saved and logits are the saved activations and one log-prob chunk's logits within
 `activations` (the head's phase: no layer is being differentiated). Parameter and
 optimizer bytes are exact; activations are formulas fitted to what JAX saves for the
@@ -66,6 +70,7 @@ from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as rl_train_step
 from posttrain.models.config import REMAT_POLICIES
 from posttrain.models.transformer import CACHE_AXES
+from posttrain.rollout import reward_model as reward_model_lib
 from posttrain.sampling.sampler import default_length_bucket, refill_rows
 
 GIB = 1 << 30
@@ -741,6 +746,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                       f"cache of {refill_len} and one layer's forward over them")
   step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
                            gathered=not sharded)
+  rm_bytes, rm_note = reward_model_bytes(config, rollout_shape, rules)
   comps = [
       Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
                 "the rules" + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
@@ -773,15 +779,16 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                                                      if sharded else "")),
       Component("decode_step", step, "the logits" + (", one layer's weights gathered "
                                                     "(left sharded)" if sharded else "")),
+      Component("reward_model", rm_bytes, rm_note),
   ]
-  static = params + opt + reference + (sampler if placement == "colocated" else 0)
+  static = params + opt + reference + (sampler + rm_bytes if placement == "colocated" else 0)
   # The head's gathered projection is live while no layer is differentiated.
   b_tok, t_tok, _, _, _, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
   head_phase = (saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
                 + _logit_chunk_bytes(cfg, b_tok, t_tok, vocab) + head)
   train_peak = static + grads + max(acts, head_phase) + batch
-  rollout_peak = ((static if placement == "colocated" else sampler) + gathered + kv
-                  + max(prefill, step))
+  rollout_peak = ((static if placement == "colocated" else sampler + rm_bytes) + gathered
+                  + kv + max(prefill, step))
   capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
   result = Plan(shape, rollout_shape, placement, {c.name: c for c in comps}, train_peak,
                 rollout_peak, capacity)
@@ -792,6 +799,24 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
         config, result, device_memory_gb=device_memory_gb, num_devices=total,
         kv_cache_dtype=cache_dtype)))
   return result
+
+
+def reward_model_bytes(config: ml_collections.ConfigDict, rollout_shape: dict[str, int],
+                       rules=models.DEFAULT_RULES) -> tuple[int, str]:
+  """(bytes per rollout device, how counted) of the parameters of the run's reward model
+  (reward_model.path), from its config.json alone; 0 without one, or when the folder is
+  not readable here (planning a run whose files live elsewhere)."""
+  rm = config.get("reward_model")
+  path = str(rm.get("path", "") or "") if rm is not None else ""
+  if not path:
+    return 0, "none (reward_model.path unset)"
+  try:
+    cfg = reward_model_lib.reward_model_config(path)
+  except ValueError as e:
+    return 0, f"not counted: {e}"
+  return (state_bytes(cfg, rollout_shape, rules)[0],
+          f"{_count(cfg.num_params)} x {np.dtype(cfg.param_dtype).itemsize} bytes on the "
+          f"rollout mesh {rollout_shape}, sharded by the rules")
 
 
 def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
@@ -810,16 +835,26 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
   gather = bool(config.rollout.get("gather_weights", True)) and p["gathered"] > 0
   in_step = rl_train_step.reference_in_step(experiment.algorithm(config))
   reference = 0 if in_step else p["reference"]
+  rm_bytes = p.components["reward_model"].bytes if "reward_model" in p.components else 0
+
+  def plus_rm(resident: tuple[int, str]) -> tuple[int, str]:
+    """`resident` and the reward model, which no program holds but its own scoring."""
+    n, what = resident
+    if not rm_bytes:
+      return resident
+    return n + rm_bytes, f"{what} and the reward model" if what else "the reward model"
+
   if p.placement == "colocated":
     train = (p["sampler"] + reference, "the sampler's copy of the weights"
              + (" and the KL reference" if reference else ""))
     learner = p["params"] + p["optimizer"] + p["reference"]
     if not gather:  # the sampling programs take the sampler's own weights as arguments
-      return train, (learner, "the learner's params, optimizer and reference")
-    return train, (learner + p["sampler"], "the learner's params, optimizer and reference, "
-                   "and the sampler's copy of the weights")
+      return plus_rm(train), plus_rm((learner, "the learner's params, optimizer and "
+                                      "reference"))
+    return plus_rm(train), plus_rm((learner + p["sampler"], "the learner's params, optimizer "
+                                    "and reference, and the sampler's copy of the weights"))
   train = (reference, "the KL reference") if reference else (0, "")
-  return train, ((p["sampler"], "the sampler's own weights") if gather else (0, ""))
+  return train, plus_rm((p["sampler"], "the sampler's own weights") if gather else (0, ""))
 
 
 def override(config: ml_collections.ConfigDict, changes: dict[str, Any]
@@ -917,12 +952,12 @@ def format_plan(p: Plan) -> str:
     lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
   if p.placement == "colocated":
     lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
-                 "sampler + max(gradients + max(activations, head phase) + batch, gathered + kv_cache + "
-                 "max(prefill, decode_step))")
+                 "sampler + reward_model + max(gradients + max(activations, head phase) "
+                 "+ batch, gathered + kv_cache + max(prefill, decode_step))")
   else:
     lines.append(f"{'train peak':<12}{human_bytes(p.train_peak):>12}  params + optimizer + "
                  "reference + gradients + max(activations, head phase) + batch")
-    lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + gathered + "
-                 "kv_cache + max(prefill, decode_step)")
+    lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + "
+                 "reward_model + gathered + kv_cache + max(prefill, decode_step)")
   lines += list(p.advice)
   return "\n".join(lines)

@@ -4,11 +4,13 @@ variants on pair files), then RL on the scheduler's multi-domain stream.
     summary = trainer.train(config, workdir)
 
 Colocated placement: the sampler and the learner share one mesh and the sampler always
-holds the current weights (on-policy). Everything a run needs to continue exactly lives in
-the checkpoint: params, optimizer state, step, RNG, policy version, scheduler state, the
-grain iterator states of the SFT and preference streams and the config. Restarting with
-the same workdir resumes from the latest complete checkpoint; SIGTERM/SIGINT write one and
-stop.
+holds the current weights (on-policy). With reward_model.path set, a frozen learned reward
+model on the rollout devices scores the RL samples as they come out of the rollout, and
+its scores are mixed into their rewards (`posttrain.tasks.reward_model.mix_rewards`).
+Everything a run needs to continue exactly lives in the checkpoint: params, optimizer
+state, step, RNG, policy version, scheduler state, the grain iterator states of the SFT
+and preference streams and the config. Restarting with the same workdir resumes from the
+latest complete checkpoint; SIGTERM/SIGINT write one and stop.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from flax import nnx
 from posttrain import distributed, evaluation, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
                                   from_checkpoint, frozen_references, model_config,
-                                  optimizer_like, run_domains, to_checkpoint)
+                                  optimizer_like, reward_model_domains, run_domains,
+                                  to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData
 from posttrain.data.sft import SFTData
@@ -46,8 +49,10 @@ from posttrain.rl import packing, preference, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
 from posttrain.rollout import FairLock, RolloutWorker, group_to_trajectories
+from posttrain.rollout import reward_model as reward_model_lib
 from posttrain.sampling import Sampler
 from posttrain.tasks import Scheduler, registry, train_seed
+from posttrain.tasks.reward_model import mix_rewards, verifier_value
 from posttrain.tasks.scheduler import dynamic_sample
 
 log = logging.getLogger("posttrain")
@@ -214,6 +219,10 @@ class Trainer:
                        "filesystem: mount the bucket (gcsfuse, see launch/tpu_pod.sh) and "
                        "pass the mount path")
     check_config(config)
+    rm = config.get("reward_model")
+    self.rm_path = str(rm.get("path", "") or "") if rm is not None else ""
+    if self.rm_path:  # a folder that is no reward model fails here, before anything is built
+      reward_model_lib.reward_model_config(self.rm_path)
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
     self.seed = int(config.seed)
@@ -266,6 +275,7 @@ class Trainer:
     if config.get("export_hf"):  # at the start, not after the run
       models.hf.check_exportable(self.cfg)
     self.domains = run_domains(config)
+    self.rm_domains = set(reward_model_domains(config, self.domains)) if self.rm_path else set()
     self.algo = algorithm(config)
     t = config.train
     self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
@@ -365,6 +375,18 @@ class Trainer:
         lock=self._sampler_lock if self.disaggregated else None,
         version_fn=lambda: self.sampler_version,
         continuous=bool(r.get("continuous_batching", True)))
+    self.reward_model = None
+    if self.rm_path:
+      # Frozen, on the rollout devices (the rollout thread scores what it generates);
+      # nothing of it is checkpointed: a resumed run loads the folder again.
+      t_load = time.time()
+      self.reward_model = reward_model_lib.TransformerRewardModel.from_config(
+          config.reward_model, tokenizer=self.tok, mesh=self.rollout_mesh, rules=self.rules,
+          default_max_len=int(r.max_len))
+      log.info("reward model %s (%s params) scores %d of %d domains, mix %g, squash %s; "
+               "loaded in %.1f s", self.rm_path, f"{self.reward_model.cfg.num_params:,}",
+               len(self.rm_domains), len(self.domains), float(config.reward_model.mix),
+               config.reward_model.squash, time.time() - t_load)
 
   def _load_sft_data(self, s) -> tuple[SFTData | None, SFTData | None]:
     """The SFT stage's files (sft.data) and held-out files (sft.eval_data), tokenized;
@@ -575,6 +597,8 @@ class Trainer:
     if int(e.seeds_per_domain) <= 0:
       return {}
     self.sync_weights()
+    # The verifiers' pass rates alone: the worker's rollouts never meet the reward model
+    # (the trainer mixes its scores into the RL rollouts only, in `_rollout`).
     report = evaluation.pass_rates(self.worker, self.eval_domains,
                                    seeds_per_domain=int(e.seeds_per_domain),
                                    samples=int(e.get("samples", 0) or 0),
@@ -874,12 +898,17 @@ class Trainer:
     algo, r = self.algo, self.config.rollout
     n = int(r.prompts_per_step)
     calls = [0]
+    scored: dict[str, Any] = {"scores": [], "truncated": 0.0, "seconds": 0.0}
 
     def make_groups(pairs):
       calls[0] += 1
-      return self.worker.rollout(pairs, seed=step_seed * 131 + calls[0],
-                                 policy_version=self.sampler_version,
-                                 token_budget=self.step_tokens)
+      groups = self.worker.rollout(pairs, seed=step_seed * 131 + calls[0],
+                                   policy_version=self.sampler_version,
+                                   token_budget=self.step_tokens)
+      # Here, so that dynamic sampling's filter, the scheduler and the advantages all see
+      # the mixed rewards.
+      self._score_with_reward_model(groups, scored)
+      return groups
 
     extra: dict[str, float] = {}
     if algo.dynamic_sampling:
@@ -916,7 +945,41 @@ class Trainer:
       extra["rollout/weight_swaps"] = self.worker.last_stats["weight_swaps"]
     if "reused_prefix_fraction" in self.worker.last_stats:  # later turns not prefilled again
       extra["rollout/reused_prefix_fraction"] = self.worker.last_stats["reused_prefix_fraction"]
+    if self.reward_model is not None:
+      scores = np.asarray(scored["scores"], np.float64)
+      finite = scores[np.isfinite(scores)]
+      extra.update({"reward_model/scored": float(scores.size),
+                    "reward_model/score_mean": float(finite.mean()) if finite.size else 0.0,
+                    "reward_model/score_std": float(finite.std()) if finite.size else 0.0,
+                    "reward_model/nonfinite": float(scores.size - finite.size),
+                    "reward_model/truncated": scored["truncated"],
+                    "timing/reward_model_s": scored["seconds"]})
     return groups, extra
+
+  def _score_with_reward_model(self, groups, scored: dict[str, Any]) -> None:
+    """Mixes the reward model's scores into the rewards of every sample of the groups of
+    its domains (reward_model.domains), with one scoring call; adds the raw scores, the
+    truncated count and the seconds to `scored`.
+
+    Every process holds every group's samples and texts once `worker.rollout` returns
+    and calls this at the same point, so the scoring programs, which span the rollout
+    mesh's devices on every host, get the same inputs everywhere.
+    """
+    if self.reward_model is None:
+      return
+    picked = [(g, s) for g in groups if g.domain in self.rm_domains for s in g.samples]
+    if not picked:
+      return
+    t0 = time.time()
+    scores = self.reward_model.score_texts([g.task.prompt for g, _ in picked],
+                                           [s.text for _, s in picked])
+    rm = self.config.reward_model
+    mixed = mix_rewards([s.reward for _, s in picked], scores, float(rm.mix), str(rm.squash))
+    for (_, sample), reward in zip(picked, mixed):
+      sample.reward = reward
+    scored["scores"] += scores
+    scored["truncated"] += self.reward_model.last_stats["truncated"]
+    scored["seconds"] += time.time() - t0
 
   def _rl_step(self, source: "AsyncRollouts | None" = None) -> dict[str, float]:
     algo = self.algo
@@ -1003,7 +1066,9 @@ class Trainer:
     timings["host/cpu_s"] = _process_cpu_s() - cpu0
     gen = sum(s.num_generated for g in groups for s in g.samples)
     flat_rewards = np.concatenate(rewards)
-    passed = np.asarray([s.reward.value >= 1.0 for g in groups for s in g.samples], np.float64)
+    # Passing is the verifier's verdict, whatever a reward model mixed into the value.
+    passed = np.asarray([verifier_value(s.reward) >= 1.0 for g in groups for s in g.samples],
+                        np.float64)
     host = {"reward/mean": float(flat_rewards.mean()), "pass_rate/mean": float(passed.mean()),
             "response_length/mean": gen / max(len(passed), 1),
             "throughput/tokens_per_s": gen / max(timings["timing/rollout_s"], 1e-9),

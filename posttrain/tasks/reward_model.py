@@ -9,6 +9,10 @@ instance the policy transformer with a scalar head, loaded from a checkpoint).
 ``mix=1`` scores with the model alone; ``squash`` maps the raw scalar into [0, 1] (``clip``
 for scorers that already emit probabilities, ``sigmoid`` for logits). A scorer that raises
 or returns a non-finite number degrades to the verifier value, never to an exception.
+
+``mix_rewards`` is the rule on its own, for callers that score a batch themselves (the
+trainer scores every rollout sample of a step with one call); ``verifier_value`` is the
+verifier's part of a mixed reward, what pass rates count.
 """
 
 from __future__ import annotations
@@ -106,19 +110,53 @@ class ModelScoredDomain(Domain):
                 _with(r, r.value, None, f"{r.verdict}; reward model failed ({error})")
                 for r in verified
             ]
-        out = []
-        for r, m in zip(verified, model):
-            if not math.isfinite(m):
-                out.append(_with(r, r.value, None, f"{r.verdict}; reward model gave {m}"))
-                continue
-            s = _squash(m, self.squash)
-            out.append(_with(r, (1.0 - self.mix) * r.value + self.mix * s, s, r.verdict))
-        return out
+        return mix_rewards(verified, model, self.mix, self.squash)
+
+
+def mix_rewards(
+    verified: Sequence[Reward], scores: Sequence[float], mix: float, squash: str
+) -> list[Reward]:
+    """Mixes each verifier reward with a reward model's raw score.
+
+        value = (1 - mix) * verifier + mix * squash(score)
+
+    Each result keeps the verifier's components and adds ``verifier`` (the verifier's
+    value; an earlier mix's ``verifier`` is kept) and ``model`` (the squashed score). A
+    non-finite score gives the verifier's value, without ``model``, and says so in the
+    verdict.
+
+    Raises:
+        ValueError: ``mix`` outside [0, 1], an unknown ``squash``, or as many scores as
+            rewards not given.
+    """
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"mix must be in [0, 1], got {mix!r}")
+    if squash not in SQUASH:
+        raise ValueError(f"squash must be one of {SQUASH}, got {squash!r}")
+    if len(verified) != len(scores):
+        raise ValueError(f"got {len(scores)} scores for {len(verified)} rewards")
+    out = []
+    for r, m in zip(verified, scores):
+        m = float(m)
+        if not math.isfinite(m):
+            out.append(_with(r, r.value, None, f"{r.verdict}; reward model gave {m}"))
+            continue
+        s = _squash(m, squash)
+        out.append(_with(r, (1.0 - mix) * r.value + mix * s, s, r.verdict))
+    return out
+
+
+def verifier_value(reward: Reward) -> float:
+    """The verifier's value of a reward, mixed with a model's score or not: what a pass
+    (value 1) is judged on."""
+    return float(reward.components.get("verifier", reward.value))
 
 
 def _with(r: Reward, value: float, model: float | None, verdict: str) -> Reward:
     components = dict(r.components)
-    components["verifier"] = r.value
+    # A reward mixed twice (a wrapped domain, then the trainer's model) keeps the first
+    # verifier value: the program's verdict, not an earlier mix.
+    components["verifier"] = verifier_value(r)
     if model is not None:
         components["model"] = model
     return Reward(value, components, verdict)
