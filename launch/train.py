@@ -43,7 +43,7 @@ def main(argv):
     log.info("config:\n%s", config)
     mesh = experiment.build_mesh(config)
     log.info("mesh: %s", dict(mesh.shape))
-    if reward_trainer.objective(config) == "reward_model":
+    if experiment.objective(config) == "reward_model":
       summary = reward_trainer.train(config, _WORKDIR.value)
     else:
       summary = trainer.train(config, _WORKDIR.value)

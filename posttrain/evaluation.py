@@ -652,6 +652,10 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
   Returns:
     (report, timing): the contents of report.json and timing.json.
   """
+  if experiment.objective(config) != "policy":
+    raise ValueError(f"objective={experiment.objective(config)}: a reward model samples "
+                     "nothing to evaluate; its held-out pair accuracy is eval_rm/* in "
+                     "WORKDIR/metrics.jsonl")
   t_start = time.perf_counter()
   names = (experiment.select_domains(domains) if domains else experiment.run_domains(config))
   if domains is None and int(config.tasks.get("max_domains", 0) or 0):

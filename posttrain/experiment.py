@@ -44,6 +44,18 @@ _RANGES = (
 )
 
 
+OBJECTIVES = ("policy", "reward_model")
+
+
+def objective(config) -> str:
+  """What a run trains: `policy` (the SFT, preference and RL stages, `posttrain.trainer`)
+  or `reward_model` (`posttrain.reward_trainer`)."""
+  value = str(config.get("objective", "policy") or "policy")
+  if value not in OBJECTIVES:
+    raise ValueError(f"objective={value!r}; expected one of {OBJECTIVES}")
+  return value
+
+
 def _lookup(config, key: str) -> Any:
   node = config
   for part in key.split("."):

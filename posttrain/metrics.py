@@ -66,15 +66,16 @@ class MetricsWriter:
 class Progress:
   """One line per step: step, reward, pass rate, tokens/s, ETA."""
 
-  def __init__(self, total: int, stage: str, stream=None):
+  def __init__(self, total: int, stage: str, stream=None, start_step: int = 0):
+    """`start_step`: the step the stage starts (or resumes) from; the ETA is the time per
+    step since then, whichever steps print a line."""
     self.total, self.stage, self.start = total, stage, time.time()
     self.stream = stream or sys.stdout
-    self.done = 0
+    self.start_step = start_step
 
   def line(self, step: int, fields: Mapping[str, float]) -> str:
-    self.done += 1
     elapsed = time.time() - self.start
-    eta = elapsed / self.done * max(self.total - step, 0)
+    eta = elapsed / max(step - self.start_step, 1) * max(self.total - step, 0)
     parts = [f"[{self.stage}] step {step}/{self.total}"]
     parts += [f"{k} {v:.3g}" for k, v in fields.items()]
     parts.append(f"eta {eta:4.0f}s")

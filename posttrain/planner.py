@@ -677,6 +677,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   if kv_cache_dtype not in (None, *_KV_DTYPES):
     raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {_KV_DTYPES}")
   experiment.check_config(config)
+  if experiment.objective(config) != "policy":
+    raise ValueError(f"objective={experiment.objective(config)}: the planner plans policy "
+                     "runs (SFT, preference and RL stages) only")
   shape, rollout_shape = mesh_shapes(config, num_devices)
   placement = "colocated" if shape is rollout_shape else "disaggregated"
   mesh, rollout_mesh = abstract_mesh(shape), abstract_mesh(rollout_shape)

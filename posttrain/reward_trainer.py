@@ -34,7 +34,7 @@ from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.experiment import (abstract_checkpoint, build_mesh, check_config,
-                                  from_checkpoint, model_config, to_checkpoint)
+                                  from_checkpoint, model_config, objective, to_checkpoint)
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import losses as loss_lib
 from posttrain.rl import preference, reward_model
@@ -43,19 +43,10 @@ from posttrain.rl import train_step as ts
 
 log = logging.getLogger(__name__)
 
-OBJECTIVES = ("policy", "reward_model")
 # Keys of a policy run that an objective=reward_model run has no use for: set, they are
 # an error rather than silently ignored.
 _POLICY_STAGES = (("sft.steps", "sft"), ("preference.steps", "preference"),
                   ("train.rl_steps", "RL"))
-
-
-def objective(config) -> str:
-  """The run's objective: `policy` (SFT, preference and RL stages) or `reward_model`."""
-  value = str(config.get("objective", "policy") or "policy")
-  if value not in OBJECTIVES:
-    raise ValueError(f"objective={value!r}; expected one of {OBJECTIVES}")
-  return value
 
 
 def reward_architecture(architecture: str) -> str:
@@ -118,7 +109,9 @@ class RewardModelTrainer:
       raise ValueError(f"workdir {workdir!r} is a URL; the trainer writes through the local "
                        "filesystem: mount the bucket and pass the mount path")
     check_config(config)
-    objective(config)
+    if objective(config) != "reward_model":
+      raise ValueError(f"objective={objective(config)}: the reward-model trainer needs "
+                       "objective=reward_model")
     _check(config)
     self.config, self.workdir = config, workdir
     r = config.rm
@@ -227,7 +220,7 @@ class RewardModelTrainer:
       it = iter(self.data.dataset(self.seed).to_iter_dataset())
       if self.progress.iterator:
         it.set_state(self.progress.iterator)
-      progress = Progress(total, "reward model")
+      progress = Progress(total, "reward model", start_step=self.progress.step)
       while self.progress.step < total:
         if flag.reached(self.progress.step):
           self.save(force=True)

@@ -36,7 +36,7 @@ from flax import nnx
 from posttrain import distributed, evaluation, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
                                   from_checkpoint, frozen_references, model_config,
-                                  optimizer_like, reward_model_domains, run_domains,
+                                  objective, optimizer_like, reward_model_domains, run_domains,
                                   to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData
@@ -219,6 +219,9 @@ class Trainer:
                        "filesystem: mount the bucket (gcsfuse, see launch/tpu_pod.sh) and "
                        "pass the mount path")
     check_config(config)
+    if objective(config) != "policy":
+      raise ValueError(f"objective={objective(config)} trains no policy: run it with "
+                       "posttrain.reward_trainer.train (launch.train picks it)")
     rm = config.get("reward_model")
     self.rm_path = str(rm.get("path", "") or "") if rm is not None else ""
     if self.rm_path:  # a folder that is no reward model fails here, before anything is built
@@ -634,7 +637,7 @@ class Trainer:
     it = iter(ds.to_iter_dataset())
     if self.progress.sft_iterator:
       it.set_state(sft_iterator_state(self.progress.sft_iterator, shard[1]))
-    progress = Progress(total, "sft")
+    progress = Progress(total, "sft", start_step=self.progress.sft_step)
     while self.progress.sft_step < total:
       if flag.reached(self._ckpt_step()):
         self.save(force=True)
@@ -687,7 +690,7 @@ class Trainer:
     it = iter(self.pref_data.dataset(self.seed).to_iter_dataset())
     if self.progress.pref_iterator:
       it.set_state(self.progress.pref_iterator)
-    progress = Progress(total, self.pref_cfg.loss)
+    progress = Progress(total, self.pref_cfg.loss, start_step=self.progress.pref_step)
     every = int(p.eval_every)
     while self.progress.pref_step < total:
       if flag.reached(self._ckpt_step()):
@@ -848,7 +851,7 @@ class Trainer:
       if self.progress.rl_step == 0:
         self._save_stage_start()
     self.sync_weights()
-    progress = Progress(total, self.config.algorithm)
+    progress = Progress(total, self.config.algorithm, start_step=self.progress.rl_step)
     source = AsyncRollouts(self, total) if self.disaggregated else None
     try:
       while self.progress.rl_step < total:

@@ -186,3 +186,17 @@ def test_pairs_command_writes_rows_and_rejects_bad_input(tmp_path, capsys):
   assert len(rows) == 5 and all(set(r) == {"prompt", "chosen", "rejected", "domain", "seed"}
                                 for r in rows)
   assert pairs_main(["--domains=nothing/here", "--count=5", f"--out={out}"]) == 2
+
+
+def test_policy_tools_refuse_a_reward_model_config(tmp_path, pair_files):
+  from posttrain import evaluation, planner, trainer
+  config = _config(pair_files)
+  with pytest.raises(ValueError, match="trains no policy"):
+    trainer.Trainer(config, str(tmp_path / "run"))
+  with pytest.raises(ValueError, match="plans policy runs"):
+    planner.plan(config)
+  with pytest.raises(ValueError, match="eval_rm"):
+    evaluation.evaluate_checkpoint(config, str(tmp_path / "run"))
+  config.objective = "policy"
+  with pytest.raises(ValueError, match="needs objective=reward_model"):
+    reward_trainer.RewardModelTrainer(config, str(tmp_path / "run"))
