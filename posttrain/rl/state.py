@@ -122,12 +122,17 @@ def has_lora(params) -> bool:
   return any(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(params, is_leaf=_is_variable))
 
 
+# Trained beside the adapters of a LoRA model: a value or score head is new, not part of
+# the base (PEFT's modules_to_save for a sequence classifier's score layer).
+_HEADS = nnx.Any(nnx.LoRAParam, nnx.PathContains("value_w"), nnx.PathContains("value_b"))
+
+
 def split_trainable(params):
-  """(trainable, frozen): with LoRA adapters, the adapters and the base weights; without,
-  every parameter and None."""
+  """(trainable, frozen): with LoRA adapters, the adapters (and a value or score head) and
+  the base weights; without, every parameter and None."""
   if not has_lora(params):
     return params, None
-  return nnx.split_state(params, nnx.LoRAParam, ...)
+  return nnx.split_state(params, _HEADS, ...)
 
 
 def join_trainable(trainable, frozen):

@@ -213,3 +213,29 @@ def test_step_misuse_raises():
     step(state, bad)
   with pytest.raises(ValueError, match="names pair"):
     reward_model.pair_margins(pairs[:1], batch)
+
+
+def test_lora_reward_model_trains_its_adapters_and_score_head_not_the_base():
+  """With LoRA the score head trains beside the adapters (it is new, like PEFT's
+  modules_to_save); the base weights stay bit-identical."""
+  lora_cfg = RM_CFG.replace(lora_rank=4)
+  mesh = one_device_mesh()
+  optimizer = state_lib.make_optimizer(1e-2, warmup=0, total_steps=5)
+  pairs = random_pairs(4, num_pairs=5)
+  batch = with_margins(pairs, preference.pack_pairs(pairs, ROW_LEN, rows_per_microbatch=2))
+  state = fresh_state(optimizer, mesh, cfg=lora_cfg)
+  trainable, frozen = state_lib.split_trainable(state.params)
+  names = {"/".join(map(str, path)) for path, _ in jax.tree_util.tree_leaves_with_path(
+      trainable)}
+  assert any("value_w" in n for n in names) and not any("embed" in n for n in names)
+  before = jax.tree.map(np.array, (trainable, frozen))
+  step = ts.make_reward_model_step(lora_cfg, RewardLossConfig(), optimizer, mesh=mesh)
+  for _ in range(3):
+    state, metrics = step(state, batch)
+  assert float(metrics["nonfinite"]) == 0
+  trainable, frozen = state_lib.split_trainable(state.params)
+  for x, y in zip(jax.tree.leaves(frozen), jax.tree.leaves(before[1]), strict=True):
+    np.testing.assert_array_equal(x, y)
+  assert not np.allclose(np.asarray(state.params["value_w"][...]),
+                         before[0]["value_w"][...])
+  assert float(state.params["value_b"][...]) == 0.0
