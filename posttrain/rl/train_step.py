@@ -597,7 +597,7 @@ def make_preference_step(model_cfg: models.ModelConfig,
 
   def step(state: TrainState, batch: Batch, reference=None):
     _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)
-    _check_preference_batch(batch, required, row_multiple)
+    _check_pair_batch(batch, required, preference.TOKEN_KEYS, row_multiple)
     return run(state, {key: batch[key] for key in required}, reference)
 
   step.jitted = jitted
@@ -667,7 +667,7 @@ def make_reward_model_step(model_cfg: models.ModelConfig,
       batch_shardings=batch_shardings, reference_shardings=None, donate=donate)
 
   def step(state: TrainState, batch: Batch):
-    _check_reward_batch(batch, row_multiple)
+    _check_pair_batch(batch, required, reward_model.TOKEN_KEYS, row_multiple)
     return run(state, {key: batch[key] for key in required})
 
   step.jitted = jitted
@@ -675,10 +675,13 @@ def make_reward_model_step(model_cfg: models.ModelConfig,
   return step
 
 
-def _check_reward_batch(batch: Batch, row_multiple: int):
-  _check_batch(batch, reward_model.TOKEN_KEYS + reward_model.PAIR_KEYS, row_multiple)
+def _check_pair_batch(batch: Batch, required: tuple[str, ...], token_keys: tuple[str, ...],
+                      row_multiple: int):
+  """Shapes of a packed pair batch: the per-token keys like tokens `[M, B, T]`, the
+  per-pair ones (pair_mask, and pair_margin when required) `[M, P]`."""
+  _check_batch(batch, required, row_multiple)
   shape = np.shape(batch["tokens"])
-  for key in reward_model.TOKEN_KEYS:
+  for key in token_keys:
     if np.shape(batch[key]) != shape:
       raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected {shape} "
                        "like batch['tokens']")
@@ -686,23 +689,10 @@ def _check_reward_batch(batch: Batch, row_multiple: int):
   if len(pair_shape) != 2 or pair_shape[0] != shape[0]:
     raise ValueError(f"batch['pair_mask'] must be [microbatches, pairs] with {shape[0]} "
                      f"micro-batches like batch['tokens'], got shape {pair_shape}")
-  if np.shape(batch["pair_margin"]) != pair_shape:
+  if "pair_margin" in required and np.shape(batch["pair_margin"]) != pair_shape:
     raise ValueError(f"batch['pair_margin'] has shape {np.shape(batch['pair_margin'])}, "
                      f"expected {pair_shape} like batch['pair_mask'] "
                      "(reward_model.pair_margins)")
-
-
-def _check_preference_batch(batch: Batch, required: tuple[str, ...], row_multiple: int):
-  _check_batch(batch, required, row_multiple)
-  shape = np.shape(batch["tokens"])
-  for key in preference.TOKEN_KEYS:
-    if np.shape(batch[key]) != shape:
-      raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected {shape} "
-                       "like batch['tokens']")
-  pair_shape = np.shape(batch["pair_mask"])
-  if len(pair_shape) != 2 or pair_shape[0] != shape[0]:
-    raise ValueError(f"batch['pair_mask'] must be [microbatches, pairs] with {shape[0]} "
-                     f"micro-batches like batch['tokens'], got shape {pair_shape}")
 
 
 # ---------------------------------------------------------------------------------------
