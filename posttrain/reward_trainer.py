@@ -221,11 +221,12 @@ class RewardModelTrainer:
       if self.progress.iterator:
         it.set_state(self.progress.iterator)
       progress = Progress(total, "reward model", start_step=self.progress.step)
+      # Steps run asynchronously: the time per step is the interval's between two logs.
+      t_log, step_log = time.time(), self.progress.step
       while self.progress.step < total:
         if flag.reached(self.progress.step):
           self.save(force=True)
           return self._finish("preempted")
-        t0 = time.time()
         pairs = [next(it) for _ in range(int(r.batch_size))]
         batch = self._batch(pairs)
         self.state, metrics = self._step_fn(self.state, batch)
@@ -234,12 +235,13 @@ class RewardModelTrainer:
         step = self.progress.step
         if step % int(self.config.train.log_every) == 0 or step == total:
           metrics = jax.device_get(metrics)
+          step_s = (time.time() - t_log) / max(step - step_log, 1)
           row = self.writer.write(step, {
               **{f"rm/{k}": v for k, v in metrics.items()
                  if k.startswith(("loss/", "rewards/"))},
               "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
               "learning_rate": metrics["learning_rate"], "nonfinite": metrics["nonfinite"],
-              "rm/truncated": int(batch["truncated"]), "timing/step_s": time.time() - t0})
+              "rm/truncated": int(batch["truncated"]), "timing/step_s": step_s})
           progress.line(step, {"loss": row["rm/loss/reward_model"],
                                "acc": row["rm/rewards/accuracy"],
                                "margin": row["rm/rewards/margin"]})
@@ -250,6 +252,8 @@ class RewardModelTrainer:
           self.progress.heldout = self.heldout()
         if self.ckpt.should_save(step):
           self.save()
+        if step % int(self.config.train.log_every) == 0:
+          t_log, step_log = time.time(), step
       if self.eval_data is not None:
         self.progress.heldout = self.heldout()
       self.save(force=True)
@@ -259,11 +263,11 @@ class RewardModelTrainer:
 
   def heldout(self) -> dict[str, float]:
     """Loss, accuracy and rewards of rm.eval_data's pairs under the current model, one
-    forward pass per micro-batch; written as eval_rm/<name>."""
+    forward pass per micro-batch, and the accuracy of each `"domain"` the rows name;
+    written as eval_rm/<name> and eval_rm/accuracy/<domain>."""
     cfg, ctx = self.loss_cfg, models.ShardingContext(self.mesh, self.rules)
     if self._eval_fn is None:
       graphdef, rest = self._graphdef, self._rest
-      token_keys = reward_model.TOKEN_KEYS
 
       def eval_fn(params, batch):
         from flax import nnx
@@ -273,25 +277,35 @@ class RewardModelTrainer:
           h = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"], ctx=ctx)
           values = jnp.einsum("BTD,D->BT", h.astype(jnp.float32), model.value_w[...])
           ones = {"pairs": jnp.float32(1)}
-          return reward_model.microbatch_reward_loss(cfg, values, mb, denominators=ones)[1]
+          metrics = reward_model.microbatch_reward_loss(cfg, values, mb, denominators=ones)[1]
+          return metrics, reward_model.pair_scores(values, mb)
 
-        return loss_lib.merge_stacked_metrics(jax.lax.map(one, batch))
+        metrics, scores = jax.lax.map(one, batch)
+        return loss_lib.merge_stacked_metrics(metrics), scores
 
       sharding = ts.batch_sharding(self.mesh, self.rules)
       replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      shardings = {**{k: sharding for k in token_keys},
+      shardings = {**{k: sharding for k in reward_model.TOKEN_KEYS},
                    **{k: replicated for k in reward_model.PAIR_KEYS}}
       self._eval_fn = (jax.jit(eval_fn, out_shardings=replicated), shardings)
     fn, shardings = self._eval_fn
     data, merged = self.eval_data.examples, None
+    right: dict[str, list[bool]] = {}
     per_call = self.rows_per_mb * 2
     for start in range(0, len(data), per_call):
-      batch = self._batch(data[start:start + per_call])
+      pairs = data[start:start + per_call]
+      batch = self._batch(pairs)
       inputs = distributed.put({k: batch[k] for k in shardings}, shardings)
-      metrics = fn(self.state.params, inputs)
+      metrics, (chosen, rejected) = fn(self.state.params, inputs)
       merged = metrics if merged is None else loss_lib.merge_metrics(merged, metrics)
+      chosen, rejected = np.asarray(chosen), np.asarray(rejected)
+      for m, k in zip(*np.nonzero(batch["pair_mask"])):
+        domain = pairs[int(batch["pair_index"][m, k])].get("domain")
+        if domain is not None:
+          right.setdefault(domain, []).append(bool(chosen[m, k] > rejected[m, k]))
     report = {k: float(v) for k, v in loss_lib.compute_metrics(merged).items()}
     report["pairs"] = len(data)
+    report.update({f"accuracy/{d}": float(np.mean(v)) for d, v in sorted(right.items())})
     self.writer.write(self.progress.step, {f"eval_rm/{k}": v for k, v in report.items()})
     log.info("held-out reward model: accuracy %.3f, margin %.4f, loss %.4f over %d pairs",
              report["rewards/accuracy"], report["rewards/margin"],

@@ -42,7 +42,8 @@ def _surface_pairs(seed, count):
   for _ in range(count):
     word = "".join(rng.choice(list("abcdefghij"), rng.integers(3, 7)))
     rows.append({"prompt": f"Repeat: {word}", "chosen": word,
-                 "rejected": word[::-1].upper() + "!", "margin": 0.5})
+                 "rejected": word[::-1].upper() + "!", "margin": 0.5,
+                 "domain": "short" if len(word) < 5 else "long"})
   return rows
 
 
@@ -200,3 +201,25 @@ def test_policy_tools_refuse_a_reward_model_config(tmp_path, pair_files):
   config.objective = "policy"
   with pytest.raises(ValueError, match="needs objective=reward_model"):
     reward_trainer.RewardModelTrainer(config, str(tmp_path / "run"))
+
+
+def test_heldout_accuracy_per_domain_is_each_pairs_own_scores(tmp_path, pair_files):
+  """An untrained model: each held-out pair scored alone (its two sequences, the score
+  head at their last token) decides its domain's accuracy."""
+  t = reward_trainer.RewardModelTrainer(_config(pair_files, **{"rm.steps": 1}),
+                                        str(tmp_path / "run"))
+  report = t.heldout()
+  model = t._model()
+  right = {}
+  for pair in t.eval_data.examples:
+    scores = []
+    for side in ("chosen", "rejected"):
+      seq = np.concatenate([pair["prompt_tokens"], pair[f"{side}_tokens"]])[None]
+      scores.append(float(model.scores(seq.astype(np.int32))[0]))
+    right.setdefault(pair["domain"], []).append(scores[0] > scores[1])
+  assert set(right) == {"short", "long"}
+  for domain, outcomes in right.items():
+    np.testing.assert_allclose(report[f"accuracy/{domain}"], np.mean(outcomes))
+  overall = np.mean([o for v in right.values() for o in v])
+  assert 0.0 < overall < 1.0  # the check means something
+  np.testing.assert_allclose(report["rewards/accuracy"], overall, rtol=1e-6)

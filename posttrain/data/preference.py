@@ -19,7 +19,8 @@ assistant turns (with tool turns between them); the loss falls on their assistan
 
 A row may carry a `"margin"` (a number, TRL's column): the reward model's Bradley-Terry
 loss then asks its chosen answer to score at least that much above the rejected one
-(`posttrain.rl.reward_model`); the DPO losses ignore it.
+(`posttrain.rl.reward_model`); the DPO losses ignore it. An optional `"domain"` (a
+string) names the row's group: a reward model's held-out accuracy is reported per group.
 
 Rows are validated and tokenized when the files load: a bad row fails naming file and
 line. A pair longer than `row_len` keeps its head (the packer cuts each answer's tail);
@@ -120,6 +121,11 @@ class PreferenceData(JsonlExamples):
       pair = encode_pair(*parse_pair(row, where), tok)
       if "margin" in row:
         pair["margin"] = _margin(row["margin"], where)
+      if "domain" in row:
+        if not isinstance(row["domain"], str) or not row["domain"]:
+          raise ValueError(f"{where}: 'domain' must be a non-empty string, got "
+                           f"{row['domain']!r}")
+        pair["domain"] = row["domain"]
     except ValueError as e:
       message = str(e)
       raise ValueError(message if message.startswith(where) else f"{where}: {message}"

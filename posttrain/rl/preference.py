@@ -15,6 +15,7 @@ A pair is a mapping
                       response); default all 1. Likewise rejected_mask.
     margin            float, optional: the reward model's required margin
                       (`posttrain.rl.reward_model`); the losses here ignore it
+    domain            str, optional: the pair's group, for stratified metrics
 
 and its two sequences, prompt + chosen and prompt + rejected, are packed into rows with
 `posttrain.rl.packing`. `pack_pairs` returns the usual per-token arrays `[M, B, T]`
@@ -71,7 +72,7 @@ REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
 _LOGISTIC_LOSSES = ("sigmoid", "simpo")
 
 PAIR_KEYS = ("prompt_tokens", "chosen_tokens", "rejected_tokens")
-OPTIONAL_PAIR_KEYS = ("chosen_mask", "rejected_mask", "margin")
+OPTIONAL_PAIR_KEYS = ("chosen_mask", "rejected_mask", "margin", "domain")
 
 # The per-token arrays of a packed preference batch; pair_mask is per pair slot.
 TOKEN_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "pair_ids",

@@ -81,6 +81,8 @@ def test_multi_turn_pairs_split_at_the_last_shared_user_turn_and_train_only_answ
      "'margin' must be a finite number"),
     ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": True},
      "'margin' must be a finite number"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b", "domain": 3},
+     "'domain' must be a non-empty string"),
 ])
 def test_hostile_pairs_fail_naming_file_and_line(tmp_path, row, message):
   path = _write(tmp_path / "p.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, row])
@@ -103,8 +105,9 @@ def test_long_pairs_are_cut_or_dropped_and_the_stream_covers_each_epoch(tmp_path
     assert seen == sorted(tuple(p["chosen_tokens"].tolist()) for p in data.examples)
 
 
-def test_a_rows_margin_travels_with_its_pair(tmp_path):
-  rows = [{"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1.5},
+def test_a_rows_margin_and_domain_travel_with_its_pair(tmp_path):
+  rows = [{"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1.5, "domain": "x/y"},
           {"prompt": "q", "chosen": "c", "rejected": "d"}]
   data = PreferenceData.from_files(_write(tmp_path / "p.jsonl", rows), TOK, row_len=64)
   assert data.examples[0]["margin"] == 1.5 and "margin" not in data.examples[1]
+  assert data.examples[0]["domain"] == "x/y" and "domain" not in data.examples[1]
