@@ -325,6 +325,8 @@ class RewardModelTrainer:
       export = str(self.config.get("export_hf", "") or "")
       if export:
         models.save_pretrained(self._model(), export, pad_token_id=self.tok.pad_id)
+        if jax.process_index() == 0:  # with its tokenizer's files, when it has any
+          self.tok.save(export)
         log.info("exported the reward model to %s", export)
     self.writer.close()
     return summary

@@ -591,6 +591,8 @@ class Trainer:
       export = str(self.config.get("export_hf", "") or "")
       if export:
         models.save_pretrained(self._model(), export)
+        if jax.process_index() == 0:  # with its tokenizer's files, when it has any
+          self.tok.save(export)
         log.info("exported the policy to %s", export)
     self.writer.close()
     return summary

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Sequence
 
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str}
@@ -73,6 +74,12 @@ class Tokenizer:
     """Tokens that end an assistant turn."""
     return tuple(sorted(set(self.chat.end_of_turn[-1:] + [self.eos_id])))
 
+  def save(self, directory: str) -> list[str]:
+    """Writes the files `load_tokenizer(directory)` reads back, into a model folder being
+    exported; returns their paths. A built-in tokenizer has none: load it by name."""
+    del directory
+    return []
+
 
 class ByteTokenizer(Tokenizer):
   """UTF-8 bytes plus 16 special tokens; vocab_size 272."""
@@ -96,6 +103,11 @@ class ByteTokenizer(Tokenizer):
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+# Besides tokenizer.json, the files of a Hugging Face tokenizer folder that an exported
+# model folder gets a copy of (chat template, special tokens).
+_HF_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 class HFTokenizer(Tokenizer):
   """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3 or ChatML format."""
 
@@ -108,6 +120,9 @@ class HFTokenizer(Tokenizer):
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
     cfg = json.load(open(cfg_file)) if os.path.exists(cfg_file) else {}
+    # What an exported model folder gets a copy of (`save`).
+    self._files = [file] + [os.path.join(os.path.dirname(file), name) for name in _HF_FILES
+                            if os.path.exists(os.path.join(os.path.dirname(file), name))]
     vocab = self._tok.get_vocab(with_added_tokens=True)
 
     def tid(s):
@@ -137,6 +152,16 @@ class HFTokenizer(Tokenizer):
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def save(self, directory: str) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for index, src in enumerate(self._files):
+      dst = os.path.join(directory, "tokenizer.json" if index == 0 else os.path.basename(src))
+      if os.path.abspath(src) != os.path.abspath(dst):
+        shutil.copyfile(src, dst)
+      written.append(dst)
+    return written
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

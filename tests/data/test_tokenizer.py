@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -70,3 +71,21 @@ def test_hf_tokenizer_chat_formats(tmp_path, layout):
     assert text.startswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
   else:
     assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n2+2?")
+
+
+def test_hf_tokenizer_saves_what_loads_it_back(tmp_path):
+  """An exported model folder gets the tokenizer's files: loaded from there it encodes
+  and formats chats as the original does. The byte tokenizer is built in: nothing."""
+  src = tmp_path / "src"
+  src.mkdir()
+  _write_hf_tokenizer(src, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  tok = load_tokenizer(str(src))
+  written = tok.save(str(tmp_path / "export"))
+  assert sorted(os.path.basename(f) for f in written) == ["tokenizer.json",
+                                                          "tokenizer_config.json"]
+  again = load_tokenizer(str(tmp_path / "export"))
+  assert again.encode_chat(CONVO) == tok.encode_chat(CONVO)
+  assert (again.pad_id, again.eos_id, again.vocab_size) == (tok.pad_id, tok.eos_id,
+                                                            tok.vocab_size)
+  assert load_tokenizer("byte").save(str(tmp_path / "none")) == []
+  assert not (tmp_path / "none").exists()
