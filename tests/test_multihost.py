@@ -241,7 +241,9 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   assert [r["rollout/scored_fraction"] for r in rows if "reward/mean" in r] == [0.5, 0.5]
 
   assert os.listdir(tmp_path / "cache")
-  second = _run_two(_train_args(tmp_path, **cache, **{"train.rl_steps": 3}), timeout=900)
+  export = {"export_hf": tmp_path / "hf"}
+  second = _run_two(_train_args(tmp_path, **cache, **export, **{"train.rl_steps": 3}),
+                    timeout=900)
   for code, out in second:
     assert code == 0, out[-3000:]
     assert "resumed from checkpoint 4 (stage rl, sft step 2, preference step 0, rl step 2)" in out
@@ -250,6 +252,24 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   rl_rows = [r for r in rows if "reward/mean" in r]
   assert [r["step"] for r in rl_rows] == [3, 4, 5]
   assert all(np.isfinite(r["grad_norm"]) for r in rl_rows)
+  # The export gathers the parameters both processes hold: the final checkpoint's.
+  from flax import nnx
+
+  from posttrain import experiment, models
+  from posttrain.checkpoint import CheckpointManager
+  mesh = models.make_mesh((1, 1, 1, 1), devices=jax.devices()[:1])
+  abstract = experiment.abstract_checkpoint(trainer.model_config(single),
+                                            experiment.optimizer_like(single), mesh, ())
+  state, _, step = CheckpointManager(str(tmp_path / "checkpoints"),
+                                     read_only=True).restore(abstract)
+  assert step == 5
+  exported = nnx.to_pure_dict(nnx.state(models.from_pretrained(str(tmp_path / "hf")),
+                                        nnx.Param))
+  saved = nnx.to_pure_dict(state["params"])
+  flat = lambda d: dict(jax.tree_util.tree_flatten_with_path(d)[0])  # noqa: E731
+  assert flat(exported).keys() == flat(saved).keys()
+  for key, value in flat(saved).items():
+    np.testing.assert_array_equal(np.asarray(flat(exported)[key]), np.asarray(value))
 
 
 # About three minutes on two cores (two processes, each compiling both meshes' programs):

@@ -694,7 +694,7 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
   from safetensors.numpy import save_file
   hf_cfg = model_config_to_hf(model.cfg, pad_token_id)
   if model.cfg.architecture in SEQUENCE_CLASSIFIERS:
-    bias = float(jax.device_get(model.value_b[...]))
+    bias = float(_to_host(model.value_b[...]))
     if bias != 0.0:
       raise ValueError(f"value_b={bias:g} cannot be written as {model.cfg.architecture}, whose "
                        "score layer has no bias; set value_b to 0 first (a Bradley-Terry "
@@ -702,20 +702,28 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
   model = merge_lora(model)  # HF checkpoints hold no adapters: W + scale * A B.
   cfg = model.cfg
   state = nnx.state(model)
-  os.makedirs(path, exist_ok=True)
+  # With several processes every one gathers each tensor (a collective, in the same
+  # order everywhere); process 0 alone keeps them and writes the files.
+  writer = jax.process_index() == 0
+  if writer:
+    os.makedirs(path, exist_ok=True)
   if dtype:
     hf_cfg["torch_dtype"] = dtype
   out_dtype = jnp.dtype(dtype or cfg.param_dtype)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for ours, name, _, to_hf, _ in _mapping(cfg):
-    arr = np.asarray(jax.device_get(_read_param(state, ours, cfg))).astype(out_dtype)
-    arr = np.ascontiguousarray(to_hf(arr))
+    arr = _to_host(_read_param(state, ours, cfg))
+    if not writer:
+      continue
+    arr = np.ascontiguousarray(to_hf(arr.astype(out_dtype)))
     if size and size + arr.nbytes > max_shard_bytes:
       shards.append({})
       size = 0
     shards[-1][name] = arr
     size += arr.nbytes
+  if not writer:
+    return
   if len(shards) == 1:
     save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
   else:
@@ -729,6 +737,14 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
   with open(os.path.join(path, "config.json"), "w") as fh:
     json.dump(hf_cfg, fh, indent=2)
+
+
+def _to_host(x) -> np.ndarray:
+  """A (possibly multi-process) array's whole value as numpy, on every process."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
 
 
 def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path: str = "") -> None:
