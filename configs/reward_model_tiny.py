@@ -1,8 +1,8 @@
 """A tiny reward model trained on verifier-checked pairs, then used to score RL rollouts.
 
-    python -m posttrain.tasks.pairs --domains='arithmetic/add_d1,arithmetic/sub_d1,lists/max_*,logic/parity_*' \
+    python -m launch.pairs --domains='arithmetic/add_d1,arithmetic/sub_d1,lists/max_*,logic/parity_*' \
         --levels=1,2 --count=4096 --out=/tmp/rm_pairs.jsonl
-    python -m posttrain.tasks.pairs --domains='arithmetic/add_d1,arithmetic/sub_d1,lists/max_*,logic/parity_*' \
+    python -m launch.pairs --domains='arithmetic/add_d1,arithmetic/sub_d1,lists/max_*,logic/parity_*' \
         --levels=1,2 --count=512 --heldout --out=/tmp/rm_heldout.jsonl
     python -m launch.train --config=configs/reward_model_tiny.py --workdir=/tmp/rm \
         --config.rm.data=/tmp/rm_pairs.jsonl --config.rm.eval_data=/tmp/rm_heldout.jsonl \

@@ -16,7 +16,6 @@ from posttrain.checkpoint import CheckpointManager
 from posttrain.data import ByteTokenizer
 from posttrain.metrics import read_metrics
 from posttrain.tasks import registry
-from posttrain.tasks.pairs import main as pairs_main
 from posttrain.tasks.pairs import verifier_pairs
 from tests.test_trainer import ROOT
 from tests.xla_flags import xla_flags
@@ -180,13 +179,20 @@ def test_launcher_runs_the_reward_model_objective(tmp_path, pair_files):
   assert bad.returncode != 0 and "needs rm.data" in bad.stderr + bad.stdout
 
 
-def test_pairs_command_writes_rows_and_rejects_bad_input(tmp_path, capsys):
+def test_pairs_command_writes_rows_and_rejects_bad_input(tmp_path):
   out = tmp_path / "p.jsonl"
-  assert pairs_main(["--domains=arithmetic/add_d1", "--count=5", f"--out={out}"]) == 0
+  cmd = [sys.executable, "-m", "launch.pairs", "--domains=arithmetic/add_d1", "--count=5",
+         f"--out={out}"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert len(rows) == 5 and all(set(r) == {"prompt", "chosen", "rejected", "domain", "seed"}
                                 for r in rows)
-  assert pairs_main(["--domains=nothing/here", "--count=5", f"--out={out}"]) == 2
+  bad = subprocess.run(cmd[:3] + ["--domains=nothing/here", "--count=5", f"--out={out}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "matches no registered domain" in bad.stderr
+  assert "Traceback" not in bad.stderr
 
 
 def test_policy_tools_refuse_a_reward_model_config(tmp_path, pair_files):

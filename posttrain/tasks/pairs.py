@@ -1,13 +1,13 @@
 """Preference pairs from verifiable domains: a right answer against a wrong one.
 
     rows = verifier_pairs(["arithmetic/add_d1", "logic/parity_l1"], count=4000, seed=0)
-    python -m posttrain.tasks.pairs --domains='arithmetic/*' --levels=1 --count=4000 \\
-        --out=/tmp/pairs.jsonl [--heldout]
+
+(`python -m launch.pairs` writes them to a file.)
 
 Each row is TRL's explicit-prompt format, `{"prompt", "chosen", "rejected"}`, plus the
 task's `"domain"` and `"seed"`: the task's prompt, its demonstration (which the domain's
-verifier scores 1) and the demonstration of another task of the same domain whose answer the verifier rejects here
-(a plausible wrong answer in the right format). Such pairs train a reward model
+verifier scores 1) and the demonstration of another task of the same domain whose answer
+the verifier rejects here (a plausible wrong answer in the right format). Such pairs train a reward model
 (`objective=reward_model`) or a DPO stage whose preferences a program checked. Training
 rows use the domains' training seeds and `heldout=True` rows their held-out seeds, so the
 two never share a task. Tasks whose wrong answer is not found among a few other tasks'
@@ -16,9 +16,6 @@ two never share a task. Tasks whose wrong answer is not found among a few other 
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Sequence
 
 from posttrain.tasks.base import heldout_seed, train_seed
@@ -72,32 +69,3 @@ def verifier_pairs(domains: Sequence[str], count: int, seed: int = 0, *,
                              "domain": domain.name, "seed": task.seed})
                 break
     return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from posttrain.experiment import select_domains
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--domains", required=True, help="comma-separated globs")
-    parser.add_argument("--levels", default="", help="comma-separated levels (default all)")
-    parser.add_argument("--count", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--heldout", action="store_true")
-    parser.add_argument("--out", required=True, help="the JSON-lines file to write")
-    args = parser.parse_args(argv)
-    try:
-        names = [n for n in select_domains(args.domains, args.levels)
-                 if not getattr(registry.get(n), "multi_turn", False)]
-        rows = verifier_pairs(names, args.count, args.seed, heldout=args.heldout)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    with open(args.out, "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    print(f"wrote {len(rows)} pairs over {len(names)} domains to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
