@@ -44,6 +44,9 @@ def main(argv):
     common.fail(e)
   print(planner.format_plan(p), flush=True)
   fits = p.fits
+  if _COMPILE_FOR.value and p.placement == "reward_model":
+    common.fail(ValueError("--compile_for compiles a policy run's update and sampler; a "
+                           "reward-model run is planned, not compiled"))
   if _COMPILE_FOR.value:
     from posttrain import aot
     topology = _COMPILE_FOR.value

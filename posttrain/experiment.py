@@ -207,6 +207,22 @@ def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
   return cfg
 
 
+def reward_architecture(architecture: str) -> str:
+  """The sequence-classification class of a causal LM's (or already one)."""
+  if architecture.endswith("ForSequenceClassification"):
+    return architecture
+  if not architecture.endswith("ForCausalLM"):
+    raise ValueError(f"architecture {architecture!r} has no sequence-classification form")
+  return architecture[:-len("ForCausalLM")] + "ForSequenceClassification"
+
+
+def reward_model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
+  """The run's model config as a reward model: a score head, no vocabulary projection."""
+  cfg = model_config(config, vocab_size)
+  return cfg.replace(value_head=True, lm_head=False,
+                     architecture=reward_architecture(cfg.architecture))
+
+
 def select_domains(patterns: str, levels: str | Sequence[int] = "", limit: int = 0
                    ) -> list[str]:
   """Registered domains matching comma-separated globs (and levels), in pattern order."""

@@ -97,7 +97,8 @@ class Plan:
   Attributes:
     mesh: train mesh axis sizes, e.g. {"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1}.
     rollout_mesh: the sampler's mesh (the same as `mesh` when colocated).
-    placement: colocated or disaggregated.
+    placement: colocated or disaggregated; reward_model for a reward-model run (the
+      update alone: rollout_peak 0).
     components: by name (params, optimizer, reference, gradients, activations, head,
       batch, sampler, gathered, kv_cache, prefill, decode_step).
     train_peak / rollout_peak: the fullest moment of a train device / a sampling device.
@@ -377,7 +378,7 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   s = np.dtype(cfg.dtype).itemsize
   outside = 2 * s * cfg.d_model + 4 * (2 * cfg.d_model + cfg.head_dim) + 8
   # Tied embeddings: the transposed [D, V] output projection is a residual of its own.
-  unembed = s * cfg.d_model * vocab if cfg.tie_embeddings else 0
+  unembed = s * cfg.d_model * vocab if cfg.tie_embeddings and cfg.lm_head else 0
   experts = 0
   if cfg.num_experts and remat == "none":
     weights = _mlp_weight_bytes(cfg, mlp) if mesh.size > 1 else 0
@@ -432,7 +433,7 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                                                        mlp)
   if np.dtype(cfg.dtype).itemsize < np.dtype(cfg.param_dtype).itemsize:
     transient += 2 * expert_bytes(cfg, mesh, rules, cfg.dtype)
-  logits = _logit_chunk_bytes(cfg, b, t, vocab)
+  logits = _logit_chunk_bytes(cfg, b, t, vocab) if cfg.lm_head else 0  # a score head: none
   note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
           f"{cfg.attention_impl} attention")
   if cfg.num_experts:
@@ -480,6 +481,8 @@ def head_bytes(model_cfg: models.ModelConfig, *, mesh: AbstractMesh,
   counts it beside the saved activations and a chunk's logits, not beside a layer's
   backward."""
   cfg = model_cfg
+  if not cfg.lm_head:
+    return 0  # a reward model's score head: no projection, no log-probs
   d_shard, vocab = _logical_shard(mesh, rules, ("embed", "vocab"), (cfg.d_model, cfg.vocab_size))
   if d_shard == cfg.d_model:
     return 0  # D whole on each device: the head reads its own shard of the projection
@@ -677,9 +680,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   if kv_cache_dtype not in (None, *_KV_DTYPES):
     raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {_KV_DTYPES}")
   experiment.check_config(config)
-  if experiment.objective(config) != "policy":
-    raise ValueError(f"objective={experiment.objective(config)}: the planner plans policy "
-                     "runs (SFT, preference and RL stages) only")
+  if experiment.objective(config) == "reward_model":
+    return _plan_reward_model(config, device_memory_gb=device_memory_gb,
+                              num_devices=num_devices, advise=advise)
   shape, rollout_shape = mesh_shapes(config, num_devices)
   placement = "colocated" if shape is rollout_shape else "disaggregated"
   mesh, rollout_mesh = abstract_mesh(shape), abstract_mesh(rollout_shape)
@@ -801,6 +804,57 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
     result = dataclasses.replace(result, advice=tuple(_advice(
         config, result, device_memory_gb=device_memory_gb, num_devices=total,
         kv_cache_dtype=cache_dtype)))
+  return result
+
+
+def _plan_reward_model(config: ml_collections.ConfigDict, *, device_memory_gb: float | None,
+                       num_devices: int | None, advise: bool) -> Plan:
+  """The plan of an objective=reward_model run: the update alone (no sampler, no
+  reference) of the score-head model on the train mesh. Each micro-batch holds pairs'
+  two sequences packed into `train.rows_per_microbatch` rows; with more sequences a step
+  (2 x rm.batch_size) than rows, the update accumulates micro-batches (two gradients)."""
+  shape, _ = mesh_shapes(config, num_devices)
+  mesh = abstract_mesh(shape)
+  rules = models.rules_from_config(config.get("sharding_rules") or None)
+  cfg = experiment.reward_model_config(config)
+  rows, row_len = int(config.train.rows_per_microbatch), int(config.train.row_len)
+  batch_shards = batch_mesh_size(mesh, rules)
+  if rows % batch_shards:
+    raise ValueError(f"train.rows_per_microbatch={rows} must be a multiple of the batch "
+                     f"mesh axes' size {batch_shards}")
+  params, opt = state_bytes(cfg, shape, rules, clip=bool(config.optim.get("clip")))
+  accumulate = 2 * int(config.rm.batch_size) > rows
+  trained = trainable_bytes(cfg, shape, rules) if cfg.lora_rank else params
+  grads = trained * (2 if accumulate else 1)
+  acts, act_note = activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
+  b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
+  micro = _next_pow2(-(-2 * int(config.rm.batch_size) // rows))
+  batch = micro * b * length * 4 * 8  # ~8 int32 / float32 arrays per token
+  size = np.dtype(cfg.param_dtype).itemsize
+  none = "none: a reward model samples nothing"
+  comps = [
+      Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
+                "the rules (a score head, no vocabulary projection)"
+                + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
+                   f"{cfg.lora_rank}" if cfg.lora_rank else "")),
+      Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"
+                + (" of the LoRA adapters and the score head" if cfg.lora_rank else "")),
+      Component("gradients", grads, f"{'2' if accumulate else '1'} x "
+                f"{'the LoRA adapters and the score head' if cfg.lora_rank else 'params'} "
+                f"({2 * int(config.rm.batch_size)} sequences a step in rows of "
+                f"{rows})"),
+      Component("activations", acts, act_note),
+      Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~8 arrays x 4 B"),
+      *(Component(name, 0, none) for name in ("sampler", "kv_cache", "reward_model")),
+  ]
+  train_peak = params + opt + grads + acts + batch
+  capacity = None if device_memory_gb is None else int(device_memory_gb * GIB * USABLE_FRACTION)
+  result = Plan(shape, shape, "reward_model", {c.name: c for c in comps}, train_peak, 0,
+                capacity)
+  if advise and capacity is not None:
+    result = dataclasses.replace(result, advice=tuple(_advice(
+        config, result, device_memory_gb=device_memory_gb,
+        num_devices=math.prod(shape.values()), kv_cache_dtype=None)))
   return result
 
 
@@ -953,7 +1007,11 @@ def format_plan(p: Plan) -> str:
   lines.append(f"{'component':<12}{'per device':>12}  formula")
   for c in p.components.values():
     lines.append(f"{c.name:<12}{human_bytes(c.bytes):>12}  {c.formula}")
-  if p.placement == "colocated":
+  if p.placement == "reward_model":
+    lines[0] = f"reward model training; train mesh {p.mesh} ({devices} devices)"
+    lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + gradients + "
+                 "activations + batch")
+  elif p.placement == "colocated":
     lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
                  "sampler + reward_model + max(gradients + max(activations, head phase) "
                  "+ batch, gathered + kv_cache + max(prefill, decode_step))")

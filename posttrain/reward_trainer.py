@@ -34,7 +34,8 @@ from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.experiment import (abstract_checkpoint, build_mesh, check_config,
-                                  from_checkpoint, model_config, objective, to_checkpoint)
+                                  from_checkpoint, objective, reward_architecture,
+                                  reward_model_config, to_checkpoint)
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import losses as loss_lib
 from posttrain.rl import preference, reward_model
@@ -47,22 +48,6 @@ log = logging.getLogger(__name__)
 # an error rather than silently ignored.
 _POLICY_STAGES = (("sft.steps", "sft"), ("preference.steps", "preference"),
                   ("train.rl_steps", "RL"))
-
-
-def reward_architecture(architecture: str) -> str:
-  """The sequence-classification class of a causal LM's (or already one)."""
-  if architecture.endswith("ForSequenceClassification"):
-    return architecture
-  if not architecture.endswith("ForCausalLM"):
-    raise ValueError(f"architecture {architecture!r} has no sequence-classification form")
-  return architecture[:-len("ForCausalLM")] + "ForSequenceClassification"
-
-
-def reward_model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
-  """The run's model config as a reward model: a score head, no vocabulary projection."""
-  cfg = model_config(config, vocab_size)
-  return cfg.replace(value_head=True, lm_head=False,
-                     architecture=reward_architecture(cfg.architecture))
 
 
 def _check(config) -> None:

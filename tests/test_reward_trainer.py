@@ -196,12 +196,10 @@ def test_pairs_command_writes_rows_and_rejects_bad_input(tmp_path):
 
 
 def test_policy_tools_refuse_a_reward_model_config(tmp_path, pair_files):
-  from posttrain import evaluation, planner, trainer
+  from posttrain import evaluation, trainer
   config = _config(pair_files)
   with pytest.raises(ValueError, match="trains no policy"):
     trainer.Trainer(config, str(tmp_path / "run"))
-  with pytest.raises(ValueError, match="plans policy runs"):
-    planner.plan(config)
   with pytest.raises(ValueError, match="eval_rm"):
     evaluation.evaluate_checkpoint(config, str(tmp_path / "run"))
   config.objective = "policy"
@@ -229,3 +227,28 @@ def test_heldout_accuracy_per_domain_is_each_pairs_own_scores(tmp_path, pair_fil
   overall = np.mean([o for v in right.values() for o in v])
   assert 0.0 < overall < 1.0  # the check means something
   np.testing.assert_allclose(report["rewards/accuracy"], overall, rtol=1e-6)
+
+
+def test_the_planner_plans_the_reward_model_update(pair_files):
+  """The update alone: the score-head model's params (no vocabulary projection), AdamW,
+  two gradients when a step's sequences need several micro-batches; nothing sampled."""
+  from posttrain import planner
+  untied = {"model.overrides.tie_embeddings": False}  # the policy has a projection to drop
+  config = _config(pair_files, **untied)
+  p = planner.plan(config, num_devices=8, device_memory_gb=16)
+  policy = _config(pair_files, objective="policy", **untied)
+  cfg = reward_trainer.reward_model_config(config)
+  assert not cfg.lm_head and cfg.value_head
+  params, opt = planner.state_bytes(cfg, p.mesh, clip=True)
+  assert (p["params"], p["optimizer"]) == (params, opt)
+  policy_params = planner.state_bytes(experiment.model_config(policy), p.mesh)[0]
+  shards = p.mesh["fsdp"] * p.mesh["data"]
+  assert policy_params - params == pytest.approx(cfg.vocab_size * cfg.d_model * 4 / shards,
+                                                 rel=0.02)
+  assert p["gradients"] == 2 * params  # 2 x 16 sequences a step in rows of 8
+  assert p["sampler"] == p["kv_cache"] == p.rollout_peak == 0
+  assert p.peak == sum(p[k] for k in ("params", "optimizer", "gradients", "activations",
+                                      "batch"))
+  assert p.fits and "reward model training" in planner.format_plan(p)
+  one = planner.plan(_config(pair_files, **untied, **{"rm.batch_size": 4}), num_devices=8)
+  assert one["gradients"] == params  # 8 sequences fit one micro-batch of 8 rows
