@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from posttrain import distributed, models
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
@@ -178,7 +179,6 @@ class RewardModelTrainer:
     self.resumed_from = None
 
   def _model(self) -> models.Transformer:
-    from flax import nnx
     return nnx.merge(self._graphdef, self.state.params, self._rest)
 
   def save(self, force: bool = False) -> bool:
@@ -255,12 +255,11 @@ class RewardModelTrainer:
       graphdef, rest = self._graphdef, self._rest
 
       def eval_fn(params, batch):
-        from flax import nnx
         model = nnx.merge(graphdef, params, rest)
 
         def one(mb):
           h = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"], ctx=ctx)
-          values = jnp.einsum("BTD,D->BT", h.astype(jnp.float32), model.value_w[...])
+          values = reward_model.score_values(h, model.value_w[...])
           ones = {"pairs": jnp.float32(1)}
           metrics = reward_model.microbatch_reward_loss(cfg, values, mb, denominators=ones)[1]
           return metrics, reward_model.pair_scores(values, mb)

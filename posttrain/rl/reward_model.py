@@ -67,6 +67,12 @@ class RewardLossConfig:
       raise ValueError(f"center_coef must be a finite number >= 0, got {self.center_coef!r}")
 
 
+def score_values(h_BxTxD: Array, w_D: Array) -> Array:
+  """The score head's value at every position, float32 [B, T]: `h . w`, no bias (Hugging
+  Face's score layer has none, so a reward model's bias never enters its loss)."""
+  return jnp.einsum("BTD,D->BT", h_BxTxD.astype(jnp.float32), w_D)
+
+
 def last_tokens(segment_ids_BxT: Array) -> Array:
   """bool [B, T]: the positions that end a packed sequence (segment id > 0 and the next
   position holds another segment, or the row ends)."""

@@ -652,7 +652,7 @@ def make_reward_model_step(model_cfg: models.ModelConfig,
                                    router_loss=True)
     else:
       h = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"], ctx=ctx)
-    values = jnp.einsum("BTD,D->BT", h.astype(jnp.float32), model.value_w[...])
+    values = reward_model.score_values(h, model.value_w[...])
     loss, metrics = reward_model.microbatch_reward_loss(loss_cfg, values, mb,
                                                         denominators=denominators)
     return _with_router_aux(loss, metrics, aux, aux_coef, micro_share)
