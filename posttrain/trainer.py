@@ -1041,7 +1041,9 @@ class Trainer:
                                           minibatches=int(algo.num_minibatches),
                                           seed=self.progress.rl_step)
     for g, a in zip(groups, seq_adv):
-      self.scheduler.update(g.domain, g.rewards.tolist(), np.abs(a).tolist())
+      # Passing is the verifier's verdict, whatever a reward model mixed into the rewards.
+      self.scheduler.update(g.domain, g.rewards.tolist(), np.abs(a).tolist(),
+                            verdicts=[verifier_value(s.reward) for s in g.samples])
     self.progress.rl_step += 1
     self.progress.policy_version += 1
     if not self.disaggregated or self.progress.rl_step % self.sync_every == 0:

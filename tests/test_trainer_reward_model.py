@@ -112,6 +112,14 @@ def test_rl_rewards_are_the_reward_models_scores(tmp_path, monkeypatch, reward_m
     parity = np.asarray([r.value for rs in verified for r in rs])
     assert [s.reward.components["verifier"] for s in samples] == parity.tolist()
     assert row["pass_rate/mean"] == pytest.approx(float((parity >= 1).mean()))
+    # The curriculum's pass rates are the verifier's too: mixed rewards never reach 1.
+    if row is rows[0]:  # first updates: a running mean of the groups' pass fractions
+      for dom in {g.domain for g in groups}:
+        fractions = [np.mean([v.value >= 1 for v in vs]) for g, vs in zip(groups, verified)
+                     if g.domain == dom]
+        assert row[f"scheduler/curriculum/pass_rate/{dom}"] == pytest.approx(
+            float(np.mean(fractions)))
+      assert any(row[f"scheduler/curriculum/pass_rate/{g.domain}"] > 0 for g in groups)
     assert row["reward_model/score_mean"] == pytest.approx(float(raw.mean()), abs=1e-5)
     assert row["reward_model/score_std"] == pytest.approx(float(raw.std()), abs=1e-5)
     assert row["reward_model/truncated"] == 0 and row["reward_model/scored"] == 16

@@ -247,9 +247,20 @@ class Scheduler:
 
     @_locked
     def update(
-        self, domain_name: str, rewards: Sequence[float], advantages: Sequence[float] | None = None
+        self,
+        domain_name: str,
+        rewards: Sequence[float],
+        advantages: Sequence[float] | None = None,
+        verdicts: Sequence[float] | None = None,
     ):
-        """Folds one group of rewards (and optionally its advantages) into the statistics."""
+        """Folds one group of rewards (and optionally its advantages) into the statistics.
+
+        ``verdicts``, one per reward, are the values passing is judged on
+        (``>= pass_threshold``) when that is not the reward itself: with a reward model's
+        score mixed into the rewards, the verifier's values. The pass rate drives the
+        learnability and failure rules and promotion, so a mixed reward that never reaches
+        1 must not read as a failure.
+        """
         i = self._index.get(domain_name)
         if i is None:
             raise KeyError(f"domain {domain_name!r} is not in this scheduler")
@@ -263,7 +274,15 @@ class Scheduler:
         else:
             a = _finite_floats(advantages, f"advantages for domain {domain_name!r}")
             abs_adv = math.fsum(abs(x) for x in a) / len(a)
-        passed = sum(1 for x in r if x >= self.config.pass_threshold) / n
+        if verdicts is not None:
+            v = _finite_floats(verdicts, f"verdicts for domain {domain_name!r}")
+            if len(v) != n:
+                raise ValueError(
+                    f"{len(v)} verdicts for {n} rewards of domain {domain_name!r}"
+                )
+        else:
+            v = r
+        passed = sum(1 for x in v if x >= self.config.pass_threshold) / n
         updates = int(self.updates[i]) + 1
         self.updates[i] = updates
         self.attempts[i] += n

@@ -192,6 +192,21 @@ def test_bad_config_is_a_clear_error(kwargs, match):
         Scheduler(["toy/a"], **kwargs)
 
 
+def test_verdicts_decide_passing_and_rewards_the_reward_statistics():
+    # Rewards mixed with a reward model's score never reach 1; the verifier's verdicts
+    # say which samples passed.
+    s = Scheduler(["toy/a", "toy/b"], rule="learnability", floor=0.0)
+    s.update("toy/a", [0.9, 0.2, 0.7, 0.1], verdicts=[1.0, 0.0, 1.0, 0.0])
+    s.update("toy/b", [0.9, 0.2, 0.7, 0.1])
+    a, b = s.stats("toy/a"), s.stats("toy/b")
+    assert a["pass_rate"] == 0.5 and b["pass_rate"] == 0.0
+    assert a["reward_mean"] == b["reward_mean"] == pytest.approx(0.475)
+    probs = dict(zip(s.domains, s.probabilities()))
+    assert probs["toy/a"] == 1.0 and probs["toy/b"] == 0.0  # b looks solved-or-hopeless
+    with pytest.raises(ValueError, match="3 verdicts for 4 rewards of domain 'toy/a'"):
+        s.update("toy/a", [0.9, 0.2, 0.7, 0.1], verdicts=[1.0, 0.0, 1.0])
+
+
 def test_bad_updates_are_clear_errors():
     s = Scheduler(["toy/a"])
     with pytest.raises(KeyError, match="toy/zz"):
