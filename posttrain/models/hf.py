@@ -8,7 +8,8 @@ with an index) and streams one tensor at a time onto its sharding. `save_pretrai
 the same layout back, so a round trip is exact. A mixture's experts are one tensor per
 expert in the files (as published, and as `transformers` saves them) and one [E, ...]
 parameter here. LoRA adapters travel in PEFT's format:
-`from_pretrained(..., adapter=folder)` reads one, `save_lora_adapter` writes one.
+`from_pretrained(..., adapter=folder)` reads one, `save_lora_adapter` writes one; a
+reward model's adapter is PEFT's SEQ_CLS kind, its score head saved whole beside it.
 """
 
 from __future__ import annotations
@@ -348,12 +349,16 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
 
 # PEFT LoraConfig fields that change what the adapter computes (or which weights it holds)
 # beyond y += lora_alpha / r * x A B on the targeted projections; any truthy value is refused.
-_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out", "modules_to_save",
+_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out",
                      "layers_to_transform", "rank_pattern", "alpha_pattern", "lora_bias",
                      "exclude_modules", "target_parameters", "trainable_token_indices",
                      "layer_replication", "alora_invocation_tokens", "use_qalora",
                      "use_bdlora", "kasa_config", "monteclora_config", "arrow_config",
                      "megatron_config")
+# PEFT's sequence classifiers save their score layer whole beside the adapters
+# (task_type SEQ_CLS puts both names in modules_to_save); it is our value head.
+_SCORE_MODULES = {"classifier", "score"}
+_PEFT_SCORE = "base_model.model.score.weight"
 
 
 def _adapter_targets(where: str, targets: Any, num_layers: int) -> tuple[str, ...]:
@@ -387,8 +392,10 @@ def _adapter_targets(where: str, targets: Any, num_layers: int) -> tuple[str, ..
   return kinds
 
 
-def _read_adapter_config(path: str, num_layers: int) -> dict[str, Any]:
-  """lora_rank, lora_alpha and lora_targets of a PEFT LoRA adapter folder."""
+def _read_adapter_config(path: str, num_layers: int, *, classifier: bool = False
+                         ) -> dict[str, Any]:
+  """lora_rank, lora_alpha and lora_targets of a PEFT LoRA adapter folder; `classifier`:
+  the base is a sequence classifier, whose adapter may save its score layer whole."""
   cfg_path = os.path.join(path, "adapter_config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{cfg_path} does not exist")
@@ -400,6 +407,10 @@ def _read_adapter_config(path: str, num_layers: int) -> dict[str, Any]:
   for key in _PEFT_UNSUPPORTED:
     if c.get(key):
       raise ValueError(f"{where} {key}={c[key]!r} is not supported")
+  saved = c.get("modules_to_save") or []
+  if saved and (not classifier or isinstance(saved, str) or set(saved) - _SCORE_MODULES):
+    raise ValueError(f"{where} modules_to_save={saved!r} is not supported (a reward "
+                     "model's ['classifier', 'score'] is)")
   if c.get("bias", "none") != "none":
     raise ValueError(f"{where} bias={c['bias']!r} is not supported (expected 'none')")
   targets = _adapter_targets(where, c.get("target_modules"), num_layers)
@@ -516,7 +527,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if dtype is not None:
     overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
   if adapter is not None:
-    lora = _read_adapter_config(adapter, int(hf_cfg["num_hidden_layers"]))
+    classifier = (_architecture(hf_cfg) in SEQUENCE_CLASSIFIERS
+                  or overrides.get("architecture") in SEQUENCE_CLASSIFIERS)
+    lora = _read_adapter_config(adapter, int(hf_cfg["num_hidden_layers"]),
+                                classifier=classifier)
     _check_adapter_overrides(adapter, lora, overrides)
     overrides = {**overrides, **lora}
   cfg = hf_config_to_model_config(hf_cfg, **overrides)
@@ -530,6 +544,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   sources = [(files, rows)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
+    if _PEFT_SCORE in adapter_files and cfg.value_head and not cfg.lm_head:
+      # A reward model's adapter holds its trained score layer: it replaces the base's.
+      score = [r for r in _mapping(cfg, score=True) if r[0] == ("value_w",)]
+      lora_rows += [(ours, _PEFT_SCORE, *rest) for ours, _, *rest in score]
     _check_names(f"adapter {adapter}", set(adapter_files), {r[1] for r in lora_rows})
     sources.append((adapter_files, lora_rows))
 
@@ -694,11 +712,7 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
   from safetensors.numpy import save_file
   hf_cfg = model_config_to_hf(model.cfg, pad_token_id)
   if model.cfg.architecture in SEQUENCE_CLASSIFIERS:
-    bias = float(_to_host(model.value_b[...]))
-    if bias != 0.0:
-      raise ValueError(f"value_b={bias:g} cannot be written as {model.cfg.architecture}, whose "
-                       "score layer has no bias; set value_b to 0 first (a Bradley-Terry "
-                       "reward is unchanged by a constant shift)")
+    _check_no_score_bias(model)
   model = merge_lora(model)  # HF checkpoints hold no adapters: W + scale * A B.
   cfg = model.cfg
   state = nnx.state(model)
@@ -739,6 +753,14 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
     json.dump(hf_cfg, fh, indent=2)
 
 
+def _check_no_score_bias(model: Transformer) -> None:
+  bias = float(_to_host(model.value_b[...]))
+  if bias != 0.0:
+    raise ValueError(f"value_b={bias:g} cannot be written as {model.cfg.architecture}, whose "
+                     "score layer has no bias; set value_b to 0 first (a Bradley-Terry "
+                     "reward is unchanged by a constant shift)")
+
+
 def _to_host(x) -> np.ndarray:
   """A (possibly multi-process) array's whole value as numpy, on every process."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -753,8 +775,13 @@ def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path:
   `peft.PeftModel.from_pretrained(base, path)` puts on the base checkpoint the model was
   loaded from (or on `save_pretrained` of the model with its adapters zeroed).
 
+  A reward model (a score head, no lm_head) trains its score head beside the adapters:
+  the folder is PEFT's SEQ_CLS kind, the head saved whole as `score.weight` (float32)
+  with modules_to_save ['classifier', 'score'], for a base loaded as
+  `AutoModelForSequenceClassification(..., num_labels=1)` (a causal LM's folder too).
+
   Raises:
-    ValueError: the model has no adapters.
+    ValueError: the model has no adapters, or a reward model's value_b is not 0.
   """
   from safetensors.numpy import save_file
   cfg = model.cfg
@@ -763,13 +790,20 @@ def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path:
   os.makedirs(path, exist_ok=True)
   state = nnx.state(model)
   tensors = {}
-  for ours, name, _, to_peft, _ in _lora_mapping(cfg):
+  rows = _lora_mapping(cfg)
+  reward_model = cfg.value_head and not cfg.lm_head
+  if reward_model:
+    _check_no_score_bias(model)
+    rows += [(ours, _PEFT_SCORE, *rest) for ours, _, *rest in _mapping(cfg, score=True)
+             if ours == ("value_w",)]
+  for ours, name, _, to_peft, _ in rows:
     arr = np.asarray(jax.device_get(_read_param(state, ours, cfg)))
     tensors[name] = np.ascontiguousarray(to_peft(arr))
   save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   alpha = float(cfg.lora_alpha)
   config = {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank,
+      "peft_type": "LORA", "task_type": "SEQ_CLS" if reward_model else "CAUSAL_LM",
+      "modules_to_save": sorted(_SCORE_MODULES) if reward_model else None, "r": cfg.lora_rank,
       "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
       "target_modules": list(cfg.lora_target_names), "lora_dropout": 0.0, "bias": "none",
       "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,

@@ -268,3 +268,68 @@ def test_exports_the_class_cannot_hold_are_refused(tmp_path):
     with pytest.raises(ValueError, match=match):
       models.hf.check_exportable(bad)
   models.hf.check_exportable(cfg)
+
+
+# -- LoRA reward models as PEFT adapters -------------------------------------------------------
+
+
+def _randomise_lora_and_head(model, seed=1):
+  rng = np.random.default_rng(seed)
+  for _, v in nnx.iter_graph(model):
+    if isinstance(v, nnx.LoRAParam):
+      v[...] = jnp.asarray(rng.normal(size=v.shape) * 0.1, v.dtype)
+  model.value_w[...] = jnp.asarray(rng.normal(size=model.value_w.shape) * 3 / np.sqrt(D),
+                                   model.value_w.dtype)
+
+
+@pytest.mark.parametrize("from_causal_lm", [False, True])
+def test_a_lora_reward_model_saves_a_peft_seq_cls_adapter_with_its_score(tmp_path,
+                                                                       from_causal_lm):
+  """The adapter holds the trained score head beside the adapters: PEFT puts both on the
+  base (a sequence classifier, or the causal LM the reward model started from) and
+  scores as we do; loading it back here gives the same scores."""
+  peft = pytest.importorskip("peft", reason="adapter tests need peft (pip install '.[parity]')")
+  head = "CausalLM" if from_causal_lm else "SequenceClassification"
+  _hf_model("llama", head=head).save_pretrained(tmp_path / "base")
+  rm = {"value_head": True, "lm_head": False,
+        "architecture": "LlamaForSequenceClassification"} if from_causal_lm else {}
+  ours = models.from_pretrained(str(tmp_path / "base"), lora_rank=2, lora_alpha=4.0,
+                                lora_targets="q_proj,v_proj,down_proj", **rm)
+  _randomise_lora_and_head(ours)
+  models.save_lora_adapter(ours, str(tmp_path / "adapter"))
+  config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert config["task_type"] == "SEQ_CLS"
+  assert config["modules_to_save"] == ["classifier", "score"]
+  want = _scores(ours)
+  base = transformers.AutoModelForSequenceClassification.from_pretrained(
+      tmp_path / "base", num_labels=1, pad_token_id=PAD).float().eval()
+  assert np.abs(_hf_scores(base) - want).max() > 1e-2  # adapters and head both matter
+  pm = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+  _assert_close(_hf_scores(pm), want, rtol=1e-4)
+  again = models.from_pretrained(str(tmp_path / "base"), adapter=str(tmp_path / "adapter"),
+                                 scan_layers=True, **rm)
+  _assert_close(_scores(again), want)
+
+
+def test_a_peft_seq_cls_adapter_loads_onto_the_reward_model(tmp_path):
+  peft = pytest.importorskip("peft", reason="adapter tests need peft (pip install '.[parity]')")
+  hf = _hf_model("qwen3")
+  hf.save_pretrained(tmp_path / "base")
+  pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="SEQ_CLS", r=3, lora_alpha=6,
+                                               target_modules=["k_proj", "o_proj", "up_proj"]))
+  torch.manual_seed(2)
+  with torch.no_grad():
+    for name, p in pm.named_parameters():
+      if "lora_B" in name or "modules_to_save" in name:
+        p.normal_(0.0, 0.2)
+  pm.eval().save_pretrained(tmp_path / "adapter")
+  want = _hf_scores(pm)
+  assert np.abs(want - _hf_scores(_hf_model("qwen3"))).max() > 1e-2
+  ours = models.from_pretrained(str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
+  assert (ours.cfg.lora_rank, ours.cfg.lora_alpha) == (3, 6.0)
+  _assert_close(_scores(ours), want, rtol=1e-4)
+  # The same adapter on a causal LM that stays one: its score layer has nowhere to go.
+  _hf_model("qwen3", head="CausalLM").save_pretrained(tmp_path / "lm")
+  with pytest.raises(ValueError, match=r"modules_to_save=\['classifier', 'score'\] is not "
+                                       r"supported \(a reward model's"):
+    models.from_pretrained(str(tmp_path / "lm"), adapter=str(tmp_path / "adapter"))
