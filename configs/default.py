@@ -81,8 +81,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Preference optimisation between SFT and RL (steps > 0): DPO and its variants on
   # JSON-lines pair files (rows {"prompt", "chosen", "rejected"}, see
   # posttrain.data.preference). loss: sigmoid (DPO; label_smoothing > 0 is cDPO) | ipo |
-  # hinge | simpo (no reference; simpo_gamma its margin); sft_coef adds an NLL term on the
-  # chosen answers (RPO). The reference is the policy the stage starts from. batch_size
+  # hinge | simpo (no reference; simpo_gamma its margin) | orpo (no reference; log-odds
+  # ratio plus the chosen answers' NLL); sft_coef adds an NLL term on the chosen answers
+  # (RPO). The reference is the policy the stage starts from. batch_size
   # counts pairs; eval_data's held-out accuracy and margin are logged after the stage and
   # every eval_every steps.
   c.preference = ml_collections.ConfigDict(dict(

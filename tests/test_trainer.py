@@ -585,7 +585,7 @@ def test_dpo_stage_learns_the_pairs_logs_heldout_metrics_and_resumes_exactly(tmp
   assert resumed["preference_heldout"] == held
 
 
-@pytest.mark.parametrize("loss", ["simpo", "ipo"])
+@pytest.mark.parametrize("loss", ["orpo", "ipo"])
 def test_sft_then_lora_preference_then_rl_with_a_kl_reference(tmp_path, loss):
   """Every stage in one run, LoRA adapters folded into the base between them; the KL
   reference of RL is the policy after the preference stage."""

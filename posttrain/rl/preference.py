@@ -40,11 +40,16 @@ margin `h = r_c - r_r`:
     hinge    r = beta * (pi - ref)         max(0, 1 - h)                       SLiC
     simpo    r = beta * pi / n             -(1-eps) log s(h - gamma)           SimPO
                                              - eps log s(gamma - h)
+    orpo     r = log(p / (1 - p)),         -beta log s(h)                      ORPO
+               p = exp(pi / n)             + NLL(chosen)
 
-(s the logistic sigmoid, eps the label smoothing, gamma SimPO's target margin; IPO and
-SimPO average the log-probs per token, as their papers and TRL do; SimPO reads no
-reference). An optional NLL term on the chosen responses (RPO, TRL's `rpo_alpha`) adds
-`sft_coef * sum(-log p(chosen tokens)) / #chosen tokens`.
+(s the logistic sigmoid, eps the label smoothing, gamma SimPO's target margin; IPO,
+SimPO and ORPO average the log-probs per token, as their papers and TRL do; SimPO and ORPO
+read no reference). ORPO's reward is the log-odds of the per-token mean probability, and
+its loss always carries the NLL term below with weight 1 (Hong et al. 2024, TRL's
+ORPOTrainer); a mean log-prob above -1e-7 is held there (odds of 10^7), where the odds'
+gradient would overflow. An optional NLL term on the chosen responses (RPO, TRL's
+`rpo_alpha`) adds `sft_coef * sum(-log p(chosen tokens)) / #chosen tokens`.
 
 Exact micro-batch accumulation, as in `posttrain.rl.losses`: the preference loss is a sum
 over pairs divided by the number of pairs of the whole batch, the NLL term a sum over
@@ -65,8 +70,8 @@ from posttrain.rl.losses import Metric
 
 Array = jax.Array
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
-# The losses that compare the policy with a reference (all but SimPO).
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+# The losses that compare the policy with a reference (all but SimPO and ORPO).
 REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
 # The logistic losses, the ones label smoothing applies to.
 _LOGISTIC_LOSSES = ("sigmoid", "simpo")
@@ -89,7 +94,8 @@ class PreferenceConfig:
     label_smoothing: cDPO's assumed fraction of flipped labels, in [0, 0.5); sigmoid
       and simpo only.
     simpo_gamma: SimPO's target reward margin.
-    sft_coef: weight of the NLL term on the chosen responses (RPO); 0 = off.
+    sft_coef: weight of the NLL term on the chosen responses (RPO); 0 = off. ORPO's
+      loss holds that term with weight 1 already; sft_coef must stay 0 there.
   """
 
   loss: str = "sigmoid"
@@ -111,10 +117,18 @@ class PreferenceConfig:
                        f"{' and '.join(_LOGISTIC_LOSSES)} losses, not {self.loss!r}")
     if self.sft_coef < 0:
       raise ValueError(f"sft_coef must be >= 0, got {self.sft_coef}")
+    if self.sft_coef and self.loss == "orpo":
+      raise ValueError(f"sft_coef={self.sft_coef} does not apply to orpo, whose loss holds "
+                       "the NLL of the chosen responses with weight 1")
 
   @property
   def needs_reference(self) -> bool:
     return self.loss in REFERENCE_LOSSES
+
+  @property
+  def nll_coef(self) -> float:
+    """The weight of the chosen responses' NLL in the loss."""
+    return 1.0 if self.loss == "orpo" else self.sft_coef
 
 
 # ---------------------------------------------------------------------------------------
@@ -124,6 +138,17 @@ class PreferenceConfig:
 
 def _logistic(h, eps):
   return -(1.0 - eps) * jax.nn.log_sigmoid(h) - eps * jax.nn.log_sigmoid(-h)
+
+
+# ORPO's largest mean log-prob: log-odds of 10^7 (module docstring).
+_ORPO_MAX_MEAN_LOGP = -1e-7
+
+
+def _log_odds(mean_logp):
+  """log(p / (1 - p)) of p = exp(mean_logp) <= 1, with log(1 - p) computed stably."""
+  x = jnp.minimum(mean_logp, _ORPO_MAX_MEAN_LOGP)
+  log1m = jnp.where(x > -np.log(2.0), jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+  return x - log1m
 
 
 def pair_rewards(cfg: PreferenceConfig, policy_chosen, policy_rejected, ref_chosen=None,
@@ -139,8 +164,12 @@ def pair_rewards(cfg: PreferenceConfig, policy_chosen, policy_rejected, ref_chos
   """
   if cfg.needs_reference and (ref_chosen is None or ref_rejected is None):
     raise ValueError(f"the {cfg.loss} loss needs the reference's log-probs")
-  if cfg.loss in ("ipo", "simpo") and (chosen_tokens is None or rejected_tokens is None):
+  if cfg.loss in ("ipo", "simpo", "orpo") and (chosen_tokens is None
+                                               or rejected_tokens is None):
     raise ValueError(f"the {cfg.loss} loss needs the responses' token counts")
+  if cfg.loss == "orpo":
+    return (_log_odds(policy_chosen / chosen_tokens),
+            _log_odds(policy_rejected / rejected_tokens))
   if cfg.loss == "simpo":
     return (cfg.beta * policy_chosen / chosen_tokens,
             cfg.beta * policy_rejected / rejected_tokens)
@@ -159,6 +188,8 @@ def pair_losses(cfg: PreferenceConfig, margin: Array) -> Array:
     return (margin / cfg.beta - 1.0 / (2.0 * cfg.beta)) ** 2
   if cfg.loss == "hinge":
     return jax.nn.relu(1.0 - margin)
+  if cfg.loss == "orpo":
+    return -cfg.beta * jax.nn.log_sigmoid(margin)
   return _logistic(margin - cfg.simpo_gamma, cfg.label_smoothing)
 
 
@@ -276,10 +307,10 @@ def microbatch_preference_loss(cfg: PreferenceConfig, logprobs_BxT: Array,
   loss, metrics = preference_loss(cfg, policy_chosen, policy_rejected, ref_chosen,
                                   ref_rejected, chosen_tokens, rejected_tokens,
                                   pair_mask=pair_mask, denominator=denominators["pairs"])
-  if cfg.sft_coef > 0:
+  if cfg.nll_coef > 0:
     nll = jnp.sum(jnp.where(mask & chosen, -logprobs_BxT, 0.0))
     metrics["loss/sft"] = Metric.mean(jax.lax.stop_gradient(nll), jnp.sum(mask & chosen))
-    loss = loss + cfg.sft_coef * nll / jnp.maximum(denominators["chosen_tokens"], 1)
+    loss = loss + cfg.nll_coef * nll / jnp.maximum(denominators["chosen_tokens"], 1)
   return loss, metrics
 
 

@@ -28,7 +28,7 @@ upper clip. Knobs:
     overlong_penalty, overlong_buffer_len, overlong_penalty_factor   DAPO soft penalty
     ppo_epochs, num_minibatches   passes and optimizer steps per rollout batch
     preference_loss      "" = the policy-gradient update above; sigmoid | ipo | hinge | simpo
-                         = online preference optimisation: each group's best sample against
+                         | orpo = online preference optimisation: each group's best sample against
                          its worst (by verified reward) as a DPO-family pair
                          (posttrain.rl.preference), the reference the policy RL started from
     beta, label_smoothing, simpo_gamma, sft_coef   that loss's knobs (PreferenceConfig)

@@ -25,7 +25,7 @@ def log_sigmoid(x):
 
 
 def oracle_pair_losses(cfg, pc, pr, rc, rr, nc, nr):
-  """Per-pair losses written from DPO/cDPO, IPO, SLiC and SimPO, in float64."""
+  """Per-pair losses written from DPO/cDPO, IPO, SLiC, SimPO and ORPO, in float64."""
   beta, eps = cfg.beta, cfg.label_smoothing
   if cfg.loss == "sigmoid":
     h = beta * ((pc - rc) - (pr - rr))
@@ -34,11 +34,20 @@ def oracle_pair_losses(cfg, pc, pr, rc, rr, nc, nr):
     return ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * beta)) ** 2
   if cfg.loss == "hinge":
     return np.maximum(0.0, 1 - beta * ((pc - rc) - (pr - rr)))
+  if cfg.loss == "orpo":  # Hong et al. eq. 6-7: odds of the per-token mean probability
+    return -beta * log_sigmoid(oracle_log_odds(pc / nc) - oracle_log_odds(pr / nr))
   z = beta * (pc / nc - pr / nr) - cfg.simpo_gamma
   return -(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z)
 
 
+def oracle_log_odds(mean_logp):
+  p = np.exp(mean_logp)
+  return np.log(p / (1 - p))
+
+
 def oracle_rewards(cfg, pc, pr, rc, rr, nc, nr):
+  if cfg.loss == "orpo":
+    return oracle_log_odds(pc / nc), oracle_log_odds(pr / nr)
   if cfg.loss == "simpo":
     return cfg.beta * pc / nc, cfg.beta * pr / nr
   if cfg.loss == "ipo":
@@ -62,6 +71,7 @@ LOSS_CASES = {
     "hinge": PreferenceConfig("hinge", beta=0.5),
     "simpo": PreferenceConfig("simpo", beta=2.0, simpo_gamma=0.7),
     "simpo_smoothed": PreferenceConfig("simpo", beta=2.5, simpo_gamma=1.2, label_smoothing=0.1),
+    "orpo": PreferenceConfig("orpo", beta=0.25),
 }
 
 
@@ -136,6 +146,31 @@ def test_config_errors_are_one_line_and_name_the_value():
     PreferenceConfig("ipo", label_smoothing=0.1)
   with pytest.raises(ValueError, match="sft_coef must be >= 0, got -1"):
     PreferenceConfig(sft_coef=-1)
+  with pytest.raises(ValueError, match="sft_coef=0.5 does not apply to orpo"):
+    PreferenceConfig("orpo", sft_coef=0.5)
+  assert PreferenceConfig("orpo").nll_coef == 1.0 and PreferenceConfig(sft_coef=0.3).nll_coef == 0.3
+
+
+def test_orpo_stays_finite_where_the_odds_overflow():
+  """A response the policy is certain of (mean log-prob 0): the odds are held at 10^7
+  there, the loss and gradient stay finite, and the other pairs' gradients are exact."""
+  cfg = PreferenceConfig("orpo", beta=0.5)
+  pc = jnp.asarray([0.0, -1e-9, -3.0, -4.0])
+  pr = jnp.asarray([-2.0, -5.0, 0.0, -6.0])
+  n = jnp.asarray([2.0, 1.0, 3.0, 2.0])
+
+  def loss_fn(pc, pr):
+    return preference.preference_loss(cfg, pc, pr, None, None, n, n)[0]
+
+  loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1))(pc, pr)
+  assert np.isfinite(loss) and all(np.isfinite(g).all() for g in grads)
+  held = np.log(1 / np.expm1(1e-7))  # log-odds at the held mean log-prob
+  want = -0.5 * log_sigmoid(np.array([held - oracle_log_odds(-1.0), held - oracle_log_odds(-5.0),
+                                      oracle_log_odds(-1.0) - held,
+                                      oracle_log_odds(-2.0) - oracle_log_odds(-3.0)])).mean()
+  np.testing.assert_allclose(loss, want, rtol=1e-4)
+  assert grads[0][0] == 0.0 and grads[0][1] == 0.0 and grads[1][2] == 0.0  # held: flat
+  assert grads[0][3] < 0 < grads[1][3]  # a loss that falls as chosen rises, rejected falls
 
 
 # -- packing pairs -------------------------------------------------------------------------
@@ -295,11 +330,12 @@ def reference_params(mesh, seed=1):
   return state_lib.frozen_copy(fresh_state(CFG, optax.sgd(1.0), mesh, seed=seed).params)
 
 
-@pytest.mark.parametrize("case", ["cdpo+sft", "ipo", "hinge", "simpo+sft"])
+@pytest.mark.parametrize("case", ["cdpo+sft", "ipo", "hinge", "simpo+sft", "orpo"])
 def test_step_loss_is_the_loss_of_the_models_logprobs(case):
   cfg = {"cdpo+sft": PreferenceConfig("sigmoid", beta=0.5, label_smoothing=0.1, sft_coef=0.3),
          "ipo": PreferenceConfig("ipo", beta=0.2),
          "hinge": PreferenceConfig("hinge", beta=2.0),
+         "orpo": PreferenceConfig("orpo", beta=0.3),
          "simpo+sft": PreferenceConfig("simpo", beta=2.0, simpo_gamma=0.3, sft_coef=0.5)}[case]
   mesh = one_device_mesh()
   optimizer = optax.sgd(1.0)
@@ -316,11 +352,11 @@ def test_step_loss_is_the_loss_of_the_models_logprobs(case):
   rc, rr, _, _ = numpy_pair_values(batch, ref)
   want = oracle_pair_losses(cfg, pc, pr, rc, rr, nc, nr).mean()
   np.testing.assert_allclose(metrics["loss/preference"], want, rtol=1e-5)
-  if cfg.sft_coef:
+  if cfg.sft_coef or cfg.loss == "orpo":
     scored_chosen = batch["loss_mask"] & batch["chosen"]
     nll = -policy[scored_chosen].mean()
     np.testing.assert_allclose(metrics["loss/sft"], nll, rtol=1e-5)
-    want += cfg.sft_coef * nll
+    want += (1.0 if cfg.loss == "orpo" else cfg.sft_coef) * nll
   np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
   reward_c, reward_r = oracle_rewards(cfg, pc, pr, rc, rr, nc, nr)
   np.testing.assert_allclose(metrics["rewards/margin"], (reward_c - reward_r).mean(),
