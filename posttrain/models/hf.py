@@ -787,7 +787,6 @@ def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path:
   cfg = model.cfg
   if not cfg.lora_rank:
     raise ValueError("the model has no LoRA adapters (lora_rank=0); nothing to save")
-  os.makedirs(path, exist_ok=True)
   state = nnx.state(model)
   tensors = {}
   rows = _lora_mapping(cfg)
@@ -796,9 +795,11 @@ def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path:
     _check_no_score_bias(model)
     rows += [(ours, _PEFT_SCORE, *rest) for ours, _, *rest in _mapping(cfg, score=True)
              if ours == ("value_w",)]
-  for ours, name, _, to_peft, _ in rows:
-    arr = np.asarray(jax.device_get(_read_param(state, ours, cfg)))
-    tensors[name] = np.ascontiguousarray(to_peft(arr))
+  for ours, name, _, to_peft, _ in rows:  # every process gathers; process 0 writes
+    tensors[name] = np.ascontiguousarray(to_peft(_to_host(_read_param(state, ours, cfg))))
+  if jax.process_index() != 0:
+    return
+  os.makedirs(path, exist_ok=True)
   save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   alpha = float(cfg.lora_alpha)
   config = {
