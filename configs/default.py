@@ -126,4 +126,8 @@ def get_config() -> ml_collections.ConfigDict:
   # or resume loads compiled programs instead of compiling them again.
   c.compile_cache_dir = ""
   c.compile_cache_min_secs = 0.0  # store programs that took at least this long to compile
+  # Tokenized data files (sft.data, preference.data, rm.data and their eval_data), kept to
+  # be memory-mapped by a restart, a resume or a later run: "" = <workdir>/data_cache,
+  # "none" = no cache, else a directory (shareable between runs).
+  c.data_cache_dir = ""
   return c

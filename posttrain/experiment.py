@@ -130,6 +130,19 @@ def enable_compile_cache(config) -> str | None:
   return path
 
 
+def data_cache_dir(config, workdir: str) -> str | None:
+  """Where tokenized data files are cached (`config.data_cache_dir`): "" = the run's
+  `<workdir>/data_cache`, "none" = nowhere (None), else that directory (`~` expands). The
+  cache is memory-mapped, so it must be a local or mounted filesystem."""
+  path = str(config.get("data_cache_dir", "") or "")
+  if path.lower() == "none":
+    return None
+  if "://" in path:
+    raise ValueError(f"data_cache_dir={path!r} is a URL; the tokenized data are "
+                     "memory-mapped: give a local or mounted directory")
+  return os.path.abspath(os.path.expanduser(path or os.path.join(workdir, "data_cache")))
+
+
 def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list[Any], list[Any]]:
   """(rollout devices, train devices) of a disaggregated run.
 

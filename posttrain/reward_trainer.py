@@ -35,8 +35,8 @@ from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.experiment import (abstract_checkpoint, build_mesh, check_config,
-                                  from_checkpoint, objective, reward_architecture,
-                                  reward_model_config, to_checkpoint)
+                                  data_cache_dir, from_checkpoint, objective,
+                                  reward_architecture, reward_model_config, to_checkpoint)
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import losses as loss_lib
 from posttrain.rl import preference, reward_model
@@ -116,8 +116,11 @@ class RewardModelTrainer:
     if self.rows_per_mb % batch_devices:
       raise ValueError(f"train.rows_per_microbatch={self.rows_per_mb} must be a multiple of "
                        f"the data x fsdp mesh size {batch_devices}")
-    self.data = PreferenceData.from_files(r.data, self.tok, row_len=self.row_len)
-    self.eval_data = (PreferenceData.from_files(r.eval_data, self.tok, row_len=self.row_len)
+    cache = data_cache_dir(config, workdir)
+    self.data = PreferenceData.from_files(r.data, self.tok, row_len=self.row_len,
+                                          cache_dir=cache)
+    self.eval_data = (PreferenceData.from_files(r.eval_data, self.tok, row_len=self.row_len,
+                                                cache_dir=cache)
                       if r.get("eval_data") else None)
     log.info("reward model data: %d pairs (%d with identical answers); %d steps of %d are "
              "%.2f epochs", len(self.data), self.data.identical, int(r.steps),

@@ -35,9 +35,9 @@ from flax import nnx
 
 from posttrain import distributed, evaluation, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
-                                  from_checkpoint, frozen_references, model_config,
-                                  objective, optimizer_like, reward_model_domains, run_domains,
-                                  to_checkpoint)
+                                  data_cache_dir, from_checkpoint, frozen_references,
+                                  model_config, objective, optimizer_like,
+                                  reward_model_domains, run_domains, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData
 from posttrain.data.sft import SFTData
@@ -395,13 +395,14 @@ class Trainer:
     """The SFT stage's files (sft.data) and held-out files (sft.eval_data), tokenized;
     None where not given (SFT then trains on the domains' own demonstrations)."""
     train = eval_ = None
+    cache = data_cache_dir(self.config, self.workdir)
     if int(s.steps) > 0 and s.get("data"):
-      train = SFTData.from_files(s.data, self.tok, row_len=self.row_len)
+      train = SFTData.from_files(s.data, self.tok, row_len=self.row_len, cache_dir=cache)
       log.info("SFT data: %d conversations, %d trained tokens; %d steps of %d are %.2f "
                "epochs", len(train), train.trained_tokens, int(s.steps), int(s.batch_size),
                int(s.steps) * int(s.batch_size) / len(train))
     if int(s.steps) > 0 and s.get("eval_data"):
-      eval_ = SFTData.from_files(s.eval_data, self.tok, row_len=self.row_len)
+      eval_ = SFTData.from_files(s.eval_data, self.tok, row_len=self.row_len, cache_dir=cache)
     return train, eval_
 
   def _load_preference(self, config):
@@ -421,8 +422,10 @@ class Trainer:
     if not p.get("data"):
       raise ValueError("preference.steps > 0 needs preference.data: JSON-lines files of "
                        "pairs (posttrain.data.preference)")
-    data = PreferenceData.from_files(p.data, self.tok, row_len=self.row_len)
-    held = (PreferenceData.from_files(p.eval_data, self.tok, row_len=self.row_len)
+    cache = data_cache_dir(config, self.workdir)
+    data = PreferenceData.from_files(p.data, self.tok, row_len=self.row_len, cache_dir=cache)
+    held = (PreferenceData.from_files(p.eval_data, self.tok, row_len=self.row_len,
+                                      cache_dir=cache)
             if p.get("eval_data") else None)
     log.info("preference data: %d pairs (%d with identical answers); %d steps of %d are "
              "%.2f epochs of %s", len(data), data.identical, int(p.steps), int(p.batch_size),

@@ -1,6 +1,7 @@
 """The trainer end to end: a few RL steps, resume after kill -9, bitwise resume, SIGTERM,
 torn checkpoints, a different mesh on restore, and one-line errors from the launcher."""
 
+import copy
 import json
 import os
 import signal
@@ -334,6 +335,16 @@ def test_range_check_names_wrong_types_a_config_file_can_hold():
         experiment.check_config(c)
 
 
+def test_data_cache_dir_is_the_workdirs_unless_given_or_turned_off(tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert experiment.data_cache_dir(_config(), "/runs/a") == "/runs/a/data_cache"
+  assert experiment.data_cache_dir(_config(data_cache_dir="none"), "/runs/a") is None
+  assert experiment.data_cache_dir(_config(data_cache_dir="~/tok"), "/runs/a") == str(
+      tmp_path / "tok")
+  with pytest.raises(ValueError, match="data_cache_dir='gs://b/c' is a URL"):
+    experiment.data_cache_dir(_config(data_cache_dir="gs://b/c"), "/runs/a")
+
+
 def test_every_shipped_config_passes_the_range_check():
   import importlib
   names = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
@@ -466,13 +477,17 @@ def _sft_file_config(tmp_path, **extra):
                     **extra})
 
 
-def test_sft_on_files_learns_logs_heldout_nll_and_resumes_exactly(tmp_path, monkeypatch):
+def test_sft_on_files_learns_logs_heldout_nll_and_resumes_exactly(tmp_path, monkeypatch,
+                                                                   caplog):
   from flax import nnx
 
   from posttrain import models
   from posttrain.data import ByteTokenizer
   from posttrain.data.sft import SFTData
+  caplog.set_level("INFO", logger="posttrain")
   straight = trainer.train(_sft_file_config(tmp_path), str(tmp_path / "straight"))
+  # Both files are tokenized into the run's own cache (data_cache_dir="", the default).
+  assert len(list((tmp_path / "straight" / "data_cache").glob("sft-*"))) == 2
   rows = read_metrics(str(tmp_path / "straight"))
   nll = [r["sft/nll"] for r in rows if "sft/nll" in r]
   held = [r["eval_sft/nll"] for r in rows if "eval_sft/nll" in r]
@@ -502,11 +517,13 @@ def test_sft_on_files_learns_logs_heldout_nll_and_resumes_exactly(tmp_path, monk
       return step == 4 or super().reached(step)
 
   monkeypatch.setattr(trainer, "PreemptionFlag", StopAt4)
-  assert trainer.train(_sft_file_config(tmp_path), str(tmp_path / "cut"))["status"] == \
-      "preempted"
+  config = _sft_file_config(tmp_path)  # the files as the preempted run saw them
+  assert trainer.train(copy.deepcopy(config), str(tmp_path / "cut"))["status"] == "preempted"
   monkeypatch.undo()
-  resumed = trainer.train(_sft_file_config(tmp_path), str(tmp_path / "cut"))
+  caplog.clear()
+  resumed = trainer.train(config, str(tmp_path / "cut"))
   assert resumed["status"] == "done" and resumed["sft_steps"] == 6
+  assert caplog.text.count("SFT data: cache hit") == 2  # the restart tokenizes nothing
   b, _, _ = _final_params(tmp_path / "cut", {"sft.steps": 6, "train.rl_steps": 0})
   for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)

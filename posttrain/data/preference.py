@@ -24,7 +24,9 @@ string) names the row's group: a reward model's held-out accuracy is reported pe
 
 Rows are validated and tokenized when the files load: a bad row fails naming file and
 line. A pair longer than `row_len` keeps its head (the packer cuts each answer's tail);
-a pair whose prompt leaves no answer token in `row_len` is dropped with a warning.
+a pair whose prompt leaves no answer token in `row_len` is dropped with a warning. With a
+`cache_dir` the tokenized pairs are kept for later loads, memory-mapped, as SFT data are
+(`posttrain.data.sft`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ class PreferenceData(JsonlExamples):
   """Preference pairs (module docstring)."""
 
   KIND = "preference"
+  # In the order encode_pair makes them.
+  TOKEN_FIELDS = ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask",
+                  "prompt_tokens")
+  SCALARS = {"margin": float, "domain": str}
 
   @classmethod
   def encode_line(cls, line, where, tok):
@@ -134,7 +140,16 @@ class PreferenceData(JsonlExamples):
     longest = max(len(pair["chosen_tokens"]), len(pair["rejected_tokens"]))
     return pair, prompt, prompt + longest
 
+  @classmethod
+  def summarize(cls, arrays):
+    chosen, rejected = arrays["chosen_tokens"], arrays["rejected_tokens"]
+    c, r = arrays["chosen_tokens.offsets"], arrays["rejected_tokens.offsets"]
+    same_length = np.flatnonzero(np.diff(c) == np.diff(r))
+    return {"identical": sum(bool(np.array_equal(chosen[c[i]:c[i + 1]],
+                                                 rejected[r[i]:r[i + 1]]))
+                             for i in same_length)}
+
   @property
   def identical(self) -> int:
     """Pairs whose two answers are the same tokens (they teach nothing)."""
-    return sum(np.array_equal(p["chosen_tokens"], p["rejected_tokens"]) for p in self.examples)
+    return self.summary["identical"]

@@ -1,6 +1,7 @@
 """Supervised fine-tuning data from JSON-lines files: conversations or prompt/completion rows.
 
-    data = SFTData.from_files("train.jsonl,more.jsonl", tok, row_len=2048)
+    data = SFTData.from_files("train.jsonl,more.jsonl", tok, row_len=2048,
+                              cache_dir="/data/cache")   # tokenized once, memory-mapped after
     ds = data.dataset(seed=0)                 # endless grain stream, reshuffled every epoch
     it = iter(ds.to_iter_dataset())           # it.get_state() / set_state() resume exactly
 
@@ -19,21 +20,28 @@ tokenized when the files load, so a bad row fails at once, naming its file and l
 Rows longer than `row_len` tokens keep their head: the packer cuts the tail, and the
 count is logged. A row whose first trained token lies beyond `row_len` cannot teach
 anything; such rows are dropped with a warning naming the first one, and only if every
-row is too long is that an error. Token ids are held as int32 arrays (4 bytes a token).
+row is too long is that an error. Token ids are held as int32 arrays (4 bytes a token),
+one flat column per field for all rows (`posttrain.data.columns`).
+
+With a `cache_dir`, the first load writes those columns there and every later load of the
+same files (same paths, sizes and modification times), row_len and tokenizer, by a
+restarted or resumed run, another host or another run, memory-maps them: no parsing, no
+tokenizing. Editing a file, or changing row_len or the tokenizer, makes a new entry.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
+from posttrain.data import columns
 from posttrain.data.tokenizer import ROLES, Tokenizer
 
 log = logging.getLogger("posttrain")
@@ -120,19 +128,41 @@ def encode_conversation(messages: Sequence[dict], tok: Tokenizer) -> dict[str, n
           "response_mask": np.asarray(mask[first:last + 1], np.int32)}
 
 
-@dataclasses.dataclass
 class JsonlExamples:
   """Tokenized examples of one or more JSON-lines files, with what loading found.
 
-  A subclass says how a line becomes an example (`encode_line`) and what the stream
-  yields for one (`item`)."""
-
-  examples: list[dict[str, np.ndarray]]
-  sources: list[str]          # "path:line" of each example
-  dropped: int = 0            # rows whose first trained token lies beyond row_len
-  truncated: int = 0          # rows longer than row_len (their tails are cut)
+  The examples are held as flat columns (`posttrain.data.columns`): `examples[i]` is a
+  dict of int32 views into them (plus a row's optional scalars), `examples[a:b]` a list.
+  A subclass says how a line becomes an example (`encode_line`), which token fields and
+  optional scalars it has, what the stream yields for one (`item`), and which figures
+  over all examples to keep with a cache entry (`summarize`)."""
 
   KIND = "JSON-lines"
+  TOKEN_FIELDS: tuple[str, ...] = ()
+  SCALARS: dict[str, type] = {}  # optional per-example scalars: float or str
+
+  def __init__(self, arrays: dict[str, np.ndarray], files: Sequence[str], *,
+               strings: dict[str, list[str]] | None = None, dropped: int = 0,
+               truncated: int = 0, first_dropped: str | None = None,
+               summary: dict[str, int] | None = None):
+    self.arrays, self.files, self.strings = arrays, list(files), strings or {}
+    self.dropped = dropped          # rows whose first trained token lies beyond row_len
+    self.truncated = truncated      # rows longer than row_len (their tails are cut)
+    self.first_dropped = first_dropped
+    self.summary = summary if summary is not None else self.summarize(arrays)
+    self._token_columns = [(f, arrays[f], arrays[f"{f}.offsets"]) for f in self.TOKEN_FIELDS]
+
+  # Views made on access: held as attributes they would tie this object into a reference
+  # cycle, and a replaced copy's arrays would outlive it until a full garbage collection.
+  @property
+  def examples(self) -> columns.LazySequence:
+    """The examples (`example(i)`), a read-only sequence; a slice is a list."""
+    return columns.LazySequence(len(self), self.example)
+
+  @property
+  def sources(self) -> columns.LazySequence:
+    """Where each example came from, as "path:line"."""
+    return columns.LazySequence(len(self), self._source)
 
   @classmethod
   def encode_line(cls, line: str, where: str, tok: Tokenizer
@@ -140,20 +170,85 @@ class JsonlExamples:
     """(example, tokens before its first trained token, its longest sequence's length)."""
     raise NotImplementedError
 
+  @classmethod
+  def summarize(cls, arrays: dict[str, np.ndarray]) -> dict[str, int]:
+    """Figures over all examples, computed once when they are tokenized."""
+    del arrays
+    return {}
+
   def item(self, example: dict[str, np.ndarray]) -> dict[str, Any]:
     return example
 
+  def example(self, index: int) -> dict[str, Any]:
+    """Example `index` as the dict `encode_line` made: views of the token columns."""
+    out = {field: flat[offsets[index]:offsets[index + 1]]
+           for field, flat, offsets in self._token_columns}
+    for name, kind in self.SCALARS.items():
+      if self.arrays[f"{name}.present"][index]:
+        value = self.arrays[name][index]
+        out[name] = self.strings[name][value] if kind is str else kind(value)
+    return out
+
+  def _source(self, index: int) -> str:
+    return (f"{self.files[self.arrays['source_file'][index]]}:"
+            f"{self.arrays['source_line'][index]}")
+
   @classmethod
-  def from_files(cls, paths: str | Sequence[str], tok: Tokenizer, *, row_len: int):
-    """Reads, validates and tokenizes every row of `paths` (comma-separated or a list)."""
+  def from_files(cls, paths: str | Sequence[str], tok: Tokenizer, *, row_len: int,
+                 cache_dir: str | None = None):
+    """Reads, validates and tokenizes every row of `paths` (comma-separated or a list).
+
+    With `cache_dir`, the tokenized columns are kept there, keyed by the files (path, size,
+    modification time), row_len and the tokenizer: a later load of the same files, by this
+    run after a restart or by another run, memory-maps them instead of tokenizing."""
     files = split_paths(paths)
     if not files:
       raise ValueError(f"no {cls.KIND} data files given")
-    examples, sources = [], []
-    dropped, first_dropped, truncated = 0, None, 0
     for path in files:
       if not os.path.isfile(path):
         raise FileNotFoundError(f"{cls.KIND} data file not found: {path!r}")
+    start = time.perf_counter()
+    entry, broken = None, False
+    if cache_dir and tok.fingerprint is None:
+      log.info("%s data: the tokenizer %s has no fingerprint; not cached", cls.KIND,
+               type(tok).__name__)
+    elif cache_dir:
+      key = columns.cache_key(cls.KIND, row_len, files, tok.fingerprint)
+      entry = os.path.join(os.path.expanduser(cache_dir), f"{cls.KIND.lower()}-{key[:32]}")
+      try:
+        data = cls._read(entry, files, key)
+      except FileNotFoundError:
+        pass
+      except columns.CacheEntryError as e:
+        broken = True
+        log.warning("%s data: cache entry %s is unreadable (%s); tokenizing again",
+                    cls.KIND, entry, e)
+      else:
+        log.info("%s data: cache hit, %d rows memory-mapped from %s in %.2f s", cls.KIND,
+                 len(data), entry, time.perf_counter() - start)
+        data._warn_long_rows(row_len)
+        return data
+    data = cls._tokenize(files, tok, row_len)
+    outcome = "no cache"
+    if entry:
+      outcome = "cache miss, not cached"
+      try:
+        data._write(entry, key, row_len, replace=broken)
+        data = cls._read(entry, files, key)
+        outcome = f"cache miss, cached in {entry}"
+      except (OSError, columns.CacheEntryError) as e:
+        log.warning("%s data: could not cache the tokenized rows in %s (%s); continuing "
+                    "uncached", cls.KIND, entry, " ".join(str(e).split()))
+    log.info("%s data: tokenized %d rows in %.2f s (%s)", cls.KIND, len(data),
+             time.perf_counter() - start, outcome)
+    data._warn_long_rows(row_len)
+    return data
+
+  @classmethod
+  def _tokenize(cls, files: list[str], tok: Tokenizer, row_len: int):
+    builder = columns.ColumnBuilder(cls.TOKEN_FIELDS, cls.SCALARS)
+    dropped, first_dropped, truncated = 0, None, 0
+    for file_index, path in enumerate(files):
       with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
           if not line.strip():
@@ -165,24 +260,56 @@ class JsonlExamples:
             first_dropped = first_dropped or where
             continue
           truncated += length > row_len
-          examples.append(example)
-          sources.append(where)
-    if not examples and not dropped:
+          builder.add(example, file_index, number)
+    if not len(builder) and not dropped:
       raise ValueError(f"{cls.KIND} data {','.join(files)} holds no rows")
-    if not examples:
+    if not len(builder):
       raise ValueError(f"every {cls.KIND} row's first trained token lies beyond "
                        f"row_len={row_len} (first: {first_dropped}); raise train.row_len")
-    if dropped:
+    arrays, strings = builder.finish()
+    return cls(arrays, files, strings=strings, dropped=dropped, truncated=truncated,
+               first_dropped=first_dropped)
+
+  def _write(self, entry: str, key: str, row_len: int, *, replace: bool) -> None:
+    meta = {"version": columns.FORMAT_VERSION, "kind": self.KIND, "key": key,
+            "row_len": row_len, "count": len(self), "dropped": self.dropped,
+            "truncated": self.truncated, "first_dropped": self.first_dropped,
+            "files": [os.path.abspath(p) for p in self.files], "strings": self.strings,
+            "summary": self.summary}
+    columns.write_entry(entry, self.arrays, meta, replace=replace)
+
+  @classmethod
+  def _read(cls, entry: str, files: list[str], key: str):
+    arrays, meta = columns.read_entry(
+        entry, columns.array_names(cls.TOKEN_FIELDS, cls.SCALARS))
+    try:
+      if (meta["kind"], meta["key"]) != (cls.KIND, key):
+        raise columns.CacheEntryError("it holds other data")
+      strings = {name: list(meta["strings"][name]) for name, kind in cls.SCALARS.items()
+                 if kind is str}
+      columns.check_arrays(arrays, cls.TOKEN_FIELDS, cls.SCALARS, int(meta["count"]),
+                           strings, len(files))
+      # Sources name the files as this load was given them (the key holds their
+      # absolute paths, so they are the same files).
+      return cls(arrays, files, strings=strings, dropped=int(meta["dropped"]),
+                 truncated=int(meta["truncated"]), first_dropped=meta["first_dropped"],
+                 summary={k: int(v) for k, v in meta["summary"].items()})
+    except columns.CacheEntryError:
+      raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise columns.CacheEntryError(f"bad meta.json: {type(e).__name__}: {e}") from None
+
+  def _warn_long_rows(self, row_len: int) -> None:
+    if self.dropped:
       log.warning("%s data: dropped %d of %d rows whose first trained token lies beyond "
-                  "row_len=%d (first: %s)", cls.KIND, dropped, dropped + len(examples),
-                  row_len, first_dropped)
-    if truncated:
+                  "row_len=%d (first: %s)", self.KIND, self.dropped,
+                  self.dropped + len(self), row_len, self.first_dropped)
+    if self.truncated:
       log.warning("%s data: %d of %d rows are longer than row_len=%d; their tails are cut",
-                  cls.KIND, truncated, len(examples), row_len)
-    return cls(examples, sources, dropped, truncated)
+                  self.KIND, self.truncated, len(self), row_len)
 
   def __len__(self) -> int:
-    return len(self.examples)
+    return len(self.arrays["source_line"])
 
   def dataset(self, seed: int, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     """An endless stream of the examples, each epoch in a new order; with `shard=(i, n)`
@@ -190,16 +317,17 @@ class JsonlExamples:
     index, count = shard
     if not 0 <= index < count:
       raise ValueError(f"shard index {index} is out of range for {count} shards")
-    ds = grain.MapDataset.range(len(self.examples)).shuffle(seed=seed).repeat()
+    ds = grain.MapDataset.range(len(self)).shuffle(seed=seed).repeat()
     if count > 1:
       ds = ds[index::count]
-    return ds.map(lambda i: self.item(self.examples[int(i)]))
+    return ds.map(lambda i: self.item(self.example(int(i))))
 
 
 class SFTData(JsonlExamples):
   """SFT conversations: packer trajectories with the assistant turns' loss mask."""
 
   KIND = "SFT"
+  TOKEN_FIELDS = ("prompt_tokens", "response_tokens", "response_mask")
 
   @classmethod
   def encode_line(cls, line, where, tok):
@@ -211,10 +339,14 @@ class SFTData(JsonlExamples):
     prompt = len(example["prompt_tokens"])
     return example, prompt, prompt + len(example["response_tokens"])
 
+  @classmethod
+  def summarize(cls, arrays):
+    return {"trained_tokens": int(np.count_nonzero(arrays["response_mask"]))}
+
   def item(self, example):
     return {**example, "advantages": np.float32(1.0)}
 
   @property
   def trained_tokens(self) -> int:
     """Loss tokens over all examples (before any truncation)."""
-    return int(sum(int(np.count_nonzero(e["response_mask"])) for e in self.examples))
+    return self.summary["trained_tokens"]

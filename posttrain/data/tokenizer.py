@@ -14,6 +14,8 @@ masked like a user turn.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -70,6 +72,13 @@ class Tokenizer:
     return self.chat.encode(messages, add_generation_prompt)
 
   @property
+  def fingerprint(self) -> str | None:
+    """A string that changes whenever this tokenizer's ids for some text could change; it
+    keys the tokenized-data cache (`posttrain.data.sft`). None: unknown, data it tokenizes
+    is not cached."""
+    return None
+
+  @property
   def stop_ids(self) -> tuple[int, ...]:
     """Tokens that end an assistant turn."""
     return tuple(sorted(set(self.chat.end_of_turn[-1:] + [self.eos_id])))
@@ -95,6 +104,11 @@ class ByteTokenizer(Tokenizer):
     self.bos_id = self.special_ids["<bos>"]
     headers = {r: [self.special_ids[f"<|{r}|>"]] for r in ROLES}
     self.chat = ChatFormat(self, headers, [self.special_ids["<|end|>"]])
+
+  @property
+  def fingerprint(self) -> str:
+    # The class name: a subclass may encode differently.
+    return f"{type(self).__name__}:{','.join(self.SPECIALS)}"
 
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
@@ -146,6 +160,16 @@ class HFTokenizer(Tokenizer):
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """sha256 of the tokenizer files' names and bytes (read once)."""
+    digest = hashlib.sha256(type(self).__name__.encode())
+    for file in self._files:
+      digest.update(os.path.basename(file).encode() + b"\0")
+      with open(file, "rb") as f:
+        digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids

@@ -2,6 +2,7 @@
 
 import json
 
+import grain
 import numpy as np
 import pytest
 
@@ -111,3 +112,39 @@ def test_a_rows_margin_and_domain_travel_with_its_pair(tmp_path):
   data = PreferenceData.from_files(_write(tmp_path / "p.jsonl", rows), TOK, row_len=64)
   assert data.examples[0]["margin"] == 1.5 and "margin" not in data.examples[1]
   assert data.examples[0]["domain"] == "x/y" and "domain" not in data.examples[1]
+
+
+def test_pairs_come_back_from_the_cache_as_the_row_by_row_pairs_and_stream(tmp_path):
+  rows = [{"prompt": f"q{i}", "chosen": "a" * (i + 1), "rejected": "b" * (7 - i)}
+          for i in range(7)]
+  rows[1].update(margin=2.0, domain="math")
+  rows[2].update(domain="code")
+  rows[4].update(margin=0.0)  # a zero margin is still there
+  rows[5].update(chosen="same", rejected="same", domain="math")
+  path = _write(tmp_path / "p.jsonl", rows)
+  want = [PreferenceData.encode_line(json.dumps(r), f"{path}:{n}", TOK)[0]
+          for n, r in enumerate(rows, 1)]
+  first = PreferenceData.from_files(path, TOK, row_len=64, cache_dir=str(tmp_path / "c"))
+  again = PreferenceData.from_files(path, TOK, row_len=64, cache_dir=str(tmp_path / "c"))
+  assert not again.arrays["chosen_tokens"].flags.writeable  # memory-mapped from the entry
+  old = grain.MapDataset.range(len(want)).shuffle(seed=2).repeat().map(lambda i: want[int(i)])
+  for data in (first, again):
+    assert data.identical == 1 and len(data) == 7
+    for got, expected in zip(data.examples, want):
+      _assert_same(got, expected)
+    ds = data.dataset(seed=2)
+    for i in range(2 * len(want)):
+      _assert_same(ds[i], old[i])
+  assert [("margin" in p, "domain" in p) for p in again.examples] == [
+      ("margin" in r, "domain" in r) for r in rows]
+  assert again.examples[1]["domain"] == again.examples[5]["domain"] == "math"
+
+
+def _assert_same(got, want):
+  assert list(got) == list(want)  # the keys, in order
+  for key, value in want.items():
+    if isinstance(value, np.ndarray):
+      assert got[key].dtype == value.dtype, key
+      np.testing.assert_array_equal(got[key], value, err_msg=key)
+    else:
+      assert type(got[key]) is type(value) and got[key] == value, key

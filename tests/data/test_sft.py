@@ -1,7 +1,10 @@
 """SFT data files: both row formats, the loss mask, hostile rows, long rows and the stream."""
 
 import json
+import os
+import threading
 
+import grain
 import numpy as np
 import pytest
 
@@ -137,3 +140,215 @@ def test_several_files_and_the_stream_visits_every_row_once_an_epoch(tmp_path):
   again = iter(data.dataset(seed=1).to_iter_dataset())
   again.set_state(state)
   assert [key(next(again)) for _ in range(6)] == rest
+
+
+def _rows(count, seed=0):
+  """Rows of both formats and varied lengths: the third too long to train (dropped at
+  row_len 64), the sixth longer than the row (cut)."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for i in range(count):
+    answer = "x" * int(rng.integers(1, 30))
+    if i % 3:
+      rows.append({"prompt": f"q{i}", "completion": answer})
+    else:
+      rows.append({"messages": [{"role": "user", "content": f"u{i}"},
+                                {"role": "assistant", "content": "a", "weight": 0},
+                                {"role": "user", "content": "more"},
+                                {"role": "assistant", "content": answer}]})
+  rows[2] = {"prompt": "p" * 70, "completion": "a"}
+  if count > 5:
+    rows[5] = {"prompt": "q", "completion": "a" * 90}
+  return rows
+
+
+def _row_by_row(paths, row_len):
+  """The examples as the loader made them before its columns: one encode_line per row."""
+  out = []
+  for path in paths:
+    for number, line in enumerate(open(path), 1):
+      if line.strip():
+        example, prompt, _ = SFTData.encode_line(line, f"{path}:{number}", TOK)
+        if prompt + 1 <= row_len:
+          out.append(example)
+  return out
+
+
+def _assert_same(got, want):
+  assert list(got) == list(want)  # the keys, in order
+  for key, value in want.items():
+    if isinstance(value, np.ndarray):
+      assert got[key].dtype == value.dtype, key
+      np.testing.assert_array_equal(got[key], value, err_msg=key)
+    else:
+      assert type(got[key]) is type(value) and got[key] == value, key
+
+
+class CountingTokenizer(ByteTokenizer):
+  calls = 0
+
+  def encode(self, text):
+    CountingTokenizer.calls += 1
+    return super().encode(text)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_columns_give_the_row_by_row_examples_and_the_same_stream(tmp_path, cached):
+  a = _write(tmp_path / "a.jsonl", _rows(11)[:6] + [""] + _rows(11)[6:])
+  b = _write(tmp_path / "b.jsonl", _rows(5, seed=1))
+  cache = str(tmp_path / "cache") if cached else None
+  data = SFTData.from_files([a, b], TOK, row_len=64, cache_dir=cache)
+  if cached:  # the second load reads the entry the first wrote
+    data = SFTData.from_files([a, b], TOK, row_len=64, cache_dir=cache)
+    assert not data.arrays["prompt_tokens"].flags.writeable
+  want = _row_by_row([a, b], 64)
+  assert len(data) == len(data.examples) == len(want) == 14
+  for got, expected in zip(data.examples, want):
+    _assert_same(got, expected)
+  _assert_same(data.examples[-1], want[-1])
+  assert [len(x["prompt_tokens"]) for x in data.examples[3:6]] == [
+      len(x["prompt_tokens"]) for x in want[3:6]]
+  with pytest.raises(IndexError):
+    data.examples[len(want)]
+  assert data.sources[2] == f"{a}:4" and data.sources[-1] == f"{b}:5" and len(data.sources) == 14
+  assert (data.dropped, data.truncated) == (2, 1)
+  assert data.trained_tokens == sum(int(x["response_mask"].sum()) for x in want)
+  # The stream the list of dicts gave, element for element, sharded or not.
+  old = grain.MapDataset.range(len(want)).shuffle(seed=4).repeat().map(
+      lambda i: {**want[int(i)], "advantages": np.float32(1.0)})
+  ds, shard = data.dataset(seed=4), data.dataset(seed=4, shard=(1, 3))
+  for i in range(3 * len(want)):
+    _assert_same(ds[i], old[i])
+  for i in range(len(want)):
+    _assert_same(shard[i], old[3 * i + 1])
+
+
+def test_a_second_load_memory_maps_the_cache_without_tokenizing(tmp_path, caplog):
+  caplog.set_level("INFO", logger="posttrain")
+  path = _write(tmp_path / "f.jsonl", _rows(9))
+  CountingTokenizer.calls = 0
+  first = SFTData.from_files(path, CountingTokenizer(), row_len=64, cache_dir=str(tmp_path))
+  assert CountingTokenizer.calls > 0 and "cache miss" in caplog.text
+  (entry,) = [p for p in tmp_path.iterdir() if p.name.startswith("sft-")]
+  assert (entry / "meta.json").exists() and (entry / "response_mask.offsets.npy").exists()
+  CountingTokenizer.calls = 0
+  caplog.clear()
+  again = SFTData.from_files(path, CountingTokenizer(), row_len=64, cache_dir=str(tmp_path))
+  assert CountingTokenizer.calls == 0
+  assert f"cache hit, 8 rows memory-mapped from {entry}" in caplog.text
+  assert "dropped 1 of 9 rows" in caplog.text  # the warnings come back with the entry
+  assert (again.dropped, again.truncated, again.trained_tokens) == (
+      first.dropped, first.truncated, first.trained_tokens)
+  assert again.sources == first.sources == _row_sources(path, skip={3})
+  for x, y in zip(again.examples, first.examples):
+    _assert_same(x, y)
+  # A tokenizer without a fingerprint is never cached.
+  plain = type("Plain", (CountingTokenizer,), {"fingerprint": None})()
+  CountingTokenizer.calls = 0
+  SFTData.from_files(path, plain, row_len=64, cache_dir=str(tmp_path))
+  assert CountingTokenizer.calls > 0 and len(list(tmp_path.glob("sft-*"))) == 1
+
+
+def _row_sources(path, skip):
+  count = len(open(path).read().splitlines())
+  return [f"{path}:{n}" for n in range(1, count + 1) if n not in skip]
+
+
+def test_a_changed_file_row_len_or_tokenizer_is_a_new_entry(tmp_path):
+  path = tmp_path / "f.jsonl"
+  _write(path, _rows(6))
+  cache = str(tmp_path / "cache")
+
+  def load(tok=None, row_len=64):
+    CountingTokenizer.calls = 0
+    data = SFTData.from_files(str(path), tok or CountingTokenizer(), row_len=row_len,
+                              cache_dir=cache)
+    return data, CountingTokenizer.calls > 0
+
+  assert load()[1] and not load()[1]
+  st = os.stat(path)
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))  # touched: unchanged bytes
+  assert load()[1] and not load()[1]
+  _write(path, _rows(6) + [{"prompt": "new", "completion": "row"}])
+  data, tokenized = load()
+  assert tokenized and len(data) == 6 and data.sources[-1] == f"{path}:7"
+  assert load(row_len=32)[1] and not load(row_len=32)[1]
+  other = type("OtherTokenizer", (CountingTokenizer,), {})()
+  assert load(other)[1] and not load(other)[1]
+  assert len(os.listdir(cache)) == 5
+
+
+@pytest.mark.parametrize("damage", ["delete_npy", "truncate_npy", "garble_meta",
+                                    "old_version", "meta_not_an_object"])
+def test_a_broken_entry_is_rebuilt_not_a_crash(tmp_path, caplog, damage):
+  path = _write(tmp_path / "f.jsonl", _rows(7))
+  cache = tmp_path / "cache"
+  SFTData.from_files(path, CountingTokenizer(), row_len=64, cache_dir=str(cache))
+  (entry,) = cache.iterdir()
+  if damage == "delete_npy":
+    (entry / "response_tokens.npy").unlink()
+  elif damage == "truncate_npy":
+    npy = entry / "prompt_tokens.npy"
+    npy.write_bytes(npy.read_bytes()[:100])
+  elif damage == "garble_meta":
+    (entry / "meta.json").write_text('{"version": 1, "cou')
+  else:
+    meta = json.loads((entry / "meta.json").read_text())
+    meta = {**meta, "version": 0} if damage == "old_version" else [meta]
+    (entry / "meta.json").write_text(json.dumps(meta))
+  CountingTokenizer.calls = 0
+  again = SFTData.from_files(path, CountingTokenizer(), row_len=64, cache_dir=str(cache))
+  assert CountingTokenizer.calls > 0
+  assert f"cache entry {entry} is unreadable" in caplog.text
+  assert len(again) == 6
+  for x, y in zip(again.examples, _row_by_row([path], 64)):
+    _assert_same(x, y)
+  assert [p.name for p in cache.iterdir()] == [entry.name]  # rewritten in place, no litter
+  CountingTokenizer.calls = 0
+  SFTData.from_files(path, CountingTokenizer(), row_len=64, cache_dir=str(cache))
+  assert CountingTokenizer.calls == 0
+
+
+def test_an_unwritable_cache_warns_and_the_data_still_load(tmp_path, caplog):
+  path = _write(tmp_path / "f.jsonl", _rows(4))
+  (tmp_path / "file").write_text("")  # a file where the cache's parent should be
+  data = SFTData.from_files(path, TOK, row_len=64, cache_dir=str(tmp_path / "file" / "cache"))
+  assert len(data) == 3 and caplog.text.count("could not cache the tokenized rows") == 1
+  for x, y in zip(data.examples, _row_by_row([path], 64)):
+    _assert_same(x, y)
+
+
+def test_processes_racing_to_write_one_entry_all_load_it(tmp_path, monkeypatch, caplog):
+  """The hosts of a job share a cache: each misses, tokenizes and writes the same entry;
+  the first rename stays, the others keep theirs out of the way, nobody fails."""
+  caplog.set_level("INFO", logger="posttrain")
+  path = _write(tmp_path / "f.jsonl", _rows(8))
+  cache = tmp_path / "cache"
+  racers = 4
+  barrier = threading.Barrier(racers)
+  tokenize = SFTData._tokenize.__func__
+
+  def tokenize_then_wait(cls, *args):
+    data = tokenize(cls, *args)
+    barrier.wait(timeout=30)  # every racer has missed before any writes
+    return data
+
+  monkeypatch.setattr(SFTData, "_tokenize", classmethod(tokenize_then_wait))
+  loaded = [None] * racers
+
+  def load(i):
+    loaded[i] = SFTData.from_files(path, TOK, row_len=64, cache_dir=str(cache))
+
+  threads = [threading.Thread(target=load, args=(i,)) for i in range(racers)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  entries = list(cache.iterdir())  # one entry, no temporary directories left
+  assert len(entries) == 1 and entries[0].name.startswith("sft-")
+  assert caplog.text.count("cache miss, cached in") == racers
+  assert "could not cache" not in caplog.text
+  want = _row_by_row([path], 64)
+  for data in loaded:
+    for x, y in zip(data.examples, want):
+      _assert_same(x, y)

@@ -89,3 +89,18 @@ def test_hf_tokenizer_saves_what_loads_it_back(tmp_path):
                                                             tok.vocab_size)
   assert load_tokenizer("byte").save(str(tmp_path / "none")) == []
   assert not (tmp_path / "none").exists()
+
+
+def test_fingerprints_change_with_what_changes_the_ids(tmp_path):
+  """The tokenized-data cache's key: equal for tokenizers that encode alike, different
+  otherwise."""
+  assert ByteTokenizer().fingerprint == ByteTokenizer().fingerprint
+  assert type("Other", (ByteTokenizer,), {})().fingerprint != ByteTokenizer().fingerprint
+  for name in ("a", "b"):
+    (tmp_path / name).mkdir()
+    _write_hf_tokenizer(tmp_path / name, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  a, b = load_tokenizer(str(tmp_path / "a")), load_tokenizer(str(tmp_path / "b"))
+  assert a.fingerprint == b.fingerprint != ByteTokenizer().fingerprint
+  (tmp_path / "b" / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|im_end|>"}))
+  assert b.fingerprint == a.fingerprint  # read once, when first asked
+  assert load_tokenizer(str(tmp_path / "b")).fingerprint != a.fingerprint
