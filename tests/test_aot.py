@@ -40,6 +40,7 @@ def rollout_report():
   return aot.compile_rollout(_config(), aot.tpu_devices("v5e:2x2"))
 
 
+@pytest.mark.slow
 @requires_libtpu
 def test_rl_update_compiles_for_a_v5e_slice_with_flash_kernels(rl_report):
   config, report = _config(), rl_report
@@ -78,6 +79,7 @@ def test_rollout_programs_compile_for_a_v5e_slice(rollout_report):
   assert max(report.prefill_peak, report.decode_peak) + resident <= plan.rollout_peak
 
 
+@pytest.mark.slow
 @requires_libtpu
 @pytest.mark.parametrize("turns,slots", [(1, 64), (3, 64), (3, 256)])
 def test_streamed_rollout_programs_compile_within_the_plan(turns, slots):
@@ -122,6 +124,7 @@ def test_compiled_peaks_print_against_the_plan(rl_report, rollout_report):
   assert f"compiled / planned = {ratio:.2f}" in out
 
 
+@pytest.mark.slow
 @requires_libtpu
 def test_plan_compile_for_reports_a_program_too_big_for_the_chip():
   done = _plan("--compile_for=v5e:2x2", "--config.train.rows_per_microbatch=4096",

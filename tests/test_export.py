@@ -138,6 +138,7 @@ def test_what_cannot_be_exported_is_refused_in_one_line(tmp_path):
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_the_launcher_writes_a_folder_that_loads_and_fails_in_one_line(tmp_path):
   config = _config()
   run = _fake_run(str(tmp_path / "run"), config, seeds=(1, 2))

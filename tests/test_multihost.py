@@ -205,6 +205,7 @@ def _train_args(workdir, **extra):
           *flags]
 
 
+@pytest.mark.slow
 def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   cache = {"compile_cache_dir": tmp_path / "cache"}  # process 0 writes, both read
   first = _run_two(_train_args(tmp_path, **cache), timeout=900)
@@ -383,6 +384,7 @@ print("path without a local source:", distributed.cross_host_path(only_first, on
 """
 
 
+@pytest.mark.slow
 def test_two_process_weight_copy_stays_on_devices_when_each_host_holds_both_meshes():
   """Train mesh -> rollout mesh across 2 processes, never through host memory: with every
   host's train devices a whole multiple of its rollout devices (2+2 and 3+1 per host) each

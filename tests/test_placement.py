@@ -64,6 +64,7 @@ def test_disaggregated_with_zero_lag_equals_colocated_exactly(tmp_path):
     assert rb["staleness/max"] == 0 and "timing/wait_for_rollout_s" in rb
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("streamed", [False, True])
 def test_swapping_weights_between_batches_repeats_a_disaggregated_run_exactly(tmp_path,
                                                                               streamed):
@@ -93,6 +94,7 @@ def test_swapping_weights_between_batches_repeats_a_disaggregated_run_exactly(tm
       assert ra[key] == rb[key], (i, key, ra[key], rb[key])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_multi_turn_rollouts_stream_through_a_training_run(tmp_path, mode):
   """Two-turn rows (a tool answers each first turn) streamed through 8 cache rows train,
@@ -178,6 +180,7 @@ def test_stale_groups_beyond_the_bound_are_dropped_and_counted(tmp_path):
   assert all(np.isfinite(r["loss/policy"]) for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_partial_rollouts_across_steps_train_on_complete_groups(tmp_path, mode):
   """placement.step_tokens=5 with 12 new tokens: an untrained policy's groups take three

@@ -612,6 +612,7 @@ def _plan_cli(*args):
                         capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_table_and_exits_by_verdict():
   ok = _plan_cli("--config=configs/llama3_70b_grpo_v5p256.py", "--device_memory_gb=95")
   assert ok.returncode == 0, ok.stderr

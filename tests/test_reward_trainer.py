@@ -91,6 +91,7 @@ def test_verifier_pairs_prefer_what_the_verifier_accepts():
     verifier_pairs(DOMAINS, 0)
 
 
+@pytest.mark.slow
 def test_reward_model_learns_resumes_exactly_and_exports(tmp_path, pair_files, monkeypatch):
   steps = 24
   straight = reward_trainer.train(_config(pair_files, **{"rm.steps": steps,
@@ -207,6 +208,7 @@ def test_policy_tools_refuse_a_reward_model_config(tmp_path, pair_files):
     reward_trainer.RewardModelTrainer(config, str(tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_heldout_accuracy_per_domain_is_each_pairs_own_scores(tmp_path, pair_files):
   """An untrained model: each held-out pair scored alone (its two sequences, the score
   head at their last token) decides its domain's accuracy."""

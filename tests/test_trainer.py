@@ -86,6 +86,7 @@ def _final_params(workdir, cfg_extra=None):
   return jax.tree.map(np.asarray, state["params"]), extras, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_before,scan_now", [(False, True), (True, False)])
 def test_init_from_an_earlier_run_in_either_layout_of_the_layers(tmp_path, scan_before,
                                                                   scan_now):
@@ -156,6 +157,7 @@ def test_few_step_rl_run_end_to_end(tmp_path, capsys):
                                          if "reward/mean" in r]) == 3
 
 
+@pytest.mark.slow
 def test_kl_reference_survives_retention_and_resume(tmp_path):
   """With a KL term the RL-start checkpoint (the reference) is kept past keep_last, so
   a resumed run rebuilds the same reference."""
@@ -169,6 +171,7 @@ def test_kl_reference_survives_retention_and_resume(tmp_path):
   assert len(rl_rows) == 3 and np.isfinite(rl_rows[-1]["kl"])
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, monkeypatch):
   """DAPO dynamic sampling in the trainer: all-equal groups are dropped and replaced by new
   draws until the step's prompts are full, and the scheduler learns only from kept groups."""
@@ -237,6 +240,7 @@ def test_sft_position_survives_a_change_of_process_count():
   assert trainer.sft_iterator_state({"next_index": 5}, 1) == {"next_index": 5}
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
   """The three launches share a compilation cache (`compile_cache_dir`), as restarts of a
   job would: the later ones load the first one's programs, and still match bitwise."""
@@ -266,6 +270,7 @@ def test_kill_9_then_resume_matches_uninterrupted_run_bitwise(tmp_path):
     np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
   proc = _launch(tmp_path, *_flags(**{"train.rl_steps": 50, "checkpoint.every": 1000}))
   deadline = time.time() + 600
@@ -354,6 +359,7 @@ def test_every_shipped_config_passes_the_range_check():
     experiment.check_config(importlib.import_module(f"configs.{name}").get_config())
 
 
+@pytest.mark.slow
 def test_launcher_errors_are_one_line(tmp_path):
   proc = _launch(tmp_path, "--config.no_such_key=1")
   out = proc.communicate(timeout=300)[0]
@@ -386,6 +392,7 @@ def test_reference_pass_runs_in_the_update_only_for_a_single_kl_loss_update(
 LORA = {"model.overrides.lora_rank": 4, "model.overrides.lora_alpha": 8.0}
 
 
+@pytest.mark.slow
 def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path):
   """SFT then RL with LoRA adapters: RL starts on fresh adapters over a base that holds
   SFT's (so its first KL to the base is 0), and export_hf writes the adapted policy
@@ -410,6 +417,7 @@ def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_path):
   from flax import nnx
 
@@ -433,6 +441,7 @@ MOE = {"model.overrides.num_experts": 4, "model.overrides.num_experts_per_tok": 
        "model.overrides.architecture": "MixtralForCausalLM"}
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_run_trains_and_exports_per_expert_files(tmp_path):
   """SFT then RL on a mixture-of-experts policy over the 8-device mesh; export_hf writes
   Mixtral files that load back as the trained policy."""
@@ -602,6 +611,7 @@ def test_dpo_stage_learns_the_pairs_logs_heldout_metrics_and_resumes_exactly(tmp
   assert resumed["preference_heldout"] == held
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["orpo", "ipo"])
 def test_sft_then_lora_preference_then_rl_with_a_kl_reference(tmp_path, loss):
   """Every stage in one run, LoRA adapters folded into the base between them; the KL
@@ -617,6 +627,7 @@ def test_sft_then_lora_preference_then_rl_with_a_kl_reference(tmp_path, loss):
   assert [r["step"] for r in rows if "kl" in r and "reward/mean" in r] == [5, 6]
 
 
+@pytest.mark.slow
 def test_rl_without_sft_rebuilds_its_kl_reference_on_resume(tmp_path, monkeypatch):
   """A run that starts at RL writes the checkpoint its KL reference is rebuilt from."""
   extra = {"sft.steps": 0, "train.rl_steps": 3, "rl.kl_coef": 0.01, "checkpoint.keep_last": 1}
@@ -640,6 +651,7 @@ def test_preference_config_errors_fail_before_anything_is_built(tmp_path):
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_online_dpo_pairs_each_groups_best_and_worst_sample(tmp_path, monkeypatch):
   """algorithm=online_dpo: dynamic sampling keeps groups whose rewards differ, each gives
   its best sample against its worst, one preference update; the reference is the policy

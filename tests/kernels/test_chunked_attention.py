@@ -41,6 +41,7 @@ def test_explicit_positions_match_default_and_shift_invariant():
   assert_close(shifted, default, 1e-6)
 
 
+@pytest.mark.slow
 def test_per_row_positions_match_reference():
   # Decode-style: each row's queries sit at a different offset.
   case = Case("rows", q_len=8, kv_len=128, batch=2)

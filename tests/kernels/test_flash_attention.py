@@ -195,6 +195,10 @@ class TestFlashTPU(FlashAttentionTest):
 class TestFlashTPUInterpret(TestFlashTPU):
   INTERPRET = True
 
+  @pytest.mark.slow  # the GPU family runs it by default (the block logic is shared)
+  def test_packed_rows_skip_blocks_of_other_sequences(self):
+    super().test_packed_rows_skip_blocks_of_other_sequences()
+
 
 @_parametrize
 class TestFlashGPU(FlashAttentionTest):
@@ -208,6 +212,10 @@ class TestFlashGPUInterpret(TestFlashGPU):
   # The block logic is shared with the TPU family; a subset keeps the suite fast.
   CASES = tuple(c for c in CASES if c.name in (
       "causal_gqa_ragged", "segments_q_shorter", "soft_cap_sliding"))
+
+  @pytest.mark.slow  # the TPU family runs it by default (the block logic is shared)
+  def test_fully_masked_rows_are_zero_with_finite_grads(self):
+    super().test_fully_masked_rows_are_zero_with_finite_grads()
 
 
 def _padded_mask(cfg):
@@ -274,6 +282,7 @@ def _block_hull(table):
 _segment_block_ranges = jax.jit(fa.segment_block_ranges, static_argnums=(2, 3))
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(data=st.data(), block_q=st.sampled_from([16, 32, 48]),
                   block_kv=st.sampled_from([16, 32, 80]), packed=st.booleans())
@@ -523,6 +532,7 @@ FUSED_SIM_CASES = [  # (case, compact_grid)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,compact", FUSED_SIM_CASES,
                          ids=lambda c: getattr(c, "name", str(c)))
 def test_fused_backward_masks_the_partials_no_step_wrote(monkeypatch, case, compact):

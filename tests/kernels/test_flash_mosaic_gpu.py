@@ -105,6 +105,7 @@ def test_schedule_runs_exactly_the_visible_blocks(q_len, kv_len, causal, window,
         assert _visible(cfg, rows, i, block_kv, q_seg, kv_seg).all(), (tile, i)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=60, deadline=None)
 @hypothesis.given(
     q_len=st.integers(1, 700), kv_len=st.integers(1, 700), causal=st.booleans(),
@@ -232,6 +233,7 @@ def test_hopper_device_reads_the_lowering_target():
   assert not fm.hopper_device()
 
 
+@pytest.mark.slow
 def test_default_kernels_on_hopper(monkeypatch):
   """Off Hopper: Triton. On it: the Mosaic forward for calls without segment ids and
   inputs it takes; the Mosaic backward kernels only when asked."""

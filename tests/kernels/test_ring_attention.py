@@ -176,6 +176,7 @@ def test_bad_lengths(mesh8):
     kernels.ring_attention_sharded(x, x, x, mesh=mesh8, axis_name="sp")
 
 
+@pytest.mark.slow
 def test_ring_with_tpu_flash_blocks_and_the_fused_backward():
   """Ring's flash blocks take the kernel options, the TPU fused backward included."""
   mesh = jax.make_mesh((2,), ("sp",))

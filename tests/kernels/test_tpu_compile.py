@@ -59,7 +59,13 @@ def _grad_program(mesh, q_len, kv_len, heads, kv_heads, head_dim, dtype, segment
   return compile_for(mesh, jax.grad(loss, argnums=(0, 1, 2)), *args)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# The cases that compile for 15-45 s on CPU run with -m slow.
+_SLOW_CASES = ("gqa_segments_bf16", "fused_backward", "float16_inputs",
+               "f32_head_dim_256_window_at_4k", "window_at_16k_compact", "compact_causal_fused")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.slow if c in _SLOW_CASES else ()) for c in sorted(CASES)])
 def test_flash_forward_and_backward_compile_for_v5e(case):
   compiled = _grad_program(tpu_mesh("v5e", (1,), ("x",)), *CASES[case])
   text = compiled.as_text()
@@ -76,10 +82,10 @@ _GENERATION_CASES = ["gqa_segments_bf16", "f32_head_dim_256_window_at_4k", "fuse
 _CHIPS = ["v4", "v5p", "v6e"]
 
 
-# Each case on one generation by default (every generation in turn), the rest with -m slow.
+# Every case on every generation: 25-30 s each on CPU, so with -m slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("case, chip", [
-    pytest.param(case, chip, marks=() if (i - j) % len(_CHIPS) == 0 else pytest.mark.slow)
-    for i, case in enumerate(_GENERATION_CASES) for j, chip in enumerate(_CHIPS)])
+    (case, chip) for case in _GENERATION_CASES for chip in _CHIPS])
 def test_default_blocks_compile_for_each_generation(case, chip):
   _grad_program(tpu_mesh(chip, (1,), ("x",)), *CASES[case])
 
@@ -96,7 +102,8 @@ def test_pallas_outside_shard_map_is_refused_on_a_mesh():
   compile_for(mesh, sharded, q, q, q)
 
 
-@pytest.mark.parametrize("window", [None, pytest.param(700, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 700])
 def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice(window):
   """The ring's flash blocks; with a window, at the kv shard's distance (q_offset)."""
   mesh = tpu_mesh("v5e", (4,), ("sequence",))

@@ -97,6 +97,7 @@ def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, family):
   assert np.abs(np.asarray(again(jnp.asarray(TOKENS)) - ours(jnp.asarray(TOKENS)))).max() == 0
 
 
+@pytest.mark.slow
 def test_load_onto_a_mesh_shards_each_tensor(tmp_path):
   hf = _hf_model("qwen3", num_key_value_heads=5)
   hf.save_pretrained(tmp_path)

@@ -47,6 +47,7 @@ def numpy_merged(model):
   return plain
 
 
+@pytest.mark.slow
 def test_new_adapters_change_nothing_and_leave_the_base_init_alone():
   base, adapted = models.create_model(CFG, seed=3), models.create_model(LORA, seed=3)
   np.testing.assert_array_equal(logits(base, TOKENS), logits(adapted, TOKENS))

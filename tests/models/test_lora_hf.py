@@ -108,6 +108,7 @@ def test_save_pretrained_writes_the_merged_model(tmp_path):
   assert np.abs(_logits(plain) - _logits(ours)).max() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_lora_rank_override_starts_at_the_base_on_a_mesh(tmp_path, scan_layers):
   _hf_model("qwen3").save_pretrained(tmp_path)

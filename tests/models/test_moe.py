@@ -215,6 +215,7 @@ def test_config_counts_and_checks():
     CFG.replace(num_experts=-1)
 
 
+@pytest.mark.slow
 def test_lora_on_a_mixture_adapts_attention_only():
   m = models.create_model(CFG.replace(lora_rank=4), seed=1)
   assert m.cfg.lora_target_names == ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -228,6 +229,7 @@ def test_lora_on_a_mixture_adapts_attention_only():
     CFG.replace(lora_rank=4, lora_targets="q_proj,up_proj")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [None, (1, 2, 4, 1)])
 def test_sampler_draws_what_the_model_computes(model, shape):
   """Greedy tokens equal argmax decoding by full recomputation; sampled tokens' behaviour
@@ -282,9 +284,13 @@ def test_load_balancing_loss_and_its_gradient_on_a_mesh_and_scanned(model, shape
   for i in range(CFG.num_layers):
     np.testing.assert_allclose(grads["layers"]["mlp"]["router"][i],
                                want_grads["layers"][i]["mlp"]["router"], atol=1e-6, rtol=1e-4)
+  if shape is not None:
+    return
   # Padding counts nothing: the loss of the unpadded tokens alone.
-  _, alone = model.hidden_states(tokens[1:2, :6], router_loss=True)
-  _, padded = model.hidden_states(tokens[1:2], segment_ids_BxT=segments[1:2], router_loss=True)
+  router_loss = nnx.jit(lambda m, t, s: m.hidden_states(t, segment_ids_BxT=s,
+                                                        router_loss=True)[1])
+  alone = router_loss(model, tokens[1:2, :6], None)
+  padded = router_loss(model, tokens[1:2], segments[1:2])
   np.testing.assert_allclose(padded, alone, rtol=1e-5)
   with pytest.raises(ValueError, match="router_loss=True needs a mixture of experts"):
     models.create_model(CFG.replace(num_experts=0, num_experts_per_tok=0)).hidden_states(

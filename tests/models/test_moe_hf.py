@@ -144,6 +144,7 @@ def test_load_balancing_loss_matches_transformers_aux_loss(tmp_path, family):
   assert again["output_router_logits"] and again["router_aux_loss_coef"] == 0.02
 
 
+@pytest.mark.slow
 def test_attention_adapters_on_a_mixture_round_trip_through_peft(tmp_path):
   """LoRA on a mixture adapts the attention projections: the adapter files load in
   `peft` onto the published base and compute what ours does, and load back here."""

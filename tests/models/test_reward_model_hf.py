@@ -112,20 +112,23 @@ def test_scores_match_transformers_and_export_loads_there(tmp_path, family):
 def test_scores_take_the_last_real_token_of_each_row():
   cfg = models.get_preset("tiny", num_layers=1, value_head=True, lm_head=False)
   model = models.create_model(cfg)
+  scores = nnx.jit(lambda m, t, s: m.scores(t, s))
+  values_of = nnx.jit(lambda m, t, s: m.values(t, segment_ids_BxT=s))
   tokens = jnp.asarray(TOKENS)
-  values = np.asarray(model.values(tokens))
-  np.testing.assert_array_equal(np.asarray(model.scores(tokens)), values[:, -1])
+  values = np.asarray(values_of(model, tokens, None))
+  np.testing.assert_array_equal(np.asarray(scores(model, tokens, None)), values[:, -1])
   segments = SEGMENTS.copy()
   segments[2] = 0  # a row of padding alone
-  got = np.asarray(model.scores(tokens, jnp.asarray(segments)))
-  want_values = np.asarray(model.values(tokens, segment_ids_BxT=jnp.asarray(segments)))
+  got = np.asarray(scores(model, tokens, jnp.asarray(segments)))
+  want_values = np.asarray(values_of(model, tokens, jnp.asarray(segments)))
   np.testing.assert_array_equal(got[:2], want_values[np.arange(2), LENGTHS[:2] - 1])
   assert got[2] == 0.0
   # Padding after a row's last token changes nothing: its score is that of the row alone.
-  alone = np.asarray(model.scores(tokens[1:2, :LENGTHS[1]]))
+  alone = np.asarray(scores(model, tokens[1:2, :LENGTHS[1]], None))
   np.testing.assert_allclose(got[1], alone[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_load_onto_a_mesh_with_scanned_layers_and_lora_exports_merged(tmp_path):
   hf = _hf_model("qwen2")
   hf.save_pretrained(tmp_path / "hf")
@@ -282,6 +285,7 @@ def _randomise_lora_and_head(model, seed=1):
                                    model.value_w.dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("from_causal_lm", [False, True])
 def test_a_lora_reward_model_saves_a_peft_seq_cls_adapter_with_its_score(tmp_path,
                                                                        from_causal_lm):

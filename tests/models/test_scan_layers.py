@@ -32,6 +32,7 @@ def _pure(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 def test_stacked_parameters_carry_the_layers_axis(pair):
   plain, scanned = pair
   q = scanned.layers.attn.q_proj
@@ -73,6 +74,7 @@ def test_forward_and_gradients_equal_the_layer_list(remat):
   np.testing.assert_allclose(gb["embed"], ga["embed"], atol=2e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_packed_token_logprobs_equal_the_layer_list(pair):
   plain, scanned = pair
   tokens = _tokens(b=2, t=16)
@@ -121,6 +123,7 @@ def test_cache_layout_must_match_the_model(pair):
     plain.hidden_states(tokens, cache=models.init_cache(SCAN, 2, 8), prefill=True)
 
 
+@pytest.mark.slow
 def test_sharded_scanned_model_keeps_the_layer_axis_whole():
   mesh = models.make_mesh((1, 2, 4, 1))
   cfg = SCAN.replace(num_heads=4, num_kv_heads=2, ffn_dim=96)
@@ -180,6 +183,7 @@ def test_hugging_face_files_are_the_same_from_either_layout(tmp_path, pair):
   np.testing.assert_array_equal(np.asarray(k), np.asarray(scanned.layers.attn.k_proj[...]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,shape", [("ring", (1, 2, 1, 4)), ("flash", (1, 2, 3, 1))])
 def test_sharded_kernels_run_inside_the_scan(pair, impl, shape):
   """Ring attention (ppermute around the sequence axis) and per-shard flash attention

@@ -30,6 +30,7 @@ def _state_specs(mesh):
       lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state, shardings)
 
 
+@pytest.mark.slow
 def test_flash_model_gradient_compiles_on_a_sharded_tpu_mesh():
   mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
   graphdef, state = _state_specs(mesh)
@@ -78,6 +79,7 @@ def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dty
   compile_for(mesh, decode, state, step_tokens, cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_dtype,scan", [
     ("int8", True),  # The default run's case; the rest run with -m slow.
     pytest.param(None, False, marks=pytest.mark.slow),
@@ -153,6 +155,7 @@ def test_decode_gathers_no_weights_inside_its_loop_on_tpu(scan):
   assert per_step[True] < per_step[False] / 10, per_step
 
 
+@pytest.mark.slow
 def test_sharded_weights_never_gather_the_whole_output_projection_on_tpu():
   """Weights left FSDP-sharded (gather_weights=False): XLA:TPU gathered the whole [D, V]
   output projection onto every device for the logits, in prefill and in every decode

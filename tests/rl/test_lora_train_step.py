@@ -59,6 +59,7 @@ def test_lora_step_trains_only_the_adapters_against_the_base_as_reference():
     step(s_in, batch, s_in.params)
 
 
+@pytest.mark.slow
 def test_scanned_sharded_lora_step_equals_the_one_device_layer_list():
   batch = microbatched(packed_rows(1), 2)
   model = models.create_model(LORA)

@@ -2,6 +2,7 @@
 
 import numpy as np
 import optax
+import pytest
 
 from posttrain import models
 from posttrain.rl import presets
@@ -34,6 +35,7 @@ def test_eight_devices_match_one_device():
       np.testing.assert_allclose(m8[name], m1[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_load_balancing_loss_joins_the_update_averaged_over_microbatches():
   """router_aux_loss_coef adds coef x the mean of the micro-batches' load-balancing losses
   to the loss (logged as loss/router_aux) and its gradient to the router's; on 8 devices

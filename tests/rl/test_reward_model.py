@@ -98,17 +98,20 @@ def with_margins(pairs, batch, seed=0):
 
 
 def own_rewards(params, pairs, cfg=RM_CFG):
-  """Each pair's two rewards from the model alone on its sequence (no packing, no padding):
-  the score head's h . w at the sequence's last token, in float64."""
+  """Each pair's two rewards from the model alone on its sequence (no packing): the score
+  head's h . w at the sequence's last token, in float64. The sequences are right-padded
+  to one length for one call; under causal attention nothing after a token changes it."""
   graphdef, _, rest = ts._split_abstract(cfg)
   model = nnx.merge(graphdef, params, rest)
-  out = np.zeros((2, len(pairs)))
-  for i, pair in enumerate(pairs):
-    for side, name in enumerate(("chosen", "rejected")):
-      seq = np.concatenate([pair["prompt_tokens"], pair[f"{name}_tokens"]])[:ROW_LEN]
-      h = model.hidden_states(jnp.asarray(seq[None], jnp.int32))
-      out[side, i] = float(np.asarray(h[0, -1], np.float64) @ np.asarray(model.value_w[...]))
-  return out
+  seqs = [np.concatenate([pair["prompt_tokens"], pair[f"{name}_tokens"]])[:ROW_LEN]
+          for name in ("chosen", "rejected") for pair in pairs]
+  tokens = np.zeros((len(seqs), ROW_LEN), np.int32)
+  for i, seq in enumerate(seqs):
+    tokens[i, :len(seq)] = seq
+  h = np.asarray(nnx.jit(lambda m, t: m.hidden_states(t))(model, jnp.asarray(tokens)),
+                 np.float64)
+  last = h[np.arange(len(seqs)), [len(seq) - 1 for seq in seqs]]
+  return (last @ np.asarray(model.value_w[...], np.float64)).reshape(2, len(pairs))
 
 
 def fresh_state(optimizer, mesh, seed=0, cfg=RM_CFG):
@@ -175,6 +178,7 @@ def test_more_microbatches_and_eight_devices_give_the_same_update():
   assert_metrics_close(metrics_8, metrics_1, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_training_ranks_every_pair_and_leaves_the_bias_alone():
   """Thirty Adam steps from a random head: every chosen sequence scores above its
   rejected one when scored afresh, and the bias, which Hugging Face's score layer lacks,
