@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import default
-from posttrain import evaluation, experiment, report, trainer
+from posttrain import evaluation, experiment, planner, report, trainer
 from posttrain.rollout import Sample, TrajectoryGroup
 from posttrain.sandbox import ExecResult
 from posttrain.tasks import (
@@ -429,14 +429,7 @@ OVERRIDES = {
 
 
 def _config():
-  c = default.get_config()
-  for key, value in OVERRIDES.items():
-    node = c
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return planner.override(default.get_config(), OVERRIDES)
 
 
 class _FixedDomain(Domain):

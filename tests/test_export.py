@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from configs import default, reward_model_tiny
-from posttrain import experiment, models
+from posttrain import experiment, models, planner
 from posttrain.checkpoint import CheckpointManager
 from posttrain.export import export_checkpoint
 from posttrain.rl import state as rl_state
@@ -27,14 +27,7 @@ TOKENS = jnp.arange(1, 25, dtype=jnp.int32).reshape(2, 12)
 
 
 def _config(module=default, **extra):
-  c = module.get_config()
-  for key, value in {**OVERRIDES, **extra}.items():
-    node = c
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return planner.override(module.get_config(), {**OVERRIDES, **extra})
 
 
 def _randomise(model, seed):

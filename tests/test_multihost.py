@@ -225,14 +225,8 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   for pid, (_, out) in enumerate(first):
     assert f"SFT data: process {pid} of 2 loads 4 of the 8 demonstrations" in out
   from configs import default
-  from posttrain import trainer
-  single = default.get_config()
-  for key, value in {**OVERRIDES, **_PINNED, "train.rl_steps": 0}.items():
-    node = single
-    *path, leaf = key.split(".")
-    for part in path:
-      node = node[part]
-    node[leaf] = value
+  from posttrain import planner, trainer
+  single = planner.override(default.get_config(), {**OVERRIDES, **_PINNED, "train.rl_steps": 0})
   trainer.train(single, str(tmp_path / "single"))
   want = [json.loads(ln) for ln in (tmp_path / "single" / "metrics.jsonl").read_text()
           .splitlines()]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import reward_model_tiny
-from posttrain import experiment, models, reward_trainer
+from posttrain import experiment, models, planner, reward_trainer
 from posttrain.checkpoint import CheckpointManager
 from posttrain.data import ByteTokenizer
 from posttrain.metrics import read_metrics
@@ -55,14 +55,8 @@ def pair_files(tmp_path_factory):
 
 def _config(pair_files, **extra):
   c = reward_model_tiny.get_config()
-  values = {**OVERRIDES, "rm.data": pair_files[0], "rm.eval_data": pair_files[1], **extra}
-  for key, value in values.items():
-    node = c
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return planner.override(c, {**OVERRIDES, "rm.data": pair_files[0],
+                             "rm.eval_data": pair_files[1], **extra})
 
 
 def _params(workdir, config):

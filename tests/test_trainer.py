@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from posttrain import experiment, trainer
+from posttrain import experiment, planner, trainer
 from posttrain.rl import presets
 from posttrain.rl import train_step as ts
 from posttrain.metrics import read_metrics
@@ -35,14 +35,7 @@ OVERRIDES = {
 
 
 def _config(**extra):
-  c = default.get_config()
-  for key, value in {**OVERRIDES, **extra}.items():
-    node = c
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return planner.override(default.get_config(), {**OVERRIDES, **extra})
 
 
 def _flags(**extra):

@@ -8,6 +8,7 @@ import pytest
 
 from posttrain.data import ByteTokenizer
 from posttrain.data.preference import PreferenceData, encode_pair, parse_pair
+from tests.data.test_sft import _assert_same
 
 TOK = ByteTokenizer()
 END = TOK.special_ids["<|end|>"]
@@ -138,13 +139,3 @@ def test_pairs_come_back_from_the_cache_as_the_row_by_row_pairs_and_stream(tmp_p
   assert [("margin" in p, "domain" in p) for p in again.examples] == [
       ("margin" in r, "domain" in r) for r in rows]
   assert again.examples[1]["domain"] == again.examples[5]["domain"] == "math"
-
-
-def _assert_same(got, want):
-  assert list(got) == list(want)  # the keys, in order
-  for key, value in want.items():
-    if isinstance(value, np.ndarray):
-      assert got[key].dtype == value.dtype, key
-      np.testing.assert_array_equal(got[key], value, err_msg=key)
-    else:
-      assert type(got[key]) is type(value) and got[key] == value, key
