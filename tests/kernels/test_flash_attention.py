@@ -30,6 +30,21 @@ fa = importlib.import_module("kernels.flash_attention")  # the module, not the f
 ON = jax.default_backend()
 
 
+def _block_counts(cfg, x, seg=None):
+  """The kernels' own counters (forward, dq, dk / dv) of one forward and backward, in one
+  jit (eagerly, every op around the kernels compiles on its own)."""
+
+  @jax.jit
+  def run(q, k, v, dout, seg):
+    out, lse, fwd_counts = fa._forward(cfg, q, k, v, seg, seg, counts=True)
+    di = jnp.einsum("bqhd,bqhd->bhq", dout, out)
+    _, (dq_counts, dkv_counts) = fa._backward(cfg.for_backward(), q, k, v, seg, seg, dout,
+                                              lse, di, counts=True)
+    return fwd_counts, dq_counts, dkv_counts
+
+  return run(x["q"], x["k"], x["v"], x["dout"], seg)
+
+
 class FlashAttentionTest:
   """Cases shared by every kernel family; subclasses pick the family and the mode."""
   BACKEND = "tpu"
@@ -64,11 +79,7 @@ class FlashAttentionTest:
     cfg = fa.make_config(x["q"], x["k"], causal=True, sliding_window=window,
                          backend=self.BACKEND, block_q=bq, block_kv=bk,
                          block_q_dq=2 * bq, block_kv_dq=2 * bk, interpret=self.INTERPRET)
-    out, lse, fwd_counts = fa._forward(cfg, x["q"], x["k"], x["v"], None, None, counts=True)
-    di = jnp.einsum("bqhd,bqhd->bhq", x["dout"], out)
-    _, (dq_counts, dkv_counts) = fa._backward(
-        cfg.for_backward(), x["q"], x["k"], x["v"], None, None, x["dout"], lse, di,
-        counts=True)
+    fwd_counts, dq_counts, dkv_counts = _block_counts(cfg, x)
     visible = brute_force_visible(cfg)
     total = cfg.num_q_blocks * cfg.num_kv_blocks
     assert visible.sum() < total  # the case does have blocks to skip
@@ -105,11 +116,7 @@ class FlashAttentionTest:
     cfg = fa.make_config(x["q"], x["k"], causal=True, segments=True, backend=self.BACKEND,
                          block_q=self.BLOCKS[0], block_kv=self.BLOCKS[1],
                          interpret=self.INTERPRET)
-    out, lse, fwd_counts = fa._forward(cfg, x["q"], x["k"], x["v"], seg, seg, counts=True)
-    di = jnp.einsum("bqhd,bqhd->bhq", x["dout"], out)
-    _, (dq_counts, dkv_counts) = fa._backward(
-        cfg.for_backward(), x["q"], x["k"], x["v"], seg, seg, x["dout"], lse, di,
-        counts=True)
+    fwd_counts, dq_counts, dkv_counts = _block_counts(cfg, x, seg)
     for row in range(2):
       ids = np.asarray(seg[row])
       visible = brute_force_visible(cfg, ids, ids)
@@ -138,8 +145,7 @@ class FlashAttentionTest:
     case = Case("pad", segments=True, q_len=128, kv_len=128)
     x = make_inputs(case)
     kw = case.mask_kwargs(x)
-    out, vjp = jax.vjp(lambda q, k, v: self.flash(q, k, v, **kw), x["q"], x["k"], x["v"])
-    grads = vjp(x["dout"])
+    out, grads = value_and_vjp(self.flash, x, **kw)
     padded = np.asarray(x["q_seg"] == 0)
     np.testing.assert_array_equal(np.asarray(out)[padded], 0.0)
     for g in grads:

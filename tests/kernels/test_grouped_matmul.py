@@ -68,9 +68,10 @@ def test_bfloat16_weight_gradient_accumulates_in_float32():
 
 def test_schedule_visits_every_row_once_and_each_group_in_order():
   rng = np.random.default_rng(5)
+  visits = jax.jit(gm._visits, static_argnums=(1, 2))  # one program, not one per op
   for m, tm, groups in [(1024, 128, 16), (512, 256, 7), (256, 128, 40)]:
     sizes = _sizes(rng, m, groups, empty=(0, groups - 1))
-    offsets, group, tile, real = (np.asarray(a) for a in gm._visits(jnp.asarray(sizes), m, tm))
+    offsets, group, tile, real = (np.asarray(a) for a in visits(jnp.asarray(sizes), m, tm))
     assert len(group) == m // tm + groups and real[0] <= len(group)
     assert (np.diff(group) >= 0).all() and set(group[:real[0]]) == set(range(groups))
     counts = np.zeros(m, int)

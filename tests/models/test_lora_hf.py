@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="parity tests need torch (pip instal
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
 peft = pytest.importorskip("peft", reason="adapter tests need peft (pip install '.[parity]')")
 
-from tests.models.test_hf import TOKENS, _hf_logits, _hf_model  # noqa: E402
+from tests.models.test_hf import TOKENS, _hf_logits, _hf_model, _our_logits  # noqa: E402
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 FIVE = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
@@ -34,7 +34,7 @@ def _randomise_b(model, seed=1):
 
 
 def _logits(model):
-  return np.asarray(model(jnp.asarray(TOKENS)))
+  return _our_logits(model)
 
 
 def _peft_adapter(tmp_path, family="qwen3", targets=FIVE):

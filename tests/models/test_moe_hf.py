@@ -7,11 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from posttrain import models
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+
+from tests.models.test_hf import _our_logits  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=40, intermediate_size=56, num_hidden_layers=2,
               num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=256,
@@ -54,11 +57,11 @@ def test_logits_match_transformers(tmp_path, family, norm):
   assert ours.cfg.num_experts == (6 if family == "qwen3_moe" else 5)
   assert ours.cfg.norm_topk_prob == norm
   want = _hf_logits(hf, TOKENS)
-  assert np.abs(np.asarray(ours(jnp.asarray(TOKENS))) - want).max() <= 1e-4
+  assert np.abs(_our_logits(ours, TOKENS) - want).max() <= 1e-4
   # The routing matters: with every expert's weights swapped for expert 0's the logits move.
   w = ours.layers[0].mlp.up_proj
   w.value = jnp.broadcast_to(w[...][:1], w.shape)
-  assert np.abs(np.asarray(ours(jnp.asarray(TOKENS))) - want).max() > 1e-3
+  assert np.abs(_our_logits(ours, TOKENS) - want).max() > 1e-3
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -131,13 +134,14 @@ def test_load_balancing_loss_matches_transformers_aux_loss(tmp_path, family):
   assert ours.cfg.router_aux_loss_coef == 0.02
   mask = np.ones(TOKENS.shape, np.int64)
   mask[1, 11:] = 0
+  router_loss = nnx.jit(lambda m, t, s: m.hidden_states(t, segment_ids_BxT=s,
+                                                        router_loss=True)[1])
   for attention_mask in (None, mask):
     with torch.no_grad():
       want = float(hf(torch.tensor(TOKENS), attention_mask=None if attention_mask is None
                       else torch.tensor(attention_mask)).aux_loss)
     segments = None if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
-    _, got = ours.hidden_states(jnp.asarray(TOKENS), segment_ids_BxT=segments,
-                                router_loss=True)
+    got = router_loss(ours, jnp.asarray(TOKENS), segments)
     assert abs(float(got) - want) <= 1e-5 * want
   models.save_pretrained(ours, str(tmp_path / "b"))
   again = json.loads((tmp_path / "b" / "config.json").read_text())
@@ -149,7 +153,6 @@ def test_attention_adapters_on_a_mixture_round_trip_through_peft(tmp_path):
   """LoRA on a mixture adapts the attention projections: the adapter files load in
   `peft` onto the published base and compute what ours does, and load back here."""
   peft = pytest.importorskip("peft")
-  from flax import nnx
   hf = _hf_model("qwen3_moe")
   hf.save_pretrained(tmp_path / "base")
   ours = models.from_pretrained(str(tmp_path / "base"), lora_rank=4, seed=3)
@@ -162,6 +165,6 @@ def test_attention_adapters_on_a_mixture_round_trip_through_peft(tmp_path):
   base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").float().eval()
   adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
   want = _hf_logits(adapted, TOKENS)
-  assert np.abs(np.asarray(ours(jnp.asarray(TOKENS))) - want).max() <= 1e-4
+  assert np.abs(_our_logits(ours, TOKENS) - want).max() <= 1e-4
   back = models.from_pretrained(str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
-  assert np.abs(np.asarray(back(jnp.asarray(TOKENS))) - want).max() <= 1e-4
+  assert np.abs(_our_logits(back, TOKENS) - want).max() <= 1e-4

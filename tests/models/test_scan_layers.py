@@ -69,7 +69,8 @@ def test_forward_and_gradients_equal_the_layer_list(remat):
   ga, gb = nnx.to_pure_dict(ga), nnx.to_pure_dict(gb)
   for i in range(CFG.num_layers):
     for a, b in zip(jax.tree.leaves(ga["layers"][i]),
-                    jax.tree.leaves(jax.tree.map(lambda x: x[i], gb["layers"])), strict=True):
+                    jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x)[i], gb["layers"])),
+                    strict=True):
       np.testing.assert_allclose(b, a, atol=2e-6, rtol=1e-4)
   np.testing.assert_allclose(gb["embed"], ga["embed"], atol=2e-6, rtol=1e-4)
 
@@ -110,7 +111,7 @@ def test_prefill_and_decode_with_a_stacked_cache_equal_the_layer_list(pair, cach
   for i, layer in enumerate(per_layer):
     for a, b in zip(layer, stacked):
       if a is not None:
-        np.testing.assert_allclose(np.asarray(b[i], np.float32), np.asarray(a, np.float32),
+        np.testing.assert_allclose(np.asarray(b)[i].astype(np.float32), np.asarray(a, np.float32),
                                    atol=1e-5 if cache_dtype is None else 1.0)
 
 

@@ -24,7 +24,14 @@ def _tokens(b=3, t=13, seed=0):
   return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.vocab_size, (b, t)))
 
 
+# The unsharded logits in one compiled call per model and shape; an eager call runs op by
+# op and takes seconds.
+_logits = nnx.jit(lambda m, t: m(t))
+
+
 def _forward(model, tokens, mesh=None):
+  if mesh is None:
+    return _logits(model, tokens)
   ctx = models.ShardingContext(mesh)
 
   @nnx.jit
@@ -95,9 +102,10 @@ def test_packed_segments_do_not_see_each_other(model):
 @pytest.mark.parametrize("chunk", [1, 4, 13, 64])
 def test_chunked_logprobs_equal_full_log_softmax(model, chunk):
   tokens, targets = _tokens(2, 13, seed=3), _tokens(2, 13, seed=4)
-  full = jax.nn.log_softmax(model(tokens), axis=-1)
+  full = jax.nn.log_softmax(_logits(model, tokens), axis=-1)
   want = jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
-  got, ent = model.token_logprobs(tokens, targets, chunk=chunk, return_entropy=True)
+  got, ent = nnx.jit(lambda m: m.token_logprobs(tokens, targets, chunk=chunk,
+                                                return_entropy=True))(model)
   np.testing.assert_allclose(got, want, atol=1e-5)
   want_ent = -(jnp.exp(full) * full).sum(-1)
   np.testing.assert_allclose(ent, want_ent, atol=1e-4)
@@ -188,14 +196,14 @@ def test_remat_gives_same_gradients(model):
 def test_bfloat16_compute_tracks_float32(model):
   m16 = models.create_model(CFG.replace(dtype="bfloat16"), seed=1)
   tokens = _tokens()
-  out = m16(tokens)
+  out = _logits(m16, tokens)
   assert out.dtype == jnp.bfloat16
-  np.testing.assert_allclose(out.astype(jnp.float32), model(tokens), atol=0.05)
+  np.testing.assert_allclose(out.astype(jnp.float32), _logits(model, tokens), atol=0.05)
 
 
 def test_value_head_shapes_and_gradient():
   m = models.create_model(CFG.replace(value_head=True))
-  v = m.values(_tokens())
+  v = nnx.jit(lambda m, t: m.values(t))(m, _tokens())
   assert v.shape == (3, 13) and v.dtype == jnp.float32
   with pytest.raises(ValueError, match="no value head"):
     models.create_model(CFG).values(_tokens())
@@ -261,7 +269,7 @@ def test_attention_impls_match_reference(model, impl, shape):
   other = models.create_model(CFG.replace(attention_impl=impl, attention_chunk=8), mesh=mesh,
                               seed=1)
   tokens = _tokens(b=2, t=16)
-  np.testing.assert_allclose(_forward(other, tokens, mesh), model(tokens), atol=2e-5)
+  np.testing.assert_allclose(_forward(other, tokens, mesh), _logits(model, tokens), atol=2e-5)
 
 
 def test_flash_runs_on_each_devices_shard(monkeypatch):
@@ -302,7 +310,7 @@ def test_attention_options_reach_the_flash_kernel(model, monkeypatch, impl, shap
   mesh = models.make_mesh(shape)
   tokens = _tokens(b=2, t=16)
   got = _forward(models.create_model(cfg, mesh=mesh, seed=1), tokens, mesh)
-  np.testing.assert_allclose(got, model(tokens), atol=2e-5)
+  np.testing.assert_allclose(got, _logits(model, tokens), atol=2e-5)
   want = dict(backend="gpu", block_q=16, block_kv=16, dq_atomic=True)
   assert seen and all(kw.items() >= want.items() for kw in seen)
   if impl == "ring":

@@ -1,5 +1,6 @@
 """The jitted RL train step: exact micro-batch accumulation, sharding, safety, learning."""
 
+import functools
 import re
 
 import jax
@@ -55,9 +56,16 @@ def microbatched(rows, num_micro):
   return packing.split_microbatches(rows, budget, num_microbatches=num_micro)
 
 
+@functools.cache
+def compute_logprobs_for(cfg, mesh):
+  """One jitted `make_compute_logprobs` per (config, mesh): a test that asks for the same
+  log-probs again reuses the program instead of tracing and compiling it again."""
+  return ts.make_compute_logprobs(cfg, mesh=mesh)
+
+
 def add_learner_logprobs(batch, params, cfg, mesh, seed):
   """old / ref log-probs near the current ones, so ratios and KL are non-trivial."""
-  out = ts.make_compute_logprobs(cfg, mesh=mesh)(params, batch)
+  out = compute_logprobs_for(cfg, mesh)(params, batch)
   rng = np.random.default_rng(seed)
   logprobs = np.asarray(out["logprobs"])
   batch = dict(batch)
@@ -113,9 +121,10 @@ def test_four_microbatches_give_the_one_batch_update(algorithm):
   state_4, metrics_4 = step(state_lib.frozen_copy(init), split)
 
   trainable = lambda s: (s.params, s.critic_params)  # noqa: E731
-  delta_1 = jax.tree.map(jnp.subtract, trainable(state_1), trainable(init))
-  delta_4 = jax.tree.map(jnp.subtract, trainable(state_4), trainable(init))
-  assert min(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(delta_1)) > 1e-6
+  # In numpy: eager jnp would compile a subtraction per parameter shape.
+  delta_1 = jax.tree.map(np.subtract, trainable(state_1), trainable(init))
+  delta_4 = jax.tree.map(np.subtract, trainable(state_4), trainable(init))
+  assert min(np.max(np.abs(x)) for x in jax.tree.leaves(delta_1)) > 1e-6
   assert_trees_close(delta_4, delta_1, atol=1e-5)
   assert set(metrics_4) == set(metrics_1)
   for name in metrics_1:
@@ -155,9 +164,9 @@ def test_scanned_layers_give_the_same_sharded_step():
   results = []
   for m in (plain, models.relayout(plain, scan_layers=True)):
     init = state_lib.init_train_state(m, optimizer, mesh=mesh)
-    batch = add_learner_logprobs(microbatched(packed_rows(3), 2), init.params, m.cfg, mesh,
-                                 seed=4)
-    logprobs = ts.make_compute_logprobs(m.cfg, mesh=mesh)(init.params, batch)["logprobs"]
+    rows = microbatched(packed_rows(3), 2)
+    batch = add_learner_logprobs(rows, init.params, m.cfg, mesh, seed=4)
+    logprobs = compute_logprobs_for(m.cfg, mesh)(init.params, rows)["logprobs"]
     new_state, metrics = ts.make_train_step(m.cfg, algo, optimizer, mesh=mesh)(init, batch)
     results.append((logprobs, nnx.to_pure_dict(new_state.params), metrics["loss"]))
   (lp_a, pa, loss_a), (lp_b, pb, loss_b) = results
@@ -165,7 +174,8 @@ def test_scanned_layers_give_the_same_sharded_step():
   np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
   assert pb["layers"]["attn"]["q_proj"].sharding.spec[:2] == (None, "fsdp")
   for i in range(cfg.num_layers):
-    assert_trees_close(jax.tree.map(lambda x: x[i], pb["layers"]), pa["layers"][i], atol=1e-5)
+    assert_trees_close(jax.tree.map(lambda x: np.asarray(x)[i], pb["layers"]), pa["layers"][i],
+                       atol=1e-5)
   assert_trees_close(pb["embed"], pa["embed"], atol=1e-5)
 
 
@@ -463,19 +473,26 @@ def test_weight_decay_skips_norms_and_biases_and_reaches_matrices(scan):
   """Also with the layers stacked (scan_layers), where a norm scale is [L, D] and a
   bias [L, N, H]: the layer axis does not make them matrices."""
   cfg = CFG.replace(qkv_bias=True, scan_layers=scan)
-  # Shifted so that biases (zero at init) would show a decay.
-  params = jax.tree.map(lambda x: x + 0.1, nnx.state(models.create_model(cfg), nnx.Param))
   optimizer = state_lib.make_optimizer(1.0, warmup=0, total_steps=10, weight_decay=0.5, clip=None)
-  zero_grads = jax.tree.map(jnp.zeros_like, params)
-  updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+
+  @jax.jit  # one program, not one dispatch per leaf and op
+  def shifted_and_zero_grad_updates(params):
+    # Shifted so that biases (zero at init) would show a decay.
+    params = jax.tree.map(lambda x: x + 0.1, params)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    return params, optimizer.update(zero_grads, optimizer.init(params), params)[0]
+
+  params, updates = shifted_and_zero_grad_updates(
+      nnx.state(models.create_model(cfg), nnx.Param))
   layer = updates["layers"] if scan else updates["layers"][0]
   params_layer = params["layers"] if scan else params["layers"][0]
   for leaf in (updates["final_norm"]["scale"], layer["input_norm"]["scale"],
                layer["attn"]["q_bias"], layer["attn"]["k_bias"]):
-    assert float(jnp.abs(leaf[...]).max()) == 0.0
-  np.testing.assert_allclose(updates["embed"][...], -0.5 * params["embed"][...], rtol=1e-6)
+    assert np.abs(np.asarray(leaf[...])).max() == 0.0
+  np.testing.assert_allclose(updates["embed"][...], -0.5 * np.asarray(params["embed"][...]),
+                             rtol=1e-6)
   np.testing.assert_allclose(layer["mlp"]["up_proj"][...],
-                             -0.5 * params_layer["mlp"]["up_proj"][...], rtol=1e-6)
+                             -0.5 * np.asarray(params_layer["mlp"]["up_proj"][...]), rtol=1e-6)
 
 
 def test_grpo_step_lowers_one_mosaic_kernel_per_shape_for_hopper():

@@ -38,17 +38,26 @@ def model():
   return m
 
 
-def _by_hand(model, prompt, completion, max_len=None):
-  """The value head at the last trained token of the encoded conversation, one sequence."""
-  ids, mask = TOK.encode_chat([{"role": "user", "content": prompt},
-                               {"role": "assistant", "content": completion}])
-  seq = ids[:int(np.flatnonzero(mask)[-1]) + 1][:max_len]
-  return float(_values(model, jnp.asarray([seq], jnp.int32))[0, -1])
+def _by_hand(model, prompts, completions, max_lens=None):
+  """The value head at the last trained token of each encoded conversation, run without
+  packing. The sequences are right-padded to one length for one call; under causal
+  attention nothing after a token changes its value."""
+  seqs = []
+  for prompt, completion, max_len in zip(prompts, completions,
+                                         max_lens or [None] * len(prompts)):
+    ids, mask = TOK.encode_chat([{"role": "user", "content": prompt},
+                                 {"role": "assistant", "content": completion}])
+    seqs.append(ids[:int(np.flatnonzero(mask)[-1]) + 1][:max_len])
+  tokens = np.zeros((len(seqs), max(len(seq) for seq in seqs)), np.int32)
+  for i, seq in enumerate(seqs):
+    tokens[i, :len(seq)] = seq
+  values = np.asarray(_values(model, jnp.asarray(tokens)))
+  return [float(values[i, len(seq) - 1]) for i, seq in enumerate(seqs)]
 
 
 @nnx.jit
-def _values(model, tokens_1xT):
-  return model.values(tokens_1xT)
+def _values(model, tokens_BxT):
+  return model.values(tokens_BxT)
 
 
 def test_the_scored_tokens_are_a_preference_pairs_answer_layout():
@@ -63,7 +72,7 @@ def test_the_scored_tokens_are_a_preference_pairs_answer_layout():
 def test_scores_are_the_value_at_the_last_token_in_input_order(model):
   rm = TransformerRewardModel(model, TOK, max_len=256, batch_size=4)
   got = rm.score_texts(PROMPTS, COMPLETIONS)
-  want = [_by_hand(model, p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
+  want = _by_hand(model, PROMPTS, COMPLETIONS)
   assert all(isinstance(x, float) for x in got)
   np.testing.assert_allclose(got, want, atol=2e-5)
   assert np.std(want) > 0.1  # distinct scores: a mix-up of rows would show
@@ -96,8 +105,8 @@ def test_truncation_keeps_the_head_and_is_counted(model):
   got = rm.score_texts(["p", "q"], [long_c, short_c])
   assert len(conversation_tokens(TOK, "p", long_c)) > 24
   assert len(conversation_tokens(TOK, "q", short_c)) <= 24
-  np.testing.assert_allclose(got, [_by_hand(model, "p", long_c, max_len=24),
-                                   _by_hand(model, "q", short_c)], atol=2e-5)
+  np.testing.assert_allclose(got, _by_hand(model, ["p", "q"], [long_c, short_c], [24, None]),
+                             atol=2e-5)
   assert rm.last_stats["truncated"] == 1 and rm.last_stats["rows"] == 2
 
 

@@ -29,9 +29,10 @@ def test_greedy_equals_argmax_by_full_recomputation(model, sampler):
   np.testing.assert_array_equal(out.lengths, steps)
   assert out.finish_reasons == ["length"] * len(PROMPTS)
   # Greedy log-probs are under the untempered model distribution.
-  for i, p in enumerate(PROMPTS):
-    logits = full_logits(model, [p + out.tokens[i].tolist()])[0]
-    logp = jax.nn.log_softmax(logits, axis=-1)
+  seqs = [p + out.tokens[i].tolist() for i, p in enumerate(PROMPTS)]
+  for i, (p, logits) in enumerate(zip(PROMPTS, full_logits(model, seqs))):
+    logp = logits - logits.max(-1, keepdims=True)  # float64, in numpy
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     ref = logp[generated_positions(p, steps), out.tokens[i]]
     np.testing.assert_allclose(out.logprobs[i], ref, atol=1e-4)
 
