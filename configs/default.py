@@ -83,12 +83,15 @@ def get_config() -> ml_collections.ConfigDict:
   # posttrain.data.preference). loss: sigmoid (DPO; label_smoothing > 0 is cDPO) | ipo |
   # hinge | simpo (no reference; simpo_gamma its margin) | orpo (no reference; log-odds
   # ratio plus the chosen answers' NLL); sft_coef adds an NLL term on the chosen answers
-  # (RPO). The reference is the policy the stage starts from. batch_size
-  # counts pairs; eval_data's held-out accuracy and margin are logged after the stage and
-  # every eval_every steps.
+  # (RPO). kto | apo_zero_unpaired learn from unpaired answers labelled desirable or not
+  # (rows {"prompt", "completion", "label"}; a pair row gives one of each), weighted by
+  # desirable_weight and undesirable_weight. The reference is the policy the stage starts
+  # from. batch_size counts pairs (or examples); eval_data's held-out accuracy and margin
+  # are logged after the stage and every eval_every steps.
   c.preference = ml_collections.ConfigDict(dict(
       steps=0, data="", eval_data="", eval_every=0, batch_size=16, lr=1e-4, warmup=5,
-      loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, sft_coef=0.0))
+      loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, sft_coef=0.0,
+      desirable_weight=1.0, undesirable_weight=1.0))
   c.algorithm = "grpo"
   c.rl = presets.algorithm_overrides()
   c.rl.group_size = 8

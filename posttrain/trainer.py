@@ -39,13 +39,13 @@ from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, 
                                   model_config, objective, optimizer_like,
                                   reward_model_domains, run_domains, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
-from posttrain.data.preference import PreferenceData
+from posttrain.data.preference import PreferenceData, UnpairedData
 from posttrain.data.sft import SFTData
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import advantages as adv_lib
 from posttrain.rl import losses as loss_lib
-from posttrain.rl import packing, preference, presets
+from posttrain.rl import kto, packing, preference, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
 from posttrain.rollout import FairLock, RolloutWorker, group_to_trajectories
@@ -413,20 +413,37 @@ class Trainer:
       return None, None, None
     cfg = preference.PreferenceConfig(
         loss=str(p.loss), beta=float(p.beta), label_smoothing=float(p.label_smoothing),
-        simpo_gamma=float(p.simpo_gamma), sft_coef=float(p.sft_coef))
+        simpo_gamma=float(p.simpo_gamma), sft_coef=float(p.sft_coef),
+        desirable_weight=float(p.get("desirable_weight", 1.0)),
+        undesirable_weight=float(p.get("undesirable_weight", 1.0)))
     for key, low in (("batch_size", 1), ("eval_every", 0), ("warmup", 0)):
       if int(p[key]) < low:
         raise ValueError(f"preference.{key}={p[key]!r} must be >= {low}")
     if not float(p.lr) > 0:
       raise ValueError(f"preference.lr={p.lr!r} must be > 0")
+    if kto.needs_kl(cfg) and int(p.batch_size) < 2:
+      raise ValueError(f"preference.batch_size={p.batch_size} with loss=kto: its KL estimate "
+                       "pairs each prompt with another example's completion; use >= 2")
+    what = "labelled answers (unpaired)" if cfg.unpaired else "pairs"
     if not p.get("data"):
-      raise ValueError("preference.steps > 0 needs preference.data: JSON-lines files of "
-                       "pairs (posttrain.data.preference)")
+      raise ValueError(f"preference.steps > 0 needs preference.data: JSON-lines files of "
+                       f"{what} (posttrain.data.preference)")
     cache = data_cache_dir(config, self.workdir)
-    data = PreferenceData.from_files(p.data, self.tok, row_len=self.row_len, cache_dir=cache)
-    held = (PreferenceData.from_files(p.eval_data, self.tok, row_len=self.row_len,
-                                      cache_dir=cache)
+    kind = UnpairedData if cfg.unpaired else PreferenceData
+    data = kind.from_files(p.data, self.tok, row_len=self.row_len, cache_dir=cache)
+    held = (kind.from_files(p.eval_data, self.tok, row_len=self.row_len, cache_dir=cache)
             if p.get("eval_data") else None)
+    if held is not None and kto.needs_kl(cfg) and len(held) < 2:
+      raise ValueError("preference.eval_data holds one example; kto's KL estimate needs 2")
+    if cfg.unpaired:
+      log.info("preference data: %d examples (%d desirable, %d undesirable); %d steps of %d "
+               "are %.2f epochs of %s", len(data), data.desirable, data.undesirable,
+               int(p.steps), int(p.batch_size), int(p.steps) * int(p.batch_size) / len(data),
+               cfg.loss)
+      if not data.desirable or not data.undesirable:
+        log.warning("preference data: every example is %s; %s learns from both kinds",
+                    "desirable" if data.desirable else "undesirable", cfg.loss)
+      return cfg, data, held
     log.info("preference data: %d pairs (%d with identical answers); %d steps of %d are "
              "%.2f epochs of %s", len(data), data.identical, int(p.steps), int(p.batch_size),
              int(p.steps) * int(p.batch_size) / len(data), cfg.loss)
@@ -702,9 +719,7 @@ class Trainer:
         self.save(force=True)
         return False
       t0 = time.time()
-      pairs = [next(it) for _ in range(int(p.batch_size))]
-      batch = preference.pack_pairs(pairs, self.row_len, rows_per_microbatch=self.rows_per_mb,
-                                    pad_id=self.tok.pad_id)
+      batch = self._pack_preference([next(it) for _ in range(int(p.batch_size))])
       self.state, metrics = step_fn(self.state, batch)
       self.progress.pref_step += 1
       self.progress.pref_iterator = it.get_state()
@@ -713,14 +728,17 @@ class Trainer:
         metrics = jax.device_get(metrics)
         row = self.writer.write(self._ckpt_step(), {
             **{f"preference/{k}": v for k, v in metrics.items() if k.startswith(
-                ("loss/", "rewards/", "logps/"))},
+                ("loss/", "rewards/", "logps/")) or k == "kl"},
             "grad_norm": metrics["grad_norm"], "learning_rate": metrics["learning_rate"],
             "preference/truncated": int(batch["truncated"]),
             "timing/preference_step_s": time.time() - t0})
         self._check_finite(row, metrics)
-        progress.line(step, {"loss": row["preference/loss/preference"],
-                             "acc": row["preference/rewards/accuracy"],
-                             "margin": row["preference/rewards/margin"]})
+        shown = {"loss": row["preference/loss/preference"]}
+        if self.pref_cfg.unpaired:
+          shown["kl"] = row["preference/kl"]
+        else:
+          shown["acc"] = row["preference/rewards/accuracy"]
+        progress.line(step, {**shown, "margin": row["preference/rewards/margin"]})
       if self.pref_eval_data is not None and every and step % every == 0 and step < total:
         self.preference_heldout()
       if self.ckpt.should_save(self._ckpt_step()):
@@ -729,10 +747,38 @@ class Trainer:
       self.progress.pref_heldout = self.preference_heldout()
     return True
 
+  def _pack_preference(self, items) -> dict[str, np.ndarray]:
+    """One preference batch: pairs (`preference.pack_pairs`) or unpaired examples."""
+    if self.pref_cfg.unpaired:
+      return kto.pack_examples(items, self.row_len, rows_per_microbatch=self.rows_per_mb,
+                               pad_id=self.tok.pad_id, with_kl=kto.needs_kl(self.pref_cfg))
+    return preference.pack_pairs(items, self.row_len, rows_per_microbatch=self.rows_per_mb,
+                                 pad_id=self.tok.pad_id)
+
   def preference_heldout(self) -> dict[str, float]:
-    """The preference loss, rewards and accuracy of preference.eval_data's pairs under the
-    current policy (and the stage's reference), one forward pass each per micro-batch;
-    written as eval_preference/<name>."""
+    """The preference loss, rewards and accuracy of preference.eval_data's pairs (or, for
+    an unpaired loss, its examples) under the current policy and the stage's reference,
+    one forward pass each per micro-batch; written as eval_preference/<name>."""
+    if self.pref_cfg.unpaired:
+      report = self._unpaired_heldout()
+    else:
+      report = self._paired_heldout()
+    self.writer.write(self._ckpt_step(), {f"eval_preference/{k}": v for k, v in report.items()})
+    if self.pref_cfg.unpaired:
+      log.info("held-out %s: margin %.4f, loss %.4f, kl %.4f over %d examples",
+               self.pref_cfg.loss, report["rewards/margin"], report["loss/preference"],
+               report["kl"], report["examples"])
+    else:
+      log.info("held-out preference: accuracy %.3f, margin %.4f, loss %.4f over %d pairs",
+               report["rewards/accuracy"], report["rewards/margin"],
+               report["loss/preference"], report["pairs"])
+    return report
+
+  def _pref_reference_params(self):
+    return (models.without_lora(self.state.params) if self.cfg.lora_rank
+            else self.pref_reference)
+
+  def _paired_heldout(self) -> dict[str, float]:
     cfg = self.pref_cfg
     if self._pref_metrics_fn is None:
 
@@ -746,15 +792,12 @@ class Trainer:
 
       self._pref_metrics_fn = jax.jit(metrics_fn, out_shardings=jax.sharding.NamedSharding(
           self.mesh, jax.sharding.PartitionSpec()))
-    reference = (models.without_lora(self.state.params) if self.cfg.lora_rank
-                 else self.pref_reference)
+    reference = self._pref_reference_params()
     sharding = ts.batch_sharding(self.mesh, self.rules)
     data, merged = self.pref_eval_data.examples, None
     per_call = self.rows_per_mb * 2
     for start in range(0, len(data), per_call):
-      batch = preference.pack_pairs(data[start:start + per_call], self.row_len,
-                                    rows_per_microbatch=self.rows_per_mb,
-                                    pad_id=self.tok.pad_id)
+      batch = self._pack_preference(data[start:start + per_call])
       logprobs = self._logprobs(self.state.params, batch, temperature=1.0)["logprobs"]
       ref = (self._logprobs(reference, batch, temperature=1.0)["logprobs"]
              if cfg.needs_reference else None)
@@ -765,10 +808,60 @@ class Trainer:
       merged = metrics if merged is None else loss_lib.merge_metrics(merged, metrics)
     report = {k: float(v) for k, v in loss_lib.compute_metrics(merged).items()}
     report["pairs"] = len(data)
-    self.writer.write(self._ckpt_step(), {f"eval_preference/{k}": v for k, v in report.items()})
-    log.info("held-out preference: accuracy %.3f, margin %.4f, loss %.4f over %d pairs",
-             report["rewards/accuracy"], report["rewards/margin"], report["loss/preference"],
-             len(data))
+    return report
+
+  def _unpaired_heldout(self) -> dict[str, float]:
+    """KTO's metrics over all of eval_data: per-example log-prob sums and the mismatched
+    sequences' totals, chunk by chunk (each chunk pairs its own prompts and completions
+    for the KL estimate, as a training batch does), then the loss with one reference point."""
+    cfg = self.pref_cfg
+    if self._pref_metrics_fn is None:
+
+      def sums_fn(logprobs, ref_logprobs, batch):
+        def one(lp, ref, mb):
+          slots = mb["example_mask"].shape[-1]
+          mask = mb["loss_mask"] != 0
+          return tuple(kto.example_sums(jnp.where(mask, x, 0.0), mb["example_ids"], slots)
+                       for x in (lp, ref))
+
+        return jax.vmap(one)(logprobs, ref_logprobs, batch)
+
+      self._pref_metrics_fn = jax.jit(sums_fn, out_shardings=jax.sharding.NamedSharding(
+          self.mesh, jax.sharding.PartitionSpec()))
+    reference = self._pref_reference_params()
+    sharding = ts.batch_sharding(self.mesh, self.rules)
+    data = self.pref_eval_data.examples
+    per_call = self.rows_per_mb * 2
+    starts = list(range(0, len(data), per_call))
+    if len(starts) > 1 and len(data) - starts[-1] < 2:
+      starts.pop()  # a last chunk of one example joins the one before (KL pairs need 2)
+    n = len(data)
+    policy, ref, desirable = np.zeros(n), np.zeros(n), np.zeros(n, bool)
+    kl_policy = kl_ref = 0.0
+    for i, start in enumerate(starts):
+      end = starts[i + 1] if i + 1 < len(starts) else n
+      batch = self._pack_preference([self.pref_eval_data.item(x) for x in data[start:end]])
+      lp = self._logprobs(self.state.params, batch, temperature=1.0)["logprobs"]
+      ref_lp = self._logprobs(reference, batch, temperature=1.0)["logprobs"]
+      inputs = distributed.put({k: batch[k] for k in ("loss_mask", "example_ids")}, sharding)
+      inputs["example_mask"] = batch["example_mask"]
+      sums = jax.device_get(self._pref_metrics_fn(lp, ref_lp, inputs))
+      slots = batch["example_mask"]
+      index = start + batch["example_index"][slots]
+      policy[index], ref[index] = sums[0][slots], sums[1][slots]
+      desirable[index] = batch["desirable"][slots]
+      if kto.needs_kl(cfg):
+        mismatched = {k[len("kl_"):]: v for k, v in batch.items() if k.startswith("kl_")}
+        scored = mismatched["loss_mask"]
+        kl_policy += float(np.asarray(self._logprobs(
+            self.state.params, mismatched, temperature=1.0)["logprobs"])[scored].sum())
+        kl_ref += float(np.asarray(self._logprobs(
+            reference, mismatched, temperature=1.0)["logprobs"])[scored].sum())
+    kl = kto.kl_reference_point(kl_policy, kl_ref, n) if kto.needs_kl(cfg) else 0.0
+    _, metrics = kto.unpaired_loss(cfg, policy, ref, desirable, kl=kl)
+    report = {k: float(v) for k, v in kto.finish_metrics(
+        loss_lib.compute_metrics(metrics)).items()}
+    report.update(kl=float(kl), examples=n, desirable=int(desirable.sum()))
     return report
 
   def heldout_nll(self) -> float:

@@ -604,6 +604,65 @@ def test_dpo_stage_learns_the_pairs_logs_heldout_metrics_and_resumes_exactly(tmp
   assert resumed["preference_heldout"] == held
 
 
+def test_kto_stage_learns_unpaired_labels_and_logs_heldout_metrics(tmp_path):
+  """preference.loss=kto on TRL's unpaired rows mixed with pair rows (one example of each
+  label): the desirable answers' rewards rise above the undesirable ones', and the
+  held-out report's log-probs are the trained model's own."""
+  from flax import nnx
+
+  from posttrain import models
+  from posttrain.data import ByteTokenizer
+  from posttrain.data.preference import UnpairedData
+  words = ["apple", "pear", "plum", "fig", "kiwi", "lime", "date", "peach", "grape", "melon",
+           "mango", "guava", "olive", "lemon"]
+  rows = []
+  for i, w in enumerate(words):
+    if i % 2:
+      rows.append({"prompt": f"Repeat: {w}", "chosen": w, "rejected": w[::-1] + "?"})
+    else:
+      rows += [{"prompt": f"Repeat: {w}", "completion": w, "label": True},
+               {"prompt": f"Repeat: {w}", "completion": w[::-1] + "?", "label": False}]
+  train = _write_jsonl(tmp_path / "feedback.jsonl", rows[:14])
+  held = _write_jsonl(tmp_path / "heldout_feedback.jsonl", rows[14:])
+  c = _config(**{"sft.steps": 0, "preference.steps": 6, "preference.data": train,
+                 "preference.eval_data": held, "preference.batch_size": 8,
+                 "preference.warmup": 1, "preference.lr": 3e-3, "preference.beta": 0.5,
+                 "preference.loss": "kto", "preference.undesirable_weight": 1.2,
+                 "train.rl_steps": 0, "eval.seeds_per_domain": 0})
+  summary = trainer.train(c, str(tmp_path / "run"))
+  assert summary["status"] == "done" and summary["preference_steps"] == 6
+  logged = [r for r in read_metrics(str(tmp_path / "run")) if "preference/kl" in r]
+  assert len(logged) == 6 and logged[0]["preference/rewards/margin"] == 0.0
+  assert logged[0]["preference/kl"] == 0.0  # the policy is its reference at the start
+  # r = 0: each loss is 1/2 times its weight, for some count d of desirable examples.
+  first = logged[0]["preference/loss/preference"]
+  assert min(abs(first - (0.5 * d + 0.5 * 1.2 * (8 - d)) / 8) for d in range(9)) < 1e-6
+  assert logged[-1]["preference/rewards/margin"] > 0.1
+  assert logged[-1]["preference/loss/preference"] < logged[0]["preference/loss/preference"]
+  report = summary["preference_heldout"]
+  data = UnpairedData.from_files(held, ByteTokenizer(), row_len=128)
+  held_rows = rows[14:]
+  assert report["examples"] == len(data) == sum(1 if "completion" in r else 2 for r in held_rows)
+  assert report["desirable"] == sum(1 for r in held_rows if r.get("label", True))
+  assert report["rewards/margin"] > 0 and report["kl"] >= 0
+
+  # The held-out desirable log-probs are the final policy's summed log-probs of each answer.
+  params, _, _ = _final_params(tmp_path / "run", {"sft.steps": 0, "train.rl_steps": 0})
+  model = models.create_model(trainer.model_config(_config()))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(params))
+  nnx.update(model, state)
+  sums = []
+  for example in data.examples:
+    if example["label"]:
+      tokens = np.concatenate([example["prompt_tokens"], example["completion_tokens"]])[None]
+      logp = jax.nn.log_softmax(np.asarray(model(tokens), np.float64)[0, :-1], axis=-1)
+      picked = logp[np.arange(tokens.shape[1] - 1),
+                    tokens[0, 1:]][len(example["prompt_tokens"]) - 1:]
+      sums.append(float(np.sum(picked * example["completion_mask"])))
+  np.testing.assert_allclose(report["logps/chosen"], np.mean(sums), rtol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["orpo", "ipo"])
 def test_sft_then_lora_preference_then_rl_with_a_kl_reference(tmp_path, loss):
@@ -637,7 +696,11 @@ def test_rl_without_sft_rebuilds_its_kl_reference_on_resume(tmp_path, monkeypatc
 
 def test_preference_config_errors_fail_before_anything_is_built(tmp_path):
   for extra, message in [({"preference.data": ""}, "preference.steps > 0 needs preference.data"),
-                         ({"preference.loss": "kto"}, "unknown preference loss"),
+                         ({"preference.loss": "dpo"}, "unknown preference loss"),
+                         ({"preference.loss": "kto", "preference.batch_size": 1},
+                          "preference.batch_size=1 with loss=kto"),
+                         ({"preference.loss": "kto", "preference.sft_coef": 0.5},
+                          "sft_coef=0.5 applies to paired losses"),
                          ({"preference.batch_size": 0}, "preference.batch_size=0 must be >= 1")]:
     with pytest.raises(ValueError, match=message):
       trainer.Trainer(_pairs_config(tmp_path, **extra), str(tmp_path / "run"))

@@ -22,6 +22,16 @@ loss then asks its chosen answer to score at least that much above the rejected 
 (`posttrain.rl.reward_model`); the DPO losses ignore it. An optional `"domain"` (a
 string) names the row's group: a reward model's held-out accuracy is reported per group.
 
+Unpaired feedback, for KTO, is `UnpairedData`: one answer per row with a verdict, in
+TRL's unpaired format, `{"prompt": ..., "completion": "..." | [messages], "label": true}`
+(`false`: undesirable), optionally with a `"domain"`. A pair row in either format above is
+accepted too and becomes two examples, its chosen answer desirable and its rejected one
+undesirable (TRL's `unpair_preference_dataset`). Each example comes out as
+
+    prompt_tokens                        int32 [P]  the context up to the answer
+    completion_tokens, completion_mask   int32 [C]  the answer and its loss mask
+    label                                1.0 desirable, 0.0 undesirable
+
 Rows are validated and tokenized when the files load: a bad row fails naming file and
 line. A pair longer than `row_len` keeps its head (the packer cuts each answer's tail);
 a pair whose prompt leaves no answer token in `row_len` is dropped with a warning. With a
@@ -53,6 +63,21 @@ def _answer(value, where: str, key: str) -> list[dict]:
   return messages
 
 
+def _prompt(value, where: str) -> list[dict]:
+  if isinstance(value, str):
+    value = [{"role": "user", "content": value}]
+  prompt = parse_messages(value, where, "prompt")
+  if prompt[-1]["role"] == "assistant":
+    raise ValueError(f"{where}: the prompt must not end with an assistant turn")
+  return prompt
+
+
+def _domain(value, where: str) -> str:
+  if not isinstance(value, str) or not value:
+    raise ValueError(f"{where}: 'domain' must be a non-empty string, got {value!r}")
+  return value
+
+
 def _margin(value, where: str) -> float:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
     raise ValueError(f"{where}: 'margin' must be a finite number, got {value!r}")
@@ -67,10 +92,7 @@ def parse_pair(line: str | dict, where: str) -> tuple[list[dict], list[dict], li
     raise ValueError(f"{where}: a pair needs 'chosen' and 'rejected' (and 'prompt' unless "
                      f"they are conversations sharing their first turns); it has {sorted(row)}")
   if "prompt" in row:
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-      prompt = [{"role": "user", "content": prompt}]
-    prompt = parse_messages(prompt, where, "prompt")
+    prompt = _prompt(row["prompt"], where)
     chosen, rejected = row["chosen"], row["rejected"]
   else:
     whole = {k: parse_messages(row[k], where, k) for k in ("chosen", "rejected")}
@@ -87,23 +109,62 @@ def parse_pair(line: str | dict, where: str) -> tuple[list[dict], list[dict], li
                        "first turns (the prompt)")
     prompt = whole["chosen"][:shared]
     chosen, rejected = whole["chosen"][shared:], whole["rejected"][shared:]
-  if prompt[-1]["role"] == "assistant":
-    raise ValueError(f"{where}: the prompt must not end with an assistant turn")
   return prompt, _answer(chosen, where, "chosen"), _answer(rejected, where, "rejected")
+
+
+def parse_unpaired(line: str | dict, where: str
+                   ) -> list[tuple[list[dict], list[dict], bool]]:
+  """One JSON line (or its parsed object) as its (prompt, completion, desirable) examples:
+  one for an unpaired row, two for a pair (chosen desirable, then rejected); ValueError
+  naming `where`."""
+  row = json_object(line, where) if isinstance(line, str) else line
+  paired = "chosen" in row or "rejected" in row
+  if "completion" in row and paired:
+    raise ValueError(f"{where}: give 'completion' and 'label', or a pair's 'chosen' and "
+                     "'rejected', not both")
+  if paired:
+    prompt, chosen, rejected = parse_pair(row, where)
+    return [(prompt, chosen, True), (prompt, rejected, False)]
+  if "completion" not in row or "prompt" not in row:
+    raise ValueError(f"{where}: a row needs 'prompt', 'completion' and 'label', or a pair's "
+                     f"'chosen' and 'rejected'; it has {sorted(row)}")
+  prompt = _prompt(row["prompt"], where)
+  completion = _answer(row["completion"], where, "completion")
+  if "label" not in row:
+    raise ValueError(f"{where}: an unpaired row needs a 'label' (true: desirable)")
+  if not isinstance(row["label"], bool):
+    raise ValueError(f"{where}: 'label' must be true or false, got {row['label']!r}")
+  return [(prompt, completion, row["label"])]
+
+
+def _encode_answer(prompt: Sequence[dict], answer: Sequence[dict], tok: Tokenizer
+                   ) -> tuple[list[int], np.ndarray, np.ndarray]:
+  """(tokens before the first trained one, the answer's tokens from it to the last trained
+  one, their loss mask) of `answer` after `prompt`."""
+  context = [{**m, "weight": 0} for m in prompt]  # earlier assistant turns are context
+  ids, mask = tok.encode_chat(context + list(answer))
+  trained = np.flatnonzero(mask)
+  first, last = int(trained[0]), int(trained[-1])
+  return (ids[:first], np.asarray(ids[first:last + 1], np.int32),
+          np.asarray(mask[first:last + 1], np.int32))
+
+
+def encode_unpaired(prompt: Sequence[dict], completion: Sequence[dict], tok: Tokenizer
+                    ) -> dict[str, np.ndarray]:
+  """An unpaired example's token arrays (module docstring), as `encode_pair` makes one
+  answer's."""
+  context, tokens, mask = _encode_answer(prompt, completion, tok)
+  return {"prompt_tokens": np.asarray(context, np.int32), "completion_tokens": tokens,
+          "completion_mask": mask}
 
 
 def encode_pair(prompt: Sequence[dict], chosen: Sequence[dict], rejected: Sequence[dict],
                 tok: Tokenizer) -> dict[str, np.ndarray]:
   """A pair's token arrays (module docstring): both answers after the same context."""
   out, contexts = {}, []
-  context = [{**m, "weight": 0} for m in prompt]  # earlier assistant turns are context
   for name, answer in (("chosen", chosen), ("rejected", rejected)):
-    ids, mask = tok.encode_chat(context + list(answer))
-    trained = np.flatnonzero(mask)
-    first, last = int(trained[0]), int(trained[-1])
-    contexts.append(ids[:first])
-    out[f"{name}_tokens"] = np.asarray(ids[first:last + 1], np.int32)
-    out[f"{name}_mask"] = np.asarray(mask[first:last + 1], np.int32)
+    context, out[f"{name}_tokens"], out[f"{name}_mask"] = _encode_answer(prompt, answer, tok)
+    contexts.append(context)
   if contexts[0] != contexts[1]:
     raise ValueError("'chosen' and 'rejected' must start training at the same point: give "
                      "their untrained leading turns in the prompt")
@@ -128,10 +189,7 @@ class PreferenceData(JsonlExamples):
       if "margin" in row:
         pair["margin"] = _margin(row["margin"], where)
       if "domain" in row:
-        if not isinstance(row["domain"], str) or not row["domain"]:
-          raise ValueError(f"{where}: 'domain' must be a non-empty string, got "
-                           f"{row['domain']!r}")
-        pair["domain"] = row["domain"]
+        pair["domain"] = _domain(row["domain"], where)
     except ValueError as e:
       message = str(e)
       raise ValueError(message if message.startswith(where) else f"{where}: {message}"
@@ -153,3 +211,55 @@ class PreferenceData(JsonlExamples):
   def identical(self) -> int:
     """Pairs whose two answers are the same tokens (they teach nothing)."""
     return self.summary["identical"]
+
+
+class UnpairedData(JsonlExamples):
+  """Unpaired feedback for KTO: one answer with a desirable/undesirable label per example
+  (module docstring)."""
+
+  KIND = "unpaired"
+  TOKEN_FIELDS = ("prompt_tokens", "completion_tokens", "completion_mask")
+  SCALARS = {"label": float, "domain": str}  # label: 1.0 desirable, 0.0 undesirable
+
+  @classmethod
+  def encode_lines(cls, line, where, tok):
+    try:
+      row = json_object(line, where)
+      domain = _domain(row["domain"], where) if "domain" in row else None
+      examples = []
+      for prompt, completion, desirable in parse_unpaired(row, where):
+        example = {**encode_unpaired(prompt, completion, tok), "label": float(desirable)}
+        if domain is not None:
+          example["domain"] = domain
+        examples.append(example)
+    except ValueError as e:
+      message = str(e)
+      raise ValueError(message if message.startswith(where) else f"{where}: {message}"
+                       ) from None
+    return [(x, len(x["prompt_tokens"]),
+             len(x["prompt_tokens"]) + len(x["completion_tokens"])) for x in examples]
+
+  @classmethod
+  def encode_line(cls, line, where, tok):
+    examples = cls.encode_lines(line, where, tok)
+    if len(examples) != 1:
+      raise ValueError(f"{where}: a pair row is two examples; use encode_lines")
+    return examples[0]
+
+  @classmethod
+  def summarize(cls, arrays):
+    desirable = int(np.count_nonzero(arrays["label"]))
+    return {"desirable": desirable, "undesirable": len(arrays["label"]) - desirable}
+
+  def item(self, example):
+    return {**example, "label": bool(example["label"])}
+
+  @property
+  def desirable(self) -> int:
+    """Examples labelled desirable."""
+    return self.summary["desirable"]
+
+  @property
+  def undesirable(self) -> int:
+    """Examples labelled undesirable."""
+    return self.summary["undesirable"]

@@ -171,6 +171,13 @@ class JsonlExamples:
     raise NotImplementedError
 
   @classmethod
+  def encode_lines(cls, line: str, where: str, tok: Tokenizer
+                   ) -> list[tuple[dict[str, np.ndarray], int, int]]:
+    """The examples one line becomes, as `encode_line` triples: one, unless a subclass
+    splits a row (each is then kept, cut or dropped on its own)."""
+    return [cls.encode_line(line, where, tok)]
+
+  @classmethod
   def summarize(cls, arrays: dict[str, np.ndarray]) -> dict[str, int]:
     """Figures over all examples, computed once when they are tokenized."""
     del arrays
@@ -254,13 +261,13 @@ class JsonlExamples:
           if not line.strip():
             continue
           where = f"{path}:{number}"
-          example, prompt, length = cls.encode_line(line, where, tok)
-          if prompt + 1 > row_len:
-            dropped += 1
-            first_dropped = first_dropped or where
-            continue
-          truncated += length > row_len
-          builder.add(example, file_index, number)
+          for example, prompt, length in cls.encode_lines(line, where, tok):
+            if prompt + 1 > row_len:
+              dropped += 1
+              first_dropped = first_dropped or where
+              continue
+            truncated += length > row_len
+            builder.add(example, file_index, number)
     if not len(builder) and not dropped:
       raise ValueError(f"{cls.KIND} data {','.join(files)} holds no rows")
     if not len(builder):

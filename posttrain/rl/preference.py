@@ -58,6 +58,7 @@ gradients add up to the one-batch values.
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,9 +71,11 @@ from posttrain.rl.losses import Metric
 
 Array = jax.Array
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+# Losses of unpaired feedback, one labelled completion per example (`posttrain.rl.kto`).
+UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo") + UNPAIRED_LOSSES
 # The losses that compare the policy with a reference (all but SimPO and ORPO).
-REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge") + UNPAIRED_LOSSES
 # The logistic losses, the ones label smoothing applies to.
 _LOGISTIC_LOSSES = ("sigmoid", "simpo")
 
@@ -96,6 +99,8 @@ class PreferenceConfig:
     simpo_gamma: SimPO's target reward margin.
     sft_coef: weight of the NLL term on the chosen responses (RPO); 0 = off. ORPO's
       loss holds that term with weight 1 already; sft_coef must stay 0 there.
+    desirable_weight, undesirable_weight: KTO's weights of the desirable and the
+      undesirable examples' losses (`posttrain.rl.kto`); unpaired losses only.
   """
 
   loss: str = "sigmoid"
@@ -103,6 +108,8 @@ class PreferenceConfig:
   label_smoothing: float = 0.0
   simpo_gamma: float = 0.5
   sft_coef: float = 0.0
+  desirable_weight: float = 1.0
+  undesirable_weight: float = 1.0
 
   def __post_init__(self):
     if self.loss not in PREFERENCE_LOSSES:
@@ -120,10 +127,25 @@ class PreferenceConfig:
     if self.sft_coef and self.loss == "orpo":
       raise ValueError(f"sft_coef={self.sft_coef} does not apply to orpo, whose loss holds "
                        "the NLL of the chosen responses with weight 1")
+    if self.sft_coef and self.unpaired:
+      raise ValueError(f"sft_coef={self.sft_coef} applies to paired losses, not "
+                       f"{self.loss!r}")
+    for name in ("desirable_weight", "undesirable_weight"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+      if value != 1.0 and not self.unpaired:
+        raise ValueError(f"{name}={value} applies to the unpaired losses "
+                         f"({', '.join(UNPAIRED_LOSSES)}), not {self.loss!r}")
 
   @property
   def needs_reference(self) -> bool:
     return self.loss in REFERENCE_LOSSES
+
+  @property
+  def unpaired(self) -> bool:
+    """The loss learns from single labelled completions (`posttrain.rl.kto`)."""
+    return self.loss in UNPAIRED_LOSSES
 
   @property
   def nll_coef(self) -> float:

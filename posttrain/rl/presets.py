@@ -186,7 +186,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   check(not cfg.dynamic_sampling or sequence_level, "dynamic_sampling")
   check(cfg.pairs_per_group >= 1, "pairs_per_group")
   if cfg.preference_loss:
-    preference_config(cfg)  # checks the loss name and its knobs
+    if preference_config(cfg).unpaired:  # also checks the loss name and its knobs
+      raise ValueError(f"preference_loss={cfg.preference_loss!r} learns from unpaired "
+                       "examples; online preference optimisation makes pairs from each "
+                       "group (an offline stage takes it: preference.loss)")
     check(cfg.group_size >= 2, "group_size")
     check(sequence_level, "advantage_estimator")
     check(cfg.kl_coef == 0, "kl_coef")  # the preference loss's reference plays that part

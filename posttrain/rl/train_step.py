@@ -69,7 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from posttrain import distributed, models
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.rl import advantages as advantages_lib
-from posttrain.rl import losses, preference, reward_model
+from posttrain.rl import kto, losses, preference, reward_model
 from posttrain.rl.state import TrainState, join_trainable, split_trainable, train_state_shardings
 
 Batch = Mapping[str, Any]
@@ -296,7 +296,9 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                 batch_totals: Callable, finish_metrics: Callable,
                 reference_logprobs: Callable, lora: bool, reference_in_step: bool,
                 state_shardings, batch_shardings, reference_shardings, donate: bool,
-                critic_optimizer: optax.GradientTransformation | None = None):
+                critic_optimizer: optax.GradientTransformation | None = None,
+                totals_read_params: bool = False,
+                microbatch_keys: tuple[str, ...] | None = None):
   """The update every train step shares, jitted: gradients summed over the micro-batches,
   the optimizer step, a guard that keeps the old state when anything is non-finite.
 
@@ -316,6 +318,10 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
     reference_shardings: those of a reference argument (`reference_in_step`, no LoRA).
     donate: donate the input state.
     critic_optimizer: a separate critic's optimizer (its params in `state.critic_params`).
+    totals_read_params: call `batch_totals(batch, trainable, frozen, reference)`: totals
+      that need a forward pass of the current policy (or the reference) without gradient.
+    microbatch_keys: the batch keys the micro-batch loop runs over (default all); the
+      others (with another leading axis) are for `batch_totals` alone.
 
   Returns:
     `(jitted, run)`: the `jax.jit` function and `run(state, inputs, reference)`, which
@@ -326,6 +332,8 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def step_fn(state: TrainState, batch: Batch, reference=None):
+    microbatches = (batch if microbatch_keys is None
+                    else {key: batch[key] for key in microbatch_keys})
     num_micro = batch["tokens"].shape[0]
     # Only the trainable params are differentiated: with LoRA, the adapters (XLA then
     # drops the base weights' gradients); the frozen base passes through.
@@ -334,7 +342,8 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
     if reference_in_step and lora:
       reference = models.without_lora(state.params)
     # The global denominators first: each micro-batch's loss is then its exact share.
-    totals = batch_totals(batch)
+    totals = (batch_totals(batch, trainable, frozen, reference) if totals_read_params
+              else batch_totals(batch))
 
     def micro_grad(mb):
       if reference is not None:
@@ -348,10 +357,10 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
       return (grads_sum, loss_sum + loss), metrics
 
     if num_micro == 1:
-      (loss, merged), grads = micro_grad(jax.tree.map(lambda x: x[0], batch))
+      (loss, merged), grads = micro_grad(jax.tree.map(lambda x: x[0], microbatches))
     else:
       zeros = jax.tree.map(jnp.zeros_like, trainable)
-      (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), batch)
+      (grads, loss), stacked = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), microbatches)
       # Merge the per-micro-batch (sum, count) metrics: exact token averages.
       merged = functools.reduce(
           losses.merge_metrics,
@@ -538,7 +547,8 @@ def make_preference_step(model_cfg: models.ModelConfig,
   """Builds `step(state, batch) -> (state, metrics)` for offline preference optimisation.
 
   The batch is `preference.pack_pairs`'s (both sequences of a pair in one micro-batch)
-  plus, for the losses with a reference (all but simpo), `ref_logprobs` `[M, B, T]`, e.g.
+  plus, for the losses with a reference (all but simpo and orpo), `ref_logprobs`
+  `[M, B, T]`, e.g.
   `make_compute_logprobs(model_cfg, mesh=mesh)(reference, batch)["logprobs"]`. The loss
   is `preference.microbatch_preference_loss` normalised by the whole batch's pairs, plus
   the router's load-balancing loss of a mixture; the update is the RL step's (micro-batch
@@ -559,6 +569,9 @@ def make_preference_step(model_cfg: models.ModelConfig,
   """
   if reference_in_step and not pref_cfg.needs_reference:
     raise ValueError(f"reference_in_step: the {pref_cfg.loss} loss reads no reference")
+  if pref_cfg.unpaired:
+    return _make_unpaired_step(model_cfg, pref_cfg, optimizer, mesh=mesh, rules=rules,
+                               donate=donate, reference_in_step=reference_in_step)
   graphdef, abstract_params, rest = _split_abstract(model_cfg)
   ctx = models.ShardingContext(mesh, rules)
   state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
@@ -603,6 +616,111 @@ def make_preference_step(model_cfg: models.ModelConfig,
   step.jitted = jitted
   step.required = required
   return step
+
+
+def _make_unpaired_step(model_cfg: models.ModelConfig, pref_cfg: preference.PreferenceConfig,
+                        optimizer: optax.GradientTransformation, *, mesh: Mesh, rules: Rules,
+                        donate: bool, reference_in_step: bool) -> Callable:
+  """`make_preference_step` for the unpaired losses (KTO): the batch is
+  `kto.pack_examples`'s plus, without `reference_in_step`, `ref_logprobs` `[M, B, T]` and
+  (kto) `kl_ref_logprobs` `[K, B, T]`. KTO's reference point is computed first, over the
+  whole batch's mismatched sequences, by forward passes of the policy and the reference."""
+  graphdef, abstract_params, rest = _split_abstract(model_cfg)
+  ctx = models.ShardingContext(mesh, rules)
+  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
+  data_sharding = batch_sharding(mesh, rules)
+  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  lora = bool(model_cfg.lora_rank)
+  aux_coef = float(model_cfg.router_aux_loss_coef)
+  with_kl = kto.needs_kl(pref_cfg)
+  ref_key = () if reference_in_step else ("ref_logprobs",)
+  microbatch_keys = kto.TOKEN_KEYS + kto.SLOT_KEYS + ref_key
+  kl_keys = (kto.KL_KEYS + tuple(f"kl_{k}" for k in ref_key)) if with_kl else ()
+  required = microbatch_keys + kl_keys
+  batch_shardings = {key: data_sharding for key in required}
+  for key in kto.SLOT_KEYS:  # few slots: replicated, whatever the rows' layout
+    batch_shardings[key] = NamedSharding(mesh, PartitionSpec())
+  logprobs_of = _reference_logprobs_fn(graphdef, rest, ctx, 1.0)
+
+  def batch_totals(batch, trainable, frozen, reference):
+    examples = jnp.sum(batch["example_mask"]).astype(jnp.float32)
+    if not with_kl:
+      return {"examples": examples, "kl": jnp.zeros((), jnp.float32)}
+    policy = join_trainable(trainable[0], frozen)
+
+    def sums(mb):  # (policy, reference) log-probs summed over one micro-batch's scored tokens
+      mask = mb["loss_mask"] != 0
+      ref = mb["ref_logprobs"] if reference is None else logprobs_of(reference, mb)
+      return (jnp.sum(jnp.where(mask, logprobs_of(policy, mb), 0.0)),
+              jnp.sum(jnp.where(mask, ref, 0.0)))
+
+    mismatched = {key[len("kl_"):]: batch[key] for key in kl_keys}
+    policy_sums, reference_sums = _scan_or_call(sums, mismatched,
+                                                mismatched["tokens"].shape[0])
+    return {"examples": examples,
+            "kl": kto.kl_reference_point(jnp.sum(policy_sums), jnp.sum(reference_sums),
+                                         examples)}
+
+  def microbatch_loss(trainable, mb, totals, frozen, micro_share):
+    params, _ = trainable
+    model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
+    logprobs, _, _, aux = _forward(model, mb, ctx, temperature=1.0, with_values=False,
+                                   with_entropy=False, with_router_loss=aux_coef > 0)
+    loss, metrics = kto.microbatch_loss(pref_cfg, logprobs, mb, kl=totals["kl"],
+                                        denominator=totals["examples"])
+    metrics["kl"] = losses.Metric.mean(totals["kl"], 1.0)
+    return _with_router_aux(loss, metrics, aux, aux_coef, micro_share)
+
+  def finish_metrics(values, batch):
+    return {**kto.finish_metrics(values),
+            "examples": jnp.sum(batch["example_mask"]).astype(jnp.float32),
+            "desirable": jnp.sum(batch["example_mask"] & batch["desirable"]
+                                 ).astype(jnp.float32),
+            "tokens": jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32)}
+
+  jitted, run = _jit_update(
+      microbatch_loss, optimizer, batch_totals=batch_totals, finish_metrics=finish_metrics,
+      reference_logprobs=logprobs_of, lora=lora, reference_in_step=reference_in_step,
+      state_shardings=state_shardings, batch_shardings=batch_shardings,
+      reference_shardings=models.state_shardings(abstract_params, mesh, rules),
+      donate=donate, totals_read_params=True, microbatch_keys=microbatch_keys)
+
+  def step(state: TrainState, batch: Batch, reference=None):
+    _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)
+    _check_example_batch(batch, required, kl_keys, row_multiple)
+    return run(state, {key: batch[key] for key in required}, reference)
+
+  step.jitted = jitted
+  step.required = required
+  return step
+
+
+def _check_example_batch(batch: Batch, required: tuple[str, ...], kl_keys: tuple[str, ...],
+                         row_multiple: int):
+  """Shapes of a `kto.pack_examples` batch: per-token keys like tokens `[M, B, T]`, the
+  per-slot ones `[M, S]`, the mismatched sequences' like kl_tokens `[K, B, T]`."""
+  _check_batch(batch, required, row_multiple)
+  shape = np.shape(batch["tokens"])
+  for key in kto.TOKEN_KEYS + tuple(k for k in ("ref_logprobs",) if k in required):
+    if np.shape(batch[key]) != shape:
+      raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected {shape} "
+                       "like batch['tokens']")
+  slots = np.shape(batch["example_mask"])
+  if len(slots) != 2 or slots[0] != shape[0]:
+    raise ValueError(f"batch['example_mask'] must be [microbatches, slots] with {shape[0]} "
+                     f"micro-batches like batch['tokens'], got shape {slots}")
+  if np.shape(batch["desirable"]) != slots:
+    raise ValueError(f"batch['desirable'] has shape {np.shape(batch['desirable'])}, "
+                     f"expected {slots} like batch['example_mask']")
+  if kl_keys:
+    kl_shape = np.shape(batch["kl_tokens"])
+    if len(kl_shape) != 3 or kl_shape[1:] != shape[1:]:
+      raise ValueError(f"batch['kl_tokens'] must be [microbatches, {shape[1]} rows, "
+                       f"{shape[2]}] like batch['tokens'] rows, got shape {kl_shape}")
+    for key in kl_keys:
+      if np.shape(batch[key]) != kl_shape:
+        raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected "
+                         f"{kl_shape} like batch['kl_tokens']")
 
 
 def make_reward_model_step(model_cfg: models.ModelConfig,

@@ -136,8 +136,8 @@ def test_policy_equal_to_reference_gives_log_2_and_no_accuracy():
 
 
 def test_config_errors_are_one_line_and_name_the_value():
-  with pytest.raises(ValueError, match="unknown preference loss 'kto'; known: sigmoid, ipo"):
-    PreferenceConfig("kto")
+  with pytest.raises(ValueError, match="unknown preference loss 'dpo'; known: sigmoid, ipo"):
+    PreferenceConfig("dpo")
   with pytest.raises(ValueError, match="beta must be > 0, got 0"):
     PreferenceConfig(beta=0)
   with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\), got 0.5"):
@@ -604,4 +604,6 @@ def test_online_dpo_preset_refuses_knobs_it_cannot_honour(knobs, bad):
   with pytest.raises(ValueError, match=f"invalid {bad}="):
     presets.algorithm_config("online_dpo", **knobs)
   with pytest.raises(ValueError, match="unknown preference loss"):
-    presets.algorithm_config("grpo", preference_loss="kto")
+    presets.algorithm_config("grpo", preference_loss="dpo")
+  with pytest.raises(ValueError, match="'kto' learns from unpaired examples"):
+    presets.algorithm_config("online_dpo", preference_loss="kto")
