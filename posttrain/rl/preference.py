@@ -51,6 +51,9 @@ ORPOTrainer); a mean log-prob above -1e-7 is held there (odds of 10^7), where th
 gradient would overflow. An optional NLL term on the chosen responses (RPO, TRL's
 `rpo_alpha`) adds `sft_coef * sum(-log p(chosen tokens)) / #chosen tokens`.
 
+The losses of unpaired feedback, `kto` and `apo_zero_unpaired`, share this config and
+`train_step.make_preference_step`; their math and packing are `posttrain.rl.kto`'s.
+
 Exact micro-batch accumulation, as in `posttrain.rl.losses`: the preference loss is a sum
 over pairs divided by the number of pairs of the whole batch, the NLL term a sum over
 tokens divided by the chosen tokens of the whole batch, so the micro-batch losses and
