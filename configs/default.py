@@ -80,9 +80,10 @@ def get_config() -> ml_collections.ConfigDict:
                                          data="", eval_data="", eval_every=0))
   # Preference optimisation between SFT and RL (steps > 0): DPO and its variants on
   # JSON-lines pair files (rows {"prompt", "chosen", "rejected"}, see
-  # posttrain.data.preference). loss: sigmoid (DPO; label_smoothing > 0 is cDPO) | ipo |
-  # hinge | simpo (no reference; simpo_gamma its margin) | orpo (no reference; log-odds
-  # ratio plus the chosen answers' NLL); sft_coef adds an NLL term on the chosen answers
+  # posttrain.data.preference). loss: sigmoid (DPO; label_smoothing > 0 is cDPO) | robust |
+  # exo_pair | ipo | hinge | nca_pair | sppo_hard | apo_zero | apo_down | simpo (no
+  # reference; simpo_gamma its margin) | orpo (no reference; log-odds ratio plus the
+  # chosen answers' NLL); sft_coef adds an NLL term on the chosen answers
   # (RPO). kto | apo_zero_unpaired learn from unpaired answers labelled desirable or not
   # (rows {"prompt", "completion", "label"}; a pair row gives one of each), weighted by
   # desirable_weight and undesirable_weight. The reference is the policy the stage starts

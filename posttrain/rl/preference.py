@@ -32,24 +32,35 @@ log-probs, so a pair's gradient needs both in one forward pass.
 
 Losses. With `pi_c, pi_r` the policy's log-probs of the chosen and rejected responses
 summed over their scored tokens, `ref_c, ref_r` the reference's, and `n_c, n_r` the
-numbers of scored tokens, each loss compares per-pair rewards `r_c, r_r` through their
-margin `h = r_c - r_r`:
+numbers of scored tokens, each loss compares per-pair rewards `r_c, r_r`, most through
+their margin `h = r_c - r_r`:
 
-    sigmoid  r = beta * (pi - ref)         -(1-eps) log s(h) - eps log s(-h)   DPO, cDPO
-    ipo      r = beta * (pi - ref) / n     (h / beta - 1 / (2 beta))^2         IPO
-    hinge    r = beta * (pi - ref)         max(0, 1 - h)                       SLiC
-    simpo    r = beta * pi / n             -(1-eps) log s(h - gamma)           SimPO
-                                             - eps log s(gamma - h)
-    orpo     r = log(p / (1 - p)),         -beta log s(h)                      ORPO
-               p = exp(pi / n)             + NLL(chosen)
+    sigmoid    r = beta * (pi - ref)     -(1-eps) log s(h) - eps log s(-h)       DPO, cDPO
+    robust     r = beta * (pi - ref)     (-(1-eps) log s(h) + eps log s(-h))      rDPO
+                                           / (1 - 2 eps)
+    exo_pair   r = beta * (pi - ref)     s(h) (log s(h) - log(1-eps))            EXO
+                                           + s(-h) (log s(-h) - log eps)
+    ipo        r = beta * (pi - ref) / n (h / beta - 1 / (2 beta))^2             IPO
+    hinge      r = beta * (pi - ref)     max(0, 1 - h)                           SLiC
+    nca_pair   r = beta * (pi - ref)     -log s(r_c) - log s(-r_c) / 2           NCA
+                                           - log s(-r_r) / 2
+    sppo_hard  r = beta * (pi - ref)     (r_c - 1/2)^2 / beta^2                  SPPO (hard)
+                                           + (r_r + 1/2)^2 / beta^2
+    apo_zero   r = beta * (pi - ref)     1 - s(r_c) + s(r_r)                     APO-zero
+    apo_down   r = beta * (pi - ref)     s(r_c) + 1 - s(h)                       APO-down
+    simpo      r = beta * pi / n         -(1-eps) log s(h - gamma)               SimPO
+                                           - eps log s(gamma - h)
+    orpo       r = log(p / (1 - p)),     -beta log s(h)                          ORPO
+                 p = exp(pi / n)         + NLL(chosen)
 
-(s the logistic sigmoid, eps the label smoothing, gamma SimPO's target margin; IPO,
-SimPO and ORPO average the log-probs per token, as their papers and TRL do; SimPO and ORPO
-read no reference). ORPO's reward is the log-odds of the per-token mean probability, and
-its loss always carries the NLL term below with weight 1 (Hong et al. 2024, TRL's
-ORPOTrainer); a mean log-prob above -1e-7 is held there (odds of 10^7), where the odds'
-gradient would overflow. An optional NLL term on the chosen responses (RPO, TRL's
-`rpo_alpha`) adds `sft_coef * sum(-log p(chosen tokens)) / #chosen tokens`.
+(s the logistic sigmoid, eps the label smoothing, gamma SimPO's target margin; EXO's eps
+is 1e-3 when label smoothing is 0, as in TRL; IPO, SimPO and ORPO average the log-probs
+per token, as their papers and TRL do; SimPO and ORPO read no reference). The formulas are
+TRL's DPOTrainer `loss_type`s. ORPO's reward is the log-odds of the per-token mean
+probability, and its loss always carries the NLL term below with weight 1 (Hong et al.
+2024, TRL's ORPOTrainer); a mean log-prob above -1e-7 is held there (odds of 10^7), where
+the odds' gradient would overflow. An optional NLL term on the chosen responses (RPO,
+TRL's `rpo_alpha`) adds `sft_coef * sum(-log p(chosen tokens)) / #chosen tokens`.
 
 The losses of unpaired feedback, `kto` and `apo_zero_unpaired`, share this config and
 `train_step.make_preference_step`; their math and packing are `posttrain.rl.kto`'s.
@@ -76,11 +87,15 @@ Array = jax.Array
 
 # Losses of unpaired feedback, one labelled completion per example (`posttrain.rl.kto`).
 UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo") + UNPAIRED_LOSSES
-# The losses that compare the policy with a reference (all but SimPO and ORPO).
-REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge") + UNPAIRED_LOSSES
-# The logistic losses, the ones label smoothing applies to.
-_LOGISTIC_LOSSES = ("sigmoid", "simpo")
+# The paired losses that compare the policy with a reference (all but SimPO and ORPO).
+_PAIRED_REFERENCE_LOSSES = ("sigmoid", "robust", "exo_pair", "ipo", "hinge", "nca_pair",
+                            "sppo_hard", "apo_zero", "apo_down")
+PREFERENCE_LOSSES = _PAIRED_REFERENCE_LOSSES + ("simpo", "orpo") + UNPAIRED_LOSSES
+REFERENCE_LOSSES = _PAIRED_REFERENCE_LOSSES + UNPAIRED_LOSSES
+# The losses label smoothing applies to.
+_LOGISTIC_LOSSES = ("sigmoid", "robust", "exo_pair", "simpo")
+# EXO's smoothing when label_smoothing is 0 (its loss needs log eps), as in TRL.
+_EXO_EPS = 1e-3
 
 PAIR_KEYS = ("prompt_tokens", "chosen_tokens", "rejected_tokens")
 OPTIONAL_PAIR_KEYS = ("chosen_mask", "rejected_mask", "margin", "domain")
@@ -97,8 +112,8 @@ class PreferenceConfig:
   Attributes:
     loss: one of `PREFERENCE_LOSSES`.
     beta: the reward scale (DPO's KL strength); > 0.
-    label_smoothing: cDPO's assumed fraction of flipped labels, in [0, 0.5); sigmoid
-      and simpo only.
+    label_smoothing: the assumed fraction of flipped labels, in [0, 0.5); sigmoid (cDPO),
+      robust, exo_pair and simpo only.
     simpo_gamma: SimPO's target reward margin.
     sft_coef: weight of the NLL term on the chosen responses (RPO); 0 = off. ORPO's
       loss holds that term with weight 1 already; sft_coef must stay 0 there.
@@ -205,17 +220,36 @@ def pair_rewards(cfg: PreferenceConfig, policy_chosen, policy_rejected, ref_chos
   return chosen, rejected
 
 
-def pair_losses(cfg: PreferenceConfig, margin: Array) -> Array:
-  """Per-pair loss of the reward margin `h = r_c - r_r` (module docstring)."""
+def pair_losses(cfg: PreferenceConfig, reward_chosen: Array, reward_rejected: Array
+                ) -> Array:
+  """Per-pair loss of the rewards `r_c, r_r` (module docstring)."""
+  margin = reward_chosen - reward_rejected
+  eps, log_sigmoid, sigmoid = cfg.label_smoothing, jax.nn.log_sigmoid, jax.nn.sigmoid
   if cfg.loss == "sigmoid":
-    return _logistic(margin, cfg.label_smoothing)
+    return _logistic(margin, eps)
+  if cfg.loss == "robust":
+    return (-(1.0 - eps) * log_sigmoid(margin) + eps * log_sigmoid(-margin)) / (1.0 - 2 * eps)
+  if cfg.loss == "exo_pair":
+    eps = eps or _EXO_EPS
+    return (sigmoid(margin) * (log_sigmoid(margin) - np.log1p(-eps))
+            + sigmoid(-margin) * (log_sigmoid(-margin) - np.log(eps)))
   if cfg.loss == "ipo":
     return (margin / cfg.beta - 1.0 / (2.0 * cfg.beta)) ** 2
   if cfg.loss == "hinge":
     return jax.nn.relu(1.0 - margin)
+  if cfg.loss == "nca_pair":
+    return (-log_sigmoid(reward_chosen) - 0.5 * log_sigmoid(-reward_chosen)
+            - 0.5 * log_sigmoid(-reward_rejected))
+  if cfg.loss == "sppo_hard":
+    return (((reward_chosen - 0.5) / cfg.beta) ** 2
+            + ((reward_rejected + 0.5) / cfg.beta) ** 2)
+  if cfg.loss == "apo_zero":
+    return 1.0 - sigmoid(reward_chosen) + sigmoid(reward_rejected)
+  if cfg.loss == "apo_down":
+    return sigmoid(reward_chosen) + 1.0 - sigmoid(margin)
   if cfg.loss == "orpo":
-    return -cfg.beta * jax.nn.log_sigmoid(margin)
-  return _logistic(margin - cfg.simpo_gamma, cfg.label_smoothing)
+    return -cfg.beta * log_sigmoid(margin)
+  return _logistic(margin - cfg.simpo_gamma, eps)
 
 
 def preference_loss(cfg: PreferenceConfig, policy_chosen, policy_rejected, ref_chosen=None,
@@ -248,7 +282,7 @@ def preference_loss(cfg: PreferenceConfig, policy_chosen, policy_rejected, ref_c
   nc, nr = clean(chosen_tokens, 1.0), clean(rejected_tokens, 1.0)
   reward_chosen, reward_rejected = pair_rewards(cfg, pc, pr, rc, rr, nc, nr)
   margin = reward_chosen - reward_rejected
-  losses = jnp.where(mask, pair_losses(cfg, margin), 0.0)
+  losses = jnp.where(mask, pair_losses(cfg, reward_chosen, reward_rejected), 0.0)
   count = jnp.sum(mask)
   if denominator is None:
     denominator = count

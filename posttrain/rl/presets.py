@@ -27,8 +27,9 @@ upper clip. Knobs:
     dynamic_sampling     drop groups whose rewards are all equal (DAPO)
     overlong_penalty, overlong_buffer_len, overlong_penalty_factor   DAPO soft penalty
     ppo_epochs, num_minibatches   passes and optimizer steps per rollout batch
-    preference_loss      "" = the policy-gradient update above; sigmoid | ipo | hinge | simpo
-                         | orpo = online preference optimisation: each group's best sample against
+    preference_loss      "" = the policy-gradient update above; a paired loss of
+                         posttrain.rl.preference (sigmoid, ipo, simpo, ...) = online
+                         preference optimisation: each group's best sample against
                          its worst (by verified reward) as a DPO-family pair
                          (posttrain.rl.preference), the reference the policy RL started from
     beta, label_smoothing, simpo_gamma, sft_coef   that loss's knobs (PreferenceConfig)

@@ -25,11 +25,27 @@ def log_sigmoid(x):
 
 
 def oracle_pair_losses(cfg, pc, pr, rc, rr, nc, nr):
-  """Per-pair losses written from DPO/cDPO, IPO, SLiC, SimPO and ORPO, in float64."""
+  """Per-pair losses written from the papers (and TRL's DPOTrainer), in float64."""
   beta, eps = cfg.beta, cfg.label_smoothing
+  a, b = pc - rc, pr - rr  # the chosen and rejected log-ratios
+  h = beta * (a - b)
   if cfg.loss == "sigmoid":
-    h = beta * ((pc - rc) - (pr - rr))
     return -(1 - eps) * log_sigmoid(h) - eps * log_sigmoid(-h)
+  if cfg.loss == "robust":  # Chowdhury et al. 2024, eq. 7
+    return (-(1 - eps) * log_sigmoid(h) + eps * log_sigmoid(-h)) / (1 - 2 * eps)
+  if cfg.loss == "exo_pair":  # Ji et al. 2024, eq. 16: KL(p_policy || p_labels) of 2 classes
+    eps = eps or 1e-3
+    p = 1 / (1 + np.exp(-h))
+    return p * (np.log(p) - np.log(1 - eps)) + (1 - p) * (np.log(1 - p) - np.log(eps))
+  if cfg.loss == "nca_pair":  # Chen et al. 2024, NCA with K = 1
+    return (-log_sigmoid(beta * a) - 0.5 * log_sigmoid(-beta * a)
+            - 0.5 * log_sigmoid(-beta * b))
+  if cfg.loss == "sppo_hard":  # Wu et al. 2024, eq. 4.7 with P(win) = 1, P(lose) = 0
+    return (a - 1 / (2 * beta)) ** 2 + (b + 1 / (2 * beta)) ** 2
+  if cfg.loss == "apo_zero":  # D'Oosterlinck et al. 2024, eq. 7
+    return 1 - 1 / (1 + np.exp(-beta * a)) + 1 / (1 + np.exp(-beta * b))
+  if cfg.loss == "apo_down":  # eq. 8
+    return 1 / (1 + np.exp(-beta * a)) + 1 - 1 / (1 + np.exp(-h))
   if cfg.loss == "ipo":  # Azar et al. eq. 17 with TRL's per-token averaged log-ratios
     return ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * beta)) ** 2
   if cfg.loss == "hinge":
@@ -72,6 +88,13 @@ LOSS_CASES = {
     "simpo": PreferenceConfig("simpo", beta=2.0, simpo_gamma=0.7),
     "simpo_smoothed": PreferenceConfig("simpo", beta=2.5, simpo_gamma=1.2, label_smoothing=0.1),
     "orpo": PreferenceConfig("orpo", beta=0.25),
+    "robust": PreferenceConfig("robust", beta=0.4, label_smoothing=0.15),
+    "exo_pair": PreferenceConfig("exo_pair", beta=0.3),
+    "exo_pair_smoothed": PreferenceConfig("exo_pair", beta=0.3, label_smoothing=0.05),
+    "nca_pair": PreferenceConfig("nca_pair", beta=0.2),
+    "sppo_hard": PreferenceConfig("sppo_hard", beta=0.5),
+    "apo_zero": PreferenceConfig("apo_zero", beta=0.3),
+    "apo_down": PreferenceConfig("apo_down", beta=0.3),
 }
 
 
@@ -136,7 +159,7 @@ def test_policy_equal_to_reference_gives_log_2_and_no_accuracy():
 
 
 def test_config_errors_are_one_line_and_name_the_value():
-  with pytest.raises(ValueError, match="unknown preference loss 'dpo'; known: sigmoid, ipo"):
+  with pytest.raises(ValueError, match="unknown preference loss 'dpo'; known: sigmoid, robust, exo_pair, ipo"):
     PreferenceConfig("dpo")
   with pytest.raises(ValueError, match="beta must be > 0, got 0"):
     PreferenceConfig(beta=0)
@@ -144,6 +167,8 @@ def test_config_errors_are_one_line_and_name_the_value():
     PreferenceConfig(label_smoothing=0.5)
   with pytest.raises(ValueError, match="label_smoothing=0.1 applies to"):
     PreferenceConfig("ipo", label_smoothing=0.1)
+  with pytest.raises(ValueError, match="label_smoothing=0.1 applies to"):
+    PreferenceConfig("apo_zero", label_smoothing=0.1)
   with pytest.raises(ValueError, match="sft_coef must be >= 0, got -1"):
     PreferenceConfig(sft_coef=-1)
   with pytest.raises(ValueError, match="sft_coef=0.5 does not apply to orpo"):
@@ -330,9 +355,10 @@ def reference_params(mesh, seed=1):
   return state_lib.frozen_copy(fresh_state(CFG, optax.sgd(1.0), mesh, seed=seed).params)
 
 
-@pytest.mark.parametrize("case", ["cdpo+sft", "ipo", "hinge", "simpo+sft", "orpo"])
+@pytest.mark.parametrize("case", ["cdpo+sft", "ipo", "hinge", "simpo+sft", "orpo", "nca_pair"])
 def test_step_loss_is_the_loss_of_the_models_logprobs(case):
   cfg = {"cdpo+sft": PreferenceConfig("sigmoid", beta=0.5, label_smoothing=0.1, sft_coef=0.3),
+         "nca_pair": PreferenceConfig("nca_pair", beta=0.5),
          "ipo": PreferenceConfig("ipo", beta=0.2),
          "hinge": PreferenceConfig("hinge", beta=2.0),
          "orpo": PreferenceConfig("orpo", beta=0.3),
