@@ -11,17 +11,24 @@ counts, tables, file list). It is written into a temporary sibling and renamed i
 place, so a reader sees a whole entry or none; processes racing to write the same entry
 each rename their own and the first one stays. An entry that does not read back whole is
 a miss (`CacheEntryError`), never a crash.
+
+Each entry records its files' paths, sizes and modification times (`file_stats`). When a
+load writes a new entry it prunes the directory (`prune`): entries a day old whose files
+have since changed or gone, entries of an older format, and temporary or moved-aside
+directories left for an hour by a killed process. None of these can be read again.
 """
 
 from __future__ import annotations
 
 import array
+import fnmatch
 import hashlib
 import json
 import operator
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -127,14 +134,19 @@ def check_arrays(arrays: Mapping[str, np.ndarray], token_fields: Sequence[str],
   need(int(arrays["source_file"].max(initial=0)) < files, "source_file overflows the files")
 
 
-def cache_key(kind: str, row_len: int, files: Sequence[str], fingerprint: str) -> str:
-  """sha256 of what decides an entry's contents: the format, the data kind, row_len, each
-  file's absolute path, size and modification time, and the tokenizer."""
+def file_stats(files: Sequence[str]) -> list[list]:
+  """[absolute path, size, modification time in ns] of each file: what a key depends on."""
   stats = []
   for path in files:
     st = os.stat(path)
     stats.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
-  text = json.dumps([FORMAT_VERSION, kind, int(row_len), stats, fingerprint])
+  return stats
+
+
+def cache_key(kind: str, row_len: int, files: Sequence[str], fingerprint: str) -> str:
+  """sha256 of what decides an entry's contents: the format, the data kind, row_len, each
+  file's absolute path, size and modification time, and the tokenizer."""
+  text = json.dumps([FORMAT_VERSION, kind, int(row_len), file_stats(files), fingerprint])
   return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -185,15 +197,114 @@ def write_entry(entry: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str,
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _remove(entry: str) -> None:
+def _remove(entry: str) -> bool:
   """Moves an entry aside, then deletes it: readers holding its files keep them, and a
-  reader never sees it half deleted."""
+  reader never sees it half deleted. False when there was none."""
   stale = f"{entry}.stale-{uuid.uuid4().hex[:8]}"
   try:
     os.replace(entry, stale)
   except FileNotFoundError:
-    return
+    return False
   shutil.rmtree(stale, ignore_errors=True)
+  return True
+
+
+def prune(directory: str, *, keep: Iterable[str] = (), tmp_age_s: float = 3600.0,
+          stale_age_s: float = 86400.0, now: float | None = None,
+          sizes: dict[str, int] | None = None) -> list[str]:
+  """Removes from the top level of `directory` what no load can read again; returns the
+  paths removed.
+
+  That is entries whose files changed (size or modification time) or went away since they
+  were written, per their meta's `file_stats`, once the entry is `stale_age_s` old (hosts
+  that share a cache directory but each read their own copy of the files, copied at
+  different times, see each other's entries as changed: the grace keeps a run's entries
+  through its restarts); entries of an older format; and temporary
+  (`.*.tmp-*`) or moved-aside (`*.stale-*`) directories not modified for `tmp_age_s`
+  seconds before `now` (a live writer's are younger). Never the names in `keep`, entries
+  without `file_stats` or with an unreadable meta.json, entries of a newer format, nor
+  anything but directories. An entry is moved aside before it is deleted, so a reader
+  sees it whole or not at all. What cannot be judged or removed (permissions, another
+  process removing it first) is skipped. With `sizes`, each removed path's bytes go there.
+  """
+  now = time.time() if now is None else now
+  keep = set(keep)
+  try:
+    with os.scandir(directory) as it:
+      items = list(it)
+  except OSError:
+    return []
+  removed = []
+  for item in items:
+    try:
+      if item.name in keep or not item.is_dir(follow_symlinks=False):
+        continue
+      if any(fnmatch.fnmatchcase(item.name, p) for p in (".*.tmp-*", "*.stale-*")):
+        if now - _last_modified(item.path) < tmp_age_s:
+          continue
+        size = _bytes(item.path)
+        shutil.rmtree(item.path)
+      elif _outdated(item.path, written_before=now - stale_age_s):
+        size = _bytes(item.path)
+        if not _remove(item.path):
+          continue
+      else:
+        continue
+    except OSError:
+      continue
+    removed.append(item.path)
+    if sizes is not None:
+      sizes[item.path] = size
+  return removed
+
+
+def _outdated(entry: str, written_before: float) -> bool:
+  """Whether an entry is of an older format, or was written before `written_before` and its
+  files changed since; False when that cannot be told (no entry, an unreadable meta, no
+  `file_stats`)."""
+  meta_path = os.path.join(entry, "meta.json")
+  try:
+    with open(meta_path, encoding="utf-8") as f:
+      meta = json.load(f)
+    written = os.stat(meta_path).st_mtime
+  except (OSError, ValueError):
+    return False
+  if not isinstance(meta, dict) or "key" not in meta:  # not one of ours
+    return False
+  version = meta.get("version")
+  if type(version) is int and version < FORMAT_VERSION:
+    return True
+  stats = meta.get("file_stats")
+  if version != FORMAT_VERSION or not isinstance(stats, list) or not all(
+      isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) for s in stats):
+    return False
+  if written >= written_before:
+    return False
+  for path, size, mtime_ns in stats:
+    try:
+      st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+      return True
+    if [st.st_size, st.st_mtime_ns] != [size, mtime_ns]:
+      return True
+  return False
+
+
+def _last_modified(path: str) -> float:
+  """The newest modification time of a directory and what it holds (a slow writer's
+  file keeps changing after the directory stops)."""
+  newest = os.stat(path, follow_symlinks=False).st_mtime
+  with os.scandir(path) as it:
+    for child in it:
+      newest = max(newest, child.stat(follow_symlinks=False).st_mtime)
+  return newest
+
+
+def _bytes(path: str) -> int:
+  total = 0
+  for root, _, names in os.walk(path):
+    total += sum(os.lstat(os.path.join(root, n)).st_size for n in names)
+  return total
 
 
 class LazySequence(Sequence):

@@ -26,7 +26,9 @@ one flat column per field for all rows (`posttrain.data.columns`).
 With a `cache_dir`, the first load writes those columns there and every later load of the
 same files (same paths, sizes and modification times), row_len and tokenizer, by a
 restarted or resumed run, another host or another run, memory-maps them: no parsing, no
-tokenizing. Editing a file, or changing row_len or the tokenizer, makes a new entry.
+tokenizing. Editing a file, or changing row_len or the tokenizer, makes a new entry; the
+entries of edited or deleted files are removed once a day old, when a load writes a new
+entry (`columns.prune`).
 """
 
 from __future__ import annotations
@@ -220,6 +222,7 @@ class JsonlExamples:
       log.info("%s data: the tokenizer %s has no fingerprint; not cached", cls.KIND,
                type(tok).__name__)
     elif cache_dir:
+      stats = columns.file_stats(files)  # as the key saw them: an entry records these
       key = columns.cache_key(cls.KIND, row_len, files, tok.fingerprint)
       entry = os.path.join(os.path.expanduser(cache_dir), f"{cls.KIND.lower()}-{key[:32]}")
       try:
@@ -240,12 +243,22 @@ class JsonlExamples:
     if entry:
       outcome = "cache miss, not cached"
       try:
-        data._write(entry, key, row_len, replace=broken)
+        data._write(entry, key, row_len, stats, replace=broken)
         data = cls._read(entry, files, key)
         outcome = f"cache miss, cached in {entry}"
       except (OSError, columns.CacheEntryError) as e:
         log.warning("%s data: could not cache the tokenized rows in %s (%s); continuing "
                     "uncached", cls.KIND, entry, " ".join(str(e).split()))
+      else:
+        directory, sizes = os.path.dirname(entry), {}
+        try:
+          removed = columns.prune(directory, keep=(os.path.basename(entry),), sizes=sizes)
+        except OSError as e:
+          log.warning("%s data cache: could not prune %s (%s)", cls.KIND, directory, e)
+        else:
+          if removed:
+            log.info("%s data cache: removed %d stale entries (%.1f MiB) from %s", cls.KIND,
+                     len(removed), sum(sizes.values()) / 2**20, directory)
     log.info("%s data: tokenized %d rows in %.2f s (%s)", cls.KIND, len(data),
              time.perf_counter() - start, outcome)
     data._warn_long_rows(row_len)
@@ -277,12 +290,13 @@ class JsonlExamples:
     return cls(arrays, files, strings=strings, dropped=dropped, truncated=truncated,
                first_dropped=first_dropped)
 
-  def _write(self, entry: str, key: str, row_len: int, *, replace: bool) -> None:
+  def _write(self, entry: str, key: str, row_len: int, file_stats: list[list], *,
+             replace: bool) -> None:
     meta = {"version": columns.FORMAT_VERSION, "kind": self.KIND, "key": key,
             "row_len": row_len, "count": len(self), "dropped": self.dropped,
             "truncated": self.truncated, "first_dropped": self.first_dropped,
-            "files": [os.path.abspath(p) for p in self.files], "strings": self.strings,
-            "summary": self.summary}
+            "files": [os.path.abspath(p) for p in self.files], "file_stats": file_stats,
+            "strings": self.strings, "summary": self.summary}
     columns.write_entry(entry, self.arrays, meta, replace=replace)
 
   @classmethod
