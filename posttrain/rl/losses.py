@@ -368,9 +368,111 @@ def gspo_policy_loss(
                       eps_low, eps_high, dual_clip, segment_ids)
 
 
+def _ratio_metrics(ratio, mask, low, high) -> dict[str, Metric]:
+  count = jnp.sum(mask)
+  ratio = jax.lax.stop_gradient(ratio)
+  return {
+      "clip_fraction/low": Metric.mean(jnp.sum(mask & low), count),
+      "clip_fraction/high": Metric.mean(jnp.sum(mask & high), count),
+      "clip_fraction/dual": Metric.mean(jnp.zeros(()), count),
+      "ratio/mean": _masked_mean_metric(ratio, mask),
+      "ratio/max": Metric.max(jnp.max(jnp.where(mask, ratio, -jnp.inf)), count),
+  }
+
+
+def cispo_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """CISPO (MiniMax-M1, 2025): the importance weight is clipped and held constant, and
+  every token keeps its policy gradient (PPO's clip zeroes the gradient of clipped tokens).
+
+      w_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high))
+      L_t = -A_t w_t (1 + log pi(y_t) - sg(log pi(y_t)))
+
+  Its value is `-A_t w_t` and its gradient `-A_t w_t grad log pi(y_t)`, as veRL's
+  `cispo` loss. `eps_low = 1` sets no lower bound (the paper's choice).
+
+  Returns:
+    `(per_token_loss [batch, length], metrics)`; clip fractions count the tokens whose
+    weight was clipped, whatever their advantage's sign.
+  """
+  del segment_ids
+  if dual_clip:
+    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not cispo")
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     loss_mask=loss_mask)
+  mask = as_mask(loss_mask)
+  log_probs = _clean(log_probs, mask)
+  log_ratio = jnp.clip(log_probs - _clean(old_log_probs, mask), -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+  advantages = _clean(advantages, mask)
+  loss = -advantages * weight * (1.0 + log_probs - jax.lax.stop_gradient(log_probs))
+  metrics = _ratio_metrics(ratio, mask, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high)
+  return jnp.where(mask, loss, 0.0), metrics
+
+
+def gmpo_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """GMPO (Zhao et al. 2025): the geometric mean of a sequence's token ratios, each
+  clipped in log space, in place of GRPO's arithmetic mean.
+
+      c_t = sgn(A_t) min(sgn(A_t) log r_t, sgn(A_t) clip(log r_t, -eps_low, eps_high))
+      s_i = exp(mean_{t in i} c_t),   L_i = -A_i s_i
+      L_t = -A_t exp(sg[log s_i] + c_t - sg[c_t])      (per token)
+
+  Each token's value is its sequence's `-A s_i` and its gradient `-A s_i grad c_t`, so with
+  advantages constant over a sequence and `seq_mean_token_mean` aggregation this is the
+  sequence-level objective in value and gradient (as GSPO's token form is). The clip
+  range is in log space: the paper's (e^-0.4, e^0.4) is eps_low = eps_high = 0.4. Pass
+  `segment_ids` for packed rows.
+
+  Returns:
+    `(per_token_loss [batch, length], metrics)`; `ratio/*` are the sequence ratios s_i.
+  """
+  if dual_clip:
+    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not gmpo")
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     loss_mask=loss_mask, segment_ids=segment_ids)
+  mask = as_mask(loss_mask)
+  log_ratio = jnp.clip(_clean(log_probs, mask) - _clean(old_log_probs, mask),
+                       -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  advantages = _clean(advantages, mask)
+  sign = jnp.sign(advantages)
+  clipped = jnp.clip(log_ratio, -eps_low, eps_high)
+  c = sign * jnp.minimum(sign * log_ratio, sign * clipped)
+  c = jnp.where(mask, c, 0.0)
+  seq_sum = segment_sum_per_token(c, segment_ids)
+  seq_len = segment_sum_per_token(mask.astype(jnp.float32), segment_ids)
+  log_s = jax.lax.stop_gradient(seq_sum / jnp.maximum(seq_len, 1.0))
+  loss = -advantages * jnp.exp(log_s + c - jax.lax.stop_gradient(c))
+  metrics = _ratio_metrics(jnp.exp(log_s), mask, (advantages < 0) & (log_ratio < -eps_low),
+                           (advantages > 0) & (log_ratio > eps_high))
+  return jnp.where(mask, loss, 0.0), metrics
+
+
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Metric]]]] = {
     "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+    "gmpo": gmpo_policy_loss,
 }
 
 
@@ -552,12 +654,15 @@ class LossConfig:
     if self.kl_estimator not in KL_ESTIMATORS:
       known = ", ".join(KL_ESTIMATORS)
       raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; known: {known}")
-    if not 0 <= self.eps_low < 1:
-      raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+    if not 0 <= self.eps_low <= 1:
+      raise ValueError(f"eps_low must be in [0, 1] (1: no lower clip), got {self.eps_low}")
     if self.eps_high < 0:
       raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
     if self.dual_clip and self.dual_clip <= 1:
       raise ValueError(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+    if self.dual_clip and self.policy_loss not in ("ppo", "gspo"):
+      raise ValueError(f"dual_clip={self.dual_clip} applies to the ppo and gspo policy "
+                       f"losses, not {self.policy_loss!r}")
     if self.tis_cap < 0:
       raise ValueError(f"tis_cap must be 0 (off) or > 0, got {self.tis_cap}")
     if self.loss_agg_mode == "seq_mean_token_sum_norm" and self.max_response_len <= 0:

@@ -15,8 +15,9 @@ upper clip. Knobs:
     advantage_estimator  gae | grpo | rloo | reinforce_pp (advantages.py)
     normalize_std        divide group advantages by the group std (off: Dr.GRPO)
     use_critic, gamma, lam, value_coef, value_clip      PPO critic and GAE
-    policy_loss          ppo | gspo (losses.py)
-    eps_low, eps_high    ratio clip range [1 - eps_low, 1 + eps_high]
+    policy_loss          ppo | gspo | cispo | gmpo (losses.py)
+    eps_low, eps_high    ratio clip range [1 - eps_low, 1 + eps_high] (gmpo: log ratio
+                         range [-eps_low, eps_high]); eps_low = 1: no lower clip
     dual_clip            c > 1 bounds the loss of negative advantages; 0 = off
     loss_agg_mode        token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     max_response_len     Dr.GRPO's constant normaliser; 0 = the sampler's budget
@@ -116,6 +117,23 @@ _PRESETS: dict[str, dict[str, Any]] = {
         policy_loss="gspo",
         eps_low=3e-4,
         eps_high=4e-4,
+        loss_agg_mode="seq_mean_token_mean",
+    ),
+    # MiniMax-M1 (2025): the importance weight clipped and held constant, every token's
+    # gradient kept; no lower bound (eps_low 1); the upper bound is DAPO's clip-higher
+    # (MiniMax tunes it).
+    "cispo": dict(
+        policy_loss="cispo",
+        eps_low=1.0,
+        eps_high=0.28,
+        loss_agg_mode="token_mean",
+    ),
+    # Zhao et al. 2025: the geometric mean of the token ratios, clipped in log space to
+    # (e^-0.4, e^0.4).
+    "gmpo": dict(
+        policy_loss="gmpo",
+        eps_low=0.4,
+        eps_high=0.4,
         loss_agg_mode="seq_mean_token_mean",
     ),
     # Ahmadian et al. 2024: leave-one-out baseline.

@@ -138,6 +138,83 @@ def test_gspo_matches_sequence_level_objective_in_value_and_gradient():
         np.testing.assert_allclose(log_ratio[b][sel], (logp - old)[b][sel].mean(), atol=1e-6)
 
 
+def test_cispo_keeps_every_tokens_gradient_weighted_by_the_clipped_ratio():
+  """CISPO: value -A clip(r) and gradient -A clip(r) (d/dlogp) at every token, clipped or
+  not; PPO's gradient is 0 where it clips. eps_low = 1: no lower bound."""
+  logp, old, adv, mask = _inputs(4, batch=11, length=13, spread=1.0)
+  eps_low, eps_high = 1.0, 0.28
+
+  def total(lp, fn):
+    loss, _ = fn(lp, _with_garbage(old, mask, np.inf), _with_garbage(adv, mask), mask,
+                 eps_low=eps_low, eps_high=eps_high)
+    return jnp.sum(loss)
+
+  loss, metrics = losses.cispo_policy_loss(_with_garbage(logp, mask), old, adv, mask,
+                                           eps_low=eps_low, eps_high=eps_high)
+  ratio = np.exp(logp.astype(np.float64) - old)
+  weight = np.clip(ratio, 1 - eps_low, 1 + eps_high)
+  np.testing.assert_allclose(loss, np.where(mask, -adv * weight, 0.0), rtol=1e-5, atol=1e-6)
+  grad = np.asarray(jax.grad(total)(_with_garbage(logp, mask), losses.cispo_policy_loss))
+  np.testing.assert_allclose(grad, np.where(mask, -adv * weight, 0.0), rtol=1e-5, atol=1e-6)
+  clipped = mask & (ratio > 1 + eps_high)
+  assert clipped.any() and np.all(grad[clipped] != 0)
+  ppo_grad = np.asarray(jax.grad(total)(logp, losses.ppo_policy_loss))
+  assert np.all(ppo_grad[clipped & (adv > 0)] == 0)  # where PPO drops the token
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["clip_fraction/high"], clipped.sum() / mask.sum())
+  assert float(m["clip_fraction/low"]) == 0.0
+  np.testing.assert_allclose(m["ratio/mean"], ratio[mask].mean(), rtol=1e-5)
+
+
+def test_gmpo_matches_its_sequence_level_objective_in_value_and_gradient():
+  """GMPO's token form with seq_mean_token_mean aggregation equals the paper's objective,
+  1/N sum_i -A_i exp(mean_t c_t), c_t the log ratio clipped against the advantage's sign."""
+  rng = np.random.default_rng(5)
+  batch, length = 5, 11
+  segment_ids, mask = _segments_and_mask(rng, batch, length)
+  logp = (-rng.random((batch, length)) * 2).astype(np.float32)
+  old = (logp + rng.normal(size=(batch, length)) * 0.5).astype(np.float32)
+  seq_adv = rng.normal(size=(batch, 3))
+  adv = np.take_along_axis(seq_adv, segment_ids, axis=1).astype(np.float32)
+  eps_low, eps_high = 0.4, 0.3
+
+  def token_form(lp):
+    per_token, _ = losses.gmpo_policy_loss(
+        lp, _with_garbage(old, mask), _with_garbage(adv, mask), mask,
+        eps_low=eps_low, eps_high=eps_high, segment_ids=segment_ids)
+    w, d = losses.token_weights(mask, "seq_mean_token_mean", segment_ids=segment_ids)
+    return losses.aggregate(per_token, w, d)
+
+  def sequence_level(lp):
+    total, count = 0.0, 0
+    for b in range(batch):
+      for s in (1, 2):
+        sel = (segment_ids[b] == s) & mask[b]
+        if not sel.any():
+          continue
+        a = seq_adv[b, s]
+        log_r = lp[b] - old[b]
+        # Pessimistic: the clip bounds the log ratio only in the direction A pushes it.
+        c = (jnp.minimum(log_r, eps_high) if a > 0 else jnp.maximum(log_r, -eps_low))
+        total += -a * jnp.exp(jnp.sum(jnp.where(sel, c, 0.0)) / sel.sum())
+        count += 1
+    return total / count
+
+  token_form, sequence_level = jax.jit(token_form), jax.jit(sequence_level)
+  np.testing.assert_allclose(token_form(logp), sequence_level(logp), rtol=1e-5)
+  g_token = np.asarray(jax.jit(jax.grad(token_form))(_with_garbage(logp, mask)))
+  g_seq = np.asarray(jax.jit(jax.grad(sequence_level))(logp))
+  np.testing.assert_allclose(g_token, np.where(mask, g_seq, 0.0), rtol=1e-4, atol=1e-7)
+  log_r = logp - old
+  clipped = mask & (((adv > 0) & (log_r > eps_high)) | ((adv < 0) & (log_r < -eps_low)))
+  assert clipped.any() and np.all(g_token[clipped] == 0)  # clipped tokens: no gradient
+  _, metrics = losses.gmpo_policy_loss(logp, old, adv, mask, eps_low=eps_low,
+                                       eps_high=eps_high, segment_ids=segment_ids)
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(float(m["clip_fraction/high"]) + float(m["clip_fraction/low"]),
+                             clipped.sum() / mask.sum(), rtol=1e-6)
+
+
 def _agg_ref(loss, mask, segment_ids, mode, max_len):
   if mode == "token_mean":
     return loss[mask].sum() / mask.sum()
@@ -460,7 +537,8 @@ def test_loss_config_errors_are_one_line_and_name_the_value():
       (dict(loss_agg_mode="mean"), "unknown loss_agg_mode 'mean'"),
       (dict(policy_loss="trpo"), "unknown policy loss 'trpo'"),
       (dict(dual_clip=0.9), "dual_clip must be 0 \\(off\\) or > 1, got 0.9"),
-      (dict(eps_low=1.0), "eps_low must be in \\[0, 1\\), got 1.0"),
+      (dict(eps_low=1.5), "eps_low must be in \\[0, 1\\] \\(1: no lower clip\\), got 1.5"),
+      (dict(policy_loss="cispo", dual_clip=3.0), "dual_clip=3.0 applies to the ppo and gspo"),
       (dict(loss_agg_mode="seq_mean_token_sum_norm"), "needs max_response_len > 0, got 0"),
   ]
   for kwargs, message in cases:

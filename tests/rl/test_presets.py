@@ -23,7 +23,8 @@ def test_every_preset_loads_validates_and_builds_a_loss_config(name):
 
 def test_all_issue_presets_exist():
   assert set(presets.PRESET_NAMES) == {
-      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "rloo", "online_dpo", "reinforce_pp"}
+      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "rloo", "online_dpo",
+      "reinforce_pp"}
 
 
 def test_presets_encode_their_papers():
@@ -36,6 +37,10 @@ def test_presets_encode_their_papers():
   assert dapo.dynamic_sampling and dapo.overlong_penalty
   assert not dr_grpo.normalize_std and dr_grpo.loss_agg_mode == "seq_mean_token_sum_norm"
   assert gspo.policy_loss == "gspo" and gspo.eps_high < 1e-3
+  cispo, gmpo = presets.get_preset("cispo"), presets.get_preset("gmpo")
+  assert cispo.policy_loss == "cispo" and cispo.eps_low == 1.0 and cispo.eps_high > 0
+  assert gmpo.policy_loss == "gmpo" and gmpo.eps_low == gmpo.eps_high == 0.4
+  assert gmpo.loss_agg_mode == "seq_mean_token_mean"
   assert rloo.advantage_estimator == "rloo" and rloo.group_size >= 2
   assert rpp.advantage_estimator == "reinforce_pp" and rpp.kl_in_reward and not rpp.use_critic
 
@@ -77,7 +82,8 @@ def test_unknown_algorithm_lists_known_ones():
     with pytest.raises(ValueError) as info:
       call("ppo2")
     assert str(info.value) == (
-        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, rloo, online_dpo, reinforce_pp")
+        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, rloo, "
+        "online_dpo, reinforce_pp")
 
 
 def test_command_line_picks_and_overrides_an_algorithm(tmp_path):

@@ -89,6 +89,8 @@ ALGOS = {  # name: (preset, overrides, policy config, separate critic config)
     "gspo": ("gspo", dict(kl_coef=0.1, entropy_coef=0.01), CFG, None),
     "ppo": ("ppo", {}, CRITIC_CFG, None),  # token_mean, value head.
     "ppo_separate_critic": ("ppo", {}, CFG, CRITIC_CFG),
+    "cispo": ("cispo", dict(eps_high=0.1), CFG, None),
+    "gmpo": ("gmpo", dict(eps_low=0.1, eps_high=0.1), CFG, None),
 }
 
 
@@ -98,6 +100,8 @@ ALGOS = {  # name: (preset, overrides, policy config, separate critic config)
     pytest.param("dr_grpo", marks=pytest.mark.slow),
     pytest.param("gspo", marks=pytest.mark.slow),
     pytest.param("ppo_separate_critic", marks=pytest.mark.slow),
+    pytest.param("cispo", marks=pytest.mark.slow),
+    pytest.param("gmpo", marks=pytest.mark.slow),
 ])
 def test_four_microbatches_give_the_one_batch_update(algorithm):
   preset, overrides, cfg, critic_cfg = ALGOS[algorithm]
