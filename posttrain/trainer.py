@@ -1112,7 +1112,7 @@ class Trainer:
                                 "difficulty")
     rewards = [g.rewards for g in groups]
     shaped = [self._shape(g, r) for g, r in zip(groups, rewards)]
-    seq_adv = self._sequence_advantages(shaped)
+    seq_adv = self._sequence_advantages(shaped, groups)
     trajectories = []
     for g, a in zip(groups, seq_adv):
       trajectories += group_to_trajectories(g, a)
@@ -1224,7 +1224,7 @@ class Trainer:
                                    factor=float(algo.overlong_penalty_factor))
     return rewards + np.asarray(pen, np.float64)
 
-  def _sequence_advantages(self, rewards: list[np.ndarray]) -> list[np.ndarray]:
+  def _sequence_advantages(self, rewards: list[np.ndarray], groups) -> list[np.ndarray]:
     est = self.algo.advantage_estimator
     if est not in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:
       return [np.zeros_like(r) for r in rewards]  # Token-level: filled in on the device.
@@ -1233,6 +1233,9 @@ class Trainer:
     if est == "grpo":
       a = adv_lib.group_normalized_advantages(flat, ids,
                                               normalize_std=bool(self.algo.normalize_std))
+    elif est in adv_lib.LENGTH_WEIGHTED_ESTIMATORS:
+      lengths = np.asarray([s.num_generated for g in groups for s in g.samples], np.float32)
+      a = adv_lib.get_advantage_estimator(est)(flat, lengths, ids)
     else:
       a = adv_lib.rloo_advantages(flat, ids)
     a = np.asarray(a)

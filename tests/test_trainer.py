@@ -382,6 +382,29 @@ def test_reference_pass_runs_in_the_update_only_for_a_single_kl_loss_update(
   assert ts.reference_in_step(presets.algorithm_config(preset, **overrides)) is fused
 
 
+@pytest.mark.parametrize("estimator", ["opo", "reinforce_pp_baseline", "grpo", "rloo"])
+def test_sequence_advantages_read_each_groups_rewards_and_response_lengths(estimator):
+  """The trainer hands the length-weighted estimators each sample's trained-token count and
+  splits the advantages back per group."""
+  import types
+
+  from posttrain.rl import advantages as adv_lib
+  algo = presets.algorithm_config("grpo", advantage_estimator=estimator)
+  rng = np.random.default_rng(0)
+  rewards = [rng.normal(size=4), rng.normal(size=3)]
+  lengths = [rng.integers(1, 30, 4), rng.integers(1, 30, 3)]
+  groups = [types.SimpleNamespace(samples=[types.SimpleNamespace(num_generated=int(n))
+                                           for n in ls]) for ls in lengths]
+  got = trainer.Trainer._sequence_advantages(types.SimpleNamespace(algo=algo), rewards, groups)
+  flat = np.concatenate(rewards).astype(np.float32)
+  ids = np.repeat([0, 1], [4, 3])
+  fn = adv_lib.get_advantage_estimator(estimator)
+  want = (fn(flat, np.concatenate(lengths), ids)
+          if estimator in adv_lib.LENGTH_WEIGHTED_ESTIMATORS else fn(flat, ids))
+  assert [len(a) for a in got] == [4, 3]
+  np.testing.assert_allclose(np.concatenate(got), want, atol=1e-6)
+
+
 LORA = {"model.overrides.lora_rank": 4, "model.overrides.lora_alpha": 8.0}
 
 

@@ -7,7 +7,8 @@ replaced with `jnp.where` before any arithmetic, so NaN/inf garbage there cannot
 leak into outputs or gradients. Rows may hold several packed sequences; pass
 their `segment_ids` (0 = padding) so recursions restart at every sequence.
 
-Sequence-level estimators (GRPO, RLOO) take one scalar reward per sequence,
+Sequence-level estimators (GRPO, RLOO, OPO, REINFORCE++-baseline) take one scalar reward
+per sequence (OPO and REINFORCE++-baseline each response's length too),
 either as `[num_groups, group_size]` or as a flat `[num_sequences]` vector with
 a group-id vector of the same length.
 
@@ -275,6 +276,85 @@ def rloo_advantages(
   return advantages.reshape(jnp.shape(rewards))
 
 
+def _weighted_layout(rewards, lengths, group_ids, valid):
+  flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
+  lengths = jnp.asarray(lengths, jnp.float32)
+  if lengths.shape != jnp.shape(rewards):
+    raise ValueError(f"lengths shape {lengths.shape} != rewards shape {jnp.shape(rewards)}")
+  weight = jnp.where(valid_flat, lengths.reshape(-1), 0.0)
+  return flat, ids, valid_flat, weight
+
+
+def opo_advantages(
+    rewards: Array,
+    lengths: Array,
+    group_ids: Array | None = None,
+    *,
+    valid: Array | None = None,
+) -> Array:
+  """OPO's optimal baseline (Hao et al. 2025): the group's rewards averaged with each
+  response's length as its weight, the variance-minimising baseline for sequence-level
+  rewards under exact on-policy training.
+
+      A_i = r_i - sum_{j in g} l_j r_j / sum_{j in g} l_j
+
+  over the valid members of sequence i's group; 0 for a group of one (as veRL's `opo`).
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    lengths: the responses' trained token counts, shaped like `rewards`.
+    group_ids: optional `[num_sequences]` integer group of each sequence.
+    valid: optional mask of the same shape as `rewards`.
+
+  Returns:
+    Advantages with the shape of `rewards`.
+  """
+  flat, ids, valid_flat, weight = _weighted_layout(rewards, lengths, group_ids, valid)
+  n = flat.shape[0]
+  count = _group_sums(valid_flat.astype(jnp.float32), ids, n)
+  total = _group_sums(weight, ids, n)
+  baseline = _group_sums(weight * flat, ids, n) / jnp.maximum(total, 1e-9)
+  advantages = jnp.where(valid_flat & (count > 1), flat - baseline, 0.0)
+  return advantages.reshape(jnp.shape(rewards))
+
+
+def reinforce_pp_baseline_advantages(
+    rewards: Array,
+    lengths: Array,
+    group_ids: Array | None = None,
+    *,
+    valid: Array | None = None,
+) -> Array:
+  """REINFORCE++-baseline (Hu et al. 2025, OpenRLHF's `reinforce_baseline`): the group's
+  mean reward subtracted, then the result whitened over every trained token of the batch.
+
+      a_i = r_i - mean_g(r)
+      A_i = (a_i - mu) / sqrt(var + 1e-8),  mu, var over the batch's tokens
+
+  A sequence's tokens all carry a_i, so the token statistics are those of the a_i weighted
+  by length. Call it once on the whole rollout batch.
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    lengths: the responses' trained token counts, shaped like `rewards`.
+    group_ids: optional `[num_sequences]` integer group of each sequence.
+    valid: optional mask of the same shape as `rewards`.
+
+  Returns:
+    Advantages with the shape of `rewards` (0 for invalid sequences).
+  """
+  flat, ids, valid_flat, weight = _weighted_layout(rewards, lengths, group_ids, valid)
+  n = flat.shape[0]
+  count = _group_sums(valid_flat.astype(jnp.float32), ids, n)
+  centred = jnp.where(valid_flat, flat - _group_sums(flat, ids, n) / jnp.maximum(count, 1.0),
+                      0.0)
+  total = jnp.maximum(jnp.sum(weight), 1e-9)
+  mean = jnp.sum(weight * centred) / total
+  var = jnp.sum(weight * (centred - mean) ** 2) / total
+  advantages = jnp.where(valid_flat, (centred - mean) * jax.lax.rsqrt(var + VAR_EPS), 0.0)
+  return advantages.reshape(jnp.shape(rewards))
+
+
 def dynamic_sampling_mask(
     rewards: Array,
     group_ids: Array | None = None,
@@ -342,10 +422,14 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Array | tuple[Array, Array]]] = {
     "grpo": group_normalized_advantages,
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_plus_plus_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "opo": opo_advantages,
 }
 
 # Estimators that need no critic and take one reward per sequence.
-SEQUENCE_LEVEL_ESTIMATORS = frozenset({"grpo", "rloo"})
+SEQUENCE_LEVEL_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp_baseline", "opo"})
+# The sequence-level ones that also read each response's length.
+LENGTH_WEIGHTED_ESTIMATORS = frozenset({"reinforce_pp_baseline", "opo"})
 
 
 def get_advantage_estimator(name: str) -> Callable[..., Array | tuple[Array, Array]]:

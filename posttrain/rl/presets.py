@@ -12,7 +12,8 @@ and the trainer resolves them with
 so `--config.algorithm=dapo --config.rl.eps_high=0.3` picks DAPO and raises its
 upper clip. Knobs:
 
-    advantage_estimator  gae | grpo | rloo | reinforce_pp (advantages.py)
+    advantage_estimator  gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline | opo
+                         (advantages.py)
     normalize_std        divide group advantages by the group std (off: Dr.GRPO)
     use_critic, gamma, lam, value_coef, value_clip      PPO critic and GAE
     policy_loss          ppo | gspo | cispo | gmpo (losses.py)

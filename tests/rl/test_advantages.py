@@ -205,6 +205,53 @@ def test_constant_group_has_zero_advantage_not_nan():
   assert np.all(np.isfinite(got)) and np.all(got[0] == 0) and got[1, 0] < 0 < got[1, 1]
 
 
+def _length_weighted_ref(rewards, lengths, group_ids, valid, kind):
+  """OPO (Hao et al. 2025) and REINFORCE++-baseline (OpenRLHF), written out in float64:
+  the latter whitens over every token, each response's tokens carrying its value."""
+  rewards, lengths = rewards.astype(np.float64), lengths.astype(np.float64)
+  out = np.zeros(len(rewards))
+  for g in np.unique(group_ids):
+    members = np.flatnonzero((group_ids == g) & valid)
+    if kind == "opo":
+      if len(members) > 1:
+        r, l = rewards[members], lengths[members]
+        out[members] = r - (l * r).sum() / l.sum()
+    elif len(members):
+      out[members] = rewards[members] - rewards[members].mean()
+  if kind == "reinforce_pp_baseline":
+    tokens = np.concatenate([np.full(int(lengths[i]), out[i]) for i in np.flatnonzero(valid)])
+    out = np.where(valid, (out - tokens.mean()) / np.sqrt(tokens.var() + 1e-8), 0.0)
+  return out
+
+
+@pytest.mark.parametrize("kind", ["opo", "reinforce_pp_baseline"])
+def test_length_weighted_estimators_match_their_formulas(kind):
+  rng = np.random.default_rng(6)
+  n = 23
+  group_ids = rng.choice([3, 900_001, 17, 8], size=n)
+  group_ids[0] = 55  # a group of one
+  valid = rng.random(n) < 0.85
+  valid[0] = True
+  rewards = rng.normal(size=n)
+  lengths = rng.integers(1, 40, n)
+  want = _length_weighted_ref(rewards, lengths, group_ids, valid, kind)
+  fn = jax.jit(adv_lib.get_advantage_estimator(kind))
+  got = fn(np.where(valid, rewards, np.nan).astype(np.float32), lengths, group_ids, valid=valid)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  if kind == "opo":
+    assert got[0] == 0.0
+    # Equal lengths: the plain group mean (Dr.GRPO's advantage).
+    r2 = rng.normal(size=(4, 6)).astype(np.float32)
+    np.testing.assert_allclose(adv_lib.opo_advantages(r2, np.full((4, 6), 9)),
+                               adv_lib.group_normalized_advantages(r2, normalize_std=False),
+                               atol=1e-6)
+  else:
+    tokens = np.repeat(np.asarray(got)[valid], lengths[valid])
+    np.testing.assert_allclose([tokens.mean(), tokens.std()], [0.0, 1.0], atol=1e-5)
+  with pytest.raises(ValueError, match=r"lengths shape \(3,\) != rewards shape \(23,\)"):
+    fn(rewards, lengths[:3], group_ids)
+
+
 def test_dynamic_sampling_mask():
   rewards = np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, np.nan, 0.5]], np.float32)
   valid = np.array([[1, 1, 1], [1, 1, 1], [1, 0, 1]], bool)
