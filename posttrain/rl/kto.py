@@ -57,7 +57,7 @@ import numpy as np
 
 from posttrain.rl import packing
 from posttrain.rl.losses import Metric
-from posttrain.rl.preference import PreferenceConfig
+from posttrain.rl.preference import PreferenceConfig, check_keys, token_array
 
 Array = jax.Array
 
@@ -192,50 +192,32 @@ def kl_reference_point(policy_sum, reference_sum, examples) -> Array:
 # ---------------------------------------------------------------------------------------
 
 
-def _tokens(index: int, example: Mapping[str, Any], key: str) -> np.ndarray:
-  value = np.asarray(example[key])
-  if value.ndim != 1:
-    raise ValueError(f"example {index}: {key} must be a 1-D token array, got shape "
-                     f"{value.shape}")
-  if value.size and not np.issubdtype(value.dtype, np.integer):
-    raise ValueError(f"example {index}: {key} must hold integer token ids, got {value.dtype}")
-  return value.astype(np.int32)
-
-
 def _parse(index: int, example: Mapping[str, Any], row_len: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
   """(prompt, completion, completion mask, label) of one example, validated."""
-  if not isinstance(example, Mapping):
-    raise ValueError(f"example {index}: expected a mapping with keys "
-                     f"{', '.join(EXAMPLE_KEYS)}, got {type(example).__name__}")
-  unknown = sorted(set(example) - set(EXAMPLE_KEYS) - set(OPTIONAL_EXAMPLE_KEYS))
-  if unknown:
-    raise ValueError(f"example {index}: unknown key(s) {unknown}; known: "
-                     f"{', '.join(EXAMPLE_KEYS + OPTIONAL_EXAMPLE_KEYS)}")
-  missing = [key for key in EXAMPLE_KEYS if key not in example]
-  if missing:
-    raise ValueError(f"example {index}: missing {missing}")
+  where = f"example {index}"
+  check_keys(where, example, EXAMPLE_KEYS, OPTIONAL_EXAMPLE_KEYS)
   label = example["label"]
   if not isinstance(label, (bool, np.bool_)):
-    raise ValueError(f"example {index}: label must be a bool (True = desirable), got "
+    raise ValueError(f"{where}: label must be a bool (True = desirable), got "
                      f"{label!r}")
-  prompt = _tokens(index, example, "prompt_tokens")
-  completion = _tokens(index, example, "completion_tokens")
+  prompt = token_array(where, example, "prompt_tokens")
+  completion = token_array(where, example, "completion_tokens")
   if not len(prompt):
-    raise ValueError(f"example {index}: empty prompt_tokens (the first completion token "
+    raise ValueError(f"{where}: empty prompt_tokens (the first completion token "
                      "needs a context)")
   if len(prompt) + 1 > row_len:
-    raise ValueError(f"example {index}: prompt of {len(prompt)} tokens leaves no completion "
+    raise ValueError(f"{where}: prompt of {len(prompt)} tokens leaves no completion "
                      f"token in row_len {row_len}")
   if not len(completion):
-    raise ValueError(f"example {index}: empty completion_tokens")
+    raise ValueError(f"{where}: empty completion_tokens")
   mask = example.get("completion_mask")
   mask = np.ones(len(completion), bool) if mask is None else np.asarray(mask) != 0
   if mask.shape != completion.shape:
-    raise ValueError(f"example {index}: completion_mask has shape {mask.shape}, "
+    raise ValueError(f"{where}: completion_mask has shape {mask.shape}, "
                      f"completion_tokens has {len(completion)} tokens")
   if not mask.any():
-    raise ValueError(f"example {index}: no scored completion token (completion_mask is "
+    raise ValueError(f"{where}: no scored completion token (completion_mask is "
                      "all 0)")
   return prompt, completion, mask, bool(label)
 

@@ -378,29 +378,37 @@ def microbatch_preference_loss(cfg: PreferenceConfig, logprobs_BxT: Array,
 # ---------------------------------------------------------------------------------------
 
 
-def _token_array(index: int, pair: Mapping[str, Any], key: str) -> np.ndarray:
-  value = np.asarray(pair[key])
+def token_array(where: str, item: Mapping[str, Any], key: str) -> np.ndarray:
+  """`item[key]` as int32 tokens; ValueError naming `where` (e.g. "pair 3") otherwise."""
+  value = np.asarray(item[key])
   if value.ndim != 1:
-    raise ValueError(f"pair {index}: {key} must be a 1-D token array, got shape {value.shape}")
+    raise ValueError(f"{where}: {key} must be a 1-D token array, got shape {value.shape}")
   if value.size and not np.issubdtype(value.dtype, np.integer):
-    raise ValueError(f"pair {index}: {key} must hold integer token ids, got {value.dtype}")
+    raise ValueError(f"{where}: {key} must hold integer token ids, got {value.dtype}")
   return value.astype(np.int32)
+
+
+def check_keys(where: str, item: Any, required: Sequence[str], optional: Sequence[str]
+               ) -> None:
+  """ValueError naming `where` unless `item` is a mapping with every required key and no
+  key outside required + optional."""
+  if not isinstance(item, Mapping):
+    raise ValueError(f"{where}: expected a mapping with keys {', '.join(required)}, got "
+                     f"{type(item).__name__}")
+  unknown = sorted(set(item) - set(required) - set(optional))
+  if unknown:
+    raise ValueError(f"{where}: unknown key(s) {unknown}; known: "
+                     f"{', '.join(tuple(required) + tuple(optional))}")
+  missing = [key for key in required if key not in item]
+  if missing:
+    raise ValueError(f"{where}: missing {missing}")
 
 
 def _pair_sequences(index: int, pair: Mapping[str, Any], row_len: int, truncate: bool
                     ) -> tuple[list[dict[str, np.ndarray]], int]:
   """The pair's two trajectories (chosen first) cut to row_len, and how many were cut."""
-  if not isinstance(pair, Mapping):
-    raise ValueError(f"pair {index}: expected a mapping with keys {', '.join(PAIR_KEYS)}, "
-                     f"got {type(pair).__name__}")
-  unknown = sorted(set(pair) - set(PAIR_KEYS) - set(OPTIONAL_PAIR_KEYS))
-  if unknown:
-    raise ValueError(f"pair {index}: unknown key(s) {unknown}; known: "
-                     f"{', '.join(PAIR_KEYS + OPTIONAL_PAIR_KEYS)}")
-  missing = [key for key in PAIR_KEYS if key not in pair]
-  if missing:
-    raise ValueError(f"pair {index}: missing {missing}")
-  prompt = _token_array(index, pair, "prompt_tokens")
+  check_keys(f"pair {index}", pair, PAIR_KEYS, OPTIONAL_PAIR_KEYS)
+  prompt = token_array(f"pair {index}", pair, "prompt_tokens")
   if not len(prompt):
     raise ValueError(f"pair {index}: empty prompt_tokens (the first response token needs a "
                      "context)")
@@ -409,7 +417,7 @@ def _pair_sequences(index: int, pair: Mapping[str, Any], row_len: int, truncate:
                      f"in row_len {row_len}")
   sequences, truncated = [], 0
   for side in ("chosen", "rejected"):
-    response = _token_array(index, pair, f"{side}_tokens")
+    response = token_array(f"pair {index}", pair, f"{side}_tokens")
     if not len(response):
       raise ValueError(f"pair {index}: empty {side}_tokens")
     mask = pair.get(f"{side}_mask")
