@@ -2,7 +2,8 @@
 
     python -m launch.train --config=configs/default.py --workdir=/tmp/posttrain_default
 
-What to expect on 2 CPU cores (about 4.5 minutes on an idle machine, longer under load):
+What to expect on 2 CPU cores (4.5 minutes on 2026-11-30, 29 on 2026-12-03, whose
+machine ran about 3x slower; longer under load):
 a tiny policy (byte tokenizer, 2 layers, d_model 128) learns the answer format and the
 easiest domains from demonstrations (100 SFT steps), then 200 GRPO steps with the
 learnability scheduler. The run prints one line per step, then held-out pass rates per
