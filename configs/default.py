@@ -8,11 +8,11 @@ a tiny policy (byte tokenizer, 2 layers, d_model 128) learns the answer format a
 easiest domains from demonstrations (100 SFT steps), then 200 GRPO steps with the
 learnability scheduler. The run prints one line per step, then held-out pass rates per
 family after SFT and after RL, and the change over the 600 paired held-out tasks with its
-95% interval. Measured (2026-11-30, idle machine, seeds 0 and 1): held-out pass@1 (mean of
-4 samples per task at T=1) 0.210 -> 0.274 (+0.063, interval +0.037 to +0.089) and
-0.195 -> 0.275 (+0.080, +0.054 to +0.107), up in every family on seed 0 (logic
-0.38 -> 0.48, strings 0.31 -> 0.47, arithmetic 0.09 -> 0.14); greedy 0.287 -> 0.287 and
-0.293 -> 0.302, unchanged within its interval. RL maximises the reward of samples: on
+95% interval. Measured on 2026-12-03 (seed 0): held-out pass@1 (mean of 4 samples per
+task at T=1) 0.211 -> 0.264 (+0.052, interval +0.023 to +0.082), up most in logic
+(0.37 -> 0.48), strings (0.32 -> 0.46) and arithmetic (0.09 -> 0.14); greedy
+0.280 -> 0.267 (-0.013, -0.048 to +0.022), unchanged within its interval. Earlier code
+(2026-11-30, seeds 0 and 1) gave +0.063 and +0.080. RL maximises the reward of samples: on
 domains the policy cannot yet compute (one-digit products, parity, bracket balance) it
 moves its samples onto the answer most often right (every product answered 0), which
 raises pass@1 and leaves the greedy answer, already that mode, as it was. Restarting the
