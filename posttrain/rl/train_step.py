@@ -539,6 +539,17 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 # ---------------------------------------------------------------------------------------
 
 
+def _step_layout(model_cfg: models.ModelConfig, optimizer: optax.GradientTransformation,
+                 mesh: Mesh, rules: Rules) -> tuple:
+  """What a pair or example step builder lays out first: (graphdef, abstract params, rest,
+  sharding context, state shardings, the batch rows' sharding, the rows' device multiple)."""
+  graphdef, abstract_params, rest = _split_abstract(model_cfg)
+  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  return (graphdef, abstract_params, rest, models.ShardingContext(mesh, rules),
+          train_state_shardings(abstract_params, optimizer, mesh, rules),
+          batch_sharding(mesh, rules), row_multiple)
+
+
 def make_preference_step(model_cfg: models.ModelConfig,
                          pref_cfg: preference.PreferenceConfig,
                          optimizer: optax.GradientTransformation, *, mesh: Mesh,
@@ -572,11 +583,8 @@ def make_preference_step(model_cfg: models.ModelConfig,
   if pref_cfg.unpaired:
     return _make_unpaired_step(model_cfg, pref_cfg, optimizer, mesh=mesh, rules=rules,
                                donate=donate, reference_in_step=reference_in_step)
-  graphdef, abstract_params, rest = _split_abstract(model_cfg)
-  ctx = models.ShardingContext(mesh, rules)
-  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
-  data_sharding = batch_sharding(mesh, rules)
-  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  (graphdef, abstract_params, rest, ctx, state_shardings, data_sharding,
+   row_multiple) = _step_layout(model_cfg, optimizer, mesh, rules)
   lora = bool(model_cfg.lora_rank)
   aux_coef = float(model_cfg.router_aux_loss_coef)
   reads_ref = pref_cfg.needs_reference and not reference_in_step
@@ -625,11 +633,8 @@ def _make_unpaired_step(model_cfg: models.ModelConfig, pref_cfg: preference.Pref
   `kto.pack_examples`'s plus, without `reference_in_step`, `ref_logprobs` `[M, B, T]` and
   (kto) `kl_ref_logprobs` `[K, B, T]`. KTO's reference point is computed first, over the
   whole batch's mismatched sequences, by forward passes of the policy and the reference."""
-  graphdef, abstract_params, rest = _split_abstract(model_cfg)
-  ctx = models.ShardingContext(mesh, rules)
-  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
-  data_sharding = batch_sharding(mesh, rules)
-  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  (graphdef, abstract_params, rest, ctx, state_shardings, data_sharding,
+   row_multiple) = _step_layout(model_cfg, optimizer, mesh, rules)
   lora = bool(model_cfg.lora_rank)
   aux_coef = float(model_cfg.router_aux_loss_coef)
   with_kl = kto.needs_kl(pref_cfg)
@@ -749,11 +754,8 @@ def make_reward_model_step(model_cfg: models.ModelConfig,
   """
   if not model_cfg.value_head:
     raise ValueError("a reward model needs a score head: build it with value_head=True")
-  graphdef, abstract_params, rest = _split_abstract(model_cfg)
-  ctx = models.ShardingContext(mesh, rules)
-  state_shardings = train_state_shardings(abstract_params, optimizer, mesh, rules)
-  data_sharding = batch_sharding(mesh, rules)
-  row_multiple = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  (graphdef, abstract_params, rest, ctx, state_shardings, data_sharding,
+   row_multiple) = _step_layout(model_cfg, optimizer, mesh, rules)
   aux_coef = float(model_cfg.router_aux_loss_coef)
   required = reward_model.TOKEN_KEYS + reward_model.PAIR_KEYS
   batch_shardings = {key: data_sharding for key in reward_model.TOKEN_KEYS}
