@@ -1230,9 +1230,9 @@ class Trainer:
       return [np.zeros_like(r) for r in rewards]  # Token-level: filled in on the device.
     flat = np.concatenate(rewards).astype(np.float32)
     ids = np.concatenate([np.full(len(r), i) for i, r in enumerate(rewards)])
-    if est == "grpo":
-      a = adv_lib.group_normalized_advantages(flat, ids,
-                                              normalize_std=bool(self.algo.normalize_std))
+    if est in ("grpo", "gpg", "grpo_passk"):
+      a = adv_lib.get_advantage_estimator(est)(flat, ids,
+                                               normalize_std=bool(self.algo.normalize_std))
     elif est in adv_lib.LENGTH_WEIGHTED_ESTIMATORS:
       lengths = np.asarray([s.num_generated for g in groups for s in g.samples], np.float32)
       a = adv_lib.get_advantage_estimator(est)(flat, lengths, ids)
@@ -1250,7 +1250,8 @@ class Trainer:
     algo = self.algo
     out: dict[str, Any] = dict(batch)
     needs_old = (self._updates_per_step() > 1 or algo.kl_in_reward or algo.use_critic
-                 or float(algo.tis_cap) > 0)
+                 or float(algo.tis_cap) > 0
+                 or algo.policy_loss in loss_lib.COVARIANCE_LOSSES)
     if float(algo.tis_cap) > 0:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
     cur = self._logprobs(self.state.params, batch) if needs_old else None

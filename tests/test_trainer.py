@@ -150,6 +150,33 @@ def test_few_step_rl_run_end_to_end(tmp_path, capsys):
                                          if "reward/mean" in r]) == 3
 
 
+@pytest.mark.parametrize("preset", ["kl_cov", "clip_cov"])
+def test_covariance_algorithms_get_old_logprobs_even_with_one_update(preset):
+  """clip_cov / kl_cov select their tokens from the learner's log-probs before the update:
+  the trainer computes them for a single update per batch too (GRPO does not)."""
+  import types
+  for name, wanted in ((preset, True), ("grpo", False)):
+    algo = presets.algorithm_config(name, num_minibatches=1, kl_coef=0.0)
+    fake = types.SimpleNamespace(
+        algo=algo, _updates_per_step=lambda: 1, state=types.SimpleNamespace(params=None),
+        _logprobs=lambda params, batch: {"logprobs": "learner's"},
+        _reference_in_step=lambda: False)
+    out = trainer.Trainer._add_learner_inputs(fake, {"tokens": np.zeros((1, 2, 8))})
+    assert (out.get("old_logprobs") == "learner's") is wanted, name
+
+
+@pytest.mark.slow
+def test_covariance_algorithm_runs_and_logs_its_selected_share(tmp_path):
+  """A kl_cov run with one update per batch: the step gets the learner's log-probs and
+  logs the selected share."""
+  extra = {"algorithm": "kl_cov", "rl.num_minibatches": 1, "rl.cov_fraction": 0.05,
+           "sft.steps": 0, "train.rl_steps": 1}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  row = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r][-1]
+  assert 0 < row["cov/selected_fraction"] <= 0.05 + 1e-6, row
+  assert np.isfinite(row["kl_cov/abs_log_ratio"]) and np.isfinite(row["loss"])
+
+
 @pytest.mark.slow
 def test_kl_reference_survives_retention_and_resume(tmp_path):
   """With a KL term the RL-start checkpoint (the reference) is kept past keep_last, so
@@ -382,7 +409,8 @@ def test_reference_pass_runs_in_the_update_only_for_a_single_kl_loss_update(
   assert ts.reference_in_step(presets.algorithm_config(preset, **overrides)) is fused
 
 
-@pytest.mark.parametrize("estimator", ["opo", "reinforce_pp_baseline", "grpo", "rloo"])
+@pytest.mark.parametrize("estimator", ["opo", "reinforce_pp_baseline", "grpo", "rloo", "gpg",
+                                       "grpo_passk"])
 def test_sequence_advantages_read_each_groups_rewards_and_response_lengths(estimator):
   """The trainer hands the length-weighted estimators each sample's trained-token count and
   splits the advantages back per group."""
@@ -399,8 +427,12 @@ def test_sequence_advantages_read_each_groups_rewards_and_response_lengths(estim
   flat = np.concatenate(rewards).astype(np.float32)
   ids = np.repeat([0, 1], [4, 3])
   fn = adv_lib.get_advantage_estimator(estimator)
-  want = (fn(flat, np.concatenate(lengths), ids)
-          if estimator in adv_lib.LENGTH_WEIGHTED_ESTIMATORS else fn(flat, ids))
+  if estimator in adv_lib.LENGTH_WEIGHTED_ESTIMATORS:
+    want = fn(flat, np.concatenate(lengths), ids)
+  elif estimator == "rloo":
+    want = fn(flat, ids)
+  else:  # the preset's normalize_std reaches the group-normalising estimators
+    want = fn(flat, ids, normalize_std=algo.normalize_std)
   assert [len(a) for a in got] == [4, 3]
   np.testing.assert_allclose(np.concatenate(got), want, atol=1e-6)
 

@@ -7,8 +7,8 @@ replaced with `jnp.where` before any arithmetic, so NaN/inf garbage there cannot
 leak into outputs or gradients. Rows may hold several packed sequences; pass
 their `segment_ids` (0 = padding) so recursions restart at every sequence.
 
-Sequence-level estimators (GRPO, RLOO, OPO, REINFORCE++-baseline) take one scalar reward
-per sequence (OPO and REINFORCE++-baseline each response's length too),
+Sequence-level estimators (GRPO, RLOO, OPO, REINFORCE++-baseline, GPG, pass@k) take one
+scalar reward per sequence (OPO and REINFORCE++-baseline each response's length too),
 either as `[num_groups, group_size]` or as a flat `[num_sequences]` vector with
 a group-id vector of the same length.
 
@@ -355,6 +355,97 @@ def reinforce_pp_baseline_advantages(
   return advantages.reshape(jnp.shape(rewards))
 
 
+def _group_spread(flat, ids, valid_flat, n):
+  """Per element: its group's (max, min) reward over the valid members."""
+  big = jnp.finfo(jnp.float32).max
+  group_max = jax.ops.segment_max(jnp.where(valid_flat, flat, -big), ids, num_segments=n)[ids]
+  group_min = jax.ops.segment_min(jnp.where(valid_flat, flat, big), ids, num_segments=n)[ids]
+  return group_max, group_min
+
+
+def gpg_advantages(
+    rewards: Array,
+    group_ids: Array | None = None,
+    *,
+    normalize_std: bool = False,
+    valid: Array | None = None,
+) -> Array:
+  """GPG's group advantages with its gradient correction (Chu et al. 2025).
+
+      A_i = alpha (r_i - mean_g(r)) [/ (std_g(r) + 1e-6)],   alpha = B / (B - M)
+
+  over the B valid sequences of the batch, M of which belong to groups whose rewards are
+  all alike (advantage 0, no gradient): the loss is averaged over the whole batch, so
+  alpha scales the informative samples' share back to what it would be without them.
+  The paper divides by no standard deviation (normalize_std=False). veRL's `gpg`
+  counts nonzero rewards for B - M instead; this is the paper's count. Call it once on
+  the whole rollout batch.
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    group_ids: optional `[num_sequences]` integer group of each sequence.
+    normalize_std: divide by the group standard deviation (ddof=1), as GRPO.
+    valid: optional mask of the same shape as `rewards`.
+
+  Returns:
+    Advantages with the shape of `rewards` (0 for invalid sequences and groups of one).
+  """
+  flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
+  n = flat.shape[0]
+  count = _group_sums(valid_flat.astype(jnp.float32), ids, n)
+  group_max, group_min = _group_spread(flat, ids, valid_flat, n)
+  informative = valid_flat & (count > 1) & (group_max > group_min)
+  alpha = (jnp.sum(valid_flat).astype(jnp.float32)
+           / jnp.maximum(jnp.sum(informative), 1).astype(jnp.float32))
+  base = group_normalized_advantages(flat, ids, normalize_std=normalize_std, valid=valid_flat)
+  return jnp.where(informative, alpha * base, 0.0).reshape(jnp.shape(rewards))
+
+
+def passk_advantages(
+    rewards: Array,
+    group_ids: Array | None = None,
+    *,
+    normalize_std: bool = True,
+    valid: Array | None = None,
+) -> Array:
+  """Pass@k advantages (veRL's `grpo_passk`, after Tang et al. 2025): a group is scored by
+  its best sample, so only that sample is credited, with its lead over the runner-up.
+
+      A_i = (r_max - r_second) [/ (std_g(r) + 1e-6)]   i the group's best (the first one)
+      A_i = 0                                           every other sample
+
+  A group of one, or whose best reward is tied, gets 0 throughout.
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    group_ids: optional `[num_sequences]` integer group of each sequence.
+    normalize_std: divide by the group standard deviation (ddof=1).
+    valid: optional mask of the same shape as `rewards`.
+
+  Returns:
+    Advantages with the shape of `rewards`.
+  """
+  flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
+  n = flat.shape[0]
+  count = _group_sums(valid_flat.astype(jnp.float32), ids, n)
+  big = jnp.finfo(jnp.float32).max
+  scored = jnp.where(valid_flat, flat, -big)
+  group_max = jax.ops.segment_max(scored, ids, num_segments=n)[ids]
+  at_max = valid_flat & (flat == group_max)
+  # The group's first sample at its maximum (lowest position), and the best of the rest.
+  position = jnp.arange(n)
+  first = jax.ops.segment_min(jnp.where(at_max, position, n), ids, num_segments=n)[ids]
+  best = at_max & (position == first)
+  second = jax.ops.segment_max(jnp.where(best, -big, scored), ids, num_segments=n)[ids]
+  lead = group_max - second
+  if normalize_std:
+    mean = _group_sums(flat, ids, n) / jnp.maximum(count, 1.0)
+    centred = jnp.where(valid_flat, flat - mean, 0.0)
+    var = _group_sums(centred * centred, ids, n) / jnp.maximum(count - 1.0, 1.0)
+    lead = lead / (jnp.sqrt(var) + STD_EPS)
+  return jnp.where(best & (count > 1), lead, 0.0).reshape(jnp.shape(rewards))
+
+
 def dynamic_sampling_mask(
     rewards: Array,
     group_ids: Array | None = None,
@@ -376,10 +467,7 @@ def dynamic_sampling_mask(
     informative groups.
   """
   flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
-  n = flat.shape[0]
-  big = jnp.finfo(jnp.float32).max
-  group_max = jax.ops.segment_max(jnp.where(valid_flat, flat, -big), ids, num_segments=n)[ids]
-  group_min = jax.ops.segment_min(jnp.where(valid_flat, flat, big), ids, num_segments=n)[ids]
+  group_max, group_min = _group_spread(flat, ids, valid_flat, flat.shape[0])
   return (valid_flat & (group_max > group_min)).reshape(jnp.shape(rewards))
 
 
@@ -424,10 +512,13 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Array | tuple[Array, Array]]] = {
     "reinforce_pp": reinforce_plus_plus_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
     "opo": opo_advantages,
+    "gpg": gpg_advantages,
+    "grpo_passk": passk_advantages,
 }
 
 # Estimators that need no critic and take one reward per sequence.
-SEQUENCE_LEVEL_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp_baseline", "opo"})
+SEQUENCE_LEVEL_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg",
+                                       "grpo_passk"})
 # The sequence-level ones that also read each response's length.
 LENGTH_WEIGHTED_ESTIMATORS = frozenset({"reinforce_pp_baseline", "opo"})
 

@@ -468,11 +468,230 @@ def gmpo_policy_loss(
   return jnp.where(mask, loss, 0.0), metrics
 
 
+def gpg_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """GPG (Chu et al. 2025): the plain policy gradient, no ratio and no clip.
+
+      L_t = -A_t log pi(y_t)
+
+  On-policy its gradient is PPO's at ratio 1; it takes no importance weight for stale
+  samples (use one update per rollout batch). `eps_low` and `eps_high` are unused.
+
+  Returns:
+    `(per_token_loss [batch, length], metrics)`; `ratio/*` describe pi / pi_old, clip
+    fractions are 0.
+  """
+  del segment_ids, eps_low, eps_high
+  if dual_clip:
+    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not gpg")
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     loss_mask=loss_mask)
+  mask = as_mask(loss_mask)
+  log_probs = _clean(log_probs, mask)
+  ratio = jnp.exp(jnp.clip(log_probs - _clean(old_log_probs, mask),
+                           -MAX_LOG_RATIO, MAX_LOG_RATIO))
+  none = jnp.zeros(mask.shape, bool)
+  loss = -_clean(advantages, mask) * log_probs
+  return jnp.where(mask, loss, 0.0), _ratio_metrics(ratio, mask, none, none)
+
+
+# ----------------------------------------------------------------------------
+# Covariance-selected tokens: Clip-Cov and KL-Cov (Cui et al. 2025)
+# ----------------------------------------------------------------------------
+
+# Policy losses that act on the tokens `covariance_selection` picks (batch["cov_selected"]).
+COVARIANCE_LOSSES = ("clip_cov", "kl_cov")
+
+
+def token_covariance(advantages: Array, log_probs: Array, loss_mask: Array) -> Array:
+  """Each token's centred cross-product, the summands of Cov(log pi, A) over the batch:
+
+      cov_t = (A_t - mean(A)) (log pi(y_t) - mean(log pi))
+
+  Means over the masked tokens of the whole array (any shape); 0 at masked-out tokens.
+  The entropy of a softmax policy falls, under policy gradient, by about this covariance:
+  tokens where it is large (confident and rewarded) are the ones that collapse entropy.
+  """
+  mask = as_mask(loss_mask)
+  advantages, log_probs = _clean(advantages, mask), _clean(log_probs, mask)
+  count = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+  mean_a = jnp.sum(advantages) / count
+  mean_lp = jnp.sum(log_probs) / count
+  return jnp.where(mask, (advantages - mean_a) * (log_probs - mean_lp), 0.0)
+
+
+def _descending_ranks(scores: Array, eligible: Array) -> Array:
+  """0-based rank of each eligible element by descending score among the eligible ones
+  (ties in array order); the others rank after all of them."""
+  flat = jnp.where(eligible, scores, -jnp.inf).reshape(-1)
+  order = jnp.argsort(-flat, stable=True)
+  ranks = jnp.zeros(order.shape, jnp.int32).at[order].set(
+      jnp.arange(order.shape[0], dtype=jnp.int32))
+  return ranks.reshape(scores.shape)
+
+
+def covariance_selection(advantages: Array, log_probs: Array, loss_mask: Array, *,
+                         mode: str, fraction: float, lower: float = 1.0,
+                         upper: float = 5.0, key: Array | None = None) -> Array:
+  """The tokens Clip-Cov or KL-Cov act on, chosen over the whole (mini)batch.
+
+  With n masked tokens and k = max(1, floor(fraction * n)):
+
+      kl_cov    the k tokens of largest `token_covariance` (ties: the earlier one)
+      clip_cov  k tokens drawn uniformly without replacement among those with
+                lower < cov_t < upper (all of them when fewer)
+
+  as veRL's `kl_cov` / `clip_cov` losses pick them. Computed once for a step's whole batch
+  (leading micro-batch axes included), so micro-batching changes nothing.
+
+  Args:
+    advantages, log_probs, loss_mask: same shape; `log_probs` without gradient (the
+      train step passes the learner's `old_logprobs`, equal to the current ones on a
+      batch's first update).
+    mode: "clip_cov" or "kl_cov".
+    fraction: the share of masked tokens selected, in (0, 1].
+    lower, upper: clip_cov's covariance window.
+    key: clip_cov's PRNG key.
+
+  Returns:
+    A bool array of the inputs' shape.
+  """
+  if mode not in COVARIANCE_LOSSES:
+    raise ValueError(f"unknown covariance selection {mode!r}; known: "
+                     f"{', '.join(COVARIANCE_LOSSES)}")
+  if not 0 < fraction <= 1:
+    raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+  mask = as_mask(loss_mask)
+  cov = token_covariance(advantages, jax.lax.stop_gradient(log_probs), mask)
+  count = jnp.sum(mask)
+  k = jnp.maximum(1, jnp.floor(count.astype(jnp.float32) * fraction).astype(jnp.int32))
+  if mode == "kl_cov":
+    return mask & (_descending_ranks(cov, mask) < k)
+  if key is None:
+    raise ValueError("clip_cov's selection is random: pass a PRNG key")
+  if not lower < upper:
+    raise ValueError(f"clip_cov needs lower < upper, got ({lower}, {upper})")
+  candidates = mask & (cov > lower) & (cov < upper)
+  # A uniform priority per token: the k highest among the candidates are a uniform draw
+  # without replacement. Drawn flat, so the draw does not depend on the micro-batch layout.
+  priority = jax.random.uniform(key, (cov.size,)).reshape(cov.shape)
+  return candidates & (_descending_ranks(priority, candidates) < k)
+
+
+def _selected_metrics(selected, mask) -> dict[str, Metric]:
+  return {"cov/selected_fraction": Metric.mean(jnp.sum(mask & selected), jnp.sum(mask))}
+
+
+def clip_cov_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+    selected: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """Clip-Cov (Cui et al. 2025): PPO's clipped surrogate with the selected tokens' loss
+  and gradient removed, a few tokens of high covariance between log-prob and advantage,
+  which keeps the policy's entropy from collapsing.
+
+      L_t = 0                                              selected
+      L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))   otherwise
+
+  Args:
+    selected: `covariance_selection(..., mode="clip_cov")` of the whole batch.
+
+  Returns:
+    `(per_token_loss [batch, length], metrics)`: PPO's, plus `cov/selected_fraction`.
+  """
+  del segment_ids
+  if dual_clip:
+    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not clip_cov")
+  if selected is None:
+    raise ValueError("clip_cov needs the selected tokens (losses.covariance_selection)")
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     loss_mask=loss_mask, selected=selected)
+  mask = as_mask(loss_mask)
+  selected = as_mask(selected)
+  loss, metrics = clipped_surrogate(ppo_log_ratio(log_probs, old_log_probs, mask), advantages,
+                                    mask, eps_low=eps_low, eps_high=eps_high)
+  metrics.update(_selected_metrics(selected, mask))
+  return jnp.where(selected, 0.0, loss), metrics
+
+
+def kl_cov_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+    selected: Array | None = None,
+    coef: float = 1.0,
+) -> tuple[Array, dict[str, Metric]]:
+  """KL-Cov (Cui et al. 2025): the unclipped policy gradient, with a penalty on the
+  selected tokens (those of largest covariance between log-prob and advantage) for moving
+  away from the old policy.
+
+      L_t = -A_t r_t + coef |log r_t|     selected
+      L_t = -A_t r_t                      otherwise
+
+  as veRL's `kl_cov`. No ratio clip: `eps_low` and `eps_high` are unused.
+
+  Args:
+    selected: `covariance_selection(..., mode="kl_cov")` of the whole batch.
+    coef: the penalty's weight (the paper's and veRL's default 1).
+
+  Returns:
+    `(per_token_loss [batch, length], metrics)`: ratio statistics (clip fractions 0),
+    `cov/selected_fraction` and `kl_cov/abs_log_ratio`, the mean |log r| of the tokens.
+  """
+  del segment_ids, eps_low, eps_high
+  if dual_clip:
+    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not kl_cov")
+  if selected is None:
+    raise ValueError("kl_cov needs the selected tokens (losses.covariance_selection)")
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     loss_mask=loss_mask, selected=selected)
+  mask = as_mask(loss_mask)
+  selected = as_mask(selected)
+  log_ratio = jnp.clip(ppo_log_ratio(log_probs, old_log_probs, mask),
+                       -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  advantages = _clean(advantages, mask)
+  abs_log_ratio = jnp.abs(log_ratio)
+  loss = -advantages * ratio + jnp.where(selected, coef * abs_log_ratio, 0.0)
+  none = jnp.zeros(mask.shape, bool)
+  metrics = _ratio_metrics(ratio, mask, none, none)
+  metrics.update(_selected_metrics(selected, mask))
+  metrics["kl_cov/abs_log_ratio"] = _masked_mean_metric(
+      jax.lax.stop_gradient(abs_log_ratio), mask)
+  return jnp.where(mask, loss, 0.0), metrics
+
+
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Metric]]]] = {
     "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
     "cispo": cispo_policy_loss,
     "gmpo": gmpo_policy_loss,
+    "gpg": gpg_policy_loss,
+    "clip_cov": clip_cov_policy_loss,
+    "kl_cov": kl_cov_policy_loss,
 }
 
 
@@ -645,9 +864,20 @@ class LossConfig:
   use_critic: bool = False
   value_coef: float = 0.5
   value_clip: float = 0.2
+  cov_fraction: float = 2e-4
+  clip_cov_lb: float = 1.0
+  clip_cov_ub: float = 5.0
+  kl_cov_coef: float = 1.0
 
   def __post_init__(self):
     get_policy_loss(self.policy_loss)
+    if not 0 < self.cov_fraction <= 1:
+      raise ValueError(f"cov_fraction must be in (0, 1], got {self.cov_fraction}")
+    if not self.clip_cov_lb < self.clip_cov_ub:
+      raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got ({self.clip_cov_lb}, "
+                       f"{self.clip_cov_ub})")
+    if self.kl_cov_coef < 0:
+      raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
     if self.loss_agg_mode not in AGG_MODES:
       known = ", ".join(AGG_MODES)
       raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {known}")
@@ -713,6 +943,8 @@ def rl_loss(
     log_probs: `[batch, length]` learner log-probs of the targets (differentiable).
     batch: `loss_mask`, `advantages` and optionally `segment_ids`,
       `old_logprobs` (default: `stop_gradient(log_probs)`, i.e. on-policy),
+      `cov_selected` (the clip_cov / kl_cov losses: `covariance_selection` of the
+      whole batch),
       `behaviour_logprobs` (for TIS), `ref_logprobs` (for KL),
       `old_values` and `returns` (for the critic).
     denominator: sum of `loss_denominator` over all micro-batches of the step.
@@ -726,6 +958,7 @@ def rl_loss(
   needed += ["behaviour_logprobs"] if cfg.tis_cap > 0 else []
   needed += ["ref_logprobs"] if cfg.kl_coef > 0 and not cfg.kl_in_reward else []
   needed += ["old_values", "returns"] if cfg.use_critic else []
+  needed += ["cov_selected"] if cfg.policy_loss in COVARIANCE_LOSSES else []
   missing = [key for key in needed if key not in batch]
   if missing:
     raise ValueError(f"batch lacks {missing} needed by this loss config")
@@ -742,6 +975,11 @@ def rl_loss(
   if old_log_probs is None:
     old_log_probs = jax.lax.stop_gradient(log_probs)
   advantages = batch["advantages"]
+  extra = {}
+  if cfg.policy_loss in COVARIANCE_LOSSES:
+    extra["selected"] = batch["cov_selected"]
+  if cfg.policy_loss == "kl_cov":
+    extra["coef"] = cfg.kl_cov_coef
   policy_loss, metrics = get_policy_loss(cfg.policy_loss)(
       log_probs,
       old_log_probs,
@@ -751,6 +989,7 @@ def rl_loss(
       eps_high=cfg.eps_high,
       dual_clip=cfg.dual_clip,
       segment_ids=segment_ids,
+      **extra,
   )
   if cfg.tis_cap > 0:
     is_weights = truncated_importance_weights(

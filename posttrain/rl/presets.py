@@ -12,13 +12,18 @@ and the trainer resolves them with
 so `--config.algorithm=dapo --config.rl.eps_high=0.3` picks DAPO and raises its
 upper clip. Knobs:
 
-    advantage_estimator  gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline | opo
-                         (advantages.py)
+    advantage_estimator  gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline | opo |
+                         gpg | grpo_passk (advantages.py)
     normalize_std        divide group advantages by the group std (off: Dr.GRPO)
     use_critic, gamma, lam, value_coef, value_clip      PPO critic and GAE
-    policy_loss          ppo | gspo | cispo | gmpo (losses.py)
+    policy_loss          ppo | gspo | cispo | gmpo | gpg | clip_cov | kl_cov (losses.py)
     eps_low, eps_high    ratio clip range [1 - eps_low, 1 + eps_high] (gmpo: log ratio
-                         range [-eps_low, eps_high]); eps_low = 1: no lower clip
+                         range [-eps_low, eps_high]; gpg, kl_cov: unused); eps_low = 1: no
+                         lower clip
+    cov_fraction         clip_cov / kl_cov: the share of the batch's tokens selected by
+                         their covariance between log-prob and advantage
+    clip_cov_lb, clip_cov_ub   clip_cov draws them from covariances in (lb, ub)
+    kl_cov_coef          kl_cov's weight on |log ratio| of the selected tokens
     dual_clip            c > 1 bounds the loss of negative advantages; 0 = off
     loss_agg_mode        token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     max_response_len     Dr.GRPO's constant normaliser; 0 = the sampler's budget
@@ -80,6 +85,10 @@ _BASE: dict[str, Any] = dict(
     simpo_gamma=0.5,
     sft_coef=0.0,
     pairs_per_group=1,
+    cov_fraction=2e-4,
+    clip_cov_lb=1.0,
+    clip_cov_ub=5.0,
+    kl_cov_coef=1.0,
 )
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -135,6 +144,39 @@ _PRESETS: dict[str, dict[str, Any]] = {
         policy_loss="gmpo",
         eps_low=0.4,
         eps_high=0.4,
+        loss_agg_mode="seq_mean_token_mean",
+    ),
+    # Cui et al. 2025 (the entropy mechanism of RL for reasoning models): GRPO advantages,
+    # the gradient of a few tokens of high covariance between log-prob and advantage cut
+    # (Clip-Cov: 2e-4 of the tokens, drawn from covariances in (1, 5)) or pulled back to
+    # the old policy (KL-Cov: the top 2e-3, the paper's choice for a 7B model, 2e-4 for a
+    # 32B; coefficient 1). Several updates per rollout batch: KL-Cov's penalty is 0 on a
+    # batch's first update, where the ratio is 1.
+    "clip_cov": dict(
+        policy_loss="clip_cov",
+        cov_fraction=2e-4,
+        loss_agg_mode="token_mean",
+        num_minibatches=4,
+    ),
+    "kl_cov": dict(
+        policy_loss="kl_cov",
+        cov_fraction=2e-3,
+        kl_cov_coef=1.0,
+        loss_agg_mode="token_mean",
+        num_minibatches=4,
+    ),
+    # Chu et al. 2025: the plain policy gradient (no ratio, clip, KL or reference) on
+    # group-centred rewards, scaled up by the share of samples that carry a gradient.
+    "gpg": dict(
+        advantage_estimator="gpg",
+        policy_loss="gpg",
+        normalize_std=False,
+        loss_agg_mode="token_mean",
+    ),
+    # Pass@k training (veRL's grpo_passk, after Tang et al. 2025): only each group's best
+    # sample is credited, with its lead over the runner-up.
+    "grpo_passk": dict(
+        advantage_estimator="grpo_passk",
         loss_agg_mode="seq_mean_token_mean",
     ),
     # Ahmadian et al. 2024: leave-one-out baseline.

@@ -18,7 +18,8 @@ A batch is a dict of arrays with a leading micro-batch axis, `[M, B, T]` per tok
     loss_mask             nonzero on the model's own generated targets
     advantages            float32
     positions, segment_ids   optional (default 0..T-1 and one sequence per row)
-    old_logprobs          optional; absent = on-policy (stop_gradient of the current ones)
+    old_logprobs          optional; absent = on-policy (stop_gradient of the current ones);
+                          needed by clip_cov / kl_cov, whose token selection reads them
     behaviour_logprobs    sampler log-probs, needed when the preset's tis_cap > 0
     ref_logprobs          needed when the KL is a loss term (kl_coef > 0, not kl_in_reward)
     old_values, returns   needed by the critic (use_critic)
@@ -241,6 +242,8 @@ def _required_keys(loss_cfg: losses.LossConfig) -> tuple[str, ...]:
     keys.append("ref_logprobs")
   if loss_cfg.use_critic:
     keys += ["old_values", "returns"]
+  if loss_cfg.policy_loss in losses.COVARIANCE_LOSSES:
+    keys.append("old_logprobs")  # the token selection reads them for the whole batch
   return tuple(keys)
 
 
@@ -298,7 +301,8 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                 state_shardings, batch_shardings, reference_shardings, donate: bool,
                 critic_optimizer: optax.GradientTransformation | None = None,
                 totals_read_params: bool = False,
-                microbatch_keys: tuple[str, ...] | None = None):
+                microbatch_keys: tuple[str, ...] | None = None,
+                prepare_batch: Callable | None = None):
   """The update every train step shares, jitted: gradients summed over the micro-batches,
   the optimizer step, a guard that keeps the old state when anything is non-finite.
 
@@ -322,6 +326,8 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
       that need a forward pass of the current policy (or the reference) without gradient.
     microbatch_keys: the batch keys the micro-batch loop runs over (default all); the
       others (with another leading axis) are for `batch_totals` alone.
+    prepare_batch: `(batch, state) -> batch`, run on the whole batch first: inputs the
+      micro-batches read that depend on all of them (e.g. covariance-selected tokens).
 
   Returns:
     `(jitted, run)`: the `jax.jit` function and `run(state, inputs, reference)`, which
@@ -332,6 +338,8 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def step_fn(state: TrainState, batch: Batch, reference=None):
+    if prepare_batch is not None:
+      batch = prepare_batch(batch, state)
     microbatches = (batch if microbatch_keys is None
                     else {key: batch[key] for key in microbatch_keys})
     num_micro = batch["tokens"].shape[0]
@@ -506,6 +514,17 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   def denominator(batch):
     return jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
 
+  def select_tokens(batch, state):
+    # Over the whole batch, from the log-probs before the update (the learner's old ones):
+    # known before any micro-batch runs, so the micro-batch losses add up exactly. A key
+    # per step: a resumed run draws what the uninterrupted one drew.
+    selected = losses.covariance_selection(
+        batch["advantages"], batch["old_logprobs"], batch["loss_mask"],
+        mode=loss_cfg.policy_loss, fraction=loss_cfg.cov_fraction,
+        lower=loss_cfg.clip_cov_lb, upper=loss_cfg.clip_cov_ub,
+        key=jax.random.fold_in(state.rng, state.step))
+    return {**batch, "cov_selected": jax.lax.with_sharding_constraint(selected, data_sharding)}
+
   def finish_metrics(values, batch):
     metrics = {name: jnp.asarray(values.get(name, _METRIC_DEFAULTS.get(name, 0.0)),
                                  jnp.float32) for name in STANDARD_METRICS}
@@ -519,7 +538,9 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       lora=lora, reference_in_step=reference_in_step, state_shardings=state_shardings,
       batch_shardings=data_sharding,
       reference_shardings=models.state_shardings(abstract_params, mesh, rules),
-      donate=donate, critic_optimizer=critic_optimizer if separate_critic else None)
+      donate=donate, critic_optimizer=critic_optimizer if separate_critic else None,
+      prepare_batch=(select_tokens if loss_cfg.policy_loss in losses.COVARIANCE_LOSSES
+                     else None))
 
   def train_step(state: TrainState, batch: Batch, reference=None):
     _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)

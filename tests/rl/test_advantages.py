@@ -149,8 +149,23 @@ def _group_ref(rewards, group_ids, valid, kind):
       out[members] = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
     elif kind == "dr_grpo":
       out[members] = r - r.mean()
-    else:  # rloo
+    elif kind == "rloo":
       out[members] = [r[i] - np.delete(r, i).mean() for i in range(len(r))]
+    elif kind.startswith("gpg"):  # scaled by alpha below
+      if r.max() > r.min():
+        out[members] = (r - r.mean()) / ((r.std(ddof=1) + 1e-6) if kind == "gpg_std" else 1)
+    else:  # passk: the first best sample gets its lead over the runner-up
+      best = int(np.argmax(r))
+      lead = r[best] - np.max(np.delete(r, best))
+      out[members[best]] = lead / (r.std(ddof=1) + 1e-6)
+  if kind.startswith("gpg"):
+    # alpha = B / (B - M): valid samples over those of groups whose rewards differ.
+    informative = 0
+    for g in np.unique(group_ids):
+      m = np.flatnonzero((group_ids == g) & valid)
+      if len(m) > 1 and rewards[m].max() > rewards[m].min():
+        informative += len(m)
+    out *= valid.sum() / max(informative, 1)
   return out
 
 
@@ -159,6 +174,10 @@ KINDS = {
     "dr_grpo": lambda r, g=None, valid=None: adv_lib.group_normalized_advantages(
         r, g, normalize_std=False, valid=valid),
     "rloo": lambda r, g=None, valid=None: adv_lib.rloo_advantages(r, g, valid=valid),
+    "gpg": lambda r, g=None, valid=None: adv_lib.gpg_advantages(r, g, valid=valid),
+    "gpg_std": lambda r, g=None, valid=None: adv_lib.gpg_advantages(
+        r, g, normalize_std=True, valid=valid),
+    "passk": lambda r, g=None, valid=None: adv_lib.passk_advantages(r, g, valid=valid),
 }
 
 
@@ -187,6 +206,31 @@ def test_group_estimators_group_id_vector_with_invalid_garbage(kind):
   got = jax.jit(KINDS[kind])(garbage, group_ids, valid)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert got[0] == 0.0  # singleton group: no baseline, no signal
+
+
+def test_gpg_scales_by_the_share_of_samples_that_carry_a_gradient():
+  """Two of four groups scored alike: alpha = 16 / 8 doubles the others' centred rewards."""
+  rewards = np.array([[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 1]], np.float32)
+  got = np.asarray(adv_lib.gpg_advantages(rewards))
+  np.testing.assert_allclose(got[:2], 0.0)
+  np.testing.assert_allclose(got[2], 2 * (rewards[2] - 0.25), rtol=1e-6)
+  np.testing.assert_allclose(got[3], 2 * (rewards[3] - 0.75), rtol=1e-6)
+  # Nothing informative: all zeros, no division by zero.
+  assert np.all(np.asarray(adv_lib.gpg_advantages(np.ones((2, 3), np.float32))) == 0)
+
+
+def test_passk_credits_only_each_groups_first_best_sample():
+  rewards = np.array([[0.0, 1.0, 0.5, 1.0],    # tied best: no lead, nothing credited
+                      [0.2, 0.9, 0.4, 0.1],    # best 0.9 leads 0.4 by 0.5
+                      [0.0, 0.0, 0.0, 0.0]], np.float32)
+  got = np.asarray(adv_lib.passk_advantages(rewards, normalize_std=False))
+  want = np.zeros((3, 4))
+  want[1, 1] = 0.5
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  # The credit is nonnegative: pass@k never pushes a sample down.
+  rng = np.random.default_rng(9)
+  got = np.asarray(adv_lib.passk_advantages(rng.normal(size=(6, 5)).astype(np.float32)))
+  assert np.all(got >= 0) and np.all((got > 0).sum(axis=1) == 1)
 
 
 def test_group_layouts_agree():
@@ -269,7 +313,7 @@ def test_overlong_penalty():
 
 def test_registry_and_errors():
   assert adv_lib.get_advantage_estimator("rloo") is adv_lib.rloo_advantages
-  with pytest.raises(ValueError, match=r"unknown advantage estimator 'gea'; known: gae, grpo"):
+  with pytest.raises(ValueError, match=r"unknown advantage estimator 'gea'; known: gae, gpg, grpo"):
     adv_lib.get_advantage_estimator("gea")
   with pytest.raises(ValueError, match=r"values shape \(3, 5\) != token_rewards shape \(3, 7\)"):
     adv_lib.gae_advantages(np.zeros((3, 7)), np.zeros((3, 5)), np.ones((3, 7)))

@@ -215,6 +215,147 @@ def test_gmpo_matches_its_sequence_level_objective_in_value_and_gradient():
                              clipped.sum() / mask.sum(), rtol=1e-6)
 
 
+def test_gpg_is_the_plain_policy_gradient_without_ratio_or_clip():
+  logp, old, adv, mask = _inputs(6, batch=9, length=11, spread=1.0)
+
+  def total(lp):
+    loss, _ = losses.gpg_policy_loss(lp, _with_garbage(old, mask, np.inf),
+                                     _with_garbage(adv, mask), mask, eps_low=0.2, eps_high=0.2)
+    return jnp.sum(loss)
+
+  loss, metrics = losses.gpg_policy_loss(_with_garbage(logp, mask), old, adv, mask,
+                                         eps_low=0.2, eps_high=0.2)
+  np.testing.assert_allclose(loss, np.where(mask, -adv * logp, 0.0), rtol=1e-6)
+  grad = np.asarray(jax.grad(total)(_with_garbage(logp, mask)))
+  np.testing.assert_allclose(grad, np.where(mask, -adv, 0.0), rtol=1e-6)  # stale or not
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["ratio/mean"], np.exp(logp - old)[mask].mean(), rtol=1e-5)
+  assert float(m["clip_fraction/high"]) == float(m["clip_fraction/low"]) == 0.0
+
+
+def _covariance_ref(adv, logp, mask):
+  a, lp = adv.astype(np.float64), logp.astype(np.float64)
+  cov = (a - a[mask].mean()) * (lp - lp[mask].mean())
+  return np.where(mask, cov, 0.0)
+
+
+def test_kl_cov_selects_the_top_covariance_tokens_of_the_whole_batch():
+  """The k = max(1, floor(fraction * n)) masked tokens of largest (A - mean A)(logp - mean
+  logp), as veRL's kl_cov picks them; masked-out garbage takes no part."""
+  logp, _, adv, mask = _inputs(8, batch=9, length=13)
+  cov = _covariance_ref(adv, logp, mask)
+  for fraction in (0.05, 0.2, 1e-4):
+    k = max(1, int(fraction * mask.sum()))
+    got = np.asarray(losses.covariance_selection(
+        _with_garbage(adv, mask), _with_garbage(logp, mask, -np.inf), mask, mode="kl_cov",
+        fraction=fraction))
+    want = np.zeros(mask.shape, bool)
+    order = np.argsort(-np.where(mask, cov, -np.inf), axis=None, kind="stable")[:k]
+    want.flat[order] = True
+    np.testing.assert_array_equal(got, want, err_msg=f"fraction={fraction}")
+  np.testing.assert_allclose(losses.token_covariance(adv, logp, mask), cov, rtol=1e-4,
+                             atol=1e-6)
+  assert not np.asarray(losses.covariance_selection(
+      adv, logp, np.zeros_like(mask), mode="kl_cov", fraction=0.5)).any()  # nothing masked
+
+
+def test_clip_cov_draws_uniformly_among_tokens_in_the_covariance_window():
+  logp, _, adv, mask = _inputs(9, batch=12, length=20)
+  adv = adv * 4  # covariances of a few units, as the window (1, 5) expects
+  cov = _covariance_ref(adv, logp, mask)
+  window = mask & (cov > 1.0) & (cov < 5.0)
+  fraction = 0.02
+  k = max(1, int(fraction * mask.sum()))
+  assert window.sum() > 2 * k
+
+  def select(key, a=adv, lp=logp, m=mask):
+    return np.asarray(losses.covariance_selection(a, lp, m, mode="clip_cov", fraction=fraction,
+                                                  lower=1.0, upper=5.0, key=key))
+
+  draws = np.stack([select(jax.random.PRNGKey(i)) for i in range(300)])
+  assert np.all(draws.sum(axis=(1, 2)) == k)
+  assert not (draws & ~window).any()  # only tokens in the window
+  # Each token of the window is drawn about k / |window| of the time.
+  freq = draws.mean(0)[window]
+  np.testing.assert_allclose(freq, k / window.sum(), atol=0.12)
+  # Fewer tokens in the window than k: all of them.
+  np.testing.assert_array_equal(
+      np.asarray(losses.covariance_selection(adv, logp, mask, mode="clip_cov", fraction=1.0,
+                                             key=jax.random.PRNGKey(0))), window)
+  # The draw is the same whatever leading axes the batch is split into (micro-batches).
+  key = jax.random.PRNGKey(3)
+  split = select(key, adv.reshape(3, 4, 20), logp.reshape(3, 4, 20), mask.reshape(3, 4, 20))
+  np.testing.assert_array_equal(split.reshape(12, 20), select(key))
+
+
+def test_covariance_losses_act_only_on_the_selected_tokens():
+  """clip_cov: PPO's surrogate with the selected tokens' loss and gradient removed; kl_cov:
+  the unclipped -A r everywhere plus coef |log r| on the selected ones."""
+  logp, old, adv, mask = _inputs(10, batch=9, length=11, spread=0.5)
+  rng = np.random.default_rng(0)
+  selected = mask & (rng.random(mask.shape) < 0.3)
+  ratio = np.exp(logp.astype(np.float64) - old)
+  ppo = _surrogate_ref(logp - old, adv, mask, 0.2, 0.28, 0.0)
+
+  def run(fn, lp, **kw):
+    loss, metrics = fn(lp, _with_garbage(old, mask, np.inf), _with_garbage(adv, mask), mask,
+                       eps_low=0.2, eps_high=0.28, selected=selected, **kw)
+    return loss, metrics
+
+  loss, metrics = run(losses.clip_cov_policy_loss, _with_garbage(logp, mask))
+  np.testing.assert_allclose(loss, np.where(selected, 0.0, ppo), rtol=1e-5, atol=1e-6)
+  grad = np.asarray(jax.grad(lambda lp: jnp.sum(run(losses.clip_cov_policy_loss, lp)[0]))(logp))
+  ppo_grad = np.asarray(jax.grad(lambda lp: jnp.sum(losses.ppo_policy_loss(
+      lp, old, adv, mask, eps_low=0.2, eps_high=0.28)[0]))(logp))
+  np.testing.assert_allclose(grad, np.where(selected, 0.0, ppo_grad), rtol=1e-6)
+  assert np.abs(ppo_grad[selected]).max() > 0
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["cov/selected_fraction"], selected.sum() / mask.sum())
+
+  loss, metrics = run(losses.kl_cov_policy_loss, _with_garbage(logp, mask), coef=0.7)
+  log_r = logp.astype(np.float64) - old
+  want = np.where(mask, -adv * ratio + np.where(selected, 0.7 * np.abs(log_r), 0.0), 0.0)
+  np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
+  grad = np.asarray(jax.grad(lambda lp: jnp.sum(run(losses.kl_cov_policy_loss, lp,
+                                                    coef=0.7)[0]))(logp))
+  want_grad = np.where(mask, -adv * ratio + np.where(selected, 0.7 * np.sign(log_r), 0.0), 0.0)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["kl_cov/abs_log_ratio"], np.abs(log_r)[mask].mean(), rtol=1e-5)
+  assert float(m["clip_fraction/high"]) == 0.0  # no clip at all
+  with pytest.raises(ValueError, match="kl_cov needs the selected tokens"):
+    losses.kl_cov_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+
+
+@pytest.mark.parametrize("policy_loss", ["clip_cov", "kl_cov"])
+def test_covariance_losses_split_into_microbatches_exactly(policy_loss):
+  """Tokens selected over the whole batch first: four micro-batches give the one-batch
+  loss and gradient (a per-micro-batch selection would not)."""
+  cfg = losses.LossConfig(policy_loss=policy_loss, cov_fraction=0.1, clip_cov_lb=0.1,
+                          clip_cov_ub=10.0, loss_agg_mode="seq_mean_token_mean")
+  batch = _rollout_batch(14)
+  batch["cov_selected"] = losses.covariance_selection(
+      batch["advantages"], batch["old_logprobs"], batch["loss_mask"], mode=policy_loss,
+      fraction=cfg.cov_fraction, lower=cfg.clip_cov_lb, upper=cfg.clip_cov_ub,
+      key=jax.random.PRNGKey(1))
+  assert np.asarray(batch["cov_selected"]).sum() >= 4
+  params = _params(2)
+  denominator = losses.loss_denominator(cfg, batch)
+  (full, _), full_grad = jax.value_and_grad(_loss_fn(cfg, batch, denominator),
+                                            has_aux=True)(params)
+  loss, grad = 0.0, jax.tree.map(jnp.zeros_like, params)
+  for i in range(4):
+    mb = {k: np.asarray(v)[3 * i:3 * i + 3] for k, v in batch.items()}
+    (part, _), g = jax.value_and_grad(_loss_fn(cfg, mb, denominator), has_aux=True)(params)
+    loss, grad = loss + part, jax.tree.map(jnp.add, grad, g)
+  np.testing.assert_allclose(loss, full, rtol=1e-5, atol=1e-6)
+  for key in params:
+    np.testing.assert_allclose(grad[key], full_grad[key], rtol=1e-5, atol=1e-6)
+  del batch["cov_selected"]
+  with pytest.raises(ValueError, match=r"batch lacks \['cov_selected'\]"):
+    losses.rl_loss(cfg, jnp.zeros((12, LENGTH)), batch, denominator=1.0)
+
+
 def _agg_ref(loss, mask, segment_ids, mode, max_len):
   if mode == "token_mean":
     return loss[mask].sum() / mask.sum()
@@ -540,6 +681,10 @@ def test_loss_config_errors_are_one_line_and_name_the_value():
       (dict(eps_low=1.5), "eps_low must be in \\[0, 1\\] \\(1: no lower clip\\), got 1.5"),
       (dict(policy_loss="cispo", dual_clip=3.0), "dual_clip=3.0 applies to the ppo and gspo"),
       (dict(loss_agg_mode="seq_mean_token_sum_norm"), "needs max_response_len > 0, got 0"),
+      (dict(policy_loss="kl_cov", dual_clip=3.0), "dual_clip=3.0 applies to the ppo and gspo"),
+      (dict(cov_fraction=0.0), "cov_fraction must be in \\(0, 1\\], got 0.0"),
+      (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
+      (dict(kl_cov_coef=-1.0), "kl_cov_coef must be >= 0, got -1.0"),
   ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message) as info:

@@ -23,8 +23,8 @@ def test_every_preset_loads_validates_and_builds_a_loss_config(name):
 
 def test_all_issue_presets_exist():
   assert set(presets.PRESET_NAMES) == {
-      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "rloo", "online_dpo",
-      "reinforce_pp"}
+      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "clip_cov", "kl_cov", "gpg",
+      "grpo_passk", "rloo", "online_dpo", "reinforce_pp"}
 
 
 def test_presets_encode_their_papers():
@@ -41,6 +41,15 @@ def test_presets_encode_their_papers():
   assert cispo.policy_loss == "cispo" and cispo.eps_low == 1.0 and cispo.eps_high > 0
   assert gmpo.policy_loss == "gmpo" and gmpo.eps_low == gmpo.eps_high == 0.4
   assert gmpo.loss_agg_mode == "seq_mean_token_mean"
+  clip_cov, kl_cov = presets.get_preset("clip_cov"), presets.get_preset("kl_cov")
+  assert clip_cov.policy_loss == "clip_cov" and clip_cov.cov_fraction == 2e-4
+  assert (clip_cov.clip_cov_lb, clip_cov.clip_cov_ub) == (1.0, 5.0)
+  assert kl_cov.policy_loss == "kl_cov" and kl_cov.cov_fraction == 2e-3
+  assert kl_cov.kl_cov_coef == 1.0 and kl_cov.num_minibatches > 1  # acts from update 2 on
+  gpg, passk = presets.get_preset("gpg"), presets.get_preset("grpo_passk")
+  assert gpg.advantage_estimator == gpg.policy_loss == "gpg" and not gpg.normalize_std
+  assert gpg.kl_coef == 0 and gpg.loss_agg_mode == "token_mean"
+  assert passk.advantage_estimator == "grpo_passk"
   assert rloo.advantage_estimator == "rloo" and rloo.group_size >= 2
   assert rpp.advantage_estimator == "reinforce_pp" and rpp.kl_in_reward and not rpp.use_critic
 
@@ -82,8 +91,8 @@ def test_unknown_algorithm_lists_known_ones():
     with pytest.raises(ValueError) as info:
       call("ppo2")
     assert str(info.value) == (
-        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, rloo, "
-        "online_dpo, reinforce_pp")
+        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, "
+        "clip_cov, kl_cov, gpg, grpo_passk, rloo, online_dpo, reinforce_pp")
 
 
 def test_command_line_picks_and_overrides_an_algorithm(tmp_path):

@@ -13,7 +13,7 @@ from flax import nnx
 import kernels
 from posttrain import models
 from posttrain.rl import advantages as advantages_lib
-from posttrain.rl import packing, presets
+from posttrain.rl import losses, packing, presets
 from posttrain.rl import state as state_lib
 from posttrain.rl import train_step as ts
 
@@ -135,6 +135,66 @@ def test_four_microbatches_give_the_one_batch_update(algorithm):
     np.testing.assert_allclose(metrics_4[name], metrics_1[name], rtol=1e-5, atol=1e-6,
                                err_msg=name)
   assert float(metrics_1["clip_fraction/low"]) + float(metrics_1["clip_fraction/high"]) > 0
+
+
+def _cov_oracle_selection(adv, logp, mask, fraction):
+  """kl_cov's tokens in numpy: the top max(1, floor(fraction n)) centred cross-products."""
+  a, lp = adv.astype(np.float64), logp.astype(np.float64)
+  cov = np.where(mask, (a - a[mask].mean()) * (lp - lp[mask].mean()), -np.inf)
+  k = max(1, int(fraction * mask.sum()))
+  selected = np.zeros(mask.shape, bool)
+  selected.flat[np.argsort(-cov, axis=None, kind="stable")[:k]] = True
+  return selected
+
+
+@pytest.mark.parametrize("policy_loss", ["kl_cov", "clip_cov"])
+def test_covariance_step_selects_over_the_whole_batch_and_splits_exactly(policy_loss):
+  """The step picks its tokens from the whole batch's old log-probs and advantages before
+  the micro-batches run: four micro-batches make the one-batch update, and the loss is the
+  oracle's on the model's own log-probs (clip_cov: drawn with the step's key)."""
+  fraction = 0.1
+  algo = presets.algorithm_config(policy_loss, cov_fraction=fraction, clip_cov_lb=0.01,
+                                  clip_cov_ub=100.0, kl_cov_coef=0.5, num_minibatches=1)
+  mesh = one_device_mesh()
+  optimizer = optax.sgd(1.0)
+  step = ts.make_train_step(CFG, algo, optimizer, mesh=mesh)
+  assert "old_logprobs" in step.required
+  init = fresh_state(CFG, optimizer, mesh)
+  whole = add_learner_logprobs(microbatched(packed_rows(7), 1), init.params, CFG, mesh, seed=3)
+  del whole["ref_logprobs"]
+  split = {k: v.reshape((4, -1) + v.shape[2:]) for k, v in whole.items()}
+  state_4, metrics_4 = step(state_lib.frozen_copy(init), split)
+  delta_4 = jax.tree.map(np.subtract, state_4.params, init.params)
+  assert min(np.max(np.abs(x)) for x in jax.tree.leaves(delta_4)) > 1e-6
+  if policy_loss == "kl_cov":  # the same selection path for both: one of them compiles both
+    state_1, metrics_1 = step(state_lib.frozen_copy(init), whole)
+    delta_1 = jax.tree.map(np.subtract, state_1.params, init.params)
+    assert_trees_close(delta_4, delta_1, atol=1e-5)
+    for name in metrics_1:
+      np.testing.assert_allclose(metrics_4[name], metrics_1[name], rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
+
+  mask = np.asarray(whole["loss_mask"])[0] != 0
+  adv, old = np.asarray(whole["advantages"])[0], np.asarray(whole["old_logprobs"])[0]
+  logp = np.asarray(ts.make_compute_logprobs(CFG, mesh=mesh)(init.params, whole)["logprobs"])[0]
+  log_r = logp.astype(np.float64) - old
+  ratio = np.exp(log_r)
+  if policy_loss == "kl_cov":
+    selected = _cov_oracle_selection(adv, old, mask, fraction)
+    per_token = -adv * ratio + np.where(selected, 0.5 * np.abs(log_r), 0.0)
+  else:  # the draw of the step's own key: fold_in(rng, step)
+    selected = np.asarray(losses.covariance_selection(
+        adv, old, mask, mode="clip_cov", fraction=fraction, lower=0.01, upper=100.0,
+        key=jax.random.fold_in(init.rng, init.step)))
+    assert selected.sum() == max(1, int(fraction * mask.sum()))
+    per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+    per_token = np.where(selected, 0.0, per_token)
+  # Over the whole batch: a selection per micro-batch would pick other tokens.
+  np.testing.assert_allclose(metrics_4["cov/selected_fraction"], selected.sum() / mask.sum(),
+                             rtol=1e-6)
+  np.testing.assert_allclose(metrics_4["loss"], per_token[mask].sum() / mask.sum(), rtol=1e-4)
+  with pytest.raises(ValueError, match="old_logprobs"):
+    step(state_lib.frozen_copy(init), {k: v for k, v in whole.items() if k != "old_logprobs"})
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
