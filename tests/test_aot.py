@@ -106,6 +106,7 @@ def test_streamed_rollout_programs_compile_within_the_plan(turns, slots):
   assert f"{slots} slots (continuous batching)" in aot.format_rollout(report)
 
 
+@pytest.mark.slow  # the RL step's TPU compile alone takes about a minute on 2 cores
 @requires_libtpu
 def test_compiled_peaks_print_against_the_plan(rl_report, rollout_report):
   """What `launch.plan --compile_for` prints after the table (the command itself runs in
