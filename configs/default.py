@@ -82,7 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Preference optimisation between SFT and RL (steps > 0): DPO and its variants on
   # JSON-lines pair files (rows {"prompt", "chosen", "rejected"}, see
   # posttrain.data.preference). loss: sigmoid (DPO; label_smoothing > 0 is cDPO) | robust |
-  # exo_pair | ipo | hinge | nca_pair | sppo_hard | apo_zero | apo_down | simpo (no
+  # exo_pair | ipo | hinge | nca_pair | sppo_hard | apo_zero | apo_down | discopop
+  # (discopop_tau its temperature) | simpo (no
   # reference; simpo_gamma its margin) | orpo (no reference; log-odds ratio plus the
   # chosen answers' NLL); sft_coef adds an NLL term on the chosen answers
   # (RPO). kto | apo_zero_unpaired learn from unpaired answers labelled desirable or not
@@ -93,7 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.preference = ml_collections.ConfigDict(dict(
       steps=0, data="", eval_data="", eval_every=0, batch_size=16, lr=1e-4, warmup=5,
       loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, sft_coef=0.0,
-      desirable_weight=1.0, undesirable_weight=1.0))
+      desirable_weight=1.0, undesirable_weight=1.0, discopop_tau=0.05))
   c.algorithm = "grpo"
   c.rl = presets.algorithm_overrides()
   c.rl.group_size = 8

@@ -415,7 +415,8 @@ class Trainer:
         loss=str(p.loss), beta=float(p.beta), label_smoothing=float(p.label_smoothing),
         simpo_gamma=float(p.simpo_gamma), sft_coef=float(p.sft_coef),
         desirable_weight=float(p.get("desirable_weight", 1.0)),
-        undesirable_weight=float(p.get("undesirable_weight", 1.0)))
+        undesirable_weight=float(p.get("undesirable_weight", 1.0)),
+        discopop_tau=float(p.get("discopop_tau", 0.05)))
     for key, low in (("batch_size", 1), ("eval_every", 0), ("warmup", 0)):
       if int(p[key]) < low:
         raise ValueError(f"preference.{key}={p[key]!r} must be >= {low}")

@@ -48,12 +48,16 @@ their margin `h = r_c - r_r`:
                                            + (r_r + 1/2)^2 / beta^2
     apo_zero   r = beta * (pi - ref)     1 - s(r_c) + s(r_r)                     APO-zero
     apo_down   r = beta * (pi - ref)     s(r_c) + 1 - s(h)                       APO-down
+    discopop   r = beta * (pi - ref)     -log s(h) (1 - s(h / tau))              DiscoPOP
+                                           + exp(-h) s(h / tau)
     simpo      r = beta * pi / n         -(1-eps) log s(h - gamma)               SimPO
                                            - eps log s(gamma - h)
     orpo       r = log(p / (1 - p)),     -beta log s(h)                          ORPO
                  p = exp(pi / n)         + NLL(chosen)
 
-(s the logistic sigmoid, eps the label smoothing, gamma SimPO's target margin; EXO's eps
+(s the logistic sigmoid, eps the label smoothing, gamma SimPO's target margin, tau
+DiscoPOP's temperature (its exp term is computed as exp(-h + log s(h / tau)), finite
+where the sigmoid underflows); EXO's eps
 is 1e-3 when label smoothing is 0, as in TRL; IPO, SimPO and ORPO average the log-probs
 per token, as their papers and TRL do; SimPO and ORPO read no reference). The formulas are
 TRL's DPOTrainer `loss_type`s. ORPO's reward is the log-odds of the per-token mean
@@ -89,7 +93,7 @@ Array = jax.Array
 UNPAIRED_LOSSES = ("kto", "apo_zero_unpaired")
 # The paired losses that compare the policy with a reference (all but SimPO and ORPO).
 _PAIRED_REFERENCE_LOSSES = ("sigmoid", "robust", "exo_pair", "ipo", "hinge", "nca_pair",
-                            "sppo_hard", "apo_zero", "apo_down")
+                            "sppo_hard", "apo_zero", "apo_down", "discopop")
 PREFERENCE_LOSSES = _PAIRED_REFERENCE_LOSSES + ("simpo", "orpo") + UNPAIRED_LOSSES
 REFERENCE_LOSSES = _PAIRED_REFERENCE_LOSSES + UNPAIRED_LOSSES
 # The losses label smoothing applies to.
@@ -119,6 +123,7 @@ class PreferenceConfig:
       loss holds that term with weight 1 already; sft_coef must stay 0 there.
     desirable_weight, undesirable_weight: KTO's weights of the desirable and the
       undesirable examples' losses (`posttrain.rl.kto`); unpaired losses only.
+    discopop_tau: DiscoPOP's temperature, > 0 (the paper's and TRL's 0.05); discopop only.
   """
 
   loss: str = "sigmoid"
@@ -128,6 +133,7 @@ class PreferenceConfig:
   sft_coef: float = 0.0
   desirable_weight: float = 1.0
   undesirable_weight: float = 1.0
+  discopop_tau: float = 0.05
 
   def __post_init__(self):
     if self.loss not in PREFERENCE_LOSSES:
@@ -155,6 +161,11 @@ class PreferenceConfig:
       if value != 1.0 and not self.unpaired:
         raise ValueError(f"{name}={value} applies to the unpaired losses "
                          f"({', '.join(UNPAIRED_LOSSES)}), not {self.loss!r}")
+    if not (math.isfinite(self.discopop_tau) and self.discopop_tau > 0):
+      raise ValueError(f"discopop_tau must be a finite number > 0, got {self.discopop_tau}")
+    if self.discopop_tau != 0.05 and self.loss != "discopop":
+      raise ValueError(f"discopop_tau={self.discopop_tau} applies to the discopop loss, not "
+                       f"{self.loss!r}")
 
   @property
   def needs_reference(self) -> bool:
@@ -247,6 +258,10 @@ def pair_losses(cfg: PreferenceConfig, reward_chosen: Array, reward_rejected: Ar
     return 1.0 - sigmoid(reward_chosen) + sigmoid(reward_rejected)
   if cfg.loss == "apo_down":
     return sigmoid(reward_chosen) + 1.0 - sigmoid(margin)
+  if cfg.loss == "discopop":  # Chris Lu et al. 2024, eq. 5 (TRL's `discopop`)
+    tau = cfg.discopop_tau
+    return (-log_sigmoid(margin) * sigmoid(-margin / tau)
+            + jnp.exp(-margin + log_sigmoid(margin / tau)))
   if cfg.loss == "orpo":
     return -cfg.beta * log_sigmoid(margin)
   return _logistic(margin - cfg.simpo_gamma, eps)

@@ -39,7 +39,8 @@ upper clip. Knobs:
                          preference optimisation: each group's best sample against
                          its worst (by verified reward) as a DPO-family pair
                          (posttrain.rl.preference), the reference the policy RL started from
-    beta, label_smoothing, simpo_gamma, sft_coef   that loss's knobs (PreferenceConfig)
+    beta, label_smoothing, simpo_gamma, sft_coef, discopop_tau   that loss's knobs
+                         (PreferenceConfig)
     pairs_per_group      pairs a group gives: its i-th best against its i-th worst
 """
 
@@ -84,6 +85,7 @@ _BASE: dict[str, Any] = dict(
     label_smoothing=0.0,
     simpo_gamma=0.5,
     sft_coef=0.0,
+    discopop_tau=0.05,
     pairs_per_group=1,
     cov_fraction=2e-4,
     clip_cov_lb=1.0,
@@ -266,7 +268,8 @@ def preference_config(cfg) -> "preference_lib.PreferenceConfig | None":
     return None
   return preference_lib.PreferenceConfig(
       loss=cfg.preference_loss, beta=float(cfg.beta), label_smoothing=float(cfg.label_smoothing),
-      simpo_gamma=float(cfg.simpo_gamma), sft_coef=float(cfg.sft_coef))
+      simpo_gamma=float(cfg.simpo_gamma), sft_coef=float(cfg.sft_coef),
+      discopop_tau=float(cfg.discopop_tau))
 
 
 def algorithm_config(name: str, **overrides) -> ml_collections.ConfigDict:

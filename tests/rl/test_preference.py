@@ -46,6 +46,9 @@ def oracle_pair_losses(cfg, pc, pr, rc, rr, nc, nr):
     return 1 - 1 / (1 + np.exp(-beta * a)) + 1 / (1 + np.exp(-beta * b))
   if cfg.loss == "apo_down":  # eq. 8
     return 1 / (1 + np.exp(-beta * a)) + 1 - 1 / (1 + np.exp(-h))
+  if cfg.loss == "discopop":  # Chris Lu et al. 2024, eq. 5, as TRL writes it
+    modulation = 1 / (1 + np.exp(-h / cfg.discopop_tau))
+    return -log_sigmoid(h) * (1 - modulation) + np.exp(-h) * modulation
   if cfg.loss == "ipo":  # Azar et al. eq. 17 with TRL's per-token averaged log-ratios
     return ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * beta)) ** 2
   if cfg.loss == "hinge":
@@ -95,6 +98,8 @@ LOSS_CASES = {
     "sppo_hard": PreferenceConfig("sppo_hard", beta=0.5),
     "apo_zero": PreferenceConfig("apo_zero", beta=0.3),
     "apo_down": PreferenceConfig("apo_down", beta=0.3),
+    "discopop": PreferenceConfig("discopop", beta=0.3),
+    "discopop_warm": PreferenceConfig("discopop", beta=0.5, discopop_tau=0.8),
 }
 
 
@@ -174,6 +179,30 @@ def test_config_errors_are_one_line_and_name_the_value():
   with pytest.raises(ValueError, match="sft_coef=0.5 does not apply to orpo"):
     PreferenceConfig("orpo", sft_coef=0.5)
   assert PreferenceConfig("orpo").nll_coef == 1.0 and PreferenceConfig(sft_coef=0.3).nll_coef == 0.3
+  with pytest.raises(ValueError, match="discopop_tau must be a finite number > 0, got 0"):
+    PreferenceConfig("discopop", discopop_tau=0.0)
+  with pytest.raises(ValueError, match="discopop_tau=0.2 applies to the discopop loss"):
+    PreferenceConfig("sigmoid", discopop_tau=0.2)
+
+
+def test_discopop_stays_finite_where_its_exponential_overflows():
+  """A pair the policy ranks far the wrong way (margin -300): exp(-h) overflows float32,
+  but its weight s(h / tau) is exp(-6000); the loss is the logistic one, -log s(h) = 300,
+  and the gradient finite."""
+  cfg = PreferenceConfig("discopop", beta=1.0)
+  pc, pr = jnp.asarray([-400.0, -10.0]), jnp.asarray([-100.0, -12.0])
+  ref = jnp.zeros(2)
+
+  def loss_fn(pc):
+    return preference.preference_loss(cfg, pc, pr, ref, ref)[0]
+
+  loss, grad = jax.value_and_grad(loss_fn)(pc)
+  h = 2.0  # the second pair's margin
+  modulation = 1 / (1 + np.exp(-h / 0.05))
+  second = -log_sigmoid(h) * (1 - modulation) + np.exp(-h) * modulation
+  np.testing.assert_allclose(loss, (300.0 + second) / 2, rtol=1e-5)
+  assert np.all(np.isfinite(np.asarray(grad)))
+  np.testing.assert_allclose(grad[0], -0.5, rtol=1e-5)  # d/dpc of -log s(pc - pr) / 2
 
 
 def test_orpo_stays_finite_where_the_odds_overflow():
