@@ -1,4 +1,5 @@
-"""Shared by the launchers: user errors (config, files, shapes) as one line, exit code 2."""
+"""Shared by the launchers: user errors (config, files, shapes) as one line, exit code 2;
+the flags of a run over several processes (one per host)."""
 
 import sys
 
@@ -24,3 +25,25 @@ def parse_flags(argv):
     return flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - config_flags raises several kinds.
     fail(e.__cause__ or e)
+
+
+def define_process_flags():
+  """--coordinator_address, --num_processes, --process_id, for a launcher that runs as one
+  process per host: the same command on every host with these, the environment variables
+  JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or nothing on a TPU pod
+  slice or SLURM job (detected; see posttrain/distributed.py)."""
+  return (flags.DEFINE_string("coordinator_address", None,
+                              "host:port of process 0 (default $JAX_COORDINATOR_ADDRESS)."),
+          flags.DEFINE_integer("num_processes", None,
+                               "Processes in the run (default $JAX_NUM_PROCESSES)."),
+          flags.DEFINE_integer("process_id", None,
+                               "This process's index (default $JAX_PROCESS_ID)."))
+
+
+def join_processes(process_flags):
+  """Joins the run's other processes (a no-op for one process). Call it before anything
+  touches the devices: the mesh then spans every host's devices."""
+  from posttrain import distributed
+  coordinator, num_processes, process_id = process_flags
+  return distributed.maybe_initialize(coordinator.value, num_processes.value,
+                                      process_id.value)

@@ -4,6 +4,11 @@ timing.json, plots):
     python -m launch.eval --config=configs/default.py --workdir=DIR [--step=N]
         [--domains=GLOB,...] [--samples=K] [--seeds_per_domain=N] [--baseline_step=M]
         [--seed=S] [--confidence=0.95] [--config.k=v]
+
+A model too big for one host: the same command on every host, with
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`, the environment
+variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or nothing on a TPU
+pod slice or SLURM job (detected). The mesh spans every host; process 0 writes the report.
 """
 
 import logging
@@ -26,6 +31,7 @@ _BASELINE = flags.DEFINE_integer("baseline_step", None, "Compare with this check
                                  "domains that got worse beyond noise.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Level of the regression intervals.")
+_PROCESSES = common.define_process_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -37,6 +43,7 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   log = logging.getLogger("posttrain")
   try:
+    common.join_processes(_PROCESSES)  # before anything touches the devices
     cache = experiment.enable_compile_cache(_CONFIG.value)
     if cache:
       log.info("compilation cache: %s", cache)

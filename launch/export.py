@@ -6,7 +6,11 @@
 A policy run is written as its *ForCausalLM, a reward-model run as its
 *ForSequenceClassification, LoRA adapters merged; `--adapter` writes them alone as a PEFT
 adapter folder. Pass the config (and overrides) the run was trained with. One process
-restores the whole checkpoint, whatever mesh wrote it.
+restores the whole checkpoint, whatever mesh wrote it; a model too big for one host's
+memory is exported by the same command on every host (`--coordinator_address=HOST:PORT
+--num_processes=N --process_id=I`, the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID environment variables, or nothing on a TPU pod slice or SLURM job): each
+restores its shards and process 0 writes the files.
 """
 
 import logging
@@ -24,6 +28,7 @@ _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                            "Tensor dtype of the merged weights (default: the model's).")
 _ADAPTER = flags.DEFINE_bool("adapter", False, "Write the LoRA adapters alone (PEFT format).")
 _MAX_SHARD_GB = flags.DEFINE_float("max_shard_gb", 4.0, "Largest safetensors file, in GB.")
+_PROCESSES = common.define_process_flags()
 flags.mark_flags_as_required(["config", "workdir", "out"])
 
 
@@ -34,6 +39,7 @@ def main(argv):
   if not _MAX_SHARD_GB.value > 0:
     common.fail(ValueError(f"--max_shard_gb={_MAX_SHARD_GB.value} must be > 0"))
   try:
+    common.join_processes(_PROCESSES)  # before anything touches the devices
     done = export_checkpoint(_CONFIG.value, _WORKDIR.value, _OUT.value, step=_STEP.value,
                              dtype=_DTYPE.value, adapter=_ADAPTER.value,
                              max_shard_bytes=int(_MAX_SHARD_GB.value * (1 << 30)))

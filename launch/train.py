@@ -15,12 +15,7 @@ from launch import common
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "host:port of process 0 (default $JAX_COORDINATOR_ADDRESS).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
-                                      "Processes in the run (default $JAX_NUM_PROCESSES).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None,
-                                   "This process's index (default $JAX_PROCESS_ID).")
+_PROCESSES = common.define_process_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -28,12 +23,12 @@ def main(argv):
   del argv
   import jax
 
-  from posttrain import distributed, experiment, reward_trainer, trainer
+  from posttrain import experiment, reward_trainer, trainer
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   log = logging.getLogger("posttrain")
   try:
     # Before anything touches the devices: the mesh then spans every host's devices.
-    distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    common.join_processes(_PROCESSES)
     config = _CONFIG.value
     experiment.check_config(config)
     cache = experiment.enable_compile_cache(config)

@@ -266,6 +266,32 @@ def test_two_process_training_checkpoints_from_both_and_resumes(tmp_path):
   for key, value in flat(saved).items():
     np.testing.assert_array_equal(np.asarray(flat(exported)[key]), np.asarray(value))
 
+  # The export and eval launchers join the processes the same way: each restores its own
+  # shards of the checkpoint, process 0 writes.
+  run_flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **_PINNED}.items()]
+  common = [f"--config={ROOT}/configs/default.py", f"--workdir={tmp_path}", *run_flags]
+  for code, out in _run_two(["-m", "launch.export", *common, f"--out={tmp_path / 'hf2'}"],
+                            timeout=600):
+    assert code == 0, out[-3000:]
+    assert "wrote checkpoint 5 as" in out
+  again = nnx.to_pure_dict(nnx.state(models.from_pretrained(str(tmp_path / "hf2")),
+                                     nnx.Param))
+  for key, value in flat(saved).items():
+    np.testing.assert_array_equal(np.asarray(flat(again)[key]), np.asarray(value))
+  results = _run_two(["-m", "launch.eval", *common, "--samples=0"], timeout=600)
+  for code, out in results:
+    assert code == 0, out[-3000:]
+  summaries = [next(ln[ln.index("step 5:"):] for ln in out.splitlines() if "step 5:" in ln)
+               for _, out in results]
+  assert summaries[0] == summaries[1]  # one SPMD evaluation, the same on both hosts
+  report = json.loads((tmp_path / "eval" / "step_5" / "report.json").read_text())
+  from posttrain import evaluation
+  single_report, _ = evaluation.evaluate_checkpoint(single, str(tmp_path), step=5, write=False)
+  assert report["overall"]["tasks"] == single_report["overall"]["tasks"] > 0
+  # Task by task (seed, pass, reward, tokens generated, finish reason): what one process
+  # over the same 8 devices finds.
+  assert report["tasks"] == json.loads(evaluation.dumps(single_report))["tasks"]
+
 
 # About three minutes on two cores (two processes, each compiling both meshes' programs):
 # runs with -m slow. Disaggregated placement runs in one process in tests/test_placement.py.
