@@ -15,6 +15,7 @@ with `merge_metrics` and turn them into numbers with `compute_metrics`.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -731,6 +732,77 @@ def truncated_importance_weights(
   return jax.lax.stop_gradient(jnp.where(mask, weights, 0.0))
 
 
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+
+
+def rollout_importance_weights(
+    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, *, cap: float,
+    level: str = "token", mode: str = "truncate", lower: float = 0.0, veto: float = 0.0,
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Metric]]:
+  """Importance weights between the sampler (mu) and the learner (pi_old), at the token or
+  the sequence level, truncated or masked (as veRL's rollout importance sampling).
+
+      token      log w_t = log pi_old(y_t) - log mu(y_t)
+      sequence   log w_t = sum over t's sequence of the token log-ratios (the product)
+      geometric  log w_t = their mean over t's sequence (the geometric mean)
+
+      truncate   w_t = min(w_t, cap)                       (TIS)
+      mask       w_t = w_t if lower <= w_t <= cap, else 0  (MIS; lower 0 = 1 / cap)
+
+  With `veto` > 0, every token of a sequence holding a token whose own ratio is below
+  `veto` gets weight 0 (a token the sampler found far likelier than the learner does:
+  the sign of a numerics or a staleness failure). Pass `segment_ids` for packed rows.
+  The weights multiply the per-token policy loss and carry no gradient.
+
+  Returns:
+    `([batch, length] weights, 0 at masked positions; metrics)`: `is_weight/mean` (of the
+    weights applied), `is_weight/masked_fraction` (tokens weighted 0 by the mask or the
+    veto), `is_weight/truncated_fraction` (tokens whose weight was capped).
+  """
+  if not cap > 0:
+    raise ValueError(f"importance weight cap must be > 0, got {cap}")
+  if level not in IS_LEVELS:
+    raise ValueError(f"unknown importance level {level!r}; known: {', '.join(IS_LEVELS)}")
+  if mode not in IS_MODES:
+    raise ValueError(f"unknown importance mode {mode!r}; known: {', '.join(IS_MODES)}")
+  if lower < 0 or (lower and lower >= cap):
+    raise ValueError(f"the lower bound must be 0 (1 / cap) or in (0, cap={cap}), got {lower}")
+  if veto < 0:
+    raise ValueError(f"veto must be 0 (off) or > 0, got {veto}")
+  check_token_shapes(old_log_probs=old_log_probs, behaviour_log_probs=behaviour_log_probs,
+                     mask=mask, segment_ids=segment_ids)
+  mask = as_mask(mask)
+  token_log_w = _clean(old_log_probs, mask) - _clean(behaviour_log_probs, mask)
+  log_w = token_log_w
+  if level != "token":
+    log_w = segment_sum_per_token(token_log_w, segment_ids)
+    if level == "geometric":
+      log_w = log_w / jnp.maximum(segment_sum_per_token(mask.astype(jnp.float32),
+                                                        segment_ids), 1.0)
+  w = jnp.exp(jnp.clip(log_w, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+  truncated = jnp.zeros(mask.shape, bool)
+  if mode == "truncate":
+    truncated = w > cap
+    weights = jnp.minimum(w, cap)
+  else:
+    low = lower or 1.0 / cap
+    weights = jnp.where((w >= low) & (w <= cap), w, 0.0)
+  if veto:
+    bad = (mask & (token_log_w < math.log(veto))).astype(jnp.float32)
+    weights = jnp.where(segment_sum_per_token(bad, segment_ids) > 0, 0.0, weights)
+  weights = jax.lax.stop_gradient(jnp.where(mask, weights, 0.0))
+  count = jnp.sum(mask)
+  metrics = {
+      "is_weight/mean": _masked_mean_metric(weights, mask),
+      "is_weight/masked_fraction": Metric.mean(jnp.sum(mask & (weights == 0.0)), count),
+      "is_weight/truncated_fraction": Metric.mean(jnp.sum(mask & truncated & (weights > 0)),
+                                                  count),
+  }
+  return weights, metrics
+
+
 # ----------------------------------------------------------------------------
 # KL to a frozen reference, entropy, value
 # ----------------------------------------------------------------------------
@@ -861,6 +933,10 @@ class LossConfig:
   kl_in_reward: bool = False
   entropy_coef: float = 0.0
   tis_cap: float = 0.0
+  tis_level: str = "token"
+  tis_mode: str = "truncate"
+  tis_lower: float = 0.0
+  tis_veto: float = 0.0
   use_critic: bool = False
   value_coef: float = 0.5
   value_clip: float = 0.2
@@ -895,6 +971,16 @@ class LossConfig:
                        f"losses, not {self.policy_loss!r}")
     if self.tis_cap < 0:
       raise ValueError(f"tis_cap must be 0 (off) or > 0, got {self.tis_cap}")
+    if self.tis_level not in IS_LEVELS:
+      raise ValueError(f"unknown tis_level {self.tis_level!r}; known: {', '.join(IS_LEVELS)}")
+    if self.tis_mode not in IS_MODES:
+      raise ValueError(f"unknown tis_mode {self.tis_mode!r}; known: {', '.join(IS_MODES)}")
+    if self.tis_lower < 0 or (self.tis_lower and self.tis_cap
+                              and self.tis_lower >= self.tis_cap):
+      raise ValueError(f"tis_lower must be 0 (1 / tis_cap) or in (0, tis_cap), got "
+                       f"{self.tis_lower}")
+    if self.tis_veto < 0:
+      raise ValueError(f"tis_veto must be 0 (off) or > 0, got {self.tis_veto}")
     if self.loss_agg_mode == "seq_mean_token_sum_norm" and self.max_response_len <= 0:
       raise ValueError(
           f"seq_mean_token_sum_norm needs max_response_len > 0, got {self.max_response_len}")
@@ -992,11 +1078,12 @@ def rl_loss(
       **extra,
   )
   if cfg.tis_cap > 0:
-    is_weights = truncated_importance_weights(
-        old_log_probs, batch["behaviour_logprobs"], mask, cap=cfg.tis_cap
-    )
+    is_weights, is_metrics = rollout_importance_weights(
+        old_log_probs, batch["behaviour_logprobs"], mask, cap=cfg.tis_cap,
+        level=cfg.tis_level, mode=cfg.tis_mode, lower=cfg.tis_lower, veto=cfg.tis_veto,
+        segment_ids=segment_ids)
     policy_loss = policy_loss * is_weights
-    metrics["is_weight/mean"] = _masked_mean_metric(is_weights, mask)
+    metrics.update(is_metrics)
 
   def weighted_sum(per_token):
     return jnp.sum(jnp.where(mask, per_token * weights, 0.0))

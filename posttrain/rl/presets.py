@@ -29,7 +29,12 @@ upper clip. Knobs:
     max_response_len     Dr.GRPO's constant normaliser; 0 = the sampler's budget
     kl_coef, kl_estimator (k1 | k2 | k3), kl_in_reward   KL to the reference
     entropy_coef         entropy bonus weight
-    tis_cap              truncated importance weight cap; 0 = off
+    tis_cap              importance weight cap between sampler and learner; 0 = off
+    tis_level            token | sequence (the ratios' product) | geometric (their mean
+                         in log space): what the weight is of (losses.py)
+    tis_mode             truncate (TIS: min(w, cap)) | mask (MIS: 0 outside
+                         [tis_lower, tis_cap]; tis_lower 0 = 1 / tis_cap)
+    tis_veto             > 0: a sequence with a token ratio below it gets weight 0
     group_size           samples per prompt
     dynamic_sampling     drop groups whose rewards are all equal (DAPO)
     overlong_penalty, overlong_buffer_len, overlong_penalty_factor   DAPO soft penalty
@@ -73,6 +78,10 @@ _BASE: dict[str, Any] = dict(
     kl_in_reward=False,
     entropy_coef=0.0,
     tis_cap=0.0,
+    tis_level="token",
+    tis_mode="truncate",
+    tis_lower=0.0,
+    tis_veto=0.0,
     group_size=8,
     dynamic_sampling=False,
     overlong_penalty=False,

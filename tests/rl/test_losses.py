@@ -571,6 +571,115 @@ def test_tis_scales_policy_loss_and_reports_mean_weight():
   np.testing.assert_allclose(losses.compute_metrics(metrics)["is_weight/mean"], w.mean(), rtol=1e-5)
 
 
+def _rollout_is_ref(old, behaviour, mask, segment_ids, *, cap, level, mode, lower, veto):
+  """The weights of `rollout_importance_weights` written per sequence, in float64."""
+  log_r = np.where(mask, old.astype(np.float64) - behaviour, 0.0)
+  out = np.zeros(mask.shape)
+  for b in range(mask.shape[0]):
+    for s in np.unique(segment_ids[b][segment_ids[b] > 0]):
+      sel = (segment_ids[b] == s) & mask[b]
+      if not sel.any():
+        continue
+      if level == "token":
+        w = np.exp(log_r[b][sel])
+      else:
+        total = log_r[b][sel].sum()
+        w = np.full(sel.sum(), np.exp(total if level == "sequence" else total / sel.sum()))
+      if mode == "truncate":
+        w = np.minimum(w, cap)
+      else:
+        w = np.where((w >= (lower or 1 / cap)) & (w <= cap), w, 0.0)
+      if veto and (log_r[b][sel] < np.log(veto)).any():
+        w = np.zeros_like(w)
+      out[b][sel] = w
+  return out
+
+
+@pytest.mark.parametrize("level,mode,lower,veto", [
+    ("token", "truncate", 0.0, 0.0), ("token", "mask", 0.0, 0.0), ("token", "mask", 0.6, 0.0),
+    ("sequence", "truncate", 0.0, 0.0), ("sequence", "mask", 0.0, 0.0),
+    ("geometric", "truncate", 0.0, 0.0), ("geometric", "mask", 0.0, 0.2),
+    ("token", "truncate", 0.0, 0.1)])
+def test_rollout_importance_weights_match_their_definition_per_sequence(level, mode, lower,
+                                                                       veto):
+  rng = np.random.default_rng(11)
+  segment_ids, mask = _segments_and_mask(rng, 9, 13)
+  old = (-rng.random((9, 13)) * 3).astype(np.float32)
+  # A shift per sequence (some sequences far off, some near) plus token noise.
+  shift = np.take_along_axis(rng.normal(0, 0.8, (9, 4)), segment_ids, axis=1)
+  behaviour = (old + shift + rng.normal(0, 0.3, old.shape)).astype(np.float32)
+  if veto:  # one token the sampler found far likelier than the learner
+    b, t = np.argwhere(mask)[len(np.argwhere(mask)) // 2]
+    behaviour[b, t] = old[b, t] + 5.0
+  cap = 2.0
+  got, metrics = losses.rollout_importance_weights(
+      _with_garbage(old, mask), _with_garbage(behaviour, mask, np.inf), mask, cap=cap,
+      level=level, mode=mode, lower=lower, veto=veto, segment_ids=segment_ids)
+  want = _rollout_is_ref(old, behaviour, mask, segment_ids, cap=cap, level=level, mode=mode,
+                         lower=lower, veto=veto)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["is_weight/mean"], want[mask].mean(), rtol=1e-4)
+  zeroed = (want[mask] == 0).mean()
+  np.testing.assert_allclose(m["is_weight/masked_fraction"], zeroed, atol=1e-6)
+  if mode == "mask" or veto:
+    assert zeroed > 0  # the case exercises what it names
+  if mode == "truncate" and not veto:
+    assert (want[mask] == cap).any() and zeroed == 0
+
+
+def test_sequence_weights_are_constant_over_each_packed_sequence():
+  """Rows of several sequences: each sequence has one weight, whatever its row holds."""
+  rng = np.random.default_rng(12)
+  segment_ids, mask = _segments_and_mask(rng, 6, 17)
+  old = (-rng.random((6, 17)) * 2).astype(np.float32)
+  behaviour = (old + rng.normal(0, 0.2, old.shape)).astype(np.float32)
+  got, _ = losses.rollout_importance_weights(old, behaviour, mask, cap=5.0, level="sequence",
+                                             segment_ids=segment_ids)
+  got = np.asarray(got)
+  for b in range(6):
+    for seg in np.unique(segment_ids[b][mask[b]]):
+      values = got[b][(segment_ids[b] == seg) & mask[b]]
+      assert np.all(values == values[0])
+  assert len(np.unique(got[mask])) > 3  # sequences differ
+
+
+def test_rl_loss_applies_the_configured_rollout_weights():
+  cfg = losses.LossConfig(tis_cap=1.5, tis_level="geometric", tis_mode="mask")
+  batch = _rollout_batch(8)
+  mask = batch["loss_mask"]
+  d = losses.loss_denominator(cfg, batch)
+  old = np.where(mask, batch["old_logprobs"], 0.0)
+  loss, metrics = losses.rl_loss(cfg, jnp.asarray(old), batch, denominator=d)
+  w = _rollout_is_ref(batch["old_logprobs"], batch["behaviour_logprobs"], mask,
+                      batch["segment_ids"], cap=1.5, level="geometric", mode="mask", lower=0.0,
+                      veto=0.0)
+  # ratio 1 (log_probs == old): the loss is -sum(w A) / n.
+  adv = np.where(mask, batch["advantages"], 0.0)
+  np.testing.assert_allclose(loss, -(w * adv).sum() / mask.sum(), rtol=1e-5)
+  m = losses.compute_metrics(metrics)
+  assert 0 < float(m["is_weight/masked_fraction"]) < 1
+
+
+def test_rollout_importance_errors_are_one_line():
+  x, mask = np.zeros((2, 3), np.float32), np.ones((2, 3))
+  cases = [(dict(cap=0.0), "cap must be > 0"),
+           (dict(cap=2.0, level="seq"), "unknown importance level 'seq'; known: token"),
+           (dict(cap=2.0, mode="clip"), "unknown importance mode 'clip'"),
+           (dict(cap=2.0, lower=3.0), r"lower bound must be 0 \(1 / cap\) or in \(0, cap=2.0\)"),
+           (dict(cap=2.0, veto=-1.0), "veto must be 0")]
+  for kwargs, message in cases:
+    with pytest.raises(ValueError, match=message) as info:
+      losses.rollout_importance_weights(x, x, mask, **kwargs)
+    assert "\n" not in str(info.value)
+  for kwargs, message in [(dict(tis_level="seq"), "unknown tis_level 'seq'"),
+                          (dict(tis_mode="clip"), "unknown tis_mode 'clip'"),
+                          (dict(tis_cap=2.0, tis_lower=2.0), "tis_lower must be 0"),
+                          (dict(tis_veto=-0.1), "tis_veto must be 0")]:
+    with pytest.raises(ValueError, match=message):
+      losses.LossConfig(**kwargs)
+
+
 def test_kl_estimators_on_samples_from_two_categoricals():
   key_q, key_p, key_x = jax.random.split(jax.random.key(0), 3)
   log_q = jax.nn.log_softmax(jax.random.normal(key_q, (7,)))
