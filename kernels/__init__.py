@@ -1,5 +1,5 @@
-"""Attention kernels for JAX: reference, chunked, Pallas flash, ring and decode attention;
-and the grouped matmul of a mixture of experts.
+"""Attention kernels for JAX: reference, chunked, Pallas flash, ring and decode attention
+(over a contiguous or a paged KV cache); and the grouped matmul of a mixture of experts.
 
 Imports jax only. Backends are chosen at call time, never at import: `import kernels`
 initialises no device and imports no Pallas GPU / TPU lowering.
@@ -19,6 +19,7 @@ from kernels.chunked_attention import chunked_attention
 from kernels.decode_attention import decode_attention, quantize_int8
 from kernels.flash_attention import flash_attention
 from kernels.grouped_matmul import grouped_matmul, grouped_weight_grad
+from kernels.paged_attention import gather_pages, paged_cache_update, paged_decode_attention
 from kernels.reference import (
     attention_block,
     attention_block_grad,
@@ -53,10 +54,13 @@ __all__ = [
     "flash_attention",
     "flash_block_kernel",
     "from_zigzag",
+    "gather_pages",
     "grouped_matmul",
     "grouped_weight_grad",
     "gpu_target",
     "merge_attention",
+    "paged_cache_update",
+    "paged_decode_attention",
     "quantize_int8",
     "reference_attention",
     "reference_block_kernel",
