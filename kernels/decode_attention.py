@@ -253,20 +253,39 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   if ck == max_len:  # one block: no loop, no per-block branch
     out, _ = attend_block(0, 0)
     return out.astype(q.dtype)
+  # The last block may overlap the previous one.
+  return merge_visible_blocks(
+      q, q_pos, lengths, sliding_window, ck, -(-max_len // ck),
+      lambda i, nominal: attend_block(jnp.minimum(nominal, max_len - ck), nominal))
 
+
+def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_blocks: int,
+                         attend_block):
+  """Block i of `block_len` slots from slot i * block_len, merged by log-sum-exp; blocks
+  past the longest row, or (with a sliding window) before every query's window, are
+  skipped with `lax.cond`.
+
+  Args:
+    q: [b, tq, h, d]; q_pos [b, tq] the queries' positions; lengths [b].
+    attend_block: `(i, nominal) -> (out, lse)` of block i, whose slots start at `nominal`
+      (`_block`'s outputs).
+
+  Returns:
+    [b, tq, h, d] in q's dtype.
+  """
+  b, tq, h, _ = q.shape
   newest = jnp.max(lengths) - 1
   # Without a sliding window every query sees the whole prefix from slot 0; with one,
   # nothing before the earliest query's window.
   oldest = jnp.min(q_pos) - (sliding_window - 1) if sliding_window else jnp.int32(0)
 
   def step(carry, i):
-    nominal = i * ck
-    start = jnp.minimum(nominal, max_len - ck)  # the last block may overlap the previous
-    attend = lambda c: reference.merge_attention(*c, *attend_block(start, nominal))
-    visible = (nominal <= newest) & (nominal + ck - 1 >= oldest)
+    nominal = i * block_len
+    attend = lambda c: reference.merge_attention(*c, *attend_block(i, nominal))
+    visible = (nominal <= newest) & (nominal + block_len - 1 >= oldest)
     return lax.cond(visible, attend, lambda c: c, carry), None
 
   init = (lax.full_like(q, 0.0, jnp.float32),
           lax.full_like(q, reference.NEG_INF, jnp.float32, (b, tq, h)))
-  (out, _), _ = lax.scan(step, init, jnp.arange(-(-max_len // ck), dtype=jnp.int32))
+  (out, _), _ = lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
   return out.astype(q.dtype)

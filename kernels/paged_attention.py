@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels import reference
-from kernels.decode_attention import DEFAULT_CHUNK_SIZE, _block, _elementwise_default
+from kernels.decode_attention import (DEFAULT_CHUNK_SIZE, _block, _elementwise_default,
+                                      merge_visible_blocks)
 
 _PAGES = "[num_pages, page_size, kv_heads, head_dim]"
 
@@ -220,23 +221,11 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
     out, _ = attend_block(0, 0)
     return out.astype(q.dtype)
 
-  newest = jnp.max(lengths) - 1
-  # Without a sliding window every query sees the whole prefix from slot 0; with one,
-  # nothing before the earliest query's window.
-  oldest = jnp.min(q_pos) - (sliding_window - 1) if sliding_window else jnp.int32(0)
-
-  def step(carry, i):
-    nominal = i * ck
-    first_page = jnp.minimum(i * per_block, pages_per_row - per_block)
-    attend = lambda c: reference.merge_attention(*c, *attend_block(first_page, nominal))
-    visible = (nominal <= newest) & (nominal + ck - 1 >= oldest)
-    return lax.cond(visible, attend, lambda c: c, carry), None
-
-  init = (lax.full_like(q, 0.0, jnp.float32),
-          lax.full_like(q, reference.NEG_INF, jnp.float32, (b, tq, h)))
-  blocks = -(-pages_per_row // per_block)
-  (out, _), _ = lax.scan(step, init, jnp.arange(blocks, dtype=jnp.int32))
-  return out.astype(q.dtype)
+  # The last block may overlap the previous one.
+  return merge_visible_blocks(
+      q, q_pos, lengths, sliding_window, ck, -(-pages_per_row // per_block),
+      lambda i, nominal: attend_block(
+          jnp.minimum(i * per_block, pages_per_row - per_block), nominal))
 
 
 def paged_cache_update(k_pages, v_pages, k_new, v_new, *, page_table, positions,

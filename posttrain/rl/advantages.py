@@ -209,6 +209,16 @@ def _group_sums(x, dense_ids, n):
   return jax.ops.segment_sum(x, dense_ids, num_segments=n)[dense_ids]
 
 
+def _group_centred_std(flat, ids, valid_flat, count):
+  """Per element: its reward minus its group's mean (0 if invalid), and the group's
+  standard deviation (ddof=1), over the valid members."""
+  n = flat.shape[0]
+  mean = _group_sums(flat, ids, n) / jnp.maximum(count, 1.0)
+  centred = jnp.where(valid_flat, flat - mean, 0.0)
+  var = _group_sums(centred * centred, ids, n) / jnp.maximum(count - 1.0, 1.0)
+  return centred, jnp.sqrt(var)
+
+
 def group_normalized_advantages(
     rewards: Array,
     group_ids: Array | None = None,
@@ -238,12 +248,8 @@ def group_normalized_advantages(
   flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
   n = flat.shape[0]
   count = _group_sums(valid_flat.astype(jnp.float32), ids, n)
-  mean = _group_sums(flat, ids, n) / jnp.maximum(count, 1.0)
-  centred = jnp.where(valid_flat, flat - mean, 0.0)
-  advantages = centred
-  if normalize_std:
-    var = _group_sums(centred * centred, ids, n) / jnp.maximum(count - 1.0, 1.0)
-    advantages = centred / (jnp.sqrt(var) + STD_EPS)
+  centred, std = _group_centred_std(flat, ids, valid_flat, count)
+  advantages = centred / (std + STD_EPS) if normalize_std else centred
   advantages = jnp.where(valid_flat & (count > 1), advantages, 0.0)
   return advantages.reshape(jnp.shape(rewards))
 
@@ -439,10 +445,7 @@ def passk_advantages(
   second = jax.ops.segment_max(jnp.where(best, -big, scored), ids, num_segments=n)[ids]
   lead = group_max - second
   if normalize_std:
-    mean = _group_sums(flat, ids, n) / jnp.maximum(count, 1.0)
-    centred = jnp.where(valid_flat, flat - mean, 0.0)
-    var = _group_sums(centred * centred, ids, n) / jnp.maximum(count - 1.0, 1.0)
-    lead = lead / (jnp.sqrt(var) + STD_EPS)
+    lead = lead / (_group_centred_std(flat, ids, valid_flat, count)[1] + STD_EPS)
   return jnp.where(best & (count > 1), lead, 0.0).reshape(jnp.shape(rewards))
 
 
