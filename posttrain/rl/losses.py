@@ -369,6 +369,11 @@ def gspo_policy_loss(
                       eps_low, eps_high, dual_clip, segment_ids)
 
 
+def _refuse_dual_clip(dual_clip: float, loss: str) -> None:
+  if dual_clip:
+    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not {loss}")
+
+
 def _ratio_metrics(ratio, mask, low, high) -> dict[str, Metric]:
   count = jnp.sum(mask)
   ratio = jax.lax.stop_gradient(ratio)
@@ -406,8 +411,7 @@ def cispo_policy_loss(
     weight was clipped, whatever their advantage's sign.
   """
   del segment_ids
-  if dual_clip:
-    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not cispo")
+  _refuse_dual_clip(dual_clip, "cispo")
   check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                      loss_mask=loss_mask)
   mask = as_mask(loss_mask)
@@ -448,8 +452,7 @@ def gmpo_policy_loss(
   Returns:
     `(per_token_loss [batch, length], metrics)`; `ratio/*` are the sequence ratios s_i.
   """
-  if dual_clip:
-    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not gmpo")
+  _refuse_dual_clip(dual_clip, "gmpo")
   check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                      loss_mask=loss_mask, segment_ids=segment_ids)
   mask = as_mask(loss_mask)
@@ -492,8 +495,7 @@ def gpg_policy_loss(
     fractions are 0.
   """
   del segment_ids, eps_low, eps_high
-  if dual_clip:
-    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not gpg")
+  _refuse_dual_clip(dual_clip, "gpg")
   check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                      loss_mask=loss_mask)
   mask = as_mask(loss_mask)
@@ -592,6 +594,17 @@ def _selected_metrics(selected, mask) -> dict[str, Metric]:
   return {"cov/selected_fraction": Metric.mean(jnp.sum(mask & selected), jnp.sum(mask))}
 
 
+def _covariance_inputs(loss, log_probs, old_log_probs, advantages, loss_mask, selected,
+                       dual_clip):
+  """The checks the covariance losses share; (mask, selected) as bool."""
+  _refuse_dual_clip(dual_clip, loss)
+  if selected is None:
+    raise ValueError(f"{loss} needs the selected tokens (losses.covariance_selection)")
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     loss_mask=loss_mask, selected=selected)
+  return as_mask(loss_mask), as_mask(selected)
+
+
 def clip_cov_policy_loss(
     log_probs: Array,
     old_log_probs: Array,
@@ -618,14 +631,8 @@ def clip_cov_policy_loss(
     `(per_token_loss [batch, length], metrics)`: PPO's, plus `cov/selected_fraction`.
   """
   del segment_ids
-  if dual_clip:
-    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not clip_cov")
-  if selected is None:
-    raise ValueError("clip_cov needs the selected tokens (losses.covariance_selection)")
-  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
-                     loss_mask=loss_mask, selected=selected)
-  mask = as_mask(loss_mask)
-  selected = as_mask(selected)
+  mask, selected = _covariance_inputs("clip_cov", log_probs, old_log_probs, advantages,
+                                      loss_mask, selected, dual_clip)
   loss, metrics = clipped_surrogate(ppo_log_ratio(log_probs, old_log_probs, mask), advantages,
                                     mask, eps_low=eps_low, eps_high=eps_high)
   metrics.update(_selected_metrics(selected, mask))
@@ -663,14 +670,8 @@ def kl_cov_policy_loss(
     `cov/selected_fraction` and `kl_cov/abs_log_ratio`, the mean |log r| of the tokens.
   """
   del segment_ids, eps_low, eps_high
-  if dual_clip:
-    raise ValueError(f"dual_clip={dual_clip} applies to the ppo and gspo losses, not kl_cov")
-  if selected is None:
-    raise ValueError("kl_cov needs the selected tokens (losses.covariance_selection)")
-  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
-                     loss_mask=loss_mask, selected=selected)
-  mask = as_mask(loss_mask)
-  selected = as_mask(selected)
+  mask, selected = _covariance_inputs("kl_cov", log_probs, old_log_probs, advantages,
+                                      loss_mask, selected, dual_clip)
   log_ratio = jnp.clip(ppo_log_ratio(log_probs, old_log_probs, mask),
                        -MAX_LOG_RATIO, MAX_LOG_RATIO)
   ratio = jnp.exp(log_ratio)
