@@ -108,8 +108,11 @@ def abstract_rl_batch(config: ml_collections.ConfigDict, algo, required: tuple[s
   shape = (per_update, int(config.train.rows_per_microbatch), int(config.train.row_len))
   packed = packing._empty_rows(1, 1, 0)
   keys = [k for k in ts.TOKEN_KEYS if k in packed or k in required]
-  return {k: jax.ShapeDtypeStruct(shape, packed[k].dtype if k in packed else jnp.float32,
-                                  sharding=sharding) for k in keys}
+  batch = {k: jax.ShapeDtypeStruct(shape, packed[k].dtype if k in packed else jnp.float32,
+                                   sharding=sharding) for k in keys}
+  if algo.kl_controller == "adaptive" and not algo.kl_in_reward:  # the trainer's row weights
+    batch["kl_coef"] = jax.ShapeDtypeStruct(shape[:2], jnp.float32, sharding=sharding)
+  return batch
 
 
 def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str = ""

@@ -95,6 +95,7 @@ class Progress_:
   pref_iterator: dict | None = None
   pref_eval: dict | None = None     # pass rates after the preference stage
   pref_heldout: dict | None = None  # held-out pair metrics (preference.eval_data)
+  kl_coef: float | None = None  # the adaptive KL controller's value for the next RL step
 
 
 def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
@@ -208,6 +209,15 @@ def _process_cpu_s() -> float:
   return t.user + t.system
 
 
+def _greedy_group(group):
+  """ReMax: the group with its greedy baseline completion as its only sample."""
+  if getattr(group, "baseline", None) is None:
+    raise RuntimeError(f"advantage_estimator=remax needs each group's greedy baseline, and "
+                       f"the group of {group.domain!r} seed {group.seed} has none (groups "
+                       "get one in Trainer._rollout)")
+  return dataclasses.replace(group, samples=[group.baseline], baseline=None)
+
+
 class Trainer:
   """Holds the pieces of one run; `run()` executes the remaining stages."""
 
@@ -293,6 +303,7 @@ class Trainer:
     # Online preference optimisation (algorithm online_dpo): pairs from each group, the
     # preference step instead of the policy-gradient one.
     self.online_pref = presets.preference_config(self.algo)
+    self._reward_kl = float("nan")  # the batch's KL in the reward, for the KL controller
     off_policy = (self.disaggregated and self.max_policy_lag > 0) or self.step_tokens > 0
     if off_policy and float(self.algo.tis_cap) == 0 and self.online_pref is None:
       # Stale samples are corrected with truncated importance weights (Yao et al. 2025).
@@ -1001,6 +1012,8 @@ class Trainer:
     n = int(r.prompts_per_step)
     calls = [0]
     scored: dict[str, Any] = {"scores": [], "truncated": 0.0, "seconds": 0.0}
+    remax = algo.advantage_estimator == "remax"
+    baseline_s = [0.0]
 
     def make_groups(pairs):
       calls[0] += 1
@@ -1008,14 +1021,19 @@ class Trainer:
                                    policy_version=self.sampler_version,
                                    token_budget=self.step_tokens)
       # Here, so that dynamic sampling's filter, the scheduler and the advantages all see
-      # the mixed rewards.
+      # the mixed rewards (and ReMax's baselines, in the rollout thread too).
       self._score_with_reward_model(groups, scored)
+      if remax:
+        baseline_s[0] += self._attach_greedy_baselines(groups, seed=step_seed * 131 + calls[0])
       return groups
 
     extra: dict[str, float] = {}
     if algo.dynamic_sampling:
+      # ReMax: samples that tie still learn when the greedy completion scored otherwise.
+      rewards_of = ({"rewards_of": lambda g: np.append(g.rewards, _greedy_group(g).rewards)}
+                    if remax else {})
       batch = dynamic_sample(self.scheduler, make_groups, n, batched=True, update=False,
-                             max_draws=int(r.get("max_draws", 4 * n)))
+                             max_draws=int(r.get("max_draws", 4 * n)), **rewards_of)
       groups = [g for _, _, g in batch.groups]
       extra = {"dynamic_sampling/draws": batch.draws, "dynamic_sampling/dropped": batch.dropped}
     elif self.step_tokens:
@@ -1056,7 +1074,31 @@ class Trainer:
                     "reward_model/nonfinite": float(scores.size - finite.size),
                     "reward_model/truncated": scored["truncated"],
                     "timing/reward_model_s": scored["seconds"]})
+    if remax and groups:
+      greedy = [_greedy_group(g) for g in groups]
+      extra.update({"remax/baseline_reward": float(np.mean([b.rewards[0] for b in greedy])),
+                    "remax/baseline_tokens": float(np.mean([b.samples[0].num_generated
+                                                            for b in greedy])),
+                    "timing/remax_baseline_s": baseline_s[0]})
     return groups, extra
+
+  def _attach_greedy_baselines(self, groups, seed: int) -> float:
+    """ReMax (Li et al. 2023): one greedy (temperature 0) completion of each group's prompt
+    by the rollout policy becomes `group.baseline`, scored by the same verifier and reward
+    model as the samples (its scores stay out of the reward_model stats, the samples'
+    rollout stats stay the worker's `last_stats`). Returns the seconds it took."""
+    if not groups:
+      return 0.0
+    t0 = time.time()
+    stats = self.worker.last_stats
+    greedy = self.worker.rollout([(g.domain, g.seed) for g in groups], seed=seed,
+                                 policy_version=self.sampler_version, group_size=1,
+                                 temperature=0.0)
+    self.worker.last_stats = stats
+    self._score_with_reward_model(greedy, {"scores": [], "truncated": 0.0, "seconds": 0.0})
+    for g, b in zip(groups, greedy, strict=True):
+      g.baseline = b.samples[0]
+    return time.time() - t0
 
   def _score_with_reward_model(self, groups, scored: dict[str, Any]) -> None:
     """Mixes the reward model's scores into the rewards of every sample of the groups of
@@ -1119,6 +1161,7 @@ class Trainer:
       trajectories += group_to_trajectories(g, a)
     for traj, r in zip(trajectories, np.concatenate(shaped)):
       traj["rewards"] = np.float32(r)
+    kl_coef = self._kl_coef()  # before the controller moves it for the next step
     step_fn = self._rl_step_fn
     if self._reference_in_step() and not self.cfg.lora_rank:
       step_fn = functools.partial(step_fn, reference=self.reference)
@@ -1162,6 +1205,7 @@ class Trainer:
       source.publish(self.progress.rl_step)
     metrics = ({k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[-1]}
                if history else {})
+    extra.update(self._control_kl(kl_coef, metrics, len(trajectories)))
     timings["timing/update_s"] = time.time() - t2
     timings["timing/step_s"] = time.time() - t0
     # CPU seconds of the whole process during the step (every thread: XLA:CPU compute,
@@ -1234,6 +1278,11 @@ class Trainer:
     if est in ("grpo", "gpg", "grpo_passk"):
       a = adv_lib.get_advantage_estimator(est)(flat, ids,
                                                normalize_std=bool(self.algo.normalize_std))
+    elif est == "remax":
+      # The greedy completion's reward, shaped as the samples' are (overlong penalty).
+      greedy = [_greedy_group(g) for g in groups]
+      baselines = np.concatenate([self._shape(b, b.rewards) for b in greedy])
+      a = adv_lib.remax_advantages(flat, baselines.astype(np.float32), ids)
     elif est in adv_lib.LENGTH_WEIGHTED_ESTIMATORS:
       lengths = np.asarray([s.num_generated for g in groups for s in g.samples], np.float32)
       a = adv_lib.get_advantage_estimator(est)(flat, lengths, ids)
@@ -1246,10 +1295,32 @@ class Trainer:
       i += len(r)
     return out
 
+  def _kl_coef(self) -> float:
+    """The KL coefficient of this RL step: the preset's, or the adaptive controller's."""
+    if self.algo.kl_controller == "adaptive" and self.progress.kl_coef is not None:
+      return self.progress.kl_coef
+    return float(self.algo.kl_coef)
+
+  def _control_kl(self, coef: float, metrics, sequences: int) -> dict[str, float]:
+    """Moves the adaptive controller's coefficient by the KL this step measured: the
+    rollout policy's to the reference on the batch (KL in the reward, as veRL), or the
+    step's KL loss term's (the learner's, averaged over the step's updates)."""
+    if self.algo.kl_controller != "adaptive":
+      return {}
+    kl = self._reward_kl if self.algo.kl_in_reward else float(metrics.get("kl", np.nan))
+    self.progress.kl_coef = loss_lib.adaptive_kl_coef(
+        coef, kl, target=float(self.algo.kl_target), horizon=int(self.algo.kl_horizon),
+        n_steps=sequences)
+    return {"kl/coef": coef, "kl/controlled": kl}
+
   def _add_learner_inputs(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """Old/reference log-probs, critic values and token-level advantages, on the devices."""
     algo = self.algo
     out: dict[str, Any] = dict(batch)
+    kl_coef = self._kl_coef()
+    if algo.kl_controller == "adaptive" and not algo.kl_in_reward:
+      # One weight per row, an input of the step: the coefficient moves without a compile.
+      out["kl_coef"] = np.full(np.shape(batch["tokens"])[:2], kl_coef, np.float32)
     needs_old = (self._updates_per_step() > 1 or algo.kl_in_reward or algo.use_critic
                  or float(algo.tis_cap) > 0
                  or algo.policy_loss in loss_lib.COVARIANCE_LOSSES)
@@ -1273,9 +1344,11 @@ class Trainer:
     if algo.kl_in_reward and float(algo.kl_coef) > 0:
       kl = loss_lib.kl_divergence(flat(out["old_logprobs"]), flat(out["ref_logprobs"]), mask,
                                   estimator=str(algo.kl_estimator))
+      if algo.kl_controller == "adaptive":
+        self._reward_kl = float(jnp.sum(kl) / jnp.maximum(jnp.sum(mask != 0), 1))
     if est == "gae":
       if kl is not None:
-        token_rewards = token_rewards - float(algo.kl_coef) * kl
+        token_rewards = token_rewards - kl_coef * kl
       values = flat(cur["values"])
       a, ret = adv_lib.gae_advantages(token_rewards, values, mask, gamma=float(algo.gamma),
                                       lam=float(algo.lam), segment_ids=seg)
@@ -1284,7 +1357,7 @@ class Trainer:
     else:
       a, ret = adv_lib.reinforce_plus_plus_advantages(
           token_rewards, mask, gamma=float(algo.gamma), kl=kl,
-          kl_coef=float(algo.kl_coef), segment_ids=seg)
+          kl_coef=kl_coef, segment_ids=seg)
     out["advantages"] = a.reshape(shape)
     return out
 

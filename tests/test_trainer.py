@@ -160,7 +160,7 @@ def test_covariance_algorithms_get_old_logprobs_even_with_one_update(preset):
     fake = types.SimpleNamespace(
         algo=algo, _updates_per_step=lambda: 1, state=types.SimpleNamespace(params=None),
         _logprobs=lambda params, batch: {"logprobs": "learner's"},
-        _reference_in_step=lambda: False)
+        _reference_in_step=lambda: False, _kl_coef=lambda: 0.0)
     out = trainer.Trainer._add_learner_inputs(fake, {"tokens": np.zeros((1, 2, 8))})
     assert (out.get("old_logprobs") == "learner's") is wanted, name
 
@@ -191,6 +191,50 @@ def test_kl_reference_survives_retention_and_resume(tmp_path):
   assert len(rl_rows) == 3 and np.isfinite(rl_rows[-1]["kl"])
 
 
+ADAPTIVE_KL = {"rl.kl_coef": 0.1, "rl.kl_controller": "adaptive", "rl.kl_target": 1e-7,
+               "rl.kl_horizon": 32, "rl.entropy_coef": 0.5, "train.rl_steps": 4,
+               "eval.seeds_per_domain": 0}
+
+
+def _kl_rows(workdir):
+  return [(r["kl/coef"], r["kl/controlled"]) for r in read_metrics(str(workdir))
+          if "reward/mean" in r]
+
+
+def _assert_adaptive_kl_sequence(rows, first, target, horizon, sequences):
+  """Each step's coefficient is the controller's update of the last by the last's KL."""
+  coef = first
+  for used, kl in rows:
+    assert used == pytest.approx(coef, rel=1e-12)
+    error = np.clip(kl / target - 1, -0.2, 0.2)
+    coef = coef * (1 + error * sequences / horizon)
+
+
+@pytest.mark.parametrize("algorithm", [
+    "grpo",  # a KL loss term
+    pytest.param("reinforce_pp", marks=pytest.mark.slow),  # the KL in the token rewards
+])
+def test_adaptive_kl_controller_moves_the_coefficient_and_resumes_it(tmp_path, algorithm):
+  """rl.kl_controller=adaptive: each step uses the coefficient the controller set from the
+  step before's KL (the entropy bonus moves the policy away from the reference, past the
+  tiny target: the coefficient falls while the KL is 0, then grows); a run cut after 2
+  steps resumes with the same coefficient and KL."""
+  config = {**ADAPTIVE_KL, "algorithm": algorithm}
+  assert trainer.train(_config(**config), str(tmp_path / "straight"))["status"] == "done"
+  straight = _kl_rows(tmp_path / "straight")
+  assert len(straight) == 4
+  _assert_adaptive_kl_sequence(straight, 0.1, 1e-7, 32, sequences=16)
+  coefs = [c for c, _ in straight]
+  assert coefs[1] < coefs[0], straight
+  if algorithm == "grpo":
+    assert coefs[-1] > coefs[-2], straight  # both ways
+  assert any(kl > 1e-7 for _, kl in straight), straight
+  cut = {**config, "train.rl_steps": 2}
+  assert trainer.train(_config(**cut), str(tmp_path / "cut"))["status"] == "done"
+  assert trainer.train(_config(**config), str(tmp_path / "cut"))["rl_steps"] == 4
+  assert _kl_rows(tmp_path / "cut") == straight
+
+
 @pytest.mark.slow
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, monkeypatch):
   """DAPO dynamic sampling in the trainer: all-equal groups are dropped and replaced by new
@@ -203,9 +247,9 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
   seen = []
   update = scheduler_lib.Scheduler.update
 
-  def spy(self, domain, rewards, advantages=None):
+  def spy(self, domain, rewards, advantages=None, **kwargs):
     seen.append(list(rewards))
-    return update(self, domain, rewards, advantages)
+    return update(self, domain, rewards, advantages, **kwargs)
 
   monkeypatch.setattr(scheduler_lib.Scheduler, "update", spy)
   summary = trainer.train(_config(**{"rl.dynamic_sampling": True, "rl.group_size": 2,

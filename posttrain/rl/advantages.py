@@ -7,10 +7,10 @@ replaced with `jnp.where` before any arithmetic, so NaN/inf garbage there cannot
 leak into outputs or gradients. Rows may hold several packed sequences; pass
 their `segment_ids` (0 = padding) so recursions restart at every sequence.
 
-Sequence-level estimators (GRPO, RLOO, OPO, REINFORCE++-baseline, GPG, pass@k) take one
-scalar reward per sequence (OPO and REINFORCE++-baseline each response's length too),
-either as `[num_groups, group_size]` or as a flat `[num_sequences]` vector with
-a group-id vector of the same length.
+Sequence-level estimators (GRPO, RLOO, OPO, REINFORCE++-baseline, GPG, pass@k, ReMax)
+take one scalar reward per sequence (OPO and REINFORCE++-baseline each response's length
+too, ReMax each group's greedy reward), either as `[num_groups, group_size]` or as a flat
+`[num_sequences]` vector with a group-id vector of the same length.
 
 Batch-level normalisation (GAE whitening, REINFORCE++) is over every valid token
 of the arrays passed in: call these once on the whole rollout batch, before
@@ -449,6 +449,46 @@ def passk_advantages(
   return jnp.where(best & (count > 1), lead, 0.0).reshape(jnp.shape(rewards))
 
 
+def remax_advantages(
+    rewards: Array,
+    baselines: Array,
+    group_ids: Array | None = None,
+    *,
+    valid: Array | None = None,
+) -> Array:
+  """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement
+  Learning Method for Large Language Models"; veRL's `remax`): each prompt's baseline is
+  the reward of the policy's greedy completion of it.
+
+      A_i = r_i - b_g      b_g the greedy completion's reward, g sequence i's prompt
+
+  The baseline comes from outside the samples, so a group of one has an advantage too.
+
+  Args:
+    rewards: `[num_groups, group_size]`, or `[num_sequences]` with `group_ids`.
+    baselines: `[num_groups]` greedy rewards: row g's, or with `group_ids` that of the
+      g-th smallest id.
+    group_ids: optional `[num_sequences]` integer group of each sequence.
+    valid: optional mask of the same shape as `rewards`.
+
+  Returns:
+    Advantages with the shape of `rewards` (0 for invalid sequences).
+  """
+  flat, ids, valid_flat = _group_layout(rewards, group_ids, valid)
+  baselines = jnp.asarray(baselines, jnp.float32)
+  if group_ids is None:
+    want = (jnp.shape(rewards)[0],)
+  elif isinstance(group_ids, jax.core.Tracer):  # the group count is not known under jit
+    want = baselines.shape[:1]
+  else:
+    want = (int(jnp.unique(jnp.asarray(group_ids)).size),)
+  if baselines.shape != want:
+    raise ValueError(f"baselines must hold one reward per group, shape {want}, "
+                     f"got {baselines.shape}")
+  advantages = jnp.where(valid_flat, flat - baselines[ids], 0.0)
+  return advantages.reshape(jnp.shape(rewards))
+
+
 def dynamic_sampling_mask(
     rewards: Array,
     group_ids: Array | None = None,
@@ -517,11 +557,12 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Array | tuple[Array, Array]]] = {
     "opo": opo_advantages,
     "gpg": gpg_advantages,
     "grpo_passk": passk_advantages,
+    "remax": remax_advantages,
 }
 
 # Estimators that need no critic and take one reward per sequence.
 SEQUENCE_LEVEL_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg",
-                                       "grpo_passk"})
+                                       "grpo_passk", "remax"})
 # The sequence-level ones that also read each response's length.
 LENGTH_WEIGHTED_ESTIMATORS = frozenset({"reinforce_pp_baseline", "opo"})
 

@@ -880,6 +880,37 @@ def kl_penalized_rewards(
   return jax.lax.stop_gradient(jnp.where(mask, _clean(token_rewards, mask) - kl_coef * kl, 0.0))
 
 
+KL_CONTROLLERS = ("fixed", "adaptive")
+
+
+def adaptive_kl_coef(coef: float, current_kl: float, *, target: float, horizon: int,
+                     n_steps: int) -> float:
+  """The next KL coefficient of the adaptive controller (Ziegler et al. 2019, section 2.2;
+  veRL's `AdaptiveKLController`, TRL's `AdaptiveKLController`):
+
+      e = clip(KL / target - 1, -0.2, 0.2)
+      coef <- coef * (1 + e * n_steps / horizon)
+
+  so the coefficient grows while the policy drifts further than `target` from the
+  reference and shrinks while it stays closer, by at most 20% per `horizon` samples.
+
+  Args:
+    coef: the coefficient the step used.
+    current_kl: the KL the step measured (mean over its trained tokens); a non-finite
+      value leaves the coefficient as it is.
+    target: the KL to hold, > 0.
+    horizon: samples over which the error is corrected, >= 1.
+    n_steps: samples (sequences) in the step.
+  """
+  if not target > 0 or horizon < 1:
+    raise ValueError(f"the adaptive KL controller needs target > 0 and horizon >= 1, got "
+                     f"target={target}, horizon={horizon}")
+  if not math.isfinite(current_kl):
+    return float(coef)
+  error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+  return float(coef) * (1.0 + error * n_steps / horizon)
+
+
 def clipped_value_loss(
     values: Array, old_values: Array, returns: Array, mask: Array, *, value_clip: float
 ) -> tuple[Array, dict[str, Metric]]:
@@ -1032,7 +1063,8 @@ def rl_loss(
       `old_logprobs` (default: `stop_gradient(log_probs)`, i.e. on-policy),
       `cov_selected` (the clip_cov / kl_cov losses: `covariance_selection` of the
       whole batch),
-      `behaviour_logprobs` (for TIS), `ref_logprobs` (for KL),
+      `behaviour_logprobs` (for TIS), `ref_logprobs` (for KL), `kl_coef` (`[batch]`:
+      each row's KL weight in place of `cfg.kl_coef`, which must still be > 0),
       `old_values` and `returns` (for the critic).
     denominator: sum of `loss_denominator` over all micro-batches of the step.
     entropies: `[batch, length]` per-token policy entropies (entropy bonus/metric).
@@ -1104,7 +1136,10 @@ def rl_loss(
     metrics["kl"] = _masked_mean_metric(jax.lax.stop_gradient(kl), mask)
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
       metrics["loss/kl"] = Metric.mean(weighted_sum(kl), local_denominator)
-      loss = loss + cfg.kl_coef * term(kl)
+      if "kl_coef" in batch:  # a coefficient per row (the adaptive controller's value)
+        loss = loss + term(kl * batch["kl_coef"].astype(kl.dtype)[:, None])
+      else:
+        loss = loss + cfg.kl_coef * term(kl)
 
   if entropies is not None:
     entropies = _clean(entropies, mask)

@@ -13,7 +13,7 @@ so `--config.algorithm=dapo --config.rl.eps_high=0.3` picks DAPO and raises its
 upper clip. Knobs:
 
     advantage_estimator  gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline | opo |
-                         gpg | grpo_passk (advantages.py)
+                         gpg | grpo_passk | remax (advantages.py)
     normalize_std        divide group advantages by the group std (off: Dr.GRPO)
     use_critic, gamma, lam, value_coef, value_clip      PPO critic and GAE
     policy_loss          ppo | gspo | cispo | gmpo | gpg | clip_cov | kl_cov (losses.py)
@@ -27,7 +27,12 @@ upper clip. Knobs:
     dual_clip            c > 1 bounds the loss of negative advantages; 0 = off
     loss_agg_mode        token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     max_response_len     Dr.GRPO's constant normaliser; 0 = the sampler's budget
-    kl_coef, kl_estimator (k1 | k2 | k3), kl_in_reward   KL to the reference
+    kl_coef, kl_estimator (k1 | k2 | k3), kl_in_reward   KL to the reference (in the
+                         reward: the token-level estimators gae and reinforce_pp)
+    kl_controller        fixed | adaptive: kl_coef is the first value of a coefficient
+                         moved each step toward holding the KL at kl_target, by at most
+                         20% per kl_horizon samples (Ziegler et al. 2019; veRL, TRL)
+    kl_target, kl_horizon   the adaptive controller's target KL and horizon
     entropy_coef         entropy bonus weight
     tis_cap              importance weight cap between sampler and learner; 0 = off
     tis_level            token | sequence (the ratios' product) | geometric (their mean
@@ -76,6 +81,9 @@ _BASE: dict[str, Any] = dict(
     kl_coef=0.0,
     kl_estimator="k3",
     kl_in_reward=False,
+    kl_controller="fixed",
+    kl_target=0.1,
+    kl_horizon=10000,
     entropy_coef=0.0,
     tis_cap=0.0,
     tis_level="token",
@@ -210,6 +218,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
         kl_estimator="k1",
         kl_in_reward=True,
     ),
+    # Li et al. 2023 (ReMax) as veRL's examples/remax_trainer: the reward of a greedy
+    # completion of the prompt as the baseline, 4 samples a prompt. veRL's KL of 0.001 is in
+    # the reward; sequence-level estimators read no per-token reward, so it is a loss term
+    # here, k3 as GRPO's (k1 as a loss has no gradient in expectation on-policy).
+    "remax": dict(
+        advantage_estimator="remax",
+        group_size=4,
+        kl_coef=0.001,
+        kl_estimator="k3",
+    ),
 }
 
 PRESET_NAMES = tuple(_PRESETS)
@@ -245,6 +263,20 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   check(0.0 <= cfg.gamma <= 1.0, "gamma")
   check(0.0 <= cfg.lam <= 1.0, "lam")
   check(cfg.kl_coef >= 0, "kl_coef")
+  check(cfg.kl_controller in losses_lib.KL_CONTROLLERS, "kl_controller")
+  if cfg.kl_controller == "adaptive":
+    # A coefficient of 0 would stay 0: the controller moves it by a factor.
+    check(cfg.kl_coef > 0, "kl_coef")
+    check(cfg.kl_target > 0, "kl_target")
+    check(cfg.kl_horizon >= 1, "kl_horizon")
+  if cfg.kl_in_reward and cfg.kl_coef > 0:
+    # Sequence-level estimators see one reward per sequence: a per-token penalty has no
+    # place there (the KL would silently act nowhere).
+    if cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS:
+      raise ValueError(f"kl_in_reward=True puts the KL in per-token rewards, which the "
+                       f"sequence-level estimator {cfg.advantage_estimator!r} does not read; "
+                       "set kl_in_reward=False (a KL loss term) or advantage_estimator="
+                       "gae | reinforce_pp")
   check(cfg.value_coef >= 0, "value_coef")
   check(cfg.max_response_len >= 0, "max_response_len")
   check(cfg.group_size >= 1, "group_size")
@@ -252,8 +284,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   check(cfg.num_minibatches >= 1, "num_minibatches")
   check(cfg.overlong_buffer_len >= 1, "overlong_buffer_len")
   check(cfg.overlong_penalty_factor >= 0, "overlong_penalty_factor")
-  if cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS:
-    check(cfg.group_size >= 2, "group_size")
+  if cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS - {"remax"}:
+    check(cfg.group_size >= 2, "group_size")  # remax's baseline is no sample of the group
   check(cfg.use_critic == (cfg.advantage_estimator == "gae"), "use_critic")
   sequence_level = cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS
   check(not cfg.dynamic_sampling or sequence_level, "dynamic_sampling")

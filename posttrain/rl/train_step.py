@@ -22,6 +22,8 @@ A batch is a dict of arrays with a leading micro-batch axis, `[M, B, T]` per tok
                           needed by clip_cov / kl_cov, whose token selection reads them
     behaviour_logprobs    sampler log-probs, needed when the preset's tis_cap > 0
     ref_logprobs          needed when the KL is a loss term (kl_coef > 0, not kl_in_reward)
+    kl_coef               optional `[M, B]`: each row's KL weight in place of the preset's
+                          kl_coef (the adaptive KL controller's value: no recompile)
     old_values, returns   needed by the critic (use_critic)
 
 The step scans over the M micro-batches, summing gradients; every loss term is a
@@ -77,6 +79,8 @@ Batch = Mapping[str, Any]
 
 TOKEN_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "advantages",
               "old_logprobs", "behaviour_logprobs", "ref_logprobs", "old_values", "returns")
+# Per-row inputs `[M, B]`: each row's KL weight (the adaptive KL controller's value).
+ROW_KEYS = ("kl_coef",)
 MODEL_KEYS = ("tokens", "targets", "positions", "segment_ids")
 
 # Every step reports these (0 or 1 where a term is off), so the metric dict has one
@@ -131,6 +135,10 @@ def _check_batch(batch: Batch, required: tuple[str, ...], row_multiple: int) -> 
     if key in batch and np.shape(batch[key]) != shape:
       raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected {shape} "
                        f"like batch['tokens']")
+  for key in ROW_KEYS:
+    if key in batch and np.shape(batch[key]) != shape[:2]:
+      raise ValueError(f"batch[{key!r}] has shape {np.shape(batch[key])}, expected "
+                       f"{shape[:2]} (micro-batches, rows) like batch['tokens']")
   if shape[1] % row_multiple:
     raise ValueError(f"{shape[1]} rows per micro-batch do not divide over the {row_multiple} "
                      f"devices of the batch mesh axes")
@@ -545,7 +553,10 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   def train_step(state: TrainState, batch: Batch, reference=None):
     _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)
     _check_batch(batch, required, row_multiple)
-    inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
+    inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS + ROW_KEYS}
+    if "kl_coef" in inputs and not (loss_cfg.kl_coef > 0 and not loss_cfg.kl_in_reward):
+      raise ValueError("batch['kl_coef'] weighs a KL loss term, which this config has not "
+                       "(kl_coef > 0 and kl_in_reward False)")
     if reference_in_step:
       inputs.pop("ref_logprobs", None)  # computed in the step
     return run(state, inputs, reference)
@@ -923,7 +934,7 @@ def ppo_update(train_step: Callable, state: TrainState, batch: Batch, *, epochs:
     raise ValueError("several updates per rollout batch need batch['old_logprobs'] "
                      "(compute_logprobs of the params that sampled it)")
   per_step = num_micro // minibatches
-  batch = {k: v for k, v in batch.items() if k in TOKEN_KEYS}
+  batch = {k: v for k, v in batch.items() if k in TOKEN_KEYS + ROW_KEYS}
   rng = np.random.default_rng(seed)
   history = []
   for _ in range(epochs):

@@ -60,13 +60,19 @@ class Sample:
 
 @dataclasses.dataclass
 class TrajectoryGroup:
-  """group_size samples of one task, with the policy version that produced them."""
+  """group_size samples of one task, with the policy version that produced them.
+
+  baseline: ReMax's greedy completion of the same prompt by the rollout policy, scored
+  like the samples; its reward is the samples' baseline, and it is never trained on (None
+  for the other estimators).
+  """
 
   domain: str
   seed: int
   task: Task
   samples: list[Sample]
   policy_version: int
+  baseline: Sample | None = None
 
   @property
   def rewards(self) -> np.ndarray:

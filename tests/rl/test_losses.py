@@ -810,3 +810,59 @@ def test_loss_config_errors_are_one_line_and_name_the_value():
   with pytest.raises(ValueError, match=r"old_log_probs shape \(3, 5\) != log_probs shape \(3, 7\)"):
     losses.ppo_policy_loss(np.zeros((3, 7)), np.zeros((3, 5)), np.zeros((3, 7)), np.ones((3, 7)),
                            eps_low=0.2, eps_high=0.2)
+
+
+def _verl_adaptive_kl(value, current_kl, target, horizon, n_steps):
+  """veRL's AdaptiveKLController.update, transcribed."""
+  proportional_error = np.clip(current_kl / target - 1, -0.2, 0.2)
+  mult = 1 + proportional_error * n_steps / horizon
+  return value * mult
+
+
+@pytest.mark.parametrize("current_kl", [0.0, 0.05, 0.099, 0.1, 0.11, 0.12, 0.5, 7.0])
+def test_adaptive_kl_coef_follows_the_controller_of_ziegler_et_al(current_kl):
+  got = losses.adaptive_kl_coef(0.2, current_kl, target=0.1, horizon=1000, n_steps=64)
+  np.testing.assert_allclose(got, _verl_adaptive_kl(0.2, current_kl, 0.1, 1000, 64), rtol=1e-12)
+  # Far from the target the step is the clipped 20% per horizon, either way.
+  if current_kl >= 0.12 or current_kl <= 0.08:
+    assert abs(got / 0.2 - 1) == pytest.approx(0.2 * 64 / 1000)
+
+
+def test_adaptive_kl_coef_holds_on_nonfinite_kl_and_rejects_bad_knobs():
+  assert losses.adaptive_kl_coef(0.3, float("nan"), target=0.1, horizon=10, n_steps=4) == 0.3
+  assert losses.adaptive_kl_coef(0.3, float("inf"), target=0.1, horizon=10, n_steps=4) == 0.3
+  for bad in (dict(target=0.0, horizon=10), dict(target=0.1, horizon=0)):
+    with pytest.raises(ValueError, match="target > 0 and horizon >= 1"):
+      losses.adaptive_kl_coef(0.3, 0.1, n_steps=4, **bad)
+
+
+def test_rl_loss_weighs_the_kl_term_by_each_rows_coefficient():
+  """batch['kl_coef'] (the adaptive controller's value, one per row) replaces the config's
+  coefficient: equal rows give the config's loss and gradient at that value; unequal rows
+  weigh each row's KL tokens by its own."""
+  cfg = losses.LossConfig(kl_coef=0.5, loss_agg_mode="token_mean", kl_estimator="k3")
+  batch = _rollout_batch(21)
+  mask = batch["loss_mask"]
+  rows = mask.shape[0]
+  d = losses.loss_denominator(cfg, batch)
+  logp = jnp.asarray(np.where(mask, batch["old_logprobs"] + 0.1, 0.0), jnp.float32)
+
+  def loss_of(c, batch):
+    return losses.rl_loss(c, logp, batch, denominator=d)[0]
+
+  same = {**batch, "kl_coef": np.full(rows, 0.03, np.float32)}
+  np.testing.assert_allclose(loss_of(cfg, same),
+                             loss_of(losses.LossConfig(kl_coef=0.03, kl_estimator="k3"), batch),
+                             rtol=1e-6)
+  grad = lambda c, b: jax.grad(  # noqa: E731
+      lambda lp: losses.rl_loss(c, lp, b, denominator=d)[0])(logp)
+  np.testing.assert_allclose(grad(cfg, same),
+                             grad(losses.LossConfig(kl_coef=0.03, kl_estimator="k3"), batch),
+                             rtol=1e-5, atol=1e-8)
+  coef = np.linspace(0.0, 2.0, rows).astype(np.float32)
+  per_row = {**batch, "kl_coef": coef}
+  without_kl = losses.rl_loss(losses.LossConfig(), logp, batch, denominator=d)[0]
+  log_r = np.float64(batch["ref_logprobs"]) - np.float64(logp)
+  k3 = np.where(mask, np.exp(log_r) - 1 - log_r, 0.0)
+  want = float(without_kl) + (coef[:, None] * k3).sum() / mask.sum()
+  np.testing.assert_allclose(loss_of(cfg, per_row), want, rtol=1e-5)

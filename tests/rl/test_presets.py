@@ -24,7 +24,7 @@ def test_every_preset_loads_validates_and_builds_a_loss_config(name):
 def test_all_issue_presets_exist():
   assert set(presets.PRESET_NAMES) == {
       "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "clip_cov", "kl_cov", "gpg",
-      "grpo_passk", "rloo", "online_dpo", "reinforce_pp"}
+      "grpo_passk", "rloo", "online_dpo", "reinforce_pp", "remax"}
 
 
 def test_presets_encode_their_papers():
@@ -79,6 +79,14 @@ def test_overrides_apply_and_none_keeps_the_preset():
     (dict(group_size=1), r"^invalid group_size=1 for algorithm 'grpo'$"),
     (dict(gamma=1.5), r"^invalid gamma=1.5 for algorithm 'grpo'$"),
     (dict(use_critic=True), r"^invalid use_critic=True for algorithm 'grpo'$"),
+    (dict(kl_controller="pid"), r"^invalid kl_controller='pid' for algorithm 'grpo'$"),
+    # The controller scales the coefficient: from 0 it would never move.
+    (dict(kl_controller="adaptive", kl_coef=0.0), r"^invalid kl_coef=0.0 for algorithm"),
+    (dict(kl_controller="adaptive", kl_target=0.0), r"^invalid kl_target=0.0 for algorithm"),
+    (dict(kl_controller="adaptive", kl_horizon=0), r"^invalid kl_horizon=0 for algorithm"),
+    # A per-token penalty in the reward that a sequence-level estimator would never read.
+    (dict(kl_in_reward=True), r"^kl_in_reward=True puts the KL in per-token rewards, which "
+                              r"the sequence-level estimator 'grpo' does not read"),
 ])
 def test_bad_overrides_are_one_line_errors_naming_the_value(overrides, message):
   with pytest.raises(ValueError, match=message) as info:
@@ -92,7 +100,7 @@ def test_unknown_algorithm_lists_known_ones():
       call("ppo2")
     assert str(info.value) == (
         "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, "
-        "clip_cov, kl_cov, gpg, grpo_passk, rloo, online_dpo, reinforce_pp")
+        "clip_cov, kl_cov, gpg, grpo_passk, rloo, online_dpo, reinforce_pp, remax")
 
 
 def test_command_line_picks_and_overrides_an_algorithm(tmp_path):

@@ -600,3 +600,36 @@ def test_fsdp_step_never_gathers_the_output_projection(tied):
   gathers = [ln for ln in text.splitlines()
              if re.search(whole + r"\S* all-gather(-start)?\(", ln)]
   assert not gathers, gathers[:2]
+
+
+def test_a_kl_coefficient_per_row_is_the_presets_coefficient_without_a_compile():
+  """batch['kl_coef'] (the adaptive KL controller's value, `[M, B]`) goes through PPO
+  minibatches to the loss: rows at 0.03 update exactly as a preset with kl_coef=0.03,
+  whatever the preset's own; its shape and a config without a KL loss term are checked."""
+  mesh = one_device_mesh()
+  optimizer = optax.sgd(0.01)
+  algo = lambda c: presets.algorithm_config("grpo", kl_coef=c, num_minibatches=2)  # noqa: E731
+  init = fresh_state(CFG, optimizer, mesh)
+  batch = add_learner_logprobs(microbatched(packed_rows(3), 4), init.params, CFG, mesh, seed=4)
+  controlled = ts.make_train_step(CFG, algo(0.5), optimizer, mesh=mesh)
+  fixed = ts.make_train_step(CFG, algo(0.03), optimizer, mesh=mesh)
+  rows = {**batch, "kl_coef": np.full(batch["tokens"].shape[:2], 0.03, np.float32)}
+  run = lambda step, b: ts.ppo_update(  # noqa: E731
+      step, state_lib.frozen_copy(init), b, epochs=1, minibatches=2, seed=7)
+  (state_a, hist_a), (state_b, hist_b) = run(controlled, rows), run(fixed, batch)
+  assert_trees_close(state_a.params, state_b.params, atol=1e-6, rtol=1e-5)
+  for a, b in zip(hist_a, hist_b, strict=True):
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
+    assert float(a["loss/kl"]) > 0
+  # The coefficient acts: 0.5 on every row is another update.
+  (state_c, _) = run(controlled, {**batch, "kl_coef": np.full(batch["tokens"].shape[:2], 0.5,
+                                                                np.float32)})
+  assert max(np.max(np.abs(x - y)) for x, y in zip(snapshot(state_c.params),
+                                                     snapshot(state_a.params))) > 1e-5
+  assert controlled.jitted._cache_size() == 1  # a new coefficient is not a new program
+  with pytest.raises(ValueError, match=r"batch\['kl_coef'\] has shape \(4,\), expected \(4, 2\)"):
+    controlled(state_lib.frozen_copy(init), {**batch, "kl_coef": np.zeros(4, np.float32)})
+  no_kl = ts.make_train_step(CFG, presets.algorithm_config("grpo", kl_coef=0.0), optimizer,
+                             mesh=mesh)
+  with pytest.raises(ValueError, match="weighs a KL loss term"):
+    no_kl(state_lib.frozen_copy(init), rows)
