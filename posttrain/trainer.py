@@ -1213,13 +1213,15 @@ class Trainer:
     # cores kept busy: near the core count, the host is the bottleneck.
     timings["host/cpu_s"] = _process_cpu_s() - cpu0
     gen = sum(s.num_generated for g in groups for s in g.samples)
+    # ReMax's greedy completions take rollout time too: count their tokens in the rate.
+    greedy = sum(g.baseline.num_generated for g in groups if g.baseline is not None)
     flat_rewards = np.concatenate(rewards)
     # Passing is the verifier's verdict, whatever a reward model mixed into the value.
     passed = np.asarray([verifier_value(s.reward) >= 1.0 for g in groups for s in g.samples],
                         np.float64)
     host = {"reward/mean": float(flat_rewards.mean()), "pass_rate/mean": float(passed.mean()),
             "response_length/mean": gen / max(len(passed), 1),
-            "throughput/tokens_per_s": gen / max(timings["timing/rollout_s"], 1e-9),
+            "throughput/tokens_per_s": (gen + greedy) / max(timings["timing/rollout_s"], 1e-9),
             "padding_fraction": packing.padding_fraction(
                 {"segment_ids": np.asarray(batch["segment_ids"])}), **extra, **timings}
     for dom in sorted({g.domain for g in groups}):

@@ -9,23 +9,15 @@ import ml_collections
 import numpy as np
 import pytest
 
-from posttrain import models, trainer
+from posttrain import trainer
 from posttrain.rl import advantages as adv_lib
 from posttrain.rl import presets
 from posttrain.rollout import RolloutWorker, Sample, TrajectoryGroup
 from posttrain.rollout import worker as worker_lib
 from posttrain.tasks import Reward
 from tests.test_trainer import _config
-from tests.test_trainer_reward_model import RM_CFG, _scores_by_hand
-
-
-@pytest.fixture(scope="module")
-def reward_model(tmp_path_factory):
-  """(folder, model): a random reward model written as a Hugging Face sequence classifier."""
-  model = models.create_model(RM_CFG, seed=11)
-  path = str(tmp_path_factory.mktemp("rm"))
-  models.save_pretrained(model, path)
-  return path, model
+from tests.test_trainer_reward_model import _scores_by_hand
+from tests.test_trainer_reward_model import reward_model  # noqa: F401  (the fixture)
 
 
 def _remax_reference(rewards, baselines, ids, valid):
