@@ -24,7 +24,7 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest
 _DOMAINS = flags.DEFINE_string("domains", None, "Comma-separated domain globs (default: the "
                                "config's tasks.domains and tasks.levels).")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per task at the rollout temperature, "
-                                "for pass@k (0: greedy only).")
+                                "for pass@k and maj@k (0: greedy only).")
 _SEEDS = flags.DEFINE_integer("seeds_per_domain", None, "Held-out seeds per domain (default: "
                               "config.eval.seeds_per_domain).")
 _BASELINE = flags.DEFINE_integer("baseline_step", None, "Compare with this checkpoint and flag "
@@ -55,9 +55,10 @@ def main(argv):
   except (ValueError, OSError, KeyError) as e:
     common.fail(e)
   o = report["overall"]
-  log.info("step %d: %d tasks, greedy pass@1 %.3f%s; %.1f s; wrote %s/eval/step_%d",
+  log.info("step %d: %d tasks, greedy pass@1 %.3f%s%s; %.1f s; wrote %s/eval/step_%d",
            report["step"], o["tasks"], o["greedy_pass_rate"],
            "".join(f", pass@{k} {v:.3f}" for k, v in o.get("pass_at_k", {}).items()),
+           "".join(f", maj@{k} {v:.3f}" for k, v in o.get("maj_at_k", {}).items()),
            timing["total_s"], _WORKDIR.value, report["step"])
   if "regression" in report:
     log.info("regressed vs step %d: %s", _BASELINE.value,

@@ -1,5 +1,5 @@
-"""Evaluation on held-out seeds: stratified pass rates, pass@k, process and cost metrics, and
-regressions between checkpoints.
+"""Evaluation on held-out seeds: stratified pass rates, pass@k, maj@k, process and cost
+metrics, and regressions between checkpoints.
 
     report, timing = evaluation.evaluate_checkpoint(config, workdir, samples=8)
 
@@ -20,7 +20,10 @@ A task passes when its verifier's value is 1 (the trainer's `pass_rate` too): th
 `verifier` component where a reward model's score was mixed in, else its value. The
 rollouts here never go through the trainer's reward model. Greedy pass@1
 decodes at temperature 0; pass@k draws `samples` completions at the rollout temperature and
-uses the unbiased estimator of Chen et al. (2021).
+uses the unbiased estimator of Chen et al. (2021). maj@k (cons@k, self-consistency) is the
+expected correctness of the majority answer of k of those samples, exactly over all k-subsets
+(`posttrain.majority_vote`); code domains, which give no answer to vote on, are left out of
+it, and `maj_tasks` counts the tasks it averages over.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from posttrain import experiment, models
+from posttrain import experiment, majority_vote, models
 from posttrain.checkpoint import CheckpointManager
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.rl import train_step as ts
@@ -374,6 +377,14 @@ def task_records(greedy_groups, sampled_groups=None) -> list[dict[str, Any]]:
       rec["sampled_reward"] = _r(np.mean([x.reward.value if x.reward else 0.0
                                           for x in sg.samples]))
       rec["sampled_generated_tokens"] = sum(x.num_generated for x in sg.samples)
+      domain = registry.get(g.domain)
+      if majority_vote.votes_on(domain):
+        votes = majority_vote.vote_tally(
+            [majority_vote.answer_key(domain, sg.task, x.text) for x in sg.samples],
+            [_passed(x) for x in sg.samples])
+        rec["sampled_votes"] = votes
+        rec["sampled_majority"] = _r(majority_vote.maj_at_k(len(sg.samples), votes,
+                                                            len(sg.samples)))
     records.append(rec)
   return records
 
@@ -385,7 +396,7 @@ def k_values(samples: int) -> list[int]:
 
 
 def group_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-  """Task count, greedy pass@1, and sampled pass@k for a set of task records."""
+  """Task count, greedy pass@1, and sampled pass@k and maj@k for a set of task records."""
   n = len(records)
   passed = sum(r["passed"] for r in records)
   out: dict[str, Any] = {"tasks": n, "greedy_passed": passed,
@@ -396,6 +407,11 @@ def group_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out["sampled_pass_rate"] = _mean(r["sampled_passed"] / r["samples"] for r in records)
     out["pass_at_k"] = {str(k): _mean(pass_at_k(r["samples"], r["sampled_passed"], k)
                                       for r in records) for k in k_values(k_max)}
+    voted = [r for r in records if "sampled_votes" in r]
+    if voted:
+      out["maj_at_k"] = {str(k): _mean(majority_vote.maj_at_k(r["samples"], r["sampled_votes"], k)
+                                       for r in voted) for k in k_values(k_max)}
+      out["maj_tasks"] = len(voted)
     out["sampled_reward"] = _mean(r["sampled_reward"] for r in records)
   return out
 

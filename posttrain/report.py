@@ -10,6 +10,7 @@ with a warning and report.md says so.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -88,43 +89,50 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   return "\n".join(lines)
 
 
-def _pass_header(report) -> tuple[list[str], list[str]]:
+def _pass_header(report) -> tuple[list[str], list[str], list[str]]:
+  """Column names, the k of pass@k, and the k of maj@k (none when no task was voted on)."""
   ks = [str(k) for k in report["settings"]["k"]]
-  return ["tasks", "greedy passed", "greedy pass@1"] + [f"pass@{k}" for k in ks], ks
+  maj_ks = ks if "maj_at_k" in report["overall"] else []
+  return (["tasks", "greedy passed", "greedy pass@1"] + [f"pass@{k}" for k in ks]
+          + [f"maj@{k}" for k in maj_ks], ks, maj_ks)
 
 
-def _pass_cells(stats, ks) -> list:
-  at_k = stats.get("pass_at_k", {})
+def _pass_cells(stats, ks, maj_ks) -> list:
+  at_k, maj = stats.get("pass_at_k", {}), stats.get("maj_at_k", {})
   return [stats["tasks"], stats["greedy_passed"], stats["greedy_pass_rate"]] + [
-      at_k.get(k) for k in ks]
+      at_k.get(k) for k in ks] + [maj.get(k) for k in maj_ks]
 
 
 def markdown(report: Mapping[str, Any], timing: Mapping[str, Any],
              plots: Mapping[str, str] | None = None) -> str:
   """report.md: settings, pass rates by stratum and domain, process, cost, regressions."""
   s = report["settings"]
-  head, ks = _pass_header(report)
+  head, ks, maj_ks = _pass_header(report)
+  o = report["overall"]
   out = [f"# Evaluation of checkpoint {report['step']}", "",
          f"{len(s['domains'])} domains x {s['seeds_per_domain']} held-out seeds "
          f"({s['heldout_seeds'][0]}..{s['heldout_seeds'][1]}, odd: disjoint from the even "
          f"training seeds); greedy pass@1"
          + (f", pass@k from {s['samples']} samples at temperature {s['temperature']}"
             if s["samples"] else "")
+         + (", maj@k the expected majority-vote accuracy of k of them" if maj_ks else "")
+         + (f" (over {o['maj_tasks']} of {o['tasks']} tasks: code domains give no answer to "
+            "vote on)" if maj_ks and o["maj_tasks"] < o["tasks"] else "")
          + f"; max {s['max_new_tokens']} new tokens, {s['max_turns']} turn(s); seed "
            f"{s['seed']}.", "", "## Overall", "",
          table(head + ["mean reward"],
-               [_pass_cells(report["overall"], ks) + [report["overall"]["greedy_reward"]]])]
+               [_pass_cells(o, ks, maj_ks) + [o["greedy_reward"]]])]
   titles = {"family": "Family", "level": "Level", "prompt_tokens": "Prompt length (tokens)",
             "tool_calls": "Tool calls (greedy)"}
   for name, buckets in report["strata"].items():
     out += ["", f"## By {titles.get(name, name).lower()}", "",
             table([titles.get(name, name)] + head,
-                  [[b] + _pass_cells(v, ks) for b, v in buckets.items()])]
+                  [[b] + _pass_cells(v, ks, maj_ks) for b, v in buckets.items()])]
   doms = report["domains"]
   out += ["", "## Domains", "",
           table(["domain", "level"] + head + ["tool calls/task", "tool-call validity",
                                               "retries/task", "turns/task"],
-                [[d, v["level"]] + _pass_cells(v, ks)
+                [[d, v["level"]] + _pass_cells(v, ks, maj_ks)
                  + [v["process"]["tool_calls_per_task"], v["process"]["tool_call_validity"],
                     v["process"]["retries_per_task"], v["process"]["turns_per_task"]]
                  for d, v in doms.items()])]
@@ -204,7 +212,8 @@ def _figure(plt, px):
 
 
 def plot_family_pass_rates(report: Mapping[str, Any], path: str) -> None:
-  """Bars per family: greedy pass@1, and pass@k for each k when sampled."""
+  """Bars per family: greedy pass@1, and when sampled pass@k for each k and maj@n (the
+  vote of all n samples; maj@k for smaller k would crowd the bars)."""
   plt = _pyplot()
   fams = report["strata"]["family"]
   names = list(fams)
@@ -212,6 +221,10 @@ def plot_family_pass_rates(report: Mapping[str, Any], path: str) -> None:
   for k in report["settings"]["k"]:
     series.append((f"pass@{k}", [fams[f].get("pass_at_k", {}).get(str(k)) or 0.0
                                  for f in names]))
+  n = str(report["settings"]["samples"])
+  if n in report["overall"].get("maj_at_k", {}):
+    # NaN, no bar, for families without a vote (code), rather than a misleading 0.
+    series.append((f"maj@{n}", [fams[f].get("maj_at_k", {}).get(n, math.nan) for f in names]))
   fig = _figure(plt, FAMILY_PLOT_PX)
   try:
     ax = fig.add_axes((0.08, 0.2, 0.9, 0.7))

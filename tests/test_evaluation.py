@@ -513,6 +513,9 @@ def test_report_on_a_trained_checkpoint(run, fixed):
   always = rep["domains"]["evaltest/always_l1"]
   assert always["greedy_pass_rate"] == 1.0 and always["pass_at_k"] == {"1": 1.0, "2": 1.0}
   assert rep["domains"]["evaltest/half_l2"]["pass_at_k"]["2"] == 0.5
+  # maj@k next to pass@k: every task here has an answer protocol to vote on.
+  assert list(o["maj_at_k"]) == ["1", "2"] and o["maj_tasks"] == 12
+  assert all("sampled_votes" in t and "sampled_majority" in t for t in rep["tasks"])
   assert all(t["generated_tokens"] <= 8 for t in rep["tasks"])
   assert o["cost"]["generated_tokens"] == sum(t["generated_tokens"] for t in rep["tasks"])
   assert set(timing) >= {"restore_s", "greedy_s", "sampled_s", "baseline_s", "total_s"}
@@ -529,6 +532,7 @@ def test_report_on_a_trained_checkpoint(run, fixed):
   assert _png_size(os.path.join(out, report.CURVES_PLOT)) == report.CURVES_PLOT_PX
   md = _read(os.path.join(out, "report.md"))
   assert "| evaltest/half_l2 | 2 | 4 | 2 | 0.500 |" in md
+  assert "| pass@1 | pass@2 | maj@1 | maj@2 |" in md
   # The same checkpoint and seed give a byte-identical report.json.
   evaluation.evaluate_checkpoint(_config(), workdir, domains="arithmetic/add_d1,evaltest/*",
                                  samples=2, seeds_per_domain=4, baseline_step=2)
@@ -560,6 +564,7 @@ def test_regression_flags_a_domain_broken_on_purpose(run, fixed, monkeypatch):
   assert reg["families"]["evaltest"]["difference"] == pytest.approx(-0.5)
   assert not reg["domains"]["evaltest/half_l2"]["regressed"]
   assert "pass_at_k" not in rep["overall"] and rep["settings"]["k"] == []
+  assert "maj_at_k" not in rep["overall"]
 
 
 def test_bad_arguments_are_one_line_errors(run):
