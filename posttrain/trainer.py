@@ -924,14 +924,18 @@ class Trainer:
     return distributed.assemble_rows(local, ts.batch_sharding(self.mesh, self.rules),
                                      self._sft_spans, self.rows_per_mb)
 
-  def _logprobs(self, params, batch, temperature: float | None = None):
-    """Log-probs without gradient at the sampler's temperature, or at `temperature`."""
+  def _logprobs(self, params, batch, temperature: float | None = None,
+                with_entropy: bool = False):
+    """Log-probs without gradient at the sampler's temperature, or at `temperature`; with
+    `with_entropy`, the tempered distribution's entropies too (same pass)."""
     if temperature is None:
       temperature = float(self.config.rollout.temperature) or 1.0
-    if temperature not in self._logprobs_fns:
-      self._logprobs_fns[temperature] = ts.make_compute_logprobs(
-          self.cfg, mesh=self.mesh, rules=self.rules, temperature=temperature)
-    return self._logprobs_fns[temperature](params, batch)
+    key = (temperature, with_entropy)
+    if key not in self._logprobs_fns:
+      self._logprobs_fns[key] = ts.make_compute_logprobs(
+          self.cfg, mesh=self.mesh, rules=self.rules, temperature=temperature,
+          with_entropy=with_entropy)
+    return self._logprobs_fns[key](params, batch)
 
   def _check_finite(self, row: dict, metrics):
     if row.get("nonfinite", 0) or not all(math.isfinite(v) for v in row.values()):
@@ -1323,14 +1327,20 @@ class Trainer:
     if algo.kl_controller == "adaptive" and not algo.kl_in_reward:
       # One weight per row, an input of the step: the coefficient moves without a compile.
       out["kl_coef"] = np.full(np.shape(batch["tokens"])[:2], kl_coef, np.float32)
+    # The high-entropy token selection reads the learner's entropies before the update,
+    # for the whole batch: they come with the old log-probs, one pass, even for one update.
+    needs_entropy = float(algo.top_entropy_fraction) < 1
     needs_old = (self._updates_per_step() > 1 or algo.kl_in_reward or algo.use_critic
                  or float(algo.tis_cap) > 0
-                 or algo.policy_loss in loss_lib.COVARIANCE_LOSSES)
+                 or algo.policy_loss in loss_lib.COVARIANCE_LOSSES or needs_entropy)
     if float(algo.tis_cap) > 0:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
-    cur = self._logprobs(self.state.params, batch) if needs_old else None
+    cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy) if needs_old
+           else None)
     if cur is not None:
       out["old_logprobs"] = cur["logprobs"]
+    if needs_entropy:
+      out["old_entropies"] = cur["entropies"]
     if float(algo.kl_coef) > 0 and not self._reference_in_step():
       reference = (models.without_lora(self.state.params) if self.cfg.lora_rank
                    else self.reference)

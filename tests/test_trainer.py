@@ -159,7 +159,7 @@ def test_covariance_algorithms_get_old_logprobs_even_with_one_update(preset):
     algo = presets.algorithm_config(name, num_minibatches=1, kl_coef=0.0)
     fake = types.SimpleNamespace(
         algo=algo, _updates_per_step=lambda: 1, state=types.SimpleNamespace(params=None),
-        _logprobs=lambda params, batch: {"logprobs": "learner's"},
+        _logprobs=lambda params, batch, with_entropy=False: {"logprobs": "learner's"},
         _reference_in_step=lambda: False, _kl_coef=lambda: 0.0)
     out = trainer.Trainer._add_learner_inputs(fake, {"tokens": np.zeros((1, 2, 8))})
     assert (out.get("old_logprobs") == "learner's") is wanted, name
@@ -175,6 +175,40 @@ def test_covariance_algorithm_runs_and_logs_its_selected_share(tmp_path):
   row = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r][-1]
   assert 0 < row["cov/selected_fraction"] <= 0.05 + 1e-6, row
   assert np.isfinite(row["kl_cov/abs_log_ratio"]) and np.isfinite(row["loss"])
+
+
+def test_high_entropy_fraction_gets_old_logprobs_and_entropies_even_with_one_update():
+  """top_entropy_fraction < 1 selects tokens by the learner's entropies before the update:
+  the trainer computes them with the old log-probs (one pass) for a single update per batch
+  too; with the knob off it computes neither."""
+  import types
+  for fraction, wanted in ((0.2, True), (1.0, False)):
+    algo = presets.algorithm_config("grpo", num_minibatches=1, kl_coef=0.0,
+                                    top_entropy_fraction=fraction)
+    calls = []
+
+    def logprobs(params, batch, with_entropy=False, calls=calls):
+      calls.append(with_entropy)
+      return {"logprobs": "learner's", **({"entropies": "entropies"} if with_entropy else {})}
+
+    fake = types.SimpleNamespace(
+        algo=algo, _updates_per_step=lambda: 1, state=types.SimpleNamespace(params=None),
+        _logprobs=logprobs, _reference_in_step=lambda: False, _kl_coef=lambda: 0.0)
+    out = trainer.Trainer._add_learner_inputs(fake, {"tokens": np.zeros((1, 2, 8))})
+    assert calls == ([True] if wanted else []), fraction
+    assert (out.get("old_logprobs") == "learner's") is wanted, fraction
+    assert (out.get("old_entropies") == "entropies") is wanted, fraction
+
+
+@pytest.mark.slow
+def test_high_entropy_run_logs_its_selected_share(tmp_path):
+  """A GRPO run keeping the top 20% of tokens by entropy: the step gets the learner's
+  entropies and logs a selected share of 20% (up to one token)."""
+  extra = {"rl.top_entropy_fraction": 0.2, "sft.steps": 0, "train.rl_steps": 1}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  row = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r][-1]
+  assert 0.2 - 1e-6 <= row["entropy/selected_fraction"] <= 0.2 + 1 / row["tokens"] + 1e-6, row
+  assert row["entropy/threshold"] > 0 and np.isfinite(row["loss"]), row
 
 
 @pytest.mark.slow

@@ -705,6 +705,54 @@ def get_policy_loss(name: str):
 
 
 # ----------------------------------------------------------------------------
+# High-entropy minority tokens (Wang et al. 2025)
+# ----------------------------------------------------------------------------
+
+
+def _top_count(count: Array, fraction: float) -> Array:
+  """max(1, ceil(fraction * count)) in float32. The slack of 2^-22 (relative) exceeds the
+  float32 rounding of the product, so an exact integer product is not rounded up to the
+  next integer (below ~4M tokens the count is exact)."""
+  product = count.astype(jnp.float32) * fraction
+  return jnp.maximum(1, jnp.ceil(product * (1.0 - 2.0**-22)).astype(jnp.int32))
+
+
+def high_entropy_selection(entropies: Array, loss_mask: Array, *, fraction: float) -> Array:
+  """The tokens whose policy gradient `top_entropy_fraction` keeps: the high-entropy
+  "forking" tokens of Wang et al. 2025 (Beyond the 80/20 Rule), chosen over a whole batch.
+
+  With n masked tokens, the k = max(1, ceil(fraction * n)) of largest entropy (ties: the
+  earlier one in array order), as the paper's code picks them (`get_global_entropy_top_mask`
+  of its veRL fork: a top-k of ceil(ratio * n)). TRL's `top_entropy_quantile` keeps instead
+  every token whose entropy is >= the linearly interpolated (1 - fraction) quantile:
+  1 + floor(fraction * (n - 1)) tokens when entropies are distinct (ceil(fraction * n) or one
+  fewer) and every tie at the threshold, chosen per micro-batch (gathered over processes)
+  from the entropies of the pass being differentiated. Here the selection is made once for
+  a step's whole batch (leading micro-batch axes included) from the learner's entropies
+  before the update (the current ones on a batch's first update), so micro-batching
+  changes nothing.
+
+  Args:
+    entropies: the per-token entropies of the learner's (tempered) next-token
+      distribution, any shape; values at masked-out positions are ignored (NaN included).
+    loss_mask: same shape, nonzero on trained targets.
+    fraction: the share of masked tokens selected, in (0, 1]; 1 selects them all.
+
+  Returns:
+    A bool array of the inputs' shape, False wherever `loss_mask` is 0.
+  """
+  if not 0 < fraction <= 1:
+    raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+  if jnp.shape(entropies) != jnp.shape(loss_mask):
+    raise ValueError(f"entropies shape {jnp.shape(entropies)} != loss_mask shape "
+                     f"{jnp.shape(loss_mask)}")
+  mask = as_mask(loss_mask)
+  k = _top_count(jnp.sum(mask), fraction)
+  ranks = _descending_ranks(jax.lax.stop_gradient(entropies).astype(jnp.float32), mask)
+  return mask & (ranks < k)
+
+
+# ----------------------------------------------------------------------------
 # Off-policy correction
 # ----------------------------------------------------------------------------
 
@@ -976,11 +1024,15 @@ class LossConfig:
   clip_cov_lb: float = 1.0
   clip_cov_ub: float = 5.0
   kl_cov_coef: float = 1.0
+  top_entropy_fraction: float = 1.0
 
   def __post_init__(self):
     get_policy_loss(self.policy_loss)
     if not 0 < self.cov_fraction <= 1:
       raise ValueError(f"cov_fraction must be in (0, 1], got {self.cov_fraction}")
+    if not 0 < self.top_entropy_fraction <= 1:
+      raise ValueError(f"top_entropy_fraction must be in (0, 1] (1: off), got "
+                       f"{self.top_entropy_fraction}")
     if not self.clip_cov_lb < self.clip_cov_ub:
       raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got ({self.clip_cov_lb}, "
                        f"{self.clip_cov_ub})")
@@ -1048,13 +1100,16 @@ def rl_loss(
 ) -> tuple[Array, dict[str, Metric]]:
   """The full PPO/GRPO-family loss of one micro-batch.
 
-      L = sum_t w_t * ( IS_t * L^pi_t + kl_coef * k(t) - entropy_coef * H_t
+      L = sum_t w_t * ( S_t * IS_t * L^pi_t + kl_coef * k(t) - entropy_coef * H_t
                         + value_coef * L^V_t ) / D
 
   with `w`, `D` from `token_weights(cfg.loss_agg_mode)` (`D` is the *global*
   denominator, see the module docstring), `L^pi` the registered policy loss,
-  `IS` the truncated importance weights (when `tis_cap > 0`), the KL term only
-  when `kl_coef > 0` and not `kl_in_reward`, the value term when `use_critic`.
+  `IS` the truncated importance weights (when `tis_cap > 0`), `S` 1 on the tokens
+  `high_entropy_selection` keeps and 0 elsewhere (when `top_entropy_fraction < 1`; 1
+  otherwise: the other terms and `w`, `D` see every token, as in TRL and the paper's
+  code), the KL term only when `kl_coef > 0` and not `kl_in_reward`, the value term
+  when `use_critic`.
 
   Args:
     cfg: loss knobs.
@@ -1062,7 +1117,8 @@ def rl_loss(
     batch: `loss_mask`, `advantages` and optionally `segment_ids`,
       `old_logprobs` (default: `stop_gradient(log_probs)`, i.e. on-policy),
       `cov_selected` (the clip_cov / kl_cov losses: `covariance_selection` of the
-      whole batch),
+      whole batch), `entropy_selected` (`top_entropy_fraction < 1`:
+      `high_entropy_selection` of the whole batch),
       `behaviour_logprobs` (for TIS), `ref_logprobs` (for KL), `kl_coef` (`[batch]`:
       each row's KL weight in place of `cfg.kl_coef`, which must still be > 0),
       `old_values` and `returns` (for the critic).
@@ -1078,6 +1134,7 @@ def rl_loss(
   needed += ["ref_logprobs"] if cfg.kl_coef > 0 and not cfg.kl_in_reward else []
   needed += ["old_values", "returns"] if cfg.use_critic else []
   needed += ["cov_selected"] if cfg.policy_loss in COVARIANCE_LOSSES else []
+  needed += ["entropy_selected"] if cfg.top_entropy_fraction < 1 else []
   missing = [key for key in needed if key not in batch]
   if missing:
     raise ValueError(f"batch lacks {missing} needed by this loss config")
@@ -1117,6 +1174,11 @@ def rl_loss(
         segment_ids=segment_ids)
     policy_loss = policy_loss * is_weights
     metrics.update(is_metrics)
+  if cfg.top_entropy_fraction < 1:
+    selected = as_mask(batch["entropy_selected"])
+    policy_loss = jnp.where(selected, policy_loss, 0.0)  # no gradient either
+    metrics["entropy/selected_fraction"] = Metric.mean(jnp.sum(mask & selected),
+                                                       jnp.sum(mask))
 
   def weighted_sum(per_token):
     return jnp.sum(jnp.where(mask, per_token * weights, 0.0))

@@ -24,6 +24,10 @@ upper clip. Knobs:
                          their covariance between log-prob and advantage
     clip_cov_lb, clip_cov_ub   clip_cov draws them from covariances in (lb, ub)
     kl_cov_coef          kl_cov's weight on |log ratio| of the selected tokens
+    top_entropy_fraction  < 1: the policy loss on only that share of the batch's tokens,
+                         those of highest entropy (Wang et al. 2025 keep 0.2); the KL,
+                         entropy and value terms and the normaliser still see every
+                         token; 1 = off (losses.high_entropy_selection)
     dual_clip            c > 1 bounds the loss of negative advantages; 0 = off
     loss_agg_mode        token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     max_response_len     Dr.GRPO's constant normaliser; 0 = the sampler's budget
@@ -108,6 +112,7 @@ _BASE: dict[str, Any] = dict(
     clip_cov_lb=1.0,
     clip_cov_ub=5.0,
     kl_cov_coef=1.0,
+    top_entropy_fraction=1.0,
 )
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -253,7 +258,8 @@ def algorithm_overrides() -> ml_collections.ConfigDict:
 def validate(cfg: ml_collections.ConfigDict) -> None:
   """Raises a one-line ValueError naming the first inconsistent knob value."""
   advantages_lib.get_advantage_estimator(cfg.advantage_estimator)
-  # LossConfig checks clip ranges, dual clip, aggregation mode, KL estimator, TIS cap.
+  # LossConfig checks clip ranges, dual clip, aggregation mode, KL estimator, TIS cap,
+  # the token fractions.
   losses_lib.LossConfig.from_config(cfg, max_response_len=max(cfg.max_response_len, 1))
 
   def check(ok, knob):
@@ -298,6 +304,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     check(cfg.group_size >= 2, "group_size")
     check(sequence_level, "advantage_estimator")
     check(cfg.kl_coef == 0, "kl_coef")  # the preference loss's reference plays that part
+    check(cfg.top_entropy_fraction == 1, "top_entropy_fraction")  # no policy-gradient loss
     check(cfg.ppo_epochs == 1, "ppo_epochs")
     check(cfg.num_minibatches == 1, "num_minibatches")
     check(2 * cfg.pairs_per_group <= cfg.group_size, "pairs_per_group")

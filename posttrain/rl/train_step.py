@@ -20,6 +20,9 @@ A batch is a dict of arrays with a leading micro-batch axis, `[M, B, T]` per tok
     positions, segment_ids   optional (default 0..T-1 and one sequence per row)
     old_logprobs          optional; absent = on-policy (stop_gradient of the current ones);
                           needed by clip_cov / kl_cov, whose token selection reads them
+    old_entropies         the learner's entropies before the update, needed when
+                          top_entropy_fraction < 1 (its token selection reads them):
+                          `make_compute_logprobs(..., with_entropy=True)`
     behaviour_logprobs    sampler log-probs, needed when the preset's tis_cap > 0
     ref_logprobs          needed when the KL is a loss term (kl_coef > 0, not kl_in_reward)
     kl_coef               optional `[M, B]`: each row's KL weight in place of the preset's
@@ -78,7 +81,8 @@ from posttrain.rl.state import TrainState, join_trainable, split_trainable, trai
 Batch = Mapping[str, Any]
 
 TOKEN_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "advantages",
-              "old_logprobs", "behaviour_logprobs", "ref_logprobs", "old_values", "returns")
+              "old_logprobs", "old_entropies", "behaviour_logprobs", "ref_logprobs",
+              "old_values", "returns")
 # Per-row inputs `[M, B]`: each row's KL weight (the adaptive KL controller's value).
 ROW_KEYS = ("kl_coef",)
 MODEL_KEYS = ("tokens", "targets", "positions", "segment_ids")
@@ -192,8 +196,10 @@ def _scan_or_call(fn, xs, length: int):
 
 def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
                           rules: Rules = DEFAULT_RULES, temperature: float = 1.0,
-                          with_values: bool | None = None) -> Callable:
-  """`compute_logprobs(params, batch) -> {"logprobs", ["values"]}`, jitted, no gradient.
+                          with_values: bool | None = None,
+                          with_entropy: bool = False) -> Callable:
+  """`compute_logprobs(params, batch) -> {"logprobs", ["values"], ["entropies"]}`, jitted,
+  no gradient.
 
   One trunk pass per micro-batch gives the target log-probs `[M, B, T]` and, when the
   model has a value head, the critic's values (the `old_values` GAE needs).
@@ -203,6 +209,8 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
     mesh, rules: where params and batch live.
     temperature: the sampler's temperature (log-probs of the tempered distribution).
     with_values: return values too; default: when `model_cfg.value_head`.
+    with_entropy: return `entropies` `[M, B, T]` too, each position's entropy of the
+      tempered next-token distribution (the `old_entropies` of `top_entropy_fraction`).
   """
   with_values = model_cfg.value_head if with_values is None else with_values
   if with_values and not model_cfg.value_head:
@@ -217,9 +225,11 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
     inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
 
     def one(mb):
-      logprobs, _, values, _ = _forward(model, mb, ctx, temperature=temperature,
-                                        with_values=with_values, with_entropy=False)
-      return {"logprobs": logprobs, **({"values": values} if with_values else {})}
+      logprobs, entropies, values, _ = _forward(model, mb, ctx, temperature=temperature,
+                                                with_values=with_values,
+                                                with_entropy=with_entropy)
+      return {"logprobs": logprobs, **({"values": values} if with_values else {}),
+              **({"entropies": entropies} if with_entropy else {})}
 
     return _scan_or_call(one, inputs, batch["tokens"].shape[0])
 
@@ -252,6 +262,8 @@ def _required_keys(loss_cfg: losses.LossConfig) -> tuple[str, ...]:
     keys += ["old_values", "returns"]
   if loss_cfg.policy_loss in losses.COVARIANCE_LOSSES:
     keys.append("old_logprobs")  # the token selection reads them for the whole batch
+  if loss_cfg.top_entropy_fraction < 1:
+    keys.append("old_entropies")  # likewise
   return tuple(keys)
 
 
@@ -442,9 +454,10 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 
   The loss is `losses.rl_loss` with the preset's knobs: PPO/GSPO surrogate, TIS weights,
   KL to the reference, entropy bonus and, with `use_critic`, the clipped value loss on the
-  policy's value head (same trunk) or on a separate critic (`critic_cfg`). A non-finite loss
-  or gradient norm leaves params, optimizer states and step unchanged and sets the
-  `nonfinite` metric to 1.
+  policy's value head (same trunk) or on a separate critic (`critic_cfg`). Token selections
+  (clip_cov / kl_cov's covariance tokens, `top_entropy_fraction`'s high-entropy ones) are
+  made over the whole batch before its micro-batches. A non-finite loss or gradient norm
+  leaves params, optimizer states and step unchanged and sets the `nonfinite` metric to 1.
 
   Args:
     model_cfg: the policy architecture (`value_head=True` for a critic on the same trunk).
@@ -522,22 +535,37 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   def denominator(batch):
     return jnp.sum(jax.vmap(functools.partial(losses.loss_denominator, loss_cfg))(batch))
 
+  covariance = loss_cfg.policy_loss in losses.COVARIANCE_LOSSES
+  high_entropy = loss_cfg.top_entropy_fraction < 1
+
   def select_tokens(batch, state):
-    # Over the whole batch, from the log-probs before the update (the learner's old ones):
-    # known before any micro-batch runs, so the micro-batch losses add up exactly. A key
-    # per step: a resumed run draws what the uninterrupted one drew.
-    selected = losses.covariance_selection(
-        batch["advantages"], batch["old_logprobs"], batch["loss_mask"],
-        mode=loss_cfg.policy_loss, fraction=loss_cfg.cov_fraction,
-        lower=loss_cfg.clip_cov_lb, upper=loss_cfg.clip_cov_ub,
-        key=jax.random.fold_in(state.rng, state.step))
-    return {**batch, "cov_selected": jax.lax.with_sharding_constraint(selected, data_sharding)}
+    # Over the whole batch, from the learner before the update (its old log-probs and
+    # entropies): known before any micro-batch runs, so the micro-batch losses add up
+    # exactly. A key per step: a resumed run draws what the uninterrupted one drew.
+    if covariance:
+      selected = losses.covariance_selection(
+          batch["advantages"], batch["old_logprobs"], batch["loss_mask"],
+          mode=loss_cfg.policy_loss, fraction=loss_cfg.cov_fraction,
+          lower=loss_cfg.clip_cov_lb, upper=loss_cfg.clip_cov_ub,
+          key=jax.random.fold_in(state.rng, state.step))
+      batch = {**batch, "cov_selected": jax.lax.with_sharding_constraint(selected,
+                                                                          data_sharding)}
+    if high_entropy:
+      selected = losses.high_entropy_selection(batch["old_entropies"], batch["loss_mask"],
+                                               fraction=loss_cfg.top_entropy_fraction)
+      batch = {**batch, "entropy_selected": jax.lax.with_sharding_constraint(selected,
+                                                                              data_sharding)}
+    return batch
 
   def finish_metrics(values, batch):
     metrics = {name: jnp.asarray(values.get(name, _METRIC_DEFAULTS.get(name, 0.0)),
                                  jnp.float32) for name in STANDARD_METRICS}
     metrics.update({name: v for name, v in values.items() if name not in metrics})
     metrics["tokens"] = jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32)
+    if high_entropy:  # the smallest entropy kept: the batch's cut
+      selected = batch["entropy_selected"]
+      kept = jnp.where(selected, batch["old_entropies"].astype(jnp.float32), jnp.inf)
+      metrics["entropy/threshold"] = jnp.where(jnp.any(selected), jnp.min(kept), 0.0)
     return metrics
 
   jitted, run = _jit_update(
@@ -547,11 +575,14 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       batch_shardings=data_sharding,
       reference_shardings=models.state_shardings(abstract_params, mesh, rules),
       donate=donate, critic_optimizer=critic_optimizer if separate_critic else None,
-      prepare_batch=(select_tokens if loss_cfg.policy_loss in losses.COVARIANCE_LOSSES
-                     else None))
+      prepare_batch=select_tokens if covariance or high_entropy else None)
 
   def train_step(state: TrainState, batch: Batch, reference=None):
     _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)
+    if high_entropy and isinstance(batch, Mapping) and "old_entropies" not in batch:
+      raise ValueError(f"top_entropy_fraction={loss_cfg.top_entropy_fraction} selects tokens "
+                       "by batch['old_entropies'], the learner's entropies before the update: "
+                       "make_compute_logprobs(..., with_entropy=True)")
     _check_batch(batch, required, row_multiple)
     inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS + ROW_KEYS}
     if "kl_coef" in inputs and not (loss_cfg.kl_coef > 0 and not loss_cfg.kl_in_reward):

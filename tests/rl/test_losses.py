@@ -1,5 +1,8 @@
 """Losses against numpy references: values, gradients, masking, exact micro-batching."""
 
+import fractions
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -355,6 +358,114 @@ def test_covariance_losses_split_into_microbatches_exactly(policy_loss):
   with pytest.raises(ValueError, match=r"batch lacks \['cov_selected'\]"):
     losses.rl_loss(cfg, jnp.zeros((12, LENGTH)), batch, denominator=1.0)
 
+
+def _high_entropy_oracle(entropies, mask, fraction):
+  """The paper's top-k in numpy: k = max(1, ceil(fraction n)) of the masked tokens of
+  largest entropy, ties to the earlier one; fraction read as the decimal it was written."""
+  k = max(1, math.ceil(fractions.Fraction(str(fraction)) * int(mask.sum())))
+  order = np.argsort(-np.where(mask, entropies, -np.inf), axis=None, kind="stable")[:k]
+  selected = np.zeros(mask.shape, bool)
+  selected.flat[order] = True
+  return selected & mask
+
+
+def test_high_entropy_selection_keeps_the_top_fraction_of_the_whole_batch():
+  """k = max(1, ceil(fraction n)) masked tokens of largest entropy, ties to the earlier
+  token, the same whatever leading axes split the batch; masked-out garbage takes no part."""
+  rng = np.random.default_rng(11)
+  mask = rng.random((12, 13)) < 0.7
+  entropies = rng.gamma(2.0, 0.5, mask.shape).astype(np.float32)
+  ties = np.round(entropies, 1)  # many equal values
+  for ent in (entropies, ties):
+    for fraction in (0.2, 0.05, 1e-4, 0.5, 0.7, 1.0):
+      got = np.asarray(losses.high_entropy_selection(_with_garbage(ent, mask), mask,
+                                                     fraction=fraction))
+      want = _high_entropy_oracle(ent, mask, fraction)
+      np.testing.assert_array_equal(got, want, err_msg=f"fraction={fraction}")
+  assert np.asarray(losses.high_entropy_selection(entropies, mask, fraction=1.0)).sum() \
+      == mask.sum()  # 1 keeps every trained token
+  # ceil of an exact product is that integer: 0.3 * 10 and 0.7 * 10 (3.0000000000000004 and
+  # 7.000000000000001 in float64) keep 3 and 7 of 10 tokens.
+  ten = np.zeros((2, 7), bool)
+  ten.flat[:10] = True
+  for fraction, k in ((0.3, 3), (0.7, 7), (0.25, 3), (0.01, 1)):
+    assert np.asarray(losses.high_entropy_selection(entropies[:2, :7], ten,
+                                                    fraction=fraction)).sum() == k
+  # Micro-batch axes in front select the same tokens as the flat batch.
+  split = losses.high_entropy_selection(ties.reshape(3, 4, 13), mask.reshape(3, 4, 13),
+                                        fraction=0.2)
+  np.testing.assert_array_equal(np.asarray(split).reshape(12, 13),
+                                _high_entropy_oracle(ties, mask, 0.2))
+  assert not np.asarray(losses.high_entropy_selection(entropies, np.zeros_like(mask),
+                                                      fraction=0.5)).any()
+  for fraction in (0.0, 1.5):
+    with pytest.raises(ValueError, match=f"fraction must be in \\(0, 1\\], got {fraction}"):
+      losses.high_entropy_selection(entropies, mask, fraction=fraction)
+  with pytest.raises(ValueError, match=r"entropies shape \(12, 13\) != loss_mask shape"):
+    losses.high_entropy_selection(entropies, mask[:, :5], fraction=0.2)
+
+
+def _token_weights_ref(mask, segment_ids, mode):
+  """(w, D) of token_mean or seq_mean_token_mean, in numpy."""
+  if mode == "token_mean":
+    return mask.astype(np.float64), mask.sum()
+  weights, sequences = np.zeros(mask.shape), 0
+  for b in range(mask.shape[0]):
+    for s in np.unique(segment_ids[b][mask[b]]):
+      tokens = mask[b] & (segment_ids[b] == s)
+      weights[b][tokens] = 1.0 / tokens.sum()
+      sequences += 1
+  return weights, sequences
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_rl_loss_keeps_the_policy_term_of_the_selected_tokens_only(mode):
+  """top_entropy_fraction: the policy loss and its gradient only on the selected tokens, the
+  normaliser of every trained token, the KL and entropy terms on every token."""
+  cfg = losses.LossConfig(loss_agg_mode=mode, eps_high=0.28, kl_coef=0.1, entropy_coef=0.01,
+                          top_entropy_fraction=0.3)
+  batch = _rollout_batch(15)
+  mask, seg = batch["loss_mask"], batch["segment_ids"]
+  rng = np.random.default_rng(15)
+  old = np.where(mask, batch["old_logprobs"], 0.0).astype(np.float64)
+  logp = old + rng.normal(0, 0.4, mask.shape)
+  entropies = rng.gamma(2.0, 0.5, mask.shape)
+  selected = _high_entropy_oracle(entropies, mask, cfg.top_entropy_fraction)
+  batch["entropy_selected"] = selected
+  assert 0 < selected.sum() < mask.sum()
+  weights, d = _token_weights_ref(mask, seg, mode)
+  denominator = 2.0 * d  # the step's: other micro-batches' tokens count too
+
+  def run(lp, ent):
+    return losses.rl_loss(cfg, lp, batch, denominator=denominator, entropies=ent)
+
+  (loss, metrics), (grad_lp, grad_ent) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
+      _with_garbage(logp, mask), _with_garbage(entropies, mask))
+
+  adv = np.where(mask, batch["advantages"], 0.0).astype(np.float64)
+  ratio = np.exp(logp - old)
+  policy = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.28))
+  log_r = np.where(mask, batch["ref_logprobs"], 0.0) - logp
+  kl = np.expm1(log_r) - log_r
+  per_token = np.where(selected, policy, 0.0) + 0.1 * kl - 0.01 * entropies
+  np.testing.assert_allclose(loss, (weights * per_token)[mask].sum() / denominator, rtol=1e-5)
+  unclipped = ~(((adv > 0) & (ratio > 1.28)) | ((adv < 0) & (ratio < 0.8)))
+  d_policy = np.where(selected & unclipped, -adv * ratio, 0.0)
+  d_kl = 0.1 * (1.0 - np.exp(log_r))
+  want_lp = np.where(mask, weights * (d_policy + d_kl) / denominator, 0.0)
+  np.testing.assert_allclose(grad_lp, want_lp, rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(grad_ent, np.where(mask, -0.01 * weights / denominator, 0.0),
+                             rtol=1e-5, atol=1e-9)
+  assert np.abs(want_lp[mask & ~selected]).min() > 0  # the KL still moves every token
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["entropy/selected_fraction"], selected.sum() / mask.sum())
+  np.testing.assert_allclose(m["loss/policy"],
+                             (weights * np.where(selected, policy, 0.0))[mask].sum() / d,
+                             rtol=1e-5)
+  np.testing.assert_allclose(m["entropy"], entropies[mask].mean(), rtol=1e-5)
+  del batch["entropy_selected"]
+  with pytest.raises(ValueError, match=r"batch lacks \['entropy_selected'\]"):
+    run(logp, entropies)
 
 def _agg_ref(loss, mask, segment_ids, mode, max_len):
   if mode == "token_mean":
@@ -794,6 +905,8 @@ def test_loss_config_errors_are_one_line_and_name_the_value():
       (dict(cov_fraction=0.0), "cov_fraction must be in \\(0, 1\\], got 0.0"),
       (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
       (dict(kl_cov_coef=-1.0), "kl_cov_coef must be >= 0, got -1.0"),
+      (dict(top_entropy_fraction=0.0),
+       "top_entropy_fraction must be in \\(0, 1\\] \\(1: off\\), got 0.0"),
   ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message) as info:

@@ -197,6 +197,85 @@ def test_covariance_step_selects_over_the_whole_batch_and_splits_exactly(policy_
     step(state_lib.frozen_copy(init), {k: v for k, v in whole.items() if k != "old_logprobs"})
 
 
+TEMPERATURE = 0.7
+
+
+@functools.cache
+def compute_with_entropy_for(cfg, mesh, temperature=TEMPERATURE):
+  return ts.make_compute_logprobs(cfg, mesh=mesh, temperature=temperature, with_entropy=True)
+
+
+def test_compute_logprobs_with_entropy_is_the_tempered_softmax_entropy():
+  """with_entropy=True: each target position's entropy of softmax(logits / temperature), and
+  the same log-probs, from one pass; the default returns no entropies."""
+  mesh = one_device_mesh()
+  model = models.create_model(CFG, seed=0)
+  params = fresh_state(CFG, optax.sgd(1.0), mesh, seed=0).params
+  batch = microbatched(packed_rows(5), 2)
+  out = compute_with_entropy_for(CFG, mesh)(params, batch)
+  assert set(out) == {"logprobs", "entropies"}
+  for m in range(2):
+    logits = np.asarray(model(batch["tokens"][m], batch["positions"][m],
+                              batch["segment_ids"][m]), np.float64) / TEMPERATURE
+    log_softmax = logits - logits.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    entropies = -np.sum(np.exp(log_softmax) * log_softmax, axis=-1)
+    logprobs = np.take_along_axis(log_softmax, batch["targets"][m][..., None], -1)[..., 0]
+    np.testing.assert_allclose(out["entropies"][m], entropies, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out["logprobs"][m], logprobs, rtol=1e-4, atol=1e-5)
+  assert np.ptp(np.asarray(out["entropies"])) > 0.01  # positions differ
+  assert "entropies" not in compute_logprobs_for(CFG, mesh)(params, batch)
+
+
+def test_high_entropy_step_selects_over_the_whole_batch_and_splits_exactly():
+  """top_entropy_fraction: the step keeps the policy loss of the whole batch's top tokens by
+  their entropy before the update: four micro-batches make the one-batch update, and the
+  loss is the oracle's on the model's own log-probs."""
+  fraction = 0.3
+  algo = presets.algorithm_config("grpo", top_entropy_fraction=fraction, kl_coef=0.0,
+                                  loss_agg_mode="token_mean")
+  mesh = one_device_mesh()
+  optimizer = optax.sgd(1.0)
+  step = ts.make_train_step(CFG, algo, optimizer, mesh=mesh, temperature=TEMPERATURE)
+  assert "old_entropies" in step.required
+  init = fresh_state(CFG, optimizer, mesh)
+  whole = add_learner_logprobs(microbatched(packed_rows(8), 1), init.params, CFG, mesh, seed=5)
+  del whole["ref_logprobs"]
+  current = compute_with_entropy_for(CFG, mesh)(init.params, whole)
+  whole["old_entropies"] = np.asarray(current["entropies"])
+  split = {k: v.reshape((4, -1) + v.shape[2:]) for k, v in whole.items()}
+  state_1, metrics_1 = step(state_lib.frozen_copy(init), whole)
+  state_4, metrics_4 = step(state_lib.frozen_copy(init), split)
+  delta_1 = jax.tree.map(np.subtract, state_1.params, init.params)
+  delta_4 = jax.tree.map(np.subtract, state_4.params, init.params)
+  assert min(np.max(np.abs(x)) for x in jax.tree.leaves(delta_1)) > 1e-6
+  assert_trees_close(delta_4, delta_1, atol=1e-5)
+  assert set(metrics_4) == set(metrics_1)
+  for name in metrics_1:
+    np.testing.assert_allclose(metrics_4[name], metrics_1[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+  mask = np.asarray(whole["loss_mask"])[0] != 0
+  adv, old = np.asarray(whole["advantages"])[0], np.asarray(whole["old_logprobs"])[0]
+  entropies = whole["old_entropies"][0]
+  k = max(1, int(np.ceil(fraction * mask.sum() - 1e-9)))
+  order = np.argsort(-np.where(mask, entropies, -np.inf), axis=None, kind="stable")[:k]
+  selected = np.zeros(mask.shape, bool)
+  selected.flat[order] = True
+  ratio = np.exp(np.asarray(current["logprobs"])[0].astype(np.float64) - old)
+  per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+  # The policy term on the selected tokens over every trained token (a selection per
+  # micro-batch would pick other tokens, a normaliser of the selected ones differ).
+  np.testing.assert_allclose(metrics_4["loss"], per_token[selected].sum() / mask.sum(),
+                             rtol=1e-4)
+  np.testing.assert_allclose(metrics_4["entropy/selected_fraction"], k / mask.sum(), rtol=1e-6)
+  np.testing.assert_allclose(metrics_4["entropy/threshold"], entropies[selected].min(),
+                             rtol=1e-6)
+  np.testing.assert_allclose(metrics_4["entropy"], entropies[mask].mean(), rtol=1e-4)
+  with pytest.raises(ValueError, match=r"^top_entropy_fraction=0.3 selects tokens by "
+                     r"batch\['old_entropies'\][^\n]*$"):
+    step(state_lib.frozen_copy(init), {k: v for k, v in whole.items() if k != "old_entropies"})
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_rematerialised_model_gives_the_same_microbatched_step(remat):
   """remat inside the scan over micro-batches (log-probs and the update) computes what
