@@ -78,6 +78,24 @@ def add_learner_logprobs(batch, params, cfg, mesh, seed):
   return batch
 
 
+def assert_one_batch_update(step, init, whole, split):
+  """`step` on the batch as one micro-batch and as `split` updates the trainable params
+  alike (and moves them) with the same metrics; returns the one-batch metrics."""
+  state_1, metrics_1 = step(state_lib.frozen_copy(init), whole)
+  state_4, metrics_4 = step(state_lib.frozen_copy(init), split)
+  trainable = lambda s: (s.params, s.critic_params)  # noqa: E731
+  # In numpy: eager jnp would compile a subtraction per parameter shape.
+  delta_1 = jax.tree.map(np.subtract, trainable(state_1), trainable(init))
+  delta_4 = jax.tree.map(np.subtract, trainable(state_4), trainable(init))
+  assert min(np.max(np.abs(x)) for x in jax.tree.leaves(delta_1)) > 1e-6
+  assert_trees_close(delta_4, delta_1, atol=1e-5)
+  assert set(metrics_4) == set(metrics_1)
+  for name in metrics_1:
+    np.testing.assert_allclose(metrics_4[name], metrics_1[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  return metrics_1
+
+
 def fresh_state(cfg, optimizer, mesh, seed=0):
   return state_lib.init_train_state(models.create_model(cfg, seed=seed), optimizer, mesh=mesh)
 
@@ -121,19 +139,7 @@ def test_four_microbatches_give_the_one_batch_update(algorithm):
     whole.update(old_values=values["old_values"], returns=values["returns"])
   split = {k: v.reshape((4, -1) + v.shape[2:]) for k, v in whole.items()}
 
-  state_1, metrics_1 = step(state_lib.frozen_copy(init), whole)
-  state_4, metrics_4 = step(state_lib.frozen_copy(init), split)
-
-  trainable = lambda s: (s.params, s.critic_params)  # noqa: E731
-  # In numpy: eager jnp would compile a subtraction per parameter shape.
-  delta_1 = jax.tree.map(np.subtract, trainable(state_1), trainable(init))
-  delta_4 = jax.tree.map(np.subtract, trainable(state_4), trainable(init))
-  assert min(np.max(np.abs(x)) for x in jax.tree.leaves(delta_1)) > 1e-6
-  assert_trees_close(delta_4, delta_1, atol=1e-5)
-  assert set(metrics_4) == set(metrics_1)
-  for name in metrics_1:
-    np.testing.assert_allclose(metrics_4[name], metrics_1[name], rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+  metrics_1 = assert_one_batch_update(step, init, whole, split)
   assert float(metrics_1["clip_fraction/low"]) + float(metrics_1["clip_fraction/high"]) > 0
 
 
@@ -244,16 +250,7 @@ def test_high_entropy_step_selects_over_the_whole_batch_and_splits_exactly():
   current = compute_with_entropy_for(CFG, mesh)(init.params, whole)
   whole["old_entropies"] = np.asarray(current["entropies"])
   split = {k: v.reshape((4, -1) + v.shape[2:]) for k, v in whole.items()}
-  state_1, metrics_1 = step(state_lib.frozen_copy(init), whole)
-  state_4, metrics_4 = step(state_lib.frozen_copy(init), split)
-  delta_1 = jax.tree.map(np.subtract, state_1.params, init.params)
-  delta_4 = jax.tree.map(np.subtract, state_4.params, init.params)
-  assert min(np.max(np.abs(x)) for x in jax.tree.leaves(delta_1)) > 1e-6
-  assert_trees_close(delta_4, delta_1, atol=1e-5)
-  assert set(metrics_4) == set(metrics_1)
-  for name in metrics_1:
-    np.testing.assert_allclose(metrics_4[name], metrics_1[name], rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+  metrics_1 = assert_one_batch_update(step, init, whole, split)
 
   mask = np.asarray(whole["loss_mask"])[0] != 0
   adv, old = np.asarray(whole["advantages"])[0], np.asarray(whole["old_logprobs"])[0]
@@ -266,12 +263,12 @@ def test_high_entropy_step_selects_over_the_whole_batch_and_splits_exactly():
   per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
   # The policy term on the selected tokens over every trained token (a selection per
   # micro-batch would pick other tokens, a normaliser of the selected ones differ).
-  np.testing.assert_allclose(metrics_4["loss"], per_token[selected].sum() / mask.sum(),
+  np.testing.assert_allclose(metrics_1["loss"], per_token[selected].sum() / mask.sum(),
                              rtol=1e-4)
-  np.testing.assert_allclose(metrics_4["entropy/selected_fraction"], k / mask.sum(), rtol=1e-6)
-  np.testing.assert_allclose(metrics_4["entropy/threshold"], entropies[selected].min(),
+  np.testing.assert_allclose(metrics_1["entropy/selected_fraction"], k / mask.sum(), rtol=1e-6)
+  np.testing.assert_allclose(metrics_1["entropy/threshold"], entropies[selected].min(),
                              rtol=1e-6)
-  np.testing.assert_allclose(metrics_4["entropy"], entropies[mask].mean(), rtol=1e-4)
+  np.testing.assert_allclose(metrics_1["entropy"], entropies[mask].mean(), rtol=1e-4)
   with pytest.raises(ValueError, match=r"^top_entropy_fraction=0.3 selects tokens by "
                      r"batch\['old_entropies'\][^\n]*$"):
     step(state_lib.frozen_copy(init), {k: v for k, v in whole.items() if k != "old_entropies"})
