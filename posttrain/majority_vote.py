@@ -35,13 +35,13 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from posttrain.tasks.base import MAX_ANSWER_CHARS, Domain, Task, extract_answer
+from posttrain.tasks.base import MAX_ANSWER_CHARS, Domain, Reward, Task, extract_answer
 from posttrain.tasks.families.code import CodeDomain
 from posttrain.tasks.families.tools import ToolDomain, model_text
 from posttrain.tasks.mathcheck import normalize as math_normalize
 from posttrain.tasks.mathcheck import to_number
 from posttrain.tasks.procedural import ProceduralDomain, parse_int
-from posttrain.tasks.reward_model import ModelScoredDomain
+from posttrain.tasks.reward_model import ModelScoredDomain, verifier_value
 
 
 def _unwrap(domain: Domain) -> Domain:
@@ -236,3 +236,57 @@ def _binomial_pmf(m: int, q: float) -> np.ndarray:
   pmf = np.exp(log_choose + x * math.log(q) + (m - x) * math.log1p(-q))
   pmf.flags.writeable = False  # cached: shared by every caller
   return pmf
+
+
+# ---------------------------------------------------------------------------------------
+# Label-free rewards: the majority answer as the label (TTRL)
+# ---------------------------------------------------------------------------------------
+
+
+def majority_answer(answers: Sequence[Hashable | None]) -> Hashable | None:
+  """The most frequent non-None answer; among answers tied for most frequent, the one
+  given first (Python's `Counter.most_common`, as TTRL picks it); None without answers."""
+  counts: dict[Hashable, int] = {}
+  for answer in answers:
+    if answer is not None:
+      counts[answer] = counts.get(answer, 0) + 1
+  if not counts:
+    return None
+  top = max(counts.values())
+  return next(a for a in counts if counts[a] == top)
+
+
+def vote_reward(reward: Reward | None, agrees: bool) -> Reward:
+  """`reward` with its value replaced by the vote's (1 if the completion gives the
+  majority answer, else 0), the verifier's own value kept as the `verifier` component (what
+  pass rates are judged on) and the vote as `majority`."""
+  components = dict(reward.components) if reward is not None else {}
+  components["verifier"] = verifier_value(reward) if reward is not None else 0.0
+  components["majority"] = float(agrees)
+  verdict = reward.verdict if reward is not None else ""
+  return Reward(float(agrees), components, verdict)
+
+
+def relabel_by_majority(domain: Domain, group) -> dict[str, float]:
+  """Test-time RL's rewards (Zuo et al. 2025, TTRL): each sample of `group` (a
+  `TrajectoryGroup`) is rewarded 1 when its answer is the group's majority answer, else 0,
+  whatever the verifier said; no verifier label is read. A ReMax greedy baseline, if the
+  group has one, is rewarded against the samples' majority too.
+
+  Returns the group's vote statistics: `agreement` (the share of samples giving the
+  majority answer), `label_correct` (1 when the verifier passes the majority answer: the
+  label's accuracy, for monitoring only), `no_answer` (the share without an answer).
+  """
+  keys = [answer_key(domain, group.task, s.text) for s in group.samples]
+  label = majority_answer(keys)
+  agree = [label is not None and key == label for key in keys]
+  for sample, ok in zip(group.samples, agree):
+    sample.reward = vote_reward(sample.reward, ok)
+  baseline = getattr(group, "baseline", None)
+  if baseline is not None:
+    key = answer_key(domain, group.task, baseline.text)
+    baseline.reward = vote_reward(baseline.reward, label is not None and key == label)
+  label_passed = [verifier_value(s.reward) >= 1.0 for s, ok in zip(group.samples, agree) if ok]
+  return {"agreement": sum(agree) / max(len(agree), 1),
+          "label_correct": float(bool(label_passed) and all(label_passed)),
+          "no_answer": sum(k is None for k in keys) / max(len(keys), 1)}

@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from posttrain import distributed, evaluation, models
+from posttrain import distributed, evaluation, majority_vote, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
                                   data_cache_dir, from_checkpoint, frozen_references,
                                   model_config, objective, optimizer_like,
@@ -289,6 +289,8 @@ class Trainer:
       models.hf.check_exportable(self.cfg)
     self.domains = run_domains(config)
     self.rm_domains = set(reward_model_domains(config, self.domains)) if self.rm_path else set()
+    self.reward_source = str(config.rollout.get("reward_source", "verifier"))
+    self._check_reward_source()
     self.algo = algorithm(config)
     t = config.train
     self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
@@ -1018,6 +1020,7 @@ class Trainer:
     scored: dict[str, Any] = {"scores": [], "truncated": 0.0, "seconds": 0.0}
     remax = algo.advantage_estimator == "remax"
     baseline_s = [0.0]
+    votes: dict[int, dict[str, float]] = {}  # id(group) -> its majority-vote statistics
 
     def make_groups(pairs):
       calls[0] += 1
@@ -1029,6 +1032,8 @@ class Trainer:
       self._score_with_reward_model(groups, scored)
       if remax:
         baseline_s[0] += self._attach_greedy_baselines(groups, seed=step_seed * 131 + calls[0])
+      if self.reward_source == "majority_vote":
+        self._vote(groups, votes)
       return groups
 
     extra: dict[str, float] = {}
@@ -1078,6 +1083,10 @@ class Trainer:
                     "reward_model/nonfinite": float(scores.size - finite.size),
                     "reward_model/truncated": scored["truncated"],
                     "timing/reward_model_s": scored["seconds"]})
+    voted = [votes[id(g)] for g in groups if id(g) in votes]
+    if voted:
+      extra.update({f"majority/{k}": float(np.mean([v[k] for v in voted]))
+                    for k in ("agreement", "label_correct", "no_answer")})
     if remax and groups:
       greedy = [_greedy_group(g) for g in groups]
       extra.update({"remax/baseline_reward": float(np.mean([b.rewards[0] for b in greedy])),
@@ -1085,6 +1094,29 @@ class Trainer:
                                                             for b in greedy])),
                     "timing/remax_baseline_s": baseline_s[0]})
     return groups, extra
+
+  def _check_reward_source(self) -> None:
+    if self.reward_source not in ("verifier", "majority_vote"):
+      raise ValueError(f"rollout.reward_source must be 'verifier' or 'majority_vote', got "
+                       f"{self.reward_source!r}")
+    if self.reward_source != "majority_vote":
+      return
+    voteless = sorted(d for d in self.domains if not majority_vote.votes_on(registry.get(d)))
+    if voteless:
+      more = f" and {len(voteless) - 3} more" if len(voteless) > 3 else ""
+      raise ValueError(f"rollout.reward_source=majority_vote needs answers to vote on; the "
+                       f"code domains {', '.join(voteless[:3])}{more} give none: drop them "
+                       "from tasks.domains")
+    if self.rm_path:
+      raise ValueError("rollout.reward_source=majority_vote rewards agreement with the "
+                       "group's majority answer; a reward model (reward_model.path) would mix "
+                       "a second reward in: use one or the other")
+
+  def _vote(self, groups, stats: dict[int, dict[str, float]]) -> None:
+    """Label-free rewards (TTRL): each group's samples (and ReMax baseline) rewarded by
+    agreement with the group's majority answer; the verifier's value stays the pass."""
+    for g in groups:
+      stats[id(g)] = majority_vote.relabel_by_majority(registry.get(g.domain), g)
 
   def _attach_greedy_baselines(self, groups, seed: int) -> float:
     """ReMax (Li et al. 2023): one greedy (temperature 0) completion of each group's prompt
