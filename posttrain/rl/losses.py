@@ -507,6 +507,60 @@ def gpg_policy_loss(
   return jnp.where(mask, loss, 0.0), _ratio_metrics(ratio, mask, none, none)
 
 
+def sapo_policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float = 0.0,
+    segment_ids: Array | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[Array, dict[str, Metric]]:
+  """SAPO (Gao et al. 2025, Qwen): a smooth gate in place of the hard clip.
+
+      tau_t = tau_pos if A_t > 0 else tau_neg
+      f(r)  = 4 / tau_t * sigmoid(tau_t (r_t - 1))
+      L_t   = -A_t f(r_t)
+
+  Its gradient is `-A_t g_t r_t grad log pi(y_t)` with the gate
+  `g_t = 4 sigmoid(tau_t (r_t - 1)) (1 - sigmoid(tau_t (r_t - 1)))`: 1 on-policy (r = 1,
+  PPO's gradient there), falling smoothly as the ratio leaves 1 in either direction,
+  faster for larger `tau`. Where PPO drops a token outside its band entirely, SAPO
+  damps it; a larger `tau_neg` damps negative-advantage tokens sooner (their gradients
+  spread probability over the whole vocabulary, the less stable side). `eps_low` and
+  `eps_high` are unused.
+
+  Returns:
+    `(per_token_loss [batch, length], metrics)`: `sapo/gate` is the mean gate `g_t`, clip
+    fractions count tokens whose gate fell below 1/2 (|tau (r - 1)| > 1.76), low for
+    r < 1, high for r > 1.
+  """
+  del segment_ids, eps_low, eps_high
+  _refuse_dual_clip(dual_clip, "sapo")
+  if not (tau_pos > 0 and tau_neg > 0):
+    raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got ({tau_pos}, {tau_neg})")
+  check_token_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     loss_mask=loss_mask)
+  mask = as_mask(loss_mask)
+  log_ratio = jnp.clip(_clean(log_probs, mask) - _clean(old_log_probs, mask),
+                       -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  advantages = _clean(advantages, mask)
+  tau = jnp.where(advantages > 0, tau_pos, tau_neg)
+  z = tau * (ratio - 1.0)
+  loss = -advantages * (4.0 / tau) * jax.nn.sigmoid(z)
+  sig = jax.lax.stop_gradient(jax.nn.sigmoid(z))
+  gate = 4.0 * sig * (1.0 - sig)
+  damped = gate < 0.5
+  metrics = _ratio_metrics(ratio, mask, damped & (ratio < 1.0), damped & (ratio > 1.0))
+  metrics["sapo/gate"] = _masked_mean_metric(gate, mask)
+  return jnp.where(mask, loss, 0.0), metrics
+
+
 # ----------------------------------------------------------------------------
 # Covariance-selected tokens: Clip-Cov and KL-Cov (Cui et al. 2025)
 # ----------------------------------------------------------------------------
@@ -692,6 +746,7 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Metric]]]] = {
     "cispo": cispo_policy_loss,
     "gmpo": gmpo_policy_loss,
     "gpg": gpg_policy_loss,
+    "sapo": sapo_policy_loss,
     "clip_cov": clip_cov_policy_loss,
     "kl_cov": kl_cov_policy_loss,
 }
@@ -1024,6 +1079,8 @@ class LossConfig:
   clip_cov_lb: float = 1.0
   clip_cov_ub: float = 5.0
   kl_cov_coef: float = 1.0
+  sapo_tau_pos: float = 1.0
+  sapo_tau_neg: float = 1.05
   top_entropy_fraction: float = 1.0
 
   def __post_init__(self):
@@ -1038,6 +1095,9 @@ class LossConfig:
                        f"{self.clip_cov_ub})")
     if self.kl_cov_coef < 0:
       raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
+    if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+      raise ValueError(f"sapo_tau_pos and sapo_tau_neg must be > 0, got "
+                       f"({self.sapo_tau_pos}, {self.sapo_tau_neg})")
     if self.loss_agg_mode not in AGG_MODES:
       known = ", ".join(AGG_MODES)
       raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {known}")
@@ -1156,6 +1216,8 @@ def rl_loss(
     extra["selected"] = batch["cov_selected"]
   if cfg.policy_loss == "kl_cov":
     extra["coef"] = cfg.kl_cov_coef
+  if cfg.policy_loss == "sapo":
+    extra.update(tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
   policy_loss, metrics = get_policy_loss(cfg.policy_loss)(
       log_probs,
       old_log_probs,

@@ -16,10 +16,13 @@ upper clip. Knobs:
                          gpg | grpo_passk | remax (advantages.py)
     normalize_std        divide group advantages by the group std (off: Dr.GRPO)
     use_critic, gamma, lam, value_coef, value_clip      PPO critic and GAE
-    policy_loss          ppo | gspo | cispo | gmpo | gpg | clip_cov | kl_cov (losses.py)
+    policy_loss          ppo | gspo | cispo | gmpo | gpg | sapo | clip_cov | kl_cov
+                         (losses.py)
     eps_low, eps_high    ratio clip range [1 - eps_low, 1 + eps_high] (gmpo: log ratio
-                         range [-eps_low, eps_high]; gpg, kl_cov: unused); eps_low = 1: no
-                         lower clip
+                         range [-eps_low, eps_high]; gpg, sapo, kl_cov: unused); eps_low =
+                         1: no lower clip
+    sapo_tau_pos, sapo_tau_neg   sapo's gate temperatures for positive and negative
+                         advantages (larger: the gate closes sooner as the ratio leaves 1)
     cov_fraction         clip_cov / kl_cov: the share of the batch's tokens selected by
                          their covariance between log-prob and advantage
     clip_cov_lb, clip_cov_ub   clip_cov draws them from covariances in (lb, ub)
@@ -112,6 +115,8 @@ _BASE: dict[str, Any] = dict(
     clip_cov_lb=1.0,
     clip_cov_ub=5.0,
     kl_cov_coef=1.0,
+    sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05,
     top_entropy_fraction=1.0,
 )
 
@@ -169,6 +174,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
         eps_low=0.4,
         eps_high=0.4,
         loss_agg_mode="seq_mean_token_mean",
+    ),
+    # Gao et al. 2025 (Qwen): a smooth gate on the token ratio in place of the clip,
+    # closing sooner for negative advantages (tau 1.05 against 1.0), GRPO advantages and
+    # sequence-mean aggregation; several updates per rollout batch, where the ratio moves
+    # off 1 and the gate acts (on-policy it is GRPO's gradient).
+    "sapo": dict(
+        policy_loss="sapo",
+        sapo_tau_pos=1.0,
+        sapo_tau_neg=1.05,
+        loss_agg_mode="seq_mean_token_mean",
+        num_minibatches=4,
     ),
     # Cui et al. 2025 (the entropy mechanism of RL for reasoning models): GRPO advantages,
     # the gradient of a few tokens of high covariance between log-prob and advantage cut

@@ -218,6 +218,77 @@ def test_gmpo_matches_its_sequence_level_objective_in_value_and_gradient():
                              clipped.sum() / mask.sum(), rtol=1e-6)
 
 
+def _sapo_oracle(logp, old, adv, tau_pos, tau_neg):
+  """SAPO's value and d/dlogp in float64 numpy: f(r) = 4/tau sigmoid(tau (r - 1))."""
+  r = np.exp(logp.astype(np.float64) - old)
+  tau = np.where(adv > 0, tau_pos, tau_neg)
+  sig = 1.0 / (1.0 + np.exp(-tau * (r - 1.0)))
+  return -adv * 4.0 / tau * sig, -adv * 4.0 * sig * (1.0 - sig) * r
+
+
+def test_sapo_matches_its_soft_gate_in_value_and_gradient():
+  """SAPO: value -A 4/tau sigmoid(tau (r - 1)), gradient -A g r with the gate
+  g = 4 sigmoid (1 - sigmoid): PPO's gradient on-policy, damped smoothly off it (where PPO
+  cuts it to 0 past the clip), sooner for negative advantages (tau_neg > tau_pos)."""
+  logp, old, adv, mask = _inputs(7, batch=11, length=13, spread=1.0)
+  tau_pos, tau_neg = 1.0, 1.05
+
+  def total(lp, old_lp=old):
+    loss, _ = losses.sapo_policy_loss(lp, _with_garbage(old_lp, mask, np.inf),
+                                      _with_garbage(adv, mask), mask, eps_low=0.2,
+                                      eps_high=0.2, tau_pos=tau_pos, tau_neg=tau_neg)
+    return jnp.sum(loss)
+
+  loss, metrics = losses.sapo_policy_loss(_with_garbage(logp, mask), old, adv, mask,
+                                          eps_low=0.2, eps_high=0.2, tau_pos=tau_pos,
+                                          tau_neg=tau_neg)
+  want_loss, want_grad = _sapo_oracle(logp, old, adv, tau_pos, tau_neg)
+  np.testing.assert_allclose(loss, np.where(mask, want_loss, 0.0), rtol=1e-5, atol=1e-6)
+  grad = np.asarray(jax.grad(total)(_with_garbage(logp, mask)))
+  np.testing.assert_allclose(grad, np.where(mask, want_grad, 0.0), rtol=1e-4, atol=1e-6)
+  # On-policy (r = 1) the gate is 1: PPO's (and GRPO's) gradient, -A per token.
+  on_policy = np.asarray(jax.grad(total)(logp, logp))
+  np.testing.assert_allclose(on_policy, np.where(mask, -adv, 0.0), rtol=1e-6, atol=1e-7)
+  # Past PPO's band the token keeps a damped gradient where PPO's is 0.
+  ratio = np.exp(logp.astype(np.float64) - old)
+  beyond = mask & (adv > 0) & (ratio > 1.2)
+  assert beyond.any() and np.all(grad[beyond] != 0)
+  gate = 4 * (want_grad / (-adv * ratio))
+  m = losses.compute_metrics(metrics)
+  np.testing.assert_allclose(m["sapo/gate"], (gate / 4)[mask].mean(), rtol=1e-5)
+  damped = mask & (gate / 4 < 0.5)
+  np.testing.assert_allclose(float(m["clip_fraction/low"]) + float(m["clip_fraction/high"]),
+                             damped.sum() / mask.sum(), rtol=1e-6)
+  # The same ratio off 1 damps a negative advantage's token more than a positive one's.
+  r = np.float32(1.6)
+  lp = np.log(np.array([[r, r]], np.float32))
+  g = jax.grad(lambda x: jnp.sum(losses.sapo_policy_loss(
+      x, np.zeros((1, 2), np.float32), np.array([[1.0, -1.0]], np.float32),
+      np.ones((1, 2), bool), eps_low=0.2, eps_high=0.2, tau_pos=1.0, tau_neg=2.0)[0]))(lp)
+  assert abs(float(g[0, 0])) > abs(float(g[0, 1])) > 0
+  # A wild ratio (log ratio 60, clipped at MAX_LOG_RATIO) closes the gate: finite, 0.
+  wild = jax.grad(total)(np.where(mask, old + 60.0, np.nan).astype(np.float32))
+  assert np.all(np.isfinite(wild)) and np.all(np.asarray(wild)[mask] == 0)
+
+
+def test_sapo_through_rl_loss_uses_the_configured_temperatures():
+  logp, old, adv, mask = _inputs(8, batch=6, length=9, spread=0.8)
+  batch = {"loss_mask": mask, "advantages": adv, "old_logprobs": old}
+  cfg = losses.LossConfig(policy_loss="sapo", sapo_tau_pos=0.5, sapo_tau_neg=3.0,
+                          loss_agg_mode="seq_mean_token_mean")
+  denominator = losses.loss_denominator(cfg, batch)
+  loss, _ = losses.rl_loss(cfg, jnp.asarray(logp), batch, denominator=denominator)
+  per_token, _ = _sapo_oracle(logp, old, adv, 0.5, 3.0)
+  rows = mask.sum(axis=1)
+  want = sum((per_token[b][mask[b]].sum() / rows[b]) for b in range(6) if rows[b])
+  np.testing.assert_allclose(float(loss), want / (rows > 0).sum(), rtol=1e-5)
+  for bad in (dict(sapo_tau_pos=0.0), dict(sapo_tau_neg=-1.0)):
+    with pytest.raises(ValueError, match="sapo_tau_pos and sapo_tau_neg must be > 0"):
+      losses.LossConfig(policy_loss="sapo", **bad)
+  with pytest.raises(ValueError, match="dual_clip=3.0 applies to the ppo and gspo"):
+    losses.LossConfig(policy_loss="sapo", dual_clip=3.0)
+
+
 def test_gpg_is_the_plain_policy_gradient_without_ratio_or_clip():
   logp, old, adv, mask = _inputs(6, batch=9, length=11, spread=1.0)
 

@@ -23,8 +23,8 @@ def test_every_preset_loads_validates_and_builds_a_loss_config(name):
 
 def test_all_issue_presets_exist():
   assert set(presets.PRESET_NAMES) == {
-      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "clip_cov", "kl_cov", "gpg",
-      "grpo_passk", "rloo", "online_dpo", "reinforce_pp", "remax"}
+      "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov",
+      "gpg", "grpo_passk", "rloo", "online_dpo", "reinforce_pp", "remax"}
 
 
 def test_presets_encode_their_papers():
@@ -41,6 +41,9 @@ def test_presets_encode_their_papers():
   assert cispo.policy_loss == "cispo" and cispo.eps_low == 1.0 and cispo.eps_high > 0
   assert gmpo.policy_loss == "gmpo" and gmpo.eps_low == gmpo.eps_high == 0.4
   assert gmpo.loss_agg_mode == "seq_mean_token_mean"
+  sapo = presets.get_preset("sapo")
+  assert sapo.policy_loss == "sapo" and sapo.sapo_tau_neg > sapo.sapo_tau_pos == 1.0
+  assert sapo.loss_agg_mode == "seq_mean_token_mean" and sapo.num_minibatches > 1
   clip_cov, kl_cov = presets.get_preset("clip_cov"), presets.get_preset("kl_cov")
   assert clip_cov.policy_loss == "clip_cov" and clip_cov.cov_fraction == 2e-4
   assert (clip_cov.clip_cov_lb, clip_cov.clip_cov_ub) == (1.0, 5.0)
@@ -99,7 +102,7 @@ def test_unknown_algorithm_lists_known_ones():
     with pytest.raises(ValueError) as info:
       call("ppo2")
     assert str(info.value) == (
-        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, "
+        "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, sapo, "
         "clip_cov, kl_cov, gpg, grpo_passk, rloo, online_dpo, reinforce_pp, remax")
 
 

@@ -109,6 +109,8 @@ ALGOS = {  # name: (preset, overrides, policy config, separate critic config)
     "ppo_separate_critic": ("ppo", {}, CFG, CRITIC_CFG),
     "cispo": ("cispo", dict(eps_high=0.1), CFG, None),
     "gmpo": ("gmpo", dict(eps_low=0.1, eps_high=0.1), CFG, None),
+    # Stiff gates, so the step's ratios close some of them.
+    "sapo": ("sapo", dict(sapo_tau_pos=4.0, sapo_tau_neg=8.0), CFG, None),
 }
 
 
@@ -120,6 +122,7 @@ ALGOS = {  # name: (preset, overrides, policy config, separate critic config)
     pytest.param("ppo_separate_critic", marks=pytest.mark.slow),
     pytest.param("cispo", marks=pytest.mark.slow),
     pytest.param("gmpo", marks=pytest.mark.slow),
+    "sapo",
 ])
 def test_four_microbatches_give_the_one_batch_update(algorithm):
   preset, overrides, cfg, critic_cfg = ALGOS[algorithm]
