@@ -127,6 +127,16 @@ def get_config() -> ml_collections.ConfigDict:
       batch_size=32,     # rows per scoring call on the devices
       max_len=0,         # tokens scored per conversation (the head); 0 = rollout.max_len
       tokenizer=""))     # "" = the folder's tokenizer.json if it has one, else the run's
+  # On-policy distillation: a frozen teacher (a Hugging Face causal-LM folder with the
+  # run's vocabulary, on the train devices) reads the student's own samples; each
+  # sampled token's advantage gains coef * (log p_teacher - log p_student), minus the
+  # per-token reverse KL, beside reward_weight times the algorithm's own (0: distillation
+  # alone, no reward needed).
+  c.distill = ml_collections.ConfigDict(dict(
+      teacher="",         # "" = off
+      coef=1.0,
+      reward_weight=1.0,
+      dtype=""))          # the teacher's weights and compute: "" = the run's model dtype
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=2, keep_every=0,
                                                 async_save=True))

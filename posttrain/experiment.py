@@ -4,6 +4,7 @@ config, the domain list, the algorithm, and the checkpointed train-state layout.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 from typing import Any, Sequence
 
@@ -41,6 +42,7 @@ _RANGES = (
     ("placement.segment_tokens", 0, "int"), ("placement.step_tokens", 0, "int"),
     ("compile_cache_min_secs", 0.0, "float"), ("reward_model.mix", 0.0, "float"),
     ("reward_model.batch_size", 1, "int"), ("reward_model.max_len", 0, "int"),
+    ("distill.coef", 0.0, "float"), ("distill.reward_weight", 0.0, "float"),
 )
 
 
@@ -94,6 +96,59 @@ def check_config(config) -> None:
     raise ValueError(f"rollout.max_new_tokens={new} leaves no room for a prompt in "
                      f"rollout.max_len={max_len}")
   _check_reward_model(config)
+  _check_distill(config)
+
+
+DISTILL_DTYPES = ("", "float32", "bfloat16", "float16")
+
+
+def distill_teacher(config) -> str:
+  """The on-policy distillation teacher's folder (distill.teacher), "" when off."""
+  d = config.get("distill")
+  return str(d.get("teacher", "") or "") if d is not None else ""
+
+
+def _check_distill(config) -> None:
+  """The distill section: a known dtype and, with a teacher, a readable causal-LM folder
+  and weights that leave some advantage (coef or reward_weight > 0)."""
+  d = config.get("distill")
+  if d is None:
+    return
+  dtype = str(d.get("dtype", "") or "")
+  if dtype not in DISTILL_DTYPES:
+    raise ValueError(f"distill.dtype={dtype!r}; expected one of {DISTILL_DTYPES[1:]} or \"\"")
+  if not distill_teacher(config):
+    return
+  teacher_config(config)
+  if float(d.get("coef", 1.0)) == 0 and float(d.get("reward_weight", 1.0)) == 0:
+    raise ValueError("distill.coef=0 and distill.reward_weight=0 leave no advantage to train "
+                     "on")
+
+
+def teacher_config(config) -> models.ModelConfig:
+  """The distillation teacher's ModelConfig, from its folder's config.json alone, in
+  distill.dtype ("" = the run's model dtype) for its weights and compute.
+
+  Raises:
+    ValueError: naming the folder, when it has no config.json, an architecture that cannot
+      be read, or no language-model head (a reward model).
+  """
+  path = distill_teacher(config)
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_path):
+    raise ValueError(f"distill.teacher={path!r} has no config.json (expected a Hugging Face "
+                     "causal-LM folder)")
+  with open(cfg_path) as fh:
+    hf_cfg = json.load(fh)
+  try:
+    cfg = models.hf_config_to_model_config(hf_cfg)
+  except (ValueError, KeyError) as e:
+    raise ValueError(f"distill.teacher={path!r}: {e}") from None
+  if not cfg.lm_head:
+    raise ValueError(f"distill.teacher={path!r} is a {cfg.architecture} without a language-"
+                     "model head; expected a *ForCausalLM folder")
+  dtype = str(config.distill.get("dtype", "") or "") or model_config(config).dtype
+  return cfg.replace(dtype=dtype, param_dtype=dtype)
 
 
 def _check_reward_model(config) -> None:

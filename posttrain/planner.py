@@ -15,6 +15,8 @@ Components (all per device):
   optimizer    AdamW moments and counters (the run's optimizer state, sharded like params).
   reference    a frozen copy of the params when the algorithm has a KL term (kl_coef > 0);
                none with LoRA adapters (the reference is the base weights in params).
+  teacher      an on-policy distillation teacher's parameters on the train devices
+               (distill.teacher, counted from its config.json, in distill.dtype).
   gradients    one tree the size of the trained params (all of them, or the LoRA
                adapters), two when a step accumulates over micro-batches; then a
                mixture's trained experts once more, as XLA:TPU holds them.
@@ -38,11 +40,11 @@ Components (all per device):
                scoring call is not counted: it runs after sampling, whose cache is gone).
 
 Colocated placement samples and updates one after the other on the same devices:
-  peak = params + optimizer + reference + sampler + reward_model
+  peak = params + optimizer + reference + teacher + sampler + reward_model
          + max(gradients + max(activations, saved + logits + head) + batch,
                gathered + kv_cache + max(prefill, decode_step)).
 Disaggregated placement puts them on different devices:
-  peak = max(params + optimizer + reference + gradients
+  peak = max(params + optimizer + reference + teacher + gradients
              + max(activations, saved + logits + head) + batch,                (train)
              sampler + reward_model + gathered + kv_cache
              + max(prefill, decode_step))                                         (rollout)
@@ -753,6 +755,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
                            gathered=not sharded)
   rm_bytes, rm_note = reward_model_bytes(config, rollout_shape, rules)
+  teacher, teacher_note = teacher_bytes(config, shape, rules)
   comps = [
       Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
                 "the rules" + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
@@ -765,6 +768,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 if reference else "none: the base weights, adapters off (LoRA)"
                 if cfg.lora_rank and (float(algo.kl_coef) > 0 or pref_ref)
                 else "none (kl_coef=0)"),
+      Component("teacher", teacher, teacher_note),
       Component("gradients", grads, f"{'2' if per_update > 1 else '1'} x "
                 f"{'the LoRA adapters' if cfg.lora_rank else 'params'} "
                 + ("+ 1 x the experts " if expert_grads else "")
@@ -787,7 +791,8 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                                                     "(left sharded)" if sharded else "")),
       Component("reward_model", rm_bytes, rm_note),
   ]
-  static = params + opt + reference + (sampler + rm_bytes if placement == "colocated" else 0)
+  static = (params + opt + reference + teacher
+            + (sampler + rm_bytes if placement == "colocated" else 0))
   # The head's gathered projection is live while no layer is differentiated.
   b_tok, t_tok, _, _, _, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
   head_phase = (saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules)
@@ -876,6 +881,22 @@ def reward_model_bytes(config: ml_collections.ConfigDict, rollout_shape: dict[st
           f"rollout mesh {rollout_shape}, sharded by the rules")
 
 
+def teacher_bytes(config: ml_collections.ConfigDict, shape: dict[str, int],
+                  rules=models.DEFAULT_RULES) -> tuple[int, str]:
+  """(bytes per train device, how counted) of the parameters of the run's distillation
+  teacher (distill.teacher), from its config.json alone; 0 without one, or when the folder
+  is not readable here (planning a run whose files live elsewhere)."""
+  if not experiment.distill_teacher(config):
+    return 0, "none (distill.teacher unset)"
+  try:
+    cfg = experiment.teacher_config(config)
+  except ValueError as e:
+    return 0, f"not counted: {e}"
+  return (state_bytes(cfg, shape, rules)[0],
+          f"{_count(cfg.num_params)} x {np.dtype(cfg.param_dtype).itemsize} bytes on the "
+          f"train mesh {shape}, sharded by the rules (frozen, no optimizer)")
+
+
 def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
                               ) -> tuple[tuple[int, str], tuple[int, str]]:
   """Bytes a device holds outside the compiled update and outside the compiled sampling
@@ -893,6 +914,10 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
   in_step = rl_train_step.reference_in_step(experiment.algorithm(config))
   reference = 0 if in_step else p["reference"]
   rm_bytes = p.components["reward_model"].bytes if "reward_model" in p.components else 0
+  # A distillation teacher's weights wait on the train devices outside every program but
+  # its own log-prob pass.
+  teacher = p.components["teacher"].bytes if "teacher" in p.components else 0
+  and_teacher = " and the distillation teacher" if teacher else ""
 
   def plus_rm(resident: tuple[int, str]) -> tuple[int, str]:
     """`resident` and the reward model, which no program holds but its own scoring."""
@@ -902,15 +927,20 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
     return n + rm_bytes, f"{what} and the reward model" if what else "the reward model"
 
   if p.placement == "colocated":
-    train = (p["sampler"] + reference, "the sampler's copy of the weights"
-             + (" and the KL reference" if reference else ""))
-    learner = p["params"] + p["optimizer"] + p["reference"]
+    train = (p["sampler"] + reference + teacher, "the sampler's copy of the weights"
+             + (" and the KL reference" if reference else "") + and_teacher)
+    learner = p["params"] + p["optimizer"] + p["reference"] + teacher
     if not gather:  # the sampling programs take the sampler's own weights as arguments
       return plus_rm(train), plus_rm((learner, "the learner's params, optimizer and "
-                                      "reference"))
+                                      "reference" + and_teacher))
     return plus_rm(train), plus_rm((learner + p["sampler"], "the learner's params, optimizer "
-                                    "and reference, and the sampler's copy of the weights"))
-  train = (reference, "the KL reference") if reference else (0, "")
+                                    "and reference" + and_teacher + ", and the sampler's "
+                                    "copy of the weights"))
+  if reference or teacher:
+    train = (reference + teacher, ("the KL reference" + and_teacher) if reference
+             else "the distillation teacher")
+  else:
+    train = (0, "")
   return train, plus_rm((p["sampler"], "the sampler's own weights") if gather else (0, ""))
 
 

@@ -7,6 +7,9 @@ Colocated placement: the sampler and the learner share one mesh and the sampler 
 holds the current weights (on-policy). With reward_model.path set, a frozen learned reward
 model on the rollout devices scores the RL samples as they come out of the rollout, and
 its scores are mixed into their rewards (`posttrain.tasks.reward_model.mix_rewards`).
+With distill.teacher set, a frozen teacher on the train devices reads each RL batch and
+every sampled token's advantage gains its distillation term
+(`posttrain.rl.advantages.distillation_advantages`).
 Everything a run needs to continue exactly lives in the checkpoint: params, optimizer
 state, step, RNG, policy version, scheduler state, the grain iterator states of the SFT
 and preference streams and the config. Restarting with the same workdir resumes from the
@@ -35,9 +38,10 @@ from flax import nnx
 
 from posttrain import distributed, evaluation, majority_vote, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
-                                  data_cache_dir, from_checkpoint, frozen_references,
-                                  model_config, objective, optimizer_like,
-                                  reward_model_domains, run_domains, to_checkpoint)
+                                  data_cache_dir, distill_teacher, from_checkpoint,
+                                  frozen_references, model_config, objective,
+                                  optimizer_like, reward_model_domains, run_domains,
+                                  teacher_config, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData, UnpairedData
 from posttrain.data.sft import SFTData
@@ -306,6 +310,10 @@ class Trainer:
     # preference step instead of the policy-gradient one.
     self.online_pref = presets.preference_config(self.algo)
     self._reward_kl = float("nan")  # the batch's KL in the reward, for the KL controller
+    self.teacher_path = distill_teacher(config)
+    self.teacher_cfg = self._check_distill() if self.teacher_path else None
+    self.teacher_params = None
+    self._distill_stats: dict[str, float] = {}
     off_policy = (self.disaggregated and self.max_policy_lag > 0) or self.step_tokens > 0
     if off_policy and float(self.algo.tis_cap) == 0 and self.online_pref is None:
       # Stale samples are corrected with truncated importance weights (Yao et al. 2025).
@@ -403,6 +411,68 @@ class Trainer:
                "loaded in %.1f s", self.rm_path, f"{self.reward_model.cfg.num_params:,}",
                len(self.rm_domains), len(self.domains), float(config.reward_model.mix),
                config.reward_model.squash, time.time() - t_load)
+    if self.teacher_path and int(config.train.rl_steps) > 0:
+      self._load_teacher()  # a folder that cannot load fails now, not after SFT
+
+  def _check_distill(self) -> models.ModelConfig:
+    """The teacher's config, after refusing what on-policy distillation cannot join."""
+    d = self.config.distill
+    if self.online_pref is not None:
+      raise ValueError(f"distill.teacher adds to a policy-gradient advantage; algorithm "
+                       f"{self.config.algorithm!r} trains a preference loss on pairs")
+    if float(d.reward_weight) == 0 and self.algo.dynamic_sampling:
+      raise ValueError("distill.reward_weight=0 (distillation alone) with dynamic sampling "
+                       "would drop every group whose rewards are equal: set "
+                       "rl.dynamic_sampling=False")
+    cfg = teacher_config(self.config)
+    if cfg.vocab_size < self.cfg.vocab_size:
+      raise ValueError(f"distill.teacher={self.teacher_path!r} has a vocabulary of "
+                       f"{cfg.vocab_size} tokens, fewer than the student's "
+                       f"{self.cfg.vocab_size}: the teacher must read the student's token ids")
+    return cfg
+
+  def _load_teacher(self) -> None:
+    """The frozen teacher on the train devices; nothing of it is checkpointed (a resumed
+    run loads the folder again)."""
+    t_load = time.time()
+    dtype = self.teacher_cfg.dtype  # distill.dtype, or the run's model dtype
+    model = models.from_pretrained(self.teacher_path, mesh=self.mesh, rules=self.rules,
+                                   dtype=dtype, attention_impl=self.cfg.attention_impl,
+                                   logprob_chunk=self.cfg.logprob_chunk)
+    self.teacher_cfg = model.cfg
+    self.teacher_params = nnx.state(model, nnx.Param)
+    log.info("distillation teacher %s (%s params, %s) loaded in %.1f s; coef %g, "
+             "reward_weight %g", self.teacher_path, f"{model.cfg.num_params:,}", dtype,
+             time.time() - t_load, float(self.config.distill.coef),
+             float(self.config.distill.reward_weight))
+
+  def _add_distillation(self, out: dict[str, Any], shape) -> None:
+    """Scales the batch's advantages by distill.reward_weight and adds each sampled
+    token's distillation advantage (`advantages.distillation_advantages`)."""
+    if self.teacher_params is None:
+      self._load_teacher()
+    d = self.config.distill
+    t0 = time.time()
+    key = ("teacher", 1.0)
+    if key not in self._logprobs_fns:
+      self._logprobs_fns[key] = ts.make_compute_logprobs(
+          self.teacher_cfg, mesh=self.mesh, rules=self.rules, temperature=1.0,
+          with_values=False)
+    teacher = self._logprobs_fns[key](self.teacher_params, out)["logprobs"]
+    flat = lambda x: jnp.asarray(x).reshape(-1, shape[-1])  # noqa: E731
+    mask = flat(out["loss_mask"])
+    gap = adv_lib.distillation_advantages(flat(teacher), flat(out["old_logprobs"]), mask,
+                                          coef=1.0)
+    advantages = (float(d.reward_weight) * flat(out["advantages"])
+                  + float(d.coef) * gap)
+    out["advantages"] = advantages.reshape(shape)
+    count = jnp.maximum(jnp.sum(mask != 0), 1)
+    self._distill_stats = {
+        # The sampled per-token reverse KL, KL(student || teacher), before the update.
+        "distill/reverse_kl": float(-jnp.sum(gap) / count),
+        "distill/teacher_logprob": float(jnp.sum(jnp.where(mask != 0, flat(teacher), 0.0))
+                                         / count),
+        "timing/teacher_s": time.time() - t0}
 
   def _load_sft_data(self, s) -> tuple[SFTData | None, SFTData | None]:
     """The SFT stage's files (sft.data) and held-out files (sft.eval_data), tokenized;
@@ -1210,6 +1280,7 @@ class Trainer:
       batch = _to_batch(trajectories, row_len=self.row_len, rows_per_mb=self.rows_per_mb,
                         micro_multiple=int(algo.num_minibatches), pad_id=self.tok.pad_id)
       batch = self._add_learner_inputs(batch)
+      extra.update(self._distill_stats)
       timings["timing/reference_s"] = time.time() - t1
       t2 = time.time()
       self.state, history = ts.ppo_update(step_fn, self.state, batch,
@@ -1364,7 +1435,8 @@ class Trainer:
     needs_entropy = float(algo.top_entropy_fraction) < 1
     needs_old = (self._updates_per_step() > 1 or algo.kl_in_reward or algo.use_critic
                  or float(algo.tis_cap) > 0
-                 or algo.policy_loss in loss_lib.COVARIANCE_LOSSES or needs_entropy)
+                 or algo.policy_loss in loss_lib.COVARIANCE_LOSSES or needs_entropy
+                 or bool(self.teacher_path))
     if float(algo.tis_cap) > 0:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
     cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy) if needs_old
@@ -1378,9 +1450,11 @@ class Trainer:
                    else self.reference)
       out["ref_logprobs"] = self._logprobs(reference, batch)["logprobs"]
     est = algo.advantage_estimator
-    if est in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:
-      return out
     shape = batch["tokens"].shape
+    if est in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:
+      if self.teacher_path:
+        self._add_distillation(out, shape)
+      return out
     flat = lambda x: jnp.asarray(x).reshape(-1, shape[-1])  # noqa: E731
     mask, seg = flat(batch["loss_mask"]), flat(batch["segment_ids"])
     token_rewards = flat(batch["rewards"]) * _last_token(mask, seg)
@@ -1403,6 +1477,8 @@ class Trainer:
           token_rewards, mask, gamma=float(algo.gamma), kl=kl,
           kl_coef=kl_coef, segment_ids=seg)
     out["advantages"] = a.reshape(shape)
+    if self.teacher_path:
+      self._add_distillation(out, shape)
     return out
 
 

@@ -489,6 +489,43 @@ def remax_advantages(
   return advantages.reshape(jnp.shape(rewards))
 
 
+def distillation_advantages(
+    teacher_logprobs: Array,
+    student_logprobs: Array,
+    mask: Array,
+    *,
+    coef: float = 1.0,
+) -> Array:
+  """On-policy distillation's per-token advantage (GKD, Agarwal et al. 2024, with the
+  reverse KL; Lu et al. 2025, "On-Policy Distillation"):
+
+      A_t = coef * (log p_teacher(y_t) - log p_student(y_t))
+
+  for the student's own sampled tokens y_t: minus the single-sample estimate of the
+  per-token reverse KL, KL(student || teacher), with no sum over later tokens (a discount
+  of 0), so each token is pushed toward what the teacher would say there. Added to an
+  estimator's advantages, or alone (pure distillation), it makes the policy-gradient loss
+  minimise the reverse KL to the teacher on the student's own distribution.
+
+  Args:
+    teacher_logprobs: `[batch, length]` the teacher's log-probs of the targets.
+    student_logprobs: `[batch, length]` the student's (the policy that sampled them).
+    mask: `[batch, length]`, nonzero on trained targets.
+    coef: the advantage's weight, >= 0.
+
+  Returns:
+    `[batch, length]` float32, 0 at masked positions.
+  """
+  if not coef >= 0:
+    raise ValueError(f"distillation coef must be >= 0, got {coef}")
+  losses.check_token_shapes(teacher_logprobs=teacher_logprobs,
+                            student_logprobs=student_logprobs, mask=mask)
+  mask = losses.as_mask(mask)
+  gap = (jnp.where(mask, jnp.asarray(teacher_logprobs, jnp.float32), 0.0)
+         - jnp.where(mask, jnp.asarray(student_logprobs, jnp.float32), 0.0))
+  return jnp.where(mask, coef * gap, 0.0)
+
+
 def dynamic_sampling_mask(
     rewards: Array,
     group_ids: Array | None = None,
