@@ -1043,11 +1043,11 @@ def format_plan(p: Plan) -> str:
                  "activations + batch")
   elif p.placement == "colocated":
     lines.append(f"{'peak':<12}{human_bytes(p.peak):>12}  params + optimizer + reference + "
-                 "sampler + reward_model + max(gradients + max(activations, head phase) "
+                 "teacher + sampler + reward_model + max(gradients + max(activations, head phase) "
                  "+ batch, gathered + kv_cache + max(prefill, decode_step))")
   else:
     lines.append(f"{'train peak':<12}{human_bytes(p.train_peak):>12}  params + optimizer + "
-                 "reference + gradients + max(activations, head phase) + batch")
+                 "reference + teacher + gradients + max(activations, head phase) + batch")
     lines.append(f"{'rollout peak':<12}{human_bytes(p.rollout_peak):>12}  sampler + "
                  "reward_model + gathered + kv_cache + max(prefill, decode_step)")
   lines += list(p.advice)

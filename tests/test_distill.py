@@ -126,6 +126,8 @@ def test_planner_counts_the_teacher_on_the_train_devices(folders):
                                                         models.DEFAULT_RULES)[0]
   assert with_teacher["teacher"] > 0 and without["teacher"] == 0
   assert with_teacher.train_peak == without.train_peak + with_teacher["teacher"]
+  text = planner.format_plan(with_teacher)
+  assert "reference + teacher + sampler" in text and "frozen, no optimizer" in text
   bf16 = planner.plan(_config(**{"distill.teacher": str(folders / "teacher"),
                                  "distill.dtype": "bfloat16"}), num_devices=8)
   assert bf16["teacher"] * 2 == with_teacher["teacher"]
