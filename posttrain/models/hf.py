@@ -14,6 +14,7 @@ reward model's adapter is PEFT's SEQ_CLS kind, its score head saved whole beside
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -440,6 +441,21 @@ def _check_adapter_overrides(path: str, adapter: dict[str, Any],
 # -- reading --------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _open_tensors(f: str):
+  """`safe_open(f)`, a damaged file (a truncated download, say) a one-line ValueError
+  naming it; a missing one stays FileNotFoundError."""
+  from safetensors import SafetensorError, safe_open
+  if not os.path.exists(f):
+    raise FileNotFoundError(f"{f} does not exist (named by the folder's safetensors index)")
+  try:
+    with safe_open(f, framework="numpy") as fh:
+      yield fh
+  except SafetensorError as e:
+    raise ValueError(f"{f} is not a readable safetensors file: "
+                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
 def _tensor_files(path: str) -> dict[str, str]:
   """HF tensor name -> safetensors file, from an index or by scanning the folder."""
   index = os.path.join(path, "model.safetensors.index.json")
@@ -447,13 +463,12 @@ def _tensor_files(path: str) -> dict[str, str]:
     with open(index) as fh:
       weight_map = json.load(fh)["weight_map"]
     return {name: os.path.join(path, f) for name, f in weight_map.items()}
-  from safetensors import safe_open
   files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors files in {path}")
   out = {}
   for f in files:
-    with safe_open(os.path.join(path, f), framework="numpy") as fh:
+    with _open_tensors(os.path.join(path, f)) as fh:
       for name in fh.keys():
         out[name] = os.path.join(path, f)
   return out
@@ -461,12 +476,11 @@ def _tensor_files(path: str) -> dict[str, str]:
 
 def _iter_tensors(files: dict[str, str], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (name, array), opening each file once and reading one tensor at a time."""
-  from safetensors import safe_open
   by_file: dict[str, list[str]] = {}
   for name in names:
     by_file.setdefault(files[name], []).append(name)
   for f, group in by_file.items():
-    with safe_open(f, framework="numpy") as fh:
+    with _open_tensors(f) as fh:
       for name in group:
         yield name, fh.get_tensor(name)
 
@@ -481,11 +495,10 @@ def _check_names(where: str, present: set[str], wanted: set[str],
 
 def _adapter_files(path: str) -> dict[str, str]:
   """PEFT tensor name -> file, from the folder's adapter_model.safetensors."""
-  from safetensors import safe_open
   f = os.path.join(path, "adapter_model.safetensors")
   if not os.path.exists(f):
     raise FileNotFoundError(f"{f} does not exist (only safetensors adapters are read)")
-  with safe_open(f, framework="numpy") as fh:
+  with _open_tensors(f) as fh:
     return {name: f for name in fh.keys()}
 
 

@@ -147,6 +147,22 @@ def test_bad_checkpoints_name_the_problem(tmp_path):
   save_file(wrong, path)
   with pytest.raises(ValueError, match=r"model.norm.weight has shape \(41,\)"):
     models.from_pretrained(str(tmp_path))
+  # A truncated download: cut in the header, then in the data.
+  save_file(tensors, path)
+  whole = path.read_bytes()
+  for cut in (100, len(whole) - 64):
+    path.write_bytes(whole[:cut])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors "
+                       "file") as info:
+      models.from_pretrained(str(tmp_path))
+    assert "\n" not in str(info.value)
+  # A sharded folder whose index names a file that is not there.
+  path.write_bytes(whole)
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {name: "model-00002.safetensors" for name in tensors}}))
+  with pytest.raises(FileNotFoundError, match="model-00002.safetensors does not exist"):
+    models.from_pretrained(str(tmp_path))
+  os.remove(tmp_path / "model.safetensors.index.json")
   os.remove(path)
   with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
     models.from_pretrained(str(tmp_path))
