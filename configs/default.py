@@ -128,12 +128,15 @@ def get_config() -> ml_collections.ConfigDict:
       max_len=0,         # tokens scored per conversation (the head); 0 = rollout.max_len
       tokenizer=""))     # "" = the folder's tokenizer.json if it has one, else the run's
   # On-policy distillation: a frozen teacher (a Hugging Face causal-LM folder with the
-  # run's vocabulary, on the train devices) reads the student's own samples; each
-  # sampled token's advantage gains coef * (log p_teacher - log p_student), minus the
-  # per-token reverse KL, beside reward_weight times the algorithm's own (0: distillation
-  # alone, no reward needed).
+  # run's vocabulary, on the train devices) reads the student's own samples. loss
+  # "sampled": each sampled token's advantage gains coef * (log p_teacher - log
+  # p_student), minus its reverse KL; "reverse_kl" / "forward_kl": the update adds coef
+  # times that divergence over the whole vocabulary at every trained token (the teacher
+  # runs in the step). Either way beside reward_weight times the algorithm's own
+  # advantages (0: distillation alone, no reward needed).
   c.distill = ml_collections.ConfigDict(dict(
       teacher="",         # "" = off
+      loss="sampled",     # sampled | reverse_kl | forward_kl
       coef=1.0,
       reward_weight=1.0,
       dtype=""))          # the teacher's weights and compute: "" = the run's model dtype

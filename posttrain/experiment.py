@@ -100,6 +100,7 @@ def check_config(config) -> None:
 
 
 DISTILL_DTYPES = ("", "float32", "bfloat16", "float16")
+DISTILL_LOSSES = ("sampled",) + models.DIVERGENCES
 
 
 def distill_teacher(config) -> str:
@@ -117,6 +118,9 @@ def _check_distill(config) -> None:
   dtype = str(d.get("dtype", "") or "")
   if dtype not in DISTILL_DTYPES:
     raise ValueError(f"distill.dtype={dtype!r}; expected one of {DISTILL_DTYPES[1:]} or \"\"")
+  loss = str(d.get("loss", "sampled"))
+  if loss not in DISTILL_LOSSES:
+    raise ValueError(f"distill.loss={loss!r}; expected one of {DISTILL_LOSSES}")
   if not distill_teacher(config):
     return
   teacher_config(config)

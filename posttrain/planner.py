@@ -884,17 +884,28 @@ def reward_model_bytes(config: ml_collections.ConfigDict, rollout_shape: dict[st
 def teacher_bytes(config: ml_collections.ConfigDict, shape: dict[str, int],
                   rules=models.DEFAULT_RULES) -> tuple[int, str]:
   """(bytes per train device, how counted) of the parameters of the run's distillation
-  teacher (distill.teacher), from its config.json alone; 0 without one, or when the folder
-  is not readable here (planning a run whose files live elsewhere)."""
+  teacher (distill.teacher), from its config.json alone, and, when the update reads it
+  (distill.loss reverse_kl / forward_kl), its final hidden states of one micro-batch; 0
+  without one, or when the folder is not readable here (planning a run whose files live
+  elsewhere)."""
   if not experiment.distill_teacher(config):
     return 0, "none (distill.teacher unset)"
   try:
     cfg = experiment.teacher_config(config)
   except ValueError as e:
     return 0, f"not counted: {e}"
-  return (state_bytes(cfg, shape, rules)[0],
-          f"{_count(cfg.num_params)} x {np.dtype(cfg.param_dtype).itemsize} bytes on the "
-          f"train mesh {shape}, sharded by the rules (frozen, no optimizer)")
+  size = np.dtype(cfg.param_dtype).itemsize
+  n = state_bytes(cfg, shape, rules)[0]
+  note = (f"{_count(cfg.num_params)} x {size} bytes on the train mesh {shape}, sharded by "
+          "the rules (frozen, no optimizer)")
+  if str(config.distill.get("loss", "sampled")) != "sampled":
+    rows, row_len = int(config.train.rows_per_microbatch), int(config.train.row_len)
+    b, t, e = _logical_shard(abstract_mesh(shape), rules, ("batch", "length", "embed"),
+                             (rows, row_len, cfg.d_model))
+    n += b * t * e * size
+    note += f", + its hidden states of a micro-batch in the update ({rows} x {row_len} x " \
+            f"{cfg.d_model})"
+  return n, note
 
 
 def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict

@@ -311,6 +311,10 @@ class Trainer:
     self.online_pref = presets.preference_config(self.algo)
     self._reward_kl = float("nan")  # the batch's KL in the reward, for the KL controller
     self.teacher_path = distill_teacher(config)
+    # distill.loss: "sampled" adds each sampled token's log-prob gap to its advantage;
+    # reverse_kl / forward_kl add the whole-vocabulary divergence as a loss in the step.
+    self.distill_in_step = bool(self.teacher_path) and str(
+        config.distill.get("loss", "sampled")) != "sampled"
     self.teacher_cfg = self._check_distill() if self.teacher_path else None
     self.teacher_params = None
     self._distill_stats: dict[str, float] = {}
@@ -447,11 +451,17 @@ class Trainer:
              float(self.config.distill.reward_weight))
 
   def _add_distillation(self, out: dict[str, Any], shape) -> None:
-    """Scales the batch's advantages by distill.reward_weight and adds each sampled
-    token's distillation advantage (`advantages.distillation_advantages`)."""
+    """Scales the batch's advantages by distill.reward_weight and, with distill.loss
+    "sampled", adds each sampled token's distillation advantage
+    (`advantages.distillation_advantages`); the other losses act in the step."""
     if self.teacher_params is None:
       self._load_teacher()
     d = self.config.distill
+    if self.distill_in_step:
+      if float(d.reward_weight) != 1.0:
+        out["advantages"] = float(d.reward_weight) * jnp.asarray(out["advantages"])
+      self._distill_stats = {}
+      return
     t0 = time.time()
     key = ("teacher", 1.0)
     if key not in self._logprobs_fns:
@@ -1026,9 +1036,16 @@ class Trainer:
                                                  mesh=self.mesh, rules=self.rules,
                                                  reference_in_step=self._reference_in_step())
     elif self._rl_step_fn is None:
-      self._rl_step_fn = ts.make_train_step(self.cfg, self.algo, self.rl_optimizer,
-                                            mesh=self.mesh, rules=self.rules,
-                                            reference_in_step=self._reference_in_step())
+      # The update's log-probs at the sampler's temperature, as the old, reference and
+      # behaviour log-probs it compares them with: a ratio of 1 on-policy.
+      d = self.config.get("distill") or {}
+      self._rl_step_fn = ts.make_train_step(
+          self.cfg, self.algo, self.rl_optimizer, mesh=self.mesh, rules=self.rules,
+          reference_in_step=self._reference_in_step(),
+          temperature=float(self.config.rollout.temperature) or 1.0,
+          teacher_cfg=self.teacher_cfg if self.distill_in_step else None,
+          distill_loss=str(d.get("loss", "reverse_kl")) if self.distill_in_step
+          else "reverse_kl", distill_coef=float(d.get("coef", 1.0)))
     if self._rl_needs_reference() and self.reference is None and not self.cfg.lora_rank:
       # The reference is the policy RL started from; re-derived on resume from the
       # checkpoint written when RL began (kept as its own copy, never updated). With LoRA
@@ -1271,6 +1288,8 @@ class Trainer:
     step_fn = self._rl_step_fn
     if self._reference_in_step() and not self.cfg.lora_rank:
       step_fn = functools.partial(step_fn, reference=self.reference)
+    if self.distill_in_step:
+      step_fn = functools.partial(step_fn, teacher=self.teacher_params)
     t1 = t2 = time.time()
     if self.online_pref is not None:
       batch, history, pair_stats = self._online_preference_update(step_fn, groups,
@@ -1436,7 +1455,7 @@ class Trainer:
     needs_old = (self._updates_per_step() > 1 or algo.kl_in_reward or algo.use_critic
                  or float(algo.tis_cap) > 0
                  or algo.policy_loss in loss_lib.COVARIANCE_LOSSES or needs_entropy
-                 or bool(self.teacher_path))
+                 or (bool(self.teacher_path) and not self.distill_in_step))
     if float(algo.tis_cap) > 0:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
     cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy) if needs_old

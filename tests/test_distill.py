@@ -3,6 +3,8 @@ teacher's term to what the RL batch trains on (checked against a plain forward o
 teacher's folder), a teacher equal to the student giving nothing, the planner counting the
 teacher, and one-line errors for what cannot be distilled from."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -143,6 +145,8 @@ def test_what_cannot_be_distilled_from_is_a_one_line_error(folders, tmp_path):
         "distill.reward_weight": 0.0}, "leave no advantage"),
       ({"distill.teacher": str(folders / "teacher"), "distill.coef": -1.0},
        "distill.coef=-1.0 must be >= 0"),
+      ({"distill.teacher": str(folders / "teacher"), "distill.loss": "jsd"},
+       "distill.loss='jsd'; expected one of \\('sampled', 'reverse_kl', 'forward_kl'\\)"),
   ]
   for extra, message in cases:
     with pytest.raises(ValueError, match=message) as info:
@@ -159,3 +163,164 @@ def test_what_cannot_be_distilled_from_is_a_one_line_error(folders, tmp_path):
     with pytest.raises(ValueError, match=message) as info:
       trainer.Trainer(_config(**extra), str(tmp_path / "run"))
     assert "\n" not in str(info.value)
+
+
+# -- the whole-vocabulary divergence in the step (distill.loss=reverse_kl | forward_kl) ----
+
+
+def _np_divergence(logits, teacher, kind, temperature=1.0):
+  logits = logits.astype(np.float64) / temperature
+  teacher = teacher.astype(np.float64)[..., :logits.shape[-1]]
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  logq = teacher - np.log(np.exp(teacher - teacher.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - teacher.max(-1, keepdims=True)
+  if kind == "reverse_kl":
+    return (np.exp(logp) * (logp - logq)).sum(-1)
+  return (np.exp(logq) * (logq - logp)).sum(-1)
+
+
+@pytest.mark.parametrize("kind", models.DIVERGENCES)
+def test_chunked_divergence_matches_numpy_and_its_gradient_the_plain_one(kind):
+  """Chunks that do not divide the length, a teacher with more vocabulary rows (read on
+  the model's tokens, renormalised) and of another width, a sampling temperature."""
+  rng = np.random.default_rng(1)
+  b, t, d, e, v, w = 2, 11, 8, 12, 37, 40
+  h = rng.normal(size=(b, t, d)).astype(np.float32)
+  wd = rng.normal(size=(d, v)).astype(np.float32)
+  th = rng.normal(size=(b, t, e)).astype(np.float32)
+  tw = (rng.normal(size=(e, w)) * 2).astype(np.float32)
+  got = models.chunked_divergence(h, wd, th, tw, kind=kind, chunk=4, temperature=0.7)
+  want = _np_divergence(h @ wd, th @ tw, kind, temperature=0.7)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert np.all(np.asarray(got) >= -1e-6)
+
+  def plain(h_, w_):
+    logp = jax.nn.log_softmax(jnp.einsum("btd,dv->btv", h_, w_) / 0.7, -1)
+    logq = jax.nn.log_softmax(jnp.einsum("bte,ev->btv", th, tw[:, :v]), -1)
+    p, q = jnp.exp(logp), jnp.exp(logq)
+    div = (p * (logp - logq)) if kind == "reverse_kl" else (q * (logq - logp))
+    return jnp.sum(div * np.arange(t)[None, :, None] / t)
+
+  def chunked(h_, w_):
+    div = models.chunked_divergence(h_, w_, th, tw, kind=kind, chunk=4, temperature=0.7)
+    return jnp.sum(div * np.arange(t)[None, :] / t)
+
+  for got_g, want_g in zip(jax.grad(chunked, (0, 1))(h, wd), jax.grad(plain, (0, 1))(h, wd)):
+    np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-5)
+  # Nothing flows into the teacher.
+  g_t = jax.grad(lambda x: jnp.sum(models.chunked_divergence(h, wd, x, tw, kind=kind,
+                                                             chunk=4)))(th)
+  assert not np.any(np.asarray(g_t))
+  with pytest.raises(ValueError, match="unknown divergence 'jsd'"):
+    models.chunked_divergence(h, wd, th, tw, kind="jsd", chunk=4)
+  with pytest.raises(ValueError, match="teacher's vocabulary \\(30\\) is smaller"):
+    models.chunked_divergence(h, wd, th, tw[:, :30], kind=kind, chunk=4)
+
+
+def _step_setup(teacher_seed=5):
+  import optax
+  from flax import nnx
+
+  from posttrain.rl import presets
+  from posttrain.rl import state as state_lib
+  from posttrain.rl import train_step as ts
+  from tests.rl.test_train_step import (CFG, microbatched, one_device_mesh, packed_rows)
+  mesh = one_device_mesh()
+  teacher_cfg = CFG.replace(num_layers=2)
+  teacher = models.create_model(teacher_cfg, seed=teacher_seed)
+  teacher.final_norm.scale.value = teacher.final_norm.scale.value * 6.0
+  teacher_params = nnx.state(teacher, nnx.Param)
+  optimizer = optax.sgd(1.0)
+  init = state_lib.init_train_state(models.create_model(CFG), optimizer, mesh=mesh)
+  whole = {k: np.asarray(v) for k, v in microbatched(packed_rows(3), 1).items()}
+  whole["advantages"] = np.zeros_like(whole["advantages"])  # the divergence alone
+  algo = presets.algorithm_config("grpo", kl_coef=0.0)
+  return (ts, state_lib, CFG, teacher_cfg, teacher, teacher_params, optimizer, init, whole,
+          algo, mesh)
+
+
+@pytest.mark.parametrize("kind", models.DIVERGENCES)
+def test_step_divergence_gradient_is_the_plain_losss_and_splits_exactly(kind):
+  """With zero advantages the update is minus the gradient of coef * sum_t w_t D_t / D
+  (GRPO's seq_mean_token_mean weights), computed here from plain forwards of both models;
+  four micro-batches give the one-batch update."""
+  from flax import nnx
+  (ts, state_lib, cfg, teacher_cfg, teacher, teacher_params, optimizer, init, whole, algo,
+   mesh) = _step_setup()
+  coef = 0.5
+  step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, teacher_cfg=teacher_cfg,
+                            distill_loss=kind, distill_coef=coef)
+  state, metrics = step(state_lib.frozen_copy(init), whole, teacher=teacher_params)
+  delta = jax.tree.map(np.subtract, nnx.to_pure_dict(state.params),
+                       nnx.to_pure_dict(init.params))
+
+  from posttrain.rl import losses
+  tokens, positions, seg = (whole[k][0] for k in ("tokens", "positions", "segment_ids"))
+  targets, mask = whole["targets"][0], whole["loss_mask"][0] != 0
+  weights, denom = losses.token_weights(mask, "seq_mean_token_mean", segment_ids=seg)
+  logq = jax.nn.log_softmax(teacher(tokens, positions, seg).astype(jnp.float32), -1)
+  model = models.create_model(cfg)
+  graphdef, _ = nnx.split(model)
+
+  def oracle(params):
+    m = nnx.merge(graphdef, params)
+    logp = jax.nn.log_softmax(m(tokens, positions, seg).astype(jnp.float32), -1)
+    p, q = jnp.exp(logp), jnp.exp(logq)
+    div = jnp.sum(p * (logp - logq) if kind == "reverse_kl" else q * (logq - logp), -1)
+    return coef * jnp.sum(jnp.where(mask, div * weights, 0.0)) / denom, div
+
+  (_, div), grad = jax.value_and_grad(oracle, has_aux=True)(init.params)
+  del targets
+  for got, want in zip(jax.tree.leaves(delta), jax.tree.leaves(nnx.to_pure_dict(grad))):
+    np.testing.assert_allclose(got, -np.asarray(want), rtol=2e-3, atol=2e-6)
+  np.testing.assert_allclose(metrics["distill/divergence"], np.asarray(div)[mask].mean(),
+                             rtol=1e-4)
+  split = {k: v.reshape((4, -1) + v.shape[2:]) for k, v in whole.items()}
+  state_4, metrics_4 = step(state_lib.frozen_copy(init), split, teacher=teacher_params)
+  for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(state_4.params)),
+                  jax.tree.leaves(nnx.to_pure_dict(state.params))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(metrics_4["distill/divergence"], metrics["distill/divergence"],
+                             rtol=1e-5)
+  with pytest.raises(ValueError, match="call train_step\\(state, batch, teacher="):
+    step(state_lib.frozen_copy(init), whole)
+
+
+def test_trainer_distils_over_the_whole_vocabulary_in_the_step(folders, tmp_path):
+  """distill.loss=reverse_kl, distillation alone: toward a sharper copy of the student the
+  divergence falls over a few steps; from the student's own weights it is 0 and so is the
+  gradient."""
+  student = str(folders / "student")
+  sharp = tmp_path / "sharp"
+  model = models.from_pretrained(student)
+  model.final_norm.scale.value = model.final_norm.scale.value * 8.0
+  models.save_pretrained(model, str(sharp))
+  common = {"distill.loss": "reverse_kl", "distill.reward_weight": 0.0, "init_from": student,
+            "optim.lr": 1e-2, "optim.warmup": 0}
+  trainer.train(_config(**common, **{"distill.teacher": student}), str(tmp_path / "self"))
+  row = read_metrics(str(tmp_path / "self"))[-1]
+  assert abs(row["distill/divergence"]) < 1e-5 and row["grad_norm"] < 1e-5
+  trainer.train(_config(**common, **{"distill.teacher": str(sharp), "train.rl_steps": 8,
+                                     "rollout.prompts_per_step": 8, "rl.group_size": 8,
+                                     "train.rows_per_microbatch": 16}), str(tmp_path / "run"))
+  divergence = [r["distill/divergence"] for r in read_metrics(str(tmp_path / "run"))]
+  assert len(divergence) == 8 and min(divergence) > 0
+  assert np.mean(divergence[-3:]) < 0.9 * np.mean(divergence[:3]), divergence
+
+
+def test_the_update_reads_log_probs_at_the_rollout_temperature(tmp_path):
+  """Old log-probs come at the sampler's temperature; so must the update's, or the ratio of
+  an on-policy update is not 1 (and PPO epochs clip the wrong tokens)."""
+  trainer.train(_config(**{"rollout.temperature": 0.7, "rl.tis_cap": 2.0}), str(tmp_path))
+  row = read_metrics(str(tmp_path))[-1]
+  assert abs(row["ratio/mean"] - 1.0) < 1e-4 and abs(row["ratio/max"] - 1.0) < 1e-4
+
+
+def test_planner_counts_the_in_step_teachers_hidden_states(folders):
+  extra = {"distill.teacher": str(folders / "teacher")}
+  sampled = planner.plan(_config(**extra), num_devices=1)
+  in_step = planner.plan(_config(**extra, **{"distill.loss": "forward_kl"}), num_devices=1)
+  teacher_cfg = experiment.teacher_config(_config(**extra))
+  rows, row_len = OVERRIDES["train.rows_per_microbatch"], OVERRIDES["train.row_len"]
+  assert in_step["teacher"] - sampled["teacher"] == rows * row_len * teacher_cfg.d_model * 4

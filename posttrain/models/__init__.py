@@ -11,7 +11,8 @@ from posttrain.models.hf import (from_pretrained, hf_config_to_model_config, sav
                                  save_pretrained)
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
                                        make_mesh, named_sharding, rules_from_config)
-from posttrain.models.transformer import (KVCache, Transformer, cache_slots, chunked_logprobs,
+from posttrain.models.transformer import (DIVERGENCES, KVCache, Transformer, cache_slots,
+                                          chunked_divergence, chunked_logprobs,
                                           constrain_cache, fold_lora, init_cache, map_cache,
                                           merge_lora,
                                           with_lora, without_lora, write_cache)
@@ -22,6 +23,6 @@ __all__ = [
     "save_lora_adapter",
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
     "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",
-    "cache_slots", "chunked_logprobs", "constrain_cache", "init_cache", "map_cache",
+    "cache_slots", "chunked_divergence", "chunked_logprobs", "DIVERGENCES", "constrain_cache", "init_cache", "map_cache",
     "write_cache", "fold_lora", "merge_lora", "with_lora", "without_lora",
 ]

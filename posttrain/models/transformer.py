@@ -917,3 +917,67 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
   if return_entropy:
     return logp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
   return logp
+
+
+DIVERGENCES = ("reverse_kl", "forward_kl")
+
+
+def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: str,
+                       chunk: int, temperature: float = 1.0, compute_dtype=jnp.float32):
+  """Per-position divergence between the model's next-token distribution and a teacher's,
+  over the whole vocabulary, `chunk` positions at a time (no [B, T, V] array):
+
+      reverse_kl  KL(p || q) = sum_v p(v) (log p(v) - log q(v))   (mode-seeking; GKD's
+                  on-policy choice)
+      forward_kl  KL(q || p) = sum_v q(v) (log q(v) - log p(v))   (mass-covering)
+
+  with p the model's (its logits at `temperature`), q the teacher's at temperature 1,
+  which carries no gradient. A teacher with a larger vocabulary (padding rows, say) is
+  read on the model's V tokens, renormalised there.
+
+  Args:
+    h_BxTxD, w_DxV: the model's final hidden states and output projection.
+    teacher_h_BxTxE, teacher_w_ExW: the teacher's, W >= V.
+    kind: one of DIVERGENCES.
+
+  Returns:
+    `[B, T]` float32, differentiable in the model's inputs.
+  """
+  if kind not in DIVERGENCES:
+    raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES}")
+  b, t, d = h_BxTxD.shape
+  vocab = w_DxV.shape[1]
+  if teacher_h_BxTxE.shape[:2] != (b, t):
+    raise ValueError(f"teacher hidden states {teacher_h_BxTxE.shape} do not match the "
+                     f"model's {h_BxTxD.shape}")
+  if teacher_w_ExW.shape[1] < vocab:
+    raise ValueError(f"the teacher's vocabulary ({teacher_w_ExW.shape[1]}) is smaller than "
+                     f"the model's ({vocab})")
+  chunk = max(1, min(chunk, t))
+  n = -(-t // chunk)
+  pad = n * chunk - t
+
+  def split(x):
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+    return x.reshape(b, n, chunk, x.shape[-1]).swapaxes(0, 1)
+
+  w = w_DxV.astype(compute_dtype)
+  tw = jax.lax.stop_gradient(teacher_w_ExW[:, :vocab]).astype(compute_dtype)
+
+  @jax.checkpoint
+  def one_chunk(h_BxCxD, th_BxCxE):
+    logits = jnp.einsum("BCD,DV->BCV", h_BxCxD.astype(compute_dtype), w,
+                        preferred_element_type=jnp.float32)
+    if temperature != 1.0:
+      logits = logits / temperature
+    teacher = jnp.einsum("BCE,EV->BCV", jax.lax.stop_gradient(th_BxCxE).astype(compute_dtype),
+                         tw, preferred_element_type=jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    logq = jax.nn.log_softmax(teacher, axis=-1)
+    if kind == "reverse_kl":
+      return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+    return jnp.sum(jnp.exp(logq) * (logq - logp), axis=-1)
+
+  _, div = jax.lax.scan(lambda c, xs: (c, one_chunk(*xs)), None,
+                        (split(h_BxTxD), split(teacher_h_BxTxE)))
+  return div.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]

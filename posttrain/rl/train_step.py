@@ -164,12 +164,15 @@ def _value_head(model: models.Transformer, h_BxTxD):
 
 def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, *,
              temperature: float, with_values: bool, with_entropy: bool,
-             with_router_loss: bool = False):
+             with_router_loss: bool = False, hidden=None):
   """(log-probs, entropies or None, values or None) [B, T] and the mixture's
-  load-balancing loss (None without `with_router_loss`), from one trunk pass."""
+  load-balancing loss (None without `with_router_loss`), from one trunk pass (or from
+  the trunk's `hidden` states, already computed)."""
   cfg = model.cfg
   aux = None
-  if with_router_loss:
+  if hidden is not None:
+    h = hidden
+  elif with_router_loss:
     h, aux = model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"),
                                  ctx=ctx, router_loss=True)
   else:
@@ -322,7 +325,8 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                 critic_optimizer: optax.GradientTransformation | None = None,
                 totals_read_params: bool = False,
                 microbatch_keys: tuple[str, ...] | None = None,
-                prepare_batch: Callable | None = None):
+                prepare_batch: Callable | None = None,
+                teacher_hidden: Callable | None = None, teacher_shardings=None):
   """The update every train step shares, jitted: gradients summed over the micro-batches,
   the optimizer step, a guard that keeps the old state when anything is non-finite.
 
@@ -348,16 +352,23 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
       others (with another leading axis) are for `batch_totals` alone.
     prepare_batch: `(batch, state) -> batch`, run on the whole batch first: inputs the
       micro-batches read that depend on all of them (e.g. covariance-selected tokens).
+    teacher_hidden: `(teacher params, mb) -> (hidden [B, T, E], projection [E, W])`, no
+      gradient: a distillation teacher read in the step, its arrays given to each
+      micro-batch as `teacher_h` and `teacher_w`; the step then takes the teacher's params
+      after the reference (`teacher_shardings`).
 
   Returns:
-    `(jitted, run)`: the `jax.jit` function and `run(state, inputs, reference)`, which
-    lays the inputs out and calls it.
+    `(jitted, run)`: the `jax.jit` function and `run(state, inputs, reference, teacher)`,
+    which lays the inputs out and calls it.
   """
   separate_critic = critic_optimizer is not None
   reference_arg = reference_in_step and not lora
+  teacher_arg = teacher_hidden is not None
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def step_fn(state: TrainState, batch: Batch, reference=None):
+  def step_fn(state: TrainState, batch: Batch, *args):
+    reference = args[0] if reference_arg else None
+    teacher = args[-1] if teacher_arg else None
     if prepare_batch is not None:
       batch = prepare_batch(batch, state)
     microbatches = (batch if microbatch_keys is None
@@ -376,6 +387,9 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
     def micro_grad(mb):
       if reference is not None:
         mb = {**mb, "ref_logprobs": reference_logprobs(reference, mb)}
+      if teacher is not None:
+        teacher_h, teacher_w = teacher_hidden(teacher, mb)
+        mb = {**mb, "teacher_h": teacher_h, "teacher_w": teacher_w}
       return grad_fn(trainable, mb, totals, frozen, 1.0 / num_micro)
 
     def accumulate(carry, mb):
@@ -432,14 +446,15 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
   in_shardings = (state_shardings, batch_shardings)
   if reference_arg:
     in_shardings += (reference_shardings,)
+  if teacher_arg:
+    in_shardings += (teacher_shardings,)
   jitted = jax.jit(step_fn, in_shardings=in_shardings, out_shardings=(state_shardings, None),
                    donate_argnums=(0,) if donate else ())
 
-  def run(state: TrainState, inputs: Batch, reference=None):
+  def run(state: TrainState, inputs: Batch, reference=None, teacher=None):
     inputs = distributed.put(inputs, batch_shardings)
-    if reference_arg:
-      return jitted(state, inputs, reference)
-    return jitted(state, inputs)
+    args = ((reference,) if reference_arg else ()) + ((teacher,) if teacher_arg else ())
+    return jitted(state, inputs, *args)
 
   return jitted, run
 
@@ -449,7 +464,9 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                     rules: Rules = DEFAULT_RULES, max_response_len: int | None = None,
                     temperature: float = 1.0, critic_cfg: models.ModelConfig | None = None,
                     critic_optimizer: optax.GradientTransformation | None = None,
-                    donate: bool = True, reference_in_step: bool = False) -> Callable:
+                    donate: bool = True, reference_in_step: bool = False,
+                    teacher_cfg: models.ModelConfig | None = None,
+                    distill_loss: str = "reverse_kl", distill_coef: float = 1.0) -> Callable:
   """Builds `train_step(state, batch) -> (state, metrics)`, jitted once for every algorithm.
 
   The loss is `losses.rl_loss` with the preset's knobs: PPO/GSPO surrogate, TIS weights,
@@ -478,6 +495,13 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       reference log-probs once with `make_compute_logprobs` instead). With LoRA
       adapters (`model_cfg.lora_rank`) the reference is the base weights already in the
       state, adapters off: call `train_step(state, batch)`, no copy of the model.
+    teacher_cfg: a distillation teacher read in the step (GKD-style, Agarwal et al.
+      2024): `train_step(state, batch, teacher=params)` runs its forward pass on each
+      micro-batch and adds `distill_coef * sum_t w_t D_t / denominator` to the loss, `D_t`
+      the whole-vocabulary `distill_loss` (`models.DIVERGENCES`: reverse_kl, forward_kl)
+      between the policy's next-token distribution (at `temperature`) and the teacher's,
+      on the trained tokens, weighted like the policy loss (`loss_agg_mode`). The teacher
+      must share the policy's token ids (its vocabulary at least as large).
 
   With LoRA adapters only they are differentiated and updated (`state.opt_state` covers
   them alone); the base weights pass through the step unchanged.
@@ -517,19 +541,58 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     required = tuple(k for k in required if k != "ref_logprobs")
   lora = bool(model_cfg.lora_rank)
   aux_coef = float(model_cfg.router_aux_loss_coef)
+  distilling = teacher_cfg is not None
+  if distilling:
+    if distill_loss not in models.DIVERGENCES:
+      raise ValueError(f"distill_loss={distill_loss!r}; expected one of {models.DIVERGENCES}")
+    if not distill_coef >= 0:
+      raise ValueError(f"distill_coef must be >= 0, got {distill_coef}")
+    if not teacher_cfg.lm_head or teacher_cfg.vocab_size < model_cfg.vocab_size:
+      raise ValueError(f"the teacher needs a language-model head over at least the "
+                       f"policy's {model_cfg.vocab_size} tokens, has "
+                       f"{teacher_cfg.vocab_size if teacher_cfg.lm_head else 'none'}")
+    teacher_graphdef, abstract_teacher, teacher_rest = _split_abstract(teacher_cfg)
+
+  def teacher_hidden(teacher_params, mb):
+    teacher = nnx.merge(teacher_graphdef, teacher_params, teacher_rest)
+    return (jax.lax.stop_gradient(_hidden(teacher, mb, ctx)),
+            jax.lax.stop_gradient(teacher.unembed()))
 
   def microbatch_loss(trainable, mb, denominator, frozen, micro_share):
     params, critic_params = trainable
     model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
-    logprobs, entropies, values, aux = _forward(
+    hidden, aux = None, None
+    if distilling:  # the trunk's states feed the log-probs and the divergence both
+      if aux_coef > 0:
+        hidden, aux = model.hidden_states(mb["tokens"], mb.get("positions"),
+                                          mb.get("segment_ids"), ctx=ctx, router_loss=True)
+      else:
+        hidden = _hidden(model, mb, ctx)
+    logprobs, entropies, values, forward_aux = _forward(
         model, mb, ctx, temperature=temperature,
         with_values=loss_cfg.use_critic and not separate_critic, with_entropy=True,
-        with_router_loss=aux_coef > 0)
+        with_router_loss=aux_coef > 0 and hidden is None, hidden=hidden)
+    aux = forward_aux if hidden is None else aux
     if separate_critic:
       critic = nnx.merge(critic_graphdef, critic_params, critic_rest)
       values = _value_head(critic, _hidden(critic, mb, ctx))
     loss, metrics = losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
                                    entropies=entropies, values=values)
+    if distilling:
+      divergence = models.chunked_divergence(
+          hidden, model.unembed(), mb["teacher_h"], mb["teacher_w"], kind=distill_loss,
+          chunk=model_cfg.logprob_chunk, temperature=temperature,
+          compute_dtype=jnp.dtype(model_cfg.dtype))
+      mask = losses.as_mask(mb["loss_mask"])
+      weights, local_denominator = losses.token_weights(
+          mask, loss_cfg.loss_agg_mode, segment_ids=mb.get("segment_ids"),
+          max_response_len=loss_cfg.max_response_len)
+      weighted = jnp.sum(jnp.where(mask, divergence * weights, 0.0))
+      loss = loss + distill_coef * jnp.where(
+          denominator > 0, weighted / jnp.maximum(denominator, 1e-30), 0.0)
+      metrics["loss/distill"] = losses.Metric.mean(weighted, local_denominator)
+      metrics["distill/divergence"] = losses.Metric.mean(
+          jnp.sum(jnp.where(mask, jax.lax.stop_gradient(divergence), 0.0)), jnp.sum(mask))
     return _with_router_aux(loss, metrics, aux, aux_coef, micro_share)
 
   def denominator(batch):
@@ -575,10 +638,18 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       batch_shardings=data_sharding,
       reference_shardings=models.state_shardings(abstract_params, mesh, rules),
       donate=donate, critic_optimizer=critic_optimizer if separate_critic else None,
-      prepare_batch=select_tokens if covariance or high_entropy else None)
+      prepare_batch=select_tokens if covariance or high_entropy else None,
+      teacher_hidden=teacher_hidden if distilling else None,
+      teacher_shardings=(models.state_shardings(abstract_teacher, mesh, rules)
+                         if distilling else None))
 
-  def train_step(state: TrainState, batch: Batch, reference=None):
+  def train_step(state: TrainState, batch: Batch, reference=None, teacher=None):
     _check_reference_arg(reference, lora=lora, reference_in_step=reference_in_step)
+    if distilling and teacher is None:
+      raise ValueError("this step distils from a teacher (teacher_cfg): call "
+                       "train_step(state, batch, teacher=teacher_params)")
+    if teacher is not None and not distilling:
+      raise ValueError("teacher params given to a train step built without teacher_cfg")
     if high_entropy and isinstance(batch, Mapping) and "old_entropies" not in batch:
       raise ValueError(f"top_entropy_fraction={loss_cfg.top_entropy_fraction} selects tokens "
                        "by batch['old_entropies'], the learner's entropies before the update: "
@@ -590,7 +661,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                        "(kl_coef > 0 and kl_in_reward False)")
     if reference_in_step:
       inputs.pop("ref_logprobs", None)  # computed in the step
-    return run(state, inputs, reference)
+    return run(state, inputs, reference, teacher)
 
   train_step.jitted = jitted
   train_step.required = required  # the batch keys it reads (besides the model's)
