@@ -115,6 +115,21 @@ def abstract_rl_batch(config: ml_collections.ConfigDict, algo, required: tuple[s
   return batch
 
 
+def _abstract_teacher(config, cfg, mesh, rules):
+  """(teacher config, its params as sharded ShapeDtypeStructs) of a distillation teacher
+  the update reads (distill.loss reverse_kl / forward_kl), as the trainer loads it; (None,
+  None) otherwise."""
+  distill = config.get("distill") or {}
+  if not experiment.distill_teacher(config) or str(distill.get("loss", "sampled")) == "sampled":
+    return None, None
+  teacher_cfg = experiment.teacher_config(config).replace(
+      attention_impl=cfg.attention_impl, logprob_chunk=cfg.logprob_chunk)
+  _, abstract, _ = ts._split_abstract(teacher_cfg)
+  shardings = models.state_shardings(abstract, mesh, rules)
+  return teacher_cfg, jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
 def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str = ""
                     ) -> Report:
   """Compiles the RL update of `config` for `devices` (e.g. `tpu_devices(...)`); the
@@ -122,12 +137,20 @@ def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str
   mesh, _, rules, cfg, algo = _run(config, devices)
   optimizer = experiment.optimizer_like(config)
   in_step = ts.reference_in_step(algo)
+  teacher_cfg, teacher = _abstract_teacher(config, cfg, mesh, rules)
+  distill = config.get("distill") or {}
   step = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, rules=rules,
-                            reference_in_step=in_step)
+                            reference_in_step=in_step,
+                            temperature=float(config.rollout.temperature) or 1.0,
+                            teacher_cfg=teacher_cfg,
+                            distill_loss=str(distill.get("loss", "reverse_kl"))
+                            if teacher_cfg else "reverse_kl",
+                            distill_coef=float(distill.get("coef", 1.0)))
   state = experiment.from_checkpoint(experiment.abstract_checkpoint(cfg, optimizer, mesh,
                                                                     rules))
   batch = abstract_rl_batch(config, algo, step.required, ts.batch_sharding(mesh, rules))
-  args = (state, batch) + ((state.params,) if in_step else ())
+  args = ((state, batch) + ((state.params,) if in_step else ())
+          + ((teacher,) if teacher is not None else ()))
   start = time.perf_counter()
   with _compiling(mesh):
     compiled = step.jitted.lower(*args).compile()

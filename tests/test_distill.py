@@ -324,3 +324,16 @@ def test_planner_counts_the_in_step_teachers_hidden_states(folders):
   teacher_cfg = experiment.teacher_config(_config(**extra))
   rows, row_len = OVERRIDES["train.rows_per_microbatch"], OVERRIDES["train.row_len"]
   assert in_step["teacher"] - sampled["teacher"] == rows * row_len * teacher_cfg.d_model * 4
+
+
+def test_the_compiled_update_takes_the_in_step_teacher(folders):
+  """aot compiles the update the trainer runs: with distill.loss=reverse_kl its arguments
+  hold the teacher's params beside the state."""
+  from posttrain import aot
+  extra = {"distill.teacher": str(folders / "teacher"), "distill.loss": "reverse_kl"}
+  devices = jax.devices()[:1]
+  with_teacher = aot.compile_rl_step(_config(**extra), devices)
+  without = aot.compile_rl_step(_config(), devices)
+  teacher_cfg = experiment.teacher_config(_config(**extra))
+  teacher = planner.state_bytes(teacher_cfg, with_teacher.mesh)[0]
+  assert with_teacher.arguments - without.arguments == teacher
