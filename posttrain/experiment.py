@@ -4,7 +4,6 @@ config, the domain list, the algorithm, and the checkpointed train-state layout.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 from typing import Any, Sequence
 
@@ -138,16 +137,8 @@ def teacher_config(config) -> models.ModelConfig:
       be read, or no language-model head (a reward model).
   """
   path = distill_teacher(config)
-  cfg_path = os.path.join(path, "config.json")
-  if not os.path.exists(cfg_path):
-    raise ValueError(f"distill.teacher={path!r} has no config.json (expected a Hugging Face "
-                     "causal-LM folder)")
-  with open(cfg_path) as fh:
-    hf_cfg = json.load(fh)
-  try:
-    cfg = models.hf_config_to_model_config(hf_cfg)
-  except (ValueError, KeyError) as e:
-    raise ValueError(f"distill.teacher={path!r}: {e}") from None
+  cfg, _ = models.hf.folder_config(path, f"distill.teacher={path!r}",
+                                   "a Hugging Face causal-LM folder")
   if not cfg.lm_head:
     raise ValueError(f"distill.teacher={path!r} is a {cfg.architecture} without a language-"
                      "model head; expected a *ForCausalLM folder")

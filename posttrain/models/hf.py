@@ -96,6 +96,25 @@ def _architecture(c: dict[str, Any]) -> str:
   return arch
 
 
+def folder_config(path: str, what: str, expected: str = "a Hugging Face folder"
+                  ) -> tuple[ModelConfig, dict[str, Any]]:
+  """(ModelConfig, config.json as a dict) of a model folder, from its config.json alone.
+
+  Raises:
+    ValueError: starting with `what` (e.g. "reward model 'dir'"), when the folder has no
+      config.json or holds an architecture that cannot be read.
+  """
+  cfg_path = os.path.join(str(path), "config.json")
+  if not os.path.exists(cfg_path):
+    raise ValueError(f"{what} has no config.json (expected {expected})")
+  with open(cfg_path) as fh:
+    hf_cfg = json.load(fh)
+  try:
+    return hf_config_to_model_config(hf_cfg), hf_cfg
+  except (ValueError, KeyError) as e:
+    raise ValueError(f"{what}: {e}") from None
+
+
 def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
   """Maps a config.json dict to a ModelConfig; an unknown architecture is an error. A
   *ForSequenceClassification is a reward model (lm_head=False, value_head=True) of one

@@ -23,7 +23,6 @@ span every process's devices.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -55,16 +54,7 @@ def reward_model_config(path: str) -> models.ModelConfig:
     ValueError: naming `path`, when it has no config.json, an architecture that cannot be
       read, or a model without a value head.
   """
-  cfg_path = os.path.join(str(path), "config.json")
-  if not os.path.exists(cfg_path):
-    raise ValueError(f"reward model {path!r} has no config.json (expected a Hugging Face "
-                     "folder)")
-  with open(cfg_path) as fh:
-    hf_cfg = json.load(fh)
-  try:
-    cfg = models.hf_config_to_model_config(hf_cfg)
-  except (ValueError, KeyError) as e:
-    raise ValueError(f"reward model {path!r}: {e}") from None
+  cfg, hf_cfg = models.hf.folder_config(path, f"reward model {path!r}")
   if not cfg.value_head:
     raise ValueError(f"reward model {path!r} has no value head "
                      f"(architectures {hf_cfg.get('architectures')}); expected a "
