@@ -7,9 +7,11 @@ Colocated placement: the sampler and the learner share one mesh and the sampler 
 holds the current weights (on-policy). With reward_model.path set, a frozen learned reward
 model on the rollout devices scores the RL samples as they come out of the rollout, and
 its scores are mixed into their rewards (`posttrain.tasks.reward_model.mix_rewards`).
-With distill.teacher set, a frozen teacher on the train devices reads each RL batch and
+With distill.teacher set, a frozen teacher on the train devices reads each RL batch:
 every sampled token's advantage gains its distillation term
-(`posttrain.rl.advantages.distillation_advantages`).
+(`posttrain.rl.advantages.distillation_advantages`, distill.loss=sampled), or the update
+adds the whole-vocabulary divergence to the teacher (`models.chunked_divergence`,
+distill.loss=reverse_kl | forward_kl).
 Everything a run needs to continue exactly lives in the checkpoint: params, optimizer
 state, step, RNG, policy version, scheduler state, the grain iterator states of the SFT
 and preference streams and the config. Restarting with the same workdir resumes from the
