@@ -1,6 +1,7 @@
 """posttrain.rl: the learning side of RL as small pure functions.
 
-advantages  GAE, GRPO / Dr.GRPO group normalisation, RLOO, REINFORCE++ (registry)
+advantages  GAE, GRPO / Dr.GRPO group normalisation, RLOO, REINFORCE++ (registry), the
+            on-policy distillation advantage
 losses      PPO / GSPO / CISPO / GMPO / SAPO policy losses, aggregation modes as (sum, count),
             TIS, KL k1/k2/k3, entropy, clipped value loss, `rl_loss` combining them
 presets     ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, sapo, rloo, online_dpo, reinforce_pp;
