@@ -130,14 +130,15 @@ def get_config() -> ml_collections.ConfigDict:
   # On-policy distillation: a frozen teacher (a Hugging Face causal-LM folder with the
   # run's vocabulary, on the train devices) reads the student's own samples. loss
   # "sampled": each sampled token's advantage gains coef * (log p_teacher - log
-  # p_student), minus its reverse KL; "reverse_kl" / "forward_kl": the update adds coef
-  # times that divergence over the whole vocabulary at every trained token (the teacher
-  # runs in the step). Either way beside reward_weight times the algorithm's own
+  # p_student), minus its reverse KL; "reverse_kl" / "forward_kl" / "jsd" (GKD's, with
+  # beta): the update adds coef times that divergence over the whole vocabulary at every
+  # trained token (the teacher runs in the step). Either way beside reward_weight times the algorithm's own
   # advantages (0: distillation alone, no reward needed).
   c.distill = ml_collections.ConfigDict(dict(
       teacher="",         # "" = off
-      loss="sampled",     # sampled | reverse_kl | forward_kl
+      loss="sampled",     # sampled | reverse_kl | forward_kl | jsd
       coef=1.0,
+      beta=0.5,           # jsd's: beta KL(teacher || m) + (1 - beta) KL(student || m)
       reward_weight=1.0,
       dtype=""))          # the teacher's weights and compute: "" = the run's model dtype
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4))

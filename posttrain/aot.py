@@ -145,7 +145,8 @@ def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str
                             teacher_cfg=teacher_cfg,
                             distill_loss=str(distill.get("loss", "reverse_kl"))
                             if teacher_cfg else "reverse_kl",
-                            distill_coef=float(distill.get("coef", 1.0)))
+                            distill_coef=float(distill.get("coef", 1.0)),
+                            distill_beta=float(distill.get("beta", 0.5)))
   state = experiment.from_checkpoint(experiment.abstract_checkpoint(cfg, optimizer, mesh,
                                                                     rules))
   batch = abstract_rl_batch(config, algo, step.required, ts.batch_sharding(mesh, rules))

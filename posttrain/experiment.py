@@ -120,6 +120,10 @@ def _check_distill(config) -> None:
   loss = str(d.get("loss", "sampled"))
   if loss not in DISTILL_LOSSES:
     raise ValueError(f"distill.loss={loss!r}; expected one of {DISTILL_LOSSES}")
+  beta = d.get("beta")
+  if loss == "jsd" and beta is not None and not 0 < float(beta) < 1:
+    raise ValueError(f"distill.beta={beta!r} must be in (0, 1) for distill.loss=jsd "
+                     "(0 is forward_kl, 1 reverse_kl)")
   if not distill_teacher(config):
     return
   teacher_config(config)

@@ -1047,7 +1047,8 @@ class Trainer:
           temperature=float(self.config.rollout.temperature) or 1.0,
           teacher_cfg=self.teacher_cfg if self.distill_in_step else None,
           distill_loss=str(d.get("loss", "reverse_kl")) if self.distill_in_step
-          else "reverse_kl", distill_coef=float(d.get("coef", 1.0)))
+          else "reverse_kl", distill_coef=float(d.get("coef", 1.0)),
+          distill_beta=float(d.get("beta", 0.5)))
     if self._rl_needs_reference() and self.reference is None and not self.cfg.lora_rank:
       # The reference is the policy RL started from; re-derived on resume from the
       # checkpoint written when RL began (kept as its own copy, never updated). With LoRA

@@ -919,17 +919,21 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
   return logp
 
 
-DIVERGENCES = ("reverse_kl", "forward_kl")
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
 
 def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: str,
-                       chunk: int, temperature: float = 1.0, compute_dtype=jnp.float32):
+                       chunk: int, temperature: float = 1.0, compute_dtype=jnp.float32,
+                       beta: float = 0.5):
   """Per-position divergence between the model's next-token distribution and a teacher's,
   over the whole vocabulary, `chunk` positions at a time (no [B, T, V] array):
 
       reverse_kl  KL(p || q) = sum_v p(v) (log p(v) - log q(v))   (mode-seeking; GKD's
                   on-policy choice)
       forward_kl  KL(q || p) = sum_v q(v) (log q(v) - log p(v))   (mass-covering)
+      jsd         beta KL(q || m) + (1 - beta) KL(p || m), m = beta q + (1 - beta) p
+                  (GKD's generalised Jensen-Shannon divergence, as TRL's
+                  `generalized_jsd_loss`: forward KL as beta -> 0, reverse as beta -> 1)
 
   with p the model's (its logits at `temperature`), q the teacher's at temperature 1,
   which carries no gradient. A teacher with a larger vocabulary (padding rows, say) is
@@ -939,12 +943,15 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
     h_BxTxD, w_DxV: the model's final hidden states and output projection.
     teacher_h_BxTxE, teacher_w_ExW: the teacher's, W >= V.
     kind: one of DIVERGENCES.
+    beta: jsd's interpolation, in (0, 1).
 
   Returns:
     `[B, T]` float32, differentiable in the model's inputs.
   """
   if kind not in DIVERGENCES:
     raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES}")
+  if kind == "jsd" and not 0 < beta < 1:
+    raise ValueError(f"jsd needs beta in (0, 1) (0: forward_kl, 1: reverse_kl), got {beta}")
   b, t, d = h_BxTxD.shape
   vocab = w_DxV.shape[1]
   if teacher_h_BxTxE.shape[:2] != (b, t):
@@ -976,7 +983,11 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
     logq = jax.nn.log_softmax(teacher, axis=-1)
     if kind == "reverse_kl":
       return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
-    return jnp.sum(jnp.exp(logq) * (logq - logp), axis=-1)
+    if kind == "forward_kl":
+      return jnp.sum(jnp.exp(logq) * (logq - logp), axis=-1)
+    logm = jnp.logaddexp(logq + jnp.log(beta), logp + jnp.log1p(-beta))
+    return (beta * jnp.sum(jnp.exp(logq) * (logq - logm), axis=-1)
+            + (1 - beta) * jnp.sum(jnp.exp(logp) * (logp - logm), axis=-1))
 
   _, div = jax.lax.scan(lambda c, xs: (c, one_chunk(*xs)), None,
                         (split(h_BxTxD), split(teacher_h_BxTxE)))

@@ -466,7 +466,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                     critic_optimizer: optax.GradientTransformation | None = None,
                     donate: bool = True, reference_in_step: bool = False,
                     teacher_cfg: models.ModelConfig | None = None,
-                    distill_loss: str = "reverse_kl", distill_coef: float = 1.0) -> Callable:
+                    distill_loss: str = "reverse_kl", distill_coef: float = 1.0,
+                    distill_beta: float = 0.5) -> Callable:
   """Builds `train_step(state, batch) -> (state, metrics)`, jitted once for every algorithm.
 
   The loss is `losses.rl_loss` with the preset's knobs: PPO/GSPO surrogate, TIS weights,
@@ -498,8 +499,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     teacher_cfg: a distillation teacher read in the step (GKD-style, Agarwal et al.
       2024): `train_step(state, batch, teacher=params)` runs its forward pass on each
       micro-batch and adds `distill_coef * sum_t w_t D_t / denominator` to the loss, `D_t`
-      the whole-vocabulary `distill_loss` (`models.DIVERGENCES`: reverse_kl, forward_kl)
-      between the policy's next-token distribution (at `temperature`) and the teacher's,
+      the whole-vocabulary `distill_loss` (`models.DIVERGENCES`: reverse_kl, forward_kl,
+      jsd with `distill_beta`) between the policy's next-token distribution (at `temperature`) and the teacher's,
       on the trained tokens, weighted like the policy loss (`loss_agg_mode`). The teacher
       must share the policy's token ids (its vocabulary at least as large).
 
@@ -547,6 +548,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       raise ValueError(f"distill_loss={distill_loss!r}; expected one of {models.DIVERGENCES}")
     if not distill_coef >= 0:
       raise ValueError(f"distill_coef must be >= 0, got {distill_coef}")
+    if distill_loss == "jsd" and not 0 < distill_beta < 1:
+      raise ValueError(f"distill_beta must be in (0, 1) for jsd, got {distill_beta}")
     if not teacher_cfg.lm_head or teacher_cfg.vocab_size < model_cfg.vocab_size:
       raise ValueError(f"the teacher needs a language-model head over at least the "
                        f"policy's {model_cfg.vocab_size} tokens, has "
@@ -582,7 +585,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       divergence = models.chunked_divergence(
           hidden, model.unembed(), mb["teacher_h"], mb["teacher_w"], kind=distill_loss,
           chunk=model_cfg.logprob_chunk, temperature=temperature,
-          compute_dtype=jnp.dtype(model_cfg.dtype))
+          compute_dtype=jnp.dtype(model_cfg.dtype), beta=distill_beta)
       mask = losses.as_mask(mb["loss_mask"])
       weights, local_denominator = losses.token_weights(
           mask, loss_cfg.loss_agg_mode, segment_ids=mb.get("segment_ids"),
