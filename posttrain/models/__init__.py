@@ -1,4 +1,4 @@
-"""The policy model: a Llama / Qwen decoder-only transformer with logical-axis sharding;
+"""The policy model: a Llama / Qwen / Gemma decoder-only transformer with logical-axis sharding;
 with `lm_head=False` a reward model (`Transformer.scores`).
 
 from posttrain.models import get_preset, create_model, from_pretrained, save_pretrained
@@ -14,7 +14,7 @@ from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext
 from posttrain.models.transformer import (DIVERGENCES, KVCache, Transformer, cache_slots,
                                           chunked_divergence, chunked_logprobs,
                                           constrain_cache, fold_lora, init_cache, map_cache,
-                                          merge_lora,
+                                          merge_lora, soft_cap,
                                           with_lora, without_lora, write_cache)
 
 __all__ = [
@@ -24,5 +24,5 @@ __all__ = [
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
     "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",
     "cache_slots", "chunked_divergence", "chunked_logprobs", "DIVERGENCES", "constrain_cache", "init_cache", "map_cache",
-    "write_cache", "fold_lora", "merge_lora", "with_lora", "without_lora",
+    "soft_cap", "write_cache", "fold_lora", "merge_lora", "with_lora", "without_lora",
 ]

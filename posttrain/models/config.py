@@ -64,6 +64,12 @@ def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
     backend = kernels.target_platform()
   return DECODE_CHUNK_BY_BACKEND.get(backend, 1024)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Kinds of attention layer (Hugging Face's layer_types): every key up to the query, or
+# only the last `sliding_window` keys.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# The gated MLP's activation: SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
+# GELU (Gemma's gelu_pytorch_tanh).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +105,8 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and options of a decoder-only transformer (Llama 3, Qwen2.5, Qwen3, and the
-  mixture-of-experts Qwen3-MoE and Mixtral).
+  """Shapes and options of a decoder-only transformer (Llama 3, Qwen2.5, Qwen3, Gemma,
+  Gemma 2, Gemma 3, and the mixture-of-experts Qwen3-MoE and Mixtral).
 
   Attributes:
     architecture: the HF class name this config maps to (LlamaForCausalLM, ...).
@@ -183,8 +189,26 @@ class ModelConfig:
   num_experts_per_tok: int = 0
   norm_topk_prob: bool = True
   router_aux_loss_coef: float = 0.0
+  norm_unit_offset: bool = False
+  sandwich_norms: bool = False
+  embed_scale: bool = False
+  mlp_activation: str = "silu"
+  query_pre_attn_scalar: float | None = None
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] = ()
+  rope_local: RopeConfig | None = None
 
   def __post_init__(self):
+    # From JSON (a checkpoint's config) these arrive as a list and a dict.
+    if isinstance(self.layer_types, str):
+      object.__setattr__(self, "layer_types",
+                         tuple(t.strip() for t in self.layer_types.split(",") if t.strip()))
+    elif not isinstance(self.layer_types, tuple):
+      object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))
+    if isinstance(self.rope_local, dict):
+      object.__setattr__(self, "rope_local", RopeConfig(**self.rope_local))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "ffn_dim"):
       if getattr(self, name) <= 0:
@@ -230,6 +254,7 @@ class ModelConfig:
     if self.router_aux_loss_coef and not self.num_experts:
       raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} needs a mixture of "
                        "experts (num_experts > 0)")
+    self._check_gemma_fields()
     if int(self.lora_rank) != self.lora_rank or self.lora_rank < 0:
       raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {self.lora_rank}")
     if self.lora_rank:
@@ -245,6 +270,50 @@ class ModelConfig:
         raise ValueError(f"lora_targets {mlp} are MLP projections, but this model's MLPs "
                          f"are {self.num_experts} experts, which take no adapters; use "
                          f"attention projections ({','.join(ATTENTION_LORA_TARGETS)})")
+
+  def _check_gemma_fields(self) -> None:
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(f"mlp_activation={self.mlp_activation!r}; expected one of "
+                       f"{MLP_ACTIVATIONS}")
+    if self.num_experts and self.mlp_activation != "silu":
+      raise ValueError(f"mlp_activation={self.mlp_activation!r}: a mixture's experts are "
+                       "SwiGLU (silu)")
+    for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not 0 < value < float("inf")):
+        raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+    window = self.sliding_window
+    if window is not None and (isinstance(window, bool) or int(window) != window
+                               or window < 1):
+      raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+    if self.layer_types:
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                         f"num_layers={self.num_layers}")
+      bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+      if bad:
+        raise ValueError(f"layer_types {bad} are not supported; expected entries in "
+                         f"{LAYER_TYPES}")
+      if "sliding_attention" in self.layer_types and window is None:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is "
+                         "None")
+    if self.rope_local is not None and not isinstance(self.rope_local, RopeConfig):
+      raise ValueError(f"rope_local must be a RopeConfig, a dict or None, got "
+                       f"{self.rope_local!r}")
+
+  @property
+  def sliding_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether it is a sliding-window attention layer."""
+    if self.layer_types:
+      return tuple(t == "sliding_attention" for t in self.layer_types)
+    return (self.sliding_window is not None,) * self.num_layers
+
+  @property
+  def attention_scale(self) -> float | None:
+    """The attention logits' scale (None: the kernels' 1 / sqrt(head_dim))."""
+    if self.query_pre_attn_scalar is None:
+      return None
+    return float(self.query_pre_attn_scalar) ** -0.5
 
   @property
   def lora_target_names(self) -> tuple[str, ...]:
@@ -274,8 +343,9 @@ class ModelConfig:
     return parse_attention_options(self.attention_options)
 
   def replace(self, **kwargs: Any) -> "ModelConfig":
-    if "rope" in kwargs and isinstance(kwargs["rope"], dict):
-      kwargs["rope"] = RopeConfig(**kwargs["rope"])
+    for name in ("rope", "rope_local"):
+      if isinstance(kwargs.get(name), dict):
+        kwargs[name] = RopeConfig(**kwargs[name])
     return dataclasses.replace(self, **kwargs)
 
   def to_dict(self) -> dict[str, Any]:
@@ -288,8 +358,9 @@ class ModelConfig:
     unknown = sorted(set(d) - known)
     if unknown:
       raise ValueError(f"unknown model config keys {unknown}")
-    if isinstance(d.get("rope"), dict):
-      d["rope"] = RopeConfig(**d["rope"])
+    for name in ("rope", "rope_local"):
+      if isinstance(d.get(name), dict):
+        d[name] = RopeConfig(**d[name])
     return cls(**d)
 
   def _count_params(self, experts: int) -> int:
@@ -300,7 +371,8 @@ class ModelConfig:
     if self.qk_norm:
       attn += 2 * hd
     router = d * self.num_experts
-    per_layer = attn + experts * 3 * d * f + router + 2 * d
+    norms = 4 if self.sandwich_norms else 2
+    per_layer = attn + experts * 3 * d * f + router + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     return self.num_layers * per_layer + emb + d + (d + 1 if self.value_head else 0)
 

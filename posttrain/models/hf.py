@@ -1,5 +1,6 @@
-"""Hugging Face import/export for LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
-the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, and for the reward
+"""Hugging Face import/export for LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model) and the
+mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, and for the reward
 models on the same trunks, their *ForSequenceClassification (`score.weight` [1, D] is the
 value head, there is no lm_head: `lm_head=False, value_head=True`).
 
@@ -32,14 +33,38 @@ from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_ada
                                           merge_lora, value_head_std)
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-              "MixtralForCausalLM")
+              "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _classifier_name(lm: str) -> str:
+  # Gemma3ForSequenceClassification is the vision-language model's; the text one differs.
+  if lm == "Gemma3ForCausalLM":
+    return "Gemma3TextForSequenceClassification"
+  return lm.replace("ForCausalLM", "ForSequenceClassification")
+
+
 # A reward model: the causal LM's trunk with a [1, D] score layer in place of lm_head.
-SEQUENCE_CLASSIFIERS = {lm.replace("ForCausalLM", "ForSequenceClassification"): lm
-                        for lm in CAUSAL_LMS}
+SEQUENCE_CLASSIFIERS = {_classifier_name(lm): lm for lm in CAUSAL_LMS}
 SUPPORTED = CAUSAL_LMS + tuple(SEQUENCE_CLASSIFIERS)
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                "MixtralForCausalLM": "mixtral"}
+                "MixtralForCausalLM": "mixtral", "GemmaForCausalLM": "gemma",
+                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+# Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
+# query_pre_attn_scalar, soft caps (2) and sliding-window layers; 3 adds q/k norms and a
+# rotary embedding of its own for the sliding layers.
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_SANDWICHED = GEMMAS[1:]
+# HF's defaults where a config.json leaves a Gemma field out.
+_GEMMA_DEFAULTS = {
+    "GemmaForCausalLM": dict(max_position_embeddings=8192),
+    "Gemma2ForCausalLM": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              query_pre_attn_scalar=256, sliding_window=4096, pattern=2,
+                              max_position_embeddings=8192),
+    "Gemma3ForCausalLM": dict(attn_logit_softcapping=None, final_logit_softcapping=None,
+                              query_pre_attn_scalar=256, sliding_window=4096, pattern=6,
+                              max_position_embeddings=131_072)}
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma's legacy "gelu" means tanh.
 # HF module names of a mixture's router and of expert j's gate, up and down projections.
 _MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
                                       "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
@@ -57,7 +82,7 @@ def _causal_lm(arch: str) -> str:
 
 def _sequence_classifier(arch: str) -> str:
   """The *ForSequenceClassification class on the trunk of `arch`."""
-  return _causal_lm(arch).replace("ForCausalLM", "ForSequenceClassification")
+  return _classifier_name(_causal_lm(arch))
 
 
 def _num_labels(c: dict[str, Any]) -> int:
@@ -68,12 +93,30 @@ def _num_labels(c: dict[str, Any]) -> int:
   return int(c["num_labels"]) if c.get("num_labels") is not None else 2
 
 
-def _rope_from_hf(c: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConfig | None]:
+  """(rope, rope of the sliding layers or None) of a config.json."""
   params = c.get("rope_parameters") or {}
-  if params and all(isinstance(v, dict) for v in params.values()):
-    raise ValueError("per-layer-type rope_parameters are not supported")
-  scaling = dict(c.get("rope_scaling") or {})
-  merged = {**scaling, **params}
+  per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+  if lm == "Gemma3ForCausalLM":
+    # Per layer type: transformers 5 writes rope_parameters {full_attention: ...,
+    # sliding_attention: ...}; the published files rope_theta, rope_scaling (full layers)
+    # and rope_local_base_freq.
+    if per_type:
+      full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+      full = {**(c.get("rope_scaling") or {}), **params}
+      full.setdefault("rope_theta", c.get("rope_theta", 1_000_000.0))
+      local = {"rope_theta": c.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10_000.0)
+    return _rope_from_params(full, c), _rope_from_params(local, c)
+  if per_type:
+    raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported "
+                     f"for {lm or 'this architecture'}")
+  return _rope_from_params({**dict(c.get("rope_scaling") or {}), **params}, c), None
+
+
+def _rope_from_params(merged: dict[str, Any], c: dict[str, Any]) -> RopeConfig:
   theta = merged.get("rope_theta", c.get("rope_theta", 10_000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
   if rope_type not in ("default", "linear", "llama3", "yarn"):
@@ -127,8 +170,12 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      "model has one label (num_labels=1), one score per sequence")
   if c.get("mlp_bias"):
     raise ValueError("mlp_bias=true in config.json is not supported")
-  if c.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"hidden_act={c['hidden_act']!r} is not supported (expected silu)")
+  gemma = lm in GEMMAS
+  act = (c.get("hidden_activation") or c.get("hidden_act")
+         or ("gelu_pytorch_tanh" if gemma else "silu"))
+  if act != "silu" and not (gemma and act in _GELU_TANH):
+    raise ValueError(f"hidden_act={act!r} is not supported (expected "
+                     f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
   heads = int(c["num_attention_heads"])
   head_dim = c.get("head_dim") or c["hidden_size"] // heads
   dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
@@ -136,18 +183,53 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   pad = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
   moe = _moe_from_hf(lm, c)
   moe.setdefault("ffn_dim", int(c["intermediate_size"]))
+  rope, rope_local = _rope_from_hf(c, lm)
+  defaults = _GEMMA_DEFAULTS.get(lm, {})
   cfg = ModelConfig(
       vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
       num_layers=int(c["num_hidden_layers"]), num_heads=heads,
       num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(head_dim),
-      rope=_rope_from_hf(c), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+      rope=rope, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
       qkv_bias=lm == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-      qk_norm=lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-      max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
+      qk_norm=lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+      max_position_embeddings=int(c.get("max_position_embeddings",
+                                        defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
-      lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe)
+      lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
+      **_gemma_from_hf(lm, c), rope_local=rope_local)
   return cfg.replace(**overrides) if overrides else cfg
+
+
+def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a Gemma config.json ({} for other families)."""
+  if lm not in GEMMAS:
+    return {}
+  out = dict(norm_unit_offset=True, embed_scale=True, mlp_activation="gelu_tanh")
+  if lm == "GemmaForCausalLM":
+    return out
+  defaults = _GEMMA_DEFAULTS[lm]
+  if c.get("use_bidirectional_attention"):
+    raise ValueError("use_bidirectional_attention=true in config.json is not supported "
+                     "(a causal language model attends to earlier tokens only)")
+  get = lambda key: c.get(key, defaults[key])  # noqa: E731
+  layer_types = c.get("layer_types")
+  if not layer_types:  # Older files: every `pattern`-th layer is full, the rest slide.
+    pattern = int(c.get("sliding_window_pattern") or defaults["pattern"])
+    layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                   for i in range(int(c["num_hidden_layers"]))]
+  window = get("sliding_window")
+  if window is None and "sliding_attention" in layer_types:
+    layer_types = ["full_attention"] * len(layer_types)
+  out.update(sandwich_norms=True, query_pre_attn_scalar=get("query_pre_attn_scalar"),
+             attn_logit_softcap=get("attn_logit_softcapping"),
+             final_logit_softcap=get("final_logit_softcapping"),
+             sliding_window=None if window is None else int(window),
+             layer_types=tuple(layer_types))
+  for key in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+    if out[key] is not None:
+      out[key] = float(out[key])
+  return out
 
 
 def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +289,8 @@ def check_exportable(cfg: ModelConfig) -> None:
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
         f"written as one of {[a for a in kind if _causal_lm(a) in _MOE_NAMES]}, a dense "
         f"model as one of {[a for a in kind if _causal_lm(a) not in _MOE_NAMES]}")
-  qk_norm = lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+  _check_gemma_exportable(cfg, lm)
+  qk_norm = lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
   if qk_norm != cfg.qk_norm:
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
                      f"{'always has' if qk_norm else 'has no'} q/k norms")
@@ -220,23 +303,52 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"{cfg.norm_topk_prob})")
 
 
+def _check_gemma_exportable(cfg: ModelConfig, lm: str) -> None:
+  """What the Gemma options of `cfg` allow: each class fixes its norms, embedding scale
+  and activation; only Gemma 2 / 3 hold soft caps, a query scale and sliding layers, and
+  only Gemma 3 a rotary embedding of the sliding layers' own."""
+  gemma = lm in GEMMAS
+  fixed = dict(norm_unit_offset=gemma, embed_scale=gemma, sandwich_norms=lm in _SANDWICHED,
+               mlp_activation="gelu_tanh" if gemma else "silu")
+  for name, value in fixed.items():
+    if getattr(cfg, name) != value:
+      raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
+                       f"{cfg.architecture}, which always has {name}={value!r}")
+  if lm not in _SANDWICHED:
+    held = {name: getattr(cfg, name) for name in (
+        "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+        "sliding_window", "rope_local") if getattr(cfg, name) is not None}
+    if held:
+      raise ValueError(f"{sorted(held)} cannot be written as {cfg.architecture}; "
+                       "Gemma2ForCausalLM / Gemma3ForCausalLM hold them")
+  elif lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
+    raise ValueError(f"rope_local cannot be written as {cfg.architecture}, whose layers "
+                     "share one rotary embedding; Gemma3ForCausalLM holds it")
+
+
+def _rope_scaling(rope: RopeConfig) -> dict[str, Any] | None:
+  """Hugging Face's rope_scaling of `rope` (None for the default kind)."""
+  if rope.type == "default":
+    return None
+  scaling = {"rope_type": rope.type, "factor": rope.factor}
+  if rope.type == "llama3":
+    scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+  if rope.type == "yarn":
+    scaling.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    for k in ("mscale", "mscale_all_dim", "attention_factor"):
+      if getattr(rope, k) is not None:
+        scaling[k] = getattr(rope, k)
+  return scaling
+
+
 def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dict[str, Any]:
   """config.json of `cfg` (see `save_pretrained` for pad_token_id)."""
   check_exportable(cfg)
   lm = _causal_lm(cfg.architecture)
   rope = cfg.rope
-  scaling = None
-  if rope.type != "default":
-    scaling = {"rope_type": rope.type, "factor": rope.factor}
-    if rope.type == "llama3":
-      scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                     original_max_position_embeddings=rope.original_max_position_embeddings)
-    if rope.type == "yarn":
-      scaling.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
-                     original_max_position_embeddings=rope.original_max_position_embeddings)
-      for k in ("mscale", "mscale_all_dim", "attention_factor"):
-        if getattr(rope, k) is not None:
-          scaling[k] = getattr(rope, k)
+  scaling = _rope_scaling(rope)
   out = {
       "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[lm],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -249,6 +361,23 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   }
   if lm != "Qwen2ForCausalLM":
     out["attention_bias"] = cfg.qkv_bias
+  if lm in GEMMAS:
+    out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
+  if lm in _SANDWICHED:
+    out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+               attn_logit_softcapping=cfg.attn_logit_softcap,
+               final_logit_softcapping=cfg.final_logit_softcap,
+               sliding_window=cfg.sliding_window,
+               layer_types=["sliding_attention" if s else "full_attention"
+                            for s in cfg.sliding_layers])
+  if lm == "Gemma3ForCausalLM":
+    # Both forms: transformers 5 reads rope_parameters by layer type, earlier releases
+    # rope_theta / rope_scaling (full layers) and rope_local_base_freq.
+    local = cfg.rope_local or cfg.rope
+    out["rope_local_base_freq"] = local.theta
+    out["rope_parameters"] = {
+        kind: {"rope_type": r.type, "rope_theta": r.theta, **(_rope_scaling(r) or {})}
+        for kind, r in (("full_attention", rope), ("sliding_attention", local))}
   if lm == "Qwen3MoeForCausalLM":
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
@@ -296,12 +425,21 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                  (d, cfg.vocab_size)))
   if score:
     rows.append((("value_w",), "score.weight", lambda x: x[0], lambda x: x[None, :], (d,)))
+  # Our post_attn_norm is the MLP's input norm: Llama's post_attention_layernorm, Gemma
+  # 2's pre_feedforward_layernorm (whose post_attention_layernorm norms the attention's
+  # output: our attn_out_norm).
+  norms = [("input_norm", "input_layernorm")]
+  if cfg.sandwich_norms:
+    norms += [("post_attn_norm", "pre_feedforward_layernorm"),
+              ("attn_out_norm", "post_attention_layernorm"),
+              ("mlp_out_norm", "post_feedforward_layernorm")]
+  else:
+    norms += [("post_attn_norm", "post_attention_layernorm")]
   for i in range(cfg.num_layers):
     p, hf = ("layers", i), f"model.layers.{i}."
+    rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
+             for ours, name in norms]
     rows += [
-        (p + ("input_norm", "scale"), hf + "input_layernorm.weight", ident, ident, (d,)),
-        (p + ("post_attn_norm", "scale"), hf + "post_attention_layernorm.weight", ident,
-         ident, (d,)),
         (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *proj_in(n), (d, n, h)),
         (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *proj_in(k), (d, k, h)),
         (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h)),

@@ -1,5 +1,5 @@
-"""Decoder-only transformer for the Llama 3 / Qwen2.5 / Qwen3 families and the
-mixture-of-experts Qwen3-MoE / Mixtral (Flax NNX).
+"""Decoder-only transformer for the Llama 3 / Qwen2.5 / Qwen3 / Gemma / Gemma 2 / Gemma 3
+families and the mixture-of-experts Qwen3-MoE / Mixtral (Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
 H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names
@@ -104,21 +104,45 @@ def cache_slots(cache) -> int:
 
 
 class RMSNorm(nnx.Module):
-  """y = w * x / sqrt(mean(x^2) + eps), normalised in float32."""
+  """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 (Llama: cast, then scaled).
 
-  def __init__(self, dim: int, eps: float, param_dtype, names=("norm",)):
+  With `unit_offset` (Gemma): y = (1 + w) * x / sqrt(...), w starting at zero, scaled in
+  float32 before the cast.
+  """
+
+  def __init__(self, dim: int, eps: float, param_dtype, names=("norm",),
+               unit_offset: bool = False):
     self.eps = eps
-    self.scale = _param(None, (dim,), names, param_dtype, init="ones")
+    self.unit_offset = bool(unit_offset)
+    self.scale = _param(None, (dim,), names, param_dtype,
+                        init="zeros" if unit_offset else "ones")
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    scale = self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    shape = (1,) * (x.ndim - 1) + (-1,)
+    if self.unit_offset:
+      return (y * (1.0 + self.scale[...].astype(jnp.float32)).reshape(shape)).astype(x.dtype)
+    scale = self.scale[...].astype(x.dtype).reshape(shape)
     return scale * y.astype(x.dtype)
 
 
-def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
-  """Full (training / prefill) attention through kernels/, selected by cfg.attention_impl.
+def _norm(cfg: ModelConfig, dim: int, names=("norm",)) -> RMSNorm:
+  return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), names,
+                 unit_offset=cfg.norm_unit_offset)
+
+
+def soft_cap(logits, cap: float | None):
+  """cap * tanh(logits / cap) (Gemma 2's logit soft cap); `logits` itself for None."""
+  if cap is None:
+    return logits
+  return cap * jnp.tanh(logits / cap)
+
+
+def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
+           sliding: bool = False):
+  """Full (training / prefill) attention through kernels/, selected by cfg.attention_impl;
+  `sliding`: a sliding-window layer (cfg.sliding_window keys back).
 
   Pallas kernels (flash, and ring's flash blocks) run inside `shard_map` on a mesh: XLA
   cannot partition them (TPU refuses to compile, GPU would run the whole batch on every
@@ -126,7 +150,9 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext):
   """
   import kernels  # Deferred: keeps `import posttrain.models` cheap.
 
-  kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                sm_scale=cfg.attention_scale, logits_soft_cap=cfg.attn_logit_softcap,
+                sliding_window=cfg.sliding_window if sliding else None)
   flash_options = cfg.flash_options
   if cfg.attention_impl == "chunked":
     return kernels.dot_product_attention(q, k, v, implementation="chunked",
@@ -313,14 +339,16 @@ class Attention(nnx.Module):
       self.k_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
       self.v_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(h, cfg.norm_eps, pd, names=("head_dim",))
-      self.k_norm = RMSNorm(h, cfg.norm_eps, pd, names=("head_dim",))
+      self.q_norm = _norm(cfg, h, names=("head_dim",))
+      self.k_norm = _norm(cfg, h, names=("head_dim",))
 
   def __call__(self, x_BxTxD, cos, sin, segment_ids_BxT, cache: KVCache | None,
-               positions_BxT, ctx: ShardingContext, prefill: bool = False, layer=None):
+               positions_BxT, ctx: ShardingContext, prefill: bool = False, layer=None,
+               sliding=False):
     """With `layer` (an int32 scalar), `cache` stacks every layer's arrays ([L, ...]):
     this layer's keys and values are written in place at that index, and the whole
-    stacked cache is returned."""
+    stacked cache is returned. `sliding`: a sliding-window layer, a Python bool or (a scan
+    over layers of both kinds) a traced one, which picks the attention at run time."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
@@ -340,26 +368,34 @@ class Attention(nnx.Module):
     k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
     new_cache = None
-    if cache is None:
-      out = attend(cfg, q, k, v, segment_ids_BxT, ctx)
-    else:
+    if cache is not None:
       new_cache = constrain_cache(
           write_cache(cache, k, v, positions_BxT, prefill=prefill, layer=layer), ctx)
-      if prefill:
-        # The cache was empty, so the block holds every key: the training kernel (chunked /
-        # flash, causal within segments) is exact and never scores the empty cache slots.
-        out = attend(cfg, q, k, v, segment_ids_BxT, ctx)
-      else:
-        import kernels
-        lengths = positions_BxT[:, -1] + 1
-        # Keys per block, as in chunked attention; blocks past the longest row are skipped.
-        # The cache starts zeroed and is written only with the model's keys and values, so
-        # slots past a row's length are finite and the kernel need not zero them.
-        # A stacked cache (scan_layers) is read block by block at this layer, in place.
-        out = kernels.decode_attention(q, new_cache.k, new_cache.v, lengths=lengths,
-                                       k_scale=new_cache.k_scale, v_scale=new_cache.v_scale,
-                                       chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
-                                       finite_tail=True, layer=layer)
+
+    def attention(window: bool):
+      if cache is None or prefill:
+        # After a prefill's write the block holds every key (the cache was empty): the
+        # training kernel (chunked / flash, causal within segments) is exact and never
+        # scores the empty cache slots.
+        return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=window)
+      import kernels
+      lengths = positions_BxT[:, -1] + 1
+      # Keys per block, as in chunked attention; blocks past the longest row (or before
+      # the window) are skipped. The cache starts zeroed and is written only with the
+      # model's keys and values, so slots past a row's length are finite and the kernel
+      # need not zero them. A stacked cache (scan_layers) is read block by block at this
+      # layer, in place.
+      return kernels.decode_attention(
+          q, new_cache.k, new_cache.v, lengths=lengths, k_scale=new_cache.k_scale,
+          v_scale=new_cache.v_scale, chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
+          finite_tail=True, layer=layer, sm_scale=cfg.attention_scale,
+          logits_soft_cap=cfg.attn_logit_softcap,
+          sliding_window=cfg.sliding_window if window else None)
+
+    if isinstance(sliding, (bool, np.bool_)):
+      out = attention(bool(sliding))
+    else:  # Both kinds under one scan: the layer's flag picks a kernel, each one static.
+      out = jax.lax.cond(sliding, lambda: attention(True), lambda: attention(False))
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
     y = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
     y = _add_lora(self, "o_proj", y, out, "BTNH,NHR->BTR", "BTR,RD->BTD")
@@ -442,8 +478,17 @@ def _swiglu_bwd(res, dh):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def geglu(gate, up):
+  """gelu(gate) * up with tanh-approximate GELU (Gemma's gelu_pytorch_tanh)."""
+  return jax.nn.gelu(gate, approximate=True) * up
+
+
+_GATED = {"silu": swiglu, "gelu_tanh": geglu}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """A gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximate GELU
+  (GeGLU, cfg.mlp_activation)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -462,7 +507,8 @@ class MLP(nnx.Module):
                          "ND,DR->NR", "NR,RF->NF")
     up_NxF = _add_lora(self, "up_proj", x_NxD @ self.up_proj[...].astype(dt), x_NxD,
                        "ND,DR->NR", "NR,RF->NF")
-    h = ctx.constrain(swiglu(gate_NxF, up_NxF).reshape(b, t, -1),
+    gated = _GATED[self.cfg.mlp_activation]
+    h = ctx.constrain(gated(gate_NxF, up_NxF).reshape(b, t, -1),
                       ("batch", "length", "mlp"))
     h_NxF = h.reshape(b * t, -1)
     y_NxD = _add_lora(self, "down_proj", h_NxF @ self.down_proj[...].astype(dt), h_NxF,
@@ -602,25 +648,33 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
+  """x + attn(norm(x)), then x + mlp(norm(x)) (`post_attn_norm` is the MLP's input norm,
+  Llama's post_attention_layernorm). With cfg.sandwich_norms (Gemma 2 / 3) each output is
+  normed too before its residual add: `attn_out_norm`, `mlp_out_norm`."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    pd = _dtype(cfg.param_dtype)
-    self.input_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.input_norm = _norm(cfg, cfg.d_model)
     self.attn = Attention(cfg, rngs)
-    self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.post_attn_norm = _norm(cfg, cfg.d_model)
     self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
+    if cfg.sandwich_norms:
+      self.attn_out_norm = _norm(cfg, cfg.d_model)
+      self.mlp_out_norm = _norm(cfg, cfg.d_model)
 
   def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
-               layer=None, router_stats: bool = False):
+               layer=None, router_stats: bool = False, sliding=False):
     """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats)."""
     h, new_cache = self.attn(self.input_norm(x), cos, sin, segment_ids, cache, positions, ctx,
-                             prefill, layer)
-    x = x + h
+                             prefill, layer, sliding)
+    sandwich = hasattr(self, "attn_out_norm")
+    x = x + (self.attn_out_norm(h) if sandwich else h)
+    stats = None
     if router_stats:
       h, stats = self.mlp(self.post_attn_norm(x), ctx, segment_ids, router_stats=True)
-      return ctx.constrain(x + h, ("batch", "length", "embed")), new_cache, stats
-    x = x + self.mlp(self.post_attn_norm(x), ctx)
-    return ctx.constrain(x, ("batch", "length", "embed")), new_cache
+    else:
+      h = self.mlp(self.post_attn_norm(x), ctx)
+    x = ctx.constrain(x + (self.mlp_out_norm(h) if sandwich else h), ("batch", "length", "embed"))
+    return (x, new_cache, stats) if router_stats else (x, new_cache)
 
 
 _REMAT_POLICIES = {
@@ -651,7 +705,7 @@ class Transformer(nnx.Module):
       self.layers = _stacked_blocks(cfg, rngs)
     else:
       self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.final_norm = _norm(cfg, cfg.d_model)
     if cfg.lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
                             std=cfg.init_std)
@@ -663,6 +717,11 @@ class Transformer(nnx.Module):
                                                      cfg.max_position_embeddings)
     self._inv_freq = tuple(float(f) for f in inv_freq)  # Static: not a parameter.
     self._rope_scaling = scaling
+    if cfg.rope_local is not None:  # The sliding layers' own rotary embedding (Gemma 3).
+      inv_freq, scaling = rope_lib.inverse_frequencies(cfg.rope_local, cfg.head_dim,
+                                                       cfg.max_position_embeddings)
+      self._inv_freq_local = tuple(float(f) for f in inv_freq)
+      self._rope_scaling_local = scaling
     if cfg.lora_rank:  # Drawn last: the base weights are those of the model without.
       _attach_lora(self, rngs.params())
 
@@ -702,23 +761,32 @@ class Transformer(nnx.Module):
       positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
-    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(_dtype(cfg.dtype))
-    x = ctx.constrain(x, ("batch", "length", "embed"))
-    cos, sin = rope_lib.rope_tables(positions_BxT, self._inv_freq, self._rope_scaling)
+    x = jnp.take(self.embed[...], tokens_BxT, axis=0)
+    if cfg.embed_scale:  # sqrt(D), rounded to the table's dtype as Gemma's is.
+      x = x * jnp.asarray(float(np.sqrt(cfg.d_model)), x.dtype)
+    x = ctx.constrain(x.astype(_dtype(cfg.dtype)), ("batch", "length", "embed"))
+    tables = rope_lib.rope_tables(positions_BxT, self._inv_freq, self._rope_scaling)
+    local = tables
+    if cfg.rope_local is not None:
+      local = rope_lib.rope_tables(positions_BxT, self._inv_freq_local,
+                                   self._rope_scaling_local)
     stats = None
     if cfg.scan_layers:
-      x, new_caches, stats = _scan_blocks(self.layers, x, cos, sin, segment_ids_BxT, cache,
-                                          positions_BxT, ctx, prefill, cfg.remat, router_loss)
+      x, new_caches, stats = _scan_blocks(self.layers, x, tables, local, segment_ids_BxT,
+                                          cache, positions_BxT, ctx, prefill, cfg.remat,
+                                          router_loss, cfg.sliding_layers)
     else:
       new_caches = []
       for i, block in enumerate(self.layers):
         layer_cache = None if cache is None else cache[i]
+        sliding = cfg.sliding_layers[i]
+        cos, sin = local if sliding else tables
         if cfg.remat != "none" and cache is None:
           out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
-                             cfg.remat, router_loss)
+                             cfg.remat, router_loss, sliding)
         else:
           out = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
-                      prefill, router_stats=router_loss)
+                      prefill, router_stats=router_loss, sliding=sliding)
         x, c = out[:2]
         if router_loss:
           stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
@@ -748,6 +816,7 @@ class Transformer(nnx.Module):
     h, new_cache = out if cache is not None else (out, None)
     dt = _dtype(self.cfg.dtype)
     logits = jnp.einsum("BTD,DV->BTV", h.astype(dt), self.unembed().astype(dt))
+    logits = soft_cap(logits, self.cfg.final_logit_softcap)
     logits = ctx.constrain(logits, ("batch", "length", "vocab"))
     return (logits, new_cache) if cache is not None else logits
 
@@ -765,7 +834,8 @@ class Transformer(nnx.Module):
     h = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, ctx=ctx)
     return chunked_logprobs(h, self.unembed(), targets_BxT, chunk=chunk or self.cfg.logprob_chunk,
                             return_entropy=return_entropy, temperature=temperature,
-                            compute_dtype=_dtype(self.cfg.dtype), ctx=ctx)
+                            compute_dtype=_dtype(self.cfg.dtype), ctx=ctx,
+                            logit_soft_cap=self.cfg.final_logit_softcap)
 
   def values(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
              ctx: ShardingContext = _NO_SHARDING):
@@ -794,7 +864,7 @@ class Transformer(nnx.Module):
 
 
 def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
-                 router_stats: bool = False):
+                 router_stats: bool = False, sliding: bool = False):
   # The block is split into a pure pytree and merged inside the checkpointed function,
   # so it also works when the caller merged the model outside an enclosing trace (a
   # lax.scan over micro-batches): nnx.remat would refuse to touch such variables.
@@ -802,7 +872,7 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
 
   def run(state, x, cos, sin, segment_ids, positions):
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, None, positions, ctx,
-                                      router_stats=router_stats)
+                                      router_stats=router_stats, sliding=sliding)
 
   fn = jax.checkpoint(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
   return fn(state, x, cos, sin, segment_ids, positions)
@@ -825,47 +895,61 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def _scan_blocks(blocks: Block, x, cos, sin, segment_ids, cache, positions, ctx, prefill,
-                 remat: str, router_stats: bool = False):
+def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, positions, ctx,
+                 prefill, remat: str, router_stats: bool = False,
+                 sliding_layers: tuple[bool, ...] = ()):
   """Runs the stacked layers as one `lax.scan`: the program holds one layer's body,
   whatever the depth, so compile time and program size do not grow with layers.
   Returns (x, cache, the layers' RouterStats summed with `router_stats`, else None).
 
   The cache, when given, stacks the layers and travels in the carry: each layer writes
-  its slots in place (`write_cache(..., layer=i)`).
+  its slots in place (`write_cache(..., layer=i)`). `tables` / `local_tables` are the
+  rotary (cos, sin) of full / sliding layers; with layers of both kinds
+  (`sliding_layers`) each layer's flag rides the scan and picks its tables and kernel.
   """
   graphdef, state = nnx.split(blocks)
+  kinds = set(sliding_layers)
+  flags = jnp.asarray(sliding_layers, bool) if len(kinds) > 1 else None
+  static = bool(sliding_layers and sliding_layers[0])
 
-  def run(state, x, cache, i):
+  def run(state, x, cache, i, flag):
+    if flag is None:
+      cos, sin, sliding = *(local_tables if static else tables), static
+    else:
+      cos, sin = (jnp.where(flag, a, b) for a, b in zip(local_tables, tables))
+      sliding = flag
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, cache, positions, ctx,
-                                      prefill, i, router_stats=router_stats)
+                                      prefill, i, router_stats=router_stats, sliding=sliding)
 
   if cache is None:
     if remat != "none":
       # No prevent_cse: a scan body is not merged with its neighbours.
       run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat], prevent_cse=False)
 
-    def body(x, layer_state):
-      out = run(layer_state, x, None, None)
+    def body(x, xs):
+      layer_state, flag = xs
+      out = run(layer_state, x, None, None, flag)
       return out[0], (out[2] if router_stats else None)
 
-    x, stats = jax.lax.scan(body, x, state)
+    x, stats = jax.lax.scan(body, x, (state, flags))
     return x, None, (jax.tree.map(lambda s: jnp.sum(s, axis=0), stats) if router_stats
                      else None)
 
-  def body_cached(carry, layer_state):
+  def body_cached(carry, xs):
     x, cache, i = carry
-    x, cache = run(layer_state, x, cache, i)
+    layer_state, flag = xs
+    x, cache = run(layer_state, x, cache, i, flag)
     return (x, cache, i + 1), None
 
-  (x, cache, _), _ = jax.lax.scan(body_cached, (x, cache, jnp.int32(0)), state)
+  (x, cache, _), _ = jax.lax.scan(body_cached, (x, cache, jnp.int32(0)), (state, flags))
   return x, cache, None
 
 
 def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,
                      temperature: float = 1.0, compute_dtype=jnp.float32,
-                     ctx: ShardingContext = _NO_SHARDING):
+                     ctx: ShardingContext = _NO_SHARDING, logit_soft_cap: float | None = None):
   """Per-token log-probs (and optionally entropies) of targets, `chunk` positions at a time.
+  `logit_soft_cap`: the model's final logit soft cap, applied before the temperature.
 
   Under a mesh whose rules split D (fsdp), the vocabulary is split instead
   (`ShardingContext.vocab_parallel_head`): no device holds the whole [D, V] projection
@@ -894,6 +978,7 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
     logits = jnp.einsum("BCD,DV->BCV", h_BxCxD, w, preferred_element_type=jnp.float32)
     if layout is not None:
       logits = jax.lax.with_sharding_constraint(logits, NamedSharding(ctx.mesh, logits_spec))
+    logits = soft_cap(logits, logit_soft_cap)
     if temperature != 1.0:
       logits = logits / temperature
     logz = jax.nn.logsumexp(logits, axis=-1)
@@ -924,7 +1009,8 @@ DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
 def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: str,
                        chunk: int, temperature: float = 1.0, compute_dtype=jnp.float32,
-                       beta: float = 0.5):
+                       beta: float = 0.5, logit_soft_cap: float | None = None,
+                       teacher_logit_soft_cap: float | None = None):
   """Per-position divergence between the model's next-token distribution and a teacher's,
   over the whole vocabulary, `chunk` positions at a time (no [B, T, V] array):
 
@@ -935,8 +1021,9 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
                   (GKD's generalised Jensen-Shannon divergence, as TRL's
                   `generalized_jsd_loss`: forward KL as beta -> 0, reverse as beta -> 1)
 
-  with p the model's (its logits at `temperature`), q the teacher's at temperature 1,
-  which carries no gradient. A teacher with a larger vocabulary (padding rows, say) is
+  with p the model's (its logits, soft-capped by `logit_soft_cap`, at `temperature`), q
+  the teacher's (soft-capped by `teacher_logit_soft_cap`) at temperature 1, which carries
+  no gradient. A teacher with a larger vocabulary (padding rows, say) is
   read on the model's V tokens, renormalised there.
 
   Args:
@@ -975,10 +1062,12 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
   def one_chunk(h_BxCxD, th_BxCxE):
     logits = jnp.einsum("BCD,DV->BCV", h_BxCxD.astype(compute_dtype), w,
                         preferred_element_type=jnp.float32)
+    logits = soft_cap(logits, logit_soft_cap)
     if temperature != 1.0:
       logits = logits / temperature
     teacher = jnp.einsum("BCE,EV->BCV", jax.lax.stop_gradient(th_BxCxE).astype(compute_dtype),
                          tw, preferred_element_type=jnp.float32)
+    teacher = soft_cap(teacher, teacher_logit_soft_cap)
     logp = jax.nn.log_softmax(logits, axis=-1)
     logq = jax.nn.log_softmax(teacher, axis=-1)
     if kind == "reverse_kl":

@@ -179,7 +179,8 @@ def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, 
     h = _hidden(model, mb, ctx)
   out = models.chunked_logprobs(h, model.unembed(), mb["targets"], chunk=cfg.logprob_chunk,
                                 return_entropy=with_entropy, temperature=temperature,
-                                compute_dtype=jnp.dtype(cfg.dtype), ctx=ctx)
+                                compute_dtype=jnp.dtype(cfg.dtype), ctx=ctx,
+                                logit_soft_cap=cfg.final_logit_softcap)
   logprobs, entropies = out if with_entropy else (out, None)
   values = _value_head(model, h) if with_values else None
   return logprobs, entropies, values, aux
@@ -585,7 +586,9 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       divergence = models.chunked_divergence(
           hidden, model.unembed(), mb["teacher_h"], mb["teacher_w"], kind=distill_loss,
           chunk=model_cfg.logprob_chunk, temperature=temperature,
-          compute_dtype=jnp.dtype(model_cfg.dtype), beta=distill_beta)
+          compute_dtype=jnp.dtype(model_cfg.dtype), beta=distill_beta,
+          logit_soft_cap=model_cfg.final_logit_softcap,
+          teacher_logit_soft_cap=teacher_cfg.final_logit_softcap)
       mask = losses.as_mask(mb["loss_mask"])
       weights, local_denominator = losses.token_weights(
           mask, loss_cfg.loss_agg_mode, segment_ids=mb.get("segment_ids"),
