@@ -439,6 +439,30 @@ PRESETS: dict[str, ModelConfig] = {
                                 norm_eps=1e-5, max_position_embeddings=32_768,
                                 architecture="MixtralForCausalLM", dtype="bfloat16",
                                 param_dtype="bfloat16", remat="full"),
+    # Gemma 2 2B: sliding (4096) and full layers alternating, soft caps 50 / 30.
+    "gemma2_2b": ModelConfig(vocab_size=256_000, d_model=2304, num_layers=26, num_heads=8,
+                             num_kv_heads=4, head_dim=256, ffn_dim=9216,
+                             rope=RopeConfig(theta=10_000.0), norm_eps=1e-6,
+                             tie_embeddings=True, max_position_embeddings=8192,
+                             architecture="Gemma2ForCausalLM", dtype="bfloat16",
+                             param_dtype="bfloat16", remat="dots_with_no_batch_dims",
+                             norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+                             mlp_activation="gelu_tanh", query_pre_attn_scalar=256.0,
+                             attn_logit_softcap=50.0, final_logit_softcap=30.0,
+                             sliding_window=4096,
+                             layer_types=("sliding_attention", "full_attention") * 13),
+    # Gemma 3 1B: five sliding (512, rope base 10k) layers to one full (base 1M), q/k norms.
+    "gemma3_1b": ModelConfig(vocab_size=262_144, d_model=1152, num_layers=26, num_heads=4,
+                             num_kv_heads=1, head_dim=256, ffn_dim=6912,
+                             rope=RopeConfig(theta=1_000_000.0), norm_eps=1e-6,
+                             tie_embeddings=True, qk_norm=True, max_position_embeddings=32_768,
+                             architecture="Gemma3ForCausalLM", dtype="bfloat16",
+                             param_dtype="bfloat16", remat="dots_with_no_batch_dims",
+                             norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+                             mlp_activation="gelu_tanh", query_pre_attn_scalar=256.0,
+                             sliding_window=512, rope_local=RopeConfig(theta=10_000.0),
+                             layer_types=tuple("full_attention" if (i + 1) % 6 == 0
+                                               else "sliding_attention" for i in range(26))),
 }
 
 

@@ -364,7 +364,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm in GEMMAS:
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
   if lm in _SANDWICHED:
-    out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    # An int where it is one: transformers' strict config classes type the field so.
+    out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                attn_logit_softcapping=cfg.attn_logit_softcap,
                final_logit_softcapping=cfg.final_logit_softcap,
                sliding_window=cfg.sliding_window,
