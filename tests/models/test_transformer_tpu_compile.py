@@ -181,3 +181,32 @@ def test_sharded_weights_never_gather_the_whole_output_projection_on_tpu():
                 if re.search(r" all-gather(-start)?\(", line)
                 and any(w in line.split(" all-gather")[0] for w in whole)]
     assert not gathered, gathered[:2]
+
+
+def test_layers_of_both_kinds_scanned_decode_in_place_on_tpu():
+  """Gemma-style layers, sliding (with their own rope) and full, stacked and scanned: each
+  layer's flag picks its kernel with a lax.cond, and that neither copies the carried cache
+  at a decode step nor slices a layer out of it; the prefill body holds both flash
+  kernels, once each, whatever the depth."""
+  import re
+
+  from posttrain.sampling.sampler import Sampler
+  cfg = CFG.replace(scan_layers=True, num_layers=3, sliding_window=256,
+                    layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                    attn_logit_softcap=50.0, final_logit_softcap=30.0,
+                    norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+                    mlp_activation="gelu_tanh", rope_local=models.RopeConfig(theta=100.0))
+  mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  sampler = Sampler(abstract, mesh=mesh, max_len=2048, cache_dtype="int8")
+  with jax.set_mesh(mesh):
+    prefill, decode = sampler.compile(64, 1024, 1024, distinct_prompts=8, temperature=1.0)
+  assert prefill.as_text().count("tpu_custom_call") == 2
+  text = decode.as_text()
+  local = f"16,{cfg.num_kv_heads},2048,{cfg.head_dim}]"
+  assert f"[{cfg.num_layers},{local}" in text
+  copies = [line for line in text.splitlines()
+            if re.search(r"\[(\d+,)?" + re.escape(local) + r"\{[^}]*\} copy\(", line)]
+  layers = [line for line in text.splitlines()
+            if re.search(r"= \w+\[" + re.escape(local) + r"\{", line)]
+  assert not copies and not layers, (copies + layers)[:2]
