@@ -4,7 +4,7 @@ Two tokenizers share one interface:
   * `ByteTokenizer`: no files; ids 0..255 are bytes, specials follow (roles, pad, eos).
     The embedded default and the tests use it.
   * `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` package, with the
-    Llama 3 or ChatML (Qwen) chat format picked from the vocabulary.
+    Llama 3, ChatML (Qwen) or Gemma chat format picked from the vocabulary.
 
 `encode_chat(messages)` returns (ids, mask) where mask[i] = 1 exactly for tokens the model
 itself produced (assistant content and its end-of-turn token): the SFT and RL loss mask. An
@@ -26,23 +26,37 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatFormat:
-  """A chat layout: per-role header tokens, an end-of-turn token, and plain-text glue."""
+  """A chat layout: per-role header tokens, an end-of-turn token, and plain-text glue.
+
+  `fold_system` (Gemma, whose template has no system turn): a leading system message
+  becomes the start of the first user turn, "<system>\n\n<user>". `strip`: contents are
+  stripped of surrounding whitespace, as Gemma's template trims them.
+  """
 
   def __init__(self, tok: "Tokenizer", headers: dict[str, list[int]], end_of_turn: list[int],
-               after_end: list[int] = (), bos: list[int] = ()):
+               after_end: list[int] = (), bos: list[int] = (), fold_system: bool = False,
+               strip: bool = False):
     self.tok, self.headers, self.end_of_turn = tok, headers, list(end_of_turn)
     self.after_end, self.bos = list(after_end), list(bos)
+    self.fold_system, self.strip = fold_system, strip
 
   def encode(self, messages: Sequence[Message], add_generation_prompt: bool = False
              ) -> tuple[list[int], list[int]]:
     ids, mask = list(self.bos), [0] * len(self.bos)
+    prefix = ""
+    if (self.fold_system and len(messages) > 1 and messages[0].get("role") == "system"
+        and messages[1].get("role") == "user" and isinstance(messages[0].get("content"), str)):
+      prefix, messages = messages[0]["content"] + "\n\n", messages[1:]
     for m in messages:
       role, content = m.get("role"), m.get("content", "")
       if role not in self.headers:
         raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
       if not isinstance(content, str):
         raise ValueError(f"message content must be a string, got {type(content).__name__}")
-      body = self.tok.encode(content) + self.end_of_turn
+      if self.strip:
+        content = content.strip()
+      body = self.tok.encode(prefix + content) + self.end_of_turn
+      prefix = ""
       own = 1 if role == "assistant" and m.get("weight", 1) else 0
       ids += self.headers[role] + body + self.after_end
       mask += [0] * len(self.headers[role]) + [own] * len(body) + [0] * len(self.after_end)
@@ -81,7 +95,8 @@ class Tokenizer:
   @property
   def stop_ids(self) -> tuple[int, ...]:
     """Tokens that end an assistant turn."""
-    return tuple(sorted(set(self.chat.end_of_turn[-1:] + [self.eos_id])))
+    return tuple(sorted(set(self.chat.end_of_turn[-1:] + [self.eos_id]
+                            + list(getattr(self, "extra_stop_ids", ())))))
 
   def save(self, directory: str) -> list[str]:
     """Writes the files `load_tokenizer(directory)` reads back, into a model folder being
@@ -123,7 +138,8 @@ _HF_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.
 
 
 class HFTokenizer(Tokenizer):
-  """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3 or ChatML format."""
+  """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3, ChatML or Gemma
+  format."""
 
   def __init__(self, path: str):
     from tokenizers import Tokenizer as _HFTok  # Optional extra: posttrain[hf].
@@ -155,8 +171,20 @@ class HFTokenizer(Tokenizer):
       headers = {r: [start] + self.encode(r + "\n") for r in ROLES}
       self.chat = ChatFormat(self, headers, [end], after_end=self.encode("\n"))
       self.eos_id = end
+    elif tid("<start_of_turn>") is not None:  # Gemma: the assistant is "model"; no system
+      start, end = tid("<start_of_turn>"), tid("<end_of_turn>")  # or tool turns of its own.
+      headers = {r: [start] + self.encode(r + "\n") for r in ("user", "system")}
+      headers["assistant"] = [start] + self.encode("model\n")
+      headers["tool"] = headers["user"]
+      bos = [tid("<bos>")] if tid("<bos>") is not None else []
+      self.chat = ChatFormat(self, headers, [end], after_end=self.encode("\n"), bos=bos,
+                             fold_system=True, strip=True)
+      self.eos_id = end
+      # Gemma's generation config stops at <eos> too.
+      self.extra_stop_ids = [tid("<eos>")] if tid("<eos>") is not None else []
     else:
-      raise ValueError(f"{file}: no Llama 3 or ChatML special tokens; cannot build a chat format")
+      raise ValueError(f"{file}: no Llama 3, ChatML or Gemma special tokens; cannot build a "
+                       "chat format")
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id

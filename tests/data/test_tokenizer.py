@@ -73,6 +73,46 @@ def test_hf_tokenizer_chat_formats(tmp_path, layout):
     assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n2+2?")
 
 
+# Gemma's chat template, as its tokenizer_config.json carries it (text content only).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
+def test_gemma_chat_format_renders_as_its_template(tmp_path):
+  """Gemma: the assistant's turns are "model" turns, a system message opens the first user
+  turn, contents are trimmed; the model's own tokens are its content and <end_of_turn>,
+  and <eos> stops a turn too."""
+  transformers = pytest.importorskip("transformers")
+  specials = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>"]
+  _write_hf_tokenizer(tmp_path, specials)
+  tok = load_tokenizer(str(tmp_path))
+  convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": " 2+2? "},
+           {"role": "assistant", "content": "<answer>4</answer>\n"},
+           {"role": "user", "content": "ok"}]
+  ids, mask = tok.encode_chat(convo, add_generation_prompt=True)
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                            bos_token="<bos>")
+  want = hf.apply_chat_template(convo, chat_template=GEMMA_TEMPLATE, tokenize=False,
+                                add_generation_prompt=True)
+  assert tok._tok.decode(ids, skip_special_tokens=False) == want
+  assert want.startswith("<bos><start_of_turn>user\nbe brief\n\n2+2?<end_of_turn>\n"
+                         "<start_of_turn>model\n<answer>4</answer><end_of_turn>\n")
+  own = [i for i, m in zip(ids, mask) if m]
+  end = tok._tok.token_to_id("<end_of_turn>")
+  assert tok.decode(own[:-1]) == "<answer>4</answer>" and own[-1] == end == tok.eos_id
+  assert tok.stop_ids == tuple(sorted((end, tok._tok.token_to_id("<eos>"))))
+  assert tok.pad_id == tok._tok.token_to_id("<pad>")
+
+
 def test_hf_tokenizer_saves_what_loads_it_back(tmp_path):
   """An exported model folder gets the tokenizer's files: loaded from there it encodes
   and formats chats as the original does. The byte tokenizer is built in: nothing."""
