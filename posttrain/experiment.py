@@ -278,6 +278,9 @@ def reward_architecture(architecture: str) -> str:
   """The sequence-classification class of a causal LM's (or already one)."""
   if architecture.endswith("ForSequenceClassification"):
     return architecture
+  from posttrain.models import hf
+  if architecture in hf.CAUSAL_LMS:  # Gemma 3's text classifier is named apart.
+    return hf._sequence_classifier(architecture)
   if not architecture.endswith("ForCausalLM"):
     raise ValueError(f"architecture {architecture!r} has no sequence-classification form")
   return architecture[:-len("ForCausalLM")] + "ForSequenceClassification"

@@ -863,3 +863,28 @@ def test_online_dpo_pairs_each_groups_best_and_worst_sample(tmp_path, monkeypatc
     assert 0 <= r["preference/rewards/accuracy"] <= 1
   assert abs(rows[0]["loss/preference"] - np.log(2)) < 1e-5
   assert rows[0]["preference/rewards/margin"] == 0.0
+
+
+GEMMA2 = {"model.overrides.architecture": "Gemma2ForCausalLM", "model.overrides.num_layers": 2,
+          "model.overrides.norm_unit_offset": True, "model.overrides.sandwich_norms": True,
+          "model.overrides.embed_scale": True, "model.overrides.mlp_activation": "gelu_tanh",
+          "model.overrides.query_pre_attn_scalar": 16.0,
+          "model.overrides.attn_logit_softcap": 50.0,
+          "model.overrides.final_logit_softcap": 30.0, "model.overrides.sliding_window": 8,
+          "model.overrides.layer_types": "sliding_attention,full_attention",
+          "model.overrides.scan_layers": True}
+
+
+@pytest.mark.slow
+def test_gemma2_run_trains_and_exports_what_transformers_reads(tmp_path):
+  """SFT then RL on a Gemma 2 policy (sliding and full layers scanned, soft caps) over the
+  8-device mesh; export_hf writes Gemma2ForCausalLM files that load back as the policy."""
+  extra = {**GEMMA2, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
+           "eval.seeds_per_domain": 0}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  rl_rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rl_rows) == 2 and all(np.isfinite(r["grad_norm"]) for r in rl_rows)
+  params, _, _ = _final_params(str(tmp_path), extra)
+  exported = _assert_export_is_the_policy(tmp_path, extra, params)
+  assert exported.cfg.architecture == "Gemma2ForCausalLM"
+  assert exported.cfg.sliding_layers == (True, False)

@@ -343,6 +343,13 @@ class ModelConfig:
     return parse_attention_options(self.attention_options)
 
   def replace(self, **kwargs: Any) -> "ModelConfig":
+    """A copy with fields replaced. A new num_layers without layer_types keeps the layer
+    kinds' pattern (its shortest period: a 2-layer Gemma 2 is sliding, full)."""
+    if "num_layers" in kwargs and "layer_types" not in kwargs and self.layer_types:
+      kinds = self.layer_types
+      period = next(p for p in range(1, len(kinds) + 1)
+                    if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+      kwargs["layer_types"] = tuple(kinds[i % period] for i in range(int(kwargs["num_layers"])))
     for name in ("rope", "rope_local"):
       if isinstance(kwargs.get(name), dict):
         kwargs[name] = RopeConfig(**kwargs[name])

@@ -228,3 +228,17 @@ def test_layer_types_survive_a_json_round_trip_of_the_config():
   assert isinstance(back.layer_types, tuple) and isinstance(back.rope_local, models.RopeConfig)
   assert cfg.replace(layer_types="sliding_attention," * 25 + "full_attention").sliding_layers \
       == (True,) * 25 + (False,)
+
+
+def test_fewer_layers_keep_the_pattern_of_layer_kinds():
+  """A shrunk preset (a run's num_layers override) keeps its kinds' period."""
+  from posttrain import experiment
+  assert models.get_preset("gemma2_2b", num_layers=3).sliding_layers == (True, False, True)
+  assert models.get_preset("gemma3_1b", num_layers=7).sliding_layers == (True,) * 5 + (
+      False, True)
+  assert models.get_preset("gemma3_1b", num_layers=2, layer_types=()).sliding_layers == (
+      True, True)  # given explicitly: empty, so every layer slides (sliding_window is set)
+  assert experiment.reward_architecture("Gemma3ForCausalLM") == \
+      "Gemma3TextForSequenceClassification"
+  assert experiment.reward_architecture("Gemma2ForCausalLM") == \
+      "Gemma2ForSequenceClassification"
