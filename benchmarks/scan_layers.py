@@ -1,13 +1,15 @@
 """scan_layers: the layer list against the layers stacked and run as one lax.scan.
 
-    python -m benchmarks.scan_layers [--quick]
+    python -m benchmarks.scan_layers [--quick] [--gemma]
     python -m benchmarks.scan_layers --config=configs/llama3_8b_grpo_v5p64.py \\
         --compile_for=v5p:2x4x4
 
 Default (CPU, what `benchmarks.run` calls): a GRPO step (reference log-probs and the
 update in one program, AdamW, remat "full") of the "bench" widths at 4 and 16 layers on 8
 fake CPU devices (fsdp 8): the first step (compile included) and the median of the warm
-steps, per arm, in one process, arms interleaved.
+steps, per arm, in one process, arms interleaved. --gemma: the same widths with Gemma 3's
+layers (five sliding, window 32, to one full; sandwich norms, GeGLU, soft caps), whose
+scanned body picks each layer's kernel with a lax.cond.
 
 With --compile_for (needs libtpu): the config's RL update and its sampler's prefill and
 decode, compiled for that TPU slice on this host as `launch.plan --compile_for` does,
@@ -65,7 +67,12 @@ def time_steps(steps: dict, states: dict, refs: dict, batch) -> tuple[dict, dict
   return first, {name: statistics.median(times) for name, times in warm.items()}
 
 
-def _cpu_rows(quick: bool) -> list[dict]:
+GEMMA = dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+             mlp_activation="gelu_tanh", query_pre_attn_scalar=64.0, attn_logit_softcap=50.0,
+             final_logit_softcap=30.0, sliding_window=32, architecture="Gemma3ForCausalLM")
+
+
+def _cpu_rows(quick: bool, gemma: bool = False) -> list[dict]:
   from posttrain import models
   from posttrain.rl import presets
   from posttrain.rl import state as state_lib
@@ -77,6 +84,10 @@ def _cpu_rows(quick: bool) -> list[dict]:
   rows = []
   for layers in ((4,) if quick else (4, 16)):
     base = models.get_preset("bench", num_layers=layers, remat="full")
+    if gemma:
+      base = base.replace(**GEMMA, layer_types=tuple(
+          "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+          for i in range(layers)))
     plain = models.create_model(base, mesh=mesh)
     arms = {"layer list": plain, "scan_layers": models.relayout(plain, scan_layers=True,
                                                                 mesh=mesh)}
@@ -95,8 +106,8 @@ def _cpu_rows(quick: bool) -> list[dict]:
   return rows
 
 
-def run(quick: bool = False) -> list[dict]:
-  return _cpu_rows(quick)
+def run(quick: bool = False, gemma: bool = False) -> list[dict]:
+  return _cpu_rows(quick, gemma)
 
 
 def _arm(config_path: str, topology: str, scan: bool) -> dict:
@@ -143,6 +154,7 @@ def _compile_rows(config_path: str, topology: str) -> list[dict]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--gemma", action="store_true")
   parser.add_argument("--config", default=None)
   parser.add_argument("--compile_for", default=None)
   parser.add_argument("--arm", choices=("list", "scan"), default=None)
@@ -154,7 +166,7 @@ def main() -> None:
     rows = _compile_rows(args.config, args.compile_for)
   else:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    rows = run(args.quick)
+    rows = run(args.quick, args.gemma)
   for row in rows:
     print(row)
 
