@@ -65,6 +65,38 @@ _GEMMA_DEFAULTS = {
                               query_pre_attn_scalar=256, sliding_window=4096, pattern=6,
                               max_position_embeddings=131_072)}
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma's legacy "gelu" means tanh.
+# Vision-language classes whose language model is read alone (the vision tower and its
+# projector are left in the files): class -> the causal LM it holds. Gemma 3 4B / 12B /
+# 27B are published this way; their text_config leaves out what equals these defaults.
+VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6)}
+
+
+def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
+  """A vision-language config.json's text model as a causal LM's config.json (others as
+  they are)."""
+  arch = next((a for a in c.get("architectures") or [] if a in VISION_LANGUAGE), None)
+  if arch is None:
+    return c
+  text = {**_TEXT_DEFAULTS[arch], **(c.get("text_config") or {})}
+  for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
+    if key in c:
+      text[key] = c[key]
+  return {**text, "architectures": [VISION_LANGUAGE[arch]]}
+
+
+def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[[str], str]:
+  """HF causal-LM tensor name -> its name in the files: the names themselves, or a
+  vision-language checkpoint's (language_model.model.X, as published and as transformers
+  5 saves, or model.language_model.X)."""
+  if not any(a in VISION_LANGUAGE for a in c.get("architectures") or []):
+    return lambda name: name
+  if any(n.startswith("model.language_model.") for n in files):
+    return lambda name: ("model.language_model." + name[len("model."):]
+                         if name.startswith("model.") else name)
+  return lambda name: "language_model." + name
 # HF module names of a mixture's router and of expert j's gate, up and down projections.
 _MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
                                       "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
@@ -135,7 +167,7 @@ def _architecture(c: dict[str, Any]) -> str:
   arch = next((a for a in archs if a in SUPPORTED), None)
   if arch is None:
     raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
-                     f"supported: {list(SUPPORTED)}")
+                     f"supported: {list(SUPPORTED) + list(VISION_LANGUAGE)}")
   return arch
 
 
@@ -161,7 +193,9 @@ def folder_config(path: str, what: str, expected: str = "a Hugging Face folder"
 def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfig:
   """Maps a config.json dict to a ModelConfig; an unknown architecture is an error. A
   *ForSequenceClassification is a reward model (lm_head=False, value_head=True) of one
-  label; another num_labels is an error."""
+  label; another num_labels is an error. A vision-language model (VISION_LANGUAGE) maps
+  to its language model's causal LM."""
+  c = _language_model_config(c)
   arch = _architecture(c)
   lm = _causal_lm(arch)
   reward_model = arch != lm
@@ -698,6 +732,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     hf_cfg = json.load(fh)
   if dtype is not None:
     overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+  if adapter is not None and _language_model_config(hf_cfg) is not hf_cfg:
+    raise ValueError(f"adapter={adapter!r}: adapters on a vision-language checkpoint "
+                     f"({hf_cfg['architectures']}) are not read; merge it, or load its "
+                     "language model saved alone")
   if adapter is not None:
     classifier = (_architecture(hf_cfg) in SEQUENCE_CLASSIFIERS
                   or overrides.get("architecture") in SEQUENCE_CLASSIFIERS)
@@ -708,11 +746,18 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   cfg = hf_config_to_model_config(hf_cfg, **overrides)
   files = _tensor_files(path)
   # A sequence classifier's score is the value head; a causal LM's files hold none.
-  rows = _mapping(cfg, score=_architecture(hf_cfg) in SEQUENCE_CLASSIFIERS and cfg.value_head)
+  rows = _mapping(cfg, score=_architecture(_language_model_config(hf_cfg))
+                  in SEQUENCE_CLASSIFIERS and cfg.value_head)
+  named = _language_model_names(hf_cfg, files)
+  rows = [(ours, named(name), *rest) for ours, name, *rest in rows]
+  present = set(files)
+  if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
+    present = {n for n in files if n == named("lm_head.weight")
+               or n.startswith(named("model.x")[:-1])}
   # Tied checkpoints sometimes carry a copy of the embedding as lm_head; a reward model
   # started from a causal LM does not read its lm_head.
-  _check_names(f"checkpoint {path}", set(files), {r[1] for r in rows},
-               {"lm_head.weight"} if cfg.tie_embeddings or not cfg.lm_head else set())
+  _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
+               {named("lm_head.weight")} if cfg.tie_embeddings or not cfg.lm_head else set())
   sources = [(files, rows)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)

@@ -242,3 +242,61 @@ def test_fewer_layers_keep_the_pattern_of_layer_kinds():
       "Gemma3TextForSequenceClassification"
   assert experiment.reward_architecture("Gemma2ForCausalLM") == \
       "Gemma2ForSequenceClassification"
+
+
+def test_gemma3_vision_language_checkpoint_loads_its_language_model(tmp_path):
+  """Gemma 3 4B / 12B / 27B are Gemma3ForConditionalGeneration files: the language model
+  is read alone (text_config, language_model.* tensors; the vision tower left), computes
+  what transformers' model does on text, and exports as a Gemma3ForCausalLM."""
+  from safetensors.numpy import load_file, save_file
+  text = {**COMMON, **FAMILIES["gemma3"][2]}
+  cfg = transformers.Gemma3Config(
+      text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=2,
+                                           image_size=28, patch_size=14),
+      mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95)
+  torch.manual_seed(0)
+  hf = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "language_model" in name:
+        p.add_(torch.randn_like(p) * 0.3) if "norm" in name else p.mul_(5.0)
+  hf.save_pretrained(tmp_path / "vl")
+  tokens = TOKENS % 94  # text only: no image tokens
+  with torch.no_grad():
+    want = hf(input_ids=torch.tensor(tokens)).logits.numpy()
+  ours = models.from_pretrained(str(tmp_path / "vl"))
+  assert ours.cfg.architecture == "Gemma3ForCausalLM" and ours.cfg.qk_norm
+  assert ours.cfg.rope_local.theta == 100.0 and ours.cfg.sliding_layers == (True, False, True)
+  _close(_our_logits(ours, tokens), want)
+
+  # The other naming of the same tensors (model.language_model.X).
+  (tmp_path / "vl2").mkdir()
+  tensors = load_file(str(tmp_path / "vl" / "model.safetensors"))
+  save_file({k.replace("language_model.model.", "model.language_model.", 1): v
+             for k, v in tensors.items()}, str(tmp_path / "vl2" / "model.safetensors"))
+  (tmp_path / "vl2" / "config.json").write_text((tmp_path / "vl" / "config.json").read_text())
+  again = models.from_pretrained(str(tmp_path / "vl2"))
+  np.testing.assert_array_equal(_our_logits(again, tokens), _our_logits(ours, tokens))
+
+  models.save_pretrained(ours, str(tmp_path / "text"))
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").float().eval()
+  assert back.__class__.__name__ == "Gemma3ForCausalLM"
+  _close(_hf_logits(back, tokens), want, tol=1e-5)
+  with pytest.raises(ValueError, match="adapters on a vision-language checkpoint"):
+    models.from_pretrained(str(tmp_path / "vl"), adapter=str(tmp_path))
+  # A sparse text_config (as published) takes Gemma 3's defaults for what it leaves out.
+  c = json.loads((tmp_path / "vl" / "config.json").read_text())
+  c["text_config"] = {"hidden_size": 2560, "intermediate_size": 10240,
+                      "num_hidden_layers": 34, "sliding_window": 1024,
+                      "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                      "model_type": "gemma3_text"}
+  c.pop("dtype", None)
+  c["torch_dtype"] = "bfloat16"  # as published
+  four_b = hf_io.hf_config_to_model_config(c)
+  assert (four_b.vocab_size, four_b.num_heads, four_b.num_kv_heads, four_b.head_dim) == (
+      262_208, 8, 4, 256)
+  assert four_b.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(34))
+  assert (four_b.rope.theta, four_b.rope.type, four_b.rope.factor) == (1e6, "linear", 8.0)
+  assert four_b.rope_local.theta == 10_000.0 and four_b.param_dtype == "bfloat16"
+  assert four_b.query_pre_attn_scalar == 256.0 and four_b.tie_embeddings
