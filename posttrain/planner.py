@@ -285,6 +285,16 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
     MLP dots = 4E   the router's float32 logits only: the experts' grouped matmuls
       (`kernels.grouped_matmul`, `ragged_dot`) are no dot_general, so the dots policies
       save none of them: the backward reruns the experts' forward (sort, gate / up / down).
+
+  Gemma's options add (fitted the same way, on Gemma 2 / 3's combination and on each
+  alone; a GeGLU MLP keeps what SwiGLU does, `models.transformer.geglu`):
+    remat none, sandwich_norms and norm_unit_offset   (32 - 2s)D + 16   the two output
+                                    norms, and float32 in place of compute-dtype norm
+                                    tensors
+    remat none, norm_unit_offset alone    2(4 - s)D
+    remat none, sandwich_norms alone      (2s + 16)D + 16
+    a dots policy, sandwich_norms   sD   the MLP's down projection, which its norm reads
+    remat none, reference attention, attn_logit_softcap   4(2NT)   the capped scores
   """
   d, hd = model_cfg.d_model, model_cfg.head_dim
   nh, kh, n, t = heads * hd, kv_heads * hd, heads, kv_len
@@ -292,9 +302,20 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   impl = model_cfg.attention_impl
   if remat == "none":
     attn = 4 * 2 * n * t + n * t if impl == "reference" else 0
+    if impl == "reference" and model_cfg.attn_logit_softcap is not None:
+      attn += 4 * 2 * n * t
+    norms = 0
+    if model_cfg.sandwich_norms and model_cfg.norm_unit_offset:
+      norms = (32 - 2 * s) * d + 16
+    elif model_cfg.norm_unit_offset:
+      norms = 2 * (4 - s) * d
+    elif model_cfg.sandwich_norms:
+      norms = (2 * s + 16) * d + 16
     return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
-            + 4 * (4 * d + 4 * hd + n) + attn)
+            + 4 * (4 * d + 4 * hd + n) + attn + norms)
   weight_matmuls = s * (2 * d + nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
+  if model_cfg.sandwich_norms:
+    weight_matmuls += s * d
   if remat == "dots":
     if impl == "reference":
       return weight_matmuls + 4 * n * t + s * nh
@@ -364,8 +385,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
     [+ layers * (4E [+ s(3EDF + DE) on a mesh])    a mixture without remat]
 
   the second term outside the layers: embedding output, final norm, the hidden state the
-  chunked log-prob pass reads, RoPE tables, int32 positions and targets; tied embeddings
-  also keep the transposed output projection. tokens = one device's share of the
+  chunked log-prob pass reads, RoPE tables, int32 positions and targets (with
+  norm_unit_offset the final norm's in float32: (4 - s)D more beside embed_scale, as in
+  Gemma, 2(4 - s)D without); tied embeddings also keep the transposed output projection. tokens = one device's share of the
   micro-batch (rows over the batch axes, row_len over `sequence`). Without remat, a
   mixture keeps each layer's int32 group sizes [E] and, on a mesh, the experts and
   router its `shard_map` was given (D gathered over fsdp, F split): 1.1 GiB a layer for
@@ -379,6 +401,8 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
                                      kv_len=row_len)
   s = np.dtype(cfg.dtype).itemsize
   outside = 2 * s * cfg.d_model + 4 * (2 * cfg.d_model + cfg.head_dim) + 8
+  if cfg.norm_unit_offset:
+    outside += (1 if cfg.embed_scale else 2) * (4 - s) * cfg.d_model
   # Tied embeddings: the transposed [D, V] output projection is a residual of its own.
   unembed = s * cfg.d_model * vocab if cfg.tie_embeddings and cfg.lm_head else 0
   experts = 0

@@ -147,6 +147,34 @@ def test_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, remat)
   assert estimate == pytest.approx(kept, rel=0.1)
 
 
+GEMMA2 = dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+              mlp_activation="gelu_tanh", query_pre_attn_scalar=16.0, attn_logit_softcap=50.0,
+              final_logit_softcap=30.0, sliding_window=32,
+              layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+
+
+@pytest.mark.parametrize("dtype, impl, remat, gemma", [
+    ("bfloat16", "flash", "none", GEMMA2),
+    ("float32", "reference", "none", GEMMA2),
+    ("bfloat16", "flash", "dots", GEMMA2),
+    ("float32", "chunked", "dots_with_no_batch_dims", GEMMA2),
+    ("bfloat16", "flash", "full", GEMMA2),
+    ("bfloat16", "flash", "none", dict(norm_unit_offset=True, embed_scale=True,
+                                       mlp_activation="gelu_tanh")),  # Gemma 1
+    ("bfloat16", "chunked", "none", dict(sandwich_norms=True)),
+])
+def test_gemma_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, remat, gemma):
+  """(1 + w) norms in float32, sandwich norms, GeGLU, soft caps, sliding layers."""
+  cfg = models.get_preset("tiny", num_layers=3, d_model=96, ffn_dim=160, num_heads=6,
+                          num_kv_heads=2, head_dim=16, remat=remat, attention_impl=impl,
+                          attention_chunk=32, logprob_chunk=64, dtype=dtype, param_dtype=dtype,
+                          **gemma)
+  kept = sum(b for b, _, _ in _residuals(cfg, 4, 128))
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  estimate = planner.saved_activation_bytes(cfg, rows=4, row_len=128, mesh=one_device)
+  assert estimate == pytest.approx(kept, rel=0.05)
+
+
 # A mixture: 5 experts of width 40, 2 a token (a prime E catches a transposed axis).
 MOE = dict(num_layers=2, d_model=96, ffn_dim=40, num_heads=6, num_kv_heads=2, head_dim=16,
            num_experts=5, num_experts_per_tok=2, logprob_chunk=64)

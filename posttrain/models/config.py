@@ -470,6 +470,21 @@ PRESETS: dict[str, ModelConfig] = {
                              sliding_window=512, rope_local=RopeConfig(theta=10_000.0),
                              layer_types=tuple("full_attention" if (i + 1) % 6 == 0
                                                else "sliding_attention" for i in range(26))),
+    # Gemma 3 12B's language model (published as Gemma3ForConditionalGeneration; read alone):
+    # window 1024, linear rope scaling x8 on the full layers.
+    "gemma3_12b": ModelConfig(vocab_size=262_208, d_model=3840, num_layers=48, num_heads=16,
+                              num_kv_heads=8, head_dim=256, ffn_dim=15_360,
+                              rope=RopeConfig(theta=1_000_000.0, type="linear", factor=8.0),
+                              norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+                              max_position_embeddings=131_072,
+                              architecture="Gemma3ForCausalLM", dtype="bfloat16",
+                              param_dtype="bfloat16", remat="dots_with_no_batch_dims",
+                              norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+                              mlp_activation="gelu_tanh", query_pre_attn_scalar=256.0,
+                              sliding_window=1024, rope_local=RopeConfig(theta=10_000.0),
+                              scan_layers=True,
+                              layer_types=tuple("full_attention" if (i + 1) % 6 == 0
+                                                else "sliding_attention" for i in range(48))),
 }
 
 

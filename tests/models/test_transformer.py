@@ -335,15 +335,18 @@ def test_attention_options_are_checked():
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
-def test_swiglu_matches_autodiff_of_silu_times_up(dtype, tol):
-  """The hand-written backward equals autodiff of silu(gate) * up, saturated gates too."""
+@pytest.mark.parametrize("gated,act", [
+    ("swiglu", jax.nn.silu), ("geglu", lambda g: jax.nn.gelu(g, approximate=True))])
+def test_gated_mlp_backward_matches_autodiff(dtype, tol, gated, act):
+  """The hand-written backwards equal autodiff of act(gate) * up (silu; Gemma's
+  tanh-approximate gelu), saturated gates too."""
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   gate = (jax.random.normal(k1, (6, 40)) * 8).at[0, :4].set(
       jnp.array([-80.0, 80.0, 0.0, -1e-3])).astype(dtype)
   up = jax.random.normal(k2, (6, 40)).astype(dtype)
   dh = jax.random.normal(k3, (6, 40)).astype(dtype)
-  plain = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
-  out, vjp = jax.vjp(models.transformer.swiglu, gate, up)
+  plain = lambda g, u: act(g) * u  # noqa: E731
+  out, vjp = jax.vjp(getattr(models.transformer, gated), gate, up)
   want, want_vjp = jax.vjp(plain, gate, up)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=tol,
                              atol=tol)
