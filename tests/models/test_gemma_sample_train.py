@@ -512,3 +512,25 @@ def test_attention_kernels_equal_the_reference(attention_impl, options, scan):
                           strict=True):
     np.testing.assert_allclose(g, w, atol=1e-4 * max(np.abs(w).max(), 1.0), rtol=1e-4,
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("attention_impl,options,scan", [
+    pytest.param("ring", "", False, id="ring-chunked"),
+    pytest.param("ring", "interpret=true", True, marks=pytest.mark.slow, id="ring-flash-scanned"),
+    pytest.param("flash", "", True, marks=pytest.mark.slow, id="flash-sharded-scanned"),
+])
+def test_sequence_parallel_attention_on_a_mesh_equals_one_device(attention_impl, options,
+                                                                  scan):
+  """Ring attention over a sequence axis of 4 (the window spans two devices' chunks), and
+  flash attention inside shard_map, give the one-device reference's logits."""
+  cfg = GEMMA2.replace(sliding_window=12, scan_layers=scan)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 64)))
+  reference = models.create_model(cfg, seed=0)
+  want = np.asarray(_logits(reference, tokens))
+  mesh = models.make_mesh((1, 1, 2, 4))
+  model = models.create_model(cfg.replace(attention_impl=attention_impl,
+                                          attention_options=options), seed=0, mesh=mesh)
+  ctx = models.ShardingContext(mesh)
+  with jax.set_mesh(mesh):
+    got = np.asarray(nnx.jit(lambda m, t: m(t, ctx=ctx))(model, tokens))
+  np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()), rtol=0)
