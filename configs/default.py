@@ -133,14 +133,19 @@ def get_config() -> ml_collections.ConfigDict:
   # p_student), minus its reverse KL; "reverse_kl" / "forward_kl" / "jsd" (GKD's, with
   # beta): the update adds coef times that divergence over the whole vocabulary at every
   # trained token (the teacher runs in the step). Either way beside reward_weight times the algorithm's own
-  # advantages (0: distillation alone, no reward needed).
+  # advantages (0: distillation alone, no reward needed). stages "sft" (or "sft,rl"):
+  # SFT adds coef times sft_loss between the student's and the teacher's next-token
+  # distributions at every demonstration token to its NLL (logit distillation; the teacher
+  # runs in the step, and without "rl" it is freed when SFT ends).
   c.distill = ml_collections.ConfigDict(dict(
       teacher="",         # "" = off
       loss="sampled",     # sampled | reverse_kl | forward_kl | jsd
       coef=1.0,
       beta=0.5,           # jsd's: beta KL(teacher || m) + (1 - beta) KL(student || m)
       reward_weight=1.0,
-      dtype=""))          # the teacher's weights and compute: "" = the run's model dtype
+      dtype="",           # the teacher's weights and compute: "" = the run's model dtype
+      stages="rl",        # comma-separated: rl, sft
+      sft_loss="forward_kl"))  # forward_kl (KD's KL(teacher || student)) | reverse_kl | jsd
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=2, keep_every=0,
                                                 async_save=True))

@@ -120,7 +120,8 @@ def _abstract_teacher(config, cfg, mesh, rules):
   the update reads (distill.loss reverse_kl / forward_kl), as the trainer loads it; (None,
   None) otherwise."""
   distill = config.get("distill") or {}
-  if not experiment.distill_teacher(config) or str(distill.get("loss", "sampled")) == "sampled":
+  if ("rl" not in experiment.distill_stages(config)
+      or str(distill.get("loss", "sampled")) == "sampled"):
     return None, None
   teacher_cfg = experiment.teacher_config(config).replace(
       attention_impl=cfg.attention_impl, logprob_chunk=cfg.logprob_chunk)

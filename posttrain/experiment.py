@@ -108,6 +108,26 @@ def distill_teacher(config) -> str:
   return str(d.get("teacher", "") or "") if d is not None else ""
 
 
+DISTILL_STAGES = ("sft", "rl")
+
+
+def distill_stages(config) -> tuple[str, ...]:
+  """The stages the distillation teacher joins (distill.stages; () without a teacher).
+
+  Raises:
+    ValueError: an unknown or empty list of stages.
+  """
+  if not distill_teacher(config):
+    return ()
+  raw = str(config.distill.get("stages", "rl") or "")
+  stages = tuple(s.strip() for s in raw.split(",") if s.strip())
+  bad = [s for s in stages if s not in DISTILL_STAGES]
+  if bad or not stages:
+    raise ValueError(f"distill.stages={raw!r}: expected a comma-separated subset of "
+                     f"{DISTILL_STAGES}")
+  return stages
+
+
 def _check_distill(config) -> None:
   """The distill section: a known dtype and, with a teacher, a readable causal-LM folder
   and weights that leave some advantage (coef or reward_weight > 0)."""
@@ -124,10 +144,15 @@ def _check_distill(config) -> None:
   if loss == "jsd" and beta is not None and not 0 < float(beta) < 1:
     raise ValueError(f"distill.beta={beta!r} must be in (0, 1) for distill.loss=jsd "
                      "(0 is forward_kl, 1 reverse_kl)")
+  sft_loss = str(d.get("sft_loss", "forward_kl"))
+  if sft_loss not in models.DIVERGENCES:
+    raise ValueError(f"distill.sft_loss={sft_loss!r}; expected one of {models.DIVERGENCES}")
   if not distill_teacher(config):
     return
   teacher_config(config)
-  if float(d.get("coef", 1.0)) == 0 and float(d.get("reward_weight", 1.0)) == 0:
+  stages = distill_stages(config)
+  if "rl" in stages and float(d.get("coef", 1.0)) == 0 and float(
+      d.get("reward_weight", 1.0)) == 0:
     raise ValueError("distill.coef=0 and distill.reward_weight=0 leave no advantage to train "
                      "on")
 

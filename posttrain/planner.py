@@ -911,9 +911,11 @@ def teacher_bytes(config: ml_collections.ConfigDict, shape: dict[str, int],
   teacher (distill.teacher), from its config.json alone, and, when the update reads it
   (distill.loss reverse_kl / forward_kl), its final hidden states of one micro-batch; 0
   without one, or when the folder is not readable here (planning a run whose files live
-  elsewhere)."""
+  elsewhere), or when it joins SFT alone (distill.stages=sft: freed before RL)."""
   if not experiment.distill_teacher(config):
     return 0, "none (distill.teacher unset)"
+  if "rl" not in experiment.distill_stages(config):
+    return 0, "none in RL (distill.stages=sft: the teacher is freed when SFT ends)"
   try:
     cfg = experiment.teacher_config(config)
   except ValueError as e:

@@ -40,7 +40,8 @@ from flax import nnx
 
 from posttrain import distributed, evaluation, majority_vote, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
-                                  data_cache_dir, distill_teacher, from_checkpoint,
+                                  data_cache_dir, distill_stages, distill_teacher,
+                                  from_checkpoint,
                                   frozen_references, model_config, objective,
                                   optimizer_like, reward_model_domains, run_domains,
                                   teacher_config, to_checkpoint)
@@ -313,9 +314,13 @@ class Trainer:
     self.online_pref = presets.preference_config(self.algo)
     self._reward_kl = float("nan")  # the batch's KL in the reward, for the KL controller
     self.teacher_path = distill_teacher(config)
+    stages = distill_stages(config)
+    # The teacher joins RL and / or SFT (distill.stages).
+    self.rl_teacher = "rl" in stages
+    self.sft_teacher = "sft" in stages and int(config.sft.steps) > 0
     # distill.loss: "sampled" adds each sampled token's log-prob gap to its advantage;
     # reverse_kl / forward_kl add the whole-vocabulary divergence as a loss in the step.
-    self.distill_in_step = bool(self.teacher_path) and str(
+    self.distill_in_step = self.rl_teacher and str(
         config.distill.get("loss", "sampled")) != "sampled"
     self.teacher_cfg = self._check_distill() if self.teacher_path else None
     self.teacher_params = None
@@ -417,16 +422,16 @@ class Trainer:
                "loaded in %.1f s", self.rm_path, f"{self.reward_model.cfg.num_params:,}",
                len(self.rm_domains), len(self.domains), float(config.reward_model.mix),
                config.reward_model.squash, time.time() - t_load)
-    if self.teacher_path and int(config.train.rl_steps) > 0:
+    if (self.rl_teacher and int(config.train.rl_steps) > 0) or self.sft_teacher:
       self._load_teacher()  # a folder that cannot load fails now, not after SFT
 
   def _check_distill(self) -> models.ModelConfig:
     """The teacher's config, after refusing what on-policy distillation cannot join."""
     d = self.config.distill
-    if self.online_pref is not None:
+    if self.rl_teacher and self.online_pref is not None:
       raise ValueError(f"distill.teacher adds to a policy-gradient advantage; algorithm "
                        f"{self.config.algorithm!r} trains a preference loss on pairs")
-    if float(d.reward_weight) == 0 and self.algo.dynamic_sampling:
+    if self.rl_teacher and float(d.reward_weight) == 0 and self.algo.dynamic_sampling:
       raise ValueError("distill.reward_weight=0 (distillation alone) with dynamic sampling "
                        "would drop every group whose rewards are equal: set "
                        "rl.dynamic_sampling=False")
@@ -738,9 +743,18 @@ class Trainer:
   def _sft_stage(self, flag: PreemptionFlag) -> bool:
     s = self.config.sft
     total = int(s.steps)
+    if self.sft_teacher and self.teacher_params is None:
+      self._load_teacher()
     if self._sft_step_fn is None:
-      self._sft_step_fn = ts.make_train_step(self.cfg, _sft_algorithm(), self.sft_optimizer,
-                                             mesh=self.mesh, rules=self.rules)
+      d = self.config.distill
+      self._sft_step_fn = ts.make_train_step(
+          self.cfg, _sft_algorithm(), self.sft_optimizer, mesh=self.mesh, rules=self.rules,
+          teacher_cfg=self.teacher_cfg if self.sft_teacher else None,
+          distill_loss=str(d.get("sft_loss", "forward_kl")) if self.sft_teacher
+          else "reverse_kl", distill_coef=float(d.get("coef", 1.0)),
+          distill_beta=float(d.get("beta", 0.5)))
+      if self.sft_teacher:  # Logit distillation: the teacher reads every demonstration.
+        self._sft_step_fn = functools.partial(self._sft_step_fn, teacher=self.teacher_params)
     shard = (jax.process_index(), jax.process_count()) if self._sft_spans else (0, 1)
     per_step = int(s.batch_size) // shard[1]
     if shard[1] > 1:
@@ -773,7 +787,9 @@ class Trainer:
         row = self.writer.write(step, {"sft/nll": -metrics["logprob/mean"],
                                        "grad_norm": metrics["grad_norm"],
                                        "learning_rate": metrics["learning_rate"],
-                                       "timing/sft_step_s": time.time() - t0})
+                                       "timing/sft_step_s": time.time() - t0,
+                                       **({"sft/distill": metrics["distill/divergence"]}
+                                          if self.sft_teacher else {})})
         self._check_finite(row, metrics)
         progress.line(step, {"nll": row["sft/nll"], "lr": row["learning_rate"]})
       every = int(s.get("eval_every", 0) or 0)
@@ -1033,6 +1049,9 @@ class Trainer:
 
   def _rl_stage(self, flag: PreemptionFlag) -> bool:
     total = int(self.config.train.rl_steps)
+    if self.teacher_params is not None and not self.rl_teacher:
+      # A teacher of SFT alone (distill.stages=sft): its device memory goes back to RL.
+      self.teacher_params, self._sft_step_fn = None, None
     if self._rl_step_fn is None and self.online_pref is not None:
       self._rl_step_fn = ts.make_preference_step(self.cfg, self.online_pref, self.rl_optimizer,
                                                  mesh=self.mesh, rules=self.rules,
@@ -1458,7 +1477,7 @@ class Trainer:
     needs_old = (self._updates_per_step() > 1 or algo.kl_in_reward or algo.use_critic
                  or float(algo.tis_cap) > 0
                  or algo.policy_loss in loss_lib.COVARIANCE_LOSSES or needs_entropy
-                 or (bool(self.teacher_path) and not self.distill_in_step))
+                 or (self.rl_teacher and not self.distill_in_step))
     if float(algo.tis_cap) > 0:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
     cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy) if needs_old
@@ -1474,7 +1493,7 @@ class Trainer:
     est = algo.advantage_estimator
     shape = batch["tokens"].shape
     if est in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:
-      if self.teacher_path:
+      if self.rl_teacher:
         self._add_distillation(out, shape)
       return out
     flat = lambda x: jnp.asarray(x).reshape(-1, shape[-1])  # noqa: E731
@@ -1499,7 +1518,7 @@ class Trainer:
           token_rewards, mask, gamma=float(algo.gamma), kl=kl,
           kl_coef=kl_coef, segment_ids=seg)
     out["advantages"] = a.reshape(shape)
-    if self.teacher_path:
+    if self.rl_teacher:
       self._add_distillation(out, shape)
     return out
 

@@ -361,3 +361,61 @@ def test_the_compiled_update_takes_the_in_step_teacher(folders):
   teacher_cfg = experiment.teacher_config(_config(**extra))
   teacher = planner.state_bytes(teacher_cfg, with_teacher.mesh)[0]
   assert with_teacher.arguments - without.arguments == teacher
+
+
+# -- logit distillation in SFT (distill.stages) ---------------------------------------------
+
+SFT_KD = {"train.rl_steps": 0, "sft.steps": 10, "sft.batch_size": 8, "sft.warmup": 0,
+          "sft.lr": 1e-2,
+          "distill.stages": "sft", "distill.coef": 5.0}
+
+
+def test_sft_distils_the_teacher_into_the_student(folders, tmp_path):
+  """distill.stages=sft: from the student's own weights the divergence (read before each
+  update) is 0 at the first step; toward a sharper teacher it falls over the steps, and
+  below what plain SFT leaves."""
+  student = str(folders / "student")
+  sharp = tmp_path / "sharp"
+  model = models.from_pretrained(student)
+  model.final_norm.scale.value = model.final_norm.scale.value * 8.0
+  models.save_pretrained(model, str(sharp))
+  trainer.train(_config(**{**SFT_KD, "distill.teacher": student, "init_from": student,
+                            "sft.steps": 1}), str(tmp_path / "self"))
+  (row,) = [r for r in read_metrics(str(tmp_path / "self")) if "sft/nll" in r]
+  assert abs(row["sft/distill"]) < 1e-5
+  runs = {}
+  for name, coef in (("kd", 5.0), ("plain", 0.0)):
+    trainer.train(_config(**{**SFT_KD, "distill.teacher": str(sharp), "init_from": student,
+                              "distill.coef": coef}), str(tmp_path / name))
+    runs[name] = [r["sft/distill"] for r in read_metrics(str(tmp_path / name))
+                  if "sft/nll" in r]
+  assert len(runs["kd"]) == 10 and runs["kd"][0] == pytest.approx(runs["plain"][0], rel=1e-4)
+  first, last = np.mean(runs["kd"][:3]), np.mean(runs["kd"][-3:])
+  assert last < 0.75 * first and last < 0.8 * np.mean(runs["plain"][-3:]), runs
+
+
+def test_an_sft_teacher_leaves_rl_and_the_plan_alone(folders, tmp_path):
+  """Without "rl" in distill.stages the RL step reads no teacher, and the plan counts none."""
+  extra = {**SFT_KD, "sft.steps": 1, "train.rl_steps": 1,
+           "distill.teacher": str(folders / "teacher")}
+  trainer.train(_config(**extra), str(tmp_path))
+  rows = read_metrics(str(tmp_path))
+  assert "sft/distill" in [r for r in rows if "sft/nll" in r][0]
+  rl = [r for r in rows if "reward/mean" in r]
+  assert len(rl) == 1 and not any(k.startswith("distill/") for k in rl[0])
+  p = planner.plan(_config(**extra), num_devices=8)
+  assert p["teacher"] == 0 and "freed when SFT ends" in p.components["teacher"].formula
+  both = planner.plan(_config(**{**extra, "distill.stages": "sft,rl"}), num_devices=8)
+  assert both["teacher"] > 0
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"distill.stages": "pretraining"}, r"distill.stages='pretraining': expected a "
+                                        r"comma-separated subset of \('sft', 'rl'\)"),
+    ({"distill.stages": ""}, "distill.stages='': expected"),
+    ({"distill.sft_loss": "sampled"}, r"distill.sft_loss='sampled'; expected one of"),
+])
+def test_bad_distillation_stages_are_one_line_errors(folders, tmp_path, change, message):
+  with pytest.raises(ValueError, match=message):
+    experiment.check_config(_config(**{"distill.teacher": str(folders / "teacher"),
+                                       **change}))
