@@ -231,8 +231,26 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                                         defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
-      **_gemma_from_hf(lm, c), rope_local=rope_local)
+      **_gemma_from_hf(lm, c), **_qwen_window_from_hf(lm, c), rope_local=rope_local)
   return cfg.replace(**overrides) if overrides else cfg
+
+
+# Dense Qwen models whose config.json may turn on sliding-window attention
+# (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
+_QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _qwen_window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """sliding_window / layer_types of a dense Qwen config.json ({} without a window), read
+  as transformers does: the window only with use_sliding_window."""
+  if lm not in _QWEN_WINDOWED or not c.get("use_sliding_window") or not c.get(
+      "sliding_window"):
+    return {}
+  layers = int(c["num_hidden_layers"])
+  first = int(c.get("max_window_layers", 28))
+  types = c.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                   for i in range(layers)]
+  return {"sliding_window": int(c["sliding_window"]), "layer_types": tuple(types)}
 
 
 def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -349,12 +367,14 @@ def _check_gemma_exportable(cfg: ModelConfig, lm: str) -> None:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
-    held = {name: getattr(cfg, name) for name in (
-        "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-        "sliding_window", "rope_local") if getattr(cfg, name) is not None}
+    names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+             "rope_local"] + ([] if lm in _QWEN_WINDOWED else ["sliding_window"])
+    held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
     if held:
       raise ValueError(f"{sorted(held)} cannot be written as {cfg.architecture}; "
-                       "Gemma2ForCausalLM / Gemma3ForCausalLM hold them")
+                       "Gemma2ForCausalLM / Gemma3ForCausalLM hold them"
+                       + ("" if "sliding_window" not in held else
+                          " (and Qwen2 / Qwen3 a sliding window)"))
   elif lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
     raise ValueError(f"rope_local cannot be written as {cfg.architecture}, whose layers "
                      "share one rotary embedding; Gemma3ForCausalLM holds it")
@@ -397,6 +417,11 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out["attention_bias"] = cfg.qkv_bias
   if lm in GEMMAS:
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
+  if lm in _QWEN_WINDOWED and cfg.sliding_window is not None:
+    kinds = cfg.sliding_layers
+    out.update(use_sliding_window=True, sliding_window=cfg.sliding_window,
+               max_window_layers=kinds.index(True) if True in kinds else cfg.num_layers,
+               layer_types=["sliding_attention" if s else "full_attention" for s in kinds])
   if lm in _SANDWICHED:
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     # An int where it is one: transformers' strict config classes type the field so.

@@ -166,3 +166,26 @@ def test_bad_checkpoints_name_the_problem(tmp_path):
   os.remove(path)
   with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
     models.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_layers_are_read_and_written(tmp_path, family):
+  """use_sliding_window: the layers from max_window_layers on attend over the window
+  (shorter than the rows here); read, computed and written back as transformers does."""
+  hf = _hf_model(family, num_hidden_layers=3, use_sliding_window=True, sliding_window=4,
+                 max_window_layers=1)
+  hf.save_pretrained(tmp_path / "a")
+  ours = models.from_pretrained(str(tmp_path / "a"))
+  assert ours.cfg.sliding_window == 4 and ours.cfg.sliding_layers == (False, True, True)
+  want = _hf_logits(hf, TOKENS)
+  assert np.abs(_our_logits(ours) - want).max() <= 1e-4
+  unwindowed = models.from_pretrained(str(tmp_path / "a"), sliding_window=None, layer_types=())
+  assert np.abs(_our_logits(unwindowed) - want).max() > 1e-2  # the window matters here
+  models.save_pretrained(ours, str(tmp_path / "b"))
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").float().eval()
+  assert back.config.use_sliding_window and back.config.layer_types == [
+      "full_attention", "sliding_attention", "sliding_attention"]
+  assert np.abs(_hf_logits(back, TOKENS) - want).max() <= 1e-5
+  c = json.loads((tmp_path / "a" / "config.json").read_text())
+  c["use_sliding_window"] = False  # the window is off, whatever else the file says
+  assert models.hf_config_to_model_config(c).sliding_window is None
