@@ -160,7 +160,7 @@ def test_covariance_algorithms_get_old_logprobs_even_with_one_update(preset):
     fake = types.SimpleNamespace(
         algo=algo, _updates_per_step=lambda: 1, state=types.SimpleNamespace(params=None),
         _logprobs=lambda params, batch, with_entropy=False: {"logprobs": "learner's"},
-        _reference_in_step=lambda: False, _kl_coef=lambda: 0.0, teacher_path="")
+        _reference_in_step=lambda: False, _kl_coef=lambda: 0.0, teacher_path="", rl_teacher=False)
     out = trainer.Trainer._add_learner_inputs(fake, {"tokens": np.zeros((1, 2, 8))})
     assert (out.get("old_logprobs") == "learner's") is wanted, name
 
@@ -194,7 +194,7 @@ def test_high_entropy_fraction_gets_old_logprobs_and_entropies_even_with_one_upd
     fake = types.SimpleNamespace(
         algo=algo, _updates_per_step=lambda: 1, state=types.SimpleNamespace(params=None),
         _logprobs=logprobs, _reference_in_step=lambda: False, _kl_coef=lambda: 0.0,
-        teacher_path="")
+        teacher_path="", rl_teacher=False)
     out = trainer.Trainer._add_learner_inputs(fake, {"tokens": np.zeros((1, 2, 8))})
     assert calls == ([True] if wanted else []), fraction
     assert (out.get("old_logprobs") == "learner's") is wanted, fraction
