@@ -32,18 +32,21 @@ samples per step, 1024 new tokens, lr 1e-6 with 4 optimizer steps per rollout ba
 0.001. Layers: 40 of the 48 attend over a 1024-token window, every sixth over the whole
 row; scanned, each layer's flag picks its flash kernel. Mesh: pure FSDP over the 32
 chips; each micro-batch holds two 2048-token rows per chip. The 262K vocabulary's
-log-prob head is split over the chips (no chip holds the whole projection).
+log-prob head is split over the chips (no chip holds the whole projection). Compiled
+for the slice on a CPU host (libtpu from the `[tpu]` extra, 2.4 GiB of host memory):
+the update in 60 s, peaking at 33.1 GiB a chip with what stays resident beside it
+(planned 32.7), the rollout in 70 s at 57.2 (planned 55.0).
 """
 
 import ml_collections
 
-from configs import default
+from configs import llama3_8b_grpo_v5p64 as recipe
 
 HF_DIR = "/mnt/models/gemma-3-12b-it"  # huggingface-cli download ... --local-dir
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = default.get_config()
+  c = recipe.get_config()  # its tasks, GRPO settings, optimizer, rows, rollout and mesh
   c.tokenizer = HF_DIR
   c.init_from = HF_DIR
   c.model.preset = "gemma3_12b"
@@ -51,25 +54,4 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.overrides = ml_collections.ConfigDict(dict(
       attention_impl="flash", attention_options="", remat="dots_with_no_batch_dims",
       dtype="bfloat16", param_dtype="float32", scan_layers=True))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=32, tensor=1, sequence=1))
-
-  c.tasks.domains = "*"
-  c.tasks.levels = "3,4,5"      # an instruct model already solves levels 1-2
-  c.tasks.max_domains = 0
-  c.sft.steps = 0               # RL straight from the instruct model
-
-  c.algorithm = "grpo"
-  c.rl.group_size = 8
-  c.rl.kl_coef = 0.001
-  c.rl.num_minibatches = 4
-  c.optim = ml_collections.ConfigDict(dict(lr=1e-6, warmup=10, weight_decay=0.01, clip=1.0))
-  c.train = ml_collections.ConfigDict(dict(rl_steps=300, row_len=2048, rows_per_microbatch=64,
-                                           log_every=1))
-  c.rollout = ml_collections.ConfigDict(dict(
-      prompts_per_step=256, max_new_tokens=1024, temperature=1.0, top_p=0.0, top_k=0,
-      max_len=2048, chunk_rows=1024, scoring_threads=32, max_turns=1, max_draws=1024,
-      gather_weights=True, continuous_batching=True, reward_source="verifier"))
-  c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=32, samples=4))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep_last=3, keep_every=100,
-                                                async_save=True))
   return c
