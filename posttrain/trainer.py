@@ -799,6 +799,8 @@ class Trainer:
         self.save()
     if self.sft_eval_data is not None:
       self.progress.sft_nll = self.heldout_nll()
+    if self.sft_teacher and not self.rl_teacher:  # its one stage is over: free its memory
+      self.teacher_params, self._sft_step_fn = None, None
     return True
 
   # -- preference optimisation ---------------------------------------------------------------
