@@ -302,3 +302,21 @@ def test_gemma3_vision_language_checkpoint_loads_its_language_model(tmp_path):
   assert (four_b.rope.theta, four_b.rope.type, four_b.rope.factor) == (1e6, "linear", 8.0)
   assert four_b.rope_local.theta == 10_000.0 and four_b.param_dtype == "bfloat16"
   assert four_b.query_pre_attn_scalar == 256.0 and four_b.tie_embeddings
+
+
+def test_lora_adapters_on_gemma_load_in_peft(saved, tmp_path):
+  """Adapters trained here on a scanned Gemma 2 (every projection) are a PEFT adapter
+  that computes the same logits on transformers' model."""
+  peft = pytest.importorskip("peft", reason="adapter tests need peft (pip install '.[parity]')")
+  folder, _ = saved["gemma2"]
+  ours = models.from_pretrained(str(folder), lora_rank=3, lora_alpha=5.0, scan_layers=True)
+  rng = np.random.default_rng(1)
+  for path, v in nnx.iter_graph(ours):  # nonzero B: fresh adapters change nothing
+    if isinstance(v, nnx.LoRAParam) and str(path[-1]).endswith("_lora_b"):
+      v[...] = jnp.asarray(rng.normal(size=v.shape) * 0.1, v.dtype)
+  want = _our_logits(ours)
+  models.save_lora_adapter(ours, str(tmp_path / "adapter"), base_model_name_or_path="tiny")
+  hf = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+  assert np.abs(_hf_logits(hf) - want).max() > 1e-2  # the adapters matter
+  pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+  _close(_hf_logits(pm), want)
