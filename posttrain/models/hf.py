@@ -1,5 +1,5 @@
-"""Hugging Face import/export for LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model) and the
+"""Hugging Face import/export for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model) and the
 mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, and for the reward
 models on the same trunks, their *ForSequenceClassification (`score.weight` [1, D] is the
 value head, there is no lm_head: `lm_head=False, value_head=True`).
@@ -33,7 +33,8 @@ from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_ada
                                           merge_lora, value_head_std)
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-              "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+              "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+              "MistralForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -49,7 +50,8 @@ SUPPORTED = CAUSAL_LMS + tuple(SEQUENCE_CLASSIFIERS)
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                 "MixtralForCausalLM": "mixtral", "GemmaForCausalLM": "gemma",
-                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                "MistralForCausalLM": "mistral"}
 # Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
 # query_pre_attn_scalar, soft caps (2) and sliding-window layers; 3 adds q/k norms and a
 # rotary embedding of its own for the sliding layers.
@@ -231,18 +233,25 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                                         defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
-      **_gemma_from_hf(lm, c), **_qwen_window_from_hf(lm, c), rope_local=rope_local)
+      **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local)
   return cfg.replace(**overrides) if overrides else cfg
 
 
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Every layer sliding when config.json has a sliding_window (Mistral 7B v0.1's 4096);
+# transformers' default where the key is absent.
+_ALL_WINDOWED = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None}
 
 
-def _qwen_window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """sliding_window / layer_types of a dense Qwen config.json ({} without a window), read
-  as transformers does: the window only with use_sliding_window."""
+def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """sliding_window / layer_types of a Qwen, Mistral or Mixtral config.json ({} without a
+  window), read as transformers does: Qwen's window only with use_sliding_window, on the
+  layers from max_window_layers on; Mistral's and Mixtral's on every layer."""
+  if lm in _ALL_WINDOWED:
+    window = c.get("sliding_window", _ALL_WINDOWED[lm])
+    return {"sliding_window": int(window)} if window else {}
   if lm not in _QWEN_WINDOWED or not c.get("use_sliding_window") or not c.get(
       "sliding_window"):
     return {}
@@ -300,9 +309,6 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
             "ffn_dim": int(c["moe_intermediate_size"]), **_aux_loss_from_hf(c)}
   if arch == "MixtralForCausalLM":
-    if c.get("sliding_window") is not None:
-      raise ValueError(f"sliding_window={c['sliding_window']!r} in config.json is not "
-                       "supported (expected null)")
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
             **_aux_loss_from_hf(c)}
@@ -367,14 +373,19 @@ def _check_gemma_exportable(cfg: ModelConfig, lm: str) -> None:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
+    windowed = lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-             "rope_local"] + ([] if lm in _QWEN_WINDOWED else ["sliding_window"])
+             "rope_local"] + ([] if windowed else ["sliding_window"])
     held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
     if held:
       raise ValueError(f"{sorted(held)} cannot be written as {cfg.architecture}; "
                        "Gemma2ForCausalLM / Gemma3ForCausalLM hold them"
                        + ("" if "sliding_window" not in held else
-                          " (and Qwen2 / Qwen3 a sliding window)"))
+                          " (and Mistral, Mixtral, Qwen2 / Qwen3 a sliding window)"))
+    if lm in _ALL_WINDOWED and cfg.sliding_window is not None and not all(
+        cfg.sliding_layers):
+      raise ValueError(f"layer_types with full-attention layers cannot be written as "
+                       f"{cfg.architecture}, whose window applies to every layer")
   elif lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
     raise ValueError(f"rope_local cannot be written as {cfg.architecture}, whose layers "
                      "share one rotary embedding; Gemma3ForCausalLM holds it")
@@ -445,7 +456,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
   elif lm == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-               sliding_window=None)
+               sliding_window=cfg.sliding_window)
+  elif lm == "MistralForCausalLM":
+    out["sliding_window"] = cfg.sliding_window
   if cfg.num_experts:
     out.update(output_router_logits=cfg.router_aux_loss_coef > 0,
                router_aux_loss_coef=cfg.router_aux_loss_coef)

@@ -25,6 +25,8 @@ def _hf_model(family, tie=False, rope=None, **extra):
     kw["rope_parameters"] = rope
   if family == "llama":
     cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
+  elif family == "mistral":
+    cfg, cls = transformers.MistralConfig(**kw), transformers.MistralForCausalLM
   elif family == "qwen2":
     cfg, cls = transformers.Qwen2Config(**kw), transformers.Qwen2ForCausalLM
   else:
@@ -189,3 +191,27 @@ def test_qwen_sliding_window_layers_are_read_and_written(tmp_path, family):
   c = json.loads((tmp_path / "a" / "config.json").read_text())
   c["use_sliding_window"] = False  # the window is off, whatever else the file says
   assert models.hf_config_to_model_config(c).sliding_window is None
+
+
+@pytest.mark.parametrize("window", [4, None])
+def test_mistral_with_and_without_its_window(tmp_path, window):
+  """MistralForCausalLM: Llama's layers with, in v0.1, a window over every layer (shorter
+  than the rows here; v0.2 on write null)."""
+  hf = _hf_model("mistral", sliding_window=window)
+  hf.save_pretrained(tmp_path / "a")
+  ours = models.from_pretrained(str(tmp_path / "a"))
+  assert ours.cfg.architecture == "MistralForCausalLM" and ours.cfg.sliding_window == window
+  want = _hf_logits(hf, TOKENS)
+  assert np.abs(_our_logits(ours) - want).max() <= 1e-4
+  models.save_pretrained(ours, str(tmp_path / "b"))
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").float().eval()
+  assert back.__class__.__name__ == "MistralForCausalLM"
+  assert back.config.sliding_window == window
+  assert np.abs(_hf_logits(back, TOKENS) - want).max() <= 1e-5
+  if window:
+    c = json.loads((tmp_path / "a" / "config.json").read_text())
+    del c["sliding_window"]  # absent: transformers' default, 4096
+    assert models.hf_config_to_model_config(c).sliding_window == 4096
+    with pytest.raises(ValueError, match="whose window applies to every layer"):
+      models.hf.check_exportable(ours.cfg.replace(layer_types=("full_attention",
+                                                               "sliding_attention")))

@@ -103,7 +103,6 @@ def test_load_onto_a_mesh_with_scanned_layers(tmp_path):
     ("qwen3_moe", {"mlp_only_layers": [1]}, "dense layers in a Qwen3-MoE model"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "dense layers in a Qwen3-MoE model"),
     ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true"),
-    ("mixtral", {"sliding_window": 4096}, "sliding_window=4096 in config.json"),
     ("qwen3_moe", {"architectures": ["Qwen2MoeForCausalLM"]}, "unsupported architecture"),
 ])
 def test_configs_we_cannot_run_are_refused(tmp_path, family, change, match):
@@ -112,6 +111,23 @@ def test_configs_we_cannot_run_are_refused(tmp_path, family, change, match):
   path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
   with pytest.raises(ValueError, match=match):
     models.from_pretrained(str(tmp_path))
+
+
+def test_mixtral_sliding_window_covers_every_layer(tmp_path):
+  """A Mixtral config.json's sliding_window (shorter than the rows) applies to every layer,
+  read and written back as transformers does."""
+  hf = _hf_model("mixtral", sliding_window=4)
+  hf.save_pretrained(tmp_path / "a")
+  ours = models.from_pretrained(str(tmp_path / "a"))
+  assert ours.cfg.sliding_window == 4 and all(ours.cfg.sliding_layers)
+  want = _hf_logits(hf, TOKENS)
+  assert np.abs(_our_logits(ours, TOKENS) - want).max() <= 1e-4
+  full = models.from_pretrained(str(tmp_path / "a"), sliding_window=None)
+  assert np.abs(_our_logits(full, TOKENS) - want).max() > 1e-2  # the window matters here
+  models.save_pretrained(ours, str(tmp_path / "b"))
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").float().eval()
+  assert back.config.sliding_window == 4
+  assert np.abs(_hf_logits(back, TOKENS) - want).max() <= 1e-5
 
 
 def test_a_missing_expert_is_named(tmp_path):

@@ -31,6 +31,7 @@ FAMILIES = {  # family: (config class, extra config fields, class prefix)
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 12, "num_experts": 6, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 24}, "Qwen3Moe"),
     "mixtral": ("MixtralConfig", {"num_local_experts": 5, "num_experts_per_tok": 2}, "Mixtral"),
+    "mistral": ("MistralConfig", {"sliding_window": 4}, "Mistral"),
     # Sliding layers whose window (4) the longest row passes; Gemma 3's text classifier.
     "gemma2": ("Gemma2Config", {"head_dim": 12, "sliding_window": 4, "query_pre_attn_scalar": 12,
                                 "attn_logit_softcapping": 5.0}, "Gemma2"),
