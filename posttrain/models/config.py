@@ -105,8 +105,8 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and options of a decoder-only transformer (Llama 3, Qwen2.5, Qwen3, Gemma,
-  Gemma 2, Gemma 3, and the mixture-of-experts Qwen3-MoE and Mixtral).
+  """Shapes and options of a decoder-only transformer (Llama 3, Mistral, Qwen2.5, Qwen3,
+  Gemma, Gemma 2, Gemma 3, and the mixture-of-experts Qwen3-MoE and Mixtral).
 
   Attributes:
     architecture: the HF class name this config maps to (LlamaForCausalLM, ...).

@@ -1,5 +1,5 @@
-"""Decoder-only transformer for the Llama 3 / Qwen2.5 / Qwen3 / Gemma / Gemma 2 / Gemma 3
-families and the mixture-of-experts Qwen3-MoE / Mixtral (Flax NNX).
+"""Decoder-only transformer for the Llama 3 / Mistral / Qwen2.5 / Qwen3 / Gemma / Gemma 2 /
+Gemma 3 families and the mixture-of-experts Qwen3-MoE / Mixtral (Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
 H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names
