@@ -1,5 +1,5 @@
-"""The policy model: a Llama / Mistral / Qwen / Gemma decoder-only transformer with logical-axis sharding;
-with `lm_head=False` a reward model (`Transformer.scores`).
+"""The policy model: a Llama / Mistral / Qwen / Gemma decoder-only transformer with
+logical-axis sharding; with `lm_head=False` a reward model (`Transformer.scores`).
 
 from posttrain.models import get_preset, create_model, from_pretrained, save_pretrained
 """

@@ -1,6 +1,6 @@
 """Hugging Face import/export for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model) and the
-mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, and for the reward
+Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text
+model; Gemma3ForConditionalGeneration folders load as it) and the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, and for the reward
 models on the same trunks, their *ForSequenceClassification (`score.weight` [1, D] is the
 value head, there is no lm_head: `lm_head=False, value_head=True`).
 
