@@ -388,9 +388,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   chunked log-prob pass reads, RoPE tables, int32 positions and targets (with
   norm_unit_offset the final norm's in float32: (4 - s)D more beside embed_scale, as in
   Gemma, 2(4 - s)D without); tied embeddings also keep the transposed output projection.
-  tokens = one device's share of the micro-batch (rows over the batch axes, row_len over `sequence`). Without remat, a
-  mixture keeps each layer's int32 group sizes [E] and, on a mesh, the experts and
-  router its `shard_map` was given (D gathered over fsdp, F split): 1.1 GiB a layer for
+  tokens = one device's share of the micro-batch (rows over the batch axes, row_len over
+  `sequence`). Without remat, a mixture keeps each layer's int32 group sizes [E] and, on
+  a mesh, the experts and router its `shard_map` was given (D gathered over fsdp, F split): 1.1 GiB a layer for
   Qwen3-30B-A3B on one tensor shard, which any remat policy gathers again in the
   backward instead.
   """
