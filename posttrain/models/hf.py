@@ -347,7 +347,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
         f"written as one of {[a for a in kind if _causal_lm(a) in _MOE_NAMES]}, a dense "
         f"model as one of {[a for a in kind if _causal_lm(a) not in _MOE_NAMES]}")
-  _check_gemma_exportable(cfg, lm)
+  _check_family_options(cfg, lm)
   qk_norm = lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
   if qk_norm != cfg.qk_norm:
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
@@ -361,10 +361,11 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"{cfg.norm_topk_prob})")
 
 
-def _check_gemma_exportable(cfg: ModelConfig, lm: str) -> None:
-  """What the Gemma options of `cfg` allow: each class fixes its norms, embedding scale
-  and activation; only Gemma 2 / 3 hold soft caps, a query scale and sliding layers, and
-  only Gemma 3 a rotary embedding of the sliding layers' own."""
+def _check_family_options(cfg: ModelConfig, lm: str) -> None:
+  """What `cfg`'s Gemma and window options allow `lm` to hold: each class fixes its norms,
+  embedding scale and activation; only Gemma 2 / 3 hold soft caps, a query scale and
+  layers of both kinds (Qwen2 / Qwen3 a window on some layers, Mistral / Mixtral on all),
+  and only Gemma 3 a rotary embedding of the sliding layers' own."""
   gemma = lm in GEMMAS
   fixed = dict(norm_unit_offset=gemma, embed_scale=gemma, sandwich_norms=lm in _SANDWICHED,
                mlp_activation="gelu_tanh" if gemma else "silu")
