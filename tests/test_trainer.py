@@ -564,6 +564,18 @@ def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_pat
   np.testing.assert_allclose(loaded(tokens), saved(tokens), atol=1e-5)
 
 
+def _train_two_rl_steps_and_export(tmp_path, model_overrides):
+  """SFT then two RL steps with export_hf: (final params, the exported model), after
+  checking both steps' gradients are finite and the export computes the policy."""
+  extra = {**model_overrides, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
+           "eval.seeds_per_domain": 0}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  rl_rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rl_rows) == 2 and all(np.isfinite(r["grad_norm"]) for r in rl_rows)
+  params, _, _ = _final_params(str(tmp_path), extra)
+  return params, _assert_export_is_the_policy(tmp_path, extra, params)
+
+
 MOE = {"model.overrides.num_experts": 4, "model.overrides.num_experts_per_tok": 2,
        "model.overrides.architecture": "MixtralForCausalLM"}
 
@@ -572,14 +584,8 @@ MOE = {"model.overrides.num_experts": 4, "model.overrides.num_experts_per_tok": 
 def test_mixture_of_experts_run_trains_and_exports_per_expert_files(tmp_path):
   """SFT then RL on a mixture-of-experts policy over the 8-device mesh; export_hf writes
   Mixtral files that load back as the trained policy."""
-  extra = {**MOE, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
-           "eval.seeds_per_domain": 0}
-  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
-  rl_rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
-  assert len(rl_rows) == 2 and all(np.isfinite(r["grad_norm"]) for r in rl_rows)
-  params, _, _ = _final_params(str(tmp_path), extra)
+  params, exported = _train_two_rl_steps_and_export(tmp_path, MOE)
   assert params["layers"][0]["mlp"]["gate_proj"].shape == (4, 32, 64)
-  exported = _assert_export_is_the_policy(tmp_path, extra, params)
   assert exported.cfg.num_experts == 4 and exported.cfg.architecture == "MixtralForCausalLM"
 
 
@@ -879,12 +885,6 @@ GEMMA2 = {"model.overrides.architecture": "Gemma2ForCausalLM", "model.overrides.
 def test_gemma2_run_trains_and_exports_what_transformers_reads(tmp_path):
   """SFT then RL on a Gemma 2 policy (sliding and full layers scanned, soft caps) over the
   8-device mesh; export_hf writes Gemma2ForCausalLM files that load back as the policy."""
-  extra = {**GEMMA2, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
-           "eval.seeds_per_domain": 0}
-  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
-  rl_rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
-  assert len(rl_rows) == 2 and all(np.isfinite(r["grad_norm"]) for r in rl_rows)
-  params, _, _ = _final_params(str(tmp_path), extra)
-  exported = _assert_export_is_the_policy(tmp_path, extra, params)
+  _, exported = _train_two_rl_steps_and_export(tmp_path, GEMMA2)
   assert exported.cfg.architecture == "Gemma2ForCausalLM"
   assert exported.cfg.sliding_layers == (True, False)
