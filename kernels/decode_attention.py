@@ -1,7 +1,9 @@
 """Decode attention: a few new query tokens against a KV cache with per-row lengths.
 
 The cache already holds the new tokens: row b's valid keys are positions
-[0, lengths[b]) and its q_len queries are the last q_len of them. A cache longer than one
+[0, lengths[b]) and its q_len queries are the last q_len of them. With `ring=True` a
+sliding-window layer's cache is a ring buffer of slots >= window + q_len - 1: position p
+sits in slot p % slots, so the cache holds only the newest keys, not the whole row. A cache longer than one
 block is read block by block; blocks past the longest row (or before every query's sliding
 window) are skipped with `lax.cond`, so a step costs O(max(lengths)), not O(max_len).
 The cache may be slot-major [batch, max_len, kv_heads, head_dim] (the kernels' contract)
@@ -61,7 +63,8 @@ def _normalise_scale(scale, name, cache, kv_layout, stacked=False):
                    f"got {scale.shape}")
 
 
-def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, **params):
+def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, ring=False,
+           **params):
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
   if q.ndim != 4:
@@ -82,6 +85,14 @@ def _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, *
   max_len = k_cache.shape[_slot_axis(kv_layout) + int(stacked)]
   if q.shape[1] > max_len:
     raise ValueError(f"q_len {q.shape[1]} exceeds the cache length {max_len}")
+  if ring:
+    window = params.get("sliding_window")
+    if window is None:
+      raise ValueError("ring=True needs a sliding_window: a ring buffer keeps only the "
+                       "newest keys")
+    if max_len < window + q.shape[1] - 1:
+      raise ValueError(f"a ring cache of {max_len} slots cannot hold sliding_window "
+                       f"{window} + q_len {q.shape[1]} - 1 keys")
   if lengths.shape != (q.shape[0],):
     raise ValueError(f"lengths must be [batch] = ({q.shape[0]},), got {lengths.shape}")
   for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
@@ -161,7 +172,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                      sliding_window: int | None = None,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, kv_layout: str = "bskh",
                      elementwise: bool | str | None = None, finite_tail: bool = False,
-                     layer=None):
+                     layer=None, ring: bool = False):
   """Attention of the newest tokens of each row against its KV cache.
 
   Args:
@@ -194,13 +205,18 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
       caches of several layers on a leading axis ([layers, ...] of the shapes above): the
       layer to attend over. Each block is sliced from the stacked arrays, so a model
       that scans over its layers never copies a layer's whole cache out of the stack.
+    ring: the cache is a ring buffer (needs `sliding_window`, and max_len >= window +
+      q_len - 1): position p of a row was written to slot p % max_len, so slot s holds
+      its newest position below lengths[b], lengths[b] - 1 - ((lengths[b] - 1 - s) %
+      max_len), or nothing when that is negative. Rows may be longer than the cache.
+      While lengths[b] <= max_len it reads as the plain cache.
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
   """
   lengths = jnp.asarray(lengths, jnp.int32)
   stacked = layer is not None
-  _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked,
+  _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, ring=ring,
          sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
@@ -231,11 +247,17 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   def attend_block(start, nominal):
     """The block of ck slots from `start`; slots before `nominal` belong to the previous
     block (the last block may overlap it) and are masked here."""
-    kv_pos = start + jnp.arange(ck, dtype=jnp.int32)
-    # Every query sees only its row's valid prefix, whether or not the mask is causal.
-    slot_ok = (kv_pos[None] >= nominal) & (kv_pos[None] < lengths[:, None])  # [b, ck]
+    slot = start + jnp.arange(ck, dtype=jnp.int32)
+    if ring:  # each slot's newest position below the row's length; < 0: never written
+      last = lengths[:, None] - 1
+      kv_pos = last - jnp.mod(last - slot[None], max_len)  # [b, ck]
+      slot_ok = (slot[None] >= nominal) & (kv_pos >= 0)
+    else:
+      kv_pos = slot[None]
+      # Every query sees only its row's valid prefix, whether or not the mask is causal.
+      slot_ok = (slot[None] >= nominal) & (slot[None] < lengths[:, None])  # [b, ck]
     valid = slot_ok[:, None] & reference.attention_mask(
-        q_pos, kv_pos[None], causal=causal, sliding_window=sliding_window)
+        q_pos, kv_pos, causal=causal, sliding_window=sliding_window)
     # Unless the caller vouches for a finite tail, slots past a row's length may hold
     # anything, NaN included; p = 0 times NaN would still leak, so zero the values there
     # (and, always, their scales).
@@ -254,8 +276,10 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
     out, _ = attend_block(0, 0)
     return out.astype(q.dtype)
   # The last block may overlap the previous one.
+  # A ring's slots are not in position order: only blocks past every row's newest slot
+  # (never written) are skipped.
   return merge_visible_blocks(
-      q, q_pos, lengths, sliding_window, ck, -(-max_len // ck),
+      q, q_pos, lengths, None if ring else sliding_window, ck, -(-max_len // ck),
       lambda i, nominal: attend_block(jnp.minimum(nominal, max_len - ck), nominal))
 
 

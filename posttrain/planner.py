@@ -543,19 +543,39 @@ def _head_note(cfg: models.ModelConfig, mesh: AbstractMesh, rules, rows: int,
 
 def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
                    mesh: AbstractMesh, rules=models.DEFAULT_RULES,
-                   dtype: str | None = None) -> int:
-  """Per-device bytes of the sampler's cache: k and v [batch, kv_heads, max_len, head_dim]
+                   dtype: str | None = None,
+                   write_tokens: int = models.CACHED_WRITE_TOKENS) -> int:
+  """Per-device bytes of the sampler's cache: k and v [batch, kv_heads, slots, head_dim]
   per layer (`batch` over the batch axes, kv heads over `tensor` where they divide), plus
-  float32 scales [batch, kv_heads, max_len] per k and v for an int8 cache."""
+  float32 scales [batch, kv_heads, slots] per k and v for an int8 cache. slots is max_len,
+  or for a sliding layer its ring (`models.sliding_cache_slots`, for the sampler's
+  `extend_chunk` = write_tokens)."""
   cfg = model_cfg
   dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
-  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-  spec = models.logical_to_spec(CACHE_AXES, rules, mesh, shape)
-  one = shard_bytes(shape, dtype, NamedSharding(mesh, spec))
-  if dtype == np.int8:
-    scale_spec = models.logical_to_spec(CACHE_AXES[:3], rules, mesh, shape[:3])
-    one += shard_bytes(shape[:3], np.float32, NamedSharding(mesh, scale_spec))
-  return 2 * cfg.num_layers * one
+
+  def layer(slots: int) -> int:
+    shape = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    spec = models.logical_to_spec(CACHE_AXES, rules, mesh, shape)
+    one = shard_bytes(shape, dtype, NamedSharding(mesh, spec))
+    if dtype == np.int8:
+      scale_spec = models.logical_to_spec(CACHE_AXES[:3], rules, mesh, shape[:3])
+      one += shard_bytes(shape[:3], np.float32, NamedSharding(mesh, scale_spec))
+    return 2 * one
+
+  ring = models.sliding_cache_slots(cfg, max_len, write_tokens)
+  sliding = sum(cfg.sliding_layers)
+  return (cfg.num_layers - sliding) * layer(max_len) + sliding * layer(ring)
+
+
+def _cache_layers_note(cfg: models.ModelConfig, max_len: int) -> str:
+  """'<slots> x <layers> layers', with the sliding layers' rings apart."""
+  sliding = sum(cfg.sliding_layers)
+  ring = models.sliding_cache_slots(cfg, max_len)
+  if not sliding or ring == max_len:
+    return f"{max_len} x {cfg.num_layers} layers"
+  full = cfg.num_layers - sliding
+  return (f"({max_len} x {full} layers + {ring} x {sliding} sliding)" if full else
+          f"{ring} x {sliding} sliding layers")
 
 
 def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: int, rows: int,
@@ -807,7 +827,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("gathered", gathered,
                 "the sampler's weights gathered over the batch axes for a generate call, "
                 f"{np.dtype(cfg.dtype)}" if gathered else "not gathered (gather_weights=False)"),
-      Component("kv_cache", kv, f"{s_rows} rows x {int(r.max_len)} x {cfg.num_layers} layers "
+      Component("kv_cache", kv, f"{s_rows} rows x {_cache_layers_note(cfg, int(r.max_len))} "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
       Component("prefill", prefill, prefill_note + (", its weights gathered (left sharded)"
                                                      if sharded else "")),

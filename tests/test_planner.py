@@ -419,6 +419,31 @@ def test_kv_cache_bytes_by_hand():
   assert planner.kv_cache_bytes(cfg, batch=64, max_len=4096, mesh=tp16) == 16 * (1 << 30)
 
 
+def test_kv_cache_bytes_count_the_sliding_layers_rings():
+  """Gemma 3 12B: 40 of its 48 layers slide over 1,024 keys and keep rings of 1,536
+  slots (1,024 + 512 - 1, rounded up), not the rows' 8,192; the plan counts the arrays
+  `init_cache` builds, byte for byte."""
+  cfg = models.get_preset("gemma3_12b")  # 8 kv heads of 256, bfloat16
+  fsdp32 = planner.abstract_mesh({"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1})
+  assert models.sliding_cache_slots(cfg, 8192) == 1536
+  assert planner.kv_cache_bytes(cfg, batch=64, max_len=8192, mesh=fsdp32) == (
+      2 * (8 * 8192 + 40 * 1536) * 8 * 256 * 2 * 2)
+  whole = planner.kv_cache_bytes(cfg.replace(sliding_window=None, layer_types=None),
+                                 batch=64, max_len=8192, mesh=fsdp32)
+  assert planner.kv_cache_bytes(cfg, batch=64, max_len=8192, mesh=fsdp32) / whole == (
+      (8 * 8192 + 40 * 1536) / (48 * 8192))  # 0.32x
+  one = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1})
+  for scan in (False, True):
+    for dtype in (None, "int8"):
+      for max_len, chunk in ((8192, 512), (1024, 512), (8192, 16)):
+        small = cfg.replace(num_layers=12, scan_layers=scan)  # the pattern kept: 10 + 2
+        arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
+            small, 2, max_len, jnp.int8 if dtype else None, write_tokens=chunk))  # noqa: B023
+        assert planner.kv_cache_bytes(small, batch=2, max_len=max_len, mesh=one, dtype=dtype,
+                                      write_tokens=chunk) == sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
+
+
 def test_prefill_and_decode_step_bytes_by_hand():
   """What a generate call holds beside the weights and its cache: the prompts' own cache
   and one layer's forward over them (prefill); the logits and, weights left sharded, one

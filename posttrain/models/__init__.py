@@ -11,10 +11,10 @@ from posttrain.models.hf import (from_pretrained, hf_config_to_model_config, sav
                                  save_pretrained)
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
                                        make_mesh, named_sharding, rules_from_config)
-from posttrain.models.transformer import (DIVERGENCES, KVCache, Transformer, cache_slots,
-                                          chunked_divergence, chunked_logprobs,
+from posttrain.models.transformer import (CACHED_WRITE_TOKENS, DIVERGENCES, KVCache,
+                                          LayerKindCaches, Transformer, cache_slots, chunked_divergence, chunked_logprobs,
                                           constrain_cache, fold_lora, init_cache, map_cache,
-                                          merge_lora, soft_cap,
+                                          merge_lora, sliding_cache_slots, soft_cap,
                                           with_lora, without_lora, write_cache)
 
 __all__ = [
@@ -22,7 +22,9 @@ __all__ = [
     "relayout", "shard_model", "state_shardings", "from_pretrained", "hf_config_to_model_config",
     "save_lora_adapter",
     "save_pretrained", "DEFAULT_RULES", "MESH_AXES", "ShardingContext", "logical_to_spec",
-    "make_mesh", "named_sharding", "rules_from_config", "KVCache", "Transformer",
+    "make_mesh", "named_sharding", "rules_from_config", "CACHED_WRITE_TOKENS", "KVCache",
+    "LayerKindCaches",
+    "sliding_cache_slots", "Transformer",
     "cache_slots", "chunked_divergence", "chunked_logprobs", "DIVERGENCES", "constrain_cache", "init_cache", "map_cache",
     "soft_cap", "write_cache", "fold_lora", "merge_lora", "with_lora", "without_lora",
 ]

@@ -44,6 +44,10 @@ class KVCache(NamedTuple):
   Heads-major: a decode step reads each kv head's slots as one contiguous block, with no
   transpose (`kernels.decode_attention(..., kv_layout="bksh")`). An int8 cache also holds
   float32 scales per head and slot, k_scale / v_scale: [B, K, S].
+
+  A sliding-window layer's cache is a ring buffer when it has fewer slots than the
+  sequence (`sliding_cache_slots`): position p goes in slot p % S, and the cache holds
+  only the keys the window still reads.
   """
 
   k: jax.Array
@@ -52,9 +56,38 @@ class KVCache(NamedTuple):
   v_scale: jax.Array | None = None
 
 
+class LayerKindCaches(NamedTuple):
+  """The cache of a scanned model with layers of both kinds: the full-attention layers'
+  caches stacked ([L_full, B, K, S, H]) and the sliding layers' ring buffers stacked
+  ([L_sliding, B, K, S_ring, H]), each layer at its index among its own kind."""
+
+  full: KVCache
+  sliding: KVCache
+
+
+# The most tokens one cached call (not a prefill) writes into a sliding layer's ring
+# buffer: the ring keeps window + this - 1 slots, so that no write overwrites a key that
+# a query of the same call (or a later one) still reads. The sampler's continuing calls
+# write at most this many tokens.
+CACHED_WRITE_TOKENS = 512
+
+
+def sliding_cache_slots(cfg: ModelConfig, max_len: int,
+                        write_tokens: int = CACHED_WRITE_TOKENS) -> int:
+  """Slots of a sliding layer's cache for rows of up to `max_len` positions: max_len, or
+  when that is longer, a ring of window + write_tokens - 1 slots (rounded up to a
+  multiple of 128, or of 8 below 128)."""
+  if cfg.sliding_window is None:
+    return max_len
+  need = cfg.sliding_window + max(1, int(write_tokens)) - 1
+  step = 128 if need > 128 else 8
+  return min(max_len, -(-need // step) * step)
+
+
 def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
                      layers: tuple[int, ...] = ()) -> KVCache:
-  """One zeroed KVCache; `layers=(L,)` gives each array a leading layer axis."""
+  """One zeroed KVCache of `max_len` slots; `layers=(L,)` gives each array a leading
+  layer axis."""
   dtype = jnp.dtype(dtype or _dtype(cfg.dtype))
   shape = (*layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   if dtype == jnp.int8:
@@ -64,13 +97,25 @@ def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
-  """Zeroed cache: a list of per-layer KVCaches, or with `cfg.scan_layers` one KVCache
-  whose arrays stack the layers ([L, B, K, S, H]). dtype int8 stores quantized keys and
-  values with scales."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
+               write_tokens: int = CACHED_WRITE_TOKENS):
+  """Zeroed cache for rows of up to `max_len` positions: a list of per-layer KVCaches, or
+  with `cfg.scan_layers` one KVCache whose arrays stack the layers ([L, B, K, S, H]), or
+  for layers of both kinds a `LayerKindCaches` of two stacks. A sliding layer's cache is
+  a ring of `sliding_cache_slots(cfg, max_len, write_tokens)` slots, enough for cached
+  calls of up to `write_tokens` tokens. dtype int8 stores quantized keys and values with
+  scales."""
+  ring = sliding_cache_slots(cfg, max_len, write_tokens)
+  kinds = cfg.sliding_layers
   if cfg.scan_layers:
-    return init_layer_cache(cfg, batch, max_len, dtype, layers=(cfg.num_layers,))
-  return [init_layer_cache(cfg, batch, max_len, dtype) for _ in range(cfg.num_layers)]
+    if len(set(kinds)) > 1:
+      return LayerKindCaches(
+          init_layer_cache(cfg, batch, max_len, dtype, layers=(kinds.count(False),)),
+          init_layer_cache(cfg, batch, ring, dtype, layers=(kinds.count(True),)))
+    return init_layer_cache(cfg, batch, ring if kinds[0] else max_len, dtype,
+                            layers=(cfg.num_layers,))
+  return [init_layer_cache(cfg, batch, ring if sliding else max_len, dtype)
+          for sliding in kinds]
 
 
 # Logical axes of a cache array; the scales of an int8 cache take the first three. A
@@ -82,6 +127,16 @@ def _is_stacked(layer: KVCache) -> bool:
   return layer.k.ndim == 5
 
 
+def _is_unit(x) -> bool:
+  return isinstance(x, KVCache)
+
+
+def map_cache_units(fn, *caches):
+  """fn(KVCache, ...) on every KVCache of one or more caches of the same structure (a
+  layer's, or a stack of layers'), keeping that structure."""
+  return jax.tree.map(fn, *caches, is_leaf=_is_unit)
+
+
 def map_cache(fn, cache):
   """Applies fn(array, logical axes) to every array of a cache, keeping its structure."""
   def one(layer):
@@ -89,7 +144,7 @@ def map_cache(fn, cache):
     return KVCache(*(None if x is None else
                      fn(x, prefix + (CACHE_AXES if i < 2 else CACHE_AXES[:3]))
                      for i, x in enumerate(layer)))
-  return one(cache) if isinstance(cache, KVCache) else [one(layer) for layer in cache]
+  return map_cache_units(one, cache)
 
 
 def constrain_cache(cache, ctx: ShardingContext):
@@ -98,9 +153,9 @@ def constrain_cache(cache, ctx: ShardingContext):
 
 
 def cache_slots(cache) -> int:
-  """Slots (token positions) per row of a cache from `init_cache`."""
-  layer = cache if isinstance(cache, KVCache) else cache[0]
-  return layer.k.shape[-2]
+  """Slots per row of the longest layer cache from `init_cache` (a sliding layer's ring
+  may have fewer)."""
+  return max(unit.k.shape[-2] for unit in jax.tree.leaves(cache, is_leaf=_is_unit))
 
 
 class RMSNorm(nnx.Module):
@@ -367,43 +422,93 @@ class Attention(nnx.Module):
     q = ctx.constrain(q, ("batch", "length", "heads", "head_dim"))
     k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-    new_cache = None
-    if cache is not None:
-      new_cache = constrain_cache(
-          write_cache(cache, k, v, positions_BxT, prefill=prefill, layer=layer), ctx)
-
-    def attention(window: bool):
-      if cache is None or prefill:
-        # After a prefill's write the block holds every key (the cache was empty): the
-        # training kernel (chunked / flash, causal within segments) is exact and never
-        # scores the empty cache slots.
+    static = isinstance(sliding, (bool, np.bool_))
+    if cache is None:
+      def full(window: bool):
         return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=window)
-      import kernels
-      lengths = positions_BxT[:, -1] + 1
-      # Keys per block, as in chunked attention; blocks past the longest row (or before
-      # the window) are skipped. The cache starts zeroed and is written only with the
-      # model's keys and values, so slots past a row's length are finite and the kernel
-      # need not zero them. A stacked cache (scan_layers) is read block by block at this
-      # layer, in place.
-      return kernels.decode_attention(
-          q, new_cache.k, new_cache.v, lengths=lengths, k_scale=new_cache.k_scale,
-          v_scale=new_cache.v_scale, chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
-          finite_tail=True, layer=layer, sm_scale=cfg.attention_scale,
-          logits_soft_cap=cfg.attn_logit_softcap,
-          sliding_window=cfg.sliding_window if window else None)
-
-    if isinstance(sliding, (bool, np.bool_)):
-      out = attention(bool(sliding))
-    else:  # Both kinds under one scan: the layer's flag picks a kernel, each one static.
-      out = jax.lax.cond(sliding, lambda: attention(True), lambda: attention(False))
+      # Both kinds under one scan: the layer's flag picks a kernel, each one static.
+      out = (full(bool(sliding)) if static else
+             jax.lax.cond(sliding, lambda: full(True), lambda: full(False)))
+      new_cache = None
+    elif isinstance(cache, LayerKindCaches):
+      # Both kinds under one scan, each kind's layers stacked apart, `layer` the index
+      # among its kind: the keys go to both stacks, at an index past the other kind's
+      # stack there (dropped), and the layer's flag picks the stack read and the kernel.
+      # Written inside a lax.cond instead, XLA:TPU copied the stack a branch passes
+      # through at every layer of every decode step.
+      at = {kind: jnp.where(sliding == kind, layer, stack.k.shape[0])
+            for kind, stack in ((False, cache.full), (True, cache.sliding))}
+      new_cache = LayerKindCaches(*(
+          self._write(k, v, segment_ids_BxT, stack, positions_BxT, ctx, prefill, at[kind],
+                      kind, q.shape[1], drop=True)
+          for kind, stack in ((False, cache.full), (True, cache.sliding))))
+      read = lambda kind: self._read(  # noqa: E731
+          q, k, v, segment_ids_BxT, new_cache.sliding if kind else new_cache.full,
+          positions_BxT, ctx, prefill, layer, kind)
+      out = jax.lax.cond(sliding, lambda: read(True), lambda: read(False))
+    elif not static:
+      raise ValueError("a scanned model with layers of both kinds takes a LayerKindCaches "
+                       "(build the cache with init_cache)")
+    else:
+      new_cache = self._write(k, v, segment_ids_BxT, cache, positions_BxT, ctx, prefill,
+                              layer, bool(sliding), q.shape[1])
+      out = self._read(q, k, v, segment_ids_BxT, new_cache, positions_BxT, ctx, prefill,
+                       layer, bool(sliding))
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
     y = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
     y = _add_lora(self, "o_proj", y, out, "BTNH,NHR->BTR", "BTR,RD->BTD")
     return y, new_cache
 
 
+  def _ring(self, cache: KVCache, sliding: bool, queries: int) -> bool:
+    """A sliding layer's cache is a ring when it holds every key a call's queries read;
+    shorter, it is the whole row's cache (slot = position), as a full layer's is."""
+    window = self.cfg.sliding_window
+    return bool(sliding and window) and cache.k.shape[-2] >= window + queries - 1
+
+  def _write(self, k, v, segment_ids_BxT, cache: KVCache, positions_BxT, ctx, prefill,
+             layer, sliding: bool, queries: int, drop: bool = False) -> KVCache:
+    """The cache with this call's keys and values written (`write_cache`)."""
+    window = self.cfg.sliding_window if sliding else None
+    slots, t = cache.k.shape[-2], k.shape[1]
+    if prefill:
+      if t > slots and not (window and slots >= window):
+        raise ValueError(f"a prefill of {t} tokens does not fit a cache of {slots} slots")
+      new = write_cache(cache, k, v, positions_BxT, prefill=True, layer=layer,
+                        ring=bool(window), segment_ids_BxT=segment_ids_BxT, drop=drop)
+    else:
+      new = write_cache(cache, k, v, positions_BxT, layer=layer,
+                        ring=self._ring(cache, sliding, queries), drop=drop)
+    return constrain_cache(new, ctx)
+
+  def _read(self, q, k, v, segment_ids_BxT, cache: KVCache, positions_BxT, ctx, prefill,
+            layer, sliding: bool):
+    """Attention of the queries over the cache just written (of the block itself in a
+    prefill)."""
+    cfg = self.cfg
+    if prefill:
+      # After a prefill's write the block holds every key (the cache was empty): the
+      # training kernel (chunked / flash, causal within segments) is exact and never
+      # scores the empty cache slots.
+      return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=sliding)
+    import kernels
+    lengths = positions_BxT[:, -1] + 1
+    # Keys per block, as in chunked attention; blocks past the longest row (or before
+    # the window) are skipped. The cache starts zeroed and is written only with the
+    # model's keys and values, so slots past a row's length are finite and the kernel
+    # need not zero them. A stacked cache (scan_layers) is read block by block at this
+    # layer, in place.
+    return kernels.decode_attention(
+        q, cache.k, cache.v, lengths=lengths, k_scale=cache.k_scale,
+        v_scale=cache.v_scale, chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
+        finite_tail=True, layer=layer, sm_scale=cfg.attention_scale,
+        logits_soft_cap=cfg.attn_logit_softcap,
+        sliding_window=cfg.sliding_window if sliding else None,
+        ring=self._ring(cache, sliding, q.shape[1]))
+
 def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
-                prefill: bool = False, layer=None) -> KVCache:
+                prefill: bool = False, layer=None, ring: bool = False,
+                segment_ids_BxT=None, drop: bool = False) -> KVCache:
   """Writes the new keys/values at their positions (slot = position), row by row.
 
   With `prefill` the block's keys fill slots 0..T-1 of every row (their positions): one
@@ -421,11 +526,30 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
   With `layer` (an int32 scalar) the cache stacks the layers ([L, B, K, S(, H)]) and the
   writes go to that layer's slots, in place in the stacked arrays: a scan over layers
   carries the whole cache and never copies a layer of it out and back.
+
+  With `ring` (a sliding layer's ring buffer) position p goes in slot p % S. A prefill
+  longer than the ring keeps each row's newest S keys, the row's length being its
+  non-padding tokens (`segment_ids_BxT`, right padding; default all T).
+
+  With `drop` a `layer` past the stack writes nothing (a prefill then scatters the block
+  at the layer index instead of a slice update, which would clamp it).
   """
   at = () if layer is None else (layer,)
+  slots = cache.k.shape[-2]
+  if prefill and ring and k_BxTxKxH.shape[1] > slots:
+    t = k_BxTxKxH.shape[1]
+    n = (jnp.full((k_BxTxKxH.shape[0], 1), t, jnp.int32) if segment_ids_BxT is None else
+         jnp.sum(segment_ids_BxT != 0, axis=1, dtype=jnp.int32)[:, None])
+    # Slot s holds the row's newest position p = s (mod S); never-written slots take
+    # position 0's key (finite, and read as no position at all).
+    source = jnp.maximum(n - 1 - jnp.mod(n - 1 - jnp.arange(slots)[None], slots), 0)
+    k_BxTxKxH, v_BxTxKxH = (jnp.take_along_axis(x, source[:, :, None, None], axis=1)
+                            for x in (k_BxTxKxH, v_BxTxKxH))
   if prefill:
     def put(c, x):  # x [B, T, K(, H)] into c [(L,) B, K, S(, H)] at slot 0
       x = jnp.swapaxes(x, 1, 2).astype(c.dtype)
+      if drop and layer is not None:
+        return c.at[layer, :, :, :x.shape[2]].set(x, mode="drop")
       if layer is not None:
         x = x[None]
       return jax.lax.dynamic_update_slice(c, x, at + (0,) * (c.ndim - len(at)))
@@ -439,16 +563,17 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
   b, t, kv_heads, _ = k_BxTxKxH.shape
   rows = jnp.arange(b)[:, None, None]
   heads = jnp.arange(kv_heads)[None, None, :]
-  pos = jnp.clip(positions_BxT, 0, cache.k.shape[-2] - 1)[:, :, None]
+  pos = (jnp.mod(positions_BxT, slots) if ring else
+         jnp.clip(positions_BxT, 0, slots - 1))[:, :, None]
   idx = (*at, rows, heads, pos)
+  set_ = lambda c, x: c.at[idx].set(x.astype(c.dtype), mode="drop")  # noqa: E731
   if cache.k_scale is None:
-    return KVCache(cache.k.at[idx].set(k_BxTxKxH.astype(cache.k.dtype)),
-                   cache.v.at[idx].set(v_BxTxKxH.astype(cache.v.dtype)))
+    return KVCache(set_(cache.k, k_BxTxKxH), set_(cache.v, v_BxTxKxH))
   import kernels
   k, k_scale = kernels.quantize_int8(k_BxTxKxH)
   v, v_scale = kernels.quantize_int8(v_BxTxKxH)
-  return KVCache(cache.k.at[idx].set(k), cache.v.at[idx].set(v),
-                 cache.k_scale.at[idx].set(k_scale), cache.v_scale.at[idx].set(v_scale))
+  return KVCache(set_(cache.k, k), set_(cache.v, v), set_(cache.k_scale, k_scale),
+                 set_(cache.v_scale, v_scale))
 
 
 @jax.custom_vjp
@@ -774,10 +899,8 @@ class Transformer(nnx.Module):
     if router_loss and (cache is not None or not cfg.num_experts):
       raise ValueError("router_loss=True needs a mixture of experts (num_experts > 0) and "
                        "no cache")
-    if cache is not None and cfg.scan_layers != isinstance(cache, KVCache):
-      raise ValueError(
-          "cache layout does not match the model: scan_layers models take one KVCache "
-          "stacking the layers, others a list per layer (build it with init_cache(cfg, ...))")
+    if cache is not None:
+      _check_cache_layout(cfg, cache)
     b, t = tokens_BxT.shape
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -917,6 +1040,16 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def _check_cache_layout(cfg: ModelConfig, cache) -> None:
+  mixed = len(set(cfg.sliding_layers)) > 1
+  want = ((LayerKindCaches if mixed else KVCache) if cfg.scan_layers else list)
+  if not isinstance(cache, want) or (want is KVCache and not _is_stacked(cache)):
+    raise ValueError(
+        "cache layout does not match the model: scan_layers models take one KVCache "
+        "stacking the layers (a LayerKindCaches of two stacks with layers of both kinds), "
+        "others a list per layer (build it with init_cache(cfg, ...))")
+
+
 def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, positions, ctx,
                  prefill, remat: str, router_stats: bool = False,
                  sliding_layers: tuple[bool, ...] = ()):
@@ -925,7 +1058,8 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
   Returns (x, cache, the layers' RouterStats summed with `router_stats`, else None).
 
   The cache, when given, stacks the layers and travels in the carry: each layer writes
-  its slots in place (`write_cache(..., layer=i)`). `tables` / `local_tables` are the
+  its slots in place (`write_cache(..., layer=i)`). With layers of both kinds it is a
+  LayerKindCaches, and each layer's index among its own kind rides the scan. `tables` / `local_tables` are the
   rotary (cos, sin) of full / sliding layers; with layers of both kinds
   (`sliding_layers`) each layer's flag rides the scan and picks its tables and kernel.
   """
@@ -957,13 +1091,21 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
     return x, None, (jax.tree.map(lambda s: jnp.sum(s, axis=0), stats) if router_stats
                      else None)
 
-  def body_cached(carry, xs):
-    x, cache, i = carry
-    layer_state, flag = xs
-    x, cache = run(layer_state, x, cache, i, flag)
-    return (x, cache, i + 1), None
+  # Each layer's index in its stack: its own, or among the layers of its kind.
+  depth = jax.tree.leaves(state)[0].shape[0]
+  index = np.arange(depth)
+  if isinstance(cache, LayerKindCaches):
+    kinds = np.asarray(sliding_layers, bool)
+    index = np.where(kinds, np.cumsum(kinds) - 1, np.cumsum(~kinds) - 1)
 
-  (x, cache, _), _ = jax.lax.scan(body_cached, (x, cache, jnp.int32(0)), (state, flags))
+  def body_cached(x_cache, xs):
+    x, cache = x_cache
+    layer_state, flag, i = xs
+    x, cache = run(layer_state, x, cache, i, flag)
+    return (x, cache), None
+
+  (x, cache), _ = jax.lax.scan(body_cached, (x, cache),
+                               (state, flags, jnp.asarray(index, jnp.int32)))
   return x, cache, None
 
 

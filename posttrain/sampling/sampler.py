@@ -37,17 +37,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed, models
-from posttrain.models.transformer import (CACHE_AXES, KVCache, cache_slots, constrain_cache,
-                                          init_layer_cache)
+from posttrain.models.transformer import (CACHE_AXES, CACHED_WRITE_TOKENS, KVCache,
+                                          constrain_cache, map_cache_units)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 # Continuous batching refills once this fraction of the slots has stopped: a prefill call
 # per stopped row would cost more than the rows idle meanwhile.
 _REFILL_FRACTION = 1 / 8
-# A prompt continued in its slot (`reuse_cache`) is prefilled in chunks of at most this
-# many tokens (a power of two from 16 up), so its programs never depend on its length.
-_EXTEND_CHUNK = 512
 
 
 class SamplingMode(NamedTuple):
@@ -266,10 +263,10 @@ class _HeldCaches:
     return None
 
 
-def _extend_width(tokens: int, cache_len: int) -> int:
+def _extend_width(tokens: int, cache_len: int, chunk: int) -> int:
   """Tokens a row a continuing call (`Sampler._extend`) takes, for at most `tokens` left
-  in its longest row: a power of two from 16 up, at most `_EXTEND_CHUNK`."""
-  return min(_EXTEND_CHUNK, 1 << max(4, (tokens - 1).bit_length()), cache_len)
+  in its longest row: a power of two from 16 up, at most `chunk`."""
+  return min(chunk, 1 << max(4, (tokens - 1).bit_length()), cache_len)
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -298,13 +295,17 @@ class Sampler:
       weights inside every decode step. Costs the model's compute-dtype bytes over the
       tensor axis per device during sampling. Skipped when there is nothing to gather or
       cast (one device on the batch axes, weights already in the compute dtype).
+    extend_chunk: a prompt continued in its slot (`reuse_cache`) is written in chunks of
+      at most this many tokens (a power of two from 16 up, or this), so its programs never
+      depend on its length. A sliding-window layer keeps a ring of window + extend_chunk - 1
+      slots (`models.sliding_cache_slots`) instead of the whole row's.
   """
 
   def __init__(self, model: models.Transformer, *, mesh: Mesh | None = None, rules=None,
                max_len: int | None = None, cache_dtype: str | None = None,
                batch_buckets: Sequence[int] | None = None,
                length_buckets: Sequence[int] | None = None, pad_id: int = 0,
-               gather_weights: bool = True):
+               gather_weights: bool = True, extend_chunk: int = CACHED_WRITE_TOKENS):
     cfg = model.cfg
     self.cfg = cfg
     self.mesh = mesh
@@ -315,6 +316,9 @@ class Sampler:
     if cache_dtype not in (None, "int8"):
       raise ValueError(f"cache_dtype must be None or 'int8', got {cache_dtype!r}")
     self.cache_dtype = cache_dtype
+    if int(extend_chunk) != extend_chunk or extend_chunk < 1:
+      raise ValueError(f"extend_chunk must be a positive int, got {extend_chunk}")
+    self.extend_chunk = int(extend_chunk)
     if not 0 <= pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
     self.pad_id = int(pad_id)
@@ -844,7 +848,7 @@ class Sampler:
     while any(todo):
       now = [t[:rows] for t in todo]
       longest = max(len(prompts[j]) - at for t in now for _, j, at in t)
-      width = _extend_width(longest, cache_len)
+      width = _extend_width(longest, cache_len, self.extend_chunk)
       n = devices * rows
       tokens = np.full((n, width), self.pad_id, np.int32)
       start, count = np.zeros(n, np.int32), np.ones(n, np.int32)
@@ -949,7 +953,7 @@ class Sampler:
                    self._abstract((max(4, stop_ids),), jnp.int32, ()), *prefill_args[5:],
                    scalar(jnp.int32))
     decode = self._program(("decode", batch, cache_len, max(4, stop_ids), mode),
-                           functools.partial(self._decode, mode=mode), decode_args,
+                           functools.partial(self._decode, mode=mode, out_len=cache_len), decode_args,
                            donate=(1,))
     return prefill, decode
 
@@ -997,7 +1001,7 @@ class Sampler:
     if not later_turns:
       return fill, decode, refill_program
     # Later turns go on in their slots (reuse_cache): the widest chunk they write.
-    width = _extend_width(max_prompt_len - 1, cache_len)
+    width = _extend_width(max_prompt_len - 1, cache_len, self.extend_chunk)
     extend_args = (weights, state, row(jnp.int32, width, rows=n),
                    *(row(jnp.int32, rows=n) for _ in range(5)), row(jnp.bool_, rows=n),
                    *fixed)
@@ -1078,7 +1082,7 @@ class Sampler:
                    self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed,
                    temp, nucleus, self._scalar(step0, np.int32))
     decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
-                           functools.partial(self._decode, mode=mode), decode_args,
+                           functools.partial(self._decode, mode=mode, out_len=cache_len), decode_args,
                            donate=(1,))
     cache, *outputs = decode(*decode_args)
     return cache, self._fetch(outputs)
@@ -1105,12 +1109,18 @@ class Sampler:
     logits = models.soft_cap(logits, self.cfg.final_logit_softcap)
     return self._ctx.constrain(logits, ("batch", "vocab")) if split else logits
 
+  def _init_cache(self, rows: int, length: int):
+    """A zeroed cache of `rows` rows of `length` positions (sliding layers' rings sized
+    for `extend_chunk`)."""
+    return models.init_cache(self.cfg, rows, length,
+                             jnp.int8 if self.cache_dtype == "int8" else None,
+                             write_tokens=self.extend_chunk)
+
   def _prompt_cache(self, model, tokens_UxL, prompt_lens_U):
     """Runs the U prompts (right-padded to L) through the model: their cache of L slots
     and the float32 logits [U, V] after each prompt's last token."""
     distinct, length = tokens_UxL.shape
-    dtype = jnp.int8 if self.cache_dtype == "int8" else None
-    cache = constrain_cache(models.init_cache(self.cfg, distinct, length, dtype), self._ctx)
+    cache = constrain_cache(self._init_cache(distinct, length), self._ctx)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
     segment_ids = (positions < prompt_lens_U[:, None]).astype(jnp.int32)
     h, cache = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache,
@@ -1133,8 +1143,6 @@ class Sampler:
     batch axes (0.88 GiB a device for that 7B model). `row_ids_B`: each row's index
     among the prompts, for its sampling key."""
     model = nnx.merge(self._graphdef, state)
-    length = tokens_UxL.shape[1]
-    dtype = jnp.int8 if self.cache_dtype == "int8" else None
     constrain = functools.partial(constrain_cache, ctx=self._ctx)
     cache, logits = self._prompt_cache(model, tokens_UxL, prompt_lens_U)
     if group is None:
@@ -1142,23 +1150,28 @@ class Sampler:
     else:
       take = lambda x: jnp.repeat(x, group, axis=0)  # noqa: E731
     logits = take(logits)
-    empty = init_layer_cache(self.cfg, 1, cache_len - length, dtype)
+    target = jax.eval_shape(lambda: self._init_cache(1, cache_len))
 
-    def extend(x, fill):  # [B, kv_heads, L(, head_dim)] -> [B, kv_heads, cache_len(, ...)]
+    def extend(x, slots, fill):  # [B, kv_heads, L(, head_dim)] -> [B, kv_heads, slots(, ...)]
       rows = take(x)
-      tail = jnp.broadcast_to(fill[:1], (rows.shape[0], *fill.shape[1:]))
+      if rows.shape[2] == slots:  # A sliding layer's ring, whole already.
+        return rows
+      tail = jnp.full((*rows.shape[:2], slots - rows.shape[2], *rows.shape[3:]), fill,
+                      rows.dtype)
       return jnp.concatenate([rows, tail], axis=2)
 
-    def extend_layer(layer):
-      return type(layer)(*(None if x is None else extend(x, f) for x, f in zip(layer, empty)))
+    def extend_unit(unit, want):
+      def extend_layer(layer):  # an int8 cache's scales (fields 2, 3) start at one
+        return KVCache(*(None if x is None else extend(x, want.k.shape[-2], int(i >= 2))
+                         for i, x in enumerate(layer)))
+      if unit.k.ndim == 5:
+        # Layers stacked (scan_layers): one layer at a time, into the stacked result. All
+        # at once, XLA materialised every layer's taken rows (2 GiB a device for an 8B
+        # model's 1,024 rows of 1,024 slots) where one layer's are enough.
+        return jax.lax.map(extend_layer, unit)
+      return extend_layer(unit)
 
-    if isinstance(cache, models.KVCache):
-      # Layers stacked (scan_layers): one layer at a time, into the stacked result. All
-      # at once, XLA materialised every layer's taken rows (2 GiB a device for an 8B
-      # model's 1,024 rows of 1,024 slots) where one layer's are enough.
-      cache = jax.lax.map(extend_layer, cache)
-    else:
-      cache = [extend_layer(layer) for layer in cache]
+    cache = map_cache_units(extend_unit, cache, target)
     cache = constrain(cache)
     keys = _row_keys(seed, 0, row_ids_B)
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
@@ -1202,8 +1215,9 @@ class Sampler:
                                       source_N=source_N))
 
   def _put_cache(self, old, new, *, local_N, source_N=None):
-    """`_local_put` of every cache array (a layer list, or one KVCache stacking them):
-    with `source_N` a prompt cache's first slots into the rows' slots, else whole rows."""
+    """`_local_put` of every cache array (a layer list, or stacks of layers): with
+    `source_N` a prompt cache's first slots into the rows' slots (a sliding layer's ring,
+    when the prompt filled it, whole), else whole rows."""
 
     def put_layer(old_layer, new_layer):
       lead = old_layer.k.ndim - 4  # 1 with the layers stacked
@@ -1213,9 +1227,7 @@ class Sampler:
           length=None if source_N is None else n.shape[lead + 2])
           for i, (o, n) in enumerate(zip(old_layer, new_layer))))
 
-    if isinstance(old, KVCache):
-      return put_layer(old, new)
-    return [put_layer(o, n) for o, n in zip(old, new)]
+    return map_cache_units(put_layer, old, new)
 
   def _new_rows(self, slots, first, logp, stop_ids, *, local_N, pos, ids, limit):
     """The slots' state (but the cache) with N new rows written into slots local_N (as
@@ -1250,8 +1262,9 @@ class Sampler:
     # Layers stacked (scan_layers): taken one layer at a time into the stacked copy. All
     # at once along the rows' axis, the program needed 2.91 GiB of temporaries a device
     # against 1.36 GiB (an 8B model's 16 of 128 slots of 2,048 on a v5e-8).
-    cache = constrain_cache(jax.lax.map(take_layer, old) if isinstance(old, KVCache) else
-                            [take_layer(x) for x in old], self._ctx)
+    cache = constrain_cache(map_cache_units(
+        lambda unit: jax.lax.map(take_layer, unit) if unit.k.ndim == 5 else take_layer(unit),
+        old), self._ctx)
     width = tokens_NxC.shape[1]
     positions = start_N[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
     h, cache = model.hidden_states(tokens_NxC, positions, cache=cache, ctx=self._ctx)
@@ -1346,9 +1359,9 @@ class Sampler:
 
   def _decode(self, state, cache, first_B, first_logp_B, prompt_lens_B, active_B, row_ids_B,
               max_new_tokens, stop_ids, seed, temperature, top_p, step0, *,
-              mode: SamplingMode):
+              mode: SamplingMode, out_len: int):
     model = nnx.merge(self._graphdef, state)
-    batch, out_len = first_B.shape[0], cache_slots(cache)
+    batch = first_B.shape[0]
 
     def is_stop(tok_B):
       return jnp.any(tok_B[:, None] == stop_ids[None, :], axis=-1)

@@ -43,7 +43,7 @@ WAYS = [("bskh", None, 8), ("bksh", None, 8), ("bskh", False, 8), ("bksh", False
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "logits_soft_cap",
-                                             "way", "finite_tail"))
+                                             "way", "finite_tail", "ring"))
 def _decode(q, k, v, lengths, k_scale=None, v_scale=None, way=WAYS[0], **kw):
   """decode_attention on a slot-major test cache, laid out and scored as `way` says."""
   layout, elementwise, chunk = way
@@ -219,3 +219,62 @@ def test_stacked_cache_shapes_are_checked():
   with pytest.raises(ValueError, match=r"k_scale must be .* \(2, 3, 37, 2\)"):
     kernels.decode_attention(q, k8, k8, lengths=jnp.ones(3), layer=1,
                              k_scale=jnp.ones((3, 37, 2)), v_scale=jnp.ones(2))
+
+
+def _ring(x, lengths, slots):
+  """A ring cache of `slots` built from the whole rows x [b, len, ...]: slot s of row b
+  holds the newest position p = s (mod slots) below lengths[b]; never-written slots hold
+  large finite garbage, as a reused cache's do."""
+  out = np.full((x.shape[0], slots, *x.shape[2:]), 1e4, np.asarray(x).dtype)
+  for b, n in enumerate(lengths):
+    for p in range(max(0, n - slots), n):
+      out[b, p % slots] = np.asarray(x[b, p])
+  return jnp.asarray(out)
+
+
+# Rows shorter than the ring (slot = position), just wrapped, and wrapped several times.
+RING_LENGTHS = (9, 21, 58)
+
+
+@pytest.mark.parametrize("way", [WAYS[0], WAYS[1], WAYS[4], WAYS[7]])
+@pytest.mark.parametrize("t,window,slots", [(1, 6, 6), (3, 6, 8), (2, 11, 16)])
+def test_ring_cache_matches_the_whole_rows(t, window, slots, way):
+  """A sliding layer's ring buffer (position p in slot p % slots) attends as the whole
+  row's cache would, for rows shorter than it and rows that wrapped it many times; with
+  the smallest ring a window allows (window + q_len - 1 slots) too."""
+  q, k, v = _case(t=t, s=max(RING_LENGTHS), seed=7)
+  kw = dict(sliding_window=window, logits_soft_cap=5.0)
+  out = _decode(q, _ring(k, RING_LENGTHS, slots), _ring(v, RING_LENGTHS, slots),
+                jnp.array(RING_LENGTHS), way=way, ring=True, finite_tail=True, **kw)
+  assert_close(out, _per_row_reference(q, k, v, RING_LENGTHS, **kw), 2e-5)
+
+
+@pytest.mark.parametrize("layout", ["bskh", "bksh"])
+def test_ring_cache_int8_and_stacked(layout):
+  """An int8 ring with per-slot scales, stacked with another layer and read at a traced
+  layer index, equals the dequantised rows' reference."""
+  q, k, v = _case(t=2, s=max(RING_LENGTHS), seed=8)
+  lengths, slots = jnp.array(RING_LENGTHS), 16
+  (k8, ks), (v8, vs) = kernels.quantize_int8(k), kernels.quantize_int8(v)
+  ring = [_ring(x, RING_LENGTHS, slots) for x in (k8, ks, v8, vs)]
+  ring[1], ring[3] = (jnp.where(s > 1e3, 1.0, s) for s in (ring[1], ring[3]))
+  if layout == "bksh":
+    ring = [jnp.swapaxes(x, 1, 2) for x in ring]
+  stack = [jnp.stack([jnp.zeros_like(x), x]) for x in ring]
+  out = jax.jit(lambda layer: kernels.decode_attention(
+      q, stack[0], stack[2], lengths=lengths, k_scale=stack[1], v_scale=stack[3],
+      chunk_size=8, kv_layout=layout, layer=layer, ring=True, sliding_window=9))(
+          jnp.int32(1))
+  per_head = lambda s: s[..., None]  # noqa: E731
+  exact = _per_row_reference(q, k8 * per_head(ks), v8 * per_head(vs), RING_LENGTHS,
+                             sliding_window=9)
+  assert_close(out, exact, 2e-5)
+
+
+def test_ring_cache_needs_a_window_that_fits():
+  q, k, v = _case(t=3)
+  with pytest.raises(ValueError, match="ring=True needs a sliding_window"):
+    kernels.decode_attention(q, k, v, lengths=jnp.ones(3), ring=True)
+  with pytest.raises(ValueError, match="a ring cache of 37 slots cannot hold sliding_window "
+                                       "36 \\+ q_len 3 - 1"):
+    kernels.decode_attention(q, k, v, lengths=jnp.ones(3), ring=True, sliding_window=36)

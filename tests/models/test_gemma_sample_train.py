@@ -6,7 +6,10 @@ The models are tiny and random, with weights large enough (init_std 0.3, random 
 scales) that every Gemma feature changes the outputs, which the first test checks: the
 comparisons after it cannot pass vacuously. The window (4) is shorter than prompts and
 generations, so it cuts both prefill and decode, and decode attention reads the cache in
-blocks of 4 slots (blocks before the window skipped).
+blocks of 4 slots (blocks before the window skipped). The samplers write at most 4 tokens
+a continuing call, so each sliding layer keeps a ring of 8 slots (window + 4 - 1, rounded
+up), shorter than the longest prompt and the rows: prefill keeps each row's newest keys
+and decode wraps the ring several times.
 """
 
 import functools
@@ -74,9 +77,15 @@ def model_of(name, scan):
   return models.relayout(plain, scan_layers=True) if scan else plain
 
 
+RING = 8
+
+
 @functools.cache
-def sampler_of(name, scan, cache_dtype=None):
-  return Sampler(model_of(name, scan), max_len=MAX_LEN, cache_dtype=cache_dtype)
+def sampler_of(name, scan, cache_dtype=None, extend_chunk=4):
+  """extend_chunk 4: rings of RING slots; 512 (the default): every slot kept, as the
+  rows are shorter than a ring of 4 + 511 slots."""
+  return Sampler(model_of(name, scan), max_len=MAX_LEN, cache_dtype=cache_dtype,
+                 extend_chunk=extend_chunk)
 
 
 def _with_config(model, cfg):
@@ -147,14 +156,17 @@ def test_the_gemma_features_change_the_outputs(name):
 # -- sampler: greedy and log-probs through the KV cache -----------------------------------
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+@pytest.mark.parametrize("scan,extend_chunk", [(False, 4), (True, 4), (True, 512)],
+                         ids=["layers", "scanned", "scanned-whole-rows"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_greedy_equals_argmax_by_full_recomputation(name, scan):
+def test_greedy_equals_argmax_by_full_recomputation(name, scan, extend_chunk):
   """Prefill (windowed attention over the padded prompt block) and decode (the window
-  read from the cache block by block; scanned: each layer's kind picked by lax.cond and
-  its rope tables by its flag) choose the argmax of the cache-free layer-list model at
-  every step, and report its log-probs."""
-  out = sampler_of(name, scan).generate(PROMPTS, max_new_tokens=STEPS, temperature=0.0)
+  read from the cache block by block, from each sliding layer's ring or from its whole
+  row's slots; scanned: each layer's kind picked by lax.cond, with its stack, its rope
+  tables by its flag) choose the argmax of the cache-free layer-list model at every
+  step, and report its log-probs."""
+  sampler = sampler_of(name, scan, extend_chunk=extend_chunk)
+  out = sampler.generate(PROMPTS, max_new_tokens=STEPS, temperature=0.0)
   np.testing.assert_array_equal(out.tokens, expected_greedy(name))
   assert out.finish_reasons == ["length"] * len(PROMPTS)
   assert len(np.unique(out.tokens)) > STEPS  # not one token repeated
@@ -202,17 +214,19 @@ def test_int8_cache_logprobs_stay_close_to_recomputation(scan):
   assert errors.mean() < INT8_MEAN_LOGPROB_ERROR, errors.mean()
 
 
-@pytest.mark.parametrize("name,scan", [
-    pytest.param("gemma2", True, id="gemma2-scanned"),
-    pytest.param("gemma3", False, marks=pytest.mark.slow, id="gemma3-layers"),
+@pytest.mark.parametrize("name,scan,chunk", [
+    pytest.param("gemma2", True, 2, id="gemma2-scanned"),
+    pytest.param("gemma2", False, 16, id="gemma2-layers-chunks-of-16"),
+    pytest.param("gemma3", False, 2, marks=pytest.mark.slow, id="gemma3-layers"),
 ])
-def test_next_turns_from_the_cache_equal_recomputation(name, scan, monkeypatch):
+def test_next_turns_from_the_cache_equal_recomputation(name, scan, chunk):
   """Continuous batching's next turns: a finished row's transcript with an answer after
-  it goes on in its slot, its new tokens run in chunks of 2 queries against the cache
-  the row built (the window reaching back into it), and decodes greedily what the
-  cache-free model chooses for the whole transcript."""
-  from posttrain.sampling import sampler as sampler_lib
-  monkeypatch.setattr(sampler_lib, "_EXTEND_CHUNK", 2)
+  it goes on in its slot, its new tokens run in chunks of `chunk` queries against the
+  cache the row built (the window reaching back into it), and decodes greedily what the
+  cache-free model chooses for the whole transcript. The sliding layers' rings (8
+  slots for chunks of 2, 24 for 16, in a 48-slot cache) take refilled prompts longer
+  than them (their newest keys) and shorter (the slots after them left to the previous
+  row, read as no position)."""
   prompts, steps = PROMPTS * 2, 6
   ended, turns = [], []
 
@@ -223,7 +237,7 @@ def test_next_turns_from_the_cache_equal_recomputation(name, scan, monkeypatch):
     turns.extend(more)
     return more
 
-  sampler = Sampler(model_of(name, scan), max_len=48)
+  sampler = Sampler(model_of(name, scan), max_len=48, extend_chunk=chunk)
   out = sampler.generate(prompts, max_new_tokens=steps, temperature=0.0, slots=4,
                          between_rounds=between_rounds, max_prompt_len=40,
                          on_finish=lambda i, tokens, *_: ended.append((i, tokens.copy())))
@@ -233,6 +247,50 @@ def test_next_turns_from_the_cache_equal_recomputation(name, scan, monkeypatch):
                                 greedy_by_recomputation(plain, prompts, steps))
   np.testing.assert_array_equal(out.tokens[len(prompts):],
                                 greedy_by_recomputation(plain, turns, steps))
+
+
+def _cache_slots(cache):
+  """Slots per row of each layer's cache, in layer order."""
+  if isinstance(cache, list):
+    return [layer.k.shape[-2] for layer in cache]
+  if isinstance(cache, models.LayerKindCaches):
+    stacks = {False: iter([cache.full.k.shape[-2]] * cache.full.k.shape[0]),
+              True: iter([cache.sliding.k.shape[-2]] * cache.sliding.k.shape[0])}
+    return [next(stacks[kind == "sliding_attention"]) for kind in LAYER_TYPES]
+  return [cache.k.shape[-2]] * cache.k.shape[0]
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_sliding_layers_keep_a_ring_and_resume_from_it(scan):
+  """The kept cache holds RING slots for each sliding layer and every slot for the full
+  one; generating 5 tokens, then resuming twice (4 + 3) from it, wrapping the rings,
+  gives the cache-free model's greedy tokens."""
+  sampler = sampler_of("gemma3", scan)
+  first = sampler.generate(PROMPTS, max_new_tokens=5, temperature=0.0, keep_cache=True,
+                           reserve_tokens=STEPS)
+  cache_len = first.stats["cache_len"]
+  assert cache_len > 2 * RING
+  assert _cache_slots(first.resume_state.cache) == [RING, cache_len, RING]
+  rows = list(range(len(PROMPTS)))
+  second = sampler.resume(first.resume_state, rows, max_new_tokens=4)
+  third = sampler.resume(second.resume_state, rows, max_new_tokens=3)
+  tokens = np.concatenate([first.tokens, second.tokens, third.tokens], axis=1)
+  np.testing.assert_array_equal(tokens, expected_greedy("gemma3"))
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_every_layer_sliding_keeps_only_rings(scan):
+  """Mistral's layout (every layer sliding): the cache is RING slots a layer, the
+  completions are still as wide as asked, and greedy decoding is the cache-free
+  model's."""
+  cfg = GEMMA2.replace(layer_types=None)
+  plain = _with_config(plain_model("gemma2"), cfg)
+  model = models.relayout(plain, scan_layers=True) if scan else plain
+  sampler = Sampler(model, max_len=MAX_LEN, extend_chunk=4)
+  out = sampler.generate(PROMPTS, max_new_tokens=STEPS, temperature=0.0, keep_cache=True)
+  assert _cache_slots(out.resume_state.cache) == [RING] * 3
+  assert out.tokens.shape == (len(PROMPTS), STEPS)
+  np.testing.assert_array_equal(out.tokens, greedy_by_recomputation(plain, PROMPTS, STEPS))
 
 
 # -- greedy generation against transformers -----------------------------------------------

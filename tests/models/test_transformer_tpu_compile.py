@@ -184,15 +184,18 @@ def test_sharded_weights_never_gather_the_whole_output_projection_on_tpu():
 
 
 def test_layers_of_both_kinds_scanned_decode_in_place_on_tpu():
-  """Gemma-style layers, sliding (with their own rope) and full, stacked and scanned: each
-  layer's flag picks its kernel with a lax.cond, and that neither copies the carried cache
-  at a decode step nor slices a layer out of it; the prefill body holds both flash
-  kernels, once each, whatever the depth."""
+  """Gemma-style layers, sliding (with their own rope) and full, stacked and scanned: the
+  full layers' caches stack apart from the sliding layers' rings (768 slots: window 256
+  + 512 - 1, rounded up, of the 2,048); each layer's keys go to both stacks (the other
+  kind's write dropped), its flag picks the stack read and the kernel with a lax.cond,
+  and that neither copies a carried stack at a decode step nor slices a layer out of it
+  (blocks of 512 slots are read); the prefill body holds both flash kernels, once each,
+  whatever the depth."""
   import re
 
   from posttrain.sampling.sampler import Sampler
-  cfg = CFG.replace(scan_layers=True, num_layers=3, sliding_window=256,
-                    layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+  cfg = CFG.replace(scan_layers=True, num_layers=4, sliding_window=256,
+                    layer_types=("sliding_attention", "full_attention") * 2, decode_chunk=512,
                     attn_logit_softcap=50.0, final_logit_softcap=30.0,
                     norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
                     mlp_activation="gelu_tanh", rope_local=models.RopeConfig(theta=100.0))
@@ -203,10 +206,11 @@ def test_layers_of_both_kinds_scanned_decode_in_place_on_tpu():
     prefill, decode = sampler.compile(64, 1024, 1024, distinct_prompts=8, temperature=1.0)
   assert prefill.as_text().count("tpu_custom_call") == 2
   text = decode.as_text()
-  local = f"16,{cfg.num_kv_heads},2048,{cfg.head_dim}]"
-  assert f"[{cfg.num_layers},{local}" in text
-  copies = [line for line in text.splitlines()
-            if re.search(r"\[(\d+,)?" + re.escape(local) + r"\{[^}]*\} copy\(", line)]
-  layers = [line for line in text.splitlines()
-            if re.search(r"= \w+\[" + re.escape(local) + r"\{", line)]
-  assert not copies and not layers, (copies + layers)[:2]
+  for layers, slots in ((2, 2048), (2, 768)):
+    local = f"16,{cfg.num_kv_heads},{slots},{cfg.head_dim}]"
+    assert f"[{layers},{local}" in text
+    copies = [line for line in text.splitlines()
+              if re.search(r"\[(\d+,)?" + re.escape(local) + r"\{[^}]*\} copy\(", line)]
+    sliced = [line for line in text.splitlines()
+              if re.search(r"= \w+\[" + re.escape(local) + r"\{", line)]
+    assert not copies and not sliced, (copies + sliced)[:2]

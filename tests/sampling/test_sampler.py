@@ -744,10 +744,10 @@ def test_next_turns_go_on_in_their_slots_from_the_cache(model, sampler, layout, 
   On a batch-only mesh no cache row moves between devices: the only collectives are
   those of a decode step (the new tokens' keys, the longest length). With a slot for
   every prompt, between_rounds still makes the call run in rounds (32 slots, 14 empty)."""
-  monkeypatch.setattr(sampler_lib, "_EXTEND_CHUNK", 16)
   ours = {"scanned": Sampler(models.relayout(model, scan_layers=True), max_len=MAX_LEN),
           "mesh": Sampler(model, mesh=models.make_mesh((1, 8, 1, 1)), max_len=MAX_LEN),
           }.get(layout, sampler)
+  monkeypatch.setattr(ours, "extend_chunk", 16)
   kw = dict(max_new_tokens=8, temperature=1.0, seed=12)
   slots = {"mesh": 5, "a slot each": 64}.get(layout, 4)
   out, turns, _, sources = _next_turns_run(ours, slots=slots, reuse=True, **kw)
