@@ -278,6 +278,17 @@ def test_sliding_layers_keep_a_ring_and_resume_from_it(scan):
   np.testing.assert_array_equal(tokens, expected_greedy("gemma3"))
 
 
+def test_rings_on_a_mesh_with_continuous_batching():
+  """On 8 devices over the batch, with 8 slots for 16 rows (each slot refilled with a
+  prompt once its row ends), the scanned model's two stacks (rings and full rows) give
+  the cache-free model's greedy tokens."""
+  sampler = Sampler(model_of("gemma3", True), mesh=models.make_mesh((1, 8, 1, 1)),
+                    max_len=MAX_LEN, extend_chunk=4)
+  out = sampler.generate(PROMPTS * 4, max_new_tokens=STEPS, temperature=0.0, slots=8)
+  assert out.stats["batch"] == 8
+  np.testing.assert_array_equal(out.tokens, np.concatenate([expected_greedy("gemma3")] * 4))
+
+
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
 def test_every_layer_sliding_keeps_only_rings(scan):
   """Mistral's layout (every layer sliding): the cache is RING slots a layer, the
