@@ -1174,7 +1174,8 @@ DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: str,
                        chunk: int, temperature: float = 1.0, compute_dtype=jnp.float32,
                        beta: float = 0.5, logit_soft_cap: float | None = None,
-                       teacher_logit_soft_cap: float | None = None):
+                       teacher_logit_soft_cap: float | None = None,
+                       ctx: ShardingContext = _NO_SHARDING):
   """Per-position divergence between the model's next-token distribution and a teacher's,
   over the whole vocabulary, `chunk` positions at a time (no [B, T, V] array):
 
@@ -1190,11 +1191,18 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
   no gradient. A teacher with a larger vocabulary (padding rows, say) is
   read on the model's V tokens, renormalised there.
 
+  Under a mesh whose rules split D (or the teacher's E) over fsdp, the vocabulary is split
+  instead, as in `chunked_logprobs` (`ShardingContext.vocab_parallel_head`): both
+  projections move to [D or E, V / devices], each chunk's hidden states (the model's and
+  the teacher's) gather over the embed axes, and the log-softmaxes reduce across the
+  slices, so no device holds either whole projection or the model's whole gradient.
+
   Args:
     h_BxTxD, w_DxV: the model's final hidden states and output projection.
     teacher_h_BxTxE, teacher_w_ExW: the teacher's, W >= V.
     kind: one of DIVERGENCES.
     beta: jsd's interpolation, in (0, 1).
+    ctx: the mesh and rules, for the split-vocabulary layout (none: the plain one).
 
   Returns:
     `[B, T]` float32, differentiable in the model's inputs.
@@ -1219,18 +1227,40 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
     x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
     return x.reshape(b, n, chunk, x.shape[-1]).swapaxes(0, 1)
 
+  # The layout where the model's D splits, else where the teacher's E does (the model's
+  # projection, whole in D, then only slices its vocabulary): one layout for both, as
+  # their logits meet elementwise.
+  layout = (ctx.vocab_parallel_head(b, chunk, d, vocab)
+            or ctx.vocab_parallel_head(b, chunk, teacher_h_BxTxE.shape[-1], vocab))
   w = w_DxV.astype(compute_dtype)
   tw = jax.lax.stop_gradient(teacher_w_ExW[:, :vocab]).astype(compute_dtype)
+  if layout is not None:
+    w_spec, logits_spec = layout  # (None, the vocabulary's axes): fits D and E alike
+    rows_spec = PartitionSpec(logits_spec[0], PartitionSpec.UNCONSTRAINED, None)
+    w = jax.lax.with_sharding_constraint(w, NamedSharding(ctx.mesh, w_spec))
+    tw = jax.lax.with_sharding_constraint(tw, NamedSharding(ctx.mesh, w_spec))
+
+  def rows(x):  # a chunk's hidden states, gathered over the embed axes
+    if layout is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, rows_spec))
+
+  def split_vocab(x):  # a chunk's logits, the vocabulary split
+    if layout is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, logits_spec))
 
   @jax.checkpoint
   def one_chunk(h_BxCxD, th_BxCxE):
-    logits = jnp.einsum("BCD,DV->BCV", h_BxCxD.astype(compute_dtype), w,
-                        preferred_element_type=jnp.float32)
+    h_BxCxD = rows(h_BxCxD.astype(compute_dtype))
+    th_BxCxE = rows(jax.lax.stop_gradient(th_BxCxE).astype(compute_dtype))
+    logits = split_vocab(jnp.einsum("BCD,DV->BCV", h_BxCxD, w,
+                                    preferred_element_type=jnp.float32))
     logits = soft_cap(logits, logit_soft_cap)
     if temperature != 1.0:
       logits = logits / temperature
-    teacher = jnp.einsum("BCE,EV->BCV", jax.lax.stop_gradient(th_BxCxE).astype(compute_dtype),
-                         tw, preferred_element_type=jnp.float32)
+    teacher = split_vocab(jnp.einsum("BCE,EV->BCV", th_BxCxE, tw,
+                                     preferred_element_type=jnp.float32))
     teacher = soft_cap(teacher, teacher_logit_soft_cap)
     logp = jax.nn.log_softmax(logits, axis=-1)
     logq = jax.nn.log_softmax(teacher, axis=-1)

@@ -588,7 +588,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
           chunk=model_cfg.logprob_chunk, temperature=temperature,
           compute_dtype=jnp.dtype(model_cfg.dtype), beta=distill_beta,
           logit_soft_cap=model_cfg.final_logit_softcap,
-          teacher_logit_soft_cap=teacher_cfg.final_logit_softcap)
+          teacher_logit_soft_cap=teacher_cfg.final_logit_softcap, ctx=ctx)
       mask = losses.as_mask(mb["loss_mask"])
       weights, local_denominator = losses.token_weights(
           mask, loss_cfg.loss_agg_mode, segment_ids=mb.get("segment_ids"),
