@@ -49,7 +49,7 @@ def dot_product_attention(q, k, v, *, implementation: str | None = None,
                           causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
                           sm_scale: float | None = None,
                           logits_soft_cap: float | None = None,
-                          sliding_window: int | None = None, **options):
+                          sliding_window: int | None = None, sinks=None, **options):
   """Scaled dot-product attention with one contract for every backend.
 
   Args:
@@ -65,6 +65,8 @@ def dot_product_attention(q, k, v, *, implementation: str | None = None,
     sm_scale: logit scale, default 1/sqrt(head_dim).
     logits_soft_cap: if set, logits = cap * tanh(logits / cap).
     sliding_window: if set, a query sees only keys less than this many positions back.
+    sinks: optional float [heads], attention-sink logits (gpt-oss): each query's
+      softmax also holds exp(sinks[h]) with a zero value; differentiable.
     **options: implementation-specific tuning, e.g. `block_q`, `block_kv`, `interpret`
       (pallas) or `chunk_size` (chunked).
 
@@ -75,7 +77,8 @@ def dot_product_attention(q, k, v, *, implementation: str | None = None,
   implementation = default_implementation() if implementation is None else implementation
   kwargs = dict(causal=causal, q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids, sm_scale=sm_scale,
-                logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, **options)
+                logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks,
+                **options)
   if implementation == "reference":
     from kernels.reference import reference_attention
     return reference_attention(q, k, v, **kwargs)

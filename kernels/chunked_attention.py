@@ -178,27 +178,29 @@ def blockwise_attention_bwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
   return _unchunk(dq)[:, :tq], _unchunk(dk)[:, :tk], _unchunk(dv)[:, :tk]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _chunked(q, k, v, q_seg, kv_seg, q_pos, kv_pos, params, q_chunk, kv_chunk):
-  out, _ = blockwise_attention_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, params,
-                                   q_chunk, kv_chunk)
-  return out.astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _chunked(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, params, q_chunk, kv_chunk):
+  return _chunked_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, params, q_chunk,
+                      kv_chunk)[0]
 
 
-def _chunked_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, params, q_chunk, kv_chunk):
+def _chunked_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, params, q_chunk, kv_chunk):
   out, lse = blockwise_attention_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, params,
                                      q_chunk, kv_chunk)
+  # With sinks the backward reads the lse and output with them (`add_sinks`).
+  out, lse = reference.add_sinks(out, lse, sinks)
   out = out.astype(q.dtype)
-  return out, (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse)
+  return out, (q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, out, lse)
 
 
 def _chunked_bwd(params, q_chunk, kv_chunk, res, dout):
-  q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = res
+  q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, out, lse = res
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   dq, dk, dv = blockwise_attention_bwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, dout, lse,
                                        delta, params, q_chunk, kv_chunk)
+  dsinks = None if sinks is None else reference.sinks_grad(sinks, lse, delta)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
-          None)
+          None, dsinks)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -209,14 +211,14 @@ def chunked_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                       logits_soft_cap: float | None = None,
                       sliding_window: int | None = None, q_positions=None,
                       kv_positions=None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      q_chunk_size: int | None = None):
+                      q_chunk_size: int | None = None, sinks=None):
   """Memory-efficient attention in plain JAX (scan over chunks, online softmax).
 
   Args:
     q: [batch, q_len, heads, head_dim].
     k, v: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0.
     causal, q_segment_ids, kv_segment_ids, sm_scale, logits_soft_cap, sliding_window,
-      q_positions, kv_positions: as in `kernels.reference_attention`.
+      q_positions, kv_positions, sinks: as in `kernels.reference_attention`.
     chunk_size: keys per chunk; lengths need not be multiples (padded and masked).
     q_chunk_size: queries per chunk, defaults to chunk_size.
 
@@ -226,7 +228,7 @@ def chunked_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
   """
   reference.check_attention_inputs(
       q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
-      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks)
   q_chunk_size = chunk_size if q_chunk_size is None else q_chunk_size
   for name, value in (("chunk_size", chunk_size), ("q_chunk_size", q_chunk_size)):
     if int(value) != value or value < 1:
@@ -236,5 +238,5 @@ def chunked_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                       sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
                       logits_soft_cap=logits_soft_cap,
                       sliding_window=None if sliding_window is None else int(sliding_window))
-  return _chunked(q, k, v, q_segment_ids, kv_segment_ids, q_pos, kv_pos, params,
+  return _chunked(q, k, v, q_segment_ids, kv_segment_ids, q_pos, kv_pos, sinks, params,
                   int(q_chunk_size), int(chunk_size))

@@ -172,7 +172,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                      sliding_window: int | None = None,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, kv_layout: str = "bskh",
                      elementwise: bool | str | None = None, finite_tail: bool = False,
-                     layer=None, ring: bool = False):
+                     layer=None, ring: bool = False, sinks=None):
   """Attention of the newest tokens of each row against its KV cache.
 
   Args:
@@ -210,6 +210,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
       its newest position below lengths[b], lengths[b] - 1 - ((lengths[b] - 1 - s) %
       max_len), or nothing when that is negative. Rows may be longer than the cache.
       While lengths[b] <= max_len it reads as the plain cache.
+    sinks: optional float [heads] attention-sink logits, as in
+      `kernels.reference_attention`.
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
@@ -217,7 +219,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   lengths = jnp.asarray(lengths, jnp.int32)
   stacked = layer is not None
   _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, ring=ring,
-         sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+         sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+         sinks=sinks)
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
   if not (elementwise is None or isinstance(elementwise, bool) or elementwise == "values"):
@@ -273,18 +276,20 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                   **params)
 
   if ck == max_len:  # one block: no loop, no per-block branch
-    out, _ = attend_block(0, 0)
-    return out.astype(q.dtype)
+    out, lse = attend_block(0, 0)
+    return reference.add_sinks(out, lse, sinks)[0].astype(q.dtype)
   # The last block may overlap the previous one.
-  # A ring's slots are not in position order: only blocks past every row's newest slot
-  # (never written) are skipped.
+  # A ring that no row has wrapped yet holds position p in slot p: blocks before the
+  # window are skipped as in a plain cache. Once one has, slots are not in position
+  # order and only blocks past every row's newest slot (never written) are skipped.
   return merge_visible_blocks(
-      q, q_pos, lengths, None if ring else sliding_window, ck, -(-max_len // ck),
-      lambda i, nominal: attend_block(jnp.minimum(nominal, max_len - ck), nominal))
+      q, q_pos, lengths, sliding_window, ck, -(-max_len // ck),
+      lambda i, nominal: attend_block(jnp.minimum(nominal, max_len - ck), nominal),
+      sinks=sinks, wraps_after=max_len if ring else None)
 
 
 def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_blocks: int,
-                         attend_block):
+                         attend_block, sinks=None, wraps_after: int | None = None):
   """Block i of `block_len` slots from slot i * block_len, merged by log-sum-exp; blocks
   past the longest row, or (with a sliding window) before every query's window, are
   skipped with `lax.cond`.
@@ -293,6 +298,9 @@ def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_
     q: [b, tq, h, d]; q_pos [b, tq] the queries' positions; lengths [b].
     attend_block: `(i, nominal) -> (out, lse)` of block i, whose slots start at `nominal`
       (`_block`'s outputs).
+    sinks: optional [heads] attention-sink logits, added to the merged result.
+    wraps_after: a ring buffer of this many slots: once a row is longer, its slots are
+      not in position order and no block is skipped for the window.
 
   Returns:
     [b, tq, h, d] in q's dtype.
@@ -302,6 +310,8 @@ def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_
   # Without a sliding window every query sees the whole prefix from slot 0; with one,
   # nothing before the earliest query's window.
   oldest = jnp.min(q_pos) - (sliding_window - 1) if sliding_window else jnp.int32(0)
+  if wraps_after is not None:
+    oldest = jnp.where(newest >= wraps_after, jnp.int32(0), oldest)
 
   def step(carry, i):
     nominal = i * block_len
@@ -311,5 +321,5 @@ def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_
 
   init = (lax.full_like(q, 0.0, jnp.float32),
           lax.full_like(q, reference.NEG_INF, jnp.float32, (b, tq, h)))
-  (out, _), _ = lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
-  return out.astype(q.dtype)
+  (out, lse), _ = lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
+  return reference.add_sinks(out, lse, sinks)[0].astype(q.dtype)

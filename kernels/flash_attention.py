@@ -1549,22 +1549,27 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   return (grads, (dq_counts, dkv_counts)) if counts else grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, cfg):
-  return _forward(cfg, q, k, v, q_seg, kv_seg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, sinks, cfg):
+  return _flash_fwd(q, k, v, q_seg, kv_seg, sinks, cfg)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, cfg):
+def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, cfg):
   out, lse = _forward(cfg, q, k, v, q_seg, kv_seg)
-  return out, (q, k, v, q_seg, kv_seg, out, lse)
+  if sinks is not None:  # the backward kernels then read the lse and output with them
+    out, lse = reference.add_sinks(out, public_lse(lse), sinks)
+    lse = internal_lse(lse)
+  return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
 
 
 def _flash_bwd(cfg, res, do):
-  q, k, v, q_seg, kv_seg, out, lse = res
+  q, k, v, q_seg, kv_seg, sinks, out, lse = res
   di = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
   dq, dk, dv = _backward(cfg.for_backward(), q, k, v, q_seg, kv_seg, do.astype(q.dtype),
                          lse, di)
-  return dq, dk, dv, None, None
+  dsinks = (None if sinks is None else
+            reference.sinks_grad(sinks, public_lse(lse), jnp.swapaxes(di, 1, 2)))
+  return dq, dk, dv, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -1676,7 +1681,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     gpu_backward: str | None = None, num_warps: int | None = None,
                     num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
-                    interpret=None):
+                    interpret=None, sinks=None):
   """Flash attention with Pallas kernels for the forward and backward passes.
 
   Args:
@@ -1729,13 +1734,16 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
     num_warps_bwd, num_stages_bwd: the same for the backward kernels (default 4 warps,
       2 stages; independent of the forward options).
     interpret: run in Pallas interpret mode; None = only when not on TPU / GPU.
+    sinks: optional float [heads] attention-sink logits, as in
+      `kernels.reference_attention`: applied to the kernels' output and log-sum-exp, which
+      the backward kernels then read unchanged; their gradient comes from the lse.
 
   Returns:
-    [batch, q_len, heads, head_dim] in q's dtype; differentiable in q, k, v.
+    [batch, q_len, heads, head_dim] in q's dtype; differentiable in q, k, v (and sinks).
   """
   reference.check_attention_inputs(
       q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
-      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks)
   out_dtype = q.dtype
   q, k, v = supported_inputs(default_backend() if backend is None else backend, q, k, v)
   cfg = make_config(q, k, causal=causal, segments=q_segment_ids is not None,
@@ -1749,7 +1757,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     num_stages=num_stages,
                     num_warps_bwd=num_warps_bwd, num_stages_bwd=num_stages_bwd,
                     interpret=interpret)
-  return _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg).astype(out_dtype)
+  return _flash(q, k, v, q_segment_ids, kv_segment_ids, sinks, cfg).astype(out_dtype)
 
 
 def public_lse(lse):

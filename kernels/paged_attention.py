@@ -138,7 +138,8 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
                            logits_soft_cap: float | None = None,
                            sliding_window: int | None = None,
                            pages_per_block: int | None = None,
-                           elementwise: bool | str | None = None, finite_tail: bool = False):
+                           elementwise: bool | str | None = None, finite_tail: bool = False,
+                           sinks=None):
   """Attention of the newest tokens of each row against its paged KV cache.
 
   Args:
@@ -168,6 +169,8 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
       keys and values does. Masked slots then contribute exactly 0 and the pass that
       zeroes their values is skipped. With False (the default) they may hold anything,
       NaN included.
+    sinks: optional float [heads] attention-sink logits, as in
+      `kernels.reference_attention`.
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
@@ -177,7 +180,7 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
     raise ValueError(f"q must be [batch, q_len, heads, head_dim], got shape {q.shape}")
   page_table = _table(page_table, q.shape[0])
   _check(q, k_pages, v_pages, page_table, lengths, k_scale, v_scale, sm_scale=sm_scale,
-         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks)
   if not (elementwise is None or isinstance(elementwise, bool) or elementwise == "values"):
     raise ValueError(f"elementwise must be None, True, False or 'values', got {elementwise!r}")
   b, tq, h, d = q.shape
@@ -218,14 +221,14 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
     return _block(q, _gather(k_pages, ids), v, valid, k_scale=k_s, v_scale=v_s, **params)
 
   if per_block == pages_per_row:  # one block: no loop, no per-block branch
-    out, _ = attend_block(0, 0)
-    return out.astype(q.dtype)
+    out, lse = attend_block(0, 0)
+    return reference.add_sinks(out, lse, sinks)[0].astype(q.dtype)
 
   # The last block may overlap the previous one.
   return merge_visible_blocks(
       q, q_pos, lengths, sliding_window, ck, -(-pages_per_row // per_block),
       lambda i, nominal: attend_block(
-          jnp.minimum(i * per_block, pages_per_row - per_block), nominal))
+          jnp.minimum(i * per_block, pages_per_row - per_block), nominal), sinks=sinks)
 
 
 def paged_cache_update(k_pages, v_pages, k_new, v_new, *, page_table, positions,

@@ -11,6 +11,9 @@ Mask semantics (shared by every kernel):
   * causal: q_pos >= kv_pos.
   * sliding_window w: q_pos - kv_pos < w (and kv_pos - q_pos < w when not causal).
   * logits_soft_cap c: logits = c * tanh(logits / c), applied after sm_scale.
+  * sinks [heads] (gpt-oss's attention sinks): each query's softmax also holds
+    exp(sinks[h]), a key of logit sinks[h] (no scale, cap or mask) and value 0, so a
+    query may attend to nothing; the lse includes it. Differentiable in the sinks.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ NEG_INF = float("-inf")
 
 
 def check_attention_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, *,
-                           sm_scale=None, logits_soft_cap=None, sliding_window=None):
+                           sm_scale=None, logits_soft_cap=None, sliding_window=None,
+                           sinks=None):
   """Raises ValueError naming the offending argument if the inputs break the contract."""
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, q_len, heads, head_dim], got shape {q.shape}")
@@ -54,6 +58,10 @@ def check_attention_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, *,
   if sliding_window is not None and (int(sliding_window) != sliding_window
                                      or sliding_window < 1):
     raise ValueError(f"sliding_window must be a positive int, got {sliding_window}")
+  if sinks is not None and (tuple(sinks.shape) != (q.shape[2],)
+                            or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+    raise ValueError(f"sinks must be float [heads] = ({q.shape[2]},), got "
+                     f"{getattr(sinks, 'dtype', None)} {tuple(sinks.shape)}")
 
 
 def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
@@ -195,6 +203,36 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
   return out_a * w_a + out_b * w_b, lse
 
 
+def add_sinks(out, lse, sinks):
+  """(out, lse) of attention over the keys -> over the keys and the sinks: each query's
+  softmax gains exp(sinks[h]) with value 0, so out shrinks by exp(lse) / (exp(lse) +
+  exp(sink)). out [..., heads, head_dim] f32 (or any float: the result keeps its dtype),
+  lse [..., heads] f32 (-inf = no key), sinks [heads] or None (returns the inputs).
+
+  A kernel that saves the new lse and the new out for its backward pass needs no other
+  change there: p = exp(s - lse) is then each key's probability beside the sinks, and
+  delta = sum(dout * out) is that of the output it returned. The sinks' own gradient is
+  `sinks_grad`."""
+  if sinks is None:
+    return out, lse
+  new_lse = jnp.logaddexp(lse, _lead(sinks, lse))
+  scale = jnp.exp(lse - new_lse)  # 0 for a row with no key
+  return (out.astype(jnp.float32) * scale[..., None]).astype(out.dtype), new_lse
+
+
+def _lead(sinks, like):
+  """sinks [heads] as float32 [1, ..., heads], of like's rank."""
+  return sinks.astype(jnp.float32).reshape((1,) * (like.ndim - 1) + (-1,))
+
+
+def sinks_grad(sinks, lse, delta):
+  """d loss / d sinks [heads] from the lse with the sinks (`add_sinks`) and delta =
+  sum(dout * out, -1), both [..., heads]: each sink's probability exp(sink - lse) times
+  its value (0) less delta, summed over the queries."""
+  p = jnp.exp(_lead(sinks, lse) - lse)
+  return -jnp.sum((p * delta).reshape(-1, lse.shape[-1]), axis=0).astype(sinks.dtype)
+
+
 def resolve_positions(q, k, q_positions=None, kv_positions=None):
   """Explicit positions broadcast to [batch or 1, len] int32, or the defaults."""
   if q_positions is None and kv_positions is None:
@@ -217,7 +255,7 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                         kv_segment_ids=None, sm_scale: float | None = None,
                         logits_soft_cap: float | None = None,
                         sliding_window: int | None = None, q_positions=None,
-                        kv_positions=None, return_lse: bool = False):
+                        kv_positions=None, return_lse: bool = False, sinks=None):
   """Plain softmax attention in f32 that materialises the [q_len, kv_len] scores.
 
   Args:
@@ -228,12 +266,14 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       to 1/sqrt(head_dim).
     q_positions, kv_positions: optional explicit int positions [batch or 1, len].
     return_lse: also return the log-sum-exp [batch, q_len, heads] in f32.
+    sinks: optional float [heads], attention-sink logits (see the module docstring).
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype (and the lse if asked).
   """
   check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
-                         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+                         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                         sinks=sinks)
   q_pos, kv_pos = resolve_positions(q, k, q_positions, kv_positions)
   f32 = jnp.float32
   out, lse = attention_block(
@@ -241,5 +281,6 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       kv_positions=kv_pos, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       causal=causal, sm_scale=default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+  out, lse = add_sinks(out, lse, sinks)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out

@@ -413,33 +413,37 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring(q, k, v, q_seg, kv_seg, ring):
-  out, _ = _ring_forward(ring, q, k, v, q_seg, kv_seg)
-  return out.astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring(q, k, v, q_seg, kv_seg, sinks, ring):
+  return _ring_fwd(q, k, v, q_seg, kv_seg, sinks, ring)[0]
 
 
-def _ring_fwd(q, k, v, q_seg, kv_seg, ring):
+def _ring_fwd(q, k, v, q_seg, kv_seg, sinks, ring):
   out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+  # Once, after the ring's merge; the backward ring reads the lse and output with them.
+  out, lse = reference.add_sinks(out, lse, sinks)
   out = out.astype(q.dtype)
-  return out, (q, k, v, q_seg, kv_seg, out, lse)
+  return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
 
 
 def _ring_bwd(ring, res, do):
-  q, k, v, q_seg, kv_seg, out, lse = res
+  q, k, v, q_seg, kv_seg, sinks, out, lse = res
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  # This shard's queries' part: `ring_attention` casts the sinks to varying over the
+  # ring's axis, whose transpose sums the shards' parts.
+  dsinks = None if sinks is None else reference.sinks_grad(sinks, lse, delta)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                     logits_soft_cap, sliding_window, causal):
+                     logits_soft_cap, sliding_window, causal, sinks=None):
   reference.check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids,
                                    sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                                   sliding_window=sliding_window)
+                                   sliding_window=sliding_window, sinks=sinks)
   if sliding_window is not None and not causal:
     raise ValueError(f"ring attention takes a sliding_window ({sliding_window}) only "
                      f"with causal=True; use chunked or flash attention")
@@ -457,7 +461,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
                    kv_segment_ids=None, sm_scale: float | None = None,
                    logits_soft_cap: float | None = None, sliding_window=None,
                    layout: str = "contiguous", block_kernel: BlockKernel | str | None = None,
-                   **kernel_options):
+                   sinks=None, **kernel_options):
   """Attention over a sequence sharded along `axis_name`; call inside `shard_map`.
 
   Args:
@@ -473,12 +477,15 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
     block_kernel: a `BlockKernel`, or 'flash', 'chunked', 'reference'; default flash on
       TPU / GPU and chunked elsewhere. `kernel_options` go to its factory (e.g.
       `interpret`, `block_q` for flash, `chunk_size` for chunked).
+    sinks: optional float [heads] attention-sink logits (this shard's heads), as in
+      `kernels.reference_attention`, applied once after the ring's merge; their gradient
+      is summed over `axis_name`.
 
   Returns:
     The local output shard [batch, len / n, heads, head_dim] in q's dtype.
   """
   _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                   logits_soft_cap, sliding_window, causal)
+                   logits_soft_cap, sliding_window, causal, sinks)
   if layout == "zigzag" and q.shape[1] % 2:
     raise ValueError(f"zigzag layout needs an even local length, got {q.shape[1]}")
   scale = reference.default_sm_scale(q.shape[-1], sm_scale)
@@ -492,7 +499,18 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
   ring = _Ring(axis_name=axis_name, causal=bool(causal), layout=layout,
                kernel=block_kernel,
                window=None if sliding_window is None else int(sliding_window))
-  return _ring(q, k, v, q_segment_ids, kv_segment_ids, ring)
+  if sinks is not None:
+    sinks = _varying(sinks, axis_name)
+  return _ring(q, k, v, q_segment_ids, kv_segment_ids, sinks, ring)
+
+
+def _varying(x, axis_name):
+  """x cast to varying over `axis_name` (a no-op without shard_map's replication checks);
+  x itself when it varies already."""
+  try:
+    return lax.pcast(x, axis_name, to="varying")
+  except ValueError:  # "Unsupported pcast from=varying"
+    return x
 
 
 def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
@@ -501,7 +519,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
                            logits_soft_cap: float | None = None, sliding_window=None,
                            layout: str | None = None, batch_axis=None, head_axis=None,
                            block_kernel: BlockKernel | str | None = None,
-                           **kernel_options):
+                           sinks=None, **kernel_options):
   """Ring attention on global arrays: shards the sequence over `axis_name` of `mesh`.
 
   Args:
@@ -515,6 +533,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
       'contiguous' (the default, and the only layout, with a sliding window) runs the
       ring on the contiguous shards.
     batch_axis, head_axis: optional mesh axes that also split batch / heads.
+    sinks: optional float [heads] attention-sink logits (split over `head_axis`).
 
   Returns:
     [batch, len, heads, head_dim] in q's dtype, in the original order.
@@ -522,7 +541,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
   if layout is None:
     layout = "zigzag" if sliding_window is None else "contiguous"
   _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                   logits_soft_cap, sliding_window, causal)
+                   logits_soft_cap, sliding_window, causal, sinks)
   n = mesh.shape[axis_name]
   zig = layout == "zigzag"
   if q.shape[1] % (2 * n if zig else n):
@@ -532,7 +551,11 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
   seq = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
 
-  def local(q, k, v, q_seg=None, kv_seg=None):
+  has_sinks = sinks is not None
+
+  def local(q, k, v, *rest):
+    local_sinks = rest[0] if has_sinks else None
+    q_seg, kv_seg = rest[int(has_sinks):] if segments else (None, None)
     # Arrive contiguous; the zig-zag permutation is two ppermutes inside the map.
     to_zig = (lambda x: shard_to_zigzag(x, axis_name)) if zig else (lambda x: x)
     q, k, v = to_zig(q), to_zig(k), to_zig(v)
@@ -541,11 +564,14 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
     out = ring_attention(q, k, v, axis_name=axis_name, causal=causal,
                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, sm_scale=sm_scale,
                          logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                         layout=layout,
-                         block_kernel=block_kernel, **kernel_options)
+                         layout=layout, block_kernel=block_kernel, sinks=local_sinks,
+                         **kernel_options)
     return shard_from_zigzag(out, axis_name) if zig else out
 
   args, specs = [q, k, v], [seq, seq, seq]
+  if has_sinks:
+    args.append(sinks)
+    specs.append(P(head_axis))
   if segments:
     args += [q_segment_ids, kv_segment_ids]
     specs += [seg_spec, seg_spec]

@@ -69,8 +69,9 @@ def make_inputs(case: Case, dtype=jnp.float32, seed=0):
 
 
 def numpy_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None,
-                    sm_scale=None, logits_soft_cap=None, sliding_window=None):
-  """Straightforward float64 numpy attention, independent of kernels/."""
+                    sm_scale=None, logits_soft_cap=None, sliding_window=None, sinks=None):
+  """Straightforward float64 numpy attention, independent of kernels/. `sinks` [heads]:
+  one more softmax column per head, of that logit, whose value is dropped."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, tq, h, d = q.shape
   tk, kvh = k.shape[1], k.shape[2]
@@ -94,11 +95,16 @@ def numpy_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=
     ks_ = np.asarray(kv_segment_ids)[:, None, None, :]
     mask &= (qs == ks_) & (ks_ != 0)
   s = np.where(mask, s, -np.inf)
+  if sinks is not None:
+    column = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
+                             (*s.shape[:3], 1))
+    s = np.concatenate([s, column], axis=-1)
   m = s.max(-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0)
   p = np.exp(s - m)
   l = p.sum(-1, keepdims=True)
-  out = np.einsum("bhqk,bkhd->bqhd", p / np.where(l == 0, 1, l), v)
+  p = p / np.where(l == 0, 1, l)
+  out = np.einsum("bhqk,bkhd->bqhd", p[..., :tk], v)
   return out
 
 

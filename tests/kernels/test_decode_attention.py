@@ -237,16 +237,21 @@ RING_LENGTHS = (9, 21, 58)
 
 
 @pytest.mark.parametrize("way", [WAYS[0], WAYS[1], WAYS[4], WAYS[7]])
-@pytest.mark.parametrize("t,window,slots", [(1, 6, 6), (3, 6, 8), (2, 11, 16)])
-def test_ring_cache_matches_the_whole_rows(t, window, slots, way):
+@pytest.mark.parametrize("t,window,slots,lengths", [
+    (1, 6, 6, RING_LENGTHS), (3, 6, 8, RING_LENGTHS), (2, 11, 16, RING_LENGTHS),
+    (2, 11, 16, (40, 58, 45)), (2, 3, 32, (5, 30, 17))])
+def test_ring_cache_matches_the_whole_rows(t, window, slots, lengths, way):
   """A sliding layer's ring buffer (position p in slot p % slots) attends as the whole
   row's cache would, for rows shorter than it and rows that wrapped it many times; with
-  the smallest ring a window allows (window + q_len - 1 slots) too."""
-  q, k, v = _case(t=t, s=max(RING_LENGTHS), seed=7)
+  the smallest ring a window allows (window + q_len - 1 slots) too. Once every row has
+  wrapped it, every block is read, though each row's positions lie past the ring's
+  slots; while none has (the last case), blocks before the window are skipped as in a
+  plain cache."""
+  q, k, v = _case(t=t, s=max(lengths), seed=7)
   kw = dict(sliding_window=window, logits_soft_cap=5.0)
-  out = _decode(q, _ring(k, RING_LENGTHS, slots), _ring(v, RING_LENGTHS, slots),
-                jnp.array(RING_LENGTHS), way=way, ring=True, finite_tail=True, **kw)
-  assert_close(out, _per_row_reference(q, k, v, RING_LENGTHS, **kw), 2e-5)
+  out = _decode(q, _ring(k, lengths, slots), _ring(v, lengths, slots),
+                jnp.array(lengths), way=way, ring=True, finite_tail=True, **kw)
+  assert_close(out, _per_row_reference(q, k, v, lengths, **kw), 2e-5)
 
 
 @pytest.mark.parametrize("layout", ["bskh", "bksh"])
