@@ -279,17 +279,16 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
     out, lse = attend_block(0, 0)
     return reference.add_sinks(out, lse, sinks)[0].astype(q.dtype)
   # The last block may overlap the previous one.
-  # A ring that no row has wrapped yet holds position p in slot p: blocks before the
-  # window are skipped as in a plain cache. Once one has, slots are not in position
-  # order and only blocks past every row's newest slot (never written) are skipped.
+  # A ring's blocks are skipped unless they hold a slot of some row's window (a cyclic
+  # range of slots once the row wrapped the ring).
   return merge_visible_blocks(
       q, q_pos, lengths, sliding_window, ck, -(-max_len // ck),
       lambda i, nominal: attend_block(jnp.minimum(nominal, max_len - ck), nominal),
-      sinks=sinks, wraps_after=max_len if ring else None)
+      sinks=sinks, ring_slots=max_len if ring else None)
 
 
 def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_blocks: int,
-                         attend_block, sinks=None, wraps_after: int | None = None):
+                         attend_block, sinks=None, ring_slots: int | None = None):
   """Block i of `block_len` slots from slot i * block_len, merged by log-sum-exp; blocks
   past the longest row, or (with a sliding window) before every query's window, are
   skipped with `lax.cond`.
@@ -299,8 +298,9 @@ def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_
     attend_block: `(i, nominal) -> (out, lse)` of block i, whose slots start at `nominal`
       (`_block`'s outputs).
     sinks: optional [heads] attention-sink logits, added to the merged result.
-    wraps_after: a ring buffer of this many slots: once a row is longer, its slots are
-      not in position order and no block is skipped for the window.
+    ring_slots: the cache is a ring of this many slots (position p in slot p % slots):
+      a block is read when it holds a slot of some row's window, [oldest, newest]
+      modulo the ring.
 
   Returns:
     [b, tq, h, d] in q's dtype.
@@ -310,14 +310,24 @@ def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_
   # Without a sliding window every query sees the whole prefix from slot 0; with one,
   # nothing before the earliest query's window.
   oldest = jnp.min(q_pos) - (sliding_window - 1) if sliding_window else jnp.int32(0)
-  if wraps_after is not None:
-    oldest = jnp.where(newest >= wraps_after, jnp.int32(0), oldest)
+
+  def visible(nominal):
+    if ring_slots is None:
+      return (nominal <= newest) & (nominal + block_len - 1 >= oldest)
+    # Row b's window holds positions [first_b, last_b]: the cyclic range of `span` slots
+    # from first_b % slots. The block [nominal, nominal + block_len) meets it when the
+    # range starts in the block or the block's first slot lies within the range.
+    first = jnp.maximum(q_pos[:, 0] - (sliding_window - 1), 0)
+    last = lengths - 1
+    start, span = jnp.mod(first, ring_slots), last - first + 1
+    meets = ((jnp.mod(nominal - start, ring_slots) < span)
+             | (jnp.mod(start - nominal, ring_slots) < block_len))
+    return jnp.any(meets & (span > 0))
 
   def step(carry, i):
     nominal = i * block_len
     attend = lambda c: reference.merge_attention(*c, *attend_block(i, nominal))
-    visible = (nominal <= newest) & (nominal + block_len - 1 >= oldest)
-    return lax.cond(visible, attend, lambda c: c, carry), None
+    return lax.cond(visible(nominal), attend, lambda c: c, carry), None
 
   init = (lax.full_like(q, 0.0, jnp.float32),
           lax.full_like(q, reference.NEG_INF, jnp.float32, (b, tq, h)))
