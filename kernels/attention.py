@@ -110,7 +110,7 @@ def _axis_size(mesh, axes) -> int:
 
 
 def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attention=None,
-                      q_segment_ids=None, kv_segment_ids=None, **kwargs):
+                      q_segment_ids=None, kv_segment_ids=None, sinks=None, **kwargs):
   """Attention on global arrays, each device running the kernel on its own shard.
 
   XLA cannot partition a Pallas kernel: under `jit` on a multi-device mesh a Mosaic (TPU)
@@ -122,8 +122,9 @@ def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attenti
   or, when a device's query heads would straddle two kv groups, heads are not split.
 
   Args:
-    q, k, v, q_segment_ids, kv_segment_ids, **kwargs: as in `dot_product_attention`
-      (global shapes; the length is never split: use `ring_attention_sharded` for that).
+    q, k, v, q_segment_ids, kv_segment_ids, sinks, **kwargs: as in
+      `dot_product_attention` (global shapes; the length is never split: use
+      `ring_attention_sharded` for that). The sinks split with the heads.
     mesh: a `jax.sharding.Mesh`.
     batch_axis, head_axis: mesh axes (a name, a tuple of names or None) that split the
       batch and the query heads; they must divide batch and heads.
@@ -135,11 +136,14 @@ def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attenti
   """
   from jax.sharding import PartitionSpec as P
   attention = dot_product_attention if attention is None else attention
+  if sinks is not None:
+    kwargs["sinks"] = sinks
   if mesh is None or mesh.size == 1:
     return attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      **kwargs)
   from kernels.reference import check_attention_inputs
-  check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids)
+  check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, sinks=sinks)
+  kwargs.pop("sinks", None)
   heads, kv_heads = q.shape[2], k.shape[2]
   n_batch, n_heads = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
   if q.shape[0] % n_batch:
@@ -157,16 +161,21 @@ def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attenti
   kv_spec = P(batch_axis, None, head_axis if kv_split else None, None)
   seg_spec = P(batch_axis, None)
 
-  def local(q, k, v, *segments):
+  def local(q, k, v, *rest):
     if not kv_split:  # the kv heads this device's query heads read
       first = jax.lax.axis_index(head_axis) * local_heads // group
       size = max(local_heads // group, 1)
       k = jax.lax.dynamic_slice_in_dim(k, first, size, axis=2)
       v = jax.lax.dynamic_slice_in_dim(v, first, size, axis=2)
+    extra = {} if sinks is None else {"sinks": rest[0]}
+    segments = rest[sinks is not None:]
     q_seg, kv_seg = segments if segments else (None, None)
-    return attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
+    return attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs, **extra)
 
   args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+  if sinks is not None:  # split with the query heads
+    args.append(sinks)
+    specs.append(P(head_axis))
   if q_segment_ids is not None:
     args += [q_segment_ids, kv_segment_ids]
     specs += [seg_spec, seg_spec]

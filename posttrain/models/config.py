@@ -69,7 +69,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The gated MLP's activation: SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
 # GELU (Gemma's gelu_pytorch_tanh).
-MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +150,15 @@ class ModelConfig:
     router_aux_loss_coef: weight of the load-balancing loss the train step adds for a
       mixture (`transformers`' aux loss over every layer's tokens; 0: none). Read from
       config.json when it has output_router_logits=true, as `transformers` trains.
+    attention_sinks: a learned logit per head in every layer's softmax, with a zero
+      value (gpt-oss): a query may attend to nothing (`kernels` `sinks=`).
+    attn_out_bias: a bias on the attention's output projection (gpt-oss's attention_bias
+      sets it and qkv_bias).
+    router_bias / expert_bias: a mixture's router logits get a bias per expert / each
+      expert's gate, up and down projections a bias (gpt-oss).
+    mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
+      (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
+      (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
   """
 
   vocab_size: int
@@ -199,6 +208,12 @@ class ModelConfig:
   sliding_window: int | None = None
   layer_types: tuple[str, ...] = ()
   rope_local: RopeConfig | None = None
+  attention_sinks: bool = False
+  attn_out_bias: bool = False
+  router_bias: bool = False
+  expert_bias: bool = False
+  swiglu_limit: float = 7.0
+  swiglu_alpha: float = 1.702
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -275,9 +290,15 @@ class ModelConfig:
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation={self.mlp_activation!r}; expected one of "
                        f"{MLP_ACTIVATIONS}")
-    if self.num_experts and self.mlp_activation != "silu":
+    if self.num_experts and self.mlp_activation == "gelu_tanh":
       raise ValueError(f"mlp_activation={self.mlp_activation!r}: a mixture's experts are "
-                       "SwiGLU (silu)")
+                       "SwiGLU (silu, or gpt-oss's clamped_swiglu)")
+    if (self.router_bias or self.expert_bias) and not self.num_experts:
+      raise ValueError("router_bias / expert_bias need a mixture of experts (num_experts > 0)")
+    for name in ("swiglu_limit", "swiglu_alpha"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
     for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not 0 < value < float("inf")):
@@ -377,9 +398,11 @@ class ModelConfig:
       attn += (h + 2 * kv) * hd
     if self.qk_norm:
       attn += 2 * hd
-    router = d * self.num_experts
+    attn += h * self.attention_sinks + d * self.attn_out_bias
+    router = (d + self.router_bias) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
-    per_layer = attn + experts * 3 * d * f + router + norms * d
+    expert = 3 * d * f + (2 * f + d) * self.expert_bias
+    per_layer = attn + experts * expert + router + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     return self.num_layers * per_layer + emb + d + (d + 1 if self.value_head else 0)
 
@@ -485,6 +508,23 @@ PRESETS: dict[str, ModelConfig] = {
                               scan_layers=True,
                               layer_types=tuple("full_attention" if (i + 1) % 6 == 0
                                                 else "sliding_attention" for i in range(48))),
+    # gpt-oss-20b: 32 experts of width 2880, 4 per token, attention sinks, sliding (128)
+    # and full layers alternating, YaRN x32 over a 4096-token pre-training context.
+    "gpt_oss_20b": ModelConfig(vocab_size=201_088, d_model=2880, num_layers=24, num_heads=64,
+                               num_kv_heads=8, head_dim=64, ffn_dim=2880, num_experts=32,
+                               num_experts_per_tok=4, norm_topk_prob=True,
+                               rope=RopeConfig(theta=150_000.0, type="yarn", factor=32.0,
+                                               beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                               original_max_position_embeddings=4096),
+                               norm_eps=1e-5, qkv_bias=True, attn_out_bias=True,
+                               attention_sinks=True, router_bias=True, expert_bias=True,
+                               mlp_activation="clamped_swiglu",
+                               max_position_embeddings=131_072,
+                               architecture="GptOssForCausalLM", dtype="bfloat16",
+                               param_dtype="bfloat16", remat="dots_with_no_batch_dims",
+                               scan_layers=True, sliding_window=128,
+                               layer_types=tuple("sliding_attention" if i % 2 == 0
+                                                 else "full_attention" for i in range(24))),
 }
 
 

@@ -34,7 +34,7 @@ from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_ada
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-              "MistralForCausalLM")
+              "MistralForCausalLM", "GptOssForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -51,7 +51,18 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                 "MixtralForCausalLM": "mixtral", "GemmaForCausalLM": "gemma",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                "MistralForCausalLM": "mistral"}
+                "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss"}
+# gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
+# with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
+# sliding-window layers alternating with full ones. transformers' defaults where a
+# config.json leaves a field out.
+GPT_OSS = "GptOssForCausalLM"
+_GPT_OSS_DEFAULTS = dict(
+    rope_theta=150_000.0, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
+    swiglu_alpha=1.702, rms_norm_eps=1e-5, num_local_experts=128, num_experts_per_tok=4,
+    router_aux_loss_coef=0.001, max_position_embeddings=131_072)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
 # Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
 # query_pre_attn_scalar, soft caps (2) and sliding-window layers; 3 adds q/k norms and a
 # rotary embedding of its own for the sliding layers.
@@ -200,6 +211,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = _language_model_config(c)
   arch = _architecture(c)
   lm = _causal_lm(arch)
+  if lm == GPT_OSS:
+    c = {**_GPT_OSS_DEFAULTS, **c}
+    if not c.get("rope_scaling") and not c.get("rope_parameters"):
+      c["rope_scaling"] = dict(_GPT_OSS_ROPE)
   reward_model = arch != lm
   if reward_model and _num_labels(c) != 1:
     raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
@@ -233,7 +248,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                                         defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
-      **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local)
+      **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
+      **_gpt_oss_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -260,6 +276,23 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   types = c.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                    for i in range(layers)]
   return {"sliding_window": int(c["sliding_window"]), "layer_types": tuple(types)}
+
+
+def _gpt_oss_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a gpt-oss config.json ({} for other families)."""
+  if lm != GPT_OSS:
+    return {}
+  layers = int(c["num_hidden_layers"])
+  types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                   for i in range(layers)]
+  window = c.get("sliding_window")
+  if not window:
+    types = ["full_attention"] * layers
+  bias = bool(c.get("attention_bias"))
+  return dict(attention_sinks=True, attn_out_bias=bias, router_bias=True, expert_bias=True,
+              mlp_activation="clamped_swiglu", swiglu_limit=float(c["swiglu_limit"]),
+              swiglu_alpha=float(c["swiglu_alpha"]),
+              sliding_window=int(window) if window else None, layer_types=tuple(types))
 
 
 def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +341,7 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": int(c["num_experts_per_tok"]),
             "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
             "ffn_dim": int(c["moe_intermediate_size"]), **_aux_loss_from_hf(c)}
-  if arch == "MixtralForCausalLM":
+  if arch in ("MixtralForCausalLM", GPT_OSS):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
             **_aux_loss_from_hf(c)}
@@ -341,12 +374,13 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"lm_head=False (a reward model) cannot be written as {arch}, a "
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
-  moe = lm in _MOE_NAMES
+  moe = lm in _MOE_NAMES or lm == GPT_OSS
+  mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) == GPT_OSS]
   if moe != bool(cfg.num_experts):
     raise ValueError(
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
-        f"written as one of {[a for a in kind if _causal_lm(a) in _MOE_NAMES]}, a dense "
-        f"model as one of {[a for a in kind if _causal_lm(a) not in _MOE_NAMES]}")
+        f"written as one of {mixtures}, a dense model as one of "
+        f"{[a for a in kind if a not in mixtures]}")
   _check_family_options(cfg, lm)
   qk_norm = lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
   if qk_norm != cfg.qk_norm:
@@ -366,15 +400,17 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   embedding scale and activation; only Gemma 2 / 3 hold soft caps, a query scale and
   layers of both kinds (Qwen2 / Qwen3 a window on some layers, Mistral / Mixtral on all),
   and only Gemma 3 a rotary embedding of the sliding layers' own."""
-  gemma = lm in GEMMAS
+  gemma, oss = lm in GEMMAS, lm == GPT_OSS
   fixed = dict(norm_unit_offset=gemma, embed_scale=gemma, sandwich_norms=lm in _SANDWICHED,
-               mlp_activation="gelu_tanh" if gemma else "silu")
+               mlp_activation="gelu_tanh" if gemma else "clamped_swiglu" if oss else "silu",
+               attention_sinks=oss, router_bias=oss, expert_bias=oss,
+               attn_out_bias=oss and cfg.qkv_bias)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
-    windowed = lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED
+    windowed = lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
              "rope_local"] + ([] if windowed else ["sliding_window"])
     held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
@@ -460,6 +496,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                sliding_window=cfg.sliding_window)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
+  elif lm == GPT_OSS:
+    out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               sliding_window=cfg.sliding_window, swiglu_limit=cfg.swiglu_limit,
+               swiglu_alpha=cfg.swiglu_alpha,
+               layer_types=["sliding_attention" if s else "full_attention"
+                            for s in cfg.sliding_layers])
   if cfg.num_experts:
     out.update(output_router_logits=cfg.router_aux_loss_coef > 0,
                router_aux_loss_coef=cfg.router_aux_loss_coef)
@@ -522,7 +564,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
          lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
          lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)),
     ]
-    if cfg.num_experts:
+    if cfg.num_experts and _causal_lm(cfg.architecture) == GPT_OSS:
+      rows += _gpt_oss_expert_rows(cfg, p, hf)
+    elif cfg.num_experts:
       # One HF tensor per expert; ours stack them: ("layers", i, "mlp", name, j) is the
       # expert-j slice of the [E, ...] parameter.
       router, gate, up, down = _MOE_NAMES[_causal_lm(cfg.architecture)]
@@ -551,7 +595,40 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                 (h,)),
                (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", ident, ident,
                 (h,))]
+    if cfg.attn_out_bias:
+      rows.append((p + ("attn", "o_bias"), hf + "self_attn.o_proj.bias", ident, ident, (d,)))
+    if cfg.attention_sinks:
+      rows.append((p + ("attn", "sinks"), hf + "self_attn.sinks", ident, ident, (n,)))
   return rows
+
+
+def _interleaved_part(which: int) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of one half of a tensor whose last axis interleaves two
+  (gpt-oss's gate_up_proj: gate at even indices, up at odd). The HF side of each part
+  holds zeros at the other's indices: the parts of one tensor add up to it."""
+  def to_hf(x):
+    out = np.zeros((*x.shape[:-1], 2 * x.shape[-1]), x.dtype)
+    out[..., which::2] = x
+    return out
+  return (lambda x: x[..., which::2]), to_hf
+
+
+def _gpt_oss_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """gpt-oss's router and experts: the HF tensors stack the experts ([E, ...], as ours
+  do), gate_up_proj [E, D, 2F] interleaving gate and up (two rows of ours each)."""
+  d, f, e = cfg.d_model, cfg.ffn_dim, cfg.num_experts
+  ident = lambda x: x  # noqa: E731
+  mlp, experts = p + ("mlp",), hf + "mlp.experts."
+  return [
+      (mlp + ("router",), hf + "mlp.router.weight", lambda x: x.T, lambda x: x.T, (d, e)),
+      (mlp + ("router_bias",), hf + "mlp.router.bias", ident, ident, (e,)),
+      (mlp + ("gate_proj",), experts + "gate_up_proj", *_interleaved_part(0), (e, d, f)),
+      (mlp + ("up_proj",), experts + "gate_up_proj", *_interleaved_part(1), (e, d, f)),
+      (mlp + ("gate_bias",), experts + "gate_up_proj_bias", *_interleaved_part(0), (e, f)),
+      (mlp + ("up_bias",), experts + "gate_up_proj_bias", *_interleaved_part(1), (e, f)),
+      (mlp + ("down_proj",), experts + "down_proj", ident, ident, (e, f, d)),
+      (mlp + ("down_bias",), experts + "down_proj_bias", ident, ident, (e, d)),
+  ]
 
 
 def _hf_shape(cfg: ModelConfig, name: str, ours: tuple, to_hf: Transform) -> tuple:
@@ -706,15 +783,36 @@ def _tensor_files(path: str) -> dict[str, str]:
   return out
 
 
-def _iter_tensors(files: dict[str, str], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (name, array), opening each file once and reading one tensor at a time."""
+_MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def _mxfp4_names(files: dict[str, str]) -> set[str]:
+  """Tensors an MXFP4 checkpoint (gpt-oss's experts) stores as NAME_blocks and NAME_scales:
+  their NAMEs."""
+  return {n[:-len("_blocks")] for n in files
+          if n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in files}
+
+
+def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False
+                  ) -> Iterator[tuple[str, np.ndarray]]:
+  """Yields (name, array), opening each file once and reading one tensor at a time. With
+  `mxfp4`, a name stored as NAME_blocks / NAME_scales is read from both, dequantized
+  (`posttrain.models.mxfp4`)."""
   by_file: dict[str, list[str]] = {}
+  packed = _mxfp4_names(files) if mxfp4 else set()
   for name in names:
-    by_file.setdefault(files[name], []).append(name)
+    by_file.setdefault(files[name + "_blocks" if name in packed else name], []).append(name)
   for f, group in by_file.items():
     with _open_tensors(f) as fh:
       for name in group:
-        yield name, fh.get_tensor(name)
+        if name in packed:
+          from posttrain.models import mxfp4 as mxfp4_lib
+          blocks = fh.get_tensor(name + "_blocks")
+          scales = (fh.get_tensor(name + "_scales") if files[name + "_scales"] == f else
+                    next(_iter_tensors(files, [name + "_scales"]))[1])
+          yield name, mxfp4_lib.dequantize(blocks, scales)
+        else:
+          yield name, fh.get_tensor(name)
 
 
 def _check_names(where: str, present: set[str], wanted: set[str],
@@ -790,6 +888,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   named = _language_model_names(hf_cfg, files)
   rows = [(ours, named(name), *rest) for ours, name, *rest in rows]
   present = set(files)
+  mxfp4 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+  if mxfp4:  # gpt-oss's experts: NAME_blocks and NAME_scales are read as NAME
+    packed = _mxfp4_names(files)
+    present = (present - {n + part for n in packed for part in _MXFP4_PARTS}) | packed
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
     present = {n for n in files if n == named("lm_head.weight")
                or n.startswith(named("model.x")[:-1])}
@@ -797,7 +899,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   # started from a causal LM does not read its lm_head.
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
                {named("lm_head.weight")} if cfg.tie_embeddings or not cfg.lm_head else set())
-  sources = [(files, rows)]
+  sources = [(files, rows, mxfp4)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
     if _PEFT_SCORE in adapter_files and cfg.value_head and not cfg.lm_head:
@@ -805,25 +907,28 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       score = [r for r in _mapping(cfg, score=True) if r[0] == ("value_w",)]
       lora_rows += [(ours, _PEFT_SCORE, *rest) for ours, _, *rest in score]
     _check_names(f"adapter {adapter}", set(adapter_files), {r[1] for r in lora_rows})
-    sources.append((adapter_files, lora_rows))
+    sources.append((adapter_files, lora_rows, False))
 
   graphdef, abstract_state = abstract_model(cfg)
   shardings = state_shardings(abstract_state, mesh, rules) if mesh is not None else None
   values: dict[tuple, jax.Array] = {}
   pd = jnp.dtype(cfg.param_dtype)
-  for source_files, source_rows in sources:
-    by_name = {r[1]: r for r in source_rows}
-    for name, arr in _iter_tensors(source_files, list(by_name)):
-      ours, _, to_ours, to_hf, shape = by_name[name]
-      expected = _hf_shape(cfg, name, shape, to_hf)
-      if tuple(arr.shape) != tuple(expected):
-        raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {expected}")
-      # The value head is float32 whatever param_dtype is (as the model creates it).
-      arr = np.asarray(to_ours(arr)).astype(np.float32 if ours == ("value_w",) else pd)
-      if shardings is not None:
-        values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
-      else:
-        values[ours] = jnp.asarray(arr)
+  for source_files, source_rows, mxfp4 in sources:
+    by_name: dict[str, list] = {}
+    for r in source_rows:  # a tensor may hold several of ours (gpt-oss's gate_up_proj)
+      by_name.setdefault(r[1], []).append(r)
+    for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4):
+      for ours, _, to_ours, to_hf, shape in by_name[name]:
+        expected = _hf_shape(cfg, name, shape, to_hf)
+        if tuple(whole.shape) != tuple(expected):
+          raise ValueError(f"tensor {name} has shape {tuple(whole.shape)}, expected "
+                           f"{expected}")
+        # The value head is float32 whatever param_dtype is (as the model creates it).
+        arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
+        if shardings is not None:
+          values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
+        else:
+          values[ours] = jnp.asarray(arr)
   if cfg.num_experts:
     values = _stack_experts(values, cfg, shardings)
   if cfg.scan_layers:
@@ -987,6 +1092,9 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
     if not writer:
       continue
     arr = np.ascontiguousarray(to_hf(arr.astype(out_dtype)))
+    if name in shards[-1]:  # another part of a tensor that holds several of ours
+      shards[-1][name] = shards[-1][name] + arr
+      continue
     if size and size + arr.nbytes > max_shard_bytes:
       shards.append({})
       size = 0

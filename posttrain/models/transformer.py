@@ -8,6 +8,7 @@ H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -195,9 +196,10 @@ def soft_cap(logits, cap: float | None):
 
 
 def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
-           sliding: bool = False):
+           sliding: bool = False, sinks=None):
   """Full (training / prefill) attention through kernels/, selected by cfg.attention_impl;
-  `sliding`: a sliding-window layer (cfg.sliding_window keys back).
+  `sliding`: a sliding-window layer (cfg.sliding_window keys back); `sinks`: the layer's
+  attention-sink logits [heads] (cfg.attention_sinks) or None.
 
   Pallas kernels (flash, and ring's flash blocks) run inside `shard_map` on a mesh: XLA
   cannot partition them (TPU refuses to compile, GPU would run the whole batch on every
@@ -207,7 +209,7 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
 
   kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                 sm_scale=cfg.attention_scale, logits_soft_cap=cfg.attn_logit_softcap,
-                sliding_window=cfg.sliding_window if sliding else None)
+                sliding_window=cfg.sliding_window if sliding else None, sinks=sinks)
   flash_options = cfg.flash_options
   if cfg.attention_impl == "chunked":
     return kernels.dot_product_attention(q, k, v, implementation="chunked",
@@ -396,6 +398,14 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = _norm(cfg, h, names=("head_dim",))
       self.k_norm = _norm(cfg, h, names=("head_dim",))
+    if cfg.attn_out_bias:
+      self.o_bias = _param(None, (d,), ("embed",), pd, init="zeros")
+    if cfg.attention_sinks:
+      self.sinks = _param(rngs, (n,), ("heads",), pd, std=std)
+
+  def _sinks(self):
+    """The sink logits [heads] in float32, or None."""
+    return self.sinks[...].astype(jnp.float32) if self.cfg.attention_sinks else None
 
   def __call__(self, x_BxTxD, cos, sin, segment_ids_BxT, cache: KVCache | None,
                positions_BxT, ctx: ShardingContext, prefill: bool = False, layer=None,
@@ -425,7 +435,7 @@ class Attention(nnx.Module):
     static = isinstance(sliding, (bool, np.bool_))
     if cache is None:
       def full(window: bool):
-        return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=window)
+        return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=window, sinks=self._sinks())
       # Both kinds under one scan: the layer's flag picks a kernel, each one static.
       out = (full(bool(sliding)) if static else
              jax.lax.cond(sliding, lambda: full(True), lambda: full(False)))
@@ -457,6 +467,8 @@ class Attention(nnx.Module):
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
     y = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
     y = _add_lora(self, "o_proj", y, out, "BTNH,NHR->BTR", "BTR,RD->BTD")
+    if cfg.attn_out_bias:
+      y = y + self.o_bias[...].astype(dt)[None, None]
     return y, new_cache
 
 
@@ -490,7 +502,7 @@ class Attention(nnx.Module):
       # After a prefill's write the block holds every key (the cache was empty): the
       # training kernel (chunked / flash, causal within segments) is exact and never
       # scores the empty cache slots.
-      return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=sliding)
+      return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=sliding, sinks=self._sinks())
     import kernels
     lengths = positions_BxT[:, -1] + 1
     # Keys per block, as in chunked attention; blocks past the longest row (or before
@@ -504,7 +516,7 @@ class Attention(nnx.Module):
         finite_tail=True, layer=layer, sm_scale=cfg.attention_scale,
         logits_soft_cap=cfg.attn_logit_softcap,
         sliding_window=cfg.sliding_window if sliding else None,
-        ring=self._ring(cache, sliding, q.shape[1]))
+        ring=self._ring(cache, sliding, q.shape[1]), sinks=self._sinks())
 
 def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
                 prefill: bool = False, layer=None, ring: bool = False,
@@ -630,7 +642,42 @@ def _geglu_bwd(res, dh):
 geglu.defvjp(_geglu_fwd, _geglu_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def clamped_swiglu(gate, up, limit: float, alpha: float):
+  """gpt-oss's gated activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+  g = min(gate, limit), in float32, cast back to gate's dtype. Its backward, like
+  `swiglu`'s, saves only the two inputs; the clamps pass gradient where the input lies
+  within them, bounds included (as torch's clamp)."""
+  g = jnp.minimum(gate.astype(jnp.float32), limit)
+  u = jnp.clip(up.astype(jnp.float32), -limit, limit)
+  return ((u + 1.0) * g * jax.nn.sigmoid(alpha * g)).astype(gate.dtype)
+
+
+def _clamped_swiglu_fwd(gate, up, limit, alpha):
+  return clamped_swiglu(gate, up, limit, alpha), (gate, up)
+
+
+def _clamped_swiglu_bwd(limit, alpha, res, dh):
+  gate, up = res
+  x, y, d = (a.astype(jnp.float32) for a in (gate, up, dh))
+  g, u = jnp.minimum(x, limit), jnp.clip(y, -limit, limit)
+  sig = jax.nn.sigmoid(alpha * g)
+  dgate = jnp.where(x <= limit, d * (u + 1.0) * sig * (1.0 + alpha * g * (1.0 - sig)), 0.0)
+  dup = jnp.where((y >= -limit) & (y <= limit), d * g * sig, 0.0)
+  return dgate.astype(gate.dtype), dup.astype(up.dtype)
+
+
+clamped_swiglu.defvjp(_clamped_swiglu_fwd, _clamped_swiglu_bwd)
+
+
 _GATED = {"silu": swiglu, "gelu_tanh": geglu}
+
+
+def gated_activation(cfg: ModelConfig):
+  """`fn(gate, up)` of cfg.mlp_activation."""
+  if cfg.mlp_activation == "clamped_swiglu":
+    return lambda gate, up: clamped_swiglu(gate, up, cfg.swiglu_limit, cfg.swiglu_alpha)
+  return _GATED[cfg.mlp_activation]
 
 
 class MLP(nnx.Module):
@@ -654,7 +701,7 @@ class MLP(nnx.Module):
                          "ND,DR->NR", "NR,RF->NF")
     up_NxF = _add_lora(self, "up_proj", x_NxD @ self.up_proj[...].astype(dt), x_NxD,
                        "ND,DR->NR", "NR,RF->NF")
-    gated = _GATED[self.cfg.mlp_activation]
+    gated = gated_activation(self.cfg)
     h = ctx.constrain(gated(gate_NxF, up_NxF).reshape(b, t, -1),
                       ("batch", "length", "mlp"))
     h_NxF = h.reshape(b * t, -1)
@@ -663,12 +710,16 @@ class MLP(nnx.Module):
     return y_NxD.reshape(b, t, d)
 
 
-def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = False):
+def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = False,
+          bias_E=None):
   """(weights [N, k] float32, experts [N, k] int32): each token's top-k experts by the
-  router's softmax (in float32), the weights rescaled to sum to one with `normalize`;
+  router's softmax (in float32; the logits plus `bias_E` when given), the weights
+  rescaled to sum to one with `normalize` (gpt-oss's softmax over the top-k logits);
   with `return_probs` also the softmax [N, E]."""
   logits = jnp.einsum("ND,DE->NE", x_NxD, router_DxE.astype(x_NxD.dtype),
                       preferred_element_type=jnp.float32)
+  if bias_E is not None:
+    logits = logits + bias_E.astype(jnp.float32)[None]
   probs = jax.nn.softmax(logits, axis=-1)
   weights, experts = jax.lax.top_k(probs, top_k)
   if normalize:
@@ -693,8 +744,12 @@ def load_balancing_loss(stats: RouterStats, num_experts: int) -> jax.Array:
   return num_experts * jnp.sum((stats.assigned / n) * (stats.probs / n))
 
 
-def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD):
+def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *,
+                activation=None, gate_bias_ExF=None, up_bias_ExF=None):
   """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) [N, D] float32, dropless.
+  `activation`: fn(gate, up) in SwiGLU's place; the biases are added to each expert's
+  gate and up projections (a down projection's bias is the caller's, added once after
+  any sum over F slices).
 
   The N * k (token, expert) pairs are sorted by expert and each expert's run goes through
   its weights with `kernels.grouped_matmul` (`jax.lax.ragged_dot`, a grouped-matmul
@@ -710,7 +765,12 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   x_sorted = jnp.take(x_NxD, order // k, axis=0)
   gate = kernels.grouped_matmul(x_sorted, gate_ExDxF, sizes)
   up = kernels.grouped_matmul(x_sorted, up_ExDxF, sizes)
-  y_sorted = kernels.grouped_matmul(swiglu(gate, up), down_ExFxD, sizes, jnp.float32)
+  if gate_bias_ExF is not None:  # each sorted row's expert's bias
+    expert_sorted = jnp.take(flat, order)
+    gate = gate + jnp.take(gate_bias_ExF, expert_sorted, axis=0).astype(gate.dtype)
+    up = up + jnp.take(up_bias_ExF, expert_sorted, axis=0).astype(up.dtype)
+  act = swiglu if activation is None else activation
+  y_sorted = kernels.grouped_matmul(act(gate, up), down_ExFxD, sizes, jnp.float32)
   # Back to token order (a gather by the inverse permutation; its gradient is a gather too).
   y = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, k, -1)
   return jnp.einsum("NKD,NK->ND", y, weights_NxK.astype(jnp.float32))
@@ -735,6 +795,12 @@ class MoE(nnx.Module):
     self.gate_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
     self.up_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
     self.down_proj = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, std=std)
+    if cfg.router_bias:
+      self.router_bias = _param(rngs, (e,), ("experts",), pd, std=std)
+    if cfg.expert_bias:
+      self.gate_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
+      self.up_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
+      self.down_bias = _param(None, (e, d), ("experts", "embed"), pd, init="zeros")
 
   def __call__(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT=None,
                router_stats: bool = False):
@@ -742,8 +808,14 @@ class MoE(nnx.Module):
     device's tokens (segment id 0 = padding, not counted)."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     b, t, d = x_BxTxD.shape
+    e, f = cfg.num_experts, cfg.ffn_dim
     weights = [w[...].astype(dt) for w in (self.router, self.gate_proj, self.up_proj,
                                            self.down_proj)]
+    # Biases (gpt-oss), zeros where the model has none: [E], [E, F], [E, F], [E, D].
+    weights += [getattr(self, name)[...].astype(dt) if hasattr(self, name) else
+                jnp.zeros(shape, dt) for name, shape in (
+                    ("router_bias", (e,)), ("gate_bias", (e, f)), ("up_bias", (e, f)),
+                    ("down_bias", (e, d)))]
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
     mesh = ctx.mesh
@@ -757,19 +829,24 @@ class MoE(nnx.Module):
       f_axes = tuple(a for a in ((f_entry,) if isinstance(f_entry, str) else f_entry or ())
                      if a not in token_axes)
 
-    def local(x, segment_ids, router, gate, up, down):
+    def local(x, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
       w, e, probs = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                          return_probs=True)
+                          return_probs=True, bias_E=router_b if cfg.router_bias else None)
       if f_axes:
         # Each device runs its slice of F from here on: marked so, the backward sums the
         # slices' input gradients once, over [N, D] tokens, not over the sorted [N k, D]
         # rows of each projection.
         x_NxD = jax.lax.pcast(x_NxD, f_axes, to="varying")
-      y = expert_mlps(x_NxD, w, e, gate, up, down)
+      biased = cfg.expert_bias
+      y = expert_mlps(x_NxD, w, e, gate, up, down, activation=gated_activation(cfg),
+                      gate_bias_ExF=gate_b if biased else None,
+                      up_bias_ExF=up_b if biased else None)
       if f_axes:
         y = jax.lax.psum(y, f_axes)
+      if biased:  # each chosen expert's down bias, by its weight, once after the sum
+        y = y + jnp.einsum("NK,NKD->ND", w, jnp.take(down_b, e, axis=0).astype(jnp.float32))
       y = y.astype(dt).reshape(lb, lt, d)
       if not router_stats:
         return y
@@ -786,7 +863,7 @@ class MoE(nnx.Module):
     f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
     x_spec = P(*tokens, None)
     specs = (x_spec, P(*tokens), P(), P(None, None, f_spec), P(None, None, f_spec),
-             P(None, f_spec, None))
+             P(None, f_spec, None), P(), P(None, f_spec), P(None, f_spec), P())
     args = [place(a, mesh, spec)
             for a, spec in zip([x_BxTxD, segment_ids_BxT, *weights], specs)]
     out_specs = (x_spec, RouterStats(P(), P(), P())) if router_stats else x_spec

@@ -354,3 +354,32 @@ def test_gated_mlp_backward_matches_autodiff(dtype, tol, gated, act):
     assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exp, np.float32),
                                rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_clamped_swiglu_backward_matches_autodiff(dtype, tol):
+  """gpt-oss's activation: the hand-written backward equals autodiff of the plain form,
+  with a quarter of the gates and ups past the clamp (whose gradient is zero there)."""
+  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+  # Off the bounds themselves: there autodiff of min / clip splits the gradient in half,
+  # where torch's clamp (and ours) passes it whole.
+  off = lambda x: jnp.where(jnp.abs(x) == 7.0, 6.5, x).astype(dtype)  # noqa: E731
+  gate = off((jax.random.normal(k1, (6, 40)) * 7).astype(dtype))
+  up = off((jax.random.normal(k2, (6, 40)) * 7).astype(dtype))
+  dh = jax.random.normal(k3, (6, 40)).astype(dtype)
+
+  def plain(g, u, limit=7.0, alpha=1.702):
+    g, u = jnp.minimum(g.astype(jnp.float32), limit), jnp.clip(u.astype(jnp.float32),
+                                                               -limit, limit)
+    return ((u + 1.0) * g * jax.nn.sigmoid(alpha * g)).astype(dtype)
+
+  out, vjp = jax.vjp(lambda g, u: models.transformer.clamped_swiglu(g, u, 7.0, 1.702),
+                     gate, up)
+  want, want_vjp = jax.vjp(plain, gate, up)
+  assert 0.1 < float(jnp.mean(jnp.abs(up.astype(jnp.float32)) > 7)) < 0.5
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                             rtol=tol, atol=tol)
+  for got, exp in zip(vjp(dh), want_vjp(dh)):
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exp, np.float32),
+                               rtol=tol, atol=tol * 10)
