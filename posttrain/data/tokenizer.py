@@ -4,7 +4,8 @@ Two tokenizers share one interface:
   * `ByteTokenizer`: no files; ids 0..255 are bytes, specials follow (roles, pad, eos).
     The embedded default and the tests use it.
   * `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` package, with the
-    Llama 3, ChatML (Qwen) or Gemma chat format picked from the vocabulary.
+    Llama 3, ChatML (Qwen), Gemma or harmony (gpt-oss) chat format picked from the
+    vocabulary.
 
 `encode_chat(messages)` returns (ids, mask) where mask[i] = 1 exactly for tokens the model
 itself produced (assistant content and its end-of-turn token): the SFT and RL loss mask. An
@@ -22,6 +23,18 @@ import shutil
 from typing import Sequence
 
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str}
+
+# Harmony (gpt-oss): the system message its chat template always opens with (without the
+# current date, so that a prompt's ids do not change from day to day). A conversation's
+# own system message becomes a developer message, "# Instructions\n\n" + its content.
+# The model's turn opens with "<|start|>assistant" and the model picks its channels
+# (analysis, then final); a given assistant message is a final-channel message. Every
+# assistant message ends with <|return|>, as the model ends its turn (harmony's template
+# rewrites an earlier turn's as <|end|>); <|return|> and <|call|> stop a turn.
+HARMONY_SYSTEM = ("You are ChatGPT, a large language model trained by OpenAI.\n"
+                  "Knowledge cutoff: 2024-06\n\nReasoning: medium\n\n"
+                  "# Valid channels: analysis, commentary, final. Channel must be included "
+                  "for every message.")
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -30,15 +43,22 @@ class ChatFormat:
 
   `fold_system` (Gemma, whose template has no system turn): a leading system message
   becomes the start of the first user turn, "<system>\n\n<user>". `strip`: contents are
-  stripped of surrounding whitespace, as Gemma's template trims them.
+  stripped of surrounding whitespace, as Gemma's template trims them. `ends`: end-of-turn
+  tokens of particular roles (harmony's assistant ends with <|return|>);
+  `generation_header`: what opens the turn the model writes, when it is not the
+  assistant's header (harmony's leaves the channel to the model).
   """
 
   def __init__(self, tok: "Tokenizer", headers: dict[str, list[int]], end_of_turn: list[int],
                after_end: list[int] = (), bos: list[int] = (), fold_system: bool = False,
-               strip: bool = False):
+               strip: bool = False, ends: dict[str, list[int]] | None = None,
+               generation_header: list[int] | None = None):
     self.tok, self.headers, self.end_of_turn = tok, headers, list(end_of_turn)
     self.after_end, self.bos = list(after_end), list(bos)
     self.fold_system, self.strip = fold_system, strip
+    self.ends = {role: list(end) for role, end in (ends or {}).items()}
+    self.generation_header = list(headers["assistant"] if generation_header is None
+                                  else generation_header)
 
   def encode(self, messages: Sequence[Message], add_generation_prompt: bool = False
              ) -> tuple[list[int], list[int]]:
@@ -55,14 +75,14 @@ class ChatFormat:
         raise ValueError(f"message content must be a string, got {type(content).__name__}")
       if self.strip:
         content = content.strip()
-      body = self.tok.encode(prefix + content) + self.end_of_turn
+      body = self.tok.encode(prefix + content) + self.ends.get(role, self.end_of_turn)
       prefix = ""
       own = 1 if role == "assistant" and m.get("weight", 1) else 0
       ids += self.headers[role] + body + self.after_end
       mask += [0] * len(self.headers[role]) + [own] * len(body) + [0] * len(self.after_end)
     if add_generation_prompt:
-      ids += self.headers["assistant"]
-      mask += [0] * len(self.headers["assistant"])
+      ids += self.generation_header
+      mask += [0] * len(self.generation_header)
     return ids, mask
 
 
@@ -95,7 +115,8 @@ class Tokenizer:
   @property
   def stop_ids(self) -> tuple[int, ...]:
     """Tokens that end an assistant turn."""
-    return tuple(sorted(set(self.chat.end_of_turn[-1:] + [self.eos_id]
+    end = self.chat.ends.get("assistant", self.chat.end_of_turn)
+    return tuple(sorted(set(end[-1:] + [self.eos_id]
                             + list(getattr(self, "extra_stop_ids", ())))))
 
   def save(self, directory: str) -> list[str]:
@@ -138,8 +159,8 @@ _HF_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.
 
 
 class HFTokenizer(Tokenizer):
-  """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3, ChatML or Gemma
-  format."""
+  """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3, ChatML, Gemma or
+  harmony (gpt-oss) format."""
 
   def __init__(self, path: str):
     from tokenizers import Tokenizer as _HFTok  # Optional extra: posttrain[hf].
@@ -182,9 +203,26 @@ class HFTokenizer(Tokenizer):
       self.eos_id = end
       # Gemma's generation config stops at <eos> too.
       self.extra_stop_ids = [tid("<eos>")] if tid("<eos>") is not None else []
+    elif tid("<|channel|>") is not None and tid("<|start|>") is not None:  # harmony
+      start, message, end = tid("<|start|>"), tid("<|message|>"), tid("<|end|>")
+      ret, call = tid("<|return|>"), tid("<|call|>")
+      channel = tid("<|channel|>")
+      headers = {
+          "system": [start] + self.encode("developer") + [message]
+          + self.encode("# Instructions\n\n"),
+          "user": [start] + self.encode("user") + [message],
+          "assistant": [start] + self.encode("assistant") + [channel] + self.encode("final")
+          + [message],
+          "tool": [start] + self.encode("functions to=assistant") + [channel]
+          + self.encode("commentary") + [message]}
+      system = [start] + self.encode("system") + [message] + self.encode(HARMONY_SYSTEM) + [end]
+      self.chat = ChatFormat(self, headers, [end], bos=system, ends={"assistant": [ret]},
+                             generation_header=[start] + self.encode("assistant"))
+      self.eos_id = ret
+      self.extra_stop_ids = [call] if call is not None else []
     else:
-      raise ValueError(f"{file}: no Llama 3, ChatML or Gemma special tokens; cannot build a "
-                       "chat format")
+      raise ValueError(f"{file}: no Llama 3, ChatML, Gemma or harmony special tokens; cannot "
+                       "build a chat format")
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id
