@@ -40,6 +40,8 @@ def _per_group(x, g, sizes):
     (512, 640, 130, 3, ()),      # K split into 128 blocks, N whole
     (1024, 256, 384, 9, (8,)),   # the last group empty
     (384, 32, 128, 4, (1, 2, 3)),  # every row in one group
+    (256, 1440, 2880, 3, ()),    # gpt-oss's widths: no 128-multiple divides them, blocks
+                                 # of 512 reach past the array's edge
 ])
 @pytest.mark.parametrize("backend", ["tpu", "cpu"])
 def test_weight_gradient_sums_each_groups_rows(m, k, n, groups, empty, backend):
@@ -51,6 +53,15 @@ def test_weight_gradient_sums_each_groups_rows(m, k, n, groups, empty, backend):
   got = jax.jit(functools.partial(kernels.grouped_weight_grad, backend=backend))(
       x, g, jnp.asarray(sizes), w)
   np.testing.assert_allclose(got, _per_group(x, g, sizes), atol=1e-4, rtol=1e-5)
+
+
+def test_blocks_stay_bounded_when_no_tile_divides():
+  """A long dim no tile divides gets blocks that pad it by at most an eighth, not the
+  whole dim (whose float32 accumulator overflowed a v5p core's VMEM at gpt-oss's
+  widths); a short one stays whole."""
+  from kernels.grouped_matmul import _tile
+  assert [_tile(d) for d in (1024, 640, 130, 96, 1000, 1440, 2880, 4100)] == [
+      512, 128, 130, 96, 1000, 512, 512, 512]
 
 
 def test_bfloat16_weight_gradient_accumulates_in_float32():
