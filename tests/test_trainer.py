@@ -881,6 +881,27 @@ GEMMA2 = {"model.overrides.architecture": "Gemma2ForCausalLM", "model.overrides.
           "model.overrides.scan_layers": True}
 
 
+GPT_OSS = {"model.overrides.architecture": "GptOssForCausalLM",
+           "model.overrides.num_layers": 2, "model.overrides.num_experts": 4,
+           "model.overrides.num_experts_per_tok": 2, "model.overrides.qkv_bias": True,
+           "model.overrides.attn_out_bias": True, "model.overrides.attention_sinks": True,
+           "model.overrides.router_bias": True, "model.overrides.expert_bias": True,
+           "model.overrides.mlp_activation": "clamped_swiglu",
+           "model.overrides.sliding_window": 8,
+           "model.overrides.layer_types": "sliding_attention,full_attention",
+           "model.overrides.scan_layers": True}
+
+
+@pytest.mark.slow
+def test_gpt_oss_run_trains_and_exports_what_transformers_reads(tmp_path):
+  """SFT then RL on a gpt-oss policy (sinks, biased attention and experts, the clamped
+  SwiGLU, sliding and full layers scanned) over the 8-device mesh; export_hf writes
+  GptOssForCausalLM files that load back as the policy."""
+  params, exported = _train_two_rl_steps_and_export(tmp_path, GPT_OSS)
+  assert exported.cfg.architecture == "GptOssForCausalLM" and exported.cfg.attention_sinks
+  assert params["layers"]["attn"]["sinks"].shape[0] == 2  # stacked layers: [L, heads]
+
+
 @pytest.mark.slow
 def test_gemma2_run_trains_and_exports_what_transformers_reads(tmp_path):
   """SFT then RL on a Gemma 2 policy (sliding and full layers scanned, soft caps) over the

@@ -497,6 +497,10 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
   elif lm == GPT_OSS:
+    # Explicit even for the default kind: transformers (and `hf_config_to_model_config`)
+    # read a gpt-oss config.json without rope parameters as YaRN x32.
+    out["rope_parameters"] = {"rope_type": rope.type, "rope_theta": rope.theta,
+                              **(scaling or {})}
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                sliding_window=cfg.sliding_window, swiglu_limit=cfg.swiglu_limit,
                swiglu_alpha=cfg.swiglu_alpha,

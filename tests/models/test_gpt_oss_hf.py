@@ -228,6 +228,21 @@ def test_gpt_oss_20b_preset_counts_the_published_parameters():
       max_position_embeddings=cfg.max_position_embeddings) == cfg
 
 
+@pytest.mark.parametrize("rope", [models.RopeConfig(theta=10_000.0),
+                                  models.get_preset("gpt_oss_20b").rope])
+def test_config_round_trips_through_transformers(rope):
+  """config.json states the rope even when it is the default kind: without it, both
+  transformers and our reader take a gpt-oss config for YaRN x32."""
+  cfg = models.get_preset("gpt_oss_20b").replace(rope=rope, num_layers=2,
+                                                 layer_types=("sliding_attention",
+                                                              "full_attention"))
+  out = models.hf.model_config_to_hf(cfg)
+  assert models.hf_config_to_model_config(out).rope == rope
+  hf = transformers.GptOssConfig(**{k: v for k, v in out.items() if k != "architectures"})
+  assert hf.rope_parameters["rope_type"] == rope.type
+  assert hf.rope_parameters["rope_theta"] == rope.theta
+
+
 def test_other_families_refuse_gpt_oss_features():
   """A Llama or Mixtral class cannot hold sinks, the output bias or biased experts."""
   base = models.get_preset("tiny")
