@@ -168,6 +168,24 @@ def test_export_round_trip_is_exact(hf_model, folder, tmp_path):
     assert json.load(fh)["model_type"] == "gpt_oss"
 
 
+def test_reward_model_scores_match_transformers(tmp_path):
+  """GptOssForSequenceClassification: each row's score at its last real token, in and out."""
+  torch.manual_seed(1)
+  hf = transformers.GptOssForSequenceClassification(_hf_config(num_labels=1)).float().eval()
+  hf.save_pretrained(str(tmp_path / "rm"))
+  ours = models.from_pretrained(str(tmp_path / "rm"))
+  tokens = np.array([[5, 6, 7, 8, 9, 0, 0], [3, 4, 5, 6, 7, 8, 9]])
+  with torch.no_grad():
+    want = hf(torch.tensor(tokens)).logits[:, 0].numpy()
+  got = np.asarray(ours.scores(jnp.asarray(tokens), jnp.asarray((tokens != 0).astype(np.int32))))
+  np.testing.assert_allclose(got, want, atol=1e-4)
+  models.save_pretrained(ours, str(tmp_path / "back"))
+  back = transformers.GptOssForSequenceClassification.from_pretrained(str(tmp_path / "back"))
+  with torch.no_grad():
+    np.testing.assert_allclose(back.float()(torch.tensor(tokens)).logits[:, 0].numpy(), want,
+                               atol=1e-5)
+
+
 def _write_mxfp4(src: str, dst: str) -> dict:
   """src's checkpoint with every expert projection stored as MXFP4 (NAME_blocks and
   NAME_scales, as the published gpt-oss files), and transformers' dequantization of
