@@ -33,8 +33,9 @@ Mesh: FSDP 16 x tensor 2, as for Qwen3-30B-A3B: every chip holds every expert of
 the model. Each micro-batch holds eight 2048-token rows per fsdp shard.
 Compiled for the slice on a CPU host (libtpu, 3.4 GiB of host memory, 2.3 min): the update
 peaks at 40.3 GiB a chip with what stays resident beside it (planned 38.7), the rollout
-at 48.1 (planned 35.3: XLA:TPU keeps a padded, relaid copy of the experts through the
-decode loop, their F of 1440 a chip being no multiple of 128; the plan does not count it).
+at 48.1 (planned 47.9; XLA:TPU keeps a relaid copy of the gate and up experts through
+the decode loop, 12 GiB, their width of 1440 a chip being no multiple of 128:
+`planner.expert_relayout_bytes`).
 """
 
 import ml_collections

@@ -237,17 +237,43 @@ def _cached_state_bytes(model_cfg, mesh_shape, rules, clip) -> tuple[int, int, i
   return _state_bytes(shapes_only, tuple(mesh_shape.items()), rules, bool(clip))
 
 
+def _gather_shape(mesh_shape: dict[str, int], rules=models.DEFAULT_RULES) -> dict[str, int]:
+  """The mesh shape without the batch axes (the sampler's gathered weights' layout)."""
+  batch_axes = set(dict(models.rules_from_config(rules)).get("batch", ()))
+  return {a: (1 if a in batch_axes else n) for a, n in mesh_shape.items()}
+
+
 def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
                         rules=models.DEFAULT_RULES) -> int:
   """Per-device bytes of the copy of the weights the sampler gathers for each generate
   call (`Sampler(gather_weights=True)`): sharded by the rules without the batch mesh
   axes, floating weights in the compute dtype when that is narrower."""
-  batch_axes = set(dict(models.rules_from_config(rules)).get("batch", ()))
-  shape = {a: (1 if a in batch_axes else n) for a, n in mesh_shape.items()}
+  shape = _gather_shape(mesh_shape, rules)
   ratio = min(1.0, np.dtype(model_cfg.dtype).itemsize / np.dtype(model_cfg.param_dtype).itemsize)
   if shape == dict(mesh_shape) and ratio == 1.0:
     return 0  # nothing to gather or cast: the sampler reads its own weights
-  return int(state_bytes(model_cfg, shape, rules)[0] * ratio)
+  return int(state_bytes(model_cfg, shape, rules)[0] * ratio) + expert_relayout_bytes(
+      model_cfg, shape, rules)
+
+
+def expert_relayout_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
+                          rules=models.DEFAULT_RULES) -> int:
+  """Per-device bytes of the relaid copy of a mixture's gate and up experts that XLA:TPU
+  keeps through the decode loop when an expert's width on a device, F', is no multiple
+  of 128: it lays the gathered [L, E, D, F'] weights out D-minor (less tile padding)
+  and copies them F-minor, padded to 128, for the grouped matmuls. 2 * s * L * E * D *
+  ceil128(F'). Compiled for a v5p-64: gpt-oss-20b's F' 1440 held two 5.9 GiB copies
+  (the decode 1.36x its plan without them, 1.02x with); Qwen3-30B-A3B's 384 none."""
+  cfg = model_cfg
+  if not cfg.num_experts:
+    return 0
+  mesh = abstract_mesh(mesh_shape)
+  _, d, f = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),
+                           (cfg.num_experts, cfg.d_model, cfg.ffn_dim))
+  if f % 128 == 0:
+    return 0
+  s = np.dtype(cfg.dtype).itemsize
+  return 2 * s * cfg.num_layers * cfg.num_experts * d * (-(-f // 128) * 128)
 
 
 # ----------------------------------------------------------------------------------------
@@ -826,7 +852,11 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 else f"its own weights on the rollout mesh {rollout_shape}"),
       Component("gathered", gathered,
                 "the sampler's weights gathered over the batch axes for a generate call, "
-                f"{np.dtype(cfg.dtype)}" if gathered else "not gathered (gather_weights=False)"),
+                f"{np.dtype(cfg.dtype)}"
+                + (" (and a relaid copy of the gate and up experts: `expert_relayout_bytes`)"
+                   if gathered and expert_relayout_bytes(cfg, _gather_shape(rollout_shape,
+                                                                            rules), rules)
+                   else "") if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {_cache_layers_note(cfg, int(r.max_len))} "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),
       Component("prefill", prefill, prefill_note + (", its weights gathered (left sharded)"

@@ -444,6 +444,20 @@ def test_kv_cache_bytes_count_the_sliding_layers_rings():
             x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
 
 
+def test_expert_relayout_counts_widths_no_multiple_of_128():
+  """gpt-oss-20b under tensor 2: each expert 1440 wide on a device, so XLA:TPU keeps
+  its gate and up experts relaid, padded to 1536, through the decode loop (two 5.9 GiB
+  copies in the compiled program); Qwen3-30B-A3B's 384 and dense models need none."""
+  mesh = {"data": 1, "fsdp": 16, "tensor": 2, "sequence": 1}
+  gathered = {"data": 1, "fsdp": 1, "tensor": 2, "sequence": 1}
+  oss = models.get_preset("gpt_oss_20b")
+  assert planner.expert_relayout_bytes(oss, gathered) == 2 * 2 * 24 * 32 * 2880 * 1536
+  assert planner.decode_weight_bytes(oss, mesh) == (
+      planner.state_bytes(oss, gathered)[0] + planner.expert_relayout_bytes(oss, gathered))
+  assert planner.expert_relayout_bytes(models.get_preset("qwen3_30b_a3b"), gathered) == 0
+  assert planner.expert_relayout_bytes(models.get_preset("llama3_8b"), gathered) == 0
+
+
 def test_prefill_and_decode_step_bytes_by_hand():
   """What a generate call holds beside the weights and its cache: the prompts' own cache
   and one layer's forward over them (prefill); the logits and, weights left sharded, one
