@@ -7,6 +7,8 @@
 #   launch/tpu_pod.sh setup  NAME ZONE               # this checkout + deps on every host,
 #                                                    # $BUCKET mounted at /mnt/ckpt if set
 #   launch/tpu_pod.sh model  NAME ZONE HF_REPO DIR   # weights + tokenizer on every host
+#                                                    # (not a repo's original/ or metal/
+#                                                    # copies, as gpt-oss publishes)
 #   launch/tpu_pod.sh train  NAME ZONE CONFIG WORKDIR [--config.k=v ...]
 #   launch/tpu_pod.sh logs   NAME ZONE [WORKER]      # follow a host's log (default 0)
 #   launch/tpu_pod.sh stop   NAME ZONE               # SIGTERM: checkpoint, then exit
@@ -85,7 +87,7 @@ case "$cmd" in
     on_all "set -e; ~/.local/bin/uv pip install --python $python -q 'huggingface_hub[cli]' && \
       sudo mkdir -p $dir && sudo chown \$USER $dir && \
       ${HF_TOKEN:+HF_TOKEN=$HF_TOKEN} $venv/bin/huggingface-cli download $repo --local-dir $dir \
-        --exclude 'original/*'"
+        --exclude 'original/*' --exclude 'metal/*'"
     ;;
   train)
     [[ $# -ge 2 ]] || usage
