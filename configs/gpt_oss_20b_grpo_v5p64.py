@@ -24,8 +24,9 @@ From a checkout with gcloud configured (see launch/tpu_pod.sh):
     launch/tpu_pod.sh logs   pt-v5p64 us-east5-a
 
 Recipe (configs/qwen3_30b_a3b_grpo_v5p64.py's): GRPO with a small KL (0.001), 256 prompts
-x 8 samples per step, 1024 new tokens (the harmony format: the model reasons in its analysis channel, then answers in the
-final one), lr 1e-6 with 4 optimizer steps per rollout batch. 20.9B parameters: 32
+x 8 samples per step, 1024 new tokens (the harmony format: the model reasons in its
+analysis channel, then answers in the final one), lr 1e-6 with 4 optimizer steps per
+rollout batch. 20.9B parameters: 32
 experts of width 2880 in each of 24 layers, 4 per token; sliding (128) and full layers
 alternate, so half the KV cache is rings of 640 slots.
 Mesh: FSDP 16 x tensor 2, as for Qwen3-30B-A3B: every chip holds every expert of a layer

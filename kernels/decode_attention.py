@@ -3,9 +3,10 @@
 The cache already holds the new tokens: row b's valid keys are positions
 [0, lengths[b]) and its q_len queries are the last q_len of them. With `ring=True` a
 sliding-window layer's cache is a ring buffer of slots >= window + q_len - 1: position p
-sits in slot p % slots, so the cache holds only the newest keys, not the whole row. A cache longer than one
-block is read block by block; blocks past the longest row (or before every query's sliding
-window) are skipped with `lax.cond`, so a step costs O(max(lengths)), not O(max_len).
+sits in slot p % slots, so the cache holds only the newest keys, not the whole row. A
+cache longer than one block is read block by block; blocks past the longest row (or
+before every query's sliding window) are skipped with `lax.cond`, so a step costs
+O(max(lengths)), not O(max_len).
 The cache may be slot-major [batch, max_len, kv_heads, head_dim] (the kernels' contract)
 or heads-major [batch, kv_heads, max_len, head_dim], which a decode step reads without
 transposing it. Optional int8 K / V are never dequantised in memory: the key scale

@@ -12,7 +12,8 @@ from posttrain.models.hf import (from_pretrained, hf_config_to_model_config, sav
 from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext, logical_to_spec,
                                        make_mesh, named_sharding, rules_from_config)
 from posttrain.models.transformer import (CACHED_WRITE_TOKENS, DIVERGENCES, KVCache,
-                                          LayerKindCaches, Transformer, cache_slots, chunked_divergence, chunked_logprobs,
+                                          LayerKindCaches, Transformer, cache_slots,
+                                          chunked_divergence, chunked_logprobs,
                                           constrain_cache, fold_lora, init_cache, map_cache,
                                           merge_lora, sliding_cache_slots, soft_cap,
                                           with_lora, without_lora, write_cache)

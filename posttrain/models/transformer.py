@@ -1140,8 +1140,8 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
 
   The cache, when given, stacks the layers and travels in the carry: each layer writes
   its slots in place (`write_cache(..., layer=i)`). With layers of both kinds it is a
-  LayerKindCaches, and each layer's index among its own kind rides the scan. `tables` / `local_tables` are the
-  rotary (cos, sin) of full / sliding layers; with layers of both kinds
+  LayerKindCaches, and each layer's index among its own kind rides the scan. `tables` /
+  `local_tables` are the rotary (cos, sin) of full / sliding layers; with layers of both kinds
   (`sliding_layers`) each layer's flag rides the scan and picks its tables and kernel.
   """
   graphdef, state = nnx.split(blocks)

@@ -953,8 +953,8 @@ class Sampler:
                    self._abstract((max(4, stop_ids),), jnp.int32, ()), *prefill_args[5:],
                    scalar(jnp.int32))
     decode = self._program(("decode", batch, cache_len, max(4, stop_ids), mode),
-                           functools.partial(self._decode, mode=mode, out_len=cache_len), decode_args,
-                           donate=(1,))
+                           functools.partial(self._decode, mode=mode, out_len=cache_len),
+                           decode_args, donate=(1,))
     return prefill, decode
 
   def _compile_slots(self, rows: int, distinct: int, prompt_len: int, max_new_tokens: int, *,
@@ -1082,8 +1082,8 @@ class Sampler:
                    self._scalar(max_new_tokens, np.int32), self._put(stop_ids, ()), seed,
                    temp, nucleus, self._scalar(step0, np.int32))
     decode = self._program(("decode", batch, cache_len, stop_ids.size, mode),
-                           functools.partial(self._decode, mode=mode, out_len=cache_len), decode_args,
-                           donate=(1,))
+                           functools.partial(self._decode, mode=mode, out_len=cache_len),
+                           decode_args, donate=(1,))
     cache, *outputs = decode(*decode_args)
     return cache, self._fetch(outputs)
 
