@@ -34,9 +34,9 @@ Mesh: FSDP 16 x tensor 2, as for Qwen3-30B-A3B: every chip holds every expert of
 the model. Each micro-batch holds eight 2048-token rows per fsdp shard.
 Compiled for the slice on a CPU host (libtpu, 3.4 GiB of host memory, 2.3 min): the update
 peaks at 40.3 GiB a chip with what stays resident beside it (planned 38.7), the rollout
-at 48.1 (planned 47.9; XLA:TPU keeps a relaid copy of the gate and up experts through
-the decode loop, 12 GiB, their width of 1440 a chip being no multiple of 128:
-`planner.expert_relayout_bytes`).
+at 37.4 (planned 36.6). The sampler pads its gathered experts to 128 columns a device
+(1440 -> 1536, and the down experts' D 2880 -> 2944): unpadded, XLA:TPU kept relaid
+copies of them through the decode loop and the rollout peaked at 48.1 GiB.
 """
 
 import ml_collections

@@ -252,28 +252,29 @@ def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int
   ratio = min(1.0, np.dtype(model_cfg.dtype).itemsize / np.dtype(model_cfg.param_dtype).itemsize)
   if shape == dict(mesh_shape) and ratio == 1.0:
     return 0  # nothing to gather or cast: the sampler reads its own weights
-  return int(state_bytes(model_cfg, shape, rules)[0] * ratio) + expert_relayout_bytes(
+  return int(state_bytes(model_cfg, shape, rules)[0] * ratio) + expert_padding_bytes(
       model_cfg, shape, rules)
 
 
-def expert_relayout_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
-                          rules=models.DEFAULT_RULES) -> int:
-  """Per-device bytes of the relaid copy of a mixture's gate and up experts that XLA:TPU
-  keeps through the decode loop when an expert's width on a device, F', is no multiple
-  of 128: it lays the gathered [L, E, D, F'] weights out D-minor (less tile padding)
-  and copies them F-minor, padded to 128, for the grouped matmuls. 2 * s * L * E * D *
-  ceil128(F'). Compiled for a v5p-64: gpt-oss-20b's F' 1440 held two 5.9 GiB copies
-  (the decode 1.36x its plan without them, 1.02x with); Qwen3-30B-A3B's 384 none."""
+def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
+                         rules=models.DEFAULT_RULES) -> int:
+  """Per-device bytes the sampler's gathered copy adds to a mixture's experts when an
+  expert's width on a device F', or D, is no multiple of 128: each device's slice of
+  the gate and up experts (and their biases) is padded with zeros to ceil128(F'), the
+  down experts' to ceil128(F') x ceil128(D) (`Sampler._expert_padding`). Unpadded,
+  XLA:TPU kept relaid copies of them through the decode loop: for gpt-oss-20b (F' 1440,
+  D 2880 on a v5p-64) 18 GiB a chip, against 1.6 GiB of padding."""
   cfg = model_cfg
   if not cfg.num_experts:
     return 0
   mesh = abstract_mesh(mesh_shape)
   _, d, f = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),
                            (cfg.num_experts, cfg.d_model, cfg.ffn_dim))
-  if f % 128 == 0:
-    return 0
+  f_pad, d_pad = -(-f // 128) * 128, -(-d // 128) * 128
   s = np.dtype(cfg.dtype).itemsize
-  return 2 * s * cfg.num_layers * cfg.num_experts * d * (-(-f // 128) * 128)
+  per_expert = ((f_pad - f) * (2 * d + 2 * cfg.expert_bias)  # gate, up (and biases)
+                + f_pad * d_pad - f * d)                       # down, F and D padded
+  return s * cfg.num_layers * cfg.num_experts * per_expert
 
 
 # ----------------------------------------------------------------------------------------
@@ -853,9 +854,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("gathered", gathered,
                 "the sampler's weights gathered over the batch axes for a generate call, "
                 f"{np.dtype(cfg.dtype)}"
-                + (" (and a relaid copy of the gate and up experts: `expert_relayout_bytes`)"
-                   if gathered and expert_relayout_bytes(cfg, _gather_shape(rollout_shape,
-                                                                            rules), rules)
+                + (", the experts padded to 128 columns a device (`expert_padding_bytes`)"
+                   if gathered and expert_padding_bytes(cfg, _gather_shape(rollout_shape,
+                                                                           rules), rules)
                    else "") if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {_cache_layers_note(cfg, int(r.max_len))} "
                 f"x 2 x {cfg.num_kv_heads} x {cfg.head_dim}, {kv_dtype}"),

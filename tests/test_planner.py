@@ -444,18 +444,19 @@ def test_kv_cache_bytes_count_the_sliding_layers_rings():
             x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
 
 
-def test_expert_relayout_counts_widths_no_multiple_of_128():
-  """gpt-oss-20b under tensor 2: each expert 1440 wide on a device, so XLA:TPU keeps
-  its gate and up experts relaid, padded to 1536, through the decode loop (two 5.9 GiB
-  copies in the compiled program); Qwen3-30B-A3B's 384 and dense models need none."""
+def test_expert_padding_counts_widths_no_multiple_of_128():
+  """gpt-oss-20b under tensor 2: each expert 1440 wide on a device, padded to 1536 in the
+  sampler's gathered copy (gate, up and down, and the biases), and the down experts' D of
+  2880 to 2944; Qwen3-30B-A3B's 384 and 2048 and dense models need none."""
   mesh = {"data": 1, "fsdp": 16, "tensor": 2, "sequence": 1}
   gathered = {"data": 1, "fsdp": 1, "tensor": 2, "sequence": 1}
   oss = models.get_preset("gpt_oss_20b")
-  assert planner.expert_relayout_bytes(oss, gathered) == 2 * 2 * 24 * 32 * 2880 * 1536
+  assert planner.expert_padding_bytes(oss, gathered) == 2 * 24 * 32 * (
+      96 * (2 * 2880 + 2) + 1536 * 2944 - 1440 * 2880)
   assert planner.decode_weight_bytes(oss, mesh) == (
-      planner.state_bytes(oss, gathered)[0] + planner.expert_relayout_bytes(oss, gathered))
-  assert planner.expert_relayout_bytes(models.get_preset("qwen3_30b_a3b"), gathered) == 0
-  assert planner.expert_relayout_bytes(models.get_preset("llama3_8b"), gathered) == 0
+      planner.state_bytes(oss, gathered)[0] + planner.expert_padding_bytes(oss, gathered))
+  assert planner.expert_padding_bytes(models.get_preset("qwen3_30b_a3b"), gathered) == 0
+  assert planner.expert_padding_bytes(models.get_preset("llama3_8b"), gathered) == 0
 
 
 def test_prefill_and_decode_step_bytes_by_hand():

@@ -771,6 +771,9 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
     up = up + jnp.take(up_bias_ExF, expert_sorted, axis=0).astype(up.dtype)
   act = swiglu if activation is None else activation
   y_sorted = kernels.grouped_matmul(act(gate, up), down_ExFxD, sizes, jnp.float32)
+  # A down projection padded past D (the sampler's copy: `Sampler._expert_padding`)
+  # computes zero columns after D.
+  y_sorted = y_sorted[:, :x_NxD.shape[1]]
   # Back to token order (a gather by the inverse permutation; its gradient is a gather too).
   y = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, k, -1)
   return jnp.einsum("NKD,NK->ND", y, weights_NxK.astype(jnp.float32))

@@ -358,6 +358,14 @@ class Sampler:
     spread = self._batch_multiple > 1
     narrower = any(new[1] != old[1] for new, old in zip(specs, self._specs))
     self.gather_weights = bool(gather_weights) and mesh is not None and (spread or narrower)
+    # The gathered experts padded to 128 columns a device with zeros (`_expert_padding`):
+    # leaf -> [(axis, shards, width a device, padded)].
+    self._expert_pad = self._expert_padding() if self.gather_weights else {}
+    for i, pads in self._expert_pad.items():
+      shape, dtype, sharding = specs[i]
+      for axis, shards, _, padded in pads:
+        shape = shape[:axis] + (shards * padded,) + shape[axis + 1:]
+      specs[i] = (shape, dtype, sharding)
     self._weight_specs = specs if self.gather_weights else self._specs
     self._programs: dict[tuple, Any] = {}
     self.params_version = 0  # bumped by update_params; a ResumeState needs the same
@@ -1426,16 +1434,71 @@ class Sampler:
       return self._state
     return self._gather_program()(self._state)
 
+  def _expert_padding(self) -> dict[int, list[tuple[int, int, int, int]]]:
+    """{leaf index: [(axis, shards, width, padded)]} for a mixture's experts where an
+    axis the grouped matmuls keep minor has a width on a device, `width`, that is no
+    multiple of 128: the gathered copy pads each device's slice with zeros to `padded`.
+    That axis is F for the gate and up experts (and their biases), F and D for the down
+    experts (whose output `expert_mlps` cuts back to D). Unpadded, XLA:TPU laid the
+    gathered experts out with the other axis minor (less tile padding) and kept a
+    relaid copy through the decode loop for the grouped matmuls: for gpt-oss-20b (F 1440
+    a device, D 2880 on a v5p-64) 12 GiB a chip for gate and up, 6 GiB for down. The
+    zeros change nothing: gate and up of zero give an activation of zero (SwiGLU,
+    gpt-oss's clamped one), and the down projection's zero rows and columns add
+    nothing to the kept outputs."""
+    cfg = self.cfg
+    if not cfg.num_experts:
+      return {}
+
+    f_spec = self._ctx.sharding(("mlp",), (cfg.ffn_dim,)).spec[0]
+    f_names = () if f_spec is None else (f_spec,) if isinstance(f_spec, str) else f_spec
+    f_shards = math.prod(self.mesh.shape[a] for a in f_names)
+    f_width = cfg.ffn_dim // f_shards
+    f_padded = -(-f_width // 128) * 128
+    # D in the gathered copy: split over the embed axes that are not batch axes, if any.
+    d_spec = self._without_batch_axes(self._ctx.sharding(
+        ("embed",), (cfg.d_model,))).spec[0]
+    d_names = () if d_spec is None else (d_spec,) if isinstance(d_spec, str) else d_spec
+    d_shards = math.prod(self.mesh.shape[a] for a in d_names)
+    d_width = cfg.d_model // d_shards
+    d_padded = -(-d_width // 128) * 128
+    out = {}
+    for i, path in enumerate(self._paths):
+      leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
+      if "['mlp']" not in path:
+        continue
+      ndim = len(self._specs[i][0])
+      pads = []
+      if leaf in ("gate_proj", "up_proj", "gate_bias", "up_bias") and f_padded != f_width:
+        pads.append((ndim - 1, f_shards, f_width, f_padded))
+      elif leaf == "down_proj":
+        if f_padded != f_width:
+          pads.append((ndim - 2, f_shards, f_width, f_padded))
+        if d_padded != d_width:
+          pads.append((ndim - 1, d_shards, d_width, d_padded))
+      if pads:
+        out[i] = pads
+    return out
+
   def _gather_program(self):
     """The program that makes `_weights`' gathered copy (compiled once)."""
     dtypes = [dtype for _, dtype, _ in self._weight_specs]
     shardings = jax.tree.unflatten(
         self._treedef, [sharding for _, _, sharding in self._weight_specs])
 
+    def pad(x, axis, shards, width, padded):  # each device's slice of `axis` to `padded`
+      x = x.reshape(x.shape[:axis] + (shards, width) + x.shape[axis + 1:])
+      widths = [(0, 0)] * x.ndim
+      widths[axis + 1] = (0, padded - width)
+      x = jnp.pad(x, widths)
+      return x.reshape(x.shape[:axis] + (shards * padded,) + x.shape[axis + 2:])
+
     def gather(state):
-      leaves = jax.tree.leaves(state)
-      return jax.tree.unflatten(self._treedef,
-                                [x.astype(d) for x, d in zip(leaves, dtypes)])
+      leaves = [x.astype(d) for x, d in zip(jax.tree.leaves(state), dtypes)]
+      for i, pads in self._expert_pad.items():
+        for how in pads:
+          leaves[i] = pad(leaves[i], *how)
+      return jax.tree.unflatten(self._treedef, leaves)
 
     return self._program(("weights",), gather, (self._state,), donate=(),
                          out_shardings=shardings)
