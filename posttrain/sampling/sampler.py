@@ -1450,18 +1450,15 @@ class Sampler:
     if not cfg.num_experts:
       return {}
 
-    f_spec = self._ctx.sharding(("mlp",), (cfg.ffn_dim,)).spec[0]
-    f_names = () if f_spec is None else (f_spec,) if isinstance(f_spec, str) else f_spec
-    f_shards = math.prod(self.mesh.shape[a] for a in f_names)
-    f_width = cfg.ffn_dim // f_shards
-    f_padded = -(-f_width // 128) * 128
-    # D in the gathered copy: split over the embed axes that are not batch axes, if any.
-    d_spec = self._without_batch_axes(self._ctx.sharding(
-        ("embed",), (cfg.d_model,))).spec[0]
-    d_names = () if d_spec is None else (d_spec,) if isinstance(d_spec, str) else d_spec
-    d_shards = math.prod(self.mesh.shape[a] for a in d_names)
-    d_width = cfg.d_model // d_shards
-    d_padded = -(-d_width // 128) * 128
+    def split(name: str, size: int) -> tuple[int, int, int]:
+      """(shards, width a device, padded) of a logical axis in the gathered copy."""
+      entry = self._without_batch_axes(self._ctx.sharding((name,), (size,))).spec[0]
+      names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+      shards = math.prod(self.mesh.shape[a] for a in names)
+      return shards, size // shards, -(-(size // shards) // 128) * 128
+
+    f_shards, f_width, f_padded = split("mlp", cfg.ffn_dim)
+    d_shards, d_width, d_padded = split("embed", cfg.d_model)
     out = {}
     for i, path in enumerate(self._paths):
       leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
