@@ -111,11 +111,17 @@ def get_config() -> ml_collections.ConfigDict:
   # next prompt (or a multi-turn row's next turn); otherwise rows run in chunks of
   # chunk_rows, each as long as its longest row. reward_source: "verifier", or
   # "majority_vote" (label-free test-time RL, TTRL: a sample's reward is 1 when its answer
-  # is its group's majority answer; pass rates stay the verifiers').
+  # is its group's majority answer; pass rates stay the verifiers'). reasoning: what the
+  # verifiers read of a reasoning model's completion: "auto" its content, without the
+  # reasoning its chat format marks (Qwen3's <think> block, gpt-oss's analysis channel);
+  # "none" all of it; "think" <think> blocks in any tokenizer's text. thinking: the
+  # prompts' reasoning switch, "" the template's default, "on" / "off" (Qwen3) or "low" /
+  # "medium" / "high" (gpt-oss's effort).
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,
       max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128,
-      gather_weights=True, continuous_batching=True, reward_source="verifier"))
+      gather_weights=True, continuous_batching=True, reward_source="verifier",
+      reasoning="auto", thinking=""))
   # A learned reward model scoring the RL rollouts, on the rollout devices, right after
   # they are generated (dynamic sampling, the scheduler and the advantages see the mixed
   # rewards; pass rates and the held-out evaluation stay the verifiers').

@@ -366,7 +366,8 @@ def task_records(greedy_groups, sampled_groups=None) -> list[dict[str, Any]]:
                                                         else {}).items())},
            "tool_calls": calls, "valid_tool_calls": valid, "retries": count_retries(s.text),
            "turns": int(s.turns), "generated_tokens": s.num_generated,
-           "finish_reason": s.finish_reason}
+           "reasoning_tokens": int(s.reasoning_tokens),
+           "reasoning_closed": bool(s.reasoning_closed), "finish_reason": s.finish_reason}
     if sampled_groups is not None:
       sg = sampled_groups[i]
       if (sg.domain, sg.seed) != (g.domain, g.seed):
@@ -418,7 +419,9 @@ def group_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def process_metrics(records: Sequence[Mapping[str, Any]],
                     sandbox_statuses: Mapping[str, int] | None = None) -> dict[str, Any]:
-  """Tool-call validity, retries, turns, reward components, verdicts, sandbox statuses."""
+  """Tool-call validity, retries, turns, reasoning length and how often it never ended
+  (a reasoning model that ran out of tokens thinking), reward components, verdicts,
+  sandbox statuses."""
   n = max(len(records), 1)
   calls = sum(r["tool_calls"] for r in records)
   scored = [r for r in records if r["valid_tool_calls"] is not None]
@@ -433,6 +436,9 @@ def process_metrics(records: Sequence[Mapping[str, Any]],
                              if scored_calls else None),
       "retries_per_task": _r(sum(r["retries"] for r in records) / n),
       "turns_per_task": _r(sum(r["turns"] for r in records) / n),
+      "reasoning_tokens_per_task": _r(sum(r.get("reasoning_tokens", 0) for r in records) / n),
+      "unclosed_reasoning_rate": _r(sum(not r.get("reasoning_closed", True)
+                                        for r in records) / n),
       "components": {k: _mean(v) for k, v in sorted(components.items())},
       "verdicts": dict(sorted(Counter(r["verdict"] for r in records).items())),
       "sandbox_statuses": dict(sorted((sandbox_statuses or {}).items())),
@@ -702,7 +708,9 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
         temperature=temperature, top_p=float(r.top_p) if r.get("top_p") else None,
         top_k=int(r.top_k) if r.get("top_k") else None, chunk_rows=int(r.chunk_rows),
         scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns),
-        continuous=bool(r.get("continuous_batching", True)))
+        continuous=bool(r.get("continuous_batching", True)),
+        reasoning=experiment.rollout_reasoning(config),
+        thinking=experiment.rollout_thinking(config))
     recorder = SandboxRecorder()
     try:
       with recorder.installed():

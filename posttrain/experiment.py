@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from posttrain import models
+from posttrain.data import reasoning as reasoning_lib
 from posttrain.rl import preference, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
@@ -96,6 +97,33 @@ def check_config(config) -> None:
                      f"rollout.max_len={max_len}")
   _check_reward_model(config)
   _check_distill(config)
+  rollout_reasoning(config)
+  rollout_thinking(config)
+
+
+THINKING = {"": None, "on": True, "off": False, "low": "low", "medium": "medium",
+            "high": "high"}
+
+
+def rollout_reasoning(config) -> str:
+  """How rollouts read a completion's reasoning (rollout.reasoning): auto (the tokenizer's
+  chat format: Qwen3's <think> blocks, gpt-oss's analysis channel), none (the verifier
+  reads the whole completion) or think (<think> blocks in any tokenizer's text)."""
+  r = config.get("rollout")
+  value = str((r.get("reasoning", "auto") if r is not None else "auto") or "auto")
+  if value not in reasoning_lib.MODES:
+    raise ValueError(f"rollout.reasoning={value!r}; expected one of {reasoning_lib.MODES}")
+  return value
+
+
+def rollout_thinking(config) -> bool | str | None:
+  """The prompts' reasoning switch (rollout.thinking): "" the template's default; on / off
+  (Qwen3's enable_thinking); low / medium / high (gpt-oss's reasoning effort)."""
+  r = config.get("rollout")
+  value = str((r.get("thinking", "") if r is not None else "") or "")
+  if value not in THINKING:
+    raise ValueError(f"rollout.thinking={value!r}; expected one of {tuple(THINKING)}")
+  return THINKING[value]
 
 
 DISTILL_DTYPES = ("", "float32", "bfloat16", "float16")

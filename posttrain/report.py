@@ -136,6 +136,11 @@ def markdown(report: Mapping[str, Any], timing: Mapping[str, Any],
                  + [v["process"]["tool_calls_per_task"], v["process"]["tool_call_validity"],
                     v["process"]["retries_per_task"], v["process"]["turns_per_task"]]
                  for d, v in doms.items()])]
+  if any(v["process"].get("reasoning_tokens_per_task") for v in doms.values()):
+    out += ["", "## Reasoning (greedy)", "",
+            table(["domain", "reasoning tokens/task", "never ended"],
+                  [[d, v["process"]["reasoning_tokens_per_task"],
+                    v["process"]["unclosed_reasoning_rate"]] for d, v in doms.items()])]
   from posttrain.evaluation import INTERMEDIATE_COMPONENTS
   comps = [c for c in INTERMEDIATE_COMPONENTS
            if any(c in v["process"]["components"] for v in doms.values())]

@@ -43,8 +43,9 @@ from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, 
                                   data_cache_dir, distill_stages, distill_teacher,
                                   from_checkpoint,
                                   frozen_references, model_config, objective,
-                                  optimizer_like, reward_model_domains, run_domains,
-                                  teacher_config, to_checkpoint)
+                                  optimizer_like, reward_model_domains, rollout_reasoning,
+                                  rollout_thinking, run_domains, teacher_config,
+                                  to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData, UnpairedData
 from posttrain.data.sft import SFTData
@@ -409,7 +410,8 @@ class Trainer:
         # Only a disaggregated run's learner swaps weights while the worker generates.
         lock=self._sampler_lock if self.disaggregated else None,
         version_fn=lambda: self.sampler_version,
-        continuous=bool(r.get("continuous_batching", True)))
+        continuous=bool(r.get("continuous_batching", True)),
+        reasoning=rollout_reasoning(config), thinking=rollout_thinking(config))
     self.reward_model = None
     if self.rm_path:
       # Frozen, on the rollout devices (the rollout thread scores what it generates);
@@ -1374,6 +1376,11 @@ class Trainer:
             "throughput/tokens_per_s": (gen + greedy) / max(timings["timing/rollout_s"], 1e-9),
             "padding_fraction": packing.padding_fraction(
                 {"segment_ids": np.asarray(batch["segment_ids"])}), **extra, **timings}
+    if self.worker.reads_reasoning:  # reasoning models: how long they think, and how often
+      flat = [s for g in groups for s in g.samples]  # they run out of tokens doing so
+      host["reasoning/length_mean"] = float(np.mean([s.reasoning_tokens for s in flat]))
+      host["reasoning/unclosed_fraction"] = float(np.mean([not s.reasoning_closed
+                                                           for s in flat]))
     for dom in sorted({g.domain for g in groups}):
       host[f"reward/{dom}"] = float(np.mean([g.rewards.mean() for g in groups
                                              if g.domain == dom]))

@@ -8,9 +8,15 @@ Two tokenizers share one interface:
     vocabulary.
 
 `encode_chat(messages)` returns (ids, mask) where mask[i] = 1 exactly for tokens the model
-itself produced (assistant content and its end-of-turn token): the SFT and RL loss mask. An
-assistant message with `"weight": 0` (the OpenAI fine-tuning format's flag) is context,
-masked like a user turn.
+itself produced (assistant content and its end-of-turn token, and its reasoning and channel
+headers in formats that have them): the SFT and RL loss mask. An assistant message with
+`"weight": 0` (the OpenAI fine-tuning format's flag) is context, masked like a user turn.
+
+Reasoning models: an assistant message may carry its reasoning ("reasoning_content", or
+"thinking" as gpt-oss's template calls it); Qwen3's ChatML (a vocabulary with <think>) and
+harmony render it as their templates do, and `encode_chat(..., thinking=...)` sets their
+reasoning switch. `split_response(ids)` reads a completion back into its content and its
+reasoning (`posttrain.data.reasoning`).
 """
 
 from __future__ import annotations
@@ -22,20 +28,25 @@ import os
 import shutil
 from typing import Sequence
 
+from posttrain.data import reasoning as reasoning_lib
+
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str}
 
 # Harmony (gpt-oss): the system message its chat template always opens with (without the
-# current date, so that a prompt's ids do not change from day to day). A conversation's
-# own system message becomes a developer message, "# Instructions\n\n" + its content.
-# The model's turn opens with "<|start|>assistant" and the model picks its channels
-# (analysis, then final); a given assistant message is a final-channel message. Every
-# assistant message ends with <|return|>, as the model ends its turn (harmony's template
-# rewrites an earlier turn's as <|end|>); <|return|> and <|call|> stop a turn.
-HARMONY_SYSTEM = ("You are ChatGPT, a large language model trained by OpenAI.\n"
-                  "Knowledge cutoff: 2024-06\n\nReasoning: medium\n\n"
-                  "# Valid channels: analysis, commentary, final. Channel must be included "
-                  "for every message.")
+# current date, so that a prompt's ids do not change from day to day), at a reasoning effort
+# (low, medium or high; the template's default is medium). A conversation's own system
+# message becomes a developer message, "# Instructions\n\n" + its content + "\n\n".
+def harmony_system(effort: str = "medium") -> str:
+  return ("You are ChatGPT, a large language model trained by OpenAI.\n"
+          f"Knowledge cutoff: 2024-06\n\nReasoning: {effort}\n\n"
+          "# Valid channels: analysis, commentary, final. Channel must be included "
+          "for every message.")
+
+
+HARMONY_SYSTEM = harmony_system()
+HARMONY_EFFORTS = ("low", "medium", "high")
 ROLES = ("system", "user", "assistant", "tool")
+_REASONING_KEYS = ("reasoning_content", "thinking")
 
 
 class ChatFormat:
@@ -44,35 +55,99 @@ class ChatFormat:
   `fold_system` (Gemma, whose template has no system turn): a leading system message
   becomes the start of the first user turn, "<system>\n\n<user>". `strip`: contents are
   stripped of surrounding whitespace, as Gemma's template trims them. `ends`: end-of-turn
-  tokens of particular roles (harmony's assistant ends with <|return|>);
-  `generation_header`: what opens the turn the model writes, when it is not the
-  assistant's header (harmony's leaves the channel to the model).
+  tokens of particular roles; `generation_header`: what opens the turn the model writes,
+  when it is not the assistant's header.
+
+  The mask marks what the model writes after a generation prompt: an assistant message's
+  content and its end-of-turn token (and, in formats that have them, its reasoning and
+  channel headers). An assistant message with `"weight": 0` is context, masked like a
+  user turn. `reasoning`: how this format's completions carry reasoning (None, "think",
+  "harmony"); `split_response` reads it.
   """
+
+  name = "plain"
+  reasoning: str | None = None
 
   def __init__(self, tok: "Tokenizer", headers: dict[str, list[int]], end_of_turn: list[int],
                after_end: list[int] = (), bos: list[int] = (), fold_system: bool = False,
                strip: bool = False, ends: dict[str, list[int]] | None = None,
-               generation_header: list[int] | None = None):
+               generation_header: list[int] | None = None, name: str | None = None):
     self.tok, self.headers, self.end_of_turn = tok, headers, list(end_of_turn)
     self.after_end, self.bos = list(after_end), list(bos)
     self.fold_system, self.strip = fold_system, strip
     self.ends = {role: list(end) for role, end in (ends or {}).items()}
     self.generation_header = list(headers["assistant"] if generation_header is None
                                   else generation_header)
+    if name:
+      self.name = name
 
-  def encode(self, messages: Sequence[Message], add_generation_prompt: bool = False
-             ) -> tuple[list[int], list[int]]:
-    ids, mask = list(self.bos), [0] * len(self.bos)
+  # --- rendering ------------------------------------------------------------------------
+
+  def encode(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+             thinking: bool | str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a whole conversation. `thinking`: the generation prompt's reasoning
+    switch where the format has one (see `generation_prompt`)."""
+    self.check_thinking(thinking)
+    ids, mask = self.opening(thinking)
+    body, own = self._render(messages, add_generation_prompt)
+    ids, mask = ids + body, mask + own
+    if add_generation_prompt:
+      prompt = self.generation_prompt(thinking)
+      ids, mask = ids + prompt, mask + [0] * len(prompt)
+    return ids, mask
+
+  def continuation(self, messages: Sequence[Message], *, ended: bool = True,
+                   thinking: bool | str | None = None) -> list[int]:
+    """The tokens that carry a transcript on after a model turn: the turn's end-of-turn
+    when the model did not write one (`ended` False: it ran out of tokens), what the
+    template puts after a turn's end, `messages` (a tool's answer, a user turn) and the
+    next generation prompt. No opening (bos, system preamble): that is in the transcript."""
+    self.check_thinking(thinking)
+    ids = ([] if ended else list(self.end_of_turn)) + list(self.after_end)
+    return ids + self._render(messages, True)[0] + self.generation_prompt(thinking)
+
+  def opening(self, thinking=None) -> tuple[list[int], list[int]]:
+    """What every conversation starts with (bos; harmony's system message), masked out."""
+    del thinking
+    return list(self.bos), [0] * len(self.bos)
+
+  def generation_prompt(self, thinking: bool | str | None = None) -> list[int]:
+    """What opens the turn the model writes."""
+    del thinking
+    return list(self.generation_header)
+
+  def check_thinking(self, thinking) -> None:
+    """Raises ValueError unless `thinking` is a reasoning switch this format takes."""
+    if thinking is not None:
+      raise ValueError(f"the {self.name} chat format has no reasoning switch; thinking must "
+                       f"be None, got {thinking!r}")
+
+  def _message(self, m: Message) -> tuple[str, str, str | None]:
+    """(role, content, reasoning) of a message, checked."""
+    role, content = m.get("role"), m.get("content", "")
+    if role not in self.headers:
+      raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
+    if not isinstance(content, str):
+      raise ValueError(f"message content must be a string, got {type(content).__name__}")
+    reasoning = next((m[k] for k in _REASONING_KEYS if m.get(k) is not None), None)
+    if reasoning is not None and not isinstance(reasoning, str):
+      raise ValueError(f"message reasoning must be a string, got {type(reasoning).__name__}")
+    if reasoning and (role != "assistant" or self.reasoning is None):
+      where = (f"the {self.name} chat format has no reasoning" if role == "assistant"
+               else f"a {role} message has no reasoning")
+      raise ValueError(f"{where}: move the message's reasoning into its content or drop it")
+    return role, content, reasoning
+
+  def _render(self, messages: Sequence[Message], add_generation_prompt: bool
+              ) -> tuple[list[int], list[int]]:
+    del add_generation_prompt
+    ids, mask = [], []
     prefix = ""
     if (self.fold_system and len(messages) > 1 and messages[0].get("role") == "system"
         and messages[1].get("role") == "user" and isinstance(messages[0].get("content"), str)):
       prefix, messages = messages[0]["content"] + "\n\n", messages[1:]
     for m in messages:
-      role, content = m.get("role"), m.get("content", "")
-      if role not in self.headers:
-        raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
-      if not isinstance(content, str):
-        raise ValueError(f"message content must be a string, got {type(content).__name__}")
+      role, content, _ = self._message(m)
       if self.strip:
         content = content.strip()
       body = self.tok.encode(prefix + content) + self.ends.get(role, self.end_of_turn)
@@ -80,10 +155,171 @@ class ChatFormat:
       own = 1 if role == "assistant" and m.get("weight", 1) else 0
       ids += self.headers[role] + body + self.after_end
       mask += [0] * len(self.headers[role]) + [own] * len(body) + [0] * len(self.after_end)
-    if add_generation_prompt:
-      ids += self.generation_header
-      mask += [0] * len(self.generation_header)
     return ids, mask
+
+  # --- reading completions --------------------------------------------------------------
+
+  def split_response(self, ids: Sequence[int]) -> reasoning_lib.Response:
+    """A completion's content and reasoning (`posttrain.data.reasoning`)."""
+    return reasoning_lib.split_plain(self.tok, ids)
+
+
+class ChatMLFormat(ChatFormat):
+  """Qwen's ChatML, as the Qwen 2.5 and Qwen3 templates render it.
+
+  Tool messages are user turns, "<|im_start|>user\n<tool_response>\n...\n</tool_response>",
+  consecutive ones sharing one turn. With `think` (a vocabulary with <think> and </think>:
+  Qwen3), an assistant message after the last user query (a tool-calling run's turns, or
+  the final answer in training data) carries its reasoning ("reasoning_content", or a
+  <think> block in its content) as "<think>\nR\n</think>\n\n" before the content; the
+  last message always gets the block, empty when it has no reasoning; earlier turns lose
+  theirs, as the template drops them. `thinking=False` closes an empty block in the
+  generation prompt (the template's enable_thinking=False).
+  """
+
+  def __init__(self, tok, headers, end_of_turn, *, think: tuple[int, int] | None, **kw):
+    super().__init__(tok, headers, end_of_turn, name="ChatML", **kw)
+    self.think_ids = think
+    self.reasoning = "think" if think else None
+
+  def check_thinking(self, thinking) -> None:
+    if thinking is None:
+      return
+    if not self.think_ids:
+      super().check_thinking(thinking)
+    if not isinstance(thinking, bool):
+      raise ValueError(f"thinking must be None, True or False for ChatML with <think>, got "
+                       f"{thinking!r}")
+
+  def generation_prompt(self, thinking=None) -> list[int]:
+    ids = list(self.generation_header)
+    if thinking is False:
+      ids += self.tok.encode(f"{reasoning_lib.THINK_OPEN}\n\n{reasoning_lib.THINK_CLOSE}\n\n")
+    return ids
+
+  def _render(self, messages, add_generation_prompt):
+    del add_generation_prompt
+    last_query = len(messages) - 1
+    for i in range(len(messages) - 1, -1, -1):
+      c = messages[i].get("content")
+      if messages[i].get("role") == "user" and isinstance(c, str) and not (
+          c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+        last_query = i
+        break
+    ids, mask = [], []
+
+    def add(tokens, own=0):
+      ids.extend(tokens)
+      mask.extend([own] * len(tokens))
+
+    close = self.end_of_turn + self.after_end
+    for i, m in enumerate(messages):
+      role, content, thought = self._message(m)
+      if role == "tool":
+        if i == 0 or messages[i - 1].get("role") != "tool":
+          add(self.headers["user"][:1] + self.tok.encode("user"))
+        add(self.tok.encode(f"\n<tool_response>\n{content}\n</tool_response>"))
+        if i == len(messages) - 1 or messages[i + 1].get("role") != "tool":
+          add(close)
+        continue
+      if role != "assistant":
+        add(self.headers[role] + self.tok.encode(content) + close)
+        continue
+      if self.think_ids:
+        if thought is None and reasoning_lib.THINK_CLOSE in content:
+          head, _, _ = content.partition(reasoning_lib.THINK_CLOSE)
+          thought = head.rstrip("\n").split(reasoning_lib.THINK_OPEN)[-1].lstrip("\n")
+          content = content.split(reasoning_lib.THINK_CLOSE)[-1].lstrip("\n")
+        if i > last_query and (i == len(messages) - 1 or thought):
+          content = (f"{reasoning_lib.THINK_OPEN}\n{(thought or '').strip(chr(10))}\n"
+                     f"{reasoning_lib.THINK_CLOSE}\n\n{content.lstrip(chr(10))}")
+      add(self.headers["assistant"])
+      add(self.tok.encode(content) + self.end_of_turn, 1 if m.get("weight", 1) else 0)
+      add(self.after_end)
+    return ids, mask
+
+  def split_response(self, ids):
+    if not self.think_ids:
+      return super().split_response(ids)
+    return reasoning_lib.split_think(self.tok, ids, open_id=self.think_ids[0],
+                                     close_id=self.think_ids[1])
+
+
+class HarmonyFormat(ChatFormat):
+  """gpt-oss's harmony, as its chat template renders text conversations.
+
+  The fixed system message (at the reasoning effort `thinking` names: low, medium or high;
+  None or True: medium) opens every conversation; a system message becomes developer
+  instructions. An assistant message is a final-channel message: the last message of a
+  training conversation (no generation prompt) ends with <|return|> and is preceded by its
+  reasoning ("thinking" or "reasoning_content") as an analysis message; earlier ones end
+  with <|end|> and lose their reasoning, as the template drops it. The model's own tokens
+  are everything after "<|start|>assistant" but an earlier turn's <|end|>, which the
+  template writes in place of the <|return|> the model wrote. The generation prompt leaves
+  the channel to the model; <|return|> and <|call|> stop a turn, <|end|> (which closes an
+  analysis message) does not.
+  """
+
+  reasoning = "harmony"
+
+  def __init__(self, tok, *, start, message, channel, end, ret, call):
+    self.ids = dict(start=start, message=message, channel=channel, end=end, ret=ret)
+    assistant = [start] + tok.encode("assistant")
+    headers = {
+        "system": [start] + tok.encode("developer") + [message],
+        "user": [start] + tok.encode("user") + [message],
+        "assistant": assistant,
+        "tool": [start] + tok.encode("functions to=assistant") + [channel]
+        + tok.encode("commentary") + [message]}
+    super().__init__(tok, headers, [end], ends={"assistant": [ret]},
+                     generation_header=assistant, name="harmony")
+    self._ends = [i for i in (end, ret, call) if i is not None]
+
+  def check_thinking(self, thinking) -> None:
+    if thinking is not None and thinking is not True and thinking not in HARMONY_EFFORTS:
+      raise ValueError(f"thinking must be None, True or one of {HARMONY_EFFORTS} for harmony "
+                       f"(gpt-oss always reasons), got {thinking!r}")
+
+  def opening(self, thinking=None):
+    effort = thinking if isinstance(thinking, str) else "medium"
+    ids = ([self.ids["start"]] + self.tok.encode("system") + [self.ids["message"]]
+           + self.tok.encode(harmony_system(effort)) + [self.ids["end"]])
+    return ids, [0] * len(ids)
+
+  def _render(self, messages, add_generation_prompt):
+    ids, mask = [], []
+
+    def add(tokens, own=0):
+      ids.extend(tokens)
+      mask.extend([own] * len(tokens))
+
+    channel, message, end = self.ids["channel"], self.ids["message"], self.ids["end"]
+    for i, m in enumerate(messages):
+      role, content, thought = self._message(m)
+      if role == "system":
+        add(self.headers["system"] + self.tok.encode(f"# Instructions\n\n{content}\n\n")
+            + [end])
+      elif role != "assistant":
+        add(self.headers[role] + self.tok.encode(content) + [end])
+      else:
+        if any(tag in text for text in (content, thought or "")
+               for tag in ("<|channel|>analysis<|message|>", "<|channel|>final<|message|>")):
+          raise ValueError("an assistant message holds harmony channel tags: pass the "
+                           "analysis in 'thinking' and the final message in 'content'")
+        own = 1 if m.get("weight", 1) else 0
+        last = i == len(messages) - 1 and not add_generation_prompt
+        add(self.headers["assistant"])
+        if last and thought is not None:
+          add([channel] + self.tok.encode("analysis") + [message] + self.tok.encode(thought)
+              + [end] + self.headers["assistant"], own)
+        add([channel] + self.tok.encode("final") + [message] + self.tok.encode(content), own)
+        add([self.ids["ret"]], own) if last else add([end])
+    return ids, mask
+
+  def split_response(self, ids):
+    return reasoning_lib.split_harmony(self.tok, ids, start=self.ids["start"],
+                                       channel=self.ids["channel"],
+                                       message=self.ids["message"], ends=self._ends)
 
 
 class Tokenizer:
@@ -100,10 +336,16 @@ class Tokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     raise NotImplementedError
 
-  def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False
-                  ) -> tuple[list[int], list[int]]:
-    """Token ids and the model-token mask of a conversation."""
-    return self.chat.encode(messages, add_generation_prompt)
+  def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+                  thinking: bool | str | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and the model-token mask of a conversation. `thinking`: the reasoning
+    switch of formats that have one (Qwen3's ChatML: True / False; harmony: an effort,
+    low / medium / high); None, the template's default."""
+    return self.chat.encode(messages, add_generation_prompt, thinking)
+
+  def split_response(self, ids: Sequence[int]) -> reasoning_lib.Response:
+    """A completion's content and reasoning, as this tokenizer's chat format writes them."""
+    return self.chat.split_response(ids)
 
   @property
   def fingerprint(self) -> str | None:
@@ -185,12 +427,14 @@ class HFTokenizer(Tokenizer):
       headers["tool"] = [start] + self.encode("ipython") + [end] + self.encode("\n\n")
       eot = tid("<|eot_id|>")
       bos = [tid("<|begin_of_text|>")] if tid("<|begin_of_text|>") is not None else []
-      self.chat = ChatFormat(self, headers, [eot], bos=bos)
+      self.chat = ChatFormat(self, headers, [eot], bos=bos, name="Llama 3")
       self.eos_id = eot
     elif tid("<|im_start|>") is not None:  # ChatML: Qwen.
       start, end = tid("<|im_start|>"), tid("<|im_end|>")
       headers = {r: [start] + self.encode(r + "\n") for r in ROLES}
-      self.chat = ChatFormat(self, headers, [end], after_end=self.encode("\n"))
+      think = (tid(reasoning_lib.THINK_OPEN), tid(reasoning_lib.THINK_CLOSE))
+      self.chat = ChatMLFormat(self, headers, [end], after_end=self.encode("\n"),
+                               think=think if None not in think else None)
       self.eos_id = end
     elif tid("<start_of_turn>") is not None:  # Gemma: the assistant is "model"; no system
       start, end = tid("<start_of_turn>"), tid("<end_of_turn>")  # or tool turns of its own.
@@ -199,27 +443,16 @@ class HFTokenizer(Tokenizer):
       headers["tool"] = headers["user"]
       bos = [tid("<bos>")] if tid("<bos>") is not None else []
       self.chat = ChatFormat(self, headers, [end], after_end=self.encode("\n"), bos=bos,
-                             fold_system=True, strip=True)
+                             fold_system=True, strip=True, name="Gemma")
       self.eos_id = end
       # Gemma's generation config stops at <eos> too.
       self.extra_stop_ids = [tid("<eos>")] if tid("<eos>") is not None else []
     elif tid("<|channel|>") is not None and tid("<|start|>") is not None:  # harmony
-      start, message, end = tid("<|start|>"), tid("<|message|>"), tid("<|end|>")
-      ret, call = tid("<|return|>"), tid("<|call|>")
-      channel = tid("<|channel|>")
-      headers = {
-          "system": [start] + self.encode("developer") + [message]
-          + self.encode("# Instructions\n\n"),
-          "user": [start] + self.encode("user") + [message],
-          "assistant": [start] + self.encode("assistant") + [channel] + self.encode("final")
-          + [message],
-          "tool": [start] + self.encode("functions to=assistant") + [channel]
-          + self.encode("commentary") + [message]}
-      system = [start] + self.encode("system") + [message] + self.encode(HARMONY_SYSTEM) + [end]
-      self.chat = ChatFormat(self, headers, [end], bos=system, ends={"assistant": [ret]},
-                             generation_header=[start] + self.encode("assistant"))
-      self.eos_id = ret
-      self.extra_stop_ids = [call] if call is not None else []
+      self.chat = HarmonyFormat(self, start=tid("<|start|>"), message=tid("<|message|>"),
+                                channel=tid("<|channel|>"), end=tid("<|end|>"),
+                                ret=tid("<|return|>"), call=tid("<|call|>"))
+      self.eos_id = tid("<|return|>")
+      self.extra_stop_ids = [tid("<|call|>")] if tid("<|call|>") is not None else []
     else:
       raise ValueError(f"{file}: no Llama 3, ChatML, Gemma or harmony special tokens; cannot "
                        "build a chat format")

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from posttrain import distributed
+from posttrain.data import reasoning as reasoning_lib
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.tasks import Reward, StepResult, Task, registry
 
@@ -36,6 +37,11 @@ class Sample:
 
   response_tokens holds everything after the prompt (model turns and, in multi-turn
   domains, tool observations); response_mask is 1 on the model's own tokens.
+
+  text is what the domain scores: each model turn's content (its reasoning left out, as
+  the worker's `reasoning` reads it) and, between turns, the tools' answers. reasoning: the
+  turns' reasoning; reasoning_tokens: the tokens it took; reasoning_closed: False when the
+  last turn was still reasoning at its last token (it has no content).
   """
 
   prompt_tokens: list[int]
@@ -48,6 +54,11 @@ class Sample:
   tool_calls: int = 0
   turns: int = 1
   versions: list[int] = dataclasses.field(default_factory=list)
+  reasoning: str = ""
+  reasoning_tokens: int = 0
+  reasoning_closed: bool = True
+  # Where the model turn being generated began in response_tokens (it is read once whole).
+  turn_start: int = dataclasses.field(default=0, repr=False)
 
   @property
   def oldest_version(self) -> int:
@@ -123,8 +134,13 @@ class RolloutWorker:
                chunk_rows: int = 64, scoring_threads: int = 4, max_turns: int = 1,
                system_prompt: str | None = None, segment_tokens: int = 0, lock=None,
                version_fn=None, process: tuple[int, int] | None = None,
-               exchange: Callable[[Any], list[Any]] | None = None, continuous: bool = True):
+               exchange: Callable[[Any], list[Any]] | None = None, continuous: bool = True,
+               reasoning: str = "auto", thinking: bool | str | None = None):
     self.sampler, self.tok = sampler, tokenizer
+    if reasoning not in reasoning_lib.MODES:
+      raise ValueError(f"reasoning={reasoning!r}; expected one of {reasoning_lib.MODES}")
+    self.reasoning, self.thinking = reasoning, thinking
+    tokenizer.chat.check_thinking(thinking)  # here, not at the first rollout
     self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
     self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
     self.chunk_rows, self.max_turns = max(int(chunk_rows), 1), max(int(max_turns), 1)
@@ -174,11 +190,36 @@ class RolloutWorker:
     return msgs + [{"role": "user", "content": task.prompt}]
 
   def prompt_tokens(self, task: Task) -> list[int]:
-    return self.tok.encode_chat(self.messages(task), add_generation_prompt=True)[0]
+    return self.tok.encode_chat(self.messages(task), add_generation_prompt=True,
+                                thinking=self.thinking)[0]
 
-  def _decode(self, tokens: Sequence[int]) -> str:
-    stops = set(self.tok.stop_ids)
-    return self.tok.decode([t for t in tokens if t not in stops])
+  @property
+  def reads_reasoning(self) -> bool:
+    """Whether completions are split into reasoning and content before scoring."""
+    return self.reasoning == "think" or (self.reasoning == "auto"
+                                         and self.tok.chat.reasoning is not None)
+
+  def split(self, tokens: Sequence[int]) -> reasoning_lib.Response:
+    """One model turn's content and reasoning (`reasoning`: auto, the tokenizer's chat
+    format's reading; none, all content; think, <think> blocks in any tokenizer)."""
+    if self.reasoning == "none":
+      return reasoning_lib.split_plain(self.tok, tokens)
+    if self.reasoning == "think":
+      open_id, close_id = getattr(self.tok.chat, "think_ids", None) or (None, None)
+      return reasoning_lib.split_think(self.tok, tokens, open_id=open_id, close_id=close_id)
+    return self.tok.split_response(tokens)
+
+  def _end_turn(self, sample: Sample) -> None:
+    """Reads the model turn that just ended into the sample's text and reasoning."""
+    if sample.turn_start >= len(sample.response_tokens):
+      return  # read already (or the turn wrote nothing)
+    r = self.split(sample.response_tokens[sample.turn_start:])
+    sample.turn_start = len(sample.response_tokens)
+    sample.text += r.content
+    if r.reasoning:
+      sample.reasoning += ("\n\n" if sample.reasoning else "") + r.reasoning
+    sample.reasoning_tokens += r.reasoning_tokens
+    sample.reasoning_closed = r.closed
 
   @property
   def carried(self) -> int:
@@ -274,7 +315,7 @@ class RolloutWorker:
       st.response_tokens += toks
       st.response_mask += [1] * len(toks)
       st.behaviour_logprobs += logprobs.astype(float).tolist()
-      st.text += self._decode(toks)
+      self._end_turn(st)
       st.finish_reason, st.turns = reason, st.turns + 1
       # A row never seen between rounds began and ended within the current version's.
       st.versions += spans.pop(j, [current])
@@ -413,6 +454,8 @@ class RolloutWorker:
         # A row with no room left in the sampler's max_len cannot continue: it ends here.
         full = len(smp.prompt_tokens) + len(smp.response_tokens) >= self.sampler.max_len
         smp.turns = int(ended[k] or full)
+        if full and not ended[k]:
+          self._end_turn(smp)
     done = [grp for grp in groups if all(smp.turns for smp in grp[3])]
     self._carry = [grp for grp in groups if not all(smp.turns for smp in grp[3])]
     samples = [smp for *_, smps in done for smp in smps]
@@ -448,6 +491,7 @@ class RolloutWorker:
         st = states[i]
         st.turns += 1
         if not ended[i]:
+          self._end_turn(st)  # no room left in the sampler's max_len: the turn is over
           continue
         step = steps.get(i)
         if step is not None and not step.done and step.observation is not None:
@@ -459,9 +503,12 @@ class RolloutWorker:
   def _answer(self, sample: Sample, observation: str) -> None:
     """Appends a tool's answer to a sample's transcript, masked out of the loss."""
     sample.tool_calls += 1
-    obs, _ = self.tok.encode_chat([{"role": "tool", "content": observation}],
-                                  add_generation_prompt=True)
+    stops = self.tok.stop_ids
+    ended = bool(sample.response_tokens) and sample.response_tokens[-1] in stops
+    obs = self.tok.chat.continuation([{"role": "tool", "content": observation}], ended=ended,
+                                     thinking=self.thinking)
     sample.response_tokens += obs
+    sample.turn_start = len(sample.response_tokens)
     sample.response_mask += [0] * len(obs)
     sample.behaviour_logprobs += [0.0] * len(obs)
     sample.text += "\n" + observation + "\n"
@@ -543,13 +590,13 @@ class RolloutWorker:
         st.response_tokens += toks
         st.response_mask += [1] * n
         st.behaviour_logprobs += out.logprobs[k, :n].astype(float).tolist()
-        st.text += self._decode(toks)
         st.versions.append(version)
         budget_left[i] -= n
         stopped = out.finish_reasons[k] == "stop" and n == int(out.lengths[k])
         st.finish_reason = "stop" if stopped else "length"
         if stopped or budget_left[i] <= 0:
           ended[i] = True
+          self._end_turn(st)
         else:
           still.append(i)
       active = still

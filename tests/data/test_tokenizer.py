@@ -113,33 +113,6 @@ def test_gemma_chat_format_renders_as_its_template(tmp_path):
   assert tok.pad_id == tok._tok.token_to_id("<pad>")
 
 
-def test_harmony_chat_format_for_gpt_oss(tmp_path):
-  """gpt-oss's harmony layout: the fixed system message first, the conversation's system
-  message as developer instructions, final-channel assistant messages the model owns
-  with their <|return|>; the generation prompt leaves the channel to the model; <|return|>
-  and <|call|> stop a turn, <|end|> (which closes an analysis message) does not."""
-  from posttrain.data.tokenizer import HARMONY_SYSTEM
-  specials = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>",
-              "<|endoftext|>"]
-  _write_hf_tokenizer(tmp_path, specials)
-  tok = load_tokenizer(str(tmp_path))
-  convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
-           {"role": "assistant", "content": "<answer>4</answer>"},
-           {"role": "user", "content": "ok"}]
-  ids, mask = tok.encode_chat(convo, add_generation_prompt=True)
-  assert tok._tok.decode(ids, skip_special_tokens=False) == (
-      f"<|start|>system<|message|>{HARMONY_SYSTEM}<|end|>"
-      "<|start|>developer<|message|># Instructions\n\nbe brief<|end|>"
-      "<|start|>user<|message|>2+2?<|end|>"
-      "<|start|>assistant<|channel|>final<|message|><answer>4</answer><|return|>"
-      "<|start|>user<|message|>ok<|end|><|start|>assistant")
-  own = [i for i, m in zip(ids, mask) if m]
-  ret, call, end = (tok._tok.token_to_id(t) for t in ("<|return|>", "<|call|>", "<|end|>"))
-  assert tok.decode(own[:-1]) == "<answer>4</answer>" and own[-1] == ret == tok.eos_id
-  assert tok.stop_ids == tuple(sorted((ret, call))) and end not in tok.stop_ids
-  assert tok.pad_id == tok._tok.token_to_id("<|endoftext|>")
-
-
 def test_hf_tokenizer_saves_what_loads_it_back(tmp_path):
   """An exported model folder gets the tokenizer's files: loaded from there it encodes
   and formats chats as the original does. The byte tokenizer is built in: nothing."""

@@ -1,0 +1,130 @@
+"""A model's reasoning apart from its answer: thinking blocks and harmony channels.
+
+Reasoning models write a chain of thought before the answer:
+
+  think     Qwen3, QwQ, DeepSeek-R1:  "<think>\\n...\\n</think>\\n\\nthe answer"
+  harmony   gpt-oss: "<|channel|>analysis<|message|>...<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>the answer<|return|>"
+
+`split_think` and `split_harmony` take a completion's token ids and return a `Response`:
+the content (what a verifier, a reward model or a majority vote reads), the reasoning,
+how many of the tokens were reasoning, and whether the reasoning ended. The chat formats of
+`posttrain.data.tokenizer` pick theirs (`ChatFormat.split_response`); rollouts score the
+content (`RolloutWorker(reasoning=...)`).
+
+think: the reasoning is what comes before the first "</think>" (after a "<think>" if there
+is one: a template may open the block in the prompt); the content is what follows it. Both
+are stripped of surrounding whitespace, as transformers' `parse_response` strips them. A
+completion that opened a block and never closed it ran out of tokens while thinking: its
+content is empty and `closed` is False. One without tags is all content.
+
+harmony: the completion is a run of messages, each a header (role, `<|channel|>` name,
+recipient) and a body up to <|end|>, <|return|> or <|call|>. The analysis channel is the
+reasoning; every other channel (final, and commentary: preambles and tool calls) is the
+content, message bodies joined by a blank line. `closed` is False when the model wrote
+analysis and never left that channel. A completion with no message in it is all content.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# RolloutWorker(reasoning=...): "auto" is the tokenizer's own chat format's split; "none"
+# scores the whole completion; "think" reads <think> blocks whatever the tokenizer (text
+# tags, e.g. a byte tokenizer's).
+MODES = ("auto", "none", "think")
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+  """One completion split into its content and its reasoning.
+
+  reasoning_tokens: tokens the reasoning took (its tags and channel headers included).
+  closed: False when the completion was still reasoning at its last token.
+  """
+
+  content: str
+  reasoning: str = ""
+  reasoning_tokens: int = 0
+  closed: bool = True
+
+
+def split_plain(tok, ids: Sequence[int]) -> Response:
+  """No reasoning: the whole completion (its stop tokens left out) is the content."""
+  stops = set(tok.stop_ids)
+  return Response(tok.decode([t for t in ids if int(t) not in stops]))
+
+
+def _tokens_through(tok, ids: list[int], needle: str) -> int:
+  """The fewest leading tokens whose text holds `needle` (which the whole text holds)."""
+  lo, hi = 1, len(ids)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if needle in tok.decode(ids[:mid]):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
+
+
+def split_think(tok, ids: Sequence[int], *, open_id: int | None = None,
+                close_id: int | None = None) -> Response:
+  """Splits at the first </think>. `open_id` / `close_id`: the tags' ids where each is one
+  token of the vocabulary (a tokenizer may drop them from decoded text as special tokens);
+  otherwise the tags are read in the text."""
+  ids = [int(t) for t in ids]
+  stops = set(tok.stop_ids)
+  while ids and ids[-1] in stops:
+    ids.pop()
+  if close_id is not None and close_id in ids:
+    cut = ids.index(close_id)
+    opens = [p for p in range(cut) if ids[p] == open_id] if open_id is not None else []
+    head = tok.decode(ids[opens[-1] + 1 if opens else 0:cut])
+    return Response(tok.decode(ids[cut + 1:]).strip(), head.split(THINK_OPEN)[-1].strip(),
+                    cut + 1, True)
+  text = tok.decode(ids)
+  if close_id is None and THINK_CLOSE in text:
+    head, _, tail = text.partition(THINK_CLOSE)
+    return Response(tail.strip(), head.split(THINK_OPEN)[-1].strip(),
+                    _tokens_through(tok, ids, THINK_CLOSE), True)
+  opened = text.lstrip().startswith(THINK_OPEN)
+  if open_id is not None and open_id in ids:
+    opened = opened or not tok.decode(ids[:ids.index(open_id)]).strip()
+  if opened:
+    return Response("", text.split(THINK_OPEN, 1)[-1].strip(), len(ids), False)
+  return Response(text.strip())
+
+
+def split_harmony(tok, ids: Sequence[int], *, start: int, channel: int, message: int,
+                  ends: Sequence[int]) -> Response:
+  """Splits a harmony completion into its analysis messages and the rest. `start`,
+  `channel`, `message`: the ids of <|start|>, <|channel|>, <|message|>; `ends`: those that
+  end a message (<|end|>, <|return|>, <|call|>)."""
+  ids = [int(t) for t in ids]
+  ends = set(int(e) for e in ends)
+  found: list[tuple[str | None, str, int, bool]] = []  # channel, body, tokens, ended
+  i = 0
+  while i < len(ids):
+    j = i + 1 if ids[i] == start else i
+    try:
+      k = ids.index(message, j)
+    except ValueError:
+      break  # a header the model never finished: no body to read
+    header = ids[j:k]
+    name = None
+    if channel in header:
+      words = tok.decode(header[header.index(channel) + 1:]).split()
+      name = words[0] if words else None
+    stop = next((p for p in range(k + 1, len(ids)) if ids[p] in ends), len(ids))
+    ended = stop < len(ids)
+    found.append((name, tok.decode(ids[k + 1:stop]), stop + ended - i, ended))
+    i = stop + 1
+  if not found:
+    return split_plain(tok, ids)
+  thought = [(body, n, ended) for name, body, n, ended in found if name == "analysis"]
+  said = [body.strip() for name, body, _, _ in found if name != "analysis"]
+  return Response("\n\n".join(s for s in said if s),
+                  "\n\n".join(b.strip() for b, _, _ in thought if b.strip()),
+                  sum(n for _, n, _ in thought), bool(said) or not thought)

@@ -1,0 +1,436 @@
+"""Reasoning models: Qwen3's ChatML and gpt-oss's harmony render reasoning as their chat
+templates do (checked against the templates through transformers), and completions split
+back into content and reasoning (checked against transformers' `parse_response`)."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posttrain.data import ByteTokenizer, load_tokenizer, reasoning
+from posttrain.data.tokenizer import HARMONY_SYSTEM, harmony_system
+
+transformers = pytest.importorskip("transformers")
+
+# Qwen3's chat template as its tokenizer_config.json carries it, without its tools block
+# (no tools are declared here) and with its longest lines broken inside the tags.
+QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string
+           and not(message.content.startswith('<tool_response>')
+                   and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n')
+                                            .split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n'
+                    + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# gpt-oss's chat template, its text-conversation part (no tools, no tool calls), with the
+# "Current date" line left out as the harmony format leaves it out.
+GPT_OSS_TEMPLATE = r"""{%- macro build_system_message() -%}
+    {%- if model_identity is not defined %}
+        {%- set model_identity = "You are ChatGPT, a large language model trained by OpenAI." %}
+    {%- endif %}
+    {{- model_identity + "\n" }}
+    {{- "Knowledge cutoff: 2024-06\n\n" }}
+    {%- if reasoning_effort is not defined %}
+        {%- set reasoning_effort = "medium" %}
+    {%- endif %}
+    {{- "Reasoning: " + reasoning_effort + "\n\n" }}
+    {{- "# Valid channels: analysis, commentary, final. "
+        + "Channel must be included for every message." }}
+{%- endmacro -%}
+{{- "<|start|>system<|message|>" }}
+{{- build_system_message() }}
+{{- "<|end|>" }}
+{%- if messages[0].role == "developer" or messages[0].role == "system" %}
+    {%- set developer_message = messages[0].content %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set developer_message = "" %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if developer_message %}
+    {{- "<|start|>developer<|message|>" }}
+    {{- "# Instructions\n\n" }}
+    {{- developer_message }}
+    {{- "\n\n" }}
+    {{- "<|end|>" }}
+{%- endif %}
+{%- for message in loop_messages -%}
+    {%- if message.role == 'assistant' -%}
+        {%- if loop.last and not add_generation_prompt %}
+            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking
+                    + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+        {%- endif %}
+    {%- elif message.role == 'user' -%}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|start|>assistant
+{%- endif -%}"""
+
+QWEN3_SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"]
+HARMONY_SPECIALS = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>",
+                    "<|call|>", "<|endoftext|>"]
+
+
+def _write_tokenizer(path, specials):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE(unk_token=None))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(["hello world", "user assistant system tool", "2+2=4",
+                           "final analysis commentary", "let me think"] * 20, trainer)
+  tok.decoder = decoders.ByteLevel()
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({"pad_token": specials[-1]}))
+  return load_tokenizer(str(path))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+  return _write_tokenizer(tmp_path_factory.mktemp("qwen3"), QWEN3_SPECIALS)
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+  return _write_tokenizer(tmp_path_factory.mktemp("harmony"), HARMONY_SPECIALS)
+
+
+def _hf(tok):
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=tok._tok)
+
+
+def _text(tok, ids):
+  return tok._tok.decode(ids, skip_special_tokens=False)
+
+
+def _own(tok, ids, mask):
+  return _text(tok, [i for i, m in zip(ids, mask) if m])
+
+
+QWEN3_CONVOS = [
+    # SFT: the last assistant message with its reasoning, given or inline.
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "reasoning_content": "\nadd them\n", "content": "\n4"}],
+    [{"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}],
+    # The last message without reasoning still gets an (empty) block.
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    # An earlier turn loses its reasoning; a later system message is a turn of its own.
+    [{"role": "user", "content": "2+2?"},
+     {"role": "assistant", "reasoning_content": "add", "content": "4"},
+     {"role": "system", "content": "now briefer"}, {"role": "user", "content": "3+3?"},
+     {"role": "assistant", "reasoning_content": "add again", "content": "6"}],
+    # A tool run after the last query keeps every turn's reasoning; consecutive tool
+    # answers share one user turn; a turn without reasoning gets no block.
+    [{"role": "user", "content": "use the tool"},
+     {"role": "assistant", "reasoning_content": "call it", "content": "<tool>1+1</tool>"},
+     {"role": "tool", "content": "2"}, {"role": "tool", "content": "ok"},
+     {"role": "assistant", "content": "<tool>2+2</tool>"}, {"role": "tool", "content": "4"},
+     {"role": "assistant", "reasoning_content": "done", "content": "4"}],
+]
+
+
+@pytest.mark.parametrize("convo", QWEN3_CONVOS)
+def test_qwen3_renders_reasoning_as_its_template(qwen3, convo):
+  hf = _hf(qwen3)
+  ids, mask = qwen3.encode_chat(convo)
+  want = hf.apply_chat_template(convo, chat_template=QWEN3_TEMPLATE, tokenize=False)
+  assert _text(qwen3, ids) == want
+  assert ids == hf(want, add_special_tokens=False)["input_ids"]
+  # The model's own tokens: each assistant turn from its think block (when rendered) to
+  # its <|im_end|>; nothing of the user, system or tool turns.
+  turns = want.split("<|im_start|>assistant\n")[1:]
+  assert _own(qwen3, ids, mask) == "".join(t[:t.index("<|im_end|>") + 10] for t in turns)
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+def test_qwen3_generation_prompt_switch(qwen3, thinking):
+  convo = QWEN3_CONVOS[3][:4]
+  ids, mask = qwen3.encode_chat(convo, add_generation_prompt=True, thinking=thinking)
+  kw = {} if thinking is None else {"enable_thinking": thinking}
+  want = _hf(qwen3).apply_chat_template(convo, chat_template=QWEN3_TEMPLATE, tokenize=False,
+                                        add_generation_prompt=True, **kw)
+  assert _text(qwen3, ids) == want and not any(mask[-8:])
+  assert want.endswith("assistant\n<think>\n\n</think>\n\n" if thinking is False
+                       else "assistant\n")
+
+
+HARMONY_CONVOS = [
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "thinking": "add them", "content": "4"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+    # Earlier turns end with <|end|> and lose their reasoning.
+    [{"role": "user", "content": "2+2?"},
+     {"role": "assistant", "thinking": "add", "content": "4"},
+     {"role": "user", "content": "3+3?"},
+     {"role": "assistant", "thinking": "add again", "content": "6"}],
+]
+
+
+@pytest.mark.parametrize("convo", HARMONY_CONVOS)
+@pytest.mark.parametrize("effort", [None, "high"])
+def test_harmony_renders_reasoning_as_gpt_oss_template(harmony, convo, effort):
+  ids, mask = harmony.encode_chat(convo, thinking=effort)
+  kw = {} if effort is None else {"reasoning_effort": effort}
+  want = _hf(harmony).apply_chat_template(convo, chat_template=GPT_OSS_TEMPLATE,
+                                          tokenize=False, **kw)
+  assert _text(harmony, ids) == want
+  assert want.startswith(f"<|start|>system<|message|>{harmony_system(effort or 'medium')}")
+  # The model writes everything after "<|start|>assistant" (channels, analysis, the final
+  # message and its <|return|>) but an earlier turn's <|end|>, which the template writes
+  # in place of the model's <|return|>.
+  turns = want.split("<|start|>user<|message|>")[1:]
+  own = []
+  for t in turns:
+    t = t[t.index("<|end|><|start|>assistant") + len("<|end|><|start|>assistant"):]
+    own.append(t[:-len("<|end|>")] if t.endswith("<|end|>") else t)
+  assert _own(harmony, ids, mask) == "".join(own)
+
+
+def test_harmony_generation_prompt_and_stops(harmony):
+  convo = HARMONY_CONVOS[2][:3]
+  ids, mask = harmony.encode_chat(convo, add_generation_prompt=True, thinking="low")
+  want = _hf(harmony).apply_chat_template(convo, chat_template=GPT_OSS_TEMPLATE, tokenize=False,
+                                          add_generation_prompt=True, reasoning_effort="low")
+  assert _text(harmony, ids) == want and want.endswith("<|start|>assistant")
+  assert HARMONY_SYSTEM == harmony_system("medium")
+  ret, call, end = (harmony._tok.token_to_id(t) for t in ("<|return|>", "<|call|>", "<|end|>"))
+  assert harmony.stop_ids == tuple(sorted((ret, call))) and end not in harmony.stop_ids
+  assert harmony.eos_id == ret and harmony.pad_id == harmony._tok.token_to_id("<|endoftext|>")
+
+
+# --- reading completions ------------------------------------------------------------------
+
+QWEN3_SCHEMA = {  # transformers' response schema for Qwen3 (its serving fallback)
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)",
+                    "content": "text"},
+    },
+}
+
+# Text without tags: letters, digits, punctuation, spaces and newlines.
+_plain = st.text(st.sampled_from("ab xy 09+=.\n\t"), max_size=12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(lead=st.sampled_from(["", "\n", "  "]), thought=_plain, answer=_plain,
+       shape=st.sampled_from(["closed", "unclosed", "none"]), stop=st.booleans())
+def test_think_split_matches_transformers_parse_response(qwen3, lead, thought, answer,
+                                                         shape, stop):
+  text = {"closed": f"{lead}<think>{thought}</think>{answer}",
+          "unclosed": f"{lead}<think>{thought}", "none": answer}[shape]
+  ids = qwen3.encode(text) + ([qwen3.eos_id] if stop else [])
+  hf = _hf(qwen3)
+  want = hf.parse_response(_text(qwen3, ids), schema=QWEN3_SCHEMA,
+                           prefix="<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")
+  got = qwen3.split_response(ids)
+  assert got.content == want.get("content", "")
+  # A turn that stopped inside its block: transformers keeps the stop token's text in the
+  # reasoning; the stop is not reasoning.
+  assert got.reasoning == want.get("reasoning_content", "").removesuffix("<|im_end|>").strip()
+  assert got.closed == (shape != "unclosed")
+  close = qwen3._tok.token_to_id("</think>")
+  assert got.reasoning_tokens == {"closed": ids.index(close) + 1 if close in ids else 0,
+                                  "unclosed": len(ids) - stop, "none": 0}[shape]
+
+
+@settings(max_examples=40, deadline=None)
+@given(thought=_plain, answer=_plain)
+def test_think_split_reads_back_what_the_format_renders(qwen3, thought, answer):
+  """A rendered assistant turn, read as a completion, gives back its content and
+  reasoning; with text tags in a byte tokenizer too."""
+  convo = [{"role": "user", "content": "q"},
+           {"role": "assistant", "reasoning_content": thought, "content": answer}]
+  ids, mask = qwen3.encode_chat(convo)
+  first = mask.index(1)
+  got = qwen3.split_response(ids[first:])
+  assert (got.content, got.reasoning, got.closed) == (answer.strip(), thought.strip(), True)
+  byte = ByteTokenizer()
+  ids = byte.encode(f"<think>\n{thought}\n</think>\n\n{answer}") + [byte.eos_id]
+  got = reasoning.split_think(byte, ids)
+  assert (got.content, got.reasoning, got.closed) == (answer.strip(), thought.strip(), True)
+  assert byte.decode(ids[:got.reasoning_tokens]).endswith("</think>")
+  assert "</think>" not in byte.decode(ids[:got.reasoning_tokens - 1])
+
+
+def test_think_split_of_hostile_completions(qwen3):
+  byte = ByteTokenizer()
+  cases = {  # text -> (content, reasoning, closed)
+      "": ("", "", True),
+      "</think>": ("", "", True),
+      "no tags at all": ("no tags at all", "", True),
+      "opened by the prompt</think>answer": ("answer", "opened by the prompt", True),
+      "<think>a</think>b</think>c": ("b</think>c", "a", True),
+      "<think>still thinking <think> deeper": ("", "still thinking <think> deeper", False),
+      "x <think>a</think> y": ("y", "a", True),
+  }
+  for text, want in cases.items():
+    for tok in (qwen3, byte):
+      got = (qwen3.split_response(qwen3.encode(text)) if tok is qwen3
+             else reasoning.split_think(byte, byte.encode(text)))
+      expect = want
+      if tok is qwen3:  # this vocabulary's tags are special: decoding drops stray ones
+        expect = tuple(x.replace("<think>", "").replace("</think>", "") if isinstance(x, str)
+                       else x for x in want)
+      assert (got.content, got.reasoning, got.closed) == expect, (tok, text)
+
+
+def _harmony_ids(tok, *parts):
+  """Encodes text with harmony's special tokens in it, special tokens as their ids."""
+  return tok.encode("".join(parts))
+
+
+def test_harmony_split_reads_channels(harmony):
+  tok = harmony
+  full = _harmony_ids(tok, "<|channel|>analysis<|message|>add them<|end|>",
+                      "<|start|>assistant<|channel|>final<|message|>4<|return|>")
+  got = tok.split_response(full)
+  analysis = len(_harmony_ids(tok, "<|channel|>analysis<|message|>add them<|end|>"))
+  assert (got.content, got.reasoning, got.reasoning_tokens, got.closed) == (
+      "4", "add them", analysis, True)
+  # Cut off while thinking: no content, not closed.
+  got = tok.split_response(_harmony_ids(tok, "<|channel|>analysis<|message|>add th"))
+  assert (got.content, got.reasoning, got.closed) == ("", "add th", False)
+  # Analysis ended but the final message never began (its header cut off).
+  got = tok.split_response(_harmony_ids(tok, "<|channel|>analysis<|message|>x<|end|>",
+                                         "<|start|>assistant<|channel|>fin"))
+  assert (got.content, got.reasoning, got.closed) == ("", "x", False)
+  # A preamble and a tool call on the commentary channel are content, as is the final.
+  got = tok.split_response(_harmony_ids(
+      tok, "<|channel|>analysis<|message|>plan<|end|>",
+      "<|start|>assistant<|channel|>commentary<|message|>checking<|end|>",
+      "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{}<|call|>"))
+  assert (got.content, got.reasoning, got.closed) == ("checking\n\n{}", "plan", True)
+  # A final answer with no analysis; and text with no message at all is all content.
+  got = tok.split_response(_harmony_ids(tok, "<|channel|>final<|message|>4<|return|>"))
+  assert (got.content, got.reasoning, got.reasoning_tokens) == ("4", "", 0)
+  assert tok.split_response(tok.encode("just text")).content == "just text"
+
+
+@settings(max_examples=30, deadline=None)
+@given(thought=_plain, answer=_plain)
+def test_harmony_split_reads_back_what_the_format_renders(harmony, thought, answer):
+  convo = [{"role": "user", "content": "q"},
+           {"role": "assistant", "thinking": thought, "content": answer}]
+  ids, _ = harmony.encode_chat(convo)
+  prompt, _ = harmony.encode_chat(convo[:1], add_generation_prompt=True)
+  assert ids[:len(prompt)] == prompt
+  got = harmony.split_response(ids[len(prompt):])
+  assert (got.content, got.reasoning, got.closed) == (answer.strip(), thought.strip(), True)
+
+
+def test_reasoning_and_switch_errors(qwen3, harmony, tmp_path):
+  llama = _write_tokenizer(tmp_path, ["<|begin_of_text|>", "<|start_header_id|>",
+                                      "<|end_header_id|>", "<|eot_id|>", "<|pad|>"])
+  qwen25 = _write_tokenizer(tmp_path, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  thought = [{"role": "user", "content": "q"},
+             {"role": "assistant", "reasoning_content": "r", "content": "a"}]
+  for tok in (llama, qwen25, ByteTokenizer()):
+    with pytest.raises(ValueError, match="has no reasoning: move"):
+      tok.encode_chat(thought)
+    with pytest.raises(ValueError, match="no reasoning switch"):
+      tok.encode_chat(thought[:1], add_generation_prompt=True, thinking=False)
+  with pytest.raises(ValueError, match="a user message has no reasoning"):
+    qwen3.encode_chat([{"role": "user", "content": "q", "thinking": "r"}])
+  with pytest.raises(ValueError, match="None, True or False"):
+    qwen3.encode_chat(thought[:1], add_generation_prompt=True, thinking="high")
+  with pytest.raises(ValueError, match="gpt-oss always reasons"):
+    harmony.encode_chat(thought[:1], add_generation_prompt=True, thinking=False)
+  with pytest.raises(ValueError, match="channel tags"):
+    harmony.encode_chat([{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "<|channel|>final<|message|>4"}])
+  with pytest.raises(ValueError, match="reasoning must be a string"):
+    qwen3.encode_chat([{"role": "assistant", "content": "a", "reasoning_content": 3}])
+
+
+@pytest.mark.parametrize("layout", ["qwen3", "llama3", "gemma", "byte"])
+def test_continuation_extends_a_transcript_as_the_template_renders_it(layout, tmp_path):
+  """After a model turn that ended at its stop token, a tool's answer and the next
+  generation prompt are exactly what the whole conversation renders to; no second bos."""
+  specials = {"qwen3": QWEN3_SPECIALS,
+              "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                         "<|eot_id|>", "<|pad|>"],
+              "gemma": ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>"]}
+  tok = ByteTokenizer() if layout == "byte" else _write_tokenizer(tmp_path, specials[layout])
+  user = [{"role": "user", "content": "use the tool"}]
+  said = {"role": "assistant", "content": "<tool>1+1</tool>"}
+  tools = [{"role": "tool", "content": "2"}, {"role": "tool", "content": "ok"}]
+  prompt, _ = tok.encode_chat(user, add_generation_prompt=True)
+  whole, whole_mask = tok.encode_chat(user + [said] + tools, add_generation_prompt=True)
+  model = [i for i, m in zip(whole, whole_mask) if m]
+  assert model[-1] in tok.stop_ids
+  assert prompt + model + tok.chat.continuation(tools) == whole
+  # A turn cut off by the token limit is closed first.
+  cut = tok.chat.continuation(tools, ended=False)
+  assert cut == tok.chat.end_of_turn + tok.chat.continuation(tools)
+
+
+def test_harmony_continuation_has_no_second_system_message(harmony):
+  ids = harmony.chat.continuation([{"role": "tool", "content": "2"}])
+  assert _text(harmony, ids) == ("<|start|>functions to=assistant<|channel|>commentary"
+                                 "<|message|>2<|end|><|start|>assistant")
