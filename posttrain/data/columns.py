@@ -37,7 +37,8 @@ import numpy as np
 
 # Bump when the layout below or the way rows become tokens changes: older entries then
 # sit under other keys and are never read.
-FORMAT_VERSION = 1
+# 2: chat formats render reasoning, Qwen's tool turns and gpt-oss's earlier turns anew.
+FORMAT_VERSION = 2
 
 
 class CacheEntryError(ValueError):

@@ -14,7 +14,10 @@ read:
 
 Roles are system, user, assistant and tool. The loss falls on every assistant message (its
 content and end-of-turn token) unless the message says `"weight": 0`, which makes it
-context. Other keys of a row (ids, sources) are ignored. Every row is parsed and
+context. An assistant message may carry its reasoning ("reasoning_content", or "thinking"
+as gpt-oss data names it), which reasoning formats render as their templates do (Qwen3's
+<think> block, harmony's analysis channel; `posttrain.data.tokenizer`) and trained on with
+the content; other formats reject it. Other keys of a row (ids, sources) are ignored. Every row is parsed and
 tokenized when the files load, so a bad row fails at once, naming its file and line.
 
 Rows longer than `row_len` tokens keep their head: the packer cuts the tail, and the
@@ -44,7 +47,7 @@ import grain
 import numpy as np
 
 from posttrain.data import columns
-from posttrain.data.tokenizer import ROLES, Tokenizer
+from posttrain.data.tokenizer import REASONING_FIELDS, ROLES, Tokenizer
 
 log = logging.getLogger("posttrain")
 
@@ -74,7 +77,14 @@ def parse_messages(value: Any, where: str, key: str) -> list[dict]:
       raise ValueError(f"{where}: {key}[{i}] weight must be 0 or 1, got {weight!r}")
     if weight == 0 and role != "assistant":
       raise ValueError(f"{where}: {key}[{i}] weight is for assistant messages, not {role!r}")
-    out.append({"role": role, "content": content, "weight": int(weight)})
+    message = {"role": role, "content": content, "weight": int(weight)}
+    for field in REASONING_FIELDS:  # an assistant's reasoning, as Qwen3 / gpt-oss data has it
+      if m.get(field) is None:
+        continue
+      if role != "assistant" or not isinstance(m[field], str):
+        raise ValueError(f"{where}: {key}[{i}] {field} must be an assistant message's string")
+      message[field] = m[field]
+    out.append(message)
   return out
 
 

@@ -46,7 +46,7 @@ def harmony_system(effort: str = "medium") -> str:
 HARMONY_SYSTEM = harmony_system()
 HARMONY_EFFORTS = ("low", "medium", "high")
 ROLES = ("system", "user", "assistant", "tool")
-_REASONING_KEYS = ("reasoning_content", "thinking")
+REASONING_FIELDS = ("reasoning_content", "thinking")  # an assistant message's reasoning
 
 
 class ChatFormat:
@@ -129,7 +129,7 @@ class ChatFormat:
       raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
     if not isinstance(content, str):
       raise ValueError(f"message content must be a string, got {type(content).__name__}")
-    reasoning = next((m[k] for k in _REASONING_KEYS if m.get(k) is not None), None)
+    reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
     if reasoning is not None and not isinstance(reasoning, str):
       raise ValueError(f"message reasoning must be a string, got {type(reasoning).__name__}")
     if reasoning and (role != "assistant" or self.reasoning is None):

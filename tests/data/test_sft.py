@@ -60,6 +60,20 @@ def test_every_assistant_turn_trains_unless_its_weight_is_0_and_trailing_context
   assert ex["response_mask"][ex["response_tokens"].tolist().index(tool)] == 0
 
 
+def test_reasoning_is_kept_and_trained_in_reasoning_formats(tmp_path):
+  """A row's reasoning reaches the chat format: Qwen3 trains on its <think> block."""
+  from tests.data.test_reasoning import QWEN3_SPECIALS, _text, _write_tokenizer
+  tok = _write_tokenizer(tmp_path, QWEN3_SPECIALS)
+  row = {"prompt": "2+2?", "completion": [
+      {"role": "assistant", "content": "4", "reasoning_content": "add them", "id": 1}]}
+  messages = parse_row(json.dumps(row), "f:1")
+  assert messages[1] == {"role": "assistant", "content": "4", "weight": 1,
+                         "reasoning_content": "add them"}
+  ex = encode_conversation(messages, tok)
+  trained = ex["response_tokens"][ex["response_mask"] != 0].tolist()
+  assert _text(tok, trained) == "<think>\nadd them\n</think>\n\n4<|im_end|>"
+
+
 @pytest.mark.parametrize("line, message", [
     ("{not json", "f:3: not valid JSON"),
     ("[1, 2]", "f:3: a row must be a JSON object"),
@@ -78,6 +92,16 @@ def test_every_assistant_turn_trains_unless_its_weight_is_0_and_trailing_context
     ('{"prompt": "a", "completion": [{"role": "user", "content": "b"}]}',
      "'completion' holds ['user'] messages"),
     ('{"prompt": "a", "completion": "b", "messages": []}', "not both"),
+    ('{"messages": [{"role": "user", "content": "a", "thinking": "t"}, '
+     '{"role": "assistant", "content": "b"}]}',
+     "messages[0] thinking must be an assistant message's string"),
+    ('{"messages": [{"role": "user", "content": "a"}, '
+     '{"role": "assistant", "content": "b", "reasoning_content": 3}]}',
+     "messages[1] reasoning_content must be an assistant message's string"),
+    # The byte tokenizer's format has no reasoning: an error, not a silent drop.
+    ('{"messages": [{"role": "user", "content": "a"}, '
+     '{"role": "assistant", "content": "b", "reasoning_content": "r"}]}',
+     "the plain chat format has no reasoning"),
 ])
 def test_hostile_rows_fail_naming_file_and_line(tmp_path, line, message):
   good = {"prompt": "q", "completion": "a"}
