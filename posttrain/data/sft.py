@@ -17,8 +17,9 @@ content and end-of-turn token) unless the message says `"weight": 0`, which make
 context. An assistant message may carry its reasoning ("reasoning_content", or "thinking"
 as gpt-oss data names it), which reasoning formats render as their templates do (Qwen3's
 <think> block, harmony's analysis channel; `posttrain.data.tokenizer`) and trained on with
-the content; other formats reject it. Other keys of a row (ids, sources) are ignored. Every row is parsed and
-tokenized when the files load, so a bad row fails at once, naming its file and line.
+the content; other formats reject it. Other keys of a row (ids, sources) are ignored.
+Every row is parsed and tokenized when the files load, so a bad row fails at once, naming
+its file and line.
 
 Rows longer than `row_len` tokens keep their head: the packer cuts the tail, and the
 count is logged. A row whose first trained token lies beyond `row_len` cannot teach
