@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 from typing import Sequence
 
@@ -167,8 +168,11 @@ class ChatFormat:
 class ChatMLFormat(ChatFormat):
   """Qwen's ChatML, as the Qwen 2.5 and Qwen3 templates render it.
 
-  Tool messages are user turns, "<|im_start|>user\n<tool_response>\n...\n</tool_response>",
-  consecutive ones sharing one turn. With `think` (a vocabulary with <think> and </think>:
+  A conversation without a system message opens with the template's default one, where it
+  has one (Qwen 2 and 2.5: "You are Qwen, created by Alibaba Cloud. ..."; read from the
+  tokenizer's chat template, `default_system`). Tool messages are user turns,
+  "<|im_start|>user\n<tool_response>\n...\n</tool_response>", consecutive ones sharing one
+  turn. With `think` (a vocabulary with <think> and </think>:
   Qwen3), an assistant message after the last user query (a tool-calling run's turns, or
   the final answer in training data) carries its reasoning ("reasoning_content", or a
   <think> block in its content) as "<think>\nR\n</think>\n\n" before the content; the
@@ -177,10 +181,17 @@ class ChatMLFormat(ChatFormat):
   generation prompt (the template's enable_thinking=False).
   """
 
-  def __init__(self, tok, headers, end_of_turn, *, think: tuple[int, int] | None, **kw):
+  def __init__(self, tok, headers, end_of_turn, *, think: tuple[int, int] | None,
+               default_system: str | None = None, **kw):
     super().__init__(tok, headers, end_of_turn, name="ChatML", **kw)
     self.think_ids = think
     self.reasoning = "think" if think else None
+    self.default_system = default_system
+
+  def encode(self, messages, add_generation_prompt=False, thinking=None):
+    if self.default_system and (not messages or messages[0].get("role") != "system"):
+      messages = [{"role": "system", "content": self.default_system}] + list(messages)
+    return super().encode(messages, add_generation_prompt, thinking)
 
   def check_thinking(self, thinking) -> None:
     if thinking is None:
@@ -434,7 +445,8 @@ class HFTokenizer(Tokenizer):
       headers = {r: [start] + self.encode(r + "\n") for r in ROLES}
       think = (tid(reasoning_lib.THINK_OPEN), tid(reasoning_lib.THINK_CLOSE))
       self.chat = ChatMLFormat(self, headers, [end], after_end=self.encode("\n"),
-                               think=think if None not in think else None)
+                               think=think if None not in think else None,
+                               default_system=_default_system(_chat_template(file, cfg)))
       self.eos_id = end
     elif tid("<start_of_turn>") is not None:  # Gemma: the assistant is "model"; no system
       start, end = tid("<start_of_turn>"), tid("<end_of_turn>")  # or tool turns of its own.
@@ -485,6 +497,33 @@ class HFTokenizer(Tokenizer):
         shutil.copyfile(src, dst)
       written.append(dst)
     return written
+
+
+def _chat_template(file: str, cfg: dict) -> str:
+  """The tokenizer's Jinja chat template ("" when it has none): chat_template.jinja beside
+  tokenizer.json, else tokenizer_config.json's chat_template (the default of a list)."""
+  jinja = os.path.join(os.path.dirname(file), "chat_template.jinja")
+  if os.path.exists(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      return f.read()
+  template = cfg.get("chat_template") or ""
+  if isinstance(template, list):
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    template = named.get("default") or ""
+  return template if isinstance(template, str) else ""
+
+
+# A ChatML template's default system turn: a whole literal '<|im_start|>system\n...' turn.
+_DEFAULT_SYSTEM = re.compile(r"\{\{-?\s*'<\|im_start\|>system\\n"
+                             r"([^'+{}]*)<\|im_end\|>\\n'\s*-?\}\}")
+
+
+def _default_system(template: str) -> str | None:
+  """The system message a ChatML template writes when a conversation has none, or None."""
+  found = _DEFAULT_SYSTEM.search(template)
+  if not found:
+    return None
+  return found.group(1).replace("\\n", "\n").replace("\\'", "'")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -434,3 +434,61 @@ def test_harmony_continuation_has_no_second_system_message(harmony):
   ids = harmony.chat.continuation([{"role": "tool", "content": "2"}])
   assert _text(harmony, ids) == ("<|start|>functions to=assistant<|channel|>commentary"
                                  "<|message|>2<|end|><|start|>assistant")
+
+
+# Qwen 2.5's chat template (text conversations; its tools block and tool calls left out).
+QWEN25_TEMPLATE = (r"""{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. """
+    r"""You are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+           or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}""")
+
+
+@pytest.mark.parametrize("where", ["config", "config_list", "jinja"])
+def test_qwen25_default_system_message_from_its_template(tmp_path, where):
+  """A ChatML template with a default system turn (Qwen 2 / 2.5) gets it in every
+  conversation without a system message of its own; tool answers share a user turn."""
+  tok = _write_tokenizer(tmp_path, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  if where == "jinja":
+    (tmp_path / "chat_template.jinja").write_text(QWEN25_TEMPLATE)
+  else:
+    cfg["chat_template"] = (QWEN25_TEMPLATE if where == "config" else
+                            [{"name": "tool_use", "template": "x"},
+                             {"name": "default", "template": QWEN25_TEMPLATE}])
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  assert tok.chat.default_system is None  # read when the tokenizer loads
+  tok = load_tokenizer(str(tmp_path))
+  hf = _hf(tok)
+  for convo in ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+                [{"role": "user", "content": "use it"}, {"role": "assistant", "content": "<t>"},
+                 {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]):
+    for gen in (False, True):
+      ids, _ = tok.encode_chat(convo, add_generation_prompt=gen)
+      want = hf.apply_chat_template(convo, chat_template=QWEN25_TEMPLATE, tokenize=False,
+                                    add_generation_prompt=gen)
+      assert _text(tok, ids) == want
+  assert tok.chat.default_system.startswith("You are Qwen, created by Alibaba Cloud.")
+  # Tool answers that carry a transcript on get no second system turn.
+  assert "system" not in _text(tok, tok.chat.continuation([{"role": "tool", "content": "1"}]))
