@@ -165,6 +165,45 @@ class ChatFormat:
     return reasoning_lib.split_plain(self.tok, ids)
 
 
+class Llama3Format(ChatFormat):
+  """Llama 3's layout, as its templates render text conversations: contents trimmed, tool
+  answers in "ipython" turns.
+
+  `dated` (the Llama 3.1 - 3.3 templates, which write "Cutting Knowledge Date"): every
+  conversation opens with a system turn, "Cutting Knowledge Date: December 2023\nToday
+  Date: 26 Jul 2024\n\n" and then the conversation's own system message, if any. The date
+  is the template's fallback, fixed so that a prompt's ids do not change from day to day
+  (the template writes today's where it can). `json_tools` (the same templates): a tool's
+  answer is written as a JSON string, as their `tojson` writes a string.
+  """
+
+  def __init__(self, tok, headers, end_of_turn, *, dated: bool = False,
+               json_tools: bool = False, **kw):
+    super().__init__(tok, headers, end_of_turn, strip=True, name="Llama 3", **kw)
+    self.dated, self.json_tools = dated, json_tools
+
+  def encode(self, messages, add_generation_prompt=False, thinking=None):
+    if not self.dated:
+      return super().encode(messages, add_generation_prompt, thinking)
+    system = ""
+    if messages and messages[0].get("role") == "system":
+      system = self._message(messages[0])[1].strip()
+      messages = messages[1:]
+    head = (self.headers["system"] + self.tok.encode(
+        f"Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n{system}")
+        + self.end_of_turn)
+    ids, mask = super().encode(messages, add_generation_prompt, thinking)
+    n = len(self.bos)
+    return ids[:n] + head + ids[n:], mask[:n] + [0] * len(head) + mask[n:]
+
+  def _render(self, messages, add_generation_prompt):
+    if self.json_tools:
+      messages = [dict(m, content=json.dumps(m["content"], ensure_ascii=False))
+                  if m.get("role") == "tool" and isinstance(m.get("content"), str) else m
+                  for m in messages]
+    return super()._render(messages, add_generation_prompt)
+
+
 class ChatMLFormat(ChatFormat):
   """Qwen's ChatML, as the Qwen 2.5 and Qwen3 templates render it.
 
@@ -438,7 +477,10 @@ class HFTokenizer(Tokenizer):
       headers["tool"] = [start] + self.encode("ipython") + [end] + self.encode("\n\n")
       eot = tid("<|eot_id|>")
       bos = [tid("<|begin_of_text|>")] if tid("<|begin_of_text|>") is not None else []
-      self.chat = ChatFormat(self, headers, [eot], bos=bos, name="Llama 3")
+      template = _chat_template(file, cfg)
+      self.chat = Llama3Format(self, headers, [eot], bos=bos,
+                               dated="Cutting Knowledge Date" in template,
+                               json_tools="tojson" in template)
       self.eos_id = eot
     elif tid("<|im_start|>") is not None:  # ChatML: Qwen.
       start, end = tid("<|im_start|>"), tid("<|im_end|>")

@@ -492,3 +492,68 @@ def test_qwen25_default_system_message_from_its_template(tmp_path, where):
   assert tok.chat.default_system.startswith("You are Qwen, created by Alibaba Cloud.")
   # Tool answers that carry a transcript on get no second system turn.
   assert "system" not in _text(tok, tok.chat.continuation([{"role": "tool", "content": "1"}]))
+
+
+# Llama 3.1's chat template, its text-conversation part (no tool definitions or calls).
+LLAMA31_TEMPLATE = r"""{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'
+            + message['content'] | trim + '<|eot_id|>' }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}"""
+
+
+def test_llama31_dated_system_turn_trimmed_contents_and_json_tool_answers(tmp_path):
+  tok = _write_tokenizer(tmp_path, ["<|begin_of_text|>", "<|start_header_id|>",
+                                    "<|end_header_id|>", "<|eot_id|>", "<|pad|>"])
+  cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  cfg["chat_template"] = LLAMA31_TEMPLATE
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  tok = load_tokenizer(str(tmp_path))
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok._tok,
+                                            bos_token="<|begin_of_text|>")
+  for convo in ([{"role": "user", "content": " 2+2? "}, {"role": "assistant", "content": "4\n"}],
+                [{"role": "system", "content": " be brief "},
+                 {"role": "user", "content": "use it"},
+                 {"role": "assistant", "content": "<tool>1+1</tool>"},
+                 {"role": "tool", "content": ' say "2"\n'}]):
+    for gen in (False, True):
+      ids, mask = tok.encode_chat(convo, add_generation_prompt=gen)
+      want = hf.apply_chat_template(convo, chat_template=LLAMA31_TEMPLATE, tokenize=False,
+                                    add_generation_prompt=gen, date_string="26 Jul 2024")
+      assert _text(tok, ids) == want
+      turns = want.split("assistant<|end_header_id|>\n\n")[1:]
+      assert _own(tok, ids, mask) == "".join(t[:t.index("<|eot_id|>") + 10] for t in turns
+                                             if "<|eot_id|>" in t)
+  # The system turn opens the conversation only: a tool answer goes on without it.
+  assert "Cutting" not in _text(tok, tok.chat.continuation([{"role": "tool", "content": "1"}]))
