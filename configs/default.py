@@ -70,7 +70,14 @@ def get_config() -> ml_collections.ConfigDict:
               "bases/bin2dec_*,lists/max_*,lists/min_*,lists/count_gt_*,logic/majority_*,"
               "logic/parity_*,logic/boolexpr_*,strings/count_*,sequences/periodic_*,"
               "structure/brackets_*",
-      levels="1,2", max_domains=0))
+      levels="1,2", max_domains=0,
+      # A run's own tasks (posttrain.experiment.register_task_sources), which
+      # tasks.domains then selects like the built-in ones: JSON-lines files of {"prompt",
+      # "answer", "verifier"?} rows, each the domain jsonl/<file stem>; Python modules
+      # (import names or .py paths) registering Domains or defining domains(); and
+      # reasoning-gym datasets (gym/<name>). E.g. --config.tasks.files=gsm8k_train.jsonl
+      # --config.tasks.file_verifier=numeric --config.tasks.domains='jsonl/*'
+      files="", file_verifier="exact", modules="", gym=""))
   c.scheduler = ml_collections.ConfigDict(dict(rule="learnability", floor=0.2, ema=0.2))
 
   # SFT trains on the domains' demonstrations, or with data set on JSON-lines files
@@ -152,7 +159,9 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="",           # the teacher's weights and compute: "" = the run's model dtype
       stages="rl",        # comma-separated: rl, sft
       sft_loss="forward_kl"))  # forward_kl (KD's KL(teacher || student)) | reverse_kl | jsd
-  c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4))
+  # domains: globs of the domains evaluation visits ("" = the run's), e.g. a held-out
+  # task file's jsonl/gsm8k_test (registered through tasks.files, not in tasks.domains).
+  c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=24, samples=4, domains=""))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=2, keep_every=0,
                                                 async_save=True))
   # JAX's persistent compilation cache ("" = off), e.g. ~/.cache/posttrain/jax: a restart

@@ -660,8 +660,9 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
     config: the run's config (model, mesh, tokenizer, rollout and tasks sections).
     workdir: the run's workdir (checkpoints under DIR/checkpoints, read only).
     step: checkpoint step; None for the newest.
-    domains: comma-separated globs over registered domains; None for the config's
-      `tasks.domains` and `tasks.levels`.
+    domains: comma-separated globs over registered domains (the run's task sources
+      included); None for the config's `eval.domains`, else its `tasks.domains` and
+      `tasks.levels`.
     samples: completions per task at the rollout temperature for pass@k (0: greedy only).
     seeds_per_domain: held-out seeds per domain; None for `config.eval.seeds_per_domain`.
     baseline_step: also evaluate this checkpoint (greedy, same seeds) and flag domains
@@ -679,9 +680,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
                      "nothing to evaluate; its held-out pair accuracy is eval_rm/* in "
                      "WORKDIR/metrics.jsonl")
   t_start = time.perf_counter()
-  names = (experiment.select_domains(domains) if domains else experiment.run_domains(config))
-  if domains is None and int(config.tasks.get("max_domains", 0) or 0):
-    names = names[:int(config.tasks.max_domains)]
+  experiment.register_task_sources(config)  # the run's own domains can be named too
+  names = (experiment.select_domains(domains) if domains else experiment.eval_domains(config))
   n_seeds = int(config.eval.seeds_per_domain if seeds_per_domain is None else seeds_per_domain)
   pairs = eval_pairs(names, n_seeds, first_seed_index)
   samples = int(samples)

@@ -366,10 +366,113 @@ def select_domains(patterns: str, levels: str | Sequence[int] = "", limit: int =
   return names
 
 
+# Domains registered from a run's task sources: name -> the source that registered it.
+_SOURCED: dict[str, str] = {}
+
+
+def _register_sourced(domain, source: str) -> None:
+  owner = _SOURCED.get(domain.name)
+  if domain.name in registry and owner != source:
+    where = f"from {owner}" if owner else "built in"
+    raise ValueError(f"{source}: domain {domain.name!r} is already registered ({where}); "
+                     "rename it")
+  registry.register(domain, replace=True)
+  _SOURCED[domain.name] = source
+
+
+def _import_tasks_module(spec: str):
+  """A module by name, or a .py file by path."""
+  import importlib
+  import importlib.util
+  import sys
+  if not spec.endswith(".py"):
+    return importlib.import_module(spec)
+  path = os.path.abspath(spec)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"tasks.modules: no file {spec!r}")
+  name = "posttrain_user_tasks_" + "".join(c if c.isalnum() else "_" for c in path)
+  if name in sys.modules:
+    return sys.modules[name]
+  module_spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(module_spec)
+  sys.modules[name] = module
+  try:
+    module_spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+  return module
+
+
+def register_task_sources(config) -> list[str]:
+  """Registers the domains of a run's own task sources (beside the built-in families) and
+  returns their names; safe to call again. Each process of a run registers the same.
+
+    tasks.modules   comma-separated Python modules (import names, or .py paths) that
+                    register domains in `posttrain.tasks.registry` when imported, or
+                    define `domains()` returning the Domain objects to register
+    tasks.files     comma-separated JSON-lines task files (`posttrain.tasks.jsonl`:
+                    {"prompt", "answer", "verifier"?, ...} rows), each the domain
+                    jsonl/<file stem>; rows without a verifier use tasks.file_verifier
+    tasks.gym       comma-separated reasoning-gym datasets (posttrain[gym]), gym/<name>
+
+  `tasks.domains` then selects among all registered domains, e.g. "jsonl/*".
+
+  Raises:
+    ValueError / FileNotFoundError / ImportError: one line naming the key and the source.
+  """
+  t = config.get("tasks")
+  if t is None:
+    return []
+  names: list[str] = []
+  for spec in _csv(t.get("modules", "")):
+    try:
+      module = _import_tasks_module(spec)
+    except ImportError as e:
+      raise ImportError(f"tasks.modules: cannot import {spec!r}: {e}") from None
+    make = getattr(module, "domains", None)
+    for domain in (make() if callable(make) else []):
+      _register_sourced(domain, f"tasks.modules {spec!r}")
+      names.append(domain.name)
+  files = _csv(t.get("files", ""))
+  if files:
+    from posttrain.tasks.jsonl import VERIFIERS, JsonlDomain  # grain: only when used
+    verifier = str(t.get("file_verifier", "exact") or "exact")
+    if verifier not in VERIFIERS:
+      raise ValueError(f"tasks.file_verifier={verifier!r}; expected one of "
+                       f"{sorted(VERIFIERS)}")
+    for path in files:
+      domain = JsonlDomain.from_file(path, verifier=verifier)
+      _register_sourced(domain, f"tasks.files {path!r}")
+      names.append(domain.name)
+  gym = _csv(t.get("gym", ""))
+  if gym:
+    from posttrain.tasks.gym import gym_domains
+    for domain in gym_domains(gym):
+      _register_sourced(domain, f"tasks.gym {domain.name!r}")
+      names.append(domain.name)
+  return names
+
+
+def _csv(value) -> list[str]:
+  return [x.strip() for x in str(value or "").split(",") if x.strip()]
+
+
 def run_domains(config) -> list[str]:
+  """The domains a run trains on: tasks.domains' globs (and tasks.levels) over the
+  built-in domains and the run's own task sources (`register_task_sources`)."""
+  register_task_sources(config)
   t = config.tasks
   return select_domains(t.domains, str(t.get("levels", "") or ""),
                         int(t.get("max_domains", 0) or 0))
+
+
+def eval_domains(config) -> list[str]:
+  """The domains evaluation visits: eval.domains' globs when set (a held-out task file's
+  domain, say), else the run's domains."""
+  register_task_sources(config)
+  globs = str((config.get("eval") or {}).get("domains", "") or "")
+  return select_domains(globs) if globs.strip() else run_domains(config)
 
 
 def reward_model_domains(config, domains: Sequence[str]) -> list[str]:

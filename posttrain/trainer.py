@@ -40,7 +40,7 @@ from flax import nnx
 
 from posttrain import distributed, evaluation, majority_vote, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
-                                  data_cache_dir, distill_stages, distill_teacher,
+                                  data_cache_dir, distill_stages, distill_teacher, eval_domains,
                                   from_checkpoint,
                                   frozen_references, model_config, objective,
                                   optimizer_like, reward_model_domains, rollout_reasoning,
@@ -332,7 +332,7 @@ class Trainer:
       self.algo.tis_cap = 2.0
       log.info("samples from older policies (disaggregated with max_policy_lag>0, or "
                "partial rollouts across steps): truncated importance weights, cap 2")
-    self.eval_domains = self.domains
+    self.eval_domains = eval_domains(config)
     sched = dict(config.scheduler)
     rule = sched.pop("rule")
     self.scheduler = Scheduler(self.domains, rule=rule, seed=self.seed, **sched)
