@@ -12,8 +12,9 @@ completions differing only in what the verifier ignores vote together:
                         digits, 1,000 grouping; choices lower-cased; lists as tuples; one
                         pair of quotes and the whitespace stripped)
   tools                 the integer in the last <answer> of the model's own text
-  jsonl                 by the row's verifier: exact (stripped), exact_ci (lower-cased too),
-                        int, numeric (the exact rational value), math (a number's rational
+  jsonl                 the last <answer> pair (else the last \\boxed{}) by the row's
+                        verifier: exact (stripped), exact_ci (lower-cased too), int,
+                        numeric (the exact rational value), math (a number's rational
                         value, else `mathcheck.normalize` of the text)
   gym, other domains    the stripped text of the last <answer> pair
 
@@ -70,17 +71,19 @@ def _answer(domain: Domain, task: Task, completion: str):
   if isinstance(domain, CodeDomain):
     return None
   tools = isinstance(domain, ToolDomain)
-  raw = extract_answer(model_text(completion) if tools else completion)
+  # A JsonlDomain exists only once its module is loaded; importing it here would pull in
+  # grain (seconds) for every evaluation.
+  jsonl = sys.modules.get("posttrain.tasks.jsonl")
+  from_file = jsonl is not None and isinstance(domain, jsonl.JsonlDomain)
+  read = jsonl.read_answer if from_file else extract_answer
+  raw = read(model_text(completion) if tools else completion)
   if raw is None or len(raw) > MAX_ANSWER_CHARS:
     return None
   if tools:
     return parse_int(raw)
   if isinstance(domain, ProceduralDomain):
     return domain.kind.parse(raw)
-  # A JsonlDomain exists only once its module is loaded; importing it here would pull in
-  # grain (seconds) for every evaluation.
-  jsonl = sys.modules.get("posttrain.tasks.jsonl")
-  if jsonl is not None and isinstance(domain, jsonl.JsonlDomain):
+  if from_file:
     return _jsonl_answer(str(task.metadata.get("verifier", "exact")), raw)
   return raw.strip() or None
 

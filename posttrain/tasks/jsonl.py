@@ -4,9 +4,9 @@ Rows are read through a grain ``MapDataset`` (random access by index) and valida
 the file is loaded, so a bad row fails early with its line number. A prompt that does not
 mention ``<answer>`` gets ``ANSWER_INSTRUCTION`` appended.
 
-Verifiers compare the text inside the completion's last ``<answer>`` tags with the row's
-answer: ``exact`` (after stripping whitespace), ``exact_ci`` (also case-insensitive),
-``int``, ``numeric`` (rel. tolerance 1e-6, fractions and percentages allowed) and ``math``
+Verifiers compare the text inside the completion's last ``<answer>`` tags (without any,
+its last ``\\boxed{...}``) with the row's answer: ``exact`` (after stripping whitespace),
+``exact_ci`` (also case-insensitive), ``int``, ``numeric`` (rel. tolerance 1e-6, fractions and percentages allowed) and ``math``
 (math-verify when installed, see ``posttrain.tasks.mathcheck``).
 
 Seeds map to rows as ``row = (seed // 2) % n``: ``train_seed(i)`` and ``heldout_seed(i)``
@@ -80,6 +80,29 @@ def _parse_row(line: str, where: str, default_verifier: str) -> dict:
     }
 
 
+_BOXED = "\\boxed{"
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (nested braces balanced), or None."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, begin = 1, start + len(_BOXED)
+    for end in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[begin:end]
+    return None
+
+
+def read_answer(completion: str) -> str | None:
+    """What a task file's verifier reads: the last ``<answer>`` pair's content, else the
+    last ``\\boxed{...}``'s (math models answer that way unasked); None without either."""
+    raw = extract_answer(completion)
+    return last_boxed(completion) if raw is None else raw
+
+
 class JsonlDomain(Domain):
     """A domain over the rows of a user JSONL file."""
 
@@ -134,7 +157,7 @@ class JsonlDomain(Domain):
         )
 
     def _score(self, task, completion):
-        raw = extract_answer(completion)
+        raw = read_answer(completion)
         if raw is None:
             return zero_reward("no_answer")
         if len(raw) > MAX_ANSWER_CHARS:

@@ -71,6 +71,22 @@ def test_verifiers(task_file, row, good, bad):
     assert domain.score(task, "").value == 0.0
 
 
+def test_a_boxed_answer_counts_where_no_answer_tags_are(task_file):
+    """Math models write \\boxed{} unasked: the last one is the answer, nested braces and
+    all, unless <answer> tags are there; majority votes read the same."""
+    from posttrain import majority_vote
+    from posttrain.tasks.jsonl import last_boxed
+    domain = JsonlDomain.from_file(task_file)
+    half = domain.sample(train_seed(1))
+    assert domain.score(half, "so \\boxed{1} no, \\boxed{\\frac{3}{2}}.").value == 1.0
+    assert domain.score(half, "\\boxed{3/2} <answer>1.6</answer>").value == 0.0
+    assert domain.score(half, "\\boxed{\\frac{3}{2}").value == 0.0  # never closed
+    assert last_boxed("a \\boxed{x^{2}} b") == "x^{2}" and last_boxed("none") is None
+    keys = [majority_vote.answer_key(domain, half, t)
+            for t in ("\\boxed{3/2}", "<answer>1.5</answer>", "\\boxed{1.6}")]
+    assert keys[0] == keys[1] != keys[2]
+
+
 def test_math_verifier_proves_symbolic_equivalence(task_file):
     pytest.importorskip("math_verify")
     domain = JsonlDomain.from_file(task_file)
