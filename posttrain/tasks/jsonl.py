@@ -6,8 +6,9 @@ mention ``<answer>`` gets ``ANSWER_INSTRUCTION`` appended.
 
 Verifiers compare the text inside the completion's last ``<answer>`` tags (without any,
 its last ``\\boxed{...}``) with the row's answer: ``exact`` (after stripping whitespace),
-``exact_ci`` (also case-insensitive), ``int``, ``numeric`` (rel. tolerance 1e-6, fractions and percentages allowed) and ``math``
-(math-verify when installed, see ``posttrain.tasks.mathcheck``).
+``exact_ci`` (also case-insensitive), ``int``, ``numeric`` (rel. tolerance 1e-6, fractions
+and percentages allowed) and ``math`` (math-verify when installed, see
+``posttrain.tasks.mathcheck``).
 
 Seeds map to rows as ``row = (seed // 2) % n``: ``train_seed(i)`` and ``heldout_seed(i)``
 both visit row ``i``, so iterating either seed family walks the file in order. Keep
