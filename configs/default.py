@@ -123,12 +123,13 @@ def get_config() -> ml_collections.ConfigDict:
   # reasoning its chat format marks (Qwen3's <think> block, gpt-oss's analysis channel);
   # "none" all of it; "think" <think> blocks in any tokenizer's text. thinking: the
   # prompts' reasoning switch, "" the template's default, "on" / "off" (Qwen3) or "low" /
-  # "medium" / "high" (gpt-oss's effort).
+  # "medium" / "high" (gpt-oss's effort). system_prompt: a system message opening every
+  # rollout's (and the SFT demonstrations') conversation, "" none.
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,
       max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128,
       gather_weights=True, continuous_batching=True, reward_source="verifier",
-      reasoning="auto", thinking=""))
+      reasoning="auto", thinking="", system_prompt=""))
   # A learned reward model scoring the RL rollouts, on the rollout devices, right after
   # they are generated (dynamic sampling, the scheduler and the advantages see the mixed
   # rewards; pass rates and the held-out evaluation stay the verifiers').

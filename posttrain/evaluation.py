@@ -710,7 +710,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
         scoring_threads=int(r.scoring_threads), max_turns=int(r.max_turns),
         continuous=bool(r.get("continuous_batching", True)),
         reasoning=experiment.rollout_reasoning(config),
-        thinking=experiment.rollout_thinking(config))
+        thinking=experiment.rollout_thinking(config),
+        system_prompt=str(r.get("system_prompt", "") or "") or None)
     recorder = SandboxRecorder()
     try:
       with recorder.installed():

@@ -169,12 +169,16 @@ def _to_batch(trajectories, *, row_len: int, rows_per_mb: int, micro_multiple: i
                                     pad_id=pad_id)
 
 
-def _sft_example(domains: list[str], tok, index: int) -> dict[str, np.ndarray]:
-  """The index-th demonstration: domains round-robin, training seeds in order."""
+def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
+                 thinking=None) -> dict[str, np.ndarray]:
+  """The index-th demonstration: domains round-robin, training seeds in order; in the
+  rollouts' conversation (their system prompt and reasoning switch)."""
   domain = registry.get(domains[index % len(domains)])
   task = domain.sample(train_seed(index // len(domains)))
-  ids, mask = tok.encode_chat([{"role": "user", "content": task.prompt},
-                               {"role": "assistant", "content": domain.demonstration(task)}])
+  system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+  ids, mask = tok.encode_chat(system + [
+      {"role": "user", "content": task.prompt},
+      {"role": "assistant", "content": domain.demonstration(task)}], thinking=thinking)
   first = mask.index(1)
   return {"prompt_tokens": np.asarray(ids[:first], np.int32),
           "response_tokens": np.asarray(ids[first:], np.int32),
@@ -182,7 +186,8 @@ def _sft_example(domains: list[str], tok, index: int) -> dict[str, np.ndarray]:
           "advantages": np.float32(1.0)}
 
 
-def sft_dataset(domains: list[str], tok, seed: int, shard: tuple[int, int] = (0, 1)):
+def sft_dataset(domains: list[str], tok, seed: int, shard: tuple[int, int] = (0, 1),
+                system_prompt: str = "", thinking=None):
   """An endless, shuffled grain stream of demonstrations; its iterator state checkpoints.
 
   With `shard=(i, n)` the stream is every n-th element from the i-th: process i of n
@@ -194,7 +199,7 @@ def sft_dataset(domains: list[str], tok, seed: int, shard: tuple[int, int] = (0,
   ds = grain.MapDataset.range(1 << 40).shuffle(seed=seed)
   if count > 1:
     ds = ds[index::count]
-  return ds.map(lambda i: _sft_example(domains, tok, int(i)))
+  return ds.map(lambda i: _sft_example(domains, tok, int(i), system_prompt, thinking))
 
 
 def sft_iterator_state(saved: dict, shards: int) -> dict:
@@ -411,7 +416,8 @@ class Trainer:
         lock=self._sampler_lock if self.disaggregated else None,
         version_fn=lambda: self.sampler_version,
         continuous=bool(r.get("continuous_batching", True)),
-        reasoning=rollout_reasoning(config), thinking=rollout_thinking(config))
+        reasoning=rollout_reasoning(config), thinking=rollout_thinking(config),
+        system_prompt=str(r.get("system_prompt", "") or "") or None)
     self.reward_model = None
     if self.rm_path:
       # Frozen, on the rollout devices (the rollout thread scores what it generates);
@@ -767,7 +773,9 @@ class Trainer:
     if self.sft_data is not None:
       ds = self.sft_data.dataset(self.seed, shard)
     else:
-      ds = sft_dataset(self.domains, self.tok, self.seed, shard)
+      ds = sft_dataset(self.domains, self.tok, self.seed, shard,
+                       system_prompt=str(self.config.rollout.get("system_prompt", "") or ""),
+                       thinking=rollout_thinking(self.config))
     it = iter(ds.to_iter_dataset())
     if self.progress.sft_iterator:
       it.set_state(sft_iterator_state(self.progress.sft_iterator, shard[1]))

@@ -246,3 +246,33 @@ def test_think_mode_reads_text_tags_of_a_byte_tokenizer():
   _, w = _rollout(_Scripted(tok, reply), tok)
   assert not w.reads_reasoning  # auto: the byte tokenizer's format marks no reasoning
 
+
+
+@pytest.mark.parametrize("layout,thinking", [("byte", None), ("qwen3", False),
+                                             ("qwen3", None), ("harmony", "low")])
+def test_sft_demonstrations_open_as_the_rollouts_prompts(qwen3, harmony, layout, thinking):
+  """The warm start's demonstrations and the rollouts share their prompt, token for token:
+  the system prompt and the reasoning switch reach both (rollout.system_prompt /
+  rollout.thinking)."""
+  from posttrain import trainer
+  tok = {"byte": ByteTokenizer(), "qwen3": qwen3, "harmony": harmony}[layout]
+  w = worker_lib.RolloutWorker(_Scripted(tok, lambda t: []), tok, group_size=1,
+                               max_new_tokens=4, process=(0, 1), thinking=thinking,
+                               system_prompt="Think, then answer.")
+  try:
+    for index in range(3):
+      ex = trainer._sft_example(["arithmetic/add_d1"], tok, index, "Think, then answer.",
+                                thinking)
+      task = registry.get("arithmetic/add_d1").sample(index * 2)
+      whole = ex["prompt_tokens"].tolist() + ex["response_tokens"].tolist()
+      prompt = w.prompt_tokens(task)
+      assert whole[:len(prompt)] == prompt
+      # Qwen3 with thinking off: the empty <think> block the rollout prompt closes is, in
+      # the demonstration, the last assistant message's own (the template renders it so).
+      closed = len(tok.encode("<think>\n\n</think>\n\n")) if thinking is False else 0
+      assert len(ex["prompt_tokens"]) == len(prompt) - closed
+      text = (_text(tok, w.prompt_tokens(task)) if layout != "byte"
+              else tok.decode(w.prompt_tokens(task)))
+      assert "Think, then answer." in text
+  finally:
+    w.close()
