@@ -154,3 +154,31 @@ def test_a_run_trains_on_a_task_file_and_evaluates_on_another(tmp_path):
   assert len(final["tasks"]) == 2
   report, _ = evaluation.evaluate_checkpoint(c, str(work), write=False)
   assert list(report["domains"]) == ["jsonl/add_held"]
+
+
+def test_a_module_registers_a_reward_function_task_files_name(tmp_path):
+  """tasks.modules load before tasks.files: a verifier a module registers (here, partial
+  credit by distance) scores the file's rows; one that raises scores 0."""
+  from posttrain.tasks import jsonl
+  (tmp_path / "my_rewards.py").write_text(
+      "from posttrain.tasks.jsonl import register_verifier\n"
+      "def close(answer, gold):\n"
+      "  return max(0.0, 1.0 - abs(float(answer) - float(gold)) / 10)\n"
+      "register_verifier('close_to', close)\n")
+  rows = _write(tmp_path / "guess.jsonl", [{"prompt": "Guess 50.", "answer": "50"}])
+  c = _config(**{"tasks.modules": str(tmp_path / "my_rewards.py"), "tasks.files": rows,
+                 "tasks.file_verifier": "close_to", "tasks.domains": "jsonl/guess"})
+  try:
+    assert experiment.run_domains(c) == ["jsonl/guess"]
+    d = registry.get("jsonl/guess")
+    task = d.sample(0)
+    got = [d.score(task, f"<answer>{x}</answer>") for x in ("50", "47", "100", "fifty")]
+    assert [r.value for r in got] == [1.0, pytest.approx(0.7), 0.0, 0.0]
+    assert [r.verdict for r in got[:3]] == ["correct", "partial", "wrong"]
+    assert got[3].verdict.startswith("error: ValueError")
+    with pytest.raises(ValueError, match="is built in"):
+      jsonl.register_verifier("exact", lambda a, g: True)
+    with pytest.raises(TypeError, match="must be callable"):
+      jsonl.register_verifier("x", 3)
+  finally:
+    jsonl.VERIFIERS.pop("close_to", None)

@@ -8,7 +8,8 @@ Verifiers compare the text inside the completion's last ``<answer>`` tags (witho
 its last ``\\boxed{...}``) with the row's answer: ``exact`` (after stripping whitespace),
 ``exact_ci`` (also case-insensitive), ``int``, ``numeric`` (rel. tolerance 1e-6, fractions
 and percentages allowed) and ``math`` (math-verify when installed, see
-``posttrain.tasks.mathcheck``).
+``posttrain.tasks.mathcheck``), and any ``register_verifier`` added (a reward function of
+your own: True / False or partial credit in [0, 1]).
 
 Seeds map to rows as ``row = (seed // 2) % n``: ``train_seed(i)`` and ``heldout_seed(i)``
 both visit row ``i``, so iterating either seed family walks the file in order. Keep
@@ -18,6 +19,7 @@ evaluation rows in a separate file if they must not be trained on.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 
@@ -44,6 +46,24 @@ VERIFIERS: dict[str, Callable[[str, str], bool]] = {
     "numeric": lambda pred, gold: to_number(pred) is not None and fallback_equal(pred, gold),
     "math": math_equal,
 }
+BUILTIN_VERIFIERS = tuple(VERIFIERS)
+
+
+def register_verifier(name: str, fn: Callable[[str, str], bool | float]) -> None:
+    """Adds a verifier task files (and ``tasks.file_verifier``) can name.
+
+    ``fn(answer, gold)`` gets the completion's answer (as the built-in verifiers read it)
+    and the row's, and returns True / False or a score in [0, 1] (partial credit; 1 is
+    correct). Register before the files load: a ``tasks.modules`` module does it when
+    imported, and the run imports those first. An exception in ``fn`` scores 0.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"a verifier's name must be a non-empty string, got {name!r}")
+    if name in BUILTIN_VERIFIERS:
+        raise ValueError(f"verifier {name!r} is built in; pick another name")
+    if not callable(fn):
+        raise TypeError(f"verifier {name!r} must be callable, got {type(fn).__name__}")
+    VERIFIERS[name] = fn
 
 
 def _parse_row(line: str, where: str, default_verifier: str) -> dict:
@@ -169,7 +189,8 @@ class JsonlDomain(Domain):
         check = VERIFIERS.get(verifier)
         if check is None:
             return zero_reward(f"unknown verifier {verifier!r}")
-        exact = bool(check(raw, task.answer))
-        return Reward(
-            float(exact), {"format": 1.0, "exact": float(exact)}, "correct" if exact else "wrong"
-        )
+        value = float(check(raw, task.answer))
+        value = min(max(value, 0.0), 1.0) if math.isfinite(value) else 0.0
+        exact = value >= 1.0
+        verdict = "correct" if exact else ("partial" if value > 0 else "wrong")
+        return Reward(value, {"format": 1.0, "exact": float(exact)}, verdict)
