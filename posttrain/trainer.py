@@ -56,7 +56,7 @@ from posttrain.rl import losses as loss_lib
 from posttrain.rl import kto, packing, preference, presets
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as ts
-from posttrain.rollout import FairLock, RolloutWorker, group_to_trajectories
+from posttrain.rollout import FairLock, RolloutWorker, group_to_trajectories, task_messages
 from posttrain.rollout import reward_model as reward_model_lib
 from posttrain.sampling import Sampler
 from posttrain.tasks import Scheduler, registry, train_seed
@@ -175,9 +175,7 @@ def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
   rollouts' conversation (their system prompt and reasoning switch)."""
   domain = registry.get(domains[index % len(domains)])
   task = domain.sample(train_seed(index // len(domains)))
-  system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-  ids, mask = tok.encode_chat(system + [
-      {"role": "user", "content": task.prompt},
+  ids, mask = tok.encode_chat(task_messages(task, system_prompt) + [
       {"role": "assistant", "content": domain.demonstration(task)}], thinking=thinking)
   first = mask.index(1)
   return {"prompt_tokens": np.asarray(ids[:first], np.int32),

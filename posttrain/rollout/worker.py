@@ -186,8 +186,7 @@ class RolloutWorker:
     self._pool.shutdown(wait=True)
 
   def messages(self, task: Task) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-    return msgs + [{"role": "user", "content": task.prompt}]
+    return task_messages(task, self.system_prompt)
 
   def prompt_tokens(self, task: Task) -> list[int]:
     return self.tok.encode_chat(self.messages(task), add_generation_prompt=True,
@@ -643,6 +642,18 @@ class FairLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def task_messages(task: Task, system_prompt: str | None = None) -> list[dict[str, str]]:
+  """The conversation a task's rollouts (and SFT demonstrations) open with: the task's own
+  chat messages (`task.metadata["messages"]`, a task file's chat prompt) or its prompt as
+  the user's message, after `system_prompt` unless the task brings a system message."""
+  given = task.metadata.get("messages") if isinstance(task.metadata, dict) else None
+  msgs = ([{"role": m["role"], "content": m["content"]} for m in given] if given
+          else [{"role": "user", "content": task.prompt}])
+  if system_prompt and msgs[0]["role"] != "system":
+    msgs = [{"role": "system", "content": system_prompt}] + msgs
+  return msgs
 
 
 def _score(task: Task, sample: Sample) -> Reward:

@@ -1,8 +1,11 @@
 """User task files: JSON lines of ``{"prompt", "answer", "verifier"?, "metadata"?, "level"?}``.
 
 Rows are read through a grain ``MapDataset`` (random access by index) and validated when
-the file is loaded, so a bad row fails early with its line number. A prompt that does not
-mention ``<answer>`` gets ``ANSWER_INSTRUCTION`` appended.
+the file is loaded, so a bad row fails early with its line number. A prompt is a string
+(the user's message) or a list of chat messages (system, user and assistant turns ending
+with the user's, as veRL's and TRL's prompt columns hold them; `Task.metadata["messages"]`,
+which rollouts send as they are). A prompt that mentions neither ``<answer>`` nor
+``\\boxed{`` gets ``ANSWER_INSTRUCTION`` appended (to its last message).
 
 Verifiers compare the text inside the completion's last ``<answer>`` tags (without any,
 its last ``\\boxed{...}``) with the row's answer: ``exact`` (after stripping whitespace),
@@ -76,8 +79,12 @@ def _parse_row(line: str, where: str, default_verifier: str) -> dict:
     for key in ("prompt", "answer"):
         if key not in row:
             raise ValueError(f"{where}: missing {key!r}")
+    messages = None
+    if isinstance(row["prompt"], list):
+        messages = _parse_messages(row["prompt"], where)
+        row = {**row, "prompt": messages[-1]["content"]}
     if not isinstance(row["prompt"], str) or not row["prompt"].strip():
-        raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string or a list of messages")
     if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
         raise ValueError(f"{where}: 'answer' must be a string or number, got {row['answer']!r}")
     verifier = row.get("verifier", default_verifier)
@@ -90,8 +97,12 @@ def _parse_row(line: str, where: str, default_verifier: str) -> dict:
     if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 1):
         raise ValueError(f"{where}: 'level' must be an int >= 1, got {level!r}")
     prompt = row["prompt"]
-    if ANSWER_OPEN not in prompt:
+    asked = " ".join(m["content"] for m in messages) if messages else prompt
+    if ANSWER_OPEN not in asked and _BOXED not in asked:
         prompt = f"{prompt.rstrip()}\n{ANSWER_INSTRUCTION}"
+    if messages:
+        metadata = {**metadata, "messages": messages[:-1] + [
+            {"role": "user", "content": prompt}]}
     return {
         "prompt": prompt,
         "answer": str(row["answer"]),
@@ -102,6 +113,22 @@ def _parse_row(line: str, where: str, default_verifier: str) -> dict:
 
 
 _BOXED = "\\boxed{"
+_PROMPT_ROLES = ("system", "user", "assistant")
+
+
+def _parse_messages(value: list, where: str) -> list[dict]:
+    """A chat prompt: messages of system, user and assistant turns, ending with a user's."""
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in _PROMPT_ROLES:
+            raise ValueError(f"{where}: prompt[{i}] must be an object with a role in "
+                             f"{_PROMPT_ROLES}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: prompt[{i}] content must be a string")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not out or out[-1]["role"] != "user":
+        raise ValueError(f"{where}: a prompt's messages must end with a user message")
+    return out
 
 
 def last_boxed(text: str) -> str | None:

@@ -116,6 +116,11 @@ def test_scoring_never_raises(tmp_path_factory, row, text):
         ('{"prompt": "p", "answer": "a", "level": 0}', "level"),
         ("[1, 2]", "JSON object"),
         ("{nope", "not valid JSON"),
+        ('{"prompt": [], "answer": "a"}', "must end with a user message"),
+        ('{"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],'
+         ' "answer": "a"}', "must end with a user message"),
+        ('{"prompt": [{"role": "tool", "content": "q"}], "answer": "a"}', "prompt\\[0\\]"),
+        ('{"prompt": [{"role": "user", "content": 3}], "answer": "a"}', "content must be"),
     ],
 )
 def test_bad_rows_name_file_and_line(tmp_path, line, match):
@@ -140,3 +145,31 @@ def test_registered_file_domain_replays(task_file):
     task = domain.sample(2)
     record = make_record(task, "<answer>3/2</answer>", domain.score(task, "<answer>3/2</answer>"))
     assert replay(record, registry=reg).identical
+
+
+def test_chat_prompts_reach_the_rollouts_as_messages(tmp_path):
+    """A row's prompt may be chat messages (veRL's and TRL's prompt column): the task keeps
+    them, the instruction goes on the last user message, a prompt asking for \\boxed{} gets
+    none, and rollouts and SFT demonstrations open with the messages (a run's system
+    prompt only where the row has none)."""
+    from posttrain.rollout import task_messages
+    rows = [{"prompt": [{"role": "system", "content": "Be exact."},
+                        {"role": "user", "content": "1+1?"},
+                        {"role": "assistant", "content": "2"},
+                        {"role": "user", "content": "2+2?"}], "answer": "4"},
+            {"prompt": [{"role": "user", "content": "3+3? Put it in \\boxed{}."}],
+             "answer": "6"},
+            {"prompt": "5+5? Answer in \\boxed{}.", "answer": "10"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    domain = JsonlDomain.from_file(path)
+    first, second, third = (domain.sample(train_seed(i)) for i in range(3))
+    assert first.prompt == "2+2?\nPut the final answer in <answer></answer>."
+    assert task_messages(first, "Ignored: the row has its own.") == (
+        rows[0]["prompt"][:3] + [{"role": "user", "content": first.prompt}])
+    assert task_messages(second, "Think.") == [
+        {"role": "system", "content": "Think."},
+        {"role": "user", "content": "3+3? Put it in \\boxed{}."}]
+    assert third.prompt == rows[2]["prompt"] and "messages" not in third.metadata
+    assert task_messages(third) == [{"role": "user", "content": rows[2]["prompt"]}]
+    assert domain.score(second, "so \\boxed{6}").value == 1.0
