@@ -406,7 +406,8 @@ class Tokenizer:
 
   @property
   def stop_ids(self) -> tuple[int, ...]:
-    """Tokens that end an assistant turn."""
+    """Tokens that end an assistant turn: the format's end of turn, eos, and those the
+    model's generation config stops at."""
     end = self.chat.ends.get("assistant", self.chat.end_of_turn)
     return tuple(sorted(set(end[-1:] + [self.eos_id]
                             + list(getattr(self, "extra_stop_ids", ())))))
@@ -490,6 +491,8 @@ class HFTokenizer(Tokenizer):
                                think=think if None not in think else None,
                                default_system=_default_system(_chat_template(file, cfg)))
       self.eos_id = end
+      # Qwen's generation configs stop at <|endoftext|> too (a base model ends with it).
+      self.extra_stop_ids = [tid("<|endoftext|>")] if tid("<|endoftext|>") is not None else []
     elif tid("<start_of_turn>") is not None:  # Gemma: the assistant is "model"; no system
       start, end = tid("<start_of_turn>"), tid("<end_of_turn>")  # or tool turns of its own.
       headers = {r: [start] + self.encode(r + "\n") for r in ("user", "system")}
@@ -513,6 +516,16 @@ class HFTokenizer(Tokenizer):
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id
+    # The model folder's generation_config.json names the tokens generation stops at (Llama
+    # 3.1: <|eot_id|>, <|eom_id|>, <|end_of_text|>): they stop a rollout's turn too.
+    gen_file = os.path.join(os.path.dirname(file), "generation_config.json")
+    if os.path.exists(gen_file):
+      with open(gen_file, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+      eos = eos if isinstance(eos, list) else [eos]
+      self.extra_stop_ids = list(getattr(self, "extra_stop_ids", [])) + [
+          int(i) for i in eos if isinstance(i, int) and not isinstance(i, bool)
+          and 0 <= i < self.vocab_size]
 
   @functools.cached_property
   def fingerprint(self) -> str:

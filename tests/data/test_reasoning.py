@@ -557,3 +557,24 @@ def test_llama31_dated_system_turn_trimmed_contents_and_json_tool_answers(tmp_pa
                                              if "<|eot_id|>" in t)
   # The system turn opens the conversation only: a tool answer goes on without it.
   assert "Cutting" not in _text(tok, tok.chat.continuation([{"role": "tool", "content": "1"}]))
+
+
+def test_generation_config_and_base_model_stops(tmp_path):
+  """A turn stops where the model's generation config says (Llama 3.1's <|eom_id|> and
+  <|end_of_text|>), and ChatML's at <|endoftext|> too (how a Qwen base model ends)."""
+  specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+              "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|pad|>"]
+  tok = _write_tokenizer(tmp_path, specials)
+  ids = {t: tok._tok.token_to_id(t) for t in specials}
+  assert tok.stop_ids == (ids["<|eot_id|>"],)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [
+      ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"], 10 ** 9, True]}))
+  tok = load_tokenizer(str(tmp_path))
+  assert tok.stop_ids == tuple(sorted(ids[t] for t in ("<|end_of_text|>", "<|eom_id|>",
+                                                       "<|eot_id|>")))
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+  assert 3 in load_tokenizer(str(tmp_path)).stop_ids
+  (tmp_path / "q").mkdir()
+  qwen = _write_tokenizer(tmp_path / "q", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  assert qwen.stop_ids == tuple(sorted(qwen._tok.token_to_id(t)
+                                       for t in ("<|im_end|>", "<|endoftext|>")))
