@@ -69,8 +69,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=256, max_new_tokens=2048, temperature=1.0, top_p=0.0, top_k=0,
       max_len=3072, chunk_rows=1024, scoring_threads=32, max_turns=1, max_draws=1024,
-      gather_weights=True, continuous_batching=True, reward_source="verifier"))
-  c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=16, samples=4))
+      gather_weights=True, continuous_batching=True, reward_source="verifier",
+      reasoning="auto", thinking="", system_prompt=""))
+  c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=16, samples=4, domains=""))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=2, keep_every=100,
                                                 async_save=True))
   return c
