@@ -3,6 +3,7 @@ residuals, hand arithmetic for the KV cache, and the shipped real-scale configs.
 
 import glob
 import importlib
+import json
 import math
 import os
 import pathlib
@@ -583,6 +584,73 @@ def test_head_bytes_by_hand_and_in_the_train_peak():
                             + odd["sampler"] + odd["gradients"] + odd["batch"] + saved
                             + 3 * min(cfg8.logprob_chunk, int(config.train.row_len))
                             * (v + 1) * 4 + odd["head"])
+
+
+def test_divergence_head_bytes_by_hand():
+  """What an in-step divergence to a distillation teacher holds beside the log-prob
+  head: one more float32 logits chunk; where the vocabulary splits over fsdp, the
+  teacher's [E, V / fsdp] slice (twice when its vocabulary is padded) and a chunk's
+  teacher rows gathered; trained, the first pass's projection gradient. With D whole the
+  teacher's projection is read where it lies, unless distill.dtype casts it."""
+  cfg = models.get_preset("llama3_8b").replace(dtype="bfloat16", param_dtype="float32")
+  teacher = cfg.replace(d_model=3072, num_heads=24)
+  d, e, v, chunk = 4096, 3072, cfg.vocab_size, cfg.logprob_chunk
+  fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  dp8 = planner.abstract_mesh({"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1})
+  rows = dict(rows=16, row_len=2048)
+  logits = 4 * 2 * chunk * v  # 2 rows a device, float32
+  split = 2 * e * v // 8 + 2 * 16 * chunk * e  # the teacher's slice, its rows gathered
+  grad = 2 * d * v // 8
+  assert planner.divergence_head_bytes(cfg, teacher, mesh=fsdp8, **rows) == (
+      logits + split + grad)  # 0.48 GiB
+  assert planner.divergence_head_bytes(cfg.replace(lora_rank=8), teacher, mesh=fsdp8,
+                                       **rows) == logits + split
+  padded = teacher.replace(vocab_size=v + 256)
+  assert planner.divergence_head_bytes(cfg, padded, mesh=fsdp8, **rows) == (
+      logits + split + 2 * e * v // 8 + grad)
+  assert planner.divergence_head_bytes(cfg, teacher, mesh=dp8, **rows) == logits + 2 * d * v
+  cast = teacher.replace(dtype="float32", param_dtype="float32")
+  assert planner.divergence_head_bytes(cfg, cast, mesh=dp8, **rows) == (
+      logits + 2 * e * v + 2 * d * v)
+  # A vocabulary fsdp does not divide: both projections gathered whole, no rows gathered.
+  odd, odd_teacher = cfg.replace(vocab_size=v + 1), teacher.replace(vocab_size=v + 1)
+  assert planner.divergence_head_bytes(odd, odd_teacher, mesh=fsdp8, **rows) == (
+      4 * 2 * chunk * (v + 1) + 2 * e * (v + 1) + 2 * d * (v + 1))
+  score = cfg.replace(lm_head=False, value_head=True)
+  assert planner.divergence_head_bytes(score, teacher, mesh=fsdp8, **rows) == 0
+
+
+def test_plan_counts_the_divergence_when_the_update_computes_it(tmp_path):
+  """distill.loss reverse_kl / forward_kl / jsd in RL: the divergence joins the head's
+  phase; not for distill.loss=sampled, SFT alone (distill.stages=sft) or no teacher."""
+  vocab = models.get_preset("llama3_8b").vocab_size + 1  # the head's phase is the fuller
+  base = {"model.preset": "llama3_8b", "mesh.fsdp": 8,
+          "model.overrides": {"remat": "full", "scan_layers": True, "vocab_size": vocab},
+          "train.rows_per_microbatch": 8}
+  cfg = experiment.model_config(_config(**base))
+  teacher = cfg.replace(d_model=3072, num_heads=24, ffn_dim=8192, num_layers=2)
+  (tmp_path / "config.json").write_text(json.dumps(models.hf.model_config_to_hf(teacher)))
+  distill = {"distill.teacher": str(tmp_path), "distill.loss": "reverse_kl"}
+  p = planner.plan(_config(**base, **distill))
+  mesh = planner.abstract_mesh(p.mesh)
+  row_len = int(_config().train.row_len)
+  teacher_cfg = experiment.teacher_config(_config(**base, **distill))
+  want = planner.divergence_head_bytes(cfg, teacher_cfg, mesh=mesh, rows=8, row_len=row_len)
+  assert p["divergence"] == want > 0
+  text = p.components["divergence"].formula
+  assert "reverse_kl" in text and "projection gradient" in text and "E 3072" in text
+  saved = planner.saved_activation_bytes(cfg, rows=8, row_len=row_len, mesh=mesh)
+  head_phase = saved + 3 * min(cfg.logprob_chunk, row_len) * vocab * 4 + p["head"]
+  assert head_phase + p["divergence"] > p["activations"]
+  static = p["params"] + p["optimizer"] + p["reference"] + p["teacher"] + p["sampler"]
+  assert p.train_peak == static + p["gradients"] + head_phase + p["divergence"] + p["batch"]
+  jsd = planner.plan(_config(**{**base, **distill, "distill.loss": "jsd"}))
+  assert jsd["divergence"] == want
+  for changes, why in (({"distill.loss": "sampled"}, "distill.loss=sampled"),
+                       ({"distill.stages": "sft"}, "distill.stages=sft"),
+                       ({"distill.teacher": ""}, "distill.teacher unset")):
+    other = planner.plan(_config(**{**base, **distill, **changes}))
+    assert other["divergence"] == 0 and why in other.components["divergence"].formula
 
 
 def test_real_scale_presets_give_sane_numbers():
