@@ -1270,7 +1270,7 @@ class Trainer:
     if not picked:
       return
     t0 = time.time()
-    scores = self.reward_model.score_texts([g.task.prompt for g, _ in picked],
+    scores = self.reward_model.score_texts([task_messages(g.task) for g, _ in picked],
                                            [s.text for _, s in picked])
     rm = self.config.reward_model
     mixed = mix_rewards([s.reward for _, s in picked], scores, float(rm.mix), str(rm.squash))

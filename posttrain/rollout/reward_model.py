@@ -38,11 +38,15 @@ from posttrain.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.sampling.sampler import default_length_bucket
 
 
-def conversation_tokens(tok: Tokenizer, prompt: str, completion: str) -> list[int]:
-  """The token ids a reward model scores: the one-turn conversation up to and including its
-  last trained token (what `encode_pair` keeps of a pair's answer)."""
-  ids, mask = tok.encode_chat([{"role": "user", "content": prompt},
-                               {"role": "assistant", "content": completion}])
+def conversation_tokens(tok: Tokenizer, prompt: str | Sequence[dict], completion: str
+                        ) -> list[int]:
+  """The token ids a reward model scores: the conversation (a prompt string is one user
+  turn; a list is the chat messages before the answer) and the completion as the
+  assistant's turn, up to and including its last trained token (what `encode_pair` keeps
+  of a pair's answer)."""
+  context = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+             else [dict(m) for m in prompt])
+  ids, mask = tok.encode_chat(context + [{"role": "assistant", "content": completion}])
   last = max(i for i, m in enumerate(mask) if m)  # the assistant turn's end-of-turn token
   return ids[:last + 1]
 
@@ -157,8 +161,10 @@ class TransformerRewardModel:
     """Programs compiled so far (one per bucket shape)."""
     return len(self._programs)
 
-  def score_texts(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-    """The reward model's raw score of each (prompt, completion), in input order."""
+  def score_texts(self, prompts: Sequence[str | Sequence[dict]], completions: Sequence[str]
+                  ) -> list[float]:
+    """The reward model's raw score of each (prompt, completion), in input order; a prompt
+    is a string (one user turn) or the chat messages before the completion."""
     if len(prompts) != len(completions):
       raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
     rows = [conversation_tokens(self.tok, p, c) for p, c in zip(prompts, completions)]

@@ -69,6 +69,16 @@ def test_the_scored_tokens_are_a_preference_pairs_answer_layout():
     assert want[-1] == TOK.chat.end_of_turn[-1]
 
 
+def test_a_chat_prompt_is_scored_with_its_messages():
+  """A task's chat prompt (system and earlier turns) reaches the reward model whole."""
+  messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "1+1?"},
+              {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2?"}]
+  ids, mask = TOK.encode_chat(messages + [{"role": "assistant", "content": "4"}])
+  want = ids[:int(np.flatnonzero(mask)[-1]) + 1]
+  assert conversation_tokens(TOK, messages, "4") == want
+  assert conversation_tokens(TOK, "2+2?", "4") == conversation_tokens(TOK, messages[3:], "4")
+
+
 def test_scores_are_the_value_at_the_last_token_in_input_order(model):
   rm = TransformerRewardModel(model, TOK, max_len=256, batch_size=4)
   got = rm.score_texts(PROMPTS, COMPLETIONS)
