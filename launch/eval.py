@@ -5,6 +5,10 @@ timing.json, plots):
         [--domains=GLOB,...] [--samples=K] [--seeds_per_domain=N] [--baseline_step=M]
         [--seed=S] [--confidence=0.95] [--config.k=v]
 
+`--initial` evaluates the weights the run starts from (`--config.init_from=HF_FOLDER`, say)
+before any training, into DIR/eval/initial/: a base model on your task files, e.g.
+`--config.tasks.files=test.jsonl --domains=jsonl/test --initial`.
+
 A model too big for one host: the same command on every host, with
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`, the environment
 variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or nothing on a TPU
@@ -30,6 +34,10 @@ _SEEDS = flags.DEFINE_integer("seeds_per_domain", None, "Held-out seeds per doma
 _BASELINE = flags.DEFINE_integer("baseline_step", None, "Compare with this checkpoint and flag "
                                  "domains that got worse beyond noise.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_INITIAL = flags.DEFINE_bool("initial", False, "Evaluate the weights the run starts from "
+                             "(the config's init_from: a Hugging Face folder, an earlier run, "
+                             "or random) instead of a checkpoint: a baseline before training; "
+                             "writes WORKDIR/eval/initial/.")
 _CONFIDENCE = flags.DEFINE_float("confidence", 0.95, "Level of the regression intervals.")
 _PROCESSES = common.define_process_flags()
 flags.mark_flags_as_required(["config", "workdir"])
@@ -51,15 +59,16 @@ def main(argv):
     report, timing = evaluation.evaluate_checkpoint(
         _CONFIG.value, _WORKDIR.value, step=_STEP.value, domains=_DOMAINS.value,
         samples=_SAMPLES.value, seeds_per_domain=_SEEDS.value, baseline_step=_BASELINE.value,
-        seed=_SEED.value, confidence=_CONFIDENCE.value)
+        seed=_SEED.value, confidence=_CONFIDENCE.value, initial=_INITIAL.value)
   except (ValueError, OSError, KeyError) as e:
     common.fail(e)
   o = report["overall"]
-  log.info("step %d: %d tasks, greedy pass@1 %.3f%s%s; %.1f s; wrote %s/eval/step_%d",
-           report["step"], o["tasks"], o["greedy_pass_rate"],
+  where = "initial" if _INITIAL.value else f"step_{report['step']}"
+  log.info("%s: %d tasks, greedy pass@1 %.3f%s%s; %.1f s; wrote %s/eval/%s",
+           where.replace("_", " "), o["tasks"], o["greedy_pass_rate"],
            "".join(f", pass@{k} {v:.3f}" for k, v in o.get("pass_at_k", {}).items()),
            "".join(f", maj@{k} {v:.3f}" for k, v in o.get("maj_at_k", {}).items()),
-           timing["total_s"], _WORKDIR.value, report["step"])
+           timing["total_s"], _WORKDIR.value, where)
   if "regression" in report:
     log.info("regressed vs step %d: %s", _BASELINE.value,
              ", ".join(report["regression"]["regressed"]) or "none")

@@ -581,24 +581,35 @@ class Policy:
   restores complete trees) and keeps only the params.
   """
 
-  def __init__(self, config, workdir: str):
+  def __init__(self, config, workdir: str, *, initial: bool = False):
+    self.config = config
     self.mesh = experiment.build_meshes(config)[1]
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
     self.tok = load_tokenizer(config.tokenizer)
     self.cfg = experiment.model_config(config, self.tok.vocab_size)
+    self._graphdef, _, self._rest = ts._split_abstract(self.cfg)
+    self.initial = initial
+    self.ckpt = None
+    if initial:  # the run's starting weights (config.init_from); checkpoints not needed
+      return
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
-      raise ValueError(f"workdir={workdir!r} has no checkpoints/ folder")
+      raise ValueError(f"workdir={workdir!r} has no checkpoints/ folder (--initial "
+                       "evaluates the config's init_from without one)")
     self.ckpt = CheckpointManager(directory, read_only=True)
-    self._graphdef, _, self._rest = ts._split_abstract(self.cfg)
     self._abstract = experiment.abstract_checkpoint(
         self.cfg, experiment.optimizer_like(config), self.mesh, self.rules)
 
   def steps(self) -> list[int]:
-    return self.ckpt.all_steps()
+    return self.ckpt.all_steps() if self.ckpt is not None else []
 
   def params(self, step: int | None):
-    """(params, step) of checkpoint `step` (None: the newest readable one)."""
+    """(params, step) of checkpoint `step` (None: the newest readable one); with
+    `initial`, the run's starting weights as step 0."""
+    if self.initial:  # the model's own structure: an init_from folder's architecture
+      model = experiment.initial_model(self.config, self.cfg, self.mesh, self.rules)
+      self._graphdef, params, self._rest = nnx.split(model, nnx.Param, ...)
+      return params, 0
     if step is not None and step not in self.steps():
       raise ValueError(f"step={step} is not a checkpoint in {self.ckpt.directory}; have "
                        f"{self.steps()}")
@@ -612,7 +623,8 @@ class Policy:
     return nnx.merge(self._graphdef, params, self._rest)
 
   def close(self):
-    self.ckpt.close()
+    if self.ckpt is not None:
+      self.ckpt.close()
 
 
 def rollout_by_domain(worker, pairs: Sequence[tuple[str, int]], recorder: SandboxRecorder, *,
@@ -653,8 +665,11 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
                         domains: str | None = None, samples: int = 0,
                         seeds_per_domain: int | None = None, baseline_step: int | None = None,
                         seed: int = 0, confidence: float = 0.95, first_seed_index: int = 0,
-                        write: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Evaluates checkpoint `step` of the run in `workdir` on held-out seeds.
+                        write: bool = True, initial: bool = False
+                        ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Evaluates checkpoint `step` of the run in `workdir` on held-out seeds; with `initial`,
+  the weights the run starts from instead (config.init_from: a Hugging Face folder, an
+  earlier run, or random), a baseline before any training, written to DIR/eval/initial/.
 
   Args:
     config: the run's config (model, mesh, tokenizer, rollout and tasks sections).
@@ -671,6 +686,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
     confidence: level of the regression intervals.
     first_seed_index: index of the first held-out seed.
     write: write DIR/eval/step_N/ (report.json, timing.json, report.md, plots).
+    initial: evaluate config.init_from's weights (step 0 in the report); `step` and
+      `baseline_step` must then be None.
 
   Returns:
     (report, timing): the contents of report.json and timing.json.
@@ -691,7 +708,10 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
     raise ValueError(f"samples must be >= 0, got {samples}")
   if samples and temperature <= 0:
     raise ValueError(f"samples={samples} needs rollout.temperature > 0, got {temperature}")
-  policy = Policy(config, workdir)
+  if initial and (step is not None or baseline_step is not None):
+    raise ValueError("initial evaluates the config's init_from: give no step or "
+                     "baseline_step with it")
+  policy = Policy(config, workdir, initial=initial)
   timing: dict[str, Any] = {}
   try:
     t0 = time.perf_counter()
@@ -745,6 +765,7 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
 
   report: dict[str, Any] = {
       "format": REPORT_FORMAT, "step": int(step),
+      **({"initial": str(config.get("init_from", "") or "random")} if initial else {}),
       "settings": {"domains": names, "seeds_per_domain": n_seeds,
                    "first_seed_index": int(first_seed_index),
                    "heldout_seeds": [heldout_seed(first_seed_index),
@@ -763,7 +784,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
       for d, v in seconds.items()}
   if write and jax.process_index() == 0:
     from posttrain import report as report_lib
-    report_lib.write(os.path.join(workdir, "eval", f"step_{step}"), report, timing, workdir)
+    report_lib.write(os.path.join(workdir, "eval", "initial" if initial else f"step_{step}"),
+                     report, timing, workdir)
   return report, timing
 
 

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import nnx
 
 from posttrain import models
 from posttrain.data import reasoning as reasoning_lib
@@ -325,6 +326,53 @@ def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
     raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                      f"{vocab_size}")
   return cfg
+
+
+def initial_model(config, cfg: models.ModelConfig, mesh, rules) -> models.Transformer:
+  """The weights a run starts from (config.init_from): random from config.seed; a Hugging
+  Face folder (config.json); or an earlier run's checkpoint directory, in whichever layout
+  of the layers it had (a run without adapters may seed a LoRA run: fresh adapters on its
+  weights)."""
+  from posttrain.checkpoint import CheckpointManager  # trainer and evaluation only
+  src = str(config.get("init_from", "") or "")
+  if not src:
+    return models.create_model(cfg, mesh=mesh, rules=rules, seed=int(config.seed))
+  if os.path.exists(os.path.join(src, "config.json")):
+    return models.from_pretrained(src, mesh=mesh, rules=rules, seed=int(config.seed),
+                                  **{k: v for k, v in dict(config.model.get("overrides", {})
+                                                           or {}).items()
+                                     if k in ("attention_impl", "remat", "dtype",
+                                              "param_dtype", "value_head", "logprob_chunk",
+                                              "scan_layers", "lora_rank", "lora_alpha",
+                                              "lora_targets")})
+  ckpt_dir = os.path.join(src, "checkpoints") if os.path.isdir(
+      os.path.join(src, "checkpoints")) else src
+  manager = CheckpointManager(ckpt_dir, read_only=True)
+  layouts = [cfg, cfg.replace(scan_layers=not cfg.scan_layers)]
+  candidates = layouts + ([c.replace(lora_rank=0) for c in layouts] if cfg.lora_rank else [])
+  first_error = None
+  for saved_cfg in candidates:
+    try:
+      restored = manager.restore(abstract_checkpoint(saved_cfg, optimizer_like(config), mesh,
+                                                     rules))
+      break
+    except ValueError as e:
+      first_error = first_error or e
+  else:
+    raise first_error
+  if restored is None:
+    raise ValueError(f"init_from={src!r} is neither a Hugging Face folder (config.json) nor "
+                     "a checkpoint directory with a complete checkpoint")
+  graphdef, _, rest = ts._split_abstract(saved_cfg)
+  model = nnx.merge(graphdef, restored[0]["params"], rest)
+  if saved_cfg.scan_layers != cfg.scan_layers:
+    model = models.relayout(model, scan_layers=cfg.scan_layers, mesh=mesh, rules=rules)
+  if saved_cfg.lora_rank != cfg.lora_rank:
+    model = models.shard_model(
+        models.with_lora(model, cfg.lora_rank, jax.random.key(int(config.seed)),
+                         lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets),
+        mesh, rules)
+  return model
 
 
 def reward_architecture(architecture: str) -> str:

@@ -41,11 +41,10 @@ from flax import nnx
 from posttrain import distributed, evaluation, majority_vote, models
 from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, check_config,
                                   data_cache_dir, distill_stages, distill_teacher, eval_domains,
-                                  from_checkpoint,
-                                  frozen_references, model_config, objective,
-                                  optimizer_like, reward_model_domains, rollout_reasoning,
-                                  rollout_thinking, run_domains, teacher_config,
-                                  to_checkpoint)
+                                  from_checkpoint, frozen_references, initial_model,
+                                  model_config, objective, reward_model_domains,
+                                  rollout_reasoning, rollout_thinking, run_domains,
+                                  teacher_config, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData, UnpairedData
 from posttrain.data.sft import SFTData
@@ -104,51 +103,6 @@ class Progress_:
   pref_eval: dict | None = None     # pass rates after the preference stage
   pref_heldout: dict | None = None  # held-out pair metrics (preference.eval_data)
   kl_coef: float | None = None  # the adaptive KL controller's value for the next RL step
-
-
-def _init_params_model(config, cfg, mesh, rules) -> models.Transformer:
-  src = str(config.get("init_from", "") or "")
-  if not src:
-    return models.create_model(cfg, mesh=mesh, rules=rules, seed=int(config.seed))
-  if os.path.exists(os.path.join(src, "config.json")):
-    return models.from_pretrained(src, mesh=mesh, rules=rules, seed=int(config.seed),
-                                  **{k: v for k, v in dict(config.model.get("overrides", {})
-                                                           or {}).items()
-                                     if k in ("attention_impl", "remat", "dtype",
-                                              "param_dtype", "value_head", "logprob_chunk",
-                                              "scan_layers", "lora_rank", "lora_alpha",
-                                              "lora_targets")})
-  # An Orbax checkpoint directory of an earlier run: take its params, whichever layout of
-  # the layers (scan_layers or not) that run had; a run without adapters may seed a LoRA
-  # run (fresh adapters on its weights).
-  ckpt_dir = os.path.join(src, "checkpoints") if os.path.isdir(
-      os.path.join(src, "checkpoints")) else src
-  manager = CheckpointManager(ckpt_dir, read_only=True)
-  layouts = [cfg, cfg.replace(scan_layers=not cfg.scan_layers)]
-  candidates = layouts + ([c.replace(lora_rank=0) for c in layouts] if cfg.lora_rank else [])
-  first_error = None
-  for saved_cfg in candidates:
-    try:
-      restored = manager.restore(abstract_checkpoint(saved_cfg, optimizer_like(config), mesh,
-                                                     rules))
-      break
-    except ValueError as e:
-      first_error = first_error or e
-  else:
-    raise first_error
-  if restored is None:
-    raise ValueError(f"init_from={src!r} is neither a Hugging Face folder (config.json) nor "
-                     "a checkpoint directory with a complete checkpoint")
-  graphdef, _, rest = ts._split_abstract(saved_cfg)
-  model = nnx.merge(graphdef, restored[0]["params"], rest)
-  if saved_cfg.scan_layers != cfg.scan_layers:
-    model = models.relayout(model, scan_layers=cfg.scan_layers, mesh=mesh, rules=rules)
-  if saved_cfg.lora_rank != cfg.lora_rank:
-    model = models.shard_model(
-        models.with_lora(model, cfg.lora_rank, jax.random.key(int(config.seed)),
-                         lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets),
-        mesh, rules)
-  return model
 
 
 # ----------------------------------------------------------------------------------------
@@ -591,7 +545,7 @@ class Trainer:
                self.progress.pref_step, self.progress.rl_step)
       self.resumed_from = step
     else:
-      model = _init_params_model(self.config, self.cfg, self.mesh, self.rules)
+      model = initial_model(self.config, self.cfg, self.mesh, self.rules)
       if self._sft_enabled():
         opt = self.sft_optimizer
       elif self._pref_enabled():

@@ -540,6 +540,26 @@ def test_report_on_a_trained_checkpoint(run, fixed):
     assert fh.read() == first
 
 
+def test_initial_evaluation_reads_init_from_without_checkpoints(run, fixed, tmp_path):
+  """--initial evaluates the weights a run starts from: with init_from an earlier run it
+  gives that run's newest checkpoint's report, task for task, from a workdir holding no
+  checkpoint; and it writes DIR/eval/initial/."""
+  workdir, _ = run
+  kw = dict(domains="arithmetic/add_d1,evaltest/*", samples=2, seeds_per_domain=2)
+  trained, _ = evaluation.evaluate_checkpoint(_config(), workdir, write=False, **kw)
+  c = planner.override(_config(), {"init_from": workdir})
+  fresh = str(tmp_path / "fresh")
+  initial, _ = evaluation.evaluate_checkpoint(c, fresh, initial=True, **kw)
+  assert initial["tasks"] == trained["tasks"] and initial["step"] == 0
+  assert initial["initial"] == workdir
+  with open(os.path.join(fresh, "eval", "initial", "report.json")) as fh:
+    assert json.loads(fh.read()) == initial
+  with pytest.raises(ValueError, match="give no step or baseline_step"):
+    evaluation.evaluate_checkpoint(c, fresh, initial=True, step=2, **kw)
+  with pytest.raises(ValueError, match="--initial evaluates"):
+    evaluation.evaluate_checkpoint(c, fresh, **kw)
+
+
 def test_regression_flags_a_domain_broken_on_purpose(run, fixed, monkeypatch):
   workdir, _ = run
   params = evaluation.Policy.params

@@ -100,7 +100,7 @@ def test_init_from_an_earlier_run_in_either_layout_of_the_layers(tmp_path, scan_
   with CheckpointManager(str(tmp_path / "checkpoints")) as manager:
     manager.save(3, experiment.to_checkpoint(state), {}, force=True)
   cfg = trainer.model_config(now)
-  loaded = trainer._init_params_model(now, cfg, mesh, models.DEFAULT_RULES)
+  loaded = experiment.initial_model(now, cfg, mesh, models.DEFAULT_RULES)
   assert loaded.cfg.scan_layers == scan_now
   want = models.relayout(saved, scan_layers=scan_now)
   got_params, want_params = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (loaded, want))
@@ -108,7 +108,7 @@ def test_init_from_an_earlier_run_in_either_layout_of_the_layers(tmp_path, scan_
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   models.save_pretrained(saved, str(tmp_path / "hf"))
   now.init_from = str(tmp_path / "hf")
-  from_hf = trainer._init_params_model(now, cfg, mesh, models.DEFAULT_RULES)
+  from_hf = experiment.initial_model(now, cfg, mesh, models.DEFAULT_RULES)
   assert from_hf.cfg.scan_layers == scan_now
   np.testing.assert_array_equal(np.asarray(nnx.state(from_hf, nnx.Param)["embed"][...]),
                                 np.asarray(saved.embed[...]))
@@ -557,7 +557,7 @@ def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_pat
   state = state_lib.init_train_state(saved, experiment.optimizer_like(before), mesh=mesh)
   with CheckpointManager(str(tmp_path / "checkpoints")) as manager:
     manager.save(3, experiment.to_checkpoint(state), {}, force=True)
-  loaded = trainer._init_params_model(now, trainer.model_config(now), mesh,
+  loaded = experiment.initial_model(now, trainer.model_config(now), mesh,
                                       models.DEFAULT_RULES)
   assert loaded.cfg.lora_rank == 4 and nnx.state(loaded, nnx.LoRAParam)
   tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
