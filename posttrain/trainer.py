@@ -1270,6 +1270,11 @@ class Trainer:
       trajectories += group_to_trajectories(g, a)
     for traj, r in zip(trajectories, np.concatenate(shaped)):
       traj["rewards"] = np.float32(r)
+    truncated = [s.finish_reason == "length" for g in groups for s in g.samples]
+    if algo.mask_truncated:  # overlong filtering: a sample that never ended trains nothing
+      for traj, cut in zip(trajectories, truncated):
+        if cut:
+          traj["response_mask"] = np.zeros_like(traj["response_mask"])
     kl_coef = self._kl_coef()  # before the controller moves it for the next step
     step_fn = self._rl_step_fn
     if self._reference_in_step() and not self.cfg.lora_rank:
@@ -1333,6 +1338,7 @@ class Trainer:
                         np.float64)
     host = {"reward/mean": float(flat_rewards.mean()), "pass_rate/mean": float(passed.mean()),
             "response_length/mean": gen / max(len(passed), 1),
+            "response_length/truncated_fraction": float(np.mean(truncated)),
             "throughput/tokens_per_s": (gen + greedy) / max(timings["timing/rollout_s"], 1e-9),
             "padding_fraction": packing.padding_fraction(
                 {"segment_ids": np.asarray(batch["segment_ids"])}), **extra, **timings}

@@ -301,6 +301,39 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
   assert all(r["pass_rate/mean"] == 0.5 for r in rows)
 
 
+def test_overlong_filtering_trains_no_token_of_a_sample_that_never_ended(tmp_path,
+                                                                         monkeypatch):
+  """rl.mask_truncated: a sample cut off at max_new_tokens keeps its reward (the group's
+  advantages see it) but none of its tokens is trained; a step of only such samples
+  updates nothing and stays finite. The truncated share is logged either way."""
+  seen = []
+  to_batch = trainer._to_batch
+
+  def spy(trajectories, **kw):
+    seen.append([(t["response_tokens"].copy(), t["response_mask"].copy())
+                 for t in trajectories])
+    return to_batch(trajectories, **kw)
+
+  monkeypatch.setattr(trainer, "_to_batch", spy)
+  over = {"rl.mask_truncated": True, "train.rl_steps": 2, "sft.steps": 0,
+          "eval.seeds_per_domain": 0}
+  assert trainer.train(_config(**over), str(tmp_path / "masked"))["status"] == "done"
+  stops = set(trainer.load_tokenizer(_config().tokenizer).stop_ids)
+  rows = [r for r in read_metrics(str(tmp_path / "masked")) if "reward/mean" in r]
+  assert len(seen) == len(rows) == 2
+  for batch, row in zip(seen, rows):
+    cut = [int(tokens[-1]) not in stops for tokens, _ in batch]
+    assert row["response_length/truncated_fraction"] == pytest.approx(np.mean(cut))
+    assert any(cut)  # an untrained policy rarely stops within 8 tokens
+    for (tokens, mask), c in zip(batch, cut):
+      assert (mask.sum() == 0) == c
+    assert np.isfinite(row["grad_norm"])
+  seen.clear()
+  over["rl.mask_truncated"] = False
+  assert trainer.train(_config(**over), str(tmp_path / "kept"))["status"] == "done"
+  assert all(mask.sum() > 0 for batch in seen for _, mask in batch)
+
+
 def test_sft_shards_interleave_into_the_unsharded_stream():
   from posttrain.data.tokenizer import load_tokenizer
   tok, domains = load_tokenizer("byte"), ["arithmetic/add_d1", "strings/copy_l1"]

@@ -50,6 +50,10 @@ upper clip. Knobs:
     group_size           samples per prompt
     dynamic_sampling     drop groups whose rewards are all equal (DAPO)
     overlong_penalty, overlong_buffer_len, overlong_penalty_factor   DAPO soft penalty
+    mask_truncated       overlong filtering (DAPO's alternative to the penalty): a sample
+                         that never ended (finish_reason "length": max_new_tokens or the
+                         sampler's max_len, a reasoning model cut off while thinking)
+                         keeps its reward in its group's advantages but trains no token
     ppo_epochs, num_minibatches   passes and optimizer steps per rollout batch
     preference_loss      "" = the policy-gradient update above; a paired loss of
                          posttrain.rl.preference (sigmoid, ipo, simpo, ...) = online
@@ -102,6 +106,7 @@ _BASE: dict[str, Any] = dict(
     overlong_penalty=False,
     overlong_buffer_len=1024,
     overlong_penalty_factor=1.0,
+    mask_truncated=False,
     ppo_epochs=1,
     num_minibatches=1,
     preference_loss="",
