@@ -182,3 +182,36 @@ def test_a_module_registers_a_reward_function_task_files_name(tmp_path):
       jsonl.register_verifier("x", 3)
   finally:
     jsonl.VERIFIERS.pop("close_to", None)
+
+
+def test_a_qwen3_run_logs_its_reasoning_and_reads_its_content(tmp_path, monkeypatch):
+  """End to end with a Qwen3-style tokenizer (ChatML with <think>): the run's prompts close
+  thinking when rollout.thinking=off, the verifier reads each completion's content, and
+  the reasoning metrics are logged."""
+  from posttrain.rollout import worker as worker_lib
+  from tests.data.test_reasoning import QWEN3_SPECIALS, _write_tokenizer
+  from tests.test_trainer import OVERRIDES
+  tok_dir = tmp_path / "tok"
+  tok_dir.mkdir()
+  tok = _write_tokenizer(tok_dir, QWEN3_SPECIALS)
+  seen = []
+  score = worker_lib._score
+
+  def spy(task, sample):
+    seen.append(sample)
+    return score(task, sample)
+
+  monkeypatch.setattr(worker_lib, "_score", spy)
+  over = {**OVERRIDES, "tokenizer": str(tok_dir), "model.overrides.vocab_size": 320,
+          "train.rl_steps": 1, "sft.steps": 0, "eval.seeds_per_domain": 0,
+          "rollout.thinking": "off"}
+  c = planner.override(default.get_config(), over)
+  assert trainer.train(c, str(tmp_path / "run"))["status"] == "done"
+  (row,) = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
+  assert seen and 0.0 <= row["reasoning/unclosed_fraction"] <= 1.0
+  assert row["reasoning/length_mean"] == pytest.approx(
+      sum(s.reasoning_tokens for s in seen) / len(seen))
+  for s in seen:
+    assert tok._tok.decode(s.prompt_tokens, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert s.text == tok.split_response(s.response_tokens).content
