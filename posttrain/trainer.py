@@ -48,7 +48,7 @@ from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, 
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData, UnpairedData
 from posttrain.data.sft import SFTData
-from posttrain.data.tokenizer import load_tokenizer
+from posttrain.data.tokenizer import load_tokenizer, with_thinking
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import advantages as adv_lib
 from posttrain.rl import losses as loss_lib
@@ -249,6 +249,8 @@ class Trainer:
     self.sampler_version = 0
     self.rules = models.rules_from_config(config.get("sharding_rules") or None)
     self.tok = load_tokenizer(config.tokenizer)
+    # SFT and preference files' conversations under the rollouts' reasoning switch.
+    self._data_tok = with_thinking(self.tok, rollout_thinking(config))
     self.cfg = model_config(config, self.tok.vocab_size)
     if config.get("export_hf"):  # at the start, not after the run
       models.hf.check_exportable(self.cfg)
@@ -457,12 +459,14 @@ class Trainer:
     train = eval_ = None
     cache = data_cache_dir(self.config, self.workdir)
     if int(s.steps) > 0 and s.get("data"):
-      train = SFTData.from_files(s.data, self.tok, row_len=self.row_len, cache_dir=cache)
+      train = SFTData.from_files(s.data, self._data_tok, row_len=self.row_len,
+                                 cache_dir=cache)
       log.info("SFT data: %d conversations, %d trained tokens; %d steps of %d are %.2f "
                "epochs", len(train), train.trained_tokens, int(s.steps), int(s.batch_size),
                int(s.steps) * int(s.batch_size) / len(train))
     if int(s.steps) > 0 and s.get("eval_data"):
-      eval_ = SFTData.from_files(s.eval_data, self.tok, row_len=self.row_len, cache_dir=cache)
+      eval_ = SFTData.from_files(s.eval_data, self._data_tok, row_len=self.row_len,
+                                 cache_dir=cache)
     return train, eval_
 
   def _load_preference(self, config):
@@ -491,8 +495,9 @@ class Trainer:
                        f"{what} (posttrain.data.preference)")
     cache = data_cache_dir(config, self.workdir)
     kind = UnpairedData if cfg.unpaired else PreferenceData
-    data = kind.from_files(p.data, self.tok, row_len=self.row_len, cache_dir=cache)
-    held = (kind.from_files(p.eval_data, self.tok, row_len=self.row_len, cache_dir=cache)
+    data = kind.from_files(p.data, self._data_tok, row_len=self.row_len, cache_dir=cache)
+    held = (kind.from_files(p.eval_data, self._data_tok, row_len=self.row_len,
+                             cache_dir=cache)
             if p.get("eval_data") else None)
     if held is not None and kto.needs_kl(cfg) and len(held) < 2:
       raise ValueError("preference.eval_data holds one example; kto's KL estimate needs 2")

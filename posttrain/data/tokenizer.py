@@ -581,6 +581,46 @@ def _default_system(template: str) -> str | None:
   return found.group(1).replace("\\n", "\n").replace("\\'", "'")
 
 
+class _Thinking(Tokenizer):
+  """A tokenizer whose conversations take a reasoning switch unless told otherwise."""
+
+  def __init__(self, tok: Tokenizer, thinking: bool | str):
+    tok.chat.check_thinking(thinking)
+    self._inner, self._thinking = tok, thinking
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
+
+  def encode(self, text: str) -> list[int]:
+    return self._inner.encode(text)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._inner.decode(ids)
+
+  def encode_chat(self, messages, add_generation_prompt=False, thinking=None):
+    return self._inner.encode_chat(messages, add_generation_prompt,
+                                   self._thinking if thinking is None else thinking)
+
+  @property
+  def fingerprint(self) -> str | None:
+    inner = self._inner.fingerprint
+    return None if inner is None else f"{inner}|thinking={self._thinking!r}"
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return self._inner.stop_ids
+
+  def save(self, directory: str) -> list[str]:
+    return self._inner.save(directory)
+
+
+def with_thinking(tok: Tokenizer, thinking: bool | str | None) -> Tokenizer:
+  """`tok`, its conversations under the reasoning switch `thinking` (harmony's effort in
+  the system message, say) where no call says otherwise; `tok` itself for None. Its
+  fingerprint (the tokenized-data cache's key) tells the switch apart."""
+  return tok if thinking is None else _Thinking(tok, thinking)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
   """'byte' for the built-in tokenizer, else a folder or tokenizer.json path."""
   if spec in ("byte", "", None):

@@ -578,3 +578,26 @@ def test_generation_config_and_base_model_stops(tmp_path):
   qwen = _write_tokenizer(tmp_path / "q", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
   assert qwen.stop_ids == tuple(sorted(qwen._tok.token_to_id(t)
                                        for t in ("<|im_end|>", "<|endoftext|>")))
+
+
+def test_with_thinking_sets_data_files_reasoning_switch(harmony, tmp_path):
+  """SFT and preference files get the rollouts' reasoning switch (gpt-oss's effort in the
+  system message), and their tokenized cache tells the switch apart."""
+  from posttrain.data.sft import SFTData
+  from posttrain.data.tokenizer import with_thinking
+  high = with_thinking(harmony, "high")
+  assert with_thinking(harmony, None) is harmony
+  convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+  assert high.encode_chat(convo) == harmony.encode_chat(convo, thinking="high")
+  assert high.encode_chat(convo, thinking="low") == harmony.encode_chat(convo, thinking="low")
+  assert high.fingerprint != harmony.fingerprint and high.stop_ids == harmony.stop_ids
+  assert (high.vocab_size, high.eos_id) == (harmony.vocab_size, harmony.eos_id)
+  path = tmp_path / "sft.jsonl"
+  path.write_text(json.dumps({"messages": convo}) + "\n")
+  cache = str(tmp_path / "cache")
+  for tok, effort in ((harmony, "medium"), (high, "high")):
+    data = SFTData.from_files(str(path), tok, row_len=256, cache_dir=cache)
+    assert f"Reasoning: {effort}" in _text(harmony, data.examples[0]["prompt_tokens"].tolist())
+  assert len(list((tmp_path / "cache").iterdir())) == 2
+  with pytest.raises(ValueError, match="gpt-oss always reasons"):
+    with_thinking(harmony, False)
