@@ -1368,7 +1368,10 @@ class Trainer:
     """Online preference optimisation: each group's best samples against its worst
     (`algorithm.pairs_per_group`), one preference update on all the pairs. Returns the
     packed batch, the step's metrics (none when no group had a pair: every reward tied)
-    and the pair counts."""
+    and the pair counts. An unpaired loss (online KTO) labels samples instead
+    (`_online_unpaired_update`)."""
+    if self.online_pref.unpaired:
+      return self._online_unpaired_update(step_fn, groups, trajectories, rewards)
     pairs, start = [], 0
     for g, r in zip(groups, rewards):
       samples = trajectories[start:start + len(g.samples)]
@@ -1382,6 +1385,34 @@ class Trainer:
       return {"segment_ids": np.zeros((1, self.row_len), np.int32)}, [], stats
     batch = preference.pack_pairs(pairs, self.row_len, rows_per_microbatch=self.rows_per_mb,
                                   pad_id=self.tok.pad_id)
+    stats["preference/truncated"] = float(batch["truncated"])
+    self.state, metrics = step_fn(self.state, batch)
+    renamed = {(f"preference/{k}" if k.startswith(("rewards/", "logps/")) else k): v
+               for k, v in metrics.items()}
+    return batch, [renamed], stats
+
+  def _online_unpaired_update(self, step_fn, groups, trajectories, rewards):
+    """Online KTO: a sample above its group's mean reward is desirable, one below it
+    undesirable (one at the mean, as every sample of a tied group, is left out); one
+    update on the labelled samples. Returns as `_online_preference_update`."""
+    examples, start = [], 0
+    for g, r in zip(groups, rewards):
+      r = np.asarray(r, np.float64)
+      for s, v in zip(trajectories[start:start + len(g.samples)], r):
+        if v != r.mean() and len(s["response_tokens"]) and np.any(s["response_mask"]):
+          examples.append({"prompt_tokens": s["prompt_tokens"],
+                           "completion_tokens": s["response_tokens"],
+                           "completion_mask": s["response_mask"],
+                           "label": bool(v > r.mean())})
+      start += len(g.samples)
+    stats = {"preference/examples": float(len(examples)),
+             "preference/desirable": float(sum(e["label"] for e in examples))}
+    if len(examples) < (2 if kto.needs_kl(self.online_pref) else 1):
+      log.info("rl step %d: %d labelled samples (every group's rewards tied); no update",
+               self.progress.rl_step + 1, len(examples))
+      return {"segment_ids": np.zeros((1, self.row_len), np.int32)}, [], stats
+    batch = kto.pack_examples(examples, self.row_len, rows_per_microbatch=self.rows_per_mb,
+                              pad_id=self.tok.pad_id, with_kl=kto.needs_kl(self.online_pref))
     stats["preference/truncated"] = float(batch["truncated"])
     self.state, metrics = step_fn(self.state, batch)
     renamed = {(f"preference/{k}" if k.startswith(("rewards/", "logps/")) else k): v

@@ -904,6 +904,31 @@ def test_online_dpo_pairs_each_groups_best_and_worst_sample(tmp_path, monkeypatc
   assert rows[0]["preference/rewards/margin"] == 0.0
 
 
+def test_online_kto_labels_samples_by_their_groups_mean(tmp_path, monkeypatch):
+  """algorithm=online_kto: in each informative group the samples above the mean reward are
+  desirable and those below undesirable, one KTO update on them all; the reference is the
+  policy RL started from, so the first update's loss is 1 - sigmoid(0) = 0.5."""
+  from posttrain.rollout import worker as worker_lib
+  from posttrain.tasks import Reward
+  monkeypatch.setattr(worker_lib, "_score", lambda task, sample: Reward(
+      value=float(len(sample.text) % 2), components={}, verdict=""))
+  c = _config(**{"algorithm": "online_kto", "train.rl_steps": 2, "rl.group_size": 4,
+                 "rl.desirable_weight": 1.5, "eval.seeds_per_domain": 0})
+  assert trainer.train(c, str(tmp_path))["rl_steps"] == 2
+  rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rows) == 2
+  for r in rows:
+    # 4 informative groups of 4 a step: every sample is above or below its group's mean,
+    # and the passing ones are the desirable ones.
+    assert r["preference/examples"] == 16 and r["nonfinite"] == 0
+    assert r["preference/desirable"] == 16 * r["pass_rate/mean"]
+  # Weighted by 1.5 the desirable ones, 1 the rest: the mean loss of 0.5s.
+  d = rows[0]["preference/desirable"]
+  assert rows[0]["loss/preference"] == pytest.approx(0.5 * (1.5 * d + 16 - d) / 16, abs=1e-5)
+  with pytest.raises(ValueError, match="desirable_weight"):
+    trainer.train(_config(**{"rl.desirable_weight": 2.0}), str(tmp_path / "bad"))
+
+
 GEMMA2 = {"model.overrides.architecture": "Gemma2ForCausalLM", "model.overrides.num_layers": 2,
           "model.overrides.norm_unit_offset": True, "model.overrides.sandwich_norms": True,
           "model.overrides.embed_scale": True, "model.overrides.mlp_activation": "gelu_tanh",

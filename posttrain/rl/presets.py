@@ -60,8 +60,12 @@ upper clip. Knobs:
                          preference optimisation: each group's best sample against
                          its worst (by verified reward) as a DPO-family pair
                          (posttrain.rl.preference), the reference the policy RL started from
+                         An unpaired loss (kto, apo_zero_unpaired) labels samples
+                         instead: above their group's mean reward desirable, below it
+                         undesirable, at it (and every sample of a tied group) left out
     beta, label_smoothing, simpo_gamma, sft_coef, discopop_tau   that loss's knobs
                          (PreferenceConfig)
+    desirable_weight, undesirable_weight   an unpaired loss's weights of its labels
     pairs_per_group      pairs a group gives: its i-th best against its i-th worst
 """
 
@@ -115,6 +119,8 @@ _BASE: dict[str, Any] = dict(
     simpo_gamma=0.5,
     sft_coef=0.0,
     discopop_tau=0.05,
+    desirable_weight=1.0,
+    undesirable_weight=1.0,
     pairs_per_group=1,
     cov_fraction=2e-4,
     clip_cov_lb=1.0,
@@ -236,6 +242,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
         dynamic_sampling=True,
         beta=0.1,
     ),
+    # Online KTO on verified rewards: each informative group's samples above its mean
+    # reward are desirable, those below undesirable (Ethayarajh et al. 2024's loss, its
+    # reference point estimated over the batch).
+    "online_kto": dict(
+        preference_loss="kto",
+        dynamic_sampling=True,
+        beta=0.1,
+    ),
     # Hu 2025: KL-penalised token returns, normalised over the batch.
     "reinforce_pp": dict(
         advantage_estimator="reinforce_pp",
@@ -317,11 +331,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   sequence_level = cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS
   check(not cfg.dynamic_sampling or sequence_level, "dynamic_sampling")
   check(cfg.pairs_per_group >= 1, "pairs_per_group")
+  if not cfg.preference_loss:  # the unpaired losses' label weights act nowhere else
+    check(cfg.get("desirable_weight", 1.0) == 1.0, "desirable_weight")
+    check(cfg.get("undesirable_weight", 1.0) == 1.0, "undesirable_weight")
   if cfg.preference_loss:
-    if preference_config(cfg).unpaired:  # also checks the loss name and its knobs
-      raise ValueError(f"preference_loss={cfg.preference_loss!r} learns from unpaired "
-                       "examples; online preference optimisation makes pairs from each "
-                       "group (an offline stage takes it: preference.loss)")
+    preference_config(cfg)  # checks the loss name and its knobs
     check(cfg.group_size >= 2, "group_size")
     check(sequence_level, "advantage_estimator")
     check(cfg.kl_coef == 0, "kl_coef")  # the preference loss's reference plays that part
@@ -338,7 +352,9 @@ def preference_config(cfg) -> "preference_lib.PreferenceConfig | None":
   return preference_lib.PreferenceConfig(
       loss=cfg.preference_loss, beta=float(cfg.beta), label_smoothing=float(cfg.label_smoothing),
       simpo_gamma=float(cfg.simpo_gamma), sft_coef=float(cfg.sft_coef),
-      discopop_tau=float(cfg.discopop_tau))
+      discopop_tau=float(cfg.discopop_tau),
+      desirable_weight=float(cfg.get("desirable_weight", 1.0)),
+      undesirable_weight=float(cfg.get("undesirable_weight", 1.0)))
 
 
 def algorithm_config(name: str, **overrides) -> ml_collections.ConfigDict:

@@ -660,5 +660,12 @@ def test_online_dpo_preset_refuses_knobs_it_cannot_honour(knobs, bad):
     presets.algorithm_config("online_dpo", **knobs)
   with pytest.raises(ValueError, match="unknown preference loss"):
     presets.algorithm_config("grpo", preference_loss="dpo")
-  with pytest.raises(ValueError, match="'kto' learns from unpaired examples"):
-    presets.algorithm_config("online_dpo", preference_loss="kto")
+  # An unpaired loss labels samples instead of pairing them (online KTO).
+  kto_cfg = presets.algorithm_config("online_dpo", preference_loss="kto",
+                                     undesirable_weight=2.0)
+  assert presets.preference_config(kto_cfg) == preference.PreferenceConfig(
+      loss="kto", beta=0.1, undesirable_weight=2.0)
+  with pytest.raises(ValueError, match="desirable_weight"):
+    presets.algorithm_config("online_dpo", desirable_weight=2.0)  # a paired loss
+  with pytest.raises(ValueError, match="invalid undesirable_weight="):
+    presets.algorithm_config("grpo", undesirable_weight=2.0)  # no preference loss

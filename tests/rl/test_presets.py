@@ -24,7 +24,7 @@ def test_every_preset_loads_validates_and_builds_a_loss_config(name):
 def test_all_issue_presets_exist():
   assert set(presets.PRESET_NAMES) == {
       "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov",
-      "gpg", "grpo_passk", "rloo", "online_dpo", "reinforce_pp", "remax"}
+      "gpg", "grpo_passk", "rloo", "online_dpo", "online_kto", "reinforce_pp", "remax"}
 
 
 def test_presets_encode_their_papers():
@@ -103,7 +103,7 @@ def test_unknown_algorithm_lists_known_ones():
       call("ppo2")
     assert str(info.value) == (
         "unknown algorithm 'ppo2'; known: ppo, grpo, dapo, dr_grpo, gspo, cispo, gmpo, sapo, "
-        "clip_cov, kl_cov, gpg, grpo_passk, rloo, online_dpo, reinforce_pp, remax")
+        "clip_cov, kl_cov, gpg, grpo_passk, rloo, online_dpo, online_kto, reinforce_pp, remax")
 
 
 def test_command_line_picks_and_overrides_an_algorithm(tmp_path):
