@@ -416,6 +416,8 @@ def select_domains(patterns: str, levels: str | Sequence[int] = "", limit: int =
 
 # Domains registered from a run's task sources: name -> the source that registered it.
 _SOURCED: dict[str, str] = {}
+# Task files read: (path, verifier, size, mtime) -> their domain.
+_FILE_DOMAINS: dict[tuple, Any] = {}
 
 
 def _register_sourced(domain, source: str) -> None:
@@ -490,8 +492,15 @@ def register_task_sources(config) -> list[str]:
       raise ValueError(f"tasks.file_verifier={verifier!r}; expected one of "
                        f"{sorted(VERIFIERS)}")
     for path in files:
-      domain = JsonlDomain.from_file(path, verifier=verifier)
+      try:
+        st = os.stat(path)
+        key = (os.path.abspath(path), verifier, st.st_size, st.st_mtime_ns)
+      except OSError:
+        key = None  # from_file names the missing file
+      domain = _FILE_DOMAINS.get(key) or JsonlDomain.from_file(path, verifier=verifier)
       _register_sourced(domain, f"tasks.files {path!r}")
+      if key is not None:
+        _FILE_DOMAINS[key] = domain  # a run asks more than once: read an unchanged file once
       names.append(domain.name)
   gym = _csv(t.get("gym", ""))
   if gym:

@@ -215,3 +215,23 @@ def test_a_qwen3_run_logs_its_reasoning_and_reads_its_content(tmp_path, monkeypa
     assert tok._tok.decode(s.prompt_tokens, skip_special_tokens=False).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert s.text == tok.split_response(s.response_tokens).content
+
+
+def test_an_unchanged_task_file_is_read_once(tmp_path, monkeypatch):
+  from posttrain.tasks import jsonl
+  path = _write(tmp_path / "once.jsonl", [{"prompt": "p", "answer": "a"}])
+  reads = []
+  from_file = jsonl.JsonlDomain.from_file.__func__
+
+  def counting(cls, *a, **k):
+    reads.append(a)
+    return from_file(cls, *a, **k)
+
+  monkeypatch.setattr(jsonl.JsonlDomain, "from_file", classmethod(counting))
+  c = _config(**{"tasks.files": path, "tasks.domains": "jsonl/once"})
+  for _ in range(3):
+    assert experiment.run_domains(c) == ["jsonl/once"]
+  assert len(reads) == 1
+  _write(tmp_path / "once.jsonl", [{"prompt": "p", "answer": "b"}, {"prompt": "q", "answer": "c"}])
+  assert experiment.run_domains(c) == ["jsonl/once"] and len(reads) == 2
+  assert len(registry.get("jsonl/once")) == 2
