@@ -211,12 +211,12 @@ class ChatMLFormat(ChatFormat):
   has one (Qwen 2 and 2.5: "You are Qwen, created by Alibaba Cloud. ..."; read from the
   tokenizer's chat template, `default_system`). Tool messages are user turns,
   "<|im_start|>user\n<tool_response>\n...\n</tool_response>", consecutive ones sharing one
-  turn. With `think` (a vocabulary with <think> and </think>:
-  Qwen3), an assistant message after the last user query (a tool-calling run's turns, or
-  the final answer in training data) carries its reasoning ("reasoning_content", or a
-  <think> block in its content) as "<think>\nR\n</think>\n\n" before the content; the
-  last message always gets the block, empty when it has no reasoning; earlier turns lose
-  theirs, as the template drops them. `thinking=False` closes an empty block in the
+  turn. With `think` (a vocabulary with <think> and </think>: Qwen3), an assistant
+  message after the last user query (a tool-calling run's turns, or the final answer in
+  training data) carries its reasoning ("reasoning_content", or a <think> block in its
+  content) as "<think>\nR\n</think>\n\n" before the content; the last message always gets
+  the block, empty when it has no reasoning; earlier turns lose theirs, as the template
+  drops them. `thinking=False` closes an empty block in the
   generation prompt (the template's enable_thinking=False).
   """
 
@@ -281,8 +281,9 @@ class ChatMLFormat(ChatFormat):
           thought = head.rstrip("\n").split(reasoning_lib.THINK_OPEN)[-1].lstrip("\n")
           content = content.split(reasoning_lib.THINK_CLOSE)[-1].lstrip("\n")
         if i > last_query and (i == len(messages) - 1 or thought):
-          content = (f"{reasoning_lib.THINK_OPEN}\n{(thought or '').strip(chr(10))}\n"
-                     f"{reasoning_lib.THINK_CLOSE}\n\n{content.lstrip(chr(10))}")
+          thought, content = (thought or "").strip("\n"), content.lstrip("\n")
+          content = (f"{reasoning_lib.THINK_OPEN}\n{thought}\n{reasoning_lib.THINK_CLOSE}"
+                     f"\n\n{content}")
       add(self.headers["assistant"])
       add(self.tok.encode(content) + self.end_of_turn, 1 if m.get("weight", 1) else 0)
       add(self.after_end)
@@ -363,7 +364,10 @@ class HarmonyFormat(ChatFormat):
           add([channel] + self.tok.encode("analysis") + [message] + self.tok.encode(thought)
               + [end] + self.headers["assistant"], own)
         add([channel] + self.tok.encode("final") + [message] + self.tok.encode(content), own)
-        add([self.ids["ret"]], own) if last else add([end])
+        if last:
+          add([self.ids["ret"]], own)
+        else:
+          add([end])  # the template's, in place of the <|return|> the model wrote
     return ids, mask
 
   def split_response(self, ids):
