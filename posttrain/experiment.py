@@ -480,6 +480,11 @@ def register_task_sources(config) -> list[str]:
       module = _import_tasks_module(spec)
     except ImportError as e:
       raise ImportError(f"tasks.modules: cannot import {spec!r}: {e}") from None
+    except FileNotFoundError:
+      raise
+    except Exception as e:  # noqa: BLE001 - a broken module: one line naming it
+      raise ValueError(f"tasks.modules: importing {spec!r} failed: {type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}") from None
     make = getattr(module, "domains", None)
     for domain in (make() if callable(make) else []):
       _register_sourced(domain, f"tasks.modules {spec!r}")

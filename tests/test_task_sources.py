@@ -116,6 +116,9 @@ def test_task_source_errors_are_one_line(tmp_path, monkeypatch):
       "from posttrain.tasks.families.arithmetic import domains as d\n"
       "def domains():\n  return [d()[0]]\n")
   cases.append(({"tasks.modules": str(tmp_path / "clash.py")}, ValueError, "(built in); rename"))
+  (tmp_path / "broken.py").write_text("def domains(:\n")
+  cases.append(({"tasks.modules": str(tmp_path / "broken.py")}, ValueError,
+                "importing '" + str(tmp_path / "broken.py") + "' failed: SyntaxError"))
   if importlib.util.find_spec("reasoning_gym") is None:  # the extra is not installed
     cases.append(({"tasks.gym": "leg_counting"}, ImportError, "pip install 'posttrain[gym]'"))
   for over, kind, message in cases:
