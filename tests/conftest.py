@@ -23,6 +23,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -34,3 +35,17 @@ LONGEST_FIRST = ("tests/test_multihost.py", "tests/test_trainer.py", "tests/test
 def pytest_collection_modifyitems(items):
   rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory):
+  """A small BPE tokenizer with Qwen3's ChatML and <think> tokens (an HFTokenizer)."""
+  from tests.data.test_reasoning import QWEN3_SPECIALS, _write_tokenizer
+  return _write_tokenizer(tmp_path_factory.mktemp("qwen3"), QWEN3_SPECIALS)
+
+
+@pytest.fixture(scope="session")
+def harmony(tmp_path_factory):
+  """A small BPE tokenizer with gpt-oss's harmony tokens (an HFTokenizer)."""
+  from tests.data.test_reasoning import HARMONY_SPECIALS, _write_tokenizer
+  return _write_tokenizer(tmp_path_factory.mktemp("harmony"), HARMONY_SPECIALS)

@@ -147,16 +147,6 @@ def _write_tokenizer(path, specials):
   return load_tokenizer(str(path))
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-  return _write_tokenizer(tmp_path_factory.mktemp("qwen3"), QWEN3_SPECIALS)
-
-
-@pytest.fixture(scope="module")
-def harmony(tmp_path_factory):
-  return _write_tokenizer(tmp_path_factory.mktemp("harmony"), HARMONY_SPECIALS)
-
-
 def _hf(tok):
   return transformers.PreTrainedTokenizerFast(tokenizer_object=tok._tok)
 

@@ -9,8 +9,7 @@ from posttrain.data import ByteTokenizer
 from posttrain.rollout import worker as worker_lib
 from posttrain.tasks import registry
 from posttrain.tasks.reward_model import verifier_value
-from tests.data.test_reasoning import (HARMONY_SPECIALS, QWEN3_SPECIALS, QWEN3_TEMPLATE, _hf,
-                                       _text, _write_tokenizer)
+from tests.data.test_reasoning import QWEN3_TEMPLATE, _hf, _text
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,16 +67,6 @@ class _Scripted:
           pending.append((count, p))
           count += 1
     return _Out([])
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-  return _write_tokenizer(tmp_path_factory.mktemp("qwen3"), QWEN3_SPECIALS)
-
-
-@pytest.fixture(scope="module")
-def harmony(tmp_path_factory):
-  return _write_tokenizer(tmp_path_factory.mktemp("harmony"), HARMONY_SPECIALS)
 
 
 def _task(pair):
