@@ -49,3 +49,11 @@ def harmony(tmp_path_factory):
   """A small BPE tokenizer with gpt-oss's harmony tokens (an HFTokenizer)."""
   from tests.data.test_reasoning import HARMONY_SPECIALS, _write_tokenizer
   return _write_tokenizer(tmp_path_factory.mktemp("harmony"), HARMONY_SPECIALS)
+
+
+@pytest.fixture(scope="session")
+def deepseek(tmp_path_factory):
+  """A small BPE tokenizer with DeepSeek-R1's tokens (and the ChatML and Llama 3 ones its
+  distills' vocabularies also hold)."""
+  from tests.data.test_reasoning import R1_SPECIALS, _write_tokenizer
+  return _write_tokenizer(tmp_path_factory.mktemp("r1"), R1_SPECIALS)

@@ -70,10 +70,12 @@ def _tokens_through(tok, ids: list[int], needle: str) -> int:
 
 
 def split_think(tok, ids: Sequence[int], *, open_id: int | None = None,
-                close_id: int | None = None) -> Response:
+                close_id: int | None = None, opened: bool = False) -> Response:
   """Splits at the first </think>. `open_id` / `close_id`: the tags' ids where each is one
   token of the vocabulary (a tokenizer may drop them from decoded text as special tokens);
-  otherwise the tags are read in the text."""
+  otherwise the tags are read in the text. `opened`: the prompt opened the block (DeepSeek
+  R1's generation prompt ends with "<think>\n"), so a completion without </think> is all
+  reasoning."""
   ids = [int(t) for t in ids]
   stops = set(tok.stop_ids)
   while ids and ids[-1] in stops:
@@ -89,7 +91,7 @@ def split_think(tok, ids: Sequence[int], *, open_id: int | None = None,
     head, _, tail = text.partition(THINK_CLOSE)
     return Response(tail.strip(), head.split(THINK_OPEN)[-1].strip(),
                     _tokens_through(tok, ids, THINK_CLOSE), True)
-  opened = text.lstrip().startswith(THINK_OPEN)
+  opened = opened or text.lstrip().startswith(THINK_OPEN)
   if open_id is not None and open_id in ids:
     opened = opened or not tok.decode(ids[:ids.index(open_id)]).strip()
   if opened:

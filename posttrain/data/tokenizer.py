@@ -160,8 +160,11 @@ class ChatFormat:
 
   # --- reading completions --------------------------------------------------------------
 
-  def split_response(self, ids: Sequence[int]) -> reasoning_lib.Response:
-    """A completion's content and reasoning (`posttrain.data.reasoning`)."""
+  def split_response(self, ids: Sequence[int], prompt: Sequence[int] | None = None
+                     ) -> reasoning_lib.Response:
+    """A completion's content and reasoning (`posttrain.data.reasoning`). `prompt`: the
+    tokens before it, where the format's reading depends on them (DeepSeek-R1's)."""
+    del prompt
     return reasoning_lib.split_plain(self.tok, ids)
 
 
@@ -289,11 +292,120 @@ class ChatMLFormat(ChatFormat):
       add(self.after_end)
     return ids, mask
 
-  def split_response(self, ids):
+  def split_response(self, ids, prompt=None):
     if not self.think_ids:
       return super().split_response(ids)
     return reasoning_lib.split_think(self.tok, ids, open_id=self.think_ids[0],
                                      close_id=self.think_ids[1])
+
+
+class DeepSeekR1Format(ChatFormat):
+  """DeepSeek-R1's layout (its distills of Qwen and Llama), as its template renders text
+  conversations: bos, the system message bare, "<｜User｜>" turns, "<｜Assistant｜>" turns
+  ending in "<｜end▁of▁sentence｜>" with their reasoning cut (the text up to </think>), and
+  a generation prompt that opens the reasoning, "<｜Assistant｜><think>\n": a completion
+  without </think> is all reasoning. The last message of a training conversation keeps
+  its reasoning ("reasoning_content") in the form the model writes it after that prompt
+  (the template would cut it). Tool answers are written as the template writes them,
+  inside "<｜tool▁outputs▁begin｜>" ... "<｜tool▁outputs▁end｜>", after which the model goes
+  on without a generation prompt. The model always thinks: no reasoning switch.
+  """
+
+  reasoning = "think"
+
+  def __init__(self, tok, *, bos, eos, user, assistant, tool_marks, think):
+    # tool_marks: the ids of <｜tool▁outputs▁begin｜>, <｜tool▁outputs▁end｜>,
+    # <｜tool▁output▁begin｜>, <｜tool▁output▁end｜> (None where the vocabulary lacks them).
+    self.marks = dict(user=user, assistant=assistant,
+                      **dict(zip(("outputs", "outputs_end", "output", "output_end"),
+                                 tool_marks)))
+    headers = {"system": [], "user": [user], "assistant": [assistant], "tool": []}
+    super().__init__(tok, headers, [eos], bos=[bos] if bos is not None else [],
+                     generation_header=[assistant] + tok.encode(
+                         f"{reasoning_lib.THINK_OPEN}\n"), name="DeepSeek-R1")
+    self.think_ids = think
+
+  def check_thinking(self, thinking) -> None:
+    if thinking is not None and thinking is not True:
+      raise ValueError(f"thinking must be None or True for DeepSeek-R1 models, which always "
+                       f"think; got {thinking!r}")
+
+  def encode(self, messages, add_generation_prompt=False, thinking=None):
+    self.check_thinking(thinking)
+    systems = [m for m in messages if m.get("role") == "system"]
+    ids, mask = list(self.bos), [0] * len(self.bos)
+    if systems:  # the template writes the last system message, bare, after bos
+      text = self._message(systems[-1])[1]
+      ids += self.tok.encode(text)
+      mask += [0] * (len(ids) - len(mask))
+    body, own = self._render([m for m in messages if m.get("role") != "system"],
+                             add_generation_prompt)
+    ids, mask = ids + body, mask + own
+    if add_generation_prompt and not (messages and messages[-1].get("role") == "tool"):
+      ids += self.generation_header
+      mask += [0] * len(self.generation_header)
+    return ids, mask
+
+  def continuation(self, messages, *, ended=True, thinking=None):
+    self.check_thinking(thinking)
+    ids = [] if ended else list(self.end_of_turn)
+    ids += self._render(messages, True)[0]
+    if not (messages and messages[-1].get("role") == "tool"):
+      ids += self.generation_header
+    return ids
+
+  def _render(self, messages, add_generation_prompt):
+    ids, mask = [], []
+
+    def add(tokens, own=0):
+      ids.extend(tokens)
+      mask.extend([own] * len(tokens))
+
+    m_ = self.marks
+    in_tools, first_output = False, True
+    for i, m in enumerate(messages):
+      role, content, thought = self._message(m)
+      if role == "system":
+        raise ValueError("the DeepSeek-R1 format writes a system message only at the start")
+      if role == "user":
+        in_tools = False
+        add([m_["user"]] + self.tok.encode(content))
+      elif role == "tool":
+        if None in (m_["outputs"], m_["outputs_end"], m_["output"], m_["output_end"]):
+          raise ValueError("this DeepSeek-R1 vocabulary has no tool-output tokens")
+        in_tools = True
+        head = [m_["outputs"]] if first_output else self.tok.encode("\n")
+        add(head + [m_["output"]] + self.tok.encode(content) + [m_["output_end"]])
+        first_output = False
+      else:
+        own = 1 if m.get("weight", 1) else 0
+        last = i == len(messages) - 1 and not add_generation_prompt
+        if in_tools:
+          add([m_["outputs_end"]])
+          add(self.tok.encode(content) + self.end_of_turn, own)
+          in_tools = False
+          continue
+        if last and thought is not None:
+          add(self.generation_header)
+          add(self.tok.encode(f"{thought}\n{reasoning_lib.THINK_CLOSE}\n\n{content}")
+              + self.end_of_turn, own)
+          continue
+        if reasoning_lib.THINK_CLOSE in content:
+          content = content.split(reasoning_lib.THINK_CLOSE)[-1]
+        add([m_["assistant"]])
+        add(self.tok.encode(content) + self.end_of_turn, own)
+    if in_tools:
+      add([m_["outputs_end"]])
+    return ids, mask
+
+  def split_response(self, ids, prompt=None):
+    """Reasoning first where the prompt opened it: after the generation prompt (or no
+    prompt given), not after tool answers, which the model answers directly."""
+    header = self.generation_header
+    opened = prompt is None or list(prompt[-len(header):]) == header
+    open_id, close_id = self.think_ids or (None, None)
+    return reasoning_lib.split_think(self.tok, ids, open_id=open_id, close_id=close_id,
+                                     opened=opened)
 
 
 class HarmonyFormat(ChatFormat):
@@ -370,7 +482,7 @@ class HarmonyFormat(ChatFormat):
           add([end])  # the template's, in place of the <|return|> the model wrote
     return ids, mask
 
-  def split_response(self, ids):
+  def split_response(self, ids, prompt=None):
     return reasoning_lib.split_harmony(self.tok, ids, start=self.ids["start"],
                                        channel=self.ids["channel"],
                                        message=self.ids["message"], ends=self._ends)
@@ -397,9 +509,11 @@ class Tokenizer:
     low / medium / high); None, the template's default."""
     return self.chat.encode(messages, add_generation_prompt, thinking)
 
-  def split_response(self, ids: Sequence[int]) -> reasoning_lib.Response:
-    """A completion's content and reasoning, as this tokenizer's chat format writes them."""
-    return self.chat.split_response(ids)
+  def split_response(self, ids: Sequence[int], prompt: Sequence[int] | None = None
+                     ) -> reasoning_lib.Response:
+    """A completion's content and reasoning, as this tokenizer's chat format writes them
+    (`prompt`: the tokens before it, which some formats read)."""
+    return self.chat.split_response(ids, prompt)
 
   @property
   def fingerprint(self) -> str | None:
@@ -476,7 +590,16 @@ class HFTokenizer(Tokenizer):
     def tid(s):
       return vocab.get(s)
 
-    if tid("<|start_header_id|>") is not None:  # Llama 3.
+    if tid("<｜User｜>") is not None and tid("<｜Assistant｜>") is not None:  # DeepSeek-R1
+      think = (tid(reasoning_lib.THINK_OPEN), tid(reasoning_lib.THINK_CLOSE))
+      self.chat = DeepSeekR1Format(
+          self, bos=tid("<｜begin▁of▁sentence｜>"), eos=tid("<｜end▁of▁sentence｜>"),
+          user=tid("<｜User｜>"), assistant=tid("<｜Assistant｜>"),
+          tool_marks=tuple(tid(t) for t in ("<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+                                             "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")),
+          think=think if None not in think else None)
+      self.eos_id = tid("<｜end▁of▁sentence｜>")
+    elif tid("<|start_header_id|>") is not None:  # Llama 3.
       start, end = tid("<|start_header_id|>"), tid("<|end_header_id|>")
       headers = {r: [start] + self.encode(r) + [end] + self.encode("\n\n") for r in ROLES}
       headers["tool"] = [start] + self.encode("ipython") + [end] + self.encode("\n\n")
@@ -515,8 +638,8 @@ class HFTokenizer(Tokenizer):
       self.eos_id = tid("<|return|>")
       self.extra_stop_ids = [tid("<|call|>")] if tid("<|call|>") is not None else []
     else:
-      raise ValueError(f"{file}: no Llama 3, ChatML, Gemma or harmony special tokens; cannot "
-                       "build a chat format")
+      raise ValueError(f"{file}: no DeepSeek-R1, Llama 3, ChatML, Gemma or harmony special "
+                       "tokens; cannot build a chat format")
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id

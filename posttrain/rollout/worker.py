@@ -198,21 +198,24 @@ class RolloutWorker:
     return self.reasoning == "think" or (self.reasoning == "auto"
                                          and self.tok.chat.reasoning is not None)
 
-  def split(self, tokens: Sequence[int]) -> reasoning_lib.Response:
+  def split(self, tokens: Sequence[int], prompt: Sequence[int] | None = None
+            ) -> reasoning_lib.Response:
     """One model turn's content and reasoning (`reasoning`: auto, the tokenizer's chat
-    format's reading; none, all content; think, <think> blocks in any tokenizer)."""
+    format's reading, given the transcript before the turn, `prompt`; none, all content;
+    think, <think> blocks in any tokenizer)."""
     if self.reasoning == "none":
       return reasoning_lib.split_plain(self.tok, tokens)
     if self.reasoning == "think":
       open_id, close_id = getattr(self.tok.chat, "think_ids", None) or (None, None)
       return reasoning_lib.split_think(self.tok, tokens, open_id=open_id, close_id=close_id)
-    return self.tok.split_response(tokens)
+    return self.tok.split_response(tokens, prompt)
 
   def _end_turn(self, sample: Sample) -> None:
     """Reads the model turn that just ended into the sample's text and reasoning."""
     if sample.turn_start >= len(sample.response_tokens):
       return  # read already (or the turn wrote nothing)
-    r = self.split(sample.response_tokens[sample.turn_start:])
+    r = self.split(sample.response_tokens[sample.turn_start:],
+                   sample.prompt_tokens + sample.response_tokens[:sample.turn_start])
     sample.turn_start = len(sample.response_tokens)
     sample.text += r.content
     if r.reasoning:

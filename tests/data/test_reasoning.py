@@ -591,3 +591,92 @@ def test_with_thinking_sets_data_files_reasoning_switch(harmony, tmp_path):
   assert len(list((tmp_path / "cache").iterdir())) == 2
   with pytest.raises(ValueError, match="gpt-oss always reasons"):
     with_thinking(harmony, False)
+
+
+# DeepSeek-R1's chat template (its Qwen and Llama distills), as tokenizer_config.json
+# carries it: one line, split here between Jinja tags.
+DEEPSEEK_R1_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
+    "{% endif %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
+    "system_prompt='') %}{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}{{bos_token}}"
+    "{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is none %}"
+    "{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls']%}"
+    "{%- if not ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + "
+    "tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + "
+    "tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+    "{%- set ns.is_first = true -%}{%- else %}{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + "
+    "'<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + "
+    "tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+    "{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is not none %}"
+    "{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + "
+    "'<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}"
+    "{% set content = message['content'] %}{% if '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
+    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}"
+    "{%- if ns.is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + "
+    "message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}"
+    "{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
+    "{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}"
+    "{% endif %}{% if add_generation_prompt and not ns.is_tool %}"
+    "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+R1_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+               "<think>", "</think>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+               "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+               "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
+               "<｜▁pad▁｜>"]
+
+R1_CONVOS = [
+    [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "add them</think>\n\n4"},
+     {"role": "user", "content": "3+3?"}],
+    [{"role": "user", "content": "use the tool"}, {"role": "assistant", "content": "<t>1</t>"},
+     {"role": "tool", "content": "2"}, {"role": "tool", "content": "ok"},
+     {"role": "assistant", "content": "done"}],
+    [{"role": "user", "content": "use it"}, {"role": "assistant", "content": "<t>1</t>"},
+     {"role": "tool", "content": "2"}],
+]
+
+
+@pytest.mark.parametrize("convo", R1_CONVOS)
+@pytest.mark.parametrize("gen", [False, True])
+def test_deepseek_r1_renders_as_its_template(deepseek, convo, gen):
+  """DeepSeek-R1 (picked over the ChatML and Llama 3 tokens its distills' vocabularies
+  also hold): bare system message, reasoning cut from history, the generation prompt
+  opens <think>, tool answers as the template writes them."""
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=deepseek._tok,
+                                            bos_token="<｜begin▁of▁sentence｜>")
+  ids, mask = deepseek.encode_chat(convo, add_generation_prompt=gen)
+  want = hf.apply_chat_template(convo, chat_template=DEEPSEEK_R1_TEMPLATE, tokenize=False,
+                                add_generation_prompt=gen)
+  assert _text(deepseek, ids) == want
+  assert deepseek.chat.name == "DeepSeek-R1" and deepseek.stop_ids == (deepseek.eos_id,)
+  own = _own(deepseek, ids, mask)
+  assert own.endswith("<｜end▁of▁sentence｜>") and "<｜User｜>" not in own
+  assert "tool▁output" not in own
+
+
+def test_deepseek_r1_trains_reasoning_and_reads_it_back(deepseek):
+  """A training conversation's last message keeps its reasoning as the model writes it
+  after the generation prompt; a completion without </think> is all reasoning (the prompt
+  opened the block); the model has no reasoning switch."""
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=deepseek._tok,
+                                            bos_token="<｜begin▁of▁sentence｜>")
+  convo = [{"role": "user", "content": "2+2?"},
+           {"role": "assistant", "reasoning_content": "add them", "content": "4"}]
+  ids, mask = deepseek.encode_chat(convo)
+  prompt = hf.apply_chat_template(convo[:1], chat_template=DEEPSEEK_R1_TEMPLATE,
+                                  tokenize=False, add_generation_prompt=True)
+  assert _text(deepseek, ids) == prompt + "add them\n</think>\n\n4<｜end▁of▁sentence｜>"
+  first = mask.index(1)
+  assert ids[:first] == deepseek.encode_chat(convo[:1], add_generation_prompt=True)[0]
+  got = deepseek.split_response(ids[first:])
+  assert (got.content, got.reasoning, got.closed) == ("4", "add them", True)
+  got = deepseek.split_response(deepseek.encode("still adding"))
+  assert (got.content, got.reasoning, got.closed) == ("", "still adding", False)
+  with pytest.raises(ValueError, match="always think"):
+    deepseek.encode_chat(convo[:1], add_generation_prompt=True, thinking=False)

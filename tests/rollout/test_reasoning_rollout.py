@@ -202,6 +202,30 @@ def test_multi_turn_transcript_is_what_the_template_renders(qwen3, continuous, s
     assert s.reward.value == 1.0
 
 
+def test_deepseek_r1_tool_turns_read_reasoning_only_where_the_prompt_opened_it(deepseek):
+  """DeepSeek-R1: the first turn follows "<｜Assistant｜><think>\n", so what precedes its
+  </think> is reasoning; the turn after a tool's answer follows the tool outputs' end and
+  is all content (it scored 0 when read as unfinished reasoning)."""
+  tasks = {_task(p).prompt: _task(p) for p in TOOL_PAIRS}
+
+  def reply(text):
+    task = next(t for p, t in tasks.items() if p in text)
+    if "tool▁outputs▁end" not in text:
+      return deepseek.encode(f"need a tool\n</think>\n\n<tool>calculator: "
+                             f"{task.metadata['call']}</tool>") + [deepseek.eos_id]
+    return deepseek.encode(f"<answer>{task.answer}</answer>") + [deepseek.eos_id]
+
+  for continuous in (True, False):
+    samples, _ = _rollout(_Scripted(deepseek, reply), deepseek, pairs=TOOL_PAIRS,
+                          max_turns=3, continuous=continuous)
+    for s in samples:
+      assert s.turns == 2 and s.reward.value == 1.0, s.text
+      assert s.reasoning == "need a tool" and s.reasoning_closed
+      assert s.text.endswith("</observation>\n<answer>" + s.text.split("<answer>")[-1])
+      text = _text(deepseek, s.prompt_tokens + s.response_tokens)
+      assert "<｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>" in text
+
+
 def test_harmony_multi_turn_has_one_system_message(harmony):
   """A tool's answer goes on from the model's <|return|>, with no second system message
   (a conversation's whole opening used to be encoded again before each tool answer)."""
