@@ -4,8 +4,8 @@ Two tokenizers share one interface:
   * `ByteTokenizer`: no files; ids 0..255 are bytes, specials follow (roles, pad, eos).
     The embedded default and the tests use it.
   * `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` package, with the
-    Llama 3, ChatML (Qwen), Gemma or harmony (gpt-oss) chat format picked from the
-    vocabulary.
+    DeepSeek-R1, Llama 3, ChatML (Qwen), Gemma or harmony (gpt-oss) chat format picked from
+    the vocabulary.
 
 `encode_chat(messages)` returns (ids, mask) where mask[i] = 1 exactly for tokens the model
 itself produced (assistant content and its end-of-turn token, and its reasoning and channel
