@@ -129,8 +129,10 @@ def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
   rollouts' conversation (their system prompt and reasoning switch)."""
   domain = registry.get(domains[index % len(domains)])
   task = domain.sample(train_seed(index // len(domains)))
-  ids, mask = tok.encode_chat(task_messages(task, system_prompt) + [
-      {"role": "assistant", "content": domain.demonstration(task)}], thinking=thinking)
+  demo = {"role": "assistant", "content": domain.demonstration(task)}
+  if tok.chat.opens_reasoning:  # open as the rollouts' prompt does: an empty reasoning block
+    demo["reasoning_content"] = ""
+  ids, mask = tok.encode_chat(task_messages(task, system_prompt) + [demo], thinking=thinking)
   first = mask.index(1)
   return {"prompt_tokens": np.asarray(ids[:first], np.int32),
           "response_tokens": np.asarray(ids[first:], np.int32),

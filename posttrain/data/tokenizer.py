@@ -68,6 +68,7 @@ class ChatFormat:
 
   name = "plain"
   reasoning: str | None = None
+  opens_reasoning = False  # the generation prompt opens the reasoning block (DeepSeek-R1)
 
   def __init__(self, tok: "Tokenizer", headers: dict[str, list[int]], end_of_turn: list[int],
                after_end: list[int] = (), bos: list[int] = (), fold_system: bool = False,
@@ -312,6 +313,7 @@ class DeepSeekR1Format(ChatFormat):
   """
 
   reasoning = "think"
+  opens_reasoning = True
 
   def __init__(self, tok, *, bos, eos, user, assistant, tool_marks, think):
     # tool_marks: the ids of <｜tool▁outputs▁begin｜>, <｜tool▁outputs▁end｜>,

@@ -262,13 +262,16 @@ def test_think_mode_reads_text_tags_of_a_byte_tokenizer():
 
 
 @pytest.mark.parametrize("layout,thinking", [("byte", None), ("qwen3", False),
-                                             ("qwen3", None), ("harmony", "low")])
-def test_sft_demonstrations_open_as_the_rollouts_prompts(qwen3, harmony, layout, thinking):
+                                             ("qwen3", None), ("harmony", "low"),
+                                             ("deepseek", None)])
+def test_sft_demonstrations_open_as_the_rollouts_prompts(qwen3, harmony, deepseek, layout,
+                                                         thinking):
   """The warm start's demonstrations and the rollouts share their prompt, token for token:
   the system prompt and the reasoning switch reach both (rollout.system_prompt /
   rollout.thinking)."""
   from posttrain import trainer
-  tok = {"byte": ByteTokenizer(), "qwen3": qwen3, "harmony": harmony}[layout]
+  tok = {"byte": ByteTokenizer(), "qwen3": qwen3, "harmony": harmony,
+         "deepseek": deepseek}[layout]
   w = worker_lib.RolloutWorker(_Scripted(tok, lambda t: []), tok, group_size=1,
                                max_new_tokens=4, process=(0, 1), thinking=thinking,
                                system_prompt="Think, then answer.")
