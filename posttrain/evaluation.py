@@ -310,6 +310,11 @@ def prompt_length_bucket(num_tokens: int) -> str:
   return f"{1 if hi == 16 else hi // 2 + 1}-{hi}"
 
 
+def reasoning_bucket(num_tokens: int) -> str:
+  """'none' for a completion without reasoning, else powers of two as prompt lengths are."""
+  return "none" if not num_tokens else prompt_length_bucket(num_tokens)
+
+
 def tool_call_bucket(num_calls: int, cap: int = 4) -> str:
   return str(num_calls) if num_calls < cap else f"{cap}+"
 
@@ -467,6 +472,8 @@ STRATA = {
 
 
 def _bucket_order(key: str):
+  if key == "none":  # no reasoning: before any length
+    return (-1, 0, key)
   head = key.split("-", 1)[0].rstrip("+")
   return (0, int(head), key) if head.isdigit() else (1, 0, key)
 
@@ -479,8 +486,9 @@ def summarize(records: Sequence[Mapping[str, Any]],
     records: `task_records(...)` output.
     sandbox: {domain: {status: runs}}; runs not attributed to a domain may use any key.
 
-  Strata (family, level, prompt-length bucket, greedy tool calls) each partition the
-  tasks, so their `tasks` and `greedy_passed` add up to the overall counts.
+  Strata (family, level, prompt-length bucket, greedy tool calls, and, where any greedy
+  completion reasoned, its reasoning length) each partition the tasks, so their `tasks`
+  and `greedy_passed` add up to the overall counts.
   """
   sandbox = sandbox or {}
   all_statuses: Counter = Counter()
@@ -490,7 +498,10 @@ def summarize(records: Sequence[Mapping[str, Any]],
   for r in records:
     by_domain[r["domain"]].append(r)
   strata = {}
-  for name, key in STRATA.items():
+  strata_keys = dict(STRATA)
+  if any(r.get("reasoning_tokens") for r in records):  # reasoning models: does length pay?
+    strata_keys["reasoning_tokens"] = lambda r: reasoning_bucket(r.get("reasoning_tokens", 0))
+  for name, key in strata_keys.items():
     buckets: dict[str, list] = defaultdict(list)
     for r in records:
       buckets[key(r)].append(r)

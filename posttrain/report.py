@@ -123,7 +123,8 @@ def markdown(report: Mapping[str, Any], timing: Mapping[str, Any],
          table(head + ["mean reward"],
                [_pass_cells(o, ks, maj_ks) + [o["greedy_reward"]]])]
   titles = {"family": "Family", "level": "Level", "prompt_tokens": "Prompt length (tokens)",
-            "tool_calls": "Tool calls (greedy)"}
+            "tool_calls": "Tool calls (greedy)",
+            "reasoning_tokens": "Reasoning length (tokens, greedy)"}
   for name, buckets in report["strata"].items():
     out += ["", f"## By {titles.get(name, name).lower()}", "",
             table([titles.get(name, name)] + head,

@@ -177,7 +177,8 @@ _record = st.fixed_dictionaries({
     "valid_tool_calls": st.none(), "retries": st.integers(0, 2), "turns": st.integers(1, 3),
     "generated_tokens": st.integers(0, 50), "samples": st.just(4),
     "sampled_passed": st.integers(0, 4), "sampled_reward": st.floats(0, 1),
-    "sampled_generated_tokens": st.integers(0, 200)})
+    "sampled_generated_tokens": st.integers(0, 200),
+    "reasoning_tokens": st.sampled_from([0, 0, 5, 17, 300]), "reasoning_closed": st.booleans()})
 
 
 @settings(max_examples=40, deadline=None)
@@ -192,6 +193,18 @@ def test_strata_partition_the_tasks(records):
     assert sum(b["tasks"] for b in buckets.values()) == total, name
     assert sum(b["greedy_passed"] for b in buckets.values()) == passed, name
   assert sum(d["tasks"] for d in s["domains"].values()) == total
+  # Reasoning length is a stratum only where some completion reasoned; "none" first.
+  reasoned = [r for r in records if r["reasoning_tokens"]]
+  assert ("reasoning_tokens" in s["strata"]) == bool(reasoned)
+  if reasoned:
+    buckets = s["strata"]["reasoning_tokens"]
+    keys = list(buckets)
+    assert (keys[0] == "none") == (len(reasoned) < total)
+    lows = [int(k.split("-")[0]) for k in keys if k != "none"]
+    assert lows == sorted(lows)
+    assert sum(b["tasks"] for k, b in buckets.items() if k != "none") == len(reasoned)
+  assert s["overall"]["process"]["unclosed_reasoning_rate"] == pytest.approx(
+      sum(not r["reasoning_closed"] for r in records) / total, abs=1e-5)
   # pass@k is monotone in k and pass@1 equals the sampled pass rate.
   at_k = s["overall"]["pass_at_k"]
   assert list(at_k) == ["1", "2", "4"]
