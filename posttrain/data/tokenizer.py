@@ -4,8 +4,8 @@ Two tokenizers share one interface:
   * `ByteTokenizer`: no files; ids 0..255 are bytes, specials follow (roles, pad, eos).
     The embedded default and the tests use it.
   * `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` package, with the
-    DeepSeek-R1, Llama 3, ChatML (Qwen), Gemma or harmony (gpt-oss) chat format picked from
-    the vocabulary.
+    DeepSeek-R1, Mistral, Llama 3, ChatML (Qwen), Gemma or harmony (gpt-oss) chat format
+    picked from the vocabulary.
 
 `encode_chat(messages)` returns (ids, mask) where mask[i] = 1 exactly for tokens the model
 itself produced (assistant content and its end-of-turn token, and its reasoning and channel
@@ -206,6 +206,49 @@ class Llama3Format(ChatFormat):
                   if m.get("role") == "tool" and isinstance(m.get("content"), str) else m
                   for m in messages]
     return super()._render(messages, add_generation_prompt)
+
+
+class MistralFormat(ChatFormat):
+  """Mistral's [INST] layout (Mistral-7B-Instruct-v0.3's template, text conversations):
+  bos, "[INST] user[/INST]" turns, assistant turns " content</s>" (trimmed), the system
+  message prepended to the last user message ("[INST] system\n\nuser[/INST]"), and no
+  generation prompt: the model writes after "[/INST]". Tool answers are user turns (the
+  template's [TOOL_RESULTS] need tool-call ids our tool domains do not make).
+  """
+
+  def __init__(self, tok, *, bos, eos, inst, inst_end):
+    self.inst, self.inst_end = inst, inst_end
+    headers = {r: [] for r in ROLES}
+    super().__init__(tok, headers, [eos], bos=[bos] if bos is not None else [],
+                     generation_header=[], name="Mistral")
+
+  def encode(self, messages, add_generation_prompt=False, thinking=None):
+    self.check_thinking(thinking)
+    system = None
+    if messages and messages[0].get("role") == "system":
+      system, messages = self._message(messages[0])[1], list(messages[1:])
+    body, own = self._render(messages, add_generation_prompt, system=system)
+    return list(self.bos) + body, [0] * len(self.bos) + own
+
+  def _render(self, messages, add_generation_prompt, system=None):
+    del add_generation_prompt
+    users = [i for i, m in enumerate(messages) if m.get("role") in ("user", "tool")]
+    ids, mask = [], []
+    for i, m in enumerate(messages):
+      role, content, _ = self._message(m)
+      if role == "system":
+        raise ValueError("the Mistral format takes a system message only at the start")
+      if role in ("user", "tool"):
+        if system is not None and users and i == users[-1]:
+          content = f"{system}\n\n{content}"
+        turn = [self.inst] + self.tok.encode(f" {content}") + [self.inst_end]
+        ids += turn
+        mask += [0] * len(turn)
+      else:
+        body = self.tok.encode(" " + content.strip()) + self.end_of_turn
+        ids += body
+        mask += [1 if m.get("weight", 1) else 0] * len(body)
+    return ids, mask
 
 
 class ChatMLFormat(ChatFormat):
@@ -601,6 +644,10 @@ class HFTokenizer(Tokenizer):
                                              "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")),
           think=think if None not in think else None)
       self.eos_id = tid("<｜end▁of▁sentence｜>")
+    elif tid("[INST]") is not None and tid("[/INST]") is not None:  # Mistral
+      self.chat = MistralFormat(self, bos=tid("<s>"), eos=tid("</s>"), inst=tid("[INST]"),
+                                inst_end=tid("[/INST]"))
+      self.eos_id = tid("</s>")
     elif tid("<|start_header_id|>") is not None:  # Llama 3.
       start, end = tid("<|start_header_id|>"), tid("<|end_header_id|>")
       headers = {r: [start] + self.encode(r) + [end] + self.encode("\n\n") for r in ROLES}
@@ -640,8 +687,8 @@ class HFTokenizer(Tokenizer):
       self.eos_id = tid("<|return|>")
       self.extra_stop_ids = [tid("<|call|>")] if tid("<|call|>") is not None else []
     else:
-      raise ValueError(f"{file}: no DeepSeek-R1, Llama 3, ChatML, Gemma or harmony special "
-                       "tokens; cannot build a chat format")
+      raise ValueError(f"{file}: no DeepSeek-R1, Mistral, Llama 3, ChatML, Gemma or harmony "
+                       "special tokens; cannot build a chat format")
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id

@@ -680,3 +680,52 @@ def test_deepseek_r1_trains_reasoning_and_reads_it_back(deepseek):
   assert (got.content, got.reasoning, got.closed) == ("", "still adding", False)
   with pytest.raises(ValueError, match="always think"):
     deepseek.encode_chat(convo[:1], add_generation_prompt=True, thinking=False)
+
+
+# Mistral-7B-Instruct-v0.3's chat template, its text-conversation part (no tools).
+MISTRAL_TEMPLATE = r"""{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if (message == user_messages[-1]) and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- endif %}
+{%- endfor %}"""
+
+
+def test_mistral_renders_as_its_template(tmp_path):
+  """Mistral's [INST] layout: the system message joins the last user message, assistant
+  turns are trimmed and end in </s>, no generation prompt; a tool's answer is a user
+  turn, and a transcript goes on with it after the model's </s>."""
+  tok = _write_tokenizer(tmp_path, ["<s>", "</s>", "[INST]", "[/INST]", "<unk>"])
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok._tok, bos_token="<s>",
+                                            eos_token="</s>")
+  for convo in ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                 {"role": "assistant", "content": " 4\n"}],
+                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"}],
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]):
+    for gen in (False, True):
+      ids, mask = tok.encode_chat(convo, add_generation_prompt=gen)
+      want = hf.apply_chat_template(convo, chat_template=MISTRAL_TEMPLATE, tokenize=False,
+                                    add_generation_prompt=gen)
+      assert _text(tok, ids) == want
+      assistants = [m["content"].strip() for m in convo if m["role"] == "assistant"]
+      assert _own(tok, ids, mask) == "".join(f" {a}</s>" for a in assistants)
+  assert tok.chat.name == "Mistral" and tok.stop_ids == (tok._tok.token_to_id("</s>"),)
+  said = [{"role": "user", "content": "use it"}, {"role": "assistant", "content": "<t>"}]
+  whole, _ = tok.encode_chat(said + [{"role": "tool", "content": "2"}])
+  assert _text(tok, whole).endswith(" <t></s>[INST] 2[/INST]")
+  assert tok.encode_chat(said)[0] + tok.chat.continuation(
+      [{"role": "tool", "content": "2"}]) == whole
