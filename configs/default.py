@@ -124,12 +124,14 @@ def get_config() -> ml_collections.ConfigDict:
   # "none" all of it; "think" <think> blocks in any tokenizer's text. thinking: the
   # prompts' reasoning switch, "" the template's default, "on" / "off" (Qwen3) or "low" /
   # "medium" / "high" (gpt-oss's effort). system_prompt: a system message opening every
-  # rollout's (and the SFT demonstrations') conversation, "" none.
+  # rollout's (and the SFT demonstrations') conversation, "" none. tool_format: how
+  # multi-turn domains' tools are called, "text" (the domain's protocol) or "native" (the
+  # model's own: Qwen's tool schemas and <tool_call>; SFT demonstrations stay in text).
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,
       max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128,
       gather_weights=True, continuous_batching=True, reward_source="verifier",
-      reasoning="auto", thinking="", system_prompt=""))
+      reasoning="auto", thinking="", system_prompt="", tool_format="text"))
   # A learned reward model scoring the RL rollouts, on the rollout devices, right after
   # they are generated (dynamic sampling, the scheduler and the advantages see the mixed
   # rewards; pass rates and the held-out evaluation stay the verifiers').

@@ -74,7 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
       prompts_per_step=512, max_new_tokens=8192, temperature=1.0, top_p=0.0, top_k=0,
       max_len=9216, chunk_rows=1024, scoring_threads=16, max_turns=1, max_draws=1536,
       gather_weights=True, continuous_batching=True, reward_source="verifier",
-      reasoning="auto", thinking="", system_prompt=""))
+      reasoning="auto", thinking="", system_prompt="", tool_format="text"))
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=32, samples=4, domains=""))
   c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep_last=3, keep_every=100,
                                                 async_save=True))

@@ -57,7 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
       max_len=5120, chunk_rows=256, scoring_threads=16, max_turns=1, max_draws=512,
       gather_weights=True, continuous_batching=True, reward_source="verifier",
       # Qwen3 thinks in a <think> block: the verifiers read what follows it.
-      reasoning="auto", thinking="", system_prompt=""))
+      reasoning="auto", thinking="", system_prompt="", tool_format="text"))
   c.eval = ml_collections.ConfigDict(dict(seeds_per_domain=32, samples=4, domains=""))
   c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep_last=3, keep_every=100,
                                                 async_save=True))

@@ -742,7 +742,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None,
         continuous=bool(r.get("continuous_batching", True)),
         reasoning=experiment.rollout_reasoning(config),
         thinking=experiment.rollout_thinking(config),
-        system_prompt=str(r.get("system_prompt", "") or "") or None)
+        system_prompt=str(r.get("system_prompt", "") or "") or None,
+        tool_format=experiment.rollout_tool_format(config))
     recorder = SandboxRecorder()
     try:
       with recorder.installed():

@@ -100,6 +100,7 @@ def check_config(config) -> None:
   _check_distill(config)
   rollout_reasoning(config)
   rollout_thinking(config)
+  rollout_tool_format(config)
 
 
 THINKING = {"": None, "on": True, "off": False, "low": "low", "medium": "medium",
@@ -114,6 +115,17 @@ def rollout_reasoning(config) -> str:
   value = str((r.get("reasoning", "auto") if r is not None else "auto") or "auto")
   if value not in reasoning_lib.MODES:
     raise ValueError(f"rollout.reasoning={value!r}; expected one of {reasoning_lib.MODES}")
+  return value
+
+
+def rollout_tool_format(config) -> str:
+  """How multi-turn domains' tools are called (rollout.tool_format): text (the domain's
+  own protocol) or native (the model's own format: Qwen's tool schemas and <tool_call>)."""
+  from posttrain.rollout.worker import TOOL_FORMATS  # rollout imports the sampler: lazily
+  r = config.get("rollout")
+  value = str((r.get("tool_format", "text") if r is not None else "text") or "text")
+  if value not in TOOL_FORMATS:
+    raise ValueError(f"rollout.tool_format={value!r}; expected one of {TOOL_FORMATS}")
   return value
 
 

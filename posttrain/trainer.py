@@ -43,7 +43,8 @@ from posttrain.experiment import (abstract_checkpoint, algorithm, build_meshes, 
                                   data_cache_dir, distill_stages, distill_teacher, eval_domains,
                                   from_checkpoint, frozen_references, initial_model,
                                   model_config, objective, reward_model_domains,
-                                  rollout_reasoning, rollout_thinking, run_domains,
+                                  rollout_reasoning, rollout_thinking, rollout_tool_format,
+                                  run_domains,
                                   teacher_config, to_checkpoint)
 from posttrain.checkpoint import CheckpointManager, PreemptionFlag
 from posttrain.data.preference import PreferenceData, UnpairedData
@@ -373,7 +374,8 @@ class Trainer:
         version_fn=lambda: self.sampler_version,
         continuous=bool(r.get("continuous_batching", True)),
         reasoning=rollout_reasoning(config), thinking=rollout_thinking(config),
-        system_prompt=str(r.get("system_prompt", "") or "") or None)
+        system_prompt=str(r.get("system_prompt", "") or "") or None,
+        tool_format=rollout_tool_format(config))
     self.reward_model = None
     if self.rm_path:
       # Frozen, on the rollout devices (the rollout thread scores what it generates);

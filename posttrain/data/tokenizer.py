@@ -27,7 +27,7 @@ import json
 import os
 import re
 import shutil
-from typing import Sequence
+from typing import Any, Sequence
 
 from posttrain.data import reasoning as reasoning_lib
 
@@ -86,9 +86,12 @@ class ChatFormat:
   # --- rendering ------------------------------------------------------------------------
 
   def encode(self, messages: Sequence[Message], add_generation_prompt: bool = False,
-             thinking: bool | str | None = None) -> tuple[list[int], list[int]]:
+             thinking: bool | str | None = None, tools: Sequence[dict] | None = None
+             ) -> tuple[list[int], list[int]]:
     """(ids, mask) of a whole conversation. `thinking`: the generation prompt's reasoning
-    switch where the format has one (see `generation_prompt`)."""
+    switch where the format has one (see `generation_prompt`). `tools`: function schemas
+    the model may call in its own format, where the format renders them (ChatML)."""
+    self.check_tools(tools)
     self.check_thinking(thinking)
     ids, mask = self.opening(thinking)
     body, own = self._render(messages, add_generation_prompt)
@@ -117,6 +120,18 @@ class ChatFormat:
     """What opens the turn the model writes."""
     del thinking
     return list(self.generation_header)
+
+  def check_tools(self, tools) -> None:
+    """Raises ValueError where tools are given to a format that does not render them."""
+    if tools:
+      raise ValueError(f"the {self.name} chat format does not render tool schemas here: "
+                       "rollout.tool_format=native needs Qwen's ChatML; use text")
+
+  def read_tool_calls(self, text: str) -> list[tuple[int, int, Any, Any]]:
+    """(start, end, name, arguments) of the tool calls a model wrote in its own format in
+    `text` (none where the format has no such format here)."""
+    del text
+    return []
 
   def check_thinking(self, thinking) -> None:
     """Raises ValueError unless `thinking` is a reasoning switch this format takes."""
@@ -186,7 +201,8 @@ class Llama3Format(ChatFormat):
     super().__init__(tok, headers, end_of_turn, strip=True, name="Llama 3", **kw)
     self.dated, self.json_tools = dated, json_tools
 
-  def encode(self, messages, add_generation_prompt=False, thinking=None):
+  def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
+    self.check_tools(tools)
     if not self.dated:
       return super().encode(messages, add_generation_prompt, thinking)
     system = ""
@@ -222,7 +238,8 @@ class MistralFormat(ChatFormat):
     super().__init__(tok, headers, [eos], bos=[bos] if bos is not None else [],
                      generation_header=[], name="Mistral")
 
-  def encode(self, messages, add_generation_prompt=False, thinking=None):
+  def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
+    self.check_tools(tools)
     self.check_thinking(thinking)
     system = None
     if messages and messages[0].get("role") == "system":
@@ -274,10 +291,47 @@ class ChatMLFormat(ChatFormat):
     self.reasoning = "think" if think else None
     self.default_system = default_system
 
-  def encode(self, messages, add_generation_prompt=False, thinking=None):
+  def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
     if self.default_system and (not messages or messages[0].get("role") != "system"):
       messages = [{"role": "system", "content": self.default_system}] + list(messages)
-    return super().encode(messages, add_generation_prompt, thinking)
+    if not tools:
+      return super().encode(messages, add_generation_prompt, thinking)
+    # Qwen's tools block: the system turn (the conversation's own system message, then a
+    # blank line) followed by the function schemas and how to call them.
+    system = ""
+    if messages and messages[0].get("role") == "system":
+      system, messages = self._message(messages[0])[1] + "\n\n", list(messages[1:])
+    listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    head = (self.headers["system"] + self.tok.encode(
+        f"{system}# Tools\n\nYou may call one or more functions to assist with the user "
+        "query.\n\nYou are provided with function signatures within <tools></tools> XML "
+        f"tags:\n<tools>{listed}\n</tools>\n\nFor each function call, return a json object "
+        "with function name and arguments within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+        "</tool_call>") + self.end_of_turn + self.after_end)
+    ids, mask = super().encode(messages, add_generation_prompt, thinking)
+    return head + ids, [0] * len(head) + mask
+
+  def check_tools(self, tools) -> None:
+    pass  # ChatML renders them
+
+  def read_tool_calls(self, text):
+    """Qwen's calls: <tool_call>{"name": ..., "arguments": ...}</tool_call> (JSON); a block
+    whose JSON does not parse is a call with no name."""
+    calls, pos = [], 0
+    while True:
+      start = text.find("<tool_call>", pos)
+      end = text.find("</tool_call>", start + 11) if start >= 0 else -1
+      if end < 0:
+        return calls
+      try:
+        call = json.loads(text[start + 11:end])
+      except ValueError:
+        call = None
+      if not isinstance(call, dict):
+        call = {}
+      calls.append((start, end + 12, call.get("name"), call.get("arguments")))
+      pos = end + 12
 
   def check_thinking(self, thinking) -> None:
     if thinking is None:
@@ -375,7 +429,8 @@ class DeepSeekR1Format(ChatFormat):
       raise ValueError(f"thinking must be None or True for DeepSeek-R1 models, which always "
                        f"think; got {thinking!r}")
 
-  def encode(self, messages, add_generation_prompt=False, thinking=None):
+  def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
+    self.check_tools(tools)
     self.check_thinking(thinking)
     systems = [m for m in messages if m.get("role") == "system"]
     ids, mask = list(self.bos), [0] * len(self.bos)
@@ -548,10 +603,14 @@ class Tokenizer:
     raise NotImplementedError
 
   def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False,
-                  thinking: bool | str | None = None) -> tuple[list[int], list[int]]:
+                  thinking: bool | str | None = None, tools: Sequence[dict] | None = None
+                  ) -> tuple[list[int], list[int]]:
     """Token ids and the model-token mask of a conversation. `thinking`: the reasoning
     switch of formats that have one (Qwen3's ChatML: True / False; harmony: an effort,
-    low / medium / high); None, the template's default."""
+    low / medium / high); None, the template's default. `tools`: function schemas for a
+    model that calls tools in its own format (ChatML)."""
+    if tools:
+      return self.chat.encode(messages, add_generation_prompt, thinking, tools)
     return self.chat.encode(messages, add_generation_prompt, thinking)
 
   def split_response(self, ids: Sequence[int], prompt: Sequence[int] | None = None
@@ -773,9 +832,9 @@ class _Thinking(Tokenizer):
   def decode(self, ids: Sequence[int]) -> str:
     return self._inner.decode(ids)
 
-  def encode_chat(self, messages, add_generation_prompt=False, thinking=None):
+  def encode_chat(self, messages, add_generation_prompt=False, thinking=None, tools=None):
     return self._inner.encode_chat(messages, add_generation_prompt,
-                                   self._thinking if thinking is None else thinking)
+                                   self._thinking if thinking is None else thinking, tools)
 
   @property
   def fingerprint(self) -> str | None:

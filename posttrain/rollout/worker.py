@@ -29,6 +29,12 @@ from posttrain import distributed
 from posttrain.data import reasoning as reasoning_lib
 from posttrain.data.tokenizer import Tokenizer
 from posttrain.tasks import Reward, StepResult, Task, registry
+from posttrain.tasks.families.tools import OBS_CLOSE, OBS_OPEN, native_call_text
+
+# How multi-turn domains' tools are called: "text", the domain's own protocol in the
+# prompt; "native", the model's own format (its chat template's tool schemas and calls,
+# translated to and from the domain's protocol; Qwen's ChatML).
+TOOL_FORMATS = ("text", "native")
 
 
 @dataclasses.dataclass
@@ -135,8 +141,14 @@ class RolloutWorker:
                system_prompt: str | None = None, segment_tokens: int = 0, lock=None,
                version_fn=None, process: tuple[int, int] | None = None,
                exchange: Callable[[Any], list[Any]] | None = None, continuous: bool = True,
-               reasoning: str = "auto", thinking: bool | str | None = None):
+               reasoning: str = "auto", thinking: bool | str | None = None,
+               tool_format: str = "text"):
     self.sampler, self.tok = sampler, tokenizer
+    if tool_format not in TOOL_FORMATS:
+      raise ValueError(f"tool_format={tool_format!r}; expected one of {TOOL_FORMATS}")
+    if tool_format == "native":
+      tokenizer.chat.check_tools([{}])  # here, not at the first multi-turn rollout
+    self.tool_format = tool_format
     if reasoning not in reasoning_lib.MODES:
       raise ValueError(f"reasoning={reasoning!r}; expected one of {reasoning_lib.MODES}")
     self.reasoning, self.thinking = reasoning, thinking
@@ -189,6 +201,14 @@ class RolloutWorker:
     return task_messages(task, self.system_prompt)
 
   def prompt_tokens(self, task: Task) -> list[int]:
+    domain = registry.get(task.domain)
+    if self.tool_format == "native" and hasattr(domain, "native_tools"):
+      # The model calls the task's tools in its own format: their schemas in the prompt,
+      # the question without the domain's text protocol.
+      prompt, tools = domain.native_tools(task)
+      messages = task_messages(dataclasses.replace(task, prompt=prompt), self.system_prompt)
+      return self.tok.encode_chat(messages, add_generation_prompt=True,
+                                  thinking=self.thinking, tools=tools)[0]
     return self.tok.encode_chat(self.messages(task), add_generation_prompt=True,
                                 thinking=self.thinking)[0]
 
@@ -217,7 +237,11 @@ class RolloutWorker:
     r = self.split(sample.response_tokens[sample.turn_start:],
                    sample.prompt_tokens + sample.response_tokens[:sample.turn_start])
     sample.turn_start = len(sample.response_tokens)
-    sample.text += r.content
+    content = r.content
+    if self.tool_format == "native":  # the model's own calls, as the domain reads calls
+      for start, end, name, arguments in reversed(self.tok.chat.read_tool_calls(content)):
+        content = content[:start] + native_call_text(name, arguments) + content[end:]
+    sample.text += content
     if r.reasoning:
       sample.reasoning += ("\n\n" if sample.reasoning else "") + r.reasoning
     sample.reasoning_tokens += r.reasoning_tokens
@@ -507,7 +531,10 @@ class RolloutWorker:
     sample.tool_calls += 1
     stops = self.tok.stop_ids
     ended = bool(sample.response_tokens) and sample.response_tokens[-1] in stops
-    obs = self.tok.chat.continuation([{"role": "tool", "content": observation}], ended=ended,
+    answer = observation
+    if self.tool_format == "native":  # a tool message holds the result alone
+      answer = observation.removeprefix(OBS_OPEN).removesuffix(OBS_CLOSE)
+    obs = self.tok.chat.continuation([{"role": "tool", "content": answer}], ended=ended,
                                      thinking=self.thinking)
     sample.response_tokens += obs
     sample.turn_start = len(sample.response_tokens)

@@ -729,3 +729,88 @@ def test_mistral_renders_as_its_template(tmp_path):
   assert _text(tok, whole).endswith(" <t></s>[INST] 2[/INST]")
   assert tok.encode_chat(said)[0] + tok.chat.continuation(
       [{"role": "tool", "content": "2"}]) == whole
+
+
+# Qwen3's template with its tools block and its assistants' tool calls (as it ships), the
+# longest lines broken inside the tags.
+QWEN3_TOOLS_TEMPLATE = QWEN3_TEMPLATE.replace(
+    r"""{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+""", r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        + "You are provided with function signatures within <tools></tools> XML tags:\n"
+        + "<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name "
+        + "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        + "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+        + "</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+""").replace(r"""        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}""", r"""        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}""")
+assert QWEN3_TOOLS_TEMPLATE.count("tool_call.arguments") == 3
+
+
+def test_qwen_tool_schemas_render_as_the_template_writes_them(qwen3, tmp_path):
+  """tools=[schemas]: Qwen's tools block in the system turn (after the conversation's own
+  system message, or Qwen 2.5's default); other formats refuse them; a model's calls are
+  read back from its text."""
+  from posttrain.tasks.families.tools import NATIVE_TOOLS
+  tools = list(NATIVE_TOOLS.values())
+  convo = [{"role": "user", "content": "27*58?"}]
+  for system in ([], [{"role": "system", "content": "be brief"}]):
+    for gen in (False, True):
+      ids, mask = qwen3.encode_chat(system + convo, add_generation_prompt=gen, tools=tools)
+      want = _hf(qwen3).apply_chat_template(system + convo, tools=tools, tokenize=False,
+                                            chat_template=QWEN3_TOOLS_TEMPLATE,
+                                            add_generation_prompt=gen)
+      assert _text(qwen3, ids) == want and not any(mask)
+  qwen25 = _write_tokenizer(tmp_path, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  cfg["chat_template"] = QWEN25_TEMPLATE
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  qwen25 = load_tokenizer(str(tmp_path))
+  text = _text(qwen25, qwen25.encode_chat(convo, add_generation_prompt=True, tools=tools)[0])
+  assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are "
+                         "a helpful assistant.\n\n# Tools\n\n")
+  (tmp_path / "r1").mkdir()
+  for tok in (ByteTokenizer(), _write_tokenizer(tmp_path / "r1", R1_SPECIALS)):
+    with pytest.raises(ValueError, match="does not render tool schemas"):
+      tok.encode_chat(convo, add_generation_prompt=True, tools=tools)
+  calls = qwen3.chat.read_tool_calls(
+      'a<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+      "b<tool_call>not json</tool_call>")
+  assert [c[2:] for c in calls] == [("calculator", {"expression": "1+2"}), (None, None)]
+  assert calls[0][0] == 1

@@ -226,6 +226,51 @@ def test_deepseek_r1_tool_turns_read_reasoning_only_where_the_prompt_opened_it(d
       assert "<｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>" in text
 
 
+@pytest.mark.parametrize("continuous", [True, False])
+def test_native_tool_calls_are_the_templates_and_score_as_the_protocols(qwen3, continuous):
+  """tool_format=native with Qwen3: the prompt carries the task's tool schema (not the
+  domain's text protocol), the model calls it in Qwen's <tool_call> JSON and reads the
+  bare result in a <tool_response>; the whole transcript is the Qwen3 template's rendering
+  of that conversation with tools, and the call scores as a valid protocol call."""
+  from posttrain.tasks.families.tools import NATIVE_TOOLS
+  from tests.data.test_reasoning import QWEN3_TOOLS_TEMPLATE
+  tasks = {_task(p).metadata["call"]: _task(p) for p in TOOL_PAIRS}
+
+  def reply(text):
+    task = next(t for call, t in tasks.items() if f"What is {call}?" in text)
+    assert "<tool>" not in text and '"name": "calculator"' in text
+    if "<tool_response>" not in text:
+      return qwen3.encode(
+          '<think>\nneed a tool\n</think>\n\n<tool_call>\n{"name": "calculator", '
+          f'"arguments": {{"expression": "{task.metadata["call"]}"}}}}\n</tool_call>'
+      ) + [qwen3.eos_id]
+    return qwen3.encode(f"<think>\ngot it\n</think>\n\n<answer>{task.answer}</answer>"
+                        ) + [qwen3.eos_id]
+
+  samples, _ = _rollout(_Scripted(qwen3, reply), qwen3, pairs=TOOL_PAIRS, max_turns=3,
+                        continuous=continuous, tool_format="native", new=256)
+  for s in samples:
+    task = next(t for call, t in tasks.items()
+                if f"What is {call}?" in _text(qwen3, s.prompt_tokens))
+    question = registry.get(task.domain).native_tools(task)[0]
+    call = {"name": "calculator", "arguments": {"expression": task.metadata["call"]}}
+    convo = [{"role": "user", "content": question},
+             {"role": "assistant", "reasoning_content": "need a tool", "content": "",
+              "tool_calls": [{"type": "function", "function": call}]},
+             {"role": "tool", "content": task.answer},
+             {"role": "assistant", "reasoning_content": "got it",
+              "content": f"<answer>{task.answer}</answer>"}]
+    want = _hf(qwen3).apply_chat_template(convo, tools=[NATIVE_TOOLS["calculator"]],
+                                          chat_template=QWEN3_TOOLS_TEMPLATE, tokenize=False)
+    assert _text(qwen3, s.prompt_tokens + s.response_tokens) + "\n" == want
+    assert s.text.startswith(f"<tool>calculator: {task.metadata['call']}</tool>")
+    assert s.reward.value == 1.0 and s.reward.components["tool_valid"] == 1.0
+  with pytest.raises(ValueError, match="tool_format='json'"):
+    _rollout(_Scripted(qwen3, reply), qwen3, tool_format="json")
+  with pytest.raises(ValueError, match="does not render tool schemas"):
+    _rollout(_Scripted(ByteTokenizer(), reply), ByteTokenizer(), tool_format="native")
+
+
 def test_harmony_multi_turn_has_one_system_message(harmony):
   """A tool's answer goes on from the model's <|return|>, with no second system message
   (a conversation's whole opening used to be encoded again before each tool answer)."""

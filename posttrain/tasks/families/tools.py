@@ -29,6 +29,7 @@ mask the observation tokens out of the loss.
 from __future__ import annotations
 
 import ast
+import json
 
 from posttrain.tasks import execution
 from posttrain.tasks.base import (
@@ -55,6 +56,37 @@ MAX_TOOL_INPUT_CHARS = 4000
 PYTHON_TIMEOUT_S = 5.0
 
 _PROTOCOL = "Tools: <tool>{tool}: ...</tool> returns <observation>result</observation>."
+
+# The tools as function schemas, for models that call tools in their own format
+# (RolloutWorker(tool_format="native")): one string argument each.
+NATIVE_TOOLS = {
+    "calculator": {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluates an arithmetic expression exactly.",
+        "parameters": {"type": "object", "properties": {"expression": {
+            "type": "string", "description": "The expression, e.g. 345*678"}},
+            "required": ["expression"]}}},
+    "python": {"type": "function", "function": {
+        "name": "python", "description": "Runs Python code and returns what it prints.",
+        "parameters": {"type": "object", "properties": {"code": {
+            "type": "string", "description": "The program; print the result."}},
+            "required": ["code"]}}},
+}
+
+
+def native_call_text(name, arguments) -> str:
+    """A call in a model's own format (a function name and its arguments) as this
+    protocol's ``<tool>name: argument</tool>``; a call that names no tool or gives no single
+    string argument comes out malformed, as the model wrote it wrong."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    if isinstance(arguments, dict) and len(arguments) == 1:
+        (arguments,) = arguments.values()
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        return f"{TOOL_OPEN}malformed call{TOOL_CLOSE}"
+    return f"{TOOL_OPEN}{name}: {arguments}{TOOL_CLOSE}"
 
 
 def parse_call(text: str) -> tuple[str, str] | None:
@@ -158,6 +190,12 @@ class ToolDomain(Domain):
         prompt = f"{question}\n{_PROTOCOL.format(tool=self.tool)}\n{ANSWER_INSTRUCTION}"
         metadata = {"tool": self.tool, "call": call, "max_calls": MAX_CALLS}
         return Task(self.name, seed, prompt, answer, metadata, self.level, self.family)
+
+    def native_tools(self, task: Task) -> tuple[str, list[dict]]:
+        """The task's prompt without this protocol's instructions, and its tool as a
+        function schema: what a model calling tools in its own format is given."""
+        prompt = task.prompt.replace(_PROTOCOL.format(tool=self.tool) + "\n", "")
+        return prompt, [NATIVE_TOOLS[self.tool]]
 
     def demonstration(self, task):
         return (
