@@ -125,15 +125,22 @@ def _to_batch(trajectories, *, row_len: int, rows_per_mb: int, micro_multiple: i
 
 
 def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
-                 thinking=None) -> dict[str, np.ndarray]:
+                 thinking=None, tool_format: str = "text") -> dict[str, np.ndarray]:
   """The index-th demonstration: domains round-robin, training seeds in order; in the
-  rollouts' conversation (their system prompt and reasoning switch)."""
+  rollouts' conversation (their system prompt, reasoning switch and tool format)."""
   domain = registry.get(domains[index % len(domains)])
   task = domain.sample(train_seed(index // len(domains)))
-  demo = {"role": "assistant", "content": domain.demonstration(task)}
-  if tok.chat.opens_reasoning:  # open as the rollouts' prompt does: an empty reasoning block
-    demo["reasoning_content"] = ""
-  ids, mask = tok.encode_chat(task_messages(task, system_prompt) + [demo], thinking=thinking)
+  if tool_format == "native" and hasattr(domain, "native_tools"):
+    prompt, tools = domain.native_tools(task)
+    ids, mask = tok.encode_chat(
+        task_messages(dataclasses.replace(task, prompt=prompt), system_prompt)
+        + domain.native_demonstration(task), thinking=thinking, tools=tools)
+  else:
+    demo = {"role": "assistant", "content": domain.demonstration(task)}
+    if tok.chat.opens_reasoning:  # open as the rollouts' prompt does: an empty block
+      demo["reasoning_content"] = ""
+    ids, mask = tok.encode_chat(task_messages(task, system_prompt) + [demo],
+                                thinking=thinking)
   first = mask.index(1)
   return {"prompt_tokens": np.asarray(ids[:first], np.int32),
           "response_tokens": np.asarray(ids[first:], np.int32),
@@ -142,7 +149,7 @@ def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
 
 
 def sft_dataset(domains: list[str], tok, seed: int, shard: tuple[int, int] = (0, 1),
-                system_prompt: str = "", thinking=None):
+                system_prompt: str = "", thinking=None, tool_format: str = "text"):
   """An endless, shuffled grain stream of demonstrations; its iterator state checkpoints.
 
   With `shard=(i, n)` the stream is every n-th element from the i-th: process i of n
@@ -154,7 +161,8 @@ def sft_dataset(domains: list[str], tok, seed: int, shard: tuple[int, int] = (0,
   ds = grain.MapDataset.range(1 << 40).shuffle(seed=seed)
   if count > 1:
     ds = ds[index::count]
-  return ds.map(lambda i: _sft_example(domains, tok, int(i), system_prompt, thinking))
+  return ds.map(lambda i: _sft_example(domains, tok, int(i), system_prompt, thinking,
+                                       tool_format))
 
 
 def sft_iterator_state(saved: dict, shards: int) -> dict:
@@ -736,7 +744,8 @@ class Trainer:
     else:
       ds = sft_dataset(self.domains, self.tok, self.seed, shard,
                        system_prompt=str(self.config.rollout.get("system_prompt", "") or ""),
-                       thinking=rollout_thinking(self.config))
+                       thinking=rollout_thinking(self.config),
+                       tool_format=rollout_tool_format(self.config))
     it = iter(ds.to_iter_dataset())
     if self.progress.sft_iterator:
       it.set_state(sft_iterator_state(self.progress.sft_iterator, shard[1]))

@@ -271,6 +271,36 @@ def test_native_tool_calls_are_the_templates_and_score_as_the_protocols(qwen3, c
     _rollout(_Scripted(ByteTokenizer(), reply), ByteTokenizer(), tool_format="native")
 
 
+def test_native_tool_demonstrations_are_the_templates_tool_calls(qwen3):
+  """With tool_format=native, a tool domain's SFT demonstration is the model's own call,
+  the tool's answer and the answer, rendered as the Qwen3 template renders those turns
+  with tools, after exactly the rollouts' prompt; only the model's turns are trained."""
+  from posttrain import trainer
+  from posttrain.tasks.families.tools import NATIVE_TOOLS
+  from tests.data.test_reasoning import QWEN3_TOOLS_TEMPLATE
+  w = worker_lib.RolloutWorker(_Scripted(qwen3, lambda t: []), qwen3, group_size=1,
+                               max_new_tokens=4, process=(0, 1), tool_format="native")
+  try:
+    ex = trainer._sft_example(["tools/calc_l1"], qwen3, 1, tool_format="native")
+    task = registry.get("tools/calc_l1").sample(2)
+    assert ex["prompt_tokens"].tolist() == w.prompt_tokens(task)
+  finally:
+    w.close()
+  question = registry.get("tools/calc_l1").native_tools(task)[0]
+  call = {"name": "calculator", "arguments": {"expression": task.metadata["call"]}}
+  want = _hf(qwen3).apply_chat_template(
+      [{"role": "user", "content": question},
+       {"role": "assistant", "content": "", "tool_calls": [{"function": call}]},
+       {"role": "tool", "content": task.answer},
+       {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}],
+      tools=[NATIVE_TOOLS["calculator"]], chat_template=QWEN3_TOOLS_TEMPLATE, tokenize=False)
+  whole = ex["prompt_tokens"].tolist() + ex["response_tokens"].tolist()
+  assert _text(qwen3, whole) == want
+  trained = ex["response_tokens"][ex["response_mask"] != 0].tolist()
+  assert "<tool_response>" not in _text(qwen3, trained)
+  assert _text(qwen3, trained).endswith(f"<answer>{task.answer}</answer><|im_end|>")
+
+
 def test_harmony_multi_turn_has_one_system_message(harmony):
   """A tool's answer goes on from the model's <|return|>, with no second system message
   (a conversation's whole opening used to be encoded again before each tool answer)."""

@@ -197,6 +197,17 @@ class ToolDomain(Domain):
         prompt = task.prompt.replace(_PROTOCOL.format(tool=self.tool) + "\n", "")
         return prompt, [NATIVE_TOOLS[self.tool]]
 
+    def native_demonstration(self, task: Task) -> list[dict]:
+        """The demonstration as the turns of a model calling the tool in its own format
+        (Qwen's <tool_call> JSON): the call, the tool's answer, the answer."""
+        schema = NATIVE_TOOLS[self.tool]["function"]
+        (param,) = schema["parameters"]["properties"]
+        call = json.dumps({"name": schema["name"],
+                           "arguments": {param: task.metadata["call"]}}, ensure_ascii=False)
+        return [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                {"role": "tool", "content": str(task.answer)},
+                {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
+
     def demonstration(self, task):
         return (
             f"{TOOL_OPEN}{task.metadata['tool']}: {task.metadata['call']}{TOOL_CLOSE}"
