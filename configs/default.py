@@ -126,7 +126,7 @@ def get_config() -> ml_collections.ConfigDict:
   # "medium" / "high" (gpt-oss's effort). system_prompt: a system message opening every
   # rollout's (and the SFT demonstrations') conversation, "" none. tool_format: how
   # multi-turn domains' tools are called, "text" (the domain's protocol) or "native" (the
-  # model's own: Qwen's tool schemas and <tool_call>, SFT demonstrations' too).
+  # model's own, Qwen's or Llama 3.1's tool schemas and calls, SFT demonstrations' too).
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=32, max_new_tokens=24, temperature=1.0, top_p=0.0, top_k=0,
       max_len=192, chunk_rows=256, scoring_threads=2, max_turns=1, max_draws=128,

@@ -120,7 +120,8 @@ def rollout_reasoning(config) -> str:
 
 def rollout_tool_format(config) -> str:
   """How multi-turn domains' tools are called (rollout.tool_format): text (the domain's
-  own protocol) or native (the model's own format: Qwen's tool schemas and <tool_call>)."""
+  own protocol) or native (the model's own format: Qwen's or Llama 3.1's tool schemas and
+  calls)."""
   from posttrain.rollout.worker import TOOL_FORMATS  # rollout imports the sampler: lazily
   r = config.get("rollout")
   value = str((r.get("tool_format", "text") if r is not None else "text") or "text")

@@ -125,13 +125,18 @@ class ChatFormat:
     """Raises ValueError where tools are given to a format that does not render them."""
     if tools:
       raise ValueError(f"the {self.name} chat format does not render tool schemas here: "
-                       "rollout.tool_format=native needs Qwen's ChatML; use text")
+                       "rollout.tool_format=native needs Qwen's ChatML or Llama 3.1+; use "
+                       "text")
 
   def read_tool_calls(self, text: str) -> list[tuple[int, int, Any, Any]]:
     """(start, end, name, arguments) of the tool calls a model wrote in its own format in
     `text` (none where the format has no such format here)."""
     del text
     return []
+
+  def write_tool_call(self, name: str, arguments: dict) -> str:
+    """A tool call as the model writes it in its own format (its template's rendering)."""
+    raise ValueError(f"the {self.name} chat format has no tool calls of its own here")
 
   def check_thinking(self, thinking) -> None:
     """Raises ValueError unless `thinking` is a reasoning switch this format takes."""
@@ -193,7 +198,10 @@ class Llama3Format(ChatFormat):
   Date: 26 Jul 2024\n\n" and then the conversation's own system message, if any. The date
   is the template's fallback, fixed so that a prompt's ids do not change from day to day
   (the template writes today's where it can). `json_tools` (the same templates): a tool's
-  answer is written as a JSON string, as their `tojson` writes a string.
+  answer is written as a JSON string, as their `tojson` writes a string. With tool
+  schemas (dated templates), the system turn says "Environment: ipython", the first user
+  message carries the schemas (the templates' tools_in_user_message), and the model calls
+  a tool by answering a JSON object, {"name": ..., "parameters": {...}}.
   """
 
   def __init__(self, tok, headers, end_of_turn, *, dated: bool = False,
@@ -209,12 +217,41 @@ class Llama3Format(ChatFormat):
     if messages and messages[0].get("role") == "system":
       system = self._message(messages[0])[1].strip()
       messages = messages[1:]
+    environment = "Environment: ipython\n" if tools else ""
     head = (self.headers["system"] + self.tok.encode(
-        f"Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n{system}")
-        + self.end_of_turn)
+        f"{environment}Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+        f"{system}") + self.end_of_turn)
+    if tools:
+      if not messages or messages[0].get("role") != "user":
+        raise ValueError("Llama 3 writes tool schemas into the first user message; the "
+                         "conversation has none")
+      listed = "".join(json.dumps(t, ensure_ascii=False, indent=4) + "\n\n" for t in tools)
+      first = self._message(messages[0])[1].strip()
+      messages = [dict(messages[0], content=(
+          "Given the following functions, please respond with a JSON for a function call "
+          "with its proper arguments that best answers the given prompt.\n\nRespond in the "
+          'format {"name": function name, "parameters": dictionary of argument name and its '
+          f'value}}.Do not use variables.\n\n{listed}{first}'))] + list(messages[1:])
     ids, mask = super().encode(messages, add_generation_prompt, thinking)
     n = len(self.bos)
     return ids[:n] + head + ids[n:], mask[:n] + [0] * len(head) + mask[n:]
+
+  def check_tools(self, tools) -> None:
+    if tools and not self.dated:
+      super().check_tools(tools)
+
+  def write_tool_call(self, name, arguments):
+    return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+
+  def read_tool_calls(self, text):
+    """A Llama 3.1 call: the whole answer a JSON object with a "name" (and "parameters")."""
+    try:
+      call = json.loads(text.strip())
+    except ValueError:
+      return []
+    if not isinstance(call, dict) or "name" not in call:
+      return []
+    return [(0, len(text), call.get("name"), call.get("parameters", call.get("arguments")))]
 
   def _render(self, messages, add_generation_prompt):
     if self.json_tools:
@@ -314,6 +351,10 @@ class ChatMLFormat(ChatFormat):
 
   def check_tools(self, tools) -> None:
     pass  # ChatML renders them
+
+  def write_tool_call(self, name, arguments):
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
 
   def read_tool_calls(self, text):
     """Qwen's calls: <tool_call>{"name": ..., "arguments": ...}</tool_call> (JSON); a block

@@ -33,7 +33,7 @@ from posttrain.tasks.families.tools import OBS_CLOSE, OBS_OPEN, native_call_text
 
 # How multi-turn domains' tools are called: "text", the domain's own protocol in the
 # prompt; "native", the model's own format (its chat template's tool schemas and calls,
-# translated to and from the domain's protocol; Qwen's ChatML).
+# translated to and from the domain's protocol; Qwen's ChatML, Llama 3.1+).
 TOOL_FORMATS = ("text", "native")
 
 

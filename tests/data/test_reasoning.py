@@ -814,3 +814,86 @@ def test_qwen_tool_schemas_render_as_the_template_writes_them(qwen3, tmp_path):
       "b<tool_call>not json</tool_call>")
   assert [c[2:] for c in calls] == [("calculator", {"expression": "1+2"}), (None, None)]
   assert calls[0][0] == 1
+
+
+# Llama 3.1's template with its tools parts (the schemas in the first user message, a call
+# as a JSON answer), as it ships, the longest lines broken inside the tags.
+LLAMA31_TOOLS_TEMPLATE = LLAMA31_TEMPLATE.replace(r"""{{- bos_token }}
+""", r"""{{- bos_token }}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+""").replace(r"""{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+""", r"""{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+""").replace(r"""{{- "<|eot_id|>" }}
+{%- for message in messages %}""", r"""{{- "<|eot_id|>" }}
+{%- if tools_in_user_message and not tools is none %}
+    {%- set first_user_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of '
+        + 'argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}""").replace(
+    r"""    {%- elif message.role == "tool" or message.role == "ipython" %}""",
+    r"""    {%- elif 'tool_calls' in message %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}""")
+assert LLAMA31_TOOLS_TEMPLATE.count("tool_call.arguments") == 1
+assert LLAMA31_TOOLS_TEMPLATE.count("Environment: ipython") == 1
+assert LLAMA31_TOOLS_TEMPLATE.count("Given the following functions") == 1
+
+
+def llama31_tokenizer(path):
+  """A small BPE tokenizer with Llama 3's tokens and Llama 3.1's template."""
+  tok = _write_tokenizer(path, ["<|begin_of_text|>", "<|start_header_id|>",
+                                "<|end_header_id|>", "<|eot_id|>", "<|pad|>"])
+  cfg = json.loads((path / "tokenizer_config.json").read_text())
+  cfg["chat_template"] = LLAMA31_TEMPLATE
+  (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  del tok
+  return load_tokenizer(str(path))
+
+
+def test_llama31_tool_schemas_and_calls_render_as_its_template(tmp_path):
+  from posttrain.tasks.families.tools import NATIVE_TOOLS
+  tok = llama31_tokenizer(tmp_path)
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok._tok,
+                                            bos_token="<|begin_of_text|>")
+  tools = [NATIVE_TOOLS["calculator"]]
+  call = {"name": "calculator", "arguments": {"expression": "1+2"}}
+  convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": " 1+2? "},
+           {"role": "assistant", "content": tok.chat.write_tool_call("calculator",
+                                                                     call["arguments"])},
+           {"role": "tool", "content": "3"}]
+  want_convo = convo[:2] + [{"role": "assistant", "tool_calls": [{"function": call}]},
+                            convo[3]]
+  for gen in (False, True):
+    ids, _ = tok.encode_chat(convo, add_generation_prompt=gen, tools=tools)
+    want = hf.apply_chat_template(want_convo, tools=tools, chat_template=LLAMA31_TOOLS_TEMPLATE,
+                                  tokenize=False, add_generation_prompt=gen,
+                                  date_string="26 Jul 2024")
+    assert _text(tok, ids) == want
+  got = tok.chat.read_tool_calls(' {"name": "calculator", "parameters": {"expression": "4"}}')
+  assert [c[2:] for c in got] == [("calculator", {"expression": "4"})]
+  assert tok.chat.read_tool_calls("<answer>4</answer>") == []

@@ -301,6 +301,52 @@ def test_native_tool_demonstrations_are_the_templates_tool_calls(qwen3):
   assert _text(qwen3, trained).endswith(f"<answer>{task.answer}</answer><|im_end|>")
 
 
+def test_llama31_native_tool_calls_are_its_templates(tmp_path):
+  """tool_format=native with Llama 3.1: the schemas in the first user message, the call a
+  JSON answer, the result a JSON string in an ipython turn; the transcript is the template's
+  rendering of that conversation with tools; the SFT demonstration opens as the prompt."""
+  from posttrain import trainer
+  from posttrain.tasks.families.tools import NATIVE_TOOLS
+  from tests.data.test_reasoning import LLAMA31_TOOLS_TEMPLATE, llama31_tokenizer
+  tok = llama31_tokenizer(tmp_path)
+  eot = tok._tok.token_to_id("<|eot_id|>")
+  tasks = {_task(p).metadata["call"]: _task(p) for p in TOOL_PAIRS}
+
+  def reply(text):
+    task = next(t for call, t in tasks.items() if f"What is {call}?" in text)
+    if "ipython<|end_header_id|>" not in text.split("Cutting Knowledge")[-1]:
+      return tok.encode(tok.chat.write_tool_call(
+          "calculator", {"expression": task.metadata["call"]})) + [eot]
+    return tok.encode(f"<answer>{task.answer}</answer>") + [eot]
+
+  samples, _ = _rollout(_Scripted(tok, reply), tok, pairs=TOOL_PAIRS, max_turns=3,
+                        tool_format="native", new=256)
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok._tok,
+                                            bos_token="<|begin_of_text|>")
+  for s in samples:
+    task = next(t for call, t in tasks.items()
+                if f"What is {call}?" in _text(tok, s.prompt_tokens))
+    question = registry.get(task.domain).native_tools(task)[0]
+    call = {"name": "calculator", "arguments": {"expression": task.metadata["call"]}}
+    want = hf.apply_chat_template(
+        [{"role": "user", "content": question},
+         {"role": "assistant", "tool_calls": [{"function": call}]},
+         {"role": "tool", "content": task.answer},
+         {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}],
+        tools=[NATIVE_TOOLS["calculator"]], chat_template=LLAMA31_TOOLS_TEMPLATE,
+        tokenize=False, date_string="26 Jul 2024")
+    assert _text(tok, s.prompt_tokens + s.response_tokens) == want
+    assert s.reward.value == 1.0 and s.reward.components["tool_valid"] == 1.0
+  w = worker_lib.RolloutWorker(_Scripted(tok, reply), tok, group_size=1, max_new_tokens=4,
+                               process=(0, 1), tool_format="native")
+  try:
+    ex = trainer._sft_example(["tools/calc_l1"], tok, 1, tool_format="native")
+    assert ex["prompt_tokens"].tolist() == w.prompt_tokens(registry.get(
+        "tools/calc_l1").sample(2))
+  finally:
+    w.close()
+
+
 def test_harmony_multi_turn_has_one_system_message(harmony):
   """A tool's answer goes on from the model's <|return|>, with no second system message
   (a conversation's whole opening used to be encoded again before each tool answer)."""

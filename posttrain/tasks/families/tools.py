@@ -197,14 +197,14 @@ class ToolDomain(Domain):
         prompt = task.prompt.replace(_PROTOCOL.format(tool=self.tool) + "\n", "")
         return prompt, [NATIVE_TOOLS[self.tool]]
 
-    def native_demonstration(self, task: Task) -> list[dict]:
+    def native_demonstration(self, task: Task, write_call) -> list[dict]:
         """The demonstration as the turns of a model calling the tool in its own format
-        (Qwen's <tool_call> JSON): the call, the tool's answer, the answer."""
+        (`write_call(name, arguments)` writes a call as the model does): the call, the
+        tool's answer, the answer."""
         schema = NATIVE_TOOLS[self.tool]["function"]
         (param,) = schema["parameters"]["properties"]
-        call = json.dumps({"name": schema["name"],
-                           "arguments": {param: task.metadata["call"]}}, ensure_ascii=False)
-        return [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        call = write_call(schema["name"], {param: task.metadata["call"]})
+        return [{"role": "assistant", "content": call},
                 {"role": "tool", "content": str(task.answer)},
                 {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
 
