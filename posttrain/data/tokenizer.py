@@ -359,20 +359,21 @@ class ChatMLFormat(ChatFormat):
   def read_tool_calls(self, text):
     """Qwen's calls: <tool_call>{"name": ..., "arguments": ...}</tool_call> (JSON); a block
     whose JSON does not parse is a call with no name."""
+    opener, closer = "<tool_call>", "</tool_call>"
     calls, pos = [], 0
     while True:
-      start = text.find("<tool_call>", pos)
-      end = text.find("</tool_call>", start + 11) if start >= 0 else -1
+      start = text.find(opener, pos)
+      end = text.find(closer, start + len(opener)) if start >= 0 else -1
       if end < 0:
         return calls
       try:
-        call = json.loads(text[start + 11:end])
+        call = json.loads(text[start + len(opener):end])
       except ValueError:
         call = None
       if not isinstance(call, dict):
         call = {}
-      calls.append((start, end + 12, call.get("name"), call.get("arguments")))
-      pos = end + 12
+      pos = end + len(closer)
+      calls.append((start, pos, call.get("name"), call.get("arguments")))
 
   def check_thinking(self, thinking) -> None:
     if thinking is None:
