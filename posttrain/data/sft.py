@@ -47,7 +47,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from posttrain.data import columns
+from posttrain.data import columns, rows
 from posttrain.data.tokenizer import REASONING_FIELDS, ROLES, Tokenizer
 
 log = logging.getLogger("posttrain")
@@ -89,8 +89,11 @@ def parse_messages(value: Any, where: str, key: str) -> list[dict]:
   return out
 
 
-def json_object(line: str, where: str) -> dict:
-  """One JSON line as a dict; ValueError naming `where` otherwise."""
+def json_object(line: str | dict, where: str) -> dict:
+  """One JSON line (or a row `rows.read_rows` already parsed) as a dict; ValueError naming
+  `where` otherwise."""
+  if isinstance(line, dict):
+    return line
   try:
     row = json.loads(line)
   except json.JSONDecodeError as e:
@@ -280,18 +283,15 @@ class JsonlExamples:
     builder = columns.ColumnBuilder(cls.TOKEN_FIELDS, cls.SCALARS)
     dropped, first_dropped, truncated = 0, None, 0
     for file_index, path in enumerate(files):
-      with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-          if not line.strip():
+      for where, row in rows.read_rows(path):
+        number = int(where.rsplit(":", 1)[1])
+        for example, prompt, length in cls.encode_lines(row, where, tok):
+          if prompt + 1 > row_len:
+            dropped += 1
+            first_dropped = first_dropped or where
             continue
-          where = f"{path}:{number}"
-          for example, prompt, length in cls.encode_lines(line, where, tok):
-            if prompt + 1 > row_len:
-              dropped += 1
-              first_dropped = first_dropped or where
-              continue
-            truncated += length > row_len
-            builder.add(example, file_index, number)
+          truncated += length > row_len
+          builder.add(example, file_index, number)
     if not len(builder) and not dropped:
       raise ValueError(f"{cls.KIND} data {','.join(files)} holds no rows")
     if not len(builder):

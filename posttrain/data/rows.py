@@ -1,0 +1,132 @@
+"""Rows of a data file, as the SFT, preference and task loaders read them.
+
+    for where, row in read_rows("train.parquet"):   # ("train.parquet:1", {...}), ...
+        ...
+
+The format follows the file's name:
+
+- ``.jsonl`` (and any other name): JSON lines, one object per line; blank lines skipped.
+- ``.json``: JSON lines, or one JSON array of objects (as ``datasets``' ``to_json(lines=
+  False)`` and many hand-made files hold them).
+- ``.parquet``: Apache Parquet, as Hugging Face datasets and veRL's preprocessing scripts
+  write them (needs ``pyarrow``: ``pip install 'posttrain[parquet]'``). Read a batch at a
+  time, so a large file is never held whole.
+- a ``.gz`` suffix on a JSON name: gzip-compressed.
+
+``where`` names the row for error messages as ``path:N``: N is the line for JSON lines and
+the 1-based row for arrays and Parquet. A JSON-lines row comes back as its text (parsed by
+the loader, which names the line if it is not JSON); the others as dicts. A Parquet
+struct column holds every key of every row, absent ones as null, so null values inside
+objects are dropped: a message without ``tool_calls`` reads as one without the key.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+PARQUET_BATCH_ROWS = 1024
+_BROKEN = (gzip.BadGzipFile, EOFError, zlib.error, OSError)  # a damaged or truncated .gz
+
+
+def file_format(path: str) -> str:
+  """``"parquet"``, ``"json"`` (lines or an array) or ``"jsonl"``, from the name."""
+  name = os.path.basename(path).lower()
+  if name.endswith(".gz"):
+    name = name[:-3]
+  if name.endswith(".parquet"):
+    if path.lower().endswith(".gz"):
+      raise ValueError(f"{path}: Parquet files are compressed inside; drop the .gz")
+    return "parquet"
+  return "json" if name.endswith(".json") else "jsonl"
+
+
+def read_rows(path: str | os.PathLike) -> Iterator[tuple[str, str | dict]]:
+  """Yields ``(where, row)`` for every row of ``path``, in order (see the module doc)."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"data file not found: {path!r}")
+  kind = file_format(path)
+  if kind == "parquet":
+    yield from _parquet_rows(path)
+    return
+  with _open_binary(path) as f:
+    if kind == "json" and _first_byte(f, path) == b"[":
+      try:
+        rows = json.loads(_decode(f.read(), path))
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a valid JSON array: {e}") from None
+      except _BROKEN as e:
+        raise ValueError(f"{path}: unreadable: {e}") from None
+      for number, row in enumerate(rows, 1):
+        yield f"{path}:{number}", _object(row, f"{path}:{number}")
+      return
+    number = 0
+    try:
+      for number, line in enumerate(f, 1):
+        if line.strip():
+          yield f"{path}:{number}", _decode(line, f"{path}:{number}")
+    except _BROKEN as e:
+      raise ValueError(f"{path}: unreadable: {e}") from None
+
+
+def _open_binary(path: str):
+  return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def _decode(data: bytes, where: str) -> str:
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{where}: not UTF-8 text: {e}") from None
+
+
+def _first_byte(f, path: str) -> bytes:
+  """The first non-space byte of a file (the file is rewound)."""
+  try:
+    while chunk := f.read(4096):
+      if stripped := chunk.lstrip():
+        return stripped[:1]
+    return b""
+  except _BROKEN as e:
+    raise ValueError(f"{path}: unreadable: {e}") from None
+  finally:
+    f.seek(0)
+
+
+def _object(row: Any, where: str) -> dict:
+  if not isinstance(row, dict):
+    raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+  return row
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
+  try:
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise ImportError(f"{path}: reading Parquet needs pyarrow: pip install "
+                      "'posttrain[parquet]'") from None
+  try:
+    reader = pq.ParquetFile(path)
+  except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+    raise ValueError(f"{path}: not a readable Parquet file: {' '.join(str(e).split())}"
+                     ) from None
+  number = 0
+  for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+    for row in batch.to_pylist():
+      number += 1
+      yield f"{path}:{number}", drop_nulls(row)
+
+
+def drop_nulls(value: Any) -> Any:
+  """``value`` with the null-valued keys of every object in it removed (lists keep their
+  nulls: a null item is the data's, not the schema's)."""
+  if isinstance(value, dict):
+    return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+  if isinstance(value, list):
+    return [drop_nulls(v) for v in value]
+  return value
