@@ -1,9 +1,10 @@
-"""Preference pairs from JSON-lines files, for DPO and its variants.
+"""Preference pairs from data files, for DPO and its variants.
 
     data = PreferenceData.from_files("pairs.jsonl", tok, row_len=2048)
     it = iter(data.dataset(seed=0).to_iter_dataset())    # pairs, reshuffled every epoch
 
-One pair per line, in Hugging Face TRL's two preference formats:
+One pair per row (JSON lines, a JSON array or Parquet, as Hugging Face datasets hold
+them: `posttrain.data.rows`), in TRL's two preference formats:
 
     {"prompt": "..." | [messages], "chosen": "..." | [messages], "rejected": "..." | [messages]}
     {"chosen": [messages], "rejected": [messages]}      # the shared leading turns are the prompt

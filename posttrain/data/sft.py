@@ -1,12 +1,13 @@
-"""Supervised fine-tuning data from JSON-lines files: conversations or prompt/completion rows.
+"""Supervised fine-tuning data from files: conversations or prompt/completion rows.
 
     data = SFTData.from_files("train.jsonl,more.jsonl", tok, row_len=2048,
                               cache_dir="/data/cache")   # tokenized once, memory-mapped after
     ds = data.dataset(seed=0)                 # endless grain stream, reshuffled every epoch
     it = iter(ds.to_iter_dataset())           # it.get_state() / set_state() resume exactly
 
-One row per line, in either of the formats Hugging Face TRL and the OpenAI fine-tuning API
-read:
+Files are JSON lines (one row per line), a JSON array or Parquet (Hugging Face datasets'
+files; `posttrain.data.rows`), gzip allowed for JSON. Rows are in either of the formats
+Hugging Face TRL and the OpenAI fine-tuning API read:
 
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
                   {"role": "assistant", "content": "..."}, ...]}
