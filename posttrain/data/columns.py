@@ -38,7 +38,8 @@ import numpy as np
 # Bump when the layout below or the way rows become tokens changes: older entries then
 # sit under other keys and are never read.
 # 2: chat formats render reasoning, Qwen's tool turns and gpt-oss's earlier turns anew.
-FORMAT_VERSION = 2
+# 3: a row's "tools" and its messages' "tool_calls" are rendered (they were ignored).
+FORMAT_VERSION = 3
 
 
 class CacheEntryError(ValueError):

@@ -18,7 +18,12 @@ content and end-of-turn token) unless the message says `"weight": 0`, which make
 context. An assistant message may carry its reasoning ("reasoning_content", or "thinking"
 as gpt-oss data names it), which reasoning formats render as their templates do (Qwen3's
 <think> block, harmony's analysis channel; `posttrain.data.tokenizer`) and trained on with
-the content; other formats reject it. Other keys of a row (ids, sources) are ignored.
+the content; other formats reject it. An assistant message may call tools, in OpenAI's
+and TRL's layout (`"tool_calls": [{"type": "function", "function": {"name", "arguments"}}]`,
+its content null or text), and a row may carry the function schemas its conversation
+calls (`"tools": [...]`, TRL's column): Qwen's ChatML and Llama 3.1+ render both as their
+templates do, and the calls are trained on as the model's own tokens. Other keys of a row
+(ids, sources) are ignored.
 Every row is parsed and tokenized when the files load, so a bad row fails at once, naming
 its file and line.
 
@@ -71,6 +76,12 @@ def parse_messages(value: Any, where: str, key: str) -> list[dict]:
     role, content = m.get("role"), m.get("content")
     if role not in ROLES:
       raise ValueError(f"{where}: {key}[{i}] has role {role!r}; expected one of {ROLES}")
+    calls = m.get("tool_calls")
+    if calls is not None and role != "assistant":
+      raise ValueError(f"{where}: {key}[{i}] is a {role} message; only assistant messages "
+                       "have tool_calls")
+    if content is None and calls is not None:
+      content = ""  # OpenAI's format: a turn that only calls tools has null content
     if not isinstance(content, str):
       raise ValueError(f"{where}: {key}[{i}] content must be a string, got "
                        f"{type(content).__name__}")
@@ -80,6 +91,8 @@ def parse_messages(value: Any, where: str, key: str) -> list[dict]:
     if weight == 0 and role != "assistant":
       raise ValueError(f"{where}: {key}[{i}] weight is for assistant messages, not {role!r}")
     message = {"role": role, "content": content, "weight": int(weight)}
+    if calls is not None:
+      message["tool_calls"] = calls  # checked and written by the chat format
     for field in REASONING_FIELDS:  # an assistant's reasoning, as Qwen3 / gpt-oss data has it
       if m.get(field) is None:
         continue
@@ -131,11 +144,29 @@ def parse_row(line: str, where: str) -> list[dict]:
   return messages
 
 
-def encode_conversation(messages: Sequence[dict], tok: Tokenizer) -> dict[str, np.ndarray]:
+def parse_tools(row: dict, where: str) -> list[dict] | None:
+  """A row's `tools` (TRL's column: the function schemas the conversation may call), or
+  None; a JSON string of the list is read too (as some datasets store it)."""
+  tools = row.get("tools")
+  if isinstance(tools, str):
+    try:
+      tools = json.loads(tools)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: 'tools' is not valid JSON: {e}") from None
+  if tools is None or tools == []:
+    return None
+  if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+    raise ValueError(f"{where}: 'tools' must be a list of function schemas (objects)")
+  return tools
+
+
+def encode_conversation(messages: Sequence[dict], tok: Tokenizer,
+                        tools: Sequence[dict] | None = None) -> dict[str, np.ndarray]:
   """A conversation as a packer trajectory: the context before the first trained token is
   the prompt, the rest the response with its loss mask; untrained turns after the last
-  trained token are dropped."""
-  ids, mask = tok.encode_chat(messages)
+  trained token are dropped. `tools`: the schemas the template renders (ChatML, Llama
+  3.1+)."""
+  ids, mask = tok.encode_chat(messages, tools=tools)
   trained = np.flatnonzero(mask)
   first, last = int(trained[0]), int(trained[-1])
   if first == 0:  # A first token needs a context; a format without BOS headers has one.
@@ -364,9 +395,10 @@ class SFTData(JsonlExamples):
 
   @classmethod
   def encode_line(cls, line, where, tok):
-    messages = parse_row(line, where)
+    row = json_object(line, where)
+    messages, tools = parse_row(row, where), parse_tools(row, where)
     try:
-      example = encode_conversation(messages, tok)
+      example = encode_conversation(messages, tok, tools)
     except ValueError as e:
       raise ValueError(f"{where}: {e}") from None
     prompt = len(example["prompt_tokens"])

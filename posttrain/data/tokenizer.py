@@ -138,6 +138,34 @@ class ChatFormat:
     """A tool call as the model writes it in its own format (its template's rendering)."""
     raise ValueError(f"the {self.name} chat format has no tool calls of its own here")
 
+  def write_tool_calls(self, content: str, calls: Sequence[tuple[str, dict | str]]) -> str:
+    """An assistant turn's content with its structured calls ((name, arguments) pairs, the
+    arguments an object or its JSON text) written after it, as the template renders an
+    OpenAI-style message's `tool_calls`."""
+    del content, calls
+    raise ValueError(f"the {self.name} chat format has no tool calls of its own here: "
+                     "messages with 'tool_calls' need Qwen's ChatML or Llama 3.1+")
+
+  def fold_tool_calls(self, messages: Sequence[Message]) -> list[Message]:
+    """`messages` with each assistant message's structured `tool_calls` (OpenAI's and
+    TRL's: [{"type": "function", "function": {"name", "arguments"}}], or the inner
+    objects) written into its content by `write_tool_calls`."""
+    out = []
+    for i, m in enumerate(messages):
+      if isinstance(m, dict) and m.get("tool_calls") is not None:
+        if m.get("role") != "assistant":
+          raise ValueError(f"message {i}: only an assistant message has tool_calls, not a "
+                           f"{m.get('role')!r} message")
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+          raise ValueError(f"message {i}: content must be a string, got "
+                           f"{type(content).__name__}")
+        calls = _structured_calls(m["tool_calls"], f"message {i}")
+        m = {k: v for k, v in m.items() if k != "tool_calls"}
+        m["content"] = self.write_tool_calls(content, calls)
+      out.append(m)
+    return out
+
   def check_thinking(self, thinking) -> None:
     """Raises ValueError unless `thinking` is a reasoning switch this format takes."""
     if thinking is not None:
@@ -187,6 +215,25 @@ class ChatFormat:
     tokens before it, where the format's reading depends on them (DeepSeek-R1's)."""
     del prompt
     return reasoning_lib.split_plain(self.tok, ids)
+
+
+def _structured_calls(value: Any, where: str) -> list[tuple[str, dict | str]]:
+  """(name, arguments) of an OpenAI-style `tool_calls` list; ValueError naming `where`."""
+  if not isinstance(value, list) or not value:
+    raise ValueError(f"{where}: tool_calls must be a non-empty list")
+  calls = []
+  for j, call in enumerate(value):
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+      raise ValueError(f"{where}: tool_calls[{j}] must be an object with a 'function'")
+    name, arguments = function.get("name"), function.get("arguments", {})
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"{where}: tool_calls[{j}] needs a function name")
+    if not isinstance(arguments, (dict, str)):
+      raise ValueError(f"{where}: tool_calls[{j}] arguments must be an object or its JSON "
+                       f"text, got {type(arguments).__name__}")
+    calls.append((name, arguments))
+  return calls
 
 
 class Llama3Format(ChatFormat):
@@ -242,6 +289,22 @@ class Llama3Format(ChatFormat):
 
   def write_tool_call(self, name, arguments):
     return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+
+  def write_tool_calls(self, content, calls):
+    """Llama 3.1's: the turn is its one call's JSON; the template writes no content beside
+    it, so a turn with content is refused rather than losing it. Arguments given as text
+    are written as a JSON string, as the template's tojson writes them."""
+    if not self.dated:
+      return super().write_tool_calls(content, calls)
+    if len(calls) != 1:
+      raise ValueError(f"Llama 3.1's template renders one tool call per turn, got "
+                       f"{len(calls)}")
+    if content.strip():
+      raise ValueError("Llama 3.1's template writes a tool-calling turn as the call alone "
+                       "and would drop its content; move the content to its own turn")
+    (name, arguments), = calls
+    return (f'{{"name": "{name}", "parameters": '
+            f'{json.dumps(arguments, ensure_ascii=False)}}}')
 
   def read_tool_calls(self, text):
     """A Llama 3.1 call: the whole answer a JSON object with a "name" (and "parameters")."""
@@ -355,6 +418,18 @@ class ChatMLFormat(ChatFormat):
   def write_tool_call(self, name, arguments):
     call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"<tool_call>\n{call}\n</tool_call>"
+
+  def write_tool_calls(self, content, calls):
+    """Qwen's: each call a <tool_call> block after the content, a newline before each but
+    the first when there is no content; arguments given as text are written as they are."""
+    parts = [content]
+    for i, (name, arguments) in enumerate(calls):
+      if i or content:
+        parts.append("\n")
+      if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+      parts.append(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>')
+    return "".join(parts)
 
   def read_tool_calls(self, text):
     """Qwen's calls: <tool_call>{"name": ..., "arguments": ...}</tool_call> (JSON); a block
@@ -650,7 +725,10 @@ class Tokenizer:
     """Token ids and the model-token mask of a conversation. `thinking`: the reasoning
     switch of formats that have one (Qwen3's ChatML: True / False; harmony: an effort,
     low / medium / high); None, the template's default. `tools`: function schemas for a
-    model that calls tools in its own format (ChatML)."""
+    model that calls tools in its own format (ChatML). Assistant messages may carry
+    structured `tool_calls` (`ChatFormat.fold_tool_calls`)."""
+    if any(isinstance(m, dict) and "tool_calls" in m for m in messages):
+      messages = self.chat.fold_tool_calls(messages)
     if tools:
       return self.chat.encode(messages, add_generation_prompt, thinking, tools)
     return self.chat.encode(messages, add_generation_prompt, thinking)
