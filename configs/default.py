@@ -72,12 +72,15 @@ def get_config() -> ml_collections.ConfigDict:
               "structure/brackets_*",
       levels="1,2", max_domains=0,
       # A run's own tasks (posttrain.experiment.register_task_sources), which
-      # tasks.domains then selects like the built-in ones: JSON-lines files of {"prompt",
-      # "answer", "verifier"?} rows, each the domain jsonl/<file stem>; Python modules
-      # (import names or .py paths) registering Domains or defining domains(); and
-      # reasoning-gym datasets (gym/<name>). E.g. --config.tasks.files=gsm8k_train.jsonl
-      # --config.tasks.file_verifier=numeric --config.tasks.domains='jsonl/*'
-      files="", file_verifier="exact", modules="", gym=""))
+      # tasks.domains then selects like the built-in ones: JSON-lines, JSON or Parquet
+      # files of {"prompt", "answer", "verifier"?} rows (or veRL's RL rows), each the
+      # domain jsonl/<file stem>; Python modules (import names or .py paths) registering
+      # Domains or defining domains(); and reasoning-gym datasets (gym/<name>). E.g.
+      # --config.tasks.files=gsm8k_train.parquet --config.tasks.file_verifier=numeric
+      # --config.tasks.domains='jsonl/*'; file_verifier=auto: code rows (test cases) run
+      # in the sandbox, the rest are checked as math. file_split=data_source: one domain
+      # per value of that row key (jsonl/<stem>/<value>), weighted and reported apart.
+      files="", file_verifier="exact", file_split="", modules="", gym=""))
   c.scheduler = ml_collections.ConfigDict(dict(rule="learnability", floor=0.2, ema=0.2))
 
   # SFT trains on the domains' demonstrations, or with data set on JSON-lines files

@@ -474,9 +474,12 @@ def register_task_sources(config) -> list[str]:
     tasks.modules   comma-separated Python modules (import names, or .py paths) that
                     register domains in `posttrain.tasks.registry` when imported, or
                     define `domains()` returning the Domain objects to register
-    tasks.files     comma-separated JSON-lines task files (`posttrain.tasks.jsonl`:
-                    {"prompt", "answer", "verifier"?, ...} rows), each the domain
-                    jsonl/<file stem>; rows without a verifier use tasks.file_verifier
+    tasks.files     comma-separated task files (`posttrain.tasks.jsonl`: JSON lines, a
+                    JSON array or Parquet of {"prompt", "answer", "verifier"?, ...}
+                    rows, or veRL's RL rows), each the domain jsonl/<file stem>;
+                    rows without a verifier use tasks.file_verifier;
+                    tasks.file_split=data_source makes one domain of each value of
+                    that row key, jsonl/<file stem>/<value>
     tasks.gym       comma-separated reasoning-gym datasets (posttrain[gym]), gym/<name>
 
   `tasks.domains` then selects among all registered domains, e.g. "jsonl/*".
@@ -504,22 +507,26 @@ def register_task_sources(config) -> list[str]:
       names.append(domain.name)
   files = _csv(t.get("files", ""))
   if files:
-    from posttrain.tasks.jsonl import VERIFIERS, JsonlDomain  # grain: only when used
+    from posttrain.tasks.jsonl import JsonlDomain, verifier_names  # grain: only when used
     verifier = str(t.get("file_verifier", "exact") or "exact")
-    if verifier not in VERIFIERS:
+    if verifier not in verifier_names():
       raise ValueError(f"tasks.file_verifier={verifier!r}; expected one of "
-                       f"{sorted(VERIFIERS)}")
+                       f"{verifier_names()}")
+    split = str(t.get("file_split", "") or "")
     for path in files:
       try:
         st = os.stat(path)
-        key = (os.path.abspath(path), verifier, st.st_size, st.st_mtime_ns)
+        key = (os.path.abspath(path), verifier, split, st.st_size, st.st_mtime_ns)
       except OSError:
         key = None  # from_file names the missing file
-      domain = _FILE_DOMAINS.get(key) or JsonlDomain.from_file(path, verifier=verifier)
-      _register_sourced(domain, f"tasks.files {path!r}")
+      domains = _FILE_DOMAINS.get(key) or (
+          JsonlDomain.split_file(path, split, verifier=verifier) if split
+          else [JsonlDomain.from_file(path, verifier=verifier)])
+      for domain in domains:
+        _register_sourced(domain, f"tasks.files {path!r}")
+        names.append(domain.name)
       if key is not None:
-        _FILE_DOMAINS[key] = domain  # a run asks more than once: read an unchanged file once
-      names.append(domain.name)
+        _FILE_DOMAINS[key] = domains  # a run asks more than once: read an unchanged file once
   gym = _csv(t.get("gym", ""))
   if gym:
     from posttrain.tasks.gym import gym_domains

@@ -89,6 +89,8 @@ def _answer(domain: Domain, task: Task, completion: str):
 
 
 def _jsonl_answer(verifier: str, raw: str):
+  if verifier in ("code", "code_partial"):  # programs: nothing to vote on
+    return None
   text = raw.strip()
   if not text:
     return None
