@@ -238,3 +238,42 @@ def test_an_unchanged_task_file_is_read_once(tmp_path, monkeypatch):
   _write(tmp_path / "once.jsonl", [{"prompt": "p", "answer": "b"}, {"prompt": "q", "answer": "c"}])
   assert experiment.run_domains(c) == ["jsonl/once"] and len(reads) == 2
   assert len(registry.get("jsonl/once")) == 2
+
+
+def test_a_run_on_a_verl_parquet_file_of_math_and_code(tmp_path):
+  """End to end on veRL's layout: one Parquet file of math and code rows, split into a
+  domain per data_source; SFT on the rows' worked solutions; RL scores the code rows in
+  the sandbox and the math rows by their answers, each logged under its own domain."""
+  pa = pytest.importorskip("pyarrow")
+  pq = pytest.importorskip("pyarrow.parquet")
+  from tests.test_trainer import OVERRIDES
+  rows = []
+  for a in range(4):
+    rows.append({"data_source": "sums", "ability": "math",
+                 "prompt": [{"role": "user", "content": f"{a}+1? End with #### and it."}],
+                 "reward_model": {"style": "rule", "ground_truth": str(a + 1)},
+                 "extra_info": {"solution": f"{a}+1={a + 1}\n#### {a + 1}"}})
+    tests = {"inputs": [f"{a}\n"], "outputs": [f"{2 * a}\n"]}
+    rows.append({"data_source": "double", "ability": "code",
+                 "prompt": [{"role": "user", "content": "Print twice the input number."}],
+                 "reward_model": {"style": "rule", "ground_truth": json.dumps(tests)},
+                 "extra_info": {"solution": "print(2 * int(input()))"}})
+  for row in rows:  # the worked solutions, as a preprocessing script would put them
+    row["solution"] = row["extra_info"]["solution"]
+  path = tmp_path / "mixed.parquet"
+  pq.write_table(pa.Table.from_struct_array(pa.array(rows)), path)
+  over = {**OVERRIDES, "train.rl_steps": 1, "tasks.files": str(path),
+          "tasks.file_verifier": "auto", "tasks.file_split": "data_source",
+          "tasks.domains": "jsonl/mixed/*", "eval.seeds_per_domain": 1}
+  c = planner.override(default.get_config(), over)
+  names = experiment.register_task_sources(c)
+  assert names == ["jsonl/mixed/double", "jsonl/mixed/sums"]
+  code = registry.get("jsonl/mixed/double")
+  task = code.sample(0)
+  assert code.demonstration(task) == "```python\nprint(2 * int(input()))\n```"
+  assert code.score(task, code.demonstration(task)).value == 1.0  # in the sandbox
+  work = tmp_path / "run"
+  summary = trainer.train(c, str(work))
+  assert summary["status"] == "done" and summary["rl_steps"] == 1
+  (row,) = [r for r in read_metrics(str(work)) if "reward/mean" in r]
+  assert {"reward/jsonl/mixed/double", "reward/jsonl/mixed/sums"} <= set(row)
