@@ -80,7 +80,11 @@ def get_config() -> ml_collections.ConfigDict:
       # --config.tasks.domains='jsonl/*'; file_verifier=auto: code rows (test cases) run
       # in the sandbox, the rest are checked as math. file_split=data_source: one domain
       # per value of that row key (jsonl/<stem>/<value>), weighted and reported apart.
-      files="", file_verifier="exact", file_split="", modules="", gym=""))
+      # tools="python" with tool_domains="jsonl/*" registers jsonl/<stem>/tools beside
+      # each matching domain: its tasks solved with a Python tool in the sandbox
+      # (multi-turn: raise rollout.max_turns), scored as the domain scores them.
+      files="", file_verifier="exact", file_split="", modules="", gym="", tools="",
+      tool_domains="", tool_max_calls=4))
   c.scheduler = ml_collections.ConfigDict(dict(rule="learnability", floor=0.2, ema=0.2))
 
   # SFT trains on the domains' demonstrations, or with data set on JSON-lines files

@@ -481,6 +481,9 @@ def register_task_sources(config) -> list[str]:
                     tasks.file_split=data_source makes one domain of each value of
                     that row key, jsonl/<file stem>/<value>
     tasks.gym       comma-separated reasoning-gym datasets (posttrain[gym]), gym/<name>
+    tasks.tools     comma-separated tools (python, calculator) given to each single-turn
+                    domain matching tasks.tool_domains' globs, as <domain>/tools
+                    (`posttrain.tasks.tool_use`); tasks.tool_max_calls bounds the calls
 
   `tasks.domains` then selects among all registered domains, e.g. "jsonl/*".
 
@@ -533,6 +536,36 @@ def register_task_sources(config) -> list[str]:
     for domain in gym_domains(gym):
       _register_sourced(domain, f"tasks.gym {domain.name!r}")
       names.append(domain.name)
+  names += _register_tool_domains(t)
+  return names
+
+
+def _register_tool_domains(t) -> list[str]:
+  """tasks.tools over tasks.tool_domains: `<domain>/tools` beside each single-turn domain
+  the globs match (`posttrain.tasks.tool_use`)."""
+  tools, globs = _csv(t.get("tools", "")), _csv(t.get("tool_domains", ""))
+  if not tools and not globs:
+    return []
+  if not tools or not globs:
+    raise ValueError(f"tasks.tools={t.get('tools', '')!r} and tasks.tool_domains="
+                     f"{t.get('tool_domains', '')!r}: give both (the tools, and the domains "
+                     "that get them) or neither")
+  from posttrain.tasks.families.tools import TOOLS
+  from posttrain.tasks.tool_use import SUFFIX, WithTools
+  if sorted(set(tools) - set(TOOLS)):
+    raise ValueError(f"tasks.tools={','.join(tools)!r}; the tools are {list(TOOLS)}")
+  max_calls = int(t.get("tool_max_calls", 4) or 4)
+  names = []
+  for name in registry.names():
+    domain = registry.get(name)
+    if (not any(fnmatch.fnmatchcase(name, g) for g in globs) or domain.multi_turn
+        or hasattr(domain, "step") or name.endswith("/" + SUFFIX)):
+      continue
+    wrapped = WithTools(domain, tools, max_calls)
+    _register_sourced(wrapped, "tasks.tools")
+    names.append(wrapped.name)
+  if not names:
+    raise ValueError(f"tasks.tool_domains={','.join(globs)!r} matches no single-turn domain")
   return names
 
 

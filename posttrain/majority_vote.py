@@ -43,17 +43,22 @@ from posttrain.tasks.mathcheck import normalize as math_normalize
 from posttrain.tasks.mathcheck import to_number
 from posttrain.tasks.procedural import ProceduralDomain, parse_int
 from posttrain.tasks.reward_model import ModelScoredDomain, verifier_value
+from posttrain.tasks.tool_use import WithTools, own_text
 
 
-def _unwrap(domain: Domain) -> Domain:
-  while isinstance(domain, ModelScoredDomain):
+def _unwrap(domain: Domain, completion: str | None = None) -> tuple[Domain, str | None]:
+  """The domain that reads answers, and `completion` as it reads it (a tool-using
+  wrapper's calls and observations removed)."""
+  while isinstance(domain, (ModelScoredDomain, WithTools)):
+    if isinstance(domain, WithTools) and completion is not None:
+      completion = own_text(completion)
     domain = domain.inner
-  return domain
+  return domain, completion
 
 
 def votes_on(domain: Domain) -> bool:
   """Whether `domain`'s completions carry an answer to vote on (code domains' do not)."""
-  return not isinstance(_unwrap(domain), CodeDomain)
+  return not isinstance(_unwrap(domain)[0], CodeDomain)
 
 
 def answer_key(domain: Domain, task: Task, completion) -> Hashable | None:
@@ -62,12 +67,12 @@ def answer_key(domain: Domain, task: Task, completion) -> Hashable | None:
   if not isinstance(completion, str):
     return None
   try:
-    return _hashable(_answer(_unwrap(domain), task, completion))
+    return _hashable(_answer(*_unwrap(domain, completion), task=task))
   except Exception:  # noqa: BLE001 - as in scoring, an answer that breaks a parser is none
     return None
 
 
-def _answer(domain: Domain, task: Task, completion: str):
+def _answer(domain: Domain, completion: str, task: Task):
   if isinstance(domain, CodeDomain):
     return None
   tools = isinstance(domain, ToolDomain)

@@ -278,6 +278,11 @@ class Trainer:
     if self.step_tokens and self.algo.dynamic_sampling:
       raise ValueError("placement.step_tokens (partial rollouts across steps) cannot be "
                        "combined with dynamic sampling")
+    multi = [d for d in self.domains if registry.get(d).multi_turn]
+    if multi and int(config.rollout.max_turns) < 2:
+      log.warning("%d multi-turn domains (%s%s) with rollout.max_turns=%s: a tool call "
+                  "ends the sample unanswered; set rollout.max_turns (e.g. 4)", len(multi),
+                  multi[0], ", ..." if len(multi) > 1 else "", config.rollout.max_turns)
     if self.step_tokens and int(config.rollout.max_turns) != 1:
       raise ValueError("placement.step_tokens (partial rollouts across steps) needs "
                        f"rollout.max_turns=1, got {config.rollout.max_turns}")

@@ -676,11 +676,14 @@ class FairLock:
 
 def task_messages(task: Task, system_prompt: str | None = None) -> list[dict[str, str]]:
   """The conversation a task's rollouts (and SFT demonstrations) open with: the task's own
-  chat messages (`task.metadata["messages"]`, a task file's chat prompt) or its prompt as
-  the user's message, after `system_prompt` unless the task brings a system message."""
+  chat messages (`task.metadata["messages"]`, a task file's chat prompt; the last user
+  message is the task's prompt, which wrappers may extend) or its prompt as the user's
+  message, after `system_prompt` unless the task brings a system message."""
   given = task.metadata.get("messages") if isinstance(task.metadata, dict) else None
   msgs = ([{"role": m["role"], "content": m["content"]} for m in given] if given
           else [{"role": "user", "content": task.prompt}])
+  if given and msgs[-1]["role"] == "user":
+    msgs[-1]["content"] = task.prompt  # the prompt is the last user message, as amended
   if system_prompt and msgs[0]["role"] != "system":
     msgs = [{"role": "system", "content": system_prompt}] + msgs
   return msgs

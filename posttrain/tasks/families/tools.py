@@ -175,6 +175,36 @@ def _observation_after(transcript: str, end: int) -> str | None:
     return transcript[start + len(OBS_OPEN) : close]
 
 
+def tool_step(task: Task, transcript: str, tools: tuple[str, ...] = TOOLS) -> StepResult:
+    """The environment's reply to the latest model turn of a transcript in this protocol:
+    the observation of its last call (of one of ``tools``), or done when the turn answers,
+    calls nothing, or the task's ``max_calls`` is used up. Never raises."""
+    try:
+        turn = (
+            transcript[transcript.rfind(OBS_CLOSE) + len(OBS_CLOSE) :]
+            if OBS_CLOSE in transcript
+            else transcript
+        )
+        if extract_answer(turn) is not None:
+            return StepResult(None, True)
+        calls = list(iter_blocks(turn, TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS))
+        if not calls:
+            return StepResult(None, True)
+        made = sum(
+            1 for _ in iter_blocks(model_text(transcript), TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS)
+        )
+        if made > int(task.metadata.get("max_calls", MAX_CALLS)):
+            return StepResult(None, True)
+        parsed = parse_call(calls[-1][2])
+        if parsed is None or parsed[0] not in tools:
+            body = f"error: unknown tool; use one of {', '.join(tools)}"
+        else:
+            body = run_tool(*parsed)
+        return StepResult(f"{OBS_OPEN}{_escape(body[:MAX_OBSERVATION_CHARS])}{OBS_CLOSE}", False)
+    except Exception as e:  # noqa: BLE001 - the environment must not crash a rollout
+        return StepResult(f"{OBS_OPEN}error: {type(e).__name__}{OBS_CLOSE}", False)
+
+
 class ToolDomain(Domain):
     """A multi-turn domain whose tasks are meant to be solved with a tool."""
 
@@ -216,35 +246,7 @@ class ToolDomain(Domain):
 
     def step(self, task: Task, transcript: str) -> StepResult:
         """The environment's reply to the latest model turn (see the module docstring)."""
-        try:
-            turn = (
-                transcript[transcript.rfind(OBS_CLOSE) + len(OBS_CLOSE) :]
-                if OBS_CLOSE in transcript
-                else transcript
-            )
-            if extract_answer(turn) is not None:
-                return StepResult(None, True)
-            calls = list(iter_blocks(turn, TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS))
-            if not calls:
-                return StepResult(None, True)
-            made = sum(
-                1
-                for _ in iter_blocks(
-                    model_text(transcript), TOOL_OPEN, TOOL_CLOSE, MAX_SCORED_CALLS
-                )
-            )
-            if made > int(task.metadata.get("max_calls", MAX_CALLS)):
-                return StepResult(None, True)
-            parsed = parse_call(calls[-1][2])
-            if parsed is None:
-                body = f"error: unknown tool; use one of {', '.join(TOOLS)}"
-            else:
-                body = run_tool(*parsed)
-            return StepResult(
-                f"{OBS_OPEN}{_escape(body[:MAX_OBSERVATION_CHARS])}{OBS_CLOSE}", False
-            )
-        except Exception as e:  # noqa: BLE001 - the environment must not crash a rollout
-            return StepResult(f"{OBS_OPEN}error: {type(e).__name__}{OBS_CLOSE}", False)
+        return tool_step(task, transcript)
 
     def _score(self, task, completion):
         text = model_text(completion)
