@@ -12,6 +12,7 @@ Hugging Face TRL and the OpenAI fine-tuning API read:
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
                   {"role": "assistant", "content": "..."}, ...]}
     {"prompt": "..." | [messages], "completion": "..." | [assistant messages]}
+    {"text": "..."}        # plain text (continued pretraining): every token trained on
 
 Roles are system, user, assistant and tool. The loss falls on every assistant message (its
 content and end-of-turn token) unless the message says `"weight": 0`, which makes it
@@ -137,11 +138,23 @@ def parse_row(line: str, where: str) -> list[dict]:
       raise ValueError(f"{where}: 'completion' holds {sorted(roles - {'assistant', 'tool'})} "
                        "messages; a completion is assistant (and tool) turns")
   else:
-    raise ValueError(f"{where}: a row needs 'messages', or 'prompt' and 'completion'; it has "
-                     f"{sorted(row)}")
+    raise ValueError(f"{where}: a row needs 'messages', 'prompt' and 'completion', or 'text'; "
+                     f"it has {sorted(row)}")
   if not any(m["role"] == "assistant" and m["weight"] for m in messages):
     raise ValueError(f"{where}: no assistant message to train on (none, or all weight 0)")
   return messages
+
+
+def encode_text(text: Any, where: str, tok: Tokenizer) -> dict[str, np.ndarray]:
+  """A plain-text row (TRL's language-modeling format) as a packer trajectory: the
+  tokenizer's bos (as its chat format opens a conversation), the text and eos, every token
+  after the first trained on (the first has no context to be predicted from)."""
+  if not isinstance(text, str) or not text.strip():
+    raise ValueError(f"{where}: 'text' must be a non-empty string")
+  ids = list(tok.chat.bos) + tok.encode(text) + [tok.eos_id]
+  return {"prompt_tokens": np.asarray(ids[:1], np.int32),
+          "response_tokens": np.asarray(ids[1:], np.int32),
+          "response_mask": np.ones(len(ids) - 1, np.int32)}
 
 
 def parse_tools(row: dict, where: str) -> list[dict] | None:
@@ -396,6 +409,10 @@ class SFTData(JsonlExamples):
   @classmethod
   def encode_line(cls, line, where, tok):
     row = json_object(line, where)
+    if "text" in row and not {"messages", "prompt", "completion"} & set(row):
+      example = encode_text(row["text"], where, tok)
+      return example, len(example["prompt_tokens"]), len(example["prompt_tokens"]) + len(
+          example["response_tokens"])
     messages, tools = parse_row(row, where), parse_tools(row, where)
     try:
       example = encode_conversation(messages, tok, tools)

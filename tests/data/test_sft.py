@@ -77,8 +77,10 @@ def test_reasoning_is_kept_and_trained_in_reasoning_formats(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ("{not json", "f:3: not valid JSON"),
     ("[1, 2]", "f:3: a row must be a JSON object"),
-    ('{"text": "hi"}', "f:3: a row needs 'messages', or 'prompt' and 'completion'"),
-    ('{"prompt": "hi"}', "a row needs 'messages', or 'prompt' and 'completion'"),
+    ('{"txt": "hi"}', "f:3: a row needs 'messages', 'prompt' and 'completion', or 'text'"),
+    ('{"prompt": "hi"}', "a row needs 'messages', 'prompt' and 'completion', or 'text'"),
+    ('{"text": "  "}', "'text' must be a non-empty string"),
+    ('{"text": 3}', "'text' must be a non-empty string"),
     ('{"messages": []}', "'messages' must be a non-empty list"),
     ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0] has role 'robot'"),
     ('{"messages": [{"role": "user", "content": 5}]}', "messages[0] content must be a string"),
@@ -109,6 +111,23 @@ def test_hostile_rows_fail_naming_file_and_line(tmp_path, line, message):
   with pytest.raises(ValueError, match="^" + str(tmp_path / "f") + ":3: ") as e:
     SFTData.from_files(path, TOK, row_len=64)
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_text_rows_train_on_every_token_after_the_first(tmp_path, qwen3):
+  """TRL's language-modeling rows: bos (where the format opens with one), the text and eos,
+  all trained on but the first token; beside conversations in the same file."""
+  path = _write(tmp_path / "t.jsonl", [{"text": "hello world"}, {"prompt": "q",
+                                                                  "completion": "a"}])
+  data = SFTData.from_files(path, TOK, row_len=64)
+  ex = data.example(0)
+  ids = list(TOK.chat.bos) + TOK.encode("hello world") + [TOK.eos_id]
+  assert ex["prompt_tokens"].tolist() == ids[:1]
+  assert ex["response_tokens"].tolist() == ids[1:] and ex["response_mask"].all()
+  assert len(data) == 2
+  # Qwen's format has no bos: the text's first token is the context.
+  q = SFTData.from_files(path, qwen3, row_len=64).example(0)
+  assert q["prompt_tokens"].tolist() == qwen3.encode("hello world")[:1]
+  assert q["response_tokens"].tolist()[-1] == qwen3.eos_id
 
 
 def test_missing_and_empty_files_are_one_line_errors(tmp_path):
