@@ -342,11 +342,14 @@ def count_retries(text: str) -> int:
 
 
 def _tool_calls(sample) -> tuple[int, int | None]:
-  """(calls, valid calls): from the reward when the domain scores calls, else the worker's."""
+  """(calls, valid calls): from the reward when the domain counts calls (valid ones only
+  where it judges them, `tool_valid`), else the worker's count."""
   comps = sample.reward.components if sample.reward else {}
   if "tool_calls" in comps:
     calls = round(float(comps["tool_calls"]))
-    return calls, round(float(comps.get("tool_valid", 1.0)) * calls)
+    if "tool_valid" not in comps:
+      return calls, None
+    return calls, round(float(comps["tool_valid"]) * calls)
   return int(sample.tool_calls), None
 
 
