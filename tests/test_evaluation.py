@@ -628,3 +628,17 @@ def test_launcher_error_is_one_line(run):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "error: step=9 is not a checkpoint" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+def test_tool_call_counts_come_from_the_domain_and_validity_only_where_judged():
+  from posttrain.evaluation import _tool_calls
+  from posttrain.rollout.worker import Sample
+  from posttrain.tasks import Reward
+
+  def sample(components, worker_calls=3):
+    return Sample([1], [2], [1], [0.0], "", "stop", reward=Reward(1.0, components),
+                  tool_calls=worker_calls)
+
+  assert _tool_calls(sample({"tool_calls": 4.0, "tool_valid": 0.5})) == (4, 2)  # judged
+  assert _tool_calls(sample({"tool_calls": 2.0})) == (2, None)  # counted, not judged
+  assert _tool_calls(sample({"exact": 1.0})) == (3, None)  # the worker's count
