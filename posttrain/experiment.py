@@ -518,10 +518,12 @@ def register_task_sources(config) -> list[str]:
     split = str(t.get("file_split", "") or "")
     for path in files:
       try:
-        st = os.stat(path)
-        key = (os.path.abspath(path), verifier, split, st.st_size, st.st_mtime_ns)
+        from posttrain.data.rows import expand
+        stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
+                 for f in expand([path])]
+        key = (path, verifier, split, tuple(stats))
       except OSError:
-        key = None  # from_file names the missing file
+        key = None  # from_file names the missing file (or the glob that matches none)
       domains = _FILE_DOMAINS.get(key) or (
           JsonlDomain.split_file(path, split, verifier=verifier) if split
           else [JsonlDomain.from_file(path, verifier=verifier)])

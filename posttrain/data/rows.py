@@ -22,15 +22,49 @@ objects are dropped: a message without ``tool_calls`` reads as one without the k
 
 from __future__ import annotations
 
+import glob
 import gzip
 import json
 import os
+import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 PARQUET_BATCH_ROWS = 1024
 _BROKEN = (gzip.BadGzipFile, EOFError, zlib.error, OSError)  # a damaged or truncated .gz
+
+
+def expand(paths: str | Sequence[str], what: str = "data") -> list[str]:
+  """A comma-separated string or a sequence of paths as a list of files: ``~`` expanded,
+  empty entries dropped, and each glob (``data/train-*.parquet``, as Hugging Face shards a
+  split) replaced by the files it matches, sorted. A glob that matches nothing is a
+  FileNotFoundError naming it."""
+  if isinstance(paths, str):
+    paths = paths.split(",")
+  out = []
+  for p in paths:
+    if not p or not p.strip():
+      continue
+    p = os.path.expanduser(p.strip())
+    if glob.has_magic(p):
+      matched = sorted(m for m in glob.glob(p) if os.path.isfile(m))
+      if not matched:
+        raise FileNotFoundError(f"{what} files {p!r}: the pattern matches no file")
+      out += matched
+    else:
+      out.append(p)
+  return out
+
+
+def shard_stem(path: str) -> str:
+  """A file's name without its extensions and Hugging Face's shard suffix:
+  ``train-00000-of-00004.parquet`` -> ``train``, ``gsm8k.jsonl.gz`` -> ``gsm8k``."""
+  name = os.path.basename(path)
+  if name.lower().endswith(".gz"):
+    name = name[:-3]
+  name = os.path.splitext(name)[0]
+  return re.sub(r"-\d{5}-of-\d{5}$", "", name) or name
 
 
 def file_format(path: str) -> str:

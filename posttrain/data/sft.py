@@ -61,10 +61,9 @@ log = logging.getLogger("posttrain")
 
 
 def split_paths(paths: str | Sequence[str]) -> list[str]:
-  """A comma-separated string or a sequence of paths as a list (empty entries dropped)."""
-  if isinstance(paths, str):
-    paths = paths.split(",")
-  return [os.path.expanduser(p.strip()) for p in paths if p and p.strip()]
+  """A comma-separated string or a sequence of paths as a list of files (empty entries
+  dropped, globs expanded: `rows.expand`)."""
+  return rows.expand(paths)
 
 
 def parse_messages(value: Any, where: str, key: str) -> list[dict]:

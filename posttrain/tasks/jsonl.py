@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import grain
 
-from posttrain.data.rows import read_rows
+from posttrain.data.rows import expand, read_rows, shard_stem
 from posttrain.tasks import code_tests, execution
 from posttrain.tasks.base import (
     ANSWER_INSTRUCTION,
@@ -262,18 +262,21 @@ class JsonlDomain(Domain):
         level: int = 1,
     ) -> JsonlDomain:
         """Loads and validates ``path`` (JSON lines, a JSON array or Parquet:
-        `posttrain.data.rows`); the default name is ``jsonl/<file stem>``."""
+        `posttrain.data.rows`; a glob such as ``train-*.parquet`` reads the files it
+        matches, in name order, as one domain); the default name is ``jsonl/<file stem>``
+        (a sharded split's stem without the shard suffix: ``jsonl/train``)."""
         path = os.fspath(path)
         if verifier not in verifier_names():
             raise ValueError(f"unknown verifier {verifier!r}; known: {verifier_names()}")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"task file not found: {path!r}")
+        files = expand([path], "task")
+        for file in files:
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"task file not found: {file!r}")
         # Every row is parsed now, so a bad one fails at load naming its line.
-        parsed = [_parse_row(row, where, verifier) for where, row in read_rows(path)]
+        parsed = [_parse_row(row, where, verifier)
+                  for file in files for where, row in read_rows(file)]
         if name is None:
-            stem = os.path.basename(path)
-            stem = stem[:-3] if stem.lower().endswith(".gz") else stem
-            name = f"jsonl/{os.path.splitext(stem)[0]}"
+            name = f"jsonl/{shard_stem(files[0])}"
         return cls(grain.MapDataset.source(parsed), name, level)
 
     @classmethod

@@ -157,3 +157,25 @@ def test_a_bad_parquet_row_names_its_row(tmp_path):
   path = _parquet(tmp_path / "chat.parquet", rows)
   with pytest.raises(ValueError, match=r"chat\.parquet:4: no assistant message"):
     SFTData.from_files(path, TOK, row_len=256)
+
+
+def test_globs_expand_to_sorted_files_and_shards_share_a_stem(tmp_path):
+  from posttrain.data.rows import expand, shard_stem
+  for i in (1, 0, 2):
+    _parquet(tmp_path / f"train-0000{i}-of-00003.parquet", [{"i": i}])
+  (tmp_path / "notes.txt").write_text("x")
+  files = expand(f" {tmp_path}/train-*.parquet , ,{tmp_path}/notes.txt")
+  assert [p.rsplit("/", 1)[1] for p in files] == [
+      "train-00000-of-00003.parquet", "train-00001-of-00003.parquet",
+      "train-00002-of-00003.parquet", "notes.txt"]
+  assert {shard_stem(p) for p in files[:3]} == {"train"}
+  assert shard_stem("a/gsm8k.jsonl.gz") == "gsm8k" and shard_stem("x-1-of-2.json") == "x-1-of-2"
+  with pytest.raises(FileNotFoundError, match=r"'.*/test-\*\.parquet': the pattern matches"):
+    expand(f"{tmp_path}/test-*.parquet")
+  # SFT data from a sharded split: every shard's rows, in shard order.
+  rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(3)]
+  for i, row in enumerate(rows):
+    _parquet(tmp_path / f"sft-0000{i}-of-00003.parquet", [row])
+  data = SFTData.from_files(f"{tmp_path}/sft-*.parquet", TOK, row_len=64)
+  want = SFTData.from_files(_jsonl(tmp_path / "sft.jsonl", rows), TOK, row_len=64)
+  _assert_same_examples(_examples(data), _examples(want))

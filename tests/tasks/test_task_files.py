@@ -222,3 +222,13 @@ def test_bad_code_rows_fail_at_load_naming_the_row(tmp_path):
   domain = JsonlDomain.from_file(path)
   with pytest.raises(ValueError, match="needs a 'solution' to demonstrate"):
     domain.demonstration(domain.sample(train_seed(0)))
+
+
+def test_a_sharded_split_is_one_domain(tmp_path):
+  for i, row in enumerate(VERL_ROWS):
+    _parquet(tmp_path / f"train-0000{i}-of-00002.parquet", [row])
+  domain = JsonlDomain.from_file(str(tmp_path / "train-*.parquet"), verifier="math")
+  assert domain.name == "jsonl/train" and len(domain) == 2
+  assert [domain.sample(train_seed(i)).answer for i in (0, 1)] == ["7", "\\frac{3}{4}"]
+  with pytest.raises(FileNotFoundError, match="matches no file"):
+    JsonlDomain.from_file(str(tmp_path / "test-*.parquet"))
