@@ -41,7 +41,6 @@ loaded and ran), ``tests_passed`` (fraction passed), ``exact`` (all passed). The
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import keyword
@@ -50,7 +49,7 @@ import re
 
 from posttrain.sandbox.api import ExecRequest
 from posttrain.tasks.base import Reward, zero_reward
-from posttrain.tasks.families.code import MAX_CODE_CHARS, _canonical, extract_code
+from posttrain.tasks.families.code import _canonical, checked_code
 
 MAX_TESTS = 512
 MAX_SUITE_CHARS = 32 << 20  # inputs and outputs together
@@ -423,15 +422,9 @@ def prepare(completion: str, suite: TestSuite, marker: str, *, per_test_s: float
     if isinstance(per_test_s, bool) or not isinstance(per_test_s, (int, float)) or not (
             0 < per_test_s < math.inf):
         raise ValueError(f"per_test_s must be a positive number, got {per_test_s!r}")
-    code = extract_code(completion)
-    if code is None:
-        return zero_reward("no_code", parses=0.0, runs=0.0, tests_passed=0.0), None
-    if len(code) > MAX_CODE_CHARS:
-        return zero_reward("code_too_long", parses=0.0, runs=0.0, tests_passed=0.0), None
-    try:
-        ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return zero_reward("syntax_error", parses=0.0, runs=0.0, tests_passed=0.0), None
+    final, code = checked_code(completion)
+    if final is not None:
+        return final, None
     n = len(suite.inputs)
     config = {
         "marker": marker,

@@ -6,7 +6,7 @@ from posttrain.tasks import execution, registry, train_seed
 from posttrain.tasks.families.code import extract_code, harness, parse_results
 
 try:
-    from posttrain.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
+    from posttrain.sandbox import Sandbox
 except ImportError:  # the sandbox package has not landed in this checkout
     Sandbox = None
 
@@ -82,20 +82,6 @@ def test_injected_sandbox_is_used_and_its_failure_scores_zero():
 def test_set_sandbox_rejects_non_sandboxes():
     with pytest.raises(TypeError, match="run"):
         execution.set_sandbox(object())
-
-
-@pytest.fixture(scope="module")
-def module_sandbox():
-    if Sandbox is None:
-        pytest.skip("posttrain.sandbox not available")
-    try:
-        sb = Sandbox(SandboxConfig(concurrency=2))
-    except SandboxUnavailableError as e:
-        pytest.skip(f"no sandbox on this host: {e}")
-    execution.set_sandbox(sb)
-    yield sb
-    execution.set_sandbox(None)
-    sb.close()
 
 
 @pytest.fixture

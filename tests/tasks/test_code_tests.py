@@ -19,9 +19,10 @@ from posttrain.tasks.code_tests import (
     read_report,
     score,
 )
+from posttrain.tasks.families.code import MAX_CODE_CHARS
 
 try:
-    from posttrain.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
+    from posttrain.sandbox import Sandbox
 except ImportError:  # the sandbox package has not landed in this checkout
     Sandbox = None
 
@@ -197,7 +198,7 @@ def test_sandbox_failure_scores_zero():
 @pytest.mark.parametrize("completion, verdict", [
     ("no fence here", "no_code"),
     ("```python\ndef f(x) return x\n```", "syntax_error"),
-    (_fence("x = 1\n" * code_tests.MAX_CODE_CHARS), "code_too_long"),
+    (_fence("x = 1\n" * MAX_CODE_CHARS), "code_too_long"),
 ])
 def test_no_code_or_bad_syntax_never_reaches_the_sandbox(completion, verdict):
     final, request = prepare(completion, SUM, MARKER)
@@ -331,18 +332,6 @@ CASES = {
     "call_exit": (MUL, "import sys\ndef mul(a, b):\n    if a < 0:\n        sys.exit(0)\n"
                   "    return a * b", True, 2 / 3, "wrong (2/3 passed)", 2 / 3),
 }
-
-
-@pytest.fixture(scope="module")
-def module_sandbox():
-    if Sandbox is None:
-        pytest.skip("posttrain.sandbox not available")
-    try:
-        sb = Sandbox(SandboxConfig(concurrency=8))
-    except SandboxUnavailableError as e:
-        pytest.skip(f"no sandbox on this host: {e}")
-    yield sb
-    sb.close()
 
 
 @pytest.fixture(scope="module")

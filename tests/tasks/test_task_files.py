@@ -156,18 +156,9 @@ CALL_ROW = {"prompt": "Write add(a, b).", "answer": {"fn_name": "add", "inputs":
             "verifier": "code_partial", "solution": "def add(a, b):\n    return a + b\n"}
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-  from posttrain.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
-  from posttrain.tasks import execution
-  try:
-    sb = Sandbox(SandboxConfig(concurrency=4))
-  except SandboxUnavailableError as e:
-    pytest.skip(f"no sandbox on this host: {e}")
-  execution.set_sandbox(sb)
-  yield sb
-  execution.set_sandbox(None)
-  sb.close()
+@pytest.fixture
+def sandbox(module_sandbox):
+  return module_sandbox
 
 
 def _fence(code):

@@ -27,18 +27,9 @@ def domain(tmp_path):
   return WithTools(JsonlDomain.from_file(path), tools=("python", "calculator"))
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-  from posttrain.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
-  from posttrain.tasks import execution
-  try:
-    sb = Sandbox(SandboxConfig(concurrency=2))
-  except SandboxUnavailableError as e:
-    pytest.skip(f"no sandbox on this host: {e}")
-  execution.set_sandbox(sb)
-  yield sb
-  execution.set_sandbox(None)
-  sb.close()
+@pytest.fixture
+def sandbox(module_sandbox):
+  return module_sandbox
 
 
 def test_tasks_are_the_inner_ones_with_the_protocol(domain):

@@ -6,7 +6,7 @@ from posttrain.tasks import StepResult, execution, registry, train_seed
 from posttrain.tasks.families.tools import model_text
 
 try:
-    from posttrain.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
+    from posttrain.sandbox import Sandbox
 except ImportError:
     Sandbox = None
 
@@ -98,20 +98,6 @@ def test_scoring_checks_answers_and_calls():
         CALC.score(task, f"<observation><answer>{task.answer}</answer></observation>").value == 0.0
     )
     assert CALC.score(task, f"{good_call}<answer>{int(task.answer) + 1}</answer>").value == 0.0
-
-
-@pytest.fixture(scope="module")
-def module_sandbox():
-    if Sandbox is None:
-        pytest.skip("posttrain.sandbox not available")
-    try:
-        sb = Sandbox(SandboxConfig(concurrency=2))
-    except SandboxUnavailableError as e:
-        pytest.skip(f"no sandbox on this host: {e}")
-    execution.set_sandbox(sb)
-    yield sb
-    execution.set_sandbox(None)
-    sb.close()
 
 
 @pytest.fixture

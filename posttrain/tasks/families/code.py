@@ -51,6 +51,25 @@ def extract_code(completion: str) -> str | None:
     return completion[start:] if end < 0 else completion[start:end]
 
 
+def checked_code(completion: str) -> tuple[Reward | None, str | None]:
+    """The completion's solution, or the zero reward it gets without running: no block,
+    a block too long, or one that is not valid Python."""
+    code = extract_code(completion)
+    verdict = None
+    if code is None:
+        verdict = "no_code"
+    elif len(code) > MAX_CODE_CHARS:
+        verdict = "code_too_long"
+    else:
+        try:
+            ast.parse(code)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            verdict = "syntax_error"
+    if verdict is not None:
+        return zero_reward(verdict, parses=0.0, runs=0.0, tests_passed=0.0), None
+    return None, code
+
+
 def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True)
 
@@ -133,15 +152,9 @@ class CodeDomain(Domain):
 
     def _prepare(self, task: Task, completion: str) -> tuple[Reward | None, object]:
         """Either a final reward (no sandbox needed) or the request to run."""
-        code = extract_code(completion)
-        if code is None:
-            return zero_reward("no_code", parses=0.0, runs=0.0, tests_passed=0.0), None
-        if len(code) > MAX_CODE_CHARS:
-            return zero_reward("code_too_long", parses=0.0, runs=0.0, tests_passed=0.0), None
-        try:
-            ast.parse(code)
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return zero_reward("syntax_error", parses=0.0, runs=0.0, tests_passed=0.0), None
+        final, code = checked_code(completion)
+        if final is not None:
+            return final, None
         from posttrain.sandbox import ExecRequest
 
         program = harness(code, task.metadata["func"], task.metadata["tests"], self._marker(task))
