@@ -134,8 +134,7 @@ def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
     prompt, tools = domain.native_tools(task)
     ids, mask = tok.encode_chat(
         task_messages(dataclasses.replace(task, prompt=prompt), system_prompt)
-        + domain.native_demonstration(task, tok.chat.write_tool_call), thinking=thinking,
-        tools=tools)
+        + domain.native_demonstration(task), thinking=thinking, tools=tools)
   else:
     demo = {"role": "assistant", "content": domain.demonstration(task)}
     if tok.chat.opens_reasoning:  # open as the rollouts' prompt does: an empty block

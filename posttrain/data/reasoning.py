@@ -19,10 +19,13 @@ completion that opened a block and never closed it ran out of tokens while think
 content is empty and `closed` is False. One without tags is all content.
 
 harmony: the completion is a run of messages, each a header (role, `<|channel|>` name,
-recipient) and a body up to <|end|>, <|return|> or <|call|>. The analysis channel is the
-reasoning; every other channel (final, and commentary: preambles and tool calls) is the
-content, message bodies joined by a blank line. `closed` is False when the model wrote
-analysis and never left that channel. A completion with no message in it is all content.
+recipient) and a body up to <|end|>, <|return|> or <|call|>. A message to a function (a
+recipient "to=functions.NAME", in the role or the channel part of its header, as gpt-oss's
+template and the model write it) is a tool call: its (NAME, body) goes to `calls` once the
+message ended. Of the other messages, the analysis channel is the reasoning and every other
+channel (final, and commentary preambles) the content, bodies joined by a blank line.
+`closed` is False when the model wrote analysis and never left that channel. A completion
+with no message in it is all content.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # scores the whole completion; "think" reads <think> blocks whatever the tokenizer (text
 # tags, e.g. a byte tokenizer's).
 MODES = ("auto", "none", "think")
+# A harmony header's recipient ("to=functions.add"), and the namespace of the functions a
+# conversation's tool schemas declare.
+HARMONY_TO, HARMONY_FUNCTIONS = "to=", "functions."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +49,15 @@ class Response:
 
   reasoning_tokens: tokens the reasoning took (its tags and channel headers included).
   closed: False when the completion was still reasoning at its last token.
+  calls: the tool calls the model wrote as messages of their own (harmony's), as
+    (function name, arguments text) pairs, in order.
   """
 
   content: str
   reasoning: str = ""
   reasoning_tokens: int = 0
   closed: bool = True
+  calls: tuple[tuple[str, str], ...] = ()
 
 
 def split_plain(tok, ids: Sequence[int]) -> Response:
@@ -101,12 +110,13 @@ def split_think(tok, ids: Sequence[int], *, open_id: int | None = None,
 
 def split_harmony(tok, ids: Sequence[int], *, start: int, channel: int, message: int,
                   ends: Sequence[int]) -> Response:
-  """Splits a harmony completion into its analysis messages and the rest. `start`,
-  `channel`, `message`: the ids of <|start|>, <|channel|>, <|message|>; `ends`: those that
-  end a message (<|end|>, <|return|>, <|call|>)."""
+  """Splits a harmony completion into its analysis messages, its calls to functions and the
+  rest. `start`, `channel`, `message`: the ids of <|start|>, <|channel|>, <|message|>;
+  `ends`: those that end a message (<|end|>, <|return|>, <|call|>)."""
   ids = [int(t) for t in ids]
   ends = set(int(e) for e in ends)
-  found: list[tuple[str | None, str, int, bool]] = []  # channel, body, tokens, ended
+  # channel, the function called (None: not a call), body, tokens, ended
+  found: list[tuple[str | None, str | None, str, int, bool]] = []
   i = 0
   while i < len(ids):
     j = i + 1 if ids[i] == start else i
@@ -115,18 +125,26 @@ def split_harmony(tok, ids: Sequence[int], *, start: int, channel: int, message:
     except ValueError:
       break  # a header the model never finished: no body to read
     header = ids[j:k]
-    name = None
-    if channel in header:
-      words = tok.decode(header[header.index(channel) + 1:]).split()
-      name = words[0] if words else None
+    cut = header.index(channel) if channel in header else len(header)
+    words = tok.decode(header[cut + 1:]).split() if cut < len(header) else []
+    recipients = [w[len(HARMONY_TO):] for w in tok.decode(header[:cut]).split() + words[1:]
+                  if w.startswith(HARMONY_TO)]
+    function = next((r[len(HARMONY_FUNCTIONS):] for r in recipients
+                     if r.startswith(HARMONY_FUNCTIONS)), None)
     stop = next((p for p in range(k + 1, len(ids)) if ids[p] in ends), len(ids))
     ended = stop < len(ids)
-    found.append((name, tok.decode(ids[k + 1:stop]), stop + ended - i, ended))
+    found.append((words[0] if words else None, function, tok.decode(ids[k + 1:stop]),
+                  stop + ended - i, ended))
     i = stop + 1
   if not found:
     return split_plain(tok, ids)
-  thought = [(body, n, ended) for name, body, n, ended in found if name == "analysis"]
-  said = [body.strip() for name, body, _, _ in found if name != "analysis"]
+  calls = tuple((function, body) for _, function, body, _, ended in found
+                if function is not None and ended)
+  thought = [(body, n) for name, function, body, n, _ in found
+             if name == "analysis" and function is None]
+  said = [body.strip() for name, function, body, _, _ in found
+          if name != "analysis" and function is None]
+  left = len(thought) < len(found)  # a message on another channel, or a call, came
   return Response("\n\n".join(s for s in said if s),
-                  "\n\n".join(b.strip() for b, _, _ in thought if b.strip()),
-                  sum(n for _, n, _ in thought), bool(said) or not thought)
+                  "\n\n".join(b.strip() for b, _ in thought if b.strip()),
+                  sum(n for _, n in thought), left or not thought, calls)

@@ -35,13 +35,16 @@ Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str}
 
 # Harmony (gpt-oss): the system message its chat template always opens with (without the
 # current date, so that a prompt's ids do not change from day to day), at a reasoning effort
-# (low, medium or high; the template's default is medium). A conversation's own system
+# (low, medium or high; the template's default is medium), and with the line the template
+# adds when the conversation declares functions (`tools`). A conversation's own system
 # message becomes a developer message, "# Instructions\n\n" + its content + "\n\n".
-def harmony_system(effort: str = "medium") -> str:
+def harmony_system(effort: str = "medium", tools: bool = False) -> str:
   return ("You are ChatGPT, a large language model trained by OpenAI.\n"
           f"Knowledge cutoff: 2024-06\n\nReasoning: {effort}\n\n"
           "# Valid channels: analysis, commentary, final. Channel must be included "
-          "for every message.")
+          "for every message."
+          + ("\nCalls to these tools must go to the commentary channel: 'functions'."
+             if tools else ""))
 
 
 HARMONY_SYSTEM = harmony_system()
@@ -125,8 +128,8 @@ class ChatFormat:
     """Raises ValueError where tools are given to a format that does not render them."""
     if tools:
       raise ValueError(f"the {self.name} chat format does not render tool schemas here: "
-                       "rollout.tool_format=native needs Qwen's ChatML or Llama 3.1+; use "
-                       "text")
+                       "rollout.tool_format=native needs Qwen's ChatML, Llama 3.1+ or "
+                       "harmony (gpt-oss); use text")
 
   def read_tool_calls(self, text: str) -> list[tuple[int, int, Any, Any]]:
     """(start, end, name, arguments) of the tool calls a model wrote in its own format in
@@ -144,7 +147,7 @@ class ChatFormat:
     OpenAI-style message's `tool_calls`."""
     del content, calls
     raise ValueError(f"the {self.name} chat format has no tool calls of its own here: "
-                     "messages with 'tool_calls' need Qwen's ChatML or Llama 3.1+")
+                     "messages with 'tool_calls' need Qwen's ChatML, Llama 3.1+ or harmony")
 
   def fold_tool_calls(self, messages: Sequence[Message]) -> list[Message]:
     """`messages` with each assistant message's structured `tool_calls` (OpenAI's and
@@ -626,24 +629,38 @@ class DeepSeekR1Format(ChatFormat):
 
 
 class HarmonyFormat(ChatFormat):
-  """gpt-oss's harmony, as its chat template renders text conversations.
+  """gpt-oss's harmony, as its chat template renders conversations, tool calls included.
 
   The fixed system message (at the reasoning effort `thinking` names: low, medium or high;
-  None or True: medium) opens every conversation; a system message becomes developer
-  instructions. An assistant message is a final-channel message: the last message of a
-  training conversation (no generation prompt) ends with <|return|> and is preceded by its
-  reasoning ("thinking" or "reasoning_content") as an analysis message; earlier ones end
-  with <|end|> and lose their reasoning, as the template drops it. The model's own tokens
-  are everything after "<|start|>assistant" but an earlier turn's <|end|>, which the
-  template writes in place of the <|return|> the model wrote. The generation prompt leaves
-  the channel to the model; <|return|> and <|call|> stop a turn, <|end|> (which closes an
-  analysis message) does not.
+  None or True: medium) opens every conversation; a leading system message becomes
+  developer instructions, and function schemas (`tools`) follow them in the developer
+  message as the template's TypeScript-like `namespace functions` (`harmony_functions`). An
+  assistant message is a final-channel message: the last message of a training
+  conversation (no generation prompt) ends with <|return|> and is preceded by its reasoning
+  ("thinking" or "reasoning_content") as an analysis message; earlier ones end with <|end|>
+  and lose their reasoning, as the template drops it. The model's own tokens are
+  everything after "<|start|>assistant" (through a call's <|call|>) but an earlier turn's
+  <|end|>, which the template writes in place of the <|return|> the model wrote. The
+  generation prompt leaves the channel to the model; <|return|> and <|call|> stop a turn,
+  <|end|> (which closes an analysis message) does not.
+
+  Tool calls: an assistant message with (one) structured `tool_calls` is a message to the
+  function, "<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>"
+  + the arguments as JSON (the template's tojson: arguments given as text become a JSON
+  string) + "<|call|>", preceded by the message's reasoning (or its content: not both) as
+  an analysis message while no final answer follows it, as the template keeps it. A tool
+  message answering a call is
+  "<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>" + its content as
+  a JSON string + "<|end|>", NAME the last call's function or else the message's "name";
+  one that answers no call (a text-protocol tool turn) keeps the header
+  "functions to=assistant" and its content as it is (the template has no such message).
   """
 
   reasoning = "harmony"
 
   def __init__(self, tok, *, start, message, channel, end, ret, call):
-    self.ids = dict(start=start, message=message, channel=channel, end=end, ret=ret)
+    self.ids = dict(start=start, message=message, channel=channel, end=end, ret=ret,
+                    call=call)
     assistant = [start] + tok.encode("assistant")
     headers = {
         "system": [start] + tok.encode("developer") + [message],
@@ -660,11 +677,70 @@ class HarmonyFormat(ChatFormat):
       raise ValueError(f"thinking must be None, True or one of {HARMONY_EFFORTS} for harmony "
                        f"(gpt-oss always reasons), got {thinking!r}")
 
-  def opening(self, thinking=None):
+  def check_tools(self, tools) -> None:
+    pass  # harmony renders them (`harmony_functions` checks each schema)
+
+  def write_tool_call(self, name, arguments):
+    raise ValueError("harmony writes a tool call as a message of its own, not as text: give "
+                     "the assistant message structured 'tool_calls'")
+
+  def fold_tool_calls(self, messages):
+    """Harmony's calls stay structured (`_render` writes them): each is checked here."""
+    out = []
+    for i, m in enumerate(messages):
+      if isinstance(m, dict) and "tool_calls" in m:
+        if m["tool_calls"] is None:
+          m = {k: v for k, v in m.items() if k != "tool_calls"}
+        else:
+          self._call(m, f"message {i}")
+          if m.get("content") is None:
+            m = dict(m, content="")
+      out.append(m)
+    return out
+
+  def _call(self, m: Message, where: str) -> tuple[str, dict | str, str]:
+    """(name, arguments, content type) of a message's one structured call."""
+    if m.get("role") != "assistant":
+      raise ValueError(f"{where}: only an assistant message has tool_calls, not a "
+                       f"{m.get('role')!r} message")
+    calls = _structured_calls(m["tool_calls"], where)
+    if len(calls) != 1:
+      raise ValueError(f"{where}: harmony's template renders one tool call per assistant "
+                       f"message, got {len(calls)}; give each call a message of its own")
+    (name, arguments), = calls
+    call = m["tool_calls"][0]
+    function = call.get("function") or call
+    content_type = function.get("content_type", "json")
+    if not isinstance(content_type, str) or not content_type:
+      raise ValueError(f"{where}: tool_calls[0] content_type must be a string, got "
+                       f"{content_type!r}")
+    return name, arguments, content_type
+
+  def opening(self, thinking=None, tools: bool = False):
     effort = thinking if isinstance(thinking, str) else "medium"
     ids = ([self.ids["start"]] + self.tok.encode("system") + [self.ids["message"]]
-           + self.tok.encode(harmony_system(effort)) + [self.ids["end"]])
+           + self.tok.encode(harmony_system(effort, tools)) + [self.ids["end"]])
     return ids, [0] * len(ids)
+
+  def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
+    self.check_thinking(thinking)
+    schemas = harmony_functions(tools) if tools else ""
+    ids, mask = self.opening(thinking, tools=bool(tools))
+    messages = list(messages)
+    instructions = ""
+    if messages and messages[0].get("role") == "system":
+      instructions, messages = self._message(messages[0])[1], messages[1:]
+    if instructions or tools:  # the developer message
+      text = ((f"# Instructions\n\n{instructions}\n\n" if instructions else "")
+              + (f"# Tools\n\n{schemas}" if tools else ""))
+      developer = self.headers["system"] + self.tok.encode(text) + [self.ids["end"]]
+      ids, mask = ids + developer, mask + [0] * len(developer)
+    body, own = self._render(messages, add_generation_prompt)
+    ids, mask = ids + body, mask + own
+    if add_generation_prompt:
+      prompt = self.generation_prompt(thinking)
+      ids, mask = ids + prompt, mask + [0] * len(prompt)
+    return ids, mask
 
   def _render(self, messages, add_generation_prompt):
     ids, mask = [], []
@@ -674,11 +750,24 @@ class HarmonyFormat(ChatFormat):
       mask.extend([own] * len(tokens))
 
     channel, message, end = self.ids["channel"], self.ids["message"], self.ids["end"]
+    analysis = [channel] + self.tok.encode("analysis") + [message]
+    called = None  # the function of the last call, which a tool message answers
     for i, m in enumerate(messages):
       role, content, thought = self._message(m)
       if role == "system":
         add(self.headers["system"] + self.tok.encode(f"# Instructions\n\n{content}\n\n")
             + [end])
+      elif role == "tool":
+        name = called or m.get("name")
+        if name is None:
+          add(self.headers["tool"] + self.tok.encode(content) + [end])
+          continue
+        if not isinstance(name, str) or not name:
+          raise ValueError(f"message {i}: a tool message's name must be a function name, "
+                           f"got {name!r}")
+        add([self.ids["start"]] + self.tok.encode(f"functions.{name} to=assistant")
+            + [channel] + self.tok.encode("commentary") + [message]
+            + self.tok.encode(_tojson(content)) + [end])
       elif role != "assistant":
         add(self.headers[role] + self.tok.encode(content) + [end])
       else:
@@ -689,20 +778,149 @@ class HarmonyFormat(ChatFormat):
         own = 1 if m.get("weight", 1) else 0
         last = i == len(messages) - 1 and not add_generation_prompt
         add(self.headers["assistant"])
+        if m.get("tool_calls") is not None:
+          name, arguments, content_type = self._call(m, f"message {i}")
+          if content and thought:
+            raise ValueError(f"message {i}: harmony's template writes a tool-calling "
+                             "message's analysis from its content or its reasoning, not both")
+          if self.ids["call"] is None:
+            raise ValueError("this harmony vocabulary has no <|call|> token")
+          answered = any(later.get("role") == "assistant" and later.get("tool_calls") is None
+                         for later in messages[i + 1:])
+          if (content or thought) and not answered:  # kept while no final answer follows
+            add(analysis + self.tok.encode(content or thought) + [end]
+                + self.headers["assistant"], own)
+          add(self.tok.encode(f" to=functions.{name}") + [channel]
+              + self.tok.encode(f"commentary {content_type}") + [message]
+              + self.tok.encode(_tojson(arguments)) + [self.ids["call"]], own)
+          called = name
+          continue
         if last and thought is not None:
-          add([channel] + self.tok.encode("analysis") + [message] + self.tok.encode(thought)
-              + [end] + self.headers["assistant"], own)
+          add(analysis + self.tok.encode(thought) + [end] + self.headers["assistant"], own)
         add([channel] + self.tok.encode("final") + [message] + self.tok.encode(content), own)
         if last:
           add([self.ids["ret"]], own)
         else:
           add([end])  # the template's, in place of the <|return|> the model wrote
+          called = None
     return ids, mask
 
   def split_response(self, ids, prompt=None):
     return reasoning_lib.split_harmony(self.tok, ids, start=self.ids["start"],
                                        channel=self.ids["channel"],
                                        message=self.ids["message"], ends=self._ends)
+
+
+def _tojson(value: Any) -> str:
+  """JSON as chat templates' `tojson` writes it (transformers': ", " and ": ", unicode)."""
+  return json.dumps(value, ensure_ascii=False)
+
+
+def harmony_functions(tools: Sequence[dict]) -> str:
+  """Function schemas as gpt-oss's template declares them in the developer message (its
+  `render_tool_namespace("functions", tools)`): a TypeScript-like namespace, one
+  `type NAME = (_: {...}) => any;` per function, each parameter after its description,
+  "?" when it is optional, and its default. Schemas are OpenAI's, {"type": "function",
+  "function": {"name", "description", "parameters"}} (or the inner object)."""
+  if not isinstance(tools, (list, tuple)):
+    raise ValueError(f"tools must be a list of function schemas, got {type(tools).__name__}")
+  out = ["## functions\n\nnamespace functions {\n\n"]
+  for i, tool in enumerate(tools):
+    function = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(function, dict):
+      raise ValueError(f"tools[{i}] must be a function schema (an object), got {tool!r:.80}")
+    name, description = function.get("name"), function.get("description")
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"tools[{i}] needs a function name")
+    if not isinstance(description, str):
+      raise ValueError(f"tools[{i}] ({name}) needs a description: harmony's template writes "
+                       "one for every function")
+    out.append(f"// {description}\ntype {name} = ")
+    parameters = function.get("parameters")
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not properties:
+      out.append("() => any;\n\n")
+      continue
+    if not isinstance(properties, dict):
+      raise ValueError(f"tools[{i}] ({name}): parameters.properties must be an object")
+    required = parameters.get("required") or []
+    out.append("(_: {\n")
+    for param, spec in properties.items():
+      get = _getter(spec)
+      if get("description"):
+        out.append(f"// {get('description')}\n")
+      out.append(f"{param}{'' if param in required else '?'}: {_typescript_type(spec)}")
+      if isinstance(spec, dict) and "default" in spec:
+        default = spec["default"]
+        if get("enum") or get("oneOf"):  # the template adds these defaults as they are
+          if not isinstance(default, str):
+            raise ValueError(f"tools[{i}] ({name}) parameter {param}: harmony's template "
+                             f"writes this default as text, got {default!r}")
+          out.append((", // default: " if get("enum") else "// default: ") + default)
+        else:
+          out.append(f", // default: {_tojson(default)}")
+      out.append(",\n")
+    out.append("}) => any;\n\n")
+  out.append("} // namespace functions")
+  return "".join(out)
+
+
+def _getter(spec: Any):
+  """A schema's fields, missing ones None (the template reads a non-object as all missing)."""
+  return spec.get if isinstance(spec, dict) else (lambda key, default=None: default)
+
+
+def _typescript_type(spec: Any) -> str:
+  """A JSON schema's type as gpt-oss's template writes it (its `render_typescript_type`),
+  whitespace included: a nested object's fields are each "\n" + 16 spaces after their
+  colon, a oneOf's variants are joined by " | \n", as the template's own layout leaves
+  them."""
+  get = _getter(spec)
+  kind = get("type")
+  if kind == "array":
+    items = get("items")
+    if not items:
+      text = "any[]"
+    elif _getter(items)("type") in _ARRAYS:
+      text = _ARRAYS[_getter(items)("type")]
+    else:
+      inner = _typescript_type(items)
+      text = "any[]" if inner == "object | object" or len(inner) > 50 else inner + "[]"
+    return text + (" | null" if get("nullable") else "")
+  if isinstance(kind, list) and kind:  # a union of types, ["string", "null"]
+    return " | ".join(str(k) for k in kind)
+  variants = get("oneOf")
+  if variants:
+    # The template means to write "any" for a union with objects in it, but its flag, set
+    # inside a loop, never leaves the loop (Jinja's scoping): every variant is written.
+    parts = []
+    for v in variants:
+      part = _typescript_type(v)
+      if _getter(v)("description"):
+        part += f"// {_getter(v)('description')}"
+      if isinstance(v, dict) and "default" in v:
+        part += " " * 20 + f"// default: {_tojson(v['default'])}"
+      parts.append(part)
+    return " | \n".join(parts)
+  if kind == "string":
+    if get("enum"):
+      return '"' + '" | "'.join(str(e) for e in get("enum")) + '"'
+    return "string" + (" | null" if get("nullable") else "")
+  if kind in ("number", "integer", "boolean"):
+    return "boolean" if kind == "boolean" else "number"
+  if kind == "object":
+    properties = get("properties")
+    if not properties:
+      return "object"
+    required = get("required") or []
+    return "{\n" + ", ".join(
+        f"{name}{'' if name in required else '?'}: \n{' ' * 16}{_typescript_type(p)}"
+        for name, p in properties.items()) + "}"
+  return "any"
+
+
+_ARRAYS = {"string": "string[]", "number": "number[]", "integer": "number[]",
+           "boolean": "boolean[]"}
 
 
 class Tokenizer:
@@ -725,8 +943,8 @@ class Tokenizer:
     """Token ids and the model-token mask of a conversation. `thinking`: the reasoning
     switch of formats that have one (Qwen3's ChatML: True / False; harmony: an effort,
     low / medium / high); None, the template's default. `tools`: function schemas for a
-    model that calls tools in its own format (ChatML). Assistant messages may carry
-    structured `tool_calls` (`ChatFormat.fold_tool_calls`)."""
+    model that calls tools in its own format (ChatML, Llama 3.1+, harmony). Assistant
+    messages may carry structured `tool_calls` (`ChatFormat.fold_tool_calls`)."""
     if any(isinstance(m, dict) and "tool_calls" in m for m in messages):
       messages = self.chat.fold_tool_calls(messages)
     if tools:

@@ -33,7 +33,7 @@ from posttrain.tasks.families.tools import OBS_CLOSE, OBS_OPEN, native_call_text
 
 # How multi-turn domains' tools are called: "text", the domain's own protocol in the
 # prompt; "native", the model's own format (its chat template's tool schemas and calls,
-# translated to and from the domain's protocol; Qwen's ChatML, Llama 3.1+).
+# translated to and from the domain's protocol; Qwen's ChatML, Llama 3.1+, harmony).
 TOOL_FORMATS = ("text", "native")
 
 
@@ -65,6 +65,9 @@ class Sample:
   reasoning_closed: bool = True
   # Where the model turn being generated began in response_tokens (it is read once whole).
   turn_start: int = dataclasses.field(default=0, repr=False)
+  # The function the last model turn called as a message of its own (harmony's native
+  # calls), which the tool's answer names; None where the format's calls are text.
+  called: str | None = dataclasses.field(default=None, repr=False)
 
   @property
   def oldest_version(self) -> int:
@@ -241,6 +244,9 @@ class RolloutWorker:
     if self.tool_format == "native":  # the model's own calls, as the domain reads calls
       for start, end, name, arguments in reversed(self.tok.chat.read_tool_calls(content)):
         content = content[:start] + native_call_text(name, arguments) + content[end:]
+      # Calls written as messages of their own (harmony's) follow the turn's content.
+      content += "".join(native_call_text(name, arguments) for name, arguments in r.calls)
+      sample.called = r.calls[-1][0] if r.calls else None
     sample.text += content
     if r.reasoning:
       sample.reasoning += ("\n\n" if sample.reasoning else "") + r.reasoning
@@ -531,11 +537,12 @@ class RolloutWorker:
     sample.tool_calls += 1
     stops = self.tok.stop_ids
     ended = bool(sample.response_tokens) and sample.response_tokens[-1] in stops
-    answer = observation
+    message = {"role": "tool", "content": observation}
     if self.tool_format == "native":  # a tool message holds the result alone
-      answer = observation.removeprefix(OBS_OPEN).removesuffix(OBS_CLOSE)
-    obs = self.tok.chat.continuation([{"role": "tool", "content": answer}], ended=ended,
-                                     thinking=self.thinking)
+      message["content"] = observation.removeprefix(OBS_OPEN).removesuffix(OBS_CLOSE)
+      if sample.called is not None:  # and names the function it answers (harmony)
+        message["name"] = sample.called
+    obs = self.tok.chat.continuation([message], ended=ended, thinking=self.thinking)
     sample.response_tokens += obs
     sample.turn_start = len(sample.response_tokens)
     sample.response_mask += [0] * len(obs)

@@ -101,8 +101,8 @@ class WithTools(Domain):
     def demonstration(self, task):
         return self.inner.demonstration(self._inner_task(task))
 
-    def native_demonstration(self, task: Task, write_call) -> list[dict]:
-        del write_call  # the inner domain's demonstration calls no tool
+    def native_demonstration(self, task: Task) -> list[dict]:
+        """The inner domain's demonstration, which calls no tool."""
         return [{"role": "assistant", "content": self.demonstration(task)}]
 
     def _score(self, task, completion):

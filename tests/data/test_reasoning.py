@@ -350,12 +350,14 @@ def test_harmony_split_reads_channels(harmony):
   got = tok.split_response(_harmony_ids(tok, "<|channel|>analysis<|message|>x<|end|>",
                                          "<|start|>assistant<|channel|>fin"))
   assert (got.content, got.reasoning, got.closed) == ("", "x", False)
-  # A preamble and a tool call on the commentary channel are content, as is the final.
+  # A preamble on the commentary channel is content; a message to functions.add is a call,
+  # not content.
   got = tok.split_response(_harmony_ids(
       tok, "<|channel|>analysis<|message|>plan<|end|>",
       "<|start|>assistant<|channel|>commentary<|message|>checking<|end|>",
       "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{}<|call|>"))
-  assert (got.content, got.reasoning, got.closed) == ("checking\n\n{}", "plan", True)
+  assert (got.content, got.reasoning, got.closed) == ("checking", "plan", True)
+  assert got.calls == (("add", "{}"),)
   # A final answer with no analysis; and text with no message at all is all content.
   got = tok.split_response(_harmony_ids(tok, "<|channel|>final<|message|>4<|return|>"))
   assert (got.content, got.reasoning, got.reasoning_tokens) == ("4", "", 0)

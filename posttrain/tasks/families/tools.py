@@ -227,14 +227,16 @@ class ToolDomain(Domain):
         prompt = task.prompt.replace(_PROTOCOL.format(tool=self.tool) + "\n", "")
         return prompt, [NATIVE_TOOLS[self.tool]]
 
-    def native_demonstration(self, task: Task, write_call) -> list[dict]:
-        """The demonstration as the turns of a model calling the tool in its own format
-        (`write_call(name, arguments)` writes a call as the model does): the call, the
-        tool's answer, the answer."""
+    def native_demonstration(self, task: Task) -> list[dict]:
+        """The demonstration as the turns of a model calling the tool in its own format: the
+        call (the message's structured ``tool_calls``, which each chat format renders as
+        its template does), the tool's answer, the answer."""
         schema = NATIVE_TOOLS[self.tool]["function"]
         (param,) = schema["parameters"]["properties"]
-        call = write_call(schema["name"], {param: task.metadata["call"]})
-        return [{"role": "assistant", "content": call},
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": schema["name"],
+                                              "arguments": {param: task.metadata["call"]}}}]}
+        return [call,
                 {"role": "tool", "content": str(task.answer)},
                 {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
 
