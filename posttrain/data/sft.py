@@ -93,6 +93,8 @@ def parse_messages(value: Any, where: str, key: str) -> list[dict]:
     message = {"role": role, "content": content, "weight": int(weight)}
     if calls is not None:
       message["tool_calls"] = calls  # checked and written by the chat format
+    if role == "tool" and isinstance(m.get("name"), str) and m["name"]:
+      message["name"] = m["name"]  # the function it answers (harmony's header names it)
     for field in REASONING_FIELDS:  # an assistant's reasoning, as Qwen3 / gpt-oss data has it
       if m.get(field) is None:
         continue

@@ -36,6 +36,7 @@ from posttrain.tasks.families.tools import (
     iter_blocks,
     model_text,
     tool_step,
+    without_blocks,
 )
 
 SUFFIX = "tools"
@@ -54,13 +55,7 @@ def instructions(tools: Sequence[str]) -> str:
 
 def own_text(completion: str) -> str:
     """What the model wrote, without its tool calls and the observations answering them."""
-    text = model_text(completion)
-    parts, pos = [], 0
-    for start, end, _ in iter_blocks(text, TOOL_OPEN, TOOL_CLOSE, len(text)):
-        parts.append(text[pos:start])
-        pos = end
-    parts.append(text[pos:])
-    return "".join(parts)
+    return without_blocks(model_text(completion), TOOL_OPEN, TOOL_CLOSE)
 
 
 class WithTools(Domain):

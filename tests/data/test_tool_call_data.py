@@ -149,3 +149,14 @@ def test_preference_answers_may_call_tools(qwen3, tmp_path):
   chosen = _text(qwen3, pair["chosen_tokens"][pair["chosen_mask"] != 0])
   assert chosen == ('<think>\n\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": '
                     '{"expression": "27*58"}}\n</tool_call><|im_end|>')
+
+
+def test_a_tool_messages_name_reaches_the_chat_format():
+  from posttrain.data.sft import parse_row
+  row = {"messages": [{"role": "user", "content": "q"},
+                      {"role": "assistant", "content": None,
+                       "tool_calls": [_call("calculator", {"expression": "1"})]},
+                      {"role": "tool", "name": "calculator", "content": "1"},
+                      {"role": "assistant", "content": "1"}]}
+  messages = parse_row(row, "f:1")
+  assert messages[2]["name"] == "calculator" and "name" not in messages[3]

@@ -112,14 +112,19 @@ def iter_blocks(text: str, open_tag: str, close_tag: str, limit: int):
         pos = end + len(close_tag)
 
 
+def without_blocks(text: str, open_tag: str, close_tag: str) -> str:
+    """``text`` with its complete ``open...close`` blocks removed."""
+    parts, pos = [], 0
+    for start, end, _ in iter_blocks(text, open_tag, close_tag, len(text)):
+        parts.append(text[pos:start])
+        pos = end
+    parts.append(text[pos:])
+    return "".join(parts)
+
+
 def model_text(transcript: str) -> str:
     """The transcript without environment observations."""
-    parts, pos = [], 0
-    for start, end, _ in iter_blocks(transcript, OBS_OPEN, OBS_CLOSE, len(transcript)):
-        parts.append(transcript[pos:start])
-        pos = end
-    parts.append(transcript[pos:])
-    return "".join(parts)
+    return without_blocks(transcript, OBS_OPEN, OBS_CLOSE)
 
 
 def _escape(text: str) -> str:
