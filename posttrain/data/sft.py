@@ -22,9 +22,9 @@ as gpt-oss data names it), which reasoning formats render as their templates do 
 the content; other formats reject it. An assistant message may call tools, in OpenAI's
 and TRL's layout (`"tool_calls": [{"type": "function", "function": {"name", "arguments"}}]`,
 its content null or text), and a row may carry the function schemas its conversation
-calls (`"tools": [...]`, TRL's column): Qwen's ChatML and Llama 3.1+ render both as their
-templates do, and the calls are trained on as the model's own tokens. Other keys of a row
-(ids, sources) are ignored.
+calls (`"tools": [...]`, TRL's column): Qwen's ChatML, Llama 3.1+ and gpt-oss's harmony
+render both as their templates do, and the calls are trained on as the model's own
+tokens. Other keys of a row (ids, sources) are ignored.
 Every row is parsed and tokenized when the files load, so a bad row fails at once, naming
 its file and line.
 
