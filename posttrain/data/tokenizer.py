@@ -96,7 +96,13 @@ class ChatFormat:
     the model may call in its own format, where the format renders them (ChatML)."""
     self.check_tools(tools)
     self.check_thinking(thinking)
-    ids, mask = self.opening(thinking)
+    return self._conversation(*self.opening(thinking), messages, add_generation_prompt,
+                              thinking)
+
+  def _conversation(self, ids: list[int], mask: list[int], messages: Sequence[Message],
+                    add_generation_prompt: bool, thinking) -> tuple[list[int], list[int]]:
+    """(ids, mask) of an opening followed by `messages` and, when asked, the generation
+    prompt."""
     body, own = self._render(messages, add_generation_prompt)
     ids, mask = ids + body, mask + own
     if add_generation_prompt:
@@ -735,12 +741,7 @@ class HarmonyFormat(ChatFormat):
               + (f"# Tools\n\n{schemas}" if tools else ""))
       developer = self.headers["system"] + self.tok.encode(text) + [self.ids["end"]]
       ids, mask = ids + developer, mask + [0] * len(developer)
-    body, own = self._render(messages, add_generation_prompt)
-    ids, mask = ids + body, mask + own
-    if add_generation_prompt:
-      prompt = self.generation_prompt(thinking)
-      ids, mask = ids + prompt, mask + [0] * len(prompt)
-    return ids, mask
+    return self._conversation(ids, mask, messages, add_generation_prompt, thinking)
 
   def _render(self, messages, add_generation_prompt):
     ids, mask = [], []

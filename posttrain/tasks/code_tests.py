@@ -49,7 +49,7 @@ import re
 
 from posttrain.sandbox.api import ExecRequest
 from posttrain.tasks.base import Reward, zero_reward
-from posttrain.tasks.families.code import _canonical, checked_code
+from posttrain.tasks.families.code import _canonical, checked_code, report_lines
 
 MAX_TESTS = 512
 MAX_SUITE_CHARS = 32 << 20  # inputs and outputs together
@@ -454,23 +454,11 @@ def read_report(stdout: str, marker: str, n_tests: int) -> tuple[bool, dict[int,
     first line for an index counts).
     """
     loaded, results = True, {}
-    for line in stdout.splitlines():
-        if not line.startswith(marker + " "):
-            continue
-        _, index, payload = (line.split(" ", 2) + ["", ""])[:3]
-        if index == "load":
+    for item in report_lines(stdout, marker, n_tests):
+        if item is None:
             loaded = False
-            continue
-        if not (index.isascii() and index.isdigit()) or int(index) >= n_tests:
-            continue
-        if int(index) in results:
-            continue
-        try:
-            result = json.loads(payload)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(result, dict):
-            results[int(index)] = result
+        else:
+            results[item[0]] = item[1]
     return loaded, results
 
 

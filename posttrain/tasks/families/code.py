@@ -104,24 +104,39 @@ def harness(code: str, func: str, tests: list[list], marker: str) -> str:
     return _HARNESS.format(src=code, func=func, tests=json.dumps(tests), marker=marker)
 
 
-def parse_results(stdout: str, marker: str, n_tests: int) -> tuple[bool, dict[int, str]]:
-    """(loaded, {test index: canonical output}) from the harness output."""
-    loaded, outputs = True, {}
+def report_lines(stdout: str, marker: str, n_tests: int):
+    """A harness's report in ``stdout``: ``None`` for a solution that failed to load, else
+    ``(test index, payload object)``, the first well-formed line of each index only.
+    Foreign lines, malformed payloads and out-of-range indexes are skipped."""
+    seen = set()
     for line in stdout.splitlines():
         if not line.startswith(marker + " "):
             continue
         _, index, payload = (line.split(" ", 2) + ["", ""])[:3]
         if index == "load":
-            loaded = False
+            yield None
             continue
-        if not index.isdigit() or int(index) >= n_tests or int(index) in outputs:
+        if not (index.isascii() and index.isdigit()) or int(index) >= n_tests:
+            continue
+        if int(index) in seen:
             continue
         try:
             result = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        if isinstance(result, dict) and "ok" in result:
-            outputs[int(index)] = _canonical(result["ok"])
+        if isinstance(result, dict):
+            seen.add(int(index))
+            yield int(index), result
+
+
+def parse_results(stdout: str, marker: str, n_tests: int) -> tuple[bool, dict[int, str]]:
+    """(loaded, {test index: canonical output}) from the harness output."""
+    loaded, outputs = True, {}
+    for item in report_lines(stdout, marker, n_tests):
+        if item is None:
+            loaded = False
+        elif "ok" in item[1]:
+            outputs[item[0]] = _canonical(item[1]["ok"])
     return loaded, outputs
 
 
