@@ -11,6 +11,8 @@ The format follows the file's name:
 - ``.parquet``: Apache Parquet, as Hugging Face datasets and veRL's preprocessing scripts
   write them (needs ``pyarrow``: ``pip install 'posttrain[parquet]'``). Read a batch at a
   time, so a large file is never held whole.
+- ``.arrow``: an Arrow stream (or file), as ``datasets`` writes them; and a directory
+  ``Dataset.save_to_disk`` wrote stands for its Arrow files, in order (`expand`).
 - a ``.gz`` suffix on a JSON name: gzip-compressed.
 
 ``where`` names the row for error messages as ``path:N``: N is the line for JSON lines and
@@ -47,7 +49,9 @@ def expand(paths: str | Sequence[str], what: str = "data") -> list[str]:
     if not p or not p.strip():
       continue
     p = os.path.expanduser(p.strip())
-    if glob.has_magic(p):
+    if os.path.isdir(p):
+      out += saved_dataset_files(p)
+    elif glob.has_magic(p):
       matched = sorted(m for m in glob.glob(p) if os.path.isfile(m))
       if not matched:
         raise FileNotFoundError(f"{what} files {p!r}: the pattern matches no file")
@@ -57,10 +61,33 @@ def expand(paths: str | Sequence[str], what: str = "data") -> list[str]:
   return out
 
 
+def saved_dataset_files(directory: str) -> list[str]:
+  """The Arrow files of a dataset `datasets` saved with ``save_to_disk``, in its order
+  (its ``state.json``); a saved DatasetDict is refused, naming its splits."""
+  splits = os.path.join(directory, "dataset_dict.json")
+  state = os.path.join(directory, "state.json")
+  try:
+    if os.path.exists(splits):
+      with open(splits, encoding="utf-8") as f:
+        names = json.load(f).get("splits", [])
+      raise ValueError(f"{directory} holds the splits {', '.join(map(str, names))}: give "
+                       f"one, e.g. {os.path.join(directory, str(names[0]) if names else '')}")
+    if not os.path.exists(state):
+      raise ValueError(f"{directory} is a directory but not a dataset saved with "
+                       "save_to_disk (no state.json); give its files")
+    with open(state, encoding="utf-8") as f:
+      files = [os.path.join(directory, d["filename"]) for d in json.load(f)["_data_files"]]
+  except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{directory}: unreadable saved dataset ({e})") from None
+  if not files:
+    raise ValueError(f"{directory}: the saved dataset has no data files")
+  return files
+
+
 def shard_stem(path: str) -> str:
   """A file's name without its extensions and Hugging Face's shard suffix:
   ``train-00000-of-00004.parquet`` -> ``train``, ``gsm8k.jsonl.gz`` -> ``gsm8k``."""
-  name = os.path.basename(path)
+  name = os.path.basename(path.rstrip(os.sep))
   if name.lower().endswith(".gz"):
     name = name[:-3]
   name = os.path.splitext(name)[0]
@@ -72,10 +99,10 @@ def file_format(path: str) -> str:
   name = os.path.basename(path).lower()
   if name.endswith(".gz"):
     name = name[:-3]
-  if name.endswith(".parquet"):
+  if name.endswith((".parquet", ".arrow")):
     if path.lower().endswith(".gz"):
-      raise ValueError(f"{path}: Parquet files are compressed inside; drop the .gz")
-    return "parquet"
+      raise ValueError(f"{path}: Arrow and Parquet files are compressed inside; drop the .gz")
+    return "parquet" if name.endswith(".parquet") else "arrow"
   return "json" if name.endswith(".json") else "jsonl"
 
 
@@ -85,8 +112,8 @@ def read_rows(path: str | os.PathLike) -> Iterator[tuple[str, str | dict]]:
   if not os.path.exists(path):
     raise FileNotFoundError(f"data file not found: {path!r}")
   kind = file_format(path)
-  if kind == "parquet":
-    yield from _parquet_rows(path)
+  if kind in ("parquet", "arrow"):
+    yield from _arrow_rows(path, kind)
     return
   with _open_binary(path) as f:
     if kind == "json" and _first_byte(f, path) == b"[":
@@ -138,19 +165,35 @@ def _object(row: Any, where: str) -> dict:
   return row
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
+def _arrow_rows(path: str, kind: str) -> Iterator[tuple[str, dict]]:
   try:
+    import pyarrow as pa
     import pyarrow.parquet as pq
   except ImportError:
-    raise ImportError(f"{path}: reading Parquet needs pyarrow: pip install "
+    raise ImportError(f"{path}: reading {kind.capitalize()} needs pyarrow: pip install "
                       "'posttrain[parquet]'") from None
   try:
-    reader = pq.ParquetFile(path)
+    if kind == "parquet":
+      batches = pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS)
+    else:  # an Arrow stream, as datasets' save_to_disk and cache write them, or a file
+      source = pa.memory_map(path)
+      try:
+        batches = iter(pa.ipc.open_stream(source))
+      except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
   except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
-    raise ValueError(f"{path}: not a readable Parquet file: {' '.join(str(e).split())}"
-                     ) from None
+    raise ValueError(f"{path}: not a readable {kind.capitalize()} file: "
+                     f"{' '.join(str(e).split())}") from None
   number = 0
-  for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+  while True:
+    try:
+      batch = next(batches, None)
+    except Exception as e:  # noqa: BLE001 - a truncated or damaged file
+      raise ValueError(f"{path}: unreadable after row {number}: "
+                       f"{' '.join(str(e).split())}") from None
+    if batch is None:
+      return
     for row in batch.to_pylist():
       number += 1
       yield f"{path}:{number}", drop_nulls(row)

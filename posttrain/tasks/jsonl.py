@@ -275,8 +275,8 @@ class JsonlDomain(Domain):
         # Every row is parsed now, so a bad one fails at load naming its line.
         parsed = [_parse_row(row, where, verifier)
                   for file in files for where, row in read_rows(file)]
-        if name is None:
-            name = f"jsonl/{shard_stem(files[0])}"
+        if name is None:  # a saved dataset's directory names it, else its (first) file
+            name = f"jsonl/{shard_stem(path if os.path.isdir(path) else files[0])}"
         return cls(grain.MapDataset.source(parsed), name, level)
 
     @classmethod

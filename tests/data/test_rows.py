@@ -179,3 +179,57 @@ def test_globs_expand_to_sorted_files_and_shards_share_a_stem(tmp_path):
   data = SFTData.from_files(f"{tmp_path}/sft-*.parquet", TOK, row_len=64)
   want = SFTData.from_files(_jsonl(tmp_path / "sft.jsonl", rows), TOK, row_len=64)
   _assert_same_examples(_examples(data), _examples(want))
+
+
+def _save_to_disk(directory, shards):
+  """A dataset as `datasets`' save_to_disk writes one (5.x): Arrow streams named in
+  state.json, beside dataset_info.json."""
+  directory.mkdir(parents=True)
+  files = []
+  for k, rows in enumerate(shards):
+    name = f"data-{k:05d}-of-{len(shards):05d}.arrow"
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(directory / name), "wb") as sink:
+      with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    files.append({"filename": name})
+  (directory / "state.json").write_text(json.dumps({"_data_files": files, "_split": None}))
+  (directory / "dataset_info.json").write_text("{}")
+  return directory
+
+
+def test_a_saved_dataset_directory_reads_as_its_arrow_files(tmp_path):
+  from posttrain.data.rows import expand, shard_stem
+  rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(3)]
+  saved = _save_to_disk(tmp_path / "sft" / "train", [rows[:2], rows[2:]])
+  files = expand(str(saved))
+  assert [f.rsplit("/", 1)[1] for f in files] == ["data-00000-of-00002.arrow",
+                                                   "data-00001-of-00002.arrow"]
+  assert [r for f in files for _, r in read_rows(f)] == rows
+  assert shard_stem(str(saved) + "/") == "train"
+  data = SFTData.from_files(str(saved), TOK, row_len=64)
+  want = SFTData.from_files(_jsonl(tmp_path / "sft.jsonl", rows), TOK, row_len=64)
+  _assert_same_examples(_examples(data), _examples(want))
+  # An Arrow file (not a stream) reads too.
+  table = pa.Table.from_pylist(rows)
+  with pa.OSFile(str(tmp_path / "file.arrow"), "wb") as sink:
+    with pa.ipc.new_file(sink, table.schema) as writer:
+      writer.write_table(table)
+  assert [r for _, r in read_rows(tmp_path / "file.arrow")] == rows
+
+
+def test_saved_dataset_mistakes_are_one_line_errors(tmp_path):
+  from posttrain.data.rows import expand
+  (tmp_path / "dd").mkdir()
+  (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+  with pytest.raises(ValueError, match=r"holds the splits train, test: give one, e\.g\. .*dd/"
+                                       r"train"):
+    expand(str(tmp_path / "dd"))
+  (tmp_path / "plain").mkdir()
+  with pytest.raises(ValueError, match="not a dataset saved with save_to_disk"):
+    expand(str(tmp_path / "plain"))
+  saved = _save_to_disk(tmp_path / "cut", [[{"a": i} for i in range(50)]])
+  arrow = saved / "data-00000-of-00001.arrow"
+  arrow.write_bytes(arrow.read_bytes()[:-200])
+  with pytest.raises(ValueError, match=r"cut/data-00000-of-00001\.arrow: unreadable"):
+    list(read_rows(arrow))

@@ -223,3 +223,11 @@ def test_a_sharded_split_is_one_domain(tmp_path):
   assert [domain.sample(train_seed(i)).answer for i in (0, 1)] == ["7", "\\frac{3}{4}"]
   with pytest.raises(FileNotFoundError, match="matches no file"):
     JsonlDomain.from_file(str(tmp_path / "test-*.parquet"))
+
+
+def test_a_saved_dataset_is_a_domain_named_by_its_directory(tmp_path):
+  from tests.data.test_rows import _save_to_disk
+  saved = _save_to_disk(tmp_path / "gsm8k" / "test", [VERL_ROWS])
+  domain = JsonlDomain.from_file(str(saved), verifier="math")
+  assert domain.name == "jsonl/test" and len(domain) == 2
+  assert domain.score(domain.sample(train_seed(0)), "#### 7").value == 1.0
