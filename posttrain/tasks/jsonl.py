@@ -1,8 +1,9 @@
 """User task files: rows of ``{"prompt", "answer", "verifier"?, "metadata"?, "level"?,
 "solution"?}``.
 
-Files are JSON lines, a JSON array, or Parquet (``posttrain.data.rows``; gzip allowed for
-JSON), read and validated when loaded, so a bad row fails early with its line (or row)
+Files are JSON lines, a JSON array, Parquet, Arrow or a ``save_to_disk`` directory
+(``posttrain.data.rows``; gzip allowed for JSON; a glob reads a sharded split as one
+domain), read and validated when loaded, so a bad row fails early with its line (or row)
 number. A prompt is a string (the user's message) or a list of chat messages (system,
 user and assistant turns ending with the user's, as veRL's and TRL's prompt columns hold
 them; `Task.metadata["messages"]`, which rollouts send as they are). veRL's RL rows load
