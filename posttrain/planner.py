@@ -327,6 +327,14 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
     remat none, sandwich_norms alone      (2s + 16)D + 16
     a dots policy, sandwich_norms   sD   the MLP's down projection, which its norm reads
     remat none, reference attention, attn_logit_softcap   4(2NT)   the capped scores
+
+  q/k norms and OLMo's output norms (fitted the same way, on Qwen3's and OLMo 2's
+  layouts):
+    remat none, qk_norm     (s + 8)(NH + KH) + 8(N + K)   the normed q and k and their
+                              float32 internals; over every head at once (qk_norm_heads)
+                              the last term is 16, one normaliser per token for each;
+                              with norm_unit_offset (Gemma 3) (4 - s)(NH + KH) more
+    a dots policy, output_norms     sD   the MLP's down projection, as sandwich_norms
   """
   d, hd = model_cfg.d_model, model_cfg.head_dim
   nh, kh, n, t = heads * hd, kv_heads * hd, heads, kv_len
@@ -343,10 +351,14 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
       norms = 2 * (4 - s) * d
     elif model_cfg.sandwich_norms:
       norms = (2 * s + 16) * d + 16
+    if model_cfg.qk_norm:
+      norms += (s + 8) * (nh + kh) + (16 if model_cfg.qk_norm_heads else 8 * (n + kv_heads))
+      if model_cfg.norm_unit_offset:
+        norms += (4 - s) * (nh + kh)
     return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
             + 4 * (4 * d + 4 * hd + n) + attn + norms)
   weight_matmuls = s * (2 * d + nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
-  if model_cfg.sandwich_norms:
+  if model_cfg.sandwich_norms or model_cfg.output_norms:
     weight_matmuls += s * d
   if remat == "dots":
     if impl == "reference":

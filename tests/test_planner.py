@@ -154,6 +154,10 @@ GEMMA2 = dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
               layer_types=("sliding_attention", "full_attention", "sliding_attention"))
 
 
+OLMO2 = dict(output_norms=True, qk_norm=True, qk_norm_heads=True, qkv_bias=True,
+             attn_out_bias=True)
+
+
 @pytest.mark.parametrize("dtype, impl, remat, gemma", [
     ("bfloat16", "flash", "none", GEMMA2),
     ("float32", "reference", "none", GEMMA2),
@@ -163,9 +167,17 @@ GEMMA2 = dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
     ("bfloat16", "flash", "none", dict(norm_unit_offset=True, embed_scale=True,
                                        mlp_activation="gelu_tanh")),  # Gemma 1
     ("bfloat16", "chunked", "none", dict(sandwich_norms=True)),
+    ("bfloat16", "flash", "none", dict(GEMMA2, qk_norm=True)),  # Gemma 3's q/k norms
+    ("bfloat16", "flash", "none", dict(qk_norm=True)),  # Qwen3
+    ("float32", "reference", "none", dict(qk_norm=True)),
+    ("bfloat16", "flash", "none", OLMO2),
+    ("float32", "reference", "none", OLMO2),
+    ("bfloat16", "chunked", "dots", OLMO2),
+    ("float32", "chunked", "dots_with_no_batch_dims", OLMO2),
 ])
 def test_gemma_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, remat, gemma):
-  """(1 + w) norms in float32, sandwich norms, GeGLU, soft caps, sliding layers."""
+  """(1 + w) norms in float32, sandwich norms, GeGLU, soft caps, sliding layers; q/k
+  norms per head and over every head, and OLMo's output norms."""
   cfg = models.get_preset("tiny", num_layers=3, d_model=96, ffn_dim=160, num_heads=6,
                           num_kv_heads=2, head_dim=16, remat=remat, attention_impl=impl,
                           attention_chunk=32, logprob_chunk=64, dtype=dtype, param_dtype=dtype,

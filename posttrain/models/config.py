@@ -106,12 +106,19 @@ class RopeConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shapes and options of a decoder-only transformer (Llama 3, Mistral, Qwen2.5, Qwen3,
-  Gemma, Gemma 2, Gemma 3, and the mixture-of-experts Qwen3-MoE and Mixtral).
+  Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, and the mixture-of-experts Qwen3-MoE, Mixtral
+  and gpt-oss).
 
   Attributes:
     architecture: the HF class name this config maps to (LlamaForCausalLM, ...).
     qkv_bias: Qwen2-style bias on q/k/v projections.
     qk_norm: Qwen3-style RMSNorm over head_dim of q and k before RoPE.
+    qk_norm_heads: with qk_norm, each norm spans every head's features at once (q's
+      heads * head_dim, k's kv_heads * head_dim, one scale per feature: OLMo 2 / 3)
+      instead of each head's head_dim.
+    output_norms: no input norms; the attention's and the MLP's outputs are normed before
+      their residual adds (OLMo 2 / 3's post_attention_layernorm and
+      post_feedforward_layernorm: `attn_out_norm`, `mlp_out_norm`).
     dtype: compute dtype; param_dtype: storage dtype of parameters.
     remat: rematerialisation policy per block (none, full, dots, dots_with_no_batch_dims).
     scan_layers: stack the layers' parameters on a leading "layers" axis and run them as
@@ -173,6 +180,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
+  qk_norm_heads: bool = False
   max_position_embeddings: int = 8192
   architecture: str = "LlamaForCausalLM"
   dtype: str = "float32"
@@ -200,6 +208,7 @@ class ModelConfig:
   router_aux_loss_coef: float = 0.0
   norm_unit_offset: bool = False
   sandwich_norms: bool = False
+  output_norms: bool = False
   embed_scale: bool = False
   mlp_activation: str = "silu"
   query_pre_attn_scalar: float | None = None
@@ -270,6 +279,12 @@ class ModelConfig:
       raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} needs a mixture of "
                        "experts (num_experts > 0)")
     self._check_gemma_fields()
+    if self.qk_norm_heads and not self.qk_norm:
+      raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
+                       "span)")
+    if self.output_norms and self.sandwich_norms:
+      raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
+                       "set one")
     if int(self.lora_rank) != self.lora_rank or self.lora_rank < 0:
       raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {self.lora_rank}")
     if self.lora_rank:
@@ -397,7 +412,7 @@ class ModelConfig:
     if self.qkv_bias:
       attn += (h + 2 * kv) * hd
     if self.qk_norm:
-      attn += 2 * hd
+      attn += (h + kv) * hd if self.qk_norm_heads else 2 * hd
     attn += h * self.attention_sinks + d * self.attn_out_bias
     router = (d + self.router_bias) * self.num_experts
     norms = 4 if self.sandwich_norms else 2

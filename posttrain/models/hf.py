@@ -34,7 +34,8 @@ from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_ada
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-              "MistralForCausalLM", "GptOssForCausalLM")
+              "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
+              "Olmo3ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -51,7 +52,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                 "MixtralForCausalLM": "mixtral", "GemmaForCausalLM": "gemma",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss"}
+                "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
+                "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -63,6 +65,16 @@ _GPT_OSS_DEFAULTS = dict(
     router_aux_loss_coef=0.001, max_position_embeddings=131_072)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                  "truncate": False, "original_max_position_embeddings": 4096}
+# OLMo 2 / 3: no input norms, each sublayer's output normed before its residual add, q/k
+# norms over every head's features at once, a bias on all four attention projections or
+# none; 3 adds sliding-window layers (three to each full one) whose rotary embedding is
+# the plain one when the full layers' is scaled. transformers' defaults where a
+# config.json leaves a field out.
+OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+_OLMO_DEFAULTS = {"Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
+                                           rope_theta=10_000.0),
+                  "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
+                                           rope_theta=500_000.0, sliding_window=4096)}
 # Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
 # query_pre_attn_scalar, soft caps (2) and sliding-window layers; 3 adds q/k norms and a
 # rotary embedding of its own for the sliding layers.
@@ -142,6 +154,20 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   """(rope, rope of the sliding layers or None) of a config.json."""
   params = c.get("rope_parameters") or {}
   per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+  if lm == "Olmo3ForCausalLM":
+    # Per layer type as well, in transformers 5's rope_parameters; the published files
+    # have rope_theta and rope_scaling, which transformers gives the full layers alone:
+    # the sliding layers keep the default kind and base 500k (even when rope_theta
+    # differs; what transformers computes).
+    if per_type:
+      full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+      full = {**(c.get("rope_scaling") or {}), **params}
+      full.setdefault("rope_theta", c.get("rope_theta", 500_000.0))
+      local = {}
+    full.setdefault("rope_theta", 500_000.0)
+    local.setdefault("rope_theta", 500_000.0)
+    return _rope_from_params(full, c), _rope_from_params(local, c)
   if lm == "Gemma3ForCausalLM":
     # Per layer type: transformers 5 writes rope_parameters {full_attention: ...,
     # sliding_attention: ...}; the published files rope_theta, rope_scaling (full layers)
@@ -215,6 +241,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = {**_GPT_OSS_DEFAULTS, **c}
     if not c.get("rope_scaling") and not c.get("rope_parameters"):
       c["rope_scaling"] = dict(_GPT_OSS_ROPE)
+  if lm in OLMOS:
+    c = {**_OLMO_DEFAULTS[lm], **c}
   reward_model = arch != lm
   if reward_model and _num_labels(c) != 1:
     raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
@@ -243,16 +271,17 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       rope=rope, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
       qkv_bias=lm == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-      qk_norm=lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-      max_position_embeddings=int(c.get("max_position_embeddings",
+      qk_norm=lm in _QK_NORMED, max_position_embeddings=int(c.get("max_position_embeddings",
                                         defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
-      **_gpt_oss_from_hf(lm, c))
+      **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
+# Classes with q/k norms (per head; OLMo's over all heads).
+_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMOS
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -276,6 +305,25 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   types = c.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                    for i in range(layers)]
   return {"sliding_window": int(c["sliding_window"]), "layer_types": tuple(types)}
+
+
+def _olmo_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of an OLMo 2 / 3 config.json ({} for other families): OLMo
+  3's sliding_window / layer_types are every fourth layer full by default; without a
+  window every layer is full, as transformers reads it."""
+  if lm not in OLMOS:
+    return {}
+  out = dict(qk_norm_heads=True, output_norms=True,
+             attn_out_bias=bool(c.get("attention_bias", False)))
+  if lm == "Olmo2ForCausalLM":
+    return out
+  layers = int(c["num_hidden_layers"])
+  types = c.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0
+                                   else "sliding_attention" for i in range(layers)]
+  window = c.get("sliding_window")
+  if not window:
+    return {**out, "layer_types": ("full_attention",) * layers}
+  return {**out, "sliding_window": int(window), "layer_types": tuple(types)}
 
 
 def _gpt_oss_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +430,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         f"written as one of {mixtures}, a dense model as one of "
         f"{[a for a in kind if a not in mixtures]}")
   _check_family_options(cfg, lm)
-  qk_norm = lm in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+  qk_norm = lm in _QK_NORMED
   if qk_norm != cfg.qk_norm:
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
                      f"{'always has' if qk_norm else 'has no'} q/k norms")
@@ -401,24 +449,28 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   layers of both kinds (Qwen2 / Qwen3 a window on some layers, Mistral / Mixtral on all),
   and only Gemma 3 a rotary embedding of the sliding layers' own."""
   gemma, oss = lm in GEMMAS, lm == GPT_OSS
+  olmo = lm in OLMOS
   fixed = dict(norm_unit_offset=gemma, embed_scale=gemma, sandwich_norms=lm in _SANDWICHED,
                mlp_activation="gelu_tanh" if gemma else "clamped_swiglu" if oss else "silu",
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
-               attn_out_bias=oss and cfg.qkv_bias)
+               attn_out_bias=(oss or olmo) and cfg.qkv_bias, output_norms=olmo,
+               qk_norm_heads=olmo and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
-    windowed = lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
-    names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-             "rope_local"] + ([] if windowed else ["sliding_window"])
+    windowed = lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss or lm == "Olmo3ForCausalLM"
+    names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
+    names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
+    names += [] if windowed else ["sliding_window"]
     held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
     if held:
       raise ValueError(f"{sorted(held)} cannot be written as {cfg.architecture}; "
                        "Gemma2ForCausalLM / Gemma3ForCausalLM hold them"
                        + ("" if "sliding_window" not in held else
-                          " (and Mistral, Mixtral, Qwen2 / Qwen3 a sliding window)"))
+                          " (and Mistral, Mixtral, Qwen2 / Qwen3, gpt-oss, OLMo 3 a "
+                          "sliding window)"))
     if lm in _ALL_WINDOWED and cfg.sliding_window is not None and not all(
         cfg.sliding_layers):
       raise ValueError(f"layer_types with full-attention layers cannot be written as "
@@ -477,6 +529,18 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                attn_logit_softcapping=cfg.attn_logit_softcap,
                final_logit_softcapping=cfg.final_logit_softcap,
                sliding_window=cfg.sliding_window,
+               layer_types=["sliding_attention" if s else "full_attention"
+                            for s in cfg.sliding_layers])
+  if lm == "Olmo3ForCausalLM":
+    # By layer type, as transformers 5 writes it (rope_theta / rope_scaling alone would
+    # give the sliding layers base 500k whatever ours is).
+    local = cfg.rope_local or cfg.rope
+    out.pop("rope_theta")
+    out.pop("rope_scaling")
+    out["rope_parameters"] = {
+        kind: {"rope_type": r.type, "rope_theta": r.theta, **(_rope_scaling(r) or {})}
+        for kind, r in (("full_attention", rope), ("sliding_attention", local))}
+    out.update(sliding_window=cfg.sliding_window,
                layer_types=["sliding_attention" if s else "full_attention"
                             for s in cfg.sliding_layers])
   if lm == "Gemma3ForCausalLM":
@@ -550,7 +614,10 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   # 2's pre_feedforward_layernorm (whose post_attention_layernorm norms the attention's
   # output: our attn_out_norm).
   norms = [("input_norm", "input_layernorm")]
-  if cfg.sandwich_norms:
+  if cfg.output_norms:  # OLMo 2 / 3: the outputs' norms alone
+    norms = [("attn_out_norm", "post_attention_layernorm"),
+             ("mlp_out_norm", "post_feedforward_layernorm")]
+  elif cfg.sandwich_norms:
     norms += [("post_attn_norm", "pre_feedforward_layernorm"),
               ("attn_out_norm", "post_attention_layernorm"),
               ("mlp_out_norm", "post_feedforward_layernorm")]
@@ -594,7 +661,12 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *bias(n), (n, h)),
                (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *bias(k), (k, h)),
                (p + ("attn", "v_bias"), hf + "self_attn.v_proj.bias", *bias(k), (k, h))]
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_heads:  # HF [heads * h] <-> ours [heads, h]
+      rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", *bias(n),
+                (n, h)),
+               (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", *bias(k),
+                (k, h))]
+    elif cfg.qk_norm:
       rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", ident, ident,
                 (h,)),
                (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", ident, ident,

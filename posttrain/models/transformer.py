@@ -163,27 +163,31 @@ class RMSNorm(nnx.Module):
   """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 (Llama: cast, then scaled).
 
   With `unit_offset` (Gemma): y = (1 + w) * x / sqrt(...), w starting at zero, scaled in
-  float32 before the cast.
+  float32 before the cast. `dim` a tuple: the mean spans the last len(dim) axes, and w has
+  that shape (OLMo 2's q/k norms over every head at once, [heads, head_dim]).
   """
 
-  def __init__(self, dim: int, eps: float, param_dtype, names=("norm",),
+  def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, names=("norm",),
                unit_offset: bool = False):
     self.eps = eps
     self.unit_offset = bool(unit_offset)
-    self.scale = _param(None, (dim,), names, param_dtype,
+    dims = tuple(dim) if isinstance(dim, tuple) else (dim,)
+    self.axes = len(dims)
+    self.scale = _param(None, dims, names, param_dtype,
                         init="zeros" if unit_offset else "ones")
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    shape = (1,) * (x.ndim - 1) + (-1,)
+    axes = tuple(range(-self.axes, 0))
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + self.eps)
+    shape = (1,) * (x.ndim - self.axes) + x.shape[x.ndim - self.axes:]
     if self.unit_offset:
       return (y * (1.0 + self.scale[...].astype(jnp.float32)).reshape(shape)).astype(x.dtype)
     scale = self.scale[...].astype(x.dtype).reshape(shape)
     return scale * y.astype(x.dtype)
 
 
-def _norm(cfg: ModelConfig, dim: int, names=("norm",)) -> RMSNorm:
+def _norm(cfg: ModelConfig, dim: int | tuple[int, ...], names=("norm",)) -> RMSNorm:
   return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), names,
                  unit_offset=cfg.norm_unit_offset)
 
@@ -381,7 +385,8 @@ def without_lora(params):
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+  """Grouped-query attention with optional qkv bias (Qwen2) and q/k norm (Qwen3 per head,
+  OLMo 2 over all heads)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -395,7 +400,10 @@ class Attention(nnx.Module):
       self.q_bias = _param(None, (n, h), ("heads", "head_dim"), pd, init="zeros")
       self.k_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
       self.v_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_heads:  # OLMo 2: over every head's features at once
+      self.q_norm = _norm(cfg, (n, h), names=("heads", "head_dim"))
+      self.k_norm = _norm(cfg, (k, h), names=("kv_heads", "head_dim"))
+    elif cfg.qk_norm:
       self.q_norm = _norm(cfg, h, names=("head_dim",))
       self.k_norm = _norm(cfg, h, names=("head_dim",))
     if cfg.attn_out_bias:
@@ -881,30 +889,36 @@ class MoE(nnx.Module):
 class Block(nnx.Module):
   """x + attn(norm(x)), then x + mlp(norm(x)) (`post_attn_norm` is the MLP's input norm,
   Llama's post_attention_layernorm). With cfg.sandwich_norms (Gemma 2 / 3) each output is
-  normed too before its residual add: `attn_out_norm`, `mlp_out_norm`."""
+  normed too before its residual add: `attn_out_norm`, `mlp_out_norm`. With
+  cfg.output_norms (OLMo 2 / 3) only the outputs are: x + norm(attn(x)), then
+  x + norm(mlp(x))."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.input_norm = _norm(cfg, cfg.d_model)
+    if not cfg.output_norms:
+      self.input_norm = _norm(cfg, cfg.d_model)
     self.attn = Attention(cfg, rngs)
-    self.post_attn_norm = _norm(cfg, cfg.d_model)
+    if not cfg.output_norms:
+      self.post_attn_norm = _norm(cfg, cfg.d_model)
     self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
-    if cfg.sandwich_norms:
+    if cfg.sandwich_norms or cfg.output_norms:
       self.attn_out_norm = _norm(cfg, cfg.d_model)
       self.mlp_out_norm = _norm(cfg, cfg.d_model)
 
   def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
                layer=None, router_stats: bool = False, sliding=False):
     """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats)."""
-    h, new_cache = self.attn(self.input_norm(x), cos, sin, segment_ids, cache, positions, ctx,
-                             prefill, layer, sliding)
-    sandwich = hasattr(self, "attn_out_norm")
-    x = x + (self.attn_out_norm(h) if sandwich else h)
+    pre = hasattr(self, "input_norm")
+    h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids, cache,
+                             positions, ctx, prefill, layer, sliding)
+    post = hasattr(self, "attn_out_norm")
+    x = x + (self.attn_out_norm(h) if post else h)
     stats = None
+    inputs = self.post_attn_norm(x) if pre else x
     if router_stats:
-      h, stats = self.mlp(self.post_attn_norm(x), ctx, segment_ids, router_stats=True)
+      h, stats = self.mlp(inputs, ctx, segment_ids, router_stats=True)
     else:
-      h = self.mlp(self.post_attn_norm(x), ctx)
-    x = ctx.constrain(x + (self.mlp_out_norm(h) if sandwich else h), ("batch", "length", "embed"))
+      h = self.mlp(inputs, ctx)
+    x = ctx.constrain(x + (self.mlp_out_norm(h) if post else h), ("batch", "length", "embed"))
     return (x, new_cache, stats) if router_stats else (x, new_cache)
 
 
