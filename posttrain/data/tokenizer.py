@@ -60,7 +60,8 @@ class ChatFormat:
   becomes the start of the first user turn, "<system>\n\n<user>". `strip`: contents are
   stripped of surrounding whitespace, as Gemma's template trims them. `ends`: end-of-turn
   tokens of particular roles; `generation_header`: what opens the turn the model writes,
-  when it is not the assistant's header.
+  when it is not the assistant's header; `closing`: what a conversation rendered without
+  a generation prompt ends with (Phi's templates: the eos token).
 
   The mask marks what the model writes after a generation prompt: an assistant message's
   content and its end-of-turn token (and, in formats that have them, its reasoning and
@@ -76,8 +77,10 @@ class ChatFormat:
   def __init__(self, tok: "Tokenizer", headers: dict[str, list[int]], end_of_turn: list[int],
                after_end: list[int] = (), bos: list[int] = (), fold_system: bool = False,
                strip: bool = False, ends: dict[str, list[int]] | None = None,
-               generation_header: list[int] | None = None, name: str | None = None):
+               generation_header: list[int] | None = None, name: str | None = None,
+               closing: list[int] = ()):
     self.tok, self.headers, self.end_of_turn = tok, headers, list(end_of_turn)
+    self.closing = list(closing)
     self.after_end, self.bos = list(after_end), list(bos)
     self.fold_system, self.strip = fold_system, strip
     self.ends = {role: list(end) for role, end in (ends or {}).items()}
@@ -108,6 +111,8 @@ class ChatFormat:
     if add_generation_prompt:
       prompt = self.generation_prompt(thinking)
       ids, mask = ids + prompt, mask + [0] * len(prompt)
+    elif self.closing:
+      ids, mask = ids + self.closing, mask + [0] * len(self.closing)
     return ids, mask
 
   def continuation(self, messages: Sequence[Message], *, ended: bool = True,
@@ -1013,8 +1018,8 @@ _HF_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.
 
 
 class HFTokenizer(Tokenizer):
-  """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3, ChatML, Gemma or
-  harmony (gpt-oss) format."""
+  """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3, ChatML, Phi, Phi-4,
+  Gemma or harmony (gpt-oss) format."""
 
   def __init__(self, path: str):
     from tokenizers import Tokenizer as _HFTok  # Optional extra: posttrain[hf].
@@ -1046,6 +1051,26 @@ class HFTokenizer(Tokenizer):
       self.chat = MistralFormat(self, bos=tid("<s>"), eos=tid("</s>"), inst=tid("[INST]"),
                                 inst_end=tid("[/INST]"))
       self.eos_id = tid("</s>")
+    elif None not in (tid("<|user|>"), tid("<|assistant|>"), tid("<|end|>")):
+      # Phi-3 / 3.5 / Phi-4-mini: "<|role|>" + content + "<|end|>", a newline after each
+      # in Phi-3 and 3.5's templates, none in Phi-4-mini's; a conversation without a
+      # generation prompt closes with the eos token.
+      template = _chat_template(file, cfg)
+      newline = self.encode("\n") if ("<|assistant|>\n'" in template
+                                       or "<|assistant|>\\n'" in template) else []
+      eos_text = cfg.get("eos_token")
+      eos_text = eos_text.get("content") if isinstance(eos_text, dict) else eos_text
+      end, eos = tid("<|end|>"), tid(eos_text or "<|endoftext|>")
+      headers = {r: [tid(f"<|{r}|>")] + newline for r in ROLES}
+      for r in ("system", "tool"):
+        # Phi-3's templates have no tool turns (nor, without <|system|>, system ones):
+        # they are user turns. Phi-4-mini's render any role as "<|role|>".
+        if headers[r][0] is None or (newline and r == "tool"):
+          headers[r] = headers["user"]
+      self.chat = ChatFormat(self, headers, [end], after_end=newline, name="Phi",
+                             closing=[eos] if eos is not None else [])
+      self.eos_id = end
+      self.extra_stop_ids = [eos] if eos is not None else []
     elif tid("<|start_header_id|>") is not None:  # Llama 3.
       start, end = tid("<|start_header_id|>"), tid("<|end_header_id|>")
       headers = {r: [start] + self.encode(r) + [end] + self.encode("\n\n") for r in ROLES}
@@ -1057,6 +1082,15 @@ class HFTokenizer(Tokenizer):
                                dated="Cutting Knowledge Date" in template,
                                json_tools="tojson" in template)
       self.eos_id = eot
+    elif tid("<|im_start|>") is not None and tid("<|im_sep|>") is not None:
+      # Phi-4: ChatML whose role and content <|im_sep|> separates, with no newlines; no
+      # tool turns (tool messages are user turns).
+      start, end, sep = tid("<|im_start|>"), tid("<|im_end|>"), tid("<|im_sep|>")
+      headers = {r: [start] + self.encode(r) + [sep] for r in ("system", "user", "assistant")}
+      headers["tool"] = headers["user"]
+      self.chat = ChatFormat(self, headers, [end], name="Phi-4")
+      self.eos_id = end
+      self.extra_stop_ids = [tid("<|endoftext|>")] if tid("<|endoftext|>") is not None else []
     elif tid("<|im_start|>") is not None:  # ChatML: Qwen.
       start, end = tid("<|im_start|>"), tid("<|im_end|>")
       headers = {r: [start] + self.encode(r + "\n") for r in ROLES}
@@ -1085,8 +1119,8 @@ class HFTokenizer(Tokenizer):
       self.eos_id = tid("<|return|>")
       self.extra_stop_ids = [tid("<|call|>")] if tid("<|call|>") is not None else []
     else:
-      raise ValueError(f"{file}: no DeepSeek-R1, Mistral, Llama 3, ChatML, Gemma or harmony "
-                       "special tokens; cannot build a chat format")
+      raise ValueError(f"{file}: no DeepSeek-R1, Mistral, Phi, Llama 3, ChatML, Gemma or "
+                       "harmony special tokens; cannot build a chat format")
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id

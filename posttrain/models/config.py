@@ -63,7 +63,7 @@ def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
     import kernels  # deferred: importing the config must not initialise a backend
     backend = kernels.target_platform()
   return DECODE_CHUNK_BY_BACKEND.get(backend, 1024)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Kinds of attention layer (Hugging Face's layer_types): every key up to the query, or
 # only the last `sliding_window` keys.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -78,11 +78,19 @@ class RopeConfig:
 
   Attributes:
     theta: base wavelength.
-    type: one of default, linear, llama3, yarn.
-    factor: context extension factor (linear, llama3, yarn).
+    type: one of default, linear, llama3, yarn, longrope.
+    factor: context extension factor (linear, llama3, yarn, longrope: its attention
+      factor's default).
     low_freq_factor / high_freq_factor: Llama 3 smoothing band.
-    original_max_position_embeddings: pre-training context (llama3, yarn).
-    beta_fast / beta_slow / mscale / mscale_all_dim / attention_factor / truncate: YaRN.
+    original_max_position_embeddings: pre-training context (llama3, yarn, longrope).
+    beta_fast / beta_slow / mscale / mscale_all_dim / attention_factor / truncate: YaRN
+      (attention_factor: LongRoPE's too).
+    short_factor / long_factor: LongRoPE (Phi-3.5, Phi-4-mini): per-frequency divisors,
+      the long ones for every token of a sequence whose positions in a call pass
+      original_max_position_embeddings (`rope.longrope_tables`; a row decoding past it
+      keeps the keys it cached, as vLLM does, where transformers recomputes them).
+    partial_rotary_factor: the fraction of head_dim rotated (its first
+      int(head_dim * factor) features; the rest pass through), Phi-4-mini's 0.75.
   """
 
   theta: float = 10_000.0
@@ -97,10 +105,36 @@ class RopeConfig:
   mscale_all_dim: float | None = None
   attention_factor: float | None = None
   truncate: bool = True
+  short_factor: tuple[float, ...] = ()
+  long_factor: tuple[float, ...] = ()
+  partial_rotary_factor: float = 1.0
 
   def __post_init__(self):
     if self.type not in ROPE_TYPES:
       raise ValueError(f"rope type {self.type!r} is not supported; expected one of {ROPE_TYPES}")
+    for name in ("short_factor", "long_factor"):  # From JSON: lists.
+      object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name) or ()))
+    if not 0.0 < self.partial_rotary_factor <= 1.0:
+      raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
+                       f"{self.partial_rotary_factor!r}")
+    if self.type == "longrope":
+      if not self.short_factor or len(self.long_factor) != len(self.short_factor):
+        raise ValueError("longrope needs short_factor and long_factor of one length (one "
+                         "per rotated frequency)")
+      if not self.original_max_position_embeddings:
+        raise ValueError("longrope needs original_max_position_embeddings (the context "
+                         "past which the long factors apply)")
+
+  def rotary_dim(self, head_dim: int) -> int:
+    """Features of each head that rotate (all of head_dim unless partial_rotary_factor)."""
+    dim = int(head_dim * self.partial_rotary_factor)
+    if dim < 2 or dim % 2:
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim="
+                       f"{head_dim} rotates {dim} features; it must be an even number >= 2")
+    if self.type == "longrope" and len(self.short_factor) != dim // 2:
+      raise ValueError(f"longrope factors must have one entry per rotated frequency "
+                       f"({dim // 2}), got {len(self.short_factor)}")
+    return dim
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_ada
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
-              "Olmo3ForCausalLM")
+              "Olmo3ForCausalLM", "Phi3ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -53,7 +53,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "MixtralForCausalLM": "mixtral", "GemmaForCausalLM": "gemma",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
                 "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
-                "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
+                "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+                "Phi3ForCausalLM": "phi3"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -71,6 +72,13 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 # the plain one when the full layers' is scaled. transformers' defaults where a
 # config.json leaves a field out.
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# Phi-3 / Phi-3.5 / Phi-4 / Phi-4-mini: q, k and v in one fused projection (qkv_proj, [q;
+# k; v] rows), gate and up in one (gate_up_proj, gate first), LongRoPE (its legacy names
+# "su" and "yarn" included, as transformers reads them) and a partial rotary embedding
+# (Phi-4-mini rotates 3/4 of each head); a config.json's sliding_window covers every
+# layer. Our parameters keep q / k / v and gate / up apart: each is a slice of the
+# fused tensor.
+PHI3 = "Phi3ForCausalLM"
 _OLMO_DEFAULTS = {"Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                                            rope_theta=10_000.0),
                   "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
@@ -129,7 +137,8 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
                                      "block_sparse_moe.experts.{j}.w3",
                                      "block_sparse_moe.experts.{j}.w2")}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
+              "short_factor", "long_factor", "partial_rotary_factor")
 
 
 def _causal_lm(arch: str) -> str:
@@ -184,15 +193,33 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   if per_type:
     raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported "
                      f"for {lm or 'this architecture'}")
-  return _rope_from_params({**dict(c.get("rope_scaling") or {}), **params}, c), None
+  merged = {**dict(c.get("rope_scaling") or {}), **params}
+  if lm == PHI3:
+    if merged.get("rope_type", merged.get("type")) in ("su", "yarn"):
+      merged["rope_type"] = "longrope"  # the legacy names, as transformers reads them
+    merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    longrope = merged.get("rope_type", merged.get("type")) == "longrope"
+    if longrope and c.get("original_max_position_embeddings"):
+      merged.setdefault("original_max_position_embeddings",
+                        int(c["original_max_position_embeddings"]))
+  elif merged.get("rope_type", merged.get("type")) == "longrope":
+    raise ValueError(f"rope type 'longrope' is read for {PHI3} only, not "
+                     f"{lm or 'this architecture'}")
+  return _rope_from_params(merged, c), None
 
 
 def _rope_from_params(merged: dict[str, Any], c: dict[str, Any]) -> RopeConfig:
   theta = merged.get("rope_theta", c.get("rope_theta", 10_000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-  if rope_type not in ("default", "linear", "llama3", "yarn"):
+  if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
     raise ValueError(f"rope type {rope_type!r} in config.json is not supported")
   kwargs = {k: merged[k] for k in _ROPE_KEYS if merged.get(k) is not None}
+  if rope_type == "longrope":
+    # transformers' default factor: the ratio of the two contexts.
+    kwargs.setdefault("original_max_position_embeddings",
+                      int(c.get("max_position_embeddings", 4096)))
+    kwargs.setdefault("factor", int(c.get("max_position_embeddings", 4096))
+                      / kwargs["original_max_position_embeddings"])
   if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in kwargs:
     kwargs["original_max_position_embeddings"] = int(c.get("max_position_embeddings", 8192))
   if rope_type == "yarn" and "factor" not in kwargs:
@@ -287,7 +314,7 @@ _QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + 
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Every layer sliding when config.json has a sliding_window (Mistral 7B v0.1's 4096);
 # transformers' default where the key is absent.
-_ALL_WINDOWED = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None}
+_ALL_WINDOWED = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None, PHI3: None}
 
 
 def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -475,7 +502,18 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
         cfg.sliding_layers):
       raise ValueError(f"layer_types with full-attention layers cannot be written as "
                        f"{cfg.architecture}, whose window applies to every layer")
-  elif lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
+  ropes = [r for r in (cfg.rope, cfg.rope_local) if r is not None]
+  if lm == PHI3 and any(r.type not in ("default", "longrope") for r in ropes):
+    raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
+                     "whose rotary embedding is the default one or LongRoPE")
+  if lm != PHI3 and any(r.type == "longrope" or r.partial_rotary_factor != 1.0
+                        for r in ropes):
+    raise ValueError(f"LongRoPE and a partial rotary embedding cannot be written as "
+                     f"{cfg.architecture}; {PHI3} holds them")
+  if lm == PHI3 and cfg.qkv_bias:
+    raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
+                     "qkv_proj has no bias")
+  if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
     raise ValueError(f"rope_local cannot be written as {cfg.architecture}, whose layers "
                      "share one rotary embedding; Gemma3ForCausalLM holds it")
 
@@ -488,6 +526,11 @@ def _rope_scaling(rope: RopeConfig) -> dict[str, Any] | None:
   if rope.type == "llama3":
     scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
                    original_max_position_embeddings=rope.original_max_position_embeddings)
+  if rope.type == "longrope":
+    scaling.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.attention_factor is not None:
+      scaling["attention_factor"] = rope.attention_factor
   if rope.type == "yarn":
     scaling.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
                    original_max_position_embeddings=rope.original_max_position_embeddings)
@@ -560,6 +603,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                sliding_window=cfg.sliding_window)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
+  elif lm == PHI3:
+    out.pop("attention_bias")
+    out.update(sliding_window=cfg.sliding_window,
+               partial_rotary_factor=rope.partial_rotary_factor,
+               original_max_position_embeddings=(rope.original_max_position_embeddings
+                                                 or cfg.max_position_embeddings))
   elif lm == GPT_OSS:
     # Explicit even for the default kind: transformers (and `hf_config_to_model_config`)
     # read a gpt-oss config.json without rope parameters as YaRN x32.
@@ -623,19 +672,33 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
               ("mlp_out_norm", "post_feedforward_layernorm")]
   else:
     norms += [("post_attn_norm", "post_attention_layernorm")]
+  fused = _causal_lm(cfg.architecture) == PHI3
   for i in range(cfg.num_layers):
     p, hf = ("layers", i), f"model.layers.{i}."
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
-    rows += [
-        (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *proj_in(n), (d, n, h)),
-        (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *proj_in(k), (d, k, h)),
-        (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h)),
-        (p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
-         lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
-         lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)),
-    ]
-    if cfg.num_experts and _causal_lm(cfg.architecture) == GPT_OSS:
+    if fused:  # Phi-3: [q; k; v] rows of one qkv_proj, [gate; up] rows of gate_up_proj
+      qkv = hf + "self_attn.qkv_proj.weight"
+      rows += [(p + ("attn", name), qkv, *_fused_part(proj_in(heads), start * h, heads * h,
+                                                      (n + 2 * k) * h), (d, heads, h))
+               for name, start, heads in (("q_proj", 0, n), ("k_proj", n, k),
+                                          ("v_proj", n + k, k))]
+    else:
+      rows += [
+          (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *proj_in(n), (d, n, h)),
+          (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *proj_in(k), (d, k, h)),
+          (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h))]
+    rows.append((p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
+                 lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
+                 lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
+    if fused:
+      transposed = (lambda x: x.T, lambda x: x.T)
+      rows += [(p + ("mlp", name), hf + "mlp.gate_up_proj.weight",
+                *_fused_part(transposed, start, f, 2 * f), (d, f))
+               for name, start in (("gate_proj", 0), ("up_proj", f))]
+      rows.append((p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T,
+                   lambda x: x.T, (f, d)))
+    elif cfg.num_experts and _causal_lm(cfg.architecture) == GPT_OSS:
       rows += _gpt_oss_expert_rows(cfg, p, hf)
     elif cfg.num_experts:
       # One HF tensor per expert; ours stack them: ("layers", i, "mlp", name, j) is the
@@ -678,6 +741,21 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   return rows
 
 
+def _fused_part(inner: tuple[Transform, Transform], start: int, size: int, total: int
+                ) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of rows [start, start + size) of a fused HF tensor of
+  `total` rows (Phi-3's qkv_proj, gate_up_proj), `inner` mapping those rows to ours. The
+  HF side holds zeros in the other rows: the parts of one tensor add up to it."""
+  to_ours, to_hf = inner
+
+  def part_to_hf(x):
+    rows = to_hf(x)
+    out = np.zeros((total, *rows.shape[1:]), rows.dtype)
+    out[start:start + size] = rows
+    return out
+  return (lambda x: to_ours(x[start:start + size])), part_to_hf
+
+
 def _interleaved_part(which: int) -> tuple[Transform, Transform]:
   """(HF -> ours, ours -> HF) of one half of a tensor whose last axis interleaves two
   (gpt-oss's gate_up_proj: gate at even indices, up at odd). The HF side of each part
@@ -717,7 +795,15 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
   PEFT keeps torch's Linear layout, lora_A.weight [r, in] and lora_B.weight [out, r]; our
   A [*in, r] and B [r, *out] flatten their head axes row-major (n * H + h), as `_mapping`
   flattens q/k/v/o, so an adapter's update lines up with its base weight's rows.
+
+  Raises:
+    ValueError: for Phi-3, whose PEFT adapters sit on the fused qkv_proj / gate_up_proj
+      (one A shared by q, k and v), which ours (an A each) are not.
   """
+  if _causal_lm(cfg.architecture) == PHI3:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
+                     "gate_up_proj, which our per-projection adapters are not: they are "
+                     "neither read nor written; export the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
   for t in cfg.lora_target_names:

@@ -1,28 +1,40 @@
-"""Rotary position embeddings: default, linear, Llama 3 and YaRN frequency schedules.
+"""Rotary position embeddings: default, linear, Llama 3, YaRN and LongRoPE frequency
+schedules, over all of head_dim or its first part (partial rotary).
 
 The frequency formulas follow the Hugging Face definitions so imported checkpoints see the
 same rotations they were trained with. Rotation uses the "rotate half" layout (first and
-second halves of head_dim pair up), which is the layout of HF Llama/Qwen weights.
+second halves of the rotated features pair up), which is the layout of HF Llama/Qwen/Phi
+weights.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int,
-                        max_position_embeddings: int) -> tuple[np.ndarray, float]:
-  """Returns (inv_freq [head_dim // 2] float32, attention scaling of cos/sin)."""
-  dim = head_dim
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
+                        long: bool = False) -> tuple[np.ndarray, float]:
+  """Returns (inv_freq [rotary_dim // 2] float32, attention scaling of cos/sin); `long`:
+  LongRoPE's long-context frequencies (its short ones otherwise)."""
+  dim = rope.rotary_dim(head_dim)
   inv_freq = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
   scaling = 1.0
   original = rope.original_max_position_embeddings or max_position_embeddings
-  if rope.type == "linear":
+  if rope.type == "longrope":
+    # transformers: the factor defaults to max_position_embeddings / original (a config
+    # read here states it), the attention factor to sqrt(1 + ln(factor) / ln(original)).
+    factor = rope.factor
+    scaling = (rope.attention_factor if rope.attention_factor is not None else
+               1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    ext = np.asarray(rope.long_factor if long else rope.short_factor, np.float32)
+    inv_freq = 1.0 / (ext * rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+  elif rope.type == "linear":
     inv_freq = inv_freq / rope.factor
   elif rope.type == "llama3":
     low_wavelen = original / rope.low_freq_factor
@@ -65,13 +77,40 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int,
 
 def rope_tables(positions_BxT: jnp.ndarray, inv_freq: np.ndarray,
                 scaling: float) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """cos and sin [B, T, head_dim // 2] in float32 for integer positions [B, T].
+  """cos and sin [B, T, rotary_dim // 2] in float32 for integer positions [B, T].
 
-  Rotate-half pairs dimension i with i + head_dim // 2 under the same frequency, so one
+  Rotate-half pairs dimension i with i + rotary_dim // 2 under the same frequency, so one
   half-width table serves both halves.
   """
   freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
   return jnp.cos(freqs) * scaling, jnp.sin(freqs) * scaling
+
+
+def longrope_tables(positions_BxT: jnp.ndarray, segment_ids_BxT: jnp.ndarray,
+                    short: np.ndarray, long: np.ndarray, scaling: float,
+                    original: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """LongRoPE's tables: a sequence (a row, or a packed segment of one) whose positions in
+  this call reach `original` rotates every token of the call by the long frequencies,
+  one that stays below it by the short ones. transformers' rule
+  (max(position_ids) + 1 > original_max_position_embeddings) applied to each sequence
+  alone, as it computes a batch of one: the result never depends on which other rows
+  share the batch. Padding (segment id 0) takes the short tables.
+
+  With a KV cache, a call's keys are written under that call's tables: a row that passes
+  the original context while decoding keeps the keys of its earlier tokens as they were
+  cached (short), as vLLM does; transformers' Phi-3 generate instead drops its cache
+  there and recomputes every layer over the whole sequence with the long factors (what a
+  forward over the whole row, as the train step runs it, gives)."""
+  b, t = positions_BxT.shape
+  ids = jnp.where(segment_ids_BxT > 0, segment_ids_BxT, 0).astype(jnp.int32)
+  ids = jnp.minimum(ids, t) + (t + 1) * jnp.arange(b, dtype=jnp.int32)[:, None]
+  top = jax.ops.segment_max(positions_BxT.reshape(-1), ids.reshape(-1),
+                            num_segments=b * (t + 1))
+  use_long = (top[ids] + 1 > original) & (segment_ids_BxT > 0)
+  cos_s, sin_s = rope_tables(positions_BxT, short, scaling)
+  cos_l, sin_l = rope_tables(positions_BxT, long, scaling)
+  pick = use_long[..., None]
+  return jnp.where(pick, cos_l, cos_s), jnp.where(pick, sin_l, sin_s)
 
 
 def apply_rope(x_BxTxNxH: jnp.ndarray, cos_BxTxK: jnp.ndarray,
@@ -82,14 +121,18 @@ def apply_rope(x_BxTxNxH: jnp.ndarray, cos_BxTxK: jnp.ndarray,
 
   in float32, returned in x's dtype. Written on the two halves rather than as
   x cos + rotate_half(x) sin over full-width tables: the same values, and one fused
-  pass fewer per call on XLA:CPU (about 2.5% of a GRPO train step).
+  pass fewer per call on XLA:CPU (about 2.5% of a GRPO train step). Tables narrower than
+  head_dim // 2 (partial rotary) rotate the first 2K features and pass the rest.
   """
-  half = x_BxTxNxH.shape[-1] // 2
-  if cos_BxTxK.shape[-1] != half or sin_BxTxK.shape[-1] != half:
-    raise ValueError(f"rope tables must be [..., {half}] (head_dim // 2), got "
-                     f"{cos_BxTxK.shape} and {sin_BxTxK.shape}")
+  head_dim, half = x_BxTxNxH.shape[-1], cos_BxTxK.shape[-1]
+  if half < 1 or 2 * half > head_dim or sin_BxTxK.shape[-1] != half:
+    raise ValueError(f"rope tables must be [..., K] with 2K <= head_dim {head_dim} (the "
+                     f"rotated features), got {cos_BxTxK.shape} and {sin_BxTxK.shape}")
   x = x_BxTxNxH.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
+  x1, x2 = x[..., :half], x[..., half:2 * half]
   c, s = cos_BxTxK[:, :, None, :], sin_BxTxK[:, :, None, :]
-  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+  parts = [x1 * c - x2 * s, x2 * c + x1 * s]
+  if 2 * half < head_dim:  # partial rotary: the rest of each head passes through
+    parts.append(x[..., 2 * half:])
+  out = jnp.concatenate(parts, axis=-1)
   return out.astype(x_BxTxNxH.dtype)

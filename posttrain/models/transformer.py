@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.models import rope as rope_lib
-from posttrain.models.config import LORA_TARGETS, ModelConfig, decode_chunk_for
+from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig, decode_chunk_for
 from posttrain.models.sharding import ShardingContext
 
 _NO_SHARDING = ShardingContext(None)
@@ -929,6 +929,26 @@ _REMAT_POLICIES = {
 }
 
 
+def _rope_frequencies(rope: RopeConfig, cfg: ModelConfig) -> tuple:
+  """(inv_freq, LongRoPE's long inv_freq or None, scaling) as tuples of floats."""
+  inv_freq, scaling = rope_lib.inverse_frequencies(rope, cfg.head_dim,
+                                                   cfg.max_position_embeddings)
+  long = None
+  if rope.type == "longrope":
+    long = tuple(float(f) for f in rope_lib.inverse_frequencies(
+        rope, cfg.head_dim, cfg.max_position_embeddings, long=True)[0])
+  return tuple(float(f) for f in inv_freq), long, scaling
+
+
+def _rope_tables(rope: RopeConfig, freqs: tuple, positions_BxT, segment_ids_BxT):
+  inv_freq, long, scaling = freqs
+  if long is None:
+    return rope_lib.rope_tables(positions_BxT, inv_freq, scaling)
+  return rope_lib.longrope_tables(positions_BxT, segment_ids_BxT, np.asarray(inv_freq),
+                                  np.asarray(long), scaling,
+                                  rope.original_max_position_embeddings)
+
+
 def value_head_std(cfg: ModelConfig) -> float:
   """Standard deviation of a new value head's weights: a reward model's score head
   (lm_head=False) draws 1 / sqrt(D + 1), as TRL and OpenAI's lm-human-preferences
@@ -958,15 +978,11 @@ class Transformer(nnx.Module):
       self.value_w = _param(rngs, (cfg.d_model,), ("embed",), jnp.float32,
                             std=value_head_std(cfg))
       self.value_b = _param(None, (), (), jnp.float32, init="zeros")
-    inv_freq, scaling = rope_lib.inverse_frequencies(cfg.rope, cfg.head_dim,
-                                                     cfg.max_position_embeddings)
-    self._inv_freq = tuple(float(f) for f in inv_freq)  # Static: not a parameter.
-    self._rope_scaling = scaling
-    if cfg.rope_local is not None:  # The sliding layers' own rotary embedding (Gemma 3).
-      inv_freq, scaling = rope_lib.inverse_frequencies(cfg.rope_local, cfg.head_dim,
-                                                       cfg.max_position_embeddings)
-      self._inv_freq_local = tuple(float(f) for f in inv_freq)
-      self._rope_scaling_local = scaling
+    # Static: not parameters. (inv_freq, LongRoPE's long inv_freq or None, scaling) of
+    # the rotary embedding, and of the sliding layers' own (Gemma 3, OLMo 3).
+    self._rope = _rope_frequencies(cfg.rope, cfg)
+    if cfg.rope_local is not None:
+      self._rope_local = _rope_frequencies(cfg.rope_local, cfg)
     if cfg.lora_rank:  # Drawn last: the base weights are those of the model without.
       _attach_lora(self, rngs.params())
 
@@ -1008,11 +1024,10 @@ class Transformer(nnx.Module):
     if cfg.embed_scale:  # sqrt(D), rounded to the table's dtype as Gemma's is.
       x = x * jnp.asarray(float(np.sqrt(cfg.d_model)), x.dtype)
     x = ctx.constrain(x.astype(_dtype(cfg.dtype)), ("batch", "length", "embed"))
-    tables = rope_lib.rope_tables(positions_BxT, self._inv_freq, self._rope_scaling)
+    tables = _rope_tables(cfg.rope, self._rope, positions_BxT, segment_ids_BxT)
     local = tables
     if cfg.rope_local is not None:
-      local = rope_lib.rope_tables(positions_BxT, self._inv_freq_local,
-                                   self._rope_scaling_local)
+      local = _rope_tables(cfg.rope_local, self._rope_local, positions_BxT, segment_ids_BxT)
     stats = None
     if cfg.scan_layers:
       x, new_caches, stats = _scan_blocks(self.layers, x, tables, local, segment_ids_BxT,
