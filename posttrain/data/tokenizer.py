@@ -1019,9 +1019,12 @@ _HF_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.
 
 class HFTokenizer(Tokenizer):
   """A `tokenizer.json` (Hugging Face `tokenizers`) with the Llama 3, ChatML, Phi, Phi-4,
-  Gemma or harmony (gpt-oss) format."""
+  Gemma or harmony (gpt-oss) format, or with `chat_format="template"` (and for any other
+  tokenizer that has a chat template) its own template (`posttrain.data.templates`)."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, chat_format: str = "auto"):
+    if chat_format not in ("auto", "template"):
+      raise ValueError(f"chat_format={chat_format!r}; expected auto or template")
     from tokenizers import Tokenizer as _HFTok  # Optional extra: posttrain[hf].
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
@@ -1038,7 +1041,10 @@ class HFTokenizer(Tokenizer):
     def tid(s):
       return vocab.get(s)
 
-    if tid("<｜User｜>") is not None and tid("<｜Assistant｜>") is not None:  # DeepSeek-R1
+    self._forced_template = chat_format == "template"
+    if self._forced_template:
+      self._template_format(file, cfg)
+    elif tid("<｜User｜>") is not None and tid("<｜Assistant｜>") is not None:  # DeepSeek-R1
       think = (tid(reasoning_lib.THINK_OPEN), tid(reasoning_lib.THINK_CLOSE))
       self.chat = DeepSeekR1Format(
           self, bos=tid("<｜begin▁of▁sentence｜>"), eos=tid("<｜end▁of▁sentence｜>"),
@@ -1118,9 +1124,12 @@ class HFTokenizer(Tokenizer):
                                 ret=tid("<|return|>"), call=tid("<|call|>"))
       self.eos_id = tid("<|return|>")
       self.extra_stop_ids = [tid("<|call|>")] if tid("<|call|>") is not None else []
+    elif _chat_template(file, cfg):  # any other family: its own template
+      self._template_format(file, cfg)
     else:
       raise ValueError(f"{file}: no DeepSeek-R1, Mistral, Phi, Llama 3, ChatML, Gemma or "
-                       "harmony special tokens; cannot build a chat format")
+                       "harmony special tokens and no chat template; cannot build a chat "
+                       "format")
     pad = cfg.get("pad_token")
     pad = pad.get("content") if isinstance(pad, dict) else pad
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id
@@ -1135,10 +1144,26 @@ class HFTokenizer(Tokenizer):
           int(i) for i in eos if isinstance(i, int) and not isinstance(i, bool)
           and 0 <= i < self.vocab_size]
 
+  def _template_format(self, file: str, cfg: dict) -> None:
+    from posttrain.data.templates import TemplateFormat
+    self.chat = TemplateFormat(self, _chat_template(file, cfg), cfg)
+    if not self.chat.end_of_turn:
+      raise ValueError(f"{file}: the chat template writes no special token after an "
+                       "assistant turn and the tokenizer names no eos_token; cannot tell "
+                       "where the model's turn ends")
+    self.eos_id = self.chat.end_of_turn[0]
+    eos = cfg.get("eos_token")
+    eos = self._tok.token_to_id(eos.get("content") if isinstance(eos, dict) else eos) \
+        if eos else None
+    self.extra_stop_ids = [eos] if eos is not None and eos != self.eos_id else []
+
   @functools.cached_property
   def fingerprint(self) -> str:
-    """sha256 of the tokenizer files' names and bytes (read once)."""
+    """sha256 of the tokenizer files' names and bytes (read once), and of a forced
+    template chat format."""
     digest = hashlib.sha256(type(self).__name__.encode())
+    if self._forced_template:
+      digest.update(b"chat_format=template\0")
     for file in self._files:
       digest.update(os.path.basename(file).encode() + b"\0")
       with open(file, "rb") as f:
@@ -1230,7 +1255,11 @@ def with_thinking(tok: Tokenizer, thinking: bool | str | None) -> Tokenizer:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-  """'byte' for the built-in tokenizer, else a folder or tokenizer.json path."""
+  """'byte' for the built-in tokenizer, else a folder or tokenizer.json path; prefixed
+  'template:' the tokenizer's own chat template renders its conversations whatever its
+  special tokens (`posttrain.data.templates`)."""
   if spec in ("byte", "", None):
     return ByteTokenizer()
+  if str(spec).startswith("template:"):
+    return HFTokenizer(str(spec)[len("template:"):], chat_format="template")
   return HFTokenizer(spec)

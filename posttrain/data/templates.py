@@ -1,0 +1,200 @@
+"""Chat formats rendered by the model's own Jinja chat template.
+
+The hand-written formats in `posttrain.data.tokenizer` (Llama 3, ChatML, DeepSeek-R1,
+Mistral, Gemma, Phi, harmony) know their families' reasoning, tool calls and stop tokens.
+Any other tokenizer that ships a chat template (OLMo 2's Tülu turns, OLMo 3's ChatML with
+its default system message, SmolLM3, Granite, ...) gets `TemplateFormat`, which renders
+conversations with that template exactly as `transformers`' apply_chat_template does (a
+sandboxed Jinja environment with its filters and globals), and `load_tokenizer
+("template:PATH")` forces it on a tokenizer that a hand-written format would take.
+
+The loss mask is read off the rendering: assistant message i spans from the end of the
+conversation before it with a generation prompt (what the model saw when it began
+writing) to the end of its content, plus the end-of-turn token written right after it;
+tokens are assigned by their character offsets in the one tokenization of the whole
+text, so the ids are the template's to the token. A template that renders an earlier
+message differently once later ones follow (so that the conversation up to message i
+is no prefix of the whole) raises a ValueError naming the message.
+
+The end of a turn is the special token the template writes right after an assistant
+message's content (found by rendering a probe conversation), else the tokenizer's eos;
+either one right after an assistant's content is the model's own.
+Reasoning stays in the content (no reasoning split); tool schemas in data are passed to
+the template, but tool calls the model writes are not read (rollout.tool_format=native
+is refused; the text format works).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Sequence
+
+from posttrain.data.tokenizer import ROLES, ChatFormat
+
+TEMPLATE_PREFIX = "template:"
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+
+
+def _environment():
+  import jinja2
+  from jinja2.ext import Extension, loopcontrols
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  class Generation(Extension):
+    """transformers' {% generation %} ... {% endgeneration %}: renders its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+          lineno)
+
+    def _body(self, caller):
+      return caller()
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+  return env
+
+
+def _token_text(value: Any) -> str | None:
+  """A special token entry of tokenizer_config.json (a string or {"content": ...})."""
+  value = value.get("content") if isinstance(value, dict) else value
+  return value if isinstance(value, str) else None
+
+
+class TemplateFormat(ChatFormat):
+  """A tokenizer's own Jinja chat template as a chat format (see the module docstring)."""
+
+  name = "template"
+
+  def __init__(self, tok, template: str, cfg: dict[str, Any]):
+    import jinja2
+    if not template:
+      raise ValueError("the tokenizer has no chat template to render conversations with")
+    try:
+      self._template = _environment().from_string(template)
+    except jinja2.exceptions.TemplateError as e:
+      raise ValueError(f"the tokenizer's chat template does not compile: {e}") from None
+    self._tokens = {key: text for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+                    if (text := _token_text(cfg.get(key))) is not None}
+    self._tok = tok
+    super().__init__(tok, {r: [] for r in ROLES}, [], name="template")
+    end = self._end_after_content()
+    eos = self._special_id(self._tokens.get("eos_token"))
+    self.end_of_turn = [end] if end is not None else [] if eos is None else [eos]
+    # What may close the model's turn in data: the end-of-turn token, or eos (OLMo 3's
+    # template ends the conversation's last assistant turn with it instead).
+    self._closers = set(self.end_of_turn) | ({eos} if eos is not None else set())
+    with_prompt = self.render(_PROBE[:1], add_generation_prompt=True)
+    without = self.render(_PROBE[:1])
+    if not with_prompt.startswith(without):
+      raise ValueError("the chat template's generation prompt does not follow the "
+                       "conversation it is added to; cannot use it as a chat format")
+    self.generation_header = self._encode(with_prompt[len(without):])[0]
+
+  # --- rendering ------------------------------------------------------------------------
+
+  def render(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+             tools: Sequence[dict] | None = None) -> str:
+    """The template's text of `messages` (transformers' apply_chat_template, untokenized)."""
+    import jinja2
+    try:
+      return self._template.render(messages=list(messages), tools=list(tools) if tools else None,
+                                   add_generation_prompt=add_generation_prompt,
+                                   **self._tokens)
+    except jinja2.exceptions.TemplateError as e:
+      raise ValueError(f"the chat template refused the conversation: {e}") from None
+
+  def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, character offsets) of `text`, special tokens in it recognised."""
+    enc = self._tok._tok.encode(text, add_special_tokens=False)
+    return list(enc.ids), list(enc.offsets)
+
+  def _special_id(self, text: str | None) -> int | None:
+    return None if text is None else self._tok._tok.token_to_id(text)
+
+  def _end_after_content(self) -> int | None:
+    """The special token the template writes right after an assistant's content."""
+    text = self.render(_PROBE + [{"role": "user", "content": "Hi"}])
+    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], True)))
+    if at < 0:
+      return None
+    ids, offsets = self._encode(text)
+    after = at + len(_PROBE[1]["content"])
+    special = {int(i) for i, t in self._tok._tok.get_added_tokens_decoder().items()
+               if t.special}
+    for i, (start, _) in enumerate(offsets):
+      if start >= after:
+        return ids[i] if ids[i] in special else None
+    return None
+
+  def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
+    self.check_thinking(thinking)
+    messages = [dict(m) for m in messages]
+    for m in messages:
+      self._message(m)
+    text = self.render(messages, add_generation_prompt, tools)
+    ids, offsets = self._encode(text)
+    spans = []
+    for i, m in enumerate(messages):
+      if m["role"] != "assistant" or not m.get("weight", 1):
+        continue
+      before = self.render(messages[:i], True, tools)
+      if not text.startswith(before):
+        raise ValueError(f"message {i}: the chat template renders the conversation before "
+                         "it differently once it follows; cannot mark the model's tokens")
+      content = m.get("content") or ""
+      at = text.find(content, len(before)) if content else len(before)
+      upto = self.render(messages[:i + 1], False, tools)
+      if at < 0:
+        if not text.startswith(upto):
+          raise ValueError(f"message {i}: the chat template does not render the "
+                           "assistant's content as given; cannot mark the model's tokens")
+        at, content = len(upto), ""
+      spans.append((len(before), at + len(content)))
+    mask = [0] * len(ids)
+    for start, end in spans:
+      for t, (lo, hi) in enumerate(offsets):
+        if lo >= start and hi <= end and hi > lo:
+          mask[t] = 1
+        elif lo >= end:
+          if ids[t] in self._closers:
+            mask[t] = 1
+          break
+    return ids, mask
+
+  def generation_prompt(self, thinking=None) -> list[int]:
+    self.check_thinking(thinking)
+    return list(self.generation_header)
+
+  def continuation(self, messages, *, ended=True, thinking=None):
+    """What follows a model turn: rendered after a probe conversation, from the end of
+    its assistant content (the end-of-turn token the model wrote dropped)."""
+    self.check_thinking(thinking)
+    text = self.render(list(_PROBE) + list(messages), True)
+    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], True)))
+    ids = self._encode(text[at + len(_PROBE[1]["content"]):])[0]
+    if ids[:len(self.end_of_turn)] == self.end_of_turn:
+      ids = ids[len(self.end_of_turn):]
+    return ([] if ended else list(self.end_of_turn)) + ids
+
+  def check_tools(self, tools) -> None:
+    if tools:
+      raise ValueError("the template chat format renders tool schemas in data but does not "
+                       "read the tool calls a model writes: use rollout.tool_format=text")
+
+  def fold_tool_calls(self, messages):
+    return list(messages)  # the template renders structured tool_calls itself

@@ -1,0 +1,154 @@
+"""Chat formats rendered by the tokenizer's own template (`posttrain.data.templates`):
+the ids are transformers' apply_chat_template's, the mask holds each assistant turn's
+content and the token that closes it, a rollout's continuation is what the template puts
+after a model turn, and templates or tokenizers it cannot use give one-line errors.
+Templates: OLMo 2's (Tülu turns in plain text, closed by eos) and OLMo 3.1 Instruct's
+(ChatML with a default system message, the last assistant turn closed by eos), forced
+with the "template:" prefix over the ChatML format its tokens would pick."""
+
+import json
+
+import pytest
+
+from posttrain.data import load_tokenizer
+from posttrain.data.templates import TemplateFormat
+
+transformers = pytest.importorskip("transformers")
+
+OLMO2 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+         "{{ '<|system|>\n' + message['content'] + '\n' }}"
+         "{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '\n' }}"
+         "{% elif message['role'] == 'assistant' %}{% if not loop.last %}"
+         "{{ '<|assistant|>\n'  + message['content'] + eos_token + '\n' }}{% else %}"
+         "{{ '<|assistant|>\n'  + message['content'] + eos_token }}{% endif %}{% endif %}"
+         "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+         "{% endfor %}")
+OLMO3 = (
+    "{%- set has_system = messages|selectattr('role', 'equalto', 'system')|list|length > 0 -%}"
+    "{%- if not has_system -%}{{- '<|im_start|>system\nYou are Olmo, a helpful AI assistant "
+    "built by Ai2. ' -}}{%- if tools is none or (tools | length) == 0 -%}{{- 'You do not "
+    "currently have access to any functions. <functions></functions><|im_end|>\n' -}}"
+    "{%- else -%}{{- 'You are provided with function signatures within <functions>"
+    "</functions> XML tags.' -}}{{- '<functions>' -}}{{- tools | tojson -}}"
+    "{{- '</functions><|im_end|>\n' -}}{%- endif -%}{%- endif -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\n' + message['content'] -}}{%- if tools is not none -%}"
+    "{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions>' -}}{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}{%- elif message['role'] == 'user' -%}"
+    "{{- '<|im_start|>user\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- elif message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- if not loop.last -%}{{- '<|im_end|>' + '\n' -}}{%- else -%}{{- eos_token -}}"
+    "{%- endif -%}{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>environment\n' + message['content'] + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- if loop.last and add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- endif -%}{%- endfor -%}")
+CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "It is 4."},
+         {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6!"}]
+
+
+def _folder(path, specials, template, bos="<|endoftext|>", eos="<|endoftext|>"):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE(unk_token=None))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=specials,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(["<|user|>\n<|assistant|>\n<|system|>\n", "It is 4. And 3+3? 6!",
+                           "You are Olmo, a helpful AI assistant built by Ai2."] * 20, trainer)
+  tok.decoder = decoders.ByteLevel()
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": template, "bos_token": bos, "eos_token": eos, "pad_token": eos}))
+  return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
+                                              bos_token=bos, eos_token=eos)
+
+
+def _theirs(hf, template, convo, prompt):
+  out = hf.apply_chat_template(convo, chat_template=template, tokenize=True,
+                               add_generation_prompt=prompt)
+  return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _own_text(tok, ids, mask):
+  return tok._tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+
+
+def test_olmo2_tulu_template_is_rendered_by_the_template(tmp_path):
+  """No chat special tokens but a template: the template renders it, id for id; each
+  assistant turn's content and its closing eos are the model's own, the text headers
+  and the newline after eos are not."""
+  hf = _folder(tmp_path, ["<|endoftext|>", "<|pad|>"], OLMO2)
+  tok = load_tokenizer(str(tmp_path))
+  assert isinstance(tok.chat, TemplateFormat)
+  for prompt in (True, False):
+    convo = CONVO[:4] if prompt else CONVO
+    ids, mask = tok.encode_chat(convo, add_generation_prompt=prompt)
+    assert ids == _theirs(hf, OLMO2, convo, prompt)
+  assert _own_text(tok, ids, mask) == "It is 4.<|endoftext|>6!<|endoftext|>"
+  eos = tok._tok.token_to_id("<|endoftext|>")
+  assert tok.eos_id == eos and tok.chat.end_of_turn == [eos]
+  assert tok._tok.decode(tok.chat.generation_prompt()) == "<|assistant|>\n"
+  # A rollout's next turn after the model's: the newline the template puts after its eos,
+  # the user turn and the generation prompt; eos first when the model did not write it.
+  more = tok.chat.continuation([{"role": "user", "content": "ok"}])
+  assert tok._tok.decode(more, skip_special_tokens=False) == \
+      "\n<|user|>\nok\n<|assistant|>\n"
+  cut = tok.chat.continuation([{"role": "user", "content": "ok"}], ended=False)
+  assert cut == [eos] + more
+
+
+def test_olmo3_template_forced_over_chatml(tmp_path):
+  """OLMo 3's tokens would pick Qwen's ChatML; "template:" renders its own template: a
+  default system message, tool results as "environment" turns, and the last assistant
+  turn closed by eos instead of <|im_end|>, both the model's own."""
+  specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+  hf = _folder(tmp_path, specials, OLMO3)
+  assert load_tokenizer(str(tmp_path)).chat.name == "ChatML"
+  tok = load_tokenizer(f"template:{tmp_path}")
+  assert tok.chat.name == "template"
+  convo = CONVO[1:3] + [{"role": "tool", "content": "4"}, {"role": "user", "content": "ok"},
+                        {"role": "assistant", "content": "Done."}]
+  for prompt, messages in ((True, convo[:-1]), (False, convo)):
+    ids, mask = tok.encode_chat(messages, add_generation_prompt=prompt)
+    assert ids == _theirs(hf, OLMO3, messages, prompt)
+  text = tok._tok.decode(ids, skip_special_tokens=False)
+  assert text.startswith("<|im_start|>system\nYou are Olmo")
+  assert "<|im_start|>environment\n4<|im_end|>" in text
+  assert _own_text(tok, ids, mask) == "It is 4.<|im_end|>Done.<|endoftext|>"
+  end = tok._tok.token_to_id("<|im_end|>")
+  assert tok.eos_id == end and tok._tok.token_to_id("<|endoftext|>") in tok.stop_ids
+  # A turn given weight 0 is context.
+  quiet = [dict(m, weight=0) if m["role"] == "assistant" else m for m in convo]
+  assert sum(tok.encode_chat(quiet)[1]) == 0
+  # The forced format is part of the tokenized-data cache's key.
+  assert tok.fingerprint != load_tokenizer(str(tmp_path)).fingerprint
+
+
+def test_what_the_template_format_refuses(tmp_path):
+  hf_dir = tmp_path / "a"
+  hf_dir.mkdir()
+  _folder(hf_dir, ["<|endoftext|>"], "{{ raise_exception('only user turns') }}")
+  with pytest.raises(ValueError, match="the chat template refused the conversation: only "
+                                       "user turns"):
+    load_tokenizer(str(hf_dir))
+  bad = tmp_path / "b"
+  bad.mkdir()
+  _folder(bad, ["<|endoftext|>"], "{% for m in messages %}{{ m['content'] ")
+  with pytest.raises(ValueError, match="chat template does not compile"):
+    load_tokenizer(str(bad))
+  none = tmp_path / "c"
+  none.mkdir()
+  _folder(none, ["<|endoftext|>"], "")
+  with pytest.raises(ValueError, match="no chat template; cannot build a chat format"):
+    load_tokenizer(str(none))
+  ok = tmp_path / "d"
+  ok.mkdir()
+  _folder(ok, ["<|endoftext|>"], OLMO2)
+  tok = load_tokenizer(str(ok))
+  with pytest.raises(ValueError, match="use rollout.tool_format=text"):
+    tok.chat.check_tools([{}])
+  with pytest.raises(ValueError, match="unknown chat role 'robot'"):
+    tok.encode_chat([{"role": "robot", "content": "x"}])
+  with pytest.raises(ValueError, match="no reasoning switch"):
+    tok.encode_chat(CONVO[:2], add_generation_prompt=True, thinking=True)
