@@ -3,7 +3,9 @@ config, the domain list, the algorithm, and the checkpointed train-state layout.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import logging
 import os
 from typing import Any, Sequence
 
@@ -329,12 +331,53 @@ def build_mesh(config) -> jax.sharding.Mesh:
   return build_meshes(config)[0]
 
 
+# ModelConfig fields a run chooses (its preset's, or its overrides), whatever weights it
+# starts from; the others define the model, and come from init_from's config.json when
+# the run starts from a Hugging Face folder.
+RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
+              "attention_options", "attention_chunk", "decode_chunk", "value_head",
+              "logprob_chunk", "init_std", "lora_rank", "lora_alpha", "lora_targets")
+
+
+# Fields that define the model which a run starting from a folder may still set.
+ADJUSTABLE_FIELDS = ("max_position_embeddings", "router_aux_loss_coef")
+_WARNED: set = set()
+
+
+def hf_init_folder(config) -> str | None:
+  """config.init_from when it is a Hugging Face folder (it holds a config.json)."""
+  src = str(config.get("init_from", "") or "")
+  return src if src and os.path.exists(os.path.join(src, "config.json")) else None
+
+
 def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
-  """The ModelConfig of a run: a preset plus `config.model.overrides`."""
+  """The ModelConfig of a run: a preset plus `config.model.overrides`. A run that starts
+  from a Hugging Face folder (init_from) takes the model itself (architecture, shapes,
+  rotary embedding, norms, ...) from the folder's config.json, and the RUN_FIELDS (dtypes,
+  remat, layer layout, kernels, LoRA) from the preset and the overrides; overrides of
+  the model's own fields other than ADJUSTABLE_FIELDS are not applied (the weights fix
+  them), and a warning names those that differ from the folder's."""
   overrides = dict(config.model.get("overrides", {}) or {})
   if config.model.get("value_head") is not None:
     overrides["value_head"] = bool(config.model.value_head)
   cfg = models.get_preset(config.model.preset, **overrides)
+  folder = hf_init_folder(config)
+  if folder:
+    read, _ = models.hf.folder_config(folder, f"init_from={folder!r}")
+    preset = models.get_preset(config.model.preset)
+    run = {f: overrides.get(f, getattr(preset, f)) for f in RUN_FIELDS}
+    if not read.lm_head:  # a reward model's folder: its score head is the value head
+      run["value_head"] = True
+    run.update({f: overrides[f] for f in ADJUSTABLE_FIELDS if f in overrides})
+    ignored = sorted(k for k, v in overrides.items()
+                     if k not in run and getattr(read, k, v) != v)
+    if ignored and (folder, tuple(ignored)) not in _WARNED:
+      _WARNED.add((folder, tuple(ignored)))
+      logging.getLogger(__name__).warning(
+          "init_from=%s defines the model: model.overrides %s are not applied (the "
+          "folder's: %s)", folder, {k: overrides[k] for k in ignored},
+          {k: getattr(read, k) for k in ignored})
+    cfg = read.replace(**run)
   if vocab_size is not None and cfg.vocab_size < vocab_size:
     raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                      f"{vocab_size}")
@@ -350,14 +393,10 @@ def initial_model(config, cfg: models.ModelConfig, mesh, rules) -> models.Transf
   src = str(config.get("init_from", "") or "")
   if not src:
     return models.create_model(cfg, mesh=mesh, rules=rules, seed=int(config.seed))
-  if os.path.exists(os.path.join(src, "config.json")):
+  if os.path.exists(os.path.join(src, "config.json")):  # the run's config is the folder's
     return models.from_pretrained(src, mesh=mesh, rules=rules, seed=int(config.seed),
-                                  **{k: v for k, v in dict(config.model.get("overrides", {})
-                                                           or {}).items()
-                                     if k in ("attention_impl", "remat", "dtype",
-                                              "param_dtype", "value_head", "logprob_chunk",
-                                              "scan_layers", "lora_rank", "lora_alpha",
-                                              "lora_targets")})
+                                  **{f.name: getattr(cfg, f.name)
+                                     for f in dataclasses.fields(cfg)})
   ckpt_dir = os.path.join(src, "checkpoints") if os.path.isdir(
       os.path.join(src, "checkpoints")) else src
   manager = CheckpointManager(ckpt_dir, read_only=True)

@@ -36,7 +36,7 @@ from posttrain.data.preference import PreferenceData
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.experiment import (abstract_checkpoint, build_mesh, check_config,
                                   data_cache_dir, from_checkpoint, objective,
-                                  reward_architecture, reward_model_config, to_checkpoint)
+                                  reward_model_config, to_checkpoint)
 from posttrain.metrics import MetricsWriter, Progress
 from posttrain.rl import losses as loss_lib
 from posttrain.rl import preference, reward_model
@@ -149,15 +149,10 @@ class RewardModelTrainer:
     src = str(self.config.get("init_from", "") or "")
     if not src:
       return models.create_model(self.cfg, mesh=self.mesh, rules=self.rules, seed=self.seed)
-    overrides = {k: v for k, v in dict(self.config.model.get("overrides", {}) or {}).items()
-                 if k in ("attention_impl", "remat", "dtype", "param_dtype", "scan_layers",
-                          "lora_rank", "lora_alpha", "lora_targets")}
-    with open(os.path.join(src, "config.json")) as fh:
-      archs = json.load(fh).get("architectures") or [""]
+    # reward_model_config read the folder's config.json: the model is the run's.
     return models.from_pretrained(src, mesh=self.mesh, rules=self.rules, seed=self.seed,
-                                  value_head=True, lm_head=False,
-                                  architecture=reward_architecture(str(archs[0])),
-                                  **overrides)
+                                  **{f.name: getattr(self.cfg, f.name)
+                                     for f in dataclasses.fields(self.cfg)})
 
   def _setup_state(self):
     abstract = abstract_checkpoint(self.cfg, self.optimizer, self.mesh, self.rules)

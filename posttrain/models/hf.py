@@ -163,32 +163,24 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   """(rope, rope of the sliding layers or None) of a config.json."""
   params = c.get("rope_parameters") or {}
   per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
-  if lm == "Olmo3ForCausalLM":
-    # Per layer type as well, in transformers 5's rope_parameters; the published files
-    # have rope_theta and rope_scaling, which transformers gives the full layers alone:
-    # the sliding layers keep the default kind and base 500k (even when rope_theta
-    # differs; what transformers computes).
+  # Per layer type: transformers 5 writes rope_parameters {full_attention: ...,
+  # sliding_attention: ...}; the published files rope_theta and rope_scaling, which give
+  # the full layers theirs. The sliding layers' then: Gemma 3's rope_local_base_freq;
+  # OLMo 3's the default kind at base 500k, even when rope_theta differs (what
+  # transformers computes).
+  bases = {"Gemma3ForCausalLM": (1_000_000.0, 10_000.0),
+           "Olmo3ForCausalLM": (500_000.0, 500_000.0)}
+  if lm in bases:
+    full_base, local_base = bases[lm]
     if per_type:
       full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
     else:
       full = {**(c.get("rope_scaling") or {}), **params}
-      full.setdefault("rope_theta", c.get("rope_theta", 500_000.0))
-      local = {}
-    full.setdefault("rope_theta", 500_000.0)
-    local.setdefault("rope_theta", 500_000.0)
-    return _rope_from_params(full, c), _rope_from_params(local, c)
-  if lm == "Gemma3ForCausalLM":
-    # Per layer type: transformers 5 writes rope_parameters {full_attention: ...,
-    # sliding_attention: ...}; the published files rope_theta, rope_scaling (full layers)
-    # and rope_local_base_freq.
-    if per_type:
-      full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-    else:
-      full = {**(c.get("rope_scaling") or {}), **params}
-      full.setdefault("rope_theta", c.get("rope_theta", 1_000_000.0))
-      local = {"rope_theta": c.get("rope_local_base_freq", 10_000.0)}
-    full.setdefault("rope_theta", 1_000_000.0)
-    local.setdefault("rope_theta", 10_000.0)
+      full.setdefault("rope_theta", c.get("rope_theta", full_base))
+      local = ({"rope_theta": c.get("rope_local_base_freq", local_base)}
+               if lm == "Gemma3ForCausalLM" else {})
+    full.setdefault("rope_theta", full_base)
+    local.setdefault("rope_theta", local_base)
     return _rope_from_params(full, c), _rope_from_params(local, c)
   if per_type:
     raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported "
@@ -510,6 +502,10 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                         for r in ropes):
     raise ValueError(f"LongRoPE and a partial rotary embedding cannot be written as "
                      f"{cfg.architecture}; {PHI3} holds them")
+  if lm == PHI3 and cfg.head_dim * cfg.num_heads != cfg.d_model:
+    raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
+                     f"whose heads split d_model={cfg.d_model} evenly (head_dim "
+                     f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
@@ -628,6 +624,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     pad = 0 if pad is None else pad
   if pad is not None:
     out["pad_token_id"] = int(pad)
+  elif lm == PHI3:  # transformers' Phi-3 default (32000) may lie past a smaller vocabulary
+    out["pad_token_id"] = None
   return out
 
 

@@ -4,11 +4,10 @@ without newlines, and Phi-3 / 3.5's with them; the loss mask holds the model's o
 tokens, and a conversation without a generation prompt closes with eos as the templates
 close it."""
 
-import json
-
 import pytest
 
 from posttrain.data import load_tokenizer
+from tests.data.bpe import write_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,17 +43,8 @@ PHI_SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>"
 
 
 def _tokenizer(path, specials, template, eos):
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  tok = Tokenizer(models.BPE(unk_token=None))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(["hello world", "user assistant system tool", "2+2=4 3+3"] * 20,
-                          trainer)
-  tok.decoder = decoders.ByteLevel()
-  tok.save(str(path / "tokenizer.json"))
-  (path / "tokenizer_config.json").write_text(json.dumps(
-      {"chat_template": template, "eos_token": eos, "pad_token": eos}))
+  write_folder(path, specials, ["hello world", "user assistant system tool", "2+2=4 3+3"],
+               {"chat_template": template, "eos_token": eos, "pad_token": eos}, 320)
   ours = load_tokenizer(str(path))
   theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
                                                 eos_token=eos)

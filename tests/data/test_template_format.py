@@ -6,12 +6,11 @@ Templates: OLMo 2's (Tülu turns in plain text, closed by eos) and OLMo 3.1 Inst
 (ChatML with a default system message, the last assistant turn closed by eos), forced
 with the "template:" prefix over the ChatML format its tokens would pick."""
 
-import json
-
 import pytest
 
 from posttrain.data import load_tokenizer
 from posttrain.data.templates import TemplateFormat
+from tests.data.bpe import write_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,17 +48,9 @@ CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
 
 
 def _folder(path, specials, template, bos="<|endoftext|>", eos="<|endoftext|>"):
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  tok = Tokenizer(models.BPE(unk_token=None))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=specials,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(["<|user|>\n<|assistant|>\n<|system|>\n", "It is 4. And 3+3? 6!",
-                           "You are Olmo, a helpful AI assistant built by Ai2."] * 20, trainer)
-  tok.decoder = decoders.ByteLevel()
-  tok.save(str(path / "tokenizer.json"))
-  (path / "tokenizer_config.json").write_text(json.dumps(
-      {"chat_template": template, "bos_token": bos, "eos_token": eos, "pad_token": eos}))
+  write_folder(path, specials, ["<|user|>\n<|assistant|>\n<|system|>\n", "It is 4. And 3+3? 6!",
+                                "You are Olmo, a helpful AI assistant built by Ai2."],
+               {"chat_template": template, "bos_token": bos, "eos_token": eos, "pad_token": eos})
   return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
                                               bos_token=bos, eos_token=eos)
 

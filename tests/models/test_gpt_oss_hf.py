@@ -19,6 +19,8 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models import mxfp4
+from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
+                                 greedy_tokens, hf_logits, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -55,8 +57,7 @@ def folder(hf_model, tmp_path_factory):
 
 
 def _hf_logits(model, tokens=TOKENS):
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
+  return hf_logits(model, tokens)
 
 
 def _logits(model, tokens=TOKENS):
@@ -110,19 +111,7 @@ def test_each_feature_moves_the_logits(folder):
 def test_gradients_match_transformers(hf_model, folder):
   """d(sum of the targets' log-probs) for the sinks, the router's and experts' biases,
   the interleaved gate_up projection and the output bias, against torch autograd."""
-  targets = np.roll(TOKENS, -1, axis=1)
-  hf_model.zero_grad()
-  logp = torch.log_softmax(hf_model(torch.tensor(TOKENS)).logits, -1)
-  logp.gather(-1, torch.tensor(targets)[..., None]).sum().backward()
-  model = models.from_pretrained(folder)
-  graphdef, state = nnx.split(model)
-
-  def loss(state):
-    logits = nnx.merge(graphdef, state)(jnp.asarray(TOKENS))
-    lp = jax.nn.log_softmax(logits, -1)
-    return jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], -1).sum()
-
-  grads = jax.jit(jax.grad(loss))(state)
+  grads = target_logprob_grads(hf_model, models.from_pretrained(folder), TOKENS)
   for i in range(4):
     layer, hf = grads["layers"][i], hf_model.model.layers[i]
     pairs = [(layer["attn"]["sinks"], hf.self_attn.sinks.grad),
@@ -133,11 +122,8 @@ def test_gradients_match_transformers(hf_model, folder):
              (layer["mlp"]["up_bias"], hf.mlp.experts.gate_up_proj_bias.grad[..., 1::2]),
              (layer["mlp"]["gate_proj"], hf.mlp.experts.gate_up_proj.grad[..., ::2]),
              (layer["mlp"]["down_proj"], hf.mlp.experts.down_proj.grad)]
-    for ours, theirs in pairs:
-      # Float32 through large random weights: relative to the gradient's own scale (at
-      # most 1.6e-4 measured; a wrong term moves it by percents).
-      got, want = np.asarray(ours[...]), theirs.numpy()
-      assert np.abs(got - want).max() < 5e-4 * np.abs(want).max()
+    for ours, theirs in pairs:  # at most 1.6e-4 of the scale measured
+      assert_close_to_scale(ours[...], theirs.numpy())
     assert np.abs(hf.self_attn.sinks.grad.numpy()).max() > 1e-3
 
 
@@ -146,15 +132,8 @@ def test_greedy_generation_matches_transformers(hf_model, folder, scan):
   """Through the sampler's KV cache (sinks in decode attention; the sliding layers keep
   rings of 8 slots, shorter than the 13-token prompt and the rows) the greedy tokens are
   transformers' generate()'s."""
-  from posttrain.sampling import Sampler
-  sampler = Sampler(models.from_pretrained(folder, scan_layers=scan), max_len=48,
-                    extend_chunk=4)
-  out = sampler.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
-  for i, prompt in enumerate(PROMPTS):
-    with torch.no_grad():
-      want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out.tokens[i].tolist() == want, i
+  for i, (got, want) in enumerate(greedy_tokens(folder, hf_model, PROMPTS, 12, scan)):
+    assert got == want, i
 
 
 def test_export_round_trip_is_exact(hf_model, folder, tmp_path):
@@ -172,18 +151,7 @@ def test_reward_model_scores_match_transformers(tmp_path):
   """GptOssForSequenceClassification: each row's score at its last real token, in and out."""
   torch.manual_seed(1)
   hf = transformers.GptOssForSequenceClassification(_hf_config(num_labels=1)).float().eval()
-  hf.save_pretrained(str(tmp_path / "rm"))
-  ours = models.from_pretrained(str(tmp_path / "rm"))
-  tokens = np.array([[5, 6, 7, 8, 9, 0, 0], [3, 4, 5, 6, 7, 8, 9]])
-  with torch.no_grad():
-    want = hf(torch.tensor(tokens)).logits[:, 0].numpy()
-  got = np.asarray(ours.scores(jnp.asarray(tokens), jnp.asarray((tokens != 0).astype(np.int32))))
-  np.testing.assert_allclose(got, want, atol=1e-4)
-  models.save_pretrained(ours, str(tmp_path / "back"))
-  back = transformers.GptOssForSequenceClassification.from_pretrained(str(tmp_path / "back"))
-  with torch.no_grad():
-    np.testing.assert_allclose(back.float()(torch.tensor(tokens)).logits[:, 0].numpy(), want,
-                               atol=1e-5)
+  check_reward_model_round_trip(hf, transformers.GptOssForSequenceClassification, tmp_path)
 
 
 def _write_mxfp4(src: str, dst: str) -> dict:

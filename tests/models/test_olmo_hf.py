@@ -17,6 +17,9 @@ import pytest
 from flax import nnx
 
 from posttrain import models
+from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
+                                 greedy_tokens, hf_logits, save_families,
+                                 target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -50,8 +53,7 @@ def _hf_model(family, cls=None, **extra):
 
 
 def _hf_logits(model, tokens=TOKENS):
-  with torch.no_grad():
-    return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  return hf_logits(model, tokens)
 
 
 def _logits(model, tokens=TOKENS):
@@ -61,13 +63,7 @@ def _logits(model, tokens=TOKENS):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   """family -> (folder with the HF files, the HF model)."""
-  out = {}
-  for family in FAMILIES:
-    folder = str(tmp_path_factory.mktemp(family) / "model")
-    hf = _hf_model(family)
-    hf.save_pretrained(folder)
-    out[family] = (folder, hf)
-  return out
+  return save_families(tmp_path_factory, FAMILIES, _hf_model)
 
 
 def test_config_reads_every_olmo_feature(saved):
@@ -133,19 +129,7 @@ def test_gradients_match_transformers(saved):
   """d(sum of the targets' log-probs) for the q/k norms, both output norms, the output
   bias and the projections, against torch autograd."""
   folder, hf_model = saved["olmo2"]
-  targets = np.roll(TOKENS, -1, axis=1)
-  hf_model.zero_grad()
-  logp = torch.log_softmax(hf_model(torch.tensor(TOKENS)).logits, -1)
-  logp.gather(-1, torch.tensor(targets)[..., None]).sum().backward()
-  model = models.from_pretrained(folder)
-  graphdef, state = nnx.split(model)
-
-  def loss(state):
-    logits = nnx.merge(graphdef, state)(jnp.asarray(TOKENS))
-    lp = jax.nn.log_softmax(logits, -1)
-    return jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], -1).sum()
-
-  grads = jax.jit(jax.grad(loss))(state)
+  grads = target_logprob_grads(hf_model, models.from_pretrained(folder), TOKENS)
   for i in range(COMMON["num_hidden_layers"]):
     layer, hf = grads["layers"][i], hf_model.model.layers[i]
     pairs = [(layer["attn"]["q_norm"]["scale"], hf.self_attn.q_norm.weight.grad),
@@ -156,8 +140,7 @@ def test_gradients_match_transformers(saved):
              (layer["attn"]["k_bias"], hf.self_attn.k_proj.bias.grad),
              (layer["mlp"]["down_proj"], hf.mlp.down_proj.weight.grad.T)]
     for ours, theirs in pairs:
-      got, want = np.asarray(ours[...]).reshape(-1), theirs.numpy().reshape(-1)
-      assert np.abs(got - want).max() < 5e-4 * np.abs(want).max()
+      assert_close_to_scale(ours[...], theirs.numpy())
     assert np.abs(hf.self_attn.q_norm.weight.grad.numpy()).max() > 1e-3
 
 
@@ -165,16 +148,8 @@ def test_gradients_match_transformers(saved):
 def test_greedy_generation_matches_transformers(saved, family, scan):
   """Through the sampler's KV cache (OLMo 3's sliding layers keep rings shorter than the
   13-token prompt and the rows) the greedy tokens are transformers' generate()'s."""
-  from posttrain.sampling import Sampler
-  folder, hf_model = saved[family]
-  sampler = Sampler(models.from_pretrained(folder, scan_layers=scan), max_len=48,
-                    extend_chunk=4)
-  out = sampler.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
-  for i, prompt in enumerate(PROMPTS):
-    with torch.no_grad():
-      want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out.tokens[i].tolist() == want, (family, i)
+  for i, (got, want) in enumerate(greedy_tokens(*saved[family], PROMPTS, 12, scan)):
+    assert got == want, (family, i)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -235,19 +210,7 @@ def test_olmo2_without_attention_bias_has_none(tmp_path):
 def test_reward_model_scores_match_transformers(tmp_path):
   """Olmo2ForSequenceClassification: each row's score at its last real token, in and out."""
   hf = _hf_model("olmo2", cls="Olmo2ForSequenceClassification", num_labels=1)
-  hf.save_pretrained(str(tmp_path / "rm"))
-  ours = models.from_pretrained(str(tmp_path / "rm"))
-  assert not ours.cfg.lm_head and ours.cfg.value_head
-  tokens = np.array([[5, 6, 7, 8, 9, 0, 0], [3, 4, 5, 6, 7, 8, 9]])
-  with torch.no_grad():
-    want = hf(torch.tensor(tokens)).logits[:, 0].numpy()
-  got = np.asarray(ours.scores(jnp.asarray(tokens), jnp.asarray((tokens != 0).astype(np.int32))))
-  np.testing.assert_allclose(got, want, atol=1e-4)
-  models.save_pretrained(ours, str(tmp_path / "back"))
-  back = transformers.Olmo2ForSequenceClassification.from_pretrained(str(tmp_path / "back"))
-  with torch.no_grad():
-    np.testing.assert_allclose(back.float()(torch.tensor(tokens)).logits[:, 0].numpy(), want,
-                               atol=1e-5)
+  check_reward_model_round_trip(hf, transformers.Olmo2ForSequenceClassification, tmp_path)
 
 
 def test_what_other_classes_refuse():

@@ -14,6 +14,9 @@ import pytest
 from flax import nnx
 
 from posttrain import models
+from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
+                                 greedy_tokens, hf_logits, save_families,
+                                 target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -49,8 +52,7 @@ def _hf_model(variant, cls="Phi3ForCausalLM", **extra):
 
 
 def _hf_logits(model, tokens=TOKENS):
-  with torch.no_grad():
-    return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  return hf_logits(model, tokens)
 
 
 def _logits(model, tokens=TOKENS, **kw):
@@ -62,13 +64,7 @@ def _logits(model, tokens=TOKENS, **kw):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   """variant -> (folder with the HF files, the HF model)."""
-  out = {}
-  for variant in VARIANTS:
-    folder = str(tmp_path_factory.mktemp(variant) / "model")
-    hf = _hf_model(variant)
-    hf.save_pretrained(folder)
-    out[variant] = (folder, hf)
-  return out
+  return save_families(tmp_path_factory, VARIANTS, _hf_model)
 
 
 def test_config_reads_every_phi3_feature(saved):
@@ -158,19 +154,7 @@ def test_gradients_match_transformers(saved):
   """d(sum of the targets' log-probs) for q, k, v (slices of the fused qkv_proj) and gate,
   up (of gate_up_proj), against torch autograd."""
   folder, hf_model = saved["longrope"]
-  targets = np.roll(TOKENS, -1, axis=1)
-  hf_model.zero_grad()
-  logp = torch.log_softmax(hf_model(torch.tensor(TOKENS)).logits, -1)
-  logp.gather(-1, torch.tensor(targets)[..., None]).sum().backward()
-  model = models.from_pretrained(folder)
-  graphdef, state = nnx.split(model)
-
-  def loss(state):
-    logits = nnx.merge(graphdef, state)(jnp.asarray(TOKENS))
-    lp = jax.nn.log_softmax(logits, -1)
-    return jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], -1).sum()
-
-  grads = jax.jit(jax.grad(loss))(state)
+  grads = target_logprob_grads(hf_model, models.from_pretrained(folder), TOKENS)
   d, n, k, h, f = 64, 4, 2, 16, 96
   for i in range(COMMON["num_hidden_layers"]):
     layer, hf = grads["layers"][i], hf_model.model.layers[i]
@@ -182,8 +166,7 @@ def test_gradients_match_transformers(saved):
              (layer["mlp"]["gate_proj"], gate_up[:f].T),
              (layer["mlp"]["up_proj"], gate_up[f:].T)]
     for ours, want in pairs:
-      got = np.asarray(ours[...])
-      assert np.abs(got - want).max() < 5e-4 * np.abs(want).max()
+      assert_close_to_scale(ours[...], want)
 
 
 @pytest.mark.parametrize("variant,scan", [("longrope", False), ("longrope", True),
@@ -194,18 +177,11 @@ def test_greedy_generation_matches_transformers(saved, variant, scan):
   throughout) and the short prompts decode below it; from the token that passes it a
   row keeps its short-rotated cache (where transformers recomputes the whole row), so
   those rows are compared up to there."""
-  from posttrain.sampling import Sampler
-  folder, hf_model = saved[variant]
-  sampler = Sampler(models.from_pretrained(folder, scan_layers=scan), max_len=48,
-                    extend_chunk=4)
-  out = sampler.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
-  for i, prompt in enumerate(PROMPTS):
-    with torch.no_grad():
-      want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+  pairs = greedy_tokens(*saved[variant], PROMPTS, 12, scan)
+  for i, (prompt, (got, want)) in enumerate(zip(PROMPTS, pairs)):
     # Token j is computed at position len(prompt) + j - 1.
     same = 12 if variant != "longrope" or len(prompt) > ORIGINAL else ORIGINAL - len(prompt) + 1
-    assert out.tokens[i].tolist()[:same] == want[:same], (variant, i)
+    assert got[:same] == want[:same], (variant, i)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -227,18 +203,7 @@ def test_export_round_trip_is_exact(saved, variant, tmp_path):
 def test_reward_model_scores_match_transformers(tmp_path):
   """Phi3ForSequenceClassification: each row's score at its last real token, in and out."""
   hf = _hf_model("longrope", cls="Phi3ForSequenceClassification", num_labels=1)
-  hf.save_pretrained(str(tmp_path / "rm"))
-  ours = models.from_pretrained(str(tmp_path / "rm"))
-  tokens = np.array([[5, 6, 7, 8, 9, 0, 0], [3, 4, 5, 6, 7, 8, 9]])
-  with torch.no_grad():
-    want = hf(torch.tensor(tokens)).logits[:, 0].numpy()
-  got = np.asarray(ours.scores(jnp.asarray(tokens), jnp.asarray((tokens != 0).astype(np.int32))))
-  np.testing.assert_allclose(got, want, atol=1e-4)
-  models.save_pretrained(ours, str(tmp_path / "back"))
-  back = transformers.Phi3ForSequenceClassification.from_pretrained(str(tmp_path / "back"))
-  with torch.no_grad():
-    np.testing.assert_allclose(back.float()(torch.tensor(tokens)).logits[:, 0].numpy(), want,
-                               atol=1e-5)
+  check_reward_model_round_trip(hf, transformers.Phi3ForSequenceClassification, tmp_path)
 
 
 def test_lora_exports_merged_and_refuses_peft_files(saved, tmp_path):
@@ -270,6 +235,8 @@ def test_what_other_classes_refuse():
       models.hf.check_exportable(tiny.replace(rope=rope))
   phi3 = tiny.replace(architecture="Phi3ForCausalLM")
   models.hf.check_exportable(phi3.replace(rope=longrope))
+  with pytest.raises(ValueError, match="head_dim=16 cannot be written as Phi3ForCausalLM"):
+    models.hf.check_exportable(phi3.replace(head_dim=16))
   with pytest.raises(ValueError, match="qkv_bias=True cannot be written as Phi3ForCausalLM"):
     models.hf.check_exportable(phi3.replace(qkv_bias=True))
   with pytest.raises(ValueError, match="rope type 'linear' cannot be written as Phi3"):

@@ -1,0 +1,90 @@
+"""What the family parity tests against `transformers` share: logits on both sides, the
+gradients of the targets' log-probs, and a reward model's scores in and out."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain import models
+
+
+def hf_logits(model, tokens):
+  """transformers' logits of int tokens [B, T], as numpy."""
+  import torch
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def target_logprob_grads(hf_model, ours, tokens):
+  """d(sum of the next tokens' log-probs) of `tokens` for both models: transformers'
+  land in its parameters' .grad, ours are returned as a state of the same tree."""
+  import torch
+  targets = np.roll(tokens, -1, axis=1)
+  hf_model.zero_grad()
+  logp = torch.log_softmax(hf_model(torch.tensor(tokens)).logits, -1)
+  logp.gather(-1, torch.tensor(targets)[..., None]).sum().backward()
+  graphdef, state = nnx.split(ours)
+
+  def loss(state):
+    logits = nnx.merge(graphdef, state)(jnp.asarray(tokens))
+    lp = jax.nn.log_softmax(logits, -1)
+    return jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], -1).sum()
+
+  return jax.jit(jax.grad(loss))(state)
+
+
+def assert_close_to_scale(ours, theirs, rel=5e-4):
+  """Float32 through large random weights: the error relative to the gradient's own
+  scale (a wrong term moves it by percents)."""
+  got, want = np.asarray(ours).reshape(-1), np.asarray(theirs).reshape(-1)
+  assert np.abs(got - want).max() < rel * np.abs(want).max()
+
+
+def check_reward_model_round_trip(hf, cls, tmp_path):
+  """A *ForSequenceClassification `hf` of class `cls`: our scores at each row's last real
+  token are its logits, and what we write back loads in transformers with the same."""
+  import torch
+  hf.save_pretrained(str(tmp_path / "rm"))
+  ours = models.from_pretrained(str(tmp_path / "rm"))
+  assert not ours.cfg.lm_head and ours.cfg.value_head
+  tokens = np.array([[5, 6, 7, 8, 9, 0, 0], [3, 4, 5, 6, 7, 8, 9]])
+  with torch.no_grad():
+    want = hf(torch.tensor(tokens)).logits[:, 0].numpy()
+  got = np.asarray(ours.scores(jnp.asarray(tokens), jnp.asarray((tokens != 0).astype(np.int32))))
+  np.testing.assert_allclose(got, want, atol=1e-4)
+  models.save_pretrained(ours, str(tmp_path / "back"))
+  back = cls.from_pretrained(str(tmp_path / "back"))
+  with torch.no_grad():
+    np.testing.assert_allclose(back.float()(torch.tensor(tokens)).logits[:, 0].numpy(), want,
+                               atol=1e-5)
+
+
+def save_families(tmp_path_factory, names, make):
+  """name -> (folder holding make(name)'s save_pretrained files, the HF model)."""
+  out = {}
+  for name in names:
+    folder = str(tmp_path_factory.mktemp(name) / "model")
+    hf = make(name)
+    hf.save_pretrained(folder)
+    out[name] = (folder, hf)
+  return out
+
+
+def greedy_tokens(folder, hf_model, prompts, new_tokens, scan):
+  """[(our sampler's greedy tokens, transformers' generate()'s)] per prompt; ours from one
+  batched generate call through the KV cache (blocks of 4 slots)."""
+  import torch
+
+  from posttrain.sampling import Sampler
+  sampler = Sampler(models.from_pretrained(folder, scan_layers=scan), max_len=48,
+                    extend_chunk=4)
+  out = sampler.generate(prompts, max_new_tokens=new_tokens, temperature=0.0)
+  pairs = []
+  for i, prompt in enumerate(prompts):
+    with torch.no_grad():
+      want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                               do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    pairs.append((out.tokens[i].tolist(), want))
+  return pairs

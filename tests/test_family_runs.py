@@ -1,0 +1,73 @@
+"""A GRPO run from an OLMo 3 and from a Phi-3 (LongRoPE, partial rotary) Hugging Face
+folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
+the final checkpoint exported as a folder that transformers loads into the same class
+and computes our logits with."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from posttrain import models, planner, trainer
+from posttrain.export import export_checkpoint
+from posttrain.metrics import read_metrics
+from tests.test_trainer import OVERRIDES
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
+transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+
+RUN = {**OVERRIDES, "model.overrides.num_layers": 2, "sft.steps": 2, "sft.warmup": 0,
+       "train.rl_steps": 2,
+       "eval.seeds_per_domain": 0}
+FAMILIES = {
+    # Output norms, q/k norms over every head, a sliding layer (window 8, shorter than
+    # the rows) beside a full one with a scaled rotary embedding of its own.
+    "olmo3": dict(architecture="Olmo3ForCausalLM", qk_norm=True, qk_norm_heads=True,
+                  output_norms=True, qkv_bias=True, attn_out_bias=True, sliding_window=8,
+                  layer_types=("sliding_attention", "full_attention"),
+                  rope=models.RopeConfig(theta=500_000.0, type="linear", factor=2.0),
+                  rope_local=models.RopeConfig(theta=500_000.0)),
+    # Half of each head rotates, under LongRoPE whose original context (24) the rows
+    # pass: prompts and rollouts cross it.
+    "phi3": dict(architecture="Phi3ForCausalLM",
+                 d_model=64, head_dim=16,  # transformers' Phi-3: d_model / heads
+                 rope=models.RopeConfig(type="longrope", short_factor=(1.0, 1.5, 2.0, 2.5),
+                                        long_factor=(3.0, 4.0, 5.0, 6.0), factor=4.0,
+                                        original_max_position_embeddings=24,
+                                        partial_rotary_factor=0.5)),
+}
+
+
+def _config(**extra):
+  return planner.override(default.get_config(), {**RUN, **extra})
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
+  cfg = trainer.model_config(_config()).replace(**FAMILIES[family])
+  folder = str(tmp_path / "base")
+  models.save_pretrained(models.create_model(cfg, seed=4), folder)
+  config = _config(init_from=folder)
+  trainer.train(config, str(tmp_path / "run"))
+  rows = read_metrics(str(tmp_path / "run"))
+  rl = [r for r in rows if "reward/mean" in r]
+  # A random model scores 0 on every sample (no advantage to follow); the SFT step moves
+  # the weights.
+  assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+  out = str(tmp_path / "export")
+  done = export_checkpoint(config, str(tmp_path / "run"), out)
+  assert done["architecture"] == cfg.architecture
+  ours = models.from_pretrained(out)
+  assert ours.cfg.replace(dtype=cfg.dtype, param_dtype=cfg.param_dtype) == cfg.replace(
+      max_position_embeddings=ours.cfg.max_position_embeddings)
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+  assert type(theirs).__name__ == cfg.architecture
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))  # past 24
+  with torch.no_grad():
+    want = theirs(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(ours(tokens)), want, atol=1e-4, rtol=0)
+  base = jax.tree.leaves(nnx.state(models.from_pretrained(folder)))
+  moved = [np.abs(np.asarray(a) - np.asarray(b)).max()
+           for a, b in zip(base, jax.tree.leaves(nnx.state(ours)))]
+  assert max(moved) > 0  # the SFT step moved the weights that were exported
