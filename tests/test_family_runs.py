@@ -71,3 +71,29 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
   moved = [np.abs(np.asarray(a) - np.asarray(b)).max()
            for a, b in zip(base, jax.tree.leaves(nnx.state(ours)))]
   assert max(moved) > 0  # the SFT step moved the weights that were exported
+
+
+def test_a_folder_defines_the_model_and_the_run_its_choices(tmp_path, caplog):
+  """init_from a folder: architecture and shapes are the folder's whatever the preset
+  says; remat, layout, dtypes and LoRA are the run's; max_position_embeddings may be
+  set; an override of the model's own fields is not applied, and a warning names it."""
+  from posttrain import experiment
+  cfg = models.get_preset("tiny").replace(**FAMILIES["olmo3"], num_layers=2, d_model=64,
+                                          ffn_dim=96)
+  folder = str(tmp_path / "olmo")
+  models.save_pretrained(models.create_model(cfg), folder)
+  config = _config(init_from=folder, **{"model.overrides.remat": "full",
+                                        "model.overrides.scan_layers": True,
+                                        "model.overrides.lora_rank": 4,
+                                        "model.overrides.max_position_embeddings": 512})
+  with caplog.at_level("WARNING"):
+    run = experiment.model_config(config)
+  assert run.replace(remat="none", scan_layers=False, lora_rank=0,
+                     max_position_embeddings=cfg.max_position_embeddings) == cfg
+  assert (run.remat, run.scan_layers, run.lora_rank, run.max_position_embeddings) == (
+      "full", True, 4, 512)
+  warned = [r.getMessage() for r in caplog.records if "defines the model" in r.getMessage()]
+  assert len(warned) == 1 and "'d_model': 32" in warned[0] and "'d_model': 64" in warned[0]
+  assert "'architecture': 'LlamaForCausalLM'" in warned[0]
+  # Without a folder the preset and overrides define the model, as before.
+  assert experiment.model_config(_config()).architecture == "LlamaForCausalLM"
