@@ -19,9 +19,13 @@ is no prefix of the whole) raises a ValueError naming the message.
 The end of a turn is the special token the template writes right after an assistant
 message's content (found by rendering a probe conversation), else the tokenizer's eos;
 either one right after an assistant's content is the model's own.
-Reasoning stays in the content (no reasoning split); tool schemas in data are passed to
-the template, but tool calls the model writes are not read (rollout.tool_format=native
-is refused; the text format works).
+A vocabulary with <think> and </think>, or a template that writes them, has reasoning:
+completions are split at </think> (`reasoning.split_think`; a generation prompt that ends
+in <think>, as OLMo 3 Think's, opens the block), and an SFT message's reasoning_content
+goes to the template as it is. `thinking` True / False is the template's
+enable_thinking (Qwen3's and SmolLM3's switch). Tool schemas in data are passed to the
+template, but tool calls the model writes are not read (rollout.tool_format=native is
+refused; the text format works).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 from datetime import datetime
 from typing import Any, Sequence
 
+from posttrain.data import reasoning as reasoning_lib
 from posttrain.data.tokenizer import ROLES, ChatFormat
 
 TEMPLATE_PREFIX = "template:"
@@ -98,23 +103,30 @@ class TemplateFormat(ChatFormat):
     # What may close the model's turn in data: the end-of-turn token, or eos (OLMo 3's
     # template ends the conversation's last assistant turn with it instead).
     self._closers = set(self.end_of_turn) | ({eos} if eos is not None else set())
-    with_prompt = self.render(_PROBE[:1], add_generation_prompt=True)
-    without = self.render(_PROBE[:1])
-    if not with_prompt.startswith(without):
-      raise ValueError("the chat template's generation prompt does not follow the "
-                       "conversation it is added to; cannot use it as a chat format")
-    self.generation_header = self._encode(with_prompt[len(without):])[0]
+    self._headers: dict[Any, list[int]] = {}
+    self.generation_header = self.generation_prompt()
+    # <think> blocks: a vocabulary with both tags, or a template that writes them; a
+    # generation prompt ending in <think> opens the block (OLMo 3 Think).
+    vocab = tok._tok.get_vocab(with_added_tokens=True)
+    ids = (vocab.get(reasoning_lib.THINK_OPEN), vocab.get(reasoning_lib.THINK_CLOSE))
+    self.think_ids = ids if None not in ids else None
+    prompt_text = tok._tok.decode(self.generation_header, skip_special_tokens=False)
+    self.opens_reasoning = prompt_text.rstrip().endswith(reasoning_lib.THINK_OPEN)
+    if self.think_ids or self.opens_reasoning or reasoning_lib.THINK_CLOSE in template:
+      self.reasoning = "think"
 
   # --- rendering ------------------------------------------------------------------------
 
   def render(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-             tools: Sequence[dict] | None = None) -> str:
-    """The template's text of `messages` (transformers' apply_chat_template, untokenized)."""
+             tools: Sequence[dict] | None = None, thinking: bool | None = None) -> str:
+    """The template's text of `messages` (transformers' apply_chat_template, untokenized;
+    `thinking` given is its enable_thinking)."""
     import jinja2
+    extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
     try:
       return self._template.render(messages=list(messages), tools=list(tools) if tools else None,
                                    add_generation_prompt=add_generation_prompt,
-                                   **self._tokens)
+                                   **self._tokens, **extra)
     except jinja2.exceptions.TemplateError as e:
       raise ValueError(f"the chat template refused the conversation: {e}") from None
 
@@ -141,24 +153,30 @@ class TemplateFormat(ChatFormat):
         return ids[i] if ids[i] in special else None
     return None
 
+  def check_thinking(self, thinking) -> None:
+    """None, or True / False: the template's enable_thinking (Qwen3's, SmolLM3's)."""
+    if thinking is not None and not isinstance(thinking, bool):
+      raise ValueError(f"thinking must be None, True or False (the chat template's "
+                       f"enable_thinking), got {thinking!r}")
+
   def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
     self.check_thinking(thinking)
     messages = [dict(m) for m in messages]
     for m in messages:
       self._message(m)
-    text = self.render(messages, add_generation_prompt, tools)
+    text = self.render(messages, add_generation_prompt, tools, thinking)
     ids, offsets = self._encode(text)
     spans = []
     for i, m in enumerate(messages):
       if m["role"] != "assistant" or not m.get("weight", 1):
         continue
-      before = self.render(messages[:i], True, tools)
+      before = self.render(messages[:i], True, tools, thinking)
       if not text.startswith(before):
         raise ValueError(f"message {i}: the chat template renders the conversation before "
                          "it differently once it follows; cannot mark the model's tokens")
       content = m.get("content") or ""
       at = text.find(content, len(before)) if content else len(before)
-      upto = self.render(messages[:i + 1], False, tools)
+      upto = self.render(messages[:i + 1], False, tools, thinking)
       if at < 0:
         if not text.startswith(upto):
           raise ValueError(f"message {i}: the chat template does not render the "
@@ -177,19 +195,39 @@ class TemplateFormat(ChatFormat):
     return ids, mask
 
   def generation_prompt(self, thinking=None) -> list[int]:
+    """What the template adds to open the model's turn (after a one-message probe)."""
     self.check_thinking(thinking)
-    return list(self.generation_header)
+    if thinking not in self._headers:
+      with_prompt = self.render(_PROBE[:1], True, thinking=thinking)
+      without = self.render(_PROBE[:1], thinking=thinking)
+      if not with_prompt.startswith(without):
+        raise ValueError("the chat template's generation prompt does not follow the "
+                         "conversation it is added to; cannot use it as a chat format")
+      self._headers[thinking] = self._encode(with_prompt[len(without):])[0]
+    return list(self._headers[thinking])
 
   def continuation(self, messages, *, ended=True, thinking=None):
     """What follows a model turn: rendered after a probe conversation, from the end of
     its assistant content (the end-of-turn token the model wrote dropped)."""
     self.check_thinking(thinking)
-    text = self.render(list(_PROBE) + list(messages), True)
-    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], True)))
+    text = self.render(list(_PROBE) + list(messages), True, thinking=thinking)
+    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], True, thinking=thinking)))
     ids = self._encode(text[at + len(_PROBE[1]["content"]):])[0]
     if ids[:len(self.end_of_turn)] == self.end_of_turn:
       ids = ids[len(self.end_of_turn):]
     return ([] if ended else list(self.end_of_turn)) + ids
+
+  def split_response(self, ids, prompt=None):
+    """The content after a <think> block where the format has them (the block opened by
+    the generation prompt where it ends in <think>, as after the prompt or with no prompt
+    given); otherwise all of it."""
+    if self.reasoning is None:
+      return super().split_response(ids)
+    header = self.generation_header
+    opened = self.opens_reasoning and (prompt is None or list(prompt[-len(header):]) == header)
+    open_id, close_id = self.think_ids or (None, None)
+    return reasoning_lib.split_think(self.tok, ids, open_id=open_id, close_id=close_id,
+                                     opened=opened)
 
   def check_tools(self, tools) -> None:
     if tools:

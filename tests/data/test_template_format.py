@@ -141,5 +141,49 @@ def test_what_the_template_format_refuses(tmp_path):
     tok.chat.check_tools([{}])
   with pytest.raises(ValueError, match="unknown chat role 'robot'"):
     tok.encode_chat([{"role": "robot", "content": "x"}])
-  with pytest.raises(ValueError, match="no reasoning switch"):
-    tok.encode_chat(CONVO[:2], add_generation_prompt=True, thinking=True)
+  with pytest.raises(ValueError, match="thinking must be None, True or False"):
+    tok.encode_chat(CONVO[:2], add_generation_prompt=True, thinking="high")
+
+
+# OLMo 3 Think's layout: ChatML whose generation prompt opens the reasoning block.
+THINK = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\n' + "
+         "message['content'] + '<|im_end|>\n' -}}{%- endfor -%}"
+         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n<think>' -}}{%- endif -%}")
+# Qwen3's switch: enable_thinking=false closes an empty block in the generation prompt.
+SWITCH = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>\n' -}}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+          "{%- if enable_thinking is defined and enable_thinking is false -%}"
+          "{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}{%- endif -%}")
+
+
+def test_a_prompt_that_opens_reasoning_splits_completions_after_it(tmp_path):
+  """A generation prompt ending in <think>: a completion is reasoning up to </think>, the
+  answer after it; one cut off before </think> has no content and is not closed."""
+  specials = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"]
+  hf = _folder(tmp_path, specials, THINK)
+  tok = load_tokenizer(f"template:{tmp_path}")
+  prompt, _ = tok.encode_chat(CONVO[1:2], add_generation_prompt=True)
+  assert prompt == _theirs(hf, THINK, CONVO[1:2], True)
+  assert tok.chat.reasoning == "think" and tok.chat.opens_reasoning
+  done = tok.split_response(tok.encode("2 and 2 make 4.</think>It is 4.") + [tok.eos_id],
+                            prompt)
+  assert (done.content, done.reasoning, done.closed) == ("It is 4.", "2 and 2 make 4.", True)
+  cut = tok.split_response(tok.encode("2 and 2"), prompt)
+  assert (cut.content, cut.reasoning, cut.closed) == ("", "2 and 2", False)
+
+
+def test_thinking_is_the_templates_enable_thinking(tmp_path):
+  specials = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"]
+  hf = _folder(tmp_path, specials, SWITCH)
+  tok = load_tokenizer(f"template:{tmp_path}")
+  for thinking in (None, True, False):
+    ids, _ = tok.encode_chat(CONVO[1:2], add_generation_prompt=True, thinking=thinking)
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    want = hf.apply_chat_template(CONVO[1:2], chat_template=SWITCH, tokenize=True,
+                                  add_generation_prompt=True, **extra)
+    assert ids == list(want["input_ids"] if hasattr(want, "keys") else want), thinking
+  off = tok.chat.generation_prompt(False)
+  assert tok._tok.decode(off, skip_special_tokens=False) == \
+      "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+  assert not tok.chat.opens_reasoning and tok.chat.reasoning == "think"
