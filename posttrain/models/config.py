@@ -150,6 +150,9 @@ class ModelConfig:
     qk_norm_heads: with qk_norm, each norm spans every head's features at once (q's
       heads * head_dim, k's kv_heads * head_dim, one scale per feature: OLMo 2 / 3)
       instead of each head's head_dim.
+    rope_layers: per layer, 1 where its q and k rotate and 0 where they do not (a NoPE
+      layer: SmolLM3's every fourth; transformers' no_rope_layers); () = every layer
+      rotates.
     output_norms: no input norms; the attention's and the MLP's outputs are normed before
       their residual adds (OLMo 2 / 3's post_attention_layernorm and
       post_feedforward_layernorm: `attn_out_norm`, `mlp_out_norm`).
@@ -243,6 +246,7 @@ class ModelConfig:
   norm_unit_offset: bool = False
   sandwich_norms: bool = False
   output_norms: bool = False
+  rope_layers: tuple[int, ...] = ()
   embed_scale: bool = False
   mlp_activation: str = "silu"
   query_pre_attn_scalar: float | None = None
@@ -267,6 +271,11 @@ class ModelConfig:
       object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))
     if isinstance(self.rope_local, dict):
       object.__setattr__(self, "rope_local", RopeConfig(**self.rope_local))
+    if isinstance(self.rope_layers, str):
+      object.__setattr__(self, "rope_layers", tuple(
+          int(t) for t in self.rope_layers.split(",") if t.strip()))
+    else:
+      object.__setattr__(self, "rope_layers", tuple(self.rope_layers or ()))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "ffn_dim"):
       if getattr(self, name) <= 0:
@@ -316,6 +325,10 @@ class ModelConfig:
     if self.qk_norm_heads and not self.qk_norm:
       raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
                        "span)")
+    if self.rope_layers and (len(self.rope_layers) != self.num_layers or any(
+        isinstance(r, bool) or r not in (0, 1) for r in self.rope_layers)):
+      raise ValueError(f"rope_layers must hold a 1 (rotary) or 0 (NoPE) for each of the "
+                       f"{self.num_layers} layers, got {self.rope_layers!r}")
     if self.output_norms and self.sandwich_norms:
       raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
                        "set one")
@@ -370,6 +383,11 @@ class ModelConfig:
     if self.rope_local is not None and not isinstance(self.rope_local, RopeConfig):
       raise ValueError(f"rope_local must be a RopeConfig, a dict or None, got "
                        f"{self.rope_local!r}")
+
+  @property
+  def nope_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether its q and k go without a rotary embedding (NoPE)."""
+    return tuple(not r for r in self.rope_layers) or (False,) * self.num_layers
 
   @property
   def sliding_layers(self) -> tuple[bool, ...]:

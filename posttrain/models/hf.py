@@ -35,7 +35,7 @@ from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_ada
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
-              "Olmo3ForCausalLM", "Phi3ForCausalLM")
+              "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -54,7 +54,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
                 "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                "Phi3ForCausalLM": "phi3"}
+                "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -79,6 +79,9 @@ OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # layer. Our parameters keep q / k / v and gate / up apart: each is a slice of the
 # fused tensor.
 PHI3 = "Phi3ForCausalLM"
+# SmolLM3: Llama with NoPE layers (no_rope_layers: 1 where a layer rotates; by default
+# every fourth does not), and with use_sliding_window a window on the NoPE layers.
+SMOLLM3 = "SmolLM3ForCausalLM"
 _OLMO_DEFAULTS = {"Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                                            rope_theta=10_000.0),
                   "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
@@ -290,15 +293,20 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       rope=rope, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
       qkv_bias=lm == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-      qk_norm=lm in _QK_NORMED, max_position_embeddings=int(c.get("max_position_embeddings",
+      qk_norm=lm in _QK_NORMED, **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get("max_position_embeddings",
                                         defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
-      **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c))
+      **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
+# Classes whose config.json attention_bias puts a bias on all four attention projections
+# (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
+# Mixtral none.
+_BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                  "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Classes with q/k norms (per head; OLMo's over all heads).
 _QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMOS
 # Dense Qwen models whose config.json may turn on sliding-window attention
@@ -324,6 +332,29 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   types = c.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                    for i in range(layers)]
   return {"sliding_window": int(c["sliding_window"]), "layer_types": tuple(types)}
+
+
+def _output_bias_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """attn_out_bias of a class whose attention_bias covers the output projection."""
+  return {"attn_out_bias": bool(c.get("attention_bias"))} if lm in _BIASED_OUTPUT else {}
+
+
+def _smollm3_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """rope_layers (and a window, with use_sliding_window) of a SmolLM3 config.json, read
+  as transformers does ({} for other families)."""
+  if lm != SMOLLM3:
+    return {}
+  layers = int(c["num_hidden_layers"])
+  interval = int(c.get("no_rope_layer_interval") or 4)
+  rope = c.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+  out: dict[str, Any] = {"rope_layers": tuple(int(r) for r in rope),
+                         "attn_out_bias": bool(c.get("attention_bias", False))}
+  window = c.get("sliding_window")
+  if c.get("use_sliding_window") and window:
+    types = c.get("layer_types") or ["full_attention" if r else "sliding_attention"
+                                     for r in rope]
+    out.update(sliding_window=int(window), layer_types=tuple(types))
+  return out
 
 
 def _olmo_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -472,14 +503,17 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   fixed = dict(norm_unit_offset=gemma, embed_scale=gemma, sandwich_norms=lm in _SANDWICHED,
                mlp_activation="gelu_tanh" if gemma else "clamped_swiglu" if oss else "silu",
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
-               attn_out_bias=(oss or olmo) and cfg.qkv_bias, output_norms=olmo,
+               attn_out_bias=(oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
+               and cfg.qkv_bias,
+               output_norms=olmo,
                qk_norm_heads=olmo and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
-    windowed = lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss or lm == "Olmo3ForCausalLM"
+    windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
+                or lm in ("Olmo3ForCausalLM", SMOLLM3))
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -494,6 +528,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
         cfg.sliding_layers):
       raise ValueError(f"layer_types with full-attention layers cannot be written as "
                        f"{cfg.architecture}, whose window applies to every layer")
+  if lm != SMOLLM3 and not all(cfg.rope_layers or (1,)):
+    raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
+                     f"{SMOLLM3} holds them")
   ropes = [r for r in (cfg.rope, cfg.rope_local) if r is not None]
   if lm == PHI3 and any(r.type not in ("default", "longrope") for r in ropes):
     raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
@@ -599,6 +636,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                sliding_window=cfg.sliding_window)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
+  elif lm == SMOLLM3:
+    out["no_rope_layers"] = [int(r) for r in (cfg.rope_layers or (1,) * cfg.num_layers)]
+    kinds = cfg.sliding_layers
+    out.update(use_sliding_window=cfg.sliding_window is not None,
+               sliding_window=cfg.sliding_window, mlp_bias=False,
+               layer_types=["sliding_attention" if k else "full_attention" for k in kinds])
   elif lm == PHI3:
     out.pop("attention_bias")
     out.update(sliding_window=cfg.sliding_window,

@@ -1032,13 +1032,15 @@ class Transformer(nnx.Module):
     if cfg.scan_layers:
       x, new_caches, stats = _scan_blocks(self.layers, x, tables, local, segment_ids_BxT,
                                           cache, positions_BxT, ctx, prefill, cfg.remat,
-                                          router_loss, cfg.sliding_layers)
+                                          router_loss, cfg.sliding_layers, cfg.nope_layers)
     else:
       new_caches = []
       for i, block in enumerate(self.layers):
         layer_cache = None if cache is None else cache[i]
         sliding = cfg.sliding_layers[i]
         cos, sin = local if sliding else tables
+        if cfg.nope_layers[i]:  # cos 1, sin 0: q and k pass unrotated
+          cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         if cfg.remat != "none" and cache is None:
           out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
                              cfg.remat, router_loss, sliding)
@@ -1165,7 +1167,7 @@ def _check_cache_layout(cfg: ModelConfig, cache) -> None:
 
 def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, positions, ctx,
                  prefill, remat: str, router_stats: bool = False,
-                 sliding_layers: tuple[bool, ...] = ()):
+                 sliding_layers: tuple[bool, ...] = (), nope_layers: tuple[bool, ...] = ()):
   """Runs the stacked layers as one `lax.scan`: the program holds one layer's body,
   whatever the depth, so compile time and program size do not grow with layers.
   Returns (x, cache, the layers' RouterStats summed with `router_stats`, else None).
@@ -1175,18 +1177,22 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
   LayerKindCaches, and each layer's index among its own kind rides the scan. `tables` /
   `local_tables` are the rotary (cos, sin) of full / sliding layers; with layers of both kinds
   (`sliding_layers`) each layer's flag rides the scan and picks its tables and kernel.
+  NoPE layers (`nope_layers`) take cos 1 and sin 0 by a flag that rides the scan too.
   """
   graphdef, state = nnx.split(blocks)
   kinds = set(sliding_layers)
   flags = jnp.asarray(sliding_layers, bool) if len(kinds) > 1 else None
   static = bool(sliding_layers and sliding_layers[0])
+  nopes = jnp.asarray(nope_layers, bool) if any(nope_layers) else None
 
-  def run(state, x, cache, i, flag):
+  def run(state, x, cache, i, flag, nope):
     if flag is None:
       cos, sin, sliding = *(local_tables if static else tables), static
     else:
       cos, sin = (jnp.where(flag, a, b) for a, b in zip(local_tables, tables))
       sliding = flag
+    if nope is not None:
+      cos, sin = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, cache, positions, ctx,
                                       prefill, i, router_stats=router_stats, sliding=sliding)
 
@@ -1196,11 +1202,11 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
       run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat], prevent_cse=False)
 
     def body(x, xs):
-      layer_state, flag = xs
-      out = run(layer_state, x, None, None, flag)
+      layer_state, flag, nope = xs
+      out = run(layer_state, x, None, None, flag, nope)
       return out[0], (out[2] if router_stats else None)
 
-    x, stats = jax.lax.scan(body, x, (state, flags))
+    x, stats = jax.lax.scan(body, x, (state, flags, nopes))
     return x, None, (jax.tree.map(lambda s: jnp.sum(s, axis=0), stats) if router_stats
                      else None)
 
@@ -1213,12 +1219,12 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
 
   def body_cached(x_cache, xs):
     x, cache = x_cache
-    layer_state, flag, i = xs
-    x, cache = run(layer_state, x, cache, i, flag)
+    layer_state, flag, nope, i = xs
+    x, cache = run(layer_state, x, cache, i, flag, nope)
     return (x, cache), None
 
   (x, cache), _ = jax.lax.scan(body_cached, (x, cache),
-                               (state, flags, jnp.asarray(index, jnp.int32)))
+                               (state, flags, nopes, jnp.asarray(index, jnp.int32)))
   return x, cache, None
 
 

@@ -67,6 +67,8 @@ CASES = [
     ("qwen3", False, None),
     ("qwen3", True, None),
 ]
+# attention_bias: Llama's and Qwen3's covers the output projection too.
+BIASED = [("llama", False, None), ("qwen3", False, None)]
 
 
 @pytest.mark.parametrize("family,tie,rope", CASES)
@@ -77,6 +79,19 @@ def test_logits_match_transformers(tmp_path, family, tie, rope):
   got = _our_logits(ours)
   want = _hf_logits(hf, TOKENS)
   assert np.abs(got - want).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family,tie,rope", BIASED)
+def test_attention_bias_on_every_projection_in_and_out(tmp_path, family, tie, rope):
+  hf = _hf_model(family, tie, rope, attention_bias=True)
+  assert hf.model.layers[0].self_attn.o_proj.bias is not None
+  hf.save_pretrained(tmp_path / "a")
+  ours = models.from_pretrained(str(tmp_path / "a"))
+  assert ours.cfg.qkv_bias and ours.cfg.attn_out_bias
+  assert np.abs(_our_logits(ours) - _hf_logits(hf, TOKENS)).max() <= 1e-4
+  models.save_pretrained(ours, str(tmp_path / "b"))
+  back = type(hf).from_pretrained(tmp_path / "b").float().eval()
+  assert np.abs(_hf_logits(back, TOKENS) - _hf_logits(hf, TOKENS)).max() <= 1e-6
 
 
 def test_legacy_rope_scaling_form_is_read(tmp_path):
