@@ -10,7 +10,8 @@ sandboxed Jinja environment with its filters and globals), and `load_tokenizer
 
 The loss mask is read off the rendering: assistant message i spans from the end of the
 conversation before it with a generation prompt (what the model saw when it began
-writing) to the end of its content, plus the end-of-turn token written right after it;
+writing; where the prompt also opens a <think> block the finished turn does not show,
+from the end of the header they share) to the end of its content, plus the end-of-turn token written right after it;
 tokens are assigned by their character offsets in the one tokenization of the whole
 text, so the ids are the template's to the token. A template that renders an earlier
 message differently once later ones follow (so that the conversation up to message i
@@ -141,7 +142,7 @@ class TemplateFormat(ChatFormat):
   def _end_after_content(self) -> int | None:
     """The special token the template writes right after an assistant's content."""
     text = self.render(_PROBE + [{"role": "user", "content": "Hi"}])
-    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], True)))
+    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1])))
     if at < 0:
       return None
     ids, offsets = self._encode(text)
@@ -170,19 +171,27 @@ class TemplateFormat(ChatFormat):
     for i, m in enumerate(messages):
       if m["role"] != "assistant" or not m.get("weight", 1):
         continue
-      before = self.render(messages[:i], True, tools, thinking)
-      if not text.startswith(before):
+      base = self.render(messages[:i], False, tools, thinking)
+      if not text.startswith(base):
         raise ValueError(f"message {i}: the chat template renders the conversation before "
                          "it differently once it follows; cannot mark the model's tokens")
+      # The turn starts where the generation prompt and the rendered turn part: after
+      # the whole prompt, or (a prompt that also opens <think>, which the template does
+      # not write for a finished turn) after the header they share.
+      prompt = self.render(messages[:i], True, tools, thinking)[len(base):]
+      rest = text[len(base):]
+      shared = next((j for j, (a, b) in enumerate(zip(prompt, rest)) if a != b),
+                    min(len(prompt), len(rest)))
+      start = len(base) + shared
       content = m.get("content") or ""
-      at = text.find(content, len(before)) if content else len(before)
+      at = text.find(content, start) if content else start
       upto = self.render(messages[:i + 1], False, tools, thinking)
       if at < 0:
         if not text.startswith(upto):
           raise ValueError(f"message {i}: the chat template does not render the "
                            "assistant's content as given; cannot mark the model's tokens")
         at, content = len(upto), ""
-      spans.append((len(before), at + len(content)))
+      spans.append((start, at + len(content)))
     mask = [0] * len(ids)
     for start, end in spans:
       for t, (lo, hi) in enumerate(offsets):
@@ -211,7 +220,7 @@ class TemplateFormat(ChatFormat):
     its assistant content (the end-of-turn token the model wrote dropped)."""
     self.check_thinking(thinking)
     text = self.render(list(_PROBE) + list(messages), True, thinking=thinking)
-    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], True, thinking=thinking)))
+    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], thinking=thinking)))
     ids = self._encode(text[at + len(_PROBE[1]["content"]):])[0]
     if ids[:len(self.end_of_turn)] == self.end_of_turn:
       ids = ids[len(self.end_of_turn):]

@@ -171,6 +171,11 @@ def test_a_prompt_that_opens_reasoning_splits_completions_after_it(tmp_path):
   assert (done.content, done.reasoning, done.closed) == ("It is 4.", "2 and 2 make 4.", True)
   cut = tok.split_response(tok.encode("2 and 2"), prompt)
   assert (cut.content, cut.reasoning, cut.closed) == ("", "2 and 2", False)
+  # A finished turn shows no <think> of the prompt's: the model's tokens start after the
+  # header the two share.
+  ids, mask = tok.encode_chat(CONVO[1:3])
+  assert ids == _theirs(hf, THINK, CONVO[1:3], False)
+  assert _own_text(tok, ids, mask) == "It is 4.<|im_end|>"
 
 
 def test_thinking_is_the_templates_enable_thinking(tmp_path):

@@ -13,6 +13,7 @@ from posttrain import models
 CFG = models.get_preset("tiny").replace(vocab_size=263, d_model=48, num_heads=6, num_kv_heads=3,
                                         head_dim=8, ffn_dim=80, num_layers=3,
                                         tie_embeddings=False, qkv_bias=True, qk_norm=True,
+                                        attn_out_bias=True,  # Qwen3's attention_bias
                                         architecture="Qwen3ForCausalLM")
 SCAN = CFG.replace(scan_layers=True)
 
@@ -171,6 +172,7 @@ def test_hugging_face_files_are_the_same_from_either_layout(tmp_path, pair):
   a = load_file(str(tmp_path / "a" / "model.safetensors"))
   b = load_file(str(tmp_path / "b" / "model.safetensors"))
   assert sorted(a) == sorted(b) and "model.layers.2.self_attn.q_proj.bias" in a
+  assert "model.layers.2.self_attn.o_proj.bias" in a
   for name in a:
     np.testing.assert_array_equal(b[name], a[name], err_msg=name)
   loaded = models.from_pretrained(str(tmp_path / "a"), scan_layers=True)
