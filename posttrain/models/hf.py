@@ -292,7 +292,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(head_dim),
       rope=rope, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
-      qkv_bias=lm == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
+      qkv_bias=lm == "Qwen2ForCausalLM" or (bool(c.get("attention_bias", False))
+                                             and lm not in _NO_ATTENTION_BIAS),
       qk_norm=lm in _QK_NORMED, **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get("max_position_embeddings",
                                         defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
@@ -307,6 +308,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Classes whose attention projections never have biases (transformers ignores a
+# config.json's attention_bias there).
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3)
 # Classes with q/k norms (per head; OLMo's over all heads).
 _QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMOS
 # Dense Qwen models whose config.json may turn on sliding-window attention
@@ -487,6 +491,9 @@ def check_exportable(cfg: ModelConfig) -> None:
   if lm == "Qwen2ForCausalLM" and not cfg.qkv_bias:
     raise ValueError(f"qkv_bias=False cannot be written as {arch}, which always "
                      "has q/k/v biases")
+  if lm == "MistralForCausalLM" and cfg.qkv_bias:
+    raise ValueError(f"qkv_bias=True cannot be written as {arch}, whose attention "
+                     "projections have no biases")
   if lm == "MixtralForCausalLM" and (cfg.qkv_bias or not cfg.norm_topk_prob):
     raise ValueError(f"{arch} has no q/k/v biases and always renormalises the "
                      f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="

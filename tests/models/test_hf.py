@@ -94,6 +94,19 @@ def test_attention_bias_on_every_projection_in_and_out(tmp_path, family, tie, ro
   assert np.abs(_hf_logits(back, TOKENS) - _hf_logits(hf, TOKENS)).max() <= 1e-6
 
 
+def test_mistral_ignores_attention_bias_as_transformers_does(tmp_path):
+  """transformers' Mistral has no attention biases whatever config.json's attention_bias
+  says: such a folder loads without them, and a model with them is not written as one."""
+  hf = _hf_model("mistral", attention_bias=True)
+  assert hf.model.layers[0].self_attn.q_proj.bias is None
+  hf.save_pretrained(tmp_path)
+  ours = models.from_pretrained(str(tmp_path))
+  assert not ours.cfg.qkv_bias and not ours.cfg.attn_out_bias
+  assert np.abs(_our_logits(ours) - _hf_logits(hf, TOKENS)).max() <= 1e-4
+  with pytest.raises(ValueError, match="qkv_bias=True cannot be written as MistralForCausalLM"):
+    models.hf.check_exportable(ours.cfg.replace(qkv_bias=True))
+
+
 def test_legacy_rope_scaling_form_is_read(tmp_path):
   hf = _hf_model("llama", rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
