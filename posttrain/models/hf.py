@@ -35,7 +35,7 @@ from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_ada
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
-              "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+              "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -54,7 +54,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
                 "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}
+                "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
+                "Glm4ForCausalLM": "glm4"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -82,6 +83,13 @@ PHI3 = "Phi3ForCausalLM"
 # SmolLM3: Llama with NoPE layers (no_rope_layers: 1 where a layer rotates; by default
 # every fourth does not), and with use_sliding_window a window on the NoPE layers.
 SMOLLM3 = "SmolLM3ForCausalLM"
+# GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
+# each sublayer's input and output (Gemma 2's layout with plain norms), and half of each
+# head rotated by an interleaved rotary embedding (features 2i and 2i + 1 pair up). Ours
+# is rotate-half: q's and k's rotated features are permuted on load (evens, then odds),
+# which turns one into the other and leaves q . k unchanged, and back on export.
+GLM4 = "Glm4ForCausalLM"
+_GLM4_DEFAULTS = dict(rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)
 _OLMO_DEFAULTS = {"Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                                            rope_theta=10_000.0),
                   "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
@@ -189,6 +197,8 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported "
                      f"for {lm or 'this architecture'}")
   merged = {**dict(c.get("rope_scaling") or {}), **params}
+  if lm == GLM4:
+    merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm == PHI3:
     if merged.get("rope_type", merged.get("type")) in ("su", "yarn"):
       merged["rope_type"] = "longrope"  # the legacy names, as transformers reads them
@@ -265,6 +275,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       c["rope_scaling"] = dict(_GPT_OSS_ROPE)
   if lm in OLMOS:
     c = {**_OLMO_DEFAULTS[lm], **c}
+  if lm == GLM4:
+    c = {**_GLM4_DEFAULTS, **c}
   reward_model = arch != lm
   if reward_model and _num_labels(c) != 1:
     raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
@@ -299,7 +311,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
-      **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c))
+      **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
+      **({"sandwich_norms": True} if lm == GLM4 else {}))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -507,7 +520,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   and only Gemma 3 a rotary embedding of the sliding layers' own."""
   gemma, oss = lm in GEMMAS, lm == GPT_OSS
   olmo = lm in OLMOS
-  fixed = dict(norm_unit_offset=gemma, embed_scale=gemma, sandwich_norms=lm in _SANDWICHED,
+  fixed = dict(norm_unit_offset=gemma, embed_scale=gemma,
+               sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation="gelu_tanh" if gemma else "clamped_swiglu" if oss else "silu",
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
                attn_out_bias=(oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
@@ -542,10 +556,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and any(r.type not in ("default", "longrope") for r in ropes):
     raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
                      "whose rotary embedding is the default one or LongRoPE")
-  if lm != PHI3 and any(r.type == "longrope" or r.partial_rotary_factor != 1.0
-                        for r in ropes):
-    raise ValueError(f"LongRoPE and a partial rotary embedding cannot be written as "
-                     f"{cfg.architecture}; {PHI3} holds them")
+  if lm != PHI3 and any(r.type == "longrope" for r in ropes):
+    raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
+  if lm not in (PHI3, GLM4) and any(r.partial_rotary_factor != 1.0 for r in ropes):
+    raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
+                     f"{PHI3} and {GLM4} hold it")
   if lm == PHI3 and cfg.head_dim * cfg.num_heads != cfg.d_model:
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -643,6 +658,11 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                sliding_window=cfg.sliding_window)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
+  elif lm == GLM4:
+    out.update(partial_rotary_factor=rope.partial_rotary_factor,
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})})
   elif lm == SMOLLM3:
     out["no_rope_layers"] = [int(r) for r in (cfg.rope_layers or (1,) * cfg.num_layers)]
     kinds = cfg.sliding_layers
@@ -711,7 +731,11 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   # 2's pre_feedforward_layernorm (whose post_attention_layernorm norms the attention's
   # output: our attn_out_norm).
   norms = [("input_norm", "input_layernorm")]
-  if cfg.output_norms:  # OLMo 2 / 3: the outputs' norms alone
+  if _causal_lm(cfg.architecture) == GLM4:  # both norms of each sublayer, GLM's names
+    norms += [("attn_out_norm", "post_self_attn_layernorm"),
+              ("post_attn_norm", "post_attention_layernorm"),
+              ("mlp_out_norm", "post_mlp_layernorm")]
+  elif cfg.output_norms:  # OLMo 2 / 3: the outputs' norms alone
     norms = [("attn_out_norm", "post_attention_layernorm"),
              ("mlp_out_norm", "post_feedforward_layernorm")]
   elif cfg.sandwich_norms:
@@ -721,6 +745,11 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   else:
     norms += [("post_attn_norm", "post_attention_layernorm")]
   fused = _causal_lm(cfg.architecture) == PHI3
+  fused_mlp = _causal_lm(cfg.architecture) in (PHI3, GLM4)
+  qk_in, qk_bias = proj_in, bias
+  if _causal_lm(cfg.architecture) == GLM4:  # interleaved rotary features <-> rotate-half
+    qk_in = _interleaved_rows(proj_in, h, d, cfg)
+    qk_bias = _interleaved_rows(bias, h, None, cfg)
   for i in range(cfg.num_layers):
     p, hf = ("layers", i), f"model.layers.{i}."
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
@@ -733,13 +762,13 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                                           ("v_proj", n + k, k))]
     else:
       rows += [
-          (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *proj_in(n), (d, n, h)),
-          (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *proj_in(k), (d, k, h)),
+          (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *qk_in(n), (d, n, h)),
+          (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *qk_in(k), (d, k, h)),
           (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h))]
     rows.append((p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
                  lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
                  lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
-    if fused:
+    if fused_mlp:
       transposed = (lambda x: x.T, lambda x: x.T)
       rows += [(p + ("mlp", name), hf + "mlp.gate_up_proj.weight",
                 *_fused_part(transposed, start, f, 2 * f), (d, f))
@@ -769,8 +798,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
           (p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T,
            lambda x: x.T, (f, d))]
     if cfg.qkv_bias:
-      rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *bias(n), (n, h)),
-               (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *bias(k), (k, h)),
+      rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
+               (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *qk_bias(k), (k, h)),
                (p + ("attn", "v_bias"), hf + "self_attn.v_proj.bias", *bias(k), (k, h))]
     if cfg.qk_norm and cfg.qk_norm_heads:  # HF [heads * h] <-> ours [heads, h]
       rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", *bias(n),
@@ -786,6 +815,24 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows.append((p + ("attn", "o_bias"), hf + "self_attn.o_proj.bias", ident, ident, (d,)))
     if cfg.attention_sinks:
       rows.append((p + ("attn", "sinks"), hf + "self_attn.sinks", ident, ident, (n,)))
+  return rows
+
+
+def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
+                      d: int | None, cfg: ModelConfig) -> Callable[[int], tuple]:
+  """`inner` (heads -> (HF -> ours, ours -> HF) of a q/k weight [heads * h, d], or bias
+  [heads * h] with d None) with each head's rotated features reordered: HF's interleaved
+  pairs (2i, 2i + 1) become our rotate-half pairs (i, i + r / 2), evens then odds; the
+  unrotated rest keeps its place."""
+  r = cfg.rope.rotary_dim(h)
+  order = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, h)])
+  back = np.argsort(order)
+  tail = () if d is None else (d,)
+
+  def rows(heads):
+    to_ours, to_hf = inner(heads)
+    return (lambda x: to_ours(x.reshape(heads, h, *tail)[:, order].reshape(heads * h, *tail)),
+            lambda x: to_hf(x).reshape(heads, h, *tail)[:, back].reshape(heads * h, *tail))
   return rows
 
 
@@ -848,10 +895,11 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     ValueError: for Phi-3, whose PEFT adapters sit on the fused qkv_proj / gate_up_proj
       (one A shared by q, k and v), which ours (an A each) are not.
   """
-  if _causal_lm(cfg.architecture) == PHI3:
+  if _causal_lm(cfg.architecture) in (PHI3, GLM4):
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
-                     "gate_up_proj, which our per-projection adapters are not: they are "
-                     "neither read nor written; export the model merged (save_pretrained)")
+                     "gate_up_proj (and GLM-4's interleaved q / k rows), which our "
+                     "per-projection adapters are not: they are neither read nor written; "
+                     "export the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
   for t in cfg.lora_target_names:
