@@ -1,4 +1,4 @@
-"""A GRPO run from an OLMo 3 and from a Phi-3 (LongRoPE, partial rotary) Hugging Face
+"""A GRPO run from an OLMo 3, a GLM-4 and a Phi-3 (LongRoPE, partial rotary) Hugging Face
 folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
 the final checkpoint exported as a folder that transformers loads into the same class
 and computes our logits with."""
@@ -28,6 +28,10 @@ FAMILIES = {
                   layer_types=("sliding_attention", "full_attention"),
                   rope=models.RopeConfig(theta=500_000.0, type="linear", factor=2.0),
                   rope_local=models.RopeConfig(theta=500_000.0)),
+    # Sandwich norms and half of each head rotated by an interleaved rotary embedding
+    # (held as rotate-half over reordered q / k rows).
+    "glm4": dict(architecture="Glm4ForCausalLM", sandwich_norms=True, qkv_bias=True,
+                 rope=models.RopeConfig(partial_rotary_factor=0.5)),
     # Half of each head rotates, under LongRoPE whose original context (24) the rows
     # pass: prompts and rollouts cross it.
     "phi3": dict(architecture="Phi3ForCausalLM",

@@ -692,10 +692,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if cfg.architecture != lm:  # A reward model: one label, and the pad id it finds rows by.
     out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     pad = 0 if pad is None else pad
-  if pad is not None:
-    out["pad_token_id"] = int(pad)
-  elif lm == PHI3:  # transformers' Phi-3 default (32000) may lie past a smaller vocabulary
-    out["pad_token_id"] = None
+  # Stated even when unknown: transformers' defaults for some classes (Phi-3's 32000,
+  # GLM-4's 151329, ...) lie past a smaller vocabulary.
+  out["pad_token_id"] = None if pad is None else int(pad)
   return out
 
 
