@@ -7,6 +7,8 @@ Templates: OLMo 2's (Tülu turns in plain text, closed by eos) and OLMo 3.1 Inst
 with the "template:" prefix over the ChatML format its tokens would pick."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from posttrain.data import load_tokenizer
 from posttrain.data.templates import TemplateFormat
@@ -192,3 +194,47 @@ def test_thinking_is_the_templates_enable_thinking(tmp_path):
   assert tok._tok.decode(off, skip_special_tokens=False) == \
       "<|im_start|>assistant\n<think>\n\n</think>\n\n"
   assert not tok.chat.opens_reasoning and tok.chat.reasoning == "think"
+
+
+_TEXT = st.text(alphabet=st.sampled_from(list("ab 4?!.\n")), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(turns=st.lists(st.tuples(_TEXT, _TEXT), min_size=1, max_size=3),
+       system=st.one_of(st.none(), _TEXT), prompt=st.booleans())
+def test_any_conversation_is_the_templates_to_the_token(tmp_path_factory, turns, system,
+                                                        prompt):
+  """Random text (spaces, newlines, punctuation where BPE merges across turns) in OLMo
+  2's and OLMo 3's templates: the ids are transformers', and the model's own tokens are
+  exactly each assistant's content and the token that closes it."""
+  for name, template, specials in (
+      ("olmo2", OLMO2, ["<|endoftext|>", "<|pad|>"]),
+      ("olmo3", OLMO3, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])):
+    tok, hf = _TOKENIZERS.get(name) or _TOKENIZERS.setdefault(name, _load(
+        tmp_path_factory.mktemp(name), template, specials))
+    convo = ([{"role": "system", "content": system}] if system is not None else [])
+    for user, assistant in turns:
+      convo += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    if prompt:
+      convo.append({"role": "user", "content": "ok"})
+    ids, mask = tok.encode_chat(convo, add_generation_prompt=prompt)
+    assert ids == _theirs(hf, template, convo, prompt), name
+    own = [i for i, m in zip(ids, mask) if m]
+    closers = [tok._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    pieces, current = [], []
+    for i in own:
+      current.append(i)
+      if i in closers:
+        pieces.append(current)
+        current = []
+    assert not current and len(pieces) == len(turns), name
+    for piece, (_, assistant) in zip(pieces, turns):
+      assert tok._tok.decode(piece[:-1], skip_special_tokens=False) == assistant, name
+
+
+_TOKENIZERS: dict = {}
+
+
+def _load(path, template, specials):
+  hf = _folder(path, specials, template)
+  return load_tokenizer(f"template:{path}"), hf
