@@ -57,3 +57,18 @@ def deepseek(tmp_path_factory):
   distills' vocabularies also hold)."""
   from tests.data.test_reasoning import R1_SPECIALS, _write_tokenizer
   return _write_tokenizer(tmp_path_factory.mktemp("r1"), R1_SPECIALS)
+
+
+@pytest.fixture
+def scored(monkeypatch):
+  """The samples rollouts score, in order (the worker's `_score` spied on)."""
+  from posttrain.rollout import worker as worker_lib
+  seen = []
+  score = worker_lib._score
+
+  def spy(task, sample):
+    seen.append(sample)
+    return score(task, sample)
+
+  monkeypatch.setattr(worker_lib, "_score", spy)
+  return seen

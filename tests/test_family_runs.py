@@ -103,26 +103,18 @@ def test_a_folder_defines_the_model_and_the_run_its_choices(tmp_path, caplog):
   assert experiment.model_config(_config()).architecture == "LlamaForCausalLM"
 
 
-def test_a_run_with_a_tokenizer_its_own_template_renders(tmp_path, monkeypatch):
+def test_a_run_with_a_tokenizer_its_own_template_renders(tmp_path, scored):
   """End to end with "template:DIR" (OLMo 3 Think's layout: ChatML whose generation
   prompt opens <think>): SFT demonstrations and rollout prompts are the template's, and
   the verifier reads each completion after its reasoning."""
   from posttrain.data import load_tokenizer
-  from posttrain.rollout import worker as worker_lib
   from tests.data.test_template_format import THINK, _folder
   tok_dir = tmp_path / "tok"
   tok_dir.mkdir()
   _folder(tok_dir, ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"],
           THINK)
   tok = load_tokenizer(f"template:{tok_dir}")
-  seen = []
-  score = worker_lib._score
-
-  def spy(task, sample):
-    seen.append(sample)
-    return score(task, sample)
-
-  monkeypatch.setattr(worker_lib, "_score", spy)
+  seen = scored
   config = _config(**{"tokenizer": f"template:{tok_dir}", "model.overrides.vocab_size": 400,
                       "train.rl_steps": 1, "sft.steps": 1})
   assert trainer.train(config, str(tmp_path / "run"))["status"] == "done"

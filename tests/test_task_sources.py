@@ -187,24 +187,16 @@ def test_a_module_registers_a_reward_function_task_files_name(tmp_path):
     jsonl.VERIFIERS.pop("close_to", None)
 
 
-def test_a_qwen3_run_logs_its_reasoning_and_reads_its_content(tmp_path, monkeypatch):
+def test_a_qwen3_run_logs_its_reasoning_and_reads_its_content(tmp_path, scored):
   """End to end with a Qwen3-style tokenizer (ChatML with <think>): the run's prompts close
   thinking when rollout.thinking=off, the verifier reads each completion's content, and
   the reasoning metrics are logged."""
-  from posttrain.rollout import worker as worker_lib
   from tests.data.test_reasoning import QWEN3_SPECIALS, _write_tokenizer
   from tests.test_trainer import OVERRIDES
   tok_dir = tmp_path / "tok"
   tok_dir.mkdir()
   tok = _write_tokenizer(tok_dir, QWEN3_SPECIALS)
-  seen = []
-  score = worker_lib._score
-
-  def spy(task, sample):
-    seen.append(sample)
-    return score(task, sample)
-
-  monkeypatch.setattr(worker_lib, "_score", spy)
+  seen = scored
   over = {**OVERRIDES, "tokenizer": str(tok_dir), "model.overrides.vocab_size": 320,
           "train.rl_steps": 1, "sft.steps": 0, "eval.seeds_per_domain": 0,
           "rollout.thinking": "off"}

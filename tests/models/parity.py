@@ -88,3 +88,15 @@ def greedy_tokens(folder, hf_model, prompts, new_tokens, scan):
                                pad_token_id=0)[0, len(prompt):].tolist()
     pairs.append((out.tokens[i].tolist(), want))
   return pairs
+
+
+def perturb(model, seed: int = 0, scale: float = 0.3, biases: bool = True):
+  """Moves a fresh transformers model's norm scales (one at init) and biases (zero) off
+  their initial values, so that each of them moves the logits; returns the model."""
+  import torch
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name or (biases and name.endswith("bias")):
+        p.add_(torch.randn_like(p) * scale)
+  return model

@@ -12,7 +12,7 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
-                                 greedy_tokens, hf_logits, save_families,
+                                 greedy_tokens, hf_logits, perturb, save_families,
                                  target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -31,12 +31,7 @@ def _hf_model(name="glm4", cls="Glm4ForCausalLM", **extra):
   del name
   cfg = transformers.Glm4Config(**{**COMMON, **extra})
   torch.manual_seed(0)
-  model = getattr(transformers, cls)(cfg).float().eval()
-  with torch.no_grad():  # biases (zero at init) and norm scales that matter
-    for name, p in model.named_parameters():
-      if name.endswith("bias") or "norm" in name:
-        p.add_(torch.randn_like(p) * 0.3)
-  return model
+  return perturb(getattr(transformers, cls)(cfg).float().eval())
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
-                                 greedy_tokens, hf_logits, save_families,
+                                 greedy_tokens, hf_logits, perturb, save_families,
                                  target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -44,12 +44,7 @@ def _hf_model(family, cls=None, **extra):
   config_class, model_class, fields = FAMILIES[family]
   cfg = getattr(transformers, config_class)(**{**COMMON, **fields, **extra})
   torch.manual_seed(0)
-  model = getattr(transformers, cls or model_class)(cfg).float().eval()
-  with torch.no_grad():  # biases (zero at init) and norm scales (one) that matter
-    for name, p in model.named_parameters():
-      if name.endswith("bias") or "norm" in name:
-        p.add_(torch.randn_like(p) * 0.3)
-  return model
+  return perturb(getattr(transformers, cls or model_class)(cfg).float().eval())
 
 
 def _hf_logits(model, tokens=TOKENS):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
-                                 greedy_tokens, hf_logits, save_families,
+                                 greedy_tokens, hf_logits, perturb, save_families,
                                  target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -43,12 +43,7 @@ _jitted_logits = nnx.jit(lambda m, t: m(t))
 def _hf_model(variant, cls="Phi3ForCausalLM", **extra):
   cfg = transformers.Phi3Config(**{**COMMON, **VARIANTS[variant], **extra})
   torch.manual_seed(0)
-  model = getattr(transformers, cls)(cfg).float().eval()
-  with torch.no_grad():  # norm scales that matter
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.add_(torch.randn_like(p) * 0.3)
-  return model
+  return perturb(getattr(transformers, cls)(cfg).float().eval(), biases=False)
 
 
 def _hf_logits(model, tokens=TOKENS):

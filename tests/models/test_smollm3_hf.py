@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from posttrain import models
-from tests.models.parity import (check_reward_model_round_trip, greedy_tokens, hf_logits,
+from tests.models.parity import (check_reward_model_round_trip, greedy_tokens, hf_logits, perturb,
                                  save_families)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -33,12 +33,7 @@ _jitted_logits = nnx.jit(lambda m, t: m(t))
 def _hf_model(variant, cls="SmolLM3ForCausalLM", **extra):
   cfg = transformers.SmolLM3Config(**{**COMMON, **VARIANTS[variant], **extra})
   torch.manual_seed(0)
-  model = getattr(transformers, cls)(cfg).float().eval()
-  with torch.no_grad():  # biases (zero at init) and norm scales that matter
-    for name, p in model.named_parameters():
-      if name.endswith("bias") or "norm" in name:
-        p.add_(torch.randn_like(p) * 0.3)
-  return model
+  return perturb(getattr(transformers, cls)(cfg).float().eval())
 
 
 def _logits(model, tokens=TOKENS):
