@@ -360,11 +360,11 @@ def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
   overrides = dict(config.model.get("overrides", {}) or {})
   if config.model.get("value_head") is not None:
     overrides["value_head"] = bool(config.model.value_head)
-  cfg = models.get_preset(config.model.preset, **overrides)
+  preset = models.get_preset(config.model.preset)
+  cfg = preset.replace(**overrides) if overrides else preset  # checks the overrides too
   folder = hf_init_folder(config)
   if folder:
     read, _ = models.hf.folder_config(folder, f"init_from={folder!r}")
-    preset = models.get_preset(config.model.preset)
     run = {f: overrides.get(f, getattr(preset, f)) for f in RUN_FIELDS}
     if not read.lm_head:  # a reward model's folder: its score head is the value head
       run["value_head"] = True

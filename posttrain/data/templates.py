@@ -31,6 +31,7 @@ refused; the text format works).
 
 from __future__ import annotations
 
+import bisect
 import json
 from datetime import datetime
 from typing import Any, Sequence
@@ -96,10 +97,10 @@ class TemplateFormat(ChatFormat):
       raise ValueError(f"the tokenizer's chat template does not compile: {e}") from None
     self._tokens = {key: text for key in ("bos_token", "eos_token", "pad_token", "unk_token")
                     if (text := _token_text(cfg.get(key))) is not None}
-    self._tok = tok
     super().__init__(tok, {r: [] for r in ROLES}, [], name="template")
     end = self._end_after_content()
-    eos = self._special_id(self._tokens.get("eos_token"))
+    eos_text = self._tokens.get("eos_token")
+    eos = None if eos_text is None else tok._tok.token_to_id(eos_text)
     self.end_of_turn = [end] if end is not None else [] if eos is None else [eos]
     # What may close the model's turn in data: the end-of-turn token, or eos (OLMo 3's
     # template ends the conversation's last assistant turn with it instead).
@@ -133,21 +134,24 @@ class TemplateFormat(ChatFormat):
 
   def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """(ids, character offsets) of `text`, special tokens in it recognised."""
-    enc = self._tok._tok.encode(text, add_special_tokens=False)
+    enc = self.tok._tok.encode(text, add_special_tokens=False)
     return list(enc.ids), list(enc.offsets)
 
-  def _special_id(self, text: str | None) -> int | None:
-    return None if text is None else self._tok._tok.token_to_id(text)
+  def _after_probe(self, text: str, thinking=None) -> int:
+    """Where the probe's assistant content ends in `text`, a rendering of the probe
+    conversation and what follows it (-1: the template does not show the content)."""
+    content = _PROBE[1]["content"]
+    at = text.find(content, len(self.render(_PROBE[:1], thinking=thinking)))
+    return -1 if at < 0 else at + len(content)
 
   def _end_after_content(self) -> int | None:
     """The special token the template writes right after an assistant's content."""
     text = self.render(_PROBE + [{"role": "user", "content": "Hi"}])
-    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1])))
-    if at < 0:
+    after = self._after_probe(text)
+    if after < 0:
       return None
     ids, offsets = self._encode(text)
-    after = at + len(_PROBE[1]["content"])
-    special = {int(i) for i, t in self._tok._tok.get_added_tokens_decoder().items()
+    special = {int(i) for i, t in self.tok._tok.get_added_tokens_decoder().items()
                if t.special}
     for i, (start, _) in enumerate(offsets):
       if start >= after:
@@ -185,17 +189,19 @@ class TemplateFormat(ChatFormat):
       start = len(base) + shared
       content = m.get("content") or ""
       at = text.find(content, start) if content else start
-      upto = self.render(messages[:i + 1], False, tools, thinking)
       if at < 0:
+        upto = self.render(messages[:i + 1], False, tools, thinking)
         if not text.startswith(upto):
           raise ValueError(f"message {i}: the chat template does not render the "
                            "assistant's content as given; cannot mark the model's tokens")
         at, content = len(upto), ""
       spans.append((start, at + len(content)))
     mask = [0] * len(ids)
+    starts = [lo for lo, _ in offsets]
     for start, end in spans:
-      for t, (lo, hi) in enumerate(offsets):
-        if lo >= start and hi <= end and hi > lo:
+      for t in range(bisect.bisect_left(starts, start), len(ids)):
+        lo, hi = offsets[t]
+        if hi <= end and hi > lo:
           mask[t] = 1
         elif lo >= end:
           if ids[t] in self._closers:
@@ -220,8 +226,11 @@ class TemplateFormat(ChatFormat):
     its assistant content (the end-of-turn token the model wrote dropped)."""
     self.check_thinking(thinking)
     text = self.render(list(_PROBE) + list(messages), True, thinking=thinking)
-    at = text.find(_PROBE[1]["content"], len(self.render(_PROBE[:1], thinking=thinking)))
-    ids = self._encode(text[at + len(_PROBE[1]["content"]):])[0]
+    after = self._after_probe(text, thinking)
+    if after < 0:
+      raise ValueError("the chat template does not show an assistant's content; cannot "
+                       "continue a conversation after a model turn")
+    ids = self._encode(text[after:])[0]
     if ids[:len(self.end_of_turn)] == self.end_of_turn:
       ids = ids[len(self.end_of_turn):]
     return ([] if ended else list(self.end_of_turn)) + ids
