@@ -37,9 +37,8 @@ from datetime import datetime
 from typing import Any, Sequence
 
 from posttrain.data import reasoning as reasoning_lib
-from posttrain.data.tokenizer import ROLES, ChatFormat
+from posttrain.data.tokenizer import ROLES, ChatFormat, config_token
 
-TEMPLATE_PREFIX = "template:"
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
 
 
@@ -76,12 +75,6 @@ def _environment():
   return env
 
 
-def _token_text(value: Any) -> str | None:
-  """A special token entry of tokenizer_config.json (a string or {"content": ...})."""
-  value = value.get("content") if isinstance(value, dict) else value
-  return value if isinstance(value, str) else None
-
-
 class TemplateFormat(ChatFormat):
   """A tokenizer's own Jinja chat template as a chat format (see the module docstring)."""
 
@@ -96,7 +89,7 @@ class TemplateFormat(ChatFormat):
     except jinja2.exceptions.TemplateError as e:
       raise ValueError(f"the tokenizer's chat template does not compile: {e}") from None
     self._tokens = {key: text for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-                    if (text := _token_text(cfg.get(key))) is not None}
+                    if (text := config_token(cfg, key)) is not None}
     super().__init__(tok, {r: [] for r in ROLES}, [], name="template")
     end = self._end_after_content()
     eos_text = self._tokens.get("eos_token")

@@ -50,6 +50,8 @@ def harmony_system(effort: str = "medium", tools: bool = False) -> str:
 HARMONY_SYSTEM = harmony_system()
 HARMONY_EFFORTS = ("low", "medium", "high")
 ROLES = ("system", "user", "assistant", "tool")
+# load_tokenizer("template:PATH"): the tokenizer's own chat template, whatever its tokens.
+TEMPLATE_PREFIX = "template:"
 REASONING_FIELDS = ("reasoning_content", "thinking")  # an assistant message's reasoning
 
 
@@ -1064,9 +1066,7 @@ class HFTokenizer(Tokenizer):
       template = _chat_template(file, cfg)
       newline = self.encode("\n") if ("<|assistant|>\n'" in template
                                        or "<|assistant|>\\n'" in template) else []
-      eos_text = cfg.get("eos_token")
-      eos_text = eos_text.get("content") if isinstance(eos_text, dict) else eos_text
-      end, eos = tid("<|end|>"), tid(eos_text or "<|endoftext|>")
+      end, eos = tid("<|end|>"), tid(config_token(cfg, "eos_token") or "<|endoftext|>")
       headers = {r: [tid(f"<|{r}|>")] + newline for r in ROLES}
       for r in ("system", "tool"):
         # Phi-3's templates have no tool turns (nor, without <|system|>, system ones):
@@ -1130,8 +1130,7 @@ class HFTokenizer(Tokenizer):
       raise ValueError(f"{file}: no DeepSeek-R1, Mistral, Phi, Llama 3, ChatML, Gemma or "
                        "harmony special tokens and no chat template; cannot build a chat "
                        "format")
-    pad = cfg.get("pad_token")
-    pad = pad.get("content") if isinstance(pad, dict) else pad
+    pad = config_token(cfg, "pad_token")
     self.pad_id = tid(pad) if pad and tid(pad) is not None else self.eos_id
     # The model folder's generation_config.json names the tokens generation stops at (Llama
     # 3.1: <|eot_id|>, <|eom_id|>, <|end_of_text|>): they stop a rollout's turn too.
@@ -1152,9 +1151,8 @@ class HFTokenizer(Tokenizer):
                        "assistant turn and the tokenizer names no eos_token; cannot tell "
                        "where the model's turn ends")
     self.eos_id = self.chat.end_of_turn[0]
-    eos = cfg.get("eos_token")
-    eos = self._tok.token_to_id(eos.get("content") if isinstance(eos, dict) else eos) \
-        if eos else None
+    eos = config_token(cfg, "eos_token")
+    eos = None if eos is None else self._tok.token_to_id(eos)
     self.extra_stop_ids = [eos] if eos is not None and eos != self.eos_id else []
 
   @functools.cached_property
@@ -1185,6 +1183,13 @@ class HFTokenizer(Tokenizer):
         shutil.copyfile(src, dst)
       written.append(dst)
     return written
+
+
+def config_token(cfg: dict, key: str) -> str | None:
+  """A special token tokenizer_config.json names (a string, or {"content": ...})."""
+  value = cfg.get(key)
+  value = value.get("content") if isinstance(value, dict) else value
+  return value if isinstance(value, str) and value else None
 
 
 def _chat_template(file: str, cfg: dict) -> str:
@@ -1260,6 +1265,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
   special tokens (`posttrain.data.templates`)."""
   if spec in ("byte", "", None):
     return ByteTokenizer()
-  if str(spec).startswith("template:"):
-    return HFTokenizer(str(spec)[len("template:"):], chat_format="template")
+  if str(spec).startswith(TEMPLATE_PREFIX):
+    return HFTokenizer(str(spec)[len(TEMPLATE_PREFIX):], chat_format="template")
   return HFTokenizer(spec)
