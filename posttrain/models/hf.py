@@ -90,10 +90,13 @@ SMOLLM3 = "SmolLM3ForCausalLM"
 # which turns one into the other and leaves q . k unchanged, and back on export.
 GLM4 = "Glm4ForCausalLM"
 _GLM4_DEFAULTS = dict(rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)
-_OLMO_DEFAULTS = {"Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
-                                           rope_theta=10_000.0),
-                  "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
-                                           rope_theta=500_000.0, sliding_window=4096)}
+# transformers' defaults of these classes' fields that a config.json may leave out.
+_CLASS_DEFAULTS = {
+    GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
+    "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
+                             rope_theta=10_000.0),
+    "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
+                             rope_theta=500_000.0, sliding_window=4096)}
 # Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
 # query_pre_attn_scalar, soft caps (2) and sliding-window layers; 3 adds q/k norms and a
 # rotary embedding of its own for the sliding layers.
@@ -269,14 +272,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = _language_model_config(c)
   arch = _architecture(c)
   lm = _causal_lm(arch)
-  if lm == GPT_OSS:
-    c = {**_GPT_OSS_DEFAULTS, **c}
-    if not c.get("rope_scaling") and not c.get("rope_parameters"):
-      c["rope_scaling"] = dict(_GPT_OSS_ROPE)
-  if lm in OLMOS:
-    c = {**_OLMO_DEFAULTS[lm], **c}
-  if lm == GLM4:
-    c = {**_GLM4_DEFAULTS, **c}
+  c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
+  if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
+    c["rope_scaling"] = dict(_GPT_OSS_ROPE)
   reward_model = arch != lm
   if reward_model and _num_labels(c) != 1:
     raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
