@@ -261,7 +261,7 @@ def test_mixture_on_a_mesh_keeps_its_shard_of_the_experts(shape, remat):
     per_token, per_layer, experts = 4 * e, 0, 0
   found = _residuals(cfg, rows, length, mesh)
   # shard_map's residuals stack all 8 devices' (each varies over data x fsdp here).
-  inside = sum(n for n, src, _ in found if "MoE.__call__" in src) / mesh.size
+  inside = sum(n for n, src, _ in found if "MoE._routed" in src) / mesh.size
   assert inside == cfg.num_layers * (tokens * per_token + per_layer)
   gathered = sum(n for n, src, shape in found if "(place)" in src and shape[0] == e)
   assert gathered == cfg.num_layers * experts  # replicated: every device holds them whole

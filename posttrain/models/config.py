@@ -70,6 +70,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # The gated MLP's activation: SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
 # GELU (Gemma's gelu_pytorch_tanh).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +201,24 @@ class ModelConfig:
       sets it and qkv_bias).
     router_bias / expert_bias: a mixture's router logits get a bias per expert / each
       expert's gate, up and down projections a bias (gpt-oss).
+    shared_expert_dim: width of a dense SwiGLU MLP every token runs beside its routed
+      experts, added to their sum (Qwen2-MoE's shared expert; GLM-4.5's and DeepSeek-V3's
+      shared experts, n_shared_experts of them fused into one); 0: none.
+    shared_expert_gate: the shared expert's output is scaled by sigmoid(x . w), w [D]
+      learned (Qwen2-MoE).
+    router_scoring: "softmax" (each token's top-k of the softmax over experts) or
+      "sigmoid" (GLM-4.5, DeepSeek-V3: each expert scores sigmoid(logit); the top-k is
+      chosen on the scores plus a per-expert correction bias, `score_correction_bias`,
+      which the train step leaves as it is, and weighted by the scores themselves).
+    router_groups / router_group_topk: sigmoid routing chooses among the experts of the
+      `router_group_topk` best of `router_groups` equal groups, each group ranked by the
+      sum of its two best biased scores (DeepSeek-V3's node-limited routing); 1 / 1: all.
+    routed_scaling_factor: the routed experts' weights are multiplied by this (after the
+      norm_topk_prob rescaling), as GLM-4.5 and DeepSeek-V3 do.
+    dense_layers: the first this many layers have a dense SwiGLU MLP of width
+      dense_ffn_dim in place of the mixture (DeepSeek-V3's and GLM-4.5's
+      first_k_dense_replace, Qwen2-MoE's leading mlp_only_layers). Their parameters sit
+      in the model's `dense_layers`, the mixture layers' in `layers`.
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
       (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
       (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
@@ -261,6 +280,14 @@ class ModelConfig:
   expert_bias: bool = False
   swiglu_limit: float = 7.0
   swiglu_alpha: float = 1.702
+  shared_expert_dim: int = 0
+  shared_expert_gate: bool = False
+  router_scoring: str = "softmax"
+  router_groups: int = 1
+  router_group_topk: int = 1
+  routed_scaling_factor: float = 1.0
+  dense_layers: int = 0
+  dense_ffn_dim: int = 0
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -322,6 +349,7 @@ class ModelConfig:
       raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} needs a mixture of "
                        "experts (num_experts > 0)")
     self._check_gemma_fields()
+    self._check_mixture_fields()
     if self.qk_norm_heads and not self.qk_norm:
       raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
                        "span)")
@@ -347,6 +375,59 @@ class ModelConfig:
         raise ValueError(f"lora_targets {mlp} are MLP projections, but this model's MLPs "
                          f"are {self.num_experts} experts, which take no adapters; use "
                          f"attention projections ({','.join(ATTENTION_LORA_TARGETS)})")
+
+  def _check_mixture_fields(self) -> None:
+    for name in ("shared_expert_dim", "router_groups", "router_group_topk", "dense_layers",
+                 "dense_ffn_dim"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    mixture_only = [name for name, on in (
+        ("shared_expert_dim", self.shared_expert_dim), ("shared_expert_gate",
+                                                         self.shared_expert_gate),
+        ("router_scoring", self.router_scoring != "softmax"),
+        ("router_groups", self.router_groups != 1),
+        ("router_group_topk", self.router_group_topk != 1),
+        ("routed_scaling_factor", self.routed_scaling_factor != 1.0),
+        ("dense_layers", self.dense_layers)) if on]
+    if mixture_only and not self.num_experts:
+      raise ValueError(f"{', '.join(mixture_only)} describe a mixture of experts; this model "
+                       "has none (num_experts=0)")
+    if self.router_scoring not in ROUTER_SCORINGS:
+      raise ValueError(f"router_scoring={self.router_scoring!r}; expected one of "
+                       f"{ROUTER_SCORINGS}")
+    if self.shared_expert_gate and not self.shared_expert_dim:
+      raise ValueError("shared_expert_gate=True needs a shared expert (shared_expert_dim > 0)")
+    if (self.router_groups != 1 or self.router_group_topk != 1) and (
+        self.router_scoring != "sigmoid"):
+      raise ValueError("router_groups / router_group_topk group a sigmoid router's experts "
+                       "(router_scoring='sigmoid')")
+    if self.num_experts and (self.router_groups < 1 or self.num_experts % self.router_groups
+                             or not 1 <= self.router_group_topk <= self.router_groups):
+      raise ValueError(f"router_groups={self.router_groups} must divide num_experts="
+                       f"{self.num_experts}, and router_group_topk="
+                       f"{self.router_group_topk} be in [1, router_groups]")
+    if self.num_experts and self.router_groups > 1 and (
+        self.num_experts // self.router_groups < 2 or self.num_experts_per_tok >
+        self.router_group_topk * (self.num_experts // self.router_groups)):
+      raise ValueError(f"router_groups={self.router_groups}: each group needs >= 2 experts "
+                       f"and the chosen groups >= num_experts_per_tok="
+                       f"{self.num_experts_per_tok} of them")
+    value = self.routed_scaling_factor
+    if isinstance(value, bool) or not 0 < value < float("inf"):
+      raise ValueError(f"routed_scaling_factor must be a positive number, got {value!r}")
+    if self.dense_layers >= self.num_layers and self.dense_layers:
+      raise ValueError(f"dense_layers={self.dense_layers} leaves no mixture layer of "
+                       f"num_layers={self.num_layers}; use a dense model (num_experts=0)")
+    if bool(self.dense_layers) != bool(self.dense_ffn_dim):
+      raise ValueError(f"dense_layers={self.dense_layers} and dense_ffn_dim="
+                       f"{self.dense_ffn_dim}: set both (the dense layers' MLP width) or "
+                       "neither")
+
+  @property
+  def mixture_layers(self) -> int:
+    """Layers whose MLP is the mixture (after the `dense_layers`); 0 for a dense model."""
+    return self.num_layers - self.dense_layers if self.num_experts else 0
 
   def _check_gemma_fields(self) -> None:
     if self.mlp_activation not in MLP_ACTIVATIONS:
@@ -466,12 +547,15 @@ class ModelConfig:
     if self.qk_norm:
       attn += (h + kv) * hd if self.qk_norm_heads else 2 * hd
     attn += h * self.attention_sinks + d * self.attn_out_bias
-    router = (d + self.router_bias) * self.num_experts
+    router = (d + self.router_bias + (self.router_scoring == "sigmoid")) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
     expert = 3 * d * f + (2 * f + d) * self.expert_bias
-    per_layer = attn + experts * expert + router + norms * d
+    shared = 3 * d * self.shared_expert_dim + d * self.shared_expert_gate
+    per_layer = attn + experts * expert + router + shared + norms * d
+    dense = attn + 3 * d * self.dense_ffn_dim + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
-    return self.num_layers * per_layer + emb + d + (d + 1 if self.value_head else 0)
+    return ((self.num_layers - self.dense_layers) * per_layer + self.dense_layers * dense
+            + emb + d + (d + 1 if self.value_head else 0))
 
   @property
   def num_params(self) -> int:

@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from posttrain.models.config import ModelConfig
 from posttrain.models.sharding import DEFAULT_RULES, Rules, named_sharding
-from posttrain.models.transformer import Transformer
+from posttrain.models.transformer import Transformer, layer_stacks
 
 
 def _is_var(x) -> bool:
@@ -67,13 +67,12 @@ def relayout(model: Transformer, *, scan_layers: bool, mesh: Mesh | None = None,
     return model if mesh is None else shard_model(model, mesh, rules)
   graphdef, abstract = abstract_model(cfg.replace(scan_layers=scan_layers))
   pure = nnx.to_pure_dict(nnx.state(model))
-  layers = pure.pop("layers")
-  if scan_layers:
-    pure["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs),
-                                  *(layers[i] for i in range(cfg.num_layers)))
-  else:
-    pure["layers"] = {i: jax.tree.map(lambda x, i=i: x[i], layers)
-                      for i in range(cfg.num_layers)}
+  for stack, _, count in layer_stacks(cfg):
+    layers = pure.pop(stack)
+    if scan_layers:
+      pure[stack] = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(count)))
+    else:
+      pure[stack] = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(count)}
   nnx.replace_by_pure_dict(abstract, pure)
   out = nnx.merge(graphdef, abstract)
   return out if mesh is None else shard_model(out, mesh, rules)

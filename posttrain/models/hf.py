@@ -30,12 +30,16 @@ from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter, _lora_axes,
-                                          merge_lora, value_head_std)
+                                          layer_index, layer_path, layer_stacks, merge_lora,
+                                          value_head_std)
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
-              "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM")
+              "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
+              "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM")
+# Causal LMs whose family has no *ForSequenceClassification class in transformers.
+_NO_CLASSIFIER = ("Glm4MoeForCausalLM",)
 
 
 def _classifier_name(lm: str) -> str:
@@ -46,7 +50,8 @@ def _classifier_name(lm: str) -> str:
 
 
 # A reward model: the causal LM's trunk with a [1, D] score layer in place of lm_head.
-SEQUENCE_CLASSIFIERS = {_classifier_name(lm): lm for lm in CAUSAL_LMS}
+SEQUENCE_CLASSIFIERS = {_classifier_name(lm): lm for lm in CAUSAL_LMS
+                        if lm not in _NO_CLASSIFIER}
 SUPPORTED = CAUSAL_LMS + tuple(SEQUENCE_CLASSIFIERS)
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -55,7 +60,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "MistralForCausalLM": "mistral", "GptOssForCausalLM": "gpt_oss",
                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
-                "Glm4ForCausalLM": "glm4"}
+                "Glm4ForCausalLM": "glm4", "Qwen2MoeForCausalLM": "qwen2_moe",
+                "Glm4MoeForCausalLM": "glm4_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -90,9 +96,24 @@ SMOLLM3 = "SmolLM3ForCausalLM"
 # which turns one into the other and leaves q . k unchanged, and back on export.
 GLM4 = "Glm4ForCausalLM"
 _GLM4_DEFAULTS = dict(rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases), softmax
+# routing, and a shared expert every token runs, scaled by sigmoid(x . w).
+QWEN2_MOE = "Qwen2MoeForCausalLM"
+# GLM-4.5 / GLM-4.5-Air / GLM-4.6: Llama's block layout, half of each head rotated
+# (rotate-half, unlike GLM-4's interleaved pairs), optional q/k norms, the first
+# first_k_dense_replace layers dense, then sigmoid routing with a score-correction bias,
+# expert groups and a routed scaling factor, plus shared experts. The files' extra
+# layers past num_hidden_layers (multi-token prediction) are not read.
+GLM4_MOE = "Glm4MoeForCausalLM"
+_GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared_experts=1,
+                          n_routed_experts=128, routed_scaling_factor=1.0, n_group=1,
+                          topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                          use_qk_norm=False, attention_bias=False,
+                          max_position_embeddings=131_072)
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
-    GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
+    GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
+    QWEN2_MOE: dict(qkv_bias=True, norm_topk_prob=False, max_position_embeddings=32_768),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
@@ -147,6 +168,10 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
 # HF module names of a mixture's router and of expert j's gate, up and down projections.
 _MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
                                       "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
+              QWEN2_MOE: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                          "mlp.experts.{j}.down_proj"),
+              GLM4_MOE: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                         "mlp.experts.{j}.down_proj"),
               "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                                      "block_sparse_moe.experts.{j}.w3",
                                      "block_sparse_moe.experts.{j}.w2")}
@@ -200,7 +225,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported "
                      f"for {lm or 'this architecture'}")
   merged = {**dict(c.get("rope_scaling") or {}), **params}
-  if lm == GLM4:
+  if lm in (GLM4, GLM4_MOE):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm == PHI3:
     if merged.get("rope_type", merged.get("type")) in ("su", "yarn"):
@@ -303,9 +328,11 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       rope=rope, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
       qkv_bias=lm == "Qwen2ForCausalLM" or (bool(c.get("attention_bias", False))
-                                             and lm not in _NO_ATTENTION_BIAS),
-      qk_norm=lm in _QK_NORMED, **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get("max_position_embeddings",
-                                        defaults.get("max_position_embeddings", 8192))),
+                                             and lm not in _NO_ATTENTION_BIAS)
+      or (lm == QWEN2_MOE and bool(c["qkv_bias"])),
+      qk_norm=lm in _QK_NORMED or (lm == GLM4_MOE and bool(c["use_qk_norm"])),
+      **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get(
+          "max_position_embeddings", defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
@@ -321,7 +348,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
-_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3)
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE)
 # Classes with q/k norms (per head; OLMo's over all heads).
 _QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMOS
 # Dense Qwen models whose config.json may turn on sliding-window attention
@@ -441,19 +468,38 @@ def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a mixture-of-experts config.json ({} for dense ones)."""
-  if arch == "Qwen3MoeForCausalLM":
-    if c.get("mlp_only_layers") or int(c.get("decoder_sparse_step", 1)) != 1:
-      raise ValueError("dense layers in a Qwen3-MoE model (mlp_only_layers="
-                       f"{c.get('mlp_only_layers')!r}, decoder_sparse_step="
-                       f"{c.get('decoder_sparse_step')!r}) are not supported; every layer "
-                       "must be a mixture")
+  if arch in ("Qwen3MoeForCausalLM", QWEN2_MOE):
+    # Dense layers (mlp_only_layers) are read where they lead: layers 0..k-1.
+    dense = sorted(int(i) for i in c.get("mlp_only_layers") or ())
+    if dense != list(range(len(dense))) or int(c.get("decoder_sparse_step", 1)) != 1:
+      raise ValueError("dense layers in a Qwen MoE model other than the first few "
+                       f"(mlp_only_layers={c.get('mlp_only_layers')!r}, decoder_sparse_step="
+                       f"{c.get('decoder_sparse_step')!r}) are not supported")
     if c.get("use_sliding_window"):
       raise ValueError("use_sliding_window=true in config.json is not supported")
+    shared = {}
+    if arch == QWEN2_MOE and int(c.get("shared_expert_intermediate_size", 5632)):
+      shared = {"shared_expert_dim": int(c.get("shared_expert_intermediate_size", 5632)),
+                "shared_expert_gate": True}
     # The published files say num_experts; transformers 5 writes num_local_experts.
     return {"num_experts": int(c.get("num_experts") or c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]),
             "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
-            "ffn_dim": int(c["moe_intermediate_size"]), **_aux_loss_from_hf(c)}
+            "ffn_dim": int(c["moe_intermediate_size"]), "dense_layers": len(dense),
+            "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0, **shared,
+            **_aux_loss_from_hf(c)}
+  if arch == GLM4_MOE:
+    dense = int(c["first_k_dense_replace"])
+    return {"num_experts": int(c.get("n_routed_experts") or c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            "norm_topk_prob": bool(c["norm_topk_prob"]),
+            "ffn_dim": int(c["moe_intermediate_size"]),
+            "shared_expert_dim": int(c["n_shared_experts"]) * int(c["moe_intermediate_size"]),
+            "router_scoring": "sigmoid", "router_groups": int(c["n_group"]),
+            "router_group_topk": int(c["topk_group"]),
+            "routed_scaling_factor": float(c["routed_scaling_factor"]),
+            "dense_layers": dense, "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0,
+            **_aux_loss_from_hf(c)}
   if arch in ("MixtralForCausalLM", GPT_OSS):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
@@ -495,8 +541,9 @@ def check_exportable(cfg: ModelConfig) -> None:
         f"written as one of {mixtures}, a dense model as one of "
         f"{[a for a in kind if a not in mixtures]}")
   _check_family_options(cfg, lm)
+  _check_mixture_options(cfg, lm)
   qk_norm = lm in _QK_NORMED
-  if qk_norm != cfg.qk_norm:
+  if qk_norm != cfg.qk_norm and lm != GLM4_MOE:
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
                      f"{'always has' if qk_norm else 'has no'} q/k norms")
   if lm == "Qwen2ForCausalLM" and not cfg.qkv_bias:
@@ -509,6 +556,33 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"{arch} has no q/k/v biases and always renormalises the "
                      f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="
                      f"{cfg.norm_topk_prob})")
+
+
+def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
+  """What `cfg`'s mixture options allow `lm` to hold: shared experts (Qwen2-MoE's one,
+  gated; GLM-4.5's, n_shared_experts of width ffn_dim), sigmoid routing with its groups
+  and scaling (GLM-4.5), leading dense layers (Qwen MoE, GLM-4.5)."""
+  if not cfg.num_experts:
+    return
+  glm, qwen2 = lm == GLM4_MOE, lm == QWEN2_MOE
+  fixed = dict(router_scoring="sigmoid" if glm else "softmax", shared_expert_gate=qwen2)
+  if not glm:
+    fixed.update(router_groups=1, router_group_topk=1, routed_scaling_factor=1.0)
+  if lm in ("MixtralForCausalLM", GPT_OSS):
+    fixed.update(dense_layers=0)
+  if not (glm or qwen2):
+    fixed.update(shared_expert_dim=0)
+  for name, value in fixed.items():
+    if getattr(cfg, name) != value:
+      raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
+                       f"{cfg.architecture}, which always has {name}={value!r}")
+  if qwen2 and not cfg.shared_expert_dim:
+    raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, whose "
+                     "mixture layers always have a gated shared expert")
+  if glm and cfg.shared_expert_dim % cfg.ffn_dim:
+    raise ValueError(f"shared_expert_dim={cfg.shared_expert_dim} cannot be written as "
+                     f"{cfg.architecture}, whose shared experts are n_shared_experts of "
+                     f"width ffn_dim={cfg.ffn_dim}")
 
 
 def _check_family_options(cfg: ModelConfig, lm: str) -> None:
@@ -556,9 +630,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "whose rotary embedding is the default one or LongRoPE")
   if lm != PHI3 and any(r.type == "longrope" for r in ropes):
     raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
-  if lm not in (PHI3, GLM4) and any(r.partial_rotary_factor != 1.0 for r in ropes):
+  if lm not in (PHI3, GLM4, GLM4_MOE) and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
-                     f"{PHI3} and {GLM4} hold it")
+                     f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
   if lm == PHI3 and cfg.head_dim * cfg.num_heads != cfg.d_model:
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -647,10 +721,28 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out["rope_parameters"] = {
         kind: {"rope_type": r.type, "rope_theta": r.theta, **(_rope_scaling(r) or {})}
         for kind, r in (("full_attention", rope), ("sliding_attention", local))}
-  if lm == "Qwen3MoeForCausalLM":
+  if cfg.dense_layers:
+    out["intermediate_size"] = cfg.dense_ffn_dim
+  if lm in ("Qwen3MoeForCausalLM", QWEN2_MOE):
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
-               decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
+               decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)),
+               use_sliding_window=False)
+    if lm == QWEN2_MOE:
+      out.pop("attention_bias")
+      out.update(qkv_bias=cfg.qkv_bias,
+                 shared_expert_intermediate_size=cfg.shared_expert_dim)
+  elif lm == GLM4_MOE:
+    out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
+               n_shared_experts=cfg.shared_expert_dim // cfg.ffn_dim,
+               routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.router_groups,
+               topk_group=cfg.router_group_topk, first_k_dense_replace=cfg.dense_layers,
+               use_qk_norm=cfg.qk_norm, num_nextn_predict_layers=0,
+               partial_rotary_factor=rope.partial_rotary_factor,
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})})
   elif lm == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                sliding_window=cfg.sliding_window)
@@ -747,8 +839,14 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   if _causal_lm(cfg.architecture) == GLM4:  # interleaved rotary features <-> rotate-half
     qk_in = _interleaved_rows(proj_in, h, d, cfg)
     qk_bias = _interleaved_rows(bias, h, None, cfg)
+  def dense_mlp(p: tuple, hf: str, width: int) -> list:
+    return [(p + (name,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
+            for name, shape in (("gate_proj", (d, width)), ("up_proj", (d, width)),
+                                ("down_proj", (width, d)))]
+
   for i in range(cfg.num_layers):
-    p, hf = ("layers", i), f"model.layers.{i}."
+    p, hf = layer_path(cfg, i), f"model.layers.{i}."
+    mixture = cfg.num_experts and i >= cfg.dense_layers
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
     if fused:  # Phi-3: [q; k; v] rows of one qkv_proj, [gate; up] rows of gate_up_proj
@@ -772,14 +870,24 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                for name, start in (("gate_proj", 0), ("up_proj", f))]
       rows.append((p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T,
                    lambda x: x.T, (f, d)))
-    elif cfg.num_experts and _causal_lm(cfg.architecture) == GPT_OSS:
+    elif mixture and _causal_lm(cfg.architecture) == GPT_OSS:
       rows += _gpt_oss_expert_rows(cfg, p, hf)
-    elif cfg.num_experts:
+    elif mixture:
       # One HF tensor per expert; ours stack them: ("layers", i, "mlp", name, j) is the
       # expert-j slice of the [E, ...] parameter.
       router, gate, up, down = _MOE_NAMES[_causal_lm(cfg.architecture)]
       rows.append((p + ("mlp", "router"), hf + router + ".weight", lambda x: x.T,
                    lambda x: x.T, (d, cfg.num_experts)))
+      if cfg.router_scoring == "sigmoid":
+        rows.append((p + ("mlp", "score_correction_bias"),
+                     hf + router + ".e_score_correction_bias", ident, ident,
+                     (cfg.num_experts,)))
+      if cfg.shared_expert_dim:
+        shared = "mlp.shared_expert." if cfg.shared_expert_gate else "mlp.shared_experts."
+        rows += dense_mlp(p + ("mlp", "shared"), hf + shared, cfg.shared_expert_dim)
+      if cfg.shared_expert_gate:
+        rows.append((p + ("mlp", "shared_gate"), hf + "mlp.shared_expert_gate.weight",
+                     lambda x: x[0], lambda x: x[None, :], (d,)))
       for j in range(cfg.num_experts):
         rows += [(p + ("mlp", ours, j), hf + name.format(j=j) + ".weight", lambda x: x.T,
                   lambda x: x.T, shape)
@@ -787,13 +895,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                                            ("up_proj", up, (d, f)),
                                            ("down_proj", down, (f, d)))]
     else:
-      rows += [
-          (p + ("mlp", "gate_proj"), hf + "mlp.gate_proj.weight", lambda x: x.T,
-           lambda x: x.T, (d, f)),
-          (p + ("mlp", "up_proj"), hf + "mlp.up_proj.weight", lambda x: x.T, lambda x: x.T,
-           (d, f)),
-          (p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T,
-           lambda x: x.T, (f, d))]
+      rows += dense_mlp(p + ("mlp",), hf + "mlp.", cfg.dense_ffn_dim if cfg.num_experts else f)
     if cfg.qkv_bias:
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
                (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *qk_bias(k), (k, h)),
@@ -906,7 +1008,8 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
     b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
     for i in range(cfg.num_layers):
-      ours, peft = ("layers", i, owner), f"base_model.model.model.layers.{i}.{module}.{t}."
+      ours = layer_path(cfg, i) + (owner,)
+      peft = f"base_model.model.model.layers.{i}.{module}.{t}."
       rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
                (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows
@@ -1070,6 +1173,17 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False
           yield name, fh.get_tensor(name)
 
 
+def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str]:
+  """The tensors of a GLM-4.5 checkpoint's multi-token-prediction layers (the
+  num_nextn_predict_layers layers after num_hidden_layers), which are not read."""
+  if _causal_lm(_architecture(_language_model_config(c))) != GLM4_MOE:
+    return set()
+  first = int(c["num_hidden_layers"])
+  extra = int(c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 1)) or 0)
+  prefixes = tuple(f"model.layers.{first + j}." for j in range(extra))
+  return {n for n in files if prefixes and n.startswith(prefixes)}
+
+
 def _check_names(where: str, present: set[str], wanted: set[str],
                  tolerated: set[str] | frozenset[str] = frozenset()) -> None:
   missing, extra = sorted(wanted - present), sorted(present - wanted - tolerated)
@@ -1142,7 +1256,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
                   in SEQUENCE_CLASSIFIERS and cfg.value_head)
   named = _language_model_names(hf_cfg, files)
   rows = [(ours, named(name), *rest) for ours, name, *rest in rows]
-  present = set(files)
+  present = set(files) - _prediction_layer_names(hf_cfg, files)
   mxfp4 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
   if mxfp4:  # gpt-oss's experts: NAME_blocks and NAME_scales are read as NAME
     packed = _mxfp4_names(files)
@@ -1187,7 +1301,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if cfg.num_experts:
     values = _stack_experts(values, cfg, shardings)
   if cfg.scan_layers:
-    values = _stack_layers(values, cfg.num_layers, shardings)
+    values = _stack_layers(values, cfg, shardings)
 
   def fill(path, v):
     key = tuple(getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path)
@@ -1207,8 +1321,12 @@ def _lookup(tree, key: tuple):
   return node
 
 
+_STACKS = ("layers", "dense_layers")
+
+
 def _stacked_key(key: tuple) -> tuple:
-  """("layers", i, *rest) -> ("layers", *rest): the path in a scan_layers model."""
+  """("layers", i, *rest) -> ("layers", *rest): the path in a scan_layers model (the same
+  for "dense_layers")."""
   return key[:1] + key[2:]
 
 
@@ -1224,7 +1342,7 @@ def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):
   drop = 0
   if _is_expert(ours):
     ours, drop = ours[:-1], 1
-  if cfg.scan_layers and ours[0] == "layers":
+  if cfg.scan_layers and ours[0] in _STACKS:
     ours, drop = _stacked_key(ours), drop + 1
   sharding = _lookup(shardings, ours).value
   if not drop:
@@ -1251,15 +1369,15 @@ def _stack_experts(values: dict, cfg: ModelConfig, shardings) -> dict:
   return out
 
 
-def _stack_layers(values: dict, num_layers: int, shardings) -> dict:
+def _stack_layers(values: dict, cfg: ModelConfig, shardings) -> dict:
   """Stacks each per-layer tensor into its scan_layers parameter, one kind at a time
   (the per-layer copies of a kind are dropped as soon as it is stacked)."""
-  out = {k: v for k, v in values.items() if k[0] != "layers"}
-  kinds = sorted({k[2:] for k in values if k[0] == "layers"})
-  for rest in kinds:
-    parts = [values.pop(("layers", i) + rest) for i in range(num_layers)]
-    key = ("layers",) + rest
-    out[key] = _stack(parts, None if shardings is None else _lookup(shardings, key).value)
+  out = {k: v for k, v in values.items() if k[0] not in _STACKS}
+  for stack, _, count in layer_stacks(cfg):
+    for rest in sorted({k[2:] for k in values if k[0] == stack}):
+      parts = [values.pop((stack, i) + rest) for i in range(count)]
+      key = (stack,) + rest
+      out[key] = _stack(parts, None if shardings is None else _lookup(shardings, key).value)
   return out
 
 
@@ -1269,7 +1387,7 @@ def _read_param(state, ours: tuple, cfg: ModelConfig) -> jax.Array:
   index = ()
   if _is_expert(ours):
     ours, index = ours[:-1], (ours[-1],)
-  if cfg.scan_layers and ours[0] == "layers":
+  if cfg.scan_layers and ours[0] in _STACKS:
     ours, index = _stacked_key(ours), (ours[1], *index)
   value = _lookup(state, ours)[...]
   return value[index] if index else value
@@ -1279,7 +1397,7 @@ def _fresh(v, key: tuple, cfg: ModelConfig, shardings, seed: int):
   """Initialises a parameter that the checkpoint does not hold (the value head, LoRA
   adapters), born on its sharding when there is a mesh."""
   name = key[-1]
-  is_lora = key[0] == "layers" and name.endswith(("_lora_a", "_lora_b"))
+  is_lora = key[0] in _STACKS and name.endswith(("_lora_a", "_lora_b"))
   if key not in (("value_w",), ("value_b",)) and not is_lora:
     raise ValueError(f"no checkpoint tensor for parameter {'/'.join(map(str, key))}")
 
@@ -1289,7 +1407,8 @@ def _fresh(v, key: tuple, cfg: ModelConfig, shardings, seed: int):
     if key == ("value_w",):
       return jax.random.normal(jax.random.key(seed), v.shape, v.dtype) * value_head_std(cfg)
     a_b = _fresh_adapter(cfg, name[:-len("_lora_a")], jax.random.key(seed),
-                         None if cfg.scan_layers else key[1])
+                         None if cfg.scan_layers else layer_index(cfg, key[0], key[1]),
+                         stack=key[0])
     return a_b[int(name.endswith("_b"))]
 
   if shardings is None:

@@ -271,16 +271,39 @@ def _lora_init(cfg: ModelConfig, target: str, key):
   return a.astype(pd), jnp.zeros((cfg.lora_rank, *out_shape), pd)
 
 
-def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None):
+def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int], ...]:
+  """(attribute, first layer, number of layers) of each of the model's layer stacks, in
+  order: a mixture's leading dense layers (`dense_layers`), then `layers`."""
+  k = cfg.dense_layers
+  return ((("dense_layers", 0, k),) if k else ()) + (("layers", k, cfg.num_layers - k),)
+
+
+def layer_path(cfg: ModelConfig, i: int) -> tuple[str, int]:
+  """Where layer i's parameters sit, unstacked: ("layers", j) or ("dense_layers", j)."""
+  for name, first, count in layer_stacks(cfg):
+    if first <= i < first + count:
+      return name, i - first
+  raise ValueError(f"layer {i} is not in a model of {cfg.num_layers} layers")
+
+
+def layer_index(cfg: ModelConfig, stack: str, j: int) -> int:
+  """The inverse of `layer_path`: the model's layer j of `stack`."""
+  return j + dict((name, first) for name, first, _ in layer_stacks(cfg))[stack]
+
+
+def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = "layers"):
   """(A, B) of a new adapter on `target`: layer `layer`'s, or with `layer` None every
-  layer's stacked on a leading axis. Layer i draws from fold_in(fold_in(key, i), the
-  target's index in LORA_TARGETS)."""
+  layer's of `stack` stacked on a leading axis. Layer i draws from
+  fold_in(fold_in(key, i), the target's index in LORA_TARGETS)."""
   index = LORA_TARGETS.index(target)
 
   def one(i):
     return _lora_init(cfg, target, jax.random.fold_in(jax.random.fold_in(key, i), index))
 
-  return jax.vmap(one)(jnp.arange(cfg.num_layers)) if layer is None else one(layer)
+  if layer is not None:
+    return one(layer)
+  _, first, count = next(s for s in layer_stacks(cfg) if s[0] == stack)
+  return jax.vmap(one)(jnp.arange(first, first + count))
 
 
 def _owner(target: str) -> str:
@@ -295,9 +318,12 @@ def _attach_lora(model: "Transformer", key) -> None:
   cfg = model.cfg
   for t in cfg.lora_target_names:
     _, in_names, _, out_names = _lora_axes(cfg, t)
-    owners = ([(model.layers, ("layers",), _fresh_adapter(cfg, t, key))] if cfg.scan_layers
-              else [(block, (), _fresh_adapter(cfg, t, key, i))
-                    for i, block in enumerate(model.layers)])
+    owners = []
+    for stack, first, _ in layer_stacks(cfg):
+      blocks = getattr(model, stack)
+      owners += ([(blocks, ("layers",), _fresh_adapter(cfg, t, key, stack=stack))]
+                 if cfg.scan_layers else [(block, (), _fresh_adapter(cfg, t, key, first + j))
+                                          for j, block in enumerate(blocks)])
     for block, lead, (a, b) in owners:
       owner = getattr(block, _owner(t))
       setattr(owner, f"{t}_lora_a", nnx.LoRAParam(a, logical_axes=(*lead, *in_names, "lora")))
@@ -323,8 +349,11 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
   cfg = cfg or old
   pure = nnx.to_pure_dict(nnx.state(model))
   stacked = old.scan_layers
-  layers = [pure["layers"]] if stacked else [pure["layers"][i] for i in range(old.num_layers)]
-  for i, layer in enumerate(layers):
+  layers = []  # (a layer's dict, or a stack's, its stack, its layer index or None)
+  for stack, first, count in layer_stacks(old):
+    layers += ([(pure[stack], stack, None)] if stacked else
+               [(pure[stack][j], stack, first + j) for j in range(count)])
+  for layer, stack, i in layers:
     for t in old.lora_target_names:
       owner = layer[_owner(t)]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
@@ -337,7 +366,7 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
       continue
     for t in cfg.lora_target_names:
       layer[_owner(t)][f"{t}_lora_a"], layer[_owner(t)][f"{t}_lora_b"] = _fresh_adapter(
-          cfg, t, key, None if stacked else i)
+          cfg, t, key, i, stack=stack)
   return pure
 
 
@@ -692,12 +721,15 @@ class MLP(nnx.Module):
   """A gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximate GELU
   (GeGLU, cfg.mlp_activation)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+    """`width`: the hidden width F (default cfg.ffn_dim; a mixture's shared expert and
+    dense layers have their own)."""
     self.cfg = cfg
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
-    self.gate_proj = _param(rngs, (cfg.d_model, cfg.ffn_dim), ("embed", "mlp"), pd, std=std)
-    self.up_proj = _param(rngs, (cfg.d_model, cfg.ffn_dim), ("embed", "mlp"), pd, std=std)
-    self.down_proj = _param(rngs, (cfg.ffn_dim, cfg.d_model), ("mlp", "embed"), pd, std=std)
+    f = width or cfg.ffn_dim
+    self.gate_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
+    self.up_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
+    self.down_proj = _param(rngs, (f, cfg.d_model), ("mlp", "embed"), pd, std=std)
 
   def __call__(self, x_BxTxD, ctx: ShardingContext):
     dt = _dtype(self.cfg.dtype)
@@ -719,19 +751,55 @@ class MLP(nnx.Module):
 
 
 def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = False,
-          bias_E=None):
-  """(weights [N, k] float32, experts [N, k] int32): each token's top-k experts by the
-  router's softmax (in float32; the logits plus `bias_E` when given), the weights
-  rescaled to sum to one with `normalize` (gpt-oss's softmax over the top-k logits);
-  with `return_probs` also the softmax [N, E]."""
-  logits = jnp.einsum("ND,DE->NE", x_NxD, router_DxE.astype(x_NxD.dtype),
-                      preferred_element_type=jnp.float32)
-  if bias_E is not None:
-    logits = logits + bias_E.astype(jnp.float32)[None]
-  probs = jax.nn.softmax(logits, axis=-1)
-  weights, experts = jax.lax.top_k(probs, top_k)
-  if normalize:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+          bias_E=None, *, scoring: str = "softmax", correction_E=None, groups: int = 1,
+          group_topk: int = 1, scale: float = 1.0):
+  """(weights [N, k] float32, experts [N, k] int32): each token's top-k experts.
+
+  softmax scoring: by the router's softmax (in float32; the logits plus `bias_E` when
+  given), the weights rescaled to sum to one with `normalize` (gpt-oss's softmax over
+  the top-k logits).
+
+  sigmoid scoring (GLM-4.5, DeepSeek-V3): each expert scores sigmoid(logit), the logits
+  from float32 inputs; the top-k is chosen on the scores plus `correction_E` (which
+  takes no gradient), among the experts of the `group_topk` best of `groups` equal
+  groups (each ranked by the sum of its two best corrected scores); the weights are the
+  chosen experts' own scores, rescaled to sum to one with `normalize`.
+
+  Either way the weights are then multiplied by `scale`. With `return_probs` also each
+  token's distribution over experts [N, E] (the softmax; the scores normalised to sum
+  to one), what the load-balancing loss reads.
+  """
+  if scoring == "sigmoid":
+    logits = jnp.einsum("ND,DE->NE", x_NxD.astype(jnp.float32),
+                        router_DxE.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    choice = scores
+    if correction_E is not None:
+      choice = choice + jax.lax.stop_gradient(correction_E.astype(jnp.float32))[None]
+    choice = jax.lax.stop_gradient(choice)
+    if groups > 1:
+      n, e = choice.shape
+      grouped = choice.reshape(n, groups, e // groups)
+      group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+      _, best = jax.lax.top_k(group_scores, group_topk)
+      keep = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None], axis=1)
+      choice = jnp.where(jnp.repeat(keep, e // groups, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if normalize:
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+  else:
+    logits = jnp.einsum("ND,DE->NE", x_NxD, router_DxE.astype(x_NxD.dtype),
+                        preferred_element_type=jnp.float32)
+    if bias_E is not None:
+      logits = logits + bias_E.astype(jnp.float32)[None]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  if scale != 1.0:
+    weights = weights * scale
   return (weights, experts.astype(jnp.int32)) + ((probs,) if return_probs else ())
 
 
@@ -790,7 +858,11 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
 class MoE(nnx.Module):
   """A sparse mixture of SwiGLU experts (Qwen3-MoE, Mixtral): a router [D, E] picks each
   token's `num_experts_per_tok` experts; their outputs are summed, weighted by the
-  router's probabilities. Experts [E, D, F] / [E, F, D].
+  router's probabilities (`route`). Experts [E, D, F] / [E, F, D]. With
+  cfg.shared_expert_dim a dense MLP (`shared`) that every token runs is added
+  (Qwen2-MoE scales it by sigmoid(x . shared_gate)); with sigmoid routing the router has
+  a `score_correction_bias` [E] that only the choice of experts reads (GLM-4.5,
+  DeepSeek-V3), which no gradient reaches.
 
   On a mesh the layer runs in `shard_map`: each device routes and runs its own tokens
   through every expert (the experts' D gathered over fsdp like a dense layer's, F split
@@ -812,21 +884,47 @@ class MoE(nnx.Module):
       self.gate_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.up_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.down_bias = _param(None, (e, d), ("experts", "embed"), pd, init="zeros")
+    if cfg.router_scoring == "sigmoid":  # float32, as transformers keeps it
+      self.score_correction_bias = _param(None, (e,), ("experts",), jnp.float32,
+                                          init="zeros")
+    if cfg.shared_expert_dim:
+      self.shared = MLP(cfg, rngs, cfg.shared_expert_dim)
+    if cfg.shared_expert_gate:
+      self.shared_gate = _param(rngs, (d,), ("embed",), pd, std=std)
 
   def __call__(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT=None,
                router_stats: bool = False):
     """[B, T, D]; with `router_stats`, also this layer's `RouterStats` over every
     device's tokens (segment id 0 = padding, not counted)."""
+    out = self._routed(x_BxTxD, ctx, segment_ids_BxT, router_stats)
+    if not self.cfg.shared_expert_dim:
+      return out
+    y, stats = out if router_stats else (out, None)
+    shared = self.shared(x_BxTxD, ctx)
+    if self.cfg.shared_expert_gate:
+      dt = shared.dtype
+      gate = jnp.einsum("BTD,D->BT", x_BxTxD.astype(dt), self.shared_gate[...].astype(dt),
+                        preferred_element_type=jnp.float32)
+      shared = (shared * jax.nn.sigmoid(gate)[..., None].astype(dt)).astype(dt)
+    y = y + shared.astype(y.dtype)
+    return (y, stats) if router_stats else y
+
+  def _routed(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT, router_stats: bool):
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     b, t, d = x_BxTxD.shape
     e, f = cfg.num_experts, cfg.ffn_dim
     weights = [w[...].astype(dt) for w in (self.router, self.gate_proj, self.up_proj,
                                            self.down_proj)]
+    if cfg.router_scoring == "sigmoid":  # the router in float32, as transformers runs it
+      weights[0] = self.router[...].astype(jnp.float32)
     # Biases (gpt-oss), zeros where the model has none: [E], [E, F], [E, F], [E, D].
     weights += [getattr(self, name)[...].astype(dt) if hasattr(self, name) else
                 jnp.zeros(shape, dt) for name, shape in (
                     ("router_bias", (e,)), ("gate_bias", (e, f)), ("up_bias", (e, f)),
                     ("down_bias", (e, d)))]
+    # A sigmoid router's correction bias [E] in float32 (zeros where there is none).
+    weights.append(self.score_correction_bias[...] if hasattr(self, "score_correction_bias")
+                   else jnp.zeros((e,), jnp.float32))
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
     mesh = ctx.mesh
@@ -840,11 +938,15 @@ class MoE(nnx.Module):
       f_axes = tuple(a for a in ((f_entry,) if isinstance(f_entry, str) else f_entry or ())
                      if a not in token_axes)
 
-    def local(x, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b):
+    def local(x, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b,
+              correction):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
       w, e, probs = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                          return_probs=True, bias_E=router_b if cfg.router_bias else None)
+                          return_probs=True, bias_E=router_b if cfg.router_bias else None,
+                          scoring=cfg.router_scoring, correction_E=correction,
+                          groups=cfg.router_groups, group_topk=cfg.router_group_topk,
+                          scale=cfg.routed_scaling_factor)
       if f_axes:
         # Each device runs its slice of F from here on: marked so, the backward sums the
         # slices' input gradients once, over [N, D] tokens, not over the sorted [N k, D]
@@ -878,7 +980,7 @@ class MoE(nnx.Module):
     f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
     x_spec = P(*tokens, None)
     specs = (x_spec, P(*tokens), P(), P(None, None, f_spec), P(None, None, f_spec),
-             P(None, f_spec, None), P(), P(None, f_spec), P(None, f_spec), P())
+             P(None, f_spec, None), P(), P(None, f_spec), P(None, f_spec), P(), P())
     args = [place(a, mesh, spec)
             for a, spec in zip([x_BxTxD, segment_ids_BxT, *weights], specs)]
     out_specs = (x_spec, RouterStats(P(), P(), P())) if router_stats else x_spec
@@ -891,15 +993,19 @@ class Block(nnx.Module):
   Llama's post_attention_layernorm). With cfg.sandwich_norms (Gemma 2 / 3) each output is
   normed too before its residual add: `attn_out_norm`, `mlp_out_norm`. With
   cfg.output_norms (OLMo 2 / 3) only the outputs are: x + norm(attn(x)), then
-  x + norm(mlp(x))."""
+  x + norm(mlp(x)). `dense`: one of a mixture's leading dense layers (cfg.dense_layers),
+  its MLP dense of width cfg.dense_ffn_dim."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
     self.attn = Attention(cfg, rngs)
     if not cfg.output_norms:
       self.post_attn_norm = _norm(cfg, cfg.d_model)
-    self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
+    if dense:
+      self.mlp = MLP(cfg, rngs, cfg.dense_ffn_dim)
+    else:
+      self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
     if cfg.sandwich_norms or cfg.output_norms:
       self.attn_out_norm = _norm(cfg, cfg.d_model)
       self.mlp_out_norm = _norm(cfg, cfg.d_model)
@@ -966,10 +1072,12 @@ class Transformer(nnx.Module):
     pd = _dtype(cfg.param_dtype)
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd,
                         std=cfg.init_std)
-    if cfg.scan_layers:
-      self.layers = _stacked_blocks(cfg, rngs)
-    else:
-      self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    # A mixture's leading dense layers in `dense_layers`, the others in `layers`
+    # (`layer_stacks`); each a list of blocks, or with scan_layers one stacked block.
+    for stack, _, count in layer_stacks(cfg):
+      dense = stack == "dense_layers"
+      setattr(self, stack, _stacked_blocks(cfg, rngs, count, dense) if cfg.scan_layers else
+              nnx.List([Block(cfg, rngs, dense) for _ in range(count)]))
     self.final_norm = _norm(cfg, cfg.d_model)
     if cfg.lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
@@ -1030,25 +1138,32 @@ class Transformer(nnx.Module):
       local = _rope_tables(cfg.rope_local, self._rope_local, positions_BxT, segment_ids_BxT)
     stats = None
     if cfg.scan_layers:
-      x, new_caches, stats = _scan_blocks(self.layers, x, tables, local, segment_ids_BxT,
-                                          cache, positions_BxT, ctx, prefill, cfg.remat,
-                                          router_loss, cfg.sliding_layers, cfg.nope_layers)
+      new_caches = cache
+      for stack, first, _ in layer_stacks(cfg):
+        routed = router_loss and stack == "layers"
+        x, new_caches, part = _scan_blocks(
+            getattr(self, stack), x, tables, local, segment_ids_BxT, new_caches,
+            positions_BxT, ctx, prefill, cfg.remat, routed, cfg.sliding_layers,
+            cfg.nope_layers, first)
+        stats = part if routed else stats
     else:
       new_caches = []
-      for i, block in enumerate(self.layers):
+      blocks = [b for stack, _, _ in layer_stacks(cfg) for b in getattr(self, stack)]
+      for i, block in enumerate(blocks):
         layer_cache = None if cache is None else cache[i]
         sliding = cfg.sliding_layers[i]
+        routed = router_loss and i >= cfg.dense_layers
         cos, sin = local if sliding else tables
         if cfg.nope_layers[i]:  # cos 1, sin 0: q and k pass unrotated
           cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         if cfg.remat != "none" and cache is None:
           out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
-                             cfg.remat, router_loss, sliding)
+                             cfg.remat, routed, sliding)
         else:
           out = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
-                      prefill, router_stats=router_loss, sliding=sliding)
+                      prefill, router_stats=routed, sliding=sliding)
         x, c = out[:2]
-        if router_loss:
+        if routed:
           stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
         new_caches.append(c)
     h = self.final_norm(x)
@@ -1138,15 +1253,17 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
   return fn(state, x, cos, sin, segment_ids, positions)
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-  """One Block whose parameters stack all layers' on a leading "layers" axis.
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
+                    dense: bool = False) -> Block:
+  """One Block whose parameters stack `count` layers' (default all) on a leading "layers"
+  axis (`dense`: a mixture's leading dense layers).
 
   Each layer draws from its own key, split off one draw of `rngs.params`; the layer
   axis is named "layers" in every parameter's logical axes (replicated by the default
   rules)."""
-  keys = jax.random.split(rngs.params(), cfg.num_layers)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))))
-  state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(params=key))))(keys)
+  keys = jax.random.split(rngs.params(), cfg.num_layers if count is None else count)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), dense)))
+  state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(params=key), dense)))(keys)
 
   def name_axis(v):
     return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))
@@ -1167,7 +1284,8 @@ def _check_cache_layout(cfg: ModelConfig, cache) -> None:
 
 def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, positions, ctx,
                  prefill, remat: str, router_stats: bool = False,
-                 sliding_layers: tuple[bool, ...] = (), nope_layers: tuple[bool, ...] = ()):
+                 sliding_layers: tuple[bool, ...] = (), nope_layers: tuple[bool, ...] = (),
+                 first: int = 0):
   """Runs the stacked layers as one `lax.scan`: the program holds one layer's body,
   whatever the depth, so compile time and program size do not grow with layers.
   Returns (x, cache, the layers' RouterStats summed with `router_stats`, else None).
@@ -1178,8 +1296,14 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
   `local_tables` are the rotary (cos, sin) of full / sliding layers; with layers of both kinds
   (`sliding_layers`) each layer's flag rides the scan and picks its tables and kernel.
   NoPE layers (`nope_layers`) take cos 1 and sin 0 by a flag that rides the scan too.
+  `blocks` are the model's layers `first`, `first + 1`, ... (a stack after a mixture's
+  dense layers): the flags are the whole model's, and the cache holds every layer.
   """
   graphdef, state = nnx.split(blocks)
+  depth = jax.tree.leaves(state)[0].shape[0]
+  every_sliding = tuple(sliding_layers)
+  sliding_layers = every_sliding[first:first + depth]
+  nope_layers = tuple(nope_layers)[first:first + depth]
   kinds = set(sliding_layers)
   flags = jnp.asarray(sliding_layers, bool) if len(kinds) > 1 else None
   static = bool(sliding_layers and sliding_layers[0])
@@ -1210,12 +1334,12 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
     return x, None, (jax.tree.map(lambda s: jnp.sum(s, axis=0), stats) if router_stats
                      else None)
 
-  # Each layer's index in its stack: its own, or among the layers of its kind.
-  depth = jax.tree.leaves(state)[0].shape[0]
-  index = np.arange(depth)
+  # Each layer's index in the cache: its own, or among the layers of its kind.
+  index = np.arange(len(every_sliding))
   if isinstance(cache, LayerKindCaches):
-    kinds = np.asarray(sliding_layers, bool)
+    kinds = np.asarray(every_sliding, bool)
     index = np.where(kinds, np.cumsum(kinds) - 1, np.cumsum(~kinds) - 1)
+  index = index[first:first + depth]
 
   def body_cached(x_cache, xs):
     x, cache = x_cache

@@ -59,13 +59,14 @@ def _decay_mask(params):
   """Matrices decay; norm scales, biases and vectors do not (the usual AdamW recipe).
 
   By each parameter's own rank: a stacked layer axis (scan_layers: a path through
-  "layers" with no layer index) does not count, and biases ([heads, head_dim]) are named.
+  "layers" or "dense_layers" with no layer index) does not count, and biases
+  ([heads, head_dim]) are named.
   """
   def decays(path, x):
     keys = [getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path]
     keys = [k for k in keys if k != "value"]
-    stacked = bool(keys) and keys[0] == "layers" and not (len(keys) > 1
-                                                          and isinstance(keys[1], int))
+    stacked = bool(keys) and keys[0] in ("layers", "dense_layers") and not (
+        len(keys) > 1 and isinstance(keys[1], int))
     name = str(keys[-1]) if keys else ""
     return x.ndim - int(stacked) >= 2 and not name.endswith("bias")
 

@@ -1462,7 +1462,8 @@ class Sampler:
     out = {}
     for i, path in enumerate(self._paths):
       leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
-      if "['mlp']" not in path:
+      # The experts alone: not a shared expert's or a leading dense layer's MLP.
+      if not path.startswith("['layers']") or not path.endswith(f"['mlp']['{leaf}']"):
         continue
       ndim = len(self._specs[i][0])
       pads = []

@@ -119,7 +119,8 @@ def test_reward_model_scores_match_transformers(tmp_path):
 def test_what_other_classes_refuse(saved, tmp_path):
   tiny = models.get_preset("tiny")
   with pytest.raises(ValueError, match="a partial rotary embedding cannot be written as "
-                                       "LlamaForCausalLM; Phi3ForCausalLM and Glm4ForCausalLM"):
+                                       "LlamaForCausalLM; Phi3ForCausalLM, Glm4ForCausalLM and "
+                                       "Glm4MoeForCausalLM hold it"):
     models.hf.check_exportable(tiny.replace(rope=models.RopeConfig(partial_rotary_factor=0.5)))
   glm = models.from_pretrained(saved[0]).cfg
   with pytest.raises(ValueError, match="sandwich_norms=False cannot be written as Glm4"):
