@@ -1,5 +1,5 @@
-"""A GRPO run from an OLMo 3, a GLM-4 and a Phi-3 (LongRoPE, partial rotary) Hugging Face
-folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
+"""A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture) and a Phi-3 (LongRoPE, partial
+rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
 the final checkpoint exported as a folder that transformers loads into the same class
 and computes our logits with."""
 
@@ -40,6 +40,13 @@ FAMILIES = {
                                         long_factor=(3.0, 4.0, 5.0, 6.0), factor=4.0,
                                         original_max_position_embeddings=24,
                                         partial_rotary_factor=0.5)),
+    # A dense first layer, then sigmoid routing over two groups of experts (the
+    # correction bias frozen through the updates), a shared expert, partial rotary.
+    "glm4_moe": dict(architecture="Glm4MoeForCausalLM", qkv_bias=True, qk_norm=True,
+                     rope=models.RopeConfig(partial_rotary_factor=0.5), num_experts=4,
+                     num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=64,
+                     router_scoring="sigmoid", router_groups=2, router_group_topk=1,
+                     routed_scaling_factor=2.0, dense_layers=1, dense_ffn_dim=96),
 }
 
 
@@ -54,7 +61,12 @@ def _config(**extra):
 def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
   cfg = trainer.model_config(_config()).replace(**FAMILIES[family])
   folder = str(tmp_path / "base")
-  models.save_pretrained(models.create_model(cfg, seed=4), folder)
+  base_model = models.create_model(cfg, seed=4)
+  if cfg.router_scoring == "sigmoid":  # a correction bias the updates must leave alone
+    bias = (base_model.layers.mlp if cfg.scan_layers else base_model.layers[0].mlp
+            ).score_correction_bias
+    bias.value = jax.random.normal(jax.random.key(1), bias.shape) * 0.3
+  models.save_pretrained(base_model, folder)
   config = _config(init_from=folder)
   trainer.train(config, str(tmp_path / "run"))
   rows = read_metrics(str(tmp_path / "run"))
@@ -78,6 +90,12 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
   moved = [np.abs(np.asarray(a) - np.asarray(b)).max()
            for a, b in zip(base, jax.tree.leaves(nnx.state(ours)))]
   assert max(moved) > 0  # the SFT step moved the weights that were exported
+  if cfg.router_scoring == "sigmoid":
+    def biases(model):
+      flat = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+      return [np.asarray(x) for path, x in flat if "score_correction_bias" in str(path)]
+    np.testing.assert_array_equal(biases(ours), biases(models.from_pretrained(folder)))
+    assert np.abs(biases(ours)[0]).min() > 0.02
 
 
 def test_a_folder_defines_the_model_and_the_run_its_choices(tmp_path, caplog):
