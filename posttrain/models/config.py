@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 ATTENTION_IMPLS = ("reference", "chunked", "flash", "ring")
@@ -128,7 +129,9 @@ class RopeConfig:
 
   def rotary_dim(self, head_dim: int) -> int:
     """Features of each head that rotate (all of head_dim unless partial_rotary_factor)."""
-    dim = int(head_dim * self.partial_rotary_factor)
+    # As transformers truncates it; the epsilon keeps a factor such as 64 / 192, one
+    # rounding below a third, from losing a feature.
+    dim = int(head_dim * self.partial_rotary_factor + 1e-9)
     if dim < 2 or dim % 2:
       raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim="
                        f"{head_dim} rotates {dim} features; it must be an even number >= 2")
@@ -219,6 +222,18 @@ class ModelConfig:
       dense_ffn_dim in place of the mixture (DeepSeek-V3's and GLM-4.5's
       first_k_dense_replace, Qwen2-MoE's leading mlp_only_layers). Their parameters sit
       in the model's `dense_layers`, the mixture layers' in `layers`.
+    kv_lora_rank: > 0 for multi-head latent attention (DeepSeek-V2 / V3, Kimi K2): keys and
+      values come from a latent of this width, x -> kv_a_proj -> RMSNorm -> per-head
+      k_b_proj (keys' unrotated features) and v_b_proj (values); every head shares one
+      rotated key part of qk_rope_head_dim features (k_rope_proj). head_dim is a query's
+      and key's width (unrotated + rotated: the rotated part first in ours, so the
+      rotary embedding is partial with rope.rotary_dim(head_dim) == qk_rope_head_dim);
+      values are v_head_dim wide, zero-padded to head_dim for the kernels and cache and
+      cut back before o_proj [heads, v_head_dim, D]. The cache holds the expanded
+      per-head keys and values (num_kv_heads == num_heads), as transformers' does.
+    q_lora_rank: with MLA, queries through a latent of this width too (q_a_proj ->
+      RMSNorm -> q_b_proj); 0: one q_proj.
+    qk_rope_head_dim / v_head_dim: MLA's rotated key features and value width.
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
       (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
       (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
@@ -288,6 +303,10 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   dense_layers: int = 0
   dense_ffn_dim: int = 0
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -350,6 +369,7 @@ class ModelConfig:
                        "experts (num_experts > 0)")
     self._check_gemma_fields()
     self._check_mixture_fields()
+    self._check_latent_attention_fields()
     if self.qk_norm_heads and not self.qk_norm:
       raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
                        "span)")
@@ -424,6 +444,39 @@ class ModelConfig:
                        f"{self.dense_ffn_dim}: set both (the dense layers' MLP width) or "
                        "neither")
 
+  def _check_latent_attention_fields(self) -> None:
+    names = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
+    for name in names:
+      value = getattr(self, name)
+      if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if not self.kv_lora_rank:
+      held = [n for n in names[1:] if getattr(self, n)]
+      if held:
+        raise ValueError(f"{', '.join(held)} describe multi-head latent attention; set "
+                         "kv_lora_rank > 0 for it")
+      return
+    if self.num_kv_heads != self.num_heads:
+      raise ValueError(f"multi-head latent attention expands a key and value per head: "
+                       f"num_kv_heads={self.num_kv_heads} must equal num_heads="
+                       f"{self.num_heads}")
+    if not 0 < self.qk_rope_head_dim < self.head_dim or self.qk_rope_head_dim % 2:
+      raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and in (0, "
+                       f"head_dim={self.head_dim}) (head_dim = unrotated + rotated)")
+    if self.rope.rotary_dim(self.head_dim) != self.qk_rope_head_dim:
+      raise ValueError(f"rope.partial_rotary_factor={self.rope.partial_rotary_factor} "
+                       f"rotates {self.rope.rotary_dim(self.head_dim)} of head_dim="
+                       f"{self.head_dim}, but qk_rope_head_dim={self.qk_rope_head_dim}")
+    if not 0 < self.v_head_dim <= self.head_dim:
+      raise ValueError(f"v_head_dim={self.v_head_dim} must be in [1, head_dim="
+                       f"{self.head_dim}]")
+    held = [n for n, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
+                            ("attention_sinks", self.attention_sinks),
+                            ("lora_rank", self.lora_rank)) if on]
+    if held:
+      raise ValueError(f"{', '.join(held)} with multi-head latent attention "
+                       "(kv_lora_rank > 0) are not supported")
+
   @property
   def mixture_layers(self) -> int:
     """Layers whose MLP is the mixture (after the `dense_layers`); 0 for a dense model."""
@@ -479,7 +532,14 @@ class ModelConfig:
 
   @property
   def attention_scale(self) -> float | None:
-    """The attention logits' scale (None: the kernels' 1 / sqrt(head_dim))."""
+    """The attention logits' scale (None: the kernels' 1 / sqrt(head_dim)). Multi-head
+    latent attention under YaRN with mscale_all_dim multiplies 1 / sqrt(head_dim) by
+    (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek-V3 does."""
+    rope = self.rope
+    if (self.kv_lora_rank and rope.type == "yarn" and rope.mscale_all_dim
+        and rope.factor > 1):
+      m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+      return self.head_dim ** -0.5 * m * m
     if self.query_pre_attn_scalar is None:
       return None
     return float(self.query_pre_attn_scalar) ** -0.5
@@ -542,6 +602,10 @@ class ModelConfig:
   def _count_params(self, experts: int) -> int:
     d, f, h, kv, hd = self.d_model, self.ffn_dim, self.num_heads, self.num_kv_heads, self.head_dim
     attn = d * h * hd * 2 + d * kv * hd * 2
+    if self.kv_lora_rank:  # multi-head latent attention
+      rq, rkv, hr, v = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+      attn = ((d * rq + rq + rq * h * hd) if rq else d * h * hd) + d * (rkv + hr) + rkv
+      attn += rkv * h * (hd - hr + v) + h * v * d
     if self.qkv_bias:
       attn += (h + 2 * kv) * hd
     if self.qk_norm:

@@ -37,7 +37,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
-              "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM")
+              "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM",)
 
@@ -61,7 +61,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                 "Glm4ForCausalLM": "glm4", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Glm4MoeForCausalLM": "glm4_moe"}
+                "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -105,6 +105,21 @@ QWEN2_MOE = "Qwen2MoeForCausalLM"
 # expert groups and a routed scaling factor, plus shared experts. The files' extra
 # layers past num_hidden_layers (multi-token prediction) are not read.
 GLM4_MOE = "Glm4MoeForCausalLM"
+# DeepSeek-V3 / R1, Kimi K2, Moonlight: GLM-4.5's mixture (sigmoid group routing, shared
+# experts, leading dense layers) under multi-head latent attention (`ModelConfig`
+# kv_lora_rank): q (through its own latent, q_lora_rank) and the keys' shared rotated part
+# (the last qk_rope_head_dim rows of kv_a_proj_with_mqa) hold their rotated features as
+# interleaved pairs (rope_interleave), reordered on load as GLM-4's are; ours put the
+# rotated part first in each head (k = [rotated, unrotated]), which leaves q . k as it is.
+# kv_b_proj's rows per head, keys' unrotated features then values, split into k_b_proj
+# and v_b_proj. YaRN's mscale_all_dim scales the softmax (`ModelConfig.attention_scale`).
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+_DEEPSEEK_V3_DEFAULTS = dict(
+    rms_norm_eps=1e-6, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+    kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096,
+    rope_interleave=True, attention_bias=False, moe_intermediate_size=2048)
 _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared_experts=1,
                           n_routed_experts=128, routed_scaling_factor=1.0, n_group=1,
                           topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
@@ -113,6 +128,7 @@ _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
     GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
+    DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS,
     QWEN2_MOE: dict(qkv_bias=True, norm_topk_prob=False, max_position_embeddings=32_768),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
@@ -172,6 +188,8 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
                           "mlp.experts.{j}.down_proj"),
               GLM4_MOE: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
                          "mlp.experts.{j}.down_proj"),
+              DEEPSEEK_V3: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                            "mlp.experts.{j}.down_proj"),
               "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                                      "block_sparse_moe.experts.{j}.w3",
                                      "block_sparse_moe.experts.{j}.w2")}
@@ -227,6 +245,9 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   merged = {**dict(c.get("rope_scaling") or {}), **params}
   if lm in (GLM4, GLM4_MOE):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
+  if lm == DEEPSEEK_V3:  # the rotated part of each query and key head
+    rotary = int(c["qk_rope_head_dim"])
+    merged["partial_rotary_factor"] = rotary / (rotary + int(c["qk_nope_head_dim"]))
   if lm == PHI3:
     if merged.get("rope_type", merged.get("type")) in ("su", "yarn"):
       merged["rope_type"] = "longrope"  # the legacy names, as transformers reads them
@@ -314,6 +335,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
   heads = int(c["num_attention_heads"])
   head_dim = c.get("head_dim") or c["hidden_size"] // heads
+  latent = _latent_attention_from_hf(lm, c)
+  if latent:  # transformers' DeepSeek config says head_dim for the rotated part alone
+    head_dim = int(c["qk_nope_head_dim"]) + latent["qk_rope_head_dim"]
+    c = {**c, "num_key_value_heads": heads}
   dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
   pad = c.get("pad_token_id")
   pad = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
@@ -337,8 +362,22 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
-      **({"sandwich_norms": True} if lm == GLM4 else {}))
+      **({"sandwich_norms": True} if lm == GLM4 else {}), **latent)
   return cfg.replace(**overrides) if overrides else cfg
+
+
+def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """Multi-head latent attention's ModelConfig fields of a DeepSeek-V3 config.json ({}
+  for other classes)."""
+  if lm != DEEPSEEK_V3:
+    return {}
+  if c.get("attention_bias"):
+    raise ValueError("attention_bias=true in a DeepSeek-V3 config.json is not supported")
+  if not c.get("rope_interleave", True):
+    raise ValueError("rope_interleave=false in a DeepSeek-V3 config.json is not supported "
+                     "(DeepSeek's and Kimi's files hold interleaved rotary features)")
+  return {"kv_lora_rank": int(c["kv_lora_rank"]), "q_lora_rank": int(c["q_lora_rank"] or 0),
+          "qk_rope_head_dim": int(c["qk_rope_head_dim"]), "v_head_dim": int(c["v_head_dim"])}
 
 
 # Classes whose config.json attention_bias puts a bias on all four attention projections
@@ -488,7 +527,13 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "ffn_dim": int(c["moe_intermediate_size"]), "dense_layers": len(dense),
             "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0, **shared,
             **_aux_loss_from_hf(c)}
-  if arch == GLM4_MOE:
+  if arch in (GLM4_MOE, DEEPSEEK_V3):
+    if arch == DEEPSEEK_V3 and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
+        "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
+      raise ValueError(f"topk_method={c.get('topk_method')!r}, scoring_func="
+                       f"{c.get('scoring_func')!r}, moe_layer_freq={c.get('moe_layer_freq')!r}"
+                       ": only DeepSeek-V3's routing (noaux_tc over sigmoid scores, every "
+                       "layer past the dense ones a mixture) is read")
     dense = int(c["first_k_dense_replace"])
     return {"num_experts": int(c.get("n_routed_experts") or c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]),
@@ -540,6 +585,10 @@ def check_exportable(cfg: ModelConfig) -> None:
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
         f"written as one of {mixtures}, a dense model as one of "
         f"{[a for a in kind if a not in mixtures]}")
+  if bool(cfg.kv_lora_rank) != (lm == DEEPSEEK_V3):
+    raise ValueError(f"kv_lora_rank={cfg.kv_lora_rank} cannot be written as "
+                     f"{cfg.architecture}: multi-head latent attention is written as "
+                     f"{DEEPSEEK_V3}, and only it")
   _check_family_options(cfg, lm)
   _check_mixture_options(cfg, lm)
   qk_norm = lm in _QK_NORMED
@@ -564,7 +613,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   and scaling (GLM-4.5), leading dense layers (Qwen MoE, GLM-4.5)."""
   if not cfg.num_experts:
     return
-  glm, qwen2 = lm == GLM4_MOE, lm == QWEN2_MOE
+  glm, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm == QWEN2_MOE
   fixed = dict(router_scoring="sigmoid" if glm else "softmax", shared_expert_gate=qwen2)
   if not glm:
     fixed.update(router_groups=1, router_group_topk=1, routed_scaling_factor=1.0)
@@ -630,7 +679,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "whose rotary embedding is the default one or LongRoPE")
   if lm != PHI3 and any(r.type == "longrope" for r in ropes):
     raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
-  if lm not in (PHI3, GLM4, GLM4_MOE) and any(r.partial_rotary_factor != 1.0 for r in ropes):
+  if lm not in (PHI3, GLM4, GLM4_MOE, DEEPSEEK_V3) and any(
+      r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
   if lm == PHI3 and cfg.head_dim * cfg.num_heads != cfg.d_model:
@@ -732,6 +782,17 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
       out.pop("attention_bias")
       out.update(qkv_bias=cfg.qkv_bias,
                  shared_expert_intermediate_size=cfg.shared_expert_dim)
+  elif lm == DEEPSEEK_V3:
+    out.pop("head_dim")  # transformers sets it to qk_rope_head_dim
+    out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
+               n_shared_experts=cfg.shared_expert_dim // cfg.ffn_dim,
+               routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.router_groups,
+               topk_group=cfg.router_group_topk, first_k_dense_replace=cfg.dense_layers,
+               kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+               qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+               qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim, rope_interleave=True,
+               num_nextn_predict_layers=0, topk_method="noaux_tc", scoring_func="sigmoid")
   elif lm == GLM4_MOE:
     out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
@@ -849,7 +910,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     mixture = cfg.num_experts and i >= cfg.dense_layers
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
-    if fused:  # Phi-3: [q; k; v] rows of one qkv_proj, [gate; up] rows of gate_up_proj
+    if cfg.kv_lora_rank:
+      rows += _latent_attention_rows(cfg, p, hf)
+    elif fused:  # Phi-3: [q; k; v] rows of one qkv_proj, [gate; up] rows of gate_up_proj
       qkv = hf + "self_attn.qkv_proj.weight"
       rows += [(p + ("attn", name), qkv, *_fused_part(proj_in(heads), start * h, heads * h,
                                                       (n + 2 * k) * h), (d, heads, h))
@@ -860,9 +923,10 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
           (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *qk_in(n), (d, n, h)),
           (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *qk_in(k), (d, k, h)),
           (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h))]
+    vh = cfg.v_head_dim or h
     rows.append((p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
-                 lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
-                 lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
+                 lambda x: x.reshape(d, n, vh).transpose(1, 2, 0),
+                 lambda x: x.transpose(2, 0, 1).reshape(d, n * vh), (n, vh, d)))
     if fused_mlp:
       transposed = (lambda x: x.T, lambda x: x.T)
       rows += [(p + ("mlp", name), hf + "mlp.gate_up_proj.weight",
@@ -914,6 +978,57 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows.append((p + ("attn", "o_bias"), hf + "self_attn.o_proj.bias", ident, ident, (d,)))
     if cfg.attention_sinks:
       rows.append((p + ("attn", "sinks"), hf + "self_attn.sinks", ident, ident, (n,)))
+  return rows
+
+
+def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """A DeepSeek-V3 layer's multi-head latent attention (o_proj aside): HF's q rows per
+  head [unrotated, rotated] become ours [rotated, unrotated], the rotated ones
+  de-interleaved (evens, then odds) with rope_interleave; kv_a_proj_with_mqa's rows are
+  [latent; the keys' rotated part]; kv_b_proj's per head [keys' unrotated; values]."""
+  d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
+  hr, rkv, rq, vh = cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.v_head_dim
+  hn = h - hr
+  rotated = np.concatenate([np.arange(0, hr, 2), np.arange(1, hr, 2)])  # rope_interleave
+  order = np.concatenate([hn + rotated, np.arange(hn)])  # our head features, in HF's
+  back = np.argsort(order)
+  ident = lambda x: x  # noqa: E731
+
+  def q_rows(width):  # HF [n * h, width] <-> ours [width, n, h]
+    return (lambda x: x.reshape(n, h, width)[:, order].transpose(2, 0, 1),
+            lambda x: x.transpose(1, 2, 0)[:, back].reshape(n * h, width))
+
+  def kv_b_part(start, size, total=hn + vh):  # HF [n * total, rkv] <-> ours [rkv, n, size]
+    def to_hf(x):
+      out = np.zeros((n, total, rkv), x.dtype)
+      out[:, start:start + size] = x.transpose(1, 2, 0)
+      return out.reshape(n * total, rkv)
+    return (lambda x: x.reshape(n, total, rkv)[:, start:start + size].transpose(2, 0, 1),
+            to_hf)
+
+  attn = hf + "self_attn."
+  rows = []
+  if rq:
+    rows += [(p + ("attn", "q_a_proj"), attn + "q_a_proj.weight", lambda x: x.T,
+              lambda x: x.T, (d, rq)),
+             (p + ("attn", "q_a_norm", "scale"), attn + "q_a_layernorm.weight", ident, ident,
+              (rq,)),
+             (p + ("attn", "q_b_proj"), attn + "q_b_proj.weight", *q_rows(rq), (rq, n, h))]
+  else:
+    rows.append((p + ("attn", "q_proj"), attn + "q_proj.weight", *q_rows(d), (d, n, h)))
+  kv_a = attn + "kv_a_proj_with_mqa.weight"
+  transposed = (lambda x: x.T, lambda x: x.T)
+  rope_rows = (lambda x: x[rotated].T, lambda x: x.T[np.argsort(rotated)])
+  rows += [(p + ("attn", "kv_a_proj"), kv_a, *_fused_part(transposed, 0, rkv, rkv + hr),
+            (d, rkv)),
+           (p + ("attn", "k_rope_proj"), kv_a, *_fused_part(rope_rows, rkv, hr, rkv + hr),
+            (d, hr)),
+           (p + ("attn", "kv_a_norm", "scale"), attn + "kv_a_layernorm.weight", ident, ident,
+            (rkv,)),
+           (p + ("attn", "k_b_proj"), attn + "kv_b_proj.weight", *kv_b_part(0, hn),
+            (rkv, n, hn)),
+           (p + ("attn", "v_b_proj"), attn + "kv_b_proj.weight", *kv_b_part(hn, vh),
+            (rkv, n, vh))]
   return rows
 
 
@@ -1176,7 +1291,7 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False
 def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str]:
   """The tensors of a GLM-4.5 checkpoint's multi-token-prediction layers (the
   num_nextn_predict_layers layers after num_hidden_layers), which are not read."""
-  if _causal_lm(_architecture(_language_model_config(c))) != GLM4_MOE:
+  if _causal_lm(_architecture(_language_model_config(c))) not in (GLM4_MOE, DEEPSEEK_V3):
     return set()
   first = int(c["num_hidden_layers"])
   extra = int(c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 1)) or 0)

@@ -30,6 +30,8 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # fsdp as a dense MLP's does, gathered a layer at a time).
     ("experts", ()),
     ("norm", ()),
+    # Multi-head latent attention's latent width (kv_lora_rank, q_lora_rank).
+    ("latent", ()),
     ("layers", ()),
     # LoRA's rank axis: FSDP-sharded where the other axis of the adapter leaves fsdp free
     # (B [r, out], and A of o_proj / down_proj), so no adapter is replicated whole.

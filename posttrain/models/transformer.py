@@ -416,16 +416,21 @@ def without_lora(params):
 
 class Attention(nnx.Module):
   """Grouped-query attention with optional qkv bias (Qwen2) and q/k norm (Qwen3 per head,
-  OLMo 2 over all heads)."""
+  OLMo 2 over all heads); or with cfg.kv_lora_rank multi-head latent attention
+  (DeepSeek-V3: `_latent_qkv`)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std=std)
-    self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
-    self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
-    self.o_proj = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd, std=std)
+    if cfg.kv_lora_rank:
+      self._init_latent(cfg, rngs)
+    else:
+      self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std=std)
+      self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
+      self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
+    v = cfg.v_head_dim or h
+    self.o_proj = _param(rngs, (n, v, d), ("heads", "head_dim", "embed"), pd, std=std)
     if cfg.qkv_bias:
       self.q_bias = _param(None, (n, h), ("heads", "head_dim"), pd, init="zeros")
       self.k_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
@@ -441,6 +446,47 @@ class Attention(nnx.Module):
     if cfg.attention_sinks:
       self.sinks = _param(rngs, (n,), ("heads",), pd, std=std)
 
+  def _init_latent(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
+    rq, rkv, hr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    # The latents' norms: transformers' DeepSeek RMSNorm default eps, whatever the layers'.
+    latent_norm = lambda r: RMSNorm(r, 1e-6, pd, ("latent",))  # noqa: E731
+    if rq:
+      self.q_a_proj = _param(rngs, (d, rq), ("embed", "latent"), pd, std=std)
+      self.q_a_norm = latent_norm(rq)
+      self.q_b_proj = _param(rngs, (rq, n, h), ("latent", "heads", "head_dim"), pd, std=std)
+    else:
+      self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std=std)
+    self.kv_a_proj = _param(rngs, (d, rkv), ("embed", "latent"), pd, std=std)
+    self.kv_a_norm = latent_norm(rkv)
+    self.k_rope_proj = _param(rngs, (d, hr), ("embed", "head_dim"), pd, std=std)
+    self.k_b_proj = _param(rngs, (rkv, n, h - hr), ("latent", "heads", "head_dim"), pd,
+                           std=std)
+    self.v_b_proj = _param(rngs, (rkv, n, cfg.v_head_dim), ("latent", "heads", "head_dim"),
+                           pd, std=std)
+
+  def _latent_qkv(self, x, cos, sin):
+    """q, k, v [B, T, N, H] of multi-head latent attention, rotated: the keys' and values'
+    latent c = RMSNorm(x kv_a_proj); k = [rope(x k_rope_proj), c k_b_proj] (the rotated
+    part shared by every head, first), v = c v_b_proj zero-padded to H; q from q_proj,
+    or through its own latent (q_a_proj, RMSNorm, q_b_proj), its first features rotated."""
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    if cfg.q_lora_rank:
+      q_latent = self.q_a_norm(jnp.einsum("BTD,DR->BTR", x, self.q_a_proj[...].astype(dt)))
+      q = jnp.einsum("BTR,RNH->BTNH", q_latent, self.q_b_proj[...].astype(dt))
+    else:
+      q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
+    latent = self.kv_a_norm(jnp.einsum("BTD,DR->BTR", x, self.kv_a_proj[...].astype(dt)))
+    k_rope = jnp.einsum("BTD,DH->BTH", x, self.k_rope_proj[...].astype(dt))[:, :, None]
+    k_rope = rope_lib.apply_rope(k_rope, cos, sin)
+    k_nope = jnp.einsum("BTR,RNH->BTNH", latent, self.k_b_proj[...].astype(dt))
+    b, t, n, _ = k_nope.shape
+    k = jnp.concatenate([jnp.broadcast_to(k_rope, (b, t, n, k_rope.shape[-1])), k_nope], -1)
+    v = jnp.einsum("BTR,RNV->BTNV", latent, self.v_b_proj[...].astype(dt))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.head_dim - cfg.v_head_dim)))
+    return rope_lib.apply_rope(q, cos, sin), k, v
+
   def _sinks(self):
     """The sink logits [heads] in float32, or None."""
     return self.sinks[...].astype(jnp.float32) if self.cfg.attention_sinks else None
@@ -454,19 +500,10 @@ class Attention(nnx.Module):
     over layers of both kinds) a traced one, which picks the attention at run time."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
-    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
-    q = _add_lora(self, "q_proj", q, x, "BTD,DR->BTR", "BTR,RNH->BTNH")
-    k = _add_lora(self, "k_proj", k, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
-    v = _add_lora(self, "v_proj", v, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
-    if cfg.qkv_bias:
-      q = q + self.q_bias[...].astype(dt)[None, None]
-      k = k + self.k_bias[...].astype(dt)[None, None]
-      v = v + self.v_bias[...].astype(dt)[None, None]
-    if cfg.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin)
+    if cfg.kv_lora_rank:
+      q, k, v = self._latent_qkv(x, cos, sin)
+    else:
+      q, k, v = self._qkv(x, cos, sin)
     q = ctx.constrain(q, ("batch", "length", "heads", "head_dim"))
     k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -503,12 +540,31 @@ class Attention(nnx.Module):
       out = self._read(q, k, v, segment_ids_BxT, new_cache, positions_BxT, ctx, prefill,
                        layer, bool(sliding))
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
+    if cfg.v_head_dim and cfg.v_head_dim < cfg.head_dim:  # MLA's padded values cut back
+      out = out[..., :cfg.v_head_dim]
     y = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
     y = _add_lora(self, "o_proj", y, out, "BTNH,NHR->BTR", "BTR,RD->BTD")
     if cfg.attn_out_bias:
       y = y + self.o_bias[...].astype(dt)[None, None]
     return y, new_cache
 
+
+  def _qkv(self, x, cos, sin):
+    """q [B, T, N, H], k and v [B, T, K, H], rotated."""
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
+    q = _add_lora(self, "q_proj", q, x, "BTD,DR->BTR", "BTR,RNH->BTNH")
+    k = _add_lora(self, "k_proj", k, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
+    v = _add_lora(self, "v_proj", v, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
+    if cfg.qkv_bias:
+      q = q + self.q_bias[...].astype(dt)[None, None]
+      k = k + self.k_bias[...].astype(dt)[None, None]
+      v = v + self.v_bias[...].astype(dt)[None, None]
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin), v
 
   def _ring(self, cache: KVCache, sliding: bool, queries: int) -> bool:
     """A sliding layer's cache is a ring when it holds every key a call's queries read;
