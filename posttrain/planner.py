@@ -268,7 +268,9 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
   the gate and up experts (and their biases) is padded with zeros to ceil128(F'), the
   down experts' to ceil128(F') x ceil128(D) (`Sampler._expert_padding`). Unpadded,
   XLA:TPU kept relaid copies of them through the decode loop: for gpt-oss-20b (F' 1440,
-  D 2880 on a v5p-64) 18 GiB a chip, against 1.6 GiB of padding."""
+  D 2880 on a v5p-64) 18 GiB a chip, against 1.6 GiB of padding. The mixture layers'
+  experts only (`ModelConfig.mixture_layers`): a shared expert and the leading dense
+  layers' MLPs are dense and left as they are."""
   cfg = model_cfg
   if not cfg.num_experts:
     return 0
@@ -279,7 +281,7 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
   s = np.dtype(cfg.dtype).itemsize
   per_expert = ((f_pad - f) * (2 * d + 2 * cfg.expert_bias)  # gate, up (and biases)
                 + f_pad * d_pad - f * d)                       # down, F and D padded
-  return s * cfg.num_layers * cfg.num_experts * per_expert
+  return s * cfg.mixture_layers * cfg.num_experts * per_expert
 
 
 # ----------------------------------------------------------------------------------------
@@ -288,8 +290,13 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
 
 
 def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: int,
-                           kv_heads: int, mlp: int, kv_len: int) -> float:
+                           kv_heads: int, mlp: int, kv_len: int, shared: int | None = None,
+                           dense: bool = False) -> float:
   """Bytes one layer keeps per token for the backward pass, by remat policy.
+
+  A mixture's (cfg.num_experts) mixture layer, unless `dense`: one of its leading dense
+  layers (cfg.dense_layers), `mlp` then their dense_ffn_dim on one device. `shared` is a
+  mixture layer's shared expert's width on one device (default cfg.shared_expert_dim).
 
   s = bytes of the compute dtype; D = d_model; NH = heads * head_dim, KH = kv_heads *
   head_dim, F = mlp, with heads / kv_heads / mlp the widths of one device's shard; N =
@@ -317,6 +324,30 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
     MLP dots = 4E   the router's float32 logits only: the experts' grouped matmuls
       (`kernels.grouped_matmul`, `ragged_dot`) are no dot_general, so the dots policies
       save none of them: the backward reruns the experts' forward (sort, gate / up / down).
+
+  A mixture's leading dense layers (cfg.dense_layers) keep a dense MLP's 3sF / 2sF, F
+  their dense_ffn_dim on one device. Its mixture layers' routing and shared expert add
+  (fitted the same way, on Qwen2-MoE's and GLM-4.5's layouts; Fs = the shared expert's
+  width on one device):
+    remat none, router_scoring sigmoid   (4 - s)D - 8   the router's float32 input rows
+      in place of the compute-dtype ones; the float32 scores [N, E] in the softmax's
+      place, the chosen experts' scores and ids (take_along_axis) and the normaliser's
+      column in place of the top-k values, ids and two softmax columns. The correction
+      bias, the choice, the group ranking and masks (router_groups) keep nothing: no
+      gradient reaches them
+    remat none, routed_scaling_factor   0   the scaled weights [N, k] in place of the
+      normalised ones (and a float32 scalar a layer, `saved_activation_bytes`)
+    remat none, norm_topk_prob off   -4(k + 2)   no normaliser: its sum, its power and the
+      normalised weights
+    remat none, shared expert        s(D + 3Fs)   its own input rows, gate, up and
+      product, as a dense MLP of width Fs (outside the experts' shard_map)
+    a dots policy, shared expert     2sFs         its gate and up
+    remat none, shared_expert_gate   s(2D + 1) + 4   the block's normed input and the
+      shared expert's output, which the gate's gradients read, its sigmoid in the
+      compute dtype and a float32 column
+    a dots policy, shared_expert_gate   sD + 4   the shared expert's down projection and
+      the gate's float32 logit (both dots)
+    full                             nothing more: the block input alone
 
   Gemma's options add (fitted the same way, on Gemma 2 / 3's combination and on each
   alone; a GeGLU MLP keeps what SwiGLU does, `models.transformer.geglu`):
@@ -355,9 +386,9 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
       norms += (s + 8) * (nh + kh) + (16 if model_cfg.qk_norm_heads else 8 * (n + kv_heads))
       if model_cfg.norm_unit_offset:
         norms += (4 - s) * (nh + kh)
-    return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
+    return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp, shared, dense)
             + 4 * (4 * d + 4 * hd + n) + attn + norms)
-  weight_matmuls = s * (2 * d + nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp)
+  weight_matmuls = s * (2 * d + nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp, shared, dense)
   if model_cfg.sandwich_norms or model_cfg.output_norms:
     weight_matmuls += s * d
   if remat == "dots":
@@ -373,15 +404,37 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
 
 
-def _mlp_kept(cfg: models.ModelConfig, remat: str, mlp: int) -> int:
-  """The MLP's share of `layer_activation_bytes` (remat none or a dots policy)."""
+def _mlp_kept(cfg: models.ModelConfig, remat: str, mlp: int, shared: int | None = None,
+              dense: bool = False) -> int:
+  """The MLP's share of `layer_activation_bytes` (remat none or a dots policy): a dense
+  MLP's (`dense`, or a dense model), else a mixture layer's with its shared expert of
+  width `shared` on one device (default cfg.shared_expert_dim)."""
   s = np.dtype(cfg.dtype).itemsize
-  if not cfg.num_experts:
+  if dense or not cfg.num_experts:
     return s * (3 if remat == "none" else 2) * mlp
   e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.d_model
   if remat == "none":
-    return s * (k * d + 3 * k * mlp) + 4 * (k * d + e + 5 * k + 4)
-  return 4 * e
+    kept = s * (k * d + 3 * k * mlp) + 4 * (k * d + e + 5 * k + 4)
+    if cfg.router_scoring == "sigmoid":
+      kept += (4 - s) * d - 8
+    if not cfg.norm_topk_prob:
+      kept -= 4 * (k + 2)
+  else:
+    kept = 4 * e
+  return kept + _shared_kept(cfg, remat, cfg.shared_expert_dim if shared is None else shared)
+
+
+def _shared_kept(cfg: models.ModelConfig, remat: str, shared: int) -> int:
+  """A mixture layer's shared expert's share of `_mlp_kept` (remat none or a dots
+  policy), `shared` its width on one device: a dense MLP's gate, up (and with remat
+  none its input rows and product), and what its sigmoid gate's gradients read."""
+  if not cfg.shared_expert_dim:
+    return 0
+  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  gated = cfg.shared_expert_gate
+  if remat == "none":
+    return s * (d + 3 * shared) + (s * (2 * d + 1) + 4 if gated else 0)
+  return 2 * s * shared + (s * d + 4 if gated else 0)
 
 
 def fused_dq_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -419,6 +472,26 @@ def _activation_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh, r
   return b, t, heads, kv_heads, mlp, vocab
 
 
+def _layer_mlps(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
+                rules) -> tuple[tuple[int, dict[str, Any]], ...]:
+  """(layers, their MLP's keywords for `layer_activation_bytes`) of each kind of layer,
+  every width one device's shard of the "mlp" axis (as `_activation_shards`' mlp): a
+  dense model's layers (ffn_dim); a mixture's leading dense layers (dense_ffn_dim), then
+  its mixture layers (each expert's ffn_dim and the shared expert's width)."""
+  def width(f: int) -> int:
+    if not f:
+      return 0
+    return _logical_shard(mesh, rules, ("batch", "length", "mlp"), (rows, row_len, f))[2]
+
+  if not cfg.num_experts:
+    return ((cfg.num_layers, {"mlp": width(cfg.ffn_dim), "dense": True}),)
+  mixture = (cfg.mixture_layers, {"mlp": width(cfg.ffn_dim),
+                                  "shared": width(cfg.shared_expert_dim)})
+  if not cfg.dense_layers:
+    return (mixture,)
+  return ((cfg.dense_layers, {"mlp": width(cfg.dense_ffn_dim), "dense": True}), mixture)
+
+
 def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                            mesh: AbstractMesh, rules=models.DEFAULT_RULES,
                            remat: str | None = None) -> int:
@@ -426,7 +499,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
 
     tokens * (layers * layer_activation_bytes + 2sD + 4(2D + H) + 8) [+ s D V if tied]
 
-    [+ layers * (4E [+ s(3EDF + DE) on a mesh])    a mixture without remat]
+    [+ mixture layers * (4E [+ s 3EDF + rDE on a mesh] [+ 4DE on one device, sigmoid
+       routing, params narrower than float32] [+ 4 with routed_scaling_factor])
+                                                   a mixture without remat]
 
   the second term outside the layers: embedding output, final norm, the hidden state the
   chunked log-prob pass reads, RoPE tables, int32 positions and targets (with
@@ -434,15 +509,21 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   Gemma, 2(4 - s)D without); tied embeddings also keep the transposed output projection.
   tokens = one device's share of the micro-batch (rows over the batch axes, row_len over
   `sequence`). Without remat, a mixture keeps each layer's int32 group sizes [E] and, on
-  a mesh, the experts and router its `shard_map` was given (D gathered over fsdp, F split): 1.1 GiB a layer for
-  Qwen3-30B-A3B on one tensor shard, which any remat policy gathers again in the
-  backward instead.
+  a mesh, the experts and router its `shard_map` was given (D gathered over fsdp, F
+  split): 1.1 GiB a layer for Qwen3-30B-A3B on one tensor shard, which any remat policy
+  gathers again in the backward instead. r = s, or 4 for a sigmoid router (GLM-4.5's,
+  run in float32, which on one device keeps its float32 copy of narrower params too);
+  routed_scaling_factor adds its float32 scalar. A mixture's leading dense layers
+  (cfg.dense_layers) count as dense layers of width dense_ffn_dim, its mixture layers
+  (`ModelConfig.mixture_layers`) with their shared expert (`layer_activation_bytes`);
+  a shared expert's weights, outside the experts' shard_map, are a dense MLP's.
   """
   cfg = model_cfg
   remat = remat or cfg.remat
   b, t, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
-  per_layer = layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads, mlp=mlp,
-                                     kv_len=row_len)
+  layers = sum(n * layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads,
+                                          kv_len=row_len, **mlps)
+               for n, mlps in _layer_mlps(cfg, rows, row_len, mesh, rules))
   s = np.dtype(cfg.dtype).itemsize
   outside = 2 * s * cfg.d_model + 4 * (2 * cfg.d_model + cfg.head_dim) + 8
   if cfg.norm_unit_offset:
@@ -451,9 +532,14 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   unembed = s * cfg.d_model * vocab if cfg.tie_embeddings and cfg.lm_head else 0
   experts = 0
   if cfg.num_experts and remat == "none":
-    weights = _mlp_weight_bytes(cfg, mlp) if mesh.size > 1 else 0
-    experts = cfg.num_layers * (4 * cfg.num_experts + weights)
-  return int(b * t * (cfg.num_layers * per_layer + outside) + unembed + experts)
+    if mesh.size > 1:
+      weights = _expert_weight_bytes(cfg, mlp)
+    else:  # the sigmoid router's float32 copy of narrower params
+      sigmoid = cfg.router_scoring == "sigmoid" and np.dtype(cfg.param_dtype).itemsize < 4
+      weights = 4 * cfg.d_model * cfg.num_experts if sigmoid else 0
+    scale = 4 if cfg.routed_scaling_factor != 1.0 else 0
+    experts = cfg.mixture_layers * (4 * cfg.num_experts + weights + scale)
+  return int(b * t * (layers + outside) + unembed + experts)
 
 
 def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -464,6 +550,7 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     saved_activation_bytes
     + (1 if remat == none else 2) * tokens * layer_activation_bytes(none)
                                   the layer being differentiated (recomputed) + cotangents
+                                  (a mixture's fuller kind: a dense or a mixture layer)
     + fused_dq_bytes              the fused flash backward's dq partials, if on
     + 2 * gathered layer          with D split over fsdp: two layers' weights gathered in
                                   the compute dtype (the layer differentiated and the
@@ -471,7 +558,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   formula for Llama 3 8B, LoRA and full fine-tune alike;
                                   a mixture's layer is every expert (`_mlp_weight_bytes`)
                                   and it holds three: one more for the experts' weight
-                                  gradients in full D, before their reduce-scatter
+                                  gradients in full D, before their reduce-scatter;
+                                  with leading dense layers, the larger kind of layer
     + 2 * experts in compute dtype    a mixture whose params are wider: XLA:TPU hoists
                                   the cast of every layer's experts out of the layer
                                   loop; against bfloat16 params the update held two such
@@ -491,16 +579,17 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   """
   cfg = model_cfg
   remat = remat or cfg.remat
-  b, t, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
+  b, t, heads, kv_heads, _, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
+  mlps = _layer_mlps(cfg, rows, row_len, mesh, rules)
   saved = saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
                                  remat=remat)
-  one_layer = b * t * layer_activation_bytes(cfg, "none", heads=heads, kv_heads=kv_heads,
-                                             mlp=mlp, kv_len=row_len)
+  one_layer = b * t * max(layer_activation_bytes(cfg, "none", heads=heads, kv_heads=kv_heads,
+                                                 kv_len=row_len, **kw) for _, kw in mlps)
   transient = (1 if remat == "none" else 2) * one_layer
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
   if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
     transient += (3 if cfg.num_experts else 2) * _gathered_layer_bytes(cfg, heads, kv_heads,
-                                                                       mlp)
+                                                                       mlps)
   if np.dtype(cfg.dtype).itemsize < np.dtype(cfg.param_dtype).itemsize:
     transient += 2 * expert_bytes(cfg, mesh, rules, cfg.dtype)
   logits = _logit_chunk_bytes(cfg, b, t, vocab) if cfg.lm_head else 0  # a score head: none
@@ -508,19 +597,25 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
           f"{cfg.attention_impl} attention")
   if cfg.num_experts:
     note += f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok})"
+    if cfg.shared_expert_dim:
+      note += f" + a shared expert of {cfg.shared_expert_dim}"
+    if cfg.dense_layers:
+      note += (f", the first {cfg.dense_layers} layers dense" if cfg.dense_layers > 1
+               else ", the first layer dense")
   return int(saved + transient + logits), note
 
 
 def expert_bytes(model_cfg: models.ModelConfig, mesh: AbstractMesh, rules=models.DEFAULT_RULES,
                  dtype: str | None = None) -> int:
-  """Per-device bytes of every layer's experts (gate, up, down; the router aside) in
-  `dtype` (default param_dtype), sharded by the rules; 0 for a dense model."""
+  """Per-device bytes of every mixture layer's experts (gate, up, down; the router, a
+  shared expert and the leading dense layers aside) in `dtype` (default param_dtype),
+  sharded by the rules; 0 for a dense model."""
   cfg = model_cfg
   if not cfg.num_experts:
     return 0
   shard = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),
                          (cfg.num_experts, cfg.d_model, cfg.ffn_dim))
-  return (cfg.num_layers * 3 * math.prod(shard)
+  return (cfg.mixture_layers * 3 * math.prod(shard)
           * np.dtype(dtype or cfg.param_dtype).itemsize)
 
 
@@ -710,42 +805,68 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   token, O(N) for the others. With `gathered=False` (the sampler leaves its weights
   sharded over the batch axes) each layer's forward gathers that layer's weights,
   s(2 D NH + 2 D KH) + `_mlp_weight_bytes`, as a decode step does (`decode_step_bytes`).
+  A mixture layer's shared expert (width Fs on a device) adds a dense MLP's 5sFs (by
+  analogy, not compiled); with leading dense layers (5sF, F their dense_ffn_dim) the
+  fuller kind of layer counts, its weights with it.
   Compiled for a v5e-8 (Llama 3 8B, 16 prompts of 1,024, weights left sharded), XLA's
   prefill needs 1.10 GiB beyond the weights and the cache; this counts 0.98 GiB of it
   (0.58 GiB before the gathered layer was counted)."""
   cfg = model_cfg
-  b, t, heads, kv_heads, mlp, _ = _activation_shards(cfg, prompts, prompt_len, mesh, rules)
+  b, t, heads, kv_heads, _, _ = _activation_shards(cfg, prompts, prompt_len, mesh, rules)
   s = np.dtype(cfg.dtype).itemsize
   nh, kh = heads * cfg.head_dim, kv_heads * cfg.head_dim
   attn = 4 * 2 * heads * prompt_len + heads * prompt_len if cfg.attention_impl == "reference" else 0
   d, e, k = cfg.d_model, cfg.num_experts, cfg.num_experts_per_tok
-  ffn = s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) if e else s * 5 * mlp
-  forward = b * t * (s * (2 * d + nh + 2 * kh) + ffn + attn)
+
+  def layer(mlp: int, shared: int = 0, dense: bool = False) -> int:
+    ffn = (s * 5 * mlp if dense else
+           s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) + s * 5 * shared)
+    weights = 0 if gathered else _gathered_layer_bytes(
+        cfg, heads, kv_heads, ((1, dict(mlp=mlp, shared=shared, dense=dense)),))
+    return b * t * (s * (2 * d + nh + 2 * kh) + ffn + attn) + weights
+
+  forward = max(layer(**kw) for _, kw in _layer_mlps(cfg, prompts, prompt_len, mesh, rules))
   rows_local = _logical_shard(mesh, rules, ("batch",), (rows,))[0]
   kv_dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
   copied = 2 * rows_local * prompt_len * kh * kv_dtype.itemsize
   prompt_cache = kv_cache_bytes(cfg, batch=prompts, max_len=prompt_len, mesh=mesh,
                                 rules=rules, dtype=dtype)
-  if not gathered:
-    forward += _gathered_layer_bytes(cfg, heads, kv_heads, mlp)
   return int(prompt_cache + max(forward, copied))
 
 
-def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int, mlp: int) -> int:
-  """One layer's weights in the compute dtype, gathered over the batch axes (heads, kv
-  heads and the MLP as the tensor axis leaves them on one device)."""
+def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
+                          mlps: tuple[tuple[int, dict[str, Any]], ...]) -> int:
+  """The largest layer's weights in the compute dtype, gathered over the batch axes
+  (heads, kv heads and the MLP as the tensor axis leaves them on one device), of the
+  kinds of layer `mlps` (`_layer_mlps`): a mixture layer's experts and shared expert,
+  or a leading dense layer's MLP, whichever is larger."""
   s = np.dtype(cfg.dtype).itemsize
   d, nh, kh = cfg.d_model, heads * cfg.head_dim, kv_heads * cfg.head_dim
-  return s * (2 * d * nh + 2 * d * kh) + _mlp_weight_bytes(cfg, mlp)
+  return s * (2 * d * nh + 2 * d * kh) + max(_mlp_weight_bytes(cfg, **kw) for _, kw in mlps)
 
 
-def _mlp_weight_bytes(cfg: models.ModelConfig, mlp: int) -> int:
+def _mlp_weight_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None = None,
+                      dense: bool = False) -> int:
   """One layer's MLP weights in the compute dtype, D whole and F the device's shard:
-  s 3DF, or for a mixture every expert and the router, s(3EDF + DE) (Qwen3-30B-A3B:
-  1.1 GiB, 32x its attention weights)."""
-  s = np.dtype(cfg.dtype).itemsize
-  e, d = cfg.num_experts, cfg.d_model
-  return s * (3 * d * mlp * e + d * e) if e else s * 3 * d * mlp
+  s 3DF for a dense layer (`dense`, or a dense model), or for a mixture layer every
+  expert and the router (`_expert_weight_bytes`; Qwen3-30B-A3B: 1.1 GiB, 32x its
+  attention weights) and its shared expert of width Fs = `shared` on the device
+  (default cfg.shared_expert_dim), s 3DFs, and its gate, s D."""
+  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  if dense or not cfg.num_experts:
+    return s * 3 * d * mlp
+  if not cfg.shared_expert_dim:
+    return _expert_weight_bytes(cfg, mlp)
+  shared = cfg.shared_expert_dim if shared is None else shared
+  return _expert_weight_bytes(cfg, mlp) + s * (3 * d * shared + d * cfg.shared_expert_gate)
+
+
+def _expert_weight_bytes(cfg: models.ModelConfig, mlp: int) -> int:
+  """A mixture layer's experts and router, what its `shard_map` is given: s 3EDF + rDE,
+  D whole and F the device's shard, r = s, or 4 for a sigmoid router (run in float32)."""
+  s, e, d = np.dtype(cfg.dtype).itemsize, cfg.num_experts, cfg.d_model
+  r = 4 if cfg.router_scoring == "sigmoid" else s
+  return s * 3 * d * mlp * e + r * d * e
 
 
 def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: AbstractMesh,
@@ -756,13 +877,15 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   see `Sampler._logits`) and, with weights left sharded over the batch axes
   (`gathered=False`), one layer's weights gathered in the compute dtype:
   s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis (a mixture: all E
-  experts and the router, `_mlp_weight_bytes`, whatever the routing). XLA:TPU needed 0.54 GiB
-  for a Llama 3 8B layer (0.41 GiB) and 128 rows' logits (0.06 GiB) on a v5e-8."""
+  experts and the router and a shared expert, `_mlp_weight_bytes`, whatever the routing;
+  with leading dense layers, the larger kind of layer). XLA:TPU needed 0.54 GiB for a
+  Llama 3 8B layer (0.41 GiB) and 128 rows' logits (0.06 GiB) on a v5e-8."""
   cfg = model_cfg
-  _, _, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, 1, mesh, rules)
+  _, _, heads, kv_heads, _, vocab = _activation_shards(cfg, rows, 1, mesh, rules)
   if gathered:
     return int(_logical_shard(mesh, rules, ("batch",), (rows,))[0] * vocab * 4)
-  return int(rows * vocab * 4 + _gathered_layer_bytes(cfg, heads, kv_heads, mlp))
+  mlps = _layer_mlps(cfg, rows, 1, mesh, rules)
+  return int(rows * vocab * 4 + _gathered_layer_bytes(cfg, heads, kv_heads, mlps))
 
 
 def batch_mesh_size(mesh: AbstractMesh, rules=models.DEFAULT_RULES) -> int:

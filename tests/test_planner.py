@@ -13,6 +13,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # The oracle of what backward keeps.
@@ -191,6 +192,22 @@ def test_gemma_saved_activations_match_what_jax_keeps_for_backward(dtype, impl, 
 # A mixture: 5 experts of width 40, 2 a token (a prime E catches a transposed axis).
 MOE = dict(num_layers=2, d_model=96, ffn_dim=40, num_heads=6, num_kv_heads=2, head_dim=16,
            num_experts=5, num_experts_per_tok=2, logprob_chunk=64)
+# Qwen2-MoE's layout: a shared expert (width 24) every token runs, scaled by
+# sigmoid(x . w), and top-k weights left unnormalised.
+QWEN2_MOE = dict(shared_expert_dim=24, shared_expert_gate=True, norm_topk_prob=False)
+# GLM-4.5's: sigmoid routing among the best 2 of 3 groups of 2 experts, its weights
+# scaled, a shared expert of ffn_dim, and the first of 3 layers dense (width 56).
+GLM4_MOE = dict(num_layers=3, num_experts=6, router_scoring="sigmoid", router_groups=3,
+                router_group_topk=2, routed_scaling_factor=2.5, shared_expert_dim=40,
+                dense_layers=1, dense_ffn_dim=56)
+
+
+def _dense_twin(cfg, **changes):
+  """A dense model of `cfg`'s depth and widths, its MLPs as wide as `cfg`'s leading
+  dense layers (their share cancels against it)."""
+  return models.get_preset("tiny", **{**MOE, "num_layers": cfg.num_layers,
+                                      "ffn_dim": cfg.dense_ffn_dim or cfg.ffn_dim,
+                                      "num_experts": 0, "num_experts_per_tok": 0}, **changes)
 
 
 def _residuals(cfg, rows, length, mesh=None):
@@ -244,35 +261,68 @@ def test_mixture_saved_activations_match_what_jax_keeps_for_backward(dtype, impl
     assert (planned[5] > planned[0]) == (remat == "none")
 
 
+@pytest.mark.parametrize("remat", ["none", "dots", "dots_with_no_batch_dims", "full"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", [QWEN2_MOE, GLM4_MOE], ids=["qwen2_moe", "glm4_moe"])
+def test_shared_experts_sigmoid_routing_and_dense_layers_match_what_jax_keeps(
+    layout, dtype, remat):
+  """Qwen2-MoE's and GLM-4.5's mixtures: a shared expert keeps a dense MLP's gate, up
+  (its input rows and product without remat), and its sigmoid gate what the gate's
+  gradients read; sigmoid routing its float32 input rows and scores in the softmax's
+  place, nothing for the groups or the correction bias; the leading dense layer a dense
+  MLP's terms at its own width. Exact against a dense model as wide as that layer."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype)
+  cfg = models.get_preset("tiny", **{**MOE, **layout}, **widths)
+  kept, planned = [], []
+  for c in (cfg, _dense_twin(cfg, **widths)):
+    kept.append(sum(n for n, _, _ in _residuals(c, 4, 128)))
+    planned.append(planner.saved_activation_bytes(c, rows=4, row_len=128, mesh=one_device))
+  assert planned[0] == pytest.approx(kept[0], rel=0.1)
+  assert planned[0] - planned[1] == kept[0] - kept[1]
+
+
 @pytest.mark.parametrize("shape", [(1, 8, 1, 1), (2, 4, 1, 1)])
 @pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims"])
-def test_mixture_on_a_mesh_keeps_its_shard_of_the_experts(shape, remat):
+@pytest.mark.parametrize("layout", [{}, GLM4_MOE], ids=["softmax", "glm4_moe"])
+def test_mixture_on_a_mesh_keeps_its_shard_of_the_experts(layout, shape, remat):
   """Inside shard_map each device keeps its own tokens' rows; without remat also the
-  router and, outside it, the experts it was given: in the compute dtype, D gathered."""
-  cfg = models.get_preset("tiny", **MOE, remat=remat, attention_impl="flash",
+  router and, outside it, the experts it was given: in the compute dtype, D gathered.
+  A sigmoid router (GLM-4.5) keeps its input rows and itself in float32, and the
+  scale; its shared expert and leading dense layer run outside shard_map."""
+  cfg = models.get_preset("tiny", **{**MOE, **layout}, remat=remat, attention_impl="flash",
                           dtype="bfloat16", param_dtype="float32")
   mesh = models.make_mesh(shape)
-  rows, length, (e, k, d, f, s) = 8, 128, (5, 2, 96, 40, 2)
+  rows, length, (e, k, d, f, s) = 8, 128, (cfg.num_experts, 2, 96, 40, 2)
+  sigmoid = cfg.router_scoring == "sigmoid"
   tokens = rows // (shape[0] * shape[1]) * length  # rows over data x fsdp
   if remat == "none":
-    per_token = s * (d + k * d + 3 * k * f) + 4 * (k * d + e + 5 * k + 4)
-    per_layer, experts = 4 * e + s * d * e, s * 3 * e * d * f
+    # A sigmoid router's input rows in float32, two float32 columns fewer than softmax's.
+    per_token = ((4 if sigmoid else s) * d + s * (k * d + 3 * k * f)
+                 + 4 * (k * d + e + 5 * k + (2 if sigmoid else 4)))
+    # Group sizes, the router (float32 for sigmoid routing) and the routed scaling.
+    per_layer = 4 * e + (4 * d * e + 4 if sigmoid else s * d * e)
+    experts = s * 3 * e * d * f
   else:
     per_token, per_layer, experts = 4 * e, 0, 0
   found = _residuals(cfg, rows, length, mesh)
   # shard_map's residuals stack all 8 devices' (each varies over data x fsdp here).
   inside = sum(n for n, src, _ in found if "MoE._routed" in src) / mesh.size
-  assert inside == cfg.num_layers * (tokens * per_token + per_layer)
+  assert inside == cfg.mixture_layers * (tokens * per_token + per_layer)
   gathered = sum(n for n, src, shape in found if "(place)" in src and shape[0] == e)
-  assert gathered == cfg.num_layers * experts  # replicated: every device holds them whole
-  # The planner counts the same, in place of a dense MLP's gate, up (and product).
+  assert gathered == cfg.mixture_layers * experts  # replicated: every device holds them whole
+  # The planner counts the same, in place of a dense MLP's gate, up (and product), with
+  # the shared expert's (a dense MLP of its width, and its input rows without remat).
   abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, shape)))
-  dense = cfg.replace(num_experts=0, num_experts_per_tok=0)
-  dense_mlp = s * (3 if remat == "none" else 2) * f
+  dense = _dense_twin(cfg, remat=remat, attention_impl="flash", dtype="bfloat16",
+                      param_dtype="float32")
+  dense_mlp = s * (3 if remat == "none" else 2) * (cfg.dense_ffn_dim or f)
+  fs = cfg.shared_expert_dim
+  shared = (s * (d + 3 * fs) if remat == "none" else 2 * s * fs) if fs else 0
   assert (planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=abstract)
           - planner.saved_activation_bytes(dense, rows=rows, row_len=length, mesh=abstract)
-          == cfg.num_layers * (tokens * (per_token - (s * d if remat == "none" else 0)
-                                         - dense_mlp) + per_layer + experts))
+          == cfg.mixture_layers * (tokens * (per_token - (s * d if remat == "none" else 0)
+                                             - dense_mlp + shared) + per_layer + experts))
 
 
 def test_mixture_plan_counts_every_expert():
@@ -318,6 +368,46 @@ def test_mixture_plan_counts_every_expert():
           - planner.activation_bytes(experiment.model_config(bf16), rows=rows,
                                      row_len=row_len, mesh=fsdp16)[0]) == f32
   assert planner.expert_bytes(models.get_preset("llama3_8b"), fsdp16) == 0
+
+
+def test_mixture_with_dense_layers_plans_its_params_and_its_largest_layer():
+  """GLM-4.5's layout (the first of 3 layers dense, a shared expert, a float32 correction
+  bias): the params are num_params, on real arrays too; the experts (their gradient,
+  casts and the sampler's padding) are the mixture layers' alone; a layer gathered for
+  a decode step or a prefill is the larger of a mixture layer (experts, float32 router,
+  shared expert) and a dense layer (its MLP of dense_ffn_dim)."""
+  glm = {f"model.overrides.{name}": value for name, value in GLM4_MOE.items()}
+  config = _config(**{**TINY, **glm, "model.overrides.num_experts_per_tok": 2})
+  cfg = experiment.model_config(config)
+  assert (cfg.num_layers, cfg.dense_layers, cfg.mixture_layers) == (3, 1, 2)
+  assert planner.plan(config, num_devices=1)["params"] == cfg.num_params * 4
+  whole = dict.fromkeys(models.MESH_AXES, 1)
+  assert planner.state_bytes(cfg.replace(scan_layers=True), whole)[0] == cfg.num_params * 4
+  p = planner.plan(config)  # fsdp 8
+  model = models.create_model(cfg, mesh=models.make_mesh((1, 8, 1, 1)))
+  assert p["params"] == _real_per_device_bytes(nnx.state(model, nnx.Param))
+  e, d, f, fs, s = 6, 96, 160, 40, np.dtype(cfg.dtype).itemsize
+  fsdp8 = planner.abstract_mesh(p.mesh)
+  assert planner.expert_bytes(cfg, fsdp8) == 2 * 3 * e * (d // 8) * f * 4
+  pad = s * 2 * e * ((256 - f) * 2 * d + 256 * 128 - f * d)  # F 160 -> 256, D 96 -> 128
+  assert planner.expert_padding_bytes(cfg, whole) == pad
+  # Left sharded, a decode step gathers the larger layer: here a mixture layer.
+  attn = s * (2 * d * 6 * 16 + 2 * d * 2 * 16)
+  mixture = s * 3 * e * d * f + 4 * d * e + s * 3 * d * fs
+  logits = 8 * cfg.vocab_size * 4
+  assert planner.decode_step_bytes(cfg, rows=8, mesh=fsdp8, gathered=False) == (
+      logits + attn + mixture)
+  wide = cfg.replace(dense_ffn_dim=4000)  # the dense layer's MLP outweighs the experts
+  assert planner.decode_step_bytes(wide, rows=8, mesh=fsdp8, gathered=False) == (
+      logits + attn + s * 3 * d * 4000)
+  # So does a prefill's layer forward: the wide layer's five [tokens, F] outweigh the
+  # mixture layer's rows (k sorted inputs, five [k, F], float32 outputs, router columns
+  # and the shared expert's five [tokens, Fs]); left sharded, with its weights.
+  args = dict(prompts=8, prompt_len=64, rows=8, mesh=fsdp8)
+  assert (planner.prefill_bytes(wide, gathered=False, **args)
+          - planner.prefill_bytes(wide, **args)) == attn + s * 3 * d * 4000
+  assert (planner.prefill_bytes(wide, **args) - planner.prefill_bytes(cfg, **args)
+          == 64 * (s * (5 * 4000 - 2 * d - 5 * 2 * f - 5 * fs) - 4 * (2 * 2 * d + 2 * e)))
 
 
 def test_activations_follow_the_remat_policy_and_the_mesh():
