@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
+from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter, _lora_axes,
@@ -1266,11 +1267,13 @@ def _mxfp4_names(files: dict[str, str]) -> set[str]:
           if n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in files}
 
 
-def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False
+def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
+                  fp8_block: tuple[int, int] | None = None
                   ) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (name, array), opening each file once and reading one tensor at a time. With
   `mxfp4`, a name stored as NAME_blocks / NAME_scales is read from both, dequantized
-  (`posttrain.models.mxfp4`)."""
+  (`posttrain.models.mxfp4`); with `fp8_block`, a name beside a NAME_scale_inv is a
+  block-scaled float8 weight, dequantized (`posttrain.models.fp8`)."""
   by_file: dict[str, list[str]] = {}
   packed = _mxfp4_names(files) if mxfp4 else set()
   for name in names:
@@ -1284,6 +1287,11 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False
           scales = (fh.get_tensor(name + "_scales") if files[name + "_scales"] == f else
                     next(_iter_tensors(files, [name + "_scales"]))[1])
           yield name, mxfp4_lib.dequantize(blocks, scales)
+        elif fp8_block and name + fp8_lib.SCALE_SUFFIX in files:
+          scale = files[name + fp8_lib.SCALE_SUFFIX]
+          scale_inv = (fh.get_tensor(name + fp8_lib.SCALE_SUFFIX) if scale == f else
+                       next(_iter_tensors(files, [name + fp8_lib.SCALE_SUFFIX]))[1])
+          yield name, fp8_lib.dequantize(fp8_lib.read_tensor(f, name), scale_inv, fp8_block)
         else:
           yield name, fh.get_tensor(name)
 
@@ -1376,6 +1384,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if mxfp4:  # gpt-oss's experts: NAME_blocks and NAME_scales are read as NAME
     packed = _mxfp4_names(files)
     present = (present - {n + part for n in packed for part in _MXFP4_PARTS}) | packed
+  fp8_block = fp8_lib.block_size(hf_cfg)
+  if fp8_block:  # block-scaled FP8 weights: NAME and NAME_scale_inv are read as NAME
+    present -= {n for n in files if n.endswith(fp8_lib.SCALE_SUFFIX)
+                and n[:-len(fp8_lib.SCALE_SUFFIX)] in files}
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
     present = {n for n in files if n == named("lm_head.weight")
                or n.startswith(named("model.x")[:-1])}
@@ -1383,7 +1395,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   # started from a causal LM does not read its lm_head.
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
                {named("lm_head.weight")} if cfg.tie_embeddings or not cfg.lm_head else set())
-  sources = [(files, rows, mxfp4)]
+  sources = [(files, rows, mxfp4, fp8_block)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
     if _PEFT_SCORE in adapter_files and cfg.value_head and not cfg.lm_head:
@@ -1391,17 +1403,18 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       score = [r for r in _mapping(cfg, score=True) if r[0] == ("value_w",)]
       lora_rows += [(ours, _PEFT_SCORE, *rest) for ours, _, *rest in score]
     _check_names(f"adapter {adapter}", set(adapter_files), {r[1] for r in lora_rows})
-    sources.append((adapter_files, lora_rows, False))
+    sources.append((adapter_files, lora_rows, False, None))
 
   graphdef, abstract_state = abstract_model(cfg)
   shardings = state_shardings(abstract_state, mesh, rules) if mesh is not None else None
   values: dict[tuple, jax.Array] = {}
   pd = jnp.dtype(cfg.param_dtype)
-  for source_files, source_rows, mxfp4 in sources:
+  for source_files, source_rows, mxfp4, fp8_block in sources:
     by_name: dict[str, list] = {}
     for r in source_rows:  # a tensor may hold several of ours (gpt-oss's gate_up_proj)
       by_name.setdefault(r[1], []).append(r)
-    for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4):
+    for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4,
+                                     fp8_block=fp8_block):
       for ours, _, to_ours, to_hf, shape in by_name[name]:
         expected = _hf_shape(cfg, name, shape, to_hf)
         if tuple(whole.shape) != tuple(expected):
