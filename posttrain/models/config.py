@@ -229,8 +229,10 @@ class ModelConfig:
       and key's width (unrotated + rotated: the rotated part first in ours, so the
       rotary embedding is partial with rope.rotary_dim(head_dim) == qk_rope_head_dim);
       values are v_head_dim wide, zero-padded to head_dim for the kernels and cache and
-      cut back before o_proj [heads, v_head_dim, D]. The cache holds the expanded
-      per-head keys and values (num_kv_heads == num_heads), as transformers' does.
+      cut back before o_proj [heads, v_head_dim, D]. The KV cache holds the latent
+      instead, one "head" of qk_rope_head_dim + kv_lora_rank features a token ([rotated
+      key part, normed latent], `cache_head_dim`; no value array): cached calls absorb
+      k_b_proj into the queries and v_b_proj into the output (DeepSeek's inference form).
     q_lora_rank: with MLA, queries through a latent of this width too (q_a_proj ->
       RMSNorm -> q_b_proj); 0: one q_proj.
     qk_rope_head_dim / v_head_dim: MLA's rotated key features and value width.
@@ -472,10 +474,22 @@ class ModelConfig:
                        f"{self.head_dim}]")
     held = [n for n, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
                             ("attention_sinks", self.attention_sinks),
-                            ("lora_rank", self.lora_rank)) if on]
+                            ("lora_rank", self.lora_rank),
+                            ("sliding_window", self.sliding_window is not None)) if on]
     if held:
       raise ValueError(f"{', '.join(held)} with multi-head latent attention "
                        "(kv_lora_rank > 0) are not supported")
+
+  @property
+  def cache_heads(self) -> int:
+    """Heads of the KV cache: num_kv_heads, or 1 for multi-head latent attention."""
+    return 1 if self.kv_lora_rank else self.num_kv_heads
+
+  @property
+  def cache_head_dim(self) -> int:
+    """Features of a cache head: head_dim, or multi-head latent attention's rotated key
+    part and latent, qk_rope_head_dim + kv_lora_rank."""
+    return self.qk_rope_head_dim + self.kv_lora_rank if self.kv_lora_rank else self.head_dim
 
   @property
   def mixture_layers(self) -> int:

@@ -42,6 +42,8 @@ def _param(rngs: nnx.Rngs | None, shape, names, dtype, init: str = "normal",
 
 class KVCache(NamedTuple):
   """Per-layer key/value cache, slot index = token position. k, v: [B, K, S, H].
+  Multi-head latent attention caches one latent array in k ([B, 1, S, qk_rope_head_dim +
+  kv_lora_rank]) and no v.
 
   Heads-major: a decode step reads each kv head's slots as one contiguous block, with no
   transpose (`kernels.decode_attention(..., kv_layout="bksh")`). An int8 cache also holds
@@ -91,12 +93,14 @@ def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
   """One zeroed KVCache of `max_len` slots; `layers=(L,)` gives each array a leading
   layer axis."""
   dtype = jnp.dtype(dtype or _dtype(cfg.dtype))
-  shape = (*layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  shape = (*layers, batch, cfg.cache_heads, max_len, cfg.cache_head_dim)
+  latent = bool(cfg.kv_lora_rank)  # one latent array, read as keys and values both
   if dtype == jnp.int8:
     scales = shape[:-1]
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return KVCache(jnp.zeros(shape, dtype), None if latent else jnp.zeros(shape, dtype),
+                   jnp.ones(scales, jnp.float32),
+                   None if latent else jnp.ones(scales, jnp.float32))
+  return KVCache(jnp.zeros(shape, dtype), None if latent else jnp.zeros(shape, dtype))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
@@ -485,7 +489,26 @@ class Attention(nnx.Module):
     k = jnp.concatenate([jnp.broadcast_to(k_rope, (b, t, n, k_rope.shape[-1])), k_nope], -1)
     v = jnp.einsum("BTR,RNV->BTNV", latent, self.v_b_proj[...].astype(dt))
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.head_dim - cfg.v_head_dim)))
-    return rope_lib.apply_rope(q, cos, sin), k, v
+    cached = jnp.concatenate([k_rope, latent[:, :, None]], -1)  # [B, T, 1, Hr + R]
+    return rope_lib.apply_rope(q, cos, sin), k, v, cached
+
+  def _latent_read(self, q, cache: KVCache, positions_BxT, layer):
+    """Cached multi-head latent attention, absorbed: each head's query against the
+    latent cache is [q's rotated part, q's unrotated part . k_b_proj] (one cache head of
+    Hr + R features, read as keys and values both), and the output's latent part goes
+    through v_b_proj: [B, T, N, v_head_dim]. The same function as the expanded form."""
+    import kernels
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    hr = cfg.qk_rope_head_dim
+    q_latent = jnp.einsum("BTNH,RNH->BTNR", q[..., hr:], self.k_b_proj[...].astype(dt))
+    q_abs = jnp.concatenate([q[..., :hr], q_latent], -1)
+    out = kernels.decode_attention(
+        q_abs, cache.k, cache.k, lengths=positions_BxT[:, -1] + 1, k_scale=cache.k_scale,
+        v_scale=cache.k_scale, chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
+        finite_tail=True, layer=layer,
+        sm_scale=cfg.attention_scale or float(cfg.head_dim) ** -0.5)
+    return jnp.einsum("BTNR,RNV->BTNV", out[..., hr:].astype(dt),
+                      self.v_b_proj[...].astype(dt))
 
   def _sinks(self):
     """The sink logits [heads] in float32, or None."""
@@ -501,7 +524,7 @@ class Attention(nnx.Module):
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
     if cfg.kv_lora_rank:
-      q, k, v = self._latent_qkv(x, cos, sin)
+      q, k, v, latent = self._latent_qkv(x, cos, sin)
     else:
       q, k, v = self._qkv(x, cos, sin)
     q = ctx.constrain(q, ("batch", "length", "heads", "head_dim"))
@@ -515,6 +538,11 @@ class Attention(nnx.Module):
       out = (full(bool(sliding)) if static else
              jax.lax.cond(sliding, lambda: full(True), lambda: full(False)))
       new_cache = None
+    elif cfg.kv_lora_rank:  # the latent cache; a prefill attends in the expanded form
+      new_cache = self._write(latent, None, segment_ids_BxT, cache, positions_BxT, ctx,
+                              prefill, layer, False, q.shape[1])
+      out = (attend(cfg, q, k, v, segment_ids_BxT, ctx) if prefill else
+             self._latent_read(q, new_cache, positions_BxT, layer))
     elif isinstance(cache, LayerKindCaches):
       # Both kinds under one scan, each kind's layers stacked apart, `layer` the index
       # among its kind: the keys go to both stacks, at an index past the other kind's
@@ -649,7 +677,8 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
     # Slot s holds the row's newest position p = s (mod S); never-written slots take
     # position 0's key (finite, and read as no position at all).
     source = jnp.maximum(n - 1 - jnp.mod(n - 1 - jnp.arange(slots)[None], slots), 0)
-    k_BxTxKxH, v_BxTxKxH = (jnp.take_along_axis(x, source[:, :, None, None], axis=1)
+    k_BxTxKxH, v_BxTxKxH = (None if x is None else
+                            jnp.take_along_axis(x, source[:, :, None, None], axis=1)
                             for x in (k_BxTxKxH, v_BxTxKxH))
   if prefill:
     def put(c, x):  # x [B, T, K(, H)] into c [(L,) B, K, S(, H)] at slot 0
@@ -659,13 +688,7 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
       if layer is not None:
         x = x[None]
       return jax.lax.dynamic_update_slice(c, x, at + (0,) * (c.ndim - len(at)))
-    if cache.k_scale is None:
-      return KVCache(put(cache.k, k_BxTxKxH), put(cache.v, v_BxTxKxH))
-    import kernels
-    k, k_scale = kernels.quantize_int8(k_BxTxKxH)
-    v, v_scale = kernels.quantize_int8(v_BxTxKxH)
-    return KVCache(put(cache.k, k), put(cache.v, v), put(cache.k_scale, k_scale),
-                   put(cache.v_scale, v_scale))
+    return _written(cache, k_BxTxKxH, v_BxTxKxH, put)
   b, t, kv_heads, _ = k_BxTxKxH.shape
   rows = jnp.arange(b)[:, None, None]
   heads = jnp.arange(kv_heads)[None, None, :]
@@ -673,13 +696,21 @@ def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
          jnp.clip(positions_BxT, 0, slots - 1))[:, :, None]
   idx = (*at, rows, heads, pos)
   set_ = lambda c, x: c.at[idx].set(x.astype(c.dtype), mode="drop")  # noqa: E731
+  return _written(cache, k_BxTxKxH, v_BxTxKxH, set_)
+
+
+def _written(cache: KVCache, k, v, write) -> KVCache:
+  """The cache with `write(array, new)` applied to each of its arrays (int8: the new keys
+  and values quantized, with their scales); a latent cache has no v."""
   if cache.k_scale is None:
-    return KVCache(set_(cache.k, k_BxTxKxH), set_(cache.v, v_BxTxKxH))
+    return KVCache(write(cache.k, k), None if cache.v is None else write(cache.v, v))
   import kernels
-  k, k_scale = kernels.quantize_int8(k_BxTxKxH)
-  v, v_scale = kernels.quantize_int8(v_BxTxKxH)
-  return KVCache(set_(cache.k, k), set_(cache.v, v), set_(cache.k_scale, k_scale),
-                 set_(cache.v_scale, v_scale))
+  k, k_scale = kernels.quantize_int8(k)
+  if cache.v is None:
+    return KVCache(write(cache.k, k), None, write(cache.k_scale, k_scale), None)
+  v, v_scale = kernels.quantize_int8(v)
+  return KVCache(write(cache.k, k), write(cache.v, v), write(cache.k_scale, k_scale),
+                 write(cache.v_scale, v_scale))
 
 
 @jax.custom_vjp

@@ -109,11 +109,15 @@ def test_gradients_match_transformers(saved):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
 def test_cached_decoding_equals_the_full_forward(saved, scan):
-  """Prefill 12 positions, then 4 at a time through the cache (keys expanded per head,
-  values padded): the same logits as one forward over all 20."""
+  """Prefill 12 positions (expanded attention, the latent written), then 4 at a time
+  against the latent cache (absorbed): the same logits as one forward over all 20. The
+  cache holds one latent "head" of qk_rope_head_dim + kv_lora_rank features a token and
+  no value array."""
   m = models.from_pretrained(saved["yarn"][0], scan_layers=scan)
   want = np.asarray(m(jnp.asarray(TOKENS)))
   cache = models.init_cache(m.cfg, 2, 24)
+  unit = cache if scan else cache[0]
+  assert unit.k.shape[-3:] == (1, 24, 8 + 16) and unit.v is None
   got, cache = m(jnp.asarray(TOKENS[:, :12]), cache=cache, prefill=True)
   parts = [np.asarray(got)]
   for start in (12, 16):
@@ -121,6 +125,22 @@ def test_cached_decoding_equals_the_full_forward(saved, scan):
     got, cache = m(jnp.asarray(TOKENS[:, start:start + 4]), positions, cache=cache)
     parts.append(np.asarray(got))
   np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=2e-5, rtol=0)
+
+
+def test_int8_latent_cache_holds_the_latent_to_its_rounding(saved):
+  """An int8 cache quantizes each token's latent with one float32 scale: dequantized,
+  within half a step of the float cache's; no value array or scale."""
+  m = models.from_pretrained(saved["yarn"][0], scan_layers=True)
+  caches = {}
+  for dtype in (None, "int8"):
+    _, caches[dtype] = m(jnp.asarray(TOKENS[:, :12]), cache=models.init_cache(
+        m.cfg, 2, 24, dtype=dtype), prefill=True)
+  f, q = caches[None], caches["int8"]
+  assert q.k.dtype == jnp.int8 and q.v is None and q.v_scale is None
+  deq = np.asarray(q.k, np.float32) * np.asarray(q.k_scale)[..., None]
+  step = np.asarray(q.k_scale)[..., None]
+  assert np.all(np.abs(deq - np.asarray(f.k))[:, :, :, :12] <= 0.51 * step[:, :, :, :12])
+  assert np.abs(np.asarray(f.k)[:, :, :, :12]).max() > 1.0
 
 
 @pytest.mark.parametrize("variant,scan", [("q_latent", False), ("yarn", True)])
