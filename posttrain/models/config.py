@@ -213,9 +213,11 @@ class ModelConfig:
       "sigmoid" (GLM-4.5, DeepSeek-V3: each expert scores sigmoid(logit); the top-k is
       chosen on the scores plus a per-expert correction bias, `score_correction_bias`,
       which the train step leaves as it is, and weighted by the scores themselves).
-    router_groups / router_group_topk: sigmoid routing chooses among the experts of the
-      `router_group_topk` best of `router_groups` equal groups, each group ranked by the
-      sum of its two best biased scores (DeepSeek-V3's node-limited routing); 1 / 1: all.
+    router_groups / router_group_topk: the router chooses among the experts of the
+      `router_group_topk` best of `router_groups` equal groups (DeepSeek's device- /
+      node-limited routing), a group ranked by the sum of its two best biased scores
+      (sigmoid, DeepSeek-V3) or by its best probability (softmax, DeepSeek-V2's
+      group_limited_greedy); 1 / 1: all.
     routed_scaling_factor: the routed experts' weights are multiplied by this (after the
       norm_topk_prob rescaling), as GLM-4.5 and DeepSeek-V3 do.
     dense_layers: the first this many layers have a dense SwiGLU MLP of width
@@ -420,20 +422,17 @@ class ModelConfig:
                        f"{ROUTER_SCORINGS}")
     if self.shared_expert_gate and not self.shared_expert_dim:
       raise ValueError("shared_expert_gate=True needs a shared expert (shared_expert_dim > 0)")
-    if (self.router_groups != 1 or self.router_group_topk != 1) and (
-        self.router_scoring != "sigmoid"):
-      raise ValueError("router_groups / router_group_topk group a sigmoid router's experts "
-                       "(router_scoring='sigmoid')")
     if self.num_experts and (self.router_groups < 1 or self.num_experts % self.router_groups
                              or not 1 <= self.router_group_topk <= self.router_groups):
       raise ValueError(f"router_groups={self.router_groups} must divide num_experts="
                        f"{self.num_experts}, and router_group_topk="
                        f"{self.router_group_topk} be in [1, router_groups]")
+    pair = self.router_scoring == "sigmoid"  # a sigmoid group is ranked by its best two
     if self.num_experts and self.router_groups > 1 and (
-        self.num_experts // self.router_groups < 2 or self.num_experts_per_tok >
+        self.num_experts // self.router_groups < 1 + pair or self.num_experts_per_tok >
         self.router_group_topk * (self.num_experts // self.router_groups)):
-      raise ValueError(f"router_groups={self.router_groups}: each group needs >= 2 experts "
-                       f"and the chosen groups >= num_experts_per_tok="
+      raise ValueError(f"router_groups={self.router_groups}: each group needs >= "
+                       f"{1 + pair} experts and the chosen groups >= num_experts_per_tok="
                        f"{self.num_experts_per_tok} of them")
     value = self.routed_scaling_factor
     if isinstance(value, bool) or not 0 < value < float("inf"):

@@ -38,7 +38,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
-              "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+              "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
+              "DeepseekV2ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM",)
 
@@ -62,7 +63,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                 "Glm4ForCausalLM": "glm4", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
+                "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
+                "DeepseekV2ForCausalLM": "deepseek_v2"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -121,6 +123,17 @@ _DEEPSEEK_V3_DEFAULTS = dict(
     qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
     first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096,
     rope_interleave=True, attention_bias=False, moe_intermediate_size=2048)
+# DeepSeek-V2 / V2-Lite / Coder-V2: V3's latent attention (rotated pairs interleaved) and
+# mixture layout, routed by softmax: greedy top-k, or group_limited_greedy among the
+# best groups by their best probability; the chosen probabilities, unnormalised (the
+# class ignores norm_topk_prob), times routed_scaling_factor.
+DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
+_DEEPSEEK_V2_DEFAULTS = dict(
+    rms_norm_eps=1e-6, first_k_dense_replace=0, kv_lora_rank=512, q_lora_rank=1536,
+    n_routed_experts=64, n_shared_experts=2, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    routed_scaling_factor=1.0, topk_method="greedy", v_head_dim=128,
+    moe_intermediate_size=1407, max_position_embeddings=2048, attention_bias=False)
+_DEEPSEEKS = (DEEPSEEK_V3, DEEPSEEK_V2)
 _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared_experts=1,
                           n_routed_experts=128, routed_scaling_factor=1.0, n_group=1,
                           topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
@@ -129,7 +142,7 @@ _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
     GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
-    DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS,
+    DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     QWEN2_MOE: dict(qkv_bias=True, norm_topk_prob=False, max_position_embeddings=32_768),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
@@ -191,6 +204,8 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
                          "mlp.experts.{j}.down_proj"),
               DEEPSEEK_V3: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
                             "mlp.experts.{j}.down_proj"),
+              DEEPSEEK_V2: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                            "mlp.experts.{j}.down_proj"),
               "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                                      "block_sparse_moe.experts.{j}.w3",
                                      "block_sparse_moe.experts.{j}.w2")}
@@ -246,7 +261,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   merged = {**dict(c.get("rope_scaling") or {}), **params}
   if lm in (GLM4, GLM4_MOE):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
-  if lm == DEEPSEEK_V3:  # the rotated part of each query and key head
+  if lm in _DEEPSEEKS:  # the rotated part of each query and key head
     rotary = int(c["qk_rope_head_dim"])
     merged["partial_rotary_factor"] = rotary / (rotary + int(c["qk_nope_head_dim"]))
   if lm == PHI3:
@@ -370,10 +385,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
 def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """Multi-head latent attention's ModelConfig fields of a DeepSeek-V3 config.json ({}
   for other classes)."""
-  if lm != DEEPSEEK_V3:
+  if lm not in _DEEPSEEKS:
     return {}
   if c.get("attention_bias"):
-    raise ValueError("attention_bias=true in a DeepSeek-V3 config.json is not supported")
+    raise ValueError("attention_bias=true in a DeepSeek config.json is not supported")
   if not c.get("rope_interleave", True):
     raise ValueError("rope_interleave=false in a DeepSeek-V3 config.json is not supported "
                      "(DeepSeek's and Kimi's files hold interleaved rotary features)")
@@ -528,6 +543,23 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "ffn_dim": int(c["moe_intermediate_size"]), "dense_layers": len(dense),
             "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0, **shared,
             **_aux_loss_from_hf(c)}
+  if arch == DEEPSEEK_V2:
+    method = c.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+      raise ValueError(f"topk_method={method!r}: DeepSeek-V2's greedy or "
+                       "group_limited_greedy routing is read")
+    dense = int(c.get("first_k_dense_replace") or 0)
+    grouped = method == "group_limited_greedy"
+    return {"num_experts": int(c.get("n_routed_experts") or c["num_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": False,
+            "ffn_dim": int(c["moe_intermediate_size"]),
+            "shared_expert_dim": int(c["n_shared_experts"] or 0)
+            * int(c["moe_intermediate_size"]),
+            "router_groups": int(c["n_group"]) if grouped else 1,
+            "router_group_topk": int(c["topk_group"]) if grouped else 1,
+            "routed_scaling_factor": float(c["routed_scaling_factor"]),
+            "dense_layers": dense, "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0,
+            **_aux_loss_from_hf(c)}
   if arch in (GLM4_MOE, DEEPSEEK_V3):
     if arch == DEEPSEEK_V3 and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
         "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
@@ -586,10 +618,10 @@ def check_exportable(cfg: ModelConfig) -> None:
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
         f"written as one of {mixtures}, a dense model as one of "
         f"{[a for a in kind if a not in mixtures]}")
-  if bool(cfg.kv_lora_rank) != (lm == DEEPSEEK_V3):
+  if bool(cfg.kv_lora_rank) != (lm in _DEEPSEEKS):
     raise ValueError(f"kv_lora_rank={cfg.kv_lora_rank} cannot be written as "
                      f"{cfg.architecture}: multi-head latent attention is written as "
-                     f"{DEEPSEEK_V3}, and only it")
+                     f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
   _check_family_options(cfg, lm)
   _check_mixture_options(cfg, lm)
   qk_norm = lm in _QK_NORMED
@@ -610,17 +642,22 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   """What `cfg`'s mixture options allow `lm` to hold: shared experts (Qwen2-MoE's one,
-  gated; GLM-4.5's, n_shared_experts of width ffn_dim), sigmoid routing with its groups
-  and scaling (GLM-4.5), leading dense layers (Qwen MoE, GLM-4.5)."""
+  gated; GLM-4.5's and DeepSeek's, n_shared_experts of width ffn_dim), sigmoid routing
+  (GLM-4.5, DeepSeek-V3), expert groups and scaling (those and DeepSeek-V2, whose
+  softmax weights are never renormalised), leading dense layers (all but Mixtral and
+  gpt-oss)."""
   if not cfg.num_experts:
     return
-  glm, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm == QWEN2_MOE
-  fixed = dict(router_scoring="sigmoid" if glm else "softmax", shared_expert_gate=qwen2)
-  if not glm:
+  sigmoid, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm == QWEN2_MOE
+  grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
+  fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2)
+  if not grouped:
     fixed.update(router_groups=1, router_group_topk=1, routed_scaling_factor=1.0)
+  if lm == DEEPSEEK_V2:
+    fixed.update(norm_topk_prob=False)
   if lm in ("MixtralForCausalLM", GPT_OSS):
     fixed.update(dense_layers=0)
-  if not (glm or qwen2):
+  if not (grouped or qwen2):
     fixed.update(shared_expert_dim=0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -629,7 +666,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   if qwen2 and not cfg.shared_expert_dim:
     raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, whose "
                      "mixture layers always have a gated shared expert")
-  if glm and cfg.shared_expert_dim % cfg.ffn_dim:
+  if grouped and cfg.shared_expert_dim % cfg.ffn_dim:
     raise ValueError(f"shared_expert_dim={cfg.shared_expert_dim} cannot be written as "
                      f"{cfg.architecture}, whose shared experts are n_shared_experts of "
                      f"width ffn_dim={cfg.ffn_dim}")
@@ -680,7 +717,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "whose rotary embedding is the default one or LongRoPE")
   if lm != PHI3 and any(r.type == "longrope" for r in ropes):
     raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
-  if lm not in (PHI3, GLM4, GLM4_MOE, DEEPSEEK_V3) and any(
+  if lm not in (PHI3, GLM4, GLM4_MOE) + _DEEPSEEKS and any(
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
@@ -783,7 +820,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
       out.pop("attention_bias")
       out.update(qkv_bias=cfg.qkv_bias,
                  shared_expert_intermediate_size=cfg.shared_expert_dim)
-  elif lm == DEEPSEEK_V3:
+  elif lm in _DEEPSEEKS:
     out.pop("head_dim")  # transformers sets it to qk_rope_head_dim
     out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
@@ -792,8 +829,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                topk_group=cfg.router_group_topk, first_k_dense_replace=cfg.dense_layers,
                kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-               qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim, rope_interleave=True,
-               num_nextn_predict_layers=0, topk_method="noaux_tc", scoring_func="sigmoid")
+               qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim)
+    if lm == DEEPSEEK_V3:
+      out.update(rope_interleave=True, num_nextn_predict_layers=0, topk_method="noaux_tc",
+                 scoring_func="sigmoid")
+    else:
+      out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
   elif lm == GLM4_MOE:
     out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,

@@ -845,7 +845,8 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
 
   softmax scoring: by the router's softmax (in float32; the logits plus `bias_E` when
   given), the weights rescaled to sum to one with `normalize` (gpt-oss's softmax over
-  the top-k logits).
+  the top-k logits); with `groups`, among the experts of the `group_topk` groups with the
+  best single probability (DeepSeek-V2's group_limited_greedy).
 
   sigmoid scoring (GLM-4.5, DeepSeek-V3): each expert scores sigmoid(logit), the logits
   from float32 inputs; the top-k is chosen on the scores plus `correction_E` (which
@@ -883,7 +884,16 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
     if bias_E is not None:
       logits = logits + bias_E.astype(jnp.float32)[None]
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    if groups > 1:
+      n, e = probs.shape
+      _, best = jax.lax.top_k(jnp.max(probs.reshape(n, groups, e // groups), axis=-1),
+                              group_topk)
+      keep = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None], axis=1)
+      choice = jnp.where(jnp.repeat(keep, e // groups, axis=1), probs, -jnp.inf)
+      _, experts = jax.lax.top_k(jax.lax.stop_gradient(choice), top_k)
+      weights = jnp.take_along_axis(probs, experts, axis=-1)
+    else:
+      weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   if scale != 1.0:

@@ -3,8 +3,9 @@
 projection; keys and values from a normed latent, every head sharing one rotated key
 part; interleaved rotary pairs; YaRN's mscale on the softmax), GLM-4.5's mixture
 (sigmoid group routing with a correction bias, shared experts, a leading dense layer).
-Logits (layer list and scanned), gradients, the KV cache against the full forward,
-greedy generation, export, the reward model, and what we refuse."""
+Logits (layer list and scanned), gradients, the latent KV cache against the full
+forward, greedy generation, export, the reward model, and what we refuse; DeepSeek-V2's
+softmax routing (greedy and group-limited) on the same attention."""
 
 import json
 
@@ -208,3 +209,80 @@ def test_bad_latent_configs_are_refused():
       models.ModelConfig(**{**base, **change})
   with pytest.raises(ValueError, match="kv_lora_rank=8 cannot be written as LlamaForCausalLM"):
     models.hf.check_exportable(models.ModelConfig(**base, architecture="LlamaForCausalLM"))
+
+
+# DeepSeek-V2: the same latent attention, a softmax router (V2-Lite: greedy, one q_proj;
+# V2: group_limited_greedy over groups ranked by their best probability), unnormalised
+# weights times routed_scaling_factor.
+V2 = {"v2_lite": dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0),
+      "v2": dict(q_lora_rank=12, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                 routed_scaling_factor=16.0, rope_parameters=YARN)}
+
+
+def _hf_v2(name, cls="DeepseekV2ForCausalLM", **extra):
+  common = {k: v for k, v in COMMON.items() if k not in ("n_group", "topk_group",
+                                                         "routed_scaling_factor")}
+  cfg = transformers.DeepseekV2Config(**{**common, **V2[name], **extra})
+  torch.manual_seed(0)
+  model = perturb(getattr(transformers, cls)(cfg).float().eval())
+  with torch.no_grad():  # routers that prefer different experts per token
+    for layer in model.model.layers[1:]:
+      layer.mlp.gate.weight.normal_(0.0, 0.5)
+  return model
+
+
+@pytest.fixture(scope="module")
+def saved_v2(tmp_path_factory):
+  return save_families(tmp_path_factory, list(V2), _hf_v2)
+
+
+def test_v2_config_reads_its_routing(saved_v2):
+  lite = models.from_pretrained(saved_v2["v2_lite"][0]).cfg
+  assert (lite.router_scoring, lite.router_groups, lite.norm_topk_prob, lite.q_lora_rank,
+          lite.kv_lora_rank) == ("softmax", 1, False, 0, 16)
+  v2 = models.from_pretrained(saved_v2["v2"][0]).cfg
+  assert (v2.router_groups, v2.router_group_topk, v2.routed_scaling_factor) == (4, 2, 16.0)
+
+
+@pytest.mark.parametrize("variant", list(V2))
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_v2_logits_match_transformers(saved_v2, variant, scan):
+  folder, hf = saved_v2[variant]
+  want = hf_logits(hf, TOKENS)
+  got = _jitted_logits(models.from_pretrained(folder, scan_layers=scan), TOKENS)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+def test_v2_grouped_routing_matches_numpy():
+  """group_limited_greedy: the groups with the best single probability, then the top-k
+  probabilities among their experts, unnormalised, times the scale."""
+  from posttrain.models.transformer import route
+  rng = np.random.default_rng(2)
+  x, w = rng.normal(size=(64, 16)), rng.normal(size=(16, 16))
+  weights, experts = route(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), 3,
+                           False, groups=4, group_topk=2, scale=16.0)
+  logits = x @ w
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  for p, got_w, got_e in zip(probs, np.asarray(weights), np.asarray(experts)):
+    groups = np.argsort(p.reshape(4, 4).max(-1))[::-1][:2]
+    allowed = np.concatenate([np.arange(4 * g, 4 * g + 4) for g in groups])
+    want_e = allowed[np.argsort(p[allowed])[::-1][:3]]
+    assert sorted(got_e) == sorted(want_e)
+    np.testing.assert_allclose(sorted(got_w), sorted(p[want_e] * 16.0), rtol=1e-5)
+
+
+def test_v2_greedy_generation_and_export(saved_v2, tmp_path):
+  folder, hf = saved_v2["v2"]
+  for i, (got, want) in enumerate(greedy_tokens(folder, hf, PROMPTS, 10, True)):
+    assert got == want, i
+  ours = models.from_pretrained(folder)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  back = transformers.DeepseekV2ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert written["topk_method"] == "group_limited_greedy"
+  assert models.hf_config_to_model_config(written) == ours.cfg
+  with pytest.raises(ValueError, match="norm_topk_prob=True cannot be written as "
+                                       "DeepseekV2ForCausalLM"):
+    models.hf.check_exportable(ours.cfg.replace(norm_topk_prob=True))

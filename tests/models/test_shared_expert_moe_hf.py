@@ -336,7 +336,7 @@ def test_configs_that_cannot_be_written_are_refused(saved):
 @pytest.mark.parametrize("change,match", [
     (dict(shared_expert_dim=8, num_experts=0, num_experts_per_tok=0),
      "shared_expert_dim describe a mixture"),
-    (dict(router_groups=3), "router_groups / router_group_topk group a sigmoid router"),
+    (dict(router_groups=8, router_group_topk=2), "the chosen groups >= num_experts_per_tok"),
     (dict(router_scoring="sigmoid", router_groups=3), "router_groups=3 must divide"),
     (dict(router_scoring="sigmoid", router_groups=4, router_group_topk=1),
      "the chosen groups >= num_experts_per_tok"),
