@@ -236,7 +236,9 @@ class ModelConfig:
       key part, normed latent], `cache_head_dim`; no value array): cached calls absorb
       k_b_proj into the queries and v_b_proj into the output (DeepSeek's inference form).
     q_lora_rank: with MLA, queries through a latent of this width too (q_a_proj ->
-      RMSNorm -> q_b_proj); 0: one q_proj.
+      RMSNorm -> q_b_proj); 0: one q_proj. LoRA's attention targets name MLA's per-head
+      projections: q_proj the queries' (q_b_proj with a query latent), k_proj k_b_proj,
+      v_proj v_b_proj, o_proj o_proj.
     qk_rope_head_dim / v_head_dim: MLA's rotated key features and value width.
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
       (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
@@ -473,7 +475,6 @@ class ModelConfig:
                        f"{self.head_dim}]")
     held = [n for n, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
                             ("attention_sinks", self.attention_sinks),
-                            ("lora_rank", self.lora_rank),
                             ("sliding_window", self.sliding_window is not None)) if on]
     if held:
       raise ValueError(f"{', '.join(held)} with multi-head latent attention "
@@ -577,6 +578,11 @@ class ModelConfig:
                      self.head_dim)
     sizes = {"q_proj": d + n * h, "k_proj": d + k * h, "v_proj": d + k * h,
              "o_proj": n * h + d, "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+    if self.kv_lora_rank:  # MLA's projections (`Attention._init_latent`)
+      r, v = self.kv_lora_rank, self.v_head_dim
+      sizes.update(q_proj=(self.q_lora_rank or d) + n * h,
+                   k_proj=r + n * (h - self.qk_rope_head_dim), v_proj=r + n * v,
+                   o_proj=n * v + d)
     return self.num_layers * self.lora_rank * sum(sizes[t] for t in self.lora_target_names)
 
   @property

@@ -1156,6 +1156,11 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "gate_up_proj (and GLM-4's interleaved q / k rows), which our "
                      "per-projection adapters are not: they are neither read nor written; "
                      "export the model merged (save_pretrained)")
+  if cfg.kv_lora_rank:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused "
+                     "kv_a_proj_with_mqa / kv_b_proj, which our per-projection adapters on "
+                     "latent attention are not: they are neither read nor written; export "
+                     "the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
   for t in cfg.lora_target_names:

@@ -257,6 +257,13 @@ _ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 def _lora_axes(cfg: ModelConfig, target: str):
   """(input shape, input axes, output shape, output axes) of a wrapped projection."""
   d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  if cfg.kv_lora_rank and target in _ATTN_TARGETS:  # MLA's (`_lora_param`)
+    r, v, hn = cfg.kv_lora_rank, cfg.v_head_dim, h - cfg.qk_rope_head_dim
+    q_in = ((cfg.q_lora_rank,), ("latent",)) if cfg.q_lora_rank else ((d,), ("embed",))
+    return {"q_proj": (*q_in, (n, h), ("heads", "head_dim")),
+            "k_proj": ((r,), ("latent",), (n, hn), ("heads", "head_dim")),
+            "v_proj": ((r,), ("latent",), (n, v), ("heads", "head_dim")),
+            "o_proj": ((n, v), ("heads", "head_dim"), (d,), ("embed",))}[target]
   return {"q_proj": ((d,), ("embed",), (n, h), ("heads", "head_dim")),
           "k_proj": ((d,), ("embed",), (k, h), ("kv_heads", "head_dim")),
           "v_proj": ((d,), ("embed",), (k, h), ("kv_heads", "head_dim")),
@@ -316,6 +323,15 @@ def _owner(target: str) -> str:
   return "attn" if target in _ATTN_TARGETS else "mlp"
 
 
+def _lora_param(cfg: ModelConfig, target: str) -> str:
+  """The weight an adapter on `target` wraps: the target itself, or under multi-head
+  latent attention q_b_proj (with a query latent), k_b_proj, v_b_proj."""
+  if not cfg.kv_lora_rank:
+    return target
+  return {"q_proj": "q_b_proj" if cfg.q_lora_rank else "q_proj", "k_proj": "k_b_proj",
+          "v_proj": "v_b_proj"}.get(target, target)
+
+
 def _attach_lora(model: "Transformer", key) -> None:
   """Gives every layer's target projections their adapters: `<target>_lora_a` / `_b`
   (nnx.LoRAParam), drawn by `_fresh_adapter`; the base weights, drawn before, are those
@@ -362,11 +378,12 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
     for t in old.lora_target_names:
       owner = layer[_owner(t)]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
-      w, r = owner[t], old.lora_rank
+      name = _lora_param(old, t)
+      w, r = owner[name], old.lora_rank
       lead = a.shape[:1] if stacked else ()
       delta = jnp.matmul(a.reshape(*lead, -1, r).astype(jnp.float32),
                          b.reshape(*lead, r, -1).astype(jnp.float32)) * old.lora_scale
-      owner[t] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+      owner[name] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
     if key is None:
       continue
     for t in cfg.lora_target_names:
@@ -477,17 +494,21 @@ class Attention(nnx.Module):
     or through its own latent (q_a_proj, RMSNorm, q_b_proj), its first features rotated."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     if cfg.q_lora_rank:
-      q_latent = self.q_a_norm(jnp.einsum("BTD,DR->BTR", x, self.q_a_proj[...].astype(dt)))
-      q = jnp.einsum("BTR,RNH->BTNH", q_latent, self.q_b_proj[...].astype(dt))
+      q_in = self.q_a_norm(jnp.einsum("BTD,DR->BTR", x, self.q_a_proj[...].astype(dt)))
+      q = jnp.einsum("BTR,RNH->BTNH", q_in, self.q_b_proj[...].astype(dt))
     else:
+      q_in = x
       q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
+    q = _add_lora(self, "q_proj", q, q_in, "BTD,DR->BTR", "BTR,RNH->BTNH")
     latent = self.kv_a_norm(jnp.einsum("BTD,DR->BTR", x, self.kv_a_proj[...].astype(dt)))
     k_rope = jnp.einsum("BTD,DH->BTH", x, self.k_rope_proj[...].astype(dt))[:, :, None]
     k_rope = rope_lib.apply_rope(k_rope, cos, sin)
     k_nope = jnp.einsum("BTR,RNH->BTNH", latent, self.k_b_proj[...].astype(dt))
+    k_nope = _add_lora(self, "k_proj", k_nope, latent, "BTD,DR->BTR", "BTR,RNH->BTNH")
     b, t, n, _ = k_nope.shape
     k = jnp.concatenate([jnp.broadcast_to(k_rope, (b, t, n, k_rope.shape[-1])), k_nope], -1)
     v = jnp.einsum("BTR,RNV->BTNV", latent, self.v_b_proj[...].astype(dt))
+    v = _add_lora(self, "v_proj", v, latent, "BTD,DR->BTR", "BTR,RNH->BTNH")
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.head_dim - cfg.v_head_dim)))
     cached = jnp.concatenate([k_rope, latent[:, :, None]], -1)  # [B, T, 1, Hr + R]
     return rope_lib.apply_rope(q, cos, sin), k, v, cached
@@ -500,15 +521,25 @@ class Attention(nnx.Module):
     import kernels
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     hr = cfg.qk_rope_head_dim
-    q_latent = jnp.einsum("BTNH,RNH->BTNR", q[..., hr:], self.k_b_proj[...].astype(dt))
+    q_nope = q[..., hr:]
+    q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, self.k_b_proj[...].astype(dt))
+    if hasattr(self, "k_proj_lora_a"):  # k_b_proj + s A B, absorbed: (q B^T) A^T
+      qb = jnp.einsum("BTNH,rNH->BTNr", q_nope, self.k_proj_lora_b[...].astype(dt))
+      q_latent = q_latent + (cfg.lora_scale * jnp.einsum(
+          "BTNr,Rr->BTNR", qb, self.k_proj_lora_a[...].astype(dt))).astype(dt)
     q_abs = jnp.concatenate([q[..., :hr], q_latent], -1)
     out = kernels.decode_attention(
         q_abs, cache.k, cache.k, lengths=positions_BxT[:, -1] + 1, k_scale=cache.k_scale,
         v_scale=cache.k_scale, chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
         finite_tail=True, layer=layer,
         sm_scale=cfg.attention_scale or float(cfg.head_dim) ** -0.5)
-    return jnp.einsum("BTNR,RNV->BTNV", out[..., hr:].astype(dt),
-                      self.v_b_proj[...].astype(dt))
+    out_latent = out[..., hr:].astype(dt)
+    values = jnp.einsum("BTNR,RNV->BTNV", out_latent, self.v_b_proj[...].astype(dt))
+    if hasattr(self, "v_proj_lora_a"):  # v_b_proj + s A B: (o A) B
+      oa = jnp.einsum("BTNR,Rr->BTNr", out_latent, self.v_proj_lora_a[...].astype(dt))
+      values = values + (cfg.lora_scale * jnp.einsum(
+          "BTNr,rNV->BTNV", oa, self.v_proj_lora_b[...].astype(dt))).astype(dt)
+    return values
 
   def _sinks(self):
     """The sink logits [heads] in float32, or None."""

@@ -202,7 +202,7 @@ def test_bad_latent_configs_are_refused():
       (dict(qk_rope_head_dim=12), "qk_rope_head_dim=12 must be even and in"),
       (dict(v_head_dim=16), "v_head_dim=16 must be in"),
       (dict(rope=models.RopeConfig()), "rotates 12 of head_dim=12, but qk_rope_head_dim=4"),
-      (dict(lora_rank=4), "lora_rank with multi-head latent attention"),
+      (dict(qk_norm=True), "qk_norm with multi-head latent attention"),
       (dict(kv_lora_rank=0), "q_lora_rank|qk_rope_head_dim, v_head_dim describe"),
   ]:
     with pytest.raises(ValueError, match=match):
@@ -286,3 +286,34 @@ def test_v2_greedy_generation_and_export(saved_v2, tmp_path):
   with pytest.raises(ValueError, match="norm_topk_prob=True cannot be written as "
                                        "DeepseekV2ForCausalLM"):
     models.hf.check_exportable(ours.cfg.replace(norm_topk_prob=True))
+
+
+@pytest.mark.parametrize("variant,scan", [("q_latent", True), ("q_proj", False)])
+def test_lora_on_latent_attention(saved, variant, scan, tmp_path):
+  """Adapters on MLA's per-head projections (q_proj: the queries', q_b_proj with a query
+  latent; k_proj: k_b_proj; v_proj: v_b_proj; o_proj) in every layer, the dense one
+  too: fresh ones change nothing; trained ones move the logits, merge exactly, and the
+  absorbed cached path (k_b_proj's adapter folded into the queries, v_b_proj's into the
+  output) equals the full forward. PEFT files are refused by name."""
+  folder, hf = saved[variant]
+  m = models.from_pretrained(folder, lora_rank=4, scan_layers=scan)
+  assert m.cfg.lora_target_names == ("q_proj", "k_proj", "v_proj", "o_proj")
+  adapters = nnx.state(m, nnx.LoRAParam)
+  assert sum(x.size for x in jax.tree.leaves(adapters)) == m.cfg.num_lora_params
+  np.testing.assert_allclose(np.asarray(_jitted_logits(m, TOKENS)), hf_logits(hf, TOKENS),
+                             atol=1e-4, rtol=0)
+  keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(adapters))))
+  nnx.update(m, jax.tree.map(lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape),
+                             adapters))
+  want = np.asarray(m(jnp.asarray(TOKENS)))
+  assert np.abs(want - hf_logits(hf, TOKENS)).max() > 0.1
+  np.testing.assert_allclose(np.asarray(models.merge_lora(m)(jnp.asarray(TOKENS))), want,
+                             atol=1e-4, rtol=0)
+  cache = models.init_cache(m.cfg, 2, 24)
+  got, cache = m(jnp.asarray(TOKENS[:, :12]), cache=cache, prefill=True)
+  positions = jnp.broadcast_to(jnp.arange(12, 20), (2, 8))
+  rest, _ = m(jnp.asarray(TOKENS[:, 12:]), positions, cache=cache)
+  np.testing.assert_allclose(np.concatenate([np.asarray(got), np.asarray(rest)], 1), want,
+                             atol=1e-4, rtol=0)
+  with pytest.raises(ValueError, match="PEFT adapter files of DeepseekV3ForCausalLM"):
+    models.save_lora_adapter(m, str(tmp_path / "adapter"))
