@@ -1,5 +1,5 @@
-"""A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture) and a Phi-3 (LongRoPE, partial
-rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
+"""A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention)
+and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
 the final checkpoint exported as a folder that transformers loads into the same class
 and computes our logits with."""
 
@@ -47,6 +47,15 @@ FAMILIES = {
                      num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=64,
                      router_scoring="sigmoid", router_groups=2, router_group_topk=1,
                      routed_scaling_factor=2.0, dense_layers=1, dense_ffn_dim=96),
+    # Multi-head latent attention (a query latent; rollouts through the latent cache)
+    # over GLM-4.5's mixture.
+    "deepseek_v3": dict(architecture="DeepseekV3ForCausalLM", head_dim=48,
+                        num_kv_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                        qk_rope_head_dim=16, v_head_dim=32,
+                        rope=models.RopeConfig(partial_rotary_factor=16 / 48), num_experts=4,
+                        num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=64,
+                        router_scoring="sigmoid", router_groups=2, router_group_topk=1,
+                        routed_scaling_factor=2.0, dense_layers=1, dense_ffn_dim=96),
 }
 
 
