@@ -282,6 +282,71 @@ def test_shared_experts_sigmoid_routing_and_dense_layers_match_what_jax_keeps(
   assert planned[0] - planned[1] == kept[0] - kept[1]
 
 
+# Multi-head latent attention (DeepSeek-V3's): 6 heads of 24 features, 16 unrotated and 8
+# rotated (one rotated key part for every head), keys and values from a normed latent of
+# 16, queries through their own of 12, values 12 wide (zero-padded to 24 for the kernel,
+# cut back before o_proj).
+MLA = dict(num_kv_heads=6, head_dim=24, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8,
+           v_head_dim=12, rope=models.RopeConfig(theta=10_000.0, partial_rotary_factor=1 / 3))
+# Its twin: standard attention of as many kv heads, as wide, as rotated.
+MHA = {**MLA, "kv_lora_rank": 0, "q_lora_rank": 0, "qk_rope_head_dim": 0, "v_head_dim": 0}
+# DeepSeek-V3's layout: GLM-4.5's mixture (sigmoid group routing, its weights scaled, a
+# shared expert, the first of 3 layers dense) under multi-head latent attention.
+DEEPSEEK_V3 = {**GLM4_MOE, **MLA}
+
+
+@pytest.mark.parametrize("dtype, impl, remat", [
+    *((dtype, "flash", remat) for dtype in ("float32", "bfloat16")
+      for remat in ("none", "dots", "dots_with_no_batch_dims", "full")),
+    ("float32", "reference", "none"),
+    ("bfloat16", "reference", "none"),
+    ("bfloat16", "chunked", "dots"),
+])
+def test_latent_attention_saved_activations_match_what_jax_keeps(dtype, impl, remat):
+  """Multi-head latent attention keeps without remat each latent's a-projection output
+  and its norm's float32 rows and columns, its expanded keys and padded values in k's
+  and v's place, and the output cut back to v_head_dim (with reference attention in
+  place of the full-width one); a dots policy its projections' outputs (the latents, the
+  rotated key part, the keys' unrotated part, the values before their padding) in place
+  of k's and v's. Queries through a latent and through q_proj; with reference attention
+  values as wide as the keys too (nothing cut back). Exact against standard attention
+  of as many heads."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  dense = dict(num_layers=2, d_model=96, ffn_dim=160, num_heads=6, logprob_chunk=64,
+               remat=remat, attention_impl=impl, attention_chunk=32, dtype=dtype,
+               param_dtype=dtype)
+  variants = [MLA, {**MLA, "q_lora_rank": 0}]
+  if impl == "reference":
+    variants.append({**MLA, "v_head_dim": 24})
+  kept, planned = [], []
+  for layout in (MHA, *variants):
+    cfg = models.get_preset("tiny", **dense, **layout)
+    kept.append(sum(n for n, _, _ in _residuals(cfg, 4, 128)))
+    planned.append(planner.saved_activation_bytes(cfg, rows=4, row_len=128, mesh=one_device))
+  for k, p in zip(kept[1:], planned[1:]):
+    assert p == pytest.approx(k, rel=0.1)
+    assert p - planned[0] == k - kept[0]
+  if remat != "full":  # the latents alone add nothing under full remat
+    assert kept[1] != kept[0]
+
+
+@pytest.mark.parametrize("dtype, remat", [("bfloat16", "none"),
+                                          ("float32", "dots_with_no_batch_dims")])
+def test_deepseek_v3_layout_saved_activations_match_what_jax_keeps(dtype, remat):
+  """DeepSeek-V3's layout (a sigmoid-routed mixture with a shared expert and a leading
+  dense layer, under multi-head latent attention): the attention's terms and the
+  mixture's add up, exact against the same mixture under standard attention."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype)
+  kept, planned = [], []
+  for layout in (DEEPSEEK_V3, {**GLM4_MOE, **MHA}):
+    cfg = models.get_preset("tiny", **{**MOE, **layout}, **widths)
+    kept.append(sum(n for n, _, _ in _residuals(cfg, 4, 128)))
+    planned.append(planner.saved_activation_bytes(cfg, rows=4, row_len=128, mesh=one_device))
+  assert planned[0] == pytest.approx(kept[0], rel=0.1)
+  assert planned[0] - planned[1] == kept[0] - kept[1]
+
+
 @pytest.mark.parametrize("shape", [(1, 8, 1, 1), (2, 4, 1, 1)])
 @pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims"])
 @pytest.mark.parametrize("layout", [{}, GLM4_MOE], ids=["softmax", "glm4_moe"])
@@ -408,6 +473,82 @@ def test_mixture_with_dense_layers_plans_its_params_and_its_largest_layer():
           - planner.prefill_bytes(wide, **args)) == attn + s * 3 * d * 4000
   assert (planner.prefill_bytes(wide, **args) - planner.prefill_bytes(cfg, **args)
           == 64 * (s * (5 * 4000 - 2 * d - 5 * 2 * f - 5 * fs) - 4 * (2 * 2 * d + 2 * e)))
+
+
+def _tiny(layout):
+  """The TINY run config with the model's fields of `layout` overridden."""
+  return _config(**{**TINY, **{f"model.overrides.{k}": v for k, v in layout.items()}})
+
+
+def test_latent_attention_plan_counts_its_projections():
+  """Multi-head latent attention's params are num_params, on real arrays too (with and
+  without a query latent, and in DeepSeek-V3's mixture layout); a layer gathered for a
+  decode step holds its projections in the compute dtype, the latent ones whole and the
+  heads' split over tensor, as real arrays shard them; the cache is the arrays the
+  model's init_cache builds; a prefill's layer forward keeps its projections' outputs
+  beside the expanded keys and padded values."""
+  # Over fsdp 8; queries through a latent over data 4 x tensor 2 (the heads split).
+  deepseek = {**DEEPSEEK_V3, "num_experts_per_tok": 2}
+  mesh = (4, 1, 2, 1)
+  real = {}
+  for layout, shape in (({**MLA, "q_lora_rank": 0}, (1, 8, 1, 1)),
+                        (deepseek, (1, 8, 1, 1)), (MLA, mesh)):
+    config = planner.override(_tiny(layout), dict(zip(
+        ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence"), shape)))
+    cfg = experiment.model_config(config)
+    assert planner.plan(_tiny(layout), num_devices=1)["params"] == cfg.num_params * 4
+    model = models.create_model(cfg, mesh=models.make_mesh(shape))
+    real[shape] = nnx.state(model, nnx.Param)
+    assert planner.plan(config)["params"] == _real_per_device_bytes(real[shape]), layout
+  # Left sharded over data 4 x tensor 2, a decode step gathers one layer: on real arrays,
+  # this device's shard of the first layer's projections (the norms' scales aside): 3
+  # heads and F 80 a device, the latents' projections and k_rope_proj whole.
+  d, n, h, rq, r, hr, v, f, s = 96, 3, 24, 12, 16, 8, 12, 80, 4
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, mesh)))
+  weights = [x for path, x in jax.tree_util.tree_leaves_with_path(real[mesh]["layers"][0])
+             if "norm" not in jax.tree_util.keystr(path)]
+  logits = 8 * cfg.vocab_size // 2 * 4
+  assert planner.decode_step_bytes(cfg, rows=8, mesh=abstract, gathered=False) == (
+      logits + _real_per_device_bytes(weights))
+  attn = s * (d * rq + rq * n * h + d * (r + hr) + r * n * (h - hr + v) + n * v * d)
+  assert _real_per_device_bytes(weights) == attn + s * 3 * d * f
+  # Queries through q_proj: D NH in place of D Rq + Rq NH.
+  no_q_latent = experiment.model_config(_tiny({**MLA, "q_lora_rank": 0}))
+  assert (planner.decode_step_bytes(cfg, rows=8, mesh=abstract, gathered=False)
+          - planner.decode_step_bytes(no_q_latent, rows=8, mesh=abstract, gathered=False)
+          == s * (d * rq + rq * n * h - d * n * h))
+  # The cache: the arrays init_cache builds for the model, int8 with their scales, layers
+  # listed or stacked: the latent alone, one head of Hr + R features (no v), 2 layers.
+  cfg = experiment.model_config(_tiny(MLA))
+  one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  assert planner.kv_cache_bytes(cfg, batch=8, max_len=64, mesh=one) == 2 * 8 * 64 * (hr + r) * s
+  for dtype in (None, "int8"):
+    for scanned in (cfg, cfg.replace(scan_layers=True)):
+      arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
+          scanned, 8, 64, jnp.int8 if dtype else None))  # noqa: B023
+      assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one, dtype=dtype) == (
+          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+  # A prefill (16 prompts of 64 over fsdp 8, all 6 heads a device) against standard
+  # attention of as many heads, the prompts' caches aside: the latents, the rotated key
+  # part, the unrotated keys and the unpadded values more in its layer's forward.
+  n, rq = 6, 12
+  mha = experiment.model_config(_tiny(MHA))
+  fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  args = dict(prompts=16, prompt_len=64, rows=16, mesh=fsdp8)
+
+  def forward(c):
+    return planner.prefill_bytes(c, **args) - planner.kv_cache_bytes(
+        c, batch=16, max_len=64, mesh=fsdp8)
+
+  assert forward(cfg) - forward(mha) == 2 * 64 * s * (rq + r + hr + n * (h - hr) + n * v)
+  # DeepSeek-V3's layout: its gathered layer (a mixture layer's experts, the float32
+  # router and the shared expert) holds the latent projections in place of q, k, v, o.
+  ds = experiment.model_config(_tiny(deepseek))
+  twin = experiment.model_config(_tiny({**deepseek, **MHA}))
+  attn = s * (d * rq + rq * n * h + d * (r + hr) + r * n * (h - hr + v) + n * v * d)
+  assert (planner.decode_step_bytes(ds, rows=8, mesh=fsdp8, gathered=False)
+          - planner.decode_step_bytes(twin, rows=8, mesh=fsdp8, gathered=False)
+          == attn - s * 4 * d * n * h)
 
 
 def test_activations_follow_the_remat_policy_and_the_mesh():
