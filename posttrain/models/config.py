@@ -696,6 +696,49 @@ PRESETS: dict[str, ModelConfig] = {
                                  architecture="Qwen3MoeForCausalLM", dtype="bfloat16",
                                  param_dtype="bfloat16", remat="dots_with_no_batch_dims",
                                  scan_layers=True),
+    # Qwen1.5-MoE-A2.7B: 60 experts of 1408, 4 per token, a gated shared expert of 5632
+    # (14.3B parameters, 2.7B active).
+    "qwen1_5_moe_a2_7b": ModelConfig(
+        vocab_size=151_936, d_model=2048, num_layers=24, num_heads=16, num_kv_heads=16,
+        head_dim=128, ffn_dim=1408, num_experts=60, num_experts_per_tok=4,
+        norm_topk_prob=False, shared_expert_dim=5632, shared_expert_gate=True, qkv_bias=True,
+        rope=RopeConfig(theta=1_000_000.0), norm_eps=1e-6, max_position_embeddings=8192,
+        architecture="Qwen2MoeForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="dots_with_no_batch_dims", scan_layers=True),
+    # GLM-4.5-Air: a dense first layer, then 128 experts of 1408 (8 a token, sigmoid
+    # routing) and a shared one; half of each head rotated (106B parameters, 12B active).
+    "glm4_5_air": ModelConfig(
+        vocab_size=151_552, d_model=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+        head_dim=128, ffn_dim=1408, num_experts=128, num_experts_per_tok=8,
+        shared_expert_dim=1408, router_scoring="sigmoid", dense_layers=1, dense_ffn_dim=10_944,
+        qkv_bias=True, rope=RopeConfig(theta=1_000_000.0, partial_rotary_factor=0.5),
+        norm_eps=1e-5, max_position_embeddings=131_072, architecture="Glm4MoeForCausalLM",
+        dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
+    # Moonlight-16B-A3B (DeepSeek-V3's layout): latent attention (kv rank 512, one q_proj),
+    # a dense first layer, 64 experts of 1408 (6 a token) and two shared (16B, 3B active).
+    "moonlight_16b_a3b": ModelConfig(
+        vocab_size=163_840, d_model=2048, num_layers=27, num_heads=16, num_kv_heads=16,
+        head_dim=192, ffn_dim=1408, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts=64, num_experts_per_tok=6, shared_expert_dim=2816,
+        router_scoring="sigmoid", routed_scaling_factor=2.446, dense_layers=1,
+        dense_ffn_dim=11_264, rope=RopeConfig(theta=50_000.0, partial_rotary_factor=64 / 192),
+        norm_eps=1e-5, max_position_embeddings=8192, architecture="DeepseekV3ForCausalLM",
+        dtype="bfloat16", param_dtype="bfloat16", remat="dots_with_no_batch_dims",
+        scan_layers=True),
+    # DeepSeek-V3 / R1: latent attention (q rank 1536, kv rank 512; YaRN x40), three dense
+    # layers, 256 experts of 2048 (8 a token within 4 of 8 groups) and a shared one
+    # (671B parameters, 37B active).
+    "deepseek_v3": ModelConfig(
+        vocab_size=129_280, d_model=7168, num_layers=61, num_heads=128, num_kv_heads=128,
+        head_dim=192, ffn_dim=2048, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        v_head_dim=128, num_experts=256, num_experts_per_tok=8, shared_expert_dim=2048,
+        router_scoring="sigmoid", router_groups=8, router_group_topk=4,
+        routed_scaling_factor=2.5, dense_layers=3, dense_ffn_dim=18_432,
+        rope=RopeConfig(theta=10_000.0, type="yarn", factor=40.0, beta_fast=32.0,
+                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                        original_max_position_embeddings=4096, partial_rotary_factor=64 / 192),
+        norm_eps=1e-6, max_position_embeddings=163_840, architecture="DeepseekV3ForCausalLM",
+        dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
     # Mixtral 8x7B: 8 experts of width 14336, 2 per token (46.7B parameters, 12.9B active).
     "mixtral_8x7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
                                 num_kv_heads=8, head_dim=128, ffn_dim=14_336, num_experts=8,

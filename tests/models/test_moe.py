@@ -207,6 +207,16 @@ def test_config_counts_and_checks():
   assert abs(mixtral.num_active_params / 1e9 - 12.88) < 0.02
   _, state = models.abstract_model(qwen)
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == qwen.num_params
+  # Shared experts, dense layers, latent attention: Qwen1.5-MoE-A2.7B 14.3B (2.7B
+  # active), GLM-4.5-Air 106B, Moonlight-16B-A3B 16.0B (2.9B), DeepSeek-V3 671B (37.6B).
+  for preset, total, active in [("qwen1_5_moe_a2_7b", 14.32, 2.69), ("glm4_5_air", 106.85, 13.42),
+                                ("moonlight_16b_a3b", 15.96, 2.91), ("deepseek_v3", 671.03, 37.55)]:
+    cfg = models.get_preset(preset)
+    assert abs(cfg.num_params / 1e9 - total) < 0.01, preset
+    assert abs(cfg.num_active_params / 1e9 - active) < 0.01, preset
+    _, state = models.abstract_model(cfg)
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == cfg.num_params
+    models.hf.check_exportable(cfg)  # each is its Hugging Face class
   with pytest.raises(ValueError, match=r"num_experts_per_tok=6 must be in \[1, num_experts=5\]"):
     CFG.replace(num_experts_per_tok=6)
   with pytest.raises(ValueError, match="num_experts_per_tok=2 needs num_experts > 0"):
