@@ -100,3 +100,15 @@ def perturb(model, seed: int = 0, scale: float = 0.3, biases: bool = True):
       if "norm" in name or (biases and name.endswith("bias")):
         p.add_(torch.randn_like(p) * scale)
   return model
+
+
+def randomize_correction_biases(model, seed: int = 0, scale: float = 0.3):
+  """Draws a sigmoid router's e_score_correction_bias buffers (zero at init; GLM-4.5,
+  DeepSeek-V3), so that the choice of experts depends on them; returns the model."""
+  import torch
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for name, buf in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        buf.copy_(torch.randn_like(buf) * scale)
+  return model

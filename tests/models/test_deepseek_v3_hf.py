@@ -17,7 +17,8 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
-                                 greedy_tokens, hf_logits, perturb, save_families,
+                                 greedy_tokens, hf_logits, perturb,
+                                 randomize_correction_biases, save_families,
                                  target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -46,12 +47,7 @@ _extend = nnx.jit(lambda m, t, p, c: m(t, p, cache=c))
 def _hf_model(name, cls="DeepseekV3ForCausalLM", **extra):
   cfg = transformers.DeepseekV3Config(**{**COMMON, **VARIANTS[name], **extra})
   torch.manual_seed(0)
-  model = perturb(getattr(transformers, cls)(cfg).float().eval())
-  with torch.no_grad():
-    for buffer_name, buf in model.named_buffers():
-      if buffer_name.endswith("e_score_correction_bias"):
-        buf.copy_(torch.randn_like(buf) * 0.3)
-  return model
+  return randomize_correction_biases(perturb(getattr(transformers, cls)(cfg).float().eval()))
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +123,7 @@ def test_cached_decoding_equals_the_full_forward(saved, scan):
     positions = jnp.broadcast_to(jnp.arange(start, start + 4), (2, 4))
     got, cache = _extend(m, jnp.asarray(TOKENS[:, start:start + 4]), positions, cache)
     parts.append(np.asarray(got))
-  np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=1e-4, rtol=0)
 
 
 def test_int8_latent_cache_holds_the_latent_to_its_rounding(saved):

@@ -17,7 +17,8 @@ from flax import nnx
 from posttrain import models
 from posttrain.models.transformer import route
 from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
-                                 greedy_tokens, hf_logits, perturb, save_families,
+                                 greedy_tokens, hf_logits, perturb,
+                                 randomize_correction_biases, save_families,
                                  target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -49,12 +50,7 @@ def _hf_model(name, cls=None, **extra):
         use_qk_norm=not plain, norm_topk_prob=not plain, attention_bias=True), **extra})
     cls = cls or "Glm4MoeForCausalLM"
   torch.manual_seed(0)
-  model = perturb(getattr(transformers, cls)(cfg).float().eval())
-  with torch.no_grad():  # routers that prefer different experts per token; a real bias
-    for name_, buf in model.named_buffers():
-      if name_.endswith("e_score_correction_bias"):
-        buf.copy_(torch.randn_like(buf) * 0.3)
-  return model
+  return randomize_correction_biases(perturb(getattr(transformers, cls)(cfg).float().eval()))
 
 
 @pytest.fixture(scope="module")
