@@ -189,10 +189,10 @@ class ModelConfig:
     lora_targets: comma-separated projections given adapters (names in LORA_TARGETS). A
       mixture-of-experts model takes adapters on the attention projections only: left at
       its default, the MLP names are dropped; named explicitly, they are an error.
-    num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP is that
-      many SwiGLU experts of width ffn_dim, and a router sends each token to
-      `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
-    num_experts_per_tok: experts each token runs (top-k of the router's softmax).
+    num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP (past the
+      `dense_layers`) is that many SwiGLU experts of width ffn_dim, and a router sends
+      each token to `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
+    num_experts_per_tok: experts each token runs (top-k of the router's scores).
     norm_topk_prob: rescale the top-k router probabilities to sum to one (Mixtral always
       does; Qwen3-MoE says so in its config.json).
     router_aux_loss_coef: weight of the load-balancing loss the train step adds for a
