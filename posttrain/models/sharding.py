@@ -27,7 +27,9 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("head_dim", ()),
     ("mlp", ("tensor",)),
     # A mixture's expert axis: whole on each device by default (the experts' D splits over
-    # fsdp as a dense MLP's does, gathered a layer at a time).
+    # fsdp as a dense MLP's does, gathered a layer at a time). Mapped to ("fsdp",) (or
+    # ("data", "fsdp")) it is expert parallelism: each device holds E / ep experts, the
+    # tokens all-gathered and the outputs reduce-scattered (`MoE._expert_parallel`).
     ("experts", ()),
     ("norm", ()),
     # Multi-head latent attention's latent width (kv_lora_rank, q_lora_rank).

@@ -960,7 +960,9 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   its weights with `kernels.grouped_matmul` (`jax.lax.ragged_dot`, a grouped-matmul
   kernel on TPU, and a Pallas kernel for the weight gradient there; XLA:CPU expands it
   densely). No capacity: no token is dropped, whatever the routing. With F split
-  (each device holding a slice of every expert), the result is that slice's share.
+  (each device holding a slice of every expert), the result is that slice's share. An
+  expert id of E (a pair another device runs: `MoE._expert_parallel`) sorts last, in no
+  group: its rows are never multiplied and come out zero, its biases zero.
   """
   import kernels
   n, k = experts_NxK.shape
@@ -970,10 +972,12 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   x_sorted = jnp.take(x_NxD, order // k, axis=0)
   gate = kernels.grouped_matmul(x_sorted, gate_ExDxF, sizes)
   up = kernels.grouped_matmul(x_sorted, up_ExDxF, sizes)
-  if gate_bias_ExF is not None:  # each sorted row's expert's bias
+  if gate_bias_ExF is not None:  # each sorted row's expert's bias (an id past E: zero)
     expert_sorted = jnp.take(flat, order)
-    gate = gate + jnp.take(gate_bias_ExF, expert_sorted, axis=0).astype(gate.dtype)
-    up = up + jnp.take(up_bias_ExF, expert_sorted, axis=0).astype(up.dtype)
+    gate = gate + jnp.take(gate_bias_ExF, expert_sorted, axis=0, mode="fill",
+                           fill_value=0).astype(gate.dtype)
+    up = up + jnp.take(up_bias_ExF, expert_sorted, axis=0, mode="fill",
+                       fill_value=0).astype(up.dtype)
   act = swiglu if activation is None else activation
   y_sorted = kernels.grouped_matmul(act(gate, up), down_ExFxD, sizes, jnp.float32)
   # A down projection padded past D (the sampler's copy: `Sampler._expert_padding`)
@@ -996,7 +1000,15 @@ class MoE(nnx.Module):
   On a mesh the layer runs in `shard_map`: each device routes and runs its own tokens
   through every expert (the experts' D gathered over fsdp like a dense layer's, F split
   over the "mlp" axes with the partial outputs summed there). Tokens never leave their
-  device, whatever the routing; no expert parallelism (all-to-all) yet.
+  device, whatever the routing.
+
+  Expert parallelism, where the rules split the logical "experts" axis over mesh axes
+  (the "ep" axes, e.g. ("experts", ("fsdp",))): each device holds and runs only its E / ep
+  experts, never gathering the others (`_expert_parallel`). Each device routes its own
+  tokens as above, then the tokens and their routing are all-gathered over the ep axes
+  that split the tokens, each device runs the (token, expert) pairs of its experts, and
+  the weighted sums are reduce-scattered back to the tokens' devices (all-gather and
+  reduce-scatter, no all-to-all: dropless, nothing to size).
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -1057,7 +1069,7 @@ class MoE(nnx.Module):
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
     mesh = ctx.mesh
-    token_axes, f_axes = (), ()
+    token_axes, f_axes, ep_axes = (), (), ()
     if mesh is not None and mesh.size > 1:
       from posttrain.models.sharding import logical_to_spec
       tokens = logical_to_spec(("batch", "length"), ctx.rules, mesh, (b, t))
@@ -1066,6 +1078,11 @@ class MoE(nnx.Module):
       f_entry = logical_to_spec(("mlp",), ctx.rules, mesh, (cfg.ffn_dim,))[0]
       f_axes = tuple(a for a in ((f_entry,) if isinstance(f_entry, str) else f_entry or ())
                      if a not in token_axes)
+      # The axes the experts' E splits over (as `state_shardings` lays them out, E first),
+      # none by default; F splits over the "mlp" axes they leave.
+      ep_entry = logical_to_spec(("experts",), ctx.rules, mesh, (e,))[0]
+      ep_axes = (ep_entry,) if isinstance(ep_entry, str) else tuple(ep_entry or ())
+      f_axes = tuple(a for a in f_axes if a not in ep_axes)
 
     def local(x, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b,
               correction):
@@ -1076,23 +1093,27 @@ class MoE(nnx.Module):
                           scoring=cfg.router_scoring, correction_E=correction,
                           groups=cfg.router_groups, group_topk=cfg.router_group_topk,
                           scale=cfg.routed_scaling_factor)
-      if f_axes:
-        # Each device runs its slice of F from here on: marked so, the backward sums the
-        # slices' input gradients once, over [N, D] tokens, not over the sorted [N k, D]
-        # rows of each projection.
-        x_NxD = jax.lax.pcast(x_NxD, f_axes, to="varying")
       biased = cfg.expert_bias
-      y = expert_mlps(x_NxD, w, e, gate, up, down, activation=gated_activation(cfg),
-                      gate_bias_ExF=gate_b if biased else None,
-                      up_bias_ExF=up_b if biased else None)
-      if f_axes:
-        y = jax.lax.psum(y, f_axes)
-      if biased:  # each chosen expert's down bias, by its weight, once after the sum: the
-        # weights spread over the experts [N, E] times the biases [E, D] (gathering each
-        # token's k biases made a float32 [N, k, D], 0.7 GiB a layer for gpt-oss-20b).
-        spread = jnp.einsum("NK,NKE->NE", w, jax.nn.one_hot(e, cfg.num_experts,
-                                                            dtype=jnp.float32))
-        y = y + jnp.einsum("NE,ED->ND", spread, down_b.astype(jnp.float32))
+      if ep_axes:
+        y = self._expert_parallel(x_NxD, w, e, gate, up, down, gate_b, up_b, down_b,
+                                  ep_axes, token_axes, f_axes)
+      else:
+        if f_axes:
+          # Each device runs its slice of F from here on: marked so, the backward sums the
+          # slices' input gradients once, over [N, D] tokens, not over the sorted [N k, D]
+          # rows of each projection.
+          x_NxD = jax.lax.pcast(x_NxD, f_axes, to="varying")
+        y = expert_mlps(x_NxD, w, e, gate, up, down, activation=gated_activation(cfg),
+                        gate_bias_ExF=gate_b if biased else None,
+                        up_bias_ExF=up_b if biased else None)
+        if f_axes:
+          y = jax.lax.psum(y, f_axes)
+        if biased:  # each chosen expert's down bias, by its weight, once after the sum: the
+          # weights spread over the experts [N, E] times the biases [E, D] (gathering each
+          # token's k biases made a float32 [N, k, D], 0.7 GiB a layer for gpt-oss-20b).
+          spread = jnp.einsum("NK,NKE->NE", w, jax.nn.one_hot(e, cfg.num_experts,
+                                                              dtype=jnp.float32))
+          y = y + jnp.einsum("NE,ED->ND", spread, down_b.astype(jnp.float32))
       y = y.astype(dt).reshape(lb, lt, d)
       if not router_stats:
         return y
@@ -1107,14 +1128,74 @@ class MoE(nnx.Module):
     from jax.sharding import PartitionSpec as P
     from kernels.attention import place
     f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
+    # The experts (and their biases) split over E on the ep axes, as stored; the router,
+    # its bias and the correction bias whole.
+    e_spec = None if not ep_axes else ep_entry
     x_spec = P(*tokens, None)
-    specs = (x_spec, P(*tokens), P(), P(None, None, f_spec), P(None, None, f_spec),
-             P(None, f_spec, None), P(), P(None, f_spec), P(None, f_spec), P(), P())
+    specs = (x_spec, P(*tokens), P(), P(e_spec, None, f_spec), P(e_spec, None, f_spec),
+             P(e_spec, f_spec, None), P(), P(e_spec, f_spec), P(e_spec, f_spec),
+             P(e_spec, None), P())
     args = [place(a, mesh, spec)
             for a, spec in zip([x_BxTxD, segment_ids_BxT, *weights], specs)]
     out_specs = (x_spec, RouterStats(P(), P(), P())) if router_stats else x_spec
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
                          check_vma=True)(*args)
+
+  def _expert_parallel(self, x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF,
+                       down_ExFxD, gate_bias_ExF, up_bias_ExF, down_bias_ExD,
+                       ep_axes: tuple, token_axes: tuple, f_axes: tuple):
+    """Inside the shard_map: the routed experts' output [N, D] float32 for this device's
+    N tokens (their routing `weights_NxK`, `experts_NxK` over all E experts), from the
+    device's E / ep experts [E / ep, D, F'] (F' = F over `f_axes`) and every device's.
+
+    The tokens, weights and expert ids are all-gathered over the ep axes that split the
+    tokens (`token_axes`), M = N x their size rows; over an ep axis that does not, the
+    tokens are the same on each of its devices already. Each device then runs every
+    gathered token's pairs with its own experts: the ids of the others' become E / ep,
+    a group past the last, sorted after the local experts' runs and never assigned rows
+    in `expert_mlps`' grouped matmuls (rows past the group sizes: zero out of
+    `ragged_dot`, even from NaN inputs, checked on CPU; the TPU weight-gradient kernel
+    never visits them); their weights are zeroed too. The per-device sums are
+    reduce-scattered back to the tokens' devices over the gathered axes and summed over
+    the others and the F slices. The backward transposes each: the gathered tokens'
+    gradients are reduce-scattered, the outputs' gradients all-gathered.
+
+    Cost a device: the gathered [M, D] tokens and the sorted [M k, *] rows (k pairs a
+    token, most of them another device's), of which the grouped matmuls need the local
+    ones alone, about N k with balanced routing, M k at worst (dropless)."""
+    cfg = self.cfg
+    n_local = gate_ExDxF.shape[0]
+    gathered = tuple(a for a in ep_axes if a in token_axes)
+    x_MxD, weights_MxK, experts_MxK = x_NxD, weights_NxK, experts_NxK
+    if gathered:
+      x_MxD, weights_MxK, experts_MxK = (jax.lax.all_gather(a, gathered, axis=0, tiled=True)
+                                         for a in (x_NxD, weights_NxK, experts_NxK))
+    # This device's experts are [first, first + E / ep) of E: axis_index over the ep axes
+    # counts their devices in the order E is split over them.
+    ids_MxK = experts_MxK - jax.lax.axis_index(ep_axes) * n_local
+    mine_MxK = (ids_MxK >= 0) & (ids_MxK < n_local)
+    ids_MxK = jnp.where(mine_MxK, ids_MxK, n_local)
+    weights_MxK = jnp.where(mine_MxK, weights_MxK, 0.0)
+    # The other sums: over the ep axes the tokens were not gathered on, and F's slices.
+    summed = tuple(a for a in ep_axes if a not in gathered) + f_axes
+    if summed:  # as in `_routed`: the backward sums the input gradients once, over [M, D]
+      x_MxD = jax.lax.pcast(x_MxD, summed, to="varying")
+    y_MxD = expert_mlps(x_MxD, weights_MxK, ids_MxK, gate_ExDxF, up_ExDxF, down_ExFxD,
+                        activation=gated_activation(cfg),
+                        gate_bias_ExF=gate_bias_ExF if cfg.expert_bias else None,
+                        up_bias_ExF=up_bias_ExF if cfg.expert_bias else None)
+    if cfg.expert_bias:  # the local experts' down biases (out-of-range ids: a zero row),
+      # added on one F slice alone so that the sum over the slices counts them once
+      spread_MxE = jnp.einsum("MK,MKE->ME", weights_MxK,
+                              jax.nn.one_hot(ids_MxK, n_local, dtype=jnp.float32))
+      bias_MxD = jnp.einsum("ME,ED->MD", spread_MxE, down_bias_ExD.astype(jnp.float32))
+      if f_axes:
+        bias_MxD = jnp.where(jax.lax.axis_index(f_axes) == 0, bias_MxD, 0.0)
+      y_MxD = y_MxD + bias_MxD
+    y_NxD = y_MxD
+    if gathered:  # reduce-scatter first: the sum over the others then moves [N, D] alone
+      y_NxD = jax.lax.psum_scatter(y_MxD, gathered, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(y_NxD, summed) if summed else y_NxD
 
 
 class Block(nnx.Module):
