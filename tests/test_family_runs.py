@@ -1,7 +1,7 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention)
-and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
-the final checkpoint exported as a folder that transformers loads into the same class
-and computes our logits with."""
+and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
+with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
+folder that transformers loads into the same class and computes our logits with."""
 
 import jax
 import numpy as np
