@@ -196,16 +196,11 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
                          if name.startswith("model.") else name)
   return lambda name: "language_model." + name
 # HF module names of a mixture's router and of expert j's gate, up and down projections.
-_MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{j}.gate_proj",
-                                      "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
-              QWEN2_MOE: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
-                          "mlp.experts.{j}.down_proj"),
-              GLM4_MOE: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
-                         "mlp.experts.{j}.down_proj"),
-              DEEPSEEK_V3: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
-                            "mlp.experts.{j}.down_proj"),
-              DEEPSEEK_V2: ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
-                            "mlp.experts.{j}.down_proj"),
+_QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
+                   "mlp.experts.{j}.down_proj")  # the layout Qwen's MoE files set
+_MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
+              GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES,
+              DEEPSEEK_V2: _QWEN_MOE_NAMES,
               "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                                      "block_sparse_moe.experts.{j}.w3",
                                      "block_sparse_moe.experts.{j}.w2")}
@@ -383,8 +378,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
 
 
 def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """Multi-head latent attention's ModelConfig fields of a DeepSeek-V3 config.json ({}
-  for other classes)."""
+  """Multi-head latent attention's ModelConfig fields of a DeepSeek-V2 / V3 config.json
+  ({} for other classes)."""
   if lm not in _DEEPSEEKS:
     return {}
   if c.get("attention_bias"):
@@ -822,11 +817,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                  shared_expert_intermediate_size=cfg.shared_expert_dim)
   elif lm in _DEEPSEEKS:
     out.pop("head_dim")  # transformers sets it to qk_rope_head_dim
-    out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-               norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
-               n_shared_experts=cfg.shared_expert_dim // cfg.ffn_dim,
-               routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.router_groups,
-               topk_group=cfg.router_group_topk, first_k_dense_replace=cfg.dense_layers,
+    out.update(**_grouped_mixture_to_hf(cfg),
                kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
                qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim)
@@ -836,12 +827,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     else:
       out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
   elif lm == GLM4_MOE:
-    out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-               norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
-               n_shared_experts=cfg.shared_expert_dim // cfg.ffn_dim,
-               routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.router_groups,
-               topk_group=cfg.router_group_topk, first_k_dense_replace=cfg.dense_layers,
-               use_qk_norm=cfg.qk_norm, num_nextn_predict_layers=0,
+    out.update(**_grouped_mixture_to_hf(cfg), use_qk_norm=cfg.qk_norm,
+               num_nextn_predict_layers=0,
                partial_rotary_factor=rope.partial_rotary_factor,
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 "partial_rotary_factor": rope.partial_rotary_factor,
@@ -889,6 +876,16 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   # GLM-4's 151329, ...) lie past a smaller vocabulary.
   out["pad_token_id"] = None if pad is None else int(pad)
   return out
+
+
+def _grouped_mixture_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """GLM-4.5's and DeepSeek's config.json fields of the mixture: routed and shared
+  experts, groups, scaling and the leading dense layers."""
+  return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+              norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
+              n_shared_experts=cfg.shared_expert_dim // cfg.ffn_dim,
+              routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.router_groups,
+              topk_group=cfg.router_group_topk, first_k_dense_replace=cfg.dense_layers)
 
 
 # -- parameter name mapping -----------------------------------------------------------------
@@ -942,6 +939,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   if _causal_lm(cfg.architecture) == GLM4:  # interleaved rotary features <-> rotate-half
     qk_in = _interleaved_rows(proj_in, h, d, cfg)
     qk_bias = _interleaved_rows(bias, h, None, cfg)
+
   def dense_mlp(p: tuple, hf: str, width: int) -> list:
     return [(p + (name,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
             for name, shape in (("gate_proj", (d, width)), ("up_proj", (d, width)),
