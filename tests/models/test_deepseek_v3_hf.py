@@ -286,7 +286,8 @@ def test_v2_greedy_generation_and_export(saved_v2, tmp_path):
     models.hf.check_exportable(ours.cfg.replace(norm_topk_prob=True))
 
 
-@pytest.mark.parametrize("variant", ["q_latent", "q_proj"])
+@pytest.mark.parametrize("variant", [pytest.param("q_latent", marks=pytest.mark.slow),
+                                     "q_proj"])
 def test_lora_on_latent_attention(saved, variant, tmp_path):
   """Adapters on MLA's per-head projections (q_proj: the queries', q_b_proj with a query
   latent; k_proj: k_b_proj; v_proj: v_b_proj; o_proj) in every layer, the dense one
