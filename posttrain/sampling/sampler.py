@@ -349,12 +349,15 @@ class Sampler:
     # mesh axes, floating leaves in the compute dtype (the model casts them to it anyway).
     # Nothing to gather or cast (no batch axis over several devices, weights already in
     # the compute dtype): the programs read the sampler's own weights.
+    # Experts split over E (expert parallelism: the rules map "experts" to mesh axes) stay
+    # split on E: the MoE layer runs each device's own experts (`MoE._expert_parallel`).
     compute = jnp.dtype(cfg.dtype)
     specs = [] if mesh is None else [
         (shape, compute if jnp.issubdtype(dtype, jnp.floating)
          and jnp.dtype(dtype).itemsize > compute.itemsize else dtype,
-         self._without_batch_axes(sharding))
-        for shape, dtype, sharding in self._specs]
+         self._without_batch_axes(sharding, self._expert_axis(path, len(shape))
+                                  if cfg.num_experts else None))
+        for path, (shape, dtype, sharding) in zip(self._paths, self._specs)]
     spread = self._batch_multiple > 1
     narrower = any(new[1] != old[1] for new, old in zip(specs, self._specs))
     self.gather_weights = bool(gather_weights) and mesh is not None and (spread or narrower)
@@ -1416,8 +1419,9 @@ class Sampler:
       self._programs[key] = jitted.lower(*args).compile()
     return self._programs[key]
 
-  def _without_batch_axes(self, sharding):
-    """`sharding` with the mesh axes the batch spreads over (data, fsdp) removed."""
+  def _without_batch_axes(self, sharding, kept_axis: int | None = None):
+    """`sharding` with the mesh axes the batch spreads over (data, fsdp) removed, but
+    from dimension `kept_axis` (an expert-parallel leaf's E)."""
     batch_axes = set(dict(self.rules).get("batch", ()))
 
     def keep(entry):
@@ -1425,7 +1429,20 @@ class Sampler:
       names = tuple(n for n in names if n not in batch_axes)
       return None if not names else names[0] if len(names) == 1 else names
 
-    return NamedSharding(sharding.mesh, PartitionSpec(*(keep(e) for e in sharding.spec)))
+    return NamedSharding(sharding.mesh, PartitionSpec(*(
+        e if i == kept_axis else keep(e) for i, e in enumerate(sharding.spec))))
+
+  @staticmethod
+  def _expert_axis(path: str, ndim: int) -> int | None:
+    """The E dimension of a mixture's expert leaf (its projections and their biases,
+    a layer's or a stack's), else None."""
+    base = {"gate_proj": 3, "up_proj": 3, "down_proj": 3, "gate_bias": 2, "up_bias": 2,
+            "down_bias": 2}
+    leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
+    if (leaf not in base or not path.startswith("['layers']")
+        or not path.endswith(f"['mlp']['{leaf}']")):
+      return None
+    return ndim - base[leaf]
 
   def _weights(self):
     """The weights prefill and decode read: the sampler's own, or (gather_weights) a

@@ -163,3 +163,25 @@ def test_no_device_holds_every_expert():
   ep = windows(_shapes(texts["ep"]))
   assert (e // 4, d, f // 2) in ep and (e // 4, f // 2, d) in ep  # the local experts
   assert not ep & whole, ep & whole
+
+
+def test_the_sampler_keeps_the_experts_split():
+  """The sampler's gathered copy (the batch axes removed) keeps an expert-parallel
+  model's experts split over E, each device E / ep of them, and samples what one
+  device does."""
+  from posttrain.sampling import Sampler
+  model = _model(CFG)
+  prompts = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 37)), [3, 3, 3, 8]]
+  mesh = models.make_mesh((1, 4, 2, 1))
+  sampler = Sampler(model, mesh=mesh, max_len=40, rules=_rules("fsdp"))
+  assert sampler.gather_weights
+  weights = sampler._weights()
+  gate = weights["layers"][0]["mlp"]["gate_proj"]
+  assert {s.data.shape[0] for s in gate.addressable_shards} == {CFG.num_experts // 4}
+  q = weights["layers"][0]["attn"]["q_proj"]  # the rest gathered over fsdp as before
+  assert {s.data.shape[0] for s in q.addressable_shards} == {CFG.d_model}
+  one = Sampler(model, max_len=40)
+  got = sampler.generate(prompts, max_new_tokens=8, temperature=0.0)
+  want = one.generate(prompts, max_new_tokens=8, temperature=0.0)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
