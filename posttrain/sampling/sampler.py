@@ -201,6 +201,11 @@ def default_length_bucket(n: int, max_len: int) -> int:
   return _bucket(n, _powers_of_two(min(16, max_len), max_len, halves=True), "length")
 
 
+# A mixture layer's expert leaves and their rank in one layer ([E, D, F], [E, F]).
+_EXPERT_LEAF_RANKS = {"gate_proj": 3, "up_proj": 3, "down_proj": 3, "gate_bias": 2,
+                      "up_bias": 2, "down_bias": 2}
+
+
 def _param_path(path) -> str:
   """A leaf's path without nnx's Variable `.value`, so State and pure dicts compare equal."""
   return jax.tree_util.keystr(tuple(
@@ -1433,16 +1438,21 @@ class Sampler:
         e if i == kept_axis else keep(e) for i, e in enumerate(sharding.spec))))
 
   @staticmethod
-  def _expert_axis(path: str, ndim: int) -> int | None:
-    """The E dimension of a mixture's expert leaf (its projections and their biases,
-    a layer's or a stack's), else None."""
-    base = {"gate_proj": 3, "up_proj": 3, "down_proj": 3, "gate_bias": 2, "up_bias": 2,
-            "down_bias": 2}
+  def _expert_leaf(path: str) -> str:
+    """The name of a mixture layer's expert leaf (gate_proj, up_proj, down_proj, or one
+    of their biases) at `path`, or "" (a shared expert's, a leading dense layer's, or any
+    other leaf)."""
     leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
-    if (leaf not in base or not path.startswith("['layers']")
+    if (leaf not in _EXPERT_LEAF_RANKS or not path.startswith("['layers']")
         or not path.endswith(f"['mlp']['{leaf}']")):
-      return None
-    return ndim - base[leaf]
+      return ""
+    return leaf
+
+  @classmethod
+  def _expert_axis(cls, path: str, ndim: int) -> int | None:
+    """The E dimension of a mixture's expert leaf (a layer's or a stack's), else None."""
+    leaf = cls._expert_leaf(path)
+    return ndim - _EXPERT_LEAF_RANKS[leaf] if leaf else None
 
   def _weights(self):
     """The weights prefill and decode read: the sampler's own, or (gather_weights) a
@@ -1478,9 +1488,8 @@ class Sampler:
     d_shards, d_width, d_padded = split("embed", cfg.d_model)
     out = {}
     for i, path in enumerate(self._paths):
-      leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
-      # The experts alone: not a shared expert's or a leading dense layer's MLP.
-      if not path.startswith("['layers']") or not path.endswith(f"['mlp']['{leaf}']"):
+      leaf = self._expert_leaf(path)
+      if not leaf:
         continue
       ndim = len(self._specs[i][0])
       pads = []
