@@ -20,6 +20,11 @@ from kernels.attention import (
 from kernels.chunked_attention import chunked_attention
 from kernels.decode_attention import decode_attention, quantize_int8
 from kernels.flash_attention import flash_attention
+from kernels.gated_delta_rule import (
+    causal_conv1d,
+    gated_delta_rule,
+    gated_delta_rule_reference,
+)
 from kernels.grouped_matmul import grouped_matmul, grouped_weight_grad
 from kernels.paged_attention import gather_pages, paged_cache_update, paged_decode_attention
 from kernels.reference import (
@@ -48,6 +53,7 @@ __all__ = [
     "attention_block",
     "attention_block_grad",
     "attention_mask",
+    "causal_conv1d",
     "chunked_attention",
     "chunked_block_kernel",
     "decode_attention",
@@ -56,6 +62,8 @@ __all__ = [
     "flash_attention",
     "flash_block_kernel",
     "from_zigzag",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
     "gather_pages",
     "grouped_matmul",
     "grouped_weight_grad",

@@ -65,9 +65,10 @@ def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
     backend = kernels.target_platform()
   return DECODE_CHUNK_BY_BACKEND.get(backend, 1024)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-# Kinds of attention layer (Hugging Face's layer_types): every key up to the query, or
-# only the last `sliding_window` keys.
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# Kinds of layer (Hugging Face's layer_types): attention to every key up to the query, to
+# only the last `sliding_window` keys, or a linear-attention layer (Gated DeltaNet:
+# Qwen3-Next, Qwen3.5) whose cache is a fixed-size recurrent state.
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # The gated MLP's activation: SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
 # GELU (Gemma's gelu_pytorch_tanh).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
@@ -240,6 +241,15 @@ class ModelConfig:
       projections: q_proj the queries' (q_b_proj with a query latent), k_proj k_b_proj,
       v_proj v_b_proj, o_proj o_proj.
     qk_rope_head_dim / v_head_dim: MLA's rotated key features and value width.
+    linear_num_key_heads / linear_num_value_heads / linear_key_head_dim /
+      linear_value_head_dim / linear_conv_kernel: the Gated DeltaNet of layer_types'
+      "linear_attention" layers (Qwen3-Next, Qwen3.5; `LinearAttention`): q and k of
+      key heads, v and the output gate of value heads (a multiple of the key heads), a
+      causal depthwise convolution of this width over q, k and v, and a recurrent state
+      [value heads, key head dim, value head dim] a row in place of a KV cache.
+    linear_chunk: tokens per chunk of the chunked delta rule (training and prefill).
+    attn_output_gate: the attention's output is scaled by sigmoid of a second query-sized
+      projection (`q_gate`) before o_proj, per head and feature (Qwen3-Next, Qwen3.5).
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
       (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
       (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
@@ -313,6 +323,13 @@ class ModelConfig:
   q_lora_rank: int = 0
   qk_rope_head_dim: int = 0
   v_head_dim: int = 0
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 4
+  linear_chunk: int = 64
+  attn_output_gate: bool = False
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -376,6 +393,7 @@ class ModelConfig:
     self._check_gemma_fields()
     self._check_mixture_fields()
     self._check_latent_attention_fields()
+    self._check_linear_attention_fields()
     if self.qk_norm_heads and not self.qk_norm:
       raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
                        "span)")
@@ -480,6 +498,51 @@ class ModelConfig:
       raise ValueError(f"{', '.join(held)} with multi-head latent attention "
                        "(kv_lora_rank > 0) are not supported")
 
+  def _check_linear_attention_fields(self) -> None:
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim")
+    for name in names + ("linear_conv_kernel", "linear_chunk"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if self.linear_conv_kernel < 1 or self.linear_chunk < 1:
+      raise ValueError(f"linear_conv_kernel={self.linear_conv_kernel} and linear_chunk="
+                       f"{self.linear_chunk} must be at least 1")
+    if not any(self.linear_layers):
+      return
+    missing = [n for n in names if not getattr(self, n)]
+    if missing:
+      raise ValueError(f"layer_types has linear_attention layers: set {', '.join(missing)}")
+    if self.linear_num_value_heads % self.linear_num_key_heads:
+      raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a "
+                       f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
+    held = [n for n, on in (("kv_lora_rank", self.kv_lora_rank),
+                            ("sliding_attention layers", any(self.sliding_layers)),
+                            ("rope_layers", bool(self.rope_layers)),
+                            ("dense_layers", self.dense_layers),
+                            ("output_norms", self.output_norms),
+                            ("sandwich_norms", self.sandwich_norms)) if on]
+    if held:
+      raise ValueError(f"{', '.join(held)} with linear_attention layers are not supported")
+    if all(self.linear_layers):
+      raise ValueError("layer_types has no full_attention layer; a model of linear_attention "
+                       "layers alone is not supported")
+
+  @property
+  def linear_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether it is a linear-attention (Gated DeltaNet) layer."""
+    return tuple(t == "linear_attention" for t in self.layer_types) or (
+        (False,) * self.num_layers)
+
+  @property
+  def layer_period(self) -> int:
+    """The shortest p dividing num_layers with layer_types[i] == layer_types[i % p]: a
+    scanned model of linear and full layers runs p layers per scan step (num_layers
+    when no shorter pattern repeats)."""
+    kinds = self.layer_types or ("full_attention",) * self.num_layers
+    return next(p for p in range(1, len(kinds) + 1) if len(kinds) % p == 0
+                and all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+
   @property
   def cache_heads(self) -> int:
     """Heads of the KV cache: num_kv_heads, or 1 for multi-head latent attention."""
@@ -583,7 +646,10 @@ class ModelConfig:
       sizes.update(q_proj=(self.q_lora_rank or d) + n * h,
                    k_proj=r + n * (h - self.qk_rope_head_dim), v_proj=r + n * v,
                    o_proj=n * v + d)
-    return self.num_layers * self.lora_rank * sum(sizes[t] for t in self.lora_target_names)
+    # A linear-attention layer has no attention targets (`stack_lora_targets`).
+    layers = {t: self.num_layers - (sum(self.linear_layers) if t in ATTENTION_LORA_TARGETS
+                                    else 0) for t in self.lora_target_names}
+    return self.lora_rank * sum(sizes[t] * layers[t] for t in self.lora_target_names)
 
   @property
   def flash_options(self) -> dict[str, Any]:
@@ -629,7 +695,7 @@ class ModelConfig:
       attn += (h + 2 * kv) * hd
     if self.qk_norm:
       attn += (h + kv) * hd if self.qk_norm_heads else 2 * hd
-    attn += h * self.attention_sinks + d * self.attn_out_bias
+    attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
     router = (d + self.router_bias + (self.router_scoring == "sigmoid")) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
     expert = 3 * d * f + (2 * f + d) * self.expert_bias
@@ -637,8 +703,16 @@ class ModelConfig:
     per_layer = attn + experts * expert + router + shared + norms * d
     dense = attn + 3 * d * self.dense_ffn_dim + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
+    swapped = 0
+    linear = sum(self.linear_layers)
+    if linear:  # Gated DeltaNet in place of attention (`LinearAttention`)
+      hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+      dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
+      mixer = ((d + self.linear_conv_kernel) * (2 * hk * dk + hv * dv) + d * hv * dv
+               + 2 * d * hv + 2 * hv + dv + hv * dv * d)
+      swapped = linear * (mixer - attn)
     return ((self.num_layers - self.dense_layers) * per_layer + self.dense_layers * dense
-            + emb + d + (d + 1 if self.value_head else 0))
+            + swapped + emb + d + (d + 1 if self.value_head else 0))
 
   @property
   def num_params(self) -> int:

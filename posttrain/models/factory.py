@@ -67,7 +67,8 @@ def relayout(model: Transformer, *, scan_layers: bool, mesh: Mesh | None = None,
     return model if mesh is None else shard_model(model, mesh, rules)
   graphdef, abstract = abstract_model(cfg.replace(scan_layers=scan_layers))
   pure = nnx.to_pure_dict(nnx.state(model))
-  for stack, _, count in layer_stacks(cfg):
+  for stack, indices in layer_stacks(cfg):
+    count = len(indices)
     layers = pure.pop(stack)
     if scan_layers:
       pure[stack] = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(count)))

@@ -39,15 +39,16 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
-              "DeepseekV2ForCausalLM")
+              "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM",)
 
 
 def _classifier_name(lm: str) -> str:
-  # Gemma3ForSequenceClassification is the vision-language model's; the text one differs.
-  if lm == "Gemma3ForCausalLM":
-    return "Gemma3TextForSequenceClassification"
+  # Gemma3ForSequenceClassification (Qwen3_5...) is the vision-language model's; the text
+  # one differs.
+  if lm in ("Gemma3ForCausalLM", "Qwen3_5ForCausalLM"):
+    return lm.replace("ForCausalLM", "TextForSequenceClassification")
   return lm.replace("ForCausalLM", "ForSequenceClassification")
 
 
@@ -64,7 +65,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                 "Glm4ForCausalLM": "glm4", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
-                "DeepseekV2ForCausalLM": "deepseek_v2"}
+                "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -139,10 +140,20 @@ _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared
                           topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
                           use_qk_norm=False, attention_bias=False,
                           max_position_embeddings=131_072)
+# Qwen3.5 (and its text model alone, Qwen3_5ForCausalLM): three Gated DeltaNet layers
+# (`ModelConfig` linear_*: a recurrent state in place of a KV cache) to each full-attention
+# layer, whose output is gated by a second half of q_proj (attn_output_gate: each head's
+# rows are [queries; gate]); (1 + w) norms, q/k norms, a quarter of each head rotated.
+QWEN3_5 = "Qwen3_5ForCausalLM"
+_QWEN3_5_DEFAULTS = dict(
+    rms_norm_eps=1e-6, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+    max_position_embeddings=32_768, attention_bias=False, tie_word_embeddings=False)
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
     GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
+    QWEN3_5: _QWEN3_5_DEFAULTS,
     QWEN2_MOE: dict(qkv_bias=True, norm_topk_prob=False, max_position_embeddings=32_768),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
@@ -166,7 +177,8 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma's legacy "gelu"
 # Vision-language classes whose language model is read alone (the vision tower and its
 # projector are left in the files): class -> the causal LM it holds. Gemma 3 4B / 12B /
 # 27B are published this way; their text_config leaves out what equals these defaults.
-VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                   "Qwen3_5ForConditionalGeneration": QWEN3_5}
 _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6)}
@@ -178,7 +190,7 @@ def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
   arch = next((a for a in c.get("architectures") or [] if a in VISION_LANGUAGE), None)
   if arch is None:
     return c
-  text = {**_TEXT_DEFAULTS[arch], **(c.get("text_config") or {})}
+  text = {**_TEXT_DEFAULTS.get(arch, {}), **(c.get("text_config") or {})}
   for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
     if key in c:
       text[key] = c[key]
@@ -256,6 +268,8 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   merged = {**dict(c.get("rope_scaling") or {}), **params}
   if lm in (GLM4, GLM4_MOE):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
+  if lm == QWEN3_5:
+    merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
   if lm in _DEEPSEEKS:  # the rotated part of each query and key head
     rotary = int(c["qk_rope_head_dim"])
     merged["partial_rotary_factor"] = rotary / (rotary + int(c["qk_nope_head_dim"]))
@@ -373,8 +387,26 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
-      **({"sandwich_norms": True} if lm == GLM4 else {}), **latent)
+      **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
+      **_linear_attention_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
+
+
+def _linear_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a Qwen3.5 config.json ({} for other classes): layer_types
+  (by default every full_attention_interval-th layer full, the others linear)."""
+  if lm != QWEN3_5:
+    return {}
+  layers = int(c["num_hidden_layers"])
+  interval = int(c.get("full_attention_interval") or 4)
+  types = c.get("layer_types") or ["linear_attention" if (i + 1) % interval
+                                   else "full_attention" for i in range(layers)]
+  return dict(layer_types=tuple(types), norm_unit_offset=True, attn_output_gate=True,
+              linear_num_key_heads=int(c["linear_num_key_heads"]),
+              linear_num_value_heads=int(c["linear_num_value_heads"]),
+              linear_key_head_dim=int(c["linear_key_head_dim"]),
+              linear_value_head_dim=int(c["linear_value_head_dim"]),
+              linear_conv_kernel=int(c["linear_conv_kernel_dim"]))
 
 
 def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -400,7 +432,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE)
 # Classes with q/k norms (per head; OLMo's over all heads).
-_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMOS
+_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", QWEN3_5) + OLMOS
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -617,6 +649,12 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"kv_lora_rank={cfg.kv_lora_rank} cannot be written as "
                      f"{cfg.architecture}: multi-head latent attention is written as "
                      f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
+  qwen3_5 = lm == QWEN3_5
+  for name, value in (("attn_output_gate", cfg.attn_output_gate),
+                      ("linear_attention layers", any(cfg.linear_layers))):
+    if qwen3_5 != bool(value):
+      raise ValueError(f"{name}={bool(value)} cannot be written as {arch}: "
+                       f"{'it always has' if qwen3_5 else f'{QWEN3_5} holds'} them")
   _check_family_options(cfg, lm)
   _check_mixture_options(cfg, lm)
   qk_norm = lm in _QK_NORMED
@@ -674,7 +712,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   and only Gemma 3 a rotary embedding of the sliding layers' own."""
   gemma, oss = lm in GEMMAS, lm == GPT_OSS
   olmo = lm in OLMOS
-  fixed = dict(norm_unit_offset=gemma, embed_scale=gemma,
+  fixed = dict(norm_unit_offset=gemma or lm == QWEN3_5, embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation="gelu_tanh" if gemma else "clamped_swiglu" if oss else "silu",
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
@@ -712,7 +750,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "whose rotary embedding is the default one or LongRoPE")
   if lm != PHI3 and any(r.type == "longrope" for r in ropes):
     raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
-  if lm not in (PHI3, GLM4, GLM4_MOE) + _DEEPSEEKS and any(
+  if lm not in (PHI3, GLM4, GLM4_MOE, QWEN3_5) + _DEEPSEEKS and any(
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
@@ -833,6 +871,18 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 "partial_rotary_factor": rope.partial_rotary_factor,
                                 **(scaling or {})})
+  elif lm == QWEN3_5:
+    out.pop("rope_theta")
+    out.pop("rope_scaling")
+    out.update(rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})},
+               layer_types=list(cfg.layer_types),
+               linear_num_key_heads=cfg.linear_num_key_heads,
+               linear_num_value_heads=cfg.linear_num_value_heads,
+               linear_key_head_dim=cfg.linear_key_head_dim,
+               linear_value_head_dim=cfg.linear_value_head_dim,
+               linear_conv_kernel_dim=cfg.linear_conv_kernel)
   elif lm == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                sliding_window=cfg.sliding_window)
@@ -950,8 +1000,17 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     mixture = cfg.num_experts and i >= cfg.dense_layers
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
-    if cfg.kv_lora_rank:
+    if cfg.linear_layers[i]:
+      rows += _linear_attention_rows(cfg, p, hf)
+    elif cfg.kv_lora_rank:
       rows += _latent_attention_rows(cfg, p, hf)
+    elif cfg.attn_output_gate:  # q_proj's rows per head: [queries; gate]
+      rows += [(p + ("attn", name), hf + "self_attn.q_proj.weight",
+                *_head_half(proj_in(n), which, n, h, d), (d, n, h))
+               for which, name in ((0, "q_proj"), (1, "q_gate"))]
+      rows += [
+          (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *qk_in(k), (d, k, h)),
+          (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h))]
     elif fused:  # Phi-3: [q; k; v] rows of one qkv_proj, [gate; up] rows of gate_up_proj
       qkv = hf + "self_attn.qkv_proj.weight"
       rows += [(p + ("attn", name), qkv, *_fused_part(proj_in(heads), start * h, heads * h,
@@ -963,10 +1022,12 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
           (p + ("attn", "q_proj"), hf + "self_attn.q_proj.weight", *qk_in(n), (d, n, h)),
           (p + ("attn", "k_proj"), hf + "self_attn.k_proj.weight", *qk_in(k), (d, k, h)),
           (p + ("attn", "v_proj"), hf + "self_attn.v_proj.weight", *proj_in(k), (d, k, h))]
+    attention = not cfg.linear_layers[i]
     vh = cfg.v_head_dim or h
-    rows.append((p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
-                 lambda x: x.reshape(d, n, vh).transpose(1, 2, 0),
-                 lambda x: x.transpose(2, 0, 1).reshape(d, n * vh), (n, vh, d)))
+    if attention:
+      rows.append((p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
+                   lambda x: x.reshape(d, n, vh).transpose(1, 2, 0),
+                   lambda x: x.transpose(2, 0, 1).reshape(d, n * vh), (n, vh, d)))
     if fused_mlp:
       transposed = (lambda x: x.T, lambda x: x.T)
       rows += [(p + ("mlp", name), hf + "mlp.gate_up_proj.weight",
@@ -1000,24 +1061,76 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                                            ("down_proj", down, (f, d)))]
     else:
       rows += dense_mlp(p + ("mlp",), hf + "mlp.", cfg.dense_ffn_dim if cfg.num_experts else f)
-    if cfg.qkv_bias:
+    if attention and cfg.qkv_bias:
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
                (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *qk_bias(k), (k, h)),
                (p + ("attn", "v_bias"), hf + "self_attn.v_proj.bias", *bias(k), (k, h))]
-    if cfg.qk_norm and cfg.qk_norm_heads:  # HF [heads * h] <-> ours [heads, h]
+    if attention and cfg.qk_norm and cfg.qk_norm_heads:  # HF [heads * h] <-> ours [heads, h]
       rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", *bias(n),
                 (n, h)),
                (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", *bias(k),
                 (k, h))]
-    elif cfg.qk_norm:
+    elif attention and cfg.qk_norm:
       rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", ident, ident,
                 (h,)),
                (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", ident, ident,
                 (h,))]
-    if cfg.attn_out_bias:
+    if attention and cfg.attn_out_bias:
       rows.append((p + ("attn", "o_bias"), hf + "self_attn.o_proj.bias", ident, ident, (d,)))
-    if cfg.attention_sinks:
+    if attention and cfg.attention_sinks:
       rows.append((p + ("attn", "sinks"), hf + "self_attn.sinks", ident, ident, (n,)))
+  return rows
+
+
+def _head_half(inner: tuple[Transform, Transform], which: int, n: int, h: int, d: int
+               ) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of half `which` of each head's 2h rows of a [n * 2h, d] HF
+  tensor (Qwen3.5's q_proj: a head's queries, then its output gate), `inner` mapping
+  [n * h, d] rows to ours. The HF side holds zeros in the other half: the halves add up."""
+  to_ours, to_hf = inner
+
+  def half_to_hf(x):
+    out = np.zeros((n, 2, h, d), x.dtype)
+    out[:, which] = np.asarray(to_hf(x)).reshape(n, h, d)
+    return out.reshape(n * 2 * h, d)
+  return (lambda x: to_ours(x.reshape(n, 2, h, d)[:, which].reshape(n * h, d))), half_to_hf
+
+
+def _linear_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """A Gated DeltaNet layer (Qwen3.5's linear_attn): in_proj_qkv's rows are [q; k; v] and
+  the depthwise conv1d's channels likewise; ours keep q, k and v (and their taps) apart."""
+  d, c = cfg.d_model, cfg.linear_conv_kernel
+  hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  total = 2 * hk * dk + hv * dv
+  ident = lambda x: x  # noqa: E731
+  attn = hf + "linear_attn."
+
+  def proj_in(heads, width):  # HF [heads * width, d] <-> ours [d, heads, width]
+    return (lambda x: x.T.reshape(d, heads, width),
+            lambda x: x.reshape(d, heads * width).T)
+
+  def taps(heads, width):  # HF [heads * width, 1, c] <-> ours [heads, width, c]
+    return (lambda x: x.reshape(heads, width, c), lambda x: x.reshape(heads * width, 1, c))
+
+  parts = (("q", 0, hk, dk), ("k", hk * dk, hk, dk), ("v", 2 * hk * dk, hv, dv))
+  rows = [(p + ("linear_attn", f"{name}_proj"), attn + "in_proj_qkv.weight",
+           *_fused_part(proj_in(heads, width), start, heads * width, total), (d, heads, width))
+          for name, start, heads, width in parts]
+  rows += [(p + ("linear_attn", f"{name}_conv"), attn + "conv1d.weight",
+            *_fused_part(taps(heads, width), start, heads * width, total), (heads, width, c))
+           for name, start, heads, width in parts]
+  transposed = (lambda x: x.T, lambda x: x.T)
+  rows += [(p + ("linear_attn", "z_proj"), attn + "in_proj_z.weight", *proj_in(hv, dv),
+            (d, hv, dv)),
+           (p + ("linear_attn", "b_proj"), attn + "in_proj_b.weight", *transposed, (d, hv)),
+           (p + ("linear_attn", "a_proj"), attn + "in_proj_a.weight", *transposed, (d, hv)),
+           (p + ("linear_attn", "dt_bias"), attn + "dt_bias", ident, ident, (hv,)),
+           (p + ("linear_attn", "A_log"), attn + "A_log", ident, ident, (hv,)),
+           (p + ("linear_attn", "norm"), attn + "norm.weight", ident, ident, (dv,)),
+           (p + ("linear_attn", "o_proj"), attn + "out_proj.weight",
+            lambda x: x.reshape(d, hv, dv).transpose(1, 2, 0),
+            lambda x: x.transpose(2, 0, 1).reshape(d, hv * dv), (hv, dv, d))]
   return rows
 
 
@@ -1493,7 +1606,7 @@ def _lookup(tree, key: tuple):
   return node
 
 
-_STACKS = ("layers", "dense_layers")
+_STACKS = ("layers", "dense_layers", "linear_layers")
 
 
 def _stacked_key(key: tuple) -> tuple:
@@ -1545,9 +1658,9 @@ def _stack_layers(values: dict, cfg: ModelConfig, shardings) -> dict:
   """Stacks each per-layer tensor into its scan_layers parameter, one kind at a time
   (the per-layer copies of a kind are dropped as soon as it is stacked)."""
   out = {k: v for k, v in values.items() if k[0] not in _STACKS}
-  for stack, _, count in layer_stacks(cfg):
+  for stack, indices in layer_stacks(cfg):
     for rest in sorted({k[2:] for k in values if k[0] == stack}):
-      parts = [values.pop((stack, i) + rest) for i in range(count)]
+      parts = [values.pop((stack, i) + rest) for i in range(len(indices))]
       key = (stack,) + rest
       out[key] = _stack(parts, None if shardings is None else _lookup(shardings, key).value)
   return out

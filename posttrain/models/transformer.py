@@ -61,6 +61,34 @@ class KVCache(NamedTuple):
   v_scale: jax.Array | None = None
 
 
+class LinearCache(NamedTuple):
+  """A linear-attention (Gated DeltaNet) layer's cache: the last linear_conv_kernel - 1
+  inputs of its q, k and v convolutions ([B, C-1, key heads, key head dim] and [B, C-1,
+  value heads, value head dim], the compute dtype) and the recurrent state [B, value heads,
+  key head dim, value head dim] (float32). Fixed-size whatever the row's length: it has no
+  slots, and holds the row as of the last token written."""
+
+  q_conv: jax.Array
+  k_conv: jax.Array
+  v_conv: jax.Array
+  state: jax.Array
+
+
+# Logical axes of a LinearCache's arrays (a stacked cache puts "layers" first).
+LINEAR_CACHE_AXES = LinearCache(
+    *(("batch", None, "linear_heads", "head_dim"),) * 3,
+    ("batch", "linear_heads", None, None))
+
+
+class HybridCaches(NamedTuple):
+  """The cache of a scanned model of linear-attention and full-attention layers: the full
+  layers' KV caches stacked ([L_full, B, K, S, H]) and the linear layers' `LinearCache`s
+  stacked ([L_linear, ...]), each layer at its index among its own kind."""
+
+  full: KVCache
+  linear: LinearCache
+
+
 class LayerKindCaches(NamedTuple):
   """The cache of a scanned model with layers of both kinds: the full-attention layers'
   caches stacked ([L_full, B, K, S, H]) and the sliding layers' ring buffers stacked
@@ -89,6 +117,23 @@ def sliding_cache_slots(cfg: ModelConfig, max_len: int,
   return min(max_len, -(-need // step) * step)
 
 
+def init_linear_cache(cfg: ModelConfig, batch: int, dtype=None,
+                      layers: tuple[int, ...] = ()) -> LinearCache:
+  """One zeroed `LinearCache`; `layers=(L,)` gives each array a leading layer axis. Its
+  conv inputs are in `dtype` (default the compute dtype; an int8 KV cache's model keeps
+  them in the compute dtype), the state float32."""
+  dtype = jnp.dtype(dtype or _dtype(cfg.dtype))
+  if dtype == jnp.int8:
+    dtype = jnp.dtype(_dtype(cfg.dtype))
+  c = cfg.linear_conv_kernel - 1
+  hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  return LinearCache(jnp.zeros((*layers, batch, c, hk, dk), dtype),
+                     jnp.zeros((*layers, batch, c, hk, dk), dtype),
+                     jnp.zeros((*layers, batch, c, hv, dv), dtype),
+                     jnp.zeros((*layers, batch, hv, dk, dv), jnp.float32))
+
+
 def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
                      layers: tuple[int, ...] = ()) -> KVCache:
   """One zeroed KVCache of `max_len` slots; `layers=(L,)` gives each array a leading
@@ -114,6 +159,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
   scales."""
   ring = sliding_cache_slots(cfg, max_len, write_tokens)
   kinds = cfg.sliding_layers
+  linear = cfg.linear_layers
+  if any(linear):
+    if cfg.scan_layers:
+      return HybridCaches(
+          init_layer_cache(cfg, batch, max_len, dtype, layers=(linear.count(False),)),
+          init_linear_cache(cfg, batch, dtype, layers=(linear.count(True),)))
+    return [init_linear_cache(cfg, batch, dtype) if lin else
+            init_layer_cache(cfg, batch, max_len, dtype) for lin in linear]
   if cfg.scan_layers:
     if len(set(kinds)) > 1:
       return LayerKindCaches(
@@ -130,27 +183,37 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
-def _is_stacked(layer: KVCache) -> bool:
+def _is_stacked(layer: KVCache | LinearCache) -> bool:
+  if isinstance(layer, LinearCache):
+    return layer.state.ndim == 5
   return layer.k.ndim == 5
 
 
 def _is_unit(x) -> bool:
-  return isinstance(x, KVCache)
+  return isinstance(x, (KVCache, LinearCache))
 
 
 def map_cache_units(fn, *caches):
-  """fn(KVCache, ...) on every KVCache of one or more caches of the same structure (a
-  layer's, or a stack of layers'), keeping that structure."""
+  """fn(unit, ...) on every unit of one or more caches of the same structure: a KVCache,
+  or a linear-attention layer's LinearCache (a layer's, or a stack of layers'), keeping
+  that structure."""
   return jax.tree.map(fn, *caches, is_leaf=_is_unit)
+
+
+def cache_unit_axes(unit: KVCache | LinearCache) -> tuple:
+  """The logical axes of each array of a cache unit (None for an absent array)."""
+  prefix = ("layers",) if _is_stacked(unit) else ()
+  if isinstance(unit, LinearCache):
+    return tuple(prefix + axes for axes in LINEAR_CACHE_AXES)
+  return tuple(None if x is None else prefix + (CACHE_AXES if i < 2 else CACHE_AXES[:3])
+               for i, x in enumerate(unit))
 
 
 def map_cache(fn, cache):
   """Applies fn(array, logical axes) to every array of a cache, keeping its structure."""
   def one(layer):
-    prefix = ("layers",) if _is_stacked(layer) else ()
-    return KVCache(*(None if x is None else
-                     fn(x, prefix + (CACHE_AXES if i < 2 else CACHE_AXES[:3]))
-                     for i, x in enumerate(layer)))
+    return type(layer)(*(None if x is None else fn(x, axes)
+                         for x, axes in zip(layer, cache_unit_axes(layer))))
   return map_cache_units(one, cache)
 
 
@@ -162,7 +225,8 @@ def constrain_cache(cache, ctx: ShardingContext):
 def cache_slots(cache) -> int:
   """Slots per row of the longest layer cache from `init_cache` (a sliding layer's ring
   may have fewer)."""
-  return max(unit.k.shape[-2] for unit in jax.tree.leaves(cache, is_leaf=_is_unit))
+  return max(unit.k.shape[-2] for unit in jax.tree.leaves(cache, is_leaf=_is_unit)
+             if isinstance(unit, KVCache))
 
 
 class RMSNorm(nnx.Module):
@@ -284,24 +348,40 @@ def _lora_init(cfg: ModelConfig, target: str, key):
   return a.astype(pd), jnp.zeros((cfg.lora_rank, *out_shape), pd)
 
 
-def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int, int], ...]:
-  """(attribute, first layer, number of layers) of each of the model's layer stacks, in
-  order: a mixture's leading dense layers (`dense_layers`), then `layers`."""
+def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+  """(attribute, the model's layers it holds, in order) of each of the model's layer
+  stacks: a mixture's leading dense layers (`dense_layers`) then `layers`; or for a model
+  with linear-attention layers, those (`linear_layers`) and the attention layers
+  (`layers`), interleaved in the model as layer_types says."""
+  linear = cfg.linear_layers
+  if any(linear):
+    return (("linear_layers", tuple(i for i, lin in enumerate(linear) if lin)),
+            ("layers", tuple(i for i, lin in enumerate(linear) if not lin)))
   k = cfg.dense_layers
-  return ((("dense_layers", 0, k),) if k else ()) + (("layers", k, cfg.num_layers - k),)
+  return ((("dense_layers", tuple(range(k))),) if k else ()) + (
+      ("layers", tuple(range(k, cfg.num_layers))),)
 
 
 def layer_path(cfg: ModelConfig, i: int) -> tuple[str, int]:
-  """Where layer i's parameters sit, unstacked: ("layers", j) or ("dense_layers", j)."""
-  for name, first, count in layer_stacks(cfg):
-    if first <= i < first + count:
-      return name, i - first
+  """Where layer i's parameters sit, unstacked: ("layers", j), ("dense_layers", j) or
+  ("linear_layers", j)."""
+  for name, indices in layer_stacks(cfg):
+    if i in indices:
+      return name, indices.index(i)
   raise ValueError(f"layer {i} is not in a model of {cfg.num_layers} layers")
 
 
 def layer_index(cfg: ModelConfig, stack: str, j: int) -> int:
   """The inverse of `layer_path`: the model's layer j of `stack`."""
-  return j + dict((name, first) for name, first, _ in layer_stacks(cfg))[stack]
+  return dict(layer_stacks(cfg))[stack][j]
+
+
+def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
+  """The LoRA targets the layers of `stack` carry: a linear-attention layer has no
+  q/k/v/o_proj of attention, so only its MLP's."""
+  if stack == "linear_layers":
+    return tuple(t for t in cfg.lora_target_names if t not in _ATTN_TARGETS)
+  return cfg.lora_target_names
 
 
 def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = "layers"):
@@ -315,8 +395,7 @@ def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = 
 
   if layer is not None:
     return one(layer)
-  _, first, count = next(s for s in layer_stacks(cfg) if s[0] == stack)
-  return jax.vmap(one)(jnp.arange(first, first + count))
+  return jax.vmap(one)(jnp.asarray(dict(layer_stacks(cfg))[stack], jnp.int32))
 
 
 def _owner(target: str) -> str:
@@ -341,10 +420,12 @@ def _attach_lora(model: "Transformer", key) -> None:
   for t in cfg.lora_target_names:
     _, in_names, _, out_names = _lora_axes(cfg, t)
     owners = []
-    for stack, first, _ in layer_stacks(cfg):
+    for stack, indices in layer_stacks(cfg):
+      if t not in stack_lora_targets(cfg, stack):
+        continue
       blocks = getattr(model, stack)
       owners += ([(blocks, ("layers",), _fresh_adapter(cfg, t, key, stack=stack))]
-                 if cfg.scan_layers else [(block, (), _fresh_adapter(cfg, t, key, first + j))
+                 if cfg.scan_layers else [(block, (), _fresh_adapter(cfg, t, key, indices[j]))
                                           for j, block in enumerate(blocks)])
     for block, lead, (a, b) in owners:
       owner = getattr(block, _owner(t))
@@ -372,11 +453,11 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
   pure = nnx.to_pure_dict(nnx.state(model))
   stacked = old.scan_layers
   layers = []  # (a layer's dict, or a stack's, its stack, its layer index or None)
-  for stack, first, count in layer_stacks(old):
+  for stack, indices in layer_stacks(old):
     layers += ([(pure[stack], stack, None)] if stacked else
-               [(pure[stack][j], stack, first + j) for j in range(count)])
+               [(pure[stack][j], stack, i) for j, i in enumerate(indices)])
   for layer, stack, i in layers:
-    for t in old.lora_target_names:
+    for t in stack_lora_targets(old, stack):
       owner = layer[_owner(t)]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
       name = _lora_param(old, t)
@@ -387,7 +468,7 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
       owner[name] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
     if key is None:
       continue
-    for t in cfg.lora_target_names:
+    for t in stack_lora_targets(cfg, stack):
       layer[_owner(t)][f"{t}_lora_a"], layer[_owner(t)][f"{t}_lora_b"] = _fresh_adapter(
           cfg, t, key, i, stack=stack)
   return pure
@@ -467,6 +548,8 @@ class Attention(nnx.Module):
       self.o_bias = _param(None, (d,), ("embed",), pd, init="zeros")
     if cfg.attention_sinks:
       self.sinks = _param(rngs, (n,), ("heads",), pd, std=std)
+    if cfg.attn_output_gate:
+      self.q_gate = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std=std)
 
   def _init_latent(self, cfg: ModelConfig, rngs: nnx.Rngs):
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
@@ -602,6 +685,9 @@ class Attention(nnx.Module):
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
     if cfg.v_head_dim and cfg.v_head_dim < cfg.head_dim:  # MLA's padded values cut back
       out = out[..., :cfg.v_head_dim]
+    if cfg.attn_output_gate:  # Qwen3-Next / Qwen3.5: out * sigmoid(x W_gate), per feature
+      gate = jnp.einsum("BTD,DNH->BTNH", x, self.q_gate[...].astype(dt))
+      out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
     y = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dt))
     y = _add_lora(self, "o_proj", y, out, "BTNH,NHR->BTR", "BTR,RD->BTD")
     if cfg.attn_out_bias:
@@ -1199,18 +1285,129 @@ class MoE(nnx.Module):
     return jax.lax.psum(y_NxD, summed) if summed else y_NxD
 
 
+class LinearAttention(nnx.Module):
+  """Gated DeltaNet (Qwen3-Next, Qwen3.5's linear_attention layers): a linear attention
+  whose cache is a fixed-size recurrent state (`LinearCache`).
+
+  q, k [B, T, key heads, Dk] and v [B, T, value heads, Dv] are projections of x, each
+  through a causal depthwise convolution of cfg.linear_conv_kernel taps and SiLU. Per
+  value head the state S [Dk, Dv] decays by exp(g_t), g_t = -exp(A_log) softplus(a_t +
+  dt_bias), and learns v_t at rate beta_t = sigmoid(b_t) by the delta rule; o_t = S^T q_t
+  with q and k L2-normalised (`kernels.gated_delta_rule`). The output is RMS-normed per
+  head, gated by SiLU(z_t) (z a fourth projection) and projected back by o_proj.
+
+  Padding tokens (segment id 0) leave the state and the convolution's window as they
+  are, and a new segment starts from a zero state: a prefill's right padding, and a
+  cached call's rows that feed nothing (the sampler's finished rows), cost nothing.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    d, c = cfg.d_model, cfg.linear_conv_kernel
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    self.q_proj = _param(rngs, (d, hk, dk), ("embed", "linear_heads", "head_dim"), pd, std=std)
+    self.k_proj = _param(rngs, (d, hk, dk), ("embed", "linear_heads", "head_dim"), pd, std=std)
+    self.v_proj = _param(rngs, (d, hv, dv), ("embed", "linear_heads", "head_dim"), pd, std=std)
+    self.z_proj = _param(rngs, (d, hv, dv), ("embed", "linear_heads", "head_dim"), pd, std=std)
+    self.b_proj = _param(rngs, (d, hv), ("embed", "linear_heads"), pd, std=std)
+    self.a_proj = _param(rngs, (d, hv), ("embed", "linear_heads"), pd, std=std)
+    # The convolutions' taps, oldest input first (torch's conv1d weight [C, 1, taps]).
+    conv_std = float(1.0 / np.sqrt(c))
+    self.q_conv = _param(rngs, (hk, dk, c), ("linear_heads", "head_dim", None), pd,
+                         std=conv_std)
+    self.k_conv = _param(rngs, (hk, dk, c), ("linear_heads", "head_dim", None), pd,
+                         std=conv_std)
+    self.v_conv = _param(rngs, (hv, dv, c), ("linear_heads", "head_dim", None), pd,
+                         std=conv_std)
+    # A in [1, 16) (transformers draws U(0.01, 16)); dt_bias one.
+    key = rngs.params() if rngs is not None else jax.random.key(0)
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(key, (hv,), jnp.float32, 1.0, 16.0))
+                           .astype(pd), logical_axes=("linear_heads",))
+    self.dt_bias = _param(None, (hv,), ("linear_heads",), pd, init="ones")
+    self.norm = _param(None, (dv,), ("head_dim",), pd, init="ones")
+    self.o_proj = _param(rngs, (hv, dv, d), ("linear_heads", "head_dim", "embed"), pd,
+                         std=std)
+
+  def __call__(self, x_BxTxD, segment_ids_BxT, cache: LinearCache | None,
+               ctx: ShardingContext, prefill: bool = False, layer=None):
+    """(y [B, T, D], the new cache or None). `cache` starts the recurrence (but in a
+    prefill, which starts every row afresh) and is returned as of each row's last token
+    that is not padding; with `layer` it stacks every linear layer's ([L, ...]) and this
+    layer's entry is read and written in place."""
+    import kernels
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    x = x_BxTxD.astype(dt)
+    b, t, _ = x.shape
+    heads = ("batch", "length", "linear_heads", "head_dim")
+    q = ctx.constrain(jnp.einsum("BTD,DKH->BTKH", x, self.q_proj[...].astype(dt)), heads)
+    k = ctx.constrain(jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt)), heads)
+    v = ctx.constrain(jnp.einsum("BTD,DVH->BTVH", x, self.v_proj[...].astype(dt)), heads)
+    z = ctx.constrain(jnp.einsum("BTD,DVH->BTVH", x, self.z_proj[...].astype(dt)), heads)
+    beta = jax.nn.sigmoid(jnp.einsum("BTD,DV->BTV", x, self.b_proj[...].astype(dt))
+                          .astype(jnp.float32))
+    a = jnp.einsum("BTD,DV->BTV", x, self.a_proj[...].astype(dt)).astype(jnp.float32)
+    g = -jnp.exp(self.A_log[...].astype(jnp.float32))[None, None] * jax.nn.softplus(
+        a + self.dt_bias[...].astype(jnp.float32)[None, None])
+    old = None
+    if cache is not None and not prefill:
+      old = cache if layer is None else jax.tree.map(lambda c: c[layer], cache)
+
+    def conv(u, w, state):  # [B, T, H, F] through its taps [H, F, C]
+      h, f = u.shape[2:]
+      out = kernels.causal_conv1d(
+          u.reshape(b, t, h * f), w[...].astype(dt).reshape(h * f, -1),
+          segment_ids=segment_ids_BxT,
+          initial_state=None if state is None else state.reshape(b, -1, h * f),
+          activation="silu", return_final_state=True)
+      return out[0].reshape(u.shape), out[1].reshape(b, -1, h, f)
+
+    q, q_conv = conv(q, self.q_conv, None if old is None else old.q_conv)
+    k, k_conv = conv(k, self.k_conv, None if old is None else old.k_conv)
+    v, v_conv = conv(v, self.v_conv, None if old is None else old.v_conv)
+    out, state = kernels.gated_delta_rule(
+        q, k, v, g, beta, segment_ids=segment_ids_BxT,
+        initial_state=None if old is None else old.state, qk_l2norm=True,
+        chunk_size=cfg.linear_chunk, return_final_state=True)
+    out = ctx.constrain(out.astype(dt), heads)
+    # RMS norm per head (Llama's: cast, then scaled), gated by SiLU(z) in float32.
+    o32 = out.astype(jnp.float32)
+    o32 = o32 * jax.lax.rsqrt(jnp.mean(jnp.square(o32), -1, keepdims=True) + cfg.norm_eps)
+    o = self.norm[...].astype(dt)[None, None, None] * o32.astype(dt)
+    o = (o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+    y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
+    new_cache = None
+    if cache is not None:
+      new = LinearCache(q_conv.astype(cache.q_conv.dtype), k_conv.astype(cache.k_conv.dtype),
+                        v_conv.astype(cache.v_conv.dtype), state)
+      if layer is None:
+        new_cache = new
+      else:
+        new_cache = jax.tree.map(
+            lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), layer, 0),
+            cache, new)
+      new_cache = map_cache(ctx.constrain, new_cache)
+    return y, new_cache
+
+
 class Block(nnx.Module):
   """x + attn(norm(x)), then x + mlp(norm(x)) (`post_attn_norm` is the MLP's input norm,
   Llama's post_attention_layernorm). With cfg.sandwich_norms (Gemma 2 / 3) each output is
   normed too before its residual add: `attn_out_norm`, `mlp_out_norm`. With
   cfg.output_norms (OLMo 2 / 3) only the outputs are: x + norm(attn(x)), then
   x + norm(mlp(x)). `dense`: one of a mixture's leading dense layers (cfg.dense_layers),
-  its MLP dense of width cfg.dense_ffn_dim."""
+  its MLP dense of width cfg.dense_ffn_dim. `linear`: a linear-attention layer, its
+  mixer `linear_attn` (`LinearAttention`) in place of `attn`."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
+               linear: bool = False):
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
-    self.attn = Attention(cfg, rngs)
+    if linear:
+      self.linear_attn = LinearAttention(cfg, rngs)
+    else:
+      self.attn = Attention(cfg, rngs)
     if not cfg.output_norms:
       self.post_attn_norm = _norm(cfg, cfg.d_model)
     if dense:
@@ -1225,8 +1422,12 @@ class Block(nnx.Module):
                layer=None, router_stats: bool = False, sliding=False):
     """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats)."""
     pre = hasattr(self, "input_norm")
-    h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids, cache,
-                             positions, ctx, prefill, layer, sliding)
+    if hasattr(self, "linear_attn"):
+      h, new_cache = self.linear_attn(self.input_norm(x) if pre else x, segment_ids, cache,
+                                      ctx, prefill, layer)
+    else:
+      h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids,
+                               cache, positions, ctx, prefill, layer, sliding)
     post = hasattr(self, "attn_out_norm")
     x = x + (self.attn_out_norm(h) if post else h)
     stats = None
@@ -1285,10 +1486,11 @@ class Transformer(nnx.Module):
                         std=cfg.init_std)
     # A mixture's leading dense layers in `dense_layers`, the others in `layers`
     # (`layer_stacks`); each a list of blocks, or with scan_layers one stacked block.
-    for stack, _, count in layer_stacks(cfg):
-      dense = stack == "dense_layers"
-      setattr(self, stack, _stacked_blocks(cfg, rngs, count, dense) if cfg.scan_layers else
-              nnx.List([Block(cfg, rngs, dense) for _ in range(count)]))
+    for stack, indices in layer_stacks(cfg):
+      kind = dict(dense=stack == "dense_layers", linear=stack == "linear_layers")
+      setattr(self, stack, _stacked_blocks(cfg, rngs, len(indices), **kind)
+              if cfg.scan_layers else
+              nnx.List([Block(cfg, rngs, **kind) for _ in indices]))
     self.final_norm = _norm(cfg, cfg.d_model)
     if cfg.lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
@@ -1348,9 +1550,13 @@ class Transformer(nnx.Module):
     if cfg.rope_local is not None:
       local = _rope_tables(cfg.rope_local, self._rope_local, positions_BxT, segment_ids_BxT)
     stats = None
-    if cfg.scan_layers:
+    if cfg.scan_layers and any(cfg.linear_layers):
+      x, new_caches, stats = _scan_hybrid(self.linear_layers, self.layers, cfg, x, tables,
+                                          segment_ids_BxT, cache, positions_BxT, ctx,
+                                          prefill, router_loss)
+    elif cfg.scan_layers:
       new_caches = cache
-      for stack, first, _ in layer_stacks(cfg):
+      for stack, (first, *_) in layer_stacks(cfg):
         routed = router_loss and stack == "layers"
         x, new_caches, part = _scan_blocks(
             getattr(self, stack), x, tables, local, segment_ids_BxT, new_caches,
@@ -1359,8 +1565,10 @@ class Transformer(nnx.Module):
         stats = part if routed else stats
     else:
       new_caches = []
-      blocks = [b for stack, _, _ in layer_stacks(cfg) for b in getattr(self, stack)]
-      for i, block in enumerate(blocks):
+      placed = sorted(((i, block) for stack, indices in layer_stacks(cfg)
+                       for i, block in zip(indices, getattr(self, stack))),
+                      key=lambda pair: pair[0])
+      for i, block in placed:
         layer_cache = None if cache is None else cache[i]
         sliding = cfg.sliding_layers[i]
         routed = router_loss and i >= cfg.dense_layers
@@ -1465,7 +1673,7 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
-                    dense: bool = False) -> Block:
+                    dense: bool = False, linear: bool = False) -> Block:
   """One Block whose parameters stack `count` layers' (default all) on a leading "layers"
   axis (`dense`: a mixture's leading dense layers).
 
@@ -1473,8 +1681,9 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
   axis is named "layers" in every parameter's logical axes (replicated by the default
   rules)."""
   keys = jax.random.split(rngs.params(), cfg.num_layers if count is None else count)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), dense)))
-  state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(params=key), dense)))(keys)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), dense, linear)))
+  state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(params=key), dense, linear)))(
+      keys)
 
   def name_axis(v):
     return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))
@@ -1483,13 +1692,68 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, tables,
+                 segment_ids, cache, positions, ctx, prefill, router_stats: bool):
+  """Runs a model of linear- and full-attention layers as one `lax.scan` over periods of
+  cfg.layer_period layers (Qwen3.5: three linear layers, then a full one), each period's
+  layers unrolled in the body: the program holds one period, whatever the depth.
+  Returns (x, the HybridCaches or None, the layers' RouterStats summed with
+  `router_stats`, else None)."""
+  p = cfg.layer_period
+  pattern = cfg.linear_layers[:p]
+  periods = cfg.num_layers // p
+  per = {True: pattern.count(True), False: pattern.count(False)}
+  graphs, states = {}, {}
+  for kind, blocks in ((True, linear_blocks), (False, full_blocks)):
+    graphs[kind], state = nnx.split(blocks)
+    states[kind] = jax.tree.map(lambda a, n=per[kind]: a.reshape(periods, n, *a.shape[1:]),
+                                state)
+  cos, sin = tables
+
+  def run(kind, state, x, unit, i):
+    return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
+                                          prefill, i, router_stats=router_stats)
+
+  if cache is None and cfg.remat != "none":
+    run = jax.checkpoint(run, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False,
+                         static_argnums=(0,))
+
+  def body(carry, xs):
+    x, caches = carry
+    period_states, period = xs
+    stats, seen = None, {True: 0, False: 0}
+    for kind in pattern:
+      j = seen[kind]
+      seen[kind] += 1
+      layer_state = jax.tree.map(lambda a, j=j: a[j], period_states[kind])
+      unit = None
+      if caches is not None:
+        unit = caches.linear if kind else caches.full
+      out = run(kind, layer_state, x, unit, None if unit is None else period * per[kind] + j)
+      x = out[0]
+      if caches is not None:
+        caches = caches._replace(**{"linear" if kind else "full": out[1]})
+      if router_stats:
+        stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
+    return (x, caches), stats
+
+  (x, cache), stats = jax.lax.scan(body, (x, cache),
+                                   (states, jnp.arange(periods, dtype=jnp.int32)))
+  if router_stats:
+    stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
+  return x, cache, stats
+
+
 def _check_cache_layout(cfg: ModelConfig, cache) -> None:
   mixed = len(set(cfg.sliding_layers)) > 1
   want = ((LayerKindCaches if mixed else KVCache) if cfg.scan_layers else list)
+  if any(cfg.linear_layers) and cfg.scan_layers:
+    want = HybridCaches
   if not isinstance(cache, want) or (want is KVCache and not _is_stacked(cache)):
     raise ValueError(
         "cache layout does not match the model: scan_layers models take one KVCache "
-        "stacking the layers (a LayerKindCaches of two stacks with layers of both kinds), "
+        "stacking the layers (a LayerKindCaches of two stacks with layers of both kinds, "
+        "a HybridCaches with linear-attention layers), "
         "others a list per layer (build it with init_cache(cfg, ...))")
 
 

@@ -37,8 +37,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed, models
-from posttrain.models.transformer import (CACHE_AXES, CACHED_WRITE_TOKENS, KVCache,
-                                          constrain_cache, map_cache_units)
+from posttrain.models.transformer import (CACHED_WRITE_TOKENS, KVCache, LinearCache,
+                                          cache_unit_axes, constrain_cache, map_cache_units)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -1177,6 +1177,10 @@ class Sampler:
       return jnp.concatenate([rows, tail], axis=2)
 
     def extend_unit(unit, want):
+      if isinstance(unit, LinearCache):  # a linear layer's state: its rows, no slots
+        return LinearCache(*(jax.lax.map(take, a) if unit.state.ndim == 5 else take(a)
+                             for a in unit))
+
       def extend_layer(layer):  # an int8 cache's scales (fields 2, 3) start at one
         return KVCache(*(None if x is None else extend(x, want.k.shape[-2], int(i >= 2))
                          for i, x in enumerate(layer)))
@@ -1236,12 +1240,12 @@ class Sampler:
     when the prompt filled it, whole), else whole rows."""
 
     def put_layer(old_layer, new_layer):
-      lead = old_layer.k.ndim - 4  # 1 with the layers stacked
-      return KVCache(*(None if o is None else self._local_put(
-          o, n, ("layers",) * lead + (CACHE_AXES if i < 2 else CACHE_AXES[:3]),
-          local_N=local_N, axis=lead, source_N=source_N,
-          length=None if source_N is None else n.shape[lead + 2])
-          for i, (o, n) in enumerate(zip(old_layer, new_layer))))
+      linear = isinstance(old_layer, LinearCache)  # whole rows: it has no slots
+      lead = (old_layer.state.ndim if linear else old_layer.k.ndim) - 4  # 1 if stacked
+      return type(old_layer)(*(None if o is None else self._local_put(
+          o, n, axes, local_N=local_N, axis=lead, source_N=source_N,
+          length=None if source_N is None or linear else n.shape[lead + 2])
+          for o, n, axes in zip(old_layer, new_layer, cache_unit_axes(old_layer))))
 
     return map_cache_units(put_layer, old, new)
 
@@ -1272,18 +1276,23 @@ class Sampler:
     old = slots["cache"]
 
     def take_layer(layer):  # one layer's [B, ...] arrays
-      return KVCache(*(None if x is None else self._local_take(
-          x, local_N, CACHE_AXES if i < 2 else CACHE_AXES[:3]) for i, x in enumerate(layer)))
+      return type(layer)(*(None if x is None else self._local_take(x, local_N, axes)
+                           for x, axes in zip(layer, cache_unit_axes(layer))))
+
+    def stacked(unit):
+      return (unit.state if isinstance(unit, LinearCache) else unit.k).ndim == 5
 
     # Layers stacked (scan_layers): taken one layer at a time into the stacked copy. All
     # at once along the rows' axis, the program needed 2.91 GiB of temporaries a device
     # against 1.36 GiB (an 8B model's 16 of 128 slots of 2,048 on a v5e-8).
     cache = constrain_cache(map_cache_units(
-        lambda unit: jax.lax.map(take_layer, unit) if unit.k.ndim == 5 else take_layer(unit),
+        lambda unit: jax.lax.map(take_layer, unit) if stacked(unit) else take_layer(unit),
         old), self._ctx)
     width = tokens_NxC.shape[1]
     positions = start_N[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
-    h, cache = model.hidden_states(tokens_NxC, positions, cache=cache, ctx=self._ctx)
+    h, cache = model.hidden_states(
+        tokens_NxC, positions, self._fed(jnp.arange(width)[None, :] < count_N[:, None]),
+        cache=cache, ctx=self._ctx)
     h_last = jnp.take_along_axis(h, (count_N - 1)[:, None, None], axis=1)[:, 0]
     first, logp = sample_logits(self._logits(model, h_last), _row_keys(seed, 0, row_ids_N),
                                 temperature, top_p, mode)
@@ -1292,6 +1301,15 @@ class Sampler:
     return dict(self._new_rows(slots, first, logp, stop_ids, local_N=live_at,
                                pos=start_N + count_N, ids=row_ids_N, limit=limit_N),
                 cache=self._put_cache(old, cache, local_N=local_N))
+
+  def _fed(self, fed_BxT):
+    """The segment ids of a cached call's tokens: with linear-attention layers, 0 for the
+    tokens a row does not feed (padding after its count, a finished row's step), which
+    leave its recurrent state as it is; None (all fed) otherwise, where attention masks
+    by position alone."""
+    if not any(self.cfg.linear_layers):
+      return None
+    return fed_BxT.astype(jnp.int32)
 
   def _local_take(self, x, source_N, names: tuple):
     """Rows of x ([U, ...], u a device) for N rows (k a device): row d*k + j is row
@@ -1358,7 +1376,8 @@ class Sampler:
       st, steps = carry
       live = ~st["done"]
       h, cache = model.hidden_states(st["last"][:, None], st["pos"][:, None],
-                                     cache=st["cache"], ctx=self._ctx)
+                                     self._fed(live[:, None]), cache=st["cache"],
+                                     ctx=self._ctx)
       keys = _row_keys(seed, st["gen"], st["ids"])
       tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
       here = live[:, None] & (columns == st["gen"][:, None])
@@ -1397,7 +1416,8 @@ class Sampler:
     def body(carry):
       cache, step, last_B, out_tokens, out_logp, lengths, done, stopped = carry
       positions = (prompt_lens_B + step - 1)[:, None]  # Position of `last`.
-      h, cache = model.hidden_states(last_B[:, None], positions, cache=cache, ctx=self._ctx)
+      h, cache = model.hidden_states(last_B[:, None], positions, self._fed(~done[:, None]),
+                                     cache=cache, ctx=self._ctx)
       keys = _row_keys(seed, step + step0, row_ids_B)
       tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
       tok = jnp.where(done, self.pad_id, tok)

@@ -1,0 +1,244 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration)
+against `transformers`: three Gated DeltaNet layers to each full-attention layer, the
+full layers' output gated by q_proj's second half. Logits (layer list and scanned, and
+over packed sequences), gradients, greedy generation through the sampler's recurrent
+state, continuous batching and resumed rows, export, LoRA, a mesh, and refusals."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import models
+from posttrain.models.hf import check_exportable
+from posttrain.sampling import Sampler
+from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
+                                 greedy_tokens, hf_logits, perturb, target_logprob_grads)
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
+transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+
+TEXT = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=12, max_position_embeddings=64, initializer_range=0.3,
+            pad_token_id=0, bos_token_id=2, eos_token_id=1)
+TOKENS = np.random.default_rng(0).integers(3, 97, (2, 20))
+PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
+_jitted_logits = nnx.jit(lambda m, t: m(t))
+
+
+def _hf_model(**extra):
+  torch.manual_seed(0)
+  cfg = transformers.Qwen3_5TextConfig(**{**TEXT, **extra})
+  return perturb(transformers.Qwen3_5ForCausalLM(cfg).float().eval())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp("qwen3_5") / "model")
+  hf = _hf_model()
+  hf.save_pretrained(folder)
+  return folder, hf
+
+
+def test_config_reads_every_feature(saved):
+  cfg = models.from_pretrained(saved[0]).cfg
+  assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+  assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+          cfg.linear_value_head_dim, cfg.linear_conv_kernel) == (2, 4, 8, 12, 4)
+  assert cfg.attn_output_gate and cfg.norm_unit_offset and cfg.qk_norm and not cfg.qkv_bias
+  assert cfg.rope.partial_rotary_factor == 0.25 and cfg.rope.rotary_dim(16) == 4
+  m = models.from_pretrained(saved[0])
+  assert [type(b).__name__ for b in m.linear_layers] == ["Block"] * 3 and len(m.layers) == 1
+  assert m.cfg.num_params == sum(x.size for x in jax.tree.leaves(nnx.state(m)))
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_logits_match_transformers(saved, scan):
+  folder, hf = saved
+  want = hf_logits(hf, TOKENS)
+  ours = models.from_pretrained(folder, scan_layers=scan)
+  np.testing.assert_allclose(np.asarray(_jitted_logits(ours, TOKENS)), want, atol=5e-4, rtol=0)
+  assert np.abs(want).max() > 3
+
+
+def test_each_part_moves_the_logits(saved):
+  """The output gates (the attention's and the delta rule's), the convolution, the decay
+  and the write rate each matter: zeroing one moves the logits."""
+  folder, hf = saved
+  want = hf_logits(hf, TOKENS)
+  for part in [("layers", 0, "attn", "q_gate"), ("linear_layers", 1, "linear_attn", "z_proj"),
+               ("linear_layers", 0, "linear_attn", "k_conv"),
+               ("linear_layers", 2, "linear_attn", "A_log"),
+               ("linear_layers", 2, "linear_attn", "b_proj")]:
+    m = models.from_pretrained(folder)
+    node = m
+    for key in part:
+      node = node[key] if isinstance(key, int) else getattr(node, key)
+    node.value = jnp.zeros_like(node[...])
+    assert np.abs(np.asarray(_jitted_logits(m, TOKENS)) - want).max() > 1e-3, part
+
+
+def test_packed_sequences_are_run_apart(saved):
+  """Two sequences packed in one row (segment ids, positions restarting) give each the
+  logits it has alone: the recurrent state and the convolution restart at the seam."""
+  m = models.from_pretrained(saved[0])
+  a, b = TOKENS[0, :12], TOKENS[1, :8]
+  packed = np.concatenate([a, b])[None]
+  seg = np.array([[1] * 12 + [2] * 8])
+  pos = np.array([list(range(12)) + list(range(8))])
+  got = np.asarray(m(jnp.asarray(packed), jnp.asarray(pos), jnp.asarray(seg)))[0]
+  np.testing.assert_allclose(got[:12], np.asarray(m(jnp.asarray(a[None])))[0], atol=2e-5)
+  np.testing.assert_allclose(got[12:], np.asarray(m(jnp.asarray(b[None])))[0], atol=2e-5)
+
+
+def test_gradients_match_transformers(saved):
+  """d(sum of the targets' log-probs) for the delta rule's projections, taps, decay,
+  norm and output, and the gated attention's."""
+  folder, hf_model = saved
+  grads = target_logprob_grads(hf_model, models.from_pretrained(folder), TOKENS)
+  lin, hf_lin = grads["linear_layers"][1]["linear_attn"], hf_model.model.layers[1].linear_attn
+  qkv = hf_lin.in_proj_qkv.weight.grad.numpy()  # rows [q (16); k (16); v (48)]
+  conv = hf_lin.conv1d.weight.grad.numpy()[:, 0]  # [80, 4]
+  pairs = [(np.asarray(lin["q_proj"][...]).reshape(48, 16).T, qkv[:16]),
+           (np.asarray(lin["v_proj"][...]).reshape(48, 48).T, qkv[32:]),
+           (np.asarray(lin["k_conv"][...]).reshape(16, 4), conv[16:32]),
+           (np.asarray(lin["z_proj"][...]).reshape(48, 48).T, hf_lin.in_proj_z.weight.grad),
+           (np.asarray(lin["a_proj"][...]).T, hf_lin.in_proj_a.weight.grad),
+           (np.asarray(lin["b_proj"][...]).T, hf_lin.in_proj_b.weight.grad),
+           (lin["A_log"][...], hf_lin.A_log.grad), (lin["dt_bias"][...], hf_lin.dt_bias.grad),
+           (lin["norm"][...], hf_lin.norm.weight.grad),
+           (np.asarray(lin["o_proj"][...]).reshape(48, 48).T, hf_lin.out_proj.weight.grad)]
+  attn, hf_attn = grads["layers"][0]["attn"], hf_model.model.layers[3].self_attn
+  q_rows = hf_attn.q_proj.weight.grad.numpy().reshape(4, 2, 16, 48)
+  pairs += [(np.asarray(attn["q_proj"][...]).transpose(1, 2, 0), q_rows[:, 0]),
+            (np.asarray(attn["q_gate"][...]).transpose(1, 2, 0), q_rows[:, 1])]
+  for ours, theirs in pairs:
+    assert_close_to_scale(ours, np.asarray(theirs), rel=2e-3)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_greedy_generation_matches_transformers(saved, scan):
+  """Prompts of different lengths prefilled in one right-padded block (padding leaves
+  the state alone), then decoded a token at a time from the recurrent state."""
+  for i, (got, want) in enumerate(greedy_tokens(*saved, PROMPTS, 10, scan)):
+    assert got == want, i
+
+
+def test_continuous_batching_and_resume_draw_the_same_samples(saved):
+  """Rows that stop early leave their slot's state alone while the others decode (the
+  slots' rows, a refilled row, a resumed row all draw what one call draws)."""
+  model = models.from_pretrained(saved[0], scan_layers=True)
+  sampler = Sampler(model, max_len=48, extend_chunk=4)
+  prompts = PROMPTS + [[7, 8, 9], [30, 31]]
+  kwargs = dict(temperature=1.0, seed=3)
+  whole = sampler.generate(prompts, max_new_tokens=12, **kwargs)
+  slots = sampler.generate(prompts, max_new_tokens=12, slots=2, **kwargs)
+  np.testing.assert_array_equal(slots.tokens, whole.tokens)
+  np.testing.assert_allclose(slots.logprobs, whole.logprobs, atol=1e-5)
+  first = sampler.generate(prompts, max_new_tokens=5, keep_cache=True, reserve_tokens=12,
+                           **kwargs)
+  rest = sampler.resume(first.resume_state, list(range(len(prompts))), max_new_tokens=7)
+  for i in range(len(prompts)):
+    n = int(first.lengths[i])
+    joined = first.tokens[i, :n].tolist() + rest.tokens[i, :rest.lengths[i]].tolist()
+    assert joined == whole.tokens[i, :whole.lengths[i]].tolist(), i
+
+
+def test_export_round_trip_is_exact(saved, tmp_path):
+  folder, hf = saved
+  ours = models.from_pretrained(folder, scan_layers=True)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  from safetensors.numpy import load_file
+  assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(
+      load_file(f"{folder}/model.safetensors"))
+  back = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert written["model_type"] == "qwen3_5_text"
+  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
+
+
+def test_vision_language_checkpoint_reads_its_language_model(tmp_path):
+  """Qwen3.5 is published as Qwen3_5ForConditionalGeneration: its language model is read
+  alone (the vision tower left in the files), with the text model's logits."""
+  torch.manual_seed(0)
+  vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                out_hidden_size=48, patch_size=4, temporal_patch_size=1)
+  cfg = transformers.Qwen3_5Config(text_config=TEXT, vision_config=vision)
+  hf = perturb(transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval())
+  hf.save_pretrained(str(tmp_path / "vl"))
+  ours = models.from_pretrained(str(tmp_path / "vl"))
+  assert ours.cfg.architecture == "Qwen3_5ForCausalLM"
+  np.testing.assert_allclose(np.asarray(_jitted_logits(ours, TOKENS)), hf_logits(hf, TOKENS),
+                             atol=5e-4, rtol=0)
+
+
+def test_reward_model_scores_match_transformers(tmp_path):
+  torch.manual_seed(0)
+  cfg = transformers.Qwen3_5TextConfig(**{**TEXT, "num_labels": 1})
+  hf = perturb(transformers.Qwen3_5TextForSequenceClassification(cfg).float().eval())
+  check_reward_model_round_trip(hf, transformers.Qwen3_5TextForSequenceClassification, tmp_path)
+
+
+def test_lora_targets_the_attention_layers_and_every_mlp(saved):
+  """Attention targets go on the full-attention layers (a Gated DeltaNet layer has no
+  q/k/v/o of attention), MLP targets on every layer; both layouts draw the same adapters
+  by model layer, and merging them keeps the function."""
+  folder, _ = saved
+  targets = "q_proj,v_proj,down_proj"
+  a = models.from_pretrained(folder, lora_rank=4, seed=3, lora_targets=targets)
+  b = models.from_pretrained(folder, lora_rank=4, seed=3, lora_targets=targets,
+                             scan_layers=True)
+  assert not hasattr(a.linear_layers[0], "attn")
+  assert hasattr(a.linear_layers[0].mlp, "down_proj_lora_a")
+  np.testing.assert_array_equal(np.asarray(a.linear_layers[2].mlp.down_proj_lora_a[...]),
+                                np.asarray(b.linear_layers.mlp.down_proj_lora_a[...][2]))
+  np.testing.assert_array_equal(np.asarray(a.layers[0].attn.q_proj_lora_a[...]),
+                                np.asarray(b.layers.attn.q_proj_lora_a[...][0]))
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(a, nnx.LoRAParam)))
+  assert count == a.cfg.num_lora_params
+  a.layers[0].attn.q_proj_lora_b.value = a.layers[0].attn.q_proj_lora_b[...] + 0.5
+  lin = a.linear_layers[1].mlp
+  lin.down_proj_lora_b.value = lin.down_proj_lora_b[...] + 0.5
+  want = np.asarray(_jitted_logits(a, TOKENS))
+  np.testing.assert_allclose(np.asarray(_jitted_logits(models.merge_lora(a), TOKENS)), want,
+                             atol=1e-4)
+  np.testing.assert_allclose(
+      np.asarray(_jitted_logits(models.relayout(a, scan_layers=True), TOKENS)), want, atol=1e-4)
+
+
+def test_on_a_mesh(saved):
+  """The delta rule's heads split over "tensor", the batch over "data": the same logits."""
+  folder, hf = saved
+  mesh = models.make_mesh((2, 1, 2, 1), devices=jax.devices()[:4])
+  m = models.from_pretrained(folder, mesh=mesh, scan_layers=True)
+  got = jax.jit(lambda t: m(t, ctx=models.ShardingContext(mesh)))(TOKENS)
+  np.testing.assert_allclose(np.asarray(got), hf_logits(hf, TOKENS), atol=5e-4, rtol=0)
+
+
+def test_configs_that_cannot_be_written_are_refused(saved):
+  cfg = models.from_pretrained(saved[0]).cfg
+  with pytest.raises(ValueError, match="linear_attention layers=True cannot be written"):
+    check_exportable(cfg.replace(architecture="Qwen3ForCausalLM",
+                                        attn_output_gate=False))
+  with pytest.raises(ValueError, match="attn_output_gate=False cannot be written"):
+    check_exportable(cfg.replace(attn_output_gate=False))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(linear_num_key_heads=0), "set linear_num_key_heads"),
+    (dict(linear_num_value_heads=3), "not a multiple of linear_num_key_heads"),
+    (dict(sliding_window=8, layer_types=("linear_attention", "sliding_attention") * 2),
+     "sliding_attention layers with linear_attention"),
+    (dict(layer_types=("linear_attention",) * 4), "no full_attention layer"),
+    (dict(linear_conv_kernel=0), "linear_conv_kernel=0"),
+])
+def test_bad_linear_attention_configs_are_refused(saved, change, match):
+  cfg = models.from_pretrained(saved[0]).cfg
+  with pytest.raises(ValueError, match=match):
+    cfg.replace(**change)
