@@ -14,7 +14,7 @@ are never repeated in memory, the value heads are viewed as [key_heads, r] inste
 `gated_delta_rule_reference` runs exactly that recurrence (a `lax.scan` over tokens: the
 oracle, and the one-token decode step). `gated_delta_rule` runs the chunked form of
 transformers' `torch_chunk_gated_delta_rule` (the WY / UT transform): within a chunk the
-updates are one unit-lower-triangular solve and a few matmuls, and a `lax.scan` carries
+updates are one unit-lower-triangular inverse and a few matmuls, and a `lax.scan` carries
 S from chunk to chunk. Its body is rematerialised in the backward pass, so only the
 carried state per chunk is saved, never a chunk's [chunk, chunk] matrices.
 
@@ -182,6 +182,25 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, segment_ids=None, initial_st
   return _finish(jnp.moveaxis(out_TxBxHxRxV, 0, 1), state, v, return_final_state)
 
 
+def _unit_lower_inverse(a_XxCxC):
+  """(I + A)^-1 for A strictly lower triangular [..., C, C], in matmuls alone.
+
+  A is nilpotent (A^C = 0), so with N = -A, (I + A)^-1 = I + N + N^2 + ... + N^(C-1)
+  = (I + N)(I + N^2)(I + N^4)...(I + N^(2^(m-1))), 2^m >= C: 2 log2(C) batched matmuls
+  of [C, C]. LAPACK's batched trsm (jax.scipy.linalg.solve_triangular on CPU) waits on
+  the host thread pool from inside it, which deadlocked XLA:CPU with several (fake)
+  devices running the scan at once (jax 0.10.2); matmuls also suit TPU's matrix units."""
+  chunk = a_XxCxC.shape[-1]
+  power = -a_XxCxC
+  inverse = jnp.broadcast_to(jnp.eye(chunk, dtype=a_XxCxC.dtype), power.shape) + power
+  span = 2
+  while span < chunk:
+    power = _einsum("...ij,...jk->...ik", power, power)
+    inverse = inverse + _einsum("...ij,...jk->...ik", inverse, power)
+    span *= 2
+  return inverse
+
+
 def _chunk_step(state_BxHxRxKxV, x):
   """One chunk of C tokens: the UT transform, the outputs and the carried-out state.
 
@@ -221,10 +240,9 @@ def _chunk_step(state_BxHxRxKxV, x):
   k_BxHx1xCxK = jnp.moveaxis(k_BxCxHxK, 1, 2)[:, :, None]
   k_decay = k_BxHx1xCxK * (beta_BxHxRxC * decay_in_BxHxRxC)[..., None]
   dv = v_beta.shape[-1]
-  # One solve for both right-hand sides; the solve reads only A's strict lower triangle.
-  uw = jax.scipy.linalg.solve_triangular(
-      a_BxHxRxCxC, jnp.concatenate([v_beta, k_decay], axis=-1), lower=True,
-      unit_diagonal=True)
+  # One solve for both right-hand sides: (I + A)^-1 by products (`_unit_lower_inverse`).
+  uw = _einsum("bhrij,bhrje->bhrie", _unit_lower_inverse(a_BxHxRxCxC),
+               jnp.concatenate([v_beta, k_decay], axis=-1))
   u_BxHxRxCxV, w_BxHxRxCxK = uw[..., :dv], uw[..., dv:]
   v_new_BxHxRxCxV = u_BxHxRxCxV - _einsum("bhrid,bhrde->bhrie", w_BxHxRxCxK,
                                           state_BxHxRxKxV)

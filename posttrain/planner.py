@@ -75,7 +75,8 @@ from posttrain import experiment, models
 from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as rl_train_step
 from posttrain.models.config import REMAT_POLICIES
-from posttrain.models.transformer import CACHE_AXES, init_layer_cache
+from posttrain.models.transformer import (CACHE_AXES, LINEAR_CACHE_AXES, init_layer_cache,
+                                          init_linear_cache)
 from posttrain.rollout import reward_model as reward_model_lib
 from posttrain.sampling.sampler import default_length_bucket, refill_rows
 
@@ -805,7 +806,9 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
   `extend_chunk` = write_tokens). The arrays are the model's own, as `init_layer_cache`
   builds them (`_cache_arrays`): multi-head latent attention caches its latent alone,
   one array [batch, 1, slots, qk_rope_head_dim + kv_lora_rank] (no v; its one head
-  whole on every tensor shard), and its int8 scales [batch, 1, slots]."""
+  whole on every tensor shard), and its int8 scales [batch, 1, slots]. A linear-attention
+  layer's is its `LinearCache`, whatever max_len: the recurrent state [batch, value heads,
+  key head dim, value head dim] float32 and the convolutions' last inputs."""
   cfg = model_cfg
   dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
 
@@ -815,8 +818,14 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
                for shape, dt in _cache_arrays(cfg, batch, slots, dtype.name))
 
   ring = models.sliding_cache_slots(cfg, max_len, write_tokens)
-  sliding = sum(cfg.sliding_layers)
-  return (cfg.num_layers - sliding) * layer(max_len) + sliding * layer(ring)
+  sliding, linear = sum(cfg.sliding_layers), sum(cfg.linear_layers)
+  recurrent = 0
+  if linear:
+    arrays = jax.eval_shape(lambda: init_linear_cache(cfg, batch, dtype))
+    recurrent = sum(shard_bytes(x.shape, x.dtype, NamedSharding(mesh, models.logical_to_spec(
+        axes, rules, mesh, x.shape))) for x, axes in zip(arrays, LINEAR_CACHE_AXES))
+  return ((cfg.num_layers - sliding - linear) * layer(max_len) + sliding * layer(ring)
+          + linear * recurrent)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,5 +1,5 @@
-"""A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention)
-and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
+"""A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
+a Qwen3.5 (Gated DeltaNet) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
 with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
 folder that transformers loads into the same class and computes our logits with."""
 
@@ -56,6 +56,12 @@ FAMILIES = {
                         num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=64,
                         router_scoring="sigmoid", router_groups=2, router_group_topk=1,
                         routed_scaling_factor=2.0, dense_layers=1, dense_ffn_dim=96),
+    # A Gated DeltaNet layer (rollouts through its recurrent state, packed SFT rows
+    # through its resets) beside a full layer with a gated output.
+    "qwen3_5": dict(architecture="Qwen3_5ForCausalLM", qk_norm=True, norm_unit_offset=True,
+                    attn_output_gate=True, layer_types=("linear_attention", "full_attention"),
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8, rope=models.RopeConfig(partial_rotary_factor=0.25)),
 }
 
 

@@ -459,3 +459,37 @@ def test_bad_conv_arguments_raise(name, change):
           for n, s in {**dict(x=(2, 5, 6), w=(6, 4)), **change}.items()}
   with pytest.raises(ValueError, match=rf"^{name} "):
     kernels.causal_conv1d(**call)
+
+
+_SHARDED_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import kernels
+mesh = jax.make_mesh((8,), ("b",))
+r = np.random.default_rng(0)
+q, k = (jnp.asarray(r.normal(size=(8, 80, 2, 16)), jnp.float32) for _ in range(2))
+v = jnp.asarray(r.normal(size=(8, 80, 4, 8)), jnp.float32)
+g = jnp.asarray(-np.abs(r.normal(size=(8, 80, 4))), jnp.float32)
+beta = jnp.asarray(r.uniform(size=(8, 80, 4)), jnp.float32)
+fn = jax.jit(lambda *a: kernels.gated_delta_rule(*a, chunk_size=32))
+want = np.asarray(fn(q, k, v, g, beta))
+for spec in (P("b"), P()):
+  args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, g, beta)]
+  np.testing.assert_allclose(np.asarray(fn(*args)), want, atol=1e-5)
+print("ok")
+"""
+
+
+def test_runs_on_eight_devices_at_once():
+  """The chunks' solve on 8 (fake) CPU devices at once, rows split or replicated, gives
+  the one-device result. Run apart, with a timeout: LAPACK's batched triangular solve,
+  which waits on the host thread pool from inside it, deadlocked XLA:CPU here."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root,
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  done = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=root,
+                        capture_output=True, text=True, timeout=240)
+  assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -92,8 +92,8 @@ def test_packed_sequences_are_run_apart(saved):
   seg = np.array([[1] * 12 + [2] * 8])
   pos = np.array([list(range(12)) + list(range(8))])
   got = np.asarray(m(jnp.asarray(packed), jnp.asarray(pos), jnp.asarray(seg)))[0]
-  np.testing.assert_allclose(got[:12], np.asarray(m(jnp.asarray(a[None])))[0], atol=2e-5)
-  np.testing.assert_allclose(got[12:], np.asarray(m(jnp.asarray(b[None])))[0], atol=2e-5)
+  np.testing.assert_allclose(got[:12], np.asarray(m(jnp.asarray(a[None])))[0], atol=1e-4)
+  np.testing.assert_allclose(got[12:], np.asarray(m(jnp.asarray(b[None])))[0], atol=1e-4)
 
 
 def test_gradients_match_transformers(saved):
@@ -139,7 +139,7 @@ def test_continuous_batching_and_resume_draw_the_same_samples(saved):
   whole = sampler.generate(prompts, max_new_tokens=12, **kwargs)
   slots = sampler.generate(prompts, max_new_tokens=12, slots=2, **kwargs)
   np.testing.assert_array_equal(slots.tokens, whole.tokens)
-  np.testing.assert_allclose(slots.logprobs, whole.logprobs, atol=1e-5)
+  np.testing.assert_allclose(slots.logprobs, whole.logprobs, atol=1e-4)
   first = sampler.generate(prompts, max_new_tokens=5, keep_cache=True, reserve_tokens=12,
                            **kwargs)
   rest = sampler.resume(first.resume_state, list(range(len(prompts))), max_new_tokens=7)
@@ -242,3 +242,20 @@ def test_bad_linear_attention_configs_are_refused(saved, change, match):
   cfg = models.from_pretrained(saved[0]).cfg
   with pytest.raises(ValueError, match=match):
     cfg.replace(**change)
+
+
+def test_planner_counts_the_recurrent_state(saved):
+  """The planner's cache bytes are the cache the sampler builds: a KV cache for the full
+  layer, a fixed-size state for each linear one (whatever max_len)."""
+  from jax.sharding import AbstractMesh
+
+  from posttrain import planner
+  cfg = models.from_pretrained(saved[0]).cfg
+  mesh = AbstractMesh((1, 1, 1, 1), ("data", "fsdp", "tensor", "sequence"))
+  for max_len in (64, 256):
+    built = sum(x.size * x.dtype.itemsize
+                for x in jax.tree.leaves(models.init_cache(cfg, 4, max_len)))
+    assert planner.kv_cache_bytes(cfg, batch=4, max_len=max_len, mesh=mesh) == built
+  one_kv = planner.kv_cache_bytes(cfg, batch=4, max_len=256, mesh=mesh) - planner.kv_cache_bytes(
+      cfg, batch=4, max_len=64, mesh=mesh)
+  assert one_kv == 4 * 2 * 2 * 16 * (256 - 64) * 4  # k and v of the one full layer
