@@ -39,9 +39,9 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
-              "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM")
+              "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
-_NO_CLASSIFIER = ("Glm4MoeForCausalLM",)
+_NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -65,7 +65,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                 "Glm4ForCausalLM": "glm4", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
-                "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text"}
+                "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text",
+                "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -145,6 +146,10 @@ _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared
 # layer, whose output is gated by a second half of q_proj (attn_output_gate: each head's
 # rows are [queries; gate]); (1 + w) norms, q/k norms, a quarter of each head rotated.
 QWEN3_5 = "Qwen3_5ForCausalLM"
+# Qwen3.5-MoE: Qwen3.5's layers with Qwen2-MoE's mixture (softmax top-k, renormalised, and
+# a shared expert scaled by sigmoid(x . w)) in every layer.
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+_QWEN3_5S = (QWEN3_5, QWEN3_5_MOE)
 _QWEN3_5_DEFAULTS = dict(
     rms_norm_eps=1e-6, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
     linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -154,6 +159,9 @@ _CLASS_DEFAULTS = {
     GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     QWEN3_5: _QWEN3_5_DEFAULTS,
+    QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                  "router_aux_loss_coef": 0.001},
     QWEN2_MOE: dict(qkv_bias=True, norm_topk_prob=False, max_position_embeddings=32_768),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
@@ -178,7 +186,8 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma's legacy "gelu"
 # projector are left in the files): class -> the causal LM it holds. Gemma 3 4B / 12B /
 # 27B are published this way; their text_config leaves out what equals these defaults.
 VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-                   "Qwen3_5ForConditionalGeneration": QWEN3_5}
+                   "Qwen3_5ForConditionalGeneration": QWEN3_5,
+                   "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE}
 _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6)}
@@ -212,7 +221,7 @@ _QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_
                    "mlp.experts.{j}.down_proj")  # the layout Qwen's MoE files set
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
               GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES,
-              DEEPSEEK_V2: _QWEN_MOE_NAMES,
+              DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                                      "block_sparse_moe.experts.{j}.w3",
                                      "block_sparse_moe.experts.{j}.w2")}
@@ -268,7 +277,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   merged = {**dict(c.get("rope_scaling") or {}), **params}
   if lm in (GLM4, GLM4_MOE):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
-  if lm == QWEN3_5:
+  if lm in _QWEN3_5S:
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
   if lm in _DEEPSEEKS:  # the rotated part of each query and key head
     rotary = int(c["qk_rope_head_dim"])
@@ -368,7 +377,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   pad = c.get("pad_token_id")
   pad = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
   moe = _moe_from_hf(lm, c)
-  moe.setdefault("ffn_dim", int(c["intermediate_size"]))
+  if "ffn_dim" not in moe:
+    moe["ffn_dim"] = int(c["intermediate_size"])
   rope, rope_local = _rope_from_hf(c, lm)
   defaults = _GEMMA_DEFAULTS.get(lm, {})
   cfg = ModelConfig(
@@ -395,7 +405,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
 def _linear_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a Qwen3.5 config.json ({} for other classes): layer_types
   (by default every full_attention_interval-th layer full, the others linear)."""
-  if lm != QWEN3_5:
+  if lm not in _QWEN3_5S:
     return {}
   layers = int(c["num_hidden_layers"])
   interval = int(c.get("full_attention_interval") or 4)
@@ -432,7 +442,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE)
 # Classes with q/k norms (per head; OLMo's over all heads).
-_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", QWEN3_5) + OLMOS
+_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S + OLMOS
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -570,6 +580,12 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "ffn_dim": int(c["moe_intermediate_size"]), "dense_layers": len(dense),
             "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0, **shared,
             **_aux_loss_from_hf(c)}
+  if arch == QWEN3_5_MOE:
+    return {"num_experts": int(c["num_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
+            "ffn_dim": int(c["moe_intermediate_size"]),
+            "shared_expert_dim": int(c["shared_expert_intermediate_size"]),
+            "shared_expert_gate": True, **_aux_loss_from_hf(c)}
   if arch == DEEPSEEK_V2:
     method = c.get("topk_method") or "greedy"
     if method not in ("greedy", "group_limited_greedy"):
@@ -649,12 +665,13 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"kv_lora_rank={cfg.kv_lora_rank} cannot be written as "
                      f"{cfg.architecture}: multi-head latent attention is written as "
                      f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
-  qwen3_5 = lm == QWEN3_5
+  qwen3_5 = lm in _QWEN3_5S
   for name, value in (("attn_output_gate", cfg.attn_output_gate),
                       ("linear_attention layers", any(cfg.linear_layers))):
     if qwen3_5 != bool(value):
       raise ValueError(f"{name}={bool(value)} cannot be written as {arch}: "
-                       f"{'it always has' if qwen3_5 else f'{QWEN3_5} holds'} them")
+                       f"{'it always has' if qwen3_5 else f'{QWEN3_5} and {QWEN3_5_MOE} hold'} "
+                       "them")
   _check_family_options(cfg, lm)
   _check_mixture_options(cfg, lm)
   qk_norm = lm in _QK_NORMED
@@ -681,13 +698,15 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   gpt-oss)."""
   if not cfg.num_experts:
     return
-  sigmoid, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm == QWEN2_MOE
+  sigmoid, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm in (QWEN2_MOE, QWEN3_5_MOE)
   grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
   fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2)
   if not grouped:
     fixed.update(router_groups=1, router_group_topk=1, routed_scaling_factor=1.0)
   if lm == DEEPSEEK_V2:
     fixed.update(norm_topk_prob=False)
+  if lm == QWEN3_5_MOE:
+    fixed.update(norm_topk_prob=True, dense_layers=0)
   if lm in ("MixtralForCausalLM", GPT_OSS):
     fixed.update(dense_layers=0)
   if not (grouped or qwen2):
@@ -712,7 +731,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   and only Gemma 3 a rotary embedding of the sliding layers' own."""
   gemma, oss = lm in GEMMAS, lm == GPT_OSS
   olmo = lm in OLMOS
-  fixed = dict(norm_unit_offset=gemma or lm == QWEN3_5, embed_scale=gemma,
+  fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S, embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation="gelu_tanh" if gemma else "clamped_swiglu" if oss else "silu",
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
@@ -750,7 +769,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "whose rotary embedding is the default one or LongRoPE")
   if lm != PHI3 and any(r.type == "longrope" for r in ropes):
     raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
-  if lm not in (PHI3, GLM4, GLM4_MOE, QWEN3_5) + _DEEPSEEKS and any(
+  if lm not in (PHI3, GLM4, GLM4_MOE) + _QWEN3_5S + _DEEPSEEKS and any(
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
@@ -871,7 +890,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 "partial_rotary_factor": rope.partial_rotary_factor,
                                 **(scaling or {})})
-  elif lm == QWEN3_5:
+  elif lm in _QWEN3_5S:
+    if lm == QWEN3_5_MOE:
+      out.pop("intermediate_size")
+      out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 moe_intermediate_size=cfg.ffn_dim,
+                 shared_expert_intermediate_size=cfg.shared_expert_dim)
     out.pop("rope_theta")
     out.pop("rope_scaling")
     out.update(rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
@@ -1616,8 +1640,10 @@ def _stacked_key(key: tuple) -> tuple:
 
 
 def _is_expert(ours: tuple) -> bool:
-  """An expert's slice of a mixture's parameter: ("layers", i, "mlp", name, j)."""
-  return len(ours) == 5 and ours[0] == "layers" and isinstance(ours[-1], int)
+  """An expert's slice of a mixture's parameter: ("layers", i, "mlp", name, j) (or in
+  "linear_layers")."""
+  return (len(ours) == 5 and ours[0] in ("layers", "linear_layers")
+          and isinstance(ours[-1], int))
 
 
 def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):

@@ -1463,7 +1463,8 @@ class Sampler:
     of their biases) at `path`, or "" (a shared expert's, a leading dense layer's, or any
     other leaf)."""
     leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
-    if (leaf not in _EXPERT_LEAF_RANKS or not path.startswith("['layers']")
+    if (leaf not in _EXPERT_LEAF_RANKS
+        or not path.startswith(("['layers']", "['linear_layers']"))
         or not path.endswith(f"['mlp']['{leaf}']")):
       return ""
     return leaf

@@ -1,5 +1,5 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration)
-against `transformers`: three Gated DeltaNet layers to each full-attention layer, the
+"""Qwen3.5 (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration) and
+Qwen3.5-MoE against `transformers`: three Gated DeltaNet layers to each full-attention layer, the
 full layers' output gated by q_proj's second half. Logits (layer list and scanned, and
 over packed sequences), gradients, greedy generation through the sampler's recurrent
 state, continuous batching and resumed rows, export, LoRA, a mesh, and refusals."""
@@ -259,3 +259,62 @@ def test_planner_counts_the_recurrent_state(saved):
   one_kv = planner.kv_cache_bytes(cfg, batch=4, max_len=256, mesh=mesh) - planner.kv_cache_bytes(
       cfg, batch=4, max_len=64, mesh=mesh)
   assert one_kv == 4 * 2 * 2 * 16 * (256 - 64) * 4  # k and v of the one full layer
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+           shared_expert_intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory):
+  """Qwen3.5-MoE: the same layers, every MLP a mixture of 4 experts (top 2, renormalised)
+  beside a gated shared expert."""
+  folder = str(tmp_path_factory.mktemp("qwen3_5_moe") / "model")
+  torch.manual_seed(0)
+  text = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
+  cfg = transformers.Qwen3_5MoeTextConfig(**text, **MOE)
+  hf = perturb(transformers.Qwen3_5MoeForCausalLM(cfg).float().eval())
+  hf.save_pretrained(folder)
+  return folder, hf
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_moe_logits_and_generation_match_transformers(saved_moe, scan):
+  folder, hf = saved_moe
+  ours = models.from_pretrained(folder, scan_layers=scan)
+  cfg = ours.cfg
+  assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.ffn_dim, cfg.shared_expert_dim,
+          cfg.shared_expert_gate, cfg.norm_topk_prob) == (4, 2, 24, 32, True, True)
+  assert cfg.num_params == sum(x.size for x in jax.tree.leaves(nnx.state(ours)))
+  np.testing.assert_allclose(np.asarray(_jitted_logits(ours, TOKENS)), hf_logits(hf, TOKENS),
+                             atol=5e-4, rtol=0)
+  for i, (got, want) in enumerate(greedy_tokens(folder, hf, PROMPTS, 8, scan)):
+    assert got == want, i
+
+
+def test_moe_router_loss_spans_both_kinds_of_layer(saved_moe):
+  """The load-balancing loss covers the linear layers' mixtures too: transformers' aux
+  loss over every layer, in both layouts."""
+  folder, hf = saved_moe
+  with torch.no_grad():
+    want = float(hf(torch.tensor(TOKENS), output_router_logits=True).aux_loss)
+  for scan in (False, True):
+    m = models.from_pretrained(folder, scan_layers=scan)
+    got = float(m.hidden_states(jnp.asarray(TOKENS), router_loss=True)[1])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_moe_export_round_trip_is_exact(saved_moe, tmp_path):
+  folder, hf = saved_moe
+  ours = models.from_pretrained(folder, scan_layers=True)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  from safetensors.numpy import load_file
+  assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(
+      load_file(f"{folder}/model.safetensors"))
+  back = transformers.Qwen3_5MoeForCausalLM.from_pretrained(str(tmp_path / "out")).float()
+  np.testing.assert_array_equal(hf_logits(back.eval(), TOKENS), hf_logits(hf, TOKENS))
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert written["model_type"] == "qwen3_5_moe_text"
+  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
+  with pytest.raises(ValueError, match="norm_topk_prob=False cannot be written"):
+    check_exportable(ours.cfg.replace(norm_topk_prob=False))
