@@ -1,0 +1,71 @@
+"""Gated delta rule (Qwen3.5's linear attention): the chunked form against the per-token
+recurrence, forward and forward + backward, on this CPU.
+
+    python -m benchmarks.gated_delta_rule [--lengths=512,2048,8192] [--reps=5]
+
+Both arms compute the same outputs (`kernels.gated_delta_rule` and
+`kernels.gated_delta_rule_reference`, checked equal here) for one row of Qwen3.5-shaped
+heads scaled down (4 key heads, 8 value heads, 64 features each). Prints the median wall
+time of each and XLA's temporary bytes of the compiled forward + backward.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels
+
+MIB = 1 << 20
+
+
+def _inputs(length: int, hk: int = 4, hv: int = 8, d: int = 64):
+  r = np.random.default_rng(0)
+  q = jnp.asarray(r.normal(size=(1, length, hk, d)), jnp.float32)
+  k = jnp.asarray(r.normal(size=(1, length, hk, d)), jnp.float32)
+  v = jnp.asarray(r.normal(size=(1, length, hv, d)), jnp.float32)
+  g = jnp.asarray(-np.abs(r.normal(size=(1, length, hv))) * 0.1, jnp.float32)
+  beta = jnp.asarray(r.uniform(size=(1, length, hv)), jnp.float32)
+  return q, k, v, g, beta
+
+
+def _median(fn, args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--lengths", default="512,2048,8192")
+  parser.add_argument("--reps", type=int, default=5)
+  args = parser.parse_args()
+  arms = {"chunked": kernels.gated_delta_rule, "recurrent": kernels.gated_delta_rule_reference}
+  print(f"{'T':>6} {'arm':>9} {'fwd ms':>9} {'fwd+bwd ms':>11} {'bwd temp MiB':>13}")
+  for length in (int(n) for n in args.lengths.split(",")):
+    inputs = _inputs(length)
+    outs, rows = {}, {}
+    for name, fn in arms.items():
+      forward = jax.jit(lambda *a, fn=fn: fn(*a))
+      loss = lambda *a, fn=fn: jnp.sum(fn(*a) ** 2)  # noqa: E731
+      grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+      outs[name] = np.asarray(forward(*inputs))
+      temp = grad.lower(*inputs).compile().memory_analysis().temp_size_in_bytes
+      rows[name] = (_median(forward, inputs, args.reps), _median(grad, inputs, args.reps),
+                    temp / MIB)
+    np.testing.assert_allclose(outs["chunked"], outs["recurrent"], atol=2e-3, rtol=2e-3)
+    for name, (fwd, both, temp) in rows.items():
+      print(f"{length:>6} {name:>9} {1e3 * fwd:>9.1f} {1e3 * both:>11.1f} {temp:>13.1f}")
+    ratio = rows["recurrent"][1] / rows["chunked"][1]
+    print(f"{length:>6} recurrent / chunked, forward + backward: {ratio:.1f}x")
+
+
+if __name__ == "__main__":
+  main()
