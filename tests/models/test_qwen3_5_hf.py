@@ -318,3 +318,36 @@ def test_moe_export_round_trip_is_exact(saved_moe, tmp_path):
   assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
   with pytest.raises(ValueError, match="norm_topk_prob=False cannot be written"):
     check_exportable(ours.cfg.replace(norm_topk_prob=False))
+
+
+def test_next_turns_continue_from_the_state_their_slot_holds(saved):
+  """A transcript that extends a row just ended goes on in that row's slot from the
+  state it left (its prompt and the tokens before its last: the one never fed), the
+  answer written in chunks of 4: the same samples as prefilling each turn whole."""
+  sampler = Sampler(models.from_pretrained(saved[0], scan_layers=True), max_len=48,
+                    extend_chunk=4)
+  prompts = [[5, 9, 2, 7, 1, 3], [11, 12], list(range(20, 30)), [40, 41, 42]]
+
+  def run(reuse):
+    ended, sources = [], []
+
+    def between_rounds(live):
+      more = [(i, prompts[i] + t.tolist() + [9] * (6 if i == 0 else 2))
+              for i, t in ended if i < len(prompts) and i % 2 == 0]
+      ended.clear()
+      sources.extend(i for i, _ in more)
+      return [p for _, p in more]
+
+    out = sampler.generate(prompts, slots=2, between_rounds=between_rounds,
+                           max_prompt_len=36, reuse_cache=reuse, max_new_tokens=6,
+                           temperature=1.0, seed=5,
+                           on_finish=lambda i, t, *_: ended.append((i, t.copy())))
+    return out, sources
+
+  out, sources = run(True)
+  whole, _ = run(False)
+  assert out.stats["continued"] == len(sources) == 2 and whole.stats["continued"] == 0
+  assert out.stats["reused_tokens"] == sum(len(prompts[i]) + int(out.lengths[i]) - 1
+                                           for i in sources)
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
