@@ -39,7 +39,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MistralForCausalLM", "GptOssForCausalLM", "Olmo2ForCausalLM",
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
-              "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+              "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+              "Qwen3NextForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM")
 
@@ -66,7 +67,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Glm4ForCausalLM": "glm4", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
                 "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text",
-                "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
+                "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+                "Qwen3NextForCausalLM": "qwen3_next"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -149,7 +151,11 @@ QWEN3_5 = "Qwen3_5ForCausalLM"
 # Qwen3.5-MoE: Qwen3.5's layers with Qwen2-MoE's mixture (softmax top-k, renormalised, and
 # a shared expert scaled by sigmoid(x . w)) in every layer.
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
-_QWEN3_5S = (QWEN3_5, QWEN3_5_MOE)
+# Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5-MoE's layers, its Gated DeltaNet projections
+# fused per key head (in_proj_qkvz: each key head's q, k, then its value heads' v and z;
+# in_proj_ba: their b, then a), the mixture's norm_topk_prob read from config.json.
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+_QWEN3_5S = (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
 _QWEN3_5_DEFAULTS = dict(
     rms_norm_eps=1e-6, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
     linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -162,6 +168,10 @@ _CLASS_DEFAULTS = {
     QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                   "router_aux_loss_coef": 0.001},
+    QWEN3_NEXT: {**_QWEN3_5_DEFAULTS, "num_experts": 512, "num_experts_per_tok": 10,
+                 "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                 "router_aux_loss_coef": 0.001, "norm_topk_prob": True,
+                 "intermediate_size": 5632},
     QWEN2_MOE: dict(qkv_bias=True, norm_topk_prob=False, max_position_embeddings=32_768),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
@@ -222,6 +232,7 @@ _QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
               GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES,
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
+              QWEN3_NEXT: _QWEN_MOE_NAMES,
               "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                                      "block_sparse_moe.experts.{j}.w3",
                                      "block_sparse_moe.experts.{j}.w2")}
@@ -580,9 +591,15 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "ffn_dim": int(c["moe_intermediate_size"]), "dense_layers": len(dense),
             "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0, **shared,
             **_aux_loss_from_hf(c)}
-  if arch == QWEN3_5_MOE:
+  if arch in (QWEN3_5_MOE, QWEN3_NEXT):
+    if arch == QWEN3_NEXT and (c.get("mlp_only_layers") or int(c.get("decoder_sparse_step",
+                                                                      1)) != 1):
+      raise ValueError("dense layers in a Qwen3-Next model (mlp_only_layers="
+                       f"{c.get('mlp_only_layers')!r}, decoder_sparse_step="
+                       f"{c.get('decoder_sparse_step')!r}) are not supported")
     return {"num_experts": int(c["num_experts"]),
-            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
+            "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            "norm_topk_prob": arch == QWEN3_5_MOE or bool(c["norm_topk_prob"]),
             "ffn_dim": int(c["moe_intermediate_size"]),
             "shared_expert_dim": int(c["shared_expert_intermediate_size"]),
             "shared_expert_gate": True, **_aux_loss_from_hf(c)}
@@ -698,7 +715,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   gpt-oss)."""
   if not cfg.num_experts:
     return
-  sigmoid, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm in (QWEN2_MOE, QWEN3_5_MOE)
+  sigmoid, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
   grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
   fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2)
   if not grouped:
@@ -706,7 +723,9 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   if lm == DEEPSEEK_V2:
     fixed.update(norm_topk_prob=False)
   if lm == QWEN3_5_MOE:
-    fixed.update(norm_topk_prob=True, dense_layers=0)
+    fixed.update(norm_topk_prob=True)
+  if lm in (QWEN3_5_MOE, QWEN3_NEXT):
+    fixed.update(dense_layers=0)
   if lm in ("MixtralForCausalLM", GPT_OSS):
     fixed.update(dense_layers=0)
   if not (grouped or qwen2):
@@ -891,11 +910,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                                 "partial_rotary_factor": rope.partial_rotary_factor,
                                 **(scaling or {})})
   elif lm in _QWEN3_5S:
-    if lm == QWEN3_5_MOE:
+    if lm in (QWEN3_5_MOE, QWEN3_NEXT):
       out.pop("intermediate_size")
       out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                  moe_intermediate_size=cfg.ffn_dim,
                  shared_expert_intermediate_size=cfg.shared_expert_dim)
+    if lm == QWEN3_NEXT:
+      out.update(norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+                 mlp_only_layers=[])
     out.pop("rope_theta")
     out.pop("rope_scaling")
     out.update(rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
@@ -1138,23 +1160,60 @@ def _linear_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
     return (lambda x: x.reshape(heads, width, c), lambda x: x.reshape(heads * width, 1, c))
 
   parts = (("q", 0, hk, dk), ("k", hk * dk, hk, dk), ("v", 2 * hk * dk, hv, dv))
-  rows = [(p + ("linear_attn", f"{name}_proj"), attn + "in_proj_qkv.weight",
-           *_fused_part(proj_in(heads, width), start, heads * width, total), (d, heads, width))
-          for name, start, heads, width in parts]
+  if _causal_lm(cfg.architecture) == QWEN3_NEXT:
+    rows = _qwen3_next_projection_rows(cfg, p, attn)
+  else:
+    rows = [(p + ("linear_attn", f"{name}_proj"), attn + "in_proj_qkv.weight",
+             *_fused_part(proj_in(heads, width), start, heads * width, total),
+             (d, heads, width)) for name, start, heads, width in parts]
   rows += [(p + ("linear_attn", f"{name}_conv"), attn + "conv1d.weight",
             *_fused_part(taps(heads, width), start, heads * width, total), (heads, width, c))
            for name, start, heads, width in parts]
   transposed = (lambda x: x.T, lambda x: x.T)
-  rows += [(p + ("linear_attn", "z_proj"), attn + "in_proj_z.weight", *proj_in(hv, dv),
-            (d, hv, dv)),
-           (p + ("linear_attn", "b_proj"), attn + "in_proj_b.weight", *transposed, (d, hv)),
-           (p + ("linear_attn", "a_proj"), attn + "in_proj_a.weight", *transposed, (d, hv)),
-           (p + ("linear_attn", "dt_bias"), attn + "dt_bias", ident, ident, (hv,)),
+  if _causal_lm(cfg.architecture) != QWEN3_NEXT:
+    rows += [(p + ("linear_attn", "z_proj"), attn + "in_proj_z.weight", *proj_in(hv, dv),
+              (d, hv, dv)),
+             (p + ("linear_attn", "b_proj"), attn + "in_proj_b.weight", *transposed, (d, hv)),
+             (p + ("linear_attn", "a_proj"), attn + "in_proj_a.weight", *transposed, (d, hv))]
+  rows += [(p + ("linear_attn", "dt_bias"), attn + "dt_bias", ident, ident, (hv,)),
            (p + ("linear_attn", "A_log"), attn + "A_log", ident, ident, (hv,)),
            (p + ("linear_attn", "norm"), attn + "norm.weight", ident, ident, (dv,)),
            (p + ("linear_attn", "o_proj"), attn + "out_proj.weight",
             lambda x: x.reshape(d, hv, dv).transpose(1, 2, 0),
             lambda x: x.transpose(2, 0, 1).reshape(d, hv * dv), (hv, dv, d))]
+  return rows
+
+
+def _key_group_part(groups: int, width: int, start: int, size: int, d: int, out: tuple
+                    ) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of rows [start, start + size) of each of `groups` groups of
+  `width` rows of a [groups * width, d] HF tensor (Qwen3-Next's in_proj_qkvz / in_proj_ba,
+  grouped by key head), ours [d, *out] holding the groups' parts in order. The HF side
+  holds zeros in the other rows: the parts add up."""
+  def to_hf(x):
+    full = np.zeros((groups, width, d), x.dtype)
+    full[:, start:start + size] = np.asarray(x).reshape(d, groups, size).transpose(1, 2, 0)
+    return full.reshape(groups * width, d)
+  return (lambda x: x.reshape(groups, width, d)[:, start:start + size]
+          .transpose(2, 0, 1).reshape(d, *out)), to_hf
+
+
+def _qwen3_next_projection_rows(cfg: ModelConfig, p: tuple, attn: str) -> list:
+  """Qwen3-Next's fused Gated DeltaNet projections: in_proj_qkvz's rows per key head
+  [q (dk); k (dk); v (r dv); z (r dv)], in_proj_ba's [b (r); a (r)] (r value heads a key
+  head, value head h r + i its i-th)."""
+  d, hk, hv = cfg.d_model, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  r = hv // hk
+  width = 2 * dk + 2 * r * dv
+  qkvz = [("q_proj", 0, dk, (hk, dk)), ("k_proj", dk, dk, (hk, dk)),
+          ("v_proj", 2 * dk, r * dv, (hv, dv)), ("z_proj", 2 * dk + r * dv, r * dv, (hv, dv))]
+  rows = [(p + ("linear_attn", name), attn + "in_proj_qkvz.weight",
+           *_key_group_part(hk, width, start, size, d, out), (d, *out))
+          for name, start, size, out in qkvz]
+  rows += [(p + ("linear_attn", name), attn + "in_proj_ba.weight",
+            *_key_group_part(hk, 2 * r, start, r, d, (hv,)), (d, hv))
+           for name, start in (("b_proj", 0), ("a_proj", r))]
   return rows
 
 

@@ -1,5 +1,5 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration) and
-Qwen3.5-MoE against `transformers`: three Gated DeltaNet layers to each full-attention layer, the
+"""Qwen3.5 (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration),
+Qwen3.5-MoE and Qwen3-Next against `transformers`: three Gated DeltaNet layers to each full-attention layer, the
 full layers' output gated by q_proj's second half. Logits (layer list and scanned, and
 over packed sequences), gradients, greedy generation through the sampler's recurrent
 state, continuous batching and resumed rows, export, LoRA, a mesh, and refusals."""
@@ -351,3 +351,56 @@ def test_next_turns_continue_from_the_state_their_slot_holds(saved):
                                            for i in sources)
   np.testing.assert_array_equal(out.tokens, whole.tokens)
   np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+
+
+NEXT = dict(TEXT, **MOE, norm_topk_prob=False)
+
+
+@pytest.fixture(scope="module")
+def saved_next(tmp_path_factory):
+  """Qwen3-Next: Qwen3.5-MoE's layers with the Gated DeltaNet projections fused per key
+  head (in_proj_qkvz, in_proj_ba); top-k weights left unnormalised here."""
+  folder = str(tmp_path_factory.mktemp("qwen3_next") / "model")
+  torch.manual_seed(0)
+  hf = perturb(transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**NEXT))
+               .float().eval())
+  hf.save_pretrained(folder)
+  return folder, hf
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_qwen3_next_logits_and_generation_match_transformers(saved_next, scan):
+  folder, hf = saved_next
+  ours = models.from_pretrained(folder, scan_layers=scan)
+  assert not ours.cfg.norm_topk_prob and ours.cfg.shared_expert_gate
+  want = hf_logits(hf, TOKENS)
+  np.testing.assert_allclose(np.asarray(_jitted_logits(ours, TOKENS)), want, atol=1e-3, rtol=0)
+  assert np.abs(want).max() > 3
+  for i, (got, want) in enumerate(greedy_tokens(folder, hf, PROMPTS, 8, scan)):
+    assert got == want, i
+
+
+def test_qwen3_next_export_round_trip_is_exact(saved_next, tmp_path):
+  """The fused projections are written back as transformers wrote them."""
+  folder, hf = saved_next
+  ours = models.from_pretrained(folder)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  from safetensors.numpy import load_file
+  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
+      tmp_path / "out" / "model.safetensors")
+  assert set(written) == set(theirs)
+  for name in ("model.layers.0.linear_attn.in_proj_qkvz.weight",
+               "model.layers.2.linear_attn.in_proj_ba.weight"):
+    np.testing.assert_array_equal(written[name], theirs[name])
+  back = transformers.Qwen3NextForCausalLM.from_pretrained(str(tmp_path / "out")).float()
+  np.testing.assert_array_equal(hf_logits(back.eval(), TOKENS), hf_logits(hf, TOKENS))
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert config["model_type"] == "qwen3_next"
+  assert models.hf_config_to_model_config(config) == ours.cfg
+
+
+def test_qwen3_next_reward_model_scores_match_transformers(tmp_path):
+  torch.manual_seed(0)
+  cfg = transformers.Qwen3NextConfig(**{**NEXT, "num_labels": 1})
+  hf = perturb(transformers.Qwen3NextForSequenceClassification(cfg).float().eval())
+  check_reward_model_round_trip(hf, transformers.Qwen3NextForSequenceClassification, tmp_path)
