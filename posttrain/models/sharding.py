@@ -34,6 +34,8 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("norm", ()),
     # Multi-head latent attention's latent width (kv_lora_rank, q_lora_rank).
     ("latent", ()),
+    # A Gated DeltaNet layer's key and value heads (its recurrent state's too).
+    ("linear_heads", ("tensor",)),
     ("layers", ()),
     # LoRA's rank axis: FSDP-sharded where the other axis of the adapter leaves fsdp free
     # (B [r, out], and A of o_proj / down_proj), so no adapter is replicated whole.

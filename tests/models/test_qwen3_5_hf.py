@@ -215,12 +215,21 @@ def test_lora_targets_the_attention_layers_and_every_mlp(saved):
 
 
 def test_on_a_mesh(saved):
-  """The delta rule's heads split over "tensor", the batch over "data": the same logits."""
+  """The delta rule's heads (and their recurrent state) split over "tensor", the batch
+  over "data": the same logits, and the sampler's greedy tokens are transformers'."""
   folder, hf = saved
   mesh = models.make_mesh((2, 1, 2, 1), devices=jax.devices()[:4])
   m = models.from_pretrained(folder, mesh=mesh, scan_layers=True)
+  assert m.linear_layers.linear_attn.v_proj[...].sharding.spec[2] == "tensor"
   got = jax.jit(lambda t: m(t, ctx=models.ShardingContext(mesh)))(TOKENS)
   np.testing.assert_allclose(np.asarray(got), hf_logits(hf, TOKENS), atol=5e-4, rtol=0)
+  sampler = Sampler(m, mesh=mesh, max_len=48, extend_chunk=4)
+  out = sampler.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+  for i, prompt in enumerate(PROMPTS):
+    with torch.no_grad():
+      want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.tokens[i].tolist() == want, i
 
 
 def test_configs_that_cannot_be_written_are_refused(saved):
