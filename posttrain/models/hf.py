@@ -32,7 +32,7 @@ from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter, _lora_axes,
                                           layer_index, layer_path, layer_stacks, merge_lora,
-                                          value_head_std)
+                                          stack_lora_targets, value_head_std)
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -1363,12 +1363,36 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     owner, module = ("attn", "self_attn") if t in _ATTN_TARGETS else ("mlp", "mlp")
     a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
     b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
+    if t == "q_proj" and cfg.attn_output_gate:
+      b_maps = _gated_query_b(cfg.num_heads, cfg.head_dim, r)
     for i in range(cfg.num_layers):
+      if t not in stack_lora_targets(cfg, layer_path(cfg, i)[0]):
+        continue  # a Gated DeltaNet layer: no attention projections to adapt
       ours = layer_path(cfg, i) + (owner,)
       peft = f"base_model.model.model.layers.{i}.{module}.{t}."
       rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
                (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows
+
+
+def _gated_query_b(n: int, h: int, r: int) -> tuple[Transform, Transform]:
+  """(PEFT -> ours, ours -> PEFT) of a q_proj adapter's B under an output gate (Qwen3.5):
+  PEFT's lora_B [n * 2h, r] spans each head's query rows and then its gate rows; ours
+  [r, n, h] the query rows alone. Written with zero gate rows (the same update); read
+  only when its gate rows are zero."""
+  def to_ours(x):
+    x = np.asarray(x).reshape(n, 2, h, r)
+    if np.any(x[:, 1]):
+      raise ValueError("a PEFT q_proj adapter that changes the attention's output gate "
+                       "(the second half of each head's q_proj rows) is not supported: "
+                       "ours adapts the queries alone")
+    return x[:, 0].reshape(n * h, r).T.reshape(r, n, h)
+
+  def to_peft(x):
+    out = np.zeros((n, 2, h, r), np.asarray(x).dtype)
+    out[:, 0] = np.asarray(x).reshape(r, n * h).T.reshape(n, h, r)
+    return out.reshape(n * 2 * h, r)
+  return to_ours, to_peft
 
 
 # PEFT LoraConfig fields that change what the adapter computes (or which weights it holds)

@@ -416,3 +416,34 @@ def test_qwen3_next_reward_model_scores_match_transformers(tmp_path):
   cfg = transformers.Qwen3NextConfig(**{**NEXT, "num_labels": 1})
   hf = perturb(transformers.Qwen3NextForSequenceClassification(cfg).float().eval())
   check_reward_model_round_trip(hf, transformers.Qwen3NextForSequenceClassification, tmp_path)
+
+
+def test_peft_adapter_files_in_and_out(saved, tmp_path):
+  """A LoRA model's PEFT files load in PEFT over transformers' model with our logits
+  (q_proj's B written with zero output-gate rows, no Gated DeltaNet layer adapted), and
+  read back; a PEFT q_proj adapter that moves the gate rows is refused by name."""
+  peft = pytest.importorskip("peft", reason="adapter tests need peft")
+  folder, _ = saved
+  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, seed=2,
+                                lora_targets="q_proj,v_proj,o_proj,down_proj")
+  rng = np.random.default_rng(0)
+  for block in [ours.layers[0].attn, *[b.mlp for b in ours.linear_layers], ours.layers[0].mlp]:
+    for name in ("q_proj", "v_proj", "o_proj", "down_proj"):
+      b = getattr(block, f"{name}_lora_b", None)
+      if b is not None:
+        b.value = jnp.asarray(rng.normal(0, 0.1, b.shape), b.dtype)
+  want = np.asarray(_jitted_logits(ours, TOKENS))
+  models.save_lora_adapter(ours, str(tmp_path / "adapter"))
+  hf = transformers.Qwen3_5ForCausalLM.from_pretrained(folder).float().eval()
+  assert np.abs(hf_logits(hf, TOKENS) - want).max() > 1e-2  # the adapters matter
+  pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+  np.testing.assert_allclose(hf_logits(pm, TOKENS), want, atol=5e-4, rtol=0)
+  back = models.from_pretrained(folder, adapter=str(tmp_path / "adapter"), scan_layers=True)
+  np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), want, atol=1e-4)
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+  name = next(k for k in tensors if "q_proj.lora_B" in k)
+  tensors[name] = tensors[name] + 0.1
+  save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  with pytest.raises(ValueError, match="changes the attention's output gate"):
+    models.from_pretrained(folder, adapter=str(tmp_path / "adapter"))
