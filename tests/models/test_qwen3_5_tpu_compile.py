@@ -1,0 +1,51 @@
+"""A Qwen3.5 model (Gated DeltaNet layers beside gated full attention, layers scanned a
+period at a time) compiles for a TPU slice (libtpu, no TPU): its sharded gradient, and
+the sampler's prefill and decode programs with the recurrent state in the cache."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from posttrain import models
+from tests.tpu_aot import compile_for, requires_libtpu, spec, tpu_mesh
+
+pytestmark = requires_libtpu
+
+CFG = models.get_preset("tiny").replace(
+    vocab_size=512, d_model=256, num_heads=4, num_kv_heads=2, head_dim=128, ffn_dim=512,
+    num_layers=4, dtype="bfloat16", attention_impl="flash", scan_layers=True,
+    architecture="Qwen3_5ForCausalLM", qk_norm=True, norm_unit_offset=True,
+    attn_output_gate=True, layer_types=("linear_attention",) * 3 + ("full_attention",),
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, rope=models.RopeConfig(partial_rotary_factor=0.25))
+
+
+@pytest.mark.slow  # about 40 s of compiling
+def test_gradient_and_sampler_compile_on_a_sharded_tpu_mesh():
+  mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
+  graphdef, state = models.abstract_model(CFG)
+  shardings = models.state_shardings(state, mesh)
+  state = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                       state, shardings)
+  tokens = spec(mesh, (4, 1024), jnp.int32, P("data"))
+  ctx = models.ShardingContext(mesh)
+
+  def loss(state, tokens):
+    model = nnx.merge(graphdef, state)
+    return model(tokens, segment_ids_BxT=jnp.ones_like(tokens), ctx=ctx).astype(
+        jnp.float32).mean()
+
+  compiled = compile_for(mesh, jax.grad(loss), state, tokens)
+  # The linear layers' heads split over tensor: each chip holds half the value heads.
+  assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
+
+  from posttrain.sampling.sampler import Sampler
+  abstract = nnx.eval_shape(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
+  sampler = Sampler(abstract, mesh=mesh, max_len=1024)
+  with jax.set_mesh(mesh):
+    prefill, decode = sampler.compile(16, 256, 256, distinct_prompts=4, temperature=1.0)
+  # The recurrent state [rows, value heads / tensor, 128, 128] f32 rides the decode loop.
+  assert "f32[3,8,2,128,128]" in decode.as_text()
