@@ -356,6 +356,14 @@ def causal_conv1d(x, w, *, segment_ids=None, initial_state=None, activation="sil
     sequence's start, or initial_state entries shifted in if it is the row's first).
   """
   _check_conv_inputs(x, w, segment_ids, initial_state, activation)
+  # Rematerialised: the backward pass keeps the inputs alone and rebuilds the K shifted
+  # (gathered) windows, where autodiff of the body kept a float32 [batch, T, channels]
+  # copy per window and mask (about 36 of them a call in a Qwen3.5 layer).
+  conv = jax.checkpoint(_causal_conv1d, static_argnums=(4, 5), prevent_cse=False)
+  return conv(x, w, segment_ids, initial_state, activation, bool(return_final_state))
+
+
+def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_state):
   batch, length, channels = x.shape
   width = w.shape[1]
   history = width - 1

@@ -493,3 +493,21 @@ def test_runs_on_eight_devices_at_once():
   done = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=root,
                         capture_output=True, text=True, timeout=240)
   assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_conv_backward_keeps_its_inputs_alone():
+  """Rematerialised: the backward pass keeps x, w, the state and the segment ids, not a
+  float32 copy of each shifted window and mask (a gathered window per tap with segment
+  ids)."""
+  b, t, c, width = 2, 64, 16, 4
+  inputs = [jax.ShapeDtypeStruct((b, t, c), jnp.bfloat16),
+            jax.ShapeDtypeStruct((c, width), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, width - 1, c), jnp.bfloat16)]
+  seg = jnp.ones((b, t), jnp.int32)
+
+  def fn(x, w, s0):
+    return conv(x, w, segment_ids=seg, initial_state=s0)
+
+  residuals = jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *inputs))
+  floats = sum(np.prod(r.shape) for r in residuals if jnp.issubdtype(r.dtype, jnp.floating))
+  assert floats <= sum(np.prod(i.shape) for i in inputs)
