@@ -65,6 +65,29 @@ def main() -> None:
       print(f"{length:>6} {name:>9} {1e3 * fwd:>9.1f} {1e3 * both:>11.1f} {temp:>13.1f}")
     ratio = rows["recurrent"][1] / rows["chunked"][1]
     print(f"{length:>6} recurrent / chunked, forward + backward: {ratio:.1f}x")
+  _conv_residuals()
+
+
+def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4) -> None:
+  """Bytes a token the backward pass keeps of `kernels.causal_conv1d` (bf16, segment
+  ids given, as the model calls it) over Qwen3.5's q, k and v channels (16 key heads and
+  32 value heads of 128), rematerialised (ours) against the body differentiated as it
+  is."""
+  import sys
+  module = sys.modules["kernels.gated_delta_rule"]
+  seg = jnp.ones((1, length), jnp.int32)
+  inputs = [jax.ShapeDtypeStruct((1, length, channels), jnp.bfloat16),
+            jax.ShapeDtypeStruct((channels, width), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, width - 1, channels), jnp.bfloat16)]
+  arms = {"remat": lambda x, w, s0: kernels.causal_conv1d(x, w, segment_ids=seg,
+                                                          initial_state=s0),
+          "plain": lambda x, w, s0: module._causal_conv1d(x, w, seg, s0, "silu", False)}
+  for name, fn in arms.items():
+    residuals = jax.tree.leaves(jax.eval_shape(lambda *a, fn=fn: jax.vjp(fn, *a)[1],
+                                               *inputs))
+    kept = sum(np.prod(r.shape) * np.dtype(r.dtype).itemsize for r in residuals)
+    print(f"causal_conv1d {name:>5}: {kept / length / 1024:.1f} KiB a token kept for the "
+          f"backward pass ({channels} channels)")
 
 
 if __name__ == "__main__":
