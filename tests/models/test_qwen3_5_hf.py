@@ -447,3 +447,16 @@ def test_peft_adapter_files_in_and_out(saved, tmp_path):
   save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
   with pytest.raises(ValueError, match="changes the attention's output gate"):
     models.from_pretrained(folder, adapter=str(tmp_path / "adapter"))
+
+
+def test_an_int8_cache_quantises_the_attention_layers_alone(saved):
+  """cache_dtype="int8": the full layer's keys and values int8 with scales, the linear
+  layers' state float32 and conv inputs in the compute dtype; greedy tokens unchanged."""
+  model = models.from_pretrained(saved[0], scan_layers=True)
+  cache = models.init_cache(model.cfg, 2, 16, jnp.int8)
+  assert cache.full.k.dtype == jnp.int8 and cache.linear.state.dtype == jnp.float32
+  assert cache.linear.q_conv.dtype == jnp.float32  # the compute dtype here
+  kwargs = dict(max_new_tokens=8, temperature=0.0)
+  plain = Sampler(model, max_len=48).generate(PROMPTS, **kwargs)
+  int8 = Sampler(model, max_len=48, cache_dtype="int8").generate(PROMPTS, **kwargs)
+  np.testing.assert_array_equal(int8.tokens, plain.tokens)
