@@ -850,8 +850,14 @@ def _cache_note(cfg: models.ModelConfig, dtype: np.dtype) -> str:
 
 
 def _cache_layers_note(cfg: models.ModelConfig, max_len: int) -> str:
-  """'<slots> x <layers> layers', with the sliding layers' rings apart."""
+  """'<slots> x <layers> layers', with the sliding layers' rings apart (and the linear
+  layers' fixed-size states apart: '<slots> x <full> layers (+ <n> linear layers'
+  states)')."""
   sliding = sum(cfg.sliding_layers)
+  linear = sum(cfg.linear_layers)
+  if linear:
+    return (f"{max_len} x {cfg.num_layers - linear} layers (+ {linear} linear layers' "
+            "states)")
   ring = models.sliding_cache_slots(cfg, max_len)
   if not sliding or ring == max_len:
     return f"{max_len} x {cfg.num_layers} layers"
