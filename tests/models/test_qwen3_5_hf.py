@@ -270,6 +270,10 @@ def test_planner_counts_the_recurrent_state(saved):
   one_kv = planner.kv_cache_bytes(cfg, batch=4, max_len=256, mesh=mesh) - planner.kv_cache_bytes(
       cfg, batch=4, max_len=64, mesh=mesh)
   assert one_kv == 4 * 2 * 2 * 16 * (256 - 64) * 4  # k and v of the one full layer
+  # An int8 cache quantises the full layer's keys and values alone.
+  cache = models.init_cache(cfg.replace(scan_layers=True), 2, 16, jnp.int8)
+  assert cache.full.k.dtype == jnp.int8 and cache.linear.state.dtype == jnp.float32
+  assert cache.linear.q_conv.dtype == jnp.float32  # the compute dtype here
 
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -365,8 +369,9 @@ def saved_next(tmp_path_factory):
   return folder, hf
 
 
-@pytest.mark.parametrize("family,scan", [("saved_moe", False), ("saved_moe", True),
-                                         ("saved_next", False), ("saved_next", True)])
+@pytest.mark.parametrize("family,scan", [
+    ("saved_moe", False), pytest.param("saved_moe", True, marks=pytest.mark.slow),
+    pytest.param("saved_next", False, marks=pytest.mark.slow), ("saved_next", True)])
 def test_mixture_logits_and_generation_match_transformers(request, family, scan):
   """Qwen3.5-MoE (top-k renormalised) and Qwen3-Next (here not): every layer's mixture
   of 4 experts, top 2, beside a 32-wide gated shared expert."""
@@ -442,13 +447,11 @@ def test_peft_adapter_files_in_and_out(saved, tmp_path):
     models.from_pretrained(folder, adapter=str(tmp_path / "adapter"))
 
 
+@pytest.mark.slow  # two samplers compiled; the cache's dtypes are checked by default
 def test_an_int8_cache_quantises_the_attention_layers_alone(saved):
-  """cache_dtype="int8": the full layer's keys and values int8 with scales, the linear
-  layers' state float32 and conv inputs in the compute dtype; greedy tokens unchanged."""
+  """cache_dtype="int8": greedy tokens unchanged (the full layer's keys and values int8,
+  the linear layers' state float32: `test_planner_counts_the_recurrent_state`)."""
   model = models.from_pretrained(saved[0], scan_layers=True)
-  cache = models.init_cache(model.cfg, 2, 16, jnp.int8)
-  assert cache.full.k.dtype == jnp.int8 and cache.linear.state.dtype == jnp.float32
-  assert cache.linear.q_conv.dtype == jnp.float32  # the compute dtype here
   kwargs = dict(max_new_tokens=8, temperature=0.0)
   plain = Sampler(model, max_len=48).generate(PROMPTS, **kwargs)
   int8 = Sampler(model, max_len=48, cache_dtype="int8").generate(PROMPTS, **kwargs)
