@@ -687,7 +687,7 @@ def check_exportable(cfg: ModelConfig) -> None:
                       ("linear_attention layers", any(cfg.linear_layers))):
     if qwen3_5 != bool(value):
       raise ValueError(f"{name}={bool(value)} cannot be written as {arch}: "
-                       f"{'it always has' if qwen3_5 else f'{QWEN3_5} and {QWEN3_5_MOE} hold'} "
+                       f"{'it always has' if qwen3_5 else ', '.join(_QWEN3_5S) + ' hold'} "
                        "them")
   _check_family_options(cfg, lm)
   _check_mixture_options(cfg, lm)
