@@ -493,6 +493,7 @@ class ModelConfig:
                        f"{self.head_dim}]")
     held = [n for n, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
                             ("attention_sinks", self.attention_sinks),
+                            ("attn_output_gate", self.attn_output_gate),
                             ("sliding_window", self.sliding_window is not None)) if on]
     if held:
       raise ValueError(f"{', '.join(held)} with multi-head latent attention "

@@ -248,6 +248,9 @@ def test_configs_that_cannot_be_written_are_refused(saved):
      "sliding_attention layers with linear_attention"),
     (dict(layer_types=("linear_attention",) * 4), "no full_attention layer"),
     (dict(linear_conv_kernel=0), "linear_conv_kernel=0"),
+    (dict(layer_types=(), qk_norm=False, num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4,
+          v_head_dim=16, rope=dict(partial_rotary_factor=0.25)),
+     "attn_output_gate with multi-head latent attention"),
 ])
 def test_bad_linear_attention_configs_are_refused(saved, change, match):
   cfg = models.from_pretrained(saved[0]).cfg
