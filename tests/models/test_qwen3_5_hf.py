@@ -151,18 +151,32 @@ def test_continuous_batching_and_resume_draw_the_same_samples(saved):
     assert joined == whole.tokens[i, :whole.lengths[i]].tolist(), i
 
 
-def test_export_round_trip_is_exact(saved, tmp_path):
-  folder, hf = saved
-  ours = models.from_pretrained(folder, scan_layers=True)
+@pytest.mark.parametrize("family,cls,model_type,scan", [
+    ("saved", "Qwen3_5ForCausalLM", "qwen3_5_text", True),
+    ("saved_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", True),
+    ("saved_next", "Qwen3NextForCausalLM", "qwen3_next", False)])
+def test_export_round_trip_is_exact(request, family, cls, model_type, scan, tmp_path):
+  """The files we write hold transformers' names (Qwen3-Next's fused projections written
+  back byte for byte) and load back to the same logits and config."""
+  folder, hf = request.getfixturevalue(family)
+  ours = models.from_pretrained(folder, scan_layers=scan)
   models.save_pretrained(ours, str(tmp_path / "out"))
   from safetensors.numpy import load_file
-  assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(
-      load_file(f"{folder}/model.safetensors"))
-  back = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
+      tmp_path / "out" / "model.safetensors")
+  assert set(written) == set(theirs)
+  if family == "saved_next":
+    for name in ("model.layers.0.linear_attn.in_proj_qkvz.weight",
+                 "model.layers.2.linear_attn.in_proj_ba.weight"):
+      np.testing.assert_array_equal(written[name], theirs[name])
+  back = getattr(transformers, cls).from_pretrained(str(tmp_path / "out")).float().eval()
   np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
-  written = json.loads((tmp_path / "out" / "config.json").read_text())
-  assert written["model_type"] == "qwen3_5_text"
-  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert config["model_type"] == model_type
+  assert models.hf_config_to_model_config(config) == ours.cfg.replace(scan_layers=False)
+  if family == "saved_moe":
+    with pytest.raises(ValueError, match="norm_topk_prob=False cannot be written"):
+      check_exportable(ours.cfg.replace(norm_topk_prob=False))
 
 
 def test_vision_language_checkpoint_reads_its_language_model(tmp_path):
@@ -308,22 +322,6 @@ def test_moe_router_loss_spans_both_kinds_of_layer(saved_moe):
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_moe_export_round_trip_is_exact(saved_moe, tmp_path):
-  folder, hf = saved_moe
-  ours = models.from_pretrained(folder, scan_layers=True)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  from safetensors.numpy import load_file
-  assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(
-      load_file(f"{folder}/model.safetensors"))
-  back = transformers.Qwen3_5MoeForCausalLM.from_pretrained(str(tmp_path / "out")).float()
-  np.testing.assert_array_equal(hf_logits(back.eval(), TOKENS), hf_logits(hf, TOKENS))
-  written = json.loads((tmp_path / "out" / "config.json").read_text())
-  assert written["model_type"] == "qwen3_5_moe_text"
-  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
-  with pytest.raises(ValueError, match="norm_topk_prob=False cannot be written"):
-    check_exportable(ours.cfg.replace(norm_topk_prob=False))
-
-
 def test_next_turns_continue_from_the_state_their_slot_holds(saved):
   """A transcript that extends a row just ended goes on in that row's slot from the
   state it left (its prompt and the tokens before its last: the one never fed), the
@@ -390,25 +388,6 @@ def test_mixture_logits_and_generation_match_transformers(request, family, scan)
   assert np.abs(want).max() > 3
   for i, (got, want) in enumerate(greedy_tokens(folder, hf, PROMPTS, 8, scan)):
     assert got == want, i
-
-
-def test_qwen3_next_export_round_trip_is_exact(saved_next, tmp_path):
-  """The fused projections are written back as transformers wrote them."""
-  folder, hf = saved_next
-  ours = models.from_pretrained(folder)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  from safetensors.numpy import load_file
-  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
-      tmp_path / "out" / "model.safetensors")
-  assert set(written) == set(theirs)
-  for name in ("model.layers.0.linear_attn.in_proj_qkvz.weight",
-               "model.layers.2.linear_attn.in_proj_ba.weight"):
-    np.testing.assert_array_equal(written[name], theirs[name])
-  back = transformers.Qwen3NextForCausalLM.from_pretrained(str(tmp_path / "out")).float()
-  np.testing.assert_array_equal(hf_logits(back.eval(), TOKENS), hf_logits(hf, TOKENS))
-  config = json.loads((tmp_path / "out" / "config.json").read_text())
-  assert config["model_type"] == "qwen3_next"
-  assert models.hf_config_to_model_config(config) == ours.cfg
 
 
 @pytest.mark.slow  # Qwen3.5's reward model runs by default; the trunks' parity above
