@@ -11,13 +11,13 @@ time of each and XLA's temporary bytes of the compiled forward + backward.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kernels
+from benchmarks.attention import _median_seconds
 
 MIB = 1 << 20
 
@@ -30,16 +30,6 @@ def _inputs(length: int, hk: int = 4, hv: int = 8, d: int = 64):
   g = jnp.asarray(-np.abs(r.normal(size=(1, length, hv))) * 0.1, jnp.float32)
   beta = jnp.asarray(r.uniform(size=(1, length, hv)), jnp.float32)
   return q, k, v, g, beta
-
-
-def _median(fn, args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def main() -> None:
@@ -58,8 +48,8 @@ def main() -> None:
       grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
       outs[name] = np.asarray(forward(*inputs))
       temp = grad.lower(*inputs).compile().memory_analysis().temp_size_in_bytes
-      rows[name] = (_median(forward, inputs, args.reps), _median(grad, inputs, args.reps),
-                    temp / MIB)
+      rows[name] = (_median_seconds(forward, inputs, args.reps),
+                    _median_seconds(grad, inputs, args.reps), temp / MIB)
     np.testing.assert_allclose(outs["chunked"], outs["recurrent"], atol=2e-3, rtol=2e-3)
     for name, (fwd, both, temp) in rows.items():
       print(f"{length:>6} {name:>9} {1e3 * fwd:>9.1f} {1e3 * both:>11.1f} {temp:>13.1f}")
