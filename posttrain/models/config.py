@@ -47,6 +47,12 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_LORA_TARGETS = LORA_TARGETS[:4]
 DEFAULT_LORA_TARGETS = ",".join(LORA_TARGETS)
+# A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
+# Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
+QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                               "out_proj")
+QWEN3_NEXT_LINEAR_LORA_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+LINEAR_LORA_TARGETS = QWEN3_5_LINEAR_LORA_TARGETS[:4] + QWEN3_NEXT_LINEAR_LORA_TARGETS
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
 # kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU (heads-major cache,
@@ -189,7 +195,11 @@ class ModelConfig:
     lora_alpha: the adapters' output is scaled by lora_alpha / lora_rank (PEFT's rule).
     lora_targets: comma-separated projections given adapters (names in LORA_TARGETS). A
       mixture-of-experts model takes adapters on the attention projections only: left at
-      its default, the MLP names are dropped; named explicitly, they are an error.
+      its default, the MLP names are dropped; named explicitly, they are an error. Gated
+      DeltaNet layers' projections are named as in their Hugging Face family:
+      in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj (Qwen3.5), or
+      in_proj_qkvz, in_proj_ba and out_proj (Qwen3-Next, architecture Qwen3Next*); left
+      at its default, a model with such layers adapts all of them too.
     num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP (past the
       `dense_layers`) is that many SwiGLU experts of width ffn_dim, and a router sends
       each token to `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
@@ -410,11 +420,19 @@ class ModelConfig:
       if not self.lora_alpha > 0:
         raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
       names = [t.strip() for t in str(self.lora_targets).split(",") if t.strip()]
-      bad = [t for t in names if t not in LORA_TARGETS]
+      linear = self.linear_lora_targets if any(self.linear_layers) else ()
+      bad = [t for t in names if t not in LORA_TARGETS + linear]
       if bad or not names:
+        wrong = [t for t in bad if t in LINEAR_LORA_TARGETS]
+        if wrong and linear:
+          raise ValueError(f"lora_targets {wrong} are not projections of {self.architecture}"
+                           f"'s Gated DeltaNet layers; those are {','.join(linear)}")
+        if wrong:
+          raise ValueError(f"lora_targets {wrong} are Gated DeltaNet projections, but this "
+                           "model has no linear_attention layers")
         raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
-                         f"subset of {LORA_TARGETS}")
-      mlp = [t for t in names if t not in ATTENTION_LORA_TARGETS]
+                         f"subset of {LORA_TARGETS + linear}")
+      mlp = [t for t in names if t in LORA_TARGETS[4:]]
       if self.num_experts and mlp and self.lora_targets != DEFAULT_LORA_TARGETS:
         raise ValueError(f"lora_targets {mlp} are MLP projections, but this model's MLPs "
                          f"are {self.num_experts} experts, which take no adapters; use "
@@ -629,7 +647,20 @@ class ModelConfig:
       return ()
     names = {t.strip() for t in str(self.lora_targets).split(",")}
     allowed = ATTENTION_LORA_TARGETS if self.num_experts else LORA_TARGETS
+    if any(self.linear_layers):
+      allowed += self.linear_lora_targets
+      if self.lora_targets == DEFAULT_LORA_TARGETS:
+        names |= set(self.linear_lora_targets)
     return tuple(t for t in allowed if t in names)
+
+  @property
+  def linear_lora_targets(self) -> tuple[str, ...]:
+    """The LoRA target names of a Gated DeltaNet layer's projections, as the model's
+    Hugging Face family names its modules (Qwen3-Next's fused in_proj_qkvz / in_proj_ba,
+    else Qwen3.5's)."""
+    if self.architecture.startswith("Qwen3Next"):
+      return QWEN3_NEXT_LINEAR_LORA_TARGETS
+    return QWEN3_5_LINEAR_LORA_TARGETS
 
   @property
   def lora_scale(self) -> float:
@@ -647,9 +678,17 @@ class ModelConfig:
       sizes.update(q_proj=(self.q_lora_rank or d) + n * h,
                    k_proj=r + n * (h - self.qk_rope_head_dim), v_proj=r + n * v,
                    o_proj=n * v + d)
-    # A linear-attention layer has no attention targets (`stack_lora_targets`).
-    layers = {t: self.num_layers - (sum(self.linear_layers) if t in ATTENTION_LORA_TARGETS
-                                    else 0) for t in self.lora_target_names}
+    hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+    qk, vd = hk * self.linear_key_head_dim, hv * self.linear_value_head_dim
+    sizes.update(in_proj_qkv=d + 2 * qk + vd, in_proj_z=d + vd, in_proj_b=d + hv,
+                 in_proj_a=d + hv, in_proj_qkvz=d + 2 * qk + 2 * vd, in_proj_ba=d + 2 * hv,
+                 out_proj=vd + d)
+    # A linear-attention layer has no attention targets and full layers no linear ones
+    # (`stack_lora_targets`).
+    linear = sum(self.linear_layers)
+    layers = {t: linear if t in LINEAR_LORA_TARGETS else
+              self.num_layers - linear if t in ATTENTION_LORA_TARGETS else self.num_layers
+              for t in self.lora_target_names}
     return self.lora_rank * sum(sizes[t] * layers[t] for t in self.lora_target_names)
 
   @property

@@ -30,8 +30,9 @@ from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
-from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter, _lora_axes,
-                                          layer_index, layer_path, layer_stacks, merge_lora,
+from posttrain.models.transformer import (_ATTN_TARGETS, _LINEAR_PARTS, Transformer,
+                                          _fresh_adapter, _lora_axes, layer_index,
+                                          layer_path, layer_stacks, merge_lora,
                                           stack_lora_targets, value_head_std)
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
@@ -1360,19 +1361,47 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
   for t in cfg.lora_target_names:
     in_shape, _, out_shape, _ = _lora_axes(cfg, t)
     fan_in, fan_out = int(np.prod(in_shape)), int(np.prod(out_shape))
-    owner, module = ("attn", "self_attn") if t in _ATTN_TARGETS else ("mlp", "mlp")
+    owner, module = (("linear_attn",) * 2 if t in _LINEAR_PARTS else
+                     ("attn", "self_attn") if t in _ATTN_TARGETS else ("mlp", "mlp"))
     a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
     b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
     if t == "q_proj" and cfg.attn_output_gate:
       b_maps = _gated_query_b(cfg.num_heads, cfg.head_dim, r)
+    if t in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next's, grouped by key head
+      b_maps = _key_group_b(cfg, t, r)
     for i in range(cfg.num_layers):
       if t not in stack_lora_targets(cfg, layer_path(cfg, i)[0]):
-        continue  # a Gated DeltaNet layer: no attention projections to adapt
+        continue  # the other kind of layer: a projection it does not have
       ours = layer_path(cfg, i) + (owner,)
       peft = f"base_model.model.model.layers.{i}.{module}.{t}."
       rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
                (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows
+
+
+def _key_group_b(cfg: ModelConfig, target: str, r: int) -> tuple[Transform, Transform]:
+  """(PEFT -> ours, ours -> PEFT) of the B of an adapter on Qwen3-Next's in_proj_qkvz or
+  in_proj_ba: PEFT's lora_B rows run per key head through its parts (q, k, its value
+  heads' v, their z; or b, a), ours [r, total] through each part of every key head in
+  turn (`_LINEAR_PARTS`), as the weights' rows are (`_qwen3_next_projection_rows`)."""
+  hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  g = hv // hk
+  sizes = (dk, dk, g * dv, g * dv) if target == "in_proj_qkvz" else (g, g)
+  width, starts = sum(sizes), np.cumsum((0,) + sizes[:-1])
+
+  def to_ours(x):
+    x = np.asarray(x).reshape(hk, width, r)
+    return np.concatenate([x[:, s:s + n].reshape(hk * n, r)
+                           for s, n in zip(starts, sizes)]).T
+
+  def to_peft(x):
+    x = np.asarray(x).reshape(r, -1).T
+    out, off = np.empty((hk, width, r), x.dtype), 0
+    for s, n in zip(starts, sizes):
+      out[:, s:s + n], off = x[off:off + hk * n].reshape(hk, n, r), off + hk * n
+    return out.reshape(hk * width, r)
+  return to_ours, to_peft
 
 
 def _gated_query_b(n: int, h: int, r: int) -> tuple[Transform, Transform]:
@@ -1409,20 +1438,33 @@ _SCORE_MODULES = {"classifier", "score"}
 _PEFT_SCORE = "base_model.model.score.weight"
 
 
-def _adapter_targets(where: str, targets: Any, num_layers: int) -> tuple[str, ...]:
-  """The projections a PEFT target_modules list puts adapters on, in LORA_TARGETS order.
+def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, ...]:
+  """The projections a PEFT target_modules list puts adapters on (in LORA_TARGETS order,
+  then the Gated DeltaNet ones), for a base model of config `cfg`.
 
   PEFT matches an entry to a module whose dotted name equals it or ends in "." + it; its
   own "all-linear" is saved as full names (model.layers.0.self_attn.q_proj, ...). We hold
-  one adapter per projection kind for every layer, so each kind must cover all layers.
+  one adapter per projection kind for every layer that has it, so each kind must cover
+  all those layers.
   """
-  if targets == "all-linear":  # Every Linear but the output layer: all seven here.
+  if targets == "all-linear":  # Every Linear but the output layer: the default targets.
     return LORA_TARGETS
+  names = LORA_TARGETS + (cfg.linear_lora_targets if any(cfg.linear_layers) else ())
   if not targets or isinstance(targets, str):
     raise ValueError(f"{where} target_modules={targets!r} is not supported; expected a list "
-                     f"of names in {LORA_TARGETS}")
-  modules = {(i, t): f"model.layers.{i}.{'self_attn' if t in _ATTN_TARGETS else 'mlp'}.{t}"
-             for i in range(num_layers) for t in LORA_TARGETS}
+                     f"of names in {names}")
+
+  def module(i, t):  # the layer's module of that name, None where it has none
+    linear = cfg.linear_layers[i]
+    if t in _ATTN_TARGETS:
+      return None if linear else f"model.layers.{i}.self_attn.{t}"
+    if t in LORA_TARGETS:
+      return f"model.layers.{i}.mlp.{t}"
+    return f"model.layers.{i}.linear_attn.{t}" if linear else None
+
+  modules = {(i, t): module(i, t) for i in range(cfg.num_layers) for t in names
+             if module(i, t) is not None}
+  owners = {t: [i for i in range(cfg.num_layers) if (i, t) in modules] for t in names}
 
   def matches(name, entry):
     return name == entry or name.endswith("." + entry)
@@ -1430,20 +1472,21 @@ def _adapter_targets(where: str, targets: Any, num_layers: int) -> tuple[str, ..
   bad = sorted(e for e in targets if not any(matches(n, e) for n in modules.values()))
   if bad:
     raise ValueError(f"{where} target_modules {bad[:5]} are not supported; expected names in "
-                     f"{LORA_TARGETS}")
+                     f"{names}")
   covered = {m for m, n in modules.items() if any(matches(n, e) for e in targets)}
-  kinds = tuple(t for t in LORA_TARGETS if any((i, t) in covered for i in range(num_layers)))
-  partial = [t for t in kinds if not all((i, t) in covered for i in range(num_layers))]
+  kinds = tuple(t for t in names if any((i, t) in covered for i in owners[t]))
+  partial = [t for t in kinds if not all((i, t) in covered for i in owners[t])]
   if partial:
     raise ValueError(f"{where} target_modules wrap {partial} in only some layers; adapters "
                      f"on every layer are supported")
   return kinds
 
 
-def _read_adapter_config(path: str, num_layers: int, *, classifier: bool = False
+def _read_adapter_config(path: str, base: ModelConfig, *, classifier: bool = False
                          ) -> dict[str, Any]:
-  """lora_rank, lora_alpha and lora_targets of a PEFT LoRA adapter folder; `classifier`:
-  the base is a sequence classifier, whose adapter may save its score layer whole."""
+  """lora_rank, lora_alpha and lora_targets of a PEFT LoRA adapter folder over a model of
+  config `base`; `classifier`: the base is a sequence classifier, whose adapter may save
+  its score layer whole."""
   cfg_path = os.path.join(path, "adapter_config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{cfg_path} does not exist")
@@ -1461,7 +1504,7 @@ def _read_adapter_config(path: str, num_layers: int, *, classifier: bool = False
                      "model's ['classifier', 'score'] is)")
   if c.get("bias", "none") != "none":
     raise ValueError(f"{where} bias={c['bias']!r} is not supported (expected 'none')")
-  targets = _adapter_targets(where, c.get("target_modules"), num_layers)
+  targets = _adapter_targets(where, c.get("target_modules"), base)
   r, alpha = c.get("r"), c.get("lora_alpha")
   if isinstance(r, bool) or not isinstance(r, int) or r < 1:
     raise ValueError(f"{where} r={r!r}; expected an int >= 1")
@@ -1632,8 +1675,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if adapter is not None:
     classifier = (_architecture(hf_cfg) in SEQUENCE_CLASSIFIERS
                   or overrides.get("architecture") in SEQUENCE_CLASSIFIERS)
-    lora = _read_adapter_config(adapter, int(hf_cfg["num_hidden_layers"]),
-                                classifier=classifier)
+    base = hf_config_to_model_config(
+        hf_cfg, **{k: v for k, v in overrides.items() if not k.startswith("lora_")})
+    lora = _read_adapter_config(adapter, base, classifier=classifier)
     _check_adapter_overrides(adapter, lora, overrides)
     overrides = {**overrides, **lora}
   cfg = hf_config_to_model_config(hf_cfg, **overrides)

@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from posttrain.models import rope as rope_lib
-from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig, decode_chunk_for
+from posttrain.models.config import (LINEAR_LORA_TARGETS, LORA_TARGETS, ModelConfig, RopeConfig,
+                                     decode_chunk_for)
 from posttrain.models.sharding import ShardingContext
 
 _NO_SHARDING = ShardingContext(None)
@@ -317,11 +318,36 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
 # -- LoRA adapters --------------------------------------------------------------------------
 
 _ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The projections of `LinearAttention` a Gated DeltaNet target wraps, in the order its B's
+# output columns hold them (each flattened row-major): one A shared by all, as the Hugging
+# Face module it is named after is one matrix.
+_LINEAR_PARTS = {"in_proj_qkv": ("q_proj", "k_proj", "v_proj"), "in_proj_z": ("z_proj",),
+                 "in_proj_b": ("b_proj",), "in_proj_a": ("a_proj",),
+                 "in_proj_qkvz": ("q_proj", "k_proj", "v_proj", "z_proj"),
+                 "in_proj_ba": ("b_proj", "a_proj"), "out_proj": ("o_proj",)}
+
+
+def _linear_part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Output shape of each of `LinearAttention`'s input projections."""
+  hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  return {"q_proj": (hk, dk), "k_proj": (hk, dk), "v_proj": (hv, dv), "z_proj": (hv, dv),
+          "b_proj": (hv,), "a_proj": (hv,)}
 
 
 def _lora_axes(cfg: ModelConfig, target: str):
   """(input shape, input axes, output shape, output axes) of a wrapped projection."""
   d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  if target in _LINEAR_PARTS:
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    if target == "out_proj":
+      return ((hv, dv), ("linear_heads", "head_dim"), (d,), ("embed",))
+    parts = _LINEAR_PARTS[target]
+    if len(parts) == 1:  # z_proj, b_proj, a_proj: shaped, sharded, as their weights
+      out = _linear_part_shapes(cfg)[parts[0]]
+      return ((d,), ("embed",), out, ("linear_heads", "head_dim")[:len(out)])
+    shapes = _linear_part_shapes(cfg)
+    return ((d,), ("embed",), (sum(int(np.prod(shapes[p])) for p in parts),), (None,))
   if cfg.kv_lora_rank and target in _ATTN_TARGETS:  # MLA's (`_lora_param`)
     r, v, hn = cfg.kv_lora_rank, cfg.v_head_dim, h - cfg.qk_rope_head_dim
     q_in = ((cfg.q_lora_rank,), ("latent",)) if cfg.q_lora_rank else ((d,), ("embed",))
@@ -378,17 +404,16 @@ def layer_index(cfg: ModelConfig, stack: str, j: int) -> int:
 
 def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
   """The LoRA targets the layers of `stack` carry: a linear-attention layer has no
-  q/k/v/o_proj of attention, so only its MLP's."""
-  if stack == "linear_layers":
-    return tuple(t for t in cfg.lora_target_names if t not in _ATTN_TARGETS)
-  return cfg.lora_target_names
+  q/k/v/o_proj of attention, and an attention layer no Gated DeltaNet projections."""
+  other = _ATTN_TARGETS if stack == "linear_layers" else LINEAR_LORA_TARGETS
+  return tuple(t for t in cfg.lora_target_names if t not in other)
 
 
 def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = "layers"):
   """(A, B) of a new adapter on `target`: layer `layer`'s, or with `layer` None every
   layer's of `stack` stacked on a leading axis. Layer i draws from
-  fold_in(fold_in(key, i), the target's index in LORA_TARGETS)."""
-  index = LORA_TARGETS.index(target)
+  fold_in(fold_in(key, i), the target's index in LORA_TARGETS + LINEAR_LORA_TARGETS)."""
+  index = (LORA_TARGETS + LINEAR_LORA_TARGETS).index(target)
 
   def one(i):
     return _lora_init(cfg, target, jax.random.fold_in(jax.random.fold_in(key, i), index))
@@ -400,7 +425,15 @@ def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = 
 
 def _owner(target: str) -> str:
   """The block's submodule holding `target`."""
+  if target in _LINEAR_PARTS:
+    return "linear_attn"
   return "attn" if target in _ATTN_TARGETS else "mlp"
+
+
+def _lora_params(cfg: ModelConfig, target: str) -> tuple[str, ...]:
+  """The weights an adapter on `target` wraps, in its B's column order: one but for a
+  fused Gated DeltaNet projection (`_LINEAR_PARTS`)."""
+  return _LINEAR_PARTS.get(target) or (_lora_param(cfg, target),)
 
 
 def _lora_param(cfg: ModelConfig, target: str) -> str:
@@ -444,6 +477,24 @@ def _add_lora(module, target: str, y, x, down: str, up: str):
   return y + (module.cfg.lora_scale * jnp.einsum(up, xa, b[...].astype(dt))).astype(dt)
 
 
+def _add_fused_lora(module, target: str, outs: dict, x) -> dict:
+  """`outs` (a Gated DeltaNet layer's input projections by weight name, [B, T, ...]) with
+  the adapter on `target` added to each projection it wraps, when `module` has one."""
+  a = getattr(module, f"{target}_lora_a", None)
+  if a is None:
+    return outs
+  b = getattr(module, f"{target}_lora_b")[...]
+  dt = x.dtype
+  xa = jnp.einsum("BTD,DR->BTR", x, a[...].astype(dt))
+  y = module.cfg.lora_scale * jnp.einsum("BTR,RO->BTO", xa, b.reshape(b.shape[0], -1).astype(dt))
+  outs, start = dict(outs), 0
+  for name in _LINEAR_PARTS[target]:
+    size = int(np.prod(outs[name].shape[2:]))
+    part = y[..., start:start + size].reshape(outs[name].shape)
+    outs[name], start = outs[name] + part.astype(dt), start + size
+  return outs
+
+
 def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) -> dict:
   """The model's state as a pure dict, each adapter folded into its projection
   (W + scale * A B, in float32); with `key`, fresh adapters of `cfg` (default: the
@@ -460,12 +511,16 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
     for t in stack_lora_targets(old, stack):
       owner = layer[_owner(t)]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
-      name = _lora_param(old, t)
-      w, r = owner[name], old.lora_rank
+      r = old.lora_rank
       lead = a.shape[:1] if stacked else ()
       delta = jnp.matmul(a.reshape(*lead, -1, r).astype(jnp.float32),
                          b.reshape(*lead, r, -1).astype(jnp.float32)) * old.lora_scale
-      owner[name] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+      start = 0  # a fused target's columns hold its weights' updates in turn
+      for name in _lora_params(old, t):
+        w = owner[name]
+        size = w.size // int(np.prod(delta.shape[:-1]))
+        part = delta[..., start:start + size].reshape(w.shape)
+        owner[name], start = (w.astype(jnp.float32) + part).astype(w.dtype), start + size
     if key is None:
       continue
     for t in stack_lora_targets(cfg, stack):
@@ -1341,13 +1396,14 @@ class LinearAttention(nnx.Module):
     x = x_BxTxD.astype(dt)
     b, t, _ = x.shape
     heads = ("batch", "length", "linear_heads", "head_dim")
-    q = ctx.constrain(jnp.einsum("BTD,DKH->BTKH", x, self.q_proj[...].astype(dt)), heads)
-    k = ctx.constrain(jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt)), heads)
-    v = ctx.constrain(jnp.einsum("BTD,DVH->BTVH", x, self.v_proj[...].astype(dt)), heads)
-    z = ctx.constrain(jnp.einsum("BTD,DVH->BTVH", x, self.z_proj[...].astype(dt)), heads)
-    beta = jax.nn.sigmoid(jnp.einsum("BTD,DV->BTV", x, self.b_proj[...].astype(dt))
-                          .astype(jnp.float32))
-    a = jnp.einsum("BTD,DV->BTV", x, self.a_proj[...].astype(dt)).astype(jnp.float32)
+    outs = {name: jnp.einsum("BTD,D...->BT...", x, getattr(self, name)[...].astype(dt))
+            for name in ("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj")}
+    for target in cfg.lora_target_names:
+      if target in _LINEAR_PARTS and target != "out_proj":
+        outs = _add_fused_lora(self, target, outs, x)
+    q, k, v, z = (ctx.constrain(outs[f"{n}_proj"], heads) for n in "qkvz")
+    beta = jax.nn.sigmoid(outs["b_proj"].astype(jnp.float32))
+    a = outs["a_proj"].astype(jnp.float32)
     g = -jnp.exp(self.A_log[...].astype(jnp.float32))[None, None] * jax.nn.softplus(
         a + self.dt_bias[...].astype(jnp.float32)[None, None])
     old = None
@@ -1377,6 +1433,7 @@ class LinearAttention(nnx.Module):
     o = self.norm[...].astype(dt)[None, None, None] * o32.astype(dt)
     o = (o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
     y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
+    y = _add_lora(self, "out_proj", y, o, "BTVH,VHR->BTR", "BTR,RD->BTD")
     new_cache = None
     if cache is not None:
       new = LinearCache(q_conv.astype(cache.q_conv.dtype), k_conv.astype(cache.k_conv.dtype),

@@ -201,31 +201,73 @@ def test_reward_model_scores_match_transformers(tmp_path):
   check_reward_model_round_trip(hf, transformers.Qwen3_5TextForSequenceClassification, tmp_path)
 
 
-def test_lora_targets_the_attention_layers_and_every_mlp(saved):
-  """Attention targets go on the full-attention layers (a Gated DeltaNet layer has no
-  q/k/v/o of attention), MLP targets on every layer; both layouts draw the same adapters
-  by model layer, and merging them keeps the function."""
+def _random_adapters(model, seed=0):
+  """Every adapter's B drawn at random (a fresh adapter's B is zero: it changes nothing)."""
+  rng = np.random.default_rng(seed)
+  for _, b in nnx.iter_graph(model):
+    if isinstance(b, nnx.LoRAParam) and np.all(np.asarray(b[...]) == 0):
+      b.value = jnp.asarray(rng.normal(0, 0.1, b.shape), b.dtype)
+
+
+def test_lora_targets_each_kind_of_layer(saved):
+  """Attention targets go on the full-attention layers, Gated DeltaNet targets (by
+  default all five of Qwen3.5's) on the linear ones, MLP targets on every layer; both
+  layouts draw the same adapters by model layer, and merging them keeps the function."""
   folder, _ = saved
-  targets = "q_proj,v_proj,down_proj"
-  a = models.from_pretrained(folder, lora_rank=4, seed=3, lora_targets=targets)
-  b = models.from_pretrained(folder, lora_rank=4, seed=3, lora_targets=targets,
-                             scan_layers=True)
+  a = models.from_pretrained(folder, lora_rank=4, seed=3)
+  b = models.from_pretrained(folder, lora_rank=4, seed=3, scan_layers=True)
+  assert a.cfg.lora_target_names[7:] == ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                         "in_proj_a", "out_proj")
   assert not hasattr(a.linear_layers[0], "attn")
-  assert hasattr(a.linear_layers[0].mlp, "down_proj_lora_a")
+  assert not hasattr(a.layers[0].attn, "out_proj_lora_a")
+  lin = a.linear_layers[2].linear_attn
+  assert lin.in_proj_qkv_lora_b.shape == (4, 2 * 2 * 8 + 4 * 12)  # [r, q; k; v columns]
+  assert lin.in_proj_z_lora_b.shape == (4, 4, 12) and lin.out_proj_lora_a.shape == (4, 12, 4)
+  for name in ("in_proj_qkv_lora_a", "out_proj_lora_a"):
+    np.testing.assert_array_equal(np.asarray(getattr(lin, name)[...]),
+                                  np.asarray(getattr(b.linear_layers.linear_attn, name)[...][2]))
   np.testing.assert_array_equal(np.asarray(a.linear_layers[2].mlp.down_proj_lora_a[...]),
                                 np.asarray(b.linear_layers.mlp.down_proj_lora_a[...][2]))
   np.testing.assert_array_equal(np.asarray(a.layers[0].attn.q_proj_lora_a[...]),
                                 np.asarray(b.layers.attn.q_proj_lora_a[...][0]))
   count = sum(x.size for x in jax.tree.leaves(nnx.state(a, nnx.LoRAParam)))
   assert count == a.cfg.num_lora_params
-  a.layers[0].attn.q_proj_lora_b.value = a.layers[0].attn.q_proj_lora_b[...] + 0.5
-  lin = a.linear_layers[1].mlp
-  lin.down_proj_lora_b.value = lin.down_proj_lora_b[...] + 0.5
+  base = np.asarray(_jitted_logits(a, TOKENS))
+  _random_adapters(a)
   want = np.asarray(_jitted_logits(a, TOKENS))
+  assert np.abs(want - base).max() > 1e-2
+  # Merged in float32, the sums round differently: logits of scale 5 within 2e-3.
   np.testing.assert_allclose(np.asarray(_jitted_logits(models.merge_lora(a), TOKENS)), want,
-                             atol=1e-4)
+                             atol=2e-3)
+  folded = models.fold_lora(a, jax.random.key(1))  # RL after SFT: fresh adapters on top
+  assert np.all(np.asarray(folded.linear_layers[0].linear_attn.in_proj_qkv_lora_b[...]) == 0)
+  np.testing.assert_allclose(np.asarray(_jitted_logits(folded, TOKENS)), want, atol=2e-3)
   np.testing.assert_allclose(
       np.asarray(_jitted_logits(models.relayout(a, scan_layers=True), TOKENS)), want, atol=1e-4)
+  # Each Gated DeltaNet adapter reaches its projections: zeroing one moves the logits.
+  for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+    one = models.relayout(a, scan_layers=False)
+    node = getattr(one.linear_layers[1].linear_attn, f"{name}_lora_b")
+    node.value = jnp.zeros_like(node[...])
+    assert np.abs(np.asarray(_jitted_logits(one, TOKENS)) - want).max() > 1e-4, name
+  # Named targets: the linear layers' alone, the full layer then has none.
+  c = models.from_pretrained(folder, lora_rank=2, lora_targets="in_proj_qkv,out_proj")
+  assert not [n for n in vars(c.layers[0].attn) if "lora" in n]
+  assert c.cfg.num_lora_params == 3 * 2 * ((48 + 80) + (48 + 48))
+
+
+def test_lora_target_names_follow_the_family(saved, saved_next):
+  """Qwen3-Next's targets are its fused modules' names, Qwen3.5's its own; the other
+  family's names, and Gated DeltaNet names on a model without such layers, are refused."""
+  with pytest.raises(ValueError, match="not projections of Qwen3NextForCausalLM"):
+    models.from_pretrained(saved_next[0], lora_rank=2, lora_targets="q_proj,in_proj_qkv")
+  with pytest.raises(ValueError, match="those are in_proj_qkv,in_proj_z"):
+    models.from_pretrained(saved[0], lora_rank=2, lora_targets="in_proj_qkvz")
+  cfg = models.from_pretrained(saved[0]).cfg
+  with pytest.raises(ValueError, match="no linear_attention layers"):
+    cfg.replace(layer_types=(), lora_rank=2, lora_targets="q_proj,out_proj")
+  assert models.from_pretrained(saved_next[0], lora_rank=2).cfg.lora_target_names == (
+      "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj")
 
 
 def test_on_a_mesh(saved):
@@ -398,35 +440,69 @@ def test_qwen3_next_reward_model_scores_match_transformers(tmp_path):
   check_reward_model_round_trip(hf, transformers.Qwen3NextForSequenceClassification, tmp_path)
 
 
-def test_peft_adapter_files_in_and_out(saved, tmp_path):
-  """A LoRA model's PEFT files load in PEFT over transformers' model with our logits
-  (q_proj's B written with zero output-gate rows, no Gated DeltaNet layer adapted), and
-  read back; a PEFT q_proj adapter that moves the gate rows is refused by name."""
+@pytest.mark.parametrize("family,cls", [("saved", "Qwen3_5ForCausalLM"),
+                                        ("saved_next", "Qwen3NextForCausalLM")])
+def test_peft_adapter_files_in_and_out(request, family, cls, tmp_path):
+  """A LoRA model's PEFT files (every default target: the Gated DeltaNet projections too,
+  Qwen3-Next's B rows regrouped per key head) load in PEFT over transformers' model with
+  our logits, and read back; q_proj's B is written with zero output-gate rows, and a PEFT
+  q_proj adapter that moves the gate rows is refused by name."""
   peft = pytest.importorskip("peft", reason="adapter tests need peft")
-  folder, _ = saved
-  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, seed=2,
-                                lora_targets="q_proj,v_proj,o_proj,down_proj")
-  rng = np.random.default_rng(0)
-  for block in [ours.layers[0].attn, *[b.mlp for b in ours.linear_layers], ours.layers[0].mlp]:
-    for name in ("q_proj", "v_proj", "o_proj", "down_proj"):
-      b = getattr(block, f"{name}_lora_b", None)
-      if b is not None:
-        b.value = jnp.asarray(rng.normal(0, 0.1, b.shape), b.dtype)
+  folder, _ = request.getfixturevalue(family)
+  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, seed=2)
+  _random_adapters(ours)
   want = np.asarray(_jitted_logits(ours, TOKENS))
-  models.save_lora_adapter(ours, str(tmp_path / "adapter"))
-  hf = transformers.Qwen3_5ForCausalLM.from_pretrained(folder).float().eval()
+  adapter = str(tmp_path / "adapter")
+  models.save_lora_adapter(ours, adapter)
+  with open(f"{adapter}/adapter_config.json") as fh:
+    assert json.load(fh)["target_modules"] == list(ours.cfg.lora_target_names)
+  hf = getattr(transformers, cls).from_pretrained(folder).float().eval()
   assert np.abs(hf_logits(hf, TOKENS) - want).max() > 1e-2  # the adapters matter
-  pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
-  np.testing.assert_allclose(hf_logits(pm, TOKENS), want, atol=5e-4, rtol=0)
-  back = models.from_pretrained(folder, adapter=str(tmp_path / "adapter"), scan_layers=True)
+  pm = peft.PeftModel.from_pretrained(hf, adapter).eval()
+  np.testing.assert_allclose(hf_logits(pm, TOKENS), want, atol=1e-3, rtol=0)
+  back = models.from_pretrained(folder, adapter=adapter, scan_layers=True)
+  assert back.cfg.lora_target_names == ours.cfg.lora_target_names
   np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), want, atol=1e-4)
+  if family == "saved_next":
+    return
   from safetensors.numpy import load_file, save_file
   tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
   name = next(k for k in tensors if "q_proj.lora_B" in k)
   tensors[name] = tensors[name] + 0.1
   save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
   with pytest.raises(ValueError, match="changes the attention's output gate"):
-    models.from_pretrained(folder, adapter=str(tmp_path / "adapter"))
+    models.from_pretrained(folder, adapter=adapter)
+
+
+def test_peft_target_modules_on_gated_deltanet_layers(saved, tmp_path):
+  """PEFT's target_modules, read for the layers that have each module: a name on every
+  linear layer is read, on some of them refused, as is a name neither kind of layer has."""
+  from safetensors.numpy import save_file
+  folder, _ = saved
+  adapter = tmp_path / "adapter"
+  adapter.mkdir()
+  a, b = np.zeros((2, 48), np.float32), np.zeros((48, 2), np.float32)
+  tensors = {f"base_model.model.model.layers.{i}.linear_attn.in_proj_z.lora_{x}.weight": w
+             for i in range(3) for x, w in (("A", a), ("B", b))}
+  tensors.update({"base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight": a,
+                  "base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight":
+                  np.zeros((128, 2), np.float32)})  # queries, then gate rows
+  save_file(tensors, str(adapter / "adapter_model.safetensors"))
+
+  def write(targets):
+    with open(adapter / "adapter_config.json", "w") as fh:
+      json.dump({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": targets}, fh)
+
+  write(["q_proj", "in_proj_z"])
+  m = models.from_pretrained(folder, adapter=str(adapter))
+  assert m.cfg.lora_target_names == ("q_proj", "in_proj_z")
+  assert not hasattr(m.linear_layers[0].linear_attn, "out_proj_lora_a")
+  write(["model.layers.3.self_attn.q_proj", "model.layers.0.linear_attn.in_proj_z"])
+  with pytest.raises(ValueError, match=r"wrap \['in_proj_z'\] in only some layers"):
+    models.from_pretrained(folder, adapter=str(adapter))
+  write(["q_proj", "in_proj_qkvz"])
+  with pytest.raises(ValueError, match=r"target_modules \['in_proj_qkvz'\] are not supported"):
+    models.from_pretrained(folder, adapter=str(adapter))
 
 
 @pytest.mark.slow  # two samplers compiled; the cache's dtypes are checked by default
