@@ -810,6 +810,32 @@ PRESETS: dict[str, ModelConfig] = {
                                  architecture="Qwen3MoeForCausalLM", dtype="bfloat16",
                                  param_dtype="bfloat16", remat="dots_with_no_batch_dims",
                                  scan_layers=True),
+    # Qwen3.5-27B (its text model): three Gated DeltaNet layers (16 key, 48 value heads of
+    # 128) to each gated full-attention layer (24 heads, 4 kv, a quarter of each rotated);
+    # 26.9B parameters.
+    "qwen3_5_27b": ModelConfig(
+        vocab_size=248_320, d_model=5120, num_layers=64, num_heads=24, num_kv_heads=4,
+        head_dim=256, ffn_dim=17_408, rope=RopeConfig(theta=10_000_000.0,
+                                                      partial_rotary_factor=0.25),
+        norm_eps=1e-6, qk_norm=True, norm_unit_offset=True, attn_output_gate=True,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 16,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=262_144,
+        architecture="Qwen3_5ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="full", scan_layers=True),
+    # Qwen3.5-35B-A3B (its text model): Qwen3.5's layers, every MLP 256 experts of 512
+    # (8 a token) beside a gated shared expert of 512; 34.7B parameters, 3.5B active.
+    "qwen3_5_35b_a3b": ModelConfig(
+        vocab_size=248_320, d_model=2048, num_layers=40, num_heads=16, num_kv_heads=2,
+        head_dim=256, ffn_dim=512, num_experts=256, num_experts_per_tok=8,
+        norm_topk_prob=True, shared_expert_dim=512, shared_expert_gate=True,
+        rope=RopeConfig(theta=10_000_000.0, partial_rotary_factor=0.25), norm_eps=1e-6,
+        qk_norm=True, norm_unit_offset=True, attn_output_gate=True,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 10,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=262_144,
+        architecture="Qwen3_5MoeForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="full", scan_layers=True),
     # Qwen1.5-MoE-A2.7B: 60 experts of 1408, 4 per token, a gated shared expert of 5632
     # (14.3B parameters, 2.7B active).
     "qwen1_5_moe_a2_7b": ModelConfig(

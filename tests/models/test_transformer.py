@@ -383,3 +383,42 @@ def test_clamped_swiglu_backward_matches_autodiff(dtype, tol):
     assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exp, np.float32),
                                rtol=tol, atol=tol * 10)
+
+
+# The text_config of Qwen/Qwen3.5-27B's and Qwen/Qwen3.5-35B-A3B's published config.json
+# (the fields a text model reads; layer_types left to full_attention_interval).
+_QWEN3_5_TEXT = dict(
+    attn_output_gate=True, full_attention_interval=4, head_dim=256, hidden_act="silu",
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
+    linear_value_head_dim=128, max_position_embeddings=262_144, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, vocab_size=248_320, dtype="bfloat16",
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                     "partial_rotary_factor": 0.25})
+_QWEN3_5_PUBLISHED = {
+    "qwen3_5_27b": dict(_QWEN3_5_TEXT, architectures=["Qwen3_5ForCausalLM"],
+                        model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17_408,
+                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                        linear_num_value_heads=48),
+    "qwen3_5_35b_a3b": dict(_QWEN3_5_TEXT, architectures=["Qwen3_5MoeForCausalLM"],
+                            model_type="qwen3_5_moe_text", hidden_size=2048,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                            linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
+}
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3_5_27b", 26.90, 26.90),
+                                               ("qwen3_5_35b_a3b", 34.66, 3.45)])
+def test_qwen3_5_presets_are_the_published_configs(name, total, active):
+  """Each preset is what `from_pretrained` builds from the published config.json (with
+  the preset's training fields), so `launch.plan` sizes the real model before any file
+  is fetched."""
+  preset = models.get_preset(name)
+  read = models.hf_config_to_model_config(
+      _QWEN3_5_PUBLISHED[name], remat=preset.remat, scan_layers=preset.scan_layers)
+  assert read == preset
+  assert abs(preset.num_params / 1e9 - total) < 0.01
+  assert abs(preset.num_active_params / 1e9 - active) < 0.01
+  _, state = models.abstract_model(preset)
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == preset.num_params
+  models.hf.check_exportable(preset)
