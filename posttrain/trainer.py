@@ -132,9 +132,13 @@ def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
   task = domain.sample(train_seed(index // len(domains)))
   if tool_format == "native" and hasattr(domain, "native_tools"):
     prompt, tools = domain.native_tools(task)
+    demo = domain.native_demonstration(task)
+    if tok.chat.opens_reasoning:  # each turn opens as the rollouts' prompts do
+      demo = [dict(m, reasoning_content=m.get("reasoning_content") or "")
+              if m.get("role") == "assistant" else m for m in demo]
     ids, mask = tok.encode_chat(
-        task_messages(dataclasses.replace(task, prompt=prompt), system_prompt)
-        + domain.native_demonstration(task), thinking=thinking, tools=tools)
+        task_messages(dataclasses.replace(task, prompt=prompt), system_prompt) + demo,
+        thinking=thinking, tools=tools)
   else:
     demo = {"role": "assistant", "content": domain.demonstration(task)}
     if tok.chat.opens_reasoning:  # open as the rollouts' prompt does: an empty block

@@ -39,7 +39,10 @@ import numpy as np
 # sit under other keys and are never read.
 # 2: chat formats render reasoning, Qwen's tool turns and gpt-oss's earlier turns anew.
 # 3: a row's "tools" and its messages' "tool_calls" are rendered (they were ignored).
-FORMAT_VERSION = 3
+# 4: ChatML tokenizers whose templates write XML tool calls (Qwen3.5, Qwen3-Coder) are
+#    rendered by their own templates, and a template-rendered assistant message's tool
+#    calls are trained (only its content was).
+FORMAT_VERSION = 4
 
 
 class CacheEntryError(ValueError):

@@ -1,4 +1,4 @@
-"""Chat formats rendered by the model's own Jinja chat template.
+r"""Chat formats rendered by the model's own Jinja chat template.
 
 The hand-written formats in `posttrain.data.tokenizer` (Llama 3, ChatML, DeepSeek-R1,
 Mistral, Gemma, Phi, harmony) know their families' reasoning, tool calls and stop tokens.
@@ -11,9 +11,11 @@ sandboxed Jinja environment with its filters and globals), and `load_tokenizer
 The loss mask is read off the rendering: assistant message i spans from the end of the
 conversation before it with a generation prompt (what the model saw when it began
 writing; where the prompt also opens a <think> block the finished turn does not show,
-from the end of the header they share) to the end of its content, plus the end-of-turn token written right after it;
-tokens are assigned by their character offsets in the one tokenization of the whole
-text, so the ids are the template's to the token. A template that renders an earlier
+from the end of the last of the prompt's tokens they share) to the end of its content
+(of its tool calls, where it has them: the token that closes the turn), plus the
+end-of-turn token written right after it; tokens are assigned by their character
+offsets in the one tokenization of the whole text, so the ids are the template's to the
+token. A template that renders an earlier
 message differently once later ones follow (so that the conversation up to message i
 is no prefix of the whole) raises a ValueError naming the message.
 
@@ -24,15 +26,35 @@ A vocabulary with <think> and </think>, or a template that writes them, has reas
 completions are split at </think> (`reasoning.split_think`; a generation prompt that ends
 in <think>, as OLMo 3 Think's, opens the block), and an SFT message's reasoning_content
 goes to the template as it is. `thinking` True / False is the template's
-enable_thinking (Qwen3's and SmolLM3's switch). Tool schemas in data are passed to the
-template, but tool calls the model writes are not read (rollout.tool_format=native is
-refused; the text format works).
+enable_thinking (Qwen3's and SmolLM3's switch).
+
+Tool schemas in data are passed to the template, and an assistant message's structured
+tool_calls are the template's to render. The calls a model writes are read back (so
+rollout.tool_format=native works) in the syntax the template renders a probe call in:
+  * XML (Qwen3.5, Qwen3-Coder): "<function=NAME>" then "<parameter=K>\nV\n</parameter>"
+    for each argument, then "</function>", inside a wrapper tag ("<tool_call>" ...
+    "</tool_call>") where the template writes one. A value loses exactly the text the
+    template puts on each side of it (one newline); one that parses as a JSON object or
+    array is that object, anything else (numbers included: the template writes them as
+    text) a string. A "<function=" with no "</function>" before the next "<function="
+    or the end of the text is no call; a closed block that does not parse (a name that
+    is empty or spans lines, text between the parameters, a parameter without its
+    "</parameter>" or named twice) is a call with no name and no arguments, as ChatML's
+    unparseable JSON is.
+  * JSON in a wrapper tag (Qwen3, SmolLM3, Hermes): {"name": ..., "arguments": ...} between
+    "<tool_call>" and "</tool_call>" (the tag and the arguments' key as the template
+    writes them), read as the ChatML format reads them.
+A template that renders calls in any other way (or not at all) refuses tools in
+`check_tools`: such a model is given tools in the text protocol.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import json
+import re
 from datetime import datetime
 from typing import Any, Sequence
 
@@ -40,6 +62,151 @@ from posttrain.data import reasoning as reasoning_lib
 from posttrain.data.tokenizer import ROLES, ChatFormat, config_token
 
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+# The structured call rendered to find the template's tool-call syntax.
+_PROBE_CALL = ("probe_fn", {"probe_arg": "probe value"})
+_FUNCTION, _FUNCTION_END = "<function=", "</function>"
+_PARAMETER, _PARAMETER_END = "<parameter=", "</parameter>"
+_TAG = re.compile(r"<([A-Za-z_][\w.-]*)>")
+_TAG_BEFORE = re.compile(r"<([A-Za-z_][\w.-]*)>\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSyntax:
+  """How a template writes a tool call (see the module docstring).
+
+  kind: "xml" (<function=NAME> with <parameter=K> blocks) or "json" (an object in a
+  wrapper). wrapper: the (opening, closing) tags around a call, None for XML calls
+  written bare. pad: what the template writes before and after an XML parameter's value.
+  arguments_key: the JSON object's key for the arguments.
+  """
+
+  kind: str
+  wrapper: tuple[str, str] | None
+  pad: tuple[str, str] = ("", "")
+  arguments_key: str = "arguments"
+
+
+def _call_message(name: str, arguments: Any) -> dict:
+  return {"role": "assistant", "content": "", "tool_calls": [
+      {"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def call_syntax(rendered: str) -> CallSyntax | None:
+  """The syntax of the probe call (`_PROBE_CALL`) in `rendered`, an assistant message's
+  rendering; None where it is neither XML nor JSON in a wrapper tag."""
+  name, arguments = _PROBE_CALL
+  [(key, value)] = arguments.items()
+  start = rendered.find(f"{_FUNCTION}{name}>")
+  param = rendered.find(f"{_PARAMETER}{key}>", start) if start >= 0 else -1
+  if param >= 0:
+    at = rendered.find(value, param)
+    close = rendered.find(_PARAMETER_END, at) if at >= 0 else -1
+    end = rendered.find(_FUNCTION_END, close) if close >= 0 else -1
+    pad = (rendered[param + len(f"{_PARAMETER}{key}>"):at], rendered[at + len(value):close])
+    if end < 0 or pad[0].strip() or pad[1].strip():
+      return None
+    wrapper = None
+    before = _TAG_BEFORE.search(rendered, 0, start)
+    if before:
+      closer = f"</{before.group(1)}>"
+      if rendered[end + len(_FUNCTION_END):].lstrip().startswith(closer):
+        wrapper = (before.group(0).rstrip(), closer)
+    return CallSyntax("xml", wrapper, pad)
+  for tag in _TAG.finditer(rendered):
+    closer = f"</{tag.group(1)}>"
+    end = rendered.find(closer, tag.end())
+    try:
+      call = json.loads(rendered[tag.end():end]) if end >= 0 else None
+    except ValueError:
+      continue
+    if isinstance(call, dict) and call.get("name") == name:
+      keys = [k for k, v in call.items() if v == arguments]
+      if keys:
+        return CallSyntax("json", (tag.group(0), closer), arguments_key=keys[0])
+  return None
+
+
+def _xml_value(raw: str, pad: tuple[str, str]) -> Any:
+  """A parameter's value: `raw` less the template's padding, a JSON object or array
+  parsed, anything else as it is."""
+  raw = raw.removeprefix(pad[0])
+  if pad[1] and raw.endswith(pad[1]):
+    raw = raw[:-len(pad[1])]
+  if raw[:1] in ("{", "["):
+    try:
+      value = json.loads(raw)
+    except ValueError:
+      return raw
+    if isinstance(value, (dict, list)):
+      return value
+  return raw
+
+
+def _xml_call(body: str, pad: tuple[str, str]) -> tuple[str | None, dict | None]:
+  """(name, arguments) of a call block's body ("NAME>" and its parameters); (None, None)
+  where it does not parse."""
+  name, sep, rest = body.partition(">")
+  if not sep or not name or name != name.strip() or "\n" in name:
+    return None, None
+  arguments = {}
+  while rest.strip():
+    rest = rest.lstrip()
+    if not rest.startswith(_PARAMETER):
+      return None, None  # text between the parameters
+    key, sep, rest = rest[len(_PARAMETER):].partition(">")
+    close = rest.find(_PARAMETER_END)
+    if (not sep or not key or "\n" in key or key in arguments or close < 0
+        or _PARAMETER in rest[:close]):  # no </parameter> before the next parameter
+      return None, None
+    arguments[key] = _xml_value(rest[:close], pad)
+    rest = rest[close + len(_PARAMETER_END):]
+  return name, arguments
+
+
+def read_xml_calls(text: str, syntax: CallSyntax) -> list[tuple[int, int, Any, Any]]:
+  """(start, end, name, arguments) of the XML calls in `text` (the module docstring's
+  rules); a span holds the call's wrapper where the template writes one and the text
+  has both its tags around the call."""
+  calls, pos = [], 0
+  while True:
+    start = text.find(_FUNCTION, pos)
+    end = text.find(_FUNCTION_END, start) if start >= 0 else -1
+    if end < 0:
+      return calls
+    inner = text.find(_FUNCTION, start + len(_FUNCTION), end)
+    if inner >= 0:  # a block opened before this one closed: this one is not a call
+      pos = inner
+      continue
+    name, arguments = _xml_call(text[start + len(_FUNCTION):end], syntax.pad)
+    end += len(_FUNCTION_END)
+    if syntax.wrapper:
+      opener, closer = syntax.wrapper
+      lead, trail = text.rfind(opener, pos, start), text.find(closer, end)
+      if (lead >= 0 and not text[lead + len(opener):start].strip() and trail >= 0
+          and not text[end:trail].strip()):
+        start, end = lead, trail + len(closer)
+    calls.append((start, end, name, arguments))
+    pos = end
+
+
+def read_json_calls(text: str, syntax: CallSyntax) -> list[tuple[int, int, Any, Any]]:
+  """(start, end, name, arguments) of the JSON calls in `text`, each an object in the
+  wrapper tags; a block whose JSON does not parse to an object is a call with no name."""
+  opener, closer = syntax.wrapper
+  calls, pos = [], 0
+  while True:
+    start = text.find(opener, pos)
+    end = text.find(closer, start + len(opener)) if start >= 0 else -1
+    if end < 0:
+      return calls
+    try:
+      call = json.loads(text[start + len(opener):end])
+    except ValueError:
+      call = None
+    if not isinstance(call, dict):
+      call = {}
+    pos = end + len(closer)
+    calls.append((start, pos, call.get("name"), call.get(syntax.arguments_key)))
 
 
 def _environment():
@@ -160,8 +327,9 @@ class TemplateFormat(ChatFormat):
   def encode(self, messages, add_generation_prompt=False, thinking=None, tools=None):
     self.check_thinking(thinking)
     messages = [dict(m) for m in messages]
-    for m in messages:
-      self._message(m)
+    for m in messages:  # a call-only message's content may be None (OpenAI's), as rendered
+      self._message(m if m.get("content") is not None or not m.get("tool_calls")
+                    else {**m, "content": ""})
     text = self.render(messages, add_generation_prompt, tools, thinking)
     ids, offsets = self._encode(text)
     spans = []
@@ -179,6 +347,9 @@ class TemplateFormat(ChatFormat):
       rest = text[len(base):]
       shared = next((j for j, (a, b) in enumerate(zip(prompt, rest)) if a != b),
                     min(len(prompt), len(rest)))
+      if shared < len(prompt):  # they part inside a token of the prompt's ("<t" of
+        # <think> and <tool_call>): the turn starts where that token does.
+        shared = max([hi for _, hi in self._encode(prompt)[1] if hi <= shared], default=0)
       start = len(base) + shared
       content = m.get("content") or ""
       at = text.find(content, start) if content else start
@@ -188,7 +359,15 @@ class TemplateFormat(ChatFormat):
           raise ValueError(f"message {i}: the chat template does not render the "
                            "assistant's content as given; cannot mark the model's tokens")
         at, content = len(upto), ""
-      spans.append((start, at + len(content)))
+      end = at + len(content)
+      if m.get("tool_calls"):
+        # The calls the template writes after the content are the model's too: up to the
+        # token that closes the turn, or else to the end of the message.
+        upto = self.render(messages[:i + 1], False, tools, thinking)
+        limit = len(upto) if text.startswith(upto) else len(text)
+        end = next((lo for t, (lo, _) in enumerate(offsets)
+                    if end <= lo < limit and ids[t] in self._closers), limit)
+      spans.append((start, end))
     mask = [0] * len(ids)
     starts = [lo for lo, _ in offsets]
     for start, end in spans:
@@ -240,10 +419,52 @@ class TemplateFormat(ChatFormat):
     return reasoning_lib.split_think(self.tok, ids, open_id=open_id, close_id=close_id,
                                      opened=opened)
 
+  # --- tool calls -----------------------------------------------------------------------
+
+  def _call_text(self, name: str, arguments: Any) -> str:
+    """The rendering of an assistant message holding one call and no content, after a
+    one-message conversation (from the end of that conversation's rendering)."""
+    base = self.render(_PROBE[:1])
+    text = self.render(_PROBE[:1] + [_call_message(name, arguments)])
+    if not text.startswith(base):
+      raise ValueError("the chat template renders the conversation before a tool call "
+                       "differently once the call follows")
+    return text[len(base):]
+
+  @functools.cached_property
+  def call_syntax(self) -> CallSyntax | None:
+    """How the template writes a tool call (found by rendering a probe call); None where
+    it has no syntax read here, or refuses the probe."""
+    try:
+      return call_syntax(self._call_text(*_PROBE_CALL))
+    except Exception:  # a template that fails on a structured call: none read here
+      return None
+
   def check_tools(self, tools) -> None:
-    if tools:
-      raise ValueError("the template chat format renders tool schemas in data but does not "
-                       "read the tool calls a model writes: use rollout.tool_format=text")
+    if tools and self.call_syntax is None:
+      raise ValueError("the chat template does not write tool calls as <function=NAME> XML "
+                       "or as JSON in a wrapper tag, so a model's calls cannot be read: use "
+                       "rollout.tool_format=text")
+
+  def read_tool_calls(self, text):
+    """The calls in `text`, in the template's syntax (see the module docstring)."""
+    if self.call_syntax is None:
+      return []
+    if self.call_syntax.kind == "xml":
+      return read_xml_calls(text, self.call_syntax)
+    return read_json_calls(text, self.call_syntax)
+
+  def write_tool_call(self, name, arguments):
+    """The text the template renders for this one call: its wrapper's tags (or, bare,
+    its <function=...> block) and what lies between them."""
+    self.check_tools([{}])
+    text = self._call_text(name, arguments)
+    opener, closer = self.call_syntax.wrapper or (_FUNCTION, _FUNCTION_END)
+    start, end = text.find(opener), text.rfind(closer)
+    if start < 0 or end < start:
+      raise ValueError(f"the chat template does not render a call of {name!r} as its probe "
+                       "call; cannot write it")
+    return text[start:end + len(closer)]
 
   def fold_tool_calls(self, messages):
     return list(messages)  # the template renders structured tool_calls itself

@@ -1098,15 +1098,22 @@ class HFTokenizer(Tokenizer):
       self.eos_id = end
       self.extra_stop_ids = [tid("<|endoftext|>")] if tid("<|endoftext|>") is not None else []
     elif tid("<|im_start|>") is not None:  # ChatML: Qwen.
-      start, end = tid("<|im_start|>"), tid("<|im_end|>")
-      headers = {r: [start] + self.encode(r + "\n") for r in ROLES}
-      think = (tid(reasoning_lib.THINK_OPEN), tid(reasoning_lib.THINK_CLOSE))
-      self.chat = ChatMLFormat(self, headers, [end], after_end=self.encode("\n"),
-                               think=think if None not in think else None,
-                               default_system=_default_system(_chat_template(file, cfg)))
-      self.eos_id = end
+      template = _chat_template(file, cfg)
+      if "<function=" in template and "<parameter=" in template:
+        # Qwen3.5, Qwen3-Coder: tool calls in an XML syntax that ChatMLFormat (Qwen3's
+        # JSON calls and tools prompt) does not write; their own template does.
+        self._template_format(file, cfg)
+      else:
+        start, end = tid("<|im_start|>"), tid("<|im_end|>")
+        headers = {r: [start] + self.encode(r + "\n") for r in ROLES}
+        think = (tid(reasoning_lib.THINK_OPEN), tid(reasoning_lib.THINK_CLOSE))
+        self.chat = ChatMLFormat(self, headers, [end], after_end=self.encode("\n"),
+                                 think=think if None not in think else None,
+                                 default_system=_default_system(template))
+        self.eos_id, self.extra_stop_ids = end, []
       # Qwen's generation configs stop at <|endoftext|> too (a base model ends with it).
-      self.extra_stop_ids = [tid("<|endoftext|>")] if tid("<|endoftext|>") is not None else []
+      if tid("<|endoftext|>") not in (None, self.eos_id, *self.extra_stop_ids):
+        self.extra_stop_ids.append(tid("<|endoftext|>"))
     elif tid("<start_of_turn>") is not None:  # Gemma: the assistant is "model"; no system
       start, end = tid("<start_of_turn>"), tid("<end_of_turn>")  # or tool turns of its own.
       headers = {r: [start] + self.encode(r + "\n") for r in ("user", "system")}

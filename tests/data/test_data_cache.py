@@ -169,7 +169,7 @@ def test_the_cache_key_is_what_it_was(tmp_path):
   path = _write(tmp_path / "f.jsonl", 3)
   st = os.stat(path)
   tok = ByteTokenizer()
-  text = json.dumps([3, "SFT", 64, [[os.path.abspath(path), st.st_size, st.st_mtime_ns]],
+  text = json.dumps([4, "SFT", 64, [[os.path.abspath(path), st.st_size, st.st_mtime_ns]],
                      tok.fingerprint])
   key = hashlib.sha256(text.encode()).hexdigest()
   assert columns.cache_key("SFT", 64, [path], tok.fingerprint) == key

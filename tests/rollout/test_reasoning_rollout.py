@@ -249,6 +249,7 @@ def test_native_tool_calls_are_the_templates_and_score_as_the_protocols(qwen3, c
 
   samples, _ = _rollout(_Scripted(qwen3, reply), qwen3, pairs=TOOL_PAIRS, max_turns=3,
                         continuous=continuous, tool_format="native", new=256)
+  assert len(samples) == 2 * len(TOOL_PAIRS)  # a group of 2 a task
   for s in samples:
     task = next(t for call, t in tasks.items()
                 if f"What is {call}?" in _text(qwen3, s.prompt_tokens))
