@@ -159,8 +159,8 @@ class ModelConfig:
     qkv_bias: Qwen2-style bias on q/k/v projections.
     qk_norm: Qwen3-style RMSNorm over head_dim of q and k before RoPE.
     qk_norm_heads: with qk_norm, each norm spans every head's features at once (q's
-      heads * head_dim, k's kv_heads * head_dim, one scale per feature: OLMo 2 / 3)
-      instead of each head's head_dim.
+      heads * head_dim, k's kv_heads * head_dim, one scale per feature: OLMo 2 / 3,
+      MiniMax-M2) instead of each head's head_dim.
     rope_layers: per layer, 1 where its q and k rotate and 0 where they do not (a NoPE
       layer: SmolLM3's every fourth; transformers' no_rope_layers); () = every layer
       rotates.
@@ -221,9 +221,10 @@ class ModelConfig:
     shared_expert_gate: the shared expert's output is scaled by sigmoid(x . w), w [D]
       learned (Qwen2-MoE).
     router_scoring: "softmax" (each token's top-k of the softmax over experts) or
-      "sigmoid" (GLM-4.5, DeepSeek-V3: each expert scores sigmoid(logit); the top-k is
-      chosen on the scores plus a per-expert correction bias, `score_correction_bias`,
-      which the train step leaves as it is, and weighted by the scores themselves).
+      "sigmoid" (GLM-4.5, DeepSeek-V3, MiniMax-M2: each expert scores sigmoid(logit);
+      the top-k is chosen on the scores plus a per-expert correction bias,
+      `score_correction_bias`, which the train step leaves as it is, and weighted by the
+      scores themselves).
     router_groups / router_group_topk: the router chooses among the experts of the
       `router_group_topk` best of `router_groups` equal groups (DeepSeek's device- /
       node-limited routing), a group ranked by the sum of its two best biased scores
@@ -879,6 +880,17 @@ PRESETS: dict[str, ModelConfig] = {
                         original_max_position_embeddings=4096, partial_rotary_factor=64 / 192),
         norm_eps=1e-6, max_position_embeddings=163_840, architecture="DeepseekV3ForCausalLM",
         dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
+    # MiniMax-M2: 256 experts of 1536, 8 a token by sigmoid scores plus a correction bias,
+    # no shared expert; q/k norms over all heads, half of each head rotated (228.7B
+    # parameters, 11.0B active with both embedding tables, 9.8B without).
+    "minimax_m2": ModelConfig(
+        vocab_size=200_064, d_model=3072, num_layers=62, num_heads=48, num_kv_heads=8,
+        head_dim=128, ffn_dim=1536, num_experts=256, num_experts_per_tok=8,
+        norm_topk_prob=True, router_scoring="sigmoid",
+        rope=RopeConfig(theta=5_000_000.0, partial_rotary_factor=0.5), norm_eps=1e-6,
+        qk_norm=True, qk_norm_heads=True, max_position_embeddings=196_608,
+        architecture="MiniMaxM2ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="full", scan_layers=True),
     # Mixtral 8x7B: 8 experts of width 14336, 2 per token (46.7B parameters, 12.9B active).
     "mixtral_8x7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
                                 num_kv_heads=8, head_dim=128, ffn_dim=14_336, num_experts=8,

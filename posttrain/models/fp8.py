@@ -34,8 +34,10 @@ def block_size(config: Mapping) -> tuple[int, int] | None:
     return None
   block = quant.get("weight_block_size")
   fmt = quant.get("fmt", "e4m3")
-  if fmt != "e4m3" or not (isinstance(block, (list, tuple)) and len(block) == 2
-                           and all(isinstance(b, int) and b > 0 for b in block)):
+  # MiniMax-M2's files name the same format by its dtype.
+  if fmt not in ("e4m3", "float8_e4m3fn") or not (
+      isinstance(block, (list, tuple)) and len(block) == 2
+      and all(isinstance(b, int) and b > 0 for b in block)):
     raise ValueError(f"FP8 quantization_config {dict(quant)!r} is not supported: expected "
                      "fmt e4m3 with weight_block_size [rows, columns] (per-tensor scales "
                      "are not read)")

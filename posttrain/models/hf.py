@@ -41,9 +41,9 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-              "Qwen3NextForCausalLM")
+              "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
-_NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM")
+_NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -69,7 +69,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
                 "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text",
                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-                "Qwen3NextForCausalLM": "qwen3_next"}
+                "Qwen3NextForCausalLM": "qwen3_next", "MiniMaxM2ForCausalLM": "minimax_m2"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -157,6 +157,17 @@ QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
 # in_proj_ba: their b, then a), the mixture's norm_topk_prob read from config.json.
 QWEN3_NEXT = "Qwen3NextForCausalLM"
 _QWEN3_5S = (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
+# MiniMax-M2 (and later releases of its class): Mixtral's files (block_sparse_moe, w1 /
+# w3 / w2 per expert) routed by sigmoid scores, the top-k chosen on the scores plus an
+# e_score_correction_bias kept beside the gate, weighted by the chosen scores renormalised;
+# no shared expert; q/k norms over every head's features at once (OLMo 2's); part of each
+# head rotated (the published config.json's rotary_dim, transformers 5's
+# partial_rotary_factor). The published config.json's own keys (use_qk_norm, scoring_func,
+# ...) are read where they name this computation and refused where they name another.
+MINIMAX_M2 = "MiniMaxM2ForCausalLM"
+_MINIMAX_M2_DEFAULTS = dict(
+    rms_norm_eps=1e-6, head_dim=128, rope_theta=5_000_000.0, intermediate_size=1536,
+    num_local_experts=256, num_experts_per_tok=8, max_position_embeddings=196_608)
 _QWEN3_5_DEFAULTS = dict(
     rms_norm_eps=1e-6, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
     linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -165,7 +176,7 @@ _QWEN3_5_DEFAULTS = dict(
 _CLASS_DEFAULTS = {
     GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
-    QWEN3_5: _QWEN3_5_DEFAULTS,
+    QWEN3_5: _QWEN3_5_DEFAULTS, MINIMAX_M2: _MINIMAX_M2_DEFAULTS,
     QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                   "router_aux_loss_coef": 0.001},
@@ -230,13 +241,13 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
 # HF module names of a mixture's router and of expert j's gate, up and down projections.
 _QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
                    "mlp.experts.{j}.down_proj")  # the layout Qwen's MoE files set
+_MIXTRAL_MOE_NAMES = ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
+                      "block_sparse_moe.experts.{j}.w3", "block_sparse_moe.experts.{j}.w2")
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
               GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES,
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
-              QWEN3_NEXT: _QWEN_MOE_NAMES,
-              "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
-                                     "block_sparse_moe.experts.{j}.w3",
-                                     "block_sparse_moe.experts.{j}.w2")}
+              QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
+              MINIMAX_M2: _MIXTRAL_MOE_NAMES}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
               "short_factor", "long_factor", "partial_rotary_factor")
@@ -291,6 +302,12 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm in _QWEN3_5S:
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+  if lm == MINIMAX_M2:
+    # The published files say rotary_dim; a partial_rotary_factor anywhere ranks above it,
+    # as transformers reads them (neither: every feature rotates).
+    rotary = c.get("rotary_dim")
+    merged.setdefault("partial_rotary_factor", c.get(
+        "partial_rotary_factor", 1.0 if rotary is None else int(rotary) / int(c["head_dim"])))
   if lm in _DEEPSEEKS:  # the rotated part of each query and key head
     rotary = int(c["qk_rope_head_dim"])
     merged["partial_rotary_factor"] = rotary / (rotary + int(c["qk_nope_head_dim"]))
@@ -409,6 +426,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
+      **_minimax_m2_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
@@ -429,6 +447,35 @@ def _linear_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
               linear_key_head_dim=int(c["linear_key_head_dim"]),
               linear_value_head_dim=int(c["linear_value_head_dim"]),
               linear_conv_kernel=int(c["linear_conv_kernel_dim"]))
+
+
+# The published MiniMax-M2 config.json's keys for what transformers' class always computes:
+# key -> (the value that says so, what another value would need).
+_MINIMAX_M2_FIXED = {
+    "use_qk_norm": (True, "attention without q/k norms"),
+    "qk_norm_type": ("per_layer", "q/k norms per head"),
+    "scoring_func": ("sigmoid", "another router scoring"),
+    "use_routing_bias": (True, "a router without its correction bias"),
+    "shared_intermediate_size": (0, "a shared expert"),
+}
+
+
+def _minimax_m2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """qk_norm_heads of a MiniMax-M2 config.json ({} for other families); its published
+  keys may only repeat what MiniMaxM2ForCausalLM computes, and attn_type_list only name
+  full-attention layers (1; MiniMax-Text-01's lightning attention is 0)."""
+  if lm != MINIMAX_M2:
+    return {}
+  for key, (value, other) in _MINIMAX_M2_FIXED.items():
+    if c.get(key) is not None and c[key] != value:
+      raise ValueError(f"{key}={c[key]!r} in a MiniMax-M2 config.json ({other}) is not "
+                       f"supported; MiniMaxM2ForCausalLM has {key}={value!r}")
+  kinds = c.get("attn_type_list") or []
+  if any(kind != 1 for kind in kinds):
+    raise ValueError(f"attn_type_list with {sorted(set(kinds) - {1})} (lightning attention "
+                     "layers) is not supported; MiniMaxM2ForCausalLM's layers are all "
+                     "full attention (1)")
+  return {"qk_norm_heads": True}
 
 
 def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -452,9 +499,10 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
-_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE)
-# Classes with q/k norms (per head; OLMo's over all heads).
-_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S + OLMOS
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
+# Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
+_QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
+              + OLMOS + (MINIMAX_M2,))
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -639,9 +687,10 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "routed_scaling_factor": float(c["routed_scaling_factor"]),
             "dense_layers": dense, "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0,
             **_aux_loss_from_hf(c)}
-  if arch in ("MixtralForCausalLM", GPT_OSS):
+  if arch in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
+            **({"router_scoring": "sigmoid"} if arch == MINIMAX_M2 else {}),
             **_aux_loss_from_hf(c)}
   return {}
 
@@ -702,7 +751,7 @@ def check_exportable(cfg: ModelConfig) -> None:
   if lm == "MistralForCausalLM" and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {arch}, whose attention "
                      "projections have no biases")
-  if lm == "MixtralForCausalLM" and (cfg.qkv_bias or not cfg.norm_topk_prob):
+  if lm in ("MixtralForCausalLM", MINIMAX_M2) and (cfg.qkv_bias or not cfg.norm_topk_prob):
     raise ValueError(f"{arch} has no q/k/v biases and always renormalises the "
                      f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="
                      f"{cfg.norm_topk_prob})")
@@ -711,12 +760,13 @@ def check_exportable(cfg: ModelConfig) -> None:
 def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   """What `cfg`'s mixture options allow `lm` to hold: shared experts (Qwen2-MoE's one,
   gated; GLM-4.5's and DeepSeek's, n_shared_experts of width ffn_dim), sigmoid routing
-  (GLM-4.5, DeepSeek-V3), expert groups and scaling (those and DeepSeek-V2, whose
-  softmax weights are never renormalised), leading dense layers (all but Mixtral and
-  gpt-oss)."""
+  (GLM-4.5, DeepSeek-V3, MiniMax-M2), expert groups and scaling (GLM-4.5 and the
+  DeepSeeks, V2's softmax weights never renormalised), leading dense layers (all but
+  Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid, qwen2 = lm in (GLM4_MOE, DEEPSEEK_V3), lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
+  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, MINIMAX_M2)
+  qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
   grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
   fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2)
   if not grouped:
@@ -727,7 +777,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(norm_topk_prob=True)
   if lm in (QWEN3_5_MOE, QWEN3_NEXT):
     fixed.update(dense_layers=0)
-  if lm in ("MixtralForCausalLM", GPT_OSS):
+  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2):
     fixed.update(dense_layers=0)
   if not (grouped or qwen2):
     fixed.update(shared_expert_dim=0)
@@ -758,7 +808,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                attn_out_bias=(oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                and cfg.qkv_bias,
                output_norms=olmo,
-               qk_norm_heads=olmo and cfg.qk_norm)
+               qk_norm_heads=(olmo or lm == MINIMAX_M2) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
@@ -789,7 +839,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "whose rotary embedding is the default one or LongRoPE")
   if lm != PHI3 and any(r.type == "longrope" for r in ropes):
     raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
-  if lm not in (PHI3, GLM4, GLM4_MOE) + _QWEN3_5S + _DEEPSEEKS and any(
+  if lm not in (PHI3, GLM4, GLM4_MOE, MINIMAX_M2) + _QWEN3_5S + _DEEPSEEKS and any(
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
@@ -933,6 +983,16 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   elif lm == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                sliding_window=cfg.sliding_window)
+  elif lm == MINIMAX_M2:
+    # transformers 5's rope_parameters, and the published files' keys beside them (what
+    # vLLM and SGLang read: without use_routing_bias they drop the correction bias).
+    out.pop("rope_scaling")
+    out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})},
+               rotary_dim=rope.rotary_dim(cfg.head_dim),
+               **{key: value for key, (value, _) in _MINIMAX_M2_FIXED.items()})
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
   elif lm == GLM4:
@@ -1090,9 +1150,10 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       router, gate, up, down = _MOE_NAMES[_causal_lm(cfg.architecture)]
       rows.append((p + ("mlp", "router"), hf + router + ".weight", lambda x: x.T,
                    lambda x: x.T, (d, cfg.num_experts)))
-      if cfg.router_scoring == "sigmoid":
+      if cfg.router_scoring == "sigmoid":  # MiniMax-M2's beside its gate, others' in it
+        owner = "block_sparse_moe" if _causal_lm(cfg.architecture) == MINIMAX_M2 else router
         rows.append((p + ("mlp", "score_correction_bias"),
-                     hf + router + ".e_score_correction_bias", ident, ident,
+                     hf + owner + ".e_score_correction_bias", ident, ident,
                      (cfg.num_experts,)))
       if cfg.shared_expert_dim:
         shared = "mlp.shared_expert." if cfg.shared_expert_gate else "mlp.shared_experts."
