@@ -1767,13 +1767,16 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
                                 state)
   cos, sin = tables
 
-  def run(kind, state, x, unit, i):
+  def run(kind, j, period_state, x, unit, i):
+    # The period's j-th layer of this kind, taken inside the checkpoint: a slice taken
+    # outside would be a residual, a second copy of every layer's weights.
+    state = jax.tree.map(lambda a: a[j], period_state)
     return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
                                           prefill, i, router_stats=router_stats)
 
   if cache is None and cfg.remat != "none":
     run = jax.checkpoint(run, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False,
-                         static_argnums=(0,))
+                         static_argnums=(0, 1))
 
   def body(carry, xs):
     x, caches = carry
@@ -1782,11 +1785,11 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
     for kind in pattern:
       j = seen[kind]
       seen[kind] += 1
-      layer_state = jax.tree.map(lambda a, j=j: a[j], period_states[kind])
       unit = None
       if caches is not None:
         unit = caches.linear if kind else caches.full
-      out = run(kind, layer_state, x, unit, None if unit is None else period * per[kind] + j)
+      out = run(kind, j, period_states[kind], x, unit,
+                None if unit is None else period * per[kind] + j)
       x = out[0]
       if caches is not None:
         caches = caches._replace(**{"linear" if kind else "full": out[1]})

@@ -514,3 +514,36 @@ def test_an_int8_cache_quantises_the_attention_layers_alone(saved):
   plain = Sampler(model, max_len=48).generate(PROMPTS, **kwargs)
   int8 = Sampler(model, max_len=48, cache_dtype="int8").generate(PROMPTS, **kwargs)
   np.testing.assert_array_equal(int8.tokens, plain.tokens)
+
+
+def test_scanned_backward_keeps_no_copy_of_the_weights():
+  """A scanned hybrid model takes each layer's weights inside its rematerialised body:
+  its backward's temporaries exceed the layer list's by less than half the weights
+  (a layer's slice taken outside was a residual: a whole second copy), and the gradients
+  are the layer list's."""
+  import math
+  cfg = models.get_preset(
+      "tiny", num_layers=8, d_model=128, ffn_dim=256, num_heads=4, num_kv_heads=2,
+      head_dim=32, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 2,
+      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+      linear_value_head_dim=32, linear_chunk=16, attn_output_gate=True, qk_norm=True,
+      remat="full", logprob_chunk=32, tie_embeddings=False)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 200, (1, 48)), jnp.int32)
+  temps, grads = {}, {}
+  layers = models.create_model(cfg, seed=0)
+  for scan in (False, True):
+    m = models.relayout(layers, scan_layers=True) if scan else layers
+    graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+    def loss(params, tokens):
+      return nnx.merge(graphdef, params, rest).token_logprobs(tokens, tokens).sum()
+
+    step = jax.jit(jax.grad(loss))
+    temps[scan] = step.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+    grads[scan] = step(params, tokens)
+  weights = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+  assert temps[True] - temps[False] < weights / 2, (temps, weights)
+  scanned = grads[True]["linear_layers"]["linear_attn"]["q_proj"][...][1]
+  np.testing.assert_allclose(np.asarray(scanned),
+                             np.asarray(grads[False]["linear_layers"][1]["linear_attn"]
+                                        ["q_proj"][...]), rtol=1e-3, atol=1e-4)
