@@ -360,6 +360,13 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
     a dots policy, sandwich_norms   sD   the MLP's down projection, which its norm reads
     remat none, reference attention, attn_logit_softcap   4(2NT)   the capped scores
 
+  Qwen3-Next's / Qwen3.5's attention output gate (cfg.attn_output_gate: the output
+  times sigmoid(x W_gate), fitted the same way with each attention_impl):
+    remat none      (4 + 2s)NH   the float32 sigmoid, its compute-dtype cast and the
+                      gated output that o_proj reads (the kernel's own output stays)
+    a dots policy   sNH          the gate's projection (a dot)
+    full            nothing more
+
   q/k norms and OLMo's output norms (fitted the same way, on Qwen3's and OLMo 2's
   layouts):
     remat none, qk_norm     (s + 8)(NH + KH) + 8(N + K)   the normed q and k and their
@@ -390,17 +397,13 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   nh, kh, n, t = heads * hd, kv_heads * hd, heads, kv_len
   s = np.dtype(model_cfg.dtype).itemsize
   impl = model_cfg.attention_impl
+  gated = model_cfg.attn_output_gate
   if remat == "none":
     attn = 4 * 2 * n * t + n * t if impl == "reference" else 0
     if impl == "reference" and model_cfg.attn_logit_softcap is not None:
       attn += 4 * 2 * n * t
-    norms = 0
-    if model_cfg.sandwich_norms and model_cfg.norm_unit_offset:
-      norms = (32 - 2 * s) * d + 16
-    elif model_cfg.norm_unit_offset:
-      norms = 2 * (4 - s) * d
-    elif model_cfg.sandwich_norms:
-      norms = (2 * s + 16) * d + 16
+    attn += (4 + 2 * s) * nh if gated else 0
+    norms = _block_norms_kept(model_cfg)
     if model_cfg.qk_norm:
       norms += (s + 8) * (nh + kh) + (16 if model_cfg.qk_norm_heads else 8 * (n + kv_heads))
       if model_cfg.norm_unit_offset:
@@ -411,6 +414,8 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   weight_matmuls = s * (2 * d + nh) + kv + _mlp_kept(model_cfg, remat, mlp, shared, dense)
   if model_cfg.sandwich_norms or model_cfg.output_norms:
     weight_matmuls += s * d
+  if gated:
+    weight_matmuls += s * nh
   if remat == "dots":
     if impl == "reference":
       return weight_matmuls + 4 * n * t + s * nh
@@ -422,6 +427,99 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   if remat == "full":
     return s * d
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
+def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
+                                  key_heads: int, value_heads: int, mlp: int, kv_len: int,
+                                  shared: int | None = None, dense: bool = False) -> float:
+  """Bytes one Gated DeltaNet layer (a "linear_attention" layer, `LinearAttention`) keeps
+  per token for the backward pass, by remat policy; its MLP as `layer_activation_bytes`'
+  (`mlp`, `shared`, `dense` the same keywords).
+
+  s = bytes of the compute dtype; D = d_model; Hk = key_heads, Hv = value_heads (one
+  device's shard of the "linear_heads" axis), Dk / Dv = linear_key / value_head_dim,
+  K = Hk Dk, V = Hv Dv; T = kv_len, c = min(linear_chunk, T), p = ceil(T / c) c / T (the
+  scan pads the last chunk); MLP and MLP dots as `layer_activation_bytes`':
+
+    none                     s 4D + 4(4D + 4) + MLP         the block, as attention's
+                             + (33 + 3s)V + (18 + 2s)K + 34Hv + 16Hk
+                             + p(4(2K + V + 2Hv) + 1 + 4 Hv Dk Dv / c)
+    dots                     s(2D + 2K + 2V + 2Hv) + MLP dots
+                             + 4p(2Hk c + 2m Hv c + Hv(5Dv + 2Dk) + Hv Dk Dv / c)
+    dots_with_no_batch_dims  s(2D + 2K + 2V + 2Hv) + MLP dots
+    full                     s D                            (the block input)
+
+  Fitted to what JAX saves (`jax.ad_checkpoint.print_saved_residuals`) on Qwen3.5's
+  layout, float32 and bfloat16. Without remat: z and the convolutions' inputs (q, k, v
+  in the compute dtype; `kernels.causal_conv1d` recomputes its windows), q's and k's
+  float32 rows and l2norm columns, the float32 masked q, k, v, g and beta with their
+  masks (1 byte each) and again cut into chunks (with the chunks' reset flags), beta's
+  and softplus' float32 columns, the delta rule's float32 output, its per-head RMS norm
+  and the SiLU(z) gate (float32 rows and their casts), and the state [Hv, Dk, Dv] carried
+  into each chunk (float32: 4 Hv Dk Dv every c tokens; the chunk bodies are
+  rematerialised). The terms in s are the compute-dtype arrays that float32 rows take
+  the place of in a float32 model. Per layer, beside these (`saved_activation_bytes`):
+  the convolutions' taps s(2K + V) linear_conv_kernel, the norm's scale s Dv and two
+  float32 [Hv] columns of the decay.
+  A dots policy keeps the six projections' outputs (q, k, v, z in the compute dtype, b
+  and a [Hv]), o_proj's output and the block output, and, inside the outer checkpoint,
+  every batched matmul of each chunk's body that `checkpoint_dots` names, in float32:
+  q.k and k.k [Hk, c, c], the 2m products of `kernels.gated_delta_rule`'s unit-lower
+  inverse (m = ceil(log2 c) - 1 squarings, [Hv, c, c] each), the solve [c, Dv + Dk], the
+  outputs' and the state update's partial products ([c, Dv] four times, [c, Dk] once)
+  and the updated state [Dv, Dk] per chunk. For Qwen3.5-27B (16 key and 48 value heads
+  of 128, c 64, bfloat16) that is 344 KiB a token, beside 120 KiB for the rest of the
+  layer under dots (610 KiB without remat). dots_with_no_batch_dims keeps none of them
+  (every one has batch dimensions), nor the states: its backward reruns the scan.
+  """
+  cfg = model_cfg
+  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  hk, hv = key_heads, value_heads
+  k, v = hk * dk, hv * dv
+  c = max(1, min(cfg.linear_chunk, kv_len))
+  padded = -(-kv_len // c) * c / kv_len
+  if remat == "none":
+    return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg)
+            + _mlp_kept(cfg, remat, mlp, shared, dense)
+            + (33 + 3 * s) * v + (18 + 2 * s) * k + 34 * hv + 16 * hk
+            + padded * (4 * (2 * k + v + 2 * hv) + 1 + 4 * hv * dk * dv / c))
+  projections = s * (2 * d + 2 * k + 2 * v + 2 * hv) + _mlp_kept(cfg, remat, mlp, shared, dense)
+  if remat == "dots":
+    squarings = max(0, (c - 1).bit_length() - 1)  # `_unit_lower_inverse`'s loop
+    return projections + 4 * padded * (2 * hk * c + 2 * squarings * hv * c
+                                       + hv * (5 * dv + 2 * dk) + hv * dk * dv / c)
+  if remat == "dots_with_no_batch_dims":
+    return projections
+  if remat == "full":
+    return s * d
+  raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
+def _linear_layer_constant(cfg: models.ModelConfig, remat: str, key_heads: int,
+                           value_heads: int) -> int:
+  """What a Gated DeltaNet layer keeps once, whatever its tokens, without remat: the
+  convolutions' taps s(2K + V) linear_conv_kernel, the output norm's scale s Dv and the
+  decay's float32 -exp(A_log) [Hv] (and its negation); nothing under a remat policy."""
+  if remat != "none":
+    return 0
+  s = np.dtype(cfg.dtype).itemsize
+  k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
+  return s * ((2 * k + v) * cfg.linear_conv_kernel + cfg.linear_value_head_dim) + 8 * value_heads
+
+
+def _block_norms_kept(cfg: models.ModelConfig) -> int:
+  """What a block's D-wide norms keep per token without remat beyond plain RMS norms in
+  the compute dtype (`layer_activation_bytes`' Gemma terms): float32 in place of
+  compute-dtype rows with norm_unit_offset, the two output norms with sandwich_norms."""
+  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  if cfg.sandwich_norms and cfg.norm_unit_offset:
+    return (32 - 2 * s) * d + 16
+  if cfg.norm_unit_offset:
+    return 2 * (4 - s) * d
+  if cfg.sandwich_norms:
+    return (2 * s + 16) * d + 16
+  return 0
 
 
 def _latent_kept(cfg: models.ModelConfig, remat: str, heads: int) -> int:
@@ -530,6 +628,44 @@ def _layer_mlps(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
   return ((cfg.dense_layers, {"mlp": width(cfg.dense_ffn_dim), "dense": True}), mixture)
 
 
+def _linear_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
+                   rules) -> tuple[int, int]:
+  """(key heads, value heads) of one device's shard of a Gated DeltaNet layer's q / k and
+  v / z (the "linear_heads" axis, over `tensor` by default); (0, 0) without such layers."""
+  if not any(cfg.linear_layers):
+    return 0, 0
+  names = ("batch", "length", "linear_heads", "head_dim")
+  key = _logical_shard(mesh, rules, names, (rows, row_len, cfg.linear_num_key_heads,
+                                            cfg.linear_key_head_dim))[2]
+  value = _logical_shard(mesh, rules, names, (rows, row_len, cfg.linear_num_value_heads,
+                                              cfg.linear_value_head_dim))[2]
+  return key, value
+
+
+def _layer_kinds(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
+                 rules) -> tuple[tuple[int, bool, dict[str, Any]], ...]:
+  """(layers, linear, their MLP's keywords) of each kind of layer: `_layer_mlps`' kinds,
+  the last (a dense model's layers, a mixture's mixture layers) split into its Gated
+  DeltaNet layers (linear, cfg.linear_layers) and its attention layers. The leading
+  dense layers are never linear (`ModelConfig` refuses both)."""
+  *lead, (n, mlp) = _layer_mlps(cfg, rows, row_len, mesh, rules)
+  linear = sum(cfg.linear_layers)
+  kinds = [(m, False, kw) for m, kw in lead] + [(n - linear, False, mlp), (linear, True, mlp)]
+  return tuple(kind for kind in kinds if kind[0])
+
+
+def _kind_bytes(cfg: models.ModelConfig, remat: str, linear: bool, mlp: dict[str, Any], *,
+                heads: int, kv_heads: int, linear_heads: tuple[int, int],
+                kv_len: int) -> float:
+  """`layer_activation_bytes`, or for a Gated DeltaNet layer `linear_layer_activation_bytes`
+  (`linear_heads` its (key, value) heads on one device)."""
+  if linear:
+    return linear_layer_activation_bytes(cfg, remat, key_heads=linear_heads[0],
+                                         value_heads=linear_heads[1], kv_len=kv_len, **mlp)
+  return layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads, kv_len=kv_len,
+                                **mlp)
+
+
 def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                            mesh: AbstractMesh, rules=models.DEFAULT_RULES,
                            remat: str | None = None) -> int:
@@ -543,8 +679,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
 
   the second term outside the layers: embedding output, final norm, the hidden state the
   chunked log-prob pass reads, RoPE tables, int32 positions and targets (with
-  norm_unit_offset the final norm's in float32: (4 - s)D more beside embed_scale, as in
-  Gemma, 2(4 - s)D without); tied embeddings also keep the transposed output projection.
+  norm_unit_offset the final norm's in float32: (4 - s)D more, with embed_scale as in
+  Gemma or without as in Qwen3.5); tied embeddings also keep the transposed output
+  projection.
   tokens = one device's share of the micro-batch (rows over the batch axes, row_len over
   `sequence`). Without remat, a mixture keeps each layer's int32 group sizes [E] and, on
   a mesh, the experts and router its `shard_map` was given (D gathered over fsdp, F
@@ -557,17 +694,22 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   a shared expert's weights, outside the experts' shard_map, are a dense MLP's.
   Without remat, multi-head latent attention (cfg.kv_lora_rank) keeps in each layer its
   latent norms' scales and its values' zero padding: s(q_lora_rank + kv_lora_rank + 1).
+  Gated DeltaNet layers (cfg.linear_layers) count with `linear_layer_activation_bytes`,
+  the others with `layer_activation_bytes`; without remat each linear layer keeps its
+  convolutions' taps, its norm's scale and two [Hv] columns besides
+  (`_linear_layer_constant`).
   """
   cfg = model_cfg
   remat = remat or cfg.remat
   b, t, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
-  layers = sum(n * layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads,
-                                          kv_len=row_len, **mlps)
-               for n, mlps in _layer_mlps(cfg, rows, row_len, mesh, rules))
+  linear_heads = _linear_shards(cfg, rows, row_len, mesh, rules)
+  layers = sum(n * _kind_bytes(cfg, remat, linear, mlps, heads=heads, kv_heads=kv_heads,
+                               linear_heads=linear_heads, kv_len=row_len)
+               for n, linear, mlps in _layer_kinds(cfg, rows, row_len, mesh, rules))
   s = np.dtype(cfg.dtype).itemsize
   outside = 2 * s * cfg.d_model + 4 * (2 * cfg.d_model + cfg.head_dim) + 8
   if cfg.norm_unit_offset:
-    outside += (1 if cfg.embed_scale else 2) * (4 - s) * cfg.d_model
+    outside += (4 - s) * cfg.d_model
   # Tied embeddings: the transposed [D, V] output projection is a residual of its own.
   unembed = s * cfg.d_model * vocab if cfg.tie_embeddings and cfg.lm_head else 0
   experts = 0
@@ -579,10 +721,10 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
       weights = 4 * cfg.d_model * cfg.num_experts if sigmoid else 0
     scale = 4 if cfg.routed_scaling_factor != 1.0 else 0
     experts = cfg.mixture_layers * (4 * cfg.num_experts + weights + scale)
-  latent = 0
+  per_layer = sum(cfg.linear_layers) * _linear_layer_constant(cfg, remat, *linear_heads)
   if cfg.kv_lora_rank and remat == "none":  # the latent norms' scales, the padding's zero
-    latent = cfg.num_layers * s * (cfg.q_lora_rank + cfg.kv_lora_rank + 1)
-  return int(b * t * (layers + outside) + unembed + experts + latent)
+    per_layer += cfg.num_layers * s * (cfg.q_lora_rank + cfg.kv_lora_rank + 1)
+  return int(b * t * (layers + outside) + unembed + experts + per_layer)
 
 
 def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -593,7 +735,9 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     saved_activation_bytes
     + (1 if remat == none else 2) * tokens * layer_activation_bytes(none)
                                   the layer being differentiated (recomputed) + cotangents
-                                  (a mixture's fuller kind: a dense or a mixture layer)
+                                  (the fuller kind of layer: a mixture's dense or mixture
+                                  layer, a Gated DeltaNet layer with
+                                  `linear_layer_activation_bytes` or an attention layer)
     + fused_dq_bytes              the fused flash backward's dq partials, if on
     + 2 * gathered layer          with D split over fsdp: two layers' weights gathered in
                                   the compute dtype (the layer differentiated and the
@@ -604,7 +748,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   gradients in full D, before their reduce-scatter;
                                   with leading dense layers, the larger kind of layer;
                                   multi-head latent attention's projections in place
-                                  of q, k, v and o (`_attention_weight_bytes`)
+                                  of q, k, v and o (`_attention_weight_bytes`); a Gated
+                                  DeltaNet layer's where larger (`_linear_weight_bytes`)
     + 2 * experts in compute dtype    a mixture whose params are wider: XLA:TPU hoists
                                   the cast of every layer's experts out of the layer
                                   loop; against bfloat16 params the update held two such
@@ -625,16 +770,18 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   cfg = model_cfg
   remat = remat or cfg.remat
   b, t, heads, kv_heads, _, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
+  linear_heads = _linear_shards(cfg, rows, row_len, mesh, rules)
   mlps = _layer_mlps(cfg, rows, row_len, mesh, rules)
   saved = saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
                                  remat=remat)
-  one_layer = b * t * max(layer_activation_bytes(cfg, "none", heads=heads, kv_heads=kv_heads,
-                                                 kv_len=row_len, **kw) for _, kw in mlps)
+  one_layer = b * t * max(_kind_bytes(cfg, "none", linear, kw, heads=heads, kv_heads=kv_heads,
+                                      linear_heads=linear_heads, kv_len=row_len)
+                          for _, linear, kw in _layer_kinds(cfg, rows, row_len, mesh, rules))
   transient = (1 if remat == "none" else 2) * one_layer
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
   if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
-    transient += (3 if cfg.num_experts else 2) * _gathered_layer_bytes(cfg, heads, kv_heads,
-                                                                       mlps)
+    transient += (3 if cfg.num_experts else 2) * _gathered_layer_bytes(
+        cfg, heads, kv_heads, mlps, linear_heads)
   if np.dtype(cfg.dtype).itemsize < np.dtype(cfg.param_dtype).itemsize:
     transient += 2 * expert_bytes(cfg, mesh, rules, cfg.dtype)
   logits = _logit_chunk_bytes(cfg, b, t, vocab) if cfg.lm_head else 0  # a score head: none
@@ -896,7 +1043,22 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   heads = heads: its q, expanded k and padded v are NH + 2KH) adds its projections'
   outputs, what a dots policy saves (`layer_activation_bytes`): s(Rq + R + Hr + N(H -
   Hr) + NV), the latents, the rotated key part, the keys' unrotated part and the values
-  before they are expanded and padded (by analogy, not compiled).
+  before they are expanded and padded (by analogy, not compiled). An attention output
+  gate (attn_output_gate) adds its projection, sNH (by analogy).
+  A Gated DeltaNet layer (a "linear_attention" layer; Hk, Hv its key and value heads on a
+  device, K = Hk Dk, V = Hv Dv, c = min(linear_chunk, prompt_len)) holds in place of
+  attention's s(2D + NH + 2KH) + attention, by analogy with what its backward keeps
+  (`linear_layer_activation_bytes`; not compiled for TPU):
+    s(2D + 2K + 2V + 2Hv)   the block's input and output and the six projections
+    + s(2K + V)             the convolutions' outputs
+    + 4(2K + V + 2Hv)       the float32 q, k, v, g and beta the chunked scan reads
+    + 4V                    its float32 output, normed and gated in place
+    + per row (not per token) 4Hv(5c^2 + 2 Dk Dv)   one chunk's float32 [c, c] matrices
+                            per value head (the decay, the system, its inverse and the
+                            inverse's two running products) and the carried state and
+                            its update
+  and, weights left sharded, its own weights gathered (`_linear_weight_bytes`): the
+  fuller kind of layer counts.
   Compiled for a v5e-8 (Llama 3 8B, 16 prompts of 1,024, weights left sharded), XLA's
   prefill needs 1.10 GiB beyond the weights and the cache; this counts 0.98 GiB of it
   (0.58 GiB before the gathered layer was counted)."""
@@ -907,16 +1069,29 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   attn = 4 * 2 * heads * prompt_len + heads * prompt_len if cfg.attention_impl == "reference" else 0
   # Multi-head latent attention: its projections' outputs beside the expanded k and v.
   attn += _latent_kept(cfg, "dots", heads)
+  attn += s * nh if cfg.attn_output_gate else 0  # the gate's projection
   d, e, k = cfg.d_model, cfg.num_experts, cfg.num_experts_per_tok
+  # A Gated DeltaNet layer's key and value heads on a device, their widths, its chunk.
+  hk, hv = _linear_shards(cfg, prompts, prompt_len, mesh, rules)
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  c = max(1, min(cfg.linear_chunk, prompt_len))
 
-  def layer(mlp: int, shared: int = 0, dense: bool = False) -> int:
+  def layer(linear: bool, mlp: int, shared: int = 0, dense: bool = False) -> int:
     ffn = (s * 5 * mlp if dense else
            s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) + s * 5 * shared)
-    weights = 0 if gathered else _gathered_layer_bytes(
-        cfg, heads, kv_heads, ((1, dict(mlp=mlp, shared=shared, dense=dense)),))
-    return b * t * (s * (2 * d + nh + 2 * kh) + ffn + attn) + weights
+    if linear:
+      mixer = (s * (2 * d + 4 * hk * dk + 3 * hv * dv + 2 * hv)
+               + 4 * (2 * hk * dk + 2 * hv * dv + 2 * hv))
+      per_row = 4 * hv * (5 * c * c + 2 * dk * dv)  # one chunk's matrices, the state
+      weights = _linear_weight_bytes(cfg, hk, hv)
+    else:
+      mixer, per_row = s * (2 * d + nh + 2 * kh) + attn, 0
+      weights = _attention_weight_bytes(cfg, heads, kv_heads)
+    weights += _mlp_weight_bytes(cfg, mlp, shared, dense)
+    return b * t * (mixer + ffn) + b * per_row + (0 if gathered else weights)
 
-  forward = max(layer(**kw) for _, kw in _layer_mlps(cfg, prompts, prompt_len, mesh, rules))
+  forward = max(layer(linear, **kw)
+                for _, linear, kw in _layer_kinds(cfg, prompts, prompt_len, mesh, rules))
   kv_dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
   # One layer's k and v (a latent cache: its one array) of every row, scales aside.
   copied = sum(shard_bytes(shape, dt, NamedSharding(mesh, models.logical_to_spec(
@@ -929,21 +1104,42 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
 
 
 def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
-                          mlps: tuple[tuple[int, dict[str, Any]], ...]) -> int:
+                          mlps: tuple[tuple[int, dict[str, Any]], ...],
+                          linear_heads: tuple[int, int] = (0, 0)) -> int:
   """The largest layer's weights in the compute dtype, gathered over the batch axes
   (heads, kv heads and the MLP as the tensor axis leaves them on one device), of the
-  kinds of layer `mlps` (`_layer_mlps`): its attention (`_attention_weight_bytes`), and a
-  mixture layer's experts and shared expert, or a leading dense layer's MLP, whichever
-  is larger."""
-  return (_attention_weight_bytes(cfg, heads, kv_heads)
-          + max(_mlp_weight_bytes(cfg, **kw) for _, kw in mlps))
+  kinds of layer `mlps` (`_layer_mlps`): its attention (`_attention_weight_bytes`), or a
+  Gated DeltaNet layer's mixer (`_linear_weight_bytes`, `linear_heads` its (key, value)
+  heads on the device) where the model has such layers and it is larger, and a mixture
+  layer's experts and shared expert, or a leading dense layer's MLP, whichever is larger
+  (a linear layer's MLP is its attention layers' kind)."""
+  mixer = _attention_weight_bytes(cfg, heads, kv_heads)
+  if any(cfg.linear_layers):
+    mixer = max(mixer, _linear_weight_bytes(cfg, *linear_heads))
+  return mixer + max(_mlp_weight_bytes(cfg, **kw) for _, kw in mlps)
+
+
+def _linear_weight_bytes(cfg: models.ModelConfig, key_heads: int, value_heads: int) -> int:
+  """One Gated DeltaNet layer's weights in the compute dtype, D whole, Hk / Hv the
+  device's key / value heads, K = Hk Dk, V = Hv Dv, C = linear_conv_kernel (the norm's
+  scale, A_log and dt_bias aside):
+
+    s(D(2K + 2V + 2Hv)    q_proj, k_proj [D, Hk, Dk], v_proj, z_proj [D, Hv, Dv], b_proj,
+                          a_proj [D, Hv]
+      + (2K + V)C         the convolutions' taps
+      + V D)              o_proj [Hv, Dv, D]"""
+  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
+  return s * (d * (2 * k + 2 * v + 2 * value_heads) + (2 * k + v) * cfg.linear_conv_kernel
+              + v * d)
 
 
 def _attention_weight_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int) -> int:
   """One layer's attention projections in the compute dtype, D whole, `heads` /
   `kv_heads` the device's shard (norm scales and biases aside): s(2 D NH + 2 D KH), q, k,
-  v and o. Multi-head latent attention (Rq, R the latents' widths, whole on every device;
-  Hr the rotated key part, V the values' width):
+  v and o, and s D NH more for an output gate's q_gate (attn_output_gate). Multi-head
+  latent attention (Rq, R the latents' widths, whole on every device; Hr the rotated
+  key part, V the values' width):
 
     s(D Rq + Rq NH       q_a_proj [D, Rq], q_b_proj [Rq, N, H]  (without Rq: D NH, q_proj)
       + D (R + Hr)       kv_a_proj [D, R], k_rope_proj [D, Hr]  (no heads: whole)
@@ -951,7 +1147,7 @@ def _attention_weight_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int) 
       + N V D)           o_proj [N, V, D]"""
   s, d, hd = np.dtype(cfg.dtype).itemsize, cfg.d_model, cfg.head_dim
   if not cfg.kv_lora_rank:
-    return s * (2 * d * heads * hd + 2 * d * kv_heads * hd)
+    return s * ((2 + cfg.attn_output_gate) * d * heads * hd + 2 * d * kv_heads * hd)
   rq, r, hr, v = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
   q = d * rq + rq * heads * hd if rq else d * heads * hd
   return s * (q + d * (r + hr) + r * heads * (hd - hr + v) + heads * v * d)
@@ -990,8 +1186,9 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   (`gathered=False`), one layer's weights gathered in the compute dtype:
   s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis (multi-head latent
   attention: its projections, `_attention_weight_bytes`, in place of 2 D NH + 2 D KH;
-  a mixture: all E experts and the router and a shared expert, `_mlp_weight_bytes`,
-  whatever the routing; with leading dense layers, the larger kind of layer). XLA:TPU
+  a Gated DeltaNet layer's, `_linear_weight_bytes`, where larger; a mixture: all E
+  experts and the router and a shared expert, `_mlp_weight_bytes`, whatever the
+  routing; with leading dense layers, the larger kind of layer). XLA:TPU
   needed 0.54 GiB for a Llama 3 8B layer (0.41 GiB) and 128 rows' logits (0.06 GiB) on
   a v5e-8."""
   cfg = model_cfg
@@ -999,7 +1196,8 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   if gathered:
     return int(_logical_shard(mesh, rules, ("batch",), (rows,))[0] * vocab * 4)
   mlps = _layer_mlps(cfg, rows, 1, mesh, rules)
-  return int(rows * vocab * 4 + _gathered_layer_bytes(cfg, heads, kv_heads, mlps))
+  return int(rows * vocab * 4 + _gathered_layer_bytes(
+      cfg, heads, kv_heads, mlps, _linear_shards(cfg, rows, 1, mesh, rules)))
 
 
 def batch_mesh_size(mesh: AbstractMesh, rules=models.DEFAULT_RULES) -> int:

@@ -347,6 +347,112 @@ def test_deepseek_v3_layout_saved_activations_match_what_jax_keeps(dtype, remat)
   assert planned[0] - planned[1] == kept[0] - kept[1]
 
 
+# Qwen3.5's layout: three Gated DeltaNet layers (2 key heads of 16, 6 value heads of 24,
+# chunks of 32) to each full-attention layer, whose output is gated; (1 + w) norms
+# without embed_scale, q/k norms, a quarter of each head rotated.
+QWEN3_5 = dict(num_layers=4, d_model=96, ffn_dim=160, num_heads=6, num_kv_heads=2,
+               head_dim=16, layer_types=("linear_attention",) * 3 + ("full_attention",),
+               linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+               linear_value_head_dim=24, linear_chunk=32, attn_output_gate=True,
+               qk_norm=True, norm_unit_offset=True, logprob_chunk=64,
+               rope=models.RopeConfig(theta=10_000.0, partial_rotary_factor=0.25))
+# Qwen3.5-MoE's (and Qwen3-Next's): those layers, every MLP MOE's 5 experts of 40 (2 a
+# token, renormalised) beside a shared expert of 24 scaled by sigmoid(x . w).
+QWEN3_5_MOE = {**QWEN3_5, "ffn_dim": 40, "num_experts": 5, "num_experts_per_tok": 2,
+               "shared_expert_dim": 24, "shared_expert_gate": True}
+
+
+def _linear_layer_share(layout, rows, length, **widths):
+  """(planned, kept) bytes of `layout`'s model, and the share of its first Gated DeltaNet
+  layer in each: against the same model without that layer. What a layer keeps once
+  beside its tokens and the planner leaves out (its block norms' two float32 scales [D],
+  a few scalars) is at most 8D + 32 bytes."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  types = layout["layer_types"]
+  kept, planned = [], []
+  for kinds in (types, types[1:]):
+    cfg = models.get_preset("tiny", **{**layout, "num_layers": len(kinds),
+                                       "layer_types": kinds}, **widths)
+    kept.append(sum(n for n, _, _ in _residuals(cfg, rows, length)))
+    planned.append(planner.saved_activation_bytes(cfg, rows=rows, row_len=length,
+                                                  mesh=one_device))
+  return planned[0], kept[0], planned[0] - planned[1], kept[0] - kept[1]
+
+
+@pytest.mark.parametrize("dtype, remat, length", [
+    *((dtype, remat, 128) for dtype in ("float32", "bfloat16")
+      for remat in ("none", "dots", "dots_with_no_batch_dims", "full")),
+    ("float32", "none", 100),  # the delta rule's last chunk padded
+    ("bfloat16", "dots", 100),
+])
+def test_linear_attention_saved_activations_match_what_jax_keeps(dtype, remat, length):
+  """Qwen3.5's Gated DeltaNet layers keep without remat their convolutions' inputs, the
+  delta rule's float32 masked and chunked inputs, its float32 state entering each chunk,
+  its output's norm and SiLU gate; a dots policy the six projections and every batched
+  matmul of each chunk's body; dots_with_no_batch_dims the projections alone. The
+  gated full-attention layer, with its output gate, beside them. A linear layer's share
+  is exact, but for what it keeps once that no layer counts (its norms' scales)."""
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype)
+  planned, kept, planned_layer, kept_layer = _linear_layer_share(QWEN3_5, 4, length, **widths)
+  assert planned == pytest.approx(kept, rel=0.05)
+  assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
+
+
+@pytest.mark.parametrize("dtype, remat", [("float32", "none"), ("bfloat16", "none"),
+                                          ("bfloat16", "dots")])
+def test_linear_attention_mixture_saved_activations_match_what_jax_keeps(dtype, remat):
+  """Qwen3.5-MoE's layout (Qwen3-Next's): a mixture with a gated shared expert under
+  Gated DeltaNet and gated attention layers. The mixture's terms and the linear layers'
+  add up; a linear layer's share is exact as in a dense model."""
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype)
+  planned, kept, planned_layer, kept_layer = _linear_layer_share(QWEN3_5_MOE, 4, 128,
+                                                                 **widths)
+  assert planned == pytest.approx(kept, rel=0.05)
+  assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_linear_heads_split_over_tensor(remat):
+  """Over fsdp 4 x tensor 2 a device keeps of 8 rows what one device keeps of 2 rows of
+  the model with every axis the tensor axis splits halved: the Gated DeltaNet layers'
+  key and value heads ("linear_heads"), the attention's heads and kv heads, the MLP and
+  the vocabulary. JAX's count of that model agrees."""
+  mesh = planner.abstract_mesh(dict(zip(models.MESH_AXES, (1, 4, 2, 1))))
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  cfg = models.get_preset("tiny", **QWEN3_5, remat=remat, attention_impl="flash")
+  half = cfg.replace(linear_num_key_heads=1, linear_num_value_heads=3, num_heads=3,
+                     num_kv_heads=1, ffn_dim=80, vocab_size=136)
+  planned = planner.saved_activation_bytes(cfg, rows=8, row_len=128, mesh=mesh)
+  assert planned == planner.saved_activation_bytes(half, rows=2, row_len=128, mesh=one_device)
+  assert planned == pytest.approx(sum(n for n, _, _ in _residuals(half, 2, 128)), rel=0.05)
+
+
+@pytest.mark.parametrize("dtype, impl, remat", [
+    ("float32", "reference", "none"),
+    ("bfloat16", "flash", "none"),
+    ("bfloat16", "chunked", "dots"),
+    ("float32", "flash", "dots_with_no_batch_dims"),
+    ("bfloat16", "flash", "full"),
+])
+def test_attention_output_gate_matches_what_jax_keeps(dtype, impl, remat):
+  """An attention output gate (Qwen3-Next's, Qwen3.5's) keeps without remat the float32
+  sigmoid, its compute-dtype cast and the gated output, (4 + 2s)NH a token; a dots
+  policy its projection, sNH; full remat nothing. Exact against the same model ungated."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  kept, planned = [], []
+  for gated in (True, False):
+    cfg = models.get_preset("tiny", num_layers=2, d_model=96, ffn_dim=160, num_heads=6,
+                            num_kv_heads=2, head_dim=16, logprob_chunk=64, remat=remat,
+                            attention_impl=impl, attention_chunk=32, dtype=dtype,
+                            param_dtype=dtype, attn_output_gate=gated)
+    kept.append(sum(n for n, _, _ in _residuals(cfg, 4, 128)))
+    planned.append(planner.saved_activation_bytes(cfg, rows=4, row_len=128, mesh=one_device))
+  assert planned[0] == pytest.approx(kept[0], rel=0.1)
+  assert planned[0] - planned[1] == kept[0] - kept[1]
+  if remat != "full":
+    assert kept[0] > kept[1]
+
+
 @pytest.mark.parametrize("shape", [(1, 8, 1, 1), (2, 4, 1, 1)])
 @pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims"])
 @pytest.mark.parametrize("layout", [{}, GLM4_MOE], ids=["softmax", "glm4_moe"])
@@ -549,6 +655,65 @@ def test_latent_attention_plan_counts_its_projections():
   assert (planner.decode_step_bytes(ds, rows=8, mesh=fsdp8, gathered=False)
           - planner.decode_step_bytes(twin, rows=8, mesh=fsdp8, gathered=False)
           == attn - s * 4 * d * n * h)
+
+
+def test_linear_attention_plan_counts_its_layers():
+  """Qwen3.5's layout: params are num_params, on real arrays too; a layer gathered for a
+  decode step is the larger kind, here a Gated DeltaNet layer (its projections, taps and
+  o_proj, the key and value heads split over tensor as real arrays shard them) beside
+  the MLP; the backward's recomputed layer is the larger kind too; a prefill's layer
+  forward is a linear layer's, by hand."""
+  mesh = (4, 1, 2, 1)
+  config = planner.override(_tiny(QWEN3_5), dict(zip(
+      ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence"), mesh)))
+  cfg = experiment.model_config(config)
+  assert any(cfg.linear_layers) and cfg.attn_output_gate
+  assert planner.plan(_tiny(QWEN3_5), num_devices=1)["params"] == cfg.num_params * 4
+  real = nnx.state(models.create_model(cfg, mesh=models.make_mesh(mesh)), nnx.Param)
+  assert planner.plan(config)["params"] == _real_per_device_bytes(real)
+  # Left sharded over data 4 x tensor 2, a decode step gathers one layer: a linear one,
+  # larger than the gated attention layer (norm scales, A_log and dt_bias aside).
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, mesh)))
+  linear = [x for path, x in jax.tree_util.tree_leaves_with_path(real["linear_layers"][0])
+            if not re.search("norm|A_log|dt_bias", jax.tree_util.keystr(path))]
+  full = [x for path, x in jax.tree_util.tree_leaves_with_path(real["layers"][0])
+          if "norm" not in jax.tree_util.keystr(path)]
+  assert _real_per_device_bytes(linear) > _real_per_device_bytes(full)
+  logits = 8 * cfg.vocab_size // 2 * 4
+  assert planner.decode_step_bytes(cfg, rows=8, mesh=abstract, gathered=False) == (
+      logits + _real_per_device_bytes(linear))
+  # The ungated twin's attention layer is s D NH smaller (its q_gate).
+  ungated = cfg.replace(attn_output_gate=False, layer_types=("full_attention",) * 4)
+  gated = cfg.replace(layer_types=("full_attention",) * 4)
+  assert (planner.decode_step_bytes(gated, rows=8, mesh=abstract, gathered=False)
+          - planner.decode_step_bytes(ungated, rows=8, mesh=abstract, gathered=False)
+          == 4 * 96 * 3 * 16)
+  # The backward's recomputed layer (twice under a remat policy): a linear layer's beside
+  # flash attention's, the attention layer's beside the reference's [T, T] scores.
+  one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  logits = 3 * 4 * 64 * cfg.vocab_size * 4
+  for impl, larger in (("flash", "linear"), ("reference", "attention")):
+    c = cfg.replace(attention_impl=impl)
+    acts = planner.activation_bytes(c, rows=4, row_len=128, mesh=one, remat="dots")[0]
+    saved = planner.saved_activation_bytes(c, rows=4, row_len=128, mesh=one, remat="dots")
+    layers = {"linear": planner.linear_layer_activation_bytes(
+                  c, "none", key_heads=2, value_heads=6, mlp=160, kv_len=128, dense=True),
+              "attention": planner.layer_activation_bytes(
+                  c, "none", heads=6, kv_heads=2, mlp=160, kv_len=128, dense=True)}
+    assert max(layers, key=layers.get) == larger
+    assert acts - saved == int(2 * 4 * 128 * layers[larger]) + logits
+  # A prefill of 16 prompts of 64 over fsdp 8 (2 a device) beside flash attention, the
+  # prompts' cache aside: the linear layer's projections, conv outputs, float32 scan
+  # inputs and output, the MLP, and per row one chunk's [c, c] matrices and the state.
+  fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  flash = cfg.replace(attention_impl="flash")
+  d, k, v, hv, c, s = 96, 2 * 16, 6 * 24, 6, 32, 4
+  per_token = (s * (2 * d + 4 * k + 3 * v + 2 * hv) + 4 * (2 * k + 2 * v + 2 * hv)
+               + s * 5 * 160)
+  per_row = 4 * hv * (5 * c * c + 2 * 16 * 24)
+  assert (planner.prefill_bytes(flash, prompts=16, prompt_len=64, rows=16, mesh=fsdp8)
+          - planner.kv_cache_bytes(flash, batch=16, max_len=64, mesh=fsdp8)
+          == 2 * 64 * per_token + 2 * per_row)
 
 
 def test_activations_follow_the_remat_policy_and_the_mesh():
