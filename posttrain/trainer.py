@@ -124,6 +124,40 @@ def _to_batch(trajectories, *, row_len: int, rows_per_mb: int, micro_multiple: i
                                     pad_id=pad_id)
 
 
+def _turn_by_turn(tok, messages: list[dict], demo: list[dict], tools, thinking
+                  ) -> tuple[list[int], list[int]]:
+  """(ids, mask) of a multi-turn demonstration as a rollout transcript holds it, where
+  every generation prompt opens the reasoning block (Qwen3.5's): the rollouts' prompt;
+  each assistant turn as the model writes it after a prompt (the conversation so far
+  rendered with that turn last, an empty block closed, after the conversation with a
+  generation prompt), trained; each other message as the rollout continues after a turn
+  (`continuation`), not trained. A template renders an earlier turn without its empty
+  block, so the whole conversation rendered at once would start each turn elsewhere
+  than the rollouts' prompts do."""
+  ids = tok.encode_chat(messages, add_generation_prompt=True, thinking=thinking,
+                        tools=tools)[0]
+  mask, so_far = [0] * len(ids), list(messages)
+  for m in demo:
+    if m.get("role") != "assistant":
+      more = tok.chat.continuation([m], ended=True, thinking=thinking)
+      ids, mask = ids + more, mask + [0] * len(more)
+      so_far.append(m)
+      continue
+    m = dict(m, reasoning_content=m.get("reasoning_content") or "")
+    before = tok.encode_chat(so_far, add_generation_prompt=True, thinking=thinking,
+                             tools=tools)[0]
+    full, own = tok.encode_chat(so_far + [m], thinking=thinking, tools=tools)
+    last = max((i for i, o in enumerate(own) if o), default=-1) + 1
+    if full[:len(before)] != before or last <= len(before):
+      raise ValueError("the chat template does not render an assistant turn after the "
+                       "generation prompt it opens; cannot write the demonstration as a "
+                       "rollout's turns")
+    turn = full[len(before):last]
+    ids, mask = ids + turn, mask + [1] * len(turn)
+    so_far.append(m)
+  return ids, mask
+
+
 def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
                  thinking=None, tool_format: str = "text") -> dict[str, np.ndarray]:
   """The index-th demonstration: domains round-robin, training seeds in order; in the
@@ -132,13 +166,13 @@ def _sft_example(domains: list[str], tok, index: int, system_prompt: str = "",
   task = domain.sample(train_seed(index // len(domains)))
   if tool_format == "native" and hasattr(domain, "native_tools"):
     prompt, tools = domain.native_tools(task)
-    demo = domain.native_demonstration(task)
-    if tok.chat.opens_reasoning:  # each turn opens as the rollouts' prompts do
-      demo = [dict(m, reasoning_content=m.get("reasoning_content") or "")
-              if m.get("role") == "assistant" else m for m in demo]
-    ids, mask = tok.encode_chat(
-        task_messages(dataclasses.replace(task, prompt=prompt), system_prompt) + demo,
-        thinking=thinking, tools=tools)
+    messages = task_messages(dataclasses.replace(task, prompt=prompt), system_prompt)
+    if tok.chat.opens_reasoning:
+      ids, mask = _turn_by_turn(tok, messages, domain.native_demonstration(task), tools,
+                                thinking)
+    else:
+      ids, mask = tok.encode_chat(messages + domain.native_demonstration(task),
+                                  thinking=thinking, tools=tools)
   else:
     demo = {"role": "assistant", "content": domain.demonstration(task)}
     if tok.chat.opens_reasoning:  # open as the rollouts' prompt does: an empty block

@@ -403,11 +403,13 @@ def test_native_tool_rollout_is_the_templates_xml_calls(request, continuous, ope
 
 @pytest.mark.parametrize("opens", [False, True])
 def test_native_tool_demonstration_is_the_templates(request, opens):
-  """The SFT demonstration with tool_format=native: the rollouts' prompt, then the model's
-  XML call, the tool's answer and the answer, as the template renders them with tools;
-  the call and the answer are trained, the tool's answer is not. Where the generation
-  prompt opens <think>, the demonstrated turns carry an empty block, which this template
-  (as Qwen3's) shows on the last turn alone."""
+  """The SFT demonstration with tool_format=native starts at the rollouts' prompt, then
+  the model's XML call, the tool's answer and the answer; the call and the answer are
+  trained, the tool's answer is not. Rendered whole as the template renders the
+  conversation with tools; where the generation prompt opens <think>, turn by turn as a
+  rollout's transcript holds them (each turn as the template writes it after its
+  prompt: an empty block closed, then the turn), since the template shows an earlier
+  turn without the block its prompt opened."""
   from posttrain import trainer
   tok, template = _variant(request, opens)
   w = worker_lib.RolloutWorker(_Scripted(tok, lambda t: []), tok, group_size=1,
@@ -418,24 +420,36 @@ def test_native_tool_demonstration_is_the_templates(request, opens):
     prompt = w.prompt_tokens(task)
   finally:
     w.close()
-  if opens:  # The template shows no block before a turn that is not the last and has no
-    # reasoning, so the call's turn starts after the header the prompt opens <think> in.
-    assert ex["prompt_tokens"].tolist() + tok.encode("<think>\n") == prompt
-  else:
-    assert ex["prompt_tokens"].tolist() == prompt
+  assert ex["prompt_tokens"].tolist() == prompt
   question = registry.get("tools/calc_l1").native_tools(task)[0]
   arguments = {"expression": task.metadata["call"]}
   think = {"reasoning_content": ""} if opens else {}
-  want = _hf(tok).apply_chat_template(
-      [{"role": "user", "content": question},
-       {"role": "assistant", "content": "", "tool_calls": [_call("calculator", arguments)],
-        **think},
-       {"role": "tool", "content": task.answer},
-       {"role": "assistant", "content": f"<answer>{task.answer}</answer>", **think}],
-      tools=[NATIVE_TOOLS["calculator"]], chat_template=template, tokenize=False)
+  convo = [{"role": "user", "content": question},
+           {"role": "assistant", "content": "", "tool_calls": [_call("calculator", arguments)],
+            **think},
+           {"role": "tool", "content": task.answer},
+           {"role": "assistant", "content": f"<answer>{task.answer}</answer>", **think}]
+  hf, tools = _hf(tok), [NATIVE_TOOLS["calculator"]]
+
+  def render(messages, prompt=False):
+    return hf.apply_chat_template(messages, tools=tools, chat_template=template,
+                                  add_generation_prompt=prompt, tokenize=False)
+
+  if opens:
+    def turn(i):  # what the model writes after the prompt of turn i, its end included
+      full, before = render(convo[:i + 1]), render(convo[:i], prompt=True)
+      assert full.startswith(before) and before.endswith("<think>\n")
+      return full[len(before):full.index("<|im_end|>", len(before)) + len("<|im_end|>")]
+
+    tool = _text(tok, tok.chat.continuation([convo[2]], ended=True))
+    assert tool.startswith("\n<|im_start|>user\n<tool_response>") and tool.endswith("<think>\n")
+    want = render(convo[:1], prompt=True) + turn(1) + tool + turn(3)
+  else:
+    want = render(convo)
   assert _text(tok, ex["prompt_tokens"].tolist() + ex["response_tokens"].tolist()) == want
   trained = _text(tok, ex["response_tokens"][ex["response_mask"] != 0].tolist())
-  # The last turn's block: the model's whole, or after the "<think>\n" its prompt opens.
+  # Each turn's block: the model's whole, or after the "<think>\n" its prompt opens (the
+  # call's turn then shows one too).
   block = "\n</think>\n\n" if opens else "<think>\n\n</think>\n\n"
-  assert trained == (tok.chat.write_tool_call("calculator", arguments) + "<|im_end|>"
-                     + f"{block}<answer>{task.answer}</answer><|im_end|>")
+  assert trained == ((block if opens else "") + tok.chat.write_tool_call("calculator", arguments)
+                     + f"<|im_end|>{block}<answer>{task.answer}</answer><|im_end|>")
