@@ -59,7 +59,7 @@ from datetime import datetime
 from typing import Any, Sequence
 
 from posttrain.data import reasoning as reasoning_lib
-from posttrain.data.tokenizer import ROLES, ChatFormat, config_token
+from posttrain.data.tokenizer import ROLES, ChatFormat, config_token, read_wrapped_json_calls
 
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
 # The structured call rendered to find the template's tool-call syntax.
@@ -192,21 +192,7 @@ def read_xml_calls(text: str, syntax: CallSyntax) -> list[tuple[int, int, Any, A
 def read_json_calls(text: str, syntax: CallSyntax) -> list[tuple[int, int, Any, Any]]:
   """(start, end, name, arguments) of the JSON calls in `text`, each an object in the
   wrapper tags; a block whose JSON does not parse to an object is a call with no name."""
-  opener, closer = syntax.wrapper
-  calls, pos = [], 0
-  while True:
-    start = text.find(opener, pos)
-    end = text.find(closer, start + len(opener)) if start >= 0 else -1
-    if end < 0:
-      return calls
-    try:
-      call = json.loads(text[start + len(opener):end])
-    except ValueError:
-      call = None
-    if not isinstance(call, dict):
-      call = {}
-    pos = end + len(closer)
-    calls.append((start, pos, call.get("name"), call.get(syntax.arguments_key)))
+  return read_wrapped_json_calls(text, *syntax.wrapper, syntax.arguments_key)
 
 
 def _environment():

@@ -384,6 +384,26 @@ class MistralFormat(ChatFormat):
     return ids, mask
 
 
+def read_wrapped_json_calls(text: str, opener: str, closer: str,
+                            arguments_key: str = "arguments") -> list[tuple[int, int, Any, Any]]:
+  """(start, end, name, arguments) of each JSON call object between `opener` and `closer`
+  tags in `text`; a block whose JSON does not parse to an object is a call with no name."""
+  calls, pos = [], 0
+  while True:
+    start = text.find(opener, pos)
+    end = text.find(closer, start + len(opener)) if start >= 0 else -1
+    if end < 0:
+      return calls
+    try:
+      call = json.loads(text[start + len(opener):end])
+    except ValueError:
+      call = None
+    if not isinstance(call, dict):
+      call = {}
+    pos = end + len(closer)
+    calls.append((start, pos, call.get("name"), call.get(arguments_key)))
+
+
 class ChatMLFormat(ChatFormat):
   """Qwen's ChatML, as the Qwen 2.5 and Qwen3 templates render it.
 
@@ -450,21 +470,7 @@ class ChatMLFormat(ChatFormat):
   def read_tool_calls(self, text):
     """Qwen's calls: <tool_call>{"name": ..., "arguments": ...}</tool_call> (JSON); a block
     whose JSON does not parse is a call with no name."""
-    opener, closer = "<tool_call>", "</tool_call>"
-    calls, pos = [], 0
-    while True:
-      start = text.find(opener, pos)
-      end = text.find(closer, start + len(opener)) if start >= 0 else -1
-      if end < 0:
-        return calls
-      try:
-        call = json.loads(text[start + len(opener):end])
-      except ValueError:
-        call = None
-      if not isinstance(call, dict):
-        call = {}
-      pos = end + len(closer)
-      calls.append((start, pos, call.get("name"), call.get("arguments")))
+    return read_wrapped_json_calls(text, "<tool_call>", "</tool_call>")
 
   def check_thinking(self, thinking) -> None:
     if thinking is None:
