@@ -193,9 +193,11 @@ class ModelConfig:
       only them (optimizer state for them alone) and the KL reference is the base
       weights, the adapters switched off (no second copy of the model).
     lora_alpha: the adapters' output is scaled by lora_alpha / lora_rank (PEFT's rule).
-    lora_targets: comma-separated projections given adapters (names in LORA_TARGETS). A
-      mixture-of-experts model takes adapters on the attention projections only: left at
-      its default, the MLP names are dropped; named explicitly, they are an error. Gated
+    lora_targets: comma-separated projections given adapters (names in LORA_TARGETS). In
+      a mixture of experts the MLP names adapt the dense MLPs it has (its leading dense
+      layers, each mixture layer's shared expert), never the routed experts; a mixture
+      with neither takes adapters on the attention alone (left at its default, the MLP
+      names are dropped; named explicitly, they are an error). Gated
       DeltaNet layers' projections are named as in their Hugging Face family:
       in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj (Qwen3.5), or
       in_proj_qkvz, in_proj_ba and out_proj (Qwen3-Next, architecture Qwen3Next*); left
@@ -434,10 +436,13 @@ class ModelConfig:
         raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
                          f"subset of {LORA_TARGETS + linear}")
       mlp = [t for t in names if t in LORA_TARGETS[4:]]
-      if self.num_experts and mlp and self.lora_targets != DEFAULT_LORA_TARGETS:
+      dense_mlps = self.shared_expert_dim or self.dense_layers
+      if (self.num_experts and not dense_mlps and mlp
+          and self.lora_targets != DEFAULT_LORA_TARGETS):
         raise ValueError(f"lora_targets {mlp} are MLP projections, but this model's MLPs "
-                         f"are {self.num_experts} experts, which take no adapters; use "
-                         f"attention projections ({','.join(ATTENTION_LORA_TARGETS)})")
+                         f"are {self.num_experts} experts (no shared expert), which take "
+                         "no adapters; use attention projections "
+                         f"({','.join(ATTENTION_LORA_TARGETS)})")
 
   def _check_mixture_fields(self) -> None:
     for name in ("shared_expert_dim", "router_groups", "router_group_topk", "dense_layers",
@@ -647,7 +652,8 @@ class ModelConfig:
     if not self.lora_rank:
       return ()
     names = {t.strip() for t in str(self.lora_targets).split(",")}
-    allowed = ATTENTION_LORA_TARGETS if self.num_experts else LORA_TARGETS
+    dense_mlps = not self.num_experts or self.shared_expert_dim or self.dense_layers
+    allowed = LORA_TARGETS if dense_mlps else ATTENTION_LORA_TARGETS
     if any(self.linear_layers):
       allowed += self.linear_lora_targets
       if self.lora_targets == DEFAULT_LORA_TARGETS:
@@ -673,7 +679,14 @@ class ModelConfig:
     d, f, n, k, h = (self.d_model, self.ffn_dim, self.num_heads, self.num_kv_heads,
                      self.head_dim)
     sizes = {"q_proj": d + n * h, "k_proj": d + k * h, "v_proj": d + k * h,
-             "o_proj": n * h + d, "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+             "o_proj": n * h + d}
+    # An MLP target's layers: every dense MLP (a mixture's leading dense layers, of
+    # dense_ffn_dim) and every mixture layer's shared expert (`stack_lora_targets`).
+    mlp = (self.num_layers * (d + f) if not self.num_experts else
+           self.dense_layers * (d + self.dense_ffn_dim)
+           + (self.mixture_layers * (d + self.shared_expert_dim)
+              if self.shared_expert_dim else 0))
+    sizes.update(gate_proj=mlp, up_proj=mlp, down_proj=mlp)
     if self.kv_lora_rank:  # MLA's projections (`Attention._init_latent`)
       r, v = self.kv_lora_rank, self.v_head_dim
       sizes.update(q_proj=(self.q_lora_rank or d) + n * h,
@@ -688,7 +701,7 @@ class ModelConfig:
     # (`stack_lora_targets`).
     linear = sum(self.linear_layers)
     layers = {t: linear if t in LINEAR_LORA_TARGETS else
-              self.num_layers - linear if t in ATTENTION_LORA_TARGETS else self.num_layers
+              self.num_layers - linear if t in ATTENTION_LORA_TARGETS else 1
               for t in self.lora_target_names}
     return self.lora_rank * sum(sizes[t] * layers[t] for t in self.lora_target_names)
 

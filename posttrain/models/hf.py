@@ -30,10 +30,10 @@ from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
-from posttrain.models.transformer import (_ATTN_TARGETS, _LINEAR_PARTS, Transformer,
-                                          _fresh_adapter, _lora_axes, layer_index,
-                                          layer_path, layer_stacks, merge_lora,
-                                          stack_lora_targets, value_head_std)
+from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter,
+                                          _lora_axes, _owner_path, layer_index, layer_path,
+                                          layer_stacks, merge_lora, stack_lora_targets,
+                                          value_head_std)
 
 CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -1417,26 +1417,35 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "kv_a_proj_with_mqa / kv_b_proj, which our per-projection adapters on "
                      "latent attention are not: they are neither read nor written; export "
                      "the model merged (save_pretrained)")
+  if _causal_lm(cfg.architecture) in (QWEN3_NEXT, GLM4_MOE) and set(
+      cfg.lora_target_names) & set(LORA_TARGETS[4:]):
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} with MLP targets (its "
+                     "dense MLPs' and shared experts') are not written or read: PEFT puts "
+                     "those names on its fused routed experts instead; leave gate_proj, "
+                     "up_proj and down_proj out of lora_targets, or export the model merged")
   r = cfg.lora_rank
   rows = []
-  for t in cfg.lora_target_names:
-    in_shape, _, out_shape, _ = _lora_axes(cfg, t)
+  # A mixture layer's MLP targets wrap its shared expert (`_mapping`'s names for it).
+  shared = "mlp.shared_expert" if cfg.shared_expert_gate else "mlp.shared_experts"
+  for t, i in ((t, i) for t in cfg.lora_target_names for i in range(cfg.num_layers)):
+    stack = layer_path(cfg, i)[0]
+    if t not in stack_lora_targets(cfg, stack):
+      continue  # a projection this kind of layer does not have
+    in_shape, _, out_shape, _ = _lora_axes(cfg, t, stack)
     fan_in, fan_out = int(np.prod(in_shape)), int(np.prod(out_shape))
-    owner, module = (("linear_attn",) * 2 if t in _LINEAR_PARTS else
-                     ("attn", "self_attn") if t in _ATTN_TARGETS else ("mlp", "mlp"))
+    owner = _owner_path(cfg, t, stack)
+    module = {("linear_attn",): "linear_attn", ("attn",): "self_attn",
+              ("mlp",): "mlp"}.get(owner, shared)
     a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
     b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
     if t == "q_proj" and cfg.attn_output_gate:
       b_maps = _gated_query_b(cfg.num_heads, cfg.head_dim, r)
     if t in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next's, grouped by key head
       b_maps = _key_group_b(cfg, t, r)
-    for i in range(cfg.num_layers):
-      if t not in stack_lora_targets(cfg, layer_path(cfg, i)[0]):
-        continue  # the other kind of layer: a projection it does not have
-      ours = layer_path(cfg, i) + (owner,)
-      peft = f"base_model.model.model.layers.{i}.{module}.{t}."
-      rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
-               (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
+    ours = layer_path(cfg, i) + owner
+    peft = f"base_model.model.model.layers.{i}.{module}.{t}."
+    rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
+             (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows
 
 
@@ -1519,8 +1528,13 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
     linear = cfg.linear_layers[i]
     if t in _ATTN_TARGETS:
       return None if linear else f"model.layers.{i}.self_attn.{t}"
-    if t in LORA_TARGETS:
-      return f"model.layers.{i}.mlp.{t}"
+    if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
+      if not cfg.num_experts or i < cfg.dense_layers:
+        return f"model.layers.{i}.mlp.{t}"
+      if not cfg.shared_expert_dim:
+        return None
+      shared = "shared_expert" if cfg.shared_expert_gate else "shared_experts"
+      return f"model.layers.{i}.mlp.{shared}.{t}"
     return f"model.layers.{i}.linear_attn.{t}" if linear else None
 
   modules = {(i, t): module(i, t) for i in range(cfg.num_layers) for t in names
@@ -1530,7 +1544,10 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
   def matches(name, entry):
     return name == entry or name.endswith("." + entry)
 
-  bad = sorted(e for e in targets if not any(matches(n, e) for n in modules.values()))
+  # A projection's name that this model has no module of (a mixture without a shared
+  # expert: gate_proj) wraps nothing, as in PEFT; any other unmatched entry is refused.
+  bad = sorted(e for e in targets if e not in names
+               and not any(matches(n, e) for n in modules.values()))
   if bad:
     raise ValueError(f"{where} target_modules {bad[:5]} are not supported; expected names in "
                      f"{names}")

@@ -335,9 +335,29 @@ def _linear_part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
           "b_proj": (hv,), "a_proj": (hv,)}
 
 
-def _lora_axes(cfg: ModelConfig, target: str):
-  """(input shape, input axes, output shape, output axes) of a wrapped projection."""
-  d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+def _mlp_width(cfg: ModelConfig, stack: str) -> int:
+  """The width of the dense MLP an MLP target wraps in a layer of `stack`: ffn_dim; a
+  mixture's leading dense layers' dense_ffn_dim, its mixture layers' shared expert's."""
+  if not cfg.num_experts:
+    return cfg.ffn_dim
+  return cfg.dense_ffn_dim if stack == "dense_layers" else cfg.shared_expert_dim
+
+
+def _owner_path(cfg: ModelConfig, target: str, stack: str) -> tuple[str, ...]:
+  """The submodules of a layer of `stack` down to the one holding `target`: its attention
+  (or Gated DeltaNet) module, its MLP, or a mixture layer's shared expert."""
+  if target in _LINEAR_PARTS:
+    return ("linear_attn",)
+  if target in _ATTN_TARGETS:
+    return ("attn",)
+  return ("mlp", "shared") if cfg.num_experts and stack != "dense_layers" else ("mlp",)
+
+
+def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
+  """(input shape, input axes, output shape, output axes) of a wrapped projection in a
+  layer of `stack`."""
+  d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  f = _mlp_width(cfg, stack)
   if target in _LINEAR_PARTS:
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     if target == "out_proj":
@@ -364,10 +384,10 @@ def _lora_axes(cfg: ModelConfig, target: str):
           "down_proj": ((f,), ("mlp",), (d,), ("embed",))}[target]
 
 
-def _lora_init(cfg: ModelConfig, target: str, key):
+def _lora_init(cfg: ModelConfig, target: str, key, stack: str = "layers"):
   """(A [in..., r], B [r, out...]): A as PEFT draws it (kaiming-uniform, a=sqrt(5):
   U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero, so a new adapter changes nothing."""
-  in_shape, _, out_shape, _ = _lora_axes(cfg, target)
+  in_shape, _, out_shape, _ = _lora_axes(cfg, target, stack)
   bound = 1.0 / float(np.sqrt(np.prod(in_shape)))
   pd = _dtype(cfg.param_dtype)
   a = jax.random.uniform(key, (*in_shape, cfg.lora_rank), jnp.float32, -bound, bound)
@@ -404,8 +424,11 @@ def layer_index(cfg: ModelConfig, stack: str, j: int) -> int:
 
 def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
   """The LoRA targets the layers of `stack` carry: a linear-attention layer has no
-  q/k/v/o_proj of attention, and an attention layer no Gated DeltaNet projections."""
+  q/k/v/o_proj of attention, an attention layer no Gated DeltaNet projections, and a
+  mixture layer MLP targets only on its shared expert."""
   other = _ATTN_TARGETS if stack == "linear_layers" else LINEAR_LORA_TARGETS
+  if cfg.num_experts and not cfg.shared_expert_dim and stack != "dense_layers":
+    other += LORA_TARGETS[4:]
   return tuple(t for t in cfg.lora_target_names if t not in other)
 
 
@@ -416,18 +439,12 @@ def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = 
   index = (LORA_TARGETS + LINEAR_LORA_TARGETS).index(target)
 
   def one(i):
-    return _lora_init(cfg, target, jax.random.fold_in(jax.random.fold_in(key, i), index))
+    return _lora_init(cfg, target, jax.random.fold_in(jax.random.fold_in(key, i), index),
+                      stack)
 
   if layer is not None:
     return one(layer)
   return jax.vmap(one)(jnp.asarray(dict(layer_stacks(cfg))[stack], jnp.int32))
-
-
-def _owner(target: str) -> str:
-  """The block's submodule holding `target`."""
-  if target in _LINEAR_PARTS:
-    return "linear_attn"
-  return "attn" if target in _ATTN_TARGETS else "mlp"
 
 
 def _lora_params(cfg: ModelConfig, target: str) -> tuple[str, ...]:
@@ -457,11 +474,14 @@ def _attach_lora(model: "Transformer", key) -> None:
       if t not in stack_lora_targets(cfg, stack):
         continue
       blocks = getattr(model, stack)
-      owners += ([(blocks, ("layers",), _fresh_adapter(cfg, t, key, stack=stack))]
-                 if cfg.scan_layers else [(block, (), _fresh_adapter(cfg, t, key, indices[j]))
-                                          for j, block in enumerate(blocks)])
-    for block, lead, (a, b) in owners:
-      owner = getattr(block, _owner(t))
+      owners += ([(blocks, ("layers",), stack, _fresh_adapter(cfg, t, key, stack=stack))]
+                 if cfg.scan_layers else
+                 [(block, (), stack, _fresh_adapter(cfg, t, key, indices[j], stack=stack))
+                  for j, block in enumerate(blocks)])
+    for block, lead, stack, (a, b) in owners:
+      owner = block
+      for name in _owner_path(cfg, t, stack):
+        owner = getattr(owner, name)
       setattr(owner, f"{t}_lora_a", nnx.LoRAParam(a, logical_axes=(*lead, *in_names, "lora")))
       setattr(owner, f"{t}_lora_b", nnx.LoRAParam(b, logical_axes=(*lead, "lora", *out_names)))
 
@@ -509,7 +529,9 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
                [(pure[stack][j], stack, i) for j, i in enumerate(indices)])
   for layer, stack, i in layers:
     for t in stack_lora_targets(old, stack):
-      owner = layer[_owner(t)]
+      owner = layer
+      for name in _owner_path(old, t, stack):
+        owner = owner[name]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
       r = old.lora_rank
       lead = a.shape[:1] if stacked else ()
@@ -524,8 +546,10 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
     if key is None:
       continue
     for t in stack_lora_targets(cfg, stack):
-      layer[_owner(t)][f"{t}_lora_a"], layer[_owner(t)][f"{t}_lora_b"] = _fresh_adapter(
-          cfg, t, key, i, stack=stack)
+      owner = layer
+      for name in _owner_path(cfg, t, stack):
+        owner = owner[name]
+      owner[f"{t}_lora_a"], owner[f"{t}_lora_b"] = _fresh_adapter(cfg, t, key, i, stack=stack)
   return pure
 
 

@@ -291,12 +291,15 @@ def test_v2_greedy_generation_and_export(saved_v2, tmp_path):
 def test_lora_on_latent_attention(saved, variant, tmp_path):
   """Adapters on MLA's per-head projections (q_proj: the queries', q_b_proj with a query
   latent; k_proj: k_b_proj; v_proj: v_b_proj; o_proj) in every layer, the dense one
-  too: fresh ones change nothing; trained ones move the logits, merge exactly, and the
+  too, and on the dense layer's MLP and each shared expert: fresh ones change nothing; trained ones move the logits, merge exactly, and the
   absorbed cached path (k_b_proj's adapter folded into the queries, v_b_proj's into the
   output) equals the full forward. PEFT files are refused by name."""
   folder, hf = saved[variant]
   m = models.from_pretrained(folder, lora_rank=4, scan_layers=True)
-  assert m.cfg.lora_target_names == ("q_proj", "k_proj", "v_proj", "o_proj")
+  assert m.cfg.lora_target_names == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj")
+  assert hasattr(m.dense_layers.mlp, "up_proj_lora_a")
+  assert hasattr(m.layers.mlp.shared, "up_proj_lora_a")
   adapters = nnx.state(m, nnx.LoRAParam)
   assert sum(x.size for x in jax.tree.leaves(adapters)) == m.cfg.num_lora_params
   np.testing.assert_allclose(np.asarray(_jitted_logits(m, TOKENS)), hf_logits(hf, TOKENS),

@@ -347,3 +347,34 @@ def test_bad_mixture_configs_are_refused(change, match):
               head_dim=8, ffn_dim=8, num_experts=8, num_experts_per_tok=3)
   with pytest.raises(ValueError, match=match):
     models.ModelConfig(**{**base, **change})
+
+
+def test_lora_adapts_the_dense_mlps_and_shared_experts_as_peft_does(saved, tmp_path):
+  """MLP targets on a mixture wrap the MLPs it has as modules (the dense layer's, each
+  layer's shared expert), never the routed experts: Qwen2-MoE's PEFT files load in PEFT
+  over transformers' model with our logits and read back. GLM-4.5's are refused by name
+  (PEFT puts those names on its fused experts)."""
+  peft = pytest.importorskip("peft", reason="adapter tests need peft")
+  from tests.models.test_qwen3_5_hf import _random_adapters
+  folder, _ = saved["qwen2_moe"]
+  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, seed=2)
+  assert ours.cfg.lora_target_names[4:] == ("gate_proj", "up_proj", "down_proj")
+  assert hasattr(ours.dense_layers[0].mlp, "up_proj_lora_a")
+  assert hasattr(ours.layers[0].mlp.shared, "up_proj_lora_a")
+  assert not [n for n in vars(ours.layers[0].mlp) if "lora" in n]  # the experts: none
+  assert ours.cfg.num_lora_params == sum(
+      x.size for x in jax.tree.leaves(nnx.state(ours, nnx.LoRAParam)))
+  _random_adapters(ours)
+  want = np.asarray(_jitted_logits(ours, TOKENS))
+  np.testing.assert_allclose(np.asarray(_jitted_logits(models.merge_lora(ours), TOKENS)),
+                             want, atol=1e-4)
+  models.save_lora_adapter(ours, str(tmp_path / "adapter"))
+  hf = transformers.Qwen2MoeForCausalLM.from_pretrained(folder).float().eval()
+  assert np.abs(hf_logits(hf, TOKENS) - want).max() > 1e-2
+  pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+  np.testing.assert_allclose(hf_logits(pm, TOKENS), want, atol=1e-4, rtol=0)
+  back = models.from_pretrained(folder, adapter=str(tmp_path / "adapter"), scan_layers=True)
+  np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), want, atol=1e-4)
+  glm = models.from_pretrained(saved["glm4_moe"][0], lora_rank=2)
+  with pytest.raises(ValueError, match="PEFT puts those names on its fused routed experts"):
+    models.save_lora_adapter(glm, str(tmp_path / "glm"))
