@@ -47,6 +47,9 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_LORA_TARGETS = LORA_TARGETS[:4]
 DEFAULT_LORA_TARGETS = ",".join(LORA_TARGETS)
+# Mixtures whose PEFT adapters put the MLP names on the fused routed experts, not on the
+# dense MLPs and shared experts ours adapt: their default lora_targets leave them out.
+_PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM")
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -197,7 +200,8 @@ class ModelConfig:
       a mixture of experts the MLP names adapt the dense MLPs it has (its leading dense
       layers, each mixture layer's shared expert), never the routed experts; a mixture
       with neither takes adapters on the attention alone (left at its default, the MLP
-      names are dropped; named explicitly, they are an error). Gated
+      names are dropped; named explicitly, they are an error). GLM-4.5 and Qwen3-Next
+      take them only named (their PEFT files cannot hold them). Gated
       DeltaNet layers' projections are named as in their Hugging Face family:
       in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj (Qwen3.5), or
       in_proj_qkvz, in_proj_ba and out_proj (Qwen3-Next, architecture Qwen3Next*); left
@@ -653,6 +657,8 @@ class ModelConfig:
       return ()
     names = {t.strip() for t in str(self.lora_targets).split(",")}
     dense_mlps = not self.num_experts or self.shared_expert_dim or self.dense_layers
+    if self.lora_targets == DEFAULT_LORA_TARGETS and self.architecture in _PEFT_FUSED_MLP:
+      dense_mlps = False  # by default only what PEFT files of the class can hold
     allowed = LORA_TARGETS if dense_mlps else ATTENTION_LORA_TARGETS
     if any(self.linear_layers):
       allowed += self.linear_lora_targets

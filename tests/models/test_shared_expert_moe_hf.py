@@ -352,8 +352,9 @@ def test_bad_mixture_configs_are_refused(change, match):
 def test_lora_adapts_the_dense_mlps_and_shared_experts_as_peft_does(saved, tmp_path):
   """MLP targets on a mixture wrap the MLPs it has as modules (the dense layer's, each
   layer's shared expert), never the routed experts: Qwen2-MoE's PEFT files load in PEFT
-  over transformers' model with our logits and read back. GLM-4.5's are refused by name
-  (PEFT puts those names on its fused experts)."""
+  over transformers' model with our logits and read back. GLM-4.5 takes them only named
+  (by default its adapters are attention's), and its PEFT files with them are refused by
+  name (PEFT puts those names on its fused experts)."""
   peft = pytest.importorskip("peft", reason="adapter tests need peft")
   from tests.models.test_qwen3_5_hf import _random_adapters
   folder, _ = saved["qwen2_moe"]
@@ -376,5 +377,10 @@ def test_lora_adapts_the_dense_mlps_and_shared_experts_as_peft_does(saved, tmp_p
   back = models.from_pretrained(folder, adapter=str(tmp_path / "adapter"), scan_layers=True)
   np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), want, atol=1e-4)
   glm = models.from_pretrained(saved["glm4_moe"][0], lora_rank=2)
+  assert glm.cfg.lora_target_names == ("q_proj", "k_proj", "v_proj", "o_proj")  # default
+  models.save_lora_adapter(glm, str(tmp_path / "glm"))
+  glm = models.from_pretrained(saved["glm4_moe"][0], lora_rank=2,
+                               lora_targets="q_proj,gate_proj,up_proj,down_proj")
+  assert hasattr(glm.dense_layers[0].mlp, "up_proj_lora_a")
   with pytest.raises(ValueError, match="PEFT puts those names on its fused routed experts"):
-    models.save_lora_adapter(glm, str(tmp_path / "glm"))
+    models.save_lora_adapter(glm, str(tmp_path / "glm2"))
