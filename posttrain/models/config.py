@@ -49,7 +49,7 @@ ATTENTION_LORA_TARGETS = LORA_TARGETS[:4]
 DEFAULT_LORA_TARGETS = ",".join(LORA_TARGETS)
 # Mixtures whose PEFT adapters put the MLP names on the fused routed experts, not on the
 # dense MLPs and shared experts ours adapt: their default lora_targets leave them out.
-_PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM")
+PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM")
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -657,7 +657,7 @@ class ModelConfig:
       return ()
     names = {t.strip() for t in str(self.lora_targets).split(",")}
     dense_mlps = not self.num_experts or self.shared_expert_dim or self.dense_layers
-    if self.lora_targets == DEFAULT_LORA_TARGETS and self.architecture in _PEFT_FUSED_MLP:
+    if self.lora_targets == DEFAULT_LORA_TARGETS and self.architecture in PEFT_FUSED_MLP:
       dense_mlps = False  # by default only what PEFT files of the class can hold
     allowed = LORA_TARGETS if dense_mlps else ATTENTION_LORA_TARGETS
     if any(self.linear_layers):
@@ -789,6 +789,15 @@ class ModelConfig:
 _LLAMA3_ROPE = RopeConfig(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8192)
 
+# What the Qwen3.5 presets share: a gated attention layer after every three Gated
+# DeltaNet layers (16 key heads of 128), a quarter of each head rotated.
+_QWEN3_5_PERIOD = ("linear_attention",) * 3 + ("full_attention",)
+_QWEN3_5 = dict(
+    rope=RopeConfig(theta=10_000_000.0, partial_rotary_factor=0.25), norm_eps=1e-6,
+    qk_norm=True, norm_unit_offset=True, attn_output_gate=True, linear_num_key_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=262_144,
+    dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True)
+
 PRESETS: dict[str, ModelConfig] = {
     # Fits the byte tokenizer (256 bytes + specials); a few seconds per step on CPU.
     "tiny": ModelConfig(vocab_size=272, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -835,27 +844,16 @@ PRESETS: dict[str, ModelConfig] = {
     # 26.9B parameters.
     "qwen3_5_27b": ModelConfig(
         vocab_size=248_320, d_model=5120, num_layers=64, num_heads=24, num_kv_heads=4,
-        head_dim=256, ffn_dim=17_408, rope=RopeConfig(theta=10_000_000.0,
-                                                      partial_rotary_factor=0.25),
-        norm_eps=1e-6, qk_norm=True, norm_unit_offset=True, attn_output_gate=True,
-        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 16,
-        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-        linear_value_head_dim=128, max_position_embeddings=262_144,
-        architecture="Qwen3_5ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
-        remat="full", scan_layers=True),
+        head_dim=256, ffn_dim=17_408, layer_types=_QWEN3_5_PERIOD * 16,
+        linear_num_value_heads=48, architecture="Qwen3_5ForCausalLM", **_QWEN3_5),
     # Qwen3.5-35B-A3B (its text model): Qwen3.5's layers, every MLP 256 experts of 512
     # (8 a token) beside a gated shared expert of 512; 34.7B parameters, 3.5B active.
     "qwen3_5_35b_a3b": ModelConfig(
         vocab_size=248_320, d_model=2048, num_layers=40, num_heads=16, num_kv_heads=2,
         head_dim=256, ffn_dim=512, num_experts=256, num_experts_per_tok=8,
         norm_topk_prob=True, shared_expert_dim=512, shared_expert_gate=True,
-        rope=RopeConfig(theta=10_000_000.0, partial_rotary_factor=0.25), norm_eps=1e-6,
-        qk_norm=True, norm_unit_offset=True, attn_output_gate=True,
-        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 10,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, max_position_embeddings=262_144,
-        architecture="Qwen3_5MoeForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
-        remat="full", scan_layers=True),
+        layer_types=_QWEN3_5_PERIOD * 10, linear_num_value_heads=32,
+        architecture="Qwen3_5MoeForCausalLM", **_QWEN3_5),
     # Qwen1.5-MoE-A2.7B: 60 experts of 1408, 4 per token, a gated shared expert of 5632
     # (14.3B parameters, 2.7B active).
     "qwen1_5_moe_a2_7b": ModelConfig(

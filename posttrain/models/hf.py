@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from posttrain.models.config import LORA_TARGETS, ModelConfig, RopeConfig
+from posttrain.models.config import LORA_TARGETS, PEFT_FUSED_MLP, ModelConfig, RopeConfig
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
@@ -1417,7 +1417,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "kv_a_proj_with_mqa / kv_b_proj, which our per-projection adapters on "
                      "latent attention are not: they are neither read nor written; export "
                      "the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) in (QWEN3_NEXT, GLM4_MOE) and set(
+  if _causal_lm(cfg.architecture) in PEFT_FUSED_MLP and set(
       cfg.lora_target_names) & set(LORA_TARGETS[4:]):
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with MLP targets (its "
                      "dense MLPs' and shared experts') are not written or read: PEFT puts "
