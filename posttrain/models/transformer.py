@@ -1776,8 +1776,14 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
 def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, tables,
                  segment_ids, cache, positions, ctx, prefill, router_stats: bool):
   """Runs a model of linear- and full-attention layers as one `lax.scan` over periods of
-  cfg.layer_period layers (Qwen3.5: three linear layers, then a full one), each period's
-  layers unrolled in the body: the program holds one period, whatever the depth.
+  cfg.layer_period layers (Qwen3.5: three linear layers, then a full one): the program
+  holds one period, whatever the depth.
+
+  With a cache (prefill, decoding) the period's layers are unrolled in the body. Without
+  one (training), each run of consecutive layers of one kind is an inner `lax.scan` of
+  rematerialised layers: unrolled, the backward pass may rebuild all of a period's layers
+  before it needs the first, and XLA:TPU did (three Gated DeltaNet layers' working sets
+  live at once, 6 GiB a chip more for Qwen3.5-27B); a loop rebuilds one at a time.
   Returns (x, the HybridCaches or None, the layers' RouterStats summed with
   `router_stats`, else None)."""
   p = cfg.layer_period
@@ -1790,35 +1796,73 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
     states[kind] = jax.tree.map(lambda a, n=per[kind]: a.reshape(periods, n, *a.shape[1:]),
                                 state)
   cos, sin = tables
+  runs = []  # (kind, first, count): the period's runs of consecutive layers of one kind
+  for kind in pattern:
+    if runs and runs[-1][0] == kind:
+      runs[-1][2] += 1
+    else:
+      runs.append([kind, sum(r[2] for r in runs if r[0] == kind), 1])
 
   def run(kind, j, period_state, x, unit, i):
-    # The period's j-th layer of this kind, taken inside the checkpoint: a slice taken
-    # outside would be a residual, a second copy of every layer's weights.
+    # The period's j-th layer of this kind (j static, or traced in an inner scan), taken
+    # inside the checkpoint: a slice taken outside would be a residual, a second copy of
+    # every layer's weights.
     state = jax.tree.map(lambda a: a[j], period_state)
     return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
                                           prefill, i, router_stats=router_stats)
 
+  def run_layer(kind, state, x):  # an inner scan's layer: its weights are the scan's xs
+    return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, None, positions, ctx,
+                                          prefill, None, router_stats=router_stats)
+
   if cache is None and cfg.remat != "none":
-    run = jax.checkpoint(run, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False,
-                         static_argnums=(0, 1))
+    policy = _REMAT_POLICIES[cfg.remat]
+    run = jax.checkpoint(run, policy=policy, prevent_cse=False, static_argnums=(0,))
+    run_layer = jax.checkpoint(run_layer, policy=policy, prevent_cse=False,
+                               static_argnums=(0,))
+
+  def add_stats(stats, new):
+    return new if stats is None else jax.tree.map(jnp.add, stats, new)
 
   def body(carry, xs):
     x, caches = carry
     period_states, period = xs
-    stats, seen = None, {True: 0, False: 0}
+    stats = None
+    if caches is None:
+      for kind, first, count in runs:
+        if count == 1:
+          out = run(kind, first, period_states[kind], x, None, None)
+          x = out[0]
+          if router_stats:
+            stats = add_stats(stats, out[2])
+          continue
+        if count == per[kind]:  # all the period's layers of this kind: scanned as xs
+
+          def step(x, state, kind=kind):
+            out = run_layer(kind, state, x)
+            return out[0], out[2] if router_stats else None
+
+          x, new = jax.lax.scan(step, x, period_states[kind])
+        else:  # some of them: indexed inside the checkpoint
+
+          def step(x, j, kind=kind):
+            out = run(kind, j, period_states[kind], x, None, None)
+            return out[0], out[2] if router_stats else None
+
+          x, new = jax.lax.scan(step, x, jnp.arange(first, first + count))
+        if router_stats:
+          stats = add_stats(stats, jax.tree.map(lambda s: jnp.sum(s, axis=0), new))
+      return (x, caches), stats
+    seen = {True: 0, False: 0}
     for kind in pattern:
       j = seen[kind]
       seen[kind] += 1
-      unit = None
-      if caches is not None:
-        unit = caches.linear if kind else caches.full
-      out = run(kind, j, period_states[kind], x, unit,
-                None if unit is None else period * per[kind] + j)
+      unit = caches.linear if kind else caches.full
+      out = run(kind, j, period_states[kind], x, unit, period * per[kind] + j)
       x = out[0]
-      if caches is not None:
-        caches = caches._replace(**{"linear" if kind else "full": out[1]})
+      caches = caches._replace(**{"linear" if kind else "full": out[1]})
       if router_stats:
-        stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
+        stats = add_stats(stats, out[2])
     return (x, caches), stats
 
   (x, cache), stats = jax.lax.scan(body, (x, cache),
