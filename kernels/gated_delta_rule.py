@@ -356,9 +356,7 @@ def causal_conv1d(x, w, *, segment_ids=None, initial_state=None, activation="sil
     sequence's start, or initial_state entries shifted in if it is the row's first).
   """
   _check_conv_inputs(x, w, segment_ids, initial_state, activation)
-  # Rematerialised: the backward pass keeps the inputs alone and rebuilds the K shifted
-  # (gathered) windows, where autodiff of the body kept a float32 [batch, T, channels]
-  # copy per window and mask (about 36 of them a call in a Qwen3.5 layer).
+  # Rematerialised: the backward pass keeps the inputs alone and rebuilds what it needs.
   conv = jax.checkpoint(_causal_conv1d, static_argnums=(4, 5), prevent_cse=False)
   return conv(x, w, segment_ids, initial_state, activation, bool(return_final_state))
 
@@ -369,49 +367,64 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
   history = width - 1
   if initial_state is None:
     initial_state = jnp.zeros((batch, history, channels), x.dtype)
-  x_BxLxC = jnp.concatenate([initial_state.astype(jnp.float32), x.astype(jnp.float32)],
-                            axis=1)  # L = history + T
+  # L = history + T, in x's dtype (a wider state's keeps its precision).
+  x_BxLxC = jnp.concatenate([initial_state, x], axis=1)
   total = history + length
-  if segment_ids is None:
-    valid_BxT = None
-    windows = [x_BxLxC[:, history - s:total - s] for s in range(width)]
-    state_BxHxC = x_BxLxC[:, length:]
-  else:
-    valid_BxT, reset_BxT = segment_resets(segment_ids, batch, length)
-    # The initial state is the first history inputs, valid and of the first sequence.
-    valid_BxL = jnp.concatenate([jnp.ones((batch, history), jnp.bool_), valid_BxT], 1)
-    run_BxL = jnp.concatenate([jnp.zeros((batch, history), jnp.int32),
-                               jnp.cumsum(reset_BxT.astype(jnp.int32), axis=1)], 1)
-    count_BxL = jnp.cumsum(valid_BxL.astype(jnp.int32), axis=1)
-    # position_BxL[n] = where the n-th (0-based) valid input of the row sits.
-    slot_BxL = jnp.where(valid_BxL, count_BxL - 1, total)
-    position_BxL = jnp.zeros((batch, total), jnp.int32).at[
-        jnp.arange(batch)[:, None], slot_BxL].set(
-            jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (batch, total)),
-            mode="drop")
-
-    def nth_valid(n_BxS, run_BxS):
-      """The n-th valid input, or zeros where n < 0 or it is of another sequence."""
-      where_BxS = jnp.take_along_axis(position_BxL, jnp.maximum(n_BxS, 0), axis=1)
-      ok_BxS = (n_BxS >= 0) & (jnp.take_along_axis(run_BxL, where_BxS, axis=1) == run_BxS)
-      x_BxSxC = jnp.take_along_axis(x_BxLxC, where_BxS[..., None], axis=1)
-      return jnp.where(ok_BxS[..., None], x_BxSxC, 0.0)
-
-    count_BxT, run_BxT = count_BxL[:, history:], run_BxL[:, history:]
-    windows = [nth_valid(count_BxT - 1 - s, run_BxT) for s in range(width)]
-    if history:
-      state_BxHxC = jnp.concatenate(
-          [nth_valid(count_BxL[:, -1:] - s, run_BxL[:, -1:]) for s in range(history, 0, -1)],
-          axis=1)
-    else:
-      state_BxHxC = x_BxLxC[:, total:]
   w_CxK = w.astype(jnp.float32)
-  y_BxTxC = sum(windows[s] * w_CxK[None, None, :, width - 1 - s] for s in range(width))
+  if segment_ids is None:
+    windows = [x_BxLxC[:, history - s:total - s] for s in range(width)]
+    y_BxTxC = sum(windows[s].astype(jnp.float32) * w_CxK[None, None, :, width - 1 - s]
+                  for s in range(width))
+    if activation == "silu":
+      y_BxTxC = jax.nn.silu(y_BxTxC)
+    out = y_BxTxC.astype(x.dtype)
+    if not return_final_state:
+      return out
+    return out, x_BxLxC[:, length:].astype(x.dtype)
+  # With segment ids the valid inputs are first packed to the left of each row (one
+  # gather, in x's dtype): there each token's window is the K-1 slots before its own,
+  # zero where a slot is of an earlier sequence; one gather takes the outputs back. Four
+  # float32 windows gathered per token instead were 4 x 4 bytes a channel and token, all
+  # live at once (1.3 GiB a chip in a Qwen3.5-27B layer at 16k tokens).
+  valid_BxT, reset_BxT = segment_resets(segment_ids, batch, length)
+  # The initial state is the first history inputs, valid and of the first sequence.
+  valid_BxL = jnp.concatenate([jnp.ones((batch, history), jnp.bool_), valid_BxT], 1)
+  run_BxL = jnp.concatenate([jnp.zeros((batch, history), jnp.int32),
+                             jnp.cumsum(reset_BxT.astype(jnp.int32), axis=1)], 1)
+  count_BxL = jnp.cumsum(valid_BxL.astype(jnp.int32), axis=1)
+  # position_BxL[n] = where the n-th (0-based) valid input of the row sits (0 past the
+  # last: those slots are never read as another slot's window).
+  slot_BxL = jnp.where(valid_BxL, count_BxL - 1, total)
+  rows_Bx1 = jnp.arange(batch)[:, None]
+  position_BxL = jnp.zeros((batch, total), jnp.int32).at[rows_Bx1, slot_BxL].set(
+      jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (batch, total)), mode="drop")
+  packed_BxLxC = jnp.take_along_axis(x_BxLxC, position_BxL[..., None], axis=1)
+  run_packed_BxL = jnp.take_along_axis(run_BxL, position_BxL, axis=1)
+
+  def shifted(a, s, fill):  # a[:, n - s], `fill` where n < s
+    return jnp.concatenate([jnp.full((batch, s) + a.shape[2:], fill, a.dtype),
+                            a[:, :total - s]], axis=1)
+
+  y_BxLxC = jnp.zeros((batch, total, channels), jnp.float32)
+  for s in range(width):
+    same_BxL = shifted(run_packed_BxL, s, -1) == run_packed_BxL
+    y_BxLxC = y_BxLxC + jnp.where(same_BxL[..., None],
+                                  shifted(packed_BxLxC, s, 0).astype(jnp.float32), 0.0) * (
+                                      w_CxK[None, None, :, width - 1 - s])
   if activation == "silu":
-    y_BxTxC = jax.nn.silu(y_BxTxC)
-  if valid_BxT is not None:
-    y_BxTxC = jnp.where(valid_BxT[..., None], y_BxTxC, 0.0)
-  out = y_BxTxC.astype(x.dtype)
+    y_BxLxC = jax.nn.silu(y_BxLxC)
+  count_BxT = count_BxL[:, history:]
+  out = jnp.take_along_axis(y_BxLxC.astype(x.dtype), (count_BxT - 1)[..., None], axis=1)
+  out = jnp.where(valid_BxT[..., None], out, jnp.zeros((), x.dtype))
   if not return_final_state:
     return out
-  return out, state_BxHxC.astype(x.dtype)
+  if not history:
+    return out, x_BxLxC[:, total:].astype(x.dtype)
+  # The last K-1 valid inputs of the row's last sequence, oldest first; zeros for slots
+  # before that sequence's start.
+  n_BxH = count_BxL[:, -1:] - jnp.arange(history, 0, -1, dtype=jnp.int32)[None]
+  n_BxH = jnp.maximum(n_BxH, 0)
+  keep_BxH = (count_BxL[:, -1:] - jnp.arange(history, 0, -1)[None] >= 0) & (
+      jnp.take_along_axis(run_packed_BxL, n_BxH, axis=1) == run_BxL[:, -1:])
+  state_BxHxC = jnp.take_along_axis(packed_BxLxC, n_BxH[..., None], axis=1)
+  return out, jnp.where(keep_BxH[..., None], state_BxHxC, 0).astype(x.dtype)

@@ -387,6 +387,39 @@ def test_conv_padding_is_transparent():
   assert_close(state, want_state, F32_TOL, "final state")
 
 
+def test_conv_gradients_see_through_padding_and_sequence_starts():
+  """Gradients with segment ids (the packed path) equal the plain path's (static
+  shifts) on each sequence alone: padding gets none, a later sequence's window none of
+  the earlier's inputs; the initial state's come from the row's first sequence."""
+  x, w, s0 = conv_inputs(batch=1, length=12)
+  first, second = [2, 3, 6, 7, 8], [10, 11, 12, 13, 14, 15, 17]
+  padded = np.zeros((1, 20, 6), np.float32)
+  padded[0, first + second] = np.asarray(x[0])
+  seg = np.zeros((1, 20), np.int32)
+  seg[0, first], seg[0, second] = 1, 2
+  r = np.random.default_rng(5)
+  cot_out = jnp.asarray(r.normal(size=(1, 20, 6)), jnp.float32)
+  cot_state = jnp.asarray(r.normal(size=(1, 3, 6)), jnp.float32)
+
+  def loss(x, w, s0, seg=None, out_at=None, cot=None, state_weight=1.0):
+    out, state = kernels.causal_conv1d(x, w, segment_ids=seg, initial_state=s0,
+                                       return_final_state=True)
+    return jnp.sum(out * cot) + state_weight * jnp.sum(state * cot_state)
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(padded), w, s0, jnp.asarray(seg),
+                                          cot=cot_out)
+  # The same sums, a sequence at a time without segment ids (the second from zeros).
+  g1 = jax.grad(loss, argnums=(0, 1, 2))(x[:, :5], w, s0, cot=cot_out[:, first],
+                                         state_weight=0.0)
+  g2 = jax.grad(loss, argnums=(0, 1))(x[:, 5:], w, jnp.zeros_like(s0),
+                                      cot=cot_out[:, second])
+  grad_x = np.zeros((1, 20, 6), np.float32)
+  grad_x[0, first], grad_x[0, second] = np.asarray(g1[0][0]), np.asarray(g2[0][0])
+  assert_close(got[0], grad_x, F32_TOL, "d x")
+  assert_close(got[1], np.asarray(g1[1]) + np.asarray(g2[1]), F32_TOL, "d w")
+  assert_close(got[2], g1[2], F32_TOL, "d initial state")
+
+
 def test_conv_matches_transformers_and_decodes():
   torch = pytest.importorskip("torch")
   qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
