@@ -361,6 +361,55 @@ def causal_conv1d(x, w, *, segment_ids=None, initial_state=None, activation="sil
   return conv(x, w, segment_ids, initial_state, activation, bool(return_final_state))
 
 
+def _shifted(a, s: int, fill):
+  """a[:, n - s] along axis 1, `fill` where n < s."""
+  return jnp.concatenate([jnp.full(a.shape[:1] + (s,) + a.shape[2:], fill, a.dtype),
+                          a[:, :a.shape[1] - s]], axis=1)
+
+
+@jax.custom_vjp
+def _packed_conv(packed_BxLxC, run_BxL, w_CxK):
+  """The causal convolution over a row's valid inputs packed to its left: float32
+  [B, L, C], slot n = sum_s w[:, K-1-s] packed[n - s], a slot of another sequence (run)
+  or before the row's start reading zero. Its own backward sums the K shifts' gradients
+  in float32 and casts them once to packed's dtype, with no float32 copy of packed."""
+  width = w_CxK.shape[1]
+  y_BxLxC = jnp.zeros(packed_BxLxC.shape, jnp.float32)
+  for s in range(width):
+    same_BxL = _shifted(run_BxL, s, -1) == run_BxL
+    y_BxLxC = y_BxLxC + jnp.where(same_BxL[..., None],
+                                  _shifted(packed_BxLxC, s, 0).astype(jnp.float32),
+                                  0.0) * w_CxK[None, None, :, width - 1 - s]
+  return y_BxLxC
+
+
+def _packed_conv_fwd(packed_BxLxC, run_BxL, w_CxK):
+  return _packed_conv(packed_BxLxC, run_BxL, w_CxK), (packed_BxLxC, run_BxL, w_CxK)
+
+
+def _packed_conv_bwd(residuals, dy_BxLxC):
+  packed_BxLxC, run_BxL, w_CxK = residuals
+  width, length = w_CxK.shape[1], run_BxL.shape[1]
+  dy_BxLxC = dy_BxLxC.astype(jnp.float32)
+  d_packed = jnp.zeros(packed_BxLxC.shape, jnp.float32)
+  dw = []
+  for s in range(width):
+    same_BxL = _shifted(run_BxL, s, -1) == run_BxL
+    g_BxLxC = jnp.where(same_BxL[..., None], dy_BxLxC, 0.0)
+    # Slot n read slot n - s: its gradient goes back s slots.
+    d_packed = d_packed + jnp.concatenate(
+        [g_BxLxC[:, s:], jnp.zeros(g_BxLxC.shape[:1] + (s,) + g_BxLxC.shape[2:],
+                                   jnp.float32)], axis=1)[:, :length] * (
+                                       w_CxK[None, None, :, width - 1 - s])
+    dw.append(jnp.einsum("BLC,BLC->C", g_BxLxC,
+                         _shifted(packed_BxLxC, s, 0).astype(jnp.float32)))
+  dw_CxK = jnp.stack(dw[::-1], axis=1)
+  return d_packed.astype(packed_BxLxC.dtype), None, dw_CxK.astype(w_CxK.dtype)
+
+
+_packed_conv.defvjp(_packed_conv_fwd, _packed_conv_bwd)
+
+
 def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_state):
   batch, length, channels = x.shape
   width = w.shape[1]
@@ -372,8 +421,8 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
   total = history + length
   w_CxK = w.astype(jnp.float32)
   if segment_ids is None:
-    windows = [x_BxLxC[:, history - s:total - s] for s in range(width)]
-    y_BxTxC = sum(windows[s].astype(jnp.float32) * w_CxK[None, None, :, width - 1 - s]
+    x32_BxLxC = x_BxLxC.astype(jnp.float32)
+    y_BxTxC = sum(x32_BxLxC[:, history - s:total - s] * w_CxK[None, None, :, width - 1 - s]
                   for s in range(width))
     if activation == "silu":
       y_BxTxC = jax.nn.silu(y_BxTxC)
@@ -400,17 +449,7 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
       jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (batch, total)), mode="drop")
   packed_BxLxC = jnp.take_along_axis(x_BxLxC, position_BxL[..., None], axis=1)
   run_packed_BxL = jnp.take_along_axis(run_BxL, position_BxL, axis=1)
-
-  def shifted(a, s, fill):  # a[:, n - s], `fill` where n < s
-    return jnp.concatenate([jnp.full((batch, s) + a.shape[2:], fill, a.dtype),
-                            a[:, :total - s]], axis=1)
-
-  y_BxLxC = jnp.zeros((batch, total, channels), jnp.float32)
-  for s in range(width):
-    same_BxL = shifted(run_packed_BxL, s, -1) == run_packed_BxL
-    y_BxLxC = y_BxLxC + jnp.where(same_BxL[..., None],
-                                  shifted(packed_BxLxC, s, 0).astype(jnp.float32), 0.0) * (
-                                      w_CxK[None, None, :, width - 1 - s])
+  y_BxLxC = _packed_conv(packed_BxLxC, run_packed_BxL, w_CxK)
   if activation == "silu":
     y_BxLxC = jax.nn.silu(y_BxLxC)
   count_BxT = count_BxL[:, history:]
