@@ -11,6 +11,7 @@ time of each and XLA's temporary bytes of the compiled forward + backward.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -58,14 +59,18 @@ def main() -> None:
   _conv_residuals()
 
 
-def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4) -> None:
-  """Bytes a token the backward pass keeps of `kernels.causal_conv1d` (bf16, segment
-  ids given, as the model calls it) over Qwen3.5's q, k and v channels (16 key heads and
-  32 value heads of 128), rematerialised (ours) against the body differentiated as it
-  is."""
-  import sys
+def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4,
+                    reps: int = 5) -> None:
+  """`kernels.causal_conv1d` (bf16) over Qwen3.5's q, k and v channels (16 key heads
+  and 32 value heads of 128), segment ids given as the model gives them: the bytes a
+  token its backward pass keeps, rematerialised (ours) against the body differentiated
+  as it is, and, compiled, the forward + backward's time and temporaries against the
+  naive path (`_windows_conv`: each window gathered per token in float32)."""
   module = sys.modules["kernels.gated_delta_rule"]
-  seg = jnp.ones((1, length), jnp.int32)
+  seg = np.ones((1, length), np.int32)
+  seg[:, length // 3:] = 2
+  seg[:, length - length // 16:] = 0
+  seg = jnp.asarray(seg)
   inputs = [jax.ShapeDtypeStruct((1, length, channels), jnp.bfloat16),
             jax.ShapeDtypeStruct((channels, width), jnp.bfloat16),
             jax.ShapeDtypeStruct((1, width - 1, channels), jnp.bfloat16)]
@@ -78,6 +83,61 @@ def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4) ->
     kept = sum(np.prod(r.shape) * np.dtype(r.dtype).itemsize for r in residuals)
     print(f"causal_conv1d {name:>5}: {kept / length / 1024:.1f} KiB a token kept for the "
           f"backward pass ({channels} channels)")
+  r = np.random.default_rng(1)
+  values = [jnp.asarray(r.normal(size=a.shape), a.dtype) for a in inputs]
+  rows, grads = {}, {}
+  for name, fn in (("packed", kernels.causal_conv1d), ("windows", _windows_conv)):
+    def loss(x, w, s0, fn=fn):
+      out = fn(x, w, segment_ids=seg, initial_state=s0)
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    temp = grad.lower(*values).compile().memory_analysis().temp_size_in_bytes
+    grads[name] = grad(*values)
+    rows[name] = _median_seconds(grad, values, reps), temp / MIB
+    print(f"causal_conv1d fwd+bwd, {name:>7}: {1e3 * rows[name][0]:.1f} ms, "
+          f"{rows[name][1]:.1f} MiB temporaries ({length} tokens)")
+  for a, b in zip(grads["packed"], grads["windows"]):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(b))))
+  print(f"causal_conv1d windows / packed: time {rows['windows'][0] / rows['packed'][0]:.2f}x, "
+        f"temporaries {rows['windows'][1] / rows['packed'][1]:.2f}x")
+
+
+def _windows_conv(x, w, segment_ids, initial_state):
+  """The naive path: each of the K windows gathered per token in float32 (the s-th
+  valid input before it, zero across a sequence start), rematerialised; SiLU."""
+
+  def body(x, w, segment_ids, initial_state):
+    batch, length, _ = x.shape
+    width = w.shape[1]
+    history = width - 1
+    x_BxLxC = jnp.concatenate([initial_state, x], axis=1).astype(jnp.float32)
+    total = history + length
+    valid_BxT, reset_BxT = sys.modules["kernels.gated_delta_rule"].segment_resets(
+        segment_ids, batch, length)
+    valid_BxL = jnp.concatenate([jnp.ones((batch, history), jnp.bool_), valid_BxT], 1)
+    run_BxL = jnp.concatenate([jnp.zeros((batch, history), jnp.int32),
+                               jnp.cumsum(reset_BxT.astype(jnp.int32), axis=1)], 1)
+    count_BxL = jnp.cumsum(valid_BxL.astype(jnp.int32), axis=1)
+    slot_BxL = jnp.where(valid_BxL, count_BxL - 1, total)
+    position_BxL = jnp.zeros((batch, total), jnp.int32).at[
+        jnp.arange(batch)[:, None], slot_BxL].set(
+            jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (batch, total)),
+            mode="drop")
+    count_BxT, run_BxT = count_BxL[:, history:], run_BxL[:, history:]
+    y = 0.0
+    for s in range(width):
+      n_BxT = count_BxT - 1 - s
+      where_BxT = jnp.take_along_axis(position_BxL, jnp.maximum(n_BxT, 0), axis=1)
+      ok_BxT = (n_BxT >= 0) & (jnp.take_along_axis(run_BxL, where_BxT, axis=1) == run_BxT)
+      window = jnp.take_along_axis(x_BxLxC, where_BxT[..., None], axis=1)
+      y = y + jnp.where(ok_BxT[..., None], window, 0.0) * w.astype(jnp.float32)[
+          None, None, :, width - 1 - s]
+    y = jnp.where(valid_BxT[..., None], jax.nn.silu(y), 0.0)
+    return y.astype(x.dtype)
+
+  return jax.checkpoint(body, prevent_cse=False)(x, w, segment_ids, initial_state)
 
 
 if __name__ == "__main__":

@@ -362,9 +362,11 @@ def causal_conv1d(x, w, *, segment_ids=None, initial_state=None, activation="sil
 
 
 def _shifted(a, s: int, fill):
-  """a[:, n - s] along axis 1, `fill` where n < s."""
-  return jnp.concatenate([jnp.full(a.shape[:1] + (s,) + a.shape[2:], fill, a.dtype),
-                          a[:, :a.shape[1] - s]], axis=1)
+  """a[:, n - s] along axis 1, `fill` where n < s (s < 0: a[:, n + |s|], `fill` past
+  the end): one pad, which fuses into its consumer."""
+  config = [(0, 0, 0)] * a.ndim
+  config[1] = (s, -s, 0)
+  return jax.lax.pad(a, jnp.asarray(fill, a.dtype), config)
 
 
 @jax.custom_vjp
@@ -389,7 +391,7 @@ def _packed_conv_fwd(packed_BxLxC, run_BxL, w_CxK):
 
 def _packed_conv_bwd(residuals, dy_BxLxC):
   packed_BxLxC, run_BxL, w_CxK = residuals
-  width, length = w_CxK.shape[1], run_BxL.shape[1]
+  width = w_CxK.shape[1]
   dy_BxLxC = dy_BxLxC.astype(jnp.float32)
   d_packed = jnp.zeros(packed_BxLxC.shape, jnp.float32)
   dw = []
@@ -397,10 +399,7 @@ def _packed_conv_bwd(residuals, dy_BxLxC):
     same_BxL = _shifted(run_BxL, s, -1) == run_BxL
     g_BxLxC = jnp.where(same_BxL[..., None], dy_BxLxC, 0.0)
     # Slot n read slot n - s: its gradient goes back s slots.
-    d_packed = d_packed + jnp.concatenate(
-        [g_BxLxC[:, s:], jnp.zeros(g_BxLxC.shape[:1] + (s,) + g_BxLxC.shape[2:],
-                                   jnp.float32)], axis=1)[:, :length] * (
-                                       w_CxK[None, None, :, width - 1 - s])
+    d_packed = d_packed + _shifted(g_BxLxC, -s, 0.0) * w_CxK[None, None, :, width - 1 - s]
     dw.append(jnp.einsum("BLC,BLC->C", g_BxLxC,
                          _shifted(packed_BxLxC, s, 0).astype(jnp.float32)))
   dw_CxK = jnp.stack(dw[::-1], axis=1)
@@ -420,10 +419,9 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
   x_BxLxC = jnp.concatenate([initial_state, x], axis=1)
   total = history + length
   w_CxK = w.astype(jnp.float32)
-  if segment_ids is None:
-    x32_BxLxC = x_BxLxC.astype(jnp.float32)
-    y_BxTxC = sum(x32_BxLxC[:, history - s:total - s] * w_CxK[None, None, :, width - 1 - s]
-                  for s in range(width))
+  if segment_ids is None:  # one sequence a row, the state before it: nothing to pack
+    y_BxTxC = _packed_conv(x_BxLxC, jnp.zeros((batch, total), jnp.int32),
+                           w_CxK)[:, history:]
     if activation == "silu":
       y_BxTxC = jax.nn.silu(y_BxTxC)
     out = y_BxTxC.astype(x.dtype)
