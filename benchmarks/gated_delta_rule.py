@@ -2,6 +2,7 @@
 recurrence, forward and forward + backward, on this CPU.
 
     python -m benchmarks.gated_delta_rule [--lengths=512,2048,8192] [--reps=5]
+    python -m benchmarks.gated_delta_rule --conv_tpu=v5p:2x2x1   # libtpu, no TPU
 
 Both arms compute the same outputs (`kernels.gated_delta_rule` and
 `kernels.gated_delta_rule_reference`, checked equal here) for one row of Qwen3.5-shaped
@@ -37,7 +38,13 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--lengths", default="512,2048,8192")
   parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--conv_tpu", default="", help="only compile the convolution's "
+                      "forward + backward for one chip of this TPU topology (e.g. "
+                      "v5p:2x2x1; needs libtpu) and print its temporaries, ours and naive")
   args = parser.parse_args()
+  if args.conv_tpu:
+    _conv_tpu(args.conv_tpu)
+    return
   arms = {"chunked": kernels.gated_delta_rule, "recurrent": kernels.gated_delta_rule_reference}
   print(f"{'T':>6} {'arm':>9} {'fwd ms':>9} {'fwd+bwd ms':>11} {'bwd temp MiB':>13}")
   for length in (int(n) for n in args.lengths.split(",")):
@@ -102,6 +109,38 @@ def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4,
                                rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(b))))
   print(f"causal_conv1d windows / packed: time {rows['windows'][0] / rows['packed'][0]:.2f}x, "
         f"temporaries {rows['windows'][1] / rows['packed'][1]:.2f}x")
+
+
+def _conv_tpu(topology: str, rows: int = 8, length: int = 2048, channels: int = 5120,
+              width: int = 4) -> None:
+  """XLA:TPU's temporaries for `jax.grad` of the convolution (bf16, two sequences and
+  padding a row) compiled for one chip: one Qwen3.5-27B layer's q, k and v channels at
+  tensor 2, 8 rows of 2,048 tokens."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from posttrain import aot
+  mesh = Mesh(np.array(aot.tpu_devices(topology)[:1]), ("x",))
+  seg = np.ones((rows, length), np.int32)
+  seg[:, length // 3:] = 2
+  seg[:, length - length // 16:] = 0
+  seg = jnp.asarray(seg)
+
+  def arg(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+  args = (arg((rows, length, channels), jnp.bfloat16), arg((channels, width), jnp.bfloat16),
+          arg((rows, width - 1, channels), jnp.bfloat16))
+  temps = {}
+  for name, fn in (("packed", kernels.causal_conv1d), ("windows", _windows_conv)):
+    def loss(x, w, s0, fn=fn):
+      return jnp.sum(fn(x, w, segment_ids=seg, initial_state=s0).astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    temps[name] = compiled.memory_analysis().temp_size_in_bytes / MIB
+    print(f"causal_conv1d fwd+bwd on {topology.split(':')[0]}, {name:>7}: "
+          f"{temps[name]:.1f} MiB temporaries")
+  print(f"causal_conv1d windows / packed on {topology.split(':')[0]}: "
+        f"{temps['windows'] / temps['packed']:.2f}x")
 
 
 def _windows_conv(x, w, segment_ids, initial_state):

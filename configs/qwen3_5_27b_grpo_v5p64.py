@@ -40,10 +40,9 @@ the MLP split over tensor). remat "full": a layer keeps only its input. Under
 dots_with_no_batch_dims each linear layer also keeps its projections' outputs (q, k, v
 and z are 10k wide a token), which does not fit at eight 2048-token rows per fsdp shard
 (`launch.plan` says so and suggests this). Compiled for the slice on a CPU host (libtpu
-0.0.42.1, 3.5 GiB of host memory, 4.5 min): the update peaks at 64.2 GiB a chip with what
-stays resident beside it, where the plan says 49.1 (the planner's Gated DeltaNet terms
-are fitted on CPU; XLA:TPU's update holds 15 GiB more, not yet located), the rollout at
-57.9 (planned 51.5). Both fit the 85.5 GiB usable.
+0.0.42.1, 3.5 GiB of host memory, 5 min): the update peaks at 52.2 GiB a chip with what
+stays resident beside it, where the plan says 49.1, the rollout at 57.7 (planned 51.5).
+Both fit the 85.5 GiB usable.
 """
 
 import ml_collections
