@@ -451,7 +451,7 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
 
   Fitted to what JAX saves (`jax.ad_checkpoint.print_saved_residuals`) on Qwen3.5's
   layout, float32 and bfloat16. Without remat: z and the convolutions' inputs (q, k, v
-  in the compute dtype; `kernels.causal_conv1d` recomputes its windows), q's and k's
+  in the compute dtype; `kernels.causal_conv1d` is rematerialised), q's and k's
   float32 rows and l2norm columns, the float32 masked q, k, v, g and beta with their
   masks (1 byte each) and again cut into chunks (with the chunks' reset flags), beta's
   and softplus' float32 columns, the delta rule's float32 output, its per-head RMS norm
