@@ -415,7 +415,7 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
   history = width - 1
   if initial_state is None:
     initial_state = jnp.zeros((batch, history, channels), x.dtype)
-  # L = history + T, in x's dtype (a wider state's keeps its precision).
+  # L = history + T, in x's dtype (or the state's, if wider).
   x_BxLxC = jnp.concatenate([initial_state, x], axis=1)
   total = history + length
   w_CxK = w.astype(jnp.float32)
@@ -459,9 +459,9 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
     return out, x_BxLxC[:, total:].astype(x.dtype)
   # The last K-1 valid inputs of the row's last sequence, oldest first; zeros for slots
   # before that sequence's start.
-  n_BxH = count_BxL[:, -1:] - jnp.arange(history, 0, -1, dtype=jnp.int32)[None]
-  n_BxH = jnp.maximum(n_BxH, 0)
-  keep_BxH = (count_BxL[:, -1:] - jnp.arange(history, 0, -1)[None] >= 0) & (
+  wanted_BxH = count_BxL[:, -1:] - jnp.arange(history, 0, -1, dtype=jnp.int32)[None]
+  n_BxH = jnp.maximum(wanted_BxH, 0)
+  keep_BxH = (wanted_BxH >= 0) & (
       jnp.take_along_axis(run_packed_BxL, n_BxH, axis=1) == run_BxL[:, -1:])
   state_BxHxC = jnp.take_along_axis(packed_BxLxC, n_BxH[..., None], axis=1)
   return out, jnp.where(keep_BxH[..., None], state_BxHxC, 0).astype(x.dtype)

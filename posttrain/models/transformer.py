@@ -1783,7 +1783,8 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
   one (training), each run of consecutive layers of one kind is an inner `lax.scan` of
   rematerialised layers: unrolled, the backward pass may rebuild all of a period's layers
   before it needs the first, and XLA:TPU did (three Gated DeltaNet layers' working sets
-  live at once, 6 GiB a chip more for Qwen3.5-27B); a loop rebuilds one at a time.
+  live at once: 9.5 GiB a chip more in Qwen3.5-27B's update on v5p-64); a loop rebuilds
+  one at a time.
   Returns (x, the HybridCaches or None, the layers' RouterStats summed with
   `router_stats`, else None)."""
   p = cfg.layer_period
