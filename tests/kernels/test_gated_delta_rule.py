@@ -401,7 +401,7 @@ def test_conv_gradients_see_through_padding_and_sequence_starts():
   cot_out = jnp.asarray(r.normal(size=(1, 20, 6)), jnp.float32)
   cot_state = jnp.asarray(r.normal(size=(1, 3, 6)), jnp.float32)
 
-  def loss(x, w, s0, seg=None, out_at=None, cot=None, state_weight=1.0):
+  def loss(x, w, s0, seg=None, cot=None, state_weight=1.0):
     out, state = kernels.causal_conv1d(x, w, segment_ids=seg, initial_state=s0,
                                        return_final_state=True)
     return jnp.sum(out * cot) + state_weight * jnp.sum(state * cot_state)
