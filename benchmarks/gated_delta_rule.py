@@ -66,6 +66,14 @@ def main() -> None:
   _conv_residuals()
 
 
+def _two_sequences(rows: int, length: int):
+  """Segment ids of rows holding two sequences (a third and the rest) and padding."""
+  seg = np.ones((rows, length), np.int32)
+  seg[:, length // 3:] = 2
+  seg[:, length - length // 16:] = 0
+  return jnp.asarray(seg)
+
+
 def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4,
                     reps: int = 5) -> None:
   """`kernels.causal_conv1d` (bf16) over Qwen3.5's q, k and v channels (16 key heads
@@ -74,10 +82,7 @@ def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4,
   as it is, and, compiled, the forward + backward's time and temporaries against the
   naive path (`_windows_conv`: each window gathered per token in float32)."""
   module = sys.modules["kernels.gated_delta_rule"]
-  seg = np.ones((1, length), np.int32)
-  seg[:, length // 3:] = 2
-  seg[:, length - length // 16:] = 0
-  seg = jnp.asarray(seg)
+  seg = _two_sequences(1, length)
   inputs = [jax.ShapeDtypeStruct((1, length, channels), jnp.bfloat16),
             jax.ShapeDtypeStruct((channels, width), jnp.bfloat16),
             jax.ShapeDtypeStruct((1, width - 1, channels), jnp.bfloat16)]
@@ -119,10 +124,7 @@ def _conv_tpu(topology: str, rows: int = 8, length: int = 2048, channels: int = 
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from posttrain import aot
   mesh = Mesh(np.array(aot.tpu_devices(topology)[:1]), ("x",))
-  seg = np.ones((rows, length), np.int32)
-  seg[:, length // 3:] = 2
-  seg[:, length - length // 16:] = 0
-  seg = jnp.asarray(seg)
+  seg = _two_sequences(rows, length)
 
   def arg(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
