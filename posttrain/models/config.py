@@ -56,6 +56,10 @@ QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj
                                "out_proj")
 QWEN3_NEXT_LINEAR_LORA_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 LINEAR_LORA_TARGETS = QWEN3_5_LINEAR_LORA_TARGETS[:4] + QWEN3_NEXT_LINEAR_LORA_TARGETS
+# A mixture's routed experts, adapted per expert (PEFT's target_parameters
+# mlp.experts.gate_up_proj and mlp.experts.down_proj): one adapter over gate and up
+# together (one A, B spanning both), one over down. Only named: never a default.
+EXPERT_LORA_TARGETS = ("experts_gate_up_proj", "experts_down_proj")
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
 # kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU (heads-major cache,
@@ -205,7 +209,10 @@ class ModelConfig:
       DeltaNet layers' projections are named as in their Hugging Face family:
       in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj (Qwen3.5), or
       in_proj_qkvz, in_proj_ba and out_proj (Qwen3-Next, architecture Qwen3Next*); left
-      at its default, a model with such layers adapts all of them too.
+      at its default, a model with such layers adapts all of them too. A mixture's routed
+      experts take adapters only named: experts_gate_up_proj (one adapter per expert
+      over its gate and up projections, PEFT's target_parameters
+      mlp.experts.gate_up_proj) and experts_down_proj (mlp.experts.down_proj).
     num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP (past the
       `dense_layers`) is that many SwiGLU experts of width ffn_dim, and a router sends
       each token to `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
@@ -428,7 +435,12 @@ class ModelConfig:
         raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
       names = [t.strip() for t in str(self.lora_targets).split(",") if t.strip()]
       linear = self.linear_lora_targets if any(self.linear_layers) else ()
-      bad = [t for t in names if t not in LORA_TARGETS + linear]
+      experts = [t for t in names if t in EXPERT_LORA_TARGETS]
+      experts_allowed = EXPERT_LORA_TARGETS if self.num_experts else ()
+      if experts and not self.num_experts:
+        raise ValueError(f"lora_targets {experts} adapt a mixture's routed experts, but this "
+                         "model has none (num_experts=0)")
+      bad = [t for t in names if t not in LORA_TARGETS + linear + EXPERT_LORA_TARGETS]
       if bad or not names:
         wrong = [t for t in bad if t in LINEAR_LORA_TARGETS]
         if wrong and linear:
@@ -438,7 +450,7 @@ class ModelConfig:
           raise ValueError(f"lora_targets {wrong} are Gated DeltaNet projections, but this "
                            "model has no linear_attention layers")
         raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
-                         f"subset of {LORA_TARGETS + linear}")
+                         f"subset of {LORA_TARGETS + linear + experts_allowed}")
       mlp = [t for t in names if t in LORA_TARGETS[4:]]
       dense_mlps = self.shared_expert_dim or self.dense_layers
       if (self.num_experts and not dense_mlps and mlp
@@ -652,7 +664,8 @@ class ModelConfig:
 
   @property
   def lora_target_names(self) -> tuple[str, ...]:
-    """The projections with LoRA adapters, in LORA_TARGETS order (empty at rank 0)."""
+    """The projections with LoRA adapters, in LORA_TARGETS order, then the Gated DeltaNet
+    and routed-expert ones (empty at rank 0)."""
     if not self.lora_rank:
       return ()
     names = {t.strip() for t in str(self.lora_targets).split(",")}
@@ -664,6 +677,8 @@ class ModelConfig:
       allowed += self.linear_lora_targets
       if self.lora_targets == DEFAULT_LORA_TARGETS:
         names |= set(self.linear_lora_targets)
+    if self.num_experts:
+      allowed += EXPERT_LORA_TARGETS
     return tuple(t for t in allowed if t in names)
 
   @property
@@ -703,11 +718,15 @@ class ModelConfig:
     sizes.update(in_proj_qkv=d + 2 * qk + vd, in_proj_z=d + vd, in_proj_b=d + hv,
                  in_proj_a=d + hv, in_proj_qkvz=d + 2 * qk + 2 * vd, in_proj_ba=d + 2 * hv,
                  out_proj=vd + d)
+    # A mixture layer's routed experts, each its own A and B (`EXPERT_LORA_TARGETS`).
+    e = self.num_experts
+    sizes.update(experts_gate_up_proj=e * (d + 2 * f), experts_down_proj=e * (f + d))
     # A linear-attention layer has no attention targets and full layers no linear ones
     # (`stack_lora_targets`).
     linear = sum(self.linear_layers)
     layers = {t: linear if t in LINEAR_LORA_TARGETS else
-              self.num_layers - linear if t in ATTENTION_LORA_TARGETS else 1
+              self.num_layers - linear if t in ATTENTION_LORA_TARGETS else
+              self.mixture_layers if t in EXPERT_LORA_TARGETS else 1
               for t in self.lora_target_names}
     return self.lora_rank * sum(sizes[t] * layers[t] for t in self.lora_target_names)
 

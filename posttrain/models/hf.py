@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from posttrain.models.config import LORA_TARGETS, PEFT_FUSED_MLP, ModelConfig, RopeConfig
+from posttrain.models.config import (EXPERT_LORA_TARGETS, LORA_TARGETS, PEFT_FUSED_MLP,
+                                     ModelConfig, RopeConfig)
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
@@ -1423,6 +1424,11 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "dense MLPs' and shared experts') are not written or read: PEFT puts "
                      "those names on its fused routed experts instead; leave gate_proj, "
                      "up_proj and down_proj out of lora_targets, or export the model merged")
+  experts = [t for t in cfg.lora_target_names if t in EXPERT_LORA_TARGETS]
+  if experts and _causal_lm(cfg.architecture) == GPT_OSS:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} with routed-expert targets "
+                     f"{experts} are not written or read: its gate_up_proj interleaves gate "
+                     "and up, [E, D, 2F]; export the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
   # A mixture layer's MLP targets wrap its shared expert (`_mapping`'s names for it).
@@ -1431,6 +1437,9 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     stack = layer_path(cfg, i)[0]
     if t not in stack_lora_targets(cfg, stack):
       continue  # a projection this kind of layer does not have
+    if t in EXPERT_LORA_TARGETS:
+      rows += _expert_lora_rows(cfg, t, i, nested=len(experts) > 1)
+      continue
     in_shape, _, out_shape, _ = _lora_axes(cfg, t, stack)
     fan_in, fan_out = int(np.prod(in_shape)), int(np.prod(out_shape))
     owner = _owner_path(cfg, t, stack)
@@ -1447,6 +1456,33 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
              (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows
+
+
+def _expert_lora_rows(cfg: ModelConfig, target: str, i: int, *, nested: bool) -> list:
+  """`_lora_mapping`'s rows of layer i's adapter on its routed experts' gate_up_proj or
+  down_proj (PEFT's target_parameters, a ParamWrapper on transformers' experts module).
+
+  PEFT's lora_A.weight [E r, in] holds expert e's A^T in rows e r .. e r + r; its
+  lora_B.weight [out, r E] expert e's B^T in columns j E + e (rank-major): its update of
+  gate_up_proj [E, 2F, D] (gate's F rows, then up's) is B_e A_e. Ours: A [E, in, r],
+  B [E, r, out] (gate_up's [E, r, 2, F]). With both targets PEFT nests the two wrappers
+  in the experts module's parameter order, gate_up_proj inside (its names through
+  base_layer), down_proj outside."""
+  e, r = cfg.num_experts, cfg.lora_rank
+  in_shape, _, out_shape, _ = _lora_axes(cfg, target, layer_path(cfg, i)[0])
+  fan_in, fan_out = in_shape[1], int(np.prod(out_shape))
+  a_maps = (lambda x, s=in_shape: np.asarray(x).reshape(e, r, s[1]).transpose(0, 2, 1),
+            lambda x, n=fan_in: np.asarray(x).transpose(0, 2, 1).reshape(e * r, n))
+  b_maps = (lambda x, s=out_shape: np.asarray(x).reshape(-1, r, e).transpose(2, 1, 0)
+            .reshape(e, r, *s),
+            lambda x, n=fan_out: np.asarray(x).reshape(e, r, n).transpose(2, 1, 0)
+            .reshape(n, r * e))
+  inner = nested and target == "experts_gate_up_proj"
+  peft = f"base_model.model.model.layers.{i}.mlp.experts.{'base_layer.' if inner else ''}"
+  ours = layer_path(cfg, i) + ("mlp",)
+  return [(ours + (f"{target}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
+          (ours + (f"{target}_lora_b",), peft + "lora_B.weight", *b_maps,
+           (e, r, *out_shape))]
 
 
 def _key_group_b(cfg: ModelConfig, target: str, r: int) -> tuple[Transform, Transform]:
@@ -1498,7 +1534,7 @@ def _gated_query_b(n: int, h: int, r: int) -> tuple[Transform, Transform]:
 # beyond y += lora_alpha / r * x A B on the targeted projections; any truthy value is refused.
 _PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out",
                      "layers_to_transform", "rank_pattern", "alpha_pattern", "lora_bias",
-                     "exclude_modules", "target_parameters", "trainable_token_indices",
+                     "exclude_modules", "trainable_token_indices",
                      "layer_replication", "alora_invocation_tokens", "use_qalora",
                      "use_bdlora", "kasa_config", "monteclora_config", "arrow_config",
                      "megatron_config")
@@ -1560,6 +1596,35 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
   return kinds
 
 
+def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str, ...]:
+  """The routed-expert targets (EXPERT_LORA_TARGETS) a PEFT target_parameters list puts
+  adapters on. PEFT matches an entry to a parameter whose dotted name
+  (model.layers.{i}.mlp.experts.gate_up_proj) equals it or ends in "." + it; ours adapt
+  every mixture layer's experts, so each entry must cover all of them."""
+  if not parameters:
+    return ()
+  if isinstance(parameters, str) or not cfg.num_experts:
+    raise ValueError(f"{where} target_parameters={parameters!r} is not supported; expected "
+                     "a list of mlp.experts.gate_up_proj / mlp.experts.down_proj of a "
+                     "mixture of experts")
+  layers = [i for i in range(cfg.num_layers) if i >= cfg.dense_layers]
+  kinds = []
+  for t in EXPERT_LORA_TARGETS:
+    names = [f"model.layers.{i}.mlp.experts.{t[len('experts_'):]}" for i in layers]
+    hit = [n for n in names if any(n == p or n.endswith("." + p) for p in parameters)]
+    if hit and len(hit) != len(names):
+      raise ValueError(f"{where} target_parameters wrap {t[len('experts_'):]} in only "
+                       "some layers; adapters on every mixture layer are supported")
+    kinds += [t] if hit else []
+  names = [f"model.layers.{i}.mlp.experts.{t[len('experts_'):]}"
+           for i in layers for t in EXPERT_LORA_TARGETS]
+  bad = sorted(p for p in parameters if not any(n == p or n.endswith("." + p) for n in names))
+  if bad:
+    raise ValueError(f"{where} target_parameters {bad[:5]} are not supported; expected "
+                     "mlp.experts.gate_up_proj, mlp.experts.down_proj")
+  return tuple(kinds)
+
+
 def _read_adapter_config(path: str, base: ModelConfig, *, classifier: bool = False
                          ) -> dict[str, Any]:
   """lora_rank, lora_alpha and lora_targets of a PEFT LoRA adapter folder over a model of
@@ -1582,7 +1647,10 @@ def _read_adapter_config(path: str, base: ModelConfig, *, classifier: bool = Fal
                      "model's ['classifier', 'score'] is)")
   if c.get("bias", "none") != "none":
     raise ValueError(f"{where} bias={c['bias']!r} is not supported (expected 'none')")
-  targets = _adapter_targets(where, c.get("target_modules"), base)
+  parameters = c.get("target_parameters") or []
+  modules = c.get("target_modules")
+  targets = (_adapter_targets(where, modules, base) if modules or not parameters else ())
+  targets += _expert_targets(where, parameters, base)
   r, alpha = c.get("r"), c.get("lora_alpha")
   if isinstance(r, bool) or not isinstance(r, int) or r < 1:
     raise ValueError(f"{where} r={r!r}; expected an int >= 1")
@@ -2060,10 +2128,14 @@ def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path:
       "peft_type": "LORA", "task_type": "SEQ_CLS" if reward_model else "CAUSAL_LM",
       "modules_to_save": sorted(_SCORE_MODULES) if reward_model else None, "r": cfg.lora_rank,
       "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
-      "target_modules": list(cfg.lora_target_names), "lora_dropout": 0.0, "bias": "none",
+      "target_modules": [t for t in cfg.lora_target_names if t not in EXPERT_LORA_TARGETS],
+      "lora_dropout": 0.0, "bias": "none",
       "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
       "base_model_name_or_path": base_model_name_or_path or None, "inference_mode": True,
       "init_lora_weights": True,
   }
+  experts = [t for t in cfg.lora_target_names if t in EXPERT_LORA_TARGETS]
+  if experts:  # PEFT's adapters on parameters: the routed experts' stacked weights
+    config["target_parameters"] = [f"mlp.experts.{t[len('experts_'):]}" for t in experts]
   with open(os.path.join(path, "adapter_config.json"), "w") as fh:
     json.dump(config, fh, indent=2)

@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from posttrain.models import rope as rope_lib
-from posttrain.models.config import (LINEAR_LORA_TARGETS, LORA_TARGETS, ModelConfig, RopeConfig,
+from posttrain.models.config import (EXPERT_LORA_TARGETS, LINEAR_LORA_TARGETS, LORA_TARGETS,
+                                      ModelConfig, RopeConfig,
                                      decode_chunk_for)
 from posttrain.models.sharding import ShardingContext
 
@@ -350,13 +351,20 @@ def _owner_path(cfg: ModelConfig, target: str, stack: str) -> tuple[str, ...]:
     return ("linear_attn",)
   if target in _ATTN_TARGETS:
     return ("attn",)
+  if target in EXPERT_LORA_TARGETS:
+    return ("mlp",)
   return ("mlp", "shared") if cfg.num_experts and stack != "dense_layers" else ("mlp",)
 
 
 def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
   """(input shape, input axes, output shape, output axes) of a wrapped projection in a
-  layer of `stack`."""
+  layer of `stack`. A routed-expert target's input leads with the experts [E, ...]: its
+  A is [E, in..., r], its B [E, r, out...] (`_lora_experts`)."""
   d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  if target == "experts_gate_up_proj":  # B's columns: gate's F, then up's
+    return ((cfg.num_experts, d), ("experts", "embed"), (2, cfg.ffn_dim), (None, "mlp"))
+  if target == "experts_down_proj":
+    return ((cfg.num_experts, cfg.ffn_dim), ("experts", "mlp"), (d,), ("embed",))
   f = _mlp_width(cfg, stack)
   if target in _LINEAR_PARTS:
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -384,14 +392,21 @@ def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
           "down_proj": ((f,), ("mlp",), (d,), ("embed",))}[target]
 
 
+def _lora_experts(target: str) -> int:
+  """1 for a routed-expert target (its A and B lead with the experts), else 0."""
+  return int(target in EXPERT_LORA_TARGETS)
+
+
 def _lora_init(cfg: ModelConfig, target: str, key, stack: str = "layers"):
-  """(A [in..., r], B [r, out...]): A as PEFT draws it (kaiming-uniform, a=sqrt(5):
-  U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B zero, so a new adapter changes nothing."""
+  """(A [in..., r], B [r, out...]; a routed-expert target's [E, in..., r], [E, r,
+  out...]): A as PEFT draws it (kaiming-uniform, a=sqrt(5): U(-1/sqrt(fan_in),
+  1/sqrt(fan_in)), fan_in an expert's own), B zero, so a new adapter changes nothing."""
   in_shape, _, out_shape, _ = _lora_axes(cfg, target, stack)
-  bound = 1.0 / float(np.sqrt(np.prod(in_shape)))
+  lead = in_shape[:_lora_experts(target)]
+  bound = 1.0 / float(np.sqrt(np.prod(in_shape[len(lead):])))
   pd = _dtype(cfg.param_dtype)
   a = jax.random.uniform(key, (*in_shape, cfg.lora_rank), jnp.float32, -bound, bound)
-  return a.astype(pd), jnp.zeros((cfg.lora_rank, *out_shape), pd)
+  return a.astype(pd), jnp.zeros((*lead, cfg.lora_rank, *out_shape), pd)
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -425,18 +440,22 @@ def layer_index(cfg: ModelConfig, stack: str, j: int) -> int:
 def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
   """The LoRA targets the layers of `stack` carry: a linear-attention layer has no
   q/k/v/o_proj of attention, an attention layer no Gated DeltaNet projections, and a
-  mixture layer MLP targets only on its shared expert."""
+  mixture layer MLP targets only on its shared expert (its routed experts: the
+  EXPERT_LORA_TARGETS)."""
   other = _ATTN_TARGETS if stack == "linear_layers" else LINEAR_LORA_TARGETS
   if cfg.num_experts and not cfg.shared_expert_dim and stack != "dense_layers":
     other += LORA_TARGETS[4:]
+  if stack == "dense_layers":  # a mixture's leading dense layers route to no experts
+    other += EXPERT_LORA_TARGETS
   return tuple(t for t in cfg.lora_target_names if t not in other)
 
 
 def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = "layers"):
   """(A, B) of a new adapter on `target`: layer `layer`'s, or with `layer` None every
   layer's of `stack` stacked on a leading axis. Layer i draws from
-  fold_in(fold_in(key, i), the target's index in LORA_TARGETS + LINEAR_LORA_TARGETS)."""
-  index = (LORA_TARGETS + LINEAR_LORA_TARGETS).index(target)
+  fold_in(fold_in(key, i), the target's index in LORA_TARGETS + LINEAR_LORA_TARGETS +
+  EXPERT_LORA_TARGETS)."""
+  index = (LORA_TARGETS + LINEAR_LORA_TARGETS + EXPERT_LORA_TARGETS).index(target)
 
   def one(i):
     return _lora_init(cfg, target, jax.random.fold_in(jax.random.fold_in(key, i), index),
@@ -449,7 +468,9 @@ def _fresh_adapter(cfg: ModelConfig, target: str, key, layer=None, stack: str = 
 
 def _lora_params(cfg: ModelConfig, target: str) -> tuple[str, ...]:
   """The weights an adapter on `target` wraps, in its B's column order: one but for a
-  fused Gated DeltaNet projection (`_LINEAR_PARTS`)."""
+  fused Gated DeltaNet projection (`_LINEAR_PARTS`) and the experts' gate and up."""
+  if target in EXPERT_LORA_TARGETS:
+    return ("gate_proj", "up_proj") if target == "experts_gate_up_proj" else ("down_proj",)
   return _LINEAR_PARTS.get(target) or (_lora_param(cfg, target),)
 
 
@@ -478,12 +499,14 @@ def _attach_lora(model: "Transformer", key) -> None:
                  if cfg.scan_layers else
                  [(block, (), stack, _fresh_adapter(cfg, t, key, indices[j], stack=stack))
                   for j, block in enumerate(blocks)])
+    experts = in_names[:_lora_experts(t)]  # a routed-expert target's B leads with E too
     for block, lead, stack, (a, b) in owners:
       owner = block
       for name in _owner_path(cfg, t, stack):
         owner = getattr(owner, name)
       setattr(owner, f"{t}_lora_a", nnx.LoRAParam(a, logical_axes=(*lead, *in_names, "lora")))
-      setattr(owner, f"{t}_lora_b", nnx.LoRAParam(b, logical_axes=(*lead, "lora", *out_names)))
+      setattr(owner, f"{t}_lora_b", nnx.LoRAParam(
+          b, logical_axes=(*lead, *experts, "lora", *out_names)))
 
 
 def _add_lora(module, target: str, y, x, down: str, up: str):
@@ -534,7 +557,7 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
         owner = owner[name]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
       r = old.lora_rank
-      lead = a.shape[:1] if stacked else ()
+      lead = a.shape[:int(stacked) + _lora_experts(t)]  # the layers', the experts' axes
       delta = jnp.matmul(a.reshape(*lead, -1, r).astype(jnp.float32),
                          b.reshape(*lead, r, -1).astype(jnp.float32)) * old.lora_scale
       start = 0  # a fused target's columns hold its weights' updates in turn
@@ -1116,11 +1139,16 @@ def load_balancing_loss(stats: RouterStats, num_experts: int) -> jax.Array:
 
 
 def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *,
-                activation=None, gate_bias_ExF=None, up_bias_ExF=None):
+                activation=None, gate_bias_ExF=None, up_bias_ExF=None, lora=None,
+                lora_scale: float = 1.0):
   """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) [N, D] float32, dropless.
   `activation`: fn(gate, up) in SwiGLU's place; the biases are added to each expert's
   gate and up projections (a down projection's bias is the caller's, added once after
-  any sum over F slices).
+  any sum over F slices). `lora`: each expert's LoRA adapters (`MoE._adapters`), any of
+  "gate_up" (A [E, D, r], B [E, r, 2, F]: gate's F columns, then up's) and "down"
+  (A [E, F, r], B [E, r, D]), each adding lora_scale * (x A_e) B_e to its projections
+  through two more grouped matmuls. With F split, down's A holds the slice's rows: its
+  share of the update sums over the slices as the outputs do.
 
   The N * k (token, expert) pairs are sorted by expert and each expert's run goes through
   its weights with `kernels.grouped_matmul` (`jax.lax.ragged_dot`, a grouped-matmul
@@ -1138,6 +1166,19 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   x_sorted = jnp.take(x_NxD, order // k, axis=0)
   gate = kernels.grouped_matmul(x_sorted, gate_ExDxF, sizes)
   up = kernels.grouped_matmul(x_sorted, up_ExDxF, sizes)
+  lora = lora or {}
+
+  def adapted(x, name, out_dtype=None):  # lora_scale * (x A) B, row by row its expert's
+    a, b = lora[name]
+    xa = kernels.grouped_matmul(x, a.astype(x.dtype), sizes)
+    xab = kernels.grouped_matmul(xa, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype),
+                                 sizes, out_dtype)
+    return lora_scale * xab
+
+  if "gate_up" in lora:
+    gate_up = adapted(x_sorted, "gate_up")
+    gate = gate + gate_up[:, :gate.shape[1]].astype(gate.dtype)
+    up = up + gate_up[:, gate.shape[1]:].astype(up.dtype)
   if gate_bias_ExF is not None:  # each sorted row's expert's bias (an id past E: zero)
     expert_sorted = jnp.take(flat, order)
     gate = gate + jnp.take(gate_bias_ExF, expert_sorted, axis=0, mode="fill",
@@ -1145,7 +1186,10 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
     up = up + jnp.take(up_bias_ExF, expert_sorted, axis=0, mode="fill",
                        fill_value=0).astype(up.dtype)
   act = swiglu if activation is None else activation
-  y_sorted = kernels.grouped_matmul(act(gate, up), down_ExFxD, sizes, jnp.float32)
+  h = act(gate, up)
+  y_sorted = kernels.grouped_matmul(h, down_ExFxD, sizes, jnp.float32)
+  if "down" in lora:
+    y_sorted = y_sorted + adapted(h, "down", jnp.float32)
   # A down projection padded past D (the sampler's copy: `Sampler._expert_padding`)
   # computes zero columns after D.
   y_sorted = y_sorted[:, :x_NxD.shape[1]]
@@ -1161,7 +1205,10 @@ class MoE(nnx.Module):
   cfg.shared_expert_dim a dense MLP (`shared`) that every token runs is added
   (Qwen2-MoE scales it by sigmoid(x . shared_gate)); with sigmoid routing the router has
   a `score_correction_bias` [E] that only the choice of experts reads (GLM-4.5,
-  DeepSeek-V3), which no gradient reaches.
+  DeepSeek-V3), which no gradient reaches. LoRA on the routed experts
+  (EXPERT_LORA_TARGETS) gives each expert its own adapters, `experts_gate_up_proj_lora_a`
+  [E, D, r] / `_b` [E, r, 2, F] and `experts_down_proj_lora_a` [E, F, r] / `_b` [E, r, D]
+  (`expert_mlps` runs them).
 
   On a mesh the layer runs in `shard_map`: each device routes and runs its own tokens
   through every expert (the experts' D gathered over fsdp like a dense layer's, F split
@@ -1232,6 +1279,7 @@ class MoE(nnx.Module):
     # A sigmoid router's correction bias [E] in float32 (zeros where there is none).
     weights.append(self.score_correction_bias[...] if hasattr(self, "score_correction_bias")
                    else jnp.zeros((e,), jnp.float32))
+    adapters = self._adapters()
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
     mesh = ctx.mesh
@@ -1251,7 +1299,7 @@ class MoE(nnx.Module):
       f_axes = tuple(a for a in f_axes if a not in ep_axes)
 
     def local(x, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b,
-              correction):
+              correction, lora):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
       w, e, probs = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
@@ -1262,7 +1310,7 @@ class MoE(nnx.Module):
       biased = cfg.expert_bias
       if ep_axes:
         y = self._expert_parallel(x_NxD, w, e, gate, up, down, gate_b, up_b, down_b,
-                                  ep_axes, token_axes, f_axes)
+                                  ep_axes, token_axes, f_axes, lora)
       else:
         if f_axes:
           # Each device runs its slice of F from here on: marked so, the backward sums the
@@ -1271,7 +1319,8 @@ class MoE(nnx.Module):
           x_NxD = jax.lax.pcast(x_NxD, f_axes, to="varying")
         y = expert_mlps(x_NxD, w, e, gate, up, down, activation=gated_activation(cfg),
                         gate_bias_ExF=gate_b if biased else None,
-                        up_bias_ExF=up_b if biased else None)
+                        up_bias_ExF=up_b if biased else None, lora=lora,
+                        lora_scale=cfg.lora_scale)
         if f_axes:
           y = jax.lax.psum(y, f_axes)
         if biased:  # each chosen expert's down bias, by its weight, once after the sum: the
@@ -1290,7 +1339,7 @@ class MoE(nnx.Module):
       return y, (jax.lax.psum(stats, token_axes) if token_axes else stats)
 
     if mesh is None or mesh.size == 1:
-      return local(x_BxTxD, segment_ids_BxT, *weights)
+      return local(x_BxTxD, segment_ids_BxT, *weights, adapters)
     from jax.sharding import PartitionSpec as P
     from kernels.attention import place
     f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
@@ -1301,15 +1350,30 @@ class MoE(nnx.Module):
     specs = (x_spec, P(*tokens), P(), P(e_spec, None, f_spec), P(e_spec, None, f_spec),
              P(e_spec, f_spec, None), P(), P(e_spec, f_spec), P(e_spec, f_spec),
              P(e_spec, None), P())
+    # The adapters as their experts: E on the ep axes, F (gate and up's B columns, down's
+    # A rows) on the mlp axes, D and the rank whole.
+    lora_specs = {"gate_up": (P(e_spec, None, None), P(e_spec, None, None, f_spec)),
+                  "down": (P(e_spec, f_spec, None), P(e_spec, None, None))}
+    lora_specs = {name: lora_specs[name] for name in adapters}
     args = [place(a, mesh, spec)
             for a, spec in zip([x_BxTxD, segment_ids_BxT, *weights], specs)]
+    args.append(jax.tree.map(lambda a, spec: place(a, mesh, spec), adapters, lora_specs))
+    specs += (lora_specs,)
     out_specs = (x_spec, RouterStats(P(), P(), P())) if router_stats else x_spec
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
                          check_vma=True)(*args)
 
+  def _adapters(self) -> dict:
+    """The routed experts' LoRA adapters in the compute dtype, as `expert_mlps` takes
+    them: {"gate_up": (A, B), "down": (A, B)}, those the layer has."""
+    dt = _dtype(self.cfg.dtype)
+    return {name: (getattr(self, f"experts_{name}_proj_lora_a")[...].astype(dt),
+                   getattr(self, f"experts_{name}_proj_lora_b")[...].astype(dt))
+            for name in ("gate_up", "down") if hasattr(self, f"experts_{name}_proj_lora_a")}
+
   def _expert_parallel(self, x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF,
                        down_ExFxD, gate_bias_ExF, up_bias_ExF, down_bias_ExD,
-                       ep_axes: tuple, token_axes: tuple, f_axes: tuple):
+                       ep_axes: tuple, token_axes: tuple, f_axes: tuple, lora=None):
     """Inside the shard_map: the routed experts' output [N, D] float32 for this device's
     N tokens (their routing `weights_NxK`, `experts_NxK` over all E experts), from the
     device's E / ep experts [E / ep, D, F'] (F' = F over `f_axes`) and every device's.
@@ -1349,7 +1413,8 @@ class MoE(nnx.Module):
     y_MxD = expert_mlps(x_MxD, weights_MxK, ids_MxK, gate_ExDxF, up_ExDxF, down_ExFxD,
                         activation=gated_activation(cfg),
                         gate_bias_ExF=gate_bias_ExF if cfg.expert_bias else None,
-                        up_bias_ExF=up_bias_ExF if cfg.expert_bias else None)
+                        up_bias_ExF=up_bias_ExF if cfg.expert_bias else None, lora=lora,
+                        lora_scale=cfg.lora_scale)
     if cfg.expert_bias:  # the local experts' down biases (out-of-range ids: a zero row),
       # added on one F slice alone so that the sum over the slices counts them once
       spread_MxE = jnp.einsum("MK,MKE->ME", weights_MxK,

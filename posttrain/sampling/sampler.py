@@ -201,9 +201,12 @@ def default_length_bucket(n: int, max_len: int) -> int:
   return _bucket(n, _powers_of_two(min(16, max_len), max_len, halves=True), "length")
 
 
-# A mixture layer's expert leaves and their rank in one layer ([E, D, F], [E, F]).
+# A mixture layer's expert leaves and their rank in one layer ([E, D, F], [E, F]; the
+# experts' LoRA adapters [E, D, r], [E, r, 2, F], [E, F, r], [E, r, D]).
 _EXPERT_LEAF_RANKS = {"gate_proj": 3, "up_proj": 3, "down_proj": 3, "gate_bias": 2,
-                      "up_bias": 2, "down_bias": 2}
+                      "up_bias": 2, "down_bias": 2, "experts_gate_up_proj_lora_a": 3,
+                      "experts_gate_up_proj_lora_b": 4, "experts_down_proj_lora_a": 3,
+                      "experts_down_proj_lora_b": 3}
 
 
 def _param_path(path) -> str:
@@ -1459,9 +1462,9 @@ class Sampler:
 
   @staticmethod
   def _expert_leaf(path: str) -> str:
-    """The name of a mixture layer's expert leaf (gate_proj, up_proj, down_proj, or one
-    of their biases) at `path`, or "" (a shared expert's, a leading dense layer's, or any
-    other leaf)."""
+    """The name of a mixture layer's expert leaf (gate_proj, up_proj, down_proj, one of
+    their biases or LoRA adapters) at `path`, or "" (a shared expert's, a leading dense
+    layer's, or any other leaf)."""
     leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
     if (leaf not in _EXPERT_LEAF_RANKS
         or not path.startswith(("['layers']", "['linear_layers']"))
@@ -1514,12 +1517,15 @@ class Sampler:
         continue
       ndim = len(self._specs[i][0])
       pads = []
-      if leaf in ("gate_proj", "up_proj", "gate_bias", "up_bias") and f_padded != f_width:
+      # Their LoRA adapters pad alike where they meet F or D: gate and up's B over F,
+      # down's A over F and its B over D.
+      if leaf in ("gate_proj", "up_proj", "gate_bias", "up_bias",
+                  "experts_gate_up_proj_lora_b") and f_padded != f_width:
         pads.append((ndim - 1, f_shards, f_width, f_padded))
-      elif leaf == "down_proj":
-        if f_padded != f_width:
+      elif leaf in ("down_proj", "experts_down_proj_lora_a", "experts_down_proj_lora_b"):
+        if f_padded != f_width and leaf != "experts_down_proj_lora_b":
           pads.append((ndim - 2, f_shards, f_width, f_padded))
-        if d_padded != d_width:
+        if d_padded != d_width and leaf != "experts_down_proj_lora_a":
           pads.append((ndim - 1, d_shards, d_width, d_padded))
       if pads:
         out[i] = pads

@@ -1,0 +1,151 @@
+"""LoRA adapters on a mixture's routed experts (experts_gate_up_proj, experts_down_proj):
+each expert's update against a numpy merge, both layer layouts, folding, the parameter
+count, sharded and expert-parallel runs and their gradients against one device, the
+sampler's padded copy, and configs that cannot hold them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import models
+from posttrain.models.config import DEFAULT_LORA_TARGETS
+from tests.models.test_expert_parallel import CFG as EP_CFG
+from tests.models.test_expert_parallel import SHARED, _assert_same, _rules, _run
+
+EXPERT_TARGETS = "experts_gate_up_proj,experts_down_proj"
+CFG = models.get_preset("tiny").replace(
+    vocab_size=263, d_model=48, num_heads=6, num_kv_heads=3, head_dim=8, ffn_dim=40,
+    num_layers=2, tie_embeddings=False, qk_norm=True, num_experts=5, num_experts_per_tok=2,
+    architecture="Qwen3MoeForCausalLM", init_std=0.2, lora_rank=3, lora_alpha=6.0,
+    lora_targets="q_proj," + EXPERT_TARGETS)
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 263, (3, 13)), jnp.int32)
+logits = nnx.jit(lambda m, t: m(t))
+
+
+def _randomised(model, seed=0):
+  """Nonzero B (zero at init), so that every adapter changes the function."""
+  rng = np.random.default_rng(seed)
+  for path, v in nnx.iter_graph(model):
+    if isinstance(v, nnx.LoRAParam) and path[-1].endswith("_b"):
+      v[...] = jnp.asarray(rng.normal(0, 0.2, v.shape), v.dtype)
+  return model
+
+
+def _numpy_merged(model):
+  """The base model with each expert e's W + s A_e B_e (gate and up from one B's two
+  halves) and q_proj's update, merged in numpy."""
+  cfg, s = model.cfg, model.cfg.lora_scale
+  pure = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model)))  # writable copies
+  for layer in pure["layers"].values():
+    mlp, attn = layer["mlp"], layer["attn"]
+    a, b = mlp.pop("experts_gate_up_proj_lora_a"), mlp.pop("experts_gate_up_proj_lora_b")
+    for e in range(cfg.num_experts):
+      mlp["gate_proj"][e] += s * a[e] @ b[e, :, 0]
+      mlp["up_proj"][e] += s * a[e] @ b[e, :, 1]
+    a, b = mlp.pop("experts_down_proj_lora_a"), mlp.pop("experts_down_proj_lora_b")
+    mlp["down_proj"] += s * np.einsum("EFR,ERD->EFD", a, b)
+    a, b = attn.pop("q_proj_lora_a"), attn.pop("q_proj_lora_b")
+    attn["q_proj"] += s * np.einsum("DR,RNH->DNH", a, b)
+  plain = models.create_model(cfg.replace(lora_rank=0))
+  state = nnx.state(plain)
+  nnx.replace_by_pure_dict(state, pure)
+  nnx.update(plain, state)
+  return plain
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _randomised(models.create_model(CFG, seed=1))
+
+
+def test_each_expert_adds_its_own_update_in_both_layouts(model):
+  mlp = model.layers[0].mlp
+  assert mlp.experts_gate_up_proj_lora_a.shape == (5, 48, 3)
+  assert mlp.experts_gate_up_proj_lora_b.shape == (5, 3, 2, 40)
+  assert mlp.experts_down_proj_lora_a.shape == (5, 40, 3)
+  assert mlp.experts_down_proj_lora_b.shape == (5, 3, 48)
+  assert CFG.num_lora_params == sum(
+      x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  fresh = models.create_model(CFG, seed=1)  # B zero: the adapted model is the base
+  np.testing.assert_array_equal(logits(fresh, TOKENS), logits(models.merge_lora(fresh), TOKENS))
+  want = logits(_numpy_merged(model), TOKENS)
+  got = logits(model, TOKENS)
+  assert float(jnp.abs(got - logits(fresh, TOKENS)).max()) > 0.1
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  np.testing.assert_allclose(logits(models.merge_lora(model), TOKENS), want, atol=2e-5)
+  scanned = models.relayout(model, scan_layers=True)
+  assert scanned.layers.mlp.experts_down_proj_lora_b.get_metadata()["logical_axes"] == (
+      "layers", "experts", "lora", "embed")
+  np.testing.assert_allclose(logits(scanned, TOKENS), want, atol=2e-5)
+  folded = models.fold_lora(scanned, jax.random.key(3))  # the update in the base, B zero
+  assert not np.any(np.asarray(folded.layers.mlp.experts_gate_up_proj_lora_b[...]))
+  np.testing.assert_allclose(logits(folded, TOKENS), want, atol=2e-5)
+
+
+def test_a_mixture_with_a_shared_expert_adapts_both():
+  """DeepSeek-V3-like (a leading dense layer, a shared expert): the MLP targets adapt the
+  dense MLPs and the shared expert, the expert targets the routed experts alone."""
+  cfg = SHARED.replace(lora_rank=2, lora_targets="down_proj," + EXPERT_TARGETS)
+  m = _randomised(models.create_model(cfg, seed=1))
+  assert hasattr(m.dense_layers[0].mlp, "down_proj_lora_a")
+  assert not hasattr(m.dense_layers[0].mlp, "experts_down_proj_lora_a")
+  assert hasattr(m.layers[0].mlp.shared, "down_proj_lora_a")
+  assert m.layers[0].mlp.experts_down_proj_lora_a.shape == (8, 16, 2)
+  assert cfg.num_lora_params == sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.LoRAParam)))
+  tokens = TOKENS % cfg.vocab_size
+  np.testing.assert_allclose(logits(m, tokens), logits(models.merge_lora(m), tokens), atol=2e-5)
+
+
+# F split over tensor beside fsdp; the experts split over fsdp (expert parallelism).
+@pytest.mark.parametrize("shape,axes", [((1, 2, 4, 1), None), ((1, 4, 2, 1), ("fsdp",))],
+                         ids=["f_split", "expert_parallel"])
+def test_on_a_mesh_the_step_and_its_gradients_equal_one_device(shape, axes):
+  """Loss, logits, the router loss and every gradient (the adapters' and the base's): one
+  device's, with the experts' F split over tensor and with the experts split over E."""
+  model = _randomised(models.create_model(EP_CFG.replace(
+      lora_rank=2, lora_targets="q_proj," + EXPERT_TARGETS), seed=1))
+  want = _run(model)
+  lora = want[3]["layers"][0]["mlp"]
+  assert float(np.abs(lora["experts_gate_up_proj_lora_a"]).max()) > 0
+  assert float(np.abs(lora["experts_down_proj_lora_b"]).max()) > 0
+  mesh = models.make_mesh(shape)
+  _assert_same(_run(model, mesh, models.DEFAULT_RULES if axes is None else _rules(*axes)),
+               want)
+
+
+def test_the_sampler_pads_the_adapters_with_the_experts(model):
+  """Experts 40 wide over tensor 2 (20 a device) and D 48: the gathered copy pads each
+  device's F and the down D to 128, the adapters where they meet F or D alike, and
+  samples what one device does."""
+  from posttrain.sampling import Sampler
+  prompts = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 37)), [3, 3, 3, 8]]
+  sampler = Sampler(model, mesh=models.make_mesh((1, 4, 2, 1)), max_len=40)
+  mlp = sampler._weights()["layers"][0]["mlp"]
+  assert mlp["experts_gate_up_proj_lora_b"].shape == (5, 3, 2, 256)
+  assert mlp["experts_down_proj_lora_a"].shape == (5, 256, 3)
+  assert mlp["experts_down_proj_lora_b"].shape == (5, 3, 128)
+  b = np.asarray(mlp["experts_gate_up_proj_lora_b"]).reshape(5, 3, 2, 2, 128)
+  np.testing.assert_array_equal(b[..., 20:], 0.0)
+  np.testing.assert_array_equal(
+      b[..., :20].reshape(5, 3, 2, 40),
+      np.asarray(model.layers[0].mlp.experts_gate_up_proj_lora_b[...]))
+  one = Sampler(model, max_len=40)
+  for temperature in (0.0, 1.0):
+    got = sampler.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
+    want = one.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+
+
+def test_expert_targets_need_experts():
+  dense = models.get_preset("tiny")
+  with pytest.raises(ValueError, match=r"lora_targets \['experts_down_proj'\] adapt a "
+                     r"mixture's routed experts, but this model has none"):
+    dense.replace(lora_rank=2, lora_targets="q_proj,experts_down_proj")
+  with pytest.raises(ValueError, match="expected a comma-separated subset"):
+    CFG.replace(lora_targets="experts_up_proj")
+  # Never a default: a mixture's default targets leave the routed experts alone.
+  assert CFG.replace(lora_targets=DEFAULT_LORA_TARGETS).lora_target_names == (
+      "q_proj", "k_proj", "v_proj", "o_proj")
