@@ -149,3 +149,34 @@ def test_expert_targets_need_experts():
   # Never a default: a mixture's default targets leave the routed experts alone.
   assert CFG.replace(lora_targets=DEFAULT_LORA_TARGETS).lora_target_names == (
       "q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_the_train_step_moves_the_expert_adapters_alone():
+  """GRPO with a KL term on (data 1, fsdp 2, tensor 2): AdamW holds moments for the
+  adapters alone, every adapter moves and every base weight, experts included, stays."""
+  from posttrain.rl import presets
+  from posttrain.rl import state as state_lib
+  from posttrain.rl import train_step as ts
+  from tests.rl.test_train_step import CFG as STEP_CFG
+  from tests.rl.test_train_step import microbatched, packed_rows
+  cfg = EP_CFG.replace(vocab_size=STEP_CFG.vocab_size, lora_rank=2,
+                       lora_targets=EXPERT_TARGETS)
+  mesh = models.make_mesh((1, 2, 2, 1), devices=jax.devices()[:4])
+  opt = state_lib.make_optimizer(3e-2, warmup=0, total_steps=10, weight_decay=0.01)
+  state = state_lib.init_train_state(models.create_model(cfg, mesh=mesh), opt, mesh=mesh)
+  assert sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim) == (
+      2 * cfg.num_lora_params)
+  step = ts.make_train_step(cfg, presets.algorithm_config("grpo", kl_coef=0.5), opt,
+                            mesh=mesh, reference_in_step=True)
+  batch = microbatched(packed_rows(0), 2)
+  adapters, base = (
+      [np.asarray(x) for x in jax.tree.leaves(t)]  # copies: the step donates the state
+      for t in state_lib.split_trainable(state.params))
+  for _ in range(2):  # the first step moves A's alone (B is zero), the second both
+    state, metrics = step(state, batch)
+  assert float(metrics["kl"]) > 0
+  after, after_base = state_lib.split_trainable(state.params)
+  for a, b in zip(adapters, jax.tree.leaves(after), strict=True):
+    assert not np.array_equal(a, np.asarray(b))
+  for a, b in zip(base, jax.tree.leaves(after_base), strict=True):
+    np.testing.assert_array_equal(a, np.asarray(b))
