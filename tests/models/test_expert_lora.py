@@ -3,6 +3,8 @@ each expert's update against a numpy merge, both layer layouts, folding, the par
 count, sharded and expert-parallel runs and their gradients against one device, the
 sampler's padded copy, and configs that cannot hold them."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,9 +12,11 @@ import pytest
 from flax import nnx
 
 from posttrain import models
+from posttrain.models import transformer as tr
 from posttrain.models.config import DEFAULT_LORA_TARGETS
 from tests.models.test_expert_parallel import CFG as EP_CFG
 from tests.models.test_expert_parallel import SHARED, _assert_same, _rules, _run
+from tests.tpu_aot import requires_libtpu
 
 EXPERT_TARGETS = "experts_gate_up_proj,experts_down_proj"
 CFG = models.get_preset("tiny").replace(
@@ -180,3 +184,37 @@ def test_the_train_step_moves_the_expert_adapters_alone():
     assert not np.array_equal(a, np.asarray(b))
   for a, b in zip(base, jax.tree.leaves(after_base), strict=True):
     np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@requires_libtpu
+def test_the_adapters_compile_to_grouped_kernels_for_tpu():
+  """For a TPU (v5e 2x2, F over tensor) the experts' adapters run as grouped matmuls as
+  the experts do, their weight gradients this project's Pallas kernel: no product over
+  every expert's rows appears, rank 16 blocks included."""
+  from jax.sharding import PartitionSpec as P
+  from tests.tpu_aot import compile_for, spec, tpu_mesh
+  mesh = tpu_mesh("v5e", (2, 2), ("fsdp", "tensor"))
+  e, n, d, f, r, k = 16, 1024, 256, 256, 16, 2
+  specs = (P("fsdp"), P("fsdp"), P("fsdp"), P(None, None, "tensor"), P(None, None, "tensor"),
+           P(None, "tensor", None), P(), P(None, None, None, "tensor"), P(None, "tensor", None),
+           P())
+
+  def loss(*args):
+    def local(x, weights, experts, gate, up, down, ga, gb, da, db):
+      y = tr.expert_mlps(jax.lax.pcast(x, ("tensor",), to="varying"), weights, experts, gate,
+                         up, down, lora={"gate_up": (ga, gb), "down": (da, db)},
+                         lora_scale=2.0)
+      return jax.lax.psum(jnp.sum(y), ("fsdp", "tensor"))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())(*args)
+
+  bf = jnp.bfloat16
+  shapes = [((2 * n, d), bf), ((2 * n, k), jnp.float32), ((2 * n, k), jnp.int32),
+            ((e, d, f), bf), ((e, d, f), bf), ((e, f, d), bf), ((e, d, r), bf),
+            ((e, r, 2, f), bf), ((e, f, r), bf), ((e, r, d), bf)]
+  compiled = compile_for(mesh, jax.grad(loss, argnums=(0, 6, 7, 8, 9)),
+                         *(spec(mesh, s, dt, p) for (s, dt), p in zip(shapes, specs)))
+  text = compiled.as_text()
+  # The experts' forward and input gradient (XLA's kernel), the adapters' four weight
+  # gradients (ours): 9 kernels without adapters, as many again with them.
+  assert len(re.findall(r"custom_call_target=\"tpu_custom_call\"", text)) >= 13
+  assert not re.search(rf"\[{e},{n * k},", text)  # no [experts, rows, ...] expansion
