@@ -120,13 +120,20 @@ def test_on_a_mesh_the_step_and_its_gradients_equal_one_device(shape, axes):
 
 
 def test_the_sampler_pads_the_adapters_with_the_experts(model):
-  """Experts 40 wide over tensor 2 (20 a device) and D 48: the gathered copy pads each
-  device's F and the down D to 128, the adapters where they meet F or D alike, and
-  samples what one device does."""
+  """Experts 40 wide over tensor 2 (20 a device) and D 48, no multiples of 128: the
+  sampler's gathered copy pads each device's slice of F with zeros to 128, and the down
+  experts' D too (XLA:TPU otherwise keeps relaid copies of them through the decode
+  loop), the adapters where they meet F or D alike, and samples what one device does."""
   from posttrain.sampling import Sampler
   prompts = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 37)), [3, 3, 3, 8]]
   sampler = Sampler(model, mesh=models.make_mesh((1, 4, 2, 1)), max_len=40)
   mlp = sampler._weights()["layers"][0]["mlp"]
+  assert mlp["gate_proj"].shape == mlp["up_proj"].shape == (5, 48, 256)  # 5 experts
+  assert mlp["down_proj"].shape == (5, 256, 128)
+  gate = np.asarray(mlp["gate_proj"]).reshape(5, 48, 2, 128)
+  np.testing.assert_array_equal(gate[..., 20:], 0.0)  # each device's padding
+  np.testing.assert_array_equal(gate[..., :20].reshape(5, 48, 40),
+                                np.asarray(model.layers[0].mlp.gate_proj[...]))
   assert mlp["experts_gate_up_proj_lora_b"].shape == (5, 3, 2, 256)
   assert mlp["experts_down_proj_lora_a"].shape == (5, 256, 3)
   assert mlp["experts_down_proj_lora_b"].shape == (5, 3, 128)

@@ -309,6 +309,9 @@ def test_load_balancing_loss_and_its_gradient_on_a_mesh_and_scanned(model, shape
     CFG.replace(num_experts=0, num_experts_per_tok=0, router_aux_loss_coef=0.1)
 
 
+# The same padding with the experts' adapters beside them runs by default:
+# test_expert_lora.py::test_the_sampler_pads_the_adapters_with_the_experts.
+@pytest.mark.slow
 def test_gathered_experts_are_padded_per_device_and_sample_the_same(model):
   """Experts 40 wide over tensor 2 are 20 wide a device, and D is 48, no multiples of 128:
   the sampler's gathered copy pads each device's slice of F with zeros to 128, and the

@@ -557,6 +557,9 @@ def test_scanned_runs_of_one_kind_give_the_layer_lists_gradients():
           out[True][1][name], out[False][1][name][k])
 
 
+# About 27 s of compiling a layer list and its scan. Its gradient check runs by default
+# in test_scanned_runs_of_one_kind_give_the_layer_lists_gradients.
+@pytest.mark.slow
 def test_scanned_backward_keeps_no_copy_of_the_weights():
   """A scanned hybrid model takes each layer's weights inside its rematerialised body:
   its backward's temporaries exceed the layer list's by less than half the weights
