@@ -1,6 +1,7 @@
 """Grouped matrix multiplication for mixtures of experts, differentiable in both operands.
 
     y = grouped_matmul(x, w, group_sizes)   # x [M, K], w [G, K, N], group_sizes [G]
+    y = grouped_matmul(x, w_t, group_sizes, None, True)   # w_t [G, N, K]: x w_g^T
 
 Rows of x come in G groups of consecutive rows (group_sizes sum to M); each group is
 multiplied by its own matrix. The forward and the input gradient are `jax.lax.ragged_dot`
@@ -161,25 +162,41 @@ def grouped_weight_grad(x_MxK, g_MxN, group_sizes, w_GxKxN, *, backend: str | No
   return _like_vma(dw, w_GxKxN)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def grouped_matmul(x_MxK, w_GxKxN, group_sizes, out_dtype=None):
+# x [M, K] times each group's w [N, K] transposed: contract x's K with w's last axis.
+_RHS_TRANSPOSED = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def grouped_matmul(x_MxK, w_GxKxN, group_sizes, out_dtype=None, transpose_rhs=False):
   """[M, N]: each group of `group_sizes` consecutive rows of x times its matrix of w
-  (`jax.lax.ragged_dot`), in `out_dtype` (default x's). Gradients in x and w; the weight
-  gradient is `grouped_weight_grad`'s."""
+  (`jax.lax.ragged_dot`), in `out_dtype` (default x's). With `transpose_rhs` w is
+  [G, N, K], each group's matrix transposed (`jax.lax.ragged_dot_general`): a small N
+  (a LoRA rank) then sits off the minor axis, which TPU pads to 128 lanes. Gradients in
+  x and w; the weight gradient is `grouped_weight_grad`'s."""
+  if transpose_rhs:
+    return lax.ragged_dot_general(x_MxK, w_GxKxN, group_sizes, _RHS_TRANSPOSED,
+                                  preferred_element_type=out_dtype)
   return lax.ragged_dot(x_MxK, w_GxKxN, group_sizes, preferred_element_type=out_dtype)
 
 
-def _grouped_matmul_fwd(x_MxK, w_GxKxN, group_sizes, out_dtype):
-  return (grouped_matmul(x_MxK, w_GxKxN, group_sizes, out_dtype),
+def _grouped_matmul_fwd(x_MxK, w_GxKxN, group_sizes, out_dtype, transpose_rhs):
+  return (grouped_matmul(x_MxK, w_GxKxN, group_sizes, out_dtype, transpose_rhs),
           (x_MxK, w_GxKxN, group_sizes))
 
 
-def _grouped_matmul_bwd(out_dtype, res, g_MxN):
+def _grouped_matmul_bwd(out_dtype, transpose_rhs, res, g_MxN):
   del out_dtype
   x, w, group_sizes = res
-  dx = lax.ragged_dot(g_MxN.astype(w.dtype), w.swapaxes(1, 2), group_sizes,
-                      preferred_element_type=x.dtype)
-  return (_like_vma(dx, x), grouped_weight_grad(x, g_MxN, group_sizes, w), None)
+  g = g_MxN.astype(w.dtype)
+  if transpose_rhs:  # w [G, N, K]: dx = g w_g, dw_g = g_g^T x_g
+    dx = lax.ragged_dot(g, w, group_sizes, preferred_element_type=x.dtype)
+    dw = grouped_weight_grad(g_MxN.astype(x.dtype), x, group_sizes, w)
+  else:
+    dx = lax.ragged_dot(g, w.swapaxes(1, 2), group_sizes, preferred_element_type=x.dtype)
+    dw = grouped_weight_grad(x, g_MxN, group_sizes, w)
+  return (_like_vma(dx, x), dw, None)
 
 
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

@@ -1462,17 +1462,17 @@ def _expert_lora_rows(cfg: ModelConfig, target: str, i: int, *, nested: bool) ->
   """`_lora_mapping`'s rows of layer i's adapter on its routed experts' gate_up_proj or
   down_proj (PEFT's target_parameters, a ParamWrapper on transformers' experts module).
 
-  PEFT's lora_A.weight [E r, in] holds expert e's A^T in rows e r .. e r + r; its
-  lora_B.weight [out, r E] expert e's B^T in columns j E + e (rank-major): its update of
-  gate_up_proj [E, 2F, D] (gate's F rows, then up's) is B_e A_e. Ours: A [E, in, r],
-  B [E, r, out] (gate_up's [E, r, 2, F]). With both targets PEFT nests the two wrappers
-  in the experts module's parameter order, gate_up_proj inside (its names through
-  base_layer), down_proj outside."""
+  PEFT's lora_A.weight [E r, in] holds expert e's A in rows e r .. e r + r; its
+  lora_B.weight [out, r E] expert e's B in columns j E + e (rank-major): its update of
+  gate_up_proj [E, 2F, D] (gate's F rows, then up's) is B_e A_e. Ours: A [E, r, in]
+  (PEFT's rows as they are), B [E, r, out] (gate_up's [E, r, 2, F]). With both targets
+  PEFT nests the two wrappers in the experts module's parameter order, gate_up_proj
+  inside (its names through base_layer), down_proj outside."""
   e, r = cfg.num_experts, cfg.lora_rank
-  in_shape, _, out_shape, _ = _lora_axes(cfg, target, layer_path(cfg, i)[0])
-  fan_in, fan_out = in_shape[1], int(np.prod(out_shape))
-  a_maps = (lambda x, s=in_shape: np.asarray(x).reshape(e, r, s[1]).transpose(0, 2, 1),
-            lambda x, n=fan_in: np.asarray(x).transpose(0, 2, 1).reshape(e * r, n))
+  (_, fan_in), _, out_shape, _ = _lora_axes(cfg, target, layer_path(cfg, i)[0])
+  fan_out = int(np.prod(out_shape))
+  a_maps = (lambda x, n=fan_in: np.asarray(x).reshape(e, r, n),
+            lambda x, n=fan_in: np.asarray(x).reshape(e * r, n))
   b_maps = (lambda x, s=out_shape: np.asarray(x).reshape(-1, r, e).transpose(2, 1, 0)
             .reshape(e, r, *s),
             lambda x, n=fan_out: np.asarray(x).reshape(e, r, n).transpose(2, 1, 0)
@@ -1480,7 +1480,7 @@ def _expert_lora_rows(cfg: ModelConfig, target: str, i: int, *, nested: bool) ->
   inner = nested and target == "experts_gate_up_proj"
   peft = f"base_model.model.model.layers.{i}.mlp.experts.{'base_layer.' if inner else ''}"
   ours = layer_path(cfg, i) + ("mlp",)
-  return [(ours + (f"{target}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
+  return [(ours + (f"{target}_lora_a",), peft + "lora_A.weight", *a_maps, (e, r, fan_in)),
           (ours + (f"{target}_lora_b",), peft + "lora_B.weight", *b_maps,
            (e, r, *out_shape))]
 

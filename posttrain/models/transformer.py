@@ -358,8 +358,9 @@ def _owner_path(cfg: ModelConfig, target: str, stack: str) -> tuple[str, ...]:
 
 def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
   """(input shape, input axes, output shape, output axes) of a wrapped projection in a
-  layer of `stack`. A routed-expert target's input leads with the experts [E, ...]: its
-  A is [E, in..., r], its B [E, r, out...] (`_lora_experts`)."""
+  layer of `stack`. A routed-expert target's input leads with the experts [E, in]: its
+  A is [E, r, in] (the rank off the minor axis, which TPU pads to 128 lanes; PEFT's own
+  order), its B [E, r, out...] (`_lora_experts`)."""
   d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   if target == "experts_gate_up_proj":  # B's columns: gate's F, then up's
     return ((cfg.num_experts, d), ("experts", "embed"), (2, cfg.ffn_dim), (None, "mlp"))
@@ -398,15 +399,16 @@ def _lora_experts(target: str) -> int:
 
 
 def _lora_init(cfg: ModelConfig, target: str, key, stack: str = "layers"):
-  """(A [in..., r], B [r, out...]; a routed-expert target's [E, in..., r], [E, r,
-  out...]): A as PEFT draws it (kaiming-uniform, a=sqrt(5): U(-1/sqrt(fan_in),
-  1/sqrt(fan_in)), fan_in an expert's own), B zero, so a new adapter changes nothing."""
+  """(A [in..., r], B [r, out...]; a routed-expert target's [E, r, in], [E, r, out...]):
+  A as PEFT draws it (kaiming-uniform, a=sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+  fan_in an expert's own), B zero, so a new adapter changes nothing."""
   in_shape, _, out_shape, _ = _lora_axes(cfg, target, stack)
+  r, pd = cfg.lora_rank, _dtype(cfg.param_dtype)
   lead = in_shape[:_lora_experts(target)]
   bound = 1.0 / float(np.sqrt(np.prod(in_shape[len(lead):])))
-  pd = _dtype(cfg.param_dtype)
-  a = jax.random.uniform(key, (*in_shape, cfg.lora_rank), jnp.float32, -bound, bound)
-  return a.astype(pd), jnp.zeros((*lead, cfg.lora_rank, *out_shape), pd)
+  a_shape = (*lead, r, *in_shape[len(lead):]) if lead else (*in_shape, r)
+  a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
+  return a.astype(pd), jnp.zeros((*lead, r, *out_shape), pd)
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -499,12 +501,13 @@ def _attach_lora(model: "Transformer", key) -> None:
                  if cfg.scan_layers else
                  [(block, (), stack, _fresh_adapter(cfg, t, key, indices[j], stack=stack))
                   for j, block in enumerate(blocks)])
-    experts = in_names[:_lora_experts(t)]  # a routed-expert target's B leads with E too
+    experts = in_names[:_lora_experts(t)]  # a routed-expert target's A and B lead with E
+    a_names = ((*experts, "lora", *in_names[1:]) if experts else (*in_names, "lora"))
     for block, lead, stack, (a, b) in owners:
       owner = block
       for name in _owner_path(cfg, t, stack):
         owner = getattr(owner, name)
-      setattr(owner, f"{t}_lora_a", nnx.LoRAParam(a, logical_axes=(*lead, *in_names, "lora")))
+      setattr(owner, f"{t}_lora_a", nnx.LoRAParam(a, logical_axes=(*lead, *a_names)))
       setattr(owner, f"{t}_lora_b", nnx.LoRAParam(
           b, logical_axes=(*lead, *experts, "lora", *out_names)))
 
@@ -557,6 +560,8 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
         owner = owner[name]
       a, b = owner.pop(f"{t}_lora_a"), owner.pop(f"{t}_lora_b")
       r = old.lora_rank
+      if _lora_experts(t):  # [(L,) E, r, in] -> [(L,) E, in, r]
+        a = jnp.swapaxes(a, -1, -2)
       lead = a.shape[:int(stacked) + _lora_experts(t)]  # the layers', the experts' axes
       delta = jnp.matmul(a.reshape(*lead, -1, r).astype(jnp.float32),
                          b.reshape(*lead, r, -1).astype(jnp.float32)) * old.lora_scale
@@ -1145,10 +1150,11 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   `activation`: fn(gate, up) in SwiGLU's place; the biases are added to each expert's
   gate and up projections (a down projection's bias is the caller's, added once after
   any sum over F slices). `lora`: each expert's LoRA adapters (`MoE._adapters`), any of
-  "gate_up" (A [E, D, r], B [E, r, 2, F]: gate's F columns, then up's) and "down"
-  (A [E, F, r], B [E, r, D]), each adding lora_scale * (x A_e) B_e to its projections
-  through two more grouped matmuls. With F split, down's A holds the slice's rows: its
-  share of the update sums over the slices as the outputs do.
+  "gate_up" (A [E, r, D], B [E, r, 2, F]: gate's F columns, then up's) and "down"
+  (A [E, r, F], B [E, r, D]), each adding lora_scale * (x A_e^T) B_e to its projections
+  through two more grouped matmuls (A transposed in the first). With F split, down's A
+  holds the slice's columns: its share of the update sums over the slices as the
+  outputs do.
 
   The N * k (token, expert) pairs are sorted by expert and each expert's run goes through
   its weights with `kernels.grouped_matmul` (`jax.lax.ragged_dot`, a grouped-matmul
@@ -1170,7 +1176,7 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
 
   def adapted(x, name, out_dtype=None):  # lora_scale * (x A) B, row by row its expert's
     a, b = lora[name]
-    xa = kernels.grouped_matmul(x, a.astype(x.dtype), sizes)
+    xa = kernels.grouped_matmul(x, a.astype(x.dtype), sizes, None, True)
     xab = kernels.grouped_matmul(xa, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype),
                                  sizes, out_dtype)
     return lora_scale * xab
@@ -1207,7 +1213,7 @@ class MoE(nnx.Module):
   a `score_correction_bias` [E] that only the choice of experts reads (GLM-4.5,
   DeepSeek-V3), which no gradient reaches. LoRA on the routed experts
   (EXPERT_LORA_TARGETS) gives each expert its own adapters, `experts_gate_up_proj_lora_a`
-  [E, D, r] / `_b` [E, r, 2, F] and `experts_down_proj_lora_a` [E, F, r] / `_b` [E, r, D]
+  [E, r, D] / `_b` [E, r, 2, F] and `experts_down_proj_lora_a` [E, r, F] / `_b` [E, r, D]
   (`expert_mlps` runs them).
 
   On a mesh the layer runs in `shard_map`: each device routes and runs its own tokens
@@ -1351,9 +1357,9 @@ class MoE(nnx.Module):
              P(e_spec, f_spec, None), P(), P(e_spec, f_spec), P(e_spec, f_spec),
              P(e_spec, None), P())
     # The adapters as their experts: E on the ep axes, F (gate and up's B columns, down's
-    # A rows) on the mlp axes, D and the rank whole.
+    # A's) on the mlp axes, D and the rank whole.
     lora_specs = {"gate_up": (P(e_spec, None, None), P(e_spec, None, None, f_spec)),
-                  "down": (P(e_spec, f_spec, None), P(e_spec, None, None))}
+                  "down": (P(e_spec, None, f_spec), P(e_spec, None, None))}
     lora_specs = {name: lora_specs[name] for name in adapters}
     args = [place(a, mesh, spec)
             for a, spec in zip([x_BxTxD, segment_ids_BxT, *weights], specs)]

@@ -202,7 +202,7 @@ def default_length_bucket(n: int, max_len: int) -> int:
 
 
 # A mixture layer's expert leaves and their rank in one layer ([E, D, F], [E, F]; the
-# experts' LoRA adapters [E, D, r], [E, r, 2, F], [E, F, r], [E, r, D]).
+# experts' LoRA adapters [E, r, D], [E, r, 2, F], [E, r, F], [E, r, D]).
 _EXPERT_LEAF_RANKS = {"gate_proj": 3, "up_proj": 3, "down_proj": 3, "gate_bias": 2,
                       "up_bias": 2, "down_bias": 2, "experts_gate_up_proj_lora_a": 3,
                       "experts_gate_up_proj_lora_b": 4, "experts_down_proj_lora_a": 3,
@@ -1517,15 +1517,17 @@ class Sampler:
         continue
       ndim = len(self._specs[i][0])
       pads = []
-      # Their LoRA adapters pad alike where they meet F or D: gate and up's B over F,
-      # down's A over F and its B over D.
-      if leaf in ("gate_proj", "up_proj", "gate_bias", "up_bias",
-                  "experts_gate_up_proj_lora_b") and f_padded != f_width:
+      # Their LoRA adapters pad alike where they meet F or D: gate and up's B and down's
+      # A over F, down's B over D.
+      if leaf in ("gate_proj", "up_proj", "gate_bias", "up_bias", "experts_gate_up_proj_lora_b",
+                  "experts_down_proj_lora_a") and f_padded != f_width:
         pads.append((ndim - 1, f_shards, f_width, f_padded))
-      elif leaf in ("down_proj", "experts_down_proj_lora_a", "experts_down_proj_lora_b"):
-        if f_padded != f_width and leaf != "experts_down_proj_lora_b":
+      elif leaf == "experts_down_proj_lora_b" and d_padded != d_width:
+        pads.append((ndim - 1, d_shards, d_width, d_padded))
+      elif leaf == "down_proj":
+        if f_padded != f_width:
           pads.append((ndim - 2, f_shards, f_width, f_padded))
-        if d_padded != d_width and leaf != "experts_down_proj_lora_a":
+        if d_padded != d_width:
           pads.append((ndim - 1, d_shards, d_width, d_padded))
       if pads:
         out[i] = pads

@@ -106,22 +106,31 @@ def _dense(x, w, sizes):
   return jnp.einsum("MK,MG,GKN->MN", x, jax.nn.one_hot(owner, w.shape[0]), w)
 
 
-@pytest.mark.parametrize("backend", ["tpu", "cpu"])
-def test_grouped_matmul_and_its_gradients_equal_the_dense_product(monkeypatch, backend):
+@pytest.mark.parametrize("backend,transpose_rhs", [("tpu", False), ("cpu", False),
+                                                   ("tpu", True), ("cpu", True)])
+def test_grouped_matmul_and_its_gradients_equal_the_dense_product(monkeypatch, backend,
+                                                                  transpose_rhs):
+  """And with `transpose_rhs` (w [G, N, K]), against the dense product of w transposed."""
   monkeypatch.setattr(gm, "grouped_weight_grad",
                       functools.partial(gm.grouped_weight_grad, backend=backend))
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(256, 24)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(6, 24, 16)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(6, 16, 24) if transpose_rhs else (6, 24, 16)), jnp.float32)
   sizes = jnp.asarray(_sizes(rng, 256, 6, empty=(2,)))
-  np.testing.assert_allclose(kernels.grouped_matmul(x, w, sizes), _dense(x, w, sizes),
-                             atol=1e-4)
+
+  def ours(x, w, sizes):
+    return kernels.grouped_matmul(x, w, sizes, None, transpose_rhs)
+
+  def dense(x, w, sizes):
+    return _dense(x, w.swapaxes(1, 2) if transpose_rhs else w, sizes)
+
+  np.testing.assert_allclose(ours(x, w, sizes), dense(x, w, sizes), atol=1e-4)
 
   def loss(fn):
     return lambda x, w: jnp.sum(jnp.sin(fn(x, w, sizes)))
 
-  got = jax.jit(jax.grad(loss(kernels.grouped_matmul), argnums=(0, 1)))(x, w)
-  want = jax.grad(loss(_dense), argnums=(0, 1))(x, w)
+  got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(x, w)
+  want = jax.grad(loss(dense), argnums=(0, 1))(x, w)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
   assert float(jnp.abs(got[1][2]).max()) == 0.0  # the empty group's matrix gets nothing

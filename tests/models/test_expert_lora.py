@@ -46,10 +46,10 @@ def _numpy_merged(model):
     mlp, attn = layer["mlp"], layer["attn"]
     a, b = mlp.pop("experts_gate_up_proj_lora_a"), mlp.pop("experts_gate_up_proj_lora_b")
     for e in range(cfg.num_experts):
-      mlp["gate_proj"][e] += s * a[e] @ b[e, :, 0]
-      mlp["up_proj"][e] += s * a[e] @ b[e, :, 1]
+      mlp["gate_proj"][e] += s * a[e].T @ b[e, :, 0]
+      mlp["up_proj"][e] += s * a[e].T @ b[e, :, 1]
     a, b = mlp.pop("experts_down_proj_lora_a"), mlp.pop("experts_down_proj_lora_b")
-    mlp["down_proj"] += s * np.einsum("EFR,ERD->EFD", a, b)
+    mlp["down_proj"] += s * np.einsum("ERF,ERD->EFD", a, b)
     a, b = attn.pop("q_proj_lora_a"), attn.pop("q_proj_lora_b")
     attn["q_proj"] += s * np.einsum("DR,RNH->DNH", a, b)
   plain = models.create_model(cfg.replace(lora_rank=0))
@@ -66,9 +66,9 @@ def model():
 
 def test_each_expert_adds_its_own_update_in_both_layouts(model):
   mlp = model.layers[0].mlp
-  assert mlp.experts_gate_up_proj_lora_a.shape == (5, 48, 3)
+  assert mlp.experts_gate_up_proj_lora_a.shape == (5, 3, 48)  # the rank off the minor axis
   assert mlp.experts_gate_up_proj_lora_b.shape == (5, 3, 2, 40)
-  assert mlp.experts_down_proj_lora_a.shape == (5, 40, 3)
+  assert mlp.experts_down_proj_lora_a.shape == (5, 3, 40)
   assert mlp.experts_down_proj_lora_b.shape == (5, 3, 48)
   assert CFG.num_lora_params == sum(
       x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
@@ -96,7 +96,7 @@ def test_a_mixture_with_a_shared_expert_adapts_both():
   assert hasattr(m.dense_layers[0].mlp, "down_proj_lora_a")
   assert not hasattr(m.dense_layers[0].mlp, "experts_down_proj_lora_a")
   assert hasattr(m.layers[0].mlp.shared, "down_proj_lora_a")
-  assert m.layers[0].mlp.experts_down_proj_lora_a.shape == (8, 16, 2)
+  assert m.layers[0].mlp.experts_down_proj_lora_a.shape == (8, 2, 16)
   assert cfg.num_lora_params == sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.LoRAParam)))
   tokens = TOKENS % cfg.vocab_size
   np.testing.assert_allclose(logits(m, tokens), logits(models.merge_lora(m), tokens), atol=2e-5)
@@ -135,7 +135,7 @@ def test_the_sampler_pads_the_adapters_with_the_experts(model):
   np.testing.assert_array_equal(gate[..., :20].reshape(5, 48, 40),
                                 np.asarray(model.layers[0].mlp.gate_proj[...]))
   assert mlp["experts_gate_up_proj_lora_b"].shape == (5, 3, 2, 256)
-  assert mlp["experts_down_proj_lora_a"].shape == (5, 256, 3)
+  assert mlp["experts_down_proj_lora_a"].shape == (5, 3, 256)
   assert mlp["experts_down_proj_lora_b"].shape == (5, 3, 128)
   b = np.asarray(mlp["experts_gate_up_proj_lora_b"]).reshape(5, 3, 2, 2, 128)
   np.testing.assert_array_equal(b[..., 20:], 0.0)
@@ -203,7 +203,7 @@ def test_the_adapters_compile_to_grouped_kernels_for_tpu():
   mesh = tpu_mesh("v5e", (2, 2), ("fsdp", "tensor"))
   e, n, d, f, r, k = 16, 1024, 256, 256, 16, 2
   specs = (P("fsdp"), P("fsdp"), P("fsdp"), P(None, None, "tensor"), P(None, None, "tensor"),
-           P(None, "tensor", None), P(), P(None, None, None, "tensor"), P(None, "tensor", None),
+           P(None, "tensor", None), P(), P(None, None, None, "tensor"), P(None, None, "tensor"),
            P())
 
   def loss(*args):
@@ -216,8 +216,8 @@ def test_the_adapters_compile_to_grouped_kernels_for_tpu():
 
   bf = jnp.bfloat16
   shapes = [((2 * n, d), bf), ((2 * n, k), jnp.float32), ((2 * n, k), jnp.int32),
-            ((e, d, f), bf), ((e, d, f), bf), ((e, f, d), bf), ((e, d, r), bf),
-            ((e, r, 2, f), bf), ((e, f, r), bf), ((e, r, d), bf)]
+            ((e, d, f), bf), ((e, d, f), bf), ((e, f, d), bf), ((e, r, d), bf),
+            ((e, r, 2, f), bf), ((e, r, f), bf), ((e, r, d), bf)]
   compiled = compile_for(mesh, jax.grad(loss, argnums=(0, 6, 7, 8, 9)),
                          *(spec(mesh, s, dt, p) for (s, dt), p in zip(shapes, specs)))
   text = compiled.as_text()
