@@ -42,7 +42,10 @@ through the decode loop (12 GiB a chip) and pads their float32 gradients by a th
 Each micro-batch holds eight 2048-token rows per fsdp shard. Compiled for the slice on
 a CPU host (libtpu 0.0.42.1, 3.1 GiB of host memory, 2.5 min): the update peaks at 51.2
 GiB a chip with what stays resident beside it (planned 51.3), the rollout at 55.6
-(planned 54.2).
+(planned 54.2). With LoRA of rank 16 on the attention and every routed expert
+(`--config.model.overrides.lora_rank=16`, 0.64B adapter parameters) the update peaks
+at 34.8 GiB with the sampler's weights (planned 31.6) and the rollout at 47.7 (planned
+48.6): BENCHMARKS.md, LoRA.
 """
 
 import ml_collections
@@ -61,10 +64,13 @@ def get_config() -> ml_collections.ConfigDict:
   # scan_layers: the 48 layers run as one lax.scan (one layer's program at any depth).
   # dots_with_no_batch_dims keeps attention's projections and the router's logits; the
   # experts' grouped matmuls are no dot_general, so the backward reruns them (planned).
+  # lora_rank > 0 trains adapters on lora_targets alone, the routed experts each their own
+  # (e.g. --config.model.overrides.lora_rank=16 --config.optim.lr=2e-5).
   c.model.overrides = ml_collections.ConfigDict(dict(
       attention_impl="flash", attention_options="fused_bwd=true",
       remat="dots_with_no_batch_dims", dtype="bfloat16", param_dtype="float32",
-      scan_layers=True))
+      scan_layers=True, lora_rank=0, lora_alpha=32.0,
+      lora_targets="q_proj,k_proj,v_proj,o_proj,experts_gate_up_proj,experts_down_proj"))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=16, tensor=2, sequence=1))
 
   c.tasks.domains = "*"
