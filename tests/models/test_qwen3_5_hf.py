@@ -446,7 +446,8 @@ def test_qwen3_next_reward_model_scores_match_transformers(tmp_path):
                                         ("saved_next", "Qwen3NextForCausalLM")])
 def test_peft_adapter_files_in_and_out(request, family, cls, tmp_path):
   """A LoRA model's PEFT files (every default target: the Gated DeltaNet projections too,
-  Qwen3-Next's B rows regrouped per key head, a mixture's shared expert) load in PEFT
+  Qwen3-Next's B rows regrouped per key head, a mixture's shared expert; the mixtures'
+  routed experts, in the linear layers too) load in PEFT
   over transformers' model with our logits, and read back; q_proj's B is written with zero output-gate rows, and a PEFT
   q_proj adapter that moves the gate rows is refused by name."""
   peft = pytest.importorskip("peft", reason="adapter tests need peft")
@@ -457,12 +458,22 @@ def test_peft_adapter_files_in_and_out(request, family, cls, tmp_path):
     with pytest.raises(ValueError, match="PEFT puts those names on its fused routed"):
       models.save_lora_adapter(named, str(tmp_path))
   ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, seed=2)
+  # The mixtures' routed experts too: PEFT's target_parameters on the stacked experts.
+  experts = {"saved": (), "saved_moe": ("experts_gate_up_proj", "experts_down_proj"),
+             "saved_next": ("experts_down_proj",)}[family]
+  if experts:
+    ours = models.with_lora(ours, 3, jax.random.key(2), lora_alpha=5.0,
+                            lora_targets=",".join(ours.cfg.lora_target_names + experts))
   _random_adapters(ours)
   want = np.asarray(_jitted_logits(ours, TOKENS))
   adapter = str(tmp_path / "adapter")
   models.save_lora_adapter(ours, adapter)
   with open(f"{adapter}/adapter_config.json") as fh:
-    assert json.load(fh)["target_modules"] == list(ours.cfg.lora_target_names)
+    config = json.load(fh)
+  assert config["target_modules"] == [t for t in ours.cfg.lora_target_names
+                                      if t not in experts]
+  assert config.get("target_parameters", []) == [
+      "mlp.experts." + t[len("experts_"):] for t in experts]
   hf = getattr(transformers, cls).from_pretrained(folder).float().eval()
   assert np.abs(hf_logits(hf, TOKENS) - want).max() > 1e-2  # the adapters matter
   pm = peft.PeftModel.from_pretrained(hf, adapter).eval()
