@@ -150,6 +150,19 @@ def test_the_sampler_pads_the_adapters_with_the_experts(model):
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
 
 
+def test_gpt_oss_expert_adapters_are_refused_as_peft_files_and_export_merged(tmp_path):
+  """gpt-oss's gate_up_proj interleaves gate and up [E, D, 2F]: its expert adapters
+  train and merge, but PEFT files of them are refused by name."""
+  from tests.models.test_expert_parallel import BIASED
+  cfg = BIASED.replace(lora_rank=2, lora_targets="experts_gate_up_proj")
+  m = _randomised(models.create_model(cfg, seed=1))
+  tokens = TOKENS % cfg.vocab_size
+  np.testing.assert_allclose(logits(m, tokens), logits(models.merge_lora(m), tokens), atol=2e-5)
+  with pytest.raises(ValueError, match="GptOssForCausalLM with routed-expert targets "
+                     r"\['experts_gate_up_proj'\] are not written or read"):
+    models.save_lora_adapter(m, str(tmp_path))
+
+
 def test_expert_targets_need_experts():
   dense = models.get_preset("tiny")
   with pytest.raises(ValueError, match=r"lora_targets \['experts_down_proj'\] adapt a "
