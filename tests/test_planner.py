@@ -704,16 +704,19 @@ def test_linear_attention_plan_counts_its_layers():
     assert acts - saved == int(2 * 4 * 128 * layers[larger]) + logits
   # A prefill of 16 prompts of 64 over fsdp 8 (2 a device) beside flash attention, the
   # prompts' cache aside: the linear layer's projections, conv outputs, float32 scan
-  # inputs and output, the MLP, and per row one chunk's [c, c] matrices and the state.
+  # inputs and output, the MLP, and per row one chunk's [c, c] matrices and the state;
+  # and the linear layers' input projections relaid (q, k, v, z, b, a), D whole.
   fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
   flash = cfg.replace(attention_impl="flash")
   d, k, v, hv, c, s = 96, 2 * 16, 6 * 24, 6, 32, 4
   per_token = (s * (2 * d + 4 * k + 3 * v + 2 * hv) + 4 * (2 * k + 2 * v + 2 * hv)
                + s * 5 * 160)
   per_row = 4 * hv * (5 * c * c + 2 * 16 * 24)
+  relaid = s * d * (2 * k + 2 * v + 2 * hv) * sum(cfg.linear_layers)
+  assert sum(cfg.linear_layers) == 3
   assert (planner.prefill_bytes(flash, prompts=16, prompt_len=64, rows=16, mesh=fsdp8)
           - planner.kv_cache_bytes(flash, batch=16, max_len=64, mesh=fsdp8)
-          == 2 * 64 * per_token + 2 * per_row)
+          == relaid + 2 * 64 * per_token + 2 * per_row)
 
 
 def test_activations_follow_the_remat_policy_and_the_mesh():
