@@ -21,8 +21,7 @@ from flax import nnx
 
 from posttrain.models import rope as rope_lib
 from posttrain.models.config import (EXPERT_LORA_TARGETS, LINEAR_LORA_TARGETS, LORA_TARGETS,
-                                      ModelConfig, RopeConfig,
-                                     decode_chunk_for)
+                                     ModelConfig, RopeConfig, decode_chunk_for)
 from posttrain.models.sharding import ShardingContext
 
 _NO_SHARDING = ShardingContext(None)
@@ -1174,7 +1173,7 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   up = kernels.grouped_matmul(x_sorted, up_ExDxF, sizes)
   lora = lora or {}
 
-  def adapted(x, name, out_dtype=None):  # lora_scale * (x A) B, row by row its expert's
+  def adapted(x, name, out_dtype=None):  # lora_scale * (x A_e^T) B_e, e each row's expert
     a, b = lora[name]
     xa = kernels.grouped_matmul(x, a.astype(x.dtype), sizes, None, True)
     xab = kernels.grouped_matmul(xa, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype),
