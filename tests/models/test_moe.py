@@ -1,5 +1,7 @@
 """Mixture-of-experts layers: routing and experts against a numpy oracle, gradients against
-the dense mixture, sharding, the KV cache, scanned layers, configs and presets."""
+the dense mixture, sharding, the KV cache, scanned layers, configs and presets. The
+sampler's padded copy of the experts is checked with their adapters in
+test_expert_lora.py."""
 
 import re
 
@@ -307,29 +309,3 @@ def test_load_balancing_loss_and_its_gradient_on_a_mesh_and_scanned(model, shape
         tokens, router_loss=True)
   with pytest.raises(ValueError, match="router_aux_loss_coef=0.1 needs a mixture"):
     CFG.replace(num_experts=0, num_experts_per_tok=0, router_aux_loss_coef=0.1)
-
-
-# The same padding with the experts' adapters beside them runs by default:
-# test_expert_lora.py::test_the_sampler_pads_the_adapters_with_the_experts.
-@pytest.mark.slow
-def test_gathered_experts_are_padded_per_device_and_sample_the_same(model):
-  """Experts 40 wide over tensor 2 are 20 wide a device, and D is 48, no multiples of 128:
-  the sampler's gathered copy pads each device's slice of F with zeros to 128, and the
-  down experts' D too (XLA:TPU otherwise keeps relaid copies of them through the decode
-  loop), and samples what one device does."""
-  from posttrain.sampling import Sampler
-  prompts = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 37)), [3, 3, 3, 8]]
-  sampler = Sampler(model, mesh=models.make_mesh((1, 4, 2, 1)), max_len=40)
-  mlp = sampler._weights()["layers"][0]["mlp"]
-  assert mlp["gate_proj"].shape == mlp["up_proj"].shape == (5, 48, 256)  # 5 experts
-  assert mlp["down_proj"].shape == (5, 256, 128)
-  gate = np.asarray(mlp["gate_proj"]).reshape(5, 48, 2, 128)
-  np.testing.assert_array_equal(gate[..., 20:], 0.0)  # each device's padding
-  np.testing.assert_array_equal(gate[..., :20].reshape(5, 48, 40),
-                                np.asarray(model.layers[0].mlp.gate_proj[...]))
-  one = Sampler(model, max_len=40)
-  for temperature in (0.0, 1.0):
-    got = sampler.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
-    want = one.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
