@@ -1607,18 +1607,22 @@ def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str,
     raise ValueError(f"{where} target_parameters={parameters!r} is not supported; expected "
                      "a list of mlp.experts.gate_up_proj / mlp.experts.down_proj of a "
                      "mixture of experts")
-  layers = [i for i in range(cfg.num_layers) if i >= cfg.dense_layers]
+  # Each target's parameter in every mixture layer (past the leading dense layers).
+  names = {t: [f"model.layers.{i}.mlp.experts.{t[len('experts_'):]}"
+               for i in range(cfg.dense_layers, cfg.num_layers)] for t in EXPERT_LORA_TARGETS}
+
+  def covered(name):
+    return any(name == p or name.endswith("." + p) for p in parameters)
+
   kinds = []
-  for t in EXPERT_LORA_TARGETS:
-    names = [f"model.layers.{i}.mlp.experts.{t[len('experts_'):]}" for i in layers]
-    hit = [n for n in names if any(n == p or n.endswith("." + p) for p in parameters)]
-    if hit and len(hit) != len(names):
+  for t, layers in names.items():
+    hit = [n for n in layers if covered(n)]
+    if hit and len(hit) != len(layers):
       raise ValueError(f"{where} target_parameters wrap {t[len('experts_'):]} in only "
                        "some layers; adapters on every mixture layer are supported")
     kinds += [t] if hit else []
-  names = [f"model.layers.{i}.mlp.experts.{t[len('experts_'):]}"
-           for i in layers for t in EXPERT_LORA_TARGETS]
-  bad = sorted(p for p in parameters if not any(n == p or n.endswith("." + p) for n in names))
+  every = [n for layers in names.values() for n in layers]
+  bad = sorted(p for p in parameters if not any(n == p or n.endswith("." + p) for n in every))
   if bad:
     raise ValueError(f"{where} target_parameters {bad[:5]} are not supported; expected "
                      "mlp.experts.gate_up_proj, mlp.experts.down_proj")
