@@ -44,8 +44,8 @@ a CPU host (libtpu 0.0.42.1, 3.1 GiB of host memory, 2.5 min): the update peaks 
 GiB a chip with what stays resident beside it (planned 51.3), the rollout at 55.6
 (planned 54.2). With LoRA of rank 16 on the attention and every routed expert
 (`--config.model.overrides.lora_rank=16`, 0.64B adapter parameters) the update peaks
-at 34.8 GiB with the sampler's weights (planned 31.6) and the rollout at 47.7 (planned
-48.6): BENCHMARKS.md, LoRA.
+at 34.8 GiB with the sampler's weights (planned 31.6) and the rollout at 46.6 (planned
+45.0): BENCHMARKS.md, LoRA.
 """
 
 import ml_collections

@@ -254,36 +254,13 @@ def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int
   """Per-device bytes of the copy of the weights the sampler gathers for each generate
   call (`Sampler(gather_weights=True)`): sharded by the rules without the batch mesh
   axes, floating weights in the compute dtype when that is narrower, with the experts'
-  padding (`expert_padding_bytes`) and their adapters' relaid copy
-  (`expert_lora_relayout_bytes`)."""
+  padding (`expert_padding_bytes`)."""
   shape = _gather_shape(mesh_shape, rules)
   ratio = min(1.0, np.dtype(model_cfg.dtype).itemsize / np.dtype(model_cfg.param_dtype).itemsize)
   if shape == dict(mesh_shape) and ratio == 1.0:
     return 0  # nothing to gather or cast: the sampler reads its own weights
-  return (int(state_bytes(model_cfg, shape, rules)[0] * ratio)
-          + expert_padding_bytes(model_cfg, shape, rules)
-          + expert_lora_relayout_bytes(model_cfg, shape, rules))
-
-
-def expert_lora_relayout_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
-                               rules=models.DEFAULT_RULES) -> int:
-  """Per-device bytes of the copy of the routed experts' LoRA A (`EXPERT_LORA_TARGETS`:
-  [E, r, D] and [E, r, F'] a layer) that the generate programs lay out with the rank on
-  the minor axis, as XLA:TPU's grouped matmul reads a right-hand side [E, D, r], padded
-  to ceil128(r) lanes, every layer's at once beside the gathered copy. Compiled for
-  Qwen3-30B-A3B on a v5p-64 (rank 16, fsdp 16 x tensor 2): 3.00 GiB and 0.56 GiB, 8
-  times the adapters' own 0.38 and 0.07 GiB."""
-  cfg = model_cfg
-  targets = [t for t in cfg.lora_target_names if t.startswith("experts_")]
-  if not targets:
-    return 0
-  mesh = abstract_mesh(mesh_shape)
-  e, d, f = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),
-                           (cfg.num_experts, cfg.d_model, cfg.ffn_dim))
-  del d  # the adapters' D is whole on a device (their rank takes fsdp, `_lora_axes`)
-  width = sum(cfg.d_model if t == "experts_gate_up_proj" else f for t in targets)
-  lanes = -(-cfg.lora_rank // 128) * 128
-  return np.dtype(cfg.dtype).itemsize * cfg.mixture_layers * e * width * lanes
+  return int(state_bytes(model_cfg, shape, rules)[0] * ratio) + expert_padding_bytes(
+      model_cfg, shape, rules)
 
 
 def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
@@ -1413,11 +1390,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 + (", the experts padded to 128 columns a device (`expert_padding_bytes`)"
                    if gathered and expert_padding_bytes(cfg, _gather_shape(rollout_shape,
                                                                            rules), rules)
-                   else "")
-                + (", the experts' LoRA A relaid, the rank on 128 lanes"
-                   if gathered and expert_lora_relayout_bytes(
-                       cfg, _gather_shape(rollout_shape, rules), rules) else "")
-                if gathered else "not gathered (gather_weights=False)"),
+                   else "") if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {_cache_layers_note(cfg, int(r.max_len))} "
                 f"x {_cache_note(cfg, kv_dtype)}, {kv_dtype}"),
       Component("prefill", prefill, prefill_note + (", its weights gathered (left sharded)"

@@ -871,24 +871,6 @@ def test_expert_padding_counts_widths_no_multiple_of_128():
   assert planner.expert_padding_bytes(models.get_preset("llama3_8b"), gathered) == 0
 
 
-def test_expert_adapters_count_their_relaid_copy_in_the_gathered_weights():
-  """Qwen3-30B-A3B with rank 16 on the routed experts under fsdp 16 x tensor 2: the
-  decode programs (compiled for a v5p-64) hold each layer's A of gate and up [128, 2048]
-  and of down [128, 384] a chip with the rank padded to 128 lanes: 3.00 + 0.56 GiB."""
-  mesh = {"data": 1, "fsdp": 16, "tensor": 2, "sequence": 1}
-  gathered = {"data": 1, "fsdp": 1, "tensor": 2, "sequence": 1}
-  base = models.get_preset("qwen3_30b_a3b")
-  both = base.replace(lora_rank=16, lora_targets="q_proj,experts_gate_up_proj,experts_down_proj")
-  assert planner.expert_lora_relayout_bytes(both, gathered) == 48 * 128 * (2048 + 384) * 128 * 2
-  assert planner.expert_lora_relayout_bytes(both, gathered) / 2**30 == 3.5625
-  down = both.replace(lora_targets="experts_down_proj")
-  assert planner.expert_lora_relayout_bytes(down, gathered) == 48 * 128 * 384 * 128 * 2
-  assert planner.decode_weight_bytes(both, mesh) == (
-      planner.state_bytes(both, gathered)[0] + planner.expert_lora_relayout_bytes(both, gathered))
-  for cfg in (base, both.replace(lora_targets="q_proj,v_proj")):
-    assert planner.expert_lora_relayout_bytes(cfg, gathered) == 0
-
-
 def test_prefill_and_decode_step_bytes_by_hand():
   """What a generate call holds beside the weights and its cache: the prompts' own cache
   and one layer's forward over them (prefill); the logits and, weights left sharded, one

@@ -1142,6 +1142,11 @@ def load_balancing_loss(stats: RouterStats, num_experts: int) -> jax.Array:
   return num_experts * jnp.sum((stats.assigned / n) * (stats.probs / n))
 
 
+# Up to this many bytes of gathered [rows, r, in] adapters, `expert_mlps` gathers each
+# sorted row's LoRA A rather than run a grouped matmul over them.
+_GATHERED_A_BYTES = 64 * 2**20
+
+
 def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *,
                 activation=None, gate_bias_ExF=None, up_bias_ExF=None, lora=None,
                 lora_scale: float = 1.0):
@@ -1175,7 +1180,15 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
 
   def adapted(x, name, out_dtype=None):  # lora_scale * (x A_e^T) B_e, e each row's expert
     a, b = lora[name]
-    xa = kernels.grouped_matmul(x, a.astype(x.dtype), sizes, None, True)
+    if x.shape[0] * a[0].size * x.dtype.itemsize <= _GATHERED_A_BYTES:
+      # Few rows (decoding): each row's A gathered, [M, r, in]. A grouped matmul would
+      # read A with the rank minor, which XLA:TPU lays out in a copy of every layer's
+      # A padded to 128 lanes, kept through the decode loop.
+      rows_a = jnp.take(a.astype(x.dtype), jnp.take(flat, order), axis=0, mode="fill",
+                        fill_value=0)
+      xa = jnp.einsum("MK,MRK->MR", x, rows_a)
+    else:
+      xa = kernels.grouped_matmul(x, a.astype(x.dtype), sizes, None, True)
     xab = kernels.grouped_matmul(xa, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype),
                                  sizes, out_dtype)
     return lora_scale * xab

@@ -64,7 +64,7 @@ def model():
   return _randomised(models.create_model(CFG, seed=1))
 
 
-def test_each_expert_adds_its_own_update_in_both_layouts(model):
+def test_each_expert_adds_its_own_update_in_both_layouts(model, monkeypatch):
   mlp = model.layers[0].mlp
   assert mlp.experts_gate_up_proj_lora_a.shape == (5, 3, 48)  # the rank off the minor axis
   assert mlp.experts_gate_up_proj_lora_b.shape == (5, 3, 2, 40)
@@ -79,6 +79,10 @@ def test_each_expert_adds_its_own_update_in_both_layouts(model):
   assert float(jnp.abs(got - logits(fresh, TOKENS)).max()) > 0.1
   np.testing.assert_allclose(got, want, atol=2e-5)
   np.testing.assert_allclose(logits(models.merge_lora(model), TOKENS), want, atol=2e-5)
+  # These few rows gather each row's A; many rows (prefill, training) run a grouped matmul.
+  with monkeypatch.context() as patch:
+    patch.setattr(tr, "_GATHERED_A_BYTES", 0)
+    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, TOKENS), want, atol=2e-5)
   scanned = models.relayout(model, scan_layers=True)
   assert scanned.layers.mlp.experts_down_proj_lora_b.get_metadata()["logical_axes"] == (
       "layers", "experts", "lora", "embed")
@@ -102,12 +106,17 @@ def test_a_mixture_with_a_shared_expert_adapts_both():
   np.testing.assert_allclose(logits(m, tokens), logits(models.merge_lora(m), tokens), atol=2e-5)
 
 
-# F split over tensor beside fsdp; the experts split over fsdp (expert parallelism).
+# F split over tensor beside fsdp; the experts split over fsdp (expert parallelism). Each
+# with the rows' A gathered (few rows) and through a grouped matmul (many).
+@pytest.mark.parametrize("grouped", [False, True], ids=["gathered_a", "grouped_a"])
 @pytest.mark.parametrize("shape,axes", [((1, 2, 4, 1), None), ((1, 4, 2, 1), ("fsdp",))],
                          ids=["f_split", "expert_parallel"])
-def test_on_a_mesh_the_step_and_its_gradients_equal_one_device(shape, axes):
+def test_on_a_mesh_the_step_and_its_gradients_equal_one_device(shape, axes, grouped,
+                                                               monkeypatch):
   """Loss, logits, the router loss and every gradient (the adapters' and the base's): one
   device's, with the experts' F split over tensor and with the experts split over E."""
+  if grouped:
+    monkeypatch.setattr(tr, "_GATHERED_A_BYTES", 0)
   model = _randomised(models.create_model(EP_CFG.replace(
       lora_rank=2, lora_targets="q_proj," + EXPERT_TARGETS), seed=1))
   want = _run(model)
@@ -207,10 +216,11 @@ def test_the_train_step_moves_the_expert_adapters_alone():
 
 
 @requires_libtpu
-def test_the_adapters_compile_to_grouped_kernels_for_tpu():
+def test_the_adapters_compile_to_grouped_kernels_for_tpu(monkeypatch):
   """For a TPU (v5e 2x2, F over tensor) the experts' adapters run as grouped matmuls as
   the experts do, their weight gradients this project's Pallas kernel: no product over
   every expert's rows appears, rank 16 blocks included."""
+  monkeypatch.setattr(tr, "_GATHERED_A_BYTES", 0)  # the many rows of a training step
   from jax.sharding import PartitionSpec as P
   from tests.tpu_aot import compile_for, spec, tpu_mesh
   mesh = tpu_mesh("v5e", (2, 2), ("fsdp", "tensor"))
