@@ -31,6 +31,7 @@ from kernels.reference import (
     attention_block,
     attention_block_grad,
     attention_mask,
+    local_chunk_segment_ids,
     merge_attention,
     reference_attention,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "paged_cache_update",
     "paged_decode_attention",
     "quantize_int8",
+    "local_chunk_segment_ids",
     "reference_attention",
     "reference_block_kernel",
     "ring_attention",

@@ -173,7 +173,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                      sliding_window: int | None = None,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, kv_layout: str = "bskh",
                      elementwise: bool | str | None = None, finite_tail: bool = False,
-                     layer=None, ring: bool = False, sinks=None):
+                     layer=None, ring: bool = False, sinks=None, local_chunk=None):
   """Attention of the newest tokens of each row against its KV cache.
 
   Args:
@@ -190,7 +190,9 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
       "bskh", [batch, kv_heads, max_len] for "bksh"; see `quantize_int8`).
     causal: queries see only keys at or before their position (False: the whole valid
       prefix [0, lengths[b])).
-    sm_scale, logits_soft_cap, sliding_window: as in `kernels.reference_attention`.
+    sm_scale, logits_soft_cap, sliding_window, local_chunk: as in
+      `kernels.reference_attention` (local_chunk may be a traced int32 scalar: a scan
+      over layers of both kinds passes each layer's).
     chunk_size: cache entries per block; a cache no longer than one block is read in one
       piece, a longer one block by block, skipping blocks past the longest row (and, with a
       sliding window, before every query's window).
@@ -221,7 +223,9 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   stacked = layer is not None
   _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, ring=ring,
          sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-         sinks=sinks)
+         sinks=sinks, local_chunk=local_chunk)
+  if ring and local_chunk is not None:
+    raise ValueError("ring=True takes no local_chunk (a chunked layer's cache is not a ring)")
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
   if not (elementwise is None or isinstance(elementwise, bool) or elementwise == "values"):
@@ -261,7 +265,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
       # Every query sees only its row's valid prefix, whether or not the mask is causal.
       slot_ok = (slot[None] >= nominal) & (slot[None] < lengths[:, None])  # [b, ck]
     valid = slot_ok[:, None] & reference.attention_mask(
-        q_pos, kv_pos, causal=causal, sliding_window=sliding_window)
+        q_pos, kv_pos, causal=causal, sliding_window=sliding_window,
+        local_chunk=local_chunk)
     # Unless the caller vouches for a finite tail, slots past a row's length may hold
     # anything, NaN included; p = 0 times NaN would still leak, so zero the values there
     # (and, always, their scales).
@@ -285,11 +290,12 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   return merge_visible_blocks(
       q, q_pos, lengths, sliding_window, ck, -(-max_len // ck),
       lambda i, nominal: attend_block(jnp.minimum(nominal, max_len - ck), nominal),
-      sinks=sinks, ring_slots=max_len if ring else None)
+      sinks=sinks, ring_slots=max_len if ring else None, local_chunk=local_chunk)
 
 
 def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_blocks: int,
-                         attend_block, sinks=None, ring_slots: int | None = None):
+                         attend_block, sinks=None, ring_slots: int | None = None,
+                         local_chunk=None):
   """Block i of `block_len` slots from slot i * block_len, merged by log-sum-exp; blocks
   past the longest row, or (with a sliding window) before every query's window, are
   skipped with `lax.cond`.
@@ -302,6 +308,7 @@ def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_
     ring_slots: the cache is a ring of this many slots (position p in slot p % slots):
       a block is read when it holds a slot of some row's window, [oldest, newest]
       modulo the ring.
+    local_chunk: blocks before every query's chunk are skipped too.
 
   Returns:
     [b, tq, h, d] in q's dtype.
@@ -311,6 +318,8 @@ def merge_visible_blocks(q, q_pos, lengths, sliding_window, block_len: int, num_
   # Without a sliding window every query sees the whole prefix from slot 0; with one,
   # nothing before the earliest query's window.
   oldest = jnp.min(q_pos) - (sliding_window - 1) if sliding_window else jnp.int32(0)
+  if local_chunk is not None:  # and nothing before the earliest query's chunk
+    oldest = jnp.maximum(oldest, jnp.min(q_pos - q_pos % local_chunk))
 
   def visible(nominal):
     if ring_slots is None:

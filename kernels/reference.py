@@ -10,6 +10,10 @@ Mask semantics (shared by every kernel):
     q_pos = kv_len - q_len + arange(q_len), kv_pos = arange(kv_len).
   * causal: q_pos >= kv_pos.
   * sliding_window w: q_pos - kv_pos < w (and kv_pos - q_pos < w when not causal).
+  * local_chunk c (Llama 4's chunked attention; `reference_attention` and
+    `decode_attention` take it): q_pos // c == kv_pos // c, each query sees only keys of
+    its own chunk of c positions. Every other kernel gets it by segment ids:
+    `local_chunk_segment_ids`.
   * logits_soft_cap c: logits = c * tanh(logits / c), applied after sm_scale.
   * sinks [heads] (gpt-oss's attention sinks): each query's softmax also holds
     exp(sinks[h]), a key of logit sinks[h] (no scale, cap or mask) and value 0, so a
@@ -27,7 +31,7 @@ NEG_INF = float("-inf")
 
 def check_attention_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, *,
                            sm_scale=None, logits_soft_cap=None, sliding_window=None,
-                           sinks=None):
+                           sinks=None, local_chunk=None):
   """Raises ValueError naming the offending argument if the inputs break the contract."""
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, q_len, heads, head_dim], got shape {q.shape}")
@@ -58,6 +62,9 @@ def check_attention_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, *,
   if sliding_window is not None and (int(sliding_window) != sliding_window
                                      or sliding_window < 1):
     raise ValueError(f"sliding_window must be a positive int, got {sliding_window}")
+  if isinstance(local_chunk, (int, float)) and (isinstance(local_chunk, bool) or int(
+      local_chunk) != local_chunk or local_chunk < 1):
+    raise ValueError(f"local_chunk must be a positive int, got {local_chunk!r}")
   if sinks is not None and (tuple(sinks.shape) != (q.shape[2],)
                             or not jnp.issubdtype(sinks.dtype, jnp.floating)):
     raise ValueError(f"sinks must be float [heads] = ({q.shape[2]},), got "
@@ -75,8 +82,9 @@ def default_positions(q_len: int, kv_len: int):
 
 
 def attention_mask(q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
-                   causal: bool, sliding_window: int | None = None):
-  """Boolean mask [batch or 1, q_len, kv_len]; positions are [batch or 1, len] int32."""
+                   causal: bool, sliding_window: int | None = None, local_chunk=None):
+  """Boolean mask [batch or 1, q_len, kv_len]; positions are [batch or 1, len] int32.
+  `local_chunk`: an int or an int32 scalar (traced: a layer's flag under a scan)."""
   q_pos = q_positions[:, :, None]
   kv_pos = kv_positions[:, None, :]
   mask = jnp.ones(jnp.broadcast_shapes(q_pos.shape, kv_pos.shape), dtype=bool)
@@ -86,6 +94,8 @@ def attention_mask(q_positions, kv_positions, q_segment_ids=None, kv_segment_ids
     mask = mask & (q_pos - kv_pos < sliding_window)
     if not causal:
       mask = mask & (kv_pos - q_pos < sliding_window)
+  if local_chunk is not None:
+    mask = mask & (q_pos // local_chunk == kv_pos // local_chunk)
   if q_segment_ids is not None:
     kv_seg = kv_segment_ids[:, None, :]
     mask = mask & (q_segment_ids[:, :, None] == kv_seg) & (kv_seg != 0)
@@ -122,7 +132,8 @@ def _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale=None):
 def attention_block(q, k, v, *, q_positions, kv_positions, q_segment_ids=None,
                     kv_segment_ids=None, causal: bool, sm_scale: float,
                     logits_soft_cap: float | None = None,
-                    sliding_window: int | None = None, k_scale=None, v_scale=None):
+                    sliding_window: int | None = None, k_scale=None, v_scale=None,
+                    local_chunk=None):
   """Attention of a query block against one key/value block.
 
   Args:
@@ -135,7 +146,8 @@ def attention_block(q, k, v, *, q_positions, kv_positions, q_segment_ids=None,
     Combine blocks with `merge_attention`.
   """
   mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                        causal=causal, sliding_window=sliding_window)
+                        causal=causal, sliding_window=sliding_window,
+                        local_chunk=local_chunk)
   s = _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale)
   # The max only stabilises exp; stopping its gradient keeps fully masked rows NaN-free.
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
@@ -255,7 +267,8 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                         kv_segment_ids=None, sm_scale: float | None = None,
                         logits_soft_cap: float | None = None,
                         sliding_window: int | None = None, q_positions=None,
-                        kv_positions=None, return_lse: bool = False, sinks=None):
+                        kv_positions=None, return_lse: bool = False, sinks=None,
+                        local_chunk=None):
   """Plain softmax attention in f32 that materialises the [q_len, kv_len] scores.
 
   Args:
@@ -267,20 +280,42 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
     q_positions, kv_positions: optional explicit int positions [batch or 1, len].
     return_lse: also return the log-sum-exp [batch, q_len, heads] in f32.
     sinks: optional float [heads], attention-sink logits (see the module docstring).
+    local_chunk: each query sees only the keys of its own chunk of this many positions
+      (Llama 4's chunked attention; see the module docstring).
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype (and the lse if asked).
   """
   check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
                          logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                         sinks=sinks)
+                         sinks=sinks, local_chunk=local_chunk)
   q_pos, kv_pos = resolve_positions(q, k, q_positions, kv_positions)
   f32 = jnp.float32
   out, lse = attention_block(
       q.astype(f32), k.astype(f32), v.astype(f32), q_positions=q_pos,
       kv_positions=kv_pos, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       causal=causal, sm_scale=default_sm_scale(q.shape[-1], sm_scale),
-      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+      local_chunk=local_chunk)
   out, lse = add_sinks(out, lse, sinks)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
+
+
+def local_chunk_segment_ids(segment_ids, positions, local_chunk):
+  """Segment ids [batch, len] that also split each segment where its positions cross a
+  multiple of `local_chunk`: with them as both q and kv segment ids, any kernel computes
+  self-attention of one sequence layout (training, a prefill) under the `local_chunk`
+  mask (Llama 4's chunked attention). 0 (padding) stays 0; the others become 1, 2, ...
+  along each row. `local_chunk` may be a traced int32 scalar.
+
+  Args:
+    segment_ids: int [batch, len], 0 = padding, each segment's tokens contiguous.
+    positions: int [batch, len], each token's position in its segment.
+  """
+  segment_ids = jnp.asarray(segment_ids, jnp.int32)
+  chunk = jnp.asarray(positions, jnp.int32) // local_chunk
+  first = jnp.ones_like(segment_ids[:, :1], dtype=bool)
+  starts = jnp.concatenate([first, (segment_ids[:, 1:] != segment_ids[:, :-1])
+                            | (chunk[:, 1:] != chunk[:, :-1])], axis=1)
+  return jnp.where(segment_ids == 0, 0, jnp.cumsum(starts, axis=1, dtype=jnp.int32))

@@ -69,9 +69,11 @@ def make_inputs(case: Case, dtype=jnp.float32, seed=0):
 
 
 def numpy_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None,
-                    sm_scale=None, logits_soft_cap=None, sliding_window=None, sinks=None):
+                    sm_scale=None, logits_soft_cap=None, sliding_window=None, sinks=None,
+                    local_chunk=None):
   """Straightforward float64 numpy attention, independent of kernels/. `sinks` [heads]:
-  one more softmax column per head, of that logit, whose value is dropped."""
+  one more softmax column per head, of that logit, whose value is dropped; `local_chunk`
+  c: a query sees only keys whose position // c is its own."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, tq, h, d = q.shape
   tk, kvh = k.shape[1], k.shape[2]
@@ -90,6 +92,8 @@ def numpy_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=
     mask &= qp - kp < sliding_window
     if not causal:
       mask &= kp - qp < sliding_window
+  if local_chunk is not None:
+    mask &= qp // local_chunk == kp // local_chunk
   if q_segment_ids is not None:
     qs = np.asarray(q_segment_ids)[:, None, :, None]
     ks_ = np.asarray(kv_segment_ids)[:, None, None, :]
