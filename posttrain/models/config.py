@@ -277,6 +277,20 @@ class ModelConfig:
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
       (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
       (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+    qk_l2_norm: the rotary layers' (every layer's without `rope_layers`) q and k are
+      normed over head_dim after the rotary embedding, x / sqrt(mean(x^2) + norm_eps),
+      with no weight (Llama 4's use_qk_norm).
+    attention_chunk_size: > 0: the rotary layers attend only within chunks of this many
+      positions, a query at p to the keys at [p - p % size, p] (Llama 4's chunked
+      attention: `kernels` local_chunk); the NoPE layers attend to every key. Their
+      caches are whole rows, as the other layers'.
+    attn_temperature_tuning: the NoPE layers' queries at position p are scaled by
+      log(1 + floor((p + 1) / attn_floor_scale)) * attn_scale + 1 (Llama 4's
+      temperature tuning for long contexts).
+    routed_input_scaling: each routed expert's input is scaled by the token's router
+      weight and its output summed unweighted (Llama 4), instead of the output weighted.
+    router_correction_bias: sigmoid routing has its score_correction_bias (GLM-4.5,
+      DeepSeek-V3, MiniMax-M2); False: none, the top-k by the scores alone (Llama 4).
   """
 
   vocab_size: int
@@ -354,6 +368,13 @@ class ModelConfig:
   linear_conv_kernel: int = 4
   linear_chunk: int = 64
   attn_output_gate: bool = False
+  qk_l2_norm: bool = False
+  attention_chunk_size: int = 0
+  attn_temperature_tuning: bool = False
+  attn_floor_scale: float = 8192.0
+  attn_scale: float = 0.1
+  routed_input_scaling: bool = False
+  router_correction_bias: bool = True
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -425,6 +446,7 @@ class ModelConfig:
         isinstance(r, bool) or r not in (0, 1) for r in self.rope_layers)):
       raise ValueError(f"rope_layers must hold a 1 (rotary) or 0 (NoPE) for each of the "
                        f"{self.num_layers} layers, got {self.rope_layers!r}")
+    self._check_llama4_fields()
     if self.output_norms and self.sandwich_norms:
       raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
                        "set one")
@@ -599,6 +621,29 @@ class ModelConfig:
   def mixture_layers(self) -> int:
     """Layers whose MLP is the mixture (after the `dense_layers`); 0 for a dense model."""
     return self.num_layers - self.dense_layers if self.num_experts else 0
+
+  def _check_llama4_fields(self) -> None:
+    size = self.attention_chunk_size
+    if isinstance(size, bool) or int(size) != size or size < 0:
+      raise ValueError(f"attention_chunk_size must be an int >= 0 (0: none), got {size!r}")
+    for name in ("attn_floor_scale", "attn_scale"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if (size or self.qk_l2_norm or self.attn_temperature_tuning) and (
+        self.kv_lora_rank or any(self.sliding_layers) or any(self.linear_layers)):
+      raise ValueError("attention_chunk_size, qk_l2_norm and attn_temperature_tuning "
+                       "(Llama 4's attention) are not supported with latent attention, "
+                       "sliding-window or linear-attention layers")
+    if self.routed_input_scaling and not self.num_experts:
+      raise ValueError("routed_input_scaling=True needs a mixture of experts (num_experts "
+                       "> 0)")
+    if self.routed_input_scaling and self.expert_bias:
+      raise ValueError("routed_input_scaling=True with expert_bias is not supported (the "
+                       "down biases are weighted by the router)")
+    if not self.router_correction_bias and self.router_scoring != "sigmoid":
+      raise ValueError("router_correction_bias=False is sigmoid routing's option "
+                       "(router_scoring='sigmoid')")
 
   def _check_gemma_fields(self) -> None:
     if self.mlp_activation not in MLP_ACTIVATIONS:
@@ -775,7 +820,8 @@ class ModelConfig:
     if self.qk_norm:
       attn += (h + kv) * hd if self.qk_norm_heads else 2 * hd
     attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
-    router = (d + self.router_bias + (self.router_scoring == "sigmoid")) * self.num_experts
+    router = (d + self.router_bias + (self.router_scoring == "sigmoid"
+                                      and self.router_correction_bias)) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
     expert = 3 * d * f + (2 * f + d) * self.expert_bias
     shared = 3 * d * self.shared_expert_dim + d * self.shared_expert_gate
@@ -927,6 +973,21 @@ PRESETS: dict[str, ModelConfig] = {
         qk_norm=True, qk_norm_heads=True, max_position_embeddings=196_608,
         architecture="MiniMaxM2ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
         remat="full", scan_layers=True),
+    # Llama-4-Scout-17B-16E (its text model): every layer 16 experts of 8192 (one a token,
+    # its input scaled by its sigmoid score) beside a shared one; three rotary layers
+    # attending within chunks of 8192 to each NoPE layer over the whole context (107.8B
+    # parameters, 17.2B active).
+    "llama4_scout": ModelConfig(
+        vocab_size=202_048, d_model=5120, num_layers=48, num_heads=40, num_kv_heads=8,
+        head_dim=128, ffn_dim=8192, num_experts=16, num_experts_per_tok=1,
+        norm_topk_prob=False, shared_expert_dim=8192, router_scoring="sigmoid",
+        router_correction_bias=False, routed_input_scaling=True,
+        rope=RopeConfig(theta=500_000.0, type="llama3", factor=16.0, low_freq_factor=1.0,
+                        high_freq_factor=1.0, original_max_position_embeddings=8192),
+        norm_eps=1e-5, rope_layers=(1, 1, 1, 0) * 12, qk_l2_norm=True,
+        attention_chunk_size=8192, attn_temperature_tuning=True,
+        max_position_embeddings=10_485_760, architecture="Llama4ForCausalLM",
+        dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
     # Mixtral 8x7B: 8 experts of width 14336, 2 per token (46.7B parameters, 12.9B active).
     "mixtral_8x7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
                                 num_kv_heads=8, head_dim=128, ffn_dim=14_336, num_experts=8,

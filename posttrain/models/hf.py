@@ -42,9 +42,10 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-              "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM")
+              "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
-_NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM")
+_NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                  "Llama4ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -70,7 +71,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
                 "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text",
                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-                "Qwen3NextForCausalLM": "qwen3_next", "MiniMaxM2ForCausalLM": "minimax_m2"}
+                "Qwen3NextForCausalLM": "qwen3_next", "MiniMaxM2ForCausalLM": "minimax_m2",
+                "Llama4ForCausalLM": "llama4_text"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -169,6 +171,23 @@ MINIMAX_M2 = "MiniMaxM2ForCausalLM"
 _MINIMAX_M2_DEFAULTS = dict(
     rms_norm_eps=1e-6, head_dim=128, rope_theta=5_000_000.0, intermediate_size=1536,
     num_local_experts=256, num_experts_per_tok=8, max_position_embeddings=196_608)
+# Llama 4 (Scout, Maverick; the text model of Llama4ForConditionalGeneration): every
+# layer's MLP a mixture of experts routed top-1 by sigmoid scores, the chosen expert's
+# input (not its output) scaled by its score, plus a shared expert every token runs; the
+# rotary layers' q and k normed without a weight after an interleaved rotary embedding
+# (reordered on load as GLM-4's) and attending within chunks of attention_chunk_size
+# positions; every fourth layer NoPE, attending to the whole context with its queries
+# scaled up by position (attn_temperature_tuning). Maverick's dense layers between the
+# mixture layers (interleave_moe_layer_step 2) are refused by name.
+LLAMA4 = "Llama4ForCausalLM"
+_LLAMA4_DEFAULTS = dict(
+    vocab_size=202_048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16_384,
+    num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, max_position_embeddings=131_072, rope_theta=500_000.0,
+    num_experts_per_tok=1, num_local_experts=16, interleave_moe_layer_step=1,
+    use_qk_norm=True, no_rope_layer_interval=4, attention_chunk_size=8192,
+    attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+    tie_word_embeddings=False, attention_bias=False)
 _QWEN3_5_DEFAULTS = dict(
     rms_norm_eps=1e-6, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
     linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -177,7 +196,7 @@ _QWEN3_5_DEFAULTS = dict(
 _CLASS_DEFAULTS = {
     GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
-    QWEN3_5: _QWEN3_5_DEFAULTS, MINIMAX_M2: _MINIMAX_M2_DEFAULTS,
+    QWEN3_5: _QWEN3_5_DEFAULTS, MINIMAX_M2: _MINIMAX_M2_DEFAULTS, LLAMA4: _LLAMA4_DEFAULTS,
     QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                   "router_aux_loss_coef": 0.001},
@@ -210,7 +229,8 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma's legacy "gelu"
 # 27B are published this way; their text_config leaves out what equals these defaults.
 VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Qwen3_5ForConditionalGeneration": QWEN3_5,
-                   "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE}
+                   "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
+                   "Llama4ForConditionalGeneration": LLAMA4}
 _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6)}
@@ -427,10 +447,35 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
-      **_minimax_m2_from_hf(lm, c),
+      **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
+
+
+def _llama4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The attention fields of a Llama 4 config.json ({} for other classes), read as
+  transformers does: no_rope_layers (1: rotary) by default a NoPE layer every
+  no_rope_layer_interval-th; the rotary layers chunked (layer_types' chunked_attention)
+  when attention_chunk_size is set."""
+  if lm != LLAMA4:
+    return {}
+  layers = int(c["num_hidden_layers"])
+  interval = int(c.get("no_rope_layer_interval") or 4)
+  rope = c.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+  if len(rope) != layers:
+    raise ValueError(f"no_rope_layers has {len(rope)} entries for {layers} layers")
+  chunk = int(c.get("attention_chunk_size") or 0)
+  expected = ["chunked_attention" if r and chunk else "full_attention" for r in rope]
+  types = c.get("layer_types")
+  if types and list(types) != expected:
+    raise ValueError(f"layer_types={list(types)!r} in a Llama 4 config.json is not supported: "
+                     "the rotary layers (no_rope_layers 1) are read as chunked_attention "
+                     "when attention_chunk_size is set, the others as full_attention")
+  return dict(rope_layers=tuple(int(r) for r in rope), qk_l2_norm=bool(c["use_qk_norm"]),
+              attention_chunk_size=chunk,
+              attn_temperature_tuning=bool(c["attn_temperature_tuning"]),
+              attn_floor_scale=float(c["floor_scale"]), attn_scale=float(c["attn_scale"]))
 
 
 def _linear_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -497,7 +542,7 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                  "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                  "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
@@ -688,6 +733,21 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "routed_scaling_factor": float(c["routed_scaling_factor"]),
             "dense_layers": dense, "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0,
             **_aux_loss_from_hf(c)}
+  if arch == LLAMA4:
+    layers = int(c["num_hidden_layers"])
+    step = int(c.get("interleave_moe_layer_step") or 1)
+    moe = c.get("moe_layers")
+    moe = list(range(step - 1, layers, step)) if moe is None else sorted(int(i) for i in moe)
+    if moe != list(range(layers)):
+      raise ValueError(f"dense layers between a Llama 4 model's mixture layers (moe_layers="
+                       f"{moe!r}, interleave_moe_layer_step={step}: Maverick's) are not "
+                       "supported; every layer a mixture (Scout's) is")
+    return {"num_experts": int(c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": False,
+            "ffn_dim": int(c["intermediate_size"]),
+            "shared_expert_dim": int(c["intermediate_size"]), "router_scoring": "sigmoid",
+            "router_correction_bias": False, "routed_input_scaling": True,
+            **_aux_loss_from_hf(c)}
   if arch in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
@@ -722,8 +782,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"lm_head=False (a reward model) cannot be written as {arch}, a "
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
-  moe = lm in _MOE_NAMES or lm == GPT_OSS
-  mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) == GPT_OSS]
+  moe = lm in _MOE_NAMES or lm in (GPT_OSS, LLAMA4)
+  mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in (GPT_OSS,
+                                                                                  LLAMA4)]
   if moe != bool(cfg.num_experts):
     raise ValueError(
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
@@ -766,10 +827,13 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, MINIMAX_M2)
+  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, MINIMAX_M2, LLAMA4)
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
   grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
-  fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2)
+  fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2,
+               routed_input_scaling=lm == LLAMA4, router_correction_bias=lm != LLAMA4)
+  if lm == LLAMA4:
+    fixed.update(norm_topk_prob=False, dense_layers=0, shared_expert_dim=cfg.ffn_dim)
   if not grouped:
     fixed.update(router_groups=1, router_group_topk=1, routed_scaling_factor=1.0)
   if lm == DEEPSEEK_V2:
@@ -780,7 +844,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(dense_layers=0)
   if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2):
     fixed.update(dense_layers=0)
-  if not (grouped or qwen2):
+  if not (grouped or qwen2 or lm == LLAMA4):
     fixed.update(shared_expert_dim=0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -831,9 +895,16 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
         cfg.sliding_layers):
       raise ValueError(f"layer_types with full-attention layers cannot be written as "
                        f"{cfg.architecture}, whose window applies to every layer")
-  if lm != SMOLLM3 and not all(cfg.rope_layers or (1,)):
+  if lm not in (SMOLLM3, LLAMA4) and not all(cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
-                     f"{SMOLLM3} holds them")
+                     f"{SMOLLM3} and {LLAMA4} hold them")
+  held = [name for name in ("qk_l2_norm", "attention_chunk_size", "attn_temperature_tuning")
+          if getattr(cfg, name)]
+  if held and lm != LLAMA4:
+    raise ValueError(f"{held} cannot be written as {cfg.architecture}; {LLAMA4} holds them")
+  if lm == LLAMA4 and (cfg.rope.partial_rotary_factor != 1.0 or cfg.qk_norm):
+    raise ValueError(f"{cfg.architecture} rotates every feature and has no weighted q/k "
+                     "norms (qk_l2_norm is its norm)")
   ropes = [r for r in (cfg.rope, cfg.rope_local) if r is not None]
   if lm == PHI3 and any(r.type not in ("default", "longrope") for r in ropes):
     raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
@@ -994,6 +1065,19 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                                 **(scaling or {})},
                rotary_dim=rope.rotary_dim(cfg.head_dim),
                **{key: value for key, (value, _) in _MINIMAX_M2_FIXED.items()})
+  elif lm == LLAMA4:
+    rope_layers = [int(r) for r in (cfg.rope_layers or (1,) * cfg.num_layers)]
+    floor = cfg.attn_floor_scale
+    out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               intermediate_size_mlp=cfg.dense_ffn_dim or cfg.ffn_dim,
+               interleave_moe_layer_step=1, moe_layers=list(range(cfg.num_layers)),
+               use_qk_norm=cfg.qk_l2_norm, no_rope_layers=rope_layers,
+               attention_chunk_size=cfg.attention_chunk_size or None,
+               layer_types=["chunked_attention" if r and cfg.attention_chunk_size
+                            else "full_attention" for r in rope_layers],
+               attn_temperature_tuning=cfg.attn_temperature_tuning,
+               floor_scale=int(floor) if float(floor).is_integer() else floor,
+               attn_scale=cfg.attn_scale)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
   elif lm == GLM4:
@@ -1094,7 +1178,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   fused = _causal_lm(cfg.architecture) == PHI3
   fused_mlp = _causal_lm(cfg.architecture) in (PHI3, GLM4)
   qk_in, qk_bias = proj_in, bias
-  if _causal_lm(cfg.architecture) == GLM4:  # interleaved rotary features <-> rotate-half
+  if _causal_lm(cfg.architecture) in (GLM4, LLAMA4):  # interleaved rotary <-> rotate-half
     qk_in = _interleaved_rows(proj_in, h, d, cfg)
     qk_bias = _interleaved_rows(bias, h, None, cfg)
 
@@ -1145,13 +1229,17 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                    lambda x: x.T, (f, d)))
     elif mixture and _causal_lm(cfg.architecture) == GPT_OSS:
       rows += _gpt_oss_expert_rows(cfg, p, hf)
+    elif mixture and _causal_lm(cfg.architecture) == LLAMA4:
+      rows += _llama4_expert_rows(cfg, p, hf)
+      rows += dense_mlp(p + ("mlp", "shared"), hf + "feed_forward.shared_expert.",
+                        cfg.shared_expert_dim)
     elif mixture:
       # One HF tensor per expert; ours stack them: ("layers", i, "mlp", name, j) is the
       # expert-j slice of the [E, ...] parameter.
       router, gate, up, down = _MOE_NAMES[_causal_lm(cfg.architecture)]
       rows.append((p + ("mlp", "router"), hf + router + ".weight", lambda x: x.T,
                    lambda x: x.T, (d, cfg.num_experts)))
-      if cfg.router_scoring == "sigmoid":  # MiniMax-M2's beside its gate, others' in it
+      if cfg.router_scoring == "sigmoid" and cfg.router_correction_bias:  # MiniMax-M2: by its gate
         owner = "block_sparse_moe" if _causal_lm(cfg.architecture) == MINIMAX_M2 else router
         rows.append((p + ("mlp", "score_correction_bias"),
                      hf + owner + ".e_score_correction_bias", ident, ident,
@@ -1393,6 +1481,27 @@ def _gpt_oss_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   ]
 
 
+def _llama4_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """Llama 4's router and experts: stacked as ours ([E, ...]), gate_up_proj [E, D, 2F]
+  gate's F columns, then up's (two rows of ours)."""
+  d, f, e = cfg.d_model, cfg.ffn_dim, cfg.num_experts
+  mlp, experts = p + ("mlp",), hf + "feed_forward.experts."
+
+  def half(which):  # [..., 2F] <-> ours [..., F]; the HF side zero in the other half
+    def to_hf(x):
+      out = np.zeros((*x.shape[:-1], 2 * f), x.dtype)
+      out[..., which * f:(which + 1) * f] = x
+      return out
+    return (lambda x: x[..., which * f:(which + 1) * f]), to_hf
+  return [
+      (mlp + ("router",), hf + "feed_forward.router.weight", lambda x: x.T, lambda x: x.T,
+       (d, e)),
+      (mlp + ("gate_proj",), experts + "gate_up_proj", *half(0), (e, d, f)),
+      (mlp + ("up_proj",), experts + "gate_up_proj", *half(1), (e, d, f)),
+      (mlp + ("down_proj",), experts + "down_proj", lambda x: x, lambda x: x, (e, f, d)),
+  ]
+
+
 def _hf_shape(cfg: ModelConfig, name: str, ours: tuple, to_hf: Transform) -> tuple:
   return to_hf(np.empty(ours, np.int8)).shape
 
@@ -1413,6 +1522,10 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "gate_up_proj (and GLM-4's interleaved q / k rows), which our "
                      "per-projection adapters are not: they are neither read nor written; "
                      "export the model merged (save_pretrained)")
+  if _causal_lm(cfg.architecture) == LLAMA4:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} (its q / k rows in "
+                     "interleaved rotary order, its MLPs named feed_forward) are not "
+                     "written or read yet; export the model merged (save_pretrained)")
   if cfg.kv_lora_rank:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused "
                      "kv_a_proj_with_mqa / kv_b_proj, which our per-projection adapters on "

@@ -41,8 +41,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings
     high_wavelen = original / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (original / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor)
+    span = rope.high_freq_factor - rope.low_freq_factor  # 0 (Llama 4): no medium band
+    smooth = ((original / wavelen - rope.low_freq_factor) / span if span else
+              np.zeros_like(wavelen))
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     inv_freq = np.where(medium, smoothed, scaled)

@@ -737,24 +737,32 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD, cos, sin, segment_ids_BxT, cache: KVCache | None,
                positions_BxT, ctx: ShardingContext, prefill: bool = False, layer=None,
-               sliding=False):
+               sliding=False, nope=False):
     """With `layer` (an int32 scalar), `cache` stacks every layer's arrays ([L, ...]):
     this layer's keys and values are written in place at that index, and the whole
     stacked cache is returned. `sliding`: a sliding-window layer, a Python bool or (a scan
-    over layers of both kinds) a traced one, which picks the attention at run time."""
+    over layers of both kinds) a traced one, which picks the attention at run time.
+    `nope`: a NoPE layer (cfg.rope_layers), a Python bool or a traced one; Llama 4's
+    options (`_llama4`) read it."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
+    local_chunk = None
     if cfg.kv_lora_rank:
       q, k, v, latent = self._latent_qkv(x, cos, sin)
     else:
       q, k, v = self._qkv(x, cos, sin)
+      q, k, local_chunk = self._llama4(q, k, positions_BxT, nope)
+    attn_ids = segment_ids_BxT  # the segments attention runs within
+    if local_chunk is not None and (cache is None or prefill):
+      import kernels
+      attn_ids = kernels.local_chunk_segment_ids(segment_ids_BxT, positions_BxT, local_chunk)
     q = ctx.constrain(q, ("batch", "length", "heads", "head_dim"))
     k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
     static = isinstance(sliding, (bool, np.bool_))
     if cache is None:
       def full(window: bool):
-        return attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=window, sinks=self._sinks())
+        return attend(cfg, q, k, v, attn_ids, ctx, sliding=window, sinks=self._sinks())
       # Both kinds under one scan: the layer's flag picks a kernel, each one static.
       out = (full(bool(sliding)) if static else
              jax.lax.cond(sliding, lambda: full(True), lambda: full(False)))
@@ -786,8 +794,8 @@ class Attention(nnx.Module):
     else:
       new_cache = self._write(k, v, segment_ids_BxT, cache, positions_BxT, ctx, prefill,
                               layer, bool(sliding), q.shape[1])
-      out = self._read(q, k, v, segment_ids_BxT, new_cache, positions_BxT, ctx, prefill,
-                       layer, bool(sliding))
+      out = self._read(q, k, v, attn_ids, new_cache, positions_BxT, ctx, prefill,
+                       layer, bool(sliding), local_chunk)
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
     if cfg.v_head_dim and cfg.v_head_dim < cfg.head_dim:  # MLA's padded values cut back
       out = out[..., :cfg.v_head_dim]
@@ -800,6 +808,34 @@ class Attention(nnx.Module):
       y = y + self.o_bias[...].astype(dt)[None, None]
     return y, new_cache
 
+
+  def _llama4(self, q, k, positions_BxT, nope):
+    """(q, k, local_chunk) after Llama 4's options: the rotary layers' q and k normed
+    (cfg.qk_l2_norm), the NoPE layers' queries scaled by position
+    (cfg.attn_temperature_tuning), and the local_chunk the layer attends within
+    (cfg.attention_chunk_size on a rotary layer; None: every key). `nope` is a Python bool
+    or a traced one (a scan over layers of both kinds: each result picked by it, the
+    chunk of a NoPE layer one no row reaches)."""
+    cfg = self.cfg
+    static = isinstance(nope, (bool, np.bool_))
+    pick = ((lambda on_nope, on_rope: on_nope if nope else on_rope) if static else
+            (lambda on_nope, on_rope: jnp.where(nope, on_nope, on_rope)))
+    if cfg.qk_l2_norm:
+      def l2(x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
+        return xf.astype(x.dtype)
+      q, k = pick(q, l2(q)), pick(k, l2(k))
+    if cfg.attn_temperature_tuning and not (static and not nope):
+      p = positions_BxT.astype(jnp.float32)
+      scale = jnp.log1p(jnp.floor((p + 1.0) / cfg.attn_floor_scale)) * cfg.attn_scale + 1.0
+      scale = pick(scale, jnp.ones_like(scale))
+      q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
+    local_chunk = None
+    if cfg.attention_chunk_size and not (static and nope):
+      local_chunk = (cfg.attention_chunk_size if static else
+                     jnp.where(nope, jnp.int32(1 << 30), jnp.int32(cfg.attention_chunk_size)))
+    return q, k, local_chunk
 
   def _qkv(self, x, cos, sin):
     """q [B, T, N, H], k and v [B, T, K, H], rotated."""
@@ -840,9 +876,10 @@ class Attention(nnx.Module):
     return constrain_cache(new, ctx)
 
   def _read(self, q, k, v, segment_ids_BxT, cache: KVCache, positions_BxT, ctx, prefill,
-            layer, sliding: bool):
+            layer, sliding: bool, local_chunk=None):
     """Attention of the queries over the cache just written (of the block itself in a
-    prefill)."""
+    prefill, within `segment_ids_BxT`); `local_chunk`: the chunk a decoding query sees
+    (Llama 4's chunked layers)."""
     cfg = self.cfg
     if prefill:
       # After a prefill's write the block holds every key (the cache was empty): the
@@ -862,7 +899,8 @@ class Attention(nnx.Module):
         finite_tail=True, layer=layer, sm_scale=cfg.attention_scale,
         logits_soft_cap=cfg.attn_logit_softcap,
         sliding_window=cfg.sliding_window if sliding else None,
-        ring=self._ring(cache, sliding, q.shape[1]), sinks=self._sinks())
+        ring=self._ring(cache, sliding, q.shape[1]), sinks=self._sinks(),
+        local_chunk=local_chunk)
 
 def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
                 prefill: bool = False, layer=None, ring: bool = False,
@@ -1149,8 +1187,10 @@ _GATHERED_A_BYTES = 64 * 2**20
 
 def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *,
                 activation=None, gate_bias_ExF=None, up_bias_ExF=None, lora=None,
-                lora_scale: float = 1.0):
-  """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) [N, D] float32, dropless.
+                lora_scale: float = 1.0, scale_inputs: bool = False):
+  """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) [N, D] float32, dropless; with
+  `scale_inputs`, sum_k SwiGLU_{experts[n, k]}(weights[n, k] * x[n]) (Llama 4: each row's
+  input scaled in x's dtype, as transformers does).
   `activation`: fn(gate, up) in SwiGLU's place; the biases are added to each expert's
   gate and up projections (a down projection's bias is the caller's, added once after
   any sum over F slices). `lora`: each expert's LoRA adapters (`MoE._adapters`), any of
@@ -1174,6 +1214,9 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=gate_ExDxF.shape[0]).astype(jnp.int32)
   x_sorted = jnp.take(x_NxD, order // k, axis=0)
+  if scale_inputs:
+    row_weights = jnp.take(weights_NxK.reshape(-1), order).astype(x_sorted.dtype)
+    x_sorted = x_sorted * row_weights[:, None]
   gate = kernels.grouped_matmul(x_sorted, gate_ExDxF, sizes)
   up = kernels.grouped_matmul(x_sorted, up_ExDxF, sizes)
   lora = lora or {}
@@ -1213,6 +1256,8 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   y_sorted = y_sorted[:, :x_NxD.shape[1]]
   # Back to token order (a gather by the inverse permutation; its gradient is a gather too).
   y = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, k, -1)
+  if scale_inputs:
+    return jnp.sum(y, axis=1)
   return jnp.einsum("NKD,NK->ND", y, weights_NxK.astype(jnp.float32))
 
 
@@ -1256,7 +1301,8 @@ class MoE(nnx.Module):
       self.gate_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.up_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.down_bias = _param(None, (e, d), ("experts", "embed"), pd, init="zeros")
-    if cfg.router_scoring == "sigmoid":  # float32, as transformers keeps it
+    if cfg.router_scoring == "sigmoid" and cfg.router_correction_bias:  # float32, as
+      # transformers keeps it
       self.score_correction_bias = _param(None, (e,), ("experts",), jnp.float32,
                                           init="zeros")
     if cfg.shared_expert_dim:
@@ -1338,7 +1384,7 @@ class MoE(nnx.Module):
         y = expert_mlps(x_NxD, w, e, gate, up, down, activation=gated_activation(cfg),
                         gate_bias_ExF=gate_b if biased else None,
                         up_bias_ExF=up_b if biased else None, lora=lora,
-                        lora_scale=cfg.lora_scale)
+                        lora_scale=cfg.lora_scale, scale_inputs=cfg.routed_input_scaling)
         if f_axes:
           y = jax.lax.psum(y, f_axes)
         if biased:  # each chosen expert's down bias, by its weight, once after the sum: the
@@ -1432,7 +1478,7 @@ class MoE(nnx.Module):
                         activation=gated_activation(cfg),
                         gate_bias_ExF=gate_bias_ExF if cfg.expert_bias else None,
                         up_bias_ExF=up_bias_ExF if cfg.expert_bias else None, lora=lora,
-                        lora_scale=cfg.lora_scale)
+                        lora_scale=cfg.lora_scale, scale_inputs=cfg.routed_input_scaling)
     if cfg.expert_bias:  # the local experts' down biases (out-of-range ids: a zero row),
       # added on one F slice alone so that the sum over the slices counts them once
       spread_MxE = jnp.einsum("MK,MKE->ME", weights_MxK,
@@ -1583,7 +1629,7 @@ class Block(nnx.Module):
       self.mlp_out_norm = _norm(cfg, cfg.d_model)
 
   def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
-               layer=None, router_stats: bool = False, sliding=False):
+               layer=None, router_stats: bool = False, sliding=False, nope=False):
     """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats)."""
     pre = hasattr(self, "input_norm")
     if hasattr(self, "linear_attn"):
@@ -1591,7 +1637,7 @@ class Block(nnx.Module):
                                       ctx, prefill, layer)
     else:
       h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids,
-                               cache, positions, ctx, prefill, layer, sliding)
+                               cache, positions, ctx, prefill, layer, sliding, nope)
     post = hasattr(self, "attn_out_norm")
     x = x + (self.attn_out_norm(h) if post else h)
     stats = None
@@ -1739,12 +1785,13 @@ class Transformer(nnx.Module):
         cos, sin = local if sliding else tables
         if cfg.nope_layers[i]:  # cos 1, sin 0: q and k pass unrotated
           cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
+        nope = cfg.nope_layers[i]
         if cfg.remat != "none" and cache is None:
           out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
-                             cfg.remat, routed, sliding)
+                             cfg.remat, routed, sliding, nope)
         else:
           out = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
-                      prefill, router_stats=routed, sliding=sliding)
+                      prefill, router_stats=routed, sliding=sliding, nope=nope)
         x, c = out[:2]
         if routed:
           stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
@@ -1822,7 +1869,7 @@ class Transformer(nnx.Module):
 
 
 def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
-                 router_stats: bool = False, sliding: bool = False):
+                 router_stats: bool = False, sliding: bool = False, nope: bool = False):
   # The block is split into a pure pytree and merged inside the checkpointed function,
   # so it also works when the caller merged the model outside an enclosing trace (a
   # lax.scan over micro-batches): nnx.remat would refuse to touch such variables.
@@ -1830,7 +1877,8 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
 
   def run(state, x, cos, sin, segment_ids, positions):
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, None, positions, ctx,
-                                      router_stats=router_stats, sliding=sliding)
+                                      router_stats=router_stats, sliding=sliding,
+                                      nope=nope)
 
   fn = jax.checkpoint(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
   return fn(state, x, cos, sin, segment_ids, positions)
@@ -2005,7 +2053,8 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
     if nope is not None:
       cos, sin = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, cache, positions, ctx,
-                                      prefill, i, router_stats=router_stats, sliding=sliding)
+                                      prefill, i, router_stats=router_stats, sliding=sliding,
+                                      nope=False if nope is None else nope)
 
   if cache is None:
     if remat != "none":

@@ -104,7 +104,8 @@ def test_reward_model_scores_match_transformers(tmp_path):
 def test_what_other_classes_refuse():
   tiny = models.get_preset("tiny")
   with pytest.raises(ValueError, match="rope_layers with NoPE layers cannot be written as "
-                                       "LlamaForCausalLM; SmolLM3ForCausalLM holds them"):
+                                       "LlamaForCausalLM; SmolLM3ForCausalLM and "
+                                       "Llama4ForCausalLM hold them"):
     models.hf.check_exportable(tiny.replace(rope_layers=(1, 0)))
   models.hf.check_exportable(tiny.replace(rope_layers=(1, 1)))  # all rotary: any class
   with pytest.raises(ValueError, match=r"rope_layers must hold a 1 \(rotary\) or 0 \(NoPE\) "
