@@ -296,8 +296,9 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
                            dense: bool = False) -> float:
   """Bytes one layer keeps per token for the backward pass, by remat policy.
 
-  A mixture's (cfg.num_experts) mixture layer, unless `dense`: one of its leading dense
-  layers (cfg.dense_layers), `mlp` then their dense_ffn_dim on one device. `shared` is a
+  A mixture's (cfg.num_experts) mixture layer, unless `dense`: one of its dense layers
+  (leading, cfg.dense_layers, or between its mixture layers, cfg.moe_layer_step), `mlp`
+  then their dense_ffn_dim on one device. `shared` is a
   mixture layer's shared expert's width on one device (default cfg.shared_expert_dim).
 
   s = bytes of the compute dtype; D = d_model; NH = heads * head_dim, KH = kv_heads *
@@ -327,7 +328,7 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
       (`kernels.grouped_matmul`, `ragged_dot`) are no dot_general, so the dots policies
       save none of them: the backward reruns the experts' forward (sort, gate / up / down).
 
-  A mixture's leading dense layers (cfg.dense_layers) keep a dense MLP's 3sF / 2sF, F
+  A mixture's dense layers (`ModelConfig.num_dense_layers`) keep a dense MLP's 3sF / 2sF, F
   their dense_ffn_dim on one device. Its mixture layers' routing and shared expert add
   (fitted the same way, on Qwen2-MoE's and GLM-4.5's layouts; Fs = the shared expert's
   width on one device):
@@ -624,9 +625,9 @@ def _layer_mlps(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
     return ((cfg.num_layers, {"mlp": width(cfg.ffn_dim), "dense": True}),)
   mixture = (cfg.mixture_layers, {"mlp": width(cfg.ffn_dim),
                                   "shared": width(cfg.shared_expert_dim)})
-  if not cfg.dense_layers:
+  if not cfg.num_dense_layers:
     return (mixture,)
-  return ((cfg.dense_layers, {"mlp": width(cfg.dense_ffn_dim), "dense": True}), mixture)
+  return ((cfg.num_dense_layers, {"mlp": width(cfg.dense_ffn_dim), "dense": True}), mixture)
 
 
 def _linear_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
@@ -689,8 +690,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   split): 1.1 GiB a layer for Qwen3-30B-A3B on one tensor shard, which any remat policy
   gathers again in the backward instead. r = s, or 4 for a sigmoid router (GLM-4.5's,
   run in float32, which on one device keeps its float32 copy of narrower params too);
-  routed_scaling_factor adds its float32 scalar. A mixture's leading dense layers
-  (cfg.dense_layers) count as dense layers of width dense_ffn_dim, its mixture layers
+  routed_scaling_factor adds its float32 scalar. A mixture's dense layers
+  (`ModelConfig.num_dense_layers`) count as dense layers of width dense_ffn_dim, its
+  mixture layers
   (`ModelConfig.mixture_layers`) with their shared expert (`layer_activation_bytes`);
   a shared expert's weights, outside the experts' shard_map, are a dense MLP's.
   Without remat, multi-head latent attention (cfg.kv_lora_rank) keeps in each layer its
@@ -795,7 +797,9 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     note += f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok})"
     if cfg.shared_expert_dim:
       note += f" + a shared expert of {cfg.shared_expert_dim}"
-    if cfg.dense_layers:
+    if cfg.moe_layer_step > 1:
+      note += f", every {cfg.moe_layer_step}th layer a mixture, the others dense"
+    elif cfg.dense_layers:
       note += (f", the first {cfg.dense_layers} layers dense" if cfg.dense_layers > 1
                else ", the first layer dense")
   return int(saved + transient + logits), note

@@ -249,6 +249,10 @@ class ModelConfig:
       dense_ffn_dim in place of the mixture (DeepSeek-V3's and GLM-4.5's
       first_k_dense_replace, Qwen2-MoE's leading mlp_only_layers). Their parameters sit
       in the model's `dense_layers`, the mixture layers' in `layers`.
+    moe_layer_step: every this-many-th layer is a mixture (layers step - 1, 2 step - 1,
+      ...), the others dense SwiGLU MLPs of width dense_ffn_dim, their parameters in the
+      model's `dense_layers` as a leading dense layer's (Llama 4 Maverick's
+      interleave_moe_layer_step 2); 1: every layer past the `dense_layers` a mixture.
     kv_lora_rank: > 0 for multi-head latent attention (DeepSeek-V2 / V3, Kimi K2): keys and
       values come from a latent of this width, x -> kv_a_proj -> RMSNorm -> per-head
       k_b_proj (keys' unrotated features) and v_b_proj (values); every head shares one
@@ -357,6 +361,7 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   dense_layers: int = 0
   dense_ffn_dim: int = 0
+  moe_layer_step: int = 1
   kv_lora_rank: int = 0
   q_lora_rank: int = 0
   qk_rope_head_dim: int = 0
@@ -474,7 +479,7 @@ class ModelConfig:
         raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
                          f"subset of {LORA_TARGETS + linear + experts_allowed}")
       mlp = [t for t in names if t in LORA_TARGETS[4:]]
-      dense_mlps = self.shared_expert_dim or self.dense_layers
+      dense_mlps = self.shared_expert_dim or self.num_dense_layers
       if (self.num_experts and not dense_mlps and mlp
           and self.lora_targets != DEFAULT_LORA_TARGETS):
         raise ValueError(f"lora_targets {mlp} are MLP projections, but this model's MLPs "
@@ -484,7 +489,7 @@ class ModelConfig:
 
   def _check_mixture_fields(self) -> None:
     for name in ("shared_expert_dim", "router_groups", "router_group_topk", "dense_layers",
-                 "dense_ffn_dim"):
+                 "dense_ffn_dim", "moe_layer_step"):
       value = getattr(self, name)
       if isinstance(value, bool) or int(value) != value or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -495,7 +500,8 @@ class ModelConfig:
         ("router_groups", self.router_groups != 1),
         ("router_group_topk", self.router_group_topk != 1),
         ("routed_scaling_factor", self.routed_scaling_factor != 1.0),
-        ("dense_layers", self.dense_layers)) if on]
+        ("dense_layers", self.dense_layers),
+        ("moe_layer_step", self.moe_layer_step != 1)) if on]
     if mixture_only and not self.num_experts:
       raise ValueError(f"{', '.join(mixture_only)} describe a mixture of experts; this model "
                        "has none (num_experts=0)")
@@ -522,10 +528,27 @@ class ModelConfig:
     if self.dense_layers >= self.num_layers and self.dense_layers:
       raise ValueError(f"dense_layers={self.dense_layers} leaves no mixture layer of "
                        f"num_layers={self.num_layers}; use a dense model (num_experts=0)")
-    if bool(self.dense_layers) != bool(self.dense_ffn_dim):
-      raise ValueError(f"dense_layers={self.dense_layers} and dense_ffn_dim="
-                       f"{self.dense_ffn_dim}: set both (the dense layers' MLP width) or "
-                       "neither")
+    if self.moe_layer_step < 1:
+      raise ValueError(f"moe_layer_step must be an int >= 1, got {self.moe_layer_step!r}")
+    if self.moe_layer_step > 1 and self.dense_layers:
+      raise ValueError(f"moe_layer_step={self.moe_layer_step} with dense_layers="
+                       f"{self.dense_layers} is not supported: set one")
+    if self.moe_layer_step > self.num_layers:
+      raise ValueError(f"moe_layer_step={self.moe_layer_step} leaves no mixture layer of "
+                       f"num_layers={self.num_layers}; use a dense model (num_experts=0)")
+    interleaved = self.moe_layer_step > 1
+    if interleaved and (any(self.sliding_layers) or any(self.linear_layers)):
+      raise ValueError(f"moe_layer_step={self.moe_layer_step} with sliding-window or "
+                       "linear-attention layers is not supported")
+    if interleaved and self.scan_layers and self.num_layers % self.moe_layer_step:
+      raise ValueError(f"scan_layers with moe_layer_step={self.moe_layer_step} needs "
+                       f"num_layers={self.num_layers} a multiple of it (the scan runs "
+                       "periods of dense layers, then a mixture layer)")
+    if bool(self.dense_layers or interleaved) != bool(self.dense_ffn_dim):
+      what = (f"moe_layer_step={self.moe_layer_step}" if interleaved
+              else f"dense_layers={self.dense_layers}")
+      raise ValueError(f"{what} and dense_ffn_dim={self.dense_ffn_dim}: set both (the "
+                       "dense layers' MLP width) or neither")
 
   def _check_latent_attention_fields(self) -> None:
     names = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
@@ -619,8 +642,22 @@ class ModelConfig:
 
   @property
   def mixture_layers(self) -> int:
-    """Layers whose MLP is the mixture (after the `dense_layers`); 0 for a dense model."""
-    return self.num_layers - self.dense_layers if self.num_experts else 0
+    """Layers whose MLP is the mixture (`mixture_flags`); 0 for a dense model."""
+    return sum(self.mixture_flags)
+
+  @property
+  def mixture_flags(self) -> tuple[bool, ...]:
+    """Per layer, whether its MLP is the mixture: past the `dense_layers`, every
+    moe_layer_step-th layer; all False for a dense model."""
+    k, step = self.dense_layers, self.moe_layer_step
+    return tuple(bool(self.num_experts) and i >= k and (i - k + 1) % step == 0
+                 for i in range(self.num_layers))
+
+  @property
+  def num_dense_layers(self) -> int:
+    """A mixture's layers with a dense MLP of dense_ffn_dim (leading or interleaved); 0
+    for a dense model."""
+    return self.num_layers - self.mixture_layers if self.num_experts else 0
 
   def _check_llama4_fields(self) -> None:
     size = self.attention_chunk_size
@@ -714,7 +751,7 @@ class ModelConfig:
     if not self.lora_rank:
       return ()
     names = {t.strip() for t in str(self.lora_targets).split(",")}
-    dense_mlps = not self.num_experts or self.shared_expert_dim or self.dense_layers
+    dense_mlps = not self.num_experts or self.shared_expert_dim or self.num_dense_layers
     if self.lora_targets == DEFAULT_LORA_TARGETS and self.architecture in PEFT_FUSED_MLP:
       dense_mlps = False  # by default only what PEFT files of the class can hold
     allowed = LORA_TARGETS if dense_mlps else ATTENTION_LORA_TARGETS
@@ -749,7 +786,7 @@ class ModelConfig:
     # An MLP target's layers: every dense MLP (a mixture's leading dense layers, of
     # dense_ffn_dim) and every mixture layer's shared expert (`stack_lora_targets`).
     mlp = (self.num_layers * (d + f) if not self.num_experts else
-           self.dense_layers * (d + self.dense_ffn_dim)
+           self.num_dense_layers * (d + self.dense_ffn_dim)
            + (self.mixture_layers * (d + self.shared_expert_dim)
               if self.shared_expert_dim else 0))
     sizes.update(gate_proj=mlp, up_proj=mlp, down_proj=mlp)
@@ -836,8 +873,9 @@ class ModelConfig:
       mixer = ((d + self.linear_conv_kernel) * (2 * hk * dk + hv * dv) + d * hv * dv
                + 2 * d * hv + 2 * hv + dv + hv * dv * d)
       swapped = linear * (mixer - attn)
-    return ((self.num_layers - self.dense_layers) * per_layer + self.dense_layers * dense
-            + swapped + emb + d + (d + 1 if self.value_head else 0))
+    dense_layers = self.num_dense_layers
+    return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped
+            + emb + d + (d + 1 if self.value_head else 0))
 
   @property
   def num_params(self) -> int:
@@ -988,6 +1026,19 @@ PRESETS: dict[str, ModelConfig] = {
         attention_chunk_size=8192, attn_temperature_tuning=True,
         max_position_embeddings=10_485_760, architecture="Llama4ForCausalLM",
         dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
+    # Llama-4-Maverick-17B-128E (its text model): Scout's attention without q/k norms and
+    # no rotary scaling; every other layer 128 experts of 8192 (one a token) beside a
+    # shared one, the others dense MLPs of 16384 (400.7B parameters, 17.2B active).
+    "llama4_maverick": ModelConfig(
+        vocab_size=202_048, d_model=5120, num_layers=48, num_heads=40, num_kv_heads=8,
+        head_dim=128, ffn_dim=8192, num_experts=128, num_experts_per_tok=1,
+        norm_topk_prob=False, shared_expert_dim=8192, router_scoring="sigmoid",
+        router_correction_bias=False, routed_input_scaling=True, moe_layer_step=2,
+        dense_ffn_dim=16_384, rope=RopeConfig(theta=500_000.0), norm_eps=1e-5,
+        rope_layers=(1, 1, 1, 0) * 12, attention_chunk_size=8192,
+        attn_temperature_tuning=True, max_position_embeddings=1_048_576,
+        architecture="Llama4ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="full", scan_layers=True),
     # Mixtral 8x7B: 8 experts of width 14336, 2 per token (46.7B parameters, 12.9B active).
     "mixtral_8x7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
                                 num_kv_heads=8, head_dim=128, ffn_dim=14_336, num_experts=8,

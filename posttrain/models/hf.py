@@ -738,11 +738,16 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     step = int(c.get("interleave_moe_layer_step") or 1)
     moe = c.get("moe_layers")
     moe = list(range(step - 1, layers, step)) if moe is None else sorted(int(i) for i in moe)
-    if moe != list(range(layers)):
-      raise ValueError(f"dense layers between a Llama 4 model's mixture layers (moe_layers="
-                       f"{moe!r}, interleave_moe_layer_step={step}: Maverick's) are not "
-                       "supported; every layer a mixture (Scout's) is")
-    return {"num_experts": int(c["num_local_experts"]),
+    # Every step-th layer a mixture (Scout's 1, Maverick's 2), whichever key says so.
+    step = next((s for s in range(1, layers + 1)
+                 if moe == list(range(s - 1, layers, s))), None)
+    if step is None:
+      raise ValueError(f"moe_layers={moe!r} in a Llama 4 config.json is not supported: the "
+                       "mixture layers must be every n-th layer (layers n - 1, 2n - 1, ...; "
+                       "interleave_moe_layer_step n)")
+    interleaved = {"moe_layer_step": step,
+                   "dense_ffn_dim": int(c["intermediate_size_mlp"])} if step > 1 else {}
+    return {"num_experts": int(c["num_local_experts"]), **interleaved,
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": False,
             "ffn_dim": int(c["intermediate_size"]),
             "shared_expert_dim": int(c["intermediate_size"]), "router_scoring": "sigmoid",
@@ -834,6 +839,8 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
                routed_input_scaling=lm == LLAMA4, router_correction_bias=lm != LLAMA4)
   if lm == LLAMA4:
     fixed.update(norm_topk_prob=False, dense_layers=0, shared_expert_dim=cfg.ffn_dim)
+  else:
+    fixed.update(moe_layer_step=1)
   if not grouped:
     fixed.update(router_groups=1, router_group_topk=1, routed_scaling_factor=1.0)
   if lm == DEEPSEEK_V2:
@@ -1070,7 +1077,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     floor = cfg.attn_floor_scale
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                intermediate_size_mlp=cfg.dense_ffn_dim or cfg.ffn_dim,
-               interleave_moe_layer_step=1, moe_layers=list(range(cfg.num_layers)),
+               interleave_moe_layer_step=cfg.moe_layer_step,
+               moe_layers=[i for i, moe in enumerate(cfg.mixture_flags) if moe],
                use_qk_norm=cfg.qk_l2_norm, no_rope_layers=rope_layers,
                attention_chunk_size=cfg.attention_chunk_size or None,
                layer_types=["chunked_attention" if r and cfg.attention_chunk_size
@@ -1189,7 +1197,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
 
   for i in range(cfg.num_layers):
     p, hf = layer_path(cfg, i), f"model.layers.{i}."
-    mixture = cfg.num_experts and i >= cfg.dense_layers
+    mixture = cfg.mixture_flags[i]
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
     if cfg.linear_layers[i]:
@@ -1257,7 +1265,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                                            ("up_proj", up, (d, f)),
                                            ("down_proj", down, (f, d)))]
     else:
-      rows += dense_mlp(p + ("mlp",), hf + "mlp.", cfg.dense_ffn_dim if cfg.num_experts else f)
+      mlp = "feed_forward." if _causal_lm(cfg.architecture) == LLAMA4 else "mlp."
+      rows += dense_mlp(p + ("mlp",), hf + mlp, cfg.dense_ffn_dim if cfg.num_experts else f)
     if attention and cfg.qkv_bias:
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
                (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *qk_bias(k), (k, h)),
@@ -1678,7 +1687,7 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
     if t in _ATTN_TARGETS:
       return None if linear else f"model.layers.{i}.self_attn.{t}"
     if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
-      if not cfg.num_experts or i < cfg.dense_layers:
+      if not cfg.mixture_flags[i]:
         return f"model.layers.{i}.mlp.{t}"
       if not cfg.shared_expert_dim:
         return None
@@ -1720,9 +1729,9 @@ def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str,
     raise ValueError(f"{where} target_parameters={parameters!r} is not supported; expected "
                      "a list of mlp.experts.gate_up_proj / mlp.experts.down_proj of a "
                      "mixture of experts")
-  # Each target's parameter in every mixture layer (past the leading dense layers).
+  # Each target's parameter in every mixture layer (not the dense layers).
   names = {t: [f"model.layers.{i}.mlp.experts.{t[len('experts_'):]}"
-               for i in range(cfg.dense_layers, cfg.num_layers)] for t in EXPERT_LORA_TARGETS}
+               for i, moe in enumerate(cfg.mixture_flags) if moe] for t in EXPERT_LORA_TARGETS}
 
   def covered(name):
     return any(name == p or name.endswith("." + p) for p in parameters)

@@ -412,16 +412,20 @@ def _lora_init(cfg: ModelConfig, target: str, key, stack: str = "layers"):
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
   """(attribute, the model's layers it holds, in order) of each of the model's layer
-  stacks: a mixture's leading dense layers (`dense_layers`) then `layers`; or for a model
+  stacks: a mixture's dense layers (`dense_layers`: leading, or between its mixture
+  layers with cfg.moe_layer_step) then `layers`; or for a model
   with linear-attention layers, those (`linear_layers`) and the attention layers
   (`layers`), interleaved in the model as layer_types says."""
   linear = cfg.linear_layers
   if any(linear):
     return (("linear_layers", tuple(i for i, lin in enumerate(linear) if lin)),
             ("layers", tuple(i for i, lin in enumerate(linear) if not lin)))
-  k = cfg.dense_layers
-  return ((("dense_layers", tuple(range(k))),) if k else ()) + (
-      ("layers", tuple(range(k, cfg.num_layers))),)
+  if not cfg.num_experts:
+    return (("layers", tuple(range(cfg.num_layers))),)
+  flags = cfg.mixture_flags
+  dense = tuple(i for i, moe in enumerate(flags) if not moe)
+  return ((("dense_layers", dense),) if dense else ()) + (
+      ("layers", tuple(i for i, moe in enumerate(flags) if moe)),)
 
 
 def layer_path(cfg: ModelConfig, i: int) -> tuple[str, int]:
@@ -1764,6 +1768,10 @@ class Transformer(nnx.Module):
       x, new_caches, stats = _scan_hybrid(self.linear_layers, self.layers, cfg, x, tables,
                                           segment_ids_BxT, cache, positions_BxT, ctx,
                                           prefill, router_loss)
+    elif cfg.scan_layers and cfg.moe_layer_step > 1:
+      x, new_caches, stats = _scan_interleaved(self.dense_layers, self.layers, cfg, x, tables,
+                                               segment_ids_BxT, cache, positions_BxT, ctx,
+                                               prefill, router_loss)
     elif cfg.scan_layers:
       new_caches = cache
       for stack, (first, *_) in layer_stacks(cfg):
@@ -1781,7 +1789,7 @@ class Transformer(nnx.Module):
       for i, block in placed:
         layer_cache = None if cache is None else cache[i]
         sliding = cfg.sliding_layers[i]
-        routed = router_loss and i >= cfg.dense_layers
+        routed = router_loss and cfg.mixture_flags[i]
         cos, sin = local if sliding else tables
         if cfg.nope_layers[i]:  # cos 1, sin 0: q and k pass unrotated
           cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
@@ -1999,6 +2007,54 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
 
   (x, cache), stats = jax.lax.scan(body, (x, cache),
                                    (states, jnp.arange(periods, dtype=jnp.int32)))
+  if router_stats:
+    stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
+  return x, cache, stats
+
+
+def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConfig, x, tables,
+                      segment_ids, cache, positions, ctx, prefill, router_stats: bool):
+  """Runs a mixture whose dense layers sit between its mixture layers (cfg.moe_layer_step
+  = p: p - 1 dense layers, then a mixture layer; Llama 4 Maverick's p = 2) as one
+  `lax.scan` over periods of p layers: the program holds one period, whatever the depth.
+  Each layer's NoPE flag rides the scan. The cache, when given, stacks every layer (layer
+  i at index i, as `_scan_blocks`') and travels in the carry. Each layer is
+  rematerialised on its own, its weights sliced from the period's inside the checkpoint.
+  Returns (x, the cache or None, the mixture layers' RouterStats summed with
+  `router_stats`, else None)."""
+  p = cfg.moe_layer_step
+  periods = cfg.num_layers // p
+  dense_graph, dense_state = nnx.split(dense_blocks)
+  mixture_graph, mixture_state = nnx.split(mixture_blocks)
+  dense_state = jax.tree.map(lambda a: a.reshape(periods, p - 1, *a.shape[1:]), dense_state)
+  nopes = jnp.asarray(cfg.nope_layers, bool).reshape(periods, p)
+  cos, sin = tables
+
+  def run(graph, routed, j, state, x, unit, i, nope):
+    if j is not None:  # the period's j-th dense layer
+      state = jax.tree.map(lambda a: a[j], state)
+    c, s = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
+    return nnx.merge(graph, state)(x, c, s, segment_ids, unit, positions, ctx, prefill, i,
+                                   router_stats=routed, nope=nope)
+
+  if cache is None and cfg.remat != "none":
+    run = jax.checkpoint(run, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False,
+                         static_argnums=(0, 1, 2))
+
+  def body(carry, xs):
+    x, cache = carry
+    dense, mixture, nope, period = xs
+    for j in range(p - 1):
+      i = None if cache is None else period * p + j
+      out = run(dense_graph, False, j, dense, x, cache, i, nope[j])
+      x, cache = out[0], out[1]
+    i = None if cache is None else period * p + p - 1
+    out = run(mixture_graph, router_stats, None, mixture, x, cache, i, nope[p - 1])
+    return (out[0], out[1]), (out[2] if router_stats else None)
+
+  (x, cache), stats = jax.lax.scan(
+      body, (x, cache), (dense_state, mixture_state, nopes,
+                         jnp.arange(periods, dtype=jnp.int32)))
   if router_stats:
     stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
   return x, cache, stats

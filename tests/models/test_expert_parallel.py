@@ -26,6 +26,15 @@ SHARED = CFG.replace(router_scoring="sigmoid", router_groups=2, router_group_top
 BIASED = CFG.replace(router_bias=True, expert_bias=True, mlp_activation="clamped_swiglu",
                      scan_layers=True, architecture="GptOssForCausalLM")
 
+# Llama 4 Maverick-like: top-1 sigmoid routing scaling the expert's input, a shared expert,
+# dense layers between the mixture layers, chunked rotary layers and a NoPE layer; scanned.
+LLAMA4 = CFG.replace(num_layers=4, num_experts_per_tok=1, norm_topk_prob=False,
+                     router_scoring="sigmoid", router_correction_bias=False,
+                     routed_input_scaling=True, shared_expert_dim=16, moe_layer_step=2,
+                     dense_ffn_dim=24, rope_layers=(1, 1, 1, 0), qk_l2_norm=True,
+                     attention_chunk_size=2, attn_temperature_tuning=True,
+                     attn_floor_scale=2.0, scan_layers=True, architecture="Llama4ForCausalLM")
+
 
 def _rules(*axes):
   """The default rules with the experts' axis over `axes`."""
@@ -104,11 +113,12 @@ EP = [((1, 4, 2, 1), ("fsdp",)), ((2, 4, 1, 1), ("fsdp",)),
 
 # The default run keeps one mesh of each model (ep 4 beside tensor 2); every mesh is slow.
 @pytest.mark.parametrize("cfg,cases", [
-    (CFG, EP[:1]), (SHARED, EP[:1]), (BIASED, EP[:1]),
+    (CFG, EP[:1]), (SHARED, EP[:1]), (BIASED, EP[:1]), (LLAMA4, EP[:1]),
     pytest.param(CFG, [((1, 4, 2, 1), None)] + EP[1:], marks=pytest.mark.slow),
     pytest.param(SHARED, EP[1:3], marks=pytest.mark.slow),
     pytest.param(BIASED, EP[1:3], marks=pytest.mark.slow),
-], ids=["plain", "shared_sigmoid_groups", "biased_scanned", "plain_every_mesh",
+], ids=["plain", "shared_sigmoid_groups", "biased_scanned", "llama4_interleaved_scanned",
+         "plain_every_mesh",
         "shared_every_mesh", "biased_every_mesh"])
 def test_expert_parallel_equals_one_device(cfg, cases):
   """Logits, the router loss and the gradients of every parameter: the same on one device,

@@ -48,6 +48,11 @@ SCOUT_TEXT = {
     "vocab_size": 202048}
 
 
+# Maverick's layout: every other layer a mixture (layers 1 and 3), the others dense MLPs
+# of intermediate_size_mlp; no q/k norm.
+MAVERICK = dict(interleave_moe_layer_step=2, use_qk_norm=False)
+
+
 def _hf_model(name="llama4", **extra):
   del name
   cfg = transformers.Llama4TextConfig(**{**COMMON, **extra})
@@ -64,6 +69,14 @@ def saved(tmp_path_factory):
   """(folder with the files transformers wrote, the HF model)."""
   folder = str(tmp_path_factory.mktemp("llama4") / "model")
   hf = _hf_model()
+  hf.save_pretrained(folder)
+  return folder, hf
+
+
+@pytest.fixture(scope="module")
+def maverick(tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp("maverick") / "model")
+  hf = _hf_model(**MAVERICK)
   hf.save_pretrained(folder)
   return folder, hf
 
@@ -139,6 +152,65 @@ def test_greedy_generation_matches_transformers(saved, scan):
     assert got == want, i
 
 
+def test_maverick_layout_reads_its_dense_layers_between_the_mixtures(maverick):
+  folder, hf = maverick
+  m = models.from_pretrained(folder)
+  cfg = m.cfg
+  assert (cfg.moe_layer_step, cfg.dense_ffn_dim, cfg.dense_layers, cfg.qk_l2_norm) == (
+      2, 48, 0, False)
+  assert cfg.mixture_flags == (False, True, False, True)
+  assert models.transformer.layer_stacks(cfg) == (("dense_layers", (0, 2)),
+                                                  ("layers", (1, 3)))
+  np.testing.assert_array_equal(
+      np.asarray(m.dense_layers[1].mlp.gate_proj[...]).T,
+      hf.model.layers[2].feed_forward.gate_proj.weight.detach().numpy())
+  assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("scan,remat", [(False, "none"), (True, "none"), (True, "full")],
+                         ids=["layers", "scanned", "scanned-remat"])
+def test_maverick_logits_and_gradients_match_transformers(maverick, scan, remat):
+  """One scan over periods of a dense and a mixture layer (rematerialised layer by
+  layer, or not) gives transformers' logits and the dense and mixture layers' gradients."""
+  folder, hf_model = maverick
+  model = models.from_pretrained(folder, scan_layers=scan, remat=remat)
+  want = hf_logits(hf_model, TOKENS)
+  np.testing.assert_allclose(np.asarray(_jitted_logits(model, TOKENS)), want, atol=1e-4,
+                             rtol=0)
+  grads = target_logprob_grads(hf_model, model, TOKENS)
+  dense, mixture = grads["dense_layers"], grads["layers"]
+  if scan:  # stacked: layer j of each stack
+    dense, mixture = ([jax.tree.map(lambda a, j=j: a[j], g) for j in range(2)]
+                      for g in (dense, mixture))
+  for j in range(2):
+    hf_dense = hf_model.model.layers[2 * j].feed_forward
+    hf_moe = hf_model.model.layers[2 * j + 1].feed_forward
+    pairs = [(np.asarray(dense[j]["mlp"]["down_proj"][...]).T, hf_dense.down_proj.weight.grad),
+             (np.asarray(mixture[j]["mlp"]["router"][...]).T, hf_moe.router.weight.grad),
+             (mixture[j]["mlp"]["down_proj"][...], hf_moe.experts.down_proj.grad)]
+    for ours, theirs in pairs:
+      assert_close_to_scale(ours, np.asarray(theirs))
+
+
+def test_maverick_greedy_generation_and_export(maverick, tmp_path):
+  """Scanned, through the stacked KV cache; written back from the scanned layout, the
+  files transformers wrote, each tensor as it was."""
+  from safetensors.numpy import load_file
+  for i, (got, want) in enumerate(greedy_tokens(*maverick, PROMPTS, 10, True)):
+    assert got == want, i
+  folder, _ = maverick
+  ours = models.from_pretrained(folder, scan_layers=True)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  before, after = (load_file(f"{f}/model.safetensors") for f in (folder, tmp_path / "out"))
+  assert set(after) == set(before)
+  for name, value in before.items():
+    np.testing.assert_array_equal(after[name], value, err_msg=name)
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert (written["interleave_moe_layer_step"], written["moe_layers"],
+          written["intermediate_size_mlp"]) == (2, [1, 3], 48)
+  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
+
+
 def test_export_round_trip_is_exact(saved, tmp_path):
   """From the scanned layout: the names transformers wrote, each tensor as it was,
   loadable by transformers with the same logits, and a config.json that reads back."""
@@ -194,9 +266,25 @@ def test_scout_preset_is_the_published_config_and_size():
   models.hf.check_exportable(preset)
 
 
+def test_maverick_preset_has_the_published_size():
+  """400B parameters and 17B active, as published: 400.7B and 17.2B for the text model
+  (the published total rounds the vision tower in); the abstract model holds as many."""
+  preset = models.get_preset("llama4_maverick")
+  assert preset.mixture_flags == (False, True) * 24
+  assert abs(preset.num_params / 400e9 - 1) < 0.005
+  assert abs(preset.num_active_params / 17.2e9 - 1) < 0.01
+  _, state = models.abstract_model(preset)
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == preset.num_params
+  models.hf.check_exportable(preset)
+  written = models.hf.model_config_to_hf(preset)
+  assert (written["interleave_moe_layer_step"], written["intermediate_size_mlp"],
+          written["use_qk_norm"]) == (2, 16_384, False)
+  assert models.hf_config_to_model_config(written, remat="full", scan_layers=True) == preset
+
+
 @pytest.mark.parametrize("change,match", [
-    ({"interleave_moe_layer_step": 2}, "dense layers between a Llama 4 model's mixture"),
-    ({"moe_layers": [0, 1, 3]}, "dense layers between a Llama 4 model's mixture"),
+    ({"moe_layers": [0, 1, 3]}, r"moe_layers=\[0, 1, 3\] in a Llama 4 config.json"),
+    ({"moe_layers": [1, 2]}, r"moe_layers=\[1, 2\] in a Llama 4 config.json"),
     ({"layer_types": ["full_attention"] * 4}, "layer_types=.* in a Llama 4 config.json"),
     ({"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for 4 layers"),
     ({"architectures": ["Llama4ForSequenceClassification"]}, "unsupported architecture"),
@@ -217,6 +305,9 @@ def test_what_cannot_be_written_is_refused(saved, tmp_path):
       (dict(qk_norm=True), "has no weighted q/k norms")]:
     with pytest.raises(ValueError, match=match):
       models.hf.check_exportable(cfg.replace(**change))
+  qwen = models.get_preset("qwen3_30b_a3b").replace(num_layers=2)
+  with pytest.raises(ValueError, match="moe_layer_step=2 cannot be written as Qwen3Moe"):
+    models.hf.check_exportable(qwen.replace(moe_layer_step=2, dense_ffn_dim=64))
   llama = models.get_preset("llama3_8b").replace(num_layers=2)
   with pytest.raises(ValueError, match=r"\['qk_l2_norm'\] cannot be written as Llama"):
     models.hf.check_exportable(llama.replace(qk_l2_norm=True))

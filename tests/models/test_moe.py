@@ -227,6 +227,28 @@ def test_config_counts_and_checks():
     CFG.replace(num_experts=-1)
 
 
+def test_interleaved_dense_layers_config():
+  """moe_layer_step: every n-th layer a mixture, the others dense; what it refuses."""
+  cfg = CFG.replace(num_layers=6, moe_layer_step=3, dense_ffn_dim=40)
+  assert cfg.mixture_flags == (False, False, True, False, False, True)
+  assert (cfg.mixture_layers, cfg.num_dense_layers) == (2, 4)
+  _, state = models.abstract_model(cfg)
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == cfg.num_params
+  assert models.transformer.layer_stacks(cfg) == (("dense_layers", (0, 1, 3, 4)),
+                                                  ("layers", (2, 5)))
+  for change, match in [
+      (dict(moe_layer_step=2), r"moe_layer_step=2 and dense_ffn_dim=0: set both"),
+      (dict(moe_layer_step=2, dense_ffn_dim=8, dense_layers=1), "with dense_layers=1 is not"),
+      (dict(moe_layer_step=0), "moe_layer_step must be an int >= 1"),
+      (dict(moe_layer_step=9, dense_ffn_dim=8), "moe_layer_step=9 leaves no mixture layer"),
+      (dict(num_layers=5, moe_layer_step=2, dense_ffn_dim=8, scan_layers=True),
+       "needs num_layers=5 a multiple of it"),
+      (dict(num_experts=0, num_experts_per_tok=0, moe_layer_step=2, dense_ffn_dim=8),
+       "moe_layer_step describe a mixture")]:
+    with pytest.raises(ValueError, match=match):
+      CFG.replace(**change)
+
+
 @pytest.mark.slow
 def test_lora_on_a_mixture_adapts_attention_only():
   m = models.create_model(CFG.replace(lora_rank=4), seed=1)
