@@ -1531,10 +1531,6 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "gate_up_proj (and GLM-4's interleaved q / k rows), which our "
                      "per-projection adapters are not: they are neither read nor written; "
                      "export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) == LLAMA4:
-    raise ValueError(f"PEFT adapter files of {cfg.architecture} (its q / k rows in "
-                     "interleaved rotary order, its MLPs named feed_forward) are not "
-                     "written or read yet; export the model merged (save_pretrained)")
   if cfg.kv_lora_rank:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused "
                      "kv_a_proj_with_mqa / kv_b_proj, which our per-projection adapters on "
@@ -1547,14 +1543,15 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "those names on its fused routed experts instead; leave gate_proj, "
                      "up_proj and down_proj out of lora_targets, or export the model merged")
   experts = [t for t in cfg.lora_target_names if t in EXPERT_LORA_TARGETS]
-  if experts and _causal_lm(cfg.architecture) == GPT_OSS:
+  if experts and _causal_lm(cfg.architecture) in (GPT_OSS, LLAMA4):
+    layout = ("interleaves gate and up, [E, D, 2F]" if _causal_lm(cfg.architecture) == GPT_OSS
+              else "is [E, D, 2F], not [E, 2F, D]")
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with routed-expert targets "
-                     f"{experts} are not written or read: its gate_up_proj interleaves gate "
-                     "and up, [E, D, 2F]; export the model merged (save_pretrained)")
+                     f"{experts} are not written or read: its gate_up_proj {layout}; export "
+                     "the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
-  # A mixture layer's MLP targets wrap its shared expert (`_mapping`'s names for it).
-  shared = "mlp.shared_expert" if cfg.shared_expert_gate else "mlp.shared_experts"
+  llama4 = _causal_lm(cfg.architecture) == LLAMA4
   for t, i in ((t, i) for t in cfg.lora_target_names for i in range(cfg.num_layers)):
     stack = layer_path(cfg, i)[0]
     if t not in stack_lora_targets(cfg, stack):
@@ -1565,10 +1562,15 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     in_shape, _, out_shape, _ = _lora_axes(cfg, t, stack)
     fan_in, fan_out = int(np.prod(in_shape)), int(np.prod(out_shape))
     owner = _owner_path(cfg, t, stack)
-    module = {("linear_attn",): "linear_attn", ("attn",): "self_attn",
-              ("mlp",): "mlp"}.get(owner, shared)
+    module = {("linear_attn",): "linear_attn", ("attn",): "self_attn"}.get(
+        owner) or _mlp_module(cfg, i)
     a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
     b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
+    if llama4 and t in ("q_proj", "k_proj"):  # B's rows in HF's interleaved rotary order
+      h = cfg.head_dim
+      b_maps = _interleaved_rows(lambda heads: (lambda x: x.T.reshape(r, heads, h),
+                                                lambda x: x.reshape(r, heads * h).T),
+                                 h, r, cfg)(out_shape[0])
     if t == "q_proj" and cfg.attn_output_gate:
       b_maps = _gated_query_b(cfg.num_heads, cfg.head_dim, r)
     if t in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next's, grouped by key head
@@ -1666,6 +1668,17 @@ _SCORE_MODULES = {"classifier", "score"}
 _PEFT_SCORE = "base_model.model.score.weight"
 
 
+def _mlp_module(cfg: ModelConfig, i: int) -> str:
+  """The HF module within layer i that its MLP LoRA targets wrap: its dense MLP, or a
+  mixture layer's shared expert (Llama 4's under feed_forward)."""
+  mlp = "feed_forward" if _causal_lm(cfg.architecture) == LLAMA4 else "mlp"
+  if not cfg.mixture_flags[i]:
+    return mlp
+  if _causal_lm(cfg.architecture) == LLAMA4 or cfg.shared_expert_gate:
+    return f"{mlp}.shared_expert"
+  return f"{mlp}.shared_experts"
+
+
 def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, ...]:
   """The projections a PEFT target_modules list puts adapters on (in LORA_TARGETS order,
   then the Gated DeltaNet ones), for a base model of config `cfg`.
@@ -1687,12 +1700,9 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
     if t in _ATTN_TARGETS:
       return None if linear else f"model.layers.{i}.self_attn.{t}"
     if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
-      if not cfg.mixture_flags[i]:
-        return f"model.layers.{i}.mlp.{t}"
-      if not cfg.shared_expert_dim:
+      if cfg.mixture_flags[i] and not cfg.shared_expert_dim:
         return None
-      shared = "shared_expert" if cfg.shared_expert_gate else "shared_experts"
-      return f"model.layers.{i}.mlp.{shared}.{t}"
+      return f"model.layers.{i}.{_mlp_module(cfg, i)}.{t}"
     return f"model.layers.{i}.linear_attn.{t}" if linear else None
 
   modules = {(i, t): module(i, t) for i in range(cfg.num_layers) for t in names
