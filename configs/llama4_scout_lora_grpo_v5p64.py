@@ -10,7 +10,19 @@ slice on this host (libtpu, `pip install -e '.[tpu]'`):
 
 Weights and tokenizer: the published folder (Llama4ForConditionalGeneration; its
 language model is read, the vision tower left in the files) on every host, HF_DIR
-below. Launch as configs/qwen3_30b_a3b_grpo_v5p64.py says, with this config.
+below. From a checkout with gcloud configured (see launch/tpu_pod.sh):
+
+    export BUCKET=gs://my-bucket        # shared checkpoint/metrics dir, /mnt/ckpt on hosts
+    launch/tpu_pod.sh create pt-v5p64 us-east5-a v5p-64
+    launch/tpu_pod.sh setup  pt-v5p64 us-east5-a
+    launch/tpu_pod.sh model  pt-v5p64 us-east5-a meta-llama/Llama-4-Scout-17B-16E-Instruct \
+        /mnt/models/Llama-4-Scout-17B-16E-Instruct
+    launch/tpu_pod.sh train  pt-v5p64 us-east5-a configs/llama4_scout_lora_grpo_v5p64.py \
+        /mnt/ckpt/llama4_scout_grpo
+
+Maverick (`--config.model.preset=llama4_maverick`, 400.7B) compiles on the same slice
+with the same mesh: update 79.5 GiB a chip, rollout 70.9 (planned 86.1 and 68.8: the
+plan calls it 0.6 GiB too big for 90% of 95 GiB).
 
 Recipe: GRPO with a small KL (0.001), 128 prompts x 8 samples per step, 1024 new tokens.
 107.8B parameters, stored bfloat16 and frozen; LoRA of rank 16 on the attention and the
