@@ -1,5 +1,6 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
-a Qwen3.5 (Gated DeltaNet) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
+a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers) and a
+Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
 with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
 folder that transformers loads into the same class and computes our logits with."""
 
@@ -62,6 +63,16 @@ FAMILIES = {
                     attn_output_gate=True, layer_types=("linear_attention", "full_attention"),
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=8, rope=models.RopeConfig(partial_rotary_factor=0.25)),
+    # Llama 4 (Maverick's layout): a dense layer, then a mixture routed top-1 by sigmoid
+    # scores that scale the expert's input, beside a shared expert; the rotary layer's
+    # weightless q/k norms and chunks of 8 positions (rows and rollouts cross them), the
+    # NoPE layer's query scale by position.
+    "llama4": dict(architecture="Llama4ForCausalLM", num_experts=4, num_experts_per_tok=1,
+                   norm_topk_prob=False, ffn_dim=64, shared_expert_dim=64,
+                   router_scoring="sigmoid", router_correction_bias=False,
+                   routed_input_scaling=True, moe_layer_step=2, dense_ffn_dim=96,
+                   rope_layers=(1, 0), qk_l2_norm=True, attention_chunk_size=8,
+                   attn_temperature_tuning=True, attn_floor_scale=4.0),
 }
 
 
@@ -77,7 +88,8 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
   cfg = trainer.model_config(_config()).replace(**FAMILIES[family])
   folder = str(tmp_path / "base")
   base_model = models.create_model(cfg, seed=4)
-  if cfg.router_scoring == "sigmoid":  # a correction bias the updates must leave alone
+  correction = cfg.router_scoring == "sigmoid" and cfg.router_correction_bias
+  if correction:  # a correction bias the updates must leave alone
     bias = (base_model.layers.mlp if cfg.scan_layers else base_model.layers[0].mlp
             ).score_correction_bias
     bias.value = jax.random.normal(jax.random.key(1), bias.shape) * 0.3
@@ -105,7 +117,7 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
   moved = [np.abs(np.asarray(a) - np.asarray(b)).max()
            for a, b in zip(base, jax.tree.leaves(nnx.state(ours)))]
   assert max(moved) > 0  # the SFT step moved the weights that were exported
-  if cfg.router_scoring == "sigmoid":
+  if correction:
     def biases(model):
       flat = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
       return [np.asarray(x) for path, x in flat if "score_correction_bias" in str(path)]
