@@ -224,8 +224,6 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, ring=ring,
          sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
          sinks=sinks, local_chunk=local_chunk)
-  if ring and local_chunk is not None:
-    raise ValueError("ring=True takes no local_chunk (a chunked layer's cache is not a ring)")
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
   if not (elementwise is None or isinstance(elementwise, bool) or elementwise == "values"):

@@ -72,6 +72,7 @@ FAMILIES = {
                    router_scoring="sigmoid", router_correction_bias=False,
                    routed_input_scaling=True, moe_layer_step=2, dense_ffn_dim=96,
                    rope_layers=(1, 0), qk_l2_norm=True, attention_chunk_size=8,
+                   sliding_window=8, layer_types=("sliding_attention", "full_attention"),
                    attn_temperature_tuning=True, attn_floor_scale=4.0),
 }
 

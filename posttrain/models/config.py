@@ -284,10 +284,11 @@ class ModelConfig:
     qk_l2_norm: the rotary layers' (every layer's without `rope_layers`) q and k are
       normed over head_dim after the rotary embedding, x / sqrt(mean(x^2) + norm_eps),
       with no weight (Llama 4's use_qk_norm).
-    attention_chunk_size: > 0: the rotary layers attend only within chunks of this many
-      positions, a query at p to the keys at [p - p % size, p] (Llama 4's chunked
-      attention: `kernels` local_chunk); the NoPE layers attend to every key. Their
-      caches are whole rows, as the other layers'.
+    attention_chunk_size: > 0: the sliding layers (layer_types' sliding_attention, with
+      sliding_window equal to it) attend only within chunks of this many positions, a
+      query at p to the keys at [p - p % size, p], not to the trailing window (Llama 4's
+      chunked_attention layers: `kernels` local_chunk). Each chunk lies within the
+      window, so their caches are the sliding layers' rings.
     attn_temperature_tuning: the NoPE layers' queries at position p are scaled by
       log(1 + floor((p + 1) / attn_floor_scale)) * attn_scale + 1 (Llama 4's
       temperature tuning for long contexts).
@@ -537,9 +538,9 @@ class ModelConfig:
       raise ValueError(f"moe_layer_step={self.moe_layer_step} leaves no mixture layer of "
                        f"num_layers={self.num_layers}; use a dense model (num_experts=0)")
     interleaved = self.moe_layer_step > 1
-    if interleaved and (any(self.sliding_layers) or any(self.linear_layers)):
-      raise ValueError(f"moe_layer_step={self.moe_layer_step} with sliding-window or "
-                       "linear-attention layers is not supported")
+    if interleaved and any(self.linear_layers):
+      raise ValueError(f"moe_layer_step={self.moe_layer_step} with linear-attention layers "
+                       "is not supported")
     if interleaved and self.scan_layers and self.num_layers % self.moe_layer_step:
       raise ValueError(f"scan_layers with moe_layer_step={self.moe_layer_step} needs "
                        f"num_layers={self.num_layers} a multiple of it (the scan runs "
@@ -668,10 +669,14 @@ class ModelConfig:
       if isinstance(value, bool) or not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     if (size or self.qk_l2_norm or self.attn_temperature_tuning) and (
-        self.kv_lora_rank or any(self.sliding_layers) or any(self.linear_layers)):
+        self.kv_lora_rank or any(self.linear_layers)):
       raise ValueError("attention_chunk_size, qk_l2_norm and attn_temperature_tuning "
-                       "(Llama 4's attention) are not supported with latent attention, "
-                       "sliding-window or linear-attention layers")
+                       "(Llama 4's attention) are not supported with latent attention or "
+                       "linear-attention layers")
+    if size and (self.sliding_window != size or not any(self.sliding_layers)):
+      raise ValueError(f"attention_chunk_size={size} chunks the sliding layers: it needs "
+                       f"sliding_window={size} (got {self.sliding_window}) and layer_types "
+                       "with sliding_attention layers")
     if self.routed_input_scaling and not self.num_experts:
       raise ValueError("routed_input_scaling=True needs a mixture of experts (num_experts "
                        "> 0)")
@@ -892,6 +897,10 @@ class ModelConfig:
 _LLAMA3_ROPE = RopeConfig(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8192)
 
+# Llama 4's 48 layers: three chunked (sliding_window = attention_chunk_size) rotary
+# layers, then a NoPE layer over the whole context, twelve times.
+_LLAMA4_LAYERS = (("sliding_attention",) * 3 + ("full_attention",)) * 12
+
 # What the Qwen3.5 presets share: a gated attention layer after every three Gated
 # DeltaNet layers (16 key heads of 128), a quarter of each head rotated.
 _QWEN3_5_PERIOD = ("linear_attention",) * 3 + ("full_attention",)
@@ -1023,7 +1032,8 @@ PRESETS: dict[str, ModelConfig] = {
         rope=RopeConfig(theta=500_000.0, type="llama3", factor=16.0, low_freq_factor=1.0,
                         high_freq_factor=1.0, original_max_position_embeddings=8192),
         norm_eps=1e-5, rope_layers=(1, 1, 1, 0) * 12, qk_l2_norm=True,
-        attention_chunk_size=8192, attn_temperature_tuning=True,
+        attention_chunk_size=8192, sliding_window=8192, layer_types=_LLAMA4_LAYERS,
+        attn_temperature_tuning=True,
         max_position_embeddings=10_485_760, architecture="Llama4ForCausalLM",
         dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
     # Llama-4-Maverick-17B-128E (its text model): Scout's attention without q/k norms and
@@ -1035,8 +1045,9 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=False, shared_expert_dim=8192, router_scoring="sigmoid",
         router_correction_bias=False, routed_input_scaling=True, moe_layer_step=2,
         dense_ffn_dim=16_384, rope=RopeConfig(theta=500_000.0), norm_eps=1e-5,
-        rope_layers=(1, 1, 1, 0) * 12, attention_chunk_size=8192,
-        attn_temperature_tuning=True, max_position_embeddings=1_048_576,
+        rope_layers=(1, 1, 1, 0) * 12, attention_chunk_size=8192, sliding_window=8192,
+        layer_types=_LLAMA4_LAYERS, attn_temperature_tuning=True,
+        max_position_embeddings=1_048_576,
         architecture="Llama4ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
         remat="full", scan_layers=True),
     # Mixtral 8x7B: 8 experts of width 14336, 2 per token (46.7B parameters, 12.9B active).

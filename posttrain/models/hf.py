@@ -456,8 +456,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
 def _llama4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """The attention fields of a Llama 4 config.json ({} for other classes), read as
   transformers does: no_rope_layers (1: rotary) by default a NoPE layer every
-  no_rope_layer_interval-th; the rotary layers chunked (layer_types' chunked_attention)
-  when attention_chunk_size is set."""
+  no_rope_layer_interval-th; layer_types by default the rotary layers chunked
+  (chunked_attention) when attention_chunk_size is set. Ours hold the chunked layers as
+  sliding layers whose window is the chunk (their caches rings of it)."""
   if lm != LLAMA4:
     return {}
   layers = int(c["num_hidden_layers"])
@@ -466,14 +467,19 @@ def _llama4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if len(rope) != layers:
     raise ValueError(f"no_rope_layers has {len(rope)} entries for {layers} layers")
   chunk = int(c.get("attention_chunk_size") or 0)
-  expected = ["chunked_attention" if r and chunk else "full_attention" for r in rope]
-  types = c.get("layer_types")
-  if types and list(types) != expected:
-    raise ValueError(f"layer_types={list(types)!r} in a Llama 4 config.json is not supported: "
-                     "the rotary layers (no_rope_layers 1) are read as chunked_attention "
-                     "when attention_chunk_size is set, the others as full_attention")
+  types = list(c.get("layer_types") or ["chunked_attention" if r and chunk
+                                        else "full_attention" for r in rope])
+  if len(types) != layers or not set(types) <= {"chunked_attention", "full_attention"} or (
+      "chunked_attention" in types and not chunk):
+    raise ValueError(f"layer_types={types!r} in a Llama 4 config.json is not supported: "
+                     f"one chunked_attention (with attention_chunk_size) or full_attention "
+                     f"entry for each of the {layers} layers")
+  window = {}
+  if "chunked_attention" in types:
+    window = dict(sliding_window=chunk, layer_types=tuple(
+        "sliding_attention" if t == "chunked_attention" else t for t in types))
   return dict(rope_layers=tuple(int(r) for r in rope), qk_l2_norm=bool(c["use_qk_norm"]),
-              attention_chunk_size=chunk,
+              attention_chunk_size=chunk if window else 0, **window,
               attn_temperature_tuning=bool(c["attn_temperature_tuning"]),
               attn_floor_scale=float(c["floor_scale"]), attn_scale=float(c["attn_scale"]))
 
@@ -887,7 +893,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
-                or lm in ("Olmo3ForCausalLM", SMOLLM3))
+                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4))
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -912,6 +918,10 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == LLAMA4 and (cfg.rope.partial_rotary_factor != 1.0 or cfg.qk_norm):
     raise ValueError(f"{cfg.architecture} rotates every feature and has no weighted q/k "
                      "norms (qk_l2_norm is its norm)")
+  if lm == LLAMA4 and cfg.sliding_window is not None and not cfg.attention_chunk_size:
+    raise ValueError(f"sliding_window={cfg.sliding_window} without attention_chunk_size "
+                     f"cannot be written as {cfg.architecture}, whose windowed layers are "
+                     "chunked")
   ropes = [r for r in (cfg.rope, cfg.rope_local) if r is not None]
   if lm == PHI3 and any(r.type not in ("default", "longrope") for r in ropes):
     raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
@@ -1081,8 +1091,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                moe_layers=[i for i, moe in enumerate(cfg.mixture_flags) if moe],
                use_qk_norm=cfg.qk_l2_norm, no_rope_layers=rope_layers,
                attention_chunk_size=cfg.attention_chunk_size or None,
-               layer_types=["chunked_attention" if r and cfg.attention_chunk_size
-                            else "full_attention" for r in rope_layers],
+               layer_types=["chunked_attention" if s else "full_attention"
+                            for s in cfg.sliding_layers],
                attn_temperature_tuning=cfg.attn_temperature_tuning,
                floor_scale=int(floor) if float(floor).is_integer() else floor,
                attn_scale=cfg.attn_scale)

@@ -750,23 +750,31 @@ class Attention(nnx.Module):
     options (`_llama4`) read it."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
-    local_chunk = None
     if cfg.kv_lora_rank:
       q, k, v, latent = self._latent_qkv(x, cos, sin)
     else:
       q, k, v = self._qkv(x, cos, sin)
-      q, k, local_chunk = self._llama4(q, k, positions_BxT, nope)
-    attn_ids = segment_ids_BxT  # the segments attention runs within
-    if local_chunk is not None and (cache is None or prefill):
+      q, k = self._llama4(q, k, positions_BxT, nope)
+    # Llama 4's chunked layers (the sliding ones, cfg.attention_chunk_size): training and
+    # prefill attend within segments split at the chunks, decoding with local_chunk.
+    chunk = cfg.attention_chunk_size
+    chunk_ids = None
+    if chunk and (cache is None or prefill):
       import kernels
-      attn_ids = kernels.local_chunk_segment_ids(segment_ids_BxT, positions_BxT, local_chunk)
+      chunk_ids = kernels.local_chunk_segment_ids(segment_ids_BxT, positions_BxT, chunk)
+
+    def ids(kind: bool):  # the segments a layer of this kind attends within
+      return chunk_ids if chunk and kind else segment_ids_BxT
+
+    def local(kind: bool):
+      return chunk if chunk and kind else None
     q = ctx.constrain(q, ("batch", "length", "heads", "head_dim"))
     k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
     static = isinstance(sliding, (bool, np.bool_))
     if cache is None:
       def full(window: bool):
-        return attend(cfg, q, k, v, attn_ids, ctx, sliding=window, sinks=self._sinks())
+        return attend(cfg, q, k, v, ids(window), ctx, sliding=window, sinks=self._sinks())
       # Both kinds under one scan: the layer's flag picks a kernel, each one static.
       out = (full(bool(sliding)) if static else
              jax.lax.cond(sliding, lambda: full(True), lambda: full(False)))
@@ -789,8 +797,8 @@ class Attention(nnx.Module):
                       kind, q.shape[1], drop=True)
           for kind, stack in ((False, cache.full), (True, cache.sliding))))
       read = lambda kind: self._read(  # noqa: E731
-          q, k, v, segment_ids_BxT, new_cache.sliding if kind else new_cache.full,
-          positions_BxT, ctx, prefill, layer, kind)
+          q, k, v, ids(kind), new_cache.sliding if kind else new_cache.full,
+          positions_BxT, ctx, prefill, layer, kind, local(kind))
       out = jax.lax.cond(sliding, lambda: read(True), lambda: read(False))
     elif not static:
       raise ValueError("a scanned model with layers of both kinds takes a LayerKindCaches "
@@ -798,8 +806,8 @@ class Attention(nnx.Module):
     else:
       new_cache = self._write(k, v, segment_ids_BxT, cache, positions_BxT, ctx, prefill,
                               layer, bool(sliding), q.shape[1])
-      out = self._read(q, k, v, attn_ids, new_cache, positions_BxT, ctx, prefill,
-                       layer, bool(sliding), local_chunk)
+      out = self._read(q, k, v, ids(bool(sliding)), new_cache, positions_BxT, ctx, prefill,
+                       layer, bool(sliding), local(bool(sliding)))
     out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
     if cfg.v_head_dim and cfg.v_head_dim < cfg.head_dim:  # MLA's padded values cut back
       out = out[..., :cfg.v_head_dim]
@@ -814,12 +822,10 @@ class Attention(nnx.Module):
 
 
   def _llama4(self, q, k, positions_BxT, nope):
-    """(q, k, local_chunk) after Llama 4's options: the rotary layers' q and k normed
+    """(q, k) after Llama 4's options: the rotary layers' q and k normed
     (cfg.qk_l2_norm), the NoPE layers' queries scaled by position
-    (cfg.attn_temperature_tuning), and the local_chunk the layer attends within
-    (cfg.attention_chunk_size on a rotary layer; None: every key). `nope` is a Python bool
-    or a traced one (a scan over layers of both kinds: each result picked by it, the
-    chunk of a NoPE layer one no row reaches)."""
+    (cfg.attn_temperature_tuning). `nope` is a Python bool or a traced one (a scan over
+    layers of both kinds: each result picked by it)."""
     cfg = self.cfg
     static = isinstance(nope, (bool, np.bool_))
     pick = ((lambda on_nope, on_rope: on_nope if nope else on_rope) if static else
@@ -835,11 +841,7 @@ class Attention(nnx.Module):
       scale = jnp.log1p(jnp.floor((p + 1.0) / cfg.attn_floor_scale)) * cfg.attn_scale + 1.0
       scale = pick(scale, jnp.ones_like(scale))
       q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
-    local_chunk = None
-    if cfg.attention_chunk_size and not (static and nope):
-      local_chunk = (cfg.attention_chunk_size if static else
-                     jnp.where(nope, jnp.int32(1 << 30), jnp.int32(cfg.attention_chunk_size)))
-    return q, k, local_chunk
+    return q, k
 
   def _qkv(self, x, cos, sin):
     """q [B, T, N, H], k and v [B, T, K, H], rotated."""
@@ -1770,8 +1772,8 @@ class Transformer(nnx.Module):
                                           prefill, router_loss)
     elif cfg.scan_layers and cfg.moe_layer_step > 1:
       x, new_caches, stats = _scan_interleaved(self.dense_layers, self.layers, cfg, x, tables,
-                                               segment_ids_BxT, cache, positions_BxT, ctx,
-                                               prefill, router_loss)
+                                               local, segment_ids_BxT, cache, positions_BxT,
+                                               ctx, prefill, router_loss)
     elif cfg.scan_layers:
       new_caches = cache
       for stack, (first, *_) in layer_stacks(cfg):
@@ -2013,29 +2015,39 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
 
 
 def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConfig, x, tables,
-                      segment_ids, cache, positions, ctx, prefill, router_stats: bool):
+                      local_tables, segment_ids, cache, positions, ctx, prefill,
+                      router_stats: bool):
   """Runs a mixture whose dense layers sit between its mixture layers (cfg.moe_layer_step
   = p: p - 1 dense layers, then a mixture layer; Llama 4 Maverick's p = 2) as one
   `lax.scan` over periods of p layers: the program holds one period, whatever the depth.
-  Each layer's NoPE flag rides the scan. The cache, when given, stacks every layer (layer
-  i at index i, as `_scan_blocks`') and travels in the carry. Each layer is
-  rematerialised on its own, its weights sliced from the period's inside the checkpoint.
-  Returns (x, the cache or None, the mixture layers' RouterStats summed with
-  `router_stats`, else None)."""
+  Each layer's NoPE and sliding flags ride the scan (as in `_scan_blocks`: the flag picks
+  the layer's rotary tables, kernel and, in a LayerKindCaches, its stack). The cache,
+  when given, stacks every layer (or every layer of a kind) and travels in the carry.
+  Each layer is rematerialised on its own, its weights sliced from the period's inside
+  the checkpoint. Returns (x, the cache or None, the mixture layers' RouterStats summed
+  with `router_stats`, else None)."""
   p = cfg.moe_layer_step
   periods = cfg.num_layers // p
   dense_graph, dense_state = nnx.split(dense_blocks)
   mixture_graph, mixture_state = nnx.split(mixture_blocks)
   dense_state = jax.tree.map(lambda a: a.reshape(periods, p - 1, *a.shape[1:]), dense_state)
   nopes = jnp.asarray(cfg.nope_layers, bool).reshape(periods, p)
-  cos, sin = tables
+  kinds = np.asarray(cfg.sliding_layers, bool)
+  mixed = len(set(kinds.tolist())) > 1
+  slides = jnp.asarray(kinds).reshape(periods, p)
+  index = np.arange(cfg.num_layers)  # each layer's index in the cache (among its kind's)
+  if isinstance(cache, LayerKindCaches):
+    index = np.where(kinds, np.cumsum(kinds) - 1, np.cumsum(~kinds) - 1)
+  index = jnp.asarray(index, jnp.int32).reshape(periods, p)
 
-  def run(graph, routed, j, state, x, unit, i, nope):
+  def run(graph, routed, j, state, x, unit, i, nope, slide):
     if j is not None:  # the period's j-th dense layer
       state = jax.tree.map(lambda a: a[j], state)
-    c, s = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
-    return nnx.merge(graph, state)(x, c, s, segment_ids, unit, positions, ctx, prefill, i,
-                                   router_stats=routed, nope=nope)
+    sliding = slide if mixed else bool(kinds[0])
+    cos, sin = (jnp.where(slide, a, b) for a, b in zip(local_tables, tables))
+    cos, sin = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
+    return nnx.merge(graph, state)(x, cos, sin, segment_ids, unit, positions, ctx, prefill,
+                                   i, router_stats=routed, sliding=sliding, nope=nope)
 
   if cache is None and cfg.remat != "none":
     run = jax.checkpoint(run, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False,
@@ -2043,18 +2055,17 @@ def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConf
 
   def body(carry, xs):
     x, cache = carry
-    dense, mixture, nope, period = xs
+    dense, mixture, nope, slide, at = xs
     for j in range(p - 1):
-      i = None if cache is None else period * p + j
-      out = run(dense_graph, False, j, dense, x, cache, i, nope[j])
+      out = run(dense_graph, False, j, dense, x, cache, None if cache is None else at[j],
+                nope[j], slide[j])
       x, cache = out[0], out[1]
-    i = None if cache is None else period * p + p - 1
-    out = run(mixture_graph, router_stats, None, mixture, x, cache, i, nope[p - 1])
+    out = run(mixture_graph, router_stats, None, mixture, x, cache,
+              None if cache is None else at[p - 1], nope[p - 1], slide[p - 1])
     return (out[0], out[1]), (out[2] if router_stats else None)
 
   (x, cache), stats = jax.lax.scan(
-      body, (x, cache), (dense_state, mixture_state, nopes,
-                         jnp.arange(periods, dtype=jnp.int32)))
+      body, (x, cache), (dense_state, mixture_state, nopes, slides, index))
   if router_stats:
     stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
   return x, cache, stats

@@ -112,5 +112,23 @@ def test_bad_local_chunk_is_refused():
     with pytest.raises(ValueError, match="local_chunk"):
       kernels.reference_attention(q, k, v, local_chunk=bad)
   with pytest.raises(ValueError, match="local_chunk"):
-    kernels.decode_attention(q[:, -1:], k, v, lengths=jnp.array([24, 24]), ring=True,
-                             sliding_window=8, local_chunk=4)
+    kernels.decode_attention(q[:, -1:], k, v, lengths=jnp.array([24, 24]), local_chunk=0)
+
+
+@pytest.mark.parametrize("tq", [1, 2])
+def test_a_ring_of_one_window_holds_every_chunk(tq):
+  """A chunked layer's cache as a ring of sliding_window = local_chunk slots (+ q_len -
+  1): position p in slot p % slots. Its chunk lies within the window, so the ring gives
+  what the whole rows give."""
+  chunk, slots = 6, 8
+  q, k, v = _qkv(b=3, t=29, tq=tq)
+  lengths = jnp.array([7, 29, 13])
+  whole = kernels.decode_attention(q, k, v, lengths=lengths, chunk_size=4, local_chunk=chunk)
+  # Each row's ring: slot s holds the newest position p < length with p % slots == s.
+  last = lengths[:, None] - 1
+  pos = last - jnp.mod(last - jnp.arange(slots)[None], slots)  # [b, slots]
+  take = lambda x: jnp.take_along_axis(  # noqa: E731
+      x, jnp.maximum(pos, 0)[:, :, None, None], axis=1)
+  out = kernels.decode_attention(q, take(k), take(v), lengths=lengths, chunk_size=4,
+                                 ring=True, sliding_window=chunk, local_chunk=chunk)
+  assert_close(out, whole, 2e-5)

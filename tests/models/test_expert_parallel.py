@@ -32,7 +32,9 @@ LLAMA4 = CFG.replace(num_layers=4, num_experts_per_tok=1, norm_topk_prob=False,
                      router_scoring="sigmoid", router_correction_bias=False,
                      routed_input_scaling=True, shared_expert_dim=16, moe_layer_step=2,
                      dense_ffn_dim=24, rope_layers=(1, 1, 1, 0), qk_l2_norm=True,
-                     attention_chunk_size=2, attn_temperature_tuning=True,
+                     attention_chunk_size=2, sliding_window=2,
+                     layer_types=("sliding_attention",) * 3 + ("full_attention",),
+                     attn_temperature_tuning=True,
                      attn_floor_scale=2.0, scan_layers=True, architecture="Llama4ForCausalLM")
 
 

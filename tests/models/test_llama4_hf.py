@@ -90,6 +90,8 @@ def test_config_reads_every_llama4_feature(saved):
   assert cfg.rope_layers == (1, 1, 1, 0) and cfg.nope_layers == (False, False, False, True)
   assert (cfg.qk_l2_norm, cfg.qk_norm, cfg.attention_chunk_size, cfg.attn_temperature_tuning,
           cfg.attn_floor_scale, cfg.attn_scale) == (True, False, 4, True, 3.0, 0.5)
+  # The chunked layers are sliding layers whose window is the chunk.
+  assert cfg.sliding_window == 4 and cfg.sliding_layers == (True, True, True, False)
   assert cfg.rope.theta == 100.0 and cfg.norm_eps == 1e-5 and not cfg.tie_embeddings
 
 
@@ -107,11 +109,13 @@ def test_logits_match_transformers(saved, scan, impl):
 
 
 @pytest.mark.parametrize("change", [
-    dict(qk_l2_norm=False), dict(attention_chunk_size=0), dict(attn_temperature_tuning=False),
+    dict(qk_l2_norm=False), dict(attention_chunk_size=0, sliding_window=None, layer_types=()),
+    dict(attention_chunk_size=0), dict(attn_temperature_tuning=False),
     dict(routed_input_scaling=False), dict(rope_layers=())])
 def test_each_part_moves_the_logits(saved, change):
   """Each Llama 4 option matters here: without it the logits move (so the parity above
-  is not blind to it)."""
+  is not blind to it). Without the chunks the sliding layers see their trailing window
+  instead, which differs too."""
   folder, hf = saved
   want = hf_logits(hf, TOKENS)
   changed = models.from_pretrained(folder, **change)
@@ -146,8 +150,9 @@ def test_gradients_match_transformers(saved):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
 def test_greedy_generation_matches_transformers(saved, scan):
-  """Through our KV cache and decode attention (the chunked layers' local_chunk, the
-  NoPE layer's query scale at each new position), prompts longer than a chunk."""
+  """Through our KV cache and decode attention (the chunked layers' local_chunk over
+  rings of 8 slots, the NoPE layer's query scale at each new position), prompts longer
+  than a chunk."""
   for i, (got, want) in enumerate(greedy_tokens(*saved, PROMPTS, 10, scan)):
     assert got == want, i
 
@@ -285,7 +290,8 @@ def test_maverick_preset_has_the_published_size():
 @pytest.mark.parametrize("change,match", [
     ({"moe_layers": [0, 1, 3]}, r"moe_layers=\[0, 1, 3\] in a Llama 4 config.json"),
     ({"moe_layers": [1, 2]}, r"moe_layers=\[1, 2\] in a Llama 4 config.json"),
-    ({"layer_types": ["full_attention"] * 4}, "layer_types=.* in a Llama 4 config.json"),
+    ({"layer_types": ["sliding_attention"] * 4}, "layer_types=.* in a Llama 4 config.json"),
+    ({"attention_chunk_size": None}, "layer_types=.* in a Llama 4 config.json"),
     ({"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for 4 layers"),
     ({"architectures": ["Llama4ForSequenceClassification"]}, "unsupported architecture"),
 ])
