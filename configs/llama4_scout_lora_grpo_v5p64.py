@@ -21,7 +21,7 @@ below. From a checkout with gcloud configured (see launch/tpu_pod.sh):
         /mnt/ckpt/llama4_scout_grpo
 
 Maverick (`--config.model.preset=llama4_maverick`, 400.7B) compiles on the same slice
-with the same mesh: update 79.5 GiB a chip, rollout 70.9 (planned 86.1 and 68.8: the
+with the same mesh: update 79.7 GiB a chip, rollout 70.9 (planned 86.1 and 68.8: the
 plan calls it 0.6 GiB too big for 90% of 95 GiB).
 
 Recipe: GRPO with a small KL (0.001), 128 prompts x 8 samples per step, 1024 new tokens.
@@ -30,8 +30,8 @@ shared experts (the default targets of a mixture with a shared expert) trains 56
 2e-5. Mesh: FSDP 16 x tensor 2: each chip's expert slice is 4096 wide (F over tensor).
 The sampler decodes with the weights left sharded: gathered over fsdp, the bfloat16
 model over 2 would be 100 GiB a chip. Compiled for the slice on a CPU host (libtpu
-0.0.42.1, 2.8 GiB of host memory, 1.8 min): the update peaks at 25.5 GiB a chip with the
-sampler's weights beside it (planned 27.7), the rollout at 21.8 (planned 21.6).
+0.0.42.1, 2.8 GiB of host memory, 1.7 min): the update peaks at 25.6 GiB a chip with the
+sampler's weights beside it (planned 25.7), the rollout at 21.8 (planned 21.6).
 """
 
 import ml_collections

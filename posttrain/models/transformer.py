@@ -1307,8 +1307,8 @@ class MoE(nnx.Module):
       self.gate_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.up_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.down_bias = _param(None, (e, d), ("experts", "embed"), pd, init="zeros")
-    if cfg.router_scoring == "sigmoid" and cfg.router_correction_bias:  # float32, as
-      # transformers keeps it
+    if cfg.router_scoring == "sigmoid" and cfg.router_correction_bias:
+      # float32, as transformers keeps it
       self.score_correction_bias = _param(None, (e,), ("experts",), jnp.float32,
                                           init="zeros")
     if cfg.shared_expert_dim:
@@ -1793,9 +1793,9 @@ class Transformer(nnx.Module):
         sliding = cfg.sliding_layers[i]
         routed = router_loss and cfg.mixture_flags[i]
         cos, sin = local if sliding else tables
-        if cfg.nope_layers[i]:  # cos 1, sin 0: q and k pass unrotated
-          cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         nope = cfg.nope_layers[i]
+        if nope:  # cos 1, sin 0: q and k pass unrotated
+          cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         if cfg.remat != "none" and cache is None:
           out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
                              cfg.remat, routed, sliding, nope)
