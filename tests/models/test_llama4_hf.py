@@ -197,42 +197,40 @@ def test_maverick_logits_and_gradients_match_transformers(maverick, scan, remat)
       assert_close_to_scale(ours, np.asarray(theirs))
 
 
-def test_maverick_greedy_generation_and_export(maverick, tmp_path):
-  """Scanned, through the stacked KV cache; written back from the scanned layout, the
-  files transformers wrote, each tensor as it was."""
+def _export_exactly(folder, out):
+  """Loads `folder` scanned and writes it to `out`: the names transformers wrote, each
+  tensor as it was, and a config.json that reads back to ours. Returns that config."""
   from safetensors.numpy import load_file
-  for i, (got, want) in enumerate(greedy_tokens(*maverick, PROMPTS, 10, True)):
-    assert got == want, i
-  folder, _ = maverick
   ours = models.from_pretrained(folder, scan_layers=True)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  before, after = (load_file(f"{f}/model.safetensors") for f in (folder, tmp_path / "out"))
+  models.save_pretrained(ours, str(out))
+  before, after = (load_file(f"{f}/model.safetensors") for f in (folder, out))
   assert set(after) == set(before)
   for name, value in before.items():
     np.testing.assert_array_equal(after[name], value, err_msg=name)
-  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  written = json.loads((out / "config.json").read_text())
+  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
+  return written
+
+
+def test_maverick_greedy_generation_and_export(maverick, tmp_path):
+  """Scanned, through the stacked KV cache; written back from the scanned layout, the
+  files transformers wrote, each tensor as it was."""
+  for i, (got, want) in enumerate(greedy_tokens(*maverick, PROMPTS, 10, True)):
+    assert got == want, i
+  written = _export_exactly(maverick[0], tmp_path / "out")
   assert (written["interleave_moe_layer_step"], written["moe_layers"],
           written["intermediate_size_mlp"]) == (2, [1, 3], 48)
-  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
 
 
 def test_export_round_trip_is_exact(saved, tmp_path):
   """From the scanned layout: the names transformers wrote, each tensor as it was,
   loadable by transformers with the same logits, and a config.json that reads back."""
-  from safetensors.numpy import load_file
   folder, hf = saved
-  ours = models.from_pretrained(folder, scan_layers=True)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  before, after = (load_file(f"{f}/model.safetensors") for f in (folder, tmp_path / "out"))
-  assert set(after) == set(before)
-  for name, value in before.items():
-    np.testing.assert_array_equal(after[name], value, err_msg=name)
+  written = _export_exactly(folder, tmp_path / "out")
   back = transformers.Llama4ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
   np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
-  written = json.loads((tmp_path / "out" / "config.json").read_text())
   assert written["model_type"] == "llama4_text"
   assert written["layer_types"] == ["chunked_attention"] * 3 + ["full_attention"]
-  assert models.hf_config_to_model_config(written) == ours.cfg.replace(scan_layers=False)
 
 
 def test_vision_language_files_load_their_language_model(saved, tmp_path):
