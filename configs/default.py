@@ -45,6 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
       architecture="LlamaForCausalLM", num_experts=0, num_experts_per_tok=0,
       router_aux_loss_coef=0.0))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, sequence=1))
+  # Entries that replace the default logical-axis rules of the same name (the others
+  # stay), e.g. (("experts", ("fsdp",)),) for expert parallelism.
   c.sharding_rules = ()
   # colocated: sampler and learner share the mesh (on-policy). disaggregated: the first
   # rollout_devices devices sample while the rest train, at most max_policy_lag versions

@@ -180,12 +180,19 @@ def _spec_axes(entry) -> tuple[str, ...]:
 
 
 def rules_from_config(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
-  """Accepts rules as a list of pairs or a mapping (ConfigDict-friendly)."""
-  if rules is None:
+  """The rules table a run's `sharding_rules` gives: DEFAULT_RULES with each entry given
+  (a list of (name, axes) pairs or a mapping, ConfigDict-friendly) in place of the
+  default of that name, new names appended; None or empty: the defaults. E.g.
+  (("experts", ("fsdp",)),) is expert parallelism with everything else as by default;
+  () as a name's axes leaves that axis whole on every device."""
+  if not rules:
     return DEFAULT_RULES
   items = rules.items() if hasattr(rules, "items") else rules
-  out = []
-  for name, axes in items:
+  given = {}
+  for entry in items:
+    if isinstance(entry, str) or len(entry) != 2:
+      raise ValueError(f"sharding rule {entry!r} is not a (name, mesh axes) pair")
+    name, axes = entry
     if isinstance(axes, str):
       axes = (axes,)
     axes = tuple(axes or ())
@@ -193,5 +200,6 @@ def rules_from_config(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
     if bad:
       raise ValueError(f"sharding rule for {name!r} names unknown mesh axes {bad}; "
                        f"mesh axes are {MESH_AXES}")
-    out.append((str(name), axes))
-  return tuple(out)
+    given[str(name)] = axes
+  out = tuple((name, given.pop(name, axes)) for name, axes in DEFAULT_RULES)
+  return out + tuple(given.items())

@@ -27,3 +27,19 @@ def test_rules_from_config_rejects_unknown_mesh_axes():
   with pytest.raises(ValueError, match="unknown mesh axes"):
     models.rules_from_config({"embed": ["model"]})
   assert dict(models.rules_from_config({"embed": "fsdp"}))["embed"] == ("fsdp",)
+  with pytest.raises(ValueError, match="not a .name, mesh axes. pair"):
+    models.rules_from_config([("experts",)])
+
+
+def test_rules_from_config_replaces_the_defaults_it_names():
+  """A run's sharding_rules name what differs from the defaults (expert parallelism: the
+  experts over fsdp); every other name keeps its default, so the rest of the model stays
+  sharded as before. Empty or None: the defaults."""
+  assert models.rules_from_config(()) == models.rules_from_config(None) == models.DEFAULT_RULES
+  rules = models.rules_from_config((("experts", ("fsdp",)), ("mlp", ()), ("extra", "data")))
+  table = dict(rules)
+  assert table["experts"] == ("fsdp",) and table["mlp"] == () and table["extra"] == ("data",)
+  assert {k: v for k, v in table.items() if k not in ("experts", "mlp", "extra")} == {
+      k: v for k, v in models.DEFAULT_RULES if k not in ("experts", "mlp")}
+  assert [name for name, _ in rules][:len(models.DEFAULT_RULES)] == [
+      name for name, _ in models.DEFAULT_RULES]
