@@ -238,3 +238,32 @@ _TOKENIZERS: dict = {}
 def _load(path, template, specials):
   hf = _folder(path, specials, template)
   return load_tokenizer(f"template:{path}"), hf
+
+
+def test_llama4_template_as_transformers_ships_it(tmp_path):
+  """Llama 4's chat template (the one transformers' Llama4Processor ships): headers
+  between <|header_start|> and <|header_end|>, each turn closed by <|eot|>. Its tokens
+  name no built-in format, so the template renders it, id for id; the model's own tokens
+  are each assistant turn's content and its <|eot|>; a rollout's next turn follows."""
+  from transformers.models.llama4 import processing_llama4
+  template = processing_llama4.chat_template
+  specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>",
+              "<|eot|>", "<|python_start|>", "<|python_end|>"]
+  hf = _folder(tmp_path, specials, template, bos="<|begin_of_text|>", eos="<|eot|>")
+  tok = load_tokenizer(str(tmp_path))
+  assert isinstance(tok.chat, TemplateFormat)
+  for prompt in (True, False):
+    convo = CONVO[:4] if prompt else CONVO
+    ids, mask = tok.encode_chat(convo, add_generation_prompt=prompt)
+    assert ids == _theirs(hf, template, convo, prompt)
+  assert tok._tok.decode(ids, skip_special_tokens=False).startswith(
+      "<|begin_of_text|><|header_start|>system<|header_end|>\n\nBe brief.<|eot|>")
+  assert _own_text(tok, ids, mask) == "It is 4.<|eot|>6!<|eot|>"
+  eot = tok._tok.token_to_id("<|eot|>")
+  assert tok.eos_id == eot and tok.chat.end_of_turn == [eot]
+  assert tok._tok.decode(tok.chat.generation_prompt(), skip_special_tokens=False) == \
+      "<|header_start|>assistant<|header_end|>\n\n"
+  more = tok.chat.continuation([{"role": "user", "content": "ok"}])
+  assert tok._tok.decode(more, skip_special_tokens=False) == (
+      "<|header_start|>user<|header_end|>\n\nok<|eot|>"
+      "<|header_start|>assistant<|header_end|>\n\n")
