@@ -1553,12 +1553,10 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "those names on its fused routed experts instead; leave gate_proj, "
                      "up_proj and down_proj out of lora_targets, or export the model merged")
   experts = [t for t in cfg.lora_target_names if t in EXPERT_LORA_TARGETS]
-  if experts and _causal_lm(cfg.architecture) in (GPT_OSS, LLAMA4):
-    layout = ("interleaves gate and up, [E, D, 2F]" if _causal_lm(cfg.architecture) == GPT_OSS
-              else "is [E, D, 2F], not [E, 2F, D]")
+  if experts and _causal_lm(cfg.architecture) == GPT_OSS:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with routed-expert targets "
-                     f"{experts} are not written or read: its gate_up_proj {layout}; export "
-                     "the model merged (save_pretrained)")
+                     f"{experts} are not written or read: its gate_up_proj interleaves gate "
+                     "and up, [E, D, 2F]; export the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
   llama4 = _causal_lm(cfg.architecture) == LLAMA4
@@ -1601,22 +1599,35 @@ def _expert_lora_rows(cfg: ModelConfig, target: str, i: int, *, nested: bool) ->
   gate_up_proj [E, 2F, D] (gate's F rows, then up's) is B_e A_e. Ours: A [E, r, in]
   (PEFT's rows as they are), B [E, r, out] (gate_up's [E, r, 2, F]). With both targets
   PEFT nests the two wrappers in the experts module's parameter order, gate_up_proj
-  inside (its names through base_layer), down_proj outside."""
+  inside (its names through base_layer), down_proj outside.
+
+  Llama 4's experts hold their weights [E, in, out] (gate_up_proj [E, D, 2F], gate's F
+  columns then up's), which PEFT treats as [E, out, in]: its lora_A spans their last axis
+  and lora_B their middle one, so its lora_A holds our B and its lora_B our A (the
+  update of each expert the same product)."""
   e, r = cfg.num_experts, cfg.lora_rank
   (_, fan_in), _, out_shape, _ = _lora_axes(cfg, target, layer_path(cfg, i)[0])
-  fan_out = int(np.prod(out_shape))
-  a_maps = (lambda x, n=fan_in: np.asarray(x).reshape(e, r, n),
-            lambda x, n=fan_in: np.asarray(x).reshape(e * r, n))
-  b_maps = (lambda x, s=out_shape: np.asarray(x).reshape(-1, r, e).transpose(2, 1, 0)
-            .reshape(e, r, *s),
-            lambda x, n=fan_out: np.asarray(x).reshape(e, r, n).transpose(2, 1, 0)
-            .reshape(n, r * e))
+
+  def rows(shape):  # PEFT's lora_A [E r, n], expert-major rows <-> ours [E, r, *shape]
+    n = int(np.prod(shape))
+    return (lambda x: np.asarray(x).reshape(e, r, *shape),
+            lambda x: np.asarray(x).reshape(e * r, n))
+
+  def columns(shape):  # PEFT's lora_B [n, r E], rank-major columns <-> ours [E, r, *shape]
+    n = int(np.prod(shape))
+    return (lambda x: np.asarray(x).reshape(n, r, e).transpose(2, 1, 0).reshape(e, r, *shape),
+            lambda x: np.asarray(x).reshape(e, r, n).transpose(2, 1, 0).reshape(n, r * e))
+
+  llama4 = _causal_lm(cfg.architecture) == LLAMA4
   inner = nested and target == "experts_gate_up_proj"
-  peft = f"base_model.model.model.layers.{i}.mlp.experts.{'base_layer.' if inner else ''}"
+  peft = (f"base_model.model.model.layers.{i}.{_experts_module(cfg)}."
+          f"{'base_layer.' if inner else ''}")
+  a, b = ("lora_B", "lora_A") if llama4 else ("lora_A", "lora_B")
   ours = layer_path(cfg, i) + ("mlp",)
-  return [(ours + (f"{target}_lora_a",), peft + "lora_A.weight", *a_maps, (e, r, fan_in)),
-          (ours + (f"{target}_lora_b",), peft + "lora_B.weight", *b_maps,
-           (e, r, *out_shape))]
+  return [(ours + (f"{target}_lora_a",), f"{peft}{a}.weight",
+           *(columns if llama4 else rows)((fan_in,)), (e, r, fan_in)),
+          (ours + (f"{target}_lora_b",), f"{peft}{b}.weight",
+           *(rows if llama4 else columns)(tuple(out_shape)), (e, r, *out_shape))]
 
 
 def _key_group_b(cfg: ModelConfig, target: str, r: int) -> tuple[Transform, Transform]:
@@ -1738,6 +1749,11 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
   return kinds
 
 
+def _experts_module(cfg: ModelConfig) -> str:
+  """The module holding a mixture layer's stacked routed experts, within the layer."""
+  return "feed_forward.experts" if _causal_lm(cfg.architecture) == LLAMA4 else "mlp.experts"
+
+
 def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str, ...]:
   """The routed-expert targets (EXPERT_LORA_TARGETS) a PEFT target_parameters list puts
   adapters on. PEFT matches an entry to a parameter whose dotted name
@@ -1750,7 +1766,7 @@ def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str,
                      "a list of mlp.experts.gate_up_proj / mlp.experts.down_proj of a "
                      "mixture of experts")
   # Each target's parameter in every mixture layer (not the dense layers).
-  names = {t: [f"model.layers.{i}.mlp.experts.{t[len('experts_'):]}"
+  names = {t: [f"model.layers.{i}.{_experts_module(cfg)}.{t[len('experts_'):]}"
                for i, moe in enumerate(cfg.mixture_flags) if moe] for t in EXPERT_LORA_TARGETS}
 
   def covered(name):
@@ -2282,6 +2298,7 @@ def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path:
   }
   experts = [t for t in cfg.lora_target_names if t in EXPERT_LORA_TARGETS]
   if experts:  # PEFT's adapters on parameters: the routed experts' stacked weights
-    config["target_parameters"] = [f"mlp.experts.{t[len('experts_'):]}" for t in experts]
+    config["target_parameters"] = [f"{_experts_module(cfg)}.{t[len('experts_'):]}"
+                                   for t in experts]
   with open(os.path.join(path, "adapter_config.json"), "w") as fh:
     json.dump(config, fh, indent=2)

@@ -315,28 +315,27 @@ def test_what_cannot_be_written_is_refused(saved, tmp_path):
   llama = models.get_preset("llama3_8b").replace(num_layers=2)
   with pytest.raises(ValueError, match=r"\['qk_l2_norm'\] cannot be written as Llama"):
     models.hf.check_exportable(llama.replace(qk_l2_norm=True))
-  adapted = models.from_pretrained(saved[0], lora_rank=2,
-                                   lora_targets="q_proj,experts_down_proj")
-  with pytest.raises(ValueError, match=r"PEFT adapter files of Llama4ForCausalLM with "
-                                       r"routed-expert targets \['experts_down_proj'\]"):
-    models.save_lora_adapter(adapted, str(tmp_path / "adapter"))
 
 
 @pytest.mark.parametrize("layout", ["scout", "maverick"])
 def test_peft_adapter_files_in_and_out(saved, maverick, tmp_path, layout):
-  """Our adapters (attention, and the MLP names on the shared experts and Maverick's
-  dense layers) load in PEFT with our logits, q and k's B rows in HF's interleaved order;
-  and an adapter PEFT made loads in ours with PEFT's logits."""
+  """Our adapters (attention, the MLP names on the shared experts and Maverick's dense
+  layers, and the routed experts' gate_up_proj [E, D, 2F] and down_proj) load in PEFT
+  with our logits, q and k's B rows in HF's interleaved order; and an adapter PEFT made
+  loads in ours with PEFT's logits."""
   peft = pytest.importorskip("peft", reason="adapter tests need peft")
   folder, hf = saved if layout == "scout" else maverick
   targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, lora_targets=targets,
-                                scan_layers=True)
+  experts = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, scan_layers=True,
+                                lora_targets=targets + ",experts_gate_up_proj,experts_down_proj")
   rng = np.random.default_rng(1)
   for path, v in nnx.iter_graph(ours):
     if isinstance(v, nnx.LoRAParam) and str(path[-1]).endswith("_lora_b"):
       v[...] = rng.normal(size=v.shape).astype(np.float32) * 0.3
   models.save_lora_adapter(ours, str(tmp_path / "ours"))
+  assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())[
+      "target_parameters"] == experts
   want = np.asarray(_jitted_logits(ours, TOKENS))
   assert np.abs(hf_logits(hf, TOKENS) - want).max() > 1e-2  # the adapters matter
   pm = peft.PeftModel.from_pretrained(_hf_model(**({} if layout == "scout" else MAVERICK)),
@@ -344,7 +343,7 @@ def test_peft_adapter_files_in_and_out(saved, maverick, tmp_path, layout):
   np.testing.assert_allclose(hf_logits(pm, TOKENS), want, atol=1e-4, rtol=0)
   # An adapter PEFT made (its own names: feed_forward.shared_expert.*, feed_forward.*).
   config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=targets.split(","),
-                           lora_dropout=0.0, task_type="CAUSAL_LM")
+                           target_parameters=experts, lora_dropout=0.0, task_type="CAUSAL_LM")
   made = peft.get_peft_model(_hf_model(**({} if layout == "scout" else MAVERICK)), config)
   torch.manual_seed(2)
   with torch.no_grad():
@@ -353,5 +352,6 @@ def test_peft_adapter_files_in_and_out(saved, maverick, tmp_path, layout):
         p.normal_(0.0, 0.3)
   made.eval().save_pretrained(str(tmp_path / "peft"))
   back = models.from_pretrained(folder, adapter=str(tmp_path / "peft"))
+  assert back.cfg.lora_target_names[-2:] == ("experts_gate_up_proj", "experts_down_proj")
   np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), hf_logits(made, TOKENS),
                              atol=1e-4, rtol=0)
