@@ -355,3 +355,34 @@ def test_peft_adapter_files_in_and_out(saved, maverick, tmp_path, layout):
   assert back.cfg.lora_target_names[-2:] == ("experts_gate_up_proj", "experts_down_proj")
   np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), hf_logits(made, TOKENS),
                              atol=1e-4, rtol=0)
+
+
+def test_sampled_logprobs_equal_the_learners_packed_or_not(saved):
+  """On-policy at step 0: the sampler's behaviour log-probs (prefill and decode through
+  rings of 8 slots, decode attention's local_chunk, the NoPE layer's scale at each new
+  position) are the learner's, whether it reads each row alone or two packed in one row
+  (the second from offset 11, not a chunk boundary: its positions restart, its chunks
+  and query scales are its own)."""
+  from posttrain.sampling import Sampler
+  model = models.from_pretrained(saved[0], scan_layers=True)
+  out = Sampler(model, max_len=48, extend_chunk=4).generate(
+      PROMPTS, max_new_tokens=10, temperature=1.0, seed=3)
+  seqs = [list(p) + list(c[:n]) for p, c, n in zip(PROMPTS, out.tokens, out.lengths)]
+  for i, seq in enumerate(seqs):  # each generated token's log-prob, the row alone
+    tokens = np.asarray([seq])
+    logp = np.asarray(model.token_logprobs(tokens[:, :-1], tokens[:, 1:]))[0]
+    np.testing.assert_allclose(logp[len(PROMPTS[i]) - 1:], out.logprobs[i, :out.lengths[i]],
+                               atol=1e-5, err_msg=f"row {i}")
+  a, b = seqs[1], seqs[2]  # 11 and 23 tokens in one row of 40
+  tokens = np.zeros((1, 40), np.int32)
+  tokens[0, :len(a) + len(b)] = a + b
+  positions = np.zeros((1, 40), np.int32)
+  positions[0, :len(a) + len(b)] = list(range(len(a))) + list(range(len(b)))
+  segments = np.zeros((1, 40), np.int32)
+  segments[0, :len(a)], segments[0, len(a):len(a) + len(b)] = 1, 2
+  packed = np.asarray(model.token_logprobs(tokens, np.roll(tokens, -1, axis=1), positions,
+                                           segments))[0]
+  for i, (first, seq) in ((1, (0, a)), (2, (len(a), b))):
+    generated = packed[first + len(PROMPTS[i]) - 1:first + len(seq) - 1]
+    np.testing.assert_allclose(generated, out.logprobs[i, :out.lengths[i]], atol=1e-5,
+                               err_msg=f"packed row {i}")
