@@ -176,9 +176,10 @@ _MINIMAX_M2_DEFAULTS = dict(
 # input (not its output) scaled by its score, plus a shared expert every token runs; the
 # rotary layers' q and k normed without a weight after an interleaved rotary embedding
 # (reordered on load as GLM-4's) and attending within chunks of attention_chunk_size
-# positions; every fourth layer NoPE, attending to the whole context with its queries
-# scaled up by position (attn_temperature_tuning). Maverick's dense layers between the
-# mixture layers (interleave_moe_layer_step 2) are refused by name.
+# positions (ours: sliding layers whose window is the chunk); every fourth layer NoPE,
+# attending to the whole context with its queries scaled up by position
+# (attn_temperature_tuning). Maverick's dense layers between the mixture layers
+# (interleave_moe_layer_step 2) are read as moe_layer_step.
 LLAMA4 = "Llama4ForCausalLM"
 _LLAMA4_DEFAULTS = dict(
     vocab_size=202_048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16_384,
