@@ -1537,10 +1537,15 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     ValueError: for Phi-3, whose PEFT adapters sit on the fused qkv_proj / gate_up_proj
       (one A shared by q, k and v), which ours (an A each) are not.
   """
-  if _causal_lm(cfg.architecture) in (PHI3, GLM4):
+  if _causal_lm(cfg.architecture) == PHI3:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
-                     "gate_up_proj (and GLM-4's interleaved q / k rows), which our "
-                     "per-projection adapters are not: they are neither read nor written; "
+                     "gate_up_proj, which our per-projection adapters are not: they are "
+                     "neither read nor written; export the model merged (save_pretrained)")
+  fused = [t for t in ("gate_proj", "up_proj") if t in cfg.lora_target_names]
+  if _causal_lm(cfg.architecture) == GLM4 and fused:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {fused} "
+                     "are not written or read: PEFT wraps its fused gate_up_proj with one "
+                     "adapter, ours are one each; adapt the attention (and down_proj), or "
                      "export the model merged (save_pretrained)")
   if cfg.kv_lora_rank:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused "
@@ -1560,7 +1565,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "and up, [E, D, 2F]; export the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
-  llama4 = _causal_lm(cfg.architecture) == LLAMA4
+  interleaved = _causal_lm(cfg.architecture) in (GLM4, LLAMA4)
   for t, i in ((t, i) for t in cfg.lora_target_names for i in range(cfg.num_layers)):
     stack = layer_path(cfg, i)[0]
     if t not in stack_lora_targets(cfg, stack):
@@ -1575,7 +1580,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
         owner) or _mlp_module(cfg, i)
     a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
     b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
-    if llama4 and t in ("q_proj", "k_proj"):  # B's rows in HF's interleaved rotary order
+    if interleaved and t in ("q_proj", "k_proj"):  # B's rows in HF's interleaved rotary order
       h = cfg.head_dim
       b_maps = _interleaved_rows(lambda heads: (lambda x: x.T.reshape(r, heads, h),
                                                 lambda x: x.reshape(r, heads * h).T),
