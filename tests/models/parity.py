@@ -112,3 +112,41 @@ def randomize_correction_biases(model, seed: int = 0, scale: float = 0.3):
       if name.endswith("e_score_correction_bias"):
         buf.copy_(torch.randn_like(buf) * scale)
   return model
+
+
+def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
+                          target_parameters=None):
+  """PEFT adapter files both ways for the HF folder `folder` (`hf` its model, `fresh_hf()`
+  a new copy of it): ours (rank 3, B random) load in PEFT with our logits, and an adapter
+  PEFT made (rank 2, B random) loads in ours with PEFT's logits. `targets`: the
+  target_modules names; `target_parameters`: PEFT's names of the routed experts, adapted
+  too. Returns (our adapter's folder, the model read from PEFT's)."""
+  import peft
+  import torch
+  experts = ",experts_gate_up_proj,experts_down_proj" if target_parameters else ""
+  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, scan_layers=True,
+                                lora_targets=",".join(targets) + experts)
+  rng = np.random.default_rng(1)
+  for path, v in nnx.iter_graph(ours):
+    if isinstance(v, nnx.LoRAParam) and str(path[-1]).endswith("_lora_b"):
+      v[...] = rng.normal(size=v.shape).astype(np.float32) * 0.3
+  models.save_lora_adapter(ours, str(tmp_path / "ours"))
+  logits = nnx.jit(lambda m, t: m(t))
+  want = np.asarray(logits(ours, tokens))
+  assert np.abs(hf_logits(hf, tokens) - want).max() > 1e-2  # the adapters matter
+  loaded = peft.PeftModel.from_pretrained(fresh_hf(), str(tmp_path / "ours")).eval()
+  np.testing.assert_allclose(hf_logits(loaded, tokens), want, atol=1e-4, rtol=0)
+  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=list(targets),
+                           target_parameters=target_parameters, lora_dropout=0.0,
+                           task_type="CAUSAL_LM")
+  made = peft.get_peft_model(fresh_hf(), config)
+  torch.manual_seed(2)
+  with torch.no_grad():
+    for name, p in made.named_parameters():
+      if "lora_B" in name:
+        p.normal_(0.0, 0.3)
+  made.eval().save_pretrained(str(tmp_path / "peft"))
+  back = models.from_pretrained(folder, adapter=str(tmp_path / "peft"))
+  np.testing.assert_allclose(np.asarray(logits(back, tokens)), hf_logits(made, tokens),
+                             atol=1e-4, rtol=0)
+  return tmp_path / "ours", back

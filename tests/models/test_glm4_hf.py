@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from posttrain import models
-from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
-                                 greedy_tokens, hf_logits, perturb, save_families,
-                                 target_logprob_grads)
+from tests.models.parity import (assert_close_to_scale, check_peft_round_trip,
+                                 check_reward_model_round_trip, greedy_tokens, hf_logits,
+                                 perturb, save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -141,30 +141,8 @@ def test_peft_adapter_files_in_and_out(saved, tmp_path):
   made loads in ours with PEFT's logits. Its fused gate_up_proj is refused by name."""
   peft = pytest.importorskip("peft", reason="adapter tests need peft")
   folder, hf = saved
-  targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
-  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0,
-                                lora_targets=",".join(targets), scan_layers=True)
-  rng = np.random.default_rng(1)
-  for path, v in nnx.iter_graph(ours):
-    if isinstance(v, nnx.LoRAParam) and str(path[-1]).endswith("_lora_b"):
-      v[...] = rng.normal(size=v.shape).astype(np.float32) * 0.3
-  models.save_lora_adapter(ours, str(tmp_path / "ours"))
-  want = np.asarray(_jitted_logits(ours, TOKENS))
-  assert np.abs(hf_logits(hf, TOKENS) - want).max() > 1e-2  # the adapters matter
-  pm = peft.PeftModel.from_pretrained(_hf_model(), str(tmp_path / "ours")).eval()
-  np.testing.assert_allclose(hf_logits(pm, TOKENS), want, atol=1e-4, rtol=0)
-  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=targets, lora_dropout=0.0,
-                           task_type="CAUSAL_LM")
-  made = peft.get_peft_model(_hf_model(), config)
-  torch.manual_seed(2)
-  with torch.no_grad():
-    for name, p in made.named_parameters():
-      if "lora_B" in name:
-        p.normal_(0.0, 0.3)
-  made.eval().save_pretrained(str(tmp_path / "peft"))
-  back = models.from_pretrained(folder, adapter=str(tmp_path / "peft"))
-  np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), hf_logits(made, TOKENS),
-                             atol=1e-4, rtol=0)
+  check_peft_round_trip(folder, hf, _hf_model, TOKENS, tmp_path,
+                        ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
   fused = peft.get_peft_model(_hf_model(), peft.LoraConfig(
       r=2, target_modules=["gate_up_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"))
   fused.save_pretrained(str(tmp_path / "fused"))

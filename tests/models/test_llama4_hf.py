@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from posttrain import models
-from tests.models.parity import (assert_close_to_scale, greedy_tokens, hf_logits, perturb,
-                                 target_logprob_grads)
+from tests.models.parity import (assert_close_to_scale, check_peft_round_trip, greedy_tokens,
+                                 hf_logits, perturb, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -323,38 +323,15 @@ def test_peft_adapter_files_in_and_out(saved, maverick, tmp_path, layout):
   layers, and the routed experts' gate_up_proj [E, D, 2F] and down_proj) load in PEFT
   with our logits, q and k's B rows in HF's interleaved order; and an adapter PEFT made
   loads in ours with PEFT's logits."""
-  peft = pytest.importorskip("peft", reason="adapter tests need peft")
+  pytest.importorskip("peft", reason="adapter tests need peft")
   folder, hf = saved if layout == "scout" else maverick
-  targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+  targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
   experts = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
-  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, scan_layers=True,
-                                lora_targets=targets + ",experts_gate_up_proj,experts_down_proj")
-  rng = np.random.default_rng(1)
-  for path, v in nnx.iter_graph(ours):
-    if isinstance(v, nnx.LoRAParam) and str(path[-1]).endswith("_lora_b"):
-      v[...] = rng.normal(size=v.shape).astype(np.float32) * 0.3
-  models.save_lora_adapter(ours, str(tmp_path / "ours"))
-  assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())[
-      "target_parameters"] == experts
-  want = np.asarray(_jitted_logits(ours, TOKENS))
-  assert np.abs(hf_logits(hf, TOKENS) - want).max() > 1e-2  # the adapters matter
-  pm = peft.PeftModel.from_pretrained(_hf_model(**({} if layout == "scout" else MAVERICK)),
-                                      str(tmp_path / "ours")).eval()
-  np.testing.assert_allclose(hf_logits(pm, TOKENS), want, atol=1e-4, rtol=0)
-  # An adapter PEFT made (its own names: feed_forward.shared_expert.*, feed_forward.*).
-  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=targets.split(","),
-                           target_parameters=experts, lora_dropout=0.0, task_type="CAUSAL_LM")
-  made = peft.get_peft_model(_hf_model(**({} if layout == "scout" else MAVERICK)), config)
-  torch.manual_seed(2)
-  with torch.no_grad():
-    for name, p in made.named_parameters():
-      if "lora_B" in name:
-        p.normal_(0.0, 0.3)
-  made.eval().save_pretrained(str(tmp_path / "peft"))
-  back = models.from_pretrained(folder, adapter=str(tmp_path / "peft"))
+  ours, back = check_peft_round_trip(
+      folder, hf, lambda: _hf_model(**({} if layout == "scout" else MAVERICK)), TOKENS,
+      tmp_path, targets, target_parameters=experts)
+  assert json.loads((ours / "adapter_config.json").read_text())["target_parameters"] == experts
   assert back.cfg.lora_target_names[-2:] == ("experts_gate_up_proj", "experts_down_proj")
-  np.testing.assert_allclose(np.asarray(_jitted_logits(back, TOKENS)), hf_logits(made, TOKENS),
-                             atol=1e-4, rtol=0)
 
 
 def test_sampled_logprobs_equal_the_learners_packed_or_not(saved):
