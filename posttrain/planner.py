@@ -254,17 +254,31 @@ def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int
   """Per-device bytes of the copy of the weights the sampler gathers for each generate
   call (`Sampler(gather_weights=True)`): sharded by the rules without the batch mesh
   axes, floating weights in the compute dtype when that is narrower, with the experts'
-  padding (`expert_padding_bytes`)."""
+  padding (`expert_padding_bytes`); a mixture's experts split over the batch axes
+  (expert parallelism) keep their E split (`Sampler._without_batch_axes`)."""
   shape = _gather_shape(mesh_shape, rules)
   ratio = min(1.0, np.dtype(model_cfg.dtype).itemsize / np.dtype(model_cfg.param_dtype).itemsize)
   if shape == dict(mesh_shape) and ratio == 1.0:
     return 0  # nothing to gather or cast: the sampler reads its own weights
-  return int(state_bytes(model_cfg, shape, rules)[0] * ratio) + expert_padding_bytes(
-      model_cfg, shape, rules)
+  total = int(state_bytes(model_cfg, shape, rules)[0] * ratio)
+  if _split_experts(model_cfg, mesh_shape, rules) < model_cfg.num_experts:
+    # Expert parallelism: the experts keep E split over the batch axes (and D whole).
+    dtype = model_cfg.dtype if ratio < 1.0 else model_cfg.param_dtype
+    total += (expert_bytes(model_cfg, abstract_mesh(mesh_shape), rules, dtype)
+              - expert_bytes(model_cfg, abstract_mesh(shape), rules, dtype))
+  return total + expert_padding_bytes(model_cfg, shape, rules,
+                                      experts=_split_experts(model_cfg, mesh_shape, rules))
+
+
+def _split_experts(cfg: models.ModelConfig, mesh_shape: dict[str, int], rules) -> int:
+  """A mixture's experts on one device of `mesh_shape` (E without expert parallelism)."""
+  if not cfg.num_experts:
+    return 0
+  return _logical_shard(abstract_mesh(mesh_shape), rules, ("experts",), (cfg.num_experts,))[0]
 
 
 def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int],
-                         rules=models.DEFAULT_RULES) -> int:
+                         rules=models.DEFAULT_RULES, *, experts: int | None = None) -> int:
   """Per-device bytes the sampler's gathered copy adds to a mixture's experts when an
   expert's width on a device F', or D, is no multiple of 128: each device's slice of
   the gate and up experts (and their biases) is padded with zeros to ceil128(F'), the
@@ -272,7 +286,8 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
   XLA:TPU kept relaid copies of them through the decode loop: for gpt-oss-20b (F' 1440,
   D 2880 on a v5p-64) 18 GiB a chip, against 1.6 GiB of padding. The mixture layers'
   experts only (`ModelConfig.mixture_layers`): a shared expert and the leading dense
-  layers' MLPs are dense and left as they are."""
+  layers' MLPs are dense and left as they are. `experts`: those on one device (E / ep
+  with expert parallelism; default E)."""
   cfg = model_cfg
   if not cfg.num_experts:
     return 0
@@ -283,7 +298,7 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
   s = np.dtype(cfg.dtype).itemsize
   per_expert = ((f_pad - f) * (2 * d + 2 * cfg.expert_bias)  # gate, up (and biases)
                 + f_pad * d_pad - f * d)                       # down, F and D padded
-  return s * cfg.mixture_layers * cfg.num_experts * per_expert
+  return s * cfg.mixture_layers * (experts or cfg.num_experts) * per_expert
 
 
 # ----------------------------------------------------------------------------------------
@@ -293,7 +308,8 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
 
 def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: int,
                            kv_heads: int, mlp: int, kv_len: int, shared: int | None = None,
-                           dense: bool = False) -> float:
+                           dense: bool = False, local: int | None = None,
+                           routed: int = 1) -> float:
   """Bytes one layer keeps per token for the backward pass, by remat policy.
 
   A mixture's (cfg.num_experts) mixture layer, unless `dense`: one of its dense layers
@@ -327,6 +343,17 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
     MLP dots = 4E   the router's float32 logits only: the experts' grouped matmuls
       (`kernels.grouped_matmul`, `ragged_dot`) are no dot_general, so the dots policies
       save none of them: the backward reruns the experts' forward (sort, gate / up / down).
+
+  With expert parallelism (`local` < E experts on a device, the pairs of `routed` = g
+  devices' tokens gathered to them: `expert_parallelism`) the routing stays on the
+  device's own tokens and the experts' share grows with g:
+
+    MLP = 4(E + 2k + 4) + g (s(kD + 3kF) + 4(kD + 4k) + k)
+      the router's probabilities, its top-k weights and ids and four columns a token;
+      for each gathered token its weights and ids, which pairs are this device's (a
+      bool each), the sorted rows, gate, up and product, the permutations, the float32
+      outputs (most of them zero: another device's pairs)
+    MLP dots = 4E   as without it
 
   A mixture's dense layers (`ModelConfig.num_dense_layers`) keep a dense MLP's 3sF / 2sF, F
   their dense_ffn_dim on one device. Its mixture layers' routing and shared expert add
@@ -410,10 +437,10 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
       norms += (s + 8) * (nh + kh) + (16 if model_cfg.qk_norm_heads else 8 * (n + kv_heads))
       if model_cfg.norm_unit_offset:
         norms += (4 - s) * (nh + kh)
-    return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp, shared, dense)
+    return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp, shared, dense, local, routed)
             + 4 * (4 * d + 4 * hd + n) + attn + norms + _latent_kept(model_cfg, remat, heads))
   kv = _latent_kept(model_cfg, remat, heads) if model_cfg.kv_lora_rank else s * 2 * kh
-  weight_matmuls = s * (2 * d + nh) + kv + _mlp_kept(model_cfg, remat, mlp, shared, dense)
+  weight_matmuls = s * (2 * d + nh) + kv + _mlp_kept(model_cfg, remat, mlp, shared, dense, local, routed)
   if model_cfg.sandwich_norms or model_cfg.output_norms:
     weight_matmuls += s * d
   if gated:
@@ -433,10 +460,11 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
 
 def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
                                   key_heads: int, value_heads: int, mlp: int, kv_len: int,
-                                  shared: int | None = None, dense: bool = False) -> float:
+                                  shared: int | None = None, dense: bool = False,
+                                  local: int | None = None, routed: int = 1) -> float:
   """Bytes one Gated DeltaNet layer (a "linear_attention" layer, `LinearAttention`) keeps
   per token for the backward pass, by remat policy; its MLP as `layer_activation_bytes`'
-  (`mlp`, `shared`, `dense` the same keywords).
+  (`mlp`, `shared`, `dense`, `local`, `routed` the same keywords).
 
   s = bytes of the compute dtype; D = d_model; Hk = key_heads, Hv = value_heads (one
   device's shard of the "linear_heads" axis), Dk / Dv = linear_key / value_head_dim,
@@ -483,10 +511,10 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
   padded = -(-kv_len // c) * c / kv_len
   if remat == "none":
     return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg)
-            + _mlp_kept(cfg, remat, mlp, shared, dense)
+            + _mlp_kept(cfg, remat, mlp, shared, dense, local, routed)
             + (33 + 3 * s) * v + (18 + 2 * s) * k + 34 * hv + 16 * hk
             + padded * (4 * (2 * k + v + 2 * hv) + 1 + 4 * hv * dk * dv / c))
-  projections = s * (2 * d + 2 * k + 2 * v + 2 * hv) + _mlp_kept(cfg, remat, mlp, shared, dense)
+  projections = s * (2 * d + 2 * k + 2 * v + 2 * hv) + _mlp_kept(cfg, remat, mlp, shared, dense, local, routed)
   if remat == "dots":
     squarings = max(0, (c - 1).bit_length() - 1)  # `_unit_lower_inverse`'s loop
     return projections + 4 * padded * (2 * hk * c + 2 * squarings * hv * c
@@ -542,16 +570,47 @@ def _latent_kept(cfg: models.ModelConfig, remat: str, heads: int) -> int:
   return s * (rq + r + hr + n * (hd - hr) + n * v)
 
 
+def _gathered_token_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None = None,
+                          dense: bool = False, local: int | None = None,
+                          routed: int = 1) -> int:
+  """Bytes a mixture layer's backward holds per token of the device for the `routed` - 1
+  other devices' tokens gathered to its experts (expert parallelism, `_layer_mlps`'
+  keywords; 0 without it, or for a dense layer):
+
+    (g - 1) (kD(2s + 8) + 3s kF [+ s(2kF + 2kD) with LoRA on the experts])
+
+  for each of a token's k pairs its sorted row and its outputs in float32, and their
+  cotangents; its gate, up and product once; the experts' adapters add their outputs
+  over gate and up, and over down with that output's cotangent. Fitted to XLA:TPU's
+  update on a v5p-64 (fsdp 16 x tensor 2, experts over fsdp, libtpu 0.0.42.1, g = 16):
+  Qwen3-30B-A3B (k 8 of 128, D 2048, F 384 a chip) 99.22 GiB compiled against 99.56
+  planned, with LoRA on the experts 94.90 against 96.93; Llama 4 Maverick (k 1, D 5120,
+  F 4096) 62.47 against 65.98 and Scout 27.62 against 31.63, both with LoRA elsewhere."""
+  del shared, local
+  if dense or routed <= 1:
+    return 0
+  s, k, d = np.dtype(cfg.dtype).itemsize, cfg.num_experts_per_tok, cfg.d_model
+  per_token = k * d * (2 * s + 8) + 3 * s * k * mlp
+  if set(cfg.lora_target_names) & set(models.config.EXPERT_LORA_TARGETS):
+    per_token += s * (2 * k * mlp + 2 * k * d)
+  return (routed - 1) * per_token
+
+
 def _mlp_kept(cfg: models.ModelConfig, remat: str, mlp: int, shared: int | None = None,
-              dense: bool = False) -> int:
+              dense: bool = False, local: int | None = None, routed: int = 1) -> int:
   """The MLP's share of `layer_activation_bytes` (remat none or a dots policy): a dense
   MLP's (`dense`, or a dense model), else a mixture layer's with its shared expert of
-  width `shared` on one device (default cfg.shared_expert_dim)."""
+  width `shared` on one device (default cfg.shared_expert_dim), its experts split as
+  `local` and `routed` say (`expert_parallelism`)."""
   s = np.dtype(cfg.dtype).itemsize
   if dense or not cfg.num_experts:
     return s * (3 if remat == "none" else 2) * mlp
   e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.d_model
-  if remat == "none":
+  if remat == "none" and (local or e) < e:
+    # Expert parallelism: the routing's on the device's own tokens; the pairs of g of
+    # them each (the gathered weights, ids and which are this device's among them).
+    kept = 4 * (e + 2 * k + 4) + routed * (s * (k * d + 3 * k * mlp) + 4 * (k * d + 4 * k) + k)
+  elif remat == "none":
     kept = s * (k * d + 3 * k * mlp) + 4 * (k * d + e + 5 * k + 4)
     if cfg.router_scoring == "sigmoid":
       kept += (4 - s) * d - 8
@@ -610,12 +669,36 @@ def _activation_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh, r
   return b, t, heads, kv_heads, mlp, vocab
 
 
+def expert_parallelism(model_cfg: models.ModelConfig, rows: int, row_len: int, mesh,
+                       rules=models.DEFAULT_RULES) -> tuple[int, int]:
+  """(L, g) of a mixture's layers on `mesh`: L = the experts one device holds and runs,
+  and g = the devices whose tokens each device's experts take, as
+  `models.transformer.MoE` splits them. By default L = E and g = 1: every device
+  runs its own tokens through every expert (D gathered over fsdp). With the experts'
+  E split over mesh axes (expert parallelism, e.g. the rule ("experts", ("fsdp",))),
+  L = E / ep, and the tokens are all-gathered over those of its axes that also split
+  the tokens (the "batch" and "length" axes): g = their size, M = g N rows a device."""
+  cfg = model_cfg
+  local = _logical_shard(mesh, rules, ("experts",), (cfg.num_experts,))[0]
+  if local == cfg.num_experts:
+    return local, 1
+
+  def axes(names, shape):
+    return {a for entry in models.logical_to_spec(names, rules, mesh, shape) if entry
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+
+  tokens = axes(("batch", "length"), (rows, row_len))
+  ep = axes(("experts",), (cfg.num_experts,))
+  return local, math.prod(mesh.shape[a] for a in ep & tokens)
+
+
 def _layer_mlps(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
                 rules) -> tuple[tuple[int, dict[str, Any]], ...]:
   """(layers, their MLP's keywords for `layer_activation_bytes`) of each kind of layer,
   every width one device's shard of the "mlp" axis (as `_activation_shards`' mlp): a
   dense model's layers (ffn_dim); a mixture's leading dense layers (dense_ffn_dim), then
-  its mixture layers (each expert's ffn_dim and the shared expert's width)."""
+  its mixture layers (each expert's ffn_dim and the shared expert's width, and the
+  experts a device holds and the devices whose tokens they take, `expert_parallelism`)."""
   def width(f: int) -> int:
     if not f:
       return 0
@@ -623,8 +706,10 @@ def _layer_mlps(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
 
   if not cfg.num_experts:
     return ((cfg.num_layers, {"mlp": width(cfg.ffn_dim), "dense": True}),)
+  local, routed = expert_parallelism(cfg, rows, row_len, mesh, rules)
   mixture = (cfg.mixture_layers, {"mlp": width(cfg.ffn_dim),
-                                  "shared": width(cfg.shared_expert_dim)})
+                                  "shared": width(cfg.shared_expert_dim),
+                                  "local": local, "routed": routed})
   if not cfg.num_dense_layers:
     return (mixture,)
   return ((cfg.num_dense_layers, {"mlp": width(cfg.dense_ffn_dim), "dense": True}), mixture)
@@ -688,7 +773,10 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   `sequence`). Without remat, a mixture keeps each layer's int32 group sizes [E] and, on
   a mesh, the experts and router its `shard_map` was given (D gathered over fsdp, F
   split): 1.1 GiB a layer for Qwen3-30B-A3B on one tensor shard, which any remat policy
-  gathers again in the backward instead. r = s, or 4 for a sigmoid router (GLM-4.5's,
+  gathers again in the backward instead. With expert parallelism (`expert_parallelism`:
+  L experts on a device) the group sizes are L's, and the experts are the device's own
+  L, kept only as their cast to a narrower compute dtype (s 3LDF + sDE with the
+  router's, a softmax router's: a sigmoid router runs in float32). r = s, or 4 for a sigmoid router (GLM-4.5's,
   run in float32, which on one device keeps its float32 copy of narrower params too);
   routed_scaling_factor adds its float32 scalar. A mixture's dense layers
   (`ModelConfig.num_dense_layers`) count as dense layers of width dense_ffn_dim, its
@@ -717,13 +805,18 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   unembed = s * cfg.d_model * vocab if cfg.tie_embeddings and cfg.lm_head else 0
   experts = 0
   if cfg.num_experts and remat == "none":
-    if mesh.size > 1:
+    local, _ = expert_parallelism(cfg, rows, row_len, mesh, rules)
+    if local < cfg.num_experts:  # its own experts and the router, a copy only when cast
+      wider = np.dtype(cfg.param_dtype).itemsize > np.dtype(cfg.dtype).itemsize
+      router = 0 if cfg.router_scoring == "sigmoid" else s * cfg.d_model * cfg.num_experts
+      weights = s * 3 * local * cfg.d_model * mlp + router if wider else 0
+    elif mesh.size > 1:
       weights = _expert_weight_bytes(cfg, mlp)
     else:  # the sigmoid router's float32 copy of narrower params
       sigmoid = cfg.router_scoring == "sigmoid" and np.dtype(cfg.param_dtype).itemsize < 4
       weights = 4 * cfg.d_model * cfg.num_experts if sigmoid else 0
     scale = 4 if cfg.routed_scaling_factor != 1.0 else 0
-    experts = cfg.mixture_layers * (4 * cfg.num_experts + weights + scale)
+    experts = cfg.mixture_layers * (4 * local + weights + scale)
   per_layer = sum(cfg.linear_layers) * _linear_layer_constant(cfg, remat, *linear_heads)
   if cfg.kv_lora_rank and remat == "none":  # the latent norms' scales, the padding's zero
     per_layer += cfg.num_layers * s * (cfg.q_lora_rank + cfg.kv_lora_rank + 1)
@@ -761,6 +854,16 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   in float32 on a v5p-64 at fsdp 16 x tensor 2)
     + 3 * rows * logprob_chunk * vocab * 4       float32 logits, softmax and their grad
 
+  With expert parallelism (`expert_parallelism`: L experts on a device, never gathered,
+  and the tokens of g devices gathered to them) a mixture layer gathers its router and
+  shared expert alone, and the layer being differentiated holds what the other g - 1
+  devices' tokens add (`_gathered_token_bytes`). Compiled for a v5p-64 (fsdp 16 x
+  tensor 2, experts over fsdp, g = 16): Qwen3-30B-A3B 99.22 GiB a chip against 99.56
+  planned (51.2 without expert parallelism: its 8 of 128 experts a token gather 16 x 8
+  pairs a token); Llama 4 Maverick with LoRA 62.47 against 65.98 (79.66 without), and
+  Scout 27.62 against 31.63 (25.61 without: one expert a chip takes 16 chips' tokens to
+  spare a 1.9 GiB layer of experts).
+
   The mixture's terms (and its extra gradient in `plan`) are fitted to XLA:TPU's update
   for Qwen3-30B-A3B at fsdp 16 x tensor 2 (libtpu 0.0.42.1; `kernels.grouped_matmul`):
   8K and 16K tokens a chip, dots or full remat, float32 or bfloat16 params, one or four
@@ -778,10 +881,15 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   mlps = _layer_mlps(cfg, rows, row_len, mesh, rules)
   saved = saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
                                  remat=remat)
-  one_layer = b * t * max(_kind_bytes(cfg, "none", linear, kw, heads=heads, kv_heads=kv_heads,
-                                      linear_heads=linear_heads, kv_len=row_len)
-                          for _, linear, kw in _layer_kinds(cfg, rows, row_len, mesh, rules))
+  kinds = _layer_kinds(cfg, rows, row_len, mesh, rules)
+
+  def layer(linear: bool, kw: dict[str, Any]) -> float:
+    return b * t * _kind_bytes(cfg, "none", linear, kw, heads=heads, kv_heads=kv_heads,
+                               linear_heads=linear_heads, kv_len=row_len)
+
+  one_layer = max(layer(linear, {**kw, "routed": 1}) for _, linear, kw in kinds)
   transient = (1 if remat == "none" else 2) * one_layer
+  transient += b * t * max(_gathered_token_bytes(cfg, **kw) for _, _, kw in kinds)
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
   if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
     # A mixture's third copy is its experts' weight gradient: none for frozen experts
@@ -800,11 +908,10 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     note += f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok})"
     if cfg.shared_expert_dim:
       note += f" + a shared expert of {cfg.shared_expert_dim}"
-    if _logical_shard(mesh, rules, ("experts",), (cfg.num_experts,))[0] != cfg.num_experts:
-      # Measured: Llama 4 Maverick with LoRA on a v5p-64, experts over fsdp: the update
-      # compiled to 62.47 GiB against 86.06 planned (79.66 compiled without it).
-      note += (", expert parallelism not modeled (each layer's experts counted gathered "
-               "whole, the tokens not gathered)")
+    local, routed = expert_parallelism(cfg, rows, row_len, mesh, rules)
+    if local < cfg.num_experts:
+      note += f", {local} experts a device" + (
+          f" taking {routed} devices' tokens" if routed > 1 else "")
     if cfg.moe_layer_step > 1:
       note += f", every {cfg.moe_layer_step}th layer a mixture, the others dense"
     elif cfg.dense_layers:
@@ -1053,7 +1160,15 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   multi-head latent attention's projections, `_attention_weight_bytes`).
   A mixture layer's shared expert (width Fs on a device) adds a dense MLP's 5sFs (by
   analogy, not compiled); with leading dense layers (5sF, F their dense_ffn_dim) the
-  fuller kind of layer counts, its weights with it. Multi-head latent attention (kv
+  fuller kind of layer counts, its weights with it. With expert parallelism
+  (`expert_parallelism`: g devices' tokens gathered to each device's experts) the
+  experts are never gathered, the router alone (`_mlp_weight_bytes`), and each of the
+  other g - 1 devices' tokens adds kD(s + 12) + 3s kF: its k sorted rows, their
+  float32 outputs sorted, back in token order and weighted, and gate, up and product.
+  Over a v5p-64's fsdp 16 (g = 16, libtpu 0.0.42.1) the prefill compiled to 29.3 GiB
+  beyond the weights and the cache for Qwen3-30B-A3B (k 8, D 2048; this counts 30.3)
+  and 3.5 GiB for Llama 4 Scout (k 1, D 5120; this counts 6.7).
+  Multi-head latent attention (kv
   heads = heads: its q, expanded k and padded v are NH + 2KH) adds its projections'
   outputs, what a dots policy saves (`layer_activation_bytes`): s(Rq + R + Hr + N(H -
   Hr) + NV), the latents, the rotated key part, the keys' unrotated part and the values
@@ -1095,9 +1210,12 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
   c = max(1, min(cfg.linear_chunk, prompt_len))
 
-  def layer(linear: bool, mlp: int, shared: int = 0, dense: bool = False) -> int:
+  def layer(linear: bool, mlp: int, shared: int = 0, dense: bool = False,
+            local: int | None = None, routed: int = 1) -> int:
     ffn = (s * 5 * mlp if dense else
-           s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) + s * 5 * shared)
+           s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) + s * 5 * shared
+           # the other devices' tokens gathered to this one's experts (`routed` - 1 more)
+           + (routed - 1) * (k * d * (s + 12) + 3 * s * k * mlp))
     if linear:
       mixer = (s * (2 * d + 4 * hk * dk + 3 * hv * dv + 2 * hv)
                + 4 * (2 * hk * dk + 2 * hv * dv + 2 * hv))
@@ -1106,7 +1224,7 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
     else:
       mixer, per_row = s * (2 * d + nh + 2 * kh) + attn, 0
       weights = _attention_weight_bytes(cfg, heads, kv_heads)
-    weights += _mlp_weight_bytes(cfg, mlp, shared, dense)
+    weights += _mlp_weight_bytes(cfg, mlp, shared, dense, local)
     return b * t * (mixer + ffn) + b * per_row + (0 if gathered else weights)
 
   forward = max(layer(linear, **kw)
@@ -1176,27 +1294,33 @@ def _attention_weight_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int) 
 
 
 def _mlp_weight_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None = None,
-                      dense: bool = False) -> int:
+                      dense: bool = False, local: int | None = None, routed: int = 1) -> int:
   """One layer's MLP weights in the compute dtype, D whole and F the device's shard:
   s 3DF for a dense layer (`dense`, or a dense model), or for a mixture layer every
   expert and the router (`_expert_weight_bytes`; Qwen3-30B-A3B: 1.1 GiB, 32x its
-  attention weights) and its shared expert of width Fs = `shared` on the device
-  (default cfg.shared_expert_dim), s 3DFs, and its gate, s D."""
+  attention weights; with expert parallelism, `local` < E, the router alone: each
+  device runs the experts it holds, never gathering them) and its shared expert of
+  width Fs = `shared` on the device (default cfg.shared_expert_dim), s 3DFs, and its
+  gate, s D. (`routed`, the tokens' share, is `_mlp_kept`'s.)"""
+  del routed
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
   if dense or not cfg.num_experts:
     return s * 3 * d * mlp
+  experts = _expert_weight_bytes(cfg, mlp, gathered=(local or cfg.num_experts)
+                                 == cfg.num_experts)
   if not cfg.shared_expert_dim:
-    return _expert_weight_bytes(cfg, mlp)
+    return experts
   shared = cfg.shared_expert_dim if shared is None else shared
-  return _expert_weight_bytes(cfg, mlp) + s * (3 * d * shared + d * cfg.shared_expert_gate)
+  return experts + s * (3 * d * shared + d * cfg.shared_expert_gate)
 
 
-def _expert_weight_bytes(cfg: models.ModelConfig, mlp: int) -> int:
+def _expert_weight_bytes(cfg: models.ModelConfig, mlp: int, gathered: bool = True) -> int:
   """A mixture layer's experts and router, what its `shard_map` is given: s 3EDF + rDE,
-  D whole and F the device's shard, r = s, or 4 for a sigmoid router (run in float32)."""
+  D whole and F the device's shard, r = s, or 4 for a sigmoid router (run in float32);
+  the router's rDE alone when the experts are not `gathered` (expert parallelism)."""
   s, e, d = np.dtype(cfg.dtype).itemsize, cfg.num_experts, cfg.d_model
   r = 4 if cfg.router_scoring == "sigmoid" else s
-  return s * 3 * d * mlp * e + r * d * e
+  return (s * 3 * d * mlp * e if gathered else 0) + r * d * e
 
 
 def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: AbstractMesh,
@@ -1615,6 +1739,19 @@ def override(config: ml_collections.ConfigDict, changes: dict[str, Any]
   return c
 
 
+def _expert_parallel_rules(config, mesh_shape: dict[str, int]) -> tuple | None:
+  """The config's sharding rules with a mixture's experts split over fsdp, where they
+  are not split yet and fsdp divides them; else None."""
+  rules = tuple(tuple(r) for r in (config.get("sharding_rules") or ()))
+  if any(name == "experts" for name, _ in rules):
+    return None
+  cfg = experiment.model_config(config)
+  fsdp = mesh_shape.get("fsdp", 1)
+  if not cfg.num_experts or fsdp < 2 or cfg.num_experts % fsdp:
+    return None
+  return rules + (("experts", ("fsdp",)),)
+
+
 def _advice(config, current: Plan, *, device_memory_gb: float, num_devices: int,
             kv_cache_dtype: str | None) -> list[str]:
   """The verdict, then one line per knob that alone makes the run fit, with its peak."""
@@ -1663,6 +1800,11 @@ def _advice(config, current: Plan, *, device_memory_gb: float, num_devices: int,
       chunk //= 2
     if kv_cache_dtype != "int8" and (p := fitting({}, kv="int8")):
       suggest("--kv_cache_dtype=int8", p, " (an int8 KV cache: Sampler(cache_dtype='int8'))")
+  if (rules := _expert_parallel_rules(config, current.mesh)) and (
+      p := fitting({"sharding_rules": rules})):
+    flag = repr(rules).replace("'", '"')
+    suggest(f"--config.sharding_rules='{flag}'", p, f" (expert parallelism: "
+            f"{current.mesh['fsdp']}-way, the experts never gathered)")
   static = current["params"] + current["optimizer"] + current["reference"]
   if static > cap:
     devices = num_devices * static / cap

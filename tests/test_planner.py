@@ -210,13 +210,13 @@ def _dense_twin(cfg, **changes):
                                       "num_experts": 0, "num_experts_per_tok": 0}, **changes)
 
 
-def _residuals(cfg, rows, length, mesh=None):
+def _residuals(cfg, rows, length, mesh=None, rules=models.DEFAULT_RULES):
   """(bytes, source, shape) of what the backward of token_logprobs keeps, less its
   arguments; under a mesh, shard_map's residuals stack every device's on their first
   axis."""
   graphdef, params, rest = nnx.split(
       nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
-  ctx = models.ShardingContext(mesh)
+  ctx = models.ShardingContext(mesh, rules)
 
   def loss(params, tokens):
     return nnx.merge(graphdef, params, rest).token_logprobs(tokens, tokens, ctx=ctx).sum()
@@ -494,6 +494,121 @@ def test_mixture_on_a_mesh_keeps_its_shard_of_the_experts(layout, shape, remat):
           - planner.saved_activation_bytes(dense, rows=rows, row_len=length, mesh=abstract)
           == cfg.mixture_layers * (tokens * (per_token - (s * d if remat == "none" else 0)
                                              - dense_mlp + shared) + per_layer + experts))
+
+
+# Expert parallelism over fsdp (`--config.sharding_rules='(("experts", ("fsdp",)),)'`).
+EXPERTS_OVER_FSDP = models.rules_from_config((("experts", ("fsdp",)),))
+
+
+def test_expert_parallelism_names_the_experts_a_device_runs_and_whose_tokens():
+  """By default every device runs every expert on its own tokens; with the experts split
+  over an axis that splits the tokens too, each runs E / ep of them on the tokens of
+  that axis's devices; over an axis that does not (tensor), on its own."""
+  cfg = models.get_preset("tiny", **{**MOE, "num_experts": 16})
+  mesh = planner.abstract_mesh(dict(zip(models.MESH_AXES, (2, 4, 2, 1))))
+  assert planner.expert_parallelism(cfg, 16, 128, mesh) == (16, 1)
+  assert planner.expert_parallelism(cfg, 16, 128, mesh, EXPERTS_OVER_FSDP) == (4, 4)
+  over_tensor = models.rules_from_config((("experts", ("tensor",)),))
+  assert planner.expert_parallelism(cfg, 16, 128, mesh, over_tensor) == (8, 1)
+  both = models.rules_from_config((("experts", ("data", "fsdp")),))
+  assert planner.expert_parallelism(cfg, 16, 128, mesh, both) == (2, 8)
+
+
+@pytest.mark.parametrize("experts", [8, 16])
+@pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims"])
+def test_expert_parallel_mixture_keeps_every_gathered_tokens_rows(remat, experts):
+  """Experts over fsdp 8: each device routes its own tokens, then keeps for each of the
+  8 devices' tokens gathered to its E / 8 experts the sorted rows, gate, up, product,
+  float32 outputs and the pairs' weights, ids and which are its own; the group sizes of
+  its own experts, and its experts' (and the router's) cast to the compute dtype alone,
+  never the other experts.
+  The planner counts exactly that (and a dots policy the router's logits alone)."""
+  cfg = models.get_preset("tiny", **{**MOE, "num_experts": experts}, remat=remat,
+                          attention_impl="flash", dtype="bfloat16", param_dtype="float32")
+  mesh = models.make_mesh((1, 8, 1, 1))
+  rows, length, (e, k, d, f, s) = 8, 128, (experts, 2, 96, 40, 2)
+  local, g = experts // 8, 8
+  tokens = rows // 8 * length
+  if remat == "none":
+    routed = s * (k * d + 3 * k * f) + 4 * (k * d + 4 * k) + k
+    per_token = s * d + 4 * (e + 2 * k + 4) + g * routed
+    per_layer, experts_kept = 4 * local, s * 3 * local * d * f
+    router = s * d * e  # its cast, given to every device
+  else:
+    per_token, per_layer, experts_kept, router = 4 * e, 0, 0, 0
+  found = _residuals(cfg, rows, length, mesh, EXPERTS_OVER_FSDP)
+  inside = sum(n for n, src, _ in found if "MoE._routed" in src or "_expert_parallel" in src)
+  assert inside / mesh.size == cfg.mixture_layers * (tokens * per_token + per_layer + router)
+  cast = sum(n for n, src, shape in found if "(place)" in src
+             and tuple(shape) in ((e, d, f), (e, f, d)))
+  assert cast / 8 == cfg.mixture_layers * experts_kept  # E over 8 devices
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, (1, 8, 1, 1))))
+  dense = _dense_twin(cfg, remat=remat, attention_impl="flash", dtype="bfloat16",
+                      param_dtype="float32")
+  dense_mlp = s * (3 if remat == "none" else 2) * f
+  assert (planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=abstract,
+                                         rules=EXPERTS_OVER_FSDP)
+          - planner.saved_activation_bytes(dense, rows=rows, row_len=length, mesh=abstract)
+          == cfg.mixture_layers * (tokens * (per_token - (s * d if remat == "none" else 0)
+                                             - dense_mlp) + per_layer + experts_kept + router))
+
+
+def test_expert_parallel_sampler_copy_keeps_the_experts_split():
+  """The sampler's copy gathered over fsdp keeps the experts' E split when the rules
+  split it over fsdp: the plan's `gathered` is what the Sampler holds, and the experts'
+  share of it is 1/4 of theirs gathered whole."""
+  rules = (("experts", ("fsdp",)),)
+  changes = {**TINY, "model.overrides.num_experts": 8, "model.overrides.num_experts_per_tok": 2,
+             "model.overrides.ffn_dim": 64, "mesh.fsdp": 4, "mesh.tensor": 2}
+  config = _config(**changes, sharding_rules=rules)
+  p = planner.plan(config)
+  cfg = experiment.model_config(config)
+  real_mesh = models.make_mesh((1, 4, 2, 1))
+  model = models.create_model(cfg, mesh=real_mesh, rules=models.rules_from_config(rules))
+  sampler = Sampler(model, mesh=real_mesh, rules=rules, max_len=64)
+  assert p["gathered"] == pytest.approx(_real_per_device_bytes(sampler._weights()), rel=0.05)
+  whole = planner.plan(_config(**changes))["gathered"]
+  # A layer's 8 experts of D 96, F 32 a device (over tensor), each padded to 128 lanes
+  # (F for gate and up, F and D for down: `expert_padding_bytes`), float32.
+  experts = 4 * cfg.mixture_layers * 8 * (2 * 96 * 128 + 128 * 128)
+  assert whole - p["gathered"] == experts - experts // 4
+
+
+def test_expert_parallel_plan_of_llama4_on_a_v5p64():
+  """Llama 4 on a v5p-64 (fsdp 16 x tensor 2, LoRA): Maverick does not fit with each
+  layer's 128 experts gathered, and the advice names expert parallelism, its plan the
+  62.47 GiB a chip XLA:TPU compiled it to (libtpu 0.0.42.1, BENCHMARKS.md). A decode
+  step then gathers a layer's router and not its experts. Scout's 16 experts, one a
+  chip, cost more that way: the tokens of 16 chips to spare a 1.9 GiB layer (compiled:
+  27.62 GiB against 25.61)."""
+  module = importlib.import_module("configs.llama4_scout_lora_grpo_v5p64")
+  maverick = planner.override(module.get_config(), {"model.preset": "llama4_maverick"})
+  p = planner.plan(maverick, device_memory_gb=95)
+  assert not p.fits
+  flag = """--config.sharding_rules='(("experts", ("fsdp",)),)'"""
+  (line,) = [a for a in p.advice if a.startswith(flag)]
+  ep = planner.plan(planner.override(maverick, {"sharding_rules": (("experts", ("fsdp",)),)}),
+                    device_memory_gb=95)
+  assert ep.fits and f"peak {planner.human_bytes(ep.peak)}" in line
+  # Compiled: 62.47 GiB for the update, 56.70 for the rollout; the plan stays above.
+  assert 62.47 < ep.train_peak / 2**30 < 62.47 * 1.1
+  assert 56.70 < ep.rollout_peak / 2**30 < 56.70 * 1.1
+  assert "8 experts a device taking 16 devices' tokens" in ep.components["activations"].formula
+  cfg = experiment.model_config(maverick)
+  mesh = planner.abstract_mesh(ep.mesh)
+  attention = planner._attention_weight_bytes(cfg, 40 // 2, 8 // 2)
+  # The shared expert, and the sigmoid router in float32 (gathered, as without it).
+  mixture = 2 * 3 * cfg.d_model * cfg.shared_expert_dim // 2 + 4 * cfg.d_model * 128
+  dense = 2 * 3 * cfg.d_model * cfg.dense_ffn_dim // 2  # the layers between: now larger
+  assert mixture < dense
+  assert planner.decode_step_bytes(cfg, rows=512, mesh=mesh, rules=EXPERTS_OVER_FSDP,
+                                   gathered=False) == (
+      512 * cfg.vocab_size // 2 * 4 + attention + dense)
+  assert planner.decode_step_bytes(cfg, rows=512, mesh=mesh, gathered=False) == (
+      512 * cfg.vocab_size // 2 * 4 + attention + mixture + 2 * 3 * 128 * cfg.d_model * 8192 // 2)
+  scout = module.get_config()
+  assert (planner.plan(planner.override(scout, {"sharding_rules": (("experts", ("fsdp",)),)}))
+          .train_peak > planner.plan(scout).train_peak)
 
 
 def test_mixture_plan_counts_every_expert():
