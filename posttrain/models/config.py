@@ -297,6 +297,12 @@ class ModelConfig:
       weight and its output summed unweighted (Llama 4), instead of the output weighted.
     router_correction_bias: sigmoid routing has its score_correction_bias (GLM-4.5,
       DeepSeek-V3, MiniMax-M2); False: none, the top-k by the scores alone (Llama 4).
+    embedding_multiplier / residual_multiplier / attention_multiplier / logits_scaling:
+      Granite's (IBM Granite 3) scalars: the embeddings times the first, each sublayer's
+      output times the second before its residual add, the attention logits scaled by
+      the third in place of 1 / sqrt(head_dim) (None: that default), and the logits
+      divided by the fourth (the output projection divided by it, `Transformer.unembed`,
+      so every head, the sampler's included, sees it).
   """
 
   vocab_size: int
@@ -346,6 +352,10 @@ class ModelConfig:
   query_pre_attn_scalar: float | None = None
   attn_logit_softcap: float | None = None
   final_logit_softcap: float | None = None
+  embedding_multiplier: float = 1.0
+  residual_multiplier: float = 1.0
+  attention_multiplier: float | None = None
+  logits_scaling: float = 1.0
   sliding_window: int | None = None
   layer_types: tuple[str, ...] = ()
   rope_local: RopeConfig | None = None
@@ -701,10 +711,19 @@ class ModelConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
-    for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+    for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                 "attention_multiplier"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not 0 < value < float("inf")):
         raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if self.attention_multiplier is not None and (self.query_pre_attn_scalar is not None
+                                                  or self.kv_lora_rank):
+      raise ValueError("attention_multiplier sets the attention's scale itself; it cannot "
+                       "be combined with query_pre_attn_scalar or latent attention's")
     window = self.sliding_window
     if window is not None and (isinstance(window, bool) or int(window) != window
                                or window < 1):
@@ -741,6 +760,8 @@ class ModelConfig:
     """The attention logits' scale (None: the kernels' 1 / sqrt(head_dim)). Multi-head
     latent attention under YaRN with mscale_all_dim multiplies 1 / sqrt(head_dim) by
     (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek-V3 does."""
+    if self.attention_multiplier is not None:
+      return float(self.attention_multiplier)
     rope = self.rope
     if (self.kv_lora_rank and rope.type == "yarn" and rope.mscale_all_dim
         and rope.factor > 1):
@@ -1050,6 +1071,15 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=_LLAMA4_LAYERS, attn_temperature_tuning=True,
         max_position_embeddings=1_048_576,
         architecture="Llama4ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="full", scan_layers=True),
+    # Granite 3.3 8B (IBM; 3.1's layout, its vocabulary 4 larger): Llama's blocks scaled
+    # by Granite's four scalars, the table tied to the output projection (8.2B).
+    "granite3_8b": ModelConfig(
+        vocab_size=49_159, d_model=4096, num_layers=40, num_heads=32, num_kv_heads=8,
+        head_dim=128, ffn_dim=12_800, rope=RopeConfig(theta=10_000_000.0), norm_eps=1e-5,
+        tie_embeddings=True, max_position_embeddings=131_072, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0,
+        architecture="GraniteForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
         remat="full", scan_layers=True),
     # Mixtral 8x7B: 8 experts of width 14336, 2 per token (46.7B parameters, 12.9B active).
     "mixtral_8x7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,

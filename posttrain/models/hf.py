@@ -42,10 +42,11 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Olmo3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM",
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-              "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM")
+              "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
+              "GraniteForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                  "Llama4ForCausalLM")
+                  "Llama4ForCausalLM", "GraniteForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -72,7 +73,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text",
                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
                 "Qwen3NextForCausalLM": "qwen3_next", "MiniMaxM2ForCausalLM": "minimax_m2",
-                "Llama4ForCausalLM": "llama4_text"}
+                "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -100,6 +101,12 @@ PHI3 = "Phi3ForCausalLM"
 # SmolLM3: Llama with NoPE layers (no_rope_layers: 1 where a layer rotates; by default
 # every fourth does not), and with use_sliding_window a window on the NoPE layers.
 SMOLLM3 = "SmolLM3ForCausalLM"
+# Granite 3 (IBM granite-3.x): Llama's layout and names, scaled by four scalars
+# (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
+# logits_scaling); attention_bias covers the output projection too.
+GRANITE = "GraniteForCausalLM"
+_GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                    "logits_scaling")
 # GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
 # each sublayer's input and output (Gemma 2's layout with plain norms), and half of each
 # head rotated by an interleaved rotary embedding (features 2i and 2i + 1 pair up). Ours
@@ -448,10 +455,18 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       lm_head=not reward_model, value_head=reward_model, pad_token_id=pad, **moe,
       **_gemma_from_hf(lm, c), **_window_from_hf(lm, c), rope_local=rope_local,
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
-      **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c),
+      **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
+
+
+def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """Granite's four scalars ({} for other classes), transformers' defaults (1.0 each,
+  the attention's scale too) where a config.json leaves one out."""
+  if lm != GRANITE:
+    return {}
+  return {name: float(c.get(name, 1.0)) for name in _GRANITE_SCALARS}
 
 
 def _llama4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -549,7 +564,8 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                  "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4)
+                  "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
+                  GRANITE)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
@@ -912,6 +928,12 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in (SMOLLM3, LLAMA4) and not all(cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
+  if lm != GRANITE:
+    held = [name for name in _GRANITE_SCALARS
+            if getattr(cfg, name) not in (None, 1.0)]
+    if held:
+      raise ValueError(f"{held} cannot be written as {cfg.architecture}; {GRANITE} holds "
+                       "them")
   held = [name for name in ("qk_l2_norm", "attention_chunk_size", "attn_temperature_tuning")
           if getattr(cfg, name)]
   if held and lm != LLAMA4:
@@ -1099,6 +1121,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                attn_scale=cfg.attn_scale)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
+  elif lm == GRANITE:
+    out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS}, mlp_bias=False)
+    out["attention_multiplier"] = cfg.attention_scale or cfg.head_dim ** -0.5
   elif lm == GLM4:
     out.update(partial_rotary_factor=rope.partial_rotary_factor,
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,

@@ -1618,6 +1618,7 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
                linear: bool = False):
+    self.residual_multiplier = float(cfg.residual_multiplier)
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
     if linear:
@@ -1645,15 +1646,22 @@ class Block(nnx.Module):
       h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids,
                                cache, positions, ctx, prefill, layer, sliding, nope)
     post = hasattr(self, "attn_out_norm")
-    x = x + (self.attn_out_norm(h) if post else h)
+    x = x + self._residual(self.attn_out_norm(h) if post else h)
     stats = None
     inputs = self.post_attn_norm(x) if pre else x
     if router_stats:
       h, stats = self.mlp(inputs, ctx, segment_ids, router_stats=True)
     else:
       h = self.mlp(inputs, ctx)
-    x = ctx.constrain(x + (self.mlp_out_norm(h) if post else h), ("batch", "length", "embed"))
+    x = ctx.constrain(x + self._residual(self.mlp_out_norm(h) if post else h),
+                      ("batch", "length", "embed"))
     return (x, new_cache, stats) if router_stats else (x, new_cache)
+
+  def _residual(self, h):
+    """A sublayer's output as its residual add takes it: times Granite's
+    residual_multiplier (in its dtype, as transformers' bfloat16 product is)."""
+    m = self.residual_multiplier
+    return h if m == 1.0 else h * jnp.asarray(m, h.dtype)
 
 
 _REMAT_POLICIES = {
@@ -1760,6 +1768,8 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens_BxT, axis=0)
     if cfg.embed_scale:  # sqrt(D), rounded to the table's dtype as Gemma's is.
       x = x * jnp.asarray(float(np.sqrt(cfg.d_model)), x.dtype)
+    if cfg.embedding_multiplier != 1.0:  # Granite's, in the table's dtype as its is
+      x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     x = ctx.constrain(x.astype(_dtype(cfg.dtype)), ("batch", "length", "embed"))
     tables = _rope_tables(cfg.rope, self._rope, positions_BxT, segment_ids_BxT)
     local = tables
@@ -1817,11 +1827,13 @@ class Transformer(nnx.Module):
                        "logits or log-probs, only values and scores (a reward model)")
 
   def unembed(self) -> jax.Array:
-    """The output projection [D, V]."""
+    """The output projection [D, V] (divided by Granite's logits_scaling: every head's
+    logits are divided by it)."""
     self._require_lm_head()
-    if self.cfg.tie_embeddings:
-      return self.embed[...].T
-    return self.lm_head[...]
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    if self.cfg.logits_scaling != 1.0:
+      w = w / jnp.asarray(self.cfg.logits_scaling, w.dtype)
+    return w
 
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, cache=None,
                ctx: ShardingContext = _NO_SHARDING, prefill: bool = False):
