@@ -43,10 +43,10 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
-              "GraniteForCausalLM")
+              "GraniteForCausalLM", "GraniteMoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                  "Llama4ForCausalLM", "GraniteForCausalLM")
+                  "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -73,7 +73,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "DeepseekV2ForCausalLM": "deepseek_v2", "Qwen3_5ForCausalLM": "qwen3_5_text",
                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
                 "Qwen3NextForCausalLM": "qwen3_next", "MiniMaxM2ForCausalLM": "minimax_m2",
-                "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite"}
+                "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
+                "GraniteMoeForCausalLM": "granitemoe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -105,6 +106,11 @@ SMOLLM3 = "SmolLM3ForCausalLM"
 # (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
 # logits_scaling); attention_bias covers the output projection too.
 GRANITE = "GraniteForCausalLM"
+# Granite 3 MoE (granite-3.x-1b-a400m, 3b-a800m): Granite's attention and scalars over
+# Mixtral's routing (softmax over the top-k logits), its experts stacked in two tensors:
+# input_linear [E, 2F, D] (gate's F rows, then up's) and output_linear [E, D, F].
+GRANITE_MOE = "GraniteMoeForCausalLM"
+GRANITES = (GRANITE, GRANITE_MOE)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                     "logits_scaling")
 # GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
@@ -464,9 +470,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
 def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """Granite's four scalars ({} for other classes), transformers' defaults (1.0 each,
   the attention's scale too) where a config.json leaves one out."""
-  if lm != GRANITE:
+  if lm not in GRANITES:
     return {}
-  return {name: float(c.get(name, 1.0)) for name in _GRANITE_SCALARS}
+  return {name: float(c.get(name) or 1.0) for name in _GRANITE_SCALARS}
 
 
 def _llama4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -565,7 +571,7 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE)
+                  GRANITE, GRANITE_MOE)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
@@ -776,7 +782,7 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "shared_expert_dim": int(c["intermediate_size"]), "router_scoring": "sigmoid",
             "router_correction_bias": False, "routed_input_scaling": True,
             **_aux_loss_from_hf(c)}
-  if arch in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2):
+  if arch in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
             **({"router_scoring": "sigmoid"} if arch == MINIMAX_M2 else {}),
@@ -810,9 +816,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"lm_head=False (a reward model) cannot be written as {arch}, a "
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
-  moe = lm in _MOE_NAMES or lm in (GPT_OSS, LLAMA4)
-  mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in (GPT_OSS,
-                                                                                  LLAMA4)]
+  stacked = (GPT_OSS, LLAMA4, GRANITE_MOE)  # mixtures whose files stack the experts
+  moe = lm in _MOE_NAMES or lm in stacked
+  mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
   if moe != bool(cfg.num_experts):
     raise ValueError(
         f"architecture={arch} with num_experts={cfg.num_experts}: a mixture of experts is "
@@ -845,6 +851,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"{arch} has no q/k/v biases and always renormalises the "
                      f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="
                      f"{cfg.norm_topk_prob})")
+  if lm == GRANITE_MOE and not cfg.norm_topk_prob:
+    raise ValueError(f"norm_topk_prob=False cannot be written as {arch}, whose router "
+                     "weights are the softmax over the top-k logits")
 
 
 def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
@@ -872,7 +881,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(norm_topk_prob=True)
   if lm in (QWEN3_5_MOE, QWEN3_NEXT):
     fixed.update(dense_layers=0)
-  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2):
+  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
     fixed.update(dense_layers=0)
   if not (grouped or qwen2 or lm == LLAMA4):
     fixed.update(shared_expert_dim=0)
@@ -928,12 +937,12 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in (SMOLLM3, LLAMA4) and not all(cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
-  if lm != GRANITE:
+  if lm not in GRANITES:
     held = [name for name in _GRANITE_SCALARS
             if getattr(cfg, name) not in (None, 1.0)]
     if held:
-      raise ValueError(f"{held} cannot be written as {cfg.architecture}; {GRANITE} holds "
-                       "them")
+      raise ValueError(f"{held} cannot be written as {cfg.architecture}; {GRANITE} and "
+                       f"{GRANITE_MOE} hold them")
   held = [name for name in ("qk_l2_norm", "attention_chunk_size", "attn_temperature_tuning")
           if getattr(cfg, name)]
   if held and lm != LLAMA4:
@@ -1121,9 +1130,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                attn_scale=cfg.attn_scale)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
-  elif lm == GRANITE:
-    out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS}, mlp_bias=False)
+  elif lm in GRANITES:
+    out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS})
     out["attention_multiplier"] = cfg.attention_scale or cfg.head_dim ** -0.5
+    if lm == GRANITE_MOE:
+      out.update(num_local_experts=cfg.num_experts,
+                 num_experts_per_tok=cfg.num_experts_per_tok)
+    else:
+      out["mlp_bias"] = False
   elif lm == GLM4:
     out.update(partial_rotary_factor=rope.partial_rotary_factor,
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
@@ -1273,6 +1287,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                    lambda x: x.T, (f, d)))
     elif mixture and _causal_lm(cfg.architecture) == GPT_OSS:
       rows += _gpt_oss_expert_rows(cfg, p, hf)
+    elif mixture and _causal_lm(cfg.architecture) == GRANITE_MOE:
+      rows += _granite_moe_expert_rows(cfg, p, hf)
     elif mixture and _causal_lm(cfg.architecture) == LLAMA4:
       rows += _llama4_expert_rows(cfg, p, hf)
       rows += dense_mlp(p + ("mlp", "shared"), hf + "feed_forward.shared_expert.",
@@ -1547,6 +1563,29 @@ def _llama4_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   ]
 
 
+def _granite_moe_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """Granite MoE's router and experts: stacked as ours ([E, ...]) but each expert's
+  matrices as torch's Linear holds them, input_linear [E, 2F, D] (gate's F rows, then
+  up's: two rows of ours) and output_linear [E, D, F]."""
+  d, f, e = cfg.d_model, cfg.ffn_dim, cfg.num_experts
+  moe = hf + "block_sparse_moe."
+  swap = lambda x: np.swapaxes(x, 1, 2)  # noqa: E731  [E, out, in] <-> ours [E, in, out]
+
+  def half(start):  # input_linear's rows [start, start + F) <-> ours [E, D, F]
+    def to_hf(x):
+      out = np.zeros((e, 2 * f, d), x.dtype)
+      out[:, start:start + f] = swap(x)
+      return out
+    return (lambda x: swap(x[:, start:start + f])), to_hf
+  return [
+      (p + ("mlp", "router"), moe + "router.layer.weight", lambda x: x.T, lambda x: x.T,
+       (d, e)),
+      (p + ("mlp", "gate_proj"), moe + "input_linear.weight", *half(0), (e, d, f)),
+      (p + ("mlp", "up_proj"), moe + "input_linear.weight", *half(f), (e, d, f)),
+      (p + ("mlp", "down_proj"), moe + "output_linear.weight", swap, swap, (e, f, d)),
+  ]
+
+
 def _hf_shape(cfg: ModelConfig, name: str, ours: tuple, to_hf: Transform) -> tuple:
   return to_hf(np.empty(ours, np.int8)).shape
 
@@ -1782,7 +1821,8 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
 
 def _experts_module(cfg: ModelConfig) -> str:
   """The module holding a mixture layer's stacked routed experts, within the layer."""
-  return "feed_forward.experts" if _causal_lm(cfg.architecture) == LLAMA4 else "mlp.experts"
+  return {LLAMA4: "feed_forward.experts", GRANITE_MOE: "block_sparse_moe.experts"}.get(
+      _causal_lm(cfg.architecture), "mlp.experts")
 
 
 def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str, ...]:

@@ -1,7 +1,9 @@
-"""Granite 3 (GraniteForCausalLM) against `transformers`: Llama's layout scaled by four
-scalars (the embeddings, each sublayer's residual branch, the attention's scale and the
-logits). Logits and log-prob gradients (layer list and scanned), greedy generation
-through the sampler, export, PEFT adapters, and what other classes refuse."""
+"""Granite 3 (GraniteForCausalLM) and Granite 3 MoE (GraniteMoeForCausalLM) against
+`transformers`: Llama's layout scaled by four scalars (the embeddings, each sublayer's
+residual branch, the attention's scale and the logits), the MoE's experts stacked in
+input_linear / output_linear under Mixtral's routing. Logits and log-prob gradients
+(layer list and scanned), greedy generation through the sampler, export, PEFT adapters
+(the routed experts' too), and what other classes refuse."""
 
 import json
 
@@ -26,16 +28,22 @@ VARIANTS = {
     # Granite 3's small models: tied embeddings, scaled logits through the shared table;
     # biases on all four attention projections.
     "tied": dict(tie_word_embeddings=True, attention_bias=True, logits_scaling=6.0),
+    # granite-3.x-*-a*m: 4 experts of width 32, 2 a token.
+    "moe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                attention_bias=True),
 }
+CLASSES = {"untied": "GraniteForCausalLM", "tied": "GraniteForCausalLM",
+           "moe": "GraniteMoeForCausalLM"}
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
 _jitted_logits = nnx.jit(lambda m, t: m(t))
 
 
 def _hf_model(variant, **extra):
-  cfg = transformers.GraniteConfig(**{**COMMON, **VARIANTS[variant], **extra})
+  cls = getattr(transformers, CLASSES[variant])
+  cfg = cls.config_class(**{**COMMON, **VARIANTS[variant], **extra})
   torch.manual_seed(0)
-  return perturb(transformers.GraniteForCausalLM(cfg).float().eval())
+  return perturb(cls(cfg).float().eval())
 
 
 def _logits(model, tokens=TOKENS):
@@ -55,6 +63,9 @@ def test_config_reads_the_four_scalars(saved):
   assert cfg.attention_scale == 0.0625 and not cfg.qkv_bias and not cfg.tie_embeddings
   tied = models.from_pretrained(saved["tied"][0]).cfg
   assert tied.tie_embeddings and tied.qkv_bias and tied.attn_out_bias
+  moe = models.from_pretrained(saved["moe"][0]).cfg
+  assert (moe.num_experts, moe.num_experts_per_tok, moe.ffn_dim, moe.norm_topk_prob,
+          moe.logits_scaling) == (4, 2, 32, True, 8.0)
   # transformers' defaults: each 1.0, the attention's scale too (not 1 / sqrt(head_dim)).
   bare = {k: v for k, v in COMMON.items() if not k.endswith(("multiplier", "scaling"))}
   plain = models.hf_config_to_model_config(
@@ -102,7 +113,7 @@ def test_log_prob_gradients_match_transformers(saved):
     assert_close_to_scale(ours, np.asarray(theirs))
 
 
-@pytest.mark.parametrize("variant,scan", [("untied", False), ("tied", True)])
+@pytest.mark.parametrize("variant,scan", [("untied", False), ("tied", True), ("moe", True)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   """Through the sampler's KV cache and its own logits head (the scaled projection)."""
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 12, scan)):
@@ -114,10 +125,12 @@ def test_export_round_trip_is_exact(saved, variant, tmp_path):
   folder, hf = saved[variant]
   ours = models.from_pretrained(folder)
   models.save_pretrained(ours, str(tmp_path / "out"))
-  back = transformers.GraniteForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  back = getattr(transformers, CLASSES[variant]).from_pretrained(
+      str(tmp_path / "out")).float().eval()
   np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
   written = json.loads((tmp_path / "out" / "config.json").read_text())
-  assert written["model_type"] == "granite" and written["logits_scaling"] == (
+  assert written["model_type"] == ("granitemoe" if variant == "moe" else "granite")
+  assert written["logits_scaling"] == (
       VARIANTS[variant].get("logits_scaling", 8.0))
   assert models.hf_config_to_model_config(written) == ours.cfg
 
@@ -128,15 +141,37 @@ def test_peft_adapters_round_trip(saved, tmp_path):
                         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
+def test_moe_peft_adapters_on_the_routed_experts_round_trip(saved, tmp_path):
+  """PEFT's target_parameters on transformers' stacked experts (gate_up_proj [E, 2F, D],
+  down_proj [E, D, F] in memory, the files' input_linear / output_linear)."""
+  folder, hf = saved["moe"]
+  check_peft_round_trip(folder, hf, lambda: _hf_model("moe"), TOKENS, tmp_path,
+                        ["q_proj", "v_proj"],
+                        target_parameters=["block_sparse_moe.experts.gate_up_proj",
+                                           "block_sparse_moe.experts.down_proj"])
+
+
 def test_what_other_classes_refuse():
   tiny = models.get_preset("tiny")
   for name, value in (("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),
                       ("attention_multiplier", 0.0625), ("logits_scaling", 8.0)):
     with pytest.raises(ValueError, match=f"\\['{name}'\\] cannot be written as "
-                                         "LlamaForCausalLM; GraniteForCausalLM holds them"):
+                                         "LlamaForCausalLM; GraniteForCausalLM and "
+                                         "GraniteMoeForCausalLM hold them"):
       models.hf.check_exportable(tiny.replace(**{name: value}))
   models.hf.check_exportable(tiny.replace(architecture="GraniteForCausalLM",
                                           logits_scaling=8.0))
+  moe = tiny.replace(architecture="GraniteMoeForCausalLM", num_experts=4,
+                     num_experts_per_tok=2, norm_topk_prob=True)
+  models.hf.check_exportable(moe)
+  with pytest.raises(ValueError, match="norm_topk_prob=False cannot be written as "
+                                       "GraniteMoeForCausalLM"):
+    models.hf.check_exportable(moe.replace(norm_topk_prob=False))
+  with pytest.raises(ValueError, match="shared_expert_dim=16 cannot be written as "
+                                       "GraniteMoeForCausalLM"):
+    models.hf.check_exportable(moe.replace(shared_expert_dim=16))
+  with pytest.raises(ValueError, match="a mixture of experts is written as one of"):
+    models.hf.check_exportable(tiny.replace(architecture="GraniteMoeForCausalLM"))
   for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
     with pytest.raises(ValueError, match=f"{name} must be a positive number, got 0"):
       tiny.replace(**{name: 0})
