@@ -74,6 +74,12 @@ FAMILIES = {
                    rope_layers=(1, 0), qk_l2_norm=True, attention_chunk_size=8,
                    sliding_window=8, layer_types=("sliding_attention", "full_attention"),
                    attn_temperature_tuning=True, attn_floor_scale=4.0),
+    # Granite 3 MoE: its four scalars (the scaled logits through the sampler's head and
+    # the train step's) over stacked experts.
+    "granite_moe": dict(architecture="GraniteMoeForCausalLM", num_experts=4,
+                        num_experts_per_tok=2, norm_topk_prob=True, ffn_dim=64,
+                        embedding_multiplier=12.0, residual_multiplier=0.22,
+                        attention_multiplier=0.0625, logits_scaling=8.0),
 }
 
 
