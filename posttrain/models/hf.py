@@ -1954,12 +1954,12 @@ def _mxfp4_names(files: dict[str, str]) -> set[str]:
 
 
 def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
-                  fp8_block: tuple[int, int] | None = None
+                  fp8: fp8_lib.Scheme | None = None
                   ) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (name, array), opening each file once and reading one tensor at a time. With
   `mxfp4`, a name stored as NAME_blocks / NAME_scales is read from both, dequantized
-  (`posttrain.models.mxfp4`); with `fp8_block`, a name beside a NAME_scale_inv is a
-  block-scaled float8 weight, dequantized (`posttrain.models.fp8`)."""
+  (`posttrain.models.mxfp4`); with an `fp8` scheme, a name beside its scale (NAME +
+  fp8.suffix) is a float8 weight, dequantized (`posttrain.models.fp8`)."""
   by_file: dict[str, list[str]] = {}
   packed = _mxfp4_names(files) if mxfp4 else set()
   for name in names:
@@ -1973,11 +1973,11 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
           scales = (fh.get_tensor(name + "_scales") if files[name + "_scales"] == f else
                     next(_iter_tensors(files, [name + "_scales"]))[1])
           yield name, mxfp4_lib.dequantize(blocks, scales)
-        elif fp8_block and name + fp8_lib.SCALE_SUFFIX in files:
-          scale = files[name + fp8_lib.SCALE_SUFFIX]
-          scale_inv = (fh.get_tensor(name + fp8_lib.SCALE_SUFFIX) if scale == f else
-                       next(_iter_tensors(files, [name + fp8_lib.SCALE_SUFFIX]))[1])
-          yield name, fp8_lib.dequantize(fp8_lib.read_tensor(f, name), scale_inv, fp8_block)
+        elif fp8 and name + fp8.suffix in files:
+          where = files[name + fp8.suffix]
+          scale = (fh.get_tensor(name + fp8.suffix) if where == f else
+                   next(_iter_tensors(files, [name + fp8.suffix]))[1])
+          yield name, fp8.dequantize(name, fp8_lib.read_tensor(f, name), scale)
         else:
           yield name, fh.get_tensor(name)
 
@@ -2071,10 +2071,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if mxfp4:  # gpt-oss's experts: NAME_blocks and NAME_scales are read as NAME
     packed = _mxfp4_names(files)
     present = (present - {n + part for n in packed for part in _MXFP4_PARTS}) | packed
-  fp8_block = fp8_lib.block_size(hf_cfg)
-  if fp8_block:  # block-scaled FP8 weights: NAME and NAME_scale_inv are read as NAME
-    present -= {n for n in files if n.endswith(fp8_lib.SCALE_SUFFIX)
-                and n[:-len(fp8_lib.SCALE_SUFFIX)] in files}
+  fp8 = fp8_lib.scheme(hf_cfg)
+  if fp8:  # FP8 weights: NAME and its scale are read as NAME; input scales not at all
+    present -= {n for n in files if n.endswith(fp8.suffix) and n[:-len(fp8.suffix)] in files}
+    present -= {n for n in files if n.endswith(tuple("." + i for i in fp8.ignored))}
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
     present = {n for n in files if n == named("lm_head.weight")
                or n.startswith(named("model.x")[:-1])}
@@ -2082,7 +2082,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   # started from a causal LM does not read its lm_head.
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
                {named("lm_head.weight")} if cfg.tie_embeddings or not cfg.lm_head else set())
-  sources = [(files, rows, mxfp4, fp8_block)]
+  sources = [(files, rows, mxfp4, fp8)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
     if _PEFT_SCORE in adapter_files and cfg.value_head and not cfg.lm_head:
@@ -2096,12 +2096,11 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   shardings = state_shardings(abstract_state, mesh, rules) if mesh is not None else None
   values: dict[tuple, jax.Array] = {}
   pd = jnp.dtype(cfg.param_dtype)
-  for source_files, source_rows, mxfp4, fp8_block in sources:
+  for source_files, source_rows, mxfp4, fp8 in sources:
     by_name: dict[str, list] = {}
     for r in source_rows:  # a tensor may hold several of ours (gpt-oss's gate_up_proj)
       by_name.setdefault(r[1], []).append(r)
-    for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4,
-                                     fp8_block=fp8_block):
+    for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4, fp8=fp8):
       for ours, _, to_ours, to_hf, shape in by_name[name]:
         expected = _hf_shape(cfg, name, shape, to_hf)
         if tuple(whole.shape) != tuple(expected):

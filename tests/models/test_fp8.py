@@ -120,3 +120,122 @@ def test_fp8_configs_we_cannot_read_are_refused(tmp_path):
     (tmp_path / "b" / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=match):
       models.from_pretrained(str(tmp_path / "b"))
+
+
+def _channel_quantized_folder(hf, folder, kind):
+  """Saves `hf` with its layers' linear weights float8 beside a scale that broadcasts
+  over each: `kind` fbgemm (FBGEMM's: the MLPs alone, float32 [out, 1]; Llama 4's
+  stacked experts [E, 1, 2F] and [E, D, 1]), channel / tensor (compressed-tensors',
+  every projection, bfloat16 [out, 1] or [1], with the input scales static
+  quantization writes beside them). Puts the dequantized weights back into `hf`."""
+  from safetensors.torch import save_file
+  tensors = {}
+
+  def quantized(name, w, axis, scale_shape=None):  # amax over `axis` -> 448
+    if kind == "block":  # compressed-tensors' blocks: DeepSeek's, named weight_scale
+      w8, scale = fp8.quantize(w, BLOCK)
+      tensors[name] = torch.from_numpy(w8.astype(np.float32)).to(torch.float8_e4m3fn)
+      tensors[name + "_scale"] = torch.from_numpy(scale)
+      return torch.from_numpy(fp8.dequantize(w8, scale, BLOCK))
+    amax = np.abs(w).max(axis=axis, keepdims=True) if axis is not None else np.abs(w).max()
+    scale = np.where(amax > 0, amax / fp8.FP8_MAX, 1.0).astype(np.float32)
+    if kind == "channel" or kind == "tensor":  # bfloat16, as llm-compressor writes them
+      scale = torch.from_numpy(scale).to(torch.bfloat16).float().numpy()
+    w8 = (w / scale).astype(fp8.ml_dtypes.float8_e4m3fn)
+    tensors[name] = torch.from_numpy(w8.astype(np.float32)).to(torch.float8_e4m3fn)
+    stored = torch.from_numpy(np.asarray(scale).reshape(scale_shape or np.shape(scale)))
+    tensors[name + "_scale"] = stored.to(torch.float32 if kind == "fbgemm" else torch.bfloat16)
+    if kind != "fbgemm":
+      tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
+    return torch.from_numpy(w8.astype(np.float32) * scale)
+
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      w = p.detach().numpy()
+      mlp = ".mlp." in name or ".feed_forward." in name
+      if name.endswith("experts.gate_up_proj"):  # [E, D, 2F]: a scale per output column
+        p.copy_(quantized(name, w, axis=1))
+      elif name.endswith("experts.down_proj"):  # [E, F, D]: held [E, D, 1] in the files
+        e, _, d = w.shape
+        p.copy_(quantized(name, w, axis=1, scale_shape=(e, d, 1)))
+      elif (".layers." in name and name.endswith("proj.weight") and p.ndim == 2
+            and (mlp or kind != "fbgemm")):
+        p.copy_(quantized(name, w, axis=None if kind == "tensor" else 1,
+                          scale_shape=(1,) if kind == "tensor" else None))
+      else:
+        tensors[name] = p.detach().contiguous()
+  hf.config.save_pretrained(folder)
+  config = json.loads((folder / "config.json").read_text())
+  config["architectures"] = [type(hf).__name__]
+  if kind == "fbgemm":
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                     "modules_to_not_convert": ["self_attn", "lm_head"]}
+  else:
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "input_activations": {"num_bits": 8, "type": "float",
+                                                         "strategy": "tensor"},
+            "weights": {"num_bits": 8, "type": "float", "strategy": kind, "symmetric": True,
+                        **({"block_structure": list(BLOCK)} if kind == "block" else {})}}},
+        "ignore": ["lm_head"]}
+  (folder / "config.json").write_text(json.dumps(config))
+  save_file(tensors, str(folder / "model.safetensors"))
+  return hf
+
+
+@pytest.mark.parametrize("family,kind", [("llama", "fbgemm"), ("llama4", "fbgemm"),
+                                         ("qwen3", "channel"), ("qwen3", "tensor"),
+                                         ("qwen3", "block")])
+def test_channel_scaled_fp8_checkpoints_load_as_their_dequantized_weights(tmp_path, family,
+                                                                          kind):
+  """FBGEMM's FP8 (Llama 3.1 405B FP8's MLPs; Llama 4 Maverick FP8's stacked experts,
+  their down projection's scale held transposed) and compressed-tensors' (every
+  projection, per channel, per tensor or per block; the input scales beside them not
+  read):
+  ours from the files equals transformers on the dequantized weights."""
+  common = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                initializer_range=0.3)
+  if family == "llama4":
+    cfg = transformers.Llama4TextConfig(**{**common, "intermediate_size": 24},
+                                        intermediate_size_mlp=40, head_dim=12,
+                                        num_local_experts=3, num_experts_per_tok=1,
+                                        attention_chunk_size=4)
+    cls = transformers.Llama4ForCausalLM
+  elif family == "llama":
+    cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+  else:
+    cfg = transformers.Qwen3Config(**common, head_dim=12)
+    cls = transformers.Qwen3ForCausalLM
+  torch.manual_seed(0)
+  hf = _channel_quantized_folder(perturb(cls(cfg).float().eval()), tmp_path, kind)
+  ours = models.from_pretrained(str(tmp_path))
+  np.testing.assert_allclose(np.asarray(ours(TOKENS)), hf_logits(hf, TOKENS), atol=1e-4,
+                             rtol=0)
+
+
+def test_channel_scaled_fp8_we_cannot_read_is_refused(tmp_path):
+  """Integer or packed compressed-tensors weights, and a scale that does not broadcast
+  over its weight, each a one-line error."""
+  torch.manual_seed(0)
+  cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80,
+                                 num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=4, head_dim=12)
+  _channel_quantized_folder(transformers.Qwen3ForCausalLM(cfg).float().eval(),
+                            tmp_path / "a", "channel")
+  config = json.loads((tmp_path / "a" / "config.json").read_text())
+  quant = config["quantization_config"]
+  weights = quant["config_groups"]["group_0"]["weights"]
+  for bad in ({**quant, "format": "pack-quantized"},
+              {**quant, "config_groups": {"group_0": {"weights": {**weights, "type": "int"}}}},
+              {**quant, "config_groups": {"group_0": {"weights": {**weights, "num_bits": 4}}}}):
+    shutil.copytree(tmp_path / "a", tmp_path / "b", dirs_exist_ok=True)
+    (tmp_path / "b" / "config.json").write_text(json.dumps({**config,
+                                                             "quantization_config": bad}))
+    with pytest.raises(ValueError, match="only 8-bit float weights"):
+      models.from_pretrained(str(tmp_path / "b"))
+  with pytest.raises(ValueError, match=r"the scale of w, of shape \(3, 1\), does not "
+                                       r"broadcast over its weight of shape \(4, 5\)"):
+    fp8.dequantize_broadcast("w", np.zeros((4, 5), fp8.ml_dtypes.float8_e4m3fn),
+                             np.ones((3, 1)))
