@@ -2076,7 +2076,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     present -= {n for n in files if n.endswith(fp8.suffix) and n[:-len(fp8.suffix)] in files}
     present -= {n for n in files if n.endswith(tuple("." + i for i in fp8.ignored))}
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
-    present = {n for n in files if n == named("lm_head.weight")
+    present = {n for n in present if n == named("lm_head.weight")
                or n.startswith(named("model.x")[:-1])}
   # Tied checkpoints sometimes carry a copy of the embedding as lm_head; a reward model
   # started from a causal LM does not read its lm_head.
