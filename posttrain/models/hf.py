@@ -43,10 +43,11 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
-              "GraniteForCausalLM", "GraniteMoeForCausalLM")
+              "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                  "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM")
+                  "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
+                  "GraniteMoeHybridForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -74,7 +75,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
                 "Qwen3NextForCausalLM": "qwen3_next", "MiniMaxM2ForCausalLM": "minimax_m2",
                 "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
-                "GraniteMoeForCausalLM": "granitemoe"}
+                "GraniteMoeForCausalLM": "granitemoe",
+                "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -110,7 +112,13 @@ GRANITE = "GraniteForCausalLM"
 # Mixtral's routing (softmax over the top-k logits), its experts stacked in two tensors:
 # input_linear [E, 2F, D] (gate's F rows, then up's) and output_linear [E, D, F].
 GRANITE_MOE = "GraniteMoeForCausalLM"
-GRANITES = (GRANITE, GRANITE_MOE)
+# Granite 4 (granite-4.0-micro, -1b, -350m: GraniteMoeHybridForCausalLM with attention
+# layers alone): Granite's scalars, the MLP a shared_mlp (input_linear [2F, D], gate's
+# rows then up's; output_linear [D, F]), beside Granite MoE's experts when it has them
+# (its shared expert then); rotary or no position embedding at all. Its Mamba2 layers
+# (the -h- models) are not read.
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
+GRANITES = (GRANITE, GRANITE_MOE, GRANITE_HYBRID)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                     "logits_scaling")
 # GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
@@ -472,7 +480,22 @@ def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   the attention's scale too) where a config.json leaves one out."""
   if lm not in GRANITES:
     return {}
-  return {name: float(c.get(name) or 1.0) for name in _GRANITE_SCALARS}
+  out: dict[str, Any] = {name: float(c.get(name) or 1.0) for name in _GRANITE_SCALARS}
+  if lm == GRANITE_HYBRID:
+    layers = int(c["num_hidden_layers"])
+    kinds = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * layers
+    mamba = [i for i, k in enumerate(kinds) if k not in ("attention", "full_attention")]
+    if mamba:
+      raise ValueError(f"{GRANITE_HYBRID} with Mamba2 layers (layers {mamba[:5]}"
+                       f"{' ...' if len(mamba) > 5 else ''}: the granite-4.0-h models) is "
+                       "not supported; its attention-only models (granite-4.0-micro, -1b, "
+                       "-350m) are")
+    if c.get("position_embedding_type") not in ("rope", None, "nope"):
+      raise ValueError(f"position_embedding_type={c['position_embedding_type']!r} is not "
+                       "supported (expected rope, or none)")
+    if c.get("position_embedding_type") != "rope":  # no position embedding: every layer NoPE
+      out["rope_layers"] = (0,) * layers
+  return out
 
 
 def _llama4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -571,7 +594,7 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE)
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
@@ -782,6 +805,13 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "shared_expert_dim": int(c["intermediate_size"]), "router_scoring": "sigmoid",
             "router_correction_bias": False, "routed_input_scaling": True,
             **_aux_loss_from_hf(c)}
+  if arch == GRANITE_HYBRID:
+    shared = int(c.get("shared_intermediate_size") or 1024)
+    if not int(c.get("num_local_experts") or 0):
+      return {"ffn_dim": shared}
+    return {"num_experts": int(c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
+            "shared_expert_dim": shared, **_aux_loss_from_hf(c)}
   if arch in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
@@ -817,7 +847,7 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
   stacked = (GPT_OSS, LLAMA4, GRANITE_MOE)  # mixtures whose files stack the experts
-  moe = lm in _MOE_NAMES or lm in stacked
+  moe = lm in _MOE_NAMES or lm in stacked or (lm == GRANITE_HYBRID and bool(cfg.num_experts))
   mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
   if moe != bool(cfg.num_experts):
     raise ValueError(
@@ -851,7 +881,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"{arch} has no q/k/v biases and always renormalises the "
                      f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="
                      f"{cfg.norm_topk_prob})")
-  if lm == GRANITE_MOE and not cfg.norm_topk_prob:
+  if lm in (GRANITE_MOE, GRANITE_HYBRID) and cfg.num_experts and not cfg.norm_topk_prob:
     raise ValueError(f"norm_topk_prob=False cannot be written as {arch}, whose router "
                      "weights are the softmax over the top-k logits")
 
@@ -883,7 +913,9 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(dense_layers=0)
   if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
     fixed.update(dense_layers=0)
-  if not (grouped or qwen2 or lm == LLAMA4):
+  if lm == GRANITE_HYBRID:
+    fixed.update(dense_layers=0)
+  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID)):
     fixed.update(shared_expert_dim=0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -934,9 +966,12 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
         cfg.sliding_layers):
       raise ValueError(f"layer_types with full-attention layers cannot be written as "
                        f"{cfg.architecture}, whose window applies to every layer")
-  if lm not in (SMOLLM3, LLAMA4) and not all(cfg.rope_layers or (1,)):
+  if lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID) and not all(cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
+  if lm == GRANITE_HYBRID and len(set(cfg.rope_layers or (1,))) > 1:
+    raise ValueError(f"rope_layers with rotary and NoPE layers both cannot be written as "
+                     f"{cfg.architecture}, whose layers all rotate or none does")
   if lm not in GRANITES:
     held = [name for name in _GRANITE_SCALARS
             if getattr(cfg, name) not in (None, 1.0)]
@@ -1136,6 +1171,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     if lm == GRANITE_MOE:
       out.update(num_local_experts=cfg.num_experts,
                  num_experts_per_tok=cfg.num_experts_per_tok)
+    elif lm == GRANITE_HYBRID:
+      nope = not all(cfg.rope_layers or (1,))
+      out.update(num_local_experts=cfg.num_experts,
+                 num_experts_per_tok=cfg.num_experts_per_tok or 1,
+                 shared_intermediate_size=(cfg.shared_expert_dim if cfg.num_experts
+                                           else cfg.ffn_dim),
+                 layer_types=["attention"] * cfg.num_layers,
+                 position_embedding_type=None if nope else "rope")
     else:
       out["mlp_bias"] = False
   elif lm == GLM4:
@@ -1287,8 +1330,12 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                    lambda x: x.T, (f, d)))
     elif mixture and _causal_lm(cfg.architecture) == GPT_OSS:
       rows += _gpt_oss_expert_rows(cfg, p, hf)
-    elif mixture and _causal_lm(cfg.architecture) == GRANITE_MOE:
+    elif mixture and _causal_lm(cfg.architecture) in (GRANITE_MOE, GRANITE_HYBRID):
       rows += _granite_moe_expert_rows(cfg, p, hf)
+      if cfg.shared_expert_dim:  # Granite 4's shared_mlp
+        rows += _granite_shared_mlp_rows(p + ("mlp", "shared"), hf, d, cfg.shared_expert_dim)
+    elif _causal_lm(cfg.architecture) == GRANITE_HYBRID:  # its dense MLP: the shared_mlp
+      rows += _granite_shared_mlp_rows(p + ("mlp",), hf, d, f)
     elif mixture and _causal_lm(cfg.architecture) == LLAMA4:
       rows += _llama4_expert_rows(cfg, p, hf)
       rows += dense_mlp(p + ("mlp", "shared"), hf + "feed_forward.shared_expert.",
@@ -1563,6 +1610,18 @@ def _llama4_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   ]
 
 
+def _granite_shared_mlp_rows(p: tuple, hf: str, d: int, f: int) -> list:
+  """Granite 4's shared_mlp as our MLP at `p` (a dense layer's, or a mixture layer's
+  shared expert): input_linear [2F, D] (gate's F rows, then up's), output_linear [D, F]."""
+  transposed = (lambda x: x.T, lambda x: x.T)
+  mlp = hf + "shared_mlp."
+  return [*[(p + (name,), mlp + "input_linear.weight",
+             *_fused_part(transposed, start, f, 2 * f), (d, f))
+            for name, start in (("gate_proj", 0), ("up_proj", f))],
+          (p + ("down_proj",), mlp + "output_linear.weight", lambda x: x.T, lambda x: x.T,
+           (f, d))]
+
+
 def _granite_moe_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   """Granite MoE's router and experts: stacked as ours ([E, ...]) but each expert's
   matrices as torch's Linear holds them, input_linear [E, 2F, D] (gate's F rows, then
@@ -1611,6 +1670,12 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "are not written or read: PEFT wraps its fused gate_up_proj with one "
                      "adapter, ours are one each; adapt the attention (and down_proj), or "
                      "export the model merged (save_pretrained)")
+  mlp = [t for t in ("gate_proj", "up_proj", "down_proj") if t in cfg.lora_target_names]
+  if _causal_lm(cfg.architecture) == GRANITE_HYBRID and mlp:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {mlp} "
+                     "are not written or read: PEFT wraps its shared_mlp's fused "
+                     "input_linear / output_linear, ours adapt gate, up and down each; adapt "
+                     "the attention, or export the model merged (save_pretrained)")
   if cfg.kv_lora_rank:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused "
                      "kv_a_proj_with_mqa / kv_b_proj, which our per-projection adapters on "
@@ -1821,7 +1886,8 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
 
 def _experts_module(cfg: ModelConfig) -> str:
   """The module holding a mixture layer's stacked routed experts, within the layer."""
-  return {LLAMA4: "feed_forward.experts", GRANITE_MOE: "block_sparse_moe.experts"}.get(
+  return {LLAMA4: "feed_forward.experts", GRANITE_MOE: "block_sparse_moe.experts",
+          GRANITE_HYBRID: "block_sparse_moe.experts"}.get(
       _causal_lm(cfg.architecture), "mlp.experts")
 
 

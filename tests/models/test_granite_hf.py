@@ -1,11 +1,14 @@
-"""Granite 3 (GraniteForCausalLM) and Granite 3 MoE (GraniteMoeForCausalLM) against
-`transformers`: Llama's layout scaled by four scalars (the embeddings, each sublayer's
-residual branch, the attention's scale and the logits), the MoE's experts stacked in
-input_linear / output_linear under Mixtral's routing. Logits and log-prob gradients
+"""Granite 3 (GraniteForCausalLM), Granite 3 MoE (GraniteMoeForCausalLM) and Granite 4's
+attention-only models (GraniteMoeHybridForCausalLM) against `transformers`: Llama's
+layout scaled by four scalars (the embeddings, each sublayer's residual branch, the
+attention's scale and the logits), the MoE's experts stacked in input_linear /
+output_linear under Mixtral's routing, Granite 4's MLP a fused shared_mlp (a shared
+expert beside its experts), with or without rotary embeddings. Logits and log-prob gradients
 (layer list and scanned), greedy generation through the sampler, export, PEFT adapters
 (the routed experts' too), and what other classes refuse."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -31,9 +34,19 @@ VARIANTS = {
     # granite-3.x-*-a*m: 4 experts of width 32, 2 a token.
     "moe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                 attention_bias=True),
+    # granite-4.0-micro / -1b / -350m: attention layers alone, the MLP its shared_mlp.
+    "g4": dict(layer_types=["attention"] * 3, position_embedding_type="rope",
+               num_local_experts=0, shared_intermediate_size=80, tie_word_embeddings=True),
+    # Experts beside the shared_mlp, and no position embedding at all.
+    "g4_moe": dict(layer_types=["attention"] * 3, position_embedding_type=None,
+                   num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                   shared_intermediate_size=48),
 }
 CLASSES = {"untied": "GraniteForCausalLM", "tied": "GraniteForCausalLM",
-           "moe": "GraniteMoeForCausalLM"}
+           "moe": "GraniteMoeForCausalLM", "g4": "GraniteMoeHybridForCausalLM",
+           "g4_moe": "GraniteMoeHybridForCausalLM"}
+MODEL_TYPES = {"GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
+               "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
 _jitted_logits = nnx.jit(lambda m, t: m(t))
@@ -66,6 +79,11 @@ def test_config_reads_the_four_scalars(saved):
   moe = models.from_pretrained(saved["moe"][0]).cfg
   assert (moe.num_experts, moe.num_experts_per_tok, moe.ffn_dim, moe.norm_topk_prob,
           moe.logits_scaling) == (4, 2, 32, True, 8.0)
+  g4 = models.from_pretrained(saved["g4"][0]).cfg
+  assert (g4.num_experts, g4.ffn_dim, g4.rope_layers) == (0, 80, ())
+  g4_moe = models.from_pretrained(saved["g4_moe"][0]).cfg
+  assert (g4_moe.num_experts, g4_moe.ffn_dim, g4_moe.shared_expert_dim,
+          g4_moe.shared_expert_gate, g4_moe.nope_layers) == (4, 32, 48, False, (True,) * 3)
   # transformers' defaults: each 1.0, the attention's scale too (not 1 / sqrt(head_dim)).
   bare = {k: v for k, v in COMMON.items() if not k.endswith(("multiplier", "scaling"))}
   plain = models.hf_config_to_model_config(
@@ -113,7 +131,8 @@ def test_log_prob_gradients_match_transformers(saved):
     assert_close_to_scale(ours, np.asarray(theirs))
 
 
-@pytest.mark.parametrize("variant,scan", [("untied", False), ("tied", True), ("moe", True)])
+@pytest.mark.parametrize("variant,scan", [("untied", False), ("tied", True), ("moe", True),
+                                          ("g4", False), ("g4_moe", True)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   """Through the sampler's KV cache and its own logits head (the scaled projection)."""
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 12, scan)):
@@ -129,7 +148,7 @@ def test_export_round_trip_is_exact(saved, variant, tmp_path):
       str(tmp_path / "out")).float().eval()
   np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
   written = json.loads((tmp_path / "out" / "config.json").read_text())
-  assert written["model_type"] == ("granitemoe" if variant == "moe" else "granite")
+  assert written["model_type"] == MODEL_TYPES[CLASSES[variant]]
   assert written["logits_scaling"] == (
       VARIANTS[variant].get("logits_scaling", 8.0))
   assert models.hf_config_to_model_config(written) == ours.cfg
@@ -149,6 +168,30 @@ def test_moe_peft_adapters_on_the_routed_experts_round_trip(saved, tmp_path):
                         ["q_proj", "v_proj"],
                         target_parameters=["block_sparse_moe.experts.gate_up_proj",
                                            "block_sparse_moe.experts.down_proj"])
+
+
+def test_granite4_peft_adapters_on_the_attention_and_experts_round_trip(saved, tmp_path):
+  folder, hf = saved["g4_moe"]
+  check_peft_round_trip(folder, hf, lambda: _hf_model("g4_moe"), TOKENS, tmp_path,
+                        ["q_proj", "k_proj", "v_proj", "o_proj"],
+                        target_parameters=["block_sparse_moe.experts.gate_up_proj",
+                                           "block_sparse_moe.experts.down_proj"])
+  with pytest.raises(ValueError, match="PEFT wraps its shared_mlp's fused input_linear"):
+    models.save_lora_adapter(models.from_pretrained(folder, lora_rank=2,
+                                                    lora_targets="q_proj,gate_proj"),
+                             str(tmp_path / "mlp"))
+
+
+def test_granite4_hybrid_mamba_layers_are_refused(saved):
+  """The granite-4.0-h models' Mamba2 layers: a one-line error naming them."""
+  config = json.loads(pathlib.Path(saved["g4"][0], "config.json").read_text())
+  for kinds in (["mamba", "attention", "mamba"], ["linear_attention"] * 3):
+    with pytest.raises(ValueError, match=r"GraniteMoeHybridForCausalLM with Mamba2 layers "
+                                         r"\(layers \[0"):
+      models.hf_config_to_model_config({**config, "layer_types": kinds})
+  with pytest.raises(ValueError, match="rope_layers with rotary and NoPE layers both"):
+    models.hf.check_exportable(models.from_pretrained(saved["g4"][0]).cfg.replace(
+        rope_layers=(1, 0, 1)))
 
 
 def test_what_other_classes_refuse():
