@@ -47,9 +47,10 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_LORA_TARGETS = LORA_TARGETS[:4]
 DEFAULT_LORA_TARGETS = ",".join(LORA_TARGETS)
-# Mixtures whose PEFT adapters put the MLP names on the fused routed experts, not on the
-# dense MLPs and shared experts ours adapt: their default lora_targets leave them out.
-PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM")
+# Classes whose PEFT files cannot hold adapters on the dense MLPs and shared experts ours
+# adapt (GLM-4.5 and Qwen3-Next put the MLP names on their fused routed experts; Granite
+# 4's shared_mlp fuses gate and up): their default lora_targets leave them out.
+PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM")
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",

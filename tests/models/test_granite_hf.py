@@ -176,6 +176,10 @@ def test_granite4_peft_adapters_on_the_attention_and_experts_round_trip(saved, t
                         ["q_proj", "k_proj", "v_proj", "o_proj"],
                         target_parameters=["block_sparse_moe.experts.gate_up_proj",
                                            "block_sparse_moe.experts.down_proj"])
+  # By default the adapters go where PEFT's files can hold them: the attention.
+  default = models.from_pretrained(folder, lora_rank=2)
+  assert default.cfg.lora_target_names == ("q_proj", "k_proj", "v_proj", "o_proj")
+  models.save_lora_adapter(default, str(tmp_path / "default"))
   with pytest.raises(ValueError, match="PEFT wraps its shared_mlp's fused input_linear"):
     models.save_lora_adapter(models.from_pretrained(folder, lora_rank=2,
                                                     lora_targets="q_proj,gate_proj"),
