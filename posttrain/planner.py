@@ -427,6 +427,14 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
   s = np.dtype(model_cfg.dtype).itemsize
   impl = model_cfg.attention_impl
   gated = model_cfg.attn_output_gate
+  mixer = {"q_proj": nh * (1 + gated), "k_proj": kh, "v_proj": kh, "o_proj": d}
+  if model_cfg.kv_lora_rank:  # k_b_proj's unrotated keys, v_b_proj's values
+    mixer.update(k_proj=n * (hd - model_cfg.qk_rope_head_dim),
+                 v_proj=n * model_cfg.v_head_dim)
+  mlp_kept = (_mlp_kept(model_cfg, remat, mlp, shared, dense, local, routed)
+              + _lora_kept(model_cfg, remat, mixer,
+                           _lora_mlp_width(model_cfg, mlp, shared, dense),
+                           gated_mlp=model_cfg.shared_expert_gate and not dense))
   if remat == "none":
     attn = 4 * 2 * n * t + n * t if impl == "reference" else 0
     if impl == "reference" and model_cfg.attn_logit_softcap is not None:
@@ -437,10 +445,10 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
       norms += (s + 8) * (nh + kh) + (16 if model_cfg.qk_norm_heads else 8 * (n + kv_heads))
       if model_cfg.norm_unit_offset:
         norms += (4 - s) * (nh + kh)
-    return (s * (4 * d + 2 * nh + 2 * kh) + _mlp_kept(model_cfg, remat, mlp, shared, dense, local, routed)
-            + 4 * (4 * d + 4 * hd + n) + attn + norms + _latent_kept(model_cfg, remat, heads))
+    return (s * (4 * d + 2 * nh + 2 * kh) + mlp_kept + 4 * (4 * d + 4 * hd + n) + attn
+            + norms + _latent_kept(model_cfg, remat, heads))
   kv = _latent_kept(model_cfg, remat, heads) if model_cfg.kv_lora_rank else s * 2 * kh
-  weight_matmuls = s * (2 * d + nh) + kv + _mlp_kept(model_cfg, remat, mlp, shared, dense, local, routed)
+  weight_matmuls = s * (2 * d + nh) + kv + mlp_kept
   if model_cfg.sandwich_norms or model_cfg.output_norms:
     weight_matmuls += s * d
   if gated:
@@ -509,12 +517,18 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
   k, v = hk * dk, hv * dv
   c = max(1, min(cfg.linear_chunk, kv_len))
   padded = -(-kv_len // c) * c / kv_len
+  mlp_kept = (_mlp_kept(cfg, remat, mlp, shared, dense, local, routed)
+              + _lora_kept(cfg, remat, {"in_proj_qkv": 2 * k + v, "in_proj_z": v,
+                                        "in_proj_b": hv, "in_proj_a": hv,
+                                        "in_proj_qkvz": 2 * k + 2 * v, "in_proj_ba": 2 * hv,
+                                        "out_proj": d},
+                           _lora_mlp_width(cfg, mlp, shared, dense),
+                           gated_mlp=cfg.shared_expert_gate and not dense))
   if remat == "none":
-    return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg)
-            + _mlp_kept(cfg, remat, mlp, shared, dense, local, routed)
+    return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept
             + (33 + 3 * s) * v + (18 + 2 * s) * k + 34 * hv + 16 * hk
             + padded * (4 * (2 * k + v + 2 * hv) + 1 + 4 * hv * dk * dv / c))
-  projections = s * (2 * d + 2 * k + 2 * v + 2 * hv) + _mlp_kept(cfg, remat, mlp, shared, dense, local, routed)
+  projections = s * (2 * d + 2 * k + 2 * v + 2 * hv) + mlp_kept
   if remat == "dots":
     squarings = max(0, (c - 1).bit_length() - 1)  # `_unit_lower_inverse`'s loop
     return projections + 4 * padded * (2 * hk * c + 2 * squarings * hv * c
@@ -568,6 +582,48 @@ def _latent_kept(cfg: models.ModelConfig, remat: str, heads: int) -> int:
       kept += s * n * v - (s * n * hd if cfg.attention_impl == "reference" else 0)
     return kept
   return s * (rq + r + hr + n * (hd - hr) + n * v)
+
+
+def _lora_mlp_width(cfg: models.ModelConfig, mlp: int, shared: int | None,
+                    dense: bool) -> int:
+  """The width on one device of the MLP a layer's gate / up / down adapters sit on: a
+  dense layer's (`mlp`), a mixture layer's shared expert's (`shared`, default
+  cfg.shared_expert_dim), or 0 (a mixture layer without one)."""
+  if dense or not cfg.num_experts:
+    return mlp
+  return cfg.shared_expert_dim if shared is None else shared
+
+
+def _lora_kept(cfg: models.ModelConfig, remat: str, mixer: dict[str, int], mlp: int,
+               gated_mlp: bool = False) -> int:
+  """What a layer's LoRA adapters add to `layer_activation_bytes` per token (fitted to
+  `jax.ad_checkpoint.print_saved_residuals`, exact on Llama's layout), for the
+  projections in cfg.lora_target_names that the layer has: its mixer's (`mixer`: each
+  projection's output width on one device) and its MLP's (gate, up and down of width
+  `mlp`, 0 for none). r = lora_rank, whole on every device:
+
+    none       s r a projection    its x A (the rest is kept anyway)
+    dots       s r a projection + s (its output width) for every one but down_proj:
+               both products are dots, and (x A) B is what the backward recomputes the
+               block's norms and activations from (down_proj's only feeds the block's
+               output, but for a shared expert under a sigmoid gate, `gated_mlp`, whose
+               gradient reads it). Multi-head latent attention's k_proj and v_proj are
+               its k_b_proj and v_b_proj (N(H - Hr) and NV wide)
+    full       nothing: the block input alone
+
+  The routed experts' adapters (grouped matmuls) are no dots: none under a dots policy;
+  without remat they keep their sorted rows' products too, which this does not count
+  (Qwen2-MoE's layout: 2.2 KB a token and layer more)."""
+  if not cfg.lora_rank or remat == "full":
+    return 0
+  s, r = np.dtype(cfg.dtype).itemsize, cfg.lora_rank
+  widths = dict(mixer)
+  if mlp:
+    widths.update(gate_proj=mlp, up_proj=mlp, down_proj=cfg.d_model if gated_mlp else 0)
+  adapted = [t for t in cfg.lora_target_names if t in widths]
+  if remat == "none":
+    return s * r * len(adapted)
+  return sum(s * (r + widths[t]) for t in adapted)
 
 
 def _gathered_token_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None = None,
@@ -851,7 +907,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   the cast of every layer's experts out of the layer
                                   loop; against bfloat16 params the update held two such
                                   copies (`expert_bytes`; 2 x 1.69 GiB for Qwen3-30B-A3B
-                                  in float32 on a v5p-64 at fsdp 16 x tensor 2)
+                                  in float32 on a v5p-64 at fsdp 16 x tensor 2), one
+                                  when they are frozen (LoRA)
     + 3 * rows * logprob_chunk * vocab * 4       float32 logits, softmax and their grad
 
   With expert parallelism (`expert_parallelism`: L experts on a device, never gathered,
@@ -897,7 +954,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     transient += (3 if cfg.num_experts and not cfg.lora_rank else 2) * _gathered_layer_bytes(
         cfg, heads, kv_heads, mlps, linear_heads)
   if np.dtype(cfg.dtype).itemsize < np.dtype(cfg.param_dtype).itemsize:
-    transient += 2 * expert_bytes(cfg, mesh, rules, cfg.dtype)
+    # Frozen experts (LoRA) are cast once: Qwen3-30B-A3B's update held one 1.69 GiB copy.
+    transient += (1 if cfg.lora_rank else 2) * expert_bytes(cfg, mesh, rules, cfg.dtype)
   logits = _logit_chunk_bytes(cfg, b, t, vocab) if cfg.lm_head else 0  # a score head: none
   note = (f"{cfg.num_layers} layers x {b}x{t} tokens, remat={remat}, "
           f"{cfg.attention_impl} attention")

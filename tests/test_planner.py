@@ -496,6 +496,66 @@ def test_mixture_on_a_mesh_keeps_its_shard_of_the_experts(layout, shape, remat):
                                              - dense_mlp + shared) + per_layer + experts))
 
 
+LORA_LAYOUTS = {
+    "llama": (dict(num_layers=2, d_model=96, ffn_dim=160, num_heads=6, num_kv_heads=2,
+                   head_dim=16, logprob_chunk=64),
+              "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
+    # A gated shared expert (its down projection's adapter read by the gate's gradient)
+    # beside routed experts with adapters of their own (grouped matmuls: no dots).
+    "qwen2_moe": ({**MOE, **QWEN2_MOE},
+                  "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,"
+                  "experts_gate_up_proj,experts_down_proj"),
+    # Multi-head latent attention: k_proj / v_proj adapt k_b_proj / v_b_proj.
+    "mla": (dict(num_layers=2, d_model=96, ffn_dim=160, num_heads=4, num_kv_heads=4,
+                 head_dim=24, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+                 v_head_dim=16, logprob_chunk=64,
+                 rope=models.RopeConfig(partial_rotary_factor=8 / 24)),
+            "q_proj,k_proj,v_proj,o_proj"),
+}
+
+
+@pytest.mark.parametrize("remat", ["dots_with_no_batch_dims", "none", "full"])
+@pytest.mark.parametrize("layout", list(LORA_LAYOUTS))
+def test_lora_adapters_saved_activations_match_what_jax_keeps(layout, remat):
+  """A dots policy keeps each adapter's x A and (x A) B (both dots; down_proj's B
+  product only where a shared expert's gate reads it), no remat its x A alone (the
+  routed experts' adapters aside, which Qwen2-MoE's layout shows), full remat nothing:
+  what LoRA of rank 4 adds to the saved activations, against the same model without."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  widths, targets = LORA_LAYOUTS[layout]
+  kept, planned = [], []
+  for rank in (4, 0):
+    cfg = models.get_preset("tiny", **widths, remat=remat, attention_impl="flash",
+                            dtype="bfloat16", param_dtype="bfloat16", lora_rank=rank,
+                            lora_alpha=8.0,
+                            lora_targets=targets if rank else models.config.DEFAULT_LORA_TARGETS)
+    kept.append(sum(n for n, _, _ in _residuals(cfg, 4, 128)))
+    planned.append(planner.saved_activation_bytes(cfg, rows=4, row_len=128, mesh=one_device))
+  added, counted = kept[0] - kept[1], planned[0] - planned[1]
+  if remat == "dots_with_no_batch_dims":
+    assert counted == added > 0
+  elif remat == "full":
+    assert counted == added == 0
+  elif layout != "qwen2_moe":
+    assert 0 <= added - counted <= 64  # a few scalars
+  else:  # the routed experts' sorted rows' adapter products: not counted
+    assert counted < added
+
+
+def test_lora_under_a_dots_policy_is_planned_as_xla_tpu_compiled_it():
+  """The adapters' saved products under dots_with_no_batch_dims, against XLA:TPU's
+  compiles on a v5p-64 (libtpu 0.0.42.1, BENCHMARKS.md): Llama 4 Scout at 32 rows a
+  micro-batch 33.46 GiB a chip (planned 27.39 before they were counted), Qwen3-30B-A3B
+  with adapters on the attention and experts 34.79 (31.03 before)."""
+  scout = importlib.import_module("configs.llama4_scout_lora_grpo_v5p64").get_config()
+  dots = planner.override(scout, {"model.overrides.remat": "dots_with_no_batch_dims",
+                                  "train.rows_per_microbatch": 32})
+  assert planner.plan(dots).train_peak / 2**30 == pytest.approx(33.46, rel=0.02)
+  qwen = importlib.import_module("configs.qwen3_30b_a3b_grpo_v5p64").get_config()
+  lora = planner.plan(planner.override(qwen, {"model.overrides.lora_rank": 16}))
+  assert 34.79 < lora.train_peak / 2**30 < 34.79 * 1.1
+
+
 # Expert parallelism over fsdp (`--config.sharding_rules='(("experts", ("fsdp",)),)'`).
 EXPERTS_OVER_FSDP = models.rules_from_config((("experts", ("fsdp",)),))
 
