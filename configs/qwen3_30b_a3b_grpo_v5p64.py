@@ -41,10 +41,10 @@ each chip's expert slice is then 384 wide, a multiple of TPU's 128 lanes. At 192
 through the decode loop (12 GiB a chip) and pads their float32 gradients by a third.
 Each micro-batch holds eight 2048-token rows per fsdp shard. Compiled for the slice on
 a CPU host (libtpu 0.0.42.1, 3.1 GiB of host memory, 2.5 min): the update peaks at 51.2
-GiB a chip with what stays resident beside it (planned 51.3), the rollout at 55.6
+GiB a chip with what stays resident beside it (planned 52.0), the rollout at 55.6
 (planned 54.2). With LoRA of rank 16 on the attention and every routed expert
 (`--config.model.overrides.lora_rank=16`, 0.64B adapter parameters) the update peaks
-at 34.8 GiB with the sampler's weights (planned 31.6) and the rollout at 46.6 (planned
+at 34.8 GiB with the sampler's weights (planned 36.2) and the rollout at 46.6 (planned
 45.0): BENCHMARKS.md, LoRA.
 """
 
