@@ -49,8 +49,10 @@ ATTENTION_LORA_TARGETS = LORA_TARGETS[:4]
 DEFAULT_LORA_TARGETS = ",".join(LORA_TARGETS)
 # Classes whose PEFT files cannot hold adapters on the dense MLPs and shared experts ours
 # adapt (GLM-4.5 and Qwen3-Next put the MLP names on their fused routed experts; Granite
-# 4's shared_mlp fuses gate and up): their default lora_targets leave them out.
-PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM")
+# 4's and Granite MoE Shared's shared_mlp fuses gate and up): their default lora_targets
+# leave them out.
+PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
+                  "GraniteMoeSharedForCausalLM")
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",

@@ -43,11 +43,12 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
-              "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM")
+              "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+              "GraniteMoeHybridForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
-                  "GraniteMoeHybridForCausalLM")
+                  "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -76,6 +77,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3NextForCausalLM": "qwen3_next", "MiniMaxM2ForCausalLM": "minimax_m2",
                 "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
                 "GraniteMoeForCausalLM": "granitemoe",
+                "GraniteMoeSharedForCausalLM": "granitemoeshared",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
@@ -118,7 +120,10 @@ GRANITE_MOE = "GraniteMoeForCausalLM"
 # (its shared expert then); rotary or no position embedding at all. Its Mamba2 layers
 # (the -h- models) are not read.
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
-GRANITES = (GRANITE, GRANITE_MOE, GRANITE_HYBRID)
+# Granite MoE with a shared expert (GraniteMoeSharedForCausalLM): Granite MoE's layers
+# and, where shared_intermediate_size > 0, Granite 4's shared_mlp beside the experts.
+GRANITE_SHARED = "GraniteMoeSharedForCausalLM"
+GRANITES = (GRANITE, GRANITE_MOE, GRANITE_SHARED, GRANITE_HYBRID)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                     "logits_scaling")
 # GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
@@ -812,6 +817,11 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
             "shared_expert_dim": shared, **_aux_loss_from_hf(c)}
+  if arch == GRANITE_SHARED:
+    return {"num_experts": int(c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
+            "shared_expert_dim": int(c.get("shared_intermediate_size") or 0),
+            **_aux_loss_from_hf(c)}
   if arch in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
@@ -846,7 +856,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"lm_head=False (a reward model) cannot be written as {arch}, a "
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
-  stacked = (GPT_OSS, LLAMA4, GRANITE_MOE)  # mixtures whose files stack the experts
+  stacked = (GPT_OSS, LLAMA4, GRANITE_MOE, GRANITE_SHARED)  # their files stack the experts
   moe = lm in _MOE_NAMES or lm in stacked or (lm == GRANITE_HYBRID and bool(cfg.num_experts))
   mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
   if moe != bool(cfg.num_experts):
@@ -881,7 +891,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"{arch} has no q/k/v biases and always renormalises the "
                      f"top-k router weights (qkv_bias={cfg.qkv_bias}, norm_topk_prob="
                      f"{cfg.norm_topk_prob})")
-  if lm in (GRANITE_MOE, GRANITE_HYBRID) and cfg.num_experts and not cfg.norm_topk_prob:
+  if lm in GRANITES[1:] and cfg.num_experts and not cfg.norm_topk_prob:
     raise ValueError(f"norm_topk_prob=False cannot be written as {arch}, whose router "
                      "weights are the softmax over the top-k logits")
 
@@ -913,9 +923,9 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(dense_layers=0)
   if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
     fixed.update(dense_layers=0)
-  if lm == GRANITE_HYBRID:
+  if lm in (GRANITE_HYBRID, GRANITE_SHARED):
     fixed.update(dense_layers=0)
-  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID)):
+  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID, GRANITE_SHARED)):
     fixed.update(shared_expert_dim=0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -1168,9 +1178,11 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   elif lm in GRANITES:
     out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS})
     out["attention_multiplier"] = cfg.attention_scale or cfg.head_dim ** -0.5
-    if lm == GRANITE_MOE:
+    if lm in (GRANITE_MOE, GRANITE_SHARED):
       out.update(num_local_experts=cfg.num_experts,
                  num_experts_per_tok=cfg.num_experts_per_tok)
+      if lm == GRANITE_SHARED:
+        out["shared_intermediate_size"] = cfg.shared_expert_dim
     elif lm == GRANITE_HYBRID:
       nope = not all(cfg.rope_layers or (1,))
       out.update(num_local_experts=cfg.num_experts,
@@ -1330,7 +1342,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                    lambda x: x.T, (f, d)))
     elif mixture and _causal_lm(cfg.architecture) == GPT_OSS:
       rows += _gpt_oss_expert_rows(cfg, p, hf)
-    elif mixture and _causal_lm(cfg.architecture) in (GRANITE_MOE, GRANITE_HYBRID):
+    elif mixture and _causal_lm(cfg.architecture) in GRANITES[1:]:
       rows += _granite_moe_expert_rows(cfg, p, hf)
       if cfg.shared_expert_dim:  # Granite 4's shared_mlp
         rows += _granite_shared_mlp_rows(p + ("mlp", "shared"), hf, d, cfg.shared_expert_dim)
@@ -1671,7 +1683,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "adapter, ours are one each; adapt the attention (and down_proj), or "
                      "export the model merged (save_pretrained)")
   mlp = [t for t in ("gate_proj", "up_proj", "down_proj") if t in cfg.lora_target_names]
-  if _causal_lm(cfg.architecture) == GRANITE_HYBRID and mlp:
+  if _causal_lm(cfg.architecture) in (GRANITE_HYBRID, GRANITE_SHARED) and mlp:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {mlp} "
                      "are not written or read: PEFT wraps its shared_mlp's fused "
                      "input_linear / output_linear, ours adapt gate, up and down each; adapt "
@@ -1887,7 +1899,8 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
 def _experts_module(cfg: ModelConfig) -> str:
   """The module holding a mixture layer's stacked routed experts, within the layer."""
   return {LLAMA4: "feed_forward.experts", GRANITE_MOE: "block_sparse_moe.experts",
-          GRANITE_HYBRID: "block_sparse_moe.experts"}.get(
+          GRANITE_HYBRID: "block_sparse_moe.experts",
+          GRANITE_SHARED: "block_sparse_moe.experts"}.get(
       _causal_lm(cfg.architecture), "mlp.experts")
 
 

@@ -1,5 +1,6 @@
-"""Granite 3 (GraniteForCausalLM), Granite 3 MoE (GraniteMoeForCausalLM) and Granite 4's
-attention-only models (GraniteMoeHybridForCausalLM) against `transformers`: Llama's
+"""Granite 3 (GraniteForCausalLM), Granite 3 MoE (GraniteMoeForCausalLM, and with a
+shared expert GraniteMoeSharedForCausalLM) and Granite 4's attention-only models
+(GraniteMoeHybridForCausalLM) against `transformers`: Llama's
 layout scaled by four scalars (the embeddings, each sublayer's residual branch, the
 attention's scale and the logits), the MoE's experts stacked in input_linear /
 output_linear under Mixtral's routing, Granite 4's MLP a fused shared_mlp (a shared
@@ -34,6 +35,9 @@ VARIANTS = {
     # granite-3.x-*-a*m: 4 experts of width 32, 2 a token.
     "moe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                 attention_bias=True),
+    # Granite MoE Shared: the experts and a shared_mlp beside them.
+    "shared": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                   shared_intermediate_size=40),
     # granite-4.0-micro / -1b / -350m: attention layers alone, the MLP its shared_mlp.
     "g4": dict(layer_types=["attention"] * 3, position_embedding_type="rope",
                num_local_experts=0, shared_intermediate_size=80, tie_word_embeddings=True),
@@ -43,9 +47,11 @@ VARIANTS = {
                    shared_intermediate_size=48),
 }
 CLASSES = {"untied": "GraniteForCausalLM", "tied": "GraniteForCausalLM",
-           "moe": "GraniteMoeForCausalLM", "g4": "GraniteMoeHybridForCausalLM",
+           "moe": "GraniteMoeForCausalLM", "shared": "GraniteMoeSharedForCausalLM",
+           "g4": "GraniteMoeHybridForCausalLM",
            "g4_moe": "GraniteMoeHybridForCausalLM"}
 MODEL_TYPES = {"GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe",
+               "GraniteMoeSharedForCausalLM": "granitemoeshared",
                "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
@@ -79,6 +85,9 @@ def test_config_reads_the_four_scalars(saved):
   moe = models.from_pretrained(saved["moe"][0]).cfg
   assert (moe.num_experts, moe.num_experts_per_tok, moe.ffn_dim, moe.norm_topk_prob,
           moe.logits_scaling) == (4, 2, 32, True, 8.0)
+  shared = models.from_pretrained(saved["shared"][0]).cfg
+  assert (shared.num_experts, shared.ffn_dim, shared.shared_expert_dim,
+          shared.shared_expert_gate) == (4, 32, 40, False)
   g4 = models.from_pretrained(saved["g4"][0]).cfg
   assert (g4.num_experts, g4.ffn_dim, g4.rope_layers) == (0, 80, ())
   g4_moe = models.from_pretrained(saved["g4_moe"][0]).cfg
@@ -132,7 +141,7 @@ def test_log_prob_gradients_match_transformers(saved):
 
 
 @pytest.mark.parametrize("variant,scan", [("untied", False), ("tied", True), ("moe", True),
-                                          ("g4", False), ("g4_moe", True)])
+                                          ("shared", False), ("g4", False), ("g4_moe", True)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   """Through the sampler's KV cache and its own logits head (the scaled projection)."""
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 12, scan)):
