@@ -934,6 +934,9 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   if qwen2 and not cfg.shared_expert_dim:
     raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, whose "
                      "mixture layers always have a gated shared expert")
+  if lm == GRANITE_HYBRID and not cfg.shared_expert_dim:
+    raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, whose "
+                     "layers always have a shared_mlp (beside the experts when it has them)")
   if grouped and cfg.shared_expert_dim % cfg.ffn_dim:
     raise ValueError(f"shared_expert_dim={cfg.shared_expert_dim} cannot be written as "
                      f"{cfg.architecture}, whose shared experts are n_shared_experts of "

@@ -196,12 +196,17 @@ def test_granite4_peft_adapters_on_the_attention_and_experts_round_trip(saved, t
 
 
 def test_granite4_hybrid_mamba_layers_are_refused(saved):
-  """The granite-4.0-h models' Mamba2 layers: a one-line error naming them."""
+  """The granite-4.0-h models' Mamba2 layers: a one-line error naming them; and what the
+  class cannot hold (layers both rotary and NoPE; experts without its shared_mlp)."""
   config = json.loads(pathlib.Path(saved["g4"][0], "config.json").read_text())
   for kinds in (["mamba", "attention", "mamba"], ["linear_attention"] * 3):
     with pytest.raises(ValueError, match=r"GraniteMoeHybridForCausalLM with Mamba2 layers "
                                          r"\(layers \[0"):
       models.hf_config_to_model_config({**config, "layer_types": kinds})
+  moe = models.from_pretrained(saved["g4_moe"][0]).cfg
+  with pytest.raises(ValueError, match="shared_expert_dim=0 cannot be written as "
+                                       "GraniteMoeHybridForCausalLM"):
+    models.hf.check_exportable(moe.replace(shared_expert_dim=0))
   with pytest.raises(ValueError, match="rope_layers with rotary and NoPE layers both"):
     models.hf.check_exportable(models.from_pretrained(saved["g4"][0]).cfg.replace(
         rope_layers=(1, 0, 1)))
