@@ -485,7 +485,8 @@ def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   the attention's scale too) where a config.json leaves one out."""
   if lm not in GRANITES:
     return {}
-  out: dict[str, Any] = {name: float(c.get(name) or 1.0) for name in _GRANITE_SCALARS}
+  out: dict[str, Any] = {name: float(1.0 if c.get(name) is None else c[name])
+                         for name in _GRANITE_SCALARS}
   if lm == GRANITE_HYBRID:
     layers = int(c["num_hidden_layers"])
     kinds = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * layers

@@ -98,6 +98,9 @@ def test_config_reads_the_four_scalars(saved):
   plain = models.hf_config_to_model_config(
       {**bare, "architectures": ["GraniteForCausalLM"], "model_type": "granite"})
   assert plain.attention_scale == 1.0 and plain.logits_scaling == 1.0
+  with pytest.raises(ValueError, match="logits_scaling must be a positive number, got 0.0"):
+    models.hf_config_to_model_config({**bare, "architectures": ["GraniteForCausalLM"],
+                                      "logits_scaling": 0})
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
