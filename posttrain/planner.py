@@ -261,13 +261,14 @@ def decode_weight_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, int
   if shape == dict(mesh_shape) and ratio == 1.0:
     return 0  # nothing to gather or cast: the sampler reads its own weights
   total = int(state_bytes(model_cfg, shape, rules)[0] * ratio)
-  if _split_experts(model_cfg, mesh_shape, rules) < model_cfg.num_experts:
+  local = _split_experts(model_cfg, mesh_shape, rules)
+  if local < model_cfg.num_experts:
     # Expert parallelism: the experts keep E split over the batch axes (and D whole).
     dtype = model_cfg.dtype if ratio < 1.0 else model_cfg.param_dtype
     total += (expert_bytes(model_cfg, abstract_mesh(mesh_shape), rules, dtype)
               - expert_bytes(model_cfg, abstract_mesh(shape), rules, dtype))
   return total + expert_padding_bytes(model_cfg, shape, rules,
-                                      experts=_split_experts(model_cfg, mesh_shape, rules))
+                                      experts=local)
 
 
 def _split_experts(cfg: models.ModelConfig, mesh_shape: dict[str, int], rules) -> int:
@@ -832,9 +833,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   gathers again in the backward instead. With expert parallelism (`expert_parallelism`:
   L experts on a device) the group sizes are L's, and the experts are the device's own
   L, kept only as their cast to a narrower compute dtype (s 3LDF + sDE with the
-  router's, a softmax router's: a sigmoid router runs in float32). r = s, or 4 for a sigmoid router (GLM-4.5's,
-  run in float32, which on one device keeps its float32 copy of narrower params too);
-  routed_scaling_factor adds its float32 scalar. A mixture's dense layers
+  router's, a softmax router's: a sigmoid router runs in float32). r = s, or 4 for a
+  sigmoid router (GLM-4.5's, run in float32, which on one device keeps its float32
+  copy of narrower params too); routed_scaling_factor adds its float32 scalar. A mixture's dense layers
   (`ModelConfig.num_dense_layers`) count as dense layers of width dense_ffn_dim, its
   mixture layers
   (`ModelConfig.mixture_layers`) with their shared expert (`layer_activation_bytes`);

@@ -190,10 +190,10 @@ def _channel_quantized_folder(hf, folder, kind):
 def test_channel_scaled_fp8_checkpoints_load_as_their_dequantized_weights(tmp_path, family,
                                                                           kind):
   """FBGEMM's FP8 (Llama 3.1 405B FP8's MLPs; Llama 4 Maverick FP8's stacked experts,
-  their down projection's scale held transposed, in its vision-language files) and compressed-tensors' (every
-  projection, per channel, per tensor or per block; the input scales beside them not
-  read):
-  ours from the files equals transformers on the dequantized weights."""
+  their down projection's scale held transposed, in its vision-language files) and
+  compressed-tensors' (every projection, per channel, per tensor or per block; the
+  input scales beside them not read): ours from the files equals transformers on the
+  dequantized weights."""
   common = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                 initializer_range=0.3)
