@@ -25,6 +25,10 @@ from kernels.gated_delta_rule import (
     gated_delta_rule,
     gated_delta_rule_reference,
 )
+from kernels.gated_linear_attention import (
+    gated_linear_attention,
+    gated_linear_attention_reference,
+)
 from kernels.grouped_matmul import grouped_matmul, grouped_weight_grad
 from kernels.paged_attention import gather_pages, paged_cache_update, paged_decode_attention
 from kernels.reference import (
@@ -65,6 +69,8 @@ __all__ = [
     "from_zigzag",
     "gated_delta_rule",
     "gated_delta_rule_reference",
+    "gated_linear_attention",
+    "gated_linear_attention_reference",
     "gather_pages",
     "grouped_matmul",
     "grouped_weight_grad",

@@ -58,7 +58,11 @@ PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybri
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                "out_proj")
 QWEN3_NEXT_LINEAR_LORA_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
-LINEAR_LORA_TARGETS = QWEN3_5_LINEAR_LORA_TARGETS[:4] + QWEN3_NEXT_LINEAR_LORA_TARGETS
+# A Mamba2 layer's (Granite 4's mamba module): in_proj fuses the gate, x, B, C and dt.
+MAMBA2_LORA_TARGETS = ("in_proj", "out_proj")
+LINEAR_LORA_TARGETS = (QWEN3_5_LINEAR_LORA_TARGETS[:4] + QWEN3_NEXT_LINEAR_LORA_TARGETS
+                       + MAMBA2_LORA_TARGETS[:1])
+LINEAR_MIXERS = ("gated_deltanet", "mamba2")
 # A mixture's routed experts, adapted per expert (PEFT's target_parameters
 # mlp.experts.gate_up_proj and mlp.experts.down_proj): one adapter over gate and up
 # together (one A, B spanning both), one over down. Only named: never a default.
@@ -280,6 +284,14 @@ class ModelConfig:
       causal depthwise convolution of this width over q, k and v, and a recurrent state
       [value heads, key head dim, value head dim] a row in place of a KV cache.
     linear_chunk: tokens per chunk of the chunked delta rule (training and prefill).
+    linear_mixer: what a "linear_attention" layer is: "gated_deltanet" (above), or
+      "mamba2", Mamba2's selective state space (Granite 4's -h- models; `Mamba2`), read
+      through its duality with linear attention: linear_num_key_heads its groups (n_groups)
+      of B and C, linear_key_head_dim its state size (d_state), linear_num_value_heads its
+      heads, linear_value_head_dim its head dim; one causal convolution of
+      linear_conv_kernel taps over x, B and C, with a bias when linear_conv_bias.
+      linear_dt_min / linear_dt_max clip its time step after the softplus
+      (time_step_limit).
     attn_output_gate: the attention's output is scaled by sigmoid of a second query-sized
       projection (`q_gate`) before o_proj, per head and feature (Qwen3-Next, Qwen3.5).
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
@@ -387,6 +399,10 @@ class ModelConfig:
   linear_value_head_dim: int = 0
   linear_conv_kernel: int = 4
   linear_chunk: int = 64
+  linear_mixer: str = "gated_deltanet"
+  linear_conv_bias: bool = False
+  linear_dt_min: float = 0.0
+  linear_dt_max: float = float("inf")
   attn_output_gate: bool = False
   qk_l2_norm: bool = False
   attention_chunk_size: int = 0
@@ -609,6 +625,19 @@ class ModelConfig:
     if self.linear_conv_kernel < 1 or self.linear_chunk < 1:
       raise ValueError(f"linear_conv_kernel={self.linear_conv_kernel} and linear_chunk="
                        f"{self.linear_chunk} must be at least 1")
+    if self.linear_mixer not in LINEAR_MIXERS:
+      raise ValueError(f"linear_mixer={self.linear_mixer!r}; expected one of {LINEAR_MIXERS}")
+    low, high = self.linear_dt_min, self.linear_dt_max
+    if (isinstance(low, bool) or isinstance(high, bool) or not 0.0 <= low < float("inf")
+        or not low < high):
+      raise ValueError(f"linear_dt_min={low!r} and linear_dt_max={high!r} must satisfy "
+                       "0 <= linear_dt_min < linear_dt_max (inf: no upper limit)")
+    mamba_only = [n for n, on in (("linear_conv_bias", self.linear_conv_bias),
+                                  ("linear_dt_min", low != 0.0),
+                                  ("linear_dt_max", high != float("inf"))) if on]
+    if mamba_only and self.linear_mixer != "mamba2":
+      raise ValueError(f"{', '.join(mamba_only)} are Mamba2's: they need "
+                       "linear_mixer='mamba2'")
     if not any(self.linear_layers):
       return
     missing = [n for n in names if not getattr(self, n)]
@@ -619,7 +648,8 @@ class ModelConfig:
                        f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
     held = [n for n, on in (("kv_lora_rank", self.kv_lora_rank),
                             ("sliding_attention layers", any(self.sliding_layers)),
-                            ("rope_layers", bool(self.rope_layers)),
+                            ("rope_layers with rotary and NoPE layers both",
+                             len(set(self.rope_layers)) > 1),
                             ("dense_layers", self.dense_layers),
                             ("output_norms", self.output_norms),
                             ("sandwich_norms", self.sandwich_norms)) if on]
@@ -631,7 +661,8 @@ class ModelConfig:
 
   @property
   def linear_layers(self) -> tuple[bool, ...]:
-    """Per layer, whether it is a linear-attention (Gated DeltaNet) layer."""
+    """Per layer, whether it is a linear-attention layer (Gated DeltaNet, or Mamba2's
+    state space: `linear_mixer`)."""
     return tuple(t == "linear_attention" for t in self.layer_types) or (
         (False,) * self.num_layers)
 
@@ -798,6 +829,8 @@ class ModelConfig:
     """The LoRA target names of a Gated DeltaNet layer's projections, as the model's
     Hugging Face family names its modules (Qwen3-Next's fused in_proj_qkvz / in_proj_ba,
     else Qwen3.5's)."""
+    if self.linear_mixer == "mamba2":
+      return MAMBA2_LORA_TARGETS
     if self.architecture.startswith("Qwen3Next"):
       return QWEN3_NEXT_LINEAR_LORA_TARGETS
     return QWEN3_5_LINEAR_LORA_TARGETS
@@ -829,7 +862,7 @@ class ModelConfig:
     qk, vd = hk * self.linear_key_head_dim, hv * self.linear_value_head_dim
     sizes.update(in_proj_qkv=d + 2 * qk + vd, in_proj_z=d + vd, in_proj_b=d + hv,
                  in_proj_a=d + hv, in_proj_qkvz=d + 2 * qk + 2 * vd, in_proj_ba=d + 2 * hv,
-                 out_proj=vd + d)
+                 in_proj=d + 2 * vd + 2 * qk + hv, out_proj=vd + d)
     # A mixture layer's routed experts, each its own A and B (`EXPERT_LORA_TARGETS`).
     e = self.num_experts
     sizes.update(experts_gate_up_proj=e * (d + 2 * f), experts_down_proj=e * (f + d))
@@ -897,11 +930,15 @@ class ModelConfig:
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     swapped = 0
     linear = sum(self.linear_layers)
-    if linear:  # Gated DeltaNet in place of attention (`LinearAttention`)
+    if linear:  # Gated DeltaNet or Mamba2 in place of attention (`LinearAttention`)
       hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
       dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
       mixer = ((d + self.linear_conv_kernel) * (2 * hk * dk + hv * dv) + d * hv * dv
                + 2 * d * hv + 2 * hv + dv + hv * dv * d)
+      if self.linear_mixer == "mamba2":  # in_proj, conv (+ bias), A_log, dt_bias, D, norm
+        conv = (self.linear_conv_kernel + self.linear_conv_bias) * (2 * hk * dk + hv * dv)
+        mixer = (d * (2 * hv * dv + 2 * hk * dk + hv) + conv + 3 * hv + hv * dv
+                 + hv * dv * d)
       swapped = linear * (mixer - attn)
     dense_layers = self.num_dense_layers
     return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped

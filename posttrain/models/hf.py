@@ -117,8 +117,10 @@ GRANITE_MOE = "GraniteMoeForCausalLM"
 # Granite 4 (granite-4.0-micro, -1b, -350m: GraniteMoeHybridForCausalLM with attention
 # layers alone): Granite's scalars, the MLP a shared_mlp (input_linear [2F, D], gate's
 # rows then up's; output_linear [D, F]), beside Granite MoE's experts when it has them
-# (its shared expert then); rotary or no position embedding at all. Its Mamba2 layers
-# (the -h- models) are not read.
+# (its shared expert then); rotary or no position embedding at all. The -h- models'
+# Mamba2 layers (layer_types "mamba") are linear_attention layers of linear_mixer
+# "mamba2" (`Mamba2`): mamba.in_proj's rows [z; x; B; C; dt] and conv1d's channels
+# [x; B; C] are kept apart.
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 # Granite MoE with a shared expert (GraniteMoeSharedForCausalLM): Granite MoE's layers
 # and, where shared_intermediate_size > 0, Granite 4's shared_mlp beside the experts.
@@ -490,18 +492,79 @@ def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if lm == GRANITE_HYBRID:
     layers = int(c["num_hidden_layers"])
     kinds = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * layers
-    mamba = [i for i, k in enumerate(kinds) if k not in ("attention", "full_attention")]
-    if mamba:
-      raise ValueError(f"{GRANITE_HYBRID} with Mamba2 layers (layers {mamba[:5]}"
-                       f"{' ...' if len(mamba) > 5 else ''}: the granite-4.0-h models) is "
-                       "not supported; its attention-only models (granite-4.0-micro, -1b, "
-                       "-350m) are")
+    if len(kinds) != layers or not set(kinds) <= set(_GRANITE_LAYER_TYPES):
+      raise ValueError(f"layer_types={kinds!r} in a {GRANITE_HYBRID} config.json: expected "
+                       f"one of {sorted(set(_GRANITE_LAYER_TYPES))} for each of the "
+                       f"{layers} layers")
+    if any(_GRANITE_LAYER_TYPES[k] == "linear_attention" for k in kinds):
+      out.update(_mamba2_from_hf(c, kinds))
     if c.get("position_embedding_type") not in ("rope", None, "nope"):
       raise ValueError(f"position_embedding_type={c['position_embedding_type']!r} is not "
                        "supported (expected rope, or none)")
     if c.get("position_embedding_type") != "rope":  # no position embedding: every layer NoPE
       out["rope_layers"] = (0,) * layers
   return out
+
+
+# A Granite 4 config.json's layer kinds (transformers reads "mamba" as linear_attention).
+_GRANITE_LAYER_TYPES = {"attention": "full_attention", "full_attention": "full_attention",
+                        "mamba": "linear_attention", "linear_attention": "linear_attention"}
+
+
+def _mamba2_from_hf(c: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
+  """The Mamba2 fields of a Granite 4 -h- config.json: its mamba_* entries as the
+  linear-attention fields they map to (`ModelConfig.linear_mixer`; mamba_chunk_size the
+  chunk of ours, linear_chunk), transformers' defaults where one is left out."""
+  d = int(c["hidden_size"])
+  heads = int(c.get("mamba_n_heads") or 128)
+  inner = int(c.get("mamba_expand") or 2) * d
+  head_dim = c.get("mamba_d_head", "auto")
+  head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+  if head_dim * heads != inner:
+    raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal "
+                     f"mamba_expand x hidden_size = {inner}")
+  if c.get("mamba_proj_bias"):
+    raise ValueError("mamba_proj_bias=true (biases on a Mamba2 layer's in_proj and "
+                     "out_proj) is not supported")
+  low, high = (_json_float(x) for x in c.get("time_step_limit") or (0.0, float("inf")))
+  return dict(layer_types=tuple(_GRANITE_LAYER_TYPES[k] for k in kinds),
+              linear_mixer="mamba2", linear_num_key_heads=int(c.get("mamba_n_groups") or 1),
+              linear_key_head_dim=int(c.get("mamba_d_state") or 256),
+              linear_num_value_heads=heads, linear_value_head_dim=head_dim,
+              linear_conv_kernel=int(c.get("mamba_d_conv") or 4),
+              linear_conv_bias=bool(c.get("mamba_conv_bias", True)),
+              linear_chunk=int(c.get("mamba_chunk_size") or 256),
+              linear_dt_min=float(low), linear_dt_max=float(high))
+
+
+def _mamba2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The mamba_* entries of a Granite 4 config.json (`_mamba2_from_hf`'s inverse)."""
+  heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+  if heads * head_dim % cfg.d_model:
+    raise ValueError(f"linear_num_value_heads x linear_value_head_dim = {heads * head_dim} "
+                     f"cannot be written as {GRANITE_HYBRID}: it must be a multiple "
+                     f"(mamba_expand) of d_model={cfg.d_model}")
+  return dict(mamba_n_heads=heads, mamba_d_head=head_dim,
+              mamba_expand=heads * head_dim // cfg.d_model,
+              mamba_n_groups=cfg.linear_num_key_heads, mamba_d_state=cfg.linear_key_head_dim,
+              mamba_d_conv=cfg.linear_conv_kernel, mamba_conv_bias=cfg.linear_conv_bias,
+              mamba_proj_bias=False, mamba_chunk_size=cfg.linear_chunk,
+              time_step_limit=[_float_to_json(cfg.linear_dt_min),
+                               _float_to_json(cfg.linear_dt_max)])
+
+
+def _json_float(x: Any) -> float:
+  """A float of a config.json: a number, or transformers' {"__float__": "Infinity"} (its
+  strict-JSON form of inf, -inf and NaN)."""
+  if isinstance(x, dict) and set(x) == {"__float__"}:
+    return float(x["__float__"])
+  return float(x)
+
+
+def _float_to_json(x: float) -> Any:
+  """`_json_float`'s inverse: inf, -inf and NaN in transformers' strict-JSON form."""
+  return x if np.isfinite(x) else {"__float__": {np.inf: "Infinity", -np.inf: "-Infinity"}
+                                   .get(x, "NaN")}
 
 
 def _llama4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -870,8 +933,15 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"{cfg.architecture}: multi-head latent attention is written as "
                      f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
   qwen3_5 = lm in _QWEN3_5S
+  mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
+  if mamba and lm != GRANITE_HYBRID:
+    raise ValueError(f"linear_mixer='mamba2' layers cannot be written as {arch}: "
+                     f"{GRANITE_HYBRID} holds them")
+  if lm == GRANITE_HYBRID and any(cfg.linear_layers) and not mamba:
+    raise ValueError(f"Gated DeltaNet layers cannot be written as {arch}: "
+                     f"{', '.join(_QWEN3_5S)} hold them")
   for name, value in (("attn_output_gate", cfg.attn_output_gate),
-                      ("linear_attention layers", any(cfg.linear_layers))):
+                      ("linear_attention layers", any(cfg.linear_layers) and not mamba)):
     if qwen3_5 != bool(value):
       raise ValueError(f"{name}={bool(value)} cannot be written as {arch}: "
                        f"{'it always has' if qwen3_5 else ', '.join(_QWEN3_5S) + ' hold'} "
@@ -1193,8 +1263,11 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                  num_experts_per_tok=cfg.num_experts_per_tok or 1,
                  shared_intermediate_size=(cfg.shared_expert_dim if cfg.num_experts
                                            else cfg.ffn_dim),
-                 layer_types=["attention"] * cfg.num_layers,
+                 layer_types=["mamba" if linear else "attention"
+                              for linear in cfg.linear_layers],
                  position_embedding_type=None if nope else "rope")
+      if any(cfg.linear_layers):
+        out.update(_mamba2_to_hf(cfg))
     else:
       out["mlp_bias"] = False
   elif lm == GLM4:
@@ -1309,7 +1382,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     mixture = cfg.mixture_flags[i]
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
-    if cfg.linear_layers[i]:
+    if cfg.linear_layers[i] and cfg.linear_mixer == "mamba2":
+      rows += _mamba2_rows(cfg, p, hf)
+    elif cfg.linear_layers[i]:
       rows += _linear_attention_rows(cfg, p, hf)
     elif cfg.kv_lora_rank:
       rows += _latent_attention_rows(cfg, p, hf)
@@ -1456,6 +1531,52 @@ def _linear_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
            (p + ("linear_attn", "o_proj"), attn + "out_proj.weight",
             lambda x: x.reshape(d, hv, dv).transpose(1, 2, 0),
             lambda x: x.transpose(2, 0, 1).reshape(d, hv * dv), (hv, dv, d))]
+  return rows
+
+
+def _mamba2_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """A Mamba2 layer (Granite 4's mamba): in_proj's rows are [z; x; B; C; dt] and the
+  depthwise conv1d's channels (and bias) [x; B; C]; ours keep each apart (`Mamba2`: x in
+  v_proj, B in k_proj, C in q_proj, dt in a_proj)."""
+  d, c = cfg.d_model, cfg.linear_conv_kernel
+  groups, heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  state, width = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  inner, bc = heads * width, groups * state
+  conv_total, in_total = inner + 2 * bc, 2 * inner + 2 * bc + heads
+  ident = lambda x: x  # noqa: E731
+  mamba = hf + "mamba."
+
+  def proj_in(shape):  # HF [prod(shape), d] <-> ours [d, *shape]
+    return (lambda x: x.T.reshape(d, *shape), lambda x: x.reshape(d, -1).T)
+
+  def taps(shape):  # HF [prod(shape), 1, c] <-> ours [*shape, c]
+    return (lambda x: x.reshape(*shape, c), lambda x: x.reshape(-1, 1, c))
+
+  def flat(shape):  # HF [prod(shape)] <-> ours shape
+    return (lambda x: x.reshape(shape), lambda x: x.reshape(-1))
+
+  conv = (("v", 0, (heads, width)), ("k", inner, (groups, state)),
+          ("q", inner + bc, (groups, state)))
+  inputs = (("z", 0, (heads, width)),) + tuple(
+      (name, inner + start, shape) for name, start, shape in conv) + (
+      ("a", 2 * inner + 2 * bc, (heads,)),)
+  rows = [(p + ("linear_attn", f"{name}_proj"), mamba + "in_proj.weight",
+           *_fused_part(proj_in(shape), start, int(np.prod(shape)), in_total), (d, *shape))
+          for name, start, shape in inputs]
+  rows += [(p + ("linear_attn", f"{name}_conv"), mamba + "conv1d.weight",
+            *_fused_part(taps(shape), start, int(np.prod(shape)), conv_total), (*shape, c))
+           for name, start, shape in conv]
+  if cfg.linear_conv_bias:
+    rows += [(p + ("linear_attn", f"{name}_conv_bias"), mamba + "conv1d.bias",
+              *_fused_part(flat(shape), start, int(np.prod(shape)), conv_total), shape)
+             for name, start, shape in conv]
+  rows += [(p + ("linear_attn", name), mamba + hf_name, ident, ident, (heads,))
+           for name, hf_name in (("A_log", "A_log"), ("dt_bias", "dt_bias"), ("D", "D"))]
+  rows += [(p + ("linear_attn", "norm"), mamba + "norm.weight", *flat((heads, width)),
+            (heads, width)),
+           (p + ("linear_attn", "o_proj"), mamba + "out_proj.weight",
+            lambda x: x.reshape(d, heads, width).transpose(1, 2, 0),
+            lambda x: x.transpose(2, 0, 1).reshape(d, inner), (heads, width, d))]
   return rows
 
 
@@ -1721,7 +1842,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     in_shape, _, out_shape, _ = _lora_axes(cfg, t, stack)
     fan_in, fan_out = int(np.prod(in_shape)), int(np.prod(out_shape))
     owner = _owner_path(cfg, t, stack)
-    module = {("linear_attn",): "linear_attn", ("attn",): "self_attn"}.get(
+    module = {("linear_attn",): _linear_module(cfg), ("attn",): "self_attn"}.get(
         owner) or _mlp_module(cfg, i)
     a_maps = (lambda x, s=in_shape: x.T.reshape(*s, r), lambda x, n=fan_in: x.reshape(n, r).T)
     b_maps = (lambda x, s=out_shape: x.T.reshape(r, *s), lambda x, n=fan_out: x.reshape(r, n).T)
@@ -1840,6 +1961,12 @@ _SCORE_MODULES = {"classifier", "score"}
 _PEFT_SCORE = "base_model.model.score.weight"
 
 
+def _linear_module(cfg: ModelConfig) -> str:
+  """The HF module of a linear-attention layer's mixer: Granite 4's mamba, or Qwen3.5's
+  linear_attn."""
+  return "mamba" if cfg.linear_mixer == "mamba2" else "linear_attn"
+
+
 def _mlp_module(cfg: ModelConfig, i: int) -> str:
   """The HF module within layer i that its MLP LoRA targets wrap: its dense MLP, or a
   mixture layer's shared expert (Llama 4's under feed_forward)."""
@@ -1875,7 +2002,7 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
       if cfg.mixture_flags[i] and not cfg.shared_expert_dim:
         return None
       return f"model.layers.{i}.{_mlp_module(cfg, i)}.{t}"
-    return f"model.layers.{i}.linear_attn.{t}" if linear else None
+    return f"model.layers.{i}.{_linear_module(cfg)}.{t}" if linear else None
 
   modules = {(i, t): module(i, t) for i in range(cfg.num_layers) for t in names
              if module(i, t) is not None}

@@ -324,7 +324,8 @@ _ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _LINEAR_PARTS = {"in_proj_qkv": ("q_proj", "k_proj", "v_proj"), "in_proj_z": ("z_proj",),
                  "in_proj_b": ("b_proj",), "in_proj_a": ("a_proj",),
                  "in_proj_qkvz": ("q_proj", "k_proj", "v_proj", "z_proj"),
-                 "in_proj_ba": ("b_proj", "a_proj"), "out_proj": ("o_proj",)}
+                 "in_proj_ba": ("b_proj", "a_proj"), "out_proj": ("o_proj",),
+                 "in_proj": ("z_proj", "v_proj", "k_proj", "q_proj", "a_proj")}
 
 
 def _linear_part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -1593,18 +1594,128 @@ class LinearAttention(nnx.Module):
     o = (o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
     y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
     y = _add_lora(self, "out_proj", y, o, "BTVH,VHR->BTR", "BTR,RD->BTD")
-    new_cache = None
-    if cache is not None:
-      new = LinearCache(q_conv.astype(cache.q_conv.dtype), k_conv.astype(cache.k_conv.dtype),
-                        v_conv.astype(cache.v_conv.dtype), state)
-      if layer is None:
-        new_cache = new
-      else:
-        new_cache = jax.tree.map(
-            lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), layer, 0),
-            cache, new)
-      new_cache = map_cache(ctx.constrain, new_cache)
-    return y, new_cache
+    return y, self._cache_out(cache, layer, q_conv, k_conv, v_conv, state, ctx)
+
+  @staticmethod
+  def _cache_out(cache, layer, q_conv, k_conv, v_conv, state, ctx):
+    """The cache after a call: None without one; else the new windows and state, written
+    in place at `layer` of a stacked cache."""
+    if cache is None:
+      return None
+    new = LinearCache(q_conv.astype(cache.q_conv.dtype), k_conv.astype(cache.k_conv.dtype),
+                      v_conv.astype(cache.v_conv.dtype), state)
+    if layer is not None:
+      new = jax.tree.map(
+          lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), layer, 0),
+          cache, new)
+    return map_cache(ctx.constrain, new)
+
+
+class Mamba2(LinearAttention):
+  """Mamba2's selective state space (Granite 4's -h- models' mamba layers), in the form
+  its duality with linear attention gives it: C is the query, B the key and x the value,
+  so its projections, convolutions and cache take `LinearAttention`'s names and shapes.
+
+  in_proj's parts are z_proj (the gate) and v_proj (x) [D, heads, head dim], k_proj (B)
+  and q_proj (C) [D, groups, state], and a_proj (the time step) [D, heads]. x, B and C
+  each pass one causal depthwise convolution of cfg.linear_conv_kernel taps (plus its
+  bias with cfg.linear_conv_bias) and SiLU. Then per head, dt_t = softplus(a_t + dt_bias)
+  clipped to [linear_dt_min, linear_dt_max] (in a decode step too, which transformers' and
+  mamba_ssm's one-token steps skip: a token scores the same decoded or prefilled), and
+  the state S [state, head dim] (groups shared by heads in order, as key heads are):
+
+      S <- exp(-exp(A_log) dt_t) S + B_t (dt_t x_t)^T,    y_t = S^T C_t + D x_t
+
+  (`kernels.gated_linear_attention`). y is gated by SiLU(z), RMS-normed over each group's
+  heads together (Mamba2's gated norm, norm_before_gate=False), scaled by `norm` [heads,
+  head dim], and projected back by o_proj (out_proj). Padding and new segments behave as
+  in `LinearAttention`: the cache is the same `LinearCache` (C's window in q_conv, B's in
+  k_conv, x's in v_conv; the state [heads, state, head dim]).
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    d, c = cfg.d_model, cfg.linear_conv_kernel
+    groups, heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    state, width = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    parts = {"q": (groups, state), "k": (groups, state), "v": (heads, width)}
+    for name, shape in {**parts, "z": (heads, width)}.items():
+      setattr(self, f"{name}_proj", _param(rngs, (d, *shape),
+                                           ("embed", "linear_heads", "head_dim"), pd, std=std))
+    self.a_proj = _param(rngs, (d, heads), ("embed", "linear_heads"), pd, std=std)
+    conv_std = float(1.0 / np.sqrt(c))
+    for name, shape in parts.items():  # taps oldest input first, as LinearAttention's
+      setattr(self, f"{name}_conv", _param(rngs, (*shape, c),
+                                           ("linear_heads", "head_dim", None), pd,
+                                           std=conv_std))
+      if cfg.linear_conv_bias:
+        setattr(self, f"{name}_conv_bias", _param(None, shape, ("linear_heads", "head_dim"),
+                                                  pd, init="zeros"))
+    # transformers' Granite 4 initialisation: A = 1..heads, dt_bias and D one.
+    self.A_log = nnx.Param(jnp.log(jnp.arange(1, heads + 1, dtype=jnp.float32)).astype(pd),
+                           logical_axes=("linear_heads",))
+    self.dt_bias = _param(None, (heads,), ("linear_heads",), pd, init="ones")
+    self.D = _param(None, (heads,), ("linear_heads",), pd, init="ones")
+    self.norm = _param(None, (heads, width), ("linear_heads", "head_dim"), pd, init="ones")
+    self.o_proj = _param(rngs, (heads, width, d), ("linear_heads", "head_dim", "embed"), pd,
+                         std=std)
+
+  def __call__(self, x_BxTxD, segment_ids_BxT, cache: LinearCache | None,
+               ctx: ShardingContext, prefill: bool = False, layer=None):
+    """(y [B, T, D], the new cache or None), as `LinearAttention.__call__`."""
+    import kernels
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    x = x_BxTxD.astype(dt)
+    b, t, _ = x.shape
+    heads = ("batch", "length", "linear_heads", "head_dim")
+    outs = {name: jnp.einsum("BTD,D...->BT...", x, getattr(self, name)[...].astype(dt))
+            for name in ("z_proj", "v_proj", "k_proj", "q_proj", "a_proj")}
+    for target in cfg.lora_target_names:
+      if target in _LINEAR_PARTS and target != "out_proj":
+        outs = _add_fused_lora(self, target, outs, x)
+    old = None
+    if cache is not None and not prefill:
+      old = cache if layer is None else jax.tree.map(lambda c: c[layer], cache)
+    valid = (segment_ids_BxT != 0)[:, :, None, None]
+
+    def conv(name, state):  # [B, T, H, F] through its taps [H, F, C] (and bias), SiLU
+      u = ctx.constrain(outs[f"{name}_proj"], heads)
+      h, f = u.shape[2:]
+      w = getattr(self, f"{name}_conv")[...].astype(dt).reshape(h * f, -1)
+      bias = getattr(self, f"{name}_conv_bias", None)
+      out, final = kernels.causal_conv1d(
+          u.reshape(b, t, h * f), w, segment_ids=segment_ids_BxT,
+          initial_state=None if state is None else state.reshape(b, -1, h * f),
+          activation="silu" if bias is None else None, return_final_state=True)
+      out = out.reshape(u.shape)
+      if bias is not None:  # act(conv + bias); padding stays 0
+        out = jnp.where(valid, jax.nn.silu(out + bias[...].astype(dt)[None, None]), 0)
+      return out.astype(dt), final.reshape(b, -1, h, f)
+
+    xs, v_conv = conv("v", None if old is None else old.v_conv)
+    bs, k_conv = conv("k", None if old is None else old.k_conv)
+    cs, q_conv = conv("q", None if old is None else old.q_conv)
+    step = jax.nn.softplus(outs["a_proj"].astype(jnp.float32)
+                           + self.dt_bias[...].astype(jnp.float32)[None, None])
+    step = jnp.clip(step, cfg.linear_dt_min, cfg.linear_dt_max)
+    g = -jnp.exp(self.A_log[...].astype(jnp.float32))[None, None] * step
+    x32 = xs.astype(jnp.float32)
+    out, state = kernels.gated_linear_attention(
+        cs, bs, x32 * step[..., None], g, segment_ids=segment_ids_BxT,
+        initial_state=None if old is None else old.state, chunk_size=cfg.linear_chunk,
+        return_final_state=True)
+    y32 = out.astype(jnp.float32) + self.D[...].astype(jnp.float32)[None, None, :, None] * x32
+    y32 = ctx.constrain(y32 * jax.nn.silu(outs["z_proj"].astype(jnp.float32)), heads)
+    groups = cfg.linear_num_key_heads
+    grouped = y32.reshape(b, t, groups, -1)
+    grouped = grouped * jax.lax.rsqrt(jnp.mean(jnp.square(grouped), -1, keepdims=True)
+                                      + cfg.norm_eps)
+    o = (self.norm[...].astype(jnp.float32)[None, None] * grouped.reshape(y32.shape)
+         ).astype(dt)
+    y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
+    y = _add_lora(self, "out_proj", y, o, "BTVH,VHR->BTR", "BTR,RD->BTD")
+    return y, self._cache_out(cache, layer, q_conv, k_conv, v_conv, state, ctx)
 
 
 class Block(nnx.Module):
@@ -1622,7 +1733,8 @@ class Block(nnx.Module):
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
     if linear:
-      self.linear_attn = LinearAttention(cfg, rngs)
+      mixer = Mamba2 if cfg.linear_mixer == "mamba2" else LinearAttention
+      self.linear_attn = mixer(cfg, rngs)
     else:
       self.attn = Attention(cfg, rngs)
     if not cfg.output_norms:
@@ -1777,6 +1889,8 @@ class Transformer(nnx.Module):
       local = _rope_tables(cfg.rope_local, self._rope_local, positions_BxT, segment_ids_BxT)
     stats = None
     if cfg.scan_layers and any(cfg.linear_layers):
+      if all(cfg.nope_layers):  # no position embedding at all (Granite 4's -h- models)
+        tables = tuple(f(t) for f, t in zip((jnp.ones_like, jnp.zeros_like), tables))
       x, new_caches, stats = _scan_hybrid(self.linear_layers, self.layers, cfg, x, tables,
                                           segment_ids_BxT, cache, positions_BxT, ctx,
                                           prefill, router_loss)

@@ -1,12 +1,12 @@
 """Granite 3 (GraniteForCausalLM), Granite 3 MoE (GraniteMoeForCausalLM, and with a
 shared expert GraniteMoeSharedForCausalLM) and Granite 4's attention-only models
-(GraniteMoeHybridForCausalLM) against `transformers`: Llama's
-layout scaled by four scalars (the embeddings, each sublayer's residual branch, the
-attention's scale and the logits), the MoE's experts stacked in input_linear /
-output_linear under Mixtral's routing, Granite 4's MLP a fused shared_mlp (a shared
-expert beside its experts), with or without rotary embeddings. Logits and log-prob gradients
-(layer list and scanned), greedy generation through the sampler, export, PEFT adapters
-(the routed experts' too), and what other classes refuse."""
+(GraniteMoeHybridForCausalLM; its Mamba2 layers are test_granite4_hybrid_hf.py's) against
+`transformers`: Llama's layout scaled by four scalars (the embeddings, each sublayer's
+residual branch, the attention's scale and the logits), the MoE's experts stacked in
+input_linear / output_linear under Mixtral's routing, Granite 4's MLP a fused shared_mlp
+(a shared expert beside its experts), with or without rotary embeddings. Logits and
+log-prob gradients (layer list and scanned), greedy generation through the sampler,
+export, PEFT adapters (the routed experts' too), and what other classes refuse."""
 
 import json
 import pathlib
@@ -198,14 +198,16 @@ def test_granite4_peft_adapters_on_the_attention_and_experts_round_trip(saved, t
                              str(tmp_path / "mlp"))
 
 
-def test_granite4_hybrid_mamba_layers_are_refused(saved):
-  """The granite-4.0-h models' Mamba2 layers: a one-line error naming them; and what the
-  class cannot hold (layers both rotary and NoPE; experts without its shared_mlp)."""
+def test_what_granite4_cannot_hold_is_refused(saved):
+  """Layer kinds other than attention and mamba (its Mamba2 layers: test_granite4_hybrid_
+  hf.py), Mamba2 layers alone, layers both rotary and NoPE, experts without the
+  shared_mlp: one-line errors."""
   config = json.loads(pathlib.Path(saved["g4"][0], "config.json").read_text())
-  for kinds in (["mamba", "attention", "mamba"], ["linear_attention"] * 3):
-    with pytest.raises(ValueError, match=r"GraniteMoeHybridForCausalLM with Mamba2 layers "
-                                         r"\(layers \[0"):
-      models.hf_config_to_model_config({**config, "layer_types": kinds})
+  with pytest.raises(ValueError, match=r"layer_types=\['mamba', 'moe', 'attention'\] in a "
+                                       r"GraniteMoeHybridForCausalLM config.json"):
+    models.hf_config_to_model_config({**config, "layer_types": ["mamba", "moe", "attention"]})
+  with pytest.raises(ValueError, match="layer_types has no full_attention layer"):
+    models.hf_config_to_model_config({**config, "layer_types": ["mamba"] * 3})
   moe = models.from_pretrained(saved["g4_moe"][0]).cfg
   with pytest.raises(ValueError, match="shared_expert_dim=0 cannot be written as "
                                        "GraniteMoeHybridForCausalLM"):
