@@ -88,7 +88,7 @@ def _conv_residuals(length: int = 4096, channels: int = 8192, width: int = 4,
             jax.ShapeDtypeStruct((1, width - 1, channels), jnp.bfloat16)]
   arms = {"remat": lambda x, w, s0: kernels.causal_conv1d(x, w, segment_ids=seg,
                                                           initial_state=s0),
-          "plain": lambda x, w, s0: module._causal_conv1d(x, w, seg, s0, "silu", False)}
+          "plain": lambda x, w, s0: module._causal_conv1d(x, w, None, seg, s0, "silu", False)}
   for name, fn in arms.items():
     residuals = jax.tree.leaves(jax.eval_shape(lambda *a, fn=fn: jax.vjp(fn, *a)[1],
                                                *inputs))

@@ -313,13 +313,16 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
   return _finish(out, state, v, return_final_state)
 
 
-def _check_conv_inputs(x, w, segment_ids, initial_state, activation):
+def _check_conv_inputs(x, w, bias, segment_ids, initial_state, activation):
   if x.ndim != 3:
     raise ValueError(f"x must be [batch, T, channels], got shape {x.shape}")
   batch, length, channels = x.shape
   if w.ndim != 2 or w.shape[0] != channels or w.shape[1] < 1:
     raise ValueError(f"w must be [channels, width] = [{channels}, >= 1], got shape "
                      f"{w.shape}")
+  if bias is not None and tuple(bias.shape) != (channels,):
+    raise ValueError(f"bias must be [channels] = [{channels}], got shape "
+                     f"{tuple(bias.shape)}")
   _check_segment_ids(segment_ids, batch, length)
   history = w.shape[1] - 1
   if initial_state is not None and tuple(initial_state.shape) != (batch, history,
@@ -331,18 +334,19 @@ def _check_conv_inputs(x, w, segment_ids, initial_state, activation):
     raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
 
 
-def causal_conv1d(x, w, *, segment_ids=None, initial_state=None, activation="silu",
-                  return_final_state: bool = False):
+def causal_conv1d(x, w, *, bias=None, segment_ids=None, initial_state=None,
+                  activation="silu", return_final_state: bool = False):
   """Depthwise causal convolution over time, padding skipped, restarting per sequence.
 
-    out_t = act(sum_j w[:, j] * x_{t-K+1+j})
+    out_t = act(sum_j w[:, j] * x_{t-K+1+j} + bias)
 
   where x_{t-s} is the s-th non-padding input before t of t's sequence (zeros before
   the sequence starts; the row's first sequence reads initial_state there instead).
 
   Args:
     x: [batch, T, channels].
-    w: [channels, K], torch's conv1d weight [channels, 1, K] squeezed; no bias.
+    w: [channels, K], torch's conv1d weight [channels, 1, K] squeezed.
+    bias: [channels] or None (Mamba2's conv1d has one; Gated DeltaNet's none).
     segment_ids: int [batch, T] or None (all ones); see the module docstring.
     initial_state: [batch, K-1, channels], the K-1 inputs before x, or None (zeros).
     activation: "silu" or None.
@@ -355,10 +359,10 @@ def causal_conv1d(x, w, *, segment_ids=None, initial_state=None, activation="sil
     non-padding inputs of the row's last sequence, oldest first (zeros before that
     sequence's start, or initial_state entries shifted in if it is the row's first).
   """
-  _check_conv_inputs(x, w, segment_ids, initial_state, activation)
+  _check_conv_inputs(x, w, bias, segment_ids, initial_state, activation)
   # Rematerialised: the backward pass keeps the inputs alone and rebuilds what it needs.
-  conv = jax.checkpoint(_causal_conv1d, static_argnums=(4, 5), prevent_cse=False)
-  return conv(x, w, segment_ids, initial_state, activation, bool(return_final_state))
+  conv = jax.checkpoint(_causal_conv1d, static_argnums=(5, 6), prevent_cse=False)
+  return conv(x, w, bias, segment_ids, initial_state, activation, bool(return_final_state))
 
 
 def _shifted(a, s: int, fill):
@@ -409,7 +413,7 @@ def _packed_conv_bwd(residuals, dy_BxLxC):
 _packed_conv.defvjp(_packed_conv_fwd, _packed_conv_bwd)
 
 
-def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_state):
+def _causal_conv1d(x, w, bias, segment_ids, initial_state, activation, return_final_state):
   batch, length, channels = x.shape
   width = w.shape[1]
   history = width - 1
@@ -422,6 +426,8 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
   if segment_ids is None:  # one sequence a row, the state before it: nothing to pack
     y_BxTxC = _packed_conv(x_BxLxC, jnp.zeros((batch, total), jnp.int32),
                            w_CxK)[:, history:]
+    if bias is not None:
+      y_BxTxC = y_BxTxC + bias.astype(jnp.float32)[None, None]
     if activation == "silu":
       y_BxTxC = jax.nn.silu(y_BxTxC)
     out = y_BxTxC.astype(x.dtype)
@@ -448,6 +454,8 @@ def _causal_conv1d(x, w, segment_ids, initial_state, activation, return_final_st
   packed_BxLxC = jnp.take_along_axis(x_BxLxC, position_BxL[..., None], axis=1)
   run_packed_BxL = jnp.take_along_axis(run_BxL, position_BxL, axis=1)
   y_BxLxC = _packed_conv(packed_BxLxC, run_packed_BxL, w_CxK)
+  if bias is not None:
+    y_BxLxC = y_BxLxC + bias.astype(jnp.float32)[None, None]
   if activation == "silu":
     y_BxLxC = jax.nn.silu(y_BxLxC)
   count_BxT = count_BxL[:, history:]

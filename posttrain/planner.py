@@ -510,6 +510,27 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
   of 128, c 64, bfloat16) that is 344 KiB a token, beside 120 KiB for the rest of the
   layer under dots (610 KiB without remat). dots_with_no_batch_dims keeps none of them
   (every one has batch dimensions), nor the states: its backward reruns the scan.
+
+  A Mamba2 layer (cfg.linear_mixer "mamba2", `Mamba2`: Hk its groups, Dk its state, Hv
+  its heads, Dv their width) keeps instead:
+
+    none                     s 4D + 4(4D + 4) + MLP         the block, as attention's
+                             + s(4V + 2K) + 4V(2 + p) + V + 8K(1 + p) + 2K + 29Hv
+                             + p(4Hv + 1 + 4 Hv Dk Dv / c)  (+ 4V below float32)
+    dots                     s(2D + 2K + 2V + Hv) + MLP dots
+                             + 4p(3 Hv Dv + Hv Dk + Hk c + Hv Dk Dv / c)
+    dots_with_no_batch_dims  s(2D + 2K + 2V + Hv) + MLP dots
+    full                     s D
+
+  Without remat: z, the convolutions' inputs and x's output (the compute dtype), x in
+  float32 (the same array in a float32 model), the float32 masked q, k, v and g with
+  their masks and again cut into chunks, the state entering each chunk, the scan's
+  float32 output and the gated norm's output (`_mamba2_gated_norm` is rematerialised),
+  and the time step's float32 columns. A dots policy keeps the five projections, the
+  gated norm's output and out_proj's, and in each chunk's body C.B [Hk, c, c], the
+  decayed values and outputs ([c, Dv] three times), the decayed keys [c, Dk] and the
+  state. Beside these once per layer: the taps (and biases) s(2K + V)(C + 1) and two
+  float32 [Hv] columns of the decay.
   """
   cfg = model_cfg
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
@@ -522,9 +543,11 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
               + _lora_kept(cfg, remat, {"in_proj_qkv": 2 * k + v, "in_proj_z": v,
                                         "in_proj_b": hv, "in_proj_a": hv,
                                         "in_proj_qkvz": 2 * k + 2 * v, "in_proj_ba": 2 * hv,
-                                        "out_proj": d},
+                                        "in_proj": 2 * k + 2 * v + hv, "out_proj": d},
                            _lora_mlp_width(cfg, mlp, shared, dense),
                            gated_mlp=cfg.shared_expert_gate and not dense))
+  if cfg.linear_mixer == "mamba2":
+    return _mamba2_layer_bytes(cfg, remat, s, d, hk, hv, c, padded, mlp_kept)
   if remat == "none":
     return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept
             + (33 + 3 * s) * v + (18 + 2 * s) * k + 34 * hv + 16 * hk
@@ -541,6 +564,27 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
 
 
+def _mamba2_layer_bytes(cfg: models.ModelConfig, remat: str, s: int, d: int, hk: int,
+                       hv: int, c: int, padded: float, mlp_kept: float) -> float:
+  """`linear_layer_activation_bytes` of a Mamba2 layer (the table in its docstring)."""
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  k, v = hk * dk, hv * dv
+  state = hv * dk * dv / c
+  if remat == "none":
+    return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept
+            + s * (4 * v + 2 * k) + (4 * v if s < 4 else 0) + 4 * v * (2 + padded) + v
+            + 8 * k * (1 + padded) + 2 * k + 29 * hv
+            + padded * (4 * hv + 1 + 4 * state))
+  projections = s * (2 * d + 2 * k + 2 * v + hv) + mlp_kept
+  if remat == "dots":
+    return projections + 4 * padded * (3 * hv * dv + hv * dk + hk * c + state)
+  if remat == "dots_with_no_batch_dims":
+    return projections
+  if remat == "full":
+    return s * d
+  raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
 def _linear_layer_constant(cfg: models.ModelConfig, remat: str, key_heads: int,
                            value_heads: int) -> int:
   """What a Gated DeltaNet layer keeps once, whatever its tokens, without remat: the
@@ -550,6 +594,8 @@ def _linear_layer_constant(cfg: models.ModelConfig, remat: str, key_heads: int,
     return 0
   s = np.dtype(cfg.dtype).itemsize
   k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
+  if cfg.linear_mixer == "mamba2":  # the taps and biases; the norm is rematerialised
+    return s * (2 * k + v) * (cfg.linear_conv_kernel + cfg.linear_conv_bias) + 8 * value_heads
   return s * ((2 * k + v) * cfg.linear_conv_kernel + cfg.linear_value_head_dim) + 8 * value_heads
 
 

@@ -411,6 +411,31 @@ def test_linear_attention_mixture_saved_activations_match_what_jax_keeps(dtype, 
   assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
 
 
+# Granite 4's -h- layout at Qwen3.5's widths: three Mamba2 layers (2 groups of B and C
+# with a state of 16, 6 heads of 24, the convolution's bias) to each attention layer.
+MAMBA2 = {**{k: v for k, v in QWEN3_5.items()
+             if k not in ("attn_output_gate", "qk_norm", "norm_unit_offset")},
+          "linear_mixer": "mamba2", "linear_conv_bias": True}
+
+
+@pytest.mark.parametrize("dtype, remat, length", [
+    *((dtype, remat, 128) for dtype in ("float32", "bfloat16")
+      for remat in ("none", "dots", "dots_with_no_batch_dims", "full")),
+    ("bfloat16", "none", 100),  # the scan's last chunk padded
+    ("float32", "dots", 100),
+])
+def test_mamba2_saved_activations_match_what_jax_keeps(dtype, remat, length):
+  """A Mamba2 layer keeps without remat its convolutions' inputs, the scan's float32
+  masked and chunked inputs, its state entering each chunk, its output and the gated
+  norm's; a dots policy its five projections and each chunk's batched matmuls;
+  dots_with_no_batch_dims the projections alone. Its share is exact but for its norms'
+  scales, as a Gated DeltaNet layer's."""
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype)
+  planned, kept, planned_layer, kept_layer = _linear_layer_share(MAMBA2, 4, length, **widths)
+  assert planned == pytest.approx(kept, rel=0.05)
+  assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
+
+
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_linear_heads_split_over_tensor(remat):
   """Over fsdp 4 x tensor 2 a device keeps of 8 rows what one device keeps of 2 rows of

@@ -1611,6 +1611,20 @@ class LinearAttention(nnx.Module):
     return map_cache(ctx.constrain, new)
 
 
+@functools.partial(jax.checkpoint, static_argnums=(5, 6), prevent_cse=False)
+def _mamba2_gated_norm(out, x, z, skip, scale, groups: int, eps: float):
+  """Mamba2's output [B, T, H, P] in x's dtype: (out + D x) SiLU(z), RMS-normed over
+  each of `groups` runs of heads, times `scale` [H, P], in float32 and cast once (as
+  transformers' is). Rematerialised: the backward keeps its inputs alone, not the six
+  float32 [H, P] rows of its steps."""
+  x32 = x.astype(jnp.float32)
+  y = out.astype(jnp.float32) + skip.astype(jnp.float32)[None, None, :, None] * x32
+  y = y * jax.nn.silu(z.astype(jnp.float32))
+  grouped = y.reshape(*y.shape[:2], groups, -1)
+  grouped = grouped * jax.lax.rsqrt(jnp.mean(jnp.square(grouped), -1, keepdims=True) + eps)
+  return (scale.astype(jnp.float32)[None, None] * grouped.reshape(y.shape)).astype(x.dtype)
+
+
 class Mamba2(LinearAttention):
   """Mamba2's selective state space (Granite 4's -h- models' mamba layers), in the form
   its duality with linear attention gives it: C is the query, B the key and x the value,
@@ -1677,7 +1691,6 @@ class Mamba2(LinearAttention):
     old = None
     if cache is not None and not prefill:
       old = cache if layer is None else jax.tree.map(lambda c: c[layer], cache)
-    valid = (segment_ids_BxT != 0)[:, :, None, None]
 
     def conv(name, state):  # [B, T, H, F] through its taps [H, F, C] (and bias), SiLU
       u = ctx.constrain(outs[f"{name}_proj"], heads)
@@ -1685,13 +1698,12 @@ class Mamba2(LinearAttention):
       w = getattr(self, f"{name}_conv")[...].astype(dt).reshape(h * f, -1)
       bias = getattr(self, f"{name}_conv_bias", None)
       out, final = kernels.causal_conv1d(
-          u.reshape(b, t, h * f), w, segment_ids=segment_ids_BxT,
+          u.reshape(b, t, h * f), w,
+          bias=None if bias is None else bias[...].astype(dt).reshape(h * f),
+          segment_ids=segment_ids_BxT,
           initial_state=None if state is None else state.reshape(b, -1, h * f),
-          activation="silu" if bias is None else None, return_final_state=True)
-      out = out.reshape(u.shape)
-      if bias is not None:  # act(conv + bias); padding stays 0
-        out = jnp.where(valid, jax.nn.silu(out + bias[...].astype(dt)[None, None]), 0)
-      return out.astype(dt), final.reshape(b, -1, h, f)
+          activation="silu", return_final_state=True)
+      return out.reshape(u.shape), final.reshape(b, -1, h, f)
 
     xs, v_conv = conv("v", None if old is None else old.v_conv)
     bs, k_conv = conv("k", None if old is None else old.k_conv)
@@ -1705,14 +1717,9 @@ class Mamba2(LinearAttention):
         cs, bs, x32 * step[..., None], g, segment_ids=segment_ids_BxT,
         initial_state=None if old is None else old.state, chunk_size=cfg.linear_chunk,
         return_final_state=True)
-    y32 = out.astype(jnp.float32) + self.D[...].astype(jnp.float32)[None, None, :, None] * x32
-    y32 = ctx.constrain(y32 * jax.nn.silu(outs["z_proj"].astype(jnp.float32)), heads)
-    groups = cfg.linear_num_key_heads
-    grouped = y32.reshape(b, t, groups, -1)
-    grouped = grouped * jax.lax.rsqrt(jnp.mean(jnp.square(grouped), -1, keepdims=True)
-                                      + cfg.norm_eps)
-    o = (self.norm[...].astype(jnp.float32)[None, None] * grouped.reshape(y32.shape)
-         ).astype(dt)
+    o = ctx.constrain(_mamba2_gated_norm(out, xs, outs["z_proj"], self.D[...],
+                                         self.norm[...], cfg.linear_num_key_heads,
+                                         cfg.norm_eps), heads)
     y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
     y = _add_lora(self, "out_proj", y, o, "BTVH,VHR->BTR", "BTR,RD->BTD")
     return y, self._cache_out(cache, layer, q_conv, k_conv, v_conv, state, ctx)

@@ -322,10 +322,12 @@ def test_backward_saves_no_chunk_matrices():
 
 # causal_conv1d.
 
-def np_causal_conv1d(x, w, segment_ids=None, initial_state=None, activation="silu"):
+def np_causal_conv1d(x, w, segment_ids=None, initial_state=None, activation="silu",
+                     bias=None):
   """The window of each token built from the contract, one token at a time."""
   x = np.asarray(x, np.float64)
   w = np.asarray(w, np.float64)
+  bias = 0.0 if bias is None else np.asarray(bias, np.float64)
   b, t, c = x.shape
   width = w.shape[1]
   seg = np.ones((b, t), int) if segment_ids is None else np.asarray(segment_ids)
@@ -342,7 +344,7 @@ def np_causal_conv1d(x, w, segment_ids=None, initial_state=None, activation="sil
         history = list(np.zeros((width - 1, c)))
       previous = seg[row, i]
       window = np.stack(history + [x[row, i]])  # [width, c], oldest first
-      y = np.einsum("jc,cj->c", window, w)
+      y = np.einsum("jc,cj->c", window, w) + bias
       out[row, i] = y / (1 + np.exp(-y)) if activation == "silu" else y
       history = list(window[1:])
     if width > 1:
@@ -371,6 +373,23 @@ def test_conv_matches_numpy_oracle(segments, activation):
   assert out.dtype == x.dtype and state.shape == s0.shape
   assert_close(out, want_out, F32_TOL, "out")
   assert_close(state, want_state, F32_TOL, "final state")
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_conv_bias_is_added_before_the_activation(segments):
+  """Mamba2's conv1d bias: act(conv + bias) at every valid token, 0 at padding; the
+  final state holds inputs, untouched by it."""
+  x, w, s0 = conv_inputs()
+  bias = jnp.asarray(np.random.default_rng(6).normal(size=(6,)), jnp.float32)
+  seg = jnp.asarray(hostile_segments(2, 37)) if segments else None
+  out, state = conv(x, w, bias=bias, segment_ids=seg, initial_state=s0)
+  want_out, want_state = np_causal_conv1d(x, w, seg, s0, "silu", bias)
+  assert_close(out, want_out, F32_TOL, "out")
+  assert_close(state, want_state, F32_TOL, "final state")
+  if segments:
+    assert np.all(np.asarray(out)[np.asarray(seg) == 0] == 0)
+  with pytest.raises(ValueError, match=r"^bias must be \[channels\] = \[6\]"):
+    kernels.causal_conv1d(x, w, bias=bias[:5])
 
 
 def test_conv_padding_is_transparent():
