@@ -1,6 +1,7 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
-a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers) and a
-Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
+a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
+Granite 3 MoE, a Granite 4 hybrid (Mamba2) and a Phi-3 (LongRoPE, partial rotary) Hugging
+Face folder, end to end: SFT and RL steps
 with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
 folder that transformers loads into the same class and computes our logits with."""
 
@@ -80,6 +81,15 @@ FAMILIES = {
                         num_experts_per_tok=2, norm_topk_prob=True, ffn_dim=64,
                         embedding_multiplier=12.0, residual_multiplier=0.22,
                         attention_multiplier=0.0625, logits_scaling=8.0),
+    # Granite 4's -h- layout: a Mamba2 layer (its conv bias; rollouts through its state,
+    # packed SFT rows through its resets) beside an attention layer, no position embedding.
+    "granite4_h": dict(architecture="GraniteMoeHybridForCausalLM",
+                       layer_types=("linear_attention", "full_attention"),
+                       linear_mixer="mamba2", linear_num_key_heads=1, linear_key_head_dim=16,
+                       linear_num_value_heads=4, linear_value_head_dim=32,
+                       linear_conv_bias=True, rope_layers=(0, 0), embedding_multiplier=6.0,
+                       residual_multiplier=0.5, attention_multiplier=0.0625,
+                       logits_scaling=4.0),
 }
 
 
