@@ -2,12 +2,16 @@
 recurrence, forward and forward + backward, on this CPU.
 
     python -m benchmarks.gated_delta_rule [--lengths=512,2048,8192] [--reps=5]
+    python -m benchmarks.gated_delta_rule --mixer=mamba2   # gated linear attention
     python -m benchmarks.gated_delta_rule --conv_tpu=v5p:2x2x1   # libtpu, no TPU
 
 Both arms compute the same outputs (`kernels.gated_delta_rule` and
 `kernels.gated_delta_rule_reference`, checked equal here) for one row of Qwen3.5-shaped
 heads scaled down (4 key heads, 8 value heads, 64 features each). Prints the median wall
-time of each and XLA's temporary bytes of the compiled forward + backward.
+time of each and XLA's temporary bytes of the compiled forward + backward. With
+--mixer=mamba2 the arms are `kernels.gated_linear_attention` (chunks of 64) and its
+per-token reference over Mamba2-shaped heads (one group of B and C with a state of 64, 8
+heads of 64), v = x dt and g = dt A as `Mamba2` gives them.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--lengths", default="512,2048,8192")
   parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--mixer", default="delta", choices=("delta", "mamba2"))
   parser.add_argument("--conv_tpu", default="", help="only compile the convolution's "
                       "forward + backward for one chip of this TPU topology (e.g. "
                       "v5p:2x2x1; needs libtpu) and print its temporaries, ours and naive")
@@ -46,14 +51,19 @@ def main() -> None:
     _conv_tpu(args.conv_tpu)
     return
   arms = {"chunked": kernels.gated_delta_rule, "recurrent": kernels.gated_delta_rule_reference}
+  make = _inputs
+  if args.mixer == "mamba2":
+    arms = {"chunked": kernels.gated_linear_attention,
+            "recurrent": kernels.gated_linear_attention_reference}
+    make = _mamba2_inputs
   print(f"{'T':>6} {'arm':>9} {'fwd ms':>9} {'fwd+bwd ms':>11} {'bwd temp MiB':>13}")
   for length in (int(n) for n in args.lengths.split(",")):
-    inputs = _inputs(length)
+    inputs = make(length)
     outs, rows = {}, {}
     for name, fn in arms.items():
       forward = jax.jit(lambda *a, fn=fn: fn(*a))
       loss = lambda *a, fn=fn: jnp.sum(fn(*a) ** 2)  # noqa: E731
-      grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+      grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(inputs)))))
       outs[name] = np.asarray(forward(*inputs))
       temp = grad.lower(*inputs).compile().memory_analysis().temp_size_in_bytes
       rows[name] = (_median_seconds(forward, inputs, args.reps),
@@ -62,8 +72,24 @@ def main() -> None:
     for name, (fwd, both, temp) in rows.items():
       print(f"{length:>6} {name:>9} {1e3 * fwd:>9.1f} {1e3 * both:>11.1f} {temp:>13.1f}")
     ratio = rows["recurrent"][1] / rows["chunked"][1]
-    print(f"{length:>6} recurrent / chunked, forward + backward: {ratio:.1f}x")
-  _conv_residuals()
+    memory = rows["recurrent"][2] / rows["chunked"][2]
+    print(f"{length:>6} recurrent / chunked, forward + backward: {ratio:.1f}x time, "
+          f"{memory:.1f}x temporaries")
+  if args.mixer == "delta":
+    _conv_residuals()
+
+
+def _mamba2_inputs(length: int, groups: int = 1, heads: int = 8, state: int = 64,
+                   width: int = 64):
+  """(C, B, x dt, dt A) of one row as `Mamba2` hands them to the scan."""
+  r = np.random.default_rng(0)
+  c = jnp.asarray(r.normal(size=(1, length, groups, state)), jnp.float32)
+  b = jnp.asarray(r.normal(size=(1, length, groups, state)), jnp.float32)
+  dt = np.log1p(np.exp(r.normal(size=(1, length, heads)) - 2.0))  # softplus
+  x = r.normal(size=(1, length, heads, width))
+  a = -np.arange(1, heads + 1)
+  return (c, b, jnp.asarray(x * dt[..., None], jnp.float32),
+          jnp.asarray(dt * a, jnp.float32))
 
 
 def _two_sequences(rows: int, length: int):

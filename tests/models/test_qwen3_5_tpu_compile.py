@@ -1,6 +1,7 @@
 """A Qwen3.5 model (Gated DeltaNet layers beside gated full attention, layers scanned a
 period at a time) compiles for a TPU slice (libtpu, no TPU): its sharded gradient, and
-the sampler's prefill and decode programs with the recurrent state in the cache."""
+the sampler's prefill and decode programs with the recurrent state in the cache; and a
+Granite 4 hybrid's Mamba2 layers likewise."""
 from __future__ import annotations
 
 import jax
@@ -78,3 +79,39 @@ def test_a_period_rebuilds_one_linear_layer_at_a_time():
     compiled = compile_for(mesh, jax.grad(loss), state, tokens)
     temps[len(pattern)] = compiled.memory_analysis().temp_size_in_bytes
   assert temps[4] < 1.6 * temps[2], temps
+
+
+@pytest.mark.slow  # about 40 s of compiling
+def test_a_granite4_hybrid_compiles_on_a_sharded_tpu_mesh():
+  """Granite 4's -h- layout (Mamba2 layers: one group of B and C, a state of 128, the
+  scan in chunks of 256, no position embedding) compiles for a TPU slice: its sharded
+  gradient, and the sampler's decode with the Mamba2 state [heads, 128, head dim] in the
+  cache, its heads split over tensor."""
+  cfg = CFG.replace(architecture="GraniteMoeHybridForCausalLM", qk_norm=False,
+                    norm_unit_offset=False, attn_output_gate=False, linear_mixer="mamba2",
+                    linear_num_key_heads=1, linear_key_head_dim=128,
+                    linear_num_value_heads=8, linear_value_head_dim=64, linear_chunk=256,
+                    linear_conv_bias=True, rope_layers=(0,) * 4, rope=models.RopeConfig())
+  mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
+  graphdef, state = models.abstract_model(cfg)
+  shardings = models.state_shardings(state, mesh)
+  state = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                       state, shardings)
+  tokens = spec(mesh, (4, 1024), jnp.int32, P("data"))
+  ctx = models.ShardingContext(mesh)
+
+  def loss(state, tokens):
+    model = nnx.merge(graphdef, state)
+    return model(tokens, segment_ids_BxT=jnp.ones_like(tokens), ctx=ctx).astype(
+        jnp.float32).mean()
+
+  compiled = compile_for(mesh, jax.grad(loss), state, tokens)
+  assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
+
+  from posttrain.sampling.sampler import Sampler
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  sampler = Sampler(abstract, mesh=mesh, max_len=1024)
+  with jax.set_mesh(mesh):
+    prefill, decode = sampler.compile(16, 256, 256, distinct_prompts=4, temperature=1.0)
+  # Three Mamba2 layers' states: rows 16 / data 2, heads 8 / tensor 2, 128 x 64, f32.
+  assert "f32[3,8,4,128,64]" in decode.as_text()
