@@ -44,11 +44,12 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-              "GraniteMoeHybridForCausalLM")
+              "GraniteMoeHybridForCausalLM", "BambaForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
-                  "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
+                  "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
+                  "BambaForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -78,7 +79,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
                 "GraniteMoeForCausalLM": "granitemoe",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
-                "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
+                "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -126,6 +127,12 @@ GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 # and, where shared_intermediate_size > 0, Granite 4's shared_mlp beside the experts.
 GRANITE_SHARED = "GraniteMoeSharedForCausalLM"
 GRANITES = (GRANITE, GRANITE_MOE, GRANITE_SHARED, GRANITE_HYBRID)
+# Bamba (ibm-ai-platform/Bamba-9B): Mamba2 layers with attention layers at
+# attn_layer_indices, each beside a Llama MLP (feed_forward; its norm pre_ff_layernorm,
+# the last final_layernorm); half of each attention head rotates, as transformers fixes.
+BAMBA = "BambaForCausalLM"
+# The classes whose linear_attention layers are Mamba2's (`ModelConfig.linear_mixer`).
+_MAMBA2S = (GRANITE_HYBRID, BAMBA)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                     "logits_scaling")
 # GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
@@ -352,6 +359,8 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm in _QWEN3_5S:
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+  if lm == BAMBA:  # transformers' BambaConfig sets it, whatever the file says
+    merged["partial_rotary_factor"] = 0.5
   if lm == MINIMAX_M2:
     # The published files say rotary_dim; a partial_rotary_factor anywhere ranks above it,
     # as transformers reads them (neither: every feature rotates).
@@ -478,7 +487,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
       **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
-      **_linear_attention_from_hf(lm, c))
+      **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -535,6 +544,23 @@ def _mamba2_from_hf(c: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
               linear_conv_bias=bool(c.get("mamba_conv_bias", True)),
               linear_chunk=int(c.get("mamba_chunk_size") or 256),
               linear_dt_min=float(low), linear_dt_max=float(high))
+
+
+def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """A Bamba config.json's layer kinds (attention at attn_layer_indices, Mamba2 at the
+  others) and Mamba2 fields ({} for other classes)."""
+  if lm != BAMBA:
+    return {}
+  layers = int(c["num_hidden_layers"])
+  attention = [int(i) for i in c.get("attn_layer_indices") or ()]
+  if any(not 0 <= i < layers for i in attention):
+    raise ValueError(f"attn_layer_indices={attention} in a {BAMBA} config.json: each must "
+                     f"be a layer, 0 to {layers - 1}")
+  if float(c.get("z_loss_coefficient") or 0.0):
+    raise ValueError(f"z_loss_coefficient={c['z_loss_coefficient']} (a training loss on the "
+                     "logits' log-sum-exp) is not supported")
+  kinds = ["attention" if i in attention else "mamba" for i in range(layers)]
+  return _mamba2_from_hf(c, kinds)
 
 
 def _mamba2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -934,10 +960,10 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
   qwen3_5 = lm in _QWEN3_5S
   mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
-  if mamba and lm != GRANITE_HYBRID:
+  if mamba and lm not in _MAMBA2S:
     raise ValueError(f"linear_mixer='mamba2' layers cannot be written as {arch}: "
-                     f"{GRANITE_HYBRID} holds them")
-  if lm == GRANITE_HYBRID and any(cfg.linear_layers) and not mamba:
+                     f"{' and '.join(_MAMBA2S)} hold them")
+  if lm in _MAMBA2S and any(cfg.linear_layers) and not mamba:
     raise ValueError(f"Gated DeltaNet layers cannot be written as {arch}: "
                      f"{', '.join(_QWEN3_5S)} hold them")
   for name, value in (("attn_output_gate", cfg.attn_output_gate),
@@ -1079,7 +1105,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "whose rotary embedding is the default one or LongRoPE")
   if lm != PHI3 and any(r.type == "longrope" for r in ropes):
     raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
-  if lm not in (PHI3, GLM4, GLM4_MOE, MINIMAX_M2) + _QWEN3_5S + _DEEPSEEKS and any(
+  if lm == BAMBA and any(r.partial_rotary_factor != 0.5 for r in ropes):
+    raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
+                     f"written as {cfg.architecture}, whose heads rotate half their "
+                     "features")
+  if lm not in (PHI3, GLM4, GLM4_MOE, MINIMAX_M2, BAMBA) + _QWEN3_5S + _DEEPSEEKS and any(
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
@@ -1223,6 +1253,15 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   elif lm == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                sliding_window=cfg.sliding_window)
+  elif lm == BAMBA:
+    out.pop("rope_theta")
+    out.pop("rope_scaling")
+    out.update(rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})},
+               attn_layer_indices=[i for i, linear in enumerate(cfg.linear_layers)
+                                   if not linear],
+               mlp_bias=False, z_loss_coefficient=0.0, **_mamba2_to_hf(cfg))
   elif lm == MINIMAX_M2:
     # transformers 5's rope_parameters, and the published files' keys beside them (what
     # vLLM and SGLang read: without use_routing_bias they drop the correction bias).
@@ -1341,8 +1380,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   def bias(heads):
     return (lambda x: x.reshape(heads, h), lambda x: x.reshape(heads * h))
 
+  final = "final_layernorm" if _causal_lm(cfg.architecture) == BAMBA else "norm"
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
-          (("final_norm", "scale"), "model.norm.weight", ident, ident, (d,))]
+          (("final_norm", "scale"), f"model.{final}.weight", ident, ident, (d,))]
   if cfg.lm_head and not cfg.tie_embeddings:
     rows.append((("lm_head",), "lm_head.weight", lambda x: x.T, lambda x: x.T,
                  (d, cfg.vocab_size)))
@@ -1363,6 +1403,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     norms += [("post_attn_norm", "pre_feedforward_layernorm"),
               ("attn_out_norm", "post_attention_layernorm"),
               ("mlp_out_norm", "post_feedforward_layernorm")]
+  elif _causal_lm(cfg.architecture) == BAMBA:
+    norms += [("post_attn_norm", "pre_ff_layernorm")]
   else:
     norms += [("post_attn_norm", "post_attention_layernorm")]
   fused = _causal_lm(cfg.architecture) == PHI3
@@ -1455,7 +1497,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                                            ("up_proj", up, (d, f)),
                                            ("down_proj", down, (f, d)))]
     else:
-      mlp = "feed_forward." if _causal_lm(cfg.architecture) == LLAMA4 else "mlp."
+      mlp = "feed_forward." if _causal_lm(cfg.architecture) in (LLAMA4, BAMBA) else "mlp."
       rows += dense_mlp(p + ("mlp",), hf + mlp, cfg.dense_ffn_dim if cfg.num_experts else f)
     if attention and cfg.qkv_bias:
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
@@ -1970,7 +2012,7 @@ def _linear_module(cfg: ModelConfig) -> str:
 def _mlp_module(cfg: ModelConfig, i: int) -> str:
   """The HF module within layer i that its MLP LoRA targets wrap: its dense MLP, or a
   mixture layer's shared expert (Llama 4's under feed_forward)."""
-  mlp = "feed_forward" if _causal_lm(cfg.architecture) == LLAMA4 else "mlp"
+  mlp = "feed_forward" if _causal_lm(cfg.architecture) in (LLAMA4, BAMBA) else "mlp"
   if not cfg.mixture_flags[i]:
     return mlp
   if _causal_lm(cfg.architecture) == LLAMA4 or cfg.shared_expert_gate:
