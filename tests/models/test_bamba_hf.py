@@ -87,7 +87,8 @@ def test_gradients_match_transformers(saved):
     assert_close_to_scale(ours, np.asarray(want), rel=2e-3)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["layers", "scanned"])
 def test_greedy_generation_matches_transformers(saved, scan):
   for i, (got, want) in enumerate(greedy_tokens(*saved, PROMPTS, 10, scan)):
     assert got == want, i

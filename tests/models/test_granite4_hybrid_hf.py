@@ -155,7 +155,8 @@ def test_gradients_match_transformers(saved):
     assert_close_to_scale(a, np.asarray(b), rel=2e-3), i
 
 
-@pytest.mark.parametrize("variant,scan", [("dense", False), ("moe", True)])
+@pytest.mark.parametrize("variant,scan", [("dense", False),
+                                          pytest.param("moe", True, marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   """Prompts of different lengths prefilled in one right-padded block (padding leaves
   the state and the convolution's window alone), then decoded a token at a time."""
@@ -184,6 +185,7 @@ def test_time_step_limit_clips_prefill_and_decode_alike(tmp_path):
     assert greedy.tolist() == out.tokens[i].tolist(), i
 
 
+@pytest.mark.slow  # about 25 s of compiling on 2 cores
 def test_continuous_batching_and_resume_draw_the_same_samples(saved):
   """Rows that stop early leave their slot's state alone while the others decode; slots,
   refilled rows and resumed rows draw what one call draws."""
