@@ -84,6 +84,16 @@ def _check_segment_ids(segment_ids, batch, length):
 
 def _check_delta_rule_inputs(q, k, v, g, beta, segment_ids, initial_state, scale):
   """Raises ValueError naming the offending argument if the inputs break the contract."""
+  check_linear_inputs(q, k, v, {"g": g, "beta": beta}, segment_ids, initial_state)
+  if scale is not None and not scale > 0:
+    raise ValueError(f"scale must be positive, got {scale}")
+
+
+def check_linear_inputs(q, k, v, per_head: dict, segment_ids, initial_state) -> None:
+  """The shapes every linear-attention kernel here takes, a ValueError naming the
+  argument that breaks them: q, k [batch, T, key_heads, Dk], v [batch, T, value_heads,
+  Dv] (a multiple of key_heads), each of `per_head` (name -> array) [batch, T,
+  value_heads], segment ids [batch, T], initial_state [batch, value_heads, Dk, Dv]."""
   for name, x in (("q", q), ("k", k)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, T, key_heads, Dk], got shape {x.shape}")
@@ -101,7 +111,7 @@ def _check_delta_rule_inputs(q, k, v, g, beta, segment_ids, initial_state, scale
   if key_heads == 0 or value_heads % key_heads:
     raise ValueError(f"v value_heads {value_heads} must be a multiple of q/k key_heads "
                      f"{key_heads}")
-  for name, x in (("g", g), ("beta", beta)):
+  for name, x in per_head.items():
     if tuple(x.shape) != (batch, length, value_heads):
       raise ValueError(f"{name} must be [batch, T, value_heads] = "
                        f"{(batch, length, value_heads)}, got shape {tuple(x.shape)}")
@@ -111,8 +121,6 @@ def _check_delta_rule_inputs(q, k, v, g, beta, segment_ids, initial_state, scale
     raise ValueError(f"initial_state must be [batch, value_heads, Dk, Dv] = "
                      f"{(batch, value_heads, dk, dv)}, got shape "
                      f"{tuple(initial_state.shape)}")
-  if scale is not None and not scale > 0:
-    raise ValueError(f"scale must be positive, got {scale}")
 
 
 def _prepare(q, k, v, g, beta, segment_ids, initial_state, scale, qk_l2norm):

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 
 from kernels.gated_delta_rule import (
     _check_int,
-    _check_segment_ids,
     _einsum,
     _finish,
     _to_chunks,
+    check_linear_inputs,
     segment_resets,
 )
 
@@ -47,32 +47,7 @@ DEFAULT_CHUNK_SIZE = 64
 
 def _check_inputs(q, k, v, g, segment_ids, initial_state, scale):
   """Raises ValueError naming the offending argument if the inputs break the contract."""
-  for name, x in (("q", q), ("k", k)):
-    if x.ndim != 4:
-      raise ValueError(f"{name} must be [batch, T, key_heads, Dk], got shape {x.shape}")
-  if v.ndim != 4:
-    raise ValueError(f"v must be [batch, T, value_heads, Dv], got shape {v.shape}")
-  batch, length, key_heads, dk = q.shape
-  if k.shape[:3] != q.shape[:3]:
-    raise ValueError(f"k [batch, T, key_heads] {k.shape[:3]} does not match q's "
-                     f"{q.shape[:3]}")
-  if k.shape[3] != dk:
-    raise ValueError(f"k Dk {k.shape[3]} does not match q Dk {dk}")
-  if v.shape[:2] != (batch, length):
-    raise ValueError(f"v [batch, T] {v.shape[:2]} does not match q's {(batch, length)}")
-  value_heads, dv = v.shape[2:]
-  if key_heads == 0 or value_heads % key_heads:
-    raise ValueError(f"v value_heads {value_heads} must be a multiple of q/k key_heads "
-                     f"{key_heads}")
-  if tuple(g.shape) != (batch, length, value_heads):
-    raise ValueError(f"g must be [batch, T, value_heads] = "
-                     f"{(batch, length, value_heads)}, got shape {tuple(g.shape)}")
-  _check_segment_ids(segment_ids, batch, length)
-  if initial_state is not None and tuple(initial_state.shape) != (batch, value_heads, dk,
-                                                                   dv):
-    raise ValueError(f"initial_state must be [batch, value_heads, Dk, Dv] = "
-                     f"{(batch, value_heads, dk, dv)}, got shape "
-                     f"{tuple(initial_state.shape)}")
+  check_linear_inputs(q, k, v, {"g": g}, segment_ids, initial_state)
   if scale is None or not scale > 0:
     raise ValueError(f"scale must be positive, got {scale}")
 

@@ -1,6 +1,5 @@
 """gated_delta_rule (chunked), its per-token reference and causal_conv1d against numpy
 oracles, transformers' torch implementations and each other."""
-import dataclasses
 import functools
 
 import jax
@@ -8,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_test_utils import assert_close
+from linear_test_utils import Case, cotangents, hostile_segments, take_rows
 
 import kernels
 
@@ -27,20 +27,6 @@ conv = jax.jit(functools.partial(kernels.causal_conv1d, return_final_state=True)
                static_argnames=("activation",))
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-  name: str
-  batch: int = 2
-  length: int = 37
-  key_heads: int = 2
-  value_heads: int = 4
-  dk: int = 7
-  dv: int = 5
-  chunk_size: int = 16
-  initial_state: bool = True
-  segments: bool = False
-
-
 CASES = [
     Case("shorter_than_chunk", length=11, key_heads=3, value_heads=3, dk=5, dv=7,
          initial_state=False),
@@ -48,22 +34,6 @@ CASES = [
     Case("packed", chunk_size=8, segments=True),
 ]
 CASE = {c.name: c for c in CASES}
-
-
-def hostile_segments(batch, length):
-  """Resets inside a chunk and on a chunk boundary (8), padding at the start, inside a
-  sequence, between sequences and at the end, and a row with one valid token."""
-  seg = np.ones((batch, length), np.int32)
-  seg[0, :3] = 0
-  seg[0, 11:16] = 2
-  seg[0, 16:29] = 3
-  seg[0, 20:22] = 0
-  seg[0, 29:31] = 0
-  seg[0, 31:] = 4
-  seg[0, 35:] = 0
-  seg[1, :] = 0
-  seg[1, 6] = 7
-  return seg
 
 
 def make_inputs(case: Case, dtype=jnp.float32, seed=0):
@@ -165,11 +135,6 @@ def test_matches_transformers():
       assert_close(ours[1], state.numpy(), F32_TOL, f"{torch_fn} final state")
 
 
-def _take_rows(x, t, rows=slice(None)):
-  """The inputs restricted to batch rows and token positions t."""
-  return {n: jnp.asarray(np.asarray(x[n])[rows][:, t]) for n in ("q", "k", "v", "g", "beta")}
-
-
 @pytest.mark.parametrize("implementation", ["chunked", "reference"])
 def test_packing_and_padding_are_transparent(implementation):
   fn = (functools.partial(chunked, chunk_size=8) if implementation == "chunked"
@@ -184,8 +149,8 @@ def test_packing_and_padding_are_transparent(implementation):
   padded_at = np.array([3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16, 17, 18])
   padded = np.zeros(24, np.int32)
   padded[padded_at] = 5
-  first = _take_rows(x, np.arange(13), slice(0, 1))
-  second = _take_rows(x, np.arange(13, 24), slice(0, 1))
+  first = take_rows(x, ("q", "k", "v", "g", "beta"), np.arange(13), slice(0, 1))
+  second = take_rows(x, ("q", "k", "v", "g", "beta"), np.arange(13, 24), slice(0, 1))
   inputs = {n: np.asarray(a).copy() for n, a in x.items() if n in first}
   for n in inputs:
     inputs[n][1, padded_at] = np.asarray(first[n])[0]
@@ -217,14 +182,6 @@ chunked_grads = _loss_and_grads(kernels.gated_delta_rule, chunk_size=8)
 reference_grads = _loss_and_grads(kernels.gated_delta_rule_reference)
 
 
-def _cotangents(case, seed=2):
-  rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.normal(size=(case.batch, case.length, case.value_heads, case.dv)),
-                      jnp.float32),
-          jnp.asarray(rng.normal(size=(case.batch, case.value_heads, case.dk, case.dv)),
-                      jnp.float32))
-
-
 def _grad_inputs(x):
   return (*args(x), x["initial_state"], x["segment_ids"])
 
@@ -232,7 +189,7 @@ def _grad_inputs(x):
 def test_gradients_match_reference():
   case = CASE["packed"]
   x = make_inputs(case)
-  cts = _cotangents(case)
+  cts = cotangents(case)
   loss, grads = chunked_grads(*_grad_inputs(x), *cts)
   want_loss, want_grads = reference_grads(*_grad_inputs(x), *cts)
   assert_close(loss, want_loss, F32_TOL, "loss")
@@ -253,7 +210,7 @@ def test_strong_decay_stays_finite():
   g = np.asarray(x["g"]).copy()
   g[:, 5::6] = -1000.0
   x["g"] = jnp.asarray(g)
-  cts = _cotangents(case)
+  cts = cotangents(case)
   loss, grads = chunked_grads(*_grad_inputs(x), *cts)
   want_loss, want_grads = reference_grads(*_grad_inputs(x), *cts)
   assert_close(loss, want_loss, 1e-4, "loss")
@@ -279,13 +236,13 @@ def test_prefill_then_decode_matches_full_run():
   x = make_inputs(case)
   want_out, want_state = chunked(*args(x), **kwargs(x), chunk_size=case.chunk_size)
   prefill = 34
-  head = _take_rows(x, np.arange(prefill))
+  head = take_rows(x, ("q", "k", "v", "g", "beta"), np.arange(prefill))
   outs, state = chunked(*args(head), initial_state=x["initial_state"],
                         chunk_size=case.chunk_size)
   outs = [outs]
   for t in range(prefill, case.length):
     # T == 1 takes the per-token path.
-    out, state = chunked(*args(_take_rows(x, np.arange(t, t + 1))), initial_state=state,
+    out, state = chunked(*args(take_rows(x, ("q", "k", "v", "g", "beta"), np.arange(t, t + 1))), initial_state=state,
                          chunk_size=case.chunk_size)
     outs.append(out)
   assert_close(jnp.concatenate(outs, axis=1), want_out, F32_TOL, "out")

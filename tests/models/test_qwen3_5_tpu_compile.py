@@ -24,10 +24,11 @@ CFG = models.get_preset("tiny").replace(
     linear_value_head_dim=128, rope=models.RopeConfig(partial_rotary_factor=0.25))
 
 
-@pytest.mark.slow  # about 40 s of compiling
-def test_gradient_and_sampler_compile_on_a_sharded_tpu_mesh():
+def _compile_gradient_and_decode(cfg):
+  """(the compiled sharded gradient over 4 rows of 1,024, the sampler's decode program)
+  of `cfg` for a v5e slice of data 2 x tensor 2."""
   mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
-  graphdef, state = models.abstract_model(CFG)
+  graphdef, state = models.abstract_model(cfg)
   shardings = models.state_shardings(state, mesh)
   state = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
                        state, shardings)
@@ -40,14 +41,19 @@ def test_gradient_and_sampler_compile_on_a_sharded_tpu_mesh():
         jnp.float32).mean()
 
   compiled = compile_for(mesh, jax.grad(loss), state, tokens)
-  # The linear layers' heads split over tensor: each chip holds half the value heads.
-  assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
-
   from posttrain.sampling.sampler import Sampler
-  abstract = nnx.eval_shape(lambda: models.Transformer(CFG, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   sampler = Sampler(abstract, mesh=mesh, max_len=1024)
   with jax.set_mesh(mesh):
-    prefill, decode = sampler.compile(16, 256, 256, distinct_prompts=4, temperature=1.0)
+    _, decode = sampler.compile(16, 256, 256, distinct_prompts=4, temperature=1.0)
+  return compiled, decode
+
+
+@pytest.mark.slow  # about 40 s of compiling
+def test_gradient_and_sampler_compile_on_a_sharded_tpu_mesh():
+  compiled, decode = _compile_gradient_and_decode(CFG)
+  # The linear layers' heads split over tensor: each chip holds half the value heads.
+  assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
   # The recurrent state [rows, value heads / tensor, 128, 128] f32 rides the decode loop.
   assert "f32[3,8,2,128,128]" in decode.as_text()
 
@@ -92,26 +98,7 @@ def test_a_granite4_hybrid_compiles_on_a_sharded_tpu_mesh():
                     linear_num_key_heads=1, linear_key_head_dim=128,
                     linear_num_value_heads=8, linear_value_head_dim=64, linear_chunk=256,
                     linear_conv_bias=True, rope_layers=(0,) * 4, rope=models.RopeConfig())
-  mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
-  graphdef, state = models.abstract_model(cfg)
-  shardings = models.state_shardings(state, mesh)
-  state = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                       state, shardings)
-  tokens = spec(mesh, (4, 1024), jnp.int32, P("data"))
-  ctx = models.ShardingContext(mesh)
-
-  def loss(state, tokens):
-    model = nnx.merge(graphdef, state)
-    return model(tokens, segment_ids_BxT=jnp.ones_like(tokens), ctx=ctx).astype(
-        jnp.float32).mean()
-
-  compiled = compile_for(mesh, jax.grad(loss), state, tokens)
+  compiled, decode = _compile_gradient_and_decode(cfg)
   assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
-
-  from posttrain.sampling.sampler import Sampler
-  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
-  sampler = Sampler(abstract, mesh=mesh, max_len=1024)
-  with jax.set_mesh(mesh):
-    prefill, decode = sampler.compile(16, 256, 256, distinct_prompts=4, temperature=1.0)
   # Three Mamba2 layers' states: rows 16 / data 2, heads 8 / tensor 2, 128 x 64, f32.
   assert "f32[3,8,4,128,64]" in decode.as_text()
