@@ -259,15 +259,21 @@ def _chunk_step(state_BxHxRxKxV, x):
          + _einsum("bhrij,bhrje->bhrie", qk_BxHxCxC[:, :, None] * decay_BxHxRxCxC,
                    v_new_BxHxRxCxV))
 
+  state = carried_state(state_BxHxRxKxV, k_BxCxHxK, v_new_BxHxRxCxV, cum_BxHxRxC, run_BxC)
+  return state, jnp.moveaxis(out, 3, 1)
+
+
+def carried_state(state_BxHxRxKxV, k_BxCxHxK, v_BxHxRxCxV, cum_BxHxRxC, run_BxC):
+  """The state a chunk hands on: exp(G_C) S + sum_j exp(G_C - G_j) k_j v_j^T over the
+  chunk's last sequence (G the in-chunk cumulative log decay, `run` the resets so far);
+  S drops when the chunk holds a reset."""
   last_BxC = run_BxC == run_BxC[:, -1:]
   decay_out_BxHxRxC = (jnp.exp(cum_BxHxRxC[..., -1:] - cum_BxHxRxC)
                        * last_BxC[:, None, None])
-  keep_Bx1x1 = reads_state_BxC[:, -1:, None]
+  keep_Bx1x1 = (run_BxC[:, -1:] == 0)[:, :, None]
   chunk_decay_BxHxR = jnp.where(keep_Bx1x1, jnp.exp(cum_BxHxRxC[..., -1]), 0.0)
-  state = (state_BxHxRxKxV * chunk_decay_BxHxR[..., None, None]
-           + _einsum("bjhd,bhrj,bhrje->bhrde", k_BxCxHxK, decay_out_BxHxRxC,
-                     v_new_BxHxRxCxV))
-  return state, jnp.moveaxis(out, 3, 1)
+  return (state_BxHxRxKxV * chunk_decay_BxHxR[..., None, None]
+          + _einsum("bjhd,bhrj,bhrje->bhrde", k_BxCxHxK, decay_out_BxHxRxC, v_BxHxRxCxV))
 
 
 def _to_chunks(x, chunk):

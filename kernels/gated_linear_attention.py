@@ -38,6 +38,7 @@ from kernels.gated_delta_rule import (
     _einsum,
     _finish,
     _to_chunks,
+    carried_state,
     check_linear_inputs,
     segment_resets,
 )
@@ -133,14 +134,8 @@ def _chunk_step(state_BxHxRxKxV, x):
       + _einsum("bhrij,bjhre->bihre", qk_BxHxCxC[:, :, None] * decay_BxHxRxCxC,
                 v_BxCxHxRxV))
 
-  last_BxC = run_BxC == run_BxC[:, -1:]
-  decay_out_BxHxRxC = (jnp.exp(cum_BxHxRxC[..., -1:] - cum_BxHxRxC)
-                       * last_BxC[:, None, None])
-  keep_Bx1x1 = reads_state_BxC[:, -1:, None]
-  chunk_decay_BxHxR = jnp.where(keep_Bx1x1, jnp.exp(cum_BxHxRxC[..., -1]), 0.0)
-  state = (state_BxHxRxKxV * chunk_decay_BxHxR[..., None, None]
-           + _einsum("bjhd,bhrj,bjhre->bhrde", k_BxCxHxK, decay_out_BxHxRxC,
-                     v_BxCxHxRxV))
+  state = carried_state(state_BxHxRxKxV, k_BxCxHxK, jnp.moveaxis(v_BxCxHxRxV, 1, 3),
+                        cum_BxHxRxC, run_BxC)
   return state, out_BxCxHxRxV
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +51,13 @@ def cotangents(case, seed=2):
                       jnp.float32),
           jnp.asarray(rng.normal(size=(case.batch, case.value_heads, case.dk, case.dv)),
                       jnp.float32))
+
+
+def assert_bad_argument_raises(chunked, reference, good, name, change):
+  """Both forms (the reference takes no chunk_size) raise a ValueError starting with
+  `name` when `change` (name -> shape, or a value) is applied to the `good` call."""
+  call = {n: np.zeros(s, np.int32 if n == "segment_ids" else np.float32) if
+          isinstance(s, tuple) else s for n, s in {**good, **change}.items()}
+  for fn in [chunked] + ([reference] if name != "chunk_size" else []):
+    with pytest.raises(ValueError, match=rf"^{name} "):
+      fn(**call)

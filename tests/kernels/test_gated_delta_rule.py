@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_test_utils import assert_close
-from linear_test_utils import Case, cotangents, hostile_segments, take_rows
+from linear_test_utils import (Case, assert_bad_argument_raises, cotangents,
+                               hostile_segments, take_rows)
 
 import kernels
 
@@ -441,14 +442,7 @@ BAD_DELTA_RULE = [
 @pytest.mark.parametrize("name,change", BAD_DELTA_RULE,
                          ids=[f"{n}{i}" for i, (n, _) in enumerate(BAD_DELTA_RULE)])
 def test_bad_delta_rule_arguments_raise(name, change):
-  call = {n: np.zeros(s, np.int32 if n == "segment_ids" else np.float32) if
-          isinstance(s, tuple) else s for n, s in {**GOOD_DELTA_RULE, **change}.items()}
-  fns = [kernels.gated_delta_rule]
-  if name != "chunk_size":
-    fns.append(kernels.gated_delta_rule_reference)
-  for fn in fns:
-    with pytest.raises(ValueError, match=rf"^{name} "):
-      fn(**call)
+  assert_bad_argument_raises(kernels.gated_delta_rule, kernels.gated_delta_rule_reference, GOOD_DELTA_RULE, name, change)
 
 
 BAD_CONV = [

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_test_utils import assert_close
-from linear_test_utils import Case, cotangents, hostile_segments, take_rows
+from linear_test_utils import (Case, assert_bad_argument_raises, cotangents,
+                               hostile_segments, take_rows)
 
 import kernels
 
@@ -307,11 +308,4 @@ BAD = [
 @pytest.mark.parametrize("name,change", BAD,
                          ids=[f"{n}{i}" for i, (n, _) in enumerate(BAD)])
 def test_bad_arguments_raise(name, change):
-  call = {n: np.zeros(s, np.int32 if n == "segment_ids" else np.float32) if
-          isinstance(s, tuple) else s for n, s in {**GOOD, **change}.items()}
-  fns = [kernels.gated_linear_attention]
-  if name != "chunk_size":
-    fns.append(kernels.gated_linear_attention_reference)
-  for fn in fns:
-    with pytest.raises(ValueError, match=rf"^{name} "):
-      fn(**call)
+  assert_bad_argument_raises(kernels.gated_linear_attention, kernels.gated_linear_attention_reference, GOOD, name, change)
