@@ -585,6 +585,27 @@ def _mamba2_layer_bytes(cfg: models.ModelConfig, remat: str, s: int, d: int, hk:
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
 
 
+def _linear_backward_bytes(cfg: models.ModelConfig, key_heads: int, value_heads: int, *,
+                           kv_len: int) -> float:
+  """What XLA:TPU holds per token, beyond a linear-attention layer's saved activations,
+  while it differentiates one such layer (Gated DeltaNet or Mamba2): its causal
+  convolution's float32 backward over the 2K + V channels (`kernels.causal_conv1d`: six
+  float32 copies, 24 bytes a token and channel, the convolution alone compiled for a v5p
+  chip: 1,925 MiB for 8 rows of 2,048 tokens of 5,120 channels, BENCHMARKS.md) and four
+  more float32 copies of the state entering each chunk, 16 Hv Dk Dv / c.
+
+  Without it, Qwen3.5-27B's update on v5p-64 was planned at 49.1 GiB a chip against
+  52.2 compiled, and a Bamba-9B-shaped model with LoRA on a v5e-8 at 8.48 against 9.19
+  (XLA's memory-usage report: a dozen float32 [T, 8192] arrays of x's convolution and
+  f32 [chunks, 256, 128, 64] states)."""
+  k = key_heads * cfg.linear_key_head_dim
+  v = value_heads * cfg.linear_value_head_dim
+  c = max(1, min(cfg.linear_chunk, kv_len))
+  padded = -(-kv_len // c) * c / kv_len
+  state = value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+  return 24 * (2 * k + v) + 16 * padded * state / c
+
+
 def _linear_layer_constant(cfg: models.ModelConfig, remat: str, key_heads: int,
                            value_heads: int) -> int:
   """What a Gated DeltaNet layer keeps once, whatever its tokens, without remat: the
@@ -993,6 +1014,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
 
   one_layer = max(layer(linear, {**kw, "routed": 1}) for _, linear, kw in kinds)
   transient = (1 if remat == "none" else 2) * one_layer
+  if any(cfg.linear_layers):
+    transient += b * t * _linear_backward_bytes(cfg, *linear_heads, kv_len=row_len)
   transient += b * t * max(_gathered_token_bytes(cfg, **kw) for _, _, kw in kinds)
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
   if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
