@@ -150,3 +150,35 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   np.testing.assert_allclose(np.asarray(logits(back, tokens)), hf_logits(made, tokens),
                              atol=1e-4, rtol=0)
   return tmp_path / "ours", back
+
+
+def check_slots_and_resume_draw_one_calls_samples(model, prompts):
+  """A sampler's slots (rows refilled as others stop) and resumed rows (a call kept and
+  continued) draw what one call over `prompts` draws, token for token."""
+  from posttrain.sampling import Sampler
+  sampler = Sampler(model, max_len=48, extend_chunk=4)
+  kwargs = dict(temperature=1.0, seed=3)
+  whole = sampler.generate(prompts, max_new_tokens=12, **kwargs)
+  slots = sampler.generate(prompts, max_new_tokens=12, slots=2, **kwargs)
+  np.testing.assert_array_equal(slots.tokens, whole.tokens)
+  np.testing.assert_allclose(slots.logprobs, whole.logprobs, atol=1e-4)
+  first = sampler.generate(prompts, max_new_tokens=5, keep_cache=True, reserve_tokens=12,
+                           **kwargs)
+  rest = sampler.resume(first.resume_state, list(range(len(prompts))), max_new_tokens=7)
+  for i in range(len(prompts)):
+    n = int(first.lengths[i])
+    joined = first.tokens[i, :n].tolist() + rest.tokens[i, :rest.lengths[i]].tolist()
+    assert joined == whole.tokens[i, :whole.lengths[i]].tolist(), i
+
+
+def spread_mamba2_parameters(model):
+  """A fresh transformers Mamba2 mixer's A (1..heads), D and dt_bias (one) drawn per
+  head instead, so that each of them moves the outputs; returns the model."""
+  import torch
+  with torch.no_grad():
+    for layer in model.model.layers:
+      if getattr(layer, "mamba", None) is not None:
+        layer.mamba.A_log.uniform_(-1.0, 1.0)
+        layer.mamba.D.normal_(1.0, 0.5)
+        layer.mamba.dt_bias.normal_(0.0, 1.0)
+  return model

@@ -11,8 +11,9 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_peft_round_trip, greedy_tokens,
-                                 hf_logits, perturb, target_logprob_grads)
+from tests.models.parity import (assert_close_to_scale, check_peft_round_trip,
+                                 greedy_tokens, hf_logits, perturb,
+                                 spread_mamba2_parameters, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -31,13 +32,7 @@ def _hf_model():
   torch.manual_seed(0)
   model = perturb(transformers.BambaForCausalLM(transformers.BambaConfig(**CONFIG))
                   .float().eval())
-  with torch.no_grad():  # A from 1..heads, D one at init: each its own value per head
-    for layer in model.model.layers:
-      if getattr(layer, "mamba", None) is not None:
-        layer.mamba.A_log.uniform_(-1.0, 1.0)
-        layer.mamba.D.normal_(1.0, 0.5)
-        layer.mamba.dt_bias.normal_(0.0, 1.0)
-  return model
+  return spread_mamba2_parameters(model)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,10 @@ from flax import nnx
 from posttrain import models
 from posttrain.models.hf import check_exportable
 from posttrain.sampling import Sampler
-from tests.models.parity import (assert_close_to_scale, check_peft_round_trip, greedy_tokens,
-                                 hf_logits, perturb, save_families, target_logprob_grads)
+from tests.models.parity import (assert_close_to_scale, check_peft_round_trip,
+                                 check_slots_and_resume_draw_one_calls_samples,
+                                 greedy_tokens, hf_logits, perturb, save_families,
+                                 spread_mamba2_parameters, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -51,13 +53,7 @@ def _hf_model(variant, **extra):
   cfg = transformers.GraniteMoeHybridConfig(**{**COMMON, **VARIANTS[variant], **extra})
   torch.manual_seed(0)
   model = perturb(transformers.GraniteMoeHybridForCausalLM(cfg).float().eval())
-  with torch.no_grad():  # A from 1..heads, D one at init: each its own value per head
-    for layer in model.model.layers:
-      if layer.mamba is not None:
-        layer.mamba.A_log.uniform_(-1.0, 1.0)
-        layer.mamba.D.normal_(1.0, 0.5)
-        layer.mamba.dt_bias.normal_(0.0, 1.0)
-  return model
+  return spread_mamba2_parameters(model)
 
 
 @pytest.fixture(scope="module")
@@ -190,20 +186,7 @@ def test_continuous_batching_and_resume_draw_the_same_samples(saved):
   """Rows that stop early leave their slot's state alone while the others decode; slots,
   refilled rows and resumed rows draw what one call draws."""
   model = models.from_pretrained(saved["moe"][0], scan_layers=True)
-  sampler = Sampler(model, max_len=48, extend_chunk=4)
-  prompts = PROMPTS + [[7, 8, 9], [30, 31]]
-  kwargs = dict(temperature=1.0, seed=3)
-  whole = sampler.generate(prompts, max_new_tokens=12, **kwargs)
-  slots = sampler.generate(prompts, max_new_tokens=12, slots=2, **kwargs)
-  np.testing.assert_array_equal(slots.tokens, whole.tokens)
-  np.testing.assert_allclose(slots.logprobs, whole.logprobs, atol=1e-4)
-  first = sampler.generate(prompts, max_new_tokens=5, keep_cache=True, reserve_tokens=12,
-                           **kwargs)
-  rest = sampler.resume(first.resume_state, list(range(len(prompts))), max_new_tokens=7)
-  for i in range(len(prompts)):
-    n = int(first.lengths[i])
-    joined = first.tokens[i, :n].tolist() + rest.tokens[i, :rest.lengths[i]].tolist()
-    assert joined == whole.tokens[i, :whole.lengths[i]].tolist(), i
+  check_slots_and_resume_draw_one_calls_samples(model, PROMPTS + [[7, 8, 9], [30, 31]])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
