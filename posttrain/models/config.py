@@ -827,9 +827,9 @@ class ModelConfig:
 
   @property
   def linear_lora_targets(self) -> tuple[str, ...]:
-    """The LoRA target names of a Gated DeltaNet layer's projections, as the model's
-    Hugging Face family names its modules (Qwen3-Next's fused in_proj_qkvz / in_proj_ba,
-    else Qwen3.5's)."""
+    """The LoRA target names of a linear-attention layer's projections, as the model's
+    Hugging Face family names its modules (a Mamba2 layer's in_proj / out_proj,
+    Qwen3-Next's fused in_proj_qkvz / in_proj_ba, else Qwen3.5's)."""
     if self.linear_mixer == "mamba2":
       return MAMBA2_LORA_TARGETS
     if self.architecture.startswith("Qwen3Next"):

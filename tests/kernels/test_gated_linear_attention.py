@@ -263,8 +263,8 @@ def test_prefill_then_decode_matches_full_run():
   outs = [outs]
   for t in range(prefill, case.length):
     # T == 1 takes the per-token path.
-    out, state = chunked(*args(take_rows(x, ("q", "k", "v", "g"), np.arange(t, t + 1))), initial_state=state,
-                         chunk_size=case.chunk_size)
+    token = take_rows(x, ("q", "k", "v", "g"), np.arange(t, t + 1))
+    out, state = chunked(*args(token), initial_state=state, chunk_size=case.chunk_size)
     outs.append(out)
   assert_close(jnp.concatenate(outs, axis=1), want_out, F32_TOL, "out")
   assert_close(state, want_state, F32_TOL, "final state")
@@ -308,4 +308,5 @@ BAD = [
 @pytest.mark.parametrize("name,change", BAD,
                          ids=[f"{n}{i}" for i, (n, _) in enumerate(BAD)])
 def test_bad_arguments_raise(name, change):
-  assert_bad_argument_raises(kernels.gated_linear_attention, kernels.gated_linear_attention_reference, GOOD, name, change)
+  assert_bad_argument_raises(kernels.gated_linear_attention,
+                             kernels.gated_linear_attention_reference, GOOD, name, change)
