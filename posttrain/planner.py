@@ -958,6 +958,9 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   (the fuller kind of layer: a mixture's dense or mixture
                                   layer, a Gated DeltaNet layer with
                                   `linear_layer_activation_bytes` or an attention layer)
+    + tokens * _linear_backward_bytes   with linear-attention layers: what XLA:TPU holds
+                                  differentiating one beyond its saved activations (its
+                                  convolution's float32 copies, more chunk states)
     + fused_dq_bytes              the fused flash backward's dq partials, if on
     + 2 * gathered layer          with D split over fsdp: two layers' weights gathered in
                                   the compute dtype (the layer differentiated and the
