@@ -521,7 +521,7 @@ _GRANITE_LAYER_TYPES = {"attention": "full_attention", "full_attention": "full_a
 
 
 def _mamba2_from_hf(c: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
-  """The Mamba2 fields of a Granite 4 -h- config.json: its mamba_* entries as the
+  """The Mamba2 fields of a Granite 4 -h- or Bamba config.json: its mamba_* entries as the
   linear-attention fields they map to (`ModelConfig.linear_mixer`; mamba_chunk_size the
   chunk of ours, linear_chunk), transformers' defaults where one is left out."""
   d = int(c["hidden_size"])
@@ -564,11 +564,12 @@ def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mamba2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  """The mamba_* entries of a Granite 4 config.json (`_mamba2_from_hf`'s inverse)."""
+  """The mamba_* entries of a Granite 4 or Bamba config.json (`_mamba2_from_hf`'s
+  inverse)."""
   heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
   if heads * head_dim % cfg.d_model:
     raise ValueError(f"linear_num_value_heads x linear_value_head_dim = {heads * head_dim} "
-                     f"cannot be written as {GRANITE_HYBRID}: it must be a multiple "
+                     f"cannot be written as {cfg.architecture}: it must be a multiple "
                      f"(mamba_expand) of d_model={cfg.d_model}")
   return dict(mamba_n_heads=heads, mamba_d_head=head_dim,
               mamba_expand=heads * head_dim // cfg.d_model,
@@ -1577,9 +1578,9 @@ def _linear_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 def _mamba2_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
-  """A Mamba2 layer (Granite 4's mamba): in_proj's rows are [z; x; B; C; dt] and the
-  depthwise conv1d's channels (and bias) [x; B; C]; ours keep each apart (`Mamba2`: x in
-  v_proj, B in k_proj, C in q_proj, dt in a_proj)."""
+  """A Mamba2 layer (Granite 4's and Bamba's mamba): in_proj's rows are [z; x; B; C; dt]
+  and the depthwise conv1d's channels (and bias) [x; B; C]; ours keep each apart
+  (`Mamba2`: x in v_proj, B in k_proj, C in q_proj, dt in a_proj)."""
   d, c = cfg.d_model, cfg.linear_conv_kernel
   groups, heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
   state, width = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -1612,8 +1613,8 @@ def _mamba2_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
     rows += [(p + ("linear_attn", f"{name}_conv_bias"), mamba + "conv1d.bias",
               *_fused_part(flat(shape), start, int(np.prod(shape)), conv_total), shape)
              for name, start, shape in conv]
-  rows += [(p + ("linear_attn", name), mamba + hf_name, ident, ident, (heads,))
-           for name, hf_name in (("A_log", "A_log"), ("dt_bias", "dt_bias"), ("D", "D"))]
+  rows += [(p + ("linear_attn", name), mamba + name, ident, ident, (heads,))
+           for name in ("A_log", "dt_bias", "D")]
   rows += [(p + ("linear_attn", "norm"), mamba + "norm.weight", *flat((heads, width)),
             (heads, width)),
            (p + ("linear_attn", "o_proj"), mamba + "out_proj.weight",
