@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_test_utils import assert_close
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +62,32 @@ def assert_bad_argument_raises(chunked, reference, good, name, change):
   for fn in [chunked] + ([reference] if name != "chunk_size" else []):
     with pytest.raises(ValueError, match=rf"^{name} "):
       fn(**call)
+
+
+def check_packing_and_padding(fn, x, names, padding_values, tol):
+  """Row 0 packs a 13-token sequence (continuing x's first initial state) with an
+  11-token one (from zeros); row 1 holds the same 13 tokens behind leading padding,
+  split by interior padding, then trailing padding, its padding tokens set to
+  `padding_values` (name -> value). Each row's outputs and final state equal the
+  sequences run alone; padding outputs are 0. `fn(*inputs in names order, ...)`."""
+  s0 = jnp.stack([x["initial_state"][0]] * 2)  # both rows continue one state
+  packed = np.array([1] * 13 + [2] * 11)
+  padded_at = np.array([3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16, 17, 18])
+  padded = np.zeros(24, np.int32)
+  padded[padded_at] = 5
+  first = take_rows(x, names, np.arange(13), slice(0, 1))
+  second = take_rows(x, names, np.arange(13, 24), slice(0, 1))
+  inputs = {n: np.asarray(x[n]).copy() for n in names}
+  for n in inputs:
+    inputs[n][1, padded_at] = np.asarray(first[n])[0]
+  for n, value in padding_values.items():
+    inputs[n][1, padded == 0] = value
+  out, state = fn(*(jnp.asarray(inputs[n]) for n in names),
+                  segment_ids=jnp.asarray(np.stack([packed, padded])), initial_state=s0)
+  out1, state1 = fn(*(first[n] for n in names), initial_state=s0[:1])
+  out2, state2 = fn(*(second[n] for n in names), initial_state=None)
+  assert_close(out[0], np.concatenate([out1[0], out2[0]]), tol, "packed out")
+  assert_close(state[0], state2[0], tol, "packed final state")
+  assert_close(out[1, padded_at], out1[0], tol, "padded out")
+  assert np.all(np.asarray(out[1, padded == 0]) == 0)
+  assert_close(state[1], state1[0], tol, "padded final state (from s0 via padding)")

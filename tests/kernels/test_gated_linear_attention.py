@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_test_utils import assert_close
-from linear_test_utils import (Case, assert_bad_argument_raises, cotangents,
-                               hostile_segments, take_rows)
+from linear_test_utils import (Case, assert_bad_argument_raises,
+                               check_packing_and_padding, cotangents, hostile_segments,
+                               take_rows)
 
 import kernels
 
@@ -161,31 +162,7 @@ def test_packing_and_padding_are_transparent(implementation):
         else reference)
   case = Case("pad", batch=2, length=24)
   x = make_inputs(case, seed=1)
-  s0 = jnp.stack([x["initial_state"][0]] * 2)  # both rows continue one state
-  # Row 0: a 13-token sequence (from s0) packed with an 11-token one (from zeros, not
-  # s0). Row 1: the same 13 tokens behind leading padding, split by interior padding,
-  # then trailing padding; the padding tokens carry strong decays and big values.
-  packed = np.array([1] * 13 + [2] * 11)
-  padded_at = np.array([3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16, 17, 18])
-  padded = np.zeros(24, np.int32)
-  padded[padded_at] = 5
-  first = take_rows(x, ("q", "k", "v", "g"), np.arange(13), slice(0, 1))
-  second = take_rows(x, ("q", "k", "v", "g"), np.arange(13, 24), slice(0, 1))
-  inputs = {n: np.asarray(a).copy() for n, a in x.items() if n in first}
-  for n in inputs:
-    inputs[n][1, padded_at] = np.asarray(first[n])[0]
-  inputs["g"][1, padded == 0] = -30.0
-  inputs["v"][1, padded == 0] = 100.0
-  out, state = fn(*(jnp.asarray(inputs[n]) for n in ("q", "k", "v", "g")),
-                  segment_ids=jnp.asarray(np.stack([packed, padded])), initial_state=s0)
-
-  out1, state1 = fn(*args(first), initial_state=s0[:1])
-  out2, state2 = fn(*args(second), initial_state=None)
-  assert_close(out[0], np.concatenate([out1[0], out2[0]]), F32_TOL, "packed out")
-  assert_close(state[0], state2[0], F32_TOL, "packed final state")
-  assert_close(out[1, padded_at], out1[0], F32_TOL, "padded out")
-  assert np.all(np.asarray(out[1, padded == 0]) == 0)
-  assert_close(state[1], state1[0], F32_TOL, "padded final state (from s0 via padding)")
+  check_packing_and_padding(fn, x, ("q", "k", "v", "g"), {"g": -30.0, "v": 100.0}, F32_TOL)
 
 
 def _loss_and_grads(fn, chunk_size=None):
