@@ -2054,7 +2054,9 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
   cfg.layer_period layers (Qwen3.5: three linear layers, then a full one): the program
   holds one period, whatever the depth.
 
-  With a cache (prefill, decoding) the period's layers are unrolled in the body. Without
+  With a cache (prefill, decoding) the period's layers are unrolled in the body, each
+  layer's cache and (decoding) weights passed through optimization barriers so that XLA
+  holds one layer's gathered weights and cache entries at a time, not the period's. Without
   one (training), each run of consecutive layers of one kind is an inner `lax.scan` of
   rematerialised layers: unrolled, the backward pass may rebuild all of a period's layers
   before it needs the first, and XLA:TPU did (three Gated DeltaNet layers' working sets
@@ -2133,10 +2135,21 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
     for kind in pattern:
       j = seen[kind]
       seen[kind] += 1
+      state = jax.tree.map(lambda a, j=j: a[j], period_states[kind])
+      if not prefill:
+        # A decode step gathers each layer's (FSDP-sharded) weights; tied to the layer's
+        # input, a layer's gather waits for the layer before it. Unrolled and untied,
+        # XLA:TPU gathered every layer's weights at the top of the step.
+        x, state = jax.lax.optimization_barrier((x, state))
       unit = caches.linear if kind else caches.full
-      out = run(kind, j, period_states[kind], x, unit, period * per[kind] + j)
-      x = out[0]
-      caches = caches._replace(**{"linear" if kind else "full": out[1]})
+      out = nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
+                                           prefill, period * per[kind] + j,
+                                           router_stats=router_stats)
+      # The next layer reads the cache as this one left it: without the barrier XLA
+      # reads every layer's entry of the cache as it came in, all up front (their
+      # indices are known when there is one period), and keeps those copies live.
+      x, caches = jax.lax.optimization_barrier(
+          (out[0], caches._replace(**{"linear" if kind else "full": out[1]})))
       if router_stats:
         stats = add_stats(stats, out[2])
     return (x, caches), stats
