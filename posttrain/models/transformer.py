@@ -67,7 +67,8 @@ class LinearCache(NamedTuple):
   """A linear-attention (Gated DeltaNet) layer's cache: the last linear_conv_kernel - 1
   inputs of its q, k and v convolutions ([B, C-1, key heads, key head dim] and [B, C-1,
   value heads, value head dim], the compute dtype) and the recurrent state [B, value heads,
-  key head dim, value head dim] (float32). Fixed-size whatever the row's length: it has no
+  key head dim, value head dim] (float32; a Mamba2 layer's [B, heads, head dim, state],
+  `_linear_state_dims`). Fixed-size whatever the row's length: it has no
   slots, and holds the row as of the last token written."""
 
   q_conv: jax.Array
@@ -133,7 +134,17 @@ def init_linear_cache(cfg: ModelConfig, batch: int, dtype=None,
   return LinearCache(jnp.zeros((*layers, batch, c, hk, dk), dtype),
                      jnp.zeros((*layers, batch, c, hk, dk), dtype),
                      jnp.zeros((*layers, batch, c, hv, dv), dtype),
-                     jnp.zeros((*layers, batch, hv, dk, dv), jnp.float32))
+                     jnp.zeros((*layers, batch, hv, *_linear_state_dims(cfg)), jnp.float32))
+
+
+def _linear_state_dims(cfg: ModelConfig) -> tuple[int, int]:
+  """A linear layer's recurrent state per value head as its cache holds it: Gated
+  DeltaNet's [key head dim, value head dim]; Mamba2's transposed, [head dim, state]
+  (mamba_ssm's ssm_state), the state size last: on TPU a head dim of 64 last is padded to
+  128 lanes, and XLA laid the cache out with the state last outside a scan over periods
+  and as declared inside it, copying every layer's state in and out of the decode step."""
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  return (dv, dk) if cfg.linear_mixer == "mamba2" else (dk, dv)
 
 
 def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
@@ -1645,7 +1656,8 @@ class Mamba2(LinearAttention):
   heads together (Mamba2's gated norm, norm_before_gate=False), scaled by `norm` [heads,
   head dim], and projected back by o_proj (out_proj). Padding and new segments behave as
   in `LinearAttention`: the cache is the same `LinearCache` (C's window in q_conv, B's in
-  k_conv, x's in v_conv; the state [heads, state, head dim]).
+  k_conv, x's in v_conv; the state transposed, [heads, head dim, state], as mamba_ssm's
+  ssm_state).
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -1716,14 +1728,15 @@ class Mamba2(LinearAttention):
     x32 = xs.astype(jnp.float32)
     out, state = kernels.gated_linear_attention(
         cs, bs, x32 * step[..., None], g, segment_ids=segment_ids_BxT,
-        initial_state=None if old is None else old.state, chunk_size=cfg.linear_chunk,
-        return_final_state=True)
+        initial_state=None if old is None else old.state.swapaxes(-1, -2),
+        chunk_size=cfg.linear_chunk, return_final_state=True)
     o = ctx.constrain(_mamba2_gated_norm(out, xs, outs["z_proj"], self.D[...],
                                          self.norm[...], cfg.linear_num_key_heads,
                                          cfg.norm_eps), heads)
     y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
     y = _add_lora(self, "out_proj", y, o, "BTVH,VHR->BTR", "BTR,RD->BTD")
-    return y, self._cache_out(cache, layer, q_conv, k_conv, v_conv, state, ctx)
+    return y, self._cache_out(cache, layer, q_conv, k_conv, v_conv, state.swapaxes(-1, -2),
+                              ctx)
 
 
 class Block(nnx.Module):

@@ -89,6 +89,26 @@ def test_greedy_generation_matches_transformers(saved, scan):
     assert got == want, i
 
 
+def test_prefill_leaves_the_cache_transformers_keeps(saved):
+  """After a prompt, each Mamba2 layer's cache is transformers': the recurrent state in
+  its layout [batch, heads, head dim, state], and the last three inputs of x, B and C to
+  the convolution (transformers keeps four, the oldest unused)."""
+  folder, hf = saved
+  ours = models.from_pretrained(folder)
+  _, cache = ours(TOKENS, cache=models.init_cache(ours.cfg, 2, 32), prefill=True)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(TOKENS), use_cache=True).past_key_values
+  for i in (0, 2):  # the Mamba2 layers
+    state = np.asarray(cache[i].state)
+    want = theirs.get_recurrent_state(i).numpy()
+    assert state.shape == want.shape == (2, 8, 16, 8)
+    np.testing.assert_allclose(state, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+    window = np.concatenate([np.asarray(w).reshape(2, 3, -1) for w in
+                             (cache[i].v_conv, cache[i].k_conv, cache[i].q_conv)], axis=-1)
+    want = theirs.get_conv_state(i).numpy()[..., 1:].transpose(0, 2, 1)
+    np.testing.assert_allclose(window, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
 def test_export_round_trip_is_exact(saved, tmp_path):
   folder, hf = saved
   ours = models.from_pretrained(folder, scan_layers=True)

@@ -265,9 +265,10 @@ def test_planner_counts_the_recurrent_state(saved):
     built = sum(x.size * x.dtype.itemsize
                 for x in jax.tree.leaves(models.init_cache(cfg, 3, max_len)))
     assert planner.kv_cache_bytes(cfg, batch=3, max_len=max_len, mesh=mesh) == built
-  # Each Mamba2 layer: the state [8 heads, 8 state, 16] and 3 inputs of x, B and C.
+  # Each Mamba2 layer: the state [8 heads, 16 head dim, 8 state] (mamba_ssm's layout)
+  # and 3 inputs of x, B and C.
   state = models.init_cache(cfg, 3, 64)[0]
-  assert state.state.shape == (3, 8, 8, 16) and state.v_conv.shape == (3, 3, 8, 16)
+  assert state.state.shape == (3, 8, 16, 8) and state.v_conv.shape == (3, 3, 8, 16)
   assert state.q_conv.shape == state.k_conv.shape == (3, 3, 2, 8)
 
 

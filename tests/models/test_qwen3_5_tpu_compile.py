@@ -4,6 +4,8 @@ the sampler's prefill and decode programs with the recurrent state in the cache;
 Granite 4 hybrid's Mamba2 layers likewise."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -90,15 +92,21 @@ def test_a_period_rebuilds_one_linear_layer_at_a_time():
 @pytest.mark.slow  # about 40 s of compiling
 def test_a_granite4_hybrid_compiles_on_a_sharded_tpu_mesh():
   """Granite 4's -h- layout (Mamba2 layers: one group of B and C, a state of 128, the
-  scan in chunks of 256, no position embedding) compiles for a TPU slice: its sharded
-  gradient, and the sampler's decode with the Mamba2 state [heads, 128, head dim] in the
-  cache, its heads split over tensor."""
+  scan in chunks of 256, no position embedding; two periods of three Mamba2 layers and
+  an attention layer) compiles for a TPU slice: its sharded gradient, and the sampler's
+  decode with the Mamba2 state [heads, head dim, 128] in the cache, its heads split over
+  tensor. The state stack rides the decode loop and the loop over periods in one layout:
+  stored [heads, state, head dim], XLA copied the whole stack into and out of the loop
+  over periods in every decode step."""
   cfg = CFG.replace(architecture="GraniteMoeHybridForCausalLM", qk_norm=False,
                     norm_unit_offset=False, attn_output_gate=False, linear_mixer="mamba2",
                     linear_num_key_heads=1, linear_key_head_dim=128,
                     linear_num_value_heads=8, linear_value_head_dim=64, linear_chunk=256,
-                    linear_conv_bias=True, rope_layers=(0,) * 4, rope=models.RopeConfig())
+                    linear_conv_bias=True, num_layers=8, layer_types=CFG.layer_types * 2,
+                    rope_layers=(0,) * 8, rope=models.RopeConfig())
   compiled, decode = _compile_gradient_and_decode(cfg)
   assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
-  # Three Mamba2 layers' states: rows 16 / data 2, heads 8 / tensor 2, 128 x 64, f32.
-  assert "f32[3,8,4,128,64]" in decode.as_text()
+  # Six Mamba2 layers' states: rows 16 / data 2, heads 8 / tensor 2, 64 x 128, f32.
+  text = decode.as_text()
+  assert "f32[6,8,4,64,128]" in text
+  assert not re.search(r"f32\[6,8,4,\d+,\d+\]\{[^}]*\} copy\(", text)
