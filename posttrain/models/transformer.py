@@ -2152,15 +2152,16 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
       if not prefill:
         # A decode step gathers each layer's (FSDP-sharded) weights; tied to the layer's
         # input, a layer's gather waits for the layer before it. Unrolled and untied,
-        # XLA:TPU gathered every layer's weights at the top of the step.
+        # XLA:TPU gathered every layer's weights at the top of the step (a Bamba-9B-shaped
+        # decode on a v5e-8: 13.3 GiB a chip, 9.4 tied; BENCHMARKS.md).
         x, state = jax.lax.optimization_barrier((x, state))
       unit = caches.linear if kind else caches.full
       out = nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
                                            prefill, period * per[kind] + j,
                                            router_stats=router_stats)
-      # The next layer reads the cache as this one left it: without the barrier XLA
-      # reads every layer's entry of the cache as it came in, all up front (their
-      # indices are known when there is one period), and keeps those copies live.
+      # The next layer takes the cache and x as this one left them: without this barrier
+      # XLA:TPU held more of the layers' work at once (the same model's prefill: 10.8
+      # GiB a chip, 9.3 with it).
       x, caches = jax.lax.optimization_barrier(
           (out[0], caches._replace(**{"linear" if kind else "full": out[1]})))
       if router_stats:
