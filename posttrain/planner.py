@@ -1398,11 +1398,14 @@ def _linear_weight_bytes(cfg: models.ModelConfig, key_heads: int, value_heads: i
     s(D(2K + 2V + 2Hv)    q_proj, k_proj [D, Hk, Dk], v_proj, z_proj [D, Hv, Dv], b_proj,
                           a_proj [D, Hv]
       + (2K + V)C         the convolutions' taps
-      + V D)              o_proj [Hv, Dv, D]"""
+      + V D)              o_proj [Hv, Dv, D]
+
+  A Mamba2 layer has no b_proj: s D Hv less (its convolution biases and D aside)."""
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
   k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
-  return s * (d * (2 * k + 2 * v + 2 * value_heads) + (2 * k + v) * cfg.linear_conv_kernel
-              + v * d)
+  gates = 1 if cfg.linear_mixer == "mamba2" else 2
+  return s * (d * (2 * k + 2 * v + gates * value_heads)
+              + (2 * k + v) * cfg.linear_conv_kernel + v * d)
 
 
 def _attention_weight_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int) -> int:

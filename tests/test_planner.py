@@ -436,6 +436,20 @@ def test_mamba2_saved_activations_match_what_jax_keeps(dtype, remat, length):
   assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
 
 
+@pytest.mark.parametrize("layout", [QWEN3_5, MAMBA2], ids=["gated_deltanet", "mamba2"])
+def test_linear_weight_bytes_are_the_mixers_projections_and_taps(layout):
+  """What the planner gathers for a linear layer's mixer is its projections and
+  convolution taps in the compute dtype: a Mamba2 layer has no b_proj."""
+  cfg = models.get_preset("tiny", **layout, dtype="bfloat16")
+  mixer = models.Transformer(cfg, rngs=nnx.Rngs(0)).linear_layers[0].linear_attn
+  names = [n for n in ("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj", "o_proj",
+                       "q_conv", "k_conv", "v_conv") if hasattr(mixer, n)]
+  assert ("b_proj" in names) == (layout is QWEN3_5)
+  want = sum(getattr(mixer, n)[...].size for n in names) * 2
+  assert planner._linear_weight_bytes(cfg, cfg.linear_num_key_heads,
+                                      cfg.linear_num_value_heads) == want
+
+
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_linear_heads_split_over_tensor(remat):
   """Over fsdp 4 x tensor 2 a device keeps of 8 rows what one device keeps of 2 rows of
