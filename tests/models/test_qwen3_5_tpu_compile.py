@@ -1,7 +1,8 @@
 """A Qwen3.5 model (Gated DeltaNet layers beside gated full attention, layers scanned a
 period at a time) compiles for a TPU slice (libtpu, no TPU): its sharded gradient, and
-the sampler's prefill and decode programs with the recurrent state in the cache; and a
-Granite 4 hybrid's Mamba2 layers likewise."""
+the sampler's prefill and decode programs with the recurrent state in the cache; a
+Granite 4 hybrid's Mamba2 layers likewise; and a decode step that gathers its sharded
+weights one layer at a time."""
 from __future__ import annotations
 
 import re
@@ -110,3 +111,23 @@ def test_a_granite4_hybrid_compiles_on_a_sharded_tpu_mesh():
   text = decode.as_text()
   assert "f32[6,8,4,64,128]" in text
   assert not re.search(r"f32\[6,8,4,\d+,\d+\]\{[^}]*\} copy\(", text)
+
+
+@pytest.mark.slow  # about 60 s of compiling
+def test_a_decode_step_gathers_one_layer_at_a_time():
+  """A hybrid whose layer pattern does not repeat runs its eight layers unrolled in one
+  period. Decoding with the weights left sharded over fsdp, each step gathers each
+  layer's weights as the layer comes: the program's temporaries stay near four of its
+  96 MiB MLPs (gathered [2,048, 8,192] x 3). Untied, XLA:TPU gathered every layer's
+  weights at the top of the step: eight MLPs' worth."""
+  from posttrain.sampling.sampler import Sampler
+  mesh = tpu_mesh("v5e", (1, 4, 1, 1), ("data", "fsdp", "tensor", "sequence"))
+  kinds = ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 4
+  cfg = CFG.replace(d_model=2048, ffn_dim=8192, num_layers=8, layer_types=kinds)
+  assert cfg.layer_period == 8
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  sampler = Sampler(abstract, mesh=mesh, max_len=512, gather_weights=False)
+  with jax.set_mesh(mesh):
+    _, decode = sampler.compile(16, 256, 256, distinct_prompts=4, temperature=1.0)
+  mlp = 3 * 2048 * 8192 * 2
+  assert decode.memory_analysis().temp_size_in_bytes < 6 * mlp
