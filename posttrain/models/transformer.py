@@ -2153,10 +2153,11 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
         # A decode step gathers each layer's (FSDP-sharded) weights; tied to the layer's
         # input, a layer's gather waits for the layer before it. Unrolled and untied,
         # XLA:TPU gathered every layer's weights at the top of the step (a Bamba-9B-shaped
-        # decode on a v5e-8: 13.3 GiB a chip, 9.4 tied; BENCHMARKS.md). The kind's stack
-        # is tied and then sliced: tying the layer's slice held more (8 of those layers:
-        # 3.07 GiB, 2.69 this way; XLA's report showed whole stacks relaid once a call).
-        # Not in a prefill, where either tie raised XLA:TPU's peak (2.98 to 5.3 GiB).
+        # decode on a v5e-8: 13.3 GiB a chip, 7.9 tied; BENCHMARKS.md). The kind's stack
+        # is tied and then sliced: tying the layer's slice held more (9.4; on 8 of those
+        # layers 3.07 against 2.69; XLA's report showed whole stacks relaid once a call).
+        # Not in a prefill, where either tie raised XLA:TPU's peak (8 layers: 2.98 GiB
+        # untied, 5.3 and 5.7 tied).
         x, stack = jax.lax.optimization_barrier((x, stack))
       state = jax.tree.map(lambda a, j=j: a[j], stack)
       unit = caches.linear if kind else caches.full
