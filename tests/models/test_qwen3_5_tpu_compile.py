@@ -63,15 +63,17 @@ def test_gradient_and_sampler_compile_on_a_sharded_tpu_mesh():
 
 @pytest.mark.slow  # about 60 s of compiling
 def test_a_period_rebuilds_one_linear_layer_at_a_time():
-  """The backward pass of a scanned period of three Gated DeltaNet layers and a full
-  one rebuilds its layers one at a time: its program needs less than 1.6x the memory of
-  a period of one of each (unrolled in the period's body, XLA:TPU rebuilt all three
-  linear layers up front and needed 2.2x)."""
+  """The backward pass of a scanned period of seven Gated DeltaNet layers and a full one
+  rebuilds its linear layers one at a time: its program needs less than 1.5x the memory
+  of the same eight layers as four periods of one of each (0.68x measured). Unrolled in
+  the period's body, XLA:TPU rebuilt all seven linear layers up front and needed 3.0x.
+  (Three and one, the ratio was 1.72x scanned and 1.87x unrolled: the peak of those
+  programs is the gradients' bookkeeping before the loop, not a layer's rebuild.)"""
   mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
   tokens = spec(mesh, (4, 2048), jnp.int32, P("data"))
   ctx = models.ShardingContext(mesh)
   temps = {}
-  for pattern in (("linear_attention",) * 3 + ("full_attention",),
+  for pattern in (("linear_attention",) * 7 + ("full_attention",),
                   ("linear_attention", "full_attention")):
     cfg = CFG.replace(d_model=512, ffn_dim=2048, num_layers=8, remat="full",
                       layer_types=pattern * (8 // len(pattern)))
@@ -87,7 +89,7 @@ def test_a_period_rebuilds_one_linear_layer_at_a_time():
 
     compiled = compile_for(mesh, jax.grad(loss), state, tokens)
     temps[len(pattern)] = compiled.memory_analysis().temp_size_in_bytes
-  assert temps[4] < 1.6 * temps[2], temps
+  assert temps[8] < 1.5 * temps[2], temps
 
 
 @pytest.mark.slow  # about 40 s of compiling
