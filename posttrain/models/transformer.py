@@ -2067,25 +2067,31 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
   cfg.layer_period layers (Qwen3.5: three linear layers, then a full one): the program
   holds one period, whatever the depth.
 
-  With a cache (prefill, decoding) the period's layers are unrolled in the body, each
-  layer's cache and (decoding) weights passed through optimization barriers so that XLA
-  holds one layer's gathered weights and cache entries at a time, not the period's. Without
-  one (training), each run of consecutive layers of one kind is an inner `lax.scan` of
-  rematerialised layers: unrolled, the backward pass may rebuild all of a period's layers
-  before it needs the first, and XLA:TPU did (three Gated DeltaNet layers' working sets
-  live at once: 9.5 GiB a chip more in Qwen3.5-27B's update on v5p-64); a loop rebuilds
-  one at a time.
+  With a cache (prefill, decoding) the period's layers are unrolled in the body (their
+  weights indexed from the kinds' stacks by layer), each layer's cache and (decoding)
+  weights passed through optimization barriers so that XLA holds one layer's gathered
+  weights and cache entries at a time, not the period's. Without one (training), each
+  run of consecutive layers of one kind is an inner `lax.scan` of rematerialised layers:
+  unrolled, the backward pass may rebuild all of a period's layers before it needs the
+  first, and XLA:TPU did (three Gated DeltaNet layers' working sets live at once: 9.5
+  GiB a chip more in Qwen3.5-27B's update on v5p-64); a loop rebuilds one at a time.
   Returns (x, the HybridCaches or None, the layers' RouterStats summed with
   `router_stats`, else None)."""
   p = cfg.layer_period
   pattern = cfg.linear_layers[:p]
   periods = cfg.num_layers // p
   per = {True: pattern.count(True), False: pattern.count(False)}
+  # Training scans the stacks as [periods, layers a period, ...]. A cached call of more
+  # than one period indexes the stacks as they are, by layer: their reshape left XLA:TPU
+  # a layout to pick, and it relaid whole stacks for the prefill and sliced a period's
+  # weights at once (Qwen3.5-27B's rollout on a v5p-64: 2.15 GiB a chip; BENCHMARKS.md).
+  # One period's reshape is free (Bamba-9B-shaped, v5e-8: prefill 9.29 GiB, 9.37 by layer).
+  by_layer = cache is not None and periods > 1
   graphs, states = {}, {}
   for kind, blocks in ((True, linear_blocks), (False, full_blocks)):
     graphs[kind], state = nnx.split(blocks)
-    states[kind] = jax.tree.map(lambda a, n=per[kind]: a.reshape(periods, n, *a.shape[1:]),
-                                state)
+    states[kind] = state if by_layer else jax.tree.map(
+        lambda a, n=per[kind]: a.reshape(periods, n, *a.shape[1:]), state)
   cos, sin = tables
   runs = []  # (kind, first, count): the period's runs of consecutive layers of one kind
   for kind in pattern:
@@ -2148,7 +2154,7 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
     for kind in pattern:
       j = seen[kind]
       seen[kind] += 1
-      stack = period_states[kind]
+      stack = states[kind] if by_layer else period_states[kind]
       if not prefill:
         # A decode step gathers each layer's (FSDP-sharded) weights; tied to the layer's
         # input, a layer's gather waits for the layer before it. Unrolled and untied,
@@ -2159,7 +2165,11 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
         # Not in a prefill, where either tie raised XLA:TPU's peak (8 layers: 2.98 GiB
         # untied, 5.3 and 5.7 tied).
         x, stack = jax.lax.optimization_barrier((x, stack))
-      state = jax.tree.map(lambda a, j=j: a[j], stack)
+      if by_layer:
+        state = jax.tree.map(lambda a, i=period * per[kind] + j: jax.lax.dynamic_index_in_dim(
+            a, i, keepdims=False), stack)
+      else:
+        state = jax.tree.map(lambda a, j=j: a[j], stack)
       unit = caches.linear if kind else caches.full
       out = nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
                                            prefill, period * per[kind] + j,
@@ -2173,8 +2183,9 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
         stats = add_stats(stats, out[2])
     return (x, caches), stats
 
-  (x, cache), stats = jax.lax.scan(body, (x, cache),
-                                   (states, jnp.arange(periods, dtype=jnp.int32)))
+  (x, cache), stats = jax.lax.scan(
+      body, (x, cache),
+      (None if by_layer else states, jnp.arange(periods, dtype=jnp.int32)))
   if router_stats:
     stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
   return x, cache, stats
