@@ -41,7 +41,7 @@ dots_with_no_batch_dims each linear layer also keeps its projections' outputs (q
 and z are 10k wide a token), which does not fit at eight 2048-token rows per fsdp shard
 (`launch.plan` says so and suggests this). Compiled for the slice on a CPU host (libtpu
 0.0.42.1, 3.5 GiB of host memory, 5 min): the update peaks at 52.2 GiB a chip with what
-stays resident beside it, where the plan says 52.5, the rollout at 57.7 (planned 55.2:
+stays resident beside it, where the plan says 52.5, the rollout at 54.9 (planned 55.2:
 its prefill keeps a relaid copy of the linear layers' input projections, 3.77 GiB a chip).
 Both fit the 85.5 GiB usable.
 """
