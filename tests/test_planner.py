@@ -903,7 +903,8 @@ def test_linear_attention_plan_counts_its_layers():
           - planner.decode_step_bytes(ungated, rows=8, mesh=abstract, gathered=False)
           == 4 * 96 * 3 * 16)
   # The backward's recomputed layer (twice under a remat policy): a linear layer's beside
-  # flash attention's, the attention layer's beside the reference's [T, T] scores.
+  # flash attention's, the attention layer's beside the reference's [T, T] scores; and,
+  # the model having linear layers, what a linear layer's backward holds beyond them.
   one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
   logits = 3 * 4 * 64 * cfg.vocab_size * 4
   for impl, larger in (("flash", "linear"), ("reference", "attention")):
@@ -915,7 +916,8 @@ def test_linear_attention_plan_counts_its_layers():
               "attention": planner.layer_activation_bytes(
                   c, "none", heads=6, kv_heads=2, mlp=160, kv_len=128, dense=True)}
     assert max(layers, key=layers.get) == larger
-    assert acts - saved == int(2 * 4 * 128 * layers[larger]) + logits
+    backward = 4 * 128 * planner._linear_backward_bytes(c, 2, 6, kv_len=128)
+    assert acts - saved == int(2 * 4 * 128 * layers[larger] + backward) + logits
   # A prefill of 16 prompts of 64 over fsdp 8 (2 a device) beside flash attention, the
   # prompts' cache aside: the linear layer's projections, conv outputs, float32 scan
   # inputs and output, the MLP, and per row one chunk's [c, c] matrices and the state;
