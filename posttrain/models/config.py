@@ -87,11 +87,14 @@ def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Kinds of layer (Hugging Face's layer_types): attention to every key up to the query, to
 # only the last `sliding_window` keys, or a linear-attention layer (Gated DeltaNet:
-# Qwen3-Next, Qwen3.5) whose cache is a fixed-size recurrent state.
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
-# The gated MLP's activation: SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
-# GELU (Gemma's gelu_pytorch_tanh).
-MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
+# Qwen3-Next, Qwen3.5) whose cache is a fixed-size recurrent state; or an MLP alone
+# (Nemotron-H's "mlp" layers: a model with them has single-sublayer layers,
+# `ModelConfig.split_layers`).
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp")
+# The MLP's activation: gated, SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
+# GELU (Gemma's gelu_pytorch_tanh) or gpt-oss's clamped SwiGLU; or relu2, the squared ReLU
+# of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
@@ -297,7 +300,14 @@ class ModelConfig:
       projection (`q_gate`) before o_proj, per head and feature (Qwen3-Next, Qwen3.5).
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
       (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
-      (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+      (up + 1) * gate * sigmoid(swiglu_alpha * gate)); or relu2, an MLP without a gate,
+      down(relu(up(x))^2) (Nemotron-H; no gate_proj).
+    layer_types: per layer, full_attention, sliding_attention or linear_attention (a
+      Gated DeltaNet or Mamba2 layer: `linear_mixer`); () = every layer full_attention.
+      With "mlp" entries the layers are single sublayers, as Nemotron-H's blocks are
+      (`split_layers`): a linear_attention layer is x + mixer(norm(x)), a full_attention
+      layer x + attn(norm(x)) and an mlp layer x + mlp(norm(x)), each with one norm (its
+      input_norm) and no other sublayer.
     qk_l2_norm: the rotary layers' (every layer's without `rope_layers`) q and k are
       normed over head_dim after the rotary embedding, x / sqrt(mean(x^2) + norm_eps),
       with no weight (Llama 4's use_qk_norm).
@@ -661,6 +671,23 @@ class ModelConfig:
                        "layers alone is not supported")
 
   @property
+  def split_layers(self) -> bool:
+    """Whether each layer is one sublayer, a mixer or an MLP (layer_types with "mlp"
+    layers: Nemotron-H), not a mixer and an MLP."""
+    return "mlp" in self.layer_types
+
+  @property
+  def mlp_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether it is an MLP alone (layer_types' "mlp": `split_layers`)."""
+    return tuple(t == "mlp" for t in self.layer_types) or (False,) * self.num_layers
+
+  @property
+  def attention_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether it has softmax attention (a KV cache): neither a linear-attention
+    layer nor an MLP alone."""
+    return tuple(not (lin or mlp) for lin, mlp in zip(self.linear_layers, self.mlp_layers))
+
+  @property
   def linear_layers(self) -> tuple[bool, ...]:
     """Per layer, whether it is a linear-attention layer (Gated DeltaNet, or Mamba2's
     state space: `linear_mixer`)."""
@@ -774,9 +801,28 @@ class ModelConfig:
       if "sliding_attention" in self.layer_types and window is None:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is "
                          "None")
+    self._check_split_layers()
     if self.rope_local is not None and not isinstance(self.rope_local, RopeConfig):
       raise ValueError(f"rope_local must be a RopeConfig, a dict or None, got "
                        f"{self.rope_local!r}")
+
+  def _check_split_layers(self) -> None:
+    if self.mlp_activation == "relu2" and self.num_experts:
+      raise ValueError("mlp_activation='relu2' (an MLP without a gate) with a mixture of "
+                       "experts is not supported")
+    if not self.split_layers:
+      return
+    held = [n for n, on in (("num_experts", self.num_experts),
+                            ("sliding_attention layers", any(self.sliding_layers)),
+                            ("output_norms", self.output_norms),
+                            ("sandwich_norms", self.sandwich_norms),
+                            ("kv_lora_rank", self.kv_lora_rank)) if on]
+    if held:
+      raise ValueError(f"{', '.join(held)} with layer_types' mlp layers (single-sublayer "
+                       "layers) are not supported")
+    if not any(self.attention_layers) or not any(self.linear_layers):
+      raise ValueError("layer_types with mlp layers (Nemotron-H's) needs linear_attention "
+                       "and full_attention layers; a model without either is not supported")
 
   @property
   def nope_layers(self) -> tuple[bool, ...]:
@@ -924,7 +970,8 @@ class ModelConfig:
     router = (d + self.router_bias + (self.router_scoring == "sigmoid"
                                       and self.router_correction_bias)) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
-    expert = 3 * d * f + (2 * f + d) * self.expert_bias
+    mats = 2 if self.mlp_activation == "relu2" else 3  # no gate_proj without a gate
+    expert = mats * d * f + (2 * f + d) * self.expert_bias
     shared = 3 * d * self.shared_expert_dim + d * self.shared_expert_gate
     per_layer = attn + experts * expert + router + shared + norms * d
     dense = attn + 3 * d * self.dense_ffn_dim + norms * d
@@ -941,6 +988,11 @@ class ModelConfig:
         mixer = (d * (2 * hv * dv + 2 * hk * dk + hv) + conv + 3 * hv + hv * dv
                  + hv * dv * d)
       swapped = linear * (mixer - attn)
+    if self.split_layers:  # one sublayer and its norm a layer
+      full = sum(self.attention_layers)
+      return (full * (attn + d) + linear * (attn + d) + swapped
+              + sum(self.mlp_layers) * (mats * d * f + d) + emb + d
+              + (d + 1 if self.value_head else 0))
     dense_layers = self.num_dense_layers
     return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped
             + emb + d + (d + 1 if self.value_head else 0))

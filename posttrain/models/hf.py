@@ -44,12 +44,12 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-              "GraniteMoeHybridForCausalLM", "BambaForCausalLM")
+              "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
-                  "BambaForCausalLM")
+                  "BambaForCausalLM", "NemotronHForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -79,7 +79,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Llama4ForCausalLM": "llama4_text", "GraniteForCausalLM": "granite",
                 "GraniteMoeForCausalLM": "granitemoe",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
-                "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba"}
+                "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
+                "NemotronHForCausalLM": "nemotron_h"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -131,8 +132,15 @@ GRANITES = (GRANITE, GRANITE_MOE, GRANITE_SHARED, GRANITE_HYBRID)
 # attn_layer_indices, each beside a Llama MLP (feed_forward; its norm pre_ff_layernorm,
 # the last final_layernorm); half of each attention head rotates, as transformers fixes.
 BAMBA = "BambaForCausalLM"
+# Nemotron-H (NVIDIA Nemotron-H, Nemotron Nano 2): single-sublayer layers
+# (`ModelConfig.split_layers`), each a norm and one mixer: Mamba2 ("M",
+# linear_attention), attention with no position embedding ("*", full_attention) or an
+# MLP without a gate, relu^2 ("-", mlp). Its files name the trunk backbone.* (as the
+# published ones do and transformers writes; model.* is read too), a layer's sublayer
+# mixer.*, the final norm norm_f. Its mixture layers ("E", Nemotron 3) are not read.
+NEMOTRON_H = "NemotronHForCausalLM"
 # The classes whose linear_attention layers are Mamba2's (`ModelConfig.linear_mixer`).
-_MAMBA2S = (GRANITE_HYBRID, BAMBA)
+_MAMBA2S = (GRANITE_HYBRID, BAMBA, NEMOTRON_H)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                     "logits_scaling")
 # GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
@@ -288,7 +296,12 @@ def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
 def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[[str], str]:
   """HF causal-LM tensor name -> its name in the files: the names themselves, or a
   vision-language checkpoint's (language_model.model.X, as published and as transformers
-  5 saves, or model.language_model.X)."""
+  5 saves, or model.language_model.X); a Nemotron-H checkpoint's trunk as model.X when
+  its files say so (transformers' name in memory) in place of backbone.X."""
+  if (NEMOTRON_H in (c.get("architectures") or []) and "backbone.embeddings.weight" not in
+      files and "model.embeddings.weight" in files):
+    return lambda name: ("model." + name[len("backbone."):] if name.startswith("backbone.")
+                         else name)
   if not any(a in VISION_LANGUAGE for a in c.get("architectures") or []):
     return lambda name: name
   if any(n.startswith("model.language_model.") for n in files):
@@ -440,6 +453,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = _language_model_config(c)
   arch = _architecture(c)
   lm = _causal_lm(arch)
+  if lm == NEMOTRON_H:
+    cfg = _nemotron_h_from_hf(c)
+    return cfg.replace(**overrides) if overrides else cfg
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
   if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
     c["rope_scaling"] = dict(_GPT_OSS_ROPE)
@@ -561,6 +577,92 @@ def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
                      "logits' log-sum-exp) is not supported")
   kinds = ["attention" if i in attention else "mamba" for i in range(layers)]
   return _mamba2_from_hf(c, kinds)
+
+
+# Nemotron-H's layer kinds: layers_block_type's names (transformers 5), or the letters of
+# hybrid_override_pattern (the published config.json files).
+_NEMOTRON_H_LAYER_TYPES = {"linear_attention": "linear_attention", "M": "linear_attention",
+                           "full_attention": "full_attention", "*": "full_attention",
+                           "attention": "full_attention", "mamba": "linear_attention",
+                           "mlp": "mlp", "-": "mlp"}
+# Nemotron-H config.json keys and the older names of a few (transformers reads both).
+_NEMOTRON_H_ALIASES = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
+                       "expand": "mamba_expand", "time_step_min": "mamba_dt_min",
+                       "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size"}
+
+
+def _nemotron_h_from_hf(c: dict[str, Any]) -> ModelConfig:
+  """The ModelConfig of a Nemotron-H config.json, read as transformers' NemotronHConfig
+  reads it (its defaults where a key is left out; a Mamba2 layer's time step clipped
+  below at time_step_min, as its mixer does, whatever time_step_limit says)."""
+  def get(key, default):
+    value = c.get(key)
+    if value is None:
+      value = c.get(_NEMOTRON_H_ALIASES.get(key, key))
+    return default if value is None else value
+
+  kinds = c.get("layers_block_type") or c.get("layer_types")
+  if not kinds and c.get("hybrid_override_pattern"):
+    kinds = list(c["hybrid_override_pattern"])
+  kinds = list(kinds or ["linear_attention", "moe", "full_attention", "mlp"])
+  if any(k in ("moe", "E") for k in kinds):
+    raise ValueError(f"{NEMOTRON_H} with moe layers (Nemotron 3's mixtures of experts) is "
+                     "not supported")
+  bad = sorted({str(k) for k in kinds if k not in _NEMOTRON_H_LAYER_TYPES})
+  if bad:
+    raise ValueError(f"layers_block_type entries {bad} in a {NEMOTRON_H} config.json: "
+                     f"expected linear_attention (M), full_attention (*) or mlp (-)")
+  for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+    if get(key, want) != want:
+      raise ValueError(f"{key}={c[key]!r} in a {NEMOTRON_H} config.json is not supported "
+                       f"(expected {want})")
+  for key in ("mlp_bias", "use_bias", "mamba_proj_bias"):
+    if c.get(key):
+      raise ValueError(f"{key}=true (biases on a {NEMOTRON_H} layer's projections) is not "
+                       "supported")
+  d = int(c.get("hidden_size") or 4096)
+  heads = int(get("mamba_num_heads", 128))
+  head_dim = int(get("mamba_head_dim", 64))
+  pad = c.get("pad_token_id", 0)
+  dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
+  layers = len(kinds)
+  return ModelConfig(
+      vocab_size=int(c.get("vocab_size") or 131_072), d_model=d, num_layers=layers,
+      num_heads=int(c.get("num_attention_heads") or 32),
+      num_kv_heads=int(c.get("num_key_value_heads") or c.get("num_attention_heads") or 8),
+      head_dim=int(c.get("head_dim") or 128),
+      ffn_dim=int(c.get("intermediate_size") or 21_504),
+      norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+      tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+      max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
+      architecture=NEMOTRON_H, dtype=dtype, param_dtype=dtype,
+      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
+      layer_types=tuple(_NEMOTRON_H_LAYER_TYPES[k] for k in kinds),
+      rope_layers=(0,) * layers, mlp_activation="relu2", linear_mixer="mamba2",
+      linear_num_key_heads=int(get("n_groups", 8)),
+      linear_key_head_dim=int(get("ssm_state_size", 128)),
+      linear_num_value_heads=heads, linear_value_head_dim=head_dim,
+      linear_conv_kernel=int(get("conv_kernel", 4)),
+      linear_conv_bias=bool(get("use_conv_bias", True)),
+      linear_chunk=int(get("chunk_size", 128)),
+      linear_dt_min=float(_json_float(get("time_step_min", 0.001))))
+
+
+def _nemotron_h_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """A Nemotron-H config.json's fields (`_nemotron_h_from_hf`'s inverse)."""
+  names = {"linear_attention": "linear_attention", "full_attention": "full_attention",
+           "mlp": "mlp"}
+  heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+  return dict(
+      layers_block_type=[names[k] for k in cfg.layer_types], intermediate_size=cfg.ffn_dim,
+      layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu",
+      mlp_bias=False, use_bias=False, attention_bias=False, mamba_num_heads=heads,
+      mamba_head_dim=head_dim, expand=max(1, heads * head_dim // cfg.d_model),
+      n_groups=cfg.linear_num_key_heads, ssm_state_size=cfg.linear_key_head_dim,
+      conv_kernel=cfg.linear_conv_kernel, use_conv_bias=cfg.linear_conv_bias,
+      chunk_size=cfg.linear_chunk, time_step_min=cfg.linear_dt_min,
+      time_step_limit=[0.0, _float_to_json(float("inf"))], residual_in_fp32=False,
+      num_nextn_predict_layers=0)
 
 
 def _mamba2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -1050,7 +1152,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   olmo = lm in OLMOS
   fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S, embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
-               mlp_activation="gelu_tanh" if gemma else "clamped_swiglu" if oss else "silu",
+               mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
+                               "relu2" if lm == NEMOTRON_H else "silu"),
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
                attn_out_bias=(oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                and cfg.qkv_bias,
@@ -1077,7 +1180,20 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
         cfg.sliding_layers):
       raise ValueError(f"layer_types with full-attention layers cannot be written as "
                        f"{cfg.architecture}, whose window applies to every layer")
-  if lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID) and not all(cfg.rope_layers or (1,)):
+  if lm == NEMOTRON_H and (cfg.rope_layers or (1,)) != (0,) * cfg.num_layers:
+    raise ValueError(f"rope_layers with rotary layers cannot be written as "
+                     f"{cfg.architecture}, whose attention has no position embedding")
+  if cfg.split_layers != (lm == NEMOTRON_H):
+    raise ValueError(f"split_layers={cfg.split_layers} (layer_types with mlp layers) cannot "
+                     f"be written as {cfg.architecture}; {NEMOTRON_H} holds single-sublayer "
+                     "layers, and only it")
+  if lm == NEMOTRON_H and (cfg.qkv_bias or cfg.attn_out_bias
+                           or cfg.linear_dt_max != float("inf")):
+    raise ValueError(f"{cfg.architecture}'s attention has no biases, and its Mamba2 "
+                     "layers' time step no upper limit (qkv_bias, attn_out_bias, "
+                     "linear_dt_max)")
+  if lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) and not all(
+      cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
   if lm == GRANITE_HYBRID and len(set(cfg.rope_layers or (1,))) > 1:
@@ -1164,6 +1280,13 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
       "max_position_embeddings": cfg.max_position_embeddings,
       "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
   }
+  if lm == NEMOTRON_H:  # no rotary embedding; its layers' kinds both ways it is read
+    for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
+      out.pop(key)
+    out.update(_nemotron_h_to_hf(cfg))
+    out["hybrid_override_pattern"] = "".join(
+        {"linear_attention": "M", "full_attention": "*", "mlp": "-"}[k]
+        for k in cfg.layer_types)
   if lm != "Qwen2ForCausalLM":
     out["attention_bias"] = cfg.qkv_bias
   if lm in GEMMAS:
@@ -1381,6 +1504,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   def bias(heads):
     return (lambda x: x.reshape(heads, h), lambda x: x.reshape(heads * h))
 
+  if _causal_lm(cfg.architecture) == NEMOTRON_H:
+    return _nemotron_h_rows(cfg, proj_in)
   final = "final_layernorm" if _causal_lm(cfg.architecture) == BAMBA else "norm"
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
           (("final_norm", "scale"), f"model.{final}.weight", ident, ident, (d,))]
@@ -1521,6 +1646,38 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   return rows
 
 
+def _nemotron_h_rows(cfg: ModelConfig, proj_in: Callable[[int], tuple[Transform, Transform]]
+                     ) -> list:
+  """`_mapping` of Nemotron-H: backbone.embeddings, backbone.norm_f, and per layer its
+  norm and its mixer's tensors (Mamba2's, attention's q/k/v/o_proj, or the MLP's up_proj
+  and down_proj)."""
+  d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  ident = lambda x: x  # noqa: E731
+  rows = [(("embed",), "backbone.embeddings.weight", ident, ident, (cfg.vocab_size, d)),
+          (("final_norm", "scale"), "backbone.norm_f.weight", ident, ident, (d,))]
+  if cfg.lm_head and not cfg.tie_embeddings:
+    rows.append((("lm_head",), "lm_head.weight", lambda x: x.T, lambda x: x.T,
+                 (d, cfg.vocab_size)))
+  for i, kind in enumerate(cfg.layer_types):
+    p, hf = layer_path(cfg, i), f"backbone.layers.{i}."
+    rows.append((p + ("input_norm", "scale"), hf + "norm.weight", ident, ident, (d,)))
+    mixer = hf + "mixer."
+    if kind == "linear_attention":
+      rows += _mamba2_rows(cfg, p, hf, "mixer.")
+    elif kind == "mlp":
+      rows += [(p + ("mlp", "up_proj"), mixer + "up_proj.weight", lambda x: x.T,
+                lambda x: x.T, (d, f)),
+               (p + ("mlp", "down_proj"), mixer + "down_proj.weight", lambda x: x.T,
+                lambda x: x.T, (f, d))]
+    else:
+      rows += [(p + ("attn", name), mixer + f"{name}.weight", *proj_in(heads), (d, heads, h))
+               for name, heads in (("q_proj", n), ("k_proj", k), ("v_proj", k))]
+      rows.append((p + ("attn", "o_proj"), mixer + "o_proj.weight",
+                   lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
+                   lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
+  return rows
+
+
 def _head_half(inner: tuple[Transform, Transform], which: int, n: int, h: int, d: int
                ) -> tuple[Transform, Transform]:
   """(HF -> ours, ours -> HF) of half `which` of each head's 2h rows of a [n * 2h, d] HF
@@ -1577,17 +1734,18 @@ def _linear_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   return rows
 
 
-def _mamba2_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
-  """A Mamba2 layer (Granite 4's and Bamba's mamba): in_proj's rows are [z; x; B; C; dt]
-  and the depthwise conv1d's channels (and bias) [x; B; C]; ours keep each apart
-  (`Mamba2`: x in v_proj, B in k_proj, C in q_proj, dt in a_proj)."""
+def _mamba2_rows(cfg: ModelConfig, p: tuple, hf: str, module: str = "mamba.") -> list:
+  """A Mamba2 layer (Granite 4's and Bamba's mamba, Nemotron-H's mixer: `module`):
+  in_proj's rows are [z; x; B; C; dt] and the depthwise conv1d's channels (and bias) [x;
+  B; C]; ours keep each apart (`Mamba2`: x in v_proj, B in k_proj, C in q_proj, dt in
+  a_proj)."""
   d, c = cfg.d_model, cfg.linear_conv_kernel
   groups, heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
   state, width = cfg.linear_key_head_dim, cfg.linear_value_head_dim
   inner, bc = heads * width, groups * state
   conv_total, in_total = inner + 2 * bc, 2 * inner + 2 * bc + heads
   ident = lambda x: x  # noqa: E731
-  mamba = hf + "mamba."
+  mamba = hf + module
 
   def proj_in(shape):  # HF [prod(shape), d] <-> ours [d, *shape]
     return (lambda x: x.T.reshape(d, *shape), lambda x: x.reshape(d, -1).T)
@@ -2238,7 +2396,10 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
 def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str]:
   """The tensors of a GLM-4.5 checkpoint's multi-token-prediction layers (the
   num_nextn_predict_layers layers after num_hidden_layers), which are not read."""
-  if _causal_lm(_architecture(_language_model_config(c))) not in (GLM4_MOE, DEEPSEEK_V3):
+  lm = _causal_lm(_architecture(_language_model_config(c)))
+  if lm == NEMOTRON_H:  # its mtp.* (Nemotron 3), which transformers does not read either
+    return {n for n in files if n.startswith("mtp.")}
+  if lm not in (GLM4_MOE, DEEPSEEK_V3):
     return set()
   first = int(c["num_hidden_layers"])
   extra = int(c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 1)) or 0)
@@ -2388,7 +2549,7 @@ def _lookup(tree, key: tuple):
   return node
 
 
-_STACKS = ("layers", "dense_layers", "linear_layers")
+_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers")
 
 
 def _stacked_key(key: tuple) -> tuple:

@@ -173,13 +173,15 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
   ring = sliding_cache_slots(cfg, max_len, write_tokens)
   kinds = cfg.sliding_layers
   linear = cfg.linear_layers
-  if any(linear):
+  if any(linear):  # an MLP alone (split_layers) has no cache: None in a list
     if cfg.scan_layers:
       return HybridCaches(
-          init_layer_cache(cfg, batch, max_len, dtype, layers=(linear.count(False),)),
+          init_layer_cache(cfg, batch, max_len, dtype,
+                           layers=(sum(cfg.attention_layers),)),
           init_linear_cache(cfg, batch, dtype, layers=(linear.count(True),)))
-    return [init_linear_cache(cfg, batch, dtype) if lin else
-            init_layer_cache(cfg, batch, max_len, dtype) for lin in linear]
+    return [init_linear_cache(cfg, batch, dtype) if lin else None if mlp else
+            init_layer_cache(cfg, batch, max_len, dtype)
+            for lin, mlp in zip(linear, cfg.mlp_layers)]
   if cfg.scan_layers:
     if len(set(kinds)) > 1:
       return LayerKindCaches(
@@ -428,8 +430,13 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
   stacks: a mixture's dense layers (`dense_layers`: leading, or between its mixture
   layers with cfg.moe_layer_step) then `layers`; or for a model
   with linear-attention layers, those (`linear_layers`) and the attention layers
-  (`layers`), interleaved in the model as layer_types says."""
+  (`layers`), interleaved in the model as layer_types says; with cfg.split_layers the
+  MLPs alone too (`mlp_layers`)."""
   linear = cfg.linear_layers
+  if cfg.split_layers:
+    return tuple((name, tuple(i for i, on in enumerate(flags) if on)) for name, flags in (
+        ("linear_layers", linear), ("layers", cfg.attention_layers),
+        ("mlp_layers", cfg.mlp_layers)) if any(flags))
   if any(linear):
     return (("linear_layers", tuple(i for i, lin in enumerate(linear) if lin)),
             ("layers", tuple(i for i, lin in enumerate(linear) if not lin)))
@@ -442,8 +449,8 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def layer_path(cfg: ModelConfig, i: int) -> tuple[str, int]:
-  """Where layer i's parameters sit, unstacked: ("layers", j), ("dense_layers", j) or
-  ("linear_layers", j)."""
+  """Where layer i's parameters sit, unstacked: ("layers", j), ("dense_layers", j),
+  ("linear_layers", j) or ("mlp_layers", j)."""
   for name, indices in layer_stacks(cfg):
     if i in indices:
       return name, indices.index(i)
@@ -1088,7 +1095,8 @@ def gated_activation(cfg: ModelConfig):
 
 class MLP(nnx.Module):
   """A gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximate GELU
-  (GeGLU, cfg.mlp_activation)."""
+  (GeGLU, cfg.mlp_activation); with mlp_activation relu2 no gate: down(relu(up(x))^2)
+  (Nemotron-H)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
     """`width`: the hidden width F (default cfg.ffn_dim; a mixture's shared expert and
@@ -1096,7 +1104,8 @@ class MLP(nnx.Module):
     self.cfg = cfg
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
     f = width or cfg.ffn_dim
-    self.gate_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
+    if cfg.mlp_activation != "relu2":
+      self.gate_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
     self.up_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
     self.down_proj = _param(rngs, (f, cfg.d_model), ("mlp", "embed"), pd, std=std)
 
@@ -1106,13 +1115,15 @@ class MLP(nnx.Module):
     # 2-D matmuls over [B*T, D]: XLA:CPU's backward of the 3-D einsums transposes every
     # activation (about 2x slower train step); on TPU/GPU both lower to the same dots.
     x_NxD = x_BxTxD.astype(dt).reshape(b * t, d)
-    gate_NxF = _add_lora(self, "gate_proj", x_NxD @ self.gate_proj[...].astype(dt), x_NxD,
-                         "ND,DR->NR", "NR,RF->NF")
     up_NxF = _add_lora(self, "up_proj", x_NxD @ self.up_proj[...].astype(dt), x_NxD,
                        "ND,DR->NR", "NR,RF->NF")
-    gated = gated_activation(self.cfg)
-    h = ctx.constrain(gated(gate_NxF, up_NxF).reshape(b, t, -1),
-                      ("batch", "length", "mlp"))
+    if self.cfg.mlp_activation == "relu2":
+      h_NxF = jnp.square(jax.nn.relu(up_NxF))
+    else:
+      gate_NxF = _add_lora(self, "gate_proj", x_NxD @ self.gate_proj[...].astype(dt), x_NxD,
+                           "ND,DR->NR", "NR,RF->NF")
+      h_NxF = gated_activation(self.cfg)(gate_NxF, up_NxF)
+    h = ctx.constrain(h_NxF.reshape(b, t, -1), ("batch", "length", "mlp"))
     h_NxF = h.reshape(b * t, -1)
     y_NxD = _add_lora(self, "down_proj", h_NxF @ self.down_proj[...].astype(dt), h_NxF,
                       "NF,FR->NR", "NR,RD->ND")
@@ -1746,18 +1757,25 @@ class Block(nnx.Module):
   cfg.output_norms (OLMo 2 / 3) only the outputs are: x + norm(attn(x)), then
   x + norm(mlp(x)). `dense`: one of a mixture's leading dense layers (cfg.dense_layers),
   its MLP dense of width cfg.dense_ffn_dim. `linear`: a linear-attention layer, its
-  mixer `linear_attn` (`LinearAttention`) in place of `attn`."""
+  mixer `linear_attn` (`LinearAttention`) in place of `attn`. With cfg.split_layers
+  (Nemotron-H) a block is one sublayer and its input_norm: the mixer alone, or with
+  `mlp_only` the MLP alone, x + mlp(norm(x))."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
-               linear: bool = False):
+               linear: bool = False, mlp_only: bool = False):
     self.residual_multiplier = float(cfg.residual_multiplier)
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
+    if mlp_only:
+      self.mlp = MLP(cfg, rngs)
+      return
     if linear:
       mixer = Mamba2 if cfg.linear_mixer == "mamba2" else LinearAttention
       self.linear_attn = mixer(cfg, rngs)
     else:
       self.attn = Attention(cfg, rngs)
+    if cfg.split_layers:  # the mixer alone
+      return
     if not cfg.output_norms:
       self.post_attn_norm = _norm(cfg, cfg.d_model)
     if dense:
@@ -1772,15 +1790,22 @@ class Block(nnx.Module):
                layer=None, router_stats: bool = False, sliding=False, nope=False):
     """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats)."""
     pre = hasattr(self, "input_norm")
+    post = hasattr(self, "attn_out_norm")
+    new_cache, stats = cache, None
     if hasattr(self, "linear_attn"):
       h, new_cache = self.linear_attn(self.input_norm(x) if pre else x, segment_ids, cache,
                                       ctx, prefill, layer)
-    else:
+    elif hasattr(self, "attn"):
       h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids,
                                cache, positions, ctx, prefill, layer, sliding, nope)
-    post = hasattr(self, "attn_out_norm")
+    else:  # an MLP alone (split_layers): its input norm is the block's one
+      h = self.mlp(self.input_norm(x), ctx)
+      x = ctx.constrain(x + self._residual(h), ("batch", "length", "embed"))
+      return (x, new_cache, stats) if router_stats else (x, new_cache)
     x = x + self._residual(self.attn_out_norm(h) if post else h)
-    stats = None
+    if not hasattr(self, "mlp"):  # the mixer alone (split_layers)
+      x = ctx.constrain(x, ("batch", "length", "embed"))
+      return (x, new_cache, stats) if router_stats else (x, new_cache)
     inputs = self.post_attn_norm(x) if pre else x
     if router_stats:
       h, stats = self.mlp(inputs, ctx, segment_ids, router_stats=True)
@@ -1844,7 +1869,8 @@ class Transformer(nnx.Module):
     # A mixture's leading dense layers in `dense_layers`, the others in `layers`
     # (`layer_stacks`); each a list of blocks, or with scan_layers one stacked block.
     for stack, indices in layer_stacks(cfg):
-      kind = dict(dense=stack == "dense_layers", linear=stack == "linear_layers")
+      kind = dict(dense=stack == "dense_layers", linear=stack == "linear_layers",
+                  mlp_only=stack == "mlp_layers")
       setattr(self, stack, _stacked_blocks(cfg, rngs, len(indices), **kind)
               if cfg.scan_layers else
               nnx.List([Block(cfg, rngs, **kind) for _ in indices]))
@@ -1912,9 +1938,10 @@ class Transformer(nnx.Module):
     if cfg.scan_layers and any(cfg.linear_layers):
       if all(cfg.nope_layers):  # no position embedding at all (Granite 4's -h- models)
         tables = tuple(f(t) for f, t in zip((jnp.ones_like, jnp.zeros_like), tables))
-      x, new_caches, stats = _scan_hybrid(self.linear_layers, self.layers, cfg, x, tables,
-                                          segment_ids_BxT, cache, positions_BxT, ctx,
-                                          prefill, router_loss)
+      blocks = {kind: getattr(self, stack) for kind, stack in _HYBRID_STACKS.items()
+                if hasattr(self, stack)}
+      x, new_caches, stats = _scan_hybrid(blocks, cfg, x, tables, segment_ids_BxT, cache,
+                                          positions_BxT, ctx, prefill, router_loss)
     elif cfg.scan_layers and cfg.moe_layer_step > 1:
       x, new_caches, stats = _scan_interleaved(self.dense_layers, self.layers, cfg, x, tables,
                                                local, segment_ids_BxT, cache, positions_BxT,
@@ -2042,7 +2069,8 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
-                    dense: bool = False, linear: bool = False) -> Block:
+                    dense: bool = False, linear: bool = False, mlp_only: bool = False
+                    ) -> Block:
   """One Block whose parameters stack `count` layers' (default all) on a leading "layers"
   axis (`dense`: a mixture's leading dense layers).
 
@@ -2050,9 +2078,10 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
   axis is named "layers" in every parameter's logical axes (replicated by the default
   rules)."""
   keys = jax.random.split(rngs.params(), cfg.num_layers if count is None else count)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), dense, linear)))
-  state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(params=key), dense, linear)))(
-      keys)
+  graphdef = nnx.graphdef(nnx.eval_shape(
+      lambda: Block(cfg, nnx.Rngs(0), dense, linear, mlp_only)))
+  state = jax.vmap(lambda key: nnx.state(
+      Block(cfg, nnx.Rngs(params=key), dense, linear, mlp_only)))(keys)
 
   def name_axis(v):
     return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))
@@ -2061,11 +2090,25 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, tables,
-                 segment_ids, cache, positions, ctx, prefill, router_stats: bool):
-  """Runs a model of linear- and full-attention layers as one `lax.scan` over periods of
-  cfg.layer_period layers (Qwen3.5: three linear layers, then a full one): the program
-  holds one period, whatever the depth.
+# A hybrid model's kinds of layer (`layer_kinds`) and the stacks holding them.
+_HYBRID_STACKS = {"linear": "linear_layers", "full": "layers", "mlp": "mlp_layers"}
+# Where a kind's cache sits in a HybridCaches (an MLP alone has none).
+_HYBRID_CACHES = {"linear": "linear", "full": "full", "mlp": None}
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+  """Per layer of a hybrid model, its kind: "linear" (a linear-attention layer), "full"
+  (attention) or "mlp" (an MLP alone, cfg.split_layers)."""
+  return tuple("linear" if lin else "mlp" if mlp else "full"
+               for lin, mlp in zip(cfg.linear_layers, cfg.mlp_layers))
+
+
+def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_ids, cache,
+                 positions, ctx, prefill, router_stats: bool):
+  """Runs a model of linear- and full-attention layers (and, with cfg.split_layers, MLPs
+  alone; `blocks` maps each kind of `layer_kinds` to its stack) as one `lax.scan` over
+  periods of cfg.layer_period layers (Qwen3.5: three linear layers, then a full one):
+  the program holds one period, whatever the depth.
 
   With a cache (prefill, decoding) the period's layers are unrolled in the body (their
   weights indexed from the kinds' stacks by layer), each layer's cache and (decoding)
@@ -2078,9 +2121,9 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
   Returns (x, the HybridCaches or None, the layers' RouterStats summed with
   `router_stats`, else None)."""
   p = cfg.layer_period
-  pattern = cfg.linear_layers[:p]
+  pattern = layer_kinds(cfg)[:p]
   periods = cfg.num_layers // p
-  per = {True: pattern.count(True), False: pattern.count(False)}
+  per = {kind: pattern.count(kind) for kind in blocks}
   # Training scans the stacks as [periods, layers a period, ...]. A cached call of more
   # than one period indexes the stacks as they are, by layer: their reshape left XLA:TPU
   # a layout to pick, and it relaid whole stacks for the prefill and sliced a period's
@@ -2088,8 +2131,8 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
   # One period's reshape is free (Bamba-9B-shaped, v5e-8: prefill 9.29 GiB, 9.37 by layer).
   by_layer = cache is not None and periods > 1
   graphs, states = {}, {}
-  for kind, blocks in ((True, linear_blocks), (False, full_blocks)):
-    graphs[kind], state = nnx.split(blocks)
+  for kind, stack in blocks.items():
+    graphs[kind], state = nnx.split(stack)
     states[kind] = state if by_layer else jax.tree.map(
         lambda a, n=per[kind]: a.reshape(periods, n, *a.shape[1:]), state)
   cos, sin = tables
@@ -2150,7 +2193,7 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
         if router_stats:
           stats = add_stats(stats, jax.tree.map(lambda s: jnp.sum(s, axis=0), new))
       return (x, caches), stats
-    seen = {True: 0, False: 0}
+    seen = dict.fromkeys(blocks, 0)
     for kind in pattern:
       j = seen[kind]
       seen[kind] += 1
@@ -2170,7 +2213,8 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
             a, i, keepdims=False), stack)
       else:
         state = jax.tree.map(lambda a, j=j: a[j], stack)
-      unit = caches.linear if kind else caches.full
+      field = _HYBRID_CACHES[kind]
+      unit = None if field is None else getattr(caches, field)
       out = nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
                                            prefill, period * per[kind] + j,
                                            router_stats=router_stats)
@@ -2178,7 +2222,7 @@ def _scan_hybrid(linear_blocks: Block, full_blocks: Block, cfg: ModelConfig, x, 
       # XLA:TPU held more of the layers' work at once (the same model's prefill: 10.8
       # GiB a chip, 9.3 with it).
       x, caches = jax.lax.optimization_barrier(
-          (out[0], caches._replace(**{"linear" if kind else "full": out[1]})))
+          (out[0], caches if field is None else caches._replace(**{field: out[1]})))
       if router_stats:
         stats = add_stats(stats, out[2])
     return (x, caches), stats

@@ -55,20 +55,25 @@ class TrainState:
 # ---------------------------------------------------------------------------------------
 
 
+# The model's layer stacks (`posttrain.models.transformer.layer_stacks`).
+_LAYER_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers")
+
+
 def _decay_mask(params):
   """Matrices decay; norm scales, biases and vectors do not (the usual AdamW recipe).
 
-  By each parameter's own rank: a stacked layer axis (scan_layers: a path through
-  "layers" or "dense_layers" with no layer index) does not count, and biases
-  ([heads, head_dim]) are named.
+  By each parameter's own rank: a stacked layer axis (scan_layers: a path through one of
+  the layer stacks, "layers", "dense_layers", "linear_layers" or "mlp_layers", with no
+  layer index) does not count, and biases ([heads, head_dim]) and a linear-attention
+  layer's norm scale ([heads, head_dim] in Mamba2) are named.
   """
   def decays(path, x):
     keys = [getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path]
     keys = [k for k in keys if k != "value"]
-    stacked = bool(keys) and keys[0] in ("layers", "dense_layers") and not (
+    stacked = bool(keys) and keys[0] in _LAYER_STACKS and not (
         len(keys) > 1 and isinstance(keys[1], int))
     name = str(keys[-1]) if keys else ""
-    return x.ndim - int(stacked) >= 2 and not name.endswith("bias")
+    return x.ndim - int(stacked) >= 2 and not name.endswith("bias") and name != "norm"
 
   return jax.tree_util.tree_map_with_path(decays, params)
 

@@ -177,8 +177,10 @@ def spread_mamba2_parameters(model):
   import torch
   with torch.no_grad():
     for layer in model.model.layers:
-      if getattr(layer, "mamba", None) is not None:
-        layer.mamba.A_log.uniform_(-1.0, 1.0)
-        layer.mamba.D.normal_(1.0, 0.5)
-        layer.mamba.dt_bias.normal_(0.0, 1.0)
+      # Granite 4's and Bamba's mamba, or Nemotron-H's mixer when it is one.
+      mamba = getattr(layer, "mamba", None) or getattr(layer, "mixer", None)
+      if mamba is not None and hasattr(mamba, "A_log"):
+        mamba.A_log.uniform_(-1.0, 1.0)
+        mamba.D.normal_(1.0, 0.5)
+        mamba.dt_bias.normal_(0.0, 1.0)
   return model
