@@ -53,6 +53,9 @@ DEFAULT_LORA_TARGETS = ",".join(LORA_TARGETS)
 # leave them out.
 PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                   "GraniteMoeSharedForCausalLM")
+# Classes whose Mamba2 out_proj PEFT refuses to adapt (its Mamba models' fused kernel
+# skips the module): their default lora_targets leave it out.
+PEFT_NO_OUT_PROJ = ("NemotronHForCausalLM",)
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -520,6 +523,10 @@ class ModelConfig:
                            "model has no linear_attention layers")
         raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
                          f"subset of {LORA_TARGETS + linear + experts_allowed}")
+      if (self.mlp_activation == "relu2" and "gate_proj" in names
+          and self.lora_targets != DEFAULT_LORA_TARGETS):
+        raise ValueError("lora_targets names gate_proj, but this model's MLPs have no gate "
+                         "(mlp_activation='relu2'); use up_proj and down_proj")
       mlp = [t for t in names if t in LORA_TARGETS[4:]]
       dense_mlps = self.shared_expert_dim or self.num_dense_layers
       if (self.num_experts and not dense_mlps and mlp
@@ -867,8 +874,12 @@ class ModelConfig:
       allowed += self.linear_lora_targets
       if self.lora_targets == DEFAULT_LORA_TARGETS:
         names |= set(self.linear_lora_targets)
+        if self.architecture in PEFT_NO_OUT_PROJ:
+          names.discard("out_proj")
     if self.num_experts:
       allowed += EXPERT_LORA_TARGETS
+    if self.mlp_activation == "relu2":  # an MLP without a gate
+      allowed = tuple(t for t in allowed if t != "gate_proj")
     return tuple(t for t in allowed if t in names)
 
   @property
@@ -895,7 +906,8 @@ class ModelConfig:
              "o_proj": n * h + d}
     # An MLP target's layers: every dense MLP (a mixture's leading dense layers, of
     # dense_ffn_dim) and every mixture layer's shared expert (`stack_lora_targets`).
-    mlp = (self.num_layers * (d + f) if not self.num_experts else
+    mlp = ((sum(self.mlp_layers) if self.split_layers else self.num_layers) * (d + f)
+           if not self.num_experts else
            self.num_dense_layers * (d + self.dense_ffn_dim)
            + (self.mixture_layers * (d + self.shared_expert_dim)
               if self.shared_expert_dim else 0))
@@ -917,7 +929,7 @@ class ModelConfig:
     # (`stack_lora_targets`).
     linear = sum(self.linear_layers)
     layers = {t: linear if t in LINEAR_LORA_TARGETS else
-              self.num_layers - linear if t in ATTENTION_LORA_TARGETS else
+              sum(self.attention_layers) if t in ATTENTION_LORA_TARGETS else
               self.mixture_layers if t in EXPERT_LORA_TARGETS else 1
               for t in self.lora_target_names}
     return self.lora_rank * sum(sizes[t] * layers[t] for t in self.lora_target_names)

@@ -2025,6 +2025,11 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "dense MLPs' and shared experts') are not written or read: PEFT puts "
                      "those names on its fused routed experts instead; leave gate_proj, "
                      "up_proj and down_proj out of lora_targets, or export the model merged")
+  if _causal_lm(cfg.architecture) == NEMOTRON_H and "out_proj" in cfg.lora_target_names:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets out_proj "
+                     "are not written or read: PEFT refuses adapters on a Mamba2 layer's "
+                     "out_proj; leave it out of lora_targets, or export the model merged "
+                     "(save_pretrained)")
   experts = [t for t in cfg.lora_target_names if t in EXPERT_LORA_TARGETS]
   if experts and _causal_lm(cfg.architecture) == GPT_OSS:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with routed-expert targets "
@@ -2058,6 +2063,8 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
       b_maps = _key_group_b(cfg, t, r)
     ours = layer_path(cfg, i) + owner
     peft = f"base_model.model.model.layers.{i}.{module}.{t}."
+    if _causal_lm(cfg.architecture) == NEMOTRON_H:  # each layer's one sublayer: its mixer
+      peft = f"base_model.model.model.layers.{i}.mixer.{t}."
     rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
              (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows
@@ -2197,6 +2204,11 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
 
   def module(i, t):  # the layer's module of that name, None where it has none
     linear = cfg.linear_layers[i]
+    if cfg.split_layers:  # Nemotron-H: each layer's one sublayer is its mixer
+      mlps = LORA_TARGETS[4 + (cfg.mlp_activation == "relu2"):]  # relu^2: no gate_proj
+      has = {"linear_layers": cfg.linear_lora_targets, "layers": _ATTN_TARGETS,
+             "mlp_layers": mlps}[layer_path(cfg, i)[0]]
+      return f"backbone.layers.{i}.mixer.{t}" if t in has else None
     if t in _ATTN_TARGETS:
       return None if linear else f"model.layers.{i}.self_attn.{t}"
     if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
@@ -2499,6 +2511,12 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   sources = [(files, rows, mxfp4, fp8)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
+    if _causal_lm(cfg.architecture) == NEMOTRON_H and any(
+        n.startswith("base_model.model.backbone.") for n in adapter_files):
+      # PEFT writes the trunk as transformers names it in memory (model.*); files made
+      # against the published names say backbone.*.
+      lora_rows = [(ours, name.replace("base_model.model.model.", "base_model.model.backbone.",
+                                       1), *rest) for ours, name, *rest in lora_rows]
     if _PEFT_SCORE in adapter_files and cfg.value_head and not cfg.lm_head:
       # A reward model's adapter holds its trained score layer: it replaces the base's.
       score = [r for r in _mapping(cfg, score=True) if r[0] == ("value_w",)]

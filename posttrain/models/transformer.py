@@ -468,6 +468,9 @@ def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
   mixture layer MLP targets only on its shared expert (its routed experts: the
   EXPERT_LORA_TARGETS)."""
   other = _ATTN_TARGETS if stack == "linear_layers" else LINEAR_LORA_TARGETS
+  if cfg.split_layers:  # one sublayer a layer: the MLP's targets on the MLPs alone
+    other = (LORA_TARGETS[4:] + other if stack != "mlp_layers" else
+             _ATTN_TARGETS + LINEAR_LORA_TARGETS)
   if cfg.num_experts and not cfg.shared_expert_dim and stack != "dense_layers":
     other += LORA_TARGETS[4:]
   if stack == "dense_layers":  # a mixture's leading dense layers route to no experts

@@ -6,13 +6,15 @@ published files, and refusals."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, greedy_tokens, hf_logits, perturb,
+from tests.models.parity import (assert_close_to_scale, check_peft_round_trip, greedy_tokens,
+                                 hf_logits, perturb,
                                  spread_mamba2_parameters, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -74,11 +76,19 @@ def test_logits_match_transformers(saved, scan):
   assert np.abs(want).max() > 1
 
 
-def test_gradients_match_transformers(saved):
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned_remat"])
+def test_gradients_match_transformers(saved, scan):
   """d(sum of the targets' log-probs) for a Mamba2 layer's in_proj and out_proj, the
-  attention's q_proj, an MLP's up and down projections and a layer norm."""
+  attention's q_proj, an MLP's up and down projections and a layer norm; scanned, each
+  kind's stack sliced by layer, through the training scan's rematerialised layers."""
   folder, hf_model = saved
-  grads = target_logprob_grads(hf_model, models.from_pretrained(folder), TOKENS)
+  extra = dict(scan_layers=True, remat="full") if scan else {}
+  grads = target_logprob_grads(hf_model, models.from_pretrained(folder, **extra), TOKENS)
+  if scan:
+    grads = {k: {j: jax.tree.map(lambda a, j=j: a[j], v)
+                 for j in range(jax.tree.leaves(v)[0].shape[0])}
+             if k in ("linear_layers", "layers", "mlp_layers") else v
+             for k, v in grads.items()}
   layers = hf_model.model.layers
   mamba, theirs = grads["linear_layers"][1]["linear_attn"], layers[2].mixer
   rows = theirs.in_proj.weight.grad.numpy()  # [z (128); x (128); B (16); C (16); dt (8)]
@@ -188,3 +198,37 @@ def test_what_nemotron_h_refuses(saved):
     cfg.replace(layer_types=("linear_attention", "mlp") * 4)
   with pytest.raises(ValueError, match="relu2.*mixture of experts"):
     cfg.replace(layer_types=(), rope_layers=(), num_experts=4, num_experts_per_tok=2)
+
+
+def test_peft_adapters_round_trip(saved, tmp_path):
+  """Adapters on the attention, the Mamba2 layers' in_proj and the MLPs' up and down
+  projections (each under its layer's mixer), ours into PEFT and PEFT's into ours. The
+  default targets leave out the gate the MLPs do not have and the Mamba2 out_proj PEFT
+  refuses; named, out_proj trains but is not written as a PEFT file."""
+  folder, hf = saved
+  _, back = check_peft_round_trip(folder, hf, _hf_model, TOKENS, tmp_path,
+                                  ["q_proj", "v_proj", "in_proj", "up_proj", "down_proj"])
+  # PEFT's file names the trunk model.*; one naming it backbone.* reads the same.
+  import shutil
+
+  from safetensors.numpy import load_file, save_file
+  shutil.copytree(tmp_path / "peft", tmp_path / "backbone")
+  tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+  assert all(k.startswith("base_model.model.model.layers.") for k in tensors)
+  save_file({k.replace(".model.model.", ".model.backbone.", 1): v for k, v in tensors.items()},
+            str(tmp_path / "backbone" / "adapter_model.safetensors"))
+  renamed = models.from_pretrained(folder, adapter=str(tmp_path / "backbone"))
+  np.testing.assert_array_equal(np.asarray(_jitted_logits(renamed, TOKENS)),
+                                np.asarray(_jitted_logits(back, TOKENS)))
+  cfg = models.from_pretrained(folder, lora_rank=2).cfg
+  assert cfg.lora_target_names == ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
+                                   "down_proj", "in_proj")
+  named = models.from_pretrained(folder, lora_rank=2, lora_targets="in_proj,out_proj")
+  assert named.cfg.lora_target_names == ("in_proj", "out_proj")
+  with pytest.raises(ValueError, match="PEFT refuses adapters on a Mamba2 layer's out_proj"):
+    models.save_lora_adapter(named, str(tmp_path / "out_proj"))
+  lora = models.from_pretrained(folder, lora_rank=2, scan_layers=True)
+  counted = sum(v.size for _, v in nnx.iter_graph(lora) if isinstance(v, nnx.LoRAParam))
+  assert counted == cfg.num_lora_params
+  with pytest.raises(ValueError, match="no gate"):
+    cfg.replace(lora_targets="gate_proj,up_proj")

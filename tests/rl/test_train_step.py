@@ -638,6 +638,31 @@ def test_weight_decay_skips_norms_and_biases_and_reaches_matrices(scan):
                              -0.5 * np.asarray(params_layer["mlp"]["up_proj"][...]), rtol=1e-6)
 
 
+def test_weight_decay_skips_the_vectors_of_every_layer_stack():
+  """A scanned hybrid's stacks of Mamba2 layers and of MLPs alone (Nemotron-H's) hold
+  per-layer vectors as [L, heads] (A_log, dt_bias, D) and a gated norm's scale as [L,
+  heads, head dim]: none of them decays, and their matrices do."""
+  cfg = models.ModelConfig(
+      vocab_size=64, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=16,
+      ffn_dim=48, layer_types=("linear_attention", "mlp", "full_attention", "mlp"),
+      rope_layers=(0,) * 4, mlp_activation="relu2", linear_mixer="mamba2",
+      linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=8,
+      linear_value_head_dim=16, linear_conv_bias=True, scan_layers=True)
+  optimizer = state_lib.make_optimizer(1.0, warmup=0, total_steps=10, weight_decay=0.5, clip=None)
+  params = jax.tree.map(lambda x: x + 0.1, nnx.state(models.create_model(cfg), nnx.Param))
+  updates = jax.jit(lambda p: optimizer.update(jax.tree.map(jnp.zeros_like, p),
+                                               optimizer.init(p), p)[0])(params)
+  mamba = updates["linear_layers"]["linear_attn"]
+  for leaf in (mamba["A_log"], mamba["dt_bias"], mamba["D"], mamba["norm"],
+               mamba["v_conv_bias"], updates["mlp_layers"]["input_norm"]["scale"],
+               updates["linear_layers"]["input_norm"]["scale"]):
+    assert np.abs(np.asarray(leaf[...])).max() == 0.0
+  for ours, base in ((mamba["v_proj"], params["linear_layers"]["linear_attn"]["v_proj"]),
+                     (updates["mlp_layers"]["mlp"]["up_proj"],
+                      params["mlp_layers"]["mlp"]["up_proj"])):
+    np.testing.assert_allclose(ours[...], -0.5 * np.asarray(base[...]), rtol=1e-6)
+
+
 def test_grpo_step_lowers_one_mosaic_kernel_per_shape_for_hopper():
   """Every layer, the remat recomputation and the backward call the same three Mosaic
   GPU kernels, so a GPU compiles three, not one per call site (jax 0.11 stamped each
