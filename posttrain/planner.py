@@ -723,11 +723,15 @@ def _gathered_token_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None 
 def _mlp_kept(cfg: models.ModelConfig, remat: str, mlp: int, shared: int | None = None,
               dense: bool = False, local: int | None = None, routed: int = 1) -> int:
   """The MLP's share of `layer_activation_bytes` (remat none or a dots policy): a dense
-  MLP's (`dense`, or a dense model), else a mixture layer's with its shared expert of
+  MLP's (`dense`, or a dense model; without a gate, mlp_activation relu2, (3s + 1)F
+  without remat, its up projection sF under a dots policy), else a mixture layer's with
+  its shared expert of
   width `shared` on one device (default cfg.shared_expert_dim), its experts split as
   `local` and `routed` say (`expert_parallelism`)."""
   s = np.dtype(cfg.dtype).itemsize
   if dense or not cfg.num_experts:
+    if cfg.mlp_activation == "relu2":  # up, relu^2's mask, its two products / up alone
+      return (3 * s + 1) * mlp if remat == "none" else s * mlp
     return s * (3 if remat == "none" else 2) * mlp
   e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.d_model
   if remat == "none" and (local or e) < e:
@@ -858,9 +862,16 @@ def _layer_kinds(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
   """(layers, linear, their MLP's keywords) of each kind of layer: `_layer_mlps`' kinds,
   the last (a dense model's layers, a mixture's mixture layers) split into its Gated
   DeltaNet layers (linear, cfg.linear_layers) and its attention layers. The leading
-  dense layers are never linear (`ModelConfig` refuses both)."""
+  dense layers are never linear (`ModelConfig` refuses both). With cfg.split_layers
+  (Nemotron-H) the attention layers, the linear layers and the MLPs alone, each kind's
+  keywords naming its `part` of a block ("mixer" or "mlp", `_kind_bytes`)."""
   *lead, (n, mlp) = _layer_mlps(cfg, rows, row_len, mesh, rules)
   linear = sum(cfg.linear_layers)
+  if cfg.split_layers:  # single-sublayer layers: each kind's `part` of a block
+    kinds = [(sum(cfg.attention_layers), False, {**mlp, "part": "mixer"}),
+             (linear, True, {**mlp, "part": "mixer"}),
+             (sum(cfg.mlp_layers), False, {**mlp, "part": "mlp"})]
+    return tuple(kind for kind in kinds if kind[0])
   kinds = [(m, False, kw) for m, kw in lead] + [(n - linear, False, mlp), (linear, True, mlp)]
   return tuple(kind for kind in kinds if kind[0])
 
@@ -869,12 +880,57 @@ def _kind_bytes(cfg: models.ModelConfig, remat: str, linear: bool, mlp: dict[str
                 heads: int, kv_heads: int, linear_heads: tuple[int, int],
                 kv_len: int) -> float:
   """`layer_activation_bytes`, or for a Gated DeltaNet layer `linear_layer_activation_bytes`
-  (`linear_heads` its (key, value) heads on one device)."""
+  (`linear_heads` its (key, value) heads on one device); a single-sublayer layer's
+  (`mlp`'s "part") `split_layer_activation_bytes`."""
+  mlp = dict(mlp)
+  part = mlp.pop("part", None)
+  if part is not None:
+    return split_layer_activation_bytes(cfg, remat, part, linear, mlp, heads=heads,
+                                        kv_heads=kv_heads, linear_heads=linear_heads,
+                                        kv_len=kv_len)
   if linear:
     return linear_layer_activation_bytes(cfg, remat, key_heads=linear_heads[0],
                                          value_heads=linear_heads[1], kv_len=kv_len, **mlp)
   return layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads, kv_len=kv_len,
                                 **mlp)
+
+
+def split_layer_activation_bytes(cfg: models.ModelConfig, remat: str, part: str,
+                                 linear: bool, mlp: dict[str, Any], *, heads: int,
+                                 kv_heads: int, linear_heads: tuple[int, int],
+                                 kv_len: int) -> float:
+  """Bytes a single-sublayer layer (cfg.split_layers, Nemotron-H: x + f(norm(x)), one
+  norm) keeps per token for the backward pass: its `part` of a block, "mixer" (the
+  attention, or with `linear` a Gated DeltaNet / Mamba2 mixer) or "mlp" (`mlp` the
+  `_layer_mlps` keywords). s, D, H and F as in `layer_activation_bytes`:
+
+    mlp, none        (8 + 2s)D + 8 + MLP     its input norm's float32 rows and
+                                             columns, its compute-dtype output and the
+                                             block's input, then the MLP's own
+    mlp, dots        sD + MLP dots           the block output and the up projection
+    mixer, none      the block's, MLP none, less (8 + 2s)D + 8 (the MLP's norm and
+                     block rows; an attention layer's NoPE rotation keeps 8H, not 16H)
+    mixer, dots      the block's, MLP none, less sD; + 4H for an attention layer of a
+                     NoPE model (its unit cos and zero sin tables, float32)
+    full             sD (+ 4H as above)
+
+  Fitted to what JAX saves (`jax.ad_checkpoint.print_saved_residuals`) on Nemotron-H's
+  layout (relu^2 MLPs, Mamba2 layers, NoPE attention), float32 and bfloat16."""
+  s, d, hd = np.dtype(cfg.dtype).itemsize, cfg.d_model, cfg.head_dim
+  tables = 4 * hd if not linear and all(cfg.nope_layers) else 0  # NoPE's cos / sin
+  if remat == "full":
+    return s * d + (tables if part == "mixer" else 0)
+  if part == "mlp":
+    kept = (_mlp_kept(cfg, remat, **mlp)
+            + _lora_kept(cfg, remat, {}, _lora_mlp_width(cfg, mlp["mlp"], mlp.get("shared"),
+                                                         mlp.get("dense", False))))
+    return ((8 + 2 * s) * d + 8 if remat == "none" else s * d) + kept
+  block = _kind_bytes(cfg, remat, linear, {**mlp, "mlp": 0, "shared": 0},
+                      heads=heads, kv_heads=kv_heads, linear_heads=linear_heads,
+                      kv_len=kv_len)
+  if remat == "none":
+    return block - (8 + 2 * s) * d - 8 - (8 * hd - 16 if tables else 0)
+  return block - s * d + tables
 
 
 def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -889,7 +945,8 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
                                                    a mixture without remat]
 
   the second term outside the layers: embedding output, final norm, the hidden state the
-  chunked log-prob pass reads, RoPE tables, int32 positions and targets (with
+  chunked log-prob pass reads, RoPE tables (none in a model with no rotary layer: 4H
+  less), int32 positions and targets (with
   norm_unit_offset the final norm's in float32: (4 - s)D more, with embed_scale as in
   Gemma or without as in Qwen3.5); tied embeddings also keep the transposed output
   projection.
@@ -922,7 +979,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
                                linear_heads=linear_heads, kv_len=row_len)
                for n, linear, mlps in _layer_kinds(cfg, rows, row_len, mesh, rules))
   s = np.dtype(cfg.dtype).itemsize
-  outside = 2 * s * cfg.d_model + 4 * (2 * cfg.d_model + cfg.head_dim) + 8
+  # The rotary tables (4H); a model without any rotary layer reads none of them.
+  tables = 0 if all(cfg.nope_layers) else 4 * cfg.head_dim
+  outside = 2 * s * cfg.d_model + 4 * 2 * cfg.d_model + tables + 8
   if cfg.norm_unit_offset:
     outside += (4 - s) * cfg.d_model
   # Tied embeddings: the transposed [D, V] output projection is a residual of its own.
@@ -1019,7 +1078,9 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   transient = (1 if remat == "none" else 2) * one_layer
   if any(cfg.linear_layers):
     transient += b * t * _linear_backward_bytes(cfg, *linear_heads, kv_len=row_len)
-  transient += b * t * max(_gathered_token_bytes(cfg, **kw) for _, _, kw in kinds)
+  transient += b * t * max(_gathered_token_bytes(cfg, **{k: v for k, v in kw.items()
+                                                         if k != "part"})
+                           for _, _, kw in kinds)
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
   if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
     # A mixture's third copy is its experts' weight gradient: none for frozen experts
@@ -1222,8 +1283,8 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
     arrays = jax.eval_shape(lambda: init_linear_cache(cfg, batch, dtype))
     recurrent = sum(shard_bytes(x.shape, x.dtype, NamedSharding(mesh, models.logical_to_spec(
         axes, rules, mesh, x.shape))) for x, axes in zip(arrays, LINEAR_CACHE_AXES))
-  return ((cfg.num_layers - sliding - linear) * layer(max_len) + sliding * layer(ring)
-          + linear * recurrent)
+  full = cfg.num_layers - sliding - linear - sum(cfg.mlp_layers)  # an MLP alone: no cache
+  return full * layer(max_len) + sliding * layer(ring) + linear * recurrent
 
 
 @functools.lru_cache(maxsize=256)
@@ -1254,7 +1315,7 @@ def _cache_layers_note(cfg: models.ModelConfig, max_len: int) -> str:
   sliding = sum(cfg.sliding_layers)
   linear = sum(cfg.linear_layers)
   if linear:
-    return (f"{max_len} x {cfg.num_layers - linear} layers (+ {linear} linear layers' "
+    return (f"{max_len} x {sum(cfg.attention_layers)} layers (+ {linear} linear layers' "
             "states)")
   ring = models.sliding_cache_slots(cfg, max_len)
   if not sliding or ring == max_len:
@@ -1342,7 +1403,12 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   c = max(1, min(cfg.linear_chunk, prompt_len))
 
   def layer(linear: bool, mlp: int, shared: int = 0, dense: bool = False,
-            local: int | None = None, routed: int = 1) -> int:
+            local: int | None = None, routed: int = 1, part: str | None = None) -> int:
+    if part == "mlp":  # an MLP alone (split_layers): the block's rows and the MLP's
+      return (b * t * (s * 2 * d + s * 5 * mlp)
+              + (0 if gathered else _mlp_weight_bytes(cfg, mlp, shared, dense, local)))
+    if part == "mixer":
+      mlp = shared = 0
     ffn = (s * 5 * mlp if dense else
            s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) + s * 5 * shared
            # the other devices' tokens gathered to this one's experts (`routed` - 1 more)
@@ -1355,7 +1421,8 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
     else:
       mixer, per_row = s * (2 * d + nh + 2 * kh) + attn, 0
       weights = _attention_weight_bytes(cfg, heads, kv_heads)
-    weights += _mlp_weight_bytes(cfg, mlp, shared, dense, local)
+    if part is None:
+      weights += _mlp_weight_bytes(cfg, mlp, shared, dense, local)
     return b * t * (mixer + ffn) + b * per_row + (0 if gathered else weights)
 
   forward = max(layer(linear, **kw)
@@ -1383,11 +1450,13 @@ def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
   Gated DeltaNet layer's mixer (`_linear_weight_bytes`, `linear_heads` its (key, value)
   heads on the device) where the model has such layers and it is larger, and a mixture
   layer's experts and shared expert, or a leading dense layer's MLP, whichever is larger
-  (a linear layer's MLP is its attention layers' kind)."""
+  (a linear layer's MLP is its attention layers' kind). With cfg.split_layers a layer
+  is a mixer or an MLP: the larger of them."""
   mixer = _attention_weight_bytes(cfg, heads, kv_heads)
   if any(cfg.linear_layers):
     mixer = max(mixer, _linear_weight_bytes(cfg, *linear_heads))
-  return mixer + max(_mlp_weight_bytes(cfg, **kw) for _, kw in mlps)
+  mlp = max(_mlp_weight_bytes(cfg, **kw) for _, kw in mlps)
+  return max(mixer, mlp) if cfg.split_layers else mixer + mlp  # a sublayer a layer
 
 
 def _linear_weight_bytes(cfg: models.ModelConfig, key_heads: int, value_heads: int) -> int:
@@ -1439,7 +1508,7 @@ def _mlp_weight_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None = No
   del routed
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
   if dense or not cfg.num_experts:
-    return s * 3 * d * mlp
+    return s * (2 if cfg.mlp_activation == "relu2" else 3) * d * mlp
   experts = _expert_weight_bytes(cfg, mlp, gathered=(local or cfg.num_experts)
                                  == cfg.num_experts)
   if not cfg.shared_expert_dim:

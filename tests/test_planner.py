@@ -436,6 +436,42 @@ def test_mamba2_saved_activations_match_what_jax_keeps(dtype, remat, length):
   assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
 
 
+# Nemotron-H's layout: single-sublayer layers, Mamba2 (MAMBA2's widths), NoPE attention
+# and MLPs of squared ReLU without a gate, each alone with its norm.
+NEMOTRON_H = dict(d_model=96, ffn_dim=160, num_heads=6, num_kv_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+                  linear_value_head_dim=24, linear_chunk=32, logprob_chunk=64,
+                  linear_mixer="mamba2", linear_conv_bias=True, mlp_activation="relu2",
+                  attention_impl="flash")
+NEMOTRON_H_LAYERS = ("linear_attention", "mlp", "full_attention") * 2
+
+
+@pytest.mark.parametrize("dtype, remat", [
+    (dtype, remat) for dtype in ("float32", "bfloat16")
+    for remat in ("none", "dots", "dots_with_no_batch_dims", "full")])
+def test_single_sublayer_layers_saved_activations_match_what_jax_keeps(dtype, remat):
+  """Nemotron-H's layers are a block's halves: a Mamba2 or attention layer keeps its
+  mixer's share and one norm's, an MLP layer the MLP's and its own norm's (relu^2: up,
+  its mask and two products; under dots up alone). Each kind's share is exact but for
+  its norm's scale; the model within 2% (what lies outside the layers is counted as
+  for every model: a NoPE model's tables, counted in its attention layers, twice)."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  rows, length = 4, 128
+
+  def measured(kinds):
+    cfg = models.get_preset("tiny", **NEMOTRON_H, num_layers=len(kinds), layer_types=kinds,
+                            rope_layers=(0,) * len(kinds), remat=remat, dtype=dtype,
+                            param_dtype=dtype)
+    return (sum(n for n, _, _ in _residuals(cfg, rows, length)),
+            planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=one_device))
+
+  kept, planned = measured(NEMOTRON_H_LAYERS)
+  assert planned == pytest.approx(kept, rel=0.02)
+  for i in range(3):  # a Mamba2 layer, an MLP, an attention layer
+    less_kept, less_planned = measured(NEMOTRON_H_LAYERS[:i] + NEMOTRON_H_LAYERS[i + 1:])
+    assert 0 <= (kept - less_kept) - (planned - less_planned) <= 4 * 96 + 32, i
+
+
 @pytest.mark.parametrize("layout", [QWEN3_5, MAMBA2], ids=["gated_deltanet", "mamba2"])
 def test_linear_weight_bytes_are_the_mixers_projections_and_taps(layout):
   """What the planner gathers for a linear layer's mixer is its projections and
