@@ -1,7 +1,7 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
 a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
-Granite 3 MoE, a Granite 4 hybrid (Mamba2) and a Phi-3 (LongRoPE, partial rotary) Hugging
-Face folder, end to end: SFT and RL steps
+Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers) and a
+Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
 with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
 folder that transformers loads into the same class and computes our logits with."""
 
@@ -90,6 +90,14 @@ FAMILIES = {
                        linear_conv_bias=True, rope_layers=(0, 0), embedding_multiplier=6.0,
                        residual_multiplier=0.5, attention_multiplier=0.0625,
                        logits_scaling=4.0),
+    # Nemotron-H: single-sublayer layers, a Mamba2 layer, an MLP of squared ReLU alone
+    # (no cache: rollouts step past it) and NoPE attention; its own output projection.
+    "nemotron_h": dict(architecture="NemotronHForCausalLM", num_layers=3, tie_embeddings=False,
+                       layer_types=("linear_attention", "mlp", "full_attention"),
+                       rope_layers=(0, 0, 0), mlp_activation="relu2", linear_mixer="mamba2",
+                       linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_num_value_heads=4, linear_value_head_dim=16,
+                       linear_conv_bias=True, linear_dt_min=0.001),
 }
 
 

@@ -1187,6 +1187,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"split_layers={cfg.split_layers} (layer_types with mlp layers) cannot "
                      f"be written as {cfg.architecture}; {NEMOTRON_H} holds single-sublayer "
                      "layers, and only it")
+  if lm == NEMOTRON_H and cfg.tie_embeddings:
+    raise ValueError(f"tie_embeddings=True cannot be written as {cfg.architecture}, whose "
+                     "transformers class does not tie lm_head to the embeddings")
   if lm == NEMOTRON_H and (cfg.qkv_bias or cfg.attn_out_bias
                            or cfg.linear_dt_max != float("inf")):
     raise ValueError(f"{cfg.architecture}'s attention has no biases, and its Mamba2 "

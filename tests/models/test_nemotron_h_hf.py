@@ -194,6 +194,8 @@ def test_what_nemotron_h_refuses(saved):
   with pytest.raises(ValueError, match="mlp_activation='silu' cannot be written as "
                                        "NemotronHForCausalLM"):
     check_exportable(cfg.replace(mlp_activation="silu"))
+  with pytest.raises(ValueError, match="tie_embeddings=True cannot be written"):
+    check_exportable(cfg.replace(tie_embeddings=True))
   with pytest.raises(ValueError, match="linear_attention and full_attention layers"):
     cfg.replace(layer_types=("linear_attention", "mlp") * 4)
   with pytest.raises(ValueError, match="relu2.*mixture of experts"):
