@@ -13,9 +13,10 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_peft_round_trip, greedy_tokens,
-                                 hf_logits, perturb,
-                                 spread_mamba2_parameters, target_logprob_grads)
+from tests.models.parity import (assert_close_to_scale, check_peft_round_trip,
+                                 check_slots_and_resume_draw_one_calls_samples,
+                                 greedy_tokens, hf_logits, perturb, spread_mamba2_parameters,
+                                 target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -234,3 +235,11 @@ def test_peft_adapters_round_trip(saved, tmp_path):
   assert counted == cfg.num_lora_params
   with pytest.raises(ValueError, match="no gate"):
     cfg.replace(lora_targets="gate_proj,up_proj")
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_slots_and_resumed_rows_draw_what_one_call_draws(saved, scan):
+  """Continuous batching's refilled slots and resumed rows carry the Mamba2 states and
+  the attention cache past the cacheless MLP layers, token for token."""
+  check_slots_and_resume_draw_one_calls_samples(
+      models.from_pretrained(saved[0], scan_layers=scan), PROMPTS)
