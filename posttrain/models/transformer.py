@@ -2093,6 +2093,10 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+# A hybrid model's training period of more runs of one kind of layer than this rebuilds
+# its unrolled layers in order under full remat (`_scan_hybrid`); Bamba-9B's seven stay
+# checkpointed as they were.
+_UNROLLED_RUNS = 8
 # A hybrid model's kinds of layer (`layer_kinds`) and the stacks holding them.
 _HYBRID_STACKS = {"linear": "linear_layers", "full": "layers", "mlp": "mlp_layers"}
 # Where a kind's cache sits in a HybridCaches (an MLP alone has none).
@@ -2171,12 +2175,26 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   def add_stats(stats, new):
     return new if stats is None else jax.tree.map(jnp.add, stats, new)
 
+  # A period of many runs (a pattern that does not repeat, as Nemotron-H-8B's: one
+  # period of 52 layers, nearly every run a single layer) under full remat rebuilds
+  # each unrolled layer only once its output's cotangent has arrived (`_ordered_remat`).
+  # Checkpointed alone, XLA:TPU rebuilt many layers ahead of their backward, their
+  # forward products all live at once: the update on a v5e-8 needed 13.4 GiB a chip of
+  # temporaries. (A scan over the layers switching on each one's kind kept every kind's
+  # weights as the switch's residuals: 19.9.)
+  ordered = (cache is None and len(runs) > _UNROLLED_RUNS and cfg.remat == "full"
+             and not router_stats)
+
   def body(carry, xs):
     x, caches = carry
     period_states, period = xs
     stats = None
     if caches is None:
       for kind, first, count in runs:
+        if count == 1 and ordered:
+          layer = functools.partial(_unrolled_layer, graphs[kind], first, ctx)
+          x = _ordered_remat(layer)(x, period_states[kind], (cos, sin, segment_ids, positions))
+          continue
         if count == 1:
           out = run(kind, first, period_states[kind], x, None, None)
           x = out[0]
@@ -2240,6 +2258,44 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   if router_stats:
     stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
   return x, cache, stats
+
+
+def _unrolled_layer(graph, j, ctx, x, stack, inputs):
+  """x through the j-th layer of `stack` (a kind's period of stacked weights, `graph`
+  its graph), without a cache, `inputs` its (cos, sin, segment ids, positions): an
+  `_ordered_remat` layer of `_scan_hybrid`."""
+  cos, sin, segment_ids, positions = inputs
+  # Tied to the layer's input, its weights are sliced when the layer runs: free to,
+  # XLA:TPU sliced (and relaid) every layer's up front and held them all.
+  x, stack = jax.lax.optimization_barrier((x, stack))
+  state = jax.tree.map(lambda a: a[j], stack)
+  return nnx.merge(graph, state)(x, cos, sin, segment_ids, None, positions, ctx)[0]
+
+
+def _ordered_remat(layer):
+  """`layer(x, weights, inputs) -> x` saving only its arguments (full remat), its
+  backward rebuilding the forward only once the cotangent of its output has arrived:
+  the arguments and the cotangent pass one optimization barrier, so XLA cannot rebuild
+  a layer ahead of the layers after it (as it may a `jax.checkpoint`, whose rebuild
+  depends on saved inputs alone). `inputs` (rotary tables, segment ids, positions) take
+  no gradient."""
+  @jax.custom_vjp
+  def run(x, weights, inputs):
+    return layer(x, weights, inputs)
+
+  def forward(x, weights, inputs):
+    return layer(x, weights, inputs), (x, weights, inputs)
+
+  def backward(saved, cotangent):
+    saved, cotangent = jax.lax.optimization_barrier((saved, cotangent))
+    x, weights, inputs = saved
+    dx, dweights = jax.vjp(lambda x, w: layer(x, w, inputs), x, weights)[1](cotangent)
+    zeros = jax.tree.map(lambda a: (jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.floating)
+                                    else np.zeros(a.shape, jax.dtypes.float0)), inputs)
+    return dx, dweights, zeros
+
+  run.defvjp(forward, backward)
+  return run
 
 
 def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConfig, x, tables,

@@ -243,3 +243,37 @@ def test_slots_and_resumed_rows_draw_what_one_call_draws(saved, scan):
   the attention cache past the cacheless MLP layers, token for token."""
   check_slots_and_resume_draw_one_calls_samples(
       models.from_pretrained(saved[0], scan_layers=scan), PROMPTS)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_a_pattern_of_many_runs_trains_as_its_layers_do(remat):
+  """A pattern that does not repeat, of more than eight runs of one kind (as
+  Nemotron-H-8B's): scanned, its unrolled layers rebuild in order under full remat
+  (`_ordered_remat`) or are checkpointed each under another policy; its log-probs and
+  every kind's gradients are the unscanned model's."""
+  pattern = "M-M*-M-M*-M--"
+  kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+  cfg = models.ModelConfig(
+      vocab_size=64, d_model=32, num_layers=len(pattern), num_heads=4, num_kv_heads=2,
+      head_dim=8, ffn_dim=48, layer_types=tuple(kinds[c] for c in pattern),
+      rope_layers=(0,) * len(pattern), mlp_activation="relu2", linear_mixer="mamba2",
+      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+      linear_value_head_dim=16, linear_conv_bias=True, linear_chunk=4, remat=remat)
+  assert cfg.layer_period == cfg.num_layers
+  layers = models.create_model(cfg, seed=0)
+  scanned = models.relayout(layers, scan_layers=True)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, 12))
+
+  def loss(model):
+    return model.token_logprobs(tokens, tokens).sum()
+
+  (want, theirs), (got, ours) = (jax.jit(nnx.value_and_grad(loss))(m) for m in (layers, scanned))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for stack, path in (("linear_layers", ("linear_attn", "v_proj")), ("layers", ("attn", "q_proj")),
+                      ("mlp_layers", ("mlp", "up_proj")), ("mlp_layers", ("input_norm", "scale"))):
+    for j in range(len(theirs[stack])):
+      a, b = theirs[stack][j], ours[stack]
+      for k in path:
+        a, b = a[k], b[k]
+      np.testing.assert_allclose(np.asarray(b[...])[j], np.asarray(a[...]),
+                                 atol=1e-5 * np.abs(np.asarray(a[...])).max())
