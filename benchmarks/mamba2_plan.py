@@ -42,12 +42,17 @@ def main() -> None:
         linear_chunk=256, remat=args.remat,
         lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj,out_proj"))
     c.model.overrides.rope = models.RopeConfig(theta=10_000.0, partial_rotary_factor=0.5)
+  plan_and_compile(c, rollout_only=args.rollout_only)
+
+
+def plan_and_compile(c, *, rollout_only: bool = False, topology: str = "v5e:2x4") -> None:
+  """Prints the plan of config `c` for 16 GiB chips, then its RL update (unless
+  `rollout_only`) and rollout compiled for `topology` on this host, each against it."""
   p = planner.plan(c, device_memory_gb=16)
   print(planner.format_plan(p), flush=True)
   train_resident, rollout_resident = planner.resident_outside_programs(p, c)
-  topology = "v5e:2x4"
   devices = aot.tpu_devices(topology)
-  if not args.rollout_only:
+  if not rollout_only:
     report = aot.compile_rl_step(c, devices, topology=topology)
     print(aot.format_report(report, p.train_peak, train_resident), flush=True)
   rollout = aot.compile_rollout(c, devices)

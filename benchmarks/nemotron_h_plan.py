@@ -12,8 +12,8 @@ on every projection it has (q/k/v/o, up, down, the Mamba2 layers' in_proj and ou
 """
 import argparse
 
+from benchmarks.mamba2_plan import plan_and_compile
 from configs import llama3_8b_lora_grpo_v5e8 as recipe
-from posttrain import aot, planner
 
 PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
@@ -42,16 +42,7 @@ def main() -> None:
         linear_conv_kernel=4, linear_conv_bias=True, linear_chunk=128,
         linear_dt_min=0.001, remat=args.remat,
         lora_targets="q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,in_proj,out_proj"))
-  p = planner.plan(c, device_memory_gb=16)
-  print(planner.format_plan(p), flush=True)
-  train_resident, rollout_resident = planner.resident_outside_programs(p, c)
-  topology = "v5e:2x4"
-  devices = aot.tpu_devices(topology)
-  if not args.rollout_only:
-    report = aot.compile_rl_step(c, devices, topology=topology)
-    print(aot.format_report(report, p.train_peak, train_resident), flush=True)
-  rollout = aot.compile_rollout(c, devices)
-  print(aot.format_rollout(rollout, p.rollout_peak, rollout_resident), flush=True)
+  plan_and_compile(c, rollout_only=args.rollout_only)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ from posttrain.rl import state as rl_state
 from posttrain.rl import train_step as rl_train_step
 from posttrain.models.config import REMAT_POLICIES
 from posttrain.models.transformer import (CACHE_AXES, LINEAR_CACHE_AXES, init_layer_cache,
-                                          init_linear_cache)
+                                          init_linear_cache, ordered_layers)
 from posttrain.rollout import reward_model as reward_model_lib
 from posttrain.sampling.sampler import default_length_bucket, refill_rows
 
@@ -1082,6 +1082,7 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                                          if k != "part"})
                            for _, _, kw in kinds)
   transient += fused_dq_bytes(cfg, rows=b, row_len=t, heads=heads)
+  transient += b * t * _ordered_held_bytes(cfg, heads, kv_heads, mlps, linear_heads)
   if _logical_shard(mesh, rules, ("embed",), (cfg.d_model,))[0] != cfg.d_model:
     # A mixture's third copy is its experts' weight gradient: none for frozen experts
     # (LoRA; Llama 4 Maverick's on a v5p-64: 79.5 GiB compiled, 101.2 planned with it).
@@ -1110,6 +1111,36 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
       note += (f", the first {cfg.dense_layers} layers dense" if cfg.dense_layers > 1
                else ", the first layer dense")
   return int(saved + transient + logits), note
+
+
+def _ordered_held_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
+                        mlps: tuple[tuple[int, dict[str, Any]], ...],
+                        linear_heads: tuple[int, int]) -> int:
+  """Per token, what XLA:TPU holds for every layer a hybrid's training rebuilds in order
+  (`models.transformer.ordered_layers`: a pattern of many runs that does not repeat,
+  unrolled): the output buffers of each such layer's projections over FSDP-gathered
+  weights, which it allocates at the top of the program and keeps ("AllocateBuffer"
+  custom calls: 354 of them, 8.4 GiB a chip, at the peak of a Nemotron-H-8B-shaped
+  update on a v5e-8):
+
+    an MLP         2sF                      its up projection's and activation's
+    a Mamba2 layer s(2V + 2K + Hv) + 2sV + sD   in_proj's, x's and z's, out_proj's
+    attention      s(2NH + 16KH)
+
+  (a layer with both a mixer and an MLP, both). Fitted to that report; 0 for other
+  models."""
+  counts = ordered_layers(cfg)
+  if not counts:
+    return 0
+  s, d, hd = np.dtype(cfg.dtype).itemsize, cfg.d_model, cfg.head_dim
+  f = max(kw["mlp"] for _, kw in mlps)
+  k = linear_heads[0] * cfg.linear_key_head_dim
+  v = linear_heads[1] * cfg.linear_value_head_dim
+  mlp = 2 * s * f
+  mixer = {"linear": s * (4 * v + 2 * k + linear_heads[1] + d),
+           "full": s * (2 * heads * hd + 16 * kv_heads * hd), "mlp": 0}
+  return sum(n * (mixer[kind] + (mlp if kind == "mlp" or not cfg.split_layers else 0))
+             for kind, n in counts.items())
 
 
 def expert_bytes(model_cfg: models.ModelConfig, mesh: AbstractMesh, rules=models.DEFAULT_RULES,

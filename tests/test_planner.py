@@ -1471,3 +1471,33 @@ def test_a_preference_stage_counts_its_frozen_reference():
   assert p["reference"] == p["params"]
   # Its log-probs are computed in the update: the copy is the update's argument.
   assert planner.resident_outside_programs(p, online)[0][0] == p["sampler"]
+
+
+def test_a_pattern_of_many_runs_holds_its_layers_projection_buffers():
+  """A scanned hybrid whose pattern does not repeat, of more than eight runs (Nemotron-H's)
+  trains its single-layer runs in order (`ordered_layers`), and the plan holds each such
+  layer's projection outputs (XLA:TPU allocates them at the top of the update): by hand,
+  2sF an MLP, s(4V + 2K + Hv + D) a Mamba2 layer, s(2NH + 16KH) an attention layer. A
+  pattern of eight runs or fewer, dots remat or the unscanned layout hold none."""
+  from posttrain.models.transformer import ordered_layers
+  pattern = "M-M*-M-M*-M--"
+  kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+  cfg = models.get_preset("tiny", **NEMOTRON_H, num_layers=len(pattern),
+                          layer_types=tuple(kinds[c] for c in pattern),
+                          rope_layers=(0,) * len(pattern), remat="full", scan_layers=True,
+                          dtype="bfloat16", param_dtype="bfloat16")
+  assert ordered_layers(cfg) == {"linear": 5, "full": 2, "mlp": 4}  # "--" is a run of two
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  rows, length = 2, 64
+
+  def planned(c):
+    return planner.activation_bytes(c, rows=rows, row_len=length, mesh=one_device)[0]
+
+  v, k = 6 * 24, 2 * 16
+  per_token = (4 * 2 * 2 * 160 + 5 * 2 * (4 * v + 2 * k + 6 + 96)
+               + 2 * 2 * (2 * 6 * 16 + 16 * 2 * 16))
+  assert planned(cfg) - planned(cfg.replace(scan_layers=False)) == rows * length * per_token
+  for other in (cfg.replace(remat="dots"), cfg.replace(scan_layers=False),
+                cfg.replace(num_layers=8, layer_types=tuple(kinds[c] for c in "M-M*-MM-"),
+                            rope_layers=(0,) * 8)):
+    assert ordered_layers(other) == {}

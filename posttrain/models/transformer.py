@@ -2110,6 +2110,37 @@ def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
                for lin, mlp in zip(cfg.linear_layers, cfg.mlp_layers))
 
 
+def period_runs(cfg: ModelConfig) -> list[list]:
+  """[kind, first, count] of each run of consecutive layers of one kind in a hybrid
+  model's period (`layer_kinds`), first the run's first layer among its kind's in the
+  period."""
+  runs = []
+  for kind in layer_kinds(cfg)[:cfg.layer_period]:
+    if runs and runs[-1][0] == kind:
+      runs[-1][2] += 1
+    else:
+      runs.append([kind, sum(r[2] for r in runs if r[0] == kind), 1])
+  return runs
+
+
+def ordered_layers(cfg: ModelConfig) -> dict[str, int]:
+  """{kind: its layers} a scanned hybrid's training rebuilds in order (`_ordered_remat`:
+  single-layer runs of a period of more than _UNROLLED_RUNS runs under full remat); {}
+  for other models."""
+  if not (cfg.scan_layers and any(cfg.linear_layers) and cfg.remat == "full"
+          and not cfg.num_experts):
+    return {}
+  runs = period_runs(cfg)
+  if len(runs) <= _UNROLLED_RUNS:
+    return {}
+  periods = cfg.num_layers // cfg.layer_period
+  out: dict[str, int] = {}
+  for kind, _, count in runs:
+    if count == 1:
+      out[kind] = out.get(kind, 0) + periods
+  return out
+
+
 def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_ids, cache,
                  positions, ctx, prefill, router_stats: bool):
   """Runs a model of linear- and full-attention layers (and, with cfg.split_layers, MLPs
@@ -2143,12 +2174,7 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
     states[kind] = state if by_layer else jax.tree.map(
         lambda a, n=per[kind]: a.reshape(periods, n, *a.shape[1:]), state)
   cos, sin = tables
-  runs = []  # (kind, first, count): the period's runs of consecutive layers of one kind
-  for kind in pattern:
-    if runs and runs[-1][0] == kind:
-      runs[-1][2] += 1
-    else:
-      runs.append([kind, sum(r[2] for r in runs if r[0] == kind), 1])
+  runs = period_runs(cfg)
 
   def run(kind, j, period_state, x, unit, i):
     # The period's j-th layer of this kind (j static, or traced in an inner scan), taken
@@ -2176,14 +2202,15 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
     return new if stats is None else jax.tree.map(jnp.add, stats, new)
 
   # A period of many runs (a pattern that does not repeat, as Nemotron-H-8B's: one
-  # period of 52 layers, nearly every run a single layer) under full remat rebuilds
-  # each unrolled layer only once its output's cotangent has arrived (`_ordered_remat`).
-  # Checkpointed alone, XLA:TPU rebuilt many layers ahead of their backward, their
-  # forward products all live at once: the update on a v5e-8 needed 13.4 GiB a chip of
-  # temporaries. (A scan over the layers switching on each one's kind kept every kind's
-  # weights as the switch's residuals: 19.9.)
-  ordered = (cache is None and len(runs) > _UNROLLED_RUNS and cfg.remat == "full"
-             and not router_stats)
+  # period of 52 layers, nearly every run a single layer) under full remat takes each
+  # unrolled layer's weights tied to its input and rebuilds it only once its output's
+  # cotangent has arrived (`_ordered_remat`, `_unrolled_layer`). Checkpointed, XLA:TPU
+  # sliced (and relaid) every such layer's weights up front and held them (16 layers
+  # of Nemotron-H-8B's widths, LoRA, on a v5e-8: 4.25 GiB a chip of temporaries, 3.08
+  # tied; the ordering alone left 4.25; all 52 layers: 13.4, 10.3). A scan over the
+  # layers switching on each one's kind kept every kind's weights as the switch's
+  # residuals (16 layers: 19.9).
+  ordered = cache is None and bool(ordered_layers(cfg))  # a mixture's: none
 
   def body(carry, xs):
     x, caches = carry
