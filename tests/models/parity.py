@@ -184,3 +184,20 @@ def spread_mamba2_parameters(model):
         mamba.D.normal_(1.0, 0.5)
         mamba.dt_bias.normal_(0.0, 1.0)
   return model
+
+
+def check_mamba2_cache(cache, hf_cache, layers, state_shape):
+  """Our cache after a prompt against transformers' `hf_cache` at each Mamba2 layer of
+  `layers`: the recurrent state in its layout [batch, heads, head dim, state]
+  (`state_shape`), and the last three inputs of x, B and C to the convolution
+  (transformers keeps four, the oldest unused)."""
+  rows = state_shape[0]
+  for i in layers:
+    state = np.asarray(cache[i].state)
+    want = hf_cache.get_recurrent_state(i).numpy()
+    assert state.shape == want.shape == tuple(state_shape)
+    np.testing.assert_allclose(state, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+    window = np.concatenate([np.asarray(w).reshape(rows, 3, -1) for w in
+                             (cache[i].v_conv, cache[i].k_conv, cache[i].q_conv)], axis=-1)
+    want = hf_cache.get_conv_state(i).numpy()[..., 1:].transpose(0, 2, 1)
+    np.testing.assert_allclose(window, want, atol=1e-5 * np.abs(want).max(), rtol=0)

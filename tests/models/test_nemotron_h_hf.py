@@ -13,10 +13,11 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_peft_round_trip,
+from tests.models.parity import (assert_close_to_scale, check_mamba2_cache,
+                                 check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples,
-                                 greedy_tokens, hf_logits, perturb, spread_mamba2_parameters,
-                                 target_logprob_grads)
+                                 greedy_tokens, hf_logits, perturb,
+                                 spread_mamba2_parameters, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -122,15 +123,7 @@ def test_prefill_leaves_the_cache_transformers_keeps(saved):
   assert [c is None for c in cache] == [c == "-" for c in PATTERN]
   with torch.no_grad():
     theirs = hf(torch.tensor(TOKENS), use_cache=True).past_key_values
-  for i in (0, 2, 5, 6):  # the Mamba2 layers
-    state = np.asarray(cache[i].state)
-    want = theirs.get_recurrent_state(i).numpy()
-    assert state.shape == want.shape == (2, 8, 16, 8)
-    np.testing.assert_allclose(state, want, atol=1e-4 * np.abs(want).max(), rtol=0)
-    window = np.concatenate([np.asarray(w).reshape(2, 3, -1) for w in
-                             (cache[i].v_conv, cache[i].k_conv, cache[i].q_conv)], axis=-1)
-    want = theirs.get_conv_state(i).numpy()[..., 1:].transpose(0, 2, 1)
-    np.testing.assert_allclose(window, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+  check_mamba2_cache(cache, theirs, (0, 2, 5, 6), (2, 8, 16, 8))
 
 
 def test_export_round_trip_is_exact(saved, tmp_path):
