@@ -489,6 +489,7 @@ class ModelConfig:
     self._check_mixture_fields()
     self._check_latent_attention_fields()
     self._check_linear_attention_fields()
+    self._check_split_layers()
     if self.qk_norm_heads and not self.qk_norm:
       raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
                        "span)")
@@ -808,7 +809,6 @@ class ModelConfig:
       if "sliding_attention" in self.layer_types and window is None:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is "
                          "None")
-    self._check_split_layers()
     if self.rope_local is not None and not isinstance(self.rope_local, RopeConfig):
       raise ValueError(f"rope_local must be a RopeConfig, a dict or None, got "
                        f"{self.rope_local!r}")
