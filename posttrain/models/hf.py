@@ -581,10 +581,9 @@ def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 # Nemotron-H's layer kinds: layers_block_type's names (transformers 5), or the letters of
 # hybrid_override_pattern (the published config.json files).
-_NEMOTRON_H_LAYER_TYPES = {"linear_attention": "linear_attention", "M": "linear_attention",
-                           "full_attention": "full_attention", "*": "full_attention",
-                           "attention": "full_attention", "mamba": "linear_attention",
-                           "mlp": "mlp", "-": "mlp"}
+_NEMOTRON_H_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+_NEMOTRON_H_LAYER_TYPES = {**{k: k for k in _NEMOTRON_H_LETTERS},
+                           **{c: k for k, c in _NEMOTRON_H_LETTERS.items()}}
 # Nemotron-H config.json keys and the older names of a few (transformers reads both).
 _NEMOTRON_H_ALIASES = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
                        "expand": "mamba_expand", "time_step_min": "mamba_dt_min",
@@ -649,12 +648,13 @@ def _nemotron_h_from_hf(c: dict[str, Any]) -> ModelConfig:
 
 
 def _nemotron_h_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  """A Nemotron-H config.json's fields (`_nemotron_h_from_hf`'s inverse)."""
-  names = {"linear_attention": "linear_attention", "full_attention": "full_attention",
-           "mlp": "mlp"}
+  """A Nemotron-H config.json's fields (`_nemotron_h_from_hf`'s inverse), the layers'
+  kinds both ways they are read (layers_block_type, hybrid_override_pattern)."""
   heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
   return dict(
-      layers_block_type=[names[k] for k in cfg.layer_types], intermediate_size=cfg.ffn_dim,
+      layers_block_type=list(cfg.layer_types),
+      hybrid_override_pattern="".join(_NEMOTRON_H_LETTERS[k] for k in cfg.layer_types),
+      intermediate_size=cfg.ffn_dim,
       layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu",
       mlp_bias=False, use_bias=False, attention_bias=False, mamba_num_heads=heads,
       mamba_head_dim=head_dim, expand=max(1, heads * head_dim // cfg.d_model),
@@ -1287,9 +1287,6 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_nemotron_h_to_hf(cfg))
-    out["hybrid_override_pattern"] = "".join(
-        {"linear_attention": "M", "full_attention": "*", "mlp": "-"}[k]
-        for k in cfg.layer_types)
   if lm != "Qwen2ForCausalLM":
     out["attention_bias"] = cfg.qkv_bias
   if lm in GEMMAS:
