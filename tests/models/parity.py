@@ -171,6 +171,15 @@ def check_slots_and_resume_draw_one_calls_samples(model, prompts):
     assert joined == whole.tokens[i, :whole.lengths[i]].tolist(), i
 
 
+def mamba2_hf_model(model_class, config):
+  """A fresh transformers Mamba2 hybrid of `model_class` (seed 0, float32, eval), its
+  norms and biases moved off their initial values (`perturb`) and its A, D and dt_bias
+  drawn per head (`spread_mamba2_parameters`)."""
+  import torch
+  torch.manual_seed(0)
+  return spread_mamba2_parameters(perturb(model_class(config).float().eval()))
+
+
 def spread_mamba2_parameters(model):
   """A fresh transformers Mamba2 mixer's A (1..heads), D and dt_bias (one) drawn per
   head instead, so that each of them moves the outputs; returns the model."""

@@ -16,8 +16,8 @@ from posttrain.models.hf import check_exportable
 from tests.models.parity import (assert_close_to_scale, check_mamba2_cache,
                                  check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples,
-                                 greedy_tokens, hf_logits, perturb,
-                                 spread_mamba2_parameters, target_logprob_grads)
+                                 greedy_tokens, hf_logits, mamba2_hf_model, save_families,
+                                 target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -38,18 +38,12 @@ _jitted_logits = nnx.jit(lambda m, t: m(t))
 
 
 def _hf_model():
-  torch.manual_seed(0)
-  model = perturb(transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**CONFIG))
-                  .float().eval())
-  return spread_mamba2_parameters(model)
+  return mamba2_hf_model(transformers.NemotronHForCausalLM, transformers.NemotronHConfig(**CONFIG))
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-  folder = str(tmp_path_factory.mktemp("nemotron_h") / "model")
-  hf = _hf_model()
-  hf.save_pretrained(folder)
-  return folder, hf
+  return save_families(tmp_path_factory, ["nemotron_h"], lambda _: _hf_model())["nemotron_h"]
 
 
 def test_config_reads_the_layers(saved):
