@@ -90,10 +90,10 @@ def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Kinds of layer (Hugging Face's layer_types): attention to every key up to the query, to
 # only the last `sliding_window` keys, or a linear-attention layer (Gated DeltaNet:
-# Qwen3-Next, Qwen3.5) whose cache is a fixed-size recurrent state; or an MLP alone
-# (Nemotron-H's "mlp" layers: a model with them has single-sublayer layers,
-# `ModelConfig.split_layers`).
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp")
+# Qwen3-Next, Qwen3.5) whose cache is a fixed-size recurrent state; or an MLP alone or
+# a mixture of experts alone (Nemotron-H's "mlp" and Nemotron 3's "moe" layers: a model
+# with either has single-sublayer layers, `ModelConfig.split_layers`).
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp", "moe")
 # The MLP's activation: gated, SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
 # GELU (Gemma's gelu_pytorch_tanh) or gpt-oss's clamped SwiGLU; or relu2, the squared ReLU
 # of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)).
@@ -310,7 +310,10 @@ class ModelConfig:
       With "mlp" entries the layers are single sublayers, as Nemotron-H's blocks are
       (`split_layers`): a linear_attention layer is x + mixer(norm(x)), a full_attention
       layer x + attn(norm(x)) and an mlp layer x + mlp(norm(x)), each with one norm (its
-      input_norm) and no other sublayer.
+      input_norm) and no other sublayer. "moe" entries (Nemotron 3) are single-sublayer
+      layers too, x + moe(norm(x)), the mixture of experts of num_experts (their
+      parameters in the model's `moe_layers`); a model with them has its "mlp" layers
+      (if any) of width dense_ffn_dim.
     qk_l2_norm: the rotary layers' (every layer's without `rope_layers`) q and k are
       normed over head_dim after the rotary embedding, x / sqrt(mean(x^2) + norm_eps),
       with no weight (Llama 4's use_qk_norm).
@@ -324,6 +327,10 @@ class ModelConfig:
       temperature tuning for long contexts).
     routed_input_scaling: each routed expert's input is scaled by the token's router
       weight and its output summed unweighted (Llama 4), instead of the output weighted.
+    moe_latent_dim: > 0: the routed experts run in a latent of this width, each token's
+      input projected down to it (`latent_in` [D, L]) and their weighted sum back up
+      (`latent_out` [L, D]); the router and the shared expert read the token itself
+      (Nemotron 3's moe_latent_size). 0: none.
     router_correction_bias: sigmoid routing has its score_correction_bias (GLM-4.5,
       DeepSeek-V3, MiniMax-M2); False: none, the top-k by the scores alone (Llama 4).
     embedding_multiplier / residual_multiplier / attention_multiplier / logits_scaling:
@@ -425,6 +432,7 @@ class ModelConfig:
   attn_scale: float = 0.1
   routed_input_scaling: bool = False
   router_correction_bias: bool = True
+  moe_latent_dim: int = 0
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -513,6 +521,10 @@ class ModelConfig:
       if experts and not self.num_experts:
         raise ValueError(f"lora_targets {experts} adapt a mixture's routed experts, but this "
                          "model has none (num_experts=0)")
+      if experts and self.mlp_activation == "relu2":
+        raise ValueError(f"lora_targets {experts} on experts without a gate "
+                         "(mlp_activation='relu2') are not supported; adapt the attention, "
+                         "Mamba2 or shared-expert projections")
       bad = [t for t in names if t not in LORA_TARGETS + linear + EXPERT_LORA_TARGETS]
       if bad or not names:
         wrong = [t for t in bad if t in LINEAR_LORA_TARGETS]
@@ -594,8 +606,12 @@ class ModelConfig:
       raise ValueError(f"scan_layers with moe_layer_step={self.moe_layer_step} needs "
                        f"num_layers={self.num_layers} a multiple of it (the scan runs "
                        "periods of dense layers, then a mixture layer)")
-    if bool(self.dense_layers or interleaved) != bool(self.dense_ffn_dim):
+    # A model of single-sublayer layers (Nemotron 3) with MLPs beside its mixtures: the
+    # MLPs' width is dense_ffn_dim (ffn_dim is each expert's).
+    mlps = any(self.moe_layers) and any(self.mlp_layers)
+    if bool(self.dense_layers or interleaved or mlps) != bool(self.dense_ffn_dim):
       what = (f"moe_layer_step={self.moe_layer_step}" if interleaved
+              else "layer_types with mlp and moe layers" if mlps
               else f"dense_layers={self.dense_layers}")
       raise ValueError(f"{what} and dense_ffn_dim={self.dense_ffn_dim}: set both (the "
                        "dense layers' MLP width) or neither")
@@ -680,9 +696,10 @@ class ModelConfig:
 
   @property
   def split_layers(self) -> bool:
-    """Whether each layer is one sublayer, a mixer or an MLP (layer_types with "mlp"
-    layers: Nemotron-H), not a mixer and an MLP."""
-    return "mlp" in self.layer_types
+    """Whether each layer is one sublayer, a mixer, an MLP or a mixture of experts
+    (layer_types with "mlp" or "moe" layers: Nemotron-H, Nemotron 3), not a mixer and an
+    MLP."""
+    return "mlp" in self.layer_types or "moe" in self.layer_types
 
   @property
   def mlp_layers(self) -> tuple[bool, ...]:
@@ -690,10 +707,17 @@ class ModelConfig:
     return tuple(t == "mlp" for t in self.layer_types) or (False,) * self.num_layers
 
   @property
+  def moe_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether it is a mixture of experts alone (layer_types' "moe":
+    `split_layers`)."""
+    return tuple(t == "moe" for t in self.layer_types) or (False,) * self.num_layers
+
+  @property
   def attention_layers(self) -> tuple[bool, ...]:
     """Per layer, whether it has softmax attention (a KV cache): neither a linear-attention
-    layer nor an MLP alone."""
-    return tuple(not (lin or mlp) for lin, mlp in zip(self.linear_layers, self.mlp_layers))
+    layer nor an MLP or a mixture alone."""
+    return tuple(not (lin or mlp or moe) for lin, mlp, moe in zip(
+        self.linear_layers, self.mlp_layers, self.moe_layers))
 
   @property
   def linear_layers(self) -> tuple[bool, ...]:
@@ -731,14 +755,18 @@ class ModelConfig:
   def mixture_flags(self) -> tuple[bool, ...]:
     """Per layer, whether its MLP is the mixture: past the `dense_layers`, every
     moe_layer_step-th layer; all False for a dense model."""
+    if self.split_layers:  # layer_types' moe layers (Nemotron 3)
+      return self.moe_layers
     k, step = self.dense_layers, self.moe_layer_step
     return tuple(bool(self.num_experts) and i >= k and (i - k + 1) % step == 0
                  for i in range(self.num_layers))
 
   @property
   def num_dense_layers(self) -> int:
-    """A mixture's layers with a dense MLP of dense_ffn_dim (leading or interleaved); 0
-    for a dense model."""
+    """A mixture's layers with a dense MLP of dense_ffn_dim (leading or interleaved; with
+    split_layers its MLPs alone); 0 for a dense model."""
+    if self.split_layers:
+      return sum(self.mlp_layers) if self.num_experts else 0
     return self.num_layers - self.mixture_layers if self.num_experts else 0
 
   def _check_llama4_fields(self) -> None:
@@ -814,22 +842,41 @@ class ModelConfig:
                        f"{self.rope_local!r}")
 
   def _check_split_layers(self) -> None:
+    latent = self.moe_latent_dim
+    if isinstance(latent, bool) or int(latent) != latent or latent < 0:
+      raise ValueError(f"moe_latent_dim must be an int >= 0 (0: none), got {latent!r}")
+    if latent and not self.num_experts:
+      raise ValueError(f"moe_latent_dim={latent} describes a mixture of experts; this model "
+                       "has none (num_experts=0)")
     if self.mlp_activation == "relu2" and self.num_experts:
-      raise ValueError("mlp_activation='relu2' (an MLP without a gate) with a mixture of "
-                       "experts is not supported")
+      # Experts without a gate: [E, D, F] up and [E, F, D] down (Nemotron 3).
+      held = [n for n, on in (("expert_bias", self.expert_bias),
+                              ("routed_input_scaling", self.routed_input_scaling)) if on]
+      if held:
+        raise ValueError(f"{', '.join(held)} with mlp_activation='relu2' (experts without "
+                         "a gate) are not supported")
+    moe = "moe" in self.layer_types
+    if moe and not self.num_experts:
+      raise ValueError("layer_types has moe layers: set num_experts (and "
+                       "num_experts_per_tok)")
     if not self.split_layers:
       return
-    held = [n for n, on in (("num_experts", self.num_experts),
+    if self.num_experts and not moe:
+      raise ValueError(f"num_experts={self.num_experts} with layer_types' mlp layers: a "
+                       "mixture sits in layer_types' moe layers alone")
+    held = [n for n, on in (("dense_layers", self.dense_layers),
+                            ("moe_layer_step", self.moe_layer_step != 1),
                             ("sliding_attention layers", any(self.sliding_layers)),
                             ("output_norms", self.output_norms),
                             ("sandwich_norms", self.sandwich_norms),
                             ("kv_lora_rank", self.kv_lora_rank)) if on]
     if held:
-      raise ValueError(f"{', '.join(held)} with layer_types' mlp layers (single-sublayer "
-                       "layers) are not supported")
+      raise ValueError(f"{', '.join(held)} with layer_types' mlp or moe layers "
+                       "(single-sublayer layers) are not supported")
     if not any(self.attention_layers) or not any(self.linear_layers):
-      raise ValueError("layer_types with mlp layers (Nemotron-H's) needs linear_attention "
-                       "and full_attention layers; a model without either is not supported")
+      raise ValueError("layer_types with mlp or moe layers (Nemotron-H's) needs "
+                       "linear_attention and full_attention layers; a model without either "
+                       "is not supported")
 
   @property
   def nope_layers(self) -> tuple[bool, ...]:
@@ -923,8 +970,9 @@ class ModelConfig:
                  in_proj_a=d + hv, in_proj_qkvz=d + 2 * qk + 2 * vd, in_proj_ba=d + 2 * hv,
                  in_proj=d + 2 * vd + 2 * qk + hv, out_proj=vd + d)
     # A mixture layer's routed experts, each its own A and B (`EXPERT_LORA_TARGETS`).
-    e = self.num_experts
-    sizes.update(experts_gate_up_proj=e * (d + 2 * f), experts_down_proj=e * (f + d))
+    e, latent = self.num_experts, self.moe_latent_dim or d
+    sizes.update(experts_gate_up_proj=e * (latent + 2 * f),
+                 experts_down_proj=e * (f + latent))
     # A linear-attention layer has no attention targets and full layers no linear ones
     # (`stack_lora_targets`).
     linear = sum(self.linear_layers)
@@ -983,8 +1031,10 @@ class ModelConfig:
                                       and self.router_correction_bias)) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
     mats = 2 if self.mlp_activation == "relu2" else 3  # no gate_proj without a gate
-    expert = mats * d * f + (2 * f + d) * self.expert_bias
-    shared = 3 * d * self.shared_expert_dim + d * self.shared_expert_gate
+    latent = self.moe_latent_dim or d  # the experts' input and output width
+    expert = mats * latent * f + (2 * f + d) * self.expert_bias
+    shared = (mats * d * self.shared_expert_dim + d * self.shared_expert_gate
+              + 2 * d * self.moe_latent_dim)  # the latent projections count beside it
     per_layer = attn + experts * expert + router + shared + norms * d
     dense = attn + 3 * d * self.dense_ffn_dim + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
@@ -1002,8 +1052,10 @@ class ModelConfig:
       swapped = linear * (mixer - attn)
     if self.split_layers:  # one sublayer and its norm a layer
       full = sum(self.attention_layers)
+      width = self.dense_ffn_dim if self.num_experts else f  # an MLP alone's
       return (full * (attn + d) + linear * (attn + d) + swapped
-              + sum(self.mlp_layers) * (mats * d * f + d) + emb + d
+              + sum(self.mlp_layers) * (mats * d * width + d)
+              + sum(self.moe_layers) * (experts * expert + router + shared + d) + emb + d
               + (d + 1 if self.value_head else 0))
     dense_layers = self.num_dense_layers
     return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped

@@ -581,7 +581,8 @@ def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 # Nemotron-H's layer kinds: layers_block_type's names (transformers 5), or the letters of
 # hybrid_override_pattern (the published config.json files).
-_NEMOTRON_H_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+_NEMOTRON_H_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-",
+                       "moe": "E"}
 _NEMOTRON_H_LAYER_TYPES = {**{k: k for k in _NEMOTRON_H_LETTERS},
                            **{c: k for k, c in _NEMOTRON_H_LETTERS.items()}}
 # Nemotron-H config.json keys and the older names of a few (transformers reads both).
@@ -604,13 +605,11 @@ def _nemotron_h_from_hf(c: dict[str, Any]) -> ModelConfig:
   if not kinds and c.get("hybrid_override_pattern"):
     kinds = list(c["hybrid_override_pattern"])
   kinds = list(kinds or ["linear_attention", "moe", "full_attention", "mlp"])
-  if any(k in ("moe", "E") for k in kinds):
-    raise ValueError(f"{NEMOTRON_H} with moe layers (Nemotron 3's mixtures of experts) is "
-                     "not supported")
   bad = sorted({str(k) for k in kinds if k not in _NEMOTRON_H_LAYER_TYPES})
   if bad:
     raise ValueError(f"layers_block_type entries {bad} in a {NEMOTRON_H} config.json: "
-                     f"expected linear_attention (M), full_attention (*) or mlp (-)")
+                     f"expected linear_attention (M), full_attention (*), mlp (-) or moe (E)")
+  kinds = [_NEMOTRON_H_LAYER_TYPES[k] for k in kinds]
   for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
     if get(key, want) != want:
       raise ValueError(f"{key}={c[key]!r} in a {NEMOTRON_H} config.json is not supported "
@@ -625,18 +624,30 @@ def _nemotron_h_from_hf(c: dict[str, Any]) -> ModelConfig:
   pad = c.get("pad_token_id", 0)
   dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
   layers = len(kinds)
+  mlp_width = int(c.get("intermediate_size") or 21_504)
+  mixture = {}
+  if "moe" in kinds:  # Nemotron 3: sigmoid-routed experts without a gate, a shared expert
+    mixture = dict(
+        num_experts=int(get("n_routed_experts", 8)),
+        num_experts_per_tok=int(get("num_experts_per_tok", 2)),
+        ffn_dim=int(get("moe_intermediate_size", 7688)),
+        shared_expert_dim=int(get("moe_shared_expert_intermediate_size", 7688)),
+        dense_ffn_dim=mlp_width if "mlp" in kinds else 0,
+        norm_topk_prob=bool(get("norm_topk_prob", True)), router_scoring="sigmoid",
+        router_groups=int(get("n_group", 1)), router_group_topk=int(get("topk_group", 1)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        moe_latent_dim=int(get("moe_latent_size", 0)))
   return ModelConfig(
       vocab_size=int(c.get("vocab_size") or 131_072), d_model=d, num_layers=layers,
       num_heads=int(c.get("num_attention_heads") or 32),
       num_kv_heads=int(c.get("num_key_value_heads") or c.get("num_attention_heads") or 8),
-      head_dim=int(c.get("head_dim") or 128),
-      ffn_dim=int(c.get("intermediate_size") or 21_504),
+      head_dim=int(c.get("head_dim") or 128), ffn_dim=mixture.pop("ffn_dim", mlp_width),
       norm_eps=float(get("layer_norm_epsilon", 1e-5)),
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
       max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
       architecture=NEMOTRON_H, dtype=dtype, param_dtype=dtype,
       pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
-      layer_types=tuple(_NEMOTRON_H_LAYER_TYPES[k] for k in kinds),
+      layer_types=tuple(kinds),
       rope_layers=(0,) * layers, mlp_activation="relu2", linear_mixer="mamba2",
       linear_num_key_heads=int(get("n_groups", 8)),
       linear_key_head_dim=int(get("ssm_state_size", 128)),
@@ -644,17 +655,27 @@ def _nemotron_h_from_hf(c: dict[str, Any]) -> ModelConfig:
       linear_conv_kernel=int(get("conv_kernel", 4)),
       linear_conv_bias=bool(get("use_conv_bias", True)),
       linear_chunk=int(get("chunk_size", 128)),
-      linear_dt_min=float(_json_float(get("time_step_min", 0.001))))
+      linear_dt_min=float(_json_float(get("time_step_min", 0.001))), **mixture)
 
 
 def _nemotron_h_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """A Nemotron-H config.json's fields (`_nemotron_h_from_hf`'s inverse), the layers'
   kinds both ways they are read (layers_block_type, hybrid_override_pattern)."""
   heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+  mixture = {}
+  if cfg.num_experts:  # Nemotron 3's mixture layers (no aux loss: transformers has none)
+    mixture = dict(
+        n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.ffn_dim,
+        moe_shared_expert_intermediate_size=cfg.shared_expert_dim, n_shared_experts=1,
+        norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.router_groups,
+        topk_group=cfg.router_group_topk,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        moe_latent_size=cfg.moe_latent_dim or None)
   return dict(
       layers_block_type=list(cfg.layer_types),
       hybrid_override_pattern="".join(_NEMOTRON_H_LETTERS[k] for k in cfg.layer_types),
-      intermediate_size=cfg.ffn_dim,
+      intermediate_size=cfg.dense_ffn_dim if cfg.num_experts else cfg.ffn_dim, **mixture,
       layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu",
       mlp_bias=False, use_bias=False, attention_bias=False, mamba_num_heads=heads,
       mamba_head_dim=head_dim, expand=max(1, heads * head_dim // cfg.d_model),
@@ -1050,7 +1071,8 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
   stacked = (GPT_OSS, LLAMA4, GRANITE_MOE, GRANITE_SHARED)  # their files stack the experts
-  moe = lm in _MOE_NAMES or lm in stacked or (lm == GRANITE_HYBRID and bool(cfg.num_experts))
+  moe = lm in _MOE_NAMES or lm in stacked or (lm in (GRANITE_HYBRID, NEMOTRON_H)
+                                              and bool(cfg.num_experts))
   mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
   if moe != bool(cfg.num_experts):
     raise ValueError(
@@ -1104,9 +1126,19 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, MINIMAX_M2, LLAMA4)
+  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, MINIMAX_M2, LLAMA4, NEMOTRON_H)
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
   grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
+  if lm == NEMOTRON_H:  # Nemotron 3: groups and scaling, one shared expert of its width
+    if not cfg.shared_expert_dim:
+      raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, "
+                       "whose mixture layers always have a shared expert")
+    for name, value in (("router_scoring", "sigmoid"), ("router_correction_bias", True),
+                        ("shared_expert_gate", False), ("routed_input_scaling", False)):
+      if getattr(cfg, name) != value:
+        raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
+                         f"{cfg.architecture}, which always has {name}={value!r}")
+    return
   fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2,
                routed_input_scaling=lm == LLAMA4, router_correction_bias=lm != LLAMA4)
   if lm == LLAMA4:
@@ -1184,9 +1216,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"rope_layers with rotary layers cannot be written as "
                      f"{cfg.architecture}, whose attention has no position embedding")
   if cfg.split_layers != (lm == NEMOTRON_H):
-    raise ValueError(f"split_layers={cfg.split_layers} (layer_types with mlp layers) cannot "
-                     f"be written as {cfg.architecture}; {NEMOTRON_H} holds single-sublayer "
-                     "layers, and only it")
+    raise ValueError(f"split_layers={cfg.split_layers} (layer_types with mlp or moe layers) "
+                     f"cannot be written as {cfg.architecture}; {NEMOTRON_H} holds "
+                     "single-sublayer layers, and only it")
   if lm == NEMOTRON_H and cfg.tie_embeddings:
     raise ValueError(f"tie_embeddings=True cannot be written as {cfg.architecture}, whose "
                      "transformers class does not tie lm_head to the embeddings")
@@ -1665,16 +1697,46 @@ def _nemotron_h_rows(cfg: ModelConfig, proj_in: Callable[[int], tuple[Transform,
     if kind == "linear_attention":
       rows += _mamba2_rows(cfg, p, hf, "mixer.")
     elif kind == "mlp":
-      rows += [(p + ("mlp", "up_proj"), mixer + "up_proj.weight", lambda x: x.T,
-                lambda x: x.T, (d, f)),
-               (p + ("mlp", "down_proj"), mixer + "down_proj.weight", lambda x: x.T,
-                lambda x: x.T, (f, d))]
+      rows += _relu2_mlp_rows(p + ("mlp",), mixer, d, cfg.dense_ffn_dim or f)
+    elif kind == "moe":
+      rows += _nemotron_moe_rows(cfg, p + ("mlp",), mixer)
     else:
       rows += [(p + ("attn", name), mixer + f"{name}.weight", *proj_in(heads), (d, heads, h))
                for name, heads in (("q_proj", n), ("k_proj", k), ("v_proj", k))]
       rows.append((p + ("attn", "o_proj"), mixer + "o_proj.weight",
                    lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
                    lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
+  return rows
+
+
+def _relu2_mlp_rows(p: tuple, hf: str, d: int, f: int) -> list:
+  """An MLP without a gate at `p` (Nemotron-H's): HF's up_proj [F, D], down_proj [D, F]."""
+  transposed = (lambda x: x.T, lambda x: x.T)
+  return [(p + ("up_proj",), hf + "up_proj.weight", *transposed, (d, f)),
+          (p + ("down_proj",), hf + "down_proj.weight", *transposed, (f, d))]
+
+
+def _nemotron_moe_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """A Nemotron 3 mixture layer's tensors under its `hf` mixer: the router (gate.weight
+  [E, D], its e_score_correction_bias), the shared expert (shared_experts.up_proj /
+  down_proj), the latent projections (fc1_latent_proj [L, D], fc2_latent_proj [D, L])
+  where the experts run in a latent, and one up_proj [F, L] and down_proj [L, F] per
+  expert (the published files' layout; transformers stacks them when it loads)."""
+  d, f, e = cfg.d_model, cfg.ffn_dim, cfg.num_experts
+  lat = cfg.moe_latent_dim or d
+  ident = lambda x: x  # noqa: E731
+  transposed = (lambda x: x.T, lambda x: x.T)
+  rows = [(p + ("router",), hf + "gate.weight", *transposed, (d, e)),
+          (p + ("score_correction_bias",), hf + "gate.e_score_correction_bias", ident,
+           ident, (e,))]
+  rows += _relu2_mlp_rows(p + ("shared",), hf + "shared_experts.", d, cfg.shared_expert_dim)
+  if cfg.moe_latent_dim:
+    rows += [(p + ("latent_in",), hf + "fc1_latent_proj.weight", *transposed, (d, lat)),
+             (p + ("latent_out",), hf + "fc2_latent_proj.weight", *transposed, (lat, d))]
+  for j in range(e):
+    rows += [(p + ("up_proj", j), hf + f"experts.{j}.up_proj.weight", *transposed, (lat, f)),
+             (p + ("down_proj", j), hf + f"experts.{j}.down_proj.weight", *transposed,
+              (f, lat))]
   return rows
 
 
@@ -2064,7 +2126,8 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     ours = layer_path(cfg, i) + owner
     peft = f"base_model.model.model.layers.{i}.{module}.{t}."
     if _causal_lm(cfg.architecture) == NEMOTRON_H:  # each layer's one sublayer: its mixer
-      peft = f"base_model.model.model.layers.{i}.mixer.{t}."
+      shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
+      peft = f"base_model.model.model.layers.{i}.mixer.{shared}{t}."
     rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
              (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows
@@ -2206,9 +2269,11 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
     linear = cfg.linear_layers[i]
     if cfg.split_layers:  # Nemotron-H: each layer's one sublayer is its mixer
       mlps = LORA_TARGETS[4 + (cfg.mlp_activation == "relu2"):]  # relu^2: no gate_proj
+      stack = layer_path(cfg, i)[0]
       has = {"linear_layers": cfg.linear_lora_targets, "layers": _ATTN_TARGETS,
-             "mlp_layers": mlps}[layer_path(cfg, i)[0]]
-      return f"backbone.layers.{i}.mixer.{t}" if t in has else None
+             "mlp_layers": mlps, "moe_layers": mlps}[stack]
+      shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
+      return f"backbone.layers.{i}.mixer.{shared}{t}" if t in has else None
     if t in _ATTN_TARGETS:
       return None if linear else f"model.layers.{i}.self_attn.{t}"
     if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
@@ -2567,7 +2632,7 @@ def _lookup(tree, key: tuple):
   return node
 
 
-_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers")
+_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers")
 
 
 def _stacked_key(key: tuple) -> tuple:
@@ -2578,8 +2643,8 @@ def _stacked_key(key: tuple) -> tuple:
 
 def _is_expert(ours: tuple) -> bool:
   """An expert's slice of a mixture's parameter: ("layers", i, "mlp", name, j) (or in
-  "linear_layers")."""
-  return (len(ours) == 5 and ours[0] in ("layers", "linear_layers")
+  "linear_layers", or "moe_layers")."""
+  return (len(ours) == 5 and ours[0] in ("layers", "linear_layers", "moe_layers")
           and isinstance(ours[-1], int))
 
 

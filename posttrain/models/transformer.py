@@ -173,15 +173,15 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
   ring = sliding_cache_slots(cfg, max_len, write_tokens)
   kinds = cfg.sliding_layers
   linear = cfg.linear_layers
-  if any(linear):  # an MLP alone (split_layers) has no cache: None in a list
+  if any(linear):  # an MLP or mixture alone (split_layers) has no cache: None in a list
     if cfg.scan_layers:
       return HybridCaches(
           init_layer_cache(cfg, batch, max_len, dtype,
                            layers=(sum(cfg.attention_layers),)),
           init_linear_cache(cfg, batch, dtype, layers=(linear.count(True),)))
-    return [init_linear_cache(cfg, batch, dtype) if lin else None if mlp else
-            init_layer_cache(cfg, batch, max_len, dtype)
-            for lin, mlp in zip(linear, cfg.mlp_layers)]
+    return [init_linear_cache(cfg, batch, dtype) if lin else
+            init_layer_cache(cfg, batch, max_len, dtype) if full else None
+            for lin, full in zip(linear, cfg.attention_layers)]
   if cfg.scan_layers:
     if len(set(kinds)) > 1:
       return LayerKindCaches(
@@ -350,12 +350,18 @@ def _linear_part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
           "b_proj": (hv,), "a_proj": (hv,)}
 
 
+# The stacks whose layers' MLP is dense in a mixture-of-experts model: its leading (or
+# interleaved) dense layers, and with split_layers its MLPs alone.
+_DENSE_STACKS = ("dense_layers", "mlp_layers")
+
+
 def _mlp_width(cfg: ModelConfig, stack: str) -> int:
   """The width of the dense MLP an MLP target wraps in a layer of `stack`: ffn_dim; a
-  mixture's leading dense layers' dense_ffn_dim, its mixture layers' shared expert's."""
+  mixture's leading dense layers' (or MLPs alone, split_layers) dense_ffn_dim, its
+  mixture layers' shared expert's."""
   if not cfg.num_experts:
     return cfg.ffn_dim
-  return cfg.dense_ffn_dim if stack == "dense_layers" else cfg.shared_expert_dim
+  return cfg.dense_ffn_dim if stack in _DENSE_STACKS else cfg.shared_expert_dim
 
 
 def _owner_path(cfg: ModelConfig, target: str, stack: str) -> tuple[str, ...]:
@@ -367,7 +373,7 @@ def _owner_path(cfg: ModelConfig, target: str, stack: str) -> tuple[str, ...]:
     return ("attn",)
   if target in EXPERT_LORA_TARGETS:
     return ("mlp",)
-  return ("mlp", "shared") if cfg.num_experts and stack != "dense_layers" else ("mlp",)
+  return ("mlp", "shared") if cfg.num_experts and stack not in _DENSE_STACKS else ("mlp",)
 
 
 def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
@@ -431,12 +437,12 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
   layers with cfg.moe_layer_step) then `layers`; or for a model
   with linear-attention layers, those (`linear_layers`) and the attention layers
   (`layers`), interleaved in the model as layer_types says; with cfg.split_layers the
-  MLPs alone too (`mlp_layers`)."""
+  MLPs alone too (`mlp_layers`) and the mixtures alone (`moe_layers`)."""
   linear = cfg.linear_layers
   if cfg.split_layers:
     return tuple((name, tuple(i for i, on in enumerate(flags) if on)) for name, flags in (
         ("linear_layers", linear), ("layers", cfg.attention_layers),
-        ("mlp_layers", cfg.mlp_layers)) if any(flags))
+        ("mlp_layers", cfg.mlp_layers), ("moe_layers", cfg.moe_layers)) if any(flags))
   if any(linear):
     return (("linear_layers", tuple(i for i, lin in enumerate(linear) if lin)),
             ("layers", tuple(i for i, lin in enumerate(linear) if not lin)))
@@ -450,7 +456,7 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 def layer_path(cfg: ModelConfig, i: int) -> tuple[str, int]:
   """Where layer i's parameters sit, unstacked: ("layers", j), ("dense_layers", j),
-  ("linear_layers", j) or ("mlp_layers", j)."""
+  ("linear_layers", j), ("mlp_layers", j) or ("moe_layers", j)."""
   for name, indices in layer_stacks(cfg):
     if i in indices:
       return name, indices.index(i)
@@ -468,13 +474,14 @@ def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
   mixture layer MLP targets only on its shared expert (its routed experts: the
   EXPERT_LORA_TARGETS)."""
   other = _ATTN_TARGETS if stack == "linear_layers" else LINEAR_LORA_TARGETS
-  if cfg.split_layers:  # one sublayer a layer: the MLP's targets on the MLPs alone
-    other = (LORA_TARGETS[4:] + other if stack != "mlp_layers" else
+  if cfg.split_layers:  # one sublayer a layer: the MLP's targets on the MLPs (and
+    # mixtures' shared experts) alone
+    other = (LORA_TARGETS[4:] + other if stack not in ("mlp_layers", "moe_layers") else
              _ATTN_TARGETS + LINEAR_LORA_TARGETS)
-  if cfg.num_experts and not cfg.shared_expert_dim and stack != "dense_layers":
+  if cfg.num_experts and not cfg.shared_expert_dim and stack not in _DENSE_STACKS:
     other += LORA_TARGETS[4:]
-  if stack == "dense_layers":  # a mixture's leading dense layers route to no experts
-    other += EXPERT_LORA_TARGETS
+  if stack in _DENSE_STACKS or (cfg.split_layers and stack != "moe_layers"):
+    other += EXPERT_LORA_TARGETS  # a layer without a mixture routes to no experts
   return tuple(t for t in cfg.lora_target_names if t not in other)
 
 
@@ -1223,7 +1230,8 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
                 lora_scale: float = 1.0, scale_inputs: bool = False):
   """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) [N, D] float32, dropless; with
   `scale_inputs`, sum_k SwiGLU_{experts[n, k]}(weights[n, k] * x[n]) (Llama 4: each row's
-  input scaled in x's dtype, as transformers does).
+  input scaled in x's dtype, as transformers does). `gate_ExDxF` None: experts without a
+  gate, relu(x up)^2 down (Nemotron 3).
   `activation`: fn(gate, up) in SwiGLU's place; the biases are added to each expert's
   gate and up projections (a down projection's bias is the caller's, added once after
   any sum over F slices). `lora`: each expert's LoRA adapters (`MoE._adapters`), any of
@@ -1245,12 +1253,13 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   n, k = experts_NxK.shape
   flat = experts_NxK.reshape(-1)
   order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=gate_ExDxF.shape[0]).astype(jnp.int32)
+  sizes = jnp.bincount(flat, length=up_ExDxF.shape[0]).astype(jnp.int32)
   x_sorted = jnp.take(x_NxD, order // k, axis=0)
   if scale_inputs:
     row_weights = jnp.take(weights_NxK.reshape(-1), order).astype(x_sorted.dtype)
     x_sorted = x_sorted * row_weights[:, None]
-  gate = kernels.grouped_matmul(x_sorted, gate_ExDxF, sizes)
+  gated = gate_ExDxF is not None
+  gate = kernels.grouped_matmul(x_sorted, gate_ExDxF, sizes) if gated else None
   up = kernels.grouped_matmul(x_sorted, up_ExDxF, sizes)
   lora = lora or {}
 
@@ -1279,8 +1288,10 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
                            fill_value=0).astype(gate.dtype)
     up = up + jnp.take(up_bias_ExF, expert_sorted, axis=0, mode="fill",
                        fill_value=0).astype(up.dtype)
-  act = swiglu if activation is None else activation
-  h = act(gate, up)
+  if gated:
+    h = (swiglu if activation is None else activation)(gate, up)
+  else:  # relu^2, no gate
+    h = jnp.square(jax.nn.relu(up))
   y_sorted = kernels.grouped_matmul(h, down_ExFxD, sizes, jnp.float32)
   if "down" in lora:
     y_sorted = y_sorted + adapted(h, "down", jnp.float32)
@@ -1304,7 +1315,9 @@ class MoE(nnx.Module):
   DeepSeek-V3), which no gradient reaches. LoRA on the routed experts
   (EXPERT_LORA_TARGETS) gives each expert its own adapters, `experts_gate_up_proj_lora_a`
   [E, r, D] / `_b` [E, r, 2, F] and `experts_down_proj_lora_a` [E, r, F] / `_b` [E, r, D]
-  (`expert_mlps` runs them).
+  (`expert_mlps` runs them). With mlp_activation relu2 the experts and the shared
+  expert have no gate (Nemotron 3); with cfg.moe_latent_dim the routed experts read and
+  write a latent of that width (`latent_in` [D, L], `latent_out` [L, D]).
 
   On a mesh the layer runs in `shard_map`: each device routes and runs its own tokens
   through every expert (the experts' D gathered over fsdp like a dense layer's, F split
@@ -1325,7 +1338,13 @@ class MoE(nnx.Module):
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
     e, d, f = cfg.num_experts, cfg.d_model, cfg.ffn_dim
     self.router = _param(rngs, (d, e), ("embed", "experts"), pd, std=std)
-    self.gate_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
+    if cfg.moe_latent_dim:  # the experts' own width, between two projections
+      lat = cfg.moe_latent_dim
+      self.latent_in = _param(rngs, (d, lat), ("embed", "latent"), pd, std=std)
+      self.latent_out = _param(rngs, (lat, d), ("latent", "embed"), pd, std=std)
+      d = lat
+    if cfg.mlp_activation != "relu2":
+      self.gate_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
     self.up_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
     self.down_proj = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, std=std)
     if cfg.router_bias:
@@ -1364,8 +1383,16 @@ class MoE(nnx.Module):
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     b, t, d = x_BxTxD.shape
     e, f = cfg.num_experts, cfg.ffn_dim
-    weights = [w[...].astype(dt) for w in (self.router, self.gate_proj, self.up_proj,
-                                           self.down_proj)]
+    gated = hasattr(self, "gate_proj")
+    # Without a gate (relu^2 experts) an empty array holds the gate's place.
+    weights = [w[...].astype(dt) if w is not None else jnp.zeros((0,), dt) for w in (
+        self.router, getattr(self, "gate_proj", None), self.up_proj, self.down_proj)]
+    # What the routed experts read: the tokens, or their latent (`latent_in`), [B, T, L].
+    x_experts = x_BxTxD
+    if cfg.moe_latent_dim:
+      x_experts = ctx.constrain(
+          jnp.einsum("BTD,DL->BTL", x_BxTxD.astype(dt), self.latent_in[...].astype(dt)),
+          ("batch", "length", "latent"))
     if cfg.router_scoring == "sigmoid":  # the router in float32, as transformers runs it
       weights[0] = self.router[...].astype(jnp.float32)
     # Biases (gpt-oss), zeros where the model has none: [E], [E, F], [E, F], [E, D].
@@ -1395,16 +1422,18 @@ class MoE(nnx.Module):
       ep_axes = (ep_entry,) if isinstance(ep_entry, str) else tuple(ep_entry or ())
       f_axes = tuple(a for a in f_axes if a not in ep_axes)
 
-    def local(x, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b,
+    def local(x, x_in, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b,
               correction, lora):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
+      gate = gate if gated else None
       w, e, probs = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                           return_probs=True, bias_E=router_b if cfg.router_bias else None,
                           scoring=cfg.router_scoring, correction_E=correction,
                           groups=cfg.router_groups, group_topk=cfg.router_group_topk,
                           scale=cfg.routed_scaling_factor)
       biased = cfg.expert_bias
+      x_NxD = x_in.reshape(lb * lt, -1).astype(dt)  # the experts' input (a latent's)
       if ep_axes:
         y = self._expert_parallel(x_NxD, w, e, gate, up, down, gate_b, up_b, down_b,
                                   ep_axes, token_axes, f_axes, lora)
@@ -1414,7 +1443,8 @@ class MoE(nnx.Module):
           # slices' input gradients once, over [N, D] tokens, not over the sorted [N k, D]
           # rows of each projection.
           x_NxD = jax.lax.pcast(x_NxD, f_axes, to="varying")
-        y = expert_mlps(x_NxD, w, e, gate, up, down, activation=gated_activation(cfg),
+        y = expert_mlps(x_NxD, w, e, gate, up, down,
+                        activation=gated_activation(cfg) if gated else None,
                         gate_bias_ExF=gate_b if biased else None,
                         up_bias_ExF=up_b if biased else None, lora=lora,
                         lora_scale=cfg.lora_scale, scale_inputs=cfg.routed_input_scaling)
@@ -1426,7 +1456,7 @@ class MoE(nnx.Module):
           spread = jnp.einsum("NK,NKE->NE", w, jax.nn.one_hot(e, cfg.num_experts,
                                                               dtype=jnp.float32))
           y = y + jnp.einsum("NE,ED->ND", spread, down_b.astype(jnp.float32))
-      y = y.astype(dt).reshape(lb, lt, d)
+      y = y.astype(dt).reshape(lb, lt, -1)
       if not router_stats:
         return y
       keep = (segment_ids.reshape(-1) > 0).astype(jnp.float32)
@@ -1436,7 +1466,8 @@ class MoE(nnx.Module):
       return y, (jax.lax.psum(stats, token_axes) if token_axes else stats)
 
     if mesh is None or mesh.size == 1:
-      return local(x_BxTxD, segment_ids_BxT, *weights, adapters)
+      return self._latent_out(local(x_BxTxD, x_experts, segment_ids_BxT, *weights, adapters),
+                              ctx, router_stats)
     from jax.sharding import PartitionSpec as P
     from kernels.attention import place
     f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
@@ -1444,7 +1475,8 @@ class MoE(nnx.Module):
     # its bias and the correction bias whole.
     e_spec = None if not ep_axes else ep_entry
     x_spec = P(*tokens, None)
-    specs = (x_spec, P(*tokens), P(), P(e_spec, None, f_spec), P(e_spec, None, f_spec),
+    gate_spec = P(e_spec, None, f_spec) if gated else P()
+    specs = (x_spec, x_spec, P(*tokens), P(), gate_spec, P(e_spec, None, f_spec),
              P(e_spec, f_spec, None), P(), P(e_spec, f_spec), P(e_spec, f_spec),
              P(e_spec, None), P())
     # The adapters as their experts: E on the ep axes, F (gate and up's B columns, down's
@@ -1453,12 +1485,24 @@ class MoE(nnx.Module):
                   "down": (P(e_spec, None, f_spec), P(e_spec, None, None))}
     lora_specs = {name: lora_specs[name] for name in adapters}
     args = [place(a, mesh, spec)
-            for a, spec in zip([x_BxTxD, segment_ids_BxT, *weights], specs)]
+            for a, spec in zip([x_BxTxD, x_experts, segment_ids_BxT, *weights], specs)]
     args.append(jax.tree.map(lambda a, spec: place(a, mesh, spec), adapters, lora_specs))
     specs += (lora_specs,)
     out_specs = (x_spec, RouterStats(P(), P(), P())) if router_stats else x_spec
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
-                         check_vma=True)(*args)
+    return self._latent_out(jax.shard_map(local, mesh=mesh, in_specs=specs,
+                                          out_specs=out_specs, check_vma=True)(*args),
+                            ctx, router_stats)
+
+  def _latent_out(self, out, ctx: ShardingContext, router_stats: bool):
+    """The routed experts' output (with `router_stats`, and its stats) back in the model's
+    width: through `latent_out` where the experts run in a latent."""
+    if not self.cfg.moe_latent_dim:
+      return out
+    y, stats = out if router_stats else (out, None)
+    dt = _dtype(self.cfg.dtype)
+    y = ctx.constrain(jnp.einsum("BTL,LD->BTD", y, self.latent_out[...].astype(dt)),
+                      ("batch", "length", "embed"))
+    return (y, stats) if router_stats else y
 
   def _adapters(self) -> dict:
     """The routed experts' LoRA adapters in the compute dtype, as `expert_mlps` takes
@@ -1491,7 +1535,7 @@ class MoE(nnx.Module):
     token, most of them another device's), of which the grouped matmuls need the local
     ones alone, about N k with balanced routing, M k at worst (dropless)."""
     cfg = self.cfg
-    n_local = gate_ExDxF.shape[0]
+    n_local = up_ExDxF.shape[0]
     gathered = tuple(a for a in ep_axes if a in token_axes)
     x_MxD, weights_MxK, experts_MxK = x_NxD, weights_NxK, experts_NxK
     if gathered:
@@ -1508,7 +1552,7 @@ class MoE(nnx.Module):
     if summed:  # as in `_routed`: the backward sums the input gradients once, over [M, D]
       x_MxD = jax.lax.pcast(x_MxD, summed, to="varying")
     y_MxD = expert_mlps(x_MxD, weights_MxK, ids_MxK, gate_ExDxF, up_ExDxF, down_ExFxD,
-                        activation=gated_activation(cfg),
+                        activation=gated_activation(cfg) if gate_ExDxF is not None else None,
                         gate_bias_ExF=gate_bias_ExF if cfg.expert_bias else None,
                         up_bias_ExF=up_bias_ExF if cfg.expert_bias else None, lora=lora,
                         lora_scale=cfg.lora_scale, scale_inputs=cfg.routed_input_scaling)
@@ -1762,15 +1806,19 @@ class Block(nnx.Module):
   its MLP dense of width cfg.dense_ffn_dim. `linear`: a linear-attention layer, its
   mixer `linear_attn` (`LinearAttention`) in place of `attn`. With cfg.split_layers
   (Nemotron-H) a block is one sublayer and its input_norm: the mixer alone, or with
-  `mlp_only` the MLP alone, x + mlp(norm(x))."""
+  `mlp_only` the MLP alone, x + mlp(norm(x)) (of width dense_ffn_dim in a model with
+  mixtures), or with `moe_only` the mixture of experts alone (Nemotron 3)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
-               linear: bool = False, mlp_only: bool = False):
+               linear: bool = False, mlp_only: bool = False, moe_only: bool = False):
     self.residual_multiplier = float(cfg.residual_multiplier)
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
     if mlp_only:
-      self.mlp = MLP(cfg, rngs)
+      self.mlp = MLP(cfg, rngs, cfg.dense_ffn_dim if cfg.num_experts else None)
+      return
+    if moe_only:
+      self.mlp = MoE(cfg, rngs)
       return
     if linear:
       mixer = Mamba2 if cfg.linear_mixer == "mamba2" else LinearAttention
@@ -1801,8 +1849,11 @@ class Block(nnx.Module):
     elif hasattr(self, "attn"):
       h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids,
                                cache, positions, ctx, prefill, layer, sliding, nope)
-    else:  # an MLP alone (split_layers): its input norm is the block's one
-      h = self.mlp(self.input_norm(x), ctx)
+    else:  # an MLP or a mixture alone (split_layers): its input norm is the block's one
+      if router_stats and isinstance(self.mlp, MoE):
+        h, stats = self.mlp(self.input_norm(x), ctx, segment_ids, router_stats=True)
+      else:
+        h = self.mlp(self.input_norm(x), ctx)
       x = ctx.constrain(x + self._residual(h), ("batch", "length", "embed"))
       return (x, new_cache, stats) if router_stats else (x, new_cache)
     x = x + self._residual(self.attn_out_norm(h) if post else h)
@@ -1873,7 +1924,7 @@ class Transformer(nnx.Module):
     # (`layer_stacks`); each a list of blocks, or with scan_layers one stacked block.
     for stack, indices in layer_stacks(cfg):
       kind = dict(dense=stack == "dense_layers", linear=stack == "linear_layers",
-                  mlp_only=stack == "mlp_layers")
+                  mlp_only=stack == "mlp_layers", moe_only=stack == "moe_layers")
       setattr(self, stack, _stacked_blocks(cfg, rngs, len(indices), **kind)
               if cfg.scan_layers else
               nnx.List([Block(cfg, rngs, **kind) for _ in indices]))
@@ -2072,7 +2123,8 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
-                    dense: bool = False, linear: bool = False, mlp_only: bool = False
+                    dense: bool = False, linear: bool = False, mlp_only: bool = False,
+                    moe_only: bool = False
                     ) -> Block:
   """One Block whose parameters stack `count` layers' (default all) on a leading "layers"
   axis (`dense`: a mixture's leading dense layers).
@@ -2082,9 +2134,9 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
   rules)."""
   keys = jax.random.split(rngs.params(), cfg.num_layers if count is None else count)
   graphdef = nnx.graphdef(nnx.eval_shape(
-      lambda: Block(cfg, nnx.Rngs(0), dense, linear, mlp_only)))
+      lambda: Block(cfg, nnx.Rngs(0), dense, linear, mlp_only, moe_only)))
   state = jax.vmap(lambda key: nnx.state(
-      Block(cfg, nnx.Rngs(params=key), dense, linear, mlp_only)))(keys)
+      Block(cfg, nnx.Rngs(params=key), dense, linear, mlp_only, moe_only)))(keys)
 
   def name_axis(v):
     return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))
@@ -2098,16 +2150,17 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
 # checkpointed as they were.
 _UNROLLED_RUNS = 8
 # A hybrid model's kinds of layer (`layer_kinds`) and the stacks holding them.
-_HYBRID_STACKS = {"linear": "linear_layers", "full": "layers", "mlp": "mlp_layers"}
-# Where a kind's cache sits in a HybridCaches (an MLP alone has none).
-_HYBRID_CACHES = {"linear": "linear", "full": "full", "mlp": None}
+_HYBRID_STACKS = {"linear": "linear_layers", "full": "layers", "mlp": "mlp_layers",
+                  "moe": "moe_layers"}
+# Where a kind's cache sits in a HybridCaches (an MLP or a mixture alone has none).
+_HYBRID_CACHES = {"linear": "linear", "full": "full", "mlp": None, "moe": None}
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
   """Per layer of a hybrid model, its kind: "linear" (a linear-attention layer), "full"
-  (attention) or "mlp" (an MLP alone, cfg.split_layers)."""
-  return tuple("linear" if lin else "mlp" if mlp else "full"
-               for lin, mlp in zip(cfg.linear_layers, cfg.mlp_layers))
+  (attention), "mlp" (an MLP alone, cfg.split_layers) or "moe" (a mixture alone)."""
+  return tuple("linear" if lin else "mlp" if mlp else "moe" if moe else "full"
+               for lin, mlp, moe in zip(cfg.linear_layers, cfg.mlp_layers, cfg.moe_layers))
 
 
 def period_runs(cfg: ModelConfig) -> list[list]:
@@ -2125,10 +2178,11 @@ def period_runs(cfg: ModelConfig) -> list[list]:
 
 def ordered_layers(cfg: ModelConfig) -> dict[str, int]:
   """{kind: its layers} a scanned hybrid's training rebuilds in order (`_ordered_remat`:
-  single-layer runs of a period of more than _UNROLLED_RUNS runs under full remat); {}
-  for other models."""
+  single-layer runs of a period of more than _UNROLLED_RUNS runs under full remat, but
+  for a mixture's layers where the step takes their router statistics, a load-balancing
+  loss); {} for other models."""
   if not (cfg.scan_layers and any(cfg.linear_layers) and cfg.remat == "full"
-          and not cfg.num_experts):
+          and (cfg.split_layers or not cfg.num_experts)):
     return {}
   runs = period_runs(cfg)
   if len(runs) <= _UNROLLED_RUNS:
@@ -2136,7 +2190,7 @@ def ordered_layers(cfg: ModelConfig) -> dict[str, int]:
   periods = cfg.num_layers // cfg.layer_period
   out: dict[str, int] = {}
   for kind, _, count in runs:
-    if count == 1:
+    if count == 1 and not (kind == "moe" and cfg.router_aux_loss_coef):
       out[kind] = out.get(kind, 0) + periods
   return out
 
@@ -2176,17 +2230,20 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   cos, sin = tables
   runs = period_runs(cfg)
 
+  def routed(kind):  # whether a layer of this kind gives router statistics
+    return router_stats and (kind == "moe" or not cfg.split_layers)
+
   def run(kind, j, period_state, x, unit, i):
     # The period's j-th layer of this kind (j static, or traced in an inner scan), taken
     # inside the checkpoint: a slice taken outside would be a residual, a second copy of
     # every layer's weights.
     state = jax.tree.map(lambda a: a[j], period_state)
     return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
-                                          prefill, i, router_stats=router_stats)
+                                          prefill, i, router_stats=routed(kind))
 
   def run_layer(kind, state, x):  # an inner scan's layer: its weights are the scan's xs
     return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, None, positions, ctx,
-                                          prefill, None, router_stats=router_stats)
+                                          prefill, None, router_stats=routed(kind))
 
   if cache is None and cfg.remat != "none":
     policy = _REMAT_POLICIES[cfg.remat]
@@ -2210,7 +2267,7 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   # tied; the ordering alone left 4.25; all 52 layers: 13.4, 10.3). A scan over the
   # layers switching on each one's kind kept every kind's weights as the switch's
   # residuals (16 layers: 19.9).
-  ordered = cache is None and bool(ordered_layers(cfg))  # a mixture's: none
+  ordered = cache is None and bool(ordered_layers(cfg))
 
   def body(carry, xs):
     x, caches = carry
@@ -2218,31 +2275,31 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
     stats = None
     if caches is None:
       for kind, first, count in runs:
-        if count == 1 and ordered:
+        if count == 1 and ordered and not routed(kind):
           layer = functools.partial(_unrolled_layer, graphs[kind], first, ctx)
           x = _ordered_remat(layer)(x, period_states[kind], (cos, sin, segment_ids, positions))
           continue
         if count == 1:
           out = run(kind, first, period_states[kind], x, None, None)
           x = out[0]
-          if router_stats:
+          if routed(kind):
             stats = add_stats(stats, out[2])
           continue
         if count == per[kind]:  # all the period's layers of this kind: scanned as xs
 
           def step(x, state, kind=kind):
             out = run_layer(kind, state, x)
-            return out[0], out[2] if router_stats else None
+            return out[0], out[2] if routed(kind) else None
 
           x, new = jax.lax.scan(step, x, period_states[kind])
         else:  # some of them: indexed inside the checkpoint
 
           def step(x, j, kind=kind):
             out = run(kind, j, period_states[kind], x, None, None)
-            return out[0], out[2] if router_stats else None
+            return out[0], out[2] if routed(kind) else None
 
           x, new = jax.lax.scan(step, x, jnp.arange(first, first + count))
-        if router_stats:
+        if routed(kind):
           stats = add_stats(stats, jax.tree.map(lambda s: jnp.sum(s, axis=0), new))
       return (x, caches), stats
     seen = dict.fromkeys(blocks, 0)
@@ -2269,13 +2326,13 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
       unit = None if field is None else getattr(caches, field)
       out = nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
                                            prefill, period * per[kind] + j,
-                                           router_stats=router_stats)
+                                           router_stats=routed(kind))
       # The next layer takes the cache and x as this one left them: without this barrier
       # XLA:TPU held more of the layers' work at once (the same model's prefill: 10.8
       # GiB a chip, 9.3 with it).
       x, caches = jax.lax.optimization_barrier(
           (out[0], caches if field is None else caches._replace(**{field: out[1]})))
-      if router_stats:
+      if routed(kind):
         stats = add_stats(stats, out[2])
     return (x, caches), stats
 

@@ -56,16 +56,16 @@ class TrainState:
 
 
 # The model's layer stacks (`posttrain.models.transformer.layer_stacks`).
-_LAYER_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers")
+_LAYER_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers")
 
 
 def _decay_mask(params):
   """Matrices decay; norm scales, biases and vectors do not (the usual AdamW recipe).
 
   By each parameter's own rank: a stacked layer axis (scan_layers: a path through one of
-  the layer stacks, "layers", "dense_layers", "linear_layers" or "mlp_layers", with no
-  layer index) does not count, and biases ([heads, head_dim]) and a linear-attention
-  layer's norm scale ([heads, head_dim] in Mamba2) are named.
+  the layer stacks, "layers", "dense_layers", "linear_layers", "mlp_layers" or
+  "moe_layers", with no layer index) does not count, and biases ([heads, head_dim]) and
+  a linear-attention layer's norm scale ([heads, head_dim] in Mamba2) are named.
   """
   def decays(path, x):
     keys = [getattr(p, "key", getattr(p, "name", getattr(p, "idx", None))) for p in path]

@@ -1467,7 +1467,7 @@ class Sampler:
     layer's, or any other leaf)."""
     leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
     if (leaf not in _EXPERT_LEAF_RANKS
-        or not path.startswith(("['layers']", "['linear_layers']"))
+        or not path.startswith(("['layers']", "['linear_layers']", "['moe_layers']"))
         or not path.endswith(f"['mlp']['{leaf}']")):
       return ""
     return leaf

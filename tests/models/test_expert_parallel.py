@@ -37,6 +37,17 @@ LLAMA4 = CFG.replace(num_layers=4, num_experts_per_tok=1, norm_topk_prob=False,
                      attn_temperature_tuning=True,
                      attn_floor_scale=2.0, scan_layers=True, architecture="Llama4ForCausalLM")
 
+# Nemotron 3-like: single-sublayer layers (Mamba2, attention, mixtures alone), experts
+# without a gate (relu^2) in a latent of their own, a shared expert; scanned.
+NEMOTRON3 = CFG.replace(
+    num_layers=4, layer_types=("linear_attention", "moe", "full_attention", "moe"),
+    rope_layers=(0,) * 4, mlp_activation="relu2", linear_mixer="mamba2",
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_bias=True, linear_chunk=4, linear_dt_min=0.01,
+    router_scoring="sigmoid", router_groups=2, router_group_topk=1, shared_expert_dim=24,
+    routed_scaling_factor=2.5, moe_latent_dim=16, scan_layers=True,
+    architecture="NemotronHForCausalLM")
+
 
 def _rules(*axes):
   """The default rules with the experts' axis over `axes`."""
@@ -116,11 +127,12 @@ EP = [((1, 4, 2, 1), ("fsdp",)), ((2, 4, 1, 1), ("fsdp",)),
 # The default run keeps one mesh of each model (ep 4 beside tensor 2); every mesh is slow.
 @pytest.mark.parametrize("cfg,cases", [
     (CFG, EP[:1]), (SHARED, EP[:1]), (BIASED, EP[:1]), (LLAMA4, EP[:1]),
+    (NEMOTRON3, [((1, 4, 2, 1), None)] + EP[:1]),
     pytest.param(CFG, [((1, 4, 2, 1), None)] + EP[1:], marks=pytest.mark.slow),
     pytest.param(SHARED, EP[1:3], marks=pytest.mark.slow),
     pytest.param(BIASED, EP[1:3], marks=pytest.mark.slow),
 ], ids=["plain", "shared_sigmoid_groups", "biased_scanned", "llama4_interleaved_scanned",
-         "plain_every_mesh",
+         "nemotron3_latent_scanned", "plain_every_mesh",
         "shared_every_mesh", "biased_every_mesh"])
 def test_expert_parallel_equals_one_device(cfg, cases):
   """Logits, the router loss and the gradients of every parameter: the same on one device,
@@ -134,8 +146,8 @@ def test_expert_parallel_equals_one_device(cfg, cases):
     rules = models.DEFAULT_RULES if axes is None else _rules(*axes)
     if axes is not None:
       placed = models.shard_model(model, mesh, rules)
-      stack = placed.layers if cfg.scan_layers else placed.layers[0]
-      gate = stack.mlp.gate_proj[...]
+      stack = getattr(placed, "moe_layers", placed.layers)
+      gate = (stack if cfg.scan_layers else stack[0]).mlp.up_proj[...]
       ep = int(np.prod([mesh.shape[a] for a in axes]))
       entry = axes[0] if len(axes) == 1 else axes
       f = None if "tensor" in axes or mesh.shape["tensor"] == 1 else "tensor"

@@ -165,9 +165,9 @@ def test_reads_published_config_names_and_model_prefixed_files(saved, tmp_path):
 def test_what_nemotron_h_refuses(saved):
   folder, _ = saved
   config = json.loads(open(f"{folder}/config.json").read())
-  with pytest.raises(ValueError, match="moe layers"):
+  with pytest.raises(ValueError, match=r"entries \['attention'\].*moe \(E\)"):
     models.hf_config_to_model_config({**config, "layers_block_type": ["linear_attention",
-                                                                     "moe", "full_attention"]})
+                                                                     "attention"]})
   with pytest.raises(ValueError, match="mlp_hidden_act='silu'"):
     models.hf_config_to_model_config({**config, "mlp_hidden_act": "silu"})
   with pytest.raises(ValueError, match="mlp_bias=true"):
@@ -186,8 +186,8 @@ def test_what_nemotron_h_refuses(saved):
     check_exportable(cfg.replace(tie_embeddings=True))
   with pytest.raises(ValueError, match="linear_attention and full_attention layers"):
     cfg.replace(layer_types=("linear_attention", "mlp") * 4)
-  with pytest.raises(ValueError, match="relu2.*mixture of experts"):
-    cfg.replace(layer_types=(), rope_layers=(), num_experts=4, num_experts_per_tok=2)
+  with pytest.raises(ValueError, match="mixture sits in layer_types' moe layers alone"):
+    cfg.replace(num_experts=4, num_experts_per_tok=2)
 
 
 def test_peft_adapters_round_trip(saved, tmp_path):
