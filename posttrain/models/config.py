@@ -608,7 +608,7 @@ class ModelConfig:
                        "periods of dense layers, then a mixture layer)")
     # A model of single-sublayer layers (Nemotron 3) with MLPs beside its mixtures: the
     # MLPs' width is dense_ffn_dim (ffn_dim is each expert's).
-    mlps = any(self.moe_layers) and any(self.mlp_layers)
+    mlps = bool(self.num_experts) and any(self.moe_layers) and any(self.mlp_layers)
     if bool(self.dense_layers or interleaved or mlps) != bool(self.dense_ffn_dim):
       what = (f"moe_layer_step={self.moe_layer_step}" if interleaved
               else "layer_types with mlp and moe layers" if mlps

@@ -1509,7 +1509,8 @@ class Sampler:
       return shards, size // shards, -(-(size // shards) // 128) * 128
 
     f_shards, f_width, f_padded = split("mlp", cfg.ffn_dim)
-    d_shards, d_width, d_padded = split("embed", cfg.d_model)
+    # The experts' D: the model's, or the latent they run in (moe_latent_dim).
+    d_shards, d_width, d_padded = split("embed", cfg.moe_latent_dim or cfg.d_model)
     out = {}
     for i, path in enumerate(self._paths):
       leaf = self._expert_leaf(path)
