@@ -1,7 +1,7 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
 a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
-Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers) and a
-Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
+Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
+Nemotron 3 (mixtures alone) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
 with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
 folder that transformers loads into the same class and computes our logits with."""
 
@@ -98,6 +98,18 @@ FAMILIES = {
                        linear_num_key_heads=2, linear_key_head_dim=16,
                        linear_num_value_heads=4, linear_value_head_dim=16,
                        linear_conv_bias=True, linear_dt_min=0.001),
+    # Nemotron 3: a mixture alone (sigmoid routing over two groups, experts without a
+    # gate in a latent of their own, a shared expert, the correction bias frozen) beside
+    # Mamba2, attention and an MLP alone of its own width.
+    "nemotron3": dict(architecture="NemotronHForCausalLM", num_layers=4, tie_embeddings=False,
+                      layer_types=("linear_attention", "moe", "full_attention", "mlp"),
+                      rope_layers=(0,) * 4, mlp_activation="relu2", linear_mixer="mamba2",
+                      linear_num_key_heads=2, linear_key_head_dim=16,
+                      linear_num_value_heads=4, linear_value_head_dim=16,
+                      linear_conv_bias=True, linear_dt_min=0.001, num_experts=4,
+                      num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=48,
+                      dense_ffn_dim=96, router_scoring="sigmoid", router_groups=2,
+                      router_group_topk=1, routed_scaling_factor=2.5, moe_latent_dim=32),
 }
 
 
@@ -115,8 +127,8 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
   base_model = models.create_model(cfg, seed=4)
   correction = cfg.router_scoring == "sigmoid" and cfg.router_correction_bias
   if correction:  # a correction bias the updates must leave alone
-    bias = (base_model.layers.mlp if cfg.scan_layers else base_model.layers[0].mlp
-            ).score_correction_bias
+    stack = getattr(base_model, "moe_layers", base_model.layers)  # Nemotron 3's mixtures
+    bias = (stack.mlp if cfg.scan_layers else stack[0].mlp).score_correction_bias
     bias.value = jax.random.normal(jax.random.key(1), bias.shape) * 0.3
   models.save_pretrained(base_model, folder)
   config = _config(init_from=folder)
