@@ -287,18 +287,20 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
   XLA:TPU kept relaid copies of them through the decode loop: for gpt-oss-20b (F' 1440,
   D 2880 on a v5p-64) 18 GiB a chip, against 1.6 GiB of padding. The mixture layers'
   experts only (`ModelConfig.mixture_layers`): a shared expert and the leading dense
-  layers' MLPs are dense and left as they are. `experts`: those on one device (E / ep
-  with expert parallelism; default E)."""
+  layers' MLPs are dense and left as they are. Experts without a gate (relu2) pad their
+  up and down alone; experts in a latent (moe_latent_dim) pad its width in D's place.
+  `experts`: those on one device (E / ep with expert parallelism; default E)."""
   cfg = model_cfg
   if not cfg.num_experts:
     return 0
   mesh = abstract_mesh(mesh_shape)
   _, d, f = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),
-                           (cfg.num_experts, cfg.d_model, cfg.ffn_dim))
+                           (cfg.num_experts, _expert_width(cfg), cfg.ffn_dim))
   f_pad, d_pad = -(-f // 128) * 128, -(-d // 128) * 128
   s = np.dtype(cfg.dtype).itemsize
-  per_expert = ((f_pad - f) * (2 * d + 2 * cfg.expert_bias)  # gate, up (and biases)
-                + f_pad * d_pad - f * d)                       # down, F and D padded
+  inputs = _mlp_matrices(cfg) - 1  # gate and up, or up alone
+  per_expert = ((f_pad - f) * (inputs * d + 2 * cfg.expert_bias)  # gate, up (and biases)
+                + f_pad * d_pad - f * d)                            # down, F and D padded
   return s * cfg.mixture_layers * (experts or cfg.num_experts) * per_expert
 
 
@@ -356,6 +358,10 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
       outputs (most of them zero: another device's pairs)
     MLP dots = 4E   as without it
 
+  The routing's and the shared expert's terms below hold either way (the routing runs on
+  the device's own tokens); its router, gathered whole, is per layer
+  (`saved_activation_bytes`).
+
   A mixture's dense layers (`ModelConfig.num_dense_layers`) keep a dense MLP's 3sF / 2sF, F
   their dense_ffn_dim on one device. Its mixture layers' routing and shared expert add
   (fitted the same way, on Qwen2-MoE's and GLM-4.5's layouts; Fs = the shared expert's
@@ -379,6 +385,18 @@ def layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *, heads: 
     a dots policy, shared_expert_gate   sD + 4   the shared expert's down projection and
       the gate's float32 logit (both dots)
     full                             nothing more: the block input alone
+
+  Experts and a shared expert without a gate (mlp_activation relu2, Nemotron 3: relu(x
+  up)^2 down), and experts in a latent (moe_latent_dim L: x latent_in [D, L] in, their
+  weighted sum latent_out [L, D] out; the router and the shared expert read x), fitted
+  the same way, with and without expert parallelism:
+    remat none, relu2   (3s + 1)kF in place of 3skF (up, relu^2's mask and its two
+      products), (3s + 1)Fs in place of 3sFs; a dots policy sFs, its up alone
+    remat none, latent  kL in place of kD in the sorted rows and the float32 outputs,
+      and s(D + L) more: latent_in's input (the normed rows) and latent_out's input
+    dots, latent        sL + 4gL   latent_in's output and the float32 weighted sum of
+      the g devices' tokens (a dot with a batch dimension)
+    dots_with_no_batch_dims, latent   sL   latent_in's output
 
   Gemma's options add (fitted the same way, on Gemma 2 / 3's combination and on each
   alone; a GeGLU MLP keeps what SwiGLU does, `models.transformer.geglu`):
@@ -705,18 +723,21 @@ def _gathered_token_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None 
 
   for each of a token's k pairs its sorted row and its outputs in float32, and their
   cotangents; its gate, up and product once; the experts' adapters add their outputs
-  over gate and up, and over down with that output's cotangent. Fitted to XLA:TPU's
-  update on a v5p-64 (fsdp 16 x tensor 2, experts over fsdp, libtpu 0.0.42.1, g = 16):
-  Qwen3-30B-A3B (k 8 of 128, D 2048, F 384 a chip) 99.22 GiB compiled against 99.56
-  planned, with LoRA on the experts 94.90 against 96.93; Llama 4 Maverick (k 1, D 5120,
-  F 4096) 62.47 against 65.98 and Scout 27.62 against 31.63, both with LoRA elsewhere."""
+  over gate and up, and over down with that output's cotangent. Experts without a gate
+  (relu2) count what their backward keeps in 3s's place (3s + 1: up, relu^2's mask and
+  its two products), experts in a latent its width in D's (both by analogy, not
+  compiled). Fitted to XLA:TPU's update on a v5p-64 (fsdp 16 x tensor 2, experts over
+  fsdp, libtpu 0.0.42.1, g = 16): Qwen3-30B-A3B (k 8 of 128, D 2048, F 384 a chip)
+  99.22 GiB compiled against 99.56 planned, with LoRA on the experts 94.90 against
+  96.93; Llama 4 Maverick (k 1, D 5120, F 4096) 62.47 against 66.14 and Scout 27.62
+  against 31.79, both with LoRA elsewhere."""
   del shared, local
   if dense or routed <= 1:
     return 0
-  s, k, d = np.dtype(cfg.dtype).itemsize, cfg.num_experts_per_tok, cfg.d_model
-  per_token = k * d * (2 * s + 8) + 3 * s * k * mlp
+  s, k, x = np.dtype(cfg.dtype).itemsize, cfg.num_experts_per_tok, _expert_width(cfg)
+  per_token = k * x * (2 * s + 8) + _expert_rows_kept(cfg) * k * mlp
   if set(cfg.lora_target_names) & set(models.config.EXPERT_LORA_TARGETS):
-    per_token += s * (2 * k * mlp + 2 * k * d)
+    per_token += s * (2 * k * mlp + 2 * k * x)
   return (routed - 1) * per_token
 
 
@@ -725,41 +746,71 @@ def _mlp_kept(cfg: models.ModelConfig, remat: str, mlp: int, shared: int | None 
   """The MLP's share of `layer_activation_bytes` (remat none or a dots policy): a dense
   MLP's (`dense`, or a dense model; without a gate, mlp_activation relu2, (3s + 1)F
   without remat, its up projection sF under a dots policy), else a mixture layer's with
-  its shared expert of
-  width `shared` on one device (default cfg.shared_expert_dim), its experts split as
-  `local` and `routed` say (`expert_parallelism`)."""
+  its shared expert of width `shared` on one device (default cfg.shared_expert_dim) and
+  its latent (moe_latent_dim), its experts split as `local` and `routed` say
+  (`expert_parallelism`)."""
   s = np.dtype(cfg.dtype).itemsize
   if dense or not cfg.num_experts:
     if cfg.mlp_activation == "relu2":  # up, relu^2's mask, its two products / up alone
       return (3 * s + 1) * mlp if remat == "none" else s * mlp
     return s * (3 if remat == "none" else 2) * mlp
   e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.d_model
+  x, row_bytes = _expert_width(cfg), _expert_rows_kept(cfg)
+  latent = cfg.moe_latent_dim
   if remat == "none" and (local or e) < e:
     # Expert parallelism: the routing's on the device's own tokens; the pairs of g of
     # them each (the gathered weights, ids and which are this device's among them).
-    kept = 4 * (e + 2 * k + 4) + routed * (s * (k * d + 3 * k * mlp) + 4 * (k * d + 4 * k) + k)
+    kept = 4 * (e + 2 * k + 4) + routed * (s * k * x + row_bytes * k * mlp
+                                           + 4 * (k * x + 4 * k) + k)
   elif remat == "none":
-    kept = s * (k * d + 3 * k * mlp) + 4 * (k * d + e + 5 * k + 4)
+    kept = s * k * x + row_bytes * k * mlp + 4 * (k * x + e + 5 * k + 4)
+  else:
+    kept = 4 * e
+  if remat == "none":  # the routing's variants, on the device's own tokens either way
     if cfg.router_scoring == "sigmoid":
       kept += (4 - s) * d - 8
     if not cfg.norm_topk_prob:
       kept -= 4 * (k + 2)
-  else:
-    kept = 4 * e
+  if latent:  # latent_in's input and output; latent_out's input (dots: the float32 sum
+    # of the g devices' tokens)
+    kept += (s * (d + latent) if remat == "none" else
+             s * latent + (4 * latent * routed if remat == "dots" else 0))
   return kept + _shared_kept(cfg, remat, cfg.shared_expert_dim if shared is None else shared)
+
+
+def _expert_width(cfg: models.ModelConfig) -> int:
+  """The width the routed experts read and write: moe_latent_dim, else d_model."""
+  return cfg.moe_latent_dim or cfg.d_model
+
+
+def _mlp_matrices(cfg: models.ModelConfig) -> int:
+  """Weight matrices of an MLP or an expert: gate, up and down, or without a gate
+  (mlp_activation relu2) up and down."""
+  return 2 if cfg.mlp_activation == "relu2" else 3
+
+
+def _expert_rows_kept(cfg: models.ModelConfig) -> int:
+  """Bytes per [k, F] element a routed expert keeps without remat: gate, up and their
+  SwiGLU product, 3s; without a gate (relu2) its up, relu^2's mask (a byte) and its two
+  products, 3s + 1."""
+  s = np.dtype(cfg.dtype).itemsize
+  return 3 * s + (cfg.mlp_activation == "relu2")
 
 
 def _shared_kept(cfg: models.ModelConfig, remat: str, shared: int) -> int:
   """A mixture layer's shared expert's share of `_mlp_kept` (remat none or a dots
-  policy), `shared` its width on one device: a dense MLP's gate, up (and with remat
-  none its input rows and product), and what its sigmoid gate's gradients read."""
+  policy), `shared` its width on one device: a dense MLP's (gate, up and with remat none
+  their product; relu2's up, mask and products), with remat none its input rows, and
+  what its sigmoid gate's gradients read."""
   if not cfg.shared_expert_dim:
     return 0
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
   gated = cfg.shared_expert_gate
+  # A dense MLP of its width, beside its own input rows without remat (relu2: no gate).
+  mlp = _mlp_kept(cfg, remat, shared, dense=True)
   if remat == "none":
-    return s * (d + 3 * shared) + (s * (2 * d + 1) + 4 if gated else 0)
-  return 2 * s * shared + (s * d + 4 if gated else 0)
+    return s * d + mlp + (s * (2 * d + 1) + 4 if gated else 0)
+  return mlp + (s * d + 4 if gated else 0)
 
 
 def fused_dq_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -824,9 +875,10 @@ def _layer_mlps(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
                 rules) -> tuple[tuple[int, dict[str, Any]], ...]:
   """(layers, their MLP's keywords for `layer_activation_bytes`) of each kind of layer,
   every width one device's shard of the "mlp" axis (as `_activation_shards`' mlp): a
-  dense model's layers (ffn_dim); a mixture's leading dense layers (dense_ffn_dim), then
-  its mixture layers (each expert's ffn_dim and the shared expert's width, and the
-  experts a device holds and the devices whose tokens they take, `expert_parallelism`)."""
+  dense model's layers (ffn_dim); a mixture's dense layers (dense_ffn_dim: leading,
+  interleaved, or with cfg.split_layers its MLPs alone), then its mixture layers (each
+  expert's ffn_dim and the shared expert's width, and the experts a device holds and
+  the devices whose tokens they take, `expert_parallelism`)."""
   def width(f: int) -> int:
     if not f:
       return 0
@@ -863,14 +915,19 @@ def _layer_kinds(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
   the last (a dense model's layers, a mixture's mixture layers) split into its Gated
   DeltaNet layers (linear, cfg.linear_layers) and its attention layers. The leading
   dense layers are never linear (`ModelConfig` refuses both). With cfg.split_layers
-  (Nemotron-H) the attention layers, the linear layers and the MLPs alone, each kind's
-  keywords naming its `part` of a block ("mixer" or "mlp", `_kind_bytes`)."""
+  (Nemotron-H, Nemotron 3) the attention layers and the linear layers (no MLP), the
+  MLPs alone (dense, of dense_ffn_dim in a model with experts) and the mixtures alone,
+  each kind's keywords naming its `part` of a block ("mixer", "mlp" or "moe",
+  `_kind_bytes`)."""
   *lead, (n, mlp) = _layer_mlps(cfg, rows, row_len, mesh, rules)
   linear = sum(cfg.linear_layers)
   if cfg.split_layers:  # single-sublayer layers: each kind's `part` of a block
-    kinds = [(sum(cfg.attention_layers), False, {**mlp, "part": "mixer"}),
-             (linear, True, {**mlp, "part": "mixer"}),
-             (sum(cfg.mlp_layers), False, {**mlp, "part": "mlp"})]
+    mixer = {"mlp": 0, "dense": True, "part": "mixer"}
+    # The MLPs alone: a dense model's layers, or a mixture's dense kind.
+    dense = lead[0][1] if lead else mlp if not cfg.num_experts else {}
+    kinds = [(sum(cfg.attention_layers), False, mixer), (linear, True, mixer),
+             (sum(cfg.mlp_layers), False, {**dense, "part": "mlp"}),
+             (sum(cfg.moe_layers), False, {**mlp, "part": "moe"})]
     return tuple(kind for kind in kinds if kind[0])
   kinds = [(m, False, kw) for m, kw in lead] + [(n - linear, False, mlp), (linear, True, mlp)]
   return tuple(kind for kind in kinds if kind[0])
@@ -899,38 +956,46 @@ def split_layer_activation_bytes(cfg: models.ModelConfig, remat: str, part: str,
                                  linear: bool, mlp: dict[str, Any], *, heads: int,
                                  kv_heads: int, linear_heads: tuple[int, int],
                                  kv_len: int) -> float:
-  """Bytes a single-sublayer layer (cfg.split_layers, Nemotron-H: x + f(norm(x)), one
-  norm) keeps per token for the backward pass: its `part` of a block, "mixer" (the
-  attention, or with `linear` a Gated DeltaNet / Mamba2 mixer) or "mlp" (`mlp` the
-  `_layer_mlps` keywords). s, D, H and F as in `layer_activation_bytes`:
+  """Bytes a single-sublayer layer (cfg.split_layers, Nemotron-H, Nemotron 3:
+  x + f(norm(x)), one norm) keeps per token for the backward pass: its `part` of a
+  block, "mixer" (the attention, or with `linear` a Gated DeltaNet / Mamba2 mixer), "mlp"
+  (a dense MLP) or "moe" (a mixture of experts; `mlp` the `_layer_mlps` keywords). s, D,
+  H and F as in `layer_activation_bytes`:
 
     mlp, none        (8 + 2s)D + 8 + MLP     its input norm's float32 rows and
                                              columns, its compute-dtype output and the
                                              block's input, then the MLP's own
     mlp, dots        sD + MLP dots           the block output and the up projection
-    mixer, none      the block's, MLP none, less (8 + 2s)D + 8 (the MLP's norm and
+    moe              as mlp, with a mixture layer's MLP and MLP dots (its shared expert
+                     and, with moe_latent_dim, its latent's: `layer_activation_bytes`)
+    mixer, none      the block's, no MLP, less (8 + 2s)D + 8 (the MLP's norm and
                      block rows; an attention layer's NoPE rotation keeps 8H, not 16H)
-    mixer, dots      the block's, MLP none, less sD; + 4H for an attention layer of a
-                     NoPE model (its unit cos and zero sin tables, float32)
+    mixer, dots      the block's, no MLP, less sD; + 4H for an attention layer of a
+                     NoPE model (its unit cos and zero sin tables, float32); less sD
+                     more with a LoRA adapter on its output projection (o_proj,
+                     out_proj), whose product only the residual reads
     full             sD (+ 4H as above)
 
   Fitted to what JAX saves (`jax.ad_checkpoint.print_saved_residuals`) on Nemotron-H's
-  layout (relu^2 MLPs, Mamba2 layers, NoPE attention), float32 and bfloat16."""
+  layout (relu^2 MLPs, Mamba2 layers, NoPE attention) and Nemotron 3's (its mixtures of
+  relu^2 experts beside them, with and without a latent), float32 and bfloat16."""
   s, d, hd = np.dtype(cfg.dtype).itemsize, cfg.d_model, cfg.head_dim
   tables = 4 * hd if not linear and all(cfg.nope_layers) else 0  # NoPE's cos / sin
   if remat == "full":
     return s * d + (tables if part == "mixer" else 0)
-  if part == "mlp":
+  if part in ("mlp", "moe"):
     kept = (_mlp_kept(cfg, remat, **mlp)
             + _lora_kept(cfg, remat, {}, _lora_mlp_width(cfg, mlp["mlp"], mlp.get("shared"),
                                                          mlp.get("dense", False))))
     return ((8 + 2 * s) * d + 8 if remat == "none" else s * d) + kept
-  block = _kind_bytes(cfg, remat, linear, {**mlp, "mlp": 0, "shared": 0},
+  block = _kind_bytes(cfg, remat, linear, {"mlp": 0, "dense": True},
                       heads=heads, kv_heads=kv_heads, linear_heads=linear_heads,
                       kv_len=kv_len)
   if remat == "none":
     return block - (8 + 2 * s) * d - 8 - (8 * hd - 16 if tables else 0)
-  return block - s * d + tables
+  # An adapted output projection feeds the residual alone: its x A, no (x A) B.
+  adapted = ("out_proj" if linear else "o_proj") in cfg.lora_target_names
+  return block - s * d * (1 + adapted) + tables
 
 
 def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -955,15 +1020,17 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   a mesh, the experts and router its `shard_map` was given (D gathered over fsdp, F
   split): 1.1 GiB a layer for Qwen3-30B-A3B on one tensor shard, which any remat policy
   gathers again in the backward instead. With expert parallelism (`expert_parallelism`:
-  L experts on a device) the group sizes are L's, and the experts are the device's own
-  L, kept only as their cast to a narrower compute dtype (s 3LDF + sDE with the
-  router's, a softmax router's: a sigmoid router runs in float32). r = s, or 4 for a
-  sigmoid router (GLM-4.5's, run in float32, which on one device keeps its float32
-  copy of narrower params too); routed_scaling_factor adds its float32 scalar. A mixture's dense layers
-  (`ModelConfig.num_dense_layers`) count as dense layers of width dense_ffn_dim, its
-  mixture layers
-  (`ModelConfig.mixture_layers`) with their shared expert (`layer_activation_bytes`);
-  a shared expert's weights, outside the experts' shard_map, are a dense MLP's.
+  L experts on a device) the group sizes are L's, the experts are the device's own L,
+  kept only as their cast to a narrower compute dtype (s 3LDF), and the router is
+  gathered whole, rDE. r = s, or 4 for a sigmoid router (GLM-4.5's, run in float32,
+  which on one device keeps its float32 copy of narrower params too);
+  routed_scaling_factor adds its float32 scalar. Experts without a gate (relu2) are 2
+  matrices in 3's place, and experts in a latent (moe_latent_dim) its width in D's. A
+  mixture's dense layers (`ModelConfig.num_dense_layers`) count as dense layers of width
+  dense_ffn_dim, its mixture layers (`ModelConfig.mixture_layers`) with their shared
+  expert (`layer_activation_bytes`); a shared expert's weights, outside the experts'
+  shard_map, are a dense MLP's. Single-sublayer layers (cfg.split_layers) count with
+  `split_layer_activation_bytes`.
   Without remat, multi-head latent attention (cfg.kv_lora_rank) keeps in each layer its
   latent norms' scales and its values' zero padding: s(q_lora_rank + kv_lora_rank + 1).
   Gated DeltaNet layers (cfg.linear_layers) count with `linear_layer_activation_bytes`,
@@ -989,10 +1056,11 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   experts = 0
   if cfg.num_experts and remat == "none":
     local, _ = expert_parallelism(cfg, rows, row_len, mesh, rules)
-    if local < cfg.num_experts:  # its own experts and the router, a copy only when cast
+    if local < cfg.num_experts:  # its own experts, a copy only when cast; the router
+      # gathered whole (a sigmoid router's in float32)
       wider = np.dtype(cfg.param_dtype).itemsize > np.dtype(cfg.dtype).itemsize
-      router = 0 if cfg.router_scoring == "sigmoid" else s * cfg.d_model * cfg.num_experts
-      weights = s * 3 * local * cfg.d_model * mlp + router if wider else 0
+      weights = ((s * _mlp_matrices(cfg) * local * _expert_width(cfg) * mlp if wider else 0)
+                 + _expert_weight_bytes(cfg, mlp, gathered=False))
     elif mesh.size > 1:
       weights = _expert_weight_bytes(cfg, mlp)
     else:  # the sigmoid router's float32 copy of narrower params
@@ -1047,8 +1115,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   devices' tokens add (`_gathered_token_bytes`). Compiled for a v5p-64 (fsdp 16 x
   tensor 2, experts over fsdp, g = 16): Qwen3-30B-A3B 99.22 GiB a chip against 99.56
   planned (51.2 without expert parallelism: its 8 of 128 experts a token gather 16 x 8
-  pairs a token); Llama 4 Maverick with LoRA 62.47 against 65.98 (79.66 without), and
-  Scout 27.62 against 31.63 (25.61 without: one expert a chip takes 16 chips' tokens to
+  pairs a token); Llama 4 Maverick with LoRA 62.47 against 66.14 (79.66 without), and
+  Scout 27.62 against 31.79 (25.61 without: one expert a chip takes 16 chips' tokens to
   spare a 1.9 GiB layer of experts).
 
   The mixture's terms (and its extra gradient in `plan`) are fitted to XLA:TPU's update
@@ -1099,6 +1167,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
              + (f", q rank {cfg.q_lora_rank})" if cfg.q_lora_rank else ")"))
   if cfg.num_experts:
     note += f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok})"
+    if cfg.moe_latent_dim:
+      note += f" in a latent of {cfg.moe_latent_dim}"
     if cfg.shared_expert_dim:
       note += f" + a shared expert of {cfg.shared_expert_dim}"
     local, routed = expert_parallelism(cfg, rows, row_len, mesh, rules)
@@ -1110,6 +1180,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     elif cfg.dense_layers:
       note += (f", the first {cfg.dense_layers} layers dense" if cfg.dense_layers > 1
                else ", the first layer dense")
+    elif cfg.split_layers:
+      note += f", {cfg.mixture_layers} of the layers a mixture alone"
   return int(saved + transient + logits), note
 
 
@@ -1128,32 +1200,43 @@ def _ordered_held_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
     attention      s(2NH + 16KH)
 
   (a layer with both a mixer and an MLP, both). Fitted to that report; 0 for other
-  models."""
+  models. A mixture of experts alone (Nemotron 3's moe layers, `mlps`' mixture kind: k
+  experts a token of width F, a shared expert of Fs, a latent of L) counts by analogy,
+  not compiled: its shared expert's 2sFs as an MLP's, the routed experts' up and
+  activation rows 2skF, the router's float32 logits 4E and latent_in's output sL."""
   counts = ordered_layers(cfg)
   if not counts:
     return 0
   s, d, hd = np.dtype(cfg.dtype).itemsize, cfg.d_model, cfg.head_dim
-  f = max(kw["mlp"] for _, kw in mlps)
+  dense = [kw for _, kw in mlps if kw.get("dense") or not cfg.num_experts]
+  f = max((kw["mlp"] for kw in dense), default=0)
   k = linear_heads[0] * cfg.linear_key_head_dim
   v = linear_heads[1] * cfg.linear_value_head_dim
   mlp = 2 * s * f
+  moe = 0
+  if cfg.num_experts:
+    mixture = mlps[-1][1]
+    shared = mixture.get("shared", 0) or 0
+    moe = (2 * s * (shared + cfg.num_experts_per_tok * mixture["mlp"])
+           + 4 * cfg.num_experts + s * cfg.moe_latent_dim)
   mixer = {"linear": s * (4 * v + 2 * k + linear_heads[1] + d),
-           "full": s * (2 * heads * hd + 16 * kv_heads * hd), "mlp": 0}
+           "full": s * (2 * heads * hd + 16 * kv_heads * hd), "mlp": 0, "moe": moe}
   return sum(n * (mixer[kind] + (mlp if kind == "mlp" or not cfg.split_layers else 0))
              for kind, n in counts.items())
 
 
 def expert_bytes(model_cfg: models.ModelConfig, mesh: AbstractMesh, rules=models.DEFAULT_RULES,
                  dtype: str | None = None) -> int:
-  """Per-device bytes of every mixture layer's experts (gate, up, down; the router, a
-  shared expert and the leading dense layers aside) in `dtype` (default param_dtype),
-  sharded by the rules; 0 for a dense model."""
+  """Per-device bytes of every mixture layer's experts (gate, up, down; up and down
+  without a gate, relu2; D their latent's width with moe_latent_dim; the router, a
+  latent's projections, a shared expert and the dense layers aside) in `dtype` (default
+  param_dtype), sharded by the rules; 0 for a dense model."""
   cfg = model_cfg
   if not cfg.num_experts:
     return 0
   shard = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),
-                         (cfg.num_experts, cfg.d_model, cfg.ffn_dim))
-  return (cfg.mixture_layers * 3 * math.prod(shard)
+                         (cfg.num_experts, _expert_width(cfg), cfg.ffn_dim))
+  return (cfg.mixture_layers * _mlp_matrices(cfg) * math.prod(shard)
           * np.dtype(dtype or cfg.param_dtype).itemsize)
 
 
@@ -1298,7 +1381,8 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
   one array [batch, 1, slots, qk_rope_head_dim + kv_lora_rank] (no v; its one head
   whole on every tensor shard), and its int8 scales [batch, 1, slots]. A linear-attention
   layer's is its `LinearCache`, whatever max_len: the recurrent state [batch, value heads,
-  key head dim, value head dim] float32 and the convolutions' last inputs."""
+  key head dim, value head dim] float32 and the convolutions' last inputs. An MLP or a
+  mixture of experts alone (cfg.split_layers) has none."""
   cfg = model_cfg
   dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
 
@@ -1314,7 +1398,7 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
     arrays = jax.eval_shape(lambda: init_linear_cache(cfg, batch, dtype))
     recurrent = sum(shard_bytes(x.shape, x.dtype, NamedSharding(mesh, models.logical_to_spec(
         axes, rules, mesh, x.shape))) for x, axes in zip(arrays, LINEAR_CACHE_AXES))
-  full = cfg.num_layers - sliding - linear - sum(cfg.mlp_layers)  # an MLP alone: no cache
+  full = sum(cfg.attention_layers) - sliding  # an MLP or a mixture alone: no cache
   return full * layer(max_len) + sliding * layer(ring) + linear * recurrent
 
 
@@ -1382,8 +1466,11 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   s(2 D NH + 2 D KH) + `_mlp_weight_bytes`, as a decode step does (`decode_step_bytes`;
   multi-head latent attention's projections, `_attention_weight_bytes`).
   A mixture layer's shared expert (width Fs on a device) adds a dense MLP's 5sFs (by
-  analogy, not compiled); with leading dense layers (5sF, F their dense_ffn_dim) the
-  fuller kind of layer counts, its weights with it. With expert parallelism
+  analogy, not compiled), and experts in a latent (moe_latent_dim L) take L in D's place
+  in their rows and add latent_in's output and latent_out's input, 2sL (by analogy); an
+  MLP or a mixture alone (cfg.split_layers) holds its MLP's beside the block's 2sD;
+  with leading dense layers (5sF, F their dense_ffn_dim) the fuller kind of layer
+  counts, its weights with it. With expert parallelism
   (`expert_parallelism`: g devices' tokens gathered to each device's experts) the
   experts are never gathered, the router alone (`_mlp_weight_bytes`), and each of the
   other g - 1 devices' tokens adds kD(s + 12) + 3s kF: its k sorted rows, their
@@ -1433,17 +1520,21 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
   c = max(1, min(cfg.linear_chunk, prompt_len))
 
+  x = _expert_width(cfg)  # the routed experts' rows: D, or their latent's
+  latent = 2 * s * cfg.moe_latent_dim  # latent_in's output and latent_out's input
+
   def layer(linear: bool, mlp: int, shared: int = 0, dense: bool = False,
             local: int | None = None, routed: int = 1, part: str | None = None) -> int:
-    if part == "mlp":  # an MLP alone (split_layers): the block's rows and the MLP's
-      return (b * t * (s * 2 * d + s * 5 * mlp)
+    ffn = (s * 5 * mlp if dense else
+           s * (k * x + 5 * k * mlp) + 4 * (2 * k * x + 2 * e) + s * 5 * (shared or 0)
+           + latent
+           # the other devices' tokens gathered to this one's experts (`routed` - 1 more)
+           + (routed - 1) * (k * x * (s + 12) + 3 * s * k * mlp))
+    if part in ("mlp", "moe"):  # an MLP or a mixture alone (split_layers): block and MLP
+      return (b * t * (s * 2 * d + ffn)
               + (0 if gathered else _mlp_weight_bytes(cfg, mlp, shared, dense, local)))
     if part == "mixer":
-      mlp = shared = 0
-    ffn = (s * 5 * mlp if dense else
-           s * (k * d + 5 * k * mlp) + 4 * (2 * k * d + 2 * e) + s * 5 * shared
-           # the other devices' tokens gathered to this one's experts (`routed` - 1 more)
-           + (routed - 1) * (k * d * (s + 12) + 3 * s * k * mlp))
+      ffn = 0
     if linear:
       mixer = (s * (2 * d + 4 * hk * dk + 3 * hv * dv + 2 * hv)
                + 4 * (2 * hk * dk + 2 * hv * dv + 2 * hv))
@@ -1530,31 +1621,35 @@ def _attention_weight_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int) 
 def _mlp_weight_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None = None,
                       dense: bool = False, local: int | None = None, routed: int = 1) -> int:
   """One layer's MLP weights in the compute dtype, D whole and F the device's shard:
-  s 3DF for a dense layer (`dense`, or a dense model), or for a mixture layer every
-  expert and the router (`_expert_weight_bytes`; Qwen3-30B-A3B: 1.1 GiB, 32x its
-  attention weights; with expert parallelism, `local` < E, the router alone: each
-  device runs the experts it holds, never gathering them) and its shared expert of
-  width Fs = `shared` on the device (default cfg.shared_expert_dim), s 3DFs, and its
-  gate, s D. (`routed`, the tokens' share, is `_mlp_kept`'s.)"""
+  s 3DF for a dense layer (`dense`, or a dense model; s 2DF without a gate, relu2), or
+  for a mixture layer every expert and the router (`_expert_weight_bytes`;
+  Qwen3-30B-A3B: 1.1 GiB, 32x its attention weights; with expert parallelism, `local` <
+  E, the router alone: each device runs the experts it holds, never gathering them),
+  its latent projections (moe_latent_dim L: latent_in and latent_out, s 2DL) and its
+  shared expert of width Fs = `shared` on the device (default cfg.shared_expert_dim),
+  s 3DFs (s 2DFs without a gate), and its gate, s D. (`routed`, the tokens' share, is
+  `_mlp_kept`'s.)"""
   del routed
-  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  s, d, mats = np.dtype(cfg.dtype).itemsize, cfg.d_model, _mlp_matrices(cfg)
   if dense or not cfg.num_experts:
-    return s * (2 if cfg.mlp_activation == "relu2" else 3) * d * mlp
+    return s * mats * d * mlp
   experts = _expert_weight_bytes(cfg, mlp, gathered=(local or cfg.num_experts)
                                  == cfg.num_experts)
+  experts += s * 2 * d * cfg.moe_latent_dim
   if not cfg.shared_expert_dim:
     return experts
   shared = cfg.shared_expert_dim if shared is None else shared
-  return experts + s * (3 * d * shared + d * cfg.shared_expert_gate)
+  return experts + s * (mats * d * shared + d * cfg.shared_expert_gate)
 
 
 def _expert_weight_bytes(cfg: models.ModelConfig, mlp: int, gathered: bool = True) -> int:
-  """A mixture layer's experts and router, what its `shard_map` is given: s 3EDF + rDE,
-  D whole and F the device's shard, r = s, or 4 for a sigmoid router (run in float32);
-  the router's rDE alone when the experts are not `gathered` (expert parallelism)."""
+  """A mixture layer's experts and router, what its `shard_map` is given: s 3EXF + rDE,
+  X the experts' width (moe_latent_dim, else D) whole and F the device's shard (s 2EXF
+  without a gate, relu2), r = s, or 4 for a sigmoid router (run in float32); the
+  router's rDE alone when the experts are not `gathered` (expert parallelism)."""
   s, e, d = np.dtype(cfg.dtype).itemsize, cfg.num_experts, cfg.d_model
   r = 4 if cfg.router_scoring == "sigmoid" else s
-  return (s * 3 * d * mlp * e if gathered else 0) + r * d * e
+  return (s * _mlp_matrices(cfg) * _expert_width(cfg) * mlp * e if gathered else 0) + r * d * e
 
 
 def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: AbstractMesh,

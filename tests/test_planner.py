@@ -472,6 +472,67 @@ def test_single_sublayer_layers_saved_activations_match_what_jax_keeps(dtype, re
     assert 0 <= (kept - less_kept) - (planned - less_planned) <= 4 * 96 + 32, i
 
 
+# Nemotron 3's layout: Nemotron-H's layers beside mixtures alone ("moe"), each of 6
+# experts of 40 without a gate (relu^2), 2 a token by sigmoid scores scaled by 2.5, and a
+# shared relu^2 expert of 24; its MLPs alone are dense_ffn_dim (160) wide.
+NEMOTRON_3 = {**NEMOTRON_H, "ffn_dim": 40, "num_experts": 6, "num_experts_per_tok": 2,
+              "router_scoring": "sigmoid", "routed_scaling_factor": 2.5,
+              "shared_expert_dim": 24, "dense_ffn_dim": 160}
+NEMOTRON_3_LAYERS = ("linear_attention", "moe", "full_attention", "mlp") * 2
+
+
+@pytest.mark.parametrize("latent", [0, 16], ids=["experts_in_d", "latent"])
+@pytest.mark.parametrize("dtype, remat", [
+    (dtype, remat) for dtype in ("float32", "bfloat16")
+    for remat in ("none", "dots", "dots_with_no_batch_dims", "full")])
+def test_mixture_layers_alone_saved_activations_match_what_jax_keeps(dtype, remat, latent):
+  """Nemotron 3's mixtures alone keep a mixture layer's share and one norm's: the routed
+  experts' sorted rows, up, relu^2's mask and two products (no gate), a sigmoid router's
+  float32 rows and scores, the shared expert as a relu^2 MLP; in a latent the rows L
+  wide, and latent_in's and latent_out's inputs (under dots latent_in's output and the
+  float32 weighted sum, a dot with a batch dimension). Its MLPs alone are dense MLPs of
+  dense_ffn_dim. Each kind's share is exact but for its norm's scale; the model within
+  2%, as Nemotron-H's."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  rows, length = 4, 128
+
+  def measured(kinds):
+    cfg = models.get_preset("tiny", **NEMOTRON_3, num_layers=len(kinds), layer_types=kinds,
+                            rope_layers=(0,) * len(kinds), moe_latent_dim=latent, remat=remat,
+                            dtype=dtype, param_dtype=dtype)
+    return (sum(n for n, _, _ in _residuals(cfg, rows, length)),
+            planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=one_device))
+
+  kept, planned = measured(NEMOTRON_3_LAYERS)
+  assert planned == pytest.approx(kept, rel=0.02)
+  for i, kind in enumerate(NEMOTRON_3_LAYERS[:4]):  # Mamba2, a mixture, attention, an MLP
+    less_kept, less_planned = measured(NEMOTRON_3_LAYERS[:i] + NEMOTRON_3_LAYERS[i + 1:])
+    assert 0 <= (kept - less_kept) - (planned - less_planned) <= 4 * 96 + 32, kind
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "dots_with_no_batch_dims"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", [
+    dict(mlp_activation="relu2"),
+    dict(moe_latent_dim=16, shared_expert_dim=24),
+    dict(mlp_activation="relu2", moe_latent_dim=16, router_scoring="sigmoid",
+         shared_expert_dim=24, norm_topk_prob=False)], ids=["relu2", "latent", "relu2_latent"])
+def test_experts_without_a_gate_or_in_a_latent_match_what_jax_keeps(layout, dtype, remat):
+  """A mixture of relu^2 experts (no gate: up, the mask and two products a row), or of
+  experts in a latent (their rows L wide, latent_in's and latent_out's inputs), in a
+  layer of attention and a mixture. Exact against a dense model of the same activation."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype,
+                mlp_activation=layout.get("mlp_activation", "silu"))
+  cfg = models.get_preset("tiny", **{**MOE, **layout, **widths})
+  kept, planned = [], []
+  for c in (cfg, _dense_twin(cfg, **widths)):
+    kept.append(sum(n for n, _, _ in _residuals(c, 4, 128)))
+    planned.append(planner.saved_activation_bytes(c, rows=4, row_len=128, mesh=one_device))
+  assert planned[0] == pytest.approx(kept[0], rel=0.1)
+  assert planned[0] - planned[1] == kept[0] - kept[1]
+
+
 @pytest.mark.parametrize("layout", [QWEN3_5, MAMBA2], ids=["gated_deltanet", "mamba2"])
 def test_linear_weight_bytes_are_the_mixers_projections_and_taps(layout):
   """What the planner gathers for a linear layer's mixer is its projections and
@@ -586,6 +647,12 @@ LORA_LAYOUTS = {
                  v_head_dim=16, logprob_chunk=64,
                  rope=models.RopeConfig(partial_rotary_factor=8 / 24)),
             "q_proj,k_proj,v_proj,o_proj"),
+    # Nemotron 3's single-sublayer layers: o_proj's and out_proj's products feed the
+    # residual alone (as down_proj's), the MLPs and shared experts have no gate_proj.
+    "nemotron_3": ({**{k: v for k, v in NEMOTRON_3.items() if k != "attention_impl"},
+                    "num_layers": 4, "layer_types": NEMOTRON_3_LAYERS[:4],
+                    "rope_layers": (0,) * 4},
+                   "q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,in_proj,out_proj"),
 }
 
 
@@ -593,7 +660,8 @@ LORA_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LORA_LAYOUTS))
 def test_lora_adapters_saved_activations_match_what_jax_keeps(layout, remat):
   """A dots policy keeps each adapter's x A and (x A) B (both dots; down_proj's B
-  product only where a shared expert's gate reads it), no remat its x A alone (the
+  product only where a shared expert's gate reads it, a single-sublayer layer's o_proj
+  and out_proj none: only the residual reads them), no remat its x A alone (the
   routed experts' adapters aside, which Qwen2-MoE's layout shows), full remat nothing:
   what LoRA of rank 4 adds to the saved activations, against the same model without."""
   one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
@@ -686,6 +754,72 @@ def test_expert_parallel_mixture_keeps_every_gathered_tokens_rows(remat, experts
           - planner.saved_activation_bytes(dense, rows=rows, row_len=length, mesh=abstract)
           == cfg.mixture_layers * (tokens * (per_token - (s * d if remat == "none" else 0)
                                              - dense_mlp) + per_layer + experts_kept + router))
+
+
+def _device_residuals(cfg, rows, length, rules):
+  """Bytes one device of a (1, 8, 1, 1) mesh keeps of `_residuals` (the params in the
+  compute dtype: no weight casts), the other arrays split over fsdp 8 with the tokens:
+  shard_map's residuals (every device's stacked), and the experts it is given whole (D
+  gathered) without expert parallelism; with it those are the device's stored slice,
+  no copy."""
+  mesh = models.make_mesh((1, 8, 1, 1))
+  experts = 0 if dict(rules).get("experts") else 1  # a gathered copy, or none
+  return sum(experts * n if "(place)" in src else n / 8
+             for n, src, _ in _residuals(cfg, rows, length, mesh, rules))
+
+
+@pytest.mark.parametrize("rules, remat, latent", [
+    (models.DEFAULT_RULES, "none", 16),
+    (models.DEFAULT_RULES, "dots", 16),
+    (EXPERTS_OVER_FSDP, "none", 0),
+    (EXPERTS_OVER_FSDP, "none", 16),
+    (EXPERTS_OVER_FSDP, "dots", 16),
+], ids=["gathered-none-latent", "gathered-dots-latent", "ep-none", "ep-none-latent",
+        "ep-dots-latent"])
+def test_mixture_layers_alone_on_a_mesh_match_what_jax_keeps(rules, remat, latent):
+  """Nemotron 3's mixture alone over fsdp 8, its 8 experts gathered whole or split over
+  the devices: its share of a device's saved activations (a second mixture layer's) is
+  exact but for its norm's scale. With expert parallelism the router's float32 rows
+  and scores are the device's own tokens', the router is gathered whole, and under dots
+  the float32 weighted sum before latent_out holds the 8 devices' tokens."""
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, (1, 8, 1, 1))))
+  kinds = ("linear_attention", "moe", "full_attention", "mlp", "moe")
+  rows, length = 8, 128
+  shares = []
+  for layers in (kinds, kinds[:1] + kinds[2:]):
+    cfg = models.get_preset("tiny", **{**NEMOTRON_3, "num_experts": 8}, num_layers=len(layers),
+                            layer_types=layers, rope_layers=(0,) * len(layers),
+                            moe_latent_dim=latent, remat=remat, dtype="bfloat16",
+                            param_dtype="bfloat16")
+    shares.append((_device_residuals(cfg, rows, length, rules),
+                   planner.saved_activation_bytes(cfg, rows=rows, row_len=length,
+                                                  mesh=abstract, rules=rules)))
+  (kept, planned), (less_kept, less_planned) = shares
+  assert 0 <= (kept - less_kept) - (planned - less_planned) <= 2 * 96 / 8
+
+
+@pytest.mark.parametrize("dtype, scoring, norm_topk_prob, activation", [
+    ("bfloat16", "sigmoid", True, "silu"),
+    ("bfloat16", "softmax", False, "relu2"),
+    ("float32", "sigmoid", False, "relu2"),
+])
+def test_expert_parallel_routing_variants_match_what_jax_keeps(dtype, scoring, norm_topk_prob,
+                                                               activation):
+  """Expert parallelism keeps the routing's variants as a device running every expert
+  does (a sigmoid router's float32 rows and two columns fewer, no normaliser's sum and
+  weights without norm_topk_prob), on its own tokens, and the router gathered whole (in
+  float32 for a sigmoid router) whatever the params' dtype. Exact against a dense model."""
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, (1, 8, 1, 1))))
+  widths = dict(remat="none", attention_impl="flash", dtype=dtype, param_dtype=dtype,
+                mlp_activation=activation)
+  cfg = models.get_preset("tiny", **{**MOE, "num_experts": 8, "router_scoring": scoring,
+                                     "norm_topk_prob": norm_topk_prob}, **widths)
+  kept, planned = [], []
+  for c in (cfg, _dense_twin(cfg, **widths)):
+    kept.append(_device_residuals(c, 8, 128, EXPERTS_OVER_FSDP))
+    planned.append(planner.saved_activation_bytes(c, rows=8, row_len=128, mesh=abstract,
+                                                  rules=EXPERTS_OVER_FSDP))
+  assert planned[0] - planned[1] == kept[0] - kept[1]
 
 
 def test_expert_parallel_sampler_copy_keeps_the_experts_split():
@@ -969,6 +1103,69 @@ def test_linear_attention_plan_counts_its_layers():
   assert (planner.prefill_bytes(flash, prompts=16, prompt_len=64, rows=16, mesh=fsdp8)
           - planner.kv_cache_bytes(flash, batch=16, max_len=64, mesh=fsdp8)
           == relaid + 2 * 64 * per_token + 2 * per_row)
+
+
+# Nemotron 3 in a run config: Mamba2, NoPE attention, an MLP alone of 40 and two
+# mixtures alone of 8 relu^2 experts of 16 (2 a token, sigmoid scores) in a latent of
+# 16, each with a shared expert of 24.
+NEMOTRON_3_RUN = dict(
+    vocab_size=64, d_model=32, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
+    ffn_dim=16, layer_types=("linear_attention", "moe", "full_attention", "moe", "mlp",
+                             "linear_attention"),
+    rope_layers=(0,) * 6, mlp_activation="relu2", linear_mixer="mamba2",
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_bias=True, linear_chunk=4, num_experts=8,
+    num_experts_per_tok=2, router_scoring="sigmoid", shared_expert_dim=24, dense_ffn_dim=40,
+    moe_latent_dim=16, architecture="NemotronHForCausalLM")
+
+
+@pytest.mark.parametrize("latent", [16, 0], ids=["latent", "experts_in_d"])
+def test_mixture_layers_alone_plan_counts_their_weights(latent):
+  """Nemotron 3's params are num_params, on real arrays too; its experts (their extra
+  gradient, their casts) are the moe layers' up and down alone, [E, L, F] and [E, F, L]
+  in a latent; the sampler's gathered copy is what the Sampler holds (relu^2 experts pad
+  up and down alone), the experts gathered or split over fsdp (expert parallelism); a
+  decode step with weights left sharded gathers the largest layer, here a mixture
+  (experts, float32 router, latent projections, shared expert), as real arrays shard
+  it; mixtures and MLPs alone have no cache."""
+  config = _tiny({**NEMOTRON_3_RUN, "moe_latent_dim": latent})
+  cfg = experiment.model_config(config)
+  assert (cfg.mixture_layers, cfg.num_dense_layers) == (2, 1)
+  assert planner.plan(config, num_devices=1)["params"] == cfg.num_params * 4
+  # Over fsdp 4 x tensor 2, the experts' D (their latent's L) over fsdp or, expert
+  # parallel, their E; F over tensor.
+  real_mesh = models.make_mesh((1, 4, 2, 1))
+  for rules in ((), (("experts", ("fsdp",)),)):
+    shaped = planner.override(config, {"mesh.fsdp": 4, "mesh.tensor": 2,
+                                       "sharding_rules": rules})
+    p = planner.plan(shaped)
+    model = models.create_model(cfg, mesh=real_mesh, rules=models.rules_from_config(rules))
+    real = nnx.state(model, nnx.Param)
+    assert p["params"] == _real_per_device_bytes(real), rules
+    experts = [x for path, x in jax.tree_util.tree_leaves_with_path(real["moe_layers"])
+               if re.search(r"\['mlp'\]\['(up|down)_proj'\]", jax.tree_util.keystr(path))]
+    assert len(experts) == 4
+    assert planner.expert_bytes(cfg, planner.abstract_mesh(p.mesh),
+                                models.rules_from_config(rules)) == (
+        _real_per_device_bytes(experts)), rules
+    sampler = Sampler(model, mesh=real_mesh, rules=rules, max_len=64)
+    assert p["gathered"] == _real_per_device_bytes(sampler._weights()), rules
+  # Left sharded over data 4 x tensor 2, a decode step gathers one layer: this device's
+  # shard of a mixture's weights (its norm and correction bias aside), the largest kind.
+  mesh = (4, 1, 2, 1)
+  real = nnx.state(models.create_model(cfg, mesh=models.make_mesh(mesh)), nnx.Param)
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, mesh)))
+  moe = [x for path, x in jax.tree_util.tree_leaves_with_path(real["moe_layers"][0])
+         if not re.search("norm|correction", jax.tree_util.keystr(path))]
+  logits = 8 * cfg.vocab_size // 2 * 4
+  assert planner.decode_step_bytes(cfg, rows=8, mesh=abstract, gathered=False) == (
+      logits + _real_per_device_bytes(moe))
+  # The cache: the arrays init_cache builds, one attention layer's and two Mamba2 states.
+  one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  for scanned in (cfg, cfg.replace(scan_layers=True)):
+    arrays = jax.eval_shape(lambda: models.init_cache(scanned, 8, 64))  # noqa: B023
+    assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one) == (
+        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
 
 
 def test_activations_follow_the_remat_policy_and_the_mesh():
@@ -1501,3 +1698,36 @@ def test_a_pattern_of_many_runs_holds_its_layers_projection_buffers():
                 cfg.replace(num_layers=8, layer_types=tuple(kinds[c] for c in "M-M*-MM-"),
                             rope_layers=(0,) * 8)):
     assert ordered_layers(other) == {}
+
+
+def test_a_pattern_of_many_runs_holds_its_mixture_layers_buffers():
+  """Nemotron 3's mixtures alone in a pattern of many runs are rebuilt in order too
+  (`ordered_layers`), unless a load-balancing loss takes their router statistics; the
+  plan holds each one's projection outputs by analogy with an MLP's (not compiled): by
+  hand, its shared expert's up and activation 2sFs, its routed experts' 2skF, the
+  router's float32 logits 4E and latent_in's output sL; an MLP alone's 2sF at
+  dense_ffn_dim, not the experts' width."""
+  from posttrain.models.transformer import ordered_layers
+  pattern = "ME-M*EM-ME*-M"
+  kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+  cfg = models.get_preset("tiny", **NEMOTRON_3, num_layers=len(pattern),
+                          layer_types=tuple(kinds[c] for c in pattern), moe_latent_dim=16,
+                          rope_layers=(0,) * len(pattern), remat="full", scan_layers=True,
+                          dtype="bfloat16", param_dtype="bfloat16")
+  assert ordered_layers(cfg) == {"linear": 5, "moe": 3, "mlp": 3, "full": 2}
+  balanced = cfg.replace(router_aux_loss_coef=0.01)
+  assert ordered_layers(balanced) == {"linear": 5, "mlp": 3, "full": 2}
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  rows, length = 2, 64
+
+  def held(c):
+    return (planner.activation_bytes(c, rows=rows, row_len=length, mesh=one_device)[0]
+            - planner.activation_bytes(c.replace(scan_layers=False), rows=rows,
+                                       row_len=length, mesh=one_device)[0])
+
+  v, k, s = 6 * 24, 2 * 16, 2
+  others = (3 * 2 * s * 160 + 5 * s * (4 * v + 2 * k + 6 + 96)
+            + 2 * s * (2 * 6 * 16 + 16 * 2 * 16))
+  moe = 2 * s * (24 + 2 * 40) + 4 * 6 + s * 16
+  assert held(cfg) == rows * length * (others + 3 * moe)
+  assert held(balanced) == rows * length * others
