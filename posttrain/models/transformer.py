@@ -1387,8 +1387,9 @@ class MoE(nnx.Module):
     # Without a gate (relu^2 experts) an empty array holds the gate's place.
     weights = [w[...].astype(dt) if w is not None else jnp.zeros((0,), dt) for w in (
         self.router, getattr(self, "gate_proj", None), self.up_proj, self.down_proj)]
-    # What the routed experts read: the tokens, or their latent (`latent_in`), [B, T, L].
-    x_experts = x_BxTxD
+    # What the routed experts read in a latent (`latent_in`), [B, T, L]; without one they
+    # read the tokens themselves, and an empty array holds its place.
+    x_experts = jnp.zeros((0,), dt)
     if cfg.moe_latent_dim:
       x_experts = ctx.constrain(
           jnp.einsum("BTD,DL->BTL", x_BxTxD.astype(dt), self.latent_in[...].astype(dt)),
@@ -1433,7 +1434,8 @@ class MoE(nnx.Module):
                           groups=cfg.router_groups, group_topk=cfg.router_group_topk,
                           scale=cfg.routed_scaling_factor)
       biased = cfg.expert_bias
-      x_NxD = x_in.reshape(lb * lt, -1).astype(dt)  # the experts' input (a latent's)
+      if cfg.moe_latent_dim:  # the experts' input: the tokens' latent
+        x_NxD = x_in.reshape(lb * lt, -1).astype(dt)
       if ep_axes:
         y = self._expert_parallel(x_NxD, w, e, gate, up, down, gate_b, up_b, down_b,
                                   ep_axes, token_axes, f_axes, lora)
@@ -1476,7 +1478,8 @@ class MoE(nnx.Module):
     e_spec = None if not ep_axes else ep_entry
     x_spec = P(*tokens, None)
     gate_spec = P(e_spec, None, f_spec) if gated else P()
-    specs = (x_spec, x_spec, P(*tokens), P(), gate_spec, P(e_spec, None, f_spec),
+    specs = (x_spec, x_spec if cfg.moe_latent_dim else P(), P(*tokens), P(), gate_spec,
+             P(e_spec, None, f_spec),
              P(e_spec, f_spec, None), P(), P(e_spec, f_spec), P(e_spec, f_spec),
              P(e_spec, None), P())
     # The adapters as their experts: E on the ep axes, F (gate and up's B columns, down's
