@@ -1780,8 +1780,10 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   head = head_bytes(cfg, mesh=mesh, rules=rules, rows=rows, row_len=row_len)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
-  # The Sampler copies the weights it is given (never an alias), colocated or not.
-  sampler = params if placement == "colocated" else state_bytes(cfg, rollout_shape, rules)[0]
+  # The Sampler copies the weights it is given (never an alias), colocated or not, but
+  # a colocated LoRA learner's frozen base, which it holds as it is (the train step never
+  # donates it: `Trainer._shared_base`): then its own are the adapters (and heads).
+  sampler = trained if placement == "colocated" else state_bytes(cfg, rollout_shape, rules)[0]
   rollout_shards = batch_mesh_size(rollout_mesh, rules)
   s_rows = sampler_batch(config, int(algo.group_size), rollout_shards)
   cache_dtype = kv_cache_dtype or r.get("cache_dtype", None)
@@ -1846,7 +1848,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                 "none: the head reads its own shard of the projection"),
       Component("divergence", divergence, divergence_note),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
-      Component("sampler", sampler, "its own copy of params (colocated)"
+      Component("sampler", sampler, ("its own copy of the adapters; the frozen base "
+                                     "shared with the learner (colocated)"
+                                     if cfg.lora_rank else "its own copy of params (colocated)")
                 if placement == "colocated"
                 else f"its own weights on the rollout mesh {rollout_shape}"),
       Component("gathered", gathered,
@@ -2020,7 +2024,10 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
   v5e-8, of which 1.91 GiB was that copy). The KL reference is an argument of the update
   only when the update computes its log-probs (`train_step.reference_in_step`: one
   update per batch); otherwise it waits on the train devices beside the update (left
-  out before: 3.56 GiB a chip for Qwen3-30B-A3B on a v5p-64)."""
+  out before: 3.56 GiB a chip for Qwen3-30B-A3B on a v5p-64). A colocated LoRA sampler
+  holds the learner's frozen base itself (its own copy is the adapters): a sampling
+  program that takes the sampler's weights takes that base too, so the learner's share
+  outside it is less the base."""
   gather = bool(config.rollout.get("gather_weights", True)) and p["gathered"] > 0
   in_step = rl_train_step.reference_in_step(experiment.algorithm(config))
   reference = 0 if in_step else p["reference"]
@@ -2042,8 +2049,12 @@ def resident_outside_programs(p: Plan, config: ml_collections.ConfigDict
              + (" and the KL reference" if reference else "") + and_teacher)
     learner = p["params"] + p["optimizer"] + p["reference"] + teacher
     if not gather:  # the sampling programs take the sampler's own weights as arguments
-      return plus_rm(train), plus_rm((learner, "the learner's params, optimizer and "
-                                      "reference" + and_teacher))
+      # (a LoRA sampler's: the learner's base, shared, and its own adapters)
+      base = p["params"] - p["sampler"] if experiment.model_config(config).lora_rank else 0
+      return plus_rm(train), plus_rm((learner - base, "the learner's params, optimizer and "
+                                      "reference" + and_teacher
+                                      + (" (less the base the sampler shares)" if base
+                                         else "")))
     return plus_rm(train), plus_rm((learner + p["sampler"], "the learner's params, optimizer "
                                     "and reference" + and_teacher + ", and the sampler's "
                                     "copy of the weights"))

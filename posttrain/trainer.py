@@ -410,7 +410,8 @@ class Trainer:
     self._setup_state()
     self.sampler = Sampler(self._model(), mesh=self.rollout_mesh, rules=self.rules,
                            max_len=int(config.rollout.max_len), pad_id=self.tok.pad_id,
-                           gather_weights=bool(config.rollout.get("gather_weights", True)))
+                           gather_weights=bool(config.rollout.get("gather_weights", True)),
+                           share=self._shared_base())
     self.sampler_version = self.progress.policy_version
     r = config.rollout
     self.worker = RolloutWorker(
@@ -635,9 +636,31 @@ class Trainer:
     t0 = time.time()
     with self._sampler_lock:
       t1 = time.time()
-      self.sampler.update_params(self.state.params)
+      self.sampler.update_params(self.state.params, share=self._shared_base())
       self.sampler_version = self.progress.policy_version
     return time.time() - t1, t1 - t0
+
+  def _shared_base(self):
+    """The frozen LoRA base the colocated sampler holds uncopied, or None: without LoRA,
+    or disaggregated (the sampler's weights live on the rollout mesh). Each train step
+    donates it and hands it back unchanged over the same buffers; the `state` setter then
+    points the sampler at the new arrays (`Sampler.reshare`)."""
+    if self.disaggregated or not self.cfg.lora_rank:
+      return None
+    return rl_state.split_trainable(self.state.params)[1]
+
+  @property
+  def state(self) -> rl_state.TrainState:
+    """The learner's TrainState."""
+    return self._state
+
+  @state.setter
+  def state(self, value: rl_state.TrainState) -> None:
+    self._state = value
+    sampler = getattr(self, "sampler", None)
+    if sampler is not None and sampler.shares_weights:  # the base's new arrays
+      with self._sampler_lock:
+        sampler.reshare(value.params)
 
   def _sft_enabled(self) -> bool:
     return int(self.config.sft.steps) > 0

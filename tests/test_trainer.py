@@ -967,3 +967,26 @@ def test_gemma2_run_trains_and_exports_what_transformers_reads(tmp_path):
   _, exported = _train_two_rl_steps_and_export(tmp_path, GEMMA2)
   assert exported.cfg.architecture == "Gemma2ForCausalLM"
   assert exported.cfg.sliding_layers == (True, False)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_colocated_lora_sampler_holds_the_learners_base_uncopied(tmp_path, lora):
+  """Colocated with LoRA, the sampler holds the learner's frozen base arrays themselves
+  (its own copy is the adapters): from its start, after a step that donates the state
+  and hands the base back over the same buffers (the `state` setter points the sampler
+  at the new arrays), and after each weight sync; without LoRA it holds a copy of
+  everything."""
+  from posttrain.rl import state as state_lib
+  t = trainer.Trainer(_config(**(LORA if lora else {})), str(tmp_path))
+  donating = jax.jit(lambda state: state, donate_argnums=0)  # as a train step hands it back
+  for _ in range(2):
+    for _ in range(2):
+      frozen = state_lib.split_trainable(t.state.params)[1]
+      learner = {id(x) for x in jax.tree.leaves(t.state.params)}
+      held = [x for x in jax.tree.leaves(t.sampler._state) if id(x) in learner]
+      assert len(held) == (len(jax.tree.leaves(frozen)) if lora else 0)
+      assert held or not lora
+      assert not any(x.is_deleted() for x in jax.tree.leaves(t.sampler._state))
+      t.state = donating(t.state)
+    t.sync_weights()
+  t.writer.close()

@@ -209,6 +209,23 @@ _EXPERT_LEAF_RANKS = {"gate_proj": 3, "up_proj": 3, "down_proj": 3, "gate_bias":
                       "experts_down_proj_lora_b": 3}
 
 
+def _ids(share) -> set[int]:
+  """The ids of the arrays in `share` (a pytree, or None) a sampler may hold uncopied."""
+  return set() if share is None else {id(x) for x in jax.tree.leaves(share)}
+
+
+def _shareable(x, shared: set[int], dtype, sharding) -> bool:
+  """Whether the sampler holds `x` as it is: one of the caller's `shared` arrays, already
+  in the sampler's dtype on its sharding."""
+  return (id(x) in shared and isinstance(x, jax.Array) and x.dtype == dtype
+          and x.sharding.is_equivalent_to(sharding, x.ndim))
+
+
+def _buffers(x: jax.Array) -> tuple[int, ...]:
+  """Where x's shards on this process lie in device memory."""
+  return tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+
+
 def _param_path(path) -> str:
   """A leaf's path without nnx's Variable `.value`, so State and pure dicts compare equal."""
   return jax.tree_util.keystr(tuple(
@@ -307,13 +324,16 @@ class Sampler:
       at most this many tokens (a power of two from 16 up, or this), so its programs never
       depend on its length. A sliding-window layer keeps a ring of window + extend_chunk - 1
       slots (`models.sliding_cache_slots`) instead of the whole row's.
+    share: arrays among the model's weights the sampler holds as they are, uncopied
+      (`update_params`' share: a colocated learner's frozen LoRA base; `reshare`).
   """
 
   def __init__(self, model: models.Transformer, *, mesh: Mesh | None = None, rules=None,
                max_len: int | None = None, cache_dtype: str | None = None,
                batch_buckets: Sequence[int] | None = None,
                length_buckets: Sequence[int] | None = None, pad_id: int = 0,
-               gather_weights: bool = True, extend_chunk: int = CACHED_WRITE_TOKENS):
+               gather_weights: bool = True, extend_chunk: int = CACHED_WRITE_TOKENS,
+               share=None):
     cfg = model.cfg
     self.cfg = cfg
     self.mesh = mesh
@@ -347,8 +367,14 @@ class Sampler:
     if abstract:  # compile-only (`compile`), e.g. for devices this host does not have
       state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            state, shardings)
-    else:  # A copy, never an alias: a learner that donates its params must not free ours.
-      state = jax.tree.map(distributed.copy_to, state, shardings)
+    else:  # A copy, never an alias: a learner that donates its params must not free ours
+      # (but the arrays of `share`, as `update_params` takes them).
+      shared = _ids(share)
+      state = jax.tree.map(lambda x, s: x if _shareable(x, shared, x.dtype, s) else
+                           distributed.copy_to(x, s), state, shardings)
+    # leaf index -> the device buffers of a leaf held uncopied (`share`), for `reshare`
+    self._shared: dict[int, tuple[int, ...]] = {} if abstract else {
+        i: _buffers(x) for i, x in enumerate(jax.tree.leaves(state)) if id(x) in shared}
     self._treedef = jax.tree.structure(state)
     self._paths = [_param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
@@ -388,6 +414,11 @@ class Sampler:
     """Programs compiled so far (each shape bucket and sampling mode compiles once)."""
     return len(self._programs)
 
+  @property
+  def shares_weights(self) -> bool:
+    """Whether it holds any of the caller's arrays uncopied (`update_params`' share)."""
+    return bool(self._shared)
+
   def param_shardings(self) -> list:
     """The sampler's sharding of each parameter leaf, in `jax.tree.leaves` order."""
     return [sharding for _, _, sharding in self._specs]
@@ -397,7 +428,7 @@ class Sampler:
     a batch bucket. Continuous batching runs for more prompts than that."""
     return self._batch_bucket(int(slots))
 
-  def update_params(self, params) -> None:
+  def update_params(self, params, *, share=None) -> None:
     """Swaps in new weights without recompiling.
 
     Args:
@@ -408,8 +439,15 @@ class Sampler:
         several processes and a rollout mesh on other devices than the params' (a
         disaggregated multi-host run), `distributed.copy_to` keeps the copy on the
         devices whenever each host with rollout devices also holds train devices.
+      share: arrays among `params`' leaves (any pytree of them, e.g. a LoRA model's
+        frozen base) the sampler holds as they are, with no copy, where one already
+        sits on the sampler's sharding in its dtype: a colocated learner's base weights.
+        The caller must not delete them while the sampler holds them (until the next
+        update); a step that donates them and hands them back unchanged over the same
+        buffers (the train step's passed-through base) must be followed by `reshare`.
     """
     state = nnx.state(params) if isinstance(params, nnx.Module) else params
+    shared, held = _ids(share), {}
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     paths = [_param_path(p) for p, _ in flat]
     if paths != self._paths:
@@ -420,10 +458,38 @@ class Sampler:
     for path, (_, x), (shape, dtype, sharding) in zip(paths, flat, self._specs):
       if tuple(x.shape) != tuple(shape):
         raise ValueError(f"param {path} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+      if _shareable(x, shared, dtype, sharding):
+        held[len(leaves)] = _buffers(x)
+        leaves.append(x)  # held as it is: the caller's
+        continue
       x = distributed.copy_to(x, sharding)
       leaves.append(x if x.dtype == dtype else x.astype(dtype))
     self._state = jax.tree.unflatten(self._treedef, leaves)
+    self._shared = held
     self.params_version += 1
+
+  def reshare(self, params) -> None:
+    """Takes the caller's current arrays in place of those the sampler holds uncopied
+    (`update_params`' share) where they lie in the same device buffers: a train step
+    that donates its state hands the unchanged frozen base back as new arrays over the
+    same buffers, and the old ones, deleted, must not be read again. The weights (and
+    params_version) stay as they are. Raises ValueError when a held array was deleted
+    and `params` has none in its buffers (its weights are gone: `update_params`)."""
+    if not self._shared:
+      return
+    state = nnx.state(params) if isinstance(params, nnx.Module) else params
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    if [_param_path(p) for p, _ in flat] != self._paths:
+      raise ValueError("params do not match the sampler's model")
+    leaves = jax.tree.leaves(self._state)
+    for i, buffers in self._shared.items():
+      x = flat[i][1]
+      if isinstance(x, jax.Array) and not x.is_deleted() and _buffers(x) == buffers:
+        leaves[i] = x
+      elif leaves[i].is_deleted():
+        raise ValueError(f"the sampler's shared weight {self._paths[i]} was deleted and "
+                         "the params given hold it nowhere; call update_params")
+    self._state = jax.tree.unflatten(self._treedef, leaves)
 
   def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                temperature: float = 1.0, top_k: int | None = None,

@@ -83,3 +83,49 @@ def test_scanned_sharded_lora_step_equals_the_one_device_layer_list():
   for a, b in zip(jax.tree.leaves(runs["scan"][0]), jax.tree.leaves(runs["list"][0]),
                   strict=True):
     np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def _model_of(params):
+  """The LoRA model of `params` (as the trainer merges its state)."""
+  graphdef, _, rest = ts._split_abstract(LORA)
+  return nnx.merge(graphdef, params, rest)
+
+
+def test_a_sampler_shares_the_base_the_step_hands_back():
+  """The step donates the state and hands the frozen base back unchanged over the same
+  buffers: a colocated sampler holding the base uncopied takes the new arrays
+  (`Sampler.reshare`) and samples after the updates as a sampler with its own copy of
+  the same weights does; without them it refuses, its weights deleted."""
+  from posttrain.sampling import Sampler
+  mesh = models.make_mesh((1, 2, 2, 1), devices=jax.devices()[:4])
+  state = state_lib.init_train_state(models.create_model(LORA, mesh=mesh), optimizer(),
+                                     mesh=mesh)
+  base = jax.tree.leaves(state_lib.split_trainable(state.params)[1])
+  shared = Sampler(_model_of(state.params), mesh=mesh, max_len=32, gather_weights=False,
+                   share=state_lib.split_trainable(state.params)[1])
+  held = jax.tree.leaves(shared._state)
+  assert shared.shares_weights
+  assert sum(any(x is b for b in base) for x in held) == len(base)  # no copy of the base
+  step = ts.make_train_step(LORA, ALGO, optimizer(), mesh=mesh, reference_in_step=True)
+  batch = microbatched(packed_rows(0), 2)
+  pointers = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in base]
+  for i in range(2):
+    old = state.params
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    after = jax.tree.leaves(state_lib.split_trainable(state.params)[1])
+    assert [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+            for x in after] == pointers  # the same buffers, new arrays
+    if i == 0:
+      with pytest.raises(ValueError, match="was deleted"):
+        shared.reshare(old)  # the donated arrays: deleted, nowhere else
+    shared.reshare(state.params)
+    assert sum(any(x is a for a in after) for x in jax.tree.leaves(shared._state)) == len(base)
+  shared.update_params(state.params, share=state_lib.split_trainable(state.params)[1])
+  own = Sampler(_model_of(state.params), mesh=mesh, max_len=32, gather_weights=False)
+  assert not own.shares_weights
+  prompts = [[5, 9, 2, 7], [11, 3]]
+  got = shared.generate(prompts, max_new_tokens=6, temperature=0.0)
+  want = own.generate(prompts, max_new_tokens=6, temperature=0.0)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
