@@ -21,12 +21,12 @@ below. From a checkout with gcloud configured (see launch/tpu_pod.sh):
         /mnt/ckpt/llama4_scout_grpo
 
 Maverick (`--config.model.preset=llama4_maverick`, 400.7B) compiles on the same slice
-with the same mesh: update 79.7 GiB a chip, rollout 70.9 (planned 86.1 and 68.8: the
-plan calls it 0.6 GiB too big for 90% of 95 GiB). With expert parallelism
-(`--config.sharding_rules='(("experts", ("fsdp",)),)'`, 8 experts a chip, never
-gathered) they compile to 62.5 and 56.7 GiB (planned 66.0 and 59.4), and the plan's
-advice names that rule. For Scout it costs more (27.6 GiB compiled): one expert a chip
-takes the tokens of 16 chips to spare a 1.9 GiB layer of experts.
+with the same mesh: update 56.3 GiB a chip, rollout 47.6, with what stays resident beside
+each (the sampler shares the learner's frozen base; 79.7 and 70.9 with its own copy).
+With expert parallelism (`--config.sharding_rules='(("experts", ("fsdp",)),)'`, 8
+experts a chip, never gathered) they compile to 39.1 and 33.4 GiB (planned 42.8 and
+36.0). For Scout it costs more (21.3 GiB compiled against 19.3): one expert a chip takes
+the tokens of 16 chips to spare a 1.9 GiB layer of experts.
 
 Recipe: GRPO with a small KL (0.001), 128 prompts x 8 samples per step, 1024 new tokens.
 107.8B parameters, stored bfloat16 and frozen; LoRA of rank 16 on the attention and the
@@ -34,8 +34,8 @@ shared experts (the default targets of a mixture with a shared expert) trains 56
 2e-5. Mesh: FSDP 16 x tensor 2: each chip's expert slice is 4096 wide (F over tensor).
 The sampler decodes with the weights left sharded: gathered over fsdp, the bfloat16
 model over 2 would be 100 GiB a chip. Compiled for the slice on a CPU host (libtpu
-0.0.42.1, 2.8 GiB of host memory, 1.7 min): the update peaks at 25.6 GiB a chip with the
-sampler's weights beside it (planned 25.7), the rollout at 21.8 (planned 21.6).
+0.0.42.1, 2.8 GiB of host memory, 1.7 min): the update peaks at 19.3 GiB a chip with the
+sampler's adapters beside it (planned 19.4), the rollout at 15.6 (planned 15.3).
 """
 
 import ml_collections
