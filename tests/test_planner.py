@@ -36,6 +36,17 @@ def _config(**changes):
   return planner.override(default.get_config(), changes)
 
 
+def _real_train_state(config, shape=(1, 8, 1, 1)):
+  """(mesh, model config, train state): what the trainer builds for `config` on a mesh
+  of `shape`."""
+  mesh = models.make_mesh(shape)
+  cfg = experiment.model_config(config)
+  o = config.optim
+  optimizer = rl_state.make_optimizer(o.lr, o.warmup, 100, o.weight_decay, o.clip)
+  return mesh, cfg, rl_state.init_train_state(models.create_model(cfg, mesh=mesh), optimizer,
+                                              mesh=mesh)
+
+
 def _real_per_device_bytes(tree) -> int:
   """Bytes on the fullest device, summed over every array's addressable shards."""
   per_device: dict = {}
@@ -66,12 +77,7 @@ def test_params_and_optimizer_bytes_match_real_arrays_on_8_devices(mesh, param_d
   p = planner.plan(config)
   assert p.mesh == dict(zip(models.MESH_AXES, mesh))
   # What the trainer builds: a sharded model, then the train state on the same mesh.
-  real_mesh = models.make_mesh(mesh)
-  cfg = experiment.model_config(config)
-  o = config.optim
-  optimizer = rl_state.make_optimizer(o.lr, o.warmup, 100, o.weight_decay, o.clip)
-  state = rl_state.init_train_state(models.create_model(cfg, mesh=real_mesh), optimizer,
-                              mesh=real_mesh)
+  real_mesh, cfg, state = _real_train_state(config, mesh)
   real_params = _real_per_device_bytes(state.params)
   real_opt = _real_per_device_bytes(state.opt_state)
   assert p["params"] == pytest.approx(real_params, rel=0.05)
@@ -96,12 +102,7 @@ def test_a_colocated_lora_sampler_is_planned_as_the_adapters_it_copies():
   config = _config(**TINY, **{"model.overrides.lora_rank": 4, "mesh.fsdp": 8,
                               "rollout.gather_weights": False})
   p = planner.plan(config)
-  real_mesh = models.make_mesh((1, 8, 1, 1))
-  cfg = experiment.model_config(config)
-  o = config.optim
-  optimizer = rl_state.make_optimizer(o.lr, o.warmup, 100, o.weight_decay, o.clip)
-  state = rl_state.init_train_state(models.create_model(cfg, mesh=real_mesh), optimizer,
-                                    mesh=real_mesh)
+  real_mesh, cfg, state = _real_train_state(config)
   frozen = rl_state.split_trainable(state.params)[1]
   graphdef, _, rest = ts._split_abstract(cfg)
   sampler = Sampler(nnx.merge(graphdef, state.params, rest), mesh=real_mesh, max_len=64,
@@ -1667,12 +1668,7 @@ def test_plan_command_prints_the_table_and_exits_by_verdict():
 def test_lora_plan_counts_adapters_for_the_optimizer_and_gradients_and_no_reference():
   config = _config(**TINY, **{"model.overrides.lora_rank": 4, "rl.kl_coef": 0.1})
   p = planner.plan(config)
-  real_mesh = models.make_mesh((1, 8, 1, 1))
-  cfg = experiment.model_config(config)
-  o = config.optim
-  optimizer = rl_state.make_optimizer(o.lr, o.warmup, 100, o.weight_decay, o.clip)
-  state = rl_state.init_train_state(models.create_model(cfg, mesh=real_mesh), optimizer,
-                                    mesh=real_mesh)
+  real_mesh, cfg, state = _real_train_state(config)
   adapters = rl_state.split_trainable(state.params)[0]
   assert p["params"] == pytest.approx(_real_per_device_bytes(state.params), rel=0.05)
   assert p["optimizer"] == pytest.approx(_real_per_device_bytes(state.opt_state), rel=0.05)
