@@ -36,6 +36,18 @@ def _config(**changes):
   return planner.override(default.get_config(), changes)
 
 
+def _assert_mixture_share_exact(cfg, widths):
+  """What JAX keeps for `cfg` (a mixture, 4 rows of 128 on one device) against the plan:
+  the whole within 10%, the mixture's share (less a dense twin's) exact."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  kept, planned = [], []
+  for c in (cfg, _dense_twin(cfg, **widths)):
+    kept.append(sum(n for n, _, _ in _residuals(c, 4, 128)))
+    planned.append(planner.saved_activation_bytes(c, rows=4, row_len=128, mesh=one_device))
+  assert planned[0] == pytest.approx(kept[0], rel=0.1)
+  assert planned[0] - planned[1] == kept[0] - kept[1]
+
+
 def _real_train_state(config, shape=(1, 8, 1, 1)):
   """(mesh, model config, train state): what the trainer builds for `config` on a mesh
   of `shape`."""
@@ -301,15 +313,9 @@ def test_shared_experts_sigmoid_routing_and_dense_layers_match_what_jax_keeps(
   gradients read; sigmoid routing its float32 input rows and scores in the softmax's
   place, nothing for the groups or the correction bias; the leading dense layer a dense
   MLP's terms at its own width. Exact against a dense model as wide as that layer."""
-  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
   widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype)
   cfg = models.get_preset("tiny", **{**MOE, **layout}, **widths)
-  kept, planned = [], []
-  for c in (cfg, _dense_twin(cfg, **widths)):
-    kept.append(sum(n for n, _, _ in _residuals(c, 4, 128)))
-    planned.append(planner.saved_activation_bytes(c, rows=4, row_len=128, mesh=one_device))
-  assert planned[0] == pytest.approx(kept[0], rel=0.1)
-  assert planned[0] - planned[1] == kept[0] - kept[1]
+  _assert_mixture_share_exact(cfg, widths)
 
 
 # Multi-head latent attention (DeepSeek-V3's): 6 heads of 24 features, 16 unrotated and 8
@@ -551,16 +557,10 @@ def test_experts_without_a_gate_or_in_a_latent_match_what_jax_keeps(layout, dtyp
   """A mixture of relu^2 experts (no gate: up, the mask and two products a row), or of
   experts in a latent (their rows L wide, latent_in's and latent_out's inputs), in a
   layer of attention and a mixture. Exact against a dense model of the same activation."""
-  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
   widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype,
                 mlp_activation=layout.get("mlp_activation", "silu"))
   cfg = models.get_preset("tiny", **{**MOE, **layout, **widths})
-  kept, planned = [], []
-  for c in (cfg, _dense_twin(cfg, **widths)):
-    kept.append(sum(n for n, _, _ in _residuals(c, 4, 128)))
-    planned.append(planner.saved_activation_bytes(c, rows=4, row_len=128, mesh=one_device))
-  assert planned[0] == pytest.approx(kept[0], rel=0.1)
-  assert planned[0] - planned[1] == kept[0] - kept[1]
+  _assert_mixture_share_exact(cfg, widths)
 
 
 @pytest.mark.parametrize("layout", [QWEN3_5, MAMBA2], ids=["gated_deltanet", "mamba2"])
