@@ -643,8 +643,8 @@ class Trainer:
   def _shared_base(self):
     """The frozen LoRA base the colocated sampler holds uncopied, or None: without LoRA,
     or disaggregated (the sampler's weights live on the rollout mesh). Each train step
-    donates it and hands it back unchanged over the same buffers; the `state` setter then
-    points the sampler at the new arrays (`Sampler.reshare`)."""
+    donates it and hands it back unchanged; the `state` setter then points the sampler
+    at the new arrays (`Sampler.reshare`)."""
     if self.disaggregated or not self.cfg.lora_rank:
       return None
     return rl_state.split_trainable(self.state.params)[1]

@@ -221,10 +221,6 @@ def _shareable(x, shared: set[int], dtype, sharding) -> bool:
           and x.sharding.is_equivalent_to(sharding, x.ndim))
 
 
-def _buffers(x: jax.Array) -> tuple[int, ...]:
-  """Where x's shards on this process lie in device memory."""
-  return tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
-
 
 def _param_path(path) -> str:
   """A leaf's path without nnx's Variable `.value`, so State and pure dicts compare equal."""
@@ -372,9 +368,9 @@ class Sampler:
       shared = _ids(share)
       state = jax.tree.map(lambda x, s: x if _shareable(x, shared, x.dtype, s) else
                            distributed.copy_to(x, s), state, shardings)
-    # leaf index -> the device buffers of a leaf held uncopied (`share`), for `reshare`
-    self._shared: dict[int, tuple[int, ...]] = {} if abstract else {
-        i: _buffers(x) for i, x in enumerate(jax.tree.leaves(state)) if id(x) in shared}
+    # the indices of the leaves held uncopied (`share`), for `reshare`
+    self._shared: set[int] = set() if abstract else {
+        i for i, x in enumerate(jax.tree.leaves(state)) if id(x) in shared}
     self._treedef = jax.tree.structure(state)
     self._paths = [_param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     self._specs = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
@@ -443,11 +439,11 @@ class Sampler:
         frozen base) the sampler holds as they are, with no copy, where one already
         sits on the sampler's sharding in its dtype: a colocated learner's base weights.
         The caller must not delete them while the sampler holds them (until the next
-        update); a step that donates them and hands them back unchanged over the same
-        buffers (the train step's passed-through base) must be followed by `reshare`.
+        update); a step that donates them and hands them back unchanged (the train
+        step's passed-through base) must be followed by `reshare`.
     """
     state = nnx.state(params) if isinstance(params, nnx.Module) else params
-    shared, held = _ids(share), {}
+    shared, held = _ids(share), set()
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     paths = [_param_path(p) for p, _ in flat]
     if paths != self._paths:
@@ -459,7 +455,7 @@ class Sampler:
       if tuple(x.shape) != tuple(shape):
         raise ValueError(f"param {path} has shape {tuple(x.shape)}, expected {tuple(shape)}")
       if _shareable(x, shared, dtype, sharding):
-        held[len(leaves)] = _buffers(x)
+        held.add(len(leaves))
         leaves.append(x)  # held as it is: the caller's
         continue
       x = distributed.copy_to(x, sharding)
@@ -469,12 +465,14 @@ class Sampler:
     self.params_version += 1
 
   def reshare(self, params) -> None:
-    """Takes the caller's current arrays in place of those the sampler holds uncopied
-    (`update_params`' share) where they lie in the same device buffers: a train step
-    that donates its state hands the unchanged frozen base back as new arrays over the
-    same buffers, and the old ones, deleted, must not be read again. The weights (and
-    params_version) stay as they are. Raises ValueError when a held array was deleted
-    and `params` has none in its buffers (its weights are gone: `update_params`)."""
+    """Takes the caller's arrays in place of those the sampler holds uncopied
+    (`update_params`' share) that the caller has since donated: a train step that
+    donates its state hands the frozen base back unchanged as new arrays (over the same
+    buffers or others, as XLA aliases them), and the old ones, deleted, must not be read
+    again. The caller vouches that those values are unchanged; the weights (and
+    params_version) stay as they are. A held array still alive is kept. Raises
+    ValueError when a held array was deleted and `params` holds a deleted one in its
+    place (`update_params` with live weights)."""
     if not self._shared:
       return
     state = nnx.state(params) if isinstance(params, nnx.Module) else params
@@ -482,13 +480,17 @@ class Sampler:
     if [_param_path(p) for p, _ in flat] != self._paths:
       raise ValueError("params do not match the sampler's model")
     leaves = jax.tree.leaves(self._state)
-    for i, buffers in self._shared.items():
+    for i in self._shared:
+      if not leaves[i].is_deleted():
+        continue
       x = flat[i][1]
-      if isinstance(x, jax.Array) and not x.is_deleted() and _buffers(x) == buffers:
-        leaves[i] = x
-      elif leaves[i].is_deleted():
+      shape, dtype, sharding = self._specs[i]
+      if not (isinstance(x, jax.Array) and not x.is_deleted() and x.shape == shape
+              and _shareable(x, {id(x)}, dtype, sharding)):
         raise ValueError(f"the sampler's shared weight {self._paths[i]} was deleted and "
-                         "the params given hold it nowhere; call update_params")
+                         "the params given have no live array of its layout in its place; "
+                         "call update_params")
+      leaves[i] = x
     self._state = jax.tree.unflatten(self._treedef, leaves)
 
   def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
