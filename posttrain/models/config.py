@@ -98,6 +98,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp",
 # GELU (Gemma's gelu_pytorch_tanh) or gpt-oss's clamped SwiGLU; or relu2, the squared ReLU
 # of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2")
+# Where a Mamba2 layer's output is RMS-normed (`ModelConfig.linear_norm`).
+LINEAR_NORMS = ("after_gate", "before_gate", "none")
+# Falcon-H1's muP scalars (`ModelConfig`): any finite number, 1.0 none.
+MUP_MULTIPLIERS = ("attention_in_multiplier", "attention_out_multiplier",
+                   "ssm_in_multiplier", "ssm_out_multiplier", "mlp_gate_multiplier",
+                   "mlp_down_multiplier")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
@@ -339,6 +345,22 @@ class ModelConfig:
       the third in place of 1 / sqrt(head_dim) (None: that default), and the logits
       divided by the fourth (the output projection divided by it, `Transformer.unembed`,
       so every head, the sampler's included, sees it).
+    parallel_mixer: every layer has a Mamba2 mixer (`linear_mixer` "mamba2", of the
+      linear_* fields) beside its attention, both reading the layer's normed input, their
+      outputs summed before the residual add, then the MLP as usual (Falcon-H1's hybrid
+      layers). Its cache holds each layer's KV cache and Mamba2 state both
+      (`HybridCaches`). layer_types must leave every layer full_attention.
+    attention_in_multiplier / attention_out_multiplier / ssm_in_multiplier /
+      ssm_out_multiplier: with parallel_mixer, the attention's and the Mamba2 mixer's
+      input (the normed x) and output are scaled by these (Falcon-H1's muP scalars).
+    ssm_multipliers: () or five scalars scaling the Mamba2 in_proj's parts after the
+      projection: z (gate), x, B, C and dt, in in_proj's order (Falcon-H1's mup vector).
+    mlp_gate_multiplier / mlp_down_multiplier: the MLP's gate projection is scaled before
+      its activation, and its down projection's output after it (Falcon-H1's
+      mlp_multipliers).
+    linear_norm: the Mamba2 output's RMS norm: "after_gate" (Mamba2's gated norm,
+      norm_before_gate=False: norm(y SiLU(z))), "before_gate" (norm(y) SiLU(z)) or "none"
+      (y SiLU(z), no norm weight; Falcon-H1's mamba_rms_norm=false).
   """
 
   vocab_size: int
@@ -433,6 +455,15 @@ class ModelConfig:
   routed_input_scaling: bool = False
   router_correction_bias: bool = True
   moe_latent_dim: int = 0
+  parallel_mixer: bool = False
+  attention_in_multiplier: float = 1.0
+  attention_out_multiplier: float = 1.0
+  ssm_in_multiplier: float = 1.0
+  ssm_out_multiplier: float = 1.0
+  ssm_multipliers: tuple[float, ...] = ()
+  mlp_gate_multiplier: float = 1.0
+  mlp_down_multiplier: float = 1.0
+  linear_norm: str = "after_gate"
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -443,6 +474,9 @@ class ModelConfig:
       object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))
     if isinstance(self.rope_local, dict):
       object.__setattr__(self, "rope_local", RopeConfig(**self.rope_local))
+    object.__setattr__(self, "ssm_multipliers", tuple(
+        float(m) for m in (self.ssm_multipliers.split(",") if isinstance(
+            self.ssm_multipliers, str) else self.ssm_multipliers or ()) if str(m).strip()))
     if isinstance(self.rope_layers, str):
       object.__setattr__(self, "rope_layers", tuple(
           int(t) for t in self.rope_layers.split(",") if t.strip()))
@@ -515,7 +549,7 @@ class ModelConfig:
       if not self.lora_alpha > 0:
         raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
       names = [t.strip() for t in str(self.lora_targets).split(",") if t.strip()]
-      linear = self.linear_lora_targets if any(self.linear_layers) else ()
+      linear = self.linear_lora_targets if self.linear_mixers else ()
       experts = [t for t in names if t in EXPERT_LORA_TARGETS]
       experts_allowed = EXPERT_LORA_TARGETS if self.num_experts else ()
       if experts and not self.num_experts:
@@ -670,14 +704,25 @@ class ModelConfig:
     mamba_only = [n for n, on in (("linear_conv_bias", self.linear_conv_bias),
                                   ("linear_dt_min", low != 0.0),
                                   ("linear_dt_max", high != float("inf"))) if on]
+    if self.linear_norm not in LINEAR_NORMS:
+      raise ValueError(f"linear_norm={self.linear_norm!r}; expected one of {LINEAR_NORMS}")
+    if len(self.ssm_multipliers) not in (0, 5) or not all(
+        math.isfinite(m) for m in self.ssm_multipliers):
+      raise ValueError(f"ssm_multipliers must be () or five finite numbers (z, x, B, C, "
+                       f"dt), got {self.ssm_multipliers!r}")
+    mamba_only += [n for n, on in (("linear_norm", self.linear_norm != "after_gate"),
+                                   ("ssm_multipliers", self.ssm_multipliers)) if on]
     if mamba_only and self.linear_mixer != "mamba2":
       raise ValueError(f"{', '.join(mamba_only)} are Mamba2's: they need "
                        "linear_mixer='mamba2'")
-    if not any(self.linear_layers):
+    self._check_parallel_mixer()
+    if not any(self.linear_layers) and not self.parallel_mixer:
       return
     missing = [n for n in names if not getattr(self, n)]
     if missing:
-      raise ValueError(f"layer_types has linear_attention layers: set {', '.join(missing)}")
+      mixers = ("parallel_mixer=True" if self.parallel_mixer else
+                "layer_types has linear_attention layers")
+      raise ValueError(f"{mixers}: set {', '.join(missing)}")
     if self.linear_num_value_heads % self.linear_num_key_heads:
       raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a "
                        f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
@@ -693,6 +738,46 @@ class ModelConfig:
     if all(self.linear_layers):
       raise ValueError("layer_types has no full_attention layer; a model of linear_attention "
                        "layers alone is not supported")
+
+  def _check_parallel_mixer(self) -> None:
+    for name in MUP_MULTIPLIERS:
+      value = getattr(self, name)
+      if isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    mixer_scalars = [n for n in MUP_MULTIPLIERS[:4] if getattr(self, n) != 1.0]
+    if mixer_scalars and not self.parallel_mixer:
+      raise ValueError(f"{', '.join(mixer_scalars)} scale the mixers of parallel_mixer "
+                       "layers (Falcon-H1's); they need parallel_mixer=True")
+    if self.mlp_gate_multiplier != 1.0 and self.mlp_activation == "relu2":
+      raise ValueError("mlp_gate_multiplier scales the MLP's gate, but mlp_activation="
+                       "'relu2' has none")
+    if (self.mlp_gate_multiplier != 1.0 or self.mlp_down_multiplier != 1.0) and (
+        self.num_experts):
+      raise ValueError("mlp_gate_multiplier / mlp_down_multiplier with a mixture of experts "
+                       "are not supported")
+    if not self.parallel_mixer:
+      if self.ssm_multipliers and not any(self.linear_layers):
+        raise ValueError("ssm_multipliers scale Mamba2 layers' in_proj, but this model has "
+                         "none (parallel_mixer or linear_attention layers)")
+      return
+    if self.linear_mixer != "mamba2":
+      raise ValueError("parallel_mixer=True runs a Mamba2 mixer beside each attention: it "
+                       "needs linear_mixer='mamba2'")
+    held = [n for n, on in (("layer_types other than full_attention",
+                             set(self.layer_types) - {"full_attention"}),
+                            ("a mixture of experts", self.num_experts),
+                            ("kv_lora_rank", self.kv_lora_rank),
+                            ("sliding_window", self.sliding_window is not None),
+                            ("output_norms", self.output_norms),
+                            ("sandwich_norms", self.sandwich_norms)) if on]
+    if held:
+      raise ValueError(f"{', '.join(held)} with parallel_mixer=True are not supported")
+
+  @property
+  def linear_mixers(self) -> bool:
+    """Whether the model has Gated DeltaNet or Mamba2 mixers, in linear_attention layers
+    or beside every attention (parallel_mixer): a recurrent state in its cache."""
+    return self.parallel_mixer or any(self.linear_layers)
 
   @property
   def split_layers(self) -> bool:
@@ -975,7 +1060,7 @@ class ModelConfig:
                  experts_down_proj=e * (f + latent))
     # A linear-attention layer has no attention targets and full layers no linear ones
     # (`stack_lora_targets`).
-    linear = sum(self.linear_layers)
+    linear = self.num_layers if self.parallel_mixer else sum(self.linear_layers)
     layers = {t: linear if t in LINEAR_LORA_TARGETS else
               sum(self.attention_layers) if t in ATTENTION_LORA_TARGETS else
               self.mixture_layers if t in EXPERT_LORA_TARGETS else 1
@@ -1040,16 +1125,18 @@ class ModelConfig:
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     swapped = 0
     linear = sum(self.linear_layers)
-    if linear:  # Gated DeltaNet or Mamba2 in place of attention (`LinearAttention`)
+    if self.linear_mixers:  # Gated DeltaNet or Mamba2 (`LinearAttention`)
       hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
       dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
       mixer = ((d + self.linear_conv_kernel) * (2 * hk * dk + hv * dv) + d * hv * dv
                + 2 * d * hv + 2 * hv + dv + hv * dv * d)
       if self.linear_mixer == "mamba2":  # in_proj, conv (+ bias), A_log, dt_bias, D, norm
         conv = (self.linear_conv_kernel + self.linear_conv_bias) * (2 * hk * dk + hv * dv)
-        mixer = (d * (2 * hv * dv + 2 * hk * dk + hv) + conv + 3 * hv + hv * dv
-                 + hv * dv * d)
-      swapped = linear * (mixer - attn)
+        mixer = (d * (2 * hv * dv + 2 * hk * dk + hv) + conv + 3 * hv
+                 + hv * dv * (self.linear_norm != "none") + hv * dv * d)
+      # in place of attention; with parallel_mixer beside it in every layer
+      swapped = (self.num_layers * mixer if self.parallel_mixer else
+                 linear * (mixer - attn))
     if self.split_layers:  # one sublayer and its norm a layer
       full = sum(self.attention_layers)
       width = self.dense_ffn_dim if self.num_experts else f  # an MLP alone's

@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from posttrain.models.config import (EXPERT_LORA_TARGETS, LORA_TARGETS, PEFT_FUSED_MLP,
-                                     ModelConfig, RopeConfig)
+from posttrain.models.config import (EXPERT_LORA_TARGETS, LORA_TARGETS, MUP_MULTIPLIERS,
+                                     PEFT_FUSED_MLP, ModelConfig, RopeConfig)
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
@@ -44,12 +44,13 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "DeepseekV2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-              "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM")
+              "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
+              "FalconH1ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
-                  "BambaForCausalLM", "NemotronHForCausalLM")
+                  "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -80,7 +81,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeForCausalLM": "granitemoe",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
-                "NemotronHForCausalLM": "nemotron_h"}
+                "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -139,6 +140,24 @@ BAMBA = "BambaForCausalLM"
 # published ones do and transformers writes; model.* is read too), a layer's sublayer
 # mixer.*, the final norm norm_f. Its mixture layers ("E", Nemotron 3) are not read.
 NEMOTRON_H = "NemotronHForCausalLM"
+# Falcon-H1 (tiiuae Falcon-H1, Falcon-H1R): every layer runs attention and a Mamba2 mixer
+# side by side on its normed input (`ModelConfig.parallel_mixer`), then a Llama MLP
+# (feed_forward; its norm pre_ff_layernorm, the last final_layernorm), all scaled by muP
+# multipliers. key_multiplier scales the keys: ours folds it into the attention's scale
+# (attention_multiplier = key_multiplier / sqrt(head_dim)); lm_head_multiplier is our
+# logits_scaling's inverse; mamba_rms_norm / mamba_norm_before_gate say where the Mamba2
+# output's norm sits (`ModelConfig.linear_norm`).
+FALCON_H1 = "FalconH1ForCausalLM"
+# transformers' FalconH1Config defaults, where a config.json leaves a field out.
+_FALCON_H1_DEFAULTS = dict(
+    rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=8192,
+    mamba_d_ssm=1024, mamba_n_heads=128, mamba_d_head="auto", mamba_n_groups=1,
+    mamba_d_state=256, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+    mamba_conv_bias=True, mamba_proj_bias=False, mamba_norm_before_gate=True,
+    mamba_rms_norm=False, projectors_bias=False, lm_head_multiplier=1.0,
+    embedding_multiplier=1.0, key_multiplier=1.0, attention_in_multiplier=1.0,
+    attention_out_multiplier=1.0, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
+    mlp_multipliers=[1.0, 1.0], ssm_multipliers=[1.0] * 5)
 # The classes whose linear_attention layers are Mamba2's (`ModelConfig.linear_mixer`).
 _MAMBA2S = (GRANITE_HYBRID, BAMBA, NEMOTRON_H)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -238,7 +257,7 @@ _QWEN3_5_DEFAULTS = dict(
     max_position_embeddings=32_768, attention_bias=False, tie_word_embeddings=False)
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
-    GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
+    FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     QWEN3_5: _QWEN3_5_DEFAULTS, MINIMAX_M2: _MINIMAX_M2_DEFAULTS, LLAMA4: _LLAMA4_DEFAULTS,
     QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
@@ -503,7 +522,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
       **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
-      **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c))
+      **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
+      **_falcon_h1_from_hf(lm, c, int(head_dim)))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -577,6 +597,38 @@ def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
                      "logits' log-sum-exp) is not supported")
   kinds = ["attention" if i in attention else "mamba" for i in range(layers)]
   return _mamba2_from_hf(c, kinds)
+
+
+def _falcon_h1_from_hf(lm: str, c: dict[str, Any], head_dim: int) -> dict[str, Any]:
+  """A Falcon-H1 config.json's Mamba2 fields and multipliers ({} for other classes)."""
+  if lm != FALCON_H1:
+    return {}
+  c = {**c, **{k: v for k, v in _FALCON_H1_DEFAULTS.items() if c.get(k) is None}}
+  if c.get("projectors_bias"):
+    raise ValueError("projectors_bias=true (biases on a Falcon-H1 Mamba2 mixer's out_proj) "
+                     "is not supported")
+  inner = c.get("mamba_d_ssm") or int(c["mamba_expand"]) * int(c["hidden_size"])
+  mamba = _mamba2_from_hf({**c, "hidden_size": int(inner), "mamba_expand": 1}, [])
+  mamba.pop("layer_types")
+  mlp, ssm = (list(c.get(key) or [1.0] * n) for key, n in (("mlp_multipliers", 2),
+                                                          ("ssm_multipliers", 5)))
+  if len(mlp) != 2 or len(ssm) != 5:
+    raise ValueError(f"mlp_multipliers={mlp} and ssm_multipliers={ssm} in a {FALCON_H1} "
+                     "config.json must hold 2 and 5 numbers")
+  scale = float(c["lm_head_multiplier"])
+  if not 0 < scale < float("inf"):
+    raise ValueError(f"lm_head_multiplier={scale} in a {FALCON_H1} config.json must be a "
+                     "positive number")
+  norm = ("none" if not c.get("mamba_rms_norm") else
+          "before_gate" if c.get("mamba_norm_before_gate") else "after_gate")
+  return dict(
+      **mamba, parallel_mixer=True, linear_norm=norm,
+      embedding_multiplier=float(c["embedding_multiplier"]), logits_scaling=1.0 / scale,
+      attention_multiplier=float(c["key_multiplier"]) * head_dim ** -0.5,
+      **{name: float(c[name]) for name in MUP_MULTIPLIERS[:4]},
+      mlp_gate_multiplier=float(mlp[0]), mlp_down_multiplier=float(mlp[1]),
+      ssm_multipliers=() if all(float(m) == 1.0 for m in ssm) else
+      tuple(float(m) for m in ssm))
 
 
 # Nemotron-H's layer kinds: layers_block_type's names (transformers 5), or the letters of
@@ -807,13 +859,15 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return {"kv_lora_rank": int(c["kv_lora_rank"]), "q_lora_rank": int(c["q_lora_rank"] or 0),
           "qk_rope_head_dim": int(c["qk_rope_head_dim"]), "v_head_dim": int(c["v_head_dim"])}
 
+# Classes whose layers name their MLP feed_forward.
+_FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1)
 
 # Classes whose config.json attention_bias puts a bias on all four attention projections
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID)
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
@@ -1234,9 +1288,20 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == GRANITE_HYBRID and len(set(cfg.rope_layers or (1,))) > 1:
     raise ValueError(f"rope_layers with rotary and NoPE layers both cannot be written as "
                      f"{cfg.architecture}, whose layers all rotate or none does")
-  if lm not in GRANITES:
+  if cfg.parallel_mixer != (lm == FALCON_H1):
+    raise ValueError(f"parallel_mixer={cfg.parallel_mixer} cannot be written as "
+                     f"{cfg.architecture}; {FALCON_H1} holds Mamba2 mixers beside the "
+                     "attention, and always has them")
+  held = [name for name in MUP_MULTIPLIERS if getattr(cfg, name) != 1.0]
+  held += ["ssm_multipliers"] * bool(cfg.ssm_multipliers and not cfg.parallel_mixer)
+  held += ["linear_norm"] * (cfg.linear_norm != "after_gate" and not cfg.parallel_mixer)
+  if held and lm != FALCON_H1:
+    raise ValueError(f"{held} cannot be written as {cfg.architecture}; {FALCON_H1} holds "
+                     "them")
+  if lm not in GRANITES:  # Falcon-H1's muP scalars hold all but residual_multiplier
     held = [name for name in _GRANITE_SCALARS
-            if getattr(cfg, name) not in (None, 1.0)]
+            if getattr(cfg, name) not in (None, 1.0)
+            and not (lm == FALCON_H1 and name != "residual_multiplier")]
     if held:
       raise ValueError(f"{held} cannot be written as {cfg.architecture}; {GRANITE} and "
                        f"{GRANITE_MOE} hold them")
@@ -1418,6 +1483,24 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                attn_layer_indices=[i for i, linear in enumerate(cfg.linear_layers)
                                    if not linear],
                mlp_bias=False, z_loss_coefficient=0.0, **_mamba2_to_hf(cfg))
+  elif lm == FALCON_H1:
+    out.pop("rope_theta")
+    out.pop("rope_scaling")
+    inner = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    mamba = _mamba2_to_hf(cfg.replace(d_model=inner))  # mamba_d_ssm says the width
+    out.update(rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                **(scaling or {})},
+               **mamba, mamba_d_ssm=inner, mamba_expand=max(1, inner // cfg.d_model),
+               mamba_rms_norm=cfg.linear_norm != "none",
+               mamba_norm_before_gate=cfg.linear_norm == "before_gate",
+               mlp_bias=False, projectors_bias=False,
+               embedding_multiplier=cfg.embedding_multiplier,
+               lm_head_multiplier=1.0 / cfg.logits_scaling,
+               key_multiplier=(cfg.attention_scale or cfg.head_dim ** -0.5)
+               * cfg.head_dim ** 0.5,
+               **{name: getattr(cfg, name) for name in MUP_MULTIPLIERS[:4]},
+               mlp_multipliers=[cfg.mlp_gate_multiplier, cfg.mlp_down_multiplier],
+               ssm_multipliers=list(cfg.ssm_multipliers or (1.0,) * 5))
   elif lm == MINIMAX_M2:
     # transformers 5's rope_parameters, and the published files' keys beside them (what
     # vLLM and SGLang read: without use_routing_bias they drop the correction bias).
@@ -1538,7 +1621,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
 
   if _causal_lm(cfg.architecture) == NEMOTRON_H:
     return _nemotron_h_rows(cfg, proj_in)
-  final = "final_layernorm" if _causal_lm(cfg.architecture) == BAMBA else "norm"
+  final = "final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1) else "norm"
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
           (("final_norm", "scale"), f"model.{final}.weight", ident, ident, (d,))]
   if cfg.lm_head and not cfg.tie_embeddings:
@@ -1561,7 +1644,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     norms += [("post_attn_norm", "pre_feedforward_layernorm"),
               ("attn_out_norm", "post_attention_layernorm"),
               ("mlp_out_norm", "post_feedforward_layernorm")]
-  elif _causal_lm(cfg.architecture) == BAMBA:
+  elif _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1):
     norms += [("post_attn_norm", "pre_ff_layernorm")]
   else:
     norms += [("post_attn_norm", "post_attention_layernorm")]
@@ -1582,6 +1665,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     mixture = cfg.mixture_flags[i]
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
+    if cfg.parallel_mixer:  # Falcon-H1: its mamba beside the attention
+      rows += _mamba2_rows(cfg, p, hf)
     if cfg.linear_layers[i] and cfg.linear_mixer == "mamba2":
       rows += _mamba2_rows(cfg, p, hf)
     elif cfg.linear_layers[i]:
@@ -1655,7 +1740,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                                            ("up_proj", up, (d, f)),
                                            ("down_proj", down, (f, d)))]
     else:
-      mlp = "feed_forward." if _causal_lm(cfg.architecture) in (LLAMA4, BAMBA) else "mlp."
+      mlp = "feed_forward." if _causal_lm(cfg.architecture) in _FEED_FORWARD else "mlp."
       rows += dense_mlp(p + ("mlp",), hf + mlp, cfg.dense_ffn_dim if cfg.num_experts else f)
     if attention and cfg.qkv_bias:
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
@@ -1835,9 +1920,10 @@ def _mamba2_rows(cfg: ModelConfig, p: tuple, hf: str, module: str = "mamba.") ->
              for name, start, shape in conv]
   rows += [(p + ("linear_attn", name), mamba + name, ident, ident, (heads,))
            for name in ("A_log", "dt_bias", "D")]
-  rows += [(p + ("linear_attn", "norm"), mamba + "norm.weight", *flat((heads, width)),
-            (heads, width)),
-           (p + ("linear_attn", "o_proj"), mamba + "out_proj.weight",
+  if cfg.linear_norm != "none":
+    rows.append((p + ("linear_attn", "norm"), mamba + "norm.weight", *flat((heads, width)),
+                 (heads, width)))
+  rows += [(p + ("linear_attn", "o_proj"), mamba + "out_proj.weight",
             lambda x: x.reshape(d, heads, width).transpose(1, 2, 0),
             lambda x: x.transpose(2, 0, 1).reshape(d, inner), (heads, width, d))]
   return rows
@@ -2241,7 +2327,7 @@ def _linear_module(cfg: ModelConfig) -> str:
 def _mlp_module(cfg: ModelConfig, i: int) -> str:
   """The HF module within layer i that its MLP LoRA targets wrap: its dense MLP, or a
   mixture layer's shared expert (Llama 4's under feed_forward)."""
-  mlp = "feed_forward" if _causal_lm(cfg.architecture) in (LLAMA4, BAMBA) else "mlp"
+  mlp = "feed_forward" if _causal_lm(cfg.architecture) in _FEED_FORWARD else "mlp"
   if not cfg.mixture_flags[i]:
     return mlp
   if _causal_lm(cfg.architecture) == LLAMA4 or cfg.shared_expert_gate:
@@ -2260,7 +2346,7 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
   """
   if targets == "all-linear":  # Every Linear but the output layer: the default targets.
     return LORA_TARGETS
-  names = LORA_TARGETS + (cfg.linear_lora_targets if any(cfg.linear_layers) else ())
+  names = LORA_TARGETS + (cfg.linear_lora_targets if cfg.linear_mixers else ())
   if not targets or isinstance(targets, str):
     raise ValueError(f"{where} target_modules={targets!r} is not supported; expected a list "
                      f"of names in {names}")
@@ -2276,6 +2362,8 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
       return f"backbone.layers.{i}.mixer.{shared}{t}" if t in has else None
     if t in _ATTN_TARGETS:
       return None if linear else f"model.layers.{i}.self_attn.{t}"
+    if cfg.parallel_mixer and t in cfg.linear_lora_targets:  # Falcon-H1's mamba
+      return f"model.layers.{i}.{_linear_module(cfg)}.{t}"
     if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
       if cfg.mixture_flags[i] and not cfg.shared_expert_dim:
         return None

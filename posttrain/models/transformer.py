@@ -86,7 +86,10 @@ LINEAR_CACHE_AXES = LinearCache(
 class HybridCaches(NamedTuple):
   """The cache of a scanned model of linear-attention and full-attention layers: the full
   layers' KV caches stacked ([L_full, B, K, S, H]) and the linear layers' `LinearCache`s
-  stacked ([L_linear, ...]), each layer at its index among its own kind."""
+  stacked ([L_linear, ...]), each layer at its index among its own kind. With
+  cfg.parallel_mixer (Falcon-H1) every layer has both: each stack holds every layer (a
+  scanned model), or a layer's own HybridCaches of one of each is its entry in the
+  cache's list."""
 
   full: KVCache
   linear: LinearCache
@@ -173,6 +176,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
   ring = sliding_cache_slots(cfg, max_len, write_tokens)
   kinds = cfg.sliding_layers
   linear = cfg.linear_layers
+  if cfg.parallel_mixer:  # each layer's KV cache and Mamba2 state both
+    if cfg.scan_layers:
+      return HybridCaches(init_layer_cache(cfg, batch, max_len, dtype, layers=(len(kinds),)),
+                          init_linear_cache(cfg, batch, dtype, layers=(len(kinds),)))
+    return [HybridCaches(init_layer_cache(cfg, batch, max_len, dtype),
+                         init_linear_cache(cfg, batch, dtype)) for _ in kinds]
   if any(linear):  # an MLP or mixture alone (split_layers) has no cache: None in a list
     if cfg.scan_layers:
       return HybridCaches(
@@ -474,6 +483,8 @@ def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
   mixture layer MLP targets only on its shared expert (its routed experts: the
   EXPERT_LORA_TARGETS)."""
   other = _ATTN_TARGETS if stack == "linear_layers" else LINEAR_LORA_TARGETS
+  if cfg.parallel_mixer:  # every layer has both
+    other = ()
   if cfg.split_layers:  # one sublayer a layer: the MLP's targets on the MLPs (and
     # mixtures' shared experts) alone
     other = (LORA_TARGETS[4:] + other if stack not in ("mlp_layers", "moe_layers") else
@@ -1106,7 +1117,8 @@ def gated_activation(cfg: ModelConfig):
 class MLP(nnx.Module):
   """A gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximate GELU
   (GeGLU, cfg.mlp_activation); with mlp_activation relu2 no gate: down(relu(up(x))^2)
-  (Nemotron-H)."""
+  (Nemotron-H). Falcon-H1's cfg.mlp_gate_multiplier scales gate(x) before the activation
+  and cfg.mlp_down_multiplier the output."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
     """`width`: the hidden width F (default cfg.ffn_dim; a mixture's shared expert and
@@ -1132,11 +1144,15 @@ class MLP(nnx.Module):
     else:
       gate_NxF = _add_lora(self, "gate_proj", x_NxD @ self.gate_proj[...].astype(dt), x_NxD,
                            "ND,DR->NR", "NR,RF->NF")
+      if self.cfg.mlp_gate_multiplier != 1.0:  # Falcon-H1's, in the compute dtype as its
+        gate_NxF = gate_NxF * jnp.asarray(self.cfg.mlp_gate_multiplier, gate_NxF.dtype)
       h_NxF = gated_activation(self.cfg)(gate_NxF, up_NxF)
     h = ctx.constrain(h_NxF.reshape(b, t, -1), ("batch", "length", "mlp"))
     h_NxF = h.reshape(b * t, -1)
     y_NxD = _add_lora(self, "down_proj", h_NxF @ self.down_proj[...].astype(dt), h_NxF,
                       "NF,FR->NR", "NR,RD->ND")
+    if self.cfg.mlp_down_multiplier != 1.0:
+      y_NxD = y_NxD * jnp.asarray(self.cfg.mlp_down_multiplier, y_NxD.dtype)
     return y_NxD.reshape(b, t, d)
 
 
@@ -1684,18 +1700,25 @@ class LinearAttention(nnx.Module):
     return map_cache(ctx.constrain, new)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(5, 6), prevent_cse=False)
-def _mamba2_gated_norm(out, x, z, skip, scale, groups: int, eps: float):
+@functools.partial(jax.checkpoint, static_argnums=(5, 6, 7), prevent_cse=False)
+def _mamba2_gated_norm(out, x, z, skip, scale, groups: int, eps: float,
+                       where: str = "after_gate"):
   """Mamba2's output [B, T, H, P] in x's dtype: (out + D x) SiLU(z), RMS-normed over
   each of `groups` runs of heads, times `scale` [H, P], in float32 and cast once (as
-  transformers' is). Rematerialised: the backward keeps its inputs alone, not the six
-  float32 [H, P] rows of its steps."""
+  transformers' is). `where` (cfg.linear_norm): the norm after the gate (Mamba2's), before
+  it (norm(y) SiLU(z)), or "none" (y SiLU(z); `scale` unused). Rematerialised: the
+  backward keeps its inputs alone, not the six float32 [H, P] rows of its steps."""
   x32 = x.astype(jnp.float32)
   y = out.astype(jnp.float32) + skip.astype(jnp.float32)[None, None, :, None] * x32
-  y = y * jax.nn.silu(z.astype(jnp.float32))
+  gate = jax.nn.silu(z.astype(jnp.float32))
+  if where == "none":
+    return (y * gate).astype(x.dtype)
+  if where == "after_gate":
+    y = y * gate
   grouped = y.reshape(*y.shape[:2], groups, -1)
   grouped = grouped * jax.lax.rsqrt(jnp.mean(jnp.square(grouped), -1, keepdims=True) + eps)
-  return (scale.astype(jnp.float32)[None, None] * grouped.reshape(y.shape)).astype(x.dtype)
+  y = scale.astype(jnp.float32)[None, None] * grouped.reshape(y.shape)
+  return (y if where == "after_gate" else y * gate).astype(x.dtype)
 
 
 class Mamba2(LinearAttention):
@@ -1745,7 +1768,8 @@ class Mamba2(LinearAttention):
                            logical_axes=("linear_heads",))
     self.dt_bias = _param(None, (heads,), ("linear_heads",), pd, init="ones")
     self.D = _param(None, (heads,), ("linear_heads",), pd, init="ones")
-    self.norm = _param(None, (heads, width), ("linear_heads", "head_dim"), pd, init="ones")
+    if cfg.linear_norm != "none":
+      self.norm = _param(None, (heads, width), ("linear_heads", "head_dim"), pd, init="ones")
     self.o_proj = _param(rngs, (heads, width, d), ("linear_heads", "head_dim", "embed"), pd,
                          std=std)
 
@@ -1762,6 +1786,11 @@ class Mamba2(LinearAttention):
     for target in cfg.lora_target_names:
       if target in _LINEAR_PARTS and target != "out_proj":
         outs = _add_fused_lora(self, target, outs, x)
+    # Falcon-H1's mup vector: in_proj's parts (z, x, B, C, dt) scaled, LoRA's included.
+    for name, m in zip(("z_proj", "v_proj", "k_proj", "q_proj", "a_proj"),
+                       cfg.ssm_multipliers):
+      if m != 1.0:
+        outs[name] = outs[name] * jnp.asarray(m, outs[name].dtype)
     old = None
     if cache is not None and not prefill:
       old = cache if layer is None else jax.tree.map(lambda c: c[layer], cache)
@@ -1791,9 +1820,10 @@ class Mamba2(LinearAttention):
         cs, bs, x32 * step[..., None], g, segment_ids=segment_ids_BxT,
         initial_state=None if old is None else old.state.swapaxes(-1, -2),
         chunk_size=cfg.linear_chunk, return_final_state=True)
-    o = ctx.constrain(_mamba2_gated_norm(out, xs, outs["z_proj"], self.D[...],
-                                         self.norm[...], cfg.linear_num_key_heads,
-                                         cfg.norm_eps), heads)
+    norm = self.norm[...] if cfg.linear_norm != "none" else None
+    o = ctx.constrain(_mamba2_gated_norm(out, xs, outs["z_proj"], self.D[...], norm,
+                                         cfg.linear_num_key_heads, cfg.norm_eps,
+                                         cfg.linear_norm), heads)
     y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
     y = _add_lora(self, "out_proj", y, o, "BTVH,VHR->BTR", "BTR,RD->BTD")
     return y, self._cache_out(cache, layer, q_conv, k_conv, v_conv, state.swapaxes(-1, -2),
@@ -1828,6 +1858,8 @@ class Block(nnx.Module):
       self.linear_attn = mixer(cfg, rngs)
     else:
       self.attn = Attention(cfg, rngs)
+    if cfg.parallel_mixer:  # Falcon-H1: Mamba2 beside the attention
+      self.linear_attn = Mamba2(cfg, rngs)
     if cfg.split_layers:  # the mixer alone
       return
     if not cfg.output_norms:
@@ -1846,7 +1878,10 @@ class Block(nnx.Module):
     pre = hasattr(self, "input_norm")
     post = hasattr(self, "attn_out_norm")
     new_cache, stats = cache, None
-    if hasattr(self, "linear_attn"):
+    if hasattr(self, "linear_attn") and hasattr(self, "attn"):
+      h, new_cache = self._parallel(self.input_norm(x), cos, sin, segment_ids, cache,
+                                    positions, ctx, prefill, layer, sliding, nope)
+    elif hasattr(self, "linear_attn"):
       h, new_cache = self.linear_attn(self.input_norm(x) if pre else x, segment_ids, cache,
                                       ctx, prefill, layer)
     elif hasattr(self, "attn"):
@@ -1871,6 +1906,24 @@ class Block(nnx.Module):
     x = ctx.constrain(x + self._residual(self.mlp_out_norm(h) if post else h),
                       ("batch", "length", "embed"))
     return (x, new_cache, stats) if router_stats else (x, new_cache)
+
+  def _parallel(self, xn, cos, sin, segment_ids, cache, positions, ctx, prefill, layer,
+                sliding, nope):
+    """cfg.parallel_mixer's mixers (Falcon-H1): attention and Mamba2 on the normed input
+    `xn`, each scaled going in and coming out by its multipliers, summed; (h, the cache:
+    a `HybridCaches` of the attention's and the Mamba2's, or None)."""
+    cfg = self.attn.cfg
+
+    def scaled(v, m):
+      return v if m == 1.0 else v * jnp.asarray(m, v.dtype)
+
+    full, linear = (None, None) if cache is None else cache
+    a, full = self.attn(scaled(xn, cfg.attention_in_multiplier), cos, sin, segment_ids, full,
+                        positions, ctx, prefill, layer, sliding, nope)
+    m, linear = self.linear_attn(scaled(xn, cfg.ssm_in_multiplier), segment_ids, linear, ctx,
+                                 prefill, layer)
+    h = scaled(m, cfg.ssm_out_multiplier) + scaled(a, cfg.attention_out_multiplier)
+    return h, (None if cache is None else HybridCaches(full, linear))
 
   def _residual(self, h):
     """A sublayer's output as its residual add takes it: times Granite's
@@ -2445,7 +2498,7 @@ def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConf
 def _check_cache_layout(cfg: ModelConfig, cache) -> None:
   mixed = len(set(cfg.sliding_layers)) > 1
   want = ((LayerKindCaches if mixed else KVCache) if cfg.scan_layers else list)
-  if any(cfg.linear_layers) and cfg.scan_layers:
+  if cfg.linear_mixers and cfg.scan_layers:
     want = HybridCaches
   if not isinstance(cache, want) or (want is KVCache and not _is_stacked(cache)):
     raise ValueError(
