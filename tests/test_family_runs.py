@@ -110,6 +110,17 @@ FAMILIES = {
                       num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=48,
                       dense_ffn_dim=96, router_scoring="sigmoid", router_groups=2,
                       router_group_topk=1, routed_scaling_factor=2.5, moe_latent_dim=32),
+    # Falcon-H1: a Mamba2 mixer beside each layer's attention (packed SFT rows reset both),
+    # every muP multiplier away from one, the Mamba2 output unnormed.
+    "falcon_h1": dict(architecture="FalconH1ForCausalLM", tie_embeddings=False,
+                      parallel_mixer=True, linear_mixer="mamba2", linear_num_key_heads=1,
+                      linear_key_head_dim=16, linear_num_value_heads=4,
+                      linear_value_head_dim=16, linear_conv_bias=True, linear_norm="none",
+                      embedding_multiplier=2.0, lm_head_multiplier=0.3,
+                      key_multiplier=0.45, attention_in_multiplier=1.5,
+                      attention_out_multiplier=0.75, ssm_in_multiplier=1.25,
+                      ssm_out_multiplier=0.5, mlp_gate_multiplier=0.8,
+                      mlp_down_multiplier=0.6, ssm_multipliers=(0.5, 0.25, 0.5, 0.5, 1.5)),
 }
 
 

@@ -55,7 +55,7 @@ PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybri
                   "GraniteMoeSharedForCausalLM")
 # Classes whose Mamba2 out_proj PEFT refuses to adapt (its Mamba models' fused kernel
 # skips the module): their default lora_targets leave it out.
-PEFT_NO_OUT_PROJ = ("NemotronHForCausalLM",)
+PEFT_NO_OUT_PROJ = ("NemotronHForCausalLM", "FalconH1ForCausalLM")
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -103,7 +103,7 @@ LINEAR_NORMS = ("after_gate", "before_gate", "none")
 # Falcon-H1's muP scalars (`ModelConfig`): any finite number, 1.0 none.
 MUP_MULTIPLIERS = ("attention_in_multiplier", "attention_out_multiplier",
                    "ssm_in_multiplier", "ssm_out_multiplier", "mlp_gate_multiplier",
-                   "mlp_down_multiplier")
+                   "mlp_down_multiplier", "key_multiplier", "lm_head_multiplier")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
@@ -358,6 +358,9 @@ class ModelConfig:
     mlp_gate_multiplier / mlp_down_multiplier: the MLP's gate projection is scaled before
       its activation, and its down projection's output after it (Falcon-H1's
       mlp_multipliers).
+    key_multiplier / lm_head_multiplier: Falcon-H1's scales of the keys (the attention
+      logits, `attention_scale`) and of the logits (the output projection,
+      `Transformer.unembed`).
     linear_norm: the Mamba2 output's RMS norm: "after_gate" (Mamba2's gated norm,
       norm_before_gate=False: norm(y SiLU(z))), "before_gate" (norm(y) SiLU(z)) or "none"
       (y SiLU(z), no norm weight; Falcon-H1's mamba_rms_norm=false).
@@ -463,6 +466,8 @@ class ModelConfig:
   ssm_multipliers: tuple[float, ...] = ()
   mlp_gate_multiplier: float = 1.0
   mlp_down_multiplier: float = 1.0
+  key_multiplier: float = 1.0
+  lm_head_multiplier: float = 1.0
   linear_norm: str = "after_gate"
 
   def __post_init__(self):
@@ -979,7 +984,11 @@ class ModelConfig:
   def attention_scale(self) -> float | None:
     """The attention logits' scale (None: the kernels' 1 / sqrt(head_dim)). Multi-head
     latent attention under YaRN with mscale_all_dim multiplies 1 / sqrt(head_dim) by
-    (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek-V3 does."""
+    (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek-V3 does. Falcon-H1's
+    key_multiplier scales the keys: the logits, by as much."""
+    if self.key_multiplier != 1.0:
+      base = self.replace(key_multiplier=1.0).attention_scale
+      return (self.head_dim ** -0.5 if base is None else base) * float(self.key_multiplier)
     if self.attention_multiplier is not None:
       return float(self.attention_multiplier)
     rope = self.rope
@@ -1002,7 +1011,7 @@ class ModelConfig:
     if self.lora_targets == DEFAULT_LORA_TARGETS and self.architecture in PEFT_FUSED_MLP:
       dense_mlps = False  # by default only what PEFT files of the class can hold
     allowed = LORA_TARGETS if dense_mlps else ATTENTION_LORA_TARGETS
-    if any(self.linear_layers):
+    if self.linear_mixers:
       allowed += self.linear_lora_targets
       if self.lora_targets == DEFAULT_LORA_TARGETS:
         names |= set(self.linear_lora_targets)

@@ -27,7 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from posttrain.models.config import (EXPERT_LORA_TARGETS, LORA_TARGETS, MUP_MULTIPLIERS,
-                                     PEFT_FUSED_MLP, ModelConfig, RopeConfig)
+                                     PEFT_FUSED_MLP, PEFT_NO_OUT_PROJ, ModelConfig,
+                                     RopeConfig)
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
@@ -143,10 +144,10 @@ NEMOTRON_H = "NemotronHForCausalLM"
 # Falcon-H1 (tiiuae Falcon-H1, Falcon-H1R): every layer runs attention and a Mamba2 mixer
 # side by side on its normed input (`ModelConfig.parallel_mixer`), then a Llama MLP
 # (feed_forward; its norm pre_ff_layernorm, the last final_layernorm), all scaled by muP
-# multipliers. key_multiplier scales the keys: ours folds it into the attention's scale
-# (attention_multiplier = key_multiplier / sqrt(head_dim)); lm_head_multiplier is our
-# logits_scaling's inverse; mamba_rms_norm / mamba_norm_before_gate say where the Mamba2
-# output's norm sits (`ModelConfig.linear_norm`).
+# multipliers (`ModelConfig`'s fields of the same names; mlp_multipliers and
+# ssm_multipliers as mlp_gate_multiplier / mlp_down_multiplier and ssm_multipliers);
+# mamba_rms_norm / mamba_norm_before_gate say where the Mamba2 output's norm sits
+# (`ModelConfig.linear_norm`).
 FALCON_H1 = "FalconH1ForCausalLM"
 # transformers' FalconH1Config defaults, where a config.json leaves a field out.
 _FALCON_H1_DEFAULTS = dict(
@@ -523,7 +524,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
-      **_falcon_h1_from_hf(lm, c, int(head_dim)))
+      **_falcon_h1_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -599,7 +600,11 @@ def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return _mamba2_from_hf(c, kinds)
 
 
-def _falcon_h1_from_hf(lm: str, c: dict[str, Any], head_dim: int) -> dict[str, Any]:
+# Falcon-H1's config.json scalars that are ModelConfig fields of the same name.
+_FALCON_H1_SCALARS = MUP_MULTIPLIERS[:4] + MUP_MULTIPLIERS[6:]
+
+
+def _falcon_h1_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """A Falcon-H1 config.json's Mamba2 fields and multipliers ({} for other classes)."""
   if lm != FALCON_H1:
     return {}
@@ -615,17 +620,12 @@ def _falcon_h1_from_hf(lm: str, c: dict[str, Any], head_dim: int) -> dict[str, A
   if len(mlp) != 2 or len(ssm) != 5:
     raise ValueError(f"mlp_multipliers={mlp} and ssm_multipliers={ssm} in a {FALCON_H1} "
                      "config.json must hold 2 and 5 numbers")
-  scale = float(c["lm_head_multiplier"])
-  if not 0 < scale < float("inf"):
-    raise ValueError(f"lm_head_multiplier={scale} in a {FALCON_H1} config.json must be a "
-                     "positive number")
   norm = ("none" if not c.get("mamba_rms_norm") else
           "before_gate" if c.get("mamba_norm_before_gate") else "after_gate")
   return dict(
       **mamba, parallel_mixer=True, linear_norm=norm,
-      embedding_multiplier=float(c["embedding_multiplier"]), logits_scaling=1.0 / scale,
-      attention_multiplier=float(c["key_multiplier"]) * head_dim ** -0.5,
-      **{name: float(c[name]) for name in MUP_MULTIPLIERS[:4]},
+      embedding_multiplier=float(c["embedding_multiplier"]),
+      **{name: float(c[name]) for name in _FALCON_H1_SCALARS},
       mlp_gate_multiplier=float(mlp[0]), mlp_down_multiplier=float(mlp[1]),
       ssm_multipliers=() if all(float(m) == 1.0 for m in ssm) else
       tuple(float(m) for m in ssm))
@@ -1298,10 +1298,10 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if held and lm != FALCON_H1:
     raise ValueError(f"{held} cannot be written as {cfg.architecture}; {FALCON_H1} holds "
                      "them")
-  if lm not in GRANITES:  # Falcon-H1's muP scalars hold all but residual_multiplier
+  if lm not in GRANITES:  # Falcon-H1 has an embedding_multiplier too
     held = [name for name in _GRANITE_SCALARS
             if getattr(cfg, name) not in (None, 1.0)
-            and not (lm == FALCON_H1 and name != "residual_multiplier")]
+            and not (lm == FALCON_H1 and name == "embedding_multiplier")]
     if held:
       raise ValueError(f"{held} cannot be written as {cfg.architecture}; {GRANITE} and "
                        f"{GRANITE_MOE} hold them")
@@ -1488,6 +1488,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.pop("rope_scaling")
     inner = cfg.linear_num_value_heads * cfg.linear_value_head_dim
     mamba = _mamba2_to_hf(cfg.replace(d_model=inner))  # mamba_d_ssm says the width
+    mamba.pop("mamba_expand")
     out.update(rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 **(scaling or {})},
                **mamba, mamba_d_ssm=inner, mamba_expand=max(1, inner // cfg.d_model),
@@ -1495,10 +1496,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                mamba_norm_before_gate=cfg.linear_norm == "before_gate",
                mlp_bias=False, projectors_bias=False,
                embedding_multiplier=cfg.embedding_multiplier,
-               lm_head_multiplier=1.0 / cfg.logits_scaling,
-               key_multiplier=(cfg.attention_scale or cfg.head_dim ** -0.5)
-               * cfg.head_dim ** 0.5,
-               **{name: getattr(cfg, name) for name in MUP_MULTIPLIERS[:4]},
+               **{name: getattr(cfg, name) for name in _FALCON_H1_SCALARS},
                mlp_multipliers=[cfg.mlp_gate_multiplier, cfg.mlp_down_multiplier],
                ssm_multipliers=list(cfg.ssm_multipliers or (1.0,) * 5))
   elif lm == MINIMAX_M2:
@@ -2173,7 +2171,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "dense MLPs' and shared experts') are not written or read: PEFT puts "
                      "those names on its fused routed experts instead; leave gate_proj, "
                      "up_proj and down_proj out of lora_targets, or export the model merged")
-  if _causal_lm(cfg.architecture) == NEMOTRON_H and "out_proj" in cfg.lora_target_names:
+  if _causal_lm(cfg.architecture) in PEFT_NO_OUT_PROJ and "out_proj" in cfg.lora_target_names:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets out_proj "
                      "are not written or read: PEFT refuses adapters on a Mamba2 layer's "
                      "out_proj; leave it out of lora_targets, or export the model merged "

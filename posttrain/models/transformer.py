@@ -2099,12 +2099,14 @@ class Transformer(nnx.Module):
                        "logits or log-probs, only values and scores (a reward model)")
 
   def unembed(self) -> jax.Array:
-    """The output projection [D, V] (divided by Granite's logits_scaling: every head's
-    logits are divided by it)."""
+    """The output projection [D, V] (divided by Granite's logits_scaling, times Falcon-H1's
+    lm_head_multiplier: every head's logits are scaled so)."""
     self._require_lm_head()
     w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     if self.cfg.logits_scaling != 1.0:
       w = w / jnp.asarray(self.cfg.logits_scaling, w.dtype)
+    if self.cfg.lm_head_multiplier != 1.0:
+      w = w * jnp.asarray(self.cfg.lm_head_multiplier, w.dtype)
     return w
 
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, cache=None,

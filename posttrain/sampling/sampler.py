@@ -1374,11 +1374,11 @@ class Sampler:
                 cache=self._put_cache(old, cache, local_N=local_N))
 
   def _fed(self, fed_BxT):
-    """The segment ids of a cached call's tokens: with linear-attention layers, 0 for the
-    tokens a row does not feed (padding after its count, a finished row's step), which
-    leave its recurrent state as it is; None (all fed) otherwise, where attention masks
-    by position alone."""
-    if not any(self.cfg.linear_layers):
+    """The segment ids of a cached call's tokens: with linear mixers (linear-attention
+    layers, or Falcon-H1's beside the attention), 0 for the tokens a row does not feed
+    (padding after its count, a finished row's step), which leave its recurrent state as
+    it is; None (all fed) otherwise, where attention masks by position alone."""
+    if not self.cfg.linear_mixers:
       return None
     return fed_BxT.astype(jnp.int32)
 
