@@ -7,6 +7,7 @@ refusals."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -200,6 +201,26 @@ def test_next_turns_continue_from_the_state_their_slot_holds(saved):
   assert out.stats["continued"] == len(sources) == 2 and whole.stats["continued"] == 0
   np.testing.assert_array_equal(out.tokens, whole.tokens)
   np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+
+
+def test_on_a_mesh(saved):
+  """The attention's heads and the Mamba2's heads and groups (and their state) split over
+  "tensor", the batch over "data": the same logits, and the sampler's greedy tokens are
+  transformers'."""
+  folder, hf = saved
+  mesh = models.make_mesh((2, 1, 2, 1), devices=jax.devices()[:4])
+  m = models.from_pretrained(folder, mesh=mesh, scan_layers=True)
+  assert m.layers.linear_attn.v_proj[...].sharding.spec[2] == "tensor"
+  assert m.layers.attn.q_proj[...].sharding.spec[2] == "tensor"
+  got = jax.jit(lambda t: m(t, ctx=models.ShardingContext(mesh)))(TOKENS)
+  np.testing.assert_allclose(np.asarray(got), hf_logits(hf, TOKENS), atol=2e-4, rtol=0)
+  sampler = Sampler(m, mesh=mesh, max_len=48, extend_chunk=4)
+  out = sampler.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
+  for i, prompt in enumerate(PROMPTS):
+    with torch.no_grad():
+      want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.tokens[i].tolist() == want, i
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
