@@ -584,23 +584,80 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
 
 def _mamba2_layer_bytes(cfg: models.ModelConfig, remat: str, s: int, d: int, hk: int,
                        hv: int, c: int, padded: float, mlp_kept: float) -> float:
-  """`linear_layer_activation_bytes` of a Mamba2 layer (the table in its docstring)."""
+  """`linear_layer_activation_bytes` of a Mamba2 layer (the table in its docstring): the
+  block's terms and the mixer's own (`_mamba2_mixer_kept`)."""
+  mixer = _mamba2_mixer_kept(cfg, remat, hk, hv, c, padded)
+  if remat == "none":
+    return s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept + mixer
+  if remat in ("dots", "dots_with_no_batch_dims"):
+    return s * 2 * d + mlp_kept + mixer
+  if remat == "full":
+    return s * d
+  raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
+def _mamba2_mixer_kept(cfg: models.ModelConfig, remat: str, hk: int, hv: int, c: int,
+                       padded: float) -> float:
+  """What a Mamba2 mixer keeps per token beyond its block's terms (the rows of the table
+  in `linear_layer_activation_bytes` past its D terms and MLP): a Mamba2 layer's, or
+  the one beside the attention in every parallel_mixer layer
+  (`parallel_mixer_activation_bytes`). `hk` / `hv` its groups / heads on one device, `c`
+  its chunk and `padded` the scan's padding, p."""
+  s = np.dtype(cfg.dtype).itemsize
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
   k, v = hk * dk, hv * dv
   state = hv * dk * dv / c
   if remat == "none":
-    return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept
-            + s * (4 * v + 2 * k) + (4 * v if s < 4 else 0) + 4 * v * (2 + padded) + v
-            + 8 * k * (1 + padded) + 2 * k + 29 * hv
-            + padded * (4 * hv + 1 + 4 * state))
-  projections = s * (2 * d + 2 * k + 2 * v + hv) + mlp_kept
+    return (s * (4 * v + 2 * k) + (4 * v if s < 4 else 0) + 4 * v * (2 + padded) + v
+            + 8 * k * (1 + padded) + 2 * k + 29 * hv + padded * (4 * hv + 1 + 4 * state))
+  projections = s * (2 * k + 2 * v + hv)
   if remat == "dots":
     return projections + 4 * padded * (3 * hv * dv + hv * dk + hk * c + state)
   if remat == "dots_with_no_batch_dims":
     return projections
   if remat == "full":
-    return s * d
+    return 0
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
+def parallel_mixer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
+                                    key_heads: int, value_heads: int, kv_len: int) -> float:
+  """What a parallel_mixer layer (Falcon-H1's: a Mamba2 mixer beside the attention, both
+  on the block's normed input, their scaled outputs summed before the residual add)
+  keeps per token beyond its attention layer's `layer_activation_bytes`: the Mamba2
+  mixer's own terms (`_mamba2_mixer_kept`; `key_heads` / `value_heads` its groups /
+  heads on one device), its in_proj / out_proj adapters (`_lora_kept`), and
+
+    none                     sD   when attention_in_multiplier or ssm_in_multiplier is
+                                  not 1: the mixers read scaled copies of the normed
+                                  input, kept in its place or beside it (a product by a
+                                  constant keeps not its input)
+    dots, dots_with_no_batch_dims   sD   out_proj's output, beside o_proj's (a Mamba2
+                                  layer's block counts it among its 2D): the MLP's norm
+                                  reads their sum
+    full                     nothing: the block input alone
+
+  (and once a layer, `saved_activation_bytes`, a Mamba2 layer's taps and decay columns,
+  and each multiplier's scalar). ssm_multipliers and the output multipliers keep nothing
+  per token: each scaled in_proj part takes its unscaled one's place. Fitted to what
+  JAX saves on a Falcon-H1 layout, float32 and bfloat16, linear_norm after_gate and
+  none (the gated norm is rematerialised either way), with LoRA on in_proj and
+  out_proj; 0 for other models."""
+  cfg = model_cfg
+  if not cfg.parallel_mixer:
+    return 0
+  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  k = key_heads * cfg.linear_key_head_dim
+  v = value_heads * cfg.linear_value_head_dim
+  c = max(1, min(cfg.linear_chunk, kv_len))
+  padded = -(-kv_len // c) * c / kv_len
+  kept = (_mamba2_mixer_kept(cfg, remat, key_heads, value_heads, c, padded)
+          + _lora_kept(cfg, remat, {"in_proj": 2 * k + 2 * v + value_heads, "out_proj": d},
+                       0))
+  if remat == "none":
+    scaled = cfg.attention_in_multiplier != 1.0 or cfg.ssm_in_multiplier != 1.0
+    return kept + s * d * scaled
+  return kept + (s * d if remat != "full" else 0)
 
 
 def _linear_backward_bytes(cfg: models.ModelConfig, key_heads: int, value_heads: int, *,
@@ -624,18 +681,51 @@ def _linear_backward_bytes(cfg: models.ModelConfig, key_heads: int, value_heads:
   return 24 * (2 * k + v) + 16 * padded * state / c
 
 
+def _mixer_layers(cfg: models.ModelConfig) -> int:
+  """Layers with a Gated DeltaNet or Mamba2 mixer: the linear_attention layers, or with
+  parallel_mixer every layer (its Mamba2 beside its attention)."""
+  return cfg.num_layers if cfg.parallel_mixer else sum(cfg.linear_layers)
+
+
+def _multiplier_scalars(cfg: models.ModelConfig, remat: str) -> int:
+  """What Falcon-H1's multipliers keep in all, without remat: the scalar (in the compute
+  dtype) of each product by one that is not 1, which its backward reads, in every layer
+  that has it: the mixers' in and out multipliers (parallel_mixer), ssm_multipliers
+  (every Mamba2 mixer) and the MLP's (every layer with a dense MLP)."""
+  if remat != "none":
+    return 0
+
+  def scaled(*multipliers: float) -> int:
+    return sum(m != 1.0 for m in multipliers)
+
+  mlps = sum(cfg.mlp_layers) if cfg.split_layers else cfg.num_layers
+  return np.dtype(cfg.dtype).itemsize * (
+      cfg.num_layers * scaled(cfg.attention_in_multiplier, cfg.attention_out_multiplier,
+                              cfg.ssm_in_multiplier, cfg.ssm_out_multiplier)
+      + _mixer_layers(cfg) * scaled(*cfg.ssm_multipliers)
+      + mlps * scaled(cfg.mlp_gate_multiplier, cfg.mlp_down_multiplier))
+
+
 def _linear_layer_constant(cfg: models.ModelConfig, remat: str, key_heads: int,
-                           value_heads: int) -> int:
+                           value_heads: int, kv_len: int) -> int:
   """What a Gated DeltaNet layer keeps once, whatever its tokens, without remat: the
-  convolutions' taps s(2K + V) linear_conv_kernel, the output norm's scale s Dv and the
-  decay's float32 -exp(A_log) [Hv] (and its negation); nothing under a remat policy."""
+  convolutions' taps s(2K + V) linear_conv_kernel, the output norm's scale s Dv, the
+  decay's float32 -exp(A_log) [Hv] (and its negation), the scan's float32 query scale
+  and, when it pads its last chunk (kv_len no multiple of linear_chunk), the float32
+  padding value of each of its five inputs (q, k, v, g, beta); a Mamba2 layer's its taps
+  and biases (its norm is rematerialised) and four padded inputs (no beta). Nothing
+  under a remat policy."""
   if remat != "none":
     return 0
   s = np.dtype(cfg.dtype).itemsize
   k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
-  if cfg.linear_mixer == "mamba2":  # the taps and biases; the norm is rematerialised
-    return s * (2 * k + v) * (cfg.linear_conv_kernel + cfg.linear_conv_bias) + 8 * value_heads
-  return s * ((2 * k + v) * cfg.linear_conv_kernel + cfg.linear_value_head_dim) + 8 * value_heads
+  mamba2 = cfg.linear_mixer == "mamba2"
+  scalars = 4 + (4 * (5 - mamba2) if kv_len % max(1, min(cfg.linear_chunk, kv_len)) else 0)
+  if mamba2:
+    return (s * (2 * k + v) * (cfg.linear_conv_kernel + cfg.linear_conv_bias)
+            + 8 * value_heads + scalars)
+  return (s * ((2 * k + v) * cfg.linear_conv_kernel + cfg.linear_value_head_dim)
+          + 8 * value_heads + scalars)
 
 
 def _block_norms_kept(cfg: models.ModelConfig) -> int:
@@ -899,7 +989,7 @@ def _linear_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
                    rules) -> tuple[int, int]:
   """(key heads, value heads) of one device's shard of a Gated DeltaNet layer's q / k and
   v / z (the "linear_heads" axis, over `tensor` by default); (0, 0) without such layers."""
-  if not any(cfg.linear_layers):
+  if not cfg.linear_mixers:
     return 0, 0
   names = ("batch", "length", "linear_heads", "head_dim")
   key = _logical_shard(mesh, rules, names, (rows, row_len, cfg.linear_num_key_heads,
@@ -948,8 +1038,10 @@ def _kind_bytes(cfg: models.ModelConfig, remat: str, linear: bool, mlp: dict[str
   if linear:
     return linear_layer_activation_bytes(cfg, remat, key_heads=linear_heads[0],
                                          value_heads=linear_heads[1], kv_len=kv_len, **mlp)
-  return layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads, kv_len=kv_len,
-                                **mlp)
+  return (layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads, kv_len=kv_len,
+                                 **mlp)
+          + parallel_mixer_activation_bytes(cfg, remat, key_heads=linear_heads[0],
+                                            value_heads=linear_heads[1], kv_len=kv_len))
 
 
 def split_layer_activation_bytes(cfg: models.ModelConfig, remat: str, part: str,
@@ -1034,9 +1126,11 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   Without remat, multi-head latent attention (cfg.kv_lora_rank) keeps in each layer its
   latent norms' scales and its values' zero padding: s(q_lora_rank + kv_lora_rank + 1).
   Gated DeltaNet layers (cfg.linear_layers) count with `linear_layer_activation_bytes`,
-  the others with `layer_activation_bytes`; without remat each linear layer keeps its
-  convolutions' taps, its norm's scale and two [Hv] columns besides
-  (`_linear_layer_constant`).
+  the others with `layer_activation_bytes`, and with cfg.parallel_mixer (Falcon-H1) each
+  with its Mamba2 beside the attention, `parallel_mixer_activation_bytes`; without remat
+  each linear mixer keeps its convolutions' taps, its norm's scale, two [Hv] columns and
+  a few float32 scalars besides (`_linear_layer_constant`), and each multiplier that is
+  not 1 its scalar (`_multiplier_scalars`).
   """
   cfg = model_cfg
   remat = remat or cfg.remat
@@ -1068,7 +1162,9 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
       weights = 4 * cfg.d_model * cfg.num_experts if sigmoid else 0
     scale = 4 if cfg.routed_scaling_factor != 1.0 else 0
     experts = cfg.mixture_layers * (4 * local + weights + scale)
-  per_layer = sum(cfg.linear_layers) * _linear_layer_constant(cfg, remat, *linear_heads)
+  per_layer = (_mixer_layers(cfg) * _linear_layer_constant(cfg, remat, *linear_heads,
+                                                             kv_len=row_len)
+               + _multiplier_scalars(cfg, remat))
   if cfg.kv_lora_rank and remat == "none":  # the latent norms' scales, the padding's zero
     per_layer += cfg.num_layers * s * (cfg.q_lora_rank + cfg.kv_lora_rank + 1)
   return int(b * t * (layers + outside) + unembed + experts + per_layer)
@@ -1084,10 +1180,12 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   the layer being differentiated (recomputed) + cotangents
                                   (the fuller kind of layer: a mixture's dense or mixture
                                   layer, a Gated DeltaNet layer with
-                                  `linear_layer_activation_bytes` or an attention layer)
-    + tokens * _linear_backward_bytes   with linear-attention layers: what XLA:TPU holds
-                                  differentiating one beyond its saved activations (its
-                                  convolution's float32 copies, more chunk states)
+                                  `linear_layer_activation_bytes` or an attention layer,
+                                  with parallel_mixer and its Mamba2's terms)
+    + tokens * _linear_backward_bytes   with linear-attention layers (or parallel_mixer's
+                                  Mamba2 mixers): what XLA:TPU holds differentiating one
+                                  beyond its saved activations (its convolution's float32
+                                  copies, more chunk states)
     + fused_dq_bytes              the fused flash backward's dq partials, if on
     + 2 * gathered layer          with D split over fsdp: two layers' weights gathered in
                                   the compute dtype (the layer differentiated and the
@@ -1100,7 +1198,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   with leading dense layers, the larger kind of layer;
                                   multi-head latent attention's projections in place
                                   of q, k, v and o (`_attention_weight_bytes`); a Gated
-                                  DeltaNet layer's where larger (`_linear_weight_bytes`)
+                                  DeltaNet layer's where larger (`_linear_weight_bytes`);
+                                  with parallel_mixer the attention's and the Mamba2's
     + 2 * experts in compute dtype    a mixture whose params are wider: XLA:TPU hoists
                                   the cast of every layer's experts out of the layer
                                   loop; against bfloat16 params the update held two such
@@ -1144,7 +1243,7 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
 
   one_layer = max(layer(linear, {**kw, "routed": 1}) for _, linear, kw in kinds)
   transient = (1 if remat == "none" else 2) * one_layer
-  if any(cfg.linear_layers):
+  if cfg.linear_mixers:
     transient += b * t * _linear_backward_bytes(cfg, *linear_heads, kv_len=row_len)
   transient += b * t * max(_gathered_token_bytes(cfg, **{k: v for k, v in kw.items()
                                                          if k != "part"})
@@ -1165,6 +1264,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   if cfg.kv_lora_rank:
     note += (f" (latent: kv rank {cfg.kv_lora_rank}"
              + (f", q rank {cfg.q_lora_rank})" if cfg.q_lora_rank else ")"))
+  if cfg.parallel_mixer:
+    note += " beside a Mamba2 mixer in every layer"
   if cfg.num_experts:
     note += f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok})"
     if cfg.moe_latent_dim:
@@ -1381,8 +1482,9 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
   one array [batch, 1, slots, qk_rope_head_dim + kv_lora_rank] (no v; its one head
   whole on every tensor shard), and its int8 scales [batch, 1, slots]. A linear-attention
   layer's is its `LinearCache`, whatever max_len: the recurrent state [batch, value heads,
-  key head dim, value head dim] float32 and the convolutions' last inputs. An MLP or a
-  mixture of experts alone (cfg.split_layers) has none."""
+  key head dim, value head dim] float32 and the convolutions' last inputs; with
+  cfg.parallel_mixer (Falcon-H1) every layer holds a KV cache and a `LinearCache` (its
+  Mamba2's) both. An MLP or a mixture of experts alone (cfg.split_layers) has none."""
   cfg = model_cfg
   dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
 
@@ -1392,7 +1494,7 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
                for shape, dt in _cache_arrays(cfg, batch, slots, dtype.name))
 
   ring = models.sliding_cache_slots(cfg, max_len, write_tokens)
-  sliding, linear = sum(cfg.sliding_layers), sum(cfg.linear_layers)
+  sliding, linear = sum(cfg.sliding_layers), _mixer_layers(cfg)
   recurrent = 0
   if linear:
     arrays = jax.eval_shape(lambda: init_linear_cache(cfg, batch, dtype))
@@ -1426,9 +1528,11 @@ def _cache_note(cfg: models.ModelConfig, dtype: np.dtype) -> str:
 def _cache_layers_note(cfg: models.ModelConfig, max_len: int) -> str:
   """'<slots> x <layers> layers', with the sliding layers' rings apart (and the linear
   layers' fixed-size states apart: '<slots> x <full> layers (+ <n> linear layers'
-  states)')."""
+  states)'; with parallel_mixer every layer's Mamba2 state beside its KV cache)."""
   sliding = sum(cfg.sliding_layers)
   linear = sum(cfg.linear_layers)
+  if cfg.parallel_mixer:
+    return f"{max_len} x {cfg.num_layers} layers (+ {cfg.num_layers} Mamba2 states)"
   if linear:
     return (f"{max_len} x {sum(cfg.attention_layers)} layers (+ {linear} linear layers' "
             "states)")
@@ -1503,6 +1607,11 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   heads major for the chunked scan and keeps, hoisted out of the loop over layers,
   for the whole call: compiled for Qwen3.5-27B on a v5p-64 (tensor 2), 3.77 GiB a chip
   (the decode programs keep none).
+  A parallel_mixer layer (Falcon-H1: a Mamba2 mixer beside the attention) holds the
+  attention's terms and the Mamba2's beside them, a linear layer's less its block's
+  2sD, per row its chunk's matrices and state, and, weights left sharded, both mixers'
+  weights; with the weights gathered every layer's Mamba2 input projections are relaid
+  as a linear layer's (by analogy, not compiled).
   Compiled for a v5e-8 (Llama 3 8B, 16 prompts of 1,024, weights left sharded), XLA's
   prefill needs 1.10 GiB beyond the weights and the cache; this counts 0.98 GiB of it
   (0.58 GiB before the gathered layer was counted)."""
@@ -1520,6 +1629,10 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
   c = max(1, min(cfg.linear_chunk, prompt_len))
 
+  linear_mixer = (s * (2 * d + 4 * hk * dk + 3 * hv * dv + 2 * hv)
+                  + 4 * (2 * hk * dk + 2 * hv * dv + 2 * hv))
+  linear_row = 4 * hv * (5 * c * c + 2 * dk * dv)  # one chunk's matrices, the state
+
   x = _expert_width(cfg)  # the routed experts' rows: D, or their latent's
   latent = 2 * s * cfg.moe_latent_dim  # latent_in's output and latent_out's input
 
@@ -1536,13 +1649,15 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
     if part == "mixer":
       ffn = 0
     if linear:
-      mixer = (s * (2 * d + 4 * hk * dk + 3 * hv * dv + 2 * hv)
-               + 4 * (2 * hk * dk + 2 * hv * dv + 2 * hv))
-      per_row = 4 * hv * (5 * c * c + 2 * dk * dv)  # one chunk's matrices, the state
+      mixer, per_row = linear_mixer, linear_row
       weights = _linear_weight_bytes(cfg, hk, hv)
     else:
       mixer, per_row = s * (2 * d + nh + 2 * kh) + attn, 0
       weights = _attention_weight_bytes(cfg, heads, kv_heads)
+      if cfg.parallel_mixer:  # the Mamba2 beside it: a linear layer's, less the block's
+        mixer += linear_mixer - s * 2 * d
+        per_row = linear_row
+        weights += _linear_weight_bytes(cfg, hk, hv)
     if part is None:
       weights += _mlp_weight_bytes(cfg, mlp, shared, dense, local)
     return b * t * (mixer + ffn) + b * per_row + (0 if gathered else weights)
@@ -1550,7 +1665,7 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   forward = max(layer(linear, **kw)
                 for _, linear, kw in _layer_kinds(cfg, prompts, prompt_len, mesh, rules))
   # The linear layers' input projections, relaid for the prefill (gathered weights).
-  relaid = (s * cfg.d_model * (2 * hk * dk + 2 * hv * dv + 2 * hv) * sum(cfg.linear_layers)
+  relaid = (s * cfg.d_model * (2 * hk * dk + 2 * hv * dv + 2 * hv) * _mixer_layers(cfg)
             if gathered else 0)
   kv_dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
   # One layer's k and v (a latent cache: its one array) of every row, scales aside.
@@ -1573,9 +1688,12 @@ def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
   heads on the device) where the model has such layers and it is larger, and a mixture
   layer's experts and shared expert, or a leading dense layer's MLP, whichever is larger
   (a linear layer's MLP is its attention layers' kind). With cfg.split_layers a layer
-  is a mixer or an MLP: the larger of them."""
+  is a mixer or an MLP: the larger of them. With cfg.parallel_mixer every layer holds
+  its attention and its Mamba2 (`_linear_weight_bytes`) both."""
   mixer = _attention_weight_bytes(cfg, heads, kv_heads)
-  if any(cfg.linear_layers):
+  if cfg.parallel_mixer:  # its Mamba2 beside the attention in every layer
+    mixer += _linear_weight_bytes(cfg, *linear_heads)
+  elif any(cfg.linear_layers):
     mixer = max(mixer, _linear_weight_bytes(cfg, *linear_heads))
   mlp = max(_mlp_weight_bytes(cfg, **kw) for _, kw in mlps)
   return max(mixer, mlp) if cfg.split_layers else mixer + mlp  # a sublayer a layer
@@ -1661,7 +1779,8 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   (`gathered=False`), one layer's weights gathered in the compute dtype:
   s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis (multi-head latent
   attention: its projections, `_attention_weight_bytes`, in place of 2 D NH + 2 D KH;
-  a Gated DeltaNet layer's, `_linear_weight_bytes`, where larger; a mixture: all E
+  a Gated DeltaNet layer's, `_linear_weight_bytes`, where larger, or with
+  parallel_mixer beside the attention's; a mixture: all E
   experts and the router and a shared expert, `_mlp_weight_bytes`, whatever the
   routing; with leading dense layers, the larger kind of layer). XLA:TPU
   needed 0.54 GiB for a Llama 3 8B layer (0.41 GiB) and 128 rows' logits (0.06 GiB) on
@@ -1819,8 +1938,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       prefill = refill_bytes
       prefill_note = (f"a refill of {refill} slots (continuous batching): their prompts' "
                       f"cache of {refill_len} and one layer's forward over them")
-  if any(cfg.linear_layers) and not sharded:
-    prefill_note += ", the linear layers' input projections relaid"
+  if cfg.linear_mixers and not sharded:
+    prefill_note += (", the Mamba2 mixers' input projections relaid" if cfg.parallel_mixer
+                     else ", the linear layers' input projections relaid")
   step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
                            gathered=not sharded)
   rm_bytes, rm_note = reward_model_bytes(config, rollout_shape, rules)

@@ -472,6 +472,58 @@ def test_mamba2_saved_activations_match_what_jax_keeps(dtype, remat, length):
   assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
 
 
+# Falcon-H1's layout: every layer's attention (4 heads, 2 kv heads of 16) beside a Mamba2
+# mixer (2 groups of B and C with a state of 16, 6 heads of 24, the convolution's bias),
+# both on the normed input, each scaled in and out; in_proj's five parts scaled too, and
+# the MLP's gate and down projection.
+FALCON_H1 = dict(num_layers=2, d_model=64, ffn_dim=160, num_heads=4, num_kv_heads=2,
+                 head_dim=16, parallel_mixer=True, linear_mixer="mamba2",
+                 linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+                 linear_value_head_dim=24, linear_chunk=32, linear_conv_bias=True,
+                 logprob_chunk=64, attention_in_multiplier=0.5,
+                 attention_out_multiplier=0.75, ssm_in_multiplier=1.25,
+                 ssm_out_multiplier=0.5, ssm_multipliers=(0.5, 1.5, 0.25, 2.0, 0.75),
+                 mlp_gate_multiplier=0.5, mlp_down_multiplier=1.5)
+# Its twin without the Mamba2 mixers (and their multipliers): attention layers alone.
+FALCON_H1_ATTENTION = {k: v for k, v in FALCON_H1.items()
+                       if k not in ("parallel_mixer", "linear_conv_bias", "ssm_multipliers")
+                       and not k.startswith(("attention_", "ssm_"))}
+
+
+@pytest.mark.parametrize("dtype, remat, length, layout", [
+    *((dtype, remat, 128, {"linear_norm": norm}) for norm in ("after_gate", "none")
+      for dtype in ("float32", "bfloat16")
+      for remat in ("none", "dots", "dots_with_no_batch_dims", "full")),
+    ("bfloat16", "none", 100, {}),  # the scan's last chunk padded
+    ("float32", "dots", 100, {}),
+    # Unscaled inputs: the mixers read the normed input itself.
+    ("float32", "none", 128, {"attention_in_multiplier": 1.0, "ssm_in_multiplier": 1.0}),
+    ("bfloat16", "none", 128, {"ssm_in_multiplier": 1.0}),  # one scaled copy beside it
+])
+def test_parallel_mixer_saved_activations_match_what_jax_keeps(dtype, remat, length, layout):
+  """A Falcon-H1 layer keeps its attention layer's terms and beside them its Mamba2's, as a
+  Mamba2 layer's mixer keeps them (no remat: its convolutions' inputs, the scan's float32
+  inputs, chunk states and output; a dots policy its projections, out_proj's output among
+  them, and each chunk's batched matmuls); without remat also the scaled input the mixers
+  read in the normed input's place, and the multipliers' scalars. Its share (against the
+  attention layers alone) is exact, linear_norm after the gate or none; the MLP's
+  multipliers' share (against unscaled MLPs) too."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype)
+  unscaled = {k: v for k, v in FALCON_H1_ATTENTION.items() if not k.startswith("mlp_")}
+  kept, planned = [], []
+  for c in ({**FALCON_H1, **layout}, FALCON_H1_ATTENTION, unscaled):
+    cfg = models.get_preset("tiny", **c, **widths)
+    assert cfg.parallel_mixer == (c is not FALCON_H1_ATTENTION and c is not unscaled)
+    kept.append(sum(n for n, _, _ in _residuals(cfg, 4, length)))
+    planned.append(planner.saved_activation_bytes(cfg, rows=4, row_len=length,
+                                                  mesh=one_device))
+  assert planned[0] == pytest.approx(kept[0], rel=0.05)
+  assert planned[0] - planned[1] == kept[0] - kept[1]
+  assert planned[1] - planned[2] == kept[1] - kept[2]
+  assert (kept[0] > kept[1]) == (remat != "full")
+
+
 # Nemotron-H's layout: single-sublayer layers, Mamba2 (MAMBA2's widths), NoPE attention
 # and MLPs of squared ReLU without a gate, each alone with its norm.
 NEMOTRON_H = dict(d_model=96, ffn_dim=160, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -683,6 +735,10 @@ LORA_LAYOUTS = {
                     "num_layers": 4, "layer_types": NEMOTRON_3_LAYERS[:4],
                     "rope_layers": (0,) * 4},
                    "q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,in_proj,out_proj"),
+    # Falcon-H1's layers: the Mamba2's in_proj (its five parts, then scaled) and out_proj
+    # beside the attention's and the MLP's adapters, on the same stack.
+    "falcon_h1": (FALCON_H1, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,"
+                             "in_proj,out_proj"),
 }
 
 
@@ -1139,6 +1195,86 @@ def test_linear_attention_plan_counts_its_layers():
   assert (planner.prefill_bytes(flash, prompts=16, prompt_len=64, rows=16, mesh=fsdp8)
           - planner.kv_cache_bytes(flash, batch=16, max_len=64, mesh=fsdp8)
           == relaid + 2 * 64 * per_token + 2 * per_row)
+
+
+def test_parallel_mixer_plan_counts_its_mixers():
+  """Falcon-H1's layout: params are num_params, on real arrays too; a layer gathered for
+  a decode step holds its attention, its Mamba2 (projections, taps, out_proj) and its
+  MLP, the heads split over tensor as real arrays shard them; the cache is every layer's
+  KV cache and Mamba2 state, as init_cache builds them (listed or stacked, int8 too);
+  the backward's recomputed layer holds the Mamba2's terms and a linear mixer's
+  backward; a prefill's layer forward holds the Mamba2's beside the attention's, and
+  every layer's Mamba2 input projections relaid, by hand."""
+  mesh = (4, 1, 2, 1)
+  config = planner.override(_tiny(FALCON_H1), dict(zip(
+      ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence"), mesh)))
+  cfg = experiment.model_config(config)
+  assert cfg.parallel_mixer and not any(cfg.linear_layers)
+  p = planner.plan(_tiny(FALCON_H1), num_devices=1, device_memory_gb=16)
+  assert p["params"] == cfg.num_params * 4
+  assert "Mamba2" in planner.format_plan(p)
+  real = nnx.state(models.create_model(cfg, mesh=models.make_mesh(mesh)), nnx.Param)
+  assert planner.plan(config)["params"] == _real_per_device_bytes(real)
+  # Left sharded over data 4 x tensor 2, a decode step gathers one layer: its attention,
+  # Mamba2 and MLP (norm scales, A_log, dt_bias, D and the taps' biases aside).
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, mesh)))
+  layer = [x for path, x in jax.tree_util.tree_leaves_with_path(real["layers"][0])
+           if not re.search(r"norm|A_log|dt_bias|conv_bias|\['D'\]",
+                            jax.tree_util.keystr(path))]
+  mixer = [x for path, x in jax.tree_util.tree_leaves_with_path(real["layers"][0])
+           if re.search(r"\['linear_attn'\]\['(\w_proj|\w_conv)'\]",
+                        jax.tree_util.keystr(path))]
+  assert len(mixer) == 9  # z, x, B, C, dt and out projections, three taps
+  assert planner._linear_weight_bytes(cfg, 1, 3) == _real_per_device_bytes(mixer)
+  logits = 8 * cfg.vocab_size // 2 * 4
+  assert planner.decode_step_bytes(cfg, rows=8, mesh=abstract, gathered=False) == (
+      logits + _real_per_device_bytes(layer))
+  # The cache: each layer's KV cache and its Mamba2 state, as init_cache builds them.
+  one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  for dtype in (None, "int8"):
+    for scanned in (cfg, cfg.replace(scan_layers=True)):
+      arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
+          scanned, 8, 64, jnp.int8 if dtype else None))  # noqa: B023
+      assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one, dtype=dtype) == (
+          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+  attention_only = experiment.model_config(_tiny(FALCON_H1_ATTENTION))
+  state = 8 * (6 * 16 * 24 * 4 + 3 * (2 * 2 * 16 + 6 * 24) * 4)  # float32 state, conv inputs
+  assert (planner.kv_cache_bytes(cfg, batch=8, max_len=64, mesh=one)
+          - planner.kv_cache_bytes(attention_only, batch=8, max_len=64, mesh=one)
+          == 2 * state)
+  # The backward's recomputed layer (twice under a remat policy): the attention layer's
+  # and its Mamba2's, and what a linear mixer's backward holds beyond them.
+  acts = planner.activation_bytes(cfg, rows=4, row_len=128, mesh=one, remat="dots")[0]
+  saved = planner.saved_activation_bytes(cfg, rows=4, row_len=128, mesh=one, remat="dots")
+  layer = (planner.layer_activation_bytes(cfg, "none", heads=4, kv_heads=2, mlp=160,
+                                          kv_len=128, dense=True)
+           + planner.parallel_mixer_activation_bytes(cfg, "none", key_heads=2,
+                                                     value_heads=6, kv_len=128))
+  backward = 4 * 128 * planner._linear_backward_bytes(cfg, 2, 6, kv_len=128)
+  assert acts - saved == int(2 * 4 * 128 * layer + backward) + 3 * 4 * 64 * cfg.vocab_size * 4
+  # A prefill of 16 prompts of 64 over fsdp 8 (2 a device), the prompts' cache aside,
+  # against the attention layers alone: the Mamba2's projections, conv outputs, float32
+  # scan inputs and output, and per row one chunk's [c, c] matrices and the state; and
+  # every layer's Mamba2 input projections relaid, D whole.
+  fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  d, k, v, hv, c, s = 64, 2 * 16, 6 * 24, 6, 32, 4
+
+  def forward(m):
+    return (planner.prefill_bytes(m, prompts=16, prompt_len=64, rows=16, mesh=fsdp8)
+            - planner.kv_cache_bytes(m, batch=16, max_len=64, mesh=fsdp8))
+
+  per_token = s * (4 * k + 3 * v + 2 * hv) + 4 * (2 * k + 2 * v + 2 * hv)
+  per_row = 4 * hv * (5 * c * c + 2 * 16 * 24)
+  relaid = s * d * (2 * k + 2 * v + 2 * hv) * 2
+  assert forward(cfg) - forward(attention_only) == relaid + 2 * 64 * per_token + 2 * per_row
+  # Over fsdp 4 x tensor 2 a device keeps of 8 rows what one device keeps of 2 rows of
+  # the model with every axis the tensor axis splits halved, the Mamba2's groups and
+  # heads among them.
+  fsdp4_tensor2 = planner.abstract_mesh(dict(zip(models.MESH_AXES, (1, 4, 2, 1))))
+  half = cfg.replace(linear_num_key_heads=1, linear_num_value_heads=3, num_heads=2,
+                     num_kv_heads=1, ffn_dim=80, vocab_size=cfg.vocab_size // 2)
+  assert (planner.saved_activation_bytes(cfg, rows=8, row_len=128, mesh=fsdp4_tensor2)
+          == planner.saved_activation_bytes(half, rows=2, row_len=128, mesh=one))
 
 
 # Nemotron 3 in a run config: Mamba2, NoPE attention, an MLP alone of 40 and two
