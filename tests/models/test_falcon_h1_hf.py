@@ -91,6 +91,7 @@ def test_logits_match_transformers(families, norm, scan):
   assert np.abs(want).max() > 1
 
 
+@pytest.mark.slow
 def test_each_multiplier_moves_the_logits(saved):
   """A multiplier set back to one changes the logits: none of them is dropped."""
   folder, _ = saved
@@ -165,7 +166,8 @@ def test_prefill_leaves_the_cache_transformers_keeps(saved):
                              atol=1e-5 * np.abs(values).max(), rtol=0)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["layers", "scanned"])
 def test_slots_and_resumed_rows_draw_what_one_call_draws(saved, scan):
   check_slots_and_resume_draw_one_calls_samples(
       models.from_pretrained(saved[0], scan_layers=scan), PROMPTS)
