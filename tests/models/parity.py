@@ -210,3 +210,51 @@ def check_mamba2_cache(cache, hf_cache, layers, state_shape):
                              (cache[i].v_conv, cache[i].k_conv, cache[i].q_conv)], axis=-1)
     want = hf_cache.get_conv_state(i).numpy()[..., 1:].transpose(0, 2, 1)
     np.testing.assert_allclose(window, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def check_next_turns_continue_from_their_slots(model, prompts, answer: int = 2):
+  """A transcript that extends a row just ended goes on in that row's slot from the
+  cache and recurrent state it left (its prompt and the tokens before its last: the one
+  never fed), the answer (6 tokens for the first prompt, `answer` for the others)
+  written in chunks of 4: the same samples as prefilling each turn whole."""
+  from posttrain.sampling import Sampler
+  sampler = Sampler(model, max_len=48, extend_chunk=4)
+
+  def run(reuse):
+    ended, sources = [], []
+
+    def between_rounds(live):
+      more = [(i, prompts[i] + t.tolist() + [9] * (6 if i == 0 else answer))
+              for i, t in ended if i < len(prompts) and i % 2 == 0]
+      ended.clear()
+      sources.extend(i for i, _ in more)
+      return [p for _, p in more]
+
+    out = sampler.generate(prompts, slots=2, between_rounds=between_rounds,
+                           max_prompt_len=36, reuse_cache=reuse, max_new_tokens=6,
+                           temperature=1.0, seed=5,
+                           on_finish=lambda i, t, *_: ended.append((i, t.copy())))
+    return out, sources
+
+  out, sources = run(True)
+  whole, _ = run(False)
+  assert out.stats["continued"] == len(sources) == 2 and whole.stats["continued"] == 0
+  assert out.stats["reused_tokens"] == sum(len(prompts[i]) + int(out.lengths[i]) - 1
+                                           for i in sources)
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+
+
+def check_greedy_on_mesh(model, mesh, hf_model, prompts, new_tokens: int = 6):
+  """The sampler's greedy tokens for `model` on `mesh` are transformers' generate()'s."""
+  import torch
+
+  from posttrain.sampling import Sampler
+  sampler = Sampler(model, mesh=mesh, max_len=48, extend_chunk=4)
+  out = sampler.generate(prompts, max_new_tokens=new_tokens, temperature=0.0)
+  for i, prompt in enumerate(prompts):
+    with torch.no_grad():
+      want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                               do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.tokens[i].tolist() == want, i

@@ -15,8 +15,9 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from posttrain.sampling import Sampler
-from tests.models.parity import (assert_close_to_scale, check_mamba2_cache,
+from tests.models.parity import (assert_close_to_scale, check_greedy_on_mesh,
+                                 check_mamba2_cache,
+                                 check_next_turns_continue_from_their_slots,
                                  check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples, greedy_tokens,
                                  hf_logits, mamba2_hf_model, save_families,
@@ -174,35 +175,13 @@ def test_slots_and_resumed_rows_draw_what_one_call_draws(saved, scan):
 
 
 def test_next_turns_continue_from_the_state_their_slot_holds(saved):
-  """A transcript that extends a row just ended goes on in that row's slot from the
-  KV cache and Mamba2 state it left, the answer written in chunks of 4 (rows padded past
+  """A transcript that extends a row just ended goes on in that row's slot from the KV
+  cache and Mamba2 state it left, the answer written in chunks of 4 (rows padded past
   their count feed nothing to the state): the same samples as prefilling each turn
   whole."""
-  sampler = Sampler(models.from_pretrained(saved[0], scan_layers=True), max_len=48,
-                    extend_chunk=4)
-  prompts = [[5, 9, 2, 7, 1, 3], [11, 12], list(range(20, 30)), [40, 41, 42]]
-
-  def run(reuse):
-    ended, sources = [], []
-
-    def between_rounds(live):
-      more = [(i, prompts[i] + t.tolist() + [9] * (6 if i == 0 else 3))
-              for i, t in ended if i < len(prompts) and i % 2 == 0]
-      ended.clear()
-      sources.extend(i for i, _ in more)
-      return [p for _, p in more]
-
-    out = sampler.generate(prompts, slots=2, between_rounds=between_rounds,
-                           max_prompt_len=36, reuse_cache=reuse, max_new_tokens=6,
-                           temperature=1.0, seed=5,
-                           on_finish=lambda i, t, *_: ended.append((i, t.copy())))
-    return out, sources
-
-  out, sources = run(True)
-  whole, _ = run(False)
-  assert out.stats["continued"] == len(sources) == 2 and whole.stats["continued"] == 0
-  np.testing.assert_array_equal(out.tokens, whole.tokens)
-  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+  check_next_turns_continue_from_their_slots(
+      models.from_pretrained(saved[0], scan_layers=True),
+      [[5, 9, 2, 7, 1, 3], [11, 12], list(range(20, 30)), [40, 41, 42]], answer=3)
 
 
 def test_on_a_mesh(saved):
@@ -216,13 +195,7 @@ def test_on_a_mesh(saved):
   assert m.layers.attn.q_proj[...].sharding.spec[2] == "tensor"
   got = jax.jit(lambda t: m(t, ctx=models.ShardingContext(mesh)))(TOKENS)
   np.testing.assert_allclose(np.asarray(got), hf_logits(hf, TOKENS), atol=2e-4, rtol=0)
-  sampler = Sampler(m, mesh=mesh, max_len=48, extend_chunk=4)
-  out = sampler.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
-  for i, prompt in enumerate(PROMPTS):
-    with torch.no_grad():
-      want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out.tokens[i].tolist() == want, i
+  check_greedy_on_mesh(m, mesh, hf, PROMPTS)
 
 
 @pytest.mark.parametrize("norm", list(NORMS))

@@ -15,7 +15,9 @@ from flax import nnx
 from posttrain import models
 from posttrain.models.hf import check_exportable
 from posttrain.sampling import Sampler
-from tests.models.parity import (assert_close_to_scale, check_reward_model_round_trip,
+from tests.models.parity import (assert_close_to_scale, check_greedy_on_mesh,
+                                 check_next_turns_continue_from_their_slots,
+                                 check_reward_model_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples,
                                  greedy_tokens, hf_logits, perturb, target_logprob_grads)
 
@@ -268,13 +270,7 @@ def test_on_a_mesh(saved):
   assert m.linear_layers.linear_attn.v_proj[...].sharding.spec[2] == "tensor"
   got = jax.jit(lambda t: m(t, ctx=models.ShardingContext(mesh)))(TOKENS)
   np.testing.assert_allclose(np.asarray(got), hf_logits(hf, TOKENS), atol=5e-4, rtol=0)
-  sampler = Sampler(m, mesh=mesh, max_len=48, extend_chunk=4)
-  out = sampler.generate(PROMPTS, max_new_tokens=6, temperature=0.0)
-  for i, prompt in enumerate(PROMPTS):
-    with torch.no_grad():
-      want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert out.tokens[i].tolist() == want, i
+  check_greedy_on_mesh(m, mesh, hf, PROMPTS)
 
 
 def test_configs_that_cannot_be_written_are_refused(saved):
@@ -355,35 +351,11 @@ def test_moe_router_loss_spans_both_kinds_of_layer(saved_moe):
 
 def test_next_turns_continue_from_the_state_their_slot_holds(saved):
   """A transcript that extends a row just ended goes on in that row's slot from the
-  state it left (its prompt and the tokens before its last: the one never fed), the
-  answer written in chunks of 4: the same samples as prefilling each turn whole."""
-  sampler = Sampler(models.from_pretrained(saved[0], scan_layers=True), max_len=48,
-                    extend_chunk=4)
-  prompts = [[5, 9, 2, 7, 1, 3], [11, 12], list(range(20, 30)), [40, 41, 42]]
-
-  def run(reuse):
-    ended, sources = [], []
-
-    def between_rounds(live):
-      more = [(i, prompts[i] + t.tolist() + [9] * (6 if i == 0 else 2))
-              for i, t in ended if i < len(prompts) and i % 2 == 0]
-      ended.clear()
-      sources.extend(i for i, _ in more)
-      return [p for _, p in more]
-
-    out = sampler.generate(prompts, slots=2, between_rounds=between_rounds,
-                           max_prompt_len=36, reuse_cache=reuse, max_new_tokens=6,
-                           temperature=1.0, seed=5,
-                           on_finish=lambda i, t, *_: ended.append((i, t.copy())))
-    return out, sources
-
-  out, sources = run(True)
-  whole, _ = run(False)
-  assert out.stats["continued"] == len(sources) == 2 and whole.stats["continued"] == 0
-  assert out.stats["reused_tokens"] == sum(len(prompts[i]) + int(out.lengths[i]) - 1
-                                           for i in sources)
-  np.testing.assert_array_equal(out.tokens, whole.tokens)
-  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
+  state it left, the answer written in chunks of 4: the same samples as prefilling each
+  turn whole."""
+  check_next_turns_continue_from_their_slots(
+      models.from_pretrained(saved[0], scan_layers=True),
+      [[5, 9, 2, 7, 1, 3], [11, 12], list(range(20, 30)), [40, 41, 42]])
 
 
 NEXT = dict(TEXT, **MOE, norm_topk_prob=False)
