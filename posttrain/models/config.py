@@ -65,7 +65,9 @@ QWEN3_NEXT_LINEAR_LORA_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 MAMBA2_LORA_TARGETS = ("in_proj", "out_proj")
 LINEAR_LORA_TARGETS = (QWEN3_5_LINEAR_LORA_TARGETS[:4] + QWEN3_NEXT_LINEAR_LORA_TARGETS
                        + MAMBA2_LORA_TARGETS[:1])
-LINEAR_MIXERS = ("gated_deltanet", "mamba2")
+# LFM2's gated short convolution (its "conv" layers): in_proj's B, C and x, out_proj.
+SHORT_CONV_LORA_TARGETS = ("in_proj", "out_proj")
+LINEAR_MIXERS = ("gated_deltanet", "mamba2", "short_conv")
 # A mixture's routed experts, adapted per expert (PEFT's target_parameters
 # mlp.experts.gate_up_proj and mlp.experts.down_proj): one adapter over gate and up
 # together (one A, B spanning both), one over down. Only named: never a default.
@@ -178,7 +180,7 @@ class RopeConfig:
 class ModelConfig:
   """Shapes and options of a decoder-only transformer (Llama 3, Mistral, Qwen2.5, Qwen3,
   Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 / Phi-4, SmolLM3, GLM-4, Qwen3.5, Granite
-  3 / 4 and the Mamba2 hybrids Granite 4-H and Bamba, and the mixtures of experts
+  3 / 4, the Mamba2 hybrids Granite 4-H and Bamba, LFM2 (short convolutions), and the mixtures of experts
   Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, DeepSeek-V2 / V3, MiniMax-M2, Granite
   MoE and Llama 4).
 
@@ -304,7 +306,11 @@ class ModelConfig:
       heads, linear_value_head_dim its head dim; one causal convolution of
       linear_conv_kernel taps over x, B and C, with a bias when linear_conv_bias.
       linear_dt_min / linear_dt_max clip its time step after the softplus
-      (time_step_limit).
+      (time_step_limit). Or "short_conv", LFM2's gated short convolution (its "conv"
+      layers; `ShortConv`): y = C * conv(B * x), B, C and x three [D, D] projections of
+      the input, conv depthwise and causal over linear_conv_kernel taps, then out_proj;
+      with linear_conv_bias each of them has a bias (LFM2's conv_bias). Its cache is the
+      convolution's window alone; it takes no linear_num_* / linear_*_head_dim fields.
     attn_output_gate: the attention's output is scaled by sigmoid of a second query-sized
       projection (`q_gate`) before o_proj, per head and feature (Qwen3-Next, Qwen3.5).
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
@@ -312,14 +318,14 @@ class ModelConfig:
       (up + 1) * gate * sigmoid(swiglu_alpha * gate)); or relu2, an MLP without a gate,
       down(relu(up(x))^2) (Nemotron-H; no gate_proj).
     layer_types: per layer, full_attention, sliding_attention or linear_attention (a
-      Gated DeltaNet or Mamba2 layer: `linear_mixer`); () = every layer full_attention.
-      With "mlp" entries the layers are single sublayers, as Nemotron-H's blocks are
-      (`split_layers`): a linear_attention layer is x + mixer(norm(x)), a full_attention
-      layer x + attn(norm(x)) and an mlp layer x + mlp(norm(x)), each with one norm (its
-      input_norm) and no other sublayer. "moe" entries (Nemotron 3) are single-sublayer
-      layers too, x + moe(norm(x)), the mixture of experts of num_experts (their
-      parameters in the model's `moe_layers`); a model with them has its "mlp" layers
-      (if any) of width dense_ffn_dim.
+      Gated DeltaNet, Mamba2 or short-convolution layer: `linear_mixer`); () = every
+      layer full_attention. With "mlp" entries the layers are single sublayers, as
+      Nemotron-H's blocks are (`split_layers`): a linear_attention layer is
+      x + mixer(norm(x)), a full_attention layer x + attn(norm(x)) and an mlp layer
+      x + mlp(norm(x)), each with one norm (its input_norm) and no other sublayer.
+      "moe" entries (Nemotron 3) are single-sublayer layers too, x + moe(norm(x)), the
+      mixture of experts of num_experts (their parameters in the model's `moe_layers`);
+      a model with them has its "mlp" layers (if any) of width dense_ffn_dim.
     qk_l2_norm: the rotary layers' (every layer's without `rope_layers`) q and k are
       normed over head_dim after the rotary embedding, x / sqrt(mean(x^2) + norm_eps),
       with no weight (Llama 4's use_qk_norm).
@@ -569,7 +575,7 @@ class ModelConfig:
         wrong = [t for t in bad if t in LINEAR_LORA_TARGETS]
         if wrong and linear:
           raise ValueError(f"lora_targets {wrong} are not projections of {self.architecture}"
-                           f"'s Gated DeltaNet layers; those are {','.join(linear)}")
+                           f"'s {self.linear_mixer} layers; those are {','.join(linear)}")
         if wrong:
           raise ValueError(f"lora_targets {wrong} are Gated DeltaNet projections, but this "
                            "model has no linear_attention layers")
@@ -706,7 +712,9 @@ class ModelConfig:
         or not low < high):
       raise ValueError(f"linear_dt_min={low!r} and linear_dt_max={high!r} must satisfy "
                        "0 <= linear_dt_min < linear_dt_max (inf: no upper limit)")
-    mamba_only = [n for n, on in (("linear_conv_bias", self.linear_conv_bias),
+    short_conv = self.linear_mixer == "short_conv"
+    mamba_only = [n for n, on in (("linear_conv_bias",
+                                   self.linear_conv_bias and not short_conv),
                                   ("linear_dt_min", low != 0.0),
                                   ("linear_dt_max", high != float("inf"))) if on]
     if self.linear_norm not in LINEAR_NORMS:
@@ -721,14 +729,20 @@ class ModelConfig:
       raise ValueError(f"{', '.join(mamba_only)} are Mamba2's: they need "
                        "linear_mixer='mamba2'")
     self._check_parallel_mixer()
+    if short_conv:  # its channels are d_model's: no heads of its own
+      held = [n for n in names if getattr(self, n)]
+      if held:
+        raise ValueError(f"{', '.join(held)} describe Gated DeltaNet / Mamba2 heads; "
+                         "linear_mixer='short_conv' has none (its channels are d_model's): "
+                         "leave them 0")
     if not any(self.linear_layers) and not self.parallel_mixer:
       return
-    missing = [n for n in names if not getattr(self, n)]
+    missing = [n for n in names if not getattr(self, n) and not short_conv]
     if missing:
       mixers = ("parallel_mixer=True" if self.parallel_mixer else
                 "layer_types has linear_attention layers")
       raise ValueError(f"{mixers}: set {', '.join(missing)}")
-    if self.linear_num_value_heads % self.linear_num_key_heads:
+    if not short_conv and self.linear_num_value_heads % self.linear_num_key_heads:
       raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a "
                        f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
     held = [n for n, on in (("kv_lora_rank", self.kv_lora_rank),
@@ -780,8 +794,9 @@ class ModelConfig:
 
   @property
   def linear_mixers(self) -> bool:
-    """Whether the model has Gated DeltaNet or Mamba2 mixers, in linear_attention layers
-    or beside every attention (parallel_mixer): a recurrent state in its cache."""
+    """Whether the model has Gated DeltaNet, Mamba2 or short-convolution mixers, in
+    linear_attention layers or beside every attention (parallel_mixer): a recurrent state
+    (or a convolution's window) in its cache."""
     return self.parallel_mixer or any(self.linear_layers)
 
   @property
@@ -1026,10 +1041,12 @@ class ModelConfig:
   @property
   def linear_lora_targets(self) -> tuple[str, ...]:
     """The LoRA target names of a linear-attention layer's projections, as the model's
-    Hugging Face family names its modules (a Mamba2 layer's in_proj / out_proj,
-    Qwen3-Next's fused in_proj_qkvz / in_proj_ba, else Qwen3.5's)."""
+    Hugging Face family names its modules (a Mamba2 or short-convolution layer's in_proj /
+    out_proj, Qwen3-Next's fused in_proj_qkvz / in_proj_ba, else Qwen3.5's)."""
     if self.linear_mixer == "mamba2":
       return MAMBA2_LORA_TARGETS
+    if self.linear_mixer == "short_conv":
+      return SHORT_CONV_LORA_TARGETS
     if self.architecture.startswith("Qwen3Next"):
       return QWEN3_NEXT_LINEAR_LORA_TARGETS
     return QWEN3_5_LINEAR_LORA_TARGETS
@@ -1063,6 +1080,8 @@ class ModelConfig:
     sizes.update(in_proj_qkv=d + 2 * qk + vd, in_proj_z=d + vd, in_proj_b=d + hv,
                  in_proj_a=d + hv, in_proj_qkvz=d + 2 * qk + 2 * vd, in_proj_ba=d + 2 * hv,
                  in_proj=d + 2 * vd + 2 * qk + hv, out_proj=vd + d)
+    if self.linear_mixer == "short_conv":  # B, C and x of d_model channels each
+      sizes.update(in_proj=d + 3 * d, out_proj=d + d)
     # A mixture layer's routed experts, each its own A and B (`EXPERT_LORA_TARGETS`).
     e, latent = self.num_experts, self.moe_latent_dim or d
     sizes.update(experts_gate_up_proj=e * (latent + 2 * f),
@@ -1134,7 +1153,7 @@ class ModelConfig:
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     swapped = 0
     linear = sum(self.linear_layers)
-    if self.linear_mixers:  # Gated DeltaNet or Mamba2 (`LinearAttention`)
+    if self.linear_mixers:  # Gated DeltaNet, Mamba2 or LFM2's short convolution
       hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
       dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
       mixer = ((d + self.linear_conv_kernel) * (2 * hk * dk + hv * dv) + d * hv * dv
@@ -1143,6 +1162,8 @@ class ModelConfig:
         conv = (self.linear_conv_kernel + self.linear_conv_bias) * (2 * hk * dk + hv * dv)
         mixer = (d * (2 * hv * dv + 2 * hk * dk + hv) + conv + 3 * hv
                  + hv * dv * (self.linear_norm != "none") + hv * dv * d)
+      if self.linear_mixer == "short_conv":  # in_proj [3D, D], taps [D, C], out_proj
+        mixer = 4 * d * d + self.linear_conv_kernel * d + 5 * d * self.linear_conv_bias
       # in place of attention; with parallel_mixer beside it in every layer
       swapped = (self.num_layers * mixer if self.parallel_mixer else
                  linear * (mixer - attn))

@@ -46,12 +46,13 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
-              "FalconH1ForCausalLM")
+              "FalconH1ForCausalLM", "Lfm2ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
-                  "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM")
+                  "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
+                  "Lfm2ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -82,7 +83,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeForCausalLM": "granitemoe",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
-                "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1"}
+                "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
+                "Lfm2ForCausalLM": "lfm2"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -159,6 +161,15 @@ _FALCON_H1_DEFAULTS = dict(
     embedding_multiplier=1.0, key_multiplier=1.0, attention_in_multiplier=1.0,
     attention_out_multiplier=1.0, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
     mlp_multipliers=[1.0, 1.0], ssm_multipliers=[1.0] * 5)
+# LFM2 (LiquidAI LFM2-350M ... 2.6B): layer_types' "conv" layers are gated short
+# convolutions (`ModelConfig.linear_mixer` "short_conv", `ShortConv`: conv.in_proj's rows
+# [B; C; x] kept apart), the others attention with per-head q/k norms (q_layernorm,
+# k_layernorm) and an output projection named out_proj; each beside a SwiGLU
+# feed_forward (w1 gate, w3 up, w2 down; operator_norm and ffn_norm), the last norm
+# embedding_norm. Its config.json says norm_eps, conv_L_cache and conv_bias, and the
+# MLP's width through block_auto_adjust_ff_dim (read as transformers sizes it; written
+# as the size itself). Lfm2MoeForCausalLM (its mixture layers) is not read.
+LFM2 = "Lfm2ForCausalLM"
 # The classes whose linear_attention layers are Mamba2's (`ModelConfig.linear_mixer`).
 _MAMBA2S = (GRANITE_HYBRID, BAMBA, NEMOTRON_H)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -473,8 +484,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = _language_model_config(c)
   arch = _architecture(c)
   lm = _causal_lm(arch)
-  if lm == NEMOTRON_H:
-    cfg = _nemotron_h_from_hf(c)
+  if lm in (NEMOTRON_H, LFM2):
+    cfg = _nemotron_h_from_hf(c) if lm == NEMOTRON_H else _lfm2_from_hf(c)
     return cfg.replace(**overrides) if overrides else cfg
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
   if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
@@ -738,6 +749,70 @@ def _nemotron_h_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       num_nextn_predict_layers=0)
 
 
+_LFM2_LAYER_TYPES = {"full_attention": "full_attention", "conv": "linear_attention"}
+
+
+def _lfm2_ffn_dim(c: dict[str, Any]) -> int:
+  """The width of an LFM2 config.json's feed_forward, as transformers' Lfm2MLP sizes it:
+  with block_auto_adjust_ff_dim, 2/3 of intermediate_size (block_ff_dim in the published
+  files) times block_ffn_dim_multiplier, rounded up to block_multiple_of."""
+  size = int(c["block_ff_dim"] if "block_ff_dim" in c else c.get("intermediate_size", 12_288))
+  if c.get("block_auto_adjust_ff_dim", True):
+    size = int(2 * size / 3)
+    multiplier = c.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+      step = int(c.get("block_multiple_of", 256))
+      size = step * ((int(float(multiplier) * size) + step - 1) // step)
+  return size
+
+
+def _lfm2_from_hf(c: dict[str, Any]) -> ModelConfig:
+  """The ModelConfig of an LFM2 config.json, read as transformers' Lfm2Config reads it
+  (its defaults where a key is left out; layer_types, else attention at full_attn_idxs,
+  else at every layer; the published files' tie_embedding and block_ff_dim above
+  tie_word_embeddings and intermediate_size)."""
+  layers = int(c.get("num_hidden_layers") or 32)
+  kinds = c.get("layer_types")
+  if kinds is None:
+    attention = c.get("full_attn_idxs")
+    attention = range(layers) if attention is None else [int(i) for i in attention]
+    kinds = ["full_attention" if i in attention else "conv" for i in range(layers)]
+  kinds = list(kinds)
+  if len(kinds) != layers or not set(kinds) <= set(_LFM2_LAYER_TYPES):
+    raise ValueError(f"layer_types={kinds!r} in an {LFM2} config.json: expected "
+                     f"full_attention or conv for each of the {layers} layers")
+  d = int(c.get("hidden_size") or 2560)
+  heads = int(c.get("num_attention_heads") or 32)
+  tie = c["tie_embedding"] if "tie_embedding" in c else c.get("tie_word_embeddings", True)
+  rope, _ = _rope_from_hf({"rope_theta": 1_000_000.0, **c}, LFM2)
+  pad = c.get("pad_token_id", 0)
+  dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
+  return ModelConfig(
+      vocab_size=int(c.get("vocab_size") or 65_536), d_model=d, num_layers=layers,
+      num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or 8),
+      head_dim=int(c.get("head_dim") or d // heads), ffn_dim=_lfm2_ffn_dim(c), rope=rope,
+      norm_eps=float(c.get("norm_eps", 1e-5)), tie_embeddings=bool(tie), qk_norm=True,
+      max_position_embeddings=int(c.get("max_position_embeddings") or 128_000),
+      architecture=LFM2, dtype=dtype, param_dtype=dtype,
+      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
+      layer_types=tuple(_LFM2_LAYER_TYPES[k] for k in kinds), linear_mixer="short_conv",
+      linear_conv_kernel=int(c.get("conv_L_cache") or 3),
+      linear_conv_bias=bool(c.get("conv_bias", False)))
+
+
+def _lfm2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """An LFM2 config.json's own fields (`_lfm2_from_hf`'s inverse): the MLP's width as it
+  is (no auto adjustment), the layers' kinds."""
+  rope = cfg.rope
+  return dict(
+      norm_eps=cfg.norm_eps, rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                              **(_rope_scaling(rope) or {})},
+      layer_types=["conv" if linear else "full_attention" for linear in cfg.linear_layers],
+      full_attn_idxs=[i for i, linear in enumerate(cfg.linear_layers) if not linear],
+      conv_L_cache=cfg.linear_conv_kernel, conv_bias=cfg.linear_conv_bias,
+      block_auto_adjust_ff_dim=False, block_ffn_dim_multiplier=1.0, block_multiple_of=256)
+
+
 def _mamba2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """The mamba_* entries of a Granite 4 or Bamba config.json (`_mamba2_from_hf`'s
   inverse)."""
@@ -860,7 +935,7 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
           "qk_rope_head_dim": int(c["qk_rope_head_dim"]), "v_head_dim": int(c["v_head_dim"])}
 
 # Classes whose layers name their MLP feed_forward.
-_FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1)
+_FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 
 # Classes whose config.json attention_bias puts a bias on all four attention projections
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
@@ -873,7 +948,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2,))
+              + OLMOS + (MINIMAX_M2, LFM2))
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -1138,15 +1213,13 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"{cfg.architecture}: multi-head latent attention is written as "
                      f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
   qwen3_5 = lm in _QWEN3_5S
-  mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
-  if mamba and lm not in _MAMBA2S:
-    raise ValueError(f"linear_mixer='mamba2' layers cannot be written as {arch}: "
-                     f"{' and '.join(_MAMBA2S)} hold them")
-  if lm in _MAMBA2S and any(cfg.linear_layers) and not mamba:
-    raise ValueError(f"Gated DeltaNet layers cannot be written as {arch}: "
-                     f"{', '.join(_QWEN3_5S)} hold them")
+  holders = {"mamba2": _MAMBA2S, "short_conv": (LFM2,), "gated_deltanet": _QWEN3_5S}
+  if any(cfg.linear_layers) and lm not in holders[cfg.linear_mixer]:
+    raise ValueError(f"linear_mixer={cfg.linear_mixer!r} layers cannot be written as "
+                     f"{arch}: {' and '.join(holders[cfg.linear_mixer])} hold them")
+  deltanet = cfg.linear_mixer == "gated_deltanet" and any(cfg.linear_layers)
   for name, value in (("attn_output_gate", cfg.attn_output_gate),
-                      ("linear_attention layers", any(cfg.linear_layers) and not mamba)):
+                      ("linear_attention layers", deltanet)):
     if qwen3_5 != bool(value):
       raise ValueError(f"{name}={bool(value)} cannot be written as {arch}: "
                        f"{'it always has' if qwen3_5 else ', '.join(_QWEN3_5S) + ' hold'} "
@@ -1337,6 +1410,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
+  if lm == LFM2 and cfg.qkv_bias:
+    raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
+                     "attention projections have no biases")
   if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
     raise ValueError(f"rope_local cannot be written as {cfg.architecture}, whose layers "
                      "share one rotary embedding; Gemma3ForCausalLM holds it")
@@ -1384,7 +1460,11 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_nemotron_h_to_hf(cfg))
-  if lm != "Qwen2ForCausalLM":
+  if lm == LFM2:
+    for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
+      out.pop(key)
+    out.update(_lfm2_to_hf(cfg))
+  if lm not in ("Qwen2ForCausalLM", LFM2):
     out["attention_bias"] = cfg.qkv_bias
   if lm in GEMMAS:
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
@@ -1619,6 +1699,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
 
   if _causal_lm(cfg.architecture) == NEMOTRON_H:
     return _nemotron_h_rows(cfg, proj_in)
+  if _causal_lm(cfg.architecture) == LFM2:
+    return _lfm2_rows(cfg, proj_in)
   final = "final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1) else "norm"
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
           (("final_norm", "scale"), f"model.{final}.weight", ident, ident, (d,))]
@@ -1789,6 +1871,62 @@ def _nemotron_h_rows(cfg: ModelConfig, proj_in: Callable[[int], tuple[Transform,
       rows.append((p + ("attn", "o_proj"), mixer + "o_proj.weight",
                    lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
                    lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
+  return rows
+
+
+def _lfm2_rows(cfg: ModelConfig, proj_in: Callable[[int], tuple[Transform, Transform]]
+               ) -> list:
+  """`_mapping` of LFM2: model.embed_tokens, model.embedding_norm, and per layer its
+  operator_norm and ffn_norm, its short convolution (`_short_conv_rows`) or attention
+  (q/k/v_proj, out_proj, q_layernorm / k_layernorm), and its feed_forward (w1, w3, w2)."""
+  d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+  ident = lambda x: x  # noqa: E731
+  transposed = (lambda x: x.T, lambda x: x.T)
+  rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
+          (("final_norm", "scale"), "model.embedding_norm.weight", ident, ident, (d,))]
+  if cfg.lm_head and not cfg.tie_embeddings:
+    rows.append((("lm_head",), "lm_head.weight", *transposed, (d, cfg.vocab_size)))
+  for i, linear in enumerate(cfg.linear_layers):
+    p, hf = layer_path(cfg, i), f"model.layers.{i}."
+    rows += [(p + (ours, "scale"), hf + f"{name}.weight", ident, ident, (d,))
+             for ours, name in (("input_norm", "operator_norm"), ("post_attn_norm", "ffn_norm"))]
+    if linear:
+      rows += _short_conv_rows(cfg, p, hf + "conv.")
+    else:
+      attn = hf + "self_attn."
+      rows += [(p + ("attn", name), attn + f"{name}.weight", *proj_in(heads), (d, heads, h))
+               for name, heads in (("q_proj", n), ("k_proj", k), ("v_proj", k))]
+      rows.append((p + ("attn", "o_proj"), attn + "out_proj.weight",
+                   lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
+                   lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
+      rows += [(p + ("attn", f"{q}_norm", "scale"), attn + f"{q}_layernorm.weight", ident,
+                ident, (h,)) for q in "qk"]
+    rows += [(p + ("mlp", ours), hf + f"feed_forward.{name}.weight", *transposed, shape)
+             for ours, name, shape in (("gate_proj", "w1", (d, f)), ("up_proj", "w3", (d, f)),
+                                       ("down_proj", "w2", (f, d)))]
+  return rows
+
+
+def _short_conv_rows(cfg: ModelConfig, p: tuple, conv: str) -> list:
+  """An LFM2 short convolution (`ShortConv`) under `conv`: in_proj [3D, D] (rows B, C,
+  x; ours b_proj, c_proj, x_proj [D, D]), conv.weight [D, 1, C] (ours conv [D, C]),
+  out_proj [D, D] (ours o_proj), and with conv_bias their biases."""
+  d, c = cfg.d_model, cfg.linear_conv_kernel
+  ident = lambda x: x  # noqa: E731
+  transposed = (lambda x: x.T, lambda x: x.T)
+  mixer = p + ("linear_attn",)
+  rows = [(mixer + (name,), conv + "in_proj.weight",
+           *_fused_part(transposed, j * d, d, 3 * d), (d, d))
+          for j, name in enumerate(("b_proj", "c_proj", "x_proj"))]
+  rows += [(mixer + ("conv",), conv + "conv.weight", lambda x: x.reshape(d, c),
+            lambda x: x.reshape(d, 1, c), (d, c)),
+           (mixer + ("o_proj",), conv + "out_proj.weight", *transposed, (d, d))]
+  if cfg.linear_conv_bias:
+    rows += [(mixer + (name,), conv + "in_proj.bias", *_fused_part((ident, ident), j * d, d,
+                                                                  3 * d), (d,))
+             for j, name in enumerate(("b_bias", "c_bias", "x_bias"))]
+    rows += [(mixer + ("conv_bias",), conv + "conv.bias", ident, ident, (d,)),
+             (mixer + ("o_bias",), conv + "out_proj.bias", ident, ident, (d,))]
   return rows
 
 
@@ -2208,7 +2346,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     if t in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next's, grouped by key head
       b_maps = _key_group_b(cfg, t, r)
     ours = layer_path(cfg, i) + owner
-    peft = f"base_model.model.model.layers.{i}.{module}.{t}."
+    peft = f"base_model.model.model.layers.{i}.{module}.{_peft_module(cfg, t)}."
     if _causal_lm(cfg.architecture) == NEMOTRON_H:  # each layer's one sublayer: its mixer
       shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
       peft = f"base_model.model.model.layers.{i}.mixer.{shared}{t}."
@@ -2317,9 +2455,31 @@ _PEFT_SCORE = "base_model.model.score.weight"
 
 
 def _linear_module(cfg: ModelConfig) -> str:
-  """The HF module of a linear-attention layer's mixer: Granite 4's mamba, or Qwen3.5's
-  linear_attn."""
-  return "mamba" if cfg.linear_mixer == "mamba2" else "linear_attn"
+  """The HF module of a linear-attention layer's mixer: Granite 4's mamba, LFM2's conv,
+  or Qwen3.5's linear_attn."""
+  return {"mamba2": "mamba", "short_conv": "conv"}.get(cfg.linear_mixer, "linear_attn")
+
+
+# LFM2's names of the projections LoRA targets name otherwise: its attention's output
+# projection and its feed_forward's.
+_LFM2_MODULES = {"o_proj": "out_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _peft_module(cfg: ModelConfig, target: str) -> str:
+  """The name of the module LoRA target `target` wraps within its layer's attention,
+  mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES`."""
+  return _LFM2_MODULES.get(target, target) if _causal_lm(cfg.architecture) == LFM2 else target
+
+
+def _peft_target(cfg: ModelConfig, target: str) -> str:
+  """A target_modules entry of PEFT's that wraps `target` and nothing else: its name, or
+  where the name is ambiguous (LFM2's out_proj is the attention's and the convolution's)
+  the name under its owner, e.g. self_attn.out_proj."""
+  if _causal_lm(cfg.architecture) != LFM2:
+    return target
+  owner = ("self_attn" if target in _ATTN_TARGETS else
+           _linear_module(cfg) if target in cfg.linear_lora_targets else "feed_forward")
+  return f"{owner}.{_peft_module(cfg, target)}"
 
 
 def _mlp_module(cfg: ModelConfig, i: int) -> str:
@@ -2359,13 +2519,13 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
       shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
       return f"backbone.layers.{i}.mixer.{shared}{t}" if t in has else None
     if t in _ATTN_TARGETS:
-      return None if linear else f"model.layers.{i}.self_attn.{t}"
+      return None if linear else f"model.layers.{i}.self_attn.{_peft_module(cfg, t)}"
     if cfg.parallel_mixer and t in cfg.linear_lora_targets:  # Falcon-H1's mamba
       return f"model.layers.{i}.{_linear_module(cfg)}.{t}"
     if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
       if cfg.mixture_flags[i] and not cfg.shared_expert_dim:
         return None
-      return f"model.layers.{i}.{_mlp_module(cfg, i)}.{t}"
+      return f"model.layers.{i}.{_mlp_module(cfg, i)}.{_peft_module(cfg, t)}"
     return f"model.layers.{i}.{_linear_module(cfg)}.{t}" if linear else None
 
   modules = {(i, t): module(i, t) for i in range(cfg.num_layers) for t in names
@@ -2943,7 +3103,8 @@ def save_lora_adapter(model: Transformer, path: str, *, base_model_name_or_path:
       "peft_type": "LORA", "task_type": "SEQ_CLS" if reward_model else "CAUSAL_LM",
       "modules_to_save": sorted(_SCORE_MODULES) if reward_model else None, "r": cfg.lora_rank,
       "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
-      "target_modules": [t for t in cfg.lora_target_names if t not in EXPERT_LORA_TARGETS],
+      "target_modules": [_peft_target(cfg, t) for t in cfg.lora_target_names
+                         if t not in EXPERT_LORA_TARGETS],
       "lora_dropout": 0.0, "bias": "none",
       "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
       "base_model_name_or_path": base_model_name_or_path or None, "inference_mode": True,

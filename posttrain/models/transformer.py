@@ -1,8 +1,8 @@
 """Decoder-only transformer for the Llama 3 / Mistral / Qwen2.5 / Qwen3 / Qwen3.5 (Gated
 DeltaNet layers) / Gemma / Gemma 2 / Gemma 3 / OLMo / Phi-3 / SmolLM3 / GLM-4 / Granite
-(Granite 4-H and Bamba: Mamba2 layers) families and the mixtures of experts Qwen3-MoE /
-Qwen3.5-MoE / Qwen3-Next / Qwen2-MoE / Mixtral / gpt-oss / GLM-4.5 / DeepSeek-V2 / V3
-(multi-head latent attention) (Flax NNX).
+(Granite 4-H and Bamba: Mamba2 layers) / LFM2 (short convolutions) families and the
+mixtures of experts Qwen3-MoE / Qwen3.5-MoE / Qwen3-Next / Qwen2-MoE / Mixtral / gpt-oss /
+GLM-4.5 / DeepSeek-V2 / V3 (multi-head latent attention) (Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
 H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names
@@ -69,7 +69,9 @@ class LinearCache(NamedTuple):
   value heads, value head dim], the compute dtype) and the recurrent state [B, value heads,
   key head dim, value head dim] (float32; a Mamba2 layer's [B, heads, head dim, state],
   `_linear_state_dims`). Fixed-size whatever the row's length: it has no
-  slots, and holds the row as of the last token written."""
+  slots, and holds the row as of the last token written. A short-convolution layer
+  (LFM2's, `ShortConv`) keeps its window of B * x in v_conv [B, C-1, d_model, 1], its
+  other arrays empty (zero-sized)."""
 
   q_conv: jax.Array
   k_conv: jax.Array
@@ -134,6 +136,10 @@ def init_linear_cache(cfg: ModelConfig, batch: int, dtype=None,
   c = cfg.linear_conv_kernel - 1
   hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  if cfg.linear_mixer == "short_conv":  # the window of d_model channels alone
+    empty = jnp.zeros((*layers, batch, c, 0, 0), dtype)
+    return LinearCache(empty, empty, jnp.zeros((*layers, batch, c, cfg.d_model, 1), dtype),
+                       jnp.zeros((*layers, batch, 0, 0, 0), jnp.float32))
   return LinearCache(jnp.zeros((*layers, batch, c, hk, dk), dtype),
                      jnp.zeros((*layers, batch, c, hk, dk), dtype),
                      jnp.zeros((*layers, batch, c, hv, dv), dtype),
@@ -349,12 +355,24 @@ _LINEAR_PARTS = {"in_proj_qkv": ("q_proj", "k_proj", "v_proj"), "in_proj_z": ("z
                  "in_proj_qkvz": ("q_proj", "k_proj", "v_proj", "z_proj"),
                  "in_proj_ba": ("b_proj", "a_proj"), "out_proj": ("o_proj",),
                  "in_proj": ("z_proj", "v_proj", "k_proj", "q_proj", "a_proj")}
+# A short convolution's in_proj (`ShortConv`): its B, C and x, in LFM2's row order.
+_SHORT_CONV_IN = ("b_proj", "c_proj", "x_proj")
+
+
+def _linear_parts(cfg: ModelConfig, target: str) -> tuple[str, ...]:
+  """The projections of a linear layer's mixer that `target` wraps (`_LINEAR_PARTS`; a
+  short convolution's in_proj its B, C and x)."""
+  if cfg.linear_mixer == "short_conv" and target == "in_proj":
+    return _SHORT_CONV_IN
+  return _LINEAR_PARTS[target]
 
 
 def _linear_part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """Output shape of each of `LinearAttention`'s input projections."""
+  """Output shape of each of `LinearAttention`'s (or `ShortConv`'s) input projections."""
   hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  if cfg.linear_mixer == "short_conv":
+    return dict.fromkeys(_SHORT_CONV_IN, (cfg.d_model,))
   return {"q_proj": (hk, dk), "k_proj": (hk, dk), "v_proj": (hv, dv), "z_proj": (hv, dv),
           "b_proj": (hv,), "a_proj": (hv,)}
 
@@ -398,9 +416,11 @@ def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
   f = _mlp_width(cfg, stack)
   if target in _LINEAR_PARTS:
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    if target == "out_proj" and cfg.linear_mixer == "short_conv":
+      return ((d,), ("linear_heads",), (d,), ("embed",))
     if target == "out_proj":
       return ((hv, dv), ("linear_heads", "head_dim"), (d,), ("embed",))
-    parts = _LINEAR_PARTS[target]
+    parts = _linear_parts(cfg, target)
     if len(parts) == 1:  # z_proj, b_proj, a_proj: shaped, sharded, as their weights
       out = _linear_part_shapes(cfg)[parts[0]]
       return ((d,), ("embed",), out, ("linear_heads", "head_dim")[:len(out)])
@@ -517,7 +537,9 @@ def _lora_params(cfg: ModelConfig, target: str) -> tuple[str, ...]:
   fused Gated DeltaNet projection (`_LINEAR_PARTS`) and the experts' gate and up."""
   if target in EXPERT_LORA_TARGETS:
     return ("gate_proj", "up_proj") if target == "experts_gate_up_proj" else ("down_proj",)
-  return _LINEAR_PARTS.get(target) or (_lora_param(cfg, target),)
+  if target in _LINEAR_PARTS:
+    return _linear_parts(cfg, target)
+  return (_lora_param(cfg, target),)
 
 
 def _lora_param(cfg: ModelConfig, target: str) -> str:
@@ -578,7 +600,7 @@ def _add_fused_lora(module, target: str, outs: dict, x) -> dict:
   xa = jnp.einsum("BTD,DR->BTR", x, a[...].astype(dt))
   y = module.cfg.lora_scale * jnp.einsum("BTR,RO->BTO", xa, b.reshape(b.shape[0], -1).astype(dt))
   outs, start = dict(outs), 0
-  for name in _LINEAR_PARTS[target]:
+  for name in _linear_parts(module.cfg, target):
     size = int(np.prod(outs[name].shape[2:]))
     part = y[..., start:start + size].reshape(outs[name].shape)
     outs[name], start = outs[name] + part.astype(dt), start + size
@@ -1830,6 +1852,72 @@ class Mamba2(LinearAttention):
                               ctx)
 
 
+class ShortConv(nnx.Module):
+  """LFM2's gated short convolution (its "conv" layers; cfg.linear_mixer "short_conv"):
+
+      y = out_proj(C * conv(B * x)),    B, C, x = in_proj(u) (three [D, D] parts)
+
+  conv depthwise and causal over cfg.linear_conv_kernel taps, with no activation. in_proj's
+  parts are kept apart (b_proj, c_proj, x_proj [D, D]: LFM2's rows in that order), the
+  taps `conv` [D, C] oldest input first, the output o_proj [D, D] (out_proj); with
+  cfg.linear_conv_bias each has a bias. The channels take the "linear_heads" axis.
+
+  Its cache is a `LinearCache` whose v_conv [B, C-1, D, 1] holds the last C-1 values of
+  B * x (the other arrays empty). Padding tokens (segment id 0) leave it as it is, and a
+  new segment starts from zeros, as in `LinearAttention`.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    d, c = cfg.d_model, cfg.linear_conv_kernel
+    for name in _SHORT_CONV_IN:
+      setattr(self, name, _param(rngs, (d, d), ("embed", "linear_heads"), pd, std=std))
+    self.conv = _param(rngs, (d, c), ("linear_heads", None), pd, std=float(1.0 / np.sqrt(c)))
+    self.o_proj = _param(rngs, (d, d), ("linear_heads", "embed"), pd, std=std)
+    if cfg.linear_conv_bias:
+      for name in ("b_bias", "c_bias", "x_bias", "conv_bias"):
+        setattr(self, name, _param(None, (d,), ("linear_heads",), pd, init="zeros"))
+      self.o_bias = _param(None, (d,), ("embed",), pd, init="zeros")
+
+  def __call__(self, x_BxTxD, segment_ids_BxT, cache: LinearCache | None,
+               ctx: ShardingContext, prefill: bool = False, layer=None):
+    """(y [B, T, D], the new cache or None), as `LinearAttention.__call__`."""
+    import kernels
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    x = x_BxTxD.astype(dt)
+    b, t, d = x.shape
+    channels = ("batch", "length", "linear_heads")
+    outs = {name: jnp.einsum("BTD,DE->BTE", x, getattr(self, name)[...].astype(dt))
+            for name in _SHORT_CONV_IN}
+    if cfg.linear_conv_bias:
+      outs = {name: y + getattr(self, name.replace("_proj", "_bias"))[...].astype(dt)[None, None]
+              for name, y in outs.items()}
+    if "in_proj" in cfg.lora_target_names:
+      outs = _add_fused_lora(self, "in_proj", outs, x)
+    bx = ctx.constrain(outs["b_proj"] * outs["x_proj"], channels)
+    old = None
+    if cache is not None and not prefill:
+      old = cache.v_conv if layer is None else cache.v_conv[layer]
+    bias = getattr(self, "conv_bias", None)
+    conv, window = kernels.causal_conv1d(
+        bx, self.conv[...].astype(dt), bias=None if bias is None else bias[...].astype(dt),
+        segment_ids=segment_ids_BxT,
+        initial_state=None if old is None else old.reshape(b, -1, d),
+        activation=None, return_final_state=True)
+    o = ctx.constrain(outs["c_proj"] * conv.astype(dt), channels)
+    y = jnp.einsum("BTE,ED->BTD", o, self.o_proj[...].astype(dt))
+    if cfg.linear_conv_bias:
+      y = y + self.o_bias[...].astype(dt)[None, None]
+    y = _add_lora(self, "out_proj", y, o, "BTE,ER->BTR", "BTR,RD->BTD")
+    if cache is None:
+      return y, None
+    window = window.reshape(b, -1, d, 1).astype(cache.v_conv.dtype)
+    if layer is not None:
+      window = jax.lax.dynamic_update_index_in_dim(cache.v_conv, window, layer, 0)
+    return y, map_cache(ctx.constrain, cache._replace(v_conv=window))
+
+
 class Block(nnx.Module):
   """x + attn(norm(x)), then x + mlp(norm(x)) (`post_attn_norm` is the MLP's input norm,
   Llama's post_attention_layernorm). With cfg.sandwich_norms (Gemma 2 / 3) each output is
@@ -1854,7 +1942,8 @@ class Block(nnx.Module):
       self.mlp = MoE(cfg, rngs)
       return
     if linear:
-      mixer = Mamba2 if cfg.linear_mixer == "mamba2" else LinearAttention
+      mixer = {"mamba2": Mamba2, "short_conv": ShortConv}.get(cfg.linear_mixer,
+                                                              LinearAttention)
       self.linear_attn = mixer(cfg, rngs)
     else:
       self.attn = Attention(cfg, rngs)
