@@ -115,12 +115,14 @@ def randomize_correction_biases(model, seed: int = 0, scale: float = 0.3):
 
 
 def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
-                          target_parameters=None):
+                          target_parameters=None, peft_targets=None):
   """PEFT adapter files both ways for the HF folder `folder` (`hf` its model, `fresh_hf()`
   a new copy of it): ours (rank 3, B random) load in PEFT with our logits, and an adapter
-  PEFT made (rank 2, B random) loads in ours with PEFT's logits. `targets`: the
-  target_modules names; `target_parameters`: PEFT's names of the routed experts, adapted
-  too. Returns (our adapter's folder, the model read from PEFT's)."""
+  PEFT made (rank 2, B random) loads in ours with PEFT's logits. `targets`: our
+  lora_targets, and the target_modules names unless `peft_targets` gives those (a family
+  whose modules are named otherwise: LFM2's); `target_parameters`: PEFT's names of the
+  routed experts, adapted too. Returns (our adapter's folder, the model read from
+  PEFT's)."""
   import peft
   import torch
   experts = ",experts_gate_up_proj,experts_down_proj" if target_parameters else ""
@@ -136,7 +138,7 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   assert np.abs(hf_logits(hf, tokens) - want).max() > 1e-2  # the adapters matter
   loaded = peft.PeftModel.from_pretrained(fresh_hf(), str(tmp_path / "ours")).eval()
   np.testing.assert_allclose(hf_logits(loaded, tokens), want, atol=1e-4, rtol=0)
-  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=list(targets),
+  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=list(peft_targets or targets),
                            target_parameters=target_parameters, lora_dropout=0.0,
                            task_type="CAUSAL_LM")
   made = peft.get_peft_model(fresh_hf(), config)
