@@ -1,7 +1,8 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
 a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
-Nemotron 3 (mixtures alone) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps
+Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions) and a Phi-3 (LongRoPE,
+partial rotary) Hugging Face folder, end to end: SFT and RL steps
 with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
 folder that transformers loads into the same class and computes our logits with."""
 
@@ -121,6 +122,12 @@ FAMILIES = {
                       attention_out_multiplier=0.75, ssm_in_multiplier=1.25,
                       ssm_out_multiplier=0.5, mlp_gate_multiplier=0.8,
                       mlp_down_multiplier=0.6, ssm_multipliers=(0.5, 0.25, 0.5, 0.5, 1.5)),
+    # LFM2: a gated short convolution with biases (rollouts through its window, packed SFT
+    # rows through its resets) beside an attention layer with per-head q/k norms.
+    "lfm2": dict(architecture="Lfm2ForCausalLM", tie_embeddings=False, qk_norm=True,
+                 layer_types=("linear_attention", "full_attention"), linear_mixer="short_conv",
+                 linear_conv_kernel=3, linear_conv_bias=True,
+                 rope=models.RopeConfig(theta=1_000_000.0)),
 }
 
 
