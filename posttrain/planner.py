@@ -1612,6 +1612,9 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   2sD, per row its chunk's matrices and state, and, weights left sharded, both mixers'
   weights; with the weights gathered every layer's Mamba2 input projections are relaid
   as a linear layer's (by analogy, not compiled).
+  With the weights left sharded, a scanned model of Mamba2 layers beside attention
+  layers holds relaid copies of whole weight stacks, sharded as stored
+  (`_relaid_stack_bytes`).
   Compiled for a v5e-8 (Llama 3 8B, 16 prompts of 1,024, weights left sharded), XLA's
   prefill needs 1.10 GiB beyond the weights and the cache; this counts 0.98 GiB of it
   (0.58 GiB before the gathered layer was counted)."""
@@ -1664,9 +1667,10 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
 
   forward = max(layer(linear, **kw)
                 for _, linear, kw in _layer_kinds(cfg, prompts, prompt_len, mesh, rules))
-  # The linear layers' input projections, relaid for the prefill (gathered weights).
+  # The linear layers' input projections, relaid for the prefill (gathered weights);
+  # left sharded, a hybrid scan's whole stacks (`_relaid_stack_bytes`).
   relaid = (s * cfg.d_model * (2 * hk * dk + 2 * hv * dv + 2 * hv) * _mixer_layers(cfg)
-            if gathered else 0)
+            if gathered else _relaid_stack_bytes(cfg, mesh, rules))
   kv_dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
   # One layer's k and v (a latent cache: its one array) of every row, scales aside.
   copied = sum(shard_bytes(shape, dt, NamedSharding(mesh, models.logical_to_spec(
@@ -1676,6 +1680,38 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   prompt_cache = kv_cache_bytes(cfg, batch=prompts, max_len=prompt_len, mesh=mesh,
                                 rules=rules, dtype=dtype)
   return int(prompt_cache + relaid + max(forward, copied))
+
+
+def _relaid_stack_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, rules) -> int:
+  """Per-device bytes of the weight stacks a scanned model of Mamba2 and attention layers
+  (linear_attention layers of linear_mixer "mamba2", `_scan_hybrid`) keeps relaid in its
+  prefill with the weights left sharded: a copy of every Mamba2 layer's x, z and
+  out_proj stacks ([L, D, Hv, Dv] and [L, Hv, Dv, D], their head dim minor), and with
+  single-sublayer layers (cfg.split_layers) of every MLP layer's matrices, each sharded
+  as stored, in the compute dtype. XLA:TPU lays them out for the layers it runs unrolled
+  in the loop over periods and keeps them for the whole call. Read from its live-range
+  reports of the fill (libtpu 0.0.42.1, v5e-8, fsdp 8): a Nemotron-H-8B-shaped model
+  held its two MLP stacks (504 MiB each) and its 24 Mamba2 layers' x, z and out_proj
+  (0.6 GiB), 1.6 GiB the plan missed; a Bamba-9B-shaped one three 232 MiB stacks of its
+  29 Mamba2 layers. 0 for other models."""
+  mamba = sum(cfg.linear_layers)
+  if not (cfg.scan_layers and mamba and cfg.linear_mixer == "mamba2"):
+    return 0
+  d, hv, dv = cfg.d_model, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+
+  def stack(names, shape):
+    spec = models.logical_to_spec(names, rules, mesh, shape)
+    return shard_bytes(shape, np.dtype(cfg.dtype), NamedSharding(mesh, spec))
+
+  heads = ("layers", "embed", "linear_heads", "head_dim")
+  total = (2 * stack(heads, (mamba, d, hv, dv))
+           + stack(("layers", "linear_heads", "head_dim", "embed"), (mamba, hv, dv, d)))
+  mlps = sum(cfg.mlp_layers) if cfg.split_layers else 0
+  if mlps:
+    width = cfg.dense_ffn_dim if cfg.num_experts else cfg.ffn_dim
+    total += ((_mlp_matrices(cfg) - 1) * stack(("layers", "embed", "mlp"), (mlps, d, width))
+              + stack(("layers", "mlp", "embed"), (mlps, width, d)))
+  return total
 
 
 def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
@@ -1941,6 +1977,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   if cfg.linear_mixers and not sharded:
     prefill_note += (", the Mamba2 mixers' input projections relaid" if cfg.parallel_mixer
                      else ", the linear layers' input projections relaid")
+  elif _relaid_stack_bytes(cfg, rollout_mesh, rules):
+    prefill_note += (", relaid whole: the Mamba2 layers' x, z and out_proj stacks"
+                     + (" and the MLP layers' matrices" if any(cfg.mlp_layers) else ""))
   step = decode_step_bytes(cfg, rows=s_rows, mesh=rollout_mesh, rules=rules,
                            gathered=not sharded)
   rm_bytes, rm_note = reward_model_bytes(config, rollout_shape, rules)

@@ -1898,3 +1898,30 @@ def test_a_pattern_of_many_runs_holds_its_mixture_layers_buffers():
   moe = 2 * s * (24 + 2 * 40) + 4 * 6 + s * 16
   assert held(cfg) == rows * length * (others + 3 * moe)
   assert held(balanced) == rows * length * others
+
+
+@pytest.mark.parametrize("layout, mlps", [
+    (dict(NEMOTRON_H, num_layers=6, layer_types=NEMOTRON_H_LAYERS), True),
+    (dict(MAMBA2, num_layers=4,
+          layer_types=("linear_attention", "linear_attention", "full_attention",
+                       "linear_attention")), False)])
+def test_relaid_stacks_are_the_sharded_stacks_a_hybrid_prefill_lays_out(layout, mlps):
+  """Left sharded, a scanned Mamba2 hybrid's prefill keeps relaid copies of whole weight
+  stacks: every Mamba2 layer's x, z and out_proj (and with single-sublayer layers every
+  MLP layer's matrices), each as the real arrays shard it over fsdp 4 x tensor 2; none
+  unscanned, or for Gated DeltaNet layers."""
+  mesh = (1, 4, 2, 1)
+  cfg = models.get_preset("tiny", **layout, scan_layers=True)
+  real = nnx.state(models.create_model(cfg, mesh=models.make_mesh(mesh)), nnx.Param)
+  stacks = [real["linear_layers"]["linear_attn"][name] for name in ("v_proj", "z_proj",
+                                                                     "o_proj")]
+  if mlps:
+    stacks += [real["mlp_layers"]["mlp"][name] for name in ("up_proj", "down_proj")]
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, mesh)))
+  want = _real_per_device_bytes(stacks)
+  assert planner._relaid_stack_bytes(cfg, abstract, models.DEFAULT_RULES) == want > 0
+  assert planner.prefill_bytes(cfg, prompts=8, prompt_len=64, rows=8, mesh=abstract,
+                               gathered=False) > want
+  deltanet = models.get_preset("tiny", **QWEN3_5, scan_layers=True)
+  for other in (cfg.replace(scan_layers=False), deltanet):
+    assert planner._relaid_stack_bytes(other, abstract, models.DEFAULT_RULES) == 0
