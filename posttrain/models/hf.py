@@ -1213,13 +1213,23 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"{cfg.architecture}: multi-head latent attention is written as "
                      f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
   qwen3_5 = lm in _QWEN3_5S
-  holders = {"mamba2": _MAMBA2S, "short_conv": (LFM2,), "gated_deltanet": _QWEN3_5S}
-  if any(cfg.linear_layers) and lm not in holders[cfg.linear_mixer]:
+  mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
+  short = cfg.linear_mixer == "short_conv" and any(cfg.linear_layers)
+  if mamba and lm not in _MAMBA2S:
+    raise ValueError(f"linear_mixer='mamba2' layers cannot be written as {arch}: "
+                     f"{' and '.join(_MAMBA2S)} hold them")
+  if short and lm != LFM2:
+    raise ValueError(f"linear_mixer='short_conv' layers cannot be written as {arch}: "
+                     f"{LFM2} holds them")
+  if lm == LFM2 and any(cfg.linear_layers) and not short:
     raise ValueError(f"linear_mixer={cfg.linear_mixer!r} layers cannot be written as "
-                     f"{arch}: {' and '.join(holders[cfg.linear_mixer])} hold them")
-  deltanet = cfg.linear_mixer == "gated_deltanet" and any(cfg.linear_layers)
+                     f"{arch}, whose linear layers are short convolutions")
+  if lm in _MAMBA2S and any(cfg.linear_layers) and not mamba:
+    raise ValueError(f"Gated DeltaNet layers cannot be written as {arch}: "
+                     f"{', '.join(_QWEN3_5S)} hold them")
   for name, value in (("attn_output_gate", cfg.attn_output_gate),
-                      ("linear_attention layers", deltanet)):
+                      ("linear_attention layers",
+                       any(cfg.linear_layers) and not mamba and not short)):
     if qwen3_5 != bool(value):
       raise ValueError(f"{name}={bool(value)} cannot be written as {arch}: "
                        f"{'it always has' if qwen3_5 else ', '.join(_QWEN3_5S) + ' hold'} "
