@@ -269,7 +269,8 @@ _QWEN3_5_DEFAULTS = dict(
     max_position_embeddings=32_768, attention_bias=False, tie_word_embeddings=False)
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
-    FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM4_MOE: _GLM4_MOE_DEFAULTS,
+    FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
+    GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     QWEN3_5: _QWEN3_5_DEFAULTS, MINIMAX_M2: _MINIMAX_M2_DEFAULTS, LLAMA4: _LLAMA4_DEFAULTS,
     QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,

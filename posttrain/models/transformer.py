@@ -1760,7 +1760,9 @@ class Mamba2(LinearAttention):
 
   (`kernels.gated_linear_attention`). y is gated by SiLU(z), RMS-normed over each group's
   heads together (Mamba2's gated norm, norm_before_gate=False), scaled by `norm` [heads,
-  head dim], and projected back by o_proj (out_proj). Padding and new segments behave as
+  head dim], and projected back by o_proj (out_proj). Falcon-H1's variants: the norm
+  before the gate or none (cfg.linear_norm; none: no `norm`), and in_proj's parts z, x,
+  B, C and dt scaled by cfg.ssm_multipliers after the projection. Padding and new segments behave as
   in `LinearAttention`: the cache is the same `LinearCache` (C's window in q_conv, B's in
   k_conv, x's in v_conv; the state transposed, [heads, head dim, state], as mamba_ssm's
   ssm_state).
