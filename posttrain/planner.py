@@ -549,6 +549,24 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
   decayed values and outputs ([c, Dv] three times), the decayed keys [c, Dk] and the
   state. Beside these once per layer: the taps (and biases) s(2K + V)(C + 1) and two
   float32 [Hv] columns of the decay.
+
+  A short-convolution layer (cfg.linear_mixer "short_conv", LFM2's `ShortConv`; its E
+  channels on one device are `value_heads`, d_model over the "linear_heads" axis,
+  `_linear_shards`) keeps instead:
+
+    none                     s 4D + 4(4D + 4) + MLP + 6sE   the block, as attention's
+    dots                     s(2D + 3E) + MLP dots
+    dots_with_no_batch_dims  s(2D + 3E) + MLP dots
+    full                     s D
+
+  Without remat: B, C and x (in_proj's three parts, their biases added or not), B * x
+  (the convolution's input: `kernels.causal_conv1d` is rematerialised), the
+  convolution's output and C times it (out_proj's input), all in the compute dtype. A
+  dots policy keeps B, C and x and out_proj's output (in its 2D): the convolution is
+  elementwise, no matmul, so both dots policies keep the same. Nothing once a layer (its
+  taps and biases are read as stored, params in the compute dtype). Fitted the same way
+  on LFM2's layout, float32 and bfloat16, with and without linear_conv_bias, and with
+  LoRA on in_proj (one adapter over B, C and x, 3E wide) and out_proj.
   """
   cfg = model_cfg
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
@@ -557,15 +575,19 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
   k, v = hk * dk, hv * dv
   c = max(1, min(cfg.linear_chunk, kv_len))
   padded = -(-kv_len // c) * c / kv_len
+  if cfg.linear_mixer == "short_conv":  # in_proj's B, C and x, E channels each
+    widths = {"in_proj": 3 * hv, "out_proj": d}
+  else:
+    widths = {"in_proj_qkv": 2 * k + v, "in_proj_z": v, "in_proj_b": hv, "in_proj_a": hv,
+              "in_proj_qkvz": 2 * k + 2 * v, "in_proj_ba": 2 * hv,
+              "in_proj": 2 * k + 2 * v + hv, "out_proj": d}
   mlp_kept = (_mlp_kept(cfg, remat, mlp, shared, dense, local, routed)
-              + _lora_kept(cfg, remat, {"in_proj_qkv": 2 * k + v, "in_proj_z": v,
-                                        "in_proj_b": hv, "in_proj_a": hv,
-                                        "in_proj_qkvz": 2 * k + 2 * v, "in_proj_ba": 2 * hv,
-                                        "in_proj": 2 * k + 2 * v + hv, "out_proj": d},
-                           _lora_mlp_width(cfg, mlp, shared, dense),
+              + _lora_kept(cfg, remat, widths, _lora_mlp_width(cfg, mlp, shared, dense),
                            gated_mlp=cfg.shared_expert_gate and not dense))
   if cfg.linear_mixer == "mamba2":
     return _mamba2_layer_bytes(cfg, remat, s, d, hk, hv, c, padded, mlp_kept)
+  if cfg.linear_mixer == "short_conv":
+    return _short_conv_layer_bytes(cfg, remat, s, d, hv, mlp_kept)
   if remat == "none":
     return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept
             + (33 + 3 * s) * v + (18 + 2 * s) * k + 34 * hv + 16 * hk
@@ -591,6 +613,22 @@ def _mamba2_layer_bytes(cfg: models.ModelConfig, remat: str, s: int, d: int, hk:
     return s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept + mixer
   if remat in ("dots", "dots_with_no_batch_dims"):
     return s * 2 * d + mlp_kept + mixer
+  if remat == "full":
+    return s * d
+  raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
+
+
+def _short_conv_layer_bytes(cfg: models.ModelConfig, remat: str, s: int, d: int,
+                            channels: int, mlp_kept: float) -> float:
+  """`linear_layer_activation_bytes` of a short-convolution layer (the table in its
+  docstring), `channels` its E on one device: the block's terms and the mixer's six
+  [E] rows without remat (B, C, x, B * x, the convolution and C times it), in_proj's
+  three under a dots policy."""
+  if remat == "none":
+    return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept
+            + 6 * s * channels)
+  if remat in ("dots", "dots_with_no_batch_dims"):
+    return s * (2 * d + 3 * channels) + mlp_kept
   if remat == "full":
     return s * d
   raise ValueError(f"remat={remat!r}; expected one of {REMAT_POLICIES}")
@@ -672,7 +710,13 @@ def _linear_backward_bytes(cfg: models.ModelConfig, key_heads: int, value_heads:
   Without it, Qwen3.5-27B's update on v5p-64 was planned at 49.1 GiB a chip against
   52.2 compiled, and a Bamba-9B-shaped model with LoRA on a v5e-8 at 8.48 against 9.19
   (XLA's memory-usage report: a dozen float32 [T, 8192] arrays of x's convolution and
-  f32 [chunks, 256, 128, 64] states)."""
+  f32 [chunks, 256, 128, 64] states).
+
+  A short-convolution layer (`ShortConv`, E = `value_heads` its channels on the device)
+  runs the same convolution over its E channels and carries no state: 24E (by analogy,
+  not compiled)."""
+  if cfg.linear_mixer == "short_conv":
+    return 24 * value_heads
   k = key_heads * cfg.linear_key_head_dim
   v = value_heads * cfg.linear_value_head_dim
   c = max(1, min(cfg.linear_chunk, kv_len))
@@ -682,8 +726,9 @@ def _linear_backward_bytes(cfg: models.ModelConfig, key_heads: int, value_heads:
 
 
 def _mixer_layers(cfg: models.ModelConfig) -> int:
-  """Layers with a Gated DeltaNet or Mamba2 mixer: the linear_attention layers, or with
-  parallel_mixer every layer (its Mamba2 beside its attention)."""
+  """Layers with a Gated DeltaNet, Mamba2 or short-convolution mixer: the
+  linear_attention layers, or with parallel_mixer every layer (its Mamba2 beside its
+  attention)."""
   return cfg.num_layers if cfg.parallel_mixer else sum(cfg.linear_layers)
 
 
@@ -714,8 +759,9 @@ def _linear_layer_constant(cfg: models.ModelConfig, remat: str, key_heads: int,
   and, when it pads its last chunk (kv_len no multiple of linear_chunk), the float32
   padding value of each of its five inputs (q, k, v, g, beta); a Mamba2 layer's its taps
   and biases (its norm is rematerialised) and four padded inputs (no beta). Nothing
-  under a remat policy."""
-  if remat != "none":
+  under a remat policy, nor for a short-convolution layer (its taps and biases are read
+  as stored; no scan, nothing padded)."""
+  if remat != "none" or cfg.linear_mixer == "short_conv":
     return 0
   s = np.dtype(cfg.dtype).itemsize
   k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
@@ -988,9 +1034,15 @@ def _layer_mlps(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
 def _linear_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
                    rules) -> tuple[int, int]:
   """(key heads, value heads) of one device's shard of a Gated DeltaNet layer's q / k and
-  v / z (the "linear_heads" axis, over `tensor` by default); (0, 0) without such layers."""
+  v / z (the "linear_heads" axis, over `tensor` by default); (0, 0) without such layers.
+  A short convolution's channels (d_model of them, on the same axis) are (0, E), E its
+  channels on the device: heads of width 1, as its cache's window [B, C-1, D, 1] holds
+  them."""
   if not cfg.linear_mixers:
     return 0, 0
+  if cfg.linear_mixer == "short_conv":
+    return 0, _logical_shard(mesh, rules, ("batch", "length", "linear_heads"),
+                             (rows, row_len, cfg.d_model))[2]
   names = ("batch", "length", "linear_heads", "head_dim")
   key = _logical_shard(mesh, rules, names, (rows, row_len, cfg.linear_num_key_heads,
                                             cfg.linear_key_head_dim))[2]
@@ -1125,12 +1177,13 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   `split_layer_activation_bytes`.
   Without remat, multi-head latent attention (cfg.kv_lora_rank) keeps in each layer its
   latent norms' scales and its values' zero padding: s(q_lora_rank + kv_lora_rank + 1).
-  Gated DeltaNet layers (cfg.linear_layers) count with `linear_layer_activation_bytes`,
-  the others with `layer_activation_bytes`, and with cfg.parallel_mixer (Falcon-H1) each
-  with its Mamba2 beside the attention, `parallel_mixer_activation_bytes`; without remat
-  each linear mixer keeps its convolutions' taps, its norm's scale, two [Hv] columns and
-  a few float32 scalars besides (`_linear_layer_constant`), and each multiplier that is
-  not 1 its scalar (`_multiplier_scalars`).
+  Gated DeltaNet, Mamba2 and short-convolution layers (cfg.linear_layers) count with
+  `linear_layer_activation_bytes`, the others with `layer_activation_bytes`, and with
+  cfg.parallel_mixer (Falcon-H1) each with its Mamba2 beside the attention,
+  `parallel_mixer_activation_bytes`; without remat each Gated DeltaNet or Mamba2 mixer
+  keeps its convolutions' taps, its norm's scale, two [Hv] columns and a few float32
+  scalars besides (`_linear_layer_constant`; a short convolution none), and each
+  multiplier that is not 1 its scalar (`_multiplier_scalars`).
   """
   cfg = model_cfg
   remat = remat or cfg.remat
@@ -1179,13 +1232,15 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     + (1 if remat == none else 2) * tokens * layer_activation_bytes(none)
                                   the layer being differentiated (recomputed) + cotangents
                                   (the fuller kind of layer: a mixture's dense or mixture
-                                  layer, a Gated DeltaNet layer with
-                                  `linear_layer_activation_bytes` or an attention layer,
-                                  with parallel_mixer and its Mamba2's terms)
+                                  layer, a Gated DeltaNet, Mamba2 or short-convolution
+                                  layer with `linear_layer_activation_bytes` or an
+                                  attention layer, with parallel_mixer and its Mamba2's
+                                  terms)
     + tokens * _linear_backward_bytes   with linear-attention layers (or parallel_mixer's
                                   Mamba2 mixers): what XLA:TPU holds differentiating one
                                   beyond its saved activations (its convolution's float32
-                                  copies, more chunk states)
+                                  copies, more chunk states; a short convolution's
+                                  float32 copies alone)
     + fused_dq_bytes              the fused flash backward's dq partials, if on
     + 2 * gathered layer          with D split over fsdp: two layers' weights gathered in
                                   the compute dtype (the layer differentiated and the
@@ -1198,7 +1253,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
                                   with leading dense layers, the larger kind of layer;
                                   multi-head latent attention's projections in place
                                   of q, k, v and o (`_attention_weight_bytes`); a Gated
-                                  DeltaNet layer's where larger (`_linear_weight_bytes`);
+                                  DeltaNet, Mamba2 or short-convolution layer's where
+                                  larger (`_linear_weight_bytes`);
                                   with parallel_mixer the attention's and the Mamba2's
     + 2 * experts in compute dtype    a mixture whose params are wider: XLA:TPU hoists
                                   the cast of every layer's experts out of the layer
@@ -1266,6 +1322,8 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
              + (f", q rank {cfg.q_lora_rank})" if cfg.q_lora_rank else ")"))
   if cfg.parallel_mixer:
     note += " beside a Mamba2 mixer in every layer"
+  elif cfg.linear_mixer == "short_conv" and any(cfg.linear_layers):
+    note += f", {sum(cfg.linear_layers)} of the layers short convolutions"
   if cfg.num_experts:
     note += f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok})"
     if cfg.moe_latent_dim:
@@ -1304,7 +1362,9 @@ def _ordered_held_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
   models. A mixture of experts alone (Nemotron 3's moe layers, `mlps`' mixture kind: k
   experts a token of width F, a shared expert of Fs, a latent of L) counts by analogy,
   not compiled: its shared expert's 2sFs as an MLP's, the routed experts' up and
-  activation rows 2skF, the router's float32 logits 4E and latent_in's output sL."""
+  activation rows 2skF, the router's float32 logits 4E and latent_in's output sL. A
+  short-convolution layer (LFM2's, E its channels) counts its projections' outputs by
+  analogy, not compiled: in_proj's B, C and x and out_proj's, s(3E + D)."""
   counts = ordered_layers(cfg)
   if not counts:
     return 0
@@ -1320,7 +1380,10 @@ def _ordered_held_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
     shared = mixture.get("shared", 0) or 0
     moe = (2 * s * (shared + cfg.num_experts_per_tok * mixture["mlp"])
            + 4 * cfg.num_experts + s * cfg.moe_latent_dim)
-  mixer = {"linear": s * (4 * v + 2 * k + linear_heads[1] + d),
+  linear = s * (4 * v + 2 * k + linear_heads[1] + d)
+  if cfg.linear_mixer == "short_conv":
+    linear = s * (3 * linear_heads[1] + d)
+  mixer = {"linear": linear,
            "full": s * (2 * heads * hd + 16 * kv_heads * hd), "mlp": 0, "moe": moe}
   return sum(n * (mixer[kind] + (mlp if kind == "mlp" or not cfg.split_layers else 0))
              for kind, n in counts.items())
@@ -1528,14 +1591,16 @@ def _cache_note(cfg: models.ModelConfig, dtype: np.dtype) -> str:
 def _cache_layers_note(cfg: models.ModelConfig, max_len: int) -> str:
   """'<slots> x <layers> layers', with the sliding layers' rings apart (and the linear
   layers' fixed-size states apart: '<slots> x <full> layers (+ <n> linear layers'
-  states)'; with parallel_mixer every layer's Mamba2 state beside its KV cache)."""
+  states)', a short convolution's its window; with parallel_mixer every layer's Mamba2
+  state beside its KV cache)."""
   sliding = sum(cfg.sliding_layers)
   linear = sum(cfg.linear_layers)
   if cfg.parallel_mixer:
     return f"{max_len} x {cfg.num_layers} layers (+ {cfg.num_layers} Mamba2 states)"
   if linear:
-    return (f"{max_len} x {sum(cfg.attention_layers)} layers (+ {linear} linear layers' "
-            "states)")
+    state = ("short convolutions' windows" if cfg.linear_mixer == "short_conv" else
+             "linear layers' states")
+    return f"{max_len} x {sum(cfg.attention_layers)} layers (+ {linear} {state})"
   ring = models.sliding_cache_slots(cfg, max_len)
   if not sliding or ring == max_len:
     return f"{max_len} x {cfg.num_layers} layers"
@@ -1615,6 +1680,14 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   With the weights left sharded, a scanned model of Mamba2 layers beside attention
   layers holds relaid copies of whole weight stacks, sharded as stored
   (`_relaid_stack_bytes`).
+  A short-convolution layer (LFM2's `ShortConv`, E its channels on a device) holds in
+  place of attention's s(2D + NH + 2KH) + attention, by analogy with what its backward
+  keeps without remat (`linear_layer_activation_bytes`; not compiled for TPU):
+    s(2D + 6E)              the block's input and output, B, C and x, B * x, the
+                            convolution's output and C times it
+  no per-row term (no scan: its state is the window its cache holds), and, weights
+  left sharded, its own weights gathered (`_linear_weight_bytes`). Nothing is relaid,
+  gathered or not: no chunked scan lays out its projections (none seen, not compiled).
   Compiled for a v5e-8 (Llama 3 8B, 16 prompts of 1,024, weights left sharded), XLA's
   prefill needs 1.10 GiB beyond the weights and the cache; this counts 0.98 GiB of it
   (0.58 GiB before the gathered layer was counted)."""
@@ -1635,6 +1708,9 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   linear_mixer = (s * (2 * d + 4 * hk * dk + 3 * hv * dv + 2 * hv)
                   + 4 * (2 * hk * dk + 2 * hv * dv + 2 * hv))
   linear_row = 4 * hv * (5 * c * c + 2 * dk * dv)  # one chunk's matrices, the state
+  short_conv = cfg.linear_mixer == "short_conv"
+  if short_conv:  # the block's rows and six of E channels (hv); no scan, no chunk
+    linear_mixer, linear_row = s * (2 * d + 6 * hv), 0
 
   x = _expert_width(cfg)  # the routed experts' rows: D, or their latent's
   latent = 2 * s * cfg.moe_latent_dim  # latent_in's output and latent_out's input
@@ -1668,8 +1744,10 @@ def prefill_bytes(model_cfg: models.ModelConfig, *, prompts: int, prompt_len: in
   forward = max(layer(linear, **kw)
                 for _, linear, kw in _layer_kinds(cfg, prompts, prompt_len, mesh, rules))
   # The linear layers' input projections, relaid for the prefill (gathered weights);
-  # left sharded, a hybrid scan's whole stacks (`_relaid_stack_bytes`).
-  relaid = (s * cfg.d_model * (2 * hk * dk + 2 * hv * dv + 2 * hv) * _mixer_layers(cfg)
+  # left sharded, a hybrid scan's whole stacks (`_relaid_stack_bytes`). A short
+  # convolution has no chunked scan to relay them for.
+  relaid = (0 if short_conv else
+            s * cfg.d_model * (2 * hk * dk + 2 * hv * dv + 2 * hv) * _mixer_layers(cfg)
             if gathered else _relaid_stack_bytes(cfg, mesh, rules))
   kv_dtype = np.dtype("int8" if dtype == "int8" else (dtype or cfg.dtype))
   # One layer's k and v (a latent cache: its one array) of every row, scales aside.
@@ -1693,7 +1771,8 @@ def _relaid_stack_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, rules) -> i
   reports of the fill (libtpu 0.0.42.1, v5e-8, fsdp 8): a Nemotron-H-8B-shaped model
   held its two MLP stacks (504 MiB each) and its 24 Mamba2 layers' x, z and out_proj
   (0.6 GiB), 1.6 GiB the plan missed; a Bamba-9B-shaped one three 232 MiB stacks of its
-  29 Mamba2 layers. 0 for other models."""
+  29 Mamba2 layers. 0 for other models (LFM2's short convolutions among them: their
+  prefill has no chunked scan to lay out for; not compiled)."""
   mamba = sum(cfg.linear_layers)
   if not (cfg.scan_layers and mamba and cfg.linear_mixer == "mamba2"):
     return 0
@@ -1720,10 +1799,12 @@ def _gathered_layer_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
   """The largest layer's weights in the compute dtype, gathered over the batch axes
   (heads, kv heads and the MLP as the tensor axis leaves them on one device), of the
   kinds of layer `mlps` (`_layer_mlps`): its attention (`_attention_weight_bytes`), or a
-  Gated DeltaNet layer's mixer (`_linear_weight_bytes`, `linear_heads` its (key, value)
-  heads on the device) where the model has such layers and it is larger, and a mixture
-  layer's experts and shared expert, or a leading dense layer's MLP, whichever is larger
-  (a linear layer's MLP is its attention layers' kind). With cfg.split_layers a layer
+  Gated DeltaNet, Mamba2 or short-convolution layer's mixer (`_linear_weight_bytes`,
+  `linear_heads` its (key, value) heads on the device, a short convolution's (0,
+  channels)) where the model has such layers and it is larger (LFM2's: 4D^2 a layer
+  against its attention's 2D(NH + KH)), and a mixture layer's experts and shared
+  expert, or a leading dense layer's MLP, whichever is larger (a linear layer's MLP is
+  its attention layers' kind). With cfg.split_layers a layer
   is a mixer or an MLP: the larger of them. With cfg.parallel_mixer every layer holds
   its attention and its Mamba2 (`_linear_weight_bytes`) both."""
   mixer = _attention_weight_bytes(cfg, heads, kv_heads)
@@ -1745,8 +1826,20 @@ def _linear_weight_bytes(cfg: models.ModelConfig, key_heads: int, value_heads: i
       + (2K + V)C         the convolutions' taps
       + V D)              o_proj [Hv, Dv, D]
 
-  A Mamba2 layer has no b_proj: s D Hv less (its convolution biases and D aside)."""
+  A Mamba2 layer has no b_proj: s D Hv less (its convolution biases and D aside). A
+  short-convolution layer (`ShortConv`, E = `value_heads` its channels on the device,
+  d_model split over "linear_heads" as its arrays are):
+
+    s(3DE       b_proj, c_proj, x_proj [D, E]
+      + EC      the taps `conv` [E, C]
+      + ED      o_proj [E, D]
+      [+ 4E + D])   with linear_conv_bias: b_bias, c_bias, x_bias, conv_bias [E] and
+                o_bias [D] (over "embed", whole once gathered)"""
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  if cfg.linear_mixer == "short_conv":
+    e = value_heads
+    return s * (4 * d * e + e * cfg.linear_conv_kernel
+                + (4 * e + d) * cfg.linear_conv_bias)
   k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
   gates = 1 if cfg.linear_mixer == "mamba2" else 2
   return s * (d * (2 * k + 2 * v + gates * value_heads)
@@ -1815,10 +1908,10 @@ def decode_step_bytes(model_cfg: models.ModelConfig, *, rows: int, mesh: Abstrac
   (`gathered=False`), one layer's weights gathered in the compute dtype:
   s(2 D NH + 2 D KH + 3 D F), NH, KH and F over the tensor axis (multi-head latent
   attention: its projections, `_attention_weight_bytes`, in place of 2 D NH + 2 D KH;
-  a Gated DeltaNet layer's, `_linear_weight_bytes`, where larger, or with
-  parallel_mixer beside the attention's; a mixture: all E
-  experts and the router and a shared expert, `_mlp_weight_bytes`, whatever the
-  routing; with leading dense layers, the larger kind of layer). XLA:TPU
+  a Gated DeltaNet, Mamba2 or short-convolution layer's, `_linear_weight_bytes`, where
+  larger, or with parallel_mixer beside the attention's; a mixture: all E experts and
+  the router and a shared expert, `_mlp_weight_bytes`, whatever the routing; with
+  leading dense layers, the larger kind of layer). XLA:TPU
   needed 0.54 GiB for a Llama 3 8B layer (0.41 GiB) and 128 rows' logits (0.06 GiB) on
   a v5e-8."""
   cfg = model_cfg
@@ -1974,7 +2067,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       prefill = refill_bytes
       prefill_note = (f"a refill of {refill} slots (continuous batching): their prompts' "
                       f"cache of {refill_len} and one layer's forward over them")
-  if cfg.linear_mixers and not sharded:
+  if cfg.linear_mixers and not sharded and cfg.linear_mixer != "short_conv":
     prefill_note += (", the Mamba2 mixers' input projections relaid" if cfg.parallel_mixer
                      else ", the linear layers' input projections relaid")
   elif _relaid_stack_bytes(cfg, rollout_mesh, rules):

@@ -472,6 +472,34 @@ def test_mamba2_saved_activations_match_what_jax_keeps(dtype, remat, length):
   assert 0 <= kept_layer - planned_layer <= 8 * 96 + 32
 
 
+# LFM2's layout at Qwen3.5's widths: gated short convolutions (y = C * conv(B * x), three
+# taps over d_model's 96 channels) between attention layers with q/k norms.
+LFM2 = dict(num_layers=4, d_model=96, ffn_dim=160, num_heads=6, num_kv_heads=2, head_dim=16,
+            layer_types=("linear_attention", "full_attention") * 2, linear_mixer="short_conv",
+            linear_conv_kernel=3, qk_norm=True, logprob_chunk=64)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "conv_bias"])
+@pytest.mark.parametrize("dtype, remat, length", [
+    *((dtype, remat, 128) for dtype in ("float32", "bfloat16")
+      for remat in ("none", "dots", "dots_with_no_batch_dims", "full")),
+    ("bfloat16", "none", 100),  # no chunks: nothing padded
+])
+def test_short_conv_saved_activations_match_what_jax_keeps(dtype, remat, length, bias):
+  """An LFM2 short-convolution layer keeps without remat B, C and x, B * x, the
+  convolution's output and C times it (the convolution itself rematerialised); a dots
+  policy in_proj's three outputs and out_proj's (the convolution is no matmul: both
+  dots policies alike); full remat its input. Its biases and taps keep nothing more. Its
+  share is exact but, without remat, for its norms' two scales."""
+  widths = dict(remat=remat, attention_impl="flash", dtype=dtype, param_dtype=dtype,
+                linear_conv_bias=bias)
+  planned, kept, planned_layer, kept_layer = _linear_layer_share(LFM2, 4, length, **widths)
+  assert planned == pytest.approx(kept, rel=0.05)
+  # Without remat the block's two norm scales [D] (in the compute dtype) alone are left.
+  norms = 2 * 96 * np.dtype(dtype).itemsize if remat == "none" else 0
+  assert kept_layer - planned_layer == norms
+
+
 # Falcon-H1's layout: every layer's attention (4 heads, 2 kv heads of 16) beside a Mamba2
 # mixer (2 groups of B and C with a state of 16, 6 heads of 24, the convolution's bias),
 # both on the normed input, each scaled in and out; in_proj's five parts scaled too, and
@@ -739,6 +767,10 @@ LORA_LAYOUTS = {
     # beside the attention's and the MLP's adapters, on the same stack.
     "falcon_h1": (FALCON_H1, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,"
                              "in_proj,out_proj"),
+    # LFM2's: one in_proj adapter over a short convolution's B, C and x (3D wide) and its
+    # out_proj, beside the attention's and the MLP's, with the convolutions' biases.
+    "lfm2": ({**LFM2, "linear_conv_bias": True},
+             "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj,out_proj"),
 }
 
 
@@ -1275,6 +1307,113 @@ def test_parallel_mixer_plan_counts_its_mixers():
                      num_kv_heads=1, ffn_dim=80, vocab_size=cfg.vocab_size // 2)
   assert (planner.saved_activation_bytes(cfg, rows=8, row_len=128, mesh=fsdp4_tensor2)
           == planner.saved_activation_bytes(half, rows=2, row_len=128, mesh=one))
+
+
+def test_short_conv_plan_counts_its_layers():
+  """LFM2's layout: params are num_params, on real arrays too; a layer gathered for a
+  decode step is the larger kind, here a short-convolution layer (in_proj's three
+  parts, the taps, out_proj and the biases, its channels split over tensor as real
+  arrays shard them) beside the MLP; the cache is the attention layers' KV caches and
+  the conv layers' windows, as init_cache builds them; the backward's recomputed layer
+  is the larger kind, beside the convolution's float32 backward; a prefill's layer
+  forward is a conv layer's by hand (weights left sharded, its weights with it), with
+  nothing relaid; a pattern of many runs holds each conv layer's projection outputs."""
+  mesh = (4, 1, 2, 1)
+  layout = {**LFM2, "linear_conv_bias": True}
+  config = planner.override(_tiny(layout), dict(zip(
+      ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence"), mesh)))
+  cfg = experiment.model_config(config)
+  assert cfg.linear_mixer == "short_conv" and sum(cfg.linear_layers) == 2
+  p = planner.plan(_tiny(layout), num_devices=1, device_memory_gb=16)
+  assert p["params"] == cfg.num_params * 4
+  assert "2 of the layers short convolutions" in p.components["activations"].formula
+  assert "2 short convolutions' windows" in p.components["kv_cache"].formula
+  assert "relaid" not in p.components["prefill"].formula
+  real = nnx.state(models.create_model(cfg, mesh=models.make_mesh(mesh)), nnx.Param)
+  assert planner.plan(config)["params"] == _real_per_device_bytes(real)
+  # Left sharded over data 4 x tensor 2, a decode step gathers one layer: a conv layer
+  # (48 of its 96 channels a device), larger than the attention layer (norm scales aside).
+  abstract = planner.abstract_mesh(dict(zip(models.MESH_AXES, mesh)))
+  d, e, f, s = 96, 48, 80, 4
+  assert planner._linear_shards(cfg, 8, 128, abstract, models.DEFAULT_RULES) == (0, e)
+  conv = [x for path, x in jax.tree_util.tree_leaves_with_path(real["linear_layers"][0])
+          if "norm" not in jax.tree_util.keystr(path)]
+  mixer = [x for path, x in jax.tree_util.tree_leaves_with_path(real["linear_layers"][0])
+           if "linear_attn" in jax.tree_util.keystr(path)]
+  full = [x for path, x in jax.tree_util.tree_leaves_with_path(real["layers"][0])
+          if "norm" not in jax.tree_util.keystr(path)]
+  assert len(mixer) == 10  # b, c, x and out projections, the taps, five biases
+  assert _real_per_device_bytes(conv) > _real_per_device_bytes(full)
+  assert _real_per_device_bytes(conv) == _real_per_device_bytes(mixer) + s * 3 * d * f
+  assert (planner._linear_weight_bytes(cfg, 0, e) == _real_per_device_bytes(mixer)
+          == s * (4 * d * e + 3 * e + 4 * e + d))
+  assert planner._linear_weight_bytes(cfg.replace(linear_conv_bias=False), 0, e) == (
+      s * (4 * d * e + 3 * e))
+  logits = 8 * cfg.vocab_size // 2 * 4
+  assert planner.decode_step_bytes(cfg, rows=8, mesh=abstract, gathered=False) == (
+      logits + _real_per_device_bytes(conv))
+  # The cache: the attention layers' KV caches and the conv layers' windows of C - 1 = 2
+  # inputs of B * x, as init_cache builds them.
+  one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  for dtype in (None, "int8"):
+    for scanned in (cfg, cfg.replace(scan_layers=True)):
+      arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
+          scanned, 8, 64, jnp.int8 if dtype else None))  # noqa: B023
+      assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one, dtype=dtype) == (
+          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+  attention_only = cfg.replace(num_layers=2, layer_types=("full_attention",) * 2)
+  assert (planner.kv_cache_bytes(cfg, batch=8, max_len=64, mesh=one)
+          - planner.kv_cache_bytes(attention_only, batch=8, max_len=64, mesh=one)
+          == 2 * 8 * 2 * d * s)
+  # The backward's recomputed layer (twice under a remat policy): the larger of a conv
+  # layer's (by hand: the block's, SwiGLU's and six [D] rows) and the q/k-normed
+  # attention layer's, and the convolution's float32 backward, 24 bytes a channel.
+  layers = {"conv": planner.linear_layer_activation_bytes(
+                cfg, "none", key_heads=0, value_heads=d, mlp=160, kv_len=128, dense=True),
+            "attention": planner.layer_activation_bytes(
+                cfg, "none", heads=6, kv_heads=2, mlp=160, kv_len=128, dense=True)}
+  assert layers["conv"] == s * 4 * d + 4 * (4 * d + 4) + s * 3 * 160 + 6 * s * d
+  for impl in ("flash", "reference"):
+    c = cfg.replace(attention_impl=impl)
+    layers["attention"] = planner.layer_activation_bytes(
+        c, "none", heads=6, kv_heads=2, mlp=160, kv_len=128, dense=True)
+    acts = planner.activation_bytes(c, rows=4, row_len=128, mesh=one, remat="dots")[0]
+    saved = planner.saved_activation_bytes(c, rows=4, row_len=128, mesh=one, remat="dots")
+    assert acts - saved == (int(2 * 4 * 128 * max(layers.values()) + 4 * 128 * 24 * d)
+                            + 3 * 4 * 64 * cfg.vocab_size * 4)
+  # A prefill of 16 prompts of 64 over fsdp 8 (2 a device) beside flash attention, the
+  # prompts' cache aside: the conv layer's block rows and six [D] rows, and its MLP's
+  # five [F] rows; left sharded, that layer's weights (all 96 channels) gathered too.
+  # Nothing relaid either way.
+  fsdp8 = planner.abstract_mesh({"data": 1, "fsdp": 8, "tensor": 1, "sequence": 1})
+  flash = cfg.replace(attention_impl="flash")
+  args = dict(prompts=16, prompt_len=64, rows=16, mesh=fsdp8)
+  forward = 2 * 64 * (s * (2 * d + 6 * d) + s * 5 * 160)
+  cache = planner.kv_cache_bytes(flash, batch=16, max_len=64, mesh=fsdp8)
+  assert planner.prefill_bytes(flash, **args) - cache == forward
+  assert planner.prefill_bytes(flash, **args, gathered=False) - cache == (
+      forward + s * (4 * d * d + 3 * d + 4 * d + d) + s * 3 * d * 160)
+  assert planner._relaid_stack_bytes(flash.replace(scan_layers=True), fsdp8,
+                                     models.DEFAULT_RULES) == 0
+  # LFM2-350M's pattern, scanned under full remat: its single-layer runs (4 conv layers,
+  # 6 attention layers) are rebuilt in order, each holding its projections' outputs, a
+  # conv layer's B, C, x and out_proj's s(3D + D), beside the MLP's 2sF (bfloat16).
+  from posttrain.models.transformer import ordered_layers
+  pattern = "CCACCACCACACACAC"
+  kinds = {"C": "linear_attention", "A": "full_attention"}
+  lfm2_350m = models.get_preset("tiny", **{**LFM2, "num_layers": len(pattern),
+                                           "layer_types": tuple(kinds[k] for k in pattern)},
+                                remat="full", scan_layers=True, dtype="bfloat16",
+                                param_dtype="bfloat16")
+  assert ordered_layers(lfm2_350m) == {"linear": 4, "full": 6}
+
+  def held(m):
+    return (planner.activation_bytes(m, rows=2, row_len=64, mesh=one)[0]
+            - planner.activation_bytes(m.replace(scan_layers=False), rows=2, row_len=64,
+                                       mesh=one)[0])
+
+  assert held(lfm2_350m) == 2 * 64 * (4 * 2 * (3 * d + d + 2 * 160)
+                                      + 6 * 2 * (2 * 96 + 16 * 32 + 2 * 160))
 
 
 # Nemotron 3 in a run config: Mamba2, NoPE attention, an MLP alone of 40 and two
