@@ -260,3 +260,33 @@ def check_greedy_on_mesh(model, mesh, hf_model, prompts, new_tokens: int = 6):
                                do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
     assert out.tokens[i].tolist() == want, i
+
+
+def check_packed_rows_run_apart(model, tokens):
+  """Two sequences packed in one row (segment ids, positions restarting) give each the
+  logits it has alone: attention, recurrent states and convolutions restart at the seam.
+  `tokens` [2, >= 12] int."""
+  a, b = tokens[0, :12], tokens[1, :8]
+  packed = jnp.asarray(np.concatenate([a, b])[None])
+  seg = jnp.asarray([[1] * 12 + [2] * 8])
+  pos = jnp.asarray([list(range(12)) + list(range(8))])
+  got = np.asarray(nnx.jit(lambda m, t, p, s: m(t, p, s))(model, packed, pos, seg))[0]
+  alone = nnx.jit(lambda m, t: m(t))
+  np.testing.assert_allclose(got[:12], np.asarray(alone(model, a[None]))[0], atol=1e-4)
+  np.testing.assert_allclose(got[12:], np.asarray(alone(model, b[None]))[0], atol=1e-4)
+
+
+def check_export_files(folder, ours, out) -> dict:
+  """`ours` written to `out` holds exactly the tensors of the HF folder `folder` it was
+  read from, bit for bit; returns the written config.json."""
+  import json
+
+  from safetensors.numpy import load_file
+  models.save_pretrained(ours, str(out))
+  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
+      f"{out}/model.safetensors")
+  assert set(written) == set(theirs)
+  for name in theirs:
+    np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
+  with open(f"{out}/config.json") as f:
+    return json.load(f)

@@ -8,20 +8,17 @@ refusals."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_greedy_on_mesh,
-                                 check_mamba2_cache,
-                                 check_next_turns_continue_from_their_slots,
-                                 check_peft_round_trip,
+from tests.models.parity import (assert_close_to_scale, check_export_files, check_greedy_on_mesh,
+                                 check_mamba2_cache, check_next_turns_continue_from_their_slots,
+                                 check_packed_rows_run_apart, check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples, greedy_tokens,
-                                 hf_logits, mamba2_hf_model, save_families,
-                                 target_logprob_grads)
+                                 hf_logits, mamba2_hf_model, save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -46,7 +43,6 @@ NORMS = {"after_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=False),
 TOKENS = np.random.default_rng(0).integers(3, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
 _jitted_logits = nnx.jit(lambda m, t: m(t))
-_jitted_packed = nnx.jit(lambda m, t, p, s: m(t, p, s))
 
 
 def _hf_model(norm: str = "after_gate"):
@@ -113,15 +109,7 @@ def test_packed_sequences_are_run_apart(saved):
   """Two sequences packed in one row (segment ids, positions restarting) give each the
   logits it has alone: the attention, the Mamba2 state and its convolution all restart
   at the seam."""
-  m = models.from_pretrained(saved[0], scan_layers=True)
-  a, b = TOKENS[0, :12], TOKENS[1, :8]
-  packed = np.concatenate([a, b])[None]
-  seg = np.array([[1] * 12 + [2] * 8])
-  pos = np.array([list(range(12)) + list(range(8))])
-  got = np.asarray(_jitted_packed(m, jnp.asarray(packed), jnp.asarray(pos),
-                                  jnp.asarray(seg)))[0]
-  np.testing.assert_allclose(got[:12], np.asarray(_jitted_logits(m, a[None]))[0], atol=1e-4)
-  np.testing.assert_allclose(got[12:], np.asarray(_jitted_logits(m, b[None]))[0], atol=1e-4)
+  check_packed_rows_run_apart(models.from_pretrained(saved[0], scan_layers=True), TOKENS)
 
 
 def test_gradients_match_transformers(saved):
@@ -202,17 +190,10 @@ def test_on_a_mesh(saved):
 def test_export_round_trip_is_exact(families, norm, tmp_path):
   folder, hf = families[norm]
   ours = models.from_pretrained(folder, scan_layers=True)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  from safetensors.numpy import load_file
-  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
-      tmp_path / "out" / "model.safetensors")
-  assert set(written) == set(theirs)
-  for name in theirs:
-    np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
+  config = check_export_files(folder, ours, tmp_path / "out")
   back = transformers.FalconH1ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
   np.testing.assert_allclose(hf_logits(back, TOKENS), hf_logits(hf, TOKENS), atol=1e-5,
                              rtol=0)
-  config = json.loads((tmp_path / "out" / "config.json").read_text())
   assert config["model_type"] == "falcon_h1" and config["mamba_d_ssm"] == 96
   assert config["ssm_multipliers"] == CONFIG["ssm_multipliers"]
   assert (config["key_multiplier"], config["lm_head_multiplier"]) == (0.7, 0.25)

@@ -8,16 +8,15 @@ on the convolutions' in_proj / out_proj beside the attention's out_proj, and ref
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_greedy_on_mesh,
+from tests.models.parity import (assert_close_to_scale, check_export_files, check_greedy_on_mesh,
                                  check_next_turns_continue_from_their_slots,
-                                 check_peft_round_trip,
+                                 check_packed_rows_run_apart, check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples, greedy_tokens,
                                  hf_logits, perturb, save_families, target_logprob_grads)
 
@@ -38,7 +37,6 @@ FAMILIES = {"plain": dict(), "biased": dict(conv_bias=True, tie_word_embeddings=
 TOKENS = np.random.default_rng(0).integers(3, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
 _jitted_logits = nnx.jit(lambda m, t: m(t))
-_jitted_packed = nnx.jit(lambda m, t, p, s: m(t, p, s))
 
 
 def _hf_model(family: str = "plain"):
@@ -105,15 +103,7 @@ def test_logits_match_transformers(families, family, scan):
 def test_packed_sequences_are_run_apart(saved):
   """Two sequences packed in one row (segment ids, positions restarting) give each the
   logits it has alone: the attention and the convolution's window restart at the seam."""
-  m = models.from_pretrained(saved[0], scan_layers=True)
-  a, b = TOKENS[0, :12], TOKENS[1, :8]
-  packed = np.concatenate([a, b])[None]
-  seg = np.array([[1] * 12 + [2] * 8])
-  pos = np.array([list(range(12)) + list(range(8))])
-  got = np.asarray(_jitted_packed(m, jnp.asarray(packed), jnp.asarray(pos),
-                                  jnp.asarray(seg)))[0]
-  np.testing.assert_allclose(got[:12], np.asarray(_jitted_logits(m, a[None]))[0], atol=1e-4)
-  np.testing.assert_allclose(got[12:], np.asarray(_jitted_logits(m, b[None]))[0], atol=1e-4)
+  check_packed_rows_run_apart(models.from_pretrained(saved[0], scan_layers=True), TOKENS)
 
 
 def test_gradients_match_transformers(saved):
@@ -200,16 +190,9 @@ def test_on_a_mesh(saved):
 def test_export_round_trip_is_exact(families, family, tmp_path):
   folder, hf = families[family]
   ours = models.from_pretrained(folder, scan_layers=True)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  from safetensors.numpy import load_file
-  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
-      tmp_path / "out" / "model.safetensors")
-  assert set(written) == set(theirs)
-  for name in theirs:
-    np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
+  config = check_export_files(folder, ours, tmp_path / "out")
   back = transformers.Lfm2ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
   np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
-  config = json.loads((tmp_path / "out" / "config.json").read_text())
   assert config["model_type"] == "lfm2" and config["intermediate_size"] == 128
   assert config["layer_types"] == CONFIG["layer_types"]
   assert models.hf_config_to_model_config(config) == ours.cfg.replace(scan_layers=False)

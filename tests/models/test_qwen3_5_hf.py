@@ -17,9 +17,9 @@ from posttrain.models.hf import check_exportable
 from posttrain.sampling import Sampler
 from tests.models.parity import (assert_close_to_scale, check_greedy_on_mesh,
                                  check_next_turns_continue_from_their_slots,
-                                 check_reward_model_round_trip,
-                                 check_slots_and_resume_draw_one_calls_samples,
-                                 greedy_tokens, hf_logits, perturb, target_logprob_grads)
+                                 check_packed_rows_run_apart, check_reward_model_round_trip,
+                                 check_slots_and_resume_draw_one_calls_samples, greedy_tokens,
+                                 hf_logits, perturb, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -32,7 +32,6 @@ TEXT = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_laye
 TOKENS = np.random.default_rng(0).integers(3, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
 _jitted_logits = nnx.jit(lambda m, t: m(t))
-_jitted_packed = nnx.jit(lambda m, t, p, s: m(t, p, s))
 
 
 def _hf_model(**extra):
@@ -90,15 +89,7 @@ def test_each_part_moves_the_logits(saved):
 def test_packed_sequences_are_run_apart(saved):
   """Two sequences packed in one row (segment ids, positions restarting) give each the
   logits it has alone: the recurrent state and the convolution restart at the seam."""
-  m = models.from_pretrained(saved[0])
-  a, b = TOKENS[0, :12], TOKENS[1, :8]
-  packed = np.concatenate([a, b])[None]
-  seg = np.array([[1] * 12 + [2] * 8])
-  pos = np.array([list(range(12)) + list(range(8))])
-  got = np.asarray(_jitted_packed(m, jnp.asarray(packed), jnp.asarray(pos),
-                                  jnp.asarray(seg)))[0]
-  np.testing.assert_allclose(got[:12], np.asarray(_jitted_logits(m, a[None]))[0], atol=1e-4)
-  np.testing.assert_allclose(got[12:], np.asarray(_jitted_logits(m, b[None]))[0], atol=1e-4)
+  check_packed_rows_run_apart(models.from_pretrained(saved[0]), TOKENS)
 
 
 def test_gradients_match_transformers(saved):
