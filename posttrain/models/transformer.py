@@ -2456,7 +2456,7 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
       j = seen[kind]
       seen[kind] += 1
       stack = states[kind] if by_layer else period_states[kind]
-      if not prefill:
+      if not prefill or kind == "moe":
         # A decode step gathers each layer's (FSDP-sharded) weights; tied to the layer's
         # input, a layer's gather waits for the layer before it. Unrolled and untied,
         # XLA:TPU gathered every layer's weights at the top of the step (a Bamba-9B-shaped
@@ -2464,7 +2464,10 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
         # is tied and then sliced: tying the layer's slice held more (9.4; on 8 of those
         # layers 3.07 against 2.69; XLA's report showed whole stacks relaid once a call).
         # Not in a prefill, where either tie raised XLA:TPU's peak (8 layers: 2.98 GiB
-        # untied, 5.3 and 5.7 tied).
+        # untied, 5.3 and 5.7 tied), but for the mixtures alone (Nemotron 3): untied,
+        # XLA:TPU relaid the whole stack of local experts and sliced every mixture
+        # layer's share of it before the first layer ran (Nemotron-3-Nano-shaped, experts
+        # over fsdp, v5e-8: prefill 15.80 GiB a chip, 13.29 with the mixtures tied).
         x, stack = jax.lax.optimization_barrier((x, stack))
       if by_layer:
         state = jax.tree.map(lambda a, i=period * per[kind] + j: jax.lax.dynamic_index_in_dim(
