@@ -620,7 +620,10 @@ def _falcon_h1_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """A Falcon-H1 config.json's Mamba2 fields and multipliers ({} for other classes)."""
   if lm != FALCON_H1:
     return {}
-  c = {**c, **{k: v for k, v in _FALCON_H1_DEFAULTS.items() if c.get(k) is None}}
+  # transformers' defaults for keys a file sets to null, but mamba_d_ssm: null there
+  # means mamba_expand x hidden_size.
+  c = {**c, **{k: v for k, v in _FALCON_H1_DEFAULTS.items()
+               if c.get(k) is None and k != "mamba_d_ssm"}}
   if c.get("projectors_bias"):
     raise ValueError("projectors_bias=true (biases on a Falcon-H1 Mamba2 mixer's out_proj) "
                      "is not supported")

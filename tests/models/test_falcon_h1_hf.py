@@ -76,6 +76,15 @@ def test_config_reads_the_mixers_and_the_multipliers(families):
         0.7, 0.25, 2.5)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
     assert (cfg.qkv_bias, cfg.attn_out_bias, cfg.tie_embeddings) == ((norm == "none",) * 3)
+  # mamba_d_ssm null: the Mamba2's width is mamba_expand x hidden_size, as transformers
+  # reads it (heads of 64 // 4).
+  config = json.loads(open(f"{families['after_gate'][0]}/config.json").read())
+  cfg = models.hf_config_to_model_config({**config, "mamba_d_ssm": None, "mamba_expand": 1,
+                                          "mamba_n_heads": 4, "mamba_d_head": "auto"})
+  want = transformers.FalconH1Config(**{**CONFIG, "mamba_d_ssm": None, "mamba_expand": 1,
+                                        "mamba_n_heads": 4})
+  assert (cfg.linear_num_value_heads, cfg.linear_value_head_dim) == (4, want.mamba_d_head) == (
+      4, 16)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
