@@ -247,11 +247,18 @@ def check_next_turns_continue_from_their_slots(model, prompts, answer: int = 2):
   np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-4)
 
 
-def check_greedy_on_mesh(model, mesh, hf_model, prompts, new_tokens: int = 6):
-  """The sampler's greedy tokens for `model` on `mesh` are transformers' generate()'s."""
+def check_on_a_mesh(folder, hf_model, tokens, prompts, atol: float, new_tokens: int = 6):
+  """The model of the HF folder `folder`, scanned and sharded over a data 2 x tensor 2
+  mesh: its logits of `tokens` are transformers' to `atol`, and the sampler's greedy
+  tokens for `prompts` are transformers' generate()'s. Returns the model (its
+  parameters' shardings for the caller to check)."""
   import torch
 
   from posttrain.sampling import Sampler
+  mesh = models.make_mesh((2, 1, 2, 1), devices=jax.devices()[:4])
+  model = models.from_pretrained(folder, mesh=mesh, scan_layers=True)
+  got = jax.jit(lambda t: model(t, ctx=models.ShardingContext(mesh)))(tokens)
+  np.testing.assert_allclose(np.asarray(got), hf_logits(hf_model, tokens), atol=atol, rtol=0)
   sampler = Sampler(model, mesh=mesh, max_len=48, extend_chunk=4)
   out = sampler.generate(prompts, max_new_tokens=new_tokens, temperature=0.0)
   for i, prompt in enumerate(prompts):
@@ -260,6 +267,7 @@ def check_greedy_on_mesh(model, mesh, hf_model, prompts, new_tokens: int = 6):
                                do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
     assert out.tokens[i].tolist() == want, i
+  return model
 
 
 def check_packed_rows_run_apart(model, tokens):

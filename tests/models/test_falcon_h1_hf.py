@@ -7,15 +7,14 @@ refusals."""
 
 import json
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_export_files, check_greedy_on_mesh,
-                                 check_mamba2_cache, check_next_turns_continue_from_their_slots,
+from tests.models.parity import (assert_close_to_scale, check_export_files, check_mamba2_cache,
+                                 check_next_turns_continue_from_their_slots, check_on_a_mesh,
                                  check_packed_rows_run_apart, check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples, greedy_tokens,
                                  hf_logits, mamba2_hf_model, save_families, target_logprob_grads)
@@ -185,14 +184,9 @@ def test_on_a_mesh(saved):
   """The attention's heads and the Mamba2's heads and groups (and their state) split over
   "tensor", the batch over "data": the same logits, and the sampler's greedy tokens are
   transformers'."""
-  folder, hf = saved
-  mesh = models.make_mesh((2, 1, 2, 1), devices=jax.devices()[:4])
-  m = models.from_pretrained(folder, mesh=mesh, scan_layers=True)
+  m = check_on_a_mesh(*saved, TOKENS, PROMPTS, atol=2e-4)
   assert m.layers.linear_attn.v_proj[...].sharding.spec[2] == "tensor"
   assert m.layers.attn.q_proj[...].sharding.spec[2] == "tensor"
-  got = jax.jit(lambda t: m(t, ctx=models.ShardingContext(mesh)))(TOKENS)
-  np.testing.assert_allclose(np.asarray(got), hf_logits(hf, TOKENS), atol=2e-4, rtol=0)
-  check_greedy_on_mesh(m, mesh, hf, PROMPTS)
 
 
 @pytest.mark.parametrize("norm", list(NORMS))

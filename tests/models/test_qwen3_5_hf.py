@@ -15,9 +15,9 @@ from flax import nnx
 from posttrain import models
 from posttrain.models.hf import check_exportable
 from posttrain.sampling import Sampler
-from tests.models.parity import (assert_close_to_scale, check_greedy_on_mesh,
-                                 check_next_turns_continue_from_their_slots,
-                                 check_packed_rows_run_apart, check_reward_model_round_trip,
+from tests.models.parity import (assert_close_to_scale, check_next_turns_continue_from_their_slots,
+                                 check_on_a_mesh, check_packed_rows_run_apart,
+                                 check_reward_model_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples, greedy_tokens,
                                  hf_logits, perturb, target_logprob_grads)
 
@@ -255,13 +255,8 @@ def test_lora_target_names_follow_the_family(saved, saved_next):
 def test_on_a_mesh(saved):
   """The delta rule's heads (and their recurrent state) split over "tensor", the batch
   over "data": the same logits, and the sampler's greedy tokens are transformers'."""
-  folder, hf = saved
-  mesh = models.make_mesh((2, 1, 2, 1), devices=jax.devices()[:4])
-  m = models.from_pretrained(folder, mesh=mesh, scan_layers=True)
+  m = check_on_a_mesh(*saved, TOKENS, PROMPTS, atol=5e-4)
   assert m.linear_layers.linear_attn.v_proj[...].sharding.spec[2] == "tensor"
-  got = jax.jit(lambda t: m(t, ctx=models.ShardingContext(mesh)))(TOKENS)
-  np.testing.assert_allclose(np.asarray(got), hf_logits(hf, TOKENS), atol=5e-4, rtol=0)
-  check_greedy_on_mesh(m, mesh, hf, PROMPTS)
 
 
 def test_configs_that_cannot_be_written_are_refused(saved):
