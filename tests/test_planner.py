@@ -1089,6 +1089,18 @@ def test_mixture_with_dense_layers_plans_its_params_and_its_largest_layer():
           == 64 * (s * (5 * 4000 - 2 * d - 5 * 2 * f - 5 * fs) - 4 * (2 * 2 * d + 2 * e)))
 
 
+def _check_cache_bytes_are_init_caches(cfg) -> None:
+  """The planner's cache on one device is the arrays init_cache builds for `cfg` (8 rows
+  of 64 slots), float or int8 with its scales, the layers listed or stacked."""
+  one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  for dtype in (None, "int8"):
+    for scanned in (cfg, cfg.replace(scan_layers=True)):
+      arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
+          scanned, 8, 64, jnp.int8 if dtype else None))  # noqa: B023
+      assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one, dtype=dtype) == (
+          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+
+
 def _tiny(layout):
   """The TINY run config with the model's fields of `layout` overridden."""
   return _config(**{**TINY, **{f"model.overrides.{k}": v for k, v in layout.items()}})
@@ -1136,12 +1148,7 @@ def test_latent_attention_plan_counts_its_projections():
   cfg = experiment.model_config(_tiny(MLA))
   one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
   assert planner.kv_cache_bytes(cfg, batch=8, max_len=64, mesh=one) == 2 * 8 * 64 * (hr + r) * s
-  for dtype in (None, "int8"):
-    for scanned in (cfg, cfg.replace(scan_layers=True)):
-      arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
-          scanned, 8, 64, jnp.int8 if dtype else None))  # noqa: B023
-      assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one, dtype=dtype) == (
-          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+  _check_cache_bytes_are_init_caches(cfg)
   # A prefill (16 prompts of 64 over fsdp 8, all 6 heads a device) against standard
   # attention of as many heads, the prompts' caches aside: the latents, the rotated key
   # part, the unrotated keys and the unpadded values more in its layer's forward.
@@ -1263,12 +1270,7 @@ def test_parallel_mixer_plan_counts_its_mixers():
       logits + _real_per_device_bytes(layer))
   # The cache: each layer's KV cache and its Mamba2 state, as init_cache builds them.
   one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
-  for dtype in (None, "int8"):
-    for scanned in (cfg, cfg.replace(scan_layers=True)):
-      arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
-          scanned, 8, 64, jnp.int8 if dtype else None))  # noqa: B023
-      assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one, dtype=dtype) == (
-          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+  _check_cache_bytes_are_init_caches(cfg)
   attention_only = experiment.model_config(_tiny(FALCON_H1_ATTENTION))
   state = 8 * (6 * 16 * 24 * 4 + 3 * (2 * 2 * 16 + 6 * 24) * 4)  # float32 state, conv inputs
   assert (planner.kv_cache_bytes(cfg, batch=8, max_len=64, mesh=one)
@@ -1355,12 +1357,7 @@ def test_short_conv_plan_counts_its_layers():
   # The cache: the attention layers' KV caches and the conv layers' windows of C - 1 = 2
   # inputs of B * x, as init_cache builds them.
   one = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
-  for dtype in (None, "int8"):
-    for scanned in (cfg, cfg.replace(scan_layers=True)):
-      arrays = jax.eval_shape(lambda: models.init_cache(  # noqa: B023
-          scanned, 8, 64, jnp.int8 if dtype else None))  # noqa: B023
-      assert planner.kv_cache_bytes(scanned, batch=8, max_len=64, mesh=one, dtype=dtype) == (
-          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+  _check_cache_bytes_are_init_caches(cfg)
   attention_only = cfg.replace(num_layers=2, layer_types=("full_attention",) * 2)
   assert (planner.kv_cache_bytes(cfg, batch=8, max_len=64, mesh=one)
           - planner.kv_cache_bytes(attention_only, batch=8, max_len=64, mesh=one)
