@@ -1180,7 +1180,7 @@ class MLP(nnx.Module):
 
 def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = False,
           bias_E=None, *, scoring: str = "softmax", correction_E=None, groups: int = 1,
-          group_topk: int = 1, scale: float = 1.0):
+          group_topk: int = 1, scale: float = 1.0, experts_NxK=None):
   """(weights [N, k] float32, experts [N, k] int32): each token's top-k experts.
 
   softmax scoring: by the router's softmax (in float32; the logits plus `bias_E` when
@@ -1197,7 +1197,14 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
   Either way the weights are then multiplied by `scale`. With `return_probs` also each
   token's distribution over experts [N, E] (the softmax; the scores normalised to sum
   to one), what the load-balancing loss reads.
+
+  `experts_NxK` (routing replay): the experts each token takes, chosen elsewhere (by the
+  sampler, or the policy before the update); the weights are the router's own
+  probabilities (scores) of those experts, rescaled and scaled as above, so the router
+  still learns from the loss.
   """
+  if experts_NxK is not None:
+    experts_NxK = experts_NxK.astype(jnp.int32)
   if scoring == "sigmoid":
     logits = jnp.einsum("ND,DE->NE", x_NxD.astype(jnp.float32),
                         router_DxE.astype(jnp.float32))
@@ -1206,14 +1213,18 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
     if correction_E is not None:
       choice = choice + jax.lax.stop_gradient(correction_E.astype(jnp.float32))[None]
     choice = jax.lax.stop_gradient(choice)
-    if groups > 1:
+    if experts_NxK is not None:
+      experts = experts_NxK
+    elif groups > 1:
       n, e = choice.shape
       grouped = choice.reshape(n, groups, e // groups)
       group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
       _, best = jax.lax.top_k(group_scores, group_topk)
       keep = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None], axis=1)
       choice = jnp.where(jnp.repeat(keep, e // groups, axis=1), choice, -jnp.inf)
-    _, experts = jax.lax.top_k(choice, top_k)
+      _, experts = jax.lax.top_k(choice, top_k)
+    else:
+      _, experts = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
       weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -1224,7 +1235,10 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
     if bias_E is not None:
       logits = logits + bias_E.astype(jnp.float32)[None]
     probs = jax.nn.softmax(logits, axis=-1)
-    if groups > 1:
+    if experts_NxK is not None:
+      experts = experts_NxK
+      weights = jnp.take_along_axis(probs, experts, axis=-1)
+    elif groups > 1:
       n, e = probs.shape
       _, best = jax.lax.top_k(jnp.max(probs.reshape(n, groups, e // groups), axis=-1),
                               group_topk)
@@ -1401,23 +1415,33 @@ class MoE(nnx.Module):
       self.shared_gate = _param(rngs, (d,), ("embed",), pd, std=std)
 
   def __call__(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT=None,
-               router_stats: bool = False):
+               router_stats: bool = False, experts=None, record_experts: bool = False):
     """[B, T, D]; with `router_stats`, also this layer's `RouterStats` over every
-    device's tokens (segment id 0 = padding, not counted)."""
-    out = self._routed(x_BxTxD, ctx, segment_ids_BxT, router_stats)
-    if not self.cfg.shared_expert_dim:
-      return out
-    y, stats = out if router_stats else (out, None)
+    device's tokens (segment id 0 = padding, not counted).
+
+    `experts` [B, T, k] int (routing replay): each token's experts, taken as given
+    (`route`'s experts_NxK). With `record_experts`, returns (y, the stats or None, the
+    experts each token took [B, T, k] int32)."""
+    y, stats, chosen = self._routed(x_BxTxD, ctx, segment_ids_BxT, router_stats, experts,
+                                    record_experts)
+    if self.cfg.shared_expert_dim:
+      y = self._add_shared(x_BxTxD, ctx, y)
+    if record_experts:
+      return y, stats, chosen
+    return (y, stats) if router_stats else y
+
+  def _add_shared(self, x_BxTxD, ctx: ShardingContext, y):
     shared = self.shared(x_BxTxD, ctx)
     if self.cfg.shared_expert_gate:
       dt = shared.dtype
       gate = jnp.einsum("BTD,D->BT", x_BxTxD.astype(dt), self.shared_gate[...].astype(dt),
                         preferred_element_type=jnp.float32)
       shared = (shared * jax.nn.sigmoid(gate)[..., None].astype(dt)).astype(dt)
-    y = y + shared.astype(y.dtype)
-    return (y, stats) if router_stats else y
+    return y + shared.astype(y.dtype)
 
-  def _routed(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT, router_stats: bool):
+  def _routed(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT, router_stats: bool,
+              replay=None, record: bool = False):
+    """(y [B, T, D], the RouterStats or None, the experts taken [B, T, k] or None)."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     b, t, d = x_BxTxD.shape
     e, f = cfg.num_experts, cfg.ffn_dim
@@ -1461,16 +1485,24 @@ class MoE(nnx.Module):
       ep_axes = (ep_entry,) if isinstance(ep_entry, str) else tuple(ep_entry or ())
       f_axes = tuple(a for a in f_axes if a not in ep_axes)
 
-    def local(x, x_in, segment_ids, router, gate, up, down, router_b, gate_b, up_b, down_b,
-              correction, lora):
+    k = cfg.num_experts_per_tok
+    if replay is not None and tuple(replay.shape) != (b, t, k):
+      raise ValueError(f"replayed experts have shape {tuple(replay.shape)}, expected "
+                       f"[batch, length, num_experts_per_tok] = {(b, t, k)}")
+    # Replayed experts, or an empty array in their place.
+    replay_in = jnp.zeros((0,), jnp.int32) if replay is None else replay.astype(jnp.int32)
+
+    def local(x, x_in, segment_ids, given, router, gate, up, down, router_b, gate_b, up_b,
+              down_b, correction, lora):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
       gate = gate if gated else None
-      w, e, probs = route(x_NxD, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+      w, e, probs = route(x_NxD, router, k, cfg.norm_topk_prob,
                           return_probs=True, bias_E=router_b if cfg.router_bias else None,
                           scoring=cfg.router_scoring, correction_E=correction,
                           groups=cfg.router_groups, group_topk=cfg.router_group_topk,
-                          scale=cfg.routed_scaling_factor)
+                          scale=cfg.routed_scaling_factor,
+                          experts_NxK=None if replay is None else given.reshape(lb * lt, k))
       biased = cfg.expert_bias
       if cfg.moe_latent_dim:  # the experts' input: the tokens' latent
         x_NxD = x_in.reshape(lb * lt, -1).astype(dt)
@@ -1497,17 +1529,20 @@ class MoE(nnx.Module):
                                                               dtype=jnp.float32))
           y = y + jnp.einsum("NE,ED->ND", spread, down_b.astype(jnp.float32))
       y = y.astype(dt).reshape(lb, lt, -1)
-      if not router_stats:
-        return y
-      keep = (segment_ids.reshape(-1) > 0).astype(jnp.float32)
-      stats = RouterStats(
-          jnp.einsum("NKE,N->E", jax.nn.one_hot(e, cfg.num_experts, dtype=jnp.float32), keep),
-          jnp.einsum("NE,N->E", probs, keep), jnp.sum(keep))
-      return y, (jax.lax.psum(stats, token_axes) if token_axes else stats)
+      stats = None
+      if router_stats:
+        keep = (segment_ids.reshape(-1) > 0).astype(jnp.float32)
+        stats = RouterStats(
+            jnp.einsum("NKE,N->E", jax.nn.one_hot(e, cfg.num_experts, dtype=jnp.float32),
+                       keep),
+            jnp.einsum("NE,N->E", probs, keep), jnp.sum(keep))
+        stats = jax.lax.psum(stats, token_axes) if token_axes else stats
+      return y, stats, (e.reshape(lb, lt, k) if record else None)
 
     if mesh is None or mesh.size == 1:
-      return self._latent_out(local(x_BxTxD, x_experts, segment_ids_BxT, *weights, adapters),
-                              ctx, router_stats)
+      y, stats, chosen = local(x_BxTxD, x_experts, segment_ids_BxT, replay_in, *weights,
+                               adapters)
+      return self._latent_out(y, ctx), stats, chosen
     from jax.sharding import PartitionSpec as P
     from kernels.attention import place
     f_spec = None if not f_axes else f_axes[0] if len(f_axes) == 1 else f_axes
@@ -1516,8 +1551,9 @@ class MoE(nnx.Module):
     e_spec = None if not ep_axes else ep_entry
     x_spec = P(*tokens, None)
     gate_spec = P(e_spec, None, f_spec) if gated else P()
-    specs = (x_spec, x_spec if cfg.moe_latent_dim else P(), P(*tokens), P(), gate_spec,
-             P(e_spec, None, f_spec),
+    given_spec = P() if replay is None else P(*tokens, None)
+    specs = (x_spec, x_spec if cfg.moe_latent_dim else P(), P(*tokens), given_spec, P(),
+             gate_spec, P(e_spec, None, f_spec),
              P(e_spec, f_spec, None), P(), P(e_spec, f_spec), P(e_spec, f_spec),
              P(e_spec, None), P())
     # The adapters as their experts: E on the ep axes, F (gate and up's B columns, down's
@@ -1525,25 +1561,24 @@ class MoE(nnx.Module):
     lora_specs = {"gate_up": (P(e_spec, None, None), P(e_spec, None, None, f_spec)),
                   "down": (P(e_spec, None, f_spec), P(e_spec, None, None))}
     lora_specs = {name: lora_specs[name] for name in adapters}
-    args = [place(a, mesh, spec)
-            for a, spec in zip([x_BxTxD, x_experts, segment_ids_BxT, *weights], specs)]
+    args = [place(a, mesh, spec) for a, spec in zip(
+        [x_BxTxD, x_experts, segment_ids_BxT, replay_in, *weights], specs)]
     args.append(jax.tree.map(lambda a, spec: place(a, mesh, spec), adapters, lora_specs))
     specs += (lora_specs,)
-    out_specs = (x_spec, RouterStats(P(), P(), P())) if router_stats else x_spec
-    return self._latent_out(jax.shard_map(local, mesh=mesh, in_specs=specs,
-                                          out_specs=out_specs, check_vma=True)(*args),
-                            ctx, router_stats)
+    out_specs = (x_spec, RouterStats(P(), P(), P()) if router_stats else None,
+                 P(*tokens, None) if record else None)
+    y, stats, chosen = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                                     check_vma=True)(*args)
+    return self._latent_out(y, ctx), stats, chosen
 
-  def _latent_out(self, out, ctx: ShardingContext, router_stats: bool):
-    """The routed experts' output (with `router_stats`, and its stats) back in the model's
-    width: through `latent_out` where the experts run in a latent."""
+  def _latent_out(self, y, ctx: ShardingContext):
+    """The routed experts' output back in the model's width: through `latent_out` where
+    the experts run in a latent."""
     if not self.cfg.moe_latent_dim:
-      return out
-    y, stats = out if router_stats else (out, None)
+      return y
     dt = _dtype(self.cfg.dtype)
-    y = ctx.constrain(jnp.einsum("BTL,LD->BTD", y, self.latent_out[...].astype(dt)),
-                      ("batch", "length", "embed"))
-    return (y, stats) if router_stats else y
+    return ctx.constrain(jnp.einsum("BTL,LD->BTD", y, self.latent_out[...].astype(dt)),
+                         ("batch", "length", "embed"))
 
   def _adapters(self) -> dict:
     """The routed experts' LoRA adapters in the compute dtype, as `expert_mlps` takes
@@ -1964,11 +1999,34 @@ class Block(nnx.Module):
       self.mlp_out_norm = _norm(cfg, cfg.d_model)
 
   def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
-               layer=None, router_stats: bool = False, sliding=False, nope=False):
-    """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats)."""
+               layer=None, router_stats: bool = False, sliding=False, nope=False,
+               experts=None, record_experts: bool = False):
+    """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats).
+
+    A mixture's layer replays `experts` [B, T, k] when given (`MoE`); with
+    `record_experts` it returns (x, cache, the RouterStats or None, the experts each
+    token took [B, T, k])."""
     pre = hasattr(self, "input_norm")
     post = hasattr(self, "attn_out_norm")
-    new_cache, stats = cache, None
+    new_cache, stats, chosen = cache, None, None
+    moe = isinstance(getattr(self, "mlp", None), MoE)
+    if (experts is not None or record_experts) and not moe:
+      raise ValueError("replayed or recorded experts need a mixture-of-experts layer")
+
+    def done(x):
+      if record_experts:
+        return x, new_cache, stats, chosen
+      return (x, new_cache, stats) if router_stats else (x, new_cache)
+
+    def mlp(inputs):
+      if not moe:
+        return self.mlp(inputs, ctx)
+      out = self.mlp(inputs, ctx, segment_ids, router_stats=router_stats, experts=experts,
+                     record_experts=record_experts)
+      if record_experts:
+        return out
+      return (*out, None) if router_stats else (out, None, None)
+
     if hasattr(self, "linear_attn") and hasattr(self, "attn"):
       h, new_cache = self._parallel(self.input_norm(x), cos, sin, segment_ids, cache,
                                     positions, ctx, prefill, layer, sliding, nope)
@@ -1979,24 +2037,18 @@ class Block(nnx.Module):
       h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids,
                                cache, positions, ctx, prefill, layer, sliding, nope)
     else:  # an MLP or a mixture alone (split_layers): its input norm is the block's one
-      if router_stats and isinstance(self.mlp, MoE):
-        h, stats = self.mlp(self.input_norm(x), ctx, segment_ids, router_stats=True)
-      else:
-        h = self.mlp(self.input_norm(x), ctx)
-      x = ctx.constrain(x + self._residual(h), ("batch", "length", "embed"))
-      return (x, new_cache, stats) if router_stats else (x, new_cache)
+      h = mlp(self.input_norm(x))
+      if moe:
+        h, stats, chosen = h
+      return done(ctx.constrain(x + self._residual(h), ("batch", "length", "embed")))
     x = x + self._residual(self.attn_out_norm(h) if post else h)
     if not hasattr(self, "mlp"):  # the mixer alone (split_layers)
-      x = ctx.constrain(x, ("batch", "length", "embed"))
-      return (x, new_cache, stats) if router_stats else (x, new_cache)
-    inputs = self.post_attn_norm(x) if pre else x
-    if router_stats:
-      h, stats = self.mlp(inputs, ctx, segment_ids, router_stats=True)
-    else:
-      h = self.mlp(inputs, ctx)
-    x = ctx.constrain(x + self._residual(self.mlp_out_norm(h) if post else h),
-                      ("batch", "length", "embed"))
-    return (x, new_cache, stats) if router_stats else (x, new_cache)
+      return done(ctx.constrain(x, ("batch", "length", "embed")))
+    h = mlp(self.post_attn_norm(x) if pre else x)
+    if moe:
+      h, stats, chosen = h
+    return done(ctx.constrain(x + self._residual(self.mlp_out_norm(h) if post else h),
+                              ("batch", "length", "embed")))
 
   def _parallel(self, xn, cos, sin, segment_ids, cache, positions, ctx, prefill, layer,
                 sliding, nope):
@@ -2095,9 +2147,11 @@ class Transformer(nnx.Module):
 
   def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
                     cache: list[KVCache] | None = None, ctx: ShardingContext = _NO_SHARDING,
-                    prefill: bool = False, router_loss: bool = False):
+                    prefill: bool = False, router_loss: bool = False, routing=None,
+                    return_routing: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache when one is given; or
-    with `router_loss`, a mixture's `load_balancing_loss` over every layer and token).
+    with `router_loss`, a mixture's `load_balancing_loss` over every layer and token;
+    with `return_routing`, the routing last).
 
     Args:
       tokens_BxT: int token ids.
@@ -2109,10 +2163,33 @@ class Transformer(nnx.Module):
       prefill: the cache is empty and the block holds positions 0..T-1 of every row:
         attend within the block (segment ids mask right padding) with
         cfg.attention_impl, and write its keys/values into slots 0..T-1 of the cache.
+      routing: routing replay, a mixture's experts for every token [B, T, M, k] int (M
+        its mixture layers, in order; k = num_experts_per_tok): each mixture layer
+        sends each token to these experts, weighted by its router's probabilities of
+        them (`route`), rather than to its own top-k (the experts the sampler or the
+        policy before the update chose: the update's log-probs follow the same experts).
+        Without a cache.
+      return_routing: also return the experts every mixture layer chose for each token,
+        [B, T, M, k] int32 (what `routing` replays).
     """
     cfg = self.cfg
     if tokens_BxT.ndim != 2:
       raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxT.shape}")
+    if (routing is not None or return_routing) and not cfg.num_experts:
+      raise ValueError("routing replay needs a mixture of experts (num_experts > 0)")
+    if routing is not None:
+      want = (*tokens_BxT.shape, cfg.mixture_layers, cfg.num_experts_per_tok)
+      if cache is not None:
+        raise ValueError("routing is replayed without a cache (a training or log-prob "
+                         "pass), not while decoding")
+      if tuple(routing.shape) != want:
+        raise ValueError(f"routing has shape {tuple(routing.shape)}, expected [batch, "
+                         f"length, mixture layers, num_experts_per_tok] = {want}")
+      if not jnp.issubdtype(routing.dtype, jnp.integer):
+        raise ValueError(f"routing must hold integer expert ids, got {routing.dtype}")
+    # Per mixture layer [M, B, T, k]: what each layer replays; recorded the same way.
+    replay = None if routing is None else jnp.moveaxis(routing, 2, 0)
+    record = bool(return_routing)
     if prefill and cache is None:
       raise ValueError("prefill=True needs a cache to fill")
     if router_loss and (cache is not None or not cfg.num_experts):
@@ -2135,54 +2212,72 @@ class Transformer(nnx.Module):
     local = tables
     if cfg.rope_local is not None:
       local = _rope_tables(cfg.rope_local, self._rope_local, positions_BxT, segment_ids_BxT)
-    stats = None
+    stats, chosen = None, []
     if cfg.scan_layers and any(cfg.linear_layers):
       if all(cfg.nope_layers):  # no position embedding at all (Granite 4's -h- models)
         tables = tuple(f(t) for f, t in zip((jnp.ones_like, jnp.zeros_like), tables))
       blocks = {kind: getattr(self, stack) for kind, stack in _HYBRID_STACKS.items()
                 if hasattr(self, stack)}
-      x, new_caches, stats = _scan_hybrid(blocks, cfg, x, tables, segment_ids_BxT, cache,
-                                          positions_BxT, ctx, prefill, router_loss)
+      x, new_caches, stats, chosen = _scan_hybrid(
+          blocks, cfg, x, tables, segment_ids_BxT, cache, positions_BxT, ctx, prefill,
+          router_loss, replay, record)
     elif cfg.scan_layers and cfg.moe_layer_step > 1:
-      x, new_caches, stats = _scan_interleaved(self.dense_layers, self.layers, cfg, x, tables,
-                                               local, segment_ids_BxT, cache, positions_BxT,
-                                               ctx, prefill, router_loss)
+      x, new_caches, stats, chosen = _scan_interleaved(
+          self.dense_layers, self.layers, cfg, x, tables, local, segment_ids_BxT, cache,
+          positions_BxT, ctx, prefill, router_loss, replay, record)
     elif cfg.scan_layers:
       new_caches = cache
       for stack, (first, *_) in layer_stacks(cfg):
-        routed = router_loss and stack == "layers"
-        x, new_caches, part = _scan_blocks(
+        # A mixture's "layers" stack holds its mixture layers alone, in order.
+        mixture = bool(cfg.num_experts) and stack == "layers"
+        routed = router_loss and mixture
+        x, new_caches, part, got = _scan_blocks(
             getattr(self, stack), x, tables, local, segment_ids_BxT, new_caches,
             positions_BxT, ctx, prefill, cfg.remat, routed, cfg.sliding_layers,
-            cfg.nope_layers, first)
+            cfg.nope_layers, first, replay if mixture else None, record and mixture)
         stats = part if routed else stats
+        chosen = got if mixture else chosen
     else:
       new_caches = []
       placed = sorted(((i, block) for stack, indices in layer_stacks(cfg)
                        for i, block in zip(indices, getattr(self, stack))),
                       key=lambda pair: pair[0])
+      m = 0  # mixture layers so far
       for i, block in placed:
         layer_cache = None if cache is None else cache[i]
         sliding = cfg.sliding_layers[i]
-        routed = router_loss and cfg.mixture_flags[i]
+        mixture = cfg.mixture_flags[i]
+        routed = router_loss and mixture
+        given = replay[m] if replay is not None and mixture else None
+        rec = record and mixture
         cos, sin = local if sliding else tables
         nope = cfg.nope_layers[i]
         if nope:  # cos 1, sin 0: q and k pass unrotated
           cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         if cfg.remat != "none" and cache is None:
           out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
-                             cfg.remat, routed, sliding, nope)
+                             cfg.remat, routed, sliding, nope, given, rec)
         else:
           out = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
-                      prefill, router_stats=routed, sliding=sliding, nope=nope)
+                      prefill, router_stats=routed, sliding=sliding, nope=nope,
+                      experts=given, record_experts=rec)
         x, c = out[:2]
         if routed:
           stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
+        if rec:
+          chosen.append(out[3])
+        m += mixture
         new_caches.append(c)
     h = self.final_norm(x)
+    out = (h,)
     if router_loss:
-      return h, load_balancing_loss(stats, cfg.num_experts)
-    return (h, new_caches) if cache is not None else h
+      out += (load_balancing_loss(stats, cfg.num_experts),)
+    elif cache is not None:
+      out += (new_caches,)
+    if record:  # [M, B, T, k] -> [B, T, M, k]
+      out += (jnp.moveaxis(chosen if isinstance(chosen, jax.Array) else jnp.stack(chosen),
+                           0, 2),)
+    return out[0] if len(out) == 1 else out
 
   def _require_lm_head(self) -> None:
     if not self.cfg.lm_head:
@@ -2256,19 +2351,21 @@ class Transformer(nnx.Module):
 
 
 def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
-                 router_stats: bool = False, sliding: bool = False, nope: bool = False):
+                 router_stats: bool = False, sliding: bool = False, nope: bool = False,
+                 experts=None, record_experts: bool = False):
   # The block is split into a pure pytree and merged inside the checkpointed function,
   # so it also works when the caller merged the model outside an enclosing trace (a
   # lax.scan over micro-batches): nnx.remat would refuse to touch such variables.
   graphdef, state = nnx.split(block)
 
-  def run(state, x, cos, sin, segment_ids, positions):
+  def run(state, x, cos, sin, segment_ids, positions, experts):
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, None, positions, ctx,
                                       router_stats=router_stats, sliding=sliding,
-                                      nope=nope)
+                                      nope=nope, experts=experts,
+                                      record_experts=record_experts)
 
   fn = jax.checkpoint(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
-  return fn(state, x, cos, sin, segment_ids, positions)
+  return fn(state, x, cos, sin, segment_ids, positions, experts)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
@@ -2345,7 +2442,8 @@ def ordered_layers(cfg: ModelConfig) -> dict[str, int]:
 
 
 def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_ids, cache,
-                 positions, ctx, prefill, router_stats: bool):
+                 positions, ctx, prefill, router_stats: bool, replay=None,
+                 record: bool = False):
   """Runs a model of linear- and full-attention layers (and, with cfg.split_layers, MLPs
   alone; `blocks` maps each kind of `layer_kinds` to its stack) as one `lax.scan` over
   periods of cfg.layer_period layers (Qwen3.5: three linear layers, then a full one):
@@ -2360,11 +2458,20 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   first, and XLA:TPU did (three Gated DeltaNet layers' working sets live at once: 9.5
   GiB a chip more in Qwen3.5-27B's update on v5p-64); a loop rebuilds one at a time.
   Returns (x, the HybridCaches or None, the layers' RouterStats summed with
-  `router_stats`, else None)."""
+  `router_stats`, else None, the experts each mixture layer chose [M, B, T, k] with
+  `record`, else None). `replay`: the experts each mixture layer takes, the same shape
+  (a cache-free pass)."""
   p = cfg.layer_period
   pattern = layer_kinds(cfg)[:p]
   periods = cfg.num_layers // p
   per = {kind: pattern.count(kind) for kind in blocks}
+
+  def mixes(kind):  # whether a layer of this kind holds a mixture of experts
+    return bool(cfg.num_experts) and (kind == "moe" or not cfg.split_layers)
+
+  mixing = sum(mixes(kind) for kind in pattern)  # mixture layers a period
+  # The experts each period's mixture layers take: [periods, mixing, B, T, k].
+  replay = None if replay is None else replay.reshape(periods, mixing, *replay.shape[1:])
   # Training scans the stacks as [periods, layers a period, ...]. A cached call of more
   # than one period indexes the stacks as they are, by layer: their reshape left XLA:TPU
   # a layout to pick, and it relaid whole stacks for the prefill and sliced a period's
@@ -2382,17 +2489,23 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   def routed(kind):  # whether a layer of this kind gives router statistics
     return router_stats and (kind == "moe" or not cfg.split_layers)
 
-  def run(kind, j, period_state, x, unit, i):
+  def recorded(kind):  # whether a layer of this kind returns the experts it chose
+    return record and mixes(kind)
+
+  def run(kind, j, period_state, x, unit, i, experts=None):
     # The period's j-th layer of this kind (j static, or traced in an inner scan), taken
     # inside the checkpoint: a slice taken outside would be a residual, a second copy of
     # every layer's weights.
     state = jax.tree.map(lambda a: a[j], period_state)
     return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
-                                          prefill, i, router_stats=routed(kind))
+                                          prefill, i, router_stats=routed(kind),
+                                          experts=experts, record_experts=recorded(kind))
 
-  def run_layer(kind, state, x):  # an inner scan's layer: its weights are the scan's xs
+  def run_layer(kind, state, x, experts=None):  # an inner scan's layer: its weights are
+    # the scan's xs
     return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, None, positions, ctx,
-                                          prefill, None, router_stats=routed(kind))
+                                          prefill, None, router_stats=routed(kind),
+                                          experts=experts, record_experts=recorded(kind))
 
   if cache is None and cfg.remat != "none":
     policy = _REMAT_POLICIES[cfg.remat]
@@ -2420,37 +2533,53 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
 
   def body(carry, xs):
     x, caches = carry
-    period_states, period = xs
+    period_states, period, period_replay = xs
     stats = None
+    chosen = []  # the period's mixture layers' experts, in order
+    mixed = 0  # the period's mixture layers so far
     if caches is None:
       for kind, first, count in runs:
-        if count == 1 and ordered and not routed(kind):
+        given = None  # the run's replayed experts [count, B, T, k]
+        if mixes(kind) and period_replay is not None:
+          given = period_replay[mixed:mixed + count]
+        mixed += count if mixes(kind) else 0
+        if (count == 1 and ordered and not routed(kind)
+            and not (mixes(kind) and (record or given is not None))):
           layer = functools.partial(_unrolled_layer, graphs[kind], first, ctx)
           x = _ordered_remat(layer)(x, period_states[kind], (cos, sin, segment_ids, positions))
           continue
         if count == 1:
-          out = run(kind, first, period_states[kind], x, None, None)
+          out = run(kind, first, period_states[kind], x, None, None,
+                    None if given is None else given[0])
           x = out[0]
           if routed(kind):
             stats = add_stats(stats, out[2])
+          if recorded(kind):
+            chosen.append(out[3][None])
           continue
         if count == per[kind]:  # all the period's layers of this kind: scanned as xs
 
-          def step(x, state, kind=kind):
-            out = run_layer(kind, state, x)
-            return out[0], out[2] if routed(kind) else None
+          def step(x, xs, kind=kind):
+            state, experts = xs
+            out = run_layer(kind, state, x, experts)
+            return out[0], (out[2] if routed(kind) else None,
+                            out[3] if recorded(kind) else None)
 
-          x, new = jax.lax.scan(step, x, period_states[kind])
+          x, (new, got) = jax.lax.scan(step, x, (period_states[kind], given))
         else:  # some of them: indexed inside the checkpoint
 
-          def step(x, j, kind=kind):
-            out = run(kind, j, period_states[kind], x, None, None)
-            return out[0], out[2] if routed(kind) else None
+          def step(x, xs, kind=kind):
+            j, experts = xs
+            out = run(kind, j, period_states[kind], x, None, None, experts)
+            return out[0], (out[2] if routed(kind) else None,
+                            out[3] if recorded(kind) else None)
 
-          x, new = jax.lax.scan(step, x, jnp.arange(first, first + count))
+          x, (new, got) = jax.lax.scan(step, x, (jnp.arange(first, first + count), given))
         if routed(kind):
           stats = add_stats(stats, jax.tree.map(lambda s: jnp.sum(s, axis=0), new))
-      return (x, caches), stats
+        if recorded(kind):
+          chosen.append(got)
+      return (x, caches), (stats, jnp.concatenate(chosen) if record else None)
     seen = dict.fromkeys(blocks, 0)
     for kind in pattern:
       j = seen[kind]
@@ -2478,7 +2607,8 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
       unit = None if field is None else getattr(caches, field)
       out = nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
                                            prefill, period * per[kind] + j,
-                                           router_stats=routed(kind))
+                                           router_stats=routed(kind),
+                                           record_experts=recorded(kind))
       # The next layer takes the cache and x as this one left them: without this barrier
       # XLA:TPU held more of the layers' work at once (the same model's prefill: 10.8
       # GiB a chip, 9.3 with it).
@@ -2486,14 +2616,18 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
           (out[0], caches if field is None else caches._replace(**{field: out[1]})))
       if routed(kind):
         stats = add_stats(stats, out[2])
-    return (x, caches), stats
+      if recorded(kind):
+        chosen.append(out[3])
+    return (x, caches), (stats, jnp.stack(chosen) if record else None)
 
-  (x, cache), stats = jax.lax.scan(
+  (x, cache), (stats, chosen) = jax.lax.scan(
       body, (x, cache),
-      (None if by_layer else states, jnp.arange(periods, dtype=jnp.int32)))
+      (None if by_layer else states, jnp.arange(periods, dtype=jnp.int32), replay))
   if router_stats:
     stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
-  return x, cache, stats
+  if record:  # [periods, mixing, B, T, k] -> [M, B, T, k]
+    chosen = chosen.reshape(periods * mixing, *chosen.shape[2:])
+  return x, cache, stats, chosen
 
 
 def _unrolled_layer(graph, j, ctx, x, stack, inputs):
@@ -2536,7 +2670,7 @@ def _ordered_remat(layer):
 
 def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConfig, x, tables,
                       local_tables, segment_ids, cache, positions, ctx, prefill,
-                      router_stats: bool):
+                      router_stats: bool, replay=None, record: bool = False):
   """Runs a mixture whose dense layers sit between its mixture layers (cfg.moe_layer_step
   = p: p - 1 dense layers, then a mixture layer; Llama 4 Maverick's p = 2) as one
   `lax.scan` over periods of p layers: the program holds one period, whatever the depth.
@@ -2545,7 +2679,9 @@ def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConf
   when given, stacks every layer (or every layer of a kind) and travels in the carry.
   Each layer is rematerialised on its own, its weights sliced from the period's inside
   the checkpoint. Returns (x, the cache or None, the mixture layers' RouterStats summed
-  with `router_stats`, else None)."""
+  with `router_stats`, else None, the experts each mixture layer chose [periods, B, T, k]
+  with `record`, else None). `replay`: the experts each mixture layer takes, the same
+  shape."""
   p = cfg.moe_layer_step
   periods = cfg.num_layers // p
   dense_graph, dense_state = nnx.split(dense_blocks)
@@ -2560,35 +2696,37 @@ def _scan_interleaved(dense_blocks: Block, mixture_blocks: Block, cfg: ModelConf
     index = np.where(kinds, np.cumsum(kinds) - 1, np.cumsum(~kinds) - 1)
   index = jnp.asarray(index, jnp.int32).reshape(periods, p)
 
-  def run(graph, routed, j, state, x, unit, i, nope, slide):
+  def run(graph, routed, j, state, x, unit, i, nope, slide, experts=None, rec=False):
     if j is not None:  # the period's j-th dense layer
       state = jax.tree.map(lambda a: a[j], state)
     sliding = slide if mixed else bool(kinds[0])
     cos, sin = (jnp.where(slide, a, b) for a, b in zip(local_tables, tables))
     cos, sin = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
     return nnx.merge(graph, state)(x, cos, sin, segment_ids, unit, positions, ctx, prefill,
-                                   i, router_stats=routed, sliding=sliding, nope=nope)
+                                   i, router_stats=routed, sliding=sliding, nope=nope,
+                                   experts=experts, record_experts=rec)
 
   if cache is None and cfg.remat != "none":
     run = jax.checkpoint(run, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False,
-                         static_argnums=(0, 1, 2))
+                         static_argnums=(0, 1, 2, 10))
 
   def body(carry, xs):
     x, cache = carry
-    dense, mixture, nope, slide, at = xs
+    dense, mixture, nope, slide, at, experts = xs
     for j in range(p - 1):
       out = run(dense_graph, False, j, dense, x, cache, None if cache is None else at[j],
-                nope[j], slide[j])
+                nope[j], slide[j], None, False)
       x, cache = out[0], out[1]
     out = run(mixture_graph, router_stats, None, mixture, x, cache,
-              None if cache is None else at[p - 1], nope[p - 1], slide[p - 1])
-    return (out[0], out[1]), (out[2] if router_stats else None)
+              None if cache is None else at[p - 1], nope[p - 1], slide[p - 1], experts,
+              record)
+    return (out[0], out[1]), (out[2] if router_stats else None, out[3] if record else None)
 
-  (x, cache), stats = jax.lax.scan(
-      body, (x, cache), (dense_state, mixture_state, nopes, slides, index))
+  (x, cache), (stats, chosen) = jax.lax.scan(
+      body, (x, cache), (dense_state, mixture_state, nopes, slides, index, replay))
   if router_stats:
     stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
-  return x, cache, stats
+  return x, cache, stats, chosen
 
 
 def _check_cache_layout(cfg: ModelConfig, cache) -> None:
@@ -2607,10 +2745,12 @@ def _check_cache_layout(cfg: ModelConfig, cache) -> None:
 def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, positions, ctx,
                  prefill, remat: str, router_stats: bool = False,
                  sliding_layers: tuple[bool, ...] = (), nope_layers: tuple[bool, ...] = (),
-                 first: int = 0):
+                 first: int = 0, replay=None, record: bool = False):
   """Runs the stacked layers as one `lax.scan`: the program holds one layer's body,
   whatever the depth, so compile time and program size do not grow with layers.
-  Returns (x, cache, the layers' RouterStats summed with `router_stats`, else None).
+  Returns (x, cache, the layers' RouterStats summed with `router_stats`, else None, the
+  experts each layer chose [layers, B, T, k] with `record`, else None). `replay`: the
+  experts each layer takes [layers, B, T, k] (a stack of mixture layers).
 
   The cache, when given, stacks the layers and travels in the carry: each layer writes
   its slots in place (`write_cache(..., layer=i)`). With layers of both kinds it is a
@@ -2631,7 +2771,7 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
   static = bool(sliding_layers and sliding_layers[0])
   nopes = jnp.asarray(nope_layers, bool) if any(nope_layers) else None
 
-  def run(state, x, cache, i, flag, nope):
+  def run(state, x, cache, i, flag, nope, experts=None):
     if flag is None:
       cos, sin, sliding = *(local_tables if static else tables), static
     else:
@@ -2641,7 +2781,8 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
       cos, sin = jnp.where(nope, 1.0, cos), jnp.where(nope, 0.0, sin)
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, cache, positions, ctx,
                                       prefill, i, router_stats=router_stats, sliding=sliding,
-                                      nope=False if nope is None else nope)
+                                      nope=False if nope is None else nope, experts=experts,
+                                      record_experts=record)
 
   if cache is None:
     if remat != "none":
@@ -2649,13 +2790,13 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
       run = jax.checkpoint(run, policy=_REMAT_POLICIES[remat], prevent_cse=False)
 
     def body(x, xs):
-      layer_state, flag, nope = xs
-      out = run(layer_state, x, None, None, flag, nope)
-      return out[0], (out[2] if router_stats else None)
+      layer_state, flag, nope, experts = xs
+      out = run(layer_state, x, None, None, flag, nope, experts)
+      return out[0], (out[2] if router_stats else None, out[3] if record else None)
 
-    x, stats = jax.lax.scan(body, x, (state, flags, nopes))
+    x, (stats, chosen) = jax.lax.scan(body, x, (state, flags, nopes, replay))
     return x, None, (jax.tree.map(lambda s: jnp.sum(s, axis=0), stats) if router_stats
-                     else None)
+                     else None), chosen
 
   # Each layer's index in the cache: its own, or among the layers of its kind.
   index = np.arange(len(every_sliding))
@@ -2667,12 +2808,12 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
   def body_cached(x_cache, xs):
     x, cache = x_cache
     layer_state, flag, nope, i = xs
-    x, cache = run(layer_state, x, cache, i, flag, nope)
-    return (x, cache), None
+    out = run(layer_state, x, cache, i, flag, nope)
+    return (out[0], out[1]), (out[3] if record else None)
 
-  (x, cache), _ = jax.lax.scan(body_cached, (x, cache),
-                               (state, flags, nopes, jnp.asarray(index, jnp.int32)))
-  return x, cache, None
+  (x, cache), chosen = jax.lax.scan(body_cached, (x, cache),
+                                    (state, flags, nopes, jnp.asarray(index, jnp.int32)))
+  return x, cache, None, chosen
 
 
 def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,
