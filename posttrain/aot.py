@@ -112,6 +112,11 @@ def abstract_rl_batch(config: ml_collections.ConfigDict, algo, required: tuple[s
                                    sharding=sharding) for k in keys}
   if algo.kl_controller == "adaptive" and not algo.kl_in_reward:  # the trainer's row weights
     batch["kl_coef"] = jax.ShapeDtypeStruct(shape[:2], jnp.float32, sharding=sharding)
+  if algo.get("routing_replay", "none") != "none":  # the experts each token replays
+    cfg = experiment.model_config(config)
+    batch[ts.ROUTING_KEY] = jax.ShapeDtypeStruct(
+        shape + (cfg.mixture_layers, cfg.num_experts_per_tok), ts.routing_dtype(cfg),
+        sharding=sharding)
   return batch
 
 

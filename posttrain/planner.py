@@ -2028,6 +2028,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   head = head_bytes(cfg, mesh=mesh, rules=rules, rows=rows, row_len=row_len)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
+  if algo.get("routing_replay", "none") != "none":  # each token's experts in every layer
+    batch += (micro * b * length * cfg.mixture_layers * cfg.num_experts_per_tok
+              * np.dtype(rl_train_step.routing_dtype(cfg)).itemsize)
   # The Sampler copies the weights it is given (never an alias), colocated or not, but
   # a colocated LoRA learner's frozen base, which it holds as it is (the train step never
   # donates it: `Trainer._shared_base`): then its own are the adapters (and heads).

@@ -308,6 +308,9 @@ class Trainer:
     self.reward_source = str(config.rollout.get("reward_source", "verifier"))
     self._check_reward_source()
     self.algo = algorithm(config)
+    if self.algo.routing_replay != "none" and not self.cfg.num_experts:
+      raise ValueError(f"rl.routing_replay={self.algo.routing_replay!r} replays a mixture's "
+                       f"experts; this model ({self.cfg.architecture}) has none")
     t = config.train
     self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
     self.sft_data, self.sft_eval_data = self._load_sft_data(config.sft)
@@ -493,7 +496,8 @@ class Trainer:
       self._logprobs_fns[key] = ts.make_compute_logprobs(
           self.teacher_cfg, mesh=self.mesh, rules=self.rules, temperature=1.0,
           with_values=False)
-    teacher = self._logprobs_fns[key](self.teacher_params, out)["logprobs"]
+    teacher = self._logprobs_fns[key](self.teacher_params,
+                                      ts.without_routing(out))["logprobs"]
     flat = lambda x: jnp.asarray(x).reshape(-1, shape[-1])  # noqa: E731
     mask = flat(out["loss_mask"])
     gap = adv_lib.distillation_advantages(flat(teacher), flat(out["old_logprobs"]), mask,
@@ -1073,16 +1077,17 @@ class Trainer:
                                      self._sft_spans, self.rows_per_mb)
 
   def _logprobs(self, params, batch, temperature: float | None = None,
-                with_entropy: bool = False):
+                with_entropy: bool = False, with_routing: bool = False):
     """Log-probs without gradient at the sampler's temperature, or at `temperature`; with
-    `with_entropy`, the tempered distribution's entropies too (same pass)."""
+    `with_entropy`, the tempered distribution's entropies too (same pass); with
+    `with_routing`, the experts each token took (routing replay's)."""
     if temperature is None:
       temperature = float(self.config.rollout.temperature) or 1.0
-    key = (temperature, with_entropy)
+    key = (temperature, with_entropy, with_routing)
     if key not in self._logprobs_fns:
       self._logprobs_fns[key] = ts.make_compute_logprobs(
           self.cfg, mesh=self.mesh, rules=self.rules, temperature=temperature,
-          with_entropy=with_entropy)
+          with_entropy=with_entropy, with_routing=with_routing)
     return self._logprobs_fns[key](params, batch)
 
   def _check_finite(self, row: dict, metrics):
@@ -1570,8 +1575,13 @@ class Trainer:
                  or (self.rl_teacher and not self.distill_in_step))
     if float(algo.tis_cap) > 0:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
-    cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy) if needs_old
-           else None)
+    # Routing replay: the updates take the experts of this pass (the policy before them;
+    # routing_replay=old comes with several updates, so with old log-probs).
+    replay = algo.routing_replay == "old"
+    cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy,
+                          with_routing=replay) if needs_old else None)
+    if replay:
+      out["routing"] = cur["routing"]
     if cur is not None:
       out["old_logprobs"] = cur["logprobs"]
     if needs_entropy:

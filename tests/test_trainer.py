@@ -622,6 +622,32 @@ def test_mixture_of_experts_run_trains_and_exports_per_expert_files(tmp_path):
   assert exported.cfg.num_experts == 4 and exported.cfg.architecture == "MixtralForCausalLM"
 
 
+def test_routing_replay_hands_the_old_policys_experts_to_every_update(tmp_path, monkeypatch):
+  """rl.routing_replay=old on a mixture: the old log-probs' pass records each token's
+  experts and the updates (two minibatches) get them with the batch; a dense model
+  refuses it before anything runs."""
+  seen = []
+  real = trainer.ts.ppo_update
+
+  def ppo_update(step, state, batch, **kw):
+    seen.append((np.shape(batch["tokens"]), np.asarray(batch["routing"])))
+    return real(step, state, batch, **kw)
+
+  monkeypatch.setattr(trainer.ts, "ppo_update", ppo_update)
+  extra = {**MOE, "sft.steps": 0, "train.rl_steps": 1, "eval.seeds_per_domain": 0,
+           "rl.routing_replay": "old", "rl.num_minibatches": 2}
+  assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
+  (shape, routing), = seen
+  assert routing.shape == shape + (1, 2) and routing.dtype == np.int16
+  assert 0 <= routing.min() and routing.max() < 4 and len(np.unique(routing)) > 1
+  rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+  assert len(rows) == 1 and np.isfinite(rows[0]["grad_norm"])
+  with pytest.raises(ValueError, match=r"rl.routing_replay='old' replays a mixture's "
+                                       r"experts; this model \(LlamaForCausalLM\) has none"):
+    trainer.train(_config(**{"rl.routing_replay": "old", "rl.num_minibatches": 2}),
+                  str(tmp_path / "dense"))
+
+
 def test_an_export_the_architecture_cannot_hold_fails_first(tmp_path):
   extra = {**MOE, "model.overrides.architecture": "LlamaForCausalLM",
            "export_hf": str(tmp_path / "hf")}

@@ -55,6 +55,12 @@ upper clip. Knobs:
                          sampler's max_len, a reasoning model cut off while thinking)
                          keeps its reward in its group's advantages but trains no token
     ppo_epochs, num_minibatches   passes and optimizer steps per rollout batch
+    routing_replay       none | old: with several updates a batch (ppo_epochs or
+                         num_minibatches > 1), a mixture of experts' updates route each
+                         token to the experts the policy chose before the first update
+                         (the old log-probs' pass), their weights still the router's
+                         (GSPO's Routing Replay, Zheng et al. 2025): the ratio then
+                         compares the same experts however the updates move the routers
     preference_loss      "" = the policy-gradient update above; a paired loss of
                          posttrain.rl.preference (sigmoid, ipo, simpo, ...) = online
                          preference optimisation: each group's best sample against
@@ -113,6 +119,7 @@ _BASE: dict[str, Any] = dict(
     mask_truncated=False,
     ppo_epochs=1,
     num_minibatches=1,
+    routing_replay="none",
     preference_loss="",
     beta=0.1,
     label_smoothing=0.0,
@@ -271,6 +278,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PRESET_NAMES = tuple(_PRESETS)
+ROUTING_REPLAY = ("none", "old")
 KNOBS = tuple(_BASE)
 
 
@@ -323,6 +331,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   check(cfg.group_size >= 1, "group_size")
   check(cfg.ppo_epochs >= 1, "ppo_epochs")
   check(cfg.num_minibatches >= 1, "num_minibatches")
+  if cfg.get("routing_replay", "none") not in ROUTING_REPLAY:
+    raise ValueError(f"unknown routing_replay {cfg.routing_replay!r}; known: "
+                     f"{', '.join(ROUTING_REPLAY)}")
+  if cfg.get("routing_replay") == "old" and cfg.ppo_epochs * cfg.num_minibatches == 1:
+    raise ValueError("routing_replay=old keeps the old policy's experts across several "
+                     "updates of a batch; with ppo_epochs=1 and num_minibatches=1 the one "
+                     "update routes as the old policy does: raise either, or set "
+                     "routing_replay=none")
   check(cfg.overlong_buffer_len >= 1, "overlong_buffer_len")
   check(cfg.overlong_penalty_factor >= 0, "overlong_penalty_factor")
   if cfg.advantage_estimator in advantages_lib.SEQUENCE_LEVEL_ESTIMATORS - {"remax"}:
@@ -342,6 +358,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     check(cfg.top_entropy_fraction == 1, "top_entropy_fraction")  # no policy-gradient loss
     check(cfg.ppo_epochs == 1, "ppo_epochs")
     check(cfg.num_minibatches == 1, "num_minibatches")
+    check(cfg.routing_replay == "none", "routing_replay")
     check(2 * cfg.pairs_per_group <= cfg.group_size, "pairs_per_group")
 
 

@@ -24,6 +24,11 @@ A batch is a dict of arrays with a leading micro-batch axis, `[M, B, T]` per tok
                           top_entropy_fraction < 1 (its token selection reads them):
                           `make_compute_logprobs(..., with_entropy=True)`
     behaviour_logprobs    sampler log-probs, needed when the preset's tis_cap > 0
+    routing               optional `[M, B, T, mixture layers, k]` int (a mixture of
+                          experts): routing replay, the experts each token takes in
+                          each mixture layer (`make_compute_logprobs(..., with_routing=
+                          True)` of the policy before the update); every forward of the
+                          policy on the batch follows them (`Transformer.hidden_states`)
     ref_logprobs          needed when the KL is a loss term (kl_coef > 0, not kl_in_reward)
     kl_coef               optional `[M, B]`: each row's KL weight in place of the preset's
                           kl_coef (the adaptive KL controller's value: no recompile)
@@ -85,7 +90,9 @@ TOKEN_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "adv
               "old_values", "returns")
 # Per-row inputs `[M, B]`: each row's KL weight (the adaptive KL controller's value).
 ROW_KEYS = ("kl_coef",)
-MODEL_KEYS = ("tokens", "targets", "positions", "segment_ids")
+# Per token and mixture layer `[M, B, T, layers, k]`: the experts routing replay takes.
+ROUTING_KEY = "routing"
+MODEL_KEYS = ("tokens", "targets", "positions", "segment_ids", ROUTING_KEY)
 
 # Every step reports these (0 or 1 where a term is off), so the metric dict has one
 # structure whatever the algorithm and a logger can rely on the names.
@@ -126,6 +133,24 @@ def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
 # ---------------------------------------------------------------------------------------
 
 
+def routing_dtype(model_cfg: models.ModelConfig):
+  """The integer type a batch's recorded routing is held in: int16 for up to 32767
+  experts, else int32."""
+  return jnp.int16 if model_cfg.num_experts < 2**15 else jnp.int32
+
+
+def _check_routing(batch: Batch, model_cfg: models.ModelConfig) -> None:
+  if ROUTING_KEY not in batch:
+    return
+  if not model_cfg.num_experts:
+    raise ValueError("batch['routing'] replays a mixture's experts; this model has none")
+  want = (*np.shape(batch["tokens"]), model_cfg.mixture_layers, model_cfg.num_experts_per_tok)
+  if np.shape(batch[ROUTING_KEY]) != want:
+    raise ValueError(f"batch['routing'] has shape {np.shape(batch[ROUTING_KEY])}, expected "
+                     f"{want} (micro-batches, rows, length, mixture layers, "
+                     "num_experts_per_tok)")
+
+
 def _check_batch(batch: Batch, required: tuple[str, ...], row_multiple: int) -> None:
   if not isinstance(batch, Mapping):
     raise ValueError(f"batch must be a dict of arrays, got {type(batch).__name__}")
@@ -154,7 +179,15 @@ def _check_batch(batch: Batch, required: tuple[str, ...], row_multiple: int) -> 
 
 
 def _hidden(model: models.Transformer, mb: Batch, ctx: models.ShardingContext):
-  return model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"), ctx=ctx)
+  """The trunk's states; a mixture replays the batch's `routing` when it has one."""
+  return model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"), ctx=ctx,
+                             routing=mb.get(ROUTING_KEY))
+
+
+def without_routing(mb: Batch) -> Batch:
+  """The micro-batch as another model (reference, teacher, critic) reads it: the policy's
+  routing is the policy's alone."""
+  return {k: v for k, v in mb.items() if k != ROUTING_KEY}
 
 
 def _value_head(model: models.Transformer, h_BxTxD):
@@ -174,7 +207,7 @@ def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, 
     h = hidden
   elif with_router_loss:
     h, aux = model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"),
-                                 ctx=ctx, router_loss=True)
+                                 ctx=ctx, router_loss=True, routing=mb.get(ROUTING_KEY))
   else:
     h = _hidden(model, mb, ctx)
   out = models.chunked_logprobs(h, model.unembed(), mb["targets"], chunk=cfg.logprob_chunk,
@@ -201,9 +234,9 @@ def _scan_or_call(fn, xs, length: int):
 def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
                           rules: Rules = DEFAULT_RULES, temperature: float = 1.0,
                           with_values: bool | None = None,
-                          with_entropy: bool = False) -> Callable:
-  """`compute_logprobs(params, batch) -> {"logprobs", ["values"], ["entropies"]}`, jitted,
-  no gradient.
+                          with_entropy: bool = False, with_routing: bool = False) -> Callable:
+  """`compute_logprobs(params, batch) -> {"logprobs", ["values"], ["entropies"],
+  ["routing"]}`, jitted, no gradient.
 
   One trunk pass per micro-batch gives the target log-probs `[M, B, T]` and, when the
   model has a value head, the critic's values (the `old_values` GAE needs).
@@ -215,10 +248,17 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
     with_values: return values too; default: when `model_cfg.value_head`.
     with_entropy: return `entropies` `[M, B, T]` too, each position's entropy of the
       tempered next-token distribution (the `old_entropies` of `top_entropy_fraction`).
+    with_routing: return `routing` `[M, B, T, mixture layers, k]` too (`routing_dtype`),
+      the experts each mixture layer chose for each token: the batch's routing for
+      routing replay in the updates that follow.
+
+  A batch with `routing` replays it (the returned routing is then the same).
   """
   with_values = model_cfg.value_head if with_values is None else with_values
   if with_values and not model_cfg.value_head:
     raise ValueError("with_values=True needs a model built with value_head=True")
+  if with_routing and not model_cfg.num_experts:
+    raise ValueError("with_routing=True records a mixture's experts; this model has none")
   graphdef, abstract_params, rest = _split_abstract(model_cfg)
   ctx = models.ShardingContext(mesh, rules)
   data_sharding = batch_sharding(mesh, rules)
@@ -229,11 +269,18 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
     inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
 
     def one(mb):
+      hidden = routing = None
+      if with_routing:
+        hidden, routing = model.hidden_states(
+            mb["tokens"], mb.get("positions"), mb.get("segment_ids"), ctx=ctx,
+            routing=mb.get(ROUTING_KEY), return_routing=True)
       logprobs, entropies, values, _ = _forward(model, mb, ctx, temperature=temperature,
                                                 with_values=with_values,
-                                                with_entropy=with_entropy)
+                                                with_entropy=with_entropy, hidden=hidden)
       return {"logprobs": logprobs, **({"values": values} if with_values else {}),
-              **({"entropies": entropies} if with_entropy else {})}
+              **({"entropies": entropies} if with_entropy else {}),
+              **({"routing": routing.astype(routing_dtype(model_cfg))} if with_routing
+                 else {})}
 
     return _scan_or_call(one, inputs, batch["tokens"].shape[0])
 
@@ -243,6 +290,7 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
 
   def compute_logprobs(params, batch: Batch) -> dict[str, jax.Array]:
     _check_batch(batch, ("tokens", "targets"), row_multiple)
+    _check_routing(batch, model_cfg)
     inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
     # A no-op for arrays already laid out so; reshards e.g. a rollout mesh's output.
     return jitted(params, distributed.put(inputs, data_sharding))
@@ -292,8 +340,8 @@ def _reference_logprobs_fn(graphdef, rest, ctx: models.ShardingContext, temperat
   """`(reference params, mb) -> [B, T]` log-probs of the targets, without gradient."""
   def reference_logprobs(reference, mb):
     model = nnx.merge(graphdef, reference, rest)
-    logprobs, _, _, _ = _forward(model, mb, ctx, temperature=temperature, with_values=False,
-                                 with_entropy=False)
+    logprobs, _, _, _ = _forward(model, without_routing(mb), ctx, temperature=temperature,
+                                 with_values=False, with_entropy=False)
     return jax.lax.stop_gradient(logprobs)
 
   return reference_logprobs
@@ -559,7 +607,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
 
   def teacher_hidden(teacher_params, mb):
     teacher = nnx.merge(teacher_graphdef, teacher_params, teacher_rest)
-    return (jax.lax.stop_gradient(_hidden(teacher, mb, ctx)),
+    return (jax.lax.stop_gradient(_hidden(teacher, without_routing(mb), ctx)),
             jax.lax.stop_gradient(teacher.unembed()))
 
   def microbatch_loss(trainable, mb, denominator, frozen, micro_share):
@@ -569,7 +617,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     if distilling:  # the trunk's states feed the log-probs and the divergence both
       if aux_coef > 0:
         hidden, aux = model.hidden_states(mb["tokens"], mb.get("positions"),
-                                          mb.get("segment_ids"), ctx=ctx, router_loss=True)
+                                          mb.get("segment_ids"), ctx=ctx, router_loss=True,
+                                          routing=mb.get(ROUTING_KEY))
       else:
         hidden = _hidden(model, mb, ctx)
     logprobs, entropies, values, forward_aux = _forward(
@@ -579,7 +628,7 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
     aux = forward_aux if hidden is None else aux
     if separate_critic:
       critic = nnx.merge(critic_graphdef, critic_params, critic_rest)
-      values = _value_head(critic, _hidden(critic, mb, ctx))
+      values = _value_head(critic, _hidden(critic, without_routing(mb), ctx))
     loss, metrics = losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
                                    entropies=entropies, values=values)
     if distilling:
@@ -661,7 +710,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
                        "by batch['old_entropies'], the learner's entropies before the update: "
                        "make_compute_logprobs(..., with_entropy=True)")
     _check_batch(batch, required, row_multiple)
-    inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS + ROW_KEYS}
+    _check_routing(batch, model_cfg)
+    inputs = {k: v for k, v in batch.items() if k in TOKEN_KEYS + ROW_KEYS + (ROUTING_KEY,)}
     if "kl_coef" in inputs and not (loss_cfg.kl_coef > 0 and not loss_cfg.kl_in_reward):
       raise ValueError("batch['kl_coef'] weighs a KL loss term, which this config has not "
                        "(kl_coef > 0 and kl_in_reward False)")
@@ -1042,7 +1092,7 @@ def ppo_update(train_step: Callable, state: TrainState, batch: Batch, *, epochs:
     raise ValueError("several updates per rollout batch need batch['old_logprobs'] "
                      "(compute_logprobs of the params that sampled it)")
   per_step = num_micro // minibatches
-  batch = {k: v for k, v in batch.items() if k in TOKEN_KEYS + ROW_KEYS}
+  batch = {k: v for k, v in batch.items() if k in TOKEN_KEYS + ROW_KEYS + (ROUTING_KEY,)}
   rng = np.random.default_rng(seed)
   history = []
   for _ in range(epochs):

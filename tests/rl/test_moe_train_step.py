@@ -69,3 +69,83 @@ def test_load_balancing_loss_joins_the_update_averaged_over_microbatches():
   assert np.abs(router(aux[2]) - router(plain[2])).max() > 1e-6
   np.testing.assert_allclose(aux8[3]["loss/router_aux"], aux[3]["loss/router_aux"], rtol=1e-5)
   assert_trees_close(aux8[2].params, aux[2].params, atol=1e-5)
+
+
+REPLAY_CFG = CFG.replace(num_layers=2)
+
+
+def _replay_batch(mesh):
+  """A two-micro-batch batch with advantages, the routing the policy records on it
+  (`with_routing`), and (state, that routing moved to other experts, the old log-probs
+  under the moved routing, those under the policy's own)."""
+  state = fresh_state(REPLAY_CFG, optax.sgd(0.5), mesh)
+  batch = microbatched(packed_rows(3), 2)
+  recorded = ts.make_compute_logprobs(REPLAY_CFG, mesh=mesh, with_routing=True)(
+      state.params, batch)
+  routing = np.asarray(recorded["routing"])
+  assert routing.dtype == np.int16
+  assert routing.shape == np.shape(batch["tokens"]) + (2, 2)
+  moved = ((routing + 1) % REPLAY_CFG.num_experts).astype(np.int16)
+  plain = ts.make_compute_logprobs(REPLAY_CFG, mesh=mesh)
+  old_moved = np.asarray(plain(state.params, {**batch, "routing": moved})["logprobs"])
+  return state, batch, routing, moved, old_moved, np.asarray(recorded["logprobs"])
+
+
+def test_compute_logprobs_records_the_routing_the_model_takes():
+  """with_routing: each micro-batch's experts are the model's own record; replaying
+  them gives the same log-probs, replaying others does not."""
+  from flax import nnx
+  mesh = one_device_mesh()
+  state, batch, routing, moved, old_moved, old = _replay_batch(mesh)
+  model = models.create_model(REPLAY_CFG)
+  nnx.update(model, state.params)
+  for i in range(2):
+    _, want = model.hidden_states(batch["tokens"][i], batch["positions"][i],
+                                  batch["segment_ids"][i], return_routing=True)
+    np.testing.assert_array_equal(routing[i], np.asarray(want))
+  again = ts.make_compute_logprobs(REPLAY_CFG, mesh=mesh)(state.params,
+                                                          {**batch, "routing": routing})
+  np.testing.assert_allclose(again["logprobs"], old, atol=1e-6)
+  assert np.abs(old_moved - old).max() > 1e-3
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 2, 4, 1)], ids=["one", "fsdp_tensor"])
+def test_the_update_follows_the_batch_routing(mesh_shape):
+  """Old log-probs taken under given experts: with those experts in the batch, the
+  step's first update sees ratios of exactly 1 (its forward takes the same experts, on
+  8 devices too); without them it routes by its own top-k and the ratios move. Split
+  into shuffled minibatches (`ppo_update`) each row keeps its own experts."""
+  mesh = one_device_mesh() if mesh_shape is None else models.make_mesh(mesh_shape)
+  state, batch, _, moved, old_moved, _ = _replay_batch(mesh)
+  algo = presets.algorithm_config("grpo", kl_coef=0.0, num_minibatches=2,
+                                  routing_replay="old")
+  step = ts.make_train_step(REPLAY_CFG, algo, optax.sgd(0.5), mesh=mesh, donate=False)
+  replayed = {**batch, "old_logprobs": old_moved, "routing": moved}
+  _, metrics = step(state, replayed)
+  np.testing.assert_allclose(float(metrics["ratio/mean"]), 1.0, atol=1e-6)
+  np.testing.assert_allclose(float(metrics["ratio/max"]), 1.0, atol=1e-6)
+  _, metrics = step(state, {**batch, "old_logprobs": old_moved})
+  assert float(metrics["ratio/max"]) > 1.001
+  _, history = ts.ppo_update(step, state, replayed, epochs=1, minibatches=2, seed=3)
+  np.testing.assert_allclose(float(history[0]["ratio/max"]), 1.0, atol=1e-6)
+  # The second minibatch runs after an update: the moved routers change the weights of
+  # the replayed experts, not which experts.
+  assert float(history[1]["ratio/max"]) != 1.0
+
+
+def test_routing_replay_refuses_what_it_cannot_replay():
+  mesh = one_device_mesh()
+  state, batch, routing, *_ = _replay_batch(mesh)
+  algo = presets.algorithm_config("grpo", kl_coef=0.0, num_minibatches=2,
+                                  routing_replay="old")
+  step = ts.make_train_step(REPLAY_CFG, algo, optax.sgd(0.5), mesh=mesh, donate=False)
+  with pytest.raises(ValueError, match=r"batch\['routing'\] has shape \(2, 4, 24, 1, 2\), "
+                                       r"expected \(2, 4, 24, 2, 2\)"):
+    step(state, {**batch, "routing": routing[..., :1, :]})
+  dense = CFG.replace(num_experts=0, num_experts_per_tok=0)
+  with pytest.raises(ValueError, match="with_routing=True records a mixture's experts"):
+    ts.make_compute_logprobs(dense, mesh=mesh, with_routing=True)
+  with pytest.raises(ValueError, match="routing_replay=old keeps the old policy's experts"):
+    presets.algorithm_config("grpo", routing_replay="old")
+  with pytest.raises(ValueError, match="unknown routing_replay 'sampler'"):
+    presets.algorithm_config("grpo", routing_replay="sampler", num_minibatches=2)
