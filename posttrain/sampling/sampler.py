@@ -42,6 +42,8 @@ from posttrain.models.transformer import (CACHED_WRITE_TOKENS, KVCache, LinearCa
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+# A recorded routing buffer's logical axes: rows over the batch axes.
+_ROUTING_NAMES = ("batch", None, None, None)
 # Continuous batching refills once this fraction of the slots has stopped: a prefill call
 # per stopped row would cost more than the rows idle meanwhile.
 _REFILL_FRACTION = 1 / 8
@@ -141,6 +143,10 @@ class Completions:
   stats: dict[str, int] = dataclasses.field(default_factory=dict)
   # With generate(..., keep_cache=True): what `Sampler.resume` continues from.
   resume_state: "ResumeState | None" = None
+  # With Sampler(record_routing=True): per row, the experts each mixture layer chose for
+  # each token the row fed, [prompt length + lengths[i] - 1, mixture layers, k] int16
+  # (its prompt's tokens and those it generated but the last, in order).
+  routing: list[np.ndarray] | None = None
 
   def token_lists(self) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
@@ -322,6 +328,10 @@ class Sampler:
       slots (`models.sliding_cache_slots`) instead of the whole row's.
     share: arrays among the model's weights the sampler holds as they are, uncopied
       (`update_params`' share: a colocated learner's frozen LoRA base; `reshare`).
+    record_routing: a mixture of experts' routing replay: every call records the experts
+      each mixture layer chose for each token it fed (the prompt's and those generated
+      but the last), `Completions.routing`, what the learner's update replays
+      (`Transformer.hidden_states(..., routing=)`). Not with keep_cache (resume).
   """
 
   def __init__(self, model: models.Transformer, *, mesh: Mesh | None = None, rules=None,
@@ -329,9 +339,13 @@ class Sampler:
                batch_buckets: Sequence[int] | None = None,
                length_buckets: Sequence[int] | None = None, pad_id: int = 0,
                gather_weights: bool = True, extend_chunk: int = CACHED_WRITE_TOKENS,
-               share=None):
+               share=None, record_routing: bool = False):
     cfg = model.cfg
     self.cfg = cfg
+    if record_routing and not cfg.num_experts:
+      raise ValueError("record_routing=True records a mixture's experts; this model has "
+                       "none (num_experts=0)")
+    self.record_routing = bool(record_routing)
     self.mesh = mesh
     self.rules = models.rules_from_config(rules)
     self.max_len = int(max_len or cfg.max_position_embeddings)
@@ -527,7 +541,8 @@ class Sampler:
         holds as many rows as the prompts, rounded up to a bucket, and runs in rounds).
       on_finish: called as `on_finish(i, tokens, logprobs, finish_reason)` for each
         prompt i as its row ends (with `slots`, while others still decode; else after the
-        call), e.g. to score it.
+        call), e.g. to score it; with record_routing also given the row's
+        `routing=` (as `Completions.routing` holds it).
       row_offset: the index of prompts[0] in a longer list of prompts: row i samples
         with that list's key for row_offset + i, so calls over consecutive slices of the
         list draw what one call over all of it draws.
@@ -582,6 +597,8 @@ class Sampler:
       raise ValueError(f"reserve_tokens={reserve_tokens} must be at least max_new_tokens="
                        f"{max_new_tokens} and fit max_len={self.max_len} after the longest "
                        f"prompt ({longest} tokens)")
+    if keep_cache and self.record_routing:
+      raise ValueError("keep_cache (resume) cannot be combined with record_routing")
     stop = [int(t) for t in stop_token_ids]
     bad = [t for t in stop if not 0 <= t < cfg.vocab_size]
     if bad:
@@ -642,6 +659,12 @@ class Sampler:
         weights, cache, first, first_logp, prompt_lens, active, ids, max_new_tokens,
         stop_ids, seed, temp, nucleus, step0=0, batch=batch, cache_len=cache_len, mode=mode)
     del weights, prefill_args
+    routing = None
+    if self.record_routing:  # each row's fed tokens: its prompt, then all it drew but the last
+      buffer = self._fetch(cache[1])
+      ends = distinct_lens[row_source] + np.maximum(lengths - 1, 0)
+      routing = [buffer[i, :ends[i]] for i in range(rows)]
+      cache = None
     resume = None
     if keep_cache:
       ends = np.maximum(lengths - 1, 0)
@@ -662,11 +685,12 @@ class Sampler:
                                  prompt_len=prompt_len, cache_len=cache_len,
                                  steps=int(steps), decode_steps=int(steps) - 1,
                                  decoded=int(np.maximum(lengths[:rows] - 1, 0).sum())),
-                      resume_state=resume)
+                      resume_state=resume, routing=routing)
     if on_finish is not None:
       for i in range(rows):
         n = int(out.lengths[i])
-        on_finish(i, out.tokens[i, :n], out.logprobs[i, :n], out.finish_reasons[i])
+        extra = {} if routing is None else {"routing": routing[i]}
+        on_finish(i, out.tokens[i, :n], out.logprobs[i, :n], out.finish_reasons[i], **extra)
     return out
 
   def _generate_slots(self, prompts, lens: np.ndarray, *, batch: int, max_new_tokens: int,
@@ -709,6 +733,7 @@ class Sampler:
     logprobs = np.zeros((rows, max_new_tokens), np.float32)
     lengths = np.zeros(rows, np.int32)
     stopped_rows = np.zeros(rows, bool)
+    routing: list[np.ndarray | None] | None = [None] * rows if self.record_routing else None
     first = min(rows, batch)  # fewer prompts than slots: the others start free
     state, prefilled, longest = self._fill_slots(
         weights, prompts[:first], lens[:first], limits[:first], fixed,
@@ -754,19 +779,23 @@ class Sampler:
           (state["done"], state["stopped"], state["gen"], ran))
       steps += int(ran)
       ended = np.flatnonzero(done & (slot_row >= 0))
-      out_tok, out_logp = self._take_rows(state, ended, batch=batch, cache_len=cache_len)
+      out_tok, out_logp, out_routing = self._take_rows(state, ended, batch=batch,
+                                                       cache_len=cache_len)
       for k, slot in enumerate(ended):
         i, n = int(slot_row[slot]), int(gen[slot])
         tokens[i, :n], logprobs[i, :n] = out_tok[k, :n], out_logp[k, :n]
         lengths[i], stopped_rows[i] = n, bool(stopped[slot])
+        if routing is not None:  # the fed tokens: the prompt, then all drawn but the last
+          routing[i] = out_routing[k, :int(lens[i]) + n - 1]
         slot_row[slot] = -1
         free[slot // per_device].append(int(slot))
         if held is not None:
           held.add(int(slot), np.concatenate([np.asarray(prompts[i], np.int64),
                                               out_tok[k, :n - 1].astype(np.int64)]))
         if on_finish is not None:
+          extra = {} if routing is None else {"routing": routing[i]}
           on_finish(i, tokens[i, :n], logprobs[i, :n],
-                    FINISH_STOP if stopped_rows[i] else FINISH_LENGTH)
+                    FINISH_STOP if stopped_rows[i] else FINISH_LENGTH, **extra)
       if between_rounds is not None:
         more = between_rounds(slot_row[slot_row >= 0].copy())
         if self.params_version != version:  # new weights: every later program reads them
@@ -798,6 +827,8 @@ class Sampler:
           logprobs = np.concatenate([logprobs, np.zeros((n, max_new_tokens), np.float32)])
           lengths = np.concatenate([lengths, np.zeros(n, np.int32)])
           stopped_rows = np.concatenate([stopped_rows, np.zeros(n, bool)])
+          if routing is not None:
+            routing += [None] * n
           if extend:
             state = write_on(state, extend)
             for slot, *_ in extend:
@@ -847,20 +878,25 @@ class Sampler:
                                   decoded=int(np.maximum(lengths - 1, 0).sum()),
                                   inserts=inserts, weight_swaps=swaps,
                                   continued=continued, reused_tokens=reused,
-                                  rewritten=rewritten))
+                                  rewritten=rewritten),
+                       routing=routing)
 
   def _take_rows(self, state, slots: np.ndarray, *, batch: int, cache_len: int):
     """The generated tokens and log-probs of `slots` ([n, cache_len] each, on the host),
-    copied off the devices for those rows only (the index padded to a power of two)."""
+    and with record_routing their routing by position ([n, cache_len, layers, k]; else
+    None), copied off the devices for those rows only (the index padded to a power of
+    two)."""
     if not slots.size:
-      return np.zeros((0, cache_len), np.int32), np.zeros((0, cache_len), np.float32)
+      return (np.zeros((0, cache_len), np.int32), np.zeros((0, cache_len), np.float32),
+              None)
     index = np.zeros(1 << (slots.size - 1).bit_length(), np.int32)
     index[:slots.size] = slots
-    args = (state["tokens"], state["logp"], self._put(index, ()))
+    names = ("tokens", "logp") + (("routing",) if self.record_routing else ())
+    args = (tuple(state[n] for n in names), self._put(index, ()))
     take = self._program(("take_rows", index.size, batch, cache_len),
-                         lambda t, lp, idx: (t[idx], lp[idx]), args, donate=())
-    out_tok, out_logp = self._fetch(take(*args))
-    return out_tok[:slots.size], out_logp[:slots.size]
+                         lambda arrays, idx: tuple(a[idx] for a in arrays), args, donate=())
+    out = [x[:slots.size] for x in self._fetch(take(*args))]
+    return out[0], out[1], (out[2] if self.record_routing else None)
 
   def _fill_slots(self, weights, prompts, lens, limits, fixed, *, row_offset: int,
                   batch: int, cache_len: int, mode: SamplingMode):
@@ -1204,16 +1240,36 @@ class Sampler:
                              write_tokens=self.extend_chunk)
 
   def _prompt_cache(self, model, tokens_UxL, prompt_lens_U):
-    """Runs the U prompts (right-padded to L) through the model: their cache of L slots
-    and the float32 logits [U, V] after each prompt's last token."""
+    """Runs the U prompts (right-padded to L) through the model: their cache of L slots,
+    the float32 logits [U, V] after each prompt's last token, and with record_routing
+    the experts each token took ([U, L, layers, k], `_ROUTING_DTYPE`; else None)."""
     distinct, length = tokens_UxL.shape
     cache = constrain_cache(self._init_cache(distinct, length), self._ctx)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
     segment_ids = (positions < prompt_lens_U[:, None]).astype(jnp.int32)
-    h, cache = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache,
-                                   ctx=self._ctx, prefill=True)
+    out = model.hidden_states(tokens_UxL, positions, segment_ids, cache=cache, ctx=self._ctx,
+                              prefill=True, return_routing=self.record_routing)
+    h, cache = out[:2]
     h_last = jnp.take_along_axis(h, (prompt_lens_U - 1)[:, None, None], axis=1)[:, 0]
-    return cache, self._logits(model, h_last)
+    return cache, self._logits(model, h_last), self._routing(out[2] if len(out) > 2 else None)
+
+  def _routing(self, experts):
+    """Recorded experts as the sampler holds them: int16 (int32 past 32767 experts),
+    rows over the batch axes."""
+    if experts is None:
+      return None
+    dtype = jnp.int16 if self.cfg.num_experts < 2**15 else jnp.int32
+    return self._ctx.constrain(experts.astype(dtype), _ROUTING_NAMES)
+
+  def _write_routing(self, buffer, experts_BxTxMxK, positions_BxT, written_BxT):
+    """buffer [B, S, layers, k] with each row's experts written at their positions, where
+    `written_BxT` (elsewhere left as it was)."""
+    slots = buffer.shape[1]
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    at = jnp.where(written_BxT, positions_BxT, slots)  # past the end: dropped
+    return self._ctx.constrain(
+        buffer.at[rows, at].set(experts_BxTxMxK.astype(buffer.dtype), mode="drop"),
+        _ROUTING_NAMES)
 
   def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed,
                temperature, top_p, *, cache_len: int, mode: SamplingMode,
@@ -1229,9 +1285,19 @@ class Sampler:
     row_source would copy the L-long cache of all U prompts to every device of the
     batch axes (0.88 GiB a device for that 7B model). `row_ids_B`: each row's index
     among the prompts, for its sampling key."""
+    cache, tokens, logp, routing = self._prefill_rows(
+        state, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed, temperature, top_p,
+        cache_len=cache_len, mode=mode, group=group)
+    return ((cache, routing) if self.record_routing else cache), tokens, logp
+
+  def _prefill_rows(self, state, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed,
+                    temperature, top_p, *, cache_len: int, mode: SamplingMode,
+                    group: int | None = None):
+    """`_prefill`'s (cache, first tokens, their log-probs, and with record_routing each
+    row's routing [B, cache_len, layers, k] by position, else None)."""
     model = nnx.merge(self._graphdef, state)
     constrain = functools.partial(constrain_cache, ctx=self._ctx)
-    cache, logits = self._prompt_cache(model, tokens_UxL, prompt_lens_U)
+    cache, logits, routing = self._prompt_cache(model, tokens_UxL, prompt_lens_U)
     if group is None:
       take = lambda x: x[row_source_B]  # noqa: E731
     else:
@@ -1264,16 +1330,20 @@ class Sampler:
 
     cache = map_cache_units(extend_unit, cache, target)
     cache = constrain(cache)
+    if routing is not None:  # each row its prompt's, the slots after it zero
+      routing = take(routing)
+      routing = self._routing(jnp.pad(routing, ((0, 0), (0, cache_len - routing.shape[1]),
+                                                (0, 0), (0, 0))))
     keys = _row_keys(seed, 0, row_ids_B)
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
-    return cache, tokens, logp
+    return cache, tokens, logp, routing
 
   def _fill(self, weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, limit_B,
             stop_ids, seed, temperature, top_p, *, cache_len: int,
             mode: SamplingMode, group: int | None):
     """The slot state of `generate`'s first prefill: row b holds its prompt's cache and
     first token at its prompt's length, and generates at most limit_B[b] tokens."""
-    cache, first, logp = self._prefill(
+    cache, first, logp, routing = self._prefill_rows(
         weights, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed, temperature,
         top_p, cache_len=cache_len, mode=mode, group=group)
     stopped = jnp.any(first[:, None] == stop_ids[None, :], axis=-1)
@@ -1284,7 +1354,8 @@ class Sampler:
         gen=row(jnp.ones_like(first)), ids=row(row_ids_B), limit=row(limit_B),
         done=row(stopped | (limit_B <= 1)), stopped=row(stopped),
         tokens=row(jnp.where(head, first[:, None], self.pad_id)),
-        logp=row(jnp.where(head, logp[:, None], 0.0)))
+        logp=row(jnp.where(head, logp[:, None], 0.0)),
+        **({} if routing is None else {"routing": routing}))
 
   def _refill(self, weights, slots, tokens_UxL, prompt_lens_U, source_N, local_N, row_ids_N,
               limit_N, stop_ids, seed, temperature, top_p, *, mode: SamplingMode):
@@ -1295,15 +1366,22 @@ class Sampler:
     only; the slots after it keep the previous row's (finite) keys, which decode
     attention masks by length and overwrites as the new row grows."""
     model = nnx.merge(self._graphdef, weights)
-    cache, logits = self._prompt_cache(model, tokens_UxL, prompt_lens_U)
+    cache, logits, routing = self._prompt_cache(model, tokens_UxL, prompt_lens_U)
     logits = self._local_take(logits, source_N, ("batch", None))
     first, logp = sample_logits(logits, _row_keys(seed, 0, row_ids_N), temperature, top_p,
                                 mode)
-    return dict(self._new_rows(slots, first, logp, stop_ids, local_N=local_N,
-                               pos=self._local_take(prompt_lens_U, source_N, ("batch",)),
-                               ids=row_ids_N, limit=limit_N),
-                cache=self._put_cache(slots["cache"], cache, local_N=local_N,
-                                      source_N=source_N))
+    out = dict(self._new_rows(slots, first, logp, stop_ids, local_N=local_N,
+                              pos=self._local_take(prompt_lens_U, source_N, ("batch",)),
+                              ids=row_ids_N, limit=limit_N),
+               cache=self._put_cache(slots["cache"], cache, local_N=local_N,
+                                     source_N=source_N))
+    if routing is not None:  # each new row its prompt's, over its slot's whole row
+      old = slots["routing"]
+      routing = jnp.pad(routing, ((0, 0), (0, old.shape[1] - routing.shape[1]), (0, 0),
+                                  (0, 0)))
+      out["routing"] = self._local_put(old, routing, _ROUTING_NAMES, local_N=local_N,
+                                       source_N=source_N)
+    return out
 
   def _put_cache(self, old, new, *, local_N, source_N=None):
     """`_local_put` of every cache array (a layer list, or stacks of layers): with
@@ -1361,17 +1439,24 @@ class Sampler:
         old), self._ctx)
     width = tokens_NxC.shape[1]
     positions = start_N[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
-    h, cache = model.hidden_states(
-        tokens_NxC, positions, self._fed(jnp.arange(width)[None, :] < count_N[:, None]),
-        cache=cache, ctx=self._ctx)
+    fed = jnp.arange(width)[None, :] < count_N[:, None]
+    out = model.hidden_states(tokens_NxC, positions, self._fed(fed), cache=cache,
+                              ctx=self._ctx, return_routing=self.record_routing)
+    h, cache = out[:2]
     h_last = jnp.take_along_axis(h, (count_N - 1)[:, None, None], axis=1)[:, 0]
     first, logp = sample_logits(self._logits(model, h_last), _row_keys(seed, 0, row_ids_N),
                                 temperature, top_p, mode)
     # Rows whose prompt goes on in a later call leave the slot's state as it is.
     live_at = jnp.where(final_N, local_N, slots["last"].shape[0] // self._batch_multiple)
-    return dict(self._new_rows(slots, first, logp, stop_ids, local_N=live_at,
-                               pos=start_N + count_N, ids=row_ids_N, limit=limit_N),
-                cache=self._put_cache(old, cache, local_N=local_N))
+    new = dict(self._new_rows(slots, first, logp, stop_ids, local_N=live_at,
+                              pos=start_N + count_N, ids=row_ids_N, limit=limit_N),
+               cache=self._put_cache(old, cache, local_N=local_N))
+    if self.record_routing:  # the fed tokens' experts, at their positions in the slot's row
+      rows = self._local_take(slots["routing"], local_N, _ROUTING_NAMES)
+      rows = self._write_routing(rows, self._routing(out[2]), positions, fed)
+      new["routing"] = self._local_put(slots["routing"], rows, _ROUTING_NAMES,
+                                       local_N=local_N)
+    return new
 
   def _fed(self, fed_BxT):
     """The segment ids of a cached call's tokens: with linear mixers (linear-attention
@@ -1446,9 +1531,13 @@ class Sampler:
     def body(carry):
       st, steps = carry
       live = ~st["done"]
-      h, cache = model.hidden_states(st["last"][:, None], st["pos"][:, None],
-                                     self._fed(live[:, None]), cache=st["cache"],
-                                     ctx=self._ctx)
+      out = model.hidden_states(st["last"][:, None], st["pos"][:, None],
+                                self._fed(live[:, None]), cache=st["cache"], ctx=self._ctx,
+                                return_routing=self.record_routing)
+      h, cache = out[:2]
+      if self.record_routing:
+        st = dict(st, routing=self._write_routing(st["routing"], out[2], st["pos"][:, None],
+                                                  live[:, None]))
       keys = _row_keys(seed, st["gen"], st["ids"])
       tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
       here = live[:, None] & (columns == st["gen"][:, None])
@@ -1487,8 +1576,14 @@ class Sampler:
     def body(carry):
       cache, step, last_B, out_tokens, out_logp, lengths, done, stopped = carry
       positions = (prompt_lens_B + step - 1)[:, None]  # Position of `last`.
-      h, cache = model.hidden_states(last_B[:, None], positions, self._fed(~done[:, None]),
-                                     cache=cache, ctx=self._ctx)
+      if self.record_routing:
+        cache, routing = cache
+      out = model.hidden_states(last_B[:, None], positions, self._fed(~done[:, None]),
+                                cache=cache, ctx=self._ctx,
+                                return_routing=self.record_routing)
+      h, cache = out[:2]
+      if self.record_routing:
+        cache = (cache, self._write_routing(routing, out[2], positions, ~done[:, None]))
       keys = _row_keys(seed, step + step0, row_ids_B)
       tok, logp = sample_logits(self._logits(model, h[:, 0]), keys, temperature, top_p, mode)
       tok = jnp.where(done, self.pad_id, tok)
