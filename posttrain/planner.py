@@ -2040,6 +2040,11 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   cache_dtype = kv_cache_dtype or r.get("cache_dtype", None)
   kv = kv_cache_bytes(cfg, batch=s_rows, max_len=int(r.max_len), mesh=rollout_mesh,
                       rules=rules, dtype=cache_dtype)
+  if algo.get("routing_replay", "none") == "rollout":
+    # The experts each row's tokens took, by position, beside the cache: int16 rows over
+    # the batch axes (`Sampler(record_routing=True)`).
+    kv += (-(-s_rows // rollout_shards) * int(r.max_len) * cfg.mixture_layers
+           * cfg.num_experts_per_tok * np.dtype(rl_train_step.routing_dtype(cfg)).itemsize)
   kv_dtype = np.dtype("int8" if cache_dtype == "int8" else (cache_dtype or cfg.dtype))
   size = np.dtype(cfg.param_dtype).itemsize
   gathered = decode_weight_bytes(cfg, rollout_shape, rules) if r.get("gather_weights", True) else 0

@@ -311,6 +311,13 @@ class Trainer:
     if self.algo.routing_replay != "none" and not self.cfg.num_experts:
       raise ValueError(f"rl.routing_replay={self.algo.routing_replay!r} replays a mixture's "
                        f"experts; this model ({self.cfg.architecture}) has none")
+    if self.algo.routing_replay == "rollout":
+      paused = [f"placement.{k}" for k in ("step_tokens", "segment_tokens")
+                if int(placement.get(k, 0) or 0)]
+      if paused:
+        raise ValueError(f"rl.routing_replay=rollout records the sampler's routing in one "
+                         f"call per turn; {' and '.join(paused)} pause rows and resume them "
+                         "from the kept cache, which keeps no routing: unset them")
     t = config.train
     self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
     self.sft_data, self.sft_eval_data = self._load_sft_data(config.sft)
@@ -414,7 +421,8 @@ class Trainer:
     self.sampler = Sampler(self._model(), mesh=self.rollout_mesh, rules=self.rules,
                            max_len=int(config.rollout.max_len), pad_id=self.tok.pad_id,
                            gather_weights=bool(config.rollout.get("gather_weights", True)),
-                           share=self._shared_base())
+                           share=self._shared_base(),
+                           record_routing=self.algo.routing_replay == "rollout")
     self.sampler_version = self.progress.policy_version
     r = config.rollout
     self.worker = RolloutWorker(
@@ -1576,10 +1584,12 @@ class Trainer:
     if float(algo.tis_cap) > 0:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
     # Routing replay: the updates take the experts of this pass (the policy before them;
-    # routing_replay=old comes with several updates, so with old log-probs).
+    # routing_replay=old comes with several updates, so with old log-probs). With
+    # routing_replay=rollout the batch brings the sampler's, which this pass replays too.
     replay = algo.routing_replay == "old"
     cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy,
-                          with_routing=replay) if needs_old else None)
+                          **({"with_routing": True} if replay else {}))
+           if needs_old else None)
     if replay:
       out["routing"] = cur["routing"]
     if cur is not None:
@@ -1589,7 +1599,7 @@ class Trainer:
     if float(algo.kl_coef) > 0 and not self._reference_in_step():
       reference = (models.without_lora(self.state.params) if self.cfg.lora_rank
                    else self.reference)
-      out["ref_logprobs"] = self._logprobs(reference, batch)["logprobs"]
+      out["ref_logprobs"] = self._logprobs(reference, ts.without_routing(batch))["logprobs"]
     est = algo.advantage_estimator
     shape = batch["tokens"].shape
     if est in adv_lib.SEQUENCE_LEVEL_ESTIMATORS:

@@ -622,10 +622,13 @@ def test_mixture_of_experts_run_trains_and_exports_per_expert_files(tmp_path):
   assert exported.cfg.num_experts == 4 and exported.cfg.architecture == "MixtralForCausalLM"
 
 
-def test_routing_replay_hands_the_old_policys_experts_to_every_update(tmp_path, monkeypatch):
-  """rl.routing_replay=old on a mixture: the old log-probs' pass records each token's
-  experts and the updates (two minibatches) get them with the batch; a dense model
-  refuses it before anything runs."""
+@pytest.mark.parametrize("mode", ["old", "rollout"])
+def test_routing_replay_hands_the_old_policys_experts_to_every_update(tmp_path, monkeypatch,
+                                                                      mode):
+  """rl.routing_replay on a mixture: the old log-probs' pass (old) or the sampler
+  (rollout) records each token's experts and the updates (two minibatches) get them with
+  the batch; a dense model refuses it before anything runs, and rollout refuses paused
+  rows."""
   seen = []
   real = trainer.ts.ppo_update
 
@@ -635,17 +638,20 @@ def test_routing_replay_hands_the_old_policys_experts_to_every_update(tmp_path, 
 
   monkeypatch.setattr(trainer.ts, "ppo_update", ppo_update)
   extra = {**MOE, "sft.steps": 0, "train.rl_steps": 1, "eval.seeds_per_domain": 0,
-           "rl.routing_replay": "old", "rl.num_minibatches": 2}
+           "rl.routing_replay": mode, "rl.num_minibatches": 2}
   assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
   (shape, routing), = seen
   assert routing.shape == shape + (1, 2) and routing.dtype == np.int16
   assert 0 <= routing.min() and routing.max() < 4 and len(np.unique(routing)) > 1
   rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
   assert len(rows) == 1 and np.isfinite(rows[0]["grad_norm"])
-  with pytest.raises(ValueError, match=r"rl.routing_replay='old' replays a mixture's "
+  with pytest.raises(ValueError, match=rf"rl.routing_replay='{mode}' replays a mixture's "
                                        r"experts; this model \(LlamaForCausalLM\) has none"):
-    trainer.train(_config(**{"rl.routing_replay": "old", "rl.num_minibatches": 2}),
+    trainer.train(_config(**{"rl.routing_replay": mode, "rl.num_minibatches": 2}),
                   str(tmp_path / "dense"))
+  if mode == "rollout":
+    with pytest.raises(ValueError, match="placement.step_tokens pause rows"):
+      trainer.train(_config(**{**extra, "placement.step_tokens": 4}), str(tmp_path / "p"))
 
 
 def test_an_export_the_architecture_cannot_hold_fails_first(tmp_path):

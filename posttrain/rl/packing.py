@@ -10,6 +10,10 @@ A trajectory is a mapping with
     advantages          float scalar or [R] optional. Default 0.
     rewards             float scalar (placed on the last trained target) or [R]
                         per response token, optional. Default 0.
+    routing             int [F, layers, k] optional (a mixture of experts' routing
+                        replay): the experts the sampler's mixture layers chose for the
+                        first F <= P + R tokens it fed (its prompt and what it drew but
+                        the last: F = P + R - 1). Either every trajectory has it or none.
 
 `pack_trajectories` returns the batch schema the train step consumes, a dict of
 numpy arrays, all `[rows, row_len]`:
@@ -25,6 +29,10 @@ numpy arrays, all `[rows, row_len]`:
     advantages          float32  advantage of the target
     rewards             float32  per-target reward
     seq_ids             int32  index of the trajectory in the input, -1 = padding
+    routing             [rows, row_len, layers, k], where the trajectories have it: each
+                        input token's experts (aligned to *tokens*); positions the sampler
+                        did not feed (a sequence's last token, padding) take experts
+                        0..k-1, which no trained target reads
 
 Per-token values are aligned to *targets*: the value for response token j of a
 sequence with prompt length P sits at position P - 1 + j. Rows are filled
@@ -37,7 +45,7 @@ from typing import Any
 import numpy as np
 
 REQUIRED_KEYS = ("prompt_tokens", "response_tokens")
-OPTIONAL_KEYS = ("response_mask", "behaviour_logprobs", "advantages", "rewards")
+OPTIONAL_KEYS = ("response_mask", "behaviour_logprobs", "advantages", "rewards", "routing")
 _PER_TARGET_FLOAT_KEYS = ("behaviour_logprobs", "advantages", "rewards")
 
 BATCH_KEYS = (
@@ -114,6 +122,16 @@ def _sequence(index: int, traj: Mapping[str, Any], row_len: int,
       continue  # a sequence reward goes on the last trained target, placed below
     out[key][response_slice] = values
 
+  if traj.get("routing") is not None:
+    routing = np.asarray(traj["routing"])
+    if routing.ndim != 3 or not routing.shape[0] <= length or not np.issubdtype(
+        routing.dtype, np.integer):
+      raise ValueError(f"trajectory {index}: routing must be integer experts [tokens fed "
+                       f"(at most {length}), layers, k], got {routing.dtype} "
+                       f"{routing.shape}")
+    out["routing"] = _default_routing(length, *routing.shape[1:], routing.dtype)
+    out["routing"][:len(routing)] = routing
+
   if length > row_len:
     for key in out:
       out[key] = out[key][:row_len]
@@ -154,6 +172,13 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> np.ndarray:
     remaining[target] -= size
     bins[item] = target
   return bins
+
+
+def _default_routing(*shape_and_dtype) -> np.ndarray:
+  """[..., layers, k] of experts 0..k-1: the routing of positions the sampler never fed
+  (distinct experts, as a router's top-k are)."""
+  *shape, k, dtype = shape_and_dtype
+  return np.broadcast_to(np.arange(k, dtype=dtype), (*shape, k)).copy()
 
 
 def _empty_rows(num_rows: int, row_len: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -206,6 +231,17 @@ def pack_trajectories(
         f"trajectories need {needed} rows of {row_len} tokens, but num_rows={num_rows}")
 
   batch = _empty_rows(num_rows, row_len, pad_id)
+  routed = [i for i, seq in enumerate(sequences) if "routing" in seq]
+  if routed:
+    if len(routed) < len(sequences):
+      missing = sorted(set(range(len(sequences))) - set(routed))[0]
+      raise ValueError(f"trajectory {missing} has no routing; trajectory {routed[0]} has: "
+                       "every trajectory or none")
+    shapes = {seq["routing"].shape[1:] for seq in sequences}
+    if len(shapes) > 1:
+      raise ValueError(f"trajectories' routing have different [layers, k]: {sorted(shapes)}")
+    first = sequences[routed[0]]["routing"]
+    batch["routing"] = _default_routing(num_rows, row_len, *first.shape[1:], first.dtype)
   fill = np.zeros(num_rows, np.int64)
   segments = np.zeros(num_rows, np.int32)
   # Sequences keep input order within a row, so packing is deterministic.
@@ -220,7 +256,7 @@ def pack_trajectories(
     batch["positions"][row, span] = np.arange(n)
     batch["segment_ids"][row, span] = segments[row]
     batch["seq_ids"][row, span] = index
-    for key in ("loss_mask",) + _PER_TARGET_FLOAT_KEYS:
+    for key in ("loss_mask",) + _PER_TARGET_FLOAT_KEYS + (("routing",) if routed else ()):
       batch[key][row, span] = seq[key]
   return batch
 
@@ -270,7 +306,7 @@ def split_microbatches(
   static so a jitted step compiles once.
 
   Args:
-    batch: a packed batch (extra `[rows, row_len]` entries are split too).
+    batch: a packed batch (extra `[rows, row_len, ...]` entries are split too).
     token_budget: tokens per micro-batch.
     num_microbatches: pad to exactly this many; error if more are needed.
     pad_id: token id for the padding rows.
@@ -295,8 +331,15 @@ def split_microbatches(
   out = {}
   for key, value in batch.items():
     value = np.asarray(value)
-    if value.shape != (num_rows, row_len):
+    if value.shape[:2] != (num_rows, row_len):
       raise ValueError(f"batch[{key!r}] has shape {value.shape}, expected {(num_rows, row_len)}")
-    filler = empty[key] if key in empty else np.zeros((total_rows - num_rows, row_len), value.dtype)
-    out[key] = np.concatenate([value, filler]).reshape(num_microbatches, rows_per_mb, row_len)
+    pad = (total_rows - num_rows, row_len, *value.shape[2:])
+    if key in empty:
+      filler = empty[key]
+    elif key == "routing":
+      filler = _default_routing(*pad, value.dtype)
+    else:
+      filler = np.zeros(pad, value.dtype)
+    out[key] = np.concatenate([value, filler]).reshape(num_microbatches, rows_per_mb,
+                                                       *value.shape[1:])
   return out

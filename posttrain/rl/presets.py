@@ -55,12 +55,16 @@ upper clip. Knobs:
                          sampler's max_len, a reasoning model cut off while thinking)
                          keeps its reward in its group's advantages but trains no token
     ppo_epochs, num_minibatches   passes and optimizer steps per rollout batch
-    routing_replay       none | old: with several updates a batch (ppo_epochs or
-                         num_minibatches > 1), a mixture of experts' updates route each
-                         token to the experts the policy chose before the first update
-                         (the old log-probs' pass), their weights still the router's
-                         (GSPO's Routing Replay, Zheng et al. 2025): the ratio then
-                         compares the same experts however the updates move the routers
+    routing_replay       none | old | rollout: a mixture of experts' learner sends each
+                         token to given experts, weighted by its router's probabilities
+                         of them. old: with several updates a batch (ppo_epochs or
+                         num_minibatches > 1), the experts the policy chose before the
+                         first update (the old log-probs' pass; GSPO's Routing Replay,
+                         Zheng et al. 2025), so the ratio compares the same experts
+                         however the updates move the routers. rollout: the experts the
+                         sampler chose for each token (Rollout Routing Replay, R3, Ma et
+                         al. 2025), for the old log-probs and every update: learner and
+                         sampler then differ only by numerics within the same experts
     preference_loss      "" = the policy-gradient update above; a paired loss of
                          posttrain.rl.preference (sigmoid, ipo, simpo, ...) = online
                          preference optimisation: each group's best sample against
@@ -278,7 +282,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PRESET_NAMES = tuple(_PRESETS)
-ROUTING_REPLAY = ("none", "old")
+ROUTING_REPLAY = ("none", "old", "rollout")
 KNOBS = tuple(_BASE)
 
 

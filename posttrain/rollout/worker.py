@@ -68,6 +68,9 @@ class Sample:
   # The function the last model turn called as a message of its own (harmony's native
   # calls), which the tool's answer names; None where the format's calls are text.
   called: str | None = dataclasses.field(default=None, repr=False)
+  # A sampler that records routing (routing replay): the experts its mixture layers chose
+  # for the transcript's tokens it fed, [tokens, layers, k] (`Completions.routing`).
+  routing: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
   @property
   def oldest_version(self) -> int:
@@ -341,9 +344,12 @@ class RolloutWorker:
       if mine(i):
         futures.append((i, self._pool.submit(_score, row_tasks[i], states[i])))
 
-    def finished(j: int, tokens: np.ndarray, logprobs: np.ndarray, reason: str) -> None:
+    def finished(j: int, tokens: np.ndarray, logprobs: np.ndarray, reason: str,
+                 routing: np.ndarray | None = None) -> None:
       i, toks = owner[j], tokens.tolist()
       st = states[i]
+      if routing is not None:  # this turn's: the whole transcript so far
+        st.routing = routing
       st.response_tokens += toks
       st.response_mask += [1] * len(toks)
       st.behaviour_logprobs += logprobs.astype(float).tolist()
@@ -623,6 +629,9 @@ class RolloutWorker:
         st = states[i]
         n = min(int(out.lengths[k]), budget_left[i])
         toks = out.tokens[k, :n].tolist()
+        recorded = getattr(out, "routing", None)
+        if recorded is not None:  # the transcript's fed tokens, this segment's included
+          st.routing = recorded[k][:len(inputs[k]) + n - 1]
         st.response_tokens += toks
         st.response_mask += [1] * n
         st.behaviour_logprobs += out.logprobs[k, :n].astype(float).tolist()
@@ -716,5 +725,6 @@ def group_to_trajectories(group: TrajectoryGroup, advantages: Sequence[float]
         "behaviour_logprobs": np.asarray(sample.behaviour_logprobs, np.float32),
         "advantages": np.float32(adv),
         "rewards": np.float32(sample.reward.value if sample.reward else 0.0),
+        **({} if sample.routing is None else {"routing": sample.routing}),
     })
   return out

@@ -196,3 +196,39 @@ def test_learner_arrays_ride_along():
   for i, seq in enumerate(seqs):
     where = batch["seq_ids"] == i
     np.testing.assert_array_equal(seq["old_logprobs"], batch["old_logprobs"][where])
+
+
+def test_routing_rides_with_its_tokens_into_rows_and_microbatches():
+  """Each trajectory's recorded experts land on its input tokens' positions in its row
+  (the last token, never fed, and padding take experts 0..k-1), through truncation and
+  the split into micro-batches; every trajectory or none has routing."""
+  rng = np.random.default_rng(0)
+  trajectories = _trajectories(rng, 7)
+  for t in trajectories:
+    fed = len(t["prompt_tokens"]) + len(t["response_tokens"]) - 1
+    t["routing"] = rng.integers(0, 8, (fed, 3, 2)).astype(np.int16)
+  row_len = 24
+  batch = packing.pack_trajectories(trajectories, row_len, truncate=True)
+  routing = batch["routing"]
+  assert routing.shape == batch["tokens"].shape + (3, 2) and routing.dtype == np.int16
+  default = np.arange(2, dtype=np.int16)
+  for i, t in enumerate(trajectories):
+    rows, cols = np.nonzero(batch["seq_ids"] == i)
+    got = routing[rows, cols]
+    fed = min(len(t["routing"]), len(cols))
+    np.testing.assert_array_equal(got[:fed], t["routing"][:fed])
+    np.testing.assert_array_equal(got[fed:], np.broadcast_to(default, got[fed:].shape))
+  np.testing.assert_array_equal(routing[batch["seq_ids"] < 0],
+                                np.broadcast_to(default, routing[batch["seq_ids"] < 0].shape))
+  split = packing.split_microbatches(batch, 2 * row_len, num_microbatches=4)
+  assert split["routing"].shape == (4, 2, row_len, 3, 2)
+  n = len(batch["tokens"])
+  np.testing.assert_array_equal(split["routing"].reshape(-1, row_len, 3, 2)[:n], routing)
+  np.testing.assert_array_equal(split["routing"].reshape(-1, row_len, 3, 2)[n:],
+                                np.broadcast_to(default, (8 - n, row_len, 3, 2)))
+  with pytest.raises(ValueError, match="trajectory 0 has no routing; trajectory 1 has"):
+    packing.pack_trajectories([{**trajectories[0], "routing": None}] + trajectories[1:],
+                              row_len, truncate=True)
+  with pytest.raises(ValueError, match=r"trajectory 0: routing must be integer experts"):
+    packing.pack_trajectories([{**trajectories[0], "routing": np.zeros((99, 3, 2), int)}],
+                              row_len, truncate=True)

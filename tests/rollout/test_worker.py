@@ -387,3 +387,37 @@ def test_token_budget_needs_single_turn_domains():
   worker = _worker(max_turns=2)
   with pytest.raises(ValueError, match="need max_turns=1"):
     worker.rollout(PAIRS, seed=0, token_budget=4)
+
+
+MOE_CFG = CFG.replace(num_layers=2, num_experts=4, num_experts_per_tok=2, ffn_dim=32)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["stream", "chunks"])
+def test_a_recording_sampler_gives_each_sample_its_transcripts_routing(monkeypatch,
+                                                                        continuous):
+  """With a sampler that records routing (routing replay from the rollout), each sample
+  holds the experts of the transcript's tokens the sampler fed: multi-turn rows through
+  their turns (tool answers included), streamed or in chunks. They are those a forward of
+  the transcript chooses, and they reach the packed trajectories."""
+  monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
+  monkeypatch.setattr(worker_lib, "_step", _fake_step([]))
+  model = models.create_model(MOE_CFG, seed=0)
+  sampler = Sampler(model, max_len=MAX_LEN, record_routing=True)
+  worker = worker_lib.RolloutWorker(sampler, ByteTokenizer(), group_size=2, max_new_tokens=12,
+                                    temperature=1.0, chunk_rows=2, max_turns=3,
+                                    continuous=continuous)
+  groups = worker.rollout(TOOL_PAIRS, seed=3)
+  samples = [s for g in groups for s in g.samples]
+  assert any(s.tool_calls for s in samples)
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda t: nnx.merge(graphdef, state).hidden_states(
+      t, return_routing=True)[1])
+  for s in samples:
+    seq = s.prompt_tokens + s.response_tokens
+    # Everything but the last token; a last tool answer that no turn read is not fed.
+    last_model = max(i for i, m in enumerate(s.response_mask) if m)
+    assert len(s.prompt_tokens) + last_model <= len(s.routing) <= len(seq) - 1
+    want = np.asarray(forward(jnp.asarray([seq[:len(s.routing)]])))[0]
+    np.testing.assert_array_equal(s.routing, want)
+  trajectories = worker_lib.group_to_trajectories(groups[0], [1.0] * len(groups[0].samples))
+  np.testing.assert_array_equal(trajectories[0]["routing"], groups[0].samples[0].routing)
