@@ -200,7 +200,8 @@ def compile_rollout(config: ml_collections.ConfigDict, devices) -> RolloutReport
   model = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
   sampler = Sampler(model, mesh=mesh, rules=rules, max_len=int(r.max_len),
                     cache_dtype=r.get("cache_dtype", None),
-                    gather_weights=bool(r.get("gather_weights", True)))
+                    gather_weights=bool(r.get("gather_weights", True)),
+                    record_routing=algo.get("routing_replay", "none") == "rollout")
   group = int(algo.group_size)
   rows = planner.sampler_batch(config, group, planner.batch_mesh_size(mesh.abstract_mesh,
                                                                       rules))

@@ -2061,3 +2061,32 @@ def test_relaid_stacks_are_the_sharded_stacks_a_hybrid_prefill_lays_out(layout, 
   deltanet = models.get_preset("tiny", **QWEN3_5, scan_layers=True)
   for other in (cfg.replace(scan_layers=False), deltanet):
     assert planner._relaid_stack_bytes(other, abstract, models.DEFAULT_RULES) == 0
+
+
+def test_routing_replay_is_planned_in_the_batch_and_beside_the_cache():
+  """rl.routing_replay: each token's experts (int16, every mixture layer's k) join the
+  update's batch; with rollout, the sampler's record of every row's positions joins the
+  KV cache. The AOT batch holds the same array."""
+  from posttrain import aot
+  base = {"model.preset": "qwen3_30b_a3b", "mesh.fsdp": 8, "rl.num_minibatches": 2,
+          "model.overrides": {"scan_layers": True}, "train.rows_per_microbatch": 8}
+  none = planner.plan(_config(**base))
+  cfg = experiment.model_config(_config(**base))
+  per_token = cfg.mixture_layers * cfg.num_experts_per_tok * 2
+  config = _config(**base)
+  _, micro = planner.microbatches(config, experiment.algorithm(config))
+  mesh = planner.abstract_mesh(none.mesh)
+  b, length = planner._logical_shard(mesh, models.DEFAULT_RULES, ("batch", "length"),
+                                     (8, int(config.train.row_len)))
+  for mode in ("old", "rollout"):
+    config = _config(**base, **{"rl.routing_replay": mode})
+    p = planner.plan(config)
+    assert p["batch"] - none["batch"] == micro * b * length * per_token
+    rows = planner.sampler_batch(config, int(experiment.algorithm(config).group_size), 8)
+    extra = -(-rows // 8) * int(config.rollout.max_len) * per_token if mode == "rollout" else 0
+    assert p["kv_cache"] - none["kv_cache"] == extra
+    batch = aot.abstract_rl_batch(config, experiment.algorithm(config), (), None)
+    assert batch["routing"].shape == batch["tokens"].shape + (48, 8)
+    assert batch["routing"].dtype == np.int16
+  assert "routing" not in aot.abstract_rl_batch(_config(**base), experiment.algorithm(
+      _config(**base)), (), None)
