@@ -46,6 +46,10 @@ GiB a chip with what stays resident beside it (planned 52.0), the rollout at 55.
 (`--config.model.overrides.lora_rank=16`, 0.64B adapter parameters) the update peaks
 at 34.8 GiB with the sampler's weights (planned 36.2) and the rollout at 46.6 (planned
 45.0): BENCHMARKS.md, LoRA.
+With four updates a batch the routers move under the ratio: `--config.rl.routing_replay=
+rollout` has the learner take the experts the sampler chose for every token (R3; `old`:
+those of the policy before the first update), planned at +0.19 GiB a chip of batch and
++0.09 GiB beside the KV cache (peak 54.3 GiB).
 """
 
 import ml_collections

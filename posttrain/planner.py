@@ -2028,7 +2028,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   head = head_bytes(cfg, mesh=mesh, rules=rules, rows=rows, row_len=row_len)
   b, length = _logical_shard(mesh, rules, ("batch", "length"), (rows, row_len))
   batch = micro * b * length * 4 * 10  # ~10 int32 / float32 arrays per token
-  if algo.get("routing_replay", "none") != "none":  # each token's experts in every layer
+  replay = algo.get("routing_replay", "none")
+  replay = None if replay == "none" else replay
+  if replay:  # each token's experts in every mixture layer
     batch += (micro * b * length * cfg.mixture_layers * cfg.num_experts_per_tok
               * np.dtype(rl_train_step.routing_dtype(cfg)).itemsize)
   # The Sampler copies the weights it is given (never an alias), colocated or not, but
@@ -2040,7 +2042,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   cache_dtype = kv_cache_dtype or r.get("cache_dtype", None)
   kv = kv_cache_bytes(cfg, batch=s_rows, max_len=int(r.max_len), mesh=rollout_mesh,
                       rules=rules, dtype=cache_dtype)
-  if algo.get("routing_replay", "none") == "rollout":
+  if replay == "rollout":
     # The experts each row's tokens took, by position, beside the cache: int16 rows over
     # the batch axes (`Sampler(record_routing=True)`).
     kv += (-(-s_rows // rollout_shards) * int(r.max_len) * cfg.mixture_layers
@@ -2107,7 +2109,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("head", head, _head_note(cfg, mesh, rules, rows, row_len) if head else
                 "none: the head reads its own shard of the projection"),
       Component("divergence", divergence, divergence_note),
-      Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"),
+      Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"
+                + (f" + each token's experts ({cfg.mixture_layers} layers x "
+                   f"{cfg.num_experts_per_tok}, int16: routing replay)" if replay else "")),
       Component("sampler", sampler, ("its own copy of the adapters; the frozen base "
                                      "shared with the learner (colocated)"
                                      if cfg.lora_rank else "its own copy of params (colocated)")
@@ -2121,7 +2125,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                                                                            rules), rules)
                    else "") if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {_cache_layers_note(cfg, int(r.max_len))} "
-                f"x {_cache_note(cfg, kv_dtype)}, {kv_dtype}"),
+                f"x {_cache_note(cfg, kv_dtype)}, {kv_dtype}"
+                + (" + the experts each position took (int16, the sampler's routing record)"
+                   if replay == "rollout" else "")),
       Component("prefill", prefill, prefill_note + (", its weights gathered (left sharded)"
                                                      if sharded else "")),
       Component("decode_step", step, "the logits" + (", one layer's weights gathered "
