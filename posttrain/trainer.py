@@ -311,13 +311,6 @@ class Trainer:
     if self.algo.routing_replay != "none" and not self.cfg.num_experts:
       raise ValueError(f"rl.routing_replay={self.algo.routing_replay!r} replays a mixture's "
                        f"experts; this model ({self.cfg.architecture}) has none")
-    if self.algo.routing_replay == "rollout":
-      paused = [f"placement.{k}" for k in ("step_tokens", "segment_tokens")
-                if int(placement.get(k, 0) or 0)]
-      if paused:
-        raise ValueError(f"rl.routing_replay=rollout records the sampler's routing in one "
-                         f"call per turn; {' and '.join(paused)} pause rows and resume them "
-                         "from the kept cache, which keeps no routing: unset them")
     t = config.train
     self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
     self.sft_data, self.sft_eval_data = self._load_sft_data(config.sft)

@@ -145,7 +145,8 @@ class Completions:
   resume_state: "ResumeState | None" = None
   # With Sampler(record_routing=True): per row, the experts each mixture layer chose for
   # each token the row fed, [prompt length + lengths[i] - 1, mixture layers, k] int16
-  # (its prompt's tokens and those it generated but the last, in order).
+  # (its prompt's tokens and those it generated but the last, in order; after `resume`,
+  # the row's whole sequence so far).
   routing: list[np.ndarray] | None = None
 
   def token_lists(self) -> list[list[int]]:
@@ -331,7 +332,8 @@ class Sampler:
     record_routing: a mixture of experts' routing replay: every call records the experts
       each mixture layer chose for each token it fed (the prompt's and those generated
       but the last), `Completions.routing`, what the learner's update replays
-      (`Transformer.hidden_states(..., routing=)`). Not with keep_cache (resume).
+      (`Transformer.hidden_states(..., routing=)`); a resumed row's is its whole
+      sequence's, from its first token.
   """
 
   def __init__(self, model: models.Transformer, *, mesh: Mesh | None = None, rules=None,
@@ -597,8 +599,6 @@ class Sampler:
       raise ValueError(f"reserve_tokens={reserve_tokens} must be at least max_new_tokens="
                        f"{max_new_tokens} and fit max_len={self.max_len} after the longest "
                        f"prompt ({longest} tokens)")
-    if keep_cache and self.record_routing:
-      raise ValueError("keep_cache (resume) cannot be combined with record_routing")
     stop = [int(t) for t in stop_token_ids]
     bad = [t for t in stop if not 0 <= t < cfg.vocab_size]
     if bad:
@@ -664,7 +664,8 @@ class Sampler:
       buffer = self._fetch(cache[1])
       ends = distinct_lens[row_source] + np.maximum(lengths - 1, 0)
       routing = [buffer[i, :ends[i]] for i in range(rows)]
-      cache = None
+      if not keep_cache:
+        cache = None
     resume = None
     if keep_cache:
       ends = np.maximum(lengths - 1, 0)
@@ -1182,6 +1183,10 @@ class Sampler:
         mode=mode)
     state.cache = None  # donated to the decode program
     new = np.where(active_np, lengths - 1, 0)
+    routing = None
+    if self.record_routing:  # each row's fed tokens, from its first: up to its last drawn
+      buffer = self._fetch(cache[1])
+      routing = [buffer[r, :int(state.positions[r] + new[r])] for r in rows]
     ends = np.maximum(lengths - 1, 0)
     last = np.where(active_np & (new > 0), out_tokens[np.arange(batch), ends], state.last)
     nxt = dataclasses.replace(
@@ -1195,7 +1200,7 @@ class Sampler:
                        stats=dict(batch=batch, prefill_rows=0, prompt_len=0,
                                   cache_len=state.cache_len, steps=int(steps) - 1,
                                   decode_steps=int(steps) - 1, decoded=int(new[idx].sum())),
-                       resume_state=nxt)
+                       resume_state=nxt, routing=routing)
 
   def _run_decode(self, weights, cache, first, first_logp, prompt_lens, active, row_ids,
                   max_new_tokens: int, stop_ids: np.ndarray, seed, temp, nucleus, *,

@@ -392,23 +392,28 @@ def test_token_budget_needs_single_turn_domains():
 MOE_CFG = CFG.replace(num_layers=2, num_experts=4, num_experts_per_tok=2, ffn_dim=32)
 
 
-@pytest.mark.parametrize("continuous", [True, False], ids=["stream", "chunks"])
-def test_a_recording_sampler_gives_each_sample_its_transcripts_routing(monkeypatch,
-                                                                        continuous):
+@pytest.mark.parametrize("how", ["stream", "chunks", "segments"])
+def test_a_recording_sampler_gives_each_sample_its_transcripts_routing(monkeypatch, how):
   """With a sampler that records routing (routing replay from the rollout), each sample
   holds the experts of the transcript's tokens the sampler fed: multi-turn rows through
-  their turns (tool answers included), streamed or in chunks. They are those a forward of
-  the transcript chooses, and they reach the packed trajectories."""
+  their turns (tool answers included), streamed or in chunks, or paused every 5 tokens
+  and resumed from the kept cache. They are those a forward of the transcript chooses,
+  and they reach the packed trajectories."""
   monkeypatch.setattr(worker_lib, "_score", _fake_score([]))
   monkeypatch.setattr(worker_lib, "_step", _fake_step([]))
   model = models.create_model(MOE_CFG, seed=0)
   sampler = Sampler(model, max_len=MAX_LEN, record_routing=True)
+  resumes = []
+  real = sampler.resume
+  monkeypatch.setattr(sampler, "resume", lambda *a, **k: (resumes.append(1), real(*a, **k))[1])
   worker = worker_lib.RolloutWorker(sampler, ByteTokenizer(), group_size=2, max_new_tokens=12,
                                     temperature=1.0, chunk_rows=2, max_turns=3,
-                                    continuous=continuous)
+                                    continuous=how == "stream",
+                                    segment_tokens=5 if how == "segments" else 0)
   groups = worker.rollout(TOOL_PAIRS, seed=3)
   samples = [s for g in groups for s in g.samples]
   assert any(s.tool_calls for s in samples)
+  assert bool(resumes) == (how == "segments")
   graphdef, state = nnx.split(model)
   forward = jax.jit(lambda t: nnx.merge(graphdef, state).hidden_states(
       t, return_routing=True)[1])

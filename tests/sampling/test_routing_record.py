@@ -104,9 +104,31 @@ def test_scanned_layers_and_a_mesh_record_what_one_device_does(model, sampler):
       np.testing.assert_array_equal(a, b)
 
 
+def test_resumed_rows_record_their_whole_sequence(model, sampler):
+  """A generation paused (keep_cache) and resumed twice for some of its rows: each
+  segment's record is the row's whole sequence so far, and the last equals one
+  uninterrupted call's record (the same tokens: the same keys)."""
+  kw = dict(temperature=1.0, seed=4)
+  whole = sampler.generate(PROMPTS, max_new_tokens=12, **kw)
+  first = sampler.generate(PROMPTS, max_new_tokens=4, keep_cache=True, reserve_tokens=12, **kw)
+  _check_rows(model, PROMPTS, first)
+  rows = [i for i in range(len(PROMPTS)) if first.resume_state.open[i]][:5]
+  assert len(rows) >= 3
+  state, tokens = first.resume_state, {i: first.tokens[i, :first.lengths[i]].tolist()
+                                       for i in rows}
+  for _ in range(2):
+    out = sampler.resume(state, rows, max_new_tokens=4)
+    state = out.resume_state
+    for k, i in enumerate(rows):
+      tokens[i] += out.tokens[k, :out.lengths[k]].tolist()
+      want = whole.routing[i][:len(PROMPTS[i]) + len(tokens[i]) - 1]
+      np.testing.assert_array_equal(out.routing[k], want)
+  for i in rows:
+    if len(tokens[i]) == whole.lengths[i]:
+      np.testing.assert_array_equal(tokens[i], whole.tokens[i, :whole.lengths[i]])
+
+
 def test_what_recording_refuses(model, sampler):
-  with pytest.raises(ValueError, match="keep_cache .* cannot be combined with record_routing"):
-    sampler.generate(PROMPTS[:2], max_new_tokens=2, keep_cache=True)
   dense = models.create_model(models.get_preset("tiny"), seed=0)
   with pytest.raises(ValueError, match="record_routing=True records a mixture's experts"):
     Sampler(dense, max_len=MAX_LEN, record_routing=True)
