@@ -1421,7 +1421,8 @@ class MoE(nnx.Module):
 
     `experts` [B, T, k] int (routing replay): each token's experts, taken as given
     (`route`'s experts_NxK). With `record_experts`, returns (y, the stats or None, the
-    experts each token took [B, T, k] int32)."""
+    experts the router chose for each token [B, T, k] int32: with `experts` given, those
+    it would have chosen, not those taken)."""
     y, stats, chosen = self._routed(x_BxTxD, ctx, segment_ids_BxT, router_stats, experts,
                                     record_experts)
     if self.cfg.shared_expert_dim:
@@ -1497,12 +1498,15 @@ class MoE(nnx.Module):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
       gate = gate if gated else None
-      w, e, probs = route(x_NxD, router, k, cfg.norm_topk_prob,
-                          return_probs=True, bias_E=router_b if cfg.router_bias else None,
-                          scoring=cfg.router_scoring, correction_E=correction,
-                          groups=cfg.router_groups, group_topk=cfg.router_group_topk,
-                          scale=cfg.routed_scaling_factor,
-                          experts_NxK=None if replay is None else given.reshape(lb * lt, k))
+      routing = functools.partial(
+          route, x_NxD, router, k, cfg.norm_topk_prob, return_probs=True,
+          bias_E=router_b if cfg.router_bias else None, scoring=cfg.router_scoring,
+          correction_E=correction, groups=cfg.router_groups,
+          group_topk=cfg.router_group_topk, scale=cfg.routed_scaling_factor)
+      w, e, probs = routing(experts_NxK=None if replay is None else given.reshape(lb * lt, k))
+      own = e
+      if record and replay is not None:  # what the router alone would have chosen
+        own = jax.lax.stop_gradient(routing()[1])
       biased = cfg.expert_bias
       if cfg.moe_latent_dim:  # the experts' input: the tokens' latent
         x_NxD = x_in.reshape(lb * lt, -1).astype(dt)
@@ -1537,7 +1541,7 @@ class MoE(nnx.Module):
                        keep),
             jnp.einsum("NE,N->E", probs, keep), jnp.sum(keep))
         stats = jax.lax.psum(stats, token_axes) if token_axes else stats
-      return y, stats, (e.reshape(lb, lt, k) if record else None)
+      return y, stats, (own.reshape(lb, lt, k) if record else None)
 
     if mesh is None or mesh.size == 1:
       y, stats, chosen = local(x_BxTxD, x_experts, segment_ids_BxT, replay_in, *weights,
@@ -2170,7 +2174,9 @@ class Transformer(nnx.Module):
         policy before the update chose: the update's log-probs follow the same experts).
         Without a cache.
       return_routing: also return the experts every mixture layer chose for each token,
-        [B, T, M, k] int32 (what `routing` replays).
+        [B, T, M, k] int32 (what `routing` replays). With `routing` given, those its
+        routers would have chosen (the layers' inputs follow the replayed experts): how
+        far the replayed routing is from the model's own.
     """
     cfg = self.cfg
     if tokens_BxT.ndim != 2:

@@ -139,6 +139,15 @@ def routing_dtype(model_cfg: models.ModelConfig):
   return jnp.int16 if model_cfg.num_experts < 2**15 else jnp.int32
 
 
+def routing_mismatch(replayed, own, mask) -> jax.Array:
+  """The share of (token, mixture layer) pairs, over the tokens where `mask` is set, whose
+  k experts in `own` are not those in `replayed` (as sets), both [..., layers, k]."""
+  differ = jnp.any(jnp.sort(jnp.asarray(replayed), -1) != jnp.sort(jnp.asarray(own), -1), -1)
+  mask = jnp.asarray(mask) != 0
+  count = jnp.sum(mask) * differ.shape[-1]
+  return jnp.sum(jnp.where(mask[..., None], differ, False)) / jnp.maximum(count, 1)
+
+
 def _check_routing(batch: Batch, model_cfg: models.ModelConfig) -> None:
   if ROUTING_KEY not in batch:
     return
@@ -252,7 +261,9 @@ def make_compute_logprobs(model_cfg: models.ModelConfig, *, mesh: Mesh,
       the experts each mixture layer chose for each token: the batch's routing for
       routing replay in the updates that follow.
 
-  A batch with `routing` replays it (the returned routing is then the same).
+  A batch with `routing` replays it; `with_routing` then returns the experts the
+  policy's routers would have chosen on the way (how far the batch's routing is from
+  the policy's own, `routing_mismatch`).
   """
   with_values = model_cfg.value_head if with_values is None else with_values
   if with_values and not model_cfg.value_head:

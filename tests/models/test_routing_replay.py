@@ -80,6 +80,9 @@ def test_recorded_routing_replays_to_the_same_states_in_every_layout(models_of):
   np.testing.assert_allclose(h2, plain, atol=1e-5)
   for model in (unrolled, scanned):
     np.testing.assert_allclose(_forward(model, tokens, routing=routing), plain, atol=1e-5)
+  # Replaying its own routing, the model would have chosen the same.
+  np.testing.assert_array_equal(_forward(unrolled, tokens, routing=routing,
+                                         return_routing=True)[1], routing)
 
 
 def test_replayed_experts_are_taken_in_every_layout(models_of):
@@ -93,6 +96,11 @@ def test_replayed_experts_are_taken_in_every_layout(models_of):
   b = _forward(scanned, tokens, routing=other)
   np.testing.assert_allclose(b, a, atol=1e-5)
   assert np.abs(np.asarray(a) - np.asarray(_forward(unrolled, tokens))).max() > 1e-3
+  # Recorded while replaying: what the routers would have chosen. The first mixture
+  # layer's input is the plain forward's, so its choice is the plain one, not the given.
+  for model in (unrolled, scanned):
+    own = np.asarray(_forward(model, tokens, routing=other, return_routing=True)[1])
+    np.testing.assert_array_equal(own[:, :, 0], np.asarray(routing)[:, :, 0])
 
   def loss(model):
     return jnp.sum(jnp.sin(model.hidden_states(tokens, routing=other)))

@@ -149,3 +149,13 @@ def test_routing_replay_refuses_what_it_cannot_replay():
     presets.algorithm_config("grpo", routing_replay="old")
   with pytest.raises(ValueError, match="unknown routing_replay 'sampler'"):
     presets.algorithm_config("grpo", routing_replay="sampler", num_minibatches=2)
+
+
+def test_routing_mismatch_counts_layers_whose_expert_sets_differ_on_masked_tokens():
+  replayed = np.array([[[[0, 1], [2, 3]], [[4, 5], [0, 2]], [[1, 2], [3, 4]]]])  # [1, 3, 2, 2]
+  own = np.array([[[[1, 0], [2, 4]], [[4, 5], [0, 2]], [[0, 0], [0, 0]]]])
+  mask = np.array([[1, 1, 0]])
+  # Token 0: layer 0 the same set in another order, layer 1 differs; token 1 the same;
+  # token 2 masked out. One of four pairs.
+  np.testing.assert_allclose(float(ts.routing_mismatch(replayed, own, mask)), 0.25)
+  assert float(ts.routing_mismatch(replayed, own, np.zeros((1, 3)))) == 0.0
