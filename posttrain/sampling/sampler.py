@@ -1247,7 +1247,7 @@ class Sampler:
   def _prompt_cache(self, model, tokens_UxL, prompt_lens_U):
     """Runs the U prompts (right-padded to L) through the model: their cache of L slots,
     the float32 logits [U, V] after each prompt's last token, and with record_routing
-    the experts each token took ([U, L, layers, k], `_ROUTING_DTYPE`; else None)."""
+    the experts each token took ([U, L, layers, k] as `_routing` holds them; else None)."""
     distinct, length = tokens_UxL.shape
     cache = constrain_cache(self._init_cache(distinct, length), self._ctx)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (distinct, length))
@@ -1268,13 +1268,13 @@ class Sampler:
 
   def _write_routing(self, buffer, experts_BxTxMxK, positions_BxT, written_BxT):
     """buffer [B, S, layers, k] with each row's experts written at their positions, where
-    `written_BxT` (elsewhere left as it was)."""
-    slots = buffer.shape[1]
-    rows = jnp.arange(buffer.shape[0])[:, None]
-    at = jnp.where(written_BxT, positions_BxT, slots)  # past the end: dropped
+    `written_BxT` (elsewhere left as it was). A scatter per row (vmapped: the rows are a
+    batching dimension, which XLA partitions with the rows; one scatter indexed by
+    [row, position] made it gather every device's rows of the buffer, each step)."""
+    at = jnp.where(written_BxT, positions_BxT, buffer.shape[1])  # past the end: dropped
+    write = lambda row, experts, at: row.at[at].set(experts, mode="drop")  # noqa: E731
     return self._ctx.constrain(
-        buffer.at[rows, at].set(experts_BxTxMxK.astype(buffer.dtype), mode="drop"),
-        _ROUTING_NAMES)
+        jax.vmap(write)(buffer, experts_BxTxMxK.astype(buffer.dtype), at), _ROUTING_NAMES)
 
   def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed,
                temperature, top_p, *, cache_len: int, mode: SamplingMode,
