@@ -1442,7 +1442,8 @@ class MoE(nnx.Module):
 
   def _routed(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT, router_stats: bool,
               replay=None, record: bool = False):
-    """(y [B, T, D], the RouterStats or None, the experts taken [B, T, k] or None)."""
+    """(y [B, T, D], the RouterStats or None, with `record` the experts the router chose
+    [B, T, k] (with `replay`, those it would have chosen), else None)."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     b, t, d = x_BxTxD.shape
     e, f = cfg.num_experts, cfg.ffn_dim
