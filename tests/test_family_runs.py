@@ -226,3 +226,22 @@ def test_a_run_with_a_tokenizer_its_own_template_renders(tmp_path, scored):
     text = tok._tok.decode(s.prompt_tokens, skip_special_tokens=False)
     assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n<think>")
     assert s.text == tok.split_response(s.response_tokens, s.prompt_tokens).content
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["nemotron3", "glm4_moe"])
+def test_rollout_routing_replay_runs_through_a_mixtures_layers(family, tmp_path):
+  """rl.routing_replay=rollout on a hybrid whose mixtures are layers of their own
+  (Nemotron 3: Mamba2, a mixture, attention, an MLP) and on leading dense layers before
+  sigmoid-routed mixtures (GLM-4.5): the sampler records, the old log-probs' pass and
+  both minibatches replay, and the learner's own routing is the sampler's on nearly every
+  trained token (float32, the same weights)."""
+  cfg = trainer.model_config(_config()).replace(**FAMILIES[family])
+  folder = str(tmp_path / "base")
+  models.save_pretrained(models.create_model(cfg, seed=4), folder)
+  config = _config(init_from=folder, **{"rl.routing_replay": "rollout",
+                                        "rl.num_minibatches": 2})
+  trainer.train(config, str(tmp_path / "run"))
+  rl = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
+  assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+  assert all(0 <= r["routing/rollout_mismatch"] < 0.02 for r in rl)
