@@ -330,7 +330,6 @@ class Trainer:
     # preference step instead of the policy-gradient one.
     self.online_pref = presets.preference_config(self.algo)
     self._reward_kl = float("nan")  # the batch's KL in the reward, for the KL controller
-    self._routing_stats: dict[str, float] = {}  # rollout routing replay's, this step
     self.teacher_path = distill_teacher(config)
     stages = distill_stages(config)
     # The teacher joins RL and / or SFT (distill.stages).
@@ -1382,7 +1381,6 @@ class Trainer:
                         micro_multiple=int(algo.num_minibatches), pad_id=self.tok.pad_id)
       batch = self._add_learner_inputs(batch)
       extra.update(self._distill_stats)
-      extra.update(self._routing_stats)
       timings["timing/reference_s"] = time.time() - t1
       t2 = time.time()
       self.state, history = ts.ppo_update(step_fn, self.state, batch,
@@ -1580,18 +1578,13 @@ class Trainer:
       out["behaviour_logprobs"] = batch["behaviour_logprobs"]
     # Routing replay: the updates take the experts of this pass (the policy before them;
     # routing_replay=old comes with several updates, so with old log-probs). With
-    # routing_replay=rollout the batch brings the sampler's, which this pass replays too,
-    # recording what the learner's routers would have chosen instead.
-    replay = algo.routing_replay != "none"
+    # routing_replay=rollout the batch brings the sampler's, which this pass replays too.
+    replay = algo.routing_replay == "old"
     cur = (self._logprobs(self.state.params, batch, with_entropy=needs_entropy,
                           **({"with_routing": True} if replay else {}))
            if needs_old else None)
-    self._routing_stats = {}
-    if replay and algo.routing_replay == "old":
+    if replay:
       out["routing"] = cur["routing"]
-    elif replay and cur is not None:
-      self._routing_stats = {"routing/rollout_mismatch": float(ts.routing_mismatch(
-          batch["routing"], cur["routing"], batch["loss_mask"]))}
     if cur is not None:
       out["old_logprobs"] = cur["logprobs"]
     if needs_entropy:

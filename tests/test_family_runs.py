@@ -244,4 +244,4 @@ def test_rollout_routing_replay_runs_through_a_mixtures_layers(family, tmp_path)
   trainer.train(config, str(tmp_path / "run"))
   rl = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
   assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
-  assert all(0 <= r["routing/rollout_mismatch"] < 0.02 for r in rl)
+  assert all(0 <= r["routing/mismatch"] < 0.02 for r in rl)

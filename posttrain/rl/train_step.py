@@ -139,13 +139,21 @@ def routing_dtype(model_cfg: models.ModelConfig):
   return jnp.int16 if model_cfg.num_experts < 2**15 else jnp.int32
 
 
-def routing_mismatch(replayed, own, mask) -> jax.Array:
-  """The share of (token, mixture layer) pairs, over the tokens where `mask` is set, whose
-  k experts in `own` are not those in `replayed` (as sets), both [..., layers, k]."""
+def routing_mismatch_counts(replayed, own, mask) -> tuple[jax.Array, jax.Array]:
+  """(pairs that differ, pairs): the (token, mixture layer) pairs over the tokens where
+  `mask` is set, and those whose k experts in `own` are not those in `replayed` (as
+  sets), both [..., layers, k]."""
   differ = jnp.any(jnp.sort(jnp.asarray(replayed), -1) != jnp.sort(jnp.asarray(own), -1), -1)
   mask = jnp.asarray(mask) != 0
-  count = jnp.sum(mask) * differ.shape[-1]
-  return jnp.sum(jnp.where(mask[..., None], differ, False)) / jnp.maximum(count, 1)
+  return (jnp.sum(jnp.where(mask[..., None], differ, False)),
+          jnp.sum(mask) * differ.shape[-1])
+
+
+def routing_mismatch(replayed, own, mask) -> jax.Array:
+  """The share of (token, mixture layer) pairs, over the tokens where `mask` is set, whose
+  k experts in `own` are not those in `replayed` (`routing_mismatch_counts`)."""
+  differ, count = routing_mismatch_counts(replayed, own, mask)
+  return differ / jnp.maximum(count, 1)
 
 
 def _check_routing(batch: Batch, model_cfg: models.ModelConfig) -> None:
@@ -624,12 +632,19 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   def microbatch_loss(trainable, mb, denominator, frozen, micro_share):
     params, critic_params = trainable
     model = nnx.merge(graphdef, join_trainable(params, frozen), rest)
-    hidden, aux = None, None
-    if distilling:  # the trunk's states feed the log-probs and the divergence both
+    hidden, aux, own = None, None, None
+    if ROUTING_KEY in mb:
+      # Routing replay: the trunk follows the batch's experts and records those its
+      # routers would have chosen (`routing/mismatch`).
+      out = model.hidden_states(mb["tokens"], mb.get("positions"), mb.get("segment_ids"),
+                                ctx=ctx, router_loss=aux_coef > 0, routing=mb[ROUTING_KEY],
+                                return_routing=True)
+      hidden, own = out[0], out[-1]
+      aux = out[1] if aux_coef > 0 else None
+    elif distilling:  # the trunk's states feed the log-probs and the divergence both
       if aux_coef > 0:
         hidden, aux = model.hidden_states(mb["tokens"], mb.get("positions"),
-                                          mb.get("segment_ids"), ctx=ctx, router_loss=True,
-                                          routing=mb.get(ROUTING_KEY))
+                                          mb.get("segment_ids"), ctx=ctx, router_loss=True)
       else:
         hidden = _hidden(model, mb, ctx)
     logprobs, entropies, values, forward_aux = _forward(
@@ -642,6 +657,9 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
       values = _value_head(critic, _hidden(critic, without_routing(mb), ctx))
     loss, metrics = losses.rl_loss(loss_cfg, logprobs, mb, denominator=denominator,
                                    entropies=entropies, values=values)
+    if own is not None:
+      metrics["routing/mismatch"] = losses.Metric.mean(*routing_mismatch_counts(
+          mb[ROUTING_KEY], own, mb["loss_mask"]))
     if distilling:
       divergence = models.chunked_divergence(
           hidden, model.unembed(), mb["teacher_h"], mb["teacher_w"], kind=distill_loss,

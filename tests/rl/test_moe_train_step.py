@@ -116,7 +116,7 @@ def test_the_update_follows_the_batch_routing(mesh_shape):
   8 devices too); without them it routes by its own top-k and the ratios move. Split
   into shuffled minibatches (`ppo_update`) each row keeps its own experts."""
   mesh = one_device_mesh() if mesh_shape is None else models.make_mesh(mesh_shape)
-  state, batch, _, moved, old_moved, _ = _replay_batch(mesh)
+  state, batch, routing, moved, old_moved, old = _replay_batch(mesh)
   algo = presets.algorithm_config("grpo", kl_coef=0.0, num_minibatches=2,
                                   routing_replay="old")
   step = ts.make_train_step(REPLAY_CFG, algo, optax.sgd(0.5), mesh=mesh, donate=False)
@@ -124,8 +124,12 @@ def test_the_update_follows_the_batch_routing(mesh_shape):
   _, metrics = step(state, replayed)
   np.testing.assert_allclose(float(metrics["ratio/mean"]), 1.0, atol=1e-6)
   np.testing.assert_allclose(float(metrics["ratio/max"]), 1.0, atol=1e-6)
+  # The routers would have chosen otherwise: every first layer's choice, say.
+  assert float(metrics["routing/mismatch"]) > 0.5
+  _, metrics = step(state, {**batch, "old_logprobs": old, "routing": routing})
+  assert float(metrics["routing/mismatch"]) == 0.0  # its own routing
   _, metrics = step(state, {**batch, "old_logprobs": old_moved})
-  assert float(metrics["ratio/max"]) > 1.001
+  assert float(metrics["ratio/max"]) > 1.001 and "routing/mismatch" not in metrics
   _, history = ts.ppo_update(step, state, replayed, epochs=1, minibatches=2, seed=3)
   np.testing.assert_allclose(float(history[0]["ratio/max"]), 1.0, atol=1e-6)
   # The second minibatch runs after an update: the moved routers change the weights of
