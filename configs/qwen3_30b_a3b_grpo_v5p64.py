@@ -48,8 +48,8 @@ at 34.8 GiB with the sampler's weights (planned 36.2) and the rollout at 46.6 (p
 45.0): BENCHMARKS.md, LoRA.
 With four updates a batch the routers move under the ratio: `--config.rl.routing_replay=
 rollout` has the learner take the experts the sampler chose for every token (R3; `old`:
-those of the policy before the first update), planned at +0.19 GiB a chip of batch and
-+0.09 GiB beside the KV cache (peak 54.3 GiB).
+those of the policy before the first update), planned at +96 MiB a chip of batch and
++48 MiB beside the KV cache (uint8 experts; peak 54.25 GiB).
 """
 
 import ml_collections

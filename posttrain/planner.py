@@ -2043,7 +2043,7 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   kv = kv_cache_bytes(cfg, batch=s_rows, max_len=int(r.max_len), mesh=rollout_mesh,
                       rules=rules, dtype=cache_dtype)
   if replay == "rollout":
-    # The experts each row's tokens took, by position, beside the cache: int16 rows over
+    # The experts each row's tokens took, by position, beside the cache: rows over
     # the batch axes (`Sampler(record_routing=True)`).
     kv += (-(-s_rows // rollout_shards) * int(r.max_len) * cfg.mixture_layers
            * cfg.num_experts_per_tok * np.dtype(rl_train_step.routing_dtype(cfg)).itemsize)
@@ -2111,7 +2111,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
       Component("divergence", divergence, divergence_note),
       Component("batch", batch, f"{micro} x {rows} x {row_len} tokens x ~10 arrays x 4 B"
                 + (f" + each token's experts ({cfg.mixture_layers} layers x "
-                   f"{cfg.num_experts_per_tok}, int16: routing replay)" if replay else "")),
+                   f"{cfg.num_experts_per_tok}, "
+                   f"{np.dtype(rl_train_step.routing_dtype(cfg))}: routing replay)"
+                   if replay else "")),
       Component("sampler", sampler, ("its own copy of the adapters; the frozen base "
                                      "shared with the learner (colocated)"
                                      if cfg.lora_rank else "its own copy of params (colocated)")
@@ -2126,8 +2128,9 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
                    else "") if gathered else "not gathered (gather_weights=False)"),
       Component("kv_cache", kv, f"{s_rows} rows x {_cache_layers_note(cfg, int(r.max_len))} "
                 f"x {_cache_note(cfg, kv_dtype)}, {kv_dtype}"
-                + (" + the experts each position took (int16, the sampler's routing record)"
-                   if replay == "rollout" else "")),
+                + (" + the experts each position took ("
+                   f"{np.dtype(rl_train_step.routing_dtype(cfg))}, the sampler's routing "
+                   "record)" if replay == "rollout" else "")),
       Component("prefill", prefill, prefill_note + (", its weights gathered (left sharded)"
                                                      if sharded else "")),
       Component("decode_step", step, "the logits" + (", one layer's weights gathered "

@@ -2064,7 +2064,7 @@ def test_relaid_stacks_are_the_sharded_stacks_a_hybrid_prefill_lays_out(layout, 
 
 
 def test_routing_replay_is_planned_in_the_batch_and_beside_the_cache():
-  """rl.routing_replay: each token's experts (int16, every mixture layer's k) join the
+  """rl.routing_replay: each token's experts (uint8, every mixture layer's k) join the
   update's batch; with rollout, the sampler's record of every row's positions joins the
   KV cache. The AOT batch holds the same array."""
   from posttrain import aot
@@ -2072,7 +2072,7 @@ def test_routing_replay_is_planned_in_the_batch_and_beside_the_cache():
           "model.overrides": {"scan_layers": True}, "train.rows_per_microbatch": 8}
   none = planner.plan(_config(**base))
   cfg = experiment.model_config(_config(**base))
-  per_token = cfg.mixture_layers * cfg.num_experts_per_tok * 2
+  per_token = cfg.mixture_layers * cfg.num_experts_per_tok  # uint8: 128 experts
   config = _config(**base)
   _, micro = planner.microbatches(config, experiment.algorithm(config))
   mesh = planner.abstract_mesh(none.mesh)
@@ -2087,6 +2087,6 @@ def test_routing_replay_is_planned_in_the_batch_and_beside_the_cache():
     assert p["kv_cache"] - none["kv_cache"] == extra
     batch = aot.abstract_rl_batch(config, experiment.algorithm(config), (), None)
     assert batch["routing"].shape == batch["tokens"].shape + (48, 8)
-    assert batch["routing"].dtype == np.int16
+    assert batch["routing"].dtype == np.uint8
   assert "routing" not in aot.abstract_rl_batch(_config(**base), experiment.algorithm(
       _config(**base)), (), None)

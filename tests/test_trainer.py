@@ -640,7 +640,7 @@ def test_routing_replay_hands_the_old_policys_experts_to_every_update(tmp_path, 
            "rl.routing_replay": mode, "rl.num_minibatches": 2}
   assert trainer.train(_config(**extra), str(tmp_path))["status"] == "done"
   (shape, routing), = seen
-  assert routing.shape == shape + (1, 2) and routing.dtype == np.int16
+  assert routing.shape == shape + (1, 2) and routing.dtype == np.uint8
   assert 0 <= routing.min() and routing.max() < 4 and len(np.unique(routing)) > 1
   rows = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
   assert len(rows) == 1 and np.isfinite(rows[0]["grad_norm"])

@@ -1255,6 +1255,13 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
   return (weights, experts.astype(jnp.int32)) + ((probs,) if return_probs else ())
 
 
+def routing_dtype(cfg: ModelConfig):
+  """The integer type recorded routing is held in (the sampler's record, a batch's):
+  uint8 for up to 256 experts, int16 up to 32,767, else int32."""
+  return (jnp.uint8 if cfg.num_experts <= 256 else
+          jnp.int16 if cfg.num_experts < 2**15 else jnp.int32)
+
+
 class RouterStats(NamedTuple):
   """Sums over a layer's (or layers') tokens for the load-balancing loss: assignments
   per expert [E] (each token counts its k experts), router probabilities per expert [E],

@@ -134,9 +134,9 @@ def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
 
 
 def routing_dtype(model_cfg: models.ModelConfig):
-  """The integer type a batch's recorded routing is held in: int16 for up to 32767
-  experts, else int32."""
-  return jnp.int16 if model_cfg.num_experts < 2**15 else jnp.int32
+  """The integer type a batch's recorded routing is held in (`models.transformer.
+  routing_dtype`: uint8 for up to 256 experts)."""
+  return models.transformer.routing_dtype(model_cfg)
 
 
 def routing_mismatch_counts(replayed, own, mask) -> tuple[jax.Array, jax.Array]:

@@ -38,7 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed, models
 from posttrain.models.transformer import (CACHED_WRITE_TOKENS, KVCache, LinearCache,
-                                          cache_unit_axes, constrain_cache, map_cache_units)
+                                          cache_unit_axes, constrain_cache, map_cache_units,
+                                          routing_dtype)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -144,7 +145,8 @@ class Completions:
   # With generate(..., keep_cache=True): what `Sampler.resume` continues from.
   resume_state: "ResumeState | None" = None
   # With Sampler(record_routing=True): per row, the experts each mixture layer chose for
-  # each token the row fed, [prompt length + lengths[i] - 1, mixture layers, k] int16
+  # each token the row fed, [prompt length + lengths[i] - 1, mixture layers, k]
+  # (`models.transformer.routing_dtype`: uint8 for up to 256 experts)
   # (its prompt's tokens and those it generated but the last, in order; after `resume`,
   # the row's whole sequence so far).
   routing: list[np.ndarray] | None = None
@@ -1259,12 +1261,11 @@ class Sampler:
     return cache, self._logits(model, h_last), self._routing(out[2] if len(out) > 2 else None)
 
   def _routing(self, experts):
-    """Recorded experts as the sampler holds them: int16 (int32 past 32767 experts),
-    rows over the batch axes."""
+    """Recorded experts as the sampler holds them (`routing_dtype`: uint8 for up to 256
+    experts), rows over the batch axes."""
     if experts is None:
       return None
-    dtype = jnp.int16 if self.cfg.num_experts < 2**15 else jnp.int32
-    return self._ctx.constrain(experts.astype(dtype), _ROUTING_NAMES)
+    return self._ctx.constrain(experts.astype(routing_dtype(self.cfg)), _ROUTING_NAMES)
 
   def _write_routing(self, buffer, experts_BxTxMxK, positions_BxT, written_BxT):
     """buffer [B, S, layers, k] with each row's experts written at their positions, where

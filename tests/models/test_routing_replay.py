@@ -191,3 +191,10 @@ def test_what_routing_replay_refuses():
   for kw in (dict(routing=good), dict(return_routing=True)):
     with pytest.raises(ValueError, match="routing replay needs a mixture of experts"):
       dense.hidden_states(tokens, **kw)
+
+
+def test_recorded_routing_is_held_in_the_narrowest_integer_for_the_experts():
+  for experts, dtype in ((8, jnp.uint8), (256, jnp.uint8), (257, jnp.int16),
+                         (32767, jnp.int16), (40000, jnp.int32)):
+    cfg = CONFIGS["interleaved"].replace(num_experts=experts)
+    assert tr.routing_dtype(cfg) == dtype

@@ -83,9 +83,9 @@ def _replay_batch(mesh):
   recorded = ts.make_compute_logprobs(REPLAY_CFG, mesh=mesh, with_routing=True)(
       state.params, batch)
   routing = np.asarray(recorded["routing"])
-  assert routing.dtype == np.int16
+  assert routing.dtype == np.uint8  # up to 256 experts
   assert routing.shape == np.shape(batch["tokens"]) + (2, 2)
-  moved = ((routing + 1) % REPLAY_CFG.num_experts).astype(np.int16)
+  moved = ((routing + 1) % REPLAY_CFG.num_experts).astype(routing.dtype)
   plain = ts.make_compute_logprobs(REPLAY_CFG, mesh=mesh)
   old_moved = np.asarray(plain(state.params, {**batch, "routing": moved})["logprobs"])
   return state, batch, routing, moved, old_moved, np.asarray(recorded["logprobs"])

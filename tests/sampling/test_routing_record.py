@@ -45,7 +45,7 @@ def _check_rows(model, prompts, out, rows=None):
     seq = list(prompts[i]) + out.tokens[i, :n - 1].tolist()
     want = np.asarray(_routing(graphdef, state, np.asarray([seq], np.int32)))[0]
     got = out.routing[i]
-    assert got.dtype == np.int16 and got.shape == (len(seq), CFG.mixture_layers, 2), i
+    assert got.dtype == np.uint8 and got.shape == (len(seq), CFG.mixture_layers, 2), i
     np.testing.assert_array_equal(got, want, err_msg=f"row {i}")
 
 
