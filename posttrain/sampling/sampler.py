@@ -43,8 +43,11 @@ from posttrain.models.transformer import (CACHED_WRITE_TOKENS, KVCache, LinearCa
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-# A recorded routing buffer's logical axes: rows over the batch axes.
-_ROUTING_NAMES = ("batch", None, None, None)
+# A recorded routing buffer's logical axes: rows over the batch axes. It is held
+# [rows, positions, layers x k]: with [layers, k] minor, XLA:TPU tiled a k of 8 out to 128
+# lanes (the Qwen3-30B-A3B rollout's decode loop on a v5p-64: 0.29 GiB a chip for a
+# 48 MiB record; BENCHMARKS.md).
+_ROUTING_NAMES = ("batch", None, None)
 # Continuous batching refills once this fraction of the slots has stopped: a prefill call
 # per stopped row would cost more than the rows idle meanwhile.
 _REFILL_FRACTION = 1 / 8
@@ -665,7 +668,7 @@ class Sampler:
     if self.record_routing:  # each row's fed tokens: its prompt, then all it drew but the last
       buffer = self._fetch(cache[1])
       ends = distinct_lens[row_source] + np.maximum(lengths - 1, 0)
-      routing = [buffer[i, :ends[i]] for i in range(rows)]
+      routing = [self._experts(buffer[i, :ends[i]]) for i in range(rows)]
       if not keep_cache:
         cache = None
     resume = None
@@ -789,7 +792,7 @@ class Sampler:
         tokens[i, :n], logprobs[i, :n] = out_tok[k, :n], out_logp[k, :n]
         lengths[i], stopped_rows[i] = n, bool(stopped[slot])
         if routing is not None:  # the fed tokens: the prompt, then all drawn but the last
-          routing[i] = out_routing[k, :int(lens[i]) + n - 1]
+          routing[i] = self._experts(out_routing[k, :int(lens[i]) + n - 1])
         slot_row[slot] = -1
         free[slot // per_device].append(int(slot))
         if held is not None:
@@ -886,7 +889,7 @@ class Sampler:
 
   def _take_rows(self, state, slots: np.ndarray, *, batch: int, cache_len: int):
     """The generated tokens and log-probs of `slots` ([n, cache_len] each, on the host),
-    and with record_routing their routing by position ([n, cache_len, layers, k]; else
+    and with record_routing their routing by position ([n, cache_len, layers x k]; else
     None), copied off the devices for those rows only (the index padded to a power of
     two)."""
     if not slots.size:
@@ -1188,7 +1191,7 @@ class Sampler:
     routing = None
     if self.record_routing:  # each row's fed tokens, from its first: up to its last drawn
       buffer = self._fetch(cache[1])
-      routing = [buffer[r, :int(state.positions[r] + new[r])] for r in rows]
+      routing = [self._experts(buffer[r, :int(state.positions[r] + new[r])]) for r in rows]
     ends = np.maximum(lengths - 1, 0)
     last = np.where(active_np & (new > 0), out_tokens[np.arange(batch), ends], state.last)
     nxt = dataclasses.replace(
@@ -1261,21 +1264,28 @@ class Sampler:
     return cache, self._logits(model, h_last), self._routing(out[2] if len(out) > 2 else None)
 
   def _routing(self, experts):
-    """Recorded experts as the sampler holds them (`routing_dtype`: uint8 for up to 256
-    experts), rows over the batch axes."""
+    """Recorded experts [B, T, layers, k] as the sampler holds them: [B, T, layers x k]
+    (`_ROUTING_NAMES`), `routing_dtype` (uint8 for up to 256 experts), rows over the
+    batch axes."""
     if experts is None:
       return None
-    return self._ctx.constrain(experts.astype(routing_dtype(self.cfg)), _ROUTING_NAMES)
+    experts = experts.reshape(*experts.shape[:2], -1).astype(routing_dtype(self.cfg))
+    return self._ctx.constrain(experts, _ROUTING_NAMES)
+
+  def _experts(self, held: np.ndarray) -> np.ndarray:
+    """A row's record as the sampler holds it [T, layers x k], as Completions gives it:
+    [T, layers, k]."""
+    return held.reshape(held.shape[0], self.cfg.mixture_layers, self.cfg.num_experts_per_tok)
 
   def _write_routing(self, buffer, experts_BxTxMxK, positions_BxT, written_BxT):
-    """buffer [B, S, layers, k] with each row's experts written at their positions, where
+    """buffer [B, S, layers x k] with each row's experts written at their positions, where
     `written_BxT` (elsewhere left as it was). A scatter per row (vmapped: the rows are a
     batching dimension, which XLA partitions with the rows; one scatter indexed by
     [row, position] made it gather every device's rows of the buffer, each step)."""
     at = jnp.where(written_BxT, positions_BxT, buffer.shape[1])  # past the end: dropped
     write = lambda row, experts, at: row.at[at].set(experts, mode="drop")  # noqa: E731
-    return self._ctx.constrain(
-        jax.vmap(write)(buffer, experts_BxTxMxK.astype(buffer.dtype), at), _ROUTING_NAMES)
+    return self._ctx.constrain(jax.vmap(write)(buffer, self._routing(experts_BxTxMxK), at),
+                               _ROUTING_NAMES)
 
   def _prefill(self, state, tokens_UxL, prompt_lens_U, row_source_B, row_ids_B, seed,
                temperature, top_p, *, cache_len: int, mode: SamplingMode,
@@ -1338,8 +1348,8 @@ class Sampler:
     cache = constrain(cache)
     if routing is not None:  # each row its prompt's, the slots after it zero
       routing = take(routing)
-      routing = self._routing(jnp.pad(routing, ((0, 0), (0, cache_len - routing.shape[1]),
-                                                (0, 0), (0, 0))))
+      routing = self._ctx.constrain(
+          jnp.pad(routing, ((0, 0), (0, cache_len - routing.shape[1]), (0, 0))), _ROUTING_NAMES)
     keys = _row_keys(seed, 0, row_ids_B)
     tokens, logp = sample_logits(logits, keys, temperature, top_p, mode)
     return cache, tokens, logp, routing
@@ -1383,8 +1393,7 @@ class Sampler:
                                      source_N=source_N))
     if routing is not None:  # each new row its prompt's, over its slot's whole row
       old = slots["routing"]
-      routing = jnp.pad(routing, ((0, 0), (0, old.shape[1] - routing.shape[1]), (0, 0),
-                                  (0, 0)))
+      routing = jnp.pad(routing, ((0, 0), (0, old.shape[1] - routing.shape[1]), (0, 0)))
       out["routing"] = self._local_put(old, routing, _ROUTING_NAMES, local_N=local_N,
                                        source_N=source_N)
     return out
@@ -1459,7 +1468,7 @@ class Sampler:
                cache=self._put_cache(old, cache, local_N=local_N))
     if self.record_routing:  # the fed tokens' experts, at their positions in the slot's row
       rows = self._local_take(slots["routing"], local_N, _ROUTING_NAMES)
-      rows = self._write_routing(rows, self._routing(out[2]), positions, fed)
+      rows = self._write_routing(rows, out[2], positions, fed)
       new["routing"] = self._local_put(slots["routing"], rows, _ROUTING_NAMES,
                                        local_N=local_N)
     return new
