@@ -134,12 +134,9 @@ def main(argv=None) -> None:
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--quick", action="store_true")
   a = p.parse_args(argv)
-  rows = run(a.quick, prompts=a.prompts, group=a.group, new=a.new, seed=a.seed, reps=a.reps)
-  keys = list(rows[0])
-  print("| " + " | ".join(keys) + " |")
-  print("|" + "---|" * len(keys))
-  for r in rows:
-    print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+  from benchmarks.run import table  # the markdown table BENCHMARKS.md uses
+  print(table(run(a.quick, prompts=a.prompts, group=a.group, new=a.new, seed=a.seed,
+                  reps=a.reps)))
 
 
 if __name__ == "__main__":
