@@ -3,7 +3,7 @@ v5e-8: its plan, and its RL update and rollout compiled for the slice on this ho
 (libtpu, no TPU).
 
     python -m benchmarks.nemotron3_plan [--remat=full] [--pattern=MEMEM*E...] [--rollout_only]
-        [--latent=0] [--ep]
+        [--latent=0] [--ep] [--expert_lora]
 
 The model (NVIDIA-Nemotron-3-Nano-30B-A3B's config.json): d 2688, vocabulary 131072; 32
 heads / 2 kv of 128 without a position embedding; Mamba2: 64 heads of 64, 8 groups,
@@ -13,7 +13,8 @@ single-sublayer layers (`--pattern`, hybrid_override_pattern's letters: M Mamba2
 attention, E mixture, - MLP; by default 23 Mamba2 layers, 23 mixtures and 6 attention
 layers as the published model's). `--latent`: the experts in a latent of that width
 (Nemotron 3 Super's layout). `--ep`: the experts split over fsdp (expert parallelism).
-LoRA of rank 64 on the attention, the Mamba2 in_proj and the shared experts.
+LoRA of rank 64 on the attention, the Mamba2 in_proj and the shared experts;
+`--expert_lora`: on every routed expert's up_proj and down_proj too.
 """
 import argparse
 
@@ -31,6 +32,9 @@ def main() -> None:
                       help="the layers' kinds: M (Mamba2), * (attention), E (mixture), - (MLP)")
   parser.add_argument("--latent", type=int, default=0, help="the experts' latent width (0: none)")
   parser.add_argument("--ep", action="store_true", help="the experts split over fsdp")
+  parser.add_argument("--expert_lora", action="store_true",
+                      help="adapters on the routed experts too (experts_up_proj, "
+                      "experts_down_proj)")
   parser.add_argument("--rollout_only", action="store_true",
                       help="compile the rollout alone, not the update")
   args = parser.parse_args()
@@ -50,7 +54,8 @@ def main() -> None:
         linear_chunk=128, linear_dt_min=0.001, num_experts=128, num_experts_per_tok=6,
         shared_expert_dim=3712, router_scoring="sigmoid", routed_scaling_factor=2.5,
         moe_latent_dim=args.latent, remat=args.remat,
-        lora_targets="q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,in_proj"))
+        lora_targets="q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,in_proj"
+        + (",experts_up_proj,experts_down_proj" if args.expert_lora else "")))
     if args.ep:
       c.sharding_rules = (("experts", ("fsdp",)),)
   plan_and_compile(c, rollout_only=args.rollout_only)

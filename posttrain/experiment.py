@@ -361,9 +361,13 @@ def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
   if config.model.get("value_head") is not None:
     overrides["value_head"] = bool(config.model.value_head)
   preset = models.get_preset(config.model.preset)
-  cfg = preset.replace(**overrides) if overrides else preset  # checks the overrides too
   folder = hf_init_folder(config)
-  if folder:
+  if not folder:
+    cfg = preset.replace(**overrides) if overrides else preset  # checks the overrides too
+  else:  # the overrides are checked against the folder's model (LoRA on its experts)
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(preset)})
+    if unknown:
+      raise ValueError(f"model.overrides {unknown} are not fields of ModelConfig")
     read, _ = models.hf.folder_config(folder, f"init_from={folder!r}")
     run = {f: overrides.get(f, getattr(preset, f)) for f in RUN_FIELDS}
     if not read.lm_head:  # a reward model's folder: its score head is the value head

@@ -37,6 +37,26 @@ log = logging.getLogger("posttrain")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _check_adapter_base(extras: dict | None, step: int) -> None:
+  """Refuses an adapter export whose adapters are not relative to the run's starting
+  weights: entering preference training or RL, a LoRA run folds the earlier stage's
+  trained adapters into its base weights and trains fresh ones (the stage's reference),
+  so the checkpoint's adapters alone would drop that stage's update."""
+  progress = (extras or {}).get("progress") or {}
+  stage = progress.get("stage", "sft")
+  folded = [f"{name} ({n} steps)" for name, n, later in (
+      ("SFT", progress.get("sft_step", 0), ("preference", "rl", "done")),
+      ("preference", progress.get("pref_step", 0), ("rl", "done"))) if n and stage in later]
+  # The trainer counts what it folded; checkpoints older than that count folded always.
+  if not progress.get("folded_steps", 1):
+    folded = []
+  if folded:
+    raise ValueError(f"checkpoint {step} is past this run's {' and '.join(folded)} stage, "
+                     "whose adapters were folded into the base weights: its adapters alone "
+                     "would drop that update; export merged weights (adapter=False), or "
+                     "train LoRA in one stage a run (an RL run from the merged SFT export)")
+
+
 def export_checkpoint(config, workdir: str, out: str, *, step: int | None = None,
                       dtype: str | None = None, adapter: bool = False,
                       max_shard_bytes: int = 4 << 30) -> dict[str, Any]:
@@ -50,7 +70,8 @@ def export_checkpoint(config, workdir: str, out: str, *, step: int | None = None
     step: the checkpoint step.
     dtype: the tensors' dtype (default: the model's param_dtype); not with `adapter`.
     adapter: write the LoRA adapters alone, as a PEFT adapter folder (a reward model's
-      with its score head); the run must have trained adapters.
+      with its score head); the run must have trained adapters, over the weights it
+      started from (not past an SFT or preference stage that trained them).
     max_shard_bytes: the largest safetensors file of the merged weights.
 
   Returns:
@@ -58,7 +79,8 @@ def export_checkpoint(config, workdir: str, out: str, *, step: int | None = None
 
   Raises:
     ValueError: no checkpoints, an unknown step, a model the Hugging Face class cannot
-      hold, `adapter` without adapters, or a bad dtype.
+      hold, `adapter` without adapters or past a stage whose adapters were folded into
+      the base (`_check_adapter_base`), or a bad dtype.
   """
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r}; expected one of {DTYPES}")
@@ -90,7 +112,9 @@ def export_checkpoint(config, workdir: str, out: str, *, step: int | None = None
     manager.close()
   if restored is None:
     raise ValueError(f"no complete checkpoint in {directory}")
-  state, _, step = restored
+  state, extras, step = restored
+  if adapter:
+    _check_adapter_base(extras, step)
   graphdef, _, rest = ts._split_abstract(cfg)
   model = nnx.merge(graphdef, state["params"], rest)
   if adapter:

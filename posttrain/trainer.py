@@ -104,6 +104,9 @@ class Progress_:
   pref_eval: dict | None = None     # pass rates after the preference stage
   pref_heldout: dict | None = None  # held-out pair metrics (preference.eval_data)
   kl_coef: float | None = None  # the adaptive KL controller's value for the next RL step
+  # LoRA: the steps of earlier stages whose trained adapters were folded into the base
+  # weights (`Trainer._enter_stage`); the adapters alone are not the run's update then.
+  folded_steps: int = 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -720,11 +723,16 @@ class Trainer:
   def _enter_stage(self, stage: str, optimizer, seed_offset: int):
     """A fresh optimizer state on the current policy for the next stage. With LoRA the
     previous stage's adapters go into the base weights and the stage trains fresh ones:
-    the base (the stage's reference, adapters off) is then the policy it starts from."""
+    the base (the stage's reference, adapters off) is then the policy it starts from. A
+    stage of no steps (train.rl_steps=0: SFT alone) keeps them, so that the run's
+    adapters stay its whole update over the weights it started from."""
     self.progress.stage = stage
     model = self._model()
-    if self.cfg.lora_rank:
+    steps = (int(self.config.train.rl_steps) if stage == "rl" else
+             int(self.config.preference.steps))
+    if self.cfg.lora_rank and steps > 0:
       model = models.fold_lora(model, jax.random.key(self.seed + seed_offset))
+      self.progress.folded_steps = self.progress.sft_step + self.progress.pref_step
     self.state = rl_state.init_train_state(model, optimizer, mesh=self.mesh, rules=self.rules,
                                            seed=self.seed + seed_offset)
 

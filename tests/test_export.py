@@ -40,9 +40,10 @@ def _randomise(model, seed):
     model.value_w[...] = jnp.asarray(rng.normal(size=model.value_w.shape), jnp.float32)
 
 
-def _fake_run(workdir, config, seeds=(1, 2)):
+def _fake_run(workdir, config, seeds=(1, 2), progress=None):
   """A run's checkpoints 1, 2, ...: the model of seed s at step i, in the trainers'
-  layout (the run's optimizer structure, on the run's mesh). Returns the models."""
+  layout (the run's optimizer structure, on the run's mesh), with the trainer's
+  `progress`. Returns the models."""
   reward = experiment.objective(config) == "reward_model"
   cfg = (experiment.reward_model_config if reward else experiment.model_config)(config)
   mesh = experiment.build_mesh(config)
@@ -53,7 +54,8 @@ def _fake_run(workdir, config, seeds=(1, 2)):
     model = models.create_model(cfg, seed=seed)
     _randomise(model, seed)
     state = rl_state.init_train_state(model, experiment.optimizer_like(config), mesh=mesh)
-    manager.save(step, experiment.to_checkpoint(state), {"progress": {}}, force=True)
+    manager.save(step, experiment.to_checkpoint(state), {"progress": progress or {}},
+                 force=True)
     out[step] = model
   manager.wait()
   manager.close()
@@ -101,6 +103,34 @@ def test_lora_runs_export_merged_or_as_a_peft_adapter_on_the_base(tmp_path):
   models.save_pretrained(base, str(tmp_path / "base"))
   again = models.from_pretrained(str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
   np.testing.assert_allclose(again(TOKENS), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("progress,refused", [
+    ({"stage": "sft", "sft_step": 3}, False),  # SFT's own adapters, on the start's weights
+    ({"stage": "rl", "sft_step": 0, "rl_step": 2}, False),  # RL alone: nothing folded
+    ({"stage": "rl", "sft_step": 3, "rl_step": 2}, True),
+    ({"stage": "done", "sft_step": 0, "pref_step": 4}, True),
+    ({"stage": "preference", "sft_step": 3, "pref_step": 1}, True),
+    ({"stage": "done", "sft_step": 3, "folded_steps": 3}, True),
+    # SFT alone (train.rl_steps=0): the trainer folded nothing.
+    ({"stage": "done", "sft_step": 3, "folded_steps": 0}, False),
+], ids=["sft", "rl_alone", "rl_after_sft", "done_after_preference", "preference_after_sft",
+        "counted_folded", "sft_alone"])
+def test_adapters_past_a_folded_stage_are_refused(tmp_path, progress, refused):
+  """Entering RL (or preference training) a LoRA run folds the earlier stage's adapters
+  into its base and trains fresh ones: past such a stage the adapters alone would drop
+  that update on the starting weights, so only merged weights are exported."""
+  config = _config(**{"model.overrides.lora_rank": 2})
+  _fake_run(str(tmp_path / "run"), config, seeds=(3,), progress=progress)
+  out = str(tmp_path / "adapter")
+  if not refused:
+    assert export_checkpoint(config, str(tmp_path / "run"), out, adapter=True)["adapter"]
+    return
+  with pytest.raises(ValueError, match=r"^checkpoint 1 is past this run's .* stage, whose "
+                     r"adapters were folded into the base weights: .*export merged") as e:
+    export_checkpoint(config, str(tmp_path / "run"), out, adapter=True)
+  assert "\n" not in str(e.value) and not os.path.exists(out)
+  assert not export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "m"))["adapter"]
 
 
 def test_a_reward_model_run_exports_a_sequence_classifier(tmp_path):

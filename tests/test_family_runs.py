@@ -204,6 +204,14 @@ def test_a_folder_defines_the_model_and_the_run_its_choices(tmp_path, caplog):
   assert "'architecture': 'LlamaForCausalLM'" in warned[0]
   # Without a folder the preset and overrides define the model, as before.
   assert experiment.model_config(_config()).architecture == "LlamaForCausalLM"
+  # With one, the overrides are checked against the folder's model, and their names at
+  # once (a mixture's expert targets over a dense preset: `test_a_lora_run_on_nemotron3_`).
+  with pytest.raises(ValueError, match=r"model.overrides \['lora_rnak'\] are not fields"):
+    experiment.model_config(_config(init_from=folder, **{"model.overrides.lora_rnak": 4}))
+  with pytest.raises(ValueError, match="adapt a mixture's routed experts, but this model "
+                     "has none"):
+    experiment.model_config(_config(init_from=folder, **{
+        "model.overrides.lora_rank": 4, "model.overrides.lora_targets": "experts_up_proj"}))
 
 
 def test_a_run_with_a_tokenizer_its_own_template_renders(tmp_path, scored):
@@ -245,3 +253,46 @@ def test_rollout_routing_replay_runs_through_a_mixtures_layers(family, tmp_path)
   rl = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
   assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
   assert all(0 <= r["routing/mismatch"] < 0.02 for r in rl)
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_nemotron3_experts_exports_an_adapter_peft_reads(tmp_path):
+  """A LoRA run from a Nemotron 3 folder with adapters on the attention, the Mamba2
+  in_proj and every routed expert's up and down (experts in a latent, no gate): the SFT
+  and RL steps move the experts' adapters, and the exported PEFT adapter folder
+  (target_parameters mixer.experts.up_proj / down_proj) gives transformers our logits."""
+  import peft
+  cfg = trainer.model_config(_config()).replace(**FAMILIES["nemotron3"])
+  folder = str(tmp_path / "base")
+  models.save_pretrained(models.create_model(cfg, seed=4), folder)
+  targets = "q_proj,in_proj,experts_up_proj,experts_down_proj"
+  config = _config(init_from=folder, **{"model.overrides.lora_rank": 4,
+                                        "model.overrides.lora_targets": targets})
+  trainer.train(config, str(tmp_path / "run"))
+  rl = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
+  assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+  out = str(tmp_path / "adapter")
+  # RL folded SFT's adapters into the base: the final adapters alone are refused ...
+  with pytest.raises(ValueError, match="past this run's SFT \\(2 steps\\) stage"):
+    export_checkpoint(config, str(tmp_path / "run"), out, adapter=True)
+  # ... and the SFT stage's own (a run of that stage alone) are its update.
+  config = _config(init_from=folder, **{"model.overrides.lora_rank": 4,
+                                        "model.overrides.lora_targets": targets,
+                                        "train.rl_steps": 0})
+  trainer.train(config, str(tmp_path / "sft"))
+  assert export_checkpoint(config, str(tmp_path / "sft"), out, adapter=True)["adapter"]
+  ours = models.from_pretrained(folder, adapter=out)
+  assert ours.cfg.lora_target_names == tuple(targets.split(","))
+  moved = ours.moe_layers[0].mlp
+  assert np.abs(np.asarray(moved.experts_up_proj_lora_b[...])).max() > 0
+  assert np.abs(np.asarray(moved.experts_down_proj_lora_b[...])).max() > 0
+  hf = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+  theirs = peft.PeftModel.from_pretrained(hf, out).eval()
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))
+  with torch.no_grad():
+    want = theirs(torch.tensor(tokens)).logits.numpy()
+    with theirs.disable_adapter():
+      base = theirs(torch.tensor(tokens)).logits.numpy()
+  got = np.asarray(ours(tokens))
+  assert np.abs(got - base).max() > 1e-4  # the trained adapters matter
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

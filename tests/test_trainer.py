@@ -568,6 +568,10 @@ def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path
   assert step == 4
   exported = _assert_export_is_the_policy(tmp_path, extra, params)
   assert exported.cfg.lora_rank == 0
+  # Its final adapters alone are RL's: over the starting weights they would drop SFT's.
+  from posttrain.export import export_checkpoint
+  with pytest.raises(ValueError, match=r"past this run's SFT \(2 steps\) stage"):
+    export_checkpoint(_config(**extra), str(tmp_path), str(tmp_path / "a"), adapter=True)
   # Resuming restores the adapters' optimizer state and goes on from the same base.
   again = trainer.train(_config(**{**extra, "train.rl_steps": 3}), str(tmp_path))
   assert again["status"] == "done" and again["rl_steps"] == 3

@@ -70,8 +70,11 @@ SHORT_CONV_LORA_TARGETS = ("in_proj", "out_proj")
 LINEAR_MIXERS = ("gated_deltanet", "mamba2", "short_conv")
 # A mixture's routed experts, adapted per expert (PEFT's target_parameters
 # mlp.experts.gate_up_proj and mlp.experts.down_proj): one adapter over gate and up
-# together (one A, B spanning both), one over down. Only named: never a default.
-EXPERT_LORA_TARGETS = ("experts_gate_up_proj", "experts_down_proj")
+# together (one A, B spanning both), one over down; experts without a gate (relu^2,
+# Nemotron 3: mixer.experts.up_proj) one over up. Only named: never a default.
+EXPERT_LORA_TARGETS = ("experts_gate_up_proj", "experts_down_proj", "experts_up_proj")
+GATED_EXPERT_LORA_TARGETS = EXPERT_LORA_TARGETS[:2]
+UNGATED_EXPERT_LORA_TARGETS = ("experts_up_proj", "experts_down_proj")
 # Decode attention block per backend when ModelConfig.decode_chunk is None. On an H200, a
 # 1.2B model decoding 64 rows with a 768-slot cache: 32-slot blocks ran a loop of small
 # kernels per layer and token (BENCHMARKS.md, rollout on GPU). On CPU (heads-major cache,
@@ -235,7 +238,9 @@ class ModelConfig:
       at its default, a model with such layers adapts all of them too. A mixture's routed
       experts take adapters only named: experts_gate_up_proj (one adapter per expert
       over its gate and up projections, PEFT's target_parameters
-      mlp.experts.gate_up_proj) and experts_down_proj (mlp.experts.down_proj).
+      mlp.experts.gate_up_proj) and experts_down_proj (mlp.experts.down_proj); experts
+      without a gate (mlp_activation relu2, Nemotron 3) experts_up_proj
+      (mixer.experts.up_proj) and experts_down_proj.
     num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP (past the
       `dense_layers`) is that many SwiGLU experts of width ffn_dim, and a router sends
       each token to `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
@@ -562,14 +567,19 @@ class ModelConfig:
       names = [t.strip() for t in str(self.lora_targets).split(",") if t.strip()]
       linear = self.linear_lora_targets if self.linear_mixers else ()
       experts = [t for t in names if t in EXPERT_LORA_TARGETS]
-      experts_allowed = EXPERT_LORA_TARGETS if self.num_experts else ()
+      experts_allowed = self.expert_lora_targets
       if experts and not self.num_experts:
         raise ValueError(f"lora_targets {experts} adapt a mixture's routed experts, but this "
                          "model has none (num_experts=0)")
-      if experts and self.mlp_activation == "relu2":
-        raise ValueError(f"lora_targets {experts} on experts without a gate "
-                         "(mlp_activation='relu2') are not supported; adapt the attention, "
-                         "Mamba2 or shared-expert projections")
+      other = [t for t in experts if t not in experts_allowed]
+      if other and self.mlp_activation == "relu2":
+        raise ValueError(f"lora_targets {other}: this model's experts have no gate "
+                         "(mlp_activation='relu2'); use experts_up_proj and "
+                         "experts_down_proj")
+      if other:
+        raise ValueError(f"lora_targets {other} adapt experts without a gate (relu^2); "
+                         "this model's experts are gated: use experts_gate_up_proj and "
+                         "experts_down_proj")
       bad = [t for t in names if t not in LORA_TARGETS + linear + EXPERT_LORA_TARGETS]
       if bad or not names:
         wrong = [t for t in bad if t in LINEAR_LORA_TARGETS]
@@ -1032,11 +1042,22 @@ class ModelConfig:
         names |= set(self.linear_lora_targets)
         if self.architecture in PEFT_NO_OUT_PROJ:
           names.discard("out_proj")
-    if self.num_experts:
-      allowed += EXPERT_LORA_TARGETS
+    allowed += self.expert_lora_targets
     if self.mlp_activation == "relu2":  # an MLP without a gate
       allowed = tuple(t for t in allowed if t != "gate_proj")
     return tuple(t for t in allowed if t in names)
+
+  @property
+  def expert_lora_targets(self) -> tuple[str, ...]:
+    """The LoRA target names of a mixture's routed experts (none without one):
+    experts_gate_up_proj and experts_down_proj, or with experts without a gate (relu^2,
+    Nemotron 3) experts_up_proj and experts_down_proj, in the order the Hugging Face
+    experts module holds its parameters."""
+    if not self.num_experts:
+      return ()
+    if self.mlp_activation == "relu2":
+      return UNGATED_EXPERT_LORA_TARGETS
+    return GATED_EXPERT_LORA_TARGETS
 
   @property
   def linear_lora_targets(self) -> tuple[str, ...]:
@@ -1084,7 +1105,7 @@ class ModelConfig:
       sizes.update(in_proj=d + 3 * d, out_proj=d + d)
     # A mixture layer's routed experts, each its own A and B (`EXPERT_LORA_TARGETS`).
     e, latent = self.num_experts, self.moe_latent_dim or d
-    sizes.update(experts_gate_up_proj=e * (latent + 2 * f),
+    sizes.update(experts_gate_up_proj=e * (latent + 2 * f), experts_up_proj=e * (latent + f),
                  experts_down_proj=e * (f + latent))
     # A linear-attention layer has no attention targets and full layers no linear ones
     # (`stack_lora_targets`).

@@ -26,9 +26,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from posttrain.models.config import (EXPERT_LORA_TARGETS, LORA_TARGETS, MUP_MULTIPLIERS,
-                                     PEFT_FUSED_MLP, PEFT_NO_OUT_PROJ, ModelConfig,
-                                     RopeConfig)
+from posttrain.models.config import (EXPERT_LORA_TARGETS, GATED_EXPERT_LORA_TARGETS,
+                                     LORA_TARGETS, MUP_MULTIPLIERS, PEFT_FUSED_MLP,
+                                     PEFT_NO_OUT_PROJ, ModelConfig, RopeConfig)
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
@@ -2398,7 +2398,7 @@ def _expert_lora_rows(cfg: ModelConfig, target: str, i: int, *, nested: bool) ->
             lambda x: np.asarray(x).reshape(e, r, n).transpose(2, 1, 0).reshape(n, r * e))
 
   llama4 = _causal_lm(cfg.architecture) == LLAMA4
-  inner = nested and target == "experts_gate_up_proj"
+  inner = nested and target != "experts_down_proj"  # gate_up_proj or up_proj: first held
   peft = (f"base_model.model.model.layers.{i}.{_experts_module(cfg)}."
           f"{'base_layer.' if inner else ''}")
   a, b = ("lora_B", "lora_A") if llama4 else ("lora_A", "lora_B")
@@ -2569,7 +2569,7 @@ def _experts_module(cfg: ModelConfig) -> str:
   """The module holding a mixture layer's stacked routed experts, within the layer."""
   return {LLAMA4: "feed_forward.experts", GRANITE_MOE: "block_sparse_moe.experts",
           GRANITE_HYBRID: "block_sparse_moe.experts",
-          GRANITE_SHARED: "block_sparse_moe.experts"}.get(
+          GRANITE_SHARED: "block_sparse_moe.experts", NEMOTRON_H: "mixer.experts"}.get(
       _causal_lm(cfg.architecture), "mlp.experts")
 
 
@@ -2580,13 +2580,16 @@ def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str,
   every mixture layer's experts, so each entry must cover all of them."""
   if not parameters:
     return ()
+  module = _experts_module(cfg)
+  expected = " / ".join(f"{module}.{t[len('experts_'):]}"
+                        for t in cfg.expert_lora_targets or GATED_EXPERT_LORA_TARGETS)
   if isinstance(parameters, str) or not cfg.num_experts:
     raise ValueError(f"{where} target_parameters={parameters!r} is not supported; expected "
-                     "a list of mlp.experts.gate_up_proj / mlp.experts.down_proj of a "
-                     "mixture of experts")
+                     f"a list of {expected} of a mixture of experts")
   # Each target's parameter in every mixture layer (not the dense layers).
-  names = {t: [f"model.layers.{i}.{_experts_module(cfg)}.{t[len('experts_'):]}"
-               for i, moe in enumerate(cfg.mixture_flags) if moe] for t in EXPERT_LORA_TARGETS}
+  names = {t: [f"model.layers.{i}.{module}.{t[len('experts_'):]}"
+               for i, moe in enumerate(cfg.mixture_flags) if moe]
+           for t in cfg.expert_lora_targets}
 
   def covered(name):
     return any(name == p or name.endswith("." + p) for p in parameters)
@@ -2602,7 +2605,7 @@ def _expert_targets(where: str, parameters: Any, cfg: ModelConfig) -> tuple[str,
   bad = sorted(p for p in parameters if not any(n == p or n.endswith("." + p) for n in every))
   if bad:
     raise ValueError(f"{where} target_parameters {bad[:5]} are not supported; expected "
-                     "mlp.experts.gate_up_proj, mlp.experts.down_proj")
+                     f"{expected.replace(' / ', ', ')}")
   return tuple(kinds)
 
 

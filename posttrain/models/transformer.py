@@ -409,10 +409,14 @@ def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
   A is [E, r, in] (the rank off the minor axis, which TPU pads to 128 lanes; PEFT's own
   order), its B [E, r, out...] (`_lora_experts`)."""
   d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  # The experts' width: the model's, or the latent they run in (moe_latent_dim).
+  de = cfg.moe_latent_dim or d
   if target == "experts_gate_up_proj":  # B's columns: gate's F, then up's
-    return ((cfg.num_experts, d), ("experts", "embed"), (2, cfg.ffn_dim), (None, "mlp"))
+    return ((cfg.num_experts, de), ("experts", "embed"), (2, cfg.ffn_dim), (None, "mlp"))
+  if target == "experts_up_proj":  # experts without a gate (relu^2)
+    return ((cfg.num_experts, de), ("experts", "embed"), (cfg.ffn_dim,), ("mlp",))
   if target == "experts_down_proj":
-    return ((cfg.num_experts, cfg.ffn_dim), ("experts", "mlp"), (d,), ("embed",))
+    return ((cfg.num_experts, cfg.ffn_dim), ("experts", "mlp"), (de,), ("embed",))
   f = _mlp_width(cfg, stack)
   if target in _LINEAR_PARTS:
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -536,7 +540,8 @@ def _lora_params(cfg: ModelConfig, target: str) -> tuple[str, ...]:
   """The weights an adapter on `target` wraps, in its B's column order: one but for a
   fused Gated DeltaNet projection (`_LINEAR_PARTS`) and the experts' gate and up."""
   if target in EXPERT_LORA_TARGETS:
-    return ("gate_proj", "up_proj") if target == "experts_gate_up_proj" else ("down_proj",)
+    return {"experts_gate_up_proj": ("gate_proj", "up_proj"),
+            "experts_up_proj": ("up_proj",)}.get(target, ("down_proj",))
   if target in _LINEAR_PARTS:
     return _linear_parts(cfg, target)
   return (_lora_param(cfg, target),)
@@ -1294,8 +1299,9 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
   `activation`: fn(gate, up) in SwiGLU's place; the biases are added to each expert's
   gate and up projections (a down projection's bias is the caller's, added once after
   any sum over F slices). `lora`: each expert's LoRA adapters (`MoE._adapters`), any of
-  "gate_up" (A [E, r, D], B [E, r, 2, F]: gate's F columns, then up's) and "down"
-  (A [E, r, F], B [E, r, D]), each adding lora_scale * (x A_e^T) B_e to its projections
+  "gate_up" (A [E, r, D], B [E, r, 2, F]: gate's F columns, then up's), "up" (experts
+  without a gate: A [E, r, D], B [E, r, F]) and "down" (A [E, r, F], B [E, r, D]), each
+  adding lora_scale * (x A_e^T) B_e to its projections
   through two more grouped matmuls (A transposed in the first). With F split, down's A
   holds the slice's columns: its share of the update sums over the slices as the
   outputs do.
@@ -1341,6 +1347,8 @@ def expert_mlps(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFx
     gate_up = adapted(x_sorted, "gate_up")
     gate = gate + gate_up[:, :gate.shape[1]].astype(gate.dtype)
     up = up + gate_up[:, gate.shape[1]:].astype(up.dtype)
+  if "up" in lora:  # experts without a gate
+    up = up + adapted(x_sorted, "up").astype(up.dtype)
   if gate_bias_ExF is not None:  # each sorted row's expert's bias (an id past E: zero)
     expert_sorted = jnp.take(flat, order)
     gate = gate + jnp.take(gate_bias_ExF, expert_sorted, axis=0, mode="fill",
@@ -1373,7 +1381,8 @@ class MoE(nnx.Module):
   a `score_correction_bias` [E] that only the choice of experts reads (GLM-4.5,
   DeepSeek-V3), which no gradient reaches. LoRA on the routed experts
   (EXPERT_LORA_TARGETS) gives each expert its own adapters, `experts_gate_up_proj_lora_a`
-  [E, r, D] / `_b` [E, r, 2, F] and `experts_down_proj_lora_a` [E, r, F] / `_b` [E, r, D]
+  [E, r, D] / `_b` [E, r, 2, F] (`experts_up_proj_lora_a` / `_b` [E, r, D] / [E, r, F]
+  for experts without a gate) and `experts_down_proj_lora_a` [E, r, F] / `_b` [E, r, D]
   (`expert_mlps` runs them). With mlp_activation relu2 the experts and the shared
   expert have no gate (Nemotron 3); with cfg.moe_latent_dim the routed experts read and
   write a latent of that width (`latent_in` [D, L], `latent_out` [L, D]).
@@ -1571,6 +1580,7 @@ class MoE(nnx.Module):
     # The adapters as their experts: E on the ep axes, F (gate and up's B columns, down's
     # A's) on the mlp axes, D and the rank whole.
     lora_specs = {"gate_up": (P(e_spec, None, None), P(e_spec, None, None, f_spec)),
+                  "up": (P(e_spec, None, None), P(e_spec, None, f_spec)),
                   "down": (P(e_spec, None, f_spec), P(e_spec, None, None))}
     lora_specs = {name: lora_specs[name] for name in adapters}
     args = [place(a, mesh, spec) for a, spec in zip(
@@ -1594,11 +1604,12 @@ class MoE(nnx.Module):
 
   def _adapters(self) -> dict:
     """The routed experts' LoRA adapters in the compute dtype, as `expert_mlps` takes
-    them: {"gate_up": (A, B), "down": (A, B)}, those the layer has."""
+    them: {"gate_up": (A, B), "up": (A, B), "down": (A, B)}, those the layer has."""
     dt = _dtype(self.cfg.dtype)
     return {name: (getattr(self, f"experts_{name}_proj_lora_a")[...].astype(dt),
                    getattr(self, f"experts_{name}_proj_lora_b")[...].astype(dt))
-            for name in ("gate_up", "down") if hasattr(self, f"experts_{name}_proj_lora_a")}
+            for name in ("gate_up", "up", "down")
+            if hasattr(self, f"experts_{name}_proj_lora_a")}
 
   def _expert_parallel(self, x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF,
                        down_ExFxD, gate_bias_ExF, up_bias_ExF, down_bias_ExD,

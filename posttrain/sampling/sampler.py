@@ -214,10 +214,12 @@ def default_length_bucket(n: int, max_len: int) -> int:
 
 
 # A mixture layer's expert leaves and their rank in one layer ([E, D, F], [E, F]; the
-# experts' LoRA adapters [E, r, D], [E, r, 2, F], [E, r, F], [E, r, D]).
+# experts' LoRA adapters [E, r, D], [E, r, 2, F] (ungated: [E, r, F]), [E, r, F],
+# [E, r, D]).
 _EXPERT_LEAF_RANKS = {"gate_proj": 3, "up_proj": 3, "down_proj": 3, "gate_bias": 2,
                       "up_bias": 2, "down_bias": 2, "experts_gate_up_proj_lora_a": 3,
-                      "experts_gate_up_proj_lora_b": 4, "experts_down_proj_lora_a": 3,
+                      "experts_gate_up_proj_lora_b": 4, "experts_up_proj_lora_a": 3,
+                      "experts_up_proj_lora_b": 3, "experts_down_proj_lora_a": 3,
                       "experts_down_proj_lora_b": 3}
 
 
@@ -1699,7 +1701,8 @@ class Sampler:
       # Their LoRA adapters pad alike where they meet F or D: gate and up's B and down's
       # A over F, down's B over D.
       if leaf in ("gate_proj", "up_proj", "gate_bias", "up_bias", "experts_gate_up_proj_lora_b",
-                  "experts_down_proj_lora_a") and f_padded != f_width:
+                  "experts_up_proj_lora_b", "experts_down_proj_lora_a") and (
+                      f_padded != f_width):
         pads.append((ndim - 1, f_shards, f_width, f_padded))
       elif leaf == "experts_down_proj_lora_b" and d_padded != d_width:
         pads.append((ndim - 1, d_shards, d_width, d_padded))

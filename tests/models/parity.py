@@ -125,7 +125,7 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   PEFT's)."""
   import peft
   import torch
-  experts = ",experts_gate_up_proj,experts_down_proj" if target_parameters else ""
+  experts = "".join(f",experts_{p.rsplit('.', 1)[-1]}" for p in target_parameters or ())
   ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, scan_layers=True,
                                 lora_targets=",".join(targets) + experts)
   rng = np.random.default_rng(1)

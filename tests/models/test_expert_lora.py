@@ -1,7 +1,8 @@
-"""LoRA adapters on a mixture's routed experts (experts_gate_up_proj, experts_down_proj):
-each expert's update against a numpy merge, both layer layouts, folding, the parameter
-count, sharded and expert-parallel runs and their gradients against one device, the
-sampler's padded copy, and configs that cannot hold them."""
+"""LoRA adapters on a mixture's routed experts (experts_gate_up_proj, experts_down_proj;
+experts_up_proj on experts without a gate): each expert's update against a numpy merge,
+both layer layouts, folding, the parameter count, sharded and expert-parallel runs and
+their gradients against one device, the sampler's padded copy, and configs that cannot
+hold them."""
 
 import re
 
@@ -15,6 +16,7 @@ from posttrain import models
 from posttrain.models import transformer as tr
 from posttrain.models.config import DEFAULT_LORA_TARGETS
 from tests.models.test_expert_parallel import CFG as EP_CFG
+from tests.models.test_expert_parallel import NEMOTRON3 as EP_NEMOTRON3
 from tests.models.test_expert_parallel import SHARED, _assert_same, _rules, _run
 from tests.tpu_aot import requires_libtpu
 
@@ -24,6 +26,10 @@ CFG = models.get_preset("tiny").replace(
     num_layers=2, tie_embeddings=False, qk_norm=True, num_experts=5, num_experts_per_tok=2,
     architecture="Qwen3MoeForCausalLM", init_std=0.2, lora_rank=3, lora_alpha=6.0,
     lora_targets="q_proj," + EXPERT_TARGETS)
+# Experts without a gate (relu^2, Nemotron 3's) in a latent of their own.
+UNGATED_TARGETS = "experts_up_proj,experts_down_proj"
+UNGATED = CFG.replace(mlp_activation="relu2", moe_latent_dim=24, qk_norm=False,
+                      lora_targets="q_proj," + UNGATED_TARGETS)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 263, (3, 13)), jnp.int32)
 logits = nnx.jit(lambda m, t: m(t))
 
@@ -39,15 +45,20 @@ def _randomised(model, seed=0):
 
 def _numpy_merged(model):
   """The base model with each expert e's W + s A_e B_e (gate and up from one B's two
-  halves) and q_proj's update, merged in numpy."""
+  halves; experts without a gate up's own) and q_proj's update, merged in numpy."""
   cfg, s = model.cfg, model.cfg.lora_scale
   pure = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model)))  # writable copies
   for layer in pure["layers"].values():
     mlp, attn = layer["mlp"], layer["attn"]
-    a, b = mlp.pop("experts_gate_up_proj_lora_a"), mlp.pop("experts_gate_up_proj_lora_b")
-    for e in range(cfg.num_experts):
-      mlp["gate_proj"][e] += s * a[e].T @ b[e, :, 0]
-      mlp["up_proj"][e] += s * a[e].T @ b[e, :, 1]
+    if "experts_up_proj_lora_a" in mlp:
+      a, b = mlp.pop("experts_up_proj_lora_a"), mlp.pop("experts_up_proj_lora_b")
+      for e in range(cfg.num_experts):
+        mlp["up_proj"][e] += s * a[e].T @ b[e]
+    else:
+      a, b = mlp.pop("experts_gate_up_proj_lora_a"), mlp.pop("experts_gate_up_proj_lora_b")
+      for e in range(cfg.num_experts):
+        mlp["gate_proj"][e] += s * a[e].T @ b[e, :, 0]
+        mlp["up_proj"][e] += s * a[e].T @ b[e, :, 1]
     a, b = mlp.pop("experts_down_proj_lora_a"), mlp.pop("experts_down_proj_lora_b")
     mlp["down_proj"] += s * np.einsum("ERF,ERD->EFD", a, b)
     a, b = attn.pop("q_proj_lora_a"), attn.pop("q_proj_lora_b")
@@ -92,6 +103,38 @@ def test_each_expert_adds_its_own_update_in_both_layouts(model, monkeypatch):
   np.testing.assert_allclose(logits(folded, TOKENS), want, atol=2e-5)
 
 
+def test_experts_without_a_gate_adapt_up_and_down(monkeypatch):
+  """relu^2 experts in a latent of 24 (Nemotron 3 Super's): up's adapter [E, r, L] /
+  [E, r, F] and down's [E, r, F] / [E, r, L], each expert's update the numpy merge's,
+  unrolled, scanned, through either path of A, and folded."""
+  model = _randomised(models.create_model(UNGATED, seed=1))
+  mlp = model.layers[0].mlp
+  assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "experts_gate_up_proj_lora_a")
+  assert mlp.experts_up_proj_lora_a.shape == (5, 3, 24)
+  assert mlp.experts_up_proj_lora_b.shape == (5, 3, 40)
+  assert mlp.experts_down_proj_lora_a.shape == (5, 3, 40)
+  assert mlp.experts_down_proj_lora_b.shape == (5, 3, 24)
+  assert UNGATED.lora_target_names == ("q_proj", "experts_up_proj", "experts_down_proj")
+  assert UNGATED.num_lora_params == sum(
+      x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  base = logits(models.merge_lora(models.create_model(UNGATED, seed=1)), TOKENS)
+  want = logits(_numpy_merged(model), TOKENS)
+  got = logits(model, TOKENS)
+  assert float(jnp.abs(got - base).max()) > 0.1
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  np.testing.assert_allclose(logits(models.merge_lora(model), TOKENS), want, atol=2e-5)
+  with monkeypatch.context() as patch:
+    patch.setattr(tr, "_GATHERED_A_BYTES", 0)
+    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, TOKENS), want, atol=2e-5)
+  scanned = models.relayout(model, scan_layers=True)
+  assert scanned.layers.mlp.experts_up_proj_lora_b.get_metadata()["logical_axes"] == (
+      "layers", "experts", "lora", "mlp")
+  np.testing.assert_allclose(logits(scanned, TOKENS), want, atol=2e-5)
+  folded = models.fold_lora(scanned, jax.random.key(3))
+  assert not np.any(np.asarray(folded.layers.mlp.experts_up_proj_lora_b[...]))
+  np.testing.assert_allclose(logits(folded, TOKENS), want, atol=2e-5)
+
+
 def test_a_mixture_with_a_shared_expert_adapts_both():
   """DeepSeek-V3-like (a leading dense layer, a shared expert): the MLP targets adapt the
   dense MLPs and the shared expert, the expert targets the routed experts alone."""
@@ -107,21 +150,32 @@ def test_a_mixture_with_a_shared_expert_adapts_both():
 
 
 # F split over tensor beside fsdp; the experts split over fsdp (expert parallelism). Each
-# with the rows' A gathered (few rows) and through a grouped matmul (many).
-@pytest.mark.parametrize("grouped", [False, True], ids=["gathered_a", "grouped_a"])
-@pytest.mark.parametrize("shape,axes", [((1, 2, 4, 1), None), ((1, 4, 2, 1), ("fsdp",))],
-                         ids=["f_split", "expert_parallel"])
+# with the rows' A gathered (few rows) and through a grouped matmul (many). Nemotron 3's
+# experts (no gate, a latent; Mamba2 and attention layers of their own, scanned) too.
+F_SPLIT, EXPERT_PARALLEL = ((1, 2, 4, 1), None), ((1, 4, 2, 1), ("fsdp",))
+
+
+@pytest.mark.parametrize("shape,axes,grouped,ungated", [
+    (*F_SPLIT, False, False), (*F_SPLIT, True, False), (*EXPERT_PARALLEL, False, False),
+    (*EXPERT_PARALLEL, True, False), (*F_SPLIT, True, True), (*EXPERT_PARALLEL, False, True),
+], ids=["f_split-gathered_a", "f_split-grouped_a", "expert_parallel-gathered_a",
+        "expert_parallel-grouped_a", "nemotron3-f_split-grouped_a",
+        "nemotron3-expert_parallel-gathered_a"])
 def test_on_a_mesh_the_step_and_its_gradients_equal_one_device(shape, axes, grouped,
-                                                               monkeypatch):
+                                                               ungated, monkeypatch):
   """Loss, logits, the router loss and every gradient (the adapters' and the base's): one
   device's, with the experts' F split over tensor and with the experts split over E."""
   if grouped:
     monkeypatch.setattr(tr, "_GATHERED_A_BYTES", 0)
-  model = _randomised(models.create_model(EP_CFG.replace(
-      lora_rank=2, lora_targets="q_proj," + EXPERT_TARGETS), seed=1))
+  base, targets = ((EP_NEMOTRON3, "in_proj," + UNGATED_TARGETS) if ungated else
+                   (EP_CFG, "q_proj," + EXPERT_TARGETS))
+  model = _randomised(models.create_model(base.replace(lora_rank=2, lora_targets=targets),
+                                          seed=1))
   want = _run(model)
-  lora = want[3]["layers"][0]["mlp"]
-  assert float(np.abs(lora["experts_gate_up_proj_lora_a"]).max()) > 0
+  lora = want[3]["moe_layers" if ungated else "layers"]
+  lora = lora["mlp"] if ungated else lora[0]["mlp"]
+  up = "experts_up_proj_lora_a" if ungated else "experts_gate_up_proj_lora_a"
+  assert float(np.abs(lora[up]).max()) > 0
   assert float(np.abs(lora["experts_down_proj_lora_b"]).max()) > 0
   mesh = models.make_mesh(shape)
   _assert_same(_run(model, mesh, models.DEFAULT_RULES if axes is None else _rules(*axes)),
@@ -159,6 +213,31 @@ def test_the_sampler_pads_the_adapters_with_the_experts(model):
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
 
 
+def test_the_sampler_pads_ungated_adapters_with_the_experts():
+  """Experts without a gate in a latent of 24, F 40 over tensor 2: up's B pads over F as
+  up does, down's A over F and B over the latent as down does; the samples are one
+  device's."""
+  from posttrain.sampling import Sampler
+  model = _randomised(models.create_model(UNGATED, seed=1))
+  prompts = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 37))]
+  sampler = Sampler(model, mesh=models.make_mesh((1, 4, 2, 1)), max_len=32)
+  mlp = sampler._weights()["layers"][0]["mlp"]
+  assert mlp["up_proj"].shape == (5, 24, 256) and mlp["down_proj"].shape == (5, 256, 128)
+  assert mlp["experts_up_proj_lora_a"].shape == (5, 3, 24)
+  assert mlp["experts_up_proj_lora_b"].shape == (5, 3, 256)
+  assert mlp["experts_down_proj_lora_a"].shape == (5, 3, 256)
+  assert mlp["experts_down_proj_lora_b"].shape == (5, 3, 128)
+  b = np.asarray(mlp["experts_up_proj_lora_b"]).reshape(5, 3, 2, 128)
+  np.testing.assert_array_equal(b[..., 20:], 0.0)
+  np.testing.assert_array_equal(b[..., :20].reshape(5, 3, 40),
+                                np.asarray(model.layers[0].mlp.experts_up_proj_lora_b[...]))
+  got = sampler.generate(prompts, max_new_tokens=6, temperature=1.0, seed=3)
+  want = Sampler(model, max_len=32).generate(prompts, max_new_tokens=6, temperature=1.0,
+                                             seed=3)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+
+
 def test_gpt_oss_expert_adapters_are_refused_as_peft_files_and_export_merged(tmp_path):
   """gpt-oss's gate_up_proj interleaves gate and up [E, D, 2F]: its expert adapters
   train and merge, but PEFT files of them are refused by name."""
@@ -177,8 +256,15 @@ def test_expert_targets_need_experts():
   with pytest.raises(ValueError, match=r"lora_targets \['experts_down_proj'\] adapt a "
                      r"mixture's routed experts, but this model has none"):
     dense.replace(lora_rank=2, lora_targets="q_proj,experts_down_proj")
-  with pytest.raises(ValueError, match="expected a comma-separated subset"):
+  with pytest.raises(ValueError, match=r"lora_targets \['experts_up_proj'\] adapt experts "
+                     "without a gate .*: use experts_gate_up_proj and experts_down_proj"):
     CFG.replace(lora_targets="experts_up_proj")
+  with pytest.raises(ValueError, match=r"lora_targets \['experts_gate_up_proj'\]: this "
+                     "model's experts have no gate .*; use experts_up_proj and "
+                     "experts_down_proj"):
+    UNGATED.replace(lora_targets="experts_gate_up_proj,experts_down_proj")
+  with pytest.raises(ValueError, match="expected a comma-separated subset"):
+    CFG.replace(lora_targets="experts_gate_proj")
   # Never a default: a mixture's default targets leave the routed experts alone.
   assert CFG.replace(lora_targets=DEFAULT_LORA_TARGETS).lora_target_names == (
       "q_proj", "k_proj", "v_proj", "o_proj")

@@ -172,6 +172,28 @@ def test_peft_adapters_round_trip(saved, tmp_path):
   assert lora.mlp_layers.mlp.up_proj_lora_b.shape == (1, 2, 96)
 
 
+@pytest.mark.parametrize("name", ["plain", "latent"])
+def test_peft_adapters_on_the_routed_experts_round_trip(families, name, tmp_path):
+  """Adapters on every expert's up_proj and down_proj (PEFT's target_parameters
+  mixer.experts.up_proj / down_proj; in a latent of 24, its width), beside the
+  attention's: ours into PEFT, PEFT's into ours, and merged into the published
+  tensors."""
+  folder, hf = families[name]
+  experts = ["mixer.experts.up_proj", "mixer.experts.down_proj"]
+  ours, back = check_peft_round_trip(folder, hf, lambda: _hf_model(name), TOKENS, tmp_path,
+                                     ["q_proj"], target_parameters=experts)
+  config = json.loads((ours / "adapter_config.json").read_text())
+  assert config["target_parameters"] == experts and config["target_modules"] == ["q_proj"]
+  assert back.cfg.lora_target_names == ("q_proj", "experts_up_proj", "experts_down_proj")
+  width = 24 if name == "latent" else 64
+  assert back.moe_layers[0].mlp.experts_up_proj_lora_a.shape == (8, 2, width)
+  assert back.moe_layers[0].mlp.experts_down_proj_lora_b.shape == (8, 2, width)
+  models.save_pretrained(models.merge_lora(back), str(tmp_path / "merged"))
+  merged = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "merged"))
+  np.testing.assert_allclose(hf_logits(merged.float().eval(), TOKENS),
+                             np.asarray(_jitted_logits(back, TOKENS)), atol=1e-4)
+
+
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
 def test_router_loss_counts_the_mixture_layers(saved, scan):
   """The load-balancing loss pools the mixture layers' routing alone: each layer's
@@ -255,8 +277,8 @@ def test_what_nemotron3_refuses(saved):
   with pytest.raises(ValueError, match="layer_types with mlp and moe layers and "
                                        "dense_ffn_dim=0"):
     cfg.replace(dense_ffn_dim=0)
-  with pytest.raises(ValueError, match="experts without a gate"):
-    cfg.replace(lora_rank=2, lora_targets="q_proj,experts_down_proj")
+  with pytest.raises(ValueError, match="experts have no gate .*; use experts_up_proj"):
+    cfg.replace(lora_rank=2, lora_targets="q_proj,experts_gate_up_proj,experts_down_proj")
   with pytest.raises(ValueError, match="expert_bias with mlp_activation='relu2'"):
     cfg.replace(expert_bias=True)
   with pytest.raises(ValueError, match="moe_latent_dim must be an int >= 0"):
