@@ -3,7 +3,7 @@ v5e-8: its plan, and its RL update and rollout compiled for the slice on this ho
 (libtpu, no TPU).
 
     python -m benchmarks.nemotron3_plan [--remat=full] [--pattern=MEMEM*E...] [--rollout_only]
-        [--latent=0] [--ep] [--expert_lora]
+        [--latent=0] [--ep] [--expert_lora] [--lora_rank=64]
 
 The model (NVIDIA-Nemotron-3-Nano-30B-A3B's config.json): d 2688, vocabulary 131072; 32
 heads / 2 kv of 128 without a position embedding; Mamba2: 64 heads of 64, 8 groups,
@@ -14,7 +14,8 @@ attention, E mixture, - MLP; by default 23 Mamba2 layers, 23 mixtures and 6 atte
 layers as the published model's). `--latent`: the experts in a latent of that width
 (Nemotron 3 Super's layout). `--ep`: the experts split over fsdp (expert parallelism).
 LoRA of rank 64 on the attention, the Mamba2 in_proj and the shared experts;
-`--expert_lora`: on every routed expert's up_proj and down_proj too.
+`--expert_lora`: on every routed expert's up_proj and down_proj too; `--lora_rank`:
+another rank.
 """
 import argparse
 
@@ -35,6 +36,7 @@ def main() -> None:
   parser.add_argument("--expert_lora", action="store_true",
                       help="adapters on the routed experts too (experts_up_proj, "
                       "experts_down_proj)")
+  parser.add_argument("--lora_rank", type=int, default=64, help="the adapters' rank")
   parser.add_argument("--rollout_only", action="store_true",
                       help="compile the rollout alone, not the update")
   args = parser.parse_args()
@@ -53,7 +55,7 @@ def main() -> None:
         linear_value_head_dim=64, linear_conv_kernel=4, linear_conv_bias=True,
         linear_chunk=128, linear_dt_min=0.001, num_experts=128, num_experts_per_tok=6,
         shared_expert_dim=3712, router_scoring="sigmoid", routed_scaling_factor=2.5,
-        moe_latent_dim=args.latent, remat=args.remat,
+        moe_latent_dim=args.latent, remat=args.remat, lora_rank=args.lora_rank,
         lora_targets="q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,in_proj"
         + (",experts_up_proj,experts_down_proj" if args.expert_lora else "")))
     if args.ep:

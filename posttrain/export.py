@@ -54,7 +54,7 @@ def _check_adapter_base(extras: dict | None, step: int) -> None:
     raise ValueError(f"checkpoint {step} is past this run's {' and '.join(folded)} stage, "
                      "whose adapters were folded into the base weights: its adapters alone "
                      "would drop that update; export merged weights (adapter=False), or "
-                     "train LoRA in one stage a run (an RL run from the merged SFT export)")
+                     "run the stages as runs of their own (RL from the merged SFT export)")
 
 
 def export_checkpoint(config, workdir: str, out: str, *, step: int | None = None,
