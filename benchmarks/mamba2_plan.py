@@ -45,9 +45,11 @@ def main() -> None:
   plan_and_compile(c, rollout_only=args.rollout_only)
 
 
-def plan_and_compile(c, *, rollout_only: bool = False, topology: str = "v5e:2x4") -> None:
+def plan_and_compile(c, *, rollout_only: bool = False, update_only: bool = False,
+                     topology: str = "v5e:2x4") -> None:
   """Prints the plan of config `c` for 16 GiB chips, then its RL update (unless
-  `rollout_only`) and rollout compiled for `topology` on this host, each against it."""
+  `rollout_only`) and rollout (unless `update_only`) compiled for `topology` on this
+  host, each against it."""
   p = planner.plan(c, device_memory_gb=16)
   print(planner.format_plan(p), flush=True)
   train_resident, rollout_resident = planner.resident_outside_programs(p, c)
@@ -55,6 +57,8 @@ def plan_and_compile(c, *, rollout_only: bool = False, topology: str = "v5e:2x4"
   if not rollout_only:
     report = aot.compile_rl_step(c, devices, topology=topology)
     print(aot.format_report(report, p.train_peak, train_resident), flush=True)
+  if update_only:
+    return
   rollout = aot.compile_rollout(c, devices)
   print(aot.format_rollout(rollout, p.rollout_peak, rollout_resident), flush=True)
 

@@ -3,7 +3,8 @@ v5e-8: its plan, and its RL update and rollout compiled for the slice on this ho
 (libtpu, no TPU).
 
     python -m benchmarks.nemotron3_plan [--remat=full] [--pattern=MEMEM*E...] [--rollout_only]
-        [--latent=0] [--ep] [--expert_lora] [--lora_rank=64]
+        [--latent=0] [--ep] [--expert_lora] [--lora_rank=64] [--topology=v5e:2x4]
+        [--update_only]
 
 The model (NVIDIA-Nemotron-3-Nano-30B-A3B's config.json): d 2688, vocabulary 131072; 32
 heads / 2 kv of 128 without a position embedding; Mamba2: 64 heads of 64, 8 groups,
@@ -15,7 +16,7 @@ layers as the published model's). `--latent`: the experts in a latent of that wi
 (Nemotron 3 Super's layout). `--ep`: the experts split over fsdp (expert parallelism).
 LoRA of rank 64 on the attention, the Mamba2 in_proj and the shared experts;
 `--expert_lora`: on every routed expert's up_proj and down_proj too; `--lora_rank`:
-another rank.
+another rank. `--topology`: another slice to compile for, the mesh the same (fsdp 8).
 """
 import argparse
 
@@ -37,9 +38,14 @@ def main() -> None:
                       help="adapters on the routed experts too (experts_up_proj, "
                       "experts_down_proj)")
   parser.add_argument("--lora_rank", type=int, default=64, help="the adapters' rank")
+  parser.add_argument("--topology", default="v5e:2x4", help="the TPU slice compiled for")
+  parser.add_argument("--update_only", action="store_true",
+                      help="compile the update alone, not the rollout")
   parser.add_argument("--rollout_only", action="store_true",
                       help="compile the rollout alone, not the update")
   args = parser.parse_args()
+  if args.update_only and args.rollout_only:
+    parser.error("--update_only and --rollout_only: choose one")
   if not args.pattern or set(args.pattern) - set(KINDS) or "E" not in args.pattern:
     parser.error(f"--pattern: letters M, *, E and - only, with an E; got {args.pattern!r}")
   c = recipe.get_config()
@@ -60,7 +66,8 @@ def main() -> None:
         + (",experts_up_proj,experts_down_proj" if args.expert_lora else "")))
     if args.ep:
       c.sharding_rules = (("experts", ("fsdp",)),)
-  plan_and_compile(c, rollout_only=args.rollout_only)
+  plan_and_compile(c, rollout_only=args.rollout_only, update_only=args.update_only,
+                   topology=args.topology)
 
 
 if __name__ == "__main__":
