@@ -85,9 +85,17 @@ def test_each_expert_adds_its_own_update_in_both_layouts(model, monkeypatch):
       x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
   fresh = models.create_model(CFG, seed=1)  # B zero: the adapted model is the base
   np.testing.assert_array_equal(logits(fresh, TOKENS), logits(models.merge_lora(fresh), TOKENS))
+  _assert_the_numpy_merge(model, logits(fresh, TOKENS), "experts_down_proj_lora_b",
+                          ("layers", "experts", "lora", "embed"), monkeypatch)
+
+
+def _assert_the_numpy_merge(model, base_logits, leaf, axes, monkeypatch):
+  """The adapted model's logits move off `base_logits` and are the numpy merge's:
+  merged, through either path of A, scanned (its `leaf` stacked with logical `axes`) and
+  folded (that B zero after)."""
   want = logits(_numpy_merged(model), TOKENS)
   got = logits(model, TOKENS)
-  assert float(jnp.abs(got - logits(fresh, TOKENS)).max()) > 0.1
+  assert float(jnp.abs(got - base_logits).max()) > 0.1
   np.testing.assert_allclose(got, want, atol=2e-5)
   np.testing.assert_allclose(logits(models.merge_lora(model), TOKENS), want, atol=2e-5)
   # These few rows gather each row's A; many rows (prefill, training) run a grouped matmul.
@@ -95,11 +103,10 @@ def test_each_expert_adds_its_own_update_in_both_layouts(model, monkeypatch):
     patch.setattr(tr, "_GATHERED_A_BYTES", 0)
     np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, TOKENS), want, atol=2e-5)
   scanned = models.relayout(model, scan_layers=True)
-  assert scanned.layers.mlp.experts_down_proj_lora_b.get_metadata()["logical_axes"] == (
-      "layers", "experts", "lora", "embed")
+  assert getattr(scanned.layers.mlp, leaf).get_metadata()["logical_axes"] == axes
   np.testing.assert_allclose(logits(scanned, TOKENS), want, atol=2e-5)
   folded = models.fold_lora(scanned, jax.random.key(3))  # the update in the base, B zero
-  assert not np.any(np.asarray(folded.layers.mlp.experts_gate_up_proj_lora_b[...]))
+  assert not np.any(np.asarray(getattr(folded.layers.mlp, leaf)[...]))
   np.testing.assert_allclose(logits(folded, TOKENS), want, atol=2e-5)
 
 
@@ -118,21 +125,8 @@ def test_experts_without_a_gate_adapt_up_and_down(monkeypatch):
   assert UNGATED.num_lora_params == sum(
       x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
   base = logits(models.merge_lora(models.create_model(UNGATED, seed=1)), TOKENS)
-  want = logits(_numpy_merged(model), TOKENS)
-  got = logits(model, TOKENS)
-  assert float(jnp.abs(got - base).max()) > 0.1
-  np.testing.assert_allclose(got, want, atol=2e-5)
-  np.testing.assert_allclose(logits(models.merge_lora(model), TOKENS), want, atol=2e-5)
-  with monkeypatch.context() as patch:
-    patch.setattr(tr, "_GATHERED_A_BYTES", 0)
-    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, TOKENS), want, atol=2e-5)
-  scanned = models.relayout(model, scan_layers=True)
-  assert scanned.layers.mlp.experts_up_proj_lora_b.get_metadata()["logical_axes"] == (
-      "layers", "experts", "lora", "mlp")
-  np.testing.assert_allclose(logits(scanned, TOKENS), want, atol=2e-5)
-  folded = models.fold_lora(scanned, jax.random.key(3))
-  assert not np.any(np.asarray(folded.layers.mlp.experts_up_proj_lora_b[...]))
-  np.testing.assert_allclose(logits(folded, TOKENS), want, atol=2e-5)
+  _assert_the_numpy_merge(model, base, "experts_up_proj_lora_b",
+                          ("layers", "experts", "lora", "mlp"), monkeypatch)
 
 
 def test_a_mixture_with_a_shared_expert_adapts_both():
