@@ -5,7 +5,8 @@
 
 A policy run is written as its *ForCausalLM, a reward-model run as its
 *ForSequenceClassification, LoRA adapters merged; `--adapter` writes them alone as a PEFT
-adapter folder. Pass the config (and overrides) the run was trained with. One process
+adapter folder (over the weights the run started from: refused past an SFT or preference
+stage whose adapters the run folded into its base before the next). Pass the config (and overrides) the run was trained with. One process
 restores the whole checkpoint, whatever mesh wrote it; a model too big for one host's
 memory is exported by the same command on every host (`--coordinator_address=HOST:PORT
 --num_processes=N --process_id=I`, the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
@@ -26,7 +27,8 @@ _OUT = flags.DEFINE_string("out", None, "The folder to write.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                            "Tensor dtype of the merged weights (default: the model's).")
-_ADAPTER = flags.DEFINE_bool("adapter", False, "Write the LoRA adapters alone (PEFT format).")
+_ADAPTER = flags.DEFINE_bool("adapter", False, "Write the LoRA adapters alone (PEFT format); "
+                             "refused past a stage whose adapters were folded into the base.")
 _MAX_SHARD_GB = flags.DEFINE_float("max_shard_gb", 4.0, "Largest safetensors file, in GB.")
 _PROCESSES = common.define_process_flags()
 flags.mark_flags_as_required(["config", "workdir", "out"])
