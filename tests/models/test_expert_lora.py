@@ -129,6 +129,14 @@ def test_experts_without_a_gate_adapt_up_and_down(monkeypatch):
                           ("layers", "experts", "lora", "mlp"), monkeypatch)
 
 
+def test_gated_experts_in_a_latent_take_adapters_of_its_width():
+  model = _randomised(models.create_model(CFG.replace(moe_latent_dim=24), seed=1))
+  assert model.layers[0].mlp.experts_gate_up_proj_lora_a.shape == (5, 3, 24)
+  assert model.layers[0].mlp.experts_down_proj_lora_b.shape == (5, 3, 24)
+  np.testing.assert_allclose(logits(model, TOKENS), logits(models.merge_lora(model), TOKENS),
+                             atol=2e-5)
+
+
 def test_a_mixture_with_a_shared_expert_adapts_both():
   """DeepSeek-V3-like (a leading dense layer, a shared expert): the MLP targets adapt the
   dense MLPs and the shared expert, the expert targets the routed experts alone."""
