@@ -873,8 +873,8 @@ def _gathered_token_bytes(cfg: models.ModelConfig, mlp: int, shared: int | None 
   s, k, x = np.dtype(cfg.dtype).itemsize, cfg.num_experts_per_tok, _expert_width(cfg)
   per_token = k * x * (2 * s + 8) + _expert_rows_kept(cfg) * k * mlp
   if set(cfg.lora_target_names) & set(models.config.EXPERT_LORA_TARGETS):
-    projections = 1 if cfg.mlp_activation == "relu2" else 2  # up alone, or gate and up
-    per_token += s * (projections * k * mlp + 2 * k * x)
+    inputs = _mlp_matrices(cfg) - 1  # gate and up, or without a gate up alone
+    per_token += s * (inputs * k * mlp + 2 * k * x)
   return (routed - 1) * per_token
 
 
