@@ -336,7 +336,8 @@ def build_mesh(config) -> jax.sharding.Mesh:
 # the run starts from a Hugging Face folder.
 RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
               "attention_options", "attention_chunk", "decode_chunk", "value_head",
-              "logprob_chunk", "init_std", "lora_rank", "lora_alpha", "lora_targets")
+              "logprob_chunk", "init_std", "lora_rank", "lora_alpha", "lora_targets",
+              "base_quantization", "base_quantization_block")
 
 
 # Fields that define the model which a run starting from a folder may still set.
@@ -405,7 +406,8 @@ def initial_model(config, cfg: models.ModelConfig, mesh, rules) -> models.Transf
       os.path.join(src, "checkpoints")) else src
   manager = CheckpointManager(ckpt_dir, read_only=True)
   layouts = [cfg, cfg.replace(scan_layers=not cfg.scan_layers)]
-  candidates = layouts + ([c.replace(lora_rank=0) for c in layouts] if cfg.lora_rank else [])
+  candidates = layouts + ([c.replace(lora_rank=0, base_quantization="") for c in layouts]
+                          if cfg.lora_rank else [])
   first_error = None
   for saved_cfg in candidates:
     try:
@@ -426,7 +428,9 @@ def initial_model(config, cfg: models.ModelConfig, mesh, rules) -> models.Transf
   if saved_cfg.lora_rank != cfg.lora_rank:
     model = models.shard_model(
         models.with_lora(model, cfg.lora_rank, jax.random.key(int(config.seed)),
-                         lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets),
+                         lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets,
+                         base_quantization=cfg.base_quantization,
+                         base_quantization_block=cfg.base_quantization_block),
         mesh, rules)
   return model
 

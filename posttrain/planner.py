@@ -289,9 +289,10 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
   experts only (`ModelConfig.mixture_layers`): a shared expert and the leading dense
   layers' MLPs are dense and left as they are. Experts without a gate (relu2) pad their
   up and down alone; experts in a latent (moe_latent_dim) pad its width in D's place.
-  `experts`: those on one device (E / ep with expert parallelism; default E)."""
+  `experts`: those on one device (E / ep with expert parallelism; default E). None for
+  a quantized base (QLoRA), whose experts' codes are kept as they are."""
   cfg = model_cfg
-  if not cfg.num_experts:
+  if not cfg.num_experts or cfg.base_quantization:
     return 0
   mesh = abstract_mesh(mesh_shape)
   _, d, f = _logical_shard(mesh, rules, ("experts", "embed", "mlp"),

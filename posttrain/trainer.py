@@ -318,6 +318,7 @@ class Trainer:
     self.row_len, self.rows_per_mb = int(t.row_len), int(t.rows_per_microbatch)
     self.sft_data, self.sft_eval_data = self._load_sft_data(config.sft)
     self.pref_cfg, self.pref_data, self.pref_eval_data = self._load_preference(config)
+    self._check_foldable()
     if self.step_tokens and self.algo.dynamic_sampling:
       raise ValueError("placement.step_tokens (partial rollouts across steps) cannot be "
                        "combined with dynamic sampling")
@@ -582,6 +583,21 @@ class Trainer:
   def _rl_needs_reference(self) -> bool:
     """RL keeps the policy it started from: for a KL term, or an online preference loss."""
     return frozen_references(self.config, self.algo)[1]
+
+  def _check_foldable(self) -> None:
+    """Refuses, before anything is built, a LoRA run whose stages would fold adapters
+    into a quantized base (`models.check_foldable`): a stage after SFT or preference
+    training that has steps of its own."""
+    if not self.cfg.base_quantization:
+      return
+    pref = int(self.config.preference.steps) if self._pref_enabled() else 0
+    rl = int(self.config.train.rl_steps)
+    if (int(self.config.sft.steps) > 0 and (pref > 0 or rl > 0)) or (pref > 0 and rl > 0):
+      try:
+        models.check_foldable(self.cfg)
+      except ValueError as e:
+        raise ValueError(f"sft.steps={self.config.sft.steps}, preference.steps="
+                         f"{pref}, train.rl_steps={rl}: {e}") from None
 
   def _pref_enabled(self) -> bool:
     return self.pref_cfg is not None

@@ -13,8 +13,8 @@ from posttrain.models.sharding import (DEFAULT_RULES, MESH_AXES, ShardingContext
                                        make_mesh, named_sharding, rules_from_config)
 from posttrain.models.transformer import (CACHED_WRITE_TOKENS, DIVERGENCES, KVCache,
                                           LayerKindCaches, Transformer, cache_slots,
-                                          chunked_divergence, chunked_logprobs,
-                                          constrain_cache, fold_lora, init_cache, map_cache,
+                                          check_foldable, chunked_divergence,
+                                          chunked_logprobs, constrain_cache, fold_lora, init_cache, map_cache,
                                           merge_lora, sliding_cache_slots, soft_cap,
                                           with_lora, without_lora, write_cache)
 
@@ -27,5 +27,5 @@ __all__ = [
     "LayerKindCaches",
     "sliding_cache_slots", "Transformer",
     "cache_slots", "chunked_divergence", "chunked_logprobs", "DIVERGENCES", "constrain_cache", "init_cache", "map_cache",
-    "soft_cap", "write_cache", "fold_lora", "merge_lora", "with_lora", "without_lora",
+    "soft_cap", "write_cache", "check_foldable", "fold_lora", "merge_lora", "with_lora", "without_lora",
 ]

@@ -241,6 +241,13 @@ class ModelConfig:
       mlp.experts.gate_up_proj) and experts_down_proj (mlp.experts.down_proj); experts
       without a gate (mlp_activation relu2, Nemotron 3) experts_up_proj
       (mixer.experts.up_proj) and experts_down_proj.
+    base_quantization: "int8" or "nf4" to hold the frozen base's projections quantized
+      (QLoRA; needs lora_rank > 0): every projection of the layers is stored as codes with
+      a bfloat16 scale a block (`posttrain.models.quant`) and dequantized where a layer
+      reads it; embeddings, the output head, norms and routers stay in param_dtype. ""
+      (default): none. Exports write the dequantized base (merged with the adapters).
+    base_quantization_block: the values a scale covers along a weight's last axis (64,
+      QLoRA's; narrower axes take their largest divisor below it).
     num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP (past the
       `dense_layers`) is that many SwiGLU experts of width ffn_dim, and a router sends
       each token to `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
@@ -411,6 +418,8 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: str = DEFAULT_LORA_TARGETS
+  base_quantization: str = ""
+  base_quantization_block: int = 64
   num_experts: int = 0
   num_experts_per_tok: int = 0
   norm_topk_prob: bool = True
@@ -559,6 +568,18 @@ class ModelConfig:
     if self.output_norms and self.sandwich_norms:
       raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
                        "set one")
+    if self.base_quantization:
+      if self.base_quantization not in ("int8", "nf4"):
+        raise ValueError(f"base_quantization must be 'int8', 'nf4' or '' (none), got "
+                         f"{self.base_quantization!r}")
+      if not self.lora_rank:
+        raise ValueError(f"base_quantization={self.base_quantization!r} holds a frozen base "
+                         "for LoRA adapters: set lora_rank > 0")
+    if (isinstance(self.base_quantization_block, bool)
+        or not isinstance(self.base_quantization_block, int)
+        or self.base_quantization_block < 2):
+      raise ValueError(f"base_quantization_block must be an int >= 2, got "
+                       f"{self.base_quantization_block!r}")
     if int(self.lora_rank) != self.lora_rank or self.lora_rank < 0:
       raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {self.lora_rank}")
     if self.lora_rank:

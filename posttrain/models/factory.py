@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from posttrain.models import quant
 from posttrain.models.config import ModelConfig
 from posttrain.models.sharding import DEFAULT_RULES, Rules, named_sharding
 from posttrain.models.transformer import Transformer, layer_stacks
@@ -20,6 +23,12 @@ def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
   """A tree like `state` whose leaves are NamedShardings from each variable's logical axes."""
 
   def one(v):
+    raw = v.get_raw_value()
+    if isinstance(raw, quant.QArray):  # codes and scales each by the weight's axes
+      names = v.get_metadata()["logical_axes"]
+      return v.replace(dataclasses.replace(
+          raw, values=named_sharding(mesh, names, rules, raw.values.shape),
+          scales=named_sharding(mesh, names, rules, raw.scales.shape)))
     names = v.get_metadata().get("logical_axes", (None,) * v.ndim)
     if len(names) != v.ndim:
       raise ValueError(f"logical axes {names} do not match shape {v.shape}")

@@ -30,6 +30,7 @@ from posttrain.models.config import (EXPERT_LORA_TARGETS, GATED_EXPERT_LORA_TARG
                                      LORA_TARGETS, MUP_MULTIPLIERS, PEFT_FUSED_MLP,
                                      PEFT_NO_OUT_PROJ, ModelConfig, RopeConfig)
 from posttrain.models import fp8 as fp8_lib
+from posttrain.models import quant
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter,
@@ -2809,7 +2810,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     classifier = (_architecture(hf_cfg) in SEQUENCE_CLASSIFIERS
                   or overrides.get("architecture") in SEQUENCE_CLASSIFIERS)
     base = hf_config_to_model_config(
-        hf_cfg, **{k: v for k, v in overrides.items() if not k.startswith("lora_")})
+        hf_cfg, **{k: v for k, v in overrides.items()
+                   if not k.startswith(("lora_", "base_quantization"))})
     lora = _read_adapter_config(adapter, base, classifier=classifier)
     _check_adapter_overrides(adapter, lora, overrides)
     overrides = {**overrides, **lora}
@@ -2868,10 +2870,12 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
                            f"{expected}")
         # The value head is float32 whatever param_dtype is (as the model creates it).
         arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
+        if _is_quantized(abstract_state, ours, cfg):  # QLoRA: quantized as it is read
+          arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block)
         if shardings is not None:
           values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
         else:
-          values[ours] = jnp.asarray(arr)
+          values[ours] = jax.tree.map(jnp.asarray, arr)
   if cfg.num_experts:
     values = _stack_experts(values, cfg, shardings)
   if cfg.scan_layers:
@@ -2884,7 +2888,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       return _fresh(v, key, cfg, shardings, seed)
     return values[key]
 
-  state = jax.tree_util.tree_map_with_path(fill, abstract_state)
+  state = jax.tree_util.tree_map_with_path(fill, abstract_state, is_leaf=quant.is_quantized)
   return nnx.merge(graphdef, state)
 
 
@@ -2911,27 +2915,42 @@ def _is_expert(ours: tuple) -> bool:
           and isinstance(ours[-1], int))
 
 
-def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):
-  """Where a tensor read from the checkpoint goes: one layer of a stacked parameter
-  (one expert of a mixture's) takes the stacked parameter's sharding without its layer
-  (expert) axis."""
+def _param_key(ours: tuple, cfg: ModelConfig) -> tuple[tuple, int]:
+  """(the parameter holding the tensor at `ours`, how many leading axes it has beyond the
+  tensor's: one layer of a stacked parameter, one expert of a mixture's)."""
   drop = 0
   if _is_expert(ours):
     ours, drop = ours[:-1], 1
   if cfg.scan_layers and ours[0] in _STACKS:
     ours, drop = _stacked_key(ours), drop + 1
-  sharding = _lookup(shardings, ours).value
+  return ours, drop
+
+
+def _is_quantized(abstract_state, ours: tuple, cfg: ModelConfig) -> bool:
+  """Whether the parameter holding the tensor at `ours` is held quantized (QLoRA)."""
+  return bool(cfg.base_quantization) and isinstance(
+      _lookup(abstract_state, _param_key(ours, cfg)[0]), quant.QuantizedParam)
+
+
+def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):
+  """Where a tensor read from the checkpoint goes: one layer of a stacked parameter
+  (one expert of a mixture's) takes the stacked parameter's sharding without its layer
+  (expert) axis (a QArray of shardings for a quantized one)."""
+  ours, drop = _param_key(ours, cfg)
+  sharding = _lookup(shardings, ours).get_value()
   if not drop:
     return sharding
-  return jax.sharding.NamedSharding(sharding.mesh,
-                                    jax.sharding.PartitionSpec(*sharding.spec[drop:]))
+  return jax.tree.map(lambda s: jax.sharding.NamedSharding(
+      s.mesh, jax.sharding.PartitionSpec(*s.spec[drop:])), sharding)
 
 
 def _stack(parts: list, sharding) -> jax.Array:
-  """The arrays stacked on a new leading axis, laid out as `sharding` (None: default)."""
+  """The arrays (or QArrays) stacked on a new leading axis, laid out as `sharding`
+  (None: default)."""
+  stack = lambda *xs: jax.tree.map(lambda *x: jnp.stack(x), *xs)  # noqa: E731
   if sharding is None:
-    return jnp.stack(parts)
-  return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*parts)
+    return stack(*parts)
+  return jax.jit(stack, out_shardings=sharding)(*parts)
 
 
 def _stack_experts(values: dict, cfg: ModelConfig, shardings) -> dict:
@@ -2953,7 +2972,8 @@ def _stack_layers(values: dict, cfg: ModelConfig, shardings) -> dict:
     for rest in sorted({k[2:] for k in values if k[0] == stack}):
       parts = [values.pop((stack, i) + rest) for i in range(len(indices))]
       key = (stack,) + rest
-      out[key] = _stack(parts, None if shardings is None else _lookup(shardings, key).value)
+      out[key] = _stack(parts, None if shardings is None else
+                        _lookup(shardings, key).get_value())
   return out
 
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 from flax import nnx
 
+from posttrain.models import quant
 from posttrain.models import rope as rope_lib
 from posttrain.models.config import (EXPERT_LORA_TARGETS, LINEAR_LORA_TARGETS, LORA_TARGETS,
                                      ModelConfig, RopeConfig, decode_chunk_for)
@@ -618,7 +619,7 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
   model's; `_fresh_adapter`'s draws, B zero) in their place, else none."""
   old = model.cfg
   cfg = cfg or old
-  pure = nnx.to_pure_dict(nnx.state(model))
+  pure = quant.map_quantized(quant.dequantize, nnx.to_pure_dict(nnx.state(model)))
   stacked = old.scan_layers
   layers = []  # (a layer's dict, or a stack's, its stack, its layer index or None)
   for stack, indices in layer_stacks(old):
@@ -654,6 +655,14 @@ def _fold_adapters(model: "Transformer", key, cfg: ModelConfig | None = None) ->
 
 def _rebuild(cfg: ModelConfig, pure: dict) -> "Transformer":
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  for path, var in nnx.to_flat_state(abstract):  # a quantized base's projections, requantized
+    if isinstance(var, quant.QuantizedParam):
+      *owner, name = path
+      node = functools.reduce(lambda d, k: d[k], owner, pure)
+      if not isinstance(node[name], quant.QArray):
+        node[name] = quant.quantize(node[name], cfg.base_quantization,
+                                    cfg.base_quantization_block,
+                                    dtype=var.get_raw_value().dtype)
   nnx.replace_by_pure_dict(abstract, pure)
   return nnx.merge(graphdef, abstract)
 
@@ -661,19 +670,34 @@ def _rebuild(cfg: ModelConfig, pure: dict) -> "Transformer":
 def merge_lora(model: "Transformer") -> "Transformer":
   """The model with each adapter folded into its projection (W + scale * A B) and no
   adapters: what Hugging Face export and plain inference use. A model without adapters
-  is returned as it is."""
+  is returned as it is; a quantized base (QLoRA) comes back dequantized, in param_dtype."""
   if not model.cfg.lora_rank:
     return model
-  return _rebuild(model.cfg.replace(lora_rank=0), _fold_adapters(model, None))
+  return _rebuild(model.cfg.replace(lora_rank=0, base_quantization=""),
+                  _fold_adapters(model, None))
 
 
 def fold_lora(model: "Transformer", key) -> "Transformer":
   """The same function as `model`: its adapters folded into the base weights, fresh
   adapters (A drawn from `key`, B zero) on top. Where a second LoRA stage starts (RL
-  after SFT), so that its base, the KL reference, is the policy it starts from."""
+  after SFT), so that its base, the KL reference, is the policy it starts from.
+
+  Raises ValueError for a quantized base (QLoRA): requantized, it would round most of
+  the adapters' update away."""
   if not model.cfg.lora_rank:
     return model
+  check_foldable(model.cfg)
   return _rebuild(model.cfg, _fold_adapters(model, key))
+
+
+def check_foldable(cfg: ModelConfig) -> None:
+  """Raises ValueError when adapters cannot be folded into `cfg`'s base and trained on:
+  a quantized base (QLoRA) would round most of their update away."""
+  if cfg.base_quantization:
+    raise ValueError(f"base_quantization={cfg.base_quantization!r}: adapters cannot be folded "
+                     "into a quantized base (requantizing rounds most of their update away); "
+                     "run the stages as runs of their own, exporting the merged weights "
+                     "between them")
 
 
 def with_lora(model: "Transformer", lora_rank: int, key, **lora: object) -> "Transformer":
@@ -683,6 +707,8 @@ def with_lora(model: "Transformer", lora_rank: int, key, **lora: object) -> "Tra
   cfg = model.cfg.replace(lora_rank=int(lora_rank), **lora)
   if not cfg.lora_rank:
     return merge_lora(model)
+  if model.cfg.lora_rank:
+    check_foldable(cfg)
   return _rebuild(cfg, _fold_adapters(model, key, cfg))
 
 
@@ -2165,6 +2191,8 @@ class Transformer(nnx.Module):
       self._rope_local = _rope_frequencies(cfg.rope_local, cfg)
     if cfg.lora_rank:  # Drawn last: the base weights are those of the model without.
       _attach_lora(self, rngs.params())
+    if cfg.base_quantization:  # QLoRA: the frozen projections held quantized
+      quant.quantize_model(self, cfg.base_quantization, cfg.base_quantization_block)
 
   # -- trunk ------------------------------------------------------------------------------
 

@@ -1643,8 +1643,9 @@ class Sampler:
   @staticmethod
   def _expert_leaf(path: str) -> str:
     """The name of a mixture layer's expert leaf (gate_proj, up_proj, down_proj, one of
-    their biases or LoRA adapters) at `path`, or "" (a shared expert's, a leading dense
-    layer's, or any other leaf)."""
+    their biases or LoRA adapters; a quantized one's codes or scales) at `path`, or ""
+    (a shared expert's, a leading dense layer's, or any other leaf)."""
+    path = path.removesuffix(".values").removesuffix(".scales")
     leaf = path.rsplit("'", 2)[-2] if path.endswith("']") else ""
     if (leaf not in _EXPERT_LEAF_RANKS
         or not path.startswith(("['layers']", "['linear_layers']", "['moe_layers']"))
@@ -1678,7 +1679,8 @@ class Sampler:
     gpt-oss's clamped one), and the down projection's zero rows and columns add
     nothing to the kept outputs."""
     cfg = self.cfg
-    if not cfg.num_experts:
+    if not cfg.num_experts or cfg.base_quantization:
+      # A quantized base's experts (QLoRA) are codes in blocks along F: kept as they are.
       return {}
 
     def split(name: str, size: int) -> tuple[int, int, int]:

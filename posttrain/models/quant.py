@@ -1,0 +1,195 @@
+"""A frozen base held quantized (QLoRA): int8 or NF4 weights with block-wise scales.
+
+A LoRA run updates only its adapters, so the base weights it reads every step need not
+sit in memory at full width. With `ModelConfig.base_quantization` "int8" or "nf4" every
+projection of the layers (attention, MLP, routed and shared experts, linear mixers'
+projections: `quantizable`) is held as a `QArray` and dequantized where a layer reads it,
+inside that layer's step of the scan: the model never holds more than one layer's
+weights at full width (and the backward pass, which rematerialises the layer, dequantizes
+it again). Embeddings, the output head, norms, biases, routers and convolutions stay in
+the parameter dtype, as in QLoRA (Dettmers et al., 2023) and bitsandbytes.
+
+Blocks run along each weight's last axis: `block` consecutive values (default 64; the
+largest divisor of the axis at most that, for narrow axes) share one scale, their absolute
+maximum, held in bfloat16 (the codes are computed against the rounded scale, so the
+stored pair is what the model reads).
+
+- int8: round(w / scale * 127), clipped to [-127, 127]: 8.25 bits a weight at block 64
+  (0.52x of bfloat16).
+- nf4: each value's nearest of the 16 NormalFloat levels (QLoRA's NF4, bitsandbytes'
+  table) of w / scale, two codes a byte (the even position in the low nibble): 4.25 bits
+  a weight at block 64 (0.27x of bfloat16).
+
+`quantize` runs on numpy (the checkpoint reader quantizes each tensor as it reads it, so
+a full-width copy of the model never exists) or jax.numpy with the same results.
+`QuantizedParam` is the nnx.Param that holds a QArray: `param[...]` (what the layers read)
+dequantizes, `param.get_value()` is the QArray (what nnx, the optimizer split,
+checkpoints and the sampler's copies move around).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+KINDS = ("int8", "nf4")
+# The NormalFloat4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero
+# (bitsandbytes' `get_4bit_type("nf4")`).
+NF4_LEVELS = np.asarray([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
+_NF4_EDGES = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+# The layer stacks whose projections are quantized; the names that are projections.
+_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers")
+_PROJECTIONS = ("q_gate", "latent_in", "latent_out")
+
+
+def check_kind(kind: str) -> None:
+  if kind not in KINDS:
+    raise ValueError(f"base_quantization must be one of {KINDS} (or empty: none), got "
+                     f"{kind!r}")
+
+
+def quantizable(name: str) -> bool:
+  """Whether a layer's parameter called `name` is a projection the base quantizes."""
+  return name.endswith("_proj") or name in _PROJECTIONS
+
+
+def block_width(n: int, block: int) -> int:
+  """The values a scale covers along an axis of `n`: the largest divisor of n <= block."""
+  return next(b for b in range(min(block, n), 0, -1) if n % b == 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+  """A quantized weight: `values` (int8 [..., n], or nf4's uint8 [..., n / 2]) and
+  `scales` (bfloat16 [..., n / block]); `dtype` the dtype it dequantizes to. The leaves
+  may be arrays, ShapeDtypeStructs (an abstract model) or shardings (its layout)."""
+  values: Any
+  scales: Any
+  kind: str = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    *lead, n = self.values.shape
+    return (*lead, n * 2 if self.kind == "nf4" else n)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.values.shape)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape))
+
+  @property
+  def block(self) -> int:
+    return self.shape[-1] // self.scales.shape[-1]
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.values.shape)) * np.dtype(self.values.dtype).itemsize + int(
+        np.prod(self.scales.shape)) * 2
+
+
+def quantize(w, kind: str, block: int = 64, *, dtype=None) -> QArray:
+  """`w` ([..., n], numpy or jax) quantized along its last axis in blocks of
+  `block_width(n, block)`; it dequantizes to `dtype` (default w's). numpy in, numpy out."""
+  check_kind(kind)
+  xp = np if isinstance(w, np.ndarray) else jnp
+  dtype = np.dtype(dtype or w.dtype)
+  *lead, n = w.shape
+  if kind == "nf4" and n % 2:
+    raise ValueError(f"nf4 packs two values a byte: a weight's last axis must be even, got "
+                     f"shape {tuple(w.shape)}")
+  b = block_width(n, block)
+  x = w.astype(np.float32).reshape(*lead, n // b, b)
+  top = xp.max(xp.abs(x), axis=-1)
+  scales = (top / 127.0 if kind == "int8" else top).astype(ml_dtypes.bfloat16)
+  s = scales.astype(np.float32)
+  y = x / xp.where(s == 0, np.float32(1), s)[..., None]
+  if kind == "int8":
+    values = xp.clip(xp.round(y), -127, 127).astype(np.int8).reshape(*lead, n)
+  else:
+    codes = xp.searchsorted(xp.asarray(_NF4_EDGES), y.reshape(-1)).astype(np.uint8)
+    codes = codes.reshape(*lead, n // 2, 2)
+    values = codes[..., 0] | (codes[..., 1] << 4)
+  return QArray(values, scales, kind, dtype)
+
+
+def dequantize(q: QArray):
+  """The weight a QArray holds, in its dtype (jax)."""
+  values = jnp.asarray(q.values)
+  *lead, n = q.shape
+  if q.kind == "nf4":
+    codes = jnp.stack([values & 15, values >> 4], axis=-1).reshape(*lead, n)
+    x = jnp.take(jnp.asarray(NF4_LEVELS), codes.astype(jnp.int32))
+  else:
+    x = values.astype(jnp.float32)
+  blocks = q.scales.shape[-1]
+  x = x.reshape(*lead, blocks, n // blocks) * jnp.asarray(q.scales).astype(jnp.float32)[..., None]
+  return x.reshape(*lead, n).astype(q.dtype)
+
+
+def dequantize_numpy(q: QArray) -> np.ndarray:
+  """`dequantize` on the host (float32 rounded to q.dtype), for exports and tests."""
+  values = np.asarray(q.values)
+  *lead, n = q.shape
+  if q.kind == "nf4":
+    x = NF4_LEVELS[np.stack([values & 15, values >> 4], axis=-1).reshape(*lead, n)]
+  else:
+    x = values.astype(np.float32)
+  blocks = q.scales.shape[-1]
+  x = x.reshape(*lead, blocks, n // blocks) * np.asarray(q.scales).astype(np.float32)[..., None]
+  return x.reshape(*lead, n).astype(q.dtype)
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, QArray)
+
+
+class QuantizedParam(nnx.Param):
+  """A frozen base weight held as a QArray: `param[...]` dequantizes it (every layer reads
+  its weights so), `get_value()` returns the QArray itself."""
+
+  def __getitem__(self, key):
+    raw = self.get_raw_value()
+    w = dequantize(raw) if isinstance(raw, QArray) else raw
+    return w if key is ... else w[key]
+
+  def __jax_array__(self):
+    return self[...]
+
+
+def map_quantized(fn, tree):
+  """`tree` with `fn` applied to each QArray in it (other leaves kept)."""
+  return jax.tree.map(lambda x: fn(x) if isinstance(x, QArray) else x, tree,
+                      is_leaf=is_quantized)
+
+
+def quantize_model(model, kind: str, block: int) -> None:
+  """Replaces, in place, each projection of `model`'s layer stacks (`quantizable`, two
+  or more axes besides a stack's layer axis) by a QuantizedParam of it."""
+  check_kind(kind)
+  for path, module in model.iter_modules():
+    if not path or path[0] not in _STACKS:
+      continue
+    for name, var in list(vars(module).items()):
+      if (type(var) is not nnx.Param or not quantizable(name)
+          or isinstance(var.get_raw_value(), QArray)):
+        continue
+      w = var.get_raw_value()
+      axes = var.get_metadata().get("logical_axes", ())
+      if w.ndim - (1 if axes and axes[0] == "layers" else 0) < 2:
+        continue
+      setattr(module, name, QuantizedParam(quantize(w, kind, block), **var.get_metadata()))
