@@ -35,6 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
   # "name=value,...", e.g. a device sweep's best blocks).
   # lora_rank > 0: train LoRA adapters of that rank on lora_targets (the KL reference is
   # the base weights; SFT's adapters are folded into them when RL starts).
+  # base_quantization int8 | nf4 (with lora_rank): the frozen base's projections held
+  # quantized (QLoRA; a run of one stage with steps, as adapters cannot fold into it).
   # num_experts > 0: every MLP a mixture of that many experts, num_experts_per_tok a token
   # (architecture MixtralForCausalLM or, with qk_norm, Qwen3MoeForCausalLM to export it);
   # router_aux_loss_coef weighs its load-balancing loss in the updates.
@@ -42,7 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
       num_layers=2, d_model=128, ffn_dim=384, attention_impl="reference", attention_options="",
       scan_layers=False, lora_rank=0, lora_alpha=16.0,
       lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-      architecture="LlamaForCausalLM", num_experts=0, num_experts_per_tok=0,
+      base_quantization="", architecture="LlamaForCausalLM", num_experts=0, num_experts_per_tok=0,
       router_aux_loss_coef=0.0))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, sequence=1))
   # Entries that replace the default logical-axis rules of the same name (the others

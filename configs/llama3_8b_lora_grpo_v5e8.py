@@ -22,7 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.overrides = ml_collections.ConfigDict(dict(
       attention_impl="flash", attention_options="", remat="full", dtype="bfloat16",
       param_dtype="bfloat16", scan_layers=True, lora_rank=64, lora_alpha=128.0,
-      lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))
+      lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+      base_quantization=""))  # int8 / nf4: the base held quantized (QLoRA)
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=8, tensor=1, sequence=1))
   c.optim.lr = 1e-5             # adapters take a larger step than full weights
   c.train.rows_per_microbatch = 8

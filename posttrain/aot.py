@@ -156,7 +156,8 @@ def compile_rl_step(config: ml_collections.ConfigDict, devices, *, topology: str
   state = experiment.from_checkpoint(experiment.abstract_checkpoint(cfg, optimizer, mesh,
                                                                     rules))
   batch = abstract_rl_batch(config, algo, step.required, ts.batch_sharding(mesh, rules))
-  args = ((state, batch) + ((state.params,) if in_step else ())
+  # A LoRA step's reference is its own base, adapters off: no third argument.
+  args = ((state, batch) + ((state.params,) if in_step and not cfg.lora_rank else ())
           + ((teacher,) if teacher is not None else ()))
   start = time.perf_counter()
   with _compiling(mesh):

@@ -2091,8 +2091,11 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   teacher, teacher_note = teacher_bytes(config, shape, rules)
   divergence, divergence_note = divergence_bytes(config, shape, rules)
   comps = [
-      Component("params", params, f"{_count(cfg.num_params)} x {size} bytes, sharded by "
-                "the rules" + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
+      Component("params", params, (
+          f"{_count(cfg.num_params)}: the layers' projections as {cfg.base_quantization} "
+          f"codes with a bfloat16 scale per {cfg.base_quantization_block} (QLoRA), the rest x "
+          f"{size} bytes" if cfg.base_quantization else
+          f"{_count(cfg.num_params)} x {size} bytes") + ", sharded by the rules" + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
                                f"{cfg.lora_rank}" if cfg.lora_rank else "")),
       Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"
                 + (" of the LoRA adapters" if cfg.lora_rank else "")),
