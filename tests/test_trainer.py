@@ -581,6 +581,54 @@ def test_lora_run_folds_sft_into_the_base_and_exports_the_merged_policy(tmp_path
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_qlora_run_from_a_folder_trains_resumes_and_exports_merged(tmp_path):
+  """RL through adapters on an NF4 base read from a Hugging Face folder: the colocated
+  sampler holds the learner's codes uncopied, the base comes back bit for bit, a resumed
+  run goes on from the same codes, export_hf writes the dequantized base merged with the
+  adapters; a run whose SFT would fold adapters into the quantized base is refused
+  before anything is built."""
+  from flax import nnx
+
+  from posttrain import models
+  from posttrain.models import quant
+  from posttrain.rl import state as state_lib
+  folder = str(tmp_path / "base")
+  plain = trainer.model_config(_config())
+  models.save_pretrained(models.create_model(plain, seed=3), folder)
+  extra = {**LORA, "model.overrides.base_quantization": "nf4", "init_from": folder,
+           "sft.steps": 0, "train.rl_steps": 2, "export_hf": str(tmp_path / "hf"),
+           "rl.kl_coef": 0.1, "eval.seeds_per_domain": 0}
+  with pytest.raises(ValueError, match=r"sft.steps=2, preference.steps=0, train.rl_steps=2: "
+                     "base_quantization='nf4': adapters cannot be folded"):
+    trainer.Trainer(_config(**{**extra, "sft.steps": 2}), str(tmp_path / "refused"))
+  run = str(tmp_path / "run")
+  t = trainer.Trainer(_config(**extra), run)
+  codes = [x for x in jax.tree.leaves(state_lib.split_trainable(t.state.params)[1])
+           if x.dtype == np.uint8]
+  assert len(codes) == 7  # the layer's 4 attention and 3 MLP projections
+  held = {id(x) for x in jax.tree.leaves(t.sampler._state)}
+  assert all(id(x) in held for x in codes)
+  t.writer.close()
+  assert trainer.train(_config(**extra), run)["status"] == "done"
+  rows = [r for r in read_metrics(run) if "reward/mean" in r]
+  assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+  params, _, step = _final_params(run, extra)
+  assert step == 2
+  base = models.from_pretrained(folder, lora_rank=4, lora_alpha=8.0, base_quantization="nf4")
+  frozen = lambda p: jax.tree.leaves(nnx.split_state(p, nnx.LoRAParam, ...)[1])  # noqa: E731
+  for a, b in zip(frozen(nnx.state(base, nnx.Param)), frozen(params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  exported = _assert_export_is_the_policy(tmp_path, extra, params)
+  assert exported.cfg.lora_rank == 0 and exported.cfg.base_quantization == ""
+  assert not any(isinstance(v, quant.QuantizedParam)
+                 for _, v in nnx.to_flat_state(nnx.state(exported)))
+  again = trainer.train(_config(**{**extra, "train.rl_steps": 3}), run)
+  assert again["status"] == "done" and again["rl_steps"] == 3
+  resumed, _, _ = _final_params(run, extra)
+  for a, b in zip(frozen(params), frozen(resumed), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow
 def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_path):
   from flax import nnx

@@ -212,3 +212,85 @@ def test_the_sampler_samples_a_quantized_base_as_one_device_does():
     plain = merged.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
     np.testing.assert_array_equal(plain.tokens, want.tokens)
     np.testing.assert_allclose(plain.logprobs, want.logprobs, atol=1e-4)
+
+
+def test_the_train_step_moves_the_adapters_over_a_base_it_never_changes(tmp_path):
+  """A sharded GRPO step with the in-step KL reference (the quantized base, adapters
+  off): the adapters move, the codes and scales come back bit for bit, the optimizer
+  holds the adapters' moments alone, and a checkpoint restores the state exactly."""
+  from posttrain.checkpoint import CheckpointManager
+  from posttrain.rl import presets
+  from posttrain.rl import state as state_lib
+  from posttrain.rl import train_step as ts
+  from tests.rl.test_train_step import CFG as STEP_CFG, microbatched, packed_rows
+  cfg = STEP_CFG.replace(num_layers=2, lora_rank=4, lora_alpha=8.0, scan_layers=True,
+                         base_quantization="nf4")
+  opt = lambda: state_lib.make_optimizer(3e-2, warmup=0, total_steps=10)  # noqa: E731
+  mesh = models.make_mesh((1, 2, 2, 1), devices=jax.devices()[:4])
+  state = state_lib.init_train_state(models.create_model(cfg, mesh=mesh), opt(), mesh=mesh)
+  frozen = state_lib.split_trainable(state.params)[1]
+  codes = [x for x in jax.tree.leaves(frozen) if x.dtype == np.uint8]
+  assert len(codes) == 7 and any(x.sharding.spec != (None,) * x.ndim for x in codes)
+  base = [np.asarray(x) for x in jax.tree.leaves(frozen)]
+  moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
+  assert moments == 2 * cfg.num_lora_params
+  step = ts.make_train_step(cfg, presets.algorithm_config("grpo", kl_coef=0.5), opt(),
+                            mesh=mesh, reference_in_step=True)
+  batch = microbatched(packed_rows(0), 2)
+  adapters = [np.asarray(x) for x in jax.tree.leaves(state_lib.split_trainable(state.params)[0])]
+  for _ in range(2):
+    state, metrics = step(state, batch)
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["kl"]) > 0
+  after = jax.tree.leaves(state_lib.split_trainable(state.params)[0])
+  assert all(not np.array_equal(a, b) for a, b in zip(adapters, after) if a.any() or b.any())
+  for a, b in zip(base, jax.tree.leaves(state_lib.split_trainable(state.params)[1]),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  with CheckpointManager(str(tmp_path)) as ckpt:
+    ckpt.save(2, state, {"step": 2}, force=True)
+    ckpt.wait()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), state)
+    restored, extras, at = ckpt.restore(abstract)
+  assert at == 2 and extras == {"step": 2}
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    assert a.dtype == b.dtype and a.sharding == b.sharding
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_folder_is_quantized_as_it_is_read_and_exports_dequantized(scan, tmp_path):
+  """from_pretrained(..., base_quantization=) quantizes each tensor as it reads it (on a
+  mesh, stacked or not): the same codes as quantizing the whole model after a plain
+  read. The merged export is a plain folder of the dequantized base plus the adapters,
+  and a PEFT adapter folder from the run loads back onto a quantized base."""
+  from tests.models.test_expert_lora import CFG as MOE
+  folder, out, adapter = (str(tmp_path / n) for n in ("base", "out", "adapter"))
+  models.save_pretrained(models.create_model(MOE.replace(num_experts=4, lora_rank=0), seed=4),
+                         folder)
+  mesh = models.make_mesh((1, 2, 2, 1), devices=jax.devices()[:4])
+  lora = dict(lora_rank=3, lora_alpha=6.0, lora_targets=MOE.lora_targets, scan_layers=scan)
+  read = models.from_pretrained(folder, mesh=mesh, base_quantization="int8", **lora)
+  plain = models.from_pretrained(folder, **lora)
+  want = models.with_lora(models.merge_lora(plain), 3, jax.random.key(0),
+                          base_quantization="int8", lora_alpha=6.0,
+                          lora_targets=MOE.lora_targets)
+  flat = dict(nnx.to_flat_state(nnx.state(want)))
+  held = 0
+  for path, v in nnx.to_flat_state(nnx.state(read)):
+    if isinstance(v, quant.QuantizedParam):
+      held += 1
+      got, ref = v.get_value(), flat[path].get_value()
+      assert got.values.sharding.mesh.shape == mesh.shape
+      np.testing.assert_array_equal(got.values, ref.values, err_msg=str(path))
+      np.testing.assert_array_equal(got.scales, ref.scales, err_msg=str(path))
+  assert held == (1 if scan else 2) * 7  # a layer's attention 4, its experts 3
+  read = randomise_adapters(read)
+  models.save_pretrained(read, out)
+  back = models.from_pretrained(out)
+  assert back.cfg.base_quantization == "" and not back.cfg.lora_rank
+  np.testing.assert_allclose(logits(back, TOKENS), logits(read, TOKENS), atol=2e-5)
+  models.save_lora_adapter(read, adapter)
+  again = models.from_pretrained(folder, adapter=adapter, base_quantization="int8",
+                                 scan_layers=scan)
+  np.testing.assert_allclose(logits(again, TOKENS), logits(read, TOKENS), atol=2e-5)
