@@ -8,12 +8,19 @@ process: the first step (compile included), the median warm step, the learner's
 resident bytes (params, optimizer state and the KL reference: a frozen copy for the full
 fine-tune, none with adapters, whose reference is the base weights) and XLA's temporary
 bytes of the compiled update, per device.
+
+The QLoRA arms hold the same base (the same draw) quantized (`base_quantization` int8 /
+nf4, block 64) under rank-8 adapters; "base logprob error" is the largest and the mean
+|log p| gap of their first pass (adapters still zero: the base alone) against the rank-8
+arm's over the batch's trained tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+
+import numpy as np
 
 
 def _bytes_per_device(tree) -> int:
@@ -36,12 +43,18 @@ def run(quick: bool = False) -> list[dict]:
   base = models.get_preset("bench", num_layers=4 if quick else 8, remat="full")
   arms = {"full fine-tune": base, "LoRA r=8": base.replace(lora_rank=8, lora_alpha=16.0),
           "LoRA r=64": base.replace(lora_rank=64, lora_alpha=128.0)}
-  steps, states, refs, rows = {}, {}, {}, []
+  for kind in ("int8", "nf4"):
+    arms[f"QLoRA r=8 {kind}"] = arms["LoRA r=8"].replace(base_quantization=kind)
+  steps, states, refs, rows, logprobs = {}, {}, {}, [], {}
+  mask = np.asarray(inputs["loss_mask"]) > 0
   for name, cfg in arms.items():
     steps[name] = ts.make_train_step(cfg, algo, optimizer, mesh=mesh, reference_in_step=True)
     states[name] = state_lib.init_train_state(models.create_model(cfg, mesh=mesh), optimizer,
                                               mesh=mesh)
     refs[name] = None if cfg.lora_rank else state_lib.frozen_copy(states[name].params)
+    if cfg.lora_rank == 8:
+      logprobs[name] = np.asarray(ts.make_compute_logprobs(cfg, mesh=mesh)(
+          states[name].params, inputs)["logprobs"])[mask]
   first, warm = time_steps(steps, states, refs, batch)
   for name, cfg in arms.items():
     state = states[name]
@@ -55,6 +68,9 @@ def run(quick: bool = False) -> list[dict]:
                  "learner MiB/device": round(learner / 2**20, 2),
                  "update temporaries MiB/device": round(temp / 2**20, 2),
                  "warm / full": round(warm[name] / warm["full fine-tune"], 2)})
+    if cfg.base_quantization:
+      gap = np.abs(logprobs[name] - logprobs["LoRA r=8"])
+      rows[-1]["base logprob error max / mean"] = f"{gap.max():.3f} / {gap.mean():.4f}"
   full = rows[0]["learner MiB/device"]
   for row in rows:
     row["learner / full"] = round(row["learner MiB/device"] / full, 2)
@@ -66,8 +82,8 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true")
   args = parser.parse_args()
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  for row in run(args.quick):
-    print(row)
+  from benchmarks.run import table
+  print(table(run(args.quick)))
 
 
 if __name__ == "__main__":

@@ -128,30 +128,37 @@ def quantize(w, kind: str, block: int = 64, *, dtype=None) -> QArray:
 
 
 def dequantize(q: QArray):
-  """The weight a QArray holds, in its dtype (jax)."""
+  """The weight a QArray holds (jax): level x scale, computed in q.dtype, no wider (no
+  float32 copy of a layer's weights twice their size). int8's levels and the bfloat16
+  scales are exact in any float dtype, and their product is rounded once; NF4's levels
+  are rounded to q.dtype first."""
   values = jnp.asarray(q.values)
+  dtype = jnp.dtype(q.dtype)
   *lead, n = q.shape
   if q.kind == "nf4":
     codes = jnp.stack([values & 15, values >> 4], axis=-1).reshape(*lead, n)
-    x = jnp.take(jnp.asarray(NF4_LEVELS), codes.astype(jnp.int32))
+    x = jnp.take(jnp.asarray(NF4_LEVELS, dtype), codes.astype(jnp.int32))
   else:
-    x = values.astype(jnp.float32)
+    x = values.astype(dtype)
   blocks = q.scales.shape[-1]
-  x = x.reshape(*lead, blocks, n // blocks) * jnp.asarray(q.scales).astype(jnp.float32)[..., None]
-  return x.reshape(*lead, n).astype(q.dtype)
+  x = x.reshape(*lead, blocks, n // blocks) * jnp.asarray(q.scales).astype(dtype)[..., None]
+  return x.reshape(*lead, n)
 
 
 def dequantize_numpy(q: QArray) -> np.ndarray:
-  """`dequantize` on the host (float32 rounded to q.dtype), for exports and tests."""
+  """`dequantize` on the host, for exports and tests: the same values (each product of
+  two values exact in float32, rounded once to q.dtype)."""
   values = np.asarray(q.values)
+  dtype = np.dtype(q.dtype)
   *lead, n = q.shape
   if q.kind == "nf4":
-    x = NF4_LEVELS[np.stack([values & 15, values >> 4], axis=-1).reshape(*lead, n)]
+    levels = NF4_LEVELS.astype(dtype).astype(np.float32)
+    x = levels[np.stack([values & 15, values >> 4], axis=-1).reshape(*lead, n)]
   else:
     x = values.astype(np.float32)
   blocks = q.scales.shape[-1]
   x = x.reshape(*lead, blocks, n // blocks) * np.asarray(q.scales).astype(np.float32)[..., None]
-  return x.reshape(*lead, n).astype(q.dtype)
+  return x.reshape(*lead, n).astype(dtype)
 
 
 def is_quantized(x) -> bool:

@@ -39,6 +39,20 @@ def oracle(w, kind, block):
 
 
 @pytest.mark.parametrize("kind", quant.KINDS)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_bfloat16_weights_dequantize_alike_on_host_and_device(kind, dtype):
+  """In the weights' own dtype, the product of level and scale rounded once: the device's
+  dequantization (what the layers read) is the host's (what exports write)."""
+  w = (np.random.default_rng(2).standard_t(3, (48, 256)) * 0.05).astype(dtype)
+  q = quant.quantize(w, kind)
+  device = quant.dequantize(jax.tree.map(jnp.asarray, q))
+  assert device.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(device), quant.dequantize_numpy(q))
+  err = np.abs(np.asarray(device, np.float32) - w.astype(np.float32)).mean()
+  assert err / np.abs(w.astype(np.float32)).mean() < (0.02 if kind == "int8" else 0.15)
+
+
+@pytest.mark.parametrize("kind", quant.KINDS)
 @pytest.mark.parametrize("shape,block,width", [((64, 96), 64, 48), ((3, 40, 20), 64, 20),
                                                ((5, 130), 64, 26), ((4, 256), 64, 64)])
 def test_codes_match_the_numpy_oracle_on_host_and_device(kind, shape, block, width):
