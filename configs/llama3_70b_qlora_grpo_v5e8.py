@@ -35,8 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=8, tensor=1, sequence=1))
   c.optim.lr = 1e-5
   c.train.rows_per_microbatch = 8
-  c.train.row_len = 2048        # 1024 of prompt, 1024 new tokens
-  c.rollout.max_len = 2048
+  c.train.row_len = 1536        # up to 512 of prompt, 1024 new tokens
+  c.rollout.max_len = 1536
   c.rollout.max_new_tokens = 1024
   c.rl.num_minibatches = 1
   c.rollout.prompts_per_step = 8

@@ -29,6 +29,8 @@ checkpoints and the sampler's copies move around).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -165,13 +167,65 @@ def is_quantized(x) -> bool:
   return isinstance(x, QArray)
 
 
+_GATHERING: contextvars.ContextVar = contextvars.ContextVar("quant_gathering", default=None)
+
+
+@contextlib.contextmanager
+def gathering(ctx):
+  """While a decode step is traced under `ctx` (a ShardingContext with a mesh; None:
+  off), the quantized weights its layers read are gathered as codes: constrained to the
+  layout their matmuls read them in (without the batch mesh axes, data and fsdp; a
+  mixture's experts keep E split for expert parallelism) before they are dequantized.
+  Left to itself, XLA:TPU dequantized each device's shard and gathered the full-width
+  weights: for Llama 3.3 70B in NF4 on a v5e-8 (fsdp 8, weights left sharded), 5.8x the
+  all-gathered bytes a decode step, at the same peak memory. Only for one-token steps:
+  the same constraint on the update and on prefill made XLA relay out copies of the
+  stacked codes (+3.5 GiB a chip on the update), and XLA's own prefill gathers
+  activations rather than weights (BENCHMARKS.md)."""
+  token = _GATHERING.set(ctx)
+  try:
+    yield
+  finally:
+    _GATHERING.reset(token)
+
+
+def _gathered(q: QArray, names, ctx) -> QArray:
+  """`q`'s codes and scales constrained to the layout of `gathering`."""
+  names = tuple(names)[len(names) - q.ndim:]  # a scanned stack's slice has no layer axis
+  batch = set(dict(ctx.rules).get("batch", ()))
+
+  def layout(x):
+    spec = tuple(ctx.sharding(names, x.shape).spec)
+    spec += (None,) * (len(names) - len(spec))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
+        ctx.mesh, jax.sharding.PartitionSpec(*(
+            entry if name == "experts" else _without(entry, batch)
+            for name, entry in zip(names, spec)))))
+
+  return dataclasses.replace(q, values=layout(q.values), scales=layout(q.scales))
+
+
+def _without(entry, axes: set):
+  """A PartitionSpec entry without the mesh axes in `axes`."""
+  names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  names = tuple(n for n in names if n not in axes)
+  return None if not names else names[0] if len(names) == 1 else names
+
+
 class QuantizedParam(nnx.Param):
   """A frozen base weight held as a QArray: `param[...]` dequantizes it (every layer reads
-  its weights so), `get_value()` returns the QArray itself."""
+  its weights so; a decode step gathers the codes first, `gathering`), `get_value()`
+  returns the QArray itself."""
 
   def __getitem__(self, key):
     raw = self.get_raw_value()
-    w = dequantize(raw) if isinstance(raw, QArray) else raw
+    if isinstance(raw, QArray):
+      ctx = _GATHERING.get()
+      if ctx is not None and ctx.mesh is not None:
+        raw = _gathered(raw, self.get_metadata().get("logical_axes", ()), ctx)
+      w = dequantize(raw)
+    else:
+      w = raw
     return w if key is ... else w[key]
 
   def __jax_array__(self):

@@ -2054,7 +2054,16 @@ class Block(nnx.Module):
 
     A mixture's layer replays `experts` [B, T, k] when given (`MoE`); with
     `record_experts` it returns (x, cache, the RouterStats or None, the experts each
-    token took [B, T, k])."""
+    token took [B, T, k]). A decode step's (one new token a row, against a cache) reads
+    a quantized base gathered as codes (`quant.gathering`)."""
+    args = (x, cos, sin, segment_ids, cache, positions, ctx, prefill, layer, router_stats,
+            sliding, nope, experts, record_experts)
+    decoding = cache is not None and not prefill and x.shape[1] == 1
+    with quant.gathering(ctx if decoding else None):
+      return self._call(*args)
+
+  def _call(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill, layer,
+            router_stats, sliding, nope, experts, record_experts):
     pre = hasattr(self, "input_norm")
     post = hasattr(self, "attn_out_norm")
     new_cache, stats, chosen = cache, None, None

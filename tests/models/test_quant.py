@@ -216,13 +216,17 @@ def test_the_sampler_samples_a_quantized_base_as_one_device_does():
   codes = sampler._weights()["layers"][0]["mlp"]["gate_proj"].get_value()
   assert isinstance(codes, quant.QArray) and codes.values.shape == (4, 48, 20)
   assert codes.values.sharding.spec[0] == codes.scales.sharding.spec[0] == "fsdp"
+  # Weights left sharded over the batch axes: each decode step gathers the codes.
+  sharded = Sampler(model, mesh=models.make_mesh((1, 4, 2, 1)), rules=_rules("fsdp"),
+                    max_len=40, gather_weights=False)
   one = Sampler(model, max_len=40)
   merged = Sampler(models.merge_lora(model), max_len=40)
   for temperature in (0.0, 1.0):
-    got = sampler.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
     want = one.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+    for s in (sampler, sharded):
+      got = s.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
+      np.testing.assert_array_equal(got.tokens, want.tokens)
+      np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
     plain = merged.generate(prompts, max_new_tokens=8, temperature=temperature, seed=3)
     np.testing.assert_array_equal(plain.tokens, want.tokens)
     np.testing.assert_allclose(plain.logprobs, want.logprobs, atol=1e-4)
