@@ -2871,7 +2871,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
         # The value head is float32 whatever param_dtype is (as the model creates it).
         arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
         if _is_quantized(abstract_state, ours, cfg):  # QLoRA: quantized as it is read
-          arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block)
+          names = _lookup(abstract_state, _param_key(ours, cfg)[0]).get_metadata()
+          arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block,
+                               axis=quant.block_axis(names["logical_axes"]))
         if shardings is not None:
           values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
         else:

@@ -9,16 +9,20 @@ weights at full width (and the backward pass, which rematerialises the layer, de
 it again). Embeddings, the output head, norms, biases, routers and convolutions stay in
 the parameter dtype, as in QLoRA (Dettmers et al., 2023) and bitsandbytes.
 
-Blocks run along each weight's last axis: `block` consecutive values (default 64; the
-largest divisor of the axis at most that, for narrow axes) share one scale, their absolute
-maximum, held in bfloat16 (the codes are computed against the rounded scale, so the
-stored pair is what the model reads).
+Blocks run along each weight's first axis past the layer and expert axes (`block_axis`:
+D for q/k/v, gate and up, F for down, the heads for o_proj): `block` values (default 64;
+the largest divisor of the axis at most that, for narrow axes) share one scale, their
+absolute maximum, held in bfloat16 (the codes are computed against the rounded scale, so
+the stored pair is what the model reads). Along that axis the scales and nf4's packed
+codes keep the weight's other axes whole, which TPU tiles without padding (blocks and
+pairs along a head's 128 values left q_proj's scales [..., heads, 2], a 64x padded
+tile, and XLA relaid out every layer's codes, [..., heads, 64]).
 
 - int8: round(w / scale * 127), clipped to [-127, 127]: 8.25 bits a weight at block 64
   (0.52x of bfloat16).
 - nf4: each value's nearest of the 16 NormalFloat levels (QLoRA's NF4, bitsandbytes'
-  table) of w / scale, two codes a byte (the even position in the low nibble): 4.25 bits
-  a weight at block 64 (0.27x of bfloat16).
+  table) of w / scale, two codes a byte along the block axis (the even position in the
+  low nibble): 4.25 bits a weight at block 64 (0.27x of bfloat16).
 
 `quantize` runs on numpy (the checkpoint reader quantizes each tensor as it reads it, so
 a full-width copy of the model never exists) or jax.numpy with the same results.
@@ -70,21 +74,32 @@ def block_width(n: int, block: int) -> int:
   return next(b for b in range(min(block, n), 0, -1) if n % b == 0)
 
 
+def block_axis(names) -> int:
+  """The axis a weight's blocks run along, counted from its end: its first axis past a
+  stack's layer axis and a mixture's experts axis (`names`, its logical axes), the input
+  of most projections. The same for one layer's (one expert's) tensor as for the stack."""
+  return -sum(1 for n in names if n not in ("layers", "experts"))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QArray:
-  """A quantized weight: `values` (int8 [..., n], or nf4's uint8 [..., n / 2]) and
-  `scales` (bfloat16 [..., n / block]); `dtype` the dtype it dequantizes to. The leaves
-  may be arrays, ShapeDtypeStructs (an abstract model) or shardings (its layout)."""
+  """A quantized weight: `values` (int8, the weight's shape; nf4's uint8, two codes a
+  byte along axis `axis`, which it halves) and `scales` (bfloat16, the weight's shape
+  with `axis` divided by the block); `dtype` the dtype it dequantizes to. The leaves may
+  be arrays, ShapeDtypeStructs (an abstract model) or shardings (its layout)."""
   values: Any
   scales: Any
   kind: str = dataclasses.field(metadata=dict(static=True))
   dtype: Any = dataclasses.field(metadata=dict(static=True))
+  axis: int = dataclasses.field(default=-1, metadata=dict(static=True))
 
   @property
   def shape(self) -> tuple[int, ...]:
-    *lead, n = self.values.shape
-    return (*lead, n * 2 if self.kind == "nf4" else n)
+    shape = list(self.values.shape)
+    if self.kind == "nf4":
+      shape[self.axis] *= 2
+    return tuple(shape)
 
   @property
   def ndim(self) -> int:
@@ -96,7 +111,7 @@ class QArray:
 
   @property
   def block(self) -> int:
-    return self.shape[-1] // self.scales.shape[-1]
+    return self.shape[self.axis] // self.scales.shape[self.axis]
 
   @property
   def nbytes(self) -> int:
@@ -104,29 +119,45 @@ class QArray:
         np.prod(self.scales.shape)) * 2
 
 
-def quantize(w, kind: str, block: int = 64, *, dtype=None) -> QArray:
-  """`w` ([..., n], numpy or jax) quantized along its last axis in blocks of
-  `block_width(n, block)`; it dequantizes to `dtype` (default w's). numpy in, numpy out."""
+def _blocked(shape, axis: int, blocks: int) -> tuple[tuple, tuple]:
+  """(the weight's shape with axis split into [blocks, width], the scales' with [blocks,
+  1]): the two broadcast against each other."""
+  k = len(shape) + axis
+  head, tail = tuple(shape[:k]), tuple(shape[k + 1:])
+  return head + (blocks, shape[k] // blocks) + tail, head + (blocks, 1) + tail
+
+
+def quantize(w, kind: str, block: int = 64, *, axis: int = -1, dtype=None) -> QArray:
+  """`w` (numpy or jax) quantized in blocks of `block_width(n, block)` consecutive values
+  along `axis` (negative, from the end; n its size); it dequantizes to `dtype` (default
+  w's). numpy in, numpy out."""
   check_kind(kind)
   xp = np if isinstance(w, np.ndarray) else jnp
   dtype = np.dtype(dtype or w.dtype)
-  *lead, n = w.shape
-  if kind == "nf4" and n % 2:
-    raise ValueError(f"nf4 packs two values a byte: a weight's last axis must be even, got "
-                     f"shape {tuple(w.shape)}")
-  b = block_width(n, block)
-  x = w.astype(np.float32).reshape(*lead, n // b, b)
-  top = xp.max(xp.abs(x), axis=-1)
+  shape = tuple(w.shape)
+  if not -len(shape) <= axis < 0:
+    raise ValueError(f"axis={axis} is not a negative axis of a weight of shape {shape}")
+  if kind == "nf4" and shape[axis] % 2:
+    raise ValueError(f"nf4 packs two values a byte along axis {axis}: it must be even, got "
+                     f"shape {shape}")
+  b = block_width(shape[axis], block)
+  split, scale_shape = _blocked(shape, axis, shape[axis] // b)
+  k = len(split) + axis  # the width axis of `split`
+  x = w.astype(np.float32).reshape(split)
+  top = xp.max(xp.abs(x), axis=k, keepdims=True)
   scales = (top / 127.0 if kind == "int8" else top).astype(ml_dtypes.bfloat16)
   s = scales.astype(np.float32)
-  y = x / xp.where(s == 0, np.float32(1), s)[..., None]
+  y = (x / xp.where(s == 0, np.float32(1), s)).reshape(shape)
+  scales = scales.reshape(scale_shape[:k] + scale_shape[k + 1:])
   if kind == "int8":
-    values = xp.clip(xp.round(y), -127, 127).astype(np.int8).reshape(*lead, n)
+    values = xp.clip(xp.round(y), -127, 127).astype(np.int8)
   else:
     codes = xp.searchsorted(xp.asarray(_NF4_EDGES), y.reshape(-1)).astype(np.uint8)
-    codes = codes.reshape(*lead, n // 2, 2)
-    values = codes[..., 0] | (codes[..., 1] << 4)
-  return QArray(values, scales, kind, dtype)
+    kk = len(shape) + axis
+    codes = codes.reshape(*shape[:kk], shape[kk] // 2, 2, *shape[kk + 1:])
+    even, odd = (xp.take(codes, i, axis=kk + 1) for i in (0, 1))
+    values = even | (odd << 4)
+  return QArray(values, scales, kind, dtype, axis)
 
 
 def dequantize(q: QArray):
@@ -136,14 +167,37 @@ def dequantize(q: QArray):
   are rounded to q.dtype first."""
   values, scales = (_flat_barrier(jnp.asarray(x)) for x in (q.values, q.scales))
   dtype = jnp.dtype(q.dtype)
-  *lead, n = q.shape
+  shape = q.shape
   if q.kind == "nf4":
-    x = _nf4_levels(jnp.stack([values & 15, values >> 4], axis=-1).reshape(*lead, n), dtype)
+    x = _nf4_levels(_unpacked(values, q.axis, jnp), dtype)
   else:
     x = values.astype(dtype)
-  blocks = q.scales.shape[-1]
-  x = x.reshape(*lead, blocks, n // blocks) * scales.astype(dtype)[..., None]
-  return x.reshape(*lead, n)
+  split, scale_shape = _blocked(shape, q.axis, q.scales.shape[q.axis])
+  return (x.reshape(split) * scales.astype(dtype).reshape(scale_shape)).reshape(shape)
+
+
+def dequantize_numpy(q: QArray) -> np.ndarray:
+  """`dequantize` on the host, for exports and tests: the same values (each product of
+  two values exact in float32, rounded once to q.dtype)."""
+  values = np.asarray(q.values)
+  dtype = np.dtype(q.dtype)
+  shape = q.shape
+  if q.kind == "nf4":
+    levels = NF4_LEVELS.astype(dtype).astype(np.float32)
+    x = levels[_unpacked(values, q.axis, np)]
+  else:
+    x = values.astype(np.float32)
+  split, scale_shape = _blocked(shape, q.axis, q.scales.shape[q.axis])
+  x = x.reshape(split) * np.asarray(q.scales).astype(np.float32).reshape(scale_shape)
+  return x.reshape(shape).astype(dtype)
+
+
+def _unpacked(values, axis: int, xp):
+  """nf4's codes, each byte's two (low nibble first) side by side along `axis`."""
+  k = values.ndim + axis
+  shape = list(values.shape)
+  shape[k] *= 2
+  return xp.stack([values & 15, values >> 4], axis=k + 1).reshape(shape)
 
 
 def _nf4_levels(codes, dtype):
@@ -164,22 +218,6 @@ def _flat_barrier(x):
   every layer once, outside the layer loop (for Llama 3.3 70B in NF4 on a v5e-8, a
   copy of 3.9 GiB of 4.3 a chip)."""
   return jax.lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
-
-
-def dequantize_numpy(q: QArray) -> np.ndarray:
-  """`dequantize` on the host, for exports and tests: the same values (each product of
-  two values exact in float32, rounded once to q.dtype)."""
-  values = np.asarray(q.values)
-  dtype = np.dtype(q.dtype)
-  *lead, n = q.shape
-  if q.kind == "nf4":
-    levels = NF4_LEVELS.astype(dtype).astype(np.float32)
-    x = levels[np.stack([values & 15, values >> 4], axis=-1).reshape(*lead, n)]
-  else:
-    x = values.astype(np.float32)
-  blocks = q.scales.shape[-1]
-  x = x.reshape(*lead, blocks, n // blocks) * np.asarray(q.scales).astype(np.float32)[..., None]
-  return x.reshape(*lead, n).astype(dtype)
 
 
 def is_quantized(x) -> bool:
@@ -272,4 +310,5 @@ def quantize_model(model, kind: str, block: int) -> None:
       axes = var.get_metadata().get("logical_axes", ())
       if w.ndim - (1 if axes and axes[0] == "layers" else 0) < 2:
         continue
-      setattr(module, name, QuantizedParam(quantize(w, kind, block), **var.get_metadata()))
+      setattr(module, name, QuantizedParam(quantize(w, kind, block, axis=block_axis(axes)),
+                                           **var.get_metadata()))

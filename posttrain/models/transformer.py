@@ -660,9 +660,10 @@ def _rebuild(cfg: ModelConfig, pure: dict) -> "Transformer":
       *owner, name = path
       node = functools.reduce(lambda d, k: d[k], owner, pure)
       if not isinstance(node[name], quant.QArray):
-        node[name] = quant.quantize(node[name], cfg.base_quantization,
-                                    cfg.base_quantization_block,
-                                    dtype=var.get_raw_value().dtype)
+        node[name] = quant.quantize(
+            node[name], cfg.base_quantization, cfg.base_quantization_block,
+            axis=quant.block_axis(var.get_metadata()["logical_axes"]),
+            dtype=var.get_raw_value().dtype)
   nnx.replace_by_pure_dict(abstract, pure)
   return nnx.merge(graphdef, abstract)
 

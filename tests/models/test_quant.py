@@ -20,12 +20,13 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(1, 250, (2, 12)), jnp.int
 logits = jax.jit(lambda m, t: m(t))
 
 
-def oracle(w, kind, block):
+def oracle(w, kind, block, axis):
   """Each block's scale (its absolute maximum, / 127 for int8, rounded to bfloat16) and
-  each value's code, in numpy: round to nearest for int8, the nearest NF4 level (by
-  distance, ties to the lower) for nf4."""
-  *lead, n = w.shape
-  x = w.astype(np.float32).reshape(*lead, n // block, block)
+  each value's code, in numpy, with the block axis moved last: round to nearest for
+  int8, the nearest NF4 level (by distance, ties to the lower) for nf4."""
+  x = np.moveaxis(w.astype(np.float32), axis, -1)
+  *lead, n = x.shape
+  x = x.reshape(*lead, n // block, block)
   top = np.abs(x).max(-1)
   scale = (top / 127 if kind == "int8" else top).astype(ml_dtypes.bfloat16).astype(np.float32)
   y = x / np.where(scale == 0, 1, scale)[..., None]
@@ -35,7 +36,8 @@ def oracle(w, kind, block):
   else:
     codes = np.abs(y[..., None] - quant.NF4_LEVELS).argmin(-1)
     levels = quant.NF4_LEVELS[codes]
-  return (levels * scale[..., None]).reshape(w.shape), scale
+  got = (levels * scale[..., None]).reshape(*lead, n)
+  return np.moveaxis(got, -1, axis), np.moveaxis(scale, -1, axis)
 
 
 @pytest.mark.parametrize("kind", quant.KINDS)
@@ -53,28 +55,35 @@ def test_bfloat16_weights_dequantize_alike_on_host_and_device(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", quant.KINDS)
-@pytest.mark.parametrize("shape,block,width", [((64, 96), 64, 48), ((3, 40, 20), 64, 20),
-                                               ((5, 130), 64, 26), ((4, 256), 64, 64)])
-def test_codes_match_the_numpy_oracle_on_host_and_device(kind, shape, block, width):
+@pytest.mark.parametrize("shape,axis,block,width", [
+    ((64, 96), -1, 64, 48), ((3, 40, 20), -1, 64, 20), ((5, 130), -1, 64, 26),
+    ((4, 256), -1, 64, 64), ((96, 64), -2, 64, 48), ((2, 40, 6, 8), -3, 64, 40),
+    ((130, 4), -2, 64, 26)])
+def test_codes_match_the_numpy_oracle_on_host_and_device(kind, shape, axis, block, width):
   rng = np.random.default_rng(1)
   w = (rng.standard_t(3, shape) * 0.05).astype(np.float32)  # heavy tails: outliers
-  w[0, :width] = 0  # a block of zeros: scale 0, codes that dequantize to 0
+  first = np.moveaxis(w, axis, -1)  # a view: one block of zeros (scale 0, codes of 0)
+  first[(0,) * (first.ndim - 1)][:width] = 0
   w.reshape(-1)[-1] = 0.75
-  host, device = quant.quantize(w, kind, block), quant.quantize(jnp.asarray(w), kind, block)
+  host = quant.quantize(w, kind, block, axis=axis)
+  device = quant.quantize(jnp.asarray(w), kind, block, axis=axis)
   assert host.block == width and host.shape == shape and host.dtype == np.float32
   assert host.values.dtype == (np.int8 if kind == "int8" else np.uint8)
-  assert host.values.shape == (*shape[:-1], shape[-1] // (2 if kind == "nf4" else 1))
+  k = len(shape) + axis
+  packed = (*shape[:k], shape[k] // (2 if kind == "nf4" else 1), *shape[k + 1:])
+  assert host.values.shape == packed  # nf4: two codes a byte along the block axis
+  assert host.scales.shape == (*shape[:k], shape[k] // width, *shape[k + 1:])
   assert host.scales.dtype == ml_dtypes.bfloat16
   np.testing.assert_array_equal(np.asarray(device.values), host.values)
   np.testing.assert_array_equal(np.asarray(device.scales), host.scales)
-  want, scale = oracle(w, kind, width)
+  want, scale = oracle(w, kind, width, axis)
   got = quant.dequantize_numpy(host)
   np.testing.assert_array_equal(np.asarray(host.scales).astype(np.float32), scale)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
   np.testing.assert_array_equal(np.asarray(quant.dequantize(device)), got)
-  assert not got[0, :width].any()
+  assert not np.moveaxis(got, axis, -1)[(0,) * (len(shape) - 1)][:width].any()
   # Within half a step of the weight: int8's step is the scale, nf4's widest gap 0.33.
-  step = np.repeat(scale, width, axis=-1).reshape(shape)
+  step = np.repeat(scale, width, axis=axis)
   bound = step * (0.5 if kind == "int8" else 0.17) * 1.01 + 1e-12
   assert (np.abs(got - w) <= bound).all()
   # The largest value of a block is exact (nf4's level 1, int8's 127 to bfloat16's rounding).
@@ -88,10 +97,12 @@ def test_bad_quantization_configs_are_one_line_errors():
     CFG.replace(lora_rank=0, base_quantization="nf4")
   with pytest.raises(ValueError, match="base_quantization_block must be an int >= 2"):
     CFG.replace(base_quantization="int8", base_quantization_block=1)
-  with pytest.raises(ValueError, match="last axis must be even"):
-    quant.quantize(np.ones((4, 5), np.float32), "nf4")
+  with pytest.raises(ValueError, match="two values a byte along axis -2: it must be even"):
+    quant.quantize(np.ones((5, 4), np.float32), "nf4", axis=-2)
   with pytest.raises(ValueError, match="one of \\('int8', 'nf4'\\)"):
     quant.quantize(np.ones((4, 4), np.float32), "int4")
+  with pytest.raises(ValueError, match="axis=-3 is not a negative axis"):
+    quant.quantize(np.ones((4, 4), np.float32), "int8", axis=-3)
 
 
 def dequantized_plain(model):
@@ -134,11 +145,12 @@ def test_the_quantized_model_computes_with_its_dequantized_weights(kind):
   assert isinstance(scanned.layers.mlp.up_proj, quant.QuantizedParam)
   np.testing.assert_allclose(logits(scanned, TOKENS), want, atol=2e-5)
   # A projection takes (4 or 8 bits + 16 / block) / 16 of its bfloat16 bytes: at block
-  # 64, 0.27x (nf4) or 0.52x (int8); q, k and v (last axis head_dim 16) have blocks of 16.
+  # 64, 0.27x (nf4) or 0.52x (int8). Blocks run along D (q, k, v, gate, up: 64), F (down:
+  # 96, blocks of 48) and the heads (o_proj: 4).
   q = [v.get_raw_value() for v in jax.tree.leaves(nnx.state(scanned), is_leaf=lambda x:
                                                    isinstance(x, quant.QuantizedParam))
        if isinstance(v, quant.QuantizedParam)]
-  assert sorted({x.block for x in q}) == [16, 48, 64]
+  assert sorted({x.block for x in q}) == [4, 48, 64]
   bits = 4 if kind == "nf4" else 8
   assert sum(x.nbytes for x in q) == sum(x.size * (bits + 16 / x.block) / 8 for x in q)
 
@@ -214,7 +226,7 @@ def test_the_sampler_samples_a_quantized_base_as_one_device_does():
   sampler = Sampler(model, mesh=models.make_mesh((1, 4, 2, 1)), rules=_rules("fsdp"),
                     max_len=40)
   codes = sampler._weights()["layers"][0]["mlp"]["gate_proj"].get_value()
-  assert isinstance(codes, quant.QArray) and codes.values.shape == (4, 48, 20)
+  assert isinstance(codes, quant.QArray) and codes.values.shape == (4, 24, 40)  # D packed
   assert codes.values.sharding.spec[0] == codes.scales.sharding.spec[0] == "fsdp"
   # Weights left sharded over the batch axes: each decode step gathers the codes.
   sharded = Sampler(model, mesh=models.make_mesh((1, 4, 2, 1)), rules=_rules("fsdp"),
