@@ -233,12 +233,12 @@ def gathering(ctx):
   off), the quantized weights its layers read are gathered as codes: constrained to the
   layout their matmuls read them in (without the batch mesh axes, data and fsdp; a
   mixture's experts keep E split for expert parallelism) before they are dequantized.
-  Left to itself, XLA:TPU dequantized each device's shard and gathered the full-width
-  weights: for Llama 3.3 70B in NF4 on a v5e-8 (fsdp 8, weights left sharded), 5.8x the
-  all-gathered bytes a decode step, at the same peak memory. Only for one-token steps:
-  the same constraint on the update and on prefill made XLA relay out copies of the
-  stacked codes (+3.5 GiB a chip on the update), and XLA's own prefill gathers
-  activations rather than weights (BENCHMARKS.md)."""
+  Left to itself, XLA:TPU dequantizes most of each device's shard and gathers the
+  full-width weights: for Llama 3.3 70B in NF4 on a v5e-8 (fsdp 8, weights left
+  sharded) 4.7x the all-gathered bytes a decode step, for 0.21 GiB less peak memory.
+  Only for one-token steps: on the update and on prefill XLA already gathers codes for
+  most weights, and the constraint there once made it relay out copies of every layer's
+  codes (BENCHMARKS.md)."""
   token = _GATHERING.set(ctx)
   try:
     yield
