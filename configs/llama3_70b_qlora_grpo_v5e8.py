@@ -5,15 +5,17 @@ v5e-8 host (eight 16 GiB chips).
     python -m launch.plan --config=configs/llama3_70b_qlora_grpo_v5e8.py --compile_for=v5e:2x4
     python -m launch.train --config=configs/llama3_70b_qlora_grpo_v5e8.py --workdir=/mnt/ckpt/l3-70b-qlora
 
-The 70B model's bfloat16 weights alone are 16.4 GiB a chip over eight chips: more than a
+The 70B model's bfloat16 weights alone are 16.5 GiB a chip over eight chips: more than a
 v5e chip holds, before any rollout. Held as NF4 codes with a bfloat16 scale per 64
 values (`model.overrides.base_quantization`, `posttrain.models.quant`), its projections
-take 0.27x of that; the embeddings and the head stay bfloat16. The checkpoint is read
-and quantized one tensor at a time, so no full-width copy is ever on the chips. Each
-layer dequantizes its own weights where it runs (and again in the backward pass), the
-rank-16 adapters train in float32 beside them, and the KL reference is the quantized base
-with the adapters off. `--config.model.overrides.base_quantization=int8` holds the base
-at 0.52x instead (closer to the bfloat16 model; 8.6 GiB a chip).
+take 0.27x of that (4.8 GiB a chip with the bfloat16 embeddings and head). The
+checkpoint is read and quantized one tensor at a time, so no full-width copy is ever on
+the chips. Each layer dequantizes its own weights where it runs (and again in the
+backward pass), the rank-16 adapters train beside them, and the KL reference is the
+quantized base with the adapters off. Compiled for a v5e-8 on a CPU host, the RL update
+peaks at 11.3 GiB a chip and the rollout at 9.8 (BENCHMARKS.md, QLoRA).
+`--config.model.overrides.base_quantization=int8` holds the base at 0.52x instead
+(closer to the bfloat16 model: 8.8 GiB a chip), which compiles at the 14.4 GiB limit.
 
 A quantized base cannot take in adapters and go on training (the rounding would undo
 most of their update), so this config runs RL alone: an SFT stage before it is a run of

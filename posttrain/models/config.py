@@ -246,8 +246,9 @@ class ModelConfig:
       a bfloat16 scale a block (`posttrain.models.quant`) and dequantized where a layer
       reads it; embeddings, the output head, norms and routers stay in param_dtype. ""
       (default): none. Exports write the dequantized base (merged with the adapters).
-    base_quantization_block: the values a scale covers along a weight's last axis (64,
-      QLoRA's; narrower axes take their largest divisor below it).
+    base_quantization_block: the values a scale covers along a weight's first axis past
+      the layer and expert axes (64, QLoRA's; narrower axes take their largest divisor
+      below it).
     num_experts: 0 for a dense SwiGLU MLP in every layer; else every layer's MLP (past the
       `dense_layers`) is that many SwiGLU experts of width ffn_dim, and a router sends
       each token to `num_experts_per_tok` of them (Qwen3-MoE, Mixtral).
