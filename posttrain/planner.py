@@ -289,8 +289,8 @@ def expert_padding_bytes(model_cfg: models.ModelConfig, mesh_shape: dict[str, in
   experts only (`ModelConfig.mixture_layers`): a shared expert and the leading dense
   layers' MLPs are dense and left as they are. Experts without a gate (relu2) pad their
   up and down alone; experts in a latent (moe_latent_dim) pad its width in D's place.
-  `experts`: those on one device (E / ep with expert parallelism; default E). None for
-  a quantized base (QLoRA), whose experts' codes are kept as they are."""
+  `experts`: those on one device (E / ep with expert parallelism; default E). 0 for a
+  quantized base (QLoRA), whose experts' codes are kept as they are."""
   cfg = model_cfg
   if not cfg.num_experts or cfg.base_quantization:
     return 0
@@ -2093,10 +2093,11 @@ def plan(config: ml_collections.ConfigDict, *, device_memory_gb: float | None = 
   comps = [
       Component("params", params, (
           f"{_count(cfg.num_params)}: the layers' projections as {cfg.base_quantization} "
-          f"codes with a bfloat16 scale per {cfg.base_quantization_block} (QLoRA), the rest x "
-          f"{size} bytes" if cfg.base_quantization else
-          f"{_count(cfg.num_params)} x {size} bytes") + ", sharded by the rules" + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
-                               f"{cfg.lora_rank}" if cfg.lora_rank else "")),
+          f"codes with a bfloat16 scale per {cfg.base_quantization_block} (QLoRA), the rest "
+          f"x {size} bytes" if cfg.base_quantization else
+          f"{_count(cfg.num_params)} x {size} bytes") + ", sharded by the rules"
+                + (f", + {_count(cfg.num_lora_params)} in LoRA adapters of rank "
+                   f"{cfg.lora_rank}" if cfg.lora_rank else "")),
       Component("optimizer", opt, "AdamW mu + nu (param dtype) + counters"
                 + (" of the LoRA adapters" if cfg.lora_rank else "")),
       Component("reference", reference,

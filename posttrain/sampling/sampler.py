@@ -1680,7 +1680,7 @@ class Sampler:
     nothing to the kept outputs."""
     cfg = self.cfg
     if not cfg.num_experts or cfg.base_quantization:
-      # A quantized base's experts (QLoRA) are codes in blocks along F: kept as they are.
+      # A quantized base's experts (QLoRA) are codes with their scales: kept as they are.
       return {}
 
     def split(name: str, size: int) -> tuple[int, int, int]:
