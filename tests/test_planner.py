@@ -1952,6 +1952,23 @@ def test_lora_plan_counts_adapters_for_the_optimizer_and_gradients_and_no_refere
   assert full["reference"] == full["params"] and full["gradients"] > 3 * p["gradients"]
 
 
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_a_quantized_base_is_planned_as_the_live_codes(kind):
+  """QLoRA: the planned params are the live state's bytes a device (codes, bfloat16
+  scales, the unquantized embeddings and adapters), and the formula says so."""
+  config = _config(**TINY, **{"model.overrides.lora_rank": 4, "rl.kl_coef": 0.1,
+                              "model.overrides.base_quantization": kind})
+  p = planner.plan(config)
+  _, cfg, state = _real_train_state(config)
+  assert cfg.base_quantization == kind
+  assert p["params"] == pytest.approx(_real_per_device_bytes(state.params), rel=0.05)
+  assert f"projections as {kind} codes" in p.components["params"].formula
+  plain = planner.plan(_config(**TINY, **{"model.overrides.lora_rank": 4,
+                                          "rl.kl_coef": 0.1}))
+  assert p["params"] < plain["params"] and p["optimizer"] == plain["optimizer"]
+  assert p["reference"] == 0
+
+
 def test_a_preference_stage_counts_its_frozen_reference():
   """DPO before RL holds a frozen copy of the params beside the update even when RL has
   no KL term; SimPO reads no reference, and with LoRA the reference is the base."""

@@ -2870,10 +2870,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
                            f"{expected}")
         # The value head is float32 whatever param_dtype is (as the model creates it).
         arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
-        if _is_quantized(abstract_state, ours, cfg):  # QLoRA: quantized as it is read
-          names = _lookup(abstract_state, _param_key(ours, cfg)[0]).get_metadata()
+        axis = _quantized_axis(abstract_state, ours, cfg)
+        if axis is not None:  # QLoRA: quantized as it is read
           arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block,
-                               axis=quant.block_axis(names["logical_axes"]))
+                               axis=axis)
         if shardings is not None:
           values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
         else:
@@ -2928,10 +2928,15 @@ def _param_key(ours: tuple, cfg: ModelConfig) -> tuple[tuple, int]:
   return ours, drop
 
 
-def _is_quantized(abstract_state, ours: tuple, cfg: ModelConfig) -> bool:
-  """Whether the parameter holding the tensor at `ours` is held quantized (QLoRA)."""
-  return bool(cfg.base_quantization) and isinstance(
-      _lookup(abstract_state, _param_key(ours, cfg)[0]), quant.QuantizedParam)
+def _quantized_axis(abstract_state, ours: tuple, cfg: ModelConfig) -> int | None:
+  """The block axis of the parameter holding the tensor at `ours` when it is held
+  quantized (QLoRA), else None."""
+  if not cfg.base_quantization:
+    return None
+  var = _lookup(abstract_state, _param_key(ours, cfg)[0])
+  if not isinstance(var, quant.QuantizedParam):
+    return None
+  return quant.block_axis(var.get_metadata()["logical_axes"])
 
 
 def _target_sharding(shardings, ours: tuple, cfg: ModelConfig):
