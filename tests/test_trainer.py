@@ -630,6 +630,29 @@ def test_a_qlora_run_from_a_folder_trains_resumes_and_exports_merged(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_sft_qlora_run_exports_its_adapter_and_its_merged_weights_alike(tmp_path):
+  """SFT alone on an int8 base: the PEFT adapter export, loaded back onto the quantized
+  base, computes what the merged export (the dequantized base plus the adapters) does."""
+  from posttrain import models
+  from posttrain.export import export_checkpoint
+  folder = str(tmp_path / "base")
+  models.save_pretrained(models.create_model(trainer.model_config(_config()), seed=3), folder)
+  c = _config(**{**LORA, "model.overrides.base_quantization": "int8", "init_from": folder,
+                 "sft.steps": 2, "train.rl_steps": 0, "eval.seeds_per_domain": 0})
+  run = str(tmp_path / "run")
+  assert trainer.train(c, run)["status"] == "done"
+  assert export_checkpoint(c, run, str(tmp_path / "adapter"), adapter=True)["adapter"]
+  assert not export_checkpoint(c, run, str(tmp_path / "merged"))["adapter"]
+  adapted = models.from_pretrained(folder, adapter=str(tmp_path / "adapter"),
+                                   base_quantization="int8")
+  merged = models.from_pretrained(str(tmp_path / "merged"))
+  tokens = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
+  np.testing.assert_allclose(merged(tokens), adapted(tokens), atol=1e-5)
+  base = models.from_pretrained(folder, lora_rank=4, lora_alpha=8.0, base_quantization="int8")
+  assert np.abs(np.asarray(base(tokens)) - np.asarray(adapted(tokens))).max() > 1e-4  # SFT's
+
+
+@pytest.mark.slow
 def test_init_from_a_run_without_adapters_puts_fresh_ones_on_its_weights(tmp_path):
   from flax import nnx
 
