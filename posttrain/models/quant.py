@@ -44,6 +44,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from posttrain.models.sharding import without_axes
+
 KINDS = ("int8", "nf4")
 # The NormalFloat4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero
 # (bitsandbytes' `get_4bit_type("nf4")`).
@@ -256,17 +258,10 @@ def _gathered(q: QArray, names, ctx) -> QArray:
     spec += (None,) * (len(names) - len(spec))
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
         ctx.mesh, jax.sharding.PartitionSpec(*(
-            entry if name == "experts" else _without(entry, batch)
+            entry if name == "experts" else without_axes(entry, batch)
             for name, entry in zip(names, spec)))))
 
   return dataclasses.replace(q, values=layout(q.values), scales=layout(q.scales))
-
-
-def _without(entry, axes: set):
-  """A PartitionSpec entry without the mesh axes in `axes`."""
-  names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-  names = tuple(n for n in names if n not in axes)
-  return None if not names else names[0] if len(names) == 1 else names
 
 
 class QuantizedParam(nnx.Param):

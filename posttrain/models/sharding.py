@@ -179,6 +179,12 @@ def _spec_axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def without_axes(entry, axes):
+  """One PartitionSpec entry without the mesh axes in `axes` (None when none are left)."""
+  names = tuple(n for n in _spec_axes(entry) if n not in axes)
+  return None if not names else names[0] if len(names) == 1 else names
+
+
 def rules_from_config(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """The rules table a run's `sharding_rules` gives: DEFAULT_RULES with each entry given
   (a list of (name, axes) pairs or a mapping, ConfigDict-friendly) in place of the

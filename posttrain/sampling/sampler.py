@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed, models
+from posttrain.models.sharding import without_axes
 from posttrain.models.transformer import (CACHED_WRITE_TOKENS, KVCache, LinearCache,
                                           cache_unit_axes, constrain_cache, map_cache_units,
                                           routing_dtype)
@@ -1631,14 +1632,9 @@ class Sampler:
     """`sharding` with the mesh axes the batch spreads over (data, fsdp) removed, but
     from dimension `kept_axis` (an expert-parallel leaf's E)."""
     batch_axes = set(dict(self.rules).get("batch", ()))
-
-    def keep(entry):
-      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      names = tuple(n for n in names if n not in batch_axes)
-      return None if not names else names[0] if len(names) == 1 else names
-
     return NamedSharding(sharding.mesh, PartitionSpec(*(
-        e if i == kept_axis else keep(e) for i, e in enumerate(sharding.spec))))
+        e if i == kept_axis else without_axes(e, batch_axes)
+        for i, e in enumerate(sharding.spec))))
 
   @staticmethod
   def _expert_leaf(path: str) -> str:
