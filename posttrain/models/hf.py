@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from posttrain.models.config import (EXPERT_LORA_TARGETS, GATED_EXPERT_LORA_TARGETS,
                                      LORA_TARGETS, MUP_MULTIPLIERS, PEFT_FUSED_MLP,
                                      PEFT_NO_OUT_PROJ, ModelConfig, RopeConfig)
+from posttrain.models import bnb as bnb_lib
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models import quant
 from posttrain.models.factory import abstract_model, state_shardings
@@ -2706,20 +2707,34 @@ def _mxfp4_names(files: dict[str, str]) -> set[str]:
 
 
 def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
-                  fp8: fp8_lib.Scheme | None = None
-                  ) -> Iterator[tuple[str, np.ndarray]]:
+                  fp8: fp8_lib.Scheme | None = None, bnb: str | None = None
+                  ) -> Iterator[tuple[str, np.ndarray | bnb_lib.Packed4]]:
   """Yields (name, array), opening each file once and reading one tensor at a time. With
   `mxfp4`, a name stored as NAME_blocks / NAME_scales is read from both, dequantized
   (`posttrain.models.mxfp4`); with an `fp8` scheme, a name beside its scale (NAME +
-  fp8.suffix) is a float8 weight, dequantized (`posttrain.models.fp8`)."""
+  fp8.suffix) is a float8 weight, dequantized (`posttrain.models.fp8`); with `bnb`
+  ("4bit", "8bit"), a bitsandbytes weight is read with its quantization state: a 4-bit
+  one as a `bnb.Packed4`, an 8-bit one dequantized (`posttrain.models.bnb`)."""
   by_file: dict[str, list[str]] = {}
   packed = _mxfp4_names(files) if mxfp4 else set()
+  packed4 = bnb_lib.packed4(files) if bnb == "4bit" else {}
+  packed8 = bnb_lib.packed8(files) if bnb == "8bit" else set()
   for name in names:
     by_file.setdefault(files[name + "_blocks" if name in packed else name], []).append(name)
   for f, group in by_file.items():
     with _open_tensors(f) as fh:
+
+      def get(n, f=f, fh=fh):  # a tensor of this file or, beside it, of another
+        if n not in files:
+          raise KeyError(n)
+        return fh.get_tensor(n) if files[n] == f else next(_iter_tensors(files, [n]))[1]
+
       for name in group:
-        if name in packed:
+        if name in packed4:
+          yield name, bnb_lib.read4(name, get, packed4[name])
+        elif name in packed8:
+          yield name, bnb_lib.read8(name, get)
+        elif name in packed:
           from posttrain.models import mxfp4 as mxfp4_lib
           blocks = fh.get_tensor(name + "_blocks")
           scales = (fh.get_tensor(name + "_scales") if files[name + "_scales"] == f else
@@ -2765,6 +2780,20 @@ def _adapter_files(path: str) -> dict[str, str]:
     return {name: f for name in fh.keys()}
 
 
+# The quantized checkpoints `from_pretrained` reads (config.json's quant_method).
+READ_QUANTIZATIONS = ("bitsandbytes", "compressed-tensors", "fbgemm_fp8", "fp8", "mxfp4")
+
+
+def _check_quantization(where: str, hf_cfg: dict[str, Any]) -> None:
+  """A one-line error for a checkpoint quantized in a format this reader does not know
+  (GPTQ, AWQ, ...), rather than a list of unexpected tensors."""
+  q = hf_cfg.get("quantization_config")
+  m = q.get("quant_method") if isinstance(q, dict) else None
+  if q is not None and m not in READ_QUANTIZATIONS:
+    raise ValueError(f"{where}: quantization_config quant_method {m!r} is not read (read: "
+                     f"{', '.join(READ_QUANTIZATIONS)}); dequantize the checkpoint first")
+
+
 def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = None,
                     rules: Rules = DEFAULT_RULES, adapter: str | None = None, seed: int = 0,
                     **overrides: Any) -> Transformer:
@@ -2800,6 +2829,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     raise FileNotFoundError(f"{cfg_path} does not exist")
   with open(cfg_path) as fh:
     hf_cfg = json.load(fh)
+  _check_quantization(cfg_path, hf_cfg)
   if dtype is not None:
     overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
   if adapter is not None and _language_model_config(hf_cfg) is not hf_cfg:
@@ -2831,6 +2861,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if fp8:  # FP8 weights: NAME and its scale are read as NAME; input scales not at all
     present -= {n for n in files if n.endswith(fp8.suffix) and n[:-len(fp8.suffix)] in files}
     present -= {n for n in files if n.endswith(tuple("." + i for i in fp8.ignored))}
+  bnb = bnb_lib.method(hf_cfg)
+  if bnb:  # bitsandbytes: a weight's quantization state is read with it
+    present -= bnb_lib.companions(files, bnb)
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
     present = {n for n in present if n == named("lm_head.weight")
                or n.startswith(named("model.x")[:-1])}
@@ -2838,7 +2871,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   # started from a causal LM does not read its lm_head.
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
                {named("lm_head.weight")} if cfg.tie_embeddings or not cfg.lm_head else set())
-  sources = [(files, rows, mxfp4, fp8)]
+  sources = [(files, rows, mxfp4, fp8, bnb)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
     if _causal_lm(cfg.architecture) == NEMOTRON_H and any(
@@ -2852,28 +2885,36 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       score = [r for r in _mapping(cfg, score=True) if r[0] == ("value_w",)]
       lora_rows += [(ours, _PEFT_SCORE, *rest) for ours, _, *rest in score]
     _check_names(f"adapter {adapter}", set(adapter_files), {r[1] for r in lora_rows})
-    sources.append((adapter_files, lora_rows, False, None))
+    sources.append((adapter_files, lora_rows, False, None, None))
 
   graphdef, abstract_state = abstract_model(cfg)
   shardings = state_shardings(abstract_state, mesh, rules) if mesh is not None else None
   values: dict[tuple, jax.Array] = {}
   pd = jnp.dtype(cfg.param_dtype)
-  for source_files, source_rows, mxfp4, fp8 in sources:
+  for source_files, source_rows, mxfp4, fp8, bnb in sources:
     by_name: dict[str, list] = {}
     for r in source_rows:  # a tensor may hold several of ours (gpt-oss's gate_up_proj)
       by_name.setdefault(r[1], []).append(r)
-    for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4, fp8=fp8):
+    for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4, fp8=fp8,
+                                     bnb=bnb):
       for ours, _, to_ours, to_hf, shape in by_name[name]:
         expected = _hf_shape(cfg, name, shape, to_hf)
         if tuple(whole.shape) != tuple(expected):
           raise ValueError(f"tensor {name} has shape {tuple(whole.shape)}, expected "
                            f"{expected}")
-        # The value head is float32 whatever param_dtype is (as the model creates it).
-        arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
         axis = _quantized_axis(abstract_state, ours, cfg)
-        if axis is not None:  # QLoRA: quantized as it is read
-          arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block,
-                               axis=axis)
+        arr = None
+        if isinstance(whole, bnb_lib.Packed4) and axis is not None and (
+            cfg.base_quantization == "nf4"):  # the file's NF4 codes kept, where they fit
+          arr = whole.transcode(to_ours, axis, cfg.base_quantization_block, pd)
+        if arr is None:
+          if isinstance(whole, bnb_lib.Packed4):
+            whole = whole.dequantize()
+          # The value head is float32 whatever param_dtype is (as the model creates it).
+          arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
+          if axis is not None:  # QLoRA: quantized as it is read
+            arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block,
+                                 axis=axis)
         if shardings is not None:
           values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
         else:
