@@ -182,8 +182,8 @@ class RopeConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shapes and options of a decoder-only transformer (Llama 3, Mistral, Qwen2.5, Qwen3,
-  Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 / Phi-4, SmolLM3, GLM-4, Qwen3.5, Granite
-  3 / 4, the Mamba2 hybrids Granite 4-H, Bamba, Nemotron-H and Falcon-H1, LFM2 (short
+  Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 / Phi-4, SmolLM3, Seed-OSS, GLM-4, Qwen3.5,
+  Granite 3 / 4, the Mamba2 hybrids Granite 4-H, Bamba, Nemotron-H and Falcon-H1, LFM2 (short
   convolutions), and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE,
   GLM-4.5, DeepSeek-V2 / V3, MiniMax-M2, Granite MoE, Nemotron 3 and Llama 4).
 
@@ -1461,6 +1461,14 @@ PRESETS: dict[str, ModelConfig] = {
                                scan_layers=True, sliding_window=128,
                                layer_types=tuple("sliding_attention" if i % 2 == 0
                                                  else "full_attention" for i in range(24))),
+    # Seed-OSS-36B (ByteDance Seed): Llama with q/k/v biases, 80 heads over 8 kv heads of
+    # 128 on a width of 5120, a 512K context; 36.2B parameters.
+    "seed_oss_36b": ModelConfig(vocab_size=155_136, d_model=5120, num_layers=64, num_heads=80,
+                                num_kv_heads=8, head_dim=128, ffn_dim=27_648,
+                                rope=RopeConfig(theta=10_000_000.0), norm_eps=1e-6,
+                                qkv_bias=True, max_position_embeddings=524_288,
+                                architecture="SeedOssForCausalLM", dtype="bfloat16",
+                                param_dtype="bfloat16", remat="full", scan_layers=True),
 }
 
 

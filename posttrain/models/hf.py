@@ -48,7 +48,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
-              "FalconH1ForCausalLM", "Lfm2ForCausalLM")
+              "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -86,7 +86,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
-                "Lfm2ForCausalLM": "lfm2"}
+                "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -114,6 +114,10 @@ PHI3 = "Phi3ForCausalLM"
 # SmolLM3: Llama with NoPE layers (no_rope_layers: 1 where a layer rotates; by default
 # every fourth does not), and with use_sliding_window a window on the NoPE layers.
 SMOLLM3 = "SmolLM3ForCausalLM"
+# Seed-OSS (ByteDance Seed-OSS-36B): Llama with biases on q, k and v (attention_bias, on by
+# default) and, apart from them, on o_proj (attention_out_bias); its dropouts (training
+# only in transformers too) are not applied.
+SEED_OSS = "SeedOssForCausalLM"
 # Granite 3 (IBM granite-3.x): Llama's layout and names, scaled by four scalars
 # (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
 # logits_scaling); attention_bias covers the output projection too.
@@ -286,7 +290,9 @@ _CLASS_DEFAULTS = {
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
-                             rope_theta=500_000.0, sliding_window=4096)}
+                             rope_theta=500_000.0, sliding_window=4096),
+    SEED_OSS: dict(attention_bias=True, attention_out_bias=False, head_dim=128,
+                   rms_norm_eps=1e-6, max_position_embeddings=524_288)}
 # Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
 # query_pre_attn_scalar, soft caps (2) and sliding-window layers; 3 adds q/k norms and a
 # rotary embedding of its own for the sliding layers.
@@ -981,7 +987,10 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _output_bias_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """attn_out_bias of a class whose attention_bias covers the output projection."""
+  """attn_out_bias of a class whose attention_bias covers the output projection (of
+  Seed-OSS, its own attention_out_bias)."""
+  if lm == SEED_OSS:
+    return {"attn_out_bias": bool(c.get("attention_out_bias"))}
   return {"attn_out_bias": bool(c.get("attention_bias"))} if lm in _BIASED_OUTPUT else {}
 
 
@@ -1330,8 +1339,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
                                "relu2" if lm == NEMOTRON_H else "silu"),
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
-               attn_out_bias=(oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
-               and cfg.qkv_bias,
+               attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
+                              (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
+                              and cfg.qkv_bias),
                output_norms=olmo,
                qk_norm_heads=(olmo or lm == MINIMAX_M2) and cfg.qk_norm)
   for name, value in fixed.items():
@@ -1482,6 +1492,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(_lfm2_to_hf(cfg))
   if lm not in ("Qwen2ForCausalLM", LFM2):
     out["attention_bias"] = cfg.qkv_bias
+  if lm == SEED_OSS:  # no dropout: what the model was trained and run with here
+    out.update(attention_out_bias=cfg.attn_out_bias, mlp_bias=False, attention_dropout=0.0,
+               residual_dropout=0.0)
   if lm in GEMMAS:
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
   if lm in _QWEN_WINDOWED and cfg.sliding_window is not None:

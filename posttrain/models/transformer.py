@@ -1,6 +1,6 @@
 """Decoder-only transformer for the Llama 3 / Mistral / Qwen2.5 / Qwen3 / Qwen3.5 (Gated
-DeltaNet layers) / Gemma / Gemma 2 / Gemma 3 / OLMo / Phi-3 / SmolLM3 / GLM-4 / Granite
-(Granite 4-H and Bamba: Mamba2 layers) / LFM2 (short convolutions) families and the
+DeltaNet layers) / Gemma / Gemma 2 / Gemma 3 / OLMo / Phi-3 / SmolLM3 / Seed-OSS / GLM-4 /
+Granite (Granite 4-H and Bamba: Mamba2 layers) / LFM2 (short convolutions) families and the
 mixtures of experts Qwen3-MoE / Qwen3.5-MoE / Qwen3-Next / Qwen2-MoE / Mixtral / gpt-oss /
 GLM-4.5 / DeepSeek-V2 / V3 (multi-head latent attention) (Flax NNX).
 
