@@ -181,11 +181,12 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and options of a decoder-only transformer (Llama 3, Mistral, Qwen2.5, Qwen3,
-  Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 / Phi-4, SmolLM3, Seed-OSS, GLM-4, Qwen3.5,
-  Granite 3 / 4, the Mamba2 hybrids Granite 4-H, Bamba, Nemotron-H and Falcon-H1, LFM2 (short
-  convolutions), and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE,
-  GLM-4.5, DeepSeek-V2 / V3, MiniMax-M2, Granite MoE, Nemotron 3 and Llama 4).
+  """Shapes and options of a decoder-only transformer (Llama 3, Mistral, Ministral 3,
+  Qwen2.5, Qwen3, Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 / Phi-4, SmolLM3,
+  Seed-OSS, GLM-4, Qwen3.5, Granite 3 / 4, the Mamba2 hybrids Granite 4-H, Bamba,
+  Nemotron-H and Falcon-H1, LFM2 (short convolutions), and the mixtures of experts
+  Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, DeepSeek-V2 / V3, MiniMax-M2, Granite
+  MoE, Nemotron 3 and Llama 4).
 
   Attributes:
     architecture: the HF class name this config maps to (LlamaForCausalLM, ...).
@@ -350,6 +351,11 @@ class ModelConfig:
     attn_temperature_tuning: the NoPE layers' queries at position p are scaled by
       log(1 + floor((p + 1) / attn_floor_scale)) * attn_scale + 1 (Llama 4's
       temperature tuning for long contexts).
+    attn_position_scale: > 0: every attention layer's queries at position p are scaled by
+      1 + attn_position_scale * log(1 + floor(p / attn_position_scale_length)) after the
+      rotary embedding (Ministral 3's llama_4_scaling_beta over its
+      original_max_position_embeddings: the queries past the pre-training context grow
+      sharper). 0: off.
     routed_input_scaling: each routed expert's input is scaled by the token's router
       weight and its output summed unweighted (Llama 4), instead of the output weighted.
     moe_latent_dim: > 0: the routed experts run in a latent of this width, each token's
@@ -476,6 +482,8 @@ class ModelConfig:
   attn_temperature_tuning: bool = False
   attn_floor_scale: float = 8192.0
   attn_scale: float = 0.1
+  attn_position_scale: float = 0.0
+  attn_position_scale_length: int = 0
   routed_input_scaling: bool = False
   router_correction_bias: bool = True
   moe_latent_dim: int = 0
@@ -919,6 +927,17 @@ class ModelConfig:
       raise ValueError("attention_chunk_size, qk_l2_norm and attn_temperature_tuning "
                        "(Llama 4's attention) are not supported with latent attention or "
                        "linear-attention layers")
+    beta, length = self.attn_position_scale, self.attn_position_scale_length
+    if isinstance(beta, bool) or not 0 <= beta < float("inf"):
+      raise ValueError(f"attn_position_scale must be a number >= 0 (0: off), got {beta!r}")
+    if isinstance(length, bool) or int(length) != length or length < 0 or (
+        beta and not length):
+      raise ValueError(f"attn_position_scale_length must be an int > 0 with "
+                       f"attn_position_scale (the positions per step of the scale), got "
+                       f"{length!r}")
+    if beta and self.kv_lora_rank:
+      raise ValueError("attn_position_scale (Ministral 3's query scaling) is not supported "
+                       "with latent attention")
     if size and (self.sliding_window != size or not any(self.sliding_layers)):
       raise ValueError(f"attention_chunk_size={size} chunks the sliding layers: it needs "
                        f"sliding_window={size} (got {self.sliding_window}) and layer_types "
@@ -1461,6 +1480,18 @@ PRESETS: dict[str, ModelConfig] = {
                                scan_layers=True, sliding_window=128,
                                layer_types=tuple("sliding_attention" if i % 2 == 0
                                                  else "full_attention" for i in range(24))),
+    # Ministral 3 8B's language model (transformers' Ministral3Config): Mistral with YaRN
+    # x16 over a 16K pre-training context to 256K, the queries scaled up by position past
+    # it; 8.5B parameters.
+    "ministral3_8b": ModelConfig(
+        vocab_size=131_072, d_model=4096, num_layers=34, num_heads=32, num_kv_heads=8,
+        head_dim=128, ffn_dim=14_336, rope=RopeConfig(
+            theta=1_000_000.0, type="yarn", factor=16.0, original_max_position_embeddings=16_384,
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        norm_eps=1e-5, attn_position_scale=0.1, attn_position_scale_length=16_384,
+        max_position_embeddings=262_144, architecture="Ministral3ForCausalLM",
+        dtype="bfloat16", param_dtype="bfloat16", remat="dots_with_no_batch_dims",
+        scan_layers=True),
     # Seed-OSS-36B (ByteDance Seed): Llama with q/k/v biases, 80 heads over 8 kv heads of
     # 128 on a width of 5120, a 512K context; 36.2B parameters.
     "seed_oss_36b": ModelConfig(vocab_size=155_136, d_model=5120, num_layers=64, num_heads=80,

@@ -48,7 +48,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForCausalLM",
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
-              "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM")
+              "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
+              "Ministral3ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -86,7 +87,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
-                "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss"}
+                "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
+                "Ministral3ForCausalLM": "ministral3"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -118,6 +120,11 @@ SMOLLM3 = "SmolLM3ForCausalLM"
 # default) and, apart from them, on o_proj (attention_out_bias); its dropouts (training
 # only in transformers too) are not applied.
 SEED_OSS = "SeedOssForCausalLM"
+# Ministral 3 (the text model of Ministral 3 3B / 8B / 14B): Mistral with YaRN and every
+# layer's queries scaled up by position past the pre-training context
+# (rope_parameters' llama_4_scaling_beta over original_max_position_embeddings:
+# ModelConfig.attn_position_scale).
+MINISTRAL3 = "Ministral3ForCausalLM"
 # Granite 3 (IBM granite-3.x): Llama's layout and names, scaled by four scalars
 # (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
 # logits_scaling); attention_bias covers the output projection too.
@@ -291,6 +298,8 @@ _CLASS_DEFAULTS = {
                              rope_theta=10_000.0),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=500_000.0, sliding_window=4096),
+    MINISTRAL3: dict(rms_norm_eps=1e-5, max_position_embeddings=262_144, head_dim=128,
+                     tie_word_embeddings=False),
     SEED_OSS: dict(attention_bias=True, attention_out_bias=False, head_dim=128,
                    rms_norm_eps=1e-6, max_position_embeddings=524_288)}
 # Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
@@ -314,7 +323,13 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma's legacy "gelu"
 VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Qwen3_5ForConditionalGeneration": QWEN3_5,
                    "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
-                   "Llama4ForConditionalGeneration": LLAMA4}
+                   "Llama4ForConditionalGeneration": LLAMA4,
+                   # Mistral Small 3.1 / 3.2 (a Mistral text model), Ministral 3
+                   "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+# Vision-language classes whose causal LM depends on text_config's model_type (the
+# first entry: transformers' default).
+_VISION_TEXT_TYPES = {"Mistral3ForConditionalGeneration": {
+    "mistral": "MistralForCausalLM", "ministral3": MINISTRAL3}}
 _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6)}
@@ -330,7 +345,15 @@ def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
   for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
     if key in c:
       text[key] = c[key]
-  return {**text, "architectures": [VISION_LANGUAGE[arch]]}
+  lm = VISION_LANGUAGE[arch]
+  if arch in _VISION_TEXT_TYPES:
+    types = _VISION_TEXT_TYPES[arch]
+    kind = text.get("model_type") or next(iter(types))
+    if kind not in types:
+      raise ValueError(f"{arch} with a {kind!r} text model is not read (read: "
+                       f"{', '.join(types)})")
+    lm = types[kind]
+  return {**text, "architectures": [lm]}
 
 
 def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[[str], str]:
@@ -544,8 +567,23 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
-      **_falcon_h1_from_hf(lm, c))
+      **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
+
+
+def _ministral3_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """Ministral 3's query scaling by position, from its rope_parameters (where
+  transformers reads it; {} for other families)."""
+  if lm != MINISTRAL3:
+    return {}
+  params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+  beta, length = params.get("llama_4_scaling_beta"), params.get(
+      "original_max_position_embeddings")
+  if beta is None or not length:
+    raise ValueError(f"{MINISTRAL3} config.json needs rope_parameters "
+                     "llama_4_scaling_beta and original_max_position_embeddings (the "
+                     f"queries' scaling by position); got {sorted(params)}")
+  return {"attn_position_scale": float(beta), "attn_position_scale_length": int(length)}
 
 
 def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -957,7 +995,8 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
-_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2)
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
+                      MINISTRAL3)
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
               + OLMOS + (MINIMAX_M2, LFM2))
@@ -966,7 +1005,8 @@ _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") +
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Every layer sliding when config.json has a sliding_window (Mistral 7B v0.1's 4096);
 # transformers' default where the key is absent.
-_ALL_WINDOWED = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None, PHI3: None}
+_ALL_WINDOWED = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None, PHI3: None,
+                 MINISTRAL3: None}
 
 
 def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -1404,6 +1444,18 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     if held:
       raise ValueError(f"{held} cannot be written as {cfg.architecture}; {GRANITE} and "
                        f"{GRANITE_MOE} hold them")
+  if lm == MINISTRAL3 and cfg.rope.type not in ("default", "yarn"):
+    raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
+                     "whose rotary embedding is the default one or YaRN")
+  if lm == MINISTRAL3 and cfg.rope.type == "yarn" and (
+      cfg.rope.original_max_position_embeddings != cfg.attn_position_scale_length):
+    raise ValueError(f"attn_position_scale_length={cfg.attn_position_scale_length} cannot "
+                     f"be written as {cfg.architecture} beside YaRN over "
+                     f"{cfg.rope.original_max_position_embeddings} positions: both are its "
+                     "rope_parameters' original_max_position_embeddings")
+  if cfg.attn_position_scale and lm != MINISTRAL3:
+    raise ValueError(f"attn_position_scale cannot be written as {cfg.architecture}; "
+                     f"{MINISTRAL3} holds it")
   held = [name for name in ("qk_l2_norm", "attention_chunk_size", "attn_temperature_tuning")
           if getattr(cfg, name)]
   if held and lm != LLAMA4:
@@ -1492,6 +1544,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(_lfm2_to_hf(cfg))
   if lm not in ("Qwen2ForCausalLM", LFM2):
     out["attention_bias"] = cfg.qkv_bias
+  if lm == MINISTRAL3:  # rope_parameters hold the query scaling too
+    out.pop("rope_theta")
+    out.pop("rope_scaling")
+    out["rope_parameters"] = {
+        "rope_type": rope.type, "rope_theta": rope.theta, **(scaling or {}),
+        "llama_4_scaling_beta": cfg.attn_position_scale,
+        "original_max_position_embeddings": cfg.attn_position_scale_length}
+    out["sliding_window"] = cfg.sliding_window
   if lm == SEED_OSS:  # no dropout: what the model was trained and run with here
     out.update(attention_out_bias=cfg.attn_out_bias, mlp_bias=False, attention_dropout=0.0,
                residual_dropout=0.0)

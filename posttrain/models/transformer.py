@@ -1,8 +1,9 @@
-"""Decoder-only transformer for the Llama 3 / Mistral / Qwen2.5 / Qwen3 / Qwen3.5 (Gated
-DeltaNet layers) / Gemma / Gemma 2 / Gemma 3 / OLMo / Phi-3 / SmolLM3 / Seed-OSS / GLM-4 /
-Granite (Granite 4-H and Bamba: Mamba2 layers) / LFM2 (short convolutions) families and the
-mixtures of experts Qwen3-MoE / Qwen3.5-MoE / Qwen3-Next / Qwen2-MoE / Mixtral / gpt-oss /
-GLM-4.5 / DeepSeek-V2 / V3 (multi-head latent attention) (Flax NNX).
+"""Decoder-only transformer for the Llama 3 / Mistral / Ministral 3 / Qwen2.5 / Qwen3 /
+Qwen3.5 (Gated DeltaNet layers) / Gemma / Gemma 2 / Gemma 3 / OLMo / Phi-3 / SmolLM3 /
+Seed-OSS / GLM-4 / Granite (Granite 4-H and Bamba: Mamba2 layers) / LFM2 (short
+convolutions) families and the mixtures of experts Qwen3-MoE / Qwen3.5-MoE / Qwen3-Next /
+Qwen2-MoE / Mixtral / gpt-oss / GLM-4.5 / DeepSeek-V2 / V3 (multi-head latent attention)
+(Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
 H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names
@@ -919,8 +920,9 @@ class Attention(nnx.Module):
   def _llama4(self, q, k, positions_BxT, nope):
     """(q, k) after Llama 4's options: the rotary layers' q and k normed
     (cfg.qk_l2_norm), the NoPE layers' queries scaled by position
-    (cfg.attn_temperature_tuning). `nope` is a Python bool or a traced one (a scan over
-    layers of both kinds: each result picked by it)."""
+    (cfg.attn_temperature_tuning); and every layer's queries scaled by position
+    (cfg.attn_position_scale, Ministral 3's). `nope` is a Python bool or a traced one (a
+    scan over layers of both kinds: each result picked by it)."""
     cfg = self.cfg
     static = isinstance(nope, (bool, np.bool_))
     pick = ((lambda on_nope, on_rope: on_nope if nope else on_rope) if static else
@@ -935,6 +937,11 @@ class Attention(nnx.Module):
       p = positions_BxT.astype(jnp.float32)
       scale = jnp.log1p(jnp.floor((p + 1.0) / cfg.attn_floor_scale)) * cfg.attn_scale + 1.0
       scale = pick(scale, jnp.ones_like(scale))
+      q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
+    if cfg.attn_position_scale:
+      p = jnp.maximum(positions_BxT, 0).astype(jnp.float32)  # padding's -1: no scaling
+      scale = 1.0 + cfg.attn_position_scale * jnp.log1p(
+          jnp.floor(p / cfg.attn_position_scale_length))
       q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
     return q, k
 
