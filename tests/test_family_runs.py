@@ -1,9 +1,9 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
 a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
-Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions) and a Phi-3 (LongRoPE,
-partial rotary) Hugging Face folder, end to end: SFT and RL steps
-with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
+Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
+(queries scaled by position), a Seed-OSS and a Phi-3 (LongRoPE, partial rotary) Hugging Face
+folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
 folder that transformers loads into the same class and computes our logits with."""
 
 import jax
@@ -128,6 +128,16 @@ FAMILIES = {
                  layer_types=("linear_attention", "full_attention"), linear_mixer="short_conv",
                  linear_conv_kernel=3, linear_conv_bias=True,
                  rope=models.RopeConfig(theta=1_000_000.0)),
+    # Ministral 3: YaRN over a 24-token pre-training context that prompts and rollouts
+    # cross, every layer's queries scaled up past it.
+    "ministral3": dict(architecture="Ministral3ForCausalLM", attn_position_scale=0.5,
+                       attn_position_scale_length=24, tie_embeddings=False,
+                       rope=models.RopeConfig(theta=1_000_000.0, type="yarn", factor=4.0,
+                                              original_max_position_embeddings=24,
+                                              mscale=1.0, mscale_all_dim=1.0)),
+    # Seed-OSS: q/k/v biases and o_proj's.
+    "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
+                     tie_embeddings=False),
 }
 
 
