@@ -3,8 +3,9 @@ a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture laye
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
 (queries scaled by position), a Seed-OSS and a Phi-3 (LongRoPE, partial rotary) Hugging Face
-folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and the final checkpoint exported as a
-folder that transformers loads into the same class and computes our logits with."""
+folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
+the final checkpoint exported as a folder that transformers loads into the same class and
+computes our logits with."""
 
 import jax
 import numpy as np
