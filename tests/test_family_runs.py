@@ -2,10 +2,10 @@
 a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
-(queries scaled by position), a Seed-OSS and a Phi-3 (LongRoPE, partial rotary) Hugging Face
-folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and
-the final checkpoint exported as a folder that transformers loads into the same class and
-computes our logits with."""
+(queries scaled by position), an OLMoE, a Seed-OSS and a Phi-3 (LongRoPE, partial rotary)
+Hugging Face folder, end to end: SFT and RL steps with rollouts through the sampler,
+checkpoints, and the final checkpoint exported as a folder that transformers loads into the
+same class and computes our logits with."""
 
 import jax
 import numpy as np
@@ -136,6 +136,12 @@ FAMILIES = {
                        rope=models.RopeConfig(theta=1_000_000.0, type="yarn", factor=4.0,
                                               original_max_position_embeddings=24,
                                               mscale=1.0, mscale_all_dim=1.0)),
+    # OLMoE: every MLP a mixture, top-k weights not renormalised, q/k norms over every
+    # head at once (whose widths transformers takes from d_model: heads split it evenly).
+    "olmoe": dict(architecture="OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                  head_dim=8,
+                  norm_topk_prob=False, qk_norm=True, qk_norm_heads=True,
+                  tie_embeddings=False),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

@@ -1480,6 +1480,15 @@ PRESETS: dict[str, ModelConfig] = {
                                scan_layers=True, sliding_window=128,
                                layer_types=tuple("sliding_attention" if i % 2 == 0
                                                  else "full_attention" for i in range(24))),
+    # OLMoE-1B-7B (AllenAI): 64 experts of width 1024, 8 per token, not renormalised, q/k
+    # norms over every head; 6.9B parameters, 1.3B active.
+    "olmoe_1b_7b": ModelConfig(
+        vocab_size=50_304, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
+        head_dim=128, ffn_dim=1024, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=False, qk_norm=True, qk_norm_heads=True,
+        rope=RopeConfig(theta=10_000.0), norm_eps=1e-5, max_position_embeddings=4096,
+        architecture="OlmoeForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="dots_with_no_batch_dims", scan_layers=True),
     # Ministral 3 8B's language model (transformers' Ministral3Config): Mistral with YaRN
     # x16 over a 16K pre-training context to 256K, the queries scaled up by position past
     # it; 8.5B parameters.

@@ -49,13 +49,13 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
               "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
-              "Ministral3ForCausalLM")
+              "Ministral3ForCausalLM", "OlmoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
-                  "Lfm2ForCausalLM")
+                  "Lfm2ForCausalLM", "OlmoeForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -88,7 +88,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
-                "Ministral3ForCausalLM": "ministral3"}
+                "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -125,6 +125,11 @@ SEED_OSS = "SeedOssForCausalLM"
 # (rope_parameters' llama_4_scaling_beta over original_max_position_embeddings:
 # ModelConfig.attn_position_scale).
 MINISTRAL3 = "Ministral3ForCausalLM"
+# OLMoE (AllenAI's OLMoE-1B-7B): Llama's pre-norm layers, q/k norms over every head's
+# features at once (OLMo 2's), biases on all four attention projections or none, every
+# MLP a mixture (softmax top-k, by default not renormalised) with the experts in Qwen's
+# per-expert files; clip_qkv (clamping q, k and v) is not read.
+OLMOE = "OlmoeForCausalLM"
 # Granite 3 (IBM granite-3.x): Llama's layout and names, scaled by four scalars
 # (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
 # logits_scaling); attention_bias covers the output projection too.
@@ -298,6 +303,9 @@ _CLASS_DEFAULTS = {
                              rope_theta=10_000.0),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=500_000.0, sliding_window=4096),
+    OLMOE: dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10_000.0,
+                num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                router_aux_loss_coef=0.01, attention_bias=False, tie_word_embeddings=False),
     MINISTRAL3: dict(rms_norm_eps=1e-5, max_position_embeddings=262_144, head_dim=128,
                      tie_word_embeddings=False),
     SEED_OSS: dict(attention_bias=True, attention_out_bias=False, head_dim=128,
@@ -380,7 +388,7 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
               GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES,
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
-              MINIMAX_M2: _MIXTRAL_MOE_NAMES}
+              MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
               "short_factor", "long_factor", "partial_rotary_factor")
@@ -567,7 +575,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
-      **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c))
+      **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -971,6 +979,17 @@ def _minimax_m2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return {"qk_norm_heads": True}
 
 
+def _olmoe_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """qk_norm_heads of an OLMoE config.json ({} for other families); a clip_qkv is
+  refused."""
+  if lm != OLMOE:
+    return {}
+  if c.get("clip_qkv") is not None:
+    raise ValueError(f"clip_qkv={c['clip_qkv']!r} in an OLMoE config.json (q, k and v "
+                     "clamped) is not supported")
+  return {"qk_norm_heads": True}
+
+
 def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """Multi-head latent attention's ModelConfig fields of a DeepSeek-V2 / V3 config.json
   ({} for other classes)."""
@@ -992,14 +1011,14 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1)
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
                       MINISTRAL3)
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2))
+              + OLMOS + (MINIMAX_M2, LFM2, OLMOE))
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -1141,6 +1160,11 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "ffn_dim": int(c["moe_intermediate_size"]), "dense_layers": len(dense),
             "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0, **shared,
             **_aux_loss_from_hf(c)}
+  if arch == OLMOE:
+    return {"num_experts": int(c.get("num_experts") or c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
+            "ffn_dim": int(c["intermediate_size"]), **_aux_loss_from_hf(c)}
   if arch in (QWEN3_5_MOE, QWEN3_NEXT):
     if arch == QWEN3_NEXT and (c.get("mlp_only_layers") or int(c.get("decoder_sparse_step",
                                                                       1)) != 1):
@@ -1345,7 +1369,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(norm_topk_prob=True)
   if lm in (QWEN3_5_MOE, QWEN3_NEXT):
     fixed.update(dense_layers=0)
-  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
+  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE):
     fixed.update(dense_layers=0)
   if lm in (GRANITE_HYBRID, GRANITE_SHARED):
     fixed.update(dense_layers=0)
@@ -1383,7 +1407,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
                output_norms=olmo,
-               qk_norm_heads=(olmo or lm == MINIMAX_M2) and cfg.qk_norm)
+               qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
@@ -1481,7 +1505,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if lm == PHI3 and cfg.head_dim * cfg.num_heads != cfg.d_model:
+  if lm in (PHI3, OLMOE) and cfg.head_dim * cfg.num_heads != cfg.d_model:
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
@@ -1668,6 +1692,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                **{name: getattr(cfg, name) for name in _FALCON_H1_SCALARS},
                mlp_multipliers=[cfg.mlp_gate_multiplier, cfg.mlp_down_multiplier],
                ssm_multipliers=list(cfg.ssm_multipliers or (1.0,) * 5))
+  elif lm == OLMOE:
+    out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None)
   elif lm == MINIMAX_M2:
     # transformers 5's rope_parameters, and the published files' keys beside them (what
     # vLLM and SGLang read: without use_routing_bias they drop the correction bias).
