@@ -333,14 +333,21 @@ VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
                    "Llama4ForConditionalGeneration": LLAMA4,
                    # Mistral Small 3.1 / 3.2 (a Mistral text model), Ministral 3
-                   "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+                   "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+                   # Qwen3-VL 2B-32B: Qwen3 whose multimodal rotary embedding (MRoPE) has
+                   # its three position axes equal on text, where it is the 1D one
+                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
 # Vision-language classes whose causal LM depends on text_config's model_type (the
 # first entry: transformers' default).
 _VISION_TEXT_TYPES = {"Mistral3ForConditionalGeneration": {
     "mistral": "MistralForCausalLM", "ministral3": MINISTRAL3}}
 _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6)}
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6),
+    "Qwen3VLForConditionalGeneration": dict(
+        vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=128_000, rope_theta=500_000.0, attention_bias=False)}
 
 
 def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:

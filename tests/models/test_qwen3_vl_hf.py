@@ -1,0 +1,82 @@
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, 2B-32B): its language model read alone, as
+Qwen3. On text the multimodal rotary embedding's three position axes are equal, where it is
+the 1D one: logits and greedy generation equal transformers' vision-language model's on
+text; the vision tower stays in the files."""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import models
+from tests.models.parity import perturb
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
+transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
+
+TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
+PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  text = transformers.Qwen3VLTextConfig(
+      vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+      initializer_range=0.3, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                               "mrope_section": [4, 2, 2],
+                                               "mrope_interleaved": True})
+  vision = transformers.Qwen3VLVisionConfig(
+      depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0],
+      num_position_embeddings=16)
+  cfg = transformers.Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                   tie_word_embeddings=False)
+  torch.manual_seed(0)
+  hf = perturb(transformers.Qwen3VLForConditionalGeneration(cfg).float().eval())
+  folder = tmp_path_factory.mktemp("qwen3_vl") / "model"
+  hf.save_pretrained(folder)
+  return str(folder), hf
+
+
+def test_the_language_model_is_read_as_qwen3(saved):
+  cfg = models.from_pretrained(saved[0]).cfg
+  assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm
+  assert (cfg.d_model, cfg.num_layers, cfg.head_dim, cfg.rope.theta) == (64, 2, 16, 1e6)
+  assert not cfg.tie_embeddings
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_logits_match_transformers_on_text(saved, scan):
+  folder, hf = saved
+  with torch.no_grad():
+    want = hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy()
+  got = nnx.jit(lambda m, t: m(t))(models.from_pretrained(folder, scan_layers=scan), TOKENS)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+  assert np.abs(want).max() > 3
+
+
+def test_greedy_generation_matches_transformers(saved):
+  from posttrain.sampling import Sampler
+  folder, hf = saved
+  out = Sampler(models.from_pretrained(folder), max_len=48, extend_chunk=4).generate(
+      PROMPTS, max_new_tokens=12, temperature=0.0)
+  for i, prompt in enumerate(PROMPTS):
+    with torch.no_grad():
+      want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.tokens[i].tolist() == want, i
+
+
+def test_export_writes_the_language_model_as_qwen3(saved, tmp_path):
+  folder, hf = saved
+  ours = models.from_pretrained(folder)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert written["architectures"] == ["Qwen3ForCausalLM"]
+  back = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(back(torch.as_tensor(TOKENS)).logits.numpy(),
+                               hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy(),
+                               atol=1e-4, rtol=0)
