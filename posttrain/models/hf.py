@@ -49,7 +49,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
               "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
-              "Ministral3ForCausalLM", "OlmoeForCausalLM")
+              "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -88,7 +88,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
-                "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe"}
+                "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
+                "Exaone4ForCausalLM": "exaone4"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -130,6 +131,11 @@ MINISTRAL3 = "Ministral3ForCausalLM"
 # MLP a mixture (softmax top-k, by default not renormalised) with the experts in Qwen's
 # per-expert files; clip_qkv (clamping q, k and v) is not read.
 OLMOE = "OlmoeForCausalLM"
+# EXAONE 4.0 (LG AI Research): OLMo 2's layout (no input norms, each sublayer's output
+# normed before its residual add) with q/k norms per head, no biases, and with a
+# sliding_window its layers sliding (layer_types, or every sliding_window_pattern-th one
+# full) and only those rotating: the full layers are NoPE.
+EXAONE4 = "Exaone4ForCausalLM"
 # Granite 3 (IBM granite-3.x): Llama's layout and names, scaled by four scalars
 # (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
 # logits_scaling); attention_bias covers the output projection too.
@@ -303,6 +309,8 @@ _CLASS_DEFAULTS = {
                              rope_theta=10_000.0),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=500_000.0, sliding_window=4096),
+    EXAONE4: dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
+                  sliding_window_pattern=4, tie_word_embeddings=False),
     OLMOE: dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10_000.0,
                 num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
                 router_aux_loss_coef=0.01, attention_bias=False, tie_word_embeddings=False),
@@ -582,7 +590,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
-      **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c))
+      **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
+      **_exaone4_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1022,10 +1031,10 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
-                      MINISTRAL3)
+                      MINISTRAL3, EXAONE4)
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2, OLMOE))
+              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4))
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -1095,6 +1104,31 @@ def _olmo_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if not window:
     return {**out, "layer_types": ("full_attention",) * layers}
   return {**out, "sliding_window": int(window), "layer_types": tuple(types)}
+
+
+def _exaone4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of an EXAONE 4.0 config.json ({} for other families), read as
+  transformers does: with a sliding_window, layer_types (default: every
+  sliding_window_pattern-th layer full, the last one too) and only the sliding layers
+  rotating; without one, every layer full and rotating."""
+  if lm != EXAONE4:
+    return {}
+  layers = int(c["num_hidden_layers"])
+  window = c.get("sliding_window")
+  if not window:
+    return {"output_norms": True, "layer_types": ("full_attention",) * layers}
+  types = c.get("layer_types")
+  if not types:
+    pattern = c.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str):  # "LLLG": local and global layers, repeating
+      types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+               for i in range(layers)]
+      types[-1] = "full_attention"
+    else:
+      types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+               for i in range(layers)]
+  return {"output_norms": True, "sliding_window": int(window), "layer_types": tuple(types),
+          "rope_layers": tuple(int(t == "sliding_attention") for t in types)}
 
 
 def _gpt_oss_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -1413,7 +1447,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
-               output_norms=olmo,
+               output_norms=olmo or lm == EXAONE4,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -1421,7 +1455,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
-                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4))
+                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4))
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -1451,7 +1485,14 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"{cfg.architecture}'s attention has no biases, and its Mamba2 "
                      "layers' time step no upper limit (qkv_bias, attn_out_bias, "
                      "linear_dt_max)")
-  if lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) and not all(
+  if lm == EXAONE4:
+    want = (tuple(int(s) for s in cfg.sliding_layers) if cfg.sliding_window is not None
+            else (1,) * cfg.num_layers)
+    if tuple(cfg.rope_layers or (1,) * cfg.num_layers) != want:
+      raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
+                       f"{cfg.architecture}, whose sliding layers rotate and full ones do "
+                       "not (with a sliding_window; without one every layer rotates)")
+  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
@@ -1583,6 +1624,10 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
         "llama_4_scaling_beta": cfg.attn_position_scale,
         "original_max_position_embeddings": cfg.attn_position_scale_length}
     out["sliding_window"] = cfg.sliding_window
+  if lm == EXAONE4:
+    out.update(sliding_window=cfg.sliding_window,
+               layer_types=["sliding_attention" if s else "full_attention"
+                            for s in cfg.sliding_layers])
   if lm == SEED_OSS:  # no dropout: what the model was trained and run with here
     out.update(attention_out_bias=cfg.attn_out_bias, mlp_bias=False, attention_dropout=0.0,
                residual_dropout=0.0)
