@@ -2,10 +2,10 @@
 a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
-(queries scaled by position), an OLMoE, a Seed-OSS and a Phi-3 (LongRoPE, partial rotary)
-Hugging Face folder, end to end: SFT and RL steps with rollouts through the sampler,
-checkpoints, and the final checkpoint exported as a folder that transformers loads into the
-same class and computes our logits with."""
+(queries scaled by position), an OLMoE, an EXAONE 4, a Seed-OSS and a Phi-3 (LongRoPE,
+partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
+sampler, checkpoints, and the final checkpoint exported as a folder that transformers loads
+into the same class and computes our logits with."""
 
 import jax
 import numpy as np
@@ -142,6 +142,11 @@ FAMILIES = {
                   head_dim=8,
                   norm_topk_prob=False, qk_norm=True, qk_norm_heads=True,
                   tie_embeddings=False),
+    # EXAONE 4: output norms, per-head q/k norms, a sliding rotary layer (window 8,
+    # shorter than the rows) beside a full NoPE one.
+    "exaone4": dict(architecture="Exaone4ForCausalLM", output_norms=True, qk_norm=True,
+                    sliding_window=8, layer_types=("sliding_attention", "full_attention"),
+                    rope_layers=(1, 0), tie_embeddings=False),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

@@ -344,7 +344,10 @@ VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
                    # Qwen3-VL 2B-32B: Qwen3 whose multimodal rotary embedding (MRoPE) has
                    # its three position axes equal on text, where it is the 1D one
-                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+                   # Qwen3-VL-30B-A3B / 235B-A22B: Qwen3-MoE, its files' experts stacked
+                   # (`_stacked_expert_rows`), its router always renormalising
+                   "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM"}
 # Vision-language classes whose causal LM depends on text_config's model_type (the
 # first entry: transformers' default).
 _VISION_TEXT_TYPES = {"Mistral3ForConditionalGeneration": {
@@ -355,7 +358,15 @@ _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
     "Qwen3VLForConditionalGeneration": dict(
         vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6,
-        max_position_embeddings=128_000, rope_theta=500_000.0, attention_bias=False)}
+        max_position_embeddings=128_000, rope_theta=500_000.0, attention_bias=False),
+    "Qwen3VLMoeForConditionalGeneration": dict(
+        vocab_size=151_936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, rms_norm_eps=1e-6,
+        max_position_embeddings=128_000, rope_theta=500_000.0, attention_bias=False,
+        tie_word_embeddings=True, decoder_sparse_step=1, moe_intermediate_size=1408,
+        num_experts_per_tok=4, num_local_experts=60, router_aux_loss_coef=0.001)}
+# What a vision-language class's text model always computes, whatever its text_config says.
+_TEXT_FIXED = {"Qwen3VLMoeForConditionalGeneration": dict(norm_topk_prob=True)}
 
 
 def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -376,7 +387,7 @@ def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
       raise ValueError(f"{arch} with a {kind!r} text model is not read (read: "
                        f"{', '.join(types)})")
     lm = types[kind]
-  return {**text, "architectures": [lm]}
+  return {**text, **_TEXT_FIXED.get(arch, {}), "architectures": [lm]}
 
 
 def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[[str], str]:
@@ -2400,6 +2411,37 @@ def _llama4_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   ]
 
 
+def _stacked_expert_rows(cfg: ModelConfig, rows: list, transposed: bool = False) -> list:
+  """`rows` with each layer's per-expert rows (mlp.experts.{j}.gate_proj, ...) replaced by
+  the experts stacked as Qwen3-VL-MoE's files hold them: mlp.experts.gate_up_proj
+  [E, D, 2F] (gate's F columns, then up's) and mlp.experts.down_proj [E, F, D] as
+  published; `transposed`, as transformers 5 saves them ([E, 2F, D] and [E, D, F], its
+  layout in memory, which it reads either way: by the shape, that one where both fit)."""
+  d, f, e = cfg.d_model, cfg.ffn_dim, cfg.num_experts
+  flip = (lambda x: x.transpose(0, 2, 1)) if transposed else (lambda x: x)
+
+  def half(which):  # [..., 2F] <-> ours [..., F]; the HF side zero in the other half
+    def to_hf(x):
+      out = np.zeros((*x.shape[:-1], 2 * f), x.dtype)
+      out[..., which * f:(which + 1) * f] = x
+      return flip(out)
+    return (lambda x: flip(x)[..., which * f:(which + 1) * f]), to_hf
+
+  out, done = [], set()
+  for row in rows:
+    ours, name = row[0], row[1]
+    if not _is_expert(ours):
+      out.append(row)
+      continue
+    mlp, hf = ours[:-2], name[:name.index("mlp.experts.")] + "mlp.experts."
+    if mlp not in done:
+      done.add(mlp)
+      out += [(mlp + ("gate_proj",), hf + "gate_up_proj", *half(0), (e, d, f)),
+              (mlp + ("up_proj",), hf + "gate_up_proj", *half(1), (e, d, f)),
+              (mlp + ("down_proj",), hf + "down_proj", flip, flip, (e, f, d))]
+  return out
+
+
 def _granite_shared_mlp_rows(p: tuple, hf: str, d: int, f: int) -> list:
   """Granite 4's shared_mlp as our MLP at `p` (a dense layer's, or a mixture layer's
   shared expert): input_linear [2F, D] (gate's F rows, then up's), output_linear [D, F]."""
@@ -3003,6 +3045,12 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   rows = _mapping(cfg, score=_architecture(_language_model_config(hf_cfg))
                   in SEQUENCE_CLASSIFIERS and cfg.value_head)
   named = _language_model_names(hf_cfg, files)
+  stacked = sorted(n for n in files if n.endswith(".mlp.experts.gate_up_proj"))
+  if cfg.num_experts and stacked:  # Qwen3-VL-MoE's files: the experts stacked
+    with _open_tensors(files[stacked[0]]) as fh:
+      shape = tuple(fh.get_slice(stacked[0]).get_shape())
+    rows = _stacked_expert_rows(cfg, rows, transposed=shape == (
+        cfg.num_experts, 2 * cfg.ffn_dim, cfg.d_model))
   rows = [(ours, named(name), *rest) for ours, name, *rest in rows]
   present = set(files) - _prediction_layer_names(hf_cfg, files)
   mxfp4 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"

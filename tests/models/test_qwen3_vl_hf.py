@@ -4,6 +4,7 @@ the 1D one: logits and greedy generation equal transformers' vision-language mod
 text; the vision tower stays in the files."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -80,3 +81,56 @@ def test_export_writes_the_language_model_as_qwen3(saved, tmp_path):
     np.testing.assert_allclose(back(torch.as_tensor(TOKENS)).logits.numpy(),
                                hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy(),
                                atol=1e-4, rtol=0)
+
+
+def test_a_mixture_folder_reads_as_qwen3_moe(tmp_path):
+  """Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration, 30B-A3B / 235B-A22B): its files hold
+  each layer's experts stacked (gate_up_proj [E, D, 2F], down_proj [E, F, D]) and its
+  router always renormalises; read as a Qwen3-MoE, the logits are transformers' on text,
+  and the export is a Qwen3-MoE folder of per-expert tensors transformers reads back."""
+  text = transformers.Qwen3VLMoeTextConfig(
+      vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+      initializer_range=0.3, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2],
+                       "mrope_interleaved": True})
+  vision = transformers.Qwen3VLMoeVisionConfig(
+      depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0],
+      num_position_embeddings=16)
+  cfg = transformers.Qwen3VLMoeConfig(text_config=text.to_dict(),
+                                      vision_config=vision.to_dict(), tie_word_embeddings=False)
+  torch.manual_seed(0)
+  hf = perturb(transformers.Qwen3VLMoeForConditionalGeneration(cfg).float().eval())
+  with torch.no_grad():  # routers that prefer different experts per token
+    for name, p in hf.named_parameters():
+      if name.endswith("mlp.gate.weight"):
+        p.normal_(0.0, 0.5)
+  hf.save_pretrained(tmp_path / "vlm")
+  with torch.no_grad():
+    want = hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy()
+  from safetensors.numpy import load_file, save_file
+  names = ("gate_up_proj", "down_proj")
+  saved = load_file(str(tmp_path / "vlm" / "model.safetensors"))
+  # transformers 5 saves its layout in memory, [E, 2F, D]; the published files hold
+  # [E, D, 2F] (which it transposes on reading). Both read alike.
+  assert saved["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (6, 48, 64)
+  shutil.copytree(tmp_path / "vlm", tmp_path / "published")
+  save_file({k: np.ascontiguousarray(v.transpose(0, 2, 1)) if k.endswith(names) else v
+             for k, v in saved.items()}, str(tmp_path / "published" / "model.safetensors"))
+  for folder in ("vlm", "published"):
+    ours = models.from_pretrained(str(tmp_path / folder))
+    assert ours.cfg.architecture == "Qwen3MoeForCausalLM" and ours.cfg.norm_topk_prob
+    assert (ours.cfg.num_experts, ours.cfg.num_experts_per_tok, ours.cfg.ffn_dim) == (6, 2, 24)
+    got = np.asarray(nnx.jit(lambda m, t: m(t))(ours, TOKENS))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=folder)
+  with torch.no_grad():  # transformers reads the published layout to the same model
+    published = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        str(tmp_path / "published")).float().eval()
+    np.testing.assert_allclose(published(input_ids=torch.as_tensor(TOKENS)).logits.numpy(),
+                               want, atol=1e-5, rtol=0)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  back = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(back(torch.as_tensor(TOKENS)).logits.numpy(), want, atol=1e-4,
+                               rtol=0)
