@@ -211,3 +211,36 @@ def test_companions_are_read_with_their_weight():
   assert bnb.method({"quantization_config": {"quant_method": "fp8"}}) is None
   with pytest.raises(ValueError, match="neither 4-bit nor 8-bit"):
     bnb.method({"quantization_config": {"quant_method": "bitsandbytes"}})
+
+
+@pytest.mark.slow
+def test_a_qlora_run_starts_from_a_bnb_4bit_folder(tmp_path):
+  """RL through adapters on the NF4 base of a *-bnb-4bit folder: the run holds the file's
+  own codes (as `from_pretrained` reads them), trains and finishes."""
+  from posttrain import trainer
+  from posttrain.metrics import read_metrics
+  from posttrain.rl import state as state_lib
+  from tests.test_trainer import LORA, _config
+  plain = str(tmp_path / "plain")
+  models.save_pretrained(models.create_model(trainer.model_config(_config()), seed=3), plain)
+  q = transformers.AutoModelForCausalLM.from_pretrained(
+      plain, device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
+          load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+          bnb_4bit_compute_dtype=torch.float32))
+  folder = str(tmp_path / "bnb")
+  q.save_pretrained(folder)
+  extra = {**LORA, "model.overrides.base_quantization": "nf4", "init_from": folder,
+           "sft.steps": 0, "train.rl_steps": 2, "eval.seeds_per_domain": 0}
+  run = str(tmp_path / "run")
+  t = trainer.Trainer(_config(**extra), run)
+  codes = [x for x in jax.tree.leaves(state_lib.split_trainable(t.state.params)[1])
+           if x.dtype == np.uint8]
+  read = models.from_pretrained(folder, lora_rank=4, lora_alpha=8.0, base_quantization="nf4")
+  want = [x for x in jax.tree.leaves(nnx.state(read)) if x.dtype == np.uint8]
+  assert len(codes) == len(want) == 7
+  for a, b in zip(codes, want, strict=True):
+    np.testing.assert_array_equal(a, b)
+  t.writer.close()
+  assert trainer.train(_config(**extra), run)["status"] == "done"
+  rows = [r for r in read_metrics(run) if "reward/mean" in r]
+  assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
