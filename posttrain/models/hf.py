@@ -347,7 +347,12 @@ VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
                    # Qwen3-VL-30B-A3B / 235B-A22B: Qwen3-MoE, its files' experts stacked
                    # (`_stacked_expert_rows`), its router always renormalising
-                   "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM"}
+                   "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
+                   # GLM-4.1V-9B / GLM-4.6V-Flash: GLM-4, whose MRoPE is GLM's 1D rotary
+                   # embedding on text
+                   "Glm4vForConditionalGeneration": GLM4,
+                   # GLM-4.5V / GLM-4.6V: GLM-4.5's mixture
+                   "Glm4vMoeForConditionalGeneration": GLM4_MOE}
 # Vision-language classes whose causal LM depends on text_config's model_type (the
 # first entry: transformers' default).
 _VISION_TEXT_TYPES = {"Mistral3ForConditionalGeneration": {
@@ -364,9 +369,21 @@ _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
         num_attention_heads=16, num_key_value_heads=16, rms_norm_eps=1e-6,
         max_position_embeddings=128_000, rope_theta=500_000.0, attention_bias=False,
         tie_word_embeddings=True, decoder_sparse_step=1, moe_intermediate_size=1408,
-        num_experts_per_tok=4, num_local_experts=60, router_aux_loss_coef=0.001)}
+        num_experts_per_tok=4, num_local_experts=60, router_aux_loss_coef=0.001),
+    "Glm4vForConditionalGeneration": dict(
+        vocab_size=151_552, hidden_size=4096, intermediate_size=13_696, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=2, rms_norm_eps=1e-5,
+        max_position_embeddings=32_768),
+    "Glm4vMoeForConditionalGeneration": dict(
+        vocab_size=151_424, hidden_size=4096, intermediate_size=10_944, num_hidden_layers=46,
+        num_attention_heads=96, num_key_value_heads=8, max_position_embeddings=65_536,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True,
+        moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1,
+        n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        first_k_dense_replace=1, norm_topk_prob=True, router_aux_loss_coef=0.0001)}
 # What a vision-language class's text model always computes, whatever its text_config says.
-_TEXT_FIXED = {"Qwen3VLMoeForConditionalGeneration": dict(norm_topk_prob=True)}
+_TEXT_FIXED = {"Qwen3VLMoeForConditionalGeneration": dict(norm_topk_prob=True),
+               "Glm4vForConditionalGeneration": dict(attention_bias=True)}
 
 
 def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -2946,14 +2963,16 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
 def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str]:
   """The tensors of a GLM-4.5 checkpoint's multi-token-prediction layers (the
   num_nextn_predict_layers layers after num_hidden_layers), which are not read."""
-  lm = _causal_lm(_architecture(_language_model_config(c)))
+  text = _language_model_config(c)
+  lm = _causal_lm(_architecture(text))
   if lm == NEMOTRON_H:  # its mtp.* (Nemotron 3), which transformers does not read either
     return {n for n in files if n.startswith("mtp.")}
   if lm not in (GLM4_MOE, DEEPSEEK_V3):
     return set()
-  first = int(c["num_hidden_layers"])
-  extra = int(c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 1)) or 0)
-  prefixes = tuple(f"model.layers.{first + j}." for j in range(extra))
+  first = int(text["num_hidden_layers"])
+  extra = int(text.get("num_nextn_predict_layers", text.get("num_mtp_layers", 1)) or 0)
+  named = _language_model_names(c, files)  # a vision-language folder's names
+  prefixes = tuple(named(f"model.layers.{first + j}.") for j in range(extra))
   return {n for n in files if prefixes and n.startswith(prefixes)}
 
 

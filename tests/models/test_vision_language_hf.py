@@ -1,7 +1,8 @@
-"""Qwen3-VL (Qwen3VLForConditionalGeneration, 2B-32B): its language model read alone, as
-Qwen3. On text the multimodal rotary embedding's three position axes are equal, where it is
-the 1D one: logits and greedy generation equal transformers' vision-language model's on
-text; the vision tower stays in the files."""
+"""Vision-language folders whose language model is read alone, for text post-training:
+Qwen3-VL (as Qwen3) and Qwen3-VL-MoE (as Qwen3-MoE), GLM-4.1V (as GLM-4) and GLM-4.5V (as
+GLM-4.5). On text their multimodal rotary embeddings' three position axes are equal, where
+each is its family's 1D one: logits and greedy generation equal transformers'
+vision-language model's on text; the vision tower stays in the files."""
 
 import json
 import shutil
@@ -134,3 +135,80 @@ def test_a_mixture_folder_reads_as_qwen3_moe(tmp_path):
   with torch.no_grad():
     np.testing.assert_allclose(back(torch.as_tensor(TOKENS)).logits.numpy(), want, atol=1e-4,
                                rtol=0)
+
+
+def test_a_glm4v_folder_reads_as_glm4(tmp_path):
+  """GLM-4.1V / GLM-4.6V-Flash (Glm4vForConditionalGeneration): its language model is
+  GLM-4 (sandwich norms, q/k/v biases, half of each head rotated, interleaved), whose
+  multimodal rotary embedding is GLM's 1D one on text."""
+  text = transformers.Glm4vTextConfig(
+      vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+      initializer_range=0.3, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                               "partial_rotary_factor": 0.5,
+                                               "mrope_section": [2, 1, 1]})
+  vision = transformers.Glm4vVisionConfig(depth=1, hidden_size=16, intermediate_size=32,
+                                          num_heads=2, out_hidden_size=64, patch_size=4,
+                                          spatial_merge_size=2, temporal_patch_size=2,
+                                          image_size=16)
+  cfg = transformers.Glm4vConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
+  torch.manual_seed(0)
+  hf = perturb(transformers.Glm4vForConditionalGeneration(cfg).float().eval())
+  hf.save_pretrained(tmp_path / "vlm")
+  ours = models.from_pretrained(str(tmp_path / "vlm"))
+  assert ours.cfg.architecture == "Glm4ForCausalLM" and ours.cfg.qkv_bias
+  assert ours.cfg.sandwich_norms and ours.cfg.rope.partial_rotary_factor == 0.5
+  with torch.no_grad():
+    want = hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy()
+  got = np.asarray(nnx.jit(lambda m, t: m(t))(ours, TOKENS))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  assert np.abs(want).max() > 3
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  back = transformers.Glm4ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(back(torch.as_tensor(TOKENS)).logits.numpy(), want, atol=1e-4,
+                               rtol=0)
+
+
+def test_a_glm4v_moe_folder_reads_as_glm4_5(tmp_path):
+  """GLM-4.5V / GLM-4.6V (Glm4vMoeForConditionalGeneration): GLM-4.5's mixture (sigmoid
+  routing with a correction bias, a shared expert, a leading dense layer) in per-expert
+  files; the logits are transformers' on text."""
+  text = transformers.Glm4vMoeTextConfig(
+      vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+      initializer_range=0.3, moe_intermediate_size=24, n_routed_experts=6,
+      num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+      rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]})
+  vision = transformers.Glm4vMoeVisionConfig(depth=1, hidden_size=16, intermediate_size=32,
+                                             num_heads=2, out_hidden_size=64, patch_size=4,
+                                             spatial_merge_size=2, temporal_patch_size=2,
+                                             image_size=16)
+  cfg = transformers.Glm4vMoeConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
+  torch.manual_seed(0)
+  hf = perturb(transformers.Glm4vMoeForConditionalGeneration(cfg).float().eval())
+  with torch.no_grad():  # routers that prefer different experts per token
+    for name, p in hf.named_parameters():
+      if name.endswith("mlp.gate.weight"):
+        p.normal_(0.0, 0.5)
+    for name, b in hf.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.normal_(0.0, 0.3)
+  hf.save_pretrained(tmp_path / "vlm")
+  # a multi-token-prediction layer after the last one, as GLM-4.5's files hold: not read
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(tmp_path / "vlm" / "model.safetensors"))
+  tensors["model.language_model.layers.2.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+  save_file(tensors, str(tmp_path / "vlm" / "model.safetensors"))
+  config = json.loads((tmp_path / "vlm" / "config.json").read_text())
+  config["text_config"]["num_nextn_predict_layers"] = 1
+  (tmp_path / "vlm" / "config.json").write_text(json.dumps(config))
+  ours = models.from_pretrained(str(tmp_path / "vlm"))
+  assert ours.cfg.architecture == "Glm4MoeForCausalLM" and ours.cfg.qkv_bias
+  assert (ours.cfg.num_experts, ours.cfg.dense_layers, ours.cfg.shared_expert_dim) == (6, 1, 24)
+  with torch.no_grad():
+    want = hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy()
+  got = np.asarray(nnx.jit(lambda m, t: m(t))(ours, TOKENS))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  assert np.abs(want).max() > 3
