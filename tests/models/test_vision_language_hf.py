@@ -212,3 +212,40 @@ def test_a_glm4v_moe_folder_reads_as_glm4_5(tmp_path):
   got = np.asarray(nnx.jit(lambda m, t: m(t))(ours, TOKENS))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
   assert np.abs(want).max() > 3
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_vision_language_folder(tmp_path):
+  """A GRPO run with `init_from` a Qwen3-VL folder: the language model trains (SFT and RL
+  steps with rollouts) and exports as a Qwen3 folder transformers computes our logits
+  with."""
+  from posttrain import trainer
+  from posttrain.export import export_checkpoint
+  from posttrain.metrics import read_metrics
+  from tests.test_family_runs import _config
+  text = transformers.Qwen3VLTextConfig(
+      vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
+      rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                       "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+  vision = transformers.Qwen3VLVisionConfig(
+      depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+      patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0],
+      num_position_embeddings=16)
+  cfg = transformers.Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                   tie_word_embeddings=True)
+  torch.manual_seed(0)
+  transformers.Qwen3VLForConditionalGeneration(cfg).float().save_pretrained(tmp_path / "vlm")
+  config = _config(init_from=str(tmp_path / "vlm"))
+  trainer.train(config, str(tmp_path / "run"))
+  rl = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
+  assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+  out = str(tmp_path / "export")
+  assert export_checkpoint(config, str(tmp_path / "run"), out)["architecture"] == (
+      "Qwen3ForCausalLM")
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+  tokens = np.random.default_rng(0).integers(0, 272, (2, 24))
+  with torch.no_grad():
+    want = theirs(torch.as_tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(models.from_pretrained(out)(tokens)), want,
+                             atol=1e-4, rtol=0)
