@@ -183,10 +183,10 @@ class RopeConfig:
 class ModelConfig:
   """Shapes and options of a decoder-only transformer (Llama 3, Mistral, Ministral 3,
   Qwen2.5, Qwen3, Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 / Phi-4, SmolLM3,
-  Seed-OSS, EXAONE 4, GLM-4, Qwen3.5, Granite 3 / 4, the Mamba2 hybrids Granite 4-H, Bamba,
-  Nemotron-H and Falcon-H1, LFM2 (short convolutions), and the mixtures of experts
-  Qwen3-MoE, OLMoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, DeepSeek-V2 / V3, MiniMax-M2, Granite
-  MoE, Nemotron 3 and Llama 4).
+  Seed-OSS, EXAONE 4, ERNIE 4.5, GLM-4, Qwen3.5, Granite 3 / 4, the Mamba2 hybrids Granite
+  4-H, Bamba, Nemotron-H and Falcon-H1, LFM2 (short convolutions), and the mixtures of
+  experts Qwen3-MoE, OLMoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, DeepSeek-V2 / V3,
+  MiniMax-M2, Granite MoE, Nemotron 3 and Llama 4).
 
   Attributes:
     architecture: the HF class name this config maps to (LlamaForCausalLM, ...).

@@ -49,13 +49,14 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
               "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
-              "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM")
+              "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
+              "Ernie4_5ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
-                  "Lfm2ForCausalLM", "OlmoeForCausalLM")
+                  "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -89,7 +90,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
                 "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
-                "Exaone4ForCausalLM": "exaone4"}
+                "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -136,6 +137,10 @@ OLMOE = "OlmoeForCausalLM"
 # sliding_window its layers sliding (layer_types, or every sliding_window_pattern-th one
 # full) and only those rotating: the full layers are NoPE.
 EXAONE4 = "Exaone4ForCausalLM"
+# ERNIE 4.5 (Baidu's dense ERNIE-4.5-0.3B): Llama with an interleaved rotary embedding
+# (pairs 2i, 2i + 1, as Llama 4's), tied embeddings by default; use_bias (biases on
+# every projection, the MLP's too) is not read.
+ERNIE4_5 = "Ernie4_5ForCausalLM"
 # Granite 3 (IBM granite-3.x): Llama's layout and names, scaled by four scalars
 # (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
 # logits_scaling); attention_bias covers the output projection too.
@@ -309,6 +314,8 @@ _CLASS_DEFAULTS = {
                              rope_theta=10_000.0),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=500_000.0, sliding_window=4096),
+    ERNIE4_5: dict(rms_norm_eps=1e-5, max_position_embeddings=131_072, head_dim=128,
+                   rope_theta=500_000.0, tie_word_embeddings=True, use_bias=False),
     EXAONE4: dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
                   sliding_window_pattern=4, tie_word_embeddings=False),
     OLMOE: dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10_000.0,
@@ -579,6 +586,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      "model has one label (num_labels=1), one score per sequence")
   if c.get("mlp_bias"):
     raise ValueError("mlp_bias=true in config.json is not supported")
+  if lm == ERNIE4_5 and c.get("use_bias"):
+    raise ValueError("use_bias=true in an ERNIE 4.5 config.json (biases on the MLP's "
+                     "projections too) is not supported")
   gemma = lm in GEMMAS
   act = (c.get("hidden_activation") or c.get("hidden_act")
          or ("gelu_pytorch_tanh" if gemma else "silu"))
@@ -1059,7 +1069,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
-                      MINISTRAL3, EXAONE4)
+                      MINISTRAL3, EXAONE4, ERNIE4_5)
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
               + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4))
@@ -1588,7 +1598,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
-  if lm == LFM2 and cfg.qkv_bias:
+  if lm in (LFM2, ERNIE4_5) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
@@ -1656,6 +1666,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(sliding_window=cfg.sliding_window,
                layer_types=["sliding_attention" if s else "full_attention"
                             for s in cfg.sliding_layers])
+  if lm == ERNIE4_5:
+    out["use_bias"] = False
   if lm == SEED_OSS:  # no dropout: what the model was trained and run with here
     out.update(attention_out_bias=cfg.attn_out_bias, mlp_bias=False, attention_dropout=0.0,
                residual_dropout=0.0)
@@ -1927,7 +1939,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   fused = _causal_lm(cfg.architecture) == PHI3
   fused_mlp = _causal_lm(cfg.architecture) in (PHI3, GLM4)
   qk_in, qk_bias = proj_in, bias
-  if _causal_lm(cfg.architecture) in (GLM4, LLAMA4):  # interleaved rotary <-> rotate-half
+  if _causal_lm(cfg.architecture) in _INTERLEAVED:  # interleaved rotary <-> rotate-half
     qk_in = _interleaved_rows(proj_in, h, d, cfg)
     qk_bias = _interleaved_rows(bias, h, None, cfg)
 
@@ -2345,6 +2357,10 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   return rows
 
 
+# Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
+_INTERLEAVED = (GLM4, LLAMA4, ERNIE4_5)
+
+
 def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
                       d: int | None, cfg: ModelConfig) -> Callable[[int], tuple]:
   """`inner` (heads -> (HF -> ours, ours -> HF) of a q/k weight [heads * h, d], or bias
@@ -2548,7 +2564,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "and up, [E, D, 2F]; export the model merged (save_pretrained)")
   r = cfg.lora_rank
   rows = []
-  interleaved = _causal_lm(cfg.architecture) in (GLM4, LLAMA4)
+  interleaved = _causal_lm(cfg.architecture) in _INTERLEAVED
   for t, i in ((t, i) for t in cfg.lora_target_names for i in range(cfg.num_layers)):
     stack = layer_path(cfg, i)[0]
     if t not in stack_lora_targets(cfg, stack):
