@@ -185,7 +185,7 @@ class ModelConfig:
   Qwen2.5, Qwen3, Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 / Phi-4, SmolLM3,
   Seed-OSS, EXAONE 4, ERNIE 4.5, GLM-4, Qwen3.5, Granite 3 / 4, the Mamba2 hybrids Granite
   4-H, Bamba, Nemotron-H and Falcon-H1, LFM2 (short convolutions), and the mixtures of
-  experts Qwen3-MoE, OLMoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, DeepSeek-V2 / V3,
+  experts Qwen3-MoE, OLMoE, ERNIE 4.5, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, DeepSeek-V2 / V3,
   MiniMax-M2, Granite MoE, Nemotron 3 and Llama 4).
 
   Attributes:
@@ -364,6 +364,9 @@ class ModelConfig:
       (Nemotron 3's moe_latent_size). 0: none.
     router_correction_bias: sigmoid routing has its score_correction_bias (GLM-4.5,
       DeepSeek-V3, MiniMax-M2); False: none, the top-k by the scores alone (Llama 4).
+    softmax_correction_bias: softmax routing chooses each token's top-k on the
+      probabilities plus a `score_correction_bias` (which the train step leaves as it is)
+      and weights them by the probabilities alone (ERNIE 4.5's moe_statics).
     embedding_multiplier / residual_multiplier / attention_multiplier / logits_scaling:
       Granite's (IBM Granite 3) scalars: the embeddings times the first, each sublayer's
       output times the second before its residual add, the attention logits scaled by
@@ -486,6 +489,7 @@ class ModelConfig:
   attn_position_scale_length: int = 0
   routed_input_scaling: bool = False
   router_correction_bias: bool = True
+  softmax_correction_bias: bool = False
   moe_latent_dim: int = 0
   parallel_mixer: bool = False
   attention_in_multiplier: float = 1.0
@@ -833,6 +837,14 @@ class ModelConfig:
       raise ValueError(f"{', '.join(held)} with parallel_mixer=True are not supported")
 
   @property
+  def has_correction_bias(self) -> bool:
+    """Whether the routers hold a score_correction_bias [E] (sigmoid routing's, or
+    softmax_correction_bias)."""
+    return bool(self.num_experts) and (
+        (self.router_scoring == "sigmoid" and self.router_correction_bias)
+        or self.softmax_correction_bias)
+
+  @property
   def linear_mixers(self) -> bool:
     """Whether the model has Gated DeltaNet, Mamba2 or short-convolution mixers, in
     linear_attention layers or beside every attention (parallel_mixer): a recurrent state
@@ -951,6 +963,10 @@ class ModelConfig:
     if not self.router_correction_bias and self.router_scoring != "sigmoid":
       raise ValueError("router_correction_bias=False is sigmoid routing's option "
                        "(router_scoring='sigmoid')")
+    if self.softmax_correction_bias and (self.router_scoring != "softmax"
+                                         or not self.num_experts):
+      raise ValueError("softmax_correction_bias=True needs a mixture of experts with "
+                       "router_scoring='softmax'")
 
   def _check_gemma_fields(self) -> None:
     if self.mlp_activation not in MLP_ACTIVATIONS:
@@ -1202,8 +1218,7 @@ class ModelConfig:
     if self.qk_norm:
       attn += (h + kv) * hd if self.qk_norm_heads else 2 * hd
     attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
-    router = (d + self.router_bias + (self.router_scoring == "sigmoid"
-                                      and self.router_correction_bias)) * self.num_experts
+    router = (d + self.router_bias + self.has_correction_bias) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
     mats = 2 if self.mlp_activation == "relu2" else 3  # no gate_proj without a gate
     latent = self.moe_latent_dim or d  # the experts' input and output width

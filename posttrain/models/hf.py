@@ -50,13 +50,14 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
               "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
               "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
-              "Ernie4_5ForCausalLM")
+              "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
-                  "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM")
+                  "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
+                  "Ernie4_5_MoeForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -90,7 +91,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
                 "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
-                "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5"}
+                "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5",
+                "Ernie4_5_MoeForCausalLM": "ernie4_5_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -141,6 +143,12 @@ EXAONE4 = "Exaone4ForCausalLM"
 # (pairs 2i, 2i + 1, as Llama 4's), tied embeddings by default; use_bias (biases on
 # every projection, the MLP's too) is not read.
 ERNIE4_5 = "Ernie4_5ForCausalLM"
+# ERNIE 4.5's mixtures (ERNIE-4.5-21B-A3B, 300B-A47B): its attention, and from layer
+# moe_layer_start_index on a mixture (softmax routing whose choice adds the
+# moe_statics' correction bias, `ModelConfig.softmax_correction_bias`; the top-k
+# renormalised; ungated shared experts) in per-expert files.
+ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
+_ERNIES = (ERNIE4_5, ERNIE4_5_MOE)
 # Granite 3 (IBM granite-3.x): Llama's layout and names, scaled by four scalars
 # (`ModelConfig` embedding_multiplier, residual_multiplier, attention_multiplier,
 # logits_scaling); attention_bias covers the output projection too.
@@ -316,6 +324,12 @@ _CLASS_DEFAULTS = {
                              rope_theta=500_000.0, sliding_window=4096),
     ERNIE4_5: dict(rms_norm_eps=1e-5, max_position_embeddings=131_072, head_dim=128,
                    rope_theta=500_000.0, tie_word_embeddings=True, use_bias=False),
+    ERNIE4_5_MOE: dict(rms_norm_eps=1e-5, max_position_embeddings=131_072,
+                       rope_theta=500_000.0, tie_word_embeddings=True, use_bias=False,
+                       moe_intermediate_size=1536, moe_k=6, moe_num_experts=64,
+                       moe_num_shared_experts=2, moe_layer_start_index=1,
+                       moe_layer_end_index=-1, moe_layer_interval=1,
+                       router_aux_loss_coef=0.001),
     EXAONE4: dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
                   sliding_window_pattern=4, tie_word_embeddings=False),
     OLMOE: dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10_000.0,
@@ -438,7 +452,8 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
               GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES,
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
-              MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES}
+              MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
+              ERNIE4_5_MOE: _QWEN_MOE_NAMES}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
               "short_factor", "long_factor", "partial_rotary_factor")
@@ -586,7 +601,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      "model has one label (num_labels=1), one score per sequence")
   if c.get("mlp_bias"):
     raise ValueError("mlp_bias=true in config.json is not supported")
-  if lm == ERNIE4_5 and c.get("use_bias"):
+  if lm in _ERNIES and c.get("use_bias"):
     raise ValueError("use_bias=true in an ERNIE 4.5 config.json (biases on the MLP's "
                      "projections too) is not supported")
   gemma = lm in GEMMAS
@@ -1069,7 +1084,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
-                      MINISTRAL3, EXAONE4, ERNIE4_5)
+                      MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
               + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4))
@@ -1238,6 +1253,22 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
             "ffn_dim": int(c["moe_intermediate_size"]), "dense_layers": len(dense),
             "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0, **shared,
+            **_aux_loss_from_hf(c)}
+  if arch == ERNIE4_5_MOE:
+    layers = int(c["num_hidden_layers"])
+    start, end = int(c["moe_layer_start_index"]), int(c["moe_layer_end_index"])
+    end = layers - 1 if end == -1 else end
+    if int(c["moe_layer_interval"]) != 1 or end != layers - 1:
+      raise ValueError(f"moe_layer_interval={c['moe_layer_interval']!r}, "
+                       f"moe_layer_end_index={c['moe_layer_end_index']!r} in an ERNIE 4.5 "
+                       "config.json: the mixture layers must run from moe_layer_start_index "
+                       "to the last layer")
+    width = int(c["moe_intermediate_size"])
+    return {"num_experts": int(c.get("moe_num_experts") or c["num_experts"]),
+            "num_experts_per_tok": int(c.get("moe_k") or c["num_experts_per_tok"]),
+            "norm_topk_prob": True, "ffn_dim": width, "softmax_correction_bias": True,
+            "shared_expert_dim": int(c.get("moe_num_shared_experts") or 0) * width,
+            "dense_layers": start, "dense_ffn_dim": int(c["intermediate_size"]) if start else 0,
             **_aux_loss_from_hf(c)}
   if arch == OLMOE:
     return {"num_experts": int(c.get("num_experts") or c["num_local_experts"]),
@@ -1435,7 +1466,10 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
                          f"{cfg.architecture}, which always has {name}={value!r}")
     return
   fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2,
-               routed_input_scaling=lm == LLAMA4, router_correction_bias=lm != LLAMA4)
+               routed_input_scaling=lm == LLAMA4, router_correction_bias=lm != LLAMA4,
+               softmax_correction_bias=lm == ERNIE4_5_MOE)
+  if lm == ERNIE4_5_MOE:
+    fixed.update(norm_topk_prob=True)
   if lm == LLAMA4:
     fixed.update(norm_topk_prob=False, dense_layers=0, shared_expert_dim=cfg.ffn_dim)
   else:
@@ -1452,7 +1486,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(dense_layers=0)
   if lm in (GRANITE_HYBRID, GRANITE_SHARED):
     fixed.update(dense_layers=0)
-  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID, GRANITE_SHARED)):
+  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID, GRANITE_SHARED, ERNIE4_5_MOE)):
     fixed.update(shared_expert_dim=0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -1464,7 +1498,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   if lm == GRANITE_HYBRID and not cfg.shared_expert_dim:
     raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, whose "
                      "layers always have a shared_mlp (beside the experts when it has them)")
-  if grouped and cfg.shared_expert_dim % cfg.ffn_dim:
+  if (grouped or lm == ERNIE4_5_MOE) and cfg.shared_expert_dim % cfg.ffn_dim:
     raise ValueError(f"shared_expert_dim={cfg.shared_expert_dim} cannot be written as "
                      f"{cfg.architecture}, whose shared experts are n_shared_experts of "
                      f"width ffn_dim={cfg.ffn_dim}")
@@ -1598,7 +1632,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
-  if lm in (LFM2, ERNIE4_5) and cfg.qkv_bias:
+  if lm in (LFM2,) + _ERNIES and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
@@ -1666,8 +1700,15 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(sliding_window=cfg.sliding_window,
                layer_types=["sliding_attention" if s else "full_attention"
                             for s in cfg.sliding_layers])
-  if lm == ERNIE4_5:
+  if lm in _ERNIES:
     out["use_bias"] = False
+  if lm == ERNIE4_5_MOE:
+    out.update(moe_num_experts=cfg.num_experts, moe_k=cfg.num_experts_per_tok,
+               moe_intermediate_size=cfg.ffn_dim,
+               moe_num_shared_experts=cfg.shared_expert_dim // cfg.ffn_dim,
+               moe_layer_start_index=cfg.dense_layers, moe_layer_end_index=cfg.num_layers - 1,
+               moe_layer_interval=1, moe_norm_min=1e-12,
+               intermediate_size=cfg.dense_ffn_dim or cfg.ffn_dim)
   if lm == SEED_OSS:  # no dropout: what the model was trained and run with here
     out.update(attention_out_bias=cfg.attn_out_bias, mlp_bias=False, attention_dropout=0.0,
                residual_dropout=0.0)
@@ -2010,7 +2051,11 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       router, gate, up, down = _MOE_NAMES[_causal_lm(cfg.architecture)]
       rows.append((p + ("mlp", "router"), hf + router + ".weight", lambda x: x.T,
                    lambda x: x.T, (d, cfg.num_experts)))
-      if cfg.router_scoring == "sigmoid" and cfg.router_correction_bias:  # MiniMax-M2: by its gate
+      if _causal_lm(cfg.architecture) == ERNIE4_5_MOE:  # moe_statics', [1, E]
+        rows.append((p + ("mlp", "score_correction_bias"),
+                     hf + "mlp.moe_statics.e_score_correction_bias", lambda x: x[0],
+                     lambda x: x[None], (cfg.num_experts,)))
+      elif cfg.has_correction_bias:  # MiniMax-M2's: by its gate
         owner = "block_sparse_moe" if _causal_lm(cfg.architecture) == MINIMAX_M2 else router
         rows.append((p + ("mlp", "score_correction_bias"),
                      hf + owner + ".e_score_correction_bias", ident, ident,
@@ -2358,7 +2403,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (GLM4, LLAMA4, ERNIE4_5)
+_INTERLEAVED = (GLM4, LLAMA4) + _ERNIES
 
 
 def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,

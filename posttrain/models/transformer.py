@@ -2,7 +2,7 @@
 Qwen3.5 (Gated DeltaNet layers) / Gemma / Gemma 2 / Gemma 3 / OLMo / Phi-3 / SmolLM3 /
 Seed-OSS / EXAONE 4 / ERNIE 4.5 / GLM-4 / Granite (Granite 4-H and Bamba: Mamba2 layers) /
 LFM2 (short convolutions) families and the mixtures of experts Qwen3-MoE / Qwen3.5-MoE /
-Qwen3-Next / Qwen2-MoE / OLMoE / Mixtral / gpt-oss / GLM-4.5 / DeepSeek-V2 / V3 (multi-head
+Qwen3-Next / Qwen2-MoE / OLMoE / ERNIE 4.5 / Mixtral / gpt-oss / GLM-4.5 / DeepSeek-V2 / V3 (multi-head
 latent attention) (Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
@@ -1225,7 +1225,9 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
   softmax scoring: by the router's softmax (in float32; the logits plus `bias_E` when
   given), the weights rescaled to sum to one with `normalize` (gpt-oss's softmax over
   the top-k logits); with `groups`, among the experts of the `group_topk` groups with the
-  best single probability (DeepSeek-V2's group_limited_greedy).
+  best single probability (DeepSeek-V2's group_limited_greedy); with `correction_E`
+  (ERNIE 4.5), the top-k of the probabilities plus it (no gradient), weighted by the
+  probabilities, the logits from float32 inputs.
 
   sigmoid scoring (GLM-4.5, DeepSeek-V3): each expert scores sigmoid(logit), the logits
   from float32 inputs; the top-k is chosen on the scores plus `correction_E` (which
@@ -1269,6 +1271,8 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
       weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
   else:
+    if correction_E is not None:  # ERNIE 4.5: the router in float32
+      x_NxD = x_NxD.astype(jnp.float32)
     logits = jnp.einsum("ND,DE->NE", x_NxD, router_DxE.astype(x_NxD.dtype),
                         preferred_element_type=jnp.float32)
     if bias_E is not None:
@@ -1276,6 +1280,10 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
     probs = jax.nn.softmax(logits, axis=-1)
     if experts_NxK is not None:
       experts = experts_NxK
+      weights = jnp.take_along_axis(probs, experts, axis=-1)
+    elif correction_E is not None:
+      choice = probs + correction_E.astype(jnp.float32)[None]
+      _, experts = jax.lax.top_k(jax.lax.stop_gradient(choice), top_k)
       weights = jnp.take_along_axis(probs, experts, axis=-1)
     elif groups > 1:
       n, e = probs.shape
@@ -1455,7 +1463,7 @@ class MoE(nnx.Module):
       self.gate_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.up_bias = _param(None, (e, f), ("experts", "mlp"), pd, init="zeros")
       self.down_bias = _param(None, (e, d), ("experts", "embed"), pd, init="zeros")
-    if cfg.router_scoring == "sigmoid" and cfg.router_correction_bias:
+    if cfg.has_correction_bias:
       # float32, as transformers keeps it
       self.score_correction_bias = _param(None, (e,), ("experts",), jnp.float32,
                                           init="zeros")
@@ -1508,8 +1516,8 @@ class MoE(nnx.Module):
       x_experts = ctx.constrain(
           jnp.einsum("BTD,DL->BTL", x_BxTxD.astype(dt), self.latent_in[...].astype(dt)),
           ("batch", "length", "latent"))
-    if cfg.router_scoring == "sigmoid":  # the router in float32, as transformers runs it
-      weights[0] = self.router[...].astype(jnp.float32)
+    if cfg.router_scoring == "sigmoid" or cfg.softmax_correction_bias:
+      weights[0] = self.router[...].astype(jnp.float32)  # in float32, as transformers runs it
     # Biases (gpt-oss), zeros where the model has none: [E], [E, F], [E, F], [E, D].
     weights += [getattr(self, name)[...].astype(dt) if hasattr(self, name) else
                 jnp.zeros(shape, dt) for name, shape in (
@@ -1552,7 +1560,8 @@ class MoE(nnx.Module):
       routing = functools.partial(
           route, x_NxD, router, k, cfg.norm_topk_prob, return_probs=True,
           bias_E=router_b if cfg.router_bias else None, scoring=cfg.router_scoring,
-          correction_E=correction, groups=cfg.router_groups,
+          correction_E=correction if cfg.has_correction_bias else None,
+          groups=cfg.router_groups,
           group_topk=cfg.router_group_topk, scale=cfg.routed_scaling_factor)
       w, e, probs = routing(experts_NxK=None if replay is None else given.reshape(lb * lt, k))
       own = e

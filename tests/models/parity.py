@@ -298,3 +298,24 @@ def check_export_files(folder, ours, out) -> dict:
     np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
   with open(f"{out}/config.json") as f:
     return json.load(f)
+
+
+def check_logits(folder, hf_model, tokens, scan: bool, atol: float = 1e-4):
+  """The model read from `folder` (layer list or scanned) computes transformers' logits
+  of int `tokens`, and they are large enough for the tolerance to mean something."""
+  want = hf_logits(hf_model, tokens)
+  got = nnx.jit(lambda m, t: m(t))(models.from_pretrained(folder, scan_layers=scan), tokens)
+  np.testing.assert_allclose(np.asarray(got), want, atol=atol, rtol=0)
+  assert np.abs(want).max() > 3
+
+
+def check_export_round_trip(folder, hf_model, cls, tokens, out) -> dict:
+  """The model read from `folder`, written to `out`: the folder's tensors bit for bit
+  (`check_export_files`), a config.json that reads back to the same ModelConfig, and a
+  folder transformers' `cls` loads to `hf_model`'s logits exactly; returns the config."""
+  ours = models.from_pretrained(folder)
+  written = check_export_files(folder, ours, out)
+  assert models.hf_config_to_model_config(written) == ours.cfg
+  back = cls.from_pretrained(str(out)).float().eval()
+  np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf_model, tokens))
+  return written

@@ -14,6 +14,7 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models import bnb, quant
+from tests.models.test_quant import assert_same_codes
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -144,16 +145,7 @@ def test_an_nf4_folder_reads_onto_a_mesh_as_on_one_device(folders):
   mesh = models.make_mesh((1, 2, 2, 1), devices=jax.devices()[:4])
   kw = dict(lora_rank=4, base_quantization="nf4", scan_layers=True)
   sharded, plain = (models.from_pretrained(folder, mesh=m, **kw) for m in (mesh, None))
-  flat = dict(nnx.to_flat_state(nnx.state(plain)))
-  held = 0
-  for path, v in nnx.to_flat_state(nnx.state(sharded)):
-    if isinstance(v, quant.QuantizedParam):
-      held += 1
-      got, want = v.get_value(), flat[path].get_value()
-      assert got.values.sharding.mesh.shape == mesh.shape
-      np.testing.assert_array_equal(got.values, want.values, err_msg=str(path))
-      np.testing.assert_array_equal(got.scales, want.scales, err_msg=str(path))
-  assert held == 7
+  assert assert_same_codes(sharded, plain, mesh) == 7
 
 
 def _copy(folders, scheme, tmp_path):

@@ -288,6 +288,21 @@ def test_the_train_step_moves_the_adapters_over_a_base_it_never_changes(tmp_path
     np.testing.assert_array_equal(a, b)
 
 
+def assert_same_codes(read, want, mesh) -> int:
+  """`read`'s quantized weights (laid out on `mesh`) hold `want`'s codes and scales, bit
+  for bit; returns how many there are."""
+  flat = dict(nnx.to_flat_state(nnx.state(want)))
+  held = 0
+  for path, v in nnx.to_flat_state(nnx.state(read)):
+    if isinstance(v, quant.QuantizedParam):
+      held += 1
+      got, ref = v.get_value(), flat[path].get_value()
+      assert got.values.sharding.mesh.shape == mesh.shape
+      np.testing.assert_array_equal(got.values, ref.values, err_msg=str(path))
+      np.testing.assert_array_equal(got.scales, ref.scales, err_msg=str(path))
+  return held
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_a_folder_is_quantized_as_it_is_read_and_exports_dequantized(scan, tmp_path):
   """from_pretrained(..., base_quantization=) quantizes each tensor as it reads it (on a
@@ -305,15 +320,7 @@ def test_a_folder_is_quantized_as_it_is_read_and_exports_dequantized(scan, tmp_p
   want = models.with_lora(models.merge_lora(plain), 3, jax.random.key(0),
                           base_quantization="int8", lora_alpha=6.0,
                           lora_targets=MOE.lora_targets)
-  flat = dict(nnx.to_flat_state(nnx.state(want)))
-  held = 0
-  for path, v in nnx.to_flat_state(nnx.state(read)):
-    if isinstance(v, quant.QuantizedParam):
-      held += 1
-      got, ref = v.get_value(), flat[path].get_value()
-      assert got.values.sharding.mesh.shape == mesh.shape
-      np.testing.assert_array_equal(got.values, ref.values, err_msg=str(path))
-      np.testing.assert_array_equal(got.scales, ref.scales, err_msg=str(path))
+  held = assert_same_codes(read, want, mesh)
   assert held == (1 if scan else 2) * 7  # a layer's attention 4, its experts 3
   read = randomise_adapters(read)
   models.save_pretrained(read, out)

@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from posttrain import models
-from tests.models.parity import (check_export_files, check_reward_model_round_trip,
-                                 greedy_tokens, hf_logits, perturb, save_families)
+from tests.models.parity import (check_export_round_trip, check_logits,
+                                 check_reward_model_round_trip, greedy_tokens, perturb,
+                                 save_families)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -26,7 +26,6 @@ VARIANTS = {
 }
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
-_jitted_logits = nnx.jit(lambda m, t: m(t))
 
 
 def _hf_model(variant, cls="SeedOssForCausalLM", **extra):
@@ -52,11 +51,7 @@ def test_config_reads_the_biases(saved):
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(saved, variant, scan):
-  folder, hf = saved[variant]
-  want = hf_logits(hf, TOKENS)
-  got = np.asarray(_jitted_logits(models.from_pretrained(folder, scan_layers=scan), TOKENS))
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-  assert np.abs(want).max() > 3
+  check_logits(*saved[variant], TOKENS, scan)
 
 
 @pytest.mark.parametrize("variant,scan", [("qkv_bias", False), ("all_biases", True)])
@@ -69,16 +64,13 @@ def test_greedy_generation_matches_transformers(saved, variant, scan):
 def test_export_round_trip_is_exact(saved, variant, tmp_path):
   """save_pretrained writes the folder's tensors bit for bit and a config transformers
   reads back to the same model (no dropout: none was applied here)."""
-  folder, hf = saved[variant]
-  ours = models.from_pretrained(folder)
-  written = check_export_files(folder, ours, tmp_path / "out")
+  written = check_export_round_trip(*saved[variant], transformers.SeedOssForCausalLM, TOKENS,
+                                    tmp_path / "out")
+  cfg = models.hf_config_to_model_config(written)
   assert written["model_type"] == "seed_oss"
   assert (written["attention_bias"], written["attention_out_bias"]) == (
-      ours.cfg.qkv_bias, ours.cfg.attn_out_bias)
+      cfg.qkv_bias, cfg.attn_out_bias)
   assert written["attention_dropout"] == written["residual_dropout"] == 0.0
-  back = transformers.SeedOssForCausalLM.from_pretrained(str(tmp_path / "out")).float()
-  np.testing.assert_array_equal(hf_logits(back.eval(), TOKENS), hf_logits(hf, TOKENS))
-  assert models.hf_config_to_model_config(written) == ours.cfg
 
 
 def test_reward_model_scores_match_transformers(tmp_path):
