@@ -2,8 +2,8 @@
 Qwen3.5 (Gated DeltaNet layers) / Gemma / Gemma 2 / Gemma 3 / OLMo / Phi-3 / SmolLM3 /
 Seed-OSS / EXAONE 4 / ERNIE 4.5 / GLM-4 / Granite (Granite 4-H and Bamba: Mamba2 layers) /
 LFM2 (short convolutions) families and the mixtures of experts Qwen3-MoE / Qwen3.5-MoE /
-Qwen3-Next / Qwen2-MoE / OLMoE / ERNIE 4.5 / Mixtral / gpt-oss / GLM-4.5 / DeepSeek-V2 / V3 (multi-head
-latent attention) (Flax NNX).
+Qwen3-Next / Qwen2-MoE / OLMoE / ERNIE 4.5 / Mixtral / gpt-oss / GLM-4.5 / DeepSeek-V2 / V3
+(multi-head latent attention) (Flax NNX).
 
 Shapes in names: B batch, T length, S cache length, D d_model, N heads, K kv heads,
 H head_dim, F ffn, V vocab, E experts. Parameters carry logical axis names
