@@ -68,7 +68,8 @@ def test_logits_match_transformers(saved, scan):
   assert np.abs(np.asarray(_jitted_logits(ours, TOKENS)) - want).max() > 1e-3
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["layers", "scanned"])  # scanned with the slow tests
 def test_greedy_generation_matches_transformers(saved, scan):
   for i, (got, want) in enumerate(greedy_tokens(*saved, PROMPTS, 12, scan)):
     assert got == want, i

@@ -66,8 +66,10 @@ def test_logits_match_transformers(saved, variant, scan):
   check_logits(*saved[variant], TOKENS, scan)
 
 
-@pytest.mark.parametrize("variant,scan", [("hybrid", False), ("hybrid", True),
-                                          ("global", False)])
+# The scanned and the all-global variants with the slow tests.
+@pytest.mark.parametrize("variant,scan", [
+    ("hybrid", False), pytest.param("hybrid", True, marks=pytest.mark.slow),
+    pytest.param("global", False, marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   """Through the sampler's KV cache: the sliding layers' rings of keys, the NoPE layer's
   keys cached unrotated."""

@@ -82,7 +82,9 @@ def test_the_query_scaling_moves_the_logits(saved):
   assert moved[:, :6].max() == 0 and moved[:, 6:].max() > 1e-2
 
 
-@pytest.mark.parametrize("variant,scan", [("yarn", False), ("window", True)])
+# The second variant (scanned) with the slow tests.
+@pytest.mark.parametrize("variant,scan", [
+    ("yarn", False), pytest.param("window", True, marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   """Through the sampler's KV cache, decoding past the pre-training context."""
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 12, scan)):

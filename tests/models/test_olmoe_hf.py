@@ -72,7 +72,9 @@ def test_logits_match_transformers(saved, variant, scan):
   assert np.abs(np.asarray(_jitted_logits(ours, TOKENS)) - want).max() > 1e-3
 
 
-@pytest.mark.parametrize("variant,scan", [("olmoe", False), ("biased_norm", True)])
+# The second variant (scanned) with the slow tests.
+@pytest.mark.parametrize("variant,scan", [
+    ("olmoe", False), pytest.param("biased_norm", True, marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 12, scan)):
     assert got == want, (variant, i)

@@ -54,7 +54,9 @@ def test_logits_match_transformers(saved, variant, scan):
   check_logits(*saved[variant], TOKENS, scan)
 
 
-@pytest.mark.parametrize("variant,scan", [("qkv_bias", False), ("all_biases", True)])
+# The second variant (scanned) with the slow tests.
+@pytest.mark.parametrize("variant,scan", [
+    ("qkv_bias", False), pytest.param("all_biases", True, marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 12, scan)):
     assert got == want, (variant, i)
