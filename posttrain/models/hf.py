@@ -1,8 +1,10 @@
-"""Hugging Face import/export for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text
-model; Gemma3ForConditionalGeneration folders load as it) and the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, and for the reward
-models on the same trunks, their *ForSequenceClassification (`score.weight` [1, D] is the
-value head, there is no lm_head: `lm_head=False, value_head=True`).
+"""Hugging Face import/export for the causal LMs of `CAUSAL_LMS` (Llama, Mistral, Qwen,
+Gemma, ..., and their mixtures of experts), the vision-language folders of
+`VISION_LANGUAGE` (whose language model is read alone, and written as its causal LM), and
+for the reward models on the same trunks, their *ForSequenceClassification
+(`score.weight` [1, D] is the value head, there is no lm_head: `lm_head=False,
+value_head=True`). Quantized files are read dequantized (FP8: `fp8`, MXFP4: `mxfp4`,
+bitsandbytes: `bnb`; an NF4 QLoRA base keeps a bitsandbytes file's own codes).
 
 `from_pretrained` reads a local folder (config.json + *.safetensors, single file or sharded
 with an index) and streams one tensor at a time onto its sharding. `save_pretrained` writes
