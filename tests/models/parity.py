@@ -102,6 +102,17 @@ def perturb(model, seed: int = 0, scale: float = 0.3, biases: bool = True):
   return model
 
 
+def spread_routers(model, std: float = 0.5):
+  """Draws a transformers mixture's router weights (every `gate.weight`) with std `std`,
+  so that tokens prefer different experts; returns the model."""
+  import torch
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("gate.weight"):
+        p.normal_(0.0, std)
+  return model
+
+
 def randomize_correction_biases(model, seed: int = 0, scale: float = 0.3):
   """Draws a sigmoid router's e_score_correction_bias buffers (zero at init; GLM-4.5,
   DeepSeek-V3), so that the choice of experts depends on them; returns the model."""

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from posttrain import models
-from tests.models.parity import check_export_round_trip, greedy_tokens, hf_logits, perturb
+from tests.models.parity import (check_export_round_trip, greedy_tokens, hf_logits, perturb,
+                                 spread_routers)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -33,11 +34,9 @@ def saved(tmp_path_factory):
       moe_num_shared_experts=2, moe_layer_start_index=1, tie_word_embeddings=False,
       pad_token_id=0, bos_token_id=2, eos_token_id=1)
   torch.manual_seed(0)
-  hf = perturb(transformers.Ernie4_5_MoeForCausalLM(cfg).float().eval())
-  with torch.no_grad():
+  hf = spread_routers(perturb(transformers.Ernie4_5_MoeForCausalLM(cfg).float().eval()))
+  with torch.no_grad():  # a parameter here, not a buffer
     for name, p in hf.named_parameters():
-      if name.endswith("gate.weight"):  # routers that prefer different experts per token
-        p.normal_(0.0, 0.5)
       if name.endswith("e_score_correction_bias"):
         p.copy_(torch.randn_like(p) * 0.2)
   folder = tmp_path_factory.mktemp("ernie4_5_moe") / "model"

@@ -12,7 +12,7 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (check_export_round_trip, greedy_tokens, hf_logits, perturb,
-                                 save_families)
+                                 save_families, spread_routers)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -33,12 +33,7 @@ _jitted_logits = nnx.jit(lambda m, t: m(t))
 def _hf_model(variant, **extra):
   cfg = transformers.OlmoeConfig(**{**COMMON, **VARIANTS[variant], **extra})
   torch.manual_seed(0)
-  model = perturb(transformers.OlmoeForCausalLM(cfg).float().eval())
-  with torch.no_grad():  # routers that prefer different experts per token
-    for name, p in model.named_parameters():
-      if name.endswith("gate.weight"):
-        p.normal_(0.0, 0.5)
-  return model
+  return spread_routers(perturb(transformers.OlmoeForCausalLM(cfg).float().eval()))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from posttrain import models
-from tests.models.parity import perturb
+from tests.models.parity import perturb, randomize_correction_biases, spread_routers
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -102,11 +102,8 @@ def test_a_mixture_folder_reads_as_qwen3_moe(tmp_path):
   cfg = transformers.Qwen3VLMoeConfig(text_config=text.to_dict(),
                                       vision_config=vision.to_dict(), tie_word_embeddings=False)
   torch.manual_seed(0)
-  hf = perturb(transformers.Qwen3VLMoeForConditionalGeneration(cfg).float().eval())
-  with torch.no_grad():  # routers that prefer different experts per token
-    for name, p in hf.named_parameters():
-      if name.endswith("mlp.gate.weight"):
-        p.normal_(0.0, 0.5)
+  hf = spread_routers(perturb(
+      transformers.Qwen3VLMoeForConditionalGeneration(cfg).float().eval()))
   hf.save_pretrained(tmp_path / "vlm")
   with torch.no_grad():
     want = hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy()
@@ -187,14 +184,8 @@ def test_a_glm4v_moe_folder_reads_as_glm4_5(tmp_path):
                                              image_size=16)
   cfg = transformers.Glm4vMoeConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
   torch.manual_seed(0)
-  hf = perturb(transformers.Glm4vMoeForConditionalGeneration(cfg).float().eval())
-  with torch.no_grad():  # routers that prefer different experts per token
-    for name, p in hf.named_parameters():
-      if name.endswith("mlp.gate.weight"):
-        p.normal_(0.0, 0.5)
-    for name, b in hf.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        b.normal_(0.0, 0.3)
+  hf = randomize_correction_biases(spread_routers(perturb(
+      transformers.Glm4vMoeForConditionalGeneration(cfg).float().eval())))
   hf.save_pretrained(tmp_path / "vlm")
   # a multi-token-prediction layer after the last one, as GLM-4.5's files hold: not read
   from safetensors.numpy import load_file, save_file
