@@ -20,14 +20,15 @@ beside its quantization state; other tensors (embeddings, norms, the head, modul
   NAME.quant_state.bitsandbytes__nf4    a JSON object in bytes: quant_type, blocksize,
                                         dtype, shape, nested_blocksize, nested_offset
 
-A value is level x absmax, in float32 (bitsandbytes' `dequantize_4bit`). Blocks run over
-the flattened weight, so for an [out, in] weight with `in` a multiple of the block they
-are `blocksize` consecutive inputs of one output: the blocks of an "nf4" QLoRA base
-(`posttrain.models.quant`, whose blocks run along a projection's input). Read into such a
-base the file's codes are kept as they are and their absmax become the scales
-(`Packed4.transcode`; rounded to bfloat16, 2^-9 relative at most): nothing is quantized
-twice. Where the blocks do not line up (o_proj, whose base blocks run across heads) or the
-base is int8 or none, the weight is dequantized and, for a quantized base, quantized anew.
+A value is level x absmax, in float32 (bitsandbytes' `dequantize_4bit`); every weight is
+read so. Blocks run over the flattened weight, so for an [out, in] weight with `in` a
+multiple of the block they are `blocksize` consecutive inputs of one output: the blocks
+of an "nf4" QLoRA base (`posttrain.models.quant`, whose blocks run along a projection's
+input). Quantizing such a weight again in those blocks gives back the file's codes, with
+its absmax (rounded to bfloat16, 2^-9 relative at most) as the scales: each block's
+largest value sits at level +-1, so its absmax is the block's maximum again, and every
+other value lands on its own level. Where the blocks differ (o_proj, whose base blocks run
+across heads) the weight is quantized twice.
 
 8-bit (`load_in_8bit`, LLM.int8): NAME (int8 [out, in]) beside MODULE.SCB (float32 [out],
 each row's absolute maximum) and MODULE.weight_format (0: row-major); a value is
@@ -37,14 +38,11 @@ dequantized (and quantized anew for a quantized base).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping
 
-import ml_dtypes
 import numpy as np
 
-from posttrain.models import quant
 
 _STATE = ".quant_state.bitsandbytes__"
 _PARTS4 = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
@@ -91,61 +89,10 @@ def companions(files: Iterable[str], kind: str) -> set[str]:
           if w[:-len(".weight")] + p in files}
 
 
-@dataclasses.dataclass(frozen=True)
-class Packed4:
-  """One 4-bit weight as stored: `packed` its bytes, `absmax` float32 [blocks] (double
-  quantization undone), `levels` the 16 levels, `shape` torch's [out, in]."""
-  name: str
-  packed: np.ndarray
-  absmax: np.ndarray
-  levels: np.ndarray
-  blocksize: int
-  quant_type: str
-  shape: tuple[int, ...]
-
-  def codes(self) -> np.ndarray:
-    """The level index of each value, uint8 in `shape`."""
-    n = int(np.prod(self.shape))
-    out = np.empty(2 * self.packed.size, np.uint8)
-    out[0::2], out[1::2] = self.packed >> 4, self.packed & 15
-    return out[:n].reshape(self.shape)
-
-  def value_scales(self) -> np.ndarray:
-    """Each value's absmax, float32 in `shape`."""
-    n = int(np.prod(self.shape))
-    return np.repeat(self.absmax, self.blocksize)[:n].reshape(self.shape)
-
-  def dequantize(self) -> np.ndarray:
-    """The weight in float32, as bitsandbytes computes it (level x absmax)."""
-    return self.levels[self.codes()] * self.value_scales()
-
-  def transcode(self, to_ours: Callable, axis: int, block: int, dtype) -> quant.QArray | None:
-    """The "nf4" QArray (blocks of `quant.block_width(n, block)` along `axis`, which it
-    dequantizes to `dtype`) holding this weight laid out by `to_ours` with the file's own
-    codes and absmax, or None where they cannot be: FP4 or other levels, or a block of
-    the base's spanning values of more than one scale of the file."""
-    if self.quant_type != "nf4" or not np.array_equal(self.levels, quant.NF4_LEVELS):
-      return None
-    codes = np.asarray(to_ours(self.codes()))
-    scales = np.asarray(to_ours(self.value_scales()), np.float32)
-    if codes.dtype != np.uint8 or codes.shape != scales.shape or codes.shape[axis] % 2:
-      return None
-    n = codes.shape[axis]
-    split, _ = quant._blocked(codes.shape, axis, n // quant.block_width(n, block))
-    k = len(split) + axis
-    blocked = scales.reshape(split)
-    first = np.take(blocked, [0], axis=k)
-    if not np.array_equal(blocked, np.broadcast_to(first, blocked.shape)):
-      return None
-    kk = codes.ndim + axis
-    pairs = codes.reshape(*codes.shape[:kk], n // 2, 2, *codes.shape[kk + 1:])
-    values = np.take(pairs, 0, axis=kk + 1) | (np.take(pairs, 1, axis=kk + 1) << 4)
-    scales = np.squeeze(first, k).astype(ml_dtypes.bfloat16)
-    return quant.QArray(values.astype(np.uint8), scales, "nf4", np.dtype(dtype), axis)
-
-
-def read4(name: str, get: Callable[[str], np.ndarray], state_name: str) -> Packed4:
-  """Weight `name` of a 4-bit checkpoint; `get(tensor name)` reads a tensor."""
+def read4(name: str, get: Callable[[str], np.ndarray], state_name: str) -> np.ndarray:
+  """Weight `name` of a 4-bit checkpoint (its state in `state_name`), dequantized to
+  float32 as bitsandbytes computes it: level x absmax. `get(tensor name)` reads a
+  tensor."""
   try:
     state = json.loads(bytes(np.asarray(get(state_name)).view(np.uint8)).decode("utf-8"))
     quant_type, blocksize = state["quant_type"], int(state["blocksize"])
@@ -177,7 +124,10 @@ def read4(name: str, get: Callable[[str], np.ndarray], state_name: str) -> Packe
   levels = np.asarray(get(name + ".quant_map"), np.float32).reshape(-1)
   if levels.size != 16:
     raise ValueError(f"{name}.quant_map has {levels.size} levels, expected 16")
-  return Packed4(name, packed, absmax, levels, blocksize, quant_type, shape)
+  codes = np.empty(2 * packed.size, np.uint8)  # the first value of a byte in its high nibble
+  codes[0::2], codes[1::2] = packed >> 4, packed & 15
+  values = levels[codes[:n]] * np.repeat(absmax, blocksize)[:n]
+  return values.reshape(shape)
 
 
 def read8(name: str, get: Callable[[str], np.ndarray]) -> np.ndarray:

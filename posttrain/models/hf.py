@@ -4,7 +4,7 @@ Gemma, ..., and their mixtures of experts), the vision-language folders of
 for the reward models on the same trunks, their *ForSequenceClassification
 (`score.weight` [1, D] is the value head, there is no lm_head: `lm_head=False,
 value_head=True`). Quantized files are read dequantized (FP8: `fp8`, MXFP4: `mxfp4`,
-bitsandbytes: `bnb`; an NF4 QLoRA base keeps a bitsandbytes file's own codes).
+bitsandbytes: `bnb`).
 
 `from_pretrained` reads a local folder (config.json + *.safetensors, single file or sharded
 with an index) and streams one tensor at a time onto its sharding. `save_pretrained` writes
@@ -2982,13 +2982,13 @@ def _mxfp4_names(files: dict[str, str]) -> set[str]:
 
 def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
                   fp8: fp8_lib.Scheme | None = None, bnb: str | None = None
-                  ) -> Iterator[tuple[str, np.ndarray | bnb_lib.Packed4]]:
+                  ) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (name, array), opening each file once and reading one tensor at a time. With
   `mxfp4`, a name stored as NAME_blocks / NAME_scales is read from both, dequantized
   (`posttrain.models.mxfp4`); with an `fp8` scheme, a name beside its scale (NAME +
   fp8.suffix) is a float8 weight, dequantized (`posttrain.models.fp8`); with `bnb`
-  ("4bit", "8bit"), a bitsandbytes weight is read with its quantization state: a 4-bit
-  one as a `bnb.Packed4`, an 8-bit one dequantized (`posttrain.models.bnb`)."""
+  ("4bit", "8bit"), a bitsandbytes weight is read with its quantization state and
+  dequantized (`posttrain.models.bnb`)."""
   by_file: dict[str, list[str]] = {}
   packed = _mxfp4_names(files) if mxfp4 else set()
   packed4 = bnb_lib.packed4(files) if bnb == "4bit" else {}
@@ -3184,19 +3184,12 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
         if tuple(whole.shape) != tuple(expected):
           raise ValueError(f"tensor {name} has shape {tuple(whole.shape)}, expected "
                            f"{expected}")
+        # The value head is float32 whatever param_dtype is (as the model creates it).
+        arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
         axis = _quantized_axis(abstract_state, ours, cfg)
-        arr = None
-        if isinstance(whole, bnb_lib.Packed4) and axis is not None and (
-            cfg.base_quantization == "nf4"):  # the file's NF4 codes kept, where they fit
-          arr = whole.transcode(to_ours, axis, cfg.base_quantization_block, pd)
-        if arr is None:
-          if isinstance(whole, bnb_lib.Packed4):
-            whole = whole.dequantize()
-          # The value head is float32 whatever param_dtype is (as the model creates it).
-          arr = np.asarray(to_ours(whole)).astype(np.float32 if ours == ("value_w",) else pd)
-          if axis is not None:  # QLoRA: quantized as it is read
-            arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block,
-                                 axis=axis)
+        if axis is not None:  # QLoRA: quantized as it is read
+          arr = quant.quantize(arr, cfg.base_quantization, cfg.base_quantization_block,
+                               axis=axis)
         if shardings is not None:
           values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
         else:

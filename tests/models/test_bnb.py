@@ -1,7 +1,7 @@
 """bitsandbytes checkpoints (the *-bnb-4bit uploads, LLM.int8 folders): folders written by
 transformers with bitsandbytes itself, read back against transformers' own dequantized
-model and bitsandbytes' codes; a QLoRA base keeps the file's NF4 codes where its blocks
-line up; damaged or foreign quantized files are one-line errors."""
+model and bitsandbytes' codes; a QLoRA base holds the file's NF4 codes where its blocks
+are the file's; damaged or foreign quantized files are one-line errors."""
 
 import json
 import shutil
@@ -99,8 +99,8 @@ def _file_state(folder, name):
 def test_an_nf4_base_keeps_the_files_codes(folders, scheme, scan):
   """A QLoRA base in NF4 read from an NF4 folder holds the file's codes and (rounded to
   bfloat16) its absmax wherever its blocks are the file's (q, k, v, gate, up, down: 64
-  inputs of one output); o_proj, whose blocks run across heads, is quantized anew from
-  its dequantized weight, as from a plain folder."""
+  inputs of one output): quantizing the dequantized weight in the same blocks gives them
+  back. o_proj, whose blocks run across heads, is its dequantized weight quantized."""
   folder, _, state = folders[scheme]
   ours = models.from_pretrained(folder, lora_rank=4, base_quantization="nf4",
                                 scan_layers=scan)
@@ -236,3 +236,50 @@ def test_a_qlora_run_starts_from_a_bnb_4bit_folder(tmp_path):
   assert trainer.train(_config(**extra), run)["status"] == "done"
   rows = [r for r in read_metrics(run) if "reward/mean" in r]
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_per_expert_4bit_weights_read_into_a_mixture(tmp_path):
+  """A mixture whose expert weights are each a 4-bit tensor (the per-expert linear layers
+  transformers 4 quantized, as the *-bnb-4bit MoE uploads hold them; written here with
+  bitsandbytes' own quantize_4bit): read plain, each expert is the weight bitsandbytes
+  dequantizes; into an NF4 base, each expert's codes are the file's, and its weights
+  those but for the scales rounded to bfloat16."""
+  import bitsandbytes.functional as F
+  from safetensors.torch import load_file, save_file
+  cfg = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=128, intermediate_size=192,
+                                    moe_intermediate_size=64, num_experts=4,
+                                    num_experts_per_tok=2, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    initializer_range=0.3)
+  torch.manual_seed(0)
+  transformers.Qwen3MoeForCausalLM(cfg).float().save_pretrained(tmp_path / "plain")
+  tensors, dequantized = load_file(str(tmp_path / "plain" / "model.safetensors")), {}
+  for name in [n for n in tensors if ".experts." in n]:
+    q, state = F.quantize_4bit(tensors[name], blocksize=64, quant_type="nf4",
+                               compress_statistics=True)
+    dequantized[name] = F.dequantize_4bit(q, state)
+    tensors[name] = q
+    tensors.update({f"{name}.{k}": v for k, v in state.as_dict(packed=True).items()})
+  (tmp_path / "bnb").mkdir()
+  save_file(tensors, str(tmp_path / "bnb" / "model.safetensors"))
+  config = json.loads((tmp_path / "plain" / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                   "bnb_4bit_quant_type": "nf4",
+                                   "bnb_4bit_use_double_quant": True}
+  (tmp_path / "bnb" / "config.json").write_text(json.dumps(config))
+  plain = models.from_pretrained(str(tmp_path / "bnb"))  # dequantized, as bitsandbytes does
+  up = np.asarray(plain.layers[1].mlp.up_proj[...])
+  for j in range(4):
+    np.testing.assert_array_equal(
+        up[j], dequantized[f"model.layers.1.mlp.experts.{j}.up_proj.weight"].numpy().T)
+  ours = models.from_pretrained(str(tmp_path / "bnb"), lora_rank=4, base_quantization="nf4")
+  q = ours.layers[1].mlp.up_proj.get_value()  # [E, D, F], blocks along D
+  got_codes = np.asarray(quant._unpacked(np.asarray(q.values), q.axis, np))
+  for j in range(4):
+    packed = tensors[f"model.layers.1.mlp.experts.{j}.up_proj.weight"].view(
+        torch.uint8).reshape(-1).numpy()
+    codes = np.stack([packed >> 4, packed & 15], -1).reshape(64, 128)  # [F, D]
+    np.testing.assert_array_equal(got_codes[j], codes.T, err_msg=str(j))
+  # what the base computes with: bitsandbytes' weights but for the scales' bfloat16
+  np.testing.assert_allclose(quant.dequantize_numpy(jax.tree.map(np.asarray, q)), up,
+                             rtol=2.0 ** -8, atol=0)
