@@ -94,7 +94,9 @@ def test_replayed_experts_are_taken_in_every_layout(models_of):
   other = (routing + 1) % cfg.num_experts  # still distinct per token
   a = _forward(unrolled, tokens, routing=other)
   b = _forward(scanned, tokens, routing=other)
-  np.testing.assert_allclose(b, a, atol=1e-5)
+  # float32 summed in the scan's order and the unrolled layers': 1.3e-5 apart at most on
+  # values up to 2 (the hybrid periods), against the 1e-3 the replay moves them
+  np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-4)
   assert np.abs(np.asarray(a) - np.asarray(_forward(unrolled, tokens))).max() > 1e-3
   # Recorded while replaying: what the routers would have chosen. The first mixture
   # layer's input is the plain forward's, so its choice is the plain one, not the given.
