@@ -353,9 +353,9 @@ class ModelConfig:
       temperature tuning for long contexts).
     attn_position_scale: > 0: every attention layer's queries at position p are scaled by
       1 + attn_position_scale * log(1 + floor(p / attn_position_scale_length)) after the
-      rotary embedding (Ministral 3's llama_4_scaling_beta over its
+      rotary embedding (Ministral 3's and Mistral 4's llama_4_scaling_beta over their
       original_max_position_embeddings: the queries past the pre-training context grow
-      sharper). 0: off.
+      sharper; latent attention's too). 0: off.
     routed_input_scaling: each routed expert's input is scaled by the token's router
       weight and its output summed unweighted (Llama 4), instead of the output weighted.
     moe_latent_dim: > 0: the routed experts run in a latent of this width, each token's
@@ -947,9 +947,6 @@ class ModelConfig:
       raise ValueError(f"attn_position_scale_length must be an int > 0 with "
                        f"attn_position_scale (the positions per step of the scale), got "
                        f"{length!r}")
-    if beta and self.kv_lora_rank:
-      raise ValueError("attn_position_scale (Ministral 3's query scaling) is not supported "
-                       "with latent attention")
     if size and (self.sliding_window != size or not any(self.sliding_layers)):
       raise ValueError(f"attention_chunk_size={size} chunks the sliding layers: it needs "
                        f"sliding_window={size} (got {self.sliding_window}) and layer_types "
@@ -1382,6 +1379,32 @@ PRESETS: dict[str, ModelConfig] = {
                         original_max_position_embeddings=4096, partial_rotary_factor=64 / 192),
         norm_eps=1e-6, max_position_embeddings=163_840, architecture="DeepseekV3ForCausalLM",
         dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
+    # GLM-4.7-Flash (transformers' Glm4MoeLiteConfig): DeepSeek-V3's latent attention and
+    # sigmoid routing, 64 experts of 1536 (4 a token) beside a shared one, the first layer
+    # dense (29.9B parameters, 3.9B active).
+    "glm4_7_flash": ModelConfig(
+        vocab_size=154_880, d_model=2048, num_layers=47, num_heads=20, num_kv_heads=20,
+        head_dim=256, ffn_dim=1536, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
+        v_head_dim=256, num_experts=64, num_experts_per_tok=4, shared_expert_dim=1536,
+        router_scoring="sigmoid", routed_scaling_factor=1.8, dense_layers=1,
+        dense_ffn_dim=10_240, rope=RopeConfig(theta=10_000.0, partial_rotary_factor=0.25),
+        norm_eps=1e-5, max_position_embeddings=202_752,
+        architecture="Glm4MoeLiteForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="full", scan_layers=True),
+    # Mistral Small 4 (transformers' Mistral4Config): latent attention with the queries
+    # scaled by position past 8192, 128 experts of 2048 (4 a token, softmax) beside a
+    # shared one (119.0B parameters, 6.6B active).
+    "mistral_small4": ModelConfig(
+        vocab_size=131_072, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=32,
+        head_dim=128, ffn_dim=2048, kv_lora_rank=256, q_lora_rank=1024, qk_rope_head_dim=64,
+        v_head_dim=128, num_experts=128, num_experts_per_tok=4, shared_expert_dim=2048,
+        rope=RopeConfig(theta=10_000.0, type="yarn", factor=128.0, beta_fast=32.0,
+                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                        original_max_position_embeddings=8192, partial_rotary_factor=0.5),
+        attn_position_scale=0.1, attn_position_scale_length=8192, norm_eps=1e-6,
+        max_position_embeddings=1_048_576, pad_token_id=11,
+        architecture="Mistral4ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+        remat="full", scan_layers=True),
     # MiniMax-M2: 256 experts of 1536, 8 a token by sigmoid scores plus a correction bias,
     # no shared expert; q/k norms over all heads, half of each head rotated (228.7B
     # parameters, 11.0B active with both embedding tables, 9.8B without).

@@ -52,14 +52,15 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
               "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
               "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
-              "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
+              "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+              "Mistral4ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
                   "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
-                  "Ernie4_5_MoeForCausalLM")
+                  "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -94,7 +95,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
                 "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
                 "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5",
-                "Ernie4_5_MoeForCausalLM": "ernie4_5_moe"}
+                "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+                "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -131,6 +133,8 @@ SEED_OSS = "SeedOssForCausalLM"
 # (rope_parameters' llama_4_scaling_beta over original_max_position_embeddings:
 # ModelConfig.attn_position_scale).
 MINISTRAL3 = "Ministral3ForCausalLM"
+# The classes whose queries are scaled by position (attn_position_scale).
+_POSITION_SCALED = (MINISTRAL3, "Mistral4ForCausalLM")
 # OLMoE (AllenAI's OLMoE-1B-7B): Llama's pre-norm layers, q/k norms over every head's
 # features at once (OLMo 2's), biases on all four attention projections or none, every
 # MLP a mixture (softmax top-k, by default not renormalised) with the experts in Qwen's
@@ -254,7 +258,40 @@ _DEEPSEEK_V2_DEFAULTS = dict(
     n_routed_experts=64, n_shared_experts=2, qk_nope_head_dim=128, qk_rope_head_dim=64,
     routed_scaling_factor=1.0, topk_method="greedy", v_head_dim=128,
     moe_intermediate_size=1407, max_position_embeddings=2048, attention_bias=False)
-_DEEPSEEKS = (DEEPSEEK_V3, DEEPSEEK_V2)
+# GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's latent attention and mixture
+# (sigmoid group routing with a correction bias, shared experts) under GLM's defaults;
+# mlp_layer_types names each layer's MLP, its dense ones a leading run (read as
+# first_k_dense_replace). The files' layers past num_hidden_layers (multi-token
+# prediction) are not read.
+GLM4_MOE_LITE = "Glm4MoeLiteForCausalLM"
+_GLM4_MOE_LITE_DEFAULTS = dict(
+    rms_norm_eps=1e-5, n_shared_experts=1, n_routed_experts=64, routed_scaling_factor=1.8,
+    kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64, v_head_dim=256,
+    qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4,
+    norm_topk_prob=True, max_position_embeddings=202_752, rope_interleave=True,
+    attention_bias=False, moe_intermediate_size=1536, tie_word_embeddings=False)
+# Mistral Small 4 (Mistral4ForCausalLM): DeepSeek-V3's latent attention with every
+# layer's queries scaled up by position (Ministral 3's llama_4_scaling_beta,
+# `ModelConfig.attn_position_scale`), and a mixture routed by softmax: the top-k
+# probabilities, renormalised with norm_topk_prob, times routed_scaling_factor, beside
+# shared experts, after first_k_dense_replace dense layers. Its experts are stacked as
+# transformers 5 holds them ([E, 2F, D] gate_up_proj, [E, D, F] down_proj). Expert groups
+# (n_group > 1, each ranked by its two best probabilities) are not read.
+MISTRAL4 = "Mistral4ForCausalLM"
+_MISTRAL4_DEFAULTS = dict(
+    rms_norm_eps=1e-6, n_shared_experts=1, n_routed_experts=128, routed_scaling_factor=1.0,
+    kv_lora_rank=256, q_lora_rank=1024, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=64, n_group=1, topk_group=1, num_experts_per_tok=4,
+    first_k_dense_replace=0, norm_topk_prob=True, max_position_embeddings=1_048_576,
+    rope_interleave=True, attention_bias=False, moe_intermediate_size=2048,
+    tie_word_embeddings=False)
+# transformers' Mistral4Config rope_parameters where a config.json has none.
+_MISTRAL4_ROPE = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
+                  "original_max_position_embeddings": 8192, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                  "llama_4_scaling_beta": 0.1}
+# The classes with DeepSeek's multi-head latent attention.
+_DEEPSEEKS = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE, MISTRAL4)
 _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared_experts=1,
                           n_routed_experts=128, routed_scaling_factor=1.0, n_group=1,
                           topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
@@ -311,6 +348,7 @@ _CLASS_DEFAULTS = {
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
     GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
+    GLM4_MOE_LITE: _GLM4_MOE_LITE_DEFAULTS, MISTRAL4: _MISTRAL4_DEFAULTS,
     QWEN3_5: _QWEN3_5_DEFAULTS, MINIMAX_M2: _MINIMAX_M2_DEFAULTS, LLAMA4: _LLAMA4_DEFAULTS,
     QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
@@ -375,12 +413,23 @@ VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    # embedding on text
                    "Glm4vForConditionalGeneration": GLM4,
                    # GLM-4.5V / GLM-4.6V: GLM-4.5's mixture
-                   "Glm4vMoeForConditionalGeneration": GLM4_MOE}
+                   "Glm4vMoeForConditionalGeneration": GLM4_MOE,
+                   # Kimi K2.5 / K2.6: Kimi K2's DeepSeek-V3 (text_config model_type
+                   # deepseek_v3, or kimi_k2 in the published files); transformers'
+                   # class name and the published one
+                   "Kimi_K25ForConditionalGeneration": DEEPSEEK_V3,
+                   "KimiK25ForConditionalGeneration": DEEPSEEK_V3}
 # Vision-language classes whose causal LM depends on text_config's model_type (the
 # first entry: transformers' default).
 _VISION_TEXT_TYPES = {"Mistral3ForConditionalGeneration": {
     "mistral": "MistralForCausalLM", "ministral3": MINISTRAL3}}
-_TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
+# transformers' DeepseekV3Config's sizes (its mixture's in _DEEPSEEK_V3_DEFAULTS).
+_KIMI_TEXT_DEFAULTS = dict(vocab_size=129_280, hidden_size=7168, intermediate_size=18_432,
+                           num_hidden_layers=61, num_attention_heads=128,
+                           num_key_value_heads=128, tie_word_embeddings=False)
+_TEXT_DEFAULTS = {"Kimi_K25ForConditionalGeneration": _KIMI_TEXT_DEFAULTS,
+                  "KimiK25ForConditionalGeneration": _KIMI_TEXT_DEFAULTS,
+                  "Gemma3ForConditionalGeneration": dict(
     vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6),
     "Qwen3VLForConditionalGeneration": dict(
@@ -404,6 +453,7 @@ _TEXT_DEFAULTS = {"Gemma3ForConditionalGeneration": dict(
         moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1,
         n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
         first_k_dense_replace=1, norm_topk_prob=True, router_aux_loss_coef=0.0001)}
+_KIMI_K25 = ("Kimi_K25ForConditionalGeneration", "KimiK25ForConditionalGeneration")
 # What a vision-language class's text model always computes, whatever its text_config says.
 _TEXT_FIXED = {"Qwen3VLMoeForConditionalGeneration": dict(norm_topk_prob=True),
                "Glm4vForConditionalGeneration": dict(attention_bias=True)}
@@ -419,6 +469,8 @@ def _language_model_config(c: dict[str, Any]) -> dict[str, Any]:
   for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
     if key in c:
       text[key] = c[key]
+  if arch in _KIMI_K25 and "tie_word_embeddings" not in c:
+    text["tie_word_embeddings"] = True  # its config's default, which transformers ties by
   lm = VISION_LANGUAGE[arch]
   if arch in _VISION_TEXT_TYPES:
     types = _VISION_TEXT_TYPES[arch]
@@ -444,6 +496,10 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
   if any(n.startswith("model.language_model.") for n in files):
     return lambda name: ("model.language_model." + name[len("model."):]
                          if name.startswith("model.") else name)
+  if any(n.startswith("language_model.model.blocks.") for n in files):
+    # Kimi K2.5 as transformers 5 saves it: its renaming of the vision tower's blocks to
+    # layers, reversed, reaches the language model's layers too.
+    return lambda name: "language_model." + name.replace("model.layers.", "model.blocks.", 1)
   return lambda name: "language_model." + name
 # HF module names of a mixture's router and of expert j's gate, up and down projections.
 _QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_proj",
@@ -455,7 +511,8 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
-              ERNIE4_5_MOE: _QWEN_MOE_NAMES}
+              ERNIE4_5_MOE: _QWEN_MOE_NAMES, GLM4_MOE_LITE: _QWEN_MOE_NAMES,
+              MISTRAL4: _QWEN_MOE_NAMES}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
               "short_factor", "long_factor", "partial_rotary_factor")
@@ -597,6 +654,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
   if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
     c["rope_scaling"] = dict(_GPT_OSS_ROPE)
+  if lm == MISTRAL4 and not c.get("rope_scaling") and not c.get("rope_parameters"):
+    c["rope_parameters"] = dict(_MISTRAL4_ROPE)
   reward_model = arch != lm
   if reward_model and _num_labels(c) != 1:
     raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
@@ -651,15 +710,15 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
 
 
 def _ministral3_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """Ministral 3's query scaling by position, from its rope_parameters (where
-  transformers reads it; {} for other families)."""
-  if lm != MINISTRAL3:
+  """Ministral 3's and Mistral 4's query scaling by position, from their rope_parameters
+  (where transformers reads it; {} for other families)."""
+  if lm not in _POSITION_SCALED:
     return {}
   params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
   beta, length = params.get("llama_4_scaling_beta"), params.get(
       "original_max_position_embeddings")
   if beta is None or not length:
-    raise ValueError(f"{MINISTRAL3} config.json needs rope_parameters "
+    raise ValueError(f"{lm} config.json needs rope_parameters "
                      "llama_4_scaling_beta and original_max_position_embeddings (the "
                      f"queries' scaling by position); got {sorted(params)}")
   return {"attn_position_scale": float(beta), "attn_position_scale_length": int(length)}
@@ -1234,6 +1293,20 @@ def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _leading_dense_layers(c: dict[str, Any]) -> int:
+  """How many of a GLM-4.7-Flash config.json's layers are dense: its mlp_layer_types
+  ("dense" / "sparse" per layer; by default the first layer dense), whose dense layers
+  must lead."""
+  layers = int(c["num_hidden_layers"])
+  kinds = c.get("mlp_layer_types")
+  kinds = ["dense"] + ["sparse"] * (layers - 1) if kinds is None else list(kinds)
+  dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+  if len(kinds) != layers or any(kind != "sparse" for kind in kinds[dense:]):
+    raise ValueError(f"mlp_layer_types={kinds!r} is not supported: {layers} entries, the "
+                     "dense layers first and the mixture ('sparse') layers after them")
+  return dense
+
+
 def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a mixture-of-experts config.json ({} for dense ones)."""
   if arch in ("Qwen3MoeForCausalLM", QWEN2_MOE):
@@ -1306,7 +1379,24 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "routed_scaling_factor": float(c["routed_scaling_factor"]),
             "dense_layers": dense, "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0,
             **_aux_loss_from_hf(c)}
-  if arch in (GLM4_MOE, DEEPSEEK_V3):
+  if arch == MISTRAL4:
+    if int(c.get("n_group") or 1) != 1:
+      raise ValueError(f"n_group={c['n_group']!r} in a Mistral 4 config.json (expert groups, "
+                       "each ranked by its two best probabilities) is not supported; "
+                       "n_group=1 is read")
+    dense = int(c.get("first_k_dense_replace") or 0)
+    return {"num_experts": int(c["n_routed_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            "norm_topk_prob": bool(c["norm_topk_prob"]),
+            "ffn_dim": int(c["moe_intermediate_size"]),
+            "shared_expert_dim": int(c["n_shared_experts"] or 0)
+            * int(c["moe_intermediate_size"]),
+            "routed_scaling_factor": float(c["routed_scaling_factor"]),
+            "dense_layers": dense, "dense_ffn_dim": int(c["intermediate_size"]) if dense else 0,
+            **_aux_loss_from_hf(c)}
+  if arch == GLM4_MOE_LITE:
+    c = {**c, "first_k_dense_replace": _leading_dense_layers(c)}
+  if arch in (GLM4_MOE, DEEPSEEK_V3, GLM4_MOE_LITE):
     if arch == DEEPSEEK_V3 and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
         "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
       raise ValueError(f"topk_method={c.get('topk_method')!r}, scoring_func="
@@ -1402,7 +1492,7 @@ def check_exportable(cfg: ModelConfig) -> None:
   if bool(cfg.kv_lora_rank) != (lm in _DEEPSEEKS):
     raise ValueError(f"kv_lora_rank={cfg.kv_lora_rank} cannot be written as "
                      f"{cfg.architecture}: multi-head latent attention is written as "
-                     f"{DEEPSEEK_V3} or {DEEPSEEK_V2}, and only they")
+                     f"one of {list(_DEEPSEEKS)}, and only they")
   qwen3_5 = lm in _QWEN3_5S
   mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
   short = cfg.linear_mixer == "short_conv" and any(cfg.linear_layers)
@@ -1454,7 +1544,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, MINIMAX_M2, LLAMA4, NEMOTRON_H)
+  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, GLM4_MOE_LITE, MINIMAX_M2, LLAMA4, NEMOTRON_H)
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
   grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
   if lm == NEMOTRON_H:  # Nemotron 3: groups and scaling, one shared expert of its width
@@ -1480,6 +1570,8 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(router_groups=1, router_group_topk=1, routed_scaling_factor=1.0)
   if lm == DEEPSEEK_V2:
     fixed.update(norm_topk_prob=False)
+  if lm == MISTRAL4:  # groups ranked by their two best probabilities are not written
+    fixed.update(router_groups=1, router_group_topk=1)
   if lm == QWEN3_5_MOE:
     fixed.update(norm_topk_prob=True)
   if lm in (QWEN3_5_MOE, QWEN3_NEXT):
@@ -1593,15 +1685,21 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == MINISTRAL3 and cfg.rope.type not in ("default", "yarn"):
     raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
                      "whose rotary embedding is the default one or YaRN")
-  if lm == MINISTRAL3 and cfg.rope.type == "yarn" and (
+  if lm == MISTRAL4 and cfg.rope.type != "yarn":  # transformers' default one rotates all
+    raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
+                     "whose rotary embedding is YaRN")
+  if lm in _POSITION_SCALED and cfg.rope.type == "yarn" and (
       cfg.rope.original_max_position_embeddings != cfg.attn_position_scale_length):
     raise ValueError(f"attn_position_scale_length={cfg.attn_position_scale_length} cannot "
                      f"be written as {cfg.architecture} beside YaRN over "
                      f"{cfg.rope.original_max_position_embeddings} positions: both are its "
                      "rope_parameters' original_max_position_embeddings")
-  if cfg.attn_position_scale and lm != MINISTRAL3:
+  if cfg.attn_position_scale and lm not in _POSITION_SCALED:
     raise ValueError(f"attn_position_scale cannot be written as {cfg.architecture}; "
-                     f"{MINISTRAL3} holds it")
+                     f"{' and '.join(_POSITION_SCALED)} hold it")
+  if lm == MISTRAL4 and not cfg.attn_position_scale:
+    raise ValueError(f"attn_position_scale=0 cannot be written as {cfg.architecture}, whose "
+                     "queries are always scaled by position")
   held = [name for name in ("qk_l2_norm", "attention_chunk_size", "attn_temperature_tuning")
           if getattr(cfg, name)]
   if held and lm != LLAMA4:
@@ -1690,13 +1788,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(_lfm2_to_hf(cfg))
   if lm not in ("Qwen2ForCausalLM", LFM2):
     out["attention_bias"] = cfg.qkv_bias
-  if lm == MINISTRAL3:  # rope_parameters hold the query scaling too
+  if lm in _POSITION_SCALED:  # rope_parameters hold the query scaling too
     out.pop("rope_theta")
     out.pop("rope_scaling")
     out["rope_parameters"] = {
         "rope_type": rope.type, "rope_theta": rope.theta, **(scaling or {}),
         "llama_4_scaling_beta": cfg.attn_position_scale,
         "original_max_position_embeddings": cfg.attn_position_scale_length}
+  if lm == MINISTRAL3:
     out["sliding_window"] = cfg.sliding_window
   if lm == EXAONE4:
     out.update(sliding_window=cfg.sliding_window,
@@ -1770,6 +1869,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     if lm == DEEPSEEK_V3:
       out.update(rope_interleave=True, num_nextn_predict_layers=0, topk_method="noaux_tc",
                  scoring_func="sigmoid")
+    elif lm == GLM4_MOE_LITE:
+      out.pop("first_k_dense_replace")
+      out.update(rope_interleave=True, mlp_layer_types=[
+          "dense" if i < cfg.dense_layers else "sparse" for i in range(cfg.num_layers)])
+    elif lm == MISTRAL4:
+      out["rope_interleave"] = True
     else:
       out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
   elif lm == GLM4_MOE:
@@ -3030,7 +3135,7 @@ def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str
   lm = _causal_lm(_architecture(text))
   if lm == NEMOTRON_H:  # its mtp.* (Nemotron 3), which transformers does not read either
     return {n for n in files if n.startswith("mtp.")}
-  if lm not in (GLM4_MOE, DEEPSEEK_V3):
+  if lm not in (GLM4_MOE, DEEPSEEK_V3, GLM4_MOE_LITE):
     return set()
   first = int(text["num_hidden_layers"])
   extra = int(text.get("num_nextn_predict_layers", text.get("num_mtp_layers", 1)) or 0)
@@ -3380,7 +3485,10 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
   out_dtype = jnp.dtype(dtype or cfg.param_dtype)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
-  for ours, name, _, to_hf, _ in _mapping(cfg):
+  rows = _mapping(cfg)
+  if _causal_lm(cfg.architecture) == MISTRAL4 and cfg.num_experts:
+    rows = _stacked_expert_rows(cfg, rows, transposed=True)  # what transformers reads
+  for ours, name, _, to_hf, _ in rows:
     arr = _to_host(_read_param(state, ours, cfg))
     if not writer:
       continue

@@ -848,6 +848,7 @@ class Attention(nnx.Module):
     x = x_BxTxD.astype(dt)
     if cfg.kv_lora_rank:
       q, k, v, latent = self._latent_qkv(x, cos, sin)
+      q, k = self._llama4(q, k, positions_BxT, nope)  # Mistral 4's query scaling
     else:
       q, k, v = self._qkv(x, cos, sin)
       q, k = self._llama4(q, k, positions_BxT, nope)

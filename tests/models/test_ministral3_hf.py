@@ -138,7 +138,8 @@ def test_what_other_classes_refuse():
   tiny = models.get_preset("tiny")
   scaled = tiny.replace(attn_position_scale=0.1, attn_position_scale_length=16)
   with pytest.raises(ValueError, match="attn_position_scale cannot be written as "
-                                       "LlamaForCausalLM; Ministral3ForCausalLM holds it"):
+                                       "LlamaForCausalLM; Ministral3ForCausalLM and "
+                                       "Mistral4ForCausalLM hold it"):
     models.hf.check_exportable(scaled)
   models.hf.check_exportable(scaled.replace(architecture="Ministral3ForCausalLM"))
   with pytest.raises(ValueError, match="attn_position_scale_length must be an int > 0"):

@@ -1,6 +1,6 @@
 """Vision-language folders whose language model is read alone, for text post-training:
-Qwen3-VL (as Qwen3) and Qwen3-VL-MoE (as Qwen3-MoE), GLM-4.1V (as GLM-4) and GLM-4.5V (as
-GLM-4.5). On text their multimodal rotary embeddings' three position axes are equal, where
+Qwen3-VL (as Qwen3) and Qwen3-VL-MoE (as Qwen3-MoE), GLM-4.1V (as GLM-4), GLM-4.5V (as
+GLM-4.5) and Kimi K2.5 (as DeepSeek-V3). On text their multimodal rotary embeddings' three position axes are equal, where
 each is its family's 1D one: logits and greedy generation equal transformers'
 vision-language model's on text; the vision tower stays in the files."""
 
@@ -203,6 +203,63 @@ def test_a_glm4v_moe_folder_reads_as_glm4_5(tmp_path):
   got = np.asarray(nnx.jit(lambda m, t: m(t))(ours, TOKENS))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
   assert np.abs(want).max() > 3
+
+
+@pytest.mark.parametrize("layout", ["saved", "published"])
+def test_a_kimi_k2_5_folder_reads_as_deepseek_v3(layout, tmp_path):
+  """Kimi K2.5 / K2.6 (Kimi_K25ForConditionalGeneration): Kimi K2's DeepSeek-V3 (latent
+  attention, sigmoid group routing with a correction bias, a shared expert, a leading
+  dense layer); the logits are transformers' on text. transformers 5 saves the language
+  model's layers as language_model.model.blocks.N (its renaming of the vision tower's
+  blocks, reversed); the published files name them language_model.model.layers.N, the
+  architecture KimiK25ForConditionalGeneration and the text model kimi_k2. Both read.
+  Its config's tie_word_embeddings (on by default) ties the output to the embedding."""
+  text = transformers.DeepseekV3Config(
+      vocab_size=97, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
+      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+      n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=12,
+      qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2,
+      num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=64,
+      initializer_range=0.3)
+  vision = transformers.Kimi_K25VisionConfig(patch_size=4, pos_emb_height=4, pos_emb_width=4,
+                                             num_attention_heads=2, num_hidden_layers=1,
+                                             hidden_size=16, intermediate_size=32)
+  tied = layout == "saved"
+  cfg = transformers.Kimi_K25Config(text_config=text, vision_config=vision,
+                                    projection_hidden_size=16, tie_word_embeddings=tied)
+  torch.manual_seed(0)
+  hf = randomize_correction_biases(spread_routers(perturb(
+      transformers.Kimi_K25ForConditionalGeneration(cfg).float().eval())))
+  hf.save_pretrained(tmp_path / "vlm")
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(tmp_path / "vlm" / "model.safetensors"))
+  assert any(n.startswith("language_model.model.blocks.") for n in tensors)
+  if layout == "published":
+    tensors = {n.replace("language_model.model.blocks.", "language_model.model.layers."): x
+               for n, x in tensors.items()}
+    save_file(tensors, str(tmp_path / "vlm" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "vlm" / "config.json").read_text())
+    config["architectures"] = ["KimiK25ForConditionalGeneration"]
+    config["text_config"]["model_type"] = "kimi_k2"
+    (tmp_path / "vlm" / "config.json").write_text(json.dumps(config))
+    # transformers reads the published layout too, to the same logits
+    back = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(
+        str(tmp_path / "vlm")).float().eval()
+    with torch.no_grad():
+      np.testing.assert_array_equal(back(input_ids=torch.as_tensor(TOKENS)).logits.numpy(),
+                                    hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy())
+  ours = models.from_pretrained(str(tmp_path / "vlm"))
+  assert ours.cfg.architecture == "DeepseekV3ForCausalLM"
+  assert (ours.cfg.kv_lora_rank, ours.cfg.router_groups, ours.cfg.dense_layers,
+          ours.cfg.tie_embeddings) == (16, 4, 1, tied)
+  with torch.no_grad():
+    want = hf(input_ids=torch.as_tensor(TOKENS)).logits.numpy()
+  got = np.asarray(nnx.jit(lambda m, t: m(t))(ours, TOKENS))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  assert np.abs(want).max() > 3
+  config = json.loads((tmp_path / "vlm" / "config.json").read_text())
+  config.pop("tie_word_embeddings")
+  assert models.hf_config_to_model_config(config).tie_embeddings
 
 
 @pytest.mark.slow
