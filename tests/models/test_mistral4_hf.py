@@ -15,8 +15,8 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (check_export_round_trip, check_logits,
-                                 check_reward_model_round_trip, greedy_tokens, hf_logits,
-                                 perturb, save_families, spread_routers)
+                                 check_reward_model_round_trip, greedy_tokens, perturb,
+                                 save_families, spread_routers)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
