@@ -87,11 +87,14 @@ def scheme(config: Mapping) -> Scheme | None:
   return None if block is None else Scheme(SCALE_SUFFIX, block)
 
 
-def _compressed_tensors(quant: Mapping) -> Scheme:
+def _compressed_tensors(quant: Mapping) -> Scheme | None:
   """compressed-tensors' float8 weights (its "float-quantized" / "naive-quantized"
-  formats): a scale per output channel, per tensor, or per block."""
+  formats): a scale per output channel, per tensor, or per block. None for integer
+  weights (`posttrain.models.compressed` reads them)."""
   groups = quant.get("config_groups") or {}
   weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, Mapping)]
+  if any(w.get("type") == "int" for w in weights):
+    return None
   strategies = {w.get("strategy") for w in weights}
   blocks = {tuple(w.get("block_structure") or ()) for w in weights}
   if (not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights)
@@ -99,7 +102,7 @@ def _compressed_tensors(quant: Mapping) -> Scheme:
       or quant.get("format") not in (None, "float-quantized", "naive-quantized")):
     raise ValueError(f"compressed-tensors quantization_config {dict(quant)!r} is not "
                      "supported: only 8-bit float weights (strategy channel, tensor or "
-                     "block; format float-quantized) are read")
+                     "block; format float-quantized) and integer weights are read")
   (block,) = blocks
   if "block" in strategies:
     if len(block) != 2 or len(strategies) > 1:

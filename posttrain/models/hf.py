@@ -32,6 +32,7 @@ from posttrain.models.config import (EXPERT_LORA_TARGETS, GATED_EXPERT_LORA_TARG
                                      LORA_TARGETS, MUP_MULTIPLIERS, PEFT_FUSED_MLP,
                                      PEFT_NO_OUT_PROJ, ModelConfig, RopeConfig)
 from posttrain.models import bnb as bnb_lib
+from posttrain.models import compressed as compressed_lib
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models import quant
 from posttrain.models.factory import abstract_model, state_shardings
@@ -3086,20 +3087,24 @@ def _mxfp4_names(files: dict[str, str]) -> set[str]:
 
 
 def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
-                  fp8: fp8_lib.Scheme | None = None, bnb: str | None = None
+                  fp8: fp8_lib.Scheme | None = None, bnb: str | None = None,
+                  ints: compressed_lib.Scheme | None = None
                   ) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (name, array), opening each file once and reading one tensor at a time. With
   `mxfp4`, a name stored as NAME_blocks / NAME_scales is read from both, dequantized
   (`posttrain.models.mxfp4`); with an `fp8` scheme, a name beside its scale (NAME +
   fp8.suffix) is a float8 weight, dequantized (`posttrain.models.fp8`); with `bnb`
   ("4bit", "8bit"), a bitsandbytes weight is read with its quantization state and
-  dequantized (`posttrain.models.bnb`)."""
+  dequantized (`posttrain.models.bnb`); with `ints`, a compressed-tensors integer weight
+  is read from its codes, scales and zero points (`posttrain.models.compressed`)."""
   by_file: dict[str, list[str]] = {}
   packed = _mxfp4_names(files) if mxfp4 else set()
   packed4 = bnb_lib.packed4(files) if bnb == "4bit" else {}
   packed8 = bnb_lib.packed8(files) if bnb == "8bit" else set()
+  codes = compressed_lib.quantized(files, ints) if ints else {}
   for name in names:
-    by_file.setdefault(files[name + "_blocks" if name in packed else name], []).append(name)
+    stored = name + "_blocks" if name in packed else codes.get(name, name)
+    by_file.setdefault(files[stored], []).append(name)
   for f, group in by_file.items():
     with _open_tensors(f) as fh:
 
@@ -3109,7 +3114,9 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
         return fh.get_tensor(n) if files[n] == f else next(_iter_tensors(files, [n]))[1]
 
       for name in group:
-        if name in packed4:
+        if name in codes:
+          yield name, compressed_lib.read(name, get, ints)
+        elif name in packed4:
           yield name, bnb_lib.read4(name, get, packed4[name])
         elif name in packed8:
           yield name, bnb_lib.read8(name, get)
@@ -3251,6 +3258,10 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   bnb = bnb_lib.method(hf_cfg)
   if bnb:  # bitsandbytes: a weight's quantization state is read with it
     present -= bnb_lib.companions(files, bnb)
+  ints = compressed_lib.scheme(hf_cfg)
+  if ints:  # compressed-tensors integers: X.weight is read from X.weight_packed and beside
+    kept = {w for w, c in compressed_lib.quantized(files, ints).items() if c in present}
+    present = (present - compressed_lib.companions(files, ints)) | kept
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
     present = {n for n in present if n == named("lm_head.weight")
                or n.startswith(named("model.x")[:-1])}
@@ -3258,7 +3269,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   # started from a causal LM does not read its lm_head.
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
                {named("lm_head.weight")} if cfg.tie_embeddings or not cfg.lm_head else set())
-  sources = [(files, rows, mxfp4, fp8, bnb)]
+  sources = [(files, rows, mxfp4, fp8, bnb, ints)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
     if _causal_lm(cfg.architecture) == NEMOTRON_H and any(
@@ -3272,18 +3283,18 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
       score = [r for r in _mapping(cfg, score=True) if r[0] == ("value_w",)]
       lora_rows += [(ours, _PEFT_SCORE, *rest) for ours, _, *rest in score]
     _check_names(f"adapter {adapter}", set(adapter_files), {r[1] for r in lora_rows})
-    sources.append((adapter_files, lora_rows, False, None, None))
+    sources.append((adapter_files, lora_rows, False, None, None, None))
 
   graphdef, abstract_state = abstract_model(cfg)
   shardings = state_shardings(abstract_state, mesh, rules) if mesh is not None else None
   values: dict[tuple, jax.Array] = {}
   pd = jnp.dtype(cfg.param_dtype)
-  for source_files, source_rows, mxfp4, fp8, bnb in sources:
+  for source_files, source_rows, mxfp4, fp8, bnb, ints in sources:
     by_name: dict[str, list] = {}
     for r in source_rows:  # a tensor may hold several of ours (gpt-oss's gate_up_proj)
       by_name.setdefault(r[1], []).append(r)
     for name, whole in _iter_tensors(source_files, list(by_name), mxfp4=mxfp4, fp8=fp8,
-                                     bnb=bnb):
+                                     bnb=bnb, ints=ints):
       for ours, _, to_ours, to_hf, shape in by_name[name]:
         expected = _hf_shape(cfg, name, shape, to_hf)
         if tuple(whole.shape) != tuple(expected):

@@ -226,8 +226,9 @@ def test_channel_scaled_fp8_checkpoints_load_as_their_dequantized_weights(tmp_pa
 
 
 def test_channel_scaled_fp8_we_cannot_read_is_refused(tmp_path):
-  """Integer or packed compressed-tensors weights, and a scale that does not broadcast
-  over its weight, each a one-line error."""
+  """Packed or 4-bit float compressed-tensors weights, and a scale that does not
+  broadcast over its weight, each a one-line error. (Integer weights are
+  tests/models/test_compressed.py's.)"""
   torch.manual_seed(0)
   cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80,
                                  num_hidden_layers=1, num_attention_heads=4,
@@ -238,7 +239,6 @@ def test_channel_scaled_fp8_we_cannot_read_is_refused(tmp_path):
   quant = config["quantization_config"]
   weights = quant["config_groups"]["group_0"]["weights"]
   for bad in ({**quant, "format": "pack-quantized"},
-              {**quant, "config_groups": {"group_0": {"weights": {**weights, "type": "int"}}}},
               {**quant, "config_groups": {"group_0": {"weights": {**weights, "num_bits": 4}}}}):
     shutil.copytree(tmp_path / "a", tmp_path / "b", dirs_exist_ok=True)
     (tmp_path / "b" / "config.json").write_text(json.dumps({**config,
