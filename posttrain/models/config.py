@@ -306,6 +306,15 @@ class ModelConfig:
       projections: q_proj the queries' (q_b_proj with a query latent), k_proj k_b_proj,
       v_proj v_b_proj, o_proj o_proj.
     qk_rope_head_dim / v_head_dim: MLA's rotated key features and value width.
+    index_topk / index_heads / index_head_dim: DeepSeek Sparse Attention (DeepSeek-V3.2,
+      GLM-5; MLA with a query latent): each query attends to the index_topk keys its
+      lightning indexer scores highest, sum_h w_h relu(q_h . k / sqrt(index_head_dim)),
+      its index_heads queries from the query latent (index_q_proj), one key a token
+      (index_k_proj, then a LayerNorm), the first qk_rope_head_dim features of both
+      rotated, the head weights w from the input (index_weights_proj) over
+      sqrt(index_heads). No gradient flows through the choice. A row of at most
+      index_topk positions attends densely (every key chosen). The cache keeps each
+      token's index key beside the latent (in its v, [B, 1, S, index_head_dim]).
     linear_num_key_heads / linear_num_value_heads / linear_key_head_dim /
       linear_value_head_dim / linear_conv_kernel: the Gated DeltaNet of layer_types'
       "linear_attention" layers (Qwen3-Next, Qwen3.5; `LinearAttention`): q and k of
@@ -469,6 +478,9 @@ class ModelConfig:
   q_lora_rank: int = 0
   qk_rope_head_dim: int = 0
   v_head_dim: int = 0
+  index_topk: int = 0
+  index_heads: int = 0
+  index_head_dim: int = 0
   linear_num_key_heads: int = 0
   linear_num_value_heads: int = 0
   linear_key_head_dim: int = 0
@@ -711,6 +723,22 @@ class ModelConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or int(value) != value or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    index = ("index_topk", "index_heads", "index_head_dim")
+    for name in index:
+      value = getattr(self, name)
+      if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if any(getattr(self, n) for n in index):
+      if not (self.kv_lora_rank and self.q_lora_rank):
+        raise ValueError("index_topk / index_heads / index_head_dim (DeepSeek Sparse "
+                         "Attention's indexer) need multi-head latent attention with a "
+                         "query latent (kv_lora_rank > 0, q_lora_rank > 0)")
+      if not all(getattr(self, n) for n in index):
+        raise ValueError(f"set index_topk, index_heads and index_head_dim together, got "
+                         f"{self.index_topk}, {self.index_heads}, {self.index_head_dim}")
+      if self.index_head_dim < self.qk_rope_head_dim:
+        raise ValueError(f"index_head_dim={self.index_head_dim} must hold the "
+                         f"qk_rope_head_dim={self.qk_rope_head_dim} rotated features")
     if not self.kv_lora_rank:
       held = [n for n in names[1:] if getattr(self, n)]
       if held:
@@ -1210,6 +1238,8 @@ class ModelConfig:
       rq, rkv, hr, v = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
       attn = ((d * rq + rq + rq * h * hd) if rq else d * h * hd) + d * (rkv + hr) + rkv
       attn += rkv * h * (hd - hr + v) + h * v * d
+      hi, di = self.index_heads, self.index_head_dim  # the sparse attention's indexer
+      attn += rq * hi * di + d * di + 2 * di + d * hi
     if self.qkv_bias:
       attn += (h + 2 * kv) * hd
     if self.qk_norm:

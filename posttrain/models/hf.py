@@ -54,14 +54,15 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
               "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-              "Mistral4ForCausalLM")
+              "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
                   "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
-                  "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+                  "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -97,7 +98,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
                 "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5",
                 "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
-                "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4"}
+                "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4",
+                "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -291,8 +293,32 @@ _MISTRAL4_ROPE = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
                   "original_max_position_embeddings": 8192, "beta_fast": 32.0,
                   "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                   "llama_4_scaling_beta": 0.1}
+# DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM): DeepSeek-V3's
+# latent attention and mixture (GLM-5's dense layers named by mlp_layer_types) under
+# DeepSeek Sparse Attention (`ModelConfig.index_topk`): each layer's lightning indexer
+# (self_attn.indexer: wq_b over the query latent, wk and a LayerNorm k_norm, weights_proj)
+# picks the index_topk keys each query attends to. Its queries' and keys' first
+# qk_rope_head_dim features are rotated, rotate-half in V3.2 and as interleaved pairs in
+# GLM-5 (reordered on load, as the attention's are). GLM-5 layers that reuse another
+# layer's choice (indexer_types "shared") are not read. Layers past num_hidden_layers
+# (multi-token prediction) are not read.
+DEEPSEEK_V32 = "DeepseekV32ForCausalLM"
+GLM_MOE_DSA = "GlmMoeDsaForCausalLM"
+_DEEPSEEK_V32_DEFAULTS = dict(_DEEPSEEK_V3_DEFAULTS, index_topk=2048, index_head_dim=128,
+                              index_n_heads=64, max_position_embeddings=163_840)
+_GLM_MOE_DSA_DEFAULTS = dict(
+    rms_norm_eps=1e-5, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+    kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64, v_head_dim=256,
+    qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=202_752,
+    rope_interleave=True, attention_bias=False, moe_intermediate_size=2048,
+    tie_word_embeddings=False, index_topk=2048, index_head_dim=128, index_n_heads=32)
+# The classes with DeepSeek Sparse Attention, and their indexers' rotary layout.
+_SPARSE_ATTENTION = (DEEPSEEK_V32, GLM_MOE_DSA)
 # The classes with DeepSeek's multi-head latent attention.
-_DEEPSEEKS = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE, MISTRAL4)
+_DEEPSEEKS = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE, MISTRAL4) + _SPARSE_ATTENTION
+# Their classes whose mixtures route as DeepSeek-V3's (sigmoid, groups, correction bias).
+_V3_ROUTED = (DEEPSEEK_V3, GLM4_MOE_LITE) + _SPARSE_ATTENTION
 _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared_experts=1,
                           n_routed_experts=128, routed_scaling_factor=1.0, n_group=1,
                           topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
@@ -350,6 +376,7 @@ _CLASS_DEFAULTS = {
     GLM4_MOE: _GLM4_MOE_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     GLM4_MOE_LITE: _GLM4_MOE_LITE_DEFAULTS, MISTRAL4: _MISTRAL4_DEFAULTS,
+    DEEPSEEK_V32: _DEEPSEEK_V32_DEFAULTS, GLM_MOE_DSA: _GLM_MOE_DSA_DEFAULTS,
     QWEN3_5: _QWEN3_5_DEFAULTS, MINIMAX_M2: _MINIMAX_M2_DEFAULTS, LLAMA4: _LLAMA4_DEFAULTS,
     QWEN3_5_MOE: {**_QWEN3_5_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
@@ -513,7 +540,8 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
               ERNIE4_5_MOE: _QWEN_MOE_NAMES, GLM4_MOE_LITE: _QWEN_MOE_NAMES,
-              MISTRAL4: _QWEN_MOE_NAMES}
+              MISTRAL4: _QWEN_MOE_NAMES, DEEPSEEK_V32: _QWEN_MOE_NAMES,
+              GLM_MOE_DSA: _QWEN_MOE_NAMES}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
               "short_factor", "long_factor", "partial_rotary_factor")
@@ -1131,8 +1159,20 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if not c.get("rope_interleave", True):
     raise ValueError("rope_interleave=false in a DeepSeek-V3 config.json is not supported "
                      "(DeepSeek's and Kimi's files hold interleaved rotary features)")
-  return {"kv_lora_rank": int(c["kv_lora_rank"]), "q_lora_rank": int(c["q_lora_rank"] or 0),
-          "qk_rope_head_dim": int(c["qk_rope_head_dim"]), "v_head_dim": int(c["v_head_dim"])}
+  out = {"kv_lora_rank": int(c["kv_lora_rank"]), "q_lora_rank": int(c["q_lora_rank"] or 0),
+         "qk_rope_head_dim": int(c["qk_rope_head_dim"]), "v_head_dim": int(c["v_head_dim"])}
+  if lm in _SPARSE_ATTENTION:
+    kinds = c.get("indexer_types")
+    if c.get("index_topk_pattern") is not None or int(c.get("index_topk_freq", 1) or 1) > 1 \
+        or (kinds is not None and any(k != "full" for k in kinds)):
+      raise ValueError(f"indexer_types={kinds!r} (index_topk_pattern="
+                       f"{c.get('index_topk_pattern')!r}, index_topk_freq="
+                       f"{c.get('index_topk_freq')!r}): layers that reuse another layer's "
+                       "sparse attention choice are not supported; every layer's own "
+                       "indexer ('full') is read")
+    out.update(index_topk=int(c["index_topk"]), index_heads=int(c["index_n_heads"]),
+               index_head_dim=int(c["index_head_dim"]))
+  return out
 
 # Classes whose layers name their MLP feed_forward.
 _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
@@ -1294,13 +1334,14 @@ def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _leading_dense_layers(c: dict[str, Any]) -> int:
-  """How many of a GLM-4.7-Flash config.json's layers are dense: its mlp_layer_types
-  ("dense" / "sparse" per layer; by default the first layer dense), whose dense layers
-  must lead."""
+def _leading_dense_layers(c: dict[str, Any], default: int = 1) -> int:
+  """How many of a GLM-4.7-Flash (GLM-5, DeepSeek-V3.2) config.json's layers are dense:
+  its mlp_layer_types ("dense" / "sparse" per layer; by default the first `default`
+  layers dense), whose dense layers must lead."""
   layers = int(c["num_hidden_layers"])
   kinds = c.get("mlp_layer_types")
-  kinds = ["dense"] + ["sparse"] * (layers - 1) if kinds is None else list(kinds)
+  kinds = (["dense"] * default + ["sparse"] * (layers - default) if kinds is None
+           else list(kinds))
   dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
   if len(kinds) != layers or any(kind != "sparse" for kind in kinds[dense:]):
     raise ValueError(f"mlp_layer_types={kinds!r} is not supported: {layers} entries, the "
@@ -1397,8 +1438,11 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             **_aux_loss_from_hf(c)}
   if arch == GLM4_MOE_LITE:
     c = {**c, "first_k_dense_replace": _leading_dense_layers(c)}
-  if arch in (GLM4_MOE, DEEPSEEK_V3, GLM4_MOE_LITE):
-    if arch == DEEPSEEK_V3 and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
+  if arch in _SPARSE_ATTENTION:
+    c = {**c, "first_k_dense_replace": _leading_dense_layers(
+        c, int(c.get("first_k_dense_replace", 3)))}
+  if arch in (GLM4_MOE,) + _V3_ROUTED:
+    if arch in (DEEPSEEK_V3, DEEPSEEK_V32) and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
         "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
       raise ValueError(f"topk_method={c.get('topk_method')!r}, scoring_func="
                        f"{c.get('scoring_func')!r}, moe_layer_freq={c.get('moe_layer_freq')!r}"
@@ -1494,6 +1538,10 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"kv_lora_rank={cfg.kv_lora_rank} cannot be written as "
                      f"{cfg.architecture}: multi-head latent attention is written as "
                      f"one of {list(_DEEPSEEKS)}, and only they")
+  if bool(cfg.index_topk) != (lm in _SPARSE_ATTENTION):
+    raise ValueError(f"index_topk={cfg.index_topk} cannot be written as {cfg.architecture}: "
+                     f"DeepSeek Sparse Attention is written as one of "
+                     f"{list(_SPARSE_ATTENTION)}, and only they")
   qwen3_5 = lm in _QWEN3_5S
   mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
   short = cfg.linear_mixer == "short_conv" and any(cfg.linear_layers)
@@ -1545,7 +1593,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid = lm in (GLM4_MOE, DEEPSEEK_V3, GLM4_MOE_LITE, MINIMAX_M2, LLAMA4, NEMOTRON_H)
+  sigmoid = lm in (GLM4_MOE, MINIMAX_M2, LLAMA4, NEMOTRON_H) + _V3_ROUTED
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
   grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
   if lm == NEMOTRON_H:  # Nemotron 3: groups and scaling, one shared expert of its width
@@ -1867,7 +1915,15 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
                qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim)
-    if lm == DEEPSEEK_V3:
+    if lm in _SPARSE_ATTENTION:
+      out.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads,
+                 index_head_dim=cfg.index_head_dim, rope_interleave=True,
+                 num_nextn_predict_layers=0, mlp_layer_types=[
+                     "dense" if i < cfg.dense_layers else "sparse"
+                     for i in range(cfg.num_layers)])
+      if lm == GLM_MOE_DSA:
+        out["indexer_types"] = ["full"] * cfg.num_layers
+    elif lm == DEEPSEEK_V3:
       out.update(rope_interleave=True, num_nextn_predict_layers=0, topk_method="noaux_tc",
                  scoring_func="sigmoid")
     elif lm == GLM4_MOE_LITE:
@@ -2507,6 +2563,24 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
             (rkv, n, hn)),
            (p + ("attn", "v_b_proj"), attn + "kv_b_proj.weight", *kv_b_part(hn, vh),
             (rkv, n, vh))]
+  if cfg.index_topk:  # DeepSeek Sparse Attention's indexer
+    hi, di = cfg.index_heads, cfg.index_head_dim
+    # Its rotated features: rotate-half in DeepSeek-V3.2, interleaved pairs in GLM-5.
+    first = (rotated if _causal_lm(cfg.architecture) == GLM_MOE_DSA else np.arange(hr))
+    feats = np.concatenate([first, np.arange(hr, di)])
+    undo = np.argsort(feats)
+    ix = attn + "indexer."
+    rows += [(p + ("attn", "index_q_proj"), ix + "wq_b.weight",
+              lambda x: x.reshape(hi, di, rq)[:, feats].transpose(2, 0, 1),
+              lambda x: x.transpose(1, 2, 0)[:, undo].reshape(hi * di, rq), (rq, hi, di)),
+             (p + ("attn", "index_k_proj"), ix + "wk.weight", lambda x: x[feats].T,
+              lambda x: x.T[undo], (d, di)),
+             (p + ("attn", "index_k_norm_scale"), ix + "k_norm.weight", lambda x: x[feats],
+              lambda x: x[undo], (di,)),
+             (p + ("attn", "index_k_norm_bias"), ix + "k_norm.bias", lambda x: x[feats],
+              lambda x: x[undo], (di,)),
+             (p + ("attn", "index_weights_proj"), ix + "weights_proj.weight", lambda x: x.T,
+              lambda x: x.T, (d, hi))]
   return rows
 
 
@@ -3142,7 +3216,7 @@ def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str
   lm = _causal_lm(_architecture(text))
   if lm == NEMOTRON_H:  # its mtp.* (Nemotron 3), which transformers does not read either
     return {n for n in files if n.startswith("mtp.")}
-  if lm not in (GLM4_MOE, DEEPSEEK_V3, GLM4_MOE_LITE):
+  if lm not in (GLM4_MOE,) + _V3_ROUTED:
     return set()
   first = int(text["num_hidden_layers"])
   extra = int(text.get("num_nextn_predict_layers", text.get("num_mtp_layers", 1)) or 0)

@@ -48,7 +48,8 @@ def _param(rngs: nnx.Rngs | None, shape, names, dtype, init: str = "normal",
 class KVCache(NamedTuple):
   """Per-layer key/value cache, slot index = token position. k, v: [B, K, S, H].
   Multi-head latent attention caches one latent array in k ([B, 1, S, qk_rope_head_dim +
-  kv_lora_rank]) and no v.
+  kv_lora_rank]) and no v; with DeepSeek Sparse Attention (cfg.index_topk) v holds each
+  token's index key ([B, 1, S, index_head_dim]).
 
   Heads-major: a decode step reads each kv head's slots as one contiguous block, with no
   transpose (`kernels.decode_attention(..., kv_layout="bksh")`). An int8 cache also holds
@@ -165,12 +166,15 @@ def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
   dtype = jnp.dtype(dtype or _dtype(cfg.dtype))
   shape = (*layers, batch, cfg.cache_heads, max_len, cfg.cache_head_dim)
   latent = bool(cfg.kv_lora_rank)  # one latent array, read as keys and values both
+  # DeepSeek Sparse Attention keeps each token's index key in a latent cache's v.
+  v_shape = (*shape[:-1], cfg.index_head_dim) if cfg.index_topk else shape
+  no_v = latent and not cfg.index_topk
   if dtype == jnp.int8:
     scales = shape[:-1]
-    return KVCache(jnp.zeros(shape, dtype), None if latent else jnp.zeros(shape, dtype),
+    return KVCache(jnp.zeros(shape, dtype), None if no_v else jnp.zeros(v_shape, dtype),
                    jnp.ones(scales, jnp.float32),
-                   None if latent else jnp.ones(scales, jnp.float32))
-  return KVCache(jnp.zeros(shape, dtype), None if latent else jnp.zeros(shape, dtype))
+                   None if no_v else jnp.ones(scales, jnp.float32))
+  return KVCache(jnp.zeros(shape, dtype), None if no_v else jnp.zeros(v_shape, dtype))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
@@ -344,6 +348,84 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
   return kernels.sharded_attention(q, k, v, mesh=ctx.mesh, batch_axis=batch_axis,
                                    head_axis=head_axis, attention=kernels.flash_attention,
                                    **kwargs, **flash_options)
+
+
+# -- DeepSeek Sparse Attention ----------------------------------------------------------------
+
+# Queries per block of `sparse_attention`: each block's index scores and attention
+# logits ([B, block, index_heads, S] and [B, heads, block, S], float32) are the largest
+# arrays it holds, recomputed in the backward pass rather than kept.
+SPARSE_QUERY_BLOCK = 256
+
+
+def index_scores(iq_BxTxHxI, iw_BxTxH, ik_BxSxI) -> jax.Array:
+  """The lightning indexer's scores [B, T, S] (float32): sum_h w[t, h] relu(q[t, h] .
+  k[s] / sqrt(I)) / sqrt(H) (DeepSeek-V3.2's `Indexer`, in float32 without its FP8
+  rounding and Hadamard rotation, which leaves the dot products as they are)."""
+  f32 = jnp.float32
+  heads, dim = iq_BxTxHxI.shape[-2:]
+  dots = jnp.einsum("BTHI,BSI->BTHS", iq_BxTxHxI.astype(f32), ik_BxSxI.astype(f32))
+  weights = iw_BxTxH.astype(f32) * heads ** -0.5
+  return jnp.einsum("BTH,BTHS->BTS", weights, jax.nn.relu(dots * dim ** -0.5))
+
+
+def chosen_keys(scores_BxTxS, valid_BxTxS, topk: int) -> jax.Array:
+  """[B, T, S] bool: each query's `topk` highest-scoring valid keys (all of them where it
+  has no more), no gradient through the choice."""
+  scores = jax.lax.stop_gradient(jnp.where(valid_BxTxS, scores_BxTxS, -jnp.inf))
+  b, t, s = scores.shape
+  if topk >= s:
+    return valid_BxTxS
+  _, idx = jax.lax.top_k(scores, topk)
+  chosen = jnp.zeros((b, t, s), bool).at[
+      jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx].set(True)
+  return chosen & valid_BxTxS
+
+
+def masked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, allowed_BxTxS, sm_scale: float):
+  """Softmax attention of q over the keys `allowed` for each query ([B, T, N, V] in q's
+  dtype; logits and sums in float32, the probabilities cast to v's dtype before the
+  values as transformers' eager attention does); K kv heads serve N / K query heads each.
+  A query with no key allowed gets zeros."""
+  b, t, n, h = q_BxTxNxH.shape
+  kh = k_BxSxKxH.shape[2]
+  q = q_BxTxNxH.reshape(b, t, kh, n // kh, h)
+  logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BxSxKxH,
+                      preferred_element_type=jnp.float32) * sm_scale
+  logits = jnp.where(allowed_BxTxS[:, None, None], logits, -jnp.inf)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0)))
+  total = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(total > 0, total, 1.0)
+  out = jnp.einsum("BKGTS,BSKV->BTKGV", p.astype(v_BxSxKxV.dtype), v_BxSxKxV,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, n, v_BxSxKxV.shape[-1]).astype(q_BxTxNxH.dtype)
+
+
+def sparse_attention(q, k, v, iq, iw, ik, q_pos_BxT, k_pos_BxS, q_seg_BxT, k_seg_BxS,
+                     topk: int, sm_scale: float, block: int = SPARSE_QUERY_BLOCK):
+  """DeepSeek Sparse Attention: each query [B, T, N, H] attends (`masked_attention`) to
+  the `topk` keys [B, S, K, H] of its own segment at positions up to its own that the
+  indexer (queries iq [B, T, Hi, I], weights iw [B, T, Hi], keys ik [B, S, I]) scores
+  highest. Queries go in blocks of `block` under `jax.checkpoint`: the [T, S] scores and
+  probabilities exist a block at a time, in the backward pass too."""
+  b, t = q.shape[:2]
+
+  def run(q, iq, iw, q_pos, q_seg):
+    valid = ((k_pos_BxS[:, None, :] <= q_pos[:, :, None])
+             & (k_seg_BxS[:, None, :] == q_seg[:, :, None]) & (q_seg[:, :, None] != 0))
+    allowed = chosen_keys(index_scores(iq, iw, ik), valid, topk)
+    return masked_attention(q, k, v, allowed, sm_scale)
+
+  if t <= block:
+    return run(q, iq, iw, q_pos_BxT, q_seg_BxT)
+  pad = -t % block
+  padded = [jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=c)
+            for x, c in ((q, 0), (iq, 0), (iw, 0), (q_pos_BxT, -1), (q_seg_BxT, 0))]
+  blocks = [jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0) for x in padded]
+  out = jax.lax.map(lambda xs: jax.checkpoint(run)(*xs), tuple(blocks))
+  out = jnp.moveaxis(out, 0, 1).reshape(b, t + pad, *out.shape[3:])
+  return out[:, :t]
 
 
 # -- LoRA adapters --------------------------------------------------------------------------
@@ -776,6 +858,38 @@ class Attention(nnx.Module):
                            std=std)
     self.v_b_proj = _param(rngs, (rkv, n, cfg.v_head_dim), ("latent", "heads", "head_dim"),
                            pd, std=std)
+    if cfg.index_topk:  # DeepSeek Sparse Attention's lightning indexer
+      hi, di = cfg.index_heads, cfg.index_head_dim
+      self.index_q_proj = _param(rngs, (rq, hi, di), ("latent", "heads", "head_dim"), pd,
+                                 std=std)
+      self.index_k_proj = _param(rngs, (d, di), ("embed", "head_dim"), pd, std=std)
+      self.index_k_norm_scale = _param(None, (di,), ("head_dim",), pd, init="ones")
+      self.index_k_norm_bias = _param(None, (di,), ("head_dim",), pd, init="zeros")
+      self.index_weights_proj = _param(rngs, (d, hi), ("embed", "heads"), pd, std=std)
+
+  def _index_parts(self, x, q_in, cos, sin):
+    """The indexer's queries [B, T, Hi, I] (from the query latent), head weights
+    [B, T, Hi] and keys [B, T, I] (LayerNorm, eps 1e-6, over x index_k_proj), the first
+    qk_rope_head_dim features of queries and keys rotated."""
+    dt = _dtype(self.cfg.dtype)
+    iq = jnp.einsum("BTR,RHI->BTHI", q_in, self.index_q_proj[...].astype(dt))
+    ik = jnp.einsum("BTD,DI->BTI", x, self.index_k_proj[...].astype(dt)).astype(jnp.float32)
+    mean = jnp.mean(ik, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(ik - mean), axis=-1, keepdims=True)
+    ik = ((ik - mean) * jax.lax.rsqrt(var + 1e-6)
+          * self.index_k_norm_scale[...].astype(jnp.float32)[None, None]
+          + self.index_k_norm_bias[...].astype(jnp.float32)[None, None]).astype(dt)
+    iw = jnp.einsum("BTD,DH->BTH", x, self.index_weights_proj[...].astype(dt))
+    return (rope_lib.apply_rope(iq, cos, sin), iw,
+            rope_lib.apply_rope(ik[:, :, None], cos, sin)[:, :, 0])
+
+  def _sparse(self, keys: int) -> bool:
+    """Whether attention over `keys` keys is sparse: DeepSeek Sparse Attention with more
+    keys than a query chooses (at most index_topk keys, every one is chosen)."""
+    return bool(self.cfg.index_topk) and keys > self.cfg.index_topk
+
+  def _sm_scale(self) -> float:
+    return self.cfg.attention_scale or float(self.cfg.head_dim) ** -0.5
 
   def _latent_qkv(self, x, cos, sin):
     """q, k, v [B, T, N, H] of multi-head latent attention, rotated: the keys' and values'
@@ -801,13 +915,17 @@ class Attention(nnx.Module):
     v = _add_lora(self, "v_proj", v, latent, "BTD,DR->BTR", "BTR,RNH->BTNH")
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.head_dim - cfg.v_head_dim)))
     cached = jnp.concatenate([k_rope, latent[:, :, None]], -1)  # [B, T, 1, Hr + R]
-    return rope_lib.apply_rope(q, cos, sin), k, v, cached
+    index = self._index_parts(x, q_in, cos, sin) if cfg.index_topk else None
+    return rope_lib.apply_rope(q, cos, sin), k, v, cached, index
 
-  def _latent_read(self, q, cache: KVCache, positions_BxT, layer):
+  def _latent_read(self, q, cache: KVCache, positions_BxT, layer, index=None):
     """Cached multi-head latent attention, absorbed: each head's query against the
     latent cache is [q's rotated part, q's unrotated part . k_b_proj] (one cache head of
     Hr + R features, read as keys and values both), and the output's latent part goes
-    through v_b_proj: [B, T, N, v_head_dim]. The same function as the expanded form."""
+    through v_b_proj: [B, T, N, v_head_dim]. The same function as the expanded form.
+    With DeepSeek Sparse Attention over more slots than index_topk, `index` (the
+    indexer's queries and weights) picks each query's keys among the cached index keys
+    (the cache's v)."""
     import kernels
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     hr = cfg.qk_rope_head_dim
@@ -818,11 +936,26 @@ class Attention(nnx.Module):
       q_latent = q_latent + (cfg.lora_scale * jnp.einsum(
           "BTNr,Rr->BTNR", qb, self.k_proj_lora_a[...].astype(dt))).astype(dt)
     q_abs = jnp.concatenate([q[..., :hr], q_latent], -1)
-    out = kernels.decode_attention(
-        q_abs, cache.k, cache.k, lengths=positions_BxT[:, -1] + 1, k_scale=cache.k_scale,
-        v_scale=cache.k_scale, chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
-        finite_tail=True, layer=layer,
-        sm_scale=cfg.attention_scale or float(cfg.head_dim) ** -0.5)
+    if self._sparse(cache.k.shape[-2]):
+      def read(x, scale):  # this layer's [B, S, F] (int8: dequantized)
+        if layer is not None:
+          x, scale = x[layer], None if scale is None else scale[layer]
+        x = x[:, 0]
+        if scale is not None:
+          x = (x.astype(jnp.float32) * scale[:, 0, :, None]).astype(dt)
+        return x
+      latent, keys = read(cache.k, cache.k_scale), read(cache.v, cache.v_scale)
+      b, slots = latent.shape[:2]
+      k_pos = jnp.broadcast_to(jnp.arange(slots)[None], (b, slots))
+      ones = jnp.ones((b, slots), jnp.int32)
+      out = sparse_attention(q_abs, latent[:, :, None], latent[:, :, None], *index, keys,
+                             positions_BxT, k_pos, (positions_BxT >= 0).astype(jnp.int32),
+                             ones, cfg.index_topk, self._sm_scale())
+    else:
+      out = kernels.decode_attention(
+          q_abs, cache.k, cache.k, lengths=positions_BxT[:, -1] + 1, k_scale=cache.k_scale,
+          v_scale=cache.k_scale, chunk_size=decode_chunk_for(cfg), kv_layout="bksh",
+          finite_tail=True, layer=layer, sm_scale=self._sm_scale())
     out_latent = out[..., hr:].astype(dt)
     values = jnp.einsum("BTNR,RNV->BTNV", out_latent, self.v_b_proj[...].astype(dt))
     if hasattr(self, "v_proj_lora_a"):  # v_b_proj + s A B: (o A) B
@@ -846,8 +979,9 @@ class Attention(nnx.Module):
     options (`_llama4`) read it."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
+    index = None
     if cfg.kv_lora_rank:
-      q, k, v, latent = self._latent_qkv(x, cos, sin)
+      q, k, v, latent, index = self._latent_qkv(x, cos, sin)
       q, k = self._llama4(q, k, positions_BxT, nope)  # Mistral 4's query scaling
     else:
       q, k, v = self._qkv(x, cos, sin)
@@ -869,7 +1003,16 @@ class Attention(nnx.Module):
     k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
     static = isinstance(sliding, (bool, np.bool_))
-    if cache is None:
+    if index is not None and self._sparse(q.shape[1]) and (cache is None or prefill):
+      # DeepSeek Sparse Attention over the block itself (training, a prefill)
+      t = q.shape[1]
+      pos = jnp.broadcast_to(jnp.arange(t)[None], segment_ids_BxT.shape)
+      out = sparse_attention(q, k, v, *index, pos, pos, segment_ids_BxT, segment_ids_BxT,
+                             cfg.index_topk, self._sm_scale())
+      new_cache = None if cache is None else self._write(
+          latent, index[2][:, :, None], segment_ids_BxT, cache, positions_BxT, ctx, prefill,
+          layer, False, t)
+    elif cache is None:
       def full(window: bool):
         return attend(cfg, q, k, v, ids(window), ctx, sliding=window, sinks=self._sinks())
       # Both kinds under one scan: the layer's flag picks a kernel, each one static.
@@ -877,10 +1020,12 @@ class Attention(nnx.Module):
              jax.lax.cond(sliding, lambda: full(True), lambda: full(False)))
       new_cache = None
     elif cfg.kv_lora_rank:  # the latent cache; a prefill attends in the expanded form
-      new_cache = self._write(latent, None, segment_ids_BxT, cache, positions_BxT, ctx,
-                              prefill, layer, False, q.shape[1])
+      new_cache = self._write(latent, None if index is None else index[2][:, :, None],
+                              segment_ids_BxT, cache, positions_BxT, ctx, prefill, layer,
+                              False, q.shape[1])
       out = (attend(cfg, q, k, v, segment_ids_BxT, ctx) if prefill else
-             self._latent_read(q, new_cache, positions_BxT, layer))
+             self._latent_read(q, new_cache, positions_BxT, layer,
+                               None if index is None else index[:2]))
     elif isinstance(cache, LayerKindCaches):
       # Both kinds under one scan, each kind's layers stacked apart, `layer` the index
       # among its kind: the keys go to both stacks, at an index past the other kind's
