@@ -1545,7 +1545,9 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
   `extend_chunk` = write_tokens). The arrays are the model's own, as `init_layer_cache`
   builds them (`_cache_arrays`): multi-head latent attention caches its latent alone,
   one array [batch, 1, slots, qk_rope_head_dim + kv_lora_rank] (no v; its one head
-  whole on every tensor shard), and its int8 scales [batch, 1, slots]. A linear-attention
+  whole on every tensor shard), and its int8 scales [batch, 1, slots]; with DeepSeek
+  Sparse Attention the indexer's keys beside it in v [batch, 1, slots, index_head_dim]
+  (int8: with their scales). A linear-attention
   layer's is its `LinearCache`, whatever max_len: the recurrent state [batch, value heads,
   key head dim, value head dim] float32 and the convolutions' last inputs; with
   cfg.parallel_mixer (Falcon-H1) every layer holds a KV cache and a `LinearCache` (its

@@ -1,5 +1,5 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
-a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
+a DeepSeek-V3.2 (sparse attention), a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
 (queries scaled by position), an OLMoE, an EXAONE 4, a Seed-OSS and a Phi-3 (LongRoPE,
@@ -60,6 +60,18 @@ FAMILIES = {
                         num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=64,
                         router_scoring="sigmoid", router_groups=2, router_group_topk=1,
                         routed_scaling_factor=2.0, dense_layers=1, dense_ffn_dim=96),
+    # DeepSeek-V3.2: the latent attention under DeepSeek Sparse Attention, each query
+    # choosing 8 keys (rows and rollouts are longer: the indexer's keys cached beside
+    # the latent). 16 indexer heads: with few, a key every head scores below zero ties
+    # others at exactly 0, which transformers' top-k breaks its own way.
+    "deepseek_v32": dict(architecture="DeepseekV32ForCausalLM", head_dim=48,
+                         num_kv_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                         qk_rope_head_dim=16, v_head_dim=32, index_topk=8, index_heads=16,
+                         index_head_dim=16,
+                         rope=models.RopeConfig(partial_rotary_factor=16 / 48), num_experts=4,
+                         num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=64,
+                         router_scoring="sigmoid", router_groups=2, router_group_topk=1,
+                         routed_scaling_factor=2.0, dense_layers=1, dense_ffn_dim=96),
     # A Gated DeltaNet layer (rollouts through its recurrent state, packed SFT rows
     # through its resets) beside a full layer with a gated output.
     "qwen3_5": dict(architecture="Qwen3_5ForCausalLM", qk_norm=True, norm_unit_offset=True,

@@ -210,9 +210,12 @@ def test_config_counts_and_checks():
   _, state = models.abstract_model(qwen)
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) == qwen.num_params
   # Shared experts, dense layers, latent attention: Qwen1.5-MoE-A2.7B 14.3B (2.7B
-  # active), GLM-4.5-Air 106B, Moonlight-16B-A3B 16.0B (2.9B), DeepSeek-V3 671B (37.6B).
+  # active), GLM-4.5-Air 106B, Moonlight-16B-A3B 16.0B (2.9B), DeepSeek-V3 671B (37.6B);
+  # sparse attention's indexers: DeepSeek-V3.2 (V3's plus 0.85B), GLM-5 744B (40B active
+  # as announced, 41.8B counting the embedding).
   for preset, total, active in [("qwen1_5_moe_a2_7b", 14.32, 2.69), ("glm4_5_air", 106.85, 13.42),
-                                ("moonlight_16b_a3b", 15.96, 2.91), ("deepseek_v3", 671.03, 37.55)]:
+                                ("moonlight_16b_a3b", 15.96, 2.91), ("deepseek_v3", 671.03, 37.55),
+                                ("deepseek_v3_2", 671.88, 38.40), ("glm5", 743.91, 41.78)]:
     cfg = models.get_preset(preset)
     assert abs(cfg.num_params / 1e9 - total) < 0.01, preset
     assert abs(cfg.num_active_params / 1e9 - active) < 0.01, preset
