@@ -372,14 +372,24 @@ def index_scores(iq_BxTxHxI, iw_BxTxH, ik_BxSxI) -> jax.Array:
 def chosen_keys(scores_BxTxS, valid_BxTxS, topk: int) -> jax.Array:
   """[B, T, S] bool: each query's `topk` highest-scoring valid keys (all of them where it
   has no more), no gradient through the choice."""
-  scores = jax.lax.stop_gradient(jnp.where(valid_BxTxS, scores_BxTxS, -jnp.inf))
-  b, t, s = scores.shape
-  if topk >= s:
+  if topk >= scores_BxTxS.shape[-1]:
     return valid_BxTxS
-  _, idx = jax.lax.top_k(scores, topk)
-  chosen = jnp.zeros((b, t, s), bool).at[
-      jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx].set(True)
-  return chosen & valid_BxTxS
+  return _allowed(*_top_keys(scores_BxTxS, valid_BxTxS, topk), scores_BxTxS.shape[-1])
+
+
+def _top_keys(scores_BxTxS, valid_BxTxS, topk: int):
+  """(indices [B, T, topk] int32, valid [B, T, topk] bool): each query's highest-scoring
+  keys, the ones past its valid keys marked invalid."""
+  scores = jax.lax.stop_gradient(jnp.where(valid_BxTxS, scores_BxTxS, -jnp.inf))
+  top, idx = jax.lax.top_k(scores, topk)
+  return idx.astype(jnp.int32), jnp.isfinite(top)
+
+
+def _allowed(idx_BxTxK, ok_BxTxK, keys: int) -> jax.Array:
+  """The [B, T, keys] mask of the keys `_top_keys` chose."""
+  b, t, _ = idx_BxTxK.shape
+  return jnp.zeros((b, t, keys), bool).at[
+      jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_BxTxK].set(ok_BxTxK)
 
 
 def masked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, allowed_BxTxS, sm_scale: float):
@@ -407,23 +417,42 @@ def sparse_attention(q, k, v, iq, iw, ik, q_pos_BxT, k_pos_BxS, q_seg_BxT, k_seg
   """DeepSeek Sparse Attention: each query [B, T, N, H] attends (`masked_attention`) to
   the `topk` keys [B, S, K, H] of its own segment at positions up to its own that the
   indexer (queries iq [B, T, Hi, I], weights iw [B, T, Hi], keys ik [B, S, I]) scores
-  highest. Queries go in blocks of `block` under `jax.checkpoint`: the [T, S] scores and
-  probabilities exist a block at a time, in the backward pass too."""
+  highest. Queries go in blocks of `block`: the indexer's [block, S] scores are computed
+  and dropped a block at a time, keeping each query's chosen key indices [T, topk]; the
+  attention runs a block at a time under `jax.checkpoint`, its backward pass recomputing
+  a block's probabilities from those indices (not the scores, nor the choice)."""
   b, t = q.shape[:2]
+  keys = k.shape[1]
+  iq, iw, ik = (jax.lax.stop_gradient(x) for x in (iq, iw, ik))  # no gradient: a choice
 
-  def run(q, iq, iw, q_pos, q_seg):
-    valid = ((k_pos_BxS[:, None, :] <= q_pos[:, :, None])
-             & (k_seg_BxS[:, None, :] == q_seg[:, :, None]) & (q_seg[:, :, None] != 0))
-    allowed = chosen_keys(index_scores(iq, iw, ik), valid, topk)
-    return masked_attention(q, k, v, allowed, sm_scale)
+  def valid(q_pos, q_seg):
+    return ((k_pos_BxS[:, None, :] <= q_pos[:, :, None])
+            & (k_seg_BxS[:, None, :] == q_seg[:, :, None]) & (q_seg[:, :, None] != 0))
 
+  def choose(iq, iw, q_pos, q_seg):
+    return _top_keys(index_scores(iq, iw, ik), valid(q_pos, q_seg), topk)
+
+  def attend_dense(q, q_pos, q_seg):  # every valid key chosen
+    return masked_attention(q, k, v, valid(q_pos, q_seg), sm_scale)
+
+  def attend_chosen(q, idx, ok):
+    return masked_attention(q, k, v, _allowed(idx, ok, keys), sm_scale)
+
+  dense = topk >= keys
   if t <= block:
-    return run(q, iq, iw, q_pos_BxT, q_seg_BxT)
+    if dense:
+      return attend_dense(q, q_pos_BxT, q_seg_BxT)
+    return attend_chosen(q, *choose(iq, iw, q_pos_BxT, q_seg_BxT))
   pad = -t % block
   padded = [jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=c)
             for x, c in ((q, 0), (iq, 0), (iw, 0), (q_pos_BxT, -1), (q_seg_BxT, 0))]
-  blocks = [jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0) for x in padded]
-  out = jax.lax.map(lambda xs: jax.checkpoint(run)(*xs), tuple(blocks))
+  q_b, iq_b, iw_b, pos_b, seg_b = [jnp.moveaxis(x.reshape(b, -1, block, *x.shape[2:]), 1, 0)
+                                   for x in padded]
+  if dense:
+    out = jax.lax.map(lambda xs: jax.checkpoint(attend_dense)(*xs), (q_b, pos_b, seg_b))
+  else:
+    idx, ok = jax.lax.map(lambda xs: choose(*xs), (iq_b, iw_b, pos_b, seg_b))
+    out = jax.lax.map(lambda xs: jax.checkpoint(attend_chosen)(*xs), (q_b, idx, ok))
   out = jnp.moveaxis(out, 0, 1).reshape(b, t + pad, *out.shape[3:])
   return out[:, :t]
 
