@@ -1,6 +1,7 @@
-"""compressed-tensors integer weights (`"quant_method": "compressed-tensors"` whose
-weights are `"type": "int"`): the W4A16 / W8A16 / W8A8 releases of llm-compressor, Kimi
-K2 Thinking's and K2.5's INT4 experts.
+"""compressed-tensors integer and FP4 weights (`"quant_method": "compressed-tensors"`
+whose weights are `"type": "int"`, or 4-bit floats in its NVFP4 / MXFP4 formats): the
+W4A16 / W8A16 / W8A8 / NVFP4 / MXFP4 releases of llm-compressor, Kimi K2 Thinking's and
+K2.5's INT4 experts.
 
 config.json's quantization_config holds `config_groups`, each with `targets` (a module
 class such as "Linear", a module name, or "re:" and a regular expression matched against
@@ -28,10 +29,25 @@ word and leave the rest of it empty; the two agree for 1, 2, 4 and 8 bits.
 A value is (code - zero point) x scale, computed in float32 and rounded to the scale's
 dtype, which is what compressed-tensors' dequantization gives (it multiplies in the
 scale's dtype: the product of an 8-bit integer and a bfloat16 is exact in float32, so the
-two round alike). Static activation scales (X.input_scale, X.input_zero_point) are not
-read: activations stay in the compute dtype here. Float (FP8) groups are
-`posttrain.models.fp8`'s; a checkpoint mixing float and integer groups, and NVFP4 / MXFP4
-formats, are refused.
+two round alike).
+
+FP4 (E2M1: a sign bit and the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), for a weight X:
+
+  "nvfp4-pack-quantized" (strategy tensor_group, groups of 16)
+    X.weight_packed        uint8 [out, in / 2]: two codes a byte, the first in the low
+                           nibble
+    X.weight_scale         float8_e4m3fn [out, in / 16]
+    X.weight_global_scale  float32 [1]: a value is code x (scale / global scale), in
+                           float32, rounded to bfloat16
+  "mxfp4-pack-quantized" (strategy group, groups of 32)
+    X.weight_packed        as above
+    X.weight_scale         uint8 [out, in / 32]: E8M0 exponents, 2^(e - 127); a value is
+                           code x scale, rounded to bfloat16
+
+(compressed-tensors decompresses FP4 weights to bfloat16 whatever the model's dtype.)
+Static activation scales (X.input_scale, X.input_zero_point, X.input_global_scale) are
+not read: activations stay in the compute dtype here. 8-bit float (FP8) groups are
+`posttrain.models.fp8`'s; a checkpoint mixing them with integer or FP4 groups is refused.
 """
 
 from __future__ import annotations
@@ -44,10 +60,15 @@ import ml_dtypes
 import numpy as np
 
 _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+# FP4 formats: their strategy and group size.
+FP4_FORMATS = {"nvfp4-pack-quantized": ("tensor_group", 16),
+               "mxfp4-pack-quantized": ("group", 32)}
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 _STRATEGIES = ("tensor", "channel", "group", "block")
 # The tensors beside a quantized layer's weight, read with it or not at all.
 _PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
-          "weight_g_idx", "input_scale", "input_zero_point", "input_global_scale")
+          "weight_g_idx", "weight_global_scale", "input_scale", "input_zero_point",
+          "input_global_scale")
 _DENSE_SINCE = (0, 18)
 
 
@@ -59,6 +80,7 @@ class Args:
   group_size: int | None = None
   block: tuple[int, int] | None = None
   symmetric: bool = True
+  fp4: str | None = None  # the FP4 format ("nvfp4-pack-quantized", ...), None for integers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,25 +118,44 @@ def _version(text) -> tuple[int, ...]:
   return tuple(int(p) for p in parts.groups()) if parts else ()
 
 
+def is_fp4(group: Mapping, quant: Mapping) -> bool:
+  """Whether a config group's weights are FP4 in one of `FP4_FORMATS`."""
+  w = group.get("weights") or {}
+  return (w.get("type") == "float" and w.get("num_bits") == 4
+          and (group.get("format") or quant.get("format")) in FP4_FORMATS)
+
+
 def scheme(config: Mapping) -> Scheme | None:
-  """The integer quantization of a config.json, or None when it has none (not
-  compressed-tensors, or its weights are floats). Raises ValueError for integer
+  """The integer or FP4 quantization of a config.json, or None when it has none (not
+  compressed-tensors, or its weights are 8-bit floats). Raises ValueError for
   quantization this reader cannot dequantize."""
   quant = config.get("quantization_config")
   if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
     return None
   groups = [g for g in (quant.get("config_groups") or {}).values() if isinstance(g, Mapping)]
-  kinds = {(g.get("weights") or {}).get("type") for g in groups}
-  if "int" not in kinds:
+  ours = [(g.get("weights") or {}).get("type") == "int" or is_fp4(g, quant) for g in groups]
+  if not any(ours):
     return None
-  if kinds != {"int"}:
-    raise ValueError(f"compressed-tensors quantization_config mixes {sorted(map(str, kinds))} "
-                     "weights: only checkpoints whose groups are all integer (or all 8-bit "
-                     "float) are read")
+  if not all(ours):
+    kinds = sorted({"fp4" if is_fp4(g, quant) else str((g.get("weights") or {}).get("type"))
+                    + str((g.get("weights") or {}).get("num_bits") or "") for g in groups})
+    raise ValueError(f"compressed-tensors quantization_config mixes {kinds} weights: only "
+                     "checkpoints whose groups are all integer or FP4 (or all 8-bit float) "
+                     "are read")
   parsed = []
   for g in groups:
     w = g["weights"]
     fmt = g.get("format") or quant.get("format")
+    targets = g.get("targets") or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if is_fp4(g, quant):
+      strategy, size = FP4_FORMATS[fmt]
+      if w.get("strategy") != strategy or w.get("group_size") != size or not w.get(
+          "symmetric", True):
+        raise ValueError(f"compressed-tensors {fmt} weights {dict(w)!r} are not supported: "
+                         f"read is strategy {strategy}, symmetric, group_size {size}")
+      parsed.append((targets, Args(4, strategy, size, fp4=fmt)))
+      continue
     strategy, bits = w.get("strategy"), w.get("num_bits")
     block = tuple(w.get("block_structure") or ())
     if (fmt not in _FORMATS or strategy not in _STRATEGIES
@@ -127,8 +168,6 @@ def scheme(config: Mapping) -> Scheme | None:
       raise ValueError(f"compressed-tensors integer weights {dict(w)!r} in format {fmt!r} are "
                        f"not supported: read are 1- to 8-bit codes in {_FORMATS[0]} (8-bit in "
                        f"{', '.join(_FORMATS[1:])}) of strategy {', '.join(_STRATEGIES)}")
-    targets = g.get("targets") or ()
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
     parsed.append((targets, Args(bits, strategy, w.get("group_size"),
                                  block if strategy == "block" else None,
                                  bool(w.get("symmetric", True)))))
@@ -199,6 +238,9 @@ def read(name: str, get: Callable[[str], np.ndarray], scheme: Scheme) -> np.ndar
   scale = part("weight_scale")
   if scale is None:
     raise ValueError(f"{module} has no weight_scale beside its quantized weight")
+  if args.fp4:
+    return _read_fp4(module, args, part("weight_packed"), scale,
+                     part("weight_global_scale"))
   packed = part("weight_packed")
   if packed is not None:
     shape = part("weight_shape")
@@ -240,8 +282,33 @@ def read(name: str, get: Callable[[str], np.ndarray], scheme: Scheme) -> np.ndar
   return (value * expand(f32)).astype(scale.dtype).astype(np.float32)
 
 
+def _read_fp4(module: str, args: Args, packed, scale, global_scale) -> np.ndarray:
+  """An NVFP4 / MXFP4 weight dequantized as compressed-tensors does it (float32 products
+  rounded to bfloat16), returned in float32."""
+  if packed is None or packed.dtype != np.uint8 or packed.ndim < 2:
+    raise ValueError(f"{module}.weight_packed must be uint8 [out, in / 2] FP4 codes, got "
+                     f"{None if packed is None else (packed.dtype, list(packed.shape))}")
+  codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+  values = _E2M1[codes & 7] * np.where(codes & 8, np.float32(-1), np.float32(1))
+  if args.fp4 == "mxfp4-pack-quantized":
+    if scale.dtype != np.uint8:
+      raise ValueError(f"{module}.weight_scale is {scale.dtype}: MXFP4 scales are uint8 "
+                       "E8M0 exponents")
+    f32 = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32)
+  else:
+    if global_scale is None:
+      raise ValueError(f"{module} has no weight_global_scale beside its NVFP4 weight")
+    f32 = (_as_float32(scale, module)
+           / np.asarray(global_scale, np.float32).reshape(-1)[0]).astype(np.float32)
+  rows, cols = values.shape[-2:]
+  expand = _expander(module, dataclasses.replace(args, strategy="group"), f32.shape, rows,
+                     cols, None)
+  return (values * expand(f32)).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
 def _as_float32(scale: np.ndarray, module: str) -> np.ndarray:
-  if scale.dtype.kind == "f" or scale.dtype == ml_dtypes.bfloat16:
+  if scale.dtype.kind == "f" or scale.dtype in (ml_dtypes.bfloat16,
+                                                ml_dtypes.float8_e4m3fn):
     return scale.astype(np.float32)
   raise ValueError(f"{module}.weight_scale is {scale.dtype}, not a float")
 

@@ -89,11 +89,13 @@ def scheme(config: Mapping) -> Scheme | None:
 
 def _compressed_tensors(quant: Mapping) -> Scheme | None:
   """compressed-tensors' float8 weights (its "float-quantized" / "naive-quantized"
-  formats): a scale per output channel, per tensor, or per block. None for integer
-  weights (`posttrain.models.compressed` reads them)."""
+  formats): a scale per output channel, per tensor, or per block. None for integer and
+  FP4 weights (`posttrain.models.compressed` reads them)."""
   groups = quant.get("config_groups") or {}
   weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, Mapping)]
-  if any(w.get("type") == "int" for w in weights):
+  from posttrain.models import compressed  # its integer and FP4 weights
+  if any(w.get("type") == "int" or compressed.is_fp4(g, quant)
+         for w, g in zip(weights, [g for g in groups.values() if isinstance(g, Mapping)])):
     return None
   strategies = {w.get("strategy") for w in weights}
   blocks = {tuple(w.get("block_structure") or ()) for w in weights}

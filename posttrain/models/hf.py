@@ -3169,8 +3169,8 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
   (`posttrain.models.mxfp4`); with an `fp8` scheme, a name beside its scale (NAME +
   fp8.suffix) is a float8 weight, dequantized (`posttrain.models.fp8`); with `bnb`
   ("4bit", "8bit"), a bitsandbytes weight is read with its quantization state and
-  dequantized (`posttrain.models.bnb`); with `ints`, a compressed-tensors integer weight
-  is read from its codes, scales and zero points (`posttrain.models.compressed`)."""
+  dequantized (`posttrain.models.bnb`); with `ints`, a compressed-tensors integer or FP4
+  weight is read from its codes, scales and zero points (`posttrain.models.compressed`)."""
   by_file: dict[str, list[str]] = {}
   packed = _mxfp4_names(files) if mxfp4 else set()
   packed4 = bnb_lib.packed4(files) if bnb == "4bit" else {}
@@ -3185,7 +3185,12 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
       def get(n, f=f, fh=fh):  # a tensor of this file or, beside it, of another
         if n not in files:
           raise KeyError(n)
-        return fh.get_tensor(n) if files[n] == f else next(_iter_tensors(files, [n]))[1]
+        if files[n] != f:
+          return next(_iter_tensors(files, [n]))[1]
+        try:
+          return fh.get_tensor(n)
+        except (AttributeError, TypeError):  # float8, which safetensors' numpy lacks
+          return fp8_lib.read_tensor(f, n)
 
       for name in group:
         if name in codes:
@@ -3206,7 +3211,7 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
                    next(_iter_tensors(files, [name + fp8.suffix]))[1])
           yield name, fp8.dequantize(name, fp8_lib.read_tensor(f, name), scale)
         else:
-          yield name, fh.get_tensor(name)
+          yield name, get(name)
 
 
 def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str]:
@@ -3333,7 +3338,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if bnb:  # bitsandbytes: a weight's quantization state is read with it
     present -= bnb_lib.companions(files, bnb)
   ints = compressed_lib.scheme(hf_cfg)
-  if ints:  # compressed-tensors integers: X.weight is read from X.weight_packed and beside
+  if ints:  # compressed-tensors integers, FP4: X.weight is read from X.weight_packed and beside
     kept = {w for w, c in compressed_lib.quantized(files, ints).items() if c in present}
     present = (present - compressed_lib.companions(files, ints)) | kept
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.

@@ -1,7 +1,7 @@
-"""compressed-tensors integer checkpoints (W4A16 / W8A8 releases, Kimi K2's INT4 experts):
-folders written with compressed-tensors' own compressors, read back against its own
-decompression and transformers on the decompressed weights; the bit packing against its
-packer; damaged or foreign files are one-line errors."""
+"""compressed-tensors integer and FP4 checkpoints (W4A16 / W8A8 / NVFP4 / MXFP4 releases,
+Kimi K2's INT4 experts): folders written with compressed-tensors' own compressors, read
+back against its own decompression and transformers on the decompressed weights; the bit
+packing against its packer; damaged or foreign files are one-line errors."""
 
 import json
 import re
@@ -21,6 +21,7 @@ from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+from compressed_tensors.quantization.utils import generate_gparam  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 from safetensors.torch import load_file as load_torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -40,14 +41,21 @@ SCHEMES = {
                  "pack-quantized", torch.float16, None),
     "w8a8-channel": (dict(num_bits=8, strategy="channel"), "int-quantized", torch.bfloat16,
                      dict(num_bits=8, strategy="token", dynamic=True)),
+    # compressed-tensors' NVFP4A16 and MXFP4A16 presets
+    "nvfp4": (dict(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                   scale_dtype=torch.float8_e4m3fn, zp_dtype=torch.float8_e4m3fn),
+              "nvfp4-pack-quantized", torch.float32, None),
+    "mxfp4": (dict(num_bits=4, type="float", strategy="group", group_size=32,
+                   scale_dtype=torch.uint8, zp_dtype=torch.uint8),
+              "mxfp4-pack-quantized", torch.float32, None),
 }
 
 
-def _qparams(w: torch.Tensor, args: QuantizationArgs, dtype):
+def _qparams(w: torch.Tensor, args: QuantizationArgs, dtype, global_scale=None):
   """compressed-tensors' scale and zero point of weight w from its range (as
   llm-compressor's min-max observer gives them), the scale in `dtype`."""
   rows, cols = w.shape
-  if args.strategy == "group":
+  if args.strategy in ("group", "tensor_group"):
     g = w.reshape(rows, cols // args.group_size, args.group_size)
     lo, hi = g.amin(-1), g.amax(-1)
   elif args.strategy == "channel":
@@ -58,7 +66,9 @@ def _qparams(w: torch.Tensor, args: QuantizationArgs, dtype):
     br, bc = args.block_structure
     b = w.reshape(rows // br, br, cols // bc, bc)
     lo, hi = b.amin((1, 3)), b.amax((1, 3))
-  scale, zp = calculate_qparams(lo, hi, args)
+  scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale)
+  if args.type == "float":  # FP4: the compressor casts the scale itself
+    return scale, None
   return scale.to(dtype), zp.to(torch.int8)
 
 
@@ -75,8 +85,12 @@ def quantize_folder(src, dst, name, targets=LINEAR, version="0.20.1"):
     if not re.match(targets, key):
       out[key] = w
       continue
-    scale, zp = _qparams(w.float(), args, dtype)
+    gs = (generate_gparam(w.float().min(), w.float().max())
+          if args.strategy == "tensor_group" else None)
+    scale, zp = _qparams(w.float(), args, dtype, gs)
     state = {"weight": w.float(), "weight_scale": scale}
+    if gs is not None:
+      state["weight_global_scale"] = gs
     if not args.symmetric:
       state["weight_zero_point"] = zp
     packed = compressor.compress(state, scheme)
@@ -86,10 +100,11 @@ def quantize_folder(src, dst, name, targets=LINEAR, version="0.20.1"):
   shutil.copytree(src, dst, dirs_exist_ok=True)
   save_file(out, f"{dst}/model.safetensors")
   config = json.loads(open(f"{dst}/config.json").read())
+  weights_json = json.loads(args.model_dump_json())  # its dtypes as compressed-tensors names them
   config["quantization_config"] = {
       "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
       "config_groups": {"group_0": {"targets": ["Linear"], "format": fmt,
-                                    "weights": args.model_dump(),
+                                    "weights": weights_json,
                                     "input_activations": acts}},
       "ignore": ["lm_head"], "version": version}
   with open(f"{dst}/config.json", "w") as f:
@@ -275,8 +290,9 @@ def test_word_aligned_files_and_activation_order(llama, tmp_path):
 
 
 def test_damaged_or_foreign_integer_files_are_refused(llama, tmp_path):
-  """Mixed float and integer groups, NVFP4, unknown formats and widths, ambiguous groups,
-  a truncated packed weight and a scale of the wrong shape: each a one-line error."""
+  """Mixed float and integer groups, FP4 groups of another size, MXFP8, unknown formats
+  and widths, ambiguous groups, a truncated packed weight and a scale of the wrong
+  shape: each a one-line error."""
   quantize_folder(llama / "plain", tmp_path / "q", "w4-group")
   config = json.loads((tmp_path / "q" / "config.json").read_text())
   quant = config["quantization_config"]
@@ -292,6 +308,9 @@ def test_damaged_or_foreign_integer_files_are_refused(llama, tmp_path):
       ({"group_0": {**group, "weights": {**w, "group_size": None}}}, None, "not supported"),
       ({"group_0": {**group, "format": "nvfp4-pack-quantized",
                     "weights": {**w, "type": "float"}}}, "nvfp4-pack-quantized",
+       "read is strategy tensor_group, symmetric, group_size 16"),
+      ({"group_0": {**group, "format": "mxfp8-quantized",
+                    "weights": {**w, "type": "float", "num_bits": 8}}}, "mxfp8-quantized",
        "only 8-bit float weights"),
   ]
   for groups, fmt, message in cases:
