@@ -54,7 +54,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "FalconH1ForCausalLM", "Lfm2ForCausalLM", "SeedOssForCausalLM",
               "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-              "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+              "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+              "Dots1ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -62,7 +63,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
                   "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -99,7 +100,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5",
                 "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                 "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4",
-                "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+                "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+                "Dots1ForCausalLM": "dots1"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -236,6 +238,15 @@ QWEN2_MOE = "Qwen2MoeForCausalLM"
 # expert groups and a routed scaling factor, plus shared experts. The files' extra
 # layers past num_hidden_layers (multi-token prediction) are not read.
 GLM4_MOE = "Glm4MoeForCausalLM"
+# dots.llm1 (Dots1ForCausalLM): Qwen3's attention (q/k norms per head, every feature
+# rotated) over DeepSeek-V3's mixture (sigmoid routing with a correction bias, groups,
+# shared experts, first_k_dense_replace dense layers); sliding windows on the layers
+# from max_window_layers on (layer_types), none by default.
+DOTS1 = "Dots1ForCausalLM"
+_DOTS1_DEFAULTS = dict(rms_norm_eps=1e-6, n_group=1, topk_group=1, first_k_dense_replace=0,
+                       norm_topk_prob=False, routed_scaling_factor=1.0,
+                       sliding_window=4096, max_window_layers=62, attention_bias=False,
+                       max_position_embeddings=2048, tie_word_embeddings=False)
 # DeepSeek-V3 / R1, Kimi K2, Moonlight: GLM-4.5's mixture (sigmoid group routing, shared
 # experts, leading dense layers) under multi-head latent attention (`ModelConfig`
 # kv_lora_rank): q (through its own latent, q_lora_rank) and the keys' shared rotated part
@@ -373,7 +384,7 @@ _QWEN3_5_DEFAULTS = dict(
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
-    GLM4_MOE: _GLM4_MOE_DEFAULTS,
+    GLM4_MOE: _GLM4_MOE_DEFAULTS, DOTS1: _DOTS1_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     GLM4_MOE_LITE: _GLM4_MOE_LITE_DEFAULTS, MISTRAL4: _MISTRAL4_DEFAULTS,
     DEEPSEEK_V32: _DEEPSEEK_V32_DEFAULTS, GLM_MOE_DSA: _GLM_MOE_DSA_DEFAULTS,
@@ -535,7 +546,7 @@ _QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_
 _MIXTRAL_MOE_NAMES = ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                       "block_sparse_moe.experts.{j}.w3", "block_sparse_moe.experts.{j}.w2")
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
-              GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES,
+              GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES, DOTS1: _QWEN_MOE_NAMES,
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
@@ -1189,7 +1200,7 @@ _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MO
                       MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4))
+              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1))
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -1206,6 +1217,15 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if lm in _ALL_WINDOWED:
     window = c.get("sliding_window", _ALL_WINDOWED[lm])
     return {"sliding_window": int(window)} if window else {}
+  if lm == DOTS1:  # no use_sliding_window: the window is on from max_window_layers
+    layers, window = int(c["num_hidden_layers"]), c.get("sliding_window")
+    first = int(c.get("max_window_layers") or layers)
+    types = c.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first else "full_attention"
+        for i in range(layers)]
+    if "sliding_attention" not in types:
+      return {}
+    return {"sliding_window": int(window), "layer_types": tuple(types)}
   if lm not in _QWEN_WINDOWED or not c.get("use_sliding_window") or not c.get(
       "sliding_window"):
     return {}
@@ -1441,7 +1461,7 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   if arch in _SPARSE_ATTENTION:
     c = {**c, "first_k_dense_replace": _leading_dense_layers(
         c, int(c.get("first_k_dense_replace", 3)))}
-  if arch in (GLM4_MOE,) + _V3_ROUTED:
+  if arch in (GLM4_MOE, DOTS1) + _V3_ROUTED:
     if arch in (DEEPSEEK_V3, DEEPSEEK_V32) and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
         "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
       raise ValueError(f"topk_method={c.get('topk_method')!r}, scoring_func="
@@ -1453,7 +1473,8 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": int(c["num_experts_per_tok"]),
             "norm_topk_prob": bool(c["norm_topk_prob"]),
             "ffn_dim": int(c["moe_intermediate_size"]),
-            "shared_expert_dim": int(c["n_shared_experts"]) * int(c["moe_intermediate_size"]),
+            "shared_expert_dim": int(c["n_shared_experts"] or 0)
+            * int(c["moe_intermediate_size"]),
             "router_scoring": "sigmoid", "router_groups": int(c["n_group"]),
             "router_group_topk": int(c["topk_group"]),
             "routed_scaling_factor": float(c["routed_scaling_factor"]),
@@ -1593,9 +1614,9 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid = lm in (GLM4_MOE, MINIMAX_M2, LLAMA4, NEMOTRON_H) + _V3_ROUTED
+  sigmoid = lm in (GLM4_MOE, DOTS1, MINIMAX_M2, LLAMA4, NEMOTRON_H) + _V3_ROUTED
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
-  grouped = lm in (GLM4_MOE,) + _DEEPSEEKS  # groups, scaling, n_shared_experts
+  grouped = lm in (GLM4_MOE, DOTS1) + _DEEPSEEKS  # groups, scaling, n_shared_experts
   if lm == NEMOTRON_H:  # Nemotron 3: groups and scaling, one shared expert of its width
     if not cfg.shared_expert_dim:
       raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, "
@@ -1670,7 +1691,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
-                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4))
+                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1))
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -1934,6 +1955,11 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
       out["rope_interleave"] = True
     else:
       out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
+  elif lm == DOTS1:
+    kinds = cfg.sliding_layers
+    out.update(**_grouped_mixture_to_hf(cfg), sliding_window=cfg.sliding_window,
+               max_window_layers=kinds.index(True) if True in kinds else cfg.num_layers,
+               layer_types=["sliding_attention" if s else "full_attention" for s in kinds])
   elif lm == GLM4_MOE:
     out.update(**_grouped_mixture_to_hf(cfg), use_qk_norm=cfg.qk_norm,
                num_nextn_predict_layers=0,
