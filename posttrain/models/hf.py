@@ -55,7 +55,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-              "Dots1ForCausalLM")
+              "Dots1ForCausalLM", "ArceeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -101,7 +101,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                 "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4",
                 "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
-                "Dots1ForCausalLM": "dots1"}
+                "Dots1ForCausalLM": "dots1", "ArceeForCausalLM": "arcee"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -243,6 +243,9 @@ GLM4_MOE = "Glm4MoeForCausalLM"
 # shared experts, first_k_dense_replace dense layers); sliding windows on the layers
 # from max_window_layers on (layer_types), none by default.
 DOTS1 = "Dots1ForCausalLM"
+# Arcee AFM (ArceeForCausalLM, AFM-4.5B): Llama with an MLP of no gate,
+# down(relu(up(x))^2) (`ModelConfig.mlp_activation` relu2).
+ARCEE = "ArceeForCausalLM"
 _DOTS1_DEFAULTS = dict(rms_norm_eps=1e-6, n_group=1, topk_group=1, first_k_dense_replace=0,
                        norm_topk_prob=False, routed_scaling_factor=1.0,
                        sliding_window=4096, max_window_layers=62, attention_bias=False,
@@ -707,10 +710,11 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      "projections too) is not supported")
   gemma = lm in GEMMAS
   act = (c.get("hidden_activation") or c.get("hidden_act")
-         or ("gelu_pytorch_tanh" if gemma else "silu"))
-  if act != "silu" and not (gemma and act in _GELU_TANH):
+         or ("gelu_pytorch_tanh" if gemma else "relu2" if lm == ARCEE else "silu"))
+  if act != "silu" and not (gemma and act in _GELU_TANH) and not (lm == ARCEE
+                                                                  and act == "relu2"):
     raise ValueError(f"hidden_act={act!r} is not supported (expected "
-                     f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
+                     f"{'gelu_pytorch_tanh' if gemma else 'relu2' if lm == ARCEE else 'silu'})")
   heads = int(c["num_attention_heads"])
   head_dim = c.get("head_dim") or c["hidden_size"] // heads
   latent = _latent_attention_from_hf(lm, c)
@@ -745,7 +749,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
-      **_exaone4_from_hf(lm, c))
+      **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1193,7 +1197,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE)
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE, ARCEE)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
@@ -1678,7 +1682,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S, embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
-                               "relu2" if lm == NEMOTRON_H else "silu"),
+                               "relu2" if lm in (NEMOTRON_H, ARCEE) else "silu"),
                attention_sinks=oss, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
@@ -1885,6 +1889,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                residual_dropout=0.0)
   if lm in GEMMAS:
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
+  if lm == ARCEE:
+    out["hidden_act"] = "relu2"
   if lm in _QWEN_WINDOWED and cfg.sliding_window is not None:
     kinds = cfg.sliding_layers
     out.update(use_sliding_window=True, sliding_window=cfg.sliding_window,
@@ -2175,6 +2181,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     qk_bias = _interleaved_rows(bias, h, None, cfg)
 
   def dense_mlp(p: tuple, hf: str, width: int) -> list:
+    if cfg.mlp_activation == "relu2":  # no gate (Arcee)
+      return _relu2_mlp_rows(p, hf, d, width)
     return [(p + (name,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
             for name, shape in (("gate_proj", (d, width)), ("up_proj", (d, width)),
                                 ("down_proj", (width, d)))]
