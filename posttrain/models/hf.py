@@ -55,7 +55,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-              "Dots1ForCausalLM", "ArceeForCausalLM")
+              "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -63,7 +63,8 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
                   "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM")
+                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
+                  "ExaoneMoeForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -101,7 +102,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                 "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4",
                 "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
-                "Dots1ForCausalLM": "dots1", "ArceeForCausalLM": "arcee"}
+                "Dots1ForCausalLM": "dots1", "ArceeForCausalLM": "arcee",
+                "ExaoneMoeForCausalLM": "exaone_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -150,6 +152,11 @@ OLMOE = "OlmoeForCausalLM"
 # sliding_window its layers sliding (layer_types, or every sliding_window_pattern-th one
 # full) and only those rotating: the full layers are NoPE.
 EXAONE4 = "Exaone4ForCausalLM"
+# K-EXAONE (ExaoneMoeForCausalLM, K-EXAONE-236B-A23B): EXAONE 4.0's attention (q/k norms,
+# sliding layers rotating and full ones NoPE) in pre-norm layers (OLMoE's), the MLPs
+# DeepSeek-V3's mixture (sigmoid routing with a correction bias, groups, shared experts)
+# after the dense layers mlp_layer_types names. Its mtp.* tensors are not read.
+EXAONE_MOE = "ExaoneMoeForCausalLM"
 # ERNIE 4.5 (Baidu's dense ERNIE-4.5-0.3B): Llama with an interleaved rotary embedding
 # (pairs 2i, 2i + 1, as Llama 4's), tied embeddings by default; use_bias (biases on
 # every projection, the MLP's too) is not read.
@@ -414,6 +421,10 @@ _CLASS_DEFAULTS = {
                        router_aux_loss_coef=0.001),
     EXAONE4: dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
                   sliding_window_pattern=4, tie_word_embeddings=False),
+    EXAONE_MOE: dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
+                     sliding_window_pattern=4, tie_word_embeddings=False,
+                     first_k_dense_replace=1, num_shared_experts=1, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, n_group=1, topk_group=1),
     OLMOE: dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10_000.0,
                 num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
                 router_aux_loss_coef=0.01, attention_bias=False, tie_word_embeddings=False),
@@ -550,6 +561,7 @@ _MIXTRAL_MOE_NAMES = ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1"
                       "block_sparse_moe.experts.{j}.w3", "block_sparse_moe.experts.{j}.w2")
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
               GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES, DOTS1: _QWEN_MOE_NAMES,
+              EXAONE_MOE: _QWEN_MOE_NAMES,
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
@@ -1204,7 +1216,7 @@ _NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MO
                       MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1))
+              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE))
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -1290,12 +1302,13 @@ def _exaone4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   transformers does: with a sliding_window, layer_types (default: every
   sliding_window_pattern-th layer full, the last one too) and only the sliding layers
   rotating; without one, every layer full and rotating."""
-  if lm != EXAONE4:
+  if lm not in (EXAONE4, EXAONE_MOE):
     return {}
   layers = int(c["num_hidden_layers"])
   window = c.get("sliding_window")
+  norms = lm == EXAONE4  # K-EXAONE's layers are pre-norm
   if not window:
-    return {"output_norms": True, "layer_types": ("full_attention",) * layers}
+    return {"output_norms": norms, "layer_types": ("full_attention",) * layers}
   types = c.get("layer_types")
   if not types:
     pattern = c.get("sliding_window_pattern", 4)
@@ -1306,7 +1319,7 @@ def _exaone4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
     else:
       types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
                for i in range(layers)]
-  return {"output_norms": True, "sliding_window": int(window), "layer_types": tuple(types),
+  return {"output_norms": norms, "sliding_window": int(window), "layer_types": tuple(types),
           "rope_layers": tuple(int(t == "sliding_attention") for t in types)}
 
 
@@ -1465,7 +1478,11 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   if arch in _SPARSE_ATTENTION:
     c = {**c, "first_k_dense_replace": _leading_dense_layers(
         c, int(c.get("first_k_dense_replace", 3)))}
-  if arch in (GLM4_MOE, DOTS1) + _V3_ROUTED:
+  if arch == EXAONE_MOE:
+    c = {**c, "first_k_dense_replace": _leading_dense_layers(
+        c, int(c["first_k_dense_replace"])), "n_routed_experts": int(c["num_experts"]),
+         "n_shared_experts": int(c["num_shared_experts"] or 0)}
+  if arch in (GLM4_MOE, DOTS1, EXAONE_MOE) + _V3_ROUTED:
     if arch in (DEEPSEEK_V3, DEEPSEEK_V32) and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
         "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
       raise ValueError(f"topk_method={c.get('topk_method')!r}, scoring_func="
@@ -1618,9 +1635,9 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid = lm in (GLM4_MOE, DOTS1, MINIMAX_M2, LLAMA4, NEMOTRON_H) + _V3_ROUTED
+  sigmoid = lm in (GLM4_MOE, DOTS1, EXAONE_MOE, MINIMAX_M2, LLAMA4, NEMOTRON_H) + _V3_ROUTED
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
-  grouped = lm in (GLM4_MOE, DOTS1) + _DEEPSEEKS  # groups, scaling, n_shared_experts
+  grouped = lm in (GLM4_MOE, DOTS1, EXAONE_MOE) + _DEEPSEEKS  # groups, scaling, shared
   if lm == NEMOTRON_H:  # Nemotron 3: groups and scaling, one shared expert of its width
     if not cfg.shared_expert_dim:
       raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, "
@@ -1695,7 +1712,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
-                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1))
+                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE))
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -1725,7 +1742,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"{cfg.architecture}'s attention has no biases, and its Mamba2 "
                      "layers' time step no upper limit (qkv_bias, attn_out_bias, "
                      "linear_dt_max)")
-  if lm == EXAONE4:
+  if lm in (EXAONE4, EXAONE_MOE):
     want = (tuple(int(s) for s in cfg.sliding_layers) if cfg.sliding_window is not None
             else (1,) * cfg.num_layers)
     if tuple(cfg.rope_layers or (1,) * cfg.num_layers) != want:
@@ -1871,10 +1888,16 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
         "original_max_position_embeddings": cfg.attn_position_scale_length}
   if lm == MINISTRAL3:
     out["sliding_window"] = cfg.sliding_window
-  if lm == EXAONE4:
+  if lm in (EXAONE4, EXAONE_MOE):
     out.update(sliding_window=cfg.sliding_window,
                layer_types=["sliding_attention" if s else "full_attention"
                             for s in cfg.sliding_layers])
+  if lm == EXAONE_MOE:
+    mixture = _grouped_mixture_to_hf(cfg)
+    out.update(num_experts=mixture.pop("n_routed_experts"),
+               num_shared_experts=mixture.pop("n_shared_experts"), **mixture,
+               mlp_layer_types=["dense" if i < cfg.dense_layers else "sparse"
+                                for i in range(cfg.num_layers)])
   if lm in _ERNIES:
     out["use_bias"] = False
   if lm == ERNIE4_5_MOE:
@@ -2253,8 +2276,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
         rows.append((p + ("mlp", "score_correction_bias"),
                      hf + "mlp.moe_statics.e_score_correction_bias", lambda x: x[0],
                      lambda x: x[None], (cfg.num_experts,)))
-      elif cfg.has_correction_bias:  # MiniMax-M2's: by its gate
-        owner = "block_sparse_moe" if _causal_lm(cfg.architecture) == MINIMAX_M2 else router
+      elif cfg.has_correction_bias:  # MiniMax-M2's and K-EXAONE's on the block
+        owner = {MINIMAX_M2: "block_sparse_moe", EXAONE_MOE: "mlp"}.get(
+            _causal_lm(cfg.architecture), router)
         rows.append((p + ("mlp", "score_correction_bias"),
                      hf + owner + ".e_score_correction_bias", ident, ident,
                      (cfg.num_experts,)))
@@ -3253,7 +3277,7 @@ def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str
   num_nextn_predict_layers layers after num_hidden_layers), which are not read."""
   text = _language_model_config(c)
   lm = _causal_lm(_architecture(text))
-  if lm == NEMOTRON_H:  # its mtp.* (Nemotron 3), which transformers does not read either
+  if lm in (NEMOTRON_H, EXAONE_MOE):  # their mtp.*, which transformers does not read either
     return {n for n in files if n.startswith("mtp.")}
   if lm not in (GLM4_MOE,) + _V3_ROUTED:
     return set()
