@@ -204,22 +204,26 @@ def companions(files: Iterable[str], scheme: Scheme) -> set[str]:
 def unpack(words: np.ndarray, bits: int, count: int, dense: bool = True) -> np.ndarray:
   """The first `count` codes (int32, shifted back to signed) packed along the last axis
   of int32 `words`, `bits` each: densely (element i at bit i * bits of the little-endian
-  stream) or, with `dense=False`, floor(32 / bits) to a word."""
+  stream) or, with `dense=False`, floor(32 / bits) to a word. Where bits divides 32 the
+  two agree, and the codes come out of each word by shifts (no bit-per-byte copy)."""
   words = np.ascontiguousarray(words).astype("<i4", copy=False)
   lead = words.shape[:-1]
-  if dense:
-    want = -(-count * bits // 32)
-    stream = np.unpackbits(words.view(np.uint8).reshape(*lead, -1), axis=-1, bitorder="little")
-  else:
-    per = 32 // bits
-    want = -(-count // per)
-    stream = np.unpackbits(words.view(np.uint8).reshape(*lead, -1), axis=-1, bitorder="little")
-    stream = stream.reshape(*lead, -1, 32)[..., :per * bits].reshape(*lead, -1)
+  per = 32 // bits
+  want = -(-count * bits // 32) if dense else -(-count // per)
   if words.shape[-1] != want:
     raise ValueError(f"{words.shape[-1]} packed words hold {count} codes of {bits} bits in "
                      f"{'dense' if dense else 'word-aligned'} packing: expected {want}")
-  codes = stream[..., :count * bits].reshape(*lead, count, bits).astype(np.int32)
-  value = (codes << np.arange(bits, dtype=np.int32)).sum(-1, dtype=np.int32)
+  mask = np.uint32((1 << bits) - 1)
+  if 32 % bits == 0 or not dense:  # per codes in each word's low per * bits bits
+    shifts = (np.arange(per) * bits).astype(np.uint32)
+    codes = (words.view(np.uint32)[..., None] >> shifts) & mask
+    value = codes.reshape(*lead, -1)[..., :count].astype(np.int32)
+  else:  # codes straddle words: read each from the 64 bits of its word and the next
+    start = np.arange(count, dtype=np.int64) * bits
+    wide = np.concatenate([words.view(np.uint32), np.zeros((*lead, 1), np.uint32)], -1)
+    pair = (wide[..., start // 32].astype(np.uint64)
+            | (wide[..., start // 32 + 1].astype(np.uint64) << np.uint64(32)))
+    value = ((pair >> (start % 32).astype(np.uint64)) & np.uint64(mask)).astype(np.int32)
   return value - (1 << (bits - 1))
 
 
