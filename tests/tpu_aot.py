@@ -54,3 +54,41 @@ def compile_for(mesh: Mesh, fn, *args, **jit_kwargs):
   """fn compiled for the mesh's TPU devices (args: ShapeDtypeStructs with shardings)."""
   with jax.set_mesh(mesh):  # Pallas reads the TPU generation from the abstract mesh
     return jax.jit(fn, **jit_kwargs).lower(*args).compile()
+
+
+def sharded_state(cfg, mesh: Mesh):
+  """(graphdef, the model's state as ShapeDtypeStructs sharded by the default rules)."""
+  from posttrain import models
+  graphdef, state = models.abstract_model(cfg)
+  shardings = models.state_shardings(state, mesh)
+  return graphdef, jax.tree.map(
+      lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state, shardings)
+
+
+def sharded_cache(cfg, ctx, batch: int, max_len: int, dtype=None):
+  """`models.init_cache`'s arrays as ShapeDtypeStructs sharded by their logical axes."""
+  from posttrain import models
+  from posttrain.models.transformer import CACHE_AXES
+  cache = jax.eval_shape(lambda: models.init_cache(cfg, batch, max_len, dtype))
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.sharding(
+      CACHE_AXES[:x.ndim], x.shape)), cache)
+
+
+def cache_programs(graphdef, ctx, decode_position: int):
+  """The sampler's two steps as functions of (state, tokens, cache): a prefill from
+  position 0 into the cache, and a decode step at `decode_position`."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  def prefill(state, tokens, cache):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return model.hidden_states(tokens, positions, jnp.ones_like(tokens), cache=cache,
+                               ctx=ctx, prefill=True)
+
+  def decode(state, tokens, cache):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.full(tokens.shape, decode_position)
+    return model.hidden_states(tokens, positions, jnp.ones_like(tokens), cache=cache,
+                               ctx=ctx)
+  return prefill, decode

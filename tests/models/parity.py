@@ -330,3 +330,24 @@ def check_export_round_trip(folder, hf_model, cls, tokens, out) -> dict:
   back = cls.from_pretrained(str(out)).float().eval()
   np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf_model, tokens))
   return written
+
+
+def check_preset_is_default_config(name: str, config_cls, keys, rope_keys=("rope_theta",)):
+  """Preset `name` written as a config.json is transformers' `config_cls()` (the
+  published model's defaults) on `keys` and on rope_parameters' `rope_keys` (None: all
+  of the default's), and reads back as the preset (training-only fields aside)."""
+  import json
+  preset = models.get_preset(name)
+  written = json.loads(json.dumps(models.hf.model_config_to_hf(preset)))
+  default = config_cls()
+  hf = config_cls(**{k: v for k, v in written.items()
+                     if k not in ("architectures", "model_type")})
+  for key in keys:
+    assert getattr(hf, key) == getattr(default, key), key
+  if rope_keys is None:
+    rope_keys = [k for k in default.rope_parameters
+                 if k not in ("type", "rope_type", "max_position_embeddings")]
+  for key in rope_keys:
+    assert hf.rope_parameters[key] == default.rope_parameters[key], key
+  back = models.hf_config_to_model_config(written)
+  assert back == preset.replace(remat=back.remat, scan_layers=back.scan_layers)

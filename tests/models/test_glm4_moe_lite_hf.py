@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from posttrain import models
-from tests.models.parity import (check_export_round_trip, check_logits, greedy_tokens,
-                                 hf_logits, perturb, randomize_correction_biases,
-                                 save_families)
+from tests.models.parity import (check_export_round_trip, check_logits,
+                                 check_preset_is_default_config, greedy_tokens, hf_logits,
+                                 perturb, randomize_correction_biases, save_families)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -119,18 +119,10 @@ def test_what_we_refuse(saved):
 def test_the_preset_is_transformers_default_config():
   """glm4_7_flash written as a config.json is transformers' Glm4MoeLiteConfig
   (GLM-4.7-Flash's), and reads back as the preset (training-only fields aside)."""
-  preset = models.get_preset("glm4_7_flash")
-  written = json.loads(json.dumps(models.hf.model_config_to_hf(preset)))
-  default = transformers.Glm4MoeLiteConfig()
-  hf = transformers.Glm4MoeLiteConfig(**{k: v for k, v in written.items()
-                                         if k not in ("architectures", "model_type")})
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-              "num_hidden_layers", "num_attention_heads", "n_shared_experts",
-              "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
-              "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "num_experts_per_tok",
-              "n_group", "topk_group", "norm_topk_prob", "rms_norm_eps", "mlp_layer_types",
-              "max_position_embeddings", "tie_word_embeddings"):
-    assert getattr(hf, key) == getattr(default, key), key
-  assert hf.rope_parameters["rope_theta"] == default.rope_parameters["rope_theta"]
-  back = models.hf_config_to_model_config(written)
-  assert back == preset.replace(remat=back.remat, scan_layers=back.scan_layers)
+  check_preset_is_default_config("glm4_7_flash", transformers.Glm4MoeLiteConfig, (
+      "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+      "num_hidden_layers", "num_attention_heads", "n_shared_experts", "n_routed_experts",
+      "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+      "v_head_dim", "qk_nope_head_dim", "num_experts_per_tok", "n_group", "topk_group",
+      "norm_topk_prob", "rms_norm_eps", "mlp_layer_types", "max_position_embeddings",
+      "tie_word_embeddings"))

@@ -15,6 +15,7 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (check_export_round_trip, check_logits,
+                                 check_preset_is_default_config,
                                  check_reward_model_round_trip, greedy_tokens, perturb,
                                  save_families, spread_routers)
 
@@ -169,22 +170,11 @@ def test_a_config_without_rope_parameters_reads_transformers_default():
 
 def test_the_preset_is_transformers_default_config():
   """mistral_small4 written as a config.json is transformers' Mistral4Config (Mistral Small
-  4's), and reads back as the preset (training-only fields aside)."""
-  preset = models.get_preset("mistral_small4")
-  written = json.loads(json.dumps(models.hf.model_config_to_hf(preset)))
-  default = transformers.Mistral4Config()
-  hf = transformers.Mistral4Config(**{k: v for k, v in written.items()
-                                      if k not in ("architectures", "model_type")})
-  # intermediate_size (12288) sizes dense layers, of which it has none.
-  for key in ("vocab_size", "hidden_size", "moe_intermediate_size",
-              "num_hidden_layers", "num_attention_heads", "n_shared_experts",
-              "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
-              "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "num_experts_per_tok",
-              "first_k_dense_replace", "norm_topk_prob", "rms_norm_eps",
-              "max_position_embeddings", "tie_word_embeddings", "pad_token_id"):
-    assert getattr(hf, key) == getattr(default, key), key
-  for key, value in default.rope_parameters.items():
-    if key not in ("type", "rope_type", "max_position_embeddings"):
-      assert hf.rope_parameters[key] == value, key
-  back = models.hf_config_to_model_config(written)
-  assert back == preset.replace(remat=back.remat, scan_layers=back.scan_layers)
+  4's), and reads back as the preset (training-only fields aside). intermediate_size
+  (12288) sizes dense layers, of which it has none."""
+  check_preset_is_default_config("mistral_small4", transformers.Mistral4Config, (
+      "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
+      "num_attention_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor",
+      "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
+      "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob", "rms_norm_eps",
+      "max_position_embeddings", "tie_word_embeddings", "pad_token_id"), rope_keys=None)

@@ -15,8 +15,8 @@ from flax import nnx
 from posttrain import models
 from posttrain.models import transformer as tr
 from tests.models.parity import (check_export_round_trip, check_logits, check_on_a_mesh,
-                                 greedy_tokens, hf_logits, perturb,
-                                 randomize_correction_biases, save_families)
+                                 check_preset_is_default_config, greedy_tokens, hf_logits,
+                                 perturb, randomize_correction_biases, save_families)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -201,21 +201,14 @@ def test_what_we_refuse(saved):
 def test_the_glm5_preset_is_transformers_default_config():
   """glm5 written as a config.json is transformers' GlmMoeDsaConfig (GLM-5's), and reads
   back as the preset (training-only fields aside); deepseek_v3_2 reads back too."""
-  preset = models.get_preset("glm5")
-  written = json.loads(json.dumps(models.hf.model_config_to_hf(preset)))
-  default = transformers.GlmMoeDsaConfig()
-  hf = transformers.GlmMoeDsaConfig(**{k: v for k, v in written.items()
-                                      if k not in ("architectures", "model_type")})
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-              "num_hidden_layers", "num_attention_heads", "n_shared_experts",
-              "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
-              "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "num_experts_per_tok",
-              "n_group", "topk_group", "norm_topk_prob", "rms_norm_eps", "mlp_layer_types",
-              "max_position_embeddings", "tie_word_embeddings", "index_topk",
-              "index_head_dim", "index_n_heads", "indexer_types"):
-    assert getattr(hf, key) == getattr(default, key), key
-  assert hf.rope_parameters["rope_theta"] == default.rope_parameters["rope_theta"]
-  for name in ("glm5", "deepseek_v3_2"):
-    preset = models.get_preset(name)
-    back = models.hf_config_to_model_config(models.hf.model_config_to_hf(preset))
-    assert back == preset.replace(remat=back.remat, scan_layers=back.scan_layers), name
+  check_preset_is_default_config("glm5", transformers.GlmMoeDsaConfig, (
+      "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+      "num_hidden_layers", "num_attention_heads", "n_shared_experts", "n_routed_experts",
+      "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+      "v_head_dim", "qk_nope_head_dim", "num_experts_per_tok", "n_group", "topk_group",
+      "norm_topk_prob", "rms_norm_eps", "mlp_layer_types", "max_position_embeddings",
+      "tie_word_embeddings", "index_topk", "index_head_dim", "index_n_heads",
+      "indexer_types"))
+  preset = models.get_preset("deepseek_v3_2")
+  back = models.hf_config_to_model_config(models.hf.model_config_to_hf(preset))
+  assert back == preset.replace(remat=back.remat, scan_layers=back.scan_layers)

@@ -11,8 +11,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from posttrain import models
-from posttrain.models.transformer import CACHE_AXES
-from tests.tpu_aot import compile_for, requires_libtpu, spec, tpu_mesh
+from tests.tpu_aot import (cache_programs, compile_for, requires_libtpu, sharded_cache,
+                           sharded_state, spec, tpu_mesh)
 
 pytestmark = [requires_libtpu, pytest.mark.slow]  # 10-25 s of compiling each
 
@@ -23,16 +23,9 @@ CFG = models.get_preset("tiny").replace(
     index_topk=128, index_heads=4, index_head_dim=128, num_layers=2, dtype="bfloat16")
 
 
-def _state_specs(mesh):
-  graphdef, state = models.abstract_model(CFG)
-  shardings = models.state_shardings(state, mesh)
-  return graphdef, jax.tree.map(
-      lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state, shardings)
-
-
 def test_sparse_gradient_compiles_on_a_sharded_tpu_mesh():
   mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
-  graphdef, state = _state_specs(mesh)
+  graphdef, state = sharded_state(CFG, mesh)
   tokens = spec(mesh, (4, 1024), jnp.int32, P("data"))  # 4 blocks of 256 queries
   ctx = models.ShardingContext(mesh)
 
@@ -48,28 +41,12 @@ def test_sparse_gradient_compiles_on_a_sharded_tpu_mesh():
 @pytest.mark.parametrize("cache_dtype", [None, "int8"])
 def test_sparse_prefill_and_decode_compile_on_a_sharded_tpu_mesh(cache_dtype):
   mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
-  graphdef, state = _state_specs(mesh)
+  graphdef, state = sharded_state(CFG, mesh)
   ctx = models.ShardingContext(mesh)
   tokens = spec(mesh, (4, 512), jnp.int32, P("data"))
   step_tokens = spec(mesh, (4, 1), jnp.int32, P("data"))
-  cache = jax.eval_shape(lambda: models.init_cache(
-      CFG, 4, 1024, jnp.int8 if cache_dtype else None))
+  cache = sharded_cache(CFG, ctx, 4, 1024, jnp.int8 if cache_dtype else None)
   assert cache[0].v.shape[-1] == CFG.index_head_dim  # the index keys beside the latent
-  cache = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.sharding(
-          CACHE_AXES[:x.ndim], x.shape)), cache)
-
-  def prefill(state, tokens, cache):
-    model = nnx.merge(graphdef, state)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model.hidden_states(tokens, positions, jnp.ones_like(tokens), cache=cache,
-                               ctx=ctx, prefill=True)
-
-  def decode(state, tokens, cache):
-    model = nnx.merge(graphdef, state)
-    positions = jnp.full(tokens.shape, 512)
-    return model.hidden_states(tokens, positions, jnp.ones_like(tokens), cache=cache,
-                               ctx=ctx)
-
+  prefill, decode = cache_programs(graphdef, ctx, 512)
   compile_for(mesh, prefill, state, tokens, cache)
   compile_for(mesh, decode, state, step_tokens, cache)

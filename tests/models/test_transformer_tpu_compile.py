@@ -14,7 +14,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from posttrain import models
-from tests.tpu_aot import compile_for, requires_libtpu, spec, tpu_mesh
+from tests.tpu_aot import (cache_programs, compile_for, requires_libtpu, sharded_cache,
+                           sharded_state, spec, tpu_mesh)
 
 pytestmark = requires_libtpu
 
@@ -24,10 +25,7 @@ CFG = models.get_preset("tiny").replace(
 
 
 def _state_specs(mesh):
-  graphdef, state = models.abstract_model(CFG)
-  shardings = models.state_shardings(state, mesh)
-  return graphdef, jax.tree.map(
-      lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state, shardings)
+  return sharded_state(CFG, mesh)
 
 
 @pytest.mark.slow
@@ -51,29 +49,13 @@ def test_flash_model_gradient_compiles_on_a_sharded_tpu_mesh():
 def test_flash_prefill_and_cached_decode_compile_on_a_sharded_tpu_mesh(cache_dtype):
   """The sampler's two programs: flash prefill into the KV cache, then one decode step
   (decode attention over the cache, bf16 or int8 with scales)."""
-  from posttrain.models.transformer import CACHE_AXES
   mesh = tpu_mesh("v5e", (2, 1, 2, 1), ("data", "fsdp", "tensor", "sequence"))
   graphdef, state = _state_specs(mesh)
   ctx = models.ShardingContext(mesh)
   tokens = spec(mesh, (4, 512), jnp.int32, P("data"))
   step_tokens = spec(mesh, (4, 1), jnp.int32, P("data"))
-  dtype = jnp.int8 if cache_dtype else None
-  cache = jax.eval_shape(lambda: models.init_cache(CFG, 4, 1024, dtype))
-  cache = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.sharding(
-          CACHE_AXES[:x.ndim], x.shape)), cache)
-
-  def prefill(state, tokens, cache):
-    model = nnx.merge(graphdef, state)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model.hidden_states(tokens, positions, jnp.ones_like(tokens), cache=cache,
-                               ctx=ctx, prefill=True)
-
-  def decode(state, tokens, cache):
-    model = nnx.merge(graphdef, state)
-    positions = jnp.full(tokens.shape, 512)
-    return model.hidden_states(tokens, positions, jnp.ones_like(tokens), cache=cache,
-                               ctx=ctx)
+  cache = sharded_cache(CFG, ctx, 4, 1024, jnp.int8 if cache_dtype else None)
+  prefill, decode = cache_programs(graphdef, ctx, 512)
 
   assert "tpu_custom_call" in compile_for(mesh, prefill, state, tokens, cache).as_text()
   compile_for(mesh, decode, state, step_tokens, cache)
