@@ -354,7 +354,8 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
 
 # Queries per block of `sparse_attention`: each block's index scores and attention
 # logits ([B, block, index_heads, S] and [B, heads, block, S], float32) are the largest
-# arrays it holds, recomputed in the backward pass rather than kept.
+# arrays it holds; the scores are dropped once the block's keys are chosen, the logits
+# recomputed in the backward pass rather than kept.
 SPARSE_QUERY_BLOCK = 256
 
 
