@@ -55,7 +55,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Ministral3ForCausalLM", "OlmoeForCausalLM", "Exaone4ForCausalLM",
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-              "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM")
+              "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
+              "MinistralForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -103,7 +104,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4",
                 "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
                 "Dots1ForCausalLM": "dots1", "ArceeForCausalLM": "arcee",
-                "ExaoneMoeForCausalLM": "exaone_moe"}
+                "ExaoneMoeForCausalLM": "exaone_moe", "MinistralForCausalLM": "ministral"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -157,6 +158,9 @@ EXAONE4 = "Exaone4ForCausalLM"
 # DeepSeek-V3's mixture (sigmoid routing with a correction bias, groups, shared experts)
 # after the dense layers mlp_layer_types names. Its mtp.* tensors are not read.
 EXAONE_MOE = "ExaoneMoeForCausalLM"
+# Ministral 8B (MinistralForCausalLM, Ministral-8B-Instruct-2410): Mistral with a window
+# on the layers layer_types names (by default every layer, as Mistral's).
+MINISTRAL = "MinistralForCausalLM"
 # ERNIE 4.5 (Baidu's dense ERNIE-4.5-0.3B): Llama with an interleaved rotary embedding
 # (pairs 2i, 2i + 1, as Llama 4's), tied embeddings by default; use_bias (biases on
 # every projection, the MLP's too) is not read.
@@ -1212,7 +1216,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE, ARCEE)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
-_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
                       MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
@@ -1233,6 +1237,12 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if lm in _ALL_WINDOWED:
     window = c.get("sliding_window", _ALL_WINDOWED[lm])
     return {"sliding_window": int(window)} if window else {}
+  if lm == MINISTRAL:  # the window on the layers layer_types names, else on all
+    window = c.get("sliding_window", 4096)
+    if window is None:
+      return {}
+    types = c.get("layer_types") or ["sliding_attention"] * int(c["num_hidden_layers"])
+    return {"sliding_window": int(window), "layer_types": tuple(types)}
   if lm == DOTS1:  # no use_sliding_window: the window is on from max_window_layers
     layers, window = int(c["num_hidden_layers"]), c.get("sliding_window")
     first = int(c.get("max_window_layers") or layers)
@@ -1615,7 +1625,7 @@ def check_exportable(cfg: ModelConfig) -> None:
   if lm == "Qwen2ForCausalLM" and not cfg.qkv_bias:
     raise ValueError(f"qkv_bias=False cannot be written as {arch}, which always "
                      "has q/k/v biases")
-  if lm == "MistralForCausalLM" and cfg.qkv_bias:
+  if lm in ("MistralForCausalLM", MINISTRAL) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {arch}, whose attention "
                      "projections have no biases")
   if lm in ("MixtralForCausalLM", MINIMAX_M2) and (cfg.qkv_bias or not cfg.norm_topk_prob):
@@ -1712,7 +1722,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        f"{cfg.architecture}, which always has {name}={value!r}")
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
-                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE))
+                or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
+                          MINISTRAL))
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -2073,6 +2084,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                attn_scale=cfg.attn_scale)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
+  elif lm == MINISTRAL:
+    out.update(sliding_window=cfg.sliding_window, layer_types=[
+        "sliding_attention" if s else "full_attention" for s in cfg.sliding_layers])
   elif lm in GRANITES:
     out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS})
     out["attention_multiplier"] = cfg.attention_scale or cfg.head_dim ** -0.5
