@@ -192,6 +192,8 @@ class ModelConfig:
     architecture: the HF class name this config maps to (LlamaForCausalLM, ...).
     qkv_bias: Qwen2-style bias on q/k/v projections.
     qk_norm: Qwen3-style RMSNorm over head_dim of q and k before RoPE.
+    qk_norm_after_rope: with qk_norm, the norms apply to the rotated q and k instead
+      (Hunyuan's query_layernorm / key_layernorm).
     qk_norm_heads: with qk_norm, each norm spans every head's features at once (q's
       heads * head_dim, k's kv_heads * head_dim, one scale per feature: OLMo 2 / 3,
       MiniMax-M2) instead of each head's head_dim.
@@ -416,6 +418,7 @@ class ModelConfig:
   qkv_bias: bool = False
   qk_norm: bool = False
   qk_norm_heads: bool = False
+  qk_norm_after_rope: bool = False
   max_position_embeddings: int = 8192
   architecture: str = "LlamaForCausalLM"
   dtype: str = "float32"
@@ -585,6 +588,9 @@ class ModelConfig:
     if self.qk_norm_heads and not self.qk_norm:
       raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
                        "span)")
+    if self.qk_norm_after_rope and not self.qk_norm:
+      raise ValueError("qk_norm_after_rope=True needs qk_norm=True (it says when the q/k "
+                       "norms apply)")
     if self.rope_layers and (len(self.rope_layers) != self.num_layers or any(
         isinstance(r, bool) or r not in (0, 1) for r in self.rope_layers)):
       raise ValueError(f"rope_layers must hold a 1 (rotary) or 0 (NoPE) for each of the "

@@ -56,7 +56,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
-              "MinistralForCausalLM")
+              "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -104,7 +104,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Mistral4ForCausalLM": "mistral4",
                 "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
                 "Dots1ForCausalLM": "dots1", "ArceeForCausalLM": "arcee",
-                "ExaoneMoeForCausalLM": "exaone_moe", "MinistralForCausalLM": "ministral"}
+                "ExaoneMoeForCausalLM": "exaone_moe", "MinistralForCausalLM": "ministral",
+                "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -161,6 +162,11 @@ EXAONE_MOE = "ExaoneMoeForCausalLM"
 # Ministral 8B (MinistralForCausalLM, Ministral-8B-Instruct-2410): Mistral with a window
 # on the layers layer_types names (by default every layer, as Mistral's).
 MINISTRAL = "MinistralForCausalLM"
+# Hunyuan dense (HunYuanDenseV1ForCausalLM: Hunyuan-7B, -4B, -1.8B, -0.5B): Llama with the
+# rotated q and k normed per head (query_layernorm / key_layernorm,
+# `ModelConfig.qk_norm_after_rope`). Its rope_type "dynamic" with an alpha is NTK's base
+# stretched once, theta x alpha^(d / (d - 2)), read as a default rope of that base.
+HUNYUAN = "HunYuanDenseV1ForCausalLM"
 # ERNIE 4.5 (Baidu's dense ERNIE-4.5-0.3B): Llama with an interleaved rotary embedding
 # (pairs 2i, 2i + 1, as Llama 4's), tied embeddings by default; use_bias (biases on
 # every projection, the MLP's too) is not read.
@@ -622,6 +628,14 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported "
                      f"for {lm or 'this architecture'}")
   merged = {**dict(c.get("rope_scaling") or {}), **params}
+  if lm == HUNYUAN and merged.get("rope_type", merged.get("type")) == "dynamic":
+    if not merged.get("alpha"):
+      raise ValueError(f"rope type 'dynamic' without an alpha in a {HUNYUAN} config.json "
+                       "(NTK scaling by the sequence length) is not supported")
+    dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+    theta = float(merged.get("rope_theta", c.get("rope_theta", 10_000.0)))
+    merged = {"rope_type": "default",
+              "rope_theta": theta * float(merged["alpha"]) ** (dim / (dim - 2))}
   if lm in (GLM4, GLM4_MOE):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm in _QWEN3_5S:
@@ -755,6 +769,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                                              and lm not in _NO_ATTENTION_BIAS)
       or (lm == QWEN2_MOE and bool(c["qkv_bias"])),
       qk_norm=lm in _QK_NORMED or (lm == GLM4_MOE and bool(c["use_qk_norm"])),
+      qk_norm_after_rope=lm == HUNYUAN,
       **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get(
           "max_position_embeddings", defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
@@ -1213,14 +1228,14 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE, ARCEE)
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE, ARCEE, HUNYUAN)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
                       MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE))
+              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE, HUNYUAN))
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -1714,7 +1729,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
-               output_norms=olmo or lm == EXAONE4,
+               output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm == HUNYUAN,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -2321,10 +2336,12 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", *bias(k),
                 (k, h))]
     elif attention and cfg.qk_norm:
-      rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", ident, ident,
-                (h,)),
-               (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", ident, ident,
-                (h,))]
+      q_name, k_name = (("query_layernorm", "key_layernorm") if cfg.qk_norm_after_rope
+                        else ("q_norm", "k_norm"))
+      rows += [(p + ("attn", "q_norm", "scale"), hf + f"self_attn.{q_name}.weight", ident,
+                ident, (h,)),
+               (p + ("attn", "k_norm", "scale"), hf + f"self_attn.{k_name}.weight", ident,
+                ident, (h,))]
     if attention and cfg.attn_out_bias:
       rows.append((p + ("attn", "o_bias"), hf + "self_attn.o_proj.bias", ident, ident, (d,)))
     if attention and cfg.attention_sinks:

@@ -1134,9 +1134,12 @@ class Attention(nnx.Module):
       q = q + self.q_bias[...].astype(dt)[None, None]
       k = k + self.k_bias[...].astype(dt)[None, None]
       v = v + self.v_bias[...].astype(dt)[None, None]
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_after_rope:
       q, k = self.q_norm(q), self.k_norm(k)
-    return rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin), v
+    q, k = rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin)
+    if cfg.qk_norm_after_rope:  # Hunyuan's: the rotated q and k normed
+      q, k = self.q_norm(q), self.k_norm(k)
+    return q, k, v
 
   def _ring(self, cache: KVCache, sliding: bool, queries: int) -> bool:
     """A sliding layer's cache is a ring when it holds every key a call's queries read;
