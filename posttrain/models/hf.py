@@ -56,7 +56,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
-              "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM")
+              "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -105,7 +105,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
                 "Dots1ForCausalLM": "dots1", "ArceeForCausalLM": "arcee",
                 "ExaoneMoeForCausalLM": "exaone_moe", "MinistralForCausalLM": "ministral",
-                "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense"}
+                "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
+                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -167,6 +168,12 @@ MINISTRAL = "MinistralForCausalLM"
 # `ModelConfig.qk_norm_after_rope`). Its rope_type "dynamic" with an alpha is NTK's base
 # stretched once, theta x alpha^(d / (d - 2)), read as a default rope of that base.
 HUNYUAN = "HunYuanDenseV1ForCausalLM"
+# Hunyuan MoE (HunYuanMoEV1ForCausalLM, Hunyuan-A13B): the dense model's attention over a
+# mixture routed by softmax (the top moe_topk renormalised; its router mlp.gate.wg) beside
+# an ungated shared MLP (mlp.shared_mlp), experts and shared MLP both intermediate_size
+# wide.
+HUNYUAN_MOE = "HunYuanMoEV1ForCausalLM"
+_HUNYUANS = (HUNYUAN, HUNYUAN_MOE)
 # ERNIE 4.5 (Baidu's dense ERNIE-4.5-0.3B): Llama with an interleaved rotary embedding
 # (pairs 2i, 2i + 1, as Llama 4's), tied embeddings by default; use_bias (biases on
 # every projection, the MLP's too) is not read.
@@ -572,6 +579,8 @@ _MIXTRAL_MOE_NAMES = ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1"
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
               GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES, DOTS1: _QWEN_MOE_NAMES,
               EXAONE_MOE: _QWEN_MOE_NAMES,
+              HUNYUAN_MOE: ("mlp.gate.wg", "mlp.experts.{j}.gate_proj",
+                            "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
@@ -628,9 +637,9 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported "
                      f"for {lm or 'this architecture'}")
   merged = {**dict(c.get("rope_scaling") or {}), **params}
-  if lm == HUNYUAN and merged.get("rope_type", merged.get("type")) == "dynamic":
+  if lm in _HUNYUANS and merged.get("rope_type", merged.get("type")) == "dynamic":
     if not merged.get("alpha"):
-      raise ValueError(f"rope type 'dynamic' without an alpha in a {HUNYUAN} config.json "
+      raise ValueError(f"rope type 'dynamic' without an alpha in a {lm} config.json "
                        "(NTK scaling by the sequence length) is not supported")
     dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
     theta = float(merged.get("rope_theta", c.get("rope_theta", 10_000.0)))
@@ -769,7 +778,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                                              and lm not in _NO_ATTENTION_BIAS)
       or (lm == QWEN2_MOE and bool(c["qkv_bias"])),
       qk_norm=lm in _QK_NORMED or (lm == GLM4_MOE and bool(c["use_qk_norm"])),
-      qk_norm_after_rope=lm == HUNYUAN,
+      qk_norm_after_rope=lm in _HUNYUANS,
       **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get(
           "max_position_embeddings", defaults.get("max_position_embeddings", 8192))),
       architecture=arch, dtype=str(dtype), param_dtype=str(dtype),
@@ -1228,14 +1237,14 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE, ARCEE, HUNYUAN)
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE, ARCEE) + _HUNYUANS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
                       MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE, HUNYUAN))
+              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE) + _HUNYUANS)
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -1413,6 +1422,17 @@ def _leading_dense_layers(c: dict[str, Any], default: int = 1) -> int:
 
 def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a mixture-of-experts config.json ({} for dense ones)."""
+  if arch == HUNYUAN_MOE:
+    def one(key):  # an int, or one per layer (all alike here)
+      values = c[key] if isinstance(c[key], list) else [c[key]]
+      if len(set(values)) != 1:
+        raise ValueError(f"{key}={c[key]!r} in a {HUNYUAN_MOE} config.json: layers that "
+                         "differ are not supported")
+      return int(values[0])
+    width = int(c["intermediate_size"])
+    return {"num_experts": one("num_experts"), "num_experts_per_tok": one("moe_topk"),
+            "norm_topk_prob": True, "ffn_dim": width, "shared_expert_dim": width,
+            **_aux_loss_from_hf(c)}
   if arch in ("Qwen3MoeForCausalLM", QWEN2_MOE):
     # Dense layers (mlp_only_layers) are read where they lead: layers 0..k-1.
     dense = sorted(int(i) for i in c.get("mlp_only_layers") or ())
@@ -1694,9 +1714,13 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(dense_layers=0)
   if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE):
     fixed.update(dense_layers=0)
+  if lm == HUNYUAN_MOE:  # an ungated shared MLP as wide as the experts, every layer
+    fixed.update(dense_layers=0, norm_topk_prob=True, shared_expert_dim=cfg.ffn_dim,
+                 shared_expert_gate=False)
   if lm in (GRANITE_HYBRID, GRANITE_SHARED):
     fixed.update(dense_layers=0)
-  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID, GRANITE_SHARED, ERNIE4_5_MOE)):
+  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID, GRANITE_SHARED, ERNIE4_5_MOE,
+                                     HUNYUAN_MOE)):
     fixed.update(shared_expert_dim=0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -1729,7 +1753,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
-               output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm == HUNYUAN,
+               output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -1976,6 +2000,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
         for kind, r in (("full_attention", rope), ("sliding_attention", local))}
   if cfg.dense_layers:
     out["intermediate_size"] = cfg.dense_ffn_dim
+  if lm == HUNYUAN_MOE:
+    out.update(num_experts=cfg.num_experts, moe_topk=cfg.num_experts_per_tok,
+               intermediate_size=cfg.ffn_dim)
   if lm in ("Qwen3MoeForCausalLM", QWEN2_MOE):
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
@@ -2312,7 +2339,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                      hf + owner + ".e_score_correction_bias", ident, ident,
                      (cfg.num_experts,)))
       if cfg.shared_expert_dim:
-        shared = "mlp.shared_expert." if cfg.shared_expert_gate else "mlp.shared_experts."
+        shared = ("mlp.shared_expert." if cfg.shared_expert_gate else "mlp.shared_mlp."
+                  if _causal_lm(cfg.architecture) == HUNYUAN_MOE else "mlp.shared_experts.")
         rows += dense_mlp(p + ("mlp", "shared"), hf + shared, cfg.shared_expert_dim)
       if cfg.shared_expert_gate:
         rows.append((p + ("mlp", "shared_gate"), hf + "mlp.shared_expert_gate.weight",
