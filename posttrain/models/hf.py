@@ -744,6 +744,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      "model has one label (num_labels=1), one score per sequence")
   if c.get("mlp_bias"):
     raise ValueError("mlp_bias=true in config.json is not supported")
+  if lm in _HUNYUANS and c.get("use_cla"):
+    raise ValueError(f"use_cla=true in a {lm} config.json (layers sharing another's keys "
+                     "and values) is not supported")
   if lm in _ERNIES and c.get("use_bias"):
     raise ValueError("use_bias=true in an ERNIE 4.5 config.json (biases on the MLP's "
                      "projections too) is not supported")

@@ -57,6 +57,8 @@ def test_config_reads_the_norms_and_the_stretched_base(saved):
          "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0}}
   with pytest.raises(ValueError, match="rope type 'dynamic' without an alpha"):
     models.hf_config_to_model_config(bad)
+  with pytest.raises(ValueError, match="use_cla=true"):
+    models.hf_config_to_model_config({**models.hf.model_config_to_hf(cfg), "use_cla": True})
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
