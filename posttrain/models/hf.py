@@ -18,6 +18,7 @@ reward model's adapter is PEFT's SEQ_CLS kind, its score head saved whole beside
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -56,7 +57,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
-              "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
+              "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
+              "GraniteSWAForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -65,7 +67,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
-                  "ExaoneMoeForCausalLM")
+                  "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -106,7 +108,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Dots1ForCausalLM": "dots1", "ArceeForCausalLM": "arcee",
                 "ExaoneMoeForCausalLM": "exaone_moe", "MinistralForCausalLM": "ministral",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
-                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe"}
+                "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
+                "GraniteSWAForCausalLM": "granite_swa"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -203,7 +206,12 @@ GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 # Granite MoE with a shared expert (GraniteMoeSharedForCausalLM): Granite MoE's layers
 # and, where shared_intermediate_size > 0, Granite 4's shared_mlp beside the experts.
 GRANITE_SHARED = "GraniteMoeSharedForCausalLM"
-GRANITES = (GRANITE, GRANITE_MOE, GRANITE_SHARED, GRANITE_HYBRID)
+# Granite "swash" (GraniteSWAForCausalLM, granite-swash-2b): Granite with a learnable
+# attention sink per head, a window on the layers layer_types names (by default all but
+# every fourth) and a rope base per layer (layer_rope_theta; 0: NoPE), read as one base
+# for the full layers and one for the sliding ones (`ModelConfig.rope_local`).
+GRANITE_SWA = "GraniteSWAForCausalLM"
+GRANITES = (GRANITE, GRANITE_MOE, GRANITE_SHARED, GRANITE_HYBRID, GRANITE_SWA)
 # Bamba (ibm-ai-platform/Bamba-9B): Mamba2 layers with attention layers at
 # attn_layer_indices, each beside a Llama MLP (feed_forward; its norm pre_ff_layernorm,
 # the last final_layernorm); half of each attention head rotates, as transformers fixes.
@@ -770,6 +778,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   if "ffn_dim" not in moe:
     moe["ffn_dim"] = int(c["intermediate_size"])
   rope, rope_local = _rope_from_hf(c, lm)
+  if lm == GRANITE_SWA:
+    rope, rope_local = _granite_swa_ropes(c, rope)
   defaults = _GEMMA_DEFAULTS.get(lm, {})
   cfg = ModelConfig(
       vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
@@ -832,6 +842,52 @@ def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
                        "supported (expected rope, or none)")
     if c.get("position_embedding_type") != "rope":  # no position embedding: every layer NoPE
       out["rope_layers"] = (0,) * layers
+  if lm == GRANITE_SWA:
+    out.update(_granite_swa_from_hf(c))
+  return out
+
+
+def _granite_swa_kinds(c: dict[str, Any], rope: RopeConfig) -> tuple[list, list]:
+  """(layer_types, layer_rope_theta) of a Granite "swash" config.json, its defaults
+  (every fourth layer full, from the first; every layer at the rope's base) where it
+  leaves them out."""
+  layers = int(c["num_hidden_layers"])
+  kinds = c.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention"
+                                   for i in range(layers)]
+  thetas = c.get("layer_rope_theta") or [rope.theta] * layers
+  if len(kinds) != layers or len(thetas) != layers or not set(kinds) <= {
+      "full_attention", "sliding_attention"}:
+    raise ValueError(f"layer_types={kinds!r} / layer_rope_theta={thetas!r} in a "
+                     f"{GRANITE_SWA} config.json: expected full_attention or "
+                     f"sliding_attention and a base for each of the {layers} layers")
+  return list(kinds), list(thetas)
+
+
+def _granite_swa_ropes(c: dict[str, Any], rope: RopeConfig
+                       ) -> tuple[RopeConfig, RopeConfig | None]:
+  """(rope, rope_local) of a Granite "swash" config.json: its full layers' base and, where
+  it differs, its sliding layers'."""
+  bases: dict[str, set] = {}
+  kinds, thetas = _granite_swa_kinds(c, rope)
+  for kind, theta in zip(kinds, thetas):
+    if float(theta):
+      bases.setdefault(kind, set()).add(float(theta))
+  if any(len(b) > 1 for b in bases.values()):
+    raise ValueError(f"layer_rope_theta={thetas!r} in a {GRANITE_SWA} config.json: layers of "
+                     "one kind with different bases are not supported")
+  full = next(iter(bases.get("full_attention", {rope.theta})))
+  local = next(iter(bases.get("sliding_attention", {full})))
+  return (dataclasses.replace(rope, theta=full),
+          dataclasses.replace(rope, theta=local) if local != full else None)
+
+
+def _granite_swa_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+  """A Granite "swash" config.json's sinks, windows and NoPE layers (a base of 0)."""
+  kinds, thetas = _granite_swa_kinds(c, _rope_from_hf(c, GRANITE_SWA)[0])
+  out: dict[str, Any] = {"attention_sinks": True, "layer_types": tuple(kinds),
+                         "rope_layers": tuple(int(bool(float(t))) for t in thetas)}
+  if c.get("sliding_window"):
+    out["sliding_window"] = int(c["sliding_window"])
   return out
 
 
@@ -1240,7 +1296,8 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE, ARCEE) + _HUNYUANS
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, GRANITE_SWA, FALCON_H1, OLMOE,
+                  ARCEE) + _HUNYUANS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
@@ -1752,7 +1809,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
                                "relu2" if lm in (NEMOTRON_H, ARCEE) else "silu"),
-               attention_sinks=oss, router_bias=oss, expert_bias=oss,
+               attention_sinks=oss or lm == GRANITE_SWA, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
@@ -1765,9 +1822,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
-                          MINISTRAL))
+                          MINISTRAL, GRANITE_SWA))
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
-    names += [] if lm == "Olmo3ForCausalLM" else ["rope_local"]
+    names += [] if lm in ("Olmo3ForCausalLM", GRANITE_SWA) else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
     held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
     if held:
@@ -1802,7 +1859,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, whose sliding layers rotate and full ones do "
                        "not (with a sliding_window; without one every layer rotates)")
-  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) and not all(
+  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H, GRANITE_SWA) and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
@@ -2135,6 +2192,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   elif lm in GRANITES:
     out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS})
     out["attention_multiplier"] = cfg.attention_scale or cfg.head_dim ** -0.5
+    if lm == GRANITE_SWA:
+      local = (cfg.rope_local or cfg.rope).theta
+      out.update(sliding_window=cfg.sliding_window, layer_types=[
+          "sliding_attention" if s else "full_attention" for s in cfg.sliding_layers],
+          layer_rope_theta=[0.0 if not r else local if s else cfg.rope.theta for s, r in zip(
+              cfg.sliding_layers, cfg.rope_layers or (1,) * cfg.num_layers)])
     if lm in (GRANITE_MOE, GRANITE_SHARED):
       out.update(num_local_experts=cfg.num_experts,
                  num_experts_per_tok=cfg.num_experts_per_tok)
