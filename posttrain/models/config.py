@@ -1427,21 +1427,6 @@ PRESETS: dict[str, ModelConfig] = {
         norm_eps=1e-5, max_position_embeddings=202_752,
         architecture="Glm4MoeLiteForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
         remat="full", scan_layers=True),
-    # DeepSeek-V3.2 (-Exp, -Speciale): DeepSeek-V3 under DeepSeek Sparse Attention, each
-    # query attending to the 2048 keys its indexer (64 heads of 128) scores highest
-    # (671.9B parameters, 38.4B active).
-    "deepseek_v3_2": ModelConfig(
-        vocab_size=129_280, d_model=7168, num_layers=61, num_heads=128, num_kv_heads=128,
-        head_dim=192, ffn_dim=2048, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-        v_head_dim=128, num_experts=256, num_experts_per_tok=8, shared_expert_dim=2048,
-        router_scoring="sigmoid", router_groups=8, router_group_topk=4,
-        routed_scaling_factor=2.5, dense_layers=3, dense_ffn_dim=18_432,
-        index_topk=2048, index_heads=64, index_head_dim=128,
-        rope=RopeConfig(theta=10_000.0, type="yarn", factor=40.0, beta_fast=32.0,
-                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
-                        original_max_position_embeddings=4096, partial_rotary_factor=64 / 192),
-        norm_eps=1e-6, max_position_embeddings=163_840, architecture="DeepseekV32ForCausalLM",
-        dtype="bfloat16", param_dtype="bfloat16", remat="full", scan_layers=True),
     # GLM-5 (transformers' GlmMoeDsaConfig): latent attention (64 heads, q rank 2048) under
     # DeepSeek Sparse Attention (2048 keys a query, an indexer of 32 heads of 128), three
     # dense layers, 256 experts of 2048 (8 a token) beside a shared one (743.9B
@@ -1612,6 +1597,12 @@ PRESETS: dict[str, ModelConfig] = {
                                 architecture="SeedOssForCausalLM", dtype="bfloat16",
                                 param_dtype="bfloat16", remat="full", scan_layers=True),
 }
+# DeepSeek-V3.2 (-Exp, -Speciale): DeepSeek-V3 under DeepSeek Sparse Attention, each query
+# attending to the 2048 keys its indexer (64 heads of 128) scores highest (671.9B
+# parameters, 38.4B active).
+PRESETS["deepseek_v3_2"] = PRESETS["deepseek_v3"].replace(
+    index_topk=2048, index_heads=64, index_head_dim=128,
+    architecture="DeepseekV32ForCausalLM")
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
