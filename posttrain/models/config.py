@@ -1597,6 +1597,7 @@ PRESETS: dict[str, ModelConfig] = {
                                 architecture="SeedOssForCausalLM", dtype="bfloat16",
                                 param_dtype="bfloat16", remat="full", scan_layers=True),
 }
+
 # DeepSeek-V3.2 (-Exp, -Speciale): DeepSeek-V3 under DeepSeek Sparse Attention, each query
 # attending to the 2048 keys its indexer (64 heads of 128) scores highest (671.9B
 # parameters, 38.4B active).
