@@ -85,9 +85,9 @@ class Args:
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
-  """A checkpoint's integer quantization: its format, its groups' targets and arguments,
-  and whether sub-byte codes are packed densely. (Modules it leaves alone have no scale
-  beside their weight.)"""
+  """A checkpoint's integer or FP4 quantization: its format, its groups' targets and
+  arguments, and whether sub-byte integer codes are packed densely. (Modules it leaves
+  alone have no scale beside their weight.)"""
   format: str
   groups: tuple[tuple[tuple[str, ...], Args], ...]
   dense: bool = True
