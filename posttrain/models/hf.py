@@ -58,7 +58,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
-              "GraniteSWAForCausalLM")
+              "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -67,7 +67,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
-                  "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM")
+                  "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -109,7 +109,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "ExaoneMoeForCausalLM": "exaone_moe", "MinistralForCausalLM": "ministral",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
                 "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
-                "GraniteSWAForCausalLM": "granite_swa"}
+                "GraniteSWAForCausalLM": "granite_swa",
+                "GraniteMoeSWAForCausalLM": "granitemoe_swa"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -211,7 +212,15 @@ GRANITE_SHARED = "GraniteMoeSharedForCausalLM"
 # every fourth) and a rope base per layer (layer_rope_theta; 0: NoPE), read as one base
 # for the full layers and one for the sliding ones (`ModelConfig.rope_local`).
 GRANITE_SWA = "GraniteSWAForCausalLM"
-GRANITES = (GRANITE, GRANITE_MOE, GRANITE_SHARED, GRANITE_HYBRID, GRANITE_SWA)
+# Its mixture (GraniteMoeSWAForCausalLM, granite-swash-3b-a600m): that attention in
+# GraniteMoeShared's layers, the experts stacked as transformers 5 holds them
+# (block_sparse_moe.experts.gate_up_proj [E, 2F, D], down_proj [E, D, F]) beside
+# block_sparse_moe.router.weight.
+GRANITE_MOE_SWA = "GraniteMoeSWAForCausalLM"
+_SWAS = (GRANITE_SWA, GRANITE_MOE_SWA)
+_SHAREDS = (GRANITE_SHARED, GRANITE_MOE_SWA)
+GRANITES = (GRANITE, GRANITE_MOE, GRANITE_SHARED, GRANITE_HYBRID, GRANITE_SWA,
+            GRANITE_MOE_SWA)
 # Bamba (ibm-ai-platform/Bamba-9B): Mamba2 layers with attention layers at
 # attn_layer_indices, each beside a Llama MLP (feed_forward; its norm pre_ff_layernorm,
 # the last final_layernorm); half of each attention head rotates, as transformers fixes.
@@ -778,7 +787,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   if "ffn_dim" not in moe:
     moe["ffn_dim"] = int(c["intermediate_size"])
   rope, rope_local = _rope_from_hf(c, lm)
-  if lm == GRANITE_SWA:
+  if lm in _SWAS:
     rope, rope_local = _granite_swa_ropes(c, rope)
   defaults = _GEMMA_DEFAULTS.get(lm, {})
   cfg = ModelConfig(
@@ -842,7 +851,7 @@ def _granite_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
                        "supported (expected rope, or none)")
     if c.get("position_embedding_type") != "rope":  # no position embedding: every layer NoPE
       out["rope_layers"] = (0,) * layers
-  if lm == GRANITE_SWA:
+  if lm in _SWAS:
     out.update(_granite_swa_from_hf(c))
   return out
 
@@ -1296,8 +1305,8 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 # Mixtral none.
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, GRANITE_SWA, FALCON_H1, OLMOE,
-                  ARCEE) + _HUNYUANS
+                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
+                  ARCEE) + _HUNYUANS + _SWAS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
@@ -1633,7 +1642,7 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
             "shared_expert_dim": shared, **_aux_loss_from_hf(c)}
-  if arch == GRANITE_SHARED:
+  if arch in _SHAREDS:
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
             "shared_expert_dim": int(c.get("shared_intermediate_size") or 0),
@@ -1672,7 +1681,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"lm_head=False (a reward model) cannot be written as {arch}, a "
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
-  stacked = (GPT_OSS, LLAMA4, GRANITE_MOE, GRANITE_SHARED)  # their files stack the experts
+  stacked = (GPT_OSS, LLAMA4, GRANITE_MOE) + _SHAREDS  # their files stack the experts
   moe = lm in _MOE_NAMES or lm in stacked or (lm in (GRANITE_HYBRID, NEMOTRON_H)
                                               and bool(cfg.num_experts))
   mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
@@ -1777,10 +1786,10 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   if lm == HUNYUAN_MOE:  # an ungated shared MLP as wide as the experts, every layer
     fixed.update(dense_layers=0, norm_topk_prob=True, shared_expert_dim=cfg.ffn_dim,
                  shared_expert_gate=False)
-  if lm in (GRANITE_HYBRID, GRANITE_SHARED):
+  if lm in (GRANITE_HYBRID,) + _SHAREDS:
     fixed.update(dense_layers=0)
-  if not (grouped or qwen2 or lm in (LLAMA4, GRANITE_HYBRID, GRANITE_SHARED, ERNIE4_5_MOE,
-                                     HUNYUAN_MOE)):
+  if not (grouped or qwen2
+          or lm in (LLAMA4, GRANITE_HYBRID, ERNIE4_5_MOE, HUNYUAN_MOE) + _SHAREDS):
     fixed.update(shared_expert_dim=0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -1809,7 +1818,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
                                "relu2" if lm in (NEMOTRON_H, ARCEE) else "silu"),
-               attention_sinks=oss or lm == GRANITE_SWA, router_bias=oss, expert_bias=oss,
+               attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
@@ -1822,9 +1831,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
-                          MINISTRAL, GRANITE_SWA))
+                          MINISTRAL) + _SWAS)
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
-    names += [] if lm in ("Olmo3ForCausalLM", GRANITE_SWA) else ["rope_local"]
+    names += [] if lm in ("Olmo3ForCausalLM",) + _SWAS else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
     held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
     if held:
@@ -1859,7 +1868,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, whose sliding layers rotate and full ones do "
                        "not (with a sliding_window; without one every layer rotates)")
-  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H, GRANITE_SWA) and not all(
+  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) + _SWAS and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
@@ -2192,16 +2201,16 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   elif lm in GRANITES:
     out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS})
     out["attention_multiplier"] = cfg.attention_scale or cfg.head_dim ** -0.5
-    if lm == GRANITE_SWA:
+    if lm in _SWAS:
       local = (cfg.rope_local or cfg.rope).theta
       out.update(sliding_window=cfg.sliding_window, layer_types=[
           "sliding_attention" if s else "full_attention" for s in cfg.sliding_layers],
           layer_rope_theta=[0.0 if not r else local if s else cfg.rope.theta for s, r in zip(
               cfg.sliding_layers, cfg.rope_layers or (1,) * cfg.num_layers)])
-    if lm in (GRANITE_MOE, GRANITE_SHARED):
+    if lm in (GRANITE_MOE,) + _SHAREDS:
       out.update(num_local_experts=cfg.num_experts,
                  num_experts_per_tok=cfg.num_experts_per_tok)
-      if lm == GRANITE_SHARED:
+      if lm in _SHAREDS:
         out["shared_intermediate_size"] = cfg.shared_expert_dim
     elif lm == GRANITE_HYBRID:
       nope = not all(cfg.rope_layers or (1,))
@@ -2903,6 +2912,10 @@ def _granite_moe_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   up's: two rows of ours) and output_linear [E, D, F]."""
   d, f, e = cfg.d_model, cfg.ffn_dim, cfg.num_experts
   moe = hf + "block_sparse_moe."
+  router, gate_up, down = (  # Granite swash's mixture: transformers 5's names
+      ("router.weight", "experts.gate_up_proj", "experts.down_proj")
+      if _causal_lm(cfg.architecture) == GRANITE_MOE_SWA else
+      ("router.layer.weight", "input_linear.weight", "output_linear.weight"))
   swap = lambda x: np.swapaxes(x, 1, 2)  # noqa: E731  [E, out, in] <-> ours [E, in, out]
 
   def half(start):  # input_linear's rows [start, start + F) <-> ours [E, D, F]
@@ -2912,11 +2925,10 @@ def _granite_moe_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
       return out
     return (lambda x: swap(x[:, start:start + f])), to_hf
   return [
-      (p + ("mlp", "router"), moe + "router.layer.weight", lambda x: x.T, lambda x: x.T,
-       (d, e)),
-      (p + ("mlp", "gate_proj"), moe + "input_linear.weight", *half(0), (e, d, f)),
-      (p + ("mlp", "up_proj"), moe + "input_linear.weight", *half(f), (e, d, f)),
-      (p + ("mlp", "down_proj"), moe + "output_linear.weight", swap, swap, (e, f, d)),
+      (p + ("mlp", "router"), moe + router, lambda x: x.T, lambda x: x.T, (d, e)),
+      (p + ("mlp", "gate_proj"), moe + gate_up, *half(0), (e, d, f)),
+      (p + ("mlp", "up_proj"), moe + gate_up, *half(f), (e, d, f)),
+      (p + ("mlp", "down_proj"), moe + down, swap, swap, (e, f, d)),
   ]
 
 
@@ -2946,7 +2958,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "adapter, ours are one each; adapt the attention (and down_proj), or "
                      "export the model merged (save_pretrained)")
   mlp = [t for t in ("gate_proj", "up_proj", "down_proj") if t in cfg.lora_target_names]
-  if _causal_lm(cfg.architecture) in (GRANITE_HYBRID, GRANITE_SHARED) and mlp:
+  if _causal_lm(cfg.architecture) in (GRANITE_HYBRID,) + _SHAREDS and mlp:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {mlp} "
                      "are not written or read: PEFT wraps its shared_mlp's fused "
                      "input_linear / output_linear, ours adapt gate, up and down each; adapt "
@@ -3208,7 +3220,8 @@ def _experts_module(cfg: ModelConfig) -> str:
   """The module holding a mixture layer's stacked routed experts, within the layer."""
   return {LLAMA4: "feed_forward.experts", GRANITE_MOE: "block_sparse_moe.experts",
           GRANITE_HYBRID: "block_sparse_moe.experts",
-          GRANITE_SHARED: "block_sparse_moe.experts", NEMOTRON_H: "mixer.experts"}.get(
+          GRANITE_SHARED: "block_sparse_moe.experts",
+          GRANITE_MOE_SWA: "block_sparse_moe.experts", NEMOTRON_H: "mixer.experts"}.get(
       _causal_lm(cfg.architecture), "mlp.experts")
 
 

@@ -1,8 +1,9 @@
-"""Granite "swash" (GraniteSWAForCausalLM) against `transformers`: Granite's four scalars,
-a learnable attention sink per head, windows on the layers layer_types names and a rope
-base per layer (one for the full layers, one for the sliding ones, 0 a NoPE layer).
-Logits (layer list and scanned), the sinks' effect, greedy generation past the window,
-export, and what we refuse."""
+"""Granite "swash" (GraniteSWAForCausalLM, and its mixture GraniteMoeSWAForCausalLM)
+against `transformers`: Granite's four scalars, a learnable attention sink per head,
+windows on the layers layer_types names and a rope base per layer (one for the full
+layers, one for the sliding ones, 0 a NoPE layer); the mixture's experts stacked as
+transformers 5 saves them. Logits (layer list and scanned), the sinks' effect, greedy
+generation past the window, export, and what we refuse."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (check_export_round_trip, check_logits, greedy_tokens,
-                                 hf_logits, perturb, save_families)
+                                 hf_logits, perturb, save_families, spread_routers)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -25,15 +26,21 @@ VARIANTS = {
     "default": {},
     # a base of its own for the sliding layers, and a NoPE one among them
     "bases": dict(layer_rope_theta=[10_000.0, 500.0, 0.0, 500.0]),
+    # the mixture (granite-swash-3b-a600m's layout): 4 experts, 2 a token, a shared MLP
+    "moe": dict(layer_rope_theta=[10_000.0, 500.0, 0.0, 500.0], intermediate_size=24,
+                shared_intermediate_size=40, num_local_experts=4, num_experts_per_tok=2),
 }
+CLASSES = {"moe": (transformers.GraniteMoeSWAConfig, transformers.GraniteMoeSWAForCausalLM)}
+DENSE = (transformers.GraniteSWAConfig, transformers.GraniteSWAForCausalLM)
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
 
 
 def _hf_model(variant):
-  cfg = transformers.GraniteSWAConfig(**{**COMMON, **VARIANTS[variant]})
+  config_cls, cls = CLASSES.get(variant, DENSE)
   torch.manual_seed(0)
-  model = perturb(transformers.GraniteSWAForCausalLM(cfg).float().eval())
+  model = spread_routers(perturb(cls(config_cls(**{**COMMON, **VARIANTS[variant]}))
+                                 .float().eval()))
   with torch.no_grad():  # the sinks start at zero: move them
     for layer in model.model.layers:
       layer.self_attn.sinks.normal_(0.0, 1.0)
@@ -53,6 +60,9 @@ def test_config_reads_the_sinks_windows_and_bases(saved):
   assert (cfg.rope.theta, cfg.rope_local.theta, cfg.rope_layers) == (
       10_000.0, 500.0, (1, 1, 0, 1))
   assert models.from_pretrained(saved["default"][0]).cfg.rope_local is None
+  moe = models.from_pretrained(saved["moe"][0]).cfg
+  assert (moe.num_experts, moe.num_experts_per_tok, moe.ffn_dim, moe.shared_expert_dim,
+          moe.attention_sinks, moe.rope_local.theta) == (4, 2, 24, 40, True, 500.0)
   written = models.hf.model_config_to_hf(cfg)
   with pytest.raises(ValueError, match="layers of one kind with different bases"):
     models.hf_config_to_model_config({**written,
@@ -84,8 +94,8 @@ def test_greedy_generation_matches_transformers(saved, variant):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_export_round_trip_is_exact(saved, variant, tmp_path):
-  written = check_export_round_trip(*saved[variant], transformers.GraniteSWAForCausalLM,
-                                    TOKENS, tmp_path / "out")
-  want = transformers.GraniteSWAConfig(**{**COMMON, **VARIANTS[variant]})
+  config_cls, cls = CLASSES.get(variant, DENSE)
+  written = check_export_round_trip(*saved[variant], cls, TOKENS, tmp_path / "out")
+  want = config_cls(**{**COMMON, **VARIANTS[variant]})
   assert written["layer_types"] == want.layer_types
   assert written["layer_rope_theta"] == want.layer_rope_theta
