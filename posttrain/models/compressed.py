@@ -177,7 +177,7 @@ def scheme(config: Mapping) -> Scheme | None:
                 dense=not version or version >= _DENSE_SINCE)
 
 
-def quantized(files: Iterable[str], scheme: Scheme) -> dict[str, str]:
+def quantized(files: Iterable[str]) -> dict[str, str]:
   """The quantized weights among a checkpoint's tensor names: X.weight -> the tensor that
   holds its codes (X.weight_packed, or X.weight itself in int8 formats)."""
   files = set(files)
@@ -190,12 +190,12 @@ def quantized(files: Iterable[str], scheme: Scheme) -> dict[str, str]:
   return out
 
 
-def companions(files: Iterable[str], scheme: Scheme) -> set[str]:
+def companions(files: Iterable[str]) -> set[str]:
   """The tensors beside the quantized weights (packed codes, shapes, scales, zero points,
   group indices, activation scales): read with their weight or not at all."""
   files = set(files)
   out = set()
-  for weight in quantized(files, scheme):
+  for weight in quantized(files):
     module = weight[:-len(".weight")]
     out |= {module + "." + p for p in _PARTS if module + "." + p in files}
   return out
@@ -269,8 +269,7 @@ def read(name: str, get: Callable[[str], np.ndarray], scheme: Scheme) -> np.ndar
   zp = part("weight_zero_point")
   if zp is not None:
     zp = np.asarray(zp)
-    if (packed is not None and zp.dtype == np.int32 and args.strategy in ("group", "channel")
-        and args.num_bits < 32):
+    if packed is not None and zp.dtype == np.int32 and args.strategy in ("group", "channel"):
       # packed along the output dimension, each column of zero points on its own
       zp = np.swapaxes(unpack(np.swapaxes(zp, -1, -2), args.num_bits, rows, scheme.dense),
                        -1, -2)

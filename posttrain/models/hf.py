@@ -3371,7 +3371,7 @@ def _iter_tensors(files: dict[str, str], names: list[str], mxfp4: bool = False,
   packed = _mxfp4_names(files) if mxfp4 else set()
   packed4 = bnb_lib.packed4(files) if bnb == "4bit" else {}
   packed8 = bnb_lib.packed8(files) if bnb == "8bit" else set()
-  codes = compressed_lib.quantized(files, ints) if ints else {}
+  codes = compressed_lib.quantized(files) if ints else {}
   for name in names:
     stored = name + "_blocks" if name in packed else codes.get(name, name)
     by_file.setdefault(files[stored], []).append(name)
@@ -3535,8 +3535,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     present -= bnb_lib.companions(files, bnb)
   ints = compressed_lib.scheme(hf_cfg)
   if ints:  # compressed-tensors integers, FP4: X.weight is read from X.weight_packed and beside
-    kept = {w for w, c in compressed_lib.quantized(files, ints).items() if c in present}
-    present = (present - compressed_lib.companions(files, ints)) | kept
+    kept = {w for w, c in compressed_lib.quantized(files).items() if c in present}
+    present = (present - compressed_lib.companions(files)) | kept
   if _language_model_config(hf_cfg) is not hf_cfg:  # The language model's tensors alone.
     present = {n for n in present if n == named("lm_head.weight")
                or n.startswith(named("model.x")[:-1])}

@@ -370,14 +370,6 @@ def index_scores(iq_BxTxHxI, iw_BxTxH, ik_BxSxI) -> jax.Array:
   return jnp.einsum("BTH,BTHS->BTS", weights, jax.nn.relu(dots * dim ** -0.5))
 
 
-def chosen_keys(scores_BxTxS, valid_BxTxS, topk: int) -> jax.Array:
-  """[B, T, S] bool: each query's `topk` highest-scoring valid keys (all of them where it
-  has no more), no gradient through the choice."""
-  if topk >= scores_BxTxS.shape[-1]:
-    return valid_BxTxS
-  return _allowed(*_top_keys(scores_BxTxS, valid_BxTxS, topk), scores_BxTxS.shape[-1])
-
-
 def _top_keys(scores_BxTxS, valid_BxTxS, topk: int):
   """(indices [B, T, topk] int32, valid [B, T, topk] bool): each query's highest-scoring
   keys, the ones past its valid keys marked invalid."""

@@ -145,7 +145,7 @@ def test_sparse_attention_pieces():
     assert np.abs(want).max() > 1e-2
 
   valid = (pos[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == seg[:, :, None])
-  chosen = tr.chosen_keys(tr.index_scores(iq, iw, ik), valid, 5)
+  chosen = tr._allowed(*tr._top_keys(tr.index_scores(iq, iw, ik), valid, 5), t)
   counts = np.asarray(chosen.sum(-1))
   np.testing.assert_array_equal(counts, np.minimum(np.asarray(valid.sum(-1)), 5))
 
