@@ -913,6 +913,16 @@ class Attention(nnx.Module):
   def _sm_scale(self) -> float:
     return self.cfg.attention_scale or float(self.cfg.head_dim) ** -0.5
 
+  def _latent_block(self, q, k, v, index, segment_ids_BxT, ctx):
+    """A latent layer's block attending to itself in the expanded form (training, a
+    prefill): DeepSeek Sparse Attention where the block has more keys than index_topk,
+    else the kernels' causal attention within segments."""
+    if index is None or not self._sparse(q.shape[1]):
+      return attend(self.cfg, q, k, v, segment_ids_BxT, ctx)
+    pos = jnp.broadcast_to(jnp.arange(q.shape[1])[None], segment_ids_BxT.shape)
+    return sparse_attention(q, k, v, *index, pos, pos, segment_ids_BxT, segment_ids_BxT,
+                            self.cfg.index_topk, self._sm_scale())
+
   def _latent_qkv(self, x, cos, sin):
     """q, k, v [B, T, N, H] of multi-head latent attention, rotated: the keys' and values'
     latent c = RMSNorm(x kv_a_proj); k = [rope(x k_rope_proj), c k_b_proj] (the rotated
@@ -1025,15 +1035,14 @@ class Attention(nnx.Module):
     k = ctx.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
     static = isinstance(sliding, (bool, np.bool_))
-    if index is not None and self._sparse(q.shape[1]) and (cache is None or prefill):
-      # DeepSeek Sparse Attention over the block itself (training, a prefill)
-      t = q.shape[1]
-      pos = jnp.broadcast_to(jnp.arange(t)[None], segment_ids_BxT.shape)
-      out = sparse_attention(q, k, v, *index, pos, pos, segment_ids_BxT, segment_ids_BxT,
-                             cfg.index_topk, self._sm_scale())
+    if cfg.kv_lora_rank:  # the latent cache; training and a prefill attend expanded
       new_cache = None if cache is None else self._write(
-          latent, index[2][:, :, None], segment_ids_BxT, cache, positions_BxT, ctx, prefill,
-          layer, False, t)
+          latent, None if index is None else index[2][:, :, None], segment_ids_BxT, cache,
+          positions_BxT, ctx, prefill, layer, False, q.shape[1])
+      out = (self._latent_block(q, k, v, index, segment_ids_BxT, ctx)
+             if cache is None or prefill else
+             self._latent_read(q, new_cache, positions_BxT, layer,
+                               None if index is None else index[:2]))
     elif cache is None:
       def full(window: bool):
         return attend(cfg, q, k, v, ids(window), ctx, sliding=window, sinks=self._sinks())
@@ -1041,13 +1050,6 @@ class Attention(nnx.Module):
       out = (full(bool(sliding)) if static else
              jax.lax.cond(sliding, lambda: full(True), lambda: full(False)))
       new_cache = None
-    elif cfg.kv_lora_rank:  # the latent cache; a prefill attends in the expanded form
-      new_cache = self._write(latent, None if index is None else index[2][:, :, None],
-                              segment_ids_BxT, cache, positions_BxT, ctx, prefill, layer,
-                              False, q.shape[1])
-      out = (attend(cfg, q, k, v, segment_ids_BxT, ctx) if prefill else
-             self._latent_read(q, new_cache, positions_BxT, layer,
-                               None if index is None else index[:2]))
     elif isinstance(cache, LayerKindCaches):
       # Both kinds under one scan, each kind's layers stacked apart, `layer` the index
       # among its kind: the keys go to both stacks, at an index past the other kind's
