@@ -92,7 +92,7 @@ def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
     import kernels  # deferred: importing the config must not initialise a backend
     backend = kernels.target_platform()
   return DECODE_CHUNK_BY_BACKEND.get(backend, 1024)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 # Kinds of layer (Hugging Face's layer_types): attention to every key up to the query, to
 # only the last `sliding_window` keys, or a linear-attention layer (Gated DeltaNet:
 # Qwen3-Next, Qwen3.5) whose cache is a fixed-size recurrent state; or an MLP alone or
@@ -130,7 +130,12 @@ class RopeConfig:
       original_max_position_embeddings (`rope.longrope_tables`; a row decoding past it
       keeps the keys it cached, as vLLM does, where transformers recomputes them).
     partial_rotary_factor: the fraction of head_dim rotated (its first
-      int(head_dim * factor) features; the rest pass through), Phi-4-mini's 0.75.
+      int(head_dim * factor) features; the rest pass through), Phi-4-mini's 0.75. Under
+      "proportional" (Gemma 4's global layers) it is instead the fraction of the
+      frequencies that turn: the whole head pairs up as in a full rotation (feature i with
+      i + head_dim / 2), its first int(factor * head_dim / 2) pairs at the full-width
+      schedule's frequencies theta^(-2i / head_dim) (divided by `factor`), the others at
+      frequency 0 (unrotated).
   """
 
   theta: float = 10_000.0
@@ -166,7 +171,12 @@ class RopeConfig:
                          "past which the long factors apply)")
 
   def rotary_dim(self, head_dim: int) -> int:
-    """Features of each head that rotate (all of head_dim unless partial_rotary_factor)."""
+    """Features of each head that rotate (all of head_dim unless partial_rotary_factor;
+    all of it under "proportional", whose pairs past the factor turn at frequency 0)."""
+    if self.type == "proportional":
+      if head_dim % 2:
+        raise ValueError(f"proportional rope needs an even head_dim, got {head_dim}")
+      return head_dim
     # As transformers truncates it; the epsilon keeps a factor such as 64 / 192, one
     # rounding below a third, from losing a feature.
     dim = int(head_dim * self.partial_rotary_factor + 1e-9)
@@ -403,6 +413,26 @@ class ModelConfig:
     linear_norm: the Mamba2 output's RMS norm: "after_gate" (Mamba2's gated norm,
       norm_before_gate=False: norm(y SiLU(z))), "before_gate" (norm(y) SiLU(z)) or "none"
       (y SiLU(z), no norm weight; Falcon-H1's mamba_rms_norm=false).
+    global_head_dim / global_kv_heads: the full-attention layers' own head width and
+      key/value heads (Gemma 4's global_head_dim, num_global_key_value_heads), where the
+      sliding layers have head_dim and num_kv_heads; 0: the same. A model whose full
+      layers differ (these, or k_eq_v) holds them in a stack of their own,
+      `global_layers` (`global_layers_apart`), its sliding ones in `layers`; its rope
+      rotates the full layers (at their width), rope_local the sliding ones.
+    k_eq_v: the full-attention layers have no v_proj: their values are their keys'
+      projection, taken before the key norm and the rotation (Gemma 4's
+      attention_k_eq_v).
+    v_norm: every attention layer's values are RMS-normed over head_dim, with no weight
+      (Gemma 4).
+    layer_scale: each layer's output (the residual stream after it) is multiplied by a
+      scalar of its own, `layer_scale` [1], that no gradient reaches (Gemma 4's
+      layer_scalar buffer).
+    moe_input_norms: a mixture layer's experts read the residual stream through a norm of
+      their own (`pre_norm`), its router that stream RMS-normed without a weight, times
+      `router_scale` [D] / sqrt(D); the chosen experts' weights are multiplied by
+      `per_expert_scale` [E]; the shared expert's output (it reads the MLP's usual input
+      norm) and the experts' are normed apart (`shared_out_norm`, `routed_out_norm`)
+      before their sum (Gemma 4's MoE layers: a dense MLP beside 128 experts).
   """
 
   vocab_size: int
@@ -517,6 +547,12 @@ class ModelConfig:
   key_multiplier: float = 1.0
   lm_head_multiplier: float = 1.0
   linear_norm: str = "after_gate"
+  global_head_dim: int = 0
+  global_kv_heads: int = 0
+  k_eq_v: bool = False
+  v_norm: bool = False
+  layer_scale: bool = False
+  moe_input_norms: bool = False
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -596,6 +632,7 @@ class ModelConfig:
       raise ValueError(f"rope_layers must hold a 1 (rotary) or 0 (NoPE) for each of the "
                        f"{self.num_layers} layers, got {self.rope_layers!r}")
     self._check_llama4_fields()
+    self._check_gemma4_fields()
     if self.output_norms and self.sandwich_norms:
       raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
                        "set one")
@@ -1003,9 +1040,6 @@ class ModelConfig:
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation={self.mlp_activation!r}; expected one of "
                        f"{MLP_ACTIVATIONS}")
-    if self.num_experts and self.mlp_activation == "gelu_tanh":
-      raise ValueError(f"mlp_activation={self.mlp_activation!r}: a mixture's experts are "
-                       "SwiGLU (silu, or gpt-oss's clamped_swiglu)")
     if (self.router_bias or self.expert_bias) and not self.num_experts:
       raise ValueError("router_bias / expert_bias need a mixture of experts (num_experts > 0)")
     for name in ("swiglu_limit", "swiglu_alpha"):
@@ -1043,6 +1077,62 @@ class ModelConfig:
     if self.rope_local is not None and not isinstance(self.rope_local, RopeConfig):
       raise ValueError(f"rope_local must be a RopeConfig, a dict or None, got "
                        f"{self.rope_local!r}")
+
+  def _check_gemma4_fields(self) -> None:
+    for name in ("global_head_dim", "global_kv_heads"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 (0: as the sliding layers), got "
+                         f"{value!r}")
+    if self.global_head_dim % 2:
+      raise ValueError(f"global_head_dim={self.global_head_dim} must be even for RoPE")
+    if self.global_kv_heads and self.num_heads % self.global_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"global_kv_heads={self.global_kv_heads}")
+    if self.moe_input_norms and not (self.num_experts and self.shared_expert_dim):
+      raise ValueError("moe_input_norms=True describes a mixture beside a shared expert "
+                       "(num_experts > 0, shared_expert_dim > 0)")
+    if self.moe_input_norms and (self.router_scoring != "softmax" or self.moe_latent_dim
+                                 or self.shared_expert_gate or self.has_correction_bias):
+      raise ValueError("moe_input_norms=True (Gemma 4's mixture) takes a softmax router "
+                       "without a correction bias, a latent or a shared-expert gate")
+    if not self.global_layers_apart:
+      return
+    sliding = self.sliding_layers
+    if all(sliding) or not any(sliding) or not self.layer_types:
+      raise ValueError("global_head_dim / global_kv_heads / k_eq_v describe the full "
+                       "layers beside sliding ones: layer_types needs both kinds")
+    held = [name for name, on in (
+        ("linear_attention layers", any(self.linear_layers)),
+        ("split layers", self.split_layers), ("kv_lora_rank", self.kv_lora_rank),
+        ("parallel_mixer", self.parallel_mixer), ("dense_layers", self.dense_layers),
+        ("moe_layer_step", self.moe_layer_step != 1),
+        ("attention_chunk_size", self.attention_chunk_size),
+        ("rope_layers", self.rope_layers), ("attn_output_gate", self.attn_output_gate),
+        ("qkv_bias", self.qkv_bias), ("qk_norm_heads", self.qk_norm_heads)) if on]
+    if held:
+      raise ValueError(f"full layers of their own (global_head_dim / global_kv_heads / "
+                       f"k_eq_v) with {', '.join(held)} are not supported")
+    if self.rope_local is None:
+      raise ValueError("full layers of their own rotate by rope and the sliding ones by "
+                       "rope_local: set rope_local")
+
+  @property
+  def global_layers_apart(self) -> bool:
+    """Whether the full-attention layers differ in shape from the sliding ones
+    (global_head_dim, global_kv_heads, k_eq_v) and sit in a stack of their own,
+    `global_layers`."""
+    return bool((self.global_head_dim and self.global_head_dim != self.head_dim)
+                or (self.global_kv_heads and self.global_kv_heads != self.num_kv_heads)
+                or self.k_eq_v)
+
+  def global_config(self) -> "ModelConfig":
+    """The config a full-attention layer of its own (`global_layers_apart`) is built and
+    run by: head_dim and num_kv_heads its own."""
+    return dataclasses.replace(
+        self, head_dim=self.global_head_dim or self.head_dim,
+        num_kv_heads=self.global_kv_heads or self.num_kv_heads, global_head_dim=0,
+        global_kv_heads=0)
 
   def _check_split_layers(self) -> None:
     latent = self.moe_latent_dim
@@ -1285,6 +1375,15 @@ class ModelConfig:
               + sum(self.moe_layers) * (experts * expert + router + shared + d) + emb + d
               + (d + 1 if self.value_head else 0))
     dense_layers = self.num_dense_layers
+    # Gemma 4: a scalar a layer; a mixture's router scales and three norms more
+    per_layer += self.layer_scale + (d + self.num_experts + 3 * d) * self.moe_input_norms
+    dense += self.layer_scale
+    if self.global_layers_apart:  # the full layers' attention at their own widths
+      def core(width, heads, kv_mats):  # q, o, k (and v) and the q / k norms
+        return d * h * width * 2 + d * heads * width * kv_mats + 2 * width * self.qk_norm
+      gh, gkv = self.global_head_dim or hd, self.global_kv_heads or kv
+      swapped += (self.num_layers - sum(self.sliding_layers)) * (
+          core(gh, gkv, 1 if self.k_eq_v else 2) - core(hd, kv, 2))
     return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped
             + emb + d + (d + 1 if self.value_head else 0))
 

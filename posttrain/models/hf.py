@@ -58,7 +58,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
-              "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
+              "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -67,7 +67,8 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
-                  "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
+                  "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
+                  "Gemma4ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -110,7 +111,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
                 "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
                 "GraniteSWAForCausalLM": "granite_swa",
-                "GraniteMoeSWAForCausalLM": "granitemoe_swa"}
+                "GraniteMoeSWAForCausalLM": "granitemoe_swa",
+                "Gemma4ForCausalLM": "gemma4_text"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -481,10 +483,32 @@ _GEMMA_DEFAULTS = {
                               query_pre_attn_scalar=256, sliding_window=4096, pattern=6,
                               max_position_embeddings=131_072)}
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma's legacy "gelu" means tanh.
+# Gemma 4 (31B, 26B-A4B, 12B; Gemma4ForConditionalGeneration's language model as well):
+# Gemma 3's sandwich-normed layers with plain norms (w, not 1 + w), q/k norms, values
+# RMS-normed without a weight, unscaled attention logits (the norms set their scale) and
+# a scalar per layer on its output (layer_scalar). The full layers have a width of their
+# own (global_head_dim, num_global_key_value_heads, or transformers 5's
+# per_layer_config), with attention_k_eq_v no v_proj (values from the keys' projection),
+# and rotate by proportional RoPE; with enable_moe_block every layer runs a mixture of
+# GeGLU experts beside its dense MLP (`ModelConfig.moe_input_norms`). The E2B / E4B's
+# per-layer embeddings (hidden_size_per_layer_input) and shared-KV layers
+# (num_kv_shared_layers) are not read. transformers' defaults where a file leaves a
+# field out.
+GEMMA4 = "Gemma4ForCausalLM"
+_GEMMA4_DEFAULTS = dict(
+    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+    sliding_window=512, max_position_embeddings=131_072, tie_word_embeddings=True,
+    hidden_size_per_layer_input=256, num_kv_shared_layers=0, attention_k_eq_v=False,
+    enable_moe_block=False, final_logit_softcapping=None)
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
 # Vision-language classes whose language model is read alone (the vision tower and its
 # projector are left in the files): class -> the causal LM it holds. Gemma 3 4B / 12B /
 # 27B are published this way; their text_config leaves out what equals these defaults.
 VISION_LANGUAGE = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                   "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                    "Qwen3_5ForConditionalGeneration": QWEN3_5,
                    "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
                    "Llama4ForConditionalGeneration": LLAMA4,
@@ -694,7 +718,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
 def _rope_from_params(merged: dict[str, Any], c: dict[str, Any]) -> RopeConfig:
   theta = merged.get("rope_theta", c.get("rope_theta", 10_000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-  if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
+  if rope_type not in ("default", "linear", "llama3", "yarn", "longrope", "proportional"):
     raise ValueError(f"rope type {rope_type!r} in config.json is not supported")
   kwargs = {k: merged[k] for k in _ROPE_KEYS if merged.get(k) is not None}
   if rope_type == "longrope":
@@ -747,8 +771,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = _language_model_config(c)
   arch = _architecture(c)
   lm = _causal_lm(arch)
-  if lm in (NEMOTRON_H, LFM2):
-    cfg = _nemotron_h_from_hf(c) if lm == NEMOTRON_H else _lfm2_from_hf(c)
+  if lm in (NEMOTRON_H, LFM2, GEMMA4):
+    cfg = (_nemotron_h_from_hf(c) if lm == NEMOTRON_H else _lfm2_from_hf(c) if lm == LFM2
+           else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
   if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
@@ -1474,6 +1499,237 @@ def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _gemma4_global_widths(c: dict[str, Any], kinds: list[str], head_dim: int,
+                          kv_heads: int) -> tuple[int, int]:
+  """(head_dim, key/value heads) of a Gemma 4 config.json's full layers: transformers 5's
+  per_layer_config (by layer index), else global_head_dim (default 512) and, with
+  attention_k_eq_v, num_global_key_value_heads."""
+  per = c.get("per_layer_config")
+  if per is None:
+    gkv = c.get("num_global_key_value_heads") if c.get("attention_k_eq_v") else None
+    return int(c.get("global_head_dim") or 512), int(gkv or kv_heads)
+  if not isinstance(per, dict):
+    raise ValueError(f"per_layer_config in a {GEMMA4} config.json must be a mapping of layer "
+                     f"index to overrides, got {per!r}")
+  widths = set()
+  for i, kind in enumerate(kinds):
+    own = per.get(str(i), per.get(i)) or {}
+    unknown = sorted(set(own) - {"head_dim", "num_key_value_heads"})
+    if unknown:
+      raise ValueError(f"per_layer_config overrides {unknown} of layer {i} in a {GEMMA4} "
+                       "config.json are not supported (read: head_dim, num_key_value_heads)")
+    width = (int(own.get("head_dim", head_dim)), int(own.get("num_key_value_heads", kv_heads)))
+    if kind == "sliding_attention" and width != (head_dim, kv_heads):
+      raise ValueError(f"per_layer_config gives sliding layer {i} of a {GEMMA4} config.json "
+                       f"head_dim / key-value heads {width}, not the model's "
+                       f"{(head_dim, kv_heads)}")
+    if kind == "full_attention":
+      widths.add(width)
+  if len(widths) > 1:
+    raise ValueError(f"per_layer_config gives the full layers of a {GEMMA4} config.json "
+                     f"different widths {sorted(widths)}; one width is read")
+  return widths.pop() if widths else (head_dim, kv_heads)
+
+
+def _gemma4_from_hf(c: dict[str, Any], arch: str) -> ModelConfig:
+  """The ModelConfig of a Gemma 4 (text) config.json."""
+  c = {**_GEMMA4_DEFAULTS, **c}
+  for key, what in (("hidden_size_per_layer_input", "per-layer embeddings, Gemma 4 E2B / "
+                     "E4B's"), ("num_kv_shared_layers", "layers reading another's keys "
+                                "and values")):
+    if c.get(key):
+      raise ValueError(f"{key}={c[key]} in a {GEMMA4} config.json ({what}) is not supported")
+  if c.get("use_bidirectional_attention") == "all":
+    raise ValueError("use_bidirectional_attention='all' in a Gemma 4 config.json is not "
+                     "supported (a causal language model attends to earlier tokens only)")
+  if c.get("attention_bias"):
+    raise ValueError(f"attention_bias=true in a {GEMMA4} config.json is not supported")
+  act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+  if act not in _GELU_TANH:
+    raise ValueError(f"hidden_activation={act!r} is not supported (expected "
+                     "gelu_pytorch_tanh)")
+  n = int(c["num_hidden_layers"])
+  kinds = list(c.get("layer_types") or [
+      "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+  bad = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+  if len(kinds) != n or bad:
+    raise ValueError(f"layer_types of a {GEMMA4} config.json must give each of its {n} "
+                     f"layers sliding_attention or full_attention, got {kinds!r}")
+  kinds[-1] = "full_attention"  # as transformers forces it
+  heads = int(c["num_attention_heads"])
+  head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+  kv = int(c.get("num_key_value_heads") or heads)
+  global_dim, global_kv = _gemma4_global_widths(c, kinds, head_dim, kv)
+  params = c.get("rope_parameters") or _GEMMA4_ROPE
+  if not all(isinstance(params.get(k), dict) for k in ("full_attention", "sliding_attention")):
+    raise ValueError(f"rope_parameters of a {GEMMA4} config.json must hold full_attention "
+                     f"and sliding_attention entries, got {sorted(params)}")
+  rope, local = (_rope_from_params(params[k], c) for k in ("full_attention", "sliding_attention"))
+  moe: dict[str, Any] = dict(ffn_dim=int(c["intermediate_size"]))
+  if c.get("enable_moe_block"):
+    moe = dict(num_experts=int(c["num_experts"]), num_experts_per_tok=int(c["top_k_experts"]),
+               ffn_dim=int(c["moe_intermediate_size"]),
+               shared_expert_dim=int(c["intermediate_size"]), moe_input_norms=True)
+  dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
+  pad = c.get("pad_token_id")
+  cap = c.get("final_logit_softcapping")
+  window = c.get("sliding_window")
+  return ModelConfig(
+      vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]), num_layers=n,
+      num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rope=rope, rope_local=local,
+      norm_eps=float(c.get("rms_norm_eps") or 1e-6),
+      tie_embeddings=bool(c.get("tie_word_embeddings", True)), qk_norm=True,
+      sandwich_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
+      attention_multiplier=1.0, final_logit_softcap=None if cap is None else float(cap),
+      sliding_window=None if window is None else int(window), layer_types=tuple(kinds),
+      global_head_dim=global_dim, global_kv_heads=global_kv,
+      k_eq_v=bool(c.get("attention_k_eq_v")), v_norm=True, layer_scale=True,
+      max_position_embeddings=int(c["max_position_embeddings"]), architecture=arch,
+      dtype=str(dtype), param_dtype=str(dtype),
+      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None, **moe)
+
+
+def _gemma4_to_hf(cfg: ModelConfig, pad: int | None) -> dict[str, Any]:
+  """A Gemma 4 config.json: the full layers' widths both as transformers 5 writes them
+  (per_layer_config) and as the published files do (global_head_dim,
+  num_global_key_value_heads)."""
+  wide = cfg.global_config()
+  full = [i for i, s in enumerate(cfg.sliding_layers) if not s]
+
+  def rope_entry(r: RopeConfig) -> dict[str, Any]:
+    entry: dict[str, Any] = {"rope_type": r.type, "rope_theta": r.theta}
+    if r.type == "proportional":
+      entry["partial_rotary_factor"] = r.partial_rotary_factor
+      if r.factor != 1.0:
+        entry["factor"] = r.factor
+    elif r.type != "default":
+      entry.update(_rope_scaling(r) or {})
+    return entry
+
+  moe = bool(cfg.num_experts)
+  return {
+      "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[GEMMA4],
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.shared_expert_dim if moe else cfg.ffn_dim,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+      "global_head_dim": wide.head_dim, "num_global_key_value_heads": wide.num_kv_heads,
+      "per_layer_config": {str(i): {"head_dim": wide.head_dim,
+                                    "num_key_value_heads": wide.num_kv_heads} for i in full},
+      "attention_k_eq_v": cfg.k_eq_v, "hidden_activation": "gelu_pytorch_tanh",
+      "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+      "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
+      "attention_bias": False, "sliding_window": cfg.sliding_window,
+      "layer_types": ["sliding_attention" if s else "full_attention"
+                      for s in cfg.sliding_layers],
+      "rope_parameters": {"full_attention": rope_entry(cfg.rope),
+                          "sliding_attention": rope_entry(cfg.rope_local or cfg.rope)},
+      "final_logit_softcapping": cfg.final_logit_softcap, "hidden_size_per_layer_input": 0,
+      "num_kv_shared_layers": 0, "use_double_wide_mlp": False, "enable_moe_block": moe,
+      "num_experts": cfg.num_experts or None, "top_k_experts": cfg.num_experts_per_tok or None,
+      "moe_intermediate_size": cfg.ffn_dim if moe else None,
+      "pad_token_id": None if pad is None else int(pad)}
+
+
+def _check_gemma4(cfg: ModelConfig, lm: str) -> None:
+  """Gemma 4's options are written as Gemma4ForCausalLM alone, which always has them."""
+  fields = ("global_head_dim", "global_kv_heads", "k_eq_v", "v_norm", "layer_scale",
+            "moe_input_norms")
+  if lm != GEMMA4:
+    held = [name for name in fields if getattr(cfg, name)]
+    held += ["proportional rope"] * any(r is not None and r.type == "proportional"
+                                        for r in (cfg.rope, cfg.rope_local))
+    if held:
+      raise ValueError(f"{held} cannot be written as {cfg.architecture}; {GEMMA4} holds them")
+    return
+  fixed = dict(norm_unit_offset=False, embed_scale=True, sandwich_norms=True,
+               mlp_activation="gelu_tanh", qk_norm=True, v_norm=True, layer_scale=True,
+               attention_multiplier=1.0, qkv_bias=False, qk_norm_heads=False,
+               attention_sinks=False, attn_out_bias=False, query_pre_attn_scalar=None,
+               attn_logit_softcap=None, output_norms=False, qk_norm_after_rope=False,
+               moe_input_norms=bool(cfg.num_experts), norm_topk_prob=True,
+               router_scoring="softmax", router_groups=1, routed_scaling_factor=1.0,
+               router_bias=False, expert_bias=False, routed_input_scaling=False,
+               shared_expert_gate=False, moe_latent_dim=0, rope_layers=(),
+               attn_position_scale=0.0,
+               residual_multiplier=1.0, embedding_multiplier=1.0, logits_scaling=1.0)
+  for name, value in fixed.items():
+    if getattr(cfg, name) != value and not (name == "norm_topk_prob" and not cfg.num_experts):
+      raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
+                       f"{cfg.architecture}, which always has {name}={value!r}")
+  if cfg.sliding_window is None or cfg.rope_local is None or not cfg.layer_types:
+    raise ValueError(f"{cfg.architecture} has sliding layers (layer_types, sliding_window) "
+                     "with a rotary embedding of their own (rope_local)")
+  if cfg.rope.type not in ("default", "proportional", "linear", "llama3", "yarn") or (
+      cfg.rope_local.type not in ("default", "proportional", "linear", "llama3", "yarn")):
+    raise ValueError(f"rope types {cfg.rope.type!r} / {cfg.rope_local.type!r} cannot be "
+                     f"written as {cfg.architecture}")
+  if not cfg.sliding_layers[-1]:
+    return
+  raise ValueError(f"{cfg.architecture}'s last layer is always a full_attention layer")
+
+
+def _gemma4_rows(cfg: ModelConfig) -> list:
+  """(ours, HF name, hf->ours, ours->hf, our shape) of a Gemma 4 model's tensors."""
+  d, n, e, f = cfg.d_model, cfg.num_heads, cfg.num_experts, cfg.ffn_dim
+  ident = lambda x: x  # noqa: E731
+  t = (lambda x: x.T, lambda x: x.T)
+  rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
+          (("final_norm", "scale"), "model.norm.weight", ident, ident, (d,))]
+  if cfg.lm_head and not cfg.tie_embeddings:
+    rows.append((("lm_head",), "lm_head.weight", *t, (d, cfg.vocab_size)))
+  norms = (("input_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
+           ("post_attn_norm", "pre_feedforward_layernorm"),
+           ("mlp_out_norm", "post_feedforward_layernorm"))
+  for i in range(cfg.num_layers):
+    p, hf = layer_path(cfg, i), f"model.layers.{i}."
+    layer = cfg.global_config() if p[0] == "global_layers" else cfg
+    h, k = layer.head_dim, layer.num_kv_heads
+
+    def proj_in(heads, h=h):  # HF [heads * h, d] <-> ours [d, heads, h]
+      return (lambda x: x.T.reshape(d, heads, h), lambda x: x.reshape(d, heads * h).T)
+    rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
+             for ours, name in norms]
+    rows.append((p + ("layer_scale",), hf + "layer_scalar", ident, ident, (1,)))
+    attn = [("q_proj", n), ("k_proj", k)]
+    if not (p[0] == "global_layers" and cfg.k_eq_v):
+      attn.append(("v_proj", k))
+    rows += [(p + ("attn", name), hf + f"self_attn.{name}.weight", *proj_in(heads),
+              (d, heads, h)) for name, heads in attn]
+    rows.append((p + ("attn", "o_proj"), hf + "self_attn.o_proj.weight",
+                 lambda x, h=h: x.reshape(d, n, h).transpose(1, 2, 0),
+                 lambda x, h=h: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
+    rows += [(p + ("attn", name, "scale"), hf + f"self_attn.{name}.weight", ident, ident,
+              (h,)) for name in ("q_norm", "k_norm")]
+    mlp = p + (("mlp", "shared") if e else ("mlp",))
+    width = cfg.shared_expert_dim if e else f
+    rows += [(mlp + (name,), hf + f"mlp.{name}.weight", *t, shape)
+             for name, shape in (("gate_proj", (d, width)), ("up_proj", (d, width)),
+                                 ("down_proj", (width, d)))]
+    if not e:
+      continue
+    moe = p + ("mlp",)
+    swap = lambda x: np.swapaxes(x, 1, 2)  # noqa: E731  [E, out, in] <-> ours [E, in, out]
+
+    def half(start):  # gate_up_proj's rows [start, start + F) <-> ours [E, D, F]
+      def to_hf(x):
+        out = np.zeros((e, 2 * f, d), x.dtype)
+        out[:, start:start + f] = swap(x)
+        return out
+      return (lambda x: swap(x[:, start:start + f])), to_hf
+    rows += [(moe + ("router",), hf + "router.proj.weight", *t, (d, e)),
+             (moe + ("router_scale",), hf + "router.scale", ident, ident, (d,)),
+             (moe + ("per_expert_scale",), hf + "router.per_expert_scale", ident, ident, (e,)),
+             (moe + ("gate_proj",), hf + "experts.gate_up_proj", *half(0), (e, d, f)),
+             (moe + ("up_proj",), hf + "experts.gate_up_proj", *half(f), (e, d, f)),
+             (moe + ("down_proj",), hf + "experts.down_proj", swap, swap, (e, f, d))]
+    rows += [(moe + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
+             for ours, name in (("pre_norm", "pre_feedforward_layernorm_2"),
+                                ("shared_out_norm", "post_feedforward_layernorm_1"),
+                                ("routed_out_norm", "post_feedforward_layernorm_2"))]
+  return rows
+
+
 def _leading_dense_layers(c: dict[str, Any], default: int = 1) -> int:
   """How many of a GLM-4.7-Flash (GLM-5, DeepSeek-V3.2) config.json's layers are dense:
   its mlp_layer_types ("dense" / "sparse" per layer; by default the first `default`
@@ -1682,7 +1938,7 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
   stacked = (GPT_OSS, LLAMA4, GRANITE_MOE) + _SHAREDS  # their files stack the experts
-  moe = lm in _MOE_NAMES or lm in stacked or (lm in (GRANITE_HYBRID, NEMOTRON_H)
+  moe = lm in _MOE_NAMES or lm in stacked or (lm in (GRANITE_HYBRID, NEMOTRON_H, GEMMA4)
                                               and bool(cfg.num_experts))
   mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
   if moe != bool(cfg.num_experts):
@@ -1698,6 +1954,12 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"index_topk={cfg.index_topk} cannot be written as {cfg.architecture}: "
                      f"DeepSeek Sparse Attention is written as one of "
                      f"{list(_SPARSE_ATTENTION)}, and only they")
+  _check_gemma4(cfg, lm)
+  if lm == GEMMA4:
+    if cfg.kv_lora_rank or any(cfg.linear_layers) or cfg.parallel_mixer or cfg.dense_layers:
+      raise ValueError(f"{arch} has softmax attention (no latent) in every layer, each with "
+                       "its MLP (kv_lora_rank, linear layers, parallel_mixer, dense_layers)")
+    return
   qwen3_5 = lm in _QWEN3_5S
   mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
   short = cfg.linear_mixer == "short_conv" and any(cfg.linear_layers)
@@ -1976,6 +2238,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   """config.json of `cfg` (see `save_pretrained` for pad_token_id)."""
   check_exportable(cfg)
   lm = _causal_lm(cfg.architecture)
+  if lm == GEMMA4:
+    return _gemma4_to_hf(cfg, cfg.pad_token_id if pad_token_id is None else pad_token_id)
   rope = cfg.rope
   scaling = _rope_scaling(rope)
   out = {
@@ -2300,6 +2564,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     return _nemotron_h_rows(cfg, proj_in)
   if _causal_lm(cfg.architecture) == LFM2:
     return _lfm2_rows(cfg, proj_in)
+  if _causal_lm(cfg.architecture) == GEMMA4:
+    return _gemma4_rows(cfg)
   final = "final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1) else "norm"
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
           (("final_norm", "scale"), f"model.{final}.weight", ident, ident, (d,))]

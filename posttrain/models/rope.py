@@ -1,5 +1,5 @@
-"""Rotary position embeddings: default, linear, Llama 3, YaRN and LongRoPE frequency
-schedules, over all of head_dim or its first part (partial rotary).
+"""Rotary position embeddings: default, linear, Llama 3, YaRN, LongRoPE and proportional
+(Gemma 4) frequency schedules, over all of head_dim or its first part (partial rotary).
 
 The frequency formulas follow the Hugging Face definitions so imported checkpoints see the
 same rotations they were trained with. Rotation uses the "rotate half" layout (first and
@@ -36,6 +36,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings
     inv_freq = 1.0 / (ext * rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
   elif rope.type == "linear":
     inv_freq = inv_freq / rope.factor
+  elif rope.type == "proportional":  # Gemma 4: the first pairs turn, the rest are still
+    turning = int(rope.partial_rotary_factor * head_dim // 2)
+    inv_freq = np.where(np.arange(dim // 2) < turning, inv_freq, 0.0) / rope.factor
   elif rope.type == "llama3":
     low_wavelen = original / rope.low_freq_factor
     high_wavelen = original / rope.high_freq_factor

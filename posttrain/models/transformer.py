@@ -203,6 +203,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
     return [init_linear_cache(cfg, batch, dtype) if lin else
             init_layer_cache(cfg, batch, max_len, dtype) if full else None
             for lin, full in zip(linear, cfg.attention_layers)]
+  if cfg.global_layers_apart:  # the full layers' caches at their own widths
+    wide = cfg.global_config()
+    if cfg.scan_layers:
+      return LayerKindCaches(
+          init_layer_cache(wide, batch, max_len, dtype, layers=(kinds.count(False),)),
+          init_layer_cache(cfg, batch, ring, dtype, layers=(kinds.count(True),)))
+    return [init_layer_cache(cfg, batch, ring, dtype) if sliding else
+            init_layer_cache(wide, batch, max_len, dtype) for sliding in kinds]
   if cfg.scan_layers:
     if len(set(kinds)) > 1:
       return LayerKindCaches(
@@ -514,6 +522,8 @@ def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
   layer of `stack`. A routed-expert target's input leads with the experts [E, in]: its
   A is [E, r, in] (the rank off the minor axis, which TPU pads to 128 lanes; PEFT's own
   order), its B [E, r, out...] (`_lora_experts`)."""
+  if stack == "global_layers":  # full layers at their own widths
+    cfg = cfg.global_config()
   d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # The experts' width: the model's, or the latent they run in (moe_latent_dim).
   de = cfg.moe_latent_dim or d
@@ -576,8 +586,14 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
   layers with cfg.moe_layer_step) then `layers`; or for a model
   with linear-attention layers, those (`linear_layers`) and the attention layers
   (`layers`), interleaved in the model as layer_types says; with cfg.split_layers the
-  MLPs alone too (`mlp_layers`) and the mixtures alone (`moe_layers`)."""
+  MLPs alone too (`mlp_layers`) and the mixtures alone (`moe_layers`); with
+  cfg.global_layers_apart the sliding layers (`layers`) and the full ones
+  (`global_layers`)."""
   linear = cfg.linear_layers
+  if cfg.global_layers_apart:  # Gemma 4: the full layers at their own widths
+    sliding = cfg.sliding_layers
+    return (("layers", tuple(i for i, s in enumerate(sliding) if s)),
+            ("global_layers", tuple(i for i, s in enumerate(sliding) if not s)))
   if cfg.split_layers:
     return tuple((name, tuple(i for i, on in enumerate(flags) if on)) for name, flags in (
         ("linear_layers", linear), ("layers", cfg.attention_layers),
@@ -621,6 +637,8 @@ def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
              _ATTN_TARGETS + LINEAR_LORA_TARGETS)
   if cfg.num_experts and not cfg.shared_expert_dim and stack not in _DENSE_STACKS:
     other += LORA_TARGETS[4:]
+  if stack == "global_layers" and cfg.k_eq_v:  # values from the keys' projection
+    other += ("v_proj",)
   if stack in _DENSE_STACKS or (cfg.split_layers and stack != "moe_layers"):
     other += EXPERT_LORA_TARGETS  # a layer without a mixture routes to no experts
   return tuple(t for t in cfg.lora_target_names if t not in other)
@@ -832,8 +850,11 @@ class Attention(nnx.Module):
   OLMo 2 over all heads); or with cfg.kv_lora_rank multi-head latent attention
   (DeepSeek-V3: `_latent_qkv`)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, global_layer: bool = False):
+    """`global_layer`: a full-attention layer of its own (cfg.global_layers_apart; `cfg`
+    its `global_config()`), without a v_proj under cfg.k_eq_v."""
     self.cfg = cfg
+    self.values_from_keys = bool(global_layer and cfg.k_eq_v)
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.kv_lora_rank:
@@ -841,7 +862,9 @@ class Attention(nnx.Module):
     else:
       self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std=std)
       self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
-      self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
+      if not self.values_from_keys:
+        self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd,
+                             std=std)
     v = cfg.v_head_dim or h
     self.o_proj = _param(rngs, (n, v, d), ("heads", "head_dim", "embed"), pd, std=std)
     if cfg.qkv_bias:
@@ -1120,10 +1143,17 @@ class Attention(nnx.Module):
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
     q = _add_lora(self, "q_proj", q, x, "BTD,DR->BTR", "BTR,RNH->BTNH")
     k = _add_lora(self, "k_proj", k, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
-    v = _add_lora(self, "v_proj", v, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
+    if self.values_from_keys:  # Gemma 4's full layers: the keys' projection, unnormed
+      v = k
+    else:
+      v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
+      v = _add_lora(self, "v_proj", v, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
+    if cfg.v_norm:  # over each head, no weight (Gemma 4)
+      vf = v.astype(jnp.float32)
+      v = (vf * jax.lax.rsqrt(jnp.mean(vf * vf, axis=-1, keepdims=True) + cfg.norm_eps)
+           ).astype(v.dtype)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)[None, None]
       k = k + self.k_bias[...].astype(dt)[None, None]
@@ -1644,19 +1674,43 @@ class MoE(nnx.Module):
       self.shared = MLP(cfg, rngs, cfg.shared_expert_dim)
     if cfg.shared_expert_gate:
       self.shared_gate = _param(rngs, (d,), ("embed",), pd, std=std)
+    if cfg.moe_input_norms:  # Gemma 4's
+      self.pre_norm = _norm(cfg, d)
+      self.shared_out_norm = _norm(cfg, d)
+      self.routed_out_norm = _norm(cfg, d)
+      self.router_scale = _param(None, (d,), ("embed",), pd, init="ones")
+      self.per_expert_scale = _param(None, (e,), ("experts",), pd, init="ones")
 
   def __call__(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT=None,
-               router_stats: bool = False, experts=None, record_experts: bool = False):
+               router_stats: bool = False, experts=None, record_experts: bool = False,
+               residual=None):
     """[B, T, D]; with `router_stats`, also this layer's `RouterStats` over every
     device's tokens (segment id 0 = padding, not counted).
 
     `experts` [B, T, k] int (routing replay): each token's experts, taken as given
     (`route`'s experts_NxK). With `record_experts`, returns (y, the stats or None, the
     experts the router chose for each token [B, T, k] int32: with `experts` given, those
-    it would have chosen, not those taken)."""
-    y, stats, chosen = self._routed(x_BxTxD, ctx, segment_ids_BxT, router_stats, experts,
-                                    record_experts)
-    if self.cfg.shared_expert_dim:
+    it would have chosen, not those taken). With cfg.moe_input_norms the router and the
+    routed experts read `residual` (the residual stream, un-normed), the shared expert
+    x_BxTxD."""
+    cfg = self.cfg
+    if cfg.moe_input_norms:
+      if residual is None:
+        raise ValueError("a mixture with moe_input_norms reads the residual stream: pass "
+                         "residual=")
+      r = residual.astype(jnp.float32)
+      r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + cfg.norm_eps)
+      dt = residual.dtype
+      router_in = (r.astype(dt) * self.router_scale[...].astype(dt)
+                   * jnp.asarray(cfg.d_model ** -0.5, dt))
+      y, stats, chosen = self._routed(self.pre_norm(residual), ctx, segment_ids_BxT,
+                                      router_stats, experts, record_experts, router_in)
+      y = self.routed_out_norm(y)
+      y = y + self.shared_out_norm(self.shared(x_BxTxD, ctx)).astype(y.dtype)
+    else:
+      y, stats, chosen = self._routed(x_BxTxD, ctx, segment_ids_BxT, router_stats, experts,
+                                      record_experts)
+    if cfg.shared_expert_dim and not cfg.moe_input_norms:
       y = self._add_shared(x_BxTxD, ctx, y)
     if record_experts:
       return y, stats, chosen
@@ -1672,9 +1726,10 @@ class MoE(nnx.Module):
     return y + shared.astype(y.dtype)
 
   def _routed(self, x_BxTxD, ctx: ShardingContext, segment_ids_BxT, router_stats: bool,
-              replay=None, record: bool = False):
+              replay=None, record: bool = False, router_in=None):
     """(y [B, T, D], the RouterStats or None, with `record` the experts the router chose
-    [B, T, k] (with `replay`, those it would have chosen), else None)."""
+    [B, T, k] (with `replay`, those it would have chosen), else None). `router_in`: what
+    the router reads [B, T, D] when not the experts' input (cfg.moe_input_norms)."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     b, t, d = x_BxTxD.shape
     e, f = cfg.num_experts, cfg.ffn_dim
@@ -1699,6 +1754,12 @@ class MoE(nnx.Module):
     # A sigmoid router's correction bias [E] in float32 (zeros where there is none).
     weights.append(self.score_correction_bias[...] if hasattr(self, "score_correction_bias")
                    else jnp.zeros((e,), jnp.float32))
+    # Gemma 4's scale of each chosen expert's weight [E] (ones where there is none).
+    weights.append(self.per_expert_scale[...].astype(jnp.float32)
+                   if hasattr(self, "per_expert_scale") else jnp.ones((e,), jnp.float32))
+    # The router's own input, or an empty array in its place.
+    x_router = (jnp.zeros((0,), dt) if router_in is None else
+                ctx.constrain(router_in.astype(dt), ("batch", "length", "embed")))
     adapters = self._adapters()
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
@@ -1725,18 +1786,21 @@ class MoE(nnx.Module):
     # Replayed experts, or an empty array in their place.
     replay_in = jnp.zeros((0,), jnp.int32) if replay is None else replay.astype(jnp.int32)
 
-    def local(x, x_in, segment_ids, given, router, gate, up, down, router_b, gate_b, up_b,
-              down_b, correction, lora):
+    def local(x, x_in, x_router, segment_ids, given, router, gate, up, down, router_b,
+              gate_b, up_b, down_b, correction, expert_scale, lora):
       lb, lt, _ = x.shape
       x_NxD = x.reshape(lb * lt, d).astype(dt)
       gate = gate if gated else None
       routing = functools.partial(
-          route, x_NxD, router, k, cfg.norm_topk_prob, return_probs=True,
+          route, x_NxD if router_in is None else x_router.reshape(lb * lt, d),
+          router, k, cfg.norm_topk_prob, return_probs=True,
           bias_E=router_b if cfg.router_bias else None, scoring=cfg.router_scoring,
           correction_E=correction if cfg.has_correction_bias else None,
           groups=cfg.router_groups,
           group_topk=cfg.router_group_topk, scale=cfg.routed_scaling_factor)
       w, e, probs = routing(experts_NxK=None if replay is None else given.reshape(lb * lt, k))
+      if cfg.moe_input_norms:
+        w = w * expert_scale[e]
       own = e
       if record and replay is not None:  # what the router alone would have chosen
         own = jax.lax.stop_gradient(routing()[1])
@@ -1777,8 +1841,8 @@ class MoE(nnx.Module):
       return y, stats, (own.reshape(lb, lt, k) if record else None)
 
     if mesh is None or mesh.size == 1:
-      y, stats, chosen = local(x_BxTxD, x_experts, segment_ids_BxT, replay_in, *weights,
-                               adapters)
+      y, stats, chosen = local(x_BxTxD, x_experts, x_router, segment_ids_BxT, replay_in,
+                               *weights, adapters)
       return self._latent_out(y, ctx), stats, chosen
     from jax.sharding import PartitionSpec as P
     from kernels.attention import place
@@ -1789,10 +1853,11 @@ class MoE(nnx.Module):
     x_spec = P(*tokens, None)
     gate_spec = P(e_spec, None, f_spec) if gated else P()
     given_spec = P() if replay is None else P(*tokens, None)
-    specs = (x_spec, x_spec if cfg.moe_latent_dim else P(), P(*tokens), given_spec, P(),
+    specs = (x_spec, x_spec if cfg.moe_latent_dim else P(),
+             x_spec if router_in is not None else P(), P(*tokens), given_spec, P(),
              gate_spec, P(e_spec, None, f_spec),
              P(e_spec, f_spec, None), P(), P(e_spec, f_spec), P(e_spec, f_spec),
-             P(e_spec, None), P())
+             P(e_spec, None), P(), P())
     # The adapters as their experts: E on the ep axes, F (gate and up's B columns, down's
     # A's) on the mlp axes, D and the rank whole.
     lora_specs = {"gate_up": (P(e_spec, None, None), P(e_spec, None, None, f_spec)),
@@ -1800,7 +1865,7 @@ class MoE(nnx.Module):
                   "down": (P(e_spec, None, f_spec), P(e_spec, None, None))}
     lora_specs = {name: lora_specs[name] for name in adapters}
     args = [place(a, mesh, spec) for a, spec in zip(
-        [x_BxTxD, x_experts, segment_ids_BxT, replay_in, *weights], specs)]
+        [x_BxTxD, x_experts, x_router, segment_ids_BxT, replay_in, *weights], specs)]
     args.append(jax.tree.map(lambda a, spec: place(a, mesh, spec), adapters, lora_specs))
     specs += (lora_specs,)
     out_specs = (x_spec, RouterStats(P(), P(), P()) if router_stats else None,
@@ -2207,8 +2272,11 @@ class Block(nnx.Module):
   mixtures), or with `moe_only` the mixture of experts alone (Nemotron 3)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
-               linear: bool = False, mlp_only: bool = False, moe_only: bool = False):
+               linear: bool = False, mlp_only: bool = False, moe_only: bool = False,
+               global_layer: bool = False):
     self.residual_multiplier = float(cfg.residual_multiplier)
+    if cfg.layer_scale:  # Gemma 4's layer_scalar
+      self.layer_scale = _param(None, (1,), (None,), _dtype(cfg.param_dtype), init="ones")
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
     if mlp_only:
@@ -2222,7 +2290,7 @@ class Block(nnx.Module):
                                                               LinearAttention)
       self.linear_attn = mixer(cfg, rngs)
     else:
-      self.attn = Attention(cfg, rngs)
+      self.attn = Attention(cfg.global_config() if global_layer else cfg, rngs, global_layer)
     if cfg.parallel_mixer:  # Falcon-H1: Mamba2 beside the attention
       self.linear_attn = Mamba2(cfg, rngs)
     if cfg.split_layers:  # the mixer alone
@@ -2262,15 +2330,17 @@ class Block(nnx.Module):
       raise ValueError("replayed or recorded experts need a mixture-of-experts layer")
 
     def done(x):
+      if hasattr(self, "layer_scale"):  # no gradient reaches it (a buffer in HF's)
+        x = x * jax.lax.stop_gradient(self.layer_scale[...]).astype(x.dtype)
       if record_experts:
         return x, new_cache, stats, chosen
       return (x, new_cache, stats) if router_stats else (x, new_cache)
 
-    def mlp(inputs):
+    def mlp(inputs, residual=None):
       if not moe:
         return self.mlp(inputs, ctx)
       out = self.mlp(inputs, ctx, segment_ids, router_stats=router_stats, experts=experts,
-                     record_experts=record_experts)
+                     record_experts=record_experts, residual=residual)
       if record_experts:
         return out
       return (*out, None) if router_stats else (out, None, None)
@@ -2292,7 +2362,7 @@ class Block(nnx.Module):
     x = x + self._residual(self.attn_out_norm(h) if post else h)
     if not hasattr(self, "mlp"):  # the mixer alone (split_layers)
       return done(ctx.constrain(x, ("batch", "length", "embed")))
-    h = mlp(self.post_attn_norm(x) if pre else x)
+    h = mlp(self.post_attn_norm(x) if pre else x, x)
     if moe:
       h, stats, chosen = h
     return done(ctx.constrain(x + self._residual(self.mlp_out_norm(h) if post else h),
@@ -2371,7 +2441,8 @@ class Transformer(nnx.Module):
     # (`layer_stacks`); each a list of blocks, or with scan_layers one stacked block.
     for stack, indices in layer_stacks(cfg):
       kind = dict(dense=stack == "dense_layers", linear=stack == "linear_layers",
-                  mlp_only=stack == "mlp_layers", moe_only=stack == "moe_layers")
+                  mlp_only=stack == "mlp_layers", moe_only=stack == "moe_layers",
+                  global_layer=stack == "global_layers")
       setattr(self, stack, _stacked_blocks(cfg, rngs, len(indices), **kind)
               if cfg.scan_layers else
               nnx.List([Block(cfg, rngs, **kind) for _ in indices]))
@@ -2385,7 +2456,8 @@ class Transformer(nnx.Module):
       self.value_b = _param(None, (), (), jnp.float32, init="zeros")
     # Static: not parameters. (inv_freq, LongRoPE's long inv_freq or None, scaling) of
     # the rotary embedding, and of the sliding layers' own (Gemma 3, OLMo 3).
-    self._rope = _rope_frequencies(cfg.rope, cfg)
+    self._rope = _rope_frequencies(
+        cfg.rope, cfg.global_config() if cfg.global_layers_apart else cfg)
     if cfg.rope_local is not None:
       self._rope_local = _rope_frequencies(cfg.rope_local, cfg)
     if cfg.lora_rank:  # Drawn last: the base weights are those of the model without.
@@ -2465,14 +2537,14 @@ class Transformer(nnx.Module):
     if cfg.rope_local is not None:
       local = _rope_tables(cfg.rope_local, self._rope_local, positions_BxT, segment_ids_BxT)
     stats, chosen = None, []
-    if cfg.scan_layers and any(cfg.linear_layers):
+    if cfg.scan_layers and (any(cfg.linear_layers) or cfg.global_layers_apart):
       if all(cfg.nope_layers):  # no position embedding at all (Granite 4's -h- models)
         tables = tuple(f(t) for f, t in zip((jnp.ones_like, jnp.zeros_like), tables))
-      blocks = {kind: getattr(self, stack) for kind, stack in _HYBRID_STACKS.items()
-                if hasattr(self, stack)}
+      blocks = {kind: getattr(self, _HYBRID_STACKS[kind])
+                for kind in dict.fromkeys(layer_kinds(cfg))}
       x, new_caches, stats, chosen = _scan_hybrid(
           blocks, cfg, x, tables, segment_ids_BxT, cache, positions_BxT, ctx, prefill,
-          router_loss, replay, record)
+          router_loss, replay, record, local)
     elif cfg.scan_layers and cfg.moe_layer_step > 1:
       x, new_caches, stats, chosen = _scan_interleaved(
           self.dense_layers, self.layers, cfg, x, tables, local, segment_ids_BxT, cache,
@@ -2622,7 +2694,7 @@ def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
                     dense: bool = False, linear: bool = False, mlp_only: bool = False,
-                    moe_only: bool = False
+                    moe_only: bool = False, global_layer: bool = False
                     ) -> Block:
   """One Block whose parameters stack `count` layers' (default all) on a leading "layers"
   axis (`dense`: a mixture's leading dense layers).
@@ -2632,9 +2704,10 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
   rules)."""
   keys = jax.random.split(rngs.params(), cfg.num_layers if count is None else count)
   graphdef = nnx.graphdef(nnx.eval_shape(
-      lambda: Block(cfg, nnx.Rngs(0), dense, linear, mlp_only, moe_only)))
+      lambda: Block(cfg, nnx.Rngs(0), dense, linear, mlp_only, moe_only, global_layer)))
   state = jax.vmap(lambda key: nnx.state(
-      Block(cfg, nnx.Rngs(params=key), dense, linear, mlp_only, moe_only)))(keys)
+      Block(cfg, nnx.Rngs(params=key), dense, linear, mlp_only, moe_only,
+            global_layer)))(keys)
 
   def name_axis(v):
     return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))
@@ -2649,14 +2722,19 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
 _UNROLLED_RUNS = 8
 # A hybrid model's kinds of layer (`layer_kinds`) and the stacks holding them.
 _HYBRID_STACKS = {"linear": "linear_layers", "full": "layers", "mlp": "mlp_layers",
-                  "moe": "moe_layers"}
-# Where a kind's cache sits in a HybridCaches (an MLP or a mixture alone has none).
-_HYBRID_CACHES = {"linear": "linear", "full": "full", "mlp": None, "moe": None}
+                  "moe": "moe_layers", "sliding": "layers", "global": "global_layers"}
+# Where a kind's cache sits in a HybridCaches (an MLP or a mixture alone has none), or
+# (cfg.global_layers_apart) in a LayerKindCaches.
+_HYBRID_CACHES = {"linear": "linear", "full": "full", "mlp": None, "moe": None,
+                  "sliding": "sliding", "global": "full"}
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
   """Per layer of a hybrid model, its kind: "linear" (a linear-attention layer), "full"
-  (attention), "mlp" (an MLP alone, cfg.split_layers) or "moe" (a mixture alone)."""
+  (attention), "mlp" (an MLP alone, cfg.split_layers) or "moe" (a mixture alone); with
+  cfg.global_layers_apart "sliding" or "global"."""
+  if cfg.global_layers_apart:
+    return tuple("sliding" if s else "global" for s in cfg.sliding_layers)
   return tuple("linear" if lin else "mlp" if mlp else "moe" if moe else "full"
                for lin, mlp, moe in zip(cfg.linear_layers, cfg.mlp_layers, cfg.moe_layers))
 
@@ -2695,7 +2773,7 @@ def ordered_layers(cfg: ModelConfig) -> dict[str, int]:
 
 def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_ids, cache,
                  positions, ctx, prefill, router_stats: bool, replay=None,
-                 record: bool = False):
+                 record: bool = False, local_tables=None):
   """Runs a model of linear- and full-attention layers (and, with cfg.split_layers, MLPs
   alone; `blocks` maps each kind of `layer_kinds` to its stack) as one `lax.scan` over
   periods of cfg.layer_period layers (Qwen3.5: three linear layers, then a full one):
@@ -2712,7 +2790,9 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   Returns (x, the HybridCaches or None, the layers' RouterStats summed with
   `router_stats`, else None, the experts each mixture layer chose [M, B, T, k] with
   `record`, else None). `replay`: the experts each mixture layer takes, the same shape
-  (a cache-free pass)."""
+  (a cache-free pass). With cfg.global_layers_apart (Gemma 4) the kinds are the sliding
+  layers, which rotate by `local_tables`, and the full ones (their cache a
+  LayerKindCaches)."""
   p = cfg.layer_period
   pattern = layer_kinds(cfg)[:p]
   periods = cfg.num_layers // p
@@ -2735,8 +2815,10 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
     graphs[kind], state = nnx.split(stack)
     states[kind] = state if by_layer else jax.tree.map(
         lambda a, n=per[kind]: a.reshape(periods, n, *a.shape[1:]), state)
-  cos, sin = tables
   runs = period_runs(cfg)
+
+  def kind_tables(kind):  # (cos, sin) of a layer of this kind
+    return local_tables if kind == "sliding" and local_tables is not None else tables
 
   def routed(kind):  # whether a layer of this kind gives router statistics
     return router_stats and (kind == "moe" or not cfg.split_layers)
@@ -2749,14 +2831,16 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
     # inside the checkpoint: a slice taken outside would be a residual, a second copy of
     # every layer's weights.
     state = jax.tree.map(lambda a: a[j], period_state)
-    return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
-                                          prefill, i, router_stats=routed(kind),
+    return nnx.merge(graphs[kind], state)(x, *kind_tables(kind), segment_ids, unit,
+                                          positions, ctx, prefill, i,
+                                          router_stats=routed(kind), sliding=kind == "sliding",
                                           experts=experts, record_experts=recorded(kind))
 
   def run_layer(kind, state, x, experts=None):  # an inner scan's layer: its weights are
     # the scan's xs
-    return nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, None, positions, ctx,
-                                          prefill, None, router_stats=routed(kind),
+    return nnx.merge(graphs[kind], state)(x, *kind_tables(kind), segment_ids, None,
+                                          positions, ctx, prefill, None,
+                                          router_stats=routed(kind), sliding=kind == "sliding",
                                           experts=experts, record_experts=recorded(kind))
 
   if cache is None and cfg.remat != "none":
@@ -2798,7 +2882,8 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
         if (count == 1 and ordered and not routed(kind)
             and not (mixes(kind) and (record or given is not None))):
           layer = functools.partial(_unrolled_layer, graphs[kind], first, ctx)
-          x = _ordered_remat(layer)(x, period_states[kind], (cos, sin, segment_ids, positions))
+          x = _ordered_remat(layer)(x, period_states[kind],
+                                    (*kind_tables(kind), segment_ids, positions))
           continue
         if count == 1:
           out = run(kind, first, period_states[kind], x, None, None,
@@ -2857,9 +2942,10 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
         state = jax.tree.map(lambda a, j=j: a[j], stack)
       field = _HYBRID_CACHES[kind]
       unit = None if field is None else getattr(caches, field)
-      out = nnx.merge(graphs[kind], state)(x, cos, sin, segment_ids, unit, positions, ctx,
-                                           prefill, period * per[kind] + j,
+      out = nnx.merge(graphs[kind], state)(x, *kind_tables(kind), segment_ids, unit,
+                                           positions, ctx, prefill, period * per[kind] + j,
                                            router_stats=routed(kind),
+                                           sliding=kind == "sliding",
                                            record_experts=recorded(kind))
       # The next layer takes the cache and x as this one left them: without this barrier
       # XLA:TPU held more of the layers' work at once (the same model's prefill: 10.8
