@@ -1288,6 +1288,9 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   """
   cfg = model_cfg
   remat = remat or cfg.remat
+  if cfg.global_layers_apart:
+    return _two_widths_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh,
+                                        rules=rules, remat=remat)
   b, t, heads, kv_heads, _, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
   linear_heads = _linear_shards(cfg, rows, row_len, mesh, rules)
   mlps = _layer_mlps(cfg, rows, row_len, mesh, rules)
@@ -1344,6 +1347,34 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
     elif cfg.split_layers:
       note += f", {cfg.mixture_layers} of the layers a mixture alone"
   return int(saved + transient + logits), note
+
+
+def width_views(cfg: models.ModelConfig) -> tuple[tuple[int, models.ModelConfig], ...]:
+  """(layers, a config every layer of which is as they are) of a model whose full layers
+  have widths of their own (cfg.global_layers_apart, Gemma 4): its sliding layers, then
+  its full ones (values counted as their own projection's where the keys give them)."""
+  plain = dict(global_head_dim=0, global_kv_heads=0, k_eq_v=False)
+  sliding = sum(cfg.sliding_layers)
+  return ((sliding, dataclasses.replace(cfg, **plain)),
+          (cfg.num_layers - sliding, dataclasses.replace(cfg.global_config(), **plain)))
+
+
+def _two_widths_activation_bytes(cfg: models.ModelConfig, *, rows: int, row_len: int,
+                                 mesh: AbstractMesh, rules, remat: str) -> tuple[int, str]:
+  """`activation_bytes` of a model whose full layers have widths of their own: each kind's
+  saved activations for its own layers, and the larger kind's layer being
+  differentiated."""
+  saved, rest, note = 0.0, 0, ""
+  for count, view in width_views(cfg):
+    total, note = activation_bytes(view, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
+                                   remat=remat)
+    own = saved_activation_bytes(view, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
+                                 remat=remat)
+    saved += own * count / cfg.num_layers
+    rest = max(rest, total - own)
+  wide = cfg.global_config()
+  return int(saved + rest), (f"{note}; the {cfg.num_layers - sum(cfg.sliding_layers)} full "
+                             f"layers {wide.num_kv_heads} x {wide.head_dim} wide")
 
 
 def _ordered_held_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,
@@ -1562,6 +1593,12 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
 
   ring = models.sliding_cache_slots(cfg, max_len, write_tokens)
   sliding, linear = sum(cfg.sliding_layers), _mixer_layers(cfg)
+  if cfg.global_layers_apart:  # Gemma 4: the full layers' caches at their own widths
+    wide = cfg.global_config()
+    full_layer = sum(shard_bytes(shape, dt, NamedSharding(mesh, models.logical_to_spec(
+        CACHE_AXES[:len(shape)], rules, mesh, shape)))
+                     for shape, dt in _cache_arrays(wide, batch, max_len, dtype.name))
+    return (cfg.num_layers - sliding) * full_layer + sliding * layer(ring)
   recurrent = 0
   if linear:
     arrays = jax.eval_shape(lambda: init_linear_cache(cfg, batch, dtype))

@@ -2,7 +2,8 @@
 a DeepSeek-V3.2 (sparse attention), a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
-(queries scaled by position), an OLMoE, an EXAONE 4, a Seed-OSS and a Phi-3 (LongRoPE,
+(queries scaled by position), an OLMoE, an EXAONE 4, a Gemma 4 (full layers of their own
+widths, experts beside the dense MLP), a Seed-OSS and a Phi-3 (LongRoPE,
 partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
 sampler, checkpoints, and the final checkpoint exported as a folder that transformers loads
 into the same class and computes our logits with."""
@@ -159,6 +160,20 @@ FAMILIES = {
     "exaone4": dict(architecture="Exaone4ForCausalLM", output_norms=True, qk_norm=True,
                     sliding_window=8, layer_types=("sliding_attention", "full_attention"),
                     rope_layers=(1, 0), tie_embeddings=False),
+    # Gemma 4 (26B-A4B's layout): a sliding layer (window 8, shorter than the rows) beside
+    # a full one of its own widths (one key/value head of 48, values from the keys,
+    # proportional RoPE), value norms, layer scalars the updates leave alone, a mixture
+    # of GeGLU experts beside each layer's dense MLP.
+    "gemma4": dict(architecture="Gemma4ForCausalLM", qk_norm=True, sandwich_norms=True,
+                   embed_scale=True, mlp_activation="gelu_tanh", attention_multiplier=1.0,
+                   final_logit_softcap=30.0, sliding_window=8,
+                   layer_types=("sliding_attention", "full_attention"), global_head_dim=48,
+                   global_kv_heads=1, k_eq_v=True, v_norm=True, layer_scale=True,
+                   rope=models.RopeConfig(theta=1_000_000.0, type="proportional",
+                                          partial_rotary_factor=0.25),
+                   rope_local=models.RopeConfig(theta=10_000.0), num_experts=4,
+                   num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=96,
+                   moe_input_norms=True),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),
@@ -182,6 +197,12 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
     stack = getattr(base_model, "moe_layers", base_model.layers)  # Nemotron 3's mixtures
     bias = (stack.mlp if cfg.scan_layers else stack[0].mlp).score_correction_bias
     bias.value = jax.random.normal(jax.random.key(1), bias.shape) * 0.3
+  if cfg.layer_scale:  # layer scalars (buffers in transformers') no update may move
+    for stack in ("layers", "global_layers"):
+      blocks = getattr(base_model, stack)
+      for block in ([blocks] if cfg.scan_layers else blocks):
+        block.layer_scale.value = jax.random.uniform(
+            jax.random.key(2), block.layer_scale.shape, minval=0.5, maxval=1.5)
   models.save_pretrained(base_model, folder)
   config = _config(init_from=folder)
   trainer.train(config, str(tmp_path / "run"))
@@ -212,6 +233,12 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
       return [np.asarray(x) for path, x in flat if "score_correction_bias" in str(path)]
     np.testing.assert_array_equal(biases(ours), biases(models.from_pretrained(folder)))
     assert np.abs(biases(ours)[0]).min() > 0.02
+  if cfg.layer_scale:
+    def scalars(model):
+      flat = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+      return [np.asarray(x) for path, x in flat if "layer_scale" in str(path)]
+    np.testing.assert_array_equal(scalars(ours), scalars(models.from_pretrained(folder)))
+    assert min(abs(float(x[0]) - 1.0) for x in scalars(ours)) > 1e-3
 
 
 def test_a_folder_defines_the_model_and_the_run_its_choices(tmp_path, caplog):

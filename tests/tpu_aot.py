@@ -68,10 +68,11 @@ def sharded_state(cfg, mesh: Mesh):
 def sharded_cache(cfg, ctx, batch: int, max_len: int, dtype=None):
   """`models.init_cache`'s arrays as ShapeDtypeStructs sharded by their logical axes."""
   from posttrain import models
-  from posttrain.models.transformer import CACHE_AXES
+  from posttrain.models.transformer import map_cache
   cache = jax.eval_shape(lambda: models.init_cache(cfg, batch, max_len, dtype))
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.sharding(
-      CACHE_AXES[:x.ndim], x.shape)), cache)
+  # Each array's own logical axes ("layers" first in a stacked cache).
+  return map_cache(lambda x, axes: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.sharding(
+      axes, x.shape)), cache)
 
 
 def cache_programs(graphdef, ctx, decode_position: int):

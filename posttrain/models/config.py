@@ -1705,6 +1705,34 @@ PRESETS["deepseek_v3_2"] = PRESETS["deepseek_v3"].replace(
     architecture="DeepseekV32ForCausalLM")
 
 
+# Gemma 4's language models (published as Gemma4ForConditionalGeneration; read alone): five
+# sliding layers (window 1024, rope base 10k, 256-wide heads) to one full layer (512-wide
+# heads, few key/value heads, values from the keys' projection, proportional RoPE over a
+# quarter of the frequencies at base 1M), plain norms and value norms, a scalar a layer.
+_GEMMA4 = dict(vocab_size=262_144, head_dim=256, global_head_dim=512,
+               rope=RopeConfig(theta=1_000_000.0, type="proportional",
+                               partial_rotary_factor=0.25),
+               rope_local=RopeConfig(theta=10_000.0), norm_eps=1e-6, tie_embeddings=True,
+               qk_norm=True, sandwich_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
+               attention_multiplier=1.0, final_logit_softcap=30.0, sliding_window=1024,
+               k_eq_v=True, v_norm=True, layer_scale=True, max_position_embeddings=262_144,
+               architecture="Gemma4ForCausalLM", dtype="bfloat16", param_dtype="bfloat16",
+               remat="full", scan_layers=True)
+# Gemma 4 31B: 60 layers of width 5376, 32 heads over 16 key/value heads (4 in the full
+# layers); 30.7B parameters.
+PRESETS["gemma4_31b"] = ModelConfig(
+    d_model=5376, num_layers=60, num_heads=32, num_kv_heads=16, global_kv_heads=4,
+    ffn_dim=21_504, layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 10,
+    **_GEMMA4)
+# Gemma 4 26B-A4B: 30 layers of width 2816, each a dense GeGLU MLP (2112) beside 128
+# experts of width 704, 8 a token; 25.2B parameters, 3.8B active.
+PRESETS["gemma4_26b_a4b"] = ModelConfig(
+    d_model=2816, num_layers=30, num_heads=16, num_kv_heads=8, global_kv_heads=2,
+    ffn_dim=704, num_experts=128, num_experts_per_tok=8, shared_expert_dim=2112,
+    moe_input_norms=True, layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 5,
+    **_GEMMA4)
+
+
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
   """Returns a named preset, optionally with fields replaced."""
   if name not in PRESETS:

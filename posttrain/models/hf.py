@@ -3874,7 +3874,8 @@ def _lookup(tree, key: tuple):
   return node
 
 
-_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers")
+_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers",
+           "global_layers")
 
 
 def _stacked_key(key: tuple) -> tuple:
@@ -3886,7 +3887,8 @@ def _stacked_key(key: tuple) -> tuple:
 def _is_expert(ours: tuple) -> bool:
   """An expert's slice of a mixture's parameter: ("layers", i, "mlp", name, j) (or in
   "linear_layers", or "moe_layers")."""
-  return (len(ours) == 5 and ours[0] in ("layers", "linear_layers", "moe_layers")
+  return (len(ours) == 5
+          and ours[0] in ("layers", "linear_layers", "moe_layers", "global_layers")
           and isinstance(ours[-1], int))
 
 

@@ -56,7 +56,8 @@ NF4_LEVELS = np.asarray([
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
 _NF4_EDGES = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
 # The layer stacks whose projections are quantized; the names that are projections.
-_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers")
+_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers",
+           "global_layers")
 _PROJECTIONS = ("q_gate", "latent_in", "latent_out")
 
 

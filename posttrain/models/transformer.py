@@ -1701,7 +1701,7 @@ class MoE(nnx.Module):
       r = residual.astype(jnp.float32)
       r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + cfg.norm_eps)
       dt = residual.dtype
-      router_in = (r.astype(dt) * self.router_scale[...].astype(dt)
+      router_in = (r.astype(dt) * self.router_scale[...].astype(dt)[None, None]
                    * jnp.asarray(cfg.d_model ** -0.5, dt))
       y, stats, chosen = self._routed(self.pre_norm(residual), ctx, segment_ids_BxT,
                                       router_stats, experts, record_experts, router_in)
@@ -2331,7 +2331,7 @@ class Block(nnx.Module):
 
     def done(x):
       if hasattr(self, "layer_scale"):  # no gradient reaches it (a buffer in HF's)
-        x = x * jax.lax.stop_gradient(self.layer_scale[...]).astype(x.dtype)
+        x = x * jax.lax.stop_gradient(self.layer_scale[...][0]).astype(x.dtype)
       if record_experts:
         return x, new_cache, stats, chosen
       return (x, new_cache, stats) if router_stats else (x, new_cache)

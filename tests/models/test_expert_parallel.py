@@ -48,6 +48,17 @@ NEMOTRON3 = CFG.replace(
     routed_scaling_factor=2.5, moe_latent_dim=16, scan_layers=True,
     architecture="NemotronHForCausalLM")
 
+# Gemma 4 26B-A4B-like: GeGLU experts beside each layer's dense MLP, the router reading the
+# residual stream through its own scales; sliding layers beside full ones of their own
+# widths (values from the keys), in two stacks; scanned.
+GEMMA4 = CFG.replace(
+    mlp_activation="gelu_tanh", shared_expert_dim=24, moe_input_norms=True,
+    sandwich_norms=True, qk_norm=True, v_norm=True, layer_scale=True,
+    attention_multiplier=1.0, sliding_window=2, global_head_dim=12, global_kv_heads=1,
+    k_eq_v=True, layer_types=("sliding_attention", "full_attention"),
+    rope=models.RopeConfig(theta=1_000_000.0, type="proportional", partial_rotary_factor=0.5),
+    rope_local=models.RopeConfig(), scan_layers=True, architecture="Gemma4ForCausalLM")
+
 
 def _rules(*axes):
   """The default rules with the experts' axis over `axes`."""
@@ -56,7 +67,8 @@ def _rules(*axes):
 
 
 def _model(cfg):
-  """A model whose zero-initialised biases (experts', correction) are random too."""
+  """A model whose zero-initialised biases (experts', correction) are random too, and its
+  scales initialised to one (Gemma 4's router and layer scales) random about one."""
   model = models.create_model(cfg, seed=1)
   graphdef, state = nnx.split(model)
   flat = nnx.to_pure_dict(state)
@@ -66,6 +78,8 @@ def _model(cfg):
     name = str(path[-1])
     if any(b in name for b in ("gate_bias", "up_bias", "down_bias", "score_correction_bias")):
       return jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
+    if any(s in name for s in ("router_scale", "per_expert_scale", "layer_scale")):
+      return jnp.asarray(1.0 + rng.normal(0, 0.3, x.shape), x.dtype)  # Gemma 4's, at one
     return x
   nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(perturb, flat))
   return nnx.merge(graphdef, state)
@@ -127,12 +141,12 @@ EP = [((1, 4, 2, 1), ("fsdp",)), ((2, 4, 1, 1), ("fsdp",)),
 # The default run keeps one mesh of each model (ep 4 beside tensor 2); every mesh is slow.
 @pytest.mark.parametrize("cfg,cases", [
     (CFG, EP[:1]), (SHARED, EP[:1]), (BIASED, EP[:1]), (LLAMA4, EP[:1]),
-    (NEMOTRON3, [((1, 4, 2, 1), None)] + EP[:1]),
+    (NEMOTRON3, [((1, 4, 2, 1), None)] + EP[:1]), (GEMMA4, [((1, 4, 2, 1), None)] + EP[:1]),
     pytest.param(CFG, [((1, 4, 2, 1), None)] + EP[1:], marks=pytest.mark.slow),
     pytest.param(SHARED, EP[1:3], marks=pytest.mark.slow),
     pytest.param(BIASED, EP[1:3], marks=pytest.mark.slow),
 ], ids=["plain", "shared_sigmoid_groups", "biased_scanned", "llama4_interleaved_scanned",
-         "nemotron3_latent_scanned", "plain_every_mesh",
+         "nemotron3_latent_scanned", "gemma4_beside_mlp_scanned", "plain_every_mesh",
         "shared_every_mesh", "biased_every_mesh"])
 def test_expert_parallel_equals_one_device(cfg, cases):
   """Logits, the router loss and the gradients of every parameter: the same on one device,
