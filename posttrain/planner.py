@@ -1593,12 +1593,15 @@ def kv_cache_bytes(model_cfg: models.ModelConfig, *, batch: int, max_len: int,
 
   ring = models.sliding_cache_slots(cfg, max_len, write_tokens)
   sliding, linear = sum(cfg.sliding_layers), _mixer_layers(cfg)
-  if cfg.global_layers_apart:  # Gemma 4: the full layers' caches at their own widths
+  if cfg.global_layers_apart or cfg.kv_shared_layers:
+    # Gemma 4: the full layers' caches at their own widths; the layers sharing another's
+    # keys and values (kv_shared_layers) hold none.
     wide = cfg.global_config()
     full_layer = sum(shard_bytes(shape, dt, NamedSharding(mesh, models.logical_to_spec(
         CACHE_AXES[:len(shape)], rules, mesh, shape)))
                      for shape, dt in _cache_arrays(wide, batch, max_len, dtype.name))
-    return (cfg.num_layers - sliding) * full_layer + sliding * layer(ring)
+    own = cfg.sliding_layers[:cfg.num_layers - cfg.kv_shared_layers]
+    return (len(own) - sum(own)) * full_layer + sum(own) * layer(ring)
   recurrent = 0
   if linear:
     arrays = jax.eval_shape(lambda: init_linear_cache(cfg, batch, dtype))

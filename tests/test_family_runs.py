@@ -2,8 +2,9 @@
 a DeepSeek-V3.2 (sparse attention), a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
 Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
-(queries scaled by position), an OLMoE, an EXAONE 4, a Gemma 4 (full layers of their own
-widths, experts beside the dense MLP), a Seed-OSS and a Phi-3 (LongRoPE,
+(queries scaled by position), an OLMoE, an EXAONE 4, two Gemma 4s (full layers of their
+own widths, experts beside the dense MLP; per-layer embeddings and layers sharing keys and
+values), a Seed-OSS and a Phi-3 (LongRoPE,
 partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
 sampler, checkpoints, and the final checkpoint exported as a folder that transformers loads
 into the same class and computes our logits with."""
@@ -174,6 +175,18 @@ FAMILIES = {
                    rope_local=models.RopeConfig(theta=10_000.0), num_experts=4,
                    num_experts_per_tok=2, ffn_dim=64, shared_expert_dim=96,
                    moe_input_norms=True),
+    # Gemma 4 E2B's layout: per-layer embeddings, the last two layers attending over the
+    # first two's keys and values (through the sampler's cache too), their MLPs twice as
+    # wide; layers as a list.
+    "gemma4_e": dict(architecture="Gemma4ForCausalLM", qk_norm=True, sandwich_norms=True,
+                     embed_scale=True, mlp_activation="gelu_tanh", attention_multiplier=1.0,
+                     final_logit_softcap=30.0, sliding_window=8, num_layers=4,
+                     layer_types=("sliding_attention", "full_attention") * 2,
+                     global_head_dim=48, v_norm=True, layer_scale=True,
+                     rope=models.RopeConfig(theta=1_000_000.0, type="proportional",
+                                            partial_rotary_factor=0.25),
+                     rope_local=models.RopeConfig(theta=10_000.0), per_layer_dim=8,
+                     kv_shared_layers=2, kv_shared_wide_mlp=True, scan_layers=False),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),
@@ -198,7 +211,7 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
     bias = (stack.mlp if cfg.scan_layers else stack[0].mlp).score_correction_bias
     bias.value = jax.random.normal(jax.random.key(1), bias.shape) * 0.3
   if cfg.layer_scale:  # layer scalars (buffers in transformers') no update may move
-    for stack in ("layers", "global_layers"):
+    for stack, _ in models.transformer.layer_stacks(cfg):
       blocks = getattr(base_model, stack)
       for block in ([blocks] if cfg.scan_layers else blocks):
         block.layer_scale.value = jax.random.uniform(

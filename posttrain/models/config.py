@@ -433,6 +433,19 @@ class ModelConfig:
       `per_expert_scale` [E]; the shared expert's output (it reads the MLP's usual input
       norm) and the experts' are normed apart (`shared_out_norm`, `routed_out_norm`)
       before their sum (Gemma 4's MoE layers: a dense MLP beside 128 experts).
+    per_layer_dim / per_layer_vocab: per-layer embeddings (Gemma 4 E2B / E4B's PLE): each
+      token has an embedding of per_layer_dim for every layer (`per_layer_embed`
+      [per_layer_vocab (0: vocab_size), L, P], times sqrt(P)), added to a projection of
+      its scaled embedding (`per_layer_proj` [D, L, P], times 1 / sqrt(D), RMS-normed over
+      P by `per_layer_norm`), the sum times 1 / sqrt(2); after its MLP each layer adds
+      norm(out(gelu(gate(x)) * its per-layer input)) to the residual stream
+      (`per_layer_gate` [D, P], `per_layer_out` [P, D], `per_layer_out_norm`). 0: none.
+    kv_shared_layers: the last this many layers compute no keys or values: each attends
+      over those of the last earlier layer of its kind (sliding or full), in training as
+      in its cache, which it reads and does not hold (Gemma 4 E2B / E4B's
+      num_kv_shared_layers). Their parameters sit in stacks of their own,
+      `shared_layers` and `shared_global_layers`. Needs scan_layers=False.
+    kv_shared_wide_mlp: those layers' MLPs are twice ffn_dim wide (use_double_wide_mlp).
   """
 
   vocab_size: int
@@ -553,6 +566,10 @@ class ModelConfig:
   v_norm: bool = False
   layer_scale: bool = False
   moe_input_norms: bool = False
+  per_layer_dim: int = 0
+  per_layer_vocab: int = 0
+  kv_shared_layers: int = 0
+  kv_shared_wide_mlp: bool = False
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -633,6 +650,7 @@ class ModelConfig:
                        f"{self.num_layers} layers, got {self.rope_layers!r}")
     self._check_llama4_fields()
     self._check_gemma4_fields()
+    self._check_per_layer_fields()
     if self.output_norms and self.sandwich_norms:
       raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
                        "set one")
@@ -1117,6 +1135,54 @@ class ModelConfig:
       raise ValueError("full layers of their own rotate by rope and the sliding ones by "
                        "rope_local: set rope_local")
 
+  def _check_per_layer_fields(self) -> None:
+    for name in ("per_layer_dim", "per_layer_vocab", "kv_shared_layers"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if self.per_layer_vocab and not self.per_layer_dim:
+      raise ValueError("per_layer_vocab needs per-layer embeddings (per_layer_dim > 0)")
+    if self.kv_shared_wide_mlp and self.num_experts:
+      raise ValueError("kv_shared_wide_mlp=True widens dense MLPs; this model's are a "
+                       "mixture of experts")
+    if self.kv_shared_wide_mlp and not self.kv_shared_layers:
+      raise ValueError("kv_shared_wide_mlp=True widens the MLPs of the layers sharing keys "
+                       "and values: set kv_shared_layers > 0")
+    if not (self.per_layer_dim or self.kv_shared_layers):
+      return
+    if self.scan_layers:
+      raise ValueError("per-layer embeddings (per_layer_dim) and layers sharing keys and "
+                       "values (kv_shared_layers) run with scan_layers=False")
+    held = [name for name, on in (
+        ("linear_attention layers", any(self.linear_layers)),
+        ("split layers", self.split_layers), ("kv_lora_rank", self.kv_lora_rank),
+        ("parallel_mixer", self.parallel_mixer), ("dense_layers", self.dense_layers),
+        ("moe_layer_step", self.moe_layer_step != 1),
+        ("attention_chunk_size", self.attention_chunk_size)) if on]
+    if held:
+      raise ValueError(f"per_layer_dim / kv_shared_layers with {', '.join(held)} are not "
+                       "supported")
+    if self.kv_shared_layers >= self.num_layers:
+      raise ValueError(f"kv_shared_layers={self.kv_shared_layers} leaves no layer of "
+                       f"num_layers={self.num_layers} computing keys and values")
+    first = self.num_layers - self.kv_shared_layers
+    kinds = self.sliding_layers
+    missing = sorted({("sliding" if k else "full") for k in kinds[first:]}
+                     - {("sliding" if k else "full") for k in kinds[:first]})
+    if missing:
+      raise ValueError(f"kv_shared_layers={self.kv_shared_layers}: the {missing} layers "
+                       "among them have no earlier layer of their kind to share with")
+
+  def kv_producer(self, i: int) -> int | None:
+    """The layer whose keys and values layer i attends over when it shares them
+    (`kv_shared_layers`): the last earlier layer of its kind that computes its own; None
+    for a layer computing its own."""
+    first = self.num_layers - self.kv_shared_layers
+    if i < first:
+      return None
+    kinds = self.sliding_layers
+    return max(j for j in range(first) if kinds[j] == kinds[i])
+
   @property
   def global_layers_apart(self) -> bool:
     """Whether the full-attention layers differ in shape from the sliding ones
@@ -1384,6 +1450,18 @@ class ModelConfig:
       gh, gkv = self.global_head_dim or hd, self.global_kv_heads or kv
       swapped += (self.num_layers - sum(self.sliding_layers)) * (
           core(gh, gkv, 1 if self.k_eq_v else 2) - core(hd, kv, 2))
+    if self.per_layer_dim:  # Gemma 4's per-layer embeddings, their projection and norms
+      p, layers = self.per_layer_dim, self.num_layers
+      swapped += ((self.per_layer_vocab or self.vocab_size) * layers * p + d * layers * p + p
+                  + layers * (2 * d * p + d))
+    first = self.num_layers - self.kv_shared_layers
+    for i in range(first, self.num_layers):  # no k_proj, v_proj or k_norm; a wider MLP
+      full = self.global_layers_apart and not self.sliding_layers[i]
+      width = (self.global_head_dim or hd) if full else hd
+      heads = (self.global_kv_heads or kv) if full else kv
+      kv_mats = 1 if full and self.k_eq_v else 2
+      swapped -= d * heads * width * kv_mats + width * self.qk_norm
+      swapped += mats * d * f * self.kv_shared_wide_mlp
     return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped
             + emb + d + (d + 1 if self.value_head else 0))
 
@@ -1731,6 +1809,23 @@ PRESETS["gemma4_26b_a4b"] = ModelConfig(
     ffn_dim=704, num_experts=128, num_experts_per_tok=8, shared_expert_dim=2112,
     moe_input_norms=True, layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 5,
     **_GEMMA4)
+
+# Gemma 4 E2B / E4B: per-layer embeddings of 256 (a table of 262,144 x layers x 256 beside
+# the vocabulary's), window 512, the full layers' key/value heads as the sliding layers'
+# with their own values; the last 20 (E2B) / 18 (E4B) layers attend over the keys and
+# values of the last earlier layer of their kind (E2B's with MLPs twice as wide). Their
+# layers run as a list (scan_layers=False). 4.6B / 7.5B parameters (2.3B / 4.6B without
+# the per-layer table; the published counts add the vision and audio towers).
+_GEMMA4_EDGE = {**_GEMMA4, "k_eq_v": False, "sliding_window": 512,
+                "max_position_embeddings": 131_072, "scan_layers": False, "per_layer_dim": 256}
+PRESETS["gemma4_e2b"] = ModelConfig(
+    d_model=1536, num_layers=35, num_heads=8, num_kv_heads=1, ffn_dim=6144,
+    kv_shared_layers=20, kv_shared_wide_mlp=True,
+    layer_types=(("sliding_attention",) * 4 + ("full_attention",)) * 7, **_GEMMA4_EDGE)
+PRESETS["gemma4_e4b"] = ModelConfig(
+    d_model=2560, num_layers=42, num_heads=8, num_kv_heads=2, ffn_dim=10_240,
+    kv_shared_layers=18, layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 7,
+    **_GEMMA4_EDGE)
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:

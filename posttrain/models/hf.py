@@ -1534,11 +1534,6 @@ def _gemma4_global_widths(c: dict[str, Any], kinds: list[str], head_dim: int,
 def _gemma4_from_hf(c: dict[str, Any], arch: str) -> ModelConfig:
   """The ModelConfig of a Gemma 4 (text) config.json."""
   c = {**_GEMMA4_DEFAULTS, **c}
-  for key, what in (("hidden_size_per_layer_input", "per-layer embeddings, Gemma 4 E2B / "
-                     "E4B's"), ("num_kv_shared_layers", "layers reading another's keys "
-                                "and values")):
-    if c.get(key):
-      raise ValueError(f"{key}={c[key]} in a {GEMMA4} config.json ({what}) is not supported")
   if c.get("use_bidirectional_attention") == "all":
     raise ValueError("use_bidirectional_attention='all' in a Gemma 4 config.json is not "
                      "supported (a causal language model attends to earlier tokens only)")
@@ -1574,6 +1569,9 @@ def _gemma4_from_hf(c: dict[str, Any], arch: str) -> ModelConfig:
   pad = c.get("pad_token_id")
   cap = c.get("final_logit_softcapping")
   window = c.get("sliding_window")
+  per_layer = int(c.get("hidden_size_per_layer_input") or 0)
+  per_layer_vocab = int(c.get("vocab_size_per_layer_input") or c["vocab_size"])
+  shared = int(c.get("num_kv_shared_layers") or 0)
   return ModelConfig(
       vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]), num_layers=n,
       num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rope=rope, rope_local=local,
@@ -1582,11 +1580,18 @@ def _gemma4_from_hf(c: dict[str, Any], arch: str) -> ModelConfig:
       sandwich_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
       attention_multiplier=1.0, final_logit_softcap=None if cap is None else float(cap),
       sliding_window=None if window is None else int(window), layer_types=tuple(kinds),
-      global_head_dim=global_dim, global_kv_heads=global_kv,
+      # 0 where the full layers' width is the sliding layers' (as a preset says it)
+      global_head_dim=0 if global_dim == head_dim else global_dim,
+      global_kv_heads=0 if global_kv == kv else global_kv,
       k_eq_v=bool(c.get("attention_k_eq_v")), v_norm=True, layer_scale=True,
       max_position_embeddings=int(c["max_position_embeddings"]), architecture=arch,
       dtype=str(dtype), param_dtype=str(dtype),
-      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None, **moe)
+      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
+      per_layer_dim=per_layer,
+      per_layer_vocab=(per_layer_vocab if per_layer and per_layer_vocab != int(c["vocab_size"])
+                       else 0),
+      kv_shared_layers=shared, kv_shared_wide_mlp=bool(shared and c.get("use_double_wide_mlp")),
+      **moe)
 
 
 def _gemma4_to_hf(cfg: ModelConfig, pad: int | None) -> dict[str, Any]:
@@ -1624,8 +1629,11 @@ def _gemma4_to_hf(cfg: ModelConfig, pad: int | None) -> dict[str, Any]:
                       for s in cfg.sliding_layers],
       "rope_parameters": {"full_attention": rope_entry(cfg.rope),
                           "sliding_attention": rope_entry(cfg.rope_local or cfg.rope)},
-      "final_logit_softcapping": cfg.final_logit_softcap, "hidden_size_per_layer_input": 0,
-      "num_kv_shared_layers": 0, "use_double_wide_mlp": False, "enable_moe_block": moe,
+      "final_logit_softcapping": cfg.final_logit_softcap,
+      "hidden_size_per_layer_input": cfg.per_layer_dim,
+      "vocab_size_per_layer_input": cfg.per_layer_vocab or cfg.vocab_size,
+      "num_kv_shared_layers": cfg.kv_shared_layers,
+      "use_double_wide_mlp": cfg.kv_shared_wide_mlp, "enable_moe_block": moe,
       "num_experts": cfg.num_experts or None, "top_k_experts": cfg.num_experts_per_tok or None,
       "moe_intermediate_size": cfg.ffn_dim if moe else None,
       "pad_token_id": None if pad is None else int(pad)}
@@ -1634,7 +1642,7 @@ def _gemma4_to_hf(cfg: ModelConfig, pad: int | None) -> dict[str, Any]:
 def _check_gemma4(cfg: ModelConfig, lm: str) -> None:
   """Gemma 4's options are written as Gemma4ForCausalLM alone, which always has them."""
   fields = ("global_head_dim", "global_kv_heads", "k_eq_v", "v_norm", "layer_scale",
-            "moe_input_norms")
+            "moe_input_norms", "per_layer_dim", "kv_shared_layers", "kv_shared_wide_mlp")
   if lm != GEMMA4:
     held = [name for name in fields if getattr(cfg, name)]
     held += ["proportional rope"] * any(r is not None and r.type == "proportional"
@@ -1678,21 +1686,38 @@ def _gemma4_rows(cfg: ModelConfig) -> list:
           (("final_norm", "scale"), "model.norm.weight", ident, ident, (d,))]
   if cfg.lm_head and not cfg.tie_embeddings:
     rows.append((("lm_head",), "lm_head.weight", *t, (d, cfg.vocab_size)))
+  big_p, layers = cfg.per_layer_dim, cfg.num_layers
+  if big_p:  # per-layer embeddings: HF [V', L * P] and [L * P, D] <-> ours [V', L, P], [D, L, P]
+    vp = cfg.per_layer_vocab or cfg.vocab_size
+    rows += [(("per_layer_embed",), "model.embed_tokens_per_layer.weight",
+              lambda x: x.reshape(vp, layers, big_p), lambda x: x.reshape(vp, layers * big_p),
+              (vp, layers, big_p)),
+             (("per_layer_proj",), "model.per_layer_model_projection.weight",
+              lambda x: x.T.reshape(d, layers, big_p),
+              lambda x: x.reshape(d, layers * big_p).T, (d, layers, big_p)),
+             (("per_layer_norm", "scale"), "model.per_layer_projection_norm.weight", ident,
+              ident, (big_p,))]
   norms = (("input_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
            ("post_attn_norm", "pre_feedforward_layernorm"),
            ("mlp_out_norm", "post_feedforward_layernorm"))
   for i in range(cfg.num_layers):
     p, hf = layer_path(cfg, i), f"model.layers.{i}."
-    layer = cfg.global_config() if p[0] == "global_layers" else cfg
+    layer = cfg.global_config() if p[0] in ("global_layers", "shared_global_layers") else cfg
     h, k = layer.head_dim, layer.num_kv_heads
+    shared = p[0] in ("shared_layers", "shared_global_layers")  # no keys or values of its own
 
     def proj_in(heads, h=h):  # HF [heads * h, d] <-> ours [d, heads, h]
       return (lambda x: x.T.reshape(d, heads, h), lambda x: x.reshape(d, heads * h).T)
     rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
              for ours, name in norms]
     rows.append((p + ("layer_scale",), hf + "layer_scalar", ident, ident, (1,)))
-    attn = [("q_proj", n), ("k_proj", k)]
-    if not (p[0] == "global_layers" and cfg.k_eq_v):
+    if big_p:
+      rows += [(p + ("per_layer_gate",), hf + "per_layer_input_gate.weight", *t, (d, big_p)),
+               (p + ("per_layer_out",), hf + "per_layer_projection.weight", *t, (big_p, d)),
+               (p + ("per_layer_out_norm", "scale"), hf + "post_per_layer_input_norm.weight",
+                ident, ident, (d,))]
+    attn = [("q_proj", n)] + ([] if shared else [("k_proj", k)])
+    if not (p[0] == "global_layers" and cfg.k_eq_v) and not shared:
       attn.append(("v_proj", k))
     rows += [(p + ("attn", name), hf + f"self_attn.{name}.weight", *proj_in(heads),
               (d, heads, h)) for name, heads in attn]
@@ -1700,9 +1725,9 @@ def _gemma4_rows(cfg: ModelConfig) -> list:
                  lambda x, h=h: x.reshape(d, n, h).transpose(1, 2, 0),
                  lambda x, h=h: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
     rows += [(p + ("attn", name, "scale"), hf + f"self_attn.{name}.weight", ident, ident,
-              (h,)) for name in ("q_norm", "k_norm")]
+              (h,)) for name in (("q_norm",) if shared else ("q_norm", "k_norm"))]
     mlp = p + (("mlp", "shared") if e else ("mlp",))
-    width = cfg.shared_expert_dim if e else f
+    width = cfg.shared_expert_dim if e else f * (2 if shared and cfg.kv_shared_wide_mlp else 1)
     rows += [(mlp + (name,), hf + f"mlp.{name}.weight", *t, shape)
              for name, shape in (("gate_proj", (d, width)), ("up_proj", (d, width)),
                                  ("down_proj", (width, d)))]
@@ -3875,7 +3900,7 @@ def _lookup(tree, key: tuple):
 
 
 _STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers",
-           "global_layers")
+           "global_layers", "shared_layers", "shared_global_layers")
 
 
 def _stacked_key(key: tuple) -> tuple:

@@ -203,6 +203,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
     return [init_linear_cache(cfg, batch, dtype) if lin else
             init_layer_cache(cfg, batch, max_len, dtype) if full else None
             for lin, full in zip(linear, cfg.attention_layers)]
+  if cfg.kv_shared_layers:  # a layer sharing keys and values holds no cache
+    wide = cfg.global_config()
+    first = cfg.num_layers - cfg.kv_shared_layers
+    return [None if i >= first else init_layer_cache(cfg, batch, ring, dtype) if sliding
+            else init_layer_cache(wide, batch, max_len, dtype)
+            for i, sliding in enumerate(kinds)]
   if cfg.global_layers_apart:  # the full layers' caches at their own widths
     wide = cfg.global_config()
     if cfg.scan_layers:
@@ -496,12 +502,17 @@ def _linear_part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 _DENSE_STACKS = ("dense_layers", "mlp_layers")
 
 
+# The stacks of layers attending over another layer's keys and values (kv_shared_layers).
+_SHARED_STACKS = ("shared_layers", "shared_global_layers")
+
+
 def _mlp_width(cfg: ModelConfig, stack: str) -> int:
-  """The width of the dense MLP an MLP target wraps in a layer of `stack`: ffn_dim; a
-  mixture's leading dense layers' (or MLPs alone, split_layers) dense_ffn_dim, its
-  mixture layers' shared expert's."""
+  """The width of the dense MLP an MLP target wraps in a layer of `stack`: ffn_dim (twice
+  that in a layer sharing keys and values with kv_shared_wide_mlp); a mixture's leading
+  dense layers' (or MLPs alone, split_layers) dense_ffn_dim, its mixture layers' shared
+  expert's."""
   if not cfg.num_experts:
-    return cfg.ffn_dim
+    return cfg.ffn_dim * (2 if stack in _SHARED_STACKS and cfg.kv_shared_wide_mlp else 1)
   return cfg.dense_ffn_dim if stack in _DENSE_STACKS else cfg.shared_expert_dim
 
 
@@ -522,7 +533,7 @@ def _lora_axes(cfg: ModelConfig, target: str, stack: str = "layers"):
   layer of `stack`. A routed-expert target's input leads with the experts [E, in]: its
   A is [E, r, in] (the rank off the minor axis, which TPU pads to 128 lanes; PEFT's own
   order), its B [E, r, out...] (`_lora_experts`)."""
-  if stack == "global_layers":  # full layers at their own widths
+  if stack in ("global_layers", "shared_global_layers"):  # full layers at their own widths
     cfg = cfg.global_config()
   d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # The experts' width: the model's, or the latent they run in (moe_latent_dim).
@@ -588,8 +599,21 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
   (`layers`), interleaved in the model as layer_types says; with cfg.split_layers the
   MLPs alone too (`mlp_layers`) and the mixtures alone (`moe_layers`); with
   cfg.global_layers_apart the sliding layers (`layers`) and the full ones
-  (`global_layers`)."""
+  (`global_layers`); with cfg.kv_shared_layers the layers sharing keys and values in
+  `shared_layers` (and `shared_global_layers`)."""
   linear = cfg.linear_layers
+  if cfg.kv_shared_layers:  # Gemma 4 E2B / E4B: the layers sharing keys and values apart
+    first = cfg.num_layers - cfg.kv_shared_layers
+    sliding = cfg.sliding_layers
+    apart = cfg.global_layers_apart
+    groups = (("layers", lambda i: not apart or sliding[i], False),
+              ("global_layers", lambda i: apart and not sliding[i], False),
+              ("shared_layers", lambda i: not apart or sliding[i], True),
+              ("shared_global_layers", lambda i: apart and not sliding[i], True))
+    out = tuple((name, tuple(i for i in range(cfg.num_layers)
+                             if (i >= first) == shared and keep(i)))
+                for name, keep, shared in groups)
+    return tuple((name, indices) for name, indices in out if indices)
   if cfg.global_layers_apart:  # Gemma 4: the full layers at their own widths
     sliding = cfg.sliding_layers
     return (("layers", tuple(i for i, s in enumerate(sliding) if s)),
@@ -639,6 +663,8 @@ def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
     other += LORA_TARGETS[4:]
   if stack == "global_layers" and cfg.k_eq_v:  # values from the keys' projection
     other += ("v_proj",)
+  if stack in _SHARED_STACKS:  # keys and values another layer's
+    other += ("k_proj", "v_proj")
   if stack in _DENSE_STACKS or (cfg.split_layers and stack != "moe_layers"):
     other += EXPERT_LORA_TARGETS  # a layer without a mixture routes to no experts
   return tuple(t for t in cfg.lora_target_names if t not in other)
@@ -850,19 +876,24 @@ class Attention(nnx.Module):
   OLMo 2 over all heads); or with cfg.kv_lora_rank multi-head latent attention
   (DeepSeek-V3: `_latent_qkv`)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, global_layer: bool = False):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, global_layer: bool = False,
+               kv_shared: bool = False):
     """`global_layer`: a full-attention layer of its own (cfg.global_layers_apart; `cfg`
-    its `global_config()`), without a v_proj under cfg.k_eq_v."""
+    its `global_config()`), without a v_proj under cfg.k_eq_v. `kv_shared`: a layer
+    attending over another's keys and values (cfg.kv_shared_layers), with no k_proj,
+    v_proj or k_norm."""
     self.cfg = cfg
     self.values_from_keys = bool(global_layer and cfg.k_eq_v)
+    self.kv_shared = bool(kv_shared)
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.kv_lora_rank:
       self._init_latent(cfg, rngs)
     else:
       self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd, std=std)
-      self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
-      if not self.values_from_keys:
+      if not kv_shared:
+        self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd, std=std)
+      if not (self.values_from_keys or kv_shared):
         self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd,
                              std=std)
     v = cfg.v_head_dim or h
@@ -876,7 +907,8 @@ class Attention(nnx.Module):
       self.k_norm = _norm(cfg, (k, h), names=("kv_heads", "head_dim"))
     elif cfg.qk_norm:
       self.q_norm = _norm(cfg, h, names=("head_dim",))
-      self.k_norm = _norm(cfg, h, names=("head_dim",))
+      if not kv_shared:
+        self.k_norm = _norm(cfg, h, names=("head_dim",))
     if cfg.attn_out_bias:
       self.o_bias = _param(None, (d,), ("embed",), pd, init="zeros")
     if cfg.attention_sinks:
@@ -1025,16 +1057,21 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD, cos, sin, segment_ids_BxT, cache: KVCache | None,
                positions_BxT, ctx: ShardingContext, prefill: bool = False, layer=None,
-               sliding=False, nope=False):
+               sliding=False, nope=False, shared=None, keep_kv: bool = False):
     """With `layer` (an int32 scalar), `cache` stacks every layer's arrays ([L, ...]):
     this layer's keys and values are written in place at that index, and the whole
     stacked cache is returned. `sliding`: a sliding-window layer, a Python bool or (a scan
     over layers of both kinds) a traced one, which picks the attention at run time.
     `nope`: a NoPE layer (cfg.rope_layers), a Python bool or a traced one; Llama 4's
-    options (`_llama4`) read it."""
+    options (`_llama4`) read it. A layer sharing another's keys and values
+    (`kv_shared`) takes them as `shared`, (k, v, that layer's cache or None), and holds
+    no cache; with `keep_kv` the result ends with this layer's (k, v)."""
     cfg, dt = self.cfg, _dtype(self.cfg.dtype)
     x = x_BxTxD.astype(dt)
     index = None
+    if self.kv_shared:
+      return self._shared_attention(x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
+                                    prefill, sliding, shared)
     if cfg.kv_lora_rank:
       q, k, v, latent, index = self._latent_qkv(x, cos, sin)
       q, k = self._llama4(q, k, positions_BxT, nope)  # Mistral 4's query scaling
@@ -1097,7 +1134,14 @@ class Attention(nnx.Module):
                               layer, bool(sliding), q.shape[1])
       out = self._read(q, k, v, ids(bool(sliding)), new_cache, positions_BxT, ctx, prefill,
                        layer, bool(sliding), local(bool(sliding)))
-    out = ctx.constrain(out, ("batch", "length", "heads", "head_dim")).astype(dt)
+    out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
+    y = self._out(out, x)
+    return (y, new_cache, (k, v)) if keep_kv else (y, new_cache)
+
+  def _out(self, out, x):
+    """o_proj of the attention's output [B, T, N, H] (`x` the layer's normed input)."""
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    out = out.astype(dt)
     if cfg.v_head_dim and cfg.v_head_dim < cfg.head_dim:  # MLA's padded values cut back
       out = out[..., :cfg.v_head_dim]
     if cfg.attn_output_gate:  # Qwen3-Next / Qwen3.5: out * sigmoid(x W_gate), per feature
@@ -1107,7 +1151,30 @@ class Attention(nnx.Module):
     y = _add_lora(self, "o_proj", y, out, "BTNH,NHR->BTR", "BTR,RD->BTD")
     if cfg.attn_out_bias:
       y = y + self.o_bias[...].astype(dt)[None, None]
-    return y, new_cache
+    return y
+
+  def _shared_attention(self, x, cos, sin, segment_ids_BxT, positions_BxT, ctx, prefill,
+                        sliding, shared):
+    """(y, None): this layer's queries over the keys and values of the layer it shares
+    them with: those it computed (training, a prefill) or its cache (decoding)."""
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    if shared is None:
+      raise ValueError("a layer sharing another's keys and values needs them (shared=)")
+    k, v, cache = shared
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
+    q = _add_lora(self, "q_proj", q, x, "BTD,DR->BTR", "BTR,RNH->BTNH")
+    if cfg.qk_norm:
+      q = self.q_norm(q)
+    q = ctx.constrain(rope_lib.apply_rope(q, cos, sin), ("batch", "length", "heads",
+                                                          "head_dim"))
+    window = bool(sliding)
+    if cache is None or prefill:
+      out = attend(cfg, q, k, v, segment_ids_BxT, ctx, sliding=window, sinks=self._sinks())
+    else:
+      out = self._read(q, None, None, segment_ids_BxT, cache, positions_BxT, ctx, False,
+                       None, window)
+    out = ctx.constrain(out, ("batch", "length", "heads", "head_dim"))
+    return self._out(out, x), None
 
 
   def _llama4(self, q, k, positions_BxT, nope):
@@ -2273,10 +2340,16 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
                linear: bool = False, mlp_only: bool = False, moe_only: bool = False,
-               global_layer: bool = False):
+               global_layer: bool = False, kv_shared: bool = False):
     self.residual_multiplier = float(cfg.residual_multiplier)
+    pd = _dtype(cfg.param_dtype)
     if cfg.layer_scale:  # Gemma 4's layer_scalar
-      self.layer_scale = _param(None, (1,), (None,), _dtype(cfg.param_dtype), init="ones")
+      self.layer_scale = _param(None, (1,), (None,), pd, init="ones")
+    if cfg.per_layer_dim:  # Gemma 4 E2B / E4B: the layer's per-layer input
+      d, p = cfg.d_model, cfg.per_layer_dim
+      self.per_layer_gate = _param(rngs, (d, p), ("embed", None), pd, std=cfg.init_std)
+      self.per_layer_out = _param(rngs, (p, d), (None, "embed"), pd, std=cfg.init_std)
+      self.per_layer_out_norm = _norm(cfg, d)
     if not cfg.output_norms:
       self.input_norm = _norm(cfg, cfg.d_model)
     if mlp_only:
@@ -2290,7 +2363,8 @@ class Block(nnx.Module):
                                                               LinearAttention)
       self.linear_attn = mixer(cfg, rngs)
     else:
-      self.attn = Attention(cfg.global_config() if global_layer else cfg, rngs, global_layer)
+      self.attn = Attention(cfg.global_config() if global_layer else cfg, rngs, global_layer,
+                            kv_shared)
     if cfg.parallel_mixer:  # Falcon-H1: Mamba2 beside the attention
       self.linear_attn = Mamba2(cfg, rngs)
     if cfg.split_layers:  # the mixer alone
@@ -2299,6 +2373,8 @@ class Block(nnx.Module):
       self.post_attn_norm = _norm(cfg, cfg.d_model)
     if dense:
       self.mlp = MLP(cfg, rngs, cfg.dense_ffn_dim)
+    elif kv_shared and cfg.kv_shared_wide_mlp:  # Gemma 4's double-wide MLP
+      self.mlp = MLP(cfg, rngs, 2 * cfg.ffn_dim)
     else:
       self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
     if cfg.sandwich_norms or cfg.output_norms:
@@ -2307,24 +2383,31 @@ class Block(nnx.Module):
 
   def __call__(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill=False,
                layer=None, router_stats: bool = False, sliding=False, nope=False,
-               experts=None, record_experts: bool = False):
+               experts=None, record_experts: bool = False, per_layer=None, shared_kv=None,
+               keep_kv: bool = False):
     """(x, cache); with `router_stats` (a mixture's layer) (x, cache, RouterStats).
 
     A mixture's layer replays `experts` [B, T, k] when given (`MoE`); with
     `record_experts` it returns (x, cache, the RouterStats or None, the experts each
     token took [B, T, k]). A decode step's (one new token a row, against a cache) reads
-    a quantized base gathered as codes (`quant.gathering`)."""
+    a quantized base gathered as codes (`quant.gathering`).
+
+    `per_layer` [B, T, P]: the layer's per-layer input (cfg.per_layer_dim). `shared_kv`:
+    (k, v, cache) of the layer whose keys and values a layer sharing them attends over
+    (cfg.kv_shared_layers). With `keep_kv` the result ends with this layer's (k, v), as
+    its cache takes them (a layer others share)."""
     args = (x, cos, sin, segment_ids, cache, positions, ctx, prefill, layer, router_stats,
-            sliding, nope, experts, record_experts)
+            sliding, nope, experts, record_experts, per_layer, shared_kv, keep_kv)
     decoding = cache is not None and not prefill and x.shape[1] == 1
     with quant.gathering(ctx if decoding else None):
       return self._call(*args)
 
   def _call(self, x, cos, sin, segment_ids, cache, positions, ctx, prefill, layer,
-            router_stats, sliding, nope, experts, record_experts):
+            router_stats, sliding, nope, experts, record_experts, per_layer, shared_kv,
+            keep_kv):
     pre = hasattr(self, "input_norm")
     post = hasattr(self, "attn_out_norm")
-    new_cache, stats, chosen = cache, None, None
+    new_cache, stats, chosen, kv = cache, None, None, None
     moe = isinstance(getattr(self, "mlp", None), MoE)
     if (experts is not None or record_experts) and not moe:
       raise ValueError("replayed or recorded experts need a mixture-of-experts layer")
@@ -2333,8 +2416,10 @@ class Block(nnx.Module):
       if hasattr(self, "layer_scale"):  # no gradient reaches it (a buffer in HF's)
         x = x * jax.lax.stop_gradient(self.layer_scale[...][0]).astype(x.dtype)
       if record_experts:
-        return x, new_cache, stats, chosen
-      return (x, new_cache, stats) if router_stats else (x, new_cache)
+        out = (x, new_cache, stats, chosen)
+      else:
+        out = (x, new_cache, stats) if router_stats else (x, new_cache)
+      return out + (kv,) if keep_kv else out
 
     def mlp(inputs, residual=None):
       if not moe:
@@ -2352,8 +2437,10 @@ class Block(nnx.Module):
       h, new_cache = self.linear_attn(self.input_norm(x) if pre else x, segment_ids, cache,
                                       ctx, prefill, layer)
     elif hasattr(self, "attn"):
-      h, new_cache = self.attn(self.input_norm(x) if pre else x, cos, sin, segment_ids,
-                               cache, positions, ctx, prefill, layer, sliding, nope)
+      h, new_cache, *kept = self.attn(
+          self.input_norm(x) if pre else x, cos, sin, segment_ids, cache, positions, ctx,
+          prefill, layer, sliding, nope, shared=shared_kv, keep_kv=keep_kv)
+      kv = kept[0] if kept else None
     else:  # an MLP or a mixture alone (split_layers): its input norm is the block's one
       h = mlp(self.input_norm(x))
       if moe:
@@ -2365,8 +2452,15 @@ class Block(nnx.Module):
     h = mlp(self.post_attn_norm(x) if pre else x, x)
     if moe:
       h, stats, chosen = h
-    return done(ctx.constrain(x + self._residual(self.mlp_out_norm(h) if post else h),
-                              ("batch", "length", "embed")))
+    x = ctx.constrain(x + self._residual(self.mlp_out_norm(h) if post else h),
+                      ("batch", "length", "embed"))
+    if per_layer is not None:  # Gemma 4's per-layer input, gated by the stream
+      dt = x.dtype
+      g = jnp.einsum("BTD,DP->BTP", x, self.per_layer_gate[...].astype(dt))
+      g = gated_activation(self.attn.cfg)(g, per_layer.astype(dt))
+      h = jnp.einsum("BTP,PD->BTD", g, self.per_layer_out[...].astype(dt))
+      x = ctx.constrain(x + self.per_layer_out_norm(h), ("batch", "length", "embed"))
+    return done(x)
 
   def _parallel(self, xn, cos, sin, segment_ids, cache, positions, ctx, prefill, layer,
                 sliding, nope):
@@ -2442,10 +2536,18 @@ class Transformer(nnx.Module):
     for stack, indices in layer_stacks(cfg):
       kind = dict(dense=stack == "dense_layers", linear=stack == "linear_layers",
                   mlp_only=stack == "mlp_layers", moe_only=stack == "moe_layers",
-                  global_layer=stack == "global_layers")
+                  global_layer=stack in ("global_layers", "shared_global_layers"),
+                  kv_shared=stack in _SHARED_STACKS)
       setattr(self, stack, _stacked_blocks(cfg, rngs, len(indices), **kind)
               if cfg.scan_layers else
               nnx.List([Block(cfg, rngs, **kind) for _ in indices]))
+    if cfg.per_layer_dim:  # Gemma 4 E2B / E4B's per-layer embeddings
+      p, n = cfg.per_layer_dim, cfg.num_layers
+      self.per_layer_embed = _param(rngs, (cfg.per_layer_vocab or cfg.vocab_size, n, p),
+                                    ("vocab", None, None), pd, std=cfg.init_std)
+      self.per_layer_proj = _param(rngs, (cfg.d_model, n, p), ("embed", None, None), pd,
+                                   std=cfg.init_std)
+      self.per_layer_norm = _norm(cfg, p)
     self.final_norm = _norm(cfg, cfg.d_model)
     if cfg.lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
@@ -2567,6 +2669,10 @@ class Transformer(nnx.Module):
                        for i, block in zip(indices, getattr(self, stack))),
                       key=lambda pair: pair[0])
       m = 0  # mixture layers so far
+      per_layer = (self._per_layer_inputs(tokens_BxT, x, ctx) if cfg.per_layer_dim
+                   else None)
+      producers = {cfg.kv_producer(i) for i in range(cfg.num_layers)} - {None}
+      kept = {}  # a producer's (k, v, cache) for the layers sharing them
       for i, block in placed:
         layer_cache = None if cache is None else cache[i]
         sliding = cfg.sliding_layers[i]
@@ -2578,14 +2684,18 @@ class Transformer(nnx.Module):
         nope = cfg.nope_layers[i]
         if nope:  # cos 1, sin 0: q and k pass unrotated
           cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
+        extra = dict(per_layer=None if per_layer is None else per_layer[:, :, i],
+                     shared_kv=kept.get(cfg.kv_producer(i)), keep_kv=i in producers)
         if cfg.remat != "none" and cache is None:
           out = _remat_block(block, x, cos, sin, segment_ids_BxT, positions_BxT, ctx,
-                             cfg.remat, routed, sliding, nope, given, rec)
+                             cfg.remat, routed, sliding, nope, given, rec, **extra)
         else:
           out = block(x, cos, sin, segment_ids_BxT, layer_cache, positions_BxT, ctx,
                       prefill, router_stats=routed, sliding=sliding, nope=nope,
-                      experts=given, record_experts=rec)
+                      experts=given, record_experts=rec, **extra)
         x, c = out[:2]
+        if i in producers:
+          kept[i] = (*out[-1], c)
         if routed:
           stats = out[2] if stats is None else jax.tree.map(jnp.add, stats, out[2])
         if rec:
@@ -2602,6 +2712,21 @@ class Transformer(nnx.Module):
       out += (jnp.moveaxis(chosen if isinstance(chosen, jax.Array) else jnp.stack(chosen),
                            0, 2),)
     return out[0] if len(out) == 1 else out
+
+  def _per_layer_inputs(self, tokens_BxT, x_BxTxD, ctx: ShardingContext):
+    """Each token's per-layer inputs [B, T, L, P] (cfg.per_layer_dim, Gemma 4's PLE): its
+    per-layer embedding (times sqrt(P)) plus the normed projection of its scaled
+    embedding `x_BxTxD` (times 1 / sqrt(D)), times 1 / sqrt(2)."""
+    cfg = self.cfg
+    dt = x_BxTxD.dtype
+    table = self.per_layer_embed[...]
+    ids = jnp.clip(tokens_BxT, 0, table.shape[0] - 1)
+    own = jnp.take(table, ids, axis=0)  # [B, T, L, P]
+    own = own * jnp.asarray(float(np.sqrt(cfg.per_layer_dim)), own.dtype)
+    proj = jnp.einsum("BTD,DLP->BTLP", x_BxTxD, self.per_layer_proj[...].astype(dt))
+    proj = self.per_layer_norm(proj * jnp.asarray(cfg.d_model ** -0.5, dt))
+    out = (proj + own.astype(dt)) * jnp.asarray(2.0 ** -0.5, dt)
+    return ctx.constrain(out, ("batch", "length", None, None))
 
   def _require_lm_head(self) -> None:
     if not self.cfg.lm_head:
@@ -2676,26 +2801,28 @@ class Transformer(nnx.Module):
 
 def _remat_block(block, x, cos, sin, segment_ids, positions, ctx, policy_name,
                  router_stats: bool = False, sliding: bool = False, nope: bool = False,
-                 experts=None, record_experts: bool = False):
+                 experts=None, record_experts: bool = False, per_layer=None, shared_kv=None,
+                 keep_kv: bool = False):
   # The block is split into a pure pytree and merged inside the checkpointed function,
   # so it also works when the caller merged the model outside an enclosing trace (a
   # lax.scan over micro-batches): nnx.remat would refuse to touch such variables.
   graphdef, state = nnx.split(block)
 
-  def run(state, x, cos, sin, segment_ids, positions, experts):
+  def run(state, x, cos, sin, segment_ids, positions, experts, per_layer, shared_kv):
     return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, None, positions, ctx,
                                       router_stats=router_stats, sliding=sliding,
                                       nope=nope, experts=experts,
-                                      record_experts=record_experts)
+                                      record_experts=record_experts, per_layer=per_layer,
+                                      shared_kv=shared_kv, keep_kv=keep_kv)
 
   fn = jax.checkpoint(run, policy=_REMAT_POLICIES[policy_name], prevent_cse=True)
-  return fn(state, x, cos, sin, segment_ids, positions, experts)
+  return fn(state, x, cos, sin, segment_ids, positions, experts, per_layer, shared_kv)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
                     dense: bool = False, linear: bool = False, mlp_only: bool = False,
-                    moe_only: bool = False, global_layer: bool = False
-                    ) -> Block:
+                    moe_only: bool = False, global_layer: bool = False,
+                    kv_shared: bool = False) -> Block:
   """One Block whose parameters stack `count` layers' (default all) on a leading "layers"
   axis (`dense`: a mixture's leading dense layers).
 
@@ -2704,10 +2831,11 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
   rules)."""
   keys = jax.random.split(rngs.params(), cfg.num_layers if count is None else count)
   graphdef = nnx.graphdef(nnx.eval_shape(
-      lambda: Block(cfg, nnx.Rngs(0), dense, linear, mlp_only, moe_only, global_layer)))
+      lambda: Block(cfg, nnx.Rngs(0), dense, linear, mlp_only, moe_only, global_layer,
+                    kv_shared)))
   state = jax.vmap(lambda key: nnx.state(
       Block(cfg, nnx.Rngs(params=key), dense, linear, mlp_only, moe_only,
-            global_layer)))(keys)
+            global_layer, kv_shared)))(keys)
 
   def name_axis(v):
     return v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"]))

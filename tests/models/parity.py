@@ -126,18 +126,20 @@ def randomize_correction_biases(model, seed: int = 0, scale: float = 0.3):
 
 
 def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
-                          target_parameters=None, peft_targets=None):
+                          target_parameters=None, peft_targets=None, scan: bool = True,
+                          atol: float = 1e-4):
   """PEFT adapter files both ways for the HF folder `folder` (`hf` its model, `fresh_hf()`
   a new copy of it): ours (rank 3, B random) load in PEFT with our logits, and an adapter
   PEFT made (rank 2, B random) loads in ours with PEFT's logits. `targets`: our
   lora_targets, and the target_modules names unless `peft_targets` gives those (a family
   whose modules are named otherwise: LFM2's); `target_parameters`: PEFT's names of the
   routed experts, adapted too. Returns (our adapter's folder, the model read from
-  PEFT's)."""
+  PEFT's). `scan`: ours with its layers scanned (else as a list); `atol`: of the logits
+  both ways."""
   import peft
   import torch
   experts = "".join(f",experts_{p.rsplit('.', 1)[-1]}" for p in target_parameters or ())
-  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, scan_layers=True,
+  ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, scan_layers=scan,
                                 lora_targets=",".join(targets) + experts)
   rng = np.random.default_rng(1)
   for path, v in nnx.iter_graph(ours):
@@ -148,7 +150,7 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   want = np.asarray(logits(ours, tokens))
   assert np.abs(hf_logits(hf, tokens) - want).max() > 1e-2  # the adapters matter
   loaded = peft.PeftModel.from_pretrained(fresh_hf(), str(tmp_path / "ours")).eval()
-  np.testing.assert_allclose(hf_logits(loaded, tokens), want, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(hf_logits(loaded, tokens), want, atol=atol, rtol=0)
   config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=list(peft_targets or targets),
                            target_parameters=target_parameters, lora_dropout=0.0,
                            task_type="CAUSAL_LM")
@@ -161,7 +163,7 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   made.eval().save_pretrained(str(tmp_path / "peft"))
   back = models.from_pretrained(folder, adapter=str(tmp_path / "peft"))
   np.testing.assert_allclose(np.asarray(logits(back, tokens)), hf_logits(made, tokens),
-                             atol=1e-4, rtol=0)
+                             atol=atol, rtol=0)
   return tmp_path / "ours", back
 
 

@@ -2,9 +2,10 @@
 `transformers`: sliding layers beside full layers of their own widths (global_head_dim,
 num_global_key_value_heads) in a stack of their own, values from the keys' projection
 (attention_k_eq_v), value norms, layer scalars, proportional RoPE on the full layers, and
-the 26B-A4B's experts beside each layer's dense MLP. Logits (layer list and scanned),
-greedy generation through the cache, a data x tensor mesh, export both ways, PEFT adapters
-and the refusals."""
+the 26B-A4B's experts beside each layer's dense MLP; the E2B / E4B's per-layer embeddings
+and layers attending over an earlier layer's keys and values. Logits (layer list and
+scanned), greedy generation through the cache, a data x tensor mesh, export both ways,
+PEFT adapters and the refusals."""
 
 import dataclasses
 import json
@@ -37,7 +38,19 @@ VARIANTS = {
     # the 26B-A4B's: 6 experts beside each layer's dense MLP, 2 a token
     "moe": dict(attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
                 num_experts=6, top_k_experts=2, moe_intermediate_size=24),
+    # the E2B / E4B's: per-layer embeddings of 8 (a table past the vocabulary), the last
+    # two layers (one of each kind) reading layers 3's and 2's keys and values, their MLPs
+    # twice as wide
+    "ple": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+                num_kv_shared_layers=2, use_double_wide_mlp=True),
+    # three layers sharing, the full layers' values from their keys
+    "ple_k_eq_v": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=97,
+                       num_kv_shared_layers=3, attention_k_eq_v=True,
+                       num_global_key_value_heads=1),
 }
+# The E2B / E4B's layers run as a list (scan_layers=False).
+LISTED = ("ple", "ple_k_eq_v")
+RUNS = [(v, scan) for v in VARIANTS for scan in (False, True) if not (scan and v in LISTED)]
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
 
@@ -89,9 +102,10 @@ def test_config_reads_the_full_layers_widths(saved):
   published.update(global_head_dim=16, num_global_key_value_heads=1)
   assert models.hf_config_to_model_config(published) == cfg
   # Without attention_k_eq_v the published form gives the full layers the sliding
-  # layers' key/value heads, as transformers does.
+  # layers' key/value heads, as transformers does (0: the same).
   plain = models.hf_config_to_model_config({**published, "attention_k_eq_v": False})
-  assert (plain.global_kv_heads, plain.k_eq_v) == (2, False)
+  assert (plain.global_head_dim, plain.global_kv_heads, plain.k_eq_v) == (16, 0, False)
+  assert plain.global_config().num_kv_heads == 2
 
 
 def test_the_parameters_are_counted(saved):
@@ -102,10 +116,29 @@ def test_the_parameters_are_counted(saved):
     assert n == sum(p.numel() for p in saved[variant][1].parameters()) + 6, variant
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant,scan", RUNS,
+                         ids=[f"{v}-{'scanned' if s else 'layers'}" for v, s in RUNS])
 def test_logits_match_transformers(saved, variant, scan):
   check_logits(*saved[variant], TOKENS, scan)
+
+
+def test_the_layers_sharing_keys_and_values(saved):
+  """Layers 4 (sliding) and 5 (full) attend over layers 3's and 2's keys and values: no
+  projections of their own, no cache; with their own keys (each its producer's weights)
+  the logits move."""
+  folder, hf = saved["ple"]
+  model = models.from_pretrained(folder)
+  cfg = model.cfg
+  assert (cfg.per_layer_dim, cfg.per_layer_vocab, cfg.kv_shared_layers,
+          cfg.kv_shared_wide_mlp) == (8, 128, 2, True)
+  assert [cfg.kv_producer(i) for i in range(6)] == [None] * 4 + [3, 2]
+  assert dict(T.layer_stacks(cfg)) == {"layers": (0, 1, 3), "global_layers": (2,),
+                                       "shared_layers": (4,), "shared_global_layers": (5,)}
+  assert not hasattr(model.shared_layers[0].attn, "k_proj")
+  assert model.shared_layers[0].mlp.up_proj.shape == (48, 160)  # twice 80
+  assert [c is None for c in T.init_cache(cfg, 2, 48)] == [False] * 4 + [True] * 2
+  with pytest.raises(ValueError, match="run with scan_layers=False"):
+    models.from_pretrained(folder, scan_layers=True)
 
 
 def test_each_of_gemma4s_pieces_moves_the_logits(saved):
@@ -128,8 +161,12 @@ def test_each_of_gemma4s_pieces_moves_the_logits(saved):
   assert np.abs(np.asarray(unscaled(TOKENS)) - want).max() > 1e-2
 
 
-@pytest.mark.parametrize("variant", ["k_eq_v", "moe"])
-@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+GENERATED = [("k_eq_v", False), ("k_eq_v", True), ("moe", False), ("moe", True),
+             ("ple", False), ("ple_k_eq_v", False)]
+
+
+@pytest.mark.parametrize("variant,scan", GENERATED,
+                         ids=[f"{v}-{'scanned' if s else 'layers'}" for v, s in GENERATED])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 10, scan)):
     assert got == want, (variant, i)
@@ -155,7 +192,7 @@ def test_export_round_trip_is_exact(saved, variant, tmp_path):
                                     tmp_path / "out")
   assert written["model_type"] == "gemma4_text"
   assert written["per_layer_config"]["2"] == {"head_dim": 16, "num_key_value_heads": (
-      2 if variant == "dense" else 1)}
+      1 if "k_eq_v" in variant or variant == "moe" else 2)}
 
 
 def test_the_vision_language_folder_reads_its_language_model(tmp_path):
@@ -177,15 +214,20 @@ def test_the_vision_language_folder_reads_its_language_model(tmp_path):
                              atol=1e-4, rtol=0)
 
 
-def test_peft_adapters_both_ways(saved, tmp_path):
-  """The full layers have no v_proj (values from the keys): PEFT adapts v_proj in the
-  sliding layers alone, and so do ours."""
-  folder, hf = saved["k_eq_v"]
+@pytest.mark.parametrize("variant", ["k_eq_v", "ple_k_eq_v"])
+def test_peft_adapters_both_ways(saved, tmp_path, variant):
+  """The full layers have no v_proj (values from the keys), the layers sharing keys and
+  values neither k_proj nor v_proj: PEFT adapts them where they are, and so do ours."""
+  folder, hf = saved[variant]
   _, back = check_peft_round_trip(
-      folder, hf, lambda: _hf_model("k_eq_v"), TOKENS, tmp_path,
-      ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+      folder, hf, lambda: _hf_model(variant), TOKENS, tmp_path,
+      ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+      scan=variant not in LISTED, atol=2e-4)  # logits up to 8: float32 sums in two orders
   assert not hasattr(back.global_layers[0].attn, "v_proj_lora_a")
   assert hasattr(back.layers[0].attn, "v_proj_lora_a")
+  if variant in LISTED:
+    attn = back.shared_layers[0].attn
+    assert hasattr(attn, "q_proj_lora_a") and not hasattr(attn, "k_proj_lora_a")
 
 
 def test_presets_are_the_published_shapes():
@@ -193,7 +235,9 @@ def test_presets_are_the_published_shapes():
   assert round(big.num_params / 1e9, 1) == 30.7
   moe = models.get_preset("gemma4_26b_a4b")
   assert (round(moe.num_params / 1e9, 1), round(moe.num_active_params / 1e9, 1)) == (25.2, 3.8)
-  for name in ("gemma4_31b", "gemma4_26b_a4b"):
+  edge = models.get_preset("gemma4_e2b")
+  assert round((edge.num_params - 262_144 * 35 * 256) / 1e9, 1) == 2.3  # E2B's "effective"
+  for name in ("gemma4_31b", "gemma4_26b_a4b", "gemma4_e2b", "gemma4_e4b"):
     written = models.hf.model_config_to_hf(models.get_preset(name))
     assert models.hf_config_to_model_config(written) == models.get_preset(name).replace(
         remat="none", scan_layers=False)
@@ -202,9 +246,9 @@ def test_presets_are_the_published_shapes():
 def test_refusals(saved):
   written = models.hf.model_config_to_hf(models.from_pretrained(saved["dense"][0]).cfg)
   for change, match in (
-      (dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input=8 in a "
-                                            "Gemma4ForCausalLM config.json"),
-      (dict(num_kv_shared_layers=2), "num_kv_shared_layers=2"),
+      (dict(num_kv_shared_layers=6), "kv_shared_layers=6 leaves no layer"),
+      (dict(num_kv_shared_layers=4), r"the \['full'\] layers among them have no earlier "
+                                     "layer of their kind"),
       (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
       (dict(hidden_activation="silu"), "hidden_activation='silu'"),
       (dict(per_layer_config={"2": {"head_dim": 16}, "5": {"head_dim": 20}}),
