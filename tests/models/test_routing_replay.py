@@ -1,7 +1,7 @@
 """Routing replay: a mixture's forward records the experts each layer chose for each token
 (`hidden_states(..., return_routing=True)`) and replays given ones (`routing=`), in every
 layout of layers (unrolled, scanned, interleaved dense layers, hybrid periods with and
-without split layers), with a KV cache, on a mesh; `route` with given experts against
+without split layers, Gemma 4's two stacks of attention layers), with a KV cache, on a mesh; `route` with given experts against
 numpy."""
 
 import jax
@@ -41,6 +41,15 @@ CONFIGS = {
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
         linear_chunk=4, dense_ffn_dim=24, router_scoring="sigmoid", shared_expert_dim=16,
         remat="full", **{**BASE, "num_experts_per_tok": 3}),
+    # Gemma 4 26B-A4B-like: GeGLU experts beside each layer's dense MLP, routed from the
+    # residual stream; sliding layers and wider full ones in two stacks.
+    "beside_mlp": models.ModelConfig(
+        num_layers=4, layer_types=("sliding_attention", "full_attention") * 2,
+        sliding_window=3, global_head_dim=12, global_kv_heads=1, k_eq_v=True, v_norm=True,
+        layer_scale=True, qk_norm=True, sandwich_norms=True, mlp_activation="gelu_tanh",
+        shared_expert_dim=16, moe_input_norms=True, attention_multiplier=1.0,
+        rope=models.RopeConfig(type="proportional", partial_rotary_factor=0.5),
+        rope_local=models.RopeConfig(), **BASE),
 }
 
 
