@@ -3,6 +3,7 @@
 Reasoning models write a chain of thought before the answer:
 
   think     Qwen3, QwQ, DeepSeek-R1:  "<think>\\n...\\n</think>\\n\\nthe answer"
+  channel   Gemma 4:  "<|channel>thought\\n...<channel|>the answer"
   harmony   gpt-oss: "<|channel|>analysis<|message|>...<|end|>"
             "<|start|>assistant<|channel|>final<|message|>the answer<|return|>"
 
@@ -34,6 +35,9 @@ import dataclasses
 from typing import Sequence
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Gemma 4's thought channel: its tags (special tokens) and the channel's name, which opens
+# the block's text ("<|channel>thought\n...<channel|>").
+CHANNEL_OPEN, CHANNEL_CLOSE, CHANNEL_THOUGHT = "<|channel>", "<channel|>", "thought"
 # RolloutWorker(reasoning=...): "auto" is the tokenizer's own chat format's split; "none"
 # scores the whole completion; "think" reads <think> blocks whatever the tokenizer (text
 # tags, e.g. a byte tokenizer's).
@@ -79,12 +83,21 @@ def _tokens_through(tok, ids: list[int], needle: str) -> int:
 
 
 def split_think(tok, ids: Sequence[int], *, open_id: int | None = None,
-                close_id: int | None = None, opened: bool = False) -> Response:
+                close_id: int | None = None, opened: bool = False,
+                tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE), label: str = "") -> Response:
   """Splits at the first </think>. `open_id` / `close_id`: the tags' ids where each is one
   token of the vocabulary (a tokenizer may drop them from decoded text as special tokens);
   otherwise the tags are read in the text. `opened`: the prompt opened the block (DeepSeek
   R1's generation prompt ends with "<think>\n"), so a completion without </think> is all
-  reasoning."""
+  reasoning. `tags`: another family's (open, close) in place of <think> and </think>
+  (Gemma 4's thought channel, `split_channel`), `label` a name the block's text starts
+  with that is no part of the reasoning."""
+  think_open, think_close = tags
+
+  def head_of(text, maxsplit=-1):  # the reasoning: after the (last) opening tag
+    text = text.split(think_open, maxsplit)[-1].strip()
+    return text[len(label):].strip() if label and text.startswith(label) else text
+
   ids = [int(t) for t in ids]
   stops = set(tok.stop_ids)
   while ids and ids[-1] in stops:
@@ -93,19 +106,26 @@ def split_think(tok, ids: Sequence[int], *, open_id: int | None = None,
     cut = ids.index(close_id)
     opens = [p for p in range(cut) if ids[p] == open_id] if open_id is not None else []
     head = tok.decode(ids[opens[-1] + 1 if opens else 0:cut])
-    return Response(tok.decode(ids[cut + 1:]).strip(), head.split(THINK_OPEN)[-1].strip(),
-                    cut + 1, True)
+    return Response(tok.decode(ids[cut + 1:]).strip(), head_of(head), cut + 1, True)
   text = tok.decode(ids)
-  if close_id is None and THINK_CLOSE in text:
-    head, _, tail = text.partition(THINK_CLOSE)
-    return Response(tail.strip(), head.split(THINK_OPEN)[-1].strip(),
-                    _tokens_through(tok, ids, THINK_CLOSE), True)
-  opened = opened or text.lstrip().startswith(THINK_OPEN)
+  if close_id is None and think_close in text:
+    head, _, tail = text.partition(think_close)
+    return Response(tail.strip(), head_of(head), _tokens_through(tok, ids, think_close), True)
+  opened = opened or text.lstrip().startswith(think_open)
   if open_id is not None and open_id in ids:
     opened = opened or not tok.decode(ids[:ids.index(open_id)]).strip()
   if opened:
-    return Response("", text.split(THINK_OPEN, 1)[-1].strip(), len(ids), False)
+    return Response("", head_of(text, 1), len(ids), False)
   return Response(text.strip())
+
+
+def split_channel(tok, ids: Sequence[int], *, open_id: int | None = None,
+                  close_id: int | None = None, opened: bool = False) -> Response:
+  """Gemma 4's thought channel: the reasoning is the block "<|channel>thought\n ...
+  <channel|>" (its name left out), the content what follows it; read as `split_think`
+  reads <think> blocks (a block never closed: all reasoning, not closed)."""
+  return split_think(tok, ids, open_id=open_id, close_id=close_id, opened=opened,
+                     tags=(CHANNEL_OPEN, CHANNEL_CLOSE), label=CHANNEL_THOUGHT)
 
 
 def split_harmony(tok, ids: Sequence[int], *, start: int, channel: int, message: int,

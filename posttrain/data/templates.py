@@ -25,7 +25,9 @@ either one right after an assistant's content is the model's own.
 A vocabulary with <think> and </think>, or a template that writes them, has reasoning:
 completions are split at </think> (`reasoning.split_think`; a generation prompt that ends
 in <think>, as OLMo 3 Think's, opens the block), and an SFT message's reasoning_content
-goes to the template as it is. `thinking` True / False is the template's
+goes to the template as it is. A vocabulary with Gemma 4's <|channel> and <channel|> has
+its thought channel instead (`reasoning.split_channel`: "<|channel>thought\n...<channel|>"
+is the reasoning). `thinking` True / False is the template's
 enable_thinking (Qwen3's and SmolLM3's switch).
 
 Tool schemas in data are passed to the template, and an assistant message's structured
@@ -262,6 +264,12 @@ class TemplateFormat(ChatFormat):
     self.opens_reasoning = prompt_text.rstrip().endswith(reasoning_lib.THINK_OPEN)
     if self.think_ids or self.opens_reasoning or reasoning_lib.THINK_CLOSE in template:
       self.reasoning = "think"
+    # Gemma 4's thought channel: a vocabulary with both of its tags.
+    ids = (vocab.get(reasoning_lib.CHANNEL_OPEN), vocab.get(reasoning_lib.CHANNEL_CLOSE))
+    if self.reasoning is None and None not in ids:
+      self.reasoning, self.think_ids = "channel", ids
+      self.opens_reasoning = prompt_text.rstrip().endswith(
+          reasoning_lib.CHANNEL_OPEN + reasoning_lib.CHANNEL_THOUGHT)
 
   # --- rendering ------------------------------------------------------------------------
 
@@ -394,16 +402,17 @@ class TemplateFormat(ChatFormat):
     return ([] if ended else list(self.end_of_turn)) + ids
 
   def split_response(self, ids, prompt=None):
-    """The content after a <think> block where the format has them (the block opened by
-    the generation prompt where it ends in <think>, as after the prompt or with no prompt
-    given); otherwise all of it."""
+    """The content after a <think> block (Gemma 4's thought channel) where the format has
+    them (the block opened by the generation prompt where it ends in <think>, as after the
+    prompt or with no prompt given); otherwise all of it."""
     if self.reasoning is None:
       return super().split_response(ids)
     header = self.generation_header
     opened = self.opens_reasoning and (prompt is None or list(prompt[-len(header):]) == header)
     open_id, close_id = self.think_ids or (None, None)
-    return reasoning_lib.split_think(self.tok, ids, open_id=open_id, close_id=close_id,
-                                     opened=opened)
+    split = (reasoning_lib.split_channel if self.reasoning == "channel" else
+             reasoning_lib.split_think)
+    return split(self.tok, ids, open_id=open_id, close_id=close_id, opened=opened)
 
   # --- tool calls -----------------------------------------------------------------------
 

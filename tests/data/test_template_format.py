@@ -196,6 +196,37 @@ def test_thinking_is_the_templates_enable_thinking(tmp_path):
   assert not tok.chat.opens_reasoning and tok.chat.reasoning == "think"
 
 
+# Gemma 4's turns (<|turn>ROLE ... <turn|>, the model's role "model"), a stand-in for its
+# template; its vocabulary's thought-channel tags are what the format reads.
+GEMMA4 = ("{{- bos_token -}}{%- for message in messages -%}{{- '<|turn>' + ('model' if "
+          "message['role'] == 'assistant' else message['role']) + '\n' + message['content'] "
+          "+ '<turn|>\n' -}}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{- '<|turn>model\n' -}}{%- endif -%}")
+
+
+def test_gemma4s_thought_channel_is_the_reasoning(tmp_path):
+  """A vocabulary with <|channel> and <channel|>: a completion's "<|channel>thought\n
+  ...<channel|>" block is its reasoning (the channel's name left out), what follows it the
+  content; a block never closed is all reasoning, not closed; none is all content."""
+  specials = ["<bos>", "<eos>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
+  hf = _folder(tmp_path, specials, GEMMA4, bos="<bos>", eos="<eos>")
+  tok = load_tokenizer(str(tmp_path))
+  assert isinstance(tok.chat, TemplateFormat) and tok.chat.reasoning == "channel"
+  assert not tok.chat.opens_reasoning
+  prompt, _ = tok.encode_chat(CONVO[1:2], add_generation_prompt=True)
+  assert prompt == _theirs(hf, GEMMA4, CONVO[1:2], True)
+  end = tok.chat.end_of_turn
+  assert tok._tok.decode(end, skip_special_tokens=False) == "<turn|>"
+  done = tok.split_response(tok.encode("<|channel>thought\n2 and 2 make 4.<channel|>It is 4.")
+                            + end, prompt)
+  assert (done.content, done.reasoning, done.closed) == ("It is 4.", "2 and 2 make 4.", True)
+  assert done.reasoning_tokens == len(tok.encode("<|channel>thought\n2 and 2 make 4.<channel|>"))
+  cut = tok.split_response(tok.encode("<|channel>thought\n2 and"), prompt)
+  assert (cut.content, cut.reasoning, cut.closed) == ("", "2 and", False)
+  plain = tok.split_response(tok.encode("It is 4.") + end, prompt)
+  assert (plain.content, plain.reasoning, plain.reasoning_tokens) == ("It is 4.", "", 0)
+
+
 _TEXT = st.text(alphabet=st.sampled_from(list("ab 4?!.\n")), min_size=1, max_size=12)
 
 
