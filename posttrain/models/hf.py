@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -1735,13 +1736,7 @@ def _gemma4_rows(cfg: ModelConfig) -> list:
       continue
     moe = p + ("mlp",)
     swap = lambda x: np.swapaxes(x, 1, 2)  # noqa: E731  [E, out, in] <-> ours [E, in, out]
-
-    def half(start):  # gate_up_proj's rows [start, start + F) <-> ours [E, D, F]
-      def to_hf(x):
-        out = np.zeros((e, 2 * f, d), x.dtype)
-        out[:, start:start + f] = swap(x)
-        return out
-      return (lambda x: swap(x[:, start:start + f])), to_hf
+    half = functools.partial(_fused_experts_half, e, f, d)
     rows += [(moe + ("router",), hf + "router.proj.weight", *t, (d, e)),
              (moe + ("router_scale",), hf + "router.scale", ident, ident, (d,)),
              (moe + ("per_expert_scale",), hf + "router.per_expert_scale", ident, ident, (e,)),
@@ -3197,6 +3192,18 @@ def _granite_shared_mlp_rows(p: tuple, hf: str, d: int, f: int) -> list:
            (f, d))]
 
 
+def _fused_experts_half(e: int, f: int, d: int, start: int) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of rows [start, start + F) of stacked experts' fused gate and
+  up projections as torch's Linear holds them, [E, 2F, D] (gate's F rows, then up's), and
+  ours [E, D, F]; the HF side zero in the other half (Granite MoE's input_linear, Gemma
+  4's gate_up_proj)."""
+  def to_hf(x):
+    out = np.zeros((e, 2 * f, d), x.dtype)
+    out[:, start:start + f] = np.swapaxes(x, 1, 2)
+    return out
+  return (lambda x: np.swapaxes(x[:, start:start + f], 1, 2)), to_hf
+
+
 def _granite_moe_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   """Granite MoE's router and experts: stacked as ours ([E, ...]) but each expert's
   matrices as torch's Linear holds them, input_linear [E, 2F, D] (gate's F rows, then
@@ -3208,13 +3215,7 @@ def _granite_moe_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
       if _causal_lm(cfg.architecture) == GRANITE_MOE_SWA else
       ("router.layer.weight", "input_linear.weight", "output_linear.weight"))
   swap = lambda x: np.swapaxes(x, 1, 2)  # noqa: E731  [E, out, in] <-> ours [E, in, out]
-
-  def half(start):  # input_linear's rows [start, start + F) <-> ours [E, D, F]
-    def to_hf(x):
-      out = np.zeros((e, 2 * f, d), x.dtype)
-      out[:, start:start + f] = swap(x)
-      return out
-    return (lambda x: swap(x[:, start:start + f])), to_hf
+  half = functools.partial(_fused_experts_half, e, f, d)
   return [
       (p + ("mlp", "router"), moe + router, lambda x: x.T, lambda x: x.T, (d, e)),
       (p + ("mlp", "gate_proj"), moe + gate_up, *half(0), (e, d, f)),
