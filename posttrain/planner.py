@@ -891,6 +891,8 @@ def _mlp_kept(cfg: models.ModelConfig, remat: str, mlp: int, shared: int | None 
   if dense or not cfg.num_experts:
     if cfg.mlp_activation == "relu2":  # up, relu^2's mask, its two products / up alone
       return (3 * s + 1) * mlp if remat == "none" else s * mlp
+    if cfg.mlp_activation == "xielu":  # up, x > 0's mask, the branches' terms / up alone
+      return (4 * s + 2) * mlp if remat == "none" else s * mlp
     return s * (3 if remat == "none" else 2) * mlp
   e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.d_model
   x, row_bytes = _expert_width(cfg), _expert_rows_kept(cfg)
@@ -923,8 +925,8 @@ def _expert_width(cfg: models.ModelConfig) -> int:
 
 def _mlp_matrices(cfg: models.ModelConfig) -> int:
   """Weight matrices of an MLP or an expert: gate, up and down, or without a gate
-  (mlp_activation relu2) up and down."""
-  return 2 if cfg.mlp_activation == "relu2" else 3
+  (mlp_activation relu2, xielu) up and down."""
+  return 2 if cfg.ungated else 3
 
 
 def _expert_rows_kept(cfg: models.ModelConfig) -> int:

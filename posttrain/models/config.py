@@ -101,8 +101,11 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp", "moe")
 # The MLP's activation: gated, SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
 # GELU (Gemma's gelu_pytorch_tanh) or gpt-oss's clamped SwiGLU; or relu2, the squared ReLU
-# of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)).
-MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2")
+# of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)), or xielu, Apertus's xIELU of an
+# MLP with no gate (its two scales learned in each MLP).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2", "xielu")
+# Activations of an MLP without a gate: down(act(up(x))) (no gate_proj).
+UNGATED_ACTIVATIONS = ("relu2", "xielu")
 # Where a Mamba2 layer's output is RMS-normed (`ModelConfig.linear_norm`).
 LINEAR_NORMS = ("after_gate", "before_gate", "none")
 # Falcon-H1's muP scalars (`ModelConfig`): any finite number, 1.0 none.
@@ -351,7 +354,10 @@ class ModelConfig:
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
       (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit, then
       (up + 1) * gate * sigmoid(swiglu_alpha * gate)); or relu2, an MLP without a gate,
-      down(relu(up(x))^2) (Nemotron-H; no gate_proj).
+      down(relu(up(x))^2) (Nemotron-H; no gate_proj); or xielu, an MLP without a gate
+      through Apertus's xIELU, whose two scales each MLP learns (`xielu_alpha_p`,
+      `xielu_alpha_n`) beside its fixed beta and eps (`xielu_beta`, `xielu_eps`, which no
+      gradient reaches).
     layer_types: per layer, full_attention, sliding_attention or linear_attention (a
       Gated DeltaNet, Mamba2 or short-convolution layer: `linear_mixer`); () = every
       layer full_attention. With "mlp" entries the layers are single sublayers, as
@@ -698,10 +704,11 @@ class ModelConfig:
                            "model has no linear_attention layers")
         raise ValueError(f"lora_targets={self.lora_targets!r}: expected a comma-separated "
                          f"subset of {LORA_TARGETS + linear + experts_allowed}")
-      if (self.mlp_activation == "relu2" and "gate_proj" in names
+      if (self.ungated and "gate_proj" in names
           and self.lora_targets != DEFAULT_LORA_TARGETS):
-        raise ValueError("lora_targets names gate_proj, but this model's MLPs have no gate "
-                         "(mlp_activation='relu2'); use up_proj and down_proj")
+        raise ValueError(f"lora_targets names gate_proj, but this model's MLPs have no gate "
+                         f"(mlp_activation={self.mlp_activation!r}); use up_proj and "
+                         "down_proj")
       mlp = [t for t in names if t in LORA_TARGETS[4:]]
       dense_mlps = self.shared_expert_dim or self.num_dense_layers
       if (self.num_experts and not dense_mlps and mlp
@@ -900,9 +907,9 @@ class ModelConfig:
     if mixer_scalars and not self.parallel_mixer:
       raise ValueError(f"{', '.join(mixer_scalars)} scale the mixers of parallel_mixer "
                        "layers (Falcon-H1's); they need parallel_mixer=True")
-    if self.mlp_gate_multiplier != 1.0 and self.mlp_activation == "relu2":
-      raise ValueError("mlp_gate_multiplier scales the MLP's gate, but mlp_activation="
-                       "'relu2' has none")
+    if self.mlp_gate_multiplier != 1.0 and self.ungated:
+      raise ValueError(f"mlp_gate_multiplier scales the MLP's gate, but mlp_activation="
+                       f"{self.mlp_activation!r} has none")
     if (self.mlp_gate_multiplier != 1.0 or self.mlp_down_multiplier != 1.0) and (
         self.num_experts):
       raise ValueError("mlp_gate_multiplier / mlp_down_multiplier with a mixture of experts "
@@ -924,6 +931,11 @@ class ModelConfig:
                             ("sandwich_norms", self.sandwich_norms)) if on]
     if held:
       raise ValueError(f"{', '.join(held)} with parallel_mixer=True are not supported")
+
+  @property
+  def ungated(self) -> bool:
+    """Whether the MLPs have no gate (mlp_activation relu2 or xielu): down(act(up(x)))."""
+    return self.mlp_activation in UNGATED_ACTIVATIONS
 
   @property
   def has_correction_bias(self) -> bool:
@@ -1058,6 +1070,9 @@ class ModelConfig:
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation={self.mlp_activation!r}; expected one of "
                        f"{MLP_ACTIVATIONS}")
+    if self.mlp_activation == "xielu" and self.num_experts:
+      raise ValueError("mlp_activation='xielu' (Apertus's dense MLPs) has no mixture of "
+                       "experts form; this model has num_experts > 0")
     if (self.router_bias or self.expert_bias) and not self.num_experts:
       raise ValueError("router_bias / expert_bias need a mixture of experts (num_experts > 0)")
     for name in ("swiglu_limit", "swiglu_alpha"):
@@ -1287,7 +1302,7 @@ class ModelConfig:
         if self.architecture in PEFT_NO_OUT_PROJ:
           names.discard("out_proj")
     allowed += self.expert_lora_targets
-    if self.mlp_activation == "relu2":  # an MLP without a gate
+    if self.ungated:  # an MLP without a gate
       allowed = tuple(t for t in allowed if t != "gate_proj")
     return tuple(t for t in allowed if t in names)
 
@@ -1409,7 +1424,7 @@ class ModelConfig:
     attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
     router = (d + self.router_bias + self.has_correction_bias) * self.num_experts
     norms = 4 if self.sandwich_norms else 2
-    mats = 2 if self.mlp_activation == "relu2" else 3  # no gate_proj without a gate
+    mats = 2 if self.ungated else 3  # no gate_proj without a gate
     latent = self.moe_latent_dim or d  # the experts' input and output width
     expert = mats * latent * f + (2 * f + d) * self.expert_bias
     shared = (mats * d * self.shared_expert_dim + d * self.shared_expert_gate

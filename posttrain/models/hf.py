@@ -59,7 +59,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Mistral4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
-              "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM")
+              "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
+              "ApertusForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -69,7 +70,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
-                  "Gemma4ForCausalLM")
+                  "Gemma4ForCausalLM", "ApertusForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -113,7 +114,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
                 "GraniteSWAForCausalLM": "granite_swa",
                 "GraniteMoeSWAForCausalLM": "granitemoe_swa",
-                "Gemma4ForCausalLM": "gemma4_text"}
+                "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -290,6 +291,17 @@ DOTS1 = "Dots1ForCausalLM"
 # Arcee AFM (ArceeForCausalLM, AFM-4.5B): Llama with an MLP of no gate,
 # down(relu(up(x))^2) (`ModelConfig.mlp_activation` relu2).
 ARCEE = "ArceeForCausalLM"
+# Apertus (Swiss AI, ApertusForCausalLM): Llama with q/k norms per head, its norms named
+# attention_layernorm / feedforward_layernorm, and an MLP of no gate through xIELU, whose
+# two scales each MLP learns (mlp.act_fn.alpha_p / alpha_n) beside fixed buffers
+# (beta 0.5, eps -1e-6) (`ModelConfig.mlp_activation` xielu); llama3 rope at base 12M by
+# default.
+APERTUS = "ApertusForCausalLM"
+_APERTUS_DEFAULTS = dict(rms_norm_eps=1e-5, max_position_embeddings=65_536,
+                         attention_bias=False, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 12_000_000.0,
+                                          "factor": 8.0, "original_max_position_embeddings": 8192,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0})
 _DOTS1_DEFAULTS = dict(rms_norm_eps=1e-6, n_group=1, topk_group=1, first_k_dense_replace=0,
                        norm_topk_prob=False, routed_scaling_factor=1.0,
                        sliding_window=4096, max_window_layers=62, attention_bias=False,
@@ -431,6 +443,7 @@ _QWEN3_5_DEFAULTS = dict(
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
+    APERTUS: _APERTUS_DEFAULTS,
     GLM4_MOE: _GLM4_MOE_DEFAULTS, DOTS1: _DOTS1_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     GLM4_MOE_LITE: _GLM4_MOE_LITE_DEFAULTS, MISTRAL4: _MISTRAL4_DEFAULTS,
@@ -794,12 +807,13 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     raise ValueError("use_bias=true in an ERNIE 4.5 config.json (biases on the MLP's "
                      "projections too) is not supported")
   gemma = lm in GEMMAS
-  act = (c.get("hidden_activation") or c.get("hidden_act")
-         or ("gelu_pytorch_tanh" if gemma else "relu2" if lm == ARCEE else "silu"))
-  if act != "silu" and not (gemma and act in _GELU_TANH) and not (lm == ARCEE
-                                                                  and act == "relu2"):
-    raise ValueError(f"hidden_act={act!r} is not supported (expected "
-                     f"{'gelu_pytorch_tanh' if gemma else 'relu2' if lm == ARCEE else 'silu'})")
+  expected = ("gelu_pytorch_tanh" if gemma else "relu2" if lm == ARCEE else
+              "xielu" if lm == APERTUS else "silu")
+  act = c.get("hidden_activation") or c.get("hidden_act") or expected
+  ungated = lm in (ARCEE, APERTUS)  # their MLPs have no gate: one activation each
+  if (act != expected if ungated else
+      act != "silu" and not (gemma and act in _GELU_TANH)):
+    raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
   heads = int(c["num_attention_heads"])
   head_dim = c.get("head_dim") or c["hidden_size"] // heads
   latent = _latent_attention_from_hf(lm, c)
@@ -837,7 +851,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
-      **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}))
+      **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
+      **({"mlp_activation": "xielu"} if lm == APERTUS else {}))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1332,14 +1347,15 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                  ARCEE) + _HUNYUANS + _SWAS
+                  ARCEE, APERTUS) + _HUNYUANS + _SWAS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
                       MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE) + _HUNYUANS)
+              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE, APERTUS)
+              + _HUNYUANS)
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
 _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -2099,7 +2115,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S, embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
-                               "relu2" if lm in (NEMOTRON_H, ARCEE) else "silu"),
+                               "relu2" if lm in (NEMOTRON_H, ARCEE) else
+                               "xielu" if lm == APERTUS else "silu"),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
@@ -2317,6 +2334,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
   if lm == ARCEE:
     out["hidden_act"] = "relu2"
+  if lm == APERTUS:
+    out.pop("rope_theta")
+    out.pop("rope_scaling")
+    out.update(hidden_act="xielu", rope_parameters={"rope_type": rope.type,
+                                                    "rope_theta": rope.theta,
+                                                    **(scaling or {})})
   if lm in _QWEN_WINDOWED and cfg.sliding_window is not None:
     kinds = cfg.sliding_layers
     out.update(use_sliding_window=True, sliding_window=cfg.sliding_window,
@@ -2598,7 +2621,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   # 2's pre_feedforward_layernorm (whose post_attention_layernorm norms the attention's
   # output: our attn_out_norm).
   norms = [("input_norm", "input_layernorm")]
-  if _causal_lm(cfg.architecture) == GLM4:  # both norms of each sublayer, GLM's names
+  if _causal_lm(cfg.architecture) == APERTUS:
+    norms = [("input_norm", "attention_layernorm"), ("post_attn_norm", "feedforward_layernorm")]
+  elif _causal_lm(cfg.architecture) == GLM4:  # both norms of each sublayer, GLM's names
     norms += [("attn_out_norm", "post_self_attn_layernorm"),
               ("post_attn_norm", "post_attention_layernorm"),
               ("mlp_out_norm", "post_mlp_layernorm")]
@@ -2621,6 +2646,11 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     qk_bias = _interleaved_rows(bias, h, None, cfg)
 
   def dense_mlp(p: tuple, hf: str, width: int) -> list:
+    if cfg.mlp_activation == "xielu":  # no gate, xIELU's scalars (Apertus)
+      return _relu2_mlp_rows(p, hf, d, width) + [
+          (p + (f"xielu_{name}",), hf + f"act_fn.{name}", ident, ident, shape)
+          for name, shape in (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()),
+                              ("eps", ()))]
     if cfg.mlp_activation == "relu2":  # no gate (Arcee)
       return _relu2_mlp_rows(p, hf, d, width)
     return [(p + (name,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
@@ -3469,7 +3499,7 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
   def module(i, t):  # the layer's module of that name, None where it has none
     linear = cfg.linear_layers[i]
     if cfg.split_layers:  # Nemotron-H: each layer's one sublayer is its mixer
-      mlps = LORA_TARGETS[4 + (cfg.mlp_activation == "relu2"):]  # relu^2: no gate_proj
+      mlps = LORA_TARGETS[4 + cfg.ungated:]  # relu^2: no gate_proj
       stack = layer_path(cfg, i)[0]
       has = {"linear_layers": cfg.linear_lora_targets, "layers": _ATTN_TARGETS,
              "mlp_layers": mlps, "moe_layers": mlps}[stack]
@@ -4072,7 +4102,9 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = 4 <
     arr = _to_host(_read_param(state, ours, cfg))
     if not writer:
       continue
-    arr = np.ascontiguousarray(to_hf(arr.astype(out_dtype)))
+    arr = to_hf(arr.astype(out_dtype))
+    # (np.ascontiguousarray would make a 0-d tensor, Apertus's xIELU beta and eps, 1-d.)
+    arr = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
     if name in shards[-1]:  # another part of a tensor that holds several of ours
       shards[-1][name] = shards[-1][name] + arr
       continue

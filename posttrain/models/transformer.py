@@ -1457,10 +1457,18 @@ class MLP(nnx.Module):
     self.cfg = cfg
     pd, std = _dtype(cfg.param_dtype), cfg.init_std
     f = width or cfg.ffn_dim
-    if cfg.mlp_activation != "relu2":
+    if not cfg.ungated:
       self.gate_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
     self.up_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
     self.down_proj = _param(rngs, (f, cfg.d_model), ("mlp", "embed"), pd, std=std)
+    if cfg.mlp_activation == "xielu":  # Apertus: xIELU's learned scales, as HF holds them
+      # (before their softplus: alpha_p 0.8 and alpha_n 0.8 at init), its fixed beta / eps
+      inverse = lambda v: float(np.log(np.expm1(v)))  # noqa: E731  softplus's inverse
+      self.xielu_alpha_p = nnx.Param(jnp.full((1,), inverse(0.8), pd), logical_axes=(None,))
+      self.xielu_alpha_n = nnx.Param(jnp.full((1,), inverse(0.8 - 0.5), pd),
+                                     logical_axes=(None,))
+      self.xielu_beta = nnx.Param(jnp.asarray(0.5, pd), logical_axes=())
+      self.xielu_eps = nnx.Param(jnp.asarray(-1e-6, pd), logical_axes=())
 
   def __call__(self, x_BxTxD, ctx: ShardingContext):
     dt = _dtype(self.cfg.dtype)
@@ -1472,6 +1480,8 @@ class MLP(nnx.Module):
                        "ND,DR->NR", "NR,RF->NF")
     if self.cfg.mlp_activation == "relu2":
       h_NxF = jnp.square(jax.nn.relu(up_NxF))
+    elif self.cfg.mlp_activation == "xielu":
+      h_NxF = self._xielu(up_NxF)
     else:
       gate_NxF = _add_lora(self, "gate_proj", x_NxD @ self.gate_proj[...].astype(dt), x_NxD,
                            "ND,DR->NR", "NR,RF->NF")
@@ -1485,6 +1495,19 @@ class MLP(nnx.Module):
     if self.cfg.mlp_down_multiplier != 1.0:
       y_NxD = y_NxD * jnp.asarray(self.cfg.mlp_down_multiplier, y_NxD.dtype)
     return y_NxD.reshape(b, t, d)
+
+  def _xielu(self, x):
+    """Apertus's xIELU: alpha_p x^2 + beta x for x > 0, else
+    (expm1(min(x, eps)) - x) alpha_n + beta x, alpha_p = softplus(its parameter) and
+    alpha_n = beta + softplus(its), in x's dtype as transformers computes it; beta and eps
+    (buffers in transformers') take no gradient."""
+    dt = x.dtype
+    beta = jax.lax.stop_gradient(self.xielu_beta[...]).astype(dt)
+    eps = jax.lax.stop_gradient(self.xielu_eps[...]).astype(dt)
+    alpha_p = jax.nn.softplus(self.xielu_alpha_p[...][0].astype(dt))
+    alpha_n = beta + jax.nn.softplus(self.xielu_alpha_n[...][0].astype(dt))
+    return jnp.where(x > 0, alpha_p * x * x + beta * x,
+                     (jnp.expm1(jnp.minimum(x, eps)) - x) * alpha_n + beta * x)
 
 
 def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = False,
@@ -1723,7 +1746,7 @@ class MoE(nnx.Module):
       self.latent_in = _param(rngs, (d, lat), ("embed", "latent"), pd, std=std)
       self.latent_out = _param(rngs, (lat, d), ("latent", "embed"), pd, std=std)
       d = lat
-    if cfg.mlp_activation != "relu2":
+    if not cfg.ungated:
       self.gate_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
     self.up_proj = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), pd, std=std)
     self.down_proj = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), pd, std=std)
