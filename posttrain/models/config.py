@@ -452,6 +452,11 @@ class ModelConfig:
       num_kv_shared_layers). Their parameters sit in stacks of their own,
       `shared_layers` and `shared_global_layers`. Needs scan_layers=False.
     kv_shared_wide_mlp: those layers' MLPs are twice ffn_dim wide (use_double_wide_mlp).
+    layer_norm: every norm is a LayerNorm with a weight and no bias, (x - mean(x)) /
+      sqrt(var(x) + eps) * w in float32, in place of an RMSNorm (Cohere's).
+    parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
+      the MLP reading one normed input (its input_norm; no post_attn_norm: Cohere
+      Command R7B / Command A).
   """
 
   vocab_size: int
@@ -576,6 +581,8 @@ class ModelConfig:
   per_layer_vocab: int = 0
   kv_shared_layers: int = 0
   kv_shared_wide_mlp: bool = False
+  layer_norm: bool = False
+  parallel_residual: bool = False
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -657,6 +664,15 @@ class ModelConfig:
     self._check_llama4_fields()
     self._check_gemma4_fields()
     self._check_per_layer_fields()
+    if self.parallel_residual:
+      held = [name for name, on in (
+          ("sandwich_norms", self.sandwich_norms), ("output_norms", self.output_norms),
+          ("linear_attention layers", any(self.linear_layers)),
+          ("split layers", self.split_layers), ("parallel_mixer", self.parallel_mixer),
+          ("per_layer_dim", self.per_layer_dim)) if on]
+      if held:
+        raise ValueError(f"parallel_residual=True (one norm, attention and MLP side by side) "
+                         f"with {', '.join(held)} is not supported")
     if self.output_norms and self.sandwich_norms:
       raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
                        "set one")

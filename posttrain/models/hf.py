@@ -60,7 +60,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
-              "ApertusForCausalLM")
+              "ApertusForCausalLM", "Cohere2ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -70,7 +70,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
-                  "Gemma4ForCausalLM", "ApertusForCausalLM")
+                  "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -114,7 +114,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
                 "GraniteSWAForCausalLM": "granite_swa",
                 "GraniteMoeSWAForCausalLM": "granitemoe_swa",
-                "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus"}
+                "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus",
+                "Cohere2ForCausalLM": "cohere2"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -297,6 +298,12 @@ ARCEE = "ArceeForCausalLM"
 # (beta 0.5, eps -1e-6) (`ModelConfig.mlp_activation` xielu); llama3 rope at base 12M by
 # default.
 APERTUS = "ApertusForCausalLM"
+# Cohere Command R7B / Command A (Cohere2ForCausalLM): each layer x + attn(norm(x)) +
+# mlp(norm(x)) under one LayerNorm without bias (`ModelConfig.parallel_residual`,
+# `layer_norm`), three sliding layers (rotary, interleaved pairs: reordered on load) to a
+# full one without a position embedding, heads splitting hidden_size evenly, the logits
+# times logit_scale (our lm_head_multiplier).
+COHERE2 = "Cohere2ForCausalLM"
 _APERTUS_DEFAULTS = dict(rms_norm_eps=1e-5, max_position_embeddings=65_536,
                          attention_bias=False, tie_word_embeddings=False,
                          rope_parameters={"rope_type": "llama3", "rope_theta": 12_000_000.0,
@@ -444,6 +451,9 @@ _QWEN3_5_DEFAULTS = dict(
 _CLASS_DEFAULTS = {
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
     APERTUS: _APERTUS_DEFAULTS,
+    COHERE2: dict(layer_norm_eps=1e-5, logit_scale=0.0625, sliding_window=4096,
+                  max_position_embeddings=8192, tie_word_embeddings=True,
+                  attention_bias=False),
     GLM4_MOE: _GLM4_MOE_DEFAULTS, DOTS1: _DOTS1_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     GLM4_MOE_LITE: _GLM4_MOE_LITE_DEFAULTS, MISTRAL4: _MISTRAL4_DEFAULTS,
@@ -790,6 +800,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
            else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
+  if lm == COHERE2:  # transformers' Cohere2Config: its eps's name, head_dim from the width
+    c = {**c, "rms_norm_eps": c["layer_norm_eps"],
+         "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
     c["rope_scaling"] = dict(_GPT_OSS_ROPE)
   if lm == MISTRAL4 and not c.get("rope_scaling") and not c.get("rope_parameters"):
@@ -852,7 +865,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
-      **({"mlp_activation": "xielu"} if lm == APERTUS else {}))
+      **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1347,7 +1360,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                  ARCEE, APERTUS) + _HUNYUANS + _SWAS
+                  ARCEE, APERTUS, COHERE2) + _HUNYUANS + _SWAS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
@@ -1466,6 +1479,24 @@ def _exaone4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
                for i in range(layers)]
   return {"output_norms": norms, "sliding_window": int(window), "layer_types": tuple(types),
           "rope_layers": tuple(int(t == "sliding_attention") for t in types)}
+
+
+def _cohere2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a Cohere2 config.json ({} for other families), read as
+  transformers does: layer_types (default: every sliding_window_pattern-th layer full, 4),
+  the sliding layers rotating and the full ones not."""
+  if lm != COHERE2:
+    return {}
+  layers = int(c["num_hidden_layers"])
+  types = c.get("layer_types") or [
+      "sliding_attention" if (i + 1) % int(c.get("sliding_window_pattern") or 4)
+      else "full_attention" for i in range(layers)]
+  out = dict(layer_norm=True, parallel_residual=True,
+             lm_head_multiplier=float(c["logit_scale"]), layer_types=tuple(types),
+             rope_layers=tuple(int(t == "sliding_attention") for t in types))
+  if "sliding_attention" in types:
+    out["sliding_window"] = int(c["sliding_window"])
+  return out
 
 
 def _gpt_oss_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -1677,7 +1708,8 @@ def _check_gemma4(cfg: ModelConfig, lm: str) -> None:
                router_bias=False, expert_bias=False, routed_input_scaling=False,
                shared_expert_gate=False, moe_latent_dim=0, rope_layers=(),
                attn_position_scale=0.0,
-               residual_multiplier=1.0, embedding_multiplier=1.0, logits_scaling=1.0)
+               residual_multiplier=1.0, embedding_multiplier=1.0, logits_scaling=1.0,
+               layer_norm=False, parallel_residual=False, lm_head_multiplier=1.0)
   for name, value in fixed.items():
     if getattr(cfg, name) != value and not (name == "norm_topk_prob" and not cfg.num_experts):
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
@@ -2122,7 +2154,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
-               qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm)
+               qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
+               layer_norm=lm == COHERE2, parallel_residual=lm == COHERE2)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
@@ -2130,7 +2163,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
-                          MINISTRAL) + _SWAS)
+                          MINISTRAL, COHERE2) + _SWAS)
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm in ("Olmo3ForCausalLM",) + _SWAS else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -2160,7 +2193,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"{cfg.architecture}'s attention has no biases, and its Mamba2 "
                      "layers' time step no upper limit (qkv_bias, attn_out_bias, "
                      "linear_dt_max)")
-  if lm in (EXAONE4, EXAONE_MOE):
+  if lm in (EXAONE4, EXAONE_MOE, COHERE2):
     want = (tuple(int(s) for s in cfg.sliding_layers) if cfg.sliding_window is not None
             else (1,) * cfg.num_layers)
     if tuple(cfg.rope_layers or (1,) * cfg.num_layers) != want:
@@ -2181,7 +2214,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   held = [name for name in MUP_MULTIPLIERS if getattr(cfg, name) != 1.0]
   held += ["ssm_multipliers"] * bool(cfg.ssm_multipliers and not cfg.parallel_mixer)
   held += ["linear_norm"] * (cfg.linear_norm != "after_gate" and not cfg.parallel_mixer)
-  if held and lm != FALCON_H1:
+  if held and lm != FALCON_H1 and not (lm == COHERE2 and held == ["lm_head_multiplier"]):
     raise ValueError(f"{held} cannot be written as {cfg.architecture}; {FALCON_H1} holds "
                      "them")
   if lm not in GRANITES:  # Falcon-H1 has an embedding_multiplier too
@@ -2234,7 +2267,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if lm in (PHI3, OLMOE) and cfg.head_dim * cfg.num_heads != cfg.d_model:
+  if lm in (PHI3, OLMOE, COHERE2) and cfg.head_dim * cfg.num_heads != cfg.d_model:
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
@@ -2334,6 +2367,12 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
   if lm == ARCEE:
     out["hidden_act"] = "relu2"
+  if lm == COHERE2:
+    out.pop("rms_norm_eps")
+    out.update(layer_norm_eps=cfg.norm_eps, logit_scale=cfg.lm_head_multiplier,
+               sliding_window=cfg.sliding_window,
+               layer_types=["sliding_attention" if s else "full_attention"
+                            for s in cfg.sliding_layers])
   if lm == APERTUS:
     out.pop("rope_theta")
     out.pop("rope_scaling")
@@ -2623,6 +2662,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   norms = [("input_norm", "input_layernorm")]
   if _causal_lm(cfg.architecture) == APERTUS:
     norms = [("input_norm", "attention_layernorm"), ("post_attn_norm", "feedforward_layernorm")]
+  elif cfg.parallel_residual:  # one norm a layer (Cohere)
+    pass
   elif _causal_lm(cfg.architecture) == GLM4:  # both norms of each sublayer, GLM's names
     norms += [("attn_out_norm", "post_self_attn_layernorm"),
               ("post_attn_norm", "post_attention_layernorm"),
@@ -3093,7 +3134,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (GLM4, LLAMA4) + _ERNIES
+_INTERLEAVED = (GLM4, LLAMA4, COHERE2) + _ERNIES
 
 
 def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,

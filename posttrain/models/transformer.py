@@ -283,14 +283,16 @@ class RMSNorm(nnx.Module):
   """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 (Llama: cast, then scaled).
 
   With `unit_offset` (Gemma): y = (1 + w) * x / sqrt(...), w starting at zero, scaled in
-  float32 before the cast. `dim` a tuple: the mean spans the last len(dim) axes, and w has
+  float32 before the cast. With `center` a LayerNorm without bias: x less its mean, over
+  its standard deviation, scaled in float32 (Cohere's). `dim` a tuple: the mean spans the last len(dim) axes, and w has
   that shape (OLMo 2's q/k norms over every head at once, [heads, head_dim]).
   """
 
   def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, names=("norm",),
-               unit_offset: bool = False):
+               unit_offset: bool = False, center: bool = False):
     self.eps = eps
     self.unit_offset = bool(unit_offset)
+    self.center = bool(center)
     dims = tuple(dim) if isinstance(dim, tuple) else (dim,)
     self.axes = len(dims)
     self.scale = _param(None, dims, names, param_dtype,
@@ -299,8 +301,12 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     axes = tuple(range(-self.axes, 0))
+    if self.center:  # a LayerNorm without bias (Cohere's), scaled in float32
+      x32 = x32 - jnp.mean(x32, axis=axes, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + self.eps)
     shape = (1,) * (x.ndim - self.axes) + x.shape[x.ndim - self.axes:]
+    if self.center:
+      return (y * self.scale[...].astype(jnp.float32).reshape(shape)).astype(x.dtype)
     if self.unit_offset:
       return (y * (1.0 + self.scale[...].astype(jnp.float32)).reshape(shape)).astype(x.dtype)
     scale = self.scale[...].astype(x.dtype).reshape(shape)
@@ -309,7 +315,7 @@ class RMSNorm(nnx.Module):
 
 def _norm(cfg: ModelConfig, dim: int | tuple[int, ...], names=("norm",)) -> RMSNorm:
   return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), names,
-                 unit_offset=cfg.norm_unit_offset)
+                 unit_offset=cfg.norm_unit_offset, center=cfg.layer_norm)
 
 
 def soft_cap(logits, cap: float | None):
@@ -2392,7 +2398,7 @@ class Block(nnx.Module):
       self.linear_attn = Mamba2(cfg, rngs)
     if cfg.split_layers:  # the mixer alone
       return
-    if not cfg.output_norms:
+    if not (cfg.output_norms or cfg.parallel_residual):
       self.post_attn_norm = _norm(cfg, cfg.d_model)
     if dense:
       self.mlp = MLP(cfg, rngs, cfg.dense_ffn_dim)
@@ -2460,10 +2466,17 @@ class Block(nnx.Module):
       h, new_cache = self.linear_attn(self.input_norm(x) if pre else x, segment_ids, cache,
                                       ctx, prefill, layer)
     elif hasattr(self, "attn"):
+      xn = self.input_norm(x) if pre else x
       h, new_cache, *kept = self.attn(
-          self.input_norm(x) if pre else x, cos, sin, segment_ids, cache, positions, ctx,
-          prefill, layer, sliding, nope, shared=shared_kv, keep_kv=keep_kv)
+          xn, cos, sin, segment_ids, cache, positions, ctx, prefill, layer, sliding, nope,
+          shared=shared_kv, keep_kv=keep_kv)
       kv = kept[0] if kept else None
+      if self.attn.cfg.parallel_residual:  # Cohere: the MLP reads the same normed input
+        m = mlp(xn, x)
+        if moe:
+          m, stats, chosen = m
+        return done(ctx.constrain(x + self._residual(h) + self._residual(m),
+                                  ("batch", "length", "embed")))
     else:  # an MLP or a mixture alone (split_layers): its input norm is the block's one
       h = mlp(self.input_norm(x))
       if moe:
