@@ -284,8 +284,9 @@ class RMSNorm(nnx.Module):
 
   With `unit_offset` (Gemma): y = (1 + w) * x / sqrt(...), w starting at zero, scaled in
   float32 before the cast. With `center` a LayerNorm without bias: x less its mean, over
-  its standard deviation, scaled in float32 (Cohere's). `dim` a tuple: the mean spans the last len(dim) axes, and w has
-  that shape (OLMo 2's q/k norms over every head at once, [heads, head_dim]).
+  its standard deviation, scaled in float32 (Cohere's). `dim` a tuple: the mean spans the
+  last len(dim) axes, and w has that shape (OLMo 2's q/k norms over every head at once,
+  [heads, head_dim]).
   """
 
   def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, names=("norm",),

@@ -1,8 +1,8 @@
 """Routing replay: a mixture's forward records the experts each layer chose for each token
 (`hidden_states(..., return_routing=True)`) and replays given ones (`routing=`), in every
 layout of layers (unrolled, scanned, interleaved dense layers, hybrid periods with and
-without split layers, Gemma 4's two stacks of attention layers), with a KV cache, on a mesh; `route` with given experts against
-numpy."""
+without split layers, Gemma 4's two stacks of attention layers), with a KV cache, on a
+mesh; `route` with given experts against numpy."""
 
 import jax
 import jax.numpy as jnp
