@@ -457,6 +457,9 @@ class ModelConfig:
     parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
       the MLP reading one normed input (its input_norm; no post_attn_norm: Cohere
       Command R7B / Command A).
+    shared_expert_average: a mixture's output is the mean of its routed experts' sum and
+      its shared expert's, (routed + shared) / 2, not their sum (Cohere2-MoE's
+      shared_expert_combination_strategy "average").
   """
 
   vocab_size: int
@@ -583,6 +586,7 @@ class ModelConfig:
   kv_shared_wide_mlp: bool = False
   layer_norm: bool = False
   parallel_residual: bool = False
+  shared_expert_average: bool = False
 
   def __post_init__(self):
     # From JSON (a checkpoint's config) these arrive as a list and a dict.
@@ -755,6 +759,9 @@ class ModelConfig:
     if self.router_scoring not in ROUTER_SCORINGS:
       raise ValueError(f"router_scoring={self.router_scoring!r}; expected one of "
                        f"{ROUTER_SCORINGS}")
+    if self.shared_expert_average and not self.shared_expert_dim:
+      raise ValueError("shared_expert_average=True needs a shared expert (shared_expert_dim "
+                       "> 0)")
     if self.shared_expert_gate and not self.shared_expert_dim:
       raise ValueError("shared_expert_gate=True needs a shared expert (shared_expert_dim > 0)")
     if self.num_experts and (self.router_groups < 1 or self.num_experts % self.router_groups

@@ -60,7 +60,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
-              "ApertusForCausalLM", "Cohere2ForCausalLM")
+              "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -70,7 +70,8 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
-                  "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM")
+                  "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
+                  "Cohere2MoeForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -115,7 +116,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteSWAForCausalLM": "granite_swa",
                 "GraniteMoeSWAForCausalLM": "granitemoe_swa",
                 "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus",
-                "Cohere2ForCausalLM": "cohere2"}
+                "Cohere2ForCausalLM": "cohere2", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -304,6 +305,14 @@ APERTUS = "ApertusForCausalLM"
 # full one without a position embedding, heads splitting hidden_size evenly, the logits
 # times logit_scale (our lm_head_multiplier).
 COHERE2 = "Cohere2ForCausalLM"
+# Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
+# or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
+# transformers saves them, or stacked), leading dense layers (first_k_dense_replace: mlp_layer_types, of
+# prefix_dense_intermediate_size) whose own sliding pattern of 1 makes them full layers
+# that rotate, shared experts summed or averaged with the routed ones; an RMSNorm where
+# the file gives rms_norm_eps, else Cohere's LayerNorm.
+COHERE2_MOE = "Cohere2MoeForCausalLM"
+_COHERES = (COHERE2, COHERE2_MOE)
 _APERTUS_DEFAULTS = dict(rms_norm_eps=1e-5, max_position_embeddings=65_536,
                          attention_bias=False, tie_word_embeddings=False,
                          rope_parameters={"rope_type": "llama3", "rope_theta": 12_000_000.0,
@@ -454,6 +463,14 @@ _CLASS_DEFAULTS = {
     COHERE2: dict(layer_norm_eps=1e-5, logit_scale=0.0625, sliding_window=4096,
                   max_position_embeddings=8192, tie_word_embeddings=True,
                   attention_bias=False),
+    COHERE2_MOE: dict(layer_norm_eps=1e-5, logit_scale=0.0625, sliding_window=4096,
+                      max_position_embeddings=8192, tie_word_embeddings=True,
+                      attention_bias=False, head_dim=128, num_experts=8,
+                      num_experts_per_tok=2, num_shared_experts=0,
+                      shared_expert_combination_strategy="average",
+                      expert_selection_fn="softmax", norm_topk_prob=True,
+                      prefix_dense_sliding_window_pattern=1, sliding_window_pattern=4,
+                      rms_norm_eps=None),
     GLM4_MOE: _GLM4_MOE_DEFAULTS, DOTS1: _DOTS1_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     GLM4_MOE_LITE: _GLM4_MOE_LITE_DEFAULTS, MISTRAL4: _MISTRAL4_DEFAULTS,
@@ -651,7 +668,7 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
               ERNIE4_5_MOE: _QWEN_MOE_NAMES, GLM4_MOE_LITE: _QWEN_MOE_NAMES,
               MISTRAL4: _QWEN_MOE_NAMES, DEEPSEEK_V32: _QWEN_MOE_NAMES,
-              GLM_MOE_DSA: _QWEN_MOE_NAMES}
+              GLM_MOE_DSA: _QWEN_MOE_NAMES, COHERE2_MOE: _QWEN_MOE_NAMES}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
               "short_factor", "long_factor", "partial_rotary_factor")
@@ -803,6 +820,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   if lm == COHERE2:  # transformers' Cohere2Config: its eps's name, head_dim from the width
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
+  if lm == COHERE2_MOE:  # an RMSNorm's eps where it has one, else the LayerNorm's
+    c = {**c, "rms_norm_eps": c.get("rms_norm_eps") or c["layer_norm_eps"],
+         "_layer_norm": c.get("rms_norm_eps") is None}
   if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
     c["rope_scaling"] = dict(_GPT_OSS_ROPE)
   if lm == MISTRAL4 and not c.get("rope_scaling") and not c.get("rope_parameters"):
@@ -1360,7 +1380,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                  ARCEE, APERTUS, COHERE2) + _HUNYUANS + _SWAS
+                  ARCEE, APERTUS) + _COHERES + _HUNYUANS + _SWAS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
@@ -1481,19 +1501,58 @@ def _exaone4_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
           "rope_layers": tuple(int(t == "sliding_attention") for t in types)}
 
 
+def _cohere2_moe_prefix_pattern(cfg: ModelConfig) -> int:
+  """The prefix_dense_sliding_window_pattern a Cohere2-MoE config.json says for `cfg`: 1
+  where its leading dense layers' full layers rotate, 2 where they do not (layer_types
+  names the kinds either way; the others rotate in their sliding layers alone)."""
+  rope = tuple(cfg.rope_layers or (1,) * cfg.num_layers)
+  for pattern in (1, 2):
+    want = tuple(int(s or (pattern == 1 and i < cfg.dense_layers))
+                 for i, s in enumerate(cfg.sliding_layers))
+    if rope == want:
+      return pattern
+  raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as {cfg.architecture}, "
+                   "whose sliding layers rotate, its full ones do not, but for its leading "
+                   "dense layers' full ones (all of them or none)")
+
+
+def _cohere2_dense_layers(c: dict[str, Any]) -> int:
+  """How many of a Cohere2-MoE config.json's layers lead as dense ones (mlp_layer_types,
+  else first_k_dense_replace); dense layers after a mixture layer are an error."""
+  layers = int(c["num_hidden_layers"])
+  kinds = c.get("mlp_layer_types") or (
+      ["dense"] * int(c.get("first_k_dense_replace") or 0)
+      + ["sparse"] * (layers - int(c.get("first_k_dense_replace") or 0)))
+  dense = kinds.index("sparse") if "sparse" in kinds else len(kinds)
+  if len(kinds) != layers or any(k != "sparse" for k in kinds[dense:]):
+    raise ValueError(f"mlp_layer_types={kinds!r} in a {COHERE2_MOE} config.json: dense layers "
+                     "other than the first few are not supported")
+  return dense
+
+
 def _cohere2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a Cohere2 config.json ({} for other families), read as
   transformers does: layer_types (default: every sliding_window_pattern-th layer full, 4),
   the sliding layers rotating and the full ones not."""
-  if lm != COHERE2:
+  if lm not in _COHERES:
     return {}
   layers = int(c["num_hidden_layers"])
-  types = c.get("layer_types") or [
-      "sliding_attention" if (i + 1) % int(c.get("sliding_window_pattern") or 4)
-      else "full_attention" for i in range(layers)]
-  out = dict(layer_norm=True, parallel_residual=True,
+  dense = _cohere2_dense_layers(c) if lm == COHERE2_MOE else 0
+  if c.get("layer_types"):
+    types = list(c["layer_types"])
+  else:
+    prefix = int(c.get("prefix_dense_sliding_window_pattern") or 1)
+    pattern = int(c.get("sliding_window_pattern") or 4)
+    types = ([("sliding_attention" if (i + 1) % prefix else "full_attention")
+              for i in range(dense)]
+             + [("sliding_attention" if (i + 1) % pattern else "full_attention")
+                for i in range(layers - dense)])
+  # The dense prefix rotates in every layer where its own pattern is 1 (all full).
+  forced = lm == COHERE2_MOE and int(c.get("prefix_dense_sliding_window_pattern") or 1) == 1
+  rope = [int(t == "sliding_attention" or (forced and i < dense)) for i, t in enumerate(types)]
+  out = dict(layer_norm=lm == COHERE2 or bool(c.get("_layer_norm")), parallel_residual=True,
              lm_head_multiplier=float(c["logit_scale"]), layer_types=tuple(types),
-             rope_layers=tuple(int(t == "sliding_attention") for t in types))
+             rope_layers=tuple(rope))
   if "sliding_attention" in types:
     out["sliding_window"] = int(c["sliding_window"])
   return out
@@ -1826,6 +1885,26 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     return {"num_experts": one("num_experts"), "num_experts_per_tok": one("moe_topk"),
             "norm_topk_prob": True, "ffn_dim": width, "shared_expert_dim": width,
             **_aux_loss_from_hf(c)}
+  if arch == COHERE2_MOE:
+    select = c.get("expert_selection_fn") or "softmax"
+    combine = c.get("shared_expert_combination_strategy") or "average"
+    if select not in ("softmax", "sigmoid") or combine not in ("sum", "average"):
+      raise ValueError(f"expert_selection_fn={select!r} / shared_expert_combination_strategy="
+                       f"{combine!r} in a {COHERE2_MOE} config.json: expected softmax or "
+                       "sigmoid / sum or average")
+    width, shared = int(c["intermediate_size"]), int(c.get("num_shared_experts") or 0)
+    dense = _cohere2_dense_layers(c)
+    return {"num_experts": int(c["num_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            # softmax over the top-k logits: the top-k probabilities renormalised
+            "norm_topk_prob": select == "softmax" or bool(c.get("norm_topk_prob", True)),
+            "router_scoring": select, "router_correction_bias": select != "sigmoid",
+            "ffn_dim": width,
+            "shared_expert_dim": width * shared,
+            "shared_expert_average": bool(shared) and combine == "average",
+            "dense_layers": dense,
+            "dense_ffn_dim": int(c.get("prefix_dense_intermediate_size") or width) if dense
+            else 0, **_aux_loss_from_hf(c)}
   if arch in ("Qwen3MoeForCausalLM", QWEN2_MOE):
     # Dense layers (mlp_only_layers) are read where they lead: layers 0..k-1.
     dense = sorted(int(i) for i in c.get("mlp_only_layers") or ())
@@ -2082,6 +2161,27 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   sigmoid = lm in (GLM4_MOE, DOTS1, EXAONE_MOE, MINIMAX_M2, LLAMA4, NEMOTRON_H) + _V3_ROUTED
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
   grouped = lm in (GLM4_MOE, DOTS1, EXAONE_MOE) + _DEEPSEEKS  # groups, scaling, shared
+  if lm == COHERE2_MOE:  # softmax or sigmoid without a correction bias; shared experts
+    # n of width ffn_dim, summed or averaged; no groups or scaling
+    for name, value in (("router_correction_bias", cfg.router_scoring != "sigmoid"),
+                        ("softmax_correction_bias", False),
+                        ("shared_expert_gate", False), ("routed_input_scaling", False),
+                        ("router_groups", 1), ("router_group_topk", 1),
+                        ("routed_scaling_factor", 1.0), ("moe_layer_step", 1),
+                        ("router_bias", False), ("expert_bias", False),
+                        # softmax over the top-k logits: always renormalised
+                        ("norm_topk_prob", cfg.router_scoring == "softmax" or cfg.norm_topk_prob)):
+      if getattr(cfg, name) != value:
+        raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
+                         f"{cfg.architecture}, which always has {name}={value!r}")
+    if cfg.shared_expert_dim % cfg.ffn_dim:
+      raise ValueError(f"shared_expert_dim={cfg.shared_expert_dim} cannot be written as "
+                       f"{cfg.architecture}, whose shared experts are num_shared_experts of "
+                       f"width ffn_dim={cfg.ffn_dim}")
+    return
+  if cfg.shared_expert_average:
+    raise ValueError(f"shared_expert_average=True cannot be written as {cfg.architecture}; "
+                     f"{COHERE2_MOE} holds it")
   if lm == NEMOTRON_H:  # Nemotron 3: groups and scaling, one shared expert of its width
     if not cfg.shared_expert_dim:
       raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, "
@@ -2155,7 +2255,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                               and cfg.qkv_bias),
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
-               layer_norm=lm == COHERE2, parallel_residual=lm == COHERE2)
+               layer_norm=cfg.layer_norm if lm == COHERE2_MOE else lm == COHERE2,
+               parallel_residual=lm in _COHERES)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
@@ -2163,7 +2264,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
-                          MINISTRAL, COHERE2) + _SWAS)
+                          MINISTRAL) + _COHERES + _SWAS)
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm in ("Olmo3ForCausalLM",) + _SWAS else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -2200,6 +2301,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, whose sliding layers rotate and full ones do "
                        "not (with a sliding_window; without one every layer rotates)")
+  elif lm == COHERE2_MOE:
+    _cohere2_moe_prefix_pattern(cfg)  # raises where the rotary layers cannot be written
   elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) + _SWAS and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
@@ -2214,7 +2317,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   held = [name for name in MUP_MULTIPLIERS if getattr(cfg, name) != 1.0]
   held += ["ssm_multipliers"] * bool(cfg.ssm_multipliers and not cfg.parallel_mixer)
   held += ["linear_norm"] * (cfg.linear_norm != "after_gate" and not cfg.parallel_mixer)
-  if held and lm != FALCON_H1 and not (lm == COHERE2 and held == ["lm_head_multiplier"]):
+  if held and lm != FALCON_H1 and not (lm in _COHERES and held == ["lm_head_multiplier"]):
     raise ValueError(f"{held} cannot be written as {cfg.architecture}; {FALCON_H1} holds "
                      "them")
   if lm not in GRANITES:  # Falcon-H1 has an embedding_multiplier too
@@ -2367,12 +2470,25 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
   if lm == ARCEE:
     out["hidden_act"] = "relu2"
-  if lm == COHERE2:
+  if lm in _COHERES:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, logit_scale=cfg.lm_head_multiplier,
                sliding_window=cfg.sliding_window,
                layer_types=["sliding_attention" if s else "full_attention"
                             for s in cfg.sliding_layers])
+  if lm == COHERE2_MOE:
+    out.update(rms_norm_eps=None if cfg.layer_norm else cfg.norm_eps, intermediate_size=cfg.ffn_dim,
+               num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               expert_selection_fn=cfg.router_scoring, norm_topk_prob=cfg.norm_topk_prob,
+               num_shared_experts=cfg.shared_expert_dim // cfg.ffn_dim,
+               shared_expert_combination_strategy=(
+                   "average" if cfg.shared_expert_average else "sum"),
+               mlp_layer_types=["dense" if i < cfg.dense_layers else "sparse"
+                                for i in range(cfg.num_layers)],
+               prefix_dense_intermediate_size=cfg.dense_ffn_dim or None,
+               prefix_dense_sliding_window_pattern=_cohere2_moe_prefix_pattern(cfg),
+               output_router_logits=bool(cfg.router_aux_loss_coef),
+               router_aux_loss_coef=cfg.router_aux_loss_coef)
   if lm == APERTUS:
     out.pop("rope_theta")
     out.pop("rope_scaling")
@@ -2413,7 +2529,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out["rope_parameters"] = {
         kind: {"rope_type": r.type, "rope_theta": r.theta, **(_rope_scaling(r) or {})}
         for kind, r in (("full_attention", rope), ("sliding_attention", local))}
-  if cfg.dense_layers:
+  if cfg.dense_layers and lm != COHERE2_MOE:  # (its dense layers' width is their own key)
     out["intermediate_size"] = cfg.dense_ffn_dim
   if lm == HUNYUAN_MOE:
     out.update(num_experts=cfg.num_experts, moe_topk=cfg.num_experts_per_tok,
@@ -3134,7 +3250,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (GLM4, LLAMA4, COHERE2) + _ERNIES
+_INTERLEAVED = (GLM4, LLAMA4) + _COHERES + _ERNIES
 
 
 def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,

@@ -1809,6 +1809,8 @@ class MoE(nnx.Module):
                                       record_experts)
     if cfg.shared_expert_dim and not cfg.moe_input_norms:
       y = self._add_shared(x_BxTxD, ctx, y)
+      if cfg.shared_expert_average:  # Cohere2-MoE: (routed + shared) / 2
+        y = y * jnp.asarray(0.5, y.dtype)
     if record_experts:
       return y, stats, chosen
     return (y, stats) if router_stats else y
