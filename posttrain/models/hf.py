@@ -307,10 +307,10 @@ APERTUS = "ApertusForCausalLM"
 COHERE2 = "Cohere2ForCausalLM"
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
-# transformers saves them, or stacked), leading dense layers (first_k_dense_replace: mlp_layer_types, of
-# prefix_dense_intermediate_size) whose own sliding pattern of 1 makes them full layers
-# that rotate, shared experts summed or averaged with the routed ones; an RMSNorm where
-# the file gives rms_norm_eps, else Cohere's LayerNorm.
+# transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
+# mlp_layer_types, of prefix_dense_intermediate_size) whose own sliding pattern of 1
+# makes them full layers that rotate, shared experts summed or averaged with the routed
+# ones; an RMSNorm where the file gives rms_norm_eps, else Cohere's LayerNorm.
 COHERE2_MOE = "Cohere2MoeForCausalLM"
 _COHERES = (COHERE2, COHERE2_MOE)
 _APERTUS_DEFAULTS = dict(rms_norm_eps=1e-5, max_position_embeddings=65_536,
