@@ -1188,9 +1188,20 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   keeps its convolutions' taps, its norm's scale, two [Hv] columns and a few float32
   scalars besides (`_linear_layer_constant`; a short convolution none), and each
   multiplier that is not 1 its scalar (`_multiplier_scalars`).
+  Full layers of their own widths (cfg.global_layers_apart, Gemma 4) count at those
+  widths (`width_views`); per-layer embeddings add each token's [L, P] inputs, held
+  through the step, and the layers sharing keys and values their producers' k and v
+  (`_gemma4_extra_bytes`).
   """
   cfg = model_cfg
   remat = remat or cfg.remat
+  if cfg.global_layers_apart or cfg.per_layer_dim or cfg.kv_shared_layers:
+    # Each view counts every layer at its widths and the rest alike: weighted by its
+    # layers, the rest once and each layer at its own widths.
+    return int(sum(count / cfg.num_layers * saved_activation_bytes(
+        view, rows=rows, row_len=row_len, mesh=mesh, rules=rules, remat=remat)
+                   for count, view in width_views(cfg))
+               + _gemma4_extra_bytes(cfg, rows, row_len, mesh, rules, remat))
   b, t, heads, kv_heads, mlp, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
   linear_heads = _linear_shards(cfg, rows, row_len, mesh, rules)
   layers = sum(n * _kind_bytes(cfg, remat, linear, mlps, heads=heads, kv_heads=kv_heads,
@@ -1290,7 +1301,7 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
   """
   cfg = model_cfg
   remat = remat or cfg.remat
-  if cfg.global_layers_apart:
+  if cfg.global_layers_apart or cfg.per_layer_dim or cfg.kv_shared_layers:
     return _two_widths_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh,
                                         rules=rules, remat=remat)
   b, t, heads, kv_heads, _, vocab = _activation_shards(cfg, rows, row_len, mesh, rules)
@@ -1354,11 +1365,19 @@ def activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len: int,
 def width_views(cfg: models.ModelConfig) -> tuple[tuple[int, models.ModelConfig], ...]:
   """(layers, a config every layer of which is as they are) of a model whose full layers
   have widths of their own (cfg.global_layers_apart, Gemma 4): its sliding layers, then
-  its full ones (values counted as their own projection's where the keys give them)."""
-  plain = dict(global_head_dim=0, global_kv_heads=0, k_eq_v=False)
-  sliding = sum(cfg.sliding_layers)
-  return ((sliding, dataclasses.replace(cfg, **plain)),
-          (cfg.num_layers - sliding, dataclasses.replace(cfg.global_config(), **plain)))
+  its full ones (values counted as their own projection's where the keys give them); and
+  where the layers sharing keys and values have MLPs twice as wide (E2B), those (counted
+  as the sliding layers' widths, their MLPs doubled)."""
+  plain = dict(global_head_dim=0, global_kv_heads=0, k_eq_v=False, per_layer_dim=0,
+               per_layer_vocab=0, kv_shared_layers=0, kv_shared_wide_mlp=False)
+  wide = cfg.num_layers - cfg.kv_shared_layers if cfg.kv_shared_wide_mlp else cfg.num_layers
+  views = []
+  for kind, view in ((True, cfg), (False, cfg.global_config())):
+    for lo, hi, ffn in ((0, wide, view.ffn_dim), (wide, cfg.num_layers, 2 * view.ffn_dim)):
+      count = sum(s == kind for s in cfg.sliding_layers[lo:hi])
+      if count:
+        views.append((count, dataclasses.replace(view, **plain, ffn_dim=ffn)))
+  return tuple(views)
 
 
 def _two_widths_activation_bytes(cfg: models.ModelConfig, *, rows: int, row_len: int,
@@ -1366,17 +1385,42 @@ def _two_widths_activation_bytes(cfg: models.ModelConfig, *, rows: int, row_len:
   """`activation_bytes` of a model whose full layers have widths of their own: each kind's
   saved activations for its own layers, and the larger kind's layer being
   differentiated."""
-  saved, rest, note = 0.0, 0, ""
-  for count, view in width_views(cfg):
+  rest, note = 0, ""
+  for _, view in width_views(cfg):
     total, note = activation_bytes(view, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
                                    remat=remat)
-    own = saved_activation_bytes(view, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
+    rest = max(rest, total - saved_activation_bytes(view, rows=rows, row_len=row_len,
+                                                    mesh=mesh, rules=rules, remat=remat))
+  saved = saved_activation_bytes(cfg, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
                                  remat=remat)
-    saved += own * count / cfg.num_layers
-    rest = max(rest, total - own)
   wide = cfg.global_config()
-  return int(saved + rest), (f"{note}; the {cfg.num_layers - sum(cfg.sliding_layers)} full "
-                             f"layers {wide.num_kv_heads} x {wide.head_dim} wide")
+  note += (f"; the {cfg.num_layers - sum(cfg.sliding_layers)} full layers "
+           f"{wide.num_kv_heads} x {wide.head_dim} wide")
+  if cfg.per_layer_dim:
+    note += f", per-layer inputs of {cfg.per_layer_dim}"
+  if cfg.kv_shared_layers:
+    note += f", {cfg.kv_shared_layers} layers reading others' keys and values"
+  return int(saved + rest), note
+
+
+def _gemma4_extra_bytes(cfg: models.ModelConfig, rows: int, row_len: int, mesh, rules,
+                        remat: str | None = None) -> int:
+  """What a model with per-layer embeddings keeps beyond its layers (each token's [L, P]
+  inputs, held through the step) and one with layers sharing keys and values (the k and
+  v of each layer they read)."""
+  b, t, _, kv_heads, _, _ = _activation_shards(cfg, rows, row_len, mesh, rules)
+  s = np.dtype(cfg.dtype).itemsize
+  layers, p = cfg.num_layers, cfg.per_layer_dim
+  # The inputs, their norm's float32 input and rsqrt (kept for its backward), and under
+  # remat each layer's slice, an argument its checkpoint keeps.
+  extra = b * t * (layers * p * (s + 4) + 4 * layers) * bool(p)
+  if p and (remat or cfg.remat) != "none":
+    extra += b * t * layers * p * s
+  for i in {cfg.kv_producer(i) for i in range(cfg.num_layers)} - {None}:
+    view = cfg if cfg.sliding_layers[i] else cfg.global_config()
+    heads = max(1, kv_heads * view.num_kv_heads // cfg.num_kv_heads)
+    extra += 2 * b * t * heads * view.head_dim * s
+  return extra
 
 
 def _ordered_held_bytes(cfg: models.ModelConfig, heads: int, kv_heads: int,

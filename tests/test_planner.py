@@ -2107,3 +2107,42 @@ def test_routing_replay_is_planned_in_the_batch_and_beside_the_cache():
     assert batch["routing"].dtype == np.uint8
   assert "routing" not in aot.abstract_rl_batch(_config(**base), experiment.algorithm(
       _config(**base)), (), None)
+
+
+GEMMA4 = dict(qk_norm=True, sandwich_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
+              attention_multiplier=1.0, sliding_window=32, global_head_dim=32,
+              global_kv_heads=1, k_eq_v=True, v_norm=True, layer_scale=True,
+              layer_types=("sliding_attention", "sliding_attention", "full_attention") * 2,
+              rope=models.RopeConfig(theta=1e6, type="proportional", partial_rotary_factor=0.25),
+              rope_local=models.RopeConfig(), architecture="Gemma4ForCausalLM")
+# E2B's layout: per-layer inputs, the last three layers reading others' keys and values,
+# their MLPs twice as wide.
+GEMMA4_EDGE = dict(GEMMA4, k_eq_v=False, global_kv_heads=0, per_layer_dim=8,
+                   kv_shared_layers=3, kv_shared_wide_mlp=True)
+
+
+@pytest.mark.parametrize("dtype, remat, layout", [
+    ("float32", "none", GEMMA4), ("bfloat16", "full", GEMMA4),
+    ("float32", "none", GEMMA4_EDGE), ("bfloat16", "full", GEMMA4_EDGE),
+])
+def test_gemma4_saved_activations_match_what_jax_keeps(dtype, remat, layout):
+  """Full layers of their own widths count at them; per-layer inputs and the keys and
+  values other layers read are kept beside the layers'."""
+  cfg = models.get_preset("tiny", num_layers=6, d_model=96, ffn_dim=160, num_heads=6,
+                          num_kv_heads=2, head_dim=16, remat=remat, attention_impl="reference",
+                          logprob_chunk=64, dtype=dtype, param_dtype=dtype, **layout)
+  graphdef, params, rest = nnx.split(
+      nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  rows, length = 4, 128
+
+  def loss(params, tokens):
+    model = nnx.merge(graphdef, params, rest)
+    return model.token_logprobs(tokens, tokens).sum()
+
+  kept = sum(math.prod(aval.shape) * aval.dtype.itemsize
+             for aval, src in saved_residuals(loss, params,
+                                              jax.ShapeDtypeStruct((rows, length), jnp.int32))
+             if "from the argument" not in src)
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  estimate = planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=one_device)
+  assert estimate == pytest.approx(kept, rel=0.1)
