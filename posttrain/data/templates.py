@@ -46,6 +46,9 @@ rollout.tool_format=native works) in the syntax the template renders a probe cal
   * JSON in a wrapper tag (Qwen3, SmolLM3, Hermes): {"name": ..., "arguments": ...} between
     "<tool_call>" and "</tool_call>" (the tag and the arguments' key as the template
     writes them), read as the ChatML format reads them.
+  * Gemma 4's: "<|tool_call>call:NAME{key:value,...}<tool_call|>", the values JSON's but
+    for strings between <|"|> marks and bare keys (transformers' response schema for
+    Gemma 4); a block that does not read so is a call with no name and no arguments.
 A template that renders calls in any other way (or not at all) refuses tools in
 `check_tools`: such a model is given tools in the text protocol.
 """
@@ -68,6 +71,10 @@ _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Y
 _PROBE_CALL = ("probe_fn", {"probe_arg": "probe value"})
 _FUNCTION, _FUNCTION_END = "<function=", "</function>"
 _PARAMETER, _PARAMETER_END = "<parameter=", "</parameter>"
+# Gemma 4's calls: <|tool_call>call:NAME{key:value,...}<tool_call|>, its strings between
+# <|"|> marks and its keys bare (transformers' response schema for gemma4).
+_CALL_OPEN, _CALL_CLOSE, _CALL_PREFIX, _QUOTE = "<|tool_call>", "<tool_call|>", "call:", '<|"|>'
+_BARE = re.compile(r"[A-Za-z_][\w.-]*")
 _TAG = re.compile(r"<([A-Za-z_][\w.-]*)>")
 _TAG_BEFORE = re.compile(r"<([A-Za-z_][\w.-]*)>\s*$")
 
@@ -76,8 +83,8 @@ _TAG_BEFORE = re.compile(r"<([A-Za-z_][\w.-]*)>\s*$")
 class CallSyntax:
   """How a template writes a tool call (see the module docstring).
 
-  kind: "xml" (<function=NAME> with <parameter=K> blocks) or "json" (an object in a
-  wrapper). wrapper: the (opening, closing) tags around a call, None for XML calls
+  kind: "xml" (<function=NAME> with <parameter=K> blocks), "json" (an object in a
+  wrapper) or "gemma" (Gemma 4's call:NAME{...} with bare keys and <|"|> strings). wrapper: the (opening, closing) tags around a call, None for XML calls
   written bare. pad: what the template writes before and after an XML parameter's value.
   arguments_key: the JSON object's key for the arguments.
   """
@@ -98,6 +105,11 @@ def call_syntax(rendered: str) -> CallSyntax | None:
   rendering; None where it is neither XML nor JSON in a wrapper tag."""
   name, arguments = _PROBE_CALL
   [(key, value)] = arguments.items()
+  gemma = rendered.find(f"{_CALL_OPEN}{_CALL_PREFIX}{name}")
+  if gemma >= 0 and rendered.find(_CALL_CLOSE, gemma) >= 0:
+    [(_, _, got_name, got)] = read_gemma_calls(rendered[gemma:])
+    if (got_name, got) == (name, arguments):
+      return CallSyntax("gemma", (_CALL_OPEN, _CALL_CLOSE))
   start = rendered.find(f"{_FUNCTION}{name}>")
   param = rendered.find(f"{_PARAMETER}{key}>", start) if start >= 0 else -1
   if param >= 0:
@@ -189,6 +201,59 @@ def read_xml_calls(text: str, syntax: CallSyntax) -> list[tuple[int, int, Any, A
         start, end = lead, trail + len(closer)
     calls.append((start, end, name, arguments))
     pos = end
+
+
+def read_gemma_calls(text: str) -> list[tuple[int, int, Any, Any]]:
+  """(start, end, name, arguments) of Gemma 4's calls in `text`:
+  <|tool_call>call:NAME{key:value,...}<tool_call|>, values as JSON's but for strings
+  between <|"|> marks and bare keys. A block that does not read so is a call with no name
+  and no arguments; one never closed is none."""
+  calls, pos = [], 0
+  while True:
+    start = text.find(_CALL_OPEN, pos)
+    end = text.find(_CALL_CLOSE, start + len(_CALL_OPEN)) if start >= 0 else -1
+    if end < 0:
+      return calls
+    body, pos = text[start + len(_CALL_OPEN):end], end + len(_CALL_CLOSE)
+    name, arguments = None, None
+    match = re.fullmatch(r"call:([A-Za-z_][\w.-]*)(\{.*\})", body.strip(), re.S)
+    if match:
+      try:
+        arguments = json.loads(_gemma_json(match.group(2)))
+        name = match.group(1)
+      except ValueError:
+        arguments = None
+      if not isinstance(arguments, dict):
+        name, arguments = None, None
+    calls.append((start, pos, name, arguments))
+
+
+def _gemma_json(text: str) -> str:
+  """Gemma 4's argument object as JSON: each <|"|>...<|"|> string quoted, each bare key
+  (a name before a colon, outside a string) quoted; the rest as it is. Raises ValueError
+  for a string never closed."""
+  out, i = [], 0
+  while i < len(text):
+    if text.startswith(_QUOTE, i):
+      close = text.find(_QUOTE, i + len(_QUOTE))
+      if close < 0:
+        raise ValueError("a string with no closing mark")
+      out.append(json.dumps(text[i + len(_QUOTE):close]))
+      i = close + len(_QUOTE)
+      continue
+    bare = _BARE.match(text, i)
+    if bare and text[bare.end():].lstrip().startswith(":") and (
+        "".join(out).rstrip()[-1:] in ("{", ",")):
+      out.append(json.dumps(bare.group(0)))
+      i = bare.end()
+      continue
+    if bare:  # a literal (true, false, null) or part of a number
+      out.append(bare.group(0))
+      i = bare.end()
+      continue
+    out.append(text[i])
+    i += 1
+  return "".join(out)
 
 
 def read_json_calls(text: str, syntax: CallSyntax) -> list[tuple[int, int, Any, Any]]:
@@ -437,9 +502,9 @@ class TemplateFormat(ChatFormat):
 
   def check_tools(self, tools) -> None:
     if tools and self.call_syntax is None:
-      raise ValueError("the chat template does not write tool calls as <function=NAME> XML "
-                       "or as JSON in a wrapper tag, so a model's calls cannot be read: use "
-                       "rollout.tool_format=text")
+      raise ValueError("the chat template does not write tool calls as <function=NAME> XML, "
+                       "as JSON in a wrapper tag or as Gemma 4's call:NAME{...}, so a model's "
+                       "calls cannot be read: use rollout.tool_format=text")
 
   def read_tool_calls(self, text):
     """The calls in `text`, in the template's syntax (see the module docstring)."""
@@ -447,6 +512,8 @@ class TemplateFormat(ChatFormat):
       return []
     if self.call_syntax.kind == "xml":
       return read_xml_calls(text, self.call_syntax)
+    if self.call_syntax.kind == "gemma":
+      return read_gemma_calls(text)
     return read_json_calls(text, self.call_syntax)
 
   def write_tool_call(self, name, arguments):

@@ -351,8 +351,9 @@ def test_json_calls_in_a_forced_template_and_templates_without_calls(qwen3, tmp_
     (tmp_path / name).mkdir()
     tok = load_tokenizer("template:" + _with_template(tmp_path / name, template))
     assert tok.chat.call_syntax is None and tok.chat.read_tool_calls(turn) == []
-    with pytest.raises(ValueError, match=r"does not write tool calls as <function=NAME> XML "
-                                         r"or as JSON in a wrapper tag.*tool_format=text"):
+    with pytest.raises(ValueError, match=r"does not write tool calls as <function=NAME> XML, "
+                                         r"as JSON in a wrapper tag or as Gemma 4's "
+                                         r"call:NAME.*tool_format=text"):
       tok.chat.check_tools(TOOLS)
     with pytest.raises(ValueError, match="tool_format=text"):
       tok.chat.write_tool_call("calculator", arguments)
@@ -453,3 +454,81 @@ def test_native_tool_demonstration_is_the_templates(request, opens):
   block = "\n</think>\n\n" if opens else "<think>\n\n</think>\n\n"
   assert trained == ((block if opens else "") + tok.chat.write_tool_call("calculator", arguments)
                      + f"<|im_end|>{block}<answer>{task.answer}</answer><|im_end|>")
+
+
+# Gemma 4's call syntax in a stand-in template: a model turn's tool_calls rendered as
+# <|tool_call>call:NAME{key:value,...}<tool_call|>, strings between <|"|> marks, keys bare.
+GEMMA4_CALLS = (
+    "{%- macro value(v) -%}{%- if v is string -%}{{ '<|\"|>' + v + '<|\"|>' }}"
+    "{%- elif v is mapping -%}{{ '{' }}{%- for k, x in v | items -%}{{ k }}:{{ value(x) }}"
+    "{{ ',' if not loop.last }}{%- endfor -%}{{ '}' }}"
+    "{%- elif v is sequence -%}{{ '[' }}{%- for x in v -%}{{ value(x) }}"
+    "{{ ',' if not loop.last }}{%- endfor -%}{{ ']' }}"
+    "{%- else -%}{{ v | tojson }}{%- endif -%}{%- endmacro -%}"
+    "{{- bos_token -}}{%- for message in messages -%}"
+    "{{- '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' "
+    "+ (message['content'] or '') -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{- '<|tool_call>call:' + call['function']['name'] + value(call['function']['arguments'])"
+    " + '<tool_call|>' -}}{%- endfor -%}{{- '<turn|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}")
+
+
+def _gemma_call(name, arguments):
+  """A call as Gemma 4 writes it (keys bare, strings between <|"|> marks)."""
+  def value(v):
+    if isinstance(v, str):
+      return '<|"|>' + v + '<|"|>'
+    if isinstance(v, dict):
+      return "{" + ",".join(f"{k}:{value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+      return "[" + ",".join(value(x) for x in v) + "]"
+    return json.dumps(v)
+  return f"<|tool_call>call:{name}{value(arguments)}<tool_call|>"
+
+
+def test_gemma4_calls_are_read_and_written_as_its_template_renders_them(tmp_path):
+  from tests.data.bpe import write_folder
+  specials = ["<bos>", "<eos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>"]
+  write_folder(tmp_path, specials, ["call: probe value get_weather Paris"],
+               {"chat_template": GEMMA4_CALLS, "bos_token": "<bos>", "eos_token": "<eos>"})
+  tok = load_tokenizer(str(tmp_path))
+  assert isinstance(tok.chat, TemplateFormat)
+  assert tok.chat.call_syntax == CallSyntax("gemma", ("<|tool_call>", "<tool_call|>"))
+  args = {"location": "Paris, {FR}: north", "days": 3, "opts": {"deep": True, "tags": ["a"]}}
+  written = tok.chat.write_tool_call("get_weather", args)
+  assert written == _gemma_call("get_weather", args)
+  text = "Checking. " + written + " and " + _gemma_call("ping", {})
+  assert [(n, a) for _, _, n, a in tok.chat.read_tool_calls(text)] == [
+      ("get_weather", args), ("ping", {})]
+  start, end, _, _ = tok.chat.read_tool_calls(text)[0]
+  assert text[start:end] == written
+
+
+_KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}", fullmatch=True)
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.text(st.characters(blacklist_characters='"|', blacklist_categories=("Cs",)),
+              max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=_KEYS, arguments=st.dictionaries(_KEYS, _VALUES, max_size=4))
+def test_gemma4_calls_read_back_what_was_written(name, arguments):
+  from posttrain.data.templates import read_gemma_calls
+  text = "a " + _gemma_call(name, arguments) + " b"
+  [(start, end, got_name, got)] = read_gemma_calls(text)
+  assert (got_name, got) == (name, arguments)
+  assert text[start:end] == _gemma_call(name, arguments)
+
+
+def test_gemma4_calls_that_do_not_read_are_calls_without_a_name():
+  from posttrain.data.templates import read_gemma_calls
+  calls = read_gemma_calls('<|tool_call>call:f{x:<|"|>never closed}<tool_call|>'
+                           "<|tool_call>nonsense<tool_call|>"
+                           "<|tool_call>call:g[1,2]<tool_call|>"
+                           "<|tool_call>call:h{x:1}")  # never closed: no call
+  assert [(n, a) for _, _, n, a in calls] == [(None, None)] * 3
