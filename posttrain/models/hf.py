@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from typing import Any, Callable, Iterator
 
 import jax
@@ -638,7 +639,11 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
   """HF causal-LM tensor name -> its name in the files: the names themselves, or a
   vision-language checkpoint's (language_model.model.X, as published and as transformers
   5 saves, or model.language_model.X); a Nemotron-H checkpoint's trunk as model.X when
-  its files say so (transformers' name in memory) in place of backbone.X."""
+  its files say so (transformers' name in memory) in place of backbone.X; EXAONE 3's
+  names (`_EXAONE_NAMES`) where its files hold them."""
+  if c.get("model_type") == "exaone" and "transformer.wte.weight" in files:
+    return functools.partial(functools.reduce, lambda name, rename: re.sub(*rename, name),
+                             _EXAONE_NAMES)
   if (NEMOTRON_H in (c.get("architectures") or []) and "backbone.embeddings.weight" not in
       files and "model.embeddings.weight" in files):
     return lambda name: ("model." + name[len("backbone."):] if name.startswith("backbone.")
@@ -775,10 +780,69 @@ def _rope_from_params(merged: dict[str, Any], c: dict[str, Any]) -> RopeConfig:
   return RopeConfig(theta=float(theta), type=rope_type, **kwargs)
 
 
+# Families transformers runs through a class read here, known by config.json's model_type
+# (their published files name a class of their own, in remote code): model_type -> (that
+# class, config.json keys of their own -> the class's names, their config's defaults).
+# They are written back as that class.
+_MODEL_TYPE_CLASSES: dict[str, tuple[str, dict[str, str], dict[str, Any]]] = {
+    # EXAONE 3.0 / 3.5 / EXAONE Deep: Llama, its files named GPT-2's way (`_EXAONE_NAMES`)
+    "exaone": ("LlamaForCausalLM", {
+        "num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+        "activation_function": "hidden_act"}, dict(
+        vocab_size=102_400, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=500_000.0, tie_word_embeddings=False)),
+    # IQuest-Coder-V1: Llama
+    "iquestcoder": ("LlamaForCausalLM", {}, dict(
+        vocab_size=76_800, hidden_size=5120, intermediate_size=27_648, num_hidden_layers=80,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131_072, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # Sarvam-105B: DeepSeek-V3 (one group, a dense first layer, no query compression)
+    "sarvam_mla": (DEEPSEEK_V3, {
+        "num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+        "num_shared_experts": "n_shared_experts",
+        "num_mtp_layers": "num_nextn_predict_layers"}, {
+        **_KIMI_TEXT_DEFAULTS, **_DEEPSEEK_V3_DEFAULTS, **dict(
+            vocab_size=262_144, hidden_size=4096, intermediate_size=16_384,
+            num_hidden_layers=32, num_attention_heads=64, num_key_value_heads=None,
+            n_routed_experts=128, q_lora_rank=None, n_group=1, topk_group=1,
+            first_k_dense_replace=1)}),
+}
+# EXAONE 3's tensor names in its files (transformers' names -> theirs, in order).
+_EXAONE_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
+                 (r"^model\.layers\.", "transformer.h."), (r"^model\.norm\.", "transformer.ln_f."),
+                 (r"\.self_attn\.o_proj\.", ".attn.attention.out_proj."),
+                 (r"\.self_attn\.", ".attn.attention."), (r"\.input_layernorm\.", ".ln_1."),
+                 (r"\.post_attention_layernorm\.", ".ln_2."),
+                 (r"\.mlp\.gate_proj\.", ".mlp.c_fc_0."), (r"\.mlp\.up_proj\.", ".mlp.c_fc_1."),
+                 (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
+
+
+def _model_type_config(c: dict[str, Any]) -> dict[str, Any]:
+  """A config.json of a `_MODEL_TYPE_CLASSES` family as its class's (others as they
+  are): keys under the class's names, its family's defaults where it says nothing."""
+  if c.get("model_type") not in _MODEL_TYPE_CLASSES:
+    return c
+  _, names, defaults = _MODEL_TYPE_CLASSES[c["model_type"]]
+  out = {**defaults, **{names.get(k, k): v for k, v in c.items() if names.get(k, k) not in c
+                        or k not in names}}
+  if out.get("num_key_value_heads") is None:
+    out["num_key_value_heads"] = out["num_attention_heads"]
+  scaling = out.get("rope_scaling") or {}
+  if "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type")):
+    # Sarvam's name for DeepSeek's YaRN, read as transformers does
+    out["rope_scaling"] = {**{k: v for k, v in scaling.items() if k != "type"},
+                           "rope_type": "yarn"}
+  return out
+
+
 def _architecture(c: dict[str, Any]) -> str:
-  """The supported class a config.json names; an unknown architecture is an error."""
+  """The supported class a config.json names (or its model_type runs as,
+  `_MODEL_TYPE_CLASSES`); an unknown architecture is an error."""
   archs = c.get("architectures") or []
   arch = next((a for a in archs if a in SUPPORTED), None)
+  if arch is None and c.get("model_type") in _MODEL_TYPE_CLASSES:
+    arch = _MODEL_TYPE_CLASSES[c["model_type"]][0]
   if arch is None:
     raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
                      f"supported: {list(SUPPORTED) + list(VISION_LANGUAGE)}")
@@ -809,7 +873,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   *ForSequenceClassification is a reward model (lm_head=False, value_head=True) of one
   label; another num_labels is an error. A vision-language model (VISION_LANGUAGE) maps
   to its language model's causal LM."""
-  c = _language_model_config(c)
+  c = _model_type_config(_language_model_config(c))
   arch = _architecture(c)
   lm = _causal_lm(arch)
   if lm in (NEMOTRON_H, LFM2, GEMMA4):
