@@ -61,7 +61,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Dots1ForCausalLM", "ArceeForCausalLM", "ExaoneMoeForCausalLM",
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
-              "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM")
+              "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
+              "GlmForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -117,7 +118,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteSWAForCausalLM": "granite_swa",
                 "GraniteMoeSWAForCausalLM": "granitemoe_swa",
                 "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus",
-                "Cohere2ForCausalLM": "cohere2", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -276,6 +277,10 @@ _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_mu
 # is rotate-half: q's and k's rotated features are permuted on load (evens, then odds),
 # which turns one into the other and leaves q . k unchanged, and back on export.
 GLM4 = "Glm4ForCausalLM"
+# GLM-4-9B (GlmForCausalLM, glm-4-9b-chat-hf, glm-4-9b-hf): GLM-4-0414's layers without the
+# norms on each sublayer's output (Llama's two norms), as transformers computes it.
+GLM = "GlmForCausalLM"
+_GLMS = (GLM, GLM4)
 _GLM4_DEFAULTS = dict(rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)
 # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases), softmax
 # routing, and a shared expert every token runs, scaled by sigmoid(x . w).
@@ -459,7 +464,7 @@ _QWEN3_5_DEFAULTS = dict(
     max_position_embeddings=32_768, attention_bias=False, tie_word_embeddings=False)
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
-    FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
+    FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM: _GLM4_DEFAULTS,
     APERTUS: _APERTUS_DEFAULTS,
     COHERE2: dict(layer_norm_eps=1e-5, logit_scale=0.0625, sliding_window=4096,
                   max_position_embeddings=8192, tie_word_embeddings=True,
@@ -732,7 +737,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     theta = float(merged.get("rope_theta", c.get("rope_theta", 10_000.0)))
     merged = {"rope_type": "default",
               "rope_theta": theta * float(merged["alpha"]) ** (dim / (dim - 2))}
-  if lm in (GLM4, GLM4_MOE):
+  if lm in _GLMS + (GLM4_MOE,):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm in _QWEN3_5S:
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
@@ -2430,7 +2435,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
                      "features")
-  if lm not in (PHI3, GLM4, GLM4_MOE, MINIMAX_M2, BAMBA) + _QWEN3_5S + _DEEPSEEKS and any(
+  if lm not in (PHI3, GLM4_MOE, MINIMAX_M2, BAMBA) + _GLMS + _QWEN3_5S + _DEEPSEEKS and any(
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
@@ -2751,7 +2756,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
         out.update(_mamba2_to_hf(cfg))
     else:
       out["mlp_bias"] = False
-  elif lm == GLM4:
+  elif lm in _GLMS:
     out.update(partial_rotary_factor=rope.partial_rotary_factor,
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 "partial_rotary_factor": rope.partial_rotary_factor,
@@ -2860,7 +2865,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   else:
     norms += [("post_attn_norm", "post_attention_layernorm")]
   fused = _causal_lm(cfg.architecture) == PHI3
-  fused_mlp = _causal_lm(cfg.architecture) in (PHI3, GLM4)
+  fused_mlp = _causal_lm(cfg.architecture) in (PHI3,) + _GLMS
   qk_in, qk_bias = proj_in, bias
   if _causal_lm(cfg.architecture) in _INTERLEAVED:  # interleaved rotary <-> rotate-half
     qk_in = _interleaved_rows(proj_in, h, d, cfg)
@@ -3314,7 +3319,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (GLM4, LLAMA4) + _COHERES + _ERNIES
+_INTERLEAVED = (LLAMA4,) + _GLMS + _COHERES + _ERNIES
 
 
 def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
@@ -3495,7 +3500,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
   fused = [t for t in ("gate_proj", "up_proj") if t in cfg.lora_target_names]
-  if _causal_lm(cfg.architecture) == GLM4 and fused:
+  if _causal_lm(cfg.architecture) in _GLMS and fused:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {fused} "
                      "are not written or read: PEFT wraps its fused gate_up_proj with one "
                      "adapter, ours are one each; adapt the attention (and down_proj), or "

@@ -2,7 +2,8 @@
 q/k/v biases, a norm on each sublayer's input and output, and half of each head rotated
 by an interleaved rotary embedding, which we hold as rotate-half over q's and k's
 reordered features. Logits (layer list and scanned), gradients, greedy generation,
-export, the reward model, and what other classes refuse."""
+export, the reward model, and what other classes refuse. GLM-4-9B (GlmForCausalLM):
+the same layers with Llama's two norms."""
 
 import json
 
@@ -148,3 +149,51 @@ def test_peft_adapter_files_in_and_out(saved, tmp_path):
   fused.save_pretrained(str(tmp_path / "fused"))
   with pytest.raises(ValueError, match=r"target_modules \['gate_up_proj'\] are not supported"):
     models.from_pretrained(folder, adapter=str(tmp_path / "fused"))
+
+
+# GLM-4-9B (GlmForCausalLM): GLM-4-0414's layers with Llama's two norms.
+@pytest.fixture(scope="module")
+def saved_glm(tmp_path_factory):
+  def make(_):
+    torch.manual_seed(0)
+    cfg = transformers.GlmConfig(**COMMON)
+    return perturb(transformers.GlmForCausalLM(cfg).float().eval())
+  return save_families(tmp_path_factory, ["glm"], make)["glm"]
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_glm_logits_match_transformers(saved_glm, scan):
+  folder, hf = saved_glm
+  ours = models.from_pretrained(folder, scan_layers=scan)
+  assert (ours.cfg.sandwich_norms, ours.cfg.qkv_bias, ours.cfg.architecture) == (
+      False, True, "GlmForCausalLM")
+  assert ours.cfg.rope.partial_rotary_factor == 0.5
+  want = hf_logits(hf, TOKENS)
+  np.testing.assert_allclose(np.asarray(_jitted_logits(ours, TOKENS)), want, atol=1e-4,
+                             rtol=0)
+  assert np.abs(want).max() > 3
+
+
+def test_glm_greedy_generation_matches_transformers(saved_glm):
+  for i, (got, want) in enumerate(greedy_tokens(*saved_glm, PROMPTS, 12, False)):
+    assert got == want, i
+
+
+def test_glm_export_round_trip_is_exact(saved_glm, tmp_path):
+  folder, hf = saved_glm
+  ours = models.from_pretrained(folder)
+  models.save_pretrained(ours, str(tmp_path / "out"))
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert written["model_type"] == "glm" and written["architectures"] == ["GlmForCausalLM"]
+  assert models.hf_config_to_model_config(written) == ours.cfg
+  back = transformers.GlmForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+  np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
+  with pytest.raises(ValueError, match="sandwich_norms=True cannot be written as Glm"):
+    models.hf.check_exportable(ours.cfg.replace(sandwich_norms=True))
+
+
+def test_glm_reward_model_scores_match_transformers(tmp_path):
+  torch.manual_seed(0)
+  hf = perturb(transformers.GlmForSequenceClassification(
+      transformers.GlmConfig(**COMMON, num_labels=1)).float().eval())
+  check_reward_model_round_trip(hf, transformers.GlmForSequenceClassification, tmp_path)
