@@ -210,6 +210,9 @@ class ModelConfig:
     qk_norm_heads: with qk_norm, each norm spans every head's features at once (q's
       heads * head_dim, k's kv_heads * head_dim, one scale per feature: OLMo 2 / 3,
       MiniMax-M2) instead of each head's head_dim.
+    qk_norm_head_weights: with qk_norm, each head's norm (over its own head_dim) has a
+      weight of its own: q's [heads, head_dim], k's [kv_heads, head_dim] (Cohere Command
+      R+'s) instead of one [head_dim] shared by the heads.
     rope_layers: per layer, 1 where its q and k rotate and 0 where they do not (a NoPE
       layer: SmolLM3's every fourth; transformers' no_rope_layers); () = every layer
       rotates.
@@ -475,6 +478,7 @@ class ModelConfig:
   qkv_bias: bool = False
   qk_norm: bool = False
   qk_norm_heads: bool = False
+  qk_norm_head_weights: bool = False
   qk_norm_after_rope: bool = False
   max_position_embeddings: int = 8192
   architecture: str = "LlamaForCausalLM"
@@ -658,6 +662,13 @@ class ModelConfig:
     if self.qk_norm_heads and not self.qk_norm:
       raise ValueError("qk_norm_heads=True needs qk_norm=True (it says what the q/k norms "
                        "span)")
+    if self.qk_norm_head_weights and not self.qk_norm:
+      raise ValueError("qk_norm_head_weights=True needs qk_norm=True (it says what the "
+                       "q/k norms' weights are)")
+    if self.qk_norm_head_weights and self.qk_norm_heads:
+      raise ValueError("qk_norm_head_weights (a weight per head, each head normed alone) "
+                       "and qk_norm_heads (every head normed at once) are two layouts of "
+                       "the q/k norms; set one")
     if self.qk_norm_after_rope and not self.qk_norm:
       raise ValueError("qk_norm_after_rope=True needs qk_norm=True (it says when the q/k "
                        "norms apply)")
@@ -1165,7 +1176,8 @@ class ModelConfig:
         ("moe_layer_step", self.moe_layer_step != 1),
         ("attention_chunk_size", self.attention_chunk_size),
         ("rope_layers", self.rope_layers), ("attn_output_gate", self.attn_output_gate),
-        ("qkv_bias", self.qkv_bias), ("qk_norm_heads", self.qk_norm_heads)) if on]
+        ("qkv_bias", self.qkv_bias), ("qk_norm_heads", self.qk_norm_heads),
+        ("qk_norm_head_weights", self.qk_norm_head_weights)) if on]
     if held:
       raise ValueError(f"full layers of their own (global_head_dim / global_kv_heads / "
                        f"k_eq_v) with {', '.join(held)} are not supported")
@@ -1443,7 +1455,7 @@ class ModelConfig:
     if self.qkv_bias:
       attn += (h + 2 * kv) * hd
     if self.qk_norm:
-      attn += (h + kv) * hd if self.qk_norm_heads else 2 * hd
+      attn += (h + kv) * hd if self.qk_norm_heads or self.qk_norm_head_weights else 2 * hd
     attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
     router = (d + self.router_bias + self.has_correction_bias) * self.num_experts
     norms = 4 if self.sandwich_norms else 2

@@ -62,7 +62,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
-              "GlmForCausalLM")
+              "GlmForCausalLM", "CohereForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -73,7 +73,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
-                  "Cohere2MoeForCausalLM")
+                  "Cohere2MoeForCausalLM", "CohereForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -118,7 +118,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteSWAForCausalLM": "granite_swa",
                 "GraniteMoeSWAForCausalLM": "granitemoe_swa",
                 "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus",
-                "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm",
+                "CohereForCausalLM": "cohere", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -311,6 +312,11 @@ APERTUS = "ApertusForCausalLM"
 # full one without a position embedding, heads splitting hidden_size evenly, the logits
 # times logit_scale (our lm_head_multiplier).
 COHERE2 = "Cohere2ForCausalLM"
+# Cohere Command R / R+ / Aya Expanse / Aya 23 (CohereForCausalLM): Command R7B's parallel
+# layers under one bias-free LayerNorm, every layer rotating (interleaved pairs), biases
+# on all four attention projections with attention_bias; with use_qk_norm (Command R+)
+# q and k LayerNorm-ed per head, each head its own weight (`qk_norm_head_weights`).
+COHERE = "CohereForCausalLM"
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -466,6 +472,9 @@ _QWEN3_5_DEFAULTS = dict(
 _CLASS_DEFAULTS = {
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM: _GLM4_DEFAULTS,
     APERTUS: _APERTUS_DEFAULTS,
+    COHERE: dict(layer_norm_eps=1e-5, logit_scale=0.0625, max_position_embeddings=8192,
+                 tie_word_embeddings=True, attention_bias=False, use_qk_norm=False,
+                 rope_theta=500_000.0, vocab_size=256_000),
     COHERE2: dict(layer_norm_eps=1e-5, logit_scale=0.0625, sliding_window=4096,
                   max_position_embeddings=8192, tie_word_embeddings=True,
                   attention_bias=False),
@@ -886,7 +895,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
            else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
-  if lm == COHERE2:  # transformers' Cohere2Config: its eps's name, head_dim from the width
+  if lm in (COHERE, COHERE2):  # transformers' config: its eps's name, head_dim from the width
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm == COHERE2_MOE:  # an RMSNorm's eps where it has one, else the LayerNorm's
@@ -941,7 +950,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       qkv_bias=lm == "Qwen2ForCausalLM" or (bool(c.get("attention_bias", False))
                                              and lm not in _NO_ATTENTION_BIAS)
       or (lm == QWEN2_MOE and bool(c["qkv_bias"])),
-      qk_norm=lm in _QK_NORMED or (lm == GLM4_MOE and bool(c["use_qk_norm"])),
+      qk_norm=lm in _QK_NORMED or (lm in (GLM4_MOE, COHERE) and bool(c["use_qk_norm"])),
       qk_norm_after_rope=lm in _HUNYUANS,
       **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get(
           "max_position_embeddings", defaults.get("max_position_embeddings", 8192))),
@@ -1449,7 +1458,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                  ARCEE, APERTUS) + _COHERES + _HUNYUANS + _SWAS
+                  ARCEE, APERTUS, COHERE) + _COHERES + _HUNYUANS + _SWAS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
@@ -1600,9 +1609,13 @@ def _cohere2_dense_layers(c: dict[str, Any]) -> int:
 
 
 def _cohere2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """The ModelConfig fields of a Cohere2 config.json ({} for other families), read as
-  transformers does: layer_types (default: every sliding_window_pattern-th layer full, 4),
-  the sliding layers rotating and the full ones not."""
+  """The ModelConfig fields of a Cohere / Cohere2 config.json ({} for other families), read
+  as transformers does: Cohere2's layer_types (default: every sliding_window_pattern-th
+  layer full, 4), the sliding layers rotating and the full ones not."""
+  if lm == COHERE:
+    return dict(layer_norm=True, parallel_residual=True,
+                lm_head_multiplier=float(c["logit_scale"]),
+                qk_norm_head_weights=bool(c["use_qk_norm"]))
   if lm not in _COHERES:
     return {}
   layers = int(c["num_hidden_layers"])
@@ -2201,7 +2214,7 @@ def check_exportable(cfg: ModelConfig) -> None:
   _check_family_options(cfg, lm)
   _check_mixture_options(cfg, lm)
   qk_norm = lm in _QK_NORMED
-  if qk_norm != cfg.qk_norm and lm != GLM4_MOE:
+  if qk_norm != cfg.qk_norm and lm not in (GLM4_MOE, COHERE):
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
                      f"{'always has' if qk_norm else 'has no'} q/k norms")
   if lm == "Qwen2ForCausalLM" and not cfg.qkv_bias:
@@ -2324,8 +2337,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                               and cfg.qkv_bias),
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
-               layer_norm=cfg.layer_norm if lm == COHERE2_MOE else lm == COHERE2,
-               parallel_residual=lm in _COHERES)
+               layer_norm=cfg.layer_norm if lm == COHERE2_MOE else lm in (COHERE, COHERE2),
+               parallel_residual=lm in _COHERES + (COHERE,),
+               qk_norm_head_weights=lm == COHERE and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
@@ -2386,7 +2400,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   held = [name for name in MUP_MULTIPLIERS if getattr(cfg, name) != 1.0]
   held += ["ssm_multipliers"] * bool(cfg.ssm_multipliers and not cfg.parallel_mixer)
   held += ["linear_norm"] * (cfg.linear_norm != "after_gate" and not cfg.parallel_mixer)
-  if held and lm != FALCON_H1 and not (lm in _COHERES and held == ["lm_head_multiplier"]):
+  if held and lm != FALCON_H1 and not (lm in _COHERES + (COHERE,)
+                                       and held == ["lm_head_multiplier"]):
     raise ValueError(f"{held} cannot be written as {cfg.architecture}; {FALCON_H1} holds "
                      "them")
   if lm not in GRANITES:  # Falcon-H1 has an embedding_multiplier too
@@ -2439,7 +2454,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if lm in (PHI3, OLMOE, COHERE2) and cfg.head_dim * cfg.num_heads != cfg.d_model:
+  if lm in (PHI3, OLMOE, COHERE, COHERE2) and cfg.head_dim * cfg.num_heads != cfg.d_model:
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
@@ -2539,6 +2554,10 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
   if lm == ARCEE:
     out["hidden_act"] = "relu2"
+  if lm == COHERE:
+    out.pop("rms_norm_eps")
+    out.update(layer_norm_eps=cfg.norm_eps, logit_scale=cfg.lm_head_multiplier,
+               use_qk_norm=cfg.qk_norm)
   if lm in _COHERES:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, logit_scale=cfg.lm_head_multiplier,
@@ -2975,7 +2994,12 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
                (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *qk_bias(k), (k, h)),
                (p + ("attn", "v_bias"), hf + "self_attn.v_proj.bias", *bias(k), (k, h))]
-    if attention and cfg.qk_norm and cfg.qk_norm_heads:  # HF [heads * h] <-> ours [heads, h]
+    if attention and cfg.qk_norm and cfg.qk_norm_head_weights:  # HF [heads, h], as ours
+      rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight",
+                *_head_weights(qk_bias(n), n, h), (n, h)),
+               (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight",
+                *_head_weights(qk_bias(k), k, h), (k, h))]
+    elif attention and cfg.qk_norm and cfg.qk_norm_heads:  # HF [heads * h] <-> ours [heads, h]
       rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight", *bias(n),
                 (n, h)),
                (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight", *bias(k),
@@ -3319,7 +3343,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (LLAMA4,) + _GLMS + _COHERES + _ERNIES
+_INTERLEAVED = (LLAMA4, COHERE) + _GLMS + _COHERES + _ERNIES
 
 
 def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
@@ -3338,6 +3362,15 @@ def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: in
     return (lambda x: to_ours(x.reshape(heads, h, *tail)[:, order].reshape(heads * h, *tail)),
             lambda x: to_hf(x).reshape(heads, h, *tail)[:, back].reshape(heads * h, *tail))
   return rows
+
+
+def _head_weights(inner: tuple[Transform, Transform], heads: int, h: int
+                  ) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of a per-head weight HF holds as [heads, h], `inner` those
+  of one held as [heads * h] (a q/k bias's: the rotated features reordered where the
+  rotation pairs interleave)."""
+  to_ours, to_hf = inner
+  return (lambda x: to_ours(x.reshape(heads * h))), lambda x: to_hf(x).reshape(heads, h)
 
 
 def _fused_part(inner: tuple[Transform, Transform], start: int, size: int, total: int

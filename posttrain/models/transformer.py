@@ -286,16 +286,18 @@ class RMSNorm(nnx.Module):
   float32 before the cast. With `center` a LayerNorm without bias: x less its mean, over
   its standard deviation, scaled in float32 (Cohere's). `dim` a tuple: the mean spans the
   last len(dim) axes, and w has that shape (OLMo 2's q/k norms over every head at once,
-  [heads, head_dim]).
+  [heads, head_dim]), or the last `reduce` of them alone (each head normed over its own
+  features, w a weight per head: Cohere's q/k norms).
   """
 
   def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, names=("norm",),
-               unit_offset: bool = False, center: bool = False):
+               unit_offset: bool = False, center: bool = False, reduce: int | None = None):
     self.eps = eps
     self.unit_offset = bool(unit_offset)
     self.center = bool(center)
     dims = tuple(dim) if isinstance(dim, tuple) else (dim,)
-    self.axes = len(dims)
+    self.weight_axes = len(dims)
+    self.axes = len(dims) if reduce is None else int(reduce)
     self.scale = _param(None, dims, names, param_dtype,
                         init="zeros" if unit_offset else "ones")
 
@@ -305,7 +307,8 @@ class RMSNorm(nnx.Module):
     if self.center:  # a LayerNorm without bias (Cohere's), scaled in float32
       x32 = x32 - jnp.mean(x32, axis=axes, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + self.eps)
-    shape = (1,) * (x.ndim - self.axes) + x.shape[x.ndim - self.axes:]
+    w = self.weight_axes
+    shape = (1,) * (x.ndim - w) + x.shape[x.ndim - w:]
     if self.center:
       return (y * self.scale[...].astype(jnp.float32).reshape(shape)).astype(x.dtype)
     if self.unit_offset:
@@ -314,9 +317,10 @@ class RMSNorm(nnx.Module):
     return scale * y.astype(x.dtype)
 
 
-def _norm(cfg: ModelConfig, dim: int | tuple[int, ...], names=("norm",)) -> RMSNorm:
+def _norm(cfg: ModelConfig, dim: int | tuple[int, ...], names=("norm",),
+          reduce: int | None = None) -> RMSNorm:
   return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), names,
-                 unit_offset=cfg.norm_unit_offset, center=cfg.layer_norm)
+                 unit_offset=cfg.norm_unit_offset, center=cfg.layer_norm, reduce=reduce)
 
 
 def soft_cap(logits, cap: float | None):
@@ -909,9 +913,11 @@ class Attention(nnx.Module):
       self.q_bias = _param(None, (n, h), ("heads", "head_dim"), pd, init="zeros")
       self.k_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
       self.v_bias = _param(None, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
-    if cfg.qk_norm and cfg.qk_norm_heads:  # OLMo 2: over every head's features at once
-      self.q_norm = _norm(cfg, (n, h), names=("heads", "head_dim"))
-      self.k_norm = _norm(cfg, (k, h), names=("kv_heads", "head_dim"))
+    if cfg.qk_norm and (cfg.qk_norm_heads or cfg.qk_norm_head_weights):
+      # OLMo 2: over every head's features at once; Cohere: each head alone, its own weight
+      reduce = 1 if cfg.qk_norm_head_weights else None
+      self.q_norm = _norm(cfg, (n, h), names=("heads", "head_dim"), reduce=reduce)
+      self.k_norm = _norm(cfg, (k, h), names=("kv_heads", "head_dim"), reduce=reduce)
     elif cfg.qk_norm:
       self.q_norm = _norm(cfg, h, names=("head_dim",))
       if not kv_shared:
