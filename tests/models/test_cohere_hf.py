@@ -6,7 +6,6 @@ scanned), gradients of the per-head norms, greedy generation, export, PEFT adapt
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
