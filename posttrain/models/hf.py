@@ -62,7 +62,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
-              "GlmForCausalLM", "CohereForCausalLM")
+              "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -119,7 +119,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeSWAForCausalLM": "granitemoe_swa",
                 "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus",
                 "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm",
-                "CohereForCausalLM": "cohere", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -317,6 +317,9 @@ COHERE2 = "Cohere2ForCausalLM"
 # on all four attention projections with attention_bias; with use_qk_norm (Command R+)
 # q and k LayerNorm-ed per head, each head its own weight (`qk_norm_head_weights`).
 COHERE = "CohereForCausalLM"
+# Kyutai's Helium (HeliumForCausalLM): Llama rotating interleaved pairs (reordered on
+# load), heads splitting hidden_size evenly (its o_proj is [D, D]).
+HELIUM = "HeliumForCausalLM"
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -472,6 +475,10 @@ _QWEN3_5_DEFAULTS = dict(
 _CLASS_DEFAULTS = {
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM: _GLM4_DEFAULTS,
     APERTUS: _APERTUS_DEFAULTS,
+    HELIUM: dict(vocab_size=48_000, hidden_size=2560, intermediate_size=7040,
+                 num_hidden_layers=24, num_attention_heads=20, num_key_value_heads=20,
+                 head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-8,
+                 rope_theta=100_000.0, tie_word_embeddings=False, attention_bias=False),
     COHERE: dict(layer_norm_eps=1e-5, logit_scale=0.0625, max_position_embeddings=8192,
                  tie_word_embeddings=True, attention_bias=False, use_qk_norm=False,
                  rope_theta=500_000.0, vocab_size=256_000),
@@ -2454,7 +2461,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if lm in (PHI3, OLMOE, COHERE, COHERE2) and cfg.head_dim * cfg.num_heads != cfg.d_model:
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM)
+      and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
@@ -3343,7 +3351,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (LLAMA4, COHERE) + _GLMS + _COHERES + _ERNIES
+_INTERLEAVED = (LLAMA4, COHERE, HELIUM) + _GLMS + _COHERES + _ERNIES
 
 
 def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
