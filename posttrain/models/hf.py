@@ -62,7 +62,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MinistralForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
-              "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM")
+              "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
+              "SolarOpenForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -73,7 +74,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
-                  "Cohere2MoeForCausalLM", "CohereForCausalLM")
+                  "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -119,7 +120,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeSWAForCausalLM": "granitemoe_swa",
                 "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus",
                 "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm",
-                "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium",
+                "SolarOpenForCausalLM": "solar_open", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -292,6 +294,17 @@ QWEN2_MOE = "Qwen2MoeForCausalLM"
 # expert groups and a routed scaling factor, plus shared experts. The files' extra
 # layers past num_hidden_layers (multi-token prediction) are not read.
 GLM4_MOE = "Glm4MoeForCausalLM"
+# Upstage's Solar Open (SolarOpenForCausalLM): GLM-4.5's mixture (sigmoid routing with a
+# score-correction bias, shared experts) in every layer, under Llama's attention (no q/k
+# norms, every feature rotated).
+SOLAR_OPEN = "SolarOpenForCausalLM"
+_SOLAR_OPEN_DEFAULTS = dict(
+    vocab_size=196_608, hidden_size=4096, num_hidden_layers=48, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131_072, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, rope_theta=1_000_000.0, attention_bias=False,
+    moe_intermediate_size=1280, num_experts_per_tok=8, n_shared_experts=1,
+    n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+    norm_topk_prob=True)
 # dots.llm1 (Dots1ForCausalLM): Qwen3's attention (q/k norms per head, every feature
 # rotated) over DeepSeek-V3's mixture (sigmoid routing with a correction bias, groups,
 # shared experts, first_k_dense_replace dense layers); sliding windows on the layers
@@ -493,7 +506,7 @@ _CLASS_DEFAULTS = {
                       expert_selection_fn="softmax", norm_topk_prob=True,
                       prefix_dense_sliding_window_pattern=1, sliding_window_pattern=4,
                       rms_norm_eps=None),
-    GLM4_MOE: _GLM4_MOE_DEFAULTS, DOTS1: _DOTS1_DEFAULTS,
+    GLM4_MOE: _GLM4_MOE_DEFAULTS, DOTS1: _DOTS1_DEFAULTS, SOLAR_OPEN: _SOLAR_OPEN_DEFAULTS,
     DEEPSEEK_V3: _DEEPSEEK_V3_DEFAULTS, DEEPSEEK_V2: _DEEPSEEK_V2_DEFAULTS,
     GLM4_MOE_LITE: _GLM4_MOE_LITE_DEFAULTS, MISTRAL4: _MISTRAL4_DEFAULTS,
     DEEPSEEK_V32: _DEEPSEEK_V32_DEFAULTS, GLM_MOE_DSA: _GLM_MOE_DSA_DEFAULTS,
@@ -685,7 +698,8 @@ _QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_
 _MIXTRAL_MOE_NAMES = ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                       "block_sparse_moe.experts.{j}.w3", "block_sparse_moe.experts.{j}.w2")
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
-              GLM4_MOE: _QWEN_MOE_NAMES, DEEPSEEK_V3: _QWEN_MOE_NAMES, DOTS1: _QWEN_MOE_NAMES,
+              GLM4_MOE: _QWEN_MOE_NAMES, SOLAR_OPEN: _QWEN_MOE_NAMES,
+              DEEPSEEK_V3: _QWEN_MOE_NAMES, DOTS1: _QWEN_MOE_NAMES,
               EXAONE_MOE: _QWEN_MOE_NAMES,
               HUNYUAN_MOE: ("mlp.gate.wg", "mlp.experts.{j}.gate_proj",
                             "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
@@ -2088,7 +2102,9 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     c = {**c, "first_k_dense_replace": _leading_dense_layers(
         c, int(c["first_k_dense_replace"])), "n_routed_experts": int(c["num_experts"]),
          "n_shared_experts": int(c["num_shared_experts"] or 0)}
-  if arch in (GLM4_MOE, DOTS1, EXAONE_MOE) + _V3_ROUTED:
+  if arch == SOLAR_OPEN:  # a mixture in every layer, whatever the file says
+    c = {**c, "first_k_dense_replace": 0}
+  if arch in (GLM4_MOE, DOTS1, EXAONE_MOE, SOLAR_OPEN) + _V3_ROUTED:
     if arch in (DEEPSEEK_V3, DEEPSEEK_V32) and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
         "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
       raise ValueError(f"topk_method={c.get('topk_method')!r}, scoring_func="
@@ -2247,9 +2263,10 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   Mixtral, gpt-oss and MiniMax-M2)."""
   if not cfg.num_experts:
     return
-  sigmoid = lm in (GLM4_MOE, DOTS1, EXAONE_MOE, MINIMAX_M2, LLAMA4, NEMOTRON_H) + _V3_ROUTED
+  sigmoid = lm in (GLM4_MOE, DOTS1, EXAONE_MOE, MINIMAX_M2, LLAMA4, NEMOTRON_H,
+                  SOLAR_OPEN) + _V3_ROUTED
   qwen2 = lm in (QWEN2_MOE, QWEN3_5_MOE, QWEN3_NEXT)
-  grouped = lm in (GLM4_MOE, DOTS1, EXAONE_MOE) + _DEEPSEEKS  # groups, scaling, shared
+  grouped = lm in (GLM4_MOE, DOTS1, EXAONE_MOE, SOLAR_OPEN) + _DEEPSEEKS  # groups, scaling
   if lm == COHERE2_MOE:  # softmax or sigmoid without a correction bias; shared experts
     # n of width ffn_dim, summed or averaged; no groups or scaling
     for name, value in (("router_correction_bias", cfg.router_scoring != "sigmoid"),
@@ -2286,6 +2303,8 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
                softmax_correction_bias=lm == ERNIE4_5_MOE)
   if lm == ERNIE4_5_MOE:
     fixed.update(norm_topk_prob=True)
+  if lm == SOLAR_OPEN:
+    fixed.update(dense_layers=0)
   if lm == LLAMA4:
     fixed.update(norm_topk_prob=False, dense_layers=0, shared_expert_dim=cfg.ffn_dim)
   else:
@@ -2669,6 +2688,10 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(**_grouped_mixture_to_hf(cfg), sliding_window=cfg.sliding_window,
                max_window_layers=kinds.index(True) if True in kinds else cfg.num_layers,
                layer_types=["sliding_attention" if s else "full_attention" for s in kinds])
+  elif lm == SOLAR_OPEN:
+    out.pop("intermediate_size")
+    out.update(**_grouped_mixture_to_hf(cfg))
+    out.pop("first_k_dense_replace")
   elif lm == GLM4_MOE:
     out.update(**_grouped_mixture_to_hf(cfg), use_qk_norm=cfg.qk_norm,
                num_nextn_predict_layers=0,
