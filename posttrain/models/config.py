@@ -102,10 +102,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp",
 # The MLP's activation: gated, SwiGLU (Llama, Qwen, Mixtral) or GeGLU with tanh-approximate
 # GELU (Gemma's gelu_pytorch_tanh) or gpt-oss's clamped SwiGLU; or relu2, the squared ReLU
 # of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)), or xielu, Apertus's xIELU of an
-# MLP with no gate (its two scales learned in each MLP).
-MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2", "xielu")
+# MLP with no gate (its two scales learned in each MLP), or gelu_tanh_ungated, the
+# tanh-approximate GELU of an MLP with no gate (StarCoder2: down(gelu(up(x)))).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2", "xielu",
+                   "gelu_tanh_ungated")
 # Activations of an MLP without a gate: down(act(up(x))) (no gate_proj).
-UNGATED_ACTIVATIONS = ("relu2", "xielu")
+UNGATED_ACTIVATIONS = ("relu2", "xielu", "gelu_tanh_ungated")
 # Where a Mamba2 layer's output is RMS-normed (`ModelConfig.linear_norm`).
 LINEAR_NORMS = ("after_gate", "before_gate", "none")
 # Falcon-H1's muP scalars (`ModelConfig`): any finite number, 1.0 none.
@@ -457,6 +459,9 @@ class ModelConfig:
     kv_shared_wide_mlp: those layers' MLPs are twice ffn_dim wide (use_double_wide_mlp).
     layer_norm: every norm is a LayerNorm with a weight and no bias, (x - mean(x)) /
       sqrt(var(x) + eps) * w in float32, in place of an RMSNorm (Cohere's).
+    norm_bias: with layer_norm, every norm of the residual stream (each layer's and the
+      final one) adds a bias after its weight (torch's LayerNorm: StarCoder2, Jais 2).
+    mlp_bias: the dense MLPs' projections have biases (up_bias, gate_bias, down_bias).
     parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
       the MLP reading one normed input (its input_norm; no post_attn_norm: Cohere
       Command R7B / Command A).
@@ -589,6 +594,8 @@ class ModelConfig:
   kv_shared_layers: int = 0
   kv_shared_wide_mlp: bool = False
   layer_norm: bool = False
+  norm_bias: bool = False
+  mlp_bias: bool = False
   parallel_residual: bool = False
   shared_expert_average: bool = False
 
@@ -1104,9 +1111,18 @@ class ModelConfig:
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation={self.mlp_activation!r}; expected one of "
                        f"{MLP_ACTIVATIONS}")
-    if self.mlp_activation == "xielu" and self.num_experts:
-      raise ValueError("mlp_activation='xielu' (Apertus's dense MLPs) has no mixture of "
-                       "experts form; this model has num_experts > 0")
+    if self.mlp_activation in ("xielu", "gelu_tanh_ungated") and self.num_experts:
+      raise ValueError(f"mlp_activation={self.mlp_activation!r} (a dense MLP's) has no "
+                       "mixture of experts form; this model has num_experts > 0")
+    if self.mlp_bias and self.num_experts:
+      raise ValueError("mlp_bias=True (biases on a dense MLP's projections) has no mixture "
+                       "of experts form; this model has num_experts > 0")
+    if self.norm_bias and not self.layer_norm:
+      raise ValueError("norm_bias=True needs layer_norm=True (a LayerNorm's bias; an "
+                       "RMSNorm has none)")
+    if self.norm_bias and self.qk_norm:
+      raise ValueError("norm_bias=True with qk_norm: q/k norms with biases are not "
+                       "supported")
     if (self.router_bias or self.expert_bias) and not self.num_experts:
       raise ValueError("router_bias / expert_bias need a mixture of experts (num_experts > 0)")
     for name in ("swiglu_limit", "swiglu_alpha"):
@@ -1458,7 +1474,8 @@ class ModelConfig:
       attn += (h + kv) * hd if self.qk_norm_heads or self.qk_norm_head_weights else 2 * hd
     attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
     router = (d + self.router_bias + self.has_correction_bias) * self.num_experts
-    norms = 4 if self.sandwich_norms else 2
+    norms = 4 if self.sandwich_norms else 1 if self.parallel_residual else 2
+    norms *= 1 + self.norm_bias
     mats = 2 if self.ungated else 3  # no gate_proj without a gate
     latent = self.moe_latent_dim or d  # the experts' input and output width
     expert = mats * latent * f + (2 * f + d) * self.expert_bias
@@ -1512,8 +1529,9 @@ class ModelConfig:
       kv_mats = 1 if full and self.k_eq_v else 2
       swapped -= d * heads * width * kv_mats + width * self.qk_norm
       swapped += mats * d * f * self.kv_shared_wide_mlp
+    per_layer += ((mats - 1) * f + d) * self.mlp_bias
     return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped
-            + emb + d + (d + 1 if self.value_head else 0))
+            + emb + d * (1 + self.norm_bias) + (d + 1 if self.value_head else 0))
 
   @property
   def num_params(self) -> int:

@@ -63,7 +63,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
               "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
-              "SolarOpenForCausalLM")
+              "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -74,7 +74,8 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
-                  "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM")
+                  "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
+                  "Jais2ForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -121,7 +122,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Gemma4ForCausalLM": "gemma4_text", "ApertusForCausalLM": "apertus",
                 "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm",
                 "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium",
-                "SolarOpenForCausalLM": "solar_open", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "SolarOpenForCausalLM": "solar_open", "Starcoder2ForCausalLM": "starcoder2",
+                "Jais2ForCausalLM": "jais2", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -333,6 +335,14 @@ COHERE = "CohereForCausalLM"
 # Kyutai's Helium (HeliumForCausalLM): Llama rotating interleaved pairs (reordered on
 # load), heads splitting hidden_size evenly (its o_proj is [D, D]).
 HELIUM = "HeliumForCausalLM"
+# StarCoder2 (Starcoder2ForCausalLM): Mistral's attention (a window on every layer where
+# sliding_window is set) under LayerNorms with biases, an MLP of no gate, c_proj(gelu_tanh(
+# c_fc(x))), use_bias putting biases on all four attention projections and both of the
+# MLP's. Jais 2 (Jais2ForCausalLM): Llama's attention (attention_bias: all four) under
+# LayerNorms with biases, an MLP of no gate, down(relu(up(x))^2), with mlp_bias's biases.
+STARCODER2 = "Starcoder2ForCausalLM"
+JAIS2 = "Jais2ForCausalLM"
+_PLAIN_MLPS = (STARCODER2, JAIS2)
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -488,6 +498,14 @@ _QWEN3_5_DEFAULTS = dict(
 _CLASS_DEFAULTS = {
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM: _GLM4_DEFAULTS,
     APERTUS: _APERTUS_DEFAULTS,
+    STARCODER2: dict(vocab_size=49_152, hidden_size=3072, intermediate_size=12_288,
+                     num_hidden_layers=30, num_attention_heads=24, num_key_value_heads=2,
+                     max_position_embeddings=4096, norm_epsilon=1e-5, rope_theta=10_000.0,
+                     use_bias=True, tie_word_embeddings=True),
+    JAIS2: dict(vocab_size=150_272, hidden_size=3328, intermediate_size=26_624,
+                num_hidden_layers=32, num_attention_heads=26, max_position_embeddings=8192,
+                layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
+                head_dim=128, tie_word_embeddings=False),
     HELIUM: dict(vocab_size=48_000, hidden_size=2560, intermediate_size=7040,
                  num_hidden_layers=24, num_attention_heads=20, num_key_value_heads=20,
                  head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-8,
@@ -916,6 +934,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
            else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
+  if lm == STARCODER2:  # its eps's name; use_bias for every projection
+    c = {**c, "rms_norm_eps": c["norm_epsilon"], "attention_bias": bool(c["use_bias"])}
+  if lm == JAIS2:
+    c = {**c, "rms_norm_eps": c["layer_norm_eps"]}
   if lm in (COHERE, COHERE2):  # transformers' config: its eps's name, head_dim from the width
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
@@ -930,7 +952,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   if reward_model and _num_labels(c) != 1:
     raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
                      "model has one label (num_labels=1), one score per sequence")
-  if c.get("mlp_bias"):
+  if c.get("mlp_bias") and lm != JAIS2:
     raise ValueError("mlp_bias=true in config.json is not supported")
   if lm in _HUNYUANS and c.get("use_cla"):
     raise ValueError(f"use_cla=true in a {lm} config.json (layers sharing another's keys "
@@ -939,10 +961,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     raise ValueError("use_bias=true in an ERNIE 4.5 config.json (biases on the MLP's "
                      "projections too) is not supported")
   gemma = lm in GEMMAS
-  expected = ("gelu_pytorch_tanh" if gemma else "relu2" if lm == ARCEE else
-              "xielu" if lm == APERTUS else "silu")
+  expected = ("gelu_pytorch_tanh" if gemma or lm == STARCODER2 else
+              "relu2" if lm in (ARCEE, JAIS2) else "xielu" if lm == APERTUS else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
-  ungated = lm in (ARCEE, APERTUS)  # their MLPs have no gate: one activation each
+  ungated = lm in (ARCEE, APERTUS) + _PLAIN_MLPS  # MLPs of no gate: one activation each
   if (act != expected if ungated else
       act != "silu" and not (gemma and act in _GELU_TANH)):
     raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
@@ -984,7 +1006,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
-      **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c))
+      **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
+      **_plain_mlp_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1479,7 +1502,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                  ARCEE, APERTUS, COHERE) + _COHERES + _HUNYUANS + _SWAS
+                  ARCEE, APERTUS, COHERE) + _COHERES + _HUNYUANS + _SWAS + _PLAIN_MLPS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
@@ -1494,7 +1517,7 @@ _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Every layer sliding when config.json has a sliding_window (Mistral 7B v0.1's 4096);
 # transformers' default where the key is absent.
 _ALL_WINDOWED = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None, PHI3: None,
-                 MINISTRAL3: None}
+                 MINISTRAL3: None, STARCODER2: None}
 
 
 def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -1659,6 +1682,16 @@ def _cohere2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if "sliding_attention" in types:
     out["sliding_window"] = int(c["sliding_window"])
   return out
+
+
+def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a StarCoder2 / Jais 2 config.json ({} for other families):
+  LayerNorms with biases, an MLP of no gate and its biases."""
+  if lm not in _PLAIN_MLPS:
+    return {}
+  return dict(layer_norm=True, norm_bias=True,
+              mlp_activation="gelu_tanh_ungated" if lm == STARCODER2 else "relu2",
+              mlp_bias=bool(c["use_bias"] if lm == STARCODER2 else c["mlp_bias"]))
 
 
 def _gpt_oss_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -2355,15 +2388,20 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S, embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
-                               "relu2" if lm in (NEMOTRON_H, ARCEE) else
+                               "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2) else
+                               "gelu_tanh_ungated" if lm == STARCODER2 else
                                "xielu" if lm == APERTUS else "silu"),
+               norm_bias=lm in _PLAIN_MLPS,
+               mlp_bias=(cfg.mlp_bias if lm == JAIS2 else
+                         lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
-               layer_norm=cfg.layer_norm if lm == COHERE2_MOE else lm in (COHERE, COHERE2),
+               layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
+                           lm in (COHERE, COHERE2) + _PLAIN_MLPS),
                parallel_residual=lm in _COHERES + (COHERE,),
                qk_norm_head_weights=lm == COHERE and cfg.qk_norm)
   for name, value in fixed.items():
@@ -2585,6 +2623,15 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, logit_scale=cfg.lm_head_multiplier,
                use_qk_norm=cfg.qk_norm)
+  if lm == STARCODER2:
+    for key in ("rms_norm_eps", "attention_bias"):
+      out.pop(key)
+    out.update(norm_epsilon=cfg.norm_eps, use_bias=cfg.qkv_bias, sliding_window=cfg.sliding_window,
+               hidden_act="gelu_pytorch_tanh", attention_dropout=0.0, residual_dropout=0.0,
+               embedding_dropout=0.0)
+  if lm == JAIS2:
+    out.pop("rms_norm_eps")
+    out.update(layer_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2")
   if lm in _COHERES:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, logit_scale=cfg.lm_head_multiplier,
@@ -2884,8 +2931,11 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   if _causal_lm(cfg.architecture) == GEMMA4:
     return _gemma4_rows(cfg)
   final = "final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1) else "norm"
-  rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d)),
-          (("final_norm", "scale"), f"model.{final}.weight", ident, ident, (d,))]
+  # A norm's weight, and a LayerNorm's bias (norm_bias)
+  norm_parts = [("scale", "weight")] + [("bias", "bias")] * cfg.norm_bias
+  rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d))]
+  rows += [(("final_norm", part), f"model.{final}.{hf_part}", ident, ident, (d,))
+           for part, hf_part in norm_parts]
   if cfg.lm_head and not cfg.tie_embeddings:
     rows.append((("lm_head",), "lm_head.weight", lambda x: x.T, lambda x: x.T,
                  (d, cfg.vocab_size)))
@@ -2927,8 +2977,18 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
           (p + (f"xielu_{name}",), hf + f"act_fn.{name}", ident, ident, shape)
           for name, shape in (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()),
                               ("eps", ()))]
-    if cfg.mlp_activation == "relu2":  # no gate (Arcee)
-      return _relu2_mlp_rows(p, hf, d, width)
+    if _causal_lm(cfg.architecture) == STARCODER2:  # no gate: c_fc, c_proj (and biases)
+      return [(p + (ours,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
+              for ours, name, shape in (("up_proj", "c_fc", (d, width)),
+                                        ("down_proj", "c_proj", (width, d)))] + [
+          (p + (ours,), hf + name + ".bias", ident, ident, shape)
+          for ours, name, shape in (("up_bias", "c_fc", (width,)),
+                                    ("down_bias", "c_proj", (d,))) if cfg.mlp_bias]
+    if cfg.mlp_activation == "relu2":  # no gate (Arcee, Jais 2)
+      return _relu2_mlp_rows(p, hf, d, width) + [
+          (p + (ours,), hf + name + ".bias", ident, ident, shape)
+          for ours, name, shape in (("up_bias", "up_proj", (width,)),
+                                    ("down_bias", "down_proj", (d,))) if cfg.mlp_bias]
     return [(p + (name,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
             for name, shape in (("gate_proj", (d, width)), ("up_proj", (d, width)),
                                 ("down_proj", (width, d)))]
@@ -2936,8 +2996,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   for i in range(cfg.num_layers):
     p, hf = layer_path(cfg, i), f"model.layers.{i}."
     mixture = cfg.mixture_flags[i]
-    rows += [(p + (ours, "scale"), hf + name + ".weight", ident, ident, (d,))
-             for ours, name in norms]
+    rows += [(p + (ours, part), hf + name + f".{hf_part}", ident, ident, (d,))
+             for ours, name in norms for part, hf_part in norm_parts]
     if cfg.parallel_mixer:  # Falcon-H1: its mamba beside the attention
       rows += _mamba2_rows(cfg, p, hf)
     if cfg.linear_layers[i] and cfg.linear_mixer == "mamba2":
@@ -3742,10 +3802,15 @@ def _linear_module(cfg: ModelConfig) -> str:
 _LFM2_MODULES = {"o_proj": "out_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
+_STARCODER2_MODULES = {"up_proj": "c_fc", "down_proj": "c_proj"}
+
+
 def _peft_module(cfg: ModelConfig, target: str) -> str:
   """The name of the module LoRA target `target` wraps within its layer's attention,
-  mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES`."""
-  return _LFM2_MODULES.get(target, target) if _causal_lm(cfg.architecture) == LFM2 else target
+  mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES` and StarCoder2's MLP."""
+  names = {LFM2: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES}.get(
+      _causal_lm(cfg.architecture), {})
+  return names.get(target, target)
 
 
 def _peft_target(cfg: ModelConfig, target: str) -> str:
@@ -3753,7 +3818,7 @@ def _peft_target(cfg: ModelConfig, target: str) -> str:
   where the name is ambiguous (LFM2's out_proj is the attention's and the convolution's)
   the name under its owner, e.g. self_attn.out_proj."""
   if _causal_lm(cfg.architecture) != LFM2:
-    return target
+    return _peft_module(cfg, target)
   owner = ("self_attn" if target in _ATTN_TARGETS else
            _linear_module(cfg) if target in cfg.linear_lora_targets else "feed_forward")
   return f"{owner}.{_peft_module(cfg, target)}"

@@ -287,11 +287,15 @@ class RMSNorm(nnx.Module):
   its standard deviation, scaled in float32 (Cohere's). `dim` a tuple: the mean spans the
   last len(dim) axes, and w has that shape (OLMo 2's q/k norms over every head at once,
   [heads, head_dim]), or the last `reduce` of them alone (each head normed over its own
-  features, w a weight per head: Cohere's q/k norms).
+  features, w a weight per head: Cohere's q/k norms). With `bias` (and `center`) a
+  LayerNorm's bias b is added after w, in float32 (torch's LayerNorm).
   """
 
   def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, names=("norm",),
-               unit_offset: bool = False, center: bool = False, reduce: int | None = None):
+               unit_offset: bool = False, center: bool = False, reduce: int | None = None,
+               bias: bool = False):
+    if bias and not center:
+      raise ValueError("a norm's bias needs center=True (a LayerNorm)")
     self.eps = eps
     self.unit_offset = bool(unit_offset)
     self.center = bool(center)
@@ -300,6 +304,8 @@ class RMSNorm(nnx.Module):
     self.axes = len(dims) if reduce is None else int(reduce)
     self.scale = _param(None, dims, names, param_dtype,
                         init="zeros" if unit_offset else "ones")
+    if bias:
+      self.bias = _param(None, dims, names, param_dtype, init="zeros")
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
@@ -310,7 +316,10 @@ class RMSNorm(nnx.Module):
     w = self.weight_axes
     shape = (1,) * (x.ndim - w) + x.shape[x.ndim - w:]
     if self.center:
-      return (y * self.scale[...].astype(jnp.float32).reshape(shape)).astype(x.dtype)
+      y = y * self.scale[...].astype(jnp.float32).reshape(shape)
+      if hasattr(self, "bias"):
+        y = y + self.bias[...].astype(jnp.float32).reshape(shape)
+      return y.astype(x.dtype)
     if self.unit_offset:
       return (y * (1.0 + self.scale[...].astype(jnp.float32)).reshape(shape)).astype(x.dtype)
     scale = self.scale[...].astype(x.dtype).reshape(shape)
@@ -320,7 +329,8 @@ class RMSNorm(nnx.Module):
 def _norm(cfg: ModelConfig, dim: int | tuple[int, ...], names=("norm",),
           reduce: int | None = None) -> RMSNorm:
   return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), names,
-                 unit_offset=cfg.norm_unit_offset, center=cfg.layer_norm, reduce=reduce)
+                 unit_offset=cfg.norm_unit_offset, center=cfg.layer_norm, reduce=reduce,
+                 bias=cfg.norm_bias)
 
 
 def soft_cap(logits, cap: float | None):
@@ -1474,6 +1484,11 @@ class MLP(nnx.Module):
       self.gate_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
     self.up_proj = _param(rngs, (cfg.d_model, f), ("embed", "mlp"), pd, std=std)
     self.down_proj = _param(rngs, (f, cfg.d_model), ("mlp", "embed"), pd, std=std)
+    if cfg.mlp_bias:  # StarCoder2's, Jais 2's
+      if not cfg.ungated:
+        self.gate_bias = _param(None, (f,), ("mlp",), pd, init="zeros")
+      self.up_bias = _param(None, (f,), ("mlp",), pd, init="zeros")
+      self.down_bias = _param(None, (cfg.d_model,), ("embed",), pd, init="zeros")
     if cfg.mlp_activation == "xielu":  # Apertus: xIELU's learned scales, as HF holds them
       # (before their softplus: alpha_p 0.8 and alpha_n 0.8 at init), its fixed beta / eps
       inverse = lambda v: float(np.log(np.expm1(v)))  # noqa: E731  softplus's inverse
@@ -1491,13 +1506,19 @@ class MLP(nnx.Module):
     x_NxD = x_BxTxD.astype(dt).reshape(b * t, d)
     up_NxF = _add_lora(self, "up_proj", x_NxD @ self.up_proj[...].astype(dt), x_NxD,
                        "ND,DR->NR", "NR,RF->NF")
+    if self.cfg.mlp_bias:
+      up_NxF = up_NxF + self.up_bias[...].astype(dt)[None]
     if self.cfg.mlp_activation == "relu2":
       h_NxF = jnp.square(jax.nn.relu(up_NxF))
+    elif self.cfg.mlp_activation == "gelu_tanh_ungated":
+      h_NxF = jax.nn.gelu(up_NxF, approximate=True)
     elif self.cfg.mlp_activation == "xielu":
       h_NxF = self._xielu(up_NxF)
     else:
       gate_NxF = _add_lora(self, "gate_proj", x_NxD @ self.gate_proj[...].astype(dt), x_NxD,
                            "ND,DR->NR", "NR,RF->NF")
+      if self.cfg.mlp_bias:
+        gate_NxF = gate_NxF + self.gate_bias[...].astype(dt)[None]
       if self.cfg.mlp_gate_multiplier != 1.0:  # Falcon-H1's, in the compute dtype as its
         gate_NxF = gate_NxF * jnp.asarray(self.cfg.mlp_gate_multiplier, gate_NxF.dtype)
       h_NxF = gated_activation(self.cfg)(gate_NxF, up_NxF)
@@ -1505,6 +1526,8 @@ class MLP(nnx.Module):
     h_NxF = h.reshape(b * t, -1)
     y_NxD = _add_lora(self, "down_proj", h_NxF @ self.down_proj[...].astype(dt), h_NxF,
                       "NF,FR->NR", "NR,RD->ND")
+    if self.cfg.mlp_bias:
+      y_NxD = y_NxD + self.down_bias[...].astype(dt)[None]
     if self.cfg.mlp_down_multiplier != 1.0:
       y_NxD = y_NxD * jnp.asarray(self.cfg.mlp_down_multiplier, y_NxD.dtype)
     return y_NxD.reshape(b, t, d)
