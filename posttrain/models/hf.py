@@ -63,7 +63,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "Gemma4ForCausalLM",
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
               "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
-              "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM")
+              "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
+              "CwmForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -75,7 +76,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
-                  "Jais2ForCausalLM")
+                  "Jais2ForCausalLM", "CwmForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -123,7 +124,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm",
                 "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium",
                 "SolarOpenForCausalLM": "solar_open", "Starcoder2ForCausalLM": "starcoder2",
-                "Jais2ForCausalLM": "jais2", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -180,6 +181,18 @@ EXAONE_MOE = "ExaoneMoeForCausalLM"
 # Ministral 8B (MinistralForCausalLM, Ministral-8B-Instruct-2410): Mistral with a window
 # on the layers layer_types names (by default every layer, as Mistral's).
 MINISTRAL = "MinistralForCausalLM"
+# Meta's Code World Model (CwmForCausalLM, CWM 32B): Llama with a window (8192) on the
+# layers layer_types names (by default three of every four, the first of each four full),
+# llama3 rope scaled 16x by default.
+CWM = "CwmForCausalLM"
+_CWM_DEFAULTS = dict(
+    vocab_size=128_256, hidden_size=6144, intermediate_size=21_504, num_hidden_layers=64,
+    num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131_072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    sliding_window=8192)
+_CWM_ROPE = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0,
+             "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+             "original_max_position_embeddings": 8192}
 # Hunyuan dense (HunYuanDenseV1ForCausalLM: Hunyuan-7B, -4B, -1.8B, -0.5B): Llama with the
 # rotated q and k normed per head (query_layernorm / key_layernorm,
 # `ModelConfig.qk_norm_after_rope`). Its rope_type "dynamic" with an alpha is NTK's base
@@ -506,6 +519,7 @@ _CLASS_DEFAULTS = {
                 num_hidden_layers=32, num_attention_heads=26, max_position_embeddings=8192,
                 layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
                 head_dim=128, tie_word_embeddings=False),
+    CWM: _CWM_DEFAULTS,
     HELIUM: dict(vocab_size=48_000, hidden_size=2560, intermediate_size=7040,
                  num_hidden_layers=24, num_attention_heads=20, num_key_value_heads=20,
                  head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-8,
@@ -946,6 +960,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
          "_layer_norm": c.get("rms_norm_eps") is None}
   if lm == GPT_OSS and not c.get("rope_scaling") and not c.get("rope_parameters"):
     c["rope_scaling"] = dict(_GPT_OSS_ROPE)
+  if lm == CWM and not any(c.get(k) for k in ("rope_scaling", "rope_parameters", "rope_theta")):
+    c["rope_parameters"] = dict(_CWM_ROPE)
   if lm == MISTRAL4 and not c.get("rope_scaling") and not c.get("rope_parameters"):
     c["rope_parameters"] = dict(_MISTRAL4_ROPE)
   reward_model = arch != lm
@@ -1505,7 +1521,7 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   ARCEE, APERTUS, COHERE) + _COHERES + _HUNYUANS + _SWAS + _PLAIN_MLPS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
-_NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, CWM, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
                       MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
@@ -1527,11 +1543,13 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if lm in _ALL_WINDOWED:
     window = c.get("sliding_window", _ALL_WINDOWED[lm])
     return {"sliding_window": int(window)} if window else {}
-  if lm == MINISTRAL:  # the window on the layers layer_types names, else on all
-    window = c.get("sliding_window", 4096)
+  if lm in (MINISTRAL, CWM):  # the window on the layers layer_types names, else on all
+    window = c.get("sliding_window", 4096)  # (CWM: on three of each four)
     if window is None:
       return {}
-    types = c.get("layer_types") or ["sliding_attention"] * int(c["num_hidden_layers"])
+    types = c.get("layer_types") or [
+        "full_attention" if lm == CWM and i % 4 == 0 else "sliding_attention"
+        for i in range(int(c["num_hidden_layers"]))]
     return {"sliding_window": int(window), "layer_types": tuple(types)}
   if lm == DOTS1:  # no use_sliding_window: the window is on from max_window_layers
     layers, window = int(c["num_hidden_layers"]), c.get("sliding_window")
@@ -2276,7 +2294,7 @@ def check_exportable(cfg: ModelConfig) -> None:
   if lm == "Qwen2ForCausalLM" and not cfg.qkv_bias:
     raise ValueError(f"qkv_bias=False cannot be written as {arch}, which always "
                      "has q/k/v biases")
-  if lm in ("MistralForCausalLM", MINISTRAL) and cfg.qkv_bias:
+  if lm in ("MistralForCausalLM", MINISTRAL, CWM) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {arch}, whose attention "
                      "projections have no biases")
   if lm in ("MixtralForCausalLM", MINIMAX_M2) and (cfg.qkv_bias or not cfg.norm_topk_prob):
@@ -2411,7 +2429,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
-                          MINISTRAL) + _COHERES + _SWAS)
+                          MINISTRAL, CWM) + _COHERES + _SWAS)
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
     names += [] if lm in ("Olmo3ForCausalLM",) + _SWAS else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -2823,9 +2841,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                attn_scale=cfg.attn_scale)
   elif lm == "MistralForCausalLM":
     out["sliding_window"] = cfg.sliding_window
-  elif lm == MINISTRAL:
+  elif lm in (MINISTRAL, CWM):
     out.update(sliding_window=cfg.sliding_window, layer_types=[
         "sliding_attention" if s else "full_attention" for s in cfg.sliding_layers])
+    if lm == CWM:  # its config's rope without rope_parameters is its llama3 one
+      out.pop("rope_theta")
+      out.pop("rope_scaling")
+      out["rope_parameters"] = {"rope_type": rope.type, "rope_theta": rope.theta,
+                                **(scaling or {})}
   elif lm in GRANITES:
     out.update({name: getattr(cfg, name) for name in _GRANITE_SCALARS})
     out["attention_multiplier"] = cfg.attention_scale or cfg.head_dim ** -0.5
