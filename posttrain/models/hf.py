@@ -64,7 +64,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
               "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
-              "CwmForCausalLM")
+              "CwmForCausalLM", "YoutuForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -76,7 +76,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
-                  "Jais2ForCausalLM", "CwmForCausalLM")
+                  "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -124,7 +124,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Cohere2ForCausalLM": "cohere2", "GlmForCausalLM": "glm",
                 "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium",
                 "SolarOpenForCausalLM": "solar_open", "Starcoder2ForCausalLM": "starcoder2",
-                "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm",
+                "YoutuForCausalLM": "youtu", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -453,7 +454,16 @@ _GLM_MOE_DSA_DEFAULTS = dict(
 # The classes with DeepSeek Sparse Attention, and their indexers' rotary layout.
 _SPARSE_ATTENTION = (DEEPSEEK_V32, GLM_MOE_DSA)
 # The classes with DeepSeek's multi-head latent attention.
-_DEEPSEEKS = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE, MISTRAL4) + _SPARSE_ATTENTION
+# Tencent's Youtu-LLM (YoutuForCausalLM, Youtu-LLM-2B): DeepSeek-V3's latent attention
+# (rotated pairs interleaved) over a dense SwiGLU MLP in every layer.
+YOUTU = "YoutuForCausalLM"
+_YOUTU_DEFAULTS = dict(
+    vocab_size=128_256, hidden_size=2048, intermediate_size=6144, num_hidden_layers=32,
+    num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+    max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_theta=10_000.0, attention_bias=False)
+_DEEPSEEKS = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE, MISTRAL4, YOUTU) + _SPARSE_ATTENTION
 # Their classes whose mixtures route as DeepSeek-V3's (sigmoid, groups, correction bias).
 _V3_ROUTED = (DEEPSEEK_V3, GLM4_MOE_LITE) + _SPARSE_ATTENTION
 _GLM4_MOE_DEFAULTS = dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_shared_experts=1,
@@ -519,7 +529,7 @@ _CLASS_DEFAULTS = {
                 num_hidden_layers=32, num_attention_heads=26, max_position_embeddings=8192,
                 layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
                 head_dim=128, tie_word_embeddings=False),
-    CWM: _CWM_DEFAULTS,
+    CWM: _CWM_DEFAULTS, YOUTU: _YOUTU_DEFAULTS,
     HELIUM: dict(vocab_size=48_000, hidden_size=2560, intermediate_size=7040,
                  num_hidden_layers=24, num_attention_heads=20, num_key_value_heads=20,
                  head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-8,
@@ -1521,8 +1531,8 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   ARCEE, APERTUS, COHERE) + _COHERES + _HUNYUANS + _SWAS + _PLAIN_MLPS
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
-_NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, CWM, "MixtralForCausalLM", PHI3, QWEN2_MOE, MINIMAX_M2,
-                      MINISTRAL3, EXAONE4) + _ERNIES
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, CWM, "MixtralForCausalLM", PHI3,
+                      QWEN2_MOE, MINIMAX_M2, MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
               + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE, APERTUS)
@@ -2725,7 +2735,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                  shared_expert_intermediate_size=cfg.shared_expert_dim)
   elif lm in _DEEPSEEKS:
     out.pop("head_dim")  # transformers sets it to qk_rope_head_dim
-    out.update(**_grouped_mixture_to_hf(cfg),
+    out.update(**({} if lm == YOUTU else _grouped_mixture_to_hf(cfg)),
                kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
                qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim)
@@ -2744,7 +2754,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
       out.pop("first_k_dense_replace")
       out.update(rope_interleave=True, mlp_layer_types=[
           "dense" if i < cfg.dense_layers else "sparse" for i in range(cfg.num_layers)])
-    elif lm == MISTRAL4:
+    elif lm in (MISTRAL4, YOUTU):
       out["rope_interleave"] = True
     else:
       out["topk_method"] = "group_limited_greedy" if cfg.router_groups > 1 else "greedy"
