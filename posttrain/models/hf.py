@@ -519,8 +519,8 @@ _QWEN3_5_DEFAULTS = dict(
     max_position_embeddings=32_768, attention_bias=False, tie_word_embeddings=False)
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
-    FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS, GLM: _GLM4_DEFAULTS,
-    APERTUS: _APERTUS_DEFAULTS,
+    FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
+    GLM: _GLM4_DEFAULTS, APERTUS: _APERTUS_DEFAULTS,
     STARCODER2: dict(vocab_size=49_152, hidden_size=3072, intermediate_size=12_288,
                      num_hidden_layers=30, num_attention_heads=24, num_key_value_heads=2,
                      max_position_embeddings=4096, norm_epsilon=1e-5, rope_theta=10_000.0,
