@@ -64,7 +64,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
               "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
-              "CwmForCausalLM", "YoutuForCausalLM")
+              "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -76,7 +76,8 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
-                  "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM")
+                  "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
+                  "FlexOlmoForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -125,7 +126,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium",
                 "SolarOpenForCausalLM": "solar_open", "Starcoder2ForCausalLM": "starcoder2",
                 "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm",
-                "YoutuForCausalLM": "youtu", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -141,8 +142,10 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 # norms over every head's features at once, a bias on all four attention projections or
 # none; 3 adds sliding-window layers (three to each full one) whose rotary embedding is
 # the plain one when the full layers' is scaled. transformers' defaults where a
-# config.json leaves a field out.
-OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# config.json leaves a field out. FlexOlmo (FlexOlmoForCausalLM): OLMo 2's layers over
+# OLMoE's mixture (softmax routing, every layer).
+FLEX_OLMO = "FlexOlmoForCausalLM"
+OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", FLEX_OLMO)
 # Phi-3 / Phi-3.5 / Phi-4 / Phi-4-mini: q, k and v in one fused projection (qkv_proj, [q;
 # k; v] rows), gate and up in one (gate_up_proj, gate first), LongRoPE (its legacy names
 # "su" and "yarn" included, as transformers reads them) and a partial rotary embedding
@@ -563,6 +566,11 @@ _CLASS_DEFAULTS = {
     QWEN2_MOE: dict(qkv_bias=True, norm_topk_prob=False, max_position_embeddings=32_768),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=10_000.0),
+    FLEX_OLMO: dict(vocab_size=100_352, hidden_size=4096, intermediate_size=11_008,
+                    num_hidden_layers=32, num_attention_heads=32,
+                    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500_000.0,
+                    tie_word_embeddings=False, attention_bias=False, num_experts=7,
+                    num_experts_per_tok=5, norm_topk_prob=False, router_aux_loss_coef=0.01),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048,
                              rope_theta=500_000.0, sliding_window=4096),
     ERNIE4_5: dict(rms_norm_eps=1e-5, max_position_embeddings=131_072, head_dim=128,
@@ -748,6 +756,7 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
+              FLEX_OLMO: _QWEN_MOE_NAMES,
               ERNIE4_5_MOE: _QWEN_MOE_NAMES, GLM4_MOE_LITE: _QWEN_MOE_NAMES,
               MISTRAL4: _QWEN_MOE_NAMES, DEEPSEEK_V32: _QWEN_MOE_NAMES,
               GLM_MOE_DSA: _QWEN_MOE_NAMES, COHERE2_MOE: _QWEN_MOE_NAMES}
@@ -1614,7 +1623,7 @@ def _olmo_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
     return {}
   out = dict(qk_norm_heads=True, output_norms=True,
              attn_out_bias=bool(c.get("attention_bias", False)))
-  if lm == "Olmo2ForCausalLM":
+  if lm != "Olmo3ForCausalLM":
     return out
   layers = int(c["num_hidden_layers"])
   types = c.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0
@@ -2105,7 +2114,7 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "shared_expert_dim": int(c.get("moe_num_shared_experts") or 0) * width,
             "dense_layers": start, "dense_ffn_dim": int(c["intermediate_size"]) if start else 0,
             **_aux_loss_from_hf(c)}
-  if arch == OLMOE:
+  if arch in (OLMOE, FLEX_OLMO):
     return {"num_experts": int(c.get("num_experts") or c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]),
             "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
@@ -2380,7 +2389,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(norm_topk_prob=True)
   if lm in (QWEN3_5_MOE, QWEN3_NEXT):
     fixed.update(dense_layers=0)
-  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE):
+  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE, FLEX_OLMO):
     fixed.update(dense_layers=0)
   if lm == HUNYUAN_MOE:  # an ungated shared MLP as wide as the experts, every layer
     fixed.update(dense_layers=0, norm_topk_prob=True, shared_expert_dim=cfg.ffn_dim,
@@ -2822,7 +2831,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                **{name: getattr(cfg, name) for name in _FALCON_H1_SCALARS},
                mlp_multipliers=[cfg.mlp_gate_multiplier, cfg.mlp_down_multiplier],
                ssm_multipliers=list(cfg.ssm_multipliers or (1.0,) * 5))
-  elif lm == OLMOE:
+  elif lm in (OLMOE, FLEX_OLMO):
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None)
   elif lm == MINIMAX_M2:
