@@ -64,7 +64,20 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "ApertusForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
               "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
-              "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM")
+              "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
+              "MellumForCausalLM")
+# JetBrains' Mellum 2 (MellumForCausalLM): Qwen3-MoE with a window on the layers
+# layer_types names (none by default), the sliding layers rotating at their own base
+# (rope_parameters by layer type: 500k full, 10k sliding), dense layers where
+# mlp_layer_types says (read where they lead). Its mtp.* layer is not read.
+MELLUM = "MellumForCausalLM"
+_MELLUM_DEFAULTS = dict(
+    vocab_size=98_304, hidden_size=2304, intermediate_size=7168, num_hidden_layers=28,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    attention_bias=False, sliding_window=1024, moe_intermediate_size=896,
+    num_experts_per_tok=8, num_local_experts=64, norm_topk_prob=True,
+    router_aux_loss_coef=0.001)
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -77,7 +90,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
                   "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
-                  "FlexOlmoForCausalLM")
+                  "FlexOlmoForCausalLM", "MellumForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -126,7 +139,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "CohereForCausalLM": "cohere", "HeliumForCausalLM": "helium",
                 "SolarOpenForCausalLM": "solar_open", "Starcoder2ForCausalLM": "starcoder2",
                 "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm",
-                "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo",
+                "MellumForCausalLM": "mellum", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -532,7 +546,7 @@ _CLASS_DEFAULTS = {
                 num_hidden_layers=32, num_attention_heads=26, max_position_embeddings=8192,
                 layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
                 head_dim=128, tie_word_embeddings=False),
-    CWM: _CWM_DEFAULTS, YOUTU: _YOUTU_DEFAULTS,
+    CWM: _CWM_DEFAULTS, YOUTU: _YOUTU_DEFAULTS, MELLUM: _MELLUM_DEFAULTS,
     HELIUM: dict(vocab_size=48_000, hidden_size=2560, intermediate_size=7040,
                  num_hidden_layers=24, num_attention_heads=20, num_key_value_heads=20,
                  head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-8,
@@ -748,6 +762,7 @@ _QWEN_MOE_NAMES = ("mlp.gate", "mlp.experts.{j}.gate_proj", "mlp.experts.{j}.up_
 _MIXTRAL_MOE_NAMES = ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1",
                       "block_sparse_moe.experts.{j}.w3", "block_sparse_moe.experts.{j}.w2")
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
+              MELLUM: _QWEN_MOE_NAMES,
               GLM4_MOE: _QWEN_MOE_NAMES, SOLAR_OPEN: _QWEN_MOE_NAMES,
               DEEPSEEK_V3: _QWEN_MOE_NAMES, DOTS1: _QWEN_MOE_NAMES,
               EXAONE_MOE: _QWEN_MOE_NAMES,
@@ -793,7 +808,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   # OLMo 3's the default kind at base 500k, even when rope_theta differs (what
   # transformers computes).
   bases = {"Gemma3ForCausalLM": (1_000_000.0, 10_000.0),
-           "Olmo3ForCausalLM": (500_000.0, 500_000.0)}
+           "Olmo3ForCausalLM": (500_000.0, 500_000.0), MELLUM: (500_000.0, 10_000.0)}
   if lm in bases:
     full_base, local_base = bases[lm]
     if per_type:
@@ -1534,7 +1549,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
 # Classes whose config.json attention_bias puts a bias on all four attention projections
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
 # Mixtral none.
-_BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+_BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
                   ARCEE, APERTUS, COHERE) + _COHERES + _HUNYUANS + _SWAS + _PLAIN_MLPS
@@ -1543,7 +1558,8 @@ _BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, CWM, "MixtralForCausalLM", PHI3,
                       QWEN2_MOE, MINIMAX_M2, MINISTRAL3, EXAONE4) + _ERNIES
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
-_QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + _QWEN3_5S
+_QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", MELLUM)
+              + _QWEN3_5S
               + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE, APERTUS)
               + _HUNYUANS)
 # Dense Qwen models whose config.json may turn on sliding-window attention
@@ -1562,6 +1578,11 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if lm in _ALL_WINDOWED:
     window = c.get("sliding_window", _ALL_WINDOWED[lm])
     return {"sliding_window": int(window)} if window else {}
+  if lm == MELLUM:  # the window on the layers layer_types names (none by default)
+    types = c.get("layer_types") or ["full_attention"] * int(c["num_hidden_layers"])
+    if "sliding_attention" not in types or not c.get("sliding_window"):
+      return {}
+    return {"sliding_window": int(c["sliding_window"]), "layer_types": tuple(types)}
   if lm in (MINISTRAL, CWM):  # the window on the layers layer_types names, else on all
     window = c.get("sliding_window", 4096)  # (CWM: on three of each four)
     if window is None:
@@ -2078,7 +2099,10 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "dense_layers": dense,
             "dense_ffn_dim": int(c.get("prefix_dense_intermediate_size") or width) if dense
             else 0, **_aux_loss_from_hf(c)}
-  if arch in ("Qwen3MoeForCausalLM", QWEN2_MOE):
+  if arch == MELLUM:  # its mlp_layer_types, as mlp_only_layers
+    kinds = c.get("mlp_layer_types") or ["sparse"] * int(c["num_hidden_layers"])
+    c = {**c, "mlp_only_layers": [i for i, k in enumerate(kinds) if k != "sparse"]}
+  if arch in ("Qwen3MoeForCausalLM", QWEN2_MOE, MELLUM):
     # Dense layers (mlp_only_layers) are read where they lead: layers 0..k-1.
     dense = sorted(int(i) for i in c.get("mlp_only_layers") or ())
     if dense != list(range(len(dense))) or int(c.get("decoder_sparse_step", 1)) != 1:
@@ -2448,9 +2472,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in _SANDWICHED:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
-                          MINISTRAL, CWM) + _COHERES + _SWAS)
+                          MINISTRAL, CWM, MELLUM) + _COHERES + _SWAS)
     names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
-    names += [] if lm in ("Olmo3ForCausalLM",) + _SWAS else ["rope_local"]
+    names += [] if lm in ("Olmo3ForCausalLM", MELLUM) + _SWAS else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
     held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
     if held:
@@ -2733,6 +2757,25 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == HUNYUAN_MOE:
     out.update(num_experts=cfg.num_experts, moe_topk=cfg.num_experts_per_tok,
                intermediate_size=cfg.ffn_dim)
+  if lm == MELLUM:
+    local = cfg.rope_local or cfg.rope
+    out.pop("rope_theta")
+    out.pop("rope_scaling")
+    out.update(
+        num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
+        intermediate_size=cfg.dense_ffn_dim or cfg.ffn_dim,
+        mlp_layer_types=["dense" if i < cfg.dense_layers else "sparse"
+                         for i in range(cfg.num_layers)],
+        sliding_window=cfg.sliding_window or 1024,
+        layer_types=["sliding_attention" if s else "full_attention"
+                     for s in cfg.sliding_layers],
+        rope_parameters={kind: {"rope_type": r.type, "rope_theta": r.theta,
+                                **(_rope_scaling(r) or {})}
+                         for kind, r in (("full_attention", rope),
+                                         ("sliding_attention", local))},
+        output_router_logits=bool(cfg.router_aux_loss_coef),
+        router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001)
   if lm in ("Qwen3MoeForCausalLM", QWEN2_MOE):
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
@@ -4134,7 +4177,8 @@ def _prediction_layer_names(c: dict[str, Any], files: dict[str, str]) -> set[str
   num_nextn_predict_layers layers after num_hidden_layers), which are not read."""
   text = _language_model_config(c)
   lm = _causal_lm(_architecture(text))
-  if lm in (NEMOTRON_H, EXAONE_MOE):  # their mtp.*, which transformers does not read either
+  if lm in (NEMOTRON_H, EXAONE_MOE, MELLUM):  # their mtp.*, which transformers does not
+    # read either
     return {n for n in files if n.startswith("mtp.")}
   if lm not in (GLM4_MOE,) + _V3_ROUTED:
     return set()
