@@ -460,7 +460,8 @@ class ModelConfig:
     layer_norm: every norm is a LayerNorm with a weight and no bias, (x - mean(x)) /
       sqrt(var(x) + eps) * w in float32, in place of an RMSNorm (Cohere's).
     norm_bias: with layer_norm, every norm of the residual stream (each layer's and the
-      final one) adds a bias after its weight (torch's LayerNorm: StarCoder2, Jais 2).
+      final one) adds a bias after its weight (torch's LayerNorm: StarCoder2, Jais 2,
+      StableLM); q/k norms have none.
     mlp_bias: the dense MLPs' projections have biases (up_bias, gate_bias, down_bias).
     parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
       the MLP reading one normed input (its input_norm; no post_attn_norm: Cohere
@@ -1120,9 +1121,6 @@ class ModelConfig:
     if self.norm_bias and not self.layer_norm:
       raise ValueError("norm_bias=True needs layer_norm=True (a LayerNorm's bias; an "
                        "RMSNorm has none)")
-    if self.norm_bias and self.qk_norm:
-      raise ValueError("norm_bias=True with qk_norm: q/k norms with biases are not "
-                       "supported")
     if (self.router_bias or self.expert_bias) and not self.num_experts:
       raise ValueError("router_bias / expert_bias need a mixture of experts (num_experts > 0)")
     for name in ("swiglu_limit", "swiglu_alpha"):

@@ -65,19 +65,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
-              "MellumForCausalLM")
-# JetBrains' Mellum 2 (MellumForCausalLM): Qwen3-MoE with a window on the layers
-# layer_types names (none by default), the sliding layers rotating at their own base
-# (rope_parameters by layer type: 500k full, 10k sliding), dense layers where
-# mlp_layer_types says (read where they lead). Its mtp.* layer is not read.
-MELLUM = "MellumForCausalLM"
-_MELLUM_DEFAULTS = dict(
-    vocab_size=98_304, hidden_size=2304, intermediate_size=7168, num_hidden_layers=28,
-    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    attention_bias=False, sliding_window=1024, moe_intermediate_size=896,
-    num_experts_per_tok=8, num_local_experts=64, norm_topk_prob=True,
-    router_aux_loss_coef=0.001)
+              "MellumForCausalLM", "StableLmForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -140,7 +128,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "SolarOpenForCausalLM": "solar_open", "Starcoder2ForCausalLM": "starcoder2",
                 "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm",
                 "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo",
-                "MellumForCausalLM": "mellum", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "MellumForCausalLM": "mellum",
+                "StableLmForCausalLM": "stablelm", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -321,6 +310,18 @@ _GLM4_DEFAULTS = dict(rms_norm_eps=1.5625e-07, attention_bias=True, partial_rota
 # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases), softmax
 # routing, and a shared expert every token runs, scaled by sigmoid(x . w).
 QWEN2_MOE = "Qwen2MoeForCausalLM"
+# JetBrains' Mellum 2 (MellumForCausalLM): Qwen3-MoE with a window on the layers
+# layer_types names (none by default), the sliding layers rotating at their own base
+# (rope_parameters by layer type: 500k full, 10k sliding), dense layers where
+# mlp_layer_types says (read where they lead). Its mtp.* layer is not read.
+MELLUM = "MellumForCausalLM"
+_MELLUM_DEFAULTS = dict(
+    vocab_size=98_304, hidden_size=2304, intermediate_size=7168, num_hidden_layers=28,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    attention_bias=False, sliding_window=1024, moe_intermediate_size=896,
+    num_experts_per_tok=8, num_local_experts=64, norm_topk_prob=True,
+    router_aux_loss_coef=0.001)
 # GLM-4.5 / GLM-4.5-Air / GLM-4.6: Llama's block layout, half of each head rotated
 # (rotate-half, unlike GLM-4's interleaved pairs), optional q/k norms, the first
 # first_k_dense_replace layers dense, then sigmoid routing with a score-correction bias,
@@ -372,6 +373,11 @@ HELIUM = "HeliumForCausalLM"
 # MLP's. Jais 2 (Jais2ForCausalLM): Llama's attention (attention_bias: all four) under
 # LayerNorms with biases, an MLP of no gate, down(relu(up(x))^2), with mlp_bias's biases.
 STARCODER2 = "Starcoder2ForCausalLM"
+# StableLM 2 (StableLmForCausalLM): LayerNorms with biases, a quarter of each head
+# rotated (rotate-half), q/k/v biases with use_qkv_bias, an o_proj of [D, D]; with
+# qk_layernorm q and k LayerNorm-ed per head, each its own weight (one tensor a head in
+# the files); with use_parallel_residual x + attn(norm(x)) + mlp(norm(x)).
+STABLELM = "StableLmForCausalLM"
 JAIS2 = "Jais2ForCausalLM"
 _PLAIN_MLPS = (STARCODER2, JAIS2)
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
@@ -547,6 +553,11 @@ _CLASS_DEFAULTS = {
                 layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
                 head_dim=128, tie_word_embeddings=False),
     CWM: _CWM_DEFAULTS, YOUTU: _YOUTU_DEFAULTS, MELLUM: _MELLUM_DEFAULTS,
+    STABLELM: dict(vocab_size=50_304, hidden_size=2560, intermediate_size=6912,
+                   num_hidden_layers=32, num_attention_heads=32,
+                   max_position_embeddings=4096, layer_norm_eps=1e-5, rope_theta=10_000.0,
+                   use_qkv_bias=False, qk_layernorm=False, use_parallel_residual=False,
+                   tie_word_embeddings=False),
     HELIUM: dict(vocab_size=48_000, hidden_size=2560, intermediate_size=7040,
                  num_hidden_layers=24, num_attention_heads=20, num_key_value_heads=20,
                  head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-8,
@@ -835,7 +846,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
               "rope_theta": theta * float(merged["alpha"]) ** (dim / (dim - 2))}
   if lm in _GLMS + (GLM4_MOE,):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
-  if lm in _QWEN3_5S:
+  if lm in _QWEN3_5S + (STABLELM,):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
   if lm == BAMBA:  # transformers' BambaConfig sets it, whatever the file says
     merged["partial_rotary_factor"] = 0.5
@@ -986,6 +997,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = {**c, "rms_norm_eps": c["norm_epsilon"], "attention_bias": bool(c["use_bias"])}
   if lm == JAIS2:
     c = {**c, "rms_norm_eps": c["layer_norm_eps"]}
+  if lm == STABLELM:
+    c = {**c, "rms_norm_eps": c["layer_norm_eps"], "attention_bias": bool(c["use_qkv_bias"]),
+         "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm in (COHERE, COHERE2):  # transformers' config: its eps's name, head_dim from the width
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
@@ -1043,7 +1057,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       qkv_bias=lm == "Qwen2ForCausalLM" or (bool(c.get("attention_bias", False))
                                              and lm not in _NO_ATTENTION_BIAS)
       or (lm == QWEN2_MOE and bool(c["qkv_bias"])),
-      qk_norm=lm in _QK_NORMED or (lm in (GLM4_MOE, COHERE) and bool(c["use_qk_norm"])),
+      qk_norm=lm in _QK_NORMED or (lm in (GLM4_MOE, COHERE) and bool(c["use_qk_norm"]))
+      or (lm == STABLELM and bool(c["qk_layernorm"])),
       qk_norm_after_rope=lm in _HUNYUANS,
       **_output_bias_from_hf(lm, c), max_position_embeddings=int(c.get(
           "max_position_embeddings", defaults.get("max_position_embeddings", 8192))),
@@ -1057,7 +1072,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
-      **_plain_mlp_from_hf(lm, c))
+      **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1742,6 +1757,14 @@ def _cohere2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _stablelm_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a StableLM config.json ({} for other families)."""
+  if lm != STABLELM:
+    return {}
+  return dict(layer_norm=True, norm_bias=True, qk_norm_head_weights=bool(c["qk_layernorm"]),
+              parallel_residual=bool(c["use_parallel_residual"]))
+
+
 def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a StarCoder2 / Jais 2 config.json ({} for other families):
   LayerNorms with biases, an MLP of no gate and its biases."""
@@ -2199,8 +2222,10 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   if arch == SOLAR_OPEN:  # a mixture in every layer, whatever the file says
     c = {**c, "first_k_dense_replace": 0}
   if arch in (GLM4_MOE, DOTS1, EXAONE_MOE, SOLAR_OPEN) + _V3_ROUTED:
-    if arch in (DEEPSEEK_V3, DEEPSEEK_V32) and (c.get("topk_method", "noaux_tc") != "noaux_tc" or c.get(
-        "scoring_func", "sigmoid") != "sigmoid" or int(c.get("moe_layer_freq", 1)) != 1):
+    if arch in (DEEPSEEK_V3, DEEPSEEK_V32) and (
+        c.get("topk_method", "noaux_tc") != "noaux_tc"
+        or c.get("scoring_func", "sigmoid") != "sigmoid"
+        or int(c.get("moe_layer_freq", 1)) != 1):
       raise ValueError(f"topk_method={c.get('topk_method')!r}, scoring_func="
                        f"{c.get('scoring_func')!r}, moe_layer_freq={c.get('moe_layer_freq')!r}"
                        ": only DeepSeek-V3's routing (noaux_tc over sigmoid scores, every "
@@ -2331,7 +2356,7 @@ def check_exportable(cfg: ModelConfig) -> None:
   _check_family_options(cfg, lm)
   _check_mixture_options(cfg, lm)
   qk_norm = lm in _QK_NORMED
-  if qk_norm != cfg.qk_norm and lm not in (GLM4_MOE, COHERE):
+  if qk_norm != cfg.qk_norm and lm not in (GLM4_MOE, COHERE, STABLELM):
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}, which "
                      f"{'always has' if qk_norm else 'has no'} q/k norms")
   if lm == "Qwen2ForCausalLM" and not cfg.qkv_bias:
@@ -2452,7 +2477,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2) else
                                "gelu_tanh_ungated" if lm == STARCODER2 else
                                "xielu" if lm == APERTUS else "silu"),
-               norm_bias=lm in _PLAIN_MLPS,
+               norm_bias=lm in _PLAIN_MLPS + (STABLELM,),
                mlp_bias=(cfg.mlp_bias if lm == JAIS2 else
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
@@ -2462,9 +2487,10 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2) + _PLAIN_MLPS),
-               parallel_residual=lm in _COHERES + (COHERE,),
-               qk_norm_head_weights=lm == COHERE and cfg.qk_norm)
+                           lm in (COHERE, COHERE2, STABLELM) + _PLAIN_MLPS),
+               parallel_residual=(cfg.parallel_residual if lm == STABLELM else
+                                  lm in _COHERES + (COHERE,)),
+               qk_norm_head_weights=lm in (COHERE, STABLELM) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
@@ -2575,11 +2601,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
                      "features")
-  if lm not in (PHI3, GLM4_MOE, MINIMAX_M2, BAMBA) + _GLMS + _QWEN3_5S + _DEEPSEEKS and any(
-      r.partial_rotary_factor != 1.0 for r in ropes):
+  partial = (PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM) + _GLMS + _QWEN3_5S + _DEEPSEEKS
+  if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM)
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -2693,6 +2719,16 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == JAIS2:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2")
+  if lm == STABLELM:
+    for key in ("rms_norm_eps", "attention_bias", "rope_theta", "rope_scaling"):
+      out.pop(key)
+    out.update(layer_norm_eps=cfg.norm_eps, use_qkv_bias=cfg.qkv_bias,
+               qk_layernorm=cfg.qk_norm, use_parallel_residual=cfg.parallel_residual,
+               partial_rotary_factor=rope.partial_rotary_factor, hidden_dropout=0.0,
+               attention_dropout=0.0,
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})})
   if lm in _COHERES:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, logit_scale=cfg.lm_head_multiplier,
@@ -3170,7 +3206,12 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows += [(p + ("attn", "q_bias"), hf + "self_attn.q_proj.bias", *qk_bias(n), (n, h)),
                (p + ("attn", "k_bias"), hf + "self_attn.k_proj.bias", *qk_bias(k), (k, h)),
                (p + ("attn", "v_bias"), hf + "self_attn.v_proj.bias", *bias(k), (k, h))]
-    if attention and cfg.qk_norm and cfg.qk_norm_head_weights:  # HF [heads, h], as ours
+    if attention and cfg.qk_norm and _causal_lm(cfg.architecture) == STABLELM:
+      # one LayerNorm a head in the files: each row a head's slice of ours [heads, h]
+      rows += [(p + ("attn", f"{q}_norm", "scale", j),
+                hf + f"self_attn.{q}_layernorm.norms.{j}.weight", ident, ident, (h,))
+               for q, heads in (("q", n), ("k", k)) for j in range(heads)]
+    elif attention and cfg.qk_norm and cfg.qk_norm_head_weights:  # HF [heads, h], as ours
       rows += [(p + ("attn", "q_norm", "scale"), hf + "self_attn.q_norm.weight",
                 *_head_weights(qk_bias(n), n, h), (n, h)),
                (p + ("attn", "k_norm", "scale"), hf + "self_attn.k_norm.weight",
@@ -4348,7 +4389,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
           values[ours] = jax.device_put(arr, _target_sharding(shardings, ours, cfg))
         else:
           values[ours] = jax.tree.map(jnp.asarray, arr)
-  if cfg.num_experts:
+  if any(_is_slice(k) for k in values):
     values = _stack_experts(values, cfg, shardings)
   if cfg.scan_layers:
     values = _stack_layers(values, cfg, shardings)
@@ -4389,11 +4430,19 @@ def _is_expert(ours: tuple) -> bool:
           and isinstance(ours[-1], int))
 
 
+def _is_slice(ours: tuple) -> bool:
+  """A slice of a parameter's leading axis: an expert's (`_is_expert`), or one head's of
+  a q/k norm's weight per head (("layers", i, "attn", "q_norm", "scale", h): StableLM's
+  files hold a tensor a head)."""
+  return _is_expert(ours) or (len(ours) == 6 and ours[2] == "attn" and ours[-2] == "scale"
+                              and isinstance(ours[-1], int))
+
+
 def _param_key(ours: tuple, cfg: ModelConfig) -> tuple[tuple, int]:
   """(the parameter holding the tensor at `ours`, how many leading axes it has beyond the
   tensor's: one layer of a stacked parameter, one expert of a mixture's)."""
   drop = 0
-  if _is_expert(ours):
+  if _is_slice(ours):
     ours, drop = ours[:-1], 1
   if cfg.scan_layers and ours[0] in _STACKS:
     ours, drop = _stacked_key(ours), drop + 1
@@ -4435,9 +4484,9 @@ def _stack(parts: list, sharding) -> jax.Array:
 def _stack_experts(values: dict, cfg: ModelConfig, shardings) -> dict:
   """Stacks each layer's per-expert tensors into its [E, ...] parameter (a layer's slice
   of it with scan_layers), one parameter at a time."""
-  out = {k: v for k, v in values.items() if not _is_expert(k)}
-  for key in sorted({k[:-1] for k in values if _is_expert(k)}):
-    parts = [values.pop(key + (j,)) for j in range(cfg.num_experts)]
+  out = {k: v for k, v in values.items() if not _is_slice(k)}
+  for key in sorted({k[:-1] for k in values if _is_slice(k)}):
+    parts = [values.pop(key + (j,)) for j in range(sum(k[:-1] == key for k in values))]
     out[key] = _stack(parts, None if shardings is None else
                       _target_sharding(shardings, key, cfg))
   return out
@@ -4460,7 +4509,7 @@ def _read_param(state, ours: tuple, cfg: ModelConfig) -> jax.Array:
   """Our parameter at an unstacked path; one layer's slice of a scan_layers parameter;
   one expert's slice of a mixture's."""
   index = ()
-  if _is_expert(ours):
+  if _is_slice(ours):
     ours, index = ours[:-1], (ours[-1],)
   if cfg.scan_layers and ours[0] in _STACKS:
     ours, index = _stacked_key(ours), (ours[1], *index)

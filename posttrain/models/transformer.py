@@ -327,10 +327,11 @@ class RMSNorm(nnx.Module):
 
 
 def _norm(cfg: ModelConfig, dim: int | tuple[int, ...], names=("norm",),
-          reduce: int | None = None) -> RMSNorm:
+          reduce: int | None = None, bias: bool | None = None) -> RMSNorm:
+  """A norm of cfg's kind; `bias` (default cfg.norm_bias) False for q/k norms."""
   return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), names,
                  unit_offset=cfg.norm_unit_offset, center=cfg.layer_norm, reduce=reduce,
-                 bias=cfg.norm_bias)
+                 bias=cfg.norm_bias if bias is None else bias)
 
 
 def soft_cap(logits, cap: float | None):
@@ -926,12 +927,14 @@ class Attention(nnx.Module):
     if cfg.qk_norm and (cfg.qk_norm_heads or cfg.qk_norm_head_weights):
       # OLMo 2: over every head's features at once; Cohere: each head alone, its own weight
       reduce = 1 if cfg.qk_norm_head_weights else None
-      self.q_norm = _norm(cfg, (n, h), names=("heads", "head_dim"), reduce=reduce)
-      self.k_norm = _norm(cfg, (k, h), names=("kv_heads", "head_dim"), reduce=reduce)
+      self.q_norm = _norm(cfg, (n, h), names=("heads", "head_dim"), reduce=reduce,
+                          bias=False)
+      self.k_norm = _norm(cfg, (k, h), names=("kv_heads", "head_dim"), reduce=reduce,
+                          bias=False)
     elif cfg.qk_norm:
-      self.q_norm = _norm(cfg, h, names=("head_dim",))
+      self.q_norm = _norm(cfg, h, names=("head_dim",), bias=False)
       if not kv_shared:
-        self.k_norm = _norm(cfg, h, names=("head_dim",))
+        self.k_norm = _norm(cfg, h, names=("head_dim",), bias=False)
     if cfg.attn_out_bias:
       self.o_bias = _param(None, (d,), ("embed",), pd, init="zeros")
     if cfg.attention_sinks:
