@@ -1058,9 +1058,9 @@ def _linear_shards(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
 def _layer_kinds(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
                  rules) -> tuple[tuple[int, bool, dict[str, Any]], ...]:
   """(layers, linear, their MLP's keywords) of each kind of layer: `_layer_mlps`' kinds,
-  the last (a dense model's layers, a mixture's mixture layers) split into its Gated
-  DeltaNet layers (linear, cfg.linear_layers) and its attention layers. The leading
-  dense layers are never linear (`ModelConfig` refuses both). With cfg.split_layers
+  each split into its linear-attention layers (linear, cfg.linear_layers) and its
+  attention layers (a mixture's dense layers and its mixture layers apart). With
+  cfg.split_layers
   (Nemotron-H, Nemotron 3) the attention layers and the linear layers (no MLP), the
   MLPs alone (dense, of dense_ffn_dim in a model with experts) and the mixtures alone,
   each kind's keywords naming its `part` of a block ("mixer", "mlp" or "moe",
@@ -1075,7 +1075,12 @@ def _layer_kinds(cfg: models.ModelConfig, rows: int, row_len: int, mesh,
              (sum(cfg.mlp_layers), False, {**dense, "part": "mlp"}),
              (sum(cfg.moe_layers), False, {**mlp, "part": "moe"})]
     return tuple(kind for kind in kinds if kind[0])
-  kinds = [(m, False, kw) for m, kw in lead] + [(n - linear, False, mlp), (linear, True, mlp)]
+  moe = cfg.mixture_flags if cfg.num_experts else (True,) * cfg.num_layers
+  lead_linear = sum(lin and not m for lin, m in zip(cfg.linear_layers, moe))
+  kinds = [kind for m, kw in lead for kind in ((m - lead_linear, False, kw),
+                                                (lead_linear, True, kw))]
+  linear -= lead_linear
+  kinds += [(n - linear, False, mlp), (linear, True, mlp)]
   return tuple(kind for kind in kinds if kind[0])
 
 

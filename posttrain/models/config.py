@@ -931,7 +931,6 @@ class ModelConfig:
                             ("sliding_attention layers", any(self.sliding_layers)),
                             ("rope_layers with rotary and NoPE layers both",
                              len(set(self.rope_layers)) > 1),
-                            ("dense_layers", self.dense_layers),
                             ("output_norms", self.output_norms),
                             ("sandwich_norms", self.sandwich_norms)) if on]
     if held:
@@ -1032,6 +1031,8 @@ class ModelConfig:
     scanned model of linear and full layers runs p layers per scan step (num_layers
     when no shorter pattern repeats)."""
     kinds = self.layer_types or ("full_attention",) * self.num_layers
+    if self.num_experts and not self.split_layers:  # a mixture's dense layers apart
+      kinds = tuple(zip(kinds, self.mixture_flags))
     return next(p for p in range(1, len(kinds) + 1) if len(kinds) % p == 0
                 and all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
 

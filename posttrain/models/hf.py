@@ -65,7 +65,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GlmForCausalLM", "CohereForCausalLM", "HeliumForCausalLM",
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
-              "MellumForCausalLM", "StableLmForCausalLM")
+              "MellumForCausalLM", "StableLmForCausalLM",
+              "Lfm2MoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -78,7 +79,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
                   "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
-                  "FlexOlmoForCausalLM", "MellumForCausalLM")
+                  "FlexOlmoForCausalLM", "MellumForCausalLM", "Lfm2MoeForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -129,7 +130,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm",
                 "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo",
                 "MellumForCausalLM": "mellum",
-                "StableLmForCausalLM": "stablelm", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "StableLmForCausalLM": "stablelm",
+                "Lfm2MoeForCausalLM": "lfm2_moe", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -292,6 +294,13 @@ _FALCON_H1_DEFAULTS = dict(
 # MLP's width through block_auto_adjust_ff_dim (read as transformers sizes it; written
 # as the size itself). Lfm2MoeForCausalLM (its mixture layers) is not read.
 LFM2 = "Lfm2ForCausalLM"
+# LFM2-MoE (Lfm2MoeForCausalLM, LFM2-8B-A1B): LFM2's layers, the first num_dense_layers
+# with a dense feed_forward of intermediate_size, the rest a mixture: sigmoid scores, the
+# top-k chosen by score + expert_bias (a correction bias, with use_expert_bias), the
+# chosen scores renormalised (norm_topk_prob) times routed_scaling_factor; its experts'
+# w1 / w3 / w2 one tensor each in the files.
+LFM2_MOE = "Lfm2MoeForCausalLM"
+_LFM2S = (LFM2, LFM2_MOE)
 # The classes whose linear_attention layers are Mamba2's (`ModelConfig.linear_mixer`).
 _MAMBA2S = (GRANITE_HYBRID, BAMBA, NEMOTRON_H)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -774,6 +783,8 @@ _MIXTRAL_MOE_NAMES = ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.w1"
                       "block_sparse_moe.experts.{j}.w3", "block_sparse_moe.experts.{j}.w2")
 _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES,
               MELLUM: _QWEN_MOE_NAMES,
+              LFM2_MOE: ("feed_forward.gate", "feed_forward.experts.{j}.w1",
+                         "feed_forward.experts.{j}.w3", "feed_forward.experts.{j}.w2"),
               GLM4_MOE: _QWEN_MOE_NAMES, SOLAR_OPEN: _QWEN_MOE_NAMES,
               DEEPSEEK_V3: _QWEN_MOE_NAMES, DOTS1: _QWEN_MOE_NAMES,
               EXAONE_MOE: _QWEN_MOE_NAMES,
@@ -988,9 +999,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = _model_type_config(_language_model_config(c))
   arch = _architecture(c)
   lm = _causal_lm(arch)
-  if lm in (NEMOTRON_H, LFM2, GEMMA4):
-    cfg = (_nemotron_h_from_hf(c) if lm == NEMOTRON_H else _lfm2_from_hf(c) if lm == LFM2
-           else _gemma4_from_hf(c, arch))
+  if lm in (NEMOTRON_H, GEMMA4) + _LFM2S:
+    cfg = (_nemotron_h_from_hf(c) if lm == NEMOTRON_H else _lfm2_from_hf(c, lm)
+           if lm in _LFM2S else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
   if lm == STARCODER2:  # its eps's name; use_bias for every projection
@@ -1367,11 +1378,15 @@ def _lfm2_ffn_dim(c: dict[str, Any]) -> int:
   return size
 
 
-def _lfm2_from_hf(c: dict[str, Any]) -> ModelConfig:
-  """The ModelConfig of an LFM2 config.json, read as transformers' Lfm2Config reads it
-  (its defaults where a key is left out; layer_types, else attention at full_attn_idxs,
-  else at every layer; the published files' tie_embedding and block_ff_dim above
-  tie_word_embeddings and intermediate_size)."""
+def _lfm2_from_hf(c: dict[str, Any], lm: str = LFM2) -> ModelConfig:
+  """The ModelConfig of an LFM2 / LFM2-MoE config.json, read as transformers' Lfm2Config
+  reads it (its defaults where a key is left out; layer_types, else attention at
+  full_attn_idxs, else at every layer; the published files' tie_embedding and
+  block_ff_dim above tie_word_embeddings and intermediate_size); LFM2-MoE's mixture."""
+  if lm == LFM2_MOE:
+    c = {"hidden_size": 2048, "intermediate_size": 7168, "moe_intermediate_size": 1792,
+         "num_dense_layers": 2, "num_experts_per_tok": 4, "num_experts": 32,
+         "use_expert_bias": True, "routed_scaling_factor": 1.0, "norm_topk_prob": True, **c}
   layers = int(c.get("num_hidden_layers") or 32)
   kinds = c.get("layer_types")
   if kinds is None:
@@ -1384,6 +1399,16 @@ def _lfm2_from_hf(c: dict[str, Any]) -> ModelConfig:
                      f"full_attention or conv for each of the {layers} layers")
   d = int(c.get("hidden_size") or 2560)
   heads = int(c.get("num_attention_heads") or 32)
+  moe: dict[str, Any] = dict(ffn_dim=_lfm2_ffn_dim(c))
+  if lm == LFM2_MOE:  # its dense layers' width as it is (no auto adjustment)
+    dense = int(c["num_dense_layers"])
+    moe = dict(ffn_dim=int(c["moe_intermediate_size"]), num_experts=int(c["num_experts"]),
+               num_experts_per_tok=int(c["num_experts_per_tok"]),
+               norm_topk_prob=bool(c["norm_topk_prob"]), router_scoring="sigmoid",
+               router_correction_bias=bool(c["use_expert_bias"]),
+               routed_scaling_factor=float(c["routed_scaling_factor"]), dense_layers=dense,
+               dense_ffn_dim=int(c["intermediate_size"]) if dense else 0,
+               **_aux_loss_from_hf(c))
   tie = c["tie_embedding"] if "tie_embedding" in c else c.get("tie_word_embeddings", True)
   rope, _ = _rope_from_hf({"rope_theta": 1_000_000.0, **c}, LFM2)
   pad = c.get("pad_token_id", 0)
@@ -1391,10 +1416,10 @@ def _lfm2_from_hf(c: dict[str, Any]) -> ModelConfig:
   return ModelConfig(
       vocab_size=int(c.get("vocab_size") or 65_536), d_model=d, num_layers=layers,
       num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or 8),
-      head_dim=int(c.get("head_dim") or d // heads), ffn_dim=_lfm2_ffn_dim(c), rope=rope,
+      head_dim=int(c.get("head_dim") or d // heads), rope=rope, **moe,
       norm_eps=float(c.get("norm_eps", 1e-5)), tie_embeddings=bool(tie), qk_norm=True,
       max_position_embeddings=int(c.get("max_position_embeddings") or 128_000),
-      architecture=LFM2, dtype=dtype, param_dtype=dtype,
+      architecture=lm, dtype=dtype, param_dtype=dtype,
       pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
       layer_types=tuple(_LFM2_LAYER_TYPES[k] for k in kinds), linear_mixer="short_conv",
       linear_conv_kernel=int(c.get("conv_L_cache") or 3),
@@ -1405,7 +1430,15 @@ def _lfm2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """An LFM2 config.json's own fields (`_lfm2_from_hf`'s inverse): the MLP's width as it
   is (no auto adjustment), the layers' kinds."""
   rope = cfg.rope
+  mixture = {} if not cfg.num_experts else dict(
+      intermediate_size=cfg.dense_ffn_dim or cfg.ffn_dim, moe_intermediate_size=cfg.ffn_dim,
+      num_dense_layers=cfg.dense_layers, num_experts=cfg.num_experts,
+      num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+      use_expert_bias=cfg.router_correction_bias,
+      routed_scaling_factor=cfg.routed_scaling_factor,
+      output_router_logits=bool(cfg.router_aux_loss_coef))
   return dict(
+      **mixture,
       norm_eps=cfg.norm_eps, rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                               **(_rope_scaling(rope) or {})},
       layer_types=["conv" if linear else "full_attention" for linear in cfg.linear_layers],
@@ -1559,7 +1592,7 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return out
 
 # Classes whose layers name their MLP feed_forward.
-_FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, LFM2)
+_FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 
 # Classes whose config.json attention_bias puts a bias on all four attention projections
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
@@ -1575,7 +1608,7 @@ _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, CWM, "MixtralForCausalLM"
 # Classes with q/k norms (per head; OLMo's and MiniMax-M2's over all heads).
 _QK_NORMED = (("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", MELLUM)
               + _QWEN3_5S
-              + OLMOS + (MINIMAX_M2, LFM2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE, APERTUS)
+              + OLMOS + (MINIMAX_M2, OLMOE, EXAONE4, DOTS1, EXAONE_MOE, APERTUS) + _LFM2S
               + _HUNYUANS)
 # Dense Qwen models whose config.json may turn on sliding-window attention
 # (use_sliding_window: the layers from max_window_layers on, or as layer_types says).
@@ -2337,10 +2370,10 @@ def check_exportable(cfg: ModelConfig) -> None:
   if mamba and lm not in _MAMBA2S:
     raise ValueError(f"linear_mixer='mamba2' layers cannot be written as {arch}: "
                      f"{' and '.join(_MAMBA2S)} hold them")
-  if short and lm != LFM2:
+  if short and lm not in _LFM2S:
     raise ValueError(f"linear_mixer='short_conv' layers cannot be written as {arch}: "
                      f"{LFM2} holds them")
-  if lm == LFM2 and any(cfg.linear_layers) and not short:
+  if lm in _LFM2S and any(cfg.linear_layers) and not short:
     raise ValueError(f"linear_mixer={cfg.linear_mixer!r} layers cannot be written as "
                      f"{arch}, whose linear layers are short convolutions")
   if lm in _MAMBA2S and any(cfg.linear_layers) and not mamba:
@@ -2407,6 +2440,16 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
   if cfg.shared_expert_average:
     raise ValueError(f"shared_expert_average=True cannot be written as {cfg.architecture}; "
                      f"{COHERE2_MOE} holds it")
+  if lm == LFM2_MOE:  # sigmoid scores, a correction bias or none, no groups or shared expert
+    for name, value in (("router_scoring", "sigmoid"), ("softmax_correction_bias", False),
+                        ("shared_expert_dim", 0), ("shared_expert_gate", False),
+                        ("routed_input_scaling", False), ("router_groups", 1),
+                        ("router_group_topk", 1), ("moe_layer_step", 1),
+                        ("router_bias", False), ("expert_bias", False)):
+      if getattr(cfg, name) != value:
+        raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
+                         f"{cfg.architecture}, which always has {name}={value!r}")
+    return
   if lm == NEMOTRON_H:  # Nemotron 3: groups and scaling, one shared expert of its width
     if not cfg.shared_expert_dim:
       raise ValueError(f"shared_expert_dim=0 cannot be written as {cfg.architecture}, "
@@ -2613,7 +2656,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
-  if lm in (LFM2,) + _ERNIES and cfg.qkv_bias:
+  if lm in _LFM2S + _ERNIES and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
@@ -2665,11 +2708,11 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_nemotron_h_to_hf(cfg))
-  if lm == LFM2:
+  if lm in _LFM2S:
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_lfm2_to_hf(cfg))
-  if lm not in ("Qwen2ForCausalLM", LFM2):
+  if lm not in ("Qwen2ForCausalLM",) + _LFM2S:
     out["attention_bias"] = cfg.qkv_bias
   if lm in _POSITION_SCALED:  # rope_parameters hold the query scaling too
     out.pop("rope_theta")
@@ -3047,7 +3090,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
 
   if _causal_lm(cfg.architecture) == NEMOTRON_H:
     return _nemotron_h_rows(cfg, proj_in)
-  if _causal_lm(cfg.architecture) == LFM2:
+  if _causal_lm(cfg.architecture) in _LFM2S:
     return _lfm2_rows(cfg, proj_in)
   if _causal_lm(cfg.architecture) == GEMMA4:
     return _gemma4_rows(cfg)
@@ -3293,9 +3336,22 @@ def _lfm2_rows(cfg: ModelConfig, proj_in: Callable[[int], tuple[Transform, Trans
                    lambda x: x.transpose(2, 0, 1).reshape(d, n * h), (n, h, d)))
       rows += [(p + ("attn", f"{q}_norm", "scale"), attn + f"{q}_layernorm.weight", ident,
                 ident, (h,)) for q in "qk"]
+    if cfg.mixture_flags[i]:  # LFM2-MoE: the router, its correction bias, each expert
+      ff, e = hf + "feed_forward.", cfg.num_experts
+      rows.append((p + ("mlp", "router"), ff + "gate.weight", *transposed, (d, e)))
+      if cfg.router_correction_bias:
+        rows.append((p + ("mlp", "score_correction_bias"), ff + "expert_bias", ident, ident,
+                     (e,)))
+      rows += [(p + ("mlp", ours, j), ff + f"experts.{j}.{name}.weight", *transposed, shape)
+               for j in range(e)
+               for ours, name, shape in (("gate_proj", "w1", (d, f)),
+                                         ("up_proj", "w3", (d, f)),
+                                         ("down_proj", "w2", (f, d)))]
+      continue
+    w = cfg.dense_ffn_dim if cfg.num_experts else f
     rows += [(p + ("mlp", ours), hf + f"feed_forward.{name}.weight", *transposed, shape)
-             for ours, name, shape in (("gate_proj", "w1", (d, f)), ("up_proj", "w3", (d, f)),
-                                       ("down_proj", "w2", (f, d)))]
+             for ours, name, shape in (("gate_proj", "w1", (d, w)), ("up_proj", "w3", (d, w)),
+                                       ("down_proj", "w2", (w, d)))]
   return rows
 
 
@@ -3934,7 +3990,7 @@ _STARCODER2_MODULES = {"up_proj": "c_fc", "down_proj": "c_proj"}
 def _peft_module(cfg: ModelConfig, target: str) -> str:
   """The name of the module LoRA target `target` wraps within its layer's attention,
   mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES` and StarCoder2's MLP."""
-  names = {LFM2: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES}.get(
+  names = {LFM2: _LFM2_MODULES, LFM2_MOE: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
 
@@ -3943,7 +3999,7 @@ def _peft_target(cfg: ModelConfig, target: str) -> str:
   """A target_modules entry of PEFT's that wraps `target` and nothing else: its name, or
   where the name is ambiguous (LFM2's out_proj is the attention's and the convolution's)
   the name under its owner, e.g. self_attn.out_proj."""
-  if _causal_lm(cfg.architecture) != LFM2:
+  if _causal_lm(cfg.architecture) not in _LFM2S:
     return _peft_module(cfg, target)
   owner = ("self_attn" if target in _ATTN_TARGETS else
            _linear_module(cfg) if target in cfg.linear_lora_targets else "feed_forward")
@@ -4413,7 +4469,7 @@ def _lookup(tree, key: tuple):
 
 
 _STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers",
-           "global_layers", "shared_layers", "shared_global_layers")
+           "global_layers", "shared_layers", "shared_global_layers", "linear_dense_layers")
 
 
 def _stacked_key(key: tuple) -> tuple:

@@ -57,7 +57,7 @@ NF4_LEVELS = np.asarray([
 _NF4_EDGES = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
 # The layer stacks whose projections are quantized; the names that are projections.
 _STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers",
-           "global_layers", "shared_layers", "shared_global_layers")
+           "global_layers", "shared_layers", "shared_global_layers", "linear_dense_layers")
 _PROJECTIONS = ("q_gate", "latent_in", "latent_out")
 
 

@@ -520,8 +520,11 @@ def _linear_part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 # The stacks whose layers' MLP is dense in a mixture-of-experts model: its leading (or
-# interleaved) dense layers, and with split_layers its MLPs alone.
-_DENSE_STACKS = ("dense_layers", "mlp_layers")
+# interleaved) dense layers (a hybrid's linear-attention ones apart), and with
+# split_layers its MLPs alone.
+_DENSE_STACKS = ("dense_layers", "linear_dense_layers", "mlp_layers")
+# The stacks of linear-attention layers.
+_LINEAR_STACKS = ("linear_layers", "linear_dense_layers")
 
 
 # The stacks of layers attending over another layer's keys and values (kv_shared_layers).
@@ -618,7 +621,8 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
   stacks: a mixture's dense layers (`dense_layers`: leading, or between its mixture
   layers with cfg.moe_layer_step) then `layers`; or for a model
   with linear-attention layers, those (`linear_layers`) and the attention layers
-  (`layers`), interleaved in the model as layer_types says; with cfg.split_layers the
+  (`layers`), interleaved in the model as layer_types says (a mixture's dense layers
+  apart: `linear_dense_layers` and `dense_layers`, LFM2-MoE's); with cfg.split_layers the
   MLPs alone too (`mlp_layers`) and the mixtures alone (`moe_layers`); with
   cfg.global_layers_apart the sliding layers (`layers`) and the full ones
   (`global_layers`); with cfg.kv_shared_layers the layers sharing keys and values in
@@ -644,9 +648,15 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((name, tuple(i for i, on in enumerate(flags) if on)) for name, flags in (
         ("linear_layers", linear), ("layers", cfg.attention_layers),
         ("mlp_layers", cfg.mlp_layers), ("moe_layers", cfg.moe_layers)) if any(flags))
-  if any(linear):
-    return (("linear_layers", tuple(i for i, lin in enumerate(linear) if lin)),
-            ("layers", tuple(i for i, lin in enumerate(linear) if not lin)))
+  if any(linear):  # a mixture's dense layers apart, linear and attention each
+    moe = cfg.mixture_flags if cfg.num_experts else (True,) * cfg.num_layers
+    stacks = (("linear_dense_layers", lambda lin, m: lin and not m),
+              ("dense_layers", lambda lin, m: not lin and not m),
+              ("linear_layers", lambda lin, m: lin and m),
+              ("layers", lambda lin, m: not lin and m))
+    return tuple((name, indices) for name, keep in stacks
+                 if (indices := tuple(i for i, (lin, m) in enumerate(zip(linear, moe))
+                                      if keep(lin, m))))
   if not cfg.num_experts:
     return (("layers", tuple(range(cfg.num_layers))),)
   flags = cfg.mixture_flags
@@ -657,7 +667,8 @@ def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 def layer_path(cfg: ModelConfig, i: int) -> tuple[str, int]:
   """Where layer i's parameters sit, unstacked: ("layers", j), ("dense_layers", j),
-  ("linear_layers", j), ("mlp_layers", j) or ("moe_layers", j)."""
+  ("linear_layers", j), ("linear_dense_layers", j), ("mlp_layers", j) or
+  ("moe_layers", j)."""
   for name, indices in layer_stacks(cfg):
     if i in indices:
       return name, indices.index(i)
@@ -674,7 +685,7 @@ def stack_lora_targets(cfg: ModelConfig, stack: str) -> tuple[str, ...]:
   q/k/v/o_proj of attention, an attention layer no Gated DeltaNet projections, and a
   mixture layer MLP targets only on its shared expert (its routed experts: the
   EXPERT_LORA_TARGETS)."""
-  other = _ATTN_TARGETS if stack == "linear_layers" else LINEAR_LORA_TARGETS
+  other = _ATTN_TARGETS if stack in _LINEAR_STACKS else LINEAR_LORA_TARGETS
   if cfg.parallel_mixer:  # every layer has both
     other = ()
   if cfg.split_layers:  # one sublayer a layer: the MLP's targets on the MLPs (and
@@ -2605,7 +2616,8 @@ class Transformer(nnx.Module):
     # A mixture's leading dense layers in `dense_layers`, the others in `layers`
     # (`layer_stacks`); each a list of blocks, or with scan_layers one stacked block.
     for stack, indices in layer_stacks(cfg):
-      kind = dict(dense=stack == "dense_layers", linear=stack == "linear_layers",
+      kind = dict(dense=stack in ("dense_layers", "linear_dense_layers"),
+                  linear=stack in _LINEAR_STACKS,
                   mlp_only=stack == "mlp_layers", moe_only=stack == "moe_layers",
                   global_layer=stack in ("global_layers", "shared_global_layers"),
                   kv_shared=stack in _SHARED_STACKS)
@@ -2921,21 +2933,27 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None,
 _UNROLLED_RUNS = 8
 # A hybrid model's kinds of layer (`layer_kinds`) and the stacks holding them.
 _HYBRID_STACKS = {"linear": "linear_layers", "full": "layers", "mlp": "mlp_layers",
-                  "moe": "moe_layers", "sliding": "layers", "global": "global_layers"}
+                  "moe": "moe_layers", "sliding": "layers", "global": "global_layers",
+                  "linear_dense": "linear_dense_layers", "full_dense": "dense_layers"}
 # Where a kind's cache sits in a HybridCaches (an MLP or a mixture alone has none), or
 # (cfg.global_layers_apart) in a LayerKindCaches.
 _HYBRID_CACHES = {"linear": "linear", "full": "full", "mlp": None, "moe": None,
-                  "sliding": "sliding", "global": "full"}
+                  "sliding": "sliding", "global": "full", "linear_dense": "linear",
+                  "full_dense": "full"}
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
   """Per layer of a hybrid model, its kind: "linear" (a linear-attention layer), "full"
-  (attention), "mlp" (an MLP alone, cfg.split_layers) or "moe" (a mixture alone); with
-  cfg.global_layers_apart "sliding" or "global"."""
+  (attention), "mlp" (an MLP alone, cfg.split_layers) or "moe" (a mixture alone), a
+  mixture's dense layers "linear_dense" / "full_dense"; with cfg.global_layers_apart
+  "sliding" or "global"."""
   if cfg.global_layers_apart:
     return tuple("sliding" if s else "global" for s in cfg.sliding_layers)
-  return tuple("linear" if lin else "mlp" if mlp else "moe" if moe else "full"
-               for lin, mlp, moe in zip(cfg.linear_layers, cfg.mlp_layers, cfg.moe_layers))
+  kinds = tuple("linear" if lin else "mlp" if mlp else "moe" if moe else "full"
+                for lin, mlp, moe in zip(cfg.linear_layers, cfg.mlp_layers, cfg.moe_layers))
+  if cfg.num_experts and not cfg.split_layers:  # a mixture's dense layers apart
+    kinds = tuple(k if m else k + "_dense" for k, m in zip(kinds, cfg.mixture_flags))
+  return kinds
 
 
 def period_runs(cfg: ModelConfig) -> list[list]:
@@ -2998,7 +3016,8 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
   per = {kind: pattern.count(kind) for kind in blocks}
 
   def mixes(kind):  # whether a layer of this kind holds a mixture of experts
-    return bool(cfg.num_experts) and (kind == "moe" or not cfg.split_layers)
+    return (bool(cfg.num_experts) and (kind == "moe" or not cfg.split_layers)
+            and not kind.endswith("_dense"))
 
   mixing = sum(mixes(kind) for kind in pattern)  # mixture layers a period
   # The experts each period's mixture layers take: [periods, mixing, B, T, k].
@@ -3020,7 +3039,7 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
     return local_tables if kind == "sliding" and local_tables is not None else tables
 
   def routed(kind):  # whether a layer of this kind gives router statistics
-    return router_stats and (kind == "moe" or not cfg.split_layers)
+    return router_stats and mixes(kind)
 
   def recorded(kind):  # whether a layer of this kind returns the experts it chose
     return record and mixes(kind)
@@ -3117,9 +3136,18 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
           chosen.append(got)
       return (x, caches), (stats, jnp.concatenate(chosen) if record else None)
     seen = dict.fromkeys(blocks, 0)
+    # A kind's cache entries sit in its field's stack, shared with any other kind of that
+    # field (a mixture's dense linear layers and its other linear ones): the layer's index
+    # among the field's layers.
+    fields = [_HYBRID_CACHES[kind] for kind in pattern]
+    per_field = {f: fields.count(f) for f in fields}
+    seen_field = dict.fromkeys(per_field, 0)
     for kind in pattern:
       j = seen[kind]
       seen[kind] += 1
+      field = _HYBRID_CACHES[kind]
+      at = period * per_field[field] + seen_field[field]
+      seen_field[field] += 1
       stack = states[kind] if by_layer else period_states[kind]
       if not prefill or kind == "moe":
         # A decode step gathers each layer's (FSDP-sharded) weights; tied to the layer's
@@ -3139,10 +3167,9 @@ def _scan_hybrid(blocks: dict[str, Block], cfg: ModelConfig, x, tables, segment_
             a, i, keepdims=False), stack)
       else:
         state = jax.tree.map(lambda a, j=j: a[j], stack)
-      field = _HYBRID_CACHES[kind]
       unit = None if field is None else getattr(caches, field)
       out = nnx.merge(graphs[kind], state)(x, *kind_tables(kind), segment_ids, unit,
-                                           positions, ctx, prefill, period * per[kind] + j,
+                                           positions, ctx, prefill, at,
                                            router_stats=routed(kind),
                                            sliding=kind == "sliding",
                                            record_experts=recorded(kind))

@@ -57,7 +57,8 @@ class TrainState:
 
 # The model's layer stacks (`posttrain.models.transformer.layer_stacks`).
 _LAYER_STACKS = ("layers", "dense_layers", "linear_layers", "mlp_layers", "moe_layers",
-                 "global_layers", "shared_layers", "shared_global_layers")
+                 "global_layers", "shared_layers", "shared_global_layers",
+                 "linear_dense_layers")
 
 
 def _decay_mask(params):

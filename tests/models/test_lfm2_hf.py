@@ -226,7 +226,7 @@ def test_what_lfm2_refuses(saved):
   with pytest.raises(ValueError, match="full_attention or conv for each of the 4 layers"):
     models.hf_config_to_model_config({**config, "layer_types": ["conv", "full_attention"]})
   with pytest.raises(ValueError, match="unsupported architecture"):
-    models.hf_config_to_model_config({**config, "architectures": ["Lfm2MoeForCausalLM"]})
+    models.hf_config_to_model_config({**config, "architectures": ["Lfm3ForCausalLM"]})
   cfg = models.from_pretrained(folder).cfg
   with pytest.raises(ValueError, match="linear_mixer='short_conv' layers cannot be written "
                                        "as LlamaForCausalLM: Lfm2ForCausalLM holds them"):
