@@ -463,6 +463,10 @@ class ModelConfig:
       final one) adds a bias after its weight (torch's LayerNorm: StarCoder2, Jais 2,
       StableLM); q/k norms have none.
     mlp_bias: the dense MLPs' projections have biases (up_bias, gate_bias, down_bias).
+    norm_weightless: every norm of the residual stream (each layer's and the final one) is
+      x / sqrt(mean(x^2) + eps) with no weight (nanochat's).
+    embed_norm: the embeddings are normed so before the first layer (needs
+      norm_weightless: the final norm's function, no parameters of its own; nanochat).
     parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
       the MLP reading one normed input (its input_norm; no post_attn_norm: Cohere
       Command R7B / Command A).
@@ -596,6 +600,8 @@ class ModelConfig:
   kv_shared_wide_mlp: bool = False
   layer_norm: bool = False
   norm_bias: bool = False
+  norm_weightless: bool = False
+  embed_norm: bool = False
   mlp_bias: bool = False
   parallel_residual: bool = False
   shared_expert_average: bool = False
@@ -1119,6 +1125,13 @@ class ModelConfig:
     if self.mlp_bias and self.num_experts:
       raise ValueError("mlp_bias=True (biases on a dense MLP's projections) has no mixture "
                        "of experts form; this model has num_experts > 0")
+    if self.norm_weightless and (self.layer_norm or self.norm_unit_offset or self.qk_norm):
+      raise ValueError("norm_weightless=True (RMS norms without a weight) with layer_norm, "
+                       "norm_unit_offset or qk_norm (normed q/k without a weight: "
+                       "qk_l2_norm) is not supported")
+    if self.embed_norm and not self.norm_weightless:
+      raise ValueError("embed_norm=True needs norm_weightless=True (the embeddings normed "
+                       "by the final norm's weightless function)")
     if self.norm_bias and not self.layer_norm:
       raise ValueError("norm_bias=True needs layer_norm=True (a LayerNorm's bias; an "
                        "RMSNorm has none)")
@@ -1474,7 +1487,7 @@ class ModelConfig:
     attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
     router = (d + self.router_bias + self.has_correction_bias) * self.num_experts
     norms = 4 if self.sandwich_norms else 1 if self.parallel_residual else 2
-    norms *= 1 + self.norm_bias
+    norms *= (1 + self.norm_bias) * (not self.norm_weightless)
     mats = 2 if self.ungated else 3  # no gate_proj without a gate
     latent = self.moe_latent_dim or d  # the experts' input and output width
     expert = mats * latent * f + (2 * f + d) * self.expert_bias
@@ -1530,7 +1543,8 @@ class ModelConfig:
       swapped += mats * d * f * self.kv_shared_wide_mlp
     per_layer += ((mats - 1) * f + d) * self.mlp_bias
     return ((self.num_layers - dense_layers) * per_layer + dense_layers * dense + swapped
-            + emb + d * (1 + self.norm_bias) + (d + 1 if self.value_head else 0))
+            + emb + d * (1 + self.norm_bias) * (not self.norm_weightless)
+            + (d + 1 if self.value_head else 0))
 
   @property
   def num_params(self) -> int:

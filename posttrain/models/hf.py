@@ -66,7 +66,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
               "MellumForCausalLM", "StableLmForCausalLM",
-              "Lfm2MoeForCausalLM")
+              "Lfm2MoeForCausalLM", "NanoChatForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -79,7 +79,8 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Gemma4ForCausalLM", "ApertusForCausalLM", "Cohere2ForCausalLM",
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
                   "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
-                  "FlexOlmoForCausalLM", "MellumForCausalLM", "Lfm2MoeForCausalLM")
+                  "FlexOlmoForCausalLM", "MellumForCausalLM", "Lfm2MoeForCausalLM",
+                  "NanoChatForCausalLM")
 
 
 def _classifier_name(lm: str) -> str:
@@ -131,7 +132,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo",
                 "MellumForCausalLM": "mellum",
                 "StableLmForCausalLM": "stablelm",
-                "Lfm2MoeForCausalLM": "lfm2_moe", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat", "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -387,6 +388,12 @@ STARCODER2 = "Starcoder2ForCausalLM"
 # qk_layernorm q and k LayerNorm-ed per head, each its own weight (one tensor a head in
 # the files); with use_parallel_residual x + attn(norm(x)) + mlp(norm(x)).
 STABLELM = "StableLmForCausalLM"
+# nanochat (NanoChatForCausalLM): every norm x / rms(x) with no weight
+# (`ModelConfig.norm_weightless`), the embeddings normed so before the first layer
+# (`embed_norm`), q and k normed so after their rotation (`qk_l2_norm`), which turns each
+# head the other way (rotate_half as cat(x2, -x1): held as ours over q's and k's halves
+# swapped, `_swapped_rows`), an MLP of no gate fc2(relu(fc1(x))^2), the logits soft-capped.
+NANOCHAT = "NanoChatForCausalLM"
 JAIS2 = "Jais2ForCausalLM"
 _PLAIN_MLPS = (STARCODER2, JAIS2)
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
@@ -562,6 +569,11 @@ _CLASS_DEFAULTS = {
                 layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
                 head_dim=128, tie_word_embeddings=False),
     CWM: _CWM_DEFAULTS, YOUTU: _YOUTU_DEFAULTS, MELLUM: _MELLUM_DEFAULTS,
+    NANOCHAT: dict(vocab_size=50_304, hidden_size=768, intermediate_size=8192,
+                   num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=6,
+                   max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10_000.0,
+                   final_logit_softcapping=15.0, attention_bias=False,
+                   tie_word_embeddings=False),
     STABLELM: dict(vocab_size=50_304, hidden_size=2560, intermediate_size=6912,
                    num_hidden_layers=32, num_attention_heads=32,
                    max_position_embeddings=4096, layer_norm_eps=1e-5, rope_theta=10_000.0,
@@ -1037,9 +1049,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      "projections too) is not supported")
   gemma = lm in GEMMAS
   expected = ("gelu_pytorch_tanh" if gemma or lm == STARCODER2 else
-              "relu2" if lm in (ARCEE, JAIS2) else "xielu" if lm == APERTUS else "silu")
+              "relu2" if lm in (ARCEE, JAIS2, NANOCHAT) else "xielu" if lm == APERTUS
+              else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
-  ungated = lm in (ARCEE, APERTUS) + _PLAIN_MLPS  # MLPs of no gate: one activation each
+  ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
   if (act != expected if ungated else
       act != "silu" and not (gemma and act in _GELU_TANH)):
     raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
@@ -1083,7 +1096,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
-      **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c))
+      **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1788,6 +1801,15 @@ def _cohere2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if "sliding_attention" in types:
     out["sliding_window"] = int(c["sliding_window"])
   return out
+
+
+def _nanochat_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a nanochat config.json ({} for other families)."""
+  if lm != NANOCHAT:
+    return {}
+  cap = c.get("final_logit_softcapping")
+  return dict(norm_weightless=True, embed_norm=True, qk_l2_norm=True,
+              mlp_activation="relu2", final_logit_softcap=None if cap is None else float(cap))
 
 
 def _stablelm_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -2517,10 +2539,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S, embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
-                               "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2) else
+                               "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2, NANOCHAT) else
                                "gelu_tanh_ungated" if lm == STARCODER2 else
                                "xielu" if lm == APERTUS else "silu"),
                norm_bias=lm in _PLAIN_MLPS + (STABLELM,),
+               norm_weightless=lm == NANOCHAT, embed_norm=lm == NANOCHAT,
                mlp_bias=(cfg.mlp_bias if lm == JAIS2 else
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
@@ -2542,7 +2565,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
                           MINISTRAL, CWM, MELLUM) + _COHERES + _SWAS)
-    names = ["query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"]
+    names = ["query_pre_attn_scalar", "attn_logit_softcap"]
+    names += [] if lm == NANOCHAT else ["final_logit_softcap"]
     names += [] if lm in ("Olmo3ForCausalLM", MELLUM) + _SWAS else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
     held = {name: getattr(cfg, name) for name in names if getattr(cfg, name) is not None}
@@ -2625,6 +2649,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      "queries are always scaled by position")
   held = [name for name in ("qk_l2_norm", "attention_chunk_size", "attn_temperature_tuning")
           if getattr(cfg, name)]
+  if lm == NANOCHAT:  # its q/k norms are Llama 4's, and always there
+    if not cfg.qk_l2_norm:
+      raise ValueError(f"qk_l2_norm=False cannot be written as {cfg.architecture}, whose "
+                       "q and k are always normed after their rotation")
+    held.remove("qk_l2_norm")
   if held and lm != LLAMA4:
     raise ValueError(f"{held} cannot be written as {cfg.architecture}; {LLAMA4} holds them")
   if lm == LLAMA4 and (cfg.rope.partial_rotary_factor != 1.0 or cfg.qk_norm):
@@ -2762,6 +2791,8 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == JAIS2:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2")
+  if lm == NANOCHAT:
+    out.update(hidden_act="relu2", final_logit_softcapping=cfg.final_logit_softcap)
   if lm == STABLELM:
     for key in ("rms_norm_eps", "attention_bias", "rope_theta", "rope_scaling"):
       out.pop(key)
@@ -3096,7 +3127,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     return _gemma4_rows(cfg)
   final = "final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1) else "norm"
   # A norm's weight, and a LayerNorm's bias (norm_bias)
-  norm_parts = [("scale", "weight")] + [("bias", "bias")] * cfg.norm_bias
+  norm_parts = ([("scale", "weight")] + [("bias", "bias")] * cfg.norm_bias
+                if not cfg.norm_weightless else [])
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d))]
   rows += [(("final_norm", part), f"model.{final}.{hf_part}", ident, ident, (d,))
            for part, hf_part in norm_parts]
@@ -3134,6 +3166,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   if _causal_lm(cfg.architecture) in _INTERLEAVED:  # interleaved rotary <-> rotate-half
     qk_in = _interleaved_rows(proj_in, h, d, cfg)
     qk_bias = _interleaved_rows(bias, h, None, cfg)
+  if _causal_lm(cfg.architecture) == NANOCHAT:  # its rotation the other way
+    qk_in = _swapped_rows(proj_in, h, d)
 
   def dense_mlp(p: tuple, hf: str, width: int) -> list:
     if cfg.mlp_activation == "xielu":  # no gate, xIELU's scalars (Apertus)
@@ -3141,6 +3175,10 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
           (p + (f"xielu_{name}",), hf + f"act_fn.{name}", ident, ident, shape)
           for name, shape in (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()),
                               ("eps", ()))]
+    if _causal_lm(cfg.architecture) == NANOCHAT:  # no gate: fc1, fc2
+      return [(p + (ours,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
+              for ours, name, shape in (("up_proj", "fc1", (d, width)),
+                                        ("down_proj", "fc2", (width, d)))]
     if _causal_lm(cfg.architecture) == STARCODER2:  # no gate: c_fc, c_proj (and biases)
       return [(p + (ours,), hf + name + ".weight", lambda x: x.T, lambda x: x.T, shape)
               for ours, name, shape in (("up_proj", "c_fc", (d, width)),
@@ -3637,6 +3675,20 @@ def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: in
   return rows
 
 
+def _swapped_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
+                  d: int) -> Callable[[int], tuple]:
+  """`inner` (heads -> (HF -> ours, ours -> HF) of a q/k weight [heads * h, d]) with each
+  head's halves swapped: nanochat rotates (x1, x2) to (x1 cos + x2 sin, x2 cos - x1 sin),
+  which is our rotate-half over (x2, x1); q . k is unchanged by the same swap of both."""
+  order = np.concatenate([np.arange(h // 2, h), np.arange(0, h // 2)])
+
+  def rows(heads):
+    to_ours, to_hf = inner(heads)
+    return (lambda x: to_ours(x.reshape(heads, h, d)[:, order].reshape(heads * h, d)),
+            lambda x: to_hf(x).reshape(heads, h, d)[:, order].reshape(heads * h, d))
+  return rows
+
+
 def _head_weights(inner: tuple[Transform, Transform], heads: int, h: int
                   ) -> tuple[Transform, Transform]:
   """(HF -> ours, ours -> HF) of a per-head weight HF holds as [heads, h], `inner` those
@@ -3860,6 +3912,11 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
       b_maps = _interleaved_rows(lambda heads: (lambda x: x.T.reshape(r, heads, h),
                                                 lambda x: x.reshape(r, heads * h).T),
                                  h, r, cfg)(out_shape[0])
+    if _causal_lm(cfg.architecture) == NANOCHAT and t in ("q_proj", "k_proj"):  # halves
+      h = cfg.head_dim  # swapped back
+      b_maps = _swapped_rows(lambda heads: (lambda x: x.T.reshape(r, heads, h),
+                                            lambda x: x.reshape(r, heads * h).T),
+                             h, r)(out_shape[0])
     if t == "q_proj" and cfg.attn_output_gate:
       b_maps = _gated_query_b(cfg.num_heads, cfg.head_dim, r)
     if t in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next's, grouped by key head
@@ -3990,7 +4047,8 @@ _STARCODER2_MODULES = {"up_proj": "c_fc", "down_proj": "c_proj"}
 def _peft_module(cfg: ModelConfig, target: str) -> str:
   """The name of the module LoRA target `target` wraps within its layer's attention,
   mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES` and StarCoder2's MLP."""
-  names = {LFM2: _LFM2_MODULES, LFM2_MOE: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES}.get(
+  names = {LFM2: _LFM2_MODULES, LFM2_MOE: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES,
+           NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"}}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
 

@@ -293,17 +293,19 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, names=("norm",),
                unit_offset: bool = False, center: bool = False, reduce: int | None = None,
-               bias: bool = False):
+               bias: bool = False, weightless: bool = False):
     if bias and not center:
       raise ValueError("a norm's bias needs center=True (a LayerNorm)")
+    self.weightless = bool(weightless)  # no scale: x / sqrt(mean(x^2) + eps) (nanochat)
     self.eps = eps
     self.unit_offset = bool(unit_offset)
     self.center = bool(center)
     dims = tuple(dim) if isinstance(dim, tuple) else (dim,)
     self.weight_axes = len(dims)
     self.axes = len(dims) if reduce is None else int(reduce)
-    self.scale = _param(None, dims, names, param_dtype,
-                        init="zeros" if unit_offset else "ones")
+    if not weightless:
+      self.scale = _param(None, dims, names, param_dtype,
+                          init="zeros" if unit_offset else "ones")
     if bias:
       self.bias = _param(None, dims, names, param_dtype, init="zeros")
 
@@ -313,6 +315,8 @@ class RMSNorm(nnx.Module):
     if self.center:  # a LayerNorm without bias (Cohere's), scaled in float32
       x32 = x32 - jnp.mean(x32, axis=axes, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + self.eps)
+    if self.weightless:
+      return y.astype(x.dtype)
     w = self.weight_axes
     shape = (1,) * (x.ndim - w) + x.shape[x.ndim - w:]
     if self.center:
@@ -331,7 +335,8 @@ def _norm(cfg: ModelConfig, dim: int | tuple[int, ...], names=("norm",),
   """A norm of cfg's kind; `bias` (default cfg.norm_bias) False for q/k norms."""
   return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), names,
                  unit_offset=cfg.norm_unit_offset, center=cfg.layer_norm, reduce=reduce,
-                 bias=cfg.norm_bias if bias is None else bias)
+                 bias=cfg.norm_bias if bias is None else bias,
+                 weightless=cfg.norm_weightless)
 
 
 def soft_cap(logits, cap: float | None):
@@ -2716,6 +2721,8 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(float(np.sqrt(cfg.d_model)), x.dtype)
     if cfg.embedding_multiplier != 1.0:  # Granite's, in the table's dtype as its is
       x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+    if cfg.embed_norm:  # nanochat: the embeddings normed (the final norm, weightless)
+      x = self.final_norm(x)
     x = ctx.constrain(x.astype(_dtype(cfg.dtype)), ("batch", "length", "embed"))
     tables = _rope_tables(cfg.rope, self._rope, positions_BxT, segment_ids_BxT)
     local = tables
