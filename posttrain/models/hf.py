@@ -130,9 +130,9 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "SolarOpenForCausalLM": "solar_open", "Starcoder2ForCausalLM": "starcoder2",
                 "Jais2ForCausalLM": "jais2", "CwmForCausalLM": "cwm",
                 "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo",
-                "MellumForCausalLM": "mellum",
-                "StableLmForCausalLM": "stablelm",
-                "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat", "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "MellumForCausalLM": "mellum", "StableLmForCausalLM": "stablelm",
+                "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat",
+                "Cohere2MoeForCausalLM": "cohere2_moe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
