@@ -187,6 +187,19 @@ FAMILIES = {
                                             partial_rotary_factor=0.25),
                      rope_local=models.RopeConfig(theta=10_000.0), per_layer_dim=8,
                      kv_shared_layers=2, kv_shared_wide_mlp=True, scan_layers=False),
+    # LFM2-MoE: a dense short-convolution layer (its own stack) before mixture layers of
+    # both kinds, sigmoid routing with a correction bias the updates leave alone.
+    "lfm2_moe": dict(architecture="Lfm2MoeForCausalLM", tie_embeddings=False, qk_norm=True,
+                     num_layers=4, layer_types=("linear_attention", "full_attention") * 2,
+                     linear_mixer="short_conv", linear_conv_kernel=3,
+                     rope=models.RopeConfig(theta=1_000_000.0), num_experts=4,
+                     num_experts_per_tok=2, ffn_dim=32, dense_layers=1, dense_ffn_dim=64,
+                     router_scoring="sigmoid"),
+    # nanochat: weightless norms (the embeddings' too), q/k normed after a rotation held
+    # over swapped halves, a relu^2 MLP, soft-capped logits.
+    "nanochat": dict(architecture="NanoChatForCausalLM", tie_embeddings=False,
+                     norm_weightless=True, embed_norm=True, qk_l2_norm=True,
+                     mlp_activation="relu2", final_logit_softcap=15.0),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),
@@ -311,11 +324,12 @@ def test_a_run_with_a_tokenizer_its_own_template_renders(tmp_path, scored):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["nemotron3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["nemotron3", "glm4_moe", "lfm2_moe"])
 def test_rollout_routing_replay_runs_through_a_mixtures_layers(family, tmp_path):
   """rl.routing_replay=rollout on a hybrid whose mixtures are layers of their own
-  (Nemotron 3: Mamba2, a mixture, attention, an MLP) and on leading dense layers before
-  sigmoid-routed mixtures (GLM-4.5): the sampler records, the old log-probs' pass and
+  (Nemotron 3: Mamba2, a mixture, attention, an MLP), on leading dense layers before
+  sigmoid-routed mixtures (GLM-4.5), and on a hybrid's dense short-convolution layer
+  before mixtures of both kinds (LFM2-MoE): the sampler records, the old log-probs' pass and
   both minibatches replay, and the learner's own routing is the sampler's on nearly every
   trained token (float32, the same weights)."""
   cfg = trainer.model_config(_config()).replace(**FAMILIES[family])
