@@ -774,6 +774,9 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
   if c.get("model_type") == "exaone" and "transformer.wte.weight" in files:
     return functools.partial(functools.reduce, lambda name, rename: re.sub(*rename, name),
                              _EXAONE_NAMES)
+  if c.get("model_type") == "sarvam_moe" and "model.word_embeddings.weight" in files:
+    return functools.partial(functools.reduce, lambda name, rename: re.sub(*rename, name),
+                             _SARVAM_NAMES)
   if (NEMOTRON_H in (c.get("architectures") or []) and "backbone.embeddings.weight" not in
       files and "model.embeddings.weight" in files):
     return lambda name: ("model." + name[len("backbone."):] if name.startswith("backbone.")
@@ -942,7 +945,27 @@ _MODEL_TYPE_CLASSES: dict[str, tuple[str, dict[str, str], dict[str, Any]]] = {
             num_hidden_layers=32, num_attention_heads=64, num_key_value_heads=None,
             n_routed_experts=128, q_lora_rank=None, n_group=1, topk_group=1,
             first_k_dense_replace=1)}),
+    # Sarvam-30B: GLM-4.5 (every feature rotated, q/k norms), its files' names its own and
+    # q, k and v fused (`_SARVAM_NAMES`, `_fused_qkv_rows`)
+    "sarvam_moe": (GLM4_MOE, {
+        "num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+        "num_shared_experts": "n_shared_experts", "use_qkv_bias": "attention_bias",
+        "num_mtp_layers": "num_nextn_predict_layers"}, {
+        **_GLM4_MOE_DEFAULTS, **dict(
+            vocab_size=262_144, hidden_size=4096, intermediate_size=8192,
+            num_hidden_layers=19, num_attention_heads=64, num_key_value_heads=4, head_dim=64,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=8_000_000.0,
+            partial_rotary_factor=1.0, moe_intermediate_size=1024, num_experts_per_tok=6,
+            routed_scaling_factor=2.5, use_qk_norm=True, num_nextn_predict_layers=0)}),
 }
+# Sarvam-30B's tensor names in its files (transformers' names -> theirs, in order); its
+# q, k and v rows sit in one query_key_value.
+_SARVAM_NAMES = ((r"^model\.embed_tokens\.", "model.word_embeddings."),
+                 (r"\.self_attn\.o_proj\.", ".attention.dense."),
+                 (r"\.self_attn\.q_norm\.", ".attention.query_layernorm."),
+                 (r"\.self_attn\.k_norm\.", ".attention.key_layernorm."),
+                 (r"\.self_attn\.", ".attention."),
+                 (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.gate.expert_bias"))
 # EXAONE 3's tensor names in its files (transformers' names -> theirs, in order).
 _EXAONE_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
                  (r"^model\.layers\.", "transformer.h."), (r"^model\.norm\.", "transformer.ln_f."),
@@ -3675,6 +3698,23 @@ def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: in
   return rows
 
 
+def _fused_qkv_rows(cfg: ModelConfig, rows: list) -> list:
+  """`rows` with q, k and v read from one fused tensor where the files name them
+  X.query_key_value (Sarvam-30B's, rows [q; k; v]): each row the part of it its own
+  tensor was (`_fused_part`)."""
+  h, n, k = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+  parts = {"q_proj": (0, n), "k_proj": (n, k), "v_proj": (n + k, k)}
+  out = []
+  for ours, name, to_ours, to_hf, shape in rows:
+    match = re.fullmatch(r"(.*\.attention\.)([qkv]_proj)\.(weight|bias)", name)
+    if match:
+      start, heads = parts[match[2]]
+      name = f"{match[1]}query_key_value.{match[3]}"
+      to_ours, to_hf = _fused_part((to_ours, to_hf), start * h, heads * h, (n + 2 * k) * h)
+    out.append((ours, name, to_ours, to_hf, shape))
+  return out
+
+
 def _swapped_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
                   d: int) -> Callable[[int], tuple]:
   """`inner` (heads -> (HF -> ours, ours -> HF) of a q/k weight [heads * h, d]) with each
@@ -4439,6 +4479,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     rows = _stacked_expert_rows(cfg, rows, transposed=shape == (
         cfg.num_experts, 2 * cfg.ffn_dim, cfg.d_model))
   rows = [(ours, named(name), *rest) for ours, name, *rest in rows]
+  if hf_cfg.get("model_type") == "sarvam_moe" and "model.word_embeddings.weight" in files:
+    rows = _fused_qkv_rows(cfg, rows)
   present = set(files) - _prediction_layer_names(hf_cfg, files)
   mxfp4 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
   if mxfp4:  # gpt-oss's experts: NAME_blocks and NAME_scales are read as NAME

@@ -1,8 +1,9 @@
 """Families transformers runs through a class we read, known by config.json's model_type
-(EXAONE 3 / 3.5 / Deep and IQuest-Coder as Llama, Sarvam-105B as DeepSeek-V3): read from
-their published config.json (their own class name, EXAONE's own keys and tensor names)
-and from transformers' files, they compute transformers' logits and are written back as
-the class they run as."""
+(EXAONE 3 / 3.5 / Deep and IQuest-Coder as Llama, Sarvam-105B as DeepSeek-V3, Sarvam-30B
+as GLM-4.5): read from their published config.json (their own class name, EXAONE's and
+Sarvam's own keys) and from their files (EXAONE's and Sarvam-30B's own tensor names, its
+q, k and v fused), they compute transformers' logits and are written back as the class
+they run as."""
 
 import json
 
@@ -26,13 +27,20 @@ FAMILIES = {
         moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4), "SarvamMLAForCausalLM"),
+    "sarvam_moe": ("SarvamMoEConfig", dict(
+        head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, n_group=2,
+        topk_group=1), "SarvamMoEForCausalLM"),
 }
 RUNS_AS = {"exaone": "LlamaForCausalLM", "iquestcoder": "LlamaForCausalLM",
-           "sarvam_mla": "DeepseekV3ForCausalLM"}
+           "sarvam_mla": "DeepseekV3ForCausalLM", "sarvam_moe": "Glm4MoeForCausalLM"}
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 14))
-# EXAONE's published config.json names three fields its own way.
-EXAONE_KEYS = {"num_hidden_layers": "num_layers", "rms_norm_eps": "layer_norm_epsilon",
-               "hidden_act": "activation_function"}
+# The keys EXAONE's and Sarvam-30B's published config.json name their own way.
+PUBLISHED_KEYS = {
+    "exaone": {"num_hidden_layers": "num_layers", "rms_norm_eps": "layer_norm_epsilon",
+               "hidden_act": "activation_function"},
+    "sarvam_moe": {"n_routed_experts": "num_experts", "n_shared_experts": "num_shared_experts",
+                   "attention_bias": "use_qkv_bias"}}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +51,7 @@ def saved(tmp_path_factory):
     cfg = getattr(transformers, config_cls)(**{**COMMON, **extra})
     torch.manual_seed(0)
     hf = perturb(transformers.AutoModelForCausalLM.from_config(cfg).float().eval())
-    if kind == "sarvam_mla":  # the router's score correction, away from zero
+    if kind.startswith("sarvam"):  # the router's score correction, away from zero
       for layer in hf.model.layers[1:]:
         layer.mlp.gate.e_score_correction_bias.data.normal_(0, 0.3)
     saved_dir = tmp_path_factory.mktemp(kind)
@@ -52,19 +60,24 @@ def saved(tmp_path_factory):
     with open(saved_dir / "published" / "config.json") as f:
       c = json.load(f)
     c["architectures"] = [published]
-    if kind == "exaone":
-      c = {EXAONE_KEYS.get(k, k): v for k, v in c.items()}
+    keys = PUBLISHED_KEYS.get(kind, {})
+    c = {keys.get(k, k): v for k, v in c.items()}
     with open(saved_dir / "published" / "config.json", "w") as f:
       json.dump(c, f)
     out[kind] = (str(saved_dir / "hf"), str(saved_dir / "published"), hf)
   return out
 
 
-def test_exaone_files_hold_its_own_names(saved):
+def test_the_files_hold_their_own_names(saved):
   from safetensors.numpy import load_file
   names = set(load_file(f"{saved['exaone'][0]}/model.safetensors"))
   assert {"transformer.wte.weight", "transformer.h.0.attn.attention.out_proj.weight",
           "transformer.h.2.mlp.c_fc_1.weight", "transformer.ln_f.weight"} <= names
+  names = set(load_file(f"{saved['sarvam_moe'][0]}/model.safetensors"))
+  assert {"model.word_embeddings.weight", "model.layers.1.attention.query_key_value.weight",
+          "model.layers.1.attention.query_key_value.bias", "model.layers.1.attention.dense.weight",
+          "model.layers.1.attention.query_layernorm.weight",
+          "model.layers.1.mlp.gate.expert_bias"} <= names
 
 
 @pytest.mark.parametrize("form", ["hf", "published"])
@@ -109,6 +122,12 @@ def test_defaults_are_the_families_own(kind):
   if kind == "sarvam_mla":
     assert cfg.num_experts == default.n_routed_experts
     assert cfg.q_lora_rank == 0 and default.q_lora_rank is None
+  elif kind == "sarvam_moe":
+    assert (cfg.num_experts, cfg.ffn_dim, cfg.head_dim, cfg.qk_norm, cfg.dense_layers,
+            cfg.routed_scaling_factor) == (
+        default.n_routed_experts, default.moe_intermediate_size, default.head_dim,
+        default.use_qk_norm, default.first_k_dense_replace, default.routed_scaling_factor)
+    assert cfg.rope.partial_rotary_factor == default.rope_parameters["partial_rotary_factor"]
   else:
     assert cfg.ffn_dim == default.intermediate_size and cfg.head_dim == default.head_dim
 
