@@ -771,12 +771,10 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
   5 saves, or model.language_model.X); a Nemotron-H checkpoint's trunk as model.X when
   its files say so (transformers' name in memory) in place of backbone.X; EXAONE 3's
   names (`_EXAONE_NAMES`) where its files hold them."""
-  if c.get("model_type") == "exaone" and "transformer.wte.weight" in files:
+  if _renamed_files(c, files):
+    renames = _FILE_NAMES[c["model_type"]][1]
     return functools.partial(functools.reduce, lambda name, rename: re.sub(*rename, name),
-                             _EXAONE_NAMES)
-  if c.get("model_type") == "sarvam_moe" and "model.word_embeddings.weight" in files:
-    return functools.partial(functools.reduce, lambda name, rename: re.sub(*rename, name),
-                             _SARVAM_NAMES)
+                             renames)
   if (NEMOTRON_H in (c.get("architectures") or []) and "backbone.embeddings.weight" not in
       files and "model.embeddings.weight" in files):
     return lambda name: ("model." + name[len("backbone."):] if name.startswith("backbone.")
@@ -974,6 +972,17 @@ _EXAONE_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
                  (r"\.post_attention_layernorm\.", ".ln_2."),
                  (r"\.mlp\.gate_proj\.", ".mlp.c_fc_0."), (r"\.mlp\.up_proj\.", ".mlp.c_fc_1."),
                  (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
+
+
+# model_type -> (a tensor its own files hold, transformers' names -> theirs).
+_FILE_NAMES = {"exaone": ("transformer.wte.weight", _EXAONE_NAMES),
+               "sarvam_moe": ("model.word_embeddings.weight", _SARVAM_NAMES)}
+
+
+def _renamed_files(c: dict[str, Any], files: dict[str, str]) -> bool:
+  """Whether the files hold a `_FILE_NAMES` family's own names (not transformers')."""
+  return (c.get("model_type") in _FILE_NAMES
+          and _FILE_NAMES[c["model_type"]][0] in files)
 
 
 def _model_type_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -3680,14 +3689,11 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 _INTERLEAVED = (LLAMA4, COHERE, HELIUM) + _GLMS + _COHERES + _ERNIES
 
 
-def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
-                      d: int | None, cfg: ModelConfig) -> Callable[[int], tuple]:
+def _permuted_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
+                   d: int | None, order: np.ndarray) -> Callable[[int], tuple]:
   """`inner` (heads -> (HF -> ours, ours -> HF) of a q/k weight [heads * h, d], or bias
-  [heads * h] with d None) with each head's rotated features reordered: HF's interleaved
-  pairs (2i, 2i + 1) become our rotate-half pairs (i, i + r / 2), evens then odds; the
-  unrotated rest keeps its place."""
-  r = cfg.rope.rotary_dim(h)
-  order = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, h)])
+  [heads * h] with d None) with each head's features taken in `order` (ours j is HF's
+  order[j]), and put back on export."""
   back = np.argsort(order)
   tail = () if d is None else (d,)
 
@@ -3696,6 +3702,24 @@ def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: in
     return (lambda x: to_ours(x.reshape(heads, h, *tail)[:, order].reshape(heads * h, *tail)),
             lambda x: to_hf(x).reshape(heads, h, *tail)[:, back].reshape(heads * h, *tail))
   return rows
+
+
+def _interleaved_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
+                      d: int | None, cfg: ModelConfig) -> Callable[[int], tuple]:
+  """`_permuted_rows` for an interleaved rotary embedding: HF's pairs (2i, 2i + 1) become
+  our rotate-half pairs (i, i + r / 2), evens then odds; the unrotated rest keeps its
+  place."""
+  r = cfg.rope.rotary_dim(h)
+  return _permuted_rows(inner, h, d, np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2),
+                                                     np.arange(r, h)]))
+
+
+def _swapped_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
+                  d: int) -> Callable[[int], tuple]:
+  """`_permuted_rows` with each head's halves swapped: nanochat rotates (x1, x2) to
+  (x1 cos + x2 sin, x2 cos - x1 sin), which is our rotate-half over (x2, x1); q . k is
+  unchanged by the same swap of both."""
+  return _permuted_rows(inner, h, d, np.r_[h // 2:h, 0:h // 2])
 
 
 def _fused_qkv_rows(cfg: ModelConfig, rows: list) -> list:
@@ -3713,20 +3737,6 @@ def _fused_qkv_rows(cfg: ModelConfig, rows: list) -> list:
       to_ours, to_hf = _fused_part((to_ours, to_hf), start * h, heads * h, (n + 2 * k) * h)
     out.append((ours, name, to_ours, to_hf, shape))
   return out
-
-
-def _swapped_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
-                  d: int) -> Callable[[int], tuple]:
-  """`inner` (heads -> (HF -> ours, ours -> HF) of a q/k weight [heads * h, d]) with each
-  head's halves swapped: nanochat rotates (x1, x2) to (x1 cos + x2 sin, x2 cos - x1 sin),
-  which is our rotate-half over (x2, x1); q . k is unchanged by the same swap of both."""
-  order = np.concatenate([np.arange(h // 2, h), np.arange(0, h // 2)])
-
-  def rows(heads):
-    to_ours, to_hf = inner(heads)
-    return (lambda x: to_ours(x.reshape(heads, h, d)[:, order].reshape(heads * h, d)),
-            lambda x: to_hf(x).reshape(heads, h, d)[:, order].reshape(heads * h, d))
-  return rows
 
 
 def _head_weights(inner: tuple[Transform, Transform], heads: int, h: int
@@ -4479,7 +4489,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
     rows = _stacked_expert_rows(cfg, rows, transposed=shape == (
         cfg.num_experts, 2 * cfg.ffn_dim, cfg.d_model))
   rows = [(ours, named(name), *rest) for ours, name, *rest in rows]
-  if hf_cfg.get("model_type") == "sarvam_moe" and "model.word_embeddings.weight" in files:
+  if _renamed_files(hf_cfg, files) and hf_cfg["model_type"] == "sarvam_moe":
     rows = _fused_qkv_rows(cfg, rows)
   present = set(files) - _prediction_layer_names(hf_cfg, files)
   mxfp4 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
