@@ -103,11 +103,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp",
 # GELU (Gemma's gelu_pytorch_tanh) or gpt-oss's clamped SwiGLU; or relu2, the squared ReLU
 # of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)), or xielu, Apertus's xIELU of an
 # MLP with no gate (its two scales learned in each MLP), or gelu_tanh_ungated, the
-# tanh-approximate GELU of an MLP with no gate (StarCoder2: down(gelu(up(x)))).
+# tanh-approximate GELU of an MLP with no gate (StarCoder2: down(gelu(up(x)))), or
+# gelu_ungated, the exact (erf) GELU of an MLP with no gate (GPT-NeoX / Pythia's "gelu").
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2", "xielu",
-                   "gelu_tanh_ungated")
+                   "gelu_tanh_ungated", "gelu_ungated")
 # Activations of an MLP without a gate: down(act(up(x))) (no gate_proj).
-UNGATED_ACTIVATIONS = ("relu2", "xielu", "gelu_tanh_ungated")
+UNGATED_ACTIVATIONS = ("relu2", "xielu", "gelu_tanh_ungated", "gelu_ungated")
 # Where a Mamba2 layer's output is RMS-normed (`ModelConfig.linear_norm`).
 LINEAR_NORMS = ("after_gate", "before_gate", "none")
 # Falcon-H1's muP scalars (`ModelConfig`): any finite number, 1.0 none.
@@ -470,6 +471,8 @@ class ModelConfig:
     parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
       the MLP reading one normed input (its input_norm; no post_attn_norm: Cohere
       Command R7B / Command A).
+    parallel_mlp_norm: with parallel_residual, the MLP reads x through a norm of its own
+      (post_attn_norm), x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX / Pythia).
     shared_expert_average: a mixture's output is the mean of its routed experts' sum and
       its shared expert's, (routed + shared) / 2, not their sum (Cohere2-MoE's
       shared_expert_combination_strategy "average").
@@ -604,6 +607,7 @@ class ModelConfig:
   embed_norm: bool = False
   mlp_bias: bool = False
   parallel_residual: bool = False
+  parallel_mlp_norm: bool = False
   shared_expert_average: bool = False
 
   def __post_init__(self):
@@ -702,6 +706,9 @@ class ModelConfig:
       if held:
         raise ValueError(f"parallel_residual=True (one norm, attention and MLP side by side) "
                          f"with {', '.join(held)} is not supported")
+    if self.parallel_mlp_norm and not self.parallel_residual:
+      raise ValueError("parallel_mlp_norm=True (the MLP's own norm beside the attention's) "
+                       "needs parallel_residual=True")
     if self.output_norms and self.sandwich_norms:
       raise ValueError("output_norms and sandwich_norms are two layouts of a block's norms; "
                        "set one")
@@ -1119,7 +1126,8 @@ class ModelConfig:
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation={self.mlp_activation!r}; expected one of "
                        f"{MLP_ACTIVATIONS}")
-    if self.mlp_activation in ("xielu", "gelu_tanh_ungated") and self.num_experts:
+    if (self.mlp_activation in ("xielu", "gelu_tanh_ungated", "gelu_ungated")
+        and self.num_experts):
       raise ValueError(f"mlp_activation={self.mlp_activation!r} (a dense MLP's) has no "
                        "mixture of experts form; this model has num_experts > 0")
     if self.mlp_bias and self.num_experts:
@@ -1486,7 +1494,8 @@ class ModelConfig:
       attn += (h + kv) * hd if self.qk_norm_heads or self.qk_norm_head_weights else 2 * hd
     attn += h * self.attention_sinks + d * self.attn_out_bias + d * h * hd * self.attn_output_gate
     router = (d + self.router_bias + self.has_correction_bias) * self.num_experts
-    norms = 4 if self.sandwich_norms else 1 if self.parallel_residual else 2
+    norms = (4 if self.sandwich_norms else
+             1 if self.parallel_residual and not self.parallel_mlp_norm else 2)
     norms *= (1 + self.norm_bias) * (not self.norm_weightless)
     mats = 2 if self.ungated else 3  # no gate_proj without a gate
     latent = self.moe_latent_dim or d  # the experts' input and output width

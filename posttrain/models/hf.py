@@ -66,7 +66,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
               "MellumForCausalLM", "StableLmForCausalLM",
-              "Lfm2MoeForCausalLM", "NanoChatForCausalLM")
+              "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -132,7 +132,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo",
                 "MellumForCausalLM": "mellum", "StableLmForCausalLM": "stablelm",
                 "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat",
-                "Cohere2MoeForCausalLM": "cohere2_moe"}
+                "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -396,6 +396,19 @@ STABLELM = "StableLmForCausalLM"
 NANOCHAT = "NanoChatForCausalLM"
 JAIS2 = "Jais2ForCausalLM"
 _PLAIN_MLPS = (STARCODER2, JAIS2)
+# GPT-NeoX-20B / Pythia (GPTNeoXForCausalLM): LayerNorms with biases, a quarter of each
+# head rotated (rotary_pct, rotate-half) at base rotary_emb_base, q, k and v fused in one
+# query_key_value head by head (`_gpt_neox_rows`), biases on all four attention
+# projections (attention_bias) and on both of its MLP's, which has no gate:
+# dense_4h_to_h(gelu(dense_h_to_4h(x))) (Pythia's exact GELU, GPT-NeoX-20B's gelu_fast);
+# with use_parallel_residual (its default) x + attn(norm1(x)) + mlp(norm2(x))
+# (`ModelConfig.parallel_mlp_norm`), else Llama's sequential layers. Its own tensor names
+# (gpt_neox.embed_in, gpt_neox.layers.N.attention.dense, embed_out, ...).
+GPT_NEOX = "GPTNeoXForCausalLM"
+# GPT-NeoX's hidden_act -> our mlp_activation (gelu_fast, gelu_new: tanh's approximation).
+_GPT_NEOX_ACTIVATIONS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
+                         "gelu_new": "gelu_tanh_ungated",
+                         "gelu_pytorch_tanh": "gelu_tanh_ungated"}
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -569,6 +582,11 @@ _CLASS_DEFAULTS = {
                 layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
                 head_dim=128, tie_word_embeddings=False),
     CWM: _CWM_DEFAULTS, YOUTU: _YOUTU_DEFAULTS, MELLUM: _MELLUM_DEFAULTS,
+    GPT_NEOX: dict(vocab_size=50_432, hidden_size=6144, num_hidden_layers=44,
+                   num_attention_heads=64, intermediate_size=24_576, hidden_act="gelu",
+                   max_position_embeddings=2048, layer_norm_eps=1e-5,
+                   tie_word_embeddings=False, use_parallel_residual=True,
+                   attention_bias=True),
     NANOCHAT: dict(vocab_size=50_304, hidden_size=768, intermediate_size=8192,
                    num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=6,
                    max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10_000.0,
@@ -872,6 +890,9 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm in _QWEN3_5S + (STABLELM,):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+  if lm == GPT_NEOX:  # the published files' names: rotary_pct, rotary_emb_base
+    merged.setdefault("partial_rotary_factor", c.get("rotary_pct", 0.25))
+    merged.setdefault("rope_theta", c.get("rotary_emb_base", 10_000.0))
   if lm == BAMBA:  # transformers' BambaConfig sets it, whatever the file says
     merged["partial_rotary_factor"] = 0.5
   if lm == MINIMAX_M2:
@@ -1055,6 +1076,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   if lm == STABLELM:
     c = {**c, "rms_norm_eps": c["layer_norm_eps"], "attention_bias": bool(c["use_qkv_bias"]),
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
+  if lm == GPT_NEOX:  # its eps's name; heads split the width, a key head for each query's
+    c = {**c, "rms_norm_eps": c["layer_norm_eps"],
+         "num_key_value_heads": c["num_attention_heads"],
+         "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm in (COHERE, COHERE2):  # transformers' config: its eps's name, head_dim from the width
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
@@ -1085,8 +1110,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
               else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
   ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
-  if (act != expected if ungated else
-      act != "silu" and not (gemma and act in _GELU_TANH)):
+  if lm == GPT_NEOX:
+    expected = " or ".join(_GPT_NEOX_ACTIVATIONS)
+  if (act not in _GPT_NEOX_ACTIVATIONS if lm == GPT_NEOX else act != expected if ungated
+      else act != "silu" and not (gemma and act in _GELU_TANH)):
     raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
   heads = int(c["num_attention_heads"])
   head_dim = c.get("head_dim") or c["hidden_size"] // heads
@@ -1128,7 +1155,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
-      **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c))
+      **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c),
+      **_gpt_neox_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1642,10 +1670,11 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 # Classes whose config.json attention_bias puts a bias on all four attention projections
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
 # Mixtral none.
-_BIASED_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
-                  "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
-                  GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                  ARCEE, APERTUS, COHERE) + _COHERES + _HUNYUANS + _SWAS + _PLAIN_MLPS
+_BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
+                   "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
+                   GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
+                   ARCEE, APERTUS, COHERE, GPT_NEOX) + _COHERES + _HUNYUANS + _SWAS
+                  + _PLAIN_MLPS)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, CWM, "MixtralForCausalLM", PHI3,
@@ -1850,6 +1879,16 @@ def _stablelm_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
     return {}
   return dict(layer_norm=True, norm_bias=True, qk_norm_head_weights=bool(c["qk_layernorm"]),
               parallel_residual=bool(c["use_parallel_residual"]))
+
+
+def _gpt_neox_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a GPT-NeoX config.json ({} for other families)."""
+  if lm != GPT_NEOX:
+    return {}
+  parallel = bool(c["use_parallel_residual"])
+  return dict(layer_norm=True, norm_bias=True, mlp_bias=True,
+              mlp_activation=_GPT_NEOX_ACTIVATIONS[c["hidden_act"]],
+              parallel_residual=parallel, parallel_mlp_norm=parallel)
 
 
 def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -2573,10 +2612,13 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
                                "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2, NANOCHAT) else
                                "gelu_tanh_ungated" if lm == STARCODER2 else
-                               "xielu" if lm == APERTUS else "silu"),
-               norm_bias=lm in _PLAIN_MLPS + (STABLELM,),
+                               "xielu" if lm == APERTUS else
+                               (cfg.mlp_activation if cfg.mlp_activation in
+                                _GPT_NEOX_ACTIVATIONS.values() else "gelu_ungated")
+                               if lm == GPT_NEOX else "silu"),
+               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX),
                norm_weightless=lm == NANOCHAT, embed_norm=lm == NANOCHAT,
-               mlp_bias=(cfg.mlp_bias if lm == JAIS2 else
+               mlp_bias=(cfg.mlp_bias if lm == JAIS2 else lm == GPT_NEOX or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
@@ -2585,9 +2627,10 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM) + _PLAIN_MLPS),
-               parallel_residual=(cfg.parallel_residual if lm == STABLELM else
+                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX) + _PLAIN_MLPS),
+               parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX) else
                                   lm in _COHERES + (COHERE,)),
+               parallel_mlp_norm=lm == GPT_NEOX and cfg.parallel_residual,
                qk_norm_head_weights=lm in (COHERE, STABLELM) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -2705,15 +2748,20 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
                      "features")
-  partial = (PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM) + _GLMS + _QWEN3_5S + _DEEPSEEKS
+  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX) + _GLMS + _QWEN3_5S
+             + _DEEPSEEKS)
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM)
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
+  if lm == GPT_NEOX and cfg.num_kv_heads != cfg.num_heads:
+    raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
+                     f"{cfg.architecture}, whose keys and values have a head for each of "
+                     f"its {cfg.num_heads} query heads")
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
@@ -2832,6 +2880,17 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                qk_layernorm=cfg.qk_norm, use_parallel_residual=cfg.parallel_residual,
                partial_rotary_factor=rope.partial_rotary_factor, hidden_dropout=0.0,
                attention_dropout=0.0,
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})})
+  if lm == GPT_NEOX:
+    for key in ("rms_norm_eps", "rope_theta", "rope_scaling", "num_key_value_heads",
+                "head_dim"):
+      out.pop(key)
+    out.update(layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.parallel_residual,
+               hidden_act="gelu" if cfg.mlp_activation == "gelu_ungated" else "gelu_fast",
+               rotary_pct=rope.partial_rotary_factor, rotary_emb_base=rope.theta,
+               attention_dropout=0.0, hidden_dropout=0.0,
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 "partial_rotary_factor": rope.partial_rotary_factor,
                                 **(scaling or {})})
@@ -3175,7 +3234,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   norms = [("input_norm", "input_layernorm")]
   if _causal_lm(cfg.architecture) == APERTUS:
     norms = [("input_norm", "attention_layernorm"), ("post_attn_norm", "feedforward_layernorm")]
-  elif cfg.parallel_residual:  # one norm a layer (Cohere)
+  elif cfg.parallel_residual and not cfg.parallel_mlp_norm:  # one norm a layer (Cohere)
     pass
   elif _causal_lm(cfg.architecture) == GLM4:  # both norms of each sublayer, GLM's names
     norms += [("attn_out_norm", "post_self_attn_layernorm"),
@@ -3218,7 +3277,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
           (p + (ours,), hf + name + ".bias", ident, ident, shape)
           for ours, name, shape in (("up_bias", "c_fc", (width,)),
                                     ("down_bias", "c_proj", (d,))) if cfg.mlp_bias]
-    if cfg.mlp_activation == "relu2":  # no gate (Arcee, Jais 2)
+    if cfg.ungated:  # no gate (Arcee, Jais 2, GPT-NeoX)
       return _relu2_mlp_rows(p, hf, d, width) + [
           (p + (ours,), hf + name + ".bias", ident, ident, shape)
           for ours, name, shape in (("up_bias", "up_proj", (width,)),
@@ -3345,7 +3404,53 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows.append((p + ("attn", "o_bias"), hf + "self_attn.o_proj.bias", ident, ident, (d,)))
     if attention and cfg.attention_sinks:
       rows.append((p + ("attn", "sinks"), hf + "self_attn.sinks", ident, ident, (n,)))
-  return rows
+  return _gpt_neox_rows(cfg, rows) if _causal_lm(cfg.architecture) == GPT_NEOX else rows
+
+
+# GPT-NeoX's tensor names (transformers' Llama names -> its own, in order); q, k and v sit
+# in one query_key_value (`_gpt_neox_rows`).
+_GPT_NEOX_NAMES = ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."),
+                   (r"^model\.norm\.", "gpt_neox.final_layer_norm."),
+                   (r"^model\.layers\.", "gpt_neox.layers."), (r"^lm_head\.", "embed_out."),
+                   (r"\.self_attn\.o_proj\.", ".attention.dense."),
+                   (r"\.self_attn\.[qkv]_proj\.", ".attention.query_key_value."),
+                   (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
+                   (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."))
+
+
+def _gpt_neox_rows(cfg: ModelConfig, rows: list) -> list:
+  """`rows` under GPT-NeoX's names (`_GPT_NEOX_NAMES`), q, k and v each the part of
+  query_key_value that its rows are there: head by head, head_dim rows of q, of k, of v
+  ([head 0's q; its k; its v; head 1's q; ...], weight and bias alike)."""
+  n, h = cfg.num_heads, cfg.head_dim
+  out = []
+  for ours, name, to_ours, to_hf, shape in rows:
+    fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
+    if fused:
+      to_ours, to_hf = _head_fused_part((to_ours, to_hf), "qkv".index(fused[1]), 3, n, h)
+    name = functools.reduce(lambda s, rename: re.sub(*rename, s), _GPT_NEOX_NAMES, name)
+    out.append((ours, name, to_ours, to_hf, shape))
+  return out
+
+
+def _head_fused_part(inner: tuple[Transform, Transform], which: int, parts: int,
+                     heads: int, h: int) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of part `which` of a fused HF tensor whose rows hold, head
+  by head, h rows of each of `parts` parts (GPT-NeoX's query_key_value), `inner` mapping
+  the part's [heads * h, ...] rows to ours. The HF side holds zeros in the other parts'
+  rows: the parts of one tensor add up to it."""
+  to_ours, to_hf = inner
+
+  def part_to_ours(x):
+    return to_ours(x.reshape(heads, parts, h, *x.shape[1:])[:, which]
+                   .reshape(heads * h, *x.shape[1:]))
+
+  def part_to_hf(x):
+    rows = to_hf(x)
+    out = np.zeros((heads, parts, h, *rows.shape[1:]), rows.dtype)
+    out[:, which] = rows.reshape(heads, h, *rows.shape[1:])
+    return out.reshape(heads * parts * h, *rows.shape[1:])
+  return part_to_ours, part_to_hf
 
 
 def _nemotron_h_rows(cfg: ModelConfig, proj_in: Callable[[int], tuple[Transform, Transform]]
@@ -3907,6 +4012,11 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
+  if _causal_lm(cfg.architecture) == GPT_NEOX:
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused "
+                     "query_key_value (one A shared by q, k and v), which our "
+                     "per-projection adapters are not: they are neither read nor written; "
+                     "export the model merged (save_pretrained)")
   fused = [t for t in ("gate_proj", "up_proj") if t in cfg.lora_target_names]
   if _causal_lm(cfg.architecture) in _GLMS and fused:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {fused} "
@@ -4512,8 +4622,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
                or n.startswith(named("model.x")[:-1])}
   # Tied checkpoints sometimes carry a copy of the embedding as lm_head; a reward model
   # started from a causal LM does not read its lm_head.
+  head = "embed_out.weight" if _causal_lm(cfg.architecture) == GPT_NEOX else "lm_head.weight"
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
-               {named("lm_head.weight")} if cfg.tie_embeddings or not cfg.lm_head else set())
+               {named(head)} if cfg.tie_embeddings or not cfg.lm_head else set())
   sources = [(files, rows, mxfp4, fp8, bnb, ints)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)

@@ -1529,8 +1529,8 @@ class MLP(nnx.Module):
       up_NxF = up_NxF + self.up_bias[...].astype(dt)[None]
     if self.cfg.mlp_activation == "relu2":
       h_NxF = jnp.square(jax.nn.relu(up_NxF))
-    elif self.cfg.mlp_activation == "gelu_tanh_ungated":
-      h_NxF = jax.nn.gelu(up_NxF, approximate=True)
+    elif self.cfg.mlp_activation in ("gelu_tanh_ungated", "gelu_ungated"):
+      h_NxF = jax.nn.gelu(up_NxF, approximate=self.cfg.mlp_activation == "gelu_tanh_ungated")
     elif self.cfg.mlp_activation == "xielu":
       h_NxF = self._xielu(up_NxF)
     else:
@@ -2449,7 +2449,7 @@ class Block(nnx.Module):
       self.linear_attn = Mamba2(cfg, rngs)
     if cfg.split_layers:  # the mixer alone
       return
-    if not (cfg.output_norms or cfg.parallel_residual):
+    if not (cfg.output_norms or cfg.parallel_residual) or cfg.parallel_mlp_norm:
       self.post_attn_norm = _norm(cfg, cfg.d_model)
     if dense:
       self.mlp = MLP(cfg, rngs, cfg.dense_ffn_dim)
@@ -2523,7 +2523,8 @@ class Block(nnx.Module):
           shared=shared_kv, keep_kv=keep_kv)
       kv = kept[0] if kept else None
       if self.attn.cfg.parallel_residual:  # Cohere: the MLP reads the same normed input
-        m = mlp(xn, x)
+        # (GPT-NeoX: its own norm of x)
+        m = mlp(self.post_attn_norm(x) if self.attn.cfg.parallel_mlp_norm else xn, x)
         if moe:
           m, stats, chosen = m
         return done(ctx.constrain(x + self._residual(h) + self._residual(m),
