@@ -239,6 +239,39 @@ def test_chunked_divergence_matches_numpy_and_its_gradient_the_plain_one(kind):
     models.chunked_divergence(h, wd, th, tw[:, :30], kind=kind, chunk=4)
 
 
+def test_chunked_divergence_adds_both_output_biases():
+  """Output projections with biases (Phi's lm_head): the model's logits h w + b, the
+  teacher's th tw + tb read on the model's tokens; the model's bias takes the plain
+  gradient, the teacher's none."""
+  rng = np.random.default_rng(2)
+  b, t, d, e, v, w = 2, 9, 8, 12, 37, 40
+  h, wd = rng.normal(size=(b, t, d)), rng.normal(size=(d, v))
+  th, tw = rng.normal(size=(b, t, e)), rng.normal(size=(e, w)) * 2
+  bias, teacher_bias = rng.normal(size=(v,)) * 2, rng.normal(size=(w,)) * 2
+  h, wd, th, tw, bias, teacher_bias = (jnp.asarray(x, jnp.float32) for x in
+                                       (h, wd, th, tw, bias, teacher_bias))
+  for kind in models.DIVERGENCES:
+    got = models.chunked_divergence(h, wd, th, tw, kind=kind, chunk=4, beta=0.3,
+                                    bias_V=bias, teacher_bias_W=teacher_bias)
+    want = _np_divergence(np.asarray(h @ wd + bias[None, None]),
+                          np.asarray(th @ tw + teacher_bias[None, None]),
+                          kind, temperature=1.0, beta=0.3)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+  def plain(b_):
+    logp = jax.nn.log_softmax(h @ wd + b_[None, None], -1)
+    logq = jax.nn.log_softmax(th @ tw[:, :v] + teacher_bias[None, None, :v], -1)
+    return jnp.sum(_jnp_divergence(logp, logq, "reverse_kl"))
+
+  def chunked(b_, tb_):
+    return jnp.sum(models.chunked_divergence(h, wd, th, tw, kind="reverse_kl", chunk=4,
+                                             bias_V=b_, teacher_bias_W=tb_))
+
+  got_b, got_tb = jax.grad(chunked, (0, 1))(bias, teacher_bias)
+  np.testing.assert_allclose(got_b, jax.grad(plain)(bias), rtol=1e-4, atol=1e-5)
+  assert np.abs(np.asarray(got_b)).max() > 1e-3 and not np.any(np.asarray(got_tb))
+
+
 def _step_setup(teacher_seed=5):
   import optax
   from flax import nnx

@@ -4,8 +4,8 @@ Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
 (queries scaled by position), an OLMoE, an EXAONE 4, two Gemma 4s (full layers of their
 own widths, experts beside the dense MLP; per-layer embeddings and layers sharing keys and
-values), a Seed-OSS and a Phi-3 (LongRoPE,
-partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
+values), a Seed-OSS, a Phi-2 (an output bias), a Pythia (q, k and v fused head by head)
+and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
 sampler, checkpoints, and the final checkpoint exported as a folder that transformers loads
 into the same class and computes our logits with."""
 
@@ -200,6 +200,21 @@ FAMILIES = {
     "nanochat": dict(architecture="NanoChatForCausalLM", tie_embeddings=False,
                      norm_weightless=True, embed_norm=True, qk_l2_norm=True,
                      mlp_activation="relu2", final_logit_softcap=15.0),
+    # Phi-2: parallel layers under one LayerNorm, an ungated gelu_new MLP, biases
+    # everywhere, the output projection's among them (trained, and in every rollout's
+    # logits), 0.4 of each head rotated.
+    "phi": dict(architecture="PhiForCausalLM", layer_norm=True, norm_bias=True,
+                mlp_bias=True, qkv_bias=True, attn_out_bias=True, parallel_residual=True,
+                lm_head_bias=True, tie_embeddings=False, mlp_activation="gelu_tanh_ungated",
+                rope=models.RopeConfig(partial_rotary_factor=0.4)),
+    # Pythia: q, k and v fused head by head, parallel layers each sublayer under its own
+    # LayerNorm, an ungated exact GELU, a quarter of each head rotated.
+    "gpt_neox": dict(architecture="GPTNeoXForCausalLM", d_model=64, head_dim=16,
+                     num_kv_heads=4, layer_norm=True, norm_bias=True, mlp_bias=True,
+                     qkv_bias=True, attn_out_bias=True, parallel_residual=True,
+                     parallel_mlp_norm=True, tie_embeddings=False,
+                     mlp_activation="gelu_ungated",
+                     rope=models.RopeConfig(partial_rotary_factor=0.25)),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),
@@ -229,6 +244,8 @@ def test_a_run_from_a_hugging_face_folder_trains_and_exports(family, tmp_path):
       for block in ([blocks] if cfg.scan_layers else blocks):
         block.layer_scale.value = jax.random.uniform(
             jax.random.key(2), block.layer_scale.shape, minval=0.5, maxval=1.5)
+  if cfg.lm_head_bias:  # an output bias that moves the logits
+    base_model.lm_head_bias.value = jax.random.normal(jax.random.key(3), (cfg.vocab_size,))
   models.save_pretrained(base_model, folder)
   config = _config(init_from=folder)
   trainer.train(config, str(tmp_path / "run"))

@@ -240,6 +240,9 @@ class ModelConfig:
       reward model, the trunk and its score head alone, with no parameter for the head
       (with tie_embeddings the embedding stays, as the input table only); it has no logits
       or log-probs (Hugging Face's *ForSequenceClassification).
+    lm_head_bias: the output projection adds a bias [V] to the logits, h W + b (Phi-1 /
+      Phi-1.5 / Phi-2's lm_head; scaled as W is by logits_scaling and
+      lm_head_multiplier). Without lm_head (a reward model) it has no parameter.
     pad_token_id: the pad token config.json records (Hugging Face's sequence classifiers
       find each row's last token by it; export writes it back). Nothing here reads it:
       segment ids mark padding.
@@ -507,6 +510,7 @@ class ModelConfig:
   # tiny kernels per layer and token; blocks past the longest row are skipped.
   decode_chunk: int | None = None
   value_head: bool = False
+  lm_head_bias: bool = False
   lm_head: bool = True
   pad_token_id: int | None = None
   logprob_chunk: int = 256
@@ -1505,6 +1509,7 @@ class ModelConfig:
     per_layer = attn + experts * expert + router + shared + norms * d
     dense = attn + 3 * d * self.dense_ffn_dim + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
+    emb += self.vocab_size * (self.lm_head and self.lm_head_bias)
     swapped = 0
     linear = sum(self.linear_layers)
     if self.linear_mixers:  # Gated DeltaNet, Mamba2 or LFM2's short convolution

@@ -66,7 +66,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "SolarOpenForCausalLM", "Starcoder2ForCausalLM", "Jais2ForCausalLM",
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
               "MellumForCausalLM", "StableLmForCausalLM",
-              "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM")
+              "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
+              "PhiForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -132,7 +133,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "YoutuForCausalLM": "youtu", "FlexOlmoForCausalLM": "flex_olmo",
                 "MellumForCausalLM": "mellum", "StableLmForCausalLM": "stablelm",
                 "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat",
-                "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox"}
+                "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox",
+                "PhiForCausalLM": "phi"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -405,10 +407,16 @@ _PLAIN_MLPS = (STARCODER2, JAIS2)
 # (`ModelConfig.parallel_mlp_norm`), else Llama's sequential layers. Its own tensor names
 # (gpt_neox.embed_in, gpt_neox.layers.N.attention.dense, embed_out, ...).
 GPT_NEOX = "GPTNeoXForCausalLM"
-# GPT-NeoX's hidden_act -> our mlp_activation (gelu_fast, gelu_new: tanh's approximation).
-_GPT_NEOX_ACTIVATIONS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
-                         "gelu_new": "gelu_tanh_ungated",
-                         "gelu_pytorch_tanh": "gelu_tanh_ungated"}
+# Phi-1 / Phi-1.5 / Phi-2 (PhiForCausalLM): each layer x + attn(norm(x)) + mlp(norm(x))
+# under one LayerNorm with a bias (`ModelConfig.parallel_residual`), half of each head
+# rotated by default (Phi-2: 0.4), biases on all four attention projections (o_proj
+# named dense) and on its MLP's, which has no gate: fc2(gelu_new(fc1(x))), the final norm
+# model.final_layernorm, and a bias on the output projection (`lm_head_bias`).
+PHI = "PhiForCausalLM"
+# GPT-NeoX's and Phi's hidden_act -> our mlp_activation (gelu_fast, gelu_new: tanh's
+# approximation).
+_UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
+                  "gelu_new": "gelu_tanh_ungated", "gelu_pytorch_tanh": "gelu_tanh_ungated"}
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -587,6 +595,10 @@ _CLASS_DEFAULTS = {
                    max_position_embeddings=2048, layer_norm_eps=1e-5,
                    tie_word_embeddings=False, use_parallel_residual=True,
                    attention_bias=True),
+    PHI: dict(vocab_size=51_200, hidden_size=2048, intermediate_size=8192,
+              num_hidden_layers=24, num_attention_heads=32, hidden_act="gelu_new",
+              max_position_embeddings=2048, layer_norm_eps=1e-5, tie_word_embeddings=False,
+              qk_layernorm=False),
     NANOCHAT: dict(vocab_size=50_304, hidden_size=768, intermediate_size=8192,
                    num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=6,
                    max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10_000.0,
@@ -890,6 +902,8 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm in _QWEN3_5S + (STABLELM,):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+  if lm == PHI:
+    merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm == GPT_NEOX:  # the published files' names: rotary_pct, rotary_emb_base
     merged.setdefault("partial_rotary_factor", c.get("rotary_pct", 0.25))
     merged.setdefault("rope_theta", c.get("rotary_emb_base", 10_000.0))
@@ -1080,6 +1094,11 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "num_key_value_heads": c["num_attention_heads"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
+  if lm == PHI:  # its eps's name; its q/k/v and output biases always there
+    if c["qk_layernorm"]:
+      raise ValueError("qk_layernorm=true in a Phi config.json (q and k LayerNorm-ed, with "
+                       "biases, over each head) is not supported")
+    c = {**c, "rms_norm_eps": c["layer_norm_eps"], "attention_bias": True}
   if lm in (COHERE, COHERE2):  # transformers' config: its eps's name, head_dim from the width
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
@@ -1110,9 +1129,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
               else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
   ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
-  if lm == GPT_NEOX:
-    expected = " or ".join(_GPT_NEOX_ACTIVATIONS)
-  if (act not in _GPT_NEOX_ACTIVATIONS if lm == GPT_NEOX else act != expected if ungated
+  if lm in (GPT_NEOX, PHI):
+    expected = " or ".join(_UNGATED_GELUS)
+  if (act not in _UNGATED_GELUS if lm in (GPT_NEOX, PHI) else act != expected if ungated
       else act != "silu" and not (gemma and act in _GELU_TANH)):
     raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
   heads = int(c["num_attention_heads"])
@@ -1156,7 +1175,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
       **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c),
-      **_gpt_neox_from_hf(lm, c))
+      **_ungated_gelu_from_hf(lm, c))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1673,7 +1692,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                   ARCEE, APERTUS, COHERE, GPT_NEOX) + _COHERES + _HUNYUANS + _SWAS
+                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI) + _COHERES + _HUNYUANS + _SWAS
                   + _PLAIN_MLPS)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
@@ -1881,14 +1900,14 @@ def _stablelm_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
               parallel_residual=bool(c["use_parallel_residual"]))
 
 
-def _gpt_neox_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """The ModelConfig fields of a GPT-NeoX config.json ({} for other families)."""
-  if lm != GPT_NEOX:
+def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of a GPT-NeoX or Phi config.json ({} for other families)."""
+  if lm not in (GPT_NEOX, PHI):
     return {}
-  parallel = bool(c["use_parallel_residual"])
+  parallel = lm == PHI or bool(c["use_parallel_residual"])
   return dict(layer_norm=True, norm_bias=True, mlp_bias=True,
-              mlp_activation=_GPT_NEOX_ACTIVATIONS[c["hidden_act"]],
-              parallel_residual=parallel, parallel_mlp_norm=parallel)
+              mlp_activation=_UNGATED_GELUS[c["hidden_act"]], parallel_residual=parallel,
+              parallel_mlp_norm=parallel and lm == GPT_NEOX, lm_head_bias=lm == PHI)
 
 
 def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -2614,11 +2633,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                "gelu_tanh_ungated" if lm == STARCODER2 else
                                "xielu" if lm == APERTUS else
                                (cfg.mlp_activation if cfg.mlp_activation in
-                                _GPT_NEOX_ACTIVATIONS.values() else "gelu_ungated")
-                               if lm == GPT_NEOX else "silu"),
-               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX),
+                                _UNGATED_GELUS.values() else "gelu_ungated")
+                               if lm in (GPT_NEOX, PHI) else "silu"),
+               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI),
                norm_weightless=lm == NANOCHAT, embed_norm=lm == NANOCHAT,
-               mlp_bias=(cfg.mlp_bias if lm == JAIS2 else lm == GPT_NEOX or
+               mlp_bias=(cfg.mlp_bias if lm == JAIS2 else lm in (GPT_NEOX, PHI) or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
@@ -2627,9 +2646,10 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX) + _PLAIN_MLPS),
+                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI) + _PLAIN_MLPS),
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX) else
-                                  lm in _COHERES + (COHERE,)),
+                                  lm in _COHERES + (COHERE, PHI)),
+               lm_head_bias=lm == PHI if cfg.lm_head else cfg.lm_head_bias,
                parallel_mlp_norm=lm == GPT_NEOX and cfg.parallel_residual,
                qk_norm_head_weights=lm in (COHERE, STABLELM) and cfg.qk_norm)
   for name, value in fixed.items():
@@ -2748,7 +2768,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
                      "features")
-  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX) + _GLMS + _QWEN3_5S
+  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX, PHI) + _GLMS + _QWEN3_5S
              + _DEEPSEEKS)
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
@@ -2762,6 +2782,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
+  if lm == PHI and not cfg.qkv_bias:
+    raise ValueError(f"qkv_bias=False cannot be written as {cfg.architecture}, whose "
+                     "attention projections always have biases")
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
@@ -2891,6 +2914,16 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                hidden_act="gelu" if cfg.mlp_activation == "gelu_ungated" else "gelu_fast",
                rotary_pct=rope.partial_rotary_factor, rotary_emb_base=rope.theta,
                attention_dropout=0.0, hidden_dropout=0.0,
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})})
+  if lm == PHI:
+    for key in ("rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias"):
+      out.pop(key)
+    out.update(layer_norm_eps=cfg.norm_eps, qk_layernorm=False,
+               hidden_act="gelu" if cfg.mlp_activation == "gelu_ungated" else "gelu_new",
+               partial_rotary_factor=rope.partial_rotary_factor, resid_pdrop=0.0,
+               embd_pdrop=0.0, attention_dropout=0.0,
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 "partial_rotary_factor": rope.partial_rotary_factor,
                                 **(scaling or {})})
@@ -3216,7 +3249,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     return _lfm2_rows(cfg, proj_in)
   if _causal_lm(cfg.architecture) == GEMMA4:
     return _gemma4_rows(cfg)
-  final = "final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1) else "norm"
+  final = ("final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1, PHI)
+           else "norm")
   # A norm's weight, and a LayerNorm's bias (norm_bias)
   norm_parts = ([("scale", "weight")] + [("bias", "bias")] * cfg.norm_bias
                 if not cfg.norm_weightless else [])
@@ -3226,6 +3260,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   if cfg.lm_head and not cfg.tie_embeddings:
     rows.append((("lm_head",), "lm_head.weight", lambda x: x.T, lambda x: x.T,
                  (d, cfg.vocab_size)))
+  if cfg.lm_head and cfg.lm_head_bias:  # Phi's
+    rows.append((("lm_head_bias",), "lm_head.bias", ident, ident, (cfg.vocab_size,)))
   if score:
     rows.append((("value_w",), "score.weight", lambda x: x[0], lambda x: x[None, :], (d,)))
   # Our post_attn_norm is the MLP's input norm: Llama's post_attention_layernorm, Gemma
@@ -3404,11 +3440,11 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows.append((p + ("attn", "o_bias"), hf + "self_attn.o_proj.bias", ident, ident, (d,)))
     if attention and cfg.attention_sinks:
       rows.append((p + ("attn", "sinks"), hf + "self_attn.sinks", ident, ident, (n,)))
-  return _gpt_neox_rows(cfg, rows) if _causal_lm(cfg.architecture) == GPT_NEOX else rows
+  return _renamed_rows(cfg, rows)
 
 
 # GPT-NeoX's tensor names (transformers' Llama names -> its own, in order); q, k and v sit
-# in one query_key_value (`_gpt_neox_rows`).
+# in one query_key_value (`_renamed_rows`).
 _GPT_NEOX_NAMES = ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."),
                    (r"^model\.norm\.", "gpt_neox.final_layer_norm."),
                    (r"^model\.layers\.", "gpt_neox.layers."), (r"^lm_head\.", "embed_out."),
@@ -3416,19 +3452,28 @@ _GPT_NEOX_NAMES = ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."),
                    (r"\.self_attn\.[qkv]_proj\.", ".attention.query_key_value."),
                    (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
                    (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."))
+# Phi's (its final norm's name is set in `_mapping`).
+_PHI_NAMES = ((r"\.self_attn\.o_proj\.", ".self_attn.dense."),
+              (r"\.mlp\.up_proj\.", ".mlp.fc1."), (r"\.mlp\.down_proj\.", ".mlp.fc2."))
+# Classes whose tensors transformers names its own way (not Llama's).
+_CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES}
 
 
-def _gpt_neox_rows(cfg: ModelConfig, rows: list) -> list:
-  """`rows` under GPT-NeoX's names (`_GPT_NEOX_NAMES`), q, k and v each the part of
-  query_key_value that its rows are there: head by head, head_dim rows of q, of k, of v
-  ([head 0's q; its k; its v; head 1's q; ...], weight and bias alike)."""
+def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
+  """`rows` under the class's own names (`_CLASS_NAMES`; others as they are). GPT-NeoX's
+  q, k and v are each the part of query_key_value that its rows are there: head by
+  head, head_dim rows of q, of k, of v ([head 0's q; its k; its v; head 1's q; ...],
+  weight and bias alike)."""
+  lm = _causal_lm(cfg.architecture)
+  if lm not in _CLASS_NAMES:
+    return rows
   n, h = cfg.num_heads, cfg.head_dim
   out = []
   for ours, name, to_ours, to_hf, shape in rows:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
-    if fused:
+    if fused and lm == GPT_NEOX:
       to_ours, to_hf = _head_fused_part((to_ours, to_hf), "qkv".index(fused[1]), 3, n, h)
-    name = functools.reduce(lambda s, rename: re.sub(*rename, s), _GPT_NEOX_NAMES, name)
+    name = functools.reduce(lambda s, rename: re.sub(*rename, s), _CLASS_NAMES[lm], name)
     out.append((ours, name, to_ours, to_hf, shape))
   return out
 
@@ -4208,7 +4253,8 @@ def _peft_module(cfg: ModelConfig, target: str) -> str:
   """The name of the module LoRA target `target` wraps within its layer's attention,
   mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES` and StarCoder2's MLP."""
   names = {LFM2: _LFM2_MODULES, LFM2_MOE: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES,
-           NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"}}.get(
+           NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"},
+           PHI: {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"}}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
 
@@ -4622,9 +4668,11 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
                or n.startswith(named("model.x")[:-1])}
   # Tied checkpoints sometimes carry a copy of the embedding as lm_head; a reward model
   # started from a causal LM does not read its lm_head.
-  head = "embed_out.weight" if _causal_lm(cfg.architecture) == GPT_NEOX else "lm_head.weight"
+  # (Phi's lm_head.bias too, unread without an lm_head.)
+  head = ({"embed_out.weight"} if _causal_lm(cfg.architecture) == GPT_NEOX else
+          {"lm_head.weight", "lm_head.bias"} if cfg.lm_head_bias else {"lm_head.weight"})
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
-               {named(head)} if cfg.tie_embeddings or not cfg.lm_head else set())
+               {named(n) for n in head} if cfg.tie_embeddings or not cfg.lm_head else set())
   sources = [(files, rows, mxfp4, fp8, bnb, ints)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)

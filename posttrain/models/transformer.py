@@ -2641,6 +2641,8 @@ class Transformer(nnx.Module):
     if cfg.lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
                             std=cfg.init_std)
+    if cfg.lm_head and cfg.lm_head_bias:  # Phi-2's
+      self.lm_head_bias = _param(None, (cfg.vocab_size,), ("vocab",), pd, init="zeros")
     if cfg.value_head:
       self.value_w = _param(rngs, (cfg.d_model,), ("embed",), jnp.float32,
                             std=value_head_std(cfg))
@@ -2828,7 +2830,16 @@ class Transformer(nnx.Module):
     """The output projection [D, V] (divided by Granite's logits_scaling, times Falcon-H1's
     lm_head_multiplier: every head's logits are scaled so)."""
     self._require_lm_head()
-    w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    return self._head_scaled(self.embed[...].T if self.cfg.tie_embeddings else
+                             self.lm_head[...])
+
+  def unembed_bias(self) -> jax.Array | None:
+    """The output projection's bias [V] (cfg.lm_head_bias; scaled as `unembed`), or None:
+    the logits are h `unembed()` + this."""
+    self._require_lm_head()
+    return self._head_scaled(self.lm_head_bias[...]) if self.cfg.lm_head_bias else None
+
+  def _head_scaled(self, w):
     if self.cfg.logits_scaling != 1.0:
       w = w / jnp.asarray(self.cfg.logits_scaling, w.dtype)
     if self.cfg.lm_head_multiplier != 1.0:
@@ -2843,6 +2854,8 @@ class Transformer(nnx.Module):
     h, new_cache = out if cache is not None else (out, None)
     dt = _dtype(self.cfg.dtype)
     logits = jnp.einsum("BTD,DV->BTV", h.astype(dt), self.unembed().astype(dt))
+    if self.cfg.lm_head_bias:
+      logits = logits + self.unembed_bias().astype(dt)[None, None]
     logits = soft_cap(logits, self.cfg.final_logit_softcap)
     logits = ctx.constrain(logits, ("batch", "length", "vocab"))
     return (logits, new_cache) if cache is not None else logits
@@ -2862,7 +2875,8 @@ class Transformer(nnx.Module):
     return chunked_logprobs(h, self.unembed(), targets_BxT, chunk=chunk or self.cfg.logprob_chunk,
                             return_entropy=return_entropy, temperature=temperature,
                             compute_dtype=_dtype(self.cfg.dtype), ctx=ctx,
-                            logit_soft_cap=self.cfg.final_logit_softcap)
+                            logit_soft_cap=self.cfg.final_logit_softcap,
+                            bias_V=self.unembed_bias())
 
   def values(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
              ctx: ShardingContext = _NO_SHARDING):
@@ -3390,9 +3404,11 @@ def _scan_blocks(blocks: Block, x, tables, local_tables, segment_ids, cache, pos
 
 def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy: bool = False,
                      temperature: float = 1.0, compute_dtype=jnp.float32,
-                     ctx: ShardingContext = _NO_SHARDING, logit_soft_cap: float | None = None):
+                     ctx: ShardingContext = _NO_SHARDING, logit_soft_cap: float | None = None,
+                     bias_V=None):
   """Per-token log-probs (and optionally entropies) of targets, `chunk` positions at a time.
   `logit_soft_cap`: the model's final logit soft cap, applied before the temperature.
+  `bias_V`: the output projection's bias (`Transformer.unembed_bias`), or None.
 
   Under a mesh whose rules split D (fsdp), the vocabulary is split instead
   (`ShardingContext.vocab_parallel_head`): no device holds the whole [D, V] projection
@@ -3408,6 +3424,7 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
   h = h.reshape(b, n, chunk, d).swapaxes(0, 1)
   tg = tg.reshape(b, n, chunk).swapaxes(0, 1)
   w = w_DxV.astype(compute_dtype)
+  bias = _head_bias(bias_V, layout, ctx)
   if layout is not None:
     w_spec, logits_spec = layout
     w = jax.lax.with_sharding_constraint(w, NamedSharding(ctx.mesh, w_spec))
@@ -3419,6 +3436,8 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
     if layout is not None:
       h_BxCxD = jax.lax.with_sharding_constraint(h_BxCxD, NamedSharding(ctx.mesh, rows_spec))
     logits = jnp.einsum("BCD,DV->BCV", h_BxCxD, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+      logits = logits + bias[None, None]
     if layout is not None:
       logits = jax.lax.with_sharding_constraint(logits, NamedSharding(ctx.mesh, logits_spec))
     logits = soft_cap(logits, logit_soft_cap)
@@ -3447,6 +3466,18 @@ def chunked_logprobs(h_BxTxD, w_DxV, targets_BxT, *, chunk: int, return_entropy:
   return logp
 
 
+def _head_bias(bias_V, layout, ctx: ShardingContext):
+  """An output projection's bias [V] as float32 logits add it (None stays None), its
+  vocabulary split as the logits' is under a split-vocabulary `layout`."""
+  if bias_V is None:
+    return None
+  bias = bias_V.astype(jnp.float32)
+  if layout is not None:
+    bias = jax.lax.with_sharding_constraint(
+        bias, NamedSharding(ctx.mesh, PartitionSpec(layout[1][-1])))
+  return bias
+
+
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
 
@@ -3454,7 +3485,7 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
                        chunk: int, temperature: float = 1.0, compute_dtype=jnp.float32,
                        beta: float = 0.5, logit_soft_cap: float | None = None,
                        teacher_logit_soft_cap: float | None = None,
-                       ctx: ShardingContext = _NO_SHARDING):
+                       ctx: ShardingContext = _NO_SHARDING, bias_V=None, teacher_bias_W=None):
   """Per-position divergence between the model's next-token distribution and a teacher's,
   over the whole vocabulary, `chunk` positions at a time (no [B, T, V] array):
 
@@ -3479,6 +3510,8 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
   Args:
     h_BxTxD, w_DxV: the model's final hidden states and output projection.
     teacher_h_BxTxE, teacher_w_ExW: the teacher's, W >= V.
+    bias_V, teacher_bias_W: their output projections' biases (`Transformer.unembed_bias`),
+      or None.
     kind: one of DIVERGENCES.
     beta: jsd's interpolation, in (0, 1).
     ctx: the mesh and rules, for the split-vocabulary layout (none: the plain one).
@@ -3518,6 +3551,9 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
     rows_spec = PartitionSpec(logits_spec[0], PartitionSpec.UNCONSTRAINED, None)
     w = jax.lax.with_sharding_constraint(w, NamedSharding(ctx.mesh, w_spec))
     tw = jax.lax.with_sharding_constraint(tw, NamedSharding(ctx.mesh, w_spec))
+  bias = _head_bias(bias_V, layout, ctx)
+  teacher_bias = _head_bias(None if teacher_bias_W is None else
+                            jax.lax.stop_gradient(teacher_bias_W[:vocab]), layout, ctx)
 
   def rows(x):  # a chunk's hidden states, gathered over the embed axes
     if layout is None:
@@ -3535,11 +3571,15 @@ def chunked_divergence(h_BxTxD, w_DxV, teacher_h_BxTxE, teacher_w_ExW, *, kind: 
     th_BxCxE = rows(jax.lax.stop_gradient(th_BxCxE).astype(compute_dtype))
     logits = split_vocab(jnp.einsum("BCD,DV->BCV", h_BxCxD, w,
                                     preferred_element_type=jnp.float32))
+    if bias is not None:
+      logits = logits + bias[None, None]
     logits = soft_cap(logits, logit_soft_cap)
     if temperature != 1.0:
       logits = logits / temperature
     teacher = split_vocab(jnp.einsum("BCE,EV->BCV", th_BxCxE, tw,
                                      preferred_element_type=jnp.float32))
+    if teacher_bias is not None:
+      teacher = teacher + teacher_bias[None, None]
     teacher = soft_cap(teacher, teacher_logit_soft_cap)
     logp = jax.nn.log_softmax(logits, axis=-1)
     logq = jax.nn.log_softmax(teacher, axis=-1)

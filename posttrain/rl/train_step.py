@@ -230,7 +230,8 @@ def _forward(model: models.Transformer, mb: Batch, ctx: models.ShardingContext, 
   out = models.chunked_logprobs(h, model.unembed(), mb["targets"], chunk=cfg.logprob_chunk,
                                 return_entropy=with_entropy, temperature=temperature,
                                 compute_dtype=jnp.dtype(cfg.dtype), ctx=ctx,
-                                logit_soft_cap=cfg.final_logit_softcap)
+                                logit_soft_cap=cfg.final_logit_softcap,
+                                bias_V=model.unembed_bias())
   logprobs, entropies = out if with_entropy else (out, None)
   values = _value_head(model, h) if with_values else None
   return logprobs, entropies, values, aux
@@ -420,10 +421,10 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
       others (with another leading axis) are for `batch_totals` alone.
     prepare_batch: `(batch, state) -> batch`, run on the whole batch first: inputs the
       micro-batches read that depend on all of them (e.g. covariance-selected tokens).
-    teacher_hidden: `(teacher params, mb) -> (hidden [B, T, E], projection [E, W])`, no
-      gradient: a distillation teacher read in the step, its arrays given to each
-      micro-batch as `teacher_h` and `teacher_w`; the step then takes the teacher's params
-      after the reference (`teacher_shardings`).
+    teacher_hidden: `(teacher params, mb) -> (hidden [B, T, E], projection [E, W], its
+      bias [W] or None)`, no gradient: a distillation teacher read in the step, its
+      arrays given to each micro-batch as `teacher_h`, `teacher_w` and `teacher_b`; the
+      step then takes the teacher's params after the reference (`teacher_shardings`).
 
   Returns:
     `(jitted, run)`: the `jax.jit` function and `run(state, inputs, reference, teacher)`,
@@ -456,8 +457,8 @@ def _jit_update(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
       if reference is not None:
         mb = {**mb, "ref_logprobs": reference_logprobs(reference, mb)}
       if teacher is not None:
-        teacher_h, teacher_w = teacher_hidden(teacher, mb)
-        mb = {**mb, "teacher_h": teacher_h, "teacher_w": teacher_w}
+        teacher_h, teacher_w, teacher_b = teacher_hidden(teacher, mb)
+        mb = {**mb, "teacher_h": teacher_h, "teacher_w": teacher_w, "teacher_b": teacher_b}
       return grad_fn(trainable, mb, totals, frozen, 1.0 / num_micro)
 
     def accumulate(carry, mb):
@@ -627,7 +628,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
   def teacher_hidden(teacher_params, mb):
     teacher = nnx.merge(teacher_graphdef, teacher_params, teacher_rest)
     return (jax.lax.stop_gradient(_hidden(teacher, without_routing(mb), ctx)),
-            jax.lax.stop_gradient(teacher.unembed()))
+            jax.lax.stop_gradient(teacher.unembed()),
+            jax.lax.stop_gradient(teacher.unembed_bias()))
 
   def microbatch_loss(trainable, mb, denominator, frozen, micro_share):
     params, critic_params = trainable
@@ -666,7 +668,8 @@ def make_train_step(model_cfg: models.ModelConfig, algo_cfg: Mapping[str, Any],
           chunk=model_cfg.logprob_chunk, temperature=temperature,
           compute_dtype=jnp.dtype(model_cfg.dtype), beta=distill_beta,
           logit_soft_cap=model_cfg.final_logit_softcap,
-          teacher_logit_soft_cap=teacher_cfg.final_logit_softcap, ctx=ctx)
+          teacher_logit_soft_cap=teacher_cfg.final_logit_softcap, ctx=ctx,
+          bias_V=model.unembed_bias(), teacher_bias_W=mb["teacher_b"])
       mask = losses.as_mask(mb["loss_mask"])
       weights, local_denominator = losses.token_weights(
           mask, loss_cfg.loss_agg_mode, segment_ids=mb.get("segment_ids"),

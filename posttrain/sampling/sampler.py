@@ -1242,6 +1242,8 @@ class Sampler:
       h_BxD = jax.lax.with_sharding_constraint(
           h_BxD, NamedSharding(self.mesh, PartitionSpec(None, d_axes)))
     logits = jnp.einsum("BD,DV->BV", h_BxD, w_DxV, preferred_element_type=jnp.float32)
+    if self.cfg.lm_head_bias:
+      logits = logits + model.unembed_bias().astype(jnp.float32)[None]
     logits = models.soft_cap(logits, self.cfg.final_logit_softcap)
     return self._ctx.constrain(logits, ("batch", "vocab")) if split else logits
 

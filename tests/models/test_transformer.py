@@ -141,16 +141,16 @@ def test_chunked_logprobs_never_build_full_float32_logits():
   assert "f32[2,16,4099]" in hlo
 
 
-@pytest.mark.parametrize("shape,vocab,parallel", [
-    ((2, 4, 1, 1), 1024, True),    # V over fsdp; the rows gather over fsdp, stay on data
-    ((1, 4, 2, 1), 1024, True),    # V over tensor x fsdp
-    ((1, 8, 1, 1), 1001, False),   # V does not divide: the projection is gathered whole
-    ((1, 8, 1, 1), 48, False),     # 8 rows x 8 positions outnumber V: gathered whole too
+@pytest.mark.parametrize("shape,vocab,parallel,biased", [
+    ((2, 4, 1, 1), 1024, True, False),  # V over fsdp; the rows gather over fsdp, stay on data
+    ((1, 4, 2, 1), 1024, True, True),   # V over tensor x fsdp; an output bias split as V
+    ((1, 8, 1, 1), 1001, False, True),  # V does not divide: the projection is gathered whole
+    ((1, 8, 1, 1), 48, False, False),   # 8 rows x 8 positions outnumber V: gathered whole too
 ])
-def test_vocab_parallel_head_equals_the_unsharded_head(shape, vocab, parallel):
+def test_vocab_parallel_head_equals_the_unsharded_head(shape, vocab, parallel, biased):
   """With D split over fsdp, the log-prob head splits the vocabulary instead: the same
-  log-probs, entropies and gradients as on one device, and no device gathers [D, V]
-  (unless that holds less than the rows it would gather instead)."""
+  log-probs, entropies and gradients (an output bias's too) as on one device, and no
+  device gathers [D, V] (unless that holds less than the rows it would gather instead)."""
   mesh = models.make_mesh(shape)
   ctx = models.ShardingContext(mesh)
   b, t, d = 8, 24, 64
@@ -161,22 +161,27 @@ def test_vocab_parallel_head_equals_the_unsharded_head(shape, vocab, parallel):
   targets = jnp.asarray(rng.integers(0, vocab, (b, t)))
   h_sharded = jax.device_put(h, ctx.sharding(("batch", "length", None), h.shape))
   w_sharded = jax.device_put(w, ctx.sharding(("embed", "vocab"), w.shape))
+  bias = jnp.asarray(rng.normal(size=(vocab,)) if biased else np.zeros(vocab), jnp.float32)
+  bias_sharded = jax.device_put(bias, ctx.sharding(("vocab",), bias.shape))
 
   def objective(c):
-    def f(h, w):
-      logp, ent = models.chunked_logprobs(h, w, targets, chunk=8, return_entropy=True, ctx=c)
+    def f(h, w, b):
+      logp, ent = models.chunked_logprobs(h, w, targets, chunk=8, return_entropy=True, ctx=c,
+                                          bias_V=b if biased else None)
       return jnp.sum(logp * jnp.arange(t)[None, :]) + jnp.sum(ent), (logp, ent)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
 
-  (_, (logp, ent)), grads = objective(ctx)(h_sharded, w_sharded)
-  full = jax.nn.log_softmax(h @ w, axis=-1)
+  (_, (logp, ent)), grads = objective(ctx)(h_sharded, w_sharded, bias_sharded)
+  full = jax.nn.log_softmax(h @ w + bias[None, None], axis=-1)
   np.testing.assert_allclose(
       logp, jnp.take_along_axis(full, targets[..., None], -1)[..., 0], atol=1e-5)
   np.testing.assert_allclose(ent, -(jnp.exp(full) * full).sum(-1), atol=1e-4)
-  (_, _), want = objective(models.ShardingContext(None))(h, w)
+  (_, _), want = objective(models.ShardingContext(None))(h, w, bias)
   for got, ref in zip(grads, want):
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-4)
-  hlo = objective(ctx).lower(h_sharded, w_sharded).compile().as_text()
+  if biased:  # d/db of sum(logp weights) + entropies: the bias learns
+    assert np.abs(np.asarray(grads[2])).max() > 1e-3
+  hlo = objective(ctx).lower(h_sharded, w_sharded, bias_sharded).compile().as_text()
   gathered = re.search(rf"f32\[{d},{vocab}\]\S* all-gather", hlo)
   assert (gathered is None) == parallel
 
