@@ -67,7 +67,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
               "MellumForCausalLM", "StableLmForCausalLM",
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
-              "PhiForCausalLM")
+              "PhiForCausalLM", "NemotronForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -134,7 +134,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "MellumForCausalLM": "mellum", "StableLmForCausalLM": "stablelm",
                 "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat",
                 "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox",
-                "PhiForCausalLM": "phi"}
+                "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -397,7 +397,11 @@ STABLELM = "StableLmForCausalLM"
 # swapped, `_swapped_rows`), an MLP of no gate fc2(relu(fc1(x))^2), the logits soft-capped.
 NANOCHAT = "NanoChatForCausalLM"
 JAIS2 = "Jais2ForCausalLM"
-_PLAIN_MLPS = (STARCODER2, JAIS2)
+# Nemotron-4 / Minitron (NemotronForCausalLM): Jais 2's layers under LayerNorm1P (a
+# LayerNorm with a bias whose weight is held less one: `ModelConfig.norm_unit_offset`),
+# half of each head rotated by default, attention_bias on all four projections.
+NEMOTRON = "NemotronForCausalLM"
+_PLAIN_MLPS = (STARCODER2, JAIS2, NEMOTRON)
 # GPT-NeoX-20B / Pythia (GPTNeoXForCausalLM): LayerNorms with biases, a quarter of each
 # head rotated (rotary_pct, rotate-half) at base rotary_emb_base, q, k and v fused in one
 # query_key_value head by head (`_gpt_neox_rows`), biases on all four attention
@@ -585,6 +589,10 @@ _CLASS_DEFAULTS = {
                      num_hidden_layers=30, num_attention_heads=24, num_key_value_heads=2,
                      max_position_embeddings=4096, norm_epsilon=1e-5, rope_theta=10_000.0,
                      use_bias=True, tie_word_embeddings=True),
+    NEMOTRON: dict(vocab_size=256_000, hidden_size=6144, intermediate_size=24_576,
+                   num_hidden_layers=32, num_attention_heads=48, max_position_embeddings=4096,
+                   norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                   mlp_bias=False),
     JAIS2: dict(vocab_size=150_272, hidden_size=3328, intermediate_size=26_624,
                 num_hidden_layers=32, num_attention_heads=26, max_position_embeddings=8192,
                 layer_norm_eps=1e-5, rope_theta=10_000.0, attention_bias=True, mlp_bias=True,
@@ -902,7 +910,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm in _QWEN3_5S + (STABLELM,):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
-  if lm == PHI:
+  if lm in (PHI, NEMOTRON):
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
   if lm == GPT_NEOX:  # the published files' names: rotary_pct, rotary_emb_base
     merged.setdefault("partial_rotary_factor", c.get("rotary_pct", 0.25))
@@ -1085,8 +1093,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
   if lm == STARCODER2:  # its eps's name; use_bias for every projection
     c = {**c, "rms_norm_eps": c["norm_epsilon"], "attention_bias": bool(c["use_bias"])}
-  if lm == JAIS2:
-    c = {**c, "rms_norm_eps": c["layer_norm_eps"]}
+  if lm in (JAIS2, NEMOTRON):  # their eps's names
+    c = {**c, "rms_norm_eps": c["layer_norm_eps" if lm == JAIS2 else "norm_eps"]}
   if lm == STABLELM:
     c = {**c, "rms_norm_eps": c["layer_norm_eps"], "attention_bias": bool(c["use_qkv_bias"]),
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
@@ -1115,7 +1123,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   if reward_model and _num_labels(c) != 1:
     raise ValueError(f"{arch} with num_labels={_num_labels(c)} is not supported: a reward "
                      "model has one label (num_labels=1), one score per sequence")
-  if c.get("mlp_bias") and lm != JAIS2:
+  if c.get("mlp_bias") and lm not in (JAIS2, NEMOTRON):
     raise ValueError("mlp_bias=true in config.json is not supported")
   if lm in _HUNYUANS and c.get("use_cla"):
     raise ValueError(f"use_cla=true in a {lm} config.json (layers sharing another's keys "
@@ -1125,7 +1133,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
                      "projections too) is not supported")
   gemma = lm in GEMMAS
   expected = ("gelu_pytorch_tanh" if gemma or lm == STARCODER2 else
-              "relu2" if lm in (ARCEE, JAIS2, NANOCHAT) else "xielu" if lm == APERTUS
+              "relu2" if lm in (ARCEE, JAIS2, NANOCHAT, NEMOTRON) else "xielu" if lm == APERTUS
               else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
   ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
@@ -1911,11 +1919,12 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """The ModelConfig fields of a StarCoder2 / Jais 2 config.json ({} for other families):
-  LayerNorms with biases, an MLP of no gate and its biases."""
+  """The ModelConfig fields of a StarCoder2 / Jais 2 / Nemotron config.json ({} for other
+  families): LayerNorms with biases (Nemotron's weights less one), an MLP of no gate and
+  its biases."""
   if lm not in _PLAIN_MLPS:
     return {}
-  return dict(layer_norm=True, norm_bias=True,
+  return dict(layer_norm=True, norm_bias=True, norm_unit_offset=lm == NEMOTRON,
               mlp_activation="gelu_tanh_ungated" if lm == STARCODER2 else "relu2",
               mlp_bias=bool(c["use_bias"] if lm == STARCODER2 else c["mlp_bias"]))
 
@@ -2626,10 +2635,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   and only Gemma 3 a rotary embedding of the sliding layers' own."""
   gemma, oss = lm in GEMMAS, lm == GPT_OSS
   olmo = lm in OLMOS
-  fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S, embed_scale=gemma,
+  fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S + (NEMOTRON,), embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
-                               "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2, NANOCHAT) else
+                               "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2, NANOCHAT,
+                                                 NEMOTRON) else
                                "gelu_tanh_ungated" if lm == STARCODER2 else
                                "xielu" if lm == APERTUS else
                                (cfg.mlp_activation if cfg.mlp_activation in
@@ -2637,7 +2647,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                if lm in (GPT_NEOX, PHI) else "silu"),
                norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI),
                norm_weightless=lm == NANOCHAT, embed_norm=lm == NANOCHAT,
-               mlp_bias=(cfg.mlp_bias if lm == JAIS2 else lm in (GPT_NEOX, PHI) or
+               mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else lm in (GPT_NEOX, PHI) or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
@@ -2768,7 +2778,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
                      "features")
-  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX, PHI) + _GLMS + _QWEN3_5S
+  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX, PHI, NEMOTRON) + _GLMS
+             + _QWEN3_5S
              + _DEEPSEEKS)
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
@@ -2894,6 +2905,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == JAIS2:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2")
+  if lm == NEMOTRON:
+    for key in ("rms_norm_eps", "rope_theta", "rope_scaling"):
+      out.pop(key)
+    out.update(norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2",
+               partial_rotary_factor=rope.partial_rotary_factor, attention_dropout=0.0,
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                "partial_rotary_factor": rope.partial_rotary_factor,
+                                **(scaling or {})})
   if lm == NANOCHAT:
     out.update(hidden_act="relu2", final_logit_softcapping=cfg.final_logit_softcap)
   if lm == STABLELM:

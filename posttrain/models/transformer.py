@@ -288,7 +288,8 @@ class RMSNorm(nnx.Module):
   last len(dim) axes, and w has that shape (OLMo 2's q/k norms over every head at once,
   [heads, head_dim]), or the last `reduce` of them alone (each head normed over its own
   features, w a weight per head: Cohere's q/k norms). With `bias` (and `center`) a
-  LayerNorm's bias b is added after w, in float32 (torch's LayerNorm).
+  LayerNorm's bias b is added after w, in float32 (torch's LayerNorm); with `center` and
+  `unit_offset` the weight is 1 + w (Nemotron's LayerNorm1P).
   """
 
   def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, names=("norm",),
@@ -320,7 +321,8 @@ class RMSNorm(nnx.Module):
     w = self.weight_axes
     shape = (1,) * (x.ndim - w) + x.shape[x.ndim - w:]
     if self.center:
-      y = y * self.scale[...].astype(jnp.float32).reshape(shape)
+      scale = self.scale[...].astype(jnp.float32).reshape(shape)
+      y = y * (1.0 + scale if self.unit_offset else scale)
       if hasattr(self, "bias"):
         y = y + self.bias[...].astype(jnp.float32).reshape(shape)
       return y.astype(x.dtype)
