@@ -373,7 +373,8 @@ def model_config(config, vocab_size: int | None = None) -> models.ModelConfig:
     run = {f: overrides.get(f, getattr(preset, f)) for f in RUN_FIELDS}
     if not read.lm_head:  # a reward model's folder: its score head is the value head
       run["value_head"] = True
-    run.update({f: overrides[f] for f in ADJUSTABLE_FIELDS if f in overrides})
+    run.update({f: overrides[f] for f in ADJUSTABLE_FIELDS if f in overrides and not (
+        f == "max_position_embeddings" and read.learned_positions)})  # GPT-2's wpe rows
     ignored = sorted(k for k, v in overrides.items()
                      if k not in run and getattr(read, k, v) != v)
     if ignored and (folder, tuple(ignored)) not in _WARNED:

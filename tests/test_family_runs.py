@@ -4,8 +4,8 @@ Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers
 Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
 (queries scaled by position), an OLMoE, an EXAONE 4, two Gemma 4s (full layers of their
 own widths, experts beside the dense MLP; per-layer embeddings and layers sharing keys and
-values), a Seed-OSS, a Phi-2 (an output bias), a Pythia (q, k and v fused head by head)
-and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
+values), a Seed-OSS, a Phi-2 (an output bias), a Pythia (q, k and v fused head by head),
+a GPT-2 (learned positions) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
 sampler, checkpoints, and the final checkpoint exported as a folder that transformers loads
 into the same class and computes our logits with."""
 
@@ -215,6 +215,12 @@ FAMILIES = {
                      parallel_mlp_norm=True, tie_embeddings=False,
                      mlp_activation="gelu_ungated",
                      rope=models.RopeConfig(partial_rotary_factor=0.25)),
+    # GPT-2: learned positions (rollouts read the table at their own positions), no
+    # rotary embedding, q, k and v in one Conv1D c_attn, tied embeddings.
+    "gpt2": dict(architecture="GPT2LMHeadModel", head_dim=8, num_kv_heads=4,
+                 layer_norm=True, norm_bias=True, mlp_bias=True, qkv_bias=True,
+                 attn_out_bias=True, learned_positions=True, rope_layers=(0, 0),
+                 mlp_activation="gelu_tanh_ungated"),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

@@ -240,6 +240,11 @@ class ModelConfig:
       reward model, the trunk and its score head alone, with no parameter for the head
       (with tie_embeddings the embedding stays, as the input table only); it has no logits
       or log-probs (Hugging Face's *ForSequenceClassification).
+    learned_positions: a learned absolute position embedding, max_position_embeddings
+      rows of D, added to the token embeddings at each token's position (GPT-2's wpe;
+      with rope_layers all 0, no rotary embedding). A position past the table reads NaN
+      (jnp.take's fill), so nothing runs past it silently; the sampler refuses a max_len
+      beyond it.
     lm_head_bias: the output projection adds a bias [V] to the logits, h W + b (Phi-1 /
       Phi-1.5 / Phi-2's lm_head; scaled as W is by logits_scaling and
       lm_head_multiplier). Without lm_head (a reward model) it has no parameter.
@@ -511,6 +516,7 @@ class ModelConfig:
   decode_chunk: int | None = None
   value_head: bool = False
   lm_head_bias: bool = False
+  learned_positions: bool = False
   lm_head: bool = True
   pad_token_id: int | None = None
   logprob_chunk: int = 256
@@ -1510,6 +1516,7 @@ class ModelConfig:
     dense = attn + 3 * d * self.dense_ffn_dim + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     emb += self.vocab_size * (self.lm_head and self.lm_head_bias)
+    emb += self.max_position_embeddings * d * self.learned_positions
     swapped = 0
     linear = sum(self.linear_layers)
     if self.linear_mixers:  # Gated DeltaNet, Mamba2 or LFM2's short convolution

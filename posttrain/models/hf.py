@@ -67,7 +67,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
               "MellumForCausalLM", "StableLmForCausalLM",
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
-              "PhiForCausalLM", "NemotronForCausalLM")
+              "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -89,6 +89,8 @@ def _classifier_name(lm: str) -> str:
   # one differs.
   if lm in ("Gemma3ForCausalLM", "Qwen3_5ForCausalLM"):
     return lm.replace("ForCausalLM", "TextForSequenceClassification")
+  if lm == "GPT2LMHeadModel":
+    return "GPT2ForSequenceClassification"
   return lm.replace("ForCausalLM", "ForSequenceClassification")
 
 
@@ -134,7 +136,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "MellumForCausalLM": "mellum", "StableLmForCausalLM": "stablelm",
                 "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat",
                 "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox",
-                "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron"}
+                "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron",
+                "GPT2LMHeadModel": "gpt2"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -417,6 +420,13 @@ GPT_NEOX = "GPTNeoXForCausalLM"
 # named dense) and on its MLP's, which has no gate: fc2(gelu_new(fc1(x))), the final norm
 # model.final_layernorm, and a bias on the output projection (`lm_head_bias`).
 PHI = "PhiForCausalLM"
+# GPT-2 (GPT2LMHeadModel): a learned absolute position embedding (wpe,
+# `ModelConfig.learned_positions`) and no rotary one, LayerNorms with biases, q, k and v
+# in one c_attn, biases on every projection, an MLP of no gate c_proj(gelu_new(c_fc(x))),
+# its projections torch Conv1D's ([in, out], the transpose of a Linear's), tied
+# embeddings by default; its own names (transformer.wte, transformer.h.N.attn.c_attn,
+# ...; its oldest files without the transformer. prefix, beside attention-mask buffers).
+GPT2 = "GPT2LMHeadModel"
 # GPT-NeoX's and Phi's hidden_act -> our mlp_activation (gelu_fast, gelu_new: tanh's
 # approximation).
 _UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
@@ -603,6 +613,10 @@ _CLASS_DEFAULTS = {
                    max_position_embeddings=2048, layer_norm_eps=1e-5,
                    tie_word_embeddings=False, use_parallel_residual=True,
                    attention_bias=True),
+    GPT2: dict(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+               n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+               tie_word_embeddings=True, scale_attn_weights=True,
+               scale_attn_by_inverse_layer_idx=False, add_cross_attention=False),
     PHI: dict(vocab_size=51_200, hidden_size=2048, intermediate_size=8192,
               num_hidden_layers=24, num_attention_heads=32, hidden_act="gelu_new",
               max_position_embeddings=2048, layer_norm_eps=1e-5, tie_word_embeddings=False,
@@ -813,6 +827,10 @@ def _language_model_names(c: dict[str, Any], files: dict[str, str]) -> Callable[
     renames = _FILE_NAMES[c["model_type"]][1]
     return functools.partial(functools.reduce, lambda name, rename: re.sub(*rename, name),
                              renames)
+  if (GPT2 in (c.get("architectures") or []) and "wte.weight" in files
+      and "transformer.wte.weight" not in files):  # GPT-2's oldest files: no prefix
+    return lambda name: (name[len("transformer."):] if name.startswith("transformer.")
+                         else name)
   if (NEMOTRON_H in (c.get("architectures") or []) and "backbone.embeddings.weight" not in
       files and "model.embeddings.weight" in files):
     return lambda name: ("model." + name[len("backbone."):] if name.startswith("backbone.")
@@ -1102,6 +1120,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "num_key_value_heads": c["num_attention_heads"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
+  if lm == GPT2:
+    c = _gpt2_config(c)
   if lm == PHI:  # its eps's name; its q/k/v and output biases always there
     if c["qk_layernorm"]:
       raise ValueError("qk_layernorm=true in a Phi config.json (q and k LayerNorm-ed, with "
@@ -1137,9 +1157,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
               else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
   ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
-  if lm in (GPT_NEOX, PHI):
+  if lm in (GPT_NEOX, PHI, GPT2):
     expected = " or ".join(_UNGATED_GELUS)
-  if (act not in _UNGATED_GELUS if lm in (GPT_NEOX, PHI) else act != expected if ungated
+  if (act not in _UNGATED_GELUS if lm in (GPT_NEOX, PHI, GPT2) else act != expected if ungated
       else act != "silu" and not (gemma and act in _GELU_TANH)):
     raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
   heads = int(c["num_attention_heads"])
@@ -1700,7 +1720,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI) + _COHERES + _HUNYUANS + _SWAS
+                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2) + _COHERES + _HUNYUANS + _SWAS
                   + _PLAIN_MLPS)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
@@ -1909,13 +1929,35 @@ def _stablelm_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """The ModelConfig fields of a GPT-NeoX or Phi config.json ({} for other families)."""
-  if lm not in (GPT_NEOX, PHI):
+  """The ModelConfig fields of a GPT-NeoX, Phi or GPT-2 config.json ({} for other
+  families)."""
+  if lm not in (GPT_NEOX, PHI, GPT2):
     return {}
-  parallel = lm == PHI or bool(c["use_parallel_residual"])
+  parallel = lm == PHI or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
+  gpt2 = dict(learned_positions=True, rope_layers=(0,) * int(c["num_hidden_layers"]))
   return dict(layer_norm=True, norm_bias=True, mlp_bias=True,
               mlp_activation=_UNGATED_GELUS[c["hidden_act"]], parallel_residual=parallel,
-              parallel_mlp_norm=parallel and lm == GPT_NEOX, lm_head_bias=lm == PHI)
+              parallel_mlp_norm=parallel and lm == GPT_NEOX, lm_head_bias=lm == PHI,
+              **(gpt2 if lm == GPT2 else {}))
+
+
+def _gpt2_config(c: dict[str, Any]) -> dict[str, Any]:
+  """A GPT-2 config.json under Llama's keys (GPT2Config's attribute_map; n_inner by
+  default 4 x n_embd), with the options of its attention that are not read refused."""
+  for key, refused, what in (
+      ("scale_attn_by_inverse_layer_idx", True, "the attention logits divided by the "
+       "layer's index + 1"), ("scale_attn_weights", False, "unscaled attention logits"),
+      ("add_cross_attention", True, "cross-attention to an encoder")):
+    if bool(c[key]) == refused:
+      raise ValueError(f"{key}={str(refused).lower()} in a GPT-2 config.json ({what}) is "
+                       "not supported")
+  d, heads = int(c["n_embd"]), int(c["n_head"])
+  return {**c, "hidden_size": d, "num_hidden_layers": int(c["n_layer"]),
+          "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": d // heads,
+          "max_position_embeddings": int(c["n_positions"]),
+          "intermediate_size": int(c.get("n_inner") or 4 * d),
+          "rms_norm_eps": c["layer_norm_epsilon"], "hidden_act": c["activation_function"],
+          "attention_bias": True}
 
 
 def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -2644,10 +2686,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                "xielu" if lm == APERTUS else
                                (cfg.mlp_activation if cfg.mlp_activation in
                                 _UNGATED_GELUS.values() else "gelu_ungated")
-                               if lm in (GPT_NEOX, PHI) else "silu"),
-               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI),
+                               if lm in (GPT_NEOX, PHI, GPT2) else "silu"),
+               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI, GPT2),
                norm_weightless=lm == NANOCHAT, embed_norm=lm == NANOCHAT,
-               mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else lm in (GPT_NEOX, PHI) or
+               mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
+                         lm in (GPT_NEOX, PHI, GPT2) or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
@@ -2656,7 +2699,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI) + _PLAIN_MLPS),
+                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI, GPT2)
+                           + _PLAIN_MLPS),
+               learned_positions=lm == GPT2,
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX) else
                                   lm in _COHERES + (COHERE, PHI)),
                lm_head_bias=lm == PHI if cfg.lm_head else cfg.lm_head_bias,
@@ -2709,6 +2754,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        "not (with a sliding_window; without one every layer rotates)")
   elif lm == COHERE2_MOE:
     _cohere2_moe_prefix_pattern(cfg)  # raises where the rotary layers cannot be written
+  elif lm == GPT2:
+    if cfg.rope_layers != (0,) * cfg.num_layers:
+      raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
+                       f"{cfg.architecture}, which has no rotary embedding (rope_layers "
+                       "all 0): its positions are learned")
   elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) + _SWAS and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
@@ -2784,16 +2834,16 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX)
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
-  if lm == GPT_NEOX and cfg.num_kv_heads != cfg.num_heads:
+  if lm in (GPT_NEOX, GPT2) and cfg.num_kv_heads != cfg.num_heads:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
-  if lm == PHI and not cfg.qkv_bias:
+  if lm in (PHI, GPT2) and not cfg.qkv_bias:
     raise ValueError(f"qkv_bias=False cannot be written as {cfg.architecture}, whose "
                      "attention projections always have biases")
   if lm == PHI3 and cfg.qkv_bias:
@@ -2905,6 +2955,17 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == JAIS2:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2")
+  if lm == GPT2:  # GPT2Config's own keys
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
+                "rope_scaling", "max_position_embeddings", "attention_bias"):
+      out.pop(key)
+    out.update(n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+               n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_dim,
+               layer_norm_epsilon=cfg.norm_eps,
+               activation_function="gelu" if cfg.mlp_activation == "gelu_ungated" else
+               "gelu_new", scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
   if lm == NEMOTRON:
     for key in ("rms_norm_eps", "rope_theta", "rope_scaling"):
       out.pop(key)
@@ -3281,6 +3342,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                  (d, cfg.vocab_size)))
   if cfg.lm_head and cfg.lm_head_bias:  # Phi's
     rows.append((("lm_head_bias",), "lm_head.bias", ident, ident, (cfg.vocab_size,)))
+  if cfg.learned_positions:  # GPT-2's wpe (`_GPT2_NAMES`)
+    rows.append((("pos_embed",), "model.embed_positions.weight", ident, ident,
+                 (cfg.max_position_embeddings, d)))
   if score:
     rows.append((("value_w",), "score.weight", lambda x: x[0], lambda x: x[None, :], (d,)))
   # Our post_attn_norm is the MLP's input norm: Llama's post_attention_layernorm, Gemma
@@ -3474,15 +3538,26 @@ _GPT_NEOX_NAMES = ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."),
 # Phi's (its final norm's name is set in `_mapping`).
 _PHI_NAMES = ((r"\.self_attn\.o_proj\.", ".self_attn.dense."),
               (r"\.mlp\.up_proj\.", ".mlp.fc1."), (r"\.mlp\.down_proj\.", ".mlp.fc2."))
+# GPT-2's; q, k and v sit in one c_attn, [q; k; v] along its output.
+_GPT2_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
+               (r"^model\.embed_positions\.", "transformer.wpe."),
+               (r"^model\.norm\.", "transformer.ln_f."), (r"^model\.layers\.", "transformer.h."),
+               (r"\.input_layernorm\.", ".ln_1."), (r"\.post_attention_layernorm\.", ".ln_2."),
+               (r"\.self_attn\.o_proj\.", ".attn.c_proj."),
+               (r"\.self_attn\.[qkv]_proj\.", ".attn.c_attn."),
+               (r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 # Classes whose tensors transformers names its own way (not Llama's).
-_CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES}
+_CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES}
+# GPT-2's projections: torch Conv1D's weights, [in, out].
+_CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
 
 def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
   """`rows` under the class's own names (`_CLASS_NAMES`; others as they are). GPT-NeoX's
   q, k and v are each the part of query_key_value that its rows are there: head by
   head, head_dim rows of q, of k, of v ([head 0's q; its k; its v; head 1's q; ...],
-  weight and bias alike)."""
+  weight and bias alike); GPT-2's the thirds of c_attn's output, [q; k; v], its
+  projections' weights transposed (Conv1D's [in, out])."""
   lm = _causal_lm(cfg.architecture)
   if lm not in _CLASS_NAMES:
     return rows
@@ -3492,9 +3567,21 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
     if fused and lm == GPT_NEOX:
       to_ours, to_hf = _head_fused_part((to_ours, to_hf), "qkv".index(fused[1]), 3, n, h)
+    elif fused and lm == GPT2:
+      to_ours, to_hf = _fused_part((to_ours, to_hf), "qkv".index(fused[1]) * n * h, n * h,
+                                   3 * n * h)
     name = functools.reduce(lambda s, rename: re.sub(*rename, s), _CLASS_NAMES[lm], name)
+    if lm == GPT2 and _CONV1D.search(name):
+      to_ours, to_hf = _transposed((to_ours, to_hf))
     out.append((ours, name, to_ours, to_hf, shape))
   return out
+
+
+def _transposed(inner: tuple[Transform, Transform]) -> tuple[Transform, Transform]:
+  """`inner` (HF -> ours, ours -> HF) of a Linear's weight [out, in], for a tensor held
+  transposed ([in, out]: GPT-2's Conv1D)."""
+  to_ours, to_hf = inner
+  return (lambda x: to_ours(x.T)), (lambda x: to_hf(x).T)
 
 
 def _head_fused_part(inner: tuple[Transform, Transform], which: int, parts: int,
@@ -4076,9 +4163,10 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) == GPT_NEOX:
-    raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused "
-                     "query_key_value (one A shared by q, k and v), which our "
+  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2):
+    fused = "c_attn" if _causal_lm(cfg.architecture) == GPT2 else "query_key_value"
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused {fused} "
+                     "(one A shared by q, k and v), which our "
                      "per-projection adapters are not: they are neither read nor written; "
                      "export the model merged (save_pretrained)")
   fused = [t for t in ("gate_proj", "up_proj") if t in cfg.lora_target_names]
@@ -4667,6 +4755,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if _renamed_files(hf_cfg, files) and hf_cfg["model_type"] == "sarvam_moe":
     rows = _fused_qkv_rows(cfg, rows)
   present = set(files) - _prediction_layer_names(hf_cfg, files)
+  if _causal_lm(cfg.architecture) == GPT2:  # its oldest files' attention-mask buffers
+    present = {n for n in present if not re.search(r"\.attn\.(bias|masked_bias)$", n)}
   mxfp4 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
   if mxfp4:  # gpt-oss's experts: NAME_blocks and NAME_scales are read as NAME
     packed = _mxfp4_names(files)

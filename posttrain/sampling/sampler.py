@@ -359,6 +359,9 @@ class Sampler:
     self.mesh = mesh
     self.rules = models.rules_from_config(rules)
     self.max_len = int(max_len or cfg.max_position_embeddings)
+    if cfg.learned_positions and self.max_len > cfg.max_position_embeddings:
+      raise ValueError(f"max_len={self.max_len} is past this model's learned position "
+                       f"embedding of {cfg.max_position_embeddings} positions")
     if self.max_len < 2:
       raise ValueError(f"max_len must be at least 2, got {self.max_len}")
     if cache_dtype not in (None, "int8"):

@@ -155,9 +155,9 @@ def test_bad_checkpoints_name_the_problem(tmp_path):
   tensors = load_file(path)
 
   c = json.loads((tmp_path / "config.json").read_text())
-  c["architectures"] = ["GPT2LMHeadModel"]
+  c["architectures"] = ["BloomForCausalLM"]
   (tmp_path / "config.json").write_text(json.dumps(c))
-  with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+  with pytest.raises(ValueError, match="unsupported architecture.*BloomForCausalLM"):
     models.from_pretrained(str(tmp_path))
   c["architectures"] = ["LlamaForCausalLM"]
   (tmp_path / "config.json").write_text(json.dumps(c))
