@@ -473,7 +473,10 @@ class ModelConfig:
       StableLM); q/k norms have none.
     mlp_bias: the dense MLPs' projections have biases (up_bias, gate_bias, down_bias).
     norm_weightless: every norm of the residual stream (each layer's and the final one) is
-      x / sqrt(mean(x^2) + eps) with no weight (nanochat's).
+      x / sqrt(mean(x^2) + eps) with no weight (nanochat's); with layer_norm, x less its
+      mean over its standard deviation, no weight or bias (OLMo's).
+    clip_qkv: q, k and v each clamped to [-clip_qkv, clip_qkv] after their projections
+      (and biases), before the rotary embedding (OLMo 1.7's, DBRX's); None: not clamped.
     embed_norm: the embeddings are normed so before the first layer (needs
       norm_weightless: the final norm's function, no parameters of its own; nanochat).
     parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
@@ -517,6 +520,7 @@ class ModelConfig:
   value_head: bool = False
   lm_head_bias: bool = False
   learned_positions: bool = False
+  clip_qkv: float | None = None
   lm_head: bool = True
   pad_token_id: int | None = None
   logprob_chunk: int = 256
@@ -1143,10 +1147,16 @@ class ModelConfig:
     if self.mlp_bias and self.num_experts:
       raise ValueError("mlp_bias=True (biases on a dense MLP's projections) has no mixture "
                        "of experts form; this model has num_experts > 0")
-    if self.norm_weightless and (self.layer_norm or self.norm_unit_offset or self.qk_norm):
-      raise ValueError("norm_weightless=True (RMS norms without a weight) with layer_norm, "
+    if self.norm_weightless and (self.norm_bias or self.norm_unit_offset or self.qk_norm):
+      raise ValueError("norm_weightless=True (norms without a weight) with norm_bias, "
                        "norm_unit_offset or qk_norm (normed q/k without a weight: "
                        "qk_l2_norm) is not supported")
+    if self.clip_qkv is not None and not 0 < self.clip_qkv < float("inf"):
+      raise ValueError(f"clip_qkv must be a positive number (or None: no clamp), got "
+                       f"{self.clip_qkv!r}")
+    if self.clip_qkv is not None and (self.kv_lora_rank or any(self.linear_layers)):
+      raise ValueError("clip_qkv (q, k and v projections clamped) with latent attention "
+                       "(kv_lora_rank) or linear-attention layers is not supported")
     if self.embed_norm and not self.norm_weightless:
       raise ValueError("embed_norm=True needs norm_weightless=True (the embeddings normed "
                        "by the final norm's weightless function)")

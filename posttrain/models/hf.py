@@ -67,7 +67,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "CwmForCausalLM", "YoutuForCausalLM", "FlexOlmoForCausalLM",
               "MellumForCausalLM", "StableLmForCausalLM",
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
-              "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel")
+              "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
+              "OlmoForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -137,7 +138,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat",
                 "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox",
                 "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron",
-                "GPT2LMHeadModel": "gpt2"}
+                "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -157,6 +158,10 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 # OLMoE's mixture (softmax routing, every layer).
 FLEX_OLMO = "FlexOlmoForCausalLM"
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", FLEX_OLMO)
+# OLMo 1 / OLMo 1.7 (OlmoForCausalLM): Llama's layers under LayerNorms with neither weight
+# nor bias (eps 1e-5: `ModelConfig.layer_norm` with `norm_weightless`), attention_bias on
+# all four projections, q, k and v clamped to [-clip_qkv, clip_qkv] (`clip_qkv`).
+OLMO1 = "OlmoForCausalLM"
 # Phi-3 / Phi-3.5 / Phi-4 / Phi-4-mini: q, k and v in one fused projection (qkv_proj, [q;
 # k; v] rows), gate and up in one (gate_up_proj, gate first), LongRoPE (its legacy names
 # "su" and "yarn" included, as transformers reads them) and a partial rotary embedding
@@ -613,6 +618,9 @@ _CLASS_DEFAULTS = {
                    max_position_embeddings=2048, layer_norm_eps=1e-5,
                    tie_word_embeddings=False, use_parallel_residual=True,
                    attention_bias=True),
+    OLMO1: dict(vocab_size=50_304, hidden_size=4096, intermediate_size=11_008,
+                num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
+                tie_word_embeddings=False, attention_bias=False, clip_qkv=None),
     GPT2: dict(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                tie_word_embeddings=True, scale_attn_weights=True,
@@ -1122,6 +1130,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm == GPT2:
     c = _gpt2_config(c)
+  if lm == OLMO1:  # its LayerNorms' eps, fixed
+    c = {**c, "rms_norm_eps": 1e-5}
   if lm == PHI:  # its eps's name; its q/k/v and output biases always there
     if c["qk_layernorm"]:
       raise ValueError("qk_layernorm=true in a Phi config.json (q and k LayerNorm-ed, with "
@@ -1203,7 +1213,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
       **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c),
-      **_ungated_gelu_from_hf(lm, c))
+      **_ungated_gelu_from_hf(lm, c),
+      **(dict(layer_norm=True, norm_weightless=True, clip_qkv=None if c["clip_qkv"] is None
+              else float(c["clip_qkv"])) if lm == OLMO1 else {}))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -1720,8 +1732,8 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2) + _COHERES + _HUNYUANS + _SWAS
-                  + _PLAIN_MLPS)
+                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1) + _COHERES + _HUNYUANS
+                  + _SWAS + _PLAIN_MLPS)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
 _NO_ATTENTION_BIAS = ("MistralForCausalLM", MINISTRAL, CWM, "MixtralForCausalLM", PHI3,
@@ -2688,7 +2700,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                 _UNGATED_GELUS.values() else "gelu_ungated")
                                if lm in (GPT_NEOX, PHI, GPT2) else "silu"),
                norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI, GPT2),
-               norm_weightless=lm == NANOCHAT, embed_norm=lm == NANOCHAT,
+               norm_weightless=lm in (NANOCHAT, OLMO1), embed_norm=lm == NANOCHAT,
+               clip_qkv=cfg.clip_qkv if lm == OLMO1 else None,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
                          lm in (GPT_NEOX, PHI, GPT2) or
                          lm == STARCODER2 and cfg.qkv_bias),
@@ -2699,7 +2712,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI, GPT2)
+                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI, GPT2, OLMO1)
                            + _PLAIN_MLPS),
                learned_positions=lm == GPT2,
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX) else
@@ -2839,6 +2852,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
+  if lm == OLMO1 and cfg.norm_eps != 1e-5:
+    raise ValueError(f"norm_eps={cfg.norm_eps} cannot be written as {cfg.architecture}, "
+                     "whose LayerNorms' eps is 1e-5")
   if lm in (GPT_NEOX, GPT2) and cfg.num_kv_heads != cfg.num_heads:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
@@ -2955,6 +2971,9 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == JAIS2:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2")
+  if lm == OLMO1:
+    out.pop("rms_norm_eps")
+    out.update(clip_qkv=cfg.clip_qkv, attention_dropout=0.0)
   if lm == GPT2:  # GPT2Config's own keys
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",

@@ -1269,6 +1269,9 @@ class Attention(nnx.Module):
       q = q + self.q_bias[...].astype(dt)[None, None]
       k = k + self.k_bias[...].astype(dt)[None, None]
       v = v + self.v_bias[...].astype(dt)[None, None]
+    if cfg.clip_qkv is not None:  # OLMo's: each projection clamped
+      c = cfg.clip_qkv
+      q, k, v = (jnp.clip(x, -c, c) for x in (q, k, v))
     if cfg.qk_norm and not cfg.qk_norm_after_rope:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin)
