@@ -1,13 +1,15 @@
-"""A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent attention),
-a DeepSeek-V3.2 (sparse attention), a Qwen3.5 (Gated DeltaNet), a Llama 4 (chunked attention, dense and mixture layers), a
-Granite 3 MoE, a Granite 4 hybrid (Mamba2), a Nemotron-H (single-sublayer layers), a
-Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
-(queries scaled by position), an OLMoE, an EXAONE 4, two Gemma 4s (full layers of their
-own widths, experts beside the dense MLP; per-layer embeddings and layers sharing keys and
-values), a Seed-OSS, a Phi-2 (an output bias), a Pythia (q, k and v fused head by head),
-a GPT-2 (learned positions) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with rollouts through the
-sampler, checkpoints, and the final checkpoint exported as a folder that transformers loads
-into the same class and computes our logits with."""
+"""A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent
+attention), a DeepSeek-V3.2 (sparse attention), a Qwen3.5 (Gated DeltaNet), a Llama 4
+(chunked attention, dense and mixture layers), a Granite 3 MoE, a Granite 4 hybrid
+(Mamba2), a Nemotron-H (single-sublayer layers), a Nemotron 3 (mixtures alone), a
+Falcon-H1, an LFM2 (short convolutions), a Ministral 3 (queries scaled by position), an
+OLMoE, an EXAONE 4, two Gemma 4s (full layers of their own widths, experts beside the
+dense MLP; per-layer embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2
+(an output bias), a Pythia (q, k and v fused head by head), a GPT-2 (learned positions),
+a Falcon-40B (grouped keys) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder,
+end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and the
+final checkpoint exported as a folder that transformers loads into the same class and
+computes our logits with."""
 
 import jax
 import numpy as np
@@ -221,6 +223,10 @@ FAMILIES = {
                  layer_norm=True, norm_bias=True, mlp_bias=True, qkv_bias=True,
                  attn_out_bias=True, learned_positions=True, rope_layers=(0, 0),
                  mlp_activation="gelu_tanh_ungated"),
+    # Falcon-40B: grouped keys fused by group, parallel layers under two norms, no biases.
+    "falcon": dict(architecture="FalconForCausalLM", head_dim=8, layer_norm=True,
+                   norm_bias=True, parallel_residual=True, parallel_mlp_norm=True,
+                   mlp_activation="gelu_ungated"),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

@@ -68,7 +68,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MellumForCausalLM", "StableLmForCausalLM",
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
-              "OlmoForCausalLM")
+              "OlmoForCausalLM", "FalconForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -138,7 +138,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Lfm2MoeForCausalLM": "lfm2_moe", "NanoChatForCausalLM": "nanochat",
                 "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox",
                 "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron",
-                "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo"}
+                "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo",
+                "FalconForCausalLM": "falcon"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -419,6 +420,16 @@ _PLAIN_MLPS = (STARCODER2, JAIS2, NEMOTRON)
 # (`ModelConfig.parallel_mlp_norm`), else Llama's sequential layers. Its own tensor names
 # (gpt_neox.embed_in, gpt_neox.layers.N.attention.dense, embed_out, ...).
 GPT_NEOX = "GPTNeoXForCausalLM"
+# Falcon 7B / 40B / 180B / Falcon 2 (FalconForCausalLM): LayerNorms with biases, an MLP of
+# no gate dense_4h_to_h(gelu(dense_h_to_4h(x))), bias on every projection or none; with
+# parallel_attn attention and MLP side by side under one norm (input_layernorm) or, in
+# the new decoder architecture, under one each (ln_attn, ln_mlp:
+# `ModelConfig.parallel_mlp_norm`); q, k and v fused in query_key_value by key/value
+# head (`_grouped_qkv_part`): each group's query heads, its key, its value (one group:
+# Falcon-7B's multi_query; a group a head: neither). Its own tensor names
+# (transformer.word_embeddings, transformer.h.N.self_attention.dense, ...). ALiBi
+# (Falcon-RW's alibi) is refused.
+FALCON = "FalconForCausalLM"
 # Phi-1 / Phi-1.5 / Phi-2 (PhiForCausalLM): each layer x + attn(norm(x)) + mlp(norm(x))
 # under one LayerNorm with a bias (`ModelConfig.parallel_residual`), half of each head
 # rotated by default (Phi-2: 0.4), biases on all four attention projections (o_proj
@@ -618,6 +629,12 @@ _CLASS_DEFAULTS = {
                    max_position_embeddings=2048, layer_norm_eps=1e-5,
                    tie_word_embeddings=False, use_parallel_residual=True,
                    attention_bias=True),
+    FALCON: dict(vocab_size=65_024, hidden_size=4544, num_hidden_layers=32,
+                 num_attention_heads=71, num_ln_in_parallel_attn=None, layer_norm_epsilon=1e-5,
+                 num_kv_heads=None, alibi=False, new_decoder_architecture=False,
+                 multi_query=True, parallel_attn=True, bias=False,
+                 max_position_embeddings=2048, ffn_hidden_size=None, activation="gelu",
+                 tie_word_embeddings=True),
     OLMO1: dict(vocab_size=50_304, hidden_size=4096, intermediate_size=11_008,
                 num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
                 tie_word_embeddings=False, attention_bias=False, clip_qkv=None),
@@ -1130,6 +1147,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm == GPT2:
     c = _gpt2_config(c)
+  if lm == FALCON:
+    c = _falcon_config(c)
   if lm == OLMO1:  # its LayerNorms' eps, fixed
     c = {**c, "rms_norm_eps": 1e-5}
   if lm == PHI:  # its eps's name; its q/k/v and output biases always there
@@ -1167,9 +1186,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
               else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
   ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
-  if lm in (GPT_NEOX, PHI, GPT2):
+  if lm in (GPT_NEOX, PHI, GPT2, FALCON):
     expected = " or ".join(_UNGATED_GELUS)
-  if (act not in _UNGATED_GELUS if lm in (GPT_NEOX, PHI, GPT2) else act != expected if ungated
+  if (act not in _UNGATED_GELUS if lm in (GPT_NEOX, PHI, GPT2, FALCON) else
+      act != expected if ungated
       else act != "silu" and not (gemma and act in _GELU_TANH)):
     raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
   heads = int(c["num_attention_heads"])
@@ -1732,7 +1752,8 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1) + _COHERES + _HUNYUANS
+                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON) + _COHERES
+                  + _HUNYUANS
                   + _SWAS + _PLAIN_MLPS)
 # Classes whose attention projections never have biases (transformers ignores a
 # config.json's attention_bias there).
@@ -1943,14 +1964,41 @@ def _stablelm_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a GPT-NeoX, Phi or GPT-2 config.json ({} for other
   families)."""
-  if lm not in (GPT_NEOX, PHI, GPT2):
+  if lm not in (GPT_NEOX, PHI, GPT2, FALCON):
     return {}
-  parallel = lm == PHI or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
+  parallel = (lm == PHI or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
+              or (lm == FALCON and c["_parallel_norms"] > 0))
   gpt2 = dict(learned_positions=True, rope_layers=(0,) * int(c["num_hidden_layers"]))
-  return dict(layer_norm=True, norm_bias=True, mlp_bias=True,
+  return dict(layer_norm=True, norm_bias=True,
+              mlp_bias=lm != FALCON or bool(c["attention_bias"]),
               mlp_activation=_UNGATED_GELUS[c["hidden_act"]], parallel_residual=parallel,
-              parallel_mlp_norm=parallel and lm == GPT_NEOX, lm_head_bias=lm == PHI,
-              **(gpt2 if lm == GPT2 else {}))
+              parallel_mlp_norm=parallel and (lm == GPT_NEOX or (
+                  lm == FALCON and c["_parallel_norms"] == 2)),
+              lm_head_bias=lm == PHI, **(gpt2 if lm == GPT2 else {}))
+
+
+def _falcon_config(c: dict[str, Any]) -> dict[str, Any]:
+  """A Falcon config.json under Llama's keys: its key/value heads (num_kv_heads in the
+  new decoder architecture, else one with multi_query, else one a query head), its
+  norms beside the attention (`_parallel_norms`: 0 sequential layers, 1 or 2 parallel),
+  with ALiBi refused."""
+  if c["alibi"]:
+    raise ValueError("alibi=true in a Falcon config.json (ALiBi attention biases in place "
+                     "of a rotary embedding) is not supported")
+  new, parallel = bool(c["new_decoder_architecture"]), bool(c["parallel_attn"])
+  if new and not parallel:
+    raise ValueError("new_decoder_architecture=true with parallel_attn=false in a Falcon "
+                     "config.json (sequential layers without their MLP's norm) is not "
+                     "supported")
+  d = int(c.get("n_embed") or c["hidden_size"])
+  heads = int(c["num_attention_heads"])
+  kv = int(c["num_kv_heads"] or heads) if new else 1 if c["multi_query"] else heads
+  return {**c, "hidden_size": d, "num_key_value_heads": kv, "head_dim": d // heads,
+          "intermediate_size": int(c["ffn_hidden_size"] or 4 * d),
+          "rms_norm_eps": c["layer_norm_epsilon"], "hidden_act": c["activation"],
+          "attention_bias": bool(c["bias"]),
+          "_parallel_norms": (int(c["num_ln_in_parallel_attn"] or 2) if new else
+                              int(parallel))}
 
 
 def _gpt2_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -2698,12 +2746,12 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                "xielu" if lm == APERTUS else
                                (cfg.mlp_activation if cfg.mlp_activation in
                                 _UNGATED_GELUS.values() else "gelu_ungated")
-                               if lm in (GPT_NEOX, PHI, GPT2) else "silu"),
-               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI, GPT2),
+                               if lm in (GPT_NEOX, PHI, GPT2, FALCON) else "silu"),
+               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI, GPT2, FALCON),
                norm_weightless=lm in (NANOCHAT, OLMO1), embed_norm=lm == NANOCHAT,
                clip_qkv=cfg.clip_qkv if lm == OLMO1 else None,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
-                         lm in (GPT_NEOX, PHI, GPT2) or
+                         lm in (GPT_NEOX, PHI, GPT2) or lm == FALCON and cfg.qkv_bias or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
@@ -2712,13 +2760,14 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI, GPT2, OLMO1)
-                           + _PLAIN_MLPS),
+                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI, GPT2, OLMO1,
+                                  FALCON) + _PLAIN_MLPS),
                learned_positions=lm == GPT2,
-               parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX) else
-                                  lm in _COHERES + (COHERE, PHI)),
+               parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX, FALCON)
+                                  else lm in _COHERES + (COHERE, PHI)),
                lm_head_bias=lm == PHI if cfg.lm_head else cfg.lm_head_bias,
-               parallel_mlp_norm=lm == GPT_NEOX and cfg.parallel_residual,
+               parallel_mlp_norm=(cfg.parallel_mlp_norm if lm == FALCON else
+                                  lm == GPT_NEOX and cfg.parallel_residual),
                qk_norm_head_weights=lm in (COHERE, STABLELM) and cfg.qk_norm)
   for name, value in fixed.items():
     if getattr(cfg, name) != value:
@@ -2847,11 +2896,16 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2)
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
+  if lm == FALCON and not cfg.parallel_residual and cfg.num_kv_heads not in (
+      1, cfg.num_heads):
+    raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
+                     f"{cfg.architecture} with sequential layers (parallel_residual=False), "
+                     "whose keys and values are one head or one a query head")
   if lm == OLMO1 and cfg.norm_eps != 1e-5:
     raise ValueError(f"norm_eps={cfg.norm_eps} cannot be written as {cfg.architecture}, "
                      "whose LayerNorms' eps is 1e-5")
@@ -2971,6 +3025,18 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == JAIS2:
     out.pop("rms_norm_eps")
     out.update(layer_norm_eps=cfg.norm_eps, mlp_bias=cfg.mlp_bias, hidden_act="relu2")
+  if lm == FALCON:
+    for key in ("intermediate_size", "num_key_value_heads", "head_dim", "hidden_act",
+                "rms_norm_eps", "attention_bias"):
+      out.pop(key)
+    kv = cfg.num_kv_heads
+    new = cfg.parallel_mlp_norm or kv not in (1, cfg.num_heads)  # else the older layouts
+    out.update(ffn_hidden_size=cfg.ffn_dim, num_kv_heads=kv, new_decoder_architecture=new,
+               multi_query=kv == 1, parallel_attn=cfg.parallel_residual,
+               num_ln_in_parallel_attn=(2 if cfg.parallel_mlp_norm else 1) if new else None,
+               bias=cfg.qkv_bias, alibi=False, layer_norm_epsilon=cfg.norm_eps,
+               activation="gelu" if cfg.mlp_activation == "gelu_ungated" else "gelu_new",
+               hidden_dropout=0.0, attention_dropout=0.0)
   if lm == OLMO1:
     out.pop("rms_norm_eps")
     out.update(clip_qkv=cfg.clip_qkv, attention_dropout=0.0)
@@ -3565,8 +3631,18 @@ _GPT2_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
                (r"\.self_attn\.o_proj\.", ".attn.c_proj."),
                (r"\.self_attn\.[qkv]_proj\.", ".attn.c_attn."),
                (r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
+# Falcon's (with ln_attn and ln_mlp for the parallel layers' two norms, `_renamed_rows`).
+_FALCON_NAMES = ((r"^model\.embed_tokens\.", "transformer.word_embeddings."),
+                 (r"^model\.norm\.", "transformer.ln_f."), (r"^model\.layers\.", "transformer.h."),
+                 (r"\.self_attn\.o_proj\.", ".self_attention.dense."),
+                 (r"\.self_attn\.[qkv]_proj\.", ".self_attention.query_key_value."),
+                 (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
+                 (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."))
+_FALCON_TWO_NORMS = ((r"\.input_layernorm\.", ".ln_attn."),
+                     (r"\.post_attention_layernorm\.", ".ln_mlp."))
 # Classes whose tensors transformers names its own way (not Llama's).
-_CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES}
+_CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
+                FALCON: _FALCON_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -3575,21 +3651,24 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
   """`rows` under the class's own names (`_CLASS_NAMES`; others as they are). GPT-NeoX's
   q, k and v are each the part of query_key_value that its rows are there: head by
   head, head_dim rows of q, of k, of v ([head 0's q; its k; its v; head 1's q; ...],
-  weight and bias alike); GPT-2's the thirds of c_attn's output, [q; k; v], its
-  projections' weights transposed (Conv1D's [in, out])."""
+  weight and bias alike); Falcon's its groups' (`_grouped_qkv_part`); GPT-2's the thirds
+  of c_attn's output, [q; k; v], its projections' weights transposed (Conv1D's [in,
+  out])."""
   lm = _causal_lm(cfg.architecture)
   if lm not in _CLASS_NAMES:
     return rows
-  n, h = cfg.num_heads, cfg.head_dim
+  n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  renames = _CLASS_NAMES[lm] + (_FALCON_TWO_NORMS if lm == FALCON and cfg.parallel_mlp_norm
+                                else ())
   out = []
   for ours, name, to_ours, to_hf, shape in rows:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
-    if fused and lm == GPT_NEOX:
-      to_ours, to_hf = _head_fused_part((to_ours, to_hf), "qkv".index(fused[1]), 3, n, h)
+    if fused and lm in (GPT_NEOX, FALCON):  # NeoX's: a group a query head
+      to_ours, to_hf = _grouped_qkv_part((to_ours, to_hf), fused[1], k, n // k, h)
     elif fused and lm == GPT2:
       to_ours, to_hf = _fused_part((to_ours, to_hf), "qkv".index(fused[1]) * n * h, n * h,
                                    3 * n * h)
-    name = functools.reduce(lambda s, rename: re.sub(*rename, s), _CLASS_NAMES[lm], name)
+    name = functools.reduce(lambda s, rename: re.sub(*rename, s), renames, name)
     if lm == GPT2 and _CONV1D.search(name):
       to_ours, to_hf = _transposed((to_ours, to_hf))
     out.append((ours, name, to_ours, to_hf, shape))
@@ -3603,23 +3682,29 @@ def _transposed(inner: tuple[Transform, Transform]) -> tuple[Transform, Transfor
   return (lambda x: to_ours(x.T)), (lambda x: to_hf(x).T)
 
 
-def _head_fused_part(inner: tuple[Transform, Transform], which: int, parts: int,
-                     heads: int, h: int) -> tuple[Transform, Transform]:
-  """(HF -> ours, ours -> HF) of part `which` of a fused HF tensor whose rows hold, head
-  by head, h rows of each of `parts` parts (GPT-NeoX's query_key_value), `inner` mapping
-  the part's [heads * h, ...] rows to ours. The HF side holds zeros in the other parts'
-  rows: the parts of one tensor add up to it."""
+def _grouped_qkv_part(inner: tuple[Transform, Transform], which: str, groups: int,
+                      queries: int, h: int) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of q, k or v (`which`) in a fused HF tensor whose rows hold,
+  for each of `groups` key/value heads, h rows of each of its `queries` query heads, then
+  of its key, then of its value (Falcon's query_key_value; GPT-NeoX's, a query head a
+  group), `inner` mapping the part's rows [heads * h, ...] (group-major, as the heads
+  share keys) to ours. The HF side holds zeros in the other parts' rows: the parts of one
+  tensor add up to it."""
   to_ours, to_hf = inner
+  parts = queries + 2
+  index = {"q": slice(0, queries), "k": slice(queries, queries + 1),
+           "v": slice(queries + 1, parts)}[which]
 
   def part_to_ours(x):
-    return to_ours(x.reshape(heads, parts, h, *x.shape[1:])[:, which]
-                   .reshape(heads * h, *x.shape[1:]))
+    rest = x.shape[1:]
+    return to_ours(x.reshape(groups, parts, h, *rest)[:, index].reshape(-1, *rest))
 
   def part_to_hf(x):
     rows = to_hf(x)
-    out = np.zeros((heads, parts, h, *rows.shape[1:]), rows.dtype)
-    out[:, which] = rows.reshape(heads, h, *rows.shape[1:])
-    return out.reshape(heads * parts * h, *rows.shape[1:])
+    rest = rows.shape[1:]
+    out = np.zeros((groups, parts, h, *rest), rows.dtype)
+    out[:, index] = rows.reshape(groups, -1, h, *rest)
+    return out.reshape(groups * parts * h, *rest)
   return part_to_ours, part_to_hf
 
 
@@ -4182,7 +4267,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2):
+  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON):
     fused = "c_attn" if _causal_lm(cfg.architecture) == GPT2 else "query_key_value"
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused {fused} "
                      "(one A shared by q, k and v), which our "
