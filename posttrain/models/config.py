@@ -92,7 +92,7 @@ def decode_chunk_for(cfg: "ModelConfig", backend: str | None = None) -> int:
     import kernels  # deferred: importing the config must not initialise a backend
     backend = kernels.target_platform()
   return DECODE_CHUNK_BY_BACKEND.get(backend, 1024)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional", "dynamic")
 # Kinds of layer (Hugging Face's layer_types): attention to every key up to the query, to
 # only the last `sliding_window` keys, or a linear-attention layer (Gated DeltaNet:
 # Qwen3-Next, Qwen3.5) whose cache is a fixed-size recurrent state; or an MLP alone or
@@ -124,9 +124,11 @@ class RopeConfig:
 
   Attributes:
     theta: base wavelength.
-    type: one of default, linear, llama3, yarn, longrope.
-    factor: context extension factor (linear, llama3, yarn, longrope: its attention
-      factor's default).
+    type: one of default, linear, llama3, yarn, longrope, proportional, dynamic (NTK
+      scaling by a sequence's length once it passes the model's max_position_embeddings:
+      `rope.dynamic_tables`; InternLM3's).
+    factor: context extension factor (linear, llama3, yarn, dynamic, longrope: its
+      attention factor's default).
     low_freq_factor / high_freq_factor: Llama 3 smoothing band.
     original_max_position_embeddings: pre-training context (llama3, yarn, longrope).
     beta_fast / beta_slow / mscale / mscale_all_dim / attention_factor / truncate: YaRN
@@ -168,6 +170,8 @@ class RopeConfig:
     if not 0.0 < self.partial_rotary_factor <= 1.0:
       raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
                        f"{self.partial_rotary_factor!r}")
+    if self.type == "dynamic" and not self.factor >= 1.0:
+      raise ValueError(f"dynamic rope needs a factor >= 1, got {self.factor!r}")
     if self.type == "longrope":
       if not self.short_factor or len(self.long_factor) != len(self.short_factor):
         raise ValueError("longrope needs short_factor and long_factor of one length (one "

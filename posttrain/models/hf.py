@@ -986,7 +986,10 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
 def _rope_from_params(merged: dict[str, Any], c: dict[str, Any]) -> RopeConfig:
   theta = merged.get("rope_theta", c.get("rope_theta", 10_000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-  if rope_type not in ("default", "linear", "llama3", "yarn", "longrope", "proportional"):
+  if rope_type == "dynamic" and merged.get("factor") is None:
+    raise ValueError("rope type 'dynamic' without a factor in config.json is not supported")
+  if rope_type not in ("default", "linear", "llama3", "yarn", "longrope", "proportional",
+                       "dynamic"):
     raise ValueError(f"rope type {rope_type!r} in config.json is not supported")
   kwargs = {k: merged[k] for k in _ROPE_KEYS if merged.get(k) is not None}
   if rope_type == "longrope":
@@ -1014,6 +1017,13 @@ _MODEL_TYPE_CLASSES: dict[str, tuple[str, dict[str, str], dict[str, Any]]] = {
         vocab_size=102_400, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
         rms_norm_eps=1e-5, rope_theta=500_000.0, tie_word_embeddings=False)),
+    # InternLM3: Llama (qkv_bias: all four attention projections' biases; bias: the
+    # MLP's), rotated by dynamic NTK scaling past its context in the published files
+    "internlm3": ("LlamaForCausalLM", {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+                  dict(vocab_size=128_512, hidden_size=4096, intermediate_size=10_240,
+                       num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
+                       head_dim=128, max_position_embeddings=32_768, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False)),
     # IQuest-Coder-V1: Llama
     "iquestcoder": ("LlamaForCausalLM", {}, dict(
         vocab_size=76_800, hidden_size=5120, intermediate_size=27_648, num_hidden_layers=80,

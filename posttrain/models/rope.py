@@ -105,16 +105,49 @@ def longrope_tables(positions_BxT: jnp.ndarray, segment_ids_BxT: jnp.ndarray,
   cached (short), as vLLM does; transformers' Phi-3 generate instead drops its cache
   there and recomputes every layer over the whole sequence with the long factors (what a
   forward over the whole row, as the train step runs it, gives)."""
+  use_long = (_sequence_lengths(positions_BxT, segment_ids_BxT) > original) & (
+      segment_ids_BxT > 0)
+  cos_s, sin_s = rope_tables(positions_BxT, short, scaling)
+  cos_l, sin_l = rope_tables(positions_BxT, long, scaling)
+  pick = use_long[..., None]
+  return jnp.where(pick, cos_l, cos_s), jnp.where(pick, sin_l, sin_s)
+
+
+def dynamic_tables(positions_BxT: jnp.ndarray, segment_ids_BxT: jnp.ndarray,
+                   inv_freq: np.ndarray, theta: float, dim: int, factor: float,
+                   original: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Dynamic NTK scaling's tables (transformers' rope type "dynamic"): a sequence (a row,
+  or a packed segment of one) whose positions in this call reach past `original` (the
+  model's max_position_embeddings) turns every token at base
+  theta * (factor L / original - (factor - 1))^(dim / (dim - 2)), L its length (its
+  largest position + 1) in the call; one within it at the default frequencies
+  `inv_freq`. transformers takes L over the whole batch it is given, and keeps the largest
+  base it reached between calls until one stays within the original context: the same
+  for a fresh model's batch of one. With a KV cache, a call's keys are written under that
+  call's base, as transformers' generate writes them step by step; a prompt prefilled in
+  chunks past the original context rotates each chunk by its own length."""
+  length = _sequence_lengths(positions_BxT, segment_ids_BxT)
+  scaled = (length > original) & (segment_ids_BxT > 0)
+  ratio = factor * jnp.maximum(length, original).astype(jnp.float32) / original - (factor - 1)
+  base = theta * ratio ** (dim / (dim - 2))
+  exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+  inv = 1.0 / base[..., None] ** exponents[None, None]  # [B, T, dim / 2]
+  freqs = positions_BxT.astype(jnp.float32)[..., None] * inv
+  cos_d, sin_d = rope_tables(positions_BxT, inv_freq, 1.0)
+  pick = scaled[..., None]
+  return jnp.where(pick, jnp.cos(freqs), cos_d), jnp.where(pick, jnp.sin(freqs), sin_d)
+
+
+def _sequence_lengths(positions_BxT: jnp.ndarray, segment_ids_BxT: jnp.ndarray
+                      ) -> jnp.ndarray:
+  """[B, T] int: each token's sequence's length in this call, its largest position + 1
+  (a sequence: a row, or a packed segment of one; padding, segment id 0, apart)."""
   b, t = positions_BxT.shape
   ids = jnp.where(segment_ids_BxT > 0, segment_ids_BxT, 0).astype(jnp.int32)
   ids = jnp.minimum(ids, t) + (t + 1) * jnp.arange(b, dtype=jnp.int32)[:, None]
   top = jax.ops.segment_max(positions_BxT.reshape(-1), ids.reshape(-1),
                             num_segments=b * (t + 1))
-  use_long = (top[ids] + 1 > original) & (segment_ids_BxT > 0)
-  cos_s, sin_s = rope_tables(positions_BxT, short, scaling)
-  cos_l, sin_l = rope_tables(positions_BxT, long, scaling)
-  pick = use_long[..., None]
-  return jnp.where(pick, cos_l, cos_s), jnp.where(pick, sin_l, sin_s)
+  return top[ids] + 1
 
 
 def apply_rope(x_BxTxNxH: jnp.ndarray, cos_BxTxK: jnp.ndarray,

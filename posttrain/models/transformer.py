@@ -2588,18 +2588,26 @@ _REMAT_POLICIES = {
 
 
 def _rope_frequencies(rope: RopeConfig, cfg: ModelConfig) -> tuple:
-  """(inv_freq, LongRoPE's long inv_freq or None, scaling) as tuples of floats."""
+  """(inv_freq, LongRoPE's long inv_freq or None, scaling, dynamic NTK scaling's (theta,
+  rotated features, factor, original context) or None), of floats and tuples of them."""
   inv_freq, scaling = rope_lib.inverse_frequencies(rope, cfg.head_dim,
                                                    cfg.max_position_embeddings)
   long = None
   if rope.type == "longrope":
     long = tuple(float(f) for f in rope_lib.inverse_frequencies(
         rope, cfg.head_dim, cfg.max_position_embeddings, long=True)[0])
-  return tuple(float(f) for f in inv_freq), long, scaling
+  dynamic = None
+  if rope.type == "dynamic":  # past the model's context, as transformers scales it
+    dynamic = (float(rope.theta), rope.rotary_dim(cfg.head_dim), float(rope.factor),
+               int(cfg.max_position_embeddings))
+  return tuple(float(f) for f in inv_freq), long, scaling, dynamic
 
 
 def _rope_tables(rope: RopeConfig, freqs: tuple, positions_BxT, segment_ids_BxT):
-  inv_freq, long, scaling = freqs
+  inv_freq, long, scaling, dynamic = freqs
+  if dynamic is not None:
+    return rope_lib.dynamic_tables(positions_BxT, segment_ids_BxT, np.asarray(inv_freq),
+                                   *dynamic)
   if long is None:
     return rope_lib.rope_tables(positions_BxT, inv_freq, scaling)
   return rope_lib.longrope_tables(positions_BxT, segment_ids_BxT, np.asarray(inv_freq),

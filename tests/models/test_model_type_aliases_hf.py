@@ -1,9 +1,10 @@
 """Families transformers runs through a class we read, known by config.json's model_type
-(EXAONE 3 / 3.5 / Deep and IQuest-Coder as Llama, Sarvam-105B as DeepSeek-V3, Sarvam-30B
-as GLM-4.5): read from their published config.json (their own class name, EXAONE's and
-Sarvam's own keys) and from their files (EXAONE's and Sarvam-30B's own tensor names, its
-q, k and v fused), they compute transformers' logits and are written back as the class
-they run as."""
+(EXAONE 3 / 3.5 / Deep, IQuest-Coder and InternLM3 as Llama, Sarvam-105B as DeepSeek-V3,
+Sarvam-30B as GLM-4.5): read from their published config.json (their own class name,
+EXAONE's, InternLM3's and Sarvam's own keys) and from their files (EXAONE's and
+Sarvam-30B's own tensor names, its q, k and v fused), they compute transformers' logits
+and are written back as the class they run as. InternLM3's dynamic NTK rotary embedding,
+past its context, through the sampler's KV cache too."""
 
 import json
 
@@ -23,6 +24,11 @@ COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_la
 FAMILIES = {
     "exaone": ("ExaoneConfig", dict(tie_word_embeddings=True), "ExaoneForCausalLM"),
     "iquestcoder": ("IQuestCoderConfig", dict(head_dim=24), "IQuestCoderForCausalLM"),
+    # a context of 8 positions: the 14-token rows pass it, their base scaled by length
+    "internlm3": ("InternLM3Config", dict(
+        head_dim=24, max_position_embeddings=8,
+        rope_parameters={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 50_000.0}),
+        "InternLM3ForCausalLM"),
     "sarvam_mla": ("SarvamMLAConfig", dict(
         moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
@@ -33,12 +39,14 @@ FAMILIES = {
         topk_group=1), "SarvamMoEForCausalLM"),
 }
 RUNS_AS = {"exaone": "LlamaForCausalLM", "iquestcoder": "LlamaForCausalLM",
+           "internlm3": "LlamaForCausalLM",
            "sarvam_mla": "DeepseekV3ForCausalLM", "sarvam_moe": "Glm4MoeForCausalLM"}
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 14))
 # The keys EXAONE's and Sarvam-30B's published config.json name their own way.
 PUBLISHED_KEYS = {
     "exaone": {"num_hidden_layers": "num_layers", "rms_norm_eps": "layer_norm_epsilon",
                "hidden_act": "activation_function"},
+    "internlm3": {"attention_bias": "qkv_bias", "mlp_bias": "bias"},
     "sarvam_moe": {"n_routed_experts": "num_experts", "n_shared_experts": "num_shared_experts",
                    "attention_bias": "use_qkv_bias"}}
 
@@ -62,6 +70,10 @@ def saved(tmp_path_factory):
     c["architectures"] = [published]
     keys = PUBLISHED_KEYS.get(kind, {})
     c = {keys.get(k, k): v for k, v in c.items()}
+    if kind == "internlm3":  # its files' rope_theta and rope_scaling
+      rope = c.pop("rope_parameters")
+      c.update(rope_theta=rope["rope_theta"],
+               rope_scaling={"rope_type": "dynamic", "factor": rope["factor"]})
     with open(saved_dir / "published" / "config.json", "w") as f:
       json.dump(c, f)
     out[kind] = (str(saved_dir / "hf"), str(saved_dir / "published"), hf)
@@ -144,6 +156,18 @@ def test_sarvam_deepseek_yarn_reads_as_yarn():
   for key in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
               "original_max_position_embeddings"):
     assert getattr(cfg.rope, key) == hf.rope_parameters[key], key
+
+
+def test_internlm3_generates_past_its_context_as_transformers(saved):
+  """Greedy tokens through the sampler's KV cache: the prompts start within the context
+  of 8 and decode past it, each step's keys rotated by its own length's base as
+  transformers' generate rotates them."""
+  from tests.models.parity import greedy_tokens
+  folder, _, hf = saved["internlm3"]
+  assert models.from_pretrained(folder).cfg.rope.type == "dynamic"
+  for i, (got, want) in enumerate(greedy_tokens(folder, hf, [[5, 9, 2, 7, 1, 3], [11]], 12,
+                                                scan=False)):
+    assert got == want, i
 
 
 def test_unknown_model_type_is_still_refused():

@@ -61,3 +61,40 @@ def test_partial_rotary_rotates_the_first_features_and_passes_the_rest():
   half = np.concatenate([-rot[..., 3:], rot[..., :3]], axis=-1)
   np.testing.assert_allclose(got[..., :6], rot * np.cos(ang) + half * np.sin(ang), atol=1e-5)
   np.testing.assert_array_equal(got[..., 6:], x[..., 6:])
+
+
+def test_dynamic_tables_are_transformers_ntk_scaling():
+  """Each packed sequence (and row) past the context of 16 turns at its own length's
+  base, transformers' _compute_dynamic_ntk_parameters for that length; one within it
+  (and padding) at the default frequencies."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from transformers.modeling_rope_utils import _compute_dynamic_ntk_parameters
+  head_dim, theta, factor, original = 24, 5000.0, 4.0, 16
+  hf = transformers.LlamaConfig(hidden_size=96, num_attention_heads=4, head_dim=head_dim,
+                                max_position_embeddings=original,
+                                rope_parameters={"rope_type": "dynamic", "factor": factor,
+                                                 "rope_theta": theta})
+  cfg = RopeConfig(theta=theta, type="dynamic", factor=factor)
+  inv_freq, _ = rope.inverse_frequencies(cfg, head_dim, original)
+  # a row of two packed sequences (lengths 20 and 10) and padding; a row of length 30
+  positions = np.array([list(range(20)) + list(range(10)) + [0, 0],
+                        list(range(30)) + [30, 31]], np.int32)[:, :32]
+  segments = np.array([[1] * 20 + [2] * 10 + [0] * 2, [1] * 32], np.int32)
+  cos, sin = rope.dynamic_tables(jnp.asarray(positions), jnp.asarray(segments), inv_freq,
+                                 theta, head_dim, factor, original)
+
+  def want(pos, length):
+    freq = (np.asarray(_compute_dynamic_ntk_parameters(hf, seq_len=length)[0])
+            if length > original else inv_freq)
+    angle = np.float32(pos) * freq.astype(np.float32)
+    return np.cos(angle), np.sin(angle)
+
+  for row, (pos_row, seg_row) in enumerate(zip(positions, segments)):
+    for t, (p, s) in enumerate(zip(pos_row, seg_row)):
+      length = {0: 0, 1: 20 if row == 0 else 32, 2: 10}[int(s)]
+      c, si = want(p, length)
+      np.testing.assert_allclose(np.asarray(cos[row, t]), c, atol=2e-5, err_msg=(row, t))
+      np.testing.assert_allclose(np.asarray(sin[row, t]), si, atol=2e-5, err_msg=(row, t))
+  with pytest.raises(ValueError, match="dynamic rope needs a factor >= 1"):
+    RopeConfig(type="dynamic", factor=0.5)
