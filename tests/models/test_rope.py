@@ -67,7 +67,7 @@ def test_dynamic_tables_are_transformers_ntk_scaling():
   """Each packed sequence (and row) past the context of 16 turns at its own length's
   base, transformers' _compute_dynamic_ntk_parameters for that length; one within it
   (and padding) at the default frequencies."""
-  torch = pytest.importorskip("torch")
+  pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   from transformers.modeling_rope_utils import _compute_dynamic_ntk_parameters
   head_dim, theta, factor, original = 24, 5000.0, 4.0, 16
