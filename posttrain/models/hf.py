@@ -68,7 +68,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MellumForCausalLM", "StableLmForCausalLM",
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
-              "OlmoForCausalLM", "FalconForCausalLM")
+              "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -139,7 +139,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox",
                 "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron",
                 "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo",
-                "FalconForCausalLM": "falcon"}
+                "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -443,10 +443,19 @@ PHI = "PhiForCausalLM"
 # embeddings by default; its own names (transformer.wte, transformer.h.N.attn.c_attn,
 # ...; its oldest files without the transformer. prefix, beside attention-mask buffers).
 GPT2 = "GPT2LMHeadModel"
-# GPT-NeoX's and Phi's hidden_act -> our mlp_activation (gelu_fast, gelu_new: tanh's
+# GPT-J (GPTJForCausalLM): attention and MLP side by side under one LayerNorm with a
+# bias, the first rotary_dim features of each head rotated by interleaved pairs (at base
+# 10000, reordered on load), no attention biases, an MLP of no gate
+# fc_out(gelu_new(fc_in(x))) with biases, and a bias on the output projection
+# (`lm_head_bias`); GPT-2's config keys and its own tensor names (transformer.h.N.attn
+# .out_proj, ...).
+GPTJ = "GPTJForCausalLM"
+# These classes' hidden_act -> our mlp_activation (gelu_fast, gelu_new: tanh's
 # approximation).
 _UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
                   "gelu_new": "gelu_tanh_ungated", "gelu_pytorch_tanh": "gelu_tanh_ungated"}
+# Classes with LayerNorms with biases and an MLP of no gate through a GELU (`_UNGATED_GELUS`).
+_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPTJ)
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -638,6 +647,9 @@ _CLASS_DEFAULTS = {
     OLMO1: dict(vocab_size=50_304, hidden_size=4096, intermediate_size=11_008,
                 num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
                 tie_word_embeddings=False, attention_bias=False, clip_qkv=None),
+    GPTJ: dict(vocab_size=50_400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16,
+               rotary_dim=64, n_inner=None, activation_function="gelu_new",
+               layer_norm_epsilon=1e-5, tie_word_embeddings=False),
     GPT2: dict(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                tie_word_embeddings=True, scale_attn_weights=True,
@@ -1155,8 +1167,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "num_key_value_heads": c["num_attention_heads"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
-  if lm == GPT2:
-    c = _gpt2_config(c)
+  if lm in (GPT2, GPTJ):
+    c = _gpt2_config(c, lm)
   if lm == FALCON:
     c = _falcon_config(c)
   if lm == OLMO1:  # its LayerNorms' eps, fixed
@@ -1196,9 +1208,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
               else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
   ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
-  if lm in (GPT_NEOX, PHI, GPT2, FALCON):
+  if lm in _UNGATED_GELU_CLASSES:
     expected = " or ".join(_UNGATED_GELUS)
-  if (act not in _UNGATED_GELUS if lm in (GPT_NEOX, PHI, GPT2, FALCON) else
+  if (act not in _UNGATED_GELUS if lm in _UNGATED_GELU_CLASSES else
       act != expected if ungated
       else act != "silu" and not (gemma and act in _GELU_TANH)):
     raise ValueError(f"hidden_act={act!r} is not supported (expected {expected})")
@@ -1974,9 +1986,9 @@ def _stablelm_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a GPT-NeoX, Phi or GPT-2 config.json ({} for other
   families)."""
-  if lm not in (GPT_NEOX, PHI, GPT2, FALCON):
+  if lm not in _UNGATED_GELU_CLASSES:
     return {}
-  parallel = (lm == PHI or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
+  parallel = (lm in (PHI, GPTJ) or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
               or (lm == FALCON and c["_parallel_norms"] > 0))
   gpt2 = dict(learned_positions=True, rope_layers=(0,) * int(c["num_hidden_layers"]))
   return dict(layer_norm=True, norm_bias=True,
@@ -1984,7 +1996,7 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
               mlp_activation=_UNGATED_GELUS[c["hidden_act"]], parallel_residual=parallel,
               parallel_mlp_norm=parallel and (lm == GPT_NEOX or (
                   lm == FALCON and c["_parallel_norms"] == 2)),
-              lm_head_bias=lm == PHI, **(gpt2 if lm == GPT2 else {}))
+              lm_head_bias=lm in (PHI, GPTJ), **(gpt2 if lm == GPT2 else {}))
 
 
 def _falcon_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -2011,9 +2023,24 @@ def _falcon_config(c: dict[str, Any]) -> dict[str, Any]:
                               int(parallel))}
 
 
-def _gpt2_config(c: dict[str, Any]) -> dict[str, Any]:
-  """A GPT-2 config.json under Llama's keys (GPT2Config's attribute_map; n_inner by
-  default 4 x n_embd), with the options of its attention that are not read refused."""
+def _gpt2_config(c: dict[str, Any], lm: str) -> dict[str, Any]:
+  """A GPT-2 or GPT-J config.json under Llama's keys (their attribute_map; n_inner by
+  default 4 x n_embd), with the options of GPT-2's attention that are not read refused,
+  GPT-J's rotated features its rope's partial_rotary_factor (at base 10000)."""
+  d, heads = int(c["n_embd"]), int(c["n_head"])
+  out = {**c, "hidden_size": d, "num_hidden_layers": int(c["n_layer"]),
+         "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": d // heads,
+         "max_position_embeddings": int(c["n_positions"]),
+         "intermediate_size": int(c.get("n_inner") or 4 * d),
+         "rms_norm_eps": c["layer_norm_epsilon"], "hidden_act": c["activation_function"],
+         "attention_bias": lm == GPT2}
+  if lm == GPTJ:
+    if not c.get("rotary_dim"):
+      raise ValueError("rotary_dim=null in a GPT-J config.json (a rotary embedding as wide "
+                       "as hidden_size, which transformers cannot apply) is not supported")
+    return {**out, "rope_theta": 10_000.0, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
+                                "partial_rotary_factor": int(c["rotary_dim"]) / (d // heads)}}
   for key, refused, what in (
       ("scale_attn_by_inverse_layer_idx", True, "the attention logits divided by the "
        "layer's index + 1"), ("scale_attn_weights", False, "unscaled attention logits"),
@@ -2021,13 +2048,7 @@ def _gpt2_config(c: dict[str, Any]) -> dict[str, Any]:
     if bool(c[key]) == refused:
       raise ValueError(f"{key}={str(refused).lower()} in a GPT-2 config.json ({what}) is "
                        "not supported")
-  d, heads = int(c["n_embd"]), int(c["n_head"])
-  return {**c, "hidden_size": d, "num_hidden_layers": int(c["n_layer"]),
-          "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": d // heads,
-          "max_position_embeddings": int(c["n_positions"]),
-          "intermediate_size": int(c.get("n_inner") or 4 * d),
-          "rms_norm_eps": c["layer_norm_epsilon"], "hidden_act": c["activation_function"],
-          "attention_bias": True}
+  return out
 
 
 def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -2756,12 +2777,12 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                "xielu" if lm == APERTUS else
                                (cfg.mlp_activation if cfg.mlp_activation in
                                 _UNGATED_GELUS.values() else "gelu_ungated")
-                               if lm in (GPT_NEOX, PHI, GPT2, FALCON) else "silu"),
-               norm_bias=lm in _PLAIN_MLPS + (STABLELM, GPT_NEOX, PHI, GPT2, FALCON),
+                               if lm in _UNGATED_GELU_CLASSES else "silu"),
+               norm_bias=lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM,),
                norm_weightless=lm in (NANOCHAT, OLMO1), embed_norm=lm == NANOCHAT,
                clip_qkv=cfg.clip_qkv if lm == OLMO1 else None,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
-                         lm in (GPT_NEOX, PHI, GPT2) or lm == FALCON and cfg.qkv_bias or
+                         lm in (GPT_NEOX, PHI, GPT2, GPTJ) or lm == FALCON and cfg.qkv_bias or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
@@ -2770,12 +2791,12 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, GPT_NEOX, PHI, GPT2, OLMO1,
-                                  FALCON) + _PLAIN_MLPS),
+                           lm in (COHERE, COHERE2, STABLELM, OLMO1) + _UNGATED_GELU_CLASSES
+                           + _PLAIN_MLPS),
                learned_positions=lm == GPT2,
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX, FALCON)
-                                  else lm in _COHERES + (COHERE, PHI)),
-               lm_head_bias=lm == PHI if cfg.lm_head else cfg.lm_head_bias,
+                                  else lm in _COHERES + (COHERE, PHI, GPTJ)),
+               lm_head_bias=lm in (PHI, GPTJ) if cfg.lm_head else cfg.lm_head_bias,
                parallel_mlp_norm=(cfg.parallel_mlp_norm if lm == FALCON else
                                   lm == GPT_NEOX and cfg.parallel_residual),
                qk_norm_head_weights=lm in (COHERE, STABLELM) and cfg.qk_norm)
@@ -2900,13 +2921,14 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
                      "features")
-  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX, PHI, NEMOTRON) + _GLMS
+  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX, PHI, NEMOTRON, GPTJ)
+             + _GLMS
              + _QWEN3_5S
              + _DEEPSEEKS)
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON)
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, GPTJ)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -2919,7 +2941,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == OLMO1 and cfg.norm_eps != 1e-5:
     raise ValueError(f"norm_eps={cfg.norm_eps} cannot be written as {cfg.architecture}, "
                      "whose LayerNorms' eps is 1e-5")
-  if lm in (GPT_NEOX, GPT2) and cfg.num_kv_heads != cfg.num_heads:
+  if lm == GPTJ and any((r.type, r.theta) != ("default", 10_000.0) for r in ropes):
+    raise ValueError(f"rope type {cfg.rope.type!r} at theta {cfg.rope.theta} cannot be "
+                     f"written as {cfg.architecture}, whose rotary embedding is the default "
+                     "one at base 10000")
+  if lm in (GPT_NEOX, GPT2, GPTJ) and cfg.num_kv_heads != cfg.num_heads:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
@@ -2929,7 +2955,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
-  if lm in _LFM2S + _ERNIES and cfg.qkv_bias:
+  if lm in _LFM2S + _ERNIES + (GPTJ,) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
@@ -3050,11 +3076,18 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == OLMO1:
     out.pop("rms_norm_eps")
     out.update(clip_qkv=cfg.clip_qkv, attention_dropout=0.0)
-  if lm == GPT2:  # GPT2Config's own keys
+  if lm in (GPT2, GPTJ):  # GPT2Config's own keys (GPTJConfig's)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
                 "rope_scaling", "max_position_embeddings", "attention_bias"):
       out.pop(key)
+  if lm == GPTJ:
+    out.update(n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+               n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_dim,
+               rotary_dim=rope.rotary_dim(cfg.head_dim), layer_norm_epsilon=cfg.norm_eps,
+               activation_function="gelu" if cfg.mlp_activation == "gelu_ungated" else
+               "gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+  if lm == GPT2:
     out.update(n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
                n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_dim,
                layer_norm_epsilon=cfg.norm_eps,
@@ -3650,9 +3683,15 @@ _FALCON_NAMES = ((r"^model\.embed_tokens\.", "transformer.word_embeddings."),
                  (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."))
 _FALCON_TWO_NORMS = ((r"\.input_layernorm\.", ".ln_attn."),
                      (r"\.post_attention_layernorm\.", ".ln_mlp."))
+# GPT-J's.
+_GPTJ_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
+               (r"^model\.norm\.", "transformer.ln_f."), (r"^model\.layers\.", "transformer.h."),
+               (r"\.input_layernorm\.", ".ln_1."), (r"\.self_attn\.o_proj\.", ".attn.out_proj."),
+               (r"\.self_attn\.", ".attn."), (r"\.mlp\.up_proj\.", ".mlp.fc_in."),
+               (r"\.mlp\.down_proj\.", ".mlp.fc_out."))
 # Classes whose tensors transformers names its own way (not Llama's).
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
-                FALCON: _FALCON_NAMES}
+                FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -3668,8 +3707,6 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
   if lm not in _CLASS_NAMES:
     return rows
   n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  renames = _CLASS_NAMES[lm] + (_FALCON_TWO_NORMS if lm == FALCON and cfg.parallel_mlp_norm
-                                else ())
   out = []
   for ours, name, to_ours, to_hf, shape in rows:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
@@ -3678,11 +3715,20 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
     elif fused and lm == GPT2:
       to_ours, to_hf = _fused_part((to_ours, to_hf), "qkv".index(fused[1]) * n * h, n * h,
                                    3 * n * h)
-    name = functools.reduce(lambda s, rename: re.sub(*rename, s), renames, name)
+    name = _class_name(cfg, name)
     if lm == GPT2 and _CONV1D.search(name):
       to_ours, to_hf = _transposed((to_ours, to_hf))
     out.append((ours, name, to_ours, to_hf, shape))
   return out
+
+
+def _class_name(cfg: ModelConfig, name: str) -> str:
+  """Llama's name of a tensor (or module, ending in a dot) under its class's own
+  (`_CLASS_NAMES`; Falcon's two parallel norms ln_attn and ln_mlp)."""
+  lm = _causal_lm(cfg.architecture)
+  renames = _CLASS_NAMES[lm] + (_FALCON_TWO_NORMS if lm == FALCON and cfg.parallel_mlp_norm
+                                else ())
+  return functools.reduce(lambda s, rename: re.sub(*rename, s), renames, name)
 
 
 def _transposed(inner: tuple[Transform, Transform]) -> tuple[Transform, Transform]:
@@ -4056,7 +4102,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (LLAMA4, COHERE, HELIUM) + _GLMS + _COHERES + _ERNIES
+_INTERLEAVED = (LLAMA4, COHERE, HELIUM, GPTJ) + _GLMS + _COHERES + _ERNIES
 
 
 def _permuted_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
@@ -4349,6 +4395,8 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
       b_maps = _key_group_b(cfg, t, r)
     ours = layer_path(cfg, i) + owner
     peft = f"base_model.model.model.layers.{i}.{module}.{_peft_module(cfg, t)}."
+    if _causal_lm(cfg.architecture) in _CLASS_NAMES:  # the class's own names (GPT-J's)
+      peft = "base_model.model." + _class_name(cfg, peft[len("base_model.model."):])
     if _causal_lm(cfg.architecture) == NEMOTRON_H:  # each layer's one sublayer: its mixer
       shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
       peft = f"base_model.model.model.layers.{i}.mixer.{shared}{t}."
@@ -4472,10 +4520,12 @@ _STARCODER2_MODULES = {"up_proj": "c_fc", "down_proj": "c_proj"}
 
 def _peft_module(cfg: ModelConfig, target: str) -> str:
   """The name of the module LoRA target `target` wraps within its layer's attention,
-  mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES` and StarCoder2's MLP."""
+  mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES` and the MLPs (and outputs)
+  of StarCoder2, nanochat, Phi and GPT-J."""
   names = {LFM2: _LFM2_MODULES, LFM2_MOE: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES,
            NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"},
-           PHI: {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"}}.get(
+           PHI: {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"},
+           GPTJ: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"}}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
 
