@@ -104,11 +104,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mlp",
 # of an MLP with no gate (Nemotron-H: down(relu(up(x))^2)), or xielu, Apertus's xIELU of an
 # MLP with no gate (its two scales learned in each MLP), or gelu_tanh_ungated, the
 # tanh-approximate GELU of an MLP with no gate (StarCoder2: down(gelu(up(x)))), or
-# gelu_ungated, the exact (erf) GELU of an MLP with no gate (GPT-NeoX / Pythia's "gelu").
+# gelu_ungated, the exact (erf) GELU of an MLP with no gate (GPT-NeoX / Pythia's "gelu"),
+# or relu_ungated, the ReLU of an MLP with no gate (OPT's fc2(relu(fc1(x)))).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu", "relu2", "xielu",
-                   "gelu_tanh_ungated", "gelu_ungated")
+                   "gelu_tanh_ungated", "gelu_ungated", "relu_ungated")
 # Activations of an MLP without a gate: down(act(up(x))) (no gate_proj).
-UNGATED_ACTIVATIONS = ("relu2", "xielu", "gelu_tanh_ungated", "gelu_ungated")
+UNGATED_ACTIVATIONS = ("relu2", "xielu", "gelu_tanh_ungated", "gelu_ungated", "relu_ungated")
 # Where a Mamba2 layer's output is RMS-normed (`ModelConfig.linear_norm`).
 LINEAR_NORMS = ("after_gate", "before_gate", "none")
 # Falcon-H1's muP scalars (`ModelConfig`): any finite number, 1.0 none.
@@ -249,6 +250,9 @@ class ModelConfig:
       with rope_layers all 0, no rotary embedding). A position past the table reads NaN
       (jnp.take's fill), so nothing runs past it silently; the sampler refuses a max_len
       beyond it.
+    position_offset: with learned_positions, the table's leading rows no position reads:
+      position p reads row p + position_offset, of max_position_embeddings +
+      position_offset rows (OPT's 2).
     lm_head_bias: the output projection adds a bias [V] to the logits, h W + b (Phi-1 /
       Phi-1.5 / Phi-2's lm_head; scaled as W is by logits_scaling and
       lm_head_multiplier). Without lm_head (a reward model) it has no parameter.
@@ -524,6 +528,7 @@ class ModelConfig:
   value_head: bool = False
   lm_head_bias: bool = False
   learned_positions: bool = False
+  position_offset: int = 0
   clip_qkv: float | None = None
   lm_head: bool = True
   pad_token_id: int | None = None
@@ -1144,7 +1149,7 @@ class ModelConfig:
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation={self.mlp_activation!r}; expected one of "
                        f"{MLP_ACTIVATIONS}")
-    if (self.mlp_activation in ("xielu", "gelu_tanh_ungated", "gelu_ungated")
+    if (self.mlp_activation in ("xielu", "gelu_tanh_ungated", "gelu_ungated", "relu_ungated")
         and self.num_experts):
       raise ValueError(f"mlp_activation={self.mlp_activation!r} (a dense MLP's) has no "
                        "mixture of experts form; this model has num_experts > 0")
@@ -1155,6 +1160,9 @@ class ModelConfig:
       raise ValueError("norm_weightless=True (norms without a weight) with norm_bias, "
                        "norm_unit_offset or qk_norm (normed q/k without a weight: "
                        "qk_l2_norm) is not supported")
+    if self.position_offset < 0 or (self.position_offset and not self.learned_positions):
+      raise ValueError(f"position_offset={self.position_offset} needs learned_positions=True "
+                       "and must be >= 0 (the leading rows of its table no position reads)")
     if self.clip_qkv is not None and not 0 < self.clip_qkv < float("inf"):
       raise ValueError(f"clip_qkv must be a positive number (or None: no clamp), got "
                        f"{self.clip_qkv!r}")
@@ -1530,7 +1538,7 @@ class ModelConfig:
     dense = attn + 3 * d * self.dense_ffn_dim + norms * d
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     emb += self.vocab_size * (self.lm_head and self.lm_head_bias)
-    emb += self.max_position_embeddings * d * self.learned_positions
+    emb += (self.max_position_embeddings + self.position_offset) * d * self.learned_positions
     swapped = 0
     linear = sum(self.linear_layers)
     if self.linear_mixers:  # Gated DeltaNet, Mamba2 or LFM2's short convolution

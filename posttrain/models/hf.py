@@ -68,7 +68,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MellumForCausalLM", "StableLmForCausalLM",
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
-              "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM")
+              "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -139,7 +139,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "Cohere2MoeForCausalLM": "cohere2_moe", "GPTNeoXForCausalLM": "gpt_neox",
                 "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron",
                 "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo",
-                "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj"}
+                "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj",
+                "OPTForCausalLM": "opt"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -450,6 +451,13 @@ GPT2 = "GPT2LMHeadModel"
 # (`lm_head_bias`); GPT-2's config keys and its own tensor names (transformer.h.N.attn
 # .out_proj, ...).
 GPTJ = "GPTJForCausalLM"
+# OPT (OPTForCausalLM, 125M to 66B): GPT-2's learned positions (its table's first two
+# rows unread: `ModelConfig.position_offset`), LayerNorms with biases (neither weight nor
+# bias without layer_norm_elementwise_affine), enable_bias on every projection, an MLP of
+# no gate fc2(relu(fc1(x))); its own tensor names (model.decoder.layers.N
+# .self_attn_layer_norm, ...). OPT-350m's post-norm layers and narrower embeddings are
+# refused.
+OPT = "OPTForCausalLM"
 # These classes' hidden_act -> our mlp_activation (gelu_fast, gelu_new: tanh's
 # approximation).
 _UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
@@ -647,6 +655,11 @@ _CLASS_DEFAULTS = {
     OLMO1: dict(vocab_size=50_304, hidden_size=4096, intermediate_size=11_008,
                 num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
                 tie_word_embeddings=False, attention_bias=False, clip_qkv=None),
+    OPT: dict(vocab_size=50_272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
+              max_position_embeddings=2048, do_layer_norm_before=True,
+              _remove_final_layer_norm=False, word_embed_proj_dim=None,
+              num_attention_heads=12, activation_function="relu", enable_bias=True,
+              layer_norm_elementwise_affine=True, tie_word_embeddings=True),
     GPTJ: dict(vocab_size=50_400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16,
                rotary_dim=64, n_inner=None, activation_function="gelu_new",
                layer_norm_epsilon=1e-5, tie_word_embeddings=False),
@@ -1169,6 +1182,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm in (GPT2, GPTJ):
     c = _gpt2_config(c, lm)
+  if lm == OPT:
+    c = _opt_config(c)
   if lm == FALCON:
     c = _falcon_config(c)
   if lm == OLMO1:  # its LayerNorms' eps, fixed
@@ -1205,9 +1220,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   gemma = lm in GEMMAS
   expected = ("gelu_pytorch_tanh" if gemma or lm == STARCODER2 else
               "relu2" if lm in (ARCEE, JAIS2, NANOCHAT, NEMOTRON) else "xielu" if lm == APERTUS
+              else "relu" if lm == OPT
               else "silu")
   act = c.get("hidden_activation") or c.get("hidden_act") or expected
-  ungated = lm in (ARCEE, APERTUS, NANOCHAT) + _PLAIN_MLPS  # MLPs of no gate
+  ungated = lm in (ARCEE, APERTUS, NANOCHAT, OPT) + _PLAIN_MLPS  # MLPs of no gate
   if lm in _UNGATED_GELU_CLASSES:
     expected = " or ".join(_UNGATED_GELUS)
   if (act not in _UNGATED_GELUS if lm in _UNGATED_GELU_CLASSES else
@@ -1255,7 +1271,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
       **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c),
-      **_ungated_gelu_from_hf(lm, c),
+      **_ungated_gelu_from_hf(lm, c), **_opt_from_hf(lm, c),
       **(dict(layer_norm=True, norm_weightless=True, clip_qkv=None if c["clip_qkv"] is None
               else float(c["clip_qkv"])) if lm == OLMO1 else {}))
   return cfg.replace(**overrides) if overrides else cfg
@@ -1774,7 +1790,8 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON) + _COHERES
+                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON, OPT)
+                  + _COHERES
                   + _HUNYUANS
                   + _SWAS + _PLAIN_MLPS)
 # Classes whose attention projections never have biases (transformers ignores a
@@ -2049,6 +2066,38 @@ def _gpt2_config(c: dict[str, Any], lm: str) -> dict[str, Any]:
       raise ValueError(f"{key}={str(refused).lower()} in a GPT-2 config.json ({what}) is "
                        "not supported")
   return out
+
+
+def _opt_config(c: dict[str, Any]) -> dict[str, Any]:
+  """An OPT config.json under Llama's keys, with the layouts of OPT-350m refused."""
+  d, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+  if not c["do_layer_norm_before"]:
+    raise ValueError("do_layer_norm_before=false in an OPT config.json (OPT-350m's norms "
+                     "after each sublayer) is not supported")
+  if c["word_embed_proj_dim"] not in (None, d):
+    raise ValueError(f"word_embed_proj_dim={c['word_embed_proj_dim']} in an OPT config.json "
+                     f"(embeddings narrower than hidden_size {d}, projected in and out) is "
+                     "not supported")
+  if c["_remove_final_layer_norm"]:
+    raise ValueError("_remove_final_layer_norm=true in an OPT config.json (no final norm) "
+                     "is not supported")
+  if c["activation_function"] != "relu":
+    raise ValueError(f"activation_function={c['activation_function']!r} in an OPT "
+                     "config.json is not supported (expected relu)")
+  return {**c, "intermediate_size": int(c["ffn_dim"]), "num_key_value_heads": heads,
+          "head_dim": d // heads, "rms_norm_eps": 1e-5, "hidden_act": "relu",
+          "attention_bias": bool(c["enable_bias"])}
+
+
+def _opt_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of an OPT config.json ({} for other families)."""
+  if lm != OPT:
+    return {}
+  affine = bool(c["layer_norm_elementwise_affine"])
+  return dict(layer_norm=True, norm_bias=affine, norm_weightless=not affine,
+              mlp_bias=bool(c["enable_bias"]), mlp_activation="relu_ungated",
+              learned_positions=True, position_offset=2,
+              rope_layers=(0,) * int(c["num_hidden_layers"]))
 
 
 def _plain_mlp_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -2771,6 +2820,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   fixed = dict(norm_unit_offset=gemma or lm in _QWEN3_5S + (NEMOTRON,), embed_scale=gemma,
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
+                               "relu_ungated" if lm == OPT else
                                "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2, NANOCHAT,
                                                  NEMOTRON) else
                                "gelu_tanh_ungated" if lm == STARCODER2 else
@@ -2778,10 +2828,13 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                (cfg.mlp_activation if cfg.mlp_activation in
                                 _UNGATED_GELUS.values() else "gelu_ungated")
                                if lm in _UNGATED_GELU_CLASSES else "silu"),
-               norm_bias=lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM,),
-               norm_weightless=lm in (NANOCHAT, OLMO1), embed_norm=lm == NANOCHAT,
+               norm_bias=(not cfg.norm_weightless if lm == OPT else
+                          lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM,)),
+               norm_weightless=(cfg.norm_weightless if lm == OPT else
+                                lm in (NANOCHAT, OLMO1)), embed_norm=lm == NANOCHAT,
                clip_qkv=cfg.clip_qkv if lm == OLMO1 else None,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
+                         lm == OPT and cfg.qkv_bias or
                          lm in (GPT_NEOX, PHI, GPT2, GPTJ) or lm == FALCON and cfg.qkv_bias or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
@@ -2791,9 +2844,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, OLMO1) + _UNGATED_GELU_CLASSES
+                           lm in (COHERE, COHERE2, STABLELM, OLMO1, OPT) + _UNGATED_GELU_CLASSES
                            + _PLAIN_MLPS),
-               learned_positions=lm == GPT2,
+               learned_positions=lm in (GPT2, OPT), position_offset=2 * (lm == OPT),
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX, FALCON)
                                   else lm in _COHERES + (COHERE, PHI, GPTJ)),
                lm_head_bias=lm in (PHI, GPTJ) if cfg.lm_head else cfg.lm_head_bias,
@@ -2847,7 +2900,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        "not (with a sliding_window; without one every layer rotates)")
   elif lm == COHERE2_MOE:
     _cohere2_moe_prefix_pattern(cfg)  # raises where the rotary layers cannot be written
-  elif lm == GPT2:
+  elif lm in (GPT2, OPT):
     if cfg.rope_layers != (0,) * cfg.num_layers:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, which has no rotary embedding (rope_layers "
@@ -2928,7 +2981,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, GPTJ)
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, GPTJ,
+             OPT)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -2945,7 +2999,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"rope type {cfg.rope.type!r} at theta {cfg.rope.theta} cannot be "
                      f"written as {cfg.architecture}, whose rotary embedding is the default "
                      "one at base 10000")
-  if lm in (GPT_NEOX, GPT2, GPTJ) and cfg.num_kv_heads != cfg.num_heads:
+  if lm in (GPT_NEOX, GPT2, GPTJ, OPT) and cfg.num_kv_heads != cfg.num_heads:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
@@ -3081,6 +3135,14 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
                 "rope_scaling", "max_position_embeddings", "attention_bias"):
       out.pop(key)
+  if lm == OPT:
+    for key in ("intermediate_size", "num_key_value_heads", "head_dim", "hidden_act",
+                "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias"):
+      out.pop(key)
+    out.update(ffn_dim=cfg.ffn_dim, do_layer_norm_before=True, word_embed_proj_dim=cfg.d_model,
+               _remove_final_layer_norm=False, enable_bias=cfg.qkv_bias,
+               layer_norm_elementwise_affine=not cfg.norm_weightless,
+               activation_function="relu", dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
   if lm == GPTJ:
     out.update(n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
                n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_dim,
@@ -3472,7 +3534,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     rows.append((("lm_head_bias",), "lm_head.bias", ident, ident, (cfg.vocab_size,)))
   if cfg.learned_positions:  # GPT-2's wpe (`_GPT2_NAMES`)
     rows.append((("pos_embed",), "model.embed_positions.weight", ident, ident,
-                 (cfg.max_position_embeddings, d)))
+                 (cfg.max_position_embeddings + cfg.position_offset, d)))
   if score:
     rows.append((("value_w",), "score.weight", lambda x: x[0], lambda x: x[None, :], (d,)))
   # Our post_attn_norm is the MLP's input norm: Llama's post_attention_layernorm, Gemma
@@ -3689,9 +3751,18 @@ _GPTJ_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
                (r"\.input_layernorm\.", ".ln_1."), (r"\.self_attn\.o_proj\.", ".attn.out_proj."),
                (r"\.self_attn\.", ".attn."), (r"\.mlp\.up_proj\.", ".mlp.fc_in."),
                (r"\.mlp\.down_proj\.", ".mlp.fc_out."))
+# OPT's (the MLP's modules sit on the layer: a PEFT name's mlp.fc1 is fc1).
+_OPT_NAMES = ((r"^model\.embed_tokens\.", "model.decoder.embed_tokens."),
+              (r"^model\.embed_positions\.", "model.decoder.embed_positions."),
+              (r"^model\.norm\.", "model.decoder.final_layer_norm."),
+              (r"^model\.layers\.", "model.decoder.layers."),
+              (r"\.input_layernorm\.", ".self_attn_layer_norm."),
+              (r"\.post_attention_layernorm\.", ".final_layer_norm."),
+              (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."), (r"\.mlp\.up_proj\.", ".fc1."),
+              (r"\.mlp\.down_proj\.", ".fc2."), (r"\.mlp\.", "."))
 # Classes whose tensors transformers names its own way (not Llama's).
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
-                FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES}
+                FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -4525,7 +4596,8 @@ def _peft_module(cfg: ModelConfig, target: str) -> str:
   names = {LFM2: _LFM2_MODULES, LFM2_MOE: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES,
            NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"},
            PHI: {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"},
-           GPTJ: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"}}.get(
+           GPTJ: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"},
+           OPT: {"o_proj": "out_proj", "up_proj": "fc1", "down_proj": "fc2"}}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
 

@@ -1534,6 +1534,8 @@ class MLP(nnx.Module):
       up_NxF = up_NxF + self.up_bias[...].astype(dt)[None]
     if self.cfg.mlp_activation == "relu2":
       h_NxF = jnp.square(jax.nn.relu(up_NxF))
+    elif self.cfg.mlp_activation == "relu_ungated":  # OPT's
+      h_NxF = jax.nn.relu(up_NxF)
     elif self.cfg.mlp_activation in ("gelu_tanh_ungated", "gelu_ungated"):
       h_NxF = jax.nn.gelu(up_NxF, approximate=self.cfg.mlp_activation == "gelu_tanh_ungated")
     elif self.cfg.mlp_activation == "xielu":
@@ -2643,9 +2645,9 @@ class Transformer(nnx.Module):
       setattr(self, stack, _stacked_blocks(cfg, rngs, len(indices), **kind)
               if cfg.scan_layers else
               nnx.List([Block(cfg, rngs, **kind) for _ in indices]))
-    if cfg.learned_positions:  # GPT-2's absolute position embedding
-      self.pos_embed = _param(rngs, (cfg.max_position_embeddings, cfg.d_model),
-                              (None, "embed"), pd, std=cfg.init_std)
+    if cfg.learned_positions:  # GPT-2's absolute position embedding (OPT's past 2 rows)
+      self.pos_embed = _param(rngs, (cfg.max_position_embeddings + cfg.position_offset,
+                                     cfg.d_model), (None, "embed"), pd, std=cfg.init_std)
     if cfg.per_layer_dim:  # Gemma 4 E2B / E4B's per-layer embeddings
       p, n = cfg.per_layer_dim, cfg.num_layers
       self.per_layer_embed = _param(rngs, (cfg.per_layer_vocab or cfg.vocab_size, n, p),
@@ -2737,8 +2739,8 @@ class Transformer(nnx.Module):
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
     x = jnp.take(self.embed[...], tokens_BxT, axis=0)
     if cfg.learned_positions:  # GPT-2: each position's own row, NaN past the table
-      x = x + jnp.take(self.pos_embed[...], positions_BxT, axis=0, mode="fill",
-                       fill_value=jnp.nan)
+      x = x + jnp.take(self.pos_embed[...], positions_BxT + cfg.position_offset, axis=0,
+                       mode="fill", fill_value=jnp.nan)
     if cfg.embed_scale:  # sqrt(D), rounded to the table's dtype as Gemma's is.
       x = x * jnp.asarray(float(np.sqrt(cfg.d_model)), x.dtype)
     if cfg.embedding_multiplier != 1.0:  # Granite's, in the table's dtype as its is
