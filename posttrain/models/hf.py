@@ -68,7 +68,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "MellumForCausalLM", "StableLmForCausalLM",
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
-              "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM")
+              "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
+              "GPTBigCodeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -140,7 +141,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron",
                 "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo",
                 "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj",
-                "OPTForCausalLM": "opt"}
+                "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -451,6 +452,11 @@ GPT2 = "GPT2LMHeadModel"
 # (`lm_head_bias`); GPT-2's config keys and its own tensor names (transformer.h.N.attn
 # .out_proj, ...).
 GPTJ = "GPTJForCausalLM"
+# StarCoder 1 / SantaCoder / WizardCoder / OctoCoder (GPTBigCodeForCausalLM): GPT-2's layers
+# and learned positions, its projections Linear's, q, k and v fused in c_attn as
+# Falcon's query_key_value (`_grouped_qkv_part`): multi_query's one key/value head
+# after the queries, else a head's q, k and v together; gelu_pytorch_tanh.
+GPT_BIGCODE = "GPTBigCodeForCausalLM"
 # OPT (OPTForCausalLM, 125M to 66B): GPT-2's learned positions (its table's first two
 # rows unread: `ModelConfig.position_offset`), LayerNorms with biases (neither weight nor
 # bias without layer_norm_elementwise_affine), enable_bias on every projection, an MLP of
@@ -463,7 +469,7 @@ OPT = "OPTForCausalLM"
 _UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
                   "gelu_new": "gelu_tanh_ungated", "gelu_pytorch_tanh": "gelu_tanh_ungated"}
 # Classes with LayerNorms with biases and an MLP of no gate through a GELU (`_UNGATED_GELUS`).
-_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPTJ)
+_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPTJ, GPT_BIGCODE)
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -660,6 +666,10 @@ _CLASS_DEFAULTS = {
               _remove_final_layer_norm=False, word_embed_proj_dim=None,
               num_attention_heads=12, activation_function="relu", enable_bias=True,
               layer_norm_elementwise_affine=True, tie_word_embeddings=True),
+    GPT_BIGCODE: dict(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                      n_inner=None, activation_function="gelu_pytorch_tanh",
+                      layer_norm_epsilon=1e-5, scale_attn_weights=True, multi_query=True,
+                      add_cross_attention=False, tie_word_embeddings=True),
     GPTJ: dict(vocab_size=50_400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16,
                rotary_dim=64, n_inner=None, activation_function="gelu_new",
                layer_norm_epsilon=1e-5, tie_word_embeddings=False),
@@ -1180,7 +1190,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "num_key_value_heads": c["num_attention_heads"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
-  if lm in (GPT2, GPTJ):
+  if lm in (GPT2, GPTJ, GPT_BIGCODE):
     c = _gpt2_config(c, lm)
   if lm == OPT:
     c = _opt_config(c)
@@ -1790,7 +1800,8 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
-                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON, OPT)
+                   ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON, OPT,
+                   GPT_BIGCODE)
                   + _COHERES
                   + _HUNYUANS
                   + _SWAS + _PLAIN_MLPS)
@@ -2007,13 +2018,13 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
     return {}
   parallel = (lm in (PHI, GPTJ) or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
               or (lm == FALCON and c["_parallel_norms"] > 0))
-  gpt2 = dict(learned_positions=True, rope_layers=(0,) * int(c["num_hidden_layers"]))
+  learned = dict(learned_positions=True, rope_layers=(0,) * int(c["num_hidden_layers"]))
   return dict(layer_norm=True, norm_bias=True,
               mlp_bias=lm != FALCON or bool(c["attention_bias"]),
               mlp_activation=_UNGATED_GELUS[c["hidden_act"]], parallel_residual=parallel,
               parallel_mlp_norm=parallel and (lm == GPT_NEOX or (
                   lm == FALCON and c["_parallel_norms"] == 2)),
-              lm_head_bias=lm in (PHI, GPTJ), **(gpt2 if lm == GPT2 else {}))
+              lm_head_bias=lm in (PHI, GPTJ), **(learned if lm in (GPT2, GPT_BIGCODE) else {}))
 
 
 def _falcon_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -2041,16 +2052,19 @@ def _falcon_config(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gpt2_config(c: dict[str, Any], lm: str) -> dict[str, Any]:
-  """A GPT-2 or GPT-J config.json under Llama's keys (their attribute_map; n_inner by
-  default 4 x n_embd), with the options of GPT-2's attention that are not read refused,
-  GPT-J's rotated features its rope's partial_rotary_factor (at base 10000)."""
+  """A GPT-2, GPT-J or GPTBigCode config.json under Llama's keys (their attribute_map;
+  n_inner by default 4 x n_embd), with the options of GPT-2's attention that are not read
+  refused, GPT-J's rotated features its rope's partial_rotary_factor (at base 10000),
+  GPTBigCode's multi_query one key/value head."""
   d, heads = int(c["n_embd"]), int(c["n_head"])
   out = {**c, "hidden_size": d, "num_hidden_layers": int(c["n_layer"]),
          "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": d // heads,
          "max_position_embeddings": int(c["n_positions"]),
          "intermediate_size": int(c.get("n_inner") or 4 * d),
          "rms_norm_eps": c["layer_norm_epsilon"], "hidden_act": c["activation_function"],
-         "attention_bias": lm == GPT2}
+         "attention_bias": lm != GPTJ}
+  if lm == GPT_BIGCODE and c["multi_query"]:
+    out["num_key_value_heads"] = 1
   if lm == GPTJ:
     if not c.get("rotary_dim"):
       raise ValueError("rotary_dim=null in a GPT-J config.json (a rotary embedding as wide "
@@ -2062,9 +2076,10 @@ def _gpt2_config(c: dict[str, Any], lm: str) -> dict[str, Any]:
       ("scale_attn_by_inverse_layer_idx", True, "the attention logits divided by the "
        "layer's index + 1"), ("scale_attn_weights", False, "unscaled attention logits"),
       ("add_cross_attention", True, "cross-attention to an encoder")):
-    if bool(c[key]) == refused:
-      raise ValueError(f"{key}={str(refused).lower()} in a GPT-2 config.json ({what}) is "
-                       "not supported")
+    if bool(c.get(key, not refused)) == refused:
+      family = "GPT-2" if lm == GPT2 else "GPTBigCode"
+      raise ValueError(f"{key}={str(refused).lower()} in a {family} config.json ({what}) "
+                       "is not supported")
   return out
 
 
@@ -2835,7 +2850,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                clip_qkv=cfg.clip_qkv if lm == OLMO1 else None,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
                          lm == OPT and cfg.qkv_bias or
-                         lm in (GPT_NEOX, PHI, GPT2, GPTJ) or lm == FALCON and cfg.qkv_bias or
+                         lm in (GPT_NEOX, PHI, GPT2, GPTJ, GPT_BIGCODE) or
+                         lm == FALCON and cfg.qkv_bias or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
                attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
@@ -2846,7 +2862,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
                            lm in (COHERE, COHERE2, STABLELM, OLMO1, OPT) + _UNGATED_GELU_CLASSES
                            + _PLAIN_MLPS),
-               learned_positions=lm in (GPT2, OPT), position_offset=2 * (lm == OPT),
+               learned_positions=lm in (GPT2, OPT, GPT_BIGCODE),
+               position_offset=2 * (lm == OPT),
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX, FALCON)
                                   else lm in _COHERES + (COHERE, PHI, GPTJ)),
                lm_head_bias=lm in (PHI, GPTJ) if cfg.lm_head else cfg.lm_head_bias,
@@ -2900,7 +2917,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        "not (with a sliding_window; without one every layer rotates)")
   elif lm == COHERE2_MOE:
     _cohere2_moe_prefix_pattern(cfg)  # raises where the rotary layers cannot be written
-  elif lm in (GPT2, OPT):
+  elif lm in (GPT2, OPT, GPT_BIGCODE):
     if cfg.rope_layers != (0,) * cfg.num_layers:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, which has no rotary embedding (rope_layers "
@@ -2982,11 +2999,15 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
   if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, GPTJ,
-             OPT)
+             OPT, GPT_BIGCODE)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
                      f"{cfg.d_model // cfg.num_heads} for {cfg.num_heads} heads)")
+  if lm == GPT_BIGCODE and cfg.num_kv_heads not in (1, cfg.num_heads):
+    raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
+                     f"{cfg.architecture}, whose keys and values are one head (multi_query) "
+                     "or one a query head")
   if lm == FALCON and not cfg.parallel_residual and cfg.num_kv_heads not in (
       1, cfg.num_heads):
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
@@ -3003,7 +3024,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
-  if lm in (PHI, GPT2) and not cfg.qkv_bias:
+  if lm in (PHI, GPT2, GPT_BIGCODE) and not cfg.qkv_bias:
     raise ValueError(f"qkv_bias=False cannot be written as {cfg.architecture}, whose "
                      "attention projections always have biases")
   if lm == PHI3 and cfg.qkv_bias:
@@ -3130,7 +3151,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   if lm == OLMO1:
     out.pop("rms_norm_eps")
     out.update(clip_qkv=cfg.clip_qkv, attention_dropout=0.0)
-  if lm in (GPT2, GPTJ):  # GPT2Config's own keys (GPTJConfig's)
+  if lm in (GPT2, GPTJ, GPT_BIGCODE):  # GPT2Config's own keys (GPTJConfig's, ...)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
                 "rope_scaling", "max_position_embeddings", "attention_bias"):
@@ -3149,6 +3170,13 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                rotary_dim=rope.rotary_dim(cfg.head_dim), layer_norm_epsilon=cfg.norm_eps,
                activation_function="gelu" if cfg.mlp_activation == "gelu_ungated" else
                "gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+  if lm == GPT_BIGCODE:
+    out.update(n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+               n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_dim,
+               layer_norm_epsilon=cfg.norm_eps, multi_query=cfg.num_kv_heads == 1,
+               activation_function="gelu" if cfg.mlp_activation == "gelu_ungated" else
+               "gelu_pytorch_tanh", scale_attn_weights=True, resid_pdrop=0.0,
+               embd_pdrop=0.0, attn_pdrop=0.0)
   if lm == GPT2:
     out.update(n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
                n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_dim,
@@ -3762,7 +3790,8 @@ _OPT_NAMES = ((r"^model\.embed_tokens\.", "model.decoder.embed_tokens."),
               (r"\.mlp\.down_proj\.", ".fc2."), (r"\.mlp\.", "."))
 # Classes whose tensors transformers names its own way (not Llama's).
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
-                FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES}
+                FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES,
+                GPT_BIGCODE: _GPT2_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -3781,7 +3810,7 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
   out = []
   for ours, name, to_ours, to_hf, shape in rows:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
-    if fused and lm in (GPT_NEOX, FALCON):  # NeoX's: a group a query head
+    if fused and lm in (GPT_NEOX, FALCON, GPT_BIGCODE):  # NeoX's: a group a query head
       to_ours, to_hf = _grouped_qkv_part((to_ours, to_hf), fused[1], k, n // k, h)
     elif fused and lm == GPT2:
       to_ours, to_hf = _fused_part((to_ours, to_hf), "qkv".index(fused[1]) * n * h, n * h,
@@ -4394,8 +4423,9 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON):
-    fused = "c_attn" if _causal_lm(cfg.architecture) == GPT2 else "query_key_value"
+  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE):
+    fused = ("c_attn" if _causal_lm(cfg.architecture) in (GPT2, GPT_BIGCODE) else
+             "query_key_value")
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused {fused} "
                      "(one A shared by q, k and v), which our "
                      "per-projection adapters are not: they are neither read nor written; "
