@@ -6,10 +6,10 @@ Falcon-H1, an LFM2 (short convolutions), a Ministral 3 (queries scaled by positi
 OLMoE, an EXAONE 4, two Gemma 4s (full layers of their own widths, experts beside the
 dense MLP; per-layer embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2
 (an output bias), a Pythia (q, k and v fused head by head), a GPT-2 (learned positions),
-a Falcon-40B (grouped keys) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder,
-end to end: SFT and RL steps with rollouts through the sampler, checkpoints, and the
-final checkpoint exported as a folder that transformers loads into the same class and
-computes our logits with."""
+a Falcon-40B (grouped keys), a DBRX (clamped q, k and v, stacked experts) and a Phi-3
+(LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with
+rollouts through the sampler, checkpoints, and the final checkpoint exported as a folder
+that transformers loads into the same class and computes our logits with."""
 
 import jax
 import numpy as np
@@ -227,6 +227,11 @@ FAMILIES = {
     "falcon": dict(architecture="FalconForCausalLM", head_dim=8, layer_norm=True,
                    norm_bias=True, parallel_residual=True, parallel_mlp_norm=True,
                    mlp_activation="gelu_ungated"),
+    # DBRX: a mixture in every layer (its experts one tensor each for all), q, k and v
+    # clamped, LayerNorms without biases.
+    "dbrx": dict(architecture="DbrxForCausalLM", head_dim=8, layer_norm=True, norm_eps=1e-5,
+                 clip_qkv=2.0, tie_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                 ffn_dim=32),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

@@ -69,7 +69,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
-              "GPTBigCodeForCausalLM")
+              "GPTBigCodeForCausalLM", "DbrxForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -83,6 +83,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
                   "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
                   "FlexOlmoForCausalLM", "MellumForCausalLM", "Lfm2MoeForCausalLM",
+                  "DbrxForCausalLM",
                   "NanoChatForCausalLM")
 
 
@@ -141,7 +142,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "PhiForCausalLM": "phi", "NemotronForCausalLM": "nemotron",
                 "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo",
                 "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj",
-                "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode"}
+                "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode",
+                "DbrxForCausalLM": "dbrx"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -457,6 +459,13 @@ GPTJ = "GPTJForCausalLM"
 # Falcon's query_key_value (`_grouped_qkv_part`): multi_query's one key/value head
 # after the queries, else a head's q, k and v together; gelu_pytorch_tanh.
 GPT_BIGCODE = "GPTBigCodeForCausalLM"
+# DBRX (DbrxForCausalLM): LayerNorms without biases, q, k and v in one Wqkv ([q; k; v])
+# clamped to [-clip_qkv, clip_qkv], grouped keys, a mixture in every layer (softmax over
+# the experts, the top-k weights over their sum with moe_normalize_expert_weights 1, as
+# they are with none), each of the experts' gate (w1), up (v1) and down (w2) projections
+# one tensor [E F, D] for all; a nested config.json (attn_config, ffn_config) and its own
+# tensor names (transformer.blocks.N.norm_attn_norm.attn.Wqkv, ...).
+DBRX = "DbrxForCausalLM"
 # OPT (OPTForCausalLM, 125M to 66B): GPT-2's learned positions (its table's first two
 # rows unread: `ModelConfig.position_offset`), LayerNorms with biases (neither weight nor
 # bias without layer_norm_elementwise_affine), enable_bias on every projection, an MLP of
@@ -666,6 +675,8 @@ _CLASS_DEFAULTS = {
               _remove_final_layer_norm=False, word_embed_proj_dim=None,
               num_attention_heads=12, activation_function="relu", enable_bias=True,
               layer_norm_elementwise_affine=True, tie_word_embeddings=True),
+    DBRX: dict(d_model=2048, n_heads=16, n_layers=24, max_seq_len=2048, vocab_size=32_000,
+               tie_word_embeddings=False),
     GPT_BIGCODE: dict(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                       n_inner=None, activation_function="gelu_pytorch_tanh",
                       layer_norm_epsilon=1e-5, scale_attn_weights=True, multi_query=True,
@@ -1194,6 +1205,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = _gpt2_config(c, lm)
   if lm == OPT:
     c = _opt_config(c)
+  if lm == DBRX:
+    c = _dbrx_config(c)
   if lm == FALCON:
     c = _falcon_config(c)
   if lm == OLMO1:  # its LayerNorms' eps, fixed
@@ -1282,8 +1295,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
       **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c),
       **_ungated_gelu_from_hf(lm, c), **_opt_from_hf(lm, c),
-      **(dict(layer_norm=True, norm_weightless=True, clip_qkv=None if c["clip_qkv"] is None
-              else float(c["clip_qkv"])) if lm == OLMO1 else {}))
+      **(dict(layer_norm=True, norm_weightless=lm == OLMO1,
+              clip_qkv=None if c["clip_qkv"] is None else float(c["clip_qkv"]))
+         if lm in (OLMO1, DBRX) else {}))
   return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -2083,6 +2097,37 @@ def _gpt2_config(c: dict[str, Any], lm: str) -> dict[str, Any]:
   return out
 
 
+def _dbrx_config(c: dict[str, Any]) -> dict[str, Any]:
+  """A DBRX config.json (its nested attn_config and ffn_config) under Llama's keys and
+  Mixtral's; its rotary base where transformers 5 reads it (rope_parameters, rope_theta),
+  else attn_config's rope_theta (the published files'). Another activation than silu, or
+  top-k weights normalised by another norm than their sum, are refused."""
+  attn = {"clip_qkv": None, "kv_n_heads": 1, **(c.get("attn_config") or {})}
+  ffn = {"ffn_hidden_size": 3584, "moe_num_experts": 4, "moe_top_k": 1,
+         "moe_normalize_expert_weights": 1.0, "ffn_act_fn": {"name": "silu"},
+         "moe_loss_weight": 0.01, **(c.get("ffn_config") or {})}
+  if (ffn["ffn_act_fn"] or {}).get("name", "silu") != "silu":
+    raise ValueError(f"ffn_act_fn={ffn['ffn_act_fn']!r} in a DBRX config.json is not "
+                     "supported (expected silu)")
+  norm = ffn["moe_normalize_expert_weights"]
+  if norm is not None and float(norm) != 1.0:
+    raise ValueError(f"moe_normalize_expert_weights={norm!r} in a DBRX config.json (the "
+                     f"top-k weights over their {norm}-norm) is not supported: 1 (over "
+                     "their sum) or null (as they are)")
+  d, heads = int(c["d_model"]), int(c["n_heads"])
+  out = {**c, "hidden_size": d, "num_hidden_layers": int(c["n_layers"]),
+         "num_attention_heads": heads, "num_key_value_heads": int(attn["kv_n_heads"]),
+         "head_dim": d // heads, "max_position_embeddings": int(c["max_seq_len"]),
+         "intermediate_size": int(ffn["ffn_hidden_size"]), "rms_norm_eps": 1e-5,
+         "attention_bias": False, "clip_qkv": attn["clip_qkv"],
+         "num_local_experts": int(ffn["moe_num_experts"]),
+         "num_experts_per_tok": int(ffn["moe_top_k"]), "norm_topk_prob": norm is not None,
+         "router_aux_loss_coef": float(ffn["moe_loss_weight"])}
+  if not (c.get("rope_parameters") or c.get("rope_theta")) and attn.get("rope_theta"):
+    out["rope_theta"] = float(attn["rope_theta"])
+  return out
+
+
 def _opt_config(c: dict[str, Any]) -> dict[str, Any]:
   """An OPT config.json under Llama's keys, with the layouts of OPT-350m refused."""
   d, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -2442,6 +2487,11 @@ def _leading_dense_layers(c: dict[str, Any], default: int = 1) -> int:
 
 def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   """The ModelConfig fields of a mixture-of-experts config.json ({} for dense ones)."""
+  if arch == DBRX:  # (`_dbrx_config`'s keys)
+    return {"num_experts": c["num_local_experts"],
+            "num_experts_per_tok": c["num_experts_per_tok"],
+            "norm_topk_prob": c["norm_topk_prob"], "ffn_dim": c["intermediate_size"],
+            **_aux_loss_from_hf(c)}
   if arch == HUNYUAN_MOE:
     def one(key):  # an int, or one per layer (all alike here)
       values = c[key] if isinstance(c[key], list) else [c[key]]
@@ -2659,7 +2709,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     raise ValueError(f"lm_head=False (a reward model) cannot be written as {arch}, a "
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
-  stacked = (GPT_OSS, LLAMA4, GRANITE_MOE) + _SHAREDS  # their files stack the experts
+  stacked = (GPT_OSS, LLAMA4, GRANITE_MOE, DBRX) + _SHAREDS  # files stacking the experts
   moe = lm in _MOE_NAMES or lm in stacked or (lm in (GRANITE_HYBRID, NEMOTRON_H, GEMMA4)
                                               and bool(cfg.num_experts))
   mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
@@ -2799,7 +2849,7 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(norm_topk_prob=True)
   if lm in (QWEN3_5_MOE, QWEN3_NEXT):
     fixed.update(dense_layers=0)
-  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE, FLEX_OLMO):
+  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE, FLEX_OLMO, DBRX):
     fixed.update(dense_layers=0)
   if lm == HUNYUAN_MOE:  # an ungated shared MLP as wide as the experts, every layer
     fixed.update(dense_layers=0, norm_topk_prob=True, shared_expert_dim=cfg.ffn_dim,
@@ -2847,7 +2897,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                           lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM,)),
                norm_weightless=(cfg.norm_weightless if lm == OPT else
                                 lm in (NANOCHAT, OLMO1)), embed_norm=lm == NANOCHAT,
-               clip_qkv=cfg.clip_qkv if lm == OLMO1 else None,
+               clip_qkv=cfg.clip_qkv if lm in (OLMO1, DBRX) else None,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
                          lm == OPT and cfg.qkv_bias or
                          lm in (GPT_NEOX, PHI, GPT2, GPTJ, GPT_BIGCODE) or
@@ -2860,7 +2910,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, OLMO1, OPT) + _UNGATED_GELU_CLASSES
+                           lm in (COHERE, COHERE2, STABLELM, OLMO1, OPT, DBRX)
+                           + _UNGATED_GELU_CLASSES
                            + _PLAIN_MLPS),
                learned_positions=lm in (GPT2, OPT, GPT_BIGCODE),
                position_offset=2 * (lm == OPT),
@@ -2999,7 +3050,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
   if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, GPTJ,
-             OPT, GPT_BIGCODE)
+             OPT, GPT_BIGCODE, DBRX)
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -3013,7 +3064,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture} with sequential layers (parallel_residual=False), "
                      "whose keys and values are one head or one a query head")
-  if lm == OLMO1 and cfg.norm_eps != 1e-5:
+  if lm in (OLMO1, DBRX) and cfg.norm_eps != 1e-5:
     raise ValueError(f"norm_eps={cfg.norm_eps} cannot be written as {cfg.architecture}, "
                      "whose LayerNorms' eps is 1e-5")
   if lm == GPTJ and any((r.type, r.theta) != ("default", 10_000.0) for r in ropes):
@@ -3030,7 +3081,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
-  if lm in _LFM2S + _ERNIES + (GPTJ,) and cfg.qkv_bias:
+  if lm in _LFM2S + _ERNIES + (GPTJ, DBRX) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
@@ -3156,6 +3207,23 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
                 "rope_scaling", "max_position_embeddings", "attention_bias"):
       out.pop(key)
+  if lm == DBRX:  # its nested config
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
+                "rope_scaling", "max_position_embeddings", "attention_bias"):
+      out.pop(key)
+    out.update(d_model=cfg.d_model, n_heads=cfg.num_heads, n_layers=cfg.num_layers,
+               max_seq_len=cfg.max_position_embeddings, resid_pdrop=0.0, emb_pdrop=0.0,
+               attn_config={"clip_qkv": cfg.clip_qkv, "kv_n_heads": cfg.num_kv_heads,
+                            "rope_theta": rope.theta, "attn_pdrop": 0.0},
+               ffn_config={"ffn_hidden_size": cfg.ffn_dim, "moe_num_experts": cfg.num_experts,
+                           "moe_top_k": cfg.num_experts_per_tok,
+                           "moe_normalize_expert_weights": 1.0 if cfg.norm_topk_prob else None,
+                           "ffn_act_fn": {"name": "silu"},
+                           "moe_loss_weight": cfg.router_aux_loss_coef or 0.01},
+               output_router_logits=bool(cfg.router_aux_loss_coef),
+               rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
+                                **(scaling or {})})
   if lm == OPT:
     for key in ("intermediate_size", "num_key_value_heads", "head_dim", "hidden_act",
                 "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias"):
@@ -3667,6 +3735,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
                for name, start in (("gate_proj", 0), ("up_proj", f))]
       rows.append((p + ("mlp", "down_proj"), hf + "mlp.down_proj.weight", lambda x: x.T,
                    lambda x: x.T, (f, d)))
+    elif mixture and _causal_lm(cfg.architecture) == DBRX:
+      rows += _dbrx_expert_rows(cfg, p, hf)
     elif mixture and _causal_lm(cfg.architecture) == GPT_OSS:
       rows += _gpt_oss_expert_rows(cfg, p, hf)
     elif mixture and _causal_lm(cfg.architecture) in GRANITES[1:]:
@@ -3789,9 +3859,17 @@ _OPT_NAMES = ((r"^model\.embed_tokens\.", "model.decoder.embed_tokens."),
               (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."), (r"\.mlp\.up_proj\.", ".fc1."),
               (r"\.mlp\.down_proj\.", ".fc2."), (r"\.mlp\.", "."))
 # Classes whose tensors transformers names its own way (not Llama's).
+# DBRX's (its experts' rows under their own names, `_dbrx_expert_rows`).
+_DBRX_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
+               (r"^model\.norm\.", "transformer.norm_f."),
+               (r"^model\.layers\.", "transformer.blocks."),
+               (r"\.input_layernorm\.", ".norm_attn_norm.norm_1."),
+               (r"\.post_attention_layernorm\.", ".norm_attn_norm.norm_2."),
+               (r"\.self_attn\.o_proj\.", ".norm_attn_norm.attn.out_proj."),
+               (r"\.self_attn\.[qkv]_proj\.", ".norm_attn_norm.attn.Wqkv."))
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
                 FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES,
-                GPT_BIGCODE: _GPT2_NAMES}
+                GPT_BIGCODE: _GPT2_NAMES, DBRX: _DBRX_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -3812,9 +3890,9 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
     if fused and lm in (GPT_NEOX, FALCON, GPT_BIGCODE):  # NeoX's: a group a query head
       to_ours, to_hf = _grouped_qkv_part((to_ours, to_hf), fused[1], k, n // k, h)
-    elif fused and lm == GPT2:
-      to_ours, to_hf = _fused_part((to_ours, to_hf), "qkv".index(fused[1]) * n * h, n * h,
-                                   3 * n * h)
+    elif fused and lm in (GPT2, DBRX):  # [q; k; v]
+      start, size = {"q": (0, n * h), "k": (n * h, k * h), "v": ((n + k) * h, k * h)}[fused[1]]
+      to_ours, to_hf = _fused_part((to_ours, to_hf), start, size, (n + 2 * k) * h)
     name = _class_name(cfg, name)
     if lm == GPT2 and _CONV1D.search(name):
       to_ours, to_hf = _transposed((to_ours, to_hf))
@@ -4290,6 +4368,22 @@ def _interleaved_part(which: int) -> tuple[Transform, Transform]:
   return (lambda x: x[..., which::2]), to_hf
 
 
+def _dbrx_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
+  """DBRX's router (ffn.router.layer [E, D]) and experts: w1 (gate) and v1 (up) [E F, D],
+  each expert's [F, D] rows in turn (ours [E, D, F]), w2 (down) [E F, D] (ours [E, F,
+  D])."""
+  d, f, e = cfg.d_model, cfg.ffn_dim, cfg.num_experts
+  mlp, experts = p + ("mlp",), hf + "ffn.experts.mlp."
+  stacked_in = (lambda x: x.reshape(e, f, d).transpose(0, 2, 1),
+                lambda x: x.transpose(0, 2, 1).reshape(e * f, d))
+  return [(mlp + ("router",), hf + "ffn.router.layer.weight", lambda x: x.T, lambda x: x.T,
+           (d, e)),
+          (mlp + ("gate_proj",), experts + "w1", *stacked_in, (e, d, f)),
+          (mlp + ("up_proj",), experts + "v1", *stacked_in, (e, d, f)),
+          (mlp + ("down_proj",), experts + "w2", lambda x: x.reshape(e, f, d),
+           lambda x: x.reshape(e * f, d), (e, f, d))]
+
+
 def _gpt_oss_expert_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
   """gpt-oss's router and experts: the HF tensors stack the experts ([E, ...], as ours
   do), gate_up_proj [E, D, 2F] interleaving gate and up (two rows of ours each)."""
@@ -4423,9 +4517,9 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE):
+  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE, DBRX):
     fused = ("c_attn" if _causal_lm(cfg.architecture) in (GPT2, GPT_BIGCODE) else
-             "query_key_value")
+             "Wqkv" if _causal_lm(cfg.architecture) == DBRX else "query_key_value")
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused {fused} "
                      "(one A shared by q, k and v), which our "
                      "per-projection adapters are not: they are neither read nor written; "

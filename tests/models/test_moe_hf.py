@@ -103,7 +103,7 @@ def test_load_onto_a_mesh_with_scanned_layers(tmp_path):
     ("qwen3_moe", {"mlp_only_layers": [1]}, "dense layers in a Qwen MoE model other than"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "dense layers in a Qwen MoE model other than"),
     ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true"),
-    ("qwen3_moe", {"architectures": ["DbrxForCausalLM"]}, "unsupported architecture"),
+    ("qwen3_moe", {"architectures": ["JetMoeForCausalLM"]}, "unsupported architecture"),
 ])
 def test_configs_we_cannot_run_are_refused(tmp_path, family, change, match):
   _hf_model(family).save_pretrained(tmp_path)
