@@ -3814,59 +3814,64 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   return _renamed_rows(cfg, rows)
 
 
-# GPT-NeoX's tensor names (transformers' Llama names -> its own, in order); q, k and v sit
-# in one query_key_value (`_renamed_rows`).
-_GPT_NEOX_NAMES = ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."),
-                   (r"^model\.norm\.", "gpt_neox.final_layer_norm."),
-                   (r"^model\.layers\.", "gpt_neox.layers."), (r"^lm_head\.", "embed_out."),
-                   (r"\.self_attn\.o_proj\.", ".attention.dense."),
-                   (r"\.self_attn\.[qkv]_proj\.", ".attention.query_key_value."),
-                   (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
-                   (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."))
-# Phi's (its final norm's name is set in `_mapping`).
-_PHI_NAMES = ((r"\.self_attn\.o_proj\.", ".self_attn.dense."),
-              (r"\.mlp\.up_proj\.", ".mlp.fc1."), (r"\.mlp\.down_proj\.", ".mlp.fc2."))
-# GPT-2's; q, k and v sit in one c_attn, [q; k; v] along its output.
-_GPT2_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
-               (r"^model\.embed_positions\.", "transformer.wpe."),
-               (r"^model\.norm\.", "transformer.ln_f."), (r"^model\.layers\.", "transformer.h."),
-               (r"\.input_layernorm\.", ".ln_1."), (r"\.post_attention_layernorm\.", ".ln_2."),
-               (r"\.self_attn\.o_proj\.", ".attn.c_proj."),
-               (r"\.self_attn\.[qkv]_proj\.", ".attn.c_attn."),
-               (r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
-# Falcon's (with ln_attn and ln_mlp for the parallel layers' two norms, `_renamed_rows`).
-_FALCON_NAMES = ((r"^model\.embed_tokens\.", "transformer.word_embeddings."),
-                 (r"^model\.norm\.", "transformer.ln_f."), (r"^model\.layers\.", "transformer.h."),
-                 (r"\.self_attn\.o_proj\.", ".self_attention.dense."),
-                 (r"\.self_attn\.[qkv]_proj\.", ".self_attention.query_key_value."),
-                 (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
-                 (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."))
-_FALCON_TWO_NORMS = ((r"\.input_layernorm\.", ".ln_attn."),
-                     (r"\.post_attention_layernorm\.", ".ln_mlp."))
-# GPT-J's.
-_GPTJ_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
-               (r"^model\.norm\.", "transformer.ln_f."), (r"^model\.layers\.", "transformer.h."),
-               (r"\.input_layernorm\.", ".ln_1."), (r"\.self_attn\.o_proj\.", ".attn.out_proj."),
-               (r"\.self_attn\.", ".attn."), (r"\.mlp\.up_proj\.", ".mlp.fc_in."),
-               (r"\.mlp\.down_proj\.", ".mlp.fc_out."))
-# OPT's (the MLP's modules sit on the layer: a PEFT name's mlp.fc1 is fc1).
-_OPT_NAMES = ((r"^model\.embed_tokens\.", "model.decoder.embed_tokens."),
-              (r"^model\.embed_positions\.", "model.decoder.embed_positions."),
-              (r"^model\.norm\.", "model.decoder.final_layer_norm."),
-              (r"^model\.layers\.", "model.decoder.layers."),
-              (r"\.input_layernorm\.", ".self_attn_layer_norm."),
-              (r"\.post_attention_layernorm\.", ".final_layer_norm."),
-              (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."), (r"\.mlp\.up_proj\.", ".fc1."),
-              (r"\.mlp\.down_proj\.", ".fc2."), (r"\.mlp\.", "."))
+# The parts of transformers' Llama names that other classes name their own way, in the
+# order their renames apply (`_renames`).
+_LLAMA_PARTS = {"embed_tokens": r"^model\.embed_tokens\.",
+                "embed_positions": r"^model\.embed_positions\.", "norm": r"^model\.norm\.",
+                "layers": r"^model\.layers\.", "lm_head": r"^lm_head\.",
+                "input_layernorm": r"\.input_layernorm\.",
+                "post_attention_layernorm": r"\.post_attention_layernorm\.",
+                "o_proj": r"\.self_attn\.o_proj\.", "qkv": r"\.self_attn\.[qkv]_proj\.",
+                "self_attn": r"\.self_attn\.", "up_proj": r"\.mlp\.up_proj\.",
+                "down_proj": r"\.mlp\.down_proj\.", "mlp": r"\.mlp\."}
+
+
+def _renames(**names: str) -> tuple[tuple[str, str], ...]:
+  """(pattern, replacement) renames from Llama's names to a class's: `names` gives its
+  name of each part of `_LLAMA_PARTS` it names otherwise (qkv: q_proj, k_proj and v_proj,
+  which it fuses; self_attn and mlp: the modules, after their projections), dots and
+  all."""
+  return tuple((pattern, names[part]) for part, pattern in _LLAMA_PARTS.items()
+               if part in names)
+
+
+# GPT-NeoX's (q, k and v in one query_key_value: `_renamed_rows`), Phi's (its final norm
+# named in `_mapping`), GPT-2's (q, k and v in one c_attn, [q; k; v] along its output),
+# Falcon's (ln_attn and ln_mlp for the parallel layers' two norms), GPT-J's, OPT's (the
+# MLP's modules on the layer: a PEFT name's mlp.fc1 is fc1), DBRX's (its experts' rows
+# under their own names, `_dbrx_expert_rows`).
+_GPT_NEOX_NAMES = _renames(
+    embed_tokens="gpt_neox.embed_in.", norm="gpt_neox.final_layer_norm.",
+    layers="gpt_neox.layers.", lm_head="embed_out.", o_proj=".attention.dense.",
+    qkv=".attention.query_key_value.", up_proj=".mlp.dense_h_to_4h.",
+    down_proj=".mlp.dense_4h_to_h.")
+_PHI_NAMES = _renames(o_proj=".self_attn.dense.", up_proj=".mlp.fc1.", down_proj=".mlp.fc2.")
+_GPT2_NAMES = _renames(
+    embed_tokens="transformer.wte.", embed_positions="transformer.wpe.",
+    norm="transformer.ln_f.", layers="transformer.h.", input_layernorm=".ln_1.",
+    post_attention_layernorm=".ln_2.", o_proj=".attn.c_proj.", qkv=".attn.c_attn.",
+    up_proj=".mlp.c_fc.", down_proj=".mlp.c_proj.")
+_FALCON_NAMES = _renames(
+    embed_tokens="transformer.word_embeddings.", norm="transformer.ln_f.",
+    layers="transformer.h.", o_proj=".self_attention.dense.",
+    qkv=".self_attention.query_key_value.", up_proj=".mlp.dense_h_to_4h.",
+    down_proj=".mlp.dense_4h_to_h.")
+_FALCON_TWO_NORMS = _renames(input_layernorm=".ln_attn.", post_attention_layernorm=".ln_mlp.")
+_GPTJ_NAMES = _renames(
+    embed_tokens="transformer.wte.", norm="transformer.ln_f.", layers="transformer.h.",
+    input_layernorm=".ln_1.", o_proj=".attn.out_proj.", self_attn=".attn.",
+    up_proj=".mlp.fc_in.", down_proj=".mlp.fc_out.")
+_OPT_NAMES = _renames(
+    embed_tokens="model.decoder.embed_tokens.", embed_positions="model.decoder.embed_positions.",
+    norm="model.decoder.final_layer_norm.", layers="model.decoder.layers.",
+    input_layernorm=".self_attn_layer_norm.", post_attention_layernorm=".final_layer_norm.",
+    o_proj=".self_attn.out_proj.", up_proj=".fc1.", down_proj=".fc2.", mlp=".")
+_DBRX_NAMES = _renames(
+    embed_tokens="transformer.wte.", norm="transformer.norm_f.", layers="transformer.blocks.",
+    input_layernorm=".norm_attn_norm.norm_1.",
+    post_attention_layernorm=".norm_attn_norm.norm_2.",
+    o_proj=".norm_attn_norm.attn.out_proj.", qkv=".norm_attn_norm.attn.Wqkv.")
 # Classes whose tensors transformers names its own way (not Llama's).
-# DBRX's (its experts' rows under their own names, `_dbrx_expert_rows`).
-_DBRX_NAMES = ((r"^model\.embed_tokens\.", "transformer.wte."),
-               (r"^model\.norm\.", "transformer.norm_f."),
-               (r"^model\.layers\.", "transformer.blocks."),
-               (r"\.input_layernorm\.", ".norm_attn_norm.norm_1."),
-               (r"\.post_attention_layernorm\.", ".norm_attn_norm.norm_2."),
-               (r"\.self_attn\.o_proj\.", ".norm_attn_norm.attn.out_proj."),
-               (r"\.self_attn\.[qkv]_proj\.", ".norm_attn_norm.attn.Wqkv."))
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
                 FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES,
                 GPT_BIGCODE: _GPT2_NAMES, DBRX: _DBRX_NAMES}
