@@ -69,7 +69,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
-              "GPTBigCodeForCausalLM", "DbrxForCausalLM")
+              "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -83,7 +83,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
                   "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
                   "FlexOlmoForCausalLM", "MellumForCausalLM", "Lfm2MoeForCausalLM",
-                  "DbrxForCausalLM",
+                  "DbrxForCausalLM", "CodeGenForCausalLM",
                   "NanoChatForCausalLM")
 
 
@@ -143,7 +143,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo",
                 "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj",
                 "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode",
-                "DbrxForCausalLM": "dbrx"}
+                "DbrxForCausalLM": "dbrx", "CodeGenForCausalLM": "codegen"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -454,6 +454,10 @@ GPT2 = "GPT2LMHeadModel"
 # (`lm_head_bias`); GPT-2's config keys and its own tensor names (transformer.h.N.attn
 # .out_proj, ...).
 GPTJ = "GPTJForCausalLM"
+# CodeGen (CodeGenForCausalLM): GPT-J with q, k and v in one qkv_proj, interleaved across
+# the four model-parallel shards it was trained on (`_codegen_rows`).
+CODEGEN = "CodeGenForCausalLM"
+_GPTJS = (GPTJ, CODEGEN)
 # StarCoder 1 / SantaCoder / WizardCoder / OctoCoder (GPTBigCodeForCausalLM): GPT-2's layers
 # and learned positions, its projections Linear's, q, k and v fused in c_attn as
 # Falcon's query_key_value (`_grouped_qkv_part`): multi_query's one key/value head
@@ -478,7 +482,7 @@ OPT = "OPTForCausalLM"
 _UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
                   "gelu_new": "gelu_tanh_ungated", "gelu_pytorch_tanh": "gelu_tanh_ungated"}
 # Classes with LayerNorms with biases and an MLP of no gate through a GELU (`_UNGATED_GELUS`).
-_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPTJ, GPT_BIGCODE)
+_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPT_BIGCODE) + _GPTJS
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -681,6 +685,9 @@ _CLASS_DEFAULTS = {
                       n_inner=None, activation_function="gelu_pytorch_tanh",
                       layer_norm_epsilon=1e-5, scale_attn_weights=True, multi_query=True,
                       add_cross_attention=False, tie_word_embeddings=True),
+    CODEGEN: dict(vocab_size=50_400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16,
+                  rotary_dim=64, n_inner=None, activation_function="gelu_new",
+                  layer_norm_epsilon=1e-5, tie_word_embeddings=False),
     GPTJ: dict(vocab_size=50_400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16,
                rotary_dim=64, n_inner=None, activation_function="gelu_new",
                layer_norm_epsilon=1e-5, tie_word_embeddings=False),
@@ -1201,7 +1208,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = {**c, "rms_norm_eps": c["layer_norm_eps"],
          "num_key_value_heads": c["num_attention_heads"],
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
-  if lm in (GPT2, GPTJ, GPT_BIGCODE):
+  if lm in (GPT2, GPT_BIGCODE) + _GPTJS:
     c = _gpt2_config(c, lm)
   if lm == OPT:
     c = _opt_config(c)
@@ -2030,7 +2037,7 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   families)."""
   if lm not in _UNGATED_GELU_CLASSES:
     return {}
-  parallel = (lm in (PHI, GPTJ) or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
+  parallel = (lm in (PHI,) + _GPTJS or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
               or (lm == FALCON and c["_parallel_norms"] > 0))
   learned = dict(learned_positions=True, rope_layers=(0,) * int(c["num_hidden_layers"]))
   return dict(layer_norm=True, norm_bias=True,
@@ -2038,7 +2045,8 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
               mlp_activation=_UNGATED_GELUS[c["hidden_act"]], parallel_residual=parallel,
               parallel_mlp_norm=parallel and (lm == GPT_NEOX or (
                   lm == FALCON and c["_parallel_norms"] == 2)),
-              lm_head_bias=lm in (PHI, GPTJ), **(learned if lm in (GPT2, GPT_BIGCODE) else {}))
+              lm_head_bias=lm in (PHI,) + _GPTJS,
+              **(learned if lm in (GPT2, GPT_BIGCODE) else {}))
 
 
 def _falcon_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -2076,12 +2084,15 @@ def _gpt2_config(c: dict[str, Any], lm: str) -> dict[str, Any]:
          "max_position_embeddings": int(c["n_positions"]),
          "intermediate_size": int(c.get("n_inner") or 4 * d),
          "rms_norm_eps": c["layer_norm_epsilon"], "hidden_act": c["activation_function"],
-         "attention_bias": lm != GPTJ}
+         "attention_bias": lm not in _GPTJS}
   if lm == GPT_BIGCODE and c["multi_query"]:
     out["num_key_value_heads"] = 1
-  if lm == GPTJ:
+  if lm == CODEGEN and heads % 4:
+    raise ValueError(f"n_head={heads} in a CodeGen config.json: its qkv_proj interleaves "
+                     "four shards of whole heads, so n_head must be a multiple of 4")
+  if lm in _GPTJS:
     if not c.get("rotary_dim"):
-      raise ValueError("rotary_dim=null in a GPT-J config.json (a rotary embedding as wide "
+      raise ValueError(f"rotary_dim=null in a {lm} config.json (a rotary embedding as wide "
                        "as hidden_size, which transformers cannot apply) is not supported")
     return {**out, "rope_theta": 10_000.0, "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
@@ -2900,7 +2911,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                clip_qkv=cfg.clip_qkv if lm in (OLMO1, DBRX) else None,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
                          lm == OPT and cfg.qkv_bias or
-                         lm in (GPT_NEOX, PHI, GPT2, GPTJ, GPT_BIGCODE) or
+                         lm in (GPT_NEOX, PHI, GPT2, GPT_BIGCODE) + _GPTJS or
                          lm == FALCON and cfg.qkv_bias or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
@@ -2916,8 +2927,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                learned_positions=lm in (GPT2, OPT, GPT_BIGCODE),
                position_offset=2 * (lm == OPT),
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX, FALCON)
-                                  else lm in _COHERES + (COHERE, PHI, GPTJ)),
-               lm_head_bias=lm in (PHI, GPTJ) if cfg.lm_head else cfg.lm_head_bias,
+                                  else lm in _COHERES + (COHERE, PHI) + _GPTJS),
+               lm_head_bias=lm in (PHI,) + _GPTJS if cfg.lm_head else cfg.lm_head_bias,
                parallel_mlp_norm=(cfg.parallel_mlp_norm if lm == FALCON else
                                   lm == GPT_NEOX and cfg.parallel_residual),
                qk_norm_head_weights=lm in (COHERE, STABLELM) and cfg.qk_norm)
@@ -3042,15 +3053,15 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
                      "features")
-  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX, PHI, NEMOTRON, GPTJ)
-             + _GLMS
+  partial = ((PHI3, GLM4_MOE, MINIMAX_M2, BAMBA, STABLELM, GPT_NEOX, PHI, NEMOTRON)
+             + _GPTJS + _GLMS
              + _QWEN3_5S
              + _DEEPSEEKS)
   if lm not in partial and any(r.partial_rotary_factor != 1.0 for r in ropes):
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
-  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, GPTJ,
-             OPT, GPT_BIGCODE, DBRX)
+  if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, OPT,
+             GPT_BIGCODE, DBRX) + _GPTJS
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -3067,11 +3078,14 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm in (OLMO1, DBRX) and cfg.norm_eps != 1e-5:
     raise ValueError(f"norm_eps={cfg.norm_eps} cannot be written as {cfg.architecture}, "
                      "whose LayerNorms' eps is 1e-5")
-  if lm == GPTJ and any((r.type, r.theta) != ("default", 10_000.0) for r in ropes):
+  if lm == CODEGEN and cfg.num_heads % 4:
+    raise ValueError(f"num_heads={cfg.num_heads} cannot be written as {cfg.architecture}, "
+                     "whose qkv_proj interleaves four shards of whole heads")
+  if lm in _GPTJS and any((r.type, r.theta) != ("default", 10_000.0) for r in ropes):
     raise ValueError(f"rope type {cfg.rope.type!r} at theta {cfg.rope.theta} cannot be "
                      f"written as {cfg.architecture}, whose rotary embedding is the default "
                      "one at base 10000")
-  if lm in (GPT_NEOX, GPT2, GPTJ, OPT) and cfg.num_kv_heads != cfg.num_heads:
+  if lm in (GPT_NEOX, GPT2, OPT) + _GPTJS and cfg.num_kv_heads != cfg.num_heads:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
@@ -3081,7 +3095,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
-  if lm in _LFM2S + _ERNIES + (GPTJ, DBRX) and cfg.qkv_bias:
+  if lm in _LFM2S + _ERNIES + _GPTJS + (DBRX,) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
@@ -3232,7 +3246,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                _remove_final_layer_norm=False, enable_bias=cfg.qkv_bias,
                layer_norm_elementwise_affine=not cfg.norm_weightless,
                activation_function="relu", dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
-  if lm == GPTJ:
+  if lm in _GPTJS:
     out.update(n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
                n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_dim,
                rotary_dim=rope.rotary_dim(cfg.head_dim), layer_norm_epsilon=cfg.norm_eps,
@@ -3874,7 +3888,8 @@ _DBRX_NAMES = _renames(
 # Classes whose tensors transformers names its own way (not Llama's).
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
                 FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES,
-                GPT_BIGCODE: _GPT2_NAMES, DBRX: _DBRX_NAMES}
+                GPT_BIGCODE: _GPT2_NAMES, DBRX: _DBRX_NAMES,
+                CODEGEN: _renames(qkv=".attn.qkv_proj.") + _GPTJ_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -3895,6 +3910,9 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
     if fused and lm in (GPT_NEOX, FALCON, GPT_BIGCODE):  # NeoX's: a group a query head
       to_ours, to_hf = _grouped_qkv_part((to_ours, to_hf), fused[1], k, n // k, h)
+    elif fused and lm == CODEGEN:
+      to_ours, to_hf = _indexed_part((to_ours, to_hf), _codegen_rows(cfg, fused[1]),
+                                     3 * n * h)
     elif fused and lm in (GPT2, DBRX):  # [q; k; v]
       start, size = {"q": (0, n * h), "k": (n * h, k * h), "v": ((n + k) * h, k * h)}[fused[1]]
       to_ours, to_hf = _fused_part((to_ours, to_hf), start, size, (n + 2 * k) * h)
@@ -3903,6 +3921,29 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
       to_ours, to_hf = _transposed((to_ours, to_hf))
     out.append((ours, name, to_ours, to_hf, shape))
   return out
+
+
+def _codegen_rows(cfg: ModelConfig, part: str) -> np.ndarray:
+  """The rows of CodeGen's qkv_proj [3 D, D] that hold q, k or v (`part`) in our head
+  order: four model-parallel shards, each its quarter of the heads' q, then v, then k."""
+  local = cfg.num_heads * cfg.head_dim // 4
+  offset = "qvk".index(part) * local
+  return (np.arange(4)[:, None] * 3 * local + offset + np.arange(local)[None]).reshape(-1)
+
+
+def _indexed_part(inner: tuple[Transform, Transform], index: np.ndarray, total: int
+                  ) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of rows `index` of a fused HF tensor of `total` rows,
+  `inner` mapping those rows (in that order) to ours. The HF side holds zeros in the
+  other rows: the parts of one tensor add up to it."""
+  to_ours, to_hf = inner
+
+  def part_to_hf(x):
+    rows = to_hf(x)
+    out = np.zeros((total, *rows.shape[1:]), rows.dtype)
+    out[index] = rows
+    return out
+  return (lambda x: to_ours(x[index])), part_to_hf
 
 
 def _class_name(cfg: ModelConfig, name: str) -> str:
@@ -4285,7 +4326,7 @@ def _latent_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
 
 
 # Classes whose rotary embedding rotates interleaved pairs (2i, 2i + 1) of each head.
-_INTERLEAVED = (LLAMA4, COHERE, HELIUM, GPTJ) + _GLMS + _COHERES + _ERNIES
+_INTERLEAVED = (LLAMA4, COHERE, HELIUM) + _GPTJS + _GLMS + _COHERES + _ERNIES
 
 
 def _permuted_rows(inner: Callable[[int], tuple[Transform, Transform]], h: int,
@@ -4522,9 +4563,9 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE, DBRX):
-    fused = ("c_attn" if _causal_lm(cfg.architecture) in (GPT2, GPT_BIGCODE) else
-             "Wqkv" if _causal_lm(cfg.architecture) == DBRX else "query_key_value")
+  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE, DBRX, CODEGEN):
+    fused = {GPT2: "c_attn", GPT_BIGCODE: "c_attn", DBRX: "Wqkv", CODEGEN: "qkv_proj"}.get(
+        _causal_lm(cfg.architecture), "query_key_value")
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused {fused} "
                      "(one A shared by q, k and v), which our "
                      "per-projection adapters are not: they are neither read nor written; "
@@ -4726,6 +4767,7 @@ def _peft_module(cfg: ModelConfig, target: str) -> str:
            NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"},
            PHI: {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"},
            GPTJ: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"},
+           CODEGEN: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"},
            OPT: {"o_proj": "out_proj", "up_proj": "fc1", "down_proj": "fc2"}}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
