@@ -2092,8 +2092,10 @@ def _gpt2_config(c: dict[str, Any], lm: str) -> dict[str, Any]:
                      "four shards of whole heads, so n_head must be a multiple of 4")
   if lm in _GPTJS:
     if not c.get("rotary_dim"):
-      raise ValueError(f"rotary_dim=null in a {lm} config.json (a rotary embedding as wide "
-                       "as hidden_size, which transformers cannot apply) is not supported")
+      family = "GPT-J" if lm == GPTJ else "CodeGen"
+      raise ValueError(f"rotary_dim=null in a {family} config.json (a rotary embedding as "
+                       "wide as hidden_size, which transformers cannot apply) is not "
+                       "supported")
     return {**out, "rope_theta": 10_000.0, "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
                                 "partial_rotary_factor": int(c["rotary_dim"]) / (d // heads)}}
