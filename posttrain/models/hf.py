@@ -69,7 +69,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "Lfm2MoeForCausalLM", "NanoChatForCausalLM", "GPTNeoXForCausalLM",
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
-              "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM")
+              "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM",
+              "VaultGemmaForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -83,7 +84,7 @@ _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCa
                   "Cohere2MoeForCausalLM", "CohereForCausalLM", "SolarOpenForCausalLM",
                   "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
                   "FlexOlmoForCausalLM", "MellumForCausalLM", "Lfm2MoeForCausalLM",
-                  "DbrxForCausalLM", "CodeGenForCausalLM",
+                  "DbrxForCausalLM", "CodeGenForCausalLM", "VaultGemmaForCausalLM",
                   "NanoChatForCausalLM")
 
 
@@ -143,7 +144,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GPT2LMHeadModel": "gpt2", "OlmoForCausalLM": "olmo",
                 "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj",
                 "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode",
-                "DbrxForCausalLM": "dbrx", "CodeGenForCausalLM": "codegen"}
+                "DbrxForCausalLM": "dbrx", "CodeGenForCausalLM": "codegen",
+                "VaultGemmaForCausalLM": "vaultgemma"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -772,15 +774,26 @@ _CLASS_DEFAULTS = {
                    rms_norm_eps=1e-6, max_position_embeddings=524_288)}
 # Gemma: (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU; 2 and 3 add sandwich norms,
 # query_pre_attn_scalar, soft caps (2) and sliding-window layers; 3 adds q/k norms and a
-# rotary embedding of its own for the sliding layers.
-GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_SANDWICHED = GEMMAS[1:]
+# rotary embedding of its own for the sliding layers. VaultGemma (VaultGemmaForCausalLM):
+# Gemma 2 without its norms of the sublayers' outputs (input_layernorm and
+# pre_feedforward_layernorm alone).
+VAULTGEMMA = "VaultGemmaForCausalLM"
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", VAULTGEMMA)
+_SANDWICHED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA2S = _SANDWICHED + (VAULTGEMMA,)  # Gemma 2's options: soft caps, windows, scalar
+_CLASS_DEFAULTS[VAULTGEMMA] = dict(
+    vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, attention_bias=False)
 # HF's defaults where a config.json leaves a Gemma field out.
 _GEMMA_DEFAULTS = {
     "GemmaForCausalLM": dict(max_position_embeddings=8192),
     "Gemma2ForCausalLM": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                               query_pre_attn_scalar=256, sliding_window=4096, pattern=2,
                               max_position_embeddings=8192),
+    VAULTGEMMA: dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                     query_pre_attn_scalar=256, sliding_window=4096, pattern=2,
+                     max_position_embeddings=8192),
     "Gemma3ForCausalLM": dict(attn_logit_softcapping=None, final_logit_softcapping=None,
                               query_pre_attn_scalar=256, sliding_window=4096, pattern=6,
                               max_position_embeddings=131_072)}
@@ -1820,6 +1833,7 @@ _FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
 # Mixtral none.
 _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", MELLUM,
                    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", LLAMA4,
+                   VAULTGEMMA,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
                    ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON, OPT,
                    GPT_BIGCODE)
@@ -2221,7 +2235,8 @@ def _gemma_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   window = get("sliding_window")
   if window is None and "sliding_attention" in layer_types:
     layer_types = ["full_attention"] * len(layer_types)
-  out.update(sandwich_norms=True, query_pre_attn_scalar=get("query_pre_attn_scalar"),
+  out.update(sandwich_norms=lm in _SANDWICHED,
+             query_pre_attn_scalar=get("query_pre_attn_scalar"),
              attn_logit_softcap=get("attn_logit_softcapping"),
              final_logit_softcap=get("final_logit_softcapping"),
              sliding_window=None if window is None else int(window),
@@ -2938,7 +2953,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     if getattr(cfg, name) != value:
       raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
                        f"{cfg.architecture}, which always has {name}={value!r}")
-  if lm not in _SANDWICHED:
+  if lm not in _GEMMA2S:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
                           MINISTRAL, CWM, MELLUM) + _COHERES + _SWAS)
@@ -3100,7 +3115,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm in _LFM2S + _ERNIES + _GPTJS + (DBRX,) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
-  if lm == "Gemma2ForCausalLM" and cfg.rope_local not in (None, cfg.rope):
+  if lm in ("Gemma2ForCausalLM", VAULTGEMMA) and cfg.rope_local not in (None, cfg.rope):
     raise ValueError(f"rope_local cannot be written as {cfg.architecture}, whose layers "
                      "share one rotary embedding; Gemma3ForCausalLM holds it")
 
@@ -3339,7 +3354,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(use_sliding_window=True, sliding_window=cfg.sliding_window,
                max_window_layers=kinds.index(True) if True in kinds else cfg.num_layers,
                layer_types=["sliding_attention" if s else "full_attention" for s in kinds])
-  if lm in _SANDWICHED:
+  if lm in _GEMMA2S:
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     # An int where it is one: transformers' strict config classes type the field so.
     out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
@@ -3670,6 +3685,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
               ("mlp_out_norm", "post_feedforward_layernorm")]
   elif _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1):
     norms += [("post_attn_norm", "pre_ff_layernorm")]
+  elif _causal_lm(cfg.architecture) == VAULTGEMMA:
+    norms += [("post_attn_norm", "pre_feedforward_layernorm")]
   else:
     norms += [("post_attn_norm", "post_attention_layernorm")]
   fused = _causal_lm(cfg.architecture) == PHI3
