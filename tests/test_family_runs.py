@@ -6,10 +6,13 @@ Falcon-H1, an LFM2 (short convolutions), a Ministral 3 (queries scaled by positi
 OLMoE, an EXAONE 4, two Gemma 4s (full layers of their own widths, experts beside the
 dense MLP; per-layer embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2
 (an output bias), a Pythia (q, k and v fused head by head), a GPT-2 (learned positions),
-a Falcon-40B (grouped keys), a DBRX (clamped q, k and v, stacked experts) and a Phi-3
-(LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with
-rollouts through the sampler, checkpoints, and the final checkpoint exported as a folder
-that transformers loads into the same class and computes our logits with."""
+a Falcon-40B (grouped keys), a DBRX (clamped q, k and v, stacked experts), an OPT
+(learned positions past two unread rows), a GPT-J (interleaved partial rotation, an
+output bias), an OLMo 1.7 (LayerNorms without parameters), a Minitron (LayerNorm1P), a
+VaultGemma (Gemma 2 without output norms) and a Phi-3 (LongRoPE, partial rotary) Hugging
+Face folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints,
+and the final checkpoint exported as a folder that transformers loads into the same class
+and computes our logits with."""
 
 import jax
 import numpy as np
@@ -232,6 +235,29 @@ FAMILIES = {
     "dbrx": dict(architecture="DbrxForCausalLM", head_dim=8, layer_norm=True, norm_eps=1e-5,
                  clip_qkv=2.0, tie_embeddings=False, num_experts=4, num_experts_per_tok=2,
                  ffn_dim=32),
+    # OPT: learned positions past its table's two unread rows, an ungated ReLU MLP.
+    "opt": dict(architecture="OPTForCausalLM", head_dim=8, num_kv_heads=4, layer_norm=True,
+                norm_bias=True, mlp_bias=True, qkv_bias=True, attn_out_bias=True,
+                learned_positions=True, position_offset=2, rope_layers=(0, 0),
+                mlp_activation="relu_ungated", norm_eps=1e-5),
+    # GPT-J: interleaved partial rotation (reordered on load), an output bias.
+    "gptj": dict(architecture="GPTJForCausalLM", d_model=64, head_dim=16, num_kv_heads=4,
+                 layer_norm=True, norm_bias=True, mlp_bias=True, parallel_residual=True,
+                 lm_head_bias=True, tie_embeddings=False, mlp_activation="gelu_tanh_ungated",
+                 rope=models.RopeConfig(partial_rotary_factor=0.5)),
+    # OLMo 1.7: LayerNorms without parameters, q, k and v clamped.
+    "olmo1": dict(architecture="OlmoForCausalLM", layer_norm=True, norm_weightless=True,
+                  clip_qkv=2.0, norm_eps=1e-5),
+    # Minitron: LayerNorm1P, an ungated relu^2 MLP, half of each head rotated.
+    "nemotron": dict(architecture="NemotronForCausalLM", layer_norm=True, norm_bias=True,
+                     norm_unit_offset=True, mlp_activation="relu2", tie_embeddings=False,
+                     rope=models.RopeConfig(partial_rotary_factor=0.5)),
+    # VaultGemma: Gemma 2's soft caps and sliding layer without its output norms.
+    "vaultgemma": dict(architecture="VaultGemmaForCausalLM", norm_unit_offset=True,
+                       embed_scale=True, mlp_activation="gelu_tanh", sliding_window=8,
+                       layer_types=("sliding_attention", "full_attention"),
+                       attn_logit_softcap=30.0, final_logit_softcap=20.0,
+                       query_pre_attn_scalar=32.0),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),
