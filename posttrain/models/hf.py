@@ -781,6 +781,15 @@ VAULTGEMMA = "VaultGemmaForCausalLM"
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", VAULTGEMMA)
 _SANDWICHED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _GEMMA2S = _SANDWICHED + (VAULTGEMMA,)  # Gemma 2's options: soft caps, windows, scalar
+# Classes whose config keys transformers also reads under Llama's names (attribute_map;
+# where a config.json says both, Llama's name wins): Llama's name -> the class's own.
+_GPT2_KEYS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
+              "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}
+_CONFIG_ALIASES = {GPT2: _GPT2_KEYS, GPTJ: _GPT2_KEYS, CODEGEN: _GPT2_KEYS,
+                   GPT_BIGCODE: _GPT2_KEYS,
+                   DBRX: {"hidden_size": "d_model", "num_attention_heads": "n_heads",
+                          "num_hidden_layers": "n_layers",
+                          "max_position_embeddings": "max_seq_len"}}
 _CLASS_DEFAULTS[VAULTGEMMA] = dict(
     vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
@@ -1209,7 +1218,9 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     cfg = (_nemotron_h_from_hf(c) if lm == NEMOTRON_H else _lfm2_from_hf(c, lm)
            if lm in _LFM2S else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
-  c = {**_CLASS_DEFAULTS.get(lm, {}), **c}
+  aliases = _CONFIG_ALIASES.get(lm, {})  # Llama's names of its keys win, as transformers'
+  c = {**_CLASS_DEFAULTS.get(lm, {}), **c,
+       **{own: c[alias] for alias, own in aliases.items() if alias in c}}
   if lm == STARCODER2:  # its eps's name; use_bias for every projection
     c = {**c, "rms_norm_eps": c["norm_epsilon"], "attention_bias": bool(c["use_bias"])}
   if lm in (JAIS2, NEMOTRON):  # their eps's names

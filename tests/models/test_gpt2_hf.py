@@ -174,3 +174,19 @@ def test_defaults_are_transformers():
       default.vocab_size, default.n_embd, 4 * default.n_embd, default.n_layer,
       default.n_head, default.layer_norm_epsilon, default.n_positions,
       default.tie_word_embeddings)
+
+
+def test_transformers_aliases_of_its_keys_are_read():
+  """GPT2Config takes hidden_size, num_attention_heads, num_hidden_layers and
+  max_position_embeddings for n_embd, n_head, n_layer and n_positions: a config.json that
+  says those reads as transformers reads it (they win where its own names stand too)."""
+  aliased = {"architectures": ["GPT2LMHeadModel"], "hidden_size": 64,
+             "num_attention_heads": 4, "num_hidden_layers": 3, "max_position_embeddings": 48}
+  want = transformers.GPT2Config(**aliased)
+  cfg = models.hf_config_to_model_config(aliased)
+  assert (cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.max_position_embeddings,
+          cfg.ffn_dim) == (want.n_embd, want.n_head, want.n_layer, want.n_positions,
+                           4 * want.n_embd)
+  both = {**aliased, "n_embd": 32, "n_head": 2}
+  assert (transformers.GPT2Config.from_dict(both).n_embd,
+          models.hf_config_to_model_config(both).d_model) == (64, 64)
