@@ -3978,9 +3978,10 @@ def _indexed_part(inner: tuple[Transform, Transform], index: np.ndarray, total: 
 
 def _class_name(cfg: ModelConfig, name: str) -> str:
   """Llama's name of a tensor (or module, ending in a dot) under its class's own
-  (`_CLASS_NAMES`; Falcon's two parallel norms ln_attn and ln_mlp)."""
+  (`_CLASS_NAMES`; Falcon's two parallel norms ln_attn and ln_mlp; other classes' as it
+  is)."""
   lm = _causal_lm(cfg.architecture)
-  renames = _CLASS_NAMES[lm] + (_FALCON_TWO_NORMS if lm == FALCON and cfg.parallel_mlp_norm
+  renames = _CLASS_NAMES.get(lm, ()) + (_FALCON_TWO_NORMS if lm == FALCON and cfg.parallel_mlp_norm
                                 else ())
   return functools.reduce(lambda s, rename: re.sub(*rename, s), renames, name)
 
@@ -4666,8 +4667,7 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
       b_maps = _key_group_b(cfg, t, r)
     ours = layer_path(cfg, i) + owner
     peft = f"base_model.model.model.layers.{i}.{module}.{_peft_module(cfg, t)}."
-    if _causal_lm(cfg.architecture) in _CLASS_NAMES:  # the class's own names (GPT-J's)
-      peft = "base_model.model." + _class_name(cfg, peft[len("base_model.model."):])
+    peft = "base_model.model." + _class_name(cfg, peft[len("base_model.model."):])
     if _causal_lm(cfg.architecture) == NEMOTRON_H:  # each layer's one sublayer: its mixer
       shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
       peft = f"base_model.model.model.layers.{i}.mixer.{shared}{t}."
@@ -5214,11 +5214,11 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
                or n.startswith(named("model.x")[:-1])}
   # Tied checkpoints sometimes carry a copy of the embedding as lm_head; a reward model
   # started from a causal LM does not read its lm_head.
-  # (Phi's lm_head.bias too, unread without an lm_head.)
-  head = ({"embed_out.weight"} if _causal_lm(cfg.architecture) == GPT_NEOX else
-          {"lm_head.weight", "lm_head.bias"} if cfg.lm_head_bias else {"lm_head.weight"})
+  # (Phi's lm_head.bias too, unread without an lm_head; the class's own name of it.)
+  head = ["lm_head.weight"] + ["lm_head.bias"] * cfg.lm_head_bias
   _check_names(f"checkpoint {path}", present, {r[1] for r in rows},
-               {named(n) for n in head} if cfg.tie_embeddings or not cfg.lm_head else set())
+               {named(_class_name(cfg, n)) for n in head}
+               if cfg.tie_embeddings or not cfg.lm_head else set())
   sources = [(files, rows, mxfp4, fp8, bnb, ints)]
   if adapter is not None:
     adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
