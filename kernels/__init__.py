@@ -1,7 +1,7 @@
 """Attention kernels for JAX: reference, chunked, Pallas flash, ring and decode attention
 (over a contiguous KV cache, a sliding window's ring buffer, or a paged cache), every one
-with segment ids, soft caps, sliding windows and attention sinks; and the grouped matmul
-of a mixture of experts.
+with segment ids, soft caps, sliding windows, attention sinks and ALiBi (`alibi_slopes`);
+and the grouped matmul of a mixture of experts.
 
 Imports jax only. Backends are chosen at call time, never at import: `import kernels`
 initialises no device and imports no Pallas GPU / TPU lowering.

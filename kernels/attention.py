@@ -49,7 +49,8 @@ def dot_product_attention(q, k, v, *, implementation: str | None = None,
                           causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
                           sm_scale: float | None = None,
                           logits_soft_cap: float | None = None,
-                          sliding_window: int | None = None, sinks=None, **options):
+                          sliding_window: int | None = None, sinks=None,
+                          alibi_slopes=None, **options):
   """Scaled dot-product attention with one contract for every backend.
 
   Args:
@@ -67,6 +68,9 @@ def dot_product_attention(q, k, v, *, implementation: str | None = None,
     sliding_window: if set, a query sees only keys less than this many positions back.
     sinks: optional float [heads], attention-sink logits (gpt-oss): each query's
       softmax also holds exp(sinks[h]) with a zero value; differentiable.
+    alibi_slopes: optional float [heads], ALiBi's slopes (BLOOM, MPT, Falcon-RW): each
+      logit gains -slopes[h] * |q_pos - kv_pos| after the scale and soft cap; constants,
+      with no gradient (see `kernels.reference`).
     **options: implementation-specific tuning, e.g. `block_q`, `block_kv`, `interpret`
       (pallas) or `chunk_size` (chunked).
 
@@ -78,7 +82,7 @@ def dot_product_attention(q, k, v, *, implementation: str | None = None,
   kwargs = dict(causal=causal, q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids, sm_scale=sm_scale,
                 logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks,
-                **options)
+                alibi_slopes=alibi_slopes, **options)
   if implementation == "reference":
     from kernels.reference import reference_attention
     return reference_attention(q, k, v, **kwargs)
@@ -110,7 +114,8 @@ def _axis_size(mesh, axes) -> int:
 
 
 def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attention=None,
-                      q_segment_ids=None, kv_segment_ids=None, sinks=None, **kwargs):
+                      q_segment_ids=None, kv_segment_ids=None, sinks=None,
+                      alibi_slopes=None, **kwargs):
   """Attention on global arrays, each device running the kernel on its own shard.
 
   XLA cannot partition a Pallas kernel: under `jit` on a multi-device mesh a Mosaic (TPU)
@@ -122,9 +127,9 @@ def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attenti
   or, when a device's query heads would straddle two kv groups, heads are not split.
 
   Args:
-    q, k, v, q_segment_ids, kv_segment_ids, sinks, **kwargs: as in
+    q, k, v, q_segment_ids, kv_segment_ids, sinks, alibi_slopes, **kwargs: as in
       `dot_product_attention` (global shapes; the length is never split: use
-      `ring_attention_sharded` for that). The sinks split with the heads.
+      `ring_attention_sharded` for that). The sinks and slopes split with the heads.
     mesh: a `jax.sharding.Mesh`.
     batch_axis, head_axis: mesh axes (a name, a tuple of names or None) that split the
       batch and the query heads; they must divide batch and heads.
@@ -136,14 +141,14 @@ def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attenti
   """
   from jax.sharding import PartitionSpec as P
   attention = dot_product_attention if attention is None else attention
-  if sinks is not None:
-    kwargs["sinks"] = sinks
+  per_head = {name: x for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes))
+              if x is not None}  # [heads] arrays, split with the heads
   if mesh is None or mesh.size == 1:
     return attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                     **kwargs)
+                     **kwargs, **per_head)
   from kernels.reference import check_attention_inputs
-  check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, sinks=sinks)
-  kwargs.pop("sinks", None)
+  check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, sinks=sinks,
+                         alibi_slopes=alibi_slopes)
   heads, kv_heads = q.shape[2], k.shape[2]
   n_batch, n_heads = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
   if q.shape[0] % n_batch:
@@ -167,14 +172,14 @@ def sharded_attention(q, k, v, *, mesh, batch_axis=None, head_axis=None, attenti
       size = max(local_heads // group, 1)
       k = jax.lax.dynamic_slice_in_dim(k, first, size, axis=2)
       v = jax.lax.dynamic_slice_in_dim(v, first, size, axis=2)
-    extra = {} if sinks is None else {"sinks": rest[0]}
-    segments = rest[sinks is not None:]
+    extra = dict(zip(per_head, rest))
+    segments = rest[len(per_head):]
     q_seg, kv_seg = segments if segments else (None, None)
     return attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs, **extra)
 
   args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
-  if sinks is not None:  # split with the query heads
-    args.append(sinks)
+  for x in per_head.values():  # split with the query heads
+    args.append(x)
     specs.append(P(head_axis))
   if q_segment_ids is not None:
     args += [q_segment_ids, kv_segment_ids]

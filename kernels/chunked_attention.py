@@ -98,8 +98,10 @@ def _extent(pos, valid_len, chunk):
 
 
 def blockwise_attention_fwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
-                            kv_positions, params: MaskParams, q_chunk: int, kv_chunk: int):
-  """Forward pass. Returns out [b, q_len, h, d] f32 and lse [b, q_len, h] f32."""
+                            kv_positions, params: MaskParams, q_chunk: int, kv_chunk: int,
+                            alibi_slopes=None):
+  """Forward pass. Returns out [b, q_len, h, d] f32 and lse [b, q_len, h] f32.
+  `alibi_slopes` [heads]: ALiBi's bias by the given positions (None: none)."""
   b, tq, h, d = q.shape
   tk = k.shape[1]
   cq, ck = min(q_chunk, tq), min(kv_chunk, tk)
@@ -117,7 +119,8 @@ def blockwise_attention_fwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
         o, lse = reference.attention_block(
             qc, kc, vc, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
             kv_segment_ids=kv_seg, causal=params.causal, sm_scale=params.sm_scale,
-            logits_soft_cap=params.logits_soft_cap, sliding_window=params.sliding_window)
+            logits_soft_cap=params.logits_soft_cap, sliding_window=params.sliding_window,
+            alibi_slopes=alibi_slopes)
         return reference.merge_attention(*carry, o, lse)
 
       visible = _chunk_visible(lo, hi, kv_lo_c, kv_hi_c, params)
@@ -135,7 +138,7 @@ def blockwise_attention_fwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
 
 def blockwise_attention_bwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
                             kv_positions, dout, lse, delta, params: MaskParams,
-                            q_chunk: int, kv_chunk: int):
+                            q_chunk: int, kv_chunk: int, alibi_slopes=None):
   """Backward pass given the final lse and delta = sum(dout * out, -1); f32 grads."""
   tq, tk = q.shape[1], k.shape[1]
   cq, ck = min(q_chunk, tq), min(kv_chunk, tk)
@@ -157,7 +160,7 @@ def blockwise_attention_bwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
             qc, kc, vc, do, lse_q, delta_q, q_positions=q_pos, kv_positions=kv_pos,
             q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=params.causal,
             sm_scale=params.sm_scale, logits_soft_cap=params.logits_soft_cap,
-            sliding_window=params.sliding_window)
+            sliding_window=params.sliding_window, alibi_slopes=alibi_slopes)
 
       def skip(_):
         zeros_kv = jax.lax.full_like(kc, 0.0, jnp.float32)
@@ -178,29 +181,32 @@ def blockwise_attention_bwd(q, k, v, q_segment_ids, kv_segment_ids, q_positions,
   return _unchunk(dq)[:, :tq], _unchunk(dk)[:, :tk], _unchunk(dv)[:, :tk]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _chunked(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, params, q_chunk, kv_chunk):
-  return _chunked_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, params, q_chunk,
-                      kv_chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _chunked(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, slopes, params, q_chunk,
+             kv_chunk):
+  return _chunked_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, slopes, params,
+                      q_chunk, kv_chunk)[0]
 
 
-def _chunked_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, params, q_chunk, kv_chunk):
+def _chunked_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, slopes, params, q_chunk,
+                 kv_chunk):
   out, lse = blockwise_attention_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, params,
-                                     q_chunk, kv_chunk)
+                                     q_chunk, kv_chunk, slopes)
   # With sinks the backward reads the lse and output with them (`add_sinks`).
   out, lse = reference.add_sinks(out, lse, sinks)
   out = out.astype(q.dtype)
-  return out, (q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, out, lse)
+  return out, (q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, slopes, out, lse)
 
 
 def _chunked_bwd(params, q_chunk, kv_chunk, res, dout):
-  q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, out, lse = res
+  q, k, v, q_seg, kv_seg, q_pos, kv_pos, sinks, slopes, out, lse = res
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   dq, dk, dv = blockwise_attention_bwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, dout, lse,
-                                       delta, params, q_chunk, kv_chunk)
+                                       delta, params, q_chunk, kv_chunk, slopes)
   dsinks = None if sinks is None else reference.sinks_grad(sinks, lse, delta)
+  # ALiBi's slopes are constants: no gradient.
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
-          None, dsinks)
+          None, dsinks, None)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -211,14 +217,15 @@ def chunked_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                       logits_soft_cap: float | None = None,
                       sliding_window: int | None = None, q_positions=None,
                       kv_positions=None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      q_chunk_size: int | None = None, sinks=None):
+                      q_chunk_size: int | None = None, sinks=None, alibi_slopes=None):
   """Memory-efficient attention in plain JAX (scan over chunks, online softmax).
 
   Args:
     q: [batch, q_len, heads, head_dim].
     k, v: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0.
     causal, q_segment_ids, kv_segment_ids, sm_scale, logits_soft_cap, sliding_window,
-      q_positions, kv_positions, sinks: as in `kernels.reference_attention`.
+      q_positions, kv_positions, sinks, alibi_slopes: as in
+      `kernels.reference_attention`.
     chunk_size: keys per chunk; lengths need not be multiples (padded and masked).
     q_chunk_size: queries per chunk, defaults to chunk_size.
 
@@ -228,7 +235,8 @@ def chunked_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
   """
   reference.check_attention_inputs(
       q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
-      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks,
+      alibi_slopes=alibi_slopes)
   q_chunk_size = chunk_size if q_chunk_size is None else q_chunk_size
   for name, value in (("chunk_size", chunk_size), ("q_chunk_size", q_chunk_size)):
     if int(value) != value or value < 1:
@@ -238,5 +246,5 @@ def chunked_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                       sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
                       logits_soft_cap=logits_soft_cap,
                       sliding_window=None if sliding_window is None else int(sliding_window))
-  return _chunked(q, k, v, q_segment_ids, kv_segment_ids, q_pos, kv_pos, sinks, params,
-                  int(q_chunk_size), int(chunk_size))
+  return _chunked(q, k, v, q_segment_ids, kv_segment_ids, q_pos, kv_pos, sinks,
+                  alibi_slopes, params, int(q_chunk_size), int(chunk_size))

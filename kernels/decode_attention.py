@@ -111,12 +111,13 @@ def _elementwise_default() -> bool | str:
 
 
 def _block(q, k, v, valid, *, sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout,
-           elementwise):
+           elementwise, bias=None):
   """One cache block: q [b, tq, h, d] against k, v in `kv_layout` with `ck` slots.
 
   valid [b, tq, ck] says which (query, slot) pairs attend; scales are f32
-  [b or 1, kv_heads, ck or 1] or None. Returns (out [b, tq, h, d] f32 normalised over this
-  block, lse [b, tq, h] f32, -inf where a query sees no slot of the block).
+  [b or 1, kv_heads, ck or 1] or None; bias (ALiBi's, `reference.alibi_bias`) is f32
+  [b or 1, kv_heads, group, tq, ck] or None. Returns (out [b, tq, h, d] f32 normalised
+  over this block, lse [b, tq, h] f32, -inf where a query sees no slot of the block).
   """
   b, tq, h, d = q.shape
   heads_major = kv_layout == "bksh"
@@ -140,6 +141,8 @@ def _block(q, k, v, valid, *, sm_scale, logits_soft_cap, k_scale, v_scale, kv_la
   if k_scale is not None:
     s = s * k_scale[:, :, None, None, :]
   s = reference.soft_cap(s * sm_scale, logits_soft_cap)
+  if bias is not None:
+    s = s + bias
   s = jnp.where(valid[:, None, None], s, reference.NEG_INF)
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -173,7 +176,8 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                      sliding_window: int | None = None,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, kv_layout: str = "bskh",
                      elementwise: bool | str | None = None, finite_tail: bool = False,
-                     layer=None, ring: bool = False, sinks=None, local_chunk=None):
+                     layer=None, ring: bool = False, sinks=None, local_chunk=None,
+                     alibi_slopes=None):
   """Attention of the newest tokens of each row against its KV cache.
 
   Args:
@@ -215,6 +219,9 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
       While lengths[b] <= max_len it reads as the plain cache.
     sinks: optional float [heads] attention-sink logits, as in
       `kernels.reference_attention`.
+    alibi_slopes: optional float [heads], ALiBi's slopes, as in
+      `kernels.reference_attention`: the bias is by the queries' positions above and
+      each slot's position (a ring's newest position in the slot).
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
@@ -223,7 +230,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   stacked = layer is not None
   _check(q, k_cache, v_cache, lengths, k_scale, v_scale, kv_layout, stacked, ring=ring,
          sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-         sinks=sinks, local_chunk=local_chunk)
+         sinks=sinks, local_chunk=local_chunk, alibi_slopes=alibi_slopes)
   if int(chunk_size) != chunk_size or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
   if not (elementwise is None or isinstance(elementwise, bool) or elementwise == "values"):
@@ -231,6 +238,7 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
   b, tq, h, d = q.shape
   axis = _slot_axis(kv_layout)
   max_len = k_cache.shape[axis + int(stacked)]
+  kv_heads = k_cache.shape[int(stacked) + (2 if kv_layout == "bskh" else 1)]
   ck = min(int(chunk_size), max_len)
   scales = [None if s is None else _normalise_scale(s, n, k_cache, kv_layout, stacked)
             for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
@@ -276,8 +284,10 @@ def decode_attention(q, k_cache, v_cache, *, lengths, k_scale=None, v_scale=None
                 for s in scales]
     if v_s is not None:
       v_s = jnp.where(slot_ok[:, None, :], v_s, 0.0)
+    bias = (None if alibi_slopes is None else
+            reference.alibi_bias(alibi_slopes, q_pos, kv_pos, kv_heads))
     return _block(q, cut(k_cache, start, ck, axis), v, valid, k_scale=k_s, v_scale=v_s,
-                  **params)
+                  bias=bias, **params)
 
   if ck == max_len:  # one block: no loop, no per-block branch
     out, lse = attend_block(0, 0)

@@ -35,6 +35,13 @@ kv-major, k @ q.T, so no computed tile is ever transposed). On GPU,
 `dq_atomic` folds dq into the dk/dv kernel with atomic adds; on TPU `fused_bwd` has the
 dk/dv kernel write one dq partial per kv block, which XLA sums. Off TPU/GPU both families
 run in Pallas interpret mode, which is what the CPU tests exercise.
+
+ALiBi (`alibi_slopes`) is one more operand, the slopes times log2 e (f32 [heads]): in
+SMEM on TPU (a scalar read per grid step), a whole small block on GPU (a scalar load per
+program or per head of the group). Every visited block, masked or fully visible, adds
+-slope * |q_pos - kv_pos| to its base-2 logits, positions computed as the mask's are. A
+call without ALiBi compiles as before (`_Config.alibi` False: no operand). The Mosaic GPU
+kernels have no ALiBi: calls with it run Triton.
 """
 from __future__ import annotations
 
@@ -94,6 +101,8 @@ class _Config:
   logits_soft_cap: float | None
   sliding_window: int | None
   segments: bool
+  # ALiBi: the kernels take the slopes (times log2 e) as one more operand, f32 [heads]
+  alibi: bool = False
   num_warps: int | None = None  # GPU only; None = by head_dim
   num_stages: int | None = None  # GPU only
   num_warps_bwd: int | None = None
@@ -382,13 +391,20 @@ def q_full_range(cfg: _Config, ki, segment_full=None):
   return full_lo, full_hi
 
 
+def _block_positions(cfg: _Config, qi, ki, shape, kv_major: bool = False):
+  """int32 query and key positions [block_q, block_kv] of one block pair ([block_kv,
+  block_q] with `kv_major`), as the mask and ALiBi see them."""
+  q_axis = 1 if kv_major else 0
+  q_pos = qi * cfg.block_q + cfg.offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+  kv_pos = ki * cfg.block_kv + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+  return q_pos, kv_pos
+
+
 def _element_mask(cfg: _Config, qi, ki, shape, q_seg=None, kv_seg=None,
                   kv_major: bool = False):
   """[block_q, block_kv] bool mask of one block pair (True = visible); [block_kv,
   block_q] with `kv_major`. q_seg / kv_seg broadcast against it."""
-  q_axis = 1 if kv_major else 0
-  q_pos = qi * cfg.block_q + cfg.offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
-  kv_pos = ki * cfg.block_kv + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+  q_pos, kv_pos = _block_positions(cfg, qi, ki, shape, kv_major)
   mask = jnp.ones(shape, jnp.bool_)
   if cfg.kv_len % cfg.block_kv:
     mask &= kv_pos < cfg.kv_len
@@ -419,6 +435,18 @@ def _logits_base2(cfg: _Config, q, k):
     return s * (cfg.sm_scale * LOG2E), None
   capped = cfg.logits_soft_cap * jnp.tanh(s * (cfg.sm_scale / cfg.logits_soft_cap))
   return capped * LOG2E, capped
+
+
+def _with_alibi(cfg: _Config, s, slope, qi, ki, kv_major: bool = False):
+  """Base-2 logits s of one block pair plus ALiBi's bias, -slope * |q_pos - kv_pos| with
+  `slope` the head's slope times log2 e (after the scale and soft cap, before the mask;
+  the soft cap's derivative stays that of the unbiased logits); s itself when slope is
+  None. Every visited block needs it, the fully visible ones too."""
+  if slope is None:
+    return s
+  q_pos, kv_pos = _block_positions(cfg, qi, ki, s.shape, kv_major)
+  # The distance in f32 (exact below 2^24): one convert, then float ops only.
+  return s - slope * jnp.abs((q_pos - kv_pos).astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------
@@ -618,6 +646,12 @@ def _tpu_seg_range(range_ref, bi, i, n: int, full: bool = False):
   return range_ref[at], range_ref[at + 1]
 
 
+def _tpu_slope(slopes_ref, head):
+  """The ALiBi slope (times log2 e) of query head `head`, a scalar read from SMEM; None
+  without ALiBi."""
+  return None if slopes_ref is None else slopes_ref[head]
+
+
 def _tpu_count(count_ref, masked: bool):
   """Debug counters: lane 0 counts the visited block pairs, lane 1 the masked ones."""
   lane = lax.broadcasted_iota(jnp.int32, count_ref.shape, 1)
@@ -685,11 +719,14 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   q_ref, k_ref, v_ref = refs[:3]
   q_seg_ref, kv_seg_ref = refs[3:5] if cfg.segments else (None, None)
   rest = refs[5:] if cfg.segments else refs[3:]
+  slopes_ref = rest.pop(0) if cfg.alibi else None
   o_ref, lse_ref = rest[:2]
   count_ref = rest[2] if counts else None
   m_sc, l_sc, acc_sc = rest[-3:]
   (qi, ki), first, last, visible, full = grid.kernel_step(table_ref)
   bq, bk = cfg.block_q, cfg.block_kv
+  # Read here: interpret mode substitutes program ids outside pl.when bodies only.
+  slope = _tpu_slope(slopes_ref, pl.program_id(1))
 
   @pl.when(first)
   def _init():
@@ -701,6 +738,7 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
 
   def step(masked: bool):
     s, _ = _logits_base2(cfg, q_ref[...], k_ref[...])
+    s = _with_alibi(cfg, s, slope, qi, ki)
     if masked:
       q_seg, kv_seg = _tpu_segments(cfg, q_seg_ref, kv_seg_ref, (bq, bk))
       s = jnp.where(_element_mask(cfg, qi, ki, (bq, bk), q_seg, kv_seg), s, MASK_VALUE)
@@ -740,13 +778,15 @@ def _tpu_fwd_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
 
 
 def _tpu_grads_block(cfg: _Config, qi, ki, masked, q, k, v, do, lse2, di, q_seg, kv_seg,
-                     kv_major: bool = False):
+                     kv_major: bool = False, slope=None):
   """(p, ds / sm_scale) [block_q, block_kv] of one block pair (the dq kernel), or with
   `kv_major` (p.T, ds.T / sm_scale) [block_kv, block_q] from k @ q.T (the dk/dv kernel,
   as splash attention's: its accumulating matmuls then need no XLU transpose). The
   kernels apply sm_scale once to the accumulated dq / dk. lse2 (the log-sum-exp in base
-  2), di and the ids come already broadcastable against the block."""
+  2), di and the ids come already broadcastable against the block; `slope`: the head's
+  ALiBi slope times log2 e, or None."""
   s, capped = _logits_base2(cfg, k, q) if kv_major else _logits_base2(cfg, q, k)
+  s = _with_alibi(cfg, s, slope, qi, ki, kv_major)
   if masked:
     s = jnp.where(_element_mask(cfg, qi, ki, s.shape, q_seg, kv_seg, kv_major), s,
                   MASK_VALUE)
@@ -763,10 +803,12 @@ def _tpu_dq_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
   q_seg_ref, kv_seg_ref = refs[5:7] if cfg.segments else (None, None)
   rest = refs[7:] if cfg.segments else refs[5:]
+  slopes_ref = rest.pop(0) if cfg.alibi else None
   dq_ref = rest[0]
   count_ref = rest[1] if counts else None
   dq_sc = rest[-1]
   (qi, ki), first, last, visible, full = grid.kernel_step(table_ref)
+  slope = _tpu_slope(slopes_ref, pl.program_id(1))
 
   @pl.when(first)
   def _init():
@@ -781,7 +823,8 @@ def _tpu_dq_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
     bk = cfg.block_kv
     lse2, di = stats_ref[:, :NUM_LANES], stats_ref[:, NUM_LANES:]
     _, ds = _tpu_grads_block(cfg, qi, ki, masked, q_ref[...], k, v_ref[...], do_ref[...],
-                             _lanes(lse2, bk), _lanes(di, bk), q_seg, kv_seg)
+                             _lanes(lse2, bk), _lanes(di, bk), q_seg, kv_seg,
+                             slope=slope)
     dq_sc[...] += lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
     if counts:
       _tpu_count(count_ref, masked)
@@ -803,12 +846,15 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
   q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
   q_seg_ref, kv_seg_ref = refs[5:7] if cfg.segments else (None, None)
   rest = refs[7:] if cfg.segments else refs[5:]
+  slopes_ref = rest.pop(0) if cfg.alibi else None
   dk_ref, dv_ref = rest[:2]
   rest = rest[2:]
   dq_ref = rest.pop(0) if cfg.fused_bwd else None
   count_ref = rest[0] if counts else None
   dk_sc, dv_sc = rest[-2:]
-  (ki, _, qi), first, last, visible, full = grid.kernel_step(table_ref)
+  (ki, gi, qi), first, last, visible, full = grid.kernel_step(table_ref)
+  # The query head: kv head pl.program_id(1)'s gi-th of its group.
+  slope = _tpu_slope(slopes_ref, pl.program_id(1) * cfg.group + gi)
 
   @pl.when(first)
   def _init():
@@ -827,7 +873,7 @@ def _tpu_dkv_kernel(*refs, cfg: _Config, grid: _TpuGrid, counts: bool):
       q_seg, kv_seg = q_seg_ref[:1, :], _lanes(kv_seg_ref[...], q.shape[0])
     p, ds = _tpu_grads_block(cfg, qi, ki, masked, q, k_ref[...], v_ref[...], do,
                              stats_ref[:1, :], stats_ref[_DI_ROW:_DI_ROW + 1, :], q_seg,
-                             kv_seg, kv_major=True)
+                             kv_seg, kv_major=True, slope=slope)
     dv_sc[...] += lax.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     ds = ds.astype(q.dtype)
     dk_sc[...] += lax.dot(ds, q, preferred_element_type=jnp.float32)
@@ -890,6 +936,15 @@ def _tpu_segment_operands(cfg, q_seg, kv_seg, kv_major: bool = False):
   return _lane_rows(q_seg), _sublane_rows(kv_seg)
 
 
+def _tpu_slopes_operand(cfg: _Config, slopes, in_specs, operands):
+  """With ALiBi, appends the slopes (f32 [heads], times log2 e) as a whole array in SMEM,
+  which the kernels read one scalar of a step."""
+  if cfg.alibi:
+    from jax.experimental.pallas import tpu as pltpu
+    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    operands.append(slopes)
+
+
 def _struct(shape, dtype, like):
   """Output type varying over the same shard_map axes as `like`, which
   shard_map(check_vma=True) requires of pallas_call outputs."""
@@ -928,8 +983,9 @@ def _tpu_call(cfg: _Config, grid: _TpuGrid, lead, kernel, in_specs, out_specs, o
   )(*prefetch, *operands)
 
 
-def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
-  """q [b, h, Tq, d], k/v [b, kvh, Tk, d] (padded) -> out, lse [b, h, Tq, 128]."""
+def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool, slopes=None):
+  """q [b, h, Tq, d], k/v [b, kvh, Tk, d] (padded) -> out, lse [b, h, Tq, 128].
+  slopes: ALiBi's f32 [h] times log2 e (with cfg.alibi)."""
   b, h, tq, d = q.shape
   bq, bk = cfg.block_q, cfg.block_kv
   ranges = _segment_ranges(cfg, q_seg, kv_seg)[0] if cfg.segments else None
@@ -952,6 +1008,7 @@ def _tpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
             lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2]))),
     ]
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
+  _tpu_slopes_operand(cfg, slopes, in_specs, operands)
   out_specs = [
       pl.BlockSpec((None, None, bq, d), grid.index_map(q_index)),
       pl.BlockSpec((None, None, bq, NUM_LANES), grid.index_map(q_index)),
@@ -1029,7 +1086,7 @@ def _segment_ranges(cfg: _Config, q_seg, kv_seg):
                               cfg.block_q, cfg.block_kv)
 
 
-def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool):
+def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool, slopes=None):
   """Layouts as in `_tpu_forward`; stats: lse (base 2) and di packed by `_tpu_stats`,
   [b, h, Tq, 256]. Grid (b, h, q blocks, kv blocks), as the forward pass."""
   b, h, _, d = q.shape
@@ -1051,6 +1108,7 @@ def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool):
             lambda bi, hi, qi, ki, *r: (bi, 0, kv_index(bi, hi, qi, ki, *r)[2]))),
     ]
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg)
+  _tpu_slopes_operand(cfg, slopes, in_specs, operands)
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
@@ -1061,7 +1119,7 @@ def _tpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool):
       out_specs, out_shape, [_vmem((bq, d))], "flash_attention_dq", operands, kv_ranges)
 
 
-def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool):
+def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool, slopes=None):
   """dk, dv; grid (b, kv heads, kv blocks, heads in group, q blocks). stats: lse (base
   2) and di packed by `_tpu_stats`, [b, h, 8, Tq] (rows: the kernel works kv-major)."""
   b, kvh = k.shape[:2]
@@ -1097,6 +1155,7 @@ def _tpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, stats, counts: bool):
                      grid.index_map(lambda bi, kh, ki, gi, qi, *_: (bi, ki, 0))),
     ]
     operands += _tpu_segment_operands(cfg, q_seg, kv_seg, kv_major=True)
+  _tpu_slopes_operand(cfg, slopes, in_specs, operands)
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   if cfg.fused_bwd:
@@ -1185,19 +1244,26 @@ def _gpu_ranges(cfg: _Config, block_range, full_range, i, range_ref):
           full_range(cfg, i, (range_ref[2], range_ref[3])))
 
 
+def _gpu_slopes(cfg: _Config, rest):
+  """(slopes ref, the refs after it): with ALiBi the slopes follow the segment inputs."""
+  return (rest[0], rest[1:]) if cfg.alibi else (None, rest)
+
+
 def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
   q_ref, k_ref, v_ref = refs[:3]
   q_seg_ref, kv_seg_ref, range_ref = refs[3:6] if cfg.segments else (None, None, None)
-  rest = refs[6:] if cfg.segments else refs[3:]
+  slopes_ref, rest = _gpu_slopes(cfg, refs[6:] if cfg.segments else refs[3:])
   o_ref, lse_ref = rest[:2]
   qi = _gpu_q_block(cfg, pl.program_id(0))
   bq, bk = cfg.block_q, cfg.block_kv
   q = q_ref[...]
+  slope = None if slopes_ref is None else slopes_ref[pl.program_id(2)]
 
   def body(ki, carry, masked):
     acc, m, l = carry
     kv_slice = pl.ds(ki * bk, bk)
     s, _ = _logits_base2(cfg, q, k_ref[kv_slice, :])
+    s = _with_alibi(cfg, s, slope, qi, ki)
     if masked:
       s = jnp.where(_gpu_block_mask(cfg, qi, ki, (bq, bk), q_seg_ref, kv_seg_ref), s,
                     MASK_VALUE)
@@ -1222,12 +1288,14 @@ def _gpu_fwd_kernel(*refs, cfg: _Config, counts: bool):
 
 
 def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref,
-            kv_major: bool = False):
+            kv_major: bool = False, slope=None):
   """(p, ds) [block_q, block_kv] of one block pair; `lse2` is the log-sum-exp in base 2.
   With `kv_major`, (p.T, ds.T) [block_kv, block_q] from k @ q.T, so that the dk/dv
   kernel's dv += p.T @ do and dk += ds.T @ q need no transpose of a computed tile (each
-  costs a trip through shared memory in Triton)."""
+  costs a trip through shared memory in Triton). `slope`: the head's ALiBi slope times
+  log2 e, or None."""
   s, capped = _logits_base2(cfg, k, q) if kv_major else _logits_base2(cfg, q, k)
+  s = _with_alibi(cfg, s, slope, qi, ki, kv_major)
   if masked:
     s = jnp.where(_gpu_block_mask(cfg, qi, ki, s.shape, q_seg_ref, kv_seg_ref, kv_major), s,
                   MASK_VALUE)
@@ -1241,16 +1309,17 @@ def _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse2, di, q_seg_ref, kv_seg_ref,
 def _gpu_dq_kernel(*refs, cfg: _Config, counts: bool):
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref, range_ref = refs[6:9] if cfg.segments else (None, None, None)
-  rest = refs[9:] if cfg.segments else refs[6:]
+  slopes_ref, rest = _gpu_slopes(cfg, refs[9:] if cfg.segments else refs[6:])
   qi = _gpu_q_block(cfg, pl.program_id(0))
   bk = cfg.block_kv
   q, do, lse, di = q_ref[...], do_ref[...], lse_ref[...], di_ref[...]
+  slope = None if slopes_ref is None else slopes_ref[pl.program_id(2)]
 
   def body(ki, dq, masked):
     kv_slice = pl.ds(ki * bk, bk)
     k = k_ref[kv_slice, :]
     _, ds = _gpu_ds(cfg, qi, ki, masked, q, k, v_ref[kv_slice, :], do, lse, di, q_seg_ref,
-                    kv_seg_ref)
+                    kv_seg_ref, slope=slope)
     return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   dq, visited = _visible_loop(
@@ -1267,7 +1336,7 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   # to output), which each step adds its ds @ k to.
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
   q_seg_ref, kv_seg_ref, range_ref = refs[6:9] if cfg.segments else (None, None, None)
-  rest = refs[9:] if cfg.segments else refs[6:]
+  slopes_ref, rest = _gpu_slopes(cfg, refs[9:] if cfg.segments else refs[6:])
   if cfg.dq_atomic:
     rest = rest[1:]  # the aliased input; the output ref is the one written
     dq_ref = rest[2]
@@ -1277,12 +1346,16 @@ def _gpu_dkv_kernel(*refs, cfg: _Config, counts: bool):
   q_range, q_full = _gpu_ranges(cfg, q_block_range, q_full_range, ki, range_ref)
 
   def head(gi, carry):
+    # The group's gi-th query head.
+    slope = None if slopes_ref is None else slopes_ref[kh * cfg.group + gi]
+
     def body(qi, dkv, masked):
       dk, dv = dkv
       q_slice = pl.ds(qi * bq, bq)
       q, do = q_ref[q_slice, gi, :], do_ref[q_slice, gi, :]
       p_t, ds_t = _gpu_ds(cfg, qi, ki, masked, q, k, v, do, lse_ref[gi, q_slice],
-                          di_ref[gi, q_slice], q_seg_ref, kv_seg_ref, kv_major=True)
+                          di_ref[gi, q_slice], q_seg_ref, kv_seg_ref, kv_major=True,
+                          slope=slope)
       dv = dv + lax.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
       ds_t = ds_t.astype(q.dtype)
       dk = dk + lax.dot(ds_t, q, preferred_element_type=jnp.float32)
@@ -1313,8 +1386,17 @@ def _gpu_compiler_params(cfg: _Config, d: int):
                               num_stages=cfg.num_stages)
 
 
-def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
-  """q [b, Tq, h, d], k/v [b, Tk, kvh, d] (padded) -> out, lse [b, h, Tq]."""
+def _gpu_slopes_operand(cfg: _Config, slopes, in_specs, operands):
+  """With ALiBi, appends the slopes (f32 [heads], times log2 e) as one whole block, which
+  the kernels load a scalar of."""
+  if cfg.alibi:
+    in_specs.append(pl.BlockSpec(slopes.shape, lambda *_: (0,)))
+    operands.append(slopes)
+
+
+def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool, slopes=None):
+  """q [b, Tq, h, d], k/v [b, Tk, kvh, d] (padded) -> out, lse [b, h, Tq]. slopes:
+  ALiBi's f32 [h] times log2 e (with cfg.alibi)."""
   b, tq, h, d = q.shape
   tk = k.shape[1]
   bq, g, nq = cfg.block_q, cfg.group, cfg.num_q_blocks
@@ -1331,6 +1413,7 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bi, qb(i), 0))]
     operands += [q_seg, kv_seg, kv_ranges]
+  _gpu_slopes_operand(cfg, slopes, in_specs, operands)
   out_specs = [pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qb(i), hi, 0)),
                pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qb(i)))]
   out_shape = [_struct(q.shape, q.dtype, q),
@@ -1346,7 +1429,8 @@ def _gpu_forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts: bool):
   )(*operands)
 
 
-def _gpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
+def _gpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool,
+            slopes=None):
   """Layouts as in `_gpu_forward`; lse2 (base 2) and di are [b, h, Tq]. Grid (q
   blocks, b, h), as the forward pass."""
   b, tq, h, d = q.shape
@@ -1363,6 +1447,7 @@ def _gpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
                  pl.BlockSpec((None, tk), lambda qi, bi, hi: (bi, 0)),
                  pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bi, qb(i), 0))]
     operands += [q_seg, kv_seg, _segment_ranges(cfg, q_seg, kv_seg)[0]]
+  _gpu_slopes_operand(cfg, slopes, in_specs, operands)
   out_specs = [q_spec]
   out_shape = [_struct(q.shape, q.dtype, q)]
   if counts:
@@ -1376,7 +1461,8 @@ def _gpu_dq(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
   )(*operands)
 
 
-def _gpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
+def _gpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool,
+             slopes=None):
   """dk, dv (and with dq_atomic, dq in f32 last): grid (kv blocks, b, kv heads)."""
   b, tq, h, d = q.shape
   tk, kvh = k.shape[1], k.shape[2]
@@ -1391,6 +1477,7 @@ def _gpu_dkv(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse2, di, counts: bool):
                  pl.BlockSpec((None, tk), lambda ki, bi, kh: (bi, 0)),
                  pl.BlockSpec((None, None, 4), lambda ki, bi, kh: (bi, ki, 0))]
     operands += [q_seg, kv_seg, _segment_ranges(cfg, q_seg, kv_seg)[1]]
+  _gpu_slopes_operand(cfg, slopes, in_specs, operands)
   out_specs = [kv_spec, kv_spec]
   out_shape = [_struct(k.shape, k.dtype, q), _struct(v.shape, v.dtype, q)]
   aliases = {}
@@ -1457,8 +1544,8 @@ def _prepare(cfg: _Config, q, k, v, q_seg, kv_seg, q_multiple=None, kv_multiple=
 
 def _mosaic_forward(cfg: _Config, q, k) -> bool:
   """Whether the GPU forward runs the Mosaic GPU (Hopper) kernel."""
-  if cfg.backend != "gpu" or cfg.interpret or cfg.gpu_forward == "triton":
-    return False
+  if cfg.backend != "gpu" or cfg.interpret or cfg.gpu_forward == "triton" or cfg.alibi:
+    return False  # (make_config refuses gpu_forward="mosaic" with ALiBi)
   mosaic = importlib.import_module("kernels.flash_mosaic_gpu")
   reason = mosaic.unsupported(cfg, q, k)
   if cfg.gpu_forward == "mosaic":
@@ -1477,8 +1564,8 @@ def _mosaic_backward(cfg: _Config, q, k) -> bool:
   compiled every call site anew: 64 kernels for that step, lowered on a CPU host;
   `flash_mosaic_gpu.stable_basename` brings it to 4, not yet timed on a device), so None
   keeps Triton."""
-  if cfg.backend != "gpu" or cfg.interpret or cfg.gpu_backward != "mosaic":
-    return False
+  if cfg.backend != "gpu" or cfg.interpret or cfg.gpu_backward != "mosaic" or cfg.alibi:
+    return False  # (make_config refuses gpu_backward="mosaic" with ALiBi)
   reason = importlib.import_module("kernels.flash_mosaic_gpu").unsupported_backward(
       cfg, q, k)
   if reason:
@@ -1486,34 +1573,49 @@ def _mosaic_backward(cfg: _Config, q, k) -> bool:
   return True
 
 
-def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False):
-  """Returns out [b, Tq, h, d] (q.dtype), internal lse [b, h, Tq] (+inf = no key)."""
+def _slopes_base2(cfg: _Config, slopes):
+  """ALiBi's slopes [heads] as the kernels' operand: f32 times log2 e (the kernels' logits
+  are in base 2), without a gradient; None without ALiBi."""
+  if not cfg.alibi:
+    return None
+  if slopes is None:
+    raise ValueError("a config with alibi=True needs the alibi_slopes")
+  return lax.stop_gradient(jnp.asarray(slopes, jnp.float32)) * LOG2E
+
+
+def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, counts=False, slopes=None):
+  """Returns out [b, Tq, h, d] (q.dtype), internal lse [b, h, Tq] (+inf = no key).
+  slopes: ALiBi's [h] (with cfg.alibi)."""
   tq, d = q.shape[1], q.shape[3]
   if not counts and _mosaic_forward(cfg, q, k):
     return importlib.import_module("kernels.flash_mosaic_gpu").forward(cfg, q, k, v, q_seg,
                                                                        kv_seg)
+  slopes = _slopes_base2(cfg, slopes)
   qp, kp, vp, q_seg, kv_seg = _prepare(cfg, q, k, v, q_seg, kv_seg)
   if cfg.backend == "tpu":
-    res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
+    res = _tpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts, slopes)
     out, lse = jnp.swapaxes(res[0], 1, 2), res[1][..., 0]
     res = (*res[:2], res[2][..., 0, :2]) if counts else res
   else:
-    res = _gpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts)
+    res = _gpu_forward(cfg, qp, kp, vp, q_seg, kv_seg, counts, slopes)
     out, lse = res[0], res[1]
   out, lse = out[:, :tq, :, :d], lse[:, :, :tq]
   return (out, lse, res[2]) if counts else (out, lse)
 
 
-def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
+def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False,
+              slopes=None):
   """lse (internal convention) and di = sum(do * out, -1) are [b, h, Tq] f32. `cfg` is
   a backward config: its blocks are the dk/dv kernel's, `for_dq()` the dq kernel's.
-  With `counts`, also returns the kernels' visit counters (dq's None with dq_atomic)."""
+  With `counts`, also returns the kernels' visit counters (dq's None with dq_atomic).
+  slopes: ALiBi's [h] (with cfg.alibi)."""
   if not counts and _mosaic_backward(cfg, q, k):
     mosaic = importlib.import_module("kernels.flash_mosaic_gpu")  # pads for itself
     args = (cfg, q, k, v, do, lse, di, q_seg, kv_seg)
     dk, dv = mosaic.dkv(*args)
     return mosaic.dq(*args), dk, dv
   tq, tk, d = q.shape[1], k.shape[1], q.shape[-1]
+  slopes = _slopes_base2(cfg, slopes)
   dq_cfg = cfg if cfg.fused_bwd else cfg.for_dq()  # fused: no dq kernel
   q_multiple = math.lcm(cfg.block_q, dq_cfg.block_q)
   kv_multiple = math.lcm(cfg.block_kv, dq_cfg.block_kv)
@@ -1524,24 +1626,24 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   dq_counts = None
   if cfg.backend == "tpu":
     args, lse2 = (qp, kp, vp, q_seg, kv_seg, dop), lse * LOG2E
-    dkv_out = _tpu_dkv(cfg, *args, _tpu_stats(lse2, di, kv_major=True), counts)
+    dkv_out = _tpu_dkv(cfg, *args, _tpu_stats(lse2, di, kv_major=True), counts, slopes)
     dk, dv = (jnp.swapaxes(x, 1, 2) for x in dkv_out[:2])
     if cfg.fused_bwd:
       dq = jnp.swapaxes(_fused_dq(cfg, dkv_out[2], q_seg, kv_seg), 1, 2).astype(q.dtype)
     else:
-      dq_out = _tpu_dq(dq_cfg, *args, _tpu_stats(lse2, di), counts)
+      dq_out = _tpu_dq(dq_cfg, *args, _tpu_stats(lse2, di), counts, slopes)
       dq = jnp.swapaxes(dq_out[0], 1, 2)
       dq_counts = dq_out[1][..., 0, :2] if counts else None
     if counts:
       dkv_counts = dkv_out[-1][..., 0, :2]
   else:
     args = (qp, kp, vp, q_seg, kv_seg, dop, lse * LOG2E, di, counts)
-    dkv_out = _gpu_dkv(cfg, *args)
+    dkv_out = _gpu_dkv(cfg, *args, slopes)
     dk, dv = dkv_out[:2]
     if cfg.dq_atomic:
       dq = dkv_out[2].astype(q.dtype)
     else:
-      dq_out = _gpu_dq(dq_cfg, *args)
+      dq_out = _gpu_dq(dq_cfg, *args, slopes)
       dq = dq_out[0]
       dq_counts = dq_out[1] if counts else None
     dkv_counts = dkv_out[-1] if counts else None
@@ -1549,27 +1651,27 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, di, counts=False):
   return (grads, (dq_counts, dkv_counts)) if counts else grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, q_seg, kv_seg, sinks, cfg):
-  return _flash_fwd(q, k, v, q_seg, kv_seg, sinks, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, q_seg, kv_seg, sinks, slopes, cfg):
+  return _flash_fwd(q, k, v, q_seg, kv_seg, sinks, slopes, cfg)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, cfg):
-  out, lse = _forward(cfg, q, k, v, q_seg, kv_seg)
+def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, slopes, cfg):
+  out, lse = _forward(cfg, q, k, v, q_seg, kv_seg, slopes=slopes)
   if sinks is not None:  # the backward kernels then read the lse and output with them
     out, lse = reference.add_sinks(out, public_lse(lse), sinks)
     lse = internal_lse(lse)
-  return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
+  return out, (q, k, v, q_seg, kv_seg, sinks, slopes, out, lse)
 
 
 def _flash_bwd(cfg, res, do):
-  q, k, v, q_seg, kv_seg, sinks, out, lse = res
+  q, k, v, q_seg, kv_seg, sinks, slopes, out, lse = res
   di = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
   dq, dk, dv = _backward(cfg.for_backward(), q, k, v, q_seg, kv_seg, do.astype(q.dtype),
-                         lse, di)
+                         lse, di, slopes=slopes)
   dsinks = (None if sinks is None else
             reference.sinks_grad(sinks, public_lse(lse), jnp.swapaxes(di, 1, 2)))
-  return dq, dk, dv, None, None, dsinks
+  return dq, dk, dv, None, None, dsinks, None  # ALiBi's slopes are constants
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -1593,10 +1695,12 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
                 block_kv=None, block_q_bwd=None, block_kv_bwd=None, block_q_dq=None,
                 block_kv_dq=None, dq_atomic=False, fused_bwd=False, compact_grid=None,
                 gpu_forward=None, gpu_backward=None, num_warps=None, num_stages=None,
-                num_warps_bwd=None, num_stages_bwd=None, interpret=None) -> _Config:
+                num_warps_bwd=None, num_stages_bwd=None, interpret=None,
+                alibi=False) -> _Config:
   """Validates the tuning options and freezes them with the shapes into a config.
   `q_offset`: the position of q's first token counted from kv's first (default kv_len -
-  q_len, the contract's), for blocks cut from a longer sequence (ring attention)."""
+  q_len, the contract's), for blocks cut from a longer sequence (ring attention).
+  `alibi`: the kernels take ALiBi's slopes (`_forward` / `_backward`'s `slopes`)."""
   backend = default_backend() if backend is None else backend
   if backend not in DEFAULT_BLOCKS:
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
@@ -1643,6 +1747,8 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
   for name, value in (("gpu_forward", gpu_forward), ("gpu_backward", gpu_backward)):
     if value is not None and backend != "gpu":
       raise ValueError(f"{name} is an option of the gpu kernels")
+    if value == "mosaic" and alibi:
+      raise ValueError(f"{name}='mosaic' has no ALiBi (alibi_slopes): use 'triton' or None")
   if fused_bwd and backend != "tpu":
     raise ValueError("fused_bwd is an option of the tpu (Mosaic) kernels; the gpu "
                      "kernels' counterpart is dq_atomic")
@@ -1666,7 +1772,7 @@ def make_config(q, k, *, causal=True, segments=False, sm_scale=None, q_offset=No
       causal=bool(causal), sm_scale=reference.default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
-      segments=segments, **launch)
+      segments=segments, alibi=bool(alibi), **launch)
 
 
 def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
@@ -1681,7 +1787,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     gpu_backward: str | None = None, num_warps: int | None = None,
                     num_stages: int | None = None,
                     num_warps_bwd: int | None = None, num_stages_bwd: int | None = None,
-                    interpret=None, sinks=None):
+                    interpret=None, sinks=None, alibi_slopes=None):
   """Flash attention with Pallas kernels for the forward and backward passes.
 
   Args:
@@ -1737,13 +1843,18 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
     sinks: optional float [heads] attention-sink logits, as in
       `kernels.reference_attention`: applied to the kernels' output and log-sum-exp, which
       the backward kernels then read unchanged; their gradient comes from the lse.
+    alibi_slopes: optional float [heads], ALiBi's slopes, as in
+      `kernels.reference_attention`: every kernel adds the bias to each visited block
+      (no gradient for the slopes). The Mosaic GPU kernels have none: with slopes the
+      GPU runs Triton, and `gpu_forward` / `gpu_backward` 'mosaic' is refused.
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype; differentiable in q, k, v (and sinks).
   """
   reference.check_attention_inputs(
       q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
-      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks)
+      logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks,
+      alibi_slopes=alibi_slopes)
   out_dtype = q.dtype
   q, k, v = supported_inputs(default_backend() if backend is None else backend, q, k, v)
   cfg = make_config(q, k, causal=causal, segments=q_segment_ids is not None,
@@ -1756,8 +1867,9 @@ def flash_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                     num_warps=num_warps,
                     num_stages=num_stages,
                     num_warps_bwd=num_warps_bwd, num_stages_bwd=num_stages_bwd,
-                    interpret=interpret)
-  return _flash(q, k, v, q_segment_ids, kv_segment_ids, sinks, cfg).astype(out_dtype)
+                    interpret=interpret, alibi=alibi_slopes is not None)
+  return _flash(q, k, v, q_segment_ids, kv_segment_ids, sinks, alibi_slopes,
+                cfg).astype(out_dtype)
 
 
 def public_lse(lse):

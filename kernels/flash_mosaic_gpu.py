@@ -71,7 +71,8 @@ def kv_block_and_slots(head_dim: int, itemsize: int = 2) -> tuple[int, int]:
 
 def unsupported(cfg, q, k) -> str | None:
   """Why the Mosaic GPU forward cannot run this call (None: it can)."""
-  del cfg  # every mask option runs
+  if getattr(cfg, "alibi", False):  # every other mask option runs
+    return "ALiBi (alibi_slopes; the Triton kernels take it)"
   if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
     return f"dtype {q.dtype} (bfloat16 and float16 only)"
   d = q.shape[-1]

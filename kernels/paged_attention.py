@@ -139,7 +139,7 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
                            sliding_window: int | None = None,
                            pages_per_block: int | None = None,
                            elementwise: bool | str | None = None, finite_tail: bool = False,
-                           sinks=None):
+                           sinks=None, alibi_slopes=None):
   """Attention of the newest tokens of each row against its paged KV cache.
 
   Args:
@@ -171,6 +171,9 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
       NaN included.
     sinks: optional float [heads] attention-sink logits, as in
       `kernels.reference_attention`.
+    alibi_slopes: optional float [heads], ALiBi's slopes, as in
+      `kernels.reference_attention` (positions: the queries' above, a slot's its index
+      in the row).
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype.
@@ -180,7 +183,8 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
     raise ValueError(f"q must be [batch, q_len, heads, head_dim], got shape {q.shape}")
   page_table = _table(page_table, q.shape[0])
   _check(q, k_pages, v_pages, page_table, lengths, k_scale, v_scale, sm_scale=sm_scale,
-         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks)
+         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, sinks=sinks,
+         alibi_slopes=alibi_slopes)
   if not (elementwise is None or isinstance(elementwise, bool) or elementwise == "values"):
     raise ValueError(f"elementwise must be None, True, False or 'values', got {elementwise!r}")
   b, tq, h, d = q.shape
@@ -218,7 +222,10 @@ def paged_decode_attention(q, k_pages, v_pages, *, page_table, lengths, k_scale=
                 for s, per_head in scales]  # [b or 1, kvh, ck or 1]
     if v_s is not None:
       v_s = jnp.where(slot_ok[:, None, :], v_s, 0.0)
-    return _block(q, _gather(k_pages, ids), v, valid, k_scale=k_s, v_scale=v_s, **params)
+    bias = (None if alibi_slopes is None else
+            reference.alibi_bias(alibi_slopes, q_pos, kv_pos[None], k_pages.shape[2]))
+    return _block(q, _gather(k_pages, ids), v, valid, k_scale=k_s, v_scale=v_s, bias=bias,
+                  **params)
 
   if per_block == pages_per_row:  # one block: no loop, no per-block branch
     out, lse = attend_block(0, 0)

@@ -18,6 +18,13 @@ Mask semantics (shared by every kernel):
   * sinks [heads] (gpt-oss's attention sinks): each query's softmax also holds
     exp(sinks[h]), a key of logit sinks[h] (no scale, cap or mask) and value 0, so a
     query may attend to nothing; the lse includes it. Differentiable in the sinks.
+  * alibi_slopes [heads] (ALiBi, attention with linear biases: BLOOM, MPT, Falcon-RW,
+    Baichuan-13B), one slope per query head: each logit gains -slopes[h] * |q_pos -
+    kv_pos| after sm_scale and logits_soft_cap, before the mask (flash-attn 2's
+    convention; for causal attention it is slopes[h] * (kv_pos - q_pos), transformers'
+    BLOOM / MPT bias slope * kv_pos less a per-query constant that the softmax cancels).
+    Positions are the ones above (ring, windowed and decode blocks use their real ones),
+    and the lse includes the bias. The slopes are constants: they get no gradient.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ NEG_INF = float("-inf")
 
 def check_attention_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, *,
                            sm_scale=None, logits_soft_cap=None, sliding_window=None,
-                           sinks=None, local_chunk=None):
+                           sinks=None, local_chunk=None, alibi_slopes=None):
   """Raises ValueError naming the offending argument if the inputs break the contract."""
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, q_len, heads, head_dim], got shape {q.shape}")
@@ -69,6 +76,12 @@ def check_attention_inputs(q, k, v, q_segment_ids=None, kv_segment_ids=None, *,
                             or not jnp.issubdtype(sinks.dtype, jnp.floating)):
     raise ValueError(f"sinks must be float [heads] = ({q.shape[2]},), got "
                      f"{getattr(sinks, 'dtype', None)} {tuple(sinks.shape)}")
+  if alibi_slopes is not None:
+    shape = tuple(getattr(alibi_slopes, "shape", (None,)))
+    dtype = getattr(alibi_slopes, "dtype", None)
+    if shape != (q.shape[2],) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"alibi_slopes must be a float array [heads] = ({q.shape[2]},), got "
+                       f"{type(alibi_slopes).__name__ if dtype is None else dtype} {shape}")
 
 
 def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
@@ -116,8 +129,19 @@ def _per_key(scale):
   return jnp.moveaxis(scale.astype(jnp.float32), 2, 1)[:, :, None, None, :]
 
 
-def _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale=None):
-  """Masked f32 logits [b, kv_heads, group, q_len, kv_len] (masked entries -inf)."""
+def alibi_bias(alibi_slopes, q_positions, kv_positions, kv_heads: int):
+  """ALiBi's bias -slopes[h] * |q_pos - kv_pos| as f32 [b or 1, kv_heads, group, q_len,
+  kv_len], the layout of the grouped scores, from slopes [heads] and positions [b or 1,
+  len]. The slopes are constants (no gradient), so autodiff through a kernel built on it
+  matches the custom backward passes, which give them none."""
+  distance = jnp.abs(q_positions[:, :, None] - kv_positions[:, None, :])
+  slopes = jax.lax.stop_gradient(jnp.asarray(alibi_slopes, jnp.float32))
+  return -slopes.reshape(1, kv_heads, -1, 1, 1) * distance.astype(jnp.float32)[:, None, None]
+
+
+def _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale=None, bias=None):
+  """Masked f32 logits [b, kv_heads, group, q_len, kv_len] (masked entries -inf); `bias`
+  (ALiBi's, broadcastable to them) is added after the soft cap."""
   qg = _grouped(q, k.shape[2])
   # int8 values are exact in q's dtype; their scale is applied to the logits instead of
   # dequantising the keys.
@@ -126,6 +150,8 @@ def _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale=None):
   if k_scale is not None:
     s = s * _per_key(k_scale)
   s = soft_cap(s * sm_scale, logits_soft_cap)
+  if bias is not None:
+    s = s + bias
   return jnp.where(mask[:, None, None], s, NEG_INF)
 
 
@@ -133,12 +159,13 @@ def attention_block(q, k, v, *, q_positions, kv_positions, q_segment_ids=None,
                     kv_segment_ids=None, causal: bool, sm_scale: float,
                     logits_soft_cap: float | None = None,
                     sliding_window: int | None = None, k_scale=None, v_scale=None,
-                    local_chunk=None):
+                    local_chunk=None, alibi_slopes=None):
   """Attention of a query block against one key/value block.
 
   Args:
     k_scale, v_scale: optional dequantisation scales [b or 1, kv_len or 1, kv_heads]
       for integer k / v (value = int * scale).
+    alibi_slopes: optional ALiBi slopes [heads], biasing by the given positions.
 
   Returns:
     (out, lse): out [batch, q_len, heads, head_dim] f32, normalised over this block only;
@@ -148,7 +175,9 @@ def attention_block(q, k, v, *, q_positions, kv_positions, q_segment_ids=None,
   mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                         causal=causal, sliding_window=sliding_window,
                         local_chunk=local_chunk)
-  s = _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale)
+  bias = (None if alibi_slopes is None else
+          alibi_bias(alibi_slopes, q_positions, kv_positions, k.shape[2]))
+  s = _logits(q, k, mask, sm_scale, logits_soft_cap, k_scale, bias)
   # The max only stabilises exp; stopping its gradient keeps fully masked rows NaN-free.
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -169,7 +198,7 @@ def attention_block(q, k, v, *, q_positions, kv_positions, q_segment_ids=None,
 def attention_block_grad(q, k, v, dout, lse, delta, *, q_positions, kv_positions,
                          q_segment_ids=None, kv_segment_ids=None, causal: bool,
                          sm_scale: float, logits_soft_cap: float | None = None,
-                         sliding_window: int | None = None):
+                         sliding_window: int | None = None, alibi_slopes=None):
   """Gradients of the full attention w.r.t. one block's q, k, v, in f32.
 
   `lse` [batch, q_len, heads] is the final log-sum-exp over ALL key blocks and
@@ -185,7 +214,10 @@ def attention_block_grad(q, k, v, dout, lse, delta, *, q_positions, kv_positions
   capped = soft_cap(s, logits_soft_cap)
   lse_g = jnp.moveaxis(_grouped(lse[..., None], kvh)[..., 0], 1, 3)  # [b, kvh, g, tq]
   lse_g = jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)[..., None]
-  p = jnp.where(mask[:, None, None], jnp.exp(capped - lse_g), 0.0)
+  logits = capped
+  if alibi_slopes is not None:  # a constant: the soft cap's derivative is still capped's
+    logits = capped + alibi_bias(alibi_slopes, q_positions, kv_positions, kvh)
+  p = jnp.where(mask[:, None, None], jnp.exp(logits - lse_g), 0.0)
   dog = _grouped(dout, kvh)
   dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dout.dtype), dog,
                   preferred_element_type=jnp.float32)
@@ -268,7 +300,7 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
                         logits_soft_cap: float | None = None,
                         sliding_window: int | None = None, q_positions=None,
                         kv_positions=None, return_lse: bool = False, sinks=None,
-                        local_chunk=None):
+                        local_chunk=None, alibi_slopes=None):
   """Plain softmax attention in f32 that materialises the [q_len, kv_len] scores.
 
   Args:
@@ -282,13 +314,14 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
     sinks: optional float [heads], attention-sink logits (see the module docstring).
     local_chunk: each query sees only the keys of its own chunk of this many positions
       (Llama 4's chunked attention; see the module docstring).
+    alibi_slopes: optional float [heads], ALiBi's slopes (see the module docstring).
 
   Returns:
     [batch, q_len, heads, head_dim] in q's dtype (and the lse if asked).
   """
   check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, sm_scale=sm_scale,
                          logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                         sinks=sinks, local_chunk=local_chunk)
+                         sinks=sinks, local_chunk=local_chunk, alibi_slopes=alibi_slopes)
   q_pos, kv_pos = resolve_positions(q, k, q_positions, kv_positions)
   f32 = jnp.float32
   out, lse = attention_block(
@@ -296,7 +329,7 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None,
       kv_positions=kv_pos, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       causal=causal, sm_scale=default_sm_scale(q.shape[-1], sm_scale),
       logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-      local_chunk=local_chunk)
+      local_chunk=local_chunk, alibi_slopes=alibi_slopes)
   out, lse = add_sinks(out, lse, sinks)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out

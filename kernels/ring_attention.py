@@ -19,6 +19,16 @@ A causal sliding window of w tokens (contiguous layout) reaches only the shards 
 (kv travels that many hops less one, not n - 1), each step's block kernel masks the
 window at the kv shard's distance, and the dk / dv that travelled are sent home by one
 final shift. Every device then does the same work, so no zig-zag is needed.
+
+ALiBi (`alibi_slopes`) biases by the distance between true positions, which a block
+kernel does not know: it biases by its blocks' local positions (q's from `q_offset`,
+kv's from 0). The windowed ring's blocks are at their true distance already. The others
+run on position-contiguous pieces (the shard, or zig-zag's two chunks): a q piece wholly
+after a kv piece is attended with local positions one piece apart, so every key sits
+(qc - kc - 1) pieces closer than it is, and the slope times that distance is taken off
+the block's lse (the output is unchanged: a constant per query cancels in the softmax);
+the backward gets the lse shifted back. Causal zig-zag keeps three block calls a step
+(`_alibi_zigzag_fwd`).
 """
 from __future__ import annotations
 
@@ -53,7 +63,9 @@ class BlockKernel(NamedTuple):
     and delta = sum(dout * out, -1) come from the final (merged) output.
   Positions start at 0 in both blocks; `causal` masks q_pos < kv_pos. Rings with a
   sliding window also pass the keywords `window` (mask q_pos - kv_pos >= window) and
-  `q_offset` (q's positions start there instead: the kv shard's distance).
+  `q_offset` (q's positions start there instead: the kv shard's distance). Rings with
+  ALiBi pass `alibi_slopes` [heads] (bias by these local positions; `q_offset` may then
+  be negative, non-causal).
   """
   fwd: Callable[..., Any]
   bwd: Callable[..., Any]
@@ -70,14 +82,16 @@ def chunked_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
     return (q_offset + jnp.arange(q.shape[1], dtype=jnp.int32)[None],
             jnp.arange(k.shape[1], dtype=jnp.int32)[None])
 
-  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0):
+  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0, alibi_slopes=None):
     return blockwise_attention_fwd(q, k, v, q_seg, kv_seg, *pos(q, k, q_offset),
-                                   params(causal, window), chunk_size, chunk_size)
+                                   params(causal, window), chunk_size, chunk_size,
+                                   alibi_slopes)
 
-  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0):
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0,
+          alibi_slopes=None):
     return blockwise_attention_bwd(q, k, v, q_seg, kv_seg, *pos(q, k, q_offset), dout,
                                    lse, delta, params(causal, window), chunk_size,
-                                   chunk_size)
+                                   chunk_size, alibi_slopes)
 
   return BlockKernel(fwd, bwd)
 
@@ -85,20 +99,21 @@ def chunked_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
 def reference_block_kernel(sm_scale: float,
                            logits_soft_cap: float | None = None) -> BlockKernel:
   """Materialises each block's scores; for small shards and tests."""
-  def kw(q, k, causal, window, q_offset):
+  def kw(q, k, causal, window, q_offset, alibi_slopes):
     return dict(q_positions=q_offset + jnp.arange(q.shape[1], dtype=jnp.int32)[None],
                 kv_positions=jnp.arange(k.shape[1], dtype=jnp.int32)[None],
                 causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                sliding_window=window)
+                sliding_window=window, alibi_slopes=alibi_slopes)
 
-  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0):
+  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0, alibi_slopes=None):
     return reference.attention_block(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                                     **kw(q, k, causal, window, q_offset))
+                                     **kw(q, k, causal, window, q_offset, alibi_slopes))
 
-  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0):
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0,
+          alibi_slopes=None):
     return reference.attention_block_grad(q, k, v, dout, lse, delta, q_segment_ids=q_seg,
                                           kv_segment_ids=kv_seg,
-                                          **kw(q, k, causal, window, q_offset))
+                                          **kw(q, k, causal, window, q_offset, alibi_slopes))
 
   return BlockKernel(fwd, bwd)
 
@@ -108,26 +123,29 @@ def flash_block_kernel(sm_scale: float, logits_soft_cap: float | None = None,
   """Pallas flash kernels (`backend`, `block_q`, `block_kv`, `interpret`, ...)."""
   fa = importlib.import_module("kernels.flash_attention")  # the module, not the function
 
-  def config(q, k, q_seg, causal, window=None, q_offset=0):
+  def config(q, k, q_seg, causal, window, q_offset, alibi_slopes):
     # Positions start at 0 in both blocks (or q's at the kv shard's distance).
     return fa.make_config(q, k, causal=causal, sliding_window=window, q_offset=q_offset,
                           segments=q_seg is not None, sm_scale=sm_scale,
-                          logits_soft_cap=logits_soft_cap, **flash_options)
+                          logits_soft_cap=logits_soft_cap, alibi=alibi_slopes is not None,
+                          **flash_options)
 
   def backend():
     return flash_options.get("backend") or fa.default_backend()
 
-  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0):
+  def fwd(q, k, v, q_seg, kv_seg, causal, window=None, q_offset=0, alibi_slopes=None):
     q, k, v = fa.supported_inputs(backend(), q, k, v)
-    cfg = config(q, k, q_seg, causal, window, q_offset)
-    out, lse = fa._forward(cfg, q, k, v, q_seg, kv_seg)
+    cfg = config(q, k, q_seg, causal, window, q_offset, alibi_slopes)
+    out, lse = fa._forward(cfg, q, k, v, q_seg, kv_seg, slopes=alibi_slopes)
     return out.astype(jnp.float32), fa.public_lse(lse)
 
-  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0):
+  def bwd(q, k, v, q_seg, kv_seg, dout, lse, delta, causal, window=None, q_offset=0,
+          alibi_slopes=None):
     q, k, v = fa.supported_inputs(backend(), q, k, v)
-    cfg = config(q, k, q_seg, causal, window, q_offset).for_backward()
+    cfg = config(q, k, q_seg, causal, window, q_offset, alibi_slopes).for_backward()
     grads = fa._backward(cfg, q, k, v, q_seg, kv_seg, dout.astype(q.dtype),
-                         fa.internal_lse(lse), jnp.swapaxes(delta, 1, 2))
+                         fa.internal_lse(lse), jnp.swapaxes(delta, 1, 2),
+                         slopes=alibi_slopes)
     return tuple(g.astype(jnp.float32) for g in grads)
 
   return BlockKernel(fwd, bwd)
@@ -325,16 +343,199 @@ def _block_bwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg, do, lse, delta):
                                  _KV_FIRST: kv_first, _Q_SECOND: q_second})
 
 
+# ALiBi: blocks per pair of position-contiguous pieces (see the module docstring).
+
+
+def _pieces(ring: _Ring, x):
+  """A local shard split into its position-contiguous pieces (None stays None): the
+  shard itself, or its two zig-zag chunks."""
+  return [x] if ring.layout == "contiguous" else list(_halves(x))
+
+
+def _chunk_ids(ring: _Ring, device, n):
+  """The pieces' positions in units of their length: device i's shard is chunk i;
+  zig-zag, its chunks are i and 2n-1-i."""
+  return [device] if ring.layout == "contiguous" else [device, 2 * n - 1 - device]
+
+
+def _static_order(i: int, j: int):
+  """sign(qc - kc) of q piece i and kv piece j where the layout fixes it (a zig-zag
+  shard's early chunk, < n, is before any shard's late one, >= n), else None."""
+  return None if i == j else (1 if i > j else -1)
+
+
+def _shift_lse(lse, slopes, distance):
+  """lse [b, t, h] of logits that were each slopes[h] * distance too high (-inf stays)."""
+  slopes = slopes.astype(jnp.float32).reshape(1, 1, -1)
+  return lse - slopes * jnp.asarray(distance, jnp.float32)
+
+
+def _alibi_pair(ring: _Ring, qc, kc, length: int, call, skip, order=None):
+  """One (q piece, kv piece) pair with ALiBi, the pieces `length` positions each at
+  chunks qc and kc (traced). `call(causal, q_offset, distance)` runs the block kernel
+  with local positions q_offset apart, each key `distance` positions closer than it is;
+  `skip()` gives the empty partial. A q piece after the kv piece (every key before every
+  query) runs one piece apart, the same piece causal as the ring, a q piece before the
+  kv piece is skipped (causal) or runs minus one piece apart. `order`: sign(qc - kc) when
+  the layout fixes it (zig-zag's early q chunk vs a late kv chunk), else None (a switch)."""
+  def future():
+    return call(False, -length, (kc - qc - 1) * length)
+
+  branches = [skip if ring.causal else future, lambda: call(ring.causal, 0, 0),
+              lambda: call(False, length, (qc - kc - 1) * length)]
+  if order is not None:
+    return branches[order + 1]()
+  return lax.switch(jnp.sign(qc - kc) + 1, branches)
+
+
+def _alibi_block_fwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg, slopes):
+  """`_block_fwd` with ALiBi: each q piece against each kv piece of device src's shard,
+  merged, each pair's lse corrected to the true distances."""
+  if ring.layout == "zigzag" and ring.causal:
+    return _alibi_zigzag_fwd(ring, me, src, q, k, v, q_seg, kv_seg, slopes)
+  n = lax.axis_size(ring.axis_name)
+  q_parts = zip(_pieces(ring, q), _pieces(ring, q_seg), _chunk_ids(ring, me, n))
+  kv_parts = list(zip(_pieces(ring, k), _pieces(ring, v), _pieces(ring, kv_seg),
+                      _chunk_ids(ring, src, n)))
+  outs, lses = [], []
+  for i, (q_p, q_seg_p, qc) in enumerate(q_parts):
+    out, lse = _empty_partial(q_p)
+    for j, (k_p, v_p, kv_seg_p, kc) in enumerate(kv_parts):
+      def call(causal, q_offset, distance):
+        out_p, lse_p = ring.kernel.fwd(q_p, k_p, v_p, q_seg_p, kv_seg_p, causal,
+                                       q_offset=q_offset, alibi_slopes=slopes)
+        return out_p, _shift_lse(lse_p, slopes, distance)
+
+      pair = _alibi_pair(ring, qc, kc, q_p.shape[1], call, lambda: _empty_partial(q_p),
+                         _static_order(i, j))
+      out, lse = reference.merge_attention(out, lse, *pair)
+    outs.append(out)
+    lses.append(lse)
+  return jnp.concatenate(outs, 1), jnp.concatenate(lses, 1)
+
+
+def _alibi_block_bwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg, do, lse, delta,
+                     slopes):
+  """`_block_bwd` with ALiBi: each pair of pieces as `_alibi_block_fwd` ran it, its
+  kernel given the final lse shifted to the local distances."""
+  if ring.layout == "zigzag" and ring.causal:
+    return _alibi_zigzag_bwd(ring, me, src, q, k, v, q_seg, kv_seg, do, lse, delta, slopes)
+  n = lax.axis_size(ring.axis_name)
+  q_parts = zip(_pieces(ring, q), _pieces(ring, q_seg), _pieces(ring, do),
+                _pieces(ring, lse), _pieces(ring, delta), _chunk_ids(ring, me, n))
+  kv_parts = list(zip(_pieces(ring, k), _pieces(ring, v), _pieces(ring, kv_seg),
+                      _chunk_ids(ring, src, n)))
+  dqs = []
+  dks, dvs = [_zeros(x) for x in _pieces(ring, k)], [_zeros(x) for x in _pieces(ring, v)]
+  for i, (q_p, q_seg_p, do_p, lse_p, delta_p, qc) in enumerate(q_parts):
+    dq = _zeros(q_p)
+    for j, (k_p, v_p, kv_seg_p, kc) in enumerate(kv_parts):
+      def call(causal, q_offset, distance):
+        return ring.kernel.bwd(q_p, k_p, v_p, q_seg_p, kv_seg_p, do_p,
+                               _shift_lse(lse_p, slopes, -distance), delta_p, causal,
+                               q_offset=q_offset, alibi_slopes=slopes)
+
+      grads = _alibi_pair(ring, qc, kc, q_p.shape[1], call,
+                          lambda: (_zeros(q_p), _zeros(k_p), _zeros(v_p)), _static_order(i, j))
+      dq, dks[j], dvs[j] = dq + grads[0], dks[j] + grads[1], dvs[j] + grads[2]
+    dqs.append(dq)
+  return tuple(jnp.concatenate(x, 1) for x in (dqs, dks, dvs))
+
+
+# Causal zig-zag with ALiBi runs three block calls a step, as without it. Of the four
+# chunk pairs, the early q chunk never sees the late kv chunk and the late q chunk always
+# sees all of the early kv chunk (one call); the diagonal pairs (early with early, late
+# with late) are either both diagonal blocks (src == me: one causal call on the two
+# stacked along the batch) or one wholly past pair (the early ones when src < me, the
+# late ones when src > me: one call on the pair sliced out) and one hidden pair.
+
+
+def _stacked(x):
+  """[b, 2c, ...] -> its halves stacked along the batch, [2b, c, ...] (None stays)."""
+  return None if x is None else jnp.concatenate(_halves(x), 0)
+
+
+def _unstacked(x):
+  """Inverse of `_stacked`."""
+  return jnp.concatenate(jnp.split(x, 2, axis=0), 1)
+
+
+def _past_diagonal_pair(me, src, c: int):
+  """(first position in the shard, slice) of the one wholly past diagonal pair: the
+  early chunks (0) when src < me, the late ones (c) when src > me."""
+  start = jnp.where(src > me, c, 0)
+  return start, lambda x: None if x is None else lax.dynamic_slice_in_dim(x, start, c, 1)
+
+
+def _alibi_zigzag_fwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg, slopes):
+  n, c = lax.axis_size(ring.axis_name), q.shape[1] // 2
+  fwd = functools.partial(ring.kernel.fwd, alibi_slopes=slopes)
+
+  def both_diagonal():
+    out, lse = fwd(_stacked(q), _stacked(k), _stacked(v), _stacked(q_seg),
+                   _stacked(kv_seg), True)
+    return _unstacked(out), _unstacked(lse)
+
+  def one_past():
+    start, pair = _past_diagonal_pair(me, src, c)
+    out, lse = fwd(pair(q), pair(k), pair(v), pair(q_seg), pair(kv_seg), False, q_offset=c)
+    lse = _shift_lse(lse, slopes, (jnp.abs(me - src) - 1) * c)
+    empty_out, empty_lse = _empty_partial(q)
+    return (lax.dynamic_update_slice_in_dim(empty_out, out, start, 1),
+            lax.dynamic_update_slice_in_dim(empty_lse, lse, start, 1))
+
+  out, lse = lax.cond(src == me, both_diagonal, one_past)
+  # The late q chunk (2n-1-me) against the early kv chunk (src).
+  out_late, lse_late = fwd(_halves(q)[1], _halves(k)[0], _halves(v)[0], _halves(q_seg)[1],
+                           _halves(kv_seg)[0], False, q_offset=c)
+  lse_late = _shift_lse(lse_late, slopes, (2 * n - 2 - me - src) * c)
+  out_late, lse_late = reference.merge_attention(out[:, c:], lse[:, c:], out_late, lse_late)
+  return (jnp.concatenate([out[:, :c], out_late], 1),
+          jnp.concatenate([lse[:, :c], lse_late], 1))
+
+
+def _alibi_zigzag_bwd(ring: _Ring, me, src, q, k, v, q_seg, kv_seg, do, lse, delta, slopes):
+  n, c = lax.axis_size(ring.axis_name), q.shape[1] // 2
+  bwd = functools.partial(ring.kernel.bwd, alibi_slopes=slopes)
+
+  def both_diagonal():
+    grads = bwd(*(_stacked(x) for x in (q, k, v, q_seg, kv_seg, do, lse, delta)), True)
+    return tuple(_unstacked(g) for g in grads)
+
+  def one_past():
+    start, pair = _past_diagonal_pair(me, src, c)
+    lse_local = _shift_lse(pair(lse), slopes, -(jnp.abs(me - src) - 1) * c)
+    grads = bwd(pair(q), pair(k), pair(v), pair(q_seg), pair(kv_seg), pair(do), lse_local,
+                pair(delta), False, q_offset=c)
+    return tuple(lax.dynamic_update_slice_in_dim(_zeros(x), g, start, 1)
+                 for x, g in zip((q, k, v), grads))
+
+  dq, dk, dv = lax.cond(src == me, both_diagonal, one_past)
+  # The late q chunk (2n-1-me) against the early kv chunk (src).
+  late, early = (lambda x: _halves(x)[1]), (lambda x: _halves(x)[0])  # noqa: E731
+  lse_local = _shift_lse(late(lse), slopes, -(2 * n - 2 - me - src) * c)
+  dq_late, dk_early, dv_early = bwd(late(q), early(k), early(v), late(q_seg), early(kv_seg),
+                                    late(do), lse_local, late(delta), False, q_offset=c)
+  return (jnp.concatenate([dq[:, :c], dq[:, c:] + dq_late], 1),
+          jnp.concatenate([dk[:, :c] + dk_early, dk[:, c:]], 1),
+          jnp.concatenate([dv[:, :c] + dv_early, dv[:, c:]], 1))
+
+
 def _rotate(ring: _Ring, xs, shift: int = 1):
   n = lax.axis_size(ring.axis_name)
   perm = [(i, (i + shift) % n) for i in range(n)]
   return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), xs)
 
 
-def _window_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+def _alibi_kw(slopes):
+  return {} if slopes is None else {"alibi_slopes": slopes}
+
+
+def _window_forward(ring: _Ring, q, k, v, q_seg, kv_seg, slopes=None):
   """The windowed ring: step s attends the kv shard s behind (q positions start s *
-  shard_len after its keys); devices before it (me < s: the shard wrapped round from
-  the end) skip. The steps unroll: their offsets are static."""
+  shard_len after its keys, their true distance, so ALiBi needs no correction); devices
+  before it (me < s: the shard wrapped round from the end) skip. The steps unroll: their
+  offsets are static."""
   n, me, shard = lax.axis_size(ring.axis_name), lax.axis_index(ring.axis_name), q.shape[1]
   steps = window_steps(ring.window, shard, n)
   out, lse = _empty_partial(q)
@@ -343,7 +544,7 @@ def _window_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
     next_kv = _rotate(ring, kv) if s + 1 < steps else None  # issued before the compute
     k_s, v_s, kv_seg_s = kv
     block = functools.partial(ring.kernel.fwd, q, k_s, v_s, q_seg, kv_seg_s, True,
-                              window=ring.window, q_offset=s * shard)
+                              window=ring.window, q_offset=s * shard, **_alibi_kw(slopes))
     out_s, lse_s = block() if s == 0 else lax.cond(me >= s, block,
                                                    lambda: _empty_partial(q))
     out, lse = reference.merge_attention(out, lse, out_s, lse_s)
@@ -351,7 +552,7 @@ def _window_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
   return out, lse
 
 
-def _window_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
+def _window_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta, slopes=None):
   """The backward of `_window_forward`: dk / dv travel with their kv shard for the same
   steps, then one shift sends them home."""
   n, me, shard = lax.axis_size(ring.axis_name), lax.axis_index(ring.axis_name), q.shape[1]
@@ -360,7 +561,8 @@ def _window_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
   for s in range(steps):
     k_s, v_s, kv_seg_s = kv
     block = functools.partial(ring.kernel.bwd, q, k_s, v_s, q_seg, kv_seg_s, do, lse,
-                              delta, True, window=ring.window, q_offset=s * shard)
+                              delta, True, window=ring.window, q_offset=s * shard,
+                              **_alibi_kw(slopes))
     dq_s, dk_s, dv_s = block() if s == 0 else lax.cond(
         me >= s, block, lambda: (_zeros(q), _zeros(k), _zeros(v)))
     dq, dkv = dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
@@ -371,9 +573,9 @@ def _window_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
   return dq, dk, dv
 
 
-def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg, slopes=None):
   if ring.window is not None:
-    return _window_forward(ring, q, k, v, q_seg, kv_seg)
+    return _window_forward(ring, q, k, v, q_seg, kv_seg, slopes)
   n = lax.axis_size(ring.axis_name)
   me = lax.axis_index(ring.axis_name)
 
@@ -382,7 +584,11 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
     # Issue the transfer first: it does not depend on this step's compute.
     next_kv = _rotate(ring, kv) if rotate else kv
     k_s, v_s, kv_seg_s = kv
-    out_s, lse_s = _block_fwd(ring, me, (me - s) % n, q, k_s, v_s, q_seg, kv_seg_s)
+    if slopes is None:
+      out_s, lse_s = _block_fwd(ring, me, (me - s) % n, q, k_s, v_s, q_seg, kv_seg_s)
+    else:
+      out_s, lse_s = _alibi_block_fwd(ring, me, (me - s) % n, q, k_s, v_s, q_seg, kv_seg_s,
+                                      slopes)
     out, lse = reference.merge_attention(out, lse, out_s, lse_s)
     return out, lse, next_kv
 
@@ -392,17 +598,19 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
   return out, lse
 
 
-def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
+def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta, slopes=None):
   if ring.window is not None:
-    return _window_backward(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
+    return _window_backward(ring, q, k, v, q_seg, kv_seg, do, lse, delta, slopes)
   n = lax.axis_size(ring.axis_name)
   me = lax.axis_index(ring.axis_name)
 
   def step(s, carry, last=False):
     dq, kv, dkv = carry
     k_s, v_s, kv_seg_s = kv
-    dq_s, dk_s, dv_s = _block_bwd(ring, me, (me - s) % n, q, k_s, v_s, q_seg, kv_seg_s,
-                                  do, lse, delta)
+    block_bwd = _block_bwd if slopes is None else functools.partial(_alibi_block_bwd,
+                                                                    slopes=slopes)
+    dq_s, dk_s, dv_s = block_bwd(ring, me, (me - s) % n, q, k_s, v_s, q_seg, kv_seg_s,
+                                 do, lse, delta)
     dkv = (dkv[0] + dk_s, dkv[1] + dv_s)
     # dk / dv travel with their kv shard; after n hops they are home.
     return dq + dq_s, (kv if last else _rotate(ring, kv)), _rotate(ring, dkv)
@@ -413,37 +621,40 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ring(q, k, v, q_seg, kv_seg, sinks, ring):
-  return _ring_fwd(q, k, v, q_seg, kv_seg, sinks, ring)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ring(q, k, v, q_seg, kv_seg, sinks, slopes, ring):
+  return _ring_fwd(q, k, v, q_seg, kv_seg, sinks, slopes, ring)[0]
 
 
-def _ring_fwd(q, k, v, q_seg, kv_seg, sinks, ring):
-  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+def _ring_fwd(q, k, v, q_seg, kv_seg, sinks, slopes, ring):
+  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg, slopes)
   # Once, after the ring's merge; the backward ring reads the lse and output with them.
   out, lse = reference.add_sinks(out, lse, sinks)
   out = out.astype(q.dtype)
-  return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
+  return out, (q, k, v, q_seg, kv_seg, sinks, slopes, out, lse)
 
 
 def _ring_bwd(ring, res, do):
-  q, k, v, q_seg, kv_seg, sinks, out, lse = res
+  q, k, v, q_seg, kv_seg, sinks, slopes, out, lse = res
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
+  dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, do, lse, delta, slopes)
   # This shard's queries' part: `ring_attention` casts the sinks to varying over the
   # ring's axis, whose transpose sums the shards' parts.
   dsinks = None if sinks is None else reference.sinks_grad(sinks, lse, delta)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks
+  # ALiBi's slopes are constants: no gradient.
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks,
+          None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                     logits_soft_cap, sliding_window, causal, sinks=None):
+                     logits_soft_cap, sliding_window, causal, sinks=None, alibi_slopes=None):
   reference.check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids,
                                    sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                                   sliding_window=sliding_window, sinks=sinks)
+                                   sliding_window=sliding_window, sinks=sinks,
+                                   alibi_slopes=alibi_slopes)
   if sliding_window is not None and not causal:
     raise ValueError(f"ring attention takes a sliding_window ({sliding_window}) only "
                      f"with causal=True; use chunked or flash attention")
@@ -461,7 +672,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
                    kv_segment_ids=None, sm_scale: float | None = None,
                    logits_soft_cap: float | None = None, sliding_window=None,
                    layout: str = "contiguous", block_kernel: BlockKernel | str | None = None,
-                   sinks=None, **kernel_options):
+                   sinks=None, alibi_slopes=None, **kernel_options):
   """Attention over a sequence sharded along `axis_name`; call inside `shard_map`.
 
   Args:
@@ -480,12 +691,15 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
     sinks: optional float [heads] attention-sink logits (this shard's heads), as in
       `kernels.reference_attention`, applied once after the ring's merge; their gradient
       is summed over `axis_name`.
+    alibi_slopes: optional float [heads] ALiBi slopes (this shard's heads), as in
+      `kernels.reference_attention`, by the true positions of the layout. A custom
+      `BlockKernel` must take them (see its docstring).
 
   Returns:
     The local output shard [batch, len / n, heads, head_dim] in q's dtype.
   """
   _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                   logits_soft_cap, sliding_window, causal, sinks)
+                   logits_soft_cap, sliding_window, causal, sinks, alibi_slopes)
   if layout == "zigzag" and q.shape[1] % 2:
     raise ValueError(f"zigzag layout needs an even local length, got {q.shape[1]}")
   scale = reference.default_sm_scale(q.shape[-1], sm_scale)
@@ -501,7 +715,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, q_segment_ids=Non
                window=None if sliding_window is None else int(sliding_window))
   if sinks is not None:
     sinks = _varying(sinks, axis_name)
-  return _ring(q, k, v, q_segment_ids, kv_segment_ids, sinks, ring)
+  if alibi_slopes is not None:  # beside varying q in the kernels
+    alibi_slopes = _varying(lax.stop_gradient(alibi_slopes), axis_name)
+  return _ring(q, k, v, q_segment_ids, kv_segment_ids, sinks, alibi_slopes, ring)
 
 
 def _varying(x, axis_name):
@@ -519,7 +735,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
                            logits_soft_cap: float | None = None, sliding_window=None,
                            layout: str | None = None, batch_axis=None, head_axis=None,
                            block_kernel: BlockKernel | str | None = None,
-                           sinks=None, **kernel_options):
+                           sinks=None, alibi_slopes=None, **kernel_options):
   """Ring attention on global arrays: shards the sequence over `axis_name` of `mesh`.
 
   Args:
@@ -534,6 +750,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
       ring on the contiguous shards.
     batch_axis, head_axis: optional mesh axes that also split batch / heads.
     sinks: optional float [heads] attention-sink logits (split over `head_axis`).
+    alibi_slopes: optional float [heads] ALiBi slopes (split over `head_axis`).
 
   Returns:
     [batch, len, heads, head_dim] in q's dtype, in the original order.
@@ -541,7 +758,7 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
   if layout is None:
     layout = "zigzag" if sliding_window is None else "contiguous"
   _check_ring_args(q, k, v, q_segment_ids, kv_segment_ids, layout, sm_scale,
-                   logits_soft_cap, sliding_window, causal, sinks)
+                   logits_soft_cap, sliding_window, causal, sinks, alibi_slopes)
   n = mesh.shape[axis_name]
   zig = layout == "zigzag"
   if q.shape[1] % (2 * n if zig else n):
@@ -551,11 +768,12 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
   seq = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
 
-  has_sinks = sinks is not None
+  per_head = {name: x for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes))
+              if x is not None}  # [heads] arrays, split with the heads
 
   def local(q, k, v, *rest):
-    local_sinks = rest[0] if has_sinks else None
-    q_seg, kv_seg = rest[int(has_sinks):] if segments else (None, None)
+    local_per_head = dict(zip(per_head, rest))
+    q_seg, kv_seg = rest[len(per_head):] if segments else (None, None)
     # Arrive contiguous; the zig-zag permutation is two ppermutes inside the map.
     to_zig = (lambda x: shard_to_zigzag(x, axis_name)) if zig else (lambda x: x)
     q, k, v = to_zig(q), to_zig(k), to_zig(v)
@@ -564,13 +782,13 @@ def ring_attention_sharded(q, k, v, *, mesh, axis_name, causal: bool = True,
     out = ring_attention(q, k, v, axis_name=axis_name, causal=causal,
                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, sm_scale=sm_scale,
                          logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                         layout=layout, block_kernel=block_kernel, sinks=local_sinks,
+                         layout=layout, block_kernel=block_kernel, **local_per_head,
                          **kernel_options)
     return shard_from_zigzag(out, axis_name) if zig else out
 
   args, specs = [q, k, v], [seq, seq, seq]
-  if has_sinks:
-    args.append(sinks)
+  for x in per_head.values():
+    args.append(x)
     specs.append(P(head_axis))
   if segments:
     args += [q_segment_ids, kv_segment_ids]

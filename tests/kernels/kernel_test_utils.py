@@ -70,10 +70,11 @@ def make_inputs(case: Case, dtype=jnp.float32, seed=0):
 
 def numpy_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=None,
                     sm_scale=None, logits_soft_cap=None, sliding_window=None, sinks=None,
-                    local_chunk=None):
+                    local_chunk=None, alibi_slopes=None):
   """Straightforward float64 numpy attention, independent of kernels/. `sinks` [heads]:
   one more softmax column per head, of that logit, whose value is dropped; `local_chunk`
-  c: a query sees only keys whose position // c is its own."""
+  c: a query sees only keys whose position // c is its own; `alibi_slopes` [heads]: each
+  logit of head h gains -slopes[h] * |query position - key position| after the cap."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, tq, h, d = q.shape
   tk, kvh = k.shape[1], k.shape[2]
@@ -85,6 +86,9 @@ def numpy_attention(q, k, v, *, causal=True, q_segment_ids=None, kv_segment_ids=
     s = logits_soft_cap * np.tanh(s / logits_soft_cap)
   qp = np.arange(tq)[:, None] + tk - tq
   kp = np.arange(tk)[None, :]
+  if alibi_slopes is not None:
+    slopes = np.asarray(alibi_slopes, np.float64).reshape(1, h, 1, 1)
+    s = s - slopes * np.abs(qp - kp).astype(np.float64)
   mask = np.ones((b, 1, tq, tk), bool)
   if causal:
     mask &= qp >= kp

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -18,6 +19,8 @@ import kernels
 from tests.tpu_aot import compile_for, requires_libtpu, spec, tpu_mesh
 
 pytestmark = requires_libtpu
+
+ALIBI_SLOPES = np.asarray([2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3], np.float32)  # BLOOM's
 
 # name: (q_len, kv_len, heads, kv_heads, head_dim, dtype, segments, options)
 CASES = {
@@ -42,6 +45,13 @@ CASES = {
                               dict(sliding_window=2048)),
     "compact_causal_fused": (2048, 2048, 8, 2, 128, jnp.bfloat16, True,
                              dict(compact_grid=True, fused_bwd=True)),
+    # ALiBi: the slopes in SMEM, one scalar read a grid step (GQA: 3 heads a kv head).
+    "alibi_gqa_segments_window": (512, 512, 6, 2, 128, jnp.bfloat16, True,
+                                  dict(alibi_slopes=ALIBI_SLOPES, sliding_window=200,
+                                       logits_soft_cap=30.0)),
+    "alibi_compact_fused": (2048, 2048, 6, 2, 128, jnp.bfloat16, True,
+                            dict(alibi_slopes=ALIBI_SLOPES, compact_grid=True,
+                                 fused_bwd=True)),
 }
 
 
@@ -103,9 +113,10 @@ def test_pallas_outside_shard_map_is_refused_on_a_mesh():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("window", [None, 700])
-def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice(window):
-  """The ring's flash blocks; with a window, at the kv shard's distance (q_offset)."""
+@pytest.mark.parametrize("window,alibi", [(None, False), (700, False), (None, True)])
+def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice(window, alibi):
+  """The ring's flash blocks; with a window, at the kv shard's distance (q_offset); with
+  ALiBi, zig-zag's chunk pairs (local positions a chunk apart)."""
   mesh = tpu_mesh("v5e", (4,), ("sequence",))
   q = spec(mesh, (1, 8192 if window else 2048, 4, 128), jnp.bfloat16)
   k = spec(mesh, (1, 8192 if window else 2048, 2, 128), jnp.bfloat16)
@@ -113,7 +124,8 @@ def test_ring_attention_with_flash_blocks_compiles_on_a_4_chip_slice(window):
   def loss(q, k, v):
     out = kernels.ring_attention_sharded(q, k, v, mesh=mesh, axis_name="sequence",
                                          block_kernel="flash", backend="tpu",
-                                         interpret=False, sliding_window=window)
+                                         interpret=False, sliding_window=window,
+                                         alibi_slopes=ALIBI_SLOPES[:4] if alibi else None)
     return out.astype(jnp.float32).sum()
 
   text = compile_for(mesh, jax.grad(loss, argnums=(0, 1, 2)), q, k, k).as_text()
