@@ -6,7 +6,8 @@ Falcon-H1, an LFM2 (short convolutions), a Ministral 3 (queries scaled by positi
 OLMoE, an EXAONE 4, two Gemma 4s (full layers of their own widths, experts beside the
 dense MLP; per-layer embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2
 (an output bias), a Pythia (q, k and v fused head by head), a GPT-2 (learned positions),
-a Falcon-40B (grouped keys), a DBRX (clamped q, k and v, stacked experts), an OPT
+a Falcon-40B (grouped keys), a DBRX (clamped q, k and v, stacked experts), a BLOOM and
+an MPT (ALiBi), an OPT
 (learned positions past two unread rows), a GPT-J (interleaved partial rotation, an
 output bias), an OLMo 1.7 (LayerNorms without parameters), a Minitron (LayerNorm1P), a
 VaultGemma (Gemma 2 without output norms) and a Phi-3 (LongRoPE, partial rotary) Hugging
@@ -258,6 +259,16 @@ FAMILIES = {
                        layer_types=("sliding_attention", "full_attention"),
                        attn_logit_softcap=30.0, final_logit_softcap=20.0,
                        query_pre_attn_scalar=32.0),
+    # BLOOM: ALiBi over six heads (slopes between a power of two's), a LayerNorm on the
+    # embeddings, biases everywhere.
+    "bloom": dict(architecture="BloomForCausalLM", d_model=48, num_heads=6, num_kv_heads=6,
+                  head_dim=8, ffn_dim=192, layer_norm=True, norm_bias=True, mlp_bias=True,
+                  qkv_bias=True, attn_out_bias=True, alibi=True, embed_norm=True,
+                  rope_layers=(0, 0), mlp_activation="gelu_tanh_ungated"),
+    # MPT: ALiBi, q, k and v clamped, no biases, LayerNorms without them.
+    "mpt": dict(architecture="MptForCausalLM", head_dim=8, num_kv_heads=4, ffn_dim=128,
+                layer_norm=True, alibi=True, clip_qkv=2.0, rope_layers=(0, 0),
+                mlp_activation="gelu_ungated", max_position_embeddings=64),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

@@ -485,8 +485,18 @@ class ModelConfig:
       mean over its standard deviation, no weight or bias (OLMo's).
     clip_qkv: q, k and v each clamped to [-clip_qkv, clip_qkv] after their projections
       (and biases), before the rotary embedding (OLMo 1.7's, DBRX's); None: not clamped.
-    embed_norm: the embeddings are normed so before the first layer (needs
-      norm_weightless: the final norm's function, no parameters of its own; nanochat).
+    embed_norm: the embeddings are normed so before the first layer: with
+      norm_weightless by the final norm's function, no parameters of its own (nanochat);
+      else by a norm of cfg's kind of its own (BLOOM's word_embeddings_layernorm).
+    alibi: attention with linear biases in place of a rotary embedding (BLOOM, MPT,
+      Falcon-RW; needs rope_layers all 0): head h's logits add -slope[h] |i - j| for
+      query position i and key position j (`alibi_slopes`; `kernels`' alibi_slopes=).
+    alibi_bias_max: the spread of the slopes: with P the power of two at or above
+      num_heads, head h of P has slope 2^(-alibi_bias_max (h + 1) / P), and a head count
+      short of P takes P's odd-numbered slopes then its even ones (MPT's alibi_bias_max;
+      BLOOM's and Falcon's are 8, their formula the same series).
+    alibi_scaled: the biases are scaled as the logits are, by the attention scale
+      (Falcon-RW's (q.k + bias) / sqrt(head_dim)); else added after it (BLOOM, MPT).
     parallel_residual: each layer is x + attn(norm(x)) + mlp(norm(x)), the attention and
       the MLP reading one normed input (its input_norm; no post_attn_norm: Cohere
       Command R7B / Command A).
@@ -530,6 +540,9 @@ class ModelConfig:
   learned_positions: bool = False
   position_offset: int = 0
   clip_qkv: float | None = None
+  alibi: bool = False
+  alibi_bias_max: float = 8.0
+  alibi_scaled: bool = False
   lm_head: bool = True
   pad_token_id: int | None = None
   logprob_chunk: int = 256
@@ -913,6 +926,39 @@ class ModelConfig:
       raise ValueError(f"{', '.join(held)} with multi-head latent attention "
                        "(kv_lora_rank > 0) are not supported")
 
+  def _check_alibi(self) -> None:
+    if not self.alibi:
+      if self.alibi_scaled:
+        raise ValueError("alibi_scaled=True needs alibi=True (it scales ALiBi's biases)")
+      return
+    if not 0 < self.alibi_bias_max < float("inf"):
+      raise ValueError(f"alibi_bias_max must be a positive number, got "
+                       f"{self.alibi_bias_max!r}")
+    if any(not nope for nope in self.nope_layers):
+      raise ValueError("alibi=True (linear attention biases in place of a rotary "
+                       "embedding) needs rope_layers all 0 (no layer rotates q and k)")
+    if self.kv_lora_rank or self.index_topk:
+      raise ValueError("alibi=True with multi-head latent attention (kv_lora_rank) or "
+                       "sparse attention (index_topk) is not supported")
+
+  @property
+  def alibi_slopes(self) -> tuple[float, ...] | None:
+    """ALiBi's slope per query head (times the attention scale with alibi_scaled), or
+    None without alibi: MPT's series (`alibi_bias_max`), which at 8 is BLOOM's and
+    Falcon's."""
+    if not self.alibi:
+      return None
+    n = self.num_heads
+    p = 1 << (n - 1).bit_length()
+    slopes = [2.0 ** (-self.alibi_bias_max * (i + 1) / p) for i in range(p)]
+    if p != n:
+      slopes = (slopes[1::2] + slopes[::2])[:n]
+    if self.alibi_scaled:
+      scale = self.attention_scale
+      scale = self.head_dim ** -0.5 if scale is None else scale
+      slopes = [s * scale for s in slopes]
+    return tuple(slopes)
+
   def _check_linear_attention_fields(self) -> None:
     names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
              "linear_value_head_dim")
@@ -1169,9 +1215,7 @@ class ModelConfig:
     if self.clip_qkv is not None and (self.kv_lora_rank or any(self.linear_layers)):
       raise ValueError("clip_qkv (q, k and v projections clamped) with latent attention "
                        "(kv_lora_rank) or linear-attention layers is not supported")
-    if self.embed_norm and not self.norm_weightless:
-      raise ValueError("embed_norm=True needs norm_weightless=True (the embeddings normed "
-                       "by the final norm's weightless function)")
+    self._check_alibi()
     if self.norm_bias and not self.layer_norm:
       raise ValueError("norm_bias=True needs layer_norm=True (a LayerNorm's bias; an "
                        "RMSNorm has none)")
@@ -1539,6 +1583,7 @@ class ModelConfig:
     emb = self.vocab_size * d * (2 if self.lm_head and not self.tie_embeddings else 1)
     emb += self.vocab_size * (self.lm_head and self.lm_head_bias)
     emb += (self.max_position_embeddings + self.position_offset) * d * self.learned_positions
+    emb += (1 + self.norm_bias) * d * (self.embed_norm and not self.norm_weightless)
     swapped = 0
     linear = sum(self.linear_layers)
     if self.linear_mixers:  # Gated DeltaNet, Mamba2 or LFM2's short convolution

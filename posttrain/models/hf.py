@@ -70,7 +70,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
               "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM",
-              "VaultGemmaForCausalLM")
+              "VaultGemmaForCausalLM", "BloomForCausalLM", "MptForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -145,7 +145,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj",
                 "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode",
                 "DbrxForCausalLM": "dbrx", "CodeGenForCausalLM": "codegen",
-                "VaultGemmaForCausalLM": "vaultgemma"}
+                "VaultGemmaForCausalLM": "vaultgemma", "BloomForCausalLM": "bloom",
+                "MptForCausalLM": "mpt"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -433,9 +434,20 @@ GPT_NEOX = "GPTNeoXForCausalLM"
 # `ModelConfig.parallel_mlp_norm`); q, k and v fused in query_key_value by key/value
 # head (`_grouped_qkv_part`): each group's query heads, its key, its value (one group:
 # Falcon-7B's multi_query; a group a head: neither). Its own tensor names
-# (transformer.word_embeddings, transformer.h.N.self_attention.dense, ...). ALiBi
-# (Falcon-RW's alibi) is refused.
+# (transformer.word_embeddings, transformer.h.N.self_attention.dense, ...). Falcon-RW's
+# alibi: ALiBi's biases in place of a rotary embedding, scaled with the logits
+# (`ModelConfig.alibi_scaled`).
 FALCON = "FalconForCausalLM"
+# BLOOM / BLOOMZ (BloomForCausalLM, 560M to 176B): ALiBi (`ModelConfig.alibi`) in place of
+# any position embedding, a LayerNorm on the embeddings (word_embeddings_layernorm:
+# `embed_norm`), Falcon's names and per-head query_key_value, biases everywhere, an MLP
+# of no gate dense_4h_to_h(gelu_tanh(dense_h_to_4h(x))) 4 x hidden_size wide.
+BLOOM = "BloomForCausalLM"
+# MPT (MptForCausalLM, MPT-7B / 30B): ALiBi (its attn_config's alibi_bias_max), LayerNorms
+# without biases, no biases anywhere, q, k and v in one Wqkv ([q; k; v]) clamped by
+# clip_qkv, an MLP of no gate down_proj(gelu(up_proj(x))) 4 x d_model wide; a nested
+# attn_config and its own names (transformer.blocks.N.attn.Wqkv, ...).
+MPT = "MptForCausalLM"
 # Phi-1 / Phi-1.5 / Phi-2 (PhiForCausalLM): each layer x + attn(norm(x)) + mlp(norm(x))
 # under one LayerNorm with a bias (`ModelConfig.parallel_residual`), half of each head
 # rotated by default (Phi-2: 0.4), biases on all four attention projections (o_proj
@@ -484,7 +496,7 @@ OPT = "OPTForCausalLM"
 _UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
                   "gelu_new": "gelu_tanh_ungated", "gelu_pytorch_tanh": "gelu_tanh_ungated"}
 # Classes with LayerNorms with biases and an MLP of no gate through a GELU (`_UNGATED_GELUS`).
-_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPT_BIGCODE) + _GPTJS
+_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPT_BIGCODE, BLOOM, MPT) + _GPTJS
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -673,6 +685,12 @@ _CLASS_DEFAULTS = {
                  multi_query=True, parallel_attn=True, bias=False,
                  max_position_embeddings=2048, ffn_hidden_size=None, activation="gelu",
                  tie_word_embeddings=True),
+    BLOOM: dict(vocab_size=250_880, hidden_size=64, n_layer=2, n_head=8,
+                layer_norm_epsilon=1e-5, apply_residual_connection_post_layernorm=False,
+                pretraining_tp=1, slow_but_exact=False, tie_word_embeddings=True),
+    MPT: dict(d_model=2048, n_heads=16, n_layers=24, expansion_ratio=4, max_seq_len=2048,
+              vocab_size=50_368, layer_norm_epsilon=1e-5, no_bias=True, attn_config=None,
+              tie_word_embeddings=True),
     OLMO1: dict(vocab_size=50_304, hidden_size=4096, intermediate_size=11_008,
                 num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
                 tie_word_embeddings=False, attention_bias=False, clip_qkv=None),
@@ -787,6 +805,9 @@ _GPT2_KEYS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
               "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}
 _CONFIG_ALIASES = {GPT2: _GPT2_KEYS, GPTJ: _GPT2_KEYS, CODEGEN: _GPT2_KEYS,
                    GPT_BIGCODE: _GPT2_KEYS,
+                   BLOOM: {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer"},
+                   MPT: {"hidden_size": "d_model", "num_attention_heads": "n_heads",
+                         "num_hidden_layers": "n_layers"},
                    DBRX: {"hidden_size": "d_model", "num_attention_heads": "n_heads",
                           "num_hidden_layers": "n_layers",
                           "max_position_embeddings": "max_seq_len"}}
@@ -1240,6 +1261,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = _dbrx_config(c)
   if lm == FALCON:
     c = _falcon_config(c)
+  if lm == BLOOM:
+    c = _bloom_config(c)
+  if lm == MPT:
+    c = _mpt_config(c)
   if lm == OLMO1:  # its LayerNorms' eps, fixed
     c = {**c, "rms_norm_eps": 1e-5}
   if lm == PHI:  # its eps's name; its q/k/v and output biases always there
@@ -1325,7 +1350,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
       **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c),
-      **_ungated_gelu_from_hf(lm, c), **_opt_from_hf(lm, c),
+      **_ungated_gelu_from_hf(lm, c), **_opt_from_hf(lm, c), **_alibi_from_hf(lm, c),
       **(dict(layer_norm=True, norm_weightless=lm == OLMO1,
               clip_qkv=None if c["clip_qkv"] is None else float(c["clip_qkv"]))
          if lm in (OLMO1, DBRX) else {}))
@@ -1847,7 +1872,7 @@ _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
                    VAULTGEMMA,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
                    ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON, OPT,
-                   GPT_BIGCODE)
+                   GPT_BIGCODE, BLOOM)
                   + _COHERES
                   + _HUNYUANS
                   + _SWAS + _PLAIN_MLPS)
@@ -2065,8 +2090,8 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   parallel = (lm in (PHI,) + _GPTJS or (lm == GPT_NEOX and bool(c["use_parallel_residual"]))
               or (lm == FALCON and c["_parallel_norms"] > 0))
   learned = dict(learned_positions=True, rope_layers=(0,) * int(c["num_hidden_layers"]))
-  return dict(layer_norm=True, norm_bias=True,
-              mlp_bias=lm != FALCON or bool(c["attention_bias"]),
+  return dict(layer_norm=True, norm_bias=lm != MPT,
+              mlp_bias=bool(c["attention_bias"]) if lm in (FALCON, MPT) else True,
               mlp_activation=_UNGATED_GELUS[c["hidden_act"]], parallel_residual=parallel,
               parallel_mlp_norm=parallel and (lm == GPT_NEOX or (
                   lm == FALCON and c["_parallel_norms"] == 2)),
@@ -2074,14 +2099,83 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
               **(learned if lm in (GPT2, GPT_BIGCODE) else {}))
 
 
+def _bloom_config(c: dict[str, Any]) -> dict[str, Any]:
+  """A BLOOM config.json under Llama's keys (n_embed, its oldest name of hidden_size;
+  an MLP 4 x hidden_size wide), with residuals taken after the norms refused."""
+  if c["apply_residual_connection_post_layernorm"]:
+    raise ValueError("apply_residual_connection_post_layernorm=true in a BLOOM config.json "
+                     "(each residual taken from the normed input) is not supported")
+  d, heads = int(c.get("n_embed") or c["hidden_size"]), int(c["n_head"])
+  return {**c, "hidden_size": d, "num_hidden_layers": int(c["n_layer"]),
+          "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": d // heads,
+          "intermediate_size": 4 * d, "rms_norm_eps": c["layer_norm_epsilon"],
+          "hidden_act": "gelu_pytorch_tanh", "attention_bias": True}
+
+
+# MPT's attn_config as transformers reads it where a config.json leaves a key out.
+_MPT_ATTENTION = dict(attn_type="multihead_attention", clip_qkv=None, softmax_scale=None,
+                      prefix_lm=False, qk_ln=False, attn_uses_sequence_id=False, alibi=True,
+                      alibi_bias_max=8)
+
+
+def _mpt_config(c: dict[str, Any]) -> dict[str, Any]:
+  """An MPT config.json under Llama's keys (its attn_config nested), with what
+  transformers' MPT does not run refused: no ALiBi, q/k LayerNorms, multi-query or
+  prefix-LM attention, biases, an MLP other than 4 x d_model; and another logit scale
+  than 1 / sqrt(head_dim) or slopes than alibi_bias_max 8's, which it ignores."""
+  attn = {**_MPT_ATTENTION, **(c.get("attn_config") or {})}
+  for key, want, what in (
+      ("alibi", True, "learned positions in place of ALiBi"),
+      ("qk_ln", False, "q and k LayerNorm-ed"),
+      ("prefix_lm", False, "a prefix attended bidirectionally"),
+      ("attn_uses_sequence_id", False, "attention within token_type_ids")):
+    if bool(attn[key]) != want:
+      raise ValueError(f"attn_config.{key}={str(not want).lower()} in an MPT config.json "
+                       f"({what}) is not supported")
+  if attn["softmax_scale"] is not None:
+    raise ValueError(f"attn_config.softmax_scale={attn['softmax_scale']} in an MPT "
+                     "config.json is not supported (expected null: 1 / sqrt(head_dim))")
+  if float(attn["alibi_bias_max"]) != 8:
+    raise ValueError(f"attn_config.alibi_bias_max={attn['alibi_bias_max']} in an MPT "
+                     "config.json is not supported: transformers' MPT spreads its slopes "
+                     "by 8 whatever it says")
+  if attn["attn_type"] != "multihead_attention":
+    raise ValueError(f"attn_config.attn_type={attn['attn_type']!r} in an MPT config.json "
+                     "is not supported (expected multihead_attention)")
+  if not c["no_bias"]:
+    raise ValueError("no_bias=false in an MPT config.json (biases on every projection, "
+                     "which transformers' MPT does not load) is not supported")
+  if int(c["expansion_ratio"]) != 4:
+    raise ValueError(f"expansion_ratio={c['expansion_ratio']} in an MPT config.json is not "
+                     "supported: transformers' MPT MLP is 4 x d_model wide")
+  d, heads = int(c["d_model"]), int(c["n_heads"])
+  return {**c, "attn_config": attn, "hidden_size": d, "num_hidden_layers": int(c["n_layers"]),
+          "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": d // heads,
+          "intermediate_size": 4 * d, "rms_norm_eps": c["layer_norm_epsilon"],
+          "hidden_act": "gelu", "attention_bias": False,
+          "max_position_embeddings": int(c["max_seq_len"])}
+
+
+def _alibi_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The ModelConfig fields of ALiBi's families: BLOOM's and MPT's, and Falcon-RW's
+  (alibi) ({} for others)."""
+  if lm not in (BLOOM, MPT) and not (lm == FALCON and c["alibi"]):
+    return {}
+  out = dict(alibi=True, alibi_scaled=lm == FALCON,
+             rope_layers=(0,) * int(c["num_hidden_layers"]))
+  if lm == BLOOM:
+    out["embed_norm"] = True
+  if lm == MPT:
+    clip = c["attn_config"]["clip_qkv"]
+    out["clip_qkv"] = None if clip is None else float(clip)
+  return out
+
+
 def _falcon_config(c: dict[str, Any]) -> dict[str, Any]:
   """A Falcon config.json under Llama's keys: its key/value heads (num_kv_heads in the
   new decoder architecture, else one with multi_query, else one a query head), its
   norms beside the attention (`_parallel_norms`: 0 sequential layers, 1 or 2 parallel),
-  with ALiBi refused."""
-  if c["alibi"]:
-    raise ValueError("alibi=true in a Falcon config.json (ALiBi attention biases in place "
-                     "of a rotary embedding) is not supported")
+  ALiBi's (alibi) read by `_alibi_from_hf`."""
   new, parallel = bool(c["new_decoder_architecture"]), bool(c["parallel_attn"])
   if new and not parallel:
     raise ValueError("new_decoder_architecture=true with parallel_attn=false in a Falcon "
@@ -2925,6 +3019,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                sandwich_norms=lm in _SANDWICHED or lm == GLM4,
                mlp_activation=("gelu_tanh" if gemma else "clamped_swiglu" if oss else
                                "relu_ungated" if lm == OPT else
+                               "gelu_tanh_ungated" if lm == BLOOM else
+                               "gelu_ungated" if lm == MPT else
                                "relu2" if lm in (NEMOTRON_H, ARCEE, JAIS2, NANOCHAT,
                                                  NEMOTRON) else
                                "gelu_tanh_ungated" if lm == STARCODER2 else
@@ -2933,13 +3029,17 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                 _UNGATED_GELUS.values() else "gelu_ungated")
                                if lm in _UNGATED_GELU_CLASSES else "silu"),
                norm_bias=(not cfg.norm_weightless if lm == OPT else
-                          lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM,)),
+                          lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM,)
+                          and lm != MPT),
                norm_weightless=(cfg.norm_weightless if lm == OPT else
-                                lm in (NANOCHAT, OLMO1)), embed_norm=lm == NANOCHAT,
-               clip_qkv=cfg.clip_qkv if lm in (OLMO1, DBRX) else None,
+                                lm in (NANOCHAT, OLMO1)), embed_norm=lm in (NANOCHAT, BLOOM),
+               clip_qkv=cfg.clip_qkv if lm in (OLMO1, DBRX, MPT) else None,
+               alibi=lm in (BLOOM, MPT) or lm == FALCON and cfg.alibi,
+               alibi_scaled=lm == FALCON and cfg.alibi,
+               alibi_bias_max=8.0,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
                          lm == OPT and cfg.qkv_bias or
-                         lm in (GPT_NEOX, PHI, GPT2, GPT_BIGCODE) + _GPTJS or
+                         lm in (GPT_NEOX, PHI, GPT2, GPT_BIGCODE, BLOOM) + _GPTJS or
                          lm == FALCON and cfg.qkv_bias or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
@@ -3007,11 +3107,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        "not (with a sliding_window; without one every layer rotates)")
   elif lm == COHERE2_MOE:
     _cohere2_moe_prefix_pattern(cfg)  # raises where the rotary layers cannot be written
-  elif lm in (GPT2, OPT, GPT_BIGCODE):
+  elif lm in (GPT2, OPT, GPT_BIGCODE) or cfg.alibi:
     if cfg.rope_layers != (0,) * cfg.num_layers:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, which has no rotary embedding (rope_layers "
-                       "all 0): its positions are learned")
+                       "all 0): its positions are learned or ALiBi's")
   elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) + _SWAS and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
@@ -3089,7 +3189,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
   if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, OPT,
-             GPT_BIGCODE, DBRX) + _GPTJS
+             GPT_BIGCODE, DBRX, BLOOM, MPT) + _GPTJS
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -3113,17 +3213,20 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"rope type {cfg.rope.type!r} at theta {cfg.rope.theta} cannot be "
                      f"written as {cfg.architecture}, whose rotary embedding is the default "
                      "one at base 10000")
-  if lm in (GPT_NEOX, GPT2, OPT) + _GPTJS and cfg.num_kv_heads != cfg.num_heads:
+  if lm in (GPT_NEOX, GPT2, OPT, BLOOM, MPT) + _GPTJS and cfg.num_kv_heads != cfg.num_heads:
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
-  if lm in (PHI, GPT2, GPT_BIGCODE) and not cfg.qkv_bias:
+  if lm in (PHI, GPT2, GPT_BIGCODE, BLOOM) and not cfg.qkv_bias:
     raise ValueError(f"qkv_bias=False cannot be written as {cfg.architecture}, whose "
                      "attention projections always have biases")
   if lm == PHI3 and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose fused "
                      "qkv_proj has no bias")
-  if lm in _LFM2S + _ERNIES + _GPTJS + (DBRX,) and cfg.qkv_bias:
+  if lm in (BLOOM, MPT) and cfg.ffn_dim != 4 * cfg.d_model:
+    raise ValueError(f"ffn_dim={cfg.ffn_dim} cannot be written as {cfg.architecture}, "
+                     f"whose MLP is 4 x d_model = {4 * cfg.d_model} wide")
+  if lm in _LFM2S + _ERNIES + _GPTJS + (DBRX, MPT) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm in ("Gemma2ForCausalLM", VAULTGEMMA) and cfg.rope_local not in (None, cfg.rope):
@@ -3238,7 +3341,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(ffn_hidden_size=cfg.ffn_dim, num_kv_heads=kv, new_decoder_architecture=new,
                multi_query=kv == 1, parallel_attn=cfg.parallel_residual,
                num_ln_in_parallel_attn=(2 if cfg.parallel_mlp_norm else 1) if new else None,
-               bias=cfg.qkv_bias, alibi=False, layer_norm_epsilon=cfg.norm_eps,
+               bias=cfg.qkv_bias, alibi=cfg.alibi, layer_norm_epsilon=cfg.norm_eps,
                activation="gelu" if cfg.mlp_activation == "gelu_ungated" else "gelu_new",
                hidden_dropout=0.0, attention_dropout=0.0)
   if lm == OLMO1:
@@ -3266,6 +3369,24 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                output_router_logits=bool(cfg.router_aux_loss_coef),
                rope_parameters={"rope_type": rope.type, "rope_theta": rope.theta,
                                 **(scaling or {})})
+  if lm in (BLOOM, MPT):  # BloomConfig's / MptConfig's own keys
+    for key in ("intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
+                "rope_scaling", "attention_bias"):
+      out.pop(key)
+  if lm == BLOOM:
+    out.update(n_layer=cfg.num_layers, n_head=cfg.num_heads, layer_norm_epsilon=cfg.norm_eps,
+               apply_residual_connection_post_layernorm=False, pretraining_tp=1,
+               slow_but_exact=False, hidden_dropout=0.0, attention_dropout=0.0)
+  if lm == MPT:
+    for key in ("hidden_size", "max_position_embeddings"):
+      out.pop(key)
+    out.update(d_model=cfg.d_model, n_heads=cfg.num_heads, n_layers=cfg.num_layers,
+               expansion_ratio=4, max_seq_len=cfg.max_position_embeddings,
+               layer_norm_epsilon=cfg.norm_eps, no_bias=True, learned_pos_emb=False,
+               resid_pdrop=0.0, emb_pdrop=0.0,
+               attn_config={**_MPT_ATTENTION, "clip_qkv": cfg.clip_qkv,
+                            "attn_pdrop": 0})
   if lm == OPT:
     for key in ("intermediate_size", "num_key_value_heads", "head_dim", "hidden_act",
                 "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias"):
@@ -3665,6 +3786,9 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   rows = [(("embed",), "model.embed_tokens.weight", ident, ident, (cfg.vocab_size, d))]
   rows += [(("final_norm", part), f"model.{final}.{hf_part}", ident, ident, (d,))
            for part, hf_part in norm_parts]
+  if cfg.embed_norm and not cfg.norm_weightless:  # BLOOM's word_embeddings_layernorm
+    rows += [(("embed_norm", part), f"model.embed_norm.{hf_part}", ident, ident, (d,))
+             for part, hf_part in norm_parts]
   if cfg.lm_head and not cfg.tie_embeddings:
     rows.append((("lm_head",), "lm_head.weight", lambda x: x.T, lambda x: x.T,
                  (d, cfg.vocab_size)))
@@ -3862,6 +3986,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
 # order their renames apply (`_renames`).
 _LLAMA_PARTS = {"embed_tokens": r"^model\.embed_tokens\.",
                 "embed_positions": r"^model\.embed_positions\.", "norm": r"^model\.norm\.",
+                "embed_norm": r"^model\.embed_norm\.",
                 "layers": r"^model\.layers\.", "lm_head": r"^lm_head\.",
                 "input_layernorm": r"\.input_layernorm\.",
                 "post_attention_layernorm": r"\.post_attention_layernorm\.",
@@ -3900,6 +4025,13 @@ _FALCON_NAMES = _renames(
     layers="transformer.h.", o_proj=".self_attention.dense.",
     qkv=".self_attention.query_key_value.", up_proj=".mlp.dense_h_to_4h.",
     down_proj=".mlp.dense_4h_to_h.")
+_BLOOM_NAMES = _FALCON_NAMES + _renames(
+    embed_norm="transformer.word_embeddings_layernorm.")
+_MPT_NAMES = _renames(
+    embed_tokens="transformer.wte.", norm="transformer.norm_f.", layers="transformer.blocks.",
+    input_layernorm=".norm_1.", post_attention_layernorm=".norm_2.",
+    o_proj=".attn.out_proj.", qkv=".attn.Wqkv.", self_attn=".attn.",
+    up_proj=".ffn.up_proj.", down_proj=".ffn.down_proj.", mlp=".ffn.")
 _FALCON_TWO_NORMS = _renames(input_layernorm=".ln_attn.", post_attention_layernorm=".ln_mlp.")
 _GPTJ_NAMES = _renames(
     embed_tokens="transformer.wte.", norm="transformer.ln_f.", layers="transformer.h.",
@@ -3918,7 +4050,8 @@ _DBRX_NAMES = _renames(
 # Classes whose tensors transformers names its own way (not Llama's).
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
                 FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES,
-                GPT_BIGCODE: _GPT2_NAMES, DBRX: _DBRX_NAMES,
+                GPT_BIGCODE: _GPT2_NAMES, DBRX: _DBRX_NAMES, BLOOM: _BLOOM_NAMES,
+                MPT: _MPT_NAMES,
                 CODEGEN: _renames(qkv=".attn.qkv_proj.") + _GPTJ_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
@@ -3938,12 +4071,12 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
   out = []
   for ours, name, to_ours, to_hf, shape in rows:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
-    if fused and lm in (GPT_NEOX, FALCON, GPT_BIGCODE):  # NeoX's: a group a query head
+    if fused and lm in (GPT_NEOX, FALCON, GPT_BIGCODE, BLOOM):  # NeoX's: a group a query head
       to_ours, to_hf = _grouped_qkv_part((to_ours, to_hf), fused[1], k, n // k, h)
     elif fused and lm == CODEGEN:
       to_ours, to_hf = _indexed_part((to_ours, to_hf), _codegen_rows(cfg, fused[1]),
                                      3 * n * h)
-    elif fused and lm in (GPT2, DBRX):  # [q; k; v]
+    elif fused and lm in (GPT2, DBRX, MPT):  # [q; k; v]
       start, size = {"q": (0, n * h), "k": (n * h, k * h), "v": ((n + k) * h, k * h)}[fused[1]]
       to_ours, to_hf = _fused_part((to_ours, to_hf), start, size, (n + 2 * k) * h)
     name = _class_name(cfg, name)
@@ -4594,8 +4727,10 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE, DBRX, CODEGEN):
-    fused = {GPT2: "c_attn", GPT_BIGCODE: "c_attn", DBRX: "Wqkv", CODEGEN: "qkv_proj"}.get(
+  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE, DBRX, CODEGEN,
+                                      BLOOM, MPT):
+    fused = {GPT2: "c_attn", GPT_BIGCODE: "c_attn", DBRX: "Wqkv", CODEGEN: "qkv_proj",
+             MPT: "Wqkv"}.get(
         _causal_lm(cfg.architecture), "query_key_value")
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused {fused} "
                      "(one A shared by q, k and v), which our "

@@ -348,6 +348,12 @@ def soft_cap(logits, cap: float | None):
   return cap * jnp.tanh(logits / cap)
 
 
+def alibi_slopes(cfg: ModelConfig):
+  """ALiBi's slopes [heads] (float32, a constant) for `kernels`, or None."""
+  slopes = cfg.alibi_slopes
+  return None if slopes is None else jnp.asarray(np.asarray(slopes, np.float32))
+
+
 def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
            sliding: bool = False, sinks=None):
   """Full (training / prefill) attention through kernels/, selected by cfg.attention_impl;
@@ -362,7 +368,8 @@ def attend(cfg: ModelConfig, q, k, v, segment_ids, ctx: ShardingContext,
 
   kwargs = dict(causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                 sm_scale=cfg.attention_scale, logits_soft_cap=cfg.attn_logit_softcap,
-                sliding_window=cfg.sliding_window if sliding else None, sinks=sinks)
+                sliding_window=cfg.sliding_window if sliding else None, sinks=sinks,
+                alibi_slopes=alibi_slopes(cfg))
   flash_options = cfg.flash_options
   if cfg.attention_impl == "chunked":
     return kernels.dot_product_attention(q, k, v, implementation="chunked",
@@ -1325,7 +1332,7 @@ class Attention(nnx.Module):
         logits_soft_cap=cfg.attn_logit_softcap,
         sliding_window=cfg.sliding_window if sliding else None,
         ring=self._ring(cache, sliding, q.shape[1]), sinks=self._sinks(),
-        local_chunk=local_chunk)
+        local_chunk=local_chunk, alibi_slopes=alibi_slopes(cfg))
 
 def write_cache(cache: KVCache, k_BxTxKxH, v_BxTxKxH, positions_BxT,
                 prefill: bool = False, layer=None, ring: bool = False,
@@ -2655,6 +2662,8 @@ class Transformer(nnx.Module):
       self.per_layer_proj = _param(rngs, (cfg.d_model, n, p), ("embed", None, None), pd,
                                    std=cfg.init_std)
       self.per_layer_norm = _norm(cfg, p)
+    if cfg.embed_norm and not cfg.norm_weightless:  # BLOOM's word_embeddings_layernorm
+      self.embed_norm = _norm(cfg, cfg.d_model)
     self.final_norm = _norm(cfg, cfg.d_model)
     if cfg.lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd,
@@ -2745,8 +2754,8 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(float(np.sqrt(cfg.d_model)), x.dtype)
     if cfg.embedding_multiplier != 1.0:  # Granite's, in the table's dtype as its is
       x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
-    if cfg.embed_norm:  # nanochat: the embeddings normed (the final norm, weightless)
-      x = self.final_norm(x)
+    if cfg.embed_norm:  # nanochat's by the final norm (weightless), BLOOM's by its own
+      x = (self.final_norm if cfg.norm_weightless else self.embed_norm)(x)
     x = ctx.constrain(x.astype(_dtype(cfg.dtype)), ("batch", "length", "embed"))
     tables = _rope_tables(cfg.rope, self._rope, positions_BxT, segment_ids_BxT)
     local = tables

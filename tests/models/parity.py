@@ -313,11 +313,14 @@ def check_export_files(folder, ours, out) -> dict:
     return json.load(f)
 
 
-def check_logits(folder, hf_model, tokens, scan: bool, atol: float = 1e-4):
-  """The model read from `folder` (layer list or scanned) computes transformers' logits
-  of int `tokens`, and they are large enough for the tolerance to mean something."""
+def check_logits(folder, hf_model, tokens, scan: bool, atol: float = 1e-4,
+                 overrides=None):
+  """The model read from `folder` (layer list or scanned; ModelConfig `overrides`)
+  computes transformers' logits of int `tokens`, and they are large enough for the
+  tolerance to mean something."""
   want = hf_logits(hf_model, tokens)
-  got = nnx.jit(lambda m, t: m(t))(models.from_pretrained(folder, scan_layers=scan), tokens)
+  model = models.from_pretrained(folder, scan_layers=scan, **(overrides or {}))
+  got = nnx.jit(lambda m, t: m(t))(model, tokens)
   np.testing.assert_allclose(np.asarray(got), want, atol=atol, rtol=0)
   assert np.abs(want).max() > 3
 

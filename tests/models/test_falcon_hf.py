@@ -1,8 +1,9 @@
 """Falcon (FalconForCausalLM) against `transformers`, in each of its layouts: Falcon-7B's
 (multi-query attention, attention and MLP side by side under one LayerNorm), Falcon-40B /
 180B's new decoder architecture (grouped keys, a LayerNorm each for the attention and the
-MLP), Falcon 2's (the new architecture under one norm), and sequential layers; q, k and
-v fused by key/value group, biases with `bias`, an MLP of no gate through the exact GELU.
+MLP), Falcon 2's (the new architecture under one norm), sequential layers, and
+Falcon-RW's (sequential, ALiBi's biases scaled with the logits); q, k and v fused by
+key/value group, biases with `bias`, an MLP of no gate through the exact GELU.
 Logits (layer list and scanned), gradients through the fused projection, greedy
 generation, export, the reward model, parameter counts, its defaults, what it refuses."""
 
@@ -27,6 +28,8 @@ VARIANTS = {  # name -> (config fields, our num_kv_heads, parallel_residual, par
     "falcon2": (dict(new_decoder_architecture=True, num_ln_in_parallel_attn=1,
                      num_kv_heads=4), 4, True, False),
     "sequential": (dict(parallel_attn=False, multi_query=False, bias=True), 4, False, False),
+    "falcon_rw": (dict(parallel_attn=False, multi_query=False, bias=True, alibi=True), 4,
+                  False, False),
 }
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
@@ -53,6 +56,8 @@ def test_configs_read_each_layout(saved):
             cfg.mlp_activation, cfg.ffn_dim) == (
         kv, parallel, two_norms, biased, biased, biased, True, True, "gelu_ungated",
         fields.get("ffn_hidden_size", 256)), variant
+    alibi = bool(fields.get("alibi"))
+    assert (cfg.alibi, cfg.alibi_scaled, all(cfg.nope_layers)) == (alibi, alibi, alibi)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters()), variant
 
 
@@ -81,7 +86,7 @@ def test_gradients_through_the_grouped_projection_match_transformers(saved):
 
 
 @pytest.mark.parametrize("variant,scan", [("falcon7b", False), ("falcon40b", True),
-                                          ("sequential", False)])
+                                          ("sequential", False), ("falcon_rw", True)])
 def test_greedy_generation_matches_transformers(saved, variant, scan):
   for i, (got, want) in enumerate(greedy_tokens(*saved[variant], PROMPTS, 12, scan)):
     assert got == want, (variant, i)
@@ -93,8 +98,8 @@ def test_export_round_trip_is_exact(saved, variant, tmp_path):
   head) are written in the older layout that holds the same bytes."""
   written = check_export_round_trip(*saved[variant], transformers.FalconForCausalLM,
                                     TOKENS, tmp_path / "out")
-  assert (written["model_type"], written["new_decoder_architecture"]) == (
-      "falcon", variant == "falcon40b")
+  assert (written["model_type"], written["new_decoder_architecture"], written["alibi"]) == (
+      "falcon", variant == "falcon40b", variant == "falcon_rw")
 
 
 def test_reward_model_scores_match_transformers(tmp_path):
@@ -103,12 +108,10 @@ def test_reward_model_scores_match_transformers(tmp_path):
 
 
 def test_what_falcon_refuses(saved, tmp_path):
-  """ALiBi, the new architecture's sequential layers (which transformers cannot run),
-  grouped keys in sequential layers, PEFT adapter files of its fused query_key_value."""
+  """The new architecture's sequential layers (which transformers cannot run), grouped
+  keys in sequential layers, PEFT adapter files of its fused query_key_value."""
   folder, hf = saved["falcon7b"]
   base = hf.config.to_dict()
-  with pytest.raises(ValueError, match="alibi=true in a Falcon config.json"):
-    models.hf_config_to_model_config({**base, "alibi": True})
   with pytest.raises(ValueError, match="new_decoder_architecture=true with parallel_attn"):
     models.hf_config_to_model_config({**base, "new_decoder_architecture": True,
                                       "parallel_attn": False})

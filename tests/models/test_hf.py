@@ -155,9 +155,9 @@ def test_bad_checkpoints_name_the_problem(tmp_path):
   tensors = load_file(path)
 
   c = json.loads((tmp_path / "config.json").read_text())
-  c["architectures"] = ["BloomForCausalLM"]
+  c["architectures"] = ["RwkvForCausalLM"]
   (tmp_path / "config.json").write_text(json.dumps(c))
-  with pytest.raises(ValueError, match="unsupported architecture.*BloomForCausalLM"):
+  with pytest.raises(ValueError, match="unsupported architecture.*RwkvForCausalLM"):
     models.from_pretrained(str(tmp_path))
   c["architectures"] = ["LlamaForCausalLM"]
   (tmp_path / "config.json").write_text(json.dumps(c))
