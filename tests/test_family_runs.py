@@ -7,7 +7,7 @@ OLMoE, an EXAONE 4, two Gemma 4s (full layers of their own widths, experts besid
 dense MLP; per-layer embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2
 (an output bias), a Pythia (q, k and v fused head by head), a GPT-2 (learned positions),
 a Falcon-40B (grouped keys), a DBRX (clamped q, k and v, stacked experts), a BLOOM and
-an MPT (ALiBi), an OPT
+an MPT (ALiBi), a GPT-Neo (local layers, unscaled logits), an OPT
 (learned positions past two unread rows), a GPT-J (interleaved partial rotation, an
 output bias), an OLMo 1.7 (LayerNorms without parameters), a Minitron (LayerNorm1P), a
 VaultGemma (Gemma 2 without output norms) and a Phi-3 (LongRoPE, partial rotary) Hugging
@@ -269,6 +269,13 @@ FAMILIES = {
     "mpt": dict(architecture="MptForCausalLM", head_dim=8, num_kv_heads=4, ffn_dim=128,
                 layer_norm=True, alibi=True, clip_qkv=2.0, rope_layers=(0, 0),
                 mlp_activation="gelu_ungated", max_position_embeddings=64),
+    # GPT-Neo: learned positions, a global layer and a local one (a window of 8, shorter
+    # than the rows), unscaled logits, out_proj's bias alone.
+    "gpt_neo": dict(architecture="GPTNeoForCausalLM", head_dim=8, num_kv_heads=4,
+                    layer_norm=True, norm_bias=True, mlp_bias=True, attn_out_bias=True,
+                    learned_positions=True, rope_layers=(0, 0), query_pre_attn_scalar=1.0,
+                    sliding_window=8, layer_types=("full_attention", "sliding_attention"),
+                    mlp_activation="gelu_tanh_ungated"),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

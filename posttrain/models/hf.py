@@ -70,7 +70,8 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "PhiForCausalLM", "NemotronForCausalLM", "GPT2LMHeadModel",
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
               "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM",
-              "VaultGemmaForCausalLM", "BloomForCausalLM", "MptForCausalLM")
+              "VaultGemmaForCausalLM", "BloomForCausalLM", "MptForCausalLM",
+              "GPTNeoForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -146,7 +147,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode",
                 "DbrxForCausalLM": "dbrx", "CodeGenForCausalLM": "codegen",
                 "VaultGemmaForCausalLM": "vaultgemma", "BloomForCausalLM": "bloom",
-                "MptForCausalLM": "mpt"}
+                "MptForCausalLM": "mpt", "GPTNeoForCausalLM": "gpt_neo"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -448,6 +449,13 @@ BLOOM = "BloomForCausalLM"
 # clip_qkv, an MLP of no gate down_proj(gelu(up_proj(x))) 4 x d_model wide; a nested
 # attn_config and its own names (transformer.blocks.N.attn.Wqkv, ...).
 MPT = "MptForCausalLM"
+# GPT-Neo (GPTNeoForCausalLM: GPT-Neo 125M to 2.7B, the TinyStories models): GPT-2's
+# learned positions and LayerNorms, its global layers alternating with local ones (a
+# window of window_size keys: `layer_types`, `sliding_window`), logits not scaled by
+# 1 / sqrt(head_dim) (query_pre_attn_scalar 1), q, k and v without biases beside an
+# out_proj with one, an MLP of no gate c_proj(gelu_new(c_fc(x))); its own tensor names
+# (transformer.h.N.attn.attention.q_proj, ...).
+GPT_NEO = "GPTNeoForCausalLM"
 # Phi-1 / Phi-1.5 / Phi-2 (PhiForCausalLM): each layer x + attn(norm(x)) + mlp(norm(x))
 # under one LayerNorm with a bias (`ModelConfig.parallel_residual`), half of each head
 # rotated by default (Phi-2: 0.4), biases on all four attention projections (o_proj
@@ -496,7 +504,8 @@ OPT = "OPTForCausalLM"
 _UNGATED_GELUS = {"gelu": "gelu_ungated", "gelu_fast": "gelu_tanh_ungated",
                   "gelu_new": "gelu_tanh_ungated", "gelu_pytorch_tanh": "gelu_tanh_ungated"}
 # Classes with LayerNorms with biases and an MLP of no gate through a GELU (`_UNGATED_GELUS`).
-_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPT_BIGCODE, BLOOM, MPT) + _GPTJS
+_UNGATED_GELU_CLASSES = (GPT_NEOX, PHI, GPT2, FALCON, GPT_BIGCODE, BLOOM, MPT,
+                         GPT_NEO) + _GPTJS
 # Cohere2-MoE: Cohere2's layers over a mixture (its router's softmax over the top-k logits,
 # or their sigmoids, renormalised with norm_topk_prob; one tensor per expert, as
 # transformers saves them, or stacked), leading dense layers (first_k_dense_replace:
@@ -691,6 +700,10 @@ _CLASS_DEFAULTS = {
     MPT: dict(d_model=2048, n_heads=16, n_layers=24, expansion_ratio=4, max_seq_len=2048,
               vocab_size=50_368, layer_norm_epsilon=1e-5, no_bias=True, attn_config=None,
               tie_word_embeddings=True),
+    GPT_NEO: dict(vocab_size=50_257, max_position_embeddings=2048, hidden_size=2048,
+                  num_layers=24, attention_types=[[["global", "local"], 12]], num_heads=16,
+                  intermediate_size=None, window_size=256, activation_function="gelu_new",
+                  layer_norm_epsilon=1e-5, tie_word_embeddings=True),
     OLMO1: dict(vocab_size=50_304, hidden_size=4096, intermediate_size=11_008,
                 num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
                 tie_word_embeddings=False, attention_bias=False, clip_qkv=None),
@@ -806,6 +819,8 @@ _GPT2_KEYS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
 _CONFIG_ALIASES = {GPT2: _GPT2_KEYS, GPTJ: _GPT2_KEYS, CODEGEN: _GPT2_KEYS,
                    GPT_BIGCODE: _GPT2_KEYS,
                    BLOOM: {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer"},
+                   GPT_NEO: {"num_attention_heads": "num_heads",
+                             "num_hidden_layers": "num_layers"},
                    MPT: {"hidden_size": "d_model", "num_attention_heads": "n_heads",
                          "num_hidden_layers": "n_layers"},
                    DBRX: {"hidden_size": "d_model", "num_attention_heads": "n_heads",
@@ -1263,6 +1278,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
     c = _falcon_config(c)
   if lm == BLOOM:
     c = _bloom_config(c)
+  if lm == GPT_NEO:
+    c = _gpt_neo_config(c)
   if lm == MPT:
     c = _mpt_config(c)
   if lm == OLMO1:  # its LayerNorms' eps, fixed
@@ -1901,7 +1918,7 @@ def _window_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   if lm in _ALL_WINDOWED:
     window = c.get("sliding_window", _ALL_WINDOWED[lm])
     return {"sliding_window": int(window)} if window else {}
-  if lm == MELLUM:  # the window on the layers layer_types names (none by default)
+  if lm in (MELLUM, GPT_NEO):  # the window on the layers layer_types names (none by default)
     types = c.get("layer_types") or ["full_attention"] * int(c["num_hidden_layers"])
     if "sliding_attention" not in types or not c.get("sliding_window"):
       return {}
@@ -1938,6 +1955,8 @@ def _output_bias_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   Seed-OSS, its own attention_out_bias)."""
   if lm == SEED_OSS:
     return {"attn_out_bias": bool(c.get("attention_out_bias"))}
+  if lm == GPT_NEO:  # out_proj's bias alone
+    return {"attn_out_bias": True}
   return {"attn_out_bias": bool(c.get("attention_bias"))} if lm in _BIASED_OUTPUT else {}
 
 
@@ -2096,7 +2115,26 @@ def _ungated_gelu_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
               parallel_mlp_norm=parallel and (lm == GPT_NEOX or (
                   lm == FALCON and c["_parallel_norms"] == 2)),
               lm_head_bias=lm in (PHI,) + _GPTJS,
-              **(learned if lm in (GPT2, GPT_BIGCODE) else {}))
+              **(learned if lm in (GPT2, GPT_BIGCODE, GPT_NEO) else {}),
+              **({"query_pre_attn_scalar": 1.0} if lm == GPT_NEO else {}))
+
+
+def _gpt_neo_config(c: dict[str, Any]) -> dict[str, Any]:
+  """A GPT-Neo config.json under Llama's keys: its attention_types ([[kinds, repeats],
+  ...]) expanded to layer_types, window_size its sliding_window."""
+  kinds = [k for kinds, times in c["attention_types"] for _ in range(int(times))
+           for k in kinds]
+  layers, d, heads = int(c["num_layers"]), int(c["hidden_size"]), int(c["num_heads"])
+  if len(kinds) != layers or set(kinds) - {"global", "local"}:
+    raise ValueError(f"attention_types={c['attention_types']} in a GPT-Neo config.json must "
+                     f"give {layers} layers (num_layers), each global or local")
+  return {**c, "num_hidden_layers": layers, "num_attention_heads": heads,
+          "num_key_value_heads": heads, "head_dim": d // heads,
+          "intermediate_size": int(c["intermediate_size"] or 4 * d),
+          "rms_norm_eps": c["layer_norm_epsilon"], "hidden_act": c["activation_function"],
+          "attention_bias": False, "sliding_window": int(c["window_size"]),
+          "layer_types": ["sliding_attention" if k == "local" else "full_attention"
+                          for k in kinds]}
 
 
 def _bloom_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -3039,11 +3077,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                alibi_bias_max=8.0,
                mlp_bias=(cfg.mlp_bias if lm in (JAIS2, NEMOTRON) else
                          lm == OPT and cfg.qkv_bias or
-                         lm in (GPT_NEOX, PHI, GPT2, GPT_BIGCODE, BLOOM) + _GPTJS or
+                         lm in (GPT_NEOX, PHI, GPT2, GPT_BIGCODE, BLOOM, GPT_NEO) + _GPTJS or
                          lm == FALCON and cfg.qkv_bias or
                          lm == STARCODER2 and cfg.qkv_bias),
                attention_sinks=oss or lm in _SWAS, router_bias=oss, expert_bias=oss,
-               attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else
+               attn_out_bias=(cfg.attn_out_bias if lm == SEED_OSS else lm == GPT_NEO or
                               (oss or olmo or lm in (SMOLLM3,) + _BIASED_OUTPUT)
                               and cfg.qkv_bias),
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
@@ -3052,7 +3090,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                            lm in (COHERE, COHERE2, STABLELM, OLMO1, OPT, DBRX)
                            + _UNGATED_GELU_CLASSES
                            + _PLAIN_MLPS),
-               learned_positions=lm in (GPT2, OPT, GPT_BIGCODE),
+               learned_positions=lm in (GPT2, OPT, GPT_BIGCODE, GPT_NEO),
                position_offset=2 * (lm == OPT),
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX, FALCON)
                                   else lm in _COHERES + (COHERE, PHI) + _GPTJS),
@@ -3067,8 +3105,9 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm not in _GEMMA2S:
     windowed = (lm in _QWEN_WINDOWED or lm in _ALL_WINDOWED or oss
                 or lm in ("Olmo3ForCausalLM", SMOLLM3, LLAMA4, EXAONE4, DOTS1, EXAONE_MOE,
-                          MINISTRAL, CWM, MELLUM) + _COHERES + _SWAS)
-    names = ["query_pre_attn_scalar", "attn_logit_softcap"]
+                          MINISTRAL, CWM, MELLUM, GPT_NEO) + _COHERES + _SWAS)
+    names = [] if lm == GPT_NEO else ["query_pre_attn_scalar"]
+    names += ["attn_logit_softcap"]
     names += [] if lm == NANOCHAT else ["final_logit_softcap"]
     names += [] if lm in ("Olmo3ForCausalLM", MELLUM) + _SWAS else ["rope_local"]
     names += [] if windowed else ["sliding_window"]
@@ -3107,7 +3146,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                        "not (with a sliding_window; without one every layer rotates)")
   elif lm == COHERE2_MOE:
     _cohere2_moe_prefix_pattern(cfg)  # raises where the rotary layers cannot be written
-  elif lm in (GPT2, OPT, GPT_BIGCODE) or cfg.alibi:
+  elif lm in (GPT2, OPT, GPT_BIGCODE, GPT_NEO) or cfg.alibi:
     if cfg.rope_layers != (0,) * cfg.num_layers:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, which has no rotary embedding (rope_layers "
@@ -3189,7 +3228,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"a partial rotary embedding cannot be written as {cfg.architecture}; "
                      f"{PHI3}, {GLM4} and {GLM4_MOE} hold it")
   if (lm in (PHI3, OLMOE, COHERE, COHERE2, HELIUM, STABLELM, GPT_NEOX, GPT2, FALCON, OPT,
-             GPT_BIGCODE, DBRX, BLOOM, MPT) + _GPTJS
+             GPT_BIGCODE, DBRX, BLOOM, MPT, GPT_NEO) + _GPTJS
       and cfg.head_dim * cfg.num_heads != cfg.d_model):
     raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {cfg.architecture}, "
                      f"whose heads split d_model={cfg.d_model} evenly (head_dim "
@@ -3213,7 +3252,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"rope type {cfg.rope.type!r} at theta {cfg.rope.theta} cannot be "
                      f"written as {cfg.architecture}, whose rotary embedding is the default "
                      "one at base 10000")
-  if lm in (GPT_NEOX, GPT2, OPT, BLOOM, MPT) + _GPTJS and cfg.num_kv_heads != cfg.num_heads:
+  if (lm in (GPT_NEOX, GPT2, OPT, BLOOM, MPT, GPT_NEO) + _GPTJS
+      and cfg.num_kv_heads != cfg.num_heads):
     raise ValueError(f"num_kv_heads={cfg.num_kv_heads} cannot be written as "
                      f"{cfg.architecture}, whose keys and values have a head for each of "
                      f"its {cfg.num_heads} query heads")
@@ -3226,7 +3266,11 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm in (BLOOM, MPT) and cfg.ffn_dim != 4 * cfg.d_model:
     raise ValueError(f"ffn_dim={cfg.ffn_dim} cannot be written as {cfg.architecture}, "
                      f"whose MLP is 4 x d_model = {4 * cfg.d_model} wide")
-  if lm in _LFM2S + _ERNIES + _GPTJS + (DBRX, MPT) and cfg.qkv_bias:
+  if lm == GPT_NEO and cfg.query_pre_attn_scalar != 1.0:
+    raise ValueError(f"query_pre_attn_scalar={cfg.query_pre_attn_scalar} cannot be written "
+                     f"as {cfg.architecture}, whose logits are not scaled "
+                     "(query_pre_attn_scalar 1)")
+  if lm in _LFM2S + _ERNIES + _GPTJS + (DBRX, MPT, GPT_NEO) and cfg.qkv_bias:
     raise ValueError(f"qkv_bias=True cannot be written as {cfg.architecture}, whose "
                      "attention projections have no biases")
   if lm in ("Gemma2ForCausalLM", VAULTGEMMA) and cfg.rope_local not in (None, cfg.rope):
@@ -3378,6 +3422,18 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     out.update(n_layer=cfg.num_layers, n_head=cfg.num_heads, layer_norm_epsilon=cfg.norm_eps,
                apply_residual_connection_post_layernorm=False, pretraining_tp=1,
                slow_but_exact=False, hidden_dropout=0.0, attention_dropout=0.0)
+  if lm == GPT_NEO:
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias"):
+      out.pop(key)
+    kinds = ["local" if s else "global" for s in cfg.sliding_layers]
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if len(kinds) % p == 0 and kinds == kinds[:p] * (len(kinds) // p))
+    out.update(num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+               attention_types=[[kinds[:period], len(kinds) // period]],
+               window_size=cfg.sliding_window or 256, layer_norm_epsilon=cfg.norm_eps,
+               activation_function="gelu" if cfg.mlp_activation == "gelu_ungated" else
+               "gelu_new", resid_dropout=0, embed_dropout=0, attention_dropout=0)
   if lm == MPT:
     for key in ("hidden_size", "max_position_embeddings"):
       out.pop(key)
@@ -4032,6 +4088,11 @@ _MPT_NAMES = _renames(
     input_layernorm=".norm_1.", post_attention_layernorm=".norm_2.",
     o_proj=".attn.out_proj.", qkv=".attn.Wqkv.", self_attn=".attn.",
     up_proj=".ffn.up_proj.", down_proj=".ffn.down_proj.", mlp=".ffn.")
+_GPT_NEO_NAMES = _renames(
+    embed_tokens="transformer.wte.", embed_positions="transformer.wpe.",
+    norm="transformer.ln_f.", layers="transformer.h.", input_layernorm=".ln_1.",
+    post_attention_layernorm=".ln_2.", o_proj=".attn.attention.out_proj.",
+    self_attn=".attn.attention.", up_proj=".mlp.c_fc.", down_proj=".mlp.c_proj.")
 _FALCON_TWO_NORMS = _renames(input_layernorm=".ln_attn.", post_attention_layernorm=".ln_mlp.")
 _GPTJ_NAMES = _renames(
     embed_tokens="transformer.wte.", norm="transformer.ln_f.", layers="transformer.h.",
@@ -4051,7 +4112,7 @@ _DBRX_NAMES = _renames(
 _CLASS_NAMES = {GPT_NEOX: _GPT_NEOX_NAMES, PHI: _PHI_NAMES, GPT2: _GPT2_NAMES,
                 FALCON: _FALCON_NAMES, GPTJ: _GPTJ_NAMES, OPT: _OPT_NAMES,
                 GPT_BIGCODE: _GPT2_NAMES, DBRX: _DBRX_NAMES, BLOOM: _BLOOM_NAMES,
-                MPT: _MPT_NAMES,
+                MPT: _MPT_NAMES, GPT_NEO: _GPT_NEO_NAMES,
                 CODEGEN: _renames(qkv=".attn.qkv_proj.") + _GPTJ_NAMES}
 # GPT-2's projections: torch Conv1D's weights, [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
@@ -4933,7 +4994,8 @@ def _peft_module(cfg: ModelConfig, target: str) -> str:
            PHI: {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"},
            GPTJ: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"},
            CODEGEN: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"},
-           OPT: {"o_proj": "out_proj", "up_proj": "fc1", "down_proj": "fc2"}}.get(
+           OPT: {"o_proj": "out_proj", "up_proj": "fc1", "down_proj": "fc2"},
+           GPT_NEO: {"o_proj": "out_proj", "up_proj": "c_fc", "down_proj": "c_proj"}}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
 
@@ -5327,8 +5389,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
   if _renamed_files(hf_cfg, files) and hf_cfg["model_type"] == "sarvam_moe":
     rows = _fused_qkv_rows(cfg, rows)
   present = set(files) - _prediction_layer_names(hf_cfg, files)
-  if _causal_lm(cfg.architecture) == GPT2:  # its oldest files' attention-mask buffers
-    present = {n for n in present if not re.search(r"\.attn\.(bias|masked_bias)$", n)}
+  if _causal_lm(cfg.architecture) in (GPT2, GPT_NEO):  # older files' attention-mask buffers
+    present = {n for n in present
+               if not re.search(r"\.attn\.(attention\.)?(bias|masked_bias)$", n)}
   mxfp4 = (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
   if mxfp4:  # gpt-oss's experts: NAME_blocks and NAME_scales are read as NAME
     packed = _mxfp4_names(files)
