@@ -7,7 +7,8 @@ OLMoE, an EXAONE 4, two Gemma 4s (full layers of their own widths, experts besid
 dense MLP; per-layer embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2
 (an output bias), a Pythia (q, k and v fused head by head), a GPT-2 (learned positions),
 a Falcon-40B (grouped keys), a DBRX (clamped q, k and v, stacked experts), a BLOOM and
-an MPT (ALiBi), a GPT-Neo (local layers, unscaled logits), an OPT
+an MPT (ALiBi), a GPT-Neo (local layers, unscaled logits), a Phi-3.5-MoE (sparsemixer
+routing), an OPT
 (learned positions past two unread rows), a GPT-J (interleaved partial rotation, an
 output bias), an OLMo 1.7 (LayerNorms without parameters), a Minitron (LayerNorm1P), a
 VaultGemma (Gemma 2 without output norms) and a Phi-3 (LongRoPE, partial rotary) Hugging
@@ -276,6 +277,12 @@ FAMILIES = {
                     learned_positions=True, rope_layers=(0, 0), query_pre_attn_scalar=1.0,
                     sliding_window=8, layer_types=("full_attention", "sliding_attention"),
                     mlp_activation="gelu_tanh_ungated"),
+    # Phi-3.5-MoE: sparsemixer routing, LayerNorms with biases, attention and output
+    # biases.
+    "phimoe": dict(architecture="PhimoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                   norm_topk_prob=False, router_scoring="sparsemixer", ffn_dim=32,
+                   layer_norm=True, norm_bias=True, qkv_bias=True, attn_out_bias=True,
+                   lm_head_bias=True, tie_embeddings=False),
     # Seed-OSS: q/k/v biases and o_proj's.
     "seed_oss": dict(architecture="SeedOssForCausalLM", qkv_bias=True, attn_out_bias=True,
                      tie_embeddings=False),

@@ -116,7 +116,7 @@ LINEAR_NORMS = ("after_gate", "before_gate", "none")
 MUP_MULTIPLIERS = ("attention_in_multiplier", "attention_out_multiplier",
                    "ssm_in_multiplier", "ssm_out_multiplier", "mlp_gate_multiplier",
                    "mlp_down_multiplier", "key_multiplier", "lm_head_multiplier")
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +311,13 @@ class ModelConfig:
       "sigmoid" (GLM-4.5, DeepSeek-V3, MiniMax-M2: each expert scores sigmoid(logit);
       the top-k is chosen on the scores plus a per-expert correction bias,
       `score_correction_bias`, which the train step leaves as it is, and weighted by the
-      scores themselves).
+      scores themselves) or "sparsemixer" (PhiMoE's, as it runs in evaluation: the
+      experts by the logits, best first; each chosen expert weighted by the softmax over
+      the logits not yet chosen that lie within 2 x router_jitter_eps of its own,
+      relative to max(|logit|, its own); the weights not renormalised, norm_topk_prob
+      False. Its gradient is this forward's, not PhiMoE's training-time estimator).
+    router_jitter_eps: sparsemixer's relative band around each chosen logit (PhiMoE's
+      router_jitter_noise).
     router_groups / router_group_topk: the router chooses among the experts of the
       `router_group_topk` best of `router_groups` equal groups (DeepSeek's device- /
       node-limited routing), a group ranked by the sum of its two best biased scores
@@ -581,6 +587,7 @@ class ModelConfig:
   shared_expert_dim: int = 0
   shared_expert_gate: bool = False
   router_scoring: str = "softmax"
+  router_jitter_eps: float = 0.01
   router_groups: int = 1
   router_group_topk: int = 1
   routed_scaling_factor: float = 1.0
@@ -827,6 +834,14 @@ class ModelConfig:
     if self.router_scoring not in ROUTER_SCORINGS:
       raise ValueError(f"router_scoring={self.router_scoring!r}; expected one of "
                        f"{ROUTER_SCORINGS}")
+    if self.router_scoring == "sparsemixer" and (
+        self.norm_topk_prob or self.router_groups != 1 or self.softmax_correction_bias):
+      raise ValueError("router_scoring='sparsemixer' weighs each chosen expert itself: "
+                       "norm_topk_prob, router_groups and softmax_correction_bias do not "
+                       "apply")
+    if not 0 <= self.router_jitter_eps < float("inf"):
+      raise ValueError(f"router_jitter_eps must be a number >= 0, got "
+                       f"{self.router_jitter_eps!r}")
     if self.shared_expert_average and not self.shared_expert_dim:
       raise ValueError("shared_expert_average=True needs a shared expert (shared_expert_dim "
                        "> 0)")

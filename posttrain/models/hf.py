@@ -38,6 +38,7 @@ from posttrain.models import bnb as bnb_lib
 from posttrain.models import compressed as compressed_lib
 from posttrain.models import fp8 as fp8_lib
 from posttrain.models import quant
+from posttrain.models import rope as rope_lib
 from posttrain.models.factory import abstract_model, state_shardings
 from posttrain.models.sharding import DEFAULT_RULES, Rules
 from posttrain.models.transformer import (_ATTN_TARGETS, Transformer, _fresh_adapter,
@@ -71,7 +72,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
               "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM",
               "VaultGemmaForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-              "GPTNeoForCausalLM")
+              "GPTNeoForCausalLM", "PhimoeForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -147,7 +148,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "OPTForCausalLM": "opt", "GPTBigCodeForCausalLM": "gpt_bigcode",
                 "DbrxForCausalLM": "dbrx", "CodeGenForCausalLM": "codegen",
                 "VaultGemmaForCausalLM": "vaultgemma", "BloomForCausalLM": "bloom",
-                "MptForCausalLM": "mpt", "GPTNeoForCausalLM": "gpt_neo"}
+                "MptForCausalLM": "mpt", "GPTNeoForCausalLM": "gpt_neo",
+                "PhimoeForCausalLM": "phimoe"}
 # gpt-oss: attention sinks, biases on every attention projection, a router bias, experts
 # with biases and a clamped SwiGLU, stored stacked ([E, ...], gate and up interleaved),
 # sliding-window layers alternating with full ones. transformers' defaults where a
@@ -456,6 +458,12 @@ MPT = "MptForCausalLM"
 # out_proj with one, an MLP of no gate c_proj(gelu_new(c_fc(x))); its own tensor names
 # (transformer.h.N.attn.attention.q_proj, ...).
 GPT_NEO = "GPTNeoForCausalLM"
+# Phi-3.5-MoE (PhimoeForCausalLM): Mixtral's mixture and files routed by sparsemixer
+# (`ModelConfig.router_scoring`, router_jitter_noise its band), LayerNorms with biases,
+# biases on every attention projection (attention_bias) and on the output projection
+# (lm_head_bias), LongRoPE whose short_mscale / long_mscale scale cos and sin (one value
+# for both: `RopeConfig.attention_factor`).
+PHIMOE = "PhimoeForCausalLM"
 # Phi-1 / Phi-1.5 / Phi-2 (PhiForCausalLM): each layer x + attn(norm(x)) + mlp(norm(x))
 # under one LayerNorm with a bias (`ModelConfig.parallel_residual`), half of each head
 # rotated by default (Phi-2: 0.4), biases on all four attention projections (o_proj
@@ -668,6 +676,11 @@ _QWEN3_5_DEFAULTS = dict(
     max_position_embeddings=32_768, attention_bias=False, tie_word_embeddings=False)
 # transformers' defaults of these classes' fields that a config.json may leave out.
 _CLASS_DEFAULTS = {
+    PHIMOE: dict(vocab_size=32_064, hidden_size=4096, intermediate_size=6400,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 max_position_embeddings=131_072, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                 tie_word_embeddings=False, num_experts_per_tok=2, num_local_experts=16,
+                 router_jitter_noise=0.01, attention_bias=False, lm_head_bias=False),
     FALCON_H1: _FALCON_H1_DEFAULTS, GPT_OSS: _GPT_OSS_DEFAULTS, GLM4: _GLM4_DEFAULTS,
     GLM: _GLM4_DEFAULTS, APERTUS: _APERTUS_DEFAULTS,
     STARCODER2: dict(vocab_size=49_152, hidden_size=3072, intermediate_size=12_288,
@@ -997,6 +1010,7 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
                             "mlp.experts.{j}.up_proj", "mlp.experts.{j}.down_proj"),
               DEEPSEEK_V2: _QWEN_MOE_NAMES, QWEN3_5_MOE: _QWEN_MOE_NAMES,
               QWEN3_NEXT: _QWEN_MOE_NAMES, "MixtralForCausalLM": _MIXTRAL_MOE_NAMES,
+              PHIMOE: _MIXTRAL_MOE_NAMES,
               MINIMAX_M2: _MIXTRAL_MOE_NAMES, OLMOE: _QWEN_MOE_NAMES,
               FLEX_OLMO: _QWEN_MOE_NAMES,
               ERNIE4_5_MOE: _QWEN_MOE_NAMES, GLM4_MOE_LITE: _QWEN_MOE_NAMES,
@@ -1080,7 +1094,15 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
   if lm in _DEEPSEEKS:  # the rotated part of each query and key head
     rotary = int(c["qk_rope_head_dim"])
     merged["partial_rotary_factor"] = rotary / (rotary + int(c["qk_nope_head_dim"]))
-  if lm == PHI3:
+  if lm == PHIMOE and merged.get("rope_type", merged.get("type")) == "longrope":
+    short, long = merged.get("short_mscale"), merged.get("long_mscale")
+    if short != long:
+      raise ValueError(f"short_mscale={short} and long_mscale={long} in a PhiMoE "
+                       "config.json: cos and sin scaled by one value up to its original "
+                       "context and another past it is not supported")
+    if short is not None:
+      merged["attention_factor"] = float(short)
+  if lm in (PHI3, PHIMOE):
     if merged.get("rope_type", merged.get("type")) in ("su", "yarn"):
       merged["rope_type"] = "longrope"  # the legacy names, as transformers reads them
     merged.setdefault("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
@@ -1089,7 +1111,7 @@ def _rope_from_hf(c: dict[str, Any], lm: str = "") -> tuple[RopeConfig, RopeConf
       merged.setdefault("original_max_position_embeddings",
                         int(c["original_max_position_embeddings"]))
   elif merged.get("rope_type", merged.get("type")) == "longrope":
-    raise ValueError(f"rope type 'longrope' is read for {PHI3} only, not "
+    raise ValueError(f"rope type 'longrope' is read for {PHI3} and {PHIMOE} only, not "
                      f"{lm or 'this architecture'}")
   return _rope_from_params(merged, c), None
 
@@ -1368,6 +1390,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
       **_plain_mlp_from_hf(lm, c), **_stablelm_from_hf(lm, c), **_nanochat_from_hf(lm, c),
       **_ungated_gelu_from_hf(lm, c), **_opt_from_hf(lm, c), **_alibi_from_hf(lm, c),
+      **(dict(layer_norm=True, norm_bias=True, lm_head_bias=bool(c["lm_head_bias"]))
+         if lm == PHIMOE else {}),
       **(dict(layer_norm=True, norm_weightless=lm == OLMO1,
               clip_qkv=None if c["clip_qkv"] is None else float(c["clip_qkv"]))
          if lm in (OLMO1, DBRX) else {}))
@@ -1889,7 +1913,7 @@ _BIASED_OUTPUT = (("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
                    VAULTGEMMA,
                    GRANITE, GRANITE_MOE, GRANITE_HYBRID, FALCON_H1, OLMOE,
                    ARCEE, APERTUS, COHERE, GPT_NEOX, PHI, GPT2, OLMO1, FALCON, OPT,
-                   GPT_BIGCODE, BLOOM)
+                   GPT_BIGCODE, BLOOM, PHIMOE)
                   + _COHERES
                   + _HUNYUANS
                   + _SWAS + _PLAIN_MLPS)
@@ -1908,6 +1932,7 @@ _QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Every layer sliding when config.json has a sliding_window (Mistral 7B v0.1's 4096);
 # transformers' default where the key is absent.
 _ALL_WINDOWED = {"MistralForCausalLM": 4096, "MixtralForCausalLM": None, PHI3: None,
+                 PHIMOE: None,
                  MINISTRAL3: None, STARCODER2: None}
 
 
@@ -2846,6 +2871,11 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
             "shared_expert_dim": int(c.get("shared_intermediate_size") or 0),
             **_aux_loss_from_hf(c)}
+  if arch == PHIMOE:
+    return {"num_experts": int(c["num_local_experts"]),
+            "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": False,
+            "router_scoring": "sparsemixer",
+            "router_jitter_eps": float(c["router_jitter_noise"]), **_aux_loss_from_hf(c)}
   if arch in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE):
     return {"num_experts": int(c["num_local_experts"]),
             "num_experts_per_tok": int(c["num_experts_per_tok"]), "norm_topk_prob": True,
@@ -2999,7 +3029,8 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
         raise ValueError(f"{name}={getattr(cfg, name)!r} cannot be written as "
                          f"{cfg.architecture}, which always has {name}={value!r}")
     return
-  fixed = dict(router_scoring="sigmoid" if sigmoid else "softmax", shared_expert_gate=qwen2,
+  fixed = dict(router_scoring=("sigmoid" if sigmoid else "sparsemixer" if lm == PHIMOE
+                               else "softmax"), shared_expert_gate=qwen2,
                routed_input_scaling=lm == LLAMA4, router_correction_bias=lm != LLAMA4,
                softmax_correction_bias=lm == ERNIE4_5_MOE)
   if lm == ERNIE4_5_MOE:
@@ -3020,8 +3051,11 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(norm_topk_prob=True)
   if lm in (QWEN3_5_MOE, QWEN3_NEXT):
     fixed.update(dense_layers=0)
-  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE, FLEX_OLMO, DBRX):
+  if lm in ("MixtralForCausalLM", GPT_OSS, MINIMAX_M2, GRANITE_MOE, OLMOE, FLEX_OLMO, DBRX,
+            PHIMOE):
     fixed.update(dense_layers=0)
+  if lm == PHIMOE:
+    fixed.update(norm_topk_prob=False)
   if lm == HUNYUAN_MOE:  # an ungated shared MLP as wide as the experts, every layer
     fixed.update(dense_layers=0, norm_topk_prob=True, shared_expert_dim=cfg.ffn_dim,
                  shared_expert_gate=False)
@@ -3067,7 +3101,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                                 _UNGATED_GELUS.values() else "gelu_ungated")
                                if lm in _UNGATED_GELU_CLASSES else "silu"),
                norm_bias=(not cfg.norm_weightless if lm == OPT else
-                          lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM,)
+                          lm in _PLAIN_MLPS + _UNGATED_GELU_CLASSES + (STABLELM, PHIMOE)
                           and lm != MPT),
                norm_weightless=(cfg.norm_weightless if lm == OPT else
                                 lm in (NANOCHAT, OLMO1)), embed_norm=lm in (NANOCHAT, BLOOM),
@@ -3087,14 +3121,15 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                output_norms=olmo or lm == EXAONE4, qk_norm_after_rope=lm in _HUNYUANS,
                qk_norm_heads=(olmo or lm in (MINIMAX_M2, OLMOE)) and cfg.qk_norm,
                layer_norm=(cfg.layer_norm if lm == COHERE2_MOE else
-                           lm in (COHERE, COHERE2, STABLELM, OLMO1, OPT, DBRX)
+                           lm in (COHERE, COHERE2, STABLELM, OLMO1, OPT, DBRX, PHIMOE)
                            + _UNGATED_GELU_CLASSES
                            + _PLAIN_MLPS),
                learned_positions=lm in (GPT2, OPT, GPT_BIGCODE, GPT_NEO),
                position_offset=2 * (lm == OPT),
                parallel_residual=(cfg.parallel_residual if lm in (STABLELM, GPT_NEOX, FALCON)
                                   else lm in _COHERES + (COHERE, PHI) + _GPTJS),
-               lm_head_bias=lm in (PHI,) + _GPTJS if cfg.lm_head else cfg.lm_head_bias,
+               lm_head_bias=(lm in (PHI,) + _GPTJS if cfg.lm_head and lm != PHIMOE
+                             else cfg.lm_head_bias),
                parallel_mlp_norm=(cfg.parallel_mlp_norm if lm == FALCON else
                                   lm == GPT_NEOX and cfg.parallel_residual),
                qk_norm_head_weights=lm in (COHERE, STABLELM) and cfg.qk_norm)
@@ -3211,11 +3246,12 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      f"cannot be written as {cfg.architecture}, whose windowed layers are "
                      "chunked")
   ropes = [r for r in (cfg.rope, cfg.rope_local) if r is not None]
-  if lm == PHI3 and any(r.type not in ("default", "longrope") for r in ropes):
+  if lm in (PHI3, PHIMOE) and any(r.type not in ("default", "longrope") for r in ropes):
     raise ValueError(f"rope type {cfg.rope.type!r} cannot be written as {cfg.architecture}, "
                      "whose rotary embedding is the default one or LongRoPE")
-  if lm != PHI3 and any(r.type == "longrope" for r in ropes):
-    raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} holds it")
+  if lm not in (PHI3, PHIMOE) and any(r.type == "longrope" for r in ropes):
+    raise ValueError(f"LongRoPE cannot be written as {cfg.architecture}; {PHI3} and "
+                     f"{PHIMOE} hold it")
   if lm == BAMBA and any(r.partial_rotary_factor != 0.5 for r in ropes):
     raise ValueError(f"partial_rotary_factor={cfg.rope.partial_rotary_factor} cannot be "
                      f"written as {cfg.architecture}, whose heads rotate half their "
@@ -3668,6 +3704,13 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
   elif lm == "MixtralForCausalLM":
     out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                sliding_window=cfg.sliding_window)
+  elif lm == PHIMOE:
+    out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               sliding_window=cfg.sliding_window, router_jitter_noise=cfg.router_jitter_eps,
+               input_jitter_noise=0.0, lm_head_bias=cfg.lm_head_bias, rms_norm_eps=cfg.norm_eps)
+    if rope.type == "longrope":  # its cos and sin scale, read by PhiMoE's rotary embedding
+      mscale = rope_lib.inverse_frequencies(rope, cfg.head_dim, cfg.max_position_embeddings)[1]
+      out["rope_scaling"] = {**scaling, "short_mscale": mscale, "long_mscale": mscale}
   elif lm == BAMBA:
     out.pop("rope_theta")
     out.pop("rope_scaling")

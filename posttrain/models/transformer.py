@@ -1581,7 +1581,8 @@ class MLP(nnx.Module):
 
 def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = False,
           bias_E=None, *, scoring: str = "softmax", correction_E=None, groups: int = 1,
-          group_topk: int = 1, scale: float = 1.0, experts_NxK=None):
+          group_topk: int = 1, scale: float = 1.0, experts_NxK=None,
+          jitter_eps: float = 0.01):
   """(weights [N, k] float32, experts [N, k] int32): each token's top-k experts.
 
   softmax scoring: by the router's softmax (in float32; the logits plus `bias_E` when
@@ -1597,6 +1598,9 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
   groups (each ranked by the sum of its two best corrected scores); the weights are the
   chosen experts' own scores, rescaled to sum to one with `normalize`.
 
+  sparsemixer scoring (PhiMoE, `sparsemixer`): the experts by the logits, each weighted
+  by the softmax over the logits within 2 `jitter_eps` of its own; `normalize` unused.
+
   Either way the weights are then multiplied by `scale`. With `return_probs` also each
   token's distribution over experts [N, E] (the softmax; the scores normalised to sum
   to one), what the load-balancing loss reads.
@@ -1608,7 +1612,12 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
   """
   if experts_NxK is not None:
     experts_NxK = experts_NxK.astype(jnp.int32)
-  if scoring == "sigmoid":
+  if scoring == "sparsemixer":
+    logits = jnp.einsum("ND,DE->NE", x_NxD, router_DxE.astype(x_NxD.dtype),
+                        preferred_element_type=jnp.float32)
+    weights, experts = sparsemixer(logits, top_k, jitter_eps, experts_NxK)
+    probs = jax.nn.softmax(logits, axis=-1)
+  elif scoring == "sigmoid":
     logits = jnp.einsum("ND,DE->NE", x_NxD.astype(jnp.float32),
                         router_DxE.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
@@ -1662,6 +1671,29 @@ def route(x_NxD, router_DxE, top_k: int, normalize: bool, return_probs: bool = F
   if scale != 1.0:
     weights = weights * scale
   return (weights, experts.astype(jnp.int32)) + ((probs,) if return_probs else ())
+
+
+def sparsemixer(logits_NxE, top_k: int, jitter_eps: float, experts_NxK=None):
+  """(weights [N, k], experts [N, k] int32) of PhiMoE's sparsemixer as transformers runs
+  it in evaluation: expert i is the best logit not yet chosen (or `experts_NxK`'s i-th),
+  weighted by the softmax over the logits not yet chosen whose distance below its own,
+  relative to max(|logit|, its own), is at most 2 `jitter_eps`. The band is chosen
+  without gradient; the weights' gradient is the softmax's."""
+  n, e = logits_NxE.shape
+  free = logits_NxE  # the logits not yet chosen (-inf once chosen)
+  weights, experts = [], []
+  for i in range(top_k):
+    top = (jnp.argmax(jax.lax.stop_gradient(free), axis=-1).astype(jnp.int32)
+           if experts_NxK is None else experts_NxK[:, i])
+    own = jax.lax.stop_gradient(jnp.take_along_axis(free, top[:, None], axis=-1))
+    factor = jnp.maximum(jnp.abs(jax.lax.stop_gradient(logits_NxE)), own)
+    # (not >, as transformers masks: a 0 / 0 stays in the band)
+    band = ~((own - jax.lax.stop_gradient(logits_NxE)) / factor > 2 * jitter_eps)
+    gates = jax.nn.softmax(jnp.where(band, free, -jnp.inf), axis=-1)
+    weights.append(jnp.take_along_axis(gates, top[:, None], axis=-1)[:, 0])
+    experts.append(top)
+    free = jnp.where(jnp.arange(e)[None] == top[:, None], -jnp.inf, free)
+  return jnp.stack(weights, -1), jnp.stack(experts, -1)
 
 
 def routing_dtype(cfg: ModelConfig):
@@ -1957,7 +1989,7 @@ class MoE(nnx.Module):
           router, k, cfg.norm_topk_prob, return_probs=True,
           bias_E=router_b if cfg.router_bias else None, scoring=cfg.router_scoring,
           correction_E=correction if cfg.has_correction_bias else None,
-          groups=cfg.router_groups,
+          groups=cfg.router_groups, jitter_eps=cfg.router_jitter_eps,
           group_topk=cfg.router_group_topk, scale=cfg.routed_scaling_factor)
       w, e, probs = routing(experts_NxK=None if replay is None else given.reshape(lb * lt, k))
       if cfg.moe_input_norms:
