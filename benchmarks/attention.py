@@ -12,13 +12,15 @@
    same total length. The fake devices share this machine's cores, so only the memory
    column is meaningful there. Runs in a subprocess when jax is already initialised
    with fewer than 8 CPU devices.
+   Then ALiBi's cost: chunked attention with BLOOM's slopes vs without, same shapes.
 3. Packed rows: the block pairs the causal flash kernels compute for one 16k-token row
    holding 1-16 equal sequences, counted from the kernels' range functions (segment ids
    let a q block skip the other sequences' kv blocks).
 4. Only on a GPU / TPU: flash (Pallas) forward + backward TFLOP/s vs
    `jax.nn.dot_product_attention` with implementation 'xla' and (GPU) 'cudnn', causal,
    head_dim 128, 16 heads, bf16, batch * length = 32k tokens. FLOPs count the causal
-   half: forward 2 * 2 * b * h * T^2 * d / 2, backward 2.5x the forward. Then packed
+   half: forward 2 * 2 * b * h * T^2 * d / 2, backward 2.5x the forward ("flash alibi":
+   the default flash kernels with ALiBi's slopes, BLOOM's for 16 heads). Then packed
    rows timed: one 16k row of 8 sequences without segment ids, with them, and as 16
    separate 2k sequences.
 """
@@ -121,6 +123,32 @@ def chunked_vs_reference(lengths, repeats) -> list[dict]:
     chunked["memory_vs_reference"] = round(chunked["peak_mib"] / ref["peak_mib"], 3)
     if ref["time_ms"] and chunked["time_ms"]:
       chunked["time_vs_reference"] = round(chunked["time_ms"] / ref["time_ms"], 2)
+    rows += pair
+  return rows
+
+
+def alibi_slopes(heads: int):
+  """BLOOM's / MPT's ALiBi slopes for `heads` query heads, float32 [heads]."""
+  p = 1 << (heads - 1).bit_length()
+  slopes = [2.0 ** (-8.0 * (i + 1) / p) for i in range(p)]
+  return jnp.asarray((slopes[1::2] + slopes[::2])[:heads] if p != heads else slopes,
+                     jnp.float32)
+
+
+def alibi_vs_plain(lengths, repeats) -> list[dict]:
+  """Chunked attention with ALiBi's biases vs without, forward + backward on CPU."""
+  rows = []
+  slopes = alibi_slopes(CPU_SHAPE["heads"])
+  for length in lengths:
+    args = _inputs(length, **CPU_SHAPE)
+    pair = [_measure(name, lambda q, k, v, s=s: kernels.chunked_attention(
+        q, k, v, chunk_size=512, alibi_slopes=s), args, repeats if length <= 4096 else 1,
+        benchmark="cpu fwd+bwd", length=length)
+        for name, s in (("chunked", None), ("chunked alibi", slopes))]
+    plain, alibi = pair
+    alibi["memory_vs_plain"] = round(alibi["peak_mib"] / plain["peak_mib"], 3)
+    if plain["time_ms"] and alibi["time_ms"]:
+      alibi["time_vs_plain"] = round(alibi["time_ms"] / plain["time_ms"], 2)
     rows += pair
   return rows
 
@@ -270,6 +298,12 @@ ACCEL_CHECKS = (  # name, shape (batch, length, heads, kv_heads, head_dim[, kv_l
      dict(causal=True, segments=True, sliding_window=150), dict(gpu_forward="mosaic")),
     ("window + soft cap", (1, 1536, 4, 2, 128),
      dict(causal=True, sliding_window=300, logits_soft_cap=30.0)),
+    # ALiBi (BLOOM's slopes): the forward then runs the Triton kernel.
+    ("causal gqa ragged, alibi", (2, 1000, 8, 2, 128), dict(causal=True, alibi=True)),
+    ("segments + window + soft cap, alibi", (2, 1100, 6, 2, 128),
+     dict(causal=True, segments=True, sliding_window=300, logits_soft_cap=30.0, alibi=True)),
+    ("non-causal mqa d64, alibi, dq atomic", (1, 777, 4, 1, 64),
+     dict(causal=False, alibi=True), dict(dq_atomic=True)),
     # The backward variants the sweep may pick (flash-only options after the mask's).
     ("causal gqa ragged, dq atomic", (2, 1000, 8, 2, 128), dict(causal=True),
      dict(dq_atomic=True)),
@@ -296,6 +330,8 @@ def accelerator_check(options=None, only=None) -> list[dict]:
       seg = jnp.asarray(np.repeat(np.arange(1, 6), -(-t // 5))[:t][None].repeat(b, 0))
       seg = seg.at[:, -37:].set(0)
       opts.update(q_segment_ids=seg, kv_segment_ids=seg)
+    if opts.pop("alibi", False):
+      opts["alibi_slopes"] = alibi_slopes(h)
 
     def run(fn, *args):
       out, vjp = jax.vjp(fn, *args)
@@ -361,7 +397,8 @@ def _sweep_row(benchmark, opts, length, batch, seconds, flops) -> dict:
   return row
 
 
-ARMS = ("flash (pallas)", "flash mosaic", "flash triton", "jax xla", "jax cudnn")
+ARMS = ("flash (pallas)", "flash mosaic", "flash triton", "flash alibi", "jax xla",
+        "jax cudnn")
 
 
 def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
@@ -378,6 +415,8 @@ def accelerator_flops(lengths, repeats, heads=16, head_dim=128, tokens=32768,
                                                 gpu_backward="mosaic", dq_atomic=False))))
     impls.append(("flash triton", _flash(**dict(flash_options or {}, gpu_forward="triton",
                                                 gpu_backward="triton"))))
+  slopes = alibi_slopes(heads)
+  impls.append(("flash alibi", _flash(**dict(flash_options or {}, alibi_slopes=slopes))))
   impls.append(("jax xla", lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="xla")))
   if backend == "gpu":
@@ -523,6 +562,7 @@ def run(quick: bool = False, lengths=None) -> list[dict]:
   lengths = tuple(lengths or (QUICK_LENGTHS if quick else FULL_LENGTHS))
   repeats = 2 if quick else 3
   rows = chunked_vs_reference(lengths, repeats)
+  rows += alibi_vs_plain(lengths[:2], repeats)
   rows += _ring_rows(max(lengths))
   rows += packed_blocks()
   if jax.default_backend() in ("gpu", "tpu"):

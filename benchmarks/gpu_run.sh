@@ -27,7 +27,7 @@ json.dump(attention.accelerator_check(only=only), open(sys.argv[2], 'w'))" \
   "$CHECKS" "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log"
 echo "checks exit ${PIPESTATUS[0]}" | tee -a "$OUT/checks.log"
 timeout "${ATTN_TIMEOUT:-240}" python3 -m benchmarks.attention --accelerator-only --checks "" \
-  --arms "${ARMS:-flash (pallas),flash mosaic,flash triton,jax xla,jax cudnn}" \
+  --arms "${ARMS:-flash (pallas),flash mosaic,flash triton,flash alibi,jax xla,jax cudnn}" \
   --out "$OUT/attention.json" ${ATTN_ARGS:---no-sweep} 2>&1 | tee "$OUT/attention.log"
 echo "table exit ${PIPESTATUS[0]}" | tee -a "$OUT/attention.log"
 if [ ! -s "$OUT/checks.json" ] || grep -qE '"FAIL"|failed' "$OUT/checks.json"; then
