@@ -109,22 +109,27 @@ def _measure(name, attention, args, repeats, **row):
   return row
 
 
-def chunked_vs_reference(lengths, repeats) -> list[dict]:
+def _side_by_side(arms, lengths, repeats, against: str) -> list[dict]:
+  """Two arms (name, attention) at each length on CPU_SHAPE's inputs, the second's peak
+  and time as fractions of the first's (memory_vs_`against`, time_vs_`against`)."""
   rows = []
   for length in lengths:
     args = _inputs(length, **CPU_SHAPE)
-    pair = []
-    for name, attention in (
-        ("reference", kernels.reference_attention),
-        ("chunked", lambda q, k, v: kernels.chunked_attention(q, k, v, chunk_size=512))):
-      pair.append(_measure(name, attention, args, repeats if length <= 4096 else 1,
-                           benchmark="cpu fwd+bwd", length=length))
-    ref, chunked = pair
-    chunked["memory_vs_reference"] = round(chunked["peak_mib"] / ref["peak_mib"], 3)
-    if ref["time_ms"] and chunked["time_ms"]:
-      chunked["time_vs_reference"] = round(chunked["time_ms"] / ref["time_ms"], 2)
-    rows += pair
+    first, second = [_measure(name, attention, args, repeats if length <= 4096 else 1,
+                              benchmark="cpu fwd+bwd", length=length)
+                     for name, attention in arms]
+    second[f"memory_vs_{against}"] = round(second["peak_mib"] / first["peak_mib"], 3)
+    if first["time_ms"] and second["time_ms"]:
+      second[f"time_vs_{against}"] = round(second["time_ms"] / first["time_ms"], 2)
+    rows += [first, second]
   return rows
+
+
+def chunked_vs_reference(lengths, repeats) -> list[dict]:
+  return _side_by_side(
+      (("reference", kernels.reference_attention),
+       ("chunked", lambda q, k, v: kernels.chunked_attention(q, k, v, chunk_size=512))),
+      lengths, repeats, "reference")
 
 
 def alibi_slopes(heads: int):
@@ -137,20 +142,12 @@ def alibi_slopes(heads: int):
 
 def alibi_vs_plain(lengths, repeats) -> list[dict]:
   """Chunked attention with ALiBi's biases vs without, forward + backward on CPU."""
-  rows = []
   slopes = alibi_slopes(CPU_SHAPE["heads"])
-  for length in lengths:
-    args = _inputs(length, **CPU_SHAPE)
-    pair = [_measure(name, lambda q, k, v, s=s: kernels.chunked_attention(
-        q, k, v, chunk_size=512, alibi_slopes=s), args, repeats if length <= 4096 else 1,
-        benchmark="cpu fwd+bwd", length=length)
-        for name, s in (("chunked", None), ("chunked alibi", slopes))]
-    plain, alibi = pair
-    alibi["memory_vs_plain"] = round(alibi["peak_mib"] / plain["peak_mib"], 3)
-    if plain["time_ms"] and alibi["time_ms"]:
-      alibi["time_vs_plain"] = round(alibi["time_ms"] / plain["time_ms"], 2)
-    rows += pair
-  return rows
+  return _side_by_side(
+      [(name, lambda q, k, v, s=s: kernels.chunked_attention(q, k, v, chunk_size=512,
+                                                             alibi_slopes=s))
+       for name, s in (("chunked", None), ("chunked alibi", slopes))],
+      lengths, repeats, "plain")
 
 
 def ring_memory(length: int) -> list[dict]:

@@ -1292,18 +1292,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
          "head_dim": int(c["hidden_size"]) // int(c["num_attention_heads"])}
   if lm in (GPT2, GPT_BIGCODE) + _GPTJS:
     c = _gpt2_config(c, lm)
-  if lm == OPT:
-    c = _opt_config(c)
-  if lm == DBRX:
-    c = _dbrx_config(c)
-  if lm == FALCON:
-    c = _falcon_config(c)
-  if lm == BLOOM:
-    c = _bloom_config(c)
-  if lm == GPT_NEO:
-    c = _gpt_neo_config(c)
-  if lm == MPT:
-    c = _mpt_config(c)
+  if lm in _CLASS_CONFIGS:  # the class's own keys under Llama's
+    c = _CLASS_CONFIGS[lm](c)
   if lm == OLMO1:  # its LayerNorms' eps, fixed
     c = {**c, "rms_norm_eps": 1e-5}
   if lm == PHI:  # its eps's name; its q/k/v and output biases always there
@@ -2342,6 +2332,11 @@ def _opt_config(c: dict[str, Any]) -> dict[str, Any]:
   return {**c, "intermediate_size": int(c["ffn_dim"]), "num_key_value_heads": heads,
           "head_dim": d // heads, "rms_norm_eps": 1e-5, "hidden_act": "relu",
           "attention_bias": bool(c["enable_bias"])}
+
+
+# Classes whose config.json keys are their own: the function that gives them Llama's.
+_CLASS_CONFIGS = {OPT: _opt_config, DBRX: _dbrx_config, FALCON: _falcon_config,
+                  BLOOM: _bloom_config, GPT_NEO: _gpt_neo_config, MPT: _mpt_config}
 
 
 def _opt_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
