@@ -491,6 +491,8 @@ class ModelConfig:
       mean over its standard deviation, no weight or bias (OLMo's).
     clip_qkv: q, k and v each clamped to [-clip_qkv, clip_qkv] after their projections
       (and biases), before the rotary embedding (OLMo 1.7's, DBRX's); None: not clamped.
+    clip_qkv_after_norm: with clip_qkv and qk_norm, q and k are clamped after their norms
+      (OLMoE's), not before them.
     embed_norm: the embeddings are normed so before the first layer: with
       norm_weightless by the final norm's function, no parameters of its own (nanochat);
       else by a norm of cfg's kind of its own (BLOOM's word_embeddings_layernorm).
@@ -546,6 +548,7 @@ class ModelConfig:
   learned_positions: bool = False
   position_offset: int = 0
   clip_qkv: float | None = None
+  clip_qkv_after_norm: bool = False
   alibi: bool = False
   alibi_bias_max: float = 8.0
   alibi_scaled: bool = False
@@ -1230,6 +1233,10 @@ class ModelConfig:
     if self.clip_qkv is not None and (self.kv_lora_rank or any(self.linear_layers)):
       raise ValueError("clip_qkv (q, k and v projections clamped) with latent attention "
                        "(kv_lora_rank) or linear-attention layers is not supported")
+    if self.clip_qkv_after_norm and (self.clip_qkv is None or not self.qk_norm
+                                     or self.qk_norm_after_rope):
+      raise ValueError("clip_qkv_after_norm=True needs clip_qkv and qk_norm (normed before "
+                       "the rotation): it clamps the normed q and k")
     self._check_alibi()
     if self.norm_bias and not self.layer_norm:
       raise ValueError("norm_bias=True needs layer_norm=True (a LayerNorm's bias; an "

@@ -197,7 +197,7 @@ _POSITION_SCALED = (MINISTRAL3, "Mistral4ForCausalLM")
 # OLMoE (AllenAI's OLMoE-1B-7B): Llama's pre-norm layers, q/k norms over every head's
 # features at once (OLMo 2's), biases on all four attention projections or none, every
 # MLP a mixture (softmax top-k, by default not renormalised) with the experts in Qwen's
-# per-expert files; clip_qkv (clamping q, k and v) is not read.
+# per-expert files; clip_qkv clamps v and the normed q and k (`clip_qkv_after_norm`).
 OLMOE = "OlmoeForCausalLM"
 # EXAONE 4.0 (LG AI Research): OLMo 2's layout (no input norms, each sublayer's output
 # normed before its residual add) with q/k norms per head, no biases, and with a
@@ -1857,14 +1857,13 @@ def _minimax_m2_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _olmoe_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
-  """qk_norm_heads of an OLMoE config.json ({} for other families); a clip_qkv is
-  refused."""
+  """qk_norm_heads and clip_qkv (after the q/k norms) of an OLMoE config.json ({} for
+  other families)."""
   if lm != OLMOE:
     return {}
-  if c.get("clip_qkv") is not None:
-    raise ValueError(f"clip_qkv={c['clip_qkv']!r} in an OLMoE config.json (q, k and v "
-                     "clamped) is not supported")
-  return {"qk_norm_heads": True}
+  if c.get("clip_qkv") is None:
+    return {"qk_norm_heads": True}
+  return {"qk_norm_heads": True, "clip_qkv": float(c["clip_qkv"]), "clip_qkv_after_norm": True}
 
 
 def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -3100,7 +3099,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                           and lm != MPT),
                norm_weightless=(cfg.norm_weightless if lm == OPT else
                                 lm in (NANOCHAT, OLMO1)), embed_norm=lm in (NANOCHAT, BLOOM),
-               clip_qkv=cfg.clip_qkv if lm in (OLMO1, DBRX, MPT) else None,
+               clip_qkv=cfg.clip_qkv if lm in (OLMO1, DBRX, MPT, OLMOE) else None,
+               clip_qkv_after_norm=lm == OLMOE and cfg.clip_qkv is not None,
                alibi=lm in (BLOOM, MPT) or lm == FALCON and cfg.alibi,
                alibi_scaled=lm == FALCON and cfg.alibi,
                alibi_bias_max=8.0,
@@ -3733,7 +3733,7 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                ssm_multipliers=list(cfg.ssm_multipliers or (1.0,) * 5))
   elif lm in (OLMOE, FLEX_OLMO):
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-               norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None)
+               norm_topk_prob=cfg.norm_topk_prob, clip_qkv=cfg.clip_qkv)
   elif lm == MINIMAX_M2:
     # transformers 5's rope_parameters, and the published files' keys beside them (what
     # vLLM and SGLang read: without use_routing_bias they drop the correction bias).

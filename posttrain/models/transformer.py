@@ -1276,11 +1276,14 @@ class Attention(nnx.Module):
       q = q + self.q_bias[...].astype(dt)[None, None]
       k = k + self.k_bias[...].astype(dt)[None, None]
       v = v + self.v_bias[...].astype(dt)[None, None]
-    if cfg.clip_qkv is not None:  # OLMo's: each projection clamped
-      c = cfg.clip_qkv
-      q, k, v = (jnp.clip(x, -c, c) for x in (q, k, v))
+    c = cfg.clip_qkv
+    if c is not None:  # OLMo's: each projection clamped (OLMoE's v; its q, k below)
+      q, k, v = ((x if cfg.clip_qkv_after_norm and x is not v else jnp.clip(x, -c, c))
+                 for x in (q, k, v))
     if cfg.qk_norm and not cfg.qk_norm_after_rope:
       q, k = self.q_norm(q), self.k_norm(k)
+    if c is not None and cfg.clip_qkv_after_norm:  # OLMoE's: the normed q and k clamped
+      q, k = jnp.clip(q, -c, c), jnp.clip(k, -c, c)
     q, k = rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin)
     if cfg.qk_norm_after_rope:  # Hunyuan's: the rotated q and k normed
       q, k = self.q_norm(q), self.k_norm(k)

@@ -1,7 +1,8 @@
 """OLMoE (OlmoeForCausalLM) against `transformers`: Llama's pre-norm layers with q/k norms
 over every head's features at once, every MLP a mixture of experts (softmax top-k, not
-renormalised by default) in per-expert files. Logits (layer list and scanned), greedy
-generation through the sampler, export, the load-balancing loss, and the refusals."""
+renormalised by default) in per-expert files, q, k and v clamped (the normed q and k).
+Logits (layer list and scanned), greedy generation through the sampler, export, the
+load-balancing loss, and the refusals."""
 
 import json
 
@@ -23,7 +24,8 @@ COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=32, num_hidden_la
               bos_token_id=2, eos_token_id=1)
 VARIANTS = {
     "olmoe": {},  # as published: no biases, top-k weights not renormalised
-    "biased_norm": dict(attention_bias=True, norm_topk_prob=True),
+    # biases, renormalised weights, and a clamp that cuts the normed q and k
+    "biased_norm": dict(attention_bias=True, norm_topk_prob=True, clip_qkv=0.8),
 }
 TOKENS = np.random.default_rng(0).integers(0, 97, (2, 20))
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11], list(range(20, 33))]
@@ -50,6 +52,8 @@ def test_config_reads_the_mixture_and_the_norms(saved):
   assert not cfg.qkv_bias and not cfg.attn_out_bias
   biased = models.from_pretrained(saved["biased_norm"][0]).cfg
   assert biased.qkv_bias and biased.attn_out_bias and biased.norm_topk_prob
+  assert (biased.clip_qkv, biased.clip_qkv_after_norm) == (0.8, True)
+  assert (cfg.clip_qkv, cfg.clip_qkv_after_norm) == (None, False)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
@@ -81,7 +85,16 @@ def test_export_round_trip_is_exact(saved, variant, tmp_path):
   transformers reads back to the same model."""
   written = check_export_round_trip(*saved[variant], transformers.OlmoeForCausalLM, TOKENS,
                                     tmp_path / "out")
-  assert written["model_type"] == "olmoe" and written["clip_qkv"] is None
+  assert (written["model_type"], written["clip_qkv"]) == (
+      "olmoe", VARIANTS[variant].get("clip_qkv"))
+
+
+def test_the_clamp_is_after_the_norms(saved):
+  """Clamped before the q/k norms (OLMo 1's, DBRX's order) the logits differ."""
+  folder, hf = saved["biased_norm"]
+  before = models.from_pretrained(folder, clip_qkv_after_norm=False)
+  got = np.asarray(_jitted_logits(before, TOKENS))
+  assert np.abs(got - hf_logits(hf, TOKENS)).max() > 1e-2
 
 
 def test_load_balancing_loss_matches_transformers_aux_loss(tmp_path):
@@ -102,9 +115,9 @@ def test_load_balancing_loss_matches_transformers_aux_loss(tmp_path):
 
 def test_what_cannot_be_read_or_written_is_refused(saved, tmp_path):
   config = json.loads(open(f"{saved['olmoe'][0]}/config.json").read())
-  with pytest.raises(ValueError, match="clip_qkv=8.0 in an OLMoE config.json"):
-    models.hf_config_to_model_config({**config, "clip_qkv": 8.0})
   cfg = models.hf_config_to_model_config(config)
+  with pytest.raises(ValueError, match="clip_qkv_after_norm=True needs clip_qkv"):
+    cfg.replace(clip_qkv_after_norm=True)
   with pytest.raises(ValueError, match="shared_expert_dim=16 cannot be written as "
                                        "OlmoeForCausalLM"):
     models.hf.check_exportable(cfg.replace(shared_expert_dim=16))
