@@ -4166,23 +4166,39 @@ def _renamed_rows(cfg: ModelConfig, rows: list) -> list:
   lm = _causal_lm(cfg.architecture)
   if lm not in _CLASS_NAMES:
     return rows
-  n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   out = []
   for ours, name, to_ours, to_hf, shape in rows:
     fused = re.search(r"\.self_attn\.([qkv])_proj\.", name)
-    if fused and lm in (GPT_NEOX, FALCON, GPT_BIGCODE, BLOOM):  # NeoX's: a group a query head
-      to_ours, to_hf = _grouped_qkv_part((to_ours, to_hf), fused[1], k, n // k, h)
-    elif fused and lm == CODEGEN:
-      to_ours, to_hf = _indexed_part((to_ours, to_hf), _codegen_rows(cfg, fused[1]),
-                                     3 * n * h)
-    elif fused and lm in (GPT2, DBRX, MPT):  # [q; k; v]
-      start, size = {"q": (0, n * h), "k": (n * h, k * h), "v": ((n + k) * h, k * h)}[fused[1]]
-      to_ours, to_hf = _fused_part((to_ours, to_hf), start, size, (n + 2 * k) * h)
+    if fused:
+      to_ours, to_hf = _fused_qkv_part(cfg, fused[1], (to_ours, to_hf))
     name = _class_name(cfg, name)
     if lm == GPT2 and _CONV1D.search(name):
       to_ours, to_hf = _transposed((to_ours, to_hf))
     out.append((ours, name, to_ours, to_hf, shape))
   return out
+
+
+# Classes whose q, k and v are parts of one fused tensor under their own names
+# (`_fused_qkv_part`).
+_FUSED_QKV = (GPT_NEOX, FALCON, GPT_BIGCODE, BLOOM, CODEGEN, GPT2, DBRX, MPT)
+
+
+def _fused_qkv_part(cfg: ModelConfig, which: str, inner: tuple[Transform, Transform]
+                    ) -> tuple[Transform, Transform]:
+  """(HF -> ours, ours -> HF) of q, k or v (`which`) as rows of the class's fused tensor
+  (`inner` mapping those rows to ours; the tensor's other rows zeros on the way out): by
+  key/value group (GPT-NeoX, Falcon, GPTBigCode, BLOOM), CodeGen's four shards, or [q; k;
+  v] (GPT-2, DBRX, MPT); `inner` itself for other classes."""
+  lm = _causal_lm(cfg.architecture)
+  n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  if lm in (GPT_NEOX, FALCON, GPT_BIGCODE, BLOOM):  # NeoX's: a group a query head
+    return _grouped_qkv_part(inner, which, k, n // k, h)
+  if lm == CODEGEN:
+    return _indexed_part(inner, _codegen_rows(cfg, which), 3 * n * h)
+  if lm in (GPT2, DBRX, MPT):  # [q; k; v]
+    start, size = {"q": (0, n * h), "k": (n * h, k * h), "v": ((n + k) * h, k * h)}[which]
+    return _fused_part(inner, start, size, (n + 2 * k) * h)
+  return inner
 
 
 def _codegen_rows(cfg: ModelConfig, part: str) -> np.ndarray:
@@ -4811,30 +4827,33 @@ def _hf_shape(cfg: ModelConfig, name: str, ours: tuple, to_hf: Transform) -> tup
   return to_hf(np.empty(ours, np.int8)).shape
 
 
-def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transform, tuple]]:
+def _lora_mapping(cfg: ModelConfig, reading: bool = False
+                  ) -> list[tuple[tuple, str, Transform, Transform, tuple]]:
   """(our state path, PEFT name, peft->ours, ours->peft, our shape) for every adapter tensor.
 
   PEFT keeps torch's Linear layout, lora_A.weight [r, in] and lora_B.weight [out, r]; our
   A [*in, r] and B [r, *out] flatten their head axes row-major (n * H + h), as `_mapping`
-  flattens q/k/v/o, so an adapter's update lines up with its base weight's rows.
+  flattens q/k/v/o, so an adapter's update lines up with its base weight's rows. With
+  `reading`, a class whose q, k and v are one fused module (`_FUSED_QKV`: PEFT's one
+  adapter on query_key_value, c_attn, Wqkv or qkv_proj) gives q, k and v each the one A
+  and its own rows of B: the same update, exactly.
 
   Raises:
     ValueError: for Phi-3, whose PEFT adapters sit on the fused qkv_proj / gate_up_proj
-      (one A shared by q, k and v), which ours (an A each) are not.
+      (one A shared by q, k and v), which ours (an A each) are not; and for writing the
+      `_FUSED_QKV` classes' (our three A's are not PEFT's one).
   """
   if _causal_lm(cfg.architecture) == PHI3:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused qkv_proj / "
                      "gate_up_proj, which our per-projection adapters are not: they are "
                      "neither read nor written; export the model merged (save_pretrained)")
-  if _causal_lm(cfg.architecture) in (GPT_NEOX, GPT2, FALCON, GPT_BIGCODE, DBRX, CODEGEN,
-                                      BLOOM, MPT):
-    fused = {GPT2: "c_attn", GPT_BIGCODE: "c_attn", DBRX: "Wqkv", CODEGEN: "qkv_proj",
-             MPT: "Wqkv"}.get(
-        _causal_lm(cfg.architecture), "query_key_value")
-    raise ValueError(f"PEFT adapter files of {cfg.architecture} wrap its fused {fused} "
-                     "(one A shared by q, k and v), which our "
-                     "per-projection adapters are not: they are neither read nor written; "
-                     "export the model merged (save_pretrained)")
+  qkv = [t for t in ("q_proj", "k_proj", "v_proj") if t in cfg.lora_target_names]
+  if _causal_lm(cfg.architecture) in _FUSED_QKV and qkv and not reading:
+    fused = _class_name(cfg, "model.layers.0.self_attn.q_proj.").split(".")[-2]
+    raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {qkv} "
+                     f"are read, not written: PEFT wraps its fused {fused} with one A "
+                     "shared by q, k and v, ours are one each; adapt the other projections, "
+                     "or export the model merged (save_pretrained)")
   fused = [t for t in ("gate_proj", "up_proj") if t in cfg.lora_target_names]
   if _causal_lm(cfg.architecture) in _GLMS and fused:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets {fused} "
@@ -4899,6 +4918,8 @@ def _lora_mapping(cfg: ModelConfig) -> list[tuple[tuple, str, Transform, Transfo
       b_maps = _gated_query_b(cfg.num_heads, cfg.head_dim, r)
     if t in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next's, grouped by key head
       b_maps = _key_group_b(cfg, t, r)
+    if t in qkv:  # its rows of a fused module's B (`reading`; others as they are)
+      b_maps = _fused_qkv_part(cfg, t[0], b_maps)
     ours = layer_path(cfg, i) + owner
     peft = f"base_model.model.model.layers.{i}.{module}.{_peft_module(cfg, t)}."
     peft = "base_model.model." + _class_name(cfg, peft[len("base_model.model."):])
@@ -5042,8 +5063,10 @@ def _peft_target(cfg: ModelConfig, target: str) -> str:
   """A target_modules entry of PEFT's that wraps `target` and nothing else: its name, or
   where the name is ambiguous (LFM2's out_proj is the attention's and the convolution's)
   the name under its owner, e.g. self_attn.out_proj."""
-  if _causal_lm(cfg.architecture) not in _LFM2S:
-    return _peft_module(cfg, target)
+  if _causal_lm(cfg.architecture) not in _LFM2S:  # the module's name under its class's
+    owner = "self_attn" if target in _ATTN_TARGETS else "mlp"
+    return _class_name(cfg, f"model.layers.0.{owner}.{_peft_module(cfg, target)}.").split(
+        ".")[-2]
   owner = ("self_attn" if target in _ATTN_TARGETS else
            _linear_module(cfg) if target in cfg.linear_lora_targets else "feed_forward")
   return f"{owner}.{_peft_module(cfg, target)}"
@@ -5085,14 +5108,16 @@ def _adapter_targets(where: str, targets: Any, cfg: ModelConfig) -> tuple[str, .
              "mlp_layers": mlps, "moe_layers": mlps}[stack]
       shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
       return f"backbone.layers.{i}.mixer.{shared}{t}" if t in has else None
-    if t in _ATTN_TARGETS:
-      return None if linear else f"model.layers.{i}.self_attn.{_peft_module(cfg, t)}"
+    if t in _ATTN_TARGETS:  # under the class's names: q, k and v fused in one for some
+      return None if linear else _class_name(
+          cfg, f"model.layers.{i}.self_attn.{_peft_module(cfg, t)}.")[:-1]
     if cfg.parallel_mixer and t in cfg.linear_lora_targets:  # Falcon-H1's mamba
       return f"model.layers.{i}.{_linear_module(cfg)}.{t}"
     if t in LORA_TARGETS:  # a mixture layer's: its shared expert's, if it has one
       if cfg.mixture_flags[i] and not cfg.shared_expert_dim:
         return None
-      return f"model.layers.{i}.{_mlp_module(cfg, i)}.{_peft_module(cfg, t)}"
+      return _class_name(cfg, f"model.layers.{i}.{_mlp_module(cfg, i)}."
+                              f"{_peft_module(cfg, t)}.")[:-1]
     return f"model.layers.{i}.{_linear_module(cfg)}.{t}" if linear else None
 
   modules = {(i, t): module(i, t) for i in range(cfg.num_layers) for t in names
@@ -5177,7 +5202,10 @@ def _read_adapter_config(path: str, base: ModelConfig, *, classifier: bool = Fal
   if c.get("peft_type", "LORA") != "LORA":
     raise ValueError(f"{where} peft_type={c['peft_type']!r} is not supported (expected LORA)")
   for key in _PEFT_UNSUPPORTED:
-    if c.get(key):
+    # GPT-2's Conv1D modules: PEFT sets fan_in_fan_out for the base weight's [in, out]
+    # alone; its adapters are Linear's, as everywhere
+    conv1d = key == "fan_in_fan_out" and _causal_lm(base.architecture) == GPT2
+    if c.get(key) and not conv1d:
       raise ValueError(f"{where} {key}={c[key]!r} is not supported")
   saved = c.get("modules_to_save") or []
   if saved and (not classifier or isinstance(saved, str) or set(saved) - _SCORE_MODULES):
@@ -5457,7 +5485,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype: str | None = 
                if cfg.tie_embeddings or not cfg.lm_head else set())
   sources = [(files, rows, mxfp4, fp8, bnb, ints)]
   if adapter is not None:
-    adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg)
+    adapter_files, lora_rows = _adapter_files(adapter), _lora_mapping(cfg, reading=True)
     if _causal_lm(cfg.architecture) == NEMOTRON_H and any(
         n.startswith("base_model.model.backbone.") for n in adapter_files):
       # PEFT writes the trunk as transformers names it in memory (model.*); files made

@@ -167,6 +167,35 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   return tmp_path / "ours", back
 
 
+def check_fused_qkv_peft(folder, hf, fresh_hf, tokens, tmp_path, fused, other, targets):
+  """PEFT adapter files of a class whose q, k and v are one module (`fused`): one PEFT
+  made on it and on `other` (rank 2, B random) loads into ours with PEFT's logits (q, k
+  and v each the one A and their rows of B); ours on q, k and v are refused for writing
+  with a one-line error; ours on `other` alone (our `targets`) go both ways."""
+  import peft
+  import pytest
+  import torch
+  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=[fused, other],
+                           lora_dropout=0.0, task_type="CAUSAL_LM")
+  made = peft.get_peft_model(fresh_hf(), config)
+  torch.manual_seed(2)
+  with torch.no_grad():
+    for name, p in made.named_parameters():
+      if "lora_B" in name:
+        p.normal_(0.0, 0.3)
+  made.eval().save_pretrained(str(tmp_path / "fused"))
+  back = models.from_pretrained(folder, adapter=str(tmp_path / "fused"))
+  assert {"q_proj", "k_proj", "v_proj"} <= set(back.cfg.lora_target_names)
+  want = hf_logits(made, tokens)
+  assert np.abs(want - hf_logits(hf, tokens)).max() > 1e-2  # the adapter matters
+  got = np.asarray(nnx.jit(lambda m, t: m(t))(back, tokens))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  with pytest.raises(ValueError, match=f"are read, not written: PEFT wraps its fused {fused}"):
+    models.save_lora_adapter(back, str(tmp_path / "refused"))
+  check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path / "other", targets,
+                        peft_targets=[other])
+
+
 def check_slots_and_resume_draw_one_calls_samples(model, prompts):
   """A sampler's slots (rows refilled as others stop) and resumed rows (a call kept and
   continued) draw what one call over `prompts` draws, token for token."""

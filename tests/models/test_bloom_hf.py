@@ -10,9 +10,10 @@ import pytest
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, check_packed_rows_run_apart,
-                                 check_reward_model_round_trip, greedy_tokens, perturb,
-                                 save_families, target_logprob_grads)
+                                 check_fused_qkv_peft, check_logits,
+                                 check_packed_rows_run_apart, check_reward_model_round_trip,
+                                 greedy_tokens, perturb, save_families,
+                                 target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -124,9 +125,8 @@ def test_reward_model_scores_match_transformers(tmp_path):
   check_reward_model_round_trip(hf, transformers.BloomForSequenceClassification, tmp_path)
 
 
-def test_what_bloom_refuses(saved, tmp_path):
-  """Residuals taken after the norms, PEFT files of its fused query_key_value, and a
-  model it cannot hold written as BLOOM."""
+def test_what_bloom_refuses(saved):
+  """Residuals taken after the norms, and a model it cannot hold written as BLOOM."""
   folder, hf = saved["bloom"]
   base = hf.config.to_dict()
   with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm=true"):
@@ -137,9 +137,6 @@ def test_what_bloom_refuses(saved, tmp_path):
     models.hf.model_config_to_hf(cfg.replace(ffn_dim=100))
   with pytest.raises(ValueError, match="embed_norm=False cannot be written as Bloom"):
     models.hf.model_config_to_hf(cfg.replace(embed_norm=False))
-  lora = models.from_pretrained(folder, lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused query_key_value"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
 
 
 def test_defaults_are_transformers():
@@ -149,3 +146,10 @@ def test_defaults_are_transformers():
           cfg.tie_embeddings) == (
       default.vocab_size, default.hidden_size, default.n_layer, default.n_head,
       default.layer_norm_epsilon, default.tie_word_embeddings)
+
+
+def test_peft_adapters_on_the_fused_projection_are_read(saved, tmp_path):
+  """PEFT's one adapter on query_key_value read as q, k and v's; ours on dense both ways."""
+  folder, hf = saved["bloom"]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model("bloom"), TOKENS, tmp_path,
+                       "query_key_value", "dense", ["o_proj"])

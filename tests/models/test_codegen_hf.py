@@ -9,8 +9,8 @@ import pytest
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, greedy_tokens, perturb, save_families,
-                                 target_logprob_grads)
+                                 check_fused_qkv_peft, check_logits, greedy_tokens, perturb,
+                                 save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -74,16 +74,13 @@ def test_export_round_trip_is_exact(saved, variant, tmp_path):
   assert written["model_type"] == "codegen"
 
 
-def test_what_codegen_refuses(saved, tmp_path):
+def test_what_codegen_refuses(saved):
   folder, hf = saved["codegen"]
   with pytest.raises(ValueError, match="n_head=6 in a CodeGen config.json"):
     models.hf_config_to_model_config({**hf.config.to_dict(), "n_head": 6, "n_embd": 48})
   cfg = models.from_pretrained(folder).cfg
   with pytest.raises(ValueError, match="num_heads=6 cannot be written as CodeGen"):
     models.hf.model_config_to_hf(cfg.replace(num_heads=6, num_kv_heads=6, d_model=48))
-  lora = models.from_pretrained(folder, lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused qkv_proj"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
 
 
 def test_defaults_are_transformers():
@@ -93,3 +90,10 @@ def test_defaults_are_transformers():
           cfg.max_position_embeddings, cfg.rope.rotary_dim(cfg.head_dim)) == (
       default.vocab_size, default.n_embd, default.n_layer, default.n_head,
       default.n_positions, default.rotary_dim)
+
+
+def test_peft_adapters_on_the_fused_projection_are_read(saved, tmp_path):
+  """PEFT's one adapter on qkv_proj read as q, k and v's; ours on out_proj both ways."""
+  folder, hf = saved["codegen"]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model("codegen"), TOKENS, tmp_path,
+                       "qkv_proj", "out_proj", ["o_proj"])

@@ -11,8 +11,8 @@ import pytest
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, greedy_tokens, perturb, save_families,
-                                 target_logprob_grads)
+                                 check_fused_qkv_peft, check_logits, greedy_tokens, perturb,
+                                 save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -110,7 +110,7 @@ def test_published_rope_theta_is_read():
   assert (cfg.rope.theta, cfg.clip_qkv, cfg.num_kv_heads) == (500_000.0, 8.0, 8)
 
 
-def test_what_dbrx_refuses(saved, tmp_path):
+def test_what_dbrx_refuses(saved):
   folder, hf = saved["dbrx"]
   base = hf.config.to_dict()
   with pytest.raises(ValueError, match="moe_normalize_expert_weights=2.0"):
@@ -119,9 +119,6 @@ def test_what_dbrx_refuses(saved, tmp_path):
   with pytest.raises(ValueError, match="ffn_act_fn"):
     models.hf_config_to_model_config(
         {**base, "ffn_config": {**base["ffn_config"], "ffn_act_fn": {"name": "gelu"}}})
-  lora = models.from_pretrained(folder, lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused Wqkv"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
 
 
 def test_defaults_are_transformers():
@@ -134,3 +131,10 @@ def test_defaults_are_transformers():
       default.attn_config.kv_n_heads, default.ffn_config.ffn_hidden_size,
       default.ffn_config.moe_num_experts, default.ffn_config.moe_top_k,
       default.max_seq_len, default.attn_config.clip_qkv)
+
+
+def test_peft_adapters_on_the_fused_projection_are_read(saved, tmp_path):
+  """PEFT's one adapter on Wqkv read as q, k and v's; ours on out_proj both ways."""
+  folder, hf = saved["dbrx"]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model("dbrx"), TOKENS, tmp_path,
+                       "Wqkv", "out_proj", ["o_proj"])

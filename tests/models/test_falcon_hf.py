@@ -12,7 +12,8 @@ import pytest
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, check_reward_model_round_trip, greedy_tokens,
+                                 check_fused_qkv_peft, check_logits,
+                                 check_reward_model_round_trip, greedy_tokens,
                                  perturb, save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
@@ -107,9 +108,9 @@ def test_reward_model_scores_match_transformers(tmp_path):
   check_reward_model_round_trip(hf, transformers.FalconForSequenceClassification, tmp_path)
 
 
-def test_what_falcon_refuses(saved, tmp_path):
+def test_what_falcon_refuses(saved):
   """The new architecture's sequential layers (which transformers cannot run), grouped
-  keys in sequential layers, PEFT adapter files of its fused query_key_value."""
+  keys in sequential layers."""
   folder, hf = saved["falcon7b"]
   base = hf.config.to_dict()
   with pytest.raises(ValueError, match="new_decoder_architecture=true with parallel_attn"):
@@ -118,9 +119,14 @@ def test_what_falcon_refuses(saved, tmp_path):
   cfg = models.from_pretrained(saved["sequential"][0]).cfg
   with pytest.raises(ValueError, match="num_kv_heads=2 cannot be written as Falcon"):
     models.hf.model_config_to_hf(cfg.replace(num_kv_heads=2))
-  lora = models.from_pretrained(folder, lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused query_key_value"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
+
+
+@pytest.mark.parametrize("variant", ["falcon7b", "falcon40b"])
+def test_peft_adapters_on_the_fused_projection_are_read(saved, variant, tmp_path):
+  """PEFT's one adapter on query_key_value (multi-query, grouped) read as q, k and v's."""
+  folder, hf = saved[variant]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model(variant), TOKENS, tmp_path,
+                       "query_key_value", "dense", ["o_proj"])
 
 
 def test_defaults_are_transformers():

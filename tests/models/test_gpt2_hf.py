@@ -11,9 +11,10 @@ from flax import nnx
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, check_packed_rows_run_apart,
-                                 check_reward_model_round_trip, greedy_tokens, hf_logits,
-                                 perturb, save_families, target_logprob_grads)
+                                 check_fused_qkv_peft, check_logits,
+                                 check_packed_rows_run_apart, check_reward_model_round_trip,
+                                 greedy_tokens, hf_logits, perturb, save_families,
+                                 target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -137,9 +138,9 @@ def test_reward_model_scores_match_transformers(tmp_path):
   check_reward_model_round_trip(hf, transformers.GPT2ForSequenceClassification, tmp_path)
 
 
-def test_what_gpt2_refuses(saved, tmp_path):
-  """Attention options it does not read, a rotary embedding, grouped keys and PEFT
-  adapter files (PEFT wraps the fused Conv1D c_attn with one adapter): one-line errors."""
+def test_what_gpt2_refuses(saved):
+  """Attention options it does not read, a rotary embedding and grouped keys: one-line
+  errors."""
   folder, hf = saved["gpt2"]
   base = hf.config.to_dict()
   for key, value in (("scale_attn_by_inverse_layer_idx", True),
@@ -151,9 +152,6 @@ def test_what_gpt2_refuses(saved, tmp_path):
                         (dict(num_kv_heads=2), "a head for each")):
     with pytest.raises(ValueError, match=match):
       models.hf.model_config_to_hf(model.cfg.replace(**change))
-  lora = models.from_pretrained(folder, lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused c_attn"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
 
 
 def test_a_run_keeps_the_folders_position_table(saved):
@@ -190,3 +188,10 @@ def test_transformers_aliases_of_its_keys_are_read():
   both = {**aliased, "n_embd": 32, "n_head": 2}
   assert (transformers.GPT2Config.from_dict(both).n_embd,
           models.hf_config_to_model_config(both).d_model) == (64, 64)
+
+
+def test_peft_adapters_on_the_fused_projection_are_read(saved, tmp_path):
+  """PEFT's one adapter on c_attn read as q, k and v's; ours on c_fc both ways."""
+  folder, hf = saved["gpt2"]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model("gpt2"), TOKENS, tmp_path,
+                       "c_attn", "c_fc", ["up_proj"])

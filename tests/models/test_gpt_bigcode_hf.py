@@ -9,8 +9,9 @@ import pytest
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, check_reward_model_round_trip, greedy_tokens,
-                                 perturb, save_families, target_logprob_grads)
+                                 check_fused_qkv_peft, check_logits,
+                                 check_reward_model_round_trip, greedy_tokens, perturb,
+                                 save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -88,16 +89,13 @@ def test_reward_model_scores_match_transformers(tmp_path):
                                 tmp_path)
 
 
-def test_what_gpt_bigcode_refuses(saved, tmp_path):
+def test_what_gpt_bigcode_refuses(saved):
   folder, hf = saved["starcoder"]
   with pytest.raises(ValueError, match="scale_attn_weights=false in a GPTBigCode"):
     models.hf_config_to_model_config({**hf.config.to_dict(), "scale_attn_weights": False})
   cfg = models.from_pretrained(saved["multi_head"][0]).cfg
   with pytest.raises(ValueError, match="num_kv_heads=2 cannot be written as GPTBigCode"):
     models.hf.model_config_to_hf(cfg.replace(num_kv_heads=2))
-  lora = models.from_pretrained(folder, lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused c_attn"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
 
 
 def test_defaults_are_transformers():
@@ -107,3 +105,10 @@ def test_defaults_are_transformers():
           cfg.num_kv_heads, cfg.max_position_embeddings, cfg.tie_embeddings) == (
       default.vocab_size, default.n_embd, 4 * default.n_embd, default.n_layer,
       default.n_head, 1, default.n_positions, default.tie_word_embeddings)
+
+
+def test_peft_adapters_on_the_fused_projection_are_read(saved, tmp_path):
+  """PEFT's one adapter on c_attn read as q, k and v's; ours on c_fc both ways."""
+  folder, hf = saved["starcoder"]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model("starcoder"), TOKENS, tmp_path,
+                       "c_attn", "c_fc", ["up_proj"])

@@ -11,8 +11,9 @@ import pytest
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, check_reward_model_round_trip, greedy_tokens,
-                                 perturb, save_families, target_logprob_grads)
+                                 check_fused_qkv_peft, check_logits,
+                                 check_reward_model_round_trip, greedy_tokens, perturb,
+                                 save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -136,17 +137,13 @@ def test_reward_model_from_a_causal_folder_leaves_embed_out(saved):
   assert not hasattr(rm, "lm_head")
 
 
-def test_what_gpt_neox_cannot_hold(saved, tmp_path):
-  """Grouped keys, attention biases on q/k/v alone, or PEFT adapter files (PEFT wraps
-  the fused query_key_value with one adapter): each a one-line error."""
+def test_what_gpt_neox_cannot_hold(saved):
+  """Grouped keys, or attention biases on q/k/v alone: each a one-line error."""
   model = models.from_pretrained(saved["pythia"][0])
   for change, match in ((dict(num_kv_heads=2), "a head for each"),
                         (dict(attn_out_bias=False), "always has attn_out_bias=True")):
     with pytest.raises(ValueError, match=match):
       models.hf.model_config_to_hf(model.cfg.replace(**change))
-  lora = models.from_pretrained(saved["pythia"][0], lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused query_key_value"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
 
 
 def test_defaults_are_transformers():
@@ -161,3 +158,10 @@ def test_defaults_are_transformers():
       default.rope_parameters["rope_theta"], default.rope_parameters["partial_rotary_factor"],
       default.tie_word_embeddings, default.use_parallel_residual, default.attention_bias,
       default.max_position_embeddings, "gelu_ungated")
+
+
+def test_peft_adapters_on_the_fused_projection_are_read(saved, tmp_path):
+  """PEFT's one adapter on query_key_value read as q, k and v's; ours on dense both ways."""
+  folder, hf = saved["pythia"]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model("pythia"), TOKENS, tmp_path,
+                       "query_key_value", "dense", ["o_proj"])

@@ -10,8 +10,9 @@ import pytest
 
 from posttrain import models
 from tests.models.parity import (assert_close_to_scale, check_export_round_trip,
-                                 check_logits, check_reward_model_round_trip, greedy_tokens,
-                                 perturb, save_families, target_logprob_grads)
+                                 check_fused_qkv_peft, check_logits,
+                                 check_reward_model_round_trip, greedy_tokens, perturb,
+                                 save_families, target_logprob_grads)
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install '.[parity]')")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers")
@@ -99,9 +100,9 @@ def test_reward_model_scores_match_transformers(tmp_path):
   check_reward_model_round_trip(hf, transformers.MptForSequenceClassification, tmp_path)
 
 
-def test_what_mpt_refuses(saved, tmp_path):
+def test_what_mpt_refuses(saved):
   """The attention options transformers' MPT does not run (or ignores: alibi_bias_max),
-  biases, a wider MLP, and PEFT files of its fused Wqkv."""
+  biases, and a wider MLP."""
   folder, hf = saved["mpt"]
   base = hf.config.to_dict()
   for attn, match in ((dict(alibi=False), "attn_config.alibi=false"),
@@ -117,9 +118,6 @@ def test_what_mpt_refuses(saved, tmp_path):
                         (dict(expansion_ratio=2), "expansion_ratio=2")):
     with pytest.raises(ValueError, match=match):
       models.hf_config_to_model_config({**base, **change})
-  lora = models.from_pretrained(folder, lora_rank=2, lora_targets="o_proj")
-  with pytest.raises(ValueError, match="fused Wqkv"):
-    models.save_lora_adapter(lora, str(tmp_path / "adapter"))
 
 
 def test_defaults_are_transformers():
@@ -131,3 +129,10 @@ def test_defaults_are_transformers():
       default.vocab_size, default.d_model, default.n_layers, default.n_heads,
       default.layer_norm_epsilon, default.max_seq_len, default.tie_word_embeddings,
       default.attn_config.alibi_bias_max, default.attn_config.clip_qkv)
+
+
+def test_peft_adapters_on_the_fused_projection_are_read(saved, tmp_path):
+  """PEFT's one adapter on Wqkv read as q, k and v's; ours on out_proj both ways."""
+  folder, hf = saved["mpt"]
+  check_fused_qkv_peft(folder, hf, lambda: _hf_model("mpt"), TOKENS, tmp_path,
+                       "Wqkv", "out_proj", ["o_proj"])
