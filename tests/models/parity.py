@@ -137,7 +137,6 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   PEFT's). `scan`: ours with its layers scanned (else as a list); `atol`: of the logits
   both ways."""
   import peft
-  import torch
   experts = "".join(f",experts_{p.rsplit('.', 1)[-1]}" for p in target_parameters or ())
   ours = models.from_pretrained(folder, lora_rank=3, lora_alpha=5.0, scan_layers=scan,
                                 lora_targets=",".join(targets) + experts)
@@ -151,7 +150,20 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
   assert np.abs(hf_logits(hf, tokens) - want).max() > 1e-2  # the adapters matter
   loaded = peft.PeftModel.from_pretrained(fresh_hf(), str(tmp_path / "ours")).eval()
   np.testing.assert_allclose(hf_logits(loaded, tokens), want, atol=atol, rtol=0)
-  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=list(peft_targets or targets),
+  made = _peft_made(fresh_hf, tmp_path / "peft", list(peft_targets or targets),
+                    target_parameters)
+  back = models.from_pretrained(folder, adapter=str(tmp_path / "peft"))
+  np.testing.assert_allclose(np.asarray(logits(back, tokens)), hf_logits(made, tokens),
+                             atol=atol, rtol=0)
+  return tmp_path / "ours", back
+
+
+def _peft_made(fresh_hf, out, target_modules, target_parameters=None):
+  """An adapter PEFT makes on `fresh_hf()` (rank 2, alpha 3, B random), saved to `out`;
+  returns the PEFT model."""
+  import peft
+  import torch
+  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=target_modules,
                            target_parameters=target_parameters, lora_dropout=0.0,
                            task_type="CAUSAL_LM")
   made = peft.get_peft_model(fresh_hf(), config)
@@ -160,11 +172,8 @@ def check_peft_round_trip(folder, hf, fresh_hf, tokens, tmp_path, targets,
     for name, p in made.named_parameters():
       if "lora_B" in name:
         p.normal_(0.0, 0.3)
-  made.eval().save_pretrained(str(tmp_path / "peft"))
-  back = models.from_pretrained(folder, adapter=str(tmp_path / "peft"))
-  np.testing.assert_allclose(np.asarray(logits(back, tokens)), hf_logits(made, tokens),
-                             atol=atol, rtol=0)
-  return tmp_path / "ours", back
+  made.eval().save_pretrained(str(out))
+  return made
 
 
 def check_fused_qkv_peft(folder, hf, fresh_hf, tokens, tmp_path, fused, other, targets):
@@ -172,18 +181,8 @@ def check_fused_qkv_peft(folder, hf, fresh_hf, tokens, tmp_path, fused, other, t
   made on it and on `other` (rank 2, B random) loads into ours with PEFT's logits (q, k
   and v each the one A and their rows of B); ours on q, k and v are refused for writing
   with a one-line error; ours on `other` alone (our `targets`) go both ways."""
-  import peft
   import pytest
-  import torch
-  config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=[fused, other],
-                           lora_dropout=0.0, task_type="CAUSAL_LM")
-  made = peft.get_peft_model(fresh_hf(), config)
-  torch.manual_seed(2)
-  with torch.no_grad():
-    for name, p in made.named_parameters():
-      if "lora_B" in name:
-        p.normal_(0.0, 0.3)
-  made.eval().save_pretrained(str(tmp_path / "fused"))
+  made = _peft_made(fresh_hf, tmp_path / "fused", [fused, other])
   back = models.from_pretrained(folder, adapter=str(tmp_path / "fused"))
   assert {"q_proj", "k_proj", "v_proj"} <= set(back.cfg.lora_target_names)
   want = hf_logits(made, tokens)
