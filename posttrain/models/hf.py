@@ -5046,15 +5046,11 @@ _STARCODER2_MODULES = {"up_proj": "c_fc", "down_proj": "c_proj"}
 
 def _peft_module(cfg: ModelConfig, target: str) -> str:
   """The name of the module LoRA target `target` wraps within its layer's attention,
-  mixer or MLP: the target's own, but for LFM2's `_LFM2_MODULES` and the MLPs (and outputs)
-  of StarCoder2, nanochat, Phi and GPT-J."""
+  mixer or MLP, before the class's renames (`_class_name`, which name the modules of the
+  classes in `_CLASS_NAMES`): the target's own, but for LFM2's `_LFM2_MODULES` and the
+  MLPs of StarCoder2 and nanochat."""
   names = {LFM2: _LFM2_MODULES, LFM2_MOE: _LFM2_MODULES, STARCODER2: _STARCODER2_MODULES,
-           NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"},
-           PHI: {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"},
-           GPTJ: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"},
-           CODEGEN: {"o_proj": "out_proj", "up_proj": "fc_in", "down_proj": "fc_out"},
-           OPT: {"o_proj": "out_proj", "up_proj": "fc1", "down_proj": "fc2"},
-           GPT_NEO: {"o_proj": "out_proj", "up_proj": "c_fc", "down_proj": "c_proj"}}.get(
+           NANOCHAT: {"up_proj": "fc1", "down_proj": "fc2"}}.get(
       _causal_lm(cfg.architecture), {})
   return names.get(target, target)
 
