@@ -1682,7 +1682,7 @@ def sparsemixer(logits_NxE, top_k: int, jitter_eps: float, experts_NxK=None):
   weighted by the softmax over the logits not yet chosen whose distance below its own,
   relative to max(|logit|, its own), is at most 2 `jitter_eps`. The band is chosen
   without gradient; the weights' gradient is the softmax's."""
-  n, e = logits_NxE.shape
+  e = logits_NxE.shape[1]
   free = logits_NxE  # the logits not yet chosen (-inf once chosen)
   weights, experts = [], []
   for i in range(top_k):
