@@ -1167,7 +1167,8 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   less), int32 positions and targets (with
   norm_unit_offset the final norm's in float32: (4 - s)D more, with embed_scale as in
   Gemma or without as in Qwen3.5); tied embeddings also keep the transposed output
-  projection.
+  projection. A float32 residual stream (cfg.residual_fp32, Mamba2's) keeps the final
+  norm's input, and under remat each layer's input, in float32: (4 - s)D more each.
   tokens = one device's share of the micro-batch (rows over the batch axes, row_len over
   `sequence`). Without remat, a mixture keeps each layer's int32 group sizes [E] and, on
   a mesh, the experts and router its `shard_map` was given (D gathered over fsdp, F
@@ -1218,6 +1219,10 @@ def saved_activation_bytes(model_cfg: models.ModelConfig, *, rows: int, row_len:
   outside = 2 * s * cfg.d_model + 4 * 2 * cfg.d_model + tables + 8
   if cfg.norm_unit_offset:
     outside += (4 - s) * cfg.d_model
+  if cfg.residual_fp32:  # the float32 stream: the final norm's input, and under remat
+    # each layer's input (what the layer keeps of the stream)
+    outside += (4 - s) * cfg.d_model
+    layers += cfg.num_layers * (4 - s) * cfg.d_model * (remat != "none")
   # Tied embeddings: the transposed [D, V] output projection is a residual of its own.
   unembed = s * cfg.d_model * vocab if cfg.tie_embeddings and cfg.lm_head else 0
   experts = 0

@@ -588,6 +588,29 @@ def test_single_sublayer_layers_saved_activations_match_what_jax_keeps(dtype, re
     assert 0 <= (kept - less_kept) - (planned - less_planned) <= 4 * 96 + 32, i
 
 
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_mamba2_layers_alone_and_a_float32_stream_match_what_jax_keeps(remat):
+  """Mamba2ForCausalLM's layout (Mamba2 mixers alone, ffn_dim=0) in bfloat16, its
+  residual stream in bfloat16 or float32 (residual_fp32): the planner within 1% of what
+  JAX keeps, and the float32 stream's cost (the final norm's input, under remat each
+  layer's input too) within 256 bytes of what it adds."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  rows, length, kinds = 4, 128, ("linear_attention",) * 3
+
+  def measured(fp32):
+    cfg = models.get_preset("tiny", **{**NEMOTRON_H, "ffn_dim": 0}, num_layers=3,
+                            layer_types=kinds, rope_layers=(0,) * 3, remat=remat,
+                            dtype="bfloat16", param_dtype="bfloat16", residual_fp32=fp32)
+    return (sum(n for n, _, _ in _residuals(cfg, rows, length)),
+            planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=one_device))
+
+  (kept, planned), (kept32, planned32) = measured(False), measured(True)
+  assert planned == pytest.approx(kept, rel=0.01)
+  assert planned32 == pytest.approx(kept32, rel=0.01)
+  assert kept32 - kept >= 2 * rows * length * 96  # the stream's rows, in float32
+  assert abs((kept32 - kept) - (planned32 - planned)) <= 256
+
+
 # Nemotron 3's layout: Nemotron-H's layers beside mixtures alone ("moe"), each of 6
 # experts of 40 without a gate (relu^2), 2 a token by sigmoid scores scaled by 2.5, and a
 # shared relu^2 expert of 24; its MLPs alone are dense_ffn_dim (160) wide.

@@ -55,7 +55,7 @@ PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybri
                   "GraniteMoeSharedForCausalLM")
 # Classes whose Mamba2 out_proj PEFT refuses to adapt (its Mamba models' fused kernel
 # skips the module): their default lora_targets leave it out.
-PEFT_NO_OUT_PROJ = ("NemotronHForCausalLM", "FalconH1ForCausalLM")
+PEFT_NO_OUT_PROJ = ("NemotronHForCausalLM", "FalconH1ForCausalLM", "Mamba2ForCausalLM")
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -458,6 +458,10 @@ class ModelConfig:
       attention_k_eq_v).
     v_norm: every attention layer's values are RMS-normed over head_dim, with no weight
       (Gemma 4).
+    residual_fp32: the residual stream stays float32 between layers, each sublayer reading
+      it rounded to the compute dtype and its output added in float32; the final norm's
+      output is rounded back (Mamba2's residual_in_fp32). Single-sublayer layers alone
+      (split_layers); it changes nothing when dtype is float32.
     layer_scale: each layer's output (the residual stream after it) is multiplied by a
       scalar of its own, `layer_scale` [1], that no gradient reaches (Gemma 4's
       layer_scalar buffer).
@@ -642,6 +646,7 @@ class ModelConfig:
   k_eq_v: bool = False
   v_norm: bool = False
   layer_scale: bool = False
+  residual_fp32: bool = False
   moe_input_norms: bool = False
   per_layer_dim: int = 0
   per_layer_vocab: int = 0
@@ -675,8 +680,13 @@ class ModelConfig:
       object.__setattr__(self, "rope_layers", tuple(self.rope_layers or ()))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "ffn_dim"):
-      if getattr(self, name) <= 0:
+      if getattr(self, name) <= 0 and not (name == "ffn_dim" and getattr(self, name) == 0):
         raise ValueError(f"model {name} must be positive, got {getattr(self, name)}")
+    if not self.ffn_dim and (self.num_experts or not self.layer_types
+                             or set(self.layer_types) & {"mlp", "moe"}):
+      raise ValueError("ffn_dim=0 (layers without an MLP, each its mixer alone: pure "
+                       "Mamba2) needs layer_types without mlp or moe layers and no "
+                       "num_experts")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -807,6 +817,12 @@ class ModelConfig:
         raise ValueError(f"lora_targets names gate_proj, but this model's MLPs have no gate "
                          f"(mlp_activation={self.mlp_activation!r}); use up_proj and "
                          "down_proj")
+      absent = [t for t in names if t in self._absent_lora_targets]
+      if absent and self.lora_targets != DEFAULT_LORA_TARGETS:
+        raise ValueError(f"lora_targets {absent}: this model has no such projections (its "
+                         f"layers are {self.linear_mixer} mixers"
+                         f"{' and MLPs' if any(self.mlp_layers) else ''} alone); use "
+                         f"{','.join(linear)}")
       mlp = [t for t in names if t in LORA_TARGETS[4:]]
       dense_mlps = self.shared_expert_dim or self.num_dense_layers
       if (self.num_experts and not dense_mlps and mlp
@@ -1035,9 +1051,10 @@ class ModelConfig:
                             ("sandwich_norms", self.sandwich_norms)) if on]
     if held:
       raise ValueError(f"{', '.join(held)} with linear_attention layers are not supported")
-    if all(self.linear_layers):
+    if all(self.linear_layers) and not self.split_layers:
       raise ValueError("layer_types has no full_attention layer; a model of linear_attention "
-                       "layers alone is not supported")
+                       "layers alone, each with an MLP, is not supported (without MLPs, "
+                       "ffn_dim=0, it is: Mamba2's)")
 
   def _check_parallel_mixer(self) -> None:
     for name in MUP_MULTIPLIERS:
@@ -1096,9 +1113,10 @@ class ModelConfig:
   @property
   def split_layers(self) -> bool:
     """Whether each layer is one sublayer, a mixer, an MLP or a mixture of experts
-    (layer_types with "mlp" or "moe" layers: Nemotron-H, Nemotron 3), not a mixer and an
-    MLP."""
-    return "mlp" in self.layer_types or "moe" in self.layer_types
+    (layer_types with "mlp" or "moe" layers: Nemotron-H, Nemotron 3; or ffn_dim=0, no MLP
+    at all: Mamba2ForCausalLM's), not a mixer and an MLP."""
+    return ("mlp" in self.layer_types or "moe" in self.layer_types
+            or not self.ffn_dim)
 
   @property
   def mlp_layers(self) -> tuple[bool, ...]:
@@ -1385,6 +1403,9 @@ class ModelConfig:
         global_kv_heads=0)
 
   def _check_split_layers(self) -> None:
+    if self.residual_fp32 and not self.split_layers:
+      raise ValueError("residual_fp32=True is supported in single-sublayer layers alone "
+                       "(split_layers: layer_types' mlp or moe layers, or ffn_dim=0)")
     latent = self.moe_latent_dim
     if isinstance(latent, bool) or int(latent) != latent or latent < 0:
       raise ValueError(f"moe_latent_dim must be an int >= 0 (0: none), got {latent!r}")
@@ -1416,10 +1437,10 @@ class ModelConfig:
     if held:
       raise ValueError(f"{', '.join(held)} with layer_types' mlp or moe layers "
                        "(single-sublayer layers) are not supported")
-    if not any(self.attention_layers) or not any(self.linear_layers):
-      raise ValueError("layer_types with mlp or moe layers (Nemotron-H's) needs "
-                       "linear_attention and full_attention layers; a model without either "
-                       "is not supported")
+    if not any(self.linear_layers):
+      raise ValueError("single-sublayer layers (layer_types' mlp or moe layers, or "
+                       "ffn_dim=0) need linear_attention layers (Nemotron-H's, Mamba2's); a "
+                       "model of attention and MLPs alone is not supported")
 
   @property
   def nope_layers(self) -> tuple[bool, ...]:
@@ -1473,7 +1494,20 @@ class ModelConfig:
     allowed += self.expert_lora_targets
     if self.ungated:  # an MLP without a gate
       allowed = tuple(t for t in allowed if t != "gate_proj")
-    return tuple(t for t in allowed if t in names)
+    absent = self._absent_lora_targets
+    return tuple(t for t in allowed if t in names and t not in absent)
+
+  @property
+  def _absent_lora_targets(self) -> tuple[str, ...]:
+    """LORA_TARGETS of sublayers this model has none of: attention in a model of
+    single-sublayer layers without attention layers, the MLP's in one without MLPs
+    (ffn_dim=0, Mamba2's)."""
+    out = ()
+    if self.split_layers and not any(self.attention_layers):
+      out += ATTENTION_LORA_TARGETS
+    if not self.ffn_dim:
+      out += LORA_TARGETS[4:]
+    return out
 
   @property
   def expert_lora_targets(self) -> tuple[str, ...]:

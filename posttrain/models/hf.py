@@ -72,13 +72,13 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
               "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM",
               "VaultGemmaForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-              "GPTNeoForCausalLM", "PhimoeForCausalLM")
+              "GPTNeoForCausalLM", "PhimoeForCausalLM", "Mamba2ForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
-                  "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
+                  "Mamba2ForCausalLM", "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
@@ -121,6 +121,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
+                "Mamba2ForCausalLM": "mamba2",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
                 "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
                 "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5",
@@ -289,6 +290,16 @@ BAMBA = "BambaForCausalLM"
 # published ones do and transformers writes; model.* is read too), a layer's sublayer
 # mixer.*, the final norm norm_f. Its mixture layers ("E", Nemotron 3) are not read.
 NEMOTRON_H = "NemotronHForCausalLM"
+# Mamba2 (Mamba2ForCausalLM: Mamba-Codestral, the state-spaces mamba2 models): layers of a
+# norm and a Mamba2 mixer alone, no attention and no MLP (ffn_dim=0: `split_layers` of
+# linear_attention layers only), with Nemotron-H's names (backbone.embeddings,
+# backbone.layers.N.norm and .mixer.*, backbone.norm_f). Its time step is clipped to
+# time_step_limit; residual_in_fp32 keeps the residual stream in float32
+# (`ModelConfig.residual_fp32`). Its config's rms_norm and norm_before_gate are not read,
+# as transformers reads neither: the output is normed after the gate, per group.
+MAMBA2 = "Mamba2ForCausalLM"
+# The classes of single-sublayer layers and Nemotron-H's file names.
+_BACKBONES = (NEMOTRON_H, MAMBA2)
 # Falcon-H1 (tiiuae Falcon-H1, Falcon-H1R): every layer runs attention and a Mamba2 mixer
 # side by side on its normed input (`ModelConfig.parallel_mixer`), then a Llama MLP
 # (feed_forward; its norm pre_ff_layernorm, the last final_layernorm), all scaled by muP
@@ -324,7 +335,7 @@ LFM2 = "Lfm2ForCausalLM"
 LFM2_MOE = "Lfm2MoeForCausalLM"
 _LFM2S = (LFM2, LFM2_MOE)
 # The classes whose linear_attention layers are Mamba2's (`ModelConfig.linear_mixer`).
-_MAMBA2S = (GRANITE_HYBRID, BAMBA, NEMOTRON_H)
+_MAMBA2S = (GRANITE_HYBRID, BAMBA, NEMOTRON_H, MAMBA2)
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                     "logits_scaling")
 # GLM-4 (GLM-4-0414, GLM-Z1): gate and up fused (as Phi-3's), q/k/v biases, a norm on
@@ -1272,9 +1283,10 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   c = _model_type_config(_language_model_config(c))
   arch = _architecture(c)
   lm = _causal_lm(arch)
-  if lm in (NEMOTRON_H, GEMMA4) + _LFM2S:
-    cfg = (_nemotron_h_from_hf(c) if lm == NEMOTRON_H else _lfm2_from_hf(c, lm)
-           if lm in _LFM2S else _gemma4_from_hf(c, arch))
+  if lm in (GEMMA4,) + _BACKBONES + _LFM2S:
+    cfg = (_nemotron_h_from_hf(c) if lm == NEMOTRON_H else _mamba2_lm_from_hf(c)
+           if lm == MAMBA2 else _lfm2_from_hf(c, lm) if lm in _LFM2S
+           else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
   aliases = _CONFIG_ALIASES.get(lm, {})  # Llama's names of its keys win, as transformers'
   c = {**_CLASS_DEFAULTS.get(lm, {}), **c,
@@ -1660,6 +1672,71 @@ def _nemotron_h_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       chunk_size=cfg.linear_chunk, time_step_min=cfg.linear_dt_min,
       time_step_limit=[0.0, _float_to_json(float("inf"))], residual_in_fp32=False,
       num_nextn_predict_layers=0)
+
+
+def _mamba2_lm_from_hf(c: dict[str, Any]) -> ModelConfig:
+  """The ModelConfig of a Mamba2ForCausalLM config.json, read as transformers' Mamba2Config
+  reads it (its defaults where a key is left out). The attention fields, which no layer
+  uses, are those of one head of the Mamba2 heads' width."""
+  def get(key, default):
+    return default if c.get(key) is None else c[key]
+
+  if get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act={c['hidden_act']!r} in a {MAMBA2} config.json is not "
+                     "supported (expected silu)")
+  if c.get("use_bias"):
+    raise ValueError(f"use_bias=true (biases on a {MAMBA2} layer's in_proj and out_proj) "
+                     "is not supported")
+  d = int(get("hidden_size", 4096))
+  heads, head_dim = int(get("num_heads", 128)), int(get("head_dim", 64))
+  expand = get("expand", 2)
+  if d * expand != heads * head_dim:
+    raise ValueError(f"a {MAMBA2} config.json with hidden_size * expand ({d} * {expand}) "
+                     f"!= num_heads * head_dim ({heads} * {head_dim})")
+  low, high = (_json_float(x) for x in get("time_step_limit", (0.0, float("inf"))))
+  pad = c["pad_token_id"] if "pad_token_id" in c else 1  # null: none
+  dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
+  layers = int(get("num_hidden_layers", 64))
+  return ModelConfig(
+      vocab_size=int(get("vocab_size", 32_768)), d_model=d, num_layers=layers, num_heads=1,
+      num_kv_heads=1, head_dim=head_dim + head_dim % 2, ffn_dim=0,
+      norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+      tie_embeddings=bool(get("tie_word_embeddings", False)), architecture=MAMBA2,
+      dtype=dtype, param_dtype=dtype,
+      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
+      layer_types=("linear_attention",) * layers, rope_layers=(0,) * layers,
+      linear_mixer="mamba2", linear_num_key_heads=int(get("n_groups", 8)),
+      linear_key_head_dim=int(get("state_size", 128)), linear_num_value_heads=heads,
+      linear_value_head_dim=head_dim, linear_conv_kernel=int(get("conv_kernel", 4)),
+      linear_conv_bias=bool(get("use_conv_bias", True)),
+      linear_chunk=int(get("chunk_size", 256)), linear_dt_min=float(low),
+      linear_dt_max=float(high), residual_fp32=bool(get("residual_in_fp32", True)))
+
+
+def _check_mamba2_lm(cfg: ModelConfig) -> None:
+  """What a Mamba2ForCausalLM holds: Mamba2 layers alone (ffn_dim=0), without biases on
+  in_proj and out_proj, the mixers' width a whole multiple of d_model."""
+  if set(cfg.layer_types) != {"linear_attention"} or cfg.ffn_dim:
+    raise ValueError(f"layer_types {sorted(set(cfg.layer_types))} with ffn_dim="
+                     f"{cfg.ffn_dim} cannot be written as {MAMBA2}, whose layers are "
+                     "Mamba2 mixers alone (linear_attention layers, ffn_dim=0)")
+  width = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+  if width % cfg.d_model:
+    raise ValueError(f"Mamba2 layers {width} wide (linear_num_value_heads * "
+                     f"linear_value_head_dim) cannot be written as {MAMBA2}, whose width "
+                     f"is expand times d_model={cfg.d_model}")
+
+
+def _mamba2_lm_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """A Mamba2ForCausalLM config.json's fields (`_mamba2_lm_from_hf`'s inverse)."""
+  heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+  return dict(
+      num_heads=heads, head_dim=head_dim, expand=heads * head_dim // cfg.d_model,
+      state_size=cfg.linear_key_head_dim, n_groups=cfg.linear_num_key_heads,
+      conv_kernel=cfg.linear_conv_kernel, use_conv_bias=cfg.linear_conv_bias,
+      use_bias=False, hidden_act="silu", layer_norm_epsilon=cfg.norm_eps,
+      chunk_size=cfg.linear_chunk, residual_in_fp32=cfg.residual_fp32,
+      time_step_limit=[_float_to_json(cfg.linear_dt_min), _float_to_json(cfg.linear_dt_max)])
 
 
 _LFM2_LAYER_TYPES = {"full_attention": "full_attention", "conv": "linear_attention"}
@@ -3155,10 +3232,15 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
   if lm == NEMOTRON_H and (cfg.rope_layers or (1,)) != (0,) * cfg.num_layers:
     raise ValueError(f"rope_layers with rotary layers cannot be written as "
                      f"{cfg.architecture}, whose attention has no position embedding")
-  if cfg.split_layers != (lm == NEMOTRON_H):
-    raise ValueError(f"split_layers={cfg.split_layers} (layer_types with mlp or moe layers) "
-                     f"cannot be written as {cfg.architecture}; {NEMOTRON_H} holds "
-                     "single-sublayer layers, and only it")
+  if cfg.split_layers != (lm in _BACKBONES):
+    raise ValueError(f"split_layers={cfg.split_layers} (layer_types with mlp or moe layers, "
+                     f"or ffn_dim=0) cannot be written as {cfg.architecture}; "
+                     f"{' and '.join(_BACKBONES)} hold single-sublayer layers, and only they")
+  if lm == MAMBA2:
+    _check_mamba2_lm(cfg)
+  if lm == NEMOTRON_H and cfg.ffn_dim == 0:
+    raise ValueError(f"ffn_dim=0 (no MLP layers) cannot be written as {cfg.architecture}; "
+                     f"a model of Mamba2 layers alone is written as {MAMBA2}")
   if lm == NEMOTRON_H and cfg.tie_embeddings:
     raise ValueError(f"tie_embeddings=True cannot be written as {cfg.architecture}, whose "
                      "transformers class does not tie lm_head to the embeddings")
@@ -3181,7 +3263,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, which has no rotary embedding (rope_layers "
                        "all 0): its positions are learned or ALiBi's")
-  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, NEMOTRON_H) + _SWAS and not all(
+  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID) + _BACKBONES + _SWAS and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
@@ -3353,11 +3435,17 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_nemotron_h_to_hf(cfg))
+  if lm == MAMBA2:  # Mamba2's fields alone: no attention, no MLP
+    for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps",
+                "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings"):
+      out.pop(key)
+    out.update(_mamba2_lm_to_hf(cfg))
   if lm in _LFM2S:
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_lfm2_to_hf(cfg))
-  if lm not in ("Qwen2ForCausalLM",) + _LFM2S:
+  if lm not in ("Qwen2ForCausalLM", MAMBA2) + _LFM2S:
     out["attention_bias"] = cfg.qkv_bias
   if lm in _POSITION_SCALED:  # rope_parameters hold the query scaling too
     out.pop("rope_theta")
@@ -3866,7 +3954,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
   def bias(heads):
     return (lambda x: x.reshape(heads, h), lambda x: x.reshape(heads * h))
 
-  if _causal_lm(cfg.architecture) == NEMOTRON_H:
+  if _causal_lm(cfg.architecture) in _BACKBONES:
     return _nemotron_h_rows(cfg, proj_in)
   if _causal_lm(cfg.architecture) in _LFM2S:
     return _lfm2_rows(cfg, proj_in)
@@ -4923,9 +5011,10 @@ def _lora_mapping(cfg: ModelConfig, reading: bool = False
     ours = layer_path(cfg, i) + owner
     peft = f"base_model.model.model.layers.{i}.{module}.{_peft_module(cfg, t)}."
     peft = "base_model.model." + _class_name(cfg, peft[len("base_model.model."):])
-    if _causal_lm(cfg.architecture) == NEMOTRON_H:  # each layer's one sublayer: its mixer
+    if _causal_lm(cfg.architecture) in _BACKBONES:  # each layer's one sublayer: its mixer
       shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
-      peft = f"base_model.model.model.layers.{i}.mixer.{shared}{t}."
+      trunk = "backbone" if _causal_lm(cfg.architecture) == MAMBA2 else "model"
+      peft = f"base_model.model.{trunk}.layers.{i}.mixer.{shared}{t}."
     rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
              (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]
   return rows

@@ -2471,6 +2471,8 @@ class Block(nnx.Module):
                linear: bool = False, mlp_only: bool = False, moe_only: bool = False,
                global_layer: bool = False, kv_shared: bool = False):
     self.residual_multiplier = float(cfg.residual_multiplier)
+    # cfg.residual_fp32: the dtype a sublayer reads the float32 stream in (None: as it is)
+    self.sublayer_dtype = str(cfg.dtype) if cfg.residual_fp32 else None
     pd = _dtype(cfg.param_dtype)
     if cfg.layer_scale:  # Gemma 4's layer_scalar
       self.layer_scale = _param(None, (1,), (None,), pd, init="ones")
@@ -2563,10 +2565,10 @@ class Block(nnx.Module):
       h, new_cache = self._parallel(self.input_norm(x), cos, sin, segment_ids, cache,
                                     positions, ctx, prefill, layer, sliding, nope)
     elif hasattr(self, "linear_attn"):
-      h, new_cache = self.linear_attn(self.input_norm(x) if pre else x, segment_ids, cache,
+      h, new_cache = self.linear_attn(self._normed(x) if pre else x, segment_ids, cache,
                                       ctx, prefill, layer)
     elif hasattr(self, "attn"):
-      xn = self.input_norm(x) if pre else x
+      xn = self._normed(x) if pre else x
       h, new_cache, *kept = self.attn(
           xn, cos, sin, segment_ids, cache, positions, ctx, prefill, layer, sliding, nope,
           shared=shared_kv, keep_kv=keep_kv)
@@ -2579,7 +2581,7 @@ class Block(nnx.Module):
         return done(ctx.constrain(x + self._residual(h) + self._residual(m),
                                   ("batch", "length", "embed")))
     else:  # an MLP or a mixture alone (split_layers): its input norm is the block's one
-      h = mlp(self.input_norm(x))
+      h = mlp(self._normed(x))
       if moe:
         h, stats, chosen = h
       return done(ctx.constrain(x + self._residual(h), ("batch", "length", "embed")))
@@ -2616,6 +2618,12 @@ class Block(nnx.Module):
                                  prefill, layer)
     h = scaled(m, cfg.ssm_out_multiplier) + scaled(a, cfg.attention_out_multiplier)
     return h, (None if cache is None else HybridCaches(full, linear))
+
+  def _normed(self, x):
+    """The input norm of x, read in the compute dtype with cfg.residual_fp32."""
+    if self.sublayer_dtype is not None:
+      x = x.astype(_dtype(self.sublayer_dtype))
+    return self.input_norm(x)
 
   def _residual(self, h):
     """A sublayer's output as its residual add takes it: times Granite's
@@ -2791,7 +2799,8 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     if cfg.embed_norm:  # nanochat's by the final norm (weightless), BLOOM's by its own
       x = (self.final_norm if cfg.norm_weightless else self.embed_norm)(x)
-    x = ctx.constrain(x.astype(_dtype(cfg.dtype)), ("batch", "length", "embed"))
+    x = ctx.constrain(x.astype(jnp.float32 if cfg.residual_fp32 else _dtype(cfg.dtype)),
+                      ("batch", "length", "embed"))
     tables = _rope_tables(cfg.rope, self._rope, positions_BxT, segment_ids_BxT)
     local = tables
     if cfg.rope_local is not None:
@@ -2861,6 +2870,8 @@ class Transformer(nnx.Module):
         m += mixture
         new_caches.append(c)
     h = self.final_norm(x)
+    if cfg.residual_fp32:  # the float32 stream's norm, rounded as the layers' outputs are
+      h = h.astype(_dtype(cfg.dtype))
     out = (h,)
     if router_loss:
       out += (load_balancing_loss(stats, cfg.num_experts),)

@@ -228,7 +228,8 @@ def spread_mamba2_parameters(model):
   head instead, so that each of them moves the outputs; returns the model."""
   import torch
   with torch.no_grad():
-    for layer in model.model.layers:
+    trunk = getattr(model, "model", None) or model.backbone  # Mamba2ForCausalLM's
+    for layer in trunk.layers:
       # Granite 4's and Bamba's mamba, or Nemotron-H's mixer when it is one.
       mamba = getattr(layer, "mamba", None) or getattr(layer, "mixer", None)
       if mamba is not None and hasattr(mamba, "A_log"):
