@@ -1,7 +1,8 @@
 """Attention kernels for JAX: reference, chunked, Pallas flash, ring and decode attention
 (over a contiguous KV cache, a sliding window's ring buffer, or a paged cache), every one
 with segment ids, soft caps, sliding windows, attention sinks and ALiBi (`alibi_slopes`);
-and the grouped matmul of a mixture of experts.
+the grouped matmul of a mixture of experts; and the linear-time mixers (gated delta rule,
+gated linear attention / Mamba2's SSD, Mamba 1's selective scan).
 
 Imports jax only. Backends are chosen at call time, never at import: `import kernels`
 initialises no device and imports no Pallas GPU / TPU lowering.
@@ -51,6 +52,7 @@ from kernels.ring_attention import (
     shard_to_zigzag,
     to_zigzag,
 )
+from kernels.selective_scan import selective_scan, selective_scan_reference
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -84,6 +86,8 @@ __all__ = [
     "reference_block_kernel",
     "ring_attention",
     "ring_attention_sharded",
+    "selective_scan",
+    "selective_scan_reference",
     "shard_from_zigzag",
     "sharded_attention",
     "shard_to_zigzag",

@@ -55,7 +55,8 @@ PEFT_FUSED_MLP = ("Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybri
                   "GraniteMoeSharedForCausalLM")
 # Classes whose Mamba2 out_proj PEFT refuses to adapt (its Mamba models' fused kernel
 # skips the module): their default lora_targets leave it out.
-PEFT_NO_OUT_PROJ = ("NemotronHForCausalLM", "FalconH1ForCausalLM", "Mamba2ForCausalLM")
+PEFT_NO_OUT_PROJ = ("NemotronHForCausalLM", "FalconH1ForCausalLM", "Mamba2ForCausalLM",
+                    "MambaForCausalLM", "FalconMambaForCausalLM")
 # A Gated DeltaNet layer's projections (its linear_attn's module names): Qwen3.5's, and
 # Qwen3-Next's, whose in_proj_qkvz / in_proj_ba fuse Qwen3.5's first four as two.
 QWEN3_5_LINEAR_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -67,7 +68,9 @@ LINEAR_LORA_TARGETS = (QWEN3_5_LINEAR_LORA_TARGETS[:4] + QWEN3_NEXT_LINEAR_LORA_
                        + MAMBA2_LORA_TARGETS[:1])
 # LFM2's gated short convolution (its "conv" layers): in_proj's B, C and x, out_proj.
 SHORT_CONV_LORA_TARGETS = ("in_proj", "out_proj")
-LINEAR_MIXERS = ("gated_deltanet", "mamba2", "short_conv")
+# A Mamba 1 layer's (MambaForCausalLM's mixer): in_proj fuses x and the gate.
+MAMBA1_LORA_TARGETS = ("in_proj", "out_proj")
+LINEAR_MIXERS = ("gated_deltanet", "mamba2", "short_conv", "mamba1")
 # A mixture's routed experts, adapted per expert (PEFT's target_parameters
 # mlp.experts.gate_up_proj and mlp.experts.down_proj): one adapter over gate and up
 # together (one A, B spanning both), one over down; experts without a gate (relu^2,
@@ -377,6 +380,15 @@ class ModelConfig:
       the input, conv depthwise and causal over linear_conv_kernel taps, then out_proj;
       with linear_conv_bias each of them has a bias (LFM2's conv_bias). Its cache is the
       convolution's window alone; it takes no linear_num_* / linear_*_head_dim fields.
+      Or "mamba1", Mamba 1's selective scan (MambaForCausalLM, FalconMamba; `Mamba1`):
+      each of linear_num_value_heads channels (d_inner) is a head of width 1
+      (linear_value_head_dim 1, linear_num_key_heads 1) with a state of
+      linear_key_head_dim (d_state) decaying at its own rate per state entry; x_proj
+      gives a time step of rank linear_dt_rank (dt_proj brings it back to the channels,
+      with a bias), B and C; one causal convolution over x.
+    linear_dt_rank: Mamba 1's time-step rank (time_step_rank); 0 for other mixers.
+    linear_bcdt_norm: Mamba 1's time step (at its rank), B and C each RMS-normed without
+      a weight, eps linear_bcdt_norm_eps (FalconMamba's mixer_rms_eps).
     attn_output_gate: the attention's output is scaled by sigmoid of a second query-sized
       projection (`q_gate`) before o_proj, per head and feature (Qwen3-Next, Qwen3.5).
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
@@ -618,6 +630,9 @@ class ModelConfig:
   linear_conv_bias: bool = False
   linear_dt_min: float = 0.0
   linear_dt_max: float = float("inf")
+  linear_dt_rank: int = 0
+  linear_bcdt_norm: bool = False
+  linear_bcdt_norm_eps: float = 1e-6
   attn_output_gate: bool = False
   qk_l2_norm: bool = False
   attention_chunk_size: int = 0
@@ -1011,8 +1026,31 @@ class ModelConfig:
       raise ValueError(f"linear_dt_min={low!r} and linear_dt_max={high!r} must satisfy "
                        "0 <= linear_dt_min < linear_dt_max (inf: no upper limit)")
     short_conv = self.linear_mixer == "short_conv"
+    mamba1 = self.linear_mixer == "mamba1"
+    rank = self.linear_dt_rank
+    if isinstance(rank, bool) or int(rank) != rank or rank < 0:
+      raise ValueError(f"linear_dt_rank must be an int >= 0, got {rank!r}")
+    eps = self.linear_bcdt_norm_eps
+    if isinstance(eps, bool) or not 0.0 < eps < 1.0:
+      raise ValueError(f"linear_bcdt_norm_eps must be in (0, 1), got {eps!r}")
+    held = [n for n, on in (("linear_dt_rank", rank),
+                            ("linear_bcdt_norm", self.linear_bcdt_norm)) if on]
+    if held and not mamba1:
+      raise ValueError(f"{', '.join(held)} are Mamba 1's: they need linear_mixer='mamba1'")
+    if mamba1 and any(self.linear_layers):
+      if not rank:
+        raise ValueError("linear_mixer='mamba1' needs linear_dt_rank >= 1 (its "
+                         "time_step_rank)")
+      if self.linear_num_key_heads != 1 or self.linear_value_head_dim != 1:
+        raise ValueError(f"linear_mixer='mamba1' has one B and C for every channel and "
+                         f"channels of width 1: linear_num_key_heads="
+                         f"{self.linear_num_key_heads} and linear_value_head_dim="
+                         f"{self.linear_value_head_dim} must be 1")
+      if self.parallel_mixer:
+        raise ValueError("parallel_mixer=True runs Mamba2 mixers; linear_mixer='mamba1' "
+                         "is not supported there")
     mamba_only = [n for n, on in (("linear_conv_bias",
-                                   self.linear_conv_bias and not short_conv),
+                                   self.linear_conv_bias and not short_conv and not mamba1),
                                   ("linear_dt_min", low != 0.0),
                                   ("linear_dt_max", high != float("inf"))) if on]
     if self.linear_norm not in LINEAR_NORMS:
@@ -1528,6 +1566,8 @@ class ModelConfig:
     out_proj, Qwen3-Next's fused in_proj_qkvz / in_proj_ba, else Qwen3.5's)."""
     if self.linear_mixer == "mamba2":
       return MAMBA2_LORA_TARGETS
+    if self.linear_mixer == "mamba1":
+      return MAMBA1_LORA_TARGETS
     if self.linear_mixer == "short_conv":
       return SHORT_CONV_LORA_TARGETS
     if self.architecture.startswith("Qwen3Next"):
@@ -1653,6 +1693,11 @@ class ModelConfig:
                  + hv * dv * (self.linear_norm != "none") + hv * dv * d)
       if self.linear_mixer == "short_conv":  # in_proj [3D, D], taps [D, C], out_proj
         mixer = 4 * d * d + self.linear_conv_kernel * d + 5 * d * self.linear_conv_bias
+      if self.linear_mixer == "mamba1":  # in_proj, conv (+ bias), x_proj, dt_proj (+ bias),
+        # A_log, D, out_proj
+        r, n = self.linear_dt_rank, dk
+        mixer = (3 * d * hv + (self.linear_conv_kernel + self.linear_conv_bias) * hv
+                 + hv * (r + 2 * n) + r * hv + hv + hv * n + hv)
       # in place of attention; with parallel_mixer beside it in every layer
       swapped = (self.num_layers * mixer if self.parallel_mixer else
                  linear * (mixer - attn))

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 from typing import Any, Callable, Iterator
@@ -72,13 +73,15 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
               "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM",
               "VaultGemmaForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-              "GPTNeoForCausalLM", "PhimoeForCausalLM", "Mamba2ForCausalLM")
+              "GPTNeoForCausalLM", "PhimoeForCausalLM", "Mamba2ForCausalLM",
+              "MambaForCausalLM", "FalconMambaForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
                   "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
                   "BambaForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
-                  "Mamba2ForCausalLM", "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
+                  "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
+                  "Lfm2ForCausalLM", "OlmoeForCausalLM", "Ernie4_5ForCausalLM",
                   "Ernie4_5_MoeForCausalLM", "Glm4MoeLiteForCausalLM",
                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Dots1ForCausalLM",
                   "ExaoneMoeForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
@@ -121,7 +124,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeSharedForCausalLM": "granitemoeshared",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
-                "Mamba2ForCausalLM": "mamba2",
+                "Mamba2ForCausalLM": "mamba2", "MambaForCausalLM": "mamba",
+                "FalconMambaForCausalLM": "falcon_mamba",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
                 "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
                 "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5",
@@ -298,8 +302,17 @@ NEMOTRON_H = "NemotronHForCausalLM"
 # (`ModelConfig.residual_fp32`). Its config's rms_norm and norm_before_gate are not read,
 # as transformers reads neither: the output is normed after the gate, per group.
 MAMBA2 = "Mamba2ForCausalLM"
+# Mamba 1 (MambaForCausalLM: the state-spaces mamba models as transformers holds them)
+# and FalconMamba (FalconMambaForCausalLM: Falcon-Mamba-7B, Falcon3-Mamba): Mamba2's
+# layout and names with Mamba 1's mixer (`ModelConfig.linear_mixer` "mamba1": in_proj
+# [x; z], conv1d over x, x_proj [dt; B; C], dt_proj with its bias, A_log [E, N], D,
+# out_proj), FalconMamba's with weightless RMS norms on dt, B and C (mixer_rms_eps). Both
+# tie lm_head to the embeddings by default.
+MAMBA1 = "MambaForCausalLM"
+FALCON_MAMBA = "FalconMambaForCausalLM"
+_MAMBA1S = (MAMBA1, FALCON_MAMBA)
 # The classes of single-sublayer layers and Nemotron-H's file names.
-_BACKBONES = (NEMOTRON_H, MAMBA2)
+_BACKBONES = (NEMOTRON_H, MAMBA2) + _MAMBA1S
 # Falcon-H1 (tiiuae Falcon-H1, Falcon-H1R): every layer runs attention and a Mamba2 mixer
 # side by side on its normed input (`ModelConfig.parallel_mixer`), then a Llama MLP
 # (feed_forward; its norm pre_ff_layernorm, the last final_layernorm), all scaled by muP
@@ -1285,7 +1298,8 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
   lm = _causal_lm(arch)
   if lm in (GEMMA4,) + _BACKBONES + _LFM2S:
     cfg = (_nemotron_h_from_hf(c) if lm == NEMOTRON_H else _mamba2_lm_from_hf(c)
-           if lm == MAMBA2 else _lfm2_from_hf(c, lm) if lm in _LFM2S
+           if lm == MAMBA2 else _mamba1_from_hf(c, lm) if lm in _MAMBA1S
+           else _lfm2_from_hf(c, lm) if lm in _LFM2S
            else _gemma4_from_hf(c, arch))
     return cfg.replace(**overrides) if overrides else cfg
   aliases = _CONFIG_ALIASES.get(lm, {})  # Llama's names of its keys win, as transformers'
@@ -1711,6 +1725,74 @@ def _mamba2_lm_from_hf(c: dict[str, Any]) -> ModelConfig:
       linear_conv_bias=bool(get("use_conv_bias", True)),
       linear_chunk=int(get("chunk_size", 256)), linear_dt_min=float(low),
       linear_dt_max=float(high), residual_fp32=bool(get("residual_in_fp32", True)))
+
+
+def _mamba1_from_hf(c: dict[str, Any], lm: str) -> ModelConfig:
+  """The ModelConfig of a MambaForCausalLM / FalconMambaForCausalLM config.json, read as
+  transformers' MambaConfig / FalconMambaConfig reads it (its defaults where a key is
+  left out: time_step_rank "auto" is ceil(hidden_size / 16)). The attention fields,
+  which no layer uses, are one head of width 2."""
+  def get(key, default):
+    return default if c.get(key) is None else c[key]
+
+  if get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act={c['hidden_act']!r} in a {lm} config.json is not "
+                     "supported (expected silu)")
+  if c.get("use_bias"):
+    raise ValueError(f"use_bias=true (biases on a {lm} layer's in_proj and out_proj) is "
+                     "not supported")
+  d = int(get("hidden_size", 768))
+  rank = get("time_step_rank", "auto")
+  rank = math.ceil(d / 16) if rank == "auto" else int(rank)
+  pad = c["pad_token_id"] if "pad_token_id" in c else 0  # null: none
+  dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
+  layers = int(get("num_hidden_layers", 32))
+  return ModelConfig(
+      vocab_size=int(get("vocab_size", 50_280)), d_model=d, num_layers=layers, num_heads=1,
+      num_kv_heads=1, head_dim=2, ffn_dim=0, norm_eps=float(get("layer_norm_epsilon", 1e-5)),
+      tie_embeddings=bool(get("tie_word_embeddings", True)), architecture=lm, dtype=dtype,
+      param_dtype=dtype,
+      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
+      layer_types=("linear_attention",) * layers, rope_layers=(0,) * layers,
+      linear_mixer="mamba1", linear_num_key_heads=1,
+      linear_key_head_dim=int(get("state_size", 16)),
+      linear_num_value_heads=int(get("expand", 2) * d), linear_value_head_dim=1,
+      linear_conv_kernel=int(get("conv_kernel", 4)),
+      linear_conv_bias=bool(get("use_conv_bias", True)), linear_dt_rank=rank,
+      linear_bcdt_norm=lm == FALCON_MAMBA,
+      linear_bcdt_norm_eps=float(get("mixer_rms_eps", 1e-6)),
+      residual_fp32=bool(get("residual_in_fp32", True)))
+
+
+def _mamba1_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """A MambaForCausalLM / FalconMambaForCausalLM config.json's fields
+  (`_mamba1_from_hf`'s inverse)."""
+  out = dict(state_size=cfg.linear_key_head_dim,
+             expand=cfg.linear_num_value_heads // cfg.d_model,
+             conv_kernel=cfg.linear_conv_kernel, use_conv_bias=cfg.linear_conv_bias,
+             use_bias=False, hidden_act="silu", layer_norm_epsilon=cfg.norm_eps,
+             time_step_rank=cfg.linear_dt_rank, residual_in_fp32=cfg.residual_fp32)
+  if cfg.linear_bcdt_norm:
+    out["mixer_rms_eps"] = cfg.linear_bcdt_norm_eps
+  return out
+
+
+def _check_mamba1(cfg: ModelConfig, lm: str) -> None:
+  """What a MambaForCausalLM / FalconMambaForCausalLM holds: Mamba 1 layers alone
+  (ffn_dim=0), d_inner a whole multiple of d_model, the norms on dt, B and C exactly in
+  FalconMamba."""
+  if (set(cfg.layer_types) != {"linear_attention"} or cfg.ffn_dim
+      or cfg.linear_mixer != "mamba1"):
+    raise ValueError(f"layer_types {sorted(set(cfg.layer_types))} with ffn_dim={cfg.ffn_dim} "
+                     f"and linear_mixer={cfg.linear_mixer!r} cannot be written as {lm}, "
+                     "whose layers are Mamba 1 mixers alone")
+  if cfg.linear_num_value_heads % cfg.d_model:
+    raise ValueError(f"linear_num_value_heads={cfg.linear_num_value_heads} (d_inner) cannot "
+                     f"be written as {lm}, whose d_inner is expand times d_model="
+                     f"{cfg.d_model}")
+  if cfg.linear_bcdt_norm != (lm == FALCON_MAMBA):
+    raise ValueError(f"linear_bcdt_norm={cfg.linear_bcdt_norm} cannot be written as {lm}; "
+                     f"{FALCON_MAMBA} norms dt, B and C, and only it")
 
 
 def _check_mamba2_lm(cfg: ModelConfig) -> None:
@@ -3007,6 +3089,10 @@ def check_exportable(cfg: ModelConfig) -> None:
   qwen3_5 = lm in _QWEN3_5S
   mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
   short = cfg.linear_mixer == "short_conv" and any(cfg.linear_layers)
+  mamba1 = cfg.linear_mixer == "mamba1" and any(cfg.linear_layers)
+  if mamba1 != (lm in _MAMBA1S):
+    raise ValueError(f"linear_mixer={cfg.linear_mixer!r} cannot be written as {arch}: "
+                     f"{' and '.join(_MAMBA1S)} hold Mamba 1 layers, and only they")
   if mamba and lm not in _MAMBA2S:
     raise ValueError(f"linear_mixer='mamba2' layers cannot be written as {arch}: "
                      f"{' and '.join(_MAMBA2S)} hold them")
@@ -3021,7 +3107,7 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"{', '.join(_QWEN3_5S)} hold them")
   for name, value in (("attn_output_gate", cfg.attn_output_gate),
                       ("linear_attention layers",
-                       any(cfg.linear_layers) and not mamba and not short)):
+                       any(cfg.linear_layers) and not mamba and not short and not mamba1)):
     if qwen3_5 != bool(value):
       raise ValueError(f"{name}={bool(value)} cannot be written as {arch}: "
                        f"{'it always has' if qwen3_5 else ', '.join(_QWEN3_5S) + ' hold'} "
@@ -3238,6 +3324,8 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
                      f"{' and '.join(_BACKBONES)} hold single-sublayer layers, and only they")
   if lm == MAMBA2:
     _check_mamba2_lm(cfg)
+  if lm in _MAMBA1S:
+    _check_mamba1(cfg, lm)
   if lm == NEMOTRON_H and cfg.ffn_dim == 0:
     raise ValueError(f"ffn_dim=0 (no MLP layers) cannot be written as {cfg.architecture}; "
                      f"a model of Mamba2 layers alone is written as {MAMBA2}")
@@ -3435,17 +3523,17 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_nemotron_h_to_hf(cfg))
-  if lm == MAMBA2:  # Mamba2's fields alone: no attention, no MLP
+  if lm in (MAMBA2,) + _MAMBA1S:  # the mixers' fields alone: no attention, no MLP
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps",
                 "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "max_position_embeddings"):
+                "max_position_embeddings", "head_dim"):
       out.pop(key)
-    out.update(_mamba2_lm_to_hf(cfg))
+    out.update(_mamba2_lm_to_hf(cfg) if lm == MAMBA2 else _mamba1_to_hf(cfg))
   if lm in _LFM2S:
     for key in ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps"):
       out.pop(key)
     out.update(_lfm2_to_hf(cfg))
-  if lm not in ("Qwen2ForCausalLM", MAMBA2) + _LFM2S:
+  if lm not in ("Qwen2ForCausalLM", MAMBA2) + _MAMBA1S + _LFM2S:
     out["attention_bias"] = cfg.qkv_bias
   if lm in _POSITION_SCALED:  # rope_parameters hold the query scaling too
     out.pop("rope_theta")
@@ -4371,7 +4459,9 @@ def _nemotron_h_rows(cfg: ModelConfig, proj_in: Callable[[int], tuple[Transform,
     p, hf = layer_path(cfg, i), f"backbone.layers.{i}."
     rows.append((p + ("input_norm", "scale"), hf + "norm.weight", ident, ident, (d,)))
     mixer = hf + "mixer."
-    if kind == "linear_attention":
+    if kind == "linear_attention" and cfg.linear_mixer == "mamba1":
+      rows += _mamba1_rows(cfg, p, mixer)
+    elif kind == "linear_attention":
       rows += _mamba2_rows(cfg, p, hf, "mixer.")
     elif kind == "mlp":
       rows += _relu2_mlp_rows(p + ("mlp",), mixer, d, cfg.dense_ffn_dim or f)
@@ -4539,6 +4629,34 @@ def _linear_attention_rows(cfg: ModelConfig, p: tuple, hf: str) -> list:
            (p + ("linear_attn", "o_proj"), attn + "out_proj.weight",
             lambda x: x.reshape(d, hv, dv).transpose(1, 2, 0),
             lambda x: x.transpose(2, 0, 1).reshape(d, hv * dv), (hv, dv, d))]
+  return rows
+
+
+def _mamba1_rows(cfg: ModelConfig, p: tuple, mixer: str) -> list:
+  """A Mamba 1 layer's mixer (`Mamba1`): in_proj's rows are [x; z], x_proj's [dt; B; C];
+  ours keep each apart (v_proj, z_proj [D, E, 1]; x_dt [E, R], x_b, x_c [E, N])."""
+  d, c = cfg.d_model, cfg.linear_conv_kernel
+  e, n, r = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_dt_rank
+  ident = lambda x: x  # noqa: E731
+  proj_in = (lambda x: x.T.reshape(d, e, 1), lambda x: x.reshape(d, e).T)
+  rows = [(p + ("linear_attn", name), mixer + "in_proj.weight",
+           *_fused_part(proj_in, start, e, 2 * e), (d, e, 1))
+          for name, start in (("v_proj", 0), ("z_proj", e))]
+  transposed = (lambda x: x.T, lambda x: x.T)
+  rows += [(p + ("linear_attn", name), mixer + "x_proj.weight",
+            *_fused_part(transposed, start, size, r + 2 * n), (e, size))
+           for name, start, size in (("x_dt", 0, r), ("x_b", r, n), ("x_c", r + n, n))]
+  rows.append((p + ("linear_attn", "v_conv"), mixer + "conv1d.weight",
+               lambda x: x.reshape(e, 1, c), lambda x: x.reshape(e, 1, c), (e, 1, c)))
+  if cfg.linear_conv_bias:
+    rows.append((p + ("linear_attn", "v_conv_bias"), mixer + "conv1d.bias",
+                 lambda x: x.reshape(e, 1), lambda x: x.reshape(e), (e, 1)))
+  rows += [(p + ("linear_attn", "dt_proj"), mixer + "dt_proj.weight", *transposed, (r, e)),
+           (p + ("linear_attn", "dt_bias"), mixer + "dt_proj.bias", ident, ident, (e,)),
+           (p + ("linear_attn", "A_log"), mixer + "A_log", ident, ident, (e, n)),
+           (p + ("linear_attn", "D"), mixer + "D", ident, ident, (e,)),
+           (p + ("linear_attn", "o_proj"), mixer + "out_proj.weight",
+            lambda x: x.T.reshape(e, 1, d), lambda x: x.reshape(e, d).T, (e, 1, d))]
   return rows
 
 
@@ -4967,7 +5085,7 @@ def _lora_mapping(cfg: ModelConfig, reading: bool = False
                      "up_proj and down_proj out of lora_targets, or export the model merged")
   if _causal_lm(cfg.architecture) in PEFT_NO_OUT_PROJ and "out_proj" in cfg.lora_target_names:
     raise ValueError(f"PEFT adapter files of {cfg.architecture} with lora_targets out_proj "
-                     "are not written or read: PEFT refuses adapters on a Mamba2 layer's "
+                     "are not written or read: PEFT refuses adapters on a Mamba layer's "
                      "out_proj; leave it out of lora_targets, or export the model merged "
                      "(save_pretrained)")
   experts = [t for t in cfg.lora_target_names if t in EXPERT_LORA_TARGETS]
@@ -5013,7 +5131,7 @@ def _lora_mapping(cfg: ModelConfig, reading: bool = False
     peft = "base_model.model." + _class_name(cfg, peft[len("base_model.model."):])
     if _causal_lm(cfg.architecture) in _BACKBONES:  # each layer's one sublayer: its mixer
       shared = "shared_experts." if stack == "moe_layers" else ""  # a mixture's MLP
-      trunk = "backbone" if _causal_lm(cfg.architecture) == MAMBA2 else "model"
+      trunk = "backbone" if _causal_lm(cfg.architecture) in (MAMBA2,) + _MAMBA1S else "model"
       peft = f"base_model.model.{trunk}.layers.{i}.mixer.{shared}{t}."
     rows += [(ours + (f"{t}_lora_a",), peft + "lora_A.weight", *a_maps, (*in_shape, r)),
              (ours + (f"{t}_lora_b",), peft + "lora_B.weight", *b_maps, (r, *out_shape))]

@@ -139,6 +139,10 @@ def init_linear_cache(cfg: ModelConfig, batch: int, dtype=None,
   c = cfg.linear_conv_kernel - 1
   hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  if cfg.linear_mixer == "mamba1":  # x's window [C - 1, E, 1]; the state [E, 1, N]
+    empty = jnp.zeros((*layers, batch, c, 0, 0), dtype)
+    return LinearCache(empty, empty, jnp.zeros((*layers, batch, c, hv, 1), dtype),
+                       jnp.zeros((*layers, batch, hv, 1, dk), jnp.float32))
   if cfg.linear_mixer == "short_conv":  # the window of d_model channels alone
     empty = jnp.zeros((*layers, batch, c, 0, 0), dtype)
     return LinearCache(empty, empty, jnp.zeros((*layers, batch, c, cfg.d_model, 1), dtype),
@@ -156,7 +160,7 @@ def _linear_state_dims(cfg: ModelConfig) -> tuple[int, int]:
   128 lanes, and XLA laid the cache out with the state last outside a scan over periods
   and as declared inside it, copying every layer's state in and out of the decode step."""
   dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-  return (dv, dk) if cfg.linear_mixer == "mamba2" else (dk, dv)
+  return (dv, dk) if cfg.linear_mixer in ("mamba2", "mamba1") else (dk, dv)
 
 
 def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
@@ -513,6 +517,8 @@ _LINEAR_PARTS = {"in_proj_qkv": ("q_proj", "k_proj", "v_proj"), "in_proj_z": ("z
                  "in_proj": ("z_proj", "v_proj", "k_proj", "q_proj", "a_proj")}
 # A short convolution's in_proj (`ShortConv`): its B, C and x, in LFM2's row order.
 _SHORT_CONV_IN = ("b_proj", "c_proj", "x_proj")
+# A Mamba 1 layer's in_proj (`Mamba1`): x, then the gate.
+_MAMBA1_IN = ("v_proj", "z_proj")
 
 
 def _linear_parts(cfg: ModelConfig, target: str) -> tuple[str, ...]:
@@ -520,6 +526,8 @@ def _linear_parts(cfg: ModelConfig, target: str) -> tuple[str, ...]:
   short convolution's in_proj its B, C and x)."""
   if cfg.linear_mixer == "short_conv" and target == "in_proj":
     return _SHORT_CONV_IN
+  if cfg.linear_mixer == "mamba1" and target == "in_proj":
+    return _MAMBA1_IN
   return _LINEAR_PARTS[target]
 
 
@@ -2389,6 +2397,107 @@ class Mamba2(LinearAttention):
                               ctx)
 
 
+class Mamba1(LinearAttention):
+  """Mamba 1's selective scan (MambaForCausalLM's and FalconMamba's mixer; cfg.linear_mixer
+  "mamba1"), per channel c of E = linear_num_value_heads and state entry n of N =
+  linear_key_head_dim:
+
+      x, z = in_proj(u)                 v_proj, z_proj [D, E, 1]
+      x = SiLU(conv(x))                 v_conv [E, 1, taps] (+ v_conv_bias [E, 1])
+      r, B, C = x_proj(x)               x_dt [E, R], x_b, x_c [E, N]
+      dt = softplus(dt_proj(r) + dt_bias), clipped to [linear_dt_min, linear_dt_max]
+      h[c, n] <- exp(dt[c] A[c, n]) h[c, n] + dt[c] B[n] x[c],   A = -exp(A_log) [E, N]
+      y[c] = C . h[c] + D[c] x[c],   out = o_proj(y SiLU(z))     o_proj [E, 1, D]
+
+  (`kernels.selective_scan`). With cfg.linear_bcdt_norm r, B and C are each RMS-normed
+  without a weight first (FalconMamba). A channel is a head of width 1, so the
+  projections, the cache and LoRA's in_proj / out_proj take Mamba2's shapes: the cache is
+  a `LinearCache` whose v_conv holds x's window [B, taps - 1, E, 1] and whose state is
+  [B, E, 1, N] (mamba_ssm's ssm_state [B, E, N]); q_conv and k_conv are empty. Padding
+  and new segments behave as in `LinearAttention`.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd, std = _dtype(cfg.param_dtype), cfg.init_std
+    d, c = cfg.d_model, cfg.linear_conv_kernel
+    e, n, r = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_dt_rank
+    wide = ("embed", "linear_heads", "head_dim")
+    self.v_proj = _param(rngs, (d, e, 1), wide, pd, std=std)
+    self.z_proj = _param(rngs, (d, e, 1), wide, pd, std=std)
+    self.v_conv = _param(rngs, (e, 1, c), ("linear_heads", "head_dim", None), pd,
+                         std=float(1.0 / np.sqrt(c)))
+    if cfg.linear_conv_bias:
+      self.v_conv_bias = _param(None, (e, 1), ("linear_heads", "head_dim"), pd, init="zeros")
+    self.x_dt = _param(rngs, (e, r), ("linear_heads", None), pd, std=std)
+    self.x_b = _param(rngs, (e, n), ("linear_heads", None), pd, std=std)
+    self.x_c = _param(rngs, (e, n), ("linear_heads", None), pd, std=std)
+    self.dt_proj = _param(rngs, (r, e), (None, "linear_heads"), pd, std=float(r ** -0.5))
+    self.dt_bias = _param(None, (e,), ("linear_heads",), pd, init="zeros")
+    # transformers' initialisation: A = 1..N for every channel, D one.
+    self.A_log = nnx.Param(jnp.broadcast_to(jnp.log(jnp.arange(1, n + 1, dtype=jnp.float32)),
+                                            (e, n)).astype(pd),
+                           logical_axes=("linear_heads", None))
+    self.D = _param(None, (e,), ("linear_heads",), pd, init="ones")
+    self.o_proj = _param(rngs, (e, 1, d), ("linear_heads", "head_dim", "embed"), pd, std=std)
+
+  def __call__(self, x_BxTxD, segment_ids_BxT, cache: LinearCache | None,
+               ctx: ShardingContext, prefill: bool = False, layer=None):
+    """(y [B, T, D], the new cache or None), as `LinearAttention.__call__`."""
+    import kernels
+    cfg, dt = self.cfg, _dtype(self.cfg.dtype)
+    u = x_BxTxD.astype(dt)
+    b, t, _ = u.shape
+    channels = ("batch", "length", "linear_heads")
+    outs = {name: jnp.einsum("BTD,D...->BT...", u, getattr(self, name)[...].astype(dt))
+            for name in _MAMBA1_IN}
+    if "in_proj" in cfg.lora_target_names:
+      outs = _add_fused_lora(self, "in_proj", outs, u)
+    old = None
+    if cache is not None and not prefill:
+      old = cache if layer is None else jax.tree.map(lambda c: c[layer], cache)
+    e = cfg.linear_num_value_heads
+    bias = getattr(self, "v_conv_bias", None)
+    xs, window = kernels.causal_conv1d(
+        ctx.constrain(outs["v_proj"].reshape(b, t, e), channels),
+        self.v_conv[...].astype(dt).reshape(e, -1),
+        bias=None if bias is None else bias[...].astype(dt).reshape(e),
+        segment_ids=segment_ids_BxT,
+        initial_state=None if old is None else old.v_conv.reshape(b, -1, e),
+        activation="silu", return_final_state=True)
+    xs = ctx.constrain(xs.astype(dt), channels)
+    low, bs, cs = (jnp.einsum("BTE,EK->BTK", xs, getattr(self, name)[...].astype(dt))
+                   for name in ("x_dt", "x_b", "x_c"))
+    if cfg.linear_bcdt_norm:  # weightless RMS norms, in float32 and cast back
+      low, bs, cs = (_weightless_rms(v, cfg.linear_bcdt_norm_eps) for v in (low, bs, cs))
+    step = jax.nn.softplus(
+        jnp.einsum("BTK,KE->BTE", low, self.dt_proj[...].astype(dt)).astype(jnp.float32)
+        + self.dt_bias[...].astype(jnp.float32)[None, None])
+    step = jnp.clip(step, cfg.linear_dt_min, cfg.linear_dt_max)
+    a = -jnp.exp(self.A_log[...].astype(jnp.float32))
+    out, state = kernels.selective_scan(
+        xs, step, a, bs[:, :, None], cs[:, :, None], D=self.D[...].astype(jnp.float32),
+        segment_ids=segment_ids_BxT,
+        initial_state=None if old is None else old.state.reshape(b, e, -1),
+        chunk_size=cfg.linear_chunk, return_final_state=True)
+    gate = jax.nn.silu(outs["z_proj"].reshape(b, t, e).astype(jnp.float32))
+    o = ctx.constrain((out.astype(jnp.float32) * gate).astype(dt), channels)[..., None]
+    y = jnp.einsum("BTVH,VHD->BTD", o, self.o_proj[...].astype(dt))
+    y = _add_lora(self, "out_proj", y, o, "BTVH,VHR->BTR", "BTR,RD->BTD")
+    if cache is None:
+      return y, None
+    empty = cache.q_conv if layer is None else cache.q_conv[layer]
+    return y, self._cache_out(cache, layer, empty, empty, window.reshape(b, -1, e, 1),
+                              state.reshape(b, e, 1, -1), ctx)
+
+
+def _weightless_rms(x, eps: float):
+  """x RMS-normed over its last axis without a weight, in float32, cast back."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + eps)).astype(
+      x.dtype)
+
+
 class ShortConv(nnx.Module):
   """LFM2's gated short convolution (its "conv" layers; cfg.linear_mixer "short_conv"):
 
@@ -2490,8 +2599,8 @@ class Block(nnx.Module):
       self.mlp = MoE(cfg, rngs)
       return
     if linear:
-      mixer = {"mamba2": Mamba2, "short_conv": ShortConv}.get(cfg.linear_mixer,
-                                                              LinearAttention)
+      mixer = {"mamba2": Mamba2, "short_conv": ShortConv, "mamba1": Mamba1}.get(
+          cfg.linear_mixer, LinearAttention)
       self.linear_attn = mixer(cfg, rngs)
     else:
       self.attn = Attention(cfg.global_config() if global_layer else cfg, rngs, global_layer,

@@ -215,7 +215,7 @@ def test_peft_adapters_round_trip(saved, tmp_path):
   assert "out_proj" not in default.lora_target_names
   named = models.from_pretrained(folder, lora_rank=2, lora_targets="q_proj,out_proj")
   assert named.cfg.lora_target_names == ("q_proj", "out_proj")
-  with pytest.raises(ValueError, match="PEFT refuses adapters on a Mamba2 layer's out_proj"):
+  with pytest.raises(ValueError, match="PEFT refuses adapters on a Mamba layer's out_proj"):
     models.save_lora_adapter(named, str(tmp_path / "out_proj"))
 
 
