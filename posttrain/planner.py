@@ -765,6 +765,11 @@ def _linear_layer_constant(cfg: models.ModelConfig, remat: str, key_heads: int,
   if remat != "none" or cfg.linear_mixer == "short_conv":
     return 0
   s = np.dtype(cfg.dtype).itemsize
+  if cfg.linear_mixer == "mamba1":  # -exp(A_log) [E, N] twice in float32, the taps, the
+    # skip's and the dt bias's rows, the norm's scale
+    e = value_heads
+    return (8 * e * cfg.linear_key_head_dim + s * e * cfg.linear_conv_kernel + 4 * e
+            + s * e + s * cfg.d_model)
   k, v = key_heads * cfg.linear_key_head_dim, value_heads * cfg.linear_value_head_dim
   mamba2 = cfg.linear_mixer == "mamba2"
   scalars = 4 + (4 * (5 - mamba2) if kv_len % max(1, min(cfg.linear_chunk, kv_len)) else 0)
@@ -1105,6 +1110,29 @@ def _kind_bytes(cfg: models.ModelConfig, remat: str, linear: bool, mlp: dict[str
                                             value_heads=linear_heads[1], kv_len=kv_len))
 
 
+def _mamba1_kept(cfg: models.ModelConfig, remat: str, channels: int, kv_len: int) -> float:
+  """Bytes a Mamba 1 layer alone (cfg.linear_mixer "mamba1", `Mamba1`) keeps per token for
+  the backward pass, E its channels on the device, N its state, R its time-step rank:
+
+    dots    3sE + 4E + sD + 2sN + sR          in_proj's x and gate, the convolution's
+                                              output, the float32 time step, the layer's
+                                              input, x_proj's B, C and dt
+    none    (54 + 3s)E + (8 + 2s)D + 18N + sR + 9 + 4EN / chunk
+                                              the float32 steps of the convolution, the
+                                              time step, the gate and the scan's inputs,
+                                              the norm's rows, B and C in float32, and
+                                              the state carried into each chunk
+
+  (full: sD, as every single-sublayer layer). Fitted to what JAX saves on the layout of
+  transformers' MambaForCausalLM in float32 and bfloat16."""
+  s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  e, n, r = channels, cfg.linear_key_head_dim, cfg.linear_dt_rank
+  if remat != "none":
+    return 3 * s * e + 4 * e + s * d + 2 * s * n + s * r
+  chunk = max(1, min(cfg.linear_chunk, kv_len))
+  return (54 + 3 * s) * e + (8 + 2 * s) * d + 18 * n + s * r + 9 + 4 * e * n / chunk
+
+
 def split_layer_activation_bytes(cfg: models.ModelConfig, remat: str, part: str,
                                  linear: bool, mlp: dict[str, Any], *, heads: int,
                                  kv_heads: int, linear_heads: tuple[int, int],
@@ -1141,6 +1169,8 @@ def split_layer_activation_bytes(cfg: models.ModelConfig, remat: str, part: str,
             + _lora_kept(cfg, remat, {}, _lora_mlp_width(cfg, mlp["mlp"], mlp.get("shared"),
                                                          mlp.get("dense", False))))
     return ((8 + 2 * s) * d + 8 if remat == "none" else s * d) + kept
+  if linear and cfg.linear_mixer == "mamba1":
+    return _mamba1_kept(cfg, remat, linear_heads[1], kv_len)
   block = _kind_bytes(cfg, remat, linear, {"mlp": 0, "dense": True},
                       heads=heads, kv_heads=kv_heads, linear_heads=linear_heads,
                       kv_len=kv_len)

@@ -1,19 +1,20 @@
 """A GRPO run from an OLMo 3, a GLM-4, a GLM-4.5 (mixture), a DeepSeek-V3 (latent
 attention), a DeepSeek-V3.2 (sparse attention), a Qwen3.5 (Gated DeltaNet), a Llama 4
 (chunked attention, dense and mixture layers), a Granite 3 MoE, a Granite 4 hybrid
-(Mamba2), a Nemotron-H (single-sublayer layers), a Mamba2 (its mixers alone), a Nemotron
-3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3 (queries
-scaled by position), an OLMoE, an EXAONE 4, two Gemma 4s (full layers of their own
-widths, experts beside the dense MLP; per-layer embeddings and layers sharing keys and
-values), a Seed-OSS, a Phi-2 (an output bias), a Pythia (q, k and v fused head by head),
-a GPT-2 (learned positions), a Falcon-40B (grouped keys), a DBRX (clamped q, k and v,
-stacked experts), a BLOOM and an MPT (ALiBi), a GPT-Neo (local layers, unscaled logits),
-a Phi-3.5-MoE (sparsemixer routing), an OPT (learned positions past two unread rows), a
-GPT-J (interleaved partial rotation, an output bias), an OLMo 1.7 (LayerNorms without
-parameters), a Minitron (LayerNorm1P), a VaultGemma (Gemma 2 without output norms) and a
-Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL steps with
-rollouts through the sampler, checkpoints, and the final checkpoint exported as a folder
-that transformers loads into the same class and computes our logits with."""
+(Mamba2), a Nemotron-H (single-sublayer layers), a Mamba2 (its mixers alone), a
+FalconMamba (Mamba 1's), a Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short
+convolutions), a Ministral 3 (queries scaled by position), an OLMoE, an EXAONE 4, two
+Gemma 4s (full layers of their own widths, experts beside the dense MLP; per-layer
+embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2 (an output bias), a
+Pythia (q, k and v fused head by head), a GPT-2 (learned positions), a Falcon-40B
+(grouped keys), a DBRX (clamped q, k and v, stacked experts), a BLOOM and an MPT (ALiBi),
+a GPT-Neo (local layers, unscaled logits), a Phi-3.5-MoE (sparsemixer routing), an OPT
+(learned positions past two unread rows), a GPT-J (interleaved partial rotation, an
+output bias), an OLMo 1.7 (LayerNorms without parameters), a Minitron (LayerNorm1P), a
+VaultGemma (Gemma 2 without output norms) and a Phi-3 (LongRoPE, partial rotary) Hugging
+Face folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints,
+and the final checkpoint exported as a folder that transformers loads into the same class
+and computes our logits with."""
 
 import jax
 import numpy as np
@@ -129,6 +130,15 @@ FAMILIES = {
                    linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_bias=True,
                    linear_chunk=16, linear_dt_min=0.001, linear_dt_max=2.0,
                    residual_fp32=True),
+    # FalconMamba: Mamba 1 mixers alone (a state per channel, dt / B / C normed), tied
+    # embeddings, the residual stream in float32.
+    "falcon_mamba": dict(architecture="FalconMambaForCausalLM", tie_embeddings=True,
+                         ffn_dim=0, num_heads=1, num_kv_heads=1, head_dim=2,
+                         layer_types=("linear_attention",) * 2, rope_layers=(0, 0),
+                         linear_mixer="mamba1", linear_num_key_heads=1,
+                         linear_key_head_dim=8, linear_num_value_heads=64,
+                         linear_value_head_dim=1, linear_dt_rank=2, linear_conv_bias=True,
+                         linear_bcdt_norm=True, residual_fp32=True),
     # Nemotron 3: a mixture alone (sigmoid routing over two groups, experts without a
     # gate in a latent of their own, a shared expert, the correction bias frozen) beside
     # Mamba2, attention and an MLP alone of its own width.

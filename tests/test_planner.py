@@ -611,6 +611,32 @@ def test_mamba2_layers_alone_and_a_float32_stream_match_what_jax_keeps(remat):
   assert abs((kept32 - kept) - (planned32 - planned)) <= 256
 
 
+@pytest.mark.parametrize("dtype, remat", [("bfloat16", "none"), ("float32", "none"),
+                                          ("float32", "dots"), ("bfloat16", "dots"),
+                                          ("bfloat16", "full")])
+def test_mamba1_layers_saved_activations_match_what_jax_keeps(dtype, remat):
+  """MambaForCausalLM's layout (Mamba 1 mixers alone: 192 channels, a state of 16, a
+  time step of rank 6): the planner within 1% of what JAX keeps, and each layer's share
+  (two layers against three) within 0.5%."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  rows, length = 4, 128
+
+  def measured(layers):
+    cfg = models.get_preset(
+        "tiny", d_model=96, num_heads=1, num_kv_heads=1, head_dim=2, ffn_dim=0,
+        linear_mixer="mamba1", linear_num_key_heads=1, linear_num_value_heads=192,
+        linear_key_head_dim=16, linear_value_head_dim=1, linear_dt_rank=6,
+        linear_conv_bias=True, linear_chunk=32, logprob_chunk=64, num_layers=layers,
+        layer_types=("linear_attention",) * layers, rope_layers=(0,) * layers, remat=remat,
+        dtype=dtype, param_dtype=dtype)
+    return (sum(n for n, _, _ in _residuals(cfg, rows, length)),
+            planner.saved_activation_bytes(cfg, rows=rows, row_len=length, mesh=one_device))
+
+  (kept2, planned2), (kept3, planned3) = measured(2), measured(3)
+  assert planned3 == pytest.approx(kept3, rel=0.01)
+  assert planned3 - planned2 == pytest.approx(kept3 - kept2, rel=0.005)
+
+
 # Nemotron 3's layout: Nemotron-H's layers beside mixtures alone ("moe"), each of 6
 # experts of 40 without a gate (relu^2), 2 a token by sigmoid scores scaled by 2.5, and a
 # shared relu^2 expert of 24; its MLPs alone are dense_ffn_dim (160) wide.
