@@ -589,6 +589,12 @@ def linear_layer_activation_bytes(model_cfg: models.ModelConfig, remat: str, *,
     return _mamba2_layer_bytes(cfg, remat, s, d, hk, hv, c, padded, mlp_kept)
   if cfg.linear_mixer == "short_conv":
     return _short_conv_layer_bytes(cfg, remat, s, d, hv, mlp_kept)
+  if cfg.linear_mixer == "mamba1":  # the block's terms, its MLP's, the mixer's
+    if remat == "full":
+      return s * d
+    block = (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) if remat == "none"
+             else s * 2 * d)
+    return block + mlp_kept + _mamba1_mixer_kept(cfg, remat, hv, kv_len)
   if remat == "none":
     return (s * 4 * d + 4 * (4 * d + 4) + _block_norms_kept(cfg) + mlp_kept
             + (33 + 3 * s) * v + (18 + 2 * s) * k + 34 * hv + 16 * hk
@@ -1126,11 +1132,24 @@ def _mamba1_kept(cfg: models.ModelConfig, remat: str, channels: int, kv_len: int
   (full: sD, as every single-sublayer layer). Fitted to what JAX saves on the layout of
   transformers' MambaForCausalLM in float32 and bfloat16."""
   s, d = np.dtype(cfg.dtype).itemsize, cfg.d_model
+  block = s * d if remat != "none" else (8 + 2 * s) * d + 8
+  return block + _mamba1_mixer_kept(cfg, remat, channels, kv_len)
+
+
+def _mamba1_mixer_kept(cfg: models.ModelConfig, remat: str, channels: int,
+                       kv_len: int) -> float:
+  """What a Mamba 1 mixer keeps per token beyond its layer's D terms (`_mamba1_kept`'s
+  table less them): 3sE + 4E + 2sN + sR under a dots policy, (54 + 3s)E + 18N + sR + 1 +
+  4EN / chunk without remat, and with norms on dt, B and C (cfg.linear_bcdt_norm) their
+  float32 rows and scales, 8(2N + R) + 4R, and weighted, their normed rows, s(2N + R)."""
+  s = np.dtype(cfg.dtype).itemsize
   e, n, r = channels, cfg.linear_key_head_dim, cfg.linear_dt_rank
   if remat != "none":
-    return 3 * s * e + 4 * e + s * d + 2 * s * n + s * r
+    return 3 * s * e + 4 * e + 2 * s * n + s * r
   chunk = max(1, min(cfg.linear_chunk, kv_len))
-  return (54 + 3 * s) * e + (8 + 2 * s) * d + 18 * n + s * r + 9 + 4 * e * n / chunk
+  normed = ((8 + s * (cfg.linear_bcdt_norm == "weighted")) * (2 * n + r) + 4 * r
+            if cfg.linear_bcdt_norm != "none" else 0)
+  return (54 + 3 * s) * e + 18 * n + s * r + 1 + 4 * e * n / chunk + normed
 
 
 def split_layer_activation_bytes(cfg: models.ModelConfig, remat: str, part: str,

@@ -2,19 +2,19 @@
 attention), a DeepSeek-V3.2 (sparse attention), a Qwen3.5 (Gated DeltaNet), a Llama 4
 (chunked attention, dense and mixture layers), a Granite 3 MoE, a Granite 4 hybrid
 (Mamba2), a Nemotron-H (single-sublayer layers), a Mamba2 (its mixers alone), a
-FalconMamba (Mamba 1's), a Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short
-convolutions), a Ministral 3 (queries scaled by position), an OLMoE, an EXAONE 4, two
-Gemma 4s (full layers of their own widths, experts beside the dense MLP; per-layer
-embeddings and layers sharing keys and values), a Seed-OSS, a Phi-2 (an output bias), a
-Pythia (q, k and v fused head by head), a GPT-2 (learned positions), a Falcon-40B
-(grouped keys), a DBRX (clamped q, k and v, stacked experts), a BLOOM and an MPT (ALiBi),
-a GPT-Neo (local layers, unscaled logits), a Phi-3.5-MoE (sparsemixer routing), an OPT
-(learned positions past two unread rows), a GPT-J (interleaved partial rotation, an
-output bias), an OLMo 1.7 (LayerNorms without parameters), a Minitron (LayerNorm1P), a
-VaultGemma (Gemma 2 without output norms) and a Phi-3 (LongRoPE, partial rotary) Hugging
-Face folder, end to end: SFT and RL steps with rollouts through the sampler, checkpoints,
-and the final checkpoint exported as a folder that transformers loads into the same class
-and computes our logits with."""
+FalconMamba (Mamba 1's), a Jamba (Mamba 1 and attention, mixtures every other layer), a
+Nemotron 3 (mixtures alone), a Falcon-H1, an LFM2 (short convolutions), a Ministral 3
+(queries scaled by position), an OLMoE, an EXAONE 4, two Gemma 4s (full layers of their
+own widths, experts beside the dense MLP; per-layer embeddings and layers sharing keys
+and values), a Seed-OSS, a Phi-2 (an output bias), a Pythia (q, k and v fused head by
+head), a GPT-2 (learned positions), a Falcon-40B (grouped keys), a DBRX (clamped q, k and
+v, stacked experts), a BLOOM and an MPT (ALiBi), a GPT-Neo (local layers, unscaled
+logits), a Phi-3.5-MoE (sparsemixer routing), an OPT (learned positions past two unread
+rows), a GPT-J (interleaved partial rotation, an output bias), an OLMo 1.7 (LayerNorms
+without parameters), a Minitron (LayerNorm1P), a VaultGemma (Gemma 2 without output
+norms) and a Phi-3 (LongRoPE, partial rotary) Hugging Face folder, end to end: SFT and RL
+steps with rollouts through the sampler, checkpoints, and the final checkpoint exported
+as a folder that transformers loads into the same class and computes our logits with."""
 
 import jax
 import numpy as np
@@ -138,7 +138,19 @@ FAMILIES = {
                          linear_mixer="mamba1", linear_num_key_heads=1,
                          linear_key_head_dim=8, linear_num_value_heads=64,
                          linear_value_head_dim=1, linear_dt_rank=2, linear_conv_bias=True,
-                         linear_bcdt_norm=True, residual_fp32=True),
+                         linear_bcdt_norm="weightless", residual_fp32=True),
+    # Jamba: Mamba 1 layers (weighted norms on dt, B and C) and NoPE attention, each
+    # beside an MLP that every other layer is a mixture of unnormalised softmax weights.
+    "jamba": dict(architecture="JambaForCausalLM", tie_embeddings=False, num_layers=4,
+                  num_heads=4, num_kv_heads=2, head_dim=8,
+                  layer_types=("linear_attention", "linear_attention", "full_attention",
+                               "linear_attention"), rope_layers=(0,) * 4,
+                  linear_mixer="mamba1", linear_num_key_heads=1, linear_key_head_dim=8,
+                  linear_num_value_heads=64, linear_value_head_dim=1, linear_dt_rank=2,
+                  linear_conv_bias=True, linear_bcdt_norm="weighted",
+                  linear_bcdt_norm_eps=1e-6, norm_eps=1e-6, num_experts=4,
+                  num_experts_per_tok=2, norm_topk_prob=False, moe_layer_step=2,
+                  dense_ffn_dim=64),
     # Nemotron 3: a mixture alone (sigmoid routing over two groups, experts without a
     # gate in a latent of their own, a shared expert, the correction bias frozen) beside
     # Mamba2, attention and an MLP alone of its own width.

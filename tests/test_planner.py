@@ -637,6 +637,30 @@ def test_mamba1_layers_saved_activations_match_what_jax_keeps(dtype, remat):
   assert planned3 - planned2 == pytest.approx(kept3 - kept2, rel=0.005)
 
 
+@pytest.mark.parametrize("dtype, remat, norm", [("float32", "none", "weighted"),
+                                                ("bfloat16", "none", "weightless"),
+                                                ("bfloat16", "dots", "weighted"),
+                                                ("bfloat16", "full", "weighted")])
+def test_jamba_layers_saved_activations_match_what_jax_keeps(dtype, remat, norm):
+  """Jamba's layout (Mamba 1 layers, NoPE attention, each beside an MLP that every other
+  layer is a mixture) with the norms on dt, B and C weighted or not: the planner within
+  1% of what JAX keeps (4% under full remat, where a NoPE attention layer's float32 unit
+  tables are not counted)."""
+  one_device = planner.abstract_mesh(dict.fromkeys(models.MESH_AXES, 1))
+  kinds = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
+  cfg = models.get_preset(
+      "tiny", d_model=96, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=160,
+      dense_ffn_dim=160, num_experts=4, num_experts_per_tok=2, moe_layer_step=2,
+      norm_topk_prob=False, linear_mixer="mamba1", linear_num_key_heads=1,
+      linear_num_value_heads=192, linear_key_head_dim=16, linear_value_head_dim=1,
+      linear_dt_rank=6, linear_conv_bias=True, linear_chunk=32, logprob_chunk=64,
+      attention_impl="flash", linear_bcdt_norm=norm, num_layers=4, layer_types=kinds,
+      rope_layers=(0,) * 4, remat=remat, dtype=dtype, param_dtype=dtype)
+  kept = sum(n for n, _, _ in _residuals(cfg, 4, 128))
+  planned = planner.saved_activation_bytes(cfg, rows=4, row_len=128, mesh=one_device)
+  assert planned == pytest.approx(kept, rel=0.04 if remat == "full" else 0.01)
+
+
 # Nemotron 3's layout: Nemotron-H's layers beside mixtures alone ("moe"), each of 6
 # experts of 40 without a gate (relu^2), 2 a token by sigmoid scores scaled by 2.5, and a
 # shared relu^2 expert of 24; its MLPs alone are dense_ffn_dim (160) wide.

@@ -387,8 +387,10 @@ class ModelConfig:
       gives a time step of rank linear_dt_rank (dt_proj brings it back to the channels,
       with a bias), B and C; one causal convolution over x.
     linear_dt_rank: Mamba 1's time-step rank (time_step_rank); 0 for other mixers.
-    linear_bcdt_norm: Mamba 1's time step (at its rank), B and C each RMS-normed without
-      a weight, eps linear_bcdt_norm_eps (FalconMamba's mixer_rms_eps).
+    linear_bcdt_norm: Mamba 1's time step (at its rank), B and C each RMS-normed, eps
+      linear_bcdt_norm_eps: "weightless" (FalconMamba's, eps its mixer_rms_eps) or
+      "weighted", each norm with a scale of its own (Jamba's dt_layernorm, b_layernorm,
+      c_layernorm); "none" (Mamba 1's) by default.
     attn_output_gate: the attention's output is scaled by sigmoid of a second query-sized
       projection (`q_gate`) before o_proj, per head and feature (Qwen3-Next, Qwen3.5).
     mlp_activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU), or clamped_swiglu
@@ -631,7 +633,7 @@ class ModelConfig:
   linear_dt_min: float = 0.0
   linear_dt_max: float = float("inf")
   linear_dt_rank: int = 0
-  linear_bcdt_norm: bool = False
+  linear_bcdt_norm: str = "none"
   linear_bcdt_norm_eps: float = 1e-6
   attn_output_gate: bool = False
   qk_l2_norm: bool = False
@@ -908,9 +910,6 @@ class ModelConfig:
       raise ValueError(f"moe_layer_step={self.moe_layer_step} leaves no mixture layer of "
                        f"num_layers={self.num_layers}; use a dense model (num_experts=0)")
     interleaved = self.moe_layer_step > 1
-    if interleaved and any(self.linear_layers):
-      raise ValueError(f"moe_layer_step={self.moe_layer_step} with linear-attention layers "
-                       "is not supported")
     if interleaved and self.scan_layers and self.num_layers % self.moe_layer_step:
       raise ValueError(f"scan_layers with moe_layer_step={self.moe_layer_step} needs "
                        f"num_layers={self.num_layers} a multiple of it (the scan runs "
@@ -1033,8 +1032,11 @@ class ModelConfig:
     eps = self.linear_bcdt_norm_eps
     if isinstance(eps, bool) or not 0.0 < eps < 1.0:
       raise ValueError(f"linear_bcdt_norm_eps must be in (0, 1), got {eps!r}")
+    if self.linear_bcdt_norm not in ("none", "weightless", "weighted"):
+      raise ValueError(f"linear_bcdt_norm={self.linear_bcdt_norm!r}; expected 'none', "
+                       "'weightless' or 'weighted'")
     held = [n for n, on in (("linear_dt_rank", rank),
-                            ("linear_bcdt_norm", self.linear_bcdt_norm)) if on]
+                            ("linear_bcdt_norm", self.linear_bcdt_norm != "none")) if on]
     if held and not mamba1:
       raise ValueError(f"{', '.join(held)} are Mamba 1's: they need linear_mixer='mamba1'")
     if mamba1 and any(self.linear_layers):
@@ -1697,7 +1699,8 @@ class ModelConfig:
         # A_log, D, out_proj
         r, n = self.linear_dt_rank, dk
         mixer = (3 * d * hv + (self.linear_conv_kernel + self.linear_conv_bias) * hv
-                 + hv * (r + 2 * n) + r * hv + hv + hv * n + hv)
+                 + hv * (r + 2 * n) + r * hv + hv + hv * n + hv
+                 + (r + 2 * n) * (self.linear_bcdt_norm == "weighted"))
       # in place of attention; with parallel_mixer beside it in every layer
       swapped = (self.num_layers * mixer if self.parallel_mixer else
                  linear * (mixer - attn))

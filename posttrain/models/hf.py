@@ -74,7 +74,7 @@ CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3
               "GPTBigCodeForCausalLM", "DbrxForCausalLM", "CodeGenForCausalLM",
               "VaultGemmaForCausalLM", "BloomForCausalLM", "MptForCausalLM",
               "GPTNeoForCausalLM", "PhimoeForCausalLM", "Mamba2ForCausalLM",
-              "MambaForCausalLM", "FalconMambaForCausalLM")
+              "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM")
 # Causal LMs whose family has no *ForSequenceClassification class in transformers.
 _NO_CLASSIFIER = ("Glm4MoeForCausalLM", "Qwen3_5MoeForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -125,7 +125,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                 "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                 "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
                 "Mamba2ForCausalLM": "mamba2", "MambaForCausalLM": "mamba",
-                "FalconMambaForCausalLM": "falcon_mamba",
+                "FalconMambaForCausalLM": "falcon_mamba", "JambaForCausalLM": "jamba",
                 "Lfm2ForCausalLM": "lfm2", "SeedOssForCausalLM": "seed_oss",
                 "Ministral3ForCausalLM": "ministral3", "OlmoeForCausalLM": "olmoe",
                 "Exaone4ForCausalLM": "exaone4", "Ernie4_5ForCausalLM": "ernie4_5",
@@ -311,6 +311,16 @@ MAMBA2 = "Mamba2ForCausalLM"
 MAMBA1 = "MambaForCausalLM"
 FALCON_MAMBA = "FalconMambaForCausalLM"
 _MAMBA1S = (MAMBA1, FALCON_MAMBA)
+# Jamba (JambaForCausalLM: AI21's Jamba, Jamba 1.5 / 1.6 / 1.7 Mini and Large): Mamba 1
+# layers (mamba.*: their dt, B and C RMS-normed with weights of their own,
+# dt_layernorm / b_layernorm / c_layernorm) with attention without a position embedding
+# every attn_layer_period-th layer (from attn_layer_offset), each beside an MLP
+# (feed_forward; its norm pre_ff_layernorm, the last final_layernorm) that every
+# expert_layer_period-th layer is a mixture (softmax top-k weights left unnormalised,
+# feed_forward.router, one tensor per expert in the files).
+JAMBA = "JambaForCausalLM"
+# The classes whose linear_attention layers are Mamba 1's.
+_MAMBA1_CLASSES = _MAMBA1S + (JAMBA,)
 # The classes of single-sublayer layers and Nemotron-H's file names.
 _BACKBONES = (NEMOTRON_H, MAMBA2) + _MAMBA1S
 # Falcon-H1 (tiiuae Falcon-H1, Falcon-H1R): every layer runs attention and a Mamba2 mixer
@@ -863,6 +873,14 @@ _CONFIG_ALIASES = {GPT2: _GPT2_KEYS, GPTJ: _GPT2_KEYS, CODEGEN: _GPT2_KEYS,
                    DBRX: {"hidden_size": "d_model", "num_attention_heads": "n_heads",
                           "num_hidden_layers": "n_layers",
                           "max_position_embeddings": "max_seq_len"}}
+_CLASS_DEFAULTS[JAMBA] = dict(
+    vocab_size=65_536, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, max_position_embeddings=262_144, num_experts=16,
+    num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+    attn_layer_period=8, attn_layer_offset=4, mamba_d_state=16, mamba_d_conv=4,
+    mamba_expand=2, mamba_dt_rank="auto", mamba_conv_bias=True, mamba_proj_bias=False,
+    pad_token_id=0)
 _CLASS_DEFAULTS[VAULTGEMMA] = dict(
     vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
@@ -1039,7 +1057,9 @@ _MOE_NAMES = {"Qwen3MoeForCausalLM": _QWEN_MOE_NAMES, QWEN2_MOE: _QWEN_MOE_NAMES
               FLEX_OLMO: _QWEN_MOE_NAMES,
               ERNIE4_5_MOE: _QWEN_MOE_NAMES, GLM4_MOE_LITE: _QWEN_MOE_NAMES,
               MISTRAL4: _QWEN_MOE_NAMES, DEEPSEEK_V32: _QWEN_MOE_NAMES,
-              GLM_MOE_DSA: _QWEN_MOE_NAMES, COHERE2_MOE: _QWEN_MOE_NAMES}
+              GLM_MOE_DSA: _QWEN_MOE_NAMES, COHERE2_MOE: _QWEN_MOE_NAMES,
+              JAMBA: ("feed_forward.router", "feed_forward.experts.{j}.gate_proj",
+                      "feed_forward.experts.{j}.up_proj", "feed_forward.experts.{j}.down_proj")}
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
               "short_factor", "long_factor", "partial_rotary_factor")
@@ -1400,7 +1420,7 @@ def hf_config_to_model_config(c: dict[str, Any], **overrides: Any) -> ModelConfi
       **_gpt_oss_from_hf(lm, c), **_olmo_from_hf(lm, c), **_smollm3_from_hf(lm, c),
       **_minimax_m2_from_hf(lm, c), **_llama4_from_hf(lm, c), **_granite_from_hf(lm, c),
       **({"sandwich_norms": True} if lm == GLM4 else {}), **latent,
-      **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c),
+      **_linear_attention_from_hf(lm, c), **_bamba_from_hf(lm, c), **_jamba_from_hf(lm, c),
       **_falcon_h1_from_hf(lm, c), **_ministral3_from_hf(lm, c), **_olmoe_from_hf(lm, c),
       **_exaone4_from_hf(lm, c), **({"mlp_activation": "relu2"} if lm == ARCEE else {}),
       **({"mlp_activation": "xielu"} if lm == APERTUS else {}), **_cohere2_from_hf(lm, c),
@@ -1528,6 +1548,62 @@ def _mamba2_from_hf(c: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
               linear_conv_bias=bool(c.get("mamba_conv_bias", True)),
               linear_chunk=int(c.get("mamba_chunk_size") or 256),
               linear_dt_min=float(low), linear_dt_max=float(high))
+
+
+def _jamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
+  """A Jamba config.json's layer kinds (attention every attn_layer_period-th layer from
+  attn_layer_offset, Mamba 1 at the others, as transformers' JambaConfig lays them out),
+  its attention without a position embedding and its Mamba 1 fields ({} for other
+  classes)."""
+  if lm != JAMBA:
+    return {}
+  if c.get("mamba_proj_bias"):
+    raise ValueError(f"mamba_proj_bias=true (biases on a {JAMBA} Mamba layer's in_proj and "
+                     "out_proj) is not supported")
+  layers, d = int(c["num_hidden_layers"]), int(c["hidden_size"])
+  period, offset = int(c["attn_layer_period"]), int(c["attn_layer_offset"])
+  rank = c["mamba_dt_rank"]
+  return dict(
+      layer_types=tuple("full_attention" if i % period == offset else "linear_attention"
+                        for i in range(layers)),
+      rope_layers=(0,) * layers, linear_mixer="mamba1", linear_num_key_heads=1,
+      linear_key_head_dim=int(c["mamba_d_state"]),
+      linear_num_value_heads=int(c["mamba_expand"]) * d, linear_value_head_dim=1,
+      linear_conv_kernel=int(c["mamba_d_conv"]),
+      linear_conv_bias=bool(c["mamba_conv_bias"]),
+      linear_dt_rank=math.ceil(d / 16) if rank == "auto" else int(rank),
+      linear_bcdt_norm="weighted", linear_bcdt_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _jamba_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """A Jamba config.json's own fields (`_jamba_from_hf`'s and the mixture's inverse); the
+  layers' pattern is `_jamba_attention_period`'s."""
+  period, offset = _jamba_attention_period(cfg)
+  step = cfg.moe_layer_step if cfg.num_experts else 1
+  return dict(
+      num_experts=cfg.num_experts or 1, num_experts_per_tok=cfg.num_experts_per_tok or 2,
+      expert_layer_period=step, expert_layer_offset=step - 1, attn_layer_period=period,
+      attn_layer_offset=offset, mamba_d_state=cfg.linear_key_head_dim,
+      mamba_d_conv=cfg.linear_conv_kernel,
+      mamba_expand=cfg.linear_num_value_heads // cfg.d_model,
+      mamba_dt_rank=cfg.linear_dt_rank, mamba_conv_bias=cfg.linear_conv_bias,
+      mamba_proj_bias=False, output_router_logits=bool(cfg.router_aux_loss_coef),
+      router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001, use_mamba_kernels=False)
+
+
+def _jamba_attention_period(cfg: ModelConfig) -> tuple[int, int]:
+  """(attn_layer_period, attn_layer_offset) of a model Jamba can hold: its attention
+  layers exactly those i with i % period == offset (offset < period); ValueError
+  otherwise."""
+  kinds = ["full_attention" if full else "linear_attention" for full in cfg.attention_layers]
+  for period in range(1, cfg.num_layers + 1):
+    for offset in range(period):
+      if kinds == ["full_attention" if i % period == offset else "linear_attention"
+                   for i in range(cfg.num_layers)]:
+        return period, offset
+  raise ValueError(f"layer_types {cfg.layer_types} cannot be written as {JAMBA}, whose "
+                   "attention layers are every attn_layer_period-th layer from "
+                   "attn_layer_offset")
 
 
 def _bamba_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -1759,7 +1835,7 @@ def _mamba1_from_hf(c: dict[str, Any], lm: str) -> ModelConfig:
       linear_num_value_heads=int(get("expand", 2) * d), linear_value_head_dim=1,
       linear_conv_kernel=int(get("conv_kernel", 4)),
       linear_conv_bias=bool(get("use_conv_bias", True)), linear_dt_rank=rank,
-      linear_bcdt_norm=lm == FALCON_MAMBA,
+      linear_bcdt_norm="weightless" if lm == FALCON_MAMBA else "none",
       linear_bcdt_norm_eps=float(get("mixer_rms_eps", 1e-6)),
       residual_fp32=bool(get("residual_in_fp32", True)))
 
@@ -1772,7 +1848,7 @@ def _mamba1_to_hf(cfg: ModelConfig) -> dict[str, Any]:
              conv_kernel=cfg.linear_conv_kernel, use_conv_bias=cfg.linear_conv_bias,
              use_bias=False, hidden_act="silu", layer_norm_epsilon=cfg.norm_eps,
              time_step_rank=cfg.linear_dt_rank, residual_in_fp32=cfg.residual_fp32)
-  if cfg.linear_bcdt_norm:
+  if cfg.linear_bcdt_norm != "none":
     out["mixer_rms_eps"] = cfg.linear_bcdt_norm_eps
   return out
 
@@ -1790,9 +1866,36 @@ def _check_mamba1(cfg: ModelConfig, lm: str) -> None:
     raise ValueError(f"linear_num_value_heads={cfg.linear_num_value_heads} (d_inner) cannot "
                      f"be written as {lm}, whose d_inner is expand times d_model="
                      f"{cfg.d_model}")
-  if cfg.linear_bcdt_norm != (lm == FALCON_MAMBA):
-    raise ValueError(f"linear_bcdt_norm={cfg.linear_bcdt_norm} cannot be written as {lm}; "
+  if cfg.linear_bcdt_norm != ("weightless" if lm == FALCON_MAMBA else "none"):
+    raise ValueError(f"linear_bcdt_norm={cfg.linear_bcdt_norm!r} cannot be written as {lm}; "
                      f"{FALCON_MAMBA} norms dt, B and C, and only it")
+
+
+def _check_jamba(cfg: ModelConfig) -> None:
+  """What a JambaForCausalLM holds: Mamba 1 layers with weighted norms on dt, B and C (eps
+  its rms_norm_eps), attention in a period (`_jamba_attention_period`) without a
+  position embedding, and mixtures every moe_layer_step-th layer as wide as its MLPs."""
+  _jamba_attention_period(cfg)
+  if cfg.head_dim * cfg.num_heads != cfg.d_model:
+    raise ValueError(f"head_dim={cfg.head_dim} cannot be written as {JAMBA}, whose heads "
+                     f"split d_model={cfg.d_model} (num_heads={cfg.num_heads})")
+  if cfg.linear_bcdt_norm != "weighted" or cfg.linear_bcdt_norm_eps != cfg.norm_eps:
+    raise ValueError(f"linear_bcdt_norm={cfg.linear_bcdt_norm!r} (eps "
+                     f"{cfg.linear_bcdt_norm_eps}) cannot be written as {JAMBA}, whose dt, B "
+                     f"and C norms are weighted, with its rms_norm_eps ({cfg.norm_eps})")
+  if cfg.linear_num_value_heads % cfg.d_model:
+    raise ValueError(f"linear_num_value_heads={cfg.linear_num_value_heads} (d_inner) cannot "
+                     f"be written as {JAMBA}, whose d_inner is mamba_expand times d_model="
+                     f"{cfg.d_model}")
+  if cfg.rope_layers != (0,) * cfg.num_layers:
+    raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as {JAMBA}, whose "
+                     "attention has no position embedding (rope_layers all 0)")
+  if cfg.num_experts and (cfg.dense_layers or cfg.moe_layer_step > 1
+                          and cfg.dense_ffn_dim != cfg.ffn_dim):
+    raise ValueError(f"dense_layers={cfg.dense_layers}, dense_ffn_dim={cfg.dense_ffn_dim} "
+                     f"cannot be written as {JAMBA}, whose mixtures are every "
+                     "expert_layer_period-th layer from the first period's last, its MLPs "
+                     "as wide as its experts (intermediate_size)")
 
 
 def _check_mamba2_lm(cfg: ModelConfig) -> None:
@@ -2051,7 +2154,7 @@ def _latent_attention_from_hf(lm: str, c: dict[str, Any]) -> dict[str, Any]:
   return out
 
 # Classes whose layers name their MLP feed_forward.
-_FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1) + _LFM2S
+_FEED_FORWARD = (LLAMA4, BAMBA, FALCON_H1, JAMBA) + _LFM2S
 
 # Classes whose config.json attention_bias puts a bias on all four attention projections
 # (the output's too); Qwen2 always has q/k/v biases and no output bias, Mistral and
@@ -3012,6 +3115,19 @@ def _moe_from_hf(arch: str, c: dict[str, Any]) -> dict[str, Any]:
             "shared_expert_dim": int(c["intermediate_size"]), "router_scoring": "sigmoid",
             "router_correction_bias": False, "routed_input_scaling": True,
             **_aux_loss_from_hf(c)}
+  if arch == JAMBA:  # every expert_layer_period-th layer (from its offset) a mixture
+    experts, period = int(c["num_experts"]), int(c["expert_layer_period"])
+    if experts <= 1:
+      return {}
+    if int(c["expert_layer_offset"]) != period - 1:
+      raise ValueError(f"expert_layer_offset={c['expert_layer_offset']} with "
+                       f"expert_layer_period={period} in a {JAMBA} config.json is not "
+                       f"supported: the mixtures must be layers {period - 1}, "
+                       f"{2 * period - 1}, ... (offset period - 1, as published)")
+    interleaved = ({"moe_layer_step": period, "dense_ffn_dim": int(c["intermediate_size"])}
+                   if period > 1 else {})
+    return {"num_experts": experts, "num_experts_per_tok": int(c["num_experts_per_tok"]),
+            "norm_topk_prob": False, **interleaved, **_aux_loss_from_hf(c)}
   if arch == GRANITE_HYBRID:
     shared = int(c.get("shared_intermediate_size") or 1024)
     if not int(c.get("num_local_experts") or 0):
@@ -3064,8 +3180,8 @@ def check_exportable(cfg: ModelConfig) -> None:
                      f"language model; set architecture={_sequence_classifier(arch)}")
   kind = [a for a in SUPPORTED if (a == _causal_lm(a)) == (arch == lm)]
   stacked = (GPT_OSS, LLAMA4, GRANITE_MOE, DBRX) + _SHAREDS  # files stacking the experts
-  moe = lm in _MOE_NAMES or lm in stacked or (lm in (GRANITE_HYBRID, NEMOTRON_H, GEMMA4)
-                                              and bool(cfg.num_experts))
+  moe = (lm in _MOE_NAMES and lm != JAMBA) or lm in stacked or (
+      lm in (GRANITE_HYBRID, NEMOTRON_H, GEMMA4, JAMBA) and bool(cfg.num_experts))
   mixtures = [a for a in kind if _causal_lm(a) in _MOE_NAMES or _causal_lm(a) in stacked]
   if moe != bool(cfg.num_experts):
     raise ValueError(
@@ -3090,9 +3206,11 @@ def check_exportable(cfg: ModelConfig) -> None:
   mamba = cfg.linear_mixer == "mamba2" and any(cfg.linear_layers)
   short = cfg.linear_mixer == "short_conv" and any(cfg.linear_layers)
   mamba1 = cfg.linear_mixer == "mamba1" and any(cfg.linear_layers)
-  if mamba1 != (lm in _MAMBA1S):
+  if mamba1 != (lm in _MAMBA1_CLASSES):
     raise ValueError(f"linear_mixer={cfg.linear_mixer!r} cannot be written as {arch}: "
-                     f"{' and '.join(_MAMBA1S)} hold Mamba 1 layers, and only they")
+                     f"{' and '.join(_MAMBA1_CLASSES)} hold Mamba 1 layers, and only they")
+  if lm == JAMBA:
+    _check_jamba(cfg)
   if mamba and lm not in _MAMBA2S:
     raise ValueError(f"linear_mixer='mamba2' layers cannot be written as {arch}: "
                      f"{' and '.join(_MAMBA2S)} hold them")
@@ -3196,6 +3314,8 @@ def _check_mixture_options(cfg: ModelConfig, lm: str) -> None:
     fixed.update(dense_layers=0)
   if lm == LLAMA4:
     fixed.update(norm_topk_prob=False, dense_layers=0, shared_expert_dim=cfg.ffn_dim)
+  elif lm == JAMBA:  # softmax weights left unnormalised, mixtures every step-th layer
+    fixed.update(norm_topk_prob=False, dense_layers=0)
   else:
     fixed.update(moe_layer_step=1)
   if not grouped:
@@ -3351,7 +3471,7 @@ def _check_family_options(cfg: ModelConfig, lm: str) -> None:
       raise ValueError(f"rope_layers={cfg.rope_layers} cannot be written as "
                        f"{cfg.architecture}, which has no rotary embedding (rope_layers "
                        "all 0): its positions are learned or ALiBi's")
-  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID) + _BACKBONES + _SWAS and not all(
+  elif lm not in (SMOLLM3, LLAMA4, GRANITE_HYBRID, JAMBA) + _BACKBONES + _SWAS and not all(
       cfg.rope_layers or (1,)):
     raise ValueError(f"rope_layers with NoPE layers cannot be written as {cfg.architecture}; "
                      f"{SMOLLM3} and {LLAMA4} hold them")
@@ -3802,6 +3922,10 @@ def model_config_to_hf(cfg: ModelConfig, pad_token_id: int | None = None) -> dic
                                          ("sliding_attention", local))},
         output_router_logits=bool(cfg.router_aux_loss_coef),
         router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001)
+  if lm == JAMBA:  # its own keys: no rotary embedding, the layers' periods, Mamba 1's
+    for key in ("rope_theta", "rope_scaling", "head_dim", "attention_bias"):
+      out.pop(key, None)
+    out.update(_jamba_to_hf(cfg), intermediate_size=cfg.ffn_dim)
   if lm in ("Qwen3MoeForCausalLM", QWEN2_MOE):
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn_dim,
@@ -4048,7 +4172,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     return _lfm2_rows(cfg, proj_in)
   if _causal_lm(cfg.architecture) == GEMMA4:
     return _gemma4_rows(cfg)
-  final = ("final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1, PHI)
+  final = ("final_layernorm" if _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1, PHI, JAMBA)
            else "norm")
   # A norm's weight, and a LayerNorm's bias (norm_bias)
   norm_parts = ([("scale", "weight")] + [("bias", "bias")] * cfg.norm_bias
@@ -4088,7 +4212,7 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
     norms += [("post_attn_norm", "pre_feedforward_layernorm"),
               ("attn_out_norm", "post_attention_layernorm"),
               ("mlp_out_norm", "post_feedforward_layernorm")]
-  elif _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1):
+  elif _causal_lm(cfg.architecture) in (BAMBA, FALCON_H1, JAMBA):
     norms += [("post_attn_norm", "pre_ff_layernorm")]
   elif _causal_lm(cfg.architecture) == VAULTGEMMA:
     norms += [("post_attn_norm", "pre_feedforward_layernorm")]
@@ -4138,6 +4262,8 @@ def _mapping(cfg: ModelConfig, score: bool | None = None
       rows += _mamba2_rows(cfg, p, hf)
     if cfg.linear_layers[i] and cfg.linear_mixer == "mamba2":
       rows += _mamba2_rows(cfg, p, hf)
+    elif cfg.linear_layers[i] and cfg.linear_mixer == "mamba1":  # Jamba's
+      rows += _mamba1_rows(cfg, p, hf + "mamba.")
     elif cfg.linear_layers[i]:
       rows += _linear_attention_rows(cfg, p, hf)
     elif cfg.kv_lora_rank:
@@ -4657,6 +4783,9 @@ def _mamba1_rows(cfg: ModelConfig, p: tuple, mixer: str) -> list:
            (p + ("linear_attn", "D"), mixer + "D", ident, ident, (e,)),
            (p + ("linear_attn", "o_proj"), mixer + "out_proj.weight",
             lambda x: x.T.reshape(e, 1, d), lambda x: x.reshape(e, d).T, (e, 1, d))]
+  if cfg.linear_bcdt_norm == "weighted":  # Jamba's
+    rows += [(p + ("linear_attn", f"{ours}_norm"), mixer + f"{ours}_layernorm.weight", ident,
+              ident, (width,)) for ours, width in (("dt", r), ("b", n), ("c", n))]
   return rows
 
 
@@ -5240,7 +5369,8 @@ _PEFT_SCORE = "base_model.model.score.weight"
 def _linear_module(cfg: ModelConfig) -> str:
   """The HF module of a linear-attention layer's mixer: Granite 4's mamba, LFM2's conv,
   or Qwen3.5's linear_attn."""
-  return {"mamba2": "mamba", "short_conv": "conv"}.get(cfg.linear_mixer, "linear_attn")
+  return {"mamba2": "mamba", "mamba1": "mamba", "short_conv": "conv"}.get(cfg.linear_mixer,
+                                                                          "linear_attn")
 
 
 # LFM2's names of the projections LoRA targets name otherwise: its attention's output

@@ -2410,7 +2410,8 @@ class Mamba1(LinearAttention):
       y[c] = C . h[c] + D[c] x[c],   out = o_proj(y SiLU(z))     o_proj [E, 1, D]
 
   (`kernels.selective_scan`). With cfg.linear_bcdt_norm r, B and C are each RMS-normed
-  without a weight first (FalconMamba). A channel is a head of width 1, so the
+  first, without a weight (FalconMamba) or each by its own scale, dt_norm [R], b_norm and
+  c_norm [N] (Jamba). A channel is a head of width 1, so the
   projections, the cache and LoRA's in_proj / out_proj take Mamba2's shapes: the cache is
   a `LinearCache` whose v_conv holds x's window [B, taps - 1, E, 1] and whose state is
   [B, E, 1, N] (mamba_ssm's ssm_state [B, E, N]); q_conv and k_conv are empty. Padding
@@ -2433,6 +2434,9 @@ class Mamba1(LinearAttention):
     self.x_b = _param(rngs, (e, n), ("linear_heads", None), pd, std=std)
     self.x_c = _param(rngs, (e, n), ("linear_heads", None), pd, std=std)
     self.dt_proj = _param(rngs, (r, e), (None, "linear_heads"), pd, std=float(r ** -0.5))
+    if cfg.linear_bcdt_norm == "weighted":
+      for name, width in (("dt_norm", r), ("b_norm", n), ("c_norm", n)):
+        setattr(self, name, _param(None, (width,), (None,), pd, init="ones"))
     self.dt_bias = _param(None, (e,), ("linear_heads",), pd, init="zeros")
     # transformers' initialisation: A = 1..N for every channel, D one.
     self.A_log = nnx.Param(jnp.broadcast_to(jnp.log(jnp.arange(1, n + 1, dtype=jnp.float32)),
@@ -2468,8 +2472,11 @@ class Mamba1(LinearAttention):
     xs = ctx.constrain(xs.astype(dt), channels)
     low, bs, cs = (jnp.einsum("BTE,EK->BTK", xs, getattr(self, name)[...].astype(dt))
                    for name in ("x_dt", "x_b", "x_c"))
-    if cfg.linear_bcdt_norm:  # weightless RMS norms, in float32 and cast back
+    if cfg.linear_bcdt_norm != "none":  # RMS norms in float32, cast back (then scaled)
       low, bs, cs = (_weightless_rms(v, cfg.linear_bcdt_norm_eps) for v in (low, bs, cs))
+    if cfg.linear_bcdt_norm == "weighted":
+      low, bs, cs = (v * getattr(self, name)[...].astype(dt)[None, None]
+                     for v, name in ((low, "dt_norm"), (bs, "b_norm"), (cs, "c_norm")))
     step = jax.nn.softplus(
         jnp.einsum("BTK,KE->BTE", low, self.dt_proj[...].astype(dt)).astype(jnp.float32)
         + self.dt_bias[...].astype(jnp.float32)[None, None])

@@ -60,7 +60,8 @@ def test_config_reads_the_mixers_alone(saved, family):
   assert (cfg.linear_mixer, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
           cfg.linear_key_head_dim, cfg.linear_dt_rank, cfg.linear_conv_bias) == (
       "mamba1", 64, 1, 8, 4, True)
-  assert cfg.linear_bcdt_norm == (family == "falcon_mamba") and cfg.residual_fp32
+  assert cfg.linear_bcdt_norm == ("weightless" if family == "falcon_mamba" else "none")
+  assert cfg.residual_fp32
   assert cfg.num_params == sum(p.numel() for p in saved[family][1].parameters())
   assert not hasattr(m.linear_layers[0], "mlp") and not hasattr(m.linear_layers[0], "attn")
   # time_step_rank "auto" is ceil(hidden_size / 16); tied embeddings by default.
@@ -83,7 +84,7 @@ def test_logits_match_transformers(saved, family, scan):
 def test_falcon_mamba_norms_move_the_logits(saved):
   """FalconMamba's norms on dt, B and C: off, the same weights give other logits."""
   folder, hf = saved["falcon_mamba"]
-  bare = models.from_pretrained(folder, linear_bcdt_norm=False)
+  bare = models.from_pretrained(folder, linear_bcdt_norm="none")
   assert np.abs(np.asarray(_jitted_logits(bare, TOKENS)) - hf_logits(hf, TOKENS)).max() > 1e-2
 
 
@@ -168,9 +169,11 @@ def test_what_mamba_refuses(saved):
   with pytest.raises(ValueError, match="hidden_act='gelu'"):
     models.hf_config_to_model_config({**config, "hidden_act": "gelu"})
   cfg = models.from_pretrained(folder).cfg
-  with pytest.raises(ValueError, match="linear_bcdt_norm=True cannot be written as "
+  with pytest.raises(ValueError, match="linear_bcdt_norm='weightless' cannot be written as "
                                        "MambaForCausalLM"):
-    check_exportable(cfg.replace(linear_bcdt_norm=True))
+    check_exportable(cfg.replace(linear_bcdt_norm="weightless"))
+  with pytest.raises(ValueError, match="linear_bcdt_norm='on'; expected"):
+    cfg.replace(linear_bcdt_norm="on")
   with pytest.raises(ValueError, match="linear_dt_max are Mamba2's"):
     cfg.replace(linear_dt_max=2.0)
   with pytest.raises(ValueError, match="d_inner.* cannot be written"):
