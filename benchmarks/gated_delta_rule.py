@@ -3,6 +3,7 @@ recurrence, forward and forward + backward, on this CPU.
 
     python -m benchmarks.gated_delta_rule [--lengths=512,2048,8192] [--reps=5]
     python -m benchmarks.gated_delta_rule --mixer=mamba2   # gated linear attention
+    python -m benchmarks.gated_delta_rule --mixer=mamba1   # Mamba 1's selective scan
     python -m benchmarks.gated_delta_rule --conv_tpu=v5p:2x2x1   # libtpu, no TPU
 
 Both arms compute the same outputs (`kernels.gated_delta_rule` and
@@ -11,7 +12,10 @@ heads scaled down (4 key heads, 8 value heads, 64 features each). Prints the med
 time of each and XLA's temporary bytes of the compiled forward + backward. With
 --mixer=mamba2 the arms are `kernels.gated_linear_attention` (chunks of 64) and its
 per-token reference over Mamba2-shaped heads (one group of B and C with a state of 64, 8
-heads of 64), v = x dt and g = dt A as `Mamba2` gives them.
+heads of 64), v = x dt and g = dt A as `Mamba2` gives them. With --mixer=mamba1 they are
+`kernels.selective_scan` (chunks of 64, an associative scan within each) and its
+per-token reference over a Mamba 1 layer scaled down (512 channels, a state of 16, one
+B and C for all), as `Mamba1` gives them.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--lengths", default="512,2048,8192")
   parser.add_argument("--reps", type=int, default=5)
-  parser.add_argument("--mixer", default="delta", choices=("delta", "mamba2"))
+  parser.add_argument("--mixer", default="delta", choices=("delta", "mamba2", "mamba1"))
   parser.add_argument("--conv_tpu", default="", help="only compile the convolution's "
                       "forward + backward for one chip of this TPU topology (e.g. "
                       "v5p:2x2x1; needs libtpu) and print its temporaries, ours and naive")
@@ -56,6 +60,9 @@ def main() -> None:
     arms = {"chunked": kernels.gated_linear_attention,
             "recurrent": kernels.gated_linear_attention_reference}
     make = _mamba2_inputs
+  if args.mixer == "mamba1":
+    arms = {"chunked": kernels.selective_scan, "recurrent": kernels.selective_scan_reference}
+    make = _mamba1_inputs
   print(f"{'T':>6} {'arm':>9} {'fwd ms':>9} {'fwd+bwd ms':>11} {'bwd temp MiB':>13}")
   for length in (int(n) for n in args.lengths.split(",")):
     inputs = make(length)
@@ -90,6 +97,16 @@ def _mamba2_inputs(length: int, groups: int = 1, heads: int = 8, state: int = 64
   a = -np.arange(1, heads + 1)
   return (c, b, jnp.asarray(x * dt[..., None], jnp.float32),
           jnp.asarray(dt * a, jnp.float32))
+
+
+def _mamba1_inputs(length: int, channels: int = 512, state: int = 16):
+  """(x, dt, A, B, C) of one row as `Mamba1` hands them to the scan."""
+  r = np.random.default_rng(0)
+  x = jnp.asarray(r.normal(size=(1, length, channels)), jnp.float32)
+  dt = jnp.asarray(np.log1p(np.exp(r.normal(size=(1, length, channels)) - 2.0)), jnp.float32)
+  a = jnp.asarray(-np.broadcast_to(np.arange(1, state + 1), (channels, state)), jnp.float32)
+  b, c = (jnp.asarray(r.normal(size=(1, length, 1, state)), jnp.float32) for _ in range(2))
+  return x, dt, a, b, c
 
 
 def _two_sequences(rows: int, length: int):

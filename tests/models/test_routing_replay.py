@@ -1,7 +1,8 @@
 """Routing replay: a mixture's forward records the experts each layer chose for each token
 (`hidden_states(..., return_routing=True)`) and replays given ones (`routing=`), in every
 layout of layers (unrolled, scanned, interleaved dense layers, hybrid periods with and
-without split layers, Gemma 4's two stacks of attention layers), with a KV cache, on a
+without split layers and with interleaved dense layers, Gemma 4's two stacks of attention
+layers), with a KV cache, on a
 mesh; `route` with given experts against numpy."""
 
 import jax
@@ -41,6 +42,15 @@ CONFIGS = {
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
         linear_chunk=4, dense_ffn_dim=24, router_scoring="sigmoid", shared_expert_dim=16,
         remat="full", **{**BASE, "num_experts_per_tok": 3}),
+    # Jamba-like: Mamba 1 and attention layers, every other one's MLP a mixture
+    # (unnormalised softmax weights).
+    "hybrid_interleaved": models.ModelConfig(
+        num_layers=4, layer_types=("linear_attention",) * 2 + ("full_attention",
+                                                                "linear_attention"),
+        rope_layers=(0,) * 4, moe_layer_step=2, dense_ffn_dim=24, norm_topk_prob=False,
+        linear_mixer="mamba1", linear_num_key_heads=1, linear_num_value_heads=64,
+        linear_key_head_dim=8, linear_value_head_dim=1, linear_dt_rank=4, linear_chunk=4,
+        linear_bcdt_norm="weighted", **BASE),
     # Gemma 4 26B-A4B-like: GeGLU experts beside each layer's dense MLP, routed from the
     # residual stream; sliding layers and wider full ones in two stacks.
     "beside_mlp": models.ModelConfig(
@@ -117,12 +127,16 @@ def test_replayed_experts_are_taken_in_every_layout(models_of):
     return jnp.sum(jnp.sin(model.hidden_states(tokens, routing=other)))
 
   grads = [nnx.to_pure_dict(jax.jit(nnx.grad(loss))(m)) for m in (unrolled, scanned)]
-  stack = "moe_layers" if cfg.split_layers else "layers"
-  for j in range(len(grads[0][stack])):
-    got = np.asarray(grads[1][stack]["mlp"]["router"])[j]
-    want = np.asarray(grads[0][stack][j]["mlp"]["router"])
-    assert np.abs(want).max() > 0
-    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+  # The stacks of mixture layers: moe_layers (split), layers, or a hybrid's linear_layers.
+  stacks = [s for s, v in grads[1].items()
+            if isinstance(v, dict) and "router" in v.get("mlp", {})]
+  assert stacks
+  for stack in stacks:
+    for j in range(len(grads[0][stack])):
+      got = np.asarray(grads[1][stack]["mlp"]["router"])[j]
+      want = np.asarray(grads[0][stack][j]["mlp"]["router"])
+      assert np.abs(want).max() > 0
+      np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
 
 
 def test_a_cached_prefill_and_decode_record_what_the_whole_forward_does(models_of):
