@@ -1768,15 +1768,7 @@ def _mamba2_lm_from_hf(c: dict[str, Any]) -> ModelConfig:
   """The ModelConfig of a Mamba2ForCausalLM config.json, read as transformers' Mamba2Config
   reads it (its defaults where a key is left out). The attention fields, which no layer
   uses, are those of one head of the Mamba2 heads' width."""
-  def get(key, default):
-    return default if c.get(key) is None else c[key]
-
-  if get("hidden_act", "silu") != "silu":
-    raise ValueError(f"hidden_act={c['hidden_act']!r} in a {MAMBA2} config.json is not "
-                     "supported (expected silu)")
-  if c.get("use_bias"):
-    raise ValueError(f"use_bias=true (biases on a {MAMBA2} layer's in_proj and out_proj) "
-                     "is not supported")
+  get = _mamba_lm_getter(c, MAMBA2)
   d = int(get("hidden_size", 4096))
   heads, head_dim = int(get("num_heads", 128)), int(get("head_dim", 64))
   expand = get("expand", 2)
@@ -1803,11 +1795,10 @@ def _mamba2_lm_from_hf(c: dict[str, Any]) -> ModelConfig:
       linear_dt_max=float(high), residual_fp32=bool(get("residual_in_fp32", True)))
 
 
-def _mamba1_from_hf(c: dict[str, Any], lm: str) -> ModelConfig:
-  """The ModelConfig of a MambaForCausalLM / FalconMambaForCausalLM config.json, read as
-  transformers' MambaConfig / FalconMambaConfig reads it (its defaults where a key is
-  left out: time_step_rank "auto" is ceil(hidden_size / 16)). The attention fields,
-  which no layer uses, are one head of width 2."""
+def _mamba_lm_getter(c: dict[str, Any], lm: str) -> Callable[[str, Any], Any]:
+  """get(key, default) of a Mamba / Mamba2 causal LM's config.json (the default where a
+  key is left out or null), after refusing what those mixers do not run here: an
+  activation other than SiLU, biases on in_proj and out_proj (use_bias)."""
   def get(key, default):
     return default if c.get(key) is None else c[key]
 
@@ -1817,6 +1808,15 @@ def _mamba1_from_hf(c: dict[str, Any], lm: str) -> ModelConfig:
   if c.get("use_bias"):
     raise ValueError(f"use_bias=true (biases on a {lm} layer's in_proj and out_proj) is "
                      "not supported")
+  return get
+
+
+def _mamba1_from_hf(c: dict[str, Any], lm: str) -> ModelConfig:
+  """The ModelConfig of a MambaForCausalLM / FalconMambaForCausalLM config.json, read as
+  transformers' MambaConfig / FalconMambaConfig reads it (its defaults where a key is
+  left out: time_step_rank "auto" is ceil(hidden_size / 16)). The attention fields,
+  which no layer uses, are one head of width 2."""
+  get = _mamba_lm_getter(c, lm)
   d = int(get("hidden_size", 768))
   rank = get("time_step_rank", "auto")
   rank = math.ceil(d / 16) if rank == "auto" else int(rank)

@@ -13,7 +13,8 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_mamba2_cache,
+from tests.models.parity import (assert_close_to_scale, check_export_files,
+                                 check_export_round_trip, check_mamba2_cache,
                                  check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples,
                                  greedy_tokens, hf_logits, mamba2_hf_model, save_families,
@@ -156,21 +157,15 @@ def test_prefill_leaves_the_cache_transformers_keeps(saved, scan):
 
 
 def test_export_round_trip_is_exact(saved, tmp_path):
+  """Written from either layout: the folder's tensors bit for bit, a config.json that
+  reads back the same and that transformers loads to the same logits."""
   folder, hf = saved
-  ours = models.from_pretrained(folder, scan_layers=True)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  from safetensors.numpy import load_file
-  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
-      tmp_path / "out" / "model.safetensors")
-  assert set(written) == set(theirs)
-  for name in theirs:
-    np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
-  back = transformers.Mamba2ForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
-  np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
-  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  config = check_export_round_trip(folder, hf, transformers.Mamba2ForCausalLM, TOKENS,
+                                   tmp_path / "out")
   assert config["model_type"] == "mamba2" and config["expand"] == 2
   assert config["residual_in_fp32"] is True and "intermediate_size" not in config
-  assert models.hf_config_to_model_config(config) == ours.cfg.replace(scan_layers=False)
+  check_export_files(folder, models.from_pretrained(folder, scan_layers=True),
+                     tmp_path / "scanned")
 
 
 def test_reads_a_published_config(saved):

@@ -13,7 +13,8 @@ from flax import nnx
 
 from posttrain import models
 from posttrain.models.hf import check_exportable
-from tests.models.parity import (assert_close_to_scale, check_peft_round_trip,
+from tests.models.parity import (assert_close_to_scale, check_export_files,
+                                 check_export_round_trip, check_peft_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples,
                                  greedy_tokens, hf_logits, perturb, save_families,
                                  target_logprob_grads)
@@ -144,21 +145,14 @@ def test_prefill_leaves_the_cache_transformers_keeps(saved, scan):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_round_trip_is_exact(saved, family, tmp_path):
+  """Written from either layout: the folder's tensors bit for bit, a config.json that
+  reads back the same and that transformers loads to the same logits."""
   folder, hf = saved[family]
-  ours = models.from_pretrained(folder, scan_layers=True)
-  models.save_pretrained(ours, str(tmp_path / "out"))
-  from safetensors.numpy import load_file
-  theirs, written = load_file(f"{folder}/model.safetensors"), load_file(
-      tmp_path / "out" / "model.safetensors")
-  assert set(written) == set(theirs)
-  for name in theirs:
-    np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
-  model_cls = getattr(transformers, CLASSES[family][0])
-  back = model_cls.from_pretrained(str(tmp_path / "out")).float().eval()
-  np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
-  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  config = check_export_round_trip(folder, hf, getattr(transformers, CLASSES[family][0]),
+                                   TOKENS, tmp_path / "out")
   assert config["model_type"] == family and config["time_step_rank"] == 4
-  assert models.hf_config_to_model_config(config) == ours.cfg.replace(scan_layers=False)
+  check_export_files(folder, models.from_pretrained(folder, scan_layers=True),
+                     tmp_path / "scanned")
 
 
 def test_what_mamba_refuses(saved):
