@@ -13,13 +13,15 @@ time of each and XLA's temporary bytes of the compiled forward + backward. With
 --mixer=mamba2 the arms are `kernels.gated_linear_attention` (chunks of 64) and its
 per-token reference over Mamba2-shaped heads (one group of B and C with a state of 64, 8
 heads of 64), v = x dt and g = dt A as `Mamba2` gives them. With --mixer=mamba1 they are
-`kernels.selective_scan` (chunks of 64, an associative scan within each) and its
-per-token reference over a Mamba 1 layer scaled down (512 channels, a state of 16, one
-B and C for all), as `Mamba1` gives them.
+`kernels.selective_scan` (chunks of 64, stepped through token by token: its CPU default),
+the same with an associative scan within each chunk ("assoc", its accelerator default),
+and its per-token reference over a Mamba 1 layer scaled down (512 channels, a state of
+16, one B and C for all), as `Mamba1` gives them.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -60,8 +62,10 @@ def main() -> None:
     arms = {"chunked": kernels.gated_linear_attention,
             "recurrent": kernels.gated_linear_attention_reference}
     make = _mamba2_inputs
-  if args.mixer == "mamba1":
-    arms = {"chunked": kernels.selective_scan, "recurrent": kernels.selective_scan_reference}
+  if args.mixer == "mamba1":  # chunks stepped through (CPU's default), or log-depth
+    arms = {"chunked": functools.partial(kernels.selective_scan, inner="sequential"),
+            "assoc": functools.partial(kernels.selective_scan, inner="associative"),
+            "recurrent": kernels.selective_scan_reference}
     make = _mamba1_inputs
   print(f"{'T':>6} {'arm':>9} {'fwd ms':>9} {'fwd+bwd ms':>11} {'bwd temp MiB':>13}")
   for length in (int(n) for n in args.lengths.split(",")):
@@ -78,10 +82,11 @@ def main() -> None:
     np.testing.assert_allclose(outs["chunked"], outs["recurrent"], atol=2e-3, rtol=2e-3)
     for name, (fwd, both, temp) in rows.items():
       print(f"{length:>6} {name:>9} {1e3 * fwd:>9.1f} {1e3 * both:>11.1f} {temp:>13.1f}")
-    ratio = rows["recurrent"][1] / rows["chunked"][1]
-    memory = rows["recurrent"][2] / rows["chunked"][2]
-    print(f"{length:>6} recurrent / chunked, forward + backward: {ratio:.1f}x time, "
-          f"{memory:.1f}x temporaries")
+    for name in [n for n in rows if n not in ("chunked", "recurrent")] + ["recurrent"]:
+      ratio = rows[name][1] / rows["chunked"][1]
+      memory = rows[name][2] / rows["chunked"][2]
+      print(f"{length:>6} {name} / chunked, forward + backward: {ratio:.1f}x time, "
+            f"{memory:.1f}x temporaries")
   if args.mixer == "delta":
     _conv_residuals()
 

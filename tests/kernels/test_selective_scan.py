@@ -19,7 +19,9 @@ GRAD_TOL = 1e-4
 BF16_OUT_TOL = 1e-2
 
 chunked = jax.jit(functools.partial(kernels.selective_scan, return_final_state=True),
-                  static_argnames=("chunk_size",))
+                  static_argnames=("chunk_size", "inner"))
+# selective_scan's ways through a chunk (log-depth, or token by token: CPU's default).
+INNER = ("associative", "sequential")
 reference = jax.jit(functools.partial(kernels.selective_scan_reference,
                                       return_final_state=True))
 
@@ -140,12 +142,13 @@ def test_matches_numpy_oracle(case):
     assert float(np.max(np.abs(no_skip - want_y))) > 1e-2
 
 
+@pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("segments", [None, "hostile", "gaps"])
 @pytest.mark.parametrize("chunk_size", [1, 3, 8, 64])
-def test_chunked_matches_reference(chunk_size, segments):
+def test_chunked_matches_reference(chunk_size, segments, inner):
   case = CASE["groups2_packed"]
   x = {**make_inputs(case), "segment_ids": layout(segments)}
-  y, state = chunked(*args(x), **kwargs(x), chunk_size=chunk_size)
+  y, state = chunked(*args(x), **kwargs(x), chunk_size=chunk_size, inner=inner)
   want_y, want_state = reference(*args(x), **kwargs(x))
   assert y.shape == (case.batch, case.length, case.channels)
   assert state.shape == (case.batch, case.channels, case.state_size)
@@ -182,7 +185,9 @@ def _loss_and_grads(fn, chunk_size=None):
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(NAMES)))))
 
 
-chunked_grads = _loss_and_grads(kernels.selective_scan, chunk_size=3)
+chunked_grads = {inner: _loss_and_grads(functools.partial(kernels.selective_scan,
+                                                            inner=inner), chunk_size=3)
+                 for inner in INNER}
 reference_grads = _loss_and_grads(kernels.selective_scan_reference)
 
 
@@ -199,12 +204,13 @@ def _grad_inputs(x):
   return tuple(x[name] for name in NAMES) + (x["segment_ids"],)
 
 
+@pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("segments", ["hostile", "gaps"])
-def test_gradients_match_reference(segments):
+def test_gradients_match_reference(segments, inner):
   case = CASE["groups2_packed"]
   x = {**make_inputs(case), "segment_ids": layout(segments)}
   cts = cotangents(case)
-  loss, grads = chunked_grads(*_grad_inputs(x), *cts)
+  loss, grads = chunked_grads[inner](*_grad_inputs(x), *cts)
   want_loss, want_grads = reference_grads(*_grad_inputs(x), *cts)
   assert_close(loss, want_loss, F32_TOL, "loss")
   for name, got, want in zip(NAMES, grads, want_grads):
@@ -223,7 +229,7 @@ def test_gradients_match_finite_differences_of_the_oracle():
   x = make_inputs(case)
   cts = cotangents(case)
   ct_y, ct_state = (np.asarray(c, np.float64) for c in cts)
-  _, grads = chunked_grads(*_grad_inputs(x), *cts)
+  _, grads = chunked_grads["associative"](*_grad_inputs(x), *cts)
   rng = np.random.default_rng(5)
   eps = 1e-5
   for name, grad in zip(NAMES, grads):
@@ -291,7 +297,8 @@ def test_matches_transformers_mamba1():
     assert_close(state, want_state.numpy(), F32_TOL, "final state")
 
 
-def test_backward_keeps_no_per_token_state():
+@pytest.mark.parametrize("inner", INNER)
+def test_backward_keeps_no_per_token_state(inner):
   # With the chunk body rematerialised, the residuals are the inputs (a few copies) and
   # one carried state per chunk, never a [batch, T, channels, N] tensor; the reference,
   # which keeps one state per token, shows the check can fail.
@@ -304,7 +311,8 @@ def test_backward_keeps_no_per_token_state():
     residuals = jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *inputs))
     return [int(np.prod(r.shape)) for r in residuals]
 
-  sizes = residual_sizes(functools.partial(kernels.selective_scan, chunk_size=chunk))
+  sizes = residual_sizes(functools.partial(kernels.selective_scan, chunk_size=chunk,
+                                           inner=inner))
   assert max(sizes) < per_token_states // 2, sizes
   input_size = sum(np.prod(s) for s in shapes)
   chunk_states = (t // chunk + 1) * b * ch * n
@@ -345,3 +353,16 @@ BAD = [
 def test_bad_arguments_raise(name, change):
   assert_bad_argument_raises(kernels.selective_scan, kernels.selective_scan_reference,
                              GOOD, name, change)
+
+
+def test_inner_picks_a_way_and_refuses_others():
+  """inner=None runs the CPU backend's sequential chunks (the same numbers as either
+  named way); another name is a ValueError naming the argument."""
+  x = make_inputs(CASE["groups2_packed"])
+  auto = chunked(*args(x), **kwargs(x), chunk_size=8)
+  for inner in INNER:
+    assert_close(chunked(*args(x), **kwargs(x), chunk_size=8, inner=inner)[0], auto[0],
+                 F32_TOL, inner)
+  call = {n: np.zeros(s, np.float32) for n, s in GOOD.items() if s is not None}
+  with pytest.raises(ValueError, match=r"^inner must be one of"):
+    kernels.selective_scan(**call, inner="parallel")
