@@ -14,7 +14,8 @@ from flax import nnx
 from posttrain import models
 from posttrain.models.hf import check_exportable
 from tests.models.parity import (assert_close_to_scale, check_export_files,
-                                 check_export_round_trip, check_peft_round_trip,
+                                 check_export_round_trip, check_on_a_mesh,
+                                 check_peft_round_trip,
                                  check_reward_model_round_trip,
                                  check_slots_and_resume_draw_one_calls_samples,
                                  greedy_tokens, hf_logits, perturb, save_families,
@@ -159,6 +160,16 @@ def test_peft_adapters_round_trip(saved, tmp_path):
   folder, hf = saved
   check_peft_round_trip(folder, hf, _hf_model, TOKENS, tmp_path,
                         ["q_proj", "v_proj", "down_proj", "in_proj"])
+
+
+def test_on_a_mesh(saved):
+  """The Mamba layers' channels (and their state) and the attention's heads split over
+  "tensor", the batch over "data": the same logits, and the sampler's greedy tokens are
+  transformers'."""
+  m = check_on_a_mesh(*saved, TOKENS, PROMPTS, atol=3e-4)
+  assert m.linear_layers.linear_attn.v_proj[...].sharding.spec[2] == "tensor"
+  assert m.linear_layers.linear_attn.A_log[...].sharding.spec[1] == "tensor"
+  assert m.dense_layers.attn.q_proj[...].sharding.spec[2] == "tensor"
 
 
 def test_slots_and_resumed_rows_draw_what_one_call_draws(saved):
