@@ -1110,8 +1110,12 @@ def _kind_bytes(cfg: models.ModelConfig, remat: str, linear: bool, mlp: dict[str
   if linear:
     return linear_layer_activation_bytes(cfg, remat, key_heads=linear_heads[0],
                                          value_heads=linear_heads[1], kv_len=kv_len, **mlp)
+  # An attention layer of a model without rotary layers, under a remat policy: its unit
+  # cos and zero sin tables, float32 (`split_layer_activation_bytes` counts its own).
+  tables = (4 * cfg.head_dim if remat != "none" and all(cfg.nope_layers)
+            and not cfg.split_layers else 0)
   return (layer_activation_bytes(cfg, remat, heads=heads, kv_heads=kv_heads, kv_len=kv_len,
-                                 **mlp)
+                                 **mlp) + tables
           + parallel_mixer_activation_bytes(cfg, remat, key_heads=linear_heads[0],
                                             value_heads=linear_heads[1], kv_len=kv_len))
 
