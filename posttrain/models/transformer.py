@@ -1277,9 +1277,7 @@ class Attention(nnx.Module):
       v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
       v = _add_lora(self, "v_proj", v, x, "BTD,DR->BTR", "BTR,RKH->BTKH")
     if cfg.v_norm:  # over each head, no weight (Gemma 4)
-      vf = v.astype(jnp.float32)
-      v = (vf * jax.lax.rsqrt(jnp.mean(vf * vf, axis=-1, keepdims=True) + cfg.norm_eps)
-           ).astype(v.dtype)
+      v = _weightless_rms(v, cfg.norm_eps)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)[None, None]
       k = k + self.k_bias[...].astype(dt)[None, None]
